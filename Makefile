@@ -1,0 +1,35 @@
+# hsgd: two commands on a fresh machine.
+#   make train   create .venv if missing, install hsgd with MPI from PyPI, run the default training job
+#   make test    same install, then the whole test suite (unit, MPI and tutorial tests)
+#   make bench   same install, then the benchmarks in benchmarks/
+# Use a system MPI instead of PyPI's mpich wheel:  make test EXTRAS=dev
+# (mpi4py then builds against the mpicc found on PATH).
+
+PYTHON ?= python3
+VENV   ?= .venv
+EXTRAS ?= mpi,dev
+PY     := $(VENV)/bin/python
+comma  := ,
+STAMP  := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
+
+.PHONY: train test lint bench clean
+
+$(STAMP): setup.cfg pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --disable-pip-version-check -q -e '.[$(EXTRAS)]'
+	touch $(STAMP)
+
+train: $(STAMP)
+	$(PY) -m hsgd.train
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check --quiet --line-length 110 --select E,F,W --ignore E741,E731 hsgd tests tutorials benchmarks
+
+test: $(STAMP) lint
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) benchmarks/bench_serial.py
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -1,0 +1,69 @@
+"""The one place that chooses the array module: NumPy on CPU, CuPy on GPU.
+
+Model code never imports numpy for model arrays. It asks an array which module it belongs to
+(`array_module(x)`) and computes with that, so the same code runs on NumPy and CuPy arrays. Arrays are
+created on a device only here (`get_xp`, `to_device`), and come back to the host only through `to_numpy`.
+
+    device: "cpu" (NumPy, the default) or "gpu" (CuPy); the HSGD_DEVICE environment variable sets the default.
+    dtype:  "float32" (default) or "float64" (for exactness checks against the serial reference).
+"""
+import os
+
+import numpy as np
+
+from .errors import ConfigError
+
+DEVICES = ("cpu", "gpu")
+DTYPES = {"float32": np.float32, "float64": np.float64}
+
+
+def resolve_device(device=None):
+    """The device name to use: the argument, else $HSGD_DEVICE, else "cpu"."""
+    name = device or os.environ.get("HSGD_DEVICE") or "cpu"
+    if name not in DEVICES:
+        raise ConfigError(f"device={name!r} is not known; use one of {', '.join(DEVICES)}")
+    return name
+
+
+def get_xp(device=None):
+    """The array module for `device`: numpy for "cpu", cupy for "gpu"."""
+    if resolve_device(device) == "cpu":
+        return np
+    try:
+        import cupy
+    except ImportError as e:
+        raise ConfigError(f"device='gpu' needs CuPy, which failed to import ({e}); "
+                          "install it with `pip install -e '.[gpu]'` or use --device cpu") from None
+    return cupy
+
+
+def resolve_dtype(dtype="float32"):
+    """A NumPy dtype from a name ("float32", "float64") or a dtype."""
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ConfigError(f"dtype={dtype!r} is not supported; use one of {', '.join(DTYPES)}")
+        return np.dtype(DTYPES[dtype])
+    dt = np.dtype(dtype)
+    if dt not in (np.dtype(np.float32), np.dtype(np.float64)):
+        raise ConfigError(f"dtype={dt.name!r} is not supported; use float32 or float64")
+    return dt
+
+
+def array_module(x):
+    """numpy or cupy, whichever `x` belongs to (without importing cupy for NumPy arrays)."""
+    if type(x).__module__.startswith("cupy"):
+        import cupy
+        return cupy
+    return np
+
+
+def to_device(a, xp):
+    """Copy a host array onto the device of module `xp` (no copy for NumPy)."""
+    return a if xp is np else xp.asarray(a)
+
+
+def to_numpy(x):
+    """A NumPy copy (or view, on CPU) of an array from either module."""
+    if type(x).__module__.startswith("cupy"):
+        return x.get()
+    return np.asarray(x)

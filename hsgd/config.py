@@ -1,0 +1,90 @@
+"""Configuration dataclasses: the model's shape and the training run's settings.
+
+`ModelConfig` fixes the GPT-2-style model that every hsgd implementation (serial, tensor-, data- and
+pipeline-parallel) computes. Validation errors name the field, the value and what would work.
+
+Legend used across hsgd: B batch, T sequence length, C d_model, NH heads, hs = C/NH head size,
+F d_ff, V vocabulary size, L layers.
+"""
+from dataclasses import dataclass, fields
+
+from .errors import ConfigError
+
+
+def _divisors(n):
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_positive_int(name, value):
+    """Raise ConfigError unless `value` is an int >= 1."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name}={value!r} must be a positive integer (1, 2, 3, ...)")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 256  # V: tokens are bytes by default
+    seq_len: int = 64      # T: context length, also the size of the position table wpe
+    d_model: int = 128     # C: width of the residual stream
+    n_heads: int = 4       # NH: attention heads; head size hs = C / NH
+    n_layers: int = 4      # L: Transformer blocks
+    d_ff: int = 512        # F: hidden width of the MLP (GPT-2 uses 4 * C)
+
+    def __post_init__(self):
+        for f in fields(self):
+            check_positive_int(f.name, getattr(self, f.name))
+        if self.d_model % self.n_heads:
+            raise ConfigError(
+                f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
+                f"n_heads must divide d_model, e.g. one of {_divisors(self.d_model)[:12]}")
+
+    @property
+    def head_size(self):
+        return self.d_model // self.n_heads
+
+    def param_shapes(self):
+        """Every parameter's name and shape, in the canonical order. Weights are stored (in, out): y = x @ W + b."""
+        V, T, C, F = self.vocab_size, self.seq_len, self.d_model, self.d_ff
+        shapes = {"wte": (V, C), "wpe": (T, C)}
+        for i in range(self.n_layers):
+            h = f"h.{i}."
+            shapes[h + "ln1.weight"] = (C,)
+            shapes[h + "ln1.bias"] = (C,)
+            for m in ("q", "k", "v"):
+                shapes[h + f"attn.{m}.weight"] = (C, C)
+                shapes[h + f"attn.{m}.bias"] = (C,)
+            shapes[h + "attn.proj.weight"] = (C, C)
+            shapes[h + "attn.proj.bias"] = (C,)
+            shapes[h + "ln2.weight"] = (C,)
+            shapes[h + "ln2.bias"] = (C,)
+            shapes[h + "mlp.fc.weight"] = (C, F)
+            shapes[h + "mlp.fc.bias"] = (F,)
+            shapes[h + "mlp.proj.weight"] = (F, C)
+            shapes[h + "mlp.proj.bias"] = (C,)
+        shapes["ln_f.weight"] = (C,)
+        shapes["ln_f.bias"] = (C,)
+        shapes["lm_head.weight"] = (C, V)
+        return shapes
+
+    def n_params(self):
+        total = 0
+        for shape in self.param_shapes().values():
+            n = 1
+            for s in shape:
+                n *= s
+            total += n
+        return total
+
+    def step_flops(self, batch_size):
+        """Floating-point operations of one training step (forward + backward) on B sequences of length T.
+
+        Counts the matmuls only (2 flops per multiply-add), backward = 2 x forward:
+          per layer, per token: q, k, v, proj (4 C^2) and fc, proj (2 C F) -> 6 * (4C^2 + 2CF)
+          attention, per layer, per sequence: q k^T and att v, full T x T (the causal half is computed too)
+                                              -> 3 * 2 * 2 * T^2 * C
+          LM head, per token: 6 * C * V
+        """
+        B, T, C, F, V, L = batch_size, self.seq_len, self.d_model, self.d_ff, self.vocab_size, self.n_layers
+        tokens = B * T
+        per_layer = 6 * tokens * (4 * C * C + 2 * C * F) + 12 * B * T * T * C
+        return L * per_layer + 6 * tokens * C * V

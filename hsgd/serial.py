@@ -1,0 +1,147 @@
+"""The serial reference model: a GPT-2-style decoder with a hand-written backward pass.
+
+Every parallel layout in hsgd is checked against this file: same seed, same batch, same loss, and every
+gradient shard equal to the matching slice of `loss_and_grads`' gradients.
+
+    x = wte[idx] + wpe[:T]
+    for each block:  x = x + Attn(LN1(x));  x = x + MLP(LN2(x))
+    logits = LN_f(x) @ lm_head;   loss = mean cross-entropy over all B*T positions
+
+Attn: q, k, v = LN1(x) @ Wq + bq, ...; NH causal heads of size hs = C/NH; output projection.
+MLP: fc (C -> F), GELU (tanh approximation), proj (F -> C). No dropout, untied LM head without bias.
+
+Legend: B batch, T sequence, C d_model, NH heads, F d_ff, V vocab, L layers.
+
+Public API: init_params(cfg, seed, dtype, device), loss_and_grads(params, idx, targets, cfg),
+forward / backward for callers that want the pieces, loss(params, idx, targets, cfg) for evaluation.
+"""
+import zlib
+
+import numpy as np
+
+from .backend import array_module, get_xp, resolve_dtype, to_device
+from .layers import (attention_backward, attention_forward, cross_entropy_backward, cross_entropy_forward,
+                     embedding_backward, embedding_forward, gelu_backward, gelu_forward, layernorm_backward,
+                     layernorm_forward, linear_backward, linear_forward)
+
+
+def init_std(name, cfg):
+    """Initial standard deviation of a parameter (None: a constant, see init_params)."""
+    if name.endswith(".bias"):
+        return None                                           # zeros
+    if ".ln" in name or name.startswith("ln_f"):
+        return None                                           # LayerNorm weights: ones
+    if name.endswith("attn.proj.weight") or name.endswith("mlp.proj.weight"):
+        return 0.02 / np.sqrt(2 * cfg.n_layers)               # residual projections, GPT-2 scaling
+    return 0.02
+
+
+def init_param(name, shape, cfg, seed):
+    """One parameter as a float64 NumPy array. Its values depend only on (seed, name, shape), drawn from
+    NumPy's PCG64 generator, so they are the same on every machine and independent of the other parameters."""
+    std = init_std(name, cfg)
+    if std is None:
+        fill = 0.0 if name.endswith(".bias") else 1.0
+        return np.full(shape, fill)
+    rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+    return rng.normal(0.0, std, size=shape)
+
+
+def init_params(cfg, seed=0, dtype="float32", device=None):
+    """All parameters, keyed by their GPT-2 names (see ModelConfig.param_shapes), on `device`."""
+    xp, dt = get_xp(device), resolve_dtype(dtype)
+    return {name: to_device(init_param(name, shape, cfg, seed).astype(dt), xp)
+            for name, shape in cfg.param_shapes().items()}
+
+
+def zeros_like_params(params):
+    return {name: array_module(p).zeros_like(p) for name, p in params.items()}
+
+
+# --------------------------------------------------------------------------------------------------------------
+# One Transformer block
+
+def block_forward(x, p, h, cfg):
+    """x + Attn(LN1(x)), then + MLP(LN2(x)). p: the params dict, h: the name prefix "h.{i}."."""
+    a, c_ln1 = layernorm_forward(x, p[h + "ln1.weight"], p[h + "ln1.bias"])       # (B, T, C)
+    q, c_q = linear_forward(a, p[h + "attn.q.weight"], p[h + "attn.q.bias"])       # (B, T, C)
+    k, c_k = linear_forward(a, p[h + "attn.k.weight"], p[h + "attn.k.bias"])       # (B, T, C)
+    v, c_v = linear_forward(a, p[h + "attn.v.weight"], p[h + "attn.v.bias"])       # (B, T, C)
+    y, c_att = attention_forward(q, k, v, cfg.n_heads)                             # (B, T, C)
+    o, c_proj = linear_forward(y, p[h + "attn.proj.weight"], p[h + "attn.proj.bias"])
+    x = x + o                                                                      # residual
+    m, c_ln2 = layernorm_forward(x, p[h + "ln2.weight"], p[h + "ln2.bias"])       # (B, T, C)
+    f, c_fc = linear_forward(m, p[h + "mlp.fc.weight"], p[h + "mlp.fc.bias"])      # (B, T, F)
+    g, c_gelu = gelu_forward(f)                                                    # (B, T, F)
+    o2, c_mproj = linear_forward(g, p[h + "mlp.proj.weight"], p[h + "mlp.proj.bias"])
+    x = x + o2                                                                     # residual
+    return x, (c_ln1, c_q, c_k, c_v, c_att, c_proj, c_ln2, c_fc, c_gelu, c_mproj)
+
+
+def block_backward(dx, cache, g, h):
+    """The block's backward: block_forward read from the bottom up. g: the grads dict."""
+    c_ln1, c_q, c_k, c_v, c_att, c_proj, c_ln2, c_fc, c_gelu, c_mproj = cache
+    # x = x + MLP(LN2(x)): the residual passes dx through, the branch adds its own
+    dg = linear_backward(dx, c_mproj, g[h + "mlp.proj.weight"], g[h + "mlp.proj.bias"])   # (B, T, F)
+    df = gelu_backward(dg, c_gelu)                                                      # (B, T, F)
+    dm = linear_backward(df, c_fc, g[h + "mlp.fc.weight"], g[h + "mlp.fc.bias"])        # (B, T, C)
+    dx = dx + layernorm_backward(dm, c_ln2, g[h + "ln2.weight"], g[h + "ln2.bias"])
+    # x = x + Attn(LN1(x))
+    dy = linear_backward(dx, c_proj, g[h + "attn.proj.weight"], g[h + "attn.proj.bias"])  # (B, T, C)
+    dq, dk, dv = attention_backward(dy, c_att)                                          # (B, T, C) x 3
+    da = linear_backward(dq, c_q, g[h + "attn.q.weight"], g[h + "attn.q.bias"])
+    da += linear_backward(dk, c_k, g[h + "attn.k.weight"], g[h + "attn.k.bias"])
+    da += linear_backward(dv, c_v, g[h + "attn.v.weight"], g[h + "attn.v.bias"])
+    dx = dx + layernorm_backward(da, c_ln1, g[h + "ln1.weight"], g[h + "ln1.bias"])
+    return dx
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The whole model
+
+def forward(params, idx, cfg):
+    """logits (B, T, V) for token ids idx (B, T), and the caches the backward pass needs."""
+    p = params
+    x, c_emb = embedding_forward(idx, p["wte"], p["wpe"])                          # (B, T, C)
+    c_blocks = []
+    for i in range(cfg.n_layers):
+        x, c = block_forward(x, p, f"h.{i}.", cfg)
+        c_blocks.append(c)
+    xf, c_lnf = layernorm_forward(x, p["ln_f.weight"], p["ln_f.bias"])           # (B, T, C)
+    logits, c_head = linear_forward(xf, p["lm_head.weight"])                      # (B, T, V)
+    return logits, (c_emb, c_blocks, c_lnf, c_head)
+
+
+def backward(dlogits, caches, grads):
+    """Accumulate (+=) every parameter's gradient into `grads`, given dloss/dlogits."""
+    c_emb, c_blocks, c_lnf, c_head = caches
+    g = grads
+    dxf = linear_backward(dlogits, c_head, g["lm_head.weight"])                   # (B, T, C)
+    dx = layernorm_backward(dxf, c_lnf, g["ln_f.weight"], g["ln_f.bias"])         # (B, T, C)
+    for i in reversed(range(len(c_blocks))):
+        dx = block_backward(dx, c_blocks[i], g, f"h.{i}.")
+    embedding_backward(dx, c_emb, g["wte"], g["wpe"])
+
+
+def loss_and_grads(params, idx, targets, cfg, grads=None):
+    """(loss, grads): the mean cross-entropy over all B*T positions and its gradient for every parameter.
+
+    idx, targets: integer arrays (B, T). If `grads` is given, gradients are accumulated into it.
+    """
+    xp = array_module(params["wte"])
+    idx, targets = xp.asarray(idx), xp.asarray(targets)
+    logits, caches = forward(params, idx, cfg)
+    loss, c_ce = cross_entropy_forward(logits, targets)
+    dlogits = cross_entropy_backward(1.0, c_ce)
+    if grads is None:
+        grads = zeros_like_params(params)
+    backward(dlogits, caches, grads)
+    return float(loss), grads
+
+
+def loss(params, idx, targets, cfg):
+    """The mean cross-entropy only (evaluation; no backward)."""
+    xp = array_module(params["wte"])
+    logits, _ = forward(params, xp.asarray(idx), cfg)
+    value, _ = cross_entropy_forward(logits, xp.asarray(targets))
+    return float(value)
