@@ -1,0 +1,249 @@
+"""Every collective hsgd uses, as thin explicit wrappers on mpi4py's buffer methods, recorded and checkable.
+
+    comm = Comm(mpi_comm, "tp", stats)      # a communicator with a name and a shared CommStats
+    comm.Allreduce(x)                       # in place: x <- sum over ranks (op=MPI.MAX for the max)
+    comm.Allgather(part, out)               # out[r] <- part of rank r           out: (size, *part.shape)
+    comm.Reduce_scatter_block(full, out)    # out <- (sum over ranks of full)[rank]  full: (size, *out.shape)
+    req = comm.Iallreduce(x); req.Wait()    # non-blocking, in place
+    comm.Bcast(x, root);  comm.Send(x, dest);  comm.Recv(x, source);  comm.Isend / comm.Irecv
+
+Buffer rules, stated once here:
+  * Buffers are C-contiguous arrays (preallocated by the caller where it matters); a non-contiguous view is an
+    error, not a silent copy.
+  * CuPy arrays: the current stream is synchronized before MPI touches the memory. With a CUDA-aware MPI the
+    device pointer goes to MPI directly; otherwise the data is staged through a host copy. Which of the two is
+    used is decided once per process (`cuda_aware_mpi()`; HSGD_CUDA_AWARE=0|1 overrides the detection).
+
+Accounting: every call adds, for (communicator name, operation), one call, its payload bytes and its seconds
+to a CommStats. The payload is the size of the whole logical tensor of the call: Allreduce and Bcast the
+buffer, Allgather the gathered result, Reduce_scatter_block the full input, Send/Recv the message.
+
+Collective-sequence check (HSGD_CHECK_COLLECTIVES=1, or check=True): before each collective the ranks of the
+communicator exchange (operation, communicator, shapes, dtype, call number) with a small pickled allgather;
+when they differ, every rank raises CollectiveMismatch naming each rank's call, instead of hanging.
+(It cannot catch a rank that never calls the check at all on this communicator.)
+"""
+import functools
+import os
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+
+class CollectiveMismatch(RuntimeError):
+    """Ranks of one communicator called different collectives (or shapes, dtypes) at the same point."""
+
+
+@functools.lru_cache(maxsize=None)
+def cuda_aware_mpi():
+    """Whether device buffers may be given to MPI directly: $HSGD_CUDA_AWARE, else MPICH/Open MPI's query."""
+    env = os.environ.get("HSGD_CUDA_AWARE")
+    if env in ("0", "1"):
+        return env == "1"
+    query = getattr(MPI, "Query_cuda_support", None)
+    try:
+        return bool(query()) if query else False
+    except Exception:                                   # an MPI without the query: assume not CUDA-aware
+        return False
+
+
+def _is_cupy(x):
+    return type(x).__module__.startswith("cupy")
+
+
+class CommStats:
+    """(communicator name, operation) -> [calls, payload bytes, seconds], shared by all Comms of a process."""
+
+    def __init__(self):
+        self.table = {}
+
+    def add(self, comm, op, nbytes, seconds):
+        row = self.table.setdefault((comm, op), [0, 0, 0.0])
+        row[0] += 1
+        row[1] += int(nbytes)
+        row[2] += seconds
+
+    def calls(self, comm, op):
+        return self.table.get((comm, op), [0, 0, 0.0])[0]
+
+    def nbytes(self, comm, op=None):
+        """Payload bytes on `comm`, of one operation or (op=None) of all."""
+        return sum(r[1] for (c, o), r in self.table.items() if c == comm and (op is None or o == op))
+
+    def seconds(self, comm):
+        return sum(r[2] for (c, _), r in self.table.items() if c == comm)
+
+    def counts(self):
+        """{(comm, op): (calls, bytes)}, for comparing with a formula."""
+        return {k: (v[0], v[1]) for k, v in self.table.items()}
+
+    def reset(self):
+        self.table.clear()
+
+    def format(self):
+        lines = [f"{'communicator':<13}{'operation':<22}{'calls':>7}{'bytes':>14}{'seconds':>10}"]
+        for (c, o), (n, b, s) in sorted(self.table.items()):
+            lines.append(f"{c:<13}{o:<22}{n:>7}{b:>14,}{s:>10.4f}")
+        return "\n".join(lines)
+
+
+class Request:
+    """A pending non-blocking call; Wait() completes it, copies staged data back, and records its time."""
+
+    def __init__(self, req, comm, op, nbytes, t0, unstage=None):
+        self.req, self.comm, self.op, self.nbytes, self.t0, self.unstage = req, comm, op, nbytes, t0, unstage
+
+    def Wait(self):
+        self.req.Wait()
+        if self.unstage:
+            self.unstage()
+        self.comm.stats.add(self.comm.name, self.op, self.nbytes, time.perf_counter() - self.t0)
+
+
+class Comm:
+    def __init__(self, comm, name, stats=None, check=None):
+        self.comm = comm                        # the mpi4py communicator
+        self.name = name                        # "world", "tp", "dp", "pp", ...: the key of the accounting
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        self.stats = stats if stats is not None else CommStats()
+        self.check = os.environ.get("HSGD_CHECK_COLLECTIVES") == "1" if check is None else check
+        self.ncalls = 0                         # collectives called so far: the sequence number of the check
+
+    # ---------------------------------------------------------------------------------------------- helpers
+    def _buf(self, x):
+        """(what to hand MPI, a function that copies staged results back or None)."""
+        if not x.flags.c_contiguous:
+            raise ValueError(f"{self.name}: MPI buffers must be C-contiguous (got strides {x.strides}); "
+                             "pass xp.ascontiguousarray(x) or a preallocated buffer")
+        if not _is_cupy(x):
+            return x, None
+        import cupy
+        cupy.cuda.get_current_stream().synchronize()            # the kernels that wrote x are done
+        if cuda_aware_mpi():
+            return x, None
+        host = cupy.asnumpy(x)                                  # stage through the host
+        return host, (lambda: x.set(host))
+
+    def _verify(self, op, *arrays):
+        """The collective-sequence check: all ranks must be making the same call."""
+        sig = (op, self.name, tuple(tuple(a.shape) for a in arrays), str(arrays[0].dtype) if arrays else "",
+               self.ncalls)
+        self.ncalls += 1
+        if not self.check:
+            return
+        sigs = self.comm.allgather(sig)
+        if any(s != sigs[0] for s in sigs):
+            calls = "; ".join(f"rank {r}: {s[0]} shapes={list(s[2])} dtype={s[3]} call #{s[4]}"
+                              for r, s in enumerate(sigs))
+            raise CollectiveMismatch(f"collective mismatch on communicator '{self.name}': {calls}")
+
+    def _record(self, op, nbytes, t0):
+        self.stats.add(self.name, op, nbytes, time.perf_counter() - t0)
+
+    # ---------------------------------------------------------------------------------------------- collectives
+    def Allreduce(self, x, op=MPI.SUM):
+        """In place: x <- op over the ranks of x."""
+        self._verify("Allreduce", x)
+        t0 = time.perf_counter()
+        b, unstage = self._buf(x)
+        self.comm.Allreduce(MPI.IN_PLACE, b, op=op)
+        if unstage:
+            unstage()
+        self._record("Allreduce", x.nbytes, t0)
+        return x
+
+    def Iallreduce(self, x, op=MPI.SUM):
+        """Start an in-place Allreduce of x; returns a Request whose Wait() completes it."""
+        self._verify("Iallreduce", x)
+        t0 = time.perf_counter()
+        b, unstage = self._buf(x)
+        return Request(self.comm.Iallreduce(MPI.IN_PLACE, b, op=op), self, "Iallreduce", x.nbytes, t0, unstage)
+
+    def Allgather(self, part, out):
+        """out[r] <- `part` of rank r. out has shape (size, *part.shape)."""
+        self._verify("Allgather", part, out)
+        assert out.shape == (self.size, *part.shape), (out.shape, part.shape)
+        t0 = time.perf_counter()
+        s, _ = self._buf(part)
+        r, unstage = self._buf(out)
+        self.comm.Allgather(s, r)
+        if unstage:
+            unstage()
+        self._record("Allgather", out.nbytes, t0)
+        return out
+
+    def Reduce_scatter_block(self, full, out, op=MPI.SUM):
+        """out <- (op over ranks of full)[rank]. full has shape (size, *out.shape)."""
+        self._verify("Reduce_scatter_block", full, out)
+        assert full.shape == (self.size, *out.shape), (full.shape, out.shape)
+        t0 = time.perf_counter()
+        s, _ = self._buf(full)
+        r, unstage = self._buf(out)
+        self.comm.Reduce_scatter_block(s, r, op=op)
+        if unstage:
+            unstage()
+        self._record("Reduce_scatter_block", full.nbytes, t0)
+        return out
+
+    def Bcast(self, x, root=0):
+        self._verify("Bcast", x)
+        t0 = time.perf_counter()
+        b, unstage = self._buf(x)
+        self.comm.Bcast(b, root=root)
+        if unstage:
+            unstage()
+        self._record("Bcast", x.nbytes, t0)
+        return x
+
+    def Barrier(self):
+        self._verify("Barrier")
+        self.comm.Barrier()
+
+    # ---------------------------------------------------------------------------------------------- point to point
+    def Send(self, x, dest, tag=0):
+        t0 = time.perf_counter()
+        b, _ = self._buf(x)
+        self.comm.Send(b, dest=dest, tag=tag)
+        self._record("Send", x.nbytes, t0)
+
+    def Recv(self, x, source, tag=0):
+        t0 = time.perf_counter()
+        b, unstage = self._buf(x)
+        self.comm.Recv(b, source=source, tag=tag)
+        if unstage:
+            unstage()
+        self._record("Recv", x.nbytes, t0)
+        return x
+
+    def Isend(self, x, dest, tag=0):
+        t0 = time.perf_counter()
+        b, _ = self._buf(x)
+        req = self.comm.Isend(b, dest=dest, tag=tag)
+        req_obj = Request(req, self, "Isend", x.nbytes, t0)
+        req_obj.keepalive = b                                   # the staged copy must outlive the send
+        return req_obj
+
+    def Irecv(self, x, source, tag=0):
+        t0 = time.perf_counter()
+        b, unstage = self._buf(x)
+        return Request(self.comm.Irecv(b, source=source, tag=tag), self, "Irecv", x.nbytes, t0, unstage)
+
+    # ---------------------------------------------------------------------------------------------- small metadata
+    def allgather_obj(self, obj):
+        """Lowercase (pickled) allgather: for small metadata only, never for arrays in the hot path."""
+        return self.comm.allgather(obj)
+
+    def all_true(self, flag):
+        """A collective verdict: True on every rank iff `flag` is true on every rank."""
+        return bool(self.comm.allreduce(bool(flag), op=MPI.LAND))
+
+    def free(self):
+        if self.comm not in (MPI.COMM_WORLD, MPI.COMM_SELF):
+            self.comm.Free()
+
+
+def host_array(shape, dtype, xp=np):
+    """A zero buffer for communication (NumPy or the module given)."""
+    return xp.zeros(shape, dtype=dtype)

@@ -1,0 +1,197 @@
+"""Tensor-parallel layers: forward/backward pairs with their communication written out.
+
+M = tp ranks hold one copy of the model between them. `comm` is the tensor-parallel communicator (hsgd.comm.Comm).
+Legend: N = B*T rows, C d_model, F d_ff, V vocab, Vp = ceil(V / tp) vocabulary rows per rank, tp ranks.
+
+Megatron's conjugate operators (Shoeybi et al. 2019, arXiv:1909.08053):
+    f: forward identity,  backward Allreduce      (enters a column-parallel region: x is replicated, dx partial)
+    g: forward Allreduce, backward identity       (leaves a row-parallel region: y is partial, dy replicated)
+Column-parallel linear  Y = X A,  A = [A_1 ... A_tp] split by output columns: rank i computes Y_i = X A_i.
+Row-parallel linear     Y = X B,  B = [B_1; ...; B_tp] split by input rows, X = [X_1 ... X_tp]: rank i computes
+                        the partial product X_i B_i; g sums them; the bias is added once, after the sum.
+
+The seed paper's scheme: every linear column-split, its output gathered, Y = [Y_1 ... Y_tp] = Allgather(Y_i).
+The adjoint of Allgather is Reduce-scatter: if rank r's loss term gives it the gradient D^(r) with respect to
+the whole gathered Y, then dL/dY_i = sum_r D^(r)_i, which is exactly Reduce_scatter(D). That is the case when
+the downstream work is split between ranks (each rank's D^(r) is a different partial gradient). When the
+downstream computation is *replicated* (every rank computes the same thing from the same full Y, and the loss
+counts it once), every rank already holds the same, complete D = dL/dY, and Reduce_scatter would return
+tp * D_i: it must be scaled by 1/tp, which is the local slice D_i, with no communication at all.
+"""
+import math
+
+from mpi4py import MPI
+
+from .backend import array_module
+from .layers import linear_backward, linear_forward
+
+# ------------------------------------------------------------------------------------------------ f and g
+
+def f_forward(x, comm):
+    """f, forward: identity. x (replicated) enters a column-parallel region."""
+    return x
+
+
+def f_backward(dx, comm):
+    """f, backward: each rank holds a partial dx (its columns' contribution); Allreduce sums them."""
+    comm.Allreduce(dx)                                  # (N, C) sum over tp ranks: partial dx -> full dx
+    return dx
+
+
+def g_forward(y, comm):
+    """g, forward: each rank holds a partial y (its rows' product); Allreduce sums them."""
+    comm.Allreduce(y)                                   # (N, C) sum over tp ranks: partial y -> full y
+    return y
+
+
+def g_backward(dy, comm):
+    """g, backward: identity. dy is replicated."""
+    return dy
+
+
+# ------------------------------------------------------------------------------------------------ Megatron linears
+
+def column_linear_forward(x, W_part, b_part, comm):
+    """Y_i = f(X) A_i + b_i.  x (..., C) replicated, W_part (C, Cout/tp), b_part (Cout/tp,). Output is sharded."""
+    return linear_forward(f_forward(x, comm), W_part, b_part)
+
+
+def column_linear_backward(dy_part, cache, dW_part, db_part, comm):
+    """dA_i += X^T dY_i; db_i += sum dY_i; dX = f^T(dY_i A_i^T) = Allreduce of the partial dX."""
+    dx_partial = linear_backward(dy_part, cache, dW_part, db_part)      # (..., C) this rank's share of dX
+    return f_backward(dx_partial, comm)
+
+
+def row_linear_forward(x_part, W_part, b, comm):
+    """Y = g(X_i B_i) + b.  x_part (..., Cin/tp), W_part (Cin/tp, C), b (C,) replicated. Output replicated."""
+    y, cache = linear_forward(x_part, W_part)          # (..., C) partial product
+    y = g_forward(y, comm)                              # Allreduce
+    y += b                                              # added once, after the sum
+    return y, cache
+
+
+def row_linear_backward(dy, cache, dW_part, db, comm):
+    """dB_i += X_i^T dY; db += sum dY (the same on every rank); dX_i = dY B_i^T (no communication)."""
+    dy = g_backward(dy, comm)
+    db += dy.reshape(-1, dy.shape[-1]).sum(axis=0)
+    return linear_backward(dy, cache, dW_part)
+
+
+# ------------------------------------------------------------------------------------------------ the seed paper's gather
+
+def allgather_forward(y_part, comm):
+    """Y = [Y_1 ... Y_tp] along the last axis: every rank gets the whole Y. y_part (..., c) -> (..., tp*c)."""
+    xp = array_module(y_part)
+    lead, c = y_part.shape[:-1], y_part.shape[-1]
+    part = xp.ascontiguousarray(y_part).reshape(-1, c)                   # (N, c)
+    out = xp.empty((comm.size, part.shape[0], c), dtype=part.dtype)     # (tp, N, c)
+    comm.Allgather(part, out)                                           # out[r] = Y_r
+    return out.transpose(1, 0, 2).reshape(*lead, comm.size * c)         # (..., tp*c)
+
+
+def allgather_backward(dy, comm, replicated=True, reduce_scatter=False, scale=None):
+    """dY_i from the gradient with respect to the gathered Y. dy (..., tp*c) -> (..., c).
+
+    replicated=True: every rank holds the same complete dL/dY (the downstream computation was replicated).
+        reduce_scatter=False: take the local slice (what a Reduce-scatter scaled by 1/tp returns), no communication.
+        reduce_scatter=True:  call Reduce_scatter_block and scale by `scale` (default 1/tp): the same numbers, paid
+                              for with communication; scale=1 shows the error (exactly tp times too large).
+    replicated=False: each rank holds a different partial gradient; Reduce_scatter_block (sum) is the exact adjoint.
+    """
+    xp = array_module(dy)
+    tp, rank = comm.size, comm.rank
+    lead, c = dy.shape[:-1], dy.shape[-1] // tp
+    if replicated and not reduce_scatter:
+        return xp.ascontiguousarray(dy[..., rank * c:(rank + 1) * c])    # (..., c) the local slice
+    full = xp.ascontiguousarray(dy.reshape(-1, tp, c).transpose(1, 0, 2))  # (tp, N, c) block r -> rank r
+    out = xp.empty(full.shape[1:], dtype=dy.dtype)                       # (N, c)
+    comm.Reduce_scatter_block(full, out)                                 # out = sum over ranks of full[rank]
+    if replicated:
+        out *= (1.0 / tp) if scale is None else scale
+    return out.reshape(*lead, c)
+
+
+def gather_linear_forward(x, W_part, b_part, comm):
+    """The seed paper's column-parallel linear: Y_i = X A_i + b_i, then Y = Allgather(Y_i). All replicated."""
+    y_part, cache = linear_forward(x, W_part, b_part)                    # (..., Cout/tp)
+    return allgather_forward(y_part, comm), cache
+
+
+def gather_linear_backward(dy, cache, dW_part, db_part, comm, reduce_scatter=False):
+    """dY_i = adjoint of the gather; dA_i += X^T dY_i; dX = Allreduce of the partial dY_i A_i^T."""
+    dy_part = allgather_backward(dy, comm, replicated=True, reduce_scatter=reduce_scatter)
+    dx_partial = linear_backward(dy_part, cache, dW_part, db_part)
+    comm.Allreduce(dx_partial)                                           # (..., Cin) partial -> full dX
+    return dx_partial
+
+
+# ------------------------------------------------------------------------------------------------ vocab-parallel
+
+def vocab_range(V, tp, rank):
+    """Rank `rank` owns vocabulary ids [start, start + Vp); the last rank's range may run past V (padding)."""
+    Vp = math.ceil(V / tp)
+    return rank * Vp, Vp
+
+
+def vocab_embedding_forward(idx, wte_part, wpe, start, comm):
+    """x = wte[idx] + wpe[:T], with wte split by rows: each rank looks up the tokens in its range, zeros for the
+    others, and an Allreduce assembles the rows."""
+    xp = array_module(wte_part)
+    B, T = idx.shape
+    Vp = wte_part.shape[0]
+    local = idx - start                                                  # (B, T) ids relative to the shard
+    mine = (local >= 0) & (local < Vp)                                   # (B, T) tokens this rank owns
+    local = xp.where(mine, local, 0)
+    x = wte_part[local]                                                  # (B, T, C) gather (a copy)
+    x *= mine[..., None]                                                 # zero the rows owned elsewhere
+    comm.Allreduce(x)                                                    # (B, T, C) each row from its owner
+    x += wpe[:T]
+    return x, (local, mine)
+
+
+def vocab_embedding_backward(dx, cache, dwte_part, dwpe):
+    """dwte rows of this rank's tokens (dx is replicated: no communication); dwpe as in the serial layer."""
+    xp = array_module(dx)
+    local, mine = cache
+    C = dx.shape[-1]
+    dwpe[:dx.shape[1]] += dx.sum(axis=0)
+    xp.add.at(dwte_part, local[mine], dx.reshape(-1, C)[mine.reshape(-1)])
+
+
+def vocab_cross_entropy_forward(logits_part, targets, start, V, comm):
+    """Mean softmax cross-entropy over all N positions, with the logits split by vocabulary columns.
+
+    Never gathers the (N, V) logits. Per row: m = max over all ranks (Allreduce MAX), s = sum over ranks of
+    sum exp(z - m), and the target logit z_t, which only its owner holds (both in one Allreduce SUM):
+        loss = mean(log s - (z_t - m)).  Columns past V (padding of the last rank) count as -inf.
+    """
+    xp = array_module(logits_part)
+    Vp = logits_part.shape[-1]
+    z = logits_part.reshape(-1, Vp).copy()                               # (N, Vp)
+    N = z.shape[0]
+    if start + Vp > V:
+        z[:, max(V - start, 0):] = -xp.inf                               # padded columns
+    m = z.max(axis=1)                                                    # (N,) local max
+    comm.Allreduce(m, op=MPI.MAX)                                     # (N,) global max
+    z -= m[:, None]
+    tgt = targets.reshape(-1) - start                                    # (N,) target column in this shard
+    mine = (tgt >= 0) & (tgt < Vp)
+    rows = xp.arange(N)
+    both = xp.zeros((2, N), dtype=z.dtype)                               # [sum exp, target logit]
+    both[1] = xp.where(mine, z[rows, xp.where(mine, tgt, 0)], 0.0)
+    xp.exp(z, out=z)                                                     # z now holds exp(z - m)
+    both[0] = z.sum(axis=1)
+    comm.Allreduce(both)                                                 # (2, N) sums over tp ranks
+    loss = (xp.log(both[0]) - both[1]).mean()
+    z /= both[0][:, None]                                                # local columns of the softmax
+    return loss, (z, tgt, mine, rows, logits_part.shape)
+
+
+def vocab_cross_entropy_backward(dloss, cache):
+    """dlogits_i = dloss * (softmax_i - onehot_i) / N on the local columns: no communication."""
+    probs, tgt, mine, rows, shape = cache
+    N = probs.shape[0]
+    dz = probs * (dloss / N)                                             # (N, Vp)
+    dz[rows[mine], tgt[mine]] -= dloss / N
+    return dz.reshape(shape)
+

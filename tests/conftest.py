@@ -1,0 +1,33 @@
+"""Shared test helpers: small float64 models and the error measure every test prints."""
+import numpy as np
+import pytest
+
+import hsgd
+from hsgd import serial
+
+
+def max_rel_err(a, b, floor=1e-12):
+    """max |a - b| / max(max |b|, floor): the error measure hsgd's tests print."""
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    return float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(b))), floor))
+
+
+@pytest.fixture
+def tiny_cfg():
+    return hsgd.ModelConfig(vocab_size=13, seq_len=6, d_model=8, n_heads=2, n_layers=2, d_ff=12)
+
+
+def noisy_params(cfg, seed=0, scale=0.1):
+    """float64 parameters from init_params, plus noise so biases and LayerNorm weights are not trivial."""
+    params = serial.init_params(cfg, seed=seed, dtype="float64")
+    rng = np.random.default_rng(seed + 1000)
+    for p in params.values():
+        p += rng.normal(0.0, scale, p.shape)
+    return params
+
+
+def random_batch(cfg, batch_size, seed=0):
+    rng = np.random.default_rng(seed + 2000)
+    idx = rng.integers(0, cfg.vocab_size, (batch_size, cfg.seq_len))
+    targets = rng.integers(0, cfg.vocab_size, (batch_size, cfg.seq_len))
+    return idx, targets

@@ -1,0 +1,94 @@
+"""Bad configuration values and bad data files: one clear line on stderr, exit code 2, no traceback."""
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+import hsgd
+from hsgd.data import Corpus
+from hsgd.errors import ConfigError, DataError
+from hsgd.train import TrainConfig
+
+
+def run_train(*flags):
+    """python -m hsgd.train with tiny settings plus `flags`; returns (exit code, stderr)."""
+    cmd = [sys.executable, "-m", "hsgd.train", "--steps", "1", "--d-model", "8", "--n-heads", "2", "--n-layers",
+           "1", "--d-ff", "8", "--seq-len", "8", "--batch-size", "2", "--sample-bytes", "0", "--eval-batches", "1",
+           *flags]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    return r.returncode, r.stderr
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--n-heads", "3"], "d_model=8 is not divisible by n_heads=3"),
+    (["--steps", "0"], "steps=0 must be a positive integer"),
+    (["--batch-size", "-2"], "batch_size=-2 must be a positive integer"),
+    (["--lr", "-1"], "lr=-1.0 must be > 0"),
+    (["--momentum", "1.5"], "momentum=1.5 must be in [0, 1)"),
+    (["--eval-interval", "-1"], "eval_interval=-1 must be an integer >= 0"),
+    (["--data", "/nonexistent/corpus.txt"], "does not exist"),
+])
+def test_bad_flags_exit_2_with_one_line(flags, words):
+    code, err = run_train(*flags)
+    print(f"{flags} -> exit {code}: {err.strip()}")
+    assert code == 2
+    assert err.startswith("hsgd: error: ") and words in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_unparsable_flag_is_a_usage_error():
+    code, err = run_train("--steps", "many")
+    assert code == 2 and "invalid int value: 'many'" in err and "Traceback" not in err
+
+
+def test_bad_data_files(tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_bytes(b"")
+    short = tmp_path / "short.txt"
+    short.write_bytes(b"0123456789")
+    cases = [(str(tmp_path / "missing.txt"), "does not exist"),
+             (str(tmp_path), "is a directory"),
+             (str(empty), "is empty"),
+             (str(short), "has 10 bytes, fewer than seq_len + 1 = 65")]
+    for path, words in cases:
+        with pytest.raises(DataError, match=re.escape(words)) as e:
+            Corpus.load(path, seq_len=64)
+        print(f"{os.path.basename(path)}: {e.value}")
+    # exactly seq_len + 1 bytes is enough (validation then shares the training text)
+    c = Corpus.load(str(short), seq_len=9)
+    assert c.shared_split and c.batch(0, 0, 2)[0].shape == (2, 9)
+
+
+def test_unreadable_data_file(tmp_path, monkeypatch):
+    path = tmp_path / "secret.txt"
+    path.write_bytes(b"x" * 100)
+    real_open = open
+
+    def deny(file, *args, **kwargs):
+        if str(file) == str(path):
+            raise PermissionError(13, "Permission denied", str(file))
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", deny)
+    with pytest.raises(DataError, match="cannot be read \\(Permission denied\\)"):
+        Corpus.load(str(path), seq_len=8)
+
+
+def test_too_short_file_from_the_command_line(tmp_path):
+    short = tmp_path / "short.txt"
+    short.write_bytes(b"abc")
+    code, err = run_train("--data", str(short))
+    assert code == 2 and "has 3 bytes, fewer than seq_len + 1 = 9" in err and "--seq-len" in err
+
+
+def test_config_errors_name_field_value_and_fix():
+    with pytest.raises(ConfigError, match=r"n_layers=0 must be a positive integer"):
+        hsgd.ModelConfig(n_layers=0)
+    with pytest.raises(ConfigError, match=r"d_model=12 is not divisible by n_heads=5; .*\[1, 2, 3, 4, 6, 12\]"):
+        hsgd.ModelConfig(d_model=12, n_heads=5)
+    with pytest.raises(ConfigError, match="dtype='float16' is not supported"):
+        TrainConfig(dtype="float16").validate()
+    with pytest.raises(ConfigError, match="device='tpu' is not known"):
+        TrainConfig(device="tpu").validate()

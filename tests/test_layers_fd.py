@@ -1,0 +1,154 @@
+"""Every layer's hand-written backward, and the whole model's, against central finite differences (float64).
+
+For a layer f, the scalar probe is  L = sum(f(x) * R)  with a fixed random R, so dL/dout = R; the analytic
+gradient from *_backward(R, cache) must match the central difference coordinate by coordinate. The stencil is
+the fourth-order one, (-L(x+2h) + 8 L(x+h) - 8 L(x-h) + L(x-2h)) / 12h, whose truncation error (~h^4) stays
+far below the tolerance even for coordinates with small gradients.
+The error of one argument is max |fd - an| / max |an| over its sampled coordinates, with a floor for gradients
+that are exactly zero (the attention k-bias gradient is zero by symmetry: softmax ignores a shift shared by all
+scores of a row).
+"""
+import numpy as np
+import pytest
+
+from hsgd import layers, serial
+
+from .conftest import max_rel_err, noisy_params, random_batch
+
+H = 1e-4
+TOL = 1e-6
+
+
+def fd_error(f, args, grads, n=12, seed=0, h=H, floor=1e-8):
+    """Worst error over the arguments in `grads` (index -> analytic gradient), each measured on n sampled
+    coordinates as  max_j |fd_j - an_j| / max(max_j |an_j|, floor)  (the measure of conftest.max_rel_err)."""
+    rng = np.random.default_rng(seed)
+    worst = 0.0
+    for i, an in grads.items():
+        a = args[i].reshape(-1)
+        assert np.shares_memory(a, args[i])
+        coords = rng.choice(a.size, min(n, a.size), replace=False)
+        fd = np.empty(len(coords))
+        for c, j in enumerate(coords):
+            old = a[j]
+            fvals = []
+            for step in (2 * h, h, -h, -2 * h):
+                a[j] = old + step
+                fvals.append(f(*args))
+            a[j] = old
+            fd[c] = (-fvals[0] + 8 * fvals[1] - 8 * fvals[2] + fvals[3]) / (12 * h)
+        worst = max(worst, max_rel_err(fd, an.reshape(-1)[coords], floor=floor))
+    return worst
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(42)
+
+
+def probe(forward, R):
+    return lambda *args: float(np.sum(forward(*args)[0] * R))
+
+
+def test_linear(rng):
+    x, W, b = rng.normal(size=(3, 5, 4)), rng.normal(size=(4, 6)), rng.normal(size=6)
+    out, cache = layers.linear_forward(x, W, b)
+    R = rng.normal(size=out.shape)
+    dW, db = np.zeros_like(W), np.zeros_like(b)
+    dx = layers.linear_backward(R, cache, dW, db)
+    err = fd_error(probe(layers.linear_forward, R), [x, W, b], {0: dx, 1: dW, 2: db})
+    print(f"linear: max rel err {err:.2e}")
+    assert err < TOL
+
+
+def test_layernorm(rng):
+    x, w, b = rng.normal(size=(2, 3, 7)), rng.normal(size=7), rng.normal(size=7)
+    out, cache = layers.layernorm_forward(x, w, b)
+    R = rng.normal(size=out.shape)
+    dw, db = np.zeros_like(w), np.zeros_like(b)
+    dx = layers.layernorm_backward(R, cache, dw, db)
+    err = fd_error(probe(layers.layernorm_forward, R), [x, w, b], {0: dx, 1: dw, 2: db})
+    print(f"layernorm: max rel err {err:.2e}")
+    assert err < TOL
+
+
+def test_gelu(rng):
+    x = rng.normal(scale=2.0, size=(4, 9))
+    out, cache = layers.gelu_forward(x.copy())
+    R = rng.normal(size=out.shape)
+    dx = layers.gelu_backward(R, cache)
+    err = fd_error(probe(layers.gelu_forward, R), [x], {0: dx}, n=36)
+    print(f"gelu: max rel err {err:.2e}")
+    assert err < TOL
+
+
+def test_attention(rng):
+    B, T, C, NH = 2, 5, 6, 3
+    q, k, v = (rng.normal(size=(B, T, C)) for _ in range(3))
+    out, cache = layers.attention_forward(q, k, v, NH)
+    R = rng.normal(size=out.shape)
+    dq, dk, dv = layers.attention_backward(R, cache)
+    f = lambda q, k, v: float(np.sum(layers.attention_forward(q, k, v, NH)[0] * R))
+    err = fd_error(f, [q, k, v], {0: dq, 1: dk, 2: dv}, n=30)
+    print(f"attention: max rel err {err:.2e}")
+    assert err < TOL
+
+
+def test_attention_is_causal(rng):
+    """Changing a future position leaves every earlier output unchanged."""
+    q, k, v = (rng.normal(size=(1, 6, 4)) for _ in range(3))
+    y0, _ = layers.attention_forward(q, k, v, 2)
+    k2, v2 = k.copy(), v.copy()
+    k2[0, 4:] += 1.0
+    v2[0, 4:] -= 1.0
+    y1, _ = layers.attention_forward(q, k2, v2, 2)
+    err = float(np.max(np.abs(y0[0, :4] - y1[0, :4])))
+    print(f"attention: max change of past outputs {err:.1e}")
+    assert err == 0.0
+
+
+def test_embedding(rng):
+    V, T, C = 7, 5, 3
+    idx = rng.integers(0, V, size=(4, T))
+    wte, wpe = rng.normal(size=(V, C)), rng.normal(size=(T + 2, C))
+    out, cache = layers.embedding_forward(idx, wte, wpe)
+    R = rng.normal(size=out.shape)
+    dwte, dwpe = np.zeros_like(wte), np.zeros_like(wpe)
+    layers.embedding_backward(R, cache, dwte, dwpe)
+    f = lambda wte, wpe: float(np.sum(layers.embedding_forward(idx, wte, wpe)[0] * R))
+    err = fd_error(f, [wte, wpe], {0: dwte, 1: dwpe}, n=21)
+    print(f"embedding: max rel err {err:.2e}")
+    assert err < TOL
+
+
+def test_cross_entropy(rng):
+    logits, targets = rng.normal(size=(3, 4, 11)), rng.integers(0, 11, size=(3, 4))
+    loss, cache = layers.cross_entropy_forward(logits, targets)
+    dlogits = layers.cross_entropy_backward(1.0, cache)
+    f = lambda z: float(layers.cross_entropy_forward(z, targets)[0])
+    err = fd_error(f, [logits], {0: dlogits}, n=40)
+    # the loss itself, written the naive way
+    z = logits.reshape(-1, 11)
+    naive = np.mean(-np.log(np.exp(z[np.arange(12), targets.reshape(-1)]) / np.exp(z).sum(1)))
+    print(f"cross-entropy: max rel err {err:.2e}, loss vs naive {abs(loss - naive):.1e}")
+    assert err < TOL and abs(loss - naive) < 1e-12
+
+
+def test_whole_model(tiny_cfg):
+    """Every parameter of the serial model: a few coordinates each, by central differences of the loss.
+
+    The loss is O(1) while single-coordinate gradients are O(1e-4), so the step is larger (h = 1e-3: rounding
+    error ~1e-16 / h stays far below the gradients) and the floor is 1e-6.
+    """
+    params = noisy_params(tiny_cfg)
+    idx, targets = random_batch(tiny_cfg, 3)
+    _, grads = serial.loss_and_grads(params, idx, targets, tiny_cfg)
+    names = list(params)
+    f = lambda *arrays: serial.loss(dict(zip(names, arrays)), idx, targets, tiny_cfg)
+    worst = {}
+    for i, name in enumerate(names):
+        worst[name] = fd_error(f, [params[n] for n in names], {i: grads[name]}, n=4, seed=i,
+                               h=1e-3, floor=1e-6)
+    name = max(worst, key=worst.get)
+    print(f"whole model: max rel err {worst[name]:.2e} ({name}) over {len(names)} parameters")
+    assert worst[name] < TOL
