@@ -23,7 +23,7 @@ train: $(STAMP)
 	$(PY) -m hsgd.train
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check --quiet --line-length 110 --select E,F,W --ignore E741,E731 hsgd tests tutorials benchmarks
+	$(VENV)/bin/ruff check --quiet --line-length 120 --select E,F,W --ignore E741,E731 hsgd tests tutorials benchmarks
 
 test: $(STAMP) lint
 	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m pytest -q

@@ -135,9 +135,13 @@ class Comm:
             return
         sigs = self.comm.allgather(sig)
         if any(s != sigs[0] for s in sigs):
-            calls = "; ".join(f"rank {r}: {s[0]} shapes={list(s[2])} dtype={s[3]} call #{s[4]}"
-                              for r, s in enumerate(sigs))
-            raise CollectiveMismatch(f"collective mismatch on communicator '{self.name}': {calls}")
+            by_call = {}
+            for r, s in enumerate(sigs):
+                by_call.setdefault(s, []).append(r)
+            calls = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {','.join(map(str, rs))}: {s[0]} "
+                              f"shapes={list(s[2])} dtype={s[3]} call #{s[4]}" for s, rs in by_call.items())
+            raise CollectiveMismatch(f"collective mismatch on communicator '{self.name}' (ranks called different "
+                                     f"collectives at the same point): {calls}")
 
     def _record(self, op, nbytes, t0):
         self.stats.add(self.name, op, nbytes, time.perf_counter() - t0)

@@ -77,7 +77,7 @@ def row_linear_backward(dy, cache, dW_part, db, comm):
     return linear_backward(dy, cache, dW_part)
 
 
-# ------------------------------------------------------------------------------------------------ the seed paper's gather
+# ------------------------------------------------------------------------------------------ the seed paper's gather
 
 def allgather_forward(y_part, comm):
     """Y = [Y_1 ... Y_tp] along the last axis: every rank gets the whole Y. y_part (..., c) -> (..., tp*c)."""

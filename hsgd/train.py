@@ -123,7 +123,12 @@ def evaluate(params, corpus, cfg, tc):
 
 
 def train(cfg, tc, out=sys.stdout):
-    """Run the training loop; returns a summary dict (losses, timings)."""
+    """Run the training loop (BLAS threads limited to tc.threads); returns a summary dict (losses, timings)."""
+    with threadpool_limits(limits=tc.threads):
+        return _train(cfg, tc, out)
+
+
+def _train(cfg, tc, out):
     say = lambda s="": print(s, file=out, flush=True)
     corpus = Corpus.load(tc.data, cfg.seq_len)
     params = serial.init_params(cfg, seed=tc.seed, dtype=tc.dtype, device=tc.device)
@@ -179,8 +184,7 @@ def main(argv=None):
     args = build_parser().parse_args(argv)
     try:
         cfg, tc = configs_from_args(args)
-        with threadpool_limits(limits=tc.threads):
-            train(cfg, tc)
+        train(cfg, tc)
     except UsageError as e:
         print(f"hsgd: error: {e}", file=sys.stderr)
         return EXIT_USAGE

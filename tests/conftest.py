@@ -1,4 +1,6 @@
 """Shared test helpers: small float64 models and the error measure every test prints."""
+import os
+
 import numpy as np
 import pytest
 
@@ -31,3 +33,7 @@ def random_batch(cfg, batch_size, seed=0):
     idx = rng.integers(0, cfg.vocab_size, (batch_size, cfg.seq_len))
     targets = rng.integers(0, cfg.vocab_size, (batch_size, cfg.seq_len))
     return idx, targets
+
+
+# tests/mpi/ runs only under mpiexec, started by tests/test_mpi.py (which sets HSGD_MPI_SUITE=1)
+collect_ignore = [] if os.environ.get("HSGD_MPI_SUITE") == "1" else ["mpi"]
