@@ -24,6 +24,7 @@ For 8 ranks with dp=4, tp=2 (pp=1):
                 ^ dp_comm {0, 2, 4, 6}  (the "first GPU of every group" of the seed paper)
 """
 import argparse
+import numbers
 import sys
 
 from mpi4py import MPI
@@ -45,19 +46,19 @@ def factorizations(n):
 def check_sizes(world_size, dp, pp, tp):
     """Raise GridError unless dp, pp, tp are positive integers with dp * pp * tp == world_size."""
     for name, v in (("dp", dp), ("pp", pp), ("tp", tp)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise GridError(f"{name}={v!r} must be a positive integer")
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
+            raise GridError(f"{name}={v} must be a positive integer")
     if dp * pp * tp != world_size:
-        options = ", ".join(f"dp={d} pp={p} tp={t}" for d, p, t in factorizations(world_size)[:8])
+        options = ", ".join(f"dp={d} pp={p} tp={t}" for d, p, t in factorizations(world_size))
         raise GridError(f"dp*pp*tp = {dp}*{pp}*{tp} = {dp * pp * tp} does not match the {world_size} ranks; "
-                        f"choose sizes whose product is {world_size}, e.g. {options}")
+                        f"choose sizes whose product is {world_size}: {options}")
 
 
 class ProcessGrid:
     def __init__(self, base=MPI.COMM_WORLD, dp=1, pp=1, tp=1, stats=None, check=None):
         check_sizes(base.Get_size(), dp, pp, tp)                 # before any communication
         self.base = base
-        self.dp, self.pp, self.tp = dp, pp, tp
+        self.dp, self.pp, self.tp = int(dp), int(pp), int(tp)
         self.rank = base.Get_rank()
         self.tp_rank = self.rank % tp
         self.pp_rank = self.rank // tp % pp

@@ -169,10 +169,11 @@ def forward(params, idx, targets, cfg, comm, scheme="megatron"):
     return loss, (c_emb, c_blocks, c_lnf, c_head, c_ce)
 
 
-def backward(caches, grads, comm, scheme="megatron", reduce_scatter=False):
+def backward(caches, grads, comm, scheme="megatron", reduce_scatter=False, dloss=1.0):
+    """Accumulate (+=) the gradient of dloss * loss into this rank's gradient shards."""
     c_emb, c_blocks, c_lnf, c_head, c_ce = caches
     g = grads
-    dlogits = vocab_cross_entropy_backward(1.0, c_ce)                    # (B, T, Vp) no communication
+    dlogits = vocab_cross_entropy_backward(dloss, c_ce)                  # (B, T, Vp) no communication
     dxf = linear_backward(dlogits, c_head, g["lm_head.weight"])          # (B, T, C) partial
     dxf = f_backward(dxf, comm)                                          # Allreduce
     dx = layernorm_backward(dxf, c_lnf, g["ln_f.weight"], g["ln_f.bias"])
@@ -181,15 +182,35 @@ def backward(caches, grads, comm, scheme="megatron", reduce_scatter=False):
     vocab_embedding_backward(dx, c_emb, g["wte"], g["wpe"])             # no communication
 
 
-def loss_and_grads(params, idx, targets, cfg, comm, scheme="megatron", grads=None, reduce_scatter=False):
-    """(loss, grads) on this rank's shards. idx, targets (B, T): the same batch on every rank of the group."""
+def loss_and_grads(params, idx, targets, cfg, comm, scheme="megatron", grads=None, reduce_scatter=False,
+                   loss_scale=1.0):
+    """(loss, grads) on this rank's shards. idx, targets (B, T): the same batch on every rank of the group.
+    With `grads` given, the gradient of loss_scale * loss is accumulated into it (gradient accumulation)."""
     xp = array_module(params["wte"])
     idx, targets = xp.asarray(idx), xp.asarray(targets)
     loss, caches = forward(params, idx, targets, cfg, comm, scheme)
     if grads is None:
         grads = serial.zeros_like_params(params)
-    backward(caches, grads, comm, scheme, reduce_scatter)
+    backward(caches, grads, comm, scheme, reduce_scatter, dloss=loss_scale)
     return float(loss), grads
+
+
+def unshard(pieces, name, cfg, scheme="megatron"):
+    """The full parameter from the shards of all tp ranks, in rank order (the inverse of `shard`)."""
+    xp = array_module(pieces[0])
+    kind, axis = split_of(name, scheme)
+    if kind == "rep":
+        return pieces[0].copy()
+    full = xp.concatenate(pieces, axis=axis)
+    if kind == "vocab":
+        full = full[(slice(None),) * axis + (slice(0, cfg.vocab_size),)]      # drop the padding
+    return xp.ascontiguousarray(full)
+
+
+def gather_full(params, cfg, comm, scheme="megatron"):
+    """Every full parameter on every rank of the group (pickled allgather: for small models, sampling and checks,
+    never in the training step)."""
+    return {name: unshard(comm.allgather_obj(p), name, cfg, scheme) for name, p in params.items()}
 
 
 # ------------------------------------------------------------------------------------------------ communication

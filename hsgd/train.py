@@ -1,113 +1,191 @@
-"""Train the GPT with mini-batch SGD: python -m hsgd.train [flags]   (python -m hsgd.train --help)
+"""Hybrid tensor x data parallel training of the GPT:  mpirun -n 8 python -m hsgd.train  (--help for the flags)
 
-One process, the serial reference model. Each step: take the step's batch (a pure function of seed and step),
-compute the mean loss and its gradient with the hand-written backward pass, update every parameter with
-w <- w - lr * g (the seed paper's mini-batch SGD; momentum and weight decay optional). Prints a progress line
-every few steps, the validation loss at intervals, and a generated sample at the end.
+P = dp x tp ranks; by default tp = 2 and dp = P / tp (tp = 1 on an odd number of ranks). Each step is the seed
+paper's synchronous mini-batch SGD on the global batch (see hsgd/hybrid.py): the TP groups compute their
+slices' gradients with the tensor-parallel model, the ranks holding the same shard average it over dp_comm, and
+every rank updates its shards. One process (`python -m hsgd.train`) is the special case tp = dp = 1.
 
-Left out here: parallelism (tensor, data and pipeline parallel training build on this loop in later modules).
+Rank 0 prints a header, the rank layout, a progress line every few steps (loss, learning rate, tokens/s, ETA,
+and the step time split into compute / TP communication / DP communication), the validation loss at intervals,
+a summary (validation loss before -> after, bytes per step on each communicator against the formula, wall
+time) and a generated sample.
+
+Settings come from the flags, or from `--config FILE.toml` (keys are the flag names with underscores; flags
+given on the command line win).
 """
-import argparse
 import json
 import math
+import os
 import sys
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
+from mpi4py import MPI
 from threadpoolctl import threadpool_limits
 
-from . import serial
+from . import launch, tp_model
 from .backend import resolve_device, resolve_dtype
 from .config import ModelConfig, check_positive_int
 from .data import Corpus
-from .errors import EXIT_USAGE, ConfigError, UsageError
+from .dp import check_batch, dp_formula
+from .errors import ConfigError
 from .generate import generate, printable
-from .optim import SGD
+from .grid import ProcessGrid, check_sizes
+from .hybrid import HybridTrainer
+
+try:
+    import tomllib
+except ImportError:                                  # Python < 3.11
+    import tomli as tomllib
 
 
 @dataclass
 class TrainConfig:
+    tp: int = None                 # tensor-parallel size M (None: 2 on an even number of ranks, else 1)
+    dp: int = None                 # data-parallel size G (None: world size / tp)
+    tp_scheme: str = "megatron"    # megatron (f/g pairs) or gather (the seed paper: all-gather + reduce-scatter)
     steps: int = 300               # optimizer steps
     batch_size: int = 16           # B: sequences in the global batch of every step
-    lr: float = 0.03               # learning rate of w <- w - lr * g
-    momentum: float = 0.9          # heavy-ball momentum (0 = plain SGD)
+    grad_accum: int = 1            # micro-batches per DP group and step (gradient accumulation)
+    optimizer: str = "sgd"         # sgd (with momentum) or adamw
+    lr: float = 0.03               # peak learning rate
+    momentum: float = 0.9          # heavy-ball momentum of SGD (0 = plain SGD)
     weight_decay: float = 0.0      # decoupled weight decay on weight matrices
+    warmup: int = 0                # linear warmup steps, then cosine decay to lr/10 at the last step
+    clip: float = 0.0              # clip the global gradient norm to this value (0 = no clipping)
     seed: int = 0                  # seeds the parameters, the batches and the sample
     data: str = None               # text file to train on; None = the built-in corpus
     dtype: str = "float32"         # float32, or float64 for exactness checks
     device: str = None             # cpu or gpu; None = $HSGD_DEVICE or cpu
-    eval_interval: int = 100       # steps between validation-loss evaluations (0 = only before and after)
+    eval_interval: int = 100       # steps between validation losses (0 = only before and after training)
     eval_batches: int = 4          # batches averaged for one validation loss
     log_interval: int = 10         # steps between progress lines
     sample_bytes: int = 200        # bytes generated at the end (0 = none)
     prompt: str = "def "           # prompt of the generated sample
-    threads: int = None            # BLAS threads; None = all cores
-    log_json: str = None           # write one JSON object per step to this file
+    threads: int = None            # BLAS threads per rank; None = cores / ranks on the machine (at least 1)
+    log_json: str = None           # write one JSON object per step to this file (rank 0)
+    inject_fault: str = None       # "RANK:STEP": raise an exception on that rank at that step (tests fail-fast)
 
     def validate(self):
-        for name in ("steps", "batch_size", "eval_batches", "log_interval"):
+        for name in ("steps", "batch_size", "grad_accum", "eval_batches", "log_interval"):
             check_positive_int(name, getattr(self, name))
-        for name in ("eval_interval", "sample_bytes"):
+        for name in ("eval_interval", "sample_bytes", "warmup"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ConfigError(f"{name}={v!r} must be an integer >= 0")
-        if self.threads is not None:
-            check_positive_int("threads", self.threads)
+        for name in ("threads", "tp", "dp"):
+            if getattr(self, name) is not None:
+                check_positive_int(name, getattr(self, name))
         if not self.lr > 0:
-            raise ConfigError(f"lr={self.lr!r} must be > 0 (typical SGD values: 0.01 to 1)")
+            raise ConfigError(f"lr={self.lr!r} must be > 0 (typical: SGD 0.01 to 0.1, AdamW 1e-4 to 3e-3)")
         if not 0 <= self.momentum < 1:
             raise ConfigError(f"momentum={self.momentum!r} must be in [0, 1) (typical: 0.9)")
         if not self.weight_decay >= 0:
             raise ConfigError(f"weight_decay={self.weight_decay!r} must be >= 0")
+        if not self.clip >= 0:
+            raise ConfigError(f"clip={self.clip!r} must be >= 0 (0 turns clipping off)")
+        if self.optimizer not in ("sgd", "adamw"):
+            raise ConfigError(f"optimizer={self.optimizer!r} is not known; use sgd or adamw")
+        if self.inject_fault is not None:
+            parts = str(self.inject_fault).split(":")
+            if len(parts) != 2 or not all(p.isdigit() for p in parts):
+                raise ConfigError(f"inject_fault={self.inject_fault!r} must look like RANK:STEP, e.g. 3:5")
         resolve_dtype(self.dtype)
         resolve_device(self.device)
+
+    def resolve_layout(self, world_size):
+        """Fill in tp and dp from the world size, then check that dp * tp == world size."""
+        if self.tp is None:
+            self.tp = 2 if world_size % 2 == 0 and (self.dp is None or world_size // self.dp % 2 == 0) else 1
+        if self.dp is None:
+            self.dp = max(world_size // self.tp, 1)
+        check_sizes(world_size, self.dp, 1, self.tp)
+
+
+MODEL_FLAGS = ("seq_len", "d_model", "n_layers", "n_heads", "d_ff")
 
 
 def build_parser():
     d, m = TrainConfig(), ModelConfig()
-    p = argparse.ArgumentParser(
-        prog="python -m hsgd.train",
-        description="Train a GPT-style Transformer with mini-batch SGD (w <- w - lr * mean gradient), "
-                    "every backward pass written by hand. Trains on the Python standard library's source "
-                    "files unless --data is given.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = launch.RankZeroParser(
+        prog="mpirun -n P python -m hsgd.train",
+        description="Train a GPT-style Transformer with hybrid tensor x data parallel synchronous mini-batch SGD "
+                    "(P = dp x tp MPI ranks; one process works too), every backward pass and every collective "
+                    "written out. Trains on the Python standard library's source files unless --data is given.",
+        epilog="Example: mpirun -n 8 python -m hsgd.train --tp 4 --steps 100 --optimizer adamw --lr 3e-3",
+        argument_default=None)
+    g = p.add_argument_group("parallel layout")
+    g.add_argument("--tp", type=int, help="tensor-parallel size M (default: 2 on an even number of ranks, else 1)")
+    g.add_argument("--dp", type=int, help="data-parallel size G (default: ranks / tp)")
+    g.add_argument("--tp-scheme", choices=["megatron", "gather"],
+                   help=f"tensor-parallel scheme: megatron f/g pairs or the seed paper's all-gather ({d.tp_scheme})")
     g = p.add_argument_group("model")
-    g.add_argument("--seq-len", type=int, default=m.seq_len, help="T: context length in bytes")
-    g.add_argument("--d-model", type=int, default=m.d_model, help="C: width of the residual stream")
-    g.add_argument("--n-layers", type=int, default=m.n_layers, help="L: Transformer blocks")
-    g.add_argument("--n-heads", type=int, default=m.n_heads, help="NH: attention heads (must divide d-model)")
-    g.add_argument("--d-ff", type=int, default=m.d_ff, help="F: hidden width of the MLP")
+    g.add_argument("--seq-len", type=int, help=f"T: context length in bytes ({m.seq_len})")
+    g.add_argument("--d-model", type=int, help=f"C: width of the residual stream ({m.d_model})")
+    g.add_argument("--n-layers", type=int, help=f"L: Transformer blocks ({m.n_layers})")
+    g.add_argument("--n-heads", type=int, help=f"NH: attention heads, must divide d-model and be divisible by tp "
+                                               f"({m.n_heads})")
+    g.add_argument("--d-ff", type=int, help=f"F: hidden width of the MLP, divisible by tp ({m.d_ff})")
     g = p.add_argument_group("optimization")
-    g.add_argument("--steps", type=int, default=d.steps, help="optimizer steps")
-    g.add_argument("--batch-size", type=int, default=d.batch_size, help="B: sequences per step (global batch)")
-    g.add_argument("--lr", type=float, default=d.lr, help="learning rate")
-    g.add_argument("--momentum", type=float, default=d.momentum, help="heavy-ball momentum, 0 for plain SGD")
-    g.add_argument("--weight-decay", type=float, default=d.weight_decay, help="decoupled weight decay")
-    g.add_argument("--seed", type=int, default=d.seed, help="seed of parameters, batches and sampling")
+    g.add_argument("--steps", type=int, help=f"optimizer steps ({d.steps})")
+    g.add_argument("--batch-size", type=int, help=f"B: sequences in the global batch, a multiple of "
+                                                  f"dp * grad-accum ({d.batch_size})")
+    g.add_argument("--grad-accum", type=int, help=f"micro-batches per DP group and step ({d.grad_accum})")
+    g.add_argument("--optimizer", choices=["sgd", "adamw"], help=f"optimizer ({d.optimizer})")
+    g.add_argument("--lr", type=float, help=f"peak learning rate ({d.lr})")
+    g.add_argument("--momentum", type=float, help=f"SGD momentum, 0 for plain SGD ({d.momentum})")
+    g.add_argument("--weight-decay", type=float, help=f"decoupled weight decay ({d.weight_decay})")
+    g.add_argument("--warmup", type=int, help=f"warmup steps before the cosine decay ({d.warmup})")
+    g.add_argument("--clip", type=float, help=f"max global gradient norm, 0 = off ({d.clip})")
+    g.add_argument("--seed", type=int, help=f"seed of parameters, batches and sampling ({d.seed})")
     g = p.add_argument_group("data and numerics")
-    g.add_argument("--data", default=d.data, metavar="FILE",
-                   help="text file to train on (bytes are tokens); default: the Python standard library's source")
-    g.add_argument("--dtype", default=d.dtype, choices=["float32", "float64"], help="floating-point type")
-    g.add_argument("--device", default=d.device, choices=["cpu", "gpu"],
-                   help="cpu (NumPy) or gpu (CuPy); default: $HSGD_DEVICE, else cpu")
-    g.add_argument("--threads", type=int, default=d.threads, help="BLAS threads (default: all cores)")
+    g.add_argument("--data", metavar="FILE", help="text file to train on (bytes are tokens); default: the Python "
+                                                  "standard library's source files")
+    g.add_argument("--dtype", choices=["float32", "float64"], help=f"floating-point type ({d.dtype})")
+    g.add_argument("--device", choices=["cpu", "gpu"], help="cpu (NumPy) or gpu (CuPy); default $HSGD_DEVICE or cpu")
+    g.add_argument("--threads", type=int, help="BLAS threads per rank (default: cores / ranks, at least 1)")
     g = p.add_argument_group("output")
-    g.add_argument("--log-interval", type=int, default=d.log_interval, help="steps between progress lines")
-    g.add_argument("--eval-interval", type=int, default=d.eval_interval,
-                   help="steps between validation losses (0: only before and after training)")
-    g.add_argument("--eval-batches", type=int, default=d.eval_batches, help="batches per validation loss")
-    g.add_argument("--sample-bytes", type=int, default=d.sample_bytes, help="bytes to generate at the end")
-    g.add_argument("--prompt", default=d.prompt, help="prompt of the generated sample")
-    g.add_argument("--log-json", default=d.log_json, metavar="FILE", help="write one JSON object per step")
+    g.add_argument("--log-interval", type=int, help=f"steps between progress lines ({d.log_interval})")
+    g.add_argument("--eval-interval", type=int, help=f"steps between validation losses, 0 = only before and after "
+                                                     f"({d.eval_interval})")
+    g.add_argument("--eval-batches", type=int, help=f"batches per validation loss ({d.eval_batches})")
+    g.add_argument("--sample-bytes", type=int, help=f"bytes to generate at the end ({d.sample_bytes})")
+    g.add_argument("--prompt", help=f"prompt of the generated sample ({d.prompt!r})")
+    g.add_argument("--log-json", metavar="FILE", help="write one JSON object per step (rank 0)")
+    g.add_argument("--config", metavar="FILE.toml", help="read settings from a TOML file (flags win)")
+    g.add_argument("--inject-fault", metavar="RANK:STEP", help="raise an exception on RANK at STEP (testing)")
     return p
 
 
-def configs_from_args(args):
-    model = ModelConfig(vocab_size=256, seq_len=args.seq_len, d_model=args.d_model, n_heads=args.n_heads,
-                        n_layers=args.n_layers, d_ff=args.d_ff)
-    train = TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig)})
-    train.validate()
-    return model, train
+def read_toml(path):
+    """The settings in a TOML file, checked against the known keys."""
+    try:
+        with open(path, "rb") as f:
+            table = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path!r} does not exist") from None
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise ConfigError(f"config file {path!r} cannot be read: {e}") from None
+    known = {f.name for f in fields(TrainConfig)} | set(MODEL_FLAGS)
+    unknown = sorted(set(table) - known)
+    if unknown:
+        raise ConfigError(f"config file {path!r} has unknown keys {unknown}; known keys: {sorted(known)}")
+    return table
+
+
+def configs_from_args(args, world_size):
+    """(ModelConfig, TrainConfig) from parsed flags (and --config), validated; raises UsageError."""
+    given = {k: v for k, v in vars(args).items() if v is not None and k != "config"}
+    config = getattr(args, "config", None)
+    settings = read_toml(config) if config else {}
+    settings.update(given)                                      # flags win over the file
+    model = ModelConfig(vocab_size=256, **{k: settings[k] for k in MODEL_FLAGS if k in settings})
+    tc = TrainConfig(**{k: v for k, v in settings.items() if k not in MODEL_FLAGS})
+    tc.validate()
+    tc.resolve_layout(world_size)
+    tp_model.check_tp(model, tc.tp, tc.tp_scheme)
+    check_batch(tc.batch_size, tc.dp, tc.grad_accum)
+    return model, tc
 
 
 def fmt_time(seconds):
@@ -115,80 +193,121 @@ def fmt_time(seconds):
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
-def evaluate(params, corpus, cfg, tc):
-    """Mean validation loss over tc.eval_batches fixed batches (the same batches at every evaluation)."""
-    losses = [serial.loss(params, *corpus.batch(tc.seed, i, tc.batch_size, split="val"), cfg)
-              for i in range(tc.eval_batches)]
-    return sum(losses) / len(losses)
+def fmt_bytes(n):
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
 
 
-def train(cfg, tc, out=sys.stdout):
-    """Run the training loop (BLAS threads limited to tc.threads); returns a summary dict (losses, timings)."""
-    with threadpool_limits(limits=tc.threads):
-        return _train(cfg, tc, out)
+def local_ranks(world):
+    """Ranks of this job on this machine (for the default number of BLAS threads)."""
+    node = world.Split_type(MPI.COMM_TYPE_SHARED)
+    n = node.Get_size()
+    node.Free()
+    return n
 
 
-def _train(cfg, tc, out):
-    say = lambda s="": print(s, file=out, flush=True)
-    corpus = Corpus.load(tc.data, cfg.seq_len)
-    params = serial.init_params(cfg, seed=tc.seed, dtype=tc.dtype, device=tc.device)
-    grads = serial.zeros_like_params(params)
-    opt = SGD(tc.lr, momentum=tc.momentum, weight_decay=tc.weight_decay)
-    tokens_per_step = tc.batch_size * cfg.seq_len
+def train(cfg, tc, world=MPI.COMM_WORLD, out=sys.stdout):
+    """Train on `world` (every rank calls this); returns a summary dict on every rank."""
+    tc = replace(tc)
+    tc.validate()
+    tc.resolve_layout(world.Get_size())
+    threads = tc.threads or max(1, (os.cpu_count() or 1) // local_ranks(world))
+    with threadpool_limits(limits=threads):
+        return _train(cfg, tc, world, out, threads)
 
-    say(f"hsgd serial training | {cfg.n_params():,} parameters | {resolve_device(tc.device)} {tc.dtype}")
-    say(f"model: L={cfg.n_layers} C={cfg.d_model} NH={cfg.n_heads} F={cfg.d_ff} T={cfg.seq_len} V={cfg.vocab_size}")
+
+def _train(cfg, tc, world, out, threads):
+    rank0 = world.Get_rank() == 0
+    say = (lambda s="": print(s, file=out, flush=True)) if rank0 else (lambda s="": None)
+    corpus = launch.agree(world, lambda: Corpus.load(tc.data, cfg.seq_len))
+    grid = ProcessGrid(world, dp=tc.dp, pp=1, tp=tc.tp)
+    trainer = HybridTrainer(cfg, grid, tc)
+    table = grid.layout_table()
+    fault = tuple(int(x) for x in tc.inject_fault.split(":")) if tc.inject_fault else None
+
+    n_local = sum(p.size for p in trainer.params.values())
+    tokens = tc.batch_size * cfg.seq_len
+    say(f"hsgd | {world.Get_size()} ranks = dp {grid.dp} x tp {grid.tp} ({tc.tp_scheme}) | "
+        f"{resolve_device(tc.device)} {tc.dtype} | {threads} BLAS thread(s) per rank")
+    say(f"model: {cfg.n_params():,} parameters (L={cfg.n_layers} C={cfg.d_model} NH={cfg.n_heads} F={cfg.d_ff} "
+        f"T={cfg.seq_len} V={cfg.vocab_size}); {n_local:,} on each rank (incl. vocab padding)")
     say(f"data:  {corpus.describe()}")
-    say(f"optim: SGD lr={tc.lr} momentum={tc.momentum} weight_decay={tc.weight_decay} | "
-        f"batch {tc.batch_size} x {cfg.seq_len} = {tokens_per_step} tokens/step | {tc.steps} steps")
-    val0 = evaluate(params, corpus, cfg, tc)
+    say(f"batch: global {tc.batch_size} x {cfg.seq_len} = {tokens:,} tokens/step; per DP group "
+        f"{tc.batch_size // grid.dp} sequences in {tc.grad_accum} micro-batch(es)")
+    say(f"optim: {tc.optimizer} lr={tc.lr} warmup={tc.warmup} cosine to lr/10"
+        + (f" momentum={tc.momentum}" if tc.optimizer == "sgd" else "")
+        + f" weight_decay={tc.weight_decay} clip={tc.clip or 'off'} | {tc.steps} steps")
+    say("layout:\n" + table)
+    val0 = trainer.evaluate(corpus, tc.eval_batches, tc.batch_size)
     say(f"val loss {val0:.4f} before training (uniform guess: {math.log(cfg.vocab_size):.4f})")
 
-    log = open(tc.log_json, "w") if tc.log_json else None
+    log = open(tc.log_json, "w") if (tc.log_json and rank0) else None
     t_start = time.perf_counter()
-    t_last, steps_last, loss_sum = t_start, 0, 0.0
-    history = []
+    window = {"n": 0, "loss": 0.0, "s": 0.0, "tp": 0.0, "dp": 0.0}
+    losses, per_step = [], None
     for step in range(1, tc.steps + 1):
+        if fault and fault == (world.Get_rank(), step):
+            raise RuntimeError(f"fault injected on rank {world.Get_rank()} at step {step} (--inject-fault)")
         idx, targets = corpus.batch(tc.seed, step, tc.batch_size)
-        for g in grads.values():
-            g.fill(0)
-        loss, _ = serial.loss_and_grads(params, idx, targets, cfg, grads=grads)
-        opt.step(params, grads)
-        history.append(loss)
-        loss_sum += loss
+        before = grid.stats.counts()
+        info = trainer.step(idx, targets, step)
+        if per_step is None:                                     # bytes of one step (the same every step)
+            after = grid.stats.counts()
+            per_step = {k: (v[0] - before.get(k, (0, 0))[0], v[1] - before.get(k, (0, 0))[1])
+                        for k, v in after.items() if v != before.get(k)}
+        losses.append(info.loss)
+        for k, v in (("n", 1), ("loss", info.loss), ("s", info.seconds), ("tp", info.tp_seconds),
+                     ("dp", info.dp_seconds)):
+            window[k] += v
         if log:
-            log.write(json.dumps({"step": step, "loss": loss, "time": time.perf_counter() - t_start}) + "\n")
+            log.write(json.dumps({"step": step, "loss": info.loss, "lr": info.lr, "grad_norm": info.grad_norm,
+                                  "seconds": info.seconds, "tp_seconds": info.tp_seconds,
+                                  "dp_seconds": info.dp_seconds}) + "\n")
         if step % tc.log_interval == 0 or step == tc.steps:
-            now = time.perf_counter()
-            n = step - steps_last
-            tok_s = n * tokens_per_step / (now - t_last)
-            eta = (now - t_start) / step * (tc.steps - step)
-            say(f"step {step:>{len(str(tc.steps))}}/{tc.steps} | loss {loss_sum / n:.4f} | "
-                f"{tok_s:,.0f} tok/s | ETA {fmt_time(eta)}")
-            t_last, steps_last, loss_sum = now, step, 0.0
+            w, elapsed = window, time.perf_counter() - t_start
+            comp = w["s"] - w["tp"] - w["dp"]
+            say(f"step {step:>{len(str(tc.steps))}}/{tc.steps} | loss {w['loss'] / w['n']:.4f} | lr {info.lr:.2e} | "
+                f"{w['n'] * tokens / w['s']:,.0f} tok/s | ETA {fmt_time(elapsed / step * (tc.steps - step))} | "
+                f"step {1e3 * w['s'] / w['n']:.0f} ms = compute {1e3 * comp / w['n']:.0f} + "
+                f"tp {1e3 * w['tp'] / w['n']:.0f} + dp {1e3 * w['dp'] / w['n']:.0f}")
+            window = dict.fromkeys(window, 0.0)
         if tc.eval_interval and step % tc.eval_interval == 0 and step != tc.steps:
-            say(f"val loss {evaluate(params, corpus, cfg, tc):.4f} at step {step}")
+            say(f"val loss {trainer.evaluate(corpus, tc.eval_batches, tc.batch_size):.4f} at step {step}")
+    wall = time.perf_counter() - t_start
     if log:
         log.close()
-    wall = time.perf_counter() - t_start
-    val1 = evaluate(params, corpus, cfg, tc)
+    val1 = trainer.evaluate(corpus, tc.eval_batches, tc.batch_size)
     say(f"val loss {val0:.4f} -> {val1:.4f} after {tc.steps} steps in {fmt_time(wall)} "
-        f"({tc.steps * tokens_per_step / wall:,.0f} tok/s)")
-    if tc.sample_bytes:
-        text = generate(params, cfg, tc.prompt.encode(), tc.sample_bytes, seed=tc.seed)
-        say("sample:\n" + printable(text))
-    return {"val_before": val0, "val_after": val1, "losses": history, "wall_s": wall, "params": params}
+        f"({tc.steps * tokens / wall:,.0f} tok/s)")
+    formula = dict(tp_model.comm_formula(cfg, tc.batch_size // grid.dp // tc.grad_accum, trainer.buf.flat.itemsize,
+                                         tc.tp_scheme))
+    formula = {k: (v[0] * tc.grad_accum, v[1] * tc.grad_accum) for k, v in formula.items()}
+    formula.update(dp_formula(trainer.params))
+    say("communication per step on each rank (measured | formula):")
+    for key in sorted(set(per_step) | set(formula)):
+        m, f = per_step.get(key, (0, 0)), formula.get(key, (0, 0))
+        say(f"  {key[0]:<4} {key[1]:<22} {m[0]:>4} calls {fmt_bytes(m[1]):>11} | {f[0]:>4} calls "
+            f"{fmt_bytes(f[1]):>11}" + ("" if m == f else "   <- differs"))
+    full = trainer.full_params() if tc.sample_bytes else None
+    if tc.sample_bytes and rank0:
+        say("sample:\n" + printable(generate(full, cfg, tc.prompt.encode(), tc.sample_bytes, seed=tc.seed)))
+    summary = {"val_before": val0, "val_after": val1, "losses": losses, "wall_s": wall, "comm_per_step": per_step,
+               "comm_formula": formula, "params": trainer.params}
+    grid.free()
+    return summary
 
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)
-    try:
-        cfg, tc = configs_from_args(args)
-        train(cfg, tc)
-    except UsageError as e:
-        print(f"hsgd: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    return 0
+    world = MPI.COMM_WORLD
+
+    def body():
+        args = build_parser().parse_args(argv)
+        cfg, tc = launch.agree(world, lambda: configs_from_args(args, world.Get_size()))
+        train(cfg, tc, world)
+
+    return launch.run(body, world)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,119 @@
+"""Check the parallel model against the serial reference:  mpirun -n N python -m hsgd.verify [--tp --dp ...]
+
+One step of the hybrid TP x DP model (the same code path as training: micro-batches, tensor-parallel forward and
+backward, the Allreduce over dp_comm) and of hsgd.serial on the same global batch, then a table with, for every
+parameter, the largest error of any rank's gradient shard against the matching slice of the serial gradient.
+Exit code 0 when every error is within the tolerance of the dtype, 1 otherwise (2 for a usage error):
+
+    float64: loss within 1e-12 and every gradient within 1e-10, relative
+    float32: loss within 1e-6 and every gradient within 1e-4, relative (the float32 error budget; the serial
+             reference is computed in float64)
+
+"Relative" means relative to the largest serial gradient entry of that parameter, or to 1e-3 of the model's
+largest gradient entry when that is larger (some gradients are exactly zero, e.g. the attention k-bias: a
+softmax ignores a shift shared by a row of scores, so what is computed there is rounding noise).
+"""
+import sys
+from dataclasses import replace
+
+import numpy as np
+from mpi4py import MPI
+from threadpoolctl import threadpool_limits
+
+from . import launch, serial, tp_model
+from .backend import to_numpy
+from .grid import ProcessGrid
+from .hybrid import HybridTrainer
+from .train import TrainConfig, configs_from_args
+
+TOLERANCE = {"float64": (1e-12, 1e-10), "float32": (1e-6, 1e-4)}      # (loss, gradients)
+
+
+def build_parser():
+    p = launch.RankZeroParser(prog="mpirun -n P python -m hsgd.verify",
+                              description="One step of the parallel model against the serial reference: a table of "
+                                          "the largest gradient error of every parameter; exit 0 if all are within "
+                                          "tolerance (float64 1e-10, float32 1e-4), else 1.")
+    p.add_argument("--tp", type=int, help="tensor-parallel size (default: 2 on an even number of ranks)")
+    p.add_argument("--dp", type=int, help="data-parallel size (default: ranks / tp)")
+    p.add_argument("--tp-scheme", choices=["megatron", "gather"], help="tensor-parallel scheme (megatron)")
+    p.add_argument("--dtype", choices=["float32", "float64"], default="float64", help="floating-point type (float64)")
+    p.add_argument("--batch-size", type=int, default=8, help="global batch (8)")
+    p.add_argument("--grad-accum", type=int, help="micro-batches per DP group (1)")
+    p.add_argument("--seq-len", type=int, default=16, help="T (16)")
+    p.add_argument("--d-model", type=int, default=32, help="C (32)")
+    p.add_argument("--n-layers", type=int, default=2, help="L (2)")
+    p.add_argument("--n-heads", type=int, default=4, help="NH (4)")
+    p.add_argument("--d-ff", type=int, default=64, help="F (64)")
+    p.add_argument("--seed", type=int, default=0, help="seed of parameters and batch (0)")
+    p.add_argument("--data", metavar="FILE", help="text file for the batch (default: the built-in corpus)")
+    p.add_argument("--device", choices=["cpu", "gpu"], help="cpu or gpu")
+    return p
+
+
+def verify(cfg, tc, world=MPI.COMM_WORLD, out=sys.stdout):
+    """Returns (ok, rows): rows = [(name, full shape, local shape, split, max abs err, max rel err)] on rank 0."""
+    from .data import Corpus
+    corpus = launch.agree(world, lambda: Corpus.load(tc.data, cfg.seq_len))
+    grid = ProcessGrid(world, dp=tc.dp, pp=1, tp=tc.tp)
+    trainer = HybridTrainer(cfg, grid, tc)
+    idx, targets = corpus.batch(tc.seed, 1, tc.batch_size)
+    loss = trainer.compute_grads(idx, targets)
+    loss = grid.dp_comm.comm.allreduce(loss) / grid.dp
+    ref = serial.init_params(cfg, seed=tc.seed, dtype="float64")
+    loss0, grads0 = serial.loss_and_grads(ref, idx, targets, cfg)
+    scale = 1e-3 * max(float(np.abs(g).max()) for g in grads0.values())
+    mine = {}
+    for name, g in trainer.grads.items():
+        expect = tp_model.shard(grads0[name], name, grid.tp_rank, grid.tp, tc.tp_scheme)
+        diff = float(np.abs(to_numpy(g).astype(np.float64) - expect).max())
+        mine[name] = (diff, diff / max(float(np.abs(expect).max()), scale), g.shape)
+    everyone = world.gather(mine)
+    tol_loss, tol_grad = TOLERANCE[tc.dtype]
+    loss_err = abs(loss - loss0) / abs(loss0)
+    ok, rows = loss_err <= tol_loss, []
+    if world.Get_rank() == 0:
+        for name, shape in cfg.param_shapes().items():
+            abs_err = max(r[name][0] for r in everyone)
+            rel_err = max(r[name][1] for r in everyone)
+            kind, axis = tp_model.split_of(name, tc.tp_scheme)
+            split = "replicated" if kind == "rep" or grid.tp == 1 else f"{kind} axis {axis} / {grid.tp}"
+            rows.append((name, shape, everyone[0][name][2], split, abs_err, rel_err))
+            ok = ok and rel_err <= tol_grad
+        print(f"hsgd.verify | {world.Get_size()} ranks = dp {grid.dp} x tp {grid.tp} ({tc.tp_scheme}) | {tc.dtype} | "
+              f"batch {tc.batch_size} x {cfg.seq_len}, grad_accum {tc.grad_accum}", file=out)
+        print(f"loss: parallel {loss:.12g}  serial {loss0:.12g}  rel err {loss_err:.1e} (tolerance {tol_loss:.0e})",
+              file=out)
+        print(f"{'parameter':<24}{'shape':>12}{'shard':>12}  {'split':<18}{'max abs err':>12}{'max rel err':>12}",
+              file=out)
+        for name, shape, local, split, a, r in rows:
+            flag = "" if r <= tol_grad else "   <- over tolerance"
+            print(f"{name:<24}{str(tuple(shape)):>12}{str(tuple(local)):>12}  {split:<18}{a:>12.1e}{r:>12.1e}{flag}",
+                  file=out)
+        worst = max(rows, key=lambda r: r[5])
+        print(f"{'PASS' if ok else 'FAIL'}: largest gradient error {worst[5]:.1e} ({worst[0]}), tolerance "
+              f"{tol_grad:.0e}", file=out)
+    ok = world.bcast(ok)
+    grid.free()
+    return ok, rows
+
+
+def main(argv=None):
+    world = MPI.COMM_WORLD
+
+    def body():
+        args = build_parser().parse_args(argv)
+        cfg, tc = launch.agree(world, lambda: configs_from_args(args, world.Get_size()))
+        tc = replace(tc, steps=1, sample_bytes=0)
+        with threadpool_limits(limits=1):
+            ok, _ = verify(cfg, tc, world)
+        return 0 if ok else 1
+
+    return launch.run(body, world)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+
+__all__ = ["verify", "TOLERANCE", "TrainConfig"]

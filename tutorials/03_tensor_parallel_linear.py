@@ -1,0 +1,442 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Chapter 3: tensor-parallel linear layers
+#
+# Step 3 of the seed paper (the lecture hsgd implements, see chapter 1) splits one copy of the model over a
+# group of M workers, "tensor parallelism": every large weight matrix is cut by columns or by rows, and each
+# worker multiplies with its own piece. This chapter takes the one layer everything is made of, the linear
+# layer $Y = XW$, and works out
+#
+# 1. the two ways to cut $W$ (by columns, by rows) and how the pieces of the result add up to the serial one;
+# 2. the seed paper's scheme (sections 3.2 and 3.3 of the lecture): column split, All-Gather of the output
+#    pieces, and in the backward pass the adjoint of the All-Gather, a Reduce-Scatter. When it is exactly a
+#    Reduce-Scatter, and when it must be scaled by $1/tp$ (and then needs no communication at all);
+# 3. Megatron-LM's conjugate operators $f$ and $g$ (Shoeybi et al. 2019, arXiv:1909.08053), which build the
+#    MLP column -> GELU -> row with one All-Reduce forward and one backward, and the bytes each scheme moves.
+#
+# Every result is compared with the serial computation on the full matrices. Run it with four ranks (a few
+# seconds; on failure every rank raises, so it exits non-zero without hanging):
+#
+# mpirun -n 4 python tutorials/03_tensor_parallel_linear.py
+#
+# The notebook form (`jupytext --to ipynb tutorials/03_tensor_parallel_linear.py`) is for reading: the code needs
+# four MPI ranks, so run it with mpirun as above. Only rank 0 prints.
+#
+# Legend: B batch, T sequence, C d_model, F d_ff, N = B*T rows, tp tensor-parallel ranks, i (or r) a rank.
+# A `/tp` in a shape comment marks the dimension that is split, e.g. `(C, F/tp)`.
+
+# %%
+import numpy as np
+from mpi4py import MPI
+from threadpoolctl import threadpool_limits
+
+from hsgd import layers, tp_layers
+from hsgd.grid import ProcessGrid
+
+threadpool_limits(1)                    # four ranks share the cores, tiny matrices: one BLAS thread each
+TP = 4                                  # tensor-parallel size; more ranks than 4 form data-parallel copies
+world = MPI.COMM_WORLD
+if world.Get_size() % TP:               # every rank exits non-zero; rank 0 says why
+    raise SystemExit(f"run this chapter on a multiple of {TP} ranks: mpirun -n {TP} python {__file__}"
+                     if world.Get_rank() == 0 else 1)
+grid = ProcessGrid(world, dp=world.Get_size() // TP, tp=TP)
+tp, i = grid.tp_comm, grid.tp_rank      # the tensor-parallel communicator (hsgd.comm.Comm) and my place in it
+TOL = 1e-12                             # float64 throughout: parallel and serial differ only by rounding
+errors = {}                             # what was checked -> the largest error over all ranks
+
+
+def say(*args):
+    """Print on world rank 0 only."""
+    if grid.rank == 0:
+        print(*args, flush=True)
+
+
+def check(what, err, tol=TOL):
+    """Print the largest error over all ranks and stop the chapter on *every* rank if any rank's is not below tol.
+
+    The verdict is reached collectively first (a small pickled allgather and a logical-AND reduction), so a
+    failure on one rank cannot leave the others waiting inside a later collective."""
+    errs = grid.world.allgather_obj(float(err))
+    ok = grid.world.all_true(err < tol)               # NaN compares False: a NaN fails
+    worst = max(errs)
+    say(f"{what:<60s} {worst:.1e}")
+    errors[what] = worst
+    if not ok:
+        raise AssertionError(f"{what}: error {worst:.2e} is not below {tol:.0e} (errors per rank: {errs})")
+
+
+def count_diff(measured, expected):
+    """How far CommStats.counts() is from the expected {(comm, op): (calls, bytes)}: 0 when they are equal."""
+    keys = set(measured) | set(expected)
+    return float(sum(abs(m - e) for k in keys for m, e in zip(measured.get(k, (0, 0)), expected.get(k, (0, 0)))))
+
+
+def rel_err(a, b, floor=1e-6):
+    """max |a - b| / max |b|, with an absolute floor for arrays that are (nearly) zero."""
+    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), floor))
+
+
+# Every rank draws the *same* full matrices from the same seed and keeps its slice of the weights; the serial
+# reference is then computable on every rank without any communication.
+rng = np.random.default_rng(0)
+B, T, C, F = 2, 3, 8, 32                # F = 4C as in GPT-2; F/tp = 8 columns of F per rank
+N = B * T
+X = rng.standard_normal((B, T, C))      # (B, T, C) the layer input, replicated on every rank
+say(f"{world.Get_size()} ranks; tensor-parallel groups of tp = {TP}; B={B} T={T} C={C} F={F}")
+
+# %% [markdown]
+# ## 1. Two ways to cut a weight matrix
+#
+# Take $Y = XW$ with $X$: (N, C) and $W$: (C, F).
+#
+# **Column split.** Cut $W$ into tp blocks of columns, $W = [W_1\ W_2\ \cdots\ W_{tp}]$, rank $i$ holding
+# $W_i$: (C, F/tp). Column $j$ of $Y$ only needs column $j$ of $W$, so
+#
+# $$Y = X\,[W_1\ \cdots\ W_{tp}] = [XW_1\ \cdots\ XW_{tp}], \qquad Y_i = X W_i \ \text{: (N, F/tp)}.$$
+#
+# Each rank needs the whole input $X$ (replicated) and produces one block of columns of the output (sharded).
+# A bias is cut the same way, $b = [b_1 \cdots b_{tp}]$.
+#
+# **Row split.** Cut $W$ into tp blocks of rows, $W = [W_1; W_2; \cdots; W_{tp}]$, rank $i$ holding $W_i$:
+# (F/tp, C) (here $W$ maps F to C), and cut the input the same way by columns, $X = [X_1 \cdots X_{tp}]$ with
+# $X_i$: (N, F/tp). Block matrix multiplication gives
+#
+# $$Y = [X_1 \cdots X_{tp}] \begin{bmatrix} W_1 \\ \vdots \\ W_{tp} \end{bmatrix} = \sum_{i=1}^{tp} X_i W_i .$$
+#
+# Each rank computes a full-sized (N, C) *partial* product; the true $Y$ is their sum, an All-Reduce. A bias
+# is added once, after the sum (added on every rank before it, it would count tp times).
+#
+# The shapes on each rank of the group:
+
+# %%
+cols = slice(i * F // TP, (i + 1) * F // TP)     # my block of F: columns of a column split, rows of a row split
+
+W_col = rng.standard_normal((C, F))             # (C, F)     full, for the column split
+W_row = rng.standard_normal((F, C))             # (F, C)     full, for the row split
+H = rng.standard_normal((B, T, F))              # (B, T, F)  full input of the row-split layer
+
+W_col_i = W_col[:, cols]                        # (C, F/tp)  my columns
+Y_col_i, _ = layers.linear_forward(X, W_col_i)  # (B, T, F/tp) my block of output columns, no communication
+H_i = np.ascontiguousarray(H[..., cols])        # (B, T, F/tp) my block of the input's columns
+W_row_i = W_row[cols, :]                        # (F/tp, C)  my rows
+Y_row, _ = layers.linear_forward(H_i, W_row_i)  # (B, T, C)  partial product X_i W_i, full-sized
+
+shapes = tp.allgather_obj((i, cols.start, cols.stop, W_col_i.shape, Y_col_i.shape, W_row_i.shape, Y_row.shape))
+say("rank  block of F   column split: W_i (C, F/tp)  Y_i (B, T, F/tp)   row split: W_i (F/tp, C)  X_i W_i (B, T, C)")
+for r, a, b, sw, sy, rw, ry in shapes:
+    say(f"{r:>4}  [{a:>2}, {b:>2})     {str(sw):<20s}  {str(sy):<17s}              {str(rw):<14s}   {ry}")
+
+# %% [markdown]
+# Assembling the results. For the column split the blocks are put side by side; rank $i$'s block must equal
+# columns $iF/tp \ldots (i+1)F/tp - 1$ of the serial $XW$, and after an All-Gather
+# (`tp_layers.allgather_forward`, which calls `Allgather` and lays the blocks side by side) every rank holds the
+# whole serial $Y$. For the row split the partial products are summed by `Allreduce`.
+
+# %%
+Y_serial_col = X @ W_col                                    # (B, T, F)
+check("column split: Y_i vs block i of serial X W", rel_err(Y_col_i, Y_serial_col[..., cols]))
+Y_col = tp_layers.allgather_forward(Y_col_i, tp)            # (B, T, F) Allgather: [Y_1 ... Y_tp]
+check("column split: Allgather(Y_i) vs serial X W", rel_err(Y_col, Y_serial_col))
+
+Y_serial_row = H @ W_row                                    # (B, T, C)
+partial_err = rel_err(Y_row, Y_serial_row)                  # one partial product alone is far from Y
+tp.Allreduce(Y_row)                                         # (B, T, C) in place: sum over i of X_i W_i
+check("row split: Allreduce(X_i W_i) vs serial X W", rel_err(Y_row, Y_serial_row))
+say(f"  (before the Allreduce, one rank's partial product is off by {partial_err:.0%} of max|Y|)")
+
+# %% [markdown]
+# The two cuts fit together. The output of a column split, $Y_i$: (N, F/tp), is *exactly* the input block a row
+# split wants, so a column-split layer followed by a row-split layer needs no communication in between, and
+# neither does anything elementwise placed between them (GELU acts on each column on its own). Section 3 builds
+# the MLP this way. Something that mixes columns, such as LayerNorm or a softmax over F, would need the whole
+# row and could not sit there.
+
+# %% [markdown]
+# ## 2. The seed paper's scheme: column split, All-Gather, and its adjoint
+#
+# **Forward** (lecture, section 3.2): "for the linear layer $Y = XW$ with $W$ split by columns, each worker
+# computes $Y_{part} = X W_{part}$; to obtain the full $Y$ the workers All-Gather the $Y_{part}$, so that every
+# worker has the whole $Y$ for the next layer." That is `tp_layers.gather_linear_forward`:
+#
+# $$Y_i = X A_i + b_i \ \text{: (N, F/tp)}, \qquad Y = \text{AllGather}(Y_1, \ldots, Y_{tp}) \ \text{: (N, F)
+# on every rank}.$$
+
+# %%
+A = rng.standard_normal((C, F))                 # (C, F)
+bA = rng.standard_normal(F)                     # (F,)
+A_i, bA_i = A[:, cols], bA[cols]                # (C, F/tp), (F/tp,) my columns
+
+Y, cache_A = tp_layers.gather_linear_forward(X, A_i, bA_i, tp)      # (B, T, F) Allgather inside
+Y_serial, cache_A_serial = layers.linear_forward(X, A, bA)          # (B, T, F)
+check("Allgather(X A_i + b_i) vs serial X A + b", rel_err(Y, Y_serial))
+
+# %% [markdown]
+# **Backward** (lecture, section 3.3). Write $D = \partial L / \partial Y$. Three gradients are needed:
+#
+# * $\partial L/\partial A_i = X^\top\, \partial L/\partial Y_i$ and $\partial L / \partial b_i = \sum_n
+#   \partial L / \partial Y_{i,n}$: "from the upstream gradient and the local input", no communication once
+#   $\partial L / \partial Y_i$ is known;
+# * $\partial L/\partial X$: every rank's $Y_i$ depends on all of $X$, so
+#   $\partial L / \partial X = \sum_i \partial L/\partial Y_i\, A_i^\top$: rank $i$ computes its term, a partial
+#   $dX$, and an **All-Reduce** sums them ("dX_part from dY_part and W_part, All-Reduce to the full dX");
+# * and first $\partial L / \partial Y_i$ itself, the backward of the All-Gather.
+#
+# **The adjoint of All-Gather is Reduce-Scatter.** The All-Gather copies block $i$ of rank $i$ into block $i$ of
+# the $Y$ held by *every* rank $r$. A value copied to several places receives the sum of the gradients of all
+# the copies (chapter 1: "a value used twice receives the sum of both gradients"). So if rank $r$'s part of the
+# computation hands it the gradient $D^{(r)}$ with respect to its copy of the whole $Y$,
+#
+# $$\frac{\partial L}{\partial Y_i} = \sum_{r=1}^{tp} D^{(r)}_i = \big[\text{ReduceScatter}(D^{(1)}, \ldots,
+# D^{(tp)})\big]_i :$$
+#
+# sum over ranks, then scatter the blocks, block $i$ to rank $i$. Whether that is what the code must do depends
+# on what the $D^{(r)}$ are, and there are two cases.
+#
+# **Case 1: the downstream computation is replicated.** Every rank computes the *same* thing from the same full
+# $Y$ (the next LayerNorm, a residual addition, the loss), and the loss counts it once. Then each rank already
+# holds the same, *complete* $D = \partial L / \partial Y$. These are not tp different contributions to be
+# added: they are tp copies of one. The rank-$r$ copies are all the same gradient, so the sum above must count
+# it once, which is the Reduce-Scatter scaled by $1/tp$:
+#
+# $$\frac{\partial L}{\partial Y_i} = \tfrac{1}{tp}\, \text{ReduceScatter}(D, \ldots, D)_i = \tfrac{1}{tp}\,
+# tp\, D_i = D_i ,$$
+#
+# the rank's own slice of $D$, which it already has: no communication at all. An unscaled Reduce-Scatter would
+# give $tp \cdot D_i$, a gradient tp times too large. `tp_layers.allgather_backward` does all three, so we can
+# look. The probe is $L = \sum Y \odot R$ with a fixed random $R$ that is the same on every rank, so
+# $D = R$ everywhere:
+
+# %%
+R = rng.standard_normal((B, T, F))                              # (B, T, F) dL/dY, the same on every rank
+
+dY_slice = tp_layers.allgather_backward(R, tp)                  # (B, T, F/tp) the local slice, no communication
+dY_rs = tp_layers.allgather_backward(R, tp, reduce_scatter=True)             # Reduce_scatter_block, then / tp
+dY_rs1 = tp_layers.allgather_backward(R, tp, reduce_scatter=True, scale=1.0)  # Reduce_scatter_block, unscaled
+
+check("replicated: slice D_i vs serial dL/dY_i", rel_err(dY_slice, R[..., cols]))
+check("replicated: ReduceScatter / tp vs slice", rel_err(dY_rs, dY_slice))
+ratio = dY_rs1 / dY_slice                                       # (B, T, F/tp) elementwise
+check("replicated: unscaled ReduceScatter / slice - tp", float(np.max(np.abs(ratio - TP))))
+say(f"  unscaled Reduce-Scatter / correct gradient: min {ratio.min():.15g}, max {ratio.max():.15g} (tp = {TP})")
+
+# %% [markdown]
+# With the right $\partial L / \partial Y_i$ the rest of the backward follows the lecture. `gather_linear_backward`
+# takes the slice, accumulates $dA_i \mathrel{+}= X^\top dY_i$ and $db_i \mathrel{+}= \sum_n dY_i$, and
+# All-Reduces the partial $dX_i = dY_i A_i^\top$. The result must match the serial `linear_backward` on the full
+# matrices; with the unscaled Reduce-Scatter instead, every gradient would come out exactly tp times too large.
+
+# %%
+dA_i, dbA_i = np.zeros_like(A_i), np.zeros_like(bA_i)          # (C, F/tp), (F/tp,)
+dX = tp_layers.gather_linear_backward(R, cache_A, dA_i, dbA_i, tp)  # (B, T, C) Allreduce of the partial dX
+
+dA, dbA = np.zeros_like(A), np.zeros_like(bA)                   # serial: (C, F), (F,)
+dX_serial = layers.linear_backward(R, cache_A_serial, dA, dbA)  # (B, T, C)
+check("replicated: dA_i vs block i of serial dA", rel_err(dA_i, dA[:, cols]))
+check("replicated: db_i vs block i of serial db", rel_err(dbA_i, dbA[cols]))
+check("replicated: Allreduce(dY_i A_i^T) vs serial dX", rel_err(dX, dX_serial))
+
+dA_wrong = np.zeros_like(A_i)
+layers.linear_backward(dY_rs1, cache_A, dA_wrong)               # dA_i from the unscaled Reduce-Scatter
+check("unscaled: dA_i / serial dA_i - tp", float(np.max(np.abs(dA_wrong / dA[:, cols] - TP))))
+
+# %% [markdown]
+# **Case 2: the downstream work is split between ranks.** Now let the next layer be column-split too, another
+# gather linear $Z = \text{AllGather}(Y B_i)$ with $B_i$: (F, C/tp), and $L = \sum Z \odot R_Z$. Rank $r$ only
+# computes $Z_r = Y B_r$, so the gradient it can form with respect to the whole $Y$ is its own term,
+#
+# $$D^{(r)} = \frac{\partial L}{\partial Z_r}\, B_r^\top \ \text{: (N, F)},$$
+#
+# a *different* partial gradient on every rank, and $\partial L / \partial Y = \sum_r D^{(r)}$. Here the plain
+# Reduce-Scatter is the exact adjoint: it sums the partials and hands each rank the block it needs.
+#
+# Two routes give the same $\partial L/\partial Y_i$. The gather scheme as written in `tp_layers` (and used by
+# `tp_model`) first All-Reduces the partial $dX$ of the second layer (bullet 2 above) to the full, replicated
+# $\partial L/\partial Y$, and then, being in case 1, takes its slice. The Reduce-Scatter does both in one
+# collective, and in a ring implementation it moves half the data of the All-Reduce ($(tp-1)/tp$ instead of
+# $2(tp-1)/tp$ of the tensor per rank): an All-Reduce *is* a Reduce-Scatter followed by an All-Gather, and the
+# All-Gather half is wasted when each rank only wants its own block.
+
+# %%
+Bw = rng.standard_normal((F, C))                                # (F, C) the next layer's weight
+R_Z = rng.standard_normal((B, T, C))                            # (B, T, C) dL/dZ, the same on every rank
+cols_C = slice(i * C // TP, (i + 1) * C // TP)                  # my block of the next layer's C outputs
+Bw_i = Bw[:, cols_C]                                            # (F, C/tp)
+
+Z, cache_B = tp_layers.gather_linear_forward(Y, Bw_i, None, tp)                  # (B, T, C) Allgather
+dZ_i = tp_layers.allgather_backward(R_Z, tp)                    # (B, T, C/tp) case 1: my slice of R_Z
+D_r = layers.linear_backward(dZ_i, cache_B, np.zeros_like(Bw_i))                 # (B, T, F) my partial dL/dY
+
+dY_i_rs = tp_layers.allgather_backward(D_r, tp, replicated=False)                # (B, T, F/tp) Reduce-Scatter
+D_full = D_r.copy()
+tp.Allreduce(D_full)                                            # (B, T, F) the All-Reduce route ...
+dY_i_ar = tp_layers.allgather_backward(D_full, tp)              # (B, T, F/tp) ... and then the slice
+
+dY_serial = R_Z @ Bw.T                                          # (B, T, F) serial dL/dY
+check("split: ReduceScatter(D^(r)) vs serial dL/dY_i", rel_err(dY_i_rs, dY_serial[..., cols]))
+check("split: ReduceScatter vs Allreduce + slice", rel_err(dY_i_rs, dY_i_ar))
+say(f"  (taking the slice of my own partial D^(r) without communication would be off by "
+    f"{rel_err(D_r[..., cols], dY_serial[..., cols]):.0%}: case 2 needs the sum)")
+
+# %% [markdown]
+# From $\partial L/\partial Y_i$ on, the first layer's backward is the same as before: $dA_i = X^\top dY_i$
+# locally, and the All-Reduce of the partial $dY_i A_i^\top$ gives the full $dX$. Against the serial chain
+# $X \to XA + b \to (XA + b)B$:
+
+# %%
+dA_i = np.zeros_like(A_i)
+dX_partial = layers.linear_backward(dY_i_rs, cache_A, dA_i)     # (B, T, C) my partial dX = dY_i A_i^T
+tp.Allreduce(dX_partial)                                        # (B, T, C) sum over the tp ranks: the full dX
+
+dA = np.zeros_like(A)
+dX_serial = layers.linear_backward(dY_serial, cache_A_serial, dA)                # (B, T, C)
+check("split: dA_i vs block i of serial dA", rel_err(dA_i, dA[:, cols]))
+check("split: Allreduce(dY_i A_i^T) vs serial dX", rel_err(dX_partial, dX_serial))
+
+# %% [markdown]
+# So the lecture's "the backward of the All-Gather is a Reduce-Scatter" is exact when each rank contributes a
+# different part of the gradient; when every rank holds the same complete gradient it is the $1/tp$-scaled
+# Reduce-Scatter, which is just the local slice. In `hsgd.tp_model` ("gather" scheme), the tensor after every
+# All-Gather receives its gradient replicated (from replicated work, or from the next layer's All-Reduce of its
+# partial $dX$, the All-Reduce route above), so the slice is what runs; `reduce_scatter=True` makes it call the
+# scaled Reduce-Scatter instead (same numbers, more traffic), which the tests use to show the two agree. For the
+# tensors gathered before a projection, the All-Reduce + slice could be one unscaled Reduce-Scatter (case 2).
+#
+# ## 3. Megatron's f and g: the MLP with one All-Reduce each way
+#
+# The seed paper's scheme communicates after *every* linear layer, forward and backward. Megatron-LM pairs the
+# two cuts of section 1 instead and names the two places where communication is unavoidable:
+#
+# | operator | forward | backward | where |
+# |---|---|---|---|
+# | $f$ | identity | All-Reduce | entry of a column-parallel region: $X$ is replicated, each rank's $dX$ is partial |
+# | $g$ | All-Reduce | identity | exit of a row-parallel region: each rank's $Y$ is partial, $dY$ is replicated |
+#
+# They are *conjugate*: each is the other's adjoint. $f$ hands the same $X$ to every rank, a copy, whose backward
+# sums the copies' gradients; $g$ sums, and the gradient of a sum with respect to each term is the upstream
+# gradient itself, a copy. The MLP of a Transformer block, $\text{MLP}(X) = \text{GELU}(X W_1 + b_1)\, W_2 + b_2$,
+# becomes
+#
+# $$X \xrightarrow{f} X \xrightarrow{\text{column}} U_i = XW_{1,i} + b_{1,i} \xrightarrow{\text{GELU}} H_i
+# \xrightarrow{\text{row}} H_i W_{2,i} \xrightarrow{g} \sum_i H_i W_{2,i} + b_2 ,$$
+#
+# with $W_1 = [W_{1,1} \cdots W_{1,tp}]$ split by columns (C, F/tp), $W_2 = [W_{2,1}; \cdots; W_{2,tp}]$ by rows
+# (F/tp, C), $b_1$ split, $b_2$ replicated. GELU is elementwise, so it is applied to the local columns. The
+# backward runs the same line from right to left: $g$'s backward is free, the row-parallel layer gives its
+# $dW_{2,i}$ and $dH_i$ locally, GELU's backward is local, the column-parallel layer gives $dW_{1,i}$ and a
+# partial $dX$, and $f$'s backward All-Reduces it. In `tp_layers` these are `column_linear_forward/backward`
+# (with $f$ inside) and `row_linear_forward/backward` (with $g$ inside). Every collective is counted in the
+# grid's `CommStats`; we reset it and look after the forward pass and after the backward pass.
+
+# %%
+W1 = rng.standard_normal((C, F))                # (C, F)
+b1 = rng.standard_normal(F)                     # (F,)
+W2 = rng.standard_normal((F, C))                # (F, C)
+b2 = rng.standard_normal(C)                     # (C,)
+dOut = rng.standard_normal((B, T, C))           # (B, T, C) dL/dMLP(X), the same on every rank (replicated)
+
+W1_i, b1_i = W1[:, cols], b1[cols]              # (C, F/tp), (F/tp,) column-parallel fc
+W2_i = W2[cols, :]                              # (F/tp, C)           row-parallel proj; b2 (C,) replicated
+
+grid.stats.reset()
+U_i, c_fc = tp_layers.column_linear_forward(X, W1_i, b1_i, tp)       # (B, T, F/tp) f: identity
+H_i, c_gelu = layers.gelu_forward(U_i)                               # (B, T, F/tp) elementwise, local
+out_mega, c_proj = tp_layers.row_linear_forward(H_i, W2_i, b2, tp)   # (B, T, C)    g: Allreduce
+fwd_counts = grid.stats.counts()
+say("Megatron MLP, forward:\n" + grid.stats.format())
+
+grid.stats.reset()
+mega = {"dW1": np.zeros_like(W1_i), "db1": np.zeros_like(b1_i), "dW2": np.zeros_like(W2_i), "db2": np.zeros_like(b2)}
+dH_i = tp_layers.row_linear_backward(dOut, c_proj, mega["dW2"], mega["db2"], tp)     # (B, T, F/tp) g^T: identity
+dU_i = layers.gelu_backward(dH_i, c_gelu)                                          # (B, T, F/tp) local
+mega["dX"] = tp_layers.column_linear_backward(dU_i, c_fc, mega["dW1"], mega["db1"], tp)  # (B, T, C) f^T: Allreduce
+bwd_counts = grid.stats.counts()
+say("Megatron MLP, backward:\n" + grid.stats.format())
+
+one = {("tp", "Allreduce"): (1, N * C * 8)}     # one Allreduce of an (N, C) float64 tensor
+check("Megatron MLP forward: calls, bytes - (1, N*C*8)", count_diff(fwd_counts, one), 0.5)
+check("Megatron MLP backward: calls, bytes - (1, N*C*8)", count_diff(bwd_counts, one), 0.5)
+
+# %% [markdown]
+# The recorded payload is the size of the logical tensor, $N \cdot C \cdot 8$ bytes ($6 \cdot 8 \cdot 8 = 384$):
+# the MLP's hidden activation (N, F), four times larger, never travels, in either direction.
+#
+# ## 4. The seed paper's MLP, for comparison
+#
+# The same MLP in the seed paper's scheme: both linears column-split and gathered, $W_2$ now split by *columns*,
+# (F, C/tp), with $b_2$ split too. GELU commutes with the All-Gather (it is elementwise), so the gather of the
+# first layer can wait until after it, as in `tp_model`'s "gather" scheme. Forward: All-Gather of the (N, F)
+# hidden activation and of the (N, C) output; backward: the two slices (free, case 1) and two All-Reduces of
+# partial $dX$, (N, F) and (N, C).
+
+# %%
+W2_ci, b2_ci = W2[:, cols_C], b2[cols_C]                            # (F, C/tp), (C/tp,) column split of proj
+
+grid.stats.reset()
+U_i, c_fc_g = layers.linear_forward(X, W1_i, b1_i)                  # (B, T, F/tp) local
+H_i, c_gelu_g = layers.gelu_forward(U_i)                            # (B, T, F/tp) local
+H = tp_layers.allgather_forward(H_i, tp)                            # (B, T, F)    Allgather
+out_gath, c_proj_g = tp_layers.gather_linear_forward(H, W2_ci, b2_ci, tp)  # (B, T, C) Allgather
+gath = {"dW1": np.zeros_like(W1_i), "db1": np.zeros_like(b1_i), "dW2": np.zeros_like(W2_ci),
+        "db2": np.zeros_like(b2_ci)}
+dH = tp_layers.gather_linear_backward(dOut, c_proj_g, gath["dW2"], gath["db2"], tp)  # (B, T, F) Allreduce
+dH_i = tp_layers.allgather_backward(dH, tp)                         # (B, T, F/tp) case 1: the slice
+dU_i = layers.gelu_backward(dH_i, c_gelu_g)                         # (B, T, F/tp)
+gath["dX"] = layers.linear_backward(dU_i, c_fc_g, gath["dW1"], gath["db1"])          # (B, T, C) partial
+tp.Allreduce(gath["dX"])                                            # (B, T, C) full dX
+gather_counts = grid.stats.counts()
+say("seed paper's MLP, forward and backward:\n" + grid.stats.format())
+
+expected = {("tp", "Allgather"): (2, N * (F + C) * 8), ("tp", "Allreduce"): (2, N * (F + C) * 8)}
+check("seed paper's MLP: calls, bytes - expected", count_diff(gather_counts, expected), 0.5)
+mega_bytes = sum(b for _, b in fwd_counts.values()) + sum(b for _, b in bwd_counts.values())
+gath_bytes = sum(b for _, b in gather_counts.values())
+say(f"payload per MLP step: Megatron {mega_bytes} bytes, seed paper {gath_bytes} bytes "
+    f"({gath_bytes / mega_bytes:.0f}x: (F + C) / C with F = {F // C}C)")
+
+# %% [markdown]
+# With $F = 4C$, as here and in GPT-2, the seed paper's scheme moves $(F + C)/C = 5$ times the payload of
+# Megatron's, in four collectives instead of two. What it buys is simplicity: every layer's output is complete on
+# every rank, so any layer can follow any other. Megatron's pairing needs the column split to be followed by the
+# row split, which is exactly the shape of a Transformer's MLP and, as chapter 4 shows, of its attention.
+#
+# ## Check against serial
+#
+# Both parallel MLPs against `hsgd.layers` on the full matrices: the output, the input gradient $dX$
+# (replicated), and every rank's shard of the weight and bias gradients, the shard being cut the way that
+# scheme cuts the parameter (Megatron: $W_2$ by rows, $b_2$ whole; seed paper: $W_2$ and $b_2$ by columns).
+
+# %%
+U, c_fc_s = layers.linear_forward(X, W1, b1)                        # (B, T, F)
+Hs, c_gelu_s = layers.gelu_forward(U)                               # (B, T, F)
+out_serial, c_proj_s = layers.linear_forward(Hs, W2, b2)            # (B, T, C)
+ser = {"dW1": np.zeros_like(W1), "db1": np.zeros_like(b1), "dW2": np.zeros_like(W2), "db2": np.zeros_like(b2)}
+dHs = layers.linear_backward(dOut, c_proj_s, ser["dW2"], ser["db2"])
+ser["dX"] = layers.linear_backward(layers.gelu_backward(dHs, c_gelu_s), c_fc_s, ser["dW1"], ser["db1"])
+
+shard_of = {"megatron": {"dX": ser["dX"], "dW1": ser["dW1"][:, cols], "db1": ser["db1"][cols],
+                         "dW2": ser["dW2"][cols, :], "db2": ser["db2"]},
+            "gather": {"dX": ser["dX"], "dW1": ser["dW1"][:, cols], "db1": ser["db1"][cols],
+                       "dW2": ser["dW2"][:, cols_C], "db2": ser["db2"][cols_C]}}
+for scheme, out, grads in (("megatron", out_mega, mega), ("gather", out_gath, gath)):
+    check(f"{scheme} MLP: output vs serial", rel_err(out, out_serial))
+    check(f"{scheme} MLP: dX and dW1, db1, dW2, db2 shards vs serial",
+          max(rel_err(grads[name], shard_of[scheme][name]) for name in grads))
+
+worst = max(errors, key=errors.get)
+say(f"chapter 3: all {len(errors)} checks passed on {world.Get_size()} ranks; largest error {errors[worst]:.1e} "
+    f"({worst}), tolerance {TOL:.0e}")
+grid.free()
