@@ -1,5 +1,6 @@
 # hsgd: two commands on a fresh machine.
-#   make train   create .venv if missing, install hsgd with MPI from PyPI, run the default training job
+#   make train   create .venv if missing, install hsgd with MPI from PyPI, run the default training job:
+#                mpirun -n 8 python -m hsgd.train   (tp = 2, dp = 4)
 #   make test    same install, then the whole test suite (unit, MPI and tutorial tests)
 #   make bench   same install, then the benchmarks in benchmarks/
 # Use a system MPI instead of PyPI's mpich wheel:  make test EXTRAS=dev
@@ -19,14 +20,17 @@ $(STAMP): setup.cfg pyproject.toml
 	$(PY) -m pip install --disable-pip-version-check -q -e '.[$(EXTRAS)]'
 	touch $(STAMP)
 
+NP     ?= 8
+RUN    := PATH="$(abspath $(VENV))/bin:$$PATH"
+
 train: $(STAMP)
-	$(PY) -m hsgd.train
+	$(RUN) mpirun -n $(NP) python -m hsgd.train
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check --quiet --line-length 120 --select E,F,W --ignore E741,E731 hsgd tests tutorials benchmarks
 
 test: $(STAMP) lint
-	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m pytest -q
+	$(RUN) python -m pytest -q
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_serial.py

@@ -55,3 +55,80 @@ def test_grid_prints_the_layout_table():
     assert r.returncode == 0
     assert "4 ranks = dp 2 x pp 1 x tp 2" in r.stdout
     assert "tp_comm groups: [[0, 1], [2, 3]]" in r.stdout and "dp_comm groups: [[0, 2], [1, 3]]" in r.stdout
+
+
+TINY = ["--steps", "3", "--d-model", "16", "--n-heads", "4", "--n-layers", "1", "--d-ff", "16", "--seq-len", "8",
+        "--batch-size", "8", "--eval-batches", "1", "--sample-bytes", "0", "--log-interval", "1"]
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--tp", "3"], "dp*pp*tp = 2*1*3 = 6 does not match the 8 ranks"),
+    (["--tp", "8"], "n_heads=4 is not divisible by tp=8"),
+    (["--batch-size", "10"], "batch_size=10 does not split into dp=4 groups x grad_accum=1"),
+    (["--grad-accum", "3"], "does not split into dp=4 groups x grad_accum=3"),
+    (["--steps", "0"], "steps=0 must be a positive integer"),
+    (["--data", "/nonexistent/corpus.txt"], "does not exist"),
+    (["--bogus"], "unrecognized arguments: --bogus"),
+    (["--optimizer", "adam"], "invalid choice: 'adam'"),
+    (["--inject-fault", "x"], "inject_fault='x' must look like RANK:STEP"),
+])
+def test_invalid_flags_exit_2_with_one_message(flags, words):
+    r = run_mpi(8, ["-m", "hsgd.train", *TINY, *flags], timeout=60)
+    print(f"{flags} -> exit {r.returncode}: {r.stderr.strip()}")
+    assert r.returncode == 2
+    assert r.stderr.count("hsgd: error:") == 1 and words in r.stderr and "Traceback" not in r.stderr
+
+
+def test_bad_toml_config_exits_2(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("steps = 3\nlearning_rate = 0.1\n")
+    broken = tmp_path / "broken.toml"
+    broken.write_text("steps = = 3\n")
+    for path, words in ((bad, "has unknown keys ['learning_rate']"), (broken, "cannot be read")):
+        r = run_mpi(4, ["-m", "hsgd.train", *TINY, "--config", str(path)], timeout=60)
+        print(r.stderr)
+        assert r.returncode == 2 and r.stderr.count("hsgd: error:") == 1 and words in r.stderr
+
+
+def test_toml_config_is_read_and_flags_win(tmp_path):
+    cfg = tmp_path / "run.toml"
+    cfg.write_text('steps = 2\noptimizer = "adamw"\nlr = 0.002\nd_model = 16\nn_heads = 4\n')
+    r = run_mpi(4, ["-m", "hsgd.train", *TINY[2:], "--config", str(cfg), "--lr", "0.004"], timeout=120)
+    print(r.stdout[-2000:])
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "optim: adamw lr=0.004" in r.stdout and "step 2/2" in r.stdout
+
+
+def test_an_exception_on_one_rank_ends_the_job_quickly():
+    import time
+    t0 = time.perf_counter()
+    r = run_mpi(8, ["-m", "hsgd.train", *TINY, "--steps", "50", "--inject-fault", "3:2"], timeout=60)
+    elapsed = time.perf_counter() - t0
+    print(f"exit {r.returncode} after {elapsed:.1f} s\n{r.stderr[-1500:]}")
+    assert r.returncode not in (0, 124, 137) and elapsed < 30
+    assert "[rank 3] RuntimeError: fault injected on rank 3 at step 2" in r.stderr
+    assert "[rank 3] Traceback (most recent call last):" in r.stderr
+
+
+def test_hybrid_training_run_prints_everything(tmp_path):
+    log = tmp_path / "steps.jsonl"
+    r = run_mpi(8, ["-m", "hsgd.train", *TINY[:-6], "--steps", "6", "--eval-interval", "3", "--sample-bytes", "20",
+                    "--log-json", str(log), "--eval-batches", "1"], timeout=120)
+    print(r.stdout)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = r.stdout
+    for words in ("8 ranks = dp 4 x tp 2 (megatron)", "rank   dp   pp   tp  host", "step 6/6 | loss",
+                  "= compute", "val loss", "at step 3", "communication per step", "sample:"):
+        assert words in out, words
+    assert "<- differs" not in out                                 # measured bytes == formula on every line
+    import json
+    lines = [json.loads(x) for x in log.read_text().splitlines()]
+    assert [x["step"] for x in lines] == list(range(1, 7)) and all(x["loss"] > 0 for x in lines)
+
+
+@pytest.mark.parametrize("flags", [["--tp", "2"], ["--tp", "4", "--tp-scheme", "gather", "--grad-accum", "2"],
+                                   ["--tp", "1", "--dtype", "float32"]])
+def test_verify_passes(flags):
+    r = run_mpi(8, ["-m", "hsgd.verify", *flags], timeout=120)
+    print(r.stdout[-1500:])
+    assert r.returncode == 0 and "PASS: largest gradient error" in r.stdout, r.stderr[-2000:]
