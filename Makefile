@@ -22,6 +22,10 @@ $(STAMP): setup.cfg pyproject.toml
 
 NP     ?= 8
 RUN    := PATH="$(abspath $(VENV))/bin:$$PATH"
+# For a system Open MPI (ignored by MPICH): allow more ranks than cores, and running as root in containers.
+export OMPI_MCA_rmaps_base_oversubscribe ?= 1
+export OMPI_ALLOW_RUN_AS_ROOT ?= 1
+export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM ?= 1
 
 train: $(STAMP)
 	$(RUN) mpirun -n $(NP) python -m hsgd.train
