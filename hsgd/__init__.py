@@ -1,10 +1,20 @@
 """hsgd: hybrid-parallel SGD for GPT-style Transformers, written out in NumPy/CuPy and mpi4py.
 
     hsgd.ModelConfig        the model's shape (config.py)
-    hsgd.serial             the serial reference model: init_params, loss_and_grads (serial.py)
-    hsgd.layers             forward/backward pairs of every layer (layers.py)
-    hsgd.data               the corpus, the train/validation split and the batch of each step (data.py)
-    hsgd.train              the training entry point: python -m hsgd.train --help
+    hsgd.backend            the one place that picks NumPy or CuPy
+    hsgd.layers             forward/backward pairs of every layer
+    hsgd.serial             the serial reference model: init_params, loss_and_grads
+    hsgd.data               the corpus, the train/validation split and the batch of each step
+    hsgd.grid               the dp x pp x tp process grid and its communicators (Split by color)
+    hsgd.comm               every collective, recorded (calls, bytes, seconds) and optionally sequence-checked
+    hsgd.tp_layers          tensor-parallel layers: f/g, column/row linears, all-gather/reduce-scatter, vocab-parallel
+    hsgd.tp_model           the GPT split over a tensor-parallel group (Megatron or the seed paper's gather scheme)
+    hsgd.dp                 data parallelism: batch slices, the gradient buffer, the average over dp_comm
+    hsgd.optim              SGD, AdamW, the learning-rate schedule, global-norm clipping
+    hsgd.hybrid             one rank's part of a hybrid TP x DP training step
+    hsgd.launch             fail fast: usage errors reported once, exceptions abort the whole job
+    hsgd.train              mpirun -n 8 python -m hsgd.train --help
+    hsgd.verify             mpirun -n 8 python -m hsgd.verify: parallel gradients against serial, per parameter
 """
 from . import serial
 from .config import ModelConfig
