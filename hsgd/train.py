@@ -44,22 +44,22 @@ class TrainConfig:
     tp: int = None                 # tensor-parallel size M (None: 2 on an even number of ranks, else 1)
     dp: int = None                 # data-parallel size G (None: world size / tp)
     tp_scheme: str = "megatron"    # megatron (f/g pairs) or gather (the seed paper: all-gather + reduce-scatter)
-    steps: int = 300               # optimizer steps
+    steps: int = 1000              # optimizer steps
     batch_size: int = 16           # B: sequences in the global batch of every step
     grad_accum: int = 1            # micro-batches per DP group and step (gradient accumulation)
     optimizer: str = "sgd"         # sgd (with momentum) or adamw
-    lr: float = 0.03               # peak learning rate
+    lr: float = 0.05               # peak learning rate
     momentum: float = 0.9          # heavy-ball momentum of SGD (0 = plain SGD)
     weight_decay: float = 0.0      # decoupled weight decay on weight matrices
-    warmup: int = 0                # linear warmup steps, then cosine decay to lr/10 at the last step
+    warmup: int = 20               # linear warmup steps, then cosine decay to lr/10 at the last step
     clip: float = 0.0              # clip the global gradient norm to this value (0 = no clipping)
     seed: int = 0                  # seeds the parameters, the batches and the sample
     data: str = None               # text file to train on; None = the built-in corpus
     dtype: str = "float32"         # float32, or float64 for exactness checks
     device: str = None             # cpu or gpu; None = $HSGD_DEVICE or cpu
-    eval_interval: int = 100       # steps between validation losses (0 = only before and after training)
+    eval_interval: int = 250       # steps between validation losses (0 = only before and after training)
     eval_batches: int = 4          # batches averaged for one validation loss
-    log_interval: int = 10         # steps between progress lines
+    log_interval: int = 50         # steps between progress lines
     sample_bytes: int = 200        # bytes generated at the end (0 = none)
     prompt: str = "def "           # prompt of the generated sample
     threads: int = None            # BLAS threads per rank; None = cores / ranks on the machine (at least 1)
@@ -286,10 +286,12 @@ def _train(cfg, tc, world, out, threads):
     formula = {k: (v[0] * tc.grad_accum, v[1] * tc.grad_accum) for k, v in formula.items()}
     formula.update(dp_formula(trainer.params))
     say("communication per step on each rank (measured | formula):")
+    sizes = {"tp": grid.tp, "dp": grid.dp}
     for key in sorted(set(per_step) | set(formula)):
         m, f = per_step.get(key, (0, 0)), formula.get(key, (0, 0))
         say(f"  {key[0]:<4} {key[1]:<22} {m[0]:>4} calls {fmt_bytes(m[1]):>11} | {f[0]:>4} calls "
-            f"{fmt_bytes(f[1]):>11}" + ("" if m == f else "   <- differs"))
+            f"{fmt_bytes(f[1]):>11}" + ("" if m == f else "   <- differs")
+            + ("   (a 1-rank communicator: nothing moves)" if sizes.get(key[0]) == 1 else ""))
     full = trainer.full_params() if tc.sample_bytes else None
     if tc.sample_bytes and rank0:
         say("sample:\n" + printable(generate(full, cfg, tc.prompt.encode(), tc.sample_bytes, seed=tc.seed)))
