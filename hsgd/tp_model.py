@@ -169,21 +169,44 @@ def forward(params, idx, targets, cfg, comm, scheme="megatron"):
     return loss, (c_emb, c_blocks, c_lnf, c_head, c_ce)
 
 
-def backward(caches, grads, comm, scheme="megatron", reduce_scatter=False, dloss=1.0):
-    """Accumulate (+=) the gradient of dloss * loss into this rank's gradient shards."""
+def backward(caches, grads, comm, scheme="megatron", reduce_scatter=False, dloss=1.0, on_ready=None):
+    """Accumulate (+=) the gradient of dloss * loss into this rank's gradient shards.
+
+    on_ready(group), if given, is called as soon as a group of gradients is final, in this order: "head"
+    (lm_head, ln_f), "h.{L-1}", ..., "h.0" (the blocks), "embedding" (wte, wpe). Data parallelism uses it to
+    start each bucket's Allreduce while the backward pass goes on (see PARAM_GROUPS).
+    """
     c_emb, c_blocks, c_lnf, c_head, c_ce = caches
     g = grads
+    ready = on_ready or (lambda group: None)
     dlogits = vocab_cross_entropy_backward(dloss, c_ce)                  # (B, T, Vp) no communication
     dxf = linear_backward(dlogits, c_head, g["lm_head.weight"])          # (B, T, C) partial
     dxf = f_backward(dxf, comm)                                          # Allreduce
     dx = layernorm_backward(dxf, c_lnf, g["ln_f.weight"], g["ln_f.bias"])
+    ready("head")
     for i in reversed(range(len(c_blocks))):
         dx = block_backward(dx, c_blocks[i], g, f"h.{i}.", comm, scheme, reduce_scatter)
+        ready(f"h.{i}")
     vocab_embedding_backward(dx, c_emb, g["wte"], g["wpe"])             # no communication
+    ready("embedding")
+
+
+def param_group(name):
+    """The gradient group of a parameter, as passed to backward's on_ready: "head", "h.{i}" or "embedding"."""
+    if name in ("wte", "wpe"):
+        return "embedding"
+    if name.startswith("h."):
+        return ".".join(name.split(".")[:2])
+    return "head"
+
+
+def backward_order(cfg):
+    """The groups in the order the backward pass finishes them."""
+    return ["head"] + [f"h.{i}" for i in reversed(range(cfg.n_layers))] + ["embedding"]
 
 
 def loss_and_grads(params, idx, targets, cfg, comm, scheme="megatron", grads=None, reduce_scatter=False,
-                   loss_scale=1.0):
+                   loss_scale=1.0, on_ready=None):
     """(loss, grads) on this rank's shards. idx, targets (B, T): the same batch on every rank of the group.
     With `grads` given, the gradient of loss_scale * loss is accumulated into it (gradient accumulation)."""
     xp = array_module(params["wte"])
@@ -191,7 +214,7 @@ def loss_and_grads(params, idx, targets, cfg, comm, scheme="megatron", grads=Non
     loss, caches = forward(params, idx, targets, cfg, comm, scheme)
     if grads is None:
         grads = serial.zeros_like_params(params)
-    backward(caches, grads, comm, scheme, reduce_scatter, dloss=loss_scale)
+    backward(caches, grads, comm, scheme, reduce_scatter, dloss=loss_scale, on_ready=on_ready)
     return float(loss), grads
 
 

@@ -43,19 +43,12 @@ from hsgd import ModelConfig, layers, serial
 from hsgd.optim import SGD
 from hsgd.train import TrainConfig, train
 
+from checks import Checks            # tutorials/checks.py: the check every chapter uses
+
 threadpool_limits(1)                 # tiny matrices: extra BLAS threads only add overhead
 rng = np.random.default_rng(0)
 TOL = 1e-6                           # every finite-difference check must come out below this
-errors = {}                          # what was checked -> the error measured
-
-
-def check(what, err, tol=TOL):
-    """Print a measured error, record it, and stop the chapter if it is not below `tol`."""
-    print(f"{what:<38s} {err:.1e}")
-    errors[what] = err
-    if not err < tol:
-        raise AssertionError(f"{what}: error {err:.2e} is not below {tol:.0e}")
-
+check = Checks(tol=TOL, width=38)    # check(what, err, tol): print err, record it, stop unless err < tol
 
 # A tiny float64 model for all the checks. The parameters get noise on top of init_params, so that
 # LayerNorm weights are not all 1 and biases not all 0 (a backward that forgot a "* w" would pass at w = 1).
@@ -363,6 +356,6 @@ if not run["val_after"] < run["val_before"] - 0.5:
 # learns. From chapter 2 on, `serial.loss_and_grads` is the reference.
 
 # %%
-worst = max((w for w in errors if "rel err" in w), key=errors.get)
-print(f"chapter 1: all {len(errors)} checks passed; largest finite-difference error {errors[worst]:.1e} "
+worst, err = check.worst([w for w in check.errors if "rel err" in w])
+print(f"chapter 1: all {len(check.errors)} checks passed; largest finite-difference error {err:.1e} "
       f"({worst.split(':')[0]}), tolerance {TOL:.0e}")

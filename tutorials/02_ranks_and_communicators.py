@@ -50,28 +50,15 @@ from mpi4py import MPI
 
 from hsgd.grid import GridError, ProcessGrid
 
+from checks import Checks            # tutorials/checks.py: the collective check every chapter uses
+
 world = MPI.COMM_WORLD               # every process that mpirun started
 rank = world.Get_rank()              # who am I: 0 .. P-1
 P = world.Get_size()                 # how many of us
-checks = {}                          # what was checked -> the worst value measured on any rank
-
-
-def say(*args):
-    """Print once, from rank 0 (8 ranks printing the same line would only be noise)."""
-    if rank == 0:
-        print(*args, flush=True)
-
-
-def check(what, err, tol=0):
-    """A collective check: every rank measures `err`; rank 0 prints the worst, and every rank raises unless it
-    is at most `tol` on all ranks. Every rank must call it, in the same order, so that none waits forever."""
-    worst = world.allreduce(err, op=MPI.MAX)                       # small metadata: lowercase, pickled
-    ok = world.allreduce(bool(err <= tol), op=MPI.LAND)            # a NaN counts as a failure
-    say(f"  check: {what:<62s} {worst:.1e}" if isinstance(worst, float) else f"  check: {what:<62s} {worst}")
-    checks[what] = worst
-    if not ok:
-        raise AssertionError(f"rank {rank}: {what}: measured {err} here, worst {worst}, allowed {tol}")
-
+# check(what, err, tol=0) on every rank, in the same order: rank 0 prints the worst err over the ranks, and every
+# rank raises unless err <= tol on all of them (strict=False: the default tol=0 means "exactly 0"; a NaN fails)
+check = Checks(world, tol=0, width=62, strict=False, prefix="  check: ")
+say = check.say                      # print once, from rank 0
 
 if P != 8:                           # every rank sees the same P, so every rank stops here together
     raise RuntimeError(f"this chapter needs 8 ranks, got {P}: "
@@ -93,8 +80,9 @@ if P != 8:                           # every rank sees the same P, so every rank
 #
 # A **collective** (Allreduce, Allgather, Bcast, ...) is a call that every rank of a communicator makes
 # together, and which completes only when all of them have made it. A rank that skips a collective, or
-# calls a different one, leaves the others waiting forever. That is why even this chapter's `check` is
-# collective: a failing check is found on every rank, and all of them raise together.
+# calls a different one, leaves the others waiting forever. That is why even the `check` of every chapter
+# (`tutorials/checks.py`) is collective: an `allgather` gives every rank every rank's error, so a failing
+# check is found on every rank, and all of them raise together.
 #
 # Let every rank report who it is. `gather` collects one small Python object from every rank on rank 0.
 
@@ -362,5 +350,6 @@ grid3.free()
 # Chapter 3 puts `tp_comm` to work: linear layers whose weight matrices are split across the group.
 
 # %%
-say(f"chapter 2: all {len(checks)} checks passed on {P} ranks; largest numerical difference from NumPy "
-    f"{max(v for v in checks.values() if isinstance(v, float)):.1e}")
+_, worst = check.worst([w for w, e in check.errors.items() if isinstance(e, float)])   # the float checks
+say(f"chapter 2: all {len(check.errors)} checks passed on {P} ranks; largest numerical difference from NumPy "
+    f"{worst:.1e}")

@@ -47,6 +47,8 @@ from threadpoolctl import threadpool_limits
 from hsgd import layers, tp_layers
 from hsgd.grid import ProcessGrid
 
+from checks import Checks, count_diff, rel_err   # tutorials/checks.py, shared by the chapters
+
 threadpool_limits(1)                    # four ranks share the cores, tiny matrices: one BLAS thread each
 TP = 4                                  # tensor-parallel size; more ranks than 4 form data-parallel copies
 world = MPI.COMM_WORLD
@@ -56,38 +58,8 @@ if world.Get_size() % TP:               # every rank exits non-zero; rank 0 says
 grid = ProcessGrid(world, dp=world.Get_size() // TP, tp=TP)
 tp, i = grid.tp_comm, grid.tp_rank      # the tensor-parallel communicator (hsgd.comm.Comm) and my place in it
 TOL = 1e-12                             # float64 throughout: parallel and serial differ only by rounding
-errors = {}                             # what was checked -> the largest error over all ranks
-
-
-def say(*args):
-    """Print on world rank 0 only."""
-    if grid.rank == 0:
-        print(*args, flush=True)
-
-
-def check(what, err, tol=TOL):
-    """Print the largest error over all ranks and stop the chapter on *every* rank if any rank's is not below tol.
-
-    The verdict is reached collectively first (a small pickled allgather and a logical-AND reduction), so a
-    failure on one rank cannot leave the others waiting inside a later collective."""
-    errs = grid.world.allgather_obj(float(err))
-    ok = grid.world.all_true(err < tol)               # NaN compares False: a NaN fails
-    worst = max(errs)
-    say(f"{what:<60s} {worst:.1e}")
-    errors[what] = worst
-    if not ok:
-        raise AssertionError(f"{what}: error {worst:.2e} is not below {tol:.0e} (errors per rank: {errs})")
-
-
-def count_diff(measured, expected):
-    """How far CommStats.counts() is from the expected {(comm, op): (calls, bytes)}: 0 when they are equal."""
-    keys = set(measured) | set(expected)
-    return float(sum(abs(m - e) for k in keys for m, e in zip(measured.get(k, (0, 0)), expected.get(k, (0, 0)))))
-
-
-def rel_err(a, b, floor=1e-6):
-    """max |a - b| / max |b|, with an absolute floor for arrays that are (nearly) zero."""
-    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), floor))
+check = Checks(world, tol=TOL, width=60)  # check(what, err, tol): collective, raises on every rank unless err < tol
+say = check.say                           # print on world rank 0 only
 
 
 # Every rank draws the *same* full matrices from the same seed and keeps its slice of the weights; the serial
@@ -436,7 +408,7 @@ for scheme, out, grads in (("megatron", out_mega, mega), ("gather", out_gath, ga
     check(f"{scheme} MLP: dX and dW1, db1, dW2, db2 shards vs serial",
           max(rel_err(grads[name], shard_of[scheme][name]) for name in grads))
 
-worst = max(errors, key=errors.get)
-say(f"chapter 3: all {len(errors)} checks passed on {world.Get_size()} ranks; largest error {errors[worst]:.1e} "
+worst, err = check.worst()
+say(f"chapter 3: all {len(check.errors)} checks passed on {world.Get_size()} ranks; largest error {err:.1e} "
     f"({worst}), tolerance {TOL:.0e}")
 grid.free()

@@ -48,6 +48,8 @@ from hsgd import ModelConfig, layers, serial, tp_layers, tp_model
 from hsgd.errors import ConfigError
 from hsgd.grid import ProcessGrid
 
+from checks import Checks, count_diff, rel_err   # tutorials/checks.py, shared by the chapters
+
 threadpool_limits(1)                    # four ranks share the cores, tiny matrices: one BLAS thread each
 TP = 4                                  # tensor-parallel size; more ranks than 4 form data-parallel copies
 world = MPI.COMM_WORLD
@@ -57,39 +59,8 @@ if world.Get_size() % TP:               # every rank exits non-zero; rank 0 says
 grid = ProcessGrid(world, dp=world.Get_size() // TP, tp=TP)
 tp, i = grid.tp_comm, grid.tp_rank      # the tensor-parallel communicator (hsgd.comm.Comm) and my place in it
 TOL = 1e-10                             # float64: parallel and serial differ by rounding, ~1e-16 relative
-FLOOR = 1e-6                            # absolute floor of rel_err, for gradients that are zero (see section 4)
-errors = {}                             # what was checked -> the largest error over all ranks
-
-
-def say(*args):
-    """Print on world rank 0 only."""
-    if grid.rank == 0:
-        print(*args, flush=True)
-
-
-def check(what, err, tol=TOL):
-    """Print the largest error over all ranks and stop the chapter on *every* rank if any rank's is not below tol.
-
-    The verdict is reached collectively first (a small pickled allgather and a logical-AND reduction), so a
-    failure on one rank cannot leave the others waiting inside a later collective."""
-    errs = grid.world.allgather_obj(float(err))
-    ok = grid.world.all_true(err < tol)               # NaN compares False: a NaN fails
-    worst = max(errs)
-    say(f"{what:<60s} {worst:.1e}")
-    errors[what] = worst
-    if not ok:
-        raise AssertionError(f"{what}: error {worst:.2e} is not below {tol:.0e} (errors per rank: {errs})")
-
-
-def rel_err(a, b, floor=FLOOR):
-    """max |a - b| / max(max |b|, floor): relative, with an absolute floor for arrays that are (nearly) zero."""
-    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), floor))
-
-
-def count_diff(measured, expected):
-    """How far CommStats.counts() is from the expected {(comm, op): (calls, bytes)}: 0 when they are equal."""
-    keys = set(measured) | set(expected)
-    return float(sum(abs(m - e) for k in keys for m, e in zip(measured.get(k, (0, 0)), expected.get(k, (0, 0)))))
+check = Checks(world, tol=TOL, width=60)  # check(what, err, tol): collective, raises on every rank unless err < tol
+say = check.say                           # print on world rank 0 only
 
 
 rng = np.random.default_rng(0)          # the same seed on every rank: every rank can build the serial reference
@@ -190,9 +161,9 @@ check("attention: backward calls, bytes - (1, N*C*8)", count_diff(bwd_counts, on
 # score of row $t$, and softmax ignores a shift shared by a row. So its gradient vanishes in exact arithmetic,
 # and what is computed is rounding noise: about $10^{-15}$ here, where the other gradients are of order 1, so it
 # was checked in absolute terms above. Serial and parallel runs produce *different* noise, and a purely relative
-# error of one noise against the other would come out near 1. That is why `rel_err` divides by at least
-# `FLOOR` = $10^{-6}$; in section 4's model, whose gradients are about $10^{-2}$, the k-bias noise is near
-# $10^{-18}$ and its floored error stays around $10^{-12}$.
+# error of one noise against the other would come out near 1. That is why `rel_err` (`tutorials/checks.py`)
+# divides by at least `FLOOR` = $10^{-6}$; in section 4's model, whose gradients are about $10^{-2}$, the k-bias
+# noise is near $10^{-18}$ and its floored error stays around $10^{-12}$.
 #
 # The split must fall on head boundaries: a head cut in two would need the other half of its q and k to form
 # its scores. `tp_model.check_tp` refuses such a configuration, naming the sizes that work:
@@ -398,7 +369,7 @@ say(f"GPT-2 small, B=8, T=1024, float32: megatron {per_step['megatron'] / 2**30:
     f"{per_step['gather'] / 2**30:.2f} GiB of collective payload per step "
     f"({per_step['gather'] / per_step['megatron']:.1f}x)")
 
-worst = max(errors, key=errors.get)
-say(f"\nchapter 4: all {len(errors)} checks passed on {world.Get_size()} ranks; largest error "
-    f"{errors[worst]:.1e} ({worst}), tolerance {TOL:.0e}")
+worst, err = check.worst()
+say(f"\nchapter 4: all {len(check.errors)} checks passed on {world.Get_size()} ranks; largest error "
+    f"{err:.1e} ({worst}), tolerance {TOL:.0e}")
 grid.free()

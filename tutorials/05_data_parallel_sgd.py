@@ -62,6 +62,8 @@ from hsgd.dp import GradBuffer, check_batch, dp_average, dp_formula, dp_rows, mi
 from hsgd.errors import ConfigError
 from hsgd.generate import printable
 from hsgd.grid import ProcessGrid
+
+from checks import Checks, rel_err   # tutorials/checks.py, shared by the chapters
 from hsgd.hybrid import HybridTrainer
 from hsgd.optim import lr_at, make_optimizer
 from hsgd.train import TrainConfig, fmt_bytes
@@ -75,32 +77,8 @@ if world.Get_size() != DP:              # every rank exits non-zero; rank 0 says
 grid = ProcessGrid(world, dp=DP, tp=1)  # G = 4 replicas of one rank each
 dp, g = grid.dp_comm, grid.dp_rank      # the data-parallel communicator (hsgd.comm.Comm) and my replica
 TOL = 1e-10                             # float64: parallel and serial differ by rounding, ~1e-16 relative
-errors = {}                             # what was checked -> the largest error over all ranks
-
-
-def say(*args):
-    """Print on world rank 0 only."""
-    if grid.rank == 0:
-        print(*args, flush=True)
-
-
-def check(what, err, tol=TOL):
-    """Print the largest error over all ranks and stop the chapter on *every* rank if any rank's is not below tol.
-
-    The verdict is reached collectively first (a small pickled allgather and a logical-AND reduction), so a
-    failure on one rank cannot leave the others waiting inside a later collective."""
-    errs = grid.world.allgather_obj(float(err))
-    ok = grid.world.all_true(err < tol)               # NaN compares False: a NaN fails
-    worst = max(errs)
-    say(f"{what:<64s} {worst:.1e}")
-    errors[what] = worst
-    if not ok:
-        raise AssertionError(f"{what}: error {worst:.2e} is not below {tol:.0e} (errors per rank: {errs})")
-
-
-def rel_err(a, b, floor=1e-6):
-    """max |a - b| / max(max |b|, floor): relative, with an absolute floor for arrays that are (nearly) zero."""
-    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), floor))
+check = Checks(world, tol=TOL, width=64)  # check(what, err, tol): collective, raises on every rank unless err < tol
+say = check.say                           # print on world rank 0 only
 
 
 def max_rel_err(grads, ref, floor=1e-6):
@@ -384,7 +362,7 @@ for name, n in (("this toy", cfg.n_params()), ("GPT-2 small", gpt2.n_params()), 
 # serial SGD up to rounding.
 
 # %%
-worst = max(errors, key=errors.get)
-say(f"\nchapter 5: all {len(errors)} checks passed on {world.Get_size()} ranks; largest error {errors[worst]:.1e} "
+worst, err = check.worst()
+say(f"\nchapter 5: all {len(check.errors)} checks passed on {world.Get_size()} ranks; largest error {err:.1e} "
     f"({worst})")
 grid.free()

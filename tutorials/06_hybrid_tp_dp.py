@@ -69,6 +69,8 @@ from hsgd.optim import clip_grads, global_grad_norm, lr_at, make_optimizer
 from hsgd.train import TrainConfig, fmt_bytes, train
 from hsgd.verify import verify
 
+from checks import FLOOR, Checks, count_diff, rel_err   # tutorials/checks.py, shared by the chapters
+
 threadpool_limits(1)                    # eight ranks share the cores, tiny matrices: one BLAS thread each
 P, DP, TP = 8, 4, 2                     # P = G x M: 4 groups of 2
 world = MPI.COMM_WORLD
@@ -77,44 +79,13 @@ if world.Get_size() != P:               # every rank exits non-zero; rank 0 says
                      if world.Get_rank() == 0 else 1)
 grid = ProcessGrid(world, dp=DP, tp=TP)
 TOL = 1e-10                             # float64: parallel and serial differ by rounding, ~1e-16 relative
-FLOOR = 1e-6                            # absolute floor of rel_err, for gradients that are zero (the k-biases)
-errors = {}                             # what was checked -> the largest error over all ranks
-
-
-def say(*args):
-    """Print on world rank 0 only."""
-    if grid.rank == 0:
-        print(*args, flush=True)
-
-
-def check(what, err, tol=TOL):
-    """Print the largest error over all ranks and stop the chapter on *every* rank if any rank's is not below tol.
-
-    The verdict is reached collectively first (a small pickled allgather and a logical-AND reduction), so a
-    failure on one rank cannot leave the others waiting inside a later collective."""
-    errs = grid.world.allgather_obj(float(err))
-    ok = grid.world.all_true(err < tol)               # NaN compares False: a NaN fails
-    worst = max(errs)
-    say(f"{what:<66s} {worst:.1e}")
-    errors[what] = worst
-    if not ok:
-        raise AssertionError(f"{what}: error {worst:.2e} is not below {tol:.0e} (errors per rank: {errs})")
-
-
-def rel_err(a, b, floor=FLOOR):
-    """max |a - b| / max(max |b|, floor): relative, with an absolute floor for arrays that are (nearly) zero."""
-    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), floor))
+check = Checks(world, tol=TOL, width=66)  # check(what, err, tol): collective, raises on every rank unless err < tol
+say = check.say                           # print on world rank 0 only
 
 
 def shard_err(local, full, tp_rank, tp, floor=FLOOR):
     """The largest rel_err of this rank's shards against the matching slices of full (serial) arrays."""
     return max(rel_err(local[n], tp_model.shard(full[n], n, tp_rank, tp), floor) for n in local)
-
-
-def count_diff(measured, expected):
-    """How far CommStats.counts() is from the expected {(comm, op): (calls, bytes)}: 0 when they are equal."""
-    keys = set(measured) | set(expected)
-    return float(sum(abs(m - e) for k in keys for m, e in zip(measured.get(k, (0, 0)), expected.get(k, (0, 0)))))
 
 
 cfg = ModelConfig(vocab_size=256, seq_len=16, d_model=32, n_heads=8, n_layers=2, d_ff=128)   # NH, F split 1..8 ways
@@ -456,7 +427,7 @@ check("DP replicas of each shard bit-identical: distinct digests - 1", float(rep
 # the replicas of every shard bit-identical.
 
 # %%
-worst = max(errors, key=errors.get)
-say(f"\nchapter 6: all {len(errors)} checks passed on {world.Get_size()} ranks; largest error {errors[worst]:.1e} "
+worst, err = check.worst()
+say(f"\nchapter 6: all {len(check.errors)} checks passed on {world.Get_size()} ranks; largest error {err:.1e} "
     f"({worst})")
 grid.free()

@@ -1,0 +1,69 @@
+"""The check every tutorial chapter ends its steps with: print an error once, record it, stop if it is too large.
+
+Each chapter compares what it computed with a serial reference and must exit non-zero at the first error that
+is too large. Under mpirun that stop has to happen on *every* rank at the same check: a rank that raised alone
+would leave the others waiting forever inside their next collective. So a check is itself collective: every
+rank passes its own error, a small pickled `allgather` gives every rank the same list, and every rank reaches
+the same verdict from it. Every rank must therefore make the same checks, in the same order.
+
+    from checks import Checks, rel_err
+    check = Checks(MPI.COMM_WORLD, tol=1e-10)          # or Checks(tol=...) in a one-process chapter, without MPI
+    check("dW vs serial", rel_err(dW_i, dW[:, cols]))  # rank 0 prints the worst error over the ranks
+    what, err = check.worst()                          # for the chapter's closing line
+
+This is not a chapter (tests/test_tutorials.py runs only the files named NN_*.py) and not a test framework:
+it holds only what the chapters share. Chapter-specific measures (finite differences, shard errors, traffic)
+stay in their chapters.
+"""
+import numpy as np
+
+FLOOR = 1e-6        # rel_err's absolute floor, for arrays that are (nearly) zero (chapter 4 explains why)
+
+
+class Checks:
+    """`check(what, err, tol)` on every rank: passes when err < tol on every rank, or err <= tol with
+    strict=False (then tol=0 means "exactly 0"); a NaN never passes. Rank 0 prints `what` and the worst err,
+    the worst is recorded in `errors`, and a failure raises AssertionError on every rank."""
+
+    def __init__(self, comm=None, tol=0.0, width=60, strict=True, prefix=""):
+        self.comm = comm            # an mpi4py communicator (COMM_WORLD), or None: one process, MPI not needed
+        self.rank = comm.Get_rank() if comm is not None else 0
+        self.tol = tol              # the tolerance of a check that names none
+        self.strict = strict        # True: pass if err < tol; False: pass if err <= tol
+        self.width = width          # column width of `what` in the printed line
+        self.prefix = prefix        # printed before `what`, e.g. "  check: "
+        self.errors = {}            # what was checked -> the worst error over all ranks
+
+    def say(self, *args):
+        """Print once, from rank 0 (P ranks printing the same line would only be noise)."""
+        if self.rank == 0:
+            print(*args, flush=True)
+
+    def __call__(self, what, err, tol=None):
+        tol = self.tol if tol is None else tol
+        errs = self.comm.allgather(err) if self.comm is not None else [err]   # small metadata: lowercase, pickled
+        ok = all(e < tol if self.strict else e <= tol for e in errs)          # NaN compares False: a NaN fails
+        worst = max(errs) if all(e == e for e in errs) else float("nan")     # e != e only for a NaN
+        shown = worst if isinstance(worst, int) else f"{worst:.1e}"          # counts as they are, errors 1.2e-13
+        self.say(f"{self.prefix}{what:<{self.width}s} {shown}")
+        self.errors[what] = worst
+        if not ok:
+            per_rank = f" (errors per rank: {errs})" if len(errs) > 1 else ""
+            raise AssertionError(f"{what}: error {worst:.2e} is not {'below' if self.strict else 'at most'} "
+                                 f"{tol:.0e}{per_rank}")
+
+    def worst(self, names=None):
+        """(what, err) of the largest error recorded, among `names` if given, else among all checks."""
+        what = max(self.errors if names is None else names, key=self.errors.get)
+        return what, self.errors[what]
+
+
+def rel_err(a, b, floor=FLOOR):
+    """max |a - b| / max(max |b|, floor): relative, with an absolute floor for arrays that are (nearly) zero."""
+    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), floor))
+
+
+def count_diff(measured, expected):
+    """How far CommStats.counts() is from the expected {(comm, op): (calls, bytes)}: 0 when they are equal."""
+    keys = set(measured) | set(expected)
+    return float(sum(abs(m - e) for k in keys for m, e in zip(measured.get(k, (0, 0)), expected.get(k, (0, 0)))))
