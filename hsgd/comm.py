@@ -98,7 +98,7 @@ class Request:
         self.req.Wait()
         if self.unstage:
             self.unstage()
-        self.comm.stats.add(self.comm.name, self.op, self.nbytes, time.perf_counter() - self.t0)
+        self.comm._record(self.op, self.nbytes, self.t0, track="async")
 
 
 class Comm:
@@ -110,6 +110,7 @@ class Comm:
         self.stats = stats if stats is not None else CommStats()
         self.check = os.environ.get("HSGD_CHECK_COLLECTIVES") == "1" if check is None else check
         self.ncalls = 0                         # collectives called so far: the sequence number of the check
+        self.tracer = None                      # an hsgd.trace.Tracer: every call becomes a span on the comm track
 
     # ---------------------------------------------------------------------------------------------- helpers
     def _buf(self, x):
@@ -143,8 +144,11 @@ class Comm:
             raise CollectiveMismatch(f"collective mismatch on communicator '{self.name}' (ranks called different "
                                      f"collectives at the same point): {calls}")
 
-    def _record(self, op, nbytes, t0):
-        self.stats.add(self.name, op, nbytes, time.perf_counter() - t0)
+    def _record(self, op, nbytes, t0, track="comm"):
+        t1 = time.perf_counter()
+        self.stats.add(self.name, op, nbytes, t1 - t0)
+        if self.tracer is not None:
+            self.tracer.add(op, track, t0, t1, comm=self.name, bytes=int(nbytes))
 
     # ---------------------------------------------------------------------------------------------- collectives
     def Allreduce(self, x, op=MPI.SUM):

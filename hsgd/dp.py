@@ -40,20 +40,42 @@ def check_batch(batch_size, dp, grad_accum):
 
 
 class GradBuffer:
-    """All gradient shards of a rank in one flat contiguous array; `grads[name]` are views into it."""
+    """Arrays of the shapes of `params`, all views into one flat contiguous array: `grads[name]`, `flat`.
 
-    def __init__(self, params):
-        xp = array_module(next(iter(params.values())))
-        dtype = next(iter(params.values())).dtype
-        total = sum(p.size for p in params.values())
-        self.flat = xp.zeros(total, dtype=dtype)                     # (sum of shard sizes,)
-        self.grads, offset = {}, 0
-        for name, p in params.items():
-            self.grads[name] = self.flat[offset:offset + p.size].reshape(p.shape)
-            offset += p.size
+    order: the names in buffer order (default: the order of params). Laid out in the order the backward pass
+    finishes them (tp_model.backward_order), each gradient group is a contiguous slice: a bucket.
+    pad_multiple: the flat length is rounded up to a multiple of this (ZeRO splits it into dp equal chunks).
+    """
+
+    def __init__(self, params, order=None, pad_multiple=1):
+        first = next(iter(params.values()))
+        xp = array_module(first)
+        order = list(order or params)
+        total = sum(params[n].size for n in order)
+        total += -total % pad_multiple
+        self.flat = xp.zeros(total, dtype=first.dtype)                  # (sum of shard sizes + padding,)
+        self.grads, self.offsets, offset = {}, {}, 0
+        for name in order:
+            size = params[name].size
+            self.grads[name] = self.flat[offset:offset + size].reshape(params[name].shape)
+            self.offsets[name] = (offset, offset + size)
+            offset += size
+        self.grads = {name: self.grads[name] for name in params}         # the caller's order for iteration
 
     def zero(self):
         self.flat.fill(0)
+
+    def span(self, names):
+        """The slice of flat covering `names` (which must be contiguous in the layout)."""
+        lo = min(self.offsets[n][0] for n in names)
+        hi = max(self.offsets[n][1] for n in names)
+        assert hi - lo == sum(self.offsets[n][1] - self.offsets[n][0] for n in names), "names are not contiguous"
+        return slice(lo, hi)
+
+
+def backward_layout(params, group_of, groups_in_order):
+    """Parameter names ordered by the backward pass's groups (so each group is one contiguous bucket)."""
+    return [n for g in groups_in_order for n in params if group_of(n) == g]
 
 
 def dp_average(buf, dp_comm):
@@ -61,6 +83,33 @@ def dp_average(buf, dp_comm):
     dp_comm.Allreduce(buf.flat)                                      # (all shards,) sum over the G groups
     if dp_comm.size > 1:
         buf.flat *= 1.0 / dp_comm.size
+
+
+class OverlappedAverage:
+    """Bucketed, overlapped gradient averaging: each bucket's Iallreduce over dp_comm starts as soon as the
+    backward pass has finished its group (tp_model.backward's on_ready), while the backward pass goes on with the
+    layers below; finish() waits for all of them and divides by dp. The same numbers as dp_average, in
+    len(buckets) calls instead of one.
+
+    buckets: {group: slice of buf.flat}, in backward order.
+    """
+
+    def __init__(self, buf, dp_comm, buckets):
+        self.buf, self.dp_comm, self.buckets = buf, dp_comm, buckets
+        self.pending = []
+
+    def on_ready(self, group):
+        self.pending.append(self.dp_comm.Iallreduce(self.buf.flat[self.buckets[group]]))   # starts, returns
+
+    def finish(self):
+        for req in self.pending:
+            req.Wait()
+        self.pending = []
+        if self.dp_comm.size > 1:
+            self.buf.flat *= 1.0 / self.dp_comm.size
+
+    def formula(self):
+        return {("dp", "Iallreduce"): (len(self.buckets), int(self.buf.flat.nbytes))}
 
 
 def dp_formula(params):

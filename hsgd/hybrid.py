@@ -6,74 +6,204 @@ P = dp x tp ranks. Each synchronous SGD step:
   2. the slice is cut into k = grad_accum micro-batches; for each, the tensor-parallel forward and backward
      (collectives on tp_comm inside, hsgd.tp_model) accumulate the gradient of (1/k) * its mean loss into the
      rank's gradient shards;
-  3. every gradient shard is All-Reduced over dp_comm and divided by dp (hsgd.dp.dp_average);
+  3. the gradient shards are averaged over dp_comm, in one of these ways (--dp-overlap, --hierarchical, --zero):
+       blocking      one Allreduce of the whole flat gradient buffer after the backward pass (hsgd.dp.dp_average)
+       overlapped    one Iallreduce per layer's bucket, started while the backward pass goes on (OverlappedAverage)
+       hierarchical  reduce-scatter inside the node, all-reduce across nodes, all-gather inside (hsgd.hier)
+       ZeRO 1 / 2    reduce-scatter: each DP rank gets the average of its 1/dp of the parameters (hsgd.zero)
   4. optionally the gradients are clipped by the global norm (hsgd.optim.global_grad_norm); the optimizer updates
-     the local shards with the learning rate of the schedule.
-Result: the same update as serial mini-batch SGD on the global batch (tests/mpi/test_hybrid.py checks it).
+     the local shards (ZeRO: the owned chunk, then an All-Gather of the parameters).
+Result: the same update as serial mini-batch SGD on the global batch (tests/mpi/test_hybrid.py, test_comm_opt.py).
+
+--dp-staleness 1 is the asynchronous exception: the average of step s's gradients travels (Iallreduce) while step
+s+1 computes, and is applied one step late: w_{s+1} = w_s - lr * avg g(w_{s-1}). --straggler RANK:MS makes one
+rank slower, to show what synchronous SGD pays for it.
+
+Parameters and gradients live in flat buffers laid out in the order the backward pass finishes them, so each
+layer's gradients are one contiguous bucket.
 """
 import time
 from dataclasses import dataclass
 
 from . import tp_model
-from .dp import GradBuffer, dp_average, dp_rows, micro_batches
-from .optim import clip_grads, global_grad_norm, lr_at, make_optimizer
+from .backend import array_module
+from .dp import GradBuffer, OverlappedAverage, backward_layout, dp_average, dp_formula, dp_rows, micro_batches
+from .hier import HierarchicalAverager
+from .optim import clip_grads, decays, global_grad_norm, lr_at, make_optimizer
+from .zero import ZeroOptimizer
 
 
 @dataclass
 class StepInfo:
     loss: float          # mean loss over the global batch (averaged over dp groups)
     lr: float            # learning rate used
-    grad_norm: float     # global gradient norm before clipping
+    grad_norm: float     # global gradient norm before clipping (nan when no update was applied)
     seconds: float       # wall time of the step
     tp_seconds: float    # of which in tp_comm collectives
-    dp_seconds: float    # of which in dp_comm collectives
+    dp_seconds: float    # of which waiting for dp_comm collectives (the exposed part: an overlapped Iallreduce
+                         # counts only while the rank waits for it)
+
+
+class _Null:
+    """A stand-in tracer that records nothing."""
+
+    def span(self, *args, **kwargs):
+        from contextlib import nullcontext
+        return nullcontext()
 
 
 class HybridTrainer:
-    def __init__(self, cfg, grid, tc):
-        """cfg: ModelConfig; grid: ProcessGrid (pp = 1); tc: TrainConfig (optimizer, schedule, scheme, dtype...)."""
+    def __init__(self, cfg, grid, tc, tracer=None):
+        """cfg: ModelConfig; grid: ProcessGrid (pp = 1); tc: TrainConfig (optimizer, schedule, scheme, dp modes...)."""
         self.cfg, self.grid, self.tc = cfg, grid, tc
         self.scheme = tc.tp_scheme
-        self.params = tp_model.init_params(cfg, grid.tp_comm, seed=tc.seed, dtype=tc.dtype, device=tc.device,
-                                           scheme=tc.tp_scheme)
-        self.buf = GradBuffer(self.params)
-        self.grads = self.buf.grads
+        self.tracer = tracer or _Null()
+        zero, staleness = getattr(tc, "zero", 0), getattr(tc, "dp_staleness", 0)
+        shards = tp_model.init_params(cfg, grid.tp_comm, seed=tc.seed, dtype=tc.dtype, device=tc.device,
+                                      scheme=tc.tp_scheme)
+        self.order = backward_layout(shards, tp_model.param_group, tp_model.backward_order(cfg))
+        pad = grid.dp if zero else 1
+        self.pbuf = GradBuffer(shards, self.order, pad)                 # the parameters, same flat layout
+        for name, p in shards.items():
+            self.pbuf.grads[name][...] = p
+        self.params = self.pbuf.grads                                   # {name: view into pbuf.flat}
         self.opt = make_optimizer(tc.optimizer, tc.lr, momentum=tc.momentum, weight_decay=tc.weight_decay)
+        new_buf = lambda: GradBuffer(self.params, self.order, pad)
+        self.zero = ZeroOptimizer(self.params, self.pbuf, new_buf, grid.dp_comm, self.opt, zero, decays,
+                                  self.is_sharded) if zero else None
+        self.buf = None if self.zero else new_buf()                     # ZeRO owns its gradient buffer
+        self.grads = self.zero.buf.grads if self.zero else self.buf.grads
+        self.buckets = {grp: self.pbuf.span([n for n in self.order if tp_model.param_group(n) == grp])
+                        for grp in tp_model.backward_order(cfg)}                  # the same layout as pbuf
+        self.hier = HierarchicalAverager(grid.dp_comm, getattr(tc, "ranks_per_node", None)) \
+            if getattr(tc, "hierarchical", False) else None
+        self.stale = [new_buf(), new_buf()] if staleness else None     # exchange buffers, used alternately
+        self.inflight = None                                            # (buffer, request) of the last exchange
+        self.ready = None                                               # the averaged gradient to apply (stale)
+        self.exposed_dp = 0.0                                           # seconds of the last dp sync phase
+        straggler = getattr(tc, "straggler", None)
+        self.delay = 0.0
+        if straggler:
+            rank, ms = (int(x) for x in straggler.split(":"))
+            self.delay = ms / 1000.0 if grid.rank == rank else 0.0
 
     def is_sharded(self, name):
         return self.grid.tp > 1 and tp_model.split_of(name, self.scheme)[0] != "rep"
 
+    # ------------------------------------------------------------------------------------------ steps 1 to 3
     def compute_grads(self, idx, targets):
-        """Steps 1-3: this rank's gradient shards of the global batch's mean loss, averaged over dp.
-        Returns this DP group's loss (the mean over its slice)."""
-        g, k = self.grid, self.tc.grad_accum
-        self.buf.zero()
+        """Steps 1-3: this rank's gradient shards of the global batch's mean loss, averaged over dp (ZeRO: the
+        owned chunk in zero.g_chunk, and with stage 2 self.grads is None afterwards: the full buffer is released;
+        staleness: the exchange is only started). Returns this DP group's loss."""
+        g, k, tr = self.grid, self.tc.grad_accum, self.tracer
+        xp = array_module(self.pbuf.flat)
+        idx, targets = xp.asarray(idx), xp.asarray(targets)
+        buf = self.zero.grads_for_backward() if self.zero else self.buf
+        if not self.zero:
+            buf.zero()
+        self.grads = buf.grads
+        overlap = OverlappedAverage(buf, g.dp_comm, self.buckets) if getattr(self.tc, "dp_overlap", False) else None
         loss = 0.0
-        for mb in micro_batches(dp_rows(len(idx), g.dp, g.dp_rank), k):
-            mb_loss, _ = tp_model.loss_and_grads(self.params, idx[mb], targets[mb], self.cfg, g.tp_comm,
-                                                 self.scheme, grads=self.grads, loss_scale=1.0 / k)
-            loss += mb_loss / k
-        dp_average(self.buf, g.dp_comm)                                  # Allreduce over dp_comm, then / dp
+        for j, mb in enumerate(micro_batches(dp_rows(len(idx), g.dp, g.dp_rank), k)):
+            with tr.span("forward", micro_batch=j):
+                mb_loss, caches = tp_model.forward(self.params, idx[mb], targets[mb], self.cfg, g.tp_comm, self.scheme)
+            ready = overlap.on_ready if (overlap and j == k - 1) else None
+            with tr.span("backward", micro_batch=j):
+                tp_model.backward(caches, self.grads, g.tp_comm, self.scheme, dloss=1.0 / k, on_ready=ready)
+            loss += float(mb_loss) / k
+        if self.delay:
+            with tr.span("straggler delay"):
+                time.sleep(self.delay)
+        t_sync = time.perf_counter()
+        with tr.span("dp sync"):
+            if self.zero:
+                self.zero.reduce_scatter()                               # Reduce_scatter_block over dp_comm
+                if self.zero.stage == 2:
+                    self.grads = None                                    # only the owned chunk is kept
+            elif overlap:
+                overlap.finish()                                         # Wait for every bucket's Iallreduce
+            elif self.hier:
+                self.hier.average(buf)                                   # node / cross-node / node
+            elif self.stale:
+                self._start_exchange(buf)                                # Iallreduce, applied next step
+            else:
+                dp_average(buf, g.dp_comm)                               # one Allreduce over dp_comm
+        self.exposed_dp = time.perf_counter() - t_sync
         return loss
 
+    def _start_exchange(self, buf):
+        """Staleness 1: copy this step's gradients into a free exchange buffer and start its Iallreduce; the
+        previous exchange (if any) is completed and becomes the gradient to apply now."""
+        free = self.stale[0] if self.inflight is None or self.inflight[0] is self.stale[1] else self.stale[1]
+        free.flat[...] = buf.flat
+        previous, self.inflight = self.inflight, (free, self.grid.dp_comm.Iallreduce(free.flat))
+        self.ready = None
+        if previous is not None:
+            previous[1].Wait()
+            previous[0].flat *= 1.0 / self.grid.dp
+            self.ready = previous[0]
+
+    def finish(self):
+        """Complete a pending exchange (staleness) so that no request is left open; its gradient is not applied."""
+        if self.inflight is not None:
+            self.inflight[1].Wait()
+            self.inflight = None
+
+    # ------------------------------------------------------------------------------------------ step 4
     def update(self, step):
         """Step 4: clip by the global norm, then the optimizer step with the scheduled learning rate."""
-        tc = self.tc
-        norm = global_grad_norm(self.grads, self.is_sharded, self.grid.tp_comm)
-        clip_grads(self.grads, norm, tc.clip)
+        tc, tr = self.tc, self.tracer
         lr = lr_at(step, tc.lr, tc.warmup, tc.steps)
-        self.opt.step(self.params, self.grads, lr)
+        with tr.span("optimizer"):
+            if self.zero:
+                norm = self.zero.grad_norm(self.grid.tp_comm)
+                factor = tc.clip / (norm + 1e-12) if tc.clip and norm > tc.clip else 1.0
+                self.zero.step(lr, factor)                               # my chunk, then Allgather over dp_comm
+                return lr, norm
+            grads = self.grads
+            if self.stale is not None:
+                if self.ready is None:                                   # step 1: nothing has arrived yet
+                    return lr, float("nan")
+                grads = self.ready.grads
+            norm = global_grad_norm(grads, self.is_sharded, self.grid.tp_comm)
+            clip_grads(grads, norm, tc.clip)
+            self.opt.step(self.params, grads, lr)
         return lr, norm
 
     def step(self, idx, targets, step):
         """One optimizer step on the global batch idx, targets (B, T). `step` counts from 1 (for the schedule)."""
         g, stats = self.grid, self.grid.stats
-        t0, tp0, dp0 = time.perf_counter(), stats.seconds("tp"), stats.seconds("dp")
+        t0, tp0 = time.perf_counter(), stats.seconds("tp")
         loss = self.compute_grads(idx, targets)
+        dp0 = stats.seconds("dp")
         lr, norm = self.update(step)
+        exposed = self.exposed_dp + stats.seconds("dp") - dp0            # + ZeRO's Allgather of the parameters
         loss = g.dp_comm.comm.allreduce(loss) / g.dp                     # metadata: the global batch's loss
-        return StepInfo(loss, lr, norm, time.perf_counter() - t0, stats.seconds("tp") - tp0,
-                        stats.seconds("dp") - dp0)
+        return StepInfo(loss, lr, norm, time.perf_counter() - t0, stats.seconds("tp") - tp0, exposed)
+
+    # ------------------------------------------------------------------------------------------ reports
+    def dp_comm_formula(self):
+        """{(comm, op): (calls, bytes)} of one step's data-parallel communication for the chosen mode."""
+        if self.zero:
+            return self.zero.formula()
+        nbytes = int(self.buf.flat.nbytes)
+        if getattr(self.tc, "dp_overlap", False):
+            return {("dp", "Iallreduce"): (len(self.buckets), nbytes)}
+        if self.hier:
+            return self.hier.formula(nbytes, self.pbuf.flat.itemsize)
+        if self.stale:
+            return {("dp", "Iallreduce"): (1, nbytes)}
+        return dp_formula(self.params)
+
+    def memory(self):
+        """Bytes this rank holds between steps: parameters, gradients, optimizer state."""
+        if self.zero:
+            return {"params": int(self.pbuf.flat.nbytes), "grads": int(self.zero.grad_bytes()),
+                    "optimizer": int(self.zero.state_bytes())}
+        state = sum(a.nbytes for v in self.opt.state.values() for a in (v if isinstance(v, tuple) else (v,)))
+        extra = sum(b.flat.nbytes for b in self.stale) if self.stale else 0
+        return {"params": int(self.pbuf.flat.nbytes), "grads": int(self.buf.flat.nbytes + extra),
+                "optimizer": int(state)}
 
     def evaluate(self, corpus, n_batches, batch_size):
         """Mean loss over n_batches fixed validation batches; rows split over the dp groups like training."""
@@ -89,3 +219,8 @@ class HybridTrainer:
     def full_params(self):
         """The whole model (serial names and shapes) on every rank of the TP group."""
         return tp_model.gather_full(self.params, self.cfg, self.grid.tp_comm, self.scheme)
+
+    def free(self):
+        self.finish()
+        if self.hier:
+            self.hier.free()

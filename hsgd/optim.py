@@ -24,6 +24,18 @@ def decays(name, p):
     return p.ndim >= 2
 
 
+def apply_weight_decay(p, name, lr, wd, decay=None):
+    """p <- p * (1 - lr * wd * m), m = 1 for decayed parameters (or a per-element 0/1 mask from decay[name])."""
+    if not wd:
+        return
+    m = decays(name, p) if decay is None else decay[name]
+    if m is True or m is False:
+        if m:
+            p *= 1.0 - lr * wd
+    else:
+        p *= 1.0 - (lr * wd) * m
+
+
 class SGD:
     def __init__(self, lr, momentum=0.0, weight_decay=0.0):
         self.lr = lr                      # learning rate (a schedule may pass another one to step())
@@ -31,12 +43,12 @@ class SGD:
         self.weight_decay = weight_decay  # decoupled weight decay on 2-D parameters
         self.state = {}                   # name -> velocity v, created on first use
 
-    def step(self, params, grads, lr=None):
+    def step(self, params, grads, lr=None, decay=None):
+        """decay: optional {name: bool or per-element 0/1 mask} instead of the 2-D rule (ZeRO's flat chunks)."""
         lr = self.lr if lr is None else lr
         for name, p in params.items():
             g = grads[name]
-            if self.weight_decay and decays(name, p):
-                p *= 1.0 - lr * self.weight_decay
+            apply_weight_decay(p, name, lr, self.weight_decay, decay)
             if self.momentum:
                 v = self.state.get(name)
                 if v is None:
@@ -56,7 +68,8 @@ class AdamW:
         self.t = 0                        # steps taken (for the bias corrections)
         self.state = {}                   # name -> (m, v)
 
-    def step(self, params, grads, lr=None):
+    def step(self, params, grads, lr=None, decay=None):
+        """decay: optional {name: bool or per-element 0/1 mask} instead of the 2-D rule (ZeRO's flat chunks)."""
         lr = self.lr if lr is None else lr
         self.t += 1
         c1, c2 = 1.0 - self.b1 ** self.t, 1.0 - self.b2 ** self.t
@@ -70,8 +83,7 @@ class AdamW:
             m += (1.0 - self.b1) * g
             v *= self.b2
             v += (1.0 - self.b2) * (g * g)
-            if self.weight_decay and decays(name, p):
-                p *= 1.0 - lr * self.weight_decay
+            apply_weight_decay(p, name, lr, self.weight_decay, decay)
             denom = xp.sqrt(v / c2)
             denom += self.eps
             p -= (lr / c1) * (m / denom)

@@ -1,6 +1,6 @@
 """The GPT split over a tensor-parallel group: M = tp ranks hold one copy of the model together.
 
-Two schemes, both exact (every gradient shard equals the matching slice of hsgd.serial's gradient):
+Three schemes, all exact (every gradient shard equals the matching slice of hsgd.serial's gradient):
 
   "megatron" (default) -- per block, q, k, v are column-parallel (rank i holds heads i*NH/tp ... (i+1)*NH/tp - 1
       whole, and computes their attention locally), the attention output projection is row-parallel; the MLP is
@@ -11,18 +11,21 @@ Two schemes, both exact (every gradient shard equals the matching slice of hsgd.
       Reduce-scatter, see tp_layers.allgather_backward) and All-Reduces the partial dX. q, k, v stay local (attention
       consumes exactly the local heads) and the gather happens after attention; fc's gather happens after GELU
       (an elementwise op commutes with the gather).
+  "sequence" (Korthikanti et al. 2022, hsgd.tp_sequence) -- megatron's split, with LayerNorm, the residual stream
+      and the embedding split along T between the ranks; an All-Gather along T enters each column-parallel region,
+      a Reduce-Scatter along T leaves each row-parallel one. Every cached activation is divided by tp.
 
-In both: the token embedding and the LM head are vocab-parallel (rank i holds vocabulary ids [i*Vp, (i+1)*Vp),
+In all three: the token embedding and the LM head are vocab-parallel (rank i holds vocabulary ids [i*Vp, (i+1)*Vp),
 Vp = ceil(V/tp), padded past V), the cross-entropy is computed without gathering the logits, and LayerNorm
 parameters, wpe and the biases of row-parallel layers are replicated (their gradients come out identical on
-every rank).
+every rank; "sequence" All-Reduces them, since each rank saw only its positions).
 
 Legend: B batch, T sequence, C d_model, NH heads, F d_ff, V vocab, Vp vocab rows per rank, tp ranks.
 Parameters keep their serial names; a shard's shape shows its split, e.g. h.0.attn.q.weight (C, C/tp).
 """
 import math
 
-from . import serial
+from . import serial, tp_sequence
 from .backend import array_module
 from .errors import ConfigError
 from .layers import (attention_backward, attention_forward, gelu_backward, gelu_forward, layernorm_backward,
@@ -31,7 +34,7 @@ from .tp_layers import (allgather_backward, allgather_forward, f_backward, f_for
                         gather_linear_forward, row_linear_backward, row_linear_forward, vocab_cross_entropy_backward,
                         vocab_cross_entropy_forward, vocab_embedding_backward, vocab_embedding_forward, vocab_range)
 
-SCHEMES = ("megatron", "gather")
+SCHEMES = ("megatron", "gather", "sequence")
 
 
 def check_tp(cfg, tp, scheme="megatron"):
@@ -45,6 +48,8 @@ def check_tp(cfg, tp, scheme="megatron"):
     if cfg.d_ff % tp:
         raise ConfigError(f"d_ff={cfg.d_ff} is not divisible by tp={tp}: each tensor-parallel rank holds d_ff/tp "
                           f"MLP columns; use tp in {ok}")
+    if scheme == "sequence":                                             # T-shards of seq_len/tp positions
+        tp_sequence.check_seq_len(cfg.seq_len, tp, [t for t in ok if cfg.seq_len % t == 0])
 
 
 def split_of(name, scheme="megatron"):
@@ -56,9 +61,9 @@ def split_of(name, scheme="megatron"):
     if ".attn.q." in name or ".attn.k." in name or ".attn.v." in name or ".mlp.fc." in name:
         return "split", 1 if name.endswith(".weight") else 0
     if name.endswith("attn.proj.weight") or name.endswith("mlp.proj.weight"):
-        return "split", 0 if scheme == "megatron" else 1                 # row-parallel / column-parallel
+        return "split", 0 if scheme != "gather" else 1                   # row-parallel / column-parallel
     if name.endswith("attn.proj.bias") or name.endswith("mlp.proj.bias"):
-        return ("rep", None) if scheme == "megatron" else ("split", 0)
+        return ("rep", None) if scheme != "gather" else ("split", 0)
     return "rep", None                                                   # wpe, LayerNorms
 
 
@@ -155,6 +160,8 @@ def block_backward(dx, cache, g, h, comm, scheme, reduce_scatter=False):
 
 def forward(params, idx, targets, cfg, comm, scheme="megatron"):
     """The mean loss (the same on every rank) and the caches of the backward pass."""
+    if scheme == "sequence":
+        return tp_sequence.forward(params, idx, targets, cfg, comm)
     p = params
     start, _ = vocab_range(cfg.vocab_size, comm.size, comm.rank)
     x, c_emb = vocab_embedding_forward(idx, p["wte"], p["wpe"], start, comm)        # (B, T, C) Allreduce
@@ -176,6 +183,8 @@ def backward(caches, grads, comm, scheme="megatron", reduce_scatter=False, dloss
     (lm_head, ln_f), "h.{L-1}", ..., "h.0" (the blocks), "embedding" (wte, wpe). Data parallelism uses it to
     start each bucket's Allreduce while the backward pass goes on (see PARAM_GROUPS).
     """
+    if scheme == "sequence":
+        return tp_sequence.backward(caches, grads, comm, dloss, on_ready)
     c_emb, c_blocks, c_lnf, c_head, c_ce = caches
     g = grads
     ready = on_ready or (lambda group: None)
@@ -249,10 +258,25 @@ def comm_formula(cfg, batch_size, itemsize, scheme="megatron", reduce_scatter=Fa
               Allreduce  calls 4L + 4, bytes ((3C + F) L + 2C + 3) N s   (the partial dX of the same four, plus
                          embedding, LM head and cross-entropy)
               with reduce_scatter: Reduce_scatter_block calls 4L, bytes L (3C + F) N s as well
+    sequence: Allgather  calls 6L + 3, bytes (6L + 3) N C s   forward: 2 per block (into q,k,v and fc), 1 into the
+                                        LM head; backward: the same 2L + 1 again (only the T-shards are cached)
+                                        and 2L + 1 adjoints of the Reduce-Scatters (2 per block, embedding)
+              Reduce_scatter_block  calls 4L + 2, bytes (4L + 2) N C s   forward: embedding, 2 per block (attention
+                                        and MLP proj); backward: adjoints of the 2L + 1 forward All-Gathers
+              Allreduce  calls L + 4, bytes (3N + (6L + 2 + T) C) s   cross-entropy 2 (3N), the partial gradients
+                                        of the replicated parameters, one call per group: head (ln_f: 2C), each
+                                        block (ln1, ln2, attn.proj.bias, mlp.proj.bias: 6C), embedding (wpe: T C)
+              (An Allreduce costs a ring 2 (tp-1)/tp of its bytes, an Allgather or Reduce-scatter (tp-1)/tp: the
+              sequence scheme moves what megatron does, plus the 2L + 1 repeated All-Gathers and the small
+              Allreduces of the replicated gradients.)
     """
     N, C, F, L, s = batch_size * cfg.seq_len, cfg.d_model, cfg.d_ff, cfg.n_layers, itemsize
     if scheme == "megatron":
         return {("tp", "Allreduce"): (4 * L + 4, ((4 * L + 2) * C + 3) * N * s)}
+    if scheme == "sequence":
+        return {("tp", "Allgather"): (6 * L + 3, (6 * L + 3) * N * C * s),
+                ("tp", "Reduce_scatter_block"): (4 * L + 2, (4 * L + 2) * N * C * s),
+                ("tp", "Allreduce"): (L + 4, (3 * N + (6 * L + 2 + cfg.seq_len) * C) * s)}
     out = {("tp", "Allgather"): (4 * L, L * (3 * C + F) * N * s),
            ("tp", "Allreduce"): (4 * L + 4, ((3 * C + F) * L + 2 * C + 3) * N * s)}
     if reduce_scatter:

@@ -13,11 +13,13 @@ time) and a generated sample.
 Settings come from the flags, or from `--config FILE.toml` (keys are the flag names with underscores; flags
 given on the command line win).
 """
+import argparse
 import json
 import math
 import os
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, fields, replace
 
 from mpi4py import MPI
@@ -27,11 +29,13 @@ from . import launch, tp_model
 from .backend import resolve_device, resolve_dtype
 from .config import ModelConfig, check_positive_int
 from .data import Corpus
-from .dp import check_batch, dp_formula
+from .dp import check_batch
 from .errors import ConfigError
 from .generate import generate, printable
 from .grid import ProcessGrid, check_sizes
 from .hybrid import HybridTrainer
+from .plots import write_plots
+from .trace import Tracer
 
 try:
     import tomllib
@@ -65,6 +69,14 @@ class TrainConfig:
     threads: int = None            # BLAS threads per rank; None = cores / ranks on the machine (at least 1)
     log_json: str = None           # write one JSON object per step to this file (rank 0)
     inject_fault: str = None       # "RANK:STEP": raise an exception on that rank at that step (tests fail-fast)
+    dp_overlap: bool = False       # start each layer's gradient Iallreduce during the backward pass
+    zero: int = 0                  # 0: all-reduce; 1, 2: reduce-scatter + sharded optimizer + all-gather (ZeRO)
+    hierarchical: bool = False     # dp all-reduce as node reduce-scatter, cross-node all-reduce, node all-gather
+    ranks_per_node: int = None     # dp ranks per node for --hierarchical (None: MPI's shared-memory split)
+    straggler: str = None          # "RANK:MS": that rank sleeps MS milliseconds in every step
+    dp_staleness: int = 0          # 1: apply each step's averaged gradient one step late (asynchronous SGD)
+    trace: str = None              # write a Chrome/Perfetto trace of all ranks to this JSON file
+    plot: str = None               # write PNG plots (loss curves, a per-rank timeline of one step) to this folder
 
     def validate(self):
         for name in ("steps", "batch_size", "grad_accum", "eval_batches", "log_interval"):
@@ -86,10 +98,23 @@ class TrainConfig:
             raise ConfigError(f"clip={self.clip!r} must be >= 0 (0 turns clipping off)")
         if self.optimizer not in ("sgd", "adamw"):
             raise ConfigError(f"optimizer={self.optimizer!r} is not known; use sgd or adamw")
-        if self.inject_fault is not None:
-            parts = str(self.inject_fault).split(":")
-            if len(parts) != 2 or not all(p.isdigit() for p in parts):
-                raise ConfigError(f"inject_fault={self.inject_fault!r} must look like RANK:STEP, e.g. 3:5")
+        for name, example in (("inject_fault", "3:5"), ("straggler", "3:50")):
+            v = getattr(self, name)
+            if v is not None and (len(str(v).split(":")) != 2 or not all(p.isdigit() for p in str(v).split(":"))):
+                what = "RANK:STEP" if name == "inject_fault" else "RANK:MILLISECONDS"
+                raise ConfigError(f"{name}={v!r} must look like {what}, e.g. {example}")
+        if self.zero not in (0, 1, 2):
+            raise ConfigError(f"zero={self.zero!r} must be 0 (all-reduce), 1 or 2 (ZeRO stage)")
+        if self.dp_staleness not in (0, 1):
+            raise ConfigError(f"dp_staleness={self.dp_staleness!r} must be 0 (synchronous) or 1 (one step late)")
+        if self.ranks_per_node is not None:
+            check_positive_int("ranks_per_node", self.ranks_per_node)
+        modes = [m for m, on in (("--dp-overlap", self.dp_overlap), (f"--zero {self.zero}", self.zero),
+                                 ("--hierarchical", self.hierarchical), ("--dp-staleness 1", self.dp_staleness))
+                 if on]
+        if len(modes) > 1:
+            raise ConfigError(f"{' and '.join(modes)} cannot be combined: each is its own way of exchanging the "
+                              "gradients over dp_comm; choose one")
         resolve_dtype(self.dtype)
         resolve_device(self.device)
 
@@ -117,7 +142,7 @@ def build_parser():
     g = p.add_argument_group("parallel layout")
     g.add_argument("--tp", type=int, help="tensor-parallel size M (default: 2 on an even number of ranks, else 1)")
     g.add_argument("--dp", type=int, help="data-parallel size G (default: ranks / tp)")
-    g.add_argument("--tp-scheme", choices=["megatron", "gather"],
+    g.add_argument("--tp-scheme", choices=tp_model.SCHEMES,
                    help=f"tensor-parallel scheme: megatron f/g pairs or the seed paper's all-gather ({d.tp_scheme})")
     g = p.add_argument_group("model")
     g.add_argument("--seq-len", type=int, help=f"T: context length in bytes ({m.seq_len})")
@@ -154,6 +179,22 @@ def build_parser():
     g.add_argument("--log-json", metavar="FILE", help="write one JSON object per step (rank 0)")
     g.add_argument("--config", metavar="FILE.toml", help="read settings from a TOML file (flags win)")
     g.add_argument("--inject-fault", metavar="RANK:STEP", help="raise an exception on RANK at STEP (testing)")
+    g.add_argument("--trace", metavar="FILE.json", help="write a Chrome/Perfetto trace of every rank (compute phases "
+                                                        "and collectives) to FILE.json")
+    g.add_argument("--plot", metavar="DIR", help="write PNG plots to DIR: loss curves and a per-rank timeline of "
+                                                 "one step")
+    g = p.add_argument_group("data-parallel communication (choose at most one of the first four)")
+    g.add_argument("--dp-overlap", action=argparse.BooleanOptionalAction,
+                   help="start each layer's gradient Iallreduce while the backward pass goes on (default: off)")
+    g.add_argument("--zero", type=int, choices=[0, 1, 2], help="ZeRO stage: reduce-scatter the gradients, update "
+                                                              "1/dp of the parameters, all-gather them (0: off)")
+    g.add_argument("--hierarchical", action=argparse.BooleanOptionalAction,
+                   help="all-reduce as reduce-scatter in the node, all-reduce across nodes, all-gather in the node")
+    g.add_argument("--dp-staleness", type=int, choices=[0, 1], help="1: apply each step's averaged gradient one step "
+                                                                    "late, its exchange overlapping the next step")
+    g.add_argument("--ranks-per-node", type=int, help="dp ranks per node for --hierarchical (default: MPI's "
+                                                      "shared-memory split)")
+    g.add_argument("--straggler", metavar="RANK:MS", help="make RANK sleep MS milliseconds in every step")
     return p
 
 
@@ -223,7 +264,13 @@ def _train(cfg, tc, world, out, threads):
     say = (lambda s="": print(s, file=out, flush=True)) if rank0 else (lambda s="": None)
     corpus = launch.agree(world, lambda: Corpus.load(tc.data, cfg.seq_len))
     grid = ProcessGrid(world, dp=tc.dp, pp=1, tp=tc.tp)
-    trainer = HybridTrainer(cfg, grid, tc)
+    tracer = Tracer(world.Get_rank(), world, enabled=False) if (tc.trace or tc.plot) else None
+    trainer = launch.agree(world, lambda: HybridTrainer(cfg, grid, tc, tracer))
+    if tracer:
+        for c in (grid.tp_comm, grid.dp_comm, grid.world) + ((trainer.hier.node_comm, trainer.hier.cross_comm)
+                                                              if trainer.hier else ()):
+            c.tracer = tracer
+    traced = (min(2, tc.steps), min(4, tc.steps))                   # the steps the trace and timeline show
     table = grid.layout_table()
     fault = tuple(int(x) for x in tc.inject_fault.split(":")) if tc.inject_fault else None
 
@@ -239,6 +286,8 @@ def _train(cfg, tc, world, out, threads):
     say(f"optim: {tc.optimizer} lr={tc.lr} warmup={tc.warmup} cosine to lr/10"
         + (f" momentum={tc.momentum}" if tc.optimizer == "sgd" else "")
         + f" weight_decay={tc.weight_decay} clip={tc.clip or 'off'} | {tc.steps} steps")
+    say(f"dp exchange: {describe_dp(trainer)}" + (f" | straggler: rank {tc.straggler.split(':')[0]} sleeps "
+                                                   f"{tc.straggler.split(':')[1]} ms per step" if tc.straggler else ""))
     say("layout:\n" + table)
     val0 = trainer.evaluate(corpus, tc.eval_batches, tc.batch_size)
     say(f"val loss {val0:.4f} before training (uniform guess: {math.log(cfg.vocab_size):.4f})")
@@ -246,14 +295,18 @@ def _train(cfg, tc, world, out, threads):
     log = open(tc.log_json, "w") if (tc.log_json and rank0) else None
     t_start = time.perf_counter()
     window = {"n": 0, "loss": 0.0, "s": 0.0, "tp": 0.0, "dp": 0.0}
-    losses, per_step = [], None
+    losses, per_step, val_points = [], None, [(0, val0)]
+    measured_step = min(2, tc.steps)        # bytes of one step, the same every step (step 1 of staleness: none)
     for step in range(1, tc.steps + 1):
         if fault and fault == (world.Get_rank(), step):
             raise RuntimeError(f"fault injected on rank {world.Get_rank()} at step {step} (--inject-fault)")
         idx, targets = corpus.batch(tc.seed, step, tc.batch_size)
         before = grid.stats.counts()
-        info = trainer.step(idx, targets, step)
-        if per_step is None:                                     # bytes of one step (the same every step)
+        if tracer:
+            tracer.enabled = traced[0] <= step <= traced[1]
+        with (tracer.span(f"step {step}") if tracer else nullcontext()):
+            info = trainer.step(idx, targets, step)
+        if step == measured_step:
             after = grid.stats.counts()
             per_step = {k: (v[0] - before.get(k, (0, 0))[0], v[1] - before.get(k, (0, 0))[1])
                         for k, v in after.items() if v != before.get(k)}
@@ -274,31 +327,65 @@ def _train(cfg, tc, world, out, threads):
                 f"tp {1e3 * w['tp'] / w['n']:.0f} + dp {1e3 * w['dp'] / w['n']:.0f}")
             window = dict.fromkeys(window, 0.0)
         if tc.eval_interval and step % tc.eval_interval == 0 and step != tc.steps:
-            say(f"val loss {trainer.evaluate(corpus, tc.eval_batches, tc.batch_size):.4f} at step {step}")
+            val_points.append((step, trainer.evaluate(corpus, tc.eval_batches, tc.batch_size)))
+            say(f"val loss {val_points[-1][1]:.4f} at step {step}")
+    trainer.finish()
     wall = time.perf_counter() - t_start
     if log:
         log.close()
     val1 = trainer.evaluate(corpus, tc.eval_batches, tc.batch_size)
     say(f"val loss {val0:.4f} -> {val1:.4f} after {tc.steps} steps in {fmt_time(wall)} "
         f"({tc.steps * tokens / wall:,.0f} tok/s)")
-    formula = dict(tp_model.comm_formula(cfg, tc.batch_size // grid.dp // tc.grad_accum, trainer.buf.flat.itemsize,
+    val_points.append((tc.steps, val1))
+    formula = dict(tp_model.comm_formula(cfg, tc.batch_size // grid.dp // tc.grad_accum, trainer.pbuf.flat.itemsize,
                                          tc.tp_scheme))
     formula = {k: (v[0] * tc.grad_accum, v[1] * tc.grad_accum) for k, v in formula.items()}
-    formula.update(dp_formula(trainer.params))
-    say("communication per step on each rank (measured | formula):")
+    formula.update(trainer.dp_comm_formula())
+    say(f"communication per step on each rank, step {measured_step} (measured | formula):")
     sizes = {"tp": grid.tp, "dp": grid.dp}
     for key in sorted(set(per_step) | set(formula)):
         m, f = per_step.get(key, (0, 0)), formula.get(key, (0, 0))
         say(f"  {key[0]:<4} {key[1]:<22} {m[0]:>4} calls {fmt_bytes(m[1]):>11} | {f[0]:>4} calls "
             f"{fmt_bytes(f[1]):>11}" + ("" if m == f else "   <- differs")
             + ("   (a 1-rank communicator: nothing moves)" if sizes.get(key[0]) == 1 else ""))
+    mem = trainer.memory()
+    say(f"memory per rank: parameters {fmt_bytes(mem['params'])}, gradients {fmt_bytes(mem['grads'])}, "
+        f"optimizer state {fmt_bytes(mem['optimizer'])}")
+    if tracer:
+        events = tracer.write(world, tc.trace) if tc.trace else world.gather(tracer.chrome_events(), root=0)
+        if rank0 and not tc.trace:
+            events = [e for rank_events in events for e in rank_events]
+        if tc.trace:
+            say(f"trace of steps {traced[0]}-{traced[1]}, all ranks: {tc.trace} (open it at ui.perfetto.dev)")
+        if tc.plot and rank0:
+            window_of = [e for e in events if e.get("name") == f"step {traced[0]}"]
+            t_range = (min(e["ts"] for e in window_of), max(e["ts"] + e["dur"] for e in window_of)) \
+                if window_of else None
+            paths = write_plots(tc.plot, losses, val_points, events, t_range,
+                                f"dp {grid.dp} x tp {grid.tp}, {describe_dp(trainer)}")
+            say("plots: " + ", ".join(paths))
     full = trainer.full_params() if tc.sample_bytes else None
     if tc.sample_bytes and rank0:
         say("sample:\n" + printable(generate(full, cfg, tc.prompt.encode(), tc.sample_bytes, seed=tc.seed)))
     summary = {"val_before": val0, "val_after": val1, "losses": losses, "wall_s": wall, "comm_per_step": per_step,
-               "comm_formula": formula, "params": trainer.params}
+               "comm_formula": formula, "params": trainer.params, "memory": mem}
+    trainer.free()
     grid.free()
     return summary
+
+
+def describe_dp(trainer):
+    tc = trainer.tc
+    if trainer.zero:
+        return f"ZeRO stage {tc.zero} (Reduce_scatter_block + sharded optimizer + Allgather over dp_comm)"
+    if tc.dp_overlap:
+        return f"overlapped, {len(trainer.buckets)} buckets, one Iallreduce each during the backward pass"
+    if trainer.hier:
+        return (f"hierarchical: {trainer.hier.ranks_per_node} dp ranks per node x {trainer.hier.n_nodes} nodes "
+                "(node Reduce_scatter_block, cross-node Allreduce, node Allgather)")
+    if tc.dp_staleness:
+        return "stale by one step: each step's Iallreduce completes during the next step, applied one step late"
+    return "one Allreduce of all gradients after the backward pass"
 
 
 def main(argv=None):

@@ -36,7 +36,7 @@ def build_parser():
                                           "tolerance (float64 1e-10, float32 1e-4), else 1.")
     p.add_argument("--tp", type=int, help="tensor-parallel size (default: 2 on an even number of ranks)")
     p.add_argument("--dp", type=int, help="data-parallel size (default: ranks / tp)")
-    p.add_argument("--tp-scheme", choices=["megatron", "gather"], help="tensor-parallel scheme (megatron)")
+    p.add_argument("--tp-scheme", choices=tp_model.SCHEMES, help="tensor-parallel scheme (megatron)")
     p.add_argument("--dtype", choices=["float32", "float64"], default="float64", help="floating-point type (float64)")
     p.add_argument("--batch-size", type=int, default=8, help="global batch (8)")
     p.add_argument("--grad-accum", type=int, help="micro-batches per DP group (1)")

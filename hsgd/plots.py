@@ -1,0 +1,86 @@
+"""PNG pictures of a run (--plot DIR): the loss curves, and a per-rank timeline of one training step.
+
+Needs matplotlib (installed by `pip install -e '.[dev]'`, which `make train` does); the Agg backend, no display.
+"""
+import os
+
+from .errors import UsageError
+
+COLORS = {"forward": "#4C72B0", "backward": "#55A868", "optimizer": "#8172B2", "dp sync": "#CCB974",
+          "straggler delay": "#C44E52", "Allreduce": "#DD8452", "Iallreduce": "#C44E52", "Allgather": "#64B5CD",
+          "Reduce_scatter_block": "#937860", "Bcast": "#DA8BC3"}
+
+
+def _pyplot():
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise UsageError("--plot needs matplotlib: pip install matplotlib (or pip install -e '.[dev]')") from None
+    return plt
+
+
+def plot_losses(losses, val_points, path, title=""):
+    """Training loss per step and validation loss at its evaluation steps."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(range(1, len(losses) + 1), losses, lw=0.8, label="training loss (global batch)")
+    if val_points:
+        ax.plot([s for s, _ in val_points], [v for _, v in val_points], "o-", label="validation loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats)")
+    ax.set_title(title)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_timeline(events, path, title="", t_range=None):
+    """One row per rank and track (compute, comm, async): every span as a bar, collectives colored by operation;
+    non-blocking calls in flight at the same time are drawn translucent on top of each other."""
+    plt = _pyplot()
+    xs = [e for e in events if e.get("ph") == "X"]
+    ranks = sorted({e["pid"] for e in xs})
+    if t_range is None:
+        t_range = (min(e["ts"] for e in xs), max(e["ts"] + e["dur"] for e in xs))
+    t0 = t_range[0]
+    fig, ax = plt.subplots(figsize=(11, 0.5 * 3 * len(ranks) + 1.2))
+    labels, seen = [], set()
+    for i, rank in enumerate(ranks):
+        for tid, track in ((0, "compute"), (1, "comm"), (2, "async")):
+            y = 3 * (len(ranks) - 1 - i) + (2 - tid)
+            labels.append((y, f"rank {rank} {track}"))
+            for e in xs:
+                if e["pid"] != rank or e["tid"] != tid or e["ts"] + e["dur"] < t_range[0] or e["ts"] > t_range[1]:
+                    continue
+                if e["name"].startswith("step "):
+                    continue
+                color = COLORS.get(e["name"], "#999999")
+                kw = {"label": e["name"]} if e["name"] not in seen else {}
+                seen.add(e["name"])
+                ax.broken_barh([((e["ts"] - t0) / 1e3, max(e["dur"], 1.0) / 1e3)], (y + 0.1, 0.8), color=color,
+                               alpha=0.35 if tid == 2 else 1.0, edgecolor="black" if tid == 2 else None,
+                               linewidth=0.4, **kw)
+    ax.set_yticks([y + 0.5 for y, _ in labels])
+    ax.set_yticklabels([lab for _, lab in labels], fontsize=7)
+    ax.set_xlabel("milliseconds")
+    ax.set_title(title)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_plots(directory, losses, val_points, events, step_range, title):
+    """Both pictures into `directory`; returns their paths."""
+    os.makedirs(directory, exist_ok=True)
+    paths = [os.path.join(directory, "loss.png"), os.path.join(directory, "timeline.png")]
+    plot_losses(losses, val_points, paths[0], title)
+    if events:
+        plot_timeline(events, paths[1], f"{title}: one training step", step_range)
+    else:
+        paths = paths[:1]
+    return paths
