@@ -132,3 +132,40 @@ def test_verify_passes(flags):
     r = run_mpi(8, ["-m", "hsgd.verify", *flags], timeout=120)
     print(r.stdout[-1500:])
     assert r.returncode == 0 and "PASS: largest gradient error" in r.stdout, r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("flags", [["--dp-overlap"], ["--zero", "1"], ["--zero", "2", "--optimizer", "adamw"],
+                                   ["--hierarchical", "--ranks-per-node", "2"], ["--dp-staleness", "1"],
+                                   ["--tp-scheme", "sequence"], ["--straggler", "3:5"]])
+def test_every_communication_option_trains_and_matches_its_formula(flags):
+    r = run_mpi(8, ["-m", "hsgd.train", *TINY, *flags], timeout=120)
+    out = r.stdout
+    print(out[-1500:])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "communication per step on each rank" in out and "<- differs" not in out and "dp exchange:" in out
+    assert "memory per rank: parameters" in out
+
+
+def test_combined_exchange_modes_are_refused():
+    r = run_mpi(8, ["-m", "hsgd.train", *TINY, "--zero", "1", "--dp-overlap"], timeout=60)
+    assert r.returncode == 2 and r.stderr.count("hsgd: error:") == 1
+    assert "--dp-overlap and --zero 1 cannot be combined" in r.stderr
+
+
+def test_trace_and_plots(tmp_path):
+    import json
+    trace, plots = tmp_path / "trace.json", tmp_path / "plots"
+    r = run_mpi(8, ["-m", "hsgd.train", *TINY, "--steps", "4", "--dp-overlap", "--trace", str(trace),
+                    "--plot", str(plots)], timeout=120)
+    print(r.stdout[-800:])
+    assert r.returncode == 0, r.stderr[-3000:]
+    events = json.loads(trace.read_text())["traceEvents"]
+    spans = [e for e in events if e["ph"] == "X"]
+    assert {e["pid"] for e in spans} == set(range(8))                       # a process (track group) per rank
+    assert {e["tid"] for e in spans} == {0, 1, 2}                           # compute, comm, async
+    comms = [e for e in spans if e["tid"] in (1, 2)]
+    assert comms and all({"comm", "bytes"} <= set(e["args"]) for e in comms)
+    assert {e["name"] for e in spans} >= {"forward", "backward", "optimizer", "Allreduce", "Iallreduce", "step 2"}
+    for png in ("loss.png", "timeline.png"):
+        data = (plots / png).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000

@@ -1,0 +1,163 @@
+"""Communication optimizations on 8 ranks, float64: overlapped buckets, ZeRO 1/2, hierarchical all-reduce and
+stragglers change nothing in the result (equal to serial SGD and to the plain path); staleness 1 equals a serial
+simulation of delayed SGD; every mode's measured bytes equal its formula; ZeRO's optimizer state falls by dp."""
+import math
+
+import numpy as np
+import pytest
+
+import hsgd
+from hsgd import serial, tp_model
+from hsgd.data import Corpus
+from hsgd.dp import params_digest
+from hsgd.grid import ProcessGrid
+from hsgd.hybrid import HybridTrainer
+from hsgd.optim import clip_grads, lr_at, make_optimizer
+from hsgd.trace import Tracer, overlap_seconds
+from hsgd.train import TrainConfig
+
+from .conftest import WORLD, check, say, world_max
+
+pytestmark = pytest.mark.mpi(min_size=8)
+
+CFG = hsgd.ModelConfig(vocab_size=256, seq_len=8, d_model=16, n_heads=8, n_layers=2, d_ff=16)
+CORPUS = Corpus(np.random.default_rng(0).integers(0, 256, 4000, dtype=np.uint8).tobytes(), "random bytes", 8)
+STEPS = 4
+
+
+def config(**kw):
+    base = dict(steps=STEPS, batch_size=8, lr=0.05, momentum=0.9, warmup=2, dtype="float64", seed=3)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def serial_sgd(tc, delayed=False):
+    """Serial mini-batch SGD on the global batch; delayed=True applies step s's gradient at step s+1 (nothing at
+    step 1): w_{s+1} = w_s - lr_s * g(w_{s-1}), the update of --dp-staleness 1."""
+    params = serial.init_params(CFG, seed=tc.seed, dtype="float64")
+    opt = make_optimizer(tc.optimizer, tc.lr, momentum=tc.momentum, weight_decay=tc.weight_decay)
+    pending = None
+    for step in range(1, tc.steps + 1):
+        idx, targets = CORPUS.batch(tc.seed, step, tc.batch_size)
+        _, grads = serial.loss_and_grads(params, idx, targets, CFG)
+        if delayed:
+            grads, pending = pending, grads
+            if grads is None:
+                continue
+        norm = math.sqrt(sum(float((g * g).sum()) for g in grads.values()))
+        clip_grads(grads, norm, tc.clip)
+        opt.step(params, grads, lr_at(step, tc.lr, tc.warmup, tc.steps))
+    return params
+
+
+def run(tc, tracer=None):
+    """tc.steps steps on the grid; returns (grid, trainer, replicas identical after every step, per-step bytes)."""
+    grid = ProcessGrid(WORLD, dp=tc.dp, tp=tc.tp)
+    trainer = HybridTrainer(CFG, grid, tc, tracer)
+    if tracer:
+        for c in (grid.tp_comm, grid.dp_comm):
+            c.tracer = tracer
+    identical, per_step = True, None
+    for step in range(1, tc.steps + 1):
+        before = grid.stats.counts()
+        trainer.step(*CORPUS.batch(tc.seed, step, tc.batch_size), step)
+        if step == 2:
+            after = grid.stats.counts()
+            per_step = {k: (v[0] - before.get(k, (0, 0))[0], v[1] - before.get(k, (0, 0))[1])
+                        for k, v in after.items() if v != before.get(k)}
+        identical &= len(set(grid.dp_comm.allgather_obj(params_digest(trainer.params)))) == 1
+    trainer.finish()
+    return grid, trainer, identical, per_step
+
+
+def param_err(trainer, grid, ref, scheme="megatron"):
+    """Max over parameters of max |p - ref shard| / max(max |ref|, 0.02) (k-biases stay ~0: see test_hybrid)."""
+    return max(float(np.abs(p - tp_model.shard(ref[n], n, grid.tp_rank, grid.tp, scheme)).max()
+                     / max(np.abs(ref[n]).max(), 0.02)) for n, p in trainer.params.items())
+
+
+def expected_bytes(trainer, tc):
+    f = dict(tp_model.comm_formula(CFG, tc.batch_size // tc.dp // tc.grad_accum, 8, tc.tp_scheme))
+    f = {k: (v[0] * tc.grad_accum, v[1] * tc.grad_accum) for k, v in f.items()}
+    f.update(trainer.dp_comm_formula())
+    return f
+
+
+MODES = {
+    "overlap": dict(dp_overlap=True),
+    "zero1": dict(zero=1),
+    "zero2": dict(zero=2, optimizer="adamw", lr=0.01, weight_decay=0.1, clip=0.5),
+    "hier2": dict(hierarchical=True, ranks_per_node=2),
+    "hier-default": dict(hierarchical=True),
+    "straggler": dict(straggler="5:20"),
+}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("tp, dp", [(2, 4), (1, 8)])
+def test_mode_equals_serial_and_plain_and_its_formula(mode, tp, dp):
+    extra = MODES[mode]
+    k = 2 if mode == "overlap" else 1                                 # overlap: only the last micro-batch overlaps
+    tc = config(tp=tp, dp=dp, grad_accum=k, batch_size=8 * k, **extra)
+    plain = config(tp=tp, dp=dp, grad_accum=k, batch_size=8 * k,
+                   **{key: v for key, v in extra.items() if key in ("optimizer", "lr", "weight_decay", "clip")})
+    ref = serial_sgd(tc)
+    grid, trainer, identical, per_step = run(tc)
+    err = param_err(trainer, grid, ref)
+    formula = expected_bytes(trainer, tc)
+    grid.free()
+    trainer.free()
+    grid0, trainer0, _, _ = run(plain)
+    vs_plain = max(float(np.abs(trainer.params[n] - trainer0.params[n]).max()) for n in trainer.params)
+    grid0.free()
+    say(f"{mode} tp={tp} dp={dp}: param rel err vs serial {world_max(err):.1e}, max diff vs plain DP "
+        f"{world_max(vs_plain):.1e}, replicas identical {identical}, bytes == formula {per_step == formula}")
+    check(err <= 1e-9 and vs_plain <= 1e-12 and identical and per_step == formula,
+          f"err {err:.1e} plain {vs_plain:.1e} identical {identical}\nmeasured {per_step}\nformula  {formula}")
+
+
+def test_staleness_equals_delayed_serial_sgd():
+    for tp, dp in ((2, 4), (1, 8)):
+        tc = config(tp=tp, dp=dp, dp_staleness=1, steps=5)
+        ref = serial_sgd(tc, delayed=True)
+        grid, trainer, identical, per_step = run(tc)
+        err = param_err(trainer, grid, ref)
+        nbytes = int(trainer.buf.flat.nbytes)
+        say(f"staleness 1 tp={tp} dp={dp}: param rel err vs delayed serial SGD {world_max(err):.1e}")
+        check(err <= 1e-9 and identical and per_step.get(("dp", "Iallreduce")) == (1, nbytes), f"{err:.1e}")
+        grid.free()
+
+
+def test_zero_shards_the_optimizer_state_by_dp():
+    mems, sizes = {}, {}
+    for zero in (0, 1, 2):
+        grid, trainer, _, _ = run(config(tp=2, dp=4, zero=zero, optimizer="adamw", lr=0.01, steps=2))
+        mems[zero], sizes[zero] = trainer.memory(), trainer.pbuf.flat.size      # elements (ZeRO: padded)
+        grid.free()
+    n, chunk = sizes[0], sizes[1] // 4                                  # chunk = ceil(n / dp)
+    full, z1, z2 = mems[0]["optimizer"], mems[1]["optimizer"], mems[2]["optimizer"]
+    say(f"optimizer state per rank (AdamW, dp=4): plain {full:,} B, ZeRO-1 {z1:,} B, ZeRO-2 {z2:,} B; gradients kept: "
+        f"plain {mems[0]['grads']:,} B, ZeRO-1 {mems[1]['grads']:,} B, ZeRO-2 {mems[2]['grads']:,} B")
+    # AdamW keeps two float64 moments per element it updates: all n elements, or the chunk of ceil(n / dp)
+    check(full == 16 * n and z1 == z2 == 16 * chunk and sizes[1] - n < 4 and mems[2]["grads"] == 8 * chunk
+          and mems[1]["grads"] == 8 * (sizes[1] + chunk), f"{mems} n={n} chunk={chunk}")
+
+
+def test_overlap_is_visible_in_the_trace():
+    tracer = Tracer(WORLD.Get_rank(), WORLD)
+    grid, trainer, _, _ = run(config(tp=2, dp=4, dp_overlap=True, steps=2), tracer)
+    events = tracer.chrome_events()
+    overlap = overlap_seconds(events, WORLD.Get_rank())
+    n_async = sum(1 for e in events if e.get("ph") == "X" and e["name"] == "Iallreduce")
+    say(f"Iallreduce in flight during compute: {world_max(overlap) * 1e3:.1f} ms (max over ranks), "
+        f"{n_async} requests traced on rank 0")
+    check(overlap > 0 and n_async == 2 * len(trainer.buckets))
+    grid.free()
+
+
+def test_straggler_delays_only_its_rank():
+    tracer = Tracer(WORLD.Get_rank(), WORLD)
+    grid, trainer, _, _ = run(config(tp=2, dp=4, straggler="5:10", steps=2), tracer)
+    delays = [e for e in tracer.chrome_events() if e.get("name") == "straggler delay"]
+    check(len(delays) == (2 if WORLD.Get_rank() == 5 else 0), f"{len(delays)} delay spans")
+    grid.free()
