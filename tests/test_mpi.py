@@ -127,7 +127,7 @@ def test_hybrid_training_run_prints_everything(tmp_path):
 
 
 @pytest.mark.parametrize("flags", [["--tp", "2"], ["--tp", "4", "--tp-scheme", "gather", "--grad-accum", "2"],
-                                   ["--tp", "1", "--dtype", "float32"]])
+                                   ["--tp", "4", "--tp-scheme", "sequence"], ["--tp", "1", "--dtype", "float32"]])
 def test_verify_passes(flags):
     r = run_mpi(8, ["-m", "hsgd.verify", *flags], timeout=120)
     print(r.stdout[-1500:])
