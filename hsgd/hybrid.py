@@ -30,6 +30,7 @@ from .backend import array_module
 from .dp import GradBuffer, OverlappedAverage, backward_layout, dp_average, dp_formula, dp_rows, micro_batches
 from .hier import HierarchicalAverager
 from .optim import clip_grads, decays, global_grad_norm, lr_at, make_optimizer
+from .pp import parse_split, run_stage, schedule, split_layers, stage_names
 from .zero import ZeroOptimizer
 
 
@@ -61,7 +62,15 @@ class HybridTrainer:
         zero, staleness = getattr(tc, "zero", 0), getattr(tc, "dp_staleness", 0)
         shards = tp_model.init_params(cfg, grid.tp_comm, seed=tc.seed, dtype=tc.dtype, device=tc.device,
                                       scheme=tc.tp_scheme)
-        self.order = backward_layout(shards, tp_model.param_group, tp_model.backward_order(cfg))
+        # pipeline stage: my blocks, and the embedding (first stage) or the head (last stage)
+        self.layers = split_layers(cfg.n_layers, grid.pp, parse_split(getattr(tc, "pp_split", None)))[grid.pp_rank]
+        self.first, self.last = grid.pp_rank == 0, grid.pp_rank == grid.pp - 1
+        shards = {n: shards[n] for n in stage_names(cfg, self.layers, self.first, self.last)}
+        self.groups = [grp for grp in tp_model.backward_order(cfg)
+                       if any(tp_model.param_group(n) == grp for n in shards)]
+        self.order = backward_layout(shards, tp_model.param_group, self.groups)
+        self.actions = schedule(getattr(tc, "schedule", "1f1b"), tc.grad_accum, grid.pp, grid.pp_rank)
+        self.peak_held, self.timeline = 0, []                          # measured by the last pipelined step
         pad = grid.dp if zero else 1
         self.pbuf = GradBuffer(shards, self.order, pad)                 # the parameters, same flat layout
         for name, p in shards.items():
@@ -74,7 +83,7 @@ class HybridTrainer:
         self.buf = None if self.zero else new_buf()                     # ZeRO owns its gradient buffer
         self.grads = self.zero.buf.grads if self.zero else self.buf.grads
         self.buckets = {grp: self.pbuf.span([n for n in self.order if tp_model.param_group(n) == grp])
-                        for grp in tp_model.backward_order(cfg)}                  # the same layout as pbuf
+                        for grp in self.groups}                                   # the same layout as pbuf
         self.hier = HierarchicalAverager(grid.dp_comm, getattr(tc, "ranks_per_node", None)) \
             if getattr(tc, "hierarchical", False) else None
         self.stale = [new_buf(), new_buf()] if staleness else None     # exchange buffers, used alternately
@@ -104,7 +113,14 @@ class HybridTrainer:
         self.grads = buf.grads
         overlap = OverlappedAverage(buf, g.dp_comm, self.buckets) if getattr(self.tc, "dp_overlap", False) else None
         loss = 0.0
-        for j, mb in enumerate(micro_batches(dp_rows(len(idx), g.dp, g.dp_rank), k)):
+        mbs = micro_batches(dp_rows(len(idx), g.dp, g.dp_rank), k)
+        if g.pp > 1:                                                     # the pipeline runs this stage's schedule
+            loss, self.peak_held, self.timeline = run_stage(
+                self.actions, self.params, self.grads, [idx[mb] for mb in mbs], [targets[mb] for mb in mbs],
+                self.cfg, g, self.scheme, self.layers, self.first, self.last, tr, overlap.on_ready if overlap else None)
+            loss = g.pp_comm.comm.bcast(loss / k, root=g.pp - 1)         # metadata: the last stage has the loss
+            mbs = []
+        for j, mb in enumerate(mbs):
             with tr.span("forward", micro_batch=j):
                 mb_loss, caches = tp_model.forward(self.params, idx[mb], targets[mb], self.cfg, g.tp_comm, self.scheme)
             ready = overlap.on_ready if (overlap and j == k - 1) else None
@@ -156,7 +172,7 @@ class HybridTrainer:
         lr = lr_at(step, tc.lr, tc.warmup, tc.steps)
         with tr.span("optimizer"):
             if self.zero:
-                norm = self.zero.grad_norm(self.grid.tp_comm)
+                norm = self.zero.grad_norm(self.grid.tp_comm, self.grid.pp_comm if self.grid.pp > 1 else None)
                 factor = tc.clip / (norm + 1e-12) if tc.clip and norm > tc.clip else 1.0
                 self.zero.step(lr, factor)                               # my chunk, then Allgather over dp_comm
                 return lr, norm
@@ -165,7 +181,8 @@ class HybridTrainer:
                 if self.ready is None:                                   # step 1: nothing has arrived yet
                     return lr, float("nan")
                 grads = self.ready.grads
-            norm = global_grad_norm(grads, self.is_sharded, self.grid.tp_comm)
+            norm = global_grad_norm(grads, self.is_sharded, self.grid.tp_comm,
+                                    self.grid.pp_comm if self.grid.pp > 1 else None)
             clip_grads(grads, norm, tc.clip)
             self.opt.step(self.params, grads, lr)
         return lr, norm
@@ -212,13 +229,24 @@ class HybridTrainer:
         for i in range(n_batches):
             idx, targets = corpus.batch(self.tc.seed, i, batch_size, split="val")
             rows = dp_rows(batch_size, g.dp, g.dp_rank)
-            loss, _ = tp_model.forward(self.params, idx[rows], targets[rows], self.cfg, g.tp_comm, self.scheme)
+            if g.pp > 1:                                                 # forwards only, through the stages
+                loss, _, _ = run_stage([("F", 0)], self.params, None, [idx[rows]], [targets[rows]], self.cfg, g,
+                                       self.scheme, self.layers, self.first, self.last, _Null(), backward=False)
+                loss = g.pp_comm.comm.bcast(loss, root=g.pp - 1)
+            else:
+                loss, _ = tp_model.forward(self.params, idx[rows], targets[rows], self.cfg, g.tp_comm, self.scheme)
             total += float(loss)
         return g.dp_comm.comm.allreduce(total) / (g.dp * n_batches)
 
     def full_params(self):
-        """The whole model (serial names and shapes) on every rank of the TP group."""
-        return tp_model.gather_full(self.params, self.cfg, self.grid.tp_comm, self.scheme)
+        """The whole model (serial names and shapes) on every rank (pickled: for sampling and checks only)."""
+        mine = tp_model.gather_full(self.params, self.cfg, self.grid.tp_comm, self.scheme)
+        if self.grid.pp == 1:
+            return mine
+        full = {}
+        for part in self.grid.pp_comm.allgather_obj(mine):             # every stage's parameters
+            full.update(part)
+        return {n: full[n] for n in self.cfg.param_shapes()}
 
     def free(self):
         self.finish()

@@ -58,7 +58,9 @@ def plot_timeline(events, path, title="", t_range=None):
                     continue
                 if e["name"].startswith("step "):
                     continue
-                color = COLORS.get(e["name"], "#999999")
+                name = e["name"]
+                action = name[1:].isdigit() and {"F": "forward", "B": "backward"}.get(name[:1])  # pipeline F3, B3
+                color = COLORS.get(name) or COLORS.get(action) or "#999999"
                 kw = {"label": e["name"]} if e["name"] not in seen else {}
                 seen.add(e["name"])
                 ax.broken_barh([((e["ts"] - t0) / 1e3, max(e["dur"], 1.0) / 1e3)], (y + 0.1, 0.8), color=color,

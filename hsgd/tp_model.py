@@ -162,18 +162,7 @@ def forward(params, idx, targets, cfg, comm, scheme="megatron"):
     """The mean loss (the same on every rank) and the caches of the backward pass."""
     if scheme == "sequence":
         return tp_sequence.forward(params, idx, targets, cfg, comm)
-    p = params
-    start, _ = vocab_range(cfg.vocab_size, comm.size, comm.rank)
-    x, c_emb = vocab_embedding_forward(idx, p["wte"], p["wpe"], start, comm)        # (B, T, C) Allreduce
-    c_blocks = []
-    for i in range(cfg.n_layers):
-        x, c = block_forward(x, p, f"h.{i}.", cfg, comm, scheme)
-        c_blocks.append(c)
-    xf, c_lnf = layernorm_forward(x, p["ln_f.weight"], p["ln_f.bias"])             # (B, T, C)
-    xf = f_forward(xf, comm)
-    logits, c_head = linear_forward(xf, p["lm_head.weight"])                        # (B, T, Vp) local vocab
-    loss, c_ce = vocab_cross_entropy_forward(logits, targets, start, cfg.vocab_size, comm)  # 2 Allreduces
-    return loss, (c_emb, c_blocks, c_lnf, c_head, c_ce)
+    return stage_forward(params, idx, targets, cfg, comm, scheme, range(cfg.n_layers), first=True, last=True)
 
 
 def backward(caches, grads, comm, scheme="megatron", reduce_scatter=False, dloss=1.0, on_ready=None):
@@ -181,23 +170,62 @@ def backward(caches, grads, comm, scheme="megatron", reduce_scatter=False, dloss
 
     on_ready(group), if given, is called as soon as a group of gradients is final, in this order: "head"
     (lm_head, ln_f), "h.{L-1}", ..., "h.0" (the blocks), "embedding" (wte, wpe). Data parallelism uses it to
-    start each bucket's Allreduce while the backward pass goes on (see PARAM_GROUPS).
+    start each bucket's Allreduce while the backward pass goes on (see backward_order).
     """
     if scheme == "sequence":
         return tp_sequence.backward(caches, grads, comm, dloss, on_ready)
+    stage_backward(dloss, caches, grads, comm, scheme, reduce_scatter, on_ready)
+
+
+def stage_forward(params, inp, targets, cfg, comm, scheme, layers, first, last):
+    """Forward through one pipeline stage (the whole model when first and last): the embedding if `first`, the
+    blocks in `layers`, the final LayerNorm, LM head and loss if `last`.
+
+    inp: token ids (B, T) on the first stage, else the activation (B, T, C) received from the previous stage.
+    Returns (out, caches): out is the mean loss on the last stage, else the activation (B, T, C) to send on.
+    """
+    p = params
+    start, _ = vocab_range(cfg.vocab_size, comm.size, comm.rank)
+    c_emb = c_lnf = c_head = c_ce = None
+    if first:
+        x, c_emb = vocab_embedding_forward(inp, p["wte"], p["wpe"], start, comm)    # (B, T, C) Allreduce
+    else:
+        x = inp                                                                     # (B, T, C) from stage s-1
+    c_blocks = []
+    for i in layers:
+        x, c = block_forward(x, p, f"h.{i}.", cfg, comm, scheme)
+        c_blocks.append((i, c))
+    if not last:
+        return x, (c_emb, c_blocks, c_lnf, c_head, c_ce)
+    xf, c_lnf = layernorm_forward(x, p["ln_f.weight"], p["ln_f.bias"])             # (B, T, C)
+    xf = f_forward(xf, comm)
+    logits, c_head = linear_forward(xf, p["lm_head.weight"])                        # (B, T, Vp) local vocab
+    loss, c_ce = vocab_cross_entropy_forward(logits, targets, start, cfg.vocab_size, comm)  # 2 Allreduces
+    return loss, (c_emb, c_blocks, c_lnf, c_head, c_ce)
+
+
+def stage_backward(dout, caches, grads, comm, scheme="megatron", reduce_scatter=False, on_ready=None):
+    """stage_forward read from the bottom up. dout: dloss (a number) on the last stage, else dL/d(the stage's
+    output activation) received from the next stage. Returns dL/d(input activation), or None on the first stage."""
     c_emb, c_blocks, c_lnf, c_head, c_ce = caches
     g = grads
     ready = on_ready or (lambda group: None)
-    dlogits = vocab_cross_entropy_backward(dloss, c_ce)                  # (B, T, Vp) no communication
-    dxf = linear_backward(dlogits, c_head, g["lm_head.weight"])          # (B, T, C) partial
-    dxf = f_backward(dxf, comm)                                          # Allreduce
-    dx = layernorm_backward(dxf, c_lnf, g["ln_f.weight"], g["ln_f.bias"])
-    ready("head")
-    for i in reversed(range(len(c_blocks))):
-        dx = block_backward(dx, c_blocks[i], g, f"h.{i}.", comm, scheme, reduce_scatter)
+    if c_ce is not None:
+        dlogits = vocab_cross_entropy_backward(dout, c_ce)              # (B, T, Vp) no communication
+        dxf = linear_backward(dlogits, c_head, g["lm_head.weight"])      # (B, T, C) partial
+        dxf = f_backward(dxf, comm)                                      # Allreduce
+        dx = layernorm_backward(dxf, c_lnf, g["ln_f.weight"], g["ln_f.bias"])
+        ready("head")
+    else:
+        dx = dout                                                        # (B, T, C) from stage s+1
+    for i, c in reversed(c_blocks):
+        dx = block_backward(dx, c, g, f"h.{i}.", comm, scheme, reduce_scatter)
         ready(f"h.{i}")
+    if c_emb is None:
+        return dx
     vocab_embedding_backward(dx, c_emb, g["wte"], g["wpe"])             # no communication
     ready("embedding")
+    return None
 
 
 def param_group(name):
@@ -247,8 +275,11 @@ def gather_full(params, cfg, comm, scheme="megatron"):
 
 # ------------------------------------------------------------------------------------------------ communication
 
-def comm_formula(cfg, batch_size, itemsize, scheme="megatron", reduce_scatter=False):
+def comm_formula(cfg, batch_size, itemsize, scheme="megatron", reduce_scatter=False, stage=None):
     """{(communicator, operation): (calls, payload bytes)} of one loss_and_grads call on the "tp" communicator.
+
+    stage=(n_blocks, first, last) gives one pipeline stage's share (megatron and gather): its blocks' terms, the
+    embedding's Allreduce on the first stage, the LM head's and the cross-entropy's on the last.
 
     N = B*T, s = bytes per element, L layers.
     megatron: Allreduce  calls 4L + 4:  embedding 1, per block 2 forward (g) + 2 backward (f), LM head f 1,
@@ -271,6 +302,17 @@ def comm_formula(cfg, batch_size, itemsize, scheme="megatron", reduce_scatter=Fa
               Allreduces of the replicated gradients.)
     """
     N, C, F, L, s = batch_size * cfg.seq_len, cfg.d_model, cfg.d_ff, cfg.n_layers, itemsize
+    if stage is not None:
+        L, first, last = stage
+        emb, head = int(first), int(last)                               # embedding: 1 call; head + loss: 3 calls
+        ar_calls, ar_bytes = emb + 3 * head, (emb * C + head * (C + 3)) * N * s
+        if scheme == "megatron":
+            return {("tp", "Allreduce"): (4 * L + ar_calls, 4 * L * C * N * s + ar_bytes)}
+        out = {("tp", "Allgather"): (4 * L, L * (3 * C + F) * N * s),
+               ("tp", "Allreduce"): (4 * L + ar_calls, (3 * C + F) * L * N * s + ar_bytes)}
+        if reduce_scatter:
+            out[("tp", "Reduce_scatter_block")] = (4 * L, L * (3 * C + F) * N * s)
+        return {k: v for k, v in out.items() if v[0]}
     if scheme == "megatron":
         return {("tp", "Allreduce"): (4 * L + 4, ((4 * L + 2) * C + 3) * N * s)}
     if scheme == "sequence":

@@ -34,6 +34,7 @@ from .errors import ConfigError
 from .generate import generate, printable
 from .grid import ProcessGrid, check_sizes
 from .hybrid import HybridTrainer
+from .pp import ideal_bubble, parse_split, picture, pp_formula, split_layers
 from .plots import write_plots
 from .trace import Tracer
 
@@ -45,8 +46,12 @@ except ImportError:                                  # Python < 3.11
 
 @dataclass
 class TrainConfig:
-    tp: int = None                 # tensor-parallel size M (None: 2 on an even number of ranks, else 1)
-    dp: int = None                 # data-parallel size G (None: world size / tp)
+    tp: int = None                 # tensor-parallel size M (None: 2 when the ranks per stage are even, else 1)
+    dp: int = None                 # data-parallel size G (None: world size / (pp * tp))
+    pp: int = 1                    # pipeline stages
+    pp_split: str = None           # layers per stage, e.g. "3,1" (None: as even as possible)
+    schedule: str = "1f1b"         # pipeline schedule: 1f1b (PipeDream-Flush) or gpipe
+    micro_batches: int = None      # micro-batches per DP group and step (the pipeline's m; same as grad_accum)
     tp_scheme: str = "megatron"    # megatron (f/g pairs) or gather (the seed paper: all-gather + reduce-scatter)
     steps: int = 1000              # optimizer steps
     batch_size: int = 16           # B: sequences in the global batch of every step
@@ -96,6 +101,18 @@ class TrainConfig:
             raise ConfigError(f"weight_decay={self.weight_decay!r} must be >= 0")
         if not self.clip >= 0:
             raise ConfigError(f"clip={self.clip!r} must be >= 0 (0 turns clipping off)")
+        if self.micro_batches is not None:
+            check_positive_int("micro_batches", self.micro_batches)
+            if self.grad_accum not in (1, self.micro_batches):
+                raise ConfigError(f"micro_batches={self.micro_batches} and grad_accum={self.grad_accum} disagree; "
+                                  "they name the same number: give one of them")
+            self.grad_accum = self.micro_batches
+        check_positive_int("pp", self.pp)
+        if self.schedule not in ("1f1b", "gpipe"):
+            raise ConfigError(f"schedule={self.schedule!r} is not known; use 1f1b or gpipe")
+        if self.pp > 1 and self.tp_scheme == "sequence":
+            raise ConfigError("tp_scheme='sequence' is not supported with pp > 1 (its activations are split along T "
+                              "between stages too); use --tp-scheme megatron or gather with --pp")
         if self.optimizer not in ("sgd", "adamw"):
             raise ConfigError(f"optimizer={self.optimizer!r} is not known; use sgd or adamw")
         for name, example in (("inject_fault", "3:5"), ("straggler", "3:50")):
@@ -119,12 +136,13 @@ class TrainConfig:
         resolve_device(self.device)
 
     def resolve_layout(self, world_size):
-        """Fill in tp and dp from the world size, then check that dp * tp == world size."""
+        """Fill in tp and dp from the world size, then check that dp * pp * tp == world size."""
+        per_stage = world_size // self.pp if world_size % self.pp == 0 else 1
         if self.tp is None:
-            self.tp = 2 if world_size % 2 == 0 and (self.dp is None or world_size // self.dp % 2 == 0) else 1
+            self.tp = 2 if per_stage % 2 == 0 and (self.dp is None or per_stage // self.dp % 2 == 0) else 1
         if self.dp is None:
-            self.dp = max(world_size // self.tp, 1)
-        check_sizes(world_size, self.dp, 1, self.tp)
+            self.dp = max(world_size // (self.tp * self.pp), 1)
+        check_sizes(world_size, self.dp, self.pp, self.tp)
 
 
 MODEL_FLAGS = ("seq_len", "d_model", "n_layers", "n_heads", "d_ff")
@@ -142,6 +160,11 @@ def build_parser():
     g = p.add_argument_group("parallel layout")
     g.add_argument("--tp", type=int, help="tensor-parallel size M (default: 2 on an even number of ranks, else 1)")
     g.add_argument("--dp", type=int, help="data-parallel size G (default: ranks / tp)")
+    g.add_argument("--pp", type=int, help="pipeline stages (1)")
+    g.add_argument("--pp-split", metavar="N,N,...", help="layers per pipeline stage (default: as even as possible)")
+    g.add_argument("--schedule", choices=["1f1b", "gpipe"], help="pipeline schedule (1f1b)")
+    g.add_argument("--micro-batches", type=int, help="micro-batches per DP group and step: the pipeline's m "
+                                                     "(the same number as --grad-accum)")
     g.add_argument("--tp-scheme", choices=tp_model.SCHEMES,
                    help=f"tensor-parallel scheme: megatron f/g pairs or the seed paper's all-gather ({d.tp_scheme})")
     g = p.add_argument_group("model")
@@ -226,6 +249,7 @@ def configs_from_args(args, world_size):
     tc.resolve_layout(world_size)
     tp_model.check_tp(model, tc.tp, tc.tp_scheme)
     check_batch(tc.batch_size, tc.dp, tc.grad_accum)
+    split_layers(model.n_layers, tc.pp, parse_split(tc.pp_split))
     return model, tc
 
 
@@ -263,11 +287,12 @@ def _train(cfg, tc, world, out, threads):
     rank0 = world.Get_rank() == 0
     say = (lambda s="": print(s, file=out, flush=True)) if rank0 else (lambda s="": None)
     corpus = launch.agree(world, lambda: Corpus.load(tc.data, cfg.seq_len))
-    grid = ProcessGrid(world, dp=tc.dp, pp=1, tp=tc.tp)
+    grid = ProcessGrid(world, dp=tc.dp, pp=tc.pp, tp=tc.tp)
     tracer = Tracer(world.Get_rank(), world, enabled=False) if (tc.trace or tc.plot) else None
     trainer = launch.agree(world, lambda: HybridTrainer(cfg, grid, tc, tracer))
     if tracer:
-        for c in (grid.tp_comm, grid.dp_comm, grid.world) + ((trainer.hier.node_comm, trainer.hier.cross_comm)
+        for c in (grid.tp_comm, grid.dp_comm, grid.pp_comm, grid.world) + ((trainer.hier.node_comm,
+                                                                           trainer.hier.cross_comm)
                                                               if trainer.hier else ()):
             c.tracer = tracer
     traced = (min(2, tc.steps), min(4, tc.steps))                   # the steps the trace and timeline show
@@ -276,7 +301,7 @@ def _train(cfg, tc, world, out, threads):
 
     n_local = sum(p.size for p in trainer.params.values())
     tokens = tc.batch_size * cfg.seq_len
-    say(f"hsgd | {world.Get_size()} ranks = dp {grid.dp} x tp {grid.tp} ({tc.tp_scheme}) | "
+    say(f"hsgd | {world.Get_size()} ranks = dp {grid.dp} x pp {grid.pp} x tp {grid.tp} ({tc.tp_scheme}) | "
         f"{resolve_device(tc.device)} {tc.dtype} | {threads} BLAS thread(s) per rank")
     say(f"model: {cfg.n_params():,} parameters (L={cfg.n_layers} C={cfg.d_model} NH={cfg.n_heads} F={cfg.d_ff} "
         f"T={cfg.seq_len} V={cfg.vocab_size}); {n_local:,} on each rank (incl. vocab padding)")
@@ -286,6 +311,11 @@ def _train(cfg, tc, world, out, threads):
     say(f"optim: {tc.optimizer} lr={tc.lr} warmup={tc.warmup} cosine to lr/10"
         + (f" momentum={tc.momentum}" if tc.optimizer == "sgd" else "")
         + f" weight_decay={tc.weight_decay} clip={tc.clip or 'off'} | {tc.steps} steps")
+    if grid.pp > 1:
+        layers = [len(r) for r in split_layers(cfg.n_layers, grid.pp, parse_split(tc.pp_split))]
+        say(f"pipeline: {grid.pp} stages with {layers} blocks, {tc.schedule}, {tc.grad_accum} micro-batches of "
+            f"{tc.batch_size // grid.dp // tc.grad_accum} sequences; ideal bubble (p-1)/(m+p-1) = "
+            f"{ideal_bubble(tc.grad_accum, grid.pp):.3f}")
     say(f"dp exchange: {describe_dp(trainer)}" + (f" | straggler: rank {tc.straggler.split(':')[0]} sleeps "
                                                    f"{tc.straggler.split(':')[1]} ms per step" if tc.straggler else ""))
     say("layout:\n" + table)
@@ -337,17 +367,20 @@ def _train(cfg, tc, world, out, threads):
     say(f"val loss {val0:.4f} -> {val1:.4f} after {tc.steps} steps in {fmt_time(wall)} "
         f"({tc.steps * tokens / wall:,.0f} tok/s)")
     val_points.append((tc.steps, val1))
-    formula = dict(tp_model.comm_formula(cfg, tc.batch_size // grid.dp // tc.grad_accum, trainer.pbuf.flat.itemsize,
-                                         tc.tp_scheme))
-    formula = {k: (v[0] * tc.grad_accum, v[1] * tc.grad_accum) for k, v in formula.items()}
-    formula.update(trainer.dp_comm_formula())
-    say(f"communication per step on each rank, step {measured_step} (measured | formula):")
-    sizes = {"tp": grid.tp, "dp": grid.dp}
-    for key in sorted(set(per_step) | set(formula)):
-        m, f = per_step.get(key, (0, 0)), formula.get(key, (0, 0))
-        say(f"  {key[0]:<4} {key[1]:<22} {m[0]:>4} calls {fmt_bytes(m[1]):>11} | {f[0]:>4} calls "
-            f"{fmt_bytes(f[1]):>11}" + ("" if m == f else "   <- differs")
-            + ("   (a 1-rank communicator: nothing moves)" if sizes.get(key[0]) == 1 else ""))
+    formula = step_formula(cfg, tc, trainer)
+    # every stage's first rank reports its own measurement and formula (the stages differ)
+    reports = world.gather((grid.pp_rank, per_step, formula) if grid.dp_rank == 0 and grid.tp_rank == 0 else None)
+    sizes = {"tp": grid.tp, "dp": grid.dp, "pp": grid.pp}
+    for stage, measured, expected in sorted(r for r in (reports or []) if r):
+        say(f"communication per step on each rank{f' of stage {stage}' if grid.pp > 1 else ''}, step "
+            f"{measured_step} (measured | formula):")
+        for key in sorted(set(measured) | set(expected)):
+            m, f = measured.get(key, (0, 0)), expected.get(key, (0, 0))
+            say(f"  {key[0]:<4} {key[1]:<22} {m[0]:>4} calls {fmt_bytes(m[1]):>11} | {f[0]:>4} calls "
+                f"{fmt_bytes(f[1]):>11}" + ("" if m == f else "   <- differs")
+                + ("   (a 1-rank communicator: nothing moves)" if sizes.get(key[0]) == 1 else ""))
+    if grid.pp > 1:
+        report_pipeline(world, grid, tc, trainer, say)
     mem = trainer.memory()
     say(f"memory per rank: parameters {fmt_bytes(mem['params'])}, gradients {fmt_bytes(mem['grads'])}, "
         f"optimizer state {fmt_bytes(mem['optimizer'])}")
@@ -372,6 +405,41 @@ def _train(cfg, tc, world, out, threads):
     trainer.free()
     grid.free()
     return summary
+
+
+def step_formula(cfg, tc, trainer):
+    """{(comm, op): (calls, bytes)} this rank should see in one training step, from the closed forms."""
+    grid, per_mb = trainer.grid, tc.batch_size // trainer.grid.dp // tc.grad_accum
+    stage = (len(trainer.layers), trainer.first, trainer.last) if grid.pp > 1 else None
+    f = tp_model.comm_formula(cfg, per_mb, trainer.pbuf.flat.itemsize, tc.tp_scheme, stage=stage)
+    f = {k: (v[0] * tc.grad_accum, v[1] * tc.grad_accum) for k, v in f.items()}
+    if grid.pp > 1:
+        f.update(pp_formula(per_mb, cfg, tc.grad_accum, trainer.first, trainer.last, trainer.pbuf.flat.itemsize))
+    f.update(trainer.dp_comm_formula())
+    return f
+
+
+def report_pipeline(world, grid, tc, trainer, say):
+    """The last step's measured schedule: a text picture, the bubble fraction and the micro-batches held."""
+    from .pp import bubble_fraction, peak_in_flight, simulate
+    mine = (grid.pp_rank, trainer.timeline, trainer.peak_held) if grid.dp_rank == 0 and grid.tp_rank == 0 else None
+    stages = sorted(r for r in (world.gather(mine) or []) if r)
+    if not stages:
+        return
+    timeline = [t for _, t, _ in stages]
+    m, p = tc.grad_accum, grid.pp
+    ideal = simulate(tc.schedule, m, p)
+    say(f"pipeline schedule of the last step, measured ({tc.schedule}, m={m}, p={p}; F = forward, B = backward of "
+        "micro-batch j):\n" + picture(timeline))
+    say(f"bubble fraction: measured {bubble_fraction(timeline):.3f} | equal-cost model {bubble_fraction(ideal):.3f} "
+        f"| (p-1)/(m+p-1) = {ideal_bubble(m, p):.3f}")
+    say("micro-batches held at once per stage: measured " + str([h for _, _, h in stages]) + " | schedule "
+        + str([peak_in_flight(trainer_actions(tc, p, s)) for s in range(p)]))
+
+
+def trainer_actions(tc, p, s):
+    from .pp import schedule
+    return schedule(tc.schedule, tc.grad_accum, p, s)
 
 
 def describe_dp(trainer):

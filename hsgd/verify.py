@@ -35,7 +35,11 @@ def build_parser():
                                           "the largest gradient error of every parameter; exit 0 if all are within "
                                           "tolerance (float64 1e-10, float32 1e-4), else 1.")
     p.add_argument("--tp", type=int, help="tensor-parallel size (default: 2 on an even number of ranks)")
-    p.add_argument("--dp", type=int, help="data-parallel size (default: ranks / tp)")
+    p.add_argument("--dp", type=int, help="data-parallel size (default: ranks / (pp * tp))")
+    p.add_argument("--pp", type=int, help="pipeline stages (1)")
+    p.add_argument("--pp-split", metavar="N,N,...", help="layers per stage (default: as even as possible)")
+    p.add_argument("--schedule", choices=["1f1b", "gpipe"], help="pipeline schedule (1f1b)")
+    p.add_argument("--micro-batches", type=int, help="micro-batches per DP group (same as --grad-accum)")
     p.add_argument("--tp-scheme", choices=tp_model.SCHEMES, help="tensor-parallel scheme (megatron)")
     p.add_argument("--dtype", choices=["float32", "float64"], default="float64", help="floating-point type (float64)")
     p.add_argument("--batch-size", type=int, default=8, help="global batch (8)")
@@ -55,10 +59,10 @@ def verify(cfg, tc, world=MPI.COMM_WORLD, out=sys.stdout):
     """Returns (ok, rows): rows = [(name, full shape, local shape, split, max abs err, max rel err)] on rank 0."""
     from .data import Corpus
     corpus = launch.agree(world, lambda: Corpus.load(tc.data, cfg.seq_len))
-    grid = ProcessGrid(world, dp=tc.dp, pp=1, tp=tc.tp)
+    grid = ProcessGrid(world, dp=tc.dp, pp=tc.pp, tp=tc.tp)
     trainer = HybridTrainer(cfg, grid, tc)
     idx, targets = corpus.batch(tc.seed, 1, tc.batch_size)
-    loss = trainer.compute_grads(idx, targets)
+    loss = trainer.compute_grads(idx, targets)                       # (pp > 1: every stage has the loss)
     loss = grid.dp_comm.comm.allreduce(loss) / grid.dp
     ref = serial.init_params(cfg, seed=tc.seed, dtype="float64")
     loss0, grads0 = serial.loss_and_grads(ref, idx, targets, cfg)
@@ -68,27 +72,30 @@ def verify(cfg, tc, world=MPI.COMM_WORLD, out=sys.stdout):
         expect = tp_model.shard(grads0[name], name, grid.tp_rank, grid.tp, tc.tp_scheme)
         diff = float(np.abs(to_numpy(g).astype(np.float64) - expect).max())
         mine[name] = (diff, diff / max(float(np.abs(expect).max()), scale), g.shape)
-    everyone = world.gather(mine)
+    everyone = world.gather((grid.pp_rank, mine))                     # (stage, errors) of every rank
     tol_loss, tol_grad = TOLERANCE[tc.dtype]
     loss_err = abs(loss - loss0) / abs(loss0)
     ok, rows = loss_err <= tol_loss, []
     if world.Get_rank() == 0:
         for name, shape in cfg.param_shapes().items():
-            abs_err = max(r[name][0] for r in everyone)
-            rel_err = max(r[name][1] for r in everyone)
+            holders = [(stage, r) for stage, r in everyone if name in r]  # with pp > 1, the ranks of its stage
+            abs_err = max(r[name][0] for _, r in holders)
+            rel_err = max(r[name][1] for _, r in holders)
             kind, axis = tp_model.split_of(name, tc.tp_scheme)
             split = "replicated" if kind == "rep" or grid.tp == 1 else f"{kind} axis {axis} / {grid.tp}"
-            rows.append((name, shape, everyone[0][name][2], split, abs_err, rel_err))
+            if grid.pp > 1:
+                split += f", stage {holders[0][0]}"
+            rows.append((name, shape, holders[0][1][name][2], split, abs_err, rel_err))
             ok = ok and rel_err <= tol_grad
-        print(f"hsgd.verify | {world.Get_size()} ranks = dp {grid.dp} x tp {grid.tp} ({tc.tp_scheme}) | {tc.dtype} | "
-              f"batch {tc.batch_size} x {cfg.seq_len}, grad_accum {tc.grad_accum}", file=out)
+        print(f"hsgd.verify | {world.Get_size()} ranks = dp {grid.dp} x pp {grid.pp} x tp {grid.tp} ({tc.tp_scheme}) "
+              f"| {tc.dtype} | batch {tc.batch_size} x {cfg.seq_len}, {tc.grad_accum} micro-batch(es)", file=out)
         print(f"loss: parallel {loss:.12g}  serial {loss0:.12g}  rel err {loss_err:.1e} (tolerance {tol_loss:.0e})",
               file=out)
-        print(f"{'parameter':<24}{'shape':>12}{'shard':>12}  {'split':<18}{'max abs err':>12}{'max rel err':>12}",
+        print(f"{'parameter':<24}{'shape':>12}{'shard':>12}  {'split':<28}{'max abs err':>12}{'max rel err':>12}",
               file=out)
         for name, shape, local, split, a, r in rows:
             flag = "" if r <= tol_grad else "   <- over tolerance"
-            print(f"{name:<24}{str(tuple(shape)):>12}{str(tuple(local)):>12}  {split:<18}{a:>12.1e}{r:>12.1e}{flag}",
+            print(f"{name:<24}{str(tuple(shape)):>12}{str(tuple(local)):>12}  {split:<28}{a:>12.1e}{r:>12.1e}{flag}",
                   file=out)
         worst = max(rows, key=lambda r: r[5])
         print(f"{'PASS' if ok else 'FAIL'}: largest gradient error {worst[5]:.1e} ({worst[0]}), tolerance "

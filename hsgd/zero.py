@@ -63,14 +63,17 @@ class ZeroOptimizer:
         if self.stage == 2:
             self.buf = None
 
-    def grad_norm(self, tp_comm):
+    def grad_norm(self, tp_comm, pp_comm=None):
         """The global gradient norm from the chunks: squares summed over dp (different chunks), sharded ones also
         over tp (different shards), replicated ones once."""
         g = self.g_chunk
         sq = np.array([float((g[self.sharded_mask] ** 2).sum()), float((g[~self.sharded_mask] ** 2).sum())])
         sq = self.dp_comm.comm.allreduce(sq, op=MPI.SUM)                 # metadata: two numbers
         sharded = tp_comm.comm.allreduce(sq[0], op=MPI.SUM) if tp_comm is not None else sq[0]
-        return math.sqrt(sharded + sq[1])
+        total = sharded + sq[1]
+        if pp_comm is not None:                                          # stages hold different layers
+            total = pp_comm.comm.allreduce(total, op=MPI.SUM)
+        return math.sqrt(total)
 
     def step(self, lr, clip_factor=1.0):
         """Update my chunk of the parameters, then All-Gather all chunks into every rank's parameters."""
