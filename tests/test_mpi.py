@@ -71,6 +71,10 @@ TINY = ["--steps", "3", "--d-model", "16", "--n-heads", "4", "--n-layers", "1", 
     (["--bogus"], "unrecognized arguments: --bogus"),
     (["--optimizer", "adam"], "invalid choice: 'adam'"),
     (["--inject-fault", "x"], "inject_fault='x' must look like RANK:STEP"),
+    (["--pp", "2"], "n_layers=1 cannot be split into pp=2 stages"),
+    (["--pp", "2", "--n-layers", "2", "--pp-split", "2,1"], "pp_split=2,1 must give each of the pp=2 stages"),
+    (["--pp", "2", "--n-layers", "2", "--tp-scheme", "sequence"], "tp_scheme='sequence' is not supported with pp > 1"),
+    (["--pp", "3"], "dp*pp*tp = 2*3*1 = 6 does not match the 8 ranks"),
 ])
 def test_invalid_flags_exit_2_with_one_message(flags, words):
     r = run_mpi(8, ["-m", "hsgd.train", *TINY, *flags], timeout=60)
@@ -127,7 +131,8 @@ def test_hybrid_training_run_prints_everything(tmp_path):
 
 
 @pytest.mark.parametrize("flags", [["--tp", "2"], ["--tp", "4", "--tp-scheme", "gather", "--grad-accum", "2"],
-                                   ["--tp", "4", "--tp-scheme", "sequence"], ["--tp", "1", "--dtype", "float32"]])
+                                   ["--tp", "4", "--tp-scheme", "sequence"], ["--tp", "1", "--dtype", "float32"],
+                                   ["--pp", "2", "--tp", "2", "--micro-batches", "2", "--schedule", "gpipe"]])
 def test_verify_passes(flags):
     r = run_mpi(8, ["-m", "hsgd.verify", *flags], timeout=120)
     print(r.stdout[-1500:])
@@ -169,3 +174,17 @@ def test_trace_and_plots(tmp_path):
     for png in ("loss.png", "timeline.png"):
         data = (plots / png).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+@pytest.mark.parametrize("flags", [["--pp", "2", "--n-layers", "2", "--micro-batches", "2"],
+                                   ["--pp", "4", "--tp", "2", "--n-layers", "4", "--micro-batches", "8",
+                                    "--batch-size", "8", "--schedule", "gpipe", "--dp-overlap"]])
+def test_pipeline_training_reports_its_schedule(flags):
+    r = run_mpi(8, ["-m", "hsgd.train", *TINY, *flags], timeout=120)
+    out = r.stdout
+    print(out[-2500:])
+    assert r.returncode == 0, r.stderr[-3000:]
+    for words in ("pipeline schedule of the last step, measured", "stage 0 |", "bubble fraction: measured",
+                  "micro-batches held at once per stage", "of stage 1"):
+        assert words in out, words
+    assert "<- differs" not in out

@@ -1,0 +1,129 @@
+"""Pipeline parallelism and 3-D grids on 8 ranks, float64: every factorization (dp, pp, tp) of 8 ends several
+steps with the parameters of serial SGD; GPipe and 1F1B give the same numbers for m in {1, p, 2p}; the stages
+hold the micro-batches the schedules promise; every stage's bytes equal the formulas."""
+import math
+
+import numpy as np
+import pytest
+
+import hsgd
+from hsgd import pp as pipeline
+from hsgd import serial, tp_model
+from hsgd.data import Corpus
+from hsgd.dp import params_digest
+from hsgd.grid import ProcessGrid, factorizations
+from hsgd.hybrid import HybridTrainer
+from hsgd.optim import clip_grads, lr_at, make_optimizer
+from hsgd.train import TrainConfig, step_formula
+
+from .conftest import WORLD, check, say, world_max
+
+pytestmark = pytest.mark.mpi(min_size=8)
+
+CFG = hsgd.ModelConfig(vocab_size=256, seq_len=8, d_model=16, n_heads=8, n_layers=8, d_ff=16)
+CORPUS = Corpus(np.random.default_rng(0).integers(0, 256, 4000, dtype=np.uint8).tobytes(), "random bytes", 8)
+
+
+def config(**kw):
+    base = dict(steps=3, batch_size=16, grad_accum=2, lr=0.05, momentum=0.9, warmup=1, dtype="float64", seed=5)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def serial_sgd(tc):
+    params = serial.init_params(CFG, seed=tc.seed, dtype="float64")
+    opt = make_optimizer(tc.optimizer, tc.lr, momentum=tc.momentum, weight_decay=tc.weight_decay)
+    for step in range(1, tc.steps + 1):
+        idx, targets = CORPUS.batch(tc.seed, step, tc.batch_size)
+        _, grads = serial.loss_and_grads(params, idx, targets, CFG)
+        clip_grads(grads, math.sqrt(sum(float((g * g).sum()) for g in grads.values())), tc.clip)
+        opt.step(params, grads, lr_at(step, tc.lr, tc.warmup, tc.steps))
+    return params
+
+
+def run(tc):
+    grid = ProcessGrid(WORLD, dp=tc.dp, pp=tc.pp, tp=tc.tp)
+    trainer = HybridTrainer(CFG, grid, tc)
+    identical, per_step = True, None
+    for step in range(1, tc.steps + 1):
+        before = grid.stats.counts()
+        trainer.step(*CORPUS.batch(tc.seed, step, tc.batch_size), step)
+        if step == 2:
+            after = grid.stats.counts()
+            per_step = {k: (v[0] - before.get(k, (0, 0))[0], v[1] - before.get(k, (0, 0))[1])
+                        for k, v in after.items() if v != before.get(k)}
+        identical &= len(set(grid.dp_comm.allgather_obj(params_digest(trainer.params)))) == 1
+    return grid, trainer, identical, per_step
+
+
+def param_err(trainer, grid, ref):
+    return max(float(np.abs(p - tp_model.shard(ref[n], n, grid.tp_rank, grid.tp)).max()
+                     / max(np.abs(ref[n]).max(), 0.02)) for n, p in trainer.params.items())
+
+
+@pytest.mark.parametrize("dp, pp, tp", factorizations(8))
+def test_every_3d_layout_equals_serial_sgd(dp, pp, tp):
+    tc = config(dp=dp, pp=pp, tp=tp, clip=0.5)
+    ref = serial_sgd(tc)
+    grid, trainer, identical, per_step = run(tc)
+    err = param_err(trainer, grid, ref)
+    formula = step_formula(CFG, tc, trainer)
+    names = WORLD.allgather(sorted(trainer.params))
+    held = set(n for ns in names for n in ns) == set(CFG.param_shapes())            # every parameter somewhere
+    say(f"dp={dp} pp={pp} tp={tp}: 3 steps (clipped), max param rel err vs serial {world_max(err):.1e}, "
+        f"replicas identical {identical}, bytes == formula {per_step == formula}")
+    check(err <= 1e-9 and identical and held and per_step == formula,
+          f"err {err:.1e}\nmeasured {per_step}\nformula  {formula}")
+    grid.free()
+
+
+@pytest.mark.parametrize("m_of_p", [lambda p: 1, lambda p: p, lambda p: 2 * p], ids=["m=1", "m=p", "m=2p"])
+def test_gpipe_equals_1f1b_and_holds_what_it_promises(m_of_p):
+    p = 4
+    m = m_of_p(p)
+    results = {}
+    for kind in ("gpipe", "1f1b"):
+        tc = config(dp=1, pp=p, tp=2, grad_accum=m, batch_size=2 * m, schedule=kind)
+        grid, trainer, _, _ = run(tc)
+        results[kind] = (dict(trainer.params), trainer.peak_held)
+        s = grid.pp_rank
+        grid.free()
+    same = max(float(np.abs(results["gpipe"][0][n] - results["1f1b"][0][n]).max()) for n in results["gpipe"][0])
+    held = {k: v[1] for k, v in results.items()}
+    say(f"p={p} m={m}: GPipe vs 1F1B max param diff {world_max(same):.1e}; micro-batches held on stage 0: "
+        f"GPipe {WORLD.bcast(held['gpipe'])}, 1F1B {WORLD.bcast(held['1f1b'])}")
+    check(same == 0.0 and held["gpipe"] == m and held["1f1b"] == min(p - s, m), f"{same} {held}")
+
+
+def test_schedules_and_bubble_formula():
+    """The schedules as documented, and the equal-cost bubble (p-1)/(m+p-1) for both."""
+    acts = pipeline.schedule("1f1b", 6, 4, 1)                            # stage 1 of 4: two warm-up forwards
+    ok = acts == [("F", 0), ("F", 1), ("F", 2), ("B", 0), ("F", 3), ("B", 1), ("F", 4), ("B", 2), ("F", 5), ("B", 3),
+                  ("B", 4), ("B", 5)]
+    ok &= pipeline.schedule("gpipe", 2, 3, 0) == [("F", 0), ("F", 1), ("B", 0), ("B", 1)]
+    worst = 0.0
+    for p in (2, 3, 4, 8):
+        for m in (1, 2, p, 2 * p, 3 * p):
+            for kind in ("gpipe", "1f1b"):
+                t = pipeline.simulate(kind, m, p)
+                worst = max(worst, abs(pipeline.bubble_fraction(t) - pipeline.ideal_bubble(m, p)))
+                ok &= [pipeline.peak_in_flight(pipeline.schedule(kind, m, p, s)) for s in range(p)] == \
+                    ([m] * p if kind == "gpipe" else [min(p - s, m) for s in range(p)])
+    say(f"equal-cost bubble vs (p-1)/(m+p-1): max difference {worst:.1e}")
+    say(pipeline.picture(pipeline.simulate("1f1b", 8, 4), width=72))
+    check(ok and worst < 1e-12)
+
+
+def test_impossible_layouts_are_refused():
+    from hsgd.errors import ConfigError
+    msgs = []
+    for fn in (lambda: pipeline.split_layers(2, 4), lambda: pipeline.split_layers(4, 2, [3, 2]),
+               lambda: pipeline.split_layers(4, 2, [4, 0]), lambda: pipeline.schedule("zigzag", 2, 2, 0)):
+        try:
+            fn()
+            msgs.append("")
+        except ConfigError as e:
+            msgs.append(str(e))
+    say("\n".join(msgs))
+    check(msgs[0].startswith("n_layers=2 cannot be split into pp=4 stages") and "e.g. 2,2" in msgs[1]
+          and "at least one layer" in msgs[2] and "schedule='zigzag' is not known" in msgs[3])
