@@ -13,9 +13,10 @@
     hsgd.dp                 data parallelism: batch slices, flat gradient buffers, the average over dp_comm, buckets
     hsgd.zero               reduce-scatter + sharded optimizer + all-gather over dp_comm (ZeRO 1 and 2)
     hsgd.hier               hierarchical all-reduce: inside the node, across nodes, inside the node
+    hsgd.pp                 pipeline parallelism: stages, micro-batches, GPipe and 1F1B schedules, bubbles
     hsgd.trace              a Chrome/Perfetto trace of every rank;  hsgd.plots: loss curves and per-rank timelines
     hsgd.optim              SGD, AdamW, the learning-rate schedule, global-norm clipping
-    hsgd.hybrid             one rank's part of a hybrid TP x DP training step
+    hsgd.hybrid             one rank's part of a training step on the dp x pp x tp grid
     hsgd.launch             fail fast: usage errors reported once, exceptions abort the whole job
     hsgd.train              mpirun -n 8 python -m hsgd.train --help
     hsgd.verify             mpirun -n 8 python -m hsgd.verify: parallel gradients against serial, per parameter
