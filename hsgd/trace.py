@@ -71,12 +71,25 @@ def spans_of(events, rank, track):
             if e.get("ph") == "X" and e["pid"] == rank and e["tid"] == tid]
 
 
+def _union(intervals):
+    """Merge (start, end) intervals into disjoint ones."""
+    out = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+WAITING = ("dp sync", "straggler delay")                   # compute-track spans that are not computation
+
+
 def overlap_seconds(events, rank, comm_names=("Iallreduce",)):
-    """Seconds during which one of the rank's non-blocking collectives ran while it was computing."""
-    compute = spans_of(events, rank, "compute")
-    total = 0.0
-    for name, s, e in spans_of(events, rank, "async"):
-        if name in comm_names:
-            for _, cs, ce in compute:
-                total += max(0.0, min(e, ce) - max(s, cs))
-    return total
+    """Seconds during which at least one of the rank's non-blocking collectives was in flight while the rank was
+    computing (forward, backward, optimizer, pipeline actions; not while it waited in "dp sync", and not counting
+    the enclosing "step N" spans)."""
+    compute = _union([(s, e) for name, s, e in spans_of(events, rank, "compute")
+                      if name not in WAITING and not name.startswith("step ")])
+    flight = _union([(s, e) for name, s, e in spans_of(events, rank, "async") if name in comm_names])
+    return sum(max(0.0, min(b, d) - max(a, c)) for a, b in flight for c, d in compute)

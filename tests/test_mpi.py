@@ -121,7 +121,7 @@ def test_hybrid_training_run_prints_everything(tmp_path):
     print(r.stdout)
     assert r.returncode == 0, r.stderr[-3000:]
     out = r.stdout
-    for words in ("8 ranks = dp 4 x tp 2 (megatron)", "rank   dp   pp   tp  host", "step 6/6 | loss",
+    for words in ("8 ranks = dp 4 x pp 1 x tp 2 (megatron)", "rank   dp   pp   tp  host", "step 6/6 | loss",
                   "= compute", "val loss", "at step 3", "communication per step", "sample:"):
         assert words in out, words
     assert "<- differs" not in out                                 # measured bytes == formula on every line
