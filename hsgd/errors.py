@@ -5,7 +5,8 @@ Every such error carries one sentence that says what is wrong and what would wor
 anything else is a bug and shows its traceback.
 """
 
-EXIT_USAGE = 2  # exit code of every usage error (bad flag, bad file, bad layout)
+EXIT_USAGE = 2      # exit code of every usage error (bad flag, bad file, bad layout, bad checkpoint)
+EXIT_NUMERICAL = 3  # exit code of a run stopped by a numerical fault (non-finite values, diverged replicas)
 
 
 class UsageError(ValueError):
@@ -18,3 +19,8 @@ class ConfigError(UsageError):
 
 class DataError(UsageError):
     """A data file is missing, unreadable, empty or too short."""
+
+
+class NumericalFault(RuntimeError):
+    """All ranks agreed that the run cannot go on: a non-finite loss or gradient (--on-nan stop), or data-parallel
+    replicas whose parameters differ (--check-replicas)."""

@@ -1,11 +1,11 @@
-"""One rank's part of hybrid tensor x data parallel training: the seed paper's algorithm, step by step.
+"""One rank's part of training on the dp x pp x tp grid: the seed paper's algorithm, step by step.
 
-P = dp x tp ranks. Each synchronous SGD step:
+P = dp x pp x tp ranks (pp = 1: the seed paper's P = G x M). Each synchronous SGD step:
   1. the global batch of the step (B sequences, the same on every rank) is split into dp equal slices; DP group g
      takes slice g, and every TP rank of the group reads the same slice (hsgd.dp.dp_rows);
   2. the slice is cut into k = grad_accum micro-batches; for each, the tensor-parallel forward and backward
      (collectives on tp_comm inside, hsgd.tp_model) accumulate the gradient of (1/k) * its mean loss into the
-     rank's gradient shards;
+     rank's gradient shards; with pp > 1 the micro-batches flow through the pipeline stages (hsgd.pp.run_stage);
   3. the gradient shards are averaged over dp_comm, in one of these ways (--dp-overlap, --hierarchical, --zero):
        blocking      one Allreduce of the whole flat gradient buffer after the backward pass (hsgd.dp.dp_average)
        overlapped    one Iallreduce per layer's bucket, started while the backward pass goes on (OverlappedAverage)
@@ -22,12 +22,15 @@ rank slower, to show what synchronous SGD pays for it.
 Parameters and gradients live in flat buffers laid out in the order the backward pass finishes them, so each
 layer's gradients are one contiguous bucket.
 """
+import math
 import time
 from dataclasses import dataclass
 
 from . import tp_model
 from .backend import array_module
-from .dp import GradBuffer, OverlappedAverage, backward_layout, dp_average, dp_formula, dp_rows, micro_batches
+from .dp import (GradBuffer, OverlappedAverage, backward_layout, dp_average, dp_formula, dp_rows, micro_batches,
+                 params_digest)
+from .errors import NumericalFault
 from .hier import HierarchicalAverager
 from .optim import clip_grads, decays, global_grad_norm, lr_at, make_optimizer
 from .pp import parse_split, run_stage, schedule, split_layers, stage_names
@@ -55,7 +58,7 @@ class _Null:
 
 class HybridTrainer:
     def __init__(self, cfg, grid, tc, tracer=None):
-        """cfg: ModelConfig; grid: ProcessGrid (pp = 1); tc: TrainConfig (optimizer, schedule, scheme, dp modes...)."""
+        """cfg: ModelConfig; grid: ProcessGrid; tc: TrainConfig (optimizer, schedule, scheme, dp modes, pipeline)."""
         self.cfg, self.grid, self.tc = cfg, grid, tc
         self.scheme = tc.tp_scheme
         self.tracer = tracer or _Null()
@@ -90,6 +93,7 @@ class HybridTrainer:
         self.inflight = None                                            # (buffer, request) of the last exchange
         self.ready = None                                               # the averaged gradient to apply (stale)
         self.exposed_dp = 0.0                                           # seconds of the last dp sync phase
+        self.skipped = 0                                                # updates skipped for non-finite values
         straggler = getattr(tc, "straggler", None)
         self.delay = 0.0
         if straggler:
@@ -187,18 +191,51 @@ class HybridTrainer:
             self.opt.step(self.params, grads, lr)
         return lr, norm
 
-    def step(self, idx, targets, step):
-        """One optimizer step on the global batch idx, targets (B, T). `step` counts from 1 (for the schedule)."""
+    def step(self, idx, targets, step, poison=False):
+        """One optimizer step on the global batch idx, targets (B, T). `step` counts from 1 (for the schedule).
+        poison=True puts a NaN into this rank's gradient (fault injection for --on-nan)."""
         g, stats = self.grid, self.grid.stats
         t0, tp0 = time.perf_counter(), stats.seconds("tp")
         loss = self.compute_grads(idx, targets)
+        if poison:
+            self.local_grads()[0] = float("nan")
         dp0 = stats.seconds("dp")
-        lr, norm = self.update(step)
+        bad = g.world.comm.allgather(not (math.isfinite(loss) and bool(array_module(self.pbuf.flat).isfinite(
+            self.local_grads()).all())))                                 # every rank learns where it went wrong
+        if any(bad):
+            ranks = [r for r, b in enumerate(bad) if b]
+            if getattr(self.tc, "on_nan", "stop") == "stop":
+                raise NumericalFault(f"non-finite loss or gradient at step {step} on ranks {ranks} (--on-nan stop); "
+                                     "resume from a checkpoint with a smaller --lr, or use --on-nan skip")
+            lr, norm, self.skipped = float("nan"), float("nan"), self.skipped + 1   # --on-nan skip: no update
+        else:
+            lr, norm = self.update(step)
         exposed = self.exposed_dp + stats.seconds("dp") - dp0            # + ZeRO's Allgather of the parameters
         loss = g.dp_comm.comm.allreduce(loss) / g.dp                     # metadata: the global batch's loss
         return StepInfo(loss, lr, norm, time.perf_counter() - t0, stats.seconds("tp") - tp0, exposed)
 
     # ------------------------------------------------------------------------------------------ reports
+    def local_grads(self):
+        """The flat gradient this rank is about to apply (ZeRO: its chunk; staleness: the arrived average)."""
+        if self.zero:
+            return self.zero.g_chunk
+        if self.stale is not None:
+            return self.ready.flat if self.ready is not None else self.buf.flat
+        return self.buf.flat
+
+    def replica_divergence(self):
+        """Collective: None if every DP replica holds the same parameters, else the first parameter (in the
+        canonical order) whose replicas differ, and the dp ranks holding each version."""
+        digests = self.grid.dp_comm.allgather_obj([params_digest({n: self.params[n]}) for n in self.order])
+        for i, name in enumerate(self.order):
+            versions = [d[i] for d in digests]
+            if len(set(versions)) > 1:
+                groups = {}
+                for r, v in enumerate(versions):
+                    groups.setdefault(v, []).append(r)
+                return name, sorted(groups.values())
+        return None
+
     def dp_comm_formula(self):
         """{(comm, op): (calls, bytes)} of one step's data-parallel communication for the chosen mode."""
         if self.zero:
@@ -221,6 +258,41 @@ class HybridTrainer:
         extra = sum(b.flat.nbytes for b in self.stale) if self.stale else 0
         return {"params": int(self.pbuf.flat.nbytes), "grads": int(self.buf.flat.nbytes + extra),
                 "optimizer": int(state)}
+
+    # ------------------------------------------------------------------------------------------ checkpoints
+    def state_by_name(self):
+        """Collective over dp_comm when ZeRO is on. ({name: {key: shard}}, t): this rank's optimizer state per
+        parameter shard (keys "velocity" for SGD, "m", "v" for AdamW) and AdamW's step count."""
+        if self.zero:
+            flat = self.zero.full_state()
+            per = {n: {k: v[lo:hi].reshape(self.params[n].shape) for k, v in flat.items()}
+                   for n, (lo, hi) in self.pbuf.offsets.items()}
+        else:
+            per = {}
+            for n, st in self.opt.state.items():
+                per[n] = dict(zip(("m", "v"), st)) if isinstance(st, tuple) else {"velocity": st}
+        return {n: v for n, v in per.items() if v}, getattr(self.opt, "t", 0)
+
+    def load_state(self, params, state, t):
+        """Set this rank's parameter shards and optimizer state (the layout of state_by_name)."""
+        for n, p in params.items():
+            self.params[n][...] = p
+        if hasattr(self.opt, "t"):
+            self.opt.t = t
+        xp = array_module(self.pbuf.flat)
+        if self.zero:
+            keys = {k for st in state.values() for k in st}
+            flat = {k: xp.zeros(self.pbuf.flat.size, dtype=self.pbuf.flat.dtype) for k in keys}
+            for n, st in state.items():
+                lo, hi = self.pbuf.offsets[n]
+                for k, v in st.items():
+                    flat[k][lo:hi] = v.reshape(-1)
+            self.zero.load_state(flat)
+            return
+        self.opt.state.clear()
+        for n, st in state.items():
+            arrays = {k: xp.array(v) for k, v in st.items()}
+            self.opt.state[n] = (arrays["m"], arrays["v"]) if "m" in arrays else arrays["velocity"]
 
     def evaluate(self, corpus, n_batches, batch_size):
         """Mean loss over n_batches fixed validation batches; rows split over the dp groups like training."""

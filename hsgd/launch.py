@@ -5,6 +5,8 @@
 * A usage error (bad flag, bad file, impossible layout) is found by every rank in the same set-up code, before
   any model communication. `agree` makes sure all ranks know about it even if only some found it (a file missing
   on one node), then rank 0 prints it once, `hsgd: error: ...`, and every rank exits with code 2.
+* A numerical fault that all ranks agreed on (a non-finite loss with --on-nan stop, diverged replicas) is
+  reported once by rank 0, `hsgd: stopped: ...`, and every rank exits with code 3.
 * Any other exception on any rank prints its traceback, each line prefixed with `[rank r]`, and calls MPI_Abort
   on COMM_WORLD, which ends every rank of the job within seconds instead of leaving the others waiting in their
   next collective. (Ranks other than 0 wait a second before printing: when all ranks hit the same bug, rank 0's
@@ -17,7 +19,7 @@ import traceback
 
 from mpi4py import MPI
 
-from .errors import EXIT_USAGE, UsageError
+from .errors import EXIT_NUMERICAL, EXIT_USAGE, NumericalFault, UsageError
 
 
 class RankZeroParser(argparse.ArgumentParser):
@@ -55,6 +57,10 @@ def run(main, world=MPI.COMM_WORLD):
         if world.Get_rank() == 0:
             print(f"hsgd: error: {e}", file=sys.stderr, flush=True)
         return EXIT_USAGE
+    except NumericalFault as e:
+        if world.Get_rank() == 0:                                   # every rank agreed on it: report once
+            print(f"hsgd: stopped: {e}", file=sys.stderr, flush=True)
+        return EXIT_NUMERICAL
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else 0
     except BaseException:

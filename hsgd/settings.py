@@ -7,6 +7,7 @@ the world size, batches that do not split, layers that do not split into stages.
 value and what would work.
 """
 import argparse
+import os
 from dataclasses import dataclass, fields
 
 from . import launch, tp_model
@@ -52,7 +53,13 @@ class TrainConfig:
     prompt: str = "def "           # prompt of the generated sample
     threads: int = None            # BLAS threads per rank; None = cores / ranks on the machine (at least 1)
     log_json: str = None           # write one JSON object per step to this file (rank 0)
-    inject_fault: str = None       # "RANK:STEP": raise an exception on that rank at that step (tests fail-fast)
+    inject_fault: str = None       # "RANK:STEP[:KIND]": a fault on that rank at that step, KIND one of FAULTS
+    save_dir: str = None           # write checkpoints into this directory
+    save_interval: int = 0         # steps between checkpoints (0: only after the last step)
+    keep: int = 3                  # checkpoints kept in save_dir (the newest)
+    resume: str = None             # "auto" (the newest checkpoint in save_dir, if any) or a checkpoint path
+    on_nan: str = "stop"           # a non-finite loss or gradient: "stop" the run (exit 3) or "skip" the update
+    check_replicas: int = 0        # every N steps compare the DP replicas' parameters (0: never)
     dp_overlap: bool = False       # start each layer's gradient Iallreduce during the backward pass
     zero: int = 0                  # 0: all-reduce; 1, 2: reduce-scatter + sharded optimizer + all-gather (ZeRO)
     hierarchical: bool = False     # dp all-reduce as node reduce-scatter, cross-node all-reduce, node all-gather
@@ -61,6 +68,10 @@ class TrainConfig:
     dp_staleness: int = 0          # 1: apply each step's averaged gradient one step late (asynchronous SGD)
     trace: str = None              # write a Chrome/Perfetto trace of all ranks to this JSON file
     plot: str = None               # write PNG plots (loss curves, a per-rank timeline of one step) to this folder
+
+    def __post_init__(self):
+        if self.micro_batches is not None and self.grad_accum == 1:
+            self.grad_accum = self.micro_batches        # the same number under its pipeline name
 
     def validate(self):
         for name in ("steps", "batch_size", "grad_accum", "eval_batches", "log_interval"):
@@ -94,11 +105,30 @@ class TrainConfig:
                               "between stages too); use --tp-scheme megatron or gather with --pp")
         if self.optimizer not in ("sgd", "adamw"):
             raise ConfigError(f"optimizer={self.optimizer!r} is not known; use sgd or adamw")
-        for name, example in (("inject_fault", "3:5"), ("straggler", "3:50")):
+        if self.straggler is not None:
+            parts = str(self.straggler).split(":")
+            if len(parts) != 2 or not all(p.isdigit() for p in parts):
+                raise ConfigError(f"straggler={self.straggler!r} must look like RANK:MILLISECONDS, e.g. 3:50")
+        if self.inject_fault is not None:
+            parts = str(self.inject_fault).split(":")
+            if not 2 <= len(parts) <= 3 or not all(p.isdigit() for p in parts[:2]) or \
+                    (len(parts) == 3 and parts[2] not in FAULTS):
+                raise ConfigError(f"inject_fault={self.inject_fault!r} must look like RANK:STEP or RANK:STEP:KIND with "
+                                  f"KIND one of {', '.join(FAULTS)}, e.g. 3:5 or 3:5:kill")
+        for name in ("save_interval", "check_replicas"):
             v = getattr(self, name)
-            if v is not None and (len(str(v).split(":")) != 2 or not all(p.isdigit() for p in str(v).split(":"))):
-                what = "RANK:STEP" if name == "inject_fault" else "RANK:MILLISECONDS"
-                raise ConfigError(f"{name}={v!r} must look like {what}, e.g. {example}")
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ConfigError(f"{name}={v!r} must be an integer >= 0")
+        check_positive_int("keep", self.keep)
+        if self.on_nan not in ("stop", "skip"):
+            raise ConfigError(f"on_nan={self.on_nan!r} must be stop or skip")
+        if self.dp_staleness and (self.save_dir or self.resume):
+            raise ConfigError("checkpoints do not hold the gradient in flight of --dp-staleness 1; run it without "
+                              "--save-dir / --resume")
+        if self.resume == "auto" and not self.save_dir:
+            raise ConfigError("resume='auto' looks for the newest checkpoint in --save-dir; give --save-dir too")
+        if self.save_dir and os.path.exists(self.save_dir) and not os.path.isdir(self.save_dir):
+            raise ConfigError(f"save_dir={self.save_dir!r} exists and is not a directory; choose another path")
         if self.zero not in (0, 1, 2):
             raise ConfigError(f"zero={self.zero!r} must be 0 (all-reduce), 1 or 2 (ZeRO stage)")
         if self.dp_staleness not in (0, 1):
@@ -125,6 +155,7 @@ class TrainConfig:
 
 
 MODEL_FLAGS = ("seq_len", "d_model", "n_layers", "n_heads", "d_ff")
+FAULTS = ("raise", "kill", "kill-in-save", "nan", "diverge")
 
 
 def build_parser():
@@ -180,7 +211,20 @@ def build_parser():
     g.add_argument("--prompt", help=f"prompt of the generated sample ({d.prompt!r})")
     g.add_argument("--log-json", metavar="FILE", help="write one JSON object per step (rank 0)")
     g.add_argument("--config", metavar="FILE.toml", help="read settings from a TOML file (flags win)")
-    g.add_argument("--inject-fault", metavar="RANK:STEP", help="raise an exception on RANK at STEP (testing)")
+    g.add_argument("--inject-fault", metavar="RANK:STEP[:KIND]",
+                   help="a fault on RANK at STEP, for testing: KIND raise (default, an exception), kill (SIGKILL), "
+                        "kill-in-save (SIGKILL while writing a checkpoint), nan (a NaN in the gradient), diverge "
+                        "(perturb one parameter on that rank only)")
+    g = p.add_argument_group("checkpoints and faults")
+    g.add_argument("--save-dir", metavar="DIR", help="write distributed checkpoints into DIR")
+    g.add_argument("--save-interval", type=int, help="steps between checkpoints (0: only after the last step)")
+    g.add_argument("--keep", type=int, help="checkpoints kept (3)")
+    g.add_argument("--resume", metavar="auto|PATH", help="continue from the newest checkpoint in --save-dir (auto) "
+                                                         "or from PATH, under any layout valid for the model")
+    g.add_argument("--on-nan", choices=["stop", "skip"], help="a non-finite loss or gradient: stop with exit code 3 "
+                                                              "or skip that step's update (stop)")
+    g.add_argument("--check-replicas", type=int, metavar="N", help="compare the DP replicas' parameters every N steps "
+                                                                   "and stop, naming the first that differs (0: off)")
     g.add_argument("--trace", metavar="FILE.json", help="write a Chrome/Perfetto trace of every rank (compute phases "
                                                         "and collectives) to FILE.json")
     g.add_argument("--plot", metavar="DIR", help="write PNG plots to DIR: loss curves and a per-rank timeline of "

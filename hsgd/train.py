@@ -15,6 +15,7 @@ hsgd/settings.py (flags and `--config FILE.toml`).
 import json
 import math
 import os
+import signal
 import sys
 import time
 from contextlib import nullcontext
@@ -23,9 +24,10 @@ from dataclasses import replace
 from mpi4py import MPI
 from threadpoolctl import threadpool_limits
 
-from . import launch
+from . import checkpoint, launch
 from .backend import resolve_device
 from .data import Corpus
+from .errors import NumericalFault
 from .generate import generate, printable
 from .grid import ProcessGrid
 from .hybrid import HybridTrainer
@@ -70,7 +72,8 @@ def _train(cfg, tc, world, out, threads):
             c.tracer = tracer
     traced = (min(2, tc.steps), min(4, tc.steps))                   # the steps the trace and timeline show
     table = grid.layout_table()
-    fault = tuple(int(x) for x in tc.inject_fault.split(":")) if tc.inject_fault else None
+    fault = parse_fault(tc.inject_fault)
+    start = resume(trainer, cfg, tc, world, say)                     # 1, or the step after the checkpoint
 
     n_local = sum(p.size for p in trainer.params.values())
     tokens = tc.batch_size * cfg.seq_len
@@ -98,17 +101,27 @@ def _train(cfg, tc, world, out, threads):
     log = open(tc.log_json, "w") if (tc.log_json and rank0) else None
     t_start = time.perf_counter()
     window = {"n": 0, "loss": 0.0, "s": 0.0, "tp": 0.0, "dp": 0.0}
-    losses, per_step, val_points = [], None, [(0, val0)]
-    measured_step = min(2, tc.steps)        # bytes of one step, the same every step (step 1 of staleness: none)
-    for step in range(1, tc.steps + 1):
-        if fault and fault == (world.Get_rank(), step):
+    losses, per_step, val_points = [], {}, [(start - 1, val0)]
+    measured_step = min(start + 1, tc.steps)  # bytes of one step, the same every step (staleness' first: none)
+    for step in range(start, tc.steps + 1):
+        kind = fault[2] if fault and fault[:2] == (world.Get_rank(), step) else None
+        if kind == "raise":
             raise RuntimeError(f"fault injected on rank {world.Get_rank()} at step {step} (--inject-fault)")
+        if kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)                         # no cleanup, no message: a dead rank
         idx, targets = corpus.batch(tc.seed, step, tc.batch_size)
         before = grid.stats.counts()
         if tracer:
             tracer.enabled = traced[0] <= step <= traced[1]
         with (tracer.span(f"step {step}") if tracer else nullcontext()):
-            info = trainer.step(idx, targets, step)
+            info = trainer.step(idx, targets, step, poison=kind == "nan")
+        if kind == "diverge":
+            trainer.params[trainer.order[-1]].reshape(-1)[0] += 1e-3     # this replica alone drifts away
+        if tc.check_replicas and step % tc.check_replicas == 0:
+            check_replicas(trainer, world, step)
+        if tc.save_dir and ((tc.save_interval and step % tc.save_interval == 0) or step == tc.steps):
+            path = checkpoint.save(trainer, step, tc.save_dir, tc.keep, kill_in_save=kind == "kill-in-save")
+            say(f"checkpoint after step {step}: {path}")
         if step == measured_step:
             after = grid.stats.counts()
             per_step = {k: (v[0] - before.get(k, (0, 0))[0], v[1] - before.get(k, (0, 0))[1])
@@ -125,7 +138,8 @@ def _train(cfg, tc, world, out, threads):
             w, elapsed = window, time.perf_counter() - t_start
             comp = w["s"] - w["tp"] - w["dp"]
             say(f"step {step:>{len(str(tc.steps))}}/{tc.steps} | loss {w['loss'] / w['n']:.4f} | lr {info.lr:.2e} | "
-                f"{w['n'] * tokens / w['s']:,.0f} tok/s | ETA {fmt_time(elapsed / step * (tc.steps - step))} | "
+                f"{w['n'] * tokens / w['s']:,.0f} tok/s | "
+                f"ETA {fmt_time(elapsed / (step - start + 1) * (tc.steps - step))} | "
                 f"step {1e3 * w['s'] / w['n']:.0f} ms = compute {1e3 * comp / w['n']:.0f} + "
                 f"tp {1e3 * w['tp'] / w['n']:.0f} + dp {1e3 * w['dp'] / w['n']:.0f}")
             window = dict.fromkeys(window, 0.0)
@@ -137,8 +151,10 @@ def _train(cfg, tc, world, out, threads):
     if log:
         log.close()
     val1 = trainer.evaluate(corpus, tc.eval_batches, tc.batch_size)
-    say(f"val loss {val0:.4f} -> {val1:.4f} after {tc.steps} steps in {fmt_time(wall)} "
-        f"({tc.steps * tokens / wall:,.0f} tok/s)")
+    n_steps = tc.steps - start + 1
+    say(f"val loss {val0:.4f} -> {val1:.4f} after {n_steps} steps in {fmt_time(wall)} "
+        f"({n_steps * tokens / max(wall, 1e-9):,.0f} tok/s)"
+        + (f"; {trainer.skipped} update(s) skipped for non-finite values (--on-nan skip)" if trainer.skipped else ""))
     val_points.append((tc.steps, val1))
     formula = step_formula(cfg, tc, trainer)
     # every stage's first rank reports its own measurement and formula (the stages differ)
@@ -178,6 +194,40 @@ def _train(cfg, tc, world, out, threads):
     trainer.free()
     grid.free()
     return summary
+
+
+def parse_fault(text):
+    """'3:5' -> (3, 5, 'raise'); '3:5:kill' -> (3, 5, 'kill'); None -> None."""
+    if not text:
+        return None
+    parts = text.split(":")
+    return int(parts[0]), int(parts[1]), parts[2] if len(parts) == 3 else "raise"
+
+
+def resume(trainer, cfg, tc, world, say):
+    """Load --resume's checkpoint (checked on every rank first). Returns the first step to run."""
+    if not tc.resume:
+        return 1
+    if tc.resume == "auto" and not checkpoint.complete_checkpoints(tc.save_dir):
+        say(f"--resume auto: no complete checkpoint in {tc.save_dir!r}; starting at step 1")
+        return 1
+    where = tc.save_dir if tc.resume == "auto" else tc.resume
+    manifest = launch.agree(world, lambda: checkpoint.open_checkpoint(where, cfg))
+    step = launch.agree(world, lambda: checkpoint.load(trainer, manifest))
+    lay, g = manifest["layout"], trainer.grid
+    say(f"resumed from {manifest['path']} after step {step} (saved as dp {lay['dp']} x pp {lay['pp']} x tp "
+        f"{lay['tp']} {lay['tp_scheme']}; now dp {g.dp} x pp {g.pp} x tp {g.tp} {trainer.scheme})")
+    return step + 1
+
+
+def check_replicas(trainer, world, step):
+    """Stop (exit 3) if any DP group's replicas hold different parameters, naming the first that differs."""
+    found = world.allgather(trainer.replica_divergence())
+    for r, d in enumerate(found):
+        if d:
+            raise NumericalFault(f"data-parallel replicas diverged by step {step}: the first parameter that differs is "
+                                 f"{d[0]} (dp ranks holding each version: {d[1]}, seen by world rank {r}); "
+                                 "resume from the last checkpoint")
 
 
 def main(argv=None):

@@ -1,8 +1,9 @@
 """Check the parallel model against the serial reference:  mpirun -n N python -m hsgd.verify [--tp --dp ...]
 
-One step of the hybrid TP x DP model (the same code path as training: micro-batches, tensor-parallel forward and
-backward, the Allreduce over dp_comm) and of hsgd.serial on the same global batch, then a table with, for every
-parameter, the largest error of any rank's gradient shard against the matching slice of the serial gradient.
+One step of the parallel model on the dp x pp x tp grid (the same code path as training: micro-batches through
+the pipeline stages, tensor-parallel forward and backward, the exchange over dp_comm) and of hsgd.serial on the
+same global batch, then a table with, for every parameter, the largest error of any rank's gradient shard against
+the matching slice of the serial gradient.
 Exit code 0 when every error is within the tolerance of the dtype, 1 otherwise (2 for a usage error):
 
     float64: loss within 1e-12 and every gradient within 1e-10, relative

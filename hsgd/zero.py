@@ -84,6 +84,29 @@ class ZeroOptimizer:
         self.p_send[...] = mine
         self.dp_comm.Allgather(self.p_send, self.pbuf.flat.reshape(self.dp_comm.size, self.chunk))
 
+    def full_state(self):
+        """Collective over dp_comm: the optimizer state of the whole flat buffer, {key: flat array}, assembled from
+        every DP rank's chunk (for checkpoints). Keys: "velocity" (SGD) or "m", "v" (AdamW)."""
+        state = self.opt.state.get("chunk")
+        if state is None:
+            return {}
+        arrays = dict(zip(("m", "v"), state)) if isinstance(state, tuple) else {"velocity": state}
+        out = {}
+        for key, chunk in arrays.items():
+            full = array_module(chunk).empty((self.dp_comm.size, self.chunk), dtype=chunk.dtype)
+            self.dp_comm.Allgather(array_module(chunk).ascontiguousarray(chunk), full)
+            out[key] = full.reshape(-1)
+        return out
+
+    def load_state(self, flat_state):
+        """Keep my chunk of a full flat optimizer state {key: flat array} (the inverse of full_state)."""
+        xp = array_module(self.pbuf.flat)
+        chunks = {k: xp.array(v[self.mine]) for k, v in flat_state.items()}
+        if "velocity" in chunks:
+            self.opt.state["chunk"] = chunks["velocity"]
+        elif chunks:
+            self.opt.state["chunk"] = (chunks["m"], chunks["v"])
+
     def state_bytes(self):
         """Bytes of optimizer state on this rank."""
         return sum(a.nbytes for v in self.opt.state.values() for a in (v if isinstance(v, tuple) else (v,)))

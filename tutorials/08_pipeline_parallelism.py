@@ -1,0 +1,507 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Chapter 8: pipeline parallelism
+#
+# Chapters 3 to 7 split every layer of the model over the ranks of a group. The seed paper (the lecture hsgd
+# implements, see chapter 1) names the other way of splitting a model, by layers. Its section 3.1 (in
+# translation):
+#
+# > pipeline parallelism: assign different layers of the model to different nodes, e.g. the first few layers to
+# > node 1, the middle layers to node 2, the last layers to node 3. The data passes from node to node like on an
+# > assembly line.
+#
+# Section 1 says what that costs:
+#
+# > during the forward and backward passes the nodes must pass activations and gradients to each other: there are
+# > pipeline dependencies. [...] In pipeline parallelism a mini-batch is further split into micro-batches that are
+# > pipelined through the stages, to hide the communication. Challenges: the dependencies between computation and
+# > communication are complex; pipeline bubbles easily leave the devices idle; load balance is demanding.
+#
+# and section 4.2 gives the remedies: "split the data into micro-batches that fill the stages of the pipeline, to
+# reduce the idle time (the bubbles); balance the compute load and the communication of the partitions (the matrix
+# split of tensor parallelism, the assignment of layers of pipeline parallelism)". This chapter runs a pipeline
+# of p = 4 stages on 4 ranks (pp = 4, tp = dp = 1) and shows
+#
+# 1. how hsgd assigns the layers to stages (`pp.split_layers`, `pp.stage_names`);
+# 2. what crosses between stages, by doing one micro-batch by hand with `Send` and `Recv` on `pp_comm`, checked
+#    against serial;
+# 3. micro-batches and the bubble, $(p-1)/(m+p-1)$, in an equal-cost simulation of the two schedules hsgd has,
+#    GPipe and 1F1B;
+# 4. what the schedules cost in memory (micro-batches held per stage), measured in real training steps;
+# 5. a measured schedule, drawn from the ranks' own clocks;
+# 6. that both schedules give the same parameters, bit for bit, and those of serial SGD;
+# 7. load balance: `--pp-split`, when the last stage carries the LM head;
+# 8. the bytes on `pp_comm` against `pp.pp_formula`, and against tensor parallelism on the same ranks.
+#
+# Run it with four ranks (a few seconds; on failure every rank raises, so it exits non-zero without hanging):
+#
+# mpirun -n 4 python tutorials/08_pipeline_parallelism.py
+#
+# The notebook form (`jupytext --to ipynb tutorials/08_pipeline_parallelism.py`) is for reading: the code needs four
+# MPI ranks. Only rank 0 prints.
+#
+# Legend: p = pp stages, s a stage (its `pp_rank`), m micro-batches per step (`micro_batches`, the same number as
+# `grad_accum`), B global batch, b = B/m sequences per micro-batch, T sequence, C d_model, F d_ff, V vocabulary,
+# L layers, $L_s$ the blocks of stage s, f and $b_c$ the time of one forward and one backward of a micro-batch on a
+# stage, bytes per number 8 (float64).
+
+# %%
+import itertools
+
+import numpy as np
+from mpi4py import MPI
+from threadpoolctl import threadpool_limits
+
+from hsgd import ModelConfig, serial, tp_model
+from hsgd.data import Corpus
+from hsgd.errors import ConfigError
+from hsgd.grid import ProcessGrid
+from hsgd.hybrid import HybridTrainer
+from hsgd.layers import embedding_forward
+from hsgd.optim import lr_at, make_optimizer
+from hsgd.pp import (bubble_fraction, ideal_bubble, peak_in_flight, picture, pp_formula, schedule, simulate,
+                     split_layers, stage_names)
+from hsgd.train import TrainConfig, fmt_bytes, step_formula
+
+from checks import Checks, count_diff, rel_err   # tutorials/checks.py, shared by the chapters
+
+threadpool_limits(1)                    # four ranks share the cores, tiny matrices: one BLAS thread each
+PP = 4                                  # pipeline stages p
+world = MPI.COMM_WORLD
+if world.Get_size() != PP:              # every rank exits non-zero; rank 0 says why
+    raise SystemExit(f"run this chapter on {PP} ranks: mpirun -n {PP} python {__file__}"
+                     if world.Get_rank() == 0 else 1)
+grid = ProcessGrid(world, dp=1, pp=PP, tp=1)   # one pipeline of 4 stages; tp_comm and dp_comm have one rank each
+pp_comm, s = grid.pp_comm, grid.pp_rank        # the pipeline's communicator (hsgd.comm.Comm) and my stage
+TOL = 1e-10                             # float64: parallel and serial differ by rounding, ~1e-16 relative
+EXACT = np.nextafter(0.0, 1.0)          # err < the smallest positive float64 means err == 0: bit for bit
+check = Checks(world, tol=TOL, width=68)  # check(what, err, tol): collective, raises on every rank unless err < tol
+say = check.say                           # print on world rank 0 only
+
+cfg = ModelConfig(vocab_size=256, seq_len=16, d_model=16, n_heads=4, n_layers=8, d_ff=64)   # 8 blocks, 4 stages
+SEED = 0
+corpus = Corpus.load(None, cfg.seq_len) # the built-in corpus (the Python standard library's source), as hsgd.train
+say(f"{PP} ranks = {PP} pipeline stages; model {cfg.n_params():,} parameters (L={cfg.n_layers} C={cfg.d_model} "
+    f"NH={cfg.n_heads} F={cfg.d_ff} T={cfg.seq_len} V={cfg.vocab_size})")
+
+# %% [markdown]
+# ## 1. Layers to stages
+#
+# A GPT is a chain: the embedding (`wte`, `wpe`), L blocks, the final LayerNorm, the LM head and the loss. A
+# pipeline cuts the chain into p pieces of consecutive layers, the **stages**, and gives each to a rank (with
+# tensor parallelism, to a tensor-parallel group: chapter 9). hsgd's cut (`pp.split_layers`):
+#
+# * stage s holds the blocks `split_layers(L, p)[s]`, by default as even as possible (the first L mod p stages get
+#   one more);
+# * the embedding sits on the first stage, the final LayerNorm, the LM head and the loss on the last
+#   (`pp.stage_names(cfg, layers, first, last)` lists the parameters of a stage);
+# * `--pp-split 3,2,2,1` (`TrainConfig.pp_split`) chooses the blocks per stage instead, for balance (section 7).
+#
+# A stage holds only its own parameters, their gradients and their optimizer state: that, not speed, is why
+# pipelines exist. Each rank builds its table row and rank 0 prints them:
+
+# %%
+split = split_layers(cfg.n_layers, PP)                 # [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
+layers = split[s]                                      # my blocks
+first, last = s == 0, s == PP - 1
+names = stage_names(cfg, layers, first, last)          # my parameters
+shapes = cfg.param_shapes()
+n_mine = sum(int(np.prod(shapes[n])) for n in names)
+extras = ", ".join(x for x, on in (("embedding wte, wpe", first), ("ln_f, lm_head, loss", last)) if on)
+rows = pp_comm.allgather_obj((s, grid.rank, list(layers), n_mine, extras))
+say("stage  world rank  blocks        parameters  and")
+for st, r, blocks, n, ex in rows:
+    say(f"{st:>5}  {r:>10}  {str(blocks):<12} {n:>11,}  {ex}")
+held = pp_comm.allgather_obj(names)
+check("every parameter on exactly one stage: |sum of stage sizes - n_params|",
+      float(abs(sum(r[3] for r in rows) - cfg.n_params())), 0.5)
+check("every parameter name on exactly one stage (0 = yes)",
+      float(sorted(n for ns in held for n in ns) != sorted(shapes)), 0.5)
+
+# %% [markdown]
+# A split that cannot work is refused before anything runs, with an example of one that would:
+
+# %%
+for args in ((cfg.n_layers, PP, [3, 3, 3]), (cfg.n_layers, PP, [4, 4, 0, 0]), (2, PP, None)):
+    try:
+        split_layers(*args)
+        refused = ""
+    except ConfigError as e:
+        refused = str(e)
+    say(f"split_layers{args}: ConfigError: {refused}")
+    check(f"split_layers{args} refused (0 = yes)", float(not refused), 0.5)
+
+# %% [markdown]
+# ## 2. What crosses between stages: one micro-batch by hand
+#
+# Stage s runs `tp_model.stage_forward(params, inp, ...)` on its blocks (the same function that runs the whole
+# model when one stage is first and last). Its input is the token ids on the first stage, otherwise the
+# **activation** $x^{(s)}$: (b, T, C), the residual stream after the previous stage's last block. Its output is
+# the activation for stage s+1, or the loss on the last stage. The backward pass runs the chain the other way:
+# `tp_model.stage_backward(dout, caches, grads, ...)` takes $\partial L / \partial x^{(s+1)}$, the **gradient of
+# the stage's output**, received from stage s+1 (on the last stage $dout = 1$, the derivative of the loss with
+# respect to itself), accumulates the gradients of the stage's parameters with `+=`, and returns
+# $\partial L/\partial x^{(s)}$ for stage s-1. By the chain rule nothing else is needed: a stage's parameter
+# gradients depend on the rest of the network only through that one (b, T, C) array.
+#
+# So one micro-batch is two relay races over `pp_comm`, each message to a neighbour:
+#
+#     forward:   stage 0 --x(1)--> stage 1 --x(2)--> stage 2 --x(3)--> stage 3 (loss)      Send / Recv, tag 0
+#     backward:  stage 0 <-dx(1)-- stage 1 <-dx(2)-- stage 2 <-dx(3)-- stage 3 (dloss = 1)  Send / Recv, tag 1
+#
+# `Recv` blocks until the message is there: a stage cannot start before its input exists. Every stage reads the
+# same micro-batch (a pure function of seed and step, chapter 5), but only the first uses the token ids and only
+# the last the targets.
+
+# %%
+b = 2                                                   # sequences in the micro-batch
+idx, targets = corpus.batch(SEED, 1, b)                 # (b, T) int64 each, on every stage
+full = serial.init_params(cfg, seed=SEED, dtype="float64")     # the serial model, on every rank (a toy)
+params = {n: full[n] for n in names}                    # my stage's parameters
+grads = serial.zeros_like_params(params)                # my stage's gradients, accumulated with +=
+act = (b, cfg.seq_len, cfg.d_model)                     # (b, T, C): every message has this shape
+
+grid.stats.reset()
+# forward: wait for stage s-1's activation, run my blocks, pass the result on
+inp = idx if first else pp_comm.Recv(np.empty(act), source=s - 1, tag=0)          # (b, T) ids or (b, T, C)
+out, caches = tp_model.stage_forward(params, inp, targets, cfg, grid.tp_comm, "megatron", layers, first, last)
+if not last:
+    pp_comm.Send(np.ascontiguousarray(out), dest=s + 1, tag=0)                     # (b, T, C) activation out
+# backward: the last stage starts from dloss = 1; the others wait for dL/d(my output) from stage s+1
+dout = 1.0 if last else pp_comm.Recv(np.empty(act), source=s + 1, tag=1)          # (b, T, C) gradient in
+dinp = tp_model.stage_backward(dout, caches, grads, grid.tp_comm)                 # += into grads; None on stage 0
+if not first:
+    pp_comm.Send(np.ascontiguousarray(dinp), dest=s - 1, tag=1)                    # (b, T, C) gradient out
+by_hand = grid.stats.counts()
+
+# %% [markdown]
+# The serial reference: `serial.loss_and_grads` on the whole model, and the residual stream at the point where my
+# stage begins, computed with the serial layers (`embedding_forward`, `serial.block_forward`) up to my first
+# block. The loss exists only on the last stage; a broadcast over `pp_comm` gives it to everyone.
+
+# %%
+loss_ref, grads_ref = serial.loss_and_grads(full, idx, targets, cfg)
+x_ref, _ = embedding_forward(idx, full["wte"], full["wpe"])                        # (b, T, C)
+for i in range(layers.start):
+    x_ref, _ = serial.block_forward(x_ref, full, f"h.{i}.", cfg)                   # after block i
+loss = pp_comm.comm.bcast(float(out) if last else None, root=PP - 1)              # metadata: one float
+check("by hand: activation received by my stage vs serial (stage 0: none)",
+      0.0 if first else rel_err(inp, x_ref))
+check("by hand: loss on the last stage vs serial loss", abs(loss - loss_ref) / loss_ref)
+check("by hand: my stage's parameter gradients vs serial", max(rel_err(grads[n], grads_ref[n]) for n in names))
+expect = pp_formula(b, cfg, 1, first, last, 8)          # run_stage's Isend / Recv: the same messages
+sent = sum(n for (c, op), (_, n) in by_hand.items() if c == "pp" and op == "Send")
+check("by hand: bytes sent on pp_comm - pp_formula(b, m=1)", float(abs(sent - expect.get(("pp", "Isend"), (0, 0))[1])),
+      0.5)
+say(f"every message is one (b, T, C) = {act} float64 array = {np.prod(act) * 8:,} bytes; stage 0 sends 1, "
+    f"stages 1-2 send 2, stage 3 sends 1")
+
+# %% [markdown]
+# `pp.run_stage`, which training uses, does the same with two differences that matter once there are several
+# micro-batches in flight:
+#
+# * **tags**: the activation of micro-batch j travels with tag 2j, its gradient with tag 2j+1, so every `Recv`
+#   names exactly the message it waits for;
+# * **non-blocking sends** (`Isend`, all completed at the end of the step). With a blocking `Send` the schedule of
+#   section 4 could deadlock: in 1F1B, stage s sends the activation of micro-batch j+1 to stage s+1 at the moment
+#   stage s+1 sends the gradient of micro-batch j back to stage s. For a large message MPI's `Send` returns only
+#   when the receiver has posted its `Recv`; both ranks would sit in `Send`, each waiting for the other. (Small
+#   messages go out "eagerly" into a buffer, so the bug would hide in a toy and appear in a real model.) With
+#   `Isend` a stage posts its message and goes on to its next `Recv`, and since the dependencies of the schedules
+#   have no cycle, some stage can always make progress.
+#
+# ## 3. Micro-batches and the bubble
+#
+# With one micro-batch a pipeline is a relay race: while stage 0 computes, stages 1 to 3 wait, and so on. To give
+# the stages something to do at the same time, each DP group's batch is cut into m micro-batches of b = B/m
+# sequences and the gradients of their losses are accumulated, as in chapter 5's gradient accumulation (the same
+# `grad_accum`, which is why `--micro-batches` is another name for it): the gradient is the serial one whatever m
+# is. A stage's work in a step is then a list of actions, "F j" (forward of micro-batch j) and "B j", in an order
+# fixed by a **schedule** (`pp.schedule(kind, m, p, s)`):
+#
+# * **GPipe** (Huang et al. 2019): all m forwards, then all m backwards;
+# * **1F1B** (PipeDream-Flush, Narayanan et al. 2021): p-s-1 warm-up forwards, then one forward and one backward
+#   in turn, then the remaining backwards.
+#
+# Both do every backward in the order B0, B1, ..., so they add up the same gradients in the same order.
+#
+# **The bubble.** Suppose every forward on every stage takes f and every backward $b_c$ (`pp.simulate`, which
+# starts each action as soon as its stage is free and its input has arrived). The first micro-batch reaches the
+# last stage after $(p-1)f$; the last stage then does its m forwards and m backwards, $m(f + b_c)$, and the
+# gradient of the last micro-batch needs $(p-1)b_c$ more to reach stage 0. The step takes
+# $(m + p - 1)(f + b_c)$, of which each stage computes $m(f + b_c)$, so the idle fraction, the **bubble**, is
+#
+# $$\text{bubble} = 1 - \frac{m (f + b_c)}{(m + p - 1)(f + b_c)} = \frac{p - 1}{m + p - 1},$$
+#
+# the same for both schedules and independent of f and $b_c$. It shrinks as m grows: m = 1 leaves $(p-1)/p$ of
+# the machine idle; for a long pipeline m = p leaves about half, m = 2p about a third, m = 4p about a fifth (for
+# p = 4: 0.43, 0.27, 0.16). The pictures below (f = 1, $b_c$ = 2, the usual ratio, since a backward computes two
+# matrix products for every one of the forward; 3 characters per unit of time) show where the idle time sits, the
+# dots: the fill at the start and the drain at the end.
+
+# %%
+for m in (1, PP, 2 * PP):
+    for kind in ("gpipe", "1f1b"):
+        t = simulate(kind, m, PP, f_cost=1.0, b_cost=2.0)        # [[(action, start, end)] per stage]
+        span = max(e for stage in t for _, _, e in stage)
+        say(f"{kind}, m = {m}, p = {PP}: step {span:.0f} = (m+p-1)(f+b_c) = {(m + PP - 1) * 3}, "
+            f"bubble {bubble_fraction(t):.3f}, (p-1)/(m+p-1) = {ideal_bubble(m, PP):.3f}")
+        say(picture(t, width=3 * int(span)) + "\n")
+        check(f"{kind} m={m}: simulated bubble - (p-1)/(m+p-1)", abs(bubble_fraction(t) - ideal_bubble(m, PP)),
+              1e-12)
+
+# %% [markdown]
+# In the equal-cost model the two schedules are equally fast. They are not equally large. Follow stage 0 at m = 8:
+# GPipe runs F0 ... F7 before its first backward, so it holds the cached activations of all 8 micro-batches at
+# once; 1F1B starts B0 after 3 warm-up forwards and then frees one micro-batch for every new one it starts.
+#
+# ## 4. Two schedules, run for real: what they hold
+#
+# `pp.peak_in_flight(actions)` counts the most micro-batches a list of actions has forwarded and not yet
+# backwarded: for GPipe m on every stage, for 1F1B $\min(p - s, m)$, the most on stage 0 and one on the last stage.
+# A micro-batch in flight means its caches are alive: for each of the stage's blocks a few (b, T, C) and
+# (b, T, F) arrays and the (b, NH, T, T) attention probabilities. So GPipe's activation memory grows with m, the
+# very thing that shrinks the bubble, while 1F1B's is bounded by p.
+#
+# Now real training steps. `HybridTrainer` with `pp=4` runs its stage's schedule (`trainer.actions`) through
+# `pp.run_stage`, which counts the micro-batches it actually holds (`trainer.peak_held`) and records when each
+# action started and ended (`trainer.timeline`). Three steps of SGD with momentum, B = 16, m = 8 micro-batches of
+# 2 sequences, once per schedule; the same helpers serve sections 5 to 8.
+
+# %%
+def config(**kw):
+    """The float64 run every comparison shares. validate() checks it, as hsgd.train does, and copies
+    micro_batches into grad_accum, the field HybridTrainer reads."""
+    base = dict(dp=1, pp=PP, tp=1, steps=3, batch_size=16, micro_batches=2 * PP, lr=0.1, momentum=0.9, warmup=1,
+                dtype="float64", seed=SEED)
+    tc = TrainConfig(**{**base, **kw})
+    tc.validate()
+    return tc
+
+
+def run(tc):
+    """tc.steps steps of HybridTrainer on the chapter's grid. Returns (trainer, losses, bytes of step 2 as
+    {(comm, op): (calls, bytes)})."""
+    trainer = HybridTrainer(cfg, grid, tc)
+    losses, per_step = [], None
+    for step in range(1, tc.steps + 1):
+        before = grid.stats.counts()
+        losses.append(trainer.step(*corpus.batch(tc.seed, step, tc.batch_size), step).loss)
+        if step == 2:
+            per_step = {k: (c - before.get(k, (0, 0))[0], n - before.get(k, (0, 0))[1])
+                        for k, (c, n) in grid.stats.counts().items() if (c, n) != before.get(k)}
+    return trainer, losses, per_step
+
+
+def serial_sgd(tc):
+    """Serial mini-batch SGD on the global batch of every step, with tc's optimizer and schedule."""
+    ref = serial.init_params(cfg, seed=tc.seed, dtype="float64")
+    opt = make_optimizer(tc.optimizer, tc.lr, momentum=tc.momentum, weight_decay=tc.weight_decay)
+    losses = []
+    for step in range(1, tc.steps + 1):
+        loss, grads = serial.loss_and_grads(ref, *corpus.batch(tc.seed, step, tc.batch_size), cfg)
+        opt.step(ref, grads, lr_at(step, tc.lr, tc.warmup, tc.steps))
+        losses.append(loss)
+    return ref, losses
+
+
+M = 2 * PP
+runs = {kind: run(config(schedule=kind)) for kind in ("gpipe", "1f1b")}
+say(f"1F1B, m = {M}, p = {PP}: the actions of every stage, pp.schedule('1f1b', m, p, s):")
+for st in range(PP):
+    say(f"  stage {st}: " + " ".join(f"{a}{j}" for a, j in schedule("1f1b", M, PP, st)))
+check("trainer.actions - pp.schedule(kind, m, p, my stage), both schedules (0 = equal)",
+      float(any(runs[k][0].actions != schedule(k, M, PP, s) for k in runs)), 0.5)
+say("stage   micro-batches held: GPipe measured / schedule   1F1B measured / schedule   min(p-s, m)")
+mine = [(runs[k][0].peak_held, peak_in_flight(runs[k][0].actions)) for k in ("gpipe", "1f1b")]
+for st, ((g_meas, g_sched), (f_meas, f_sched)) in enumerate(pp_comm.allgather_obj(mine)):
+    say(f"{st:>5}   {g_meas:>27} / {g_sched:<8} {f_meas:>16} / {f_sched:<8} {min(PP - st, M):>12}")
+check("micro-batches held, measured - peak_in_flight(schedule), both schedules",
+      float(sum(abs(a - b) for a, b in mine)), 0.5)
+check("GPipe holds m, 1F1B min(p - s, m): |differences|",
+      float(abs(mine[0][0] - M) + abs(mine[1][0] - min(PP - s, M))), 0.5)
+
+# %% [markdown]
+# ## 5. A measured schedule
+#
+# The same picture as in section 3, drawn from the last step's `trainer.timeline` of every stage: each rank's
+# (action, start, end) on its `time.perf_counter()` clock, which on one machine is the same clock for all
+# processes. An action's span starts once its input has been received, so the dots are time spent waiting in a
+# `Recv`, the bubble (and a little bookkeeping between actions). Four ranks share the two cores of this machine,
+# and a rank that waits in `Recv` does not sleep: by default MPI polls for the message, so the waiting stages take
+# CPU time from the computing ones. At this toy size an action is also mostly Python
+# and MPI overhead. The costs are neither equal nor steady and the numbers change from run to run: they are
+# printed, not checked. What the picture does show reliably is the order: GPipe's forwards then backwards, and
+# 1F1B's warm-up forwards followed by alternating F and B, most clearly on the last stage.
+
+# %%
+for kind in ("gpipe", "1f1b"):
+    timeline = pp_comm.allgather_obj(runs[kind][0].timeline)            # [[(action, start, end)] per stage]
+    say(f"{kind}, m = {M}, p = {PP}, measured (the last step):\n{picture(timeline)}")
+    say(f"bubble: measured {bubble_fraction(timeline):.3f}, equal-cost model (p-1)/(m+p-1) = "
+        f"{ideal_bubble(M, PP):.3f}\n")
+
+# %% [markdown]
+# ## 6. Both schedules are serial SGD
+#
+# Pipelining changes when each micro-batch is computed, never what: every stage accumulates the gradients of
+# $\frac1m \text{loss}_j$ for j = 0, 1, ..., m-1 in that order under both schedules, so GPipe and 1F1B must agree
+# **bit for bit**, and since the sum over micro-batches is the gradient of the global batch's mean loss (chapter
+# 5), both must end with serial SGD's parameters up to rounding. The error is relative to each parameter's
+# largest entry, but at least to 0.02 (the scale of the initialization), as in chapter 5: the attention k-biases
+# only ever receive rounding noise.
+
+# %%
+ref, ref_losses = serial_sgd(config())
+gpipe, onefb = runs["gpipe"][0], runs["1f1b"][0]
+say(f"serial SGD losses: {' '.join(f'{x:.6f}' for x in ref_losses)}")
+for kind in ("gpipe", "1f1b"):
+    say(f"{kind:<5} losses:      {' '.join(f'{x:.6f}' for x in runs[kind][1])}")
+check("GPipe vs 1F1B after 3 steps: max |parameter difference| (exactly 0)",
+      max(float(np.max(np.abs(gpipe.params[n] - onefb.params[n]))) for n in names), EXACT)
+for kind in ("gpipe", "1f1b"):
+    check(f"{kind}, 3 steps: losses vs serial SGD", max(abs(a - b) / b for a, b in zip(runs[kind][1], ref_losses)),
+          1e-9)
+    check(f"{kind}, 3 steps: my stage's parameters vs serial SGD",
+          max(rel_err(p, ref[n], floor=0.02) for n, p in runs[kind][0].params.items()), 1e-9)
+
+# %% [markdown]
+# ## 7. Load balance
+#
+# A pipeline runs at the pace of its slowest stage: in the steady state every stage waits for its neighbours, so a
+# stage with more work stretches every step, and the others idle for the difference (a bubble of its own, on top
+# of the fill and drain). The blocks are alike, but the ends of the chain are not: the first stage also looks up
+# the embedding (cheap, no matmul), the last also computes the LM head, a (C, V) matmul per position, and the
+# loss. In matmul FLOPs (`ModelConfig.step_flops`: 6 per multiply-add, 2 forward and 4 backward) a block costs
+# $6(4C^2 + 2CF) + 12TC$ per position and the head $6CV$. Even splits put a block's worth or more
+# of extra work on the last stage. `--pp-split` (`TrainConfig.pp_split`) moves blocks away from it; the best split
+# below minimizes the slowest stage over every way of cutting L blocks into p non-empty stages (for this toy, 35
+# of them; for GPT-2's 12 layers, 165).
+
+# %%
+def block_and_head(cfg):
+    """Matmul FLOPs of one training step on one sequence: (one block, the LM head), from ModelConfig.step_flops."""
+    head = 6 * cfg.seq_len * cfg.d_model * cfg.vocab_size                   # step_flops' LM head term
+    return (cfg.step_flops(1) - head) / cfg.n_layers, head
+
+
+def stage_costs(cfg, split):
+    """Each stage's cost in blocks: its blocks, plus the LM head on the last stage."""
+    block, head = block_and_head(cfg)
+    return [n + (head / block) * (i == len(split) - 1) for i, n in enumerate(split)]
+
+
+def best_split(cfg, p):
+    """The blocks per stage that minimize the slowest stage (every split of L into p parts of at least 1)."""
+    cuts = itertools.combinations(range(1, cfg.n_layers), p - 1)         # where the p-1 stage boundaries go
+    splits = [[hi - lo for lo, hi in zip((0,) + c, c + (cfg.n_layers,))] for c in cuts]
+    return min(splits, key=lambda sp: max(stage_costs(cfg, sp)))
+
+
+gpt2 = ModelConfig(vocab_size=50257, seq_len=1024, d_model=768, n_heads=12, n_layers=12, d_ff=3072)
+for name, mc in (("this toy", cfg), ("GPT-2 small", gpt2)):
+    block, head = block_and_head(mc)
+    even = [len(r) for r in split_layers(mc.n_layers, PP)]
+    say(f"{name}: a block costs {block / 1e6:,.2f} MFLOP per sequence and step, the LM head {head / block:.2f} "
+        f"blocks; stage costs in blocks, p = {PP}:")
+    for label, sp in (("even", even), ("best", best_split(mc, PP))):
+        costs = stage_costs(mc, sp)
+        say(f"  {label} split {','.join(map(str, sp)):<9} " + "  ".join(f"{c:5.2f}" for c in costs)
+            + f"   slowest {max(costs):5.2f}, ideal {sum(costs) / PP:5.2f}")
+
+# %% [markdown]
+# For the toy the head weighs about one block and the best split gains a few percent; for GPT-2's shape
+# (V = 50257) the head weighs more than four blocks, and moving blocks off the last stage shortens every step by
+# about a quarter. (Real systems also weigh memory: the first stage holds the most micro-batches under 1F1B, and
+# the embedding and head are the largest matrices.) An uneven split changes only who computes what, so it is still
+# serial SGD: a run of the toy's best split, and the time each stage spent computing in its last step next to the
+# even split's (printed, not checked: the shared cores make it noisy, and at this size Python's per-call overhead
+# counts as much as the FLOPs):
+
+# %%
+best = best_split(cfg, PP)                                               # [1, 3, 3, 1] for this toy
+pp_split = ",".join(map(str, best))                                      # what --pp-split takes
+uneven, _, _ = run(config(pp_split=pp_split))
+busy = pp_comm.allgather_obj((list(uneven.layers), sum(e - a for _, a, e in uneven.timeline),
+                              sum(e - a for _, a, e in onefb.timeline)))
+say(f"stage  blocks ({pp_split})  busy ms: {pp_split}   even 2,2,2,2   FLOP model {pp_split} / even (blocks)")
+model_best, model_even = stage_costs(cfg, best), stage_costs(cfg, [2, 2, 2, 2])
+for st, (blocks, t_best, t_even) in enumerate(busy):
+    say(f"{st:>5}  {str(blocks):<16}  {1e3 * t_best:>15.1f}  {1e3 * t_even:>13.1f}   "
+        f"{model_best[st]:>12.2f} / {model_even[st]:.2f}")
+check(f"pp_split {pp_split}, 3 steps: my stage's parameters vs serial SGD",
+      max(rel_err(p, ref[n], floor=0.02) for n, p in uneven.params.items()), 1e-9)
+
+# %% [markdown]
+# ## 8. What the pipeline sends
+#
+# Per step, stage s sends, for each of the m micro-batches, its output activation to stage s+1 (unless it is the
+# last) and its input gradient to stage s-1 (unless it is the first), and receives as many: `pp.pp_formula` gives
+# m `Isend` and m `Recv` of $\frac{B}{m} T C s$ bytes per neighbour, $B T C s$ per neighbour and direction in
+# all, **whatever m is**. More micro-batches mean more and smaller messages, not more bytes. `train.step_formula`
+# adds the stage's share of the tensor-parallel formula (here on a one-rank `tp_comm`, where the calls move
+# nothing) and the data-parallel one (a one-rank `dp_comm` too). Step 2 of the 1F1B run, measured on every stage:
+
+# %%
+formula = step_formula(cfg, config(schedule="1f1b"), onefb)
+measured = runs["1f1b"][2]
+for st, (meas, form) in enumerate(pp_comm.allgather_obj((measured, formula))):
+    say(f"stage {st}: measured (calls, bytes) vs step_formula")
+    for key in sorted(set(meas) | set(form)):
+        say(f"  {key[0]:<3} {key[1]:<10} {str(meas.get(key, (0, 0))):<16} {form.get(key, (0, 0))}"
+            + ("   (a one-rank communicator: nothing moves)" if key[0] != "pp" else ""))
+check("1F1B step 2: every stage's bytes - step_formula (tp, pp, dp)", count_diff(measured, formula), 0.5)
+check("GPipe step 2: every stage's bytes - step_formula",
+      count_diff(runs["gpipe"][2], step_formula(cfg, config(schedule="gpipe"), gpipe)), 0.5)
+
+# %% [markdown]
+# Put that next to the other way of using the same four ranks for one copy of the model, a tensor-parallel group
+# of 4 (chapter 4): `tp_model.comm_formula` All-Reduces (N, C) activations in every block, forward and backward,
+# $((4L + 2)C + 3) N s$ bytes per rank and step with N = B T positions. The pipeline sends $2 B T C s$ per step
+# from a middle stage, to one neighbour at a time:
+
+# %%
+B = config().batch_size
+pp_bytes = max(sum(n for (c, op), (_, n) in form.items() if c == "pp" and op == "Isend")
+               for form in pp_comm.allgather_obj(formula))
+tp_bytes = sum(n for _, n in tp_model.comm_formula(cfg, B, 8).values())
+say(f"per rank and step, B = {B}, float64: pipeline of 4 stages sends at most {fmt_bytes(pp_bytes)} (point to point); "
+    f"a tensor-parallel group of 4 All-Reduces {fmt_bytes(tp_bytes)}, {tp_bytes / pp_bytes:.0f} times more")
+check("pp bytes sent by a middle stage - 2 B T C s", float(abs(pp_bytes - 2 * B * cfg.seq_len * cfg.d_model * 8)),
+      0.5)
+
+# %% [markdown]
+# That is the trade the lecture describes. Tensor parallelism has no bubble, every rank works on every micro-batch,
+# but it talks in every layer and needs the fast links inside a node. A pipeline talks little and only to its
+# neighbours, so its stages can sit on different nodes, but it pays with the bubble, $(p-1)/(m+p-1)$ of the time,
+# with activation memory (GPipe m micro-batches, 1F1B up to p), and with its slowest stage. Chapter 9 combines all
+# three dimensions.
+#
+# ## Check against serial
+#
+# On 4 ranks as a pipeline of 4 stages, every verdict reached collectively: every parameter lives on exactly one
+# stage; one micro-batch relayed by hand with `Send` and `Recv` gives each stage the serial activation, the serial
+# loss and its parameters' serial gradients; the equal-cost bubble of GPipe and 1F1B is $(p-1)/(m+p-1)$ for m = 1,
+# p, 2p; in real steps the stages hold exactly the micro-batches their schedules promise (GPipe m, 1F1B
+# $\min(p-s, m)$); GPipe and 1F1B end three steps with the same parameters bit for bit, and with serial SGD's, as
+# does an uneven `--pp-split`; and every stage's bytes are exactly `step_formula`'s.
+
+# %%
+worst, err = check.worst([w for w in check.errors if "serial" in w])
+say(f"\nchapter 8: all {len(check.errors)} checks passed on {world.Get_size()} ranks; largest error against serial "
+    f"{err:.1e} ({worst})")
+grid.free()

@@ -1,0 +1,440 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Chapter 9: 3-D parallelism, dp x pp x tp
+#
+# The seed paper (the lecture hsgd implements, see chapter 1) ends with what an implementation has to get right. Its
+# summary (in translation):
+#
+# > the keys to implementing the algorithm are: define clearly how the nodes are grouped along the two parallel
+# > dimensions; design efficient forward and backward computation and communication inside a group (model
+# > parallelism); design an efficient gradient synchronization across groups (data parallelism), usually an
+# > All-Reduce per parameter shard; and use hierarchical communication, overlap of computation and communication,
+# > and pipelining to raise the throughput.
+#
+# Its "model-parallel group" may itself be split two ways (section 3.1): tensor parallelism inside each layer
+# (chapters 3, 4, 6) and pipeline parallelism across layers (chapter 8). With both, a rank has three coordinates,
+# and hsgd's grid is the product of all three dimensions. This chapter puts the pieces together on 8 ranks as
+# dp = 2 replicas x pp = 2 stages x tp = 2 tensor-parallel ranks:
+#
+# 1. the 3-D grid: where each rank sits, what it holds, and which ranks talk to which, drawn from `grid.groups()`;
+# 2. what each of the three communicators carries in one step, measured on every rank and compared with the closed
+#    forms of `train.step_formula`, term by term;
+# 3. a table of the bytes per rank and step for all 10 ways of writing 8 = dp x pp x tp, from the formulas;
+# 4. `hsgd.verify` on the 2 x 2 x 2 layout;
+# 5. a few steps of `hsgd.train.train` on it, ending with the parameters of serial SGD;
+# 6. the command lines that run the same things.
+#
+# Run it with eight ranks (well under a minute; on failure every rank raises, so it exits non-zero without hanging):
+#
+# mpirun -n 8 python tutorials/09_3d_parallelism.py
+#
+# The notebook form (`jupytext --to ipynb tutorials/09_3d_parallelism.py`) is for reading: the code needs eight MPI
+# ranks. Only rank 0 prints.
+#
+# Legend: P ranks, G = dp replicas, p = pp stages, M = tp ranks per stage, B global batch, m micro-batches per
+# replica and step, N = (B/(G m)) T positions of a micro-batch, T sequence, C d_model, NH heads, F d_ff,
+# V vocabulary, Vp = ceil(V/M), L layers, $L_s$ the blocks of stage s, s bytes per number (8, float64).
+
+# %%
+import io
+import math
+import sys
+
+import numpy as np
+from mpi4py import MPI
+from threadpoolctl import threadpool_limits
+
+import hsgd.verify
+from hsgd import ModelConfig, serial, tp_model
+from hsgd.data import Corpus
+from hsgd.dp import params_digest
+from hsgd.grid import ProcessGrid, factorizations
+from hsgd.hybrid import HybridTrainer
+from hsgd.optim import clip_grads, lr_at, make_optimizer
+from hsgd.pp import pp_formula, split_layers, stage_names
+from hsgd.train import TrainConfig, fmt_bytes, step_formula, train
+from hsgd.verify import verify
+
+from checks import Checks, count_diff, rel_err   # tutorials/checks.py, shared by the chapters
+
+threadpool_limits(1)                    # eight ranks share the cores, tiny matrices: one BLAS thread each
+P, DP, PP, TP = 8, 2, 2, 2              # 8 = 2 replicas x 2 stages x 2 tensor-parallel ranks
+world = MPI.COMM_WORLD
+if world.Get_size() != P:               # every rank exits non-zero; rank 0 says why
+    raise SystemExit(f"run this chapter on {P} ranks: mpirun -n {P} python {__file__}"
+                     if world.Get_rank() == 0 else 1)
+rank = world.Get_rank()
+grid = ProcessGrid(world, dp=DP, pp=PP, tp=TP)
+TOL = 1e-10                             # float64: parallel and serial differ by rounding, ~1e-16 relative
+check = Checks(world, tol=TOL, width=68)  # check(what, err, tol): collective, raises on every rank unless err < tol
+say = check.say                           # print on world rank 0 only
+
+cfg = ModelConfig(vocab_size=256, seq_len=16, d_model=32, n_heads=8, n_layers=8, d_ff=64)   # splits 1..8 ways
+SEED, B, M_MB, S = 0, 8, 2, 8           # global batch, micro-batches per replica, bytes per float64
+corpus = Corpus.load(None, cfg.seq_len) # the built-in corpus (the Python standard library's source), as hsgd.train
+say(f"{P} ranks = dp {DP} x pp {PP} x tp {TP}; model {cfg.n_params():,} parameters (L={cfg.n_layers} C={cfg.d_model} "
+    f"NH={cfg.n_heads} F={cfg.d_ff} T={cfg.seq_len} V={cfg.vocab_size})")
+
+
+def config(**kw):
+    """The float64 run the chapter's comparisons share; validate() checks it, as hsgd.train does (and copies
+    micro_batches into grad_accum, the field HybridTrainer reads)."""
+    base = dict(dp=DP, pp=PP, tp=TP, steps=2, batch_size=B, micro_batches=M_MB, lr=0.1, momentum=0.9, warmup=1,
+                clip=1.0, dtype="float64", seed=SEED)
+    tc = TrainConfig(**{**base, **kw})
+    tc.validate()
+    return tc
+
+# %% [markdown]
+# ## 1. The grid, and who talks to whom
+#
+# `ProcessGrid(world, dp=2, pp=2, tp=2)` (chapter 2) numbers the ranks tp fastest, then pp, then dp:
+#
+# $$\text{rank} = (\text{dp\_rank} \cdot pp + \text{pp\_rank}) \cdot tp + \text{tp\_rank},$$
+#
+# and splits one communicator per dimension off the world, each joining the ranks that agree on the *other two*
+# coordinates:
+#
+# * **`tp_comm`**: same replica, same stage. The M ranks that hold one stage's parameters between them (chapter 4's
+#   shards: heads, MLP columns, vocabulary rows). They talk in every block, forward and backward.
+# * **`pp_comm`**: same replica, same tp_rank. The p stages of one pipeline, each rank holding the same shard
+#   position of a different stage; they pass activations forward and their gradients back, once per micro-batch,
+#   to their neighbours only (chapter 8). Every tp_rank has its own pipeline: the (N, C) activation is whole on
+#   every rank of a tensor-parallel group after its All-Reduce, so each rank sends its copy to the rank with the
+#   same tp_rank in the next stage.
+# * **`dp_comm`**: same stage, same tp_rank. The G ranks that hold the **same shard of the same stage** in each
+#   replica; they average its gradient once per step (chapters 5 and 6).
+#
+# Numbering tp fastest keeps a tensor-parallel group on consecutive ranks (one node, on a cluster), the pipeline's
+# neighbours next, and the replicas farthest apart: the most frequent traffic on the fastest links, the lecture's
+# section 4.1. Every rank contributes its row to the table:
+
+# %%
+layers = split_layers(cfg.n_layers, PP)[grid.pp_rank]                  # my stage's blocks
+first, last = grid.pp_rank == 0, grid.pp_rank == PP - 1
+tc = config()
+trainer = HybridTrainer(cfg, grid, tc)                                 # my stage's shards (float64)
+nh, Fp, Vp = cfg.n_heads // TP, cfg.d_ff // TP, math.ceil(cfg.vocab_size / TP)
+holds = (f"blocks {layers.start}-{layers.stop - 1}: heads {grid.tp_rank * nh}-{(grid.tp_rank + 1) * nh - 1}, "
+         f"MLP columns {grid.tp_rank * Fp}-{(grid.tp_rank + 1) * Fp - 1}"
+         + (f", wte rows {grid.tp_rank * Vp}-{(grid.tp_rank + 1) * Vp - 1}" if first else "")
+         + (f", lm_head columns {grid.tp_rank * Vp}-{(grid.tp_rank + 1) * Vp - 1}" if last else ""))
+n_local = sum(p.size for p in trainer.params.values())
+rows = world.allgather((rank, grid.dp_rank, grid.pp_rank, grid.tp_rank, n_local, holds))
+say(" rank  dp  pp  tp  parameters  holds")
+for r, d, p, t, n, h in rows:
+    say(f"{r:>5} {d:>3} {p:>3} {t:>3} {n:>11,}  {h}")
+check("rank - ((dp_rank * pp + pp_rank) * tp + tp_rank)",
+      float(abs(rank - ProcessGrid.rank_of(grid.dp_rank, grid.pp_rank, grid.tp_rank, PP, TP))), 0.5)
+
+# %% [markdown]
+# The same 8 ranks as two replicas, each a p x M block: `tp_comm` is a row of a block, `pp_comm` a column of a
+# block, `dp_comm` the same cell in every block. `grid.groups()` computes the members of every communicator from the
+# sizes alone, without communicating; each rank checks that the three communicators it actually holds have exactly
+# those members.
+
+# %%
+groups = grid.groups()                  # {"tp": [[0, 1], [2, 3], ...], "pp": [[0, 2], ...], "dp": [[0, 4], ...]}
+at = {(d, p, t): ProcessGrid.rank_of(d, p, t, PP, TP) for d in range(DP) for p in range(PP) for t in range(TP)}
+block = 8 + 6 * TP                      # width of one replica's block of the picture
+lines = ["".join(f"{f'replica dp {d}':<{block + 4}}" for d in range(DP)),
+         "".join(f"{'':<8}" + "".join(f"{f'tp {t}':>6}" for t in range(TP)) + " " * 4 for _ in range(DP))]
+for p in range(PP):
+    lines.append("".join(f"{f'stage {p}':<8}" + "".join(f"{at[d, p, t]:>6}" for t in range(TP)) + " " * 4
+                         for d in range(DP)))
+say("\n".join(line.rstrip() for line in lines))
+for dim in ("tp", "pp", "dp"):
+    say(f"{dim}_comm groups: {groups[dim]}")
+members = {dim: getattr(grid, f"{dim}_comm").allgather_obj(rank) for dim in ("tp", "pp", "dp")}
+check("my tp_comm, pp_comm, dp_comm members differ from grid.groups() (count)",
+      float(sum(members[dim] not in groups[dim] for dim in members)), 0.5)
+
+# %% [markdown]
+# Who talks to whom, as an 8 x 8 table generated from `grid.groups()`: the entry in row a, column b names the
+# communicator ranks a and b share, "." if none. Two ranks share a communicator exactly when they differ in one
+# coordinate, and then it is that coordinate's; ranks that differ in two or three never exchange anything
+# directly. Each rank has one partner per dimension here (every communicator has two members), three in all out of
+# seven.
+
+# %%
+via = {}                                # (rank a, rank b) -> the communicator they share
+for dim in ("tp", "pp", "dp"):
+    for group in groups[dim]:
+        for a in group:
+            for b in group:
+                if a != b:
+                    via.setdefault((a, b), []).append(dim)
+say("       " + "".join(f"{b:>4}" for b in range(P)))
+for a in range(P):
+    say(f"rank {a} " + "".join(f"{'-' if a == b else '/'.join(via.get((a, b), ['.'])):>4}" for b in range(P)))
+coords = {r: (d, p, t) for (d, p, t), r in at.items()}
+wrong = 0                               # pairs whose shared communicators are not "the one coordinate they differ in"
+for a in range(P):
+    for b in range(P):
+        differ = [dim for dim, x, y in zip(("dp", "pp", "tp"), coords[a], coords[b]) if x != y]
+        wrong += a != b and via.get((a, b), []) != (differ if len(differ) == 1 else [])
+check("pairs of ranks whose shared communicator is not their one differing coordinate", float(wrong), 0.5)
+
+# %% [markdown]
+# ## 2. What each communicator carries in one step
+#
+# One training step on the 3-D grid, in the order `HybridTrainer.step` runs it:
+#
+# 1. replica g takes rows $[gB/G, (g+1)B/G)$ of the global batch and cuts them into m micro-batches of $B/(Gm)$
+#    sequences (every rank of the replica reads the same rows);
+# 2. each stage runs its schedule (1F1B by default) of m forwards and m backwards; each forward and backward is the
+#    tensor-parallel `stage_forward` / `stage_backward` of chapter 8 on its tensor-parallel group;
+# 3. each rank averages its stage shard's gradient over `dp_comm`;
+# 4. each rank updates its shard. (The global gradient norm for clipping adds the squares over `tp_comm` and
+#    `pp_comm`: every stage holds different parameters.)
+#
+# So the three communicators carry, per rank and step (`train.step_formula`, from `tp_model.comm_formula(...,
+# stage=(L_s, first, last))`, `pp.pp_formula` and `trainer.dp_comm_formula()`):
+#
+# * **tp_comm, per micro-batch, times m**: Megatron's All-Reduces of (N, C) activations, $4L_s$ of them for the
+#   stage's $L_s$ blocks (2 forward, 2 backward per block), plus the embedding's on the first stage and, on the
+#   last, the LM head's input gradient (N, C) and the cross-entropy's MAX and SUM (3N numbers):
+#   $m\,(4L_s + [\text{first}] + 3[\text{last}])$ calls and
+#   $m\,\big(4L_s C + [\text{first}]\,C + [\text{last}]\,(C + 3)\big) N s$ bytes;
+# * **pp_comm, per micro-batch**: one (N, C) activation to the next stage and one gradient back from it, one
+#   gradient to the previous stage and one activation from it: $m([\text{not first}] + [\text{not last}])$
+#   `Isend`s and as many `Recv`s, of $N C s$ bytes each;
+# * **dp_comm, once per step**: one All-Reduce of the rank's whole gradient buffer: its stage's parameters, the
+#   split ones' 1/M share (vocabulary padded to M Vp), the replicated ones whole.
+#
+# Two training steps on the grid (m = 2 micro-batches of 2 sequences), the second one measured on every rank; every
+# rank compares its own measurement with `step_formula` and with the expressions above written out by hand:
+
+# %%
+def stage_numel(cfg, tp, names):
+    """Numbers one rank of a stage holds: split parameters / tp (vocabulary padded to tp * ceil(V/tp)), the
+    replicated ones whole."""
+    total = 0
+    for name in names:
+        shape = cfg.param_shapes()[name]
+        kind, axis = tp_model.split_of(name)
+        n = math.prod(shape)
+        total += n if kind == "rep" else n // shape[axis] * (math.ceil(shape[axis] / tp) if kind == "vocab"
+                                                             else shape[axis] // tp)
+    return total
+
+
+def by_hand(cfg, tp, m, n_blocks, first, last, names, positions, s=S):
+    """The three closed forms above for one rank, {(comm, op): (calls, bytes)}; positions = N of a micro-batch."""
+    C, N = cfg.d_model, positions
+    out = {("tp", "Allreduce"): (m * (4 * n_blocks + first + 3 * last),
+                                 m * (4 * n_blocks * C + first * C + last * (C + 3)) * N * s),
+           ("dp", "Allreduce"): (1, stage_numel(cfg, tp, names) * s)}
+    sends = m * ((not first) + (not last))
+    if sends:
+        out[("pp", "Isend")] = out[("pp", "Recv")] = (sends, sends * N * C * s)
+    return out
+
+
+for step in (1, 2):                                                    # the trainer of section 1
+    before = grid.stats.counts()
+    trainer.step(*corpus.batch(tc.seed, step, tc.batch_size), step)
+measured = {k: (c - before.get(k, (0, 0))[0], n - before.get(k, (0, 0))[1])
+            for k, (c, n) in grid.stats.counts().items() if (c, n) != before.get(k)}
+formula = step_formula(cfg, tc, trainer)
+N = tc.batch_size // DP // tc.grad_accum * cfg.seq_len
+mine = by_hand(cfg, TP, tc.grad_accum, len(trainer.layers), trainer.first, trainer.last,
+               stage_names(cfg, trainer.layers, trainer.first, trainer.last), N)
+reports = world.allgather((grid.pp_rank, measured, formula) if grid.dp_rank == 0 and grid.tp_rank == 0 else None)
+for stage, meas, form in [r for r in reports if r]:
+    say(f"stage {stage} (blocks {list(split_layers(cfg.n_layers, PP)[stage])}), step 2 on each of its ranks: "
+        "measured (calls, bytes) | step_formula")
+    for key in sorted(set(meas) | set(form)):
+        say(f"  {key[0]:<3} {key[1]:<10} {str(meas.get(key, (0, 0))):<16} | {form.get(key, (0, 0))}")
+check("every rank: step 2's calls and bytes - step_formula", count_diff(measured, formula), 0.5)
+check("every rank: step_formula - the closed forms written out by hand", count_diff(formula, mine), 0.5)
+
+# %% [markdown]
+# Read the numbers against each other. Each rank's `tp_comm` carries several hundred kilobytes in dozens of calls,
+# all on the critical path of its blocks; `pp_comm` a few small messages per micro-batch; `dp_comm` one call of
+# the stage shard's gradient. The first stage's `dp_comm` payload includes `wte`'s vocabulary rows, the last
+# stage's the LM head's columns, and the last stage's `tp_comm` the cross-entropy's.
+#
+# ## 3. All ten layouts of 8 ranks
+#
+# The closed forms give the traffic of any layout without running it. For this model, a global batch of 16 and
+# m = 2 micro-batches per replica (a plain gradient accumulation of 2 when pp = 1), the bytes per rank and step of
+# every factorization 8 = dp x pp x tp (`grid.factorizations(8)`), each column the largest over the stages ("-": a
+# one-rank communicator, nothing moves). The 2 x 2 x 2 row, at a batch of 8, is checked against the measurement
+# above.
+
+# %%
+def layout_rows(cfg, dp, pp, tp, batch, m, s=S):
+    """Per stage of the layout dp x pp x tp: (parameters per rank, {(comm, op): (calls, bytes)}) from the formulas."""
+    out = []
+    for st, blocks in enumerate(split_layers(cfg.n_layers, pp)):
+        first, last = st == 0, st == pp - 1
+        per_mb = batch // dp // m                                             # sequences per micro-batch
+        f = {k: (c * m, n * m) for k, (c, n) in tp_model.comm_formula(
+            cfg, per_mb, s, stage=(len(blocks), first, last)).items()}
+        if pp > 1:
+            f.update(pp_formula(per_mb, cfg, m, first, last, s))
+        numel = stage_numel(cfg, tp, stage_names(cfg, blocks, first, last))
+        f[("dp", "Allreduce")] = (1, numel * s)
+        out.append((numel, f))
+    return out
+
+
+def sent(f, comm):
+    """(calls, bytes) a rank puts on one communicator, from a formula dict (pp: its sends)."""
+    ops = [v for (c, op), v in f.items() if c == comm and op != "Recv"]
+    return sum(c for c, _ in ops), sum(n for _, n in ops)
+
+
+BIG = 16
+say(f"B = {BIG}, m = {M_MB}, float64, per rank and step (the largest over the stages):")
+say(f"{'dp x pp x tp':>12} {'seq/mb':>6} {'params/rank':>12} {'tp_comm':>10} {'tp calls':>8} {'pp_comm':>10} "
+    f"{'dp_comm':>10} {'all three':>10}")
+for dp, pp, tp in factorizations(P):
+    rows = layout_rows(cfg, dp, pp, tp, BIG, M_MB)                     # [(parameters, formula)] per stage
+    stages = [f for _, f in rows]
+    size = {"tp": tp, "pp": pp, "dp": dp}
+    most = {c: max(sent(f, c) for f in stages) for c in size}          # (calls, bytes) of the busiest stage
+    cell = {c: fmt_bytes(most[c][1]) if size[c] > 1 else "-" for c in size}
+    total = max(sum(sent(f, c)[1] for c in size if size[c] > 1) for f in stages)
+    say(f"{f'{dp} x {pp} x {tp}':>12} {BIG // dp // M_MB:>6} {max(n for n, _ in rows):>12,} {cell['tp']:>10} "
+        f"{most['tp'][0] if tp > 1 else '-':>8} {cell['pp']:>10} {cell['dp']:>10} {fmt_bytes(total):>10}")
+mine_from_table = layout_rows(cfg, DP, PP, TP, B, M_MB)[grid.pp_rank][1]
+check("2 x 2 x 2 at B = 8: the table's formulas for my stage - measured", count_diff(mine_from_table, measured), 0.5)
+check("the table's parameters per rank for my stage - the trainer's", float(abs(
+    layout_rows(cfg, DP, PP, TP, B, M_MB)[grid.pp_rank][0] - n_local)), 0.5)
+
+# %% [markdown]
+# How to read it, one dimension at a time, at a fixed P = 8 and global batch:
+#
+# * **tp** divides the parameters per rank (almost: LayerNorms, `wpe` and the row-parallel biases stay whole) and
+#   adds All-Reduces of activations in every block. Its payload is proportional to the positions a replica
+#   processes times the blocks of a stage, $B/G \cdot T \cdot C \cdot L_s$: fewer replicas or fewer stages make it
+#   larger. It is the traffic to keep inside a node.
+# * **pp** divides the parameters and the tensor-parallel traffic by the number of stages (each stage has $L/p$
+#   blocks) and adds only $2\,(B/G)\,T\,C\,s$ of point-to-point messages per middle stage, the smallest payload of
+#   the three, at the price of the bubble $(p-1)/(m+p-1)$ (chapter 8): with m = 2 and p = 8 that is 7/9 of the time
+#   idle, which is why real pipelines use m of several p.
+# * **dp** divides nothing but the batch: each rank All-Reduces the whole gradient of its shard of its stage,
+#   $\approx$ (parameters)/(p M), once per step, where it can overlap the backward pass (chapter 7).
+#
+# Hence the usual recipe, the lecture's section 2 with the placement of its section 4.1: choose tp x pp just large
+# enough that one replica of the model fits (tp inside a node, where the bandwidth is; pp across nodes when more is
+# needed, since it sends little), then give the remaining ranks to dp. (These are payloads; a ring All-Reduce
+# sends about $2\frac{n-1}{n}$ times its payload per rank, a point-to-point message once.)
+#
+# ## 4. `hsgd.verify` on the 3-D grid
+#
+# `hsgd.verify` runs one step of `HybridTrainer.compute_grads` and of `hsgd.serial` on the same batch and prints,
+# per parameter, the largest error of any rank's shard of the gradient, with the stage that holds it; exit code 0
+# when all are within the float64 tolerance ($10^{-10}$). Called as a function, on 2 x 2 x 2 with 1F1B, and with
+# the seed paper's All-Gather scheme and GPipe; the first lines and the last of each report:
+
+# %%
+for extra in (dict(), dict(tp_scheme="gather", schedule="gpipe")):
+    report = io.StringIO()
+    ok, _ = verify(cfg, config(**extra), world, out=report)
+    lines = report.getvalue().splitlines()                             # rank 0's report; empty elsewhere
+    say("\n".join(lines[:5] + ["    ..."] + lines[-3:]) + "\n")
+    check(f"hsgd.verify dp=2 pp=2 tp=2 {extra}: 0 = PASS", float(not ok), 0.5)
+
+# %% [markdown]
+# ## 5. Training on the 3-D grid, and the check against serial SGD
+#
+# `hsgd.train.train(cfg, tc, world)` is the loop of `mpirun -n 8 python -m hsgd.train --tp 2 --pp 2 --dp 2`: here
+# six float64 steps of SGD with momentum, a warm-up, a cosine schedule and clipping at 1.0, m = 2 micro-batches,
+# 1F1B. Besides the progress lines, it prints the bytes per step of every stage against `step_formula`, the last
+# step's measured pipeline schedule (noisy on a shared machine, see chapter 8) and the micro-batches each stage
+# held. Its output, from rank 0:
+
+# %%
+tc = config(steps=6, warmup=2, eval_interval=0, eval_batches=1, log_interval=3, sample_bytes=0)
+run = train(cfg, tc, world, out=sys.stdout)           # rank 0 prints; every rank returns its summary
+
+# %% [markdown]
+# The reference is serial mini-batch SGD on one process, the whole batch of every step, with the same optimizer,
+# schedule and clipping (the serial norm). Rank 0 runs it and broadcasts the result; every rank compares its
+# shards of its stage with the matching slices. As in chapter 5 the error is relative to each parameter's largest
+# entry, but at least to 0.02: the attention k-biases only ever receive rounding noise. Both replicas of every
+# shard must also be bit-identical, and every parameter must be held by some rank.
+
+# %%
+reference = None
+if rank == 0:
+    ref = serial.init_params(cfg, seed=tc.seed, dtype="float64")
+    opt = make_optimizer(tc.optimizer, tc.lr, momentum=tc.momentum, weight_decay=tc.weight_decay)
+    ref_losses = []
+    for step in range(1, tc.steps + 1):
+        loss, grads = serial.loss_and_grads(ref, *corpus.batch(tc.seed, step, tc.batch_size), cfg)
+        clip_grads(grads, math.sqrt(sum(float(np.sum(g * g)) for g in grads.values())), tc.clip)
+        opt.step(ref, grads, lr_at(step, tc.lr, tc.warmup, tc.steps))
+        ref_losses.append(loss)
+    reference = (ref, ref_losses)
+ref, ref_losses = world.bcast(reference, root=0)      # a small model: a pickled broadcast is fine
+
+losses = run["losses"]
+param_errs = {n: rel_err(p, tp_model.shard(ref[n], n, grid.tp_rank, TP), floor=0.02) for n, p in run["params"].items()}
+replicas = len(set(grid.dp_comm.allgather_obj(params_digest(run["params"]))))
+held = set(n for names in world.allgather(sorted(run["params"])) for n in names)
+say(f"\nserial SGD losses: {' '.join(f'{x:.6f}' for x in ref_losses)}")
+say(f"3-D grid losses:   {' '.join(f'{x:.6f}' for x in losses)}")
+check(f"{tc.steps} steps: losses vs serial SGD", max(abs(a - b) / b for a, b in zip(losses, ref_losses)), 1e-9)
+check(f"{tc.steps} steps: every rank's shards of its stage vs serial SGD", max(param_errs.values()), 1e-9)
+check("DP replicas of every shard bit-identical: distinct digests - 1", float(replicas - 1), 0.5)
+check("parameters held by no rank (count)", float(len(set(cfg.param_shapes()) - held)), 0.5)
+
+# %% [markdown]
+# ## 6. The command lines
+#
+# Everything above, from a shell. Training (the default model and 1000 steps; `--help` lists the rest, among them
+# `--pp-split`, `--schedule gpipe`, `--micro-batches`, `--tp-scheme gather`, `--plot DIR` for the per-rank
+# timeline as a PNG):
+#
+#     mpirun -n 8 python -m hsgd.train --tp 2 --pp 2 --dp 2
+#     mpirun -n 8 python -m hsgd.train --tp 2 --pp 2 --dp 2 --micro-batches 4 --schedule gpipe --steps 100
+#
+# the layout table and the groups of section 1:
+#
+#     mpirun -n 8 python -m hsgd.grid --tp 2 --pp 2
+#
+# and the check against serial of section 4 (dp defaults to the ranks left over, 8 / (2 x 2) = 2):
+#
+#     mpirun -n 8 python -m hsgd.verify --tp 2 --pp 2
+#
+# The last is cheap, so here it is, through its own `main` with exactly those arguments, as `python -m` runs it; its
+# return value is the exit code:
+
+# %%
+code = hsgd.verify.main(["--tp", "2", "--pp", "2"])
+check("mpirun -n 8 python -m hsgd.verify --tp 2 --pp 2: exit code", float(code), 0.5)
+
+# %% [markdown]
+# ## Check against serial
+#
+# On 8 ranks as dp 2 x pp 2 x tp 2, every verdict reached collectively: each rank sits at
+# $(\text{dp\_rank} \cdot pp + \text{pp\_rank}) \cdot tp + \text{tp\_rank}$, its three communicators have the
+# members `grid.groups()` predicts, and two ranks share a communicator exactly when they differ in one coordinate;
+# every rank's bytes and calls on `tp_comm`, `pp_comm` and `dp_comm` in a step are exactly `step_formula`'s and the
+# closed forms written out, which the table of all ten layouts uses; `hsgd.verify` passes, from Python and with the
+# command line's arguments; and six steps of 3-D parallel SGD with momentum and clipping end with serial SGD's
+# parameters, the replicas of every shard bit-identical.
+
+# %%
+worst, err = check.worst([w for w in check.errors if "serial" in w])
+say(f"\nchapter 9: all {len(check.errors)} checks passed on {world.Get_size()} ranks; largest error against serial "
+    f"{err:.1e} ({worst})")
+grid.free()
