@@ -86,8 +86,8 @@ def save(trainer, step, save_dir, keep=3, kill_in_save=False):
             f.flush()
             os.fsync(f.fileno())
         entry = (name, {"pp": g.pp_rank, "tp": g.tp_rank, "sha256": sha256(path), "bytes": os.path.getsize(path)})
-        if kill_in_save:                                                # fault injection: die mid-save
-            os.kill(os.getpid(), signal.SIGKILL)
+    if kill_in_save:                                                    # fault injection: die mid-save
+        os.kill(os.getpid(), signal.SIGKILL)
     entries = world.gather(entry, root=0)
     final = None
     if world.Get_rank() == 0:

@@ -74,6 +74,8 @@ class TrainConfig:
             self.grad_accum = self.micro_batches        # the same number under its pipeline name
 
     def validate(self):
+        if self.micro_batches is not None:                  # first: __post_init__ copied it into grad_accum
+            check_positive_int("micro_batches", self.micro_batches)
         for name in ("steps", "batch_size", "grad_accum", "eval_batches", "log_interval"):
             check_positive_int(name, getattr(self, name))
         for name in ("eval_interval", "sample_bytes", "warmup"):

@@ -1,0 +1,116 @@
+"""The bad-input matrix (README, "Bad input"): every case gives one clear line on stderr and exit code 2, with no
+traceback and nothing written. Run in one process (the same checks run on every rank of an MPI job, which
+tests/test_mpi.py covers for the layouts)."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+BASE = ["--steps", "1", "--d-model", "8", "--n-heads", "2", "--n-layers", "1", "--d-ff", "8", "--seq-len", "8",
+        "--batch-size", "2", "--sample-bytes", "0", "--eval-batches", "1"]
+
+OUT_OF_RANGE = [
+    (["--steps", "0"], "steps=0 must be a positive integer"),
+    (["--batch-size", "0"], "batch_size=0 must be a positive integer"),
+    (["--grad-accum", "0"], "grad_accum=0 must be a positive integer"),
+    (["--micro-batches", "0"], "micro_batches=0 must be a positive integer"),
+    (["--micro-batches", "2", "--grad-accum", "3"], "micro_batches=2 and grad_accum=3 disagree"),
+    (["--lr", "0"], "lr=0.0 must be > 0"),
+    (["--momentum", "1"], "momentum=1.0 must be in [0, 1)"),
+    (["--weight-decay", "-0.1"], "weight_decay=-0.1 must be >= 0"),
+    (["--warmup", "-1"], "warmup=-1 must be an integer >= 0"),
+    (["--clip", "-1"], "clip=-1.0 must be >= 0"),
+    (["--eval-interval", "-5"], "eval_interval=-5 must be an integer >= 0"),
+    (["--eval-batches", "0"], "eval_batches=0 must be a positive integer"),
+    (["--log-interval", "0"], "log_interval=0 must be a positive integer"),
+    (["--sample-bytes", "-1"], "sample_bytes=-1 must be an integer >= 0"),
+    (["--threads", "0"], "threads=0 must be a positive integer"),
+    (["--tp", "0"], "tp=0 must be a positive integer"),
+    (["--dp", "0"], "dp=0 must be a positive integer"),
+    (["--pp", "0"], "pp=0 must be a positive integer"),
+    (["--seq-len", "0"], "seq_len=0 must be a positive integer"),
+    (["--d-model", "0"], "d_model=0 must be a positive integer"),
+    (["--n-layers", "0"], "n_layers=0 must be a positive integer"),
+    (["--n-heads", "3"], "d_model=8 is not divisible by n_heads=3"),
+    (["--d-ff", "0"], "d_ff=0 must be a positive integer"),
+    (["--save-interval", "-1"], "save_interval=-1 must be an integer >= 0"),
+    (["--keep", "0"], "keep=0 must be a positive integer"),
+    (["--check-replicas", "-1"], "check_replicas=-1 must be an integer >= 0"),
+    (["--ranks-per-node", "0"], "ranks_per_node=0 must be a positive integer"),
+    (["--zero", "3"], "argument --zero: invalid choice: 3"),
+    (["--dp-staleness", "2"], "argument --dp-staleness: invalid choice: 2"),
+    (["--on-nan", "ignore"], "argument --on-nan: invalid choice: 'ignore'"),
+    (["--schedule", "zigzag"], "argument --schedule: invalid choice: 'zigzag'"),
+    (["--tp-scheme", "rows"], "argument --tp-scheme: invalid choice: 'rows'"),
+    (["--dtype", "float16"], "argument --dtype: invalid choice: 'float16'"),
+    (["--straggler", "3"], "straggler='3' must look like RANK:MILLISECONDS"),
+    (["--inject-fault", "1:2:explode"], "inject_fault='1:2:explode' must look like RANK:STEP"),
+    (["--steps", "ten"], "argument --steps: invalid int value: 'ten'"),
+    (["--unknown-flag"], "unrecognized arguments: --unknown-flag"),
+    (["--dp-overlap", "--zero", "1"], "--dp-overlap and --zero 1 cannot be combined"),
+    (["--resume", "auto"], "resume='auto' looks for the newest checkpoint in --save-dir"),
+    (["--dp-staleness", "1", "--save-dir", "x"], "checkpoints do not hold the gradient in flight"),
+]
+LAYOUT = [
+    (["--tp", "2"], "dp*pp*tp = 1*1*2 = 2 does not match the 1 ranks"),
+    (["--dp", "2"], "dp*pp*tp = 2*1*1 = 2 does not match the 1 ranks"),
+    (["--pp", "2"], "dp*pp*tp = 1*2*1 = 2 does not match the 1 ranks"),
+    (["--pp-split", "2"], "pp_split=2 must give each of the pp=1 stages at least one layer"),
+    (["--batch-size", "3", "--grad-accum", "2"], "batch_size=3 does not split into dp=1 groups x grad_accum=2"),
+]
+
+
+def run(*flags, cwd=None):
+    r = subprocess.run([sys.executable, "-m", "hsgd.train", *BASE, *flags], capture_output=True, text=True,
+                       timeout=60, cwd=cwd)
+    return r.returncode, r.stderr
+
+
+def assert_one_clear_line(code, err, words):
+    print(err.strip())
+    assert code == 2, err
+    assert words in err, err
+    assert err.count("hsgd: error:") == 1 and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("flags, words", OUT_OF_RANGE + LAYOUT, ids=[" ".join(f) for f, _ in OUT_OF_RANGE + LAYOUT])
+def test_flag_matrix(flags, words, tmp_path):
+    code, err = run(*flags, cwd=tmp_path)
+    assert_one_clear_line(code, err, words)
+    assert os.listdir(tmp_path) == []                                   # nothing written
+
+
+def test_data_path_matrix(tmp_path):
+    empty, short, folder = tmp_path / "empty.txt", tmp_path / "short.txt", tmp_path / "folder"
+    empty.write_bytes(b"")
+    short.write_bytes(b"abc")
+    folder.mkdir()
+    for path, words in ((tmp_path / "missing.txt", "does not exist"), (empty, "is empty"),
+                        (short, "has 3 bytes, fewer than seq_len + 1 = 9"), (folder, "is a directory")):
+        assert_one_clear_line(*run("--data", str(path)), words)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads every file: unreadable files are tested in test_errors.py")
+def test_unreadable_data_file(tmp_path):
+    secret = tmp_path / "secret.txt"
+    secret.write_bytes(b"x" * 100)
+    secret.chmod(0)
+    assert_one_clear_line(*run("--data", str(secret)), "cannot be read")
+
+
+def test_config_file_matrix(tmp_path):
+    cases = {"malformed.toml": ("steps = = 1\n", "cannot be read"),
+             "unknown.toml": ("step = 1\n", "has unknown keys ['step']"),
+             "badvalue.toml": ("lr = -1.0\n", "lr=-1.0 must be > 0")}
+    for name, (text, words) in cases.items():
+        (tmp_path / name).write_text(text)
+        assert_one_clear_line(*run("--config", str(tmp_path / name)), words)
+    assert_one_clear_line(*run("--config", str(tmp_path / "none.toml")), "does not exist")
+
+
+def test_existing_log_is_not_overwritten_by_a_failing_run(tmp_path):
+    log = tmp_path / "steps.jsonl"
+    log.write_text("precious\n")
+    assert_one_clear_line(*run("--log-json", str(log), "--lr", "-1"), "lr=-1.0 must be > 0")
+    assert log.read_text() == "precious\n"

@@ -1,0 +1,168 @@
+"""Fault tolerance, end to end with mpiexec: checkpoints that resume exactly and reshard, a rank killed with SIGKILL,
+a kill while a checkpoint is written, corrupt and foreign checkpoints, non-finite values and diverged replicas."""
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from .test_mpi import run_mpi
+
+pytestmark = pytest.mark.timeout(600)
+
+# float64, tiny: 4 heads (tp up to 4), 2 layers (pp up to 2), 6 steps with a cosine schedule over all 6
+BASE = ["-m", "hsgd.train", "--dtype", "float64", "--d-model", "16", "--n-heads", "4", "--n-layers", "2",
+        "--d-ff", "16", "--seq-len", "8", "--batch-size", "8", "--eval-batches", "1", "--sample-bytes", "0",
+        "--log-interval", "1", "--eval-interval", "0", "--steps", "6", "--warmup", "2", "--momentum", "0.9"]
+
+
+def train(n, *flags, timeout=120):
+    return run_mpi(n, [*BASE, *flags], timeout=timeout)
+
+
+def export(ckpt, out):
+    r = run_mpi(1, ["-m", "hsgd.checkpoint", "export", str(ckpt), str(out)], timeout=60)
+    assert r.returncode == 0, r.stderr
+    with np.load(out, allow_pickle=False) as f:
+        return {k: f[k] for k in f.files}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted run (dp 4 x tp 2), its final checkpoint exported."""
+    d = tmp_path_factory.mktemp("reference")
+    r = train(8, "--save-dir", str(d / "ckpt"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    return export(d / "ckpt", d / "final.npz")
+
+
+def max_rel(a, b):
+    return max(float(np.abs(a[k] - b[k]).max() / max(np.abs(b[k]).max(), 0.02)) for k in b)
+
+
+def test_sigkill_then_resume_auto_ends_bit_identical(reference, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    r = train(8, "--save-dir", str(ckpt), "--save-interval", "3", "--inject-fault", "5:4:kill")
+    print(r.stdout[-600:], r.stderr[-600:])
+    assert r.returncode not in (0, 124)                             # the job ended (124: it would have hung)
+    assert (ckpt / "step-000003" / "manifest.json").exists()
+    r = train(8, "--save-dir", str(ckpt), "--resume", "auto")
+    print(r.stdout[-800:])
+    assert r.returncode == 0 and "resumed from" in r.stdout and "after step 3" in r.stdout, r.stderr[-2000:]
+    final = export(ckpt, tmp_path / "final.npz")
+    same = all(np.array_equal(final[k], reference[k]) for k in reference)
+    print(f"resumed at step 3 after SIGKILL: bit-identical to the uninterrupted run: {same}")
+    assert same
+
+
+def test_resharding_to_other_layouts_and_world_sizes(reference, tmp_path):
+    saved = tmp_path / "saved"
+    r = train(8, "--dp", "2", "--tp", "4", "--save-dir", str(saved), "--save-interval", "3",
+              "--inject-fault", "0:4:kill")
+    assert r.returncode != 0 and (saved / "step-000003" / "manifest.json").exists(), r.stderr[-2000:]
+    for n, layout in ((8, ["--dp", "4", "--pp", "2", "--tp", "1"]), (2, ["--dp", "1", "--pp", "2", "--tp", "1"]),
+                      (4, ["--dp", "1", "--pp", "1", "--tp", "4", "--tp-scheme", "gather"])):
+        out = tmp_path / f"resumed-{n}"
+        r = train(n, *layout, "--resume", str(saved / "step-000003"), "--save-dir", str(out))
+        print(r.stdout[-400:])
+        assert r.returncode == 0 and "saved as dp 2 x pp 1 x tp 4" in r.stdout, r.stderr[-2000:]
+        err = max_rel(export(out, tmp_path / f"final-{n}.npz"), reference)
+        print(f"saved 2x1x4, resumed {layout} on {n} ranks: max rel diff to the uninterrupted run {err:.1e}")
+        assert err < 1e-9
+
+
+def test_kill_while_saving_leaves_the_previous_checkpoint(reference, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    r = train(8, "--save-dir", str(ckpt), "--save-interval", "2", "--inject-fault", "3:4:kill-in-save")
+    assert r.returncode != 0
+    names = sorted(os.listdir(ckpt))
+    print(names)
+    assert "step-000002" in names and "step-000004" not in names and any(n.startswith(".tmp-") for n in names)
+    info = run_mpi(1, ["-m", "hsgd.checkpoint", "info", str(ckpt)], timeout=60)
+    assert info.returncode == 0 and "step 2" in info.stdout, info.stderr
+    r = train(8, "--save-dir", str(ckpt), "--resume", "auto")
+    assert r.returncode == 0 and "after step 2" in r.stdout, r.stderr[-2000:]
+    assert not any(n.startswith(".tmp-") for n in os.listdir(ckpt))                   # cleaned on the next save
+    final = export(ckpt, tmp_path / "final.npz")
+    assert all(np.array_equal(final[k], reference[k]) for k in reference)
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_corrupt_shard_is_caught_by_its_checksum(tmp_path, damage):
+    ckpt = tmp_path / "ckpt"
+    assert train(4, "--steps", "2", "--save-dir", str(ckpt)).returncode == 0
+    shard = ckpt / "step-000002" / "shard-pp0-tp1.npz"
+    data = bytearray(shard.read_bytes())
+    if damage == "flip":
+        data[len(data) // 2] ^= 0xFF
+    else:
+        data = data[:len(data) // 3]
+    shard.write_bytes(bytes(data))
+    before = sorted(os.listdir(ckpt))
+    r = train(4, "--save-dir", str(ckpt), "--resume", "auto")
+    print(r.stderr)
+    assert r.returncode == 2 and r.stderr.count("hsgd: error:") == 1 and "Traceback" not in r.stderr
+    assert "shard-pp0-tp1.npz" in r.stderr and "is corrupt" in r.stderr
+    assert sorted(os.listdir(ckpt)) == before and shard.read_bytes() == bytes(data)   # nothing overwritten
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--d-model", "32"], "is of a different model: d_model 16 in the checkpoint vs 32 now"),
+    (["--optimizer", "adamw"], "holds sgd state; resume with --optimizer sgd"),
+])
+def test_incompatible_checkpoint_is_refused(tmp_path, flags, words):
+    ckpt = tmp_path / "ckpt"
+    assert train(2, "--steps", "2", "--save-dir", str(ckpt)).returncode == 0
+    r = train(2, "--resume", str(ckpt), *flags)
+    print(r.stderr)
+    assert r.returncode == 2 and r.stderr.count("hsgd: error:") == 1 and words in r.stderr
+
+
+def test_missing_checkpoint_and_resume_auto_without_one(tmp_path):
+    r = train(2, "--resume", str(tmp_path / "nothing"))
+    assert r.returncode == 2 and "does not exist" in r.stderr
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    r = train(2, "--resume", str(empty))
+    assert r.returncode == 2 and "holds no complete checkpoint" in r.stderr
+    r = train(2, "--steps", "1", "--save-dir", str(empty), "--resume", "auto")
+    assert r.returncode == 0 and "no complete checkpoint" in r.stdout
+
+
+def test_nan_stops_or_skips(tmp_path):
+    r = train(8, "--inject-fault", "3:2:nan")
+    print(r.stderr)
+    assert r.returncode == 3 and r.stderr.count("hsgd: stopped:") == 1
+    assert "non-finite loss or gradient at step 2 on ranks [3]" in r.stderr and "Traceback" not in r.stderr
+    r = train(8, "--inject-fault", "3:2:nan", "--on-nan", "skip")
+    print(r.stdout[-300:])
+    assert r.returncode == 0 and "1 update(s) skipped for non-finite values" in r.stdout
+
+
+def test_diverged_replicas_are_named(tmp_path):
+    r = train(8, "--inject-fault", "5:3:diverge", "--check-replicas", "1")
+    print(r.stderr)
+    assert r.returncode == 3 and "data-parallel replicas diverged by step 3" in r.stderr
+    assert "the first parameter that differs is wpe" in r.stderr and r.stderr.count("hsgd: stopped:") == 1
+    r = train(8, "--check-replicas", "2")
+    assert r.returncode == 0, r.stderr
+
+
+def test_sample_and_export_from_any_checkpoint(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    assert train(8, "--steps", "2", "--pp", "2", "--tp", "2", "--save-dir", str(ckpt)).returncode == 0
+    full = export(ckpt, tmp_path / "full.npz")
+    import hsgd
+    cfg = hsgd.ModelConfig(vocab_size=256, seq_len=8, d_model=16, n_heads=4, n_layers=2, d_ff=16)
+    assert {k: v.shape for k, v in full.items()} == cfg.param_shapes()
+    for n in (1, 3):
+        r = run_mpi(n, ["-m", "hsgd.sample", str(ckpt), "--prompt", "def ", "--bytes", "20"], timeout=60)
+        print(r.stdout)
+        assert r.returncode == 0 and r.stdout.count("# ") == 1 and "(step 2)" in r.stdout, r.stderr
+
+
+def test_checkpoint_keeps_the_newest(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    assert train(2, "--save-dir", str(ckpt), "--save-interval", "1", "--keep", "2").returncode == 0
+    assert sorted(os.listdir(ckpt)) == ["step-000005", "step-000006"]
+    shutil.rmtree(ckpt)
