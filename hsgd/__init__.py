@@ -17,7 +17,10 @@
     hsgd.trace              a Chrome/Perfetto trace of every rank;  hsgd.plots: loss curves and per-rank timelines
     hsgd.optim              SGD, AdamW, the learning-rate schedule, global-norm clipping
     hsgd.hybrid             one rank's part of a training step on the dp x pp x tp grid
+    hsgd.checkpoint         distributed checkpoints: shards per position, manifest, checksums, atomic, resharding
+    hsgd.sample             python -m hsgd.sample DIR --prompt TEXT: text from any checkpoint
     hsgd.launch             fail fast: usage errors reported once, exceptions abort the whole job
+    hsgd.settings           TrainConfig, the flags and TOML files;  hsgd.report: what rank 0 prints at the end
     hsgd.train              mpirun -n 8 python -m hsgd.train --help
     hsgd.verify             mpirun -n 8 python -m hsgd.verify: parallel gradients against serial, per parameter
 """
