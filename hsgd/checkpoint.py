@@ -70,7 +70,7 @@ def save(trainer, step, save_dir, keep=3, kill_in_save=False):
     if world.Get_rank() == 0:
         os.makedirs(save_dir, exist_ok=True)
         for old in os.listdir(save_dir):                                # leftovers of an interrupted save
-            if old.startswith(".tmp-"):
+            if old.startswith((".tmp-", ".old-")):
                 shutil.rmtree(os.path.join(save_dir, old), ignore_errors=True)
         tmp = os.path.join(save_dir, f".tmp-step-{step:06d}-{os.getpid()}")
         os.makedirs(tmp)
@@ -109,10 +109,14 @@ def save(trainer, step, save_dir, keep=3, kill_in_save=False):
             os.fsync(f.fileno())
         _fsync_dir(tmp)
         final = os.path.join(save_dir, f"step-{step:06d}")
-        if os.path.exists(final):
-            shutil.rmtree(final)
-        os.rename(tmp, final)                                           # the atomic moment
+        aside = None
+        if os.path.exists(final):                                       # a checkpoint of this step exists already
+            aside = os.path.join(save_dir, f".old-step-{step:06d}-{os.getpid()}")
+            os.rename(final, aside)                                     # (only a kill between the two renames
+        os.rename(tmp, final)                                           #  leaves it hidden in .old-*) the atomic moment
         _fsync_dir(save_dir)
+        if aside:
+            shutil.rmtree(aside, ignore_errors=True)
         for old in complete_checkpoints(save_dir)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     return world.bcast(final, root=0)
@@ -127,7 +131,8 @@ def complete_checkpoints(save_dir):
     """The complete checkpoints in save_dir (those with a manifest), oldest first."""
     if not os.path.isdir(save_dir):
         return []
-    dirs = sorted(d for d in os.listdir(save_dir) if d.startswith("step-"))
+    dirs = [d for d in os.listdir(save_dir) if d.startswith("step-") and d[5:].isdigit()]
+    dirs.sort(key=lambda d: int(d[5:]))                                 # by step: step-1000000 after step-999999
     return [os.path.join(save_dir, d) for d in dirs if os.path.exists(os.path.join(save_dir, d, "manifest.json"))]
 
 

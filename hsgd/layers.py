@@ -102,34 +102,34 @@ def layernorm_backward(dout, cache, dw, db):
 # GELU, tanh approximation: y = 0.5 x (1 + tanh(u)),  u = sqrt(2/pi) (x + 0.044715 x^3)
 
 def gelu_forward(x):
+    """Written to allocate few temporaries (each large temporary costs a pass over fresh memory)."""
     xp = array_module(x)
     u = x * x
-    u *= 0.044715
-    u += 1.0
-    u *= x
-    u *= GELU_C                                               # u = c (x + 0.044715 x^3)
+    u *= 0.044715 * GELU_C
+    u += GELU_C
+    u *= x                                                    # u = c (x + 0.044715 x^3)
     t = xp.tanh(u, out=u)                                     # t = tanh(u), in place
-    y = t + 1.0
-    y *= x
-    y *= 0.5
+    y = x * 0.5
+    y += y * t                                                # 0.5 x (1 + t)
     return y, (x, t)
 
 
 def gelu_backward(dout, cache):
     """dy/dx = 0.5 (1 + t) + 0.5 x (1 - t^2) c (1 + 3 * 0.044715 x^2)."""
+    xp = array_module(dout)
     x, t = cache
-    du = x * x
-    du *= 3 * 0.044715
-    du += 1.0
-    du *= GELU_C                                              # du/dx
-    sech2 = t * t
-    sech2 -= 1.0                                              # -(1 - t^2)
-    du *= sech2
-    du *= x
-    du *= -0.5                                                # 0.5 x (1 - t^2) du/dx
-    du += 0.5 * (1.0 + t)
-    du *= dout
-    return du
+    d = x * x
+    d *= 3 * 0.044715 * GELU_C
+    d += GELU_C                                               # c (1 + 3 * 0.044715 x^2) = du/dx
+    s = t * t
+    xp.subtract(1.0, s, out=s)                                # 1 - t^2
+    d *= s
+    d *= x
+    d += 1.0
+    d += t
+    d *= dout
+    d *= 0.5                                                  # 0.5 (1 + t + x (1 - t^2) du/dx) * dout
+    return d
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -154,14 +154,16 @@ def attention_forward(q, k, v, n_heads):
     xp = array_module(q)
     B, T, C = q.shape
     hs = C // n_heads
-    qh, kh, vh = _split_heads(q, n_heads), _split_heads(k, n_heads), _split_heads(v, n_heads)
-    att = qh @ kh.transpose(0, 1, 3, 2)                       # (B, NH, T, T) scores
-    att *= 1.0 / math.sqrt(hs)
-    future = xp.triu(xp.ones((T, T), dtype=bool), k=1)        # (T, T) True above the diagonal
-    att[..., future] = -xp.inf                                # causal: position t sees 0..t
+    qh = xp.ascontiguousarray(_split_heads(q, n_heads))       # (B, NH, T, hs) copies: contiguous heads make
+    qh *= 1.0 / math.sqrt(hs)                                 # the batched GEMMs faster; q carries the scale
+    kh = xp.ascontiguousarray(_split_heads(k, n_heads))
+    vh = xp.ascontiguousarray(_split_heads(v, n_heads))
+    att = qh @ kh.transpose(0, 1, 3, 2)                       # (B, NH, T, T) scores / sqrt(hs)
+    mask = xp.triu(xp.full((T, T), -xp.inf, dtype=att.dtype), k=1)   # (T, T) -inf above the diagonal
+    att += mask                                               # causal: position t sees 0..t
     att -= att.max(axis=-1, keepdims=True)                    # softmax over keys, in place
     xp.exp(att, out=att)
-    att /= att.sum(axis=-1, keepdims=True)
+    att *= 1.0 / att.sum(axis=-1, keepdims=True)
     yh = att @ vh                                             # (B, NH, T, hs)
     return _merge_heads(yh), (qh, kh, vh, att)
 
@@ -173,16 +175,19 @@ def attention_backward(dy, cache):
         dv = P^T dy;  dP = dy v^T;  dS = P * (dP - rowsum(dP * P));  dq = dS k / sqrt(hs);  dk = dS^T q / sqrt(hs)
     Masked entries have P = 0, hence dS = 0: the mask needs no backward of its own.
     """
-    qh, kh, vh, att = cache
+    qh, kh, vh, att = cache                                   # qh holds q / sqrt(hs)
+    xp = array_module(dy)
     n_heads, hs = qh.shape[1], qh.shape[3]
-    dyh = _split_heads(dy, n_heads)                           # (B, NH, T, hs) view
+    dyh = xp.ascontiguousarray(_split_heads(dy, n_heads))     # (B, NH, T, hs)
     dvh = att.transpose(0, 1, 3, 2) @ dyh                     # (B, NH, T, hs)
     dS = dyh @ vh.transpose(0, 1, 3, 2)                       # (B, NH, T, T) dP
-    dS -= (dS * att).sum(axis=-1, keepdims=True)              # softmax backward, in place
+    rowdot = xp.einsum("bhij,bhij->bhi", dS, att)[..., None]  # (B, NH, T, 1) sum_j dP * P, no temporary
+    dS -= rowdot                                              # softmax backward, in place
     dS *= att
     dS *= 1.0 / math.sqrt(hs)
     dqh = dS @ kh                                             # (B, NH, T, hs)
-    dkh = dS.transpose(0, 1, 3, 2) @ qh                       # (B, NH, T, hs)
+    dkh = dS.transpose(0, 1, 3, 2) @ qh                       # (B, NH, T, hs) = dS^T q / sqrt(hs)
+    dkh *= math.sqrt(hs)                                      # qh carries 1/sqrt(hs); dk needs q itself
     return _merge_heads(dqh), _merge_heads(dkh), _merge_heads(dvh)
 
 

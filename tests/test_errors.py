@@ -92,3 +92,13 @@ def test_config_errors_name_field_value_and_fix():
         TrainConfig(dtype="float16").validate()
     with pytest.raises(ConfigError, match="device='tpu' is not known"):
         TrainConfig(device="tpu").validate()
+
+
+def test_checkpoints_are_ordered_by_step_number(tmp_path):
+    from hsgd.checkpoint import complete_checkpoints
+    for step in (999999, 1000000, 7):
+        (tmp_path / f"step-{step:06d}").mkdir()
+        (tmp_path / f"step-{step:06d}" / "manifest.json").write_text("{}")
+    (tmp_path / "step-000008").mkdir()                                  # no manifest: incomplete, ignored
+    names = [p.rsplit("/", 1)[1] for p in complete_checkpoints(str(tmp_path))]
+    assert names == ["step-000007", "step-999999", "step-1000000"]
