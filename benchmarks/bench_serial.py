@@ -20,6 +20,7 @@ from threadpoolctl import threadpool_info, threadpool_limits
 
 import hsgd
 from hsgd import serial
+from hsgd.backend import set_cpu_threads, tune_allocator
 from hsgd.layers import cross_entropy_backward, cross_entropy_forward
 from hsgd.optim import SGD
 
@@ -80,6 +81,8 @@ def main(argv=None):
     a = p.parse_args(argv)
     cfg = hsgd.ModelConfig(vocab_size=256, seq_len=a.seq_len, d_model=a.d_model, n_heads=a.n_heads,
                            n_layers=a.n_layers, d_ff=a.d_ff)
+    set_cpu_threads(a.threads)
+    tune_allocator()
     with threadpool_limits(limits=a.threads):
         blas = [(i["internal_api"], i.get("architecture"), i["num_threads"]) for i in threadpool_info()]
         print(f"measuring: float32 matmul rate, then {a.repeats} + 1 training steps ...", file=sys.stderr)

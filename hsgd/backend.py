@@ -7,7 +7,9 @@ created on a device only here (`get_xp`, `to_device`), and come back to the host
     device: "cpu" (NumPy, the default) or "gpu" (CuPy); the HSGD_DEVICE environment variable sets the default.
     dtype:  "float32" (default) or "float64" (for exactness checks against the serial reference).
 """
+import ctypes
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -67,3 +69,47 @@ def to_numpy(x):
     if type(x).__module__.startswith("cupy"):
         return x.get()
     return np.asarray(x)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# CPU threads for elementwise work. BLAS runs matrix products on several threads; NumPy's elementwise ufuncs run
+# on one. The few heavy elementwise layers (GELU, the attention softmax) split their rows over `cpu_threads()`
+# threads instead (NumPy releases the GIL inside ufuncs). One rank of an MPI job with one BLAS thread keeps 1.
+
+_threads = {"n": 1}
+_pools = {}
+
+
+def set_cpu_threads(n):
+    """How many threads the heavy elementwise layers may use (entry points set it to the BLAS thread count)."""
+    _threads["n"] = max(1, int(n))
+
+
+def cpu_threads():
+    return _threads["n"]
+
+
+def parallel_rows(fn, n_rows, min_rows=2):
+    """Call fn(lo, hi) on cpu_threads() contiguous pieces of range(n_rows), in parallel; fn writes its results
+    into preallocated arrays. Runs inline when there is one thread or too little work to split."""
+    n = min(cpu_threads(), n_rows // min_rows) if n_rows >= min_rows else 1
+    if n <= 1:
+        fn(0, n_rows)
+        return
+    if n not in _pools:
+        _pools[n] = ThreadPoolExecutor(max_workers=n, thread_name_prefix="hsgd")
+    bounds = [n_rows * i // n for i in range(n + 1)]
+    for f in [_pools[n].submit(fn, bounds[i], bounds[i + 1]) for i in range(n)]:
+        f.result()
+
+
+def tune_allocator():
+    """Keep freed memory in the process instead of returning it to the OS (glibc's mmap threshold), so that the
+    large temporaries of a training step reuse pages instead of faulting in fresh ones every step (a few percent
+    of a step). No effect outside glibc."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 1 << 30)                               # M_MMAP_THRESHOLD: 1 GiB
+        libc.mallopt(-1, (1 << 31) - 1)                         # M_TRIM_THRESHOLD: never trim
+    except (OSError, AttributeError):
+        pass

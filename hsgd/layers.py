@@ -16,7 +16,7 @@ Arrays may be NumPy or CuPy; each function computes with the module its inputs b
 """
 import math
 
-from .backend import array_module
+from .backend import array_module, parallel_rows
 
 LN_EPS = 1e-5
 GELU_C = math.sqrt(2.0 / math.pi)
@@ -67,18 +67,56 @@ def linear_backward(dy, cache, dW, db=None):
 
 
 # --------------------------------------------------------------------------------------------------------------
+# q, k, v: three linears on the same input, computed as one GEMM on [Wq Wk Wv]
+
+def qkv_forward(x, Wq, bq, Wk, bk, Wv, bv):
+    """q, k, v = x Wq + bq, x Wk + bk, x Wv + bv, as one GEMM with the weights side by side (C, 3C'): one large
+    matrix product is faster than three, and the parameters stay separate. Returns views q, k, v (B, T, C')."""
+    xp = array_module(x)
+    W = xp.concatenate((Wq, Wk, Wv), axis=1)                  # (C, 3C') a copy of the three weights
+    b = xp.concatenate((bq, bk, bv))                          # (3C',)
+    y, cache = linear_forward(x, W, b)                        # (B, T, 3C')
+    c = Wq.shape[1]
+    return y[..., :c], y[..., c:2 * c], y[..., 2 * c:], cache
+
+
+def qkv_backward(dq, dk, dv, cache, dWq, dbq, dWk, dbk, dWv, dbv):
+    """The adjoint of qkv_forward: dx = [dq dk dv] [Wq Wk Wv]^T, one GEMM for dx and one for the three dW."""
+    xp = array_module(dq)
+    x2, W = cache
+    c = dq.shape[-1]
+    dy = xp.concatenate((dq, dk, dv), axis=-1).reshape(-1, 3 * c)       # (N, 3C')
+    dW = x2.T @ dy                                                      # (C, 3C')
+    db = dy.sum(axis=0)                                                 # (3C',)
+    for i, (gw, gb) in enumerate(((dWq, dbq), (dWk, dbk), (dWv, dbv))):
+        gw += dW[:, i * c:(i + 1) * c]
+        gb += db[i * c:(i + 1) * c]
+    dx = dy @ W.T                                                       # (N, C)
+    return dx.reshape(*dq.shape[:-1], W.shape[0])
+
+
+# --------------------------------------------------------------------------------------------------------------
 # LayerNorm over the last axis: y = (x - mean) / sqrt(var + eps) * w + b, biased variance
 
 def layernorm_forward(x, w, b):
+    """Row blocks in parallel (backend.parallel_rows)."""
     xp = array_module(x)
-    mean = x.mean(axis=-1, keepdims=True)                     # (B, T, 1)
-    xhat = x - mean                                           # (B, T, C)
-    var = (xhat * xhat).mean(axis=-1, keepdims=True)          # (B, T, 1) biased
-    rstd = 1.0 / xp.sqrt(var + LN_EPS)                        # (B, T, 1)
-    xhat *= rstd                                              # (B, T, C) normalized
-    out = xhat * w
-    out += b
-    return out, (xhat, rstd, w)
+    C = x.shape[-1]
+    x2 = x.reshape(-1, C)                                     # (N, C)
+    xhat, out = xp.empty_like(x2), xp.empty_like(x2)
+    rstd = xp.empty((x2.shape[0], 1), dtype=x.dtype)          # (N, 1)
+
+    def rows(lo, hi):
+        xs, xh, r = x2[lo:hi], xhat[lo:hi], rstd[lo:hi]
+        xp.subtract(xs, xs.mean(axis=-1, keepdims=True), out=xh)               # x - mean
+        var = xp.einsum("nc,nc->n", xh, xh)[:, None] / C                        # biased variance, no temporary
+        xp.divide(1.0, xp.sqrt(var + LN_EPS), out=r)
+        xh *= r                                                                 # normalized
+        xp.multiply(xh, w, out=out[lo:hi])
+        out[lo:hi] += b
+
+    parallel_rows(rows, x2.shape[0], min_rows=64)
+    return out.reshape(x.shape), (xhat, rstd, w)
 
 
 def layernorm_backward(dout, cache, dw, db):
@@ -87,49 +125,74 @@ def layernorm_backward(dout, cache, dw, db):
     (The mean subtraction removes the component along the all-ones direction, the second term the
     component along xhat: the two directions the normalization is invariant to.)
     """
-    xhat, rstd, w = cache
-    axes = tuple(range(dout.ndim - 1))
-    dw += (dout * xhat).sum(axis=axes)                        # (C,)
-    db += dout.sum(axis=axes)                                 # (C,)
-    g = dout * w                                              # (B, T, C)
-    dx = g - g.mean(axis=-1, keepdims=True)
-    dx -= xhat * (g * xhat).mean(axis=-1, keepdims=True)
-    dx *= rstd
-    return dx
+    xp = array_module(dout)
+    xhat, rstd, w = cache                                     # (N, C), (N, 1), (C,)
+    C = xhat.shape[-1]
+    d2 = dout.reshape(-1, C)                                  # (N, C)
+    dw += xp.einsum("nc,nc->c", d2, xhat)                     # (C,)
+    db += d2.sum(axis=0)                                      # (C,)
+    dx = xp.empty_like(d2)
+
+    def rows(lo, hi):
+        g, xh = dx[lo:hi], xhat[lo:hi]
+        xp.multiply(d2[lo:hi], w, out=g)                                        # g = dout * w
+        m1 = g.mean(axis=-1, keepdims=True)                                     # mean(g)
+        m2 = xp.einsum("nc,nc->n", g, xh)[:, None] / C                          # mean(g * xhat)
+        g -= m1
+        g -= xh * m2
+        g *= rstd[lo:hi]
+
+    parallel_rows(rows, d2.shape[0], min_rows=64)
+    return dx.reshape(dout.shape)
 
 
 # --------------------------------------------------------------------------------------------------------------
 # GELU, tanh approximation: y = 0.5 x (1 + tanh(u)),  u = sqrt(2/pi) (x + 0.044715 x^3)
 
 def gelu_forward(x):
-    """Written to allocate few temporaries (each large temporary costs a pass over fresh memory)."""
+    """Row blocks in parallel (backend.parallel_rows); each written with out= to allocate no temporaries."""
     xp = array_module(x)
-    u = x * x
-    u *= 0.044715 * GELU_C
-    u += GELU_C
-    u *= x                                                    # u = c (x + 0.044715 x^3)
-    t = xp.tanh(u, out=u)                                     # t = tanh(u), in place
-    y = x * 0.5
-    y += y * t                                                # 0.5 x (1 + t)
-    return y, (x, t)
+    x2 = x.reshape(-1, x.shape[-1])
+    y, t = xp.empty_like(x2), xp.empty_like(x2)
+
+    def rows(lo, hi):
+        xs, ts, ys = x2[lo:hi], t[lo:hi], y[lo:hi]
+        xp.multiply(xs, xs, out=ts)
+        ts *= 0.044715 * GELU_C
+        ts += GELU_C
+        ts *= xs                                              # u = c (x + 0.044715 x^3)
+        xp.tanh(ts, out=ts)                                   # t = tanh(u)
+        xp.add(ts, 1.0, out=ys)
+        ys *= xs
+        ys *= 0.5                                             # y = 0.5 x (1 + t)
+
+    parallel_rows(rows, x2.shape[0])
+    return y.reshape(x.shape), (x2, t)
 
 
 def gelu_backward(dout, cache):
     """dy/dx = 0.5 (1 + t) + 0.5 x (1 - t^2) c (1 + 3 * 0.044715 x^2)."""
     xp = array_module(dout)
-    x, t = cache
-    d = x * x
-    d *= 3 * 0.044715 * GELU_C
-    d += GELU_C                                               # c (1 + 3 * 0.044715 x^2) = du/dx
-    s = t * t
-    xp.subtract(1.0, s, out=s)                                # 1 - t^2
-    d *= s
-    d *= x
-    d += 1.0
-    d += t
-    d *= dout
-    d *= 0.5                                                  # 0.5 (1 + t + x (1 - t^2) du/dx) * dout
-    return d
+    x2, t = cache
+    g = dout.reshape(-1, x2.shape[-1])
+    d = xp.empty_like(x2)
+
+    def rows(lo, hi):
+        xs, ts, ds = x2[lo:hi], t[lo:hi], d[lo:hi]
+        xp.multiply(xs, xs, out=ds)
+        ds *= 3 * 0.044715 * GELU_C
+        ds += GELU_C                                          # c (1 + 3 * 0.044715 x^2) = du/dx
+        s = ts * ts
+        xp.subtract(1.0, s, out=s)                            # 1 - t^2
+        ds *= s
+        ds *= xs
+        ds += 1.0
+        ds += ts
+        ds *= g[lo:hi]
+        ds *= 0.5                                             # 0.5 (1 + t + x (1 - t^2) du/dx) * dout
+
+    parallel_rows(rows, x2.shape[0])
+    return d.reshape(dout.shape)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -160,10 +223,15 @@ def attention_forward(q, k, v, n_heads):
     vh = xp.ascontiguousarray(_split_heads(v, n_heads))
     att = qh @ kh.transpose(0, 1, 3, 2)                       # (B, NH, T, T) scores / sqrt(hs)
     mask = xp.triu(xp.full((T, T), -xp.inf, dtype=att.dtype), k=1)   # (T, T) -inf above the diagonal
-    att += mask                                               # causal: position t sees 0..t
-    att -= att.max(axis=-1, keepdims=True)                    # softmax over keys, in place
-    xp.exp(att, out=att)
-    att *= 1.0 / att.sum(axis=-1, keepdims=True)
+
+    def softmax(lo, hi):                                      # sequences lo..hi-1, in place
+        a = att[lo:hi]
+        a += mask                                             # causal: position t sees 0..t
+        a -= a.max(axis=-1, keepdims=True)
+        xp.exp(a, out=a)
+        a *= 1.0 / a.sum(axis=-1, keepdims=True)
+
+    parallel_rows(softmax, B, min_rows=1)
     yh = att @ vh                                             # (B, NH, T, hs)
     return _merge_heads(yh), (qh, kh, vh, att)
 
@@ -171,7 +239,7 @@ def attention_forward(q, k, v, n_heads):
 def attention_backward(dy, cache):
     """Returns dq, dk, dv (each (B, T, C)).
 
-    With P = softmax(S), S = q k^T / sqrt(hs), y = P v:
+    With P = softmax(S), S = q k^T / sqrt(hs), y = P v (the cache holds q / sqrt(hs), not q):
         dv = P^T dy;  dP = dy v^T;  dS = P * (dP - rowsum(dP * P));  dq = dS k / sqrt(hs);  dk = dS^T q / sqrt(hs)
     Masked entries have P = 0, hence dS = 0: the mask needs no backward of its own.
     """
@@ -181,13 +249,17 @@ def attention_backward(dy, cache):
     dyh = xp.ascontiguousarray(_split_heads(dy, n_heads))     # (B, NH, T, hs)
     dvh = att.transpose(0, 1, 3, 2) @ dyh                     # (B, NH, T, hs)
     dS = dyh @ vh.transpose(0, 1, 3, 2)                       # (B, NH, T, T) dP
-    rowdot = xp.einsum("bhij,bhij->bhi", dS, att)[..., None]  # (B, NH, T, 1) sum_j dP * P, no temporary
-    dS -= rowdot                                              # softmax backward, in place
-    dS *= att
-    dS *= 1.0 / math.sqrt(hs)
+
+    def softmax_backward(lo, hi):                             # sequences lo..hi-1, in place
+        d, a = dS[lo:hi], att[lo:hi]
+        d -= xp.einsum("bhij,bhij->bhi", d, a)[..., None]     # dP - sum_j dP * P (einsum: no temporary)
+        d *= a                                                # dS = dL/d(scores), before the 1/sqrt(hs)
+
+    parallel_rows(softmax_backward, dS.shape[0], min_rows=1)
     dqh = dS @ kh                                             # (B, NH, T, hs)
-    dkh = dS.transpose(0, 1, 3, 2) @ qh                       # (B, NH, T, hs) = dS^T q / sqrt(hs)
-    dkh *= math.sqrt(hs)                                      # qh carries 1/sqrt(hs); dk needs q itself
+    dqh *= 1.0 / math.sqrt(hs)                                # dq = dS k / sqrt(hs)
+    dkh = dS.transpose(0, 1, 3, 2) @ qh                       # (B, NH, T, hs) dk = dS^T q / sqrt(hs): qh holds
+    #                                                           q / sqrt(hs) already
     return _merge_heads(dqh), _merge_heads(dkh), _merge_heads(dvh)
 
 

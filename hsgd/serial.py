@@ -22,7 +22,7 @@ import numpy as np
 from .backend import array_module, get_xp, resolve_dtype, to_device
 from .layers import (attention_backward, attention_forward, cross_entropy_backward, cross_entropy_forward,
                      embedding_backward, embedding_forward, gelu_backward, gelu_forward, layernorm_backward,
-                     layernorm_forward, linear_backward, linear_forward)
+                     layernorm_forward, linear_backward, linear_forward, qkv_backward, qkv_forward)
 
 
 def init_std(name, cfg):
@@ -64,9 +64,7 @@ def zeros_like_params(params):
 def block_forward(x, p, h, cfg):
     """x + Attn(LN1(x)), then + MLP(LN2(x)). p: the params dict, h: the name prefix "h.{i}."."""
     a, c_ln1 = layernorm_forward(x, p[h + "ln1.weight"], p[h + "ln1.bias"])       # (B, T, C)
-    q, c_q = linear_forward(a, p[h + "attn.q.weight"], p[h + "attn.q.bias"])       # (B, T, C)
-    k, c_k = linear_forward(a, p[h + "attn.k.weight"], p[h + "attn.k.bias"])       # (B, T, C)
-    v, c_v = linear_forward(a, p[h + "attn.v.weight"], p[h + "attn.v.bias"])       # (B, T, C)
+    q, k, v, c_qkv = qkv_forward(a, *(p[h + f"attn.{m}.{w}"] for m in "qkv" for w in ("weight", "bias")))
     y, c_att = attention_forward(q, k, v, cfg.n_heads)                             # (B, T, C)
     o, c_proj = linear_forward(y, p[h + "attn.proj.weight"], p[h + "attn.proj.bias"])
     x = x + o                                                                      # residual
@@ -75,12 +73,12 @@ def block_forward(x, p, h, cfg):
     g, c_gelu = gelu_forward(f)                                                    # (B, T, F)
     o2, c_mproj = linear_forward(g, p[h + "mlp.proj.weight"], p[h + "mlp.proj.bias"])
     x = x + o2                                                                     # residual
-    return x, (c_ln1, c_q, c_k, c_v, c_att, c_proj, c_ln2, c_fc, c_gelu, c_mproj)
+    return x, (c_ln1, c_qkv, c_att, c_proj, c_ln2, c_fc, c_gelu, c_mproj)
 
 
 def block_backward(dx, cache, g, h):
     """The block's backward: block_forward read from the bottom up. g: the grads dict."""
-    c_ln1, c_q, c_k, c_v, c_att, c_proj, c_ln2, c_fc, c_gelu, c_mproj = cache
+    c_ln1, c_qkv, c_att, c_proj, c_ln2, c_fc, c_gelu, c_mproj = cache
     # x = x + MLP(LN2(x)): the residual passes dx through, the branch adds its own
     dg = linear_backward(dx, c_mproj, g[h + "mlp.proj.weight"], g[h + "mlp.proj.bias"])   # (B, T, F)
     df = gelu_backward(dg, c_gelu)                                                      # (B, T, F)
@@ -89,9 +87,7 @@ def block_backward(dx, cache, g, h):
     # x = x + Attn(LN1(x))
     dy = linear_backward(dx, c_proj, g[h + "attn.proj.weight"], g[h + "attn.proj.bias"])  # (B, T, C)
     dq, dk, dv = attention_backward(dy, c_att)                                          # (B, T, C) x 3
-    da = linear_backward(dq, c_q, g[h + "attn.q.weight"], g[h + "attn.q.bias"])
-    da += linear_backward(dk, c_k, g[h + "attn.k.weight"], g[h + "attn.k.bias"])
-    da += linear_backward(dv, c_v, g[h + "attn.v.weight"], g[h + "attn.v.bias"])
+    da = qkv_backward(dq, dk, dv, c_qkv, *(g[h + f"attn.{m}.{w}"] for m in "qkv" for w in ("weight", "bias")))
     dx = dx + layernorm_backward(da, c_ln1, g[h + "ln1.weight"], g[h + "ln1.bias"])
     return dx
 

@@ -25,7 +25,7 @@ from mpi4py import MPI
 from threadpoolctl import threadpool_limits
 
 from . import checkpoint, launch
-from .backend import resolve_device
+from .backend import resolve_device, set_cpu_threads, tune_allocator
 from .data import Corpus
 from .errors import NumericalFault
 from .generate import generate, printable
@@ -54,6 +54,8 @@ def train(cfg, tc, world=MPI.COMM_WORLD, out=sys.stdout):
     tc.validate()
     tc.resolve_layout(world.Get_size())
     threads = tc.threads or max(1, (os.cpu_count() or 1) // local_ranks(world))
+    set_cpu_threads(threads)                                         # BLAS and the elementwise layers alike
+    tune_allocator()
     with threadpool_limits(limits=threads):
         return _train(cfg, tc, world, out, threads)
 

@@ -1,0 +1,183 @@
+"""make bench: hsgd measured side by side with PyTorch on this machine, and the per-rank memory and bytes story.
+
+    python benchmarks/bench.py [--quick]          (make bench; needs torch: pip install -e '.[bench]')
+
+Writes benchmarks/results/bench.md (the tables) and bench.json (every number), and prints the tables:
+  a. one training step (forward, backward, SGD update; float32) of hsgd and of PyTorch eager on the CPU, the same
+     model and weights (equal loss checked first) and the same thread count, for a small and a mid-size model:
+     the time ratio hsgd / PyTorch (median of interleaved repetitions);
+  b. MFU: the model FLOPs of the step (ModelConfig.step_flops) per second over the float32 matmul rate of this
+     machine measured in the same run (NumPy's BLAS; PyTorch's own matmul rate is shown too);
+  c. data-parallel scaling: the same global batch on 1 rank and on 2 ranks (one BLAS thread each), hsgd and
+     PyTorch DistributedDataParallel (gloo, on loopback) as the anchor;
+  d. tensor parallelism: tp = 2 on 2 ranks (one thread each) against serial on 2 threads;
+  e. per-rank memory (parameters, gradients, optimizer state, activations) for tp in {1, 2, 4, 8} and zero in
+     {0, 1} on 8 ranks, against the formulas;
+  f. communication bytes per step against the formulas (the ratio must be exactly 1).
+Timings are medians over repetitions on a machine that may be shared: run it on an idle machine.
+"""
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+import numpy as np
+from threadpoolctl import threadpool_info, threadpool_limits
+
+import hsgd
+from hsgd import serial
+from hsgd.backend import set_cpu_threads, tune_allocator
+from hsgd.layers import cross_entropy_forward
+from hsgd.optim import SGD
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from bench_serial import matmul_rate  # noqa: E402
+
+CONFIGS = {"small (the default training model)": (hsgd.ModelConfig(256, 64, 128, 4, 4, 512), 16, 30),
+           "mid-size": (hsgd.ModelConfig(256, 256, 512, 8, 4, 2048), 8, 7)}
+
+
+def compare_with_torch(cfg, batch, reps, threads):
+    import torch
+
+    from torch_gpt import loss_fn, sgd_step, to_torch
+    torch.set_num_threads(threads)
+    params = serial.init_params(cfg, 0, "float32")
+    rng = np.random.default_rng(0)
+    idx = rng.integers(0, cfg.vocab_size, (batch, cfg.seq_len))
+    targets = rng.integers(0, cfg.vocab_size, (batch, cfg.seq_len))
+    tparams, ti, tt = to_torch(params), torch.tensor(idx), torch.tensor(targets)
+    with threadpool_limits(threads):
+        ours = float(cross_entropy_forward(serial.forward(params, idx, cfg)[0], targets)[0])
+    theirs = float(loss_fn(tparams, ti, tt, cfg))
+    if abs(ours - theirs) > 1e-4 * abs(theirs):
+        raise SystemExit(f"the two models disagree: loss {ours} (hsgd) vs {theirs} (PyTorch)")
+    grads, opt = serial.zeros_like_params(params), SGD(1e-4)
+
+    def hsgd_step():
+        for g in grads.values():
+            g.fill(0)
+        serial.loss_and_grads(params, idx, targets, cfg, grads=grads)
+        opt.step(params, grads)
+
+    def torch_step():
+        loss_fn(tparams, ti, tt, cfg).backward()
+        sgd_step(tparams, 1e-4)
+
+    times = {"hsgd": [], "torch": []}
+    with threadpool_limits(threads):
+        hsgd_step()
+        torch_step()
+        for _ in range(reps):                                          # interleaved: both see the same noise
+            for name, f in (("hsgd", hsgd_step), ("torch", torch_step)):
+                t0 = time.perf_counter()
+                f()
+                times[name].append(time.perf_counter() - t0)
+    a = 2048
+    x = torch.rand(a, a)
+    torch.mm(x, x)
+    t0 = time.perf_counter()
+    for _ in range(5):
+        torch.mm(x, x)
+    torch_rate = 5 * 2 * a ** 3 / (time.perf_counter() - t0)
+    return {"loss_hsgd": ours, "loss_torch": theirs, "hsgd_s": float(np.median(times["hsgd"])),
+            "torch_s": float(np.median(times["torch"])), "torch_matmul_flops": torch_rate}
+
+
+def mpi(n, task, env=None):
+    exe = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    cmd = ["timeout", "600", exe if os.path.exists(exe) else "mpiexec", "-n", str(n), sys.executable,
+           os.path.join(HERE, "bench_worker.py"), task]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})))
+    if r.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{r.stderr[-2000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--threads", type=int, default=os.cpu_count(), help="threads for the serial comparison")
+    p.add_argument("--quick", action="store_true", help="fewer repetitions")
+    p.add_argument("--out", default=os.path.join(HERE, "results"))
+    a = p.parse_args(argv)
+    say = lambda s="": print(s, flush=True)
+    set_cpu_threads(a.threads)                                           # as hsgd.train does for its ranks
+    tune_allocator()
+    res = {"machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine(),
+                       "blas": [(i["internal_api"], i.get("architecture")) for i in threadpool_info()],
+                       "python": platform.python_version(), "numpy": np.__version__}}
+    with threadpool_limits(a.threads):
+        res["matmul_flops"] = matmul_rate()
+    say(f"float32 matmul rate (NumPy, {a.threads} threads): {res['matmul_flops'] / 1e9:.1f} GFLOP/s")
+    md = ["## a-b. One training step (float32), hsgd vs PyTorch eager, "
+          f"{a.threads} threads", "",
+          "| model | B x T | hsgd | PyTorch | hsgd / PyTorch | hsgd MFU | PyTorch MFU | equal loss |",
+          "|---|---|---|---|---|---|---|---|"]
+    res["serial"] = {}
+    for name, (cfg, batch, reps) in CONFIGS.items():
+        say(f"timing {name} ...")
+        r = compare_with_torch(cfg, batch, max(3, reps // 3) if a.quick else reps, a.threads)
+        flops = cfg.step_flops(batch)
+        r.update(ratio=r["hsgd_s"] / r["torch_s"], flops=flops, mfu_hsgd=flops / r["hsgd_s"] / res["matmul_flops"],
+                 mfu_torch=flops / r["torch_s"] / res["matmul_flops"])
+        res["serial"][name] = r
+        md.append(f"| {name}: L={cfg.n_layers} C={cfg.d_model} NH={cfg.n_heads} F={cfg.d_ff} | {batch} x "
+                  f"{cfg.seq_len} | {r['hsgd_s'] * 1e3:.1f} ms | {r['torch_s'] * 1e3:.1f} ms | {r['ratio']:.2f} | "
+                  f"{100 * r['mfu_hsgd']:.0f}% | {100 * r['mfu_torch']:.0f}% | {r['loss_hsgd']:.5f} = "
+                  f"{r['loss_torch']:.5f} |")
+    md += ["", f"MFU: model FLOPs per second / the float32 matmul rate measured in the same run "
+               f"({res['matmul_flops'] / 1e9:.0f} GFLOP/s with NumPy's BLAS; PyTorch's own matmul ran at "
+               f"{res['serial']['mid-size']['torch_matmul_flops'] / 1e9:.0f} GFLOP/s)."]
+
+    say("timing data-parallel scaling (hsgd and PyTorch DDP, 1 and 2 ranks) ...")
+    dp = {k: {n: mpi(n, k)["seconds"] for n in (1, 2)} for k in ("dp", "ddp")}
+    res["dp_scaling"] = dp
+    sc = hsgd.ModelConfig(256, 128, 256, 8, 4, 1024)
+    md += ["", "## c. Data-parallel scaling: the same global batch (16 x 128) on 1 and 2 ranks, 1 thread each", "",
+           f"Model L={sc.n_layers} C={sc.d_model} NH={sc.n_heads} F={sc.d_ff}.", "",
+           "| | 1 rank | 2 ranks | speedup | efficiency |", "|---|---|---|---|---|"]
+    for k, label in (("dp", "hsgd (Allreduce over dp_comm)"), ("ddp", "PyTorch DDP (gloo)")):
+        s = dp[k][1] / dp[k][2]
+        md.append(f"| {label} | {dp[k][1] * 1e3:.0f} ms | {dp[k][2] * 1e3:.0f} ms | {s:.2f}x | {50 * s:.0f}% |")
+
+    say("timing tensor parallelism against serial ...")
+    tp2, serial2 = mpi(2, "tp")["seconds"], mpi(1, "tp", {"BENCH_THREADS": "2"})["seconds"]
+    res["tp_overhead"] = {"tp2_2ranks_s": tp2, "serial_2threads_s": serial2, "ratio": tp2 / serial2}
+    md += ["", "## d. Tensor parallelism: tp = 2 on 2 ranks (1 thread each) vs serial on 2 threads", "",
+           f"Same model and batch as c: tp=2 {tp2 * 1e3:.0f} ms, serial {serial2 * 1e3:.0f} ms, ratio "
+           f"{tp2 / serial2:.2f} (below 1: NumPy's elementwise work is single-threaded, two ranks run it in "
+           "parallel)."]
+
+    say("measuring memory and bytes on 8 ranks ...")
+    mem = mpi(8, "memory")
+    res["memory"] = mem
+    c = mem["config"]
+    md += ["", f"## e. Memory per rank (float32, bytes; measured = formula), L={c['L']} C={c['C']} NH={c['NH']} "
+               f"F={c['F']} T={c['T']}, global batch {c['B']}, SGD with momentum, 8 ranks, dp = 8 / tp", "",
+           "| tp | dp | zero | parameters | gradients | optimizer state | activations | all ranks = formula |",
+           "|---|---|---|---|---|---|---|---|"]
+    for r in mem["rows"]:
+        md.append(f"| {r['tp']} | {r['dp']} | {r['zero']} | {r['params']:,} | {r['grads']:,} | {r['optimizer']:,} | "
+                  f"{r['activations']:,} | {'yes' if r['all_ranks_match'] else 'NO'} |")
+    md += ["", "## f. Communication per step and rank: measured bytes / formula", "",
+           "| tp | zero | " + " | ".join(["communicator operation: measured / formula"]) + " |", "|---|---|---|"]
+    for r in mem["rows"]:
+        cells = ", ".join(f"{k} {m:,} / {f:,} = {m / f:.3f}" for k, (m, f) in r["comm"].items())
+        md.append(f"| {r['tp']} | {r['zero']} | {cells} |")
+
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "bench.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    text = "\n".join(md) + "\n"
+    with open(os.path.join(a.out, "bench.md"), "w") as f:
+        f.write(f"Machine: {res['machine']}\n\n" + text)
+    say("\n" + text)
+    say(f"(written to {os.path.relpath(os.path.join(a.out, 'bench.md'))} and bench.json)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,171 @@
+"""One measurement of `make bench` that needs MPI ranks; started by benchmarks/bench.py under mpiexec.
+
+    mpiexec -n N python benchmarks/bench_worker.py TASK     TASK: dp | ddp | tp | memory
+Rank 0 prints one JSON object on its last line. Every rank uses one BLAS thread.
+"""
+import json
+import os
+import socket
+import sys
+import time
+
+import numpy as np
+from mpi4py import MPI
+from threadpoolctl import threadpool_limits
+
+import hsgd
+from hsgd import tp_model
+from hsgd.backend import set_cpu_threads, tune_allocator
+from hsgd.data import Corpus
+from hsgd.grid import ProcessGrid
+from hsgd.hybrid import HybridTrainer
+from hsgd.report import step_formula
+from hsgd.settings import TrainConfig
+from hsgd.tp_sequence import activation_bytes, activation_formula
+
+WORLD = MPI.COMM_WORLD
+SCALING = hsgd.ModelConfig(vocab_size=256, seq_len=128, d_model=256, n_heads=8, n_layers=4, d_ff=1024)
+CORPUS = Corpus(np.random.default_rng(0).integers(0, 256, 100_000, dtype=np.uint8).tobytes(), "random", 128)
+
+
+def median_step_seconds(step, reps):
+    step()                                                               # warm-up
+    times = []
+    for _ in range(reps):
+        WORLD.Barrier()
+        t0 = time.perf_counter()
+        step()
+        times.append(WORLD.allreduce(time.perf_counter() - t0, op=MPI.MAX))
+    return float(np.median(times))
+
+
+def hsgd_steps(cfg, batch, tp, reps, threads=1):
+    n = WORLD.Get_size()
+    tc = TrainConfig(tp=tp, dp=n // tp, steps=reps + 1, batch_size=batch, lr=1e-4, momentum=0.9, warmup=0)
+    grid = ProcessGrid(WORLD, dp=n // tp, tp=tp)
+    trainer = HybridTrainer(cfg, grid, tc)
+    idx, targets = CORPUS.batch(0, 1, batch)
+    set_cpu_threads(threads)
+    with threadpool_limits(threads):
+        t = median_step_seconds(lambda: trainer.step(idx, targets, 1), reps)
+    grid.free()
+    return t
+
+
+def task_dp():
+    return {"seconds": hsgd_steps(SCALING, 16, 1, 5)}
+
+
+def task_tp():
+    return {"seconds": hsgd_steps(SCALING, 16, 2 if WORLD.Get_size() == 2 else 1, 5,
+                                  threads=int(os.environ.get("BENCH_THREADS", "1")))}
+
+
+def task_ddp():
+    """PyTorch DistributedDataParallel (gloo, on loopback) on the same model, batch and thread count."""
+    import torch
+    import torch.distributed as dist
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from torch_gpt import loss_fn, to_torch
+    torch.set_num_threads(1)
+    n, r = WORLD.Get_size(), WORLD.Get_rank()
+    port = WORLD.bcast(_free_port() if r == 0 else None)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=r, world_size=n)
+    from hsgd import serial
+
+    names, init = list(SCALING.param_shapes()), to_torch(serial.init_params(SCALING, 0))
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ps = torch.nn.ParameterList([torch.nn.Parameter(init[n].detach()) for n in names])
+
+        def forward(self, idx, targets):
+            return loss_fn(dict(zip(names, self.ps)), idx, targets, SCALING)
+
+    model = torch.nn.parallel.DistributedDataParallel(Model())
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
+    idx, targets = CORPUS.batch(0, 1, 16)
+    rows = slice(r * 16 // n, (r + 1) * 16 // n)
+    ti, tt = torch.tensor(idx[rows]), torch.tensor(targets[rows])
+
+    def step():
+        opt.zero_grad()
+        model(ti, tt).backward()
+        opt.step()
+
+    t = median_step_seconds(step, 5)
+    dist.destroy_process_group()
+    return {"seconds": t}
+
+
+def _free_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def param_bytes_formula(cfg, tp, itemsize):
+    """Parameters per rank, megatron split: replicated (LayerNorms, wpe, row-parallel biases) whole, the rest /tp,
+    the vocabulary padded to a multiple of tp."""
+    C, F, L, T = cfg.d_model, cfg.d_ff, cfg.n_layers, cfg.seq_len
+    Vp = -(-cfg.vocab_size // tp)
+    per_block = 4 * C + 2 * C + (3 * C * C + 3 * C + C * C + C * F + F + F * C) // tp
+    return itemsize * (L * per_block + T * C + 2 * C + 2 * Vp * C)
+
+
+def task_memory():
+    """Per-rank memory and communication per step for tp in {1, 2, 4, 8} and zero in {0, 1} (dp = 8 / tp)."""
+    cfg = hsgd.ModelConfig(vocab_size=256, seq_len=64, d_model=128, n_heads=8, n_layers=2, d_ff=512)
+    rows, batch = [], 16
+    for tp in (1, 2, 4, 8):
+        for zero in (0, 1):
+            dp = WORLD.Get_size() // tp
+            tc = TrainConfig(tp=tp, dp=dp, zero=zero, steps=3, batch_size=batch, lr=1e-4, momentum=0.9)
+            grid = ProcessGrid(WORLD, dp=dp, tp=tp)
+            trainer = HybridTrainer(cfg, grid, tc)
+            idx, targets = CORPUS.batch(0, 1, batch)
+            before = None
+            for step in (1, 2):
+                if step == 2:
+                    before = grid.stats.counts()
+                trainer.step(idx[:, :64], targets[:, :64], step)
+            after = grid.stats.counts()
+            measured = {k: (v[0] - before.get(k, (0, 0))[0], v[1] - before.get(k, (0, 0))[1])
+                        for k, v in after.items() if v != before.get(k)}
+            formula = step_formula(cfg, tc, trainer)
+            rows_ = slice(grid.dp_rank * batch // dp, (grid.dp_rank + 1) * batch // dp)
+            _, caches = tp_model.forward(trainer.params, idx[rows_, :64], targets[rows_, :64], cfg, grid.tp_comm)
+            act = activation_bytes(caches, trainer.params)
+            mem = trainer.memory()
+            s = trainer.pbuf.flat.itemsize
+            pbytes = param_bytes_formula(cfg, tp, s)
+            n_elems = pbytes // s
+            chunk = -(-n_elems // dp)
+            opt_formula = s * (chunk if zero else n_elems)
+            grad_formula = s * ((chunk * dp + chunk) if zero else n_elems)
+            row = {"tp": tp, "dp": dp, "zero": zero, "params": mem["params"], "params_formula": pbytes,
+                   "grads": mem["grads"], "grads_formula": grad_formula, "optimizer": mem["optimizer"],
+                   "optimizer_formula": opt_formula, "activations": act,
+                   "activations_formula": activation_formula(cfg, batch // dp, s, tp, "megatron")["model"],
+                   "comm": {f"{k[0]} {k[1]}": [measured.get(k, (0, 0))[1], formula.get(k, (0, 0))[1]]
+                            for k in sorted(set(measured) | set(formula))}}
+            everyone = WORLD.gather(row)
+            if WORLD.Get_rank() == 0:                                    # every rank against the formulas
+                row["all_ranks_match"] = all(all(r[k] == r[k + "_formula"] for k in
+                                                 ("params", "grads", "optimizer", "activations")) and
+                                             all(m == f for m, f in r["comm"].values()) for r in everyone)
+                rows.append(row)
+            grid.free()
+    return {"rows": rows, "config": {"C": 128, "L": 2, "NH": 8, "F": 512, "T": 64, "V": 256, "B": batch}}
+
+
+if __name__ == "__main__":
+    task = sys.argv[1]
+    tune_allocator()
+    with threadpool_limits(1):
+        result = {"dp": task_dp, "tp": task_tp, "ddp": task_ddp, "memory": task_memory}[task]()
+    if WORLD.Get_rank() == 0:
+        print(json.dumps(result))
