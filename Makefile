@@ -2,7 +2,7 @@
 #   make train   create .venv if missing, install hsgd with MPI from PyPI, run the default training job:
 #                mpirun -n 8 python -m hsgd.train   (tp = 2, dp = 4)
 #   make test    same install, then the whole test suite (unit, MPI and tutorial tests)
-#   make bench   same install, then the benchmarks in benchmarks/
+#   make bench   same install plus PyTorch, then the benchmarks in benchmarks/ (tables in benchmarks/results/)
 # Use a system MPI instead of PyPI's mpich wheel:  make test EXTRAS=dev
 # (mpi4py then builds against the mpicc found on PATH).
 
@@ -36,8 +36,15 @@ lint: $(STAMP)
 test: $(STAMP) lint
 	$(RUN) python -m pytest -q
 
-bench: $(STAMP)
-	$(PY) benchmarks/bench_serial.py
+BENCH_STAMP := $(VENV)/.installed-bench
+
+$(BENCH_STAMP): $(STAMP)
+	$(PY) -m pip install --disable-pip-version-check -q -e '.[$(EXTRAS),bench]'
+	touch $(BENCH_STAMP)
+
+bench: $(BENCH_STAMP)
+	$(RUN) python benchmarks/bench_serial.py
+	$(RUN) python benchmarks/bench.py
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache
