@@ -80,19 +80,19 @@ def qkv_forward(x, Wq, bq, Wk, bk, Wv, bv):
     return y[..., :c], y[..., c:2 * c], y[..., 2 * c:], cache
 
 
-def qkv_backward(dq, dk, dv, cache, dWq, dbq, dWk, dbk, dWv, dbv):
-    """The adjoint of qkv_forward: dx = [dq dk dv] [Wq Wk Wv]^T, one GEMM for dx and one for the three dW."""
-    xp = array_module(dq)
+def qkv_backward(dqkv, cache, dWq, dbq, dWk, dbk, dWv, dbv):
+    """The adjoint of qkv_forward: dx = [dq dk dv] [Wq Wk Wv]^T, one GEMM for dx and one for the three dW.
+    dqkv: (B, T, 3C'), [dq | dk | dv] side by side (attention_backward's buffer)."""
     x2, W = cache
-    c = dq.shape[-1]
-    dy = xp.concatenate((dq, dk, dv), axis=-1).reshape(-1, 3 * c)       # (N, 3C')
+    c = dqkv.shape[-1] // 3
+    dy = dqkv.reshape(-1, 3 * c)                                        # (N, 3C')
     dW = x2.T @ dy                                                      # (C, 3C')
     db = dy.sum(axis=0)                                                 # (3C',)
     for i, (gw, gb) in enumerate(((dWq, dbq), (dWk, dbk), (dWv, dbv))):
         gw += dW[:, i * c:(i + 1) * c]
         gb += db[i * c:(i + 1) * c]
     dx = dy @ W.T                                                       # (N, C)
-    return dx.reshape(*dq.shape[:-1], W.shape[0])
+    return dx.reshape(*dqkv.shape[:-1], W.shape[0])
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -203,11 +203,6 @@ def _split_heads(x, n_heads):
     return x.reshape(B, T, n_heads, C // n_heads).transpose(0, 2, 1, 3)   # (B, NH, T, hs) view
 
 
-def _merge_heads(x):
-    B, NH, T, hs = x.shape
-    return x.transpose(0, 2, 1, 3).reshape(B, T, NH * hs)                # (B, T, C) copy
-
-
 def attention_forward(q, k, v, n_heads):
     """y = softmax(q k^T / sqrt(hs) + causal mask) v, head by head.
 
@@ -232,12 +227,14 @@ def attention_forward(q, k, v, n_heads):
         a *= 1.0 / a.sum(axis=-1, keepdims=True)
 
     parallel_rows(softmax, B, min_rows=1)
-    yh = att @ vh                                             # (B, NH, T, hs)
-    return _merge_heads(yh), (qh, kh, vh, att)
+    y = xp.empty_like(q, shape=(B, T, C))                     # (B, T, C)
+    xp.matmul(att, vh, out=_split_heads(y, n_heads))          # heads written in place: no merge copy
+    return y, (qh, kh, vh, att)
 
 
-def attention_backward(dy, cache):
-    """Returns dq, dk, dv (each (B, T, C)).
+def attention_backward(dy, cache, out=None):
+    """Returns dq, dk, dv (each (B, T, C)): views of one buffer (B, T, 3C) laid out [dq | dk | dv], `out` if
+    given (qkv_backward takes that buffer whole).
 
     With P = softmax(S), S = q k^T / sqrt(hs), y = P v (the cache holds q / sqrt(hs), not q):
         dv = P^T dy;  dP = dy v^T;  dS = P * (dP - rowsum(dP * P));  dq = dS k / sqrt(hs);  dk = dS^T q / sqrt(hs)
@@ -245,9 +242,13 @@ def attention_backward(dy, cache):
     """
     qh, kh, vh, att = cache                                   # qh holds q / sqrt(hs)
     xp = array_module(dy)
-    n_heads, hs = qh.shape[1], qh.shape[3]
+    B, n_heads, T, hs = qh.shape
+    C = n_heads * hs
+    if out is None:
+        out = xp.empty_like(dy, shape=(B, T, 3 * C))
+    dq, dk, dv = out[..., :C], out[..., C:2 * C], out[..., 2 * C:]             # (B, T, C) views
     dyh = xp.ascontiguousarray(_split_heads(dy, n_heads))     # (B, NH, T, hs)
-    dvh = att.transpose(0, 1, 3, 2) @ dyh                     # (B, NH, T, hs)
+    xp.matmul(att.transpose(0, 1, 3, 2), dyh, out=_split_heads(dv, n_heads))   # dv = P^T dy, in place
     dS = dyh @ vh.transpose(0, 1, 3, 2)                       # (B, NH, T, T) dP
 
     def softmax_backward(lo, hi):                             # sequences lo..hi-1, in place
@@ -256,11 +257,11 @@ def attention_backward(dy, cache):
         d *= a                                                # dS = dL/d(scores), before the 1/sqrt(hs)
 
     parallel_rows(softmax_backward, dS.shape[0], min_rows=1)
-    dqh = dS @ kh                                             # (B, NH, T, hs)
+    dqh = _split_heads(dq, n_heads)                           # (B, NH, T, hs) views into out
+    xp.matmul(dS, kh, out=dqh)
     dqh *= 1.0 / math.sqrt(hs)                                # dq = dS k / sqrt(hs)
-    dkh = dS.transpose(0, 1, 3, 2) @ qh                       # (B, NH, T, hs) dk = dS^T q / sqrt(hs): qh holds
-    #                                                           q / sqrt(hs) already
-    return _merge_heads(dqh), _merge_heads(dkh), _merge_heads(dvh)
+    xp.matmul(dS.transpose(0, 1, 3, 2), qh, out=_split_heads(dk, n_heads))     # dk = dS^T q / sqrt(hs): qh
+    return dq, dk, dv                                         #   holds q / sqrt(hs) already
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -86,8 +86,9 @@ def block_backward(dx, cache, g, h):
     dx = dx + layernorm_backward(dm, c_ln2, g[h + "ln2.weight"], g[h + "ln2.bias"])
     # x = x + Attn(LN1(x))
     dy = linear_backward(dx, c_proj, g[h + "attn.proj.weight"], g[h + "attn.proj.bias"])  # (B, T, C)
-    dq, dk, dv = attention_backward(dy, c_att)                                          # (B, T, C) x 3
-    da = qkv_backward(dq, dk, dv, c_qkv, *(g[h + f"attn.{m}.{w}"] for m in "qkv" for w in ("weight", "bias")))
+    dqkv = array_module(dy).empty_like(dy, shape=(*dy.shape[:-1], 3 * dy.shape[-1]))   # (B, T, 3C)
+    attention_backward(dy, c_att, out=dqkv)                                             # [dq | dk | dv]
+    da = qkv_backward(dqkv, c_qkv, *(g[h + f"attn.{m}.{w}"] for m in "qkv" for w in ("weight", "bias")))
     dx = dx + layernorm_backward(da, c_ln1, g[h + "ln1.weight"], g[h + "ln1.bias"])
     return dx
 
