@@ -113,3 +113,42 @@ def tune_allocator():
         libc.mallopt(-1, (1 << 31) - 1)                         # M_TRIM_THRESHOLD: never trim
     except (OSError, AttributeError):
         pass
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Device-to-host copies. A training step on the GPU should copy nothing back but its one small vector of
+# numbers for logging and decisions (loss, non-finite count, gradient-norm parts); every such copy in the step
+# goes through to_host, which counts them (tests and `make gpu-check` read the count).
+
+_d2h = {"n": 0}
+
+
+def to_host(x):
+    """A NumPy copy of a (small) device array, counted as one device-to-host copy (free on the CPU)."""
+    if type(x).__module__.startswith("cupy"):
+        _d2h["n"] += 1
+        return x.get()
+    _d2h["n"] += 1
+    return np.asarray(x)
+
+
+def d2h_count():
+    """How many to_host copies this process has made (compare before and after a step)."""
+    return _d2h["n"]
+
+
+def select_gpu(local_rank):
+    """Use GPU local_rank % (GPUs on this machine): one GPU per rank when there are enough, else ranks share."""
+    import cupy
+    n = cupy.cuda.runtime.getDeviceCount()
+    cupy.cuda.Device(local_rank % n).use()
+    return local_rank % n, n
+
+
+def scatter_add(target, index, values):
+    """target[index[i]] += values[i] for every i, repeated indices adding up (NumPy's add.at, CuPy's scatter_add)."""
+    if type(target).__module__.startswith("cupy"):
+        import cupyx
+        cupyx.scatter_add(target, index, values)
+    else:
+        np.add.at(target, index, values)

@@ -27,12 +27,12 @@ import time
 from dataclasses import dataclass
 
 from . import tp_model
-from .backend import array_module
+from .backend import array_module, to_host
 from .dp import (GradBuffer, OverlappedAverage, backward_layout, dp_average, dp_formula, dp_rows, micro_batches,
                  params_digest)
 from .errors import NumericalFault
 from .hier import HierarchicalAverager
-from .optim import clip_grads, decays, global_grad_norm, lr_at, make_optimizer
+from .optim import clip_grads, decays, lr_at, make_optimizer
 from .pp import parse_split, run_stage, schedule, split_layers, stage_names
 from .zero import ZeroOptimizer
 
@@ -104,10 +104,12 @@ class HybridTrainer:
         return self.grid.tp > 1 and tp_model.split_of(name, self.scheme)[0] != "rep"
 
     # ------------------------------------------------------------------------------------------ steps 1 to 3
-    def compute_grads(self, idx, targets):
+    def compute_grads(self, idx, targets, host=True):
         """Steps 1-3: this rank's gradient shards of the global batch's mean loss, averaged over dp (ZeRO: the
         owned chunk in zero.g_chunk, and with stage 2 self.grads is None afterwards: the full buffer is released;
-        staleness: the exchange is only started). Returns this DP group's loss."""
+        staleness: the exchange is only started). Returns this DP group's loss: a float (host=True; with pp > 1
+        broadcast from the last stage), or a device scalar that stays on the device (host=False; 0.0 on the
+        stages before the last)."""
         g, k, tr = self.grid, self.tc.grad_accum, self.tracer
         xp = array_module(self.pbuf.flat)
         idx, targets = xp.asarray(idx), xp.asarray(targets)
@@ -122,7 +124,7 @@ class HybridTrainer:
             loss, self.peak_held, self.timeline = run_stage(
                 self.actions, self.params, self.grads, [idx[mb] for mb in mbs], [targets[mb] for mb in mbs],
                 self.cfg, g, self.scheme, self.layers, self.first, self.last, tr, overlap.on_ready if overlap else None)
-            loss = g.pp_comm.comm.bcast(loss / k, root=g.pp - 1)         # metadata: the last stage has the loss
+            loss = loss / k
             mbs = []
         for j, mb in enumerate(mbs):
             with tr.span("forward", micro_batch=j):
@@ -130,7 +132,7 @@ class HybridTrainer:
             ready = overlap.on_ready if (overlap and j == k - 1) else None
             with tr.span("backward", micro_batch=j):
                 tp_model.backward(caches, self.grads, g.tp_comm, self.scheme, dloss=1.0 / k, on_ready=ready)
-            loss += float(mb_loss) / k
+            loss = loss + mb_loss / k                                    # stays on the device
         if self.delay:
             with tr.span("straggler delay"):
                 time.sleep(self.delay)
@@ -149,7 +151,10 @@ class HybridTrainer:
             else:
                 dp_average(buf, g.dp_comm)                               # one Allreduce over dp_comm
         self.exposed_dp = time.perf_counter() - t_sync
-        return loss
+        if not host:
+            return loss
+        loss = float(to_host(array_module(self.pbuf.flat).asarray(loss)))
+        return g.pp_comm.comm.bcast(loss, root=g.pp - 1) if g.pp > 1 else loss
 
     def _start_exchange(self, buf):
         """Staleness 1: copy this step's gradients into a free exchange buffer and start its Iallreduce; the
@@ -170,13 +175,15 @@ class HybridTrainer:
             self.inflight = None
 
     # ------------------------------------------------------------------------------------------ step 4
-    def update(self, step):
-        """Step 4: clip by the global norm, then the optimizer step with the scheduled learning rate."""
+    def update(self, step, norm=None):
+        """Step 4: clip by the global norm, then the optimizer step with the scheduled learning rate.
+        norm: the global gradient norm if already known (step() computes it with its one host copy)."""
         tc, tr = self.tc, self.tracer
         lr = lr_at(step, tc.lr, tc.warmup, tc.steps)
+        if norm is None:
+            norm = self.global_norm(to_host(self.grad_squares()))
         with tr.span("optimizer"):
             if self.zero:
-                norm = self.zero.grad_norm(self.grid.tp_comm, self.grid.pp_comm if self.grid.pp > 1 else None)
                 factor = tc.clip / (norm + 1e-12) if tc.clip and norm > tc.clip else 1.0
                 self.zero.step(lr, factor)                               # my chunk, then Allgather over dp_comm
                 return lr, norm
@@ -185,23 +192,51 @@ class HybridTrainer:
                 if self.ready is None:                                   # step 1: nothing has arrived yet
                     return lr, float("nan")
                 grads = self.ready.grads
-            norm = global_grad_norm(grads, self.is_sharded, self.grid.tp_comm,
-                                    self.grid.pp_comm if self.grid.pp > 1 else None)
-            clip_grads(grads, norm, tc.clip)
+            clip_grads(grads, norm, tc.clip)                             # a device multiply, no host copy
             self.opt.step(self.params, grads, lr)
         return lr, norm
+
+    def grad_squares(self):
+        """On the device: [sum of squares over tensor-sharded elements, over replicated ones] of the gradient about
+        to be applied (ZeRO: of this rank's chunk)."""
+        xp = array_module(self.pbuf.flat)
+        if self.zero:
+            g, m = self.zero.g_chunk, self.zero.sharded_mask
+            return xp.stack([(g[m] ** 2).sum(), (g[~m] ** 2).sum()])
+        if self.stale is not None and self.ready is None:
+            return xp.zeros(2, dtype=self.pbuf.flat.dtype)
+        grads = self.ready.grads if self.stale is not None else self.grads
+        zero = xp.zeros((), dtype=self.pbuf.flat.dtype)
+        sharded = sum(((v * v).sum() for n, v in grads.items() if self.is_sharded(n)), zero)
+        replicated = sum(((v * v).sum() for n, v in grads.items() if not self.is_sharded(n)), zero)
+        return xp.stack([sharded, replicated])
+
+    def global_norm(self, sq):
+        """The full model's gradient norm from this rank's host [sharded, replicated] sums of squares: sharded
+        parts summed over tp (different slices), replicated ones once; over dp too for ZeRO's chunks; over pp."""
+        g = self.grid
+        sharded, replicated = float(sq[0]), float(sq[1])
+        if self.zero:
+            sharded, replicated = g.dp_comm.comm.allreduce(sharded), g.dp_comm.comm.allreduce(replicated)
+        total = (g.tp_comm.comm.allreduce(sharded) if g.tp > 1 else sharded) + replicated
+        return math.sqrt(g.pp_comm.comm.allreduce(total) if g.pp > 1 else total)
 
     def step(self, idx, targets, step, poison=False):
         """One optimizer step on the global batch idx, targets (B, T). `step` counts from 1 (for the schedule).
         poison=True puts a NaN into this rank's gradient (fault injection for --on-nan)."""
         g, stats = self.grid, self.grid.stats
+        xp = array_module(self.pbuf.flat)
         t0, tp0 = time.perf_counter(), stats.seconds("tp")
-        loss = self.compute_grads(idx, targets)
+        loss = self.compute_grads(idx, targets, host=False)             # on the device
         if poison:
             self.local_grads()[0] = float("nan")
         dp0 = stats.seconds("dp")
-        bad = g.world.comm.allgather(not (math.isfinite(loss) and bool(array_module(self.pbuf.flat).isfinite(
-            self.local_grads()).all())))                                 # every rank learns where it went wrong
+        # the step's one device-to-host copy: loss, count of non-finite gradient values, norm parts
+        nonfinite = (~xp.isfinite(self.local_grads())).sum() + (~xp.isfinite(xp.asarray(loss))).sum()
+        host = to_host(xp.stack([xp.asarray(loss, dtype=self.pbuf.flat.dtype),
+                                 nonfinite.astype(self.pbuf.flat.dtype), *self.grad_squares()]))
+        loss = g.pp_comm.comm.bcast(float(host[0]), root=g.pp - 1) if g.pp > 1 else float(host[0])
+        bad = g.world.comm.allgather(bool(host[1] > 0))                 # every rank learns where it went wrong
         if any(bad):
             ranks = [r for r, b in enumerate(bad) if b]
             if getattr(self.tc, "on_nan", "stop") == "stop":
@@ -209,7 +244,7 @@ class HybridTrainer:
                                      "resume from a checkpoint with a smaller --lr, or use --on-nan skip")
             lr, norm, self.skipped = float("nan"), float("nan"), self.skipped + 1   # --on-nan skip: no update
         else:
-            lr, norm = self.update(step)
+            lr, norm = self.update(step, self.global_norm(host[2:]))
         exposed = self.exposed_dp + stats.seconds("dp") - dp0            # + ZeRO's Allgather of the parameters
         loss = g.dp_comm.comm.allreduce(loss) / g.dp                     # metadata: the global batch's loss
         return StepInfo(loss, lr, norm, time.perf_counter() - t0, stats.seconds("tp") - tp0, exposed)
@@ -304,7 +339,7 @@ class HybridTrainer:
             if g.pp > 1:                                                 # forwards only, through the stages
                 loss, _, _ = run_stage([("F", 0)], self.params, None, [idx[rows]], [targets[rows]], self.cfg, g,
                                        self.scheme, self.layers, self.first, self.last, _Null(), backward=False)
-                loss = g.pp_comm.comm.bcast(loss, root=g.pp - 1)
+                loss = g.pp_comm.comm.bcast(float(loss), root=g.pp - 1)
             else:
                 loss, _ = tp_model.forward(self.params, idx[rows], targets[rows], self.cfg, g.tp_comm, self.scheme)
             total += float(loss)

@@ -16,7 +16,7 @@ Arrays may be NumPy or CuPy; each function computes with the module its inputs b
 """
 import math
 
-from .backend import array_module, parallel_rows
+from .backend import array_module, parallel_rows, scatter_add
 
 LN_EPS = 1e-5
 GELU_C = math.sqrt(2.0 / math.pi)
@@ -36,10 +36,9 @@ def embedding_forward(idx, wte, wpe):
 def embedding_backward(dout, cache, dwte, dwpe):
     """dwte[v] += sum of dout over the positions holding token v; dwpe[t] += sum over the batch."""
     idx, V = cache
-    xp = array_module(dout)
     B, T, C = dout.shape
     dwpe[:T] += dout.sum(axis=0)                              # (T, C)
-    xp.add.at(dwte, idx.reshape(-1), dout.reshape(-1, C))     # scatter-add rows: (N,) -> (V, C)
+    scatter_add(dwte, idx.reshape(-1), dout.reshape(-1, C))   # scatter-add rows: (N,) -> (V, C)
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -189,7 +189,7 @@ def run_stage(actions, params, grads, idx_mbs, tgt_mbs, cfg, grid, scheme, layer
                 out, caches[j] = tp_model.stage_forward(params, inp, xp.asarray(tgt_mbs[j]), cfg, tp, scheme, layers,
                                                         first, last)
                 if last:
-                    loss_sum += float(out)
+                    loss_sum = loss_sum + out                                                  # on the device
                 else:
                     out = xp.ascontiguousarray(out)
                     sends.append((pc.Isend(out, dest=s + 1, tag=2 * j), out))                 # activation out

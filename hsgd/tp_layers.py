@@ -22,7 +22,7 @@ import math
 
 from mpi4py import MPI
 
-from .backend import array_module
+from .backend import array_module, scatter_add
 from .layers import linear_backward, linear_forward
 
 # ------------------------------------------------------------------------------------------------ f and g
@@ -151,11 +151,10 @@ def vocab_embedding_forward(idx, wte_part, wpe, start, comm):
 
 def vocab_embedding_backward(dx, cache, dwte_part, dwpe):
     """dwte rows of this rank's tokens (dx is replicated: no communication); dwpe as in the serial layer."""
-    xp = array_module(dx)
     local, mine = cache
     C = dx.shape[-1]
     dwpe[:dx.shape[1]] += dx.sum(axis=0)
-    xp.add.at(dwte_part, local[mine], dx.reshape(-1, C)[mine.reshape(-1)])
+    scatter_add(dwte_part, local[mine], dx.reshape(-1, C)[mine.reshape(-1)])
 
 
 def vocab_cross_entropy_forward(logits_part, targets, start, V, comm):

@@ -35,7 +35,7 @@ on_ready(group) reports the group final.
 Legend: B batch, T sequence, C d_model, NH heads, F d_ff, V vocab, Vp = ceil(V/tp), L layers, N = B*T, tp ranks.
 Left out: dropout (hsgd has none), overlapping the collectives with compute, selective recomputation.
 """
-from .backend import array_module
+from .backend import array_module, scatter_add
 from .errors import ConfigError
 from .layers import attention_backward, attention_forward, gelu_backward, gelu_forward, layernorm_backward, \
     layernorm_forward, linear_backward, linear_forward
@@ -152,11 +152,10 @@ def embedding_forward(idx, wte_part, wpe, start, comm):
 
 def embedding_backward(dx_s, cache, dwte_part, dwpe, comm):
     """dwpe: my positions only (partial); dwte: rows of this rank's tokens from the All-Gathered dx."""
-    xp = array_module(dx_s)
     local, mine, t0 = cache
     dwpe[t0:t0 + dx_s.shape[1]] += dx_s.sum(axis=0)                    # (T/tp, C)
     dx = gbar_backward(dx_s, comm)                                     # (B, T, C) All-Gather along T
-    xp.add.at(dwte_part, local[mine], dx.reshape(-1, dx.shape[-1])[mine.reshape(-1)])
+    scatter_add(dwte_part, local[mine], dx.reshape(-1, dx.shape[-1])[mine.reshape(-1)])
 
 
 def block_forward(x_s, p, h, cfg, comm):
