@@ -201,8 +201,9 @@ class HybridTrainer:
         to be applied (ZeRO: of this rank's chunk)."""
         xp = array_module(self.pbuf.flat)
         if self.zero:
-            g, m = self.zero.g_chunk, self.zero.sharded_mask
-            return xp.stack([(g[m] ** 2).sum(), (g[~m] ** 2).sum()])
+            sq = self.zero.g_chunk ** 2                                  # masks by multiplication: no sync
+            sharded = (sq * self.zero.sharded_mask).sum()
+            return xp.stack([sharded, sq.sum() - sharded])
         if self.stale is not None and self.ready is None:
             return xp.zeros(2, dtype=self.pbuf.flat.dtype)
         grads = self.ready.grads if self.stale is not None else self.grads

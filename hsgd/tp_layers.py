@@ -154,7 +154,8 @@ def vocab_embedding_backward(dx, cache, dwte_part, dwpe):
     local, mine = cache
     C = dx.shape[-1]
     dwpe[:dx.shape[1]] += dx.sum(axis=0)
-    scatter_add(dwte_part, local[mine], dx.reshape(-1, C)[mine.reshape(-1)])
+    # rows owned elsewhere add zeros (to row 0): no boolean indexing, which would cost a device-host sync on GPUs
+    scatter_add(dwte_part, local.reshape(-1), (dx * mine[..., None]).reshape(-1, C))
 
 
 def vocab_cross_entropy_forward(logits_part, targets, start, V, comm):
@@ -189,8 +190,9 @@ def vocab_cross_entropy_forward(logits_part, targets, start, V, comm):
 def vocab_cross_entropy_backward(dloss, cache):
     """dlogits_i = dloss * (softmax_i - onehot_i) / N on the local columns: no communication."""
     probs, tgt, mine, rows, shape = cache
+    xp = array_module(probs)
     N = probs.shape[0]
     dz = probs * (dloss / N)                                             # (N, Vp)
-    dz[rows[mine], tgt[mine]] -= dloss / N
+    dz[rows, xp.where(mine, tgt, 0)] -= (dloss / N) * mine               # the target column, if it is mine
     return dz.reshape(shape)
 

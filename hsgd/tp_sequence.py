@@ -155,7 +155,7 @@ def embedding_backward(dx_s, cache, dwte_part, dwpe, comm):
     local, mine, t0 = cache
     dwpe[t0:t0 + dx_s.shape[1]] += dx_s.sum(axis=0)                    # (T/tp, C)
     dx = gbar_backward(dx_s, comm)                                     # (B, T, C) All-Gather along T
-    scatter_add(dwte_part, local[mine], dx.reshape(-1, dx.shape[-1])[mine.reshape(-1)])
+    scatter_add(dwte_part, local.reshape(-1), (dx * mine[..., None]).reshape(-1, dx.shape[-1]))   # others add 0
 
 
 def block_forward(x_s, p, h, cfg, comm):

@@ -25,7 +25,7 @@ from mpi4py import MPI
 from threadpoolctl import threadpool_limits
 
 from . import checkpoint, launch
-from .backend import resolve_device, set_cpu_threads, tune_allocator
+from .backend import resolve_device, select_gpu, set_cpu_threads, tune_allocator
 from .data import Corpus
 from .errors import NumericalFault
 from .generate import generate, printable
@@ -41,11 +41,24 @@ __all__ = ["TrainConfig", "train", "main", "build_parser", "configs_from_args", 
 
 
 def local_ranks(world):
-    """Ranks of this job on this machine (for the default number of BLAS threads)."""
+    """(this rank's index among the job's ranks on this machine, how many there are)."""
     node = world.Split_type(MPI.COMM_TYPE_SHARED)
-    n = node.Get_size()
+    rank, n = node.Get_rank(), node.Get_size()
     node.Free()
-    return n
+    return rank, n
+
+
+def place_on_device(tc, world):
+    """"cpu", or for --device gpu: use the GPU of this node-local rank (ranks share GPUs when there are more
+    ranks than GPUs) and say how buffers reach MPI. Returns a description for the header."""
+    if resolve_device(tc.device) == "cpu":
+        return "cpu (NumPy)"
+    from .comm import cuda_aware_mpi
+    local, _ = local_ranks(world)
+    gpu, n_gpus = launch.agree(world, lambda: select_gpu(local))
+    path = "CUDA-aware MPI: device buffers to MPI" if cuda_aware_mpi() else \
+        "MPI not CUDA-aware: buffers staged through host memory"
+    return f"gpu (CuPy), {n_gpus} GPU(s) on this node, rank 0 on GPU {gpu}; {path} (HSGD_CUDA_AWARE=0|1 overrides)"
 
 
 def train(cfg, tc, world=MPI.COMM_WORLD, out=sys.stdout):
@@ -53,7 +66,7 @@ def train(cfg, tc, world=MPI.COMM_WORLD, out=sys.stdout):
     tc = replace(tc)
     tc.validate()
     tc.resolve_layout(world.Get_size())
-    threads = tc.threads or max(1, (os.cpu_count() or 1) // local_ranks(world))
+    threads = tc.threads or max(1, (os.cpu_count() or 1) // local_ranks(world)[1])
     set_cpu_threads(threads)                                         # BLAS and the elementwise layers alike
     tune_allocator()
     with threadpool_limits(limits=threads):
@@ -63,6 +76,7 @@ def train(cfg, tc, world=MPI.COMM_WORLD, out=sys.stdout):
 def _train(cfg, tc, world, out, threads):
     rank0 = world.Get_rank() == 0
     say = (lambda s="": print(s, file=out, flush=True)) if rank0 else (lambda s="": None)
+    device = place_on_device(tc, world)
     corpus = launch.agree(world, lambda: Corpus.load(tc.data, cfg.seq_len))
     grid = ProcessGrid(world, dp=tc.dp, pp=tc.pp, tp=tc.tp)
     tracer = Tracer(world.Get_rank(), world, enabled=False) if (tc.trace or tc.plot) else None
@@ -80,7 +94,8 @@ def _train(cfg, tc, world, out, threads):
     n_local = sum(p.size for p in trainer.params.values())
     tokens = tc.batch_size * cfg.seq_len
     say(f"hsgd | {world.Get_size()} ranks = dp {grid.dp} x pp {grid.pp} x tp {grid.tp} ({tc.tp_scheme}) | "
-        f"{resolve_device(tc.device)} {tc.dtype} | {threads} BLAS thread(s) per rank")
+        f"{tc.dtype} | {threads} CPU thread(s) per rank")
+    say(f"device: {device}")
     say(f"model: {cfg.n_params():,} parameters (L={cfg.n_layers} C={cfg.d_model} NH={cfg.n_heads} F={cfg.d_ff} "
         f"T={cfg.seq_len} V={cfg.vocab_size}); {n_local:,} on each rank (incl. vocab padding)")
     say(f"data:  {corpus.describe()}")

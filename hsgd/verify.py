@@ -25,7 +25,7 @@ from . import launch, serial, tp_model
 from .backend import to_numpy
 from .grid import ProcessGrid
 from .hybrid import HybridTrainer
-from .train import TrainConfig, configs_from_args
+from .train import TrainConfig, configs_from_args, place_on_device
 
 TOLERANCE = {"float64": (1e-12, 1e-10), "float32": (1e-6, 1e-4)}      # (loss, gradients)
 
@@ -113,6 +113,7 @@ def main(argv=None):
         args = build_parser().parse_args(argv)
         cfg, tc = launch.agree(world, lambda: configs_from_args(args, world.Get_size()))
         tc = replace(tc, steps=1, sample_bytes=0)
+        place_on_device(tc, world)
         with threadpool_limits(limits=1):
             ok, _ = verify(cfg, tc, world)
         return 0 if ok else 1

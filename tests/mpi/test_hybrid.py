@@ -136,3 +136,22 @@ def test_verify_detects_a_wrong_adjoint(monkeypatch):
     say(report.getvalue().splitlines()[-1] if report.getvalue() else "")
     # the report is printed by rank 0; the verdict reaches every rank
     check(ok_before and not ok_after and (WORLD.Get_rank() != 0 or "FAIL: largest" in report.getvalue()))
+
+
+def test_one_host_copy_per_training_step():
+    """A step copies one small vector (loss, non-finite count, norm parts) from the device, and nothing else goes
+    through backend.to_host; on the GPU `make gpu-check` also catches implicit copies (float(), .get(), ...)."""
+    from hsgd.backend import d2h_count
+    copies = {}
+    for dp, pp, tp, extra in ((4, 1, 2, {}), (2, 2, 2, {"grad_accum": 2}), (4, 1, 2, {"zero": 1, "clip": 0.5})):
+        tc = config(tp=tp, dp=dp, pp=pp, **extra)
+        cfg = hsgd.ModelConfig(vocab_size=256, seq_len=8, d_model=16, n_heads=8, n_layers=2, d_ff=16)
+        grid = ProcessGrid(WORLD, dp=dp, pp=pp, tp=tp)
+        trainer = HybridTrainer(cfg, grid, tc)
+        idx, targets = CORPUS.batch(3, 1, 8)
+        before = d2h_count()
+        trainer.step(idx, targets, 1)
+        copies[(dp, pp, tp, tuple(extra))] = d2h_count() - before
+        grid.free()
+    say(f"host copies per step: {copies}")
+    check(all(n == 1 for n in copies.values()), str(copies))
