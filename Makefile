@@ -3,6 +3,7 @@
 #                mpirun -n 8 python -m hsgd.train   (tp = 2, dp = 4)
 #   make test    same install, then the whole test suite (unit, MPI and tutorial tests)
 #   make bench   same install plus PyTorch, then the benchmarks in benchmarks/ (tables in benchmarks/results/)
+#   make gpu-check  the GPU path on a machine with a GPU and CuPy: tests, verify, training, benchmark
 # Use a system MPI instead of PyPI's mpich wheel:  make test EXTRAS=dev
 # (mpi4py then builds against the mpicc found on PATH).
 
@@ -13,7 +14,7 @@ PY     := $(VENV)/bin/python
 comma  := ,
 STAMP  := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 
-.PHONY: train test lint bench clean
+.PHONY: train test lint bench gpu-check clean
 
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -45,6 +46,10 @@ $(BENCH_STAMP): $(STAMP)
 bench: $(BENCH_STAMP)
 	$(RUN) python benchmarks/bench_serial.py
 	$(RUN) python benchmarks/bench.py
+
+# The GPU path, on a machine with a GPU and CuPy (pip install -e '.[gpu]'); installs nothing itself.
+gpu-check:
+	$(RUN) python benchmarks/gpu_check.py
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

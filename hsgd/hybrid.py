@@ -311,11 +311,11 @@ class HybridTrainer:
 
     def load_state(self, params, state, t):
         """Set this rank's parameter shards and optimizer state (the layout of state_by_name)."""
+        xp = array_module(self.pbuf.flat)
         for n, p in params.items():
-            self.params[n][...] = p
+            self.params[n][...] = xp.asarray(p)                          # (host arrays onto the device)
         if hasattr(self.opt, "t"):
             self.opt.t = t
-        xp = array_module(self.pbuf.flat)
         if self.zero:
             keys = {k for st in state.values() for k in st}
             flat = {k: xp.zeros(self.pbuf.flat.size, dtype=self.pbuf.flat.dtype) for k in keys}

@@ -197,6 +197,16 @@ def gelu_backward(dout, cache):
 # --------------------------------------------------------------------------------------------------------------
 # Causal multi-head self-attention on already projected q, k, v
 
+def _matmul_into(a, b, out):
+    """out[...] = a @ b, written straight into `out` (a strided view) where the array module allows it."""
+    xp = array_module(a)
+    if xp.__name__ == "numpy":
+        xp.matmul(a, b, out=out)
+    else:                                                     # CuPy: compute, then copy into the view
+        out[...] = a @ b
+    return out
+
+
 def _split_heads(x, n_heads):
     B, T, C = x.shape
     return x.reshape(B, T, n_heads, C // n_heads).transpose(0, 2, 1, 3)   # (B, NH, T, hs) view
@@ -227,7 +237,7 @@ def attention_forward(q, k, v, n_heads):
 
     parallel_rows(softmax, B, min_rows=1)
     y = xp.empty_like(q, shape=(B, T, C))                     # (B, T, C)
-    xp.matmul(att, vh, out=_split_heads(y, n_heads))          # heads written in place: no merge copy
+    _matmul_into(att, vh, _split_heads(y, n_heads))           # heads written in place: no merge copy
     return y, (qh, kh, vh, att)
 
 
@@ -247,7 +257,7 @@ def attention_backward(dy, cache, out=None):
         out = xp.empty_like(dy, shape=(B, T, 3 * C))
     dq, dk, dv = out[..., :C], out[..., C:2 * C], out[..., 2 * C:]             # (B, T, C) views
     dyh = xp.ascontiguousarray(_split_heads(dy, n_heads))     # (B, NH, T, hs)
-    xp.matmul(att.transpose(0, 1, 3, 2), dyh, out=_split_heads(dv, n_heads))   # dv = P^T dy, in place
+    _matmul_into(att.transpose(0, 1, 3, 2), dyh, _split_heads(dv, n_heads))    # dv = P^T dy, in place
     dS = dyh @ vh.transpose(0, 1, 3, 2)                       # (B, NH, T, T) dP
 
     def softmax_backward(lo, hi):                             # sequences lo..hi-1, in place
@@ -257,9 +267,9 @@ def attention_backward(dy, cache, out=None):
 
     parallel_rows(softmax_backward, dS.shape[0], min_rows=1)
     dqh = _split_heads(dq, n_heads)                           # (B, NH, T, hs) views into out
-    xp.matmul(dS, kh, out=dqh)
+    _matmul_into(dS, kh, dqh)
     dqh *= 1.0 / math.sqrt(hs)                                # dq = dS k / sqrt(hs)
-    xp.matmul(dS.transpose(0, 1, 3, 2), qh, out=_split_heads(dk, n_heads))     # dk = dS^T q / sqrt(hs): qh
+    _matmul_into(dS.transpose(0, 1, 3, 2), qh, _split_heads(dk, n_heads))      # dk = dS^T q / sqrt(hs): qh
     return dq, dk, dv                                         #   holds q / sqrt(hs) already
 
 

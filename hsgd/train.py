@@ -56,6 +56,7 @@ def place_on_device(tc, world):
     from .comm import cuda_aware_mpi
     local, _ = local_ranks(world)
     gpu, n_gpus = launch.agree(world, lambda: select_gpu(local))
+    set_cpu_threads(1)                                               # the GPU does the elementwise work
     path = "CUDA-aware MPI: device buffers to MPI" if cuda_aware_mpi() else \
         "MPI not CUDA-aware: buffers staged through host memory"
     return f"gpu (CuPy), {n_gpus} GPU(s) on this node, rank 0 on GPU {gpu}; {path} (HSGD_CUDA_AWARE=0|1 overrides)"

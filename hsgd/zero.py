@@ -101,7 +101,7 @@ class ZeroOptimizer:
     def load_state(self, flat_state):
         """Keep my chunk of a full flat optimizer state {key: flat array} (the inverse of full_state)."""
         xp = array_module(self.pbuf.flat)
-        chunks = {k: xp.array(v[self.mine]) for k, v in flat_state.items()}
+        chunks = {k: xp.array(xp.asarray(v)[self.mine]) for k, v in flat_state.items()}
         if "velocity" in chunks:
             self.opt.state["chunk"] = chunks["velocity"]
         elif chunks:
