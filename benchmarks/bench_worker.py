@@ -132,9 +132,7 @@ def task_memory():
                 if step == 2:
                     before = grid.stats.counts()
                 trainer.step(idx[:, :64], targets[:, :64], step)
-            after = grid.stats.counts()
-            measured = {k: (v[0] - before.get(k, (0, 0))[0], v[1] - before.get(k, (0, 0))[1])
-                        for k, v in after.items() if v != before.get(k)}
+            measured = grid.stats.since(before)
             formula = step_formula(cfg, tc, trainer)
             rows_ = slice(grid.dp_rank * batch // dp, (grid.dp_rank + 1) * batch // dp)
             _, caches = tp_model.forward(trainer.params, idx[rows_, :64], targets[rows_, :64], cfg, grid.tp_comm)

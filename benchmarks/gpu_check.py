@@ -6,7 +6,8 @@ Installs nothing. Needs CuPy (pip install -e '.[gpu]') and, for the last row, Py
   1. the float64 serial-equivalence tests on the GPU (tests/test_gpu.py: GPU against CPU, to 1e-10);
   2. hsgd.verify with --device gpu for a few layouts (ranks share the GPUs when there are more ranks than GPUs);
   3. one float32 training run on the GPU whose validation loss must fall;
-  4. the device-to-host copies of a training step (hsgd.backend.d2h_count: expected 1, the step's one small vector);
+  4. the device-to-host copies of a training step (hsgd.backend.d2h_count: expected 1, the step's one small vector)
+     and, under cupyx.allow_synchronize(False), that forward and backward make no implicit device sync;
   5. one serial training step, float32, hsgd (CuPy) against PyTorch (CUDA), same model and weights.
 Prints one summary table (and writes benchmarks/results/gpu_check.md); exits 1 if any check failed.
 """
@@ -61,6 +62,15 @@ def device_step_checks():
     trainer.step(idx, targets, 2)
     copies = d2h_count() - before
     rows.append(("host copies in one training step (to_host)", f"{copies}", copies == 1))
+    try:                                          # implicit syncs (float(), .item(), a[mask], ...) raise in here
+        import cupyx
+        with cupyx.allow_synchronize(False):
+            trainer.compute_grads(cupy.asarray(idx), cupy.asarray(targets), host=False)
+        rows.append(("no implicit device sync in forward + backward (1 rank)", "none", True))
+    except AttributeError:
+        rows.append(("no implicit device sync in forward + backward", "cupyx.allow_synchronize missing", True))
+    except Exception as e:
+        rows.append(("no implicit device sync in forward + backward (1 rank)", f"{type(e).__name__}: {e}", False))
     grid.free()
     try:
         import torch

@@ -16,13 +16,16 @@ Buffer rules, stated once here:
 
 Accounting: every call adds, for (communicator name, operation), one call, its payload bytes and its seconds
 to a CommStats. The payload is the size of the whole logical tensor of the call: Allreduce and Bcast the
-buffer, Allgather the gathered result, Reduce_scatter_block the full input, Send/Recv the message.
+buffer, Allgather the gathered result, Reduce_scatter_block the full input, Send/Recv the message. On a one-rank
+communicator the collectives skip MPI (and any stream synchronization or staging) but are still counted, as
+the formulas count them.
 
 Collective-sequence check (HSGD_CHECK_COLLECTIVES=1, or check=True): before each collective the ranks of the
 communicator exchange (operation, communicator, shapes, dtype, call number) with a small pickled allgather;
 when they differ, every rank raises CollectiveMismatch naming each rank's call, instead of hanging.
 (It cannot catch a rank that never calls the check at all on this communicator.)
 """
+import ctypes
 import functools
 import os
 import time
@@ -41,10 +44,11 @@ def cuda_aware_mpi():
     env = os.environ.get("HSGD_CUDA_AWARE")
     if env in ("0", "1"):
         return env == "1"
-    query = getattr(MPI, "Query_cuda_support", None)
-    try:
-        return bool(query()) if query else False
-    except Exception:                                   # an MPI without the query: assume not CUDA-aware
+    try:                                                # MPICH and Open MPI export MPIX_Query_cuda_support
+        query = ctypes.CDLL(None).MPIX_Query_cuda_support
+        query.restype = ctypes.c_int
+        return bool(query())
+    except (AttributeError, OSError):                   # an MPI without the query: assume not CUDA-aware
         return False
 
 
@@ -77,6 +81,11 @@ class CommStats:
     def counts(self):
         """{(comm, op): (calls, bytes)}, for comparing with a formula."""
         return {k: (v[0], v[1]) for k, v in self.table.items()}
+
+    def since(self, before):
+        """{(comm, op): (calls, bytes)} recorded since `before` (an earlier counts()): e.g. one step's traffic."""
+        return {k: (v[0] - before.get(k, (0, 0))[0], v[1] - before.get(k, (0, 0))[1])
+                for k, v in self.counts().items() if v != before.get(k)}
 
     def reset(self):
         self.table.clear()
@@ -155,6 +164,9 @@ class Comm:
         """In place: x <- op over the ranks of x."""
         self._verify("Allreduce", x)
         t0 = time.perf_counter()
+        if self.size == 1:                                      # one rank: the result is x (no stream sync,
+            self._record("Allreduce", x.nbytes, t0)             # no staging); still counted, as the formulas do
+            return x
         b, unstage = self._buf(x)
         self.comm.Allreduce(MPI.IN_PLACE, b, op=op)
         if unstage:
@@ -174,6 +186,10 @@ class Comm:
         self._verify("Allgather", part, out)
         assert out.shape == (self.size, *part.shape), (out.shape, part.shape)
         t0 = time.perf_counter()
+        if self.size == 1:
+            out[0] = part
+            self._record("Allgather", out.nbytes, t0)
+            return out
         s, _ = self._buf(part)
         r, unstage = self._buf(out)
         self.comm.Allgather(s, r)
@@ -187,6 +203,10 @@ class Comm:
         self._verify("Reduce_scatter_block", full, out)
         assert full.shape == (self.size, *out.shape), (full.shape, out.shape)
         t0 = time.perf_counter()
+        if self.size == 1:
+            out[...] = full[0]
+            self._record("Reduce_scatter_block", full.nbytes, t0)
+            return out
         s, _ = self._buf(full)
         r, unstage = self._buf(out)
         self.comm.Reduce_scatter_block(s, r, op=op)

@@ -133,6 +133,8 @@ def _train(cfg, tc, world, out, threads):
             tracer.enabled = traced[0] <= step <= traced[1]
         with (tracer.span(f"step {step}") if tracer else nullcontext()):
             info = trainer.step(idx, targets, step, poison=kind == "nan")
+        if step == measured_step:
+            per_step = grid.stats.since(before)                          # this step's traffic, nothing else
         if kind == "diverge":
             trainer.params[trainer.order[-1]].reshape(-1)[0] += 1e-3     # this replica alone drifts away
         if tc.check_replicas and step % tc.check_replicas == 0:
@@ -140,10 +142,6 @@ def _train(cfg, tc, world, out, threads):
         if tc.save_dir and ((tc.save_interval and step % tc.save_interval == 0) or step == tc.steps):
             path = checkpoint.save(trainer, step, tc.save_dir, tc.keep, kill_in_save=kind == "kill-in-save")
             say(f"checkpoint after step {step}: {path}")
-        if step == measured_step:
-            after = grid.stats.counts()
-            per_step = {k: (v[0] - before.get(k, (0, 0))[0], v[1] - before.get(k, (0, 0))[1])
-                        for k, v in after.items() if v != before.get(k)}
         losses.append(info.loss)
         for k, v in (("n", 1), ("loss", info.loss), ("s", info.seconds), ("tp", info.tp_seconds),
                      ("dp", info.dp_seconds)):

@@ -19,11 +19,6 @@ backward pass, which would lower the peak too, is left out.
 Element masks replace what the per-parameter optimizer knew from names: which elements get weight decay
 (2-D parameters) and which belong to tensor-sharded parameters (for the global gradient norm).
 """
-import math
-
-import numpy as np
-from mpi4py import MPI
-
 from .backend import array_module
 
 
@@ -62,18 +57,6 @@ class ZeroOptimizer:
         self.g_chunk *= 1.0 / dp
         if self.stage == 2:
             self.buf = None
-
-    def grad_norm(self, tp_comm, pp_comm=None):
-        """The global gradient norm from the chunks: squares summed over dp (different chunks), sharded ones also
-        over tp (different shards), replicated ones once."""
-        g = self.g_chunk
-        sq = np.array([float((g[self.sharded_mask] ** 2).sum()), float((g[~self.sharded_mask] ** 2).sum())])
-        sq = self.dp_comm.comm.allreduce(sq, op=MPI.SUM)                 # metadata: two numbers
-        sharded = tp_comm.comm.allreduce(sq[0], op=MPI.SUM) if tp_comm is not None else sq[0]
-        total = sharded + sq[1]
-        if pp_comm is not None:                                          # stages hold different layers
-            total = pp_comm.comm.allreduce(total, op=MPI.SUM)
-        return math.sqrt(total)
 
     def step(self, lr, clip_factor=1.0):
         """Update my chunk of the parameters, then All-Gather all chunks into every rank's parameters."""

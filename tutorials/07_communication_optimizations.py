@@ -263,8 +263,8 @@ if rank == 0:
 # in the All-Gather. The same bytes as an All-Reduce, $1/G$ of the optimizer's memory and work: ZeRO stage 1
 # (Rajbhandari et al. 2020). Stage 2 also drops the full gradient buffer between steps, keeping only $g_r$. The
 # flat buffers are padded to a multiple of G so that the chunks are equal (`zero.py`). Clipping needs the global
-# norm of the gradient, which is now spread over the chunks: `ZeroOptimizer.grad_norm` adds the chunks' squares
-# over dp (and the split parameters' over tp).
+# norm of the gradient, which is now spread over the chunks: `HybridTrainer.grad_squares` and `global_norm` add
+# the chunks' squares over dp (and the split parameters' over tp).
 #
 # The check: four steps of AdamW with weight decay and clipping active at every step, plain vs ZeRO-1 vs ZeRO-2.
 

@@ -32,3 +32,25 @@ def world_max(x):
 @pytest.fixture
 def world():
     return WORLD
+
+
+def train_steps(cfg, corpus, tc, tracer=None):
+    """tc.steps training steps on a new (dp, pp, tp) grid over COMM_WORLD. Returns (grid, trainer, whether the DP
+    replicas were bit-identical after every step, the communication of step 2 {(comm, op): (calls, bytes)})."""
+    from hsgd.dp import params_digest
+    from hsgd.grid import ProcessGrid
+    from hsgd.hybrid import HybridTrainer
+    grid = ProcessGrid(WORLD, dp=tc.dp, pp=tc.pp, tp=tc.tp)
+    trainer = HybridTrainer(cfg, grid, tc, tracer)
+    if tracer:
+        for c in (grid.tp_comm, grid.dp_comm, grid.pp_comm):
+            c.tracer = tracer
+    identical, per_step = True, None
+    for step in range(1, tc.steps + 1):
+        before = grid.stats.counts()
+        trainer.step(*corpus.batch(tc.seed, step, tc.batch_size), step)
+        if step == 2:
+            per_step = grid.stats.since(before)
+        identical &= len(set(grid.dp_comm.allgather_obj(params_digest(trainer.params)))) == 1
+    trainer.finish()
+    return grid, trainer, identical, per_step

@@ -9,14 +9,11 @@ import pytest
 import hsgd
 from hsgd import serial, tp_model
 from hsgd.data import Corpus
-from hsgd.dp import params_digest
-from hsgd.grid import ProcessGrid
-from hsgd.hybrid import HybridTrainer
 from hsgd.optim import clip_grads, lr_at, make_optimizer
 from hsgd.trace import Tracer, overlap_seconds
 from hsgd.train import TrainConfig
 
-from .conftest import WORLD, check, say, world_max
+from .conftest import WORLD, check, say, train_steps, world_max
 
 pytestmark = pytest.mark.mpi(min_size=8)
 
@@ -51,23 +48,7 @@ def serial_sgd(tc, delayed=False):
 
 
 def run(tc, tracer=None):
-    """tc.steps steps on the grid; returns (grid, trainer, replicas identical after every step, per-step bytes)."""
-    grid = ProcessGrid(WORLD, dp=tc.dp, tp=tc.tp)
-    trainer = HybridTrainer(CFG, grid, tc, tracer)
-    if tracer:
-        for c in (grid.tp_comm, grid.dp_comm):
-            c.tracer = tracer
-    identical, per_step = True, None
-    for step in range(1, tc.steps + 1):
-        before = grid.stats.counts()
-        trainer.step(*CORPUS.batch(tc.seed, step, tc.batch_size), step)
-        if step == 2:
-            after = grid.stats.counts()
-            per_step = {k: (v[0] - before.get(k, (0, 0))[0], v[1] - before.get(k, (0, 0))[1])
-                        for k, v in after.items() if v != before.get(k)}
-        identical &= len(set(grid.dp_comm.allgather_obj(params_digest(trainer.params)))) == 1
-    trainer.finish()
-    return grid, trainer, identical, per_step
+    return train_steps(CFG, CORPUS, tc, tracer)
 
 
 def param_err(trainer, grid, ref, scheme="megatron"):
