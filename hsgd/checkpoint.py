@@ -35,7 +35,7 @@ from . import tp_model
 from .backend import to_numpy
 from .config import ModelConfig
 from .errors import UsageError
-from .pp import split_layers, stage_names
+from .pp import parse_split, split_layers, stage_names
 
 FORMAT = "hsgd-checkpoint-1"
 
@@ -95,7 +95,7 @@ def save(trainer, step, save_dir, keep=3, kill_in_save=False):
         manifest = {
             "format": FORMAT, "step": step, "model": asdict(trainer.cfg),
             "layout": {"dp": g.dp, "pp": g.pp, "tp": g.tp, "tp_scheme": trainer.scheme,
-                       "layers": [len(r) for r in split_layers(trainer.cfg.n_layers, g.pp, _split(tc))]},
+                       "layers": [len(r) for r in split_layers(trainer.cfg.n_layers, g.pp, parse_split(tc.pp_split))]},
             "optimizer": {"name": tc.optimizer, "t": int(t)}, "dtype": tc.dtype,
             "data": {"next_step": step + 1, "seed": tc.seed, "corpus": tc.data or "built-in",
                      "batch_size": tc.batch_size},
@@ -120,11 +120,6 @@ def save(trainer, step, save_dir, keep=3, kill_in_save=False):
         for old in complete_checkpoints(save_dir)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     return world.bcast(final, root=0)
-
-
-def _split(tc):
-    from .pp import parse_split
-    return parse_split(getattr(tc, "pp_split", None))
 
 
 def complete_checkpoints(save_dir):

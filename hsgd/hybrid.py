@@ -22,7 +22,6 @@ rank slower, to show what synchronous SGD pays for it.
 Parameters and gradients live in flat buffers laid out in the order the backward pass finishes them, so each
 layer's gradients are one contiguous bucket.
 """
-import math
 import time
 from dataclasses import dataclass
 
@@ -32,7 +31,7 @@ from .dp import (GradBuffer, OverlappedAverage, backward_layout, dp_average, dp_
                  params_digest)
 from .errors import NumericalFault
 from .hier import HierarchicalAverager
-from .optim import clip_grads, decays, lr_at, make_optimizer
+from .optim import clip_grads, decays, grad_square_sums, lr_at, make_optimizer, norm_from_squares
 from .pp import parse_split, run_stage, schedule, split_layers, stage_names
 from .zero import ZeroOptimizer
 
@@ -62,17 +61,17 @@ class HybridTrainer:
         self.cfg, self.grid, self.tc = cfg, grid, tc
         self.scheme = tc.tp_scheme
         self.tracer = tracer or _Null()
-        zero, staleness = getattr(tc, "zero", 0), getattr(tc, "dp_staleness", 0)
+        zero, staleness = tc.zero, tc.dp_staleness
         shards = tp_model.init_params(cfg, grid.tp_comm, seed=tc.seed, dtype=tc.dtype, device=tc.device,
                                       scheme=tc.tp_scheme)
         # pipeline stage: my blocks, and the embedding (first stage) or the head (last stage)
-        self.layers = split_layers(cfg.n_layers, grid.pp, parse_split(getattr(tc, "pp_split", None)))[grid.pp_rank]
+        self.layers = split_layers(cfg.n_layers, grid.pp, parse_split(tc.pp_split))[grid.pp_rank]
         self.first, self.last = grid.pp_rank == 0, grid.pp_rank == grid.pp - 1
         shards = {n: shards[n] for n in stage_names(cfg, self.layers, self.first, self.last)}
         self.groups = [grp for grp in tp_model.backward_order(cfg)
                        if any(tp_model.param_group(n) == grp for n in shards)]
         self.order = backward_layout(shards, tp_model.param_group, self.groups)
-        self.actions = schedule(getattr(tc, "schedule", "1f1b"), tc.grad_accum, grid.pp, grid.pp_rank)
+        self.actions = schedule(tc.schedule, tc.grad_accum, grid.pp, grid.pp_rank)
         self.peak_held, self.timeline = 0, []                          # measured by the last pipelined step
         pad = grid.dp if zero else 1
         self.pbuf = GradBuffer(shards, self.order, pad)                 # the parameters, same flat layout
@@ -87,14 +86,13 @@ class HybridTrainer:
         self.grads = self.zero.buf.grads if self.zero else self.buf.grads
         self.buckets = {grp: self.pbuf.span([n for n in self.order if tp_model.param_group(n) == grp])
                         for grp in self.groups}                                   # the same layout as pbuf
-        self.hier = HierarchicalAverager(grid.dp_comm, getattr(tc, "ranks_per_node", None)) \
-            if getattr(tc, "hierarchical", False) else None
+        self.hier = HierarchicalAverager(grid.dp_comm, tc.ranks_per_node) if tc.hierarchical else None
         self.stale = [new_buf(), new_buf()] if staleness else None     # exchange buffers, used alternately
         self.inflight = None                                            # (buffer, request) of the last exchange
         self.ready = None                                               # the averaged gradient to apply (stale)
         self.exposed_dp = 0.0                                           # seconds of the last dp sync phase
         self.skipped = 0                                                # updates skipped for non-finite values
-        straggler = getattr(tc, "straggler", None)
+        straggler = tc.straggler
         self.delay = 0.0
         if straggler:
             rank, ms = (int(x) for x in straggler.split(":"))
@@ -117,7 +115,7 @@ class HybridTrainer:
         if not self.zero:
             buf.zero()
         self.grads = buf.grads
-        overlap = OverlappedAverage(buf, g.dp_comm, self.buckets) if getattr(self.tc, "dp_overlap", False) else None
+        overlap = OverlappedAverage(buf, g.dp_comm, self.buckets) if self.tc.dp_overlap else None
         loss = 0.0
         mbs = micro_batches(dp_rows(len(idx), g.dp, g.dp_rank), k)
         if g.pp > 1:                                                     # the pipeline runs this stage's schedule
@@ -206,21 +204,14 @@ class HybridTrainer:
             return xp.stack([sharded, sq.sum() - sharded])
         if self.stale is not None and self.ready is None:
             return xp.zeros(2, dtype=self.pbuf.flat.dtype)
-        grads = self.ready.grads if self.stale is not None else self.grads
-        zero = xp.zeros((), dtype=self.pbuf.flat.dtype)
-        sharded = sum(((v * v).sum() for n, v in grads.items() if self.is_sharded(n)), zero)
-        replicated = sum(((v * v).sum() for n, v in grads.items() if not self.is_sharded(n)), zero)
-        return xp.stack([sharded, replicated])
+        return grad_square_sums(self.ready.grads if self.stale is not None else self.grads, self.is_sharded)
 
     def global_norm(self, sq):
-        """The full model's gradient norm from this rank's host [sharded, replicated] sums of squares: sharded
-        parts summed over tp (different slices), replicated ones once; over dp too for ZeRO's chunks; over pp."""
+        """The full model's gradient norm from this rank's host [sharded, replicated] sums of squares (ZeRO: of
+        its chunk, so the sums are first added over dp)."""
         g = self.grid
-        sharded, replicated = float(sq[0]), float(sq[1])
-        if self.zero:
-            sharded, replicated = g.dp_comm.comm.allreduce(sharded), g.dp_comm.comm.allreduce(replicated)
-        total = (g.tp_comm.comm.allreduce(sharded) if g.tp > 1 else sharded) + replicated
-        return math.sqrt(g.pp_comm.comm.allreduce(total) if g.pp > 1 else total)
+        return norm_from_squares(float(sq[0]), float(sq[1]), g.tp_comm if g.tp > 1 else None,
+                                 g.pp_comm if g.pp > 1 else None, g.dp_comm if self.zero else None)
 
     def step(self, idx, targets, step, poison=False):
         """One optimizer step on the global batch idx, targets (B, T). `step` counts from 1 (for the schedule).
@@ -240,7 +231,7 @@ class HybridTrainer:
         bad = g.world.comm.allgather(bool(host[1] > 0))                 # every rank learns where it went wrong
         if any(bad):
             ranks = [r for r, b in enumerate(bad) if b]
-            if getattr(self.tc, "on_nan", "stop") == "stop":
+            if self.tc.on_nan == "stop":
                 raise NumericalFault(f"non-finite loss or gradient at step {step} on ranks {ranks} (--on-nan stop); "
                                      "resume from a checkpoint with a smaller --lr, or use --on-nan skip")
             lr, norm, self.skipped = float("nan"), float("nan"), self.skipped + 1   # --on-nan skip: no update
@@ -277,7 +268,7 @@ class HybridTrainer:
         if self.zero:
             return self.zero.formula()
         nbytes = int(self.buf.flat.nbytes)
-        if getattr(self.tc, "dp_overlap", False):
+        if self.tc.dp_overlap:
             return {("dp", "Iallreduce"): (len(self.buckets), nbytes)}
         if self.hier:
             return self.hier.formula(nbytes, self.pbuf.flat.itemsize)

@@ -16,7 +16,7 @@ import math
 
 from mpi4py import MPI
 
-from .backend import array_module
+from .backend import array_module, to_host
 
 
 def decays(name, p):
@@ -108,22 +108,37 @@ def lr_at(step, lr, warmup=0, total=None, min_ratio=0.1):
     return lr * (min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
-def global_grad_norm(grads, is_sharded, tp_comm=None, pp_comm=None):
-    """The norm of the full model's gradient, from local shards.
+def grad_square_sums(grads, is_sharded):
+    """On the device, no host copy: [sum of squares over tensor-sharded parameters, over replicated ones]."""
+    g0 = next(iter(grads.values()))
+    xp = array_module(g0)
+    zero = xp.zeros((), dtype=g0.dtype)
+    sharded = sum(((g * g).sum() for n, g in grads.items() if is_sharded(n)), zero)
+    replicated = sum(((g * g).sum() for n, g in grads.items() if not is_sharded(n)), zero)
+    return xp.stack([sharded, replicated])
+
+
+def norm_from_squares(sharded, replicated, tp_comm=None, pp_comm=None, dp_comm=None):
+    """The norm of the full model's gradient from this rank's sums of squares (host floats).
 
         ||g||^2 = sum over sharded parameters of their squares, summed over the tp ranks (each holds a slice)
                 + sum over replicated parameters of their squares, counted once (every tp rank holds a copy)
     then summed over pipeline stages (pp_comm), which hold different layers. Gradients are already averaged
-    over dp, so data-parallel replicas compute the same norm without communicating. Returns a float.
+    over dp, so replicas compute the same norm without communicating, unless each holds only a chunk (ZeRO:
+    pass dp_comm, and both sums are first added over it).
     """
-    sq = [0.0, 0.0]                                   # [sharded, replicated]
-    for name, g in grads.items():
-        sq[0 if is_sharded(name) else 1] += float((g * g).sum())
-    sharded = sq[0] if tp_comm is None else tp_comm.comm.allreduce(sq[0], op=MPI.SUM)
-    total = sharded + sq[1]
+    if dp_comm is not None:
+        sharded, replicated = dp_comm.comm.allreduce(sharded), dp_comm.comm.allreduce(replicated)
+    total = (sharded if tp_comm is None else tp_comm.comm.allreduce(sharded, op=MPI.SUM)) + replicated
     if pp_comm is not None:
         total = pp_comm.comm.allreduce(total, op=MPI.SUM)
     return math.sqrt(total)
+
+
+def global_grad_norm(grads, is_sharded, tp_comm=None, pp_comm=None):
+    """The global gradient norm (see norm_from_squares), with one host copy of the two sums."""
+    sq = to_host(grad_square_sums(grads, is_sharded))
+    return norm_from_squares(float(sq[0]), float(sq[1]), tp_comm, pp_comm)
 
 
 def clip_grads(grads, norm, max_norm):
