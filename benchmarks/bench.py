@@ -5,7 +5,7 @@
 Writes benchmarks/results/bench.md (the tables) and bench.json (every number), and prints the tables:
   a. one training step (forward, backward, SGD update; float32) of hsgd and of PyTorch eager on the CPU, the same
      model and weights (equal loss checked first) and the same thread count, for a small and a mid-size model:
-     the time ratio hsgd / PyTorch (median of interleaved repetitions);
+     the time ratio hsgd / PyTorch (medians over alternating blocks of steps);
   b. MFU: the model FLOPs of the step (ModelConfig.step_flops) per second over the float32 matmul rate of this
      machine measured in the same run (NumPy's BLAS; PyTorch's own matmul rate is shown too);
   c. data-parallel scaling: the same global batch on 1 rank and on 2 ranks (one BLAS thread each), hsgd and
@@ -24,10 +24,10 @@ import subprocess
 import sys
 import time
 
+import hsgd  # before NumPy: hsgd sets how OpenBLAS threads wait (see hsgd/__init__.py)
 import numpy as np
 from threadpoolctl import threadpool_info, threadpool_limits
 
-import hsgd
 from hsgd import serial
 from hsgd.backend import set_cpu_threads, tune_allocator
 from hsgd.layers import cross_entropy_forward
@@ -37,11 +37,16 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from bench_serial import matmul_rate  # noqa: E402
 
-CONFIGS = {"small (the default training model)": (hsgd.ModelConfig(256, 64, 128, 4, 4, 512), 16, 30),
-           "mid-size": (hsgd.ModelConfig(256, 256, 512, 8, 4, 2048), 8, 7)}
+# model, batch, rounds, steps per block (see compare_with_torch)
+CONFIGS = {"small (the default training model)": (hsgd.ModelConfig(256, 64, 128, 4, 4, 512), 16, 6, 6),
+           "mid-size": (hsgd.ModelConfig(256, 256, 512, 8, 4, 2048), 8, 4, 3)}
 
 
-def compare_with_torch(cfg, batch, reps, threads):
+def compare_with_torch(cfg, batch, rounds, block, threads):
+    """Both libraries' steps on the same model, weights and batch. Timed in alternating blocks (`rounds` blocks of
+    `block` steps each), so that both see the same machine noise, and the first step of every block is not counted:
+    each library leaves worker threads that spin for a while after it (PyTorch's OpenMP threads, for instance),
+    and a step that starts under the other's spinning threads measures that, not itself."""
     import torch
 
     from torch_gpt import loss_fn, sgd_step, to_torch
@@ -70,13 +75,13 @@ def compare_with_torch(cfg, batch, reps, threads):
 
     times = {"hsgd": [], "torch": []}
     with threadpool_limits(threads):
-        hsgd_step()
-        torch_step()
-        for _ in range(reps):                                          # interleaved: both see the same noise
+        for _ in range(rounds):
             for name, f in (("hsgd", hsgd_step), ("torch", torch_step)):
-                t0 = time.perf_counter()
-                f()
-                times[name].append(time.perf_counter() - t0)
+                f()                                                    # not counted: the other's threads
+                for _ in range(block - 1):
+                    t0 = time.perf_counter()
+                    f()
+                    times[name].append(time.perf_counter() - t0)
     a = 2048
     x = torch.rand(a, a)
     torch.mm(x, x)
@@ -119,9 +124,9 @@ def main(argv=None):
           "| model | B x T | hsgd median (best) | PyTorch median (best) | hsgd / PyTorch | hsgd MFU | PyTorch MFU "
           "| equal loss |", "|---|---|---|---|---|---|---|---|"]
     res["serial"] = {}
-    for name, (cfg, batch, reps) in CONFIGS.items():
+    for name, (cfg, batch, rounds, block) in CONFIGS.items():
         say(f"timing {name} ...")
-        r = compare_with_torch(cfg, batch, max(3, reps // 3) if a.quick else reps, a.threads)
+        r = compare_with_torch(cfg, batch, 2 if a.quick else rounds, block, a.threads)
         flops = cfg.step_flops(batch)
         peak = res["matmul_flops"]
         r.update(ratio=r["hsgd_s"] / r["torch_s"], ratio_best=r["hsgd_best_s"] / r["torch_best_s"], flops=flops,
@@ -139,11 +144,17 @@ def main(argv=None):
                f"{res['serial']['mid-size']['torch_matmul_flops'] / 1e9:.0f} GFLOP/s)."]
 
     say("timing data-parallel scaling (hsgd and PyTorch DDP, 1 and 2 ranks) ...")
-    dp = {k: {n: mpi(n, k)["seconds"] for n in (1, 2)} for k in ("dp", "ddp")}
+    runs = {(k, n): [] for k in ("dp", "ddp") for n in (1, 2)}
+    for _ in range(1 if a.quick else 3):                                 # alternating runs see the same noise
+        for k, n in runs:
+            runs[k, n].append(mpi(n, k)["seconds"])
+    dp = {k: {n: float(np.median(runs[k, n])) for n in (1, 2)} for k in ("dp", "ddp")}
     res["dp_scaling"] = dp
+    res["dp_runs"] = {f"{k} {n}": v for (k, n), v in runs.items()}
     sc = hsgd.ModelConfig(256, 128, 256, 8, 4, 1024)
     md += ["", "## c. Data-parallel scaling: the same global batch (16 x 128) on 1 and 2 ranks, 1 thread each", "",
-           f"Model L={sc.n_layers} C={sc.d_model} NH={sc.n_heads} F={sc.d_ff}.", "",
+           f"Model L={sc.n_layers} C={sc.d_model} NH={sc.n_heads} F={sc.d_ff}. Each time is the median of "
+           f"{len(runs['dp', 1])} runs (alternating between the four), each run the median of 5 steps.", "",
            "| | 1 rank | 2 ranks | speedup | efficiency |", "|---|---|---|---|---|"]
     for k, label in (("dp", "hsgd (Allreduce over dp_comm)"), ("ddp", "PyTorch DDP (gloo)")):
         s = dp[k][1] / dp[k][2]

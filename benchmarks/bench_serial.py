@@ -15,10 +15,10 @@ import platform
 import sys
 import time
 
+import hsgd  # before NumPy: hsgd sets how OpenBLAS threads wait (see hsgd/__init__.py)
 import numpy as np
 from threadpoolctl import threadpool_info, threadpool_limits
 
-import hsgd
 from hsgd import serial
 from hsgd.backend import set_cpu_threads, tune_allocator
 from hsgd.layers import cross_entropy_backward, cross_entropy_forward

@@ -9,11 +9,11 @@ import socket
 import sys
 import time
 
+import hsgd  # before NumPy: hsgd sets how OpenBLAS threads wait (see hsgd/__init__.py)
 import numpy as np
 from mpi4py import MPI
 from threadpoolctl import threadpool_limits
 
-import hsgd
 from hsgd import tp_model
 from hsgd.backend import set_cpu_threads, tune_allocator
 from hsgd.data import Corpus

@@ -7,6 +7,7 @@ created on a device only here (`get_xp`, `to_device`), and come back to the host
     device: "cpu" (NumPy, the default) or "gpu" (CuPy); the HSGD_DEVICE environment variable sets the default.
     dtype:  "float32" (default) or "float64" (for exactness checks against the serial reference).
 """
+import contextlib
 import ctypes
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -90,17 +91,41 @@ def cpu_threads():
 
 
 def parallel_rows(fn, n_rows, min_rows=2):
-    """Call fn(lo, hi) on cpu_threads() contiguous pieces of range(n_rows), in parallel; fn writes its results
-    into preallocated arrays. Runs inline when there is one thread or too little work to split."""
+    """Call fn(lo, hi) on cpu_threads() contiguous pieces of range(n_rows), in parallel: the last piece on the
+    calling thread, the others on a pool's threads; fn writes its results into preallocated arrays. Runs inline
+    when there is one thread or fewer than 2 * min_rows rows (handing work to a thread costs tens of
+    microseconds)."""
     n = min(cpu_threads(), n_rows // min_rows) if n_rows >= min_rows else 1
     if n <= 1:
         fn(0, n_rows)
         return
     if n not in _pools:
-        _pools[n] = ThreadPoolExecutor(max_workers=n, thread_name_prefix="hsgd")
+        _pools[n] = ThreadPoolExecutor(max_workers=n - 1, thread_name_prefix="hsgd")
     bounds = [n_rows * i // n for i in range(n + 1)]
-    for f in [_pools[n].submit(fn, bounds[i], bounds[i + 1]) for i in range(n)]:
-        f.result()
+    others = [_pools[n].submit(fn, bounds[i], bounds[i + 1]) for i in range(n - 1)]
+    try:
+        fn(bounds[n - 1], bounds[n])
+    finally:
+        for f in others:                                      # every piece has ended before anyone returns
+            f.result()
+
+
+_blas = {}
+
+
+@contextlib.contextmanager
+def one_blas_thread():
+    """While parallel_rows' workers each call BLAS on their own small matrices (attention, one sequence at a time),
+    BLAS itself runs on one thread: cpu_threads() single-threaded products side by side beat one product at a time
+    split over the same cores, for the small matrices of attention. No-op with one worker."""
+    if cpu_threads() <= 1:
+        yield
+        return
+    if "ctl" not in _blas:
+        from threadpoolctl import ThreadpoolController
+        _blas["ctl"] = ThreadpoolController()
+    with _blas["ctl"].limit(limits=1, user_api="blas"):
+        yield
 
 
 def tune_allocator():

@@ -16,7 +16,7 @@ Arrays may be NumPy or CuPy; each function computes with the module its inputs b
 """
 import math
 
-from .backend import array_module, parallel_rows, scatter_add
+from .backend import array_module, one_blas_thread, parallel_rows, scatter_add
 
 LN_EPS = 1e-5
 GELU_C = math.sqrt(2.0 / math.pi)
@@ -114,7 +114,7 @@ def layernorm_forward(x, w, b):
         xp.multiply(xh, w, out=out[lo:hi])
         out[lo:hi] += b
 
-    parallel_rows(rows, x2.shape[0], min_rows=64)
+    parallel_rows(rows, x2.shape[0], min_rows=max(1, (1 << 17) // C))     # pieces of >= 128K elements
     return out.reshape(x.shape), (xhat, rstd, w)
 
 
@@ -141,57 +141,62 @@ def layernorm_backward(dout, cache, dw, db):
         g -= xh * m2
         g *= rstd[lo:hi]
 
-    parallel_rows(rows, d2.shape[0], min_rows=64)
+    parallel_rows(rows, d2.shape[0], min_rows=max(1, (1 << 17) // C))
     return dx.reshape(dout.shape)
 
 
 # --------------------------------------------------------------------------------------------------------------
 # GELU, tanh approximation: y = 0.5 x (1 + tanh(u)),  u = sqrt(2/pi) (x + 0.044715 x^3)
 
+PIECE = 1 << 16         # elements an elementwise pass works on at a time: its temporaries stay in the CPU's cache
+
+
 def gelu_forward(x):
-    """Row blocks in parallel (backend.parallel_rows); each written with out= to allocate no temporaries."""
+    """y and, for the backward pass, the derivative dy/dx = 0.5 (1 + t) + 0.5 x (1 - t^2) du/dx, t = tanh(u),
+    du/dx = sqrt(2/pi) (1 + 3 * 0.044715 x^2). Computing the derivative here, while x and t are in cache, makes
+    the backward pass one multiplication, and the cache one array (N, F) instead of the input and t.
+    Row blocks in parallel (backend.parallel_rows), each in pieces of PIECE elements, all written with out=."""
     xp = array_module(x)
-    x2 = x.reshape(-1, x.shape[-1])
-    y, t = xp.empty_like(x2), xp.empty_like(x2)
+    x2 = x.reshape(-1, x.shape[-1])                           # (N, F)
+    y, d = xp.empty_like(x2), xp.empty_like(x2)
+    r = max(1, PIECE // x2.shape[1]) if xp.__name__ == "numpy" else x2.shape[0]   # rows per piece
 
     def rows(lo, hi):
-        xs, ts, ys = x2[lo:hi], t[lo:hi], y[lo:hi]
-        xp.multiply(xs, xs, out=ts)
-        ts *= 0.044715 * GELU_C
-        ts += GELU_C
-        ts *= xs                                              # u = c (x + 0.044715 x^3)
-        xp.tanh(ts, out=ts)                                   # t = tanh(u)
-        xp.add(ts, 1.0, out=ys)
-        ys *= xs
-        ys *= 0.5                                             # y = 0.5 x (1 + t)
+        t, s = xp.empty_like(x2[:r]), xp.empty_like(x2[:r])  # scratch for one piece
+        for a in range(lo, hi, r):
+            b = min(a + r, hi)
+            xs, ys, ds, ts, ss = x2[a:b], y[a:b], d[a:b], t[:b - a], s[:b - a]
+            xp.multiply(xs, xs, out=ss)                                          # x^2
+            xp.multiply(ss, 0.044715 * GELU_C, out=ts)
+            ts += GELU_C
+            ts *= xs                                                             # u
+            xp.tanh(ts, out=ts)                                                  # t = tanh(u)
+            xp.add(ts, 1.0, out=ys)
+            ys *= xs
+            ys *= 0.5                                                            # y = 0.5 x (1 + t)
+            ss *= 3 * 0.044715 * GELU_C
+            ss += GELU_C                                                         # du/dx
+            xp.multiply(ts, ts, out=ds)
+            xp.subtract(1.0, ds, out=ds)                                         # 1 - t^2
+            ds *= ss
+            ds *= xs
+            ds += 1.0
+            ds += ts
+            ds *= 0.5                                                            # dy/dx
 
     parallel_rows(rows, x2.shape[0])
-    return y.reshape(x.shape), (x2, t)
+    return y.reshape(x.shape), d
 
 
 def gelu_backward(dout, cache):
-    """dy/dx = 0.5 (1 + t) + 0.5 x (1 - t^2) c (1 + 3 * 0.044715 x^2)."""
+    """dx = dout * dy/dx (the derivative gelu_forward cached)."""
     xp = array_module(dout)
-    x2, t = cache
-    g = dout.reshape(-1, x2.shape[-1])
-    d = xp.empty_like(x2)
-
-    def rows(lo, hi):
-        xs, ts, ds = x2[lo:hi], t[lo:hi], d[lo:hi]
-        xp.multiply(xs, xs, out=ds)
-        ds *= 3 * 0.044715 * GELU_C
-        ds += GELU_C                                          # c (1 + 3 * 0.044715 x^2) = du/dx
-        s = ts * ts
-        xp.subtract(1.0, s, out=s)                            # 1 - t^2
-        ds *= s
-        ds *= xs
-        ds += 1.0
-        ds += ts
-        ds *= g[lo:hi]
-        ds *= 0.5                                             # 0.5 (1 + t + x (1 - t^2) du/dx) * dout
-
-    parallel_rows(rows, x2.shape[0])
-    return d.reshape(dout.shape)
+    d = cache                                                 # (N, F)
+    g = dout.reshape(d.shape)
+    dx = xp.empty_like(d)
+    parallel_rows(lambda lo, hi: xp.multiply(g[lo:hi], d[lo:hi], out=dx[lo:hi]), d.shape[0],
+                  min_rows=max(1, (1 << 20) // d.shape[1]))    # one pass: only large arrays gain from threads
+    return dx.reshape(dout.shape)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -212,6 +217,16 @@ def _split_heads(x, n_heads):
     return x.reshape(B, T, n_heads, C // n_heads).transpose(0, 2, 1, 3)   # (B, NH, T, hs) view
 
 
+def _sequences_per_piece(xp, B, n_heads, T):
+    """Attention is done a few sequences at a time. On the CPU a piece is small enough that its scores
+    (n, NH, T, T) stay in cache from the first product through the softmax to the second, and the pieces run
+    on parallel_rows' threads with one BLAS thread each (backend.one_blas_thread): for these small matrices
+    that is about twice as fast as whole-batch products split over the cores. A GPU takes the batch at once."""
+    if xp.__name__ != "numpy":
+        return B
+    return max(1, min(B, (1 << 18) // (n_heads * T * T)))                # pieces of up to 256K scores
+
+
 def attention_forward(q, k, v, n_heads):
     """y = softmax(q k^T / sqrt(hs) + causal mask) v, head by head.
 
@@ -221,23 +236,29 @@ def attention_forward(q, k, v, n_heads):
     xp = array_module(q)
     B, T, C = q.shape
     hs = C // n_heads
-    qh = xp.ascontiguousarray(_split_heads(q, n_heads))       # (B, NH, T, hs) copies: contiguous heads make
-    qh *= 1.0 / math.sqrt(hs)                                 # the batched GEMMs faster; q carries the scale
-    kh = xp.ascontiguousarray(_split_heads(k, n_heads))
-    vh = xp.ascontiguousarray(_split_heads(v, n_heads))
-    att = qh @ kh.transpose(0, 1, 3, 2)                       # (B, NH, T, T) scores / sqrt(hs)
+    qh, kh, vh = (xp.empty_like(q, shape=(B, n_heads, T, hs)) for _ in range(3))    # contiguous heads: faster
+    att = xp.empty_like(q, shape=(B, n_heads, T, T))                                 # GEMMs; kept for backward
+    y = xp.empty_like(q)                                                             # (B, T, C)
+    yh = _split_heads(y, n_heads)                             # (B, NH, T, hs) view: heads written in place
     mask = xp.triu(xp.full((T, T), -xp.inf, dtype=att.dtype), k=1)   # (T, T) -inf above the diagonal
+    n = _sequences_per_piece(xp, B, n_heads, T)
 
-    def softmax(lo, hi):                                      # sequences lo..hi-1, in place
-        a = att[lo:hi]
-        a += mask                                             # causal: position t sees 0..t
-        a -= a.max(axis=-1, keepdims=True)
-        xp.exp(a, out=a)
-        a *= 1.0 / a.sum(axis=-1, keepdims=True)
+    def sequences(lo, hi):                                    # sequences lo..hi-1, n at a time
+        for s in range(lo, hi, n):
+            b = slice(s, min(s + n, hi))
+            xp.multiply(_split_heads(q[b], n_heads), 1.0 / math.sqrt(hs), out=qh[b])    # q carries the scale
+            kh[b] = _split_heads(k[b], n_heads)
+            vh[b] = _split_heads(v[b], n_heads)
+            a = att[b]                                                                  # (n, NH, T, T)
+            _matmul_into(qh[b], kh[b].transpose(0, 1, 3, 2), a)                         # scores / sqrt(hs)
+            a += mask                                                                   # position t sees 0..t
+            a -= a.max(axis=-1, keepdims=True)
+            xp.exp(a, out=a)
+            a *= 1.0 / a.sum(axis=-1, keepdims=True)                                    # softmax, in place
+            _matmul_into(a, vh[b], yh[b])                                               # y = P v
 
-    parallel_rows(softmax, B, min_rows=1)
-    y = xp.empty_like(q, shape=(B, T, C))                     # (B, T, C)
-    _matmul_into(att, vh, _split_heads(y, n_heads))           # heads written in place: no merge copy
+    with one_blas_thread():
+        parallel_rows(sequences, B, min_rows=1)
     return y, (qh, kh, vh, att)
 
 
@@ -256,21 +277,24 @@ def attention_backward(dy, cache, out=None):
     if out is None:
         out = xp.empty_like(dy, shape=(B, T, 3 * C))
     dq, dk, dv = out[..., :C], out[..., C:2 * C], out[..., 2 * C:]             # (B, T, C) views
-    dyh = xp.ascontiguousarray(_split_heads(dy, n_heads))     # (B, NH, T, hs)
-    _matmul_into(att.transpose(0, 1, 3, 2), dyh, _split_heads(dv, n_heads))    # dv = P^T dy, in place
-    dS = dyh @ vh.transpose(0, 1, 3, 2)                       # (B, NH, T, T) dP
+    dqh, dkh, dvh = (_split_heads(d, n_heads) for d in (dq, dk, dv))           # (B, NH, T, hs) views
+    n = _sequences_per_piece(xp, B, n_heads, T)
 
-    def softmax_backward(lo, hi):                             # sequences lo..hi-1, in place
-        d, a = dS[lo:hi], att[lo:hi]
-        d -= xp.einsum("bhij,bhij->bhi", d, a)[..., None]     # dP - sum_j dP * P (einsum: no temporary)
-        d *= a                                                # dS = dL/d(scores), before the 1/sqrt(hs)
-
-    parallel_rows(softmax_backward, dS.shape[0], min_rows=1)
-    dqh = _split_heads(dq, n_heads)                           # (B, NH, T, hs) views into out
-    _matmul_into(dS, kh, dqh)
-    dqh *= 1.0 / math.sqrt(hs)                                # dq = dS k / sqrt(hs)
-    _matmul_into(dS.transpose(0, 1, 3, 2), qh, _split_heads(dk, n_heads))      # dk = dS^T q / sqrt(hs): qh
-    return dq, dk, dv                                         #   holds q / sqrt(hs) already
+    def sequences(lo, hi):                                    # sequences lo..hi-1, n at a time
+        for s in range(lo, hi, n):
+            b = slice(s, min(s + n, hi))
+            a = att[b]                                                                  # P (n, NH, T, T)
+            dyh = xp.ascontiguousarray(_split_heads(dy[b], n_heads))                    # (n, NH, T, hs)
+            _matmul_into(a.transpose(0, 1, 3, 2), dyh, dvh[b])                          # dv = P^T dy
+            dS = dyh @ vh[b].transpose(0, 1, 3, 2)                                      # dP (n, NH, T, T)
+            dS -= xp.einsum("bhij,bhij->bhi", dS, a)[..., None]                         # dP - sum_j dP * P
+            dS *= a                                                                     # dL/d(scores)
+            _matmul_into(dS, kh[b], dqh[b])
+            dqh[b] *= 1.0 / math.sqrt(hs)                                               # dq = dS k / sqrt(hs)
+            _matmul_into(dS.transpose(0, 1, 3, 2), qh[b], dkh[b])                       # dk = dS^T q / sqrt(hs):
+    with one_blas_thread():                                                             # qh holds q / sqrt(hs)
+        parallel_rows(sequences, B, min_rows=1)
+    return dq, dk, dv
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -277,15 +277,15 @@ def activation_formula(cfg, batch_size, itemsize, tp, scheme):
         the input of q,k,v and of fc (a, m)                       2NC       /  2NC/tp (the T-shard, gathered again)
         q, k, v (the attention cache views them), merged heads    4NC/tp
         softmax probabilities (B, NH/tp, T, T)                    B NH T^2/tp
-        GELU input, tanh, GELU output (the fc/proj caches)        3NF/tp
-      megatron: s (4NC + 2N + (4NC + B NH T^2 + 3NF)/tp);   sequence: s (8NC + 2N + B NH T^2 + 3NF)/tp.
+        GELU's derivative, GELU output (the proj cache)            2NF/tp
+      megatron: s (4NC + 2N + (4NC + B NH T^2 + 2NF)/tp);   sequence: s (8NC + 2N + B NH T^2 + 2NF)/tp.
     Outside the blocks: LN_f (xhat, rstd) and the LM head input, N(2C + 1) s (/tp for sequence); the loss's softmax
     (N, Vp) s; the token ids and owner masks of the embedding and the loss, int64 and bool, 2 (8 + 1) N bytes, and
     the loss's row numbers, 8N.
     """
     B, N, C, F, NH, V = batch_size, batch_size * cfg.seq_len, cfg.d_model, cfg.d_ff, cfg.n_heads, cfg.vocab_size
     s, Vp, T = itemsize, -(-V // tp), cfg.seq_len
-    split = (4 * N * C + B * NH * T * T + 3 * N * F) * s // tp                    # the same in both schemes
+    split = (4 * N * C + B * NH * T * T + 2 * N * F) * s // tp                    # the same in both schemes
     if scheme == "megatron":
         block = (4 * N * C + 2 * N) * s + split
         outside = N * (2 * C + 1) * s

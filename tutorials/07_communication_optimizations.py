@@ -492,7 +492,7 @@ say(f"GPT-3 175B's shape, one sequence, 16-bit, tp = 8, per block: hsgd {fmt_byt
 # and the inputs of the split matmuls stay whole on every rank, so its per-block bytes stop falling like 1/M. The
 # ratios differ from the paper's because the two count different things: hsgd has no dropout, keeps only the
 # softmax per attention entry (the paper keeps scores, softmax, dropout output and mask), and caches q, k, v and
-# the GELU's intermediate results (`paper_activation_bytes`'s docstring lists the terms). Only ratios compare:
+# the GELU's derivative (`paper_activation_bytes`'s docstring lists the terms). Only ratios compare:
 # hsgd's numbers here are float64.
 #
 # ## 5. Stragglers and staleness
