@@ -94,6 +94,50 @@ def test_attention(rng):
     assert err < TOL
 
 
+def dense_attention(q, k, v, n_heads, dy):
+    """y and (dq, dk, dv) of causal attention written the plain way: whole (T, T) matrices, no blocks."""
+    B, T, C = q.shape
+    hs = C // n_heads
+    qh, kh, vh, dyh = (a.reshape(B, T, n_heads, hs).transpose(0, 2, 1, 3) for a in (q, k, v, dy))
+    S = qh @ kh.transpose(0, 1, 3, 2) / np.sqrt(hs) + np.triu(np.full((T, T), -np.inf), k=1)
+    P = np.exp(S - S.max(axis=-1, keepdims=True))
+    P /= P.sum(axis=-1, keepdims=True)
+    dP = dyh @ vh.transpose(0, 1, 3, 2)
+    dS = P * (dP - (dP * P).sum(axis=-1, keepdims=True))
+    merge = lambda a: a.transpose(0, 2, 1, 3).reshape(B, T, C)
+    return merge(P @ vh), (merge(dS @ kh / np.sqrt(hs)), merge(dS.transpose(0, 1, 3, 2) @ qh / np.sqrt(hs)),
+                           merge(P.transpose(0, 1, 3, 2) @ dyh)), P
+
+
+@pytest.mark.parametrize("T", [64, 130, 256])
+def test_attention_blocks_equal_the_dense_computation(rng, T):
+    """The causal block skipping (layers.causal_blocks: 1, 2 and 4 row blocks here, uneven for T = 130) gives the
+    dense result: y, P (zeros above the diagonal included) and every gradient."""
+    B, C, NH = 2, 8, 2
+    q, k, v, dy = (rng.normal(size=(B, T, C)) for _ in range(4))
+    y, cache = layers.attention_forward(q, k, v, NH)
+    grads = layers.attention_backward(dy, cache)
+    y_ref, grads_ref, P_ref = dense_attention(q, k, v, NH, dy)
+    err = max(max_rel_err(a, b, floor=1e-30) for a, b in zip((y, cache[3], *grads), (y_ref, P_ref, *grads_ref)))
+    print(f"attention, T = {T}, blocks {layers.causal_blocks(T)}: max rel err against dense {err:.1e}")
+    assert len(layers.causal_blocks(T)) == {64: 2, 130: 3, 256: 5}[T]
+    assert err < 1e-12
+
+
+def test_attention_in_many_blocks(rng, monkeypatch):
+    """Finite differences with the smallest blocks (one query row each at the start): the block edges are exact."""
+    monkeypatch.setattr(layers, "causal_blocks", lambda T: [0, 1, 2, 4, T])
+    B, T, C, NH = 2, 7, 6, 3
+    q, k, v = (rng.normal(size=(B, T, C)) for _ in range(3))
+    out, cache = layers.attention_forward(q, k, v, NH)
+    R = rng.normal(size=out.shape)
+    dq, dk, dv = layers.attention_backward(R, cache)
+    f = lambda q, k, v: float(np.sum(layers.attention_forward(q, k, v, NH)[0] * R))
+    err = fd_error(f, [q, k, v], {0: dq, 1: dk, 2: dv}, n=30)
+    print(f"attention in blocks [0, 1, 2, 4, 7]: max rel err {err:.2e}")
+    assert err < TOL
+
+
 def test_attention_is_causal(rng):
     """Changing a future position leaves every earlier output unchanged."""
     q, k, v = (rng.normal(size=(1, 6, 4)) for _ in range(3))
