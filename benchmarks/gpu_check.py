@@ -132,14 +132,16 @@ def main(argv=None):
     rows.append(("float64 GPU vs CPU tests (tests/test_gpu.py)", (out.strip().splitlines() or ["?"])[-1] +
                  f" ({s:.0f} s)", code == 0))
     R = a.ranks
-    for flags in (["--tp", str(R)], ["--tp", "1"], ["--tp", str(R), "--tp-scheme", "gather", "--grad-accum", "2"],
-                  ["--tp", "1", "--pp", str(R), "--n-layers", str(2 * R), "--micro-batches", "2"],
-                  ["--tp", str(R), "--dtype", "float32"]):
+    for flags, env in ((["--tp", str(R)], None), (["--tp", "1"], None),
+                       (["--tp", str(R), "--tp-scheme", "gather", "--grad-accum", "2"], None),
+                       (["--tp", "1", "--pp", str(R), "--n-layers", str(2 * R), "--micro-batches", "2"], None),
+                       (["--tp", str(R), "--dtype", "float32"], None),
+                       (["--tp", "1", "--grad-accum", "2"], {"HSGD_CUDA_AWARE": "0"})):    # pinned host staging
         code, out, s = run(["timeout", "240", mpiexec(), "-n", str(R), sys.executable, "-m", "hsgd.verify",
-                            "--device", "gpu", *flags], 260)
+                            "--device", "gpu", *flags], 260, env)
         last = [ln for ln in out.splitlines() if ln.startswith(("PASS", "FAIL"))] or out.strip().splitlines()[-1:]
-        rows.append((f"hsgd.verify --device gpu {' '.join(flags)}", (last[0] if last else "?") + f" ({s:.0f} s)",
-                     code == 0))
+        shown = " ".join([f"{k}={v}" for k, v in (env or {}).items()] + ["hsgd.verify --device gpu", *flags])
+        rows.append((shown, (last[0] if last else "?") + f" ({s:.0f} s)", code == 0))
     steps = "100" if a.quick else "300"
     code, out, s = run(["timeout", "400", mpiexec(), "-n", str(R), sys.executable, "-m", "hsgd.train", "--device",
                         "gpu", "--steps", steps, "--log-interval", "50", "--eval-interval", "0", "--sample-bytes",

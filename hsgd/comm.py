@@ -11,8 +11,9 @@ Buffer rules, stated once here:
   * Buffers are C-contiguous arrays (preallocated by the caller where it matters); a non-contiguous view is an
     error, not a silent copy.
   * CuPy arrays: the current stream is synchronized before MPI touches the memory. With a CUDA-aware MPI the
-    device pointer goes to MPI directly; otherwise the data is staged through a host copy. Which of the two is
-    used is decided once per process (`cuda_aware_mpi()`; HSGD_CUDA_AWARE=0|1 overrides the detection).
+    device pointer goes to MPI directly; otherwise the data is staged through host memory: a pinned (page-locked)
+    host buffer per device buffer, allocated on first use and reused every step (HostStaging). Which of the two
+    is used is decided once per process (`cuda_aware_mpi()`; HSGD_CUDA_AWARE=0|1 overrides the detection).
 
 Accounting: every call adds, for (communicator name, operation), one call, its payload bytes and its seconds
 to a CommStats. The payload is the size of the whole logical tensor of the call: Allreduce and Bcast the
@@ -54,6 +55,39 @@ def cuda_aware_mpi():
 
 def _is_cupy(x):
     return type(x).__module__.startswith("cupy")
+
+
+class HostStaging:
+    """Preallocated host buffers for staging device arrays through an MPI that cannot read device memory.
+
+    One buffer per (device buffer, role), found again by the device pointer: the gradient buffers and buckets that
+    cross MPI every step are the same device arrays every step, so after the first step nothing is allocated.
+    Pinned memory lets the device-host copies run at full speed. At most `max_buffers` are kept, the least
+    recently used dropped first (a pending non-blocking call holds its own reference, so dropping is safe).
+    `alloc(nbytes)` gives the raw memory: CuPy's pinned allocator by default; tests pass a plain one."""
+
+    def __init__(self, alloc=None, max_buffers=256):
+        self.alloc = alloc
+        self.max_buffers = max_buffers
+        self.buffers = {}                       # (device pointer, shape, dtype, role) -> NumPy array over the memory
+        self.allocated = 0                      # how many buffers were ever allocated (tests read it)
+
+    def get(self, ptr, shape, dtype, role):
+        key = (ptr, tuple(shape), np.dtype(dtype).str, role)
+        buf = self.buffers.pop(key, None)
+        if buf is None:
+            n = int(np.prod(shape, dtype=np.int64))
+            alloc = self.alloc
+            if alloc is None:
+                import cupy
+                alloc = cupy.cuda.alloc_pinned_memory
+            mem = alloc(max(1, n * np.dtype(dtype).itemsize))
+            buf = np.frombuffer(mem, dtype=dtype, count=n).reshape(shape)
+            self.allocated += 1
+            if len(self.buffers) >= self.max_buffers:
+                self.buffers.pop(next(iter(self.buffers)))     # the least recently used
+        self.buffers[key] = buf                                 # most recently used last
+        return buf
 
 
 class CommStats:
@@ -120,10 +154,12 @@ class Comm:
         self.check = os.environ.get("HSGD_CHECK_COLLECTIVES") == "1" if check is None else check
         self.ncalls = 0                         # collectives called so far: the sequence number of the check
         self.tracer = None                      # an hsgd.trace.Tracer: every call becomes a span on the comm track
+        self.staging = HostStaging()            # pinned host buffers, used only for CuPy arrays without CUDA-aware MPI
 
     # ---------------------------------------------------------------------------------------------- helpers
-    def _buf(self, x):
-        """(what to hand MPI, a function that copies staged results back or None)."""
+    def _buf(self, x, role="inout"):
+        """(what to hand MPI, a function that copies staged results back or None). role: "send" buffers are only
+        read by MPI (nothing to copy back), "recv" buffers only written (nothing to copy there first)."""
         if not x.flags.c_contiguous:
             raise ValueError(f"{self.name}: MPI buffers must be C-contiguous (got strides {x.strides}); "
                              "pass xp.ascontiguousarray(x) or a preallocated buffer")
@@ -133,8 +169,12 @@ class Comm:
         cupy.cuda.get_current_stream().synchronize()            # the kernels that wrote x are done
         if cuda_aware_mpi():
             return x, None
-        host = cupy.asnumpy(x)                                  # stage through the host
-        return host, (lambda: x.set(host))
+        host = self.staging.get(x.data.ptr, x.shape, x.dtype, role)    # pinned, preallocated, reused
+        if role != "recv":
+            x.get(out=host)                                     # device -> host, before MPI reads it
+        if role == "send":
+            return host, None
+        return host, (lambda: x.set(host))                      # host -> device, after MPI wrote it
 
     def _verify(self, op, *arrays):
         """The collective-sequence check: all ranks must be making the same call."""
@@ -190,8 +230,8 @@ class Comm:
             out[0] = part
             self._record("Allgather", out.nbytes, t0)
             return out
-        s, _ = self._buf(part)
-        r, unstage = self._buf(out)
+        s, _ = self._buf(part, "send")
+        r, unstage = self._buf(out, "recv")
         self.comm.Allgather(s, r)
         if unstage:
             unstage()
@@ -207,8 +247,8 @@ class Comm:
             out[...] = full[0]
             self._record("Reduce_scatter_block", full.nbytes, t0)
             return out
-        s, _ = self._buf(full)
-        r, unstage = self._buf(out)
+        s, _ = self._buf(full, "send")
+        r, unstage = self._buf(out, "recv")
         self.comm.Reduce_scatter_block(s, r, op=op)
         if unstage:
             unstage()
@@ -232,13 +272,13 @@ class Comm:
     # ---------------------------------------------------------------------------------------------- point to point
     def Send(self, x, dest, tag=0):
         t0 = time.perf_counter()
-        b, _ = self._buf(x)
+        b, _ = self._buf(x, "send")
         self.comm.Send(b, dest=dest, tag=tag)
         self._record("Send", x.nbytes, t0)
 
     def Recv(self, x, source, tag=0):
         t0 = time.perf_counter()
-        b, unstage = self._buf(x)
+        b, unstage = self._buf(x, "recv")
         self.comm.Recv(b, source=source, tag=tag)
         if unstage:
             unstage()
@@ -247,7 +287,7 @@ class Comm:
 
     def Isend(self, x, dest, tag=0):
         t0 = time.perf_counter()
-        b, _ = self._buf(x)
+        b, _ = self._buf(x, "send")
         req = self.comm.Isend(b, dest=dest, tag=tag)
         req_obj = Request(req, self, "Isend", x.nbytes, t0)
         req_obj.keepalive = b                                   # the staged copy must outlive the send
@@ -255,7 +295,7 @@ class Comm:
 
     def Irecv(self, x, source, tag=0):
         t0 = time.perf_counter()
-        b, unstage = self._buf(x)
+        b, unstage = self._buf(x, "recv")
         return Request(self.comm.Irecv(b, source=source, tag=tag), self, "Irecv", x.nbytes, t0, unstage)
 
     # ---------------------------------------------------------------------------------------------- small metadata

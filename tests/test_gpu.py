@@ -40,3 +40,22 @@ def test_embedding_scatter_add_on_gpu():
     target = cupy.zeros((5, 2))
     scatter_add(target, cupy.asarray([1, 1, 3]), cupy.ones((3, 2)))
     assert cupy.asnumpy(target).tolist() == [[0, 0], [2, 2], [0, 0], [1, 1], [0, 0]]
+
+
+def test_staging_through_pinned_host_buffers(monkeypatch):
+    """Without a CUDA-aware MPI a device buffer goes to MPI through a pinned host buffer: filled from the device
+    before MPI reads it, copied back after MPI wrote it, and the same host buffer every step."""
+    from mpi4py import MPI
+
+    from hsgd.comm import Comm
+    monkeypatch.setenv("HSGD_CUDA_AWARE", "0")
+    comm = Comm(MPI.COMM_SELF, "test")
+    x = cupy.arange(6, dtype=cupy.float32).reshape(2, 3)
+    host, unstage = comm._buf(x)
+    assert isinstance(host, np.ndarray) and host.tolist() == [[0, 1, 2], [3, 4, 5]]
+    host *= 10                                                          # what MPI would write
+    unstage()
+    assert cupy.asnumpy(x).tolist() == [[0, 10, 20], [30, 40, 50]]
+    again, _ = comm._buf(x)
+    send, nothing = comm._buf(x, "send")
+    assert again is host and nothing is None and comm.staging.allocated == 2

@@ -151,6 +151,22 @@ def test_attention_is_causal(rng):
     assert err == 0.0
 
 
+@pytest.mark.parametrize("V, N", [(50, 7), (5, 40), (3, 0)])
+def test_scatter_add_both_ways(rng, V, N):
+    """backend.scatter_add adds every row, repeats included: row by row when indices are few, sorted and summed
+    in runs when they repeat a lot (more positions than vocabulary), and nothing for no indices."""
+    from hsgd.backend import scatter_add
+    index, values = rng.integers(0, V, N), rng.normal(size=(N, 4))
+    target = rng.normal(size=(V, 4))
+    expected = target.copy()
+    for i, row in zip(index, values):
+        expected[i] += row
+    scatter_add(target, index, values)
+    err = max_rel_err(target, expected)
+    print(f"scatter_add, V = {V}, N = {N}: max rel err {err:.1e}")
+    assert err < 1e-14
+
+
 def test_embedding(rng):
     V, T, C = 7, 5, 3
     idx = rng.integers(0, V, size=(4, T))

@@ -177,6 +177,11 @@ check(f"loss and every gradient on '{DEVICE}' vs NumPy (rel)",
 # 2. a NumPy array goes to MPI as it is;
 # 3. a CuPy array: `cupy.cuda.get_current_stream().synchronize()`, then the array itself if `cuda_aware_mpi()`,
 #    else a host copy, and after the collective `x.set(host)` copies the result back into the device array.
+#    The host copy goes into a **pinned** (page-locked) buffer that `Comm.staging` (a `HostStaging`) allocated
+#    the first time it saw this device buffer and hands out again every step: pinned memory is what the GPU's
+#    copy engine reads and writes directly, so the copies run at full speed, and since the gradient buffers
+#    are the same device arrays every step, nothing is allocated after the first one. A buffer MPI only reads
+#    (the input of an Allgather, a Send) is not copied back; one it only writes (a Recv) is not filled first.
 #
 # `cuda_aware_mpi()` decides once per process (it is cached), so every collective of a run takes the same path, and
 # `hsgd.train` prints which in its `device:` line. `HSGD_CUDA_AWARE=1` says "this MPI is CUDA-aware",
