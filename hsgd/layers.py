@@ -74,15 +74,17 @@ def qkv_forward(x, Wq, bq, Wk, bk, Wv, bv):
     xp = array_module(x)
     W = xp.concatenate((Wq, Wk, Wv), axis=1)                  # (C, 3C') a copy of the three weights
     b = xp.concatenate((bq, bk, bv))                          # (3C',)
-    y, cache = linear_forward(x, W, b)                        # (B, T, 3C')
+    y, (x2, _) = linear_forward(x, W, b)                      # (B, T, 3C')
     c = Wq.shape[1]
-    return y[..., :c], y[..., c:2 * c], y[..., 2 * c:], cache
+    return y[..., :c], y[..., c:2 * c], y[..., 2 * c:], (x2, (Wq, Wk, Wv))    # the cache holds the parameters,
+                                                                               # not the copy
 
 
 def qkv_backward(dqkv, cache, dWq, dbq, dWk, dbk, dWv, dbv):
     """The adjoint of qkv_forward: dx = [dq dk dv] [Wq Wk Wv]^T, one GEMM for dx and one for the three dW.
     dqkv: (B, T, 3C'), [dq | dk | dv] side by side (attention_backward's buffer)."""
-    x2, W = cache
+    x2, (Wq, Wk, Wv) = cache
+    W = array_module(x2).concatenate((Wq, Wk, Wv), axis=1)              # (C, 3C') again, rather than cached
     c = dqkv.shape[-1] // 3
     dy = dqkv.reshape(-1, 3 * c)                                        # (N, 3C')
     dW = x2.T @ dy                                                      # (C, 3C')
