@@ -5,7 +5,8 @@
 Writes benchmarks/results/bench.md (the tables) and bench.json (every number), and prints the tables:
   a. one training step (forward, backward, SGD update; float32) of hsgd and of PyTorch eager on the CPU, the same
      model and weights (equal loss checked first) and the same thread count, for a small and a mid-size model:
-     the time ratio hsgd / PyTorch (medians over alternating blocks of steps);
+     the time ratio hsgd / PyTorch (medians over alternating blocks of steps). hsgd's step splits the batch over
+     the threads (serial.loss_and_grads(split=True)), PyTorch splits each operation over them;
   b. MFU: the model FLOPs of the step (ModelConfig.step_flops) per second over the float32 matmul rate of this
      machine measured in the same run (NumPy's BLAS; PyTorch's own matmul rate is shown too);
   c. data-parallel scaling: the same global batch on 1 rank and on 2 ranks (one BLAS thread each), hsgd and
@@ -66,7 +67,7 @@ def compare_with_torch(cfg, batch, rounds, block, threads):
     def hsgd_step():
         for g in grads.values():
             g.fill(0)
-        serial.loss_and_grads(params, idx, targets, cfg, grads=grads)
+        serial.loss_and_grads(params, idx, targets, cfg, grads=grads, split=True)   # the batch over the threads
         opt.step(params, grads)
 
     def torch_step():

@@ -10,6 +10,7 @@ created on a device only here (`get_xp`, `to_device`), and come back to the host
 import contextlib
 import ctypes
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -73,21 +74,62 @@ def to_numpy(x):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# CPU threads for elementwise work. BLAS runs matrix products on several threads; NumPy's elementwise ufuncs run
-# on one. The few heavy elementwise layers (GELU, the attention softmax) split their rows over `cpu_threads()`
-# threads instead (NumPy releases the GIL inside ufuncs). One rank of an MPI job with one BLAS thread keeps 1.
+# CPU threads. NumPy releases the GIL inside ufuncs and BLAS calls, so Python threads can compute side by side.
+# Two ways to use them:
+#   * inside one layer (parallel_rows): BLAS runs each matrix product on several threads; the heavy elementwise
+#     layers (GELU, LayerNorm, attention) split their rows over cpu_threads() threads of hsgd's own;
+#   * across the batch (parallel_batches): each thread runs whole layers on its own slice of the sequences, with
+#     one BLAS thread, and the gradients are added at the end (data parallelism inside one process). No work is
+#     handed between threads inside the step, which on small and mid-size models is the faster of the two.
+# One rank of an MPI job with one BLAS thread keeps 1 (everything inline).
 
 _threads = {"n": 1}
 _pools = {}
+_local = threading.local()          # .n: this thread's own count (1 inside a batch slice), overriding _threads
 
 
 def set_cpu_threads(n):
-    """How many threads the heavy elementwise layers may use (entry points set it to the BLAS thread count)."""
+    """How many threads hsgd's layers may use (entry points set it to the BLAS thread count)."""
     _threads["n"] = max(1, int(n))
 
 
 def cpu_threads():
-    return _threads["n"]
+    """The threads a layer may use from here: 1 on a thread that already is one of parallel_batches' slices."""
+    return getattr(_local, "n", None) or _threads["n"]
+
+
+def _pool(n):
+    """The pool of n - 1 workers that, with the calling thread, make n."""
+    if n not in _pools:
+        _pools[n] = ThreadPoolExecutor(max_workers=n - 1, thread_name_prefix="hsgd")
+    return _pools[n]
+
+
+def parallel_batches(fn, n_items):
+    """[fn(lo, hi) for the cpu_threads() contiguous slices of range(n_items)], computed side by side: the last slice
+    on the calling thread, the others on a pool's threads. Each slice runs alone on its thread (cpu_threads() is 1
+    there, so its layers do not split their rows again) and BLAS runs on one thread for the duration. With one
+    thread (or one item): [fn(0, n_items)]. Results in slice order; an exception is raised after every slice
+    has ended."""
+    n = min(cpu_threads(), n_items)
+    if n <= 1:
+        return [fn(0, n_items)]
+    bounds = [n_items * i // n for i in range(n + 1)]
+
+    def alone(lo, hi):
+        _local.n = 1
+        try:
+            return fn(lo, hi)
+        finally:
+            _local.n = None
+
+    with one_blas_thread():
+        others = [_pool(n).submit(alone, bounds[i], bounds[i + 1]) for i in range(n - 1)]
+        try:
+            last = alone(bounds[n - 1], bounds[n])
+        finally:
+            results = [f.result() for f in others]              # every slice has ended before anyone returns
+    return results + [last]
 
 
 def parallel_rows(fn, n_rows, min_rows=2):
@@ -99,10 +141,8 @@ def parallel_rows(fn, n_rows, min_rows=2):
     if n <= 1:
         fn(0, n_rows)
         return
-    if n not in _pools:
-        _pools[n] = ThreadPoolExecutor(max_workers=n - 1, thread_name_prefix="hsgd")
     bounds = [n_rows * i // n for i in range(n + 1)]
-    others = [_pools[n].submit(fn, bounds[i], bounds[i + 1]) for i in range(n - 1)]
+    others = [_pool(n).submit(fn, bounds[i], bounds[i + 1]) for i in range(n - 1)]
     try:
         fn(bounds[n - 1], bounds[n])
     finally:
@@ -115,9 +155,9 @@ _blas = {}
 
 @contextlib.contextmanager
 def one_blas_thread():
-    """While parallel_rows' workers each call BLAS on their own small matrices (attention, one sequence at a time),
-    BLAS itself runs on one thread: cpu_threads() single-threaded products side by side beat one product at a time
-    split over the same cores, for the small matrices of attention. No-op with one worker."""
+    """While several threads each call BLAS on their own matrices (parallel_rows' attention pieces, parallel_batches'
+    slices), BLAS itself runs on one thread: single-threaded products side by side beat one product at a time split
+    over the same cores, for these matrices. No-op with one thread."""
     if cpu_threads() <= 1:
         yield
         return

@@ -12,14 +12,15 @@ MLP: fc (C -> F), GELU (tanh approximation), proj (F -> C). No dropout, untied L
 
 Legend: B batch, T sequence, C d_model, NH heads, F d_ff, V vocab, L layers.
 
-Public API: init_params(cfg, seed, dtype, device), loss_and_grads(params, idx, targets, cfg),
-forward / backward for callers that want the pieces, loss(params, idx, targets, cfg) for evaluation.
+Public API: init_params(cfg, seed, dtype, device), loss_and_grads(params, idx, targets, cfg, grads, split) (split:
+the batch over the CPU threads), forward / backward for callers that want the pieces, loss(params, idx, targets,
+cfg) for evaluation.
 """
 import zlib
 
 import numpy as np
 
-from .backend import array_module, get_xp, resolve_dtype, to_device
+from .backend import array_module, get_xp, parallel_batches, resolve_dtype, to_device
 from .layers import (attention_backward, attention_forward, cross_entropy_backward, cross_entropy_forward,
                      embedding_backward, embedding_forward, gelu_backward, gelu_forward, layernorm_backward,
                      layernorm_forward, linear_backward, linear_forward, qkv_backward, qkv_forward)
@@ -120,20 +121,34 @@ def backward(dlogits, caches, grads):
     embedding_backward(dx, c_emb, g["wte"], g["wpe"])
 
 
-def loss_and_grads(params, idx, targets, cfg, grads=None):
+def loss_and_grads(params, idx, targets, cfg, grads=None, split=False):
     """(loss, grads): the mean cross-entropy over all B*T positions and its gradient for every parameter.
 
     idx, targets: integer arrays (B, T). If `grads` is given, gradients are accumulated into it.
+    split=True (NumPy, backend.cpu_threads() > 1): the batch is cut into cpu_threads() slices of whole sequences,
+    computed side by side, one thread each (backend.parallel_batches). Slice i, with B_i of the B sequences, adds
+    B_i / B times its own mean loss and gradients: the mean over the batch is the B_i-weighted mean of the slices'
+    means (the mini-batch identity of chapter 5: data parallelism inside one process, the final sum in place of
+    the All-Reduce). The same numbers as split=False, up to rounding.
     """
     xp = array_module(params["wte"])
     idx, targets = xp.asarray(idx), xp.asarray(targets)
-    logits, caches = forward(params, idx, cfg)
-    loss, c_ce = cross_entropy_forward(logits, targets)
-    dlogits = cross_entropy_backward(1.0, c_ce)
     if grads is None:
         grads = zeros_like_params(params)
-    backward(dlogits, caches, grads)
-    return float(loss), grads
+    B = idx.shape[0]
+
+    def part(lo, hi):                                         # sequences lo..hi-1, weighted by their share
+        g = grads if hi == B else zeros_like_params(params)   # the last slice adds into `grads` itself
+        logits, caches = forward(params, idx[lo:hi], cfg)
+        value, c_ce = cross_entropy_forward(logits, targets[lo:hi])
+        backward(cross_entropy_backward((hi - lo) / B, c_ce), caches, g)
+        return value * ((hi - lo) / B), g
+
+    parts = parallel_batches(part, B) if split and xp is np else [part(0, B)]
+    for _, g in parts[:-1]:
+        for name, a in g.items():
+            grads[name] += a
+    return float(sum(value for value, _ in parts)), grads
 
 
 def loss(params, idx, targets, cfg):

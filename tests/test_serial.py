@@ -121,3 +121,31 @@ def test_threads_change_nothing():
     err = max(max_rel_err(g2[n], g1[n]) for n in g1)
     print(f"2 threads vs 1: loss {loss2!r} vs {loss1!r}, max rel grad err {err:.1e}")
     assert abs(loss2 - loss1) <= 1e-14 * abs(loss1) and err < 1e-13 and sorted(seen) == [0, 2]
+
+
+@pytest.mark.parametrize("threads, B", [(2, 5), (3, 7), (4, 2)])
+def test_batch_split_over_threads_is_the_minibatch_identity(threads, B):
+    """split=True: slices of whole sequences on threads of their own, each weighted by its share of the batch,
+    accumulated into the given gradients; equal to the unsplit computation up to rounding (float64)."""
+    from hsgd.backend import cpu_threads, parallel_batches, set_cpu_threads
+    cfg = hsgd.ModelConfig(vocab_size=31, seq_len=8, d_model=16, n_heads=2, n_layers=2, d_ff=32)
+    params = serial.init_params(cfg, seed=5, dtype="float64")
+    idx, targets = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, B, cfg.seq_len))
+    before = cpu_threads()
+    try:
+        set_cpu_threads(1)
+        loss1, g1 = serial.loss_and_grads(params, idx, targets, cfg, grads=noisy_params(cfg, seed=9))
+        set_cpu_threads(threads)
+        loss2, g2 = serial.loss_and_grads(params, idx, targets, cfg, grads=noisy_params(cfg, seed=9), split=True)
+        slices = parallel_batches(lambda lo, hi: (lo, hi, cpu_threads()), B)
+        with pytest.raises(ValueError):                         # a failing slice: raised after all have ended
+            parallel_batches(lambda lo, hi: int("x") if lo == 0 else hi, B)
+        after = cpu_threads()
+    finally:
+        set_cpu_threads(before)
+    err = max(max_rel_err(g2[n], g1[n]) for n in g1)
+    print(f"{threads} threads, B = {B}: slices {slices}; loss diff {abs(loss2 - loss1):.1e}, max rel grad err "
+          f"{err:.1e}")
+    n = min(threads, B)
+    assert slices == [(B * i // n, B * (i + 1) // n, 1) for i in range(n)] and after == threads
+    assert abs(loss2 - loss1) <= 1e-14 * abs(loss1) and err < 1e-13

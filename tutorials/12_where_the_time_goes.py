@@ -25,8 +25,9 @@
 # 2. where the time goes: every layer timed inside a real step, next to what its FLOPs would take at the matmul
 #    rate; why the elementwise layers are written with `out=` and in place;
 # 3. causal attention skipping the blocks the mask zeroes, checked against a plain dense attention in float64;
-# 4. threads: NumPy releases the GIL, so hsgd splits rows over threads of its own (`backend.parallel_rows`); the
-#    gradients do not change with the thread count; why `import hsgd` comes before `import numpy`;
+# 4. threads: NumPy releases the GIL, so hsgd splits rows over threads of its own (`backend.parallel_rows`), or
+#    splits the batch over them (`backend.parallel_batches`); the gradients do not change with the thread count;
+#    why `import hsgd` comes before `import numpy`;
 # 5. memory as well as time: GELU caches its derivative instead of its input and tanh, checked against the
 #    activation formula of chapter 7 and a finite difference;
 # 6. how to compare fairly with another library (`make bench`).
@@ -537,6 +538,45 @@ print(f"OPENBLAS_THREAD_TIMEOUT = {os.environ.get('OPENBLAS_THREAD_TIMEOUT')}; N
          if NUMPY_FIRST else "loaded after hsgd set it, so OpenBLAS uses it"))
 
 # %% [markdown]
+# **Splitting the batch instead.** Everything above splits *each layer* over the threads, which hands work from one
+# thread to another several times per layer: at every matrix product (BLAS wakes its threads) and at every
+# `parallel_rows` call. On a machine whose idle cores take tens of microseconds to wake, those hand-offs add up.
+# The other way uses the mini-batch identity of chapter 5: the mean loss over B sequences is the $B_i/B$-weighted
+# mean of the mean losses over any slices of them, and so are its gradients. `serial.loss_and_grads(...,
+# split=True)` cuts the batch into `cpu_threads()` slices of whole sequences and gives each its own thread
+# (`backend.parallel_batches`): the slice's whole forward and backward run there with one BLAS thread and no
+# further splitting (`cpu_threads()` is 1 on that thread), into gradients of its own, which are added at the end.
+# It is data parallelism inside one process, with the final sum in place of the All-Reduce; nothing is handed
+# over inside the step. The numbers are those of the unsplit step up to rounding (different sums, same terms):
+
+# %%
+set_cpu_threads(2)
+try:
+    loss_split, g_split = serial.loss_and_grads(p64, idx4, targets4, cfg4, split=True)
+finally:
+    set_cpu_threads(THREADS)
+check("float64 loss, batch split over 2 threads vs 1 thread (rel)", abs(loss_split - loss1) / abs(loss1), 1e-13)
+check("float64 gradients, batch split over 2 threads vs 1 thread (rel)",
+      max(rel_err(g_split[n], g1[n]) for n in g1), 1e-13)
+
+
+def train_step_split():
+    for g in grads.values():
+        g.fill(0)
+    serial.loss_and_grads(params, idx, targets, cfg, grads=grads, split=True)
+    opt.step(params, grads)
+
+
+if THREADS > 1:
+    by_layer, by_batch = best_and_median(train_step, 5), best_and_median(train_step_split, 5)
+    print(f"section 1's float32 training step on {THREADS} threads: each layer split {by_layer[1] * 1e3:.1f} ms, "
+          f"the batch split {by_batch[1] * 1e3:.1f} ms (medians of 5)")
+
+# %% [markdown]
+# Which way is faster depends on the machine and the model; `make bench` measures hsgd's step with the batch split
+# (the README's Speed section), and a tensor-parallel rank, whose layers talk to other ranks in the middle of the
+# step, keeps to splitting layers.
+#
 # `backend.tune_allocator()` (called at the top, as `hsgd.train` does) is the other setting outside the model
 # code: glibc hands large freed blocks back to the operating system, and the next step's temporaries of the same
 # size then fault in fresh pages; it is told to keep them.
@@ -606,8 +646,9 @@ check("gelu_backward vs central finite difference (rel)", rel_err(dx, fd), 1e-8)
 # An MFU, or a step time, says little until it is set next to something else on the same machine. `make bench`
 # (which installs PyTorch: `pip install -e '.[bench]'`) runs `benchmarks/bench_serial.py` (the step split into
 # forward, backward and update, and MFU against a 2048^3 matmul) and `benchmarks/bench.py`, which times hsgd's step
-# and PyTorch eager's on the same model, weights, batch and thread count, after checking that the two give the same
-# loss. Timing two libraries in one process has pitfalls, and the comparison is written around them:
+# (with the batch split over the threads) and PyTorch eager's on the same model, weights, batch and thread count,
+# after checking that the two give the same loss. Timing two libraries in one process has pitfalls, and the
+# comparison is written around them:
 #
 # * **Alternating blocks of steps.** The machine's speed drifts (other jobs, CPU frequency, a shared VM's
 #   neighbours). Timing all of hsgd's steps and then all of PyTorch's would put any drift into the ratio. So the
@@ -637,10 +678,10 @@ print(f"training step of section 1: best {step_best * 1e3:.1f} ms, median {step_
 # The serial model was checked against calculus in chapter 1; this chapter checked that the ways hsgd makes it
 # fast leave it the same model. The FLOPs the layers perform in a step are `step_flops` exactly, with the backward
 # pass twice the forward; causal attention skipping its masked blocks does $(n_b + 1)/(2n_b)$ of the products and
-# gives the dense attention's output, probabilities and gradients to rounding; splitting rows over threads gives
-# the 1-thread step's loss and gradients; and GELU's cached derivative keeps a block's activations at the formula
-# and its gradient at the finite difference. The timings around these checks are the machine's, to read, not to
-# assert.
+# gives the dense attention's output, probabilities and gradients to rounding; splitting rows, or the batch, over
+# threads gives the 1-thread step's loss and gradients; and GELU's cached derivative keeps a block's activations at
+# the formula and its gradient at the finite difference. The timings around these checks are the machine's, to
+# read, not to assert.
 
 # %%
 worst, err = check.worst()
