@@ -82,15 +82,20 @@ def test_gelu(rng):
     assert err < TOL
 
 
-def test_attention(rng):
-    B, T, C, NH = 2, 5, 6, 3
+@pytest.mark.parametrize("T, blocks", [(5, None), (7, [0, 1, 2, 4, 7])])
+def test_attention(rng, monkeypatch, T, blocks):
+    """Finite differences, with the default blocks and with the smallest ones (one query row each at the start):
+    the block edges are exact."""
+    if blocks:
+        monkeypatch.setattr(layers, "causal_blocks", lambda T: blocks)
+    B, C, NH = 2, 6, 3
     q, k, v = (rng.normal(size=(B, T, C)) for _ in range(3))
     out, cache = layers.attention_forward(q, k, v, NH)
     R = rng.normal(size=out.shape)
     dq, dk, dv = layers.attention_backward(R, cache)
     f = lambda q, k, v: float(np.sum(layers.attention_forward(q, k, v, NH)[0] * R))
     err = fd_error(f, [q, k, v], {0: dq, 1: dk, 2: dv}, n=30)
-    print(f"attention: max rel err {err:.2e}")
+    print(f"attention, blocks {blocks or layers.causal_blocks(T)}: max rel err {err:.2e}")
     assert err < TOL
 
 
@@ -122,20 +127,6 @@ def test_attention_blocks_equal_the_dense_computation(rng, T):
     print(f"attention, T = {T}, blocks {layers.causal_blocks(T)}: max rel err against dense {err:.1e}")
     assert len(layers.causal_blocks(T)) == {64: 2, 130: 3, 256: 5}[T]
     assert err < 1e-12
-
-
-def test_attention_in_many_blocks(rng, monkeypatch):
-    """Finite differences with the smallest blocks (one query row each at the start): the block edges are exact."""
-    monkeypatch.setattr(layers, "causal_blocks", lambda T: [0, 1, 2, 4, T])
-    B, T, C, NH = 2, 7, 6, 3
-    q, k, v = (rng.normal(size=(B, T, C)) for _ in range(3))
-    out, cache = layers.attention_forward(q, k, v, NH)
-    R = rng.normal(size=out.shape)
-    dq, dk, dv = layers.attention_backward(R, cache)
-    f = lambda q, k, v: float(np.sum(layers.attention_forward(q, k, v, NH)[0] * R))
-    err = fd_error(f, [q, k, v], {0: dq, 1: dk, 2: dv}, n=30)
-    print(f"attention in blocks [0, 1, 2, 4, 7]: max rel err {err:.2e}")
-    assert err < TOL
 
 
 def test_attention_is_causal(rng):
