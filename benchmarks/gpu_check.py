@@ -136,6 +136,7 @@ def main(argv=None):
                        (["--tp", str(R), "--tp-scheme", "gather", "--grad-accum", "2"], None),
                        (["--tp", "1", "--pp", str(R), "--n-layers", str(2 * R), "--micro-batches", "2"], None),
                        (["--tp", str(R), "--dtype", "float32"], None),
+                       (["--tp", str(R), "--seq-len", "256"], None),                  # several causal blocks
                        (["--tp", "1", "--grad-accum", "2"], {"HSGD_CUDA_AWARE": "0"})):    # pinned host staging
         code, out, s = run(["timeout", "240", mpiexec(), "-n", str(R), sys.executable, "-m", "hsgd.verify",
                             "--device", "gpu", *flags], 260, env)

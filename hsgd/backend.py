@@ -11,6 +11,7 @@ import contextlib
 import ctypes
 import os
 import threading
+from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -105,49 +106,51 @@ def _pool(n):
     return _pools[n]
 
 
-def parallel_batches(fn, n_items):
-    """[fn(lo, hi) for the cpu_threads() contiguous slices of range(n_items)], computed side by side: the last slice
-    on the calling thread, the others on a pool's threads. Each slice runs alone on its thread (cpu_threads() is 1
-    there, so its layers do not split their rows again) and BLAS runs on one thread for the duration. With one
-    thread (or one item): [fn(0, n_items)]. Results in slice order; an exception is raised after every slice
-    has ended."""
-    n = min(cpu_threads(), n_items)
-    if n <= 1:
-        return [fn(0, n_items)]
-    bounds = [n_items * i // n for i in range(n + 1)]
+def _side_by_side(fn, bounds):
+    """[fn(lo, hi) for the pieces [bounds[i], bounds[i+1])]: the last piece on the calling thread, the others on the
+    pool. Each piece runs alone on its thread (cpu_threads() is 1 there, so nothing inside a piece splits again and
+    waits on the pool it is part of). Returns once every piece has ended; then raises the first error, if any."""
+    n = len(bounds) - 1
 
     def alone(lo, hi):
+        before = getattr(_local, "n", None)
         _local.n = 1
         try:
             return fn(lo, hi)
         finally:
-            _local.n = None
+            _local.n = before
 
-    with one_blas_thread():
-        others = [_pool(n).submit(alone, bounds[i], bounds[i + 1]) for i in range(n - 1)]
-        try:
-            last = alone(bounds[n - 1], bounds[n])
-        finally:
-            results = [f.result() for f in others]              # every slice has ended before anyone returns
-    return results + [last]
+    others = [_pool(n).submit(alone, bounds[i], bounds[i + 1]) for i in range(n - 1)]
+    try:
+        last = alone(bounds[n - 1], bounds[n])
+    finally:
+        futures.wait(others)                                    # every piece has ended before anyone returns
+    return [f.result() for f in others] + [last]
 
 
-def parallel_rows(fn, n_rows, min_rows=2):
-    """Call fn(lo, hi) on cpu_threads() contiguous pieces of range(n_rows), in parallel: the last piece on the
-    calling thread, the others on a pool's threads; fn writes its results into preallocated arrays. Runs inline
-    when there is one thread or fewer than 2 * min_rows rows (handing work to a thread costs tens of
-    microseconds)."""
-    n = min(cpu_threads(), n_rows // min_rows) if n_rows >= min_rows else 1
+def parallel_batches(fn, n_items):
+    """[fn(lo, hi) for the cpu_threads() contiguous slices of range(n_items)], computed side by side (the last on
+    the calling thread), each slice alone on its thread (its layers do not split their rows again), with BLAS on one
+    thread for the duration. With one thread (or one item): [fn(0, n_items)]. Results in slice order; an exception
+    is raised after every slice has ended."""
+    n = min(cpu_threads(), n_items)
     if n <= 1:
+        return [fn(0, n_items)]
+    with one_blas_thread():
+        return _side_by_side(fn, [n_items * i // n for i in range(n + 1)])
+
+
+def parallel_rows(fn, n_rows, min_rows=2, xp=np):
+    """Call fn(lo, hi) on cpu_threads() contiguous pieces of range(n_rows), in parallel (the last piece on the
+    calling thread); fn writes its results into preallocated arrays. Runs inline when there is one thread, fewer
+    than 2 * min_rows rows (handing work to a thread costs tens of microseconds), or arrays of a module other than
+    NumPy (xp: a GPU's current device and stream belong to the thread that set them). An exception is raised
+    after every piece has ended."""
+    n = min(cpu_threads(), n_rows // min_rows) if n_rows >= min_rows else 1
+    if n <= 1 or xp is not np:
         fn(0, n_rows)
         return
-    bounds = [n_rows * i // n for i in range(n + 1)]
-    others = [_pool(n).submit(fn, bounds[i], bounds[i + 1]) for i in range(n - 1)]
-    try:
-        fn(bounds[n - 1], bounds[n])
-    finally:
-        for f in others:                                      # every piece has ended before anyone returns
-            f.result()
+    _side_by_side(fn, [n_rows * i // n for i in range(n + 1)])
 
 
 _blas = {}

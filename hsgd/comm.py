@@ -61,14 +61,18 @@ class HostStaging:
     """Preallocated host buffers for staging device arrays through an MPI that cannot read device memory.
 
     One buffer per (device buffer, role), found again by the device pointer: the gradient buffers and buckets that
-    cross MPI every step are the same device arrays every step, so after the first step nothing is allocated.
-    Pinned memory lets the device-host copies run at full speed. At most `max_buffers` are kept, the least
-    recently used dropped first (a pending non-blocking call holds its own reference, so dropping is safe).
+    cross MPI every step are the same device arrays every step, so after the first step they need no allocation.
+    (Transient arrays, such as activations, may come back at a new address and get a new buffer.) Pinned memory
+    lets the device-host copies run at full speed. At most `max_buffers` buffers and `max_bytes` bytes are kept,
+    the least recently used dropped first; a pending non-blocking call holds its own reference, so dropping is safe.
+    Two rules keep a buffer from being reused while it is still in use: Comm._buf synchronizes the stream before
+    touching any buffer (so the asynchronous host-to-device copy of the previous call has finished), and a pending
+    call keeps its device array alive (so no other array takes its address, and its buffer, meanwhile).
     `alloc(nbytes)` gives the raw memory: CuPy's pinned allocator by default; tests pass a plain one."""
 
-    def __init__(self, alloc=None, max_buffers=256):
+    def __init__(self, alloc=None, max_buffers=256, max_bytes=1 << 30):
         self.alloc = alloc
-        self.max_buffers = max_buffers
+        self.max_buffers, self.max_bytes = max_buffers, max_bytes
         self.buffers = {}                       # (device pointer, shape, dtype, role) -> NumPy array over the memory
         self.allocated = 0                      # how many buffers were ever allocated (tests read it)
 
@@ -84,7 +88,8 @@ class HostStaging:
             mem = alloc(max(1, n * np.dtype(dtype).itemsize))
             buf = np.frombuffer(mem, dtype=dtype, count=n).reshape(shape)
             self.allocated += 1
-            if len(self.buffers) >= self.max_buffers:
+            while self.buffers and (len(self.buffers) >= self.max_buffers or
+                                    sum(b.nbytes for b in self.buffers.values()) + buf.nbytes > self.max_bytes):
                 self.buffers.pop(next(iter(self.buffers)))     # the least recently used
         self.buffers[key] = buf                                 # most recently used last
         return buf
@@ -174,7 +179,8 @@ class Comm:
             x.get(out=host)                                     # device -> host, before MPI reads it
         if role == "send":
             return host, None
-        return host, (lambda: x.set(host))                      # host -> device, after MPI wrote it
+        return host, (lambda: x.set(host))      # host -> device after MPI wrote it; asynchronous from pinned memory,
+                                                # finished by the stream sync of the next _buf
 
     def _verify(self, op, *arrays):
         """The collective-sequence check: all ranks must be making the same call."""
@@ -290,7 +296,7 @@ class Comm:
         b, _ = self._buf(x, "send")
         req = self.comm.Isend(b, dest=dest, tag=tag)
         req_obj = Request(req, self, "Isend", x.nbytes, t0)
-        req_obj.keepalive = b                                   # the staged copy must outlive the send
+        req_obj.keepalive = (b, x)                              # the staged copy, and x, whose address names it
         return req_obj
 
     def Irecv(self, x, source, tag=0):

@@ -302,15 +302,16 @@ def paper_activation_bytes(s, b, h, a, t, sequence):
     tensor parallel s b h (10 + 24/t + 5 a s / (h t)); tensor + sequence parallel s b h (34/t + 5 a s / (h t)).
 
     hsgd's (activation_formula with s = T, b = B, h = C, a = NH), counted in 16-bit units to compare, F = 4h:
-        megatron s b h (8 + 32/t + 2 a s / (h t)),  sequence s b h (40/t + 2 a s / (h t))  (+ rstd 4sb, /t in SP)
+        megatron s b h (8 + 24/t + 2 a s / (h t)),  sequence s b h (32/t + 2 a s / (h t))  (+ rstd 4sb, /t in SP)
     The ratio megatron / sequence differs: for GPT-3 175B's shape (s = 2048, h = 12288, a = 96, t = 8) hsgd's is
-    1.78, the paper's 1.61; for the test model (T = 8, C = F = 16, NH = 8, B = 3, t = 8, float64) 2.91 and 2.30.
+    1.88, the paper's 1.61; for the test model (T = 8, C = F = 16, NH = 8, B = 3, t = 8, float64) 3.04 and 2.30.
       * no dropout: the paper's replicated 10 is LN inputs 4 + inputs of q,k,v and fc 4 + dropout masks 2;
         hsgd's replicated 8 is LN xhat 4 + the same linear inputs 4 (plus LN's rstd);
       * per attention entry the paper keeps scores, softmax and dropout output (2 bytes each) and the dropout mask
         (1): 5; hsgd keeps the softmax only (2). This term is split by t in both schemes, and it is what is left
         after sequence parallelism (the paper's 10 of 14.25 for GPT-3): the larger it is, the smaller the ratio;
-      * hsgd caches q, k, v, the merged heads and, for GELU, its input, tanh(u) and output (32/t, not 24/t);
+      * hsgd caches q, k, v, the merged heads, and for GELU its derivative and output: 24/t, as the paper's
+        terms split by t (where the paper keeps GELU's input, hsgd keeps its derivative);
       * hsgd's elements are 8 bytes (float64) or 4 (float32), not 2; only ratios compare.
     In both, sequence parallelism leaves nothing replicated: every term is divided by t.
     """

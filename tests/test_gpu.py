@@ -42,13 +42,15 @@ def test_embedding_scatter_add_on_gpu():
     assert cupy.asnumpy(target).tolist() == [[0, 0], [2, 2], [0, 0], [1, 1], [0, 0]]
 
 
-def test_staging_through_pinned_host_buffers(monkeypatch):
+def test_staging_through_pinned_host_buffers(monkeypatch, request):
     """Without a CUDA-aware MPI a device buffer goes to MPI through a pinned host buffer: filled from the device
     before MPI reads it, copied back after MPI wrote it, and the same host buffer every step."""
     from mpi4py import MPI
 
-    from hsgd.comm import Comm
+    from hsgd.comm import Comm, cuda_aware_mpi
     monkeypatch.setenv("HSGD_CUDA_AWARE", "0")
+    cuda_aware_mpi.cache_clear()                                        # decided once per process: decide again
+    request.addfinalizer(cuda_aware_mpi.cache_clear)                    # and again after the variable is restored
     comm = Comm(MPI.COMM_SELF, "test")
     x = cupy.arange(6, dtype=cupy.float32).reshape(2, 3)
     host, unstage = comm._buf(x)
@@ -59,3 +61,37 @@ def test_staging_through_pinned_host_buffers(monkeypatch):
     again, _ = comm._buf(x)
     send, nothing = comm._buf(x, "send")
     assert again is host and nothing is None and comm.staging.allocated == 2
+
+
+@pytest.mark.parametrize("B, T, NH", [(1, 130, 1), (3, 256, 2)])
+def test_layers_on_gpu_equal_cpu_float64(B, T, NH):
+    """Each layer on CuPy against NumPy, float64, with sequences long enough for several causal blocks (strided
+    views of the scores, the skipped blocks set to 0, column-block products in the backward)."""
+    from hsgd import layers
+    rng = np.random.default_rng(0)
+    C, F, V = 8 * NH, 32, 50
+    q, k, v, dy = (rng.normal(size=(B, T, C)) for _ in range(4))
+    x, h, dh = rng.normal(size=(B, T, C)), rng.normal(size=(B, T, F)), rng.normal(size=(B, T, F))
+    w, b = rng.normal(size=C), rng.normal(size=C)
+    logits, targets = rng.normal(size=(B, T, V)), rng.integers(0, V, (B, T))
+    g = lambda *a: [cupy.asarray(t) for t in a]                         # NumPy -> CuPy
+    errs = {}
+    y, c = layers.attention_forward(q, k, v, NH)
+    yg, cg = layers.attention_forward(*g(q, k, v), NH)
+    grads, grads_g = layers.attention_backward(dy, c), layers.attention_backward(cupy.asarray(dy), cg)
+    errs["attention"] = max(max_rel_err(cupy.asnumpy(a), e) for a, e in zip((yg, cg[3], *grads_g), (y, c[3], *grads)))
+    y, c = layers.gelu_forward(h)
+    yg, cg = layers.gelu_forward(cupy.asarray(h))
+    errs["gelu"] = max(max_rel_err(cupy.asnumpy(yg), y), max_rel_err(cupy.asnumpy(layers.gelu_backward(
+        cupy.asarray(dh), cg)), layers.gelu_backward(dh, c)))
+    y, c = layers.layernorm_forward(x, w, b)
+    yg, cg = layers.layernorm_forward(*g(x, w, b))
+    dw, db, dwg, dbg = np.zeros(C), np.zeros(C), cupy.zeros(C), cupy.zeros(C)
+    dx, dxg = layers.layernorm_backward(dy, c, dw, db), layers.layernorm_backward(cupy.asarray(dy), cg, dwg, dbg)
+    errs["layernorm"] = max(max_rel_err(cupy.asnumpy(a), e) for a, e in ((yg, y), (dxg, dx), (dwg, dw), (dbg, db)))
+    loss, c = layers.cross_entropy_forward(logits, targets)
+    loss_g, cg = layers.cross_entropy_forward(*g(logits, targets))
+    errs["cross-entropy"] = max(abs(float(loss_g) - float(loss)) / abs(float(loss)), max_rel_err(
+        cupy.asnumpy(layers.cross_entropy_backward(1.0, cg)), layers.cross_entropy_backward(1.0, c)))
+    print(f"GPU vs CPU float64, B={B} T={T} NH={NH}: " + ", ".join(f"{n} {e:.1e}" for n, e in errs.items()))
+    assert max(errs.values()) < 1e-12

@@ -101,9 +101,9 @@ def test_same_seed_same_training_run():
 
 def test_threads_change_nothing():
     """The threaded paths (backend.parallel_rows: GELU, LayerNorm and attention pieces on 2 threads, attention's
-    BLAS on one thread per piece) give the one-thread gradients. The shapes are large enough for every layer to
-    split its rows, and the sequences long enough for 2 causal blocks."""
-    from hsgd.backend import cpu_threads, parallel_rows, set_cpu_threads
+    BLAS on one thread per piece) give the one-thread gradients. The shapes are large enough for every threaded
+    layer but GELU's one-pass backward to split its rows, and the sequences long enough for 2 causal blocks."""
+    from hsgd.backend import cpu_threads, set_cpu_threads
     cfg = hsgd.ModelConfig(vocab_size=31, seq_len=128, d_model=512, n_heads=2, n_layers=1, d_ff=1024)
     params = serial.init_params(cfg, seed=3, dtype="float64")
     idx, targets = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 5, cfg.seq_len))
@@ -113,14 +113,11 @@ def test_threads_change_nothing():
         loss1, g1 = serial.loss_and_grads(params, idx, targets, cfg)
         set_cpu_threads(2)
         loss2, g2 = serial.loss_and_grads(params, idx, targets, cfg)
-        seen = []
-        with pytest.raises(ZeroDivisionError):                  # a failing piece: raised after both have ended
-            parallel_rows(lambda lo, hi: seen.append(lo) or (lo == 0 and 1 / 0), 4, min_rows=1)
     finally:
         set_cpu_threads(before)
     err = max(max_rel_err(g2[n], g1[n]) for n in g1)
     print(f"2 threads vs 1: loss {loss2!r} vs {loss1!r}, max rel grad err {err:.1e}")
-    assert abs(loss2 - loss1) <= 1e-14 * abs(loss1) and err < 1e-13 and sorted(seen) == [0, 2]
+    assert abs(loss2 - loss1) <= 1e-14 * abs(loss1) and err < 1e-13
 
 
 @pytest.mark.parametrize("threads, B", [(2, 5), (3, 7), (4, 2)])
@@ -138,8 +135,6 @@ def test_batch_split_over_threads_is_the_minibatch_identity(threads, B):
         set_cpu_threads(threads)
         loss2, g2 = serial.loss_and_grads(params, idx, targets, cfg, grads=noisy_params(cfg, seed=9), split=True)
         slices = parallel_batches(lambda lo, hi: (lo, hi, cpu_threads()), B)
-        with pytest.raises(ValueError):                         # a failing slice: raised after all have ended
-            parallel_batches(lambda lo, hi: int("x") if lo == 0 else hi, B)
         after = cpu_threads()
     finally:
         set_cpu_threads(before)

@@ -493,13 +493,13 @@ idx4, targets4 = rng.integers(0, 256, (B4, 128)), rng.integers(0, 256, (B4, 128)
 used, rows_parallel = {}, layers.parallel_rows
 
 
-def noting_parallel_rows(fn, n_rows, min_rows=2):
+def noting_parallel_rows(fn, n_rows, min_rows=2, **options):
     layer = fn.__qualname__.split(".")[0] if hasattr(fn, "__qualname__") else "?"
 
     def noted(lo, hi):
         used.setdefault(layer, set()).add(threading.get_ident())
         return fn(lo, hi)
-    return rows_parallel(noted, n_rows, min_rows)
+    return rows_parallel(noted, n_rows, min_rows, **options)
 
 
 results = {}
