@@ -15,6 +15,15 @@ def max_rel_err(a, b, floor=1e-12):
 
 
 @pytest.fixture
+def set_threads():
+    """backend.set_cpu_threads for the test, the process-wide count restored afterwards."""
+    from hsgd.backend import cpu_threads, set_cpu_threads
+    before = cpu_threads()
+    yield set_cpu_threads
+    set_cpu_threads(before)
+
+
+@pytest.fixture
 def tiny_cfg():
     return hsgd.ModelConfig(vocab_size=13, seq_len=6, d_model=8, n_heads=2, n_layers=2, d_ff=12)
 

@@ -99,45 +99,36 @@ def test_same_seed_same_training_run():
     assert all(np.array_equal(a["params"][n], b["params"][n]) for n in a["params"])
 
 
-def test_threads_change_nothing():
+def test_threads_change_nothing(set_threads):
     """The threaded paths (backend.parallel_rows: GELU, LayerNorm and attention pieces on 2 threads, attention's
     BLAS on one thread per piece) give the one-thread gradients. The shapes are large enough for every threaded
     layer but GELU's one-pass backward to split its rows, and the sequences long enough for 2 causal blocks."""
-    from hsgd.backend import cpu_threads, set_cpu_threads
     cfg = hsgd.ModelConfig(vocab_size=31, seq_len=128, d_model=512, n_heads=2, n_layers=1, d_ff=1024)
     params = serial.init_params(cfg, seed=3, dtype="float64")
     idx, targets = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 5, cfg.seq_len))
-    before = cpu_threads()
-    try:
-        set_cpu_threads(1)
-        loss1, g1 = serial.loss_and_grads(params, idx, targets, cfg)
-        set_cpu_threads(2)
-        loss2, g2 = serial.loss_and_grads(params, idx, targets, cfg)
-    finally:
-        set_cpu_threads(before)
+    set_threads(1)
+    loss1, g1 = serial.loss_and_grads(params, idx, targets, cfg)
+    set_threads(2)
+    loss2, g2 = serial.loss_and_grads(params, idx, targets, cfg)
     err = max(max_rel_err(g2[n], g1[n]) for n in g1)
     print(f"2 threads vs 1: loss {loss2!r} vs {loss1!r}, max rel grad err {err:.1e}")
     assert abs(loss2 - loss1) <= 1e-14 * abs(loss1) and err < 1e-13
 
 
 @pytest.mark.parametrize("threads, B", [(2, 5), (3, 7), (4, 2)])
-def test_batch_split_over_threads_is_the_minibatch_identity(threads, B):
+def test_batch_split_over_threads_is_the_minibatch_identity(set_threads, threads, B):
     """split=True: slices of whole sequences on threads of their own, each weighted by its share of the batch,
     accumulated into the given gradients; equal to the unsplit computation up to rounding (float64)."""
-    from hsgd.backend import cpu_threads, parallel_batches, set_cpu_threads
+    from hsgd.backend import cpu_threads, parallel_batches
     cfg = hsgd.ModelConfig(vocab_size=31, seq_len=8, d_model=16, n_heads=2, n_layers=2, d_ff=32)
     params = serial.init_params(cfg, seed=5, dtype="float64")
     idx, targets = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, B, cfg.seq_len))
-    before = cpu_threads()
-    try:
-        set_cpu_threads(1)
-        loss1, g1 = serial.loss_and_grads(params, idx, targets, cfg, grads=noisy_params(cfg, seed=9))
-        set_cpu_threads(threads)
-        loss2, g2 = serial.loss_and_grads(params, idx, targets, cfg, grads=noisy_params(cfg, seed=9), split=True)
-        slices = parallel_batches(lambda lo, hi: (lo, hi, cpu_threads()), B)
-        after = cpu_threads()
-    finally:
-        set_cpu_threads(before)
+    set_threads(1)
+    loss1, g1 = serial.loss_and_grads(params, idx, targets, cfg, grads=noisy_params(cfg, seed=9))
+    set_threads(threads)
+    loss2, g2 = serial.loss_and_grads(params, idx, targets, cfg, grads=noisy_params(cfg, seed=9), split=True)
+    slices = parallel_batches(lambda lo, hi: (lo, hi, cpu_threads()), B)
+    after = cpu_threads()
     err = max(max_rel_err(g2[n], g1[n]) for n in g1)
     print(f"{threads} threads, B = {B}: slices {slices}; loss diff {abs(loss2 - loss1):.1e}, max rel grad err "
           f"{err:.1e}")

@@ -4,15 +4,12 @@ import time
 
 import pytest
 
-from hsgd.backend import cpu_threads, parallel_batches, parallel_rows, set_cpu_threads
+from hsgd.backend import cpu_threads, parallel_batches, parallel_rows
 
 
 @pytest.fixture
-def three_threads():
-    before = cpu_threads()
-    set_cpu_threads(3)
-    yield
-    set_cpu_threads(before)
+def three_threads(set_threads):
+    set_threads(3)
 
 
 @pytest.mark.parametrize("split", [parallel_rows, parallel_batches])
