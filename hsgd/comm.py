@@ -74,6 +74,7 @@ class HostStaging:
         self.alloc = alloc
         self.max_buffers, self.max_bytes = max_buffers, max_bytes
         self.buffers = {}                       # (device pointer, shape, dtype, role) -> NumPy array over the memory
+        self.nbytes = 0                         # bytes of the buffers kept
         self.allocated = 0                      # how many buffers were ever allocated (tests read it)
 
     def get(self, ptr, shape, dtype, role):
@@ -89,8 +90,9 @@ class HostStaging:
             buf = np.frombuffer(mem, dtype=dtype, count=n).reshape(shape)
             self.allocated += 1
             while self.buffers and (len(self.buffers) >= self.max_buffers or
-                                    sum(b.nbytes for b in self.buffers.values()) + buf.nbytes > self.max_bytes):
-                self.buffers.pop(next(iter(self.buffers)))     # the least recently used
+                                    self.nbytes + buf.nbytes > self.max_bytes):
+                self.nbytes -= self.buffers.pop(next(iter(self.buffers))).nbytes    # the least recently used
+            self.nbytes += buf.nbytes
         self.buffers[key] = buf                                 # most recently used last
         return buf
 

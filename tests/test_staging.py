@@ -34,7 +34,7 @@ def test_least_recently_used_buffers_are_dropped():
 def test_bytes_are_bounded_too():
     st = HostStaging(alloc=bytearray, max_bytes=3 * 8 * 100)            # room for three (100,) float64 buffers
     bufs = [st.get(p, (100,), np.float64, "inout") for p in range(5)]
-    assert sum(b.nbytes for b in st.buffers.values()) <= st.max_bytes and len(st.buffers) == 3
+    assert st.nbytes == sum(b.nbytes for b in st.buffers.values()) <= st.max_bytes and len(st.buffers) == 3
     assert st.get(4, (100,), np.float64, "inout") is bufs[4] and st.allocated == 5
     big = st.get(9, (1000,), np.float64, "inout")                       # larger than the cap alone: kept alone
-    assert list(st.buffers.values()) == [big]
+    assert list(st.buffers.values()) == [big] and st.nbytes == big.nbytes
