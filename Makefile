@@ -4,6 +4,7 @@
 #   make test    same install, then the whole test suite (unit, MPI and tutorial tests)
 #   make bench   same install plus PyTorch, then the benchmarks in benchmarks/ (tables in benchmarks/results/)
 #   make gpu-check  the GPU path on a machine with a GPU and CuPy: tests, verify, training, benchmark
+#   make gpu-sim    the same script on the simulated GPU (tests/simgpu: NumPy with CuPy's rules), no GPU needed
 # Use a system MPI instead of PyPI's mpich wheel:  make test EXTRAS=dev
 # (mpi4py then builds against the mpicc found on PATH).
 
@@ -14,7 +15,7 @@ PY     := $(VENV)/bin/python
 comma  := ,
 STAMP  := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 
-.PHONY: train test lint bench gpu-check clean
+.PHONY: train test lint bench gpu-check gpu-sim clean
 
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -50,6 +51,10 @@ bench: $(BENCH_STAMP)
 # The GPU path, on a machine with a GPU and CuPy (pip install -e '.[gpu]'); installs nothing itself.
 gpu-check:
 	$(RUN) python benchmarks/gpu_check.py
+
+# A dry run of gpu-check on any machine: CuPy's host/device rules over NumPy (checks transfers, not a GPU).
+gpu-sim: $(STAMP)
+	$(RUN) PYTHONPATH="$(abspath tests/simgpu)" python benchmarks/gpu_check.py --quick
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

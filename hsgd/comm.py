@@ -11,9 +11,10 @@ Buffer rules, stated once here:
   * Buffers are C-contiguous arrays (preallocated by the caller where it matters); a non-contiguous view is an
     error, not a silent copy.
   * CuPy arrays: the current stream is synchronized before MPI touches the memory. With a CUDA-aware MPI the
-    device pointer goes to MPI directly; otherwise the data is staged through host memory: a pinned (page-locked)
-    host buffer per device buffer, allocated on first use and reused every step (HostStaging). Which of the two
-    is used is decided once per process (`cuda_aware_mpi()`; HSGD_CUDA_AWARE=0|1 overrides the detection).
+    device pointer goes to MPI directly; otherwise the data is staged through host memory: pinned (page-locked)
+    host buffers from a pool (HostStaging), taken for one call and given back when MPI is done with them, so
+    that after the first step every shape has its buffer and nothing is allocated. Which of the two is used is
+    decided once per process (`cuda_aware_mpi()`; HSGD_CUDA_AWARE=0|1 overrides the detection).
 
 Accounting: every call adds, for (communicator name, operation), one call, its payload bytes and its seconds
 to a CommStats. The payload is the size of the whole logical tensor of the call: Allreduce and Bcast the
@@ -58,43 +59,50 @@ def _is_cupy(x):
 
 
 class HostStaging:
-    """Preallocated host buffers for staging device arrays through an MPI that cannot read device memory.
+    """A pool of host buffers for staging device arrays through an MPI that cannot read device memory.
 
-    One buffer per (device buffer, role), found again by the device pointer: the gradient buffers and buckets that
-    cross MPI every step are the same device arrays every step, so after the first step they need no allocation.
-    (Transient arrays, such as activations, may come back at a new address and get a new buffer.) Pinned memory
-    lets the device-host copies run at full speed. At most `max_buffers` buffers and `max_bytes` bytes are kept,
-    the least recently used dropped first; a pending non-blocking call holds its own reference, so dropping is safe.
-    Two rules keep a buffer from being reused while it is still in use: Comm._buf synchronizes the stream before
-    touching any buffer (so the asynchronous host-to-device copy of the previous call has finished), and a pending
-    call keeps its device array alive (so no other array takes its address, and its buffer, meanwhile).
-    `alloc(nbytes)` gives the raw memory: CuPy's pinned allocator by default; tests pass a plain one."""
+    take(shape, dtype) hands out a free buffer of that shape and dtype, allocating one only when none is free;
+    give(buf) returns it once the MPI call that used it has completed (a blocking call: when it returns; a
+    non-blocking one: at Wait). A training step sends the same shapes every step (gradient buckets, activations
+    of a fixed size), so after the first step nothing is allocated, whatever addresses the device arrays have.
+    Pinned (page-locked) memory lets the device-host copies run at full speed. Free buffers are bounded by
+    `max_bytes` (the least recently returned dropped first); buffers in use are never dropped.
+    One rule keeps a returned buffer from being overwritten while a copy from it is still running: Comm._buf
+    synchronizes the stream before it takes a buffer, so the asynchronous host-to-device copy of the previous
+    call has finished. `alloc(nbytes)` gives the raw memory: CuPy's pinned allocator by default; tests pass a
+    plain one."""
 
-    def __init__(self, alloc=None, max_buffers=256, max_bytes=1 << 30):
+    def __init__(self, alloc=None, max_bytes=1 << 30):
         self.alloc = alloc
-        self.max_buffers, self.max_bytes = max_buffers, max_bytes
-        self.buffers = {}                       # (device pointer, shape, dtype, role) -> NumPy array over the memory
-        self.nbytes = 0                         # bytes of the buffers kept
+        self.max_bytes = max_bytes
+        self.free = []                          # [NumPy array over pinned memory], least recently returned first
+        self.free_bytes = 0                     # bytes of the free buffers
         self.allocated = 0                      # how many buffers were ever allocated (tests read it)
 
-    def get(self, ptr, shape, dtype, role):
-        key = (ptr, tuple(shape), np.dtype(dtype).str, role)
-        buf = self.buffers.pop(key, None)
-        if buf is None:
-            n = int(np.prod(shape, dtype=np.int64))
-            alloc = self.alloc
-            if alloc is None:
-                import cupy
-                alloc = cupy.cuda.alloc_pinned_memory
-            mem = alloc(max(1, n * np.dtype(dtype).itemsize))
-            buf = np.frombuffer(mem, dtype=dtype, count=n).reshape(shape)
-            self.allocated += 1
-            while self.buffers and (len(self.buffers) >= self.max_buffers or
-                                    self.nbytes + buf.nbytes > self.max_bytes):
-                self.nbytes -= self.buffers.pop(next(iter(self.buffers))).nbytes    # the least recently used
-            self.nbytes += buf.nbytes
-        self.buffers[key] = buf                                 # most recently used last
-        return buf
+    def take(self, shape, dtype):
+        """A buffer of this shape and dtype that nobody else uses until it is given back."""
+        shape, dtype = tuple(shape), np.dtype(dtype)
+        for i in range(len(self.free) - 1, -1, -1):             # the most recently returned first
+            buf = self.free[i]
+            if buf.shape == shape and buf.dtype == dtype:
+                del self.free[i]
+                self.free_bytes -= buf.nbytes
+                return buf
+        n = int(np.prod(shape, dtype=np.int64))
+        alloc = self.alloc
+        if alloc is None:
+            import cupy
+            alloc = cupy.cuda.alloc_pinned_memory
+        mem = alloc(max(1, n * dtype.itemsize))
+        self.allocated += 1
+        return np.frombuffer(mem, dtype=dtype, count=n).reshape(shape)
+
+    def give(self, buf):
+        """Return a buffer taken earlier: free for the next take of its shape."""
+        self.free.append(buf)
+        self.free_bytes += buf.nbytes
+        while self.free_bytes > self.max_bytes:                 # drop the least recently returned
+            self.free_bytes -= self.free.pop(0).nbytes
 
 
 class CommStats:
@@ -139,15 +147,16 @@ class CommStats:
 
 
 class Request:
-    """A pending non-blocking call; Wait() completes it, copies staged data back, and records its time."""
+    """A pending non-blocking call; Wait() completes it, copies staged data back to the device and gives the host
+    buffer back (staging only), and records its time."""
 
-    def __init__(self, req, comm, op, nbytes, t0, unstage=None):
-        self.req, self.comm, self.op, self.nbytes, self.t0, self.unstage = req, comm, op, nbytes, t0, unstage
+    def __init__(self, req, comm, op, nbytes, t0, done=None):
+        self.req, self.comm, self.op, self.nbytes, self.t0, self.done = req, comm, op, nbytes, t0, done
 
     def Wait(self):
         self.req.Wait()
-        if self.unstage:
-            self.unstage()
+        if self.done:
+            self.done()
         self.comm._record(self.op, self.nbytes, self.t0, track="async")
 
 
@@ -165,24 +174,27 @@ class Comm:
 
     # ---------------------------------------------------------------------------------------------- helpers
     def _buf(self, x, role="inout"):
-        """(what to hand MPI, a function that copies staged results back or None). role: "send" buffers are only
-        read by MPI (nothing to copy back), "recv" buffers only written (nothing to copy there first)."""
+        """(what to hand MPI, a function to call once MPI is done with it, or None). role: "send" buffers are only
+        read by MPI, "recv" buffers only written, "inout" both. With staging, the function copies what MPI wrote
+        back to the device ("recv", "inout") and gives the host buffer back to the pool."""
         if not x.flags.c_contiguous:
             raise ValueError(f"{self.name}: MPI buffers must be C-contiguous (got strides {x.strides}); "
                              "pass xp.ascontiguousarray(x) or a preallocated buffer")
         if not _is_cupy(x):
             return x, None
         import cupy
-        cupy.cuda.get_current_stream().synchronize()            # the kernels that wrote x are done
-        if cuda_aware_mpi():
+        cupy.cuda.get_current_stream().synchronize()            # the kernels that wrote x are done, and the
+        if cuda_aware_mpi():                                    # copies out of returned host buffers too
             return x, None
-        host = self.staging.get(x.data.ptr, x.shape, x.dtype, role)    # pinned, preallocated, reused
+        host = self.staging.take(x.shape, x.dtype)              # pinned, from the pool
         if role != "recv":
             x.get(out=host)                                     # device -> host, before MPI reads it
-        if role == "send":
-            return host, None
-        return host, (lambda: x.set(host))      # host -> device after MPI wrote it; asynchronous from pinned memory,
-                                                # finished by the stream sync of the next _buf
+
+        def done():
+            if role != "send":
+                x.set(host)                     # host -> device after MPI wrote it; asynchronous from pinned
+            self.staging.give(host)             # memory, finished by the stream sync of the next _buf
+        return host, done
 
     def _verify(self, op, *arrays):
         """The collective-sequence check: all ranks must be making the same call."""
@@ -238,11 +250,12 @@ class Comm:
             out[0] = part
             self._record("Allgather", out.nbytes, t0)
             return out
-        s, _ = self._buf(part, "send")
+        s, sent = self._buf(part, "send")
         r, unstage = self._buf(out, "recv")
         self.comm.Allgather(s, r)
-        if unstage:
-            unstage()
+        for done in (sent, unstage):
+            if done:
+                done()
         self._record("Allgather", out.nbytes, t0)
         return out
 
@@ -255,11 +268,12 @@ class Comm:
             out[...] = full[0]
             self._record("Reduce_scatter_block", full.nbytes, t0)
             return out
-        s, _ = self._buf(full, "send")
+        s, sent = self._buf(full, "send")
         r, unstage = self._buf(out, "recv")
         self.comm.Reduce_scatter_block(s, r, op=op)
-        if unstage:
-            unstage()
+        for done in (sent, unstage):
+            if done:
+                done()
         self._record("Reduce_scatter_block", full.nbytes, t0)
         return out
 
@@ -280,8 +294,10 @@ class Comm:
     # ---------------------------------------------------------------------------------------------- point to point
     def Send(self, x, dest, tag=0):
         t0 = time.perf_counter()
-        b, _ = self._buf(x, "send")
+        b, sent = self._buf(x, "send")
         self.comm.Send(b, dest=dest, tag=tag)
+        if sent:
+            sent()
         self._record("Send", x.nbytes, t0)
 
     def Recv(self, x, source, tag=0):
@@ -295,11 +311,10 @@ class Comm:
 
     def Isend(self, x, dest, tag=0):
         t0 = time.perf_counter()
-        b, _ = self._buf(x, "send")
-        req = self.comm.Isend(b, dest=dest, tag=tag)
-        req_obj = Request(req, self, "Isend", x.nbytes, t0)
-        req_obj.keepalive = (b, x)                              # the staged copy, and x, whose address names it
-        return req_obj
+        b, sent = self._buf(x, "send")
+        req = Request(self.comm.Isend(b, dest=dest, tag=tag), self, "Isend", x.nbytes, t0, sent)
+        req.keepalive = x                                       # MPI may read x's memory until Wait
+        return req
 
     def Irecv(self, x, source, tag=0):
         t0 = time.perf_counter()

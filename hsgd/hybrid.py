@@ -324,17 +324,19 @@ class HybridTrainer:
     def evaluate(self, corpus, n_batches, batch_size):
         """Mean loss over n_batches fixed validation batches; rows split over the dp groups like training."""
         g = self.grid
+        xp = array_module(self.pbuf.flat)
         total = 0.0
         for i in range(n_batches):
             idx, targets = corpus.batch(self.tc.seed, i, batch_size, split="val")
             rows = dp_rows(batch_size, g.dp, g.dp_rank)
+            idx, targets = xp.asarray(idx[rows]), xp.asarray(targets[rows])          # onto the device
             if g.pp > 1:                                                 # forwards only, through the stages
-                loss, _, _ = run_stage([("F", 0)], self.params, None, [idx[rows]], [targets[rows]], self.cfg, g,
+                loss, _, _ = run_stage([("F", 0)], self.params, None, [idx], [targets], self.cfg, g,
                                        self.scheme, self.layers, self.first, self.last, _Null(), backward=False)
-                loss = g.pp_comm.comm.bcast(float(loss), root=g.pp - 1)
+                loss = g.pp_comm.comm.bcast(float(to_host(xp.asarray(loss))), root=g.pp - 1)
             else:
-                loss, _ = tp_model.forward(self.params, idx[rows], targets[rows], self.cfg, g.tp_comm, self.scheme)
-            total += float(loss)
+                loss, _ = tp_model.forward(self.params, idx, targets, self.cfg, g.tp_comm, self.scheme)
+            total += float(to_host(xp.asarray(loss)))
         return g.dp_comm.comm.allreduce(total) / (g.dp * n_batches)
 
     def full_params(self):

@@ -56,8 +56,9 @@ def build_parser():
     return p
 
 
-def verify(cfg, tc, world=MPI.COMM_WORLD, out=sys.stdout):
-    """Returns (ok, rows): rows = [(name, full shape, local shape, split, max abs err, max rel err)] on rank 0."""
+def verify(cfg, tc, world=MPI.COMM_WORLD, out=sys.stdout, where=None):
+    """Returns (ok, rows): rows = [(name, full shape, local shape, split, max abs err, max rel err)] on rank 0.
+    where: the device line of the header (train.place_on_device's description), if any."""
     from .data import Corpus
     corpus = launch.agree(world, lambda: Corpus.load(tc.data, cfg.seq_len))
     grid = ProcessGrid(world, dp=tc.dp, pp=tc.pp, tp=tc.tp)
@@ -65,7 +66,7 @@ def verify(cfg, tc, world=MPI.COMM_WORLD, out=sys.stdout):
     idx, targets = corpus.batch(tc.seed, 1, tc.batch_size)
     loss = trainer.compute_grads(idx, targets)                       # (pp > 1: every stage has the loss)
     loss = grid.dp_comm.comm.allreduce(loss) / grid.dp
-    ref = serial.init_params(cfg, seed=tc.seed, dtype="float64")
+    ref = serial.init_params(cfg, seed=tc.seed, dtype="float64", device="cpu")     # the host reference
     loss0, grads0 = serial.loss_and_grads(ref, idx, targets, cfg)
     scale = 1e-3 * max(float(np.abs(g).max()) for g in grads0.values())
     mine = {}
@@ -90,6 +91,8 @@ def verify(cfg, tc, world=MPI.COMM_WORLD, out=sys.stdout):
             ok = ok and rel_err <= tol_grad
         print(f"hsgd.verify | {world.Get_size()} ranks = dp {grid.dp} x pp {grid.pp} x tp {grid.tp} ({tc.tp_scheme}) "
               f"| {tc.dtype} | batch {tc.batch_size} x {cfg.seq_len}, {tc.grad_accum} micro-batch(es)", file=out)
+        if where:
+            print(f"device: {where}", file=out)
         print(f"loss: parallel {loss:.12g}  serial {loss0:.12g}  rel err {loss_err:.1e} (tolerance {tol_loss:.0e})",
               file=out)
         print(f"{'parameter':<24}{'shape':>12}{'shard':>12}  {'split':<28}{'max abs err':>12}{'max rel err':>12}",
@@ -113,9 +116,9 @@ def main(argv=None):
         args = build_parser().parse_args(argv)
         cfg, tc = launch.agree(world, lambda: configs_from_args(args, world.Get_size()))
         tc = replace(tc, steps=1, sample_bytes=0)
-        place_on_device(tc, world)
+        where = place_on_device(tc, world)
         with threadpool_limits(limits=1):
-            ok, _ = verify(cfg, tc, world)
+            ok, _ = verify(cfg, tc, world, where=where)
         return 0 if ok else 1
 
     return launch.run(body, world)

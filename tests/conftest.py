@@ -30,7 +30,7 @@ def tiny_cfg():
 
 def noisy_params(cfg, seed=0, scale=0.1):
     """float64 parameters from init_params, plus noise so biases and LayerNorm weights are not trivial."""
-    params = serial.init_params(cfg, seed=seed, dtype="float64")
+    params = serial.init_params(cfg, seed=seed, dtype="float64", device="cpu")
     rng = np.random.default_rng(seed + 1000)
     for p in params.values():
         p += rng.normal(0.0, scale, p.shape)

@@ -44,7 +44,7 @@ def test_embedding_scatter_add_on_gpu():
 
 def test_staging_through_pinned_host_buffers(monkeypatch, request):
     """Without a CUDA-aware MPI a device buffer goes to MPI through a pinned host buffer: filled from the device
-    before MPI reads it, copied back after MPI wrote it, and the same host buffer every step."""
+    before MPI reads it, copied back after MPI wrote it, then given back to the pool and taken again next time."""
     from mpi4py import MPI
 
     from hsgd.comm import Comm, cuda_aware_mpi
@@ -53,14 +53,17 @@ def test_staging_through_pinned_host_buffers(monkeypatch, request):
     request.addfinalizer(cuda_aware_mpi.cache_clear)                    # and again after the variable is restored
     comm = Comm(MPI.COMM_SELF, "test")
     x = cupy.arange(6, dtype=cupy.float32).reshape(2, 3)
-    host, unstage = comm._buf(x)
+    host, done = comm._buf(x)
     assert isinstance(host, np.ndarray) and host.tolist() == [[0, 1, 2], [3, 4, 5]]
     host *= 10                                                          # what MPI would write
-    unstage()
+    done()
     assert cupy.asnumpy(x).tolist() == [[0, 10, 20], [30, 40, 50]]
-    again, _ = comm._buf(x)
-    send, nothing = comm._buf(x, "send")
-    assert again is host and nothing is None and comm.staging.allocated == 2
+    again, done = comm._buf(x)                                          # the buffer came back to the pool
+    send, sent = comm._buf(cupy.ones((2, 3), dtype=cupy.float32), "send")      # another one, while `again` is out
+    assert again is host and send is not host and send.tolist() == [[1, 1, 1], [1, 1, 1]]
+    sent()
+    done()
+    assert cupy.asnumpy(x).tolist() == [[0, 10, 20], [30, 40, 50]] and comm.staging.allocated == 2
 
 
 @pytest.mark.parametrize("B, T, NH", [(1, 130, 1), (3, 256, 2)])

@@ -34,7 +34,9 @@
 # mpirun -n 2 python tutorials/11_gpus.py
 #
 # It runs on any machine. When CuPy is installed (`pip install -e '.[gpu]'`) and sees a GPU, the same cells run on
-# CuPy arrays on the GPU; otherwise on NumPy arrays, which is how the test suite runs it. The notebook form
+# CuPy arrays on the GPU; otherwise on NumPy arrays. Without a GPU, the cells also run on the **simulated GPU** of
+# `tests/simgpu` (section 4 says what it is): `PYTHONPATH=tests/simgpu mpirun -n 2 python tutorials/11_gpus.py`.
+# The test suite runs the chapter both ways. The notebook form
 # (`jupytext --to ipynb tutorials/11_gpus.py`) is for reading: the code needs two MPI ranks. Only rank 0 prints.
 #
 # Legend: P ranks, dp / tp / pp the grid sizes (chapter 2), xp the array module (numpy or cupy), "host" the CPU
@@ -177,11 +179,14 @@ check(f"loss and every gradient on '{DEVICE}' vs NumPy (rel)",
 # 2. a NumPy array goes to MPI as it is;
 # 3. a CuPy array: `cupy.cuda.get_current_stream().synchronize()`, then the array itself if `cuda_aware_mpi()`,
 #    else a host copy, and after the collective `x.set(host)` copies the result back into the device array.
-#    The host copy goes into a **pinned** (page-locked) buffer that `Comm.staging` (a `HostStaging`) allocated
-#    the first time it saw this device buffer and hands out again every step: pinned memory is what the GPU's
-#    copy engine reads and writes directly, so the copies run at full speed, and since the gradient buffers
-#    are the same device arrays every step, nothing is allocated after the first one. A buffer MPI only reads
-#    (the input of an Allgather, a Send) is not copied back; one it only writes (a Recv) is not filled first.
+#    The host copy goes into a **pinned** (page-locked) buffer: pinned memory is what the GPU's copy engine reads
+#    and writes directly, so the copies run at full speed, but allocating it is slow (the operating system must
+#    lock the pages). So `Comm.staging` (a `HostStaging`) keeps a **pool**: a call takes a free buffer of its
+#    shape and dtype and gives it back when MPI is done with it (a blocking call on return, a non-blocking one at
+#    `Wait`). Every step sends the same shapes (gradient buckets, activations of one micro-batch), so after the
+#    first step every shape has its buffer and nothing is allocated, whatever address the device array has. A
+#    buffer MPI only reads (the input of an Allgather, a Send) is not copied back; one it only writes (a Recv) is
+#    not filled first.
 #
 # `cuda_aware_mpi()` decides once per process (it is cached), so every collective of a run takes the same path, and
 # `hsgd.train` prints which in its `device:` line. `HSGD_CUDA_AWARE=1` says "this MPI is CUDA-aware",
@@ -214,7 +219,9 @@ def x_of(r):
 
 
 x = to_device(x_of(rank), xp)                                            # (N,) on my device
-handed, unstage = world_comm._buf(x)                                     # what MPI would be given
+handed, done = world_comm._buf(x)                                       # what MPI would be given
+if done:
+    done()                                                               # (staging) the host buffer back
 if handed is x:
     path = "the array itself: host memory" if xp is np else "the device pointer (CUDA-aware MPI)"
 else:
@@ -395,12 +402,15 @@ tc = TrainConfig(tp=1, dp=P, steps=STEPS, batch_size=4, lr=0.1, momentum=0.9, wa
 grid = ProcessGrid(world, dp=P, tp=1)
 trainer = HybridTrainer(cfg, grid, tc)                                   # parameters on DEVICE, in one flat buffer
 say(f"parameters: one flat {type(trainer.pbuf.flat).__module__} buffer of {trainer.pbuf.flat.size:,} float64")
-copies, losses = [], []
+SIMULATED = getattr(xp, "SIMULATED", False)                             # the simulated GPU (see below)
+copies, transfers, losses = [], [], []
 for step in range(1, STEPS + 1):
     idx, targets = corpus.batch(tc.seed, step, tc.batch_size)            # (B, T) the global batch, host integers
     before, calls = d2h_count(), grid.stats.counts()
+    all_before = xp.counts["d2h"] if SIMULATED else 0
     info = trainer.step(idx, targets, step)
     copies.append(d2h_count() - before)
+    transfers.append(xp.counts["d2h"] - all_before if SIMULATED else None)
     losses.append(info.loss)
     per_comm = ", ".join(f"{c} {op} {n - calls.get((c, op), (0, 0))[0]}"
                          for (c, op), (n, _) in sorted(grid.stats.counts().items()))
@@ -409,15 +419,42 @@ for step in range(1, STEPS + 1):
 check(f"{STEPS} steps: |to_host copies - 1|, summed over the steps", sum(abs(c - 1) for c in copies), 0)
 
 # %% [markdown]
-# `d2h_count` counts the copies made *through* `to_host`. An implicit `float(x)` hidden somewhere in the step would
-# not be counted, because on NumPy it is no copy at all; that is why the rules above are followed by reading, and
-# why the GPU path is also run on a GPU (section 5). Note the collectives of each step too: the one Allreduce of the
-# gradient buffer over dp_comm, and those the layers make on tp_comm. With tp = 1 that communicator has one rank and
-# an Allreduce over it changes nothing; where the line shows calls on it, hsgd still makes them (it does not treat a
-# one-rank communicator specially). On a GPU every collective is also a synchronization (`Comm._buf`), and with
-# staging a D2H and an H2D copy of its buffer; those are communication, not values read by Python, and are not in
-# `d2h_count`.
+# Note the collectives of each step: the one Allreduce of the gradient buffer over dp_comm, and those the layers
+# make on tp_comm. With tp = 1 that communicator has one rank and an Allreduce over it changes nothing; hsgd still
+# makes the call, so that the counts match the formulas of chapter 6, but `Comm` skips MPI for it (no
+# synchronization, no staging). On a GPU every other collective is a synchronization (`Comm._buf`), and with
+# staging a D2H and an H2D copy of its buffer: communication, not values read by Python, and not in `d2h_count`.
 #
+# **The simulated GPU.** `d2h_count` counts the copies made *through* `to_host`. An implicit `float(x)` hidden
+# somewhere in the step would not be counted by it, and on NumPy it is no copy at all, so a CPU run cannot see it.
+# `tests/simgpu` holds a package named `cupy` (with a `cupyx`) that is NumPy underneath but keeps CuPy's rules at
+# the host/device boundary: its arrays are a type of their own, `np.asarray(x)` and `x + numpy_array` raise
+# `TypeError` as CuPy's do, and it counts every device-to-host transfer (`xp.counts["d2h"]`), explicit (`x.get()`)
+# or implicit (`float(x)`, `x.item()`, `bool(x)`, a boolean mask, printing); inside `cupyx.allow_synchronize(False)`
+# each one raises, as it does in CuPy. MPI sees its arrays only through `__cuda_array_interface__`, the way it sees
+# CuPy's; since that pointer is really host memory, both transfer paths run on any MPI. With `tests/simgpu` first
+# on `PYTHONPATH`, hsgd takes its whole GPU path on a machine without a GPU:
+#
+#     PYTHONPATH=tests/simgpu mpirun -n 2 python -m hsgd.verify --device gpu --tp 2
+#     PYTHONPATH=tests/simgpu HSGD_CUDA_AWARE=1 mpirun -n 2 python -m hsgd.train --device gpu --steps 50
+#     make gpu-sim            # the `make gpu-check` script, as a dry run
+#
+# It says nothing about kernels, speed or memory. What it does check is that nothing crosses to the host unannounced
+# (`tests/mpi/test_simgpu.py` accounts for every transfer of a step on five layouts, both paths, on 8 ranks). When
+# this chapter runs on it, the cell below accounts for the transfers of the steps above: each step's one `to_host`
+# copy, and with staging one more, the gradient buffer copied out for the Allreduce over dp_comm (the buffer MPI
+# writes goes back with an H2D copy, not counted here).
+
+# %%
+if SIMULATED:
+    staged = 0 if cuda_aware_mpi() else 1                                # the dp Allreduce's copy to the host
+    say(f"simulated GPU: device-to-host transfers per step {transfers}: to_host {copies[0]} + staged {staged}")
+    check(f"{STEPS} steps: |all transfers - to_host copies - staged copies|, summed",
+          sum(abs(t - c - staged) for t, c in zip(transfers, copies)), 0)
+else:
+    say("(on NumPy or a real GPU only to_host's count is known; the simulated GPU counts every transfer)")
+
+# %% [markdown]
 # **The check against serial.** Rank 0 runs serial mini-batch SGD on the whole batch of every step, with the same
 # optimizer, schedule and clipping, in NumPy on the host, and broadcasts the result; every rank compares its
 # parameters (copied back with `to_numpy`) and the losses. As in chapters 5 and 6 the error is relative to each
@@ -480,17 +517,25 @@ grid.free()
 # `--map-by node`, Slurm's `--distribution=cyclic`) would put every tp group across both nodes; check the `layout:`
 # table that `hsgd.train` prints (rank, dp, pp, tp, host): the ranks of one tp group should share a host.
 #
-# **What has been checked where.** This chapter, as the test suite runs it, takes the NumPy path: sections 1 to 4
-# then check the CPU code and the arithmetic of the GPU mapping, not the GPU. The GPU path is checked by
+# **What has been checked where.** Three levels, each catching what the one before cannot:
 #
-#     make gpu-check          # python benchmarks/gpu_check.py
+# 1. **NumPy** (the test suite, every chapter): the model code, the arithmetic of the GPU mapping, and one
+#    `to_host` copy per step.
+# 2. **The simulated GPU** (the test suite too: this chapter, `tests/mpi/test_simgpu.py`, `tests/test_simgpu.py`,
+#    `make gpu-sim`): device arrays end to end; no NumPy call on a device array and no host array in device
+#    arithmetic; every transfer of a step accounted for, on both transfer paths and every kind of layout; no
+#    pinned allocation after the first step; training on the device equal to training on the host.
+# 3. **A real GPU**, with
 #
-# on a machine with a GPU and CuPy: the float64 GPU-against-CPU tests (`tests/test_gpu.py`, skipped elsewhere),
-# `hsgd.verify --device gpu` for several layouts (ranks sharing the GPU when there are more ranks than GPUs), a
-# float32 training run on the GPU whose loss must fall, the host copies of a step, and one training step against
-# PyTorch on the same GPU; it prints one table and exits non-zero if a check failed. Until it has been run on a GPU
-# (the README says whether it has), the GPU path is written but not verified. Running this chapter there exercises
-# sections 1 to 4 on CuPy as well.
+#        make gpu-check          # python benchmarks/gpu_check.py
+#
+#    on a machine with a GPU and CuPy: the float64 GPU-against-CPU tests of every layer and the model
+#    (`tests/test_gpu.py`, skipped elsewhere), `hsgd.verify --device gpu` for several layouts (ranks sharing the
+#    GPU when there are more ranks than GPUs), a float32 training run whose loss must fall, the host copies of a
+#    step, forward and backward under CuPy's own `cupyx.allow_synchronize(False)`, and one training step against
+#    PyTorch on the same GPU; it prints one table and exits non-zero if a check failed. Only this level runs
+#    CuPy's kernels, so only it can find a NumPy function CuPy lacks or computes differently, a wrong stream, or
+#    the speed. The README says whether it has been run.
 #
 # ## Check against serial
 #
@@ -498,8 +543,8 @@ grid.free()
 # and the loss and gradients computed there match NumPy's; an Allreduce through `hsgd.comm.Comm` of each rank's
 # device array equals the NumPy sum on one rank, and staging it by hand gives the same; node-local ranks and the GPU
 # mapping are as computed, and a tp group of 8 stays on one node; masks by multiplication give what boolean
-# indexing gives; and every data-parallel training step made exactly one counted device-to-host copy and ended
-# with the parameters of serial SGD.
+# indexing gives; every data-parallel training step made exactly one counted device-to-host copy (on the simulated
+# GPU: every transfer of the step accounted for) and ended with the parameters of serial SGD.
 
 # %%
 worst, err = check.worst()

@@ -141,7 +141,7 @@ def test_verify_detects_a_wrong_adjoint(monkeypatch):
 def test_one_host_copy_per_training_step():
     """A step copies one small vector (loss, non-finite count, norm parts) from the device, and nothing else goes
     through backend.to_host. (Implicit copies, float() or a[mask] on a device array, are not counted here:
-    `make gpu-check` runs forward and backward under cupyx.allow_synchronize(False) on a GPU.)"""
+    tests/mpi/test_simgpu.py counts every transfer on the simulated GPU.)"""
     from hsgd.backend import d2h_count
     copies = {}
     for dp, pp, tp, extra in ((4, 1, 2, {}), (2, 2, 2, {"grad_accum": 2}), (4, 1, 2, {"zero": 1, "clip": 0.5})):

@@ -1,0 +1,161 @@
+"""The GPU code path on 8 ranks of the simulated GPU (tests/simgpu: CuPy's host/device rules, over NumPy).
+
+What a machine without a GPU can check of the GPU path, and what goes wrong silently on a real one:
+  * every device-to-host transfer of a training step is accounted for: the step's one `to_host` vector, plus, with
+    staging, one copy out of each buffer MPI reads; nothing else (no float(), item(), mask or print);
+  * forward and backward make no transfer at all (under cupyx.allow_synchronize(False), where one raises);
+  * staging takes its pinned host buffers from a pool: none is allocated after the first steps;
+  * both transfer paths, device pointers to MPI (HSGD_CUDA_AWARE=1) and staging (0), train exactly as the CPU
+    path does, float64, on 3-D, ZeRO, overlapped, hierarchical and sequence-parallel layouts.
+Kernels, speed and memory need a real GPU: `make gpu-check`.
+"""
+import os
+import sys
+
+import numpy as np
+import pytest
+
+import hsgd
+from hsgd.backend import d2h_count, to_numpy
+from hsgd.comm import cuda_aware_mpi
+from hsgd.grid import ProcessGrid
+from hsgd.hybrid import HybridTrainer
+
+from .conftest import WORLD, check, say, world_max
+from .test_hybrid import CFG, CORPUS, config
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "simgpu"))
+import cupy  # noqa: E402  (the simulated one: its folder is first on the path)
+import cupyx  # noqa: E402
+
+pytestmark = pytest.mark.mpi(min_size=8)
+
+# operation -> whether it copies its buffer out of the device when staged: it sends data (a Recv only receives);
+# Allreduce, Allgather and Reduce_scatter_block skip MPI altogether on a one-rank communicator
+SENDS = {"Allreduce": True, "Iallreduce": True, "Allgather": True, "Reduce_scatter_block": True, "Bcast": True,
+         "Send": True, "Isend": True, "Recv": False, "Irecv": False}
+SKIPPED_ON_ONE_RANK = ("Allreduce", "Allgather", "Reduce_scatter_block")
+
+LAYOUTS = {
+    "dp2 pp2 tp2, 2 micro-batches": dict(dp=2, pp=2, tp=2, grad_accum=2),
+    "dp4 tp2, overlapped dp, clip": dict(dp=4, tp=2, dp_overlap=True, clip=0.5),
+    "dp4 tp2, ZeRO-2 adamw": dict(dp=4, tp=2, zero=2, optimizer="adamw", lr=0.01),
+    "dp2 tp4, sequence parallel": dict(dp=2, tp=4, tp_scheme="sequence"),
+    "dp8, hierarchical (4 per node)": dict(dp=8, tp=1, hierarchical=True, ranks_per_node=4),
+}
+
+
+@pytest.fixture(params=[True, False], ids=["cuda-aware", "staging"])
+def transfer_path(request, monkeypatch):
+    monkeypatch.setenv("HSGD_CUDA_AWARE", "1" if request.param else "0")
+    cuda_aware_mpi.cache_clear()                                 # decided once per process: decide again
+    request.addfinalizer(cuda_aware_mpi.cache_clear)
+    return request.param
+
+
+def test_the_simulated_device_keeps_cupys_rules():
+    """The stand-in must refuse what CuPy refuses and count what CuPy transfers, or the tests below prove nothing."""
+    x = cupy.arange(6.0).reshape(2, 3)                           # (2, 3) on the device
+    refused = []
+    for what, f in (("np.asarray", lambda: np.asarray(x)), ("x + host", lambda: x + np.ones(3)),
+                    ("host + x", lambda: np.ones(3) + x), ("cupy.exp(host)", lambda: cupy.exp(np.ones(3)))):
+        try:
+            f()
+        except TypeError:
+            refused.append(what)
+    before = dict(cupy.counts)
+    total = float((x * 2).sum())                                 # one transfer
+    picked = x[x > 2.0]                                          # a boolean mask: one transfer (the size)
+    host = x.get()                                               # one transfer
+    transfers = cupy.counts["d2h"] - before["d2h"]
+    with cupyx.allow_synchronize(False):
+        try:
+            x.item()
+            raised = False
+        except cupyx.DeviceSynchronized:
+            raised = True
+    y = cupy.zeros(6)
+    WORLD.Allreduce(x.reshape(-1), y)                            # mpi4py reads __cuda_array_interface__
+    summed = y.get()
+    say(f"refused: {refused}; transfers counted: {transfers}; sync refused: {raised}")
+    check(len(refused) == 4 and transfers == 3 and raised and total == 30.0 and picked.shape == (3,)
+          and host.tolist() == [[0, 1, 2], [3, 4, 5]] and summed.tolist() == [8.0 * i for i in range(6)])
+
+
+def staged_sends(since, sizes):
+    """How many device-to-host copies staging makes for the calls in `since` ({(comm, op): (calls, bytes)})."""
+    return sum(n for (c, op), (n, _) in since.items()
+               if SENDS[op] and not (op in SKIPPED_ON_ONE_RANK and sizes[c] == 1))
+
+
+def run(tc, steps=4):
+    """tc's layout for `steps` steps; returns (grid, trainer, per-step [to_host copies, all device-to-host
+    transfers, transfers staging accounts for, pinned allocations])."""
+    grid = ProcessGrid(WORLD, dp=tc.dp, pp=tc.pp, tp=tc.tp)
+    trainer = HybridTrainer(CFG, grid, tc)
+    rpn = tc.ranks_per_node or 1
+    sizes = {"world": WORLD.Get_size(), "tp": grid.tp, "pp": grid.pp, "dp": grid.dp, "dp-node": rpn,
+             "dp-cross": grid.dp // rpn}
+    per_step = []
+    for step in range(1, steps + 1):
+        idx, targets = CORPUS.batch(tc.seed, step, tc.batch_size)
+        before, calls, copies = dict(cupy.counts), grid.stats.counts(), d2h_count()
+        trainer.step(idx, targets, step)
+        staged = 0 if cuda_aware_mpi() else staged_sends(grid.stats.since(calls), sizes)
+        per_step.append((d2h_count() - copies, cupy.counts["d2h"] - before["d2h"], staged,
+                         cupy.counts["pinned"] - before["pinned"]))
+    trainer.finish()
+    return grid, trainer, per_step
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=list(LAYOUTS))
+def test_gpu_path_transfers_and_training(layout, transfer_path):
+    kw = LAYOUTS[layout]
+    gpu_grid, gpu, per_step = run(config(device="gpu", **kw))
+    cpu_grid, cpu, _ = run(config(device="cpu", **kw))
+    on_device = all(type(p).__module__ == "cupy" for p in gpu.params.values())
+    err = max(float(np.abs(to_numpy(gpu.params[n]) - p).max() / max(np.abs(p).max(), 0.02))
+              for n, p in cpu.params.items())
+    accounted = all(to_host == 1 and d2h == 1 + staged for to_host, d2h, staged, _ in per_step)
+    pinned_later = sum(p for *_, p in per_step[2:])
+    say(f"{layout} ({'CUDA-aware' if transfer_path else 'staging'}): per step [to_host, device-to-host, of them "
+        f"staged, pinned allocations] {per_step}; params vs the CPU path {world_max(err):.1e}")
+    gpu_grid.free()
+    cpu_grid.free()
+    check(on_device and accounted and pinned_later == 0 and err <= 1e-12,
+          f"on device {on_device}, accounted {accounted} {per_step}, pinned after step 2: {pinned_later}, "
+          f"err {err:.1e}")
+    if transfer_path:
+        check(all(staged == 0 and p == 0 for *_, staged, p in per_step), "the CUDA-aware path staged something")
+
+
+@pytest.mark.parametrize("scheme", ["megatron", "gather"])
+def test_forward_and_backward_never_synchronize(scheme):
+    """Under cupyx.allow_synchronize(False) any transfer raises. Each rank trains alone here (a one-rank grid on
+    COMM_SELF), so an exception cannot leave another rank waiting in a collective; the verdict is collective."""
+    from mpi4py import MPI
+    grid = ProcessGrid(MPI.COMM_SELF, dp=1, tp=1)
+    trainer = HybridTrainer(CFG, grid, config(dp=1, tp=1, device="gpu", tp_scheme=scheme))
+    idx, targets = (cupy.asarray(a) for a in CORPUS.batch(0, WORLD.Get_rank(), 8))
+    with cupyx.allow_synchronize(False):
+        try:
+            trainer.compute_grads(idx, targets, host=False)
+            error = ""
+        except cupyx.DeviceSynchronized as e:
+            error = str(e)
+    grid.free()
+    say(f"{scheme}: forward and backward under allow_synchronize(False): {error or 'no transfer'}")
+    check(not error, error)
+
+
+def test_verify_on_the_simulated_gpu(transfer_path):
+    """hsgd.verify's own check (parallel gradients against serial NumPy) on device arrays."""
+    import io
+
+    from hsgd import verify
+    tc = config(dp=2, pp=2, tp=2, grad_accum=2, device="gpu")
+    ok, rows = verify.verify(hsgd.ModelConfig(vocab_size=256, seq_len=8, d_model=16, n_heads=4, n_layers=2,
+                                              d_ff=16), tc, WORLD, out=io.StringIO())
+    worst = max((r[5] for r in rows), default=0.0)
+    say(f"hsgd.verify dp2 pp2 tp2 on the simulated GPU: {'PASS' if ok else 'FAIL'}, largest error {worst:.1e}")
+    check(ok)
