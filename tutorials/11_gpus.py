@@ -432,7 +432,9 @@ check(f"{STEPS} steps: |to_host copies - 1|, summed over the steps", sum(abs(c -
 # `TypeError` as CuPy's do, and it counts every device-to-host transfer (`xp.counts["d2h"]`), explicit (`x.get()`)
 # or implicit (`float(x)`, `x.item()`, `bool(x)`, a boolean mask, printing); inside `cupyx.allow_synchronize(False)`
 # each one raises, as it does in CuPy. MPI sees its arrays only through `__cuda_array_interface__`, the way it sees
-# CuPy's; since that pointer is really host memory, both transfer paths run on any MPI. With `tests/simgpu` first
+# CuPy's; since that pointer is really host memory, both transfer paths run on any MPI. It also keeps the rule of
+# section 2: every device operation counts as a kernel queued on the stream, and a pointer handed to MPI before the
+# stream is synchronized raises. With `tests/simgpu` first
 # on `PYTHONPATH`, hsgd takes its whole GPU path on a machine without a GPU:
 #
 #     PYTHONPATH=tests/simgpu mpirun -n 2 python -m hsgd.verify --device gpu --tp 2

@@ -6,7 +6,8 @@ What a machine without a GPU can check of the GPU path, and what goes wrong sile
   * forward and backward make no transfer at all (under cupyx.allow_synchronize(False), where one raises);
   * staging takes its pinned host buffers from a pool: none is allocated after the first steps;
   * both transfer paths, device pointers to MPI (HSGD_CUDA_AWARE=1) and staging (0), train exactly as the CPU
-    path does, float64, on 3-D, ZeRO, overlapped, hierarchical and sequence-parallel layouts.
+    path does, float64, on 3-D, ZeRO, overlapped, hierarchical and sequence-parallel layouts, and MPI is never
+    handed a device pointer while kernels are still queued on the stream.
 Kernels, speed and memory need a real GPU: `make gpu-check`.
 """
 import os
@@ -74,12 +75,21 @@ def test_the_simulated_device_keeps_cupys_rules():
             raised = False
         except cupyx.DeviceSynchronized:
             raised = True
-    y = cupy.zeros(6)
-    WORLD.Allreduce(x.reshape(-1), y)                            # mpi4py reads __cuda_array_interface__
+    y = cupy.zeros(6)                                            # a kernel queued: MPI must not read yet
+    try:
+        WORLD.Allreduce(x.reshape(-1), y)
+        unsynchronized = "accepted"
+    except (RuntimeError, TypeError):                           # mpi4py reports it as a TypeError
+        unsynchronized = "refused"
+    flat = x.reshape(-1)
+    cupy.cuda.get_current_stream().synchronize()
+    WORLD.Allreduce(flat, y)                                     # mpi4py reads __cuda_array_interface__
     summed = y.get()
-    say(f"refused: {refused}; transfers counted: {transfers}; sync refused: {raised}")
-    check(len(refused) == 4 and transfers == 3 and raised and total == 30.0 and picked.shape == (3,)
-          and host.tolist() == [[0, 1, 2], [3, 4, 5]] and summed.tolist() == [8.0 * i for i in range(6)])
+    say(f"refused: {refused}; transfers counted: {transfers}; sync refused: {raised}; MPI before the stream "
+        f"synchronized: {unsynchronized}")
+    check(len(refused) == 4 and transfers == 3 and raised and unsynchronized == "refused" and total == 30.0
+          and picked.shape == (3,) and host.tolist() == [[0, 1, 2], [3, 4, 5]]
+          and summed.tolist() == [8.0 * i for i in range(6)])
 
 
 def staged_sends(since, sizes):

@@ -15,7 +15,10 @@ the GPU path that goes wrong silently on a real one:
   * host-to-device copies are counted (`cupy.asarray(numpy_array)`, `x.set(host)`);
   * MPI sees device memory only through `__cuda_array_interface__` (no buffer protocol), which is how mpi4py hands
     a CuPy array to a CUDA-aware MPI. Here the "device" pointer is host memory, so any MPI can read it: both of
-    hsgd's transfer paths run, the CUDA-aware one (HSGD_CUDA_AWARE=1) and pinned host staging (HSGD_CUDA_AWARE=0).
+    hsgd's transfer paths run, the CUDA-aware one (HSGD_CUDA_AWARE=1) and pinned host staging (HSGD_CUDA_AWARE=0);
+  * the stream: every device operation counts as a kernel queued on it, and a synchronization (the stream's or
+    the device's, or a device-to-host copy) waits for them all. Handing MPI a device pointer while kernels are
+    still queued raises, because a real GPU might still be writing that memory while MPI reads it.
 
 `counts` holds the totals: d2h (device-to-host transfers, explicit or implicit), h2d, pinned (pinned host
 allocations). `cupy.cuda` simulates $SIMGPU_DEVICES
@@ -34,6 +37,7 @@ SIMULATED = True
 counts = {"d2h": 0, "h2d": 0, "pinned": 0}   # device-to-host transfers (each one a sync), host-to-device
                                              # copies, pinned host allocations
 _allow_sync = [True]                         # cupyx.allow_synchronize(False) sets False
+_queued = [False]                            # kernels queued on the stream since the last synchronization
 
 
 class DeviceSynchronized(RuntimeError):
@@ -45,6 +49,12 @@ def _to_host(what):
     counts["d2h"] += 1
     if not _allow_sync[0]:
         raise DeviceSynchronized(f"{what} copies device memory to the host, which synchronizes the device")
+    _queued[0] = False                                      # the copy waited for every queued kernel
+
+
+def _queue():
+    """A kernel (or an asynchronous copy) is queued on the stream: the host must synchronize before MPI reads."""
+    _queued[0] = True
 
 
 def _unwrap(x):
@@ -73,6 +83,7 @@ def _wrap(r):
 
 
 def _device_call(fn, args, kwargs):
+    _queue()
     return _wrap(fn(*_unwrap(args), **{k: _unwrap(v) for k, v in kwargs.items()}))
 
 
@@ -108,6 +119,9 @@ class ndarray:
     @property
     def __cuda_array_interface__(self):
         """How mpi4py finds the memory of a device array (the pointer is host memory here)."""
+        if _queued[0]:
+            raise RuntimeError("a device pointer handed out while kernels are still queued on the stream: MPI could "
+                               "read memory the GPU is still writing; synchronize the stream first (simulated GPU)")
         ai = self._a.__array_interface__
         return {"shape": ai["shape"], "typestr": ai["typestr"], "data": ai["data"], "strides": ai["strides"],
                 "version": 3, "stream": None}
@@ -121,6 +135,7 @@ class ndarray:
         return out
 
     def set(self, arr, stream=None):
+        _queue()
         counts["h2d"] += 1
         self._a[...] = arr
 
@@ -176,6 +191,7 @@ class ndarray:
         return _wrap(self._a[self._key(key)])
 
     def __setitem__(self, key, value):
+        _queue()
         if isinstance(value, _np.ndarray):                  # CuPy copies a NumPy value to the device
             counts["h2d"] += 1
         else:
@@ -209,18 +225,27 @@ def _op(name):
 
 def _binary(name):
     op = _op(name)
-    return lambda self, other: _wrap(op(self._a, _unwrap(other)))
+
+    def f(self, other):
+        _queue()
+        return _wrap(op(self._a, _unwrap(other)))
+    return f
 
 
 def _reflected(name):
     op = _op(name)
-    return lambda self, other: _wrap(op(_unwrap(other), self._a))
+
+    def f(self, other):
+        _queue()
+        return _wrap(op(_unwrap(other), self._a))
+    return f
 
 
 def _inplace(name):
     op = _op(name)
 
     def f(self, other):
+        _queue()
         op(self._a, _unwrap(other))
         return self
     return f
@@ -234,7 +259,8 @@ for _name in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul"
 for _name in ("lt", "le", "eq", "ne", "gt", "ge"):
     setattr(ndarray, f"__{_name}__", _binary(_name))
 for _name in ("neg", "pos", "abs", "invert"):
-    setattr(ndarray, f"__{_name}__", (lambda op: lambda self: ndarray(op(self._a)))(getattr(operator, _name)))
+    setattr(ndarray, f"__{_name}__", (lambda op: lambda self: (_queue(), ndarray(op(self._a)))[1])(
+        getattr(operator, _name)))
 ndarray.__hash__ = None
 
 
@@ -243,6 +269,7 @@ def asarray(a, dtype=None, order=None):
     """A device array: no copy for one already on the device, a counted host-to-device copy otherwise."""
     if isinstance(a, ndarray):
         return a if dtype is None or a.dtype == dtype else a.astype(dtype)
+    _queue()
     counts["h2d"] += 1
     return ndarray(_np.array(a, dtype=dtype, order=order or "K"))
 
@@ -297,8 +324,8 @@ def __getattr__(name):
 
 # ---------------------------------------------------------------------------------------------- cupy.cuda
 class _Stream:
-    def synchronize(self):                                  # explicit: allowed, and free here
-        pass
+    def synchronize(self):                                  # explicit: allowed; every queued kernel is done
+        _queued[0] = False
 
 
 class _Device:
@@ -313,7 +340,7 @@ class _Device:
         self._current[0] = self.id
 
     def synchronize(self):
-        pass
+        _queued[0] = False
 
     def __enter__(self):
         self._before = self._current[0]
