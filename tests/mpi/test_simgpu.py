@@ -169,3 +169,19 @@ def test_verify_on_the_simulated_gpu(transfer_path):
     worst = max((r[5] for r in rows), default=0.0)
     say(f"hsgd.verify dp2 pp2 tp2 on the simulated GPU: {'PASS' if ok else 'FAIL'}, largest error {worst:.1e}")
     check(ok)
+
+
+@pytest.mark.parametrize("n_gpus", [1, 4, 8])
+def test_each_rank_uses_the_gpu_of_its_node_local_rank(n_gpus, monkeypatch):
+    """place_on_device binds rank r (node-local) to GPU r % n_gpus: one GPU each when there are enough, shared
+    evenly when there are fewer (the simulated node has $SIMGPU_DEVICES of them)."""
+    from hsgd.train import local_ranks, place_on_device
+    monkeypatch.setenv("SIMGPU_DEVICES", str(n_gpus))
+    where = place_on_device(config(device="gpu"), WORLD)
+    local, _ = local_ranks(WORLD)
+    mine = cupy.cuda.Device().id
+    per_gpu = np.bincount(WORLD.allgather(mine), minlength=n_gpus)
+    cupy.cuda.Device(0).use()
+    say(f"{n_gpus} GPU(s): ranks per GPU {per_gpu.tolist()}; header: {where}")
+    check(mine == local % n_gpus and per_gpu.max() - per_gpu.min() <= 1 and f"{n_gpus} GPU(s) on this node" in where,
+          f"rank on GPU {mine}, local rank {local}")
