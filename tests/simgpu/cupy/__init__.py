@@ -20,10 +20,16 @@ the GPU path that goes wrong silently on a real one:
     the device's, or a device-to-host copy) waits for them all. Handing MPI a device pointer while kernels are
     still queued raises, because a real GPU might still be writing that memory while MPI reads it.
 
+  * only functions CuPy has: the module offers an explicit list (FUNCTIONS), each checked against CuPy's table
+    of NumPy functions it implements, so that hsgd cannot start using one a real GPU would lack.
+
 `counts` holds the totals: d2h (device-to-host transfers, explicit or implicit), h2d, pinned (pinned host
-allocations). `cupy.cuda` simulates $SIMGPU_DEVICES
-devices (default 1): `runtime.getDeviceCount`, `Device(i).use()`, streams, and `alloc_pinned_memory`.
-Functions come from NumPy through the module's `__getattr__`: arguments are unwrapped, results wrapped.
+allocations). `cupy.cuda` simulates $SIMGPU_DEVICES devices (default 1): `runtime.getDeviceCount`,
+`Device(i).use()`, streams, and `alloc_pinned_memory`. Functions come from NumPy through the module's
+`__getattr__`: arguments are unwrapped, results wrapped.
+
+What it cannot see: CuPy's kernels and their rounding, arguments CuPy's versions of a function do not take, a
+kernel on the wrong stream, and memory. Those need `make gpu-check` on a GPU.
 """
 import contextlib
 import operator
@@ -214,6 +220,9 @@ class ndarray:
         return _device_call(getattr(ufunc, method), inputs, kwargs)
 
     def __array_function__(self, func, types, args, kwargs):
+        if func.__name__ not in FUNCTIONS:
+            raise TypeError(f"numpy.{func.__name__} on a device array: not among the functions the simulated cupy "
+                            "offers (FUNCTIONS: those checked to exist in CuPy)")
         if func.__name__ in ("nonzero", "unique", "argwhere", "flatnonzero"):
             _to_host(f"{func.__name__} (the result's size)")
         return _device_call(func, args, kwargs)
@@ -305,15 +314,31 @@ class _Ufunc:
         return (lambda *args, **kwargs: _device_call(fn, args, kwargs)) if callable(fn) else fn
 
 
+# The functions this module offers: each one exists in CuPy (its "Comparison Table" of NumPy and CuPy APIs lists it
+# as implemented). NumPy has many CuPy lacks, and NumPy would run them all here, so a function is added to this
+# list only after checking that table: then hsgd code cannot start using one that a real GPU would not have.
+FUNCTIONS = frozenset("""
+    abs absolute add all allclose any arange argmax argmin argwhere array_equal ascontiguousarray broadcast_to clip
+    concatenate copyto cos cumsum divide dot einsum empty empty_like equal exp expand_dims expm1 eye flatnonzero
+    full full_like greater greater_equal isfinite isinf isnan less less_equal log log1p logical_and logical_not
+    logical_or matmul max maximum mean min minimum multiply negative nonzero ones ones_like outer power prod
+    reciprocal reshape sign sin split sqrt square squeeze stack subtract sum swapaxes take tanh tensordot
+    transpose tril triu unique where zeros zeros_like
+""".split())
+CONSTANTS = frozenset("inf nan pi e newaxis float16 float32 float64 int8 int16 int32 int64 uint8 uint32 uint64 "
+                      "bool_ complex64 complex128 dtype".split())
+
+
 def __getattr__(name):
-    """cupy.<name>: NumPy's function of that name on device arrays; NumPy's types and constants as they are."""
-    if name.startswith("__") or name in ("random", "linalg", "fft", "testing", "ma", "lib", "ctypeslib"):
-        raise AttributeError(f"the simulated cupy has no {name!r}")
+    """cupy.<name>: NumPy's function of that name on device arrays (FUNCTIONS); NumPy's types and constants."""
+    if name in CONSTANTS:
+        return getattr(_np, name)
+    if name not in FUNCTIONS:
+        raise AttributeError(f"the simulated cupy offers no {name!r}: it offers only functions that CuPy has "
+                             "(tests/simgpu/cupy FUNCTIONS; add one after checking CuPy's comparison table)")
     obj = getattr(_np, name)
     if isinstance(obj, _np.ufunc):
         return _Ufunc(obj)
-    if isinstance(obj, type) or not callable(obj):
-        return obj                                          # float32, dtype, inf, newaxis, ...
     if name in ("nonzero", "unique", "argwhere", "flatnonzero"):
         def sized(*args, **kwargs):
             _to_host(f"cupy.{name} (the result's size)")
