@@ -1,6 +1,9 @@
 """Runs each file of tests/mpi under `mpiexec -n 8` (inside an outer `timeout`), and the MPI command-line checks.
 
-Eight ranks share the machine's cores; every rank uses one BLAS thread.
+Eight ranks share the machine's cores; every rank uses one BLAS thread. A test stuck in a blocking MPI call (a
+rank that raised while the others wait in a collective) is ended by pytest-timeout's thread method, which dumps
+every thread's stack and exits the process, so that mpiexec ends the other ranks; the default signal method
+cannot interrupt a call that never returns to Python. The outer `timeout` is the last resort.
 """
 import glob
 import os
@@ -33,7 +36,7 @@ def run_mpi(n, args, timeout=TIMEOUT_S, env=None):
 @pytest.mark.parametrize("path", MPI_FILES, ids=[os.path.basename(p) for p in MPI_FILES])
 def test_mpi_file(path, tmp_path):
     r = run_mpi(8, ["tests/mpi_run.py", path, "--with-mpi", "-q", "-s", "-p", "no:cacheprovider",
-                    "--timeout=180"], env=mpi_env(HSGD_MPI_LOGDIR=str(tmp_path)))
+                    "--timeout=180", "--timeout-method=thread"], env=mpi_env(HSGD_MPI_LOGDIR=str(tmp_path)))
     print(r.stdout[-6000:])
     if r.returncode != 0:
         for log in sorted(glob.glob(str(tmp_path / "rank*.log")))[:2]:
