@@ -63,24 +63,29 @@ class HostStaging:
 
     take(shape, dtype) hands out a free buffer of that shape and dtype, allocating one only when none is free;
     give(buf) returns it once the MPI call that used it has completed (a blocking call: when it returns; a
-    non-blocking one: at Wait). A training step sends the same shapes every step (gradient buckets, activations
-    of a fixed size), so after the first step nothing is allocated, whatever addresses the device arrays have.
-    Pinned (page-locked) memory lets the device-host copies run at full speed. Free buffers are bounded by
-    `max_bytes` (the least recently returned dropped first); buffers in use are never dropped.
-    One rule keeps a returned buffer from being overwritten while a copy from it is still running: Comm._buf
-    synchronizes the stream before it takes a buffer, so the asynchronous host-to-device copy of the previous
-    call has finished. `alloc(nbytes)` gives the raw memory: CuPy's pinned allocator by default; tests pass a
+    non-blocking one: at Wait). The pool keeps, for each shape, as many buffers as were ever in use at once. A
+    training step stages the same shapes every step (gradient buckets, activations of a fixed size), so the pool
+    holds one step's peak and allocates nothing after the first step, whatever addresses the device arrays have.
+    Pinned (page-locked) memory lets the device-host copies run at full speed.
+    A returned buffer may still be read by an asynchronous copy: the host-to-device copy (x.set) that ends a
+    "recv" or "inout" call. Two rules make that safe: Comm._buf synchronizes the stream before it takes a buffer,
+    so the copy has finished before MPI writes into the buffer again; and buffers are only dropped (when
+    `max_bytes` is set: the free bytes above it, least recently returned first) in take, after that
+    synchronization. `alloc(nbytes)` gives the raw memory: CuPy's pinned allocator by default; tests pass a
     plain one."""
 
-    def __init__(self, alloc=None, max_bytes=1 << 30):
+    def __init__(self, alloc=None, max_bytes=None):
         self.alloc = alloc
-        self.max_bytes = max_bytes
+        self.max_bytes = max_bytes              # None: keep every free buffer (one step's peak)
         self.free = []                          # [NumPy array over pinned memory], least recently returned first
         self.free_bytes = 0                     # bytes of the free buffers
         self.allocated = 0                      # how many buffers were ever allocated (tests read it)
 
     def take(self, shape, dtype):
-        """A buffer of this shape and dtype that nobody else uses until it is given back."""
+        """A buffer of this shape and dtype that nobody else uses until it is given back. Call it only after the
+        stream is synchronized (Comm._buf does)."""
+        while self.max_bytes is not None and self.free_bytes > self.max_bytes and len(self.free) > 1:
+            self.free_bytes -= self.free.pop(0).nbytes            # least recently returned first, keeping one
         shape, dtype = tuple(shape), np.dtype(dtype)
         for i in range(len(self.free) - 1, -1, -1):             # the most recently returned first
             buf = self.free[i]
@@ -99,10 +104,10 @@ class HostStaging:
 
     def give(self, buf):
         """Return a buffer taken earlier: free for the next take of its shape."""
+        if any(b is buf for b in self.free):
+            raise ValueError("a staging buffer was given back twice (it would be handed to two calls at once)")
         self.free.append(buf)
         self.free_bytes += buf.nbytes
-        while self.free_bytes > self.max_bytes:                 # drop the least recently returned
-            self.free_bytes -= self.free.pop(0).nbytes
 
 
 class CommStats:
@@ -155,8 +160,9 @@ class Request:
 
     def Wait(self):
         self.req.Wait()
-        if self.done:
-            self.done()
+        done, self.done = self.done, None                       # once only, however often Wait is called
+        if done:
+            done()
         self.comm._record(self.op, self.nbytes, self.t0, track="async")
 
 
@@ -227,10 +233,10 @@ class Comm:
         if self.size == 1:                                      # one rank: the result is x (no stream sync,
             self._record("Allreduce", x.nbytes, t0)             # no staging); still counted, as the formulas do
             return x
-        b, unstage = self._buf(x)
+        b, done = self._buf(x)
         self.comm.Allreduce(MPI.IN_PLACE, b, op=op)
-        if unstage:
-            unstage()
+        if done:
+            done()
         self._record("Allreduce", x.nbytes, t0)
         return x
 
@@ -238,8 +244,8 @@ class Comm:
         """Start an in-place Allreduce of x; returns a Request whose Wait() completes it."""
         self._verify("Iallreduce", x)
         t0 = time.perf_counter()
-        b, unstage = self._buf(x)
-        return Request(self.comm.Iallreduce(MPI.IN_PLACE, b, op=op), self, "Iallreduce", x.nbytes, t0, unstage)
+        b, done = self._buf(x)
+        return Request(self.comm.Iallreduce(MPI.IN_PLACE, b, op=op), self, "Iallreduce", x.nbytes, t0, done)
 
     def Allgather(self, part, out):
         """out[r] <- `part` of rank r. out has shape (size, *part.shape)."""
@@ -251,9 +257,9 @@ class Comm:
             self._record("Allgather", out.nbytes, t0)
             return out
         s, sent = self._buf(part, "send")
-        r, unstage = self._buf(out, "recv")
+        r, received = self._buf(out, "recv")
         self.comm.Allgather(s, r)
-        for done in (sent, unstage):
+        for done in (sent, received):
             if done:
                 done()
         self._record("Allgather", out.nbytes, t0)
@@ -269,9 +275,9 @@ class Comm:
             self._record("Reduce_scatter_block", full.nbytes, t0)
             return out
         s, sent = self._buf(full, "send")
-        r, unstage = self._buf(out, "recv")
+        r, received = self._buf(out, "recv")
         self.comm.Reduce_scatter_block(s, r, op=op)
-        for done in (sent, unstage):
+        for done in (sent, received):
             if done:
                 done()
         self._record("Reduce_scatter_block", full.nbytes, t0)
@@ -280,10 +286,10 @@ class Comm:
     def Bcast(self, x, root=0):
         self._verify("Bcast", x)
         t0 = time.perf_counter()
-        b, unstage = self._buf(x)
+        b, done = self._buf(x, "send" if self.rank == root else "recv")     # the root reads, the others write
         self.comm.Bcast(b, root=root)
-        if unstage:
-            unstage()
+        if done:
+            done()
         self._record("Bcast", x.nbytes, t0)
         return x
 
@@ -302,10 +308,10 @@ class Comm:
 
     def Recv(self, x, source, tag=0):
         t0 = time.perf_counter()
-        b, unstage = self._buf(x, "recv")
+        b, done = self._buf(x, "recv")
         self.comm.Recv(b, source=source, tag=tag)
-        if unstage:
-            unstage()
+        if done:
+            done()
         self._record("Recv", x.nbytes, t0)
         return x
 
@@ -318,8 +324,8 @@ class Comm:
 
     def Irecv(self, x, source, tag=0):
         t0 = time.perf_counter()
-        b, unstage = self._buf(x, "recv")
-        return Request(self.comm.Irecv(b, source=source, tag=tag), self, "Irecv", x.nbytes, t0, unstage)
+        b, done = self._buf(x, "recv")
+        return Request(self.comm.Irecv(b, source=source, tag=tag), self, "Irecv", x.nbytes, t0, done)
 
     # ---------------------------------------------------------------------------------------------- small metadata
     def allgather_obj(self, obj):

@@ -336,7 +336,8 @@ class HybridTrainer:
                 loss = g.pp_comm.comm.bcast(float(to_host(xp.asarray(loss))), root=g.pp - 1)
             else:
                 loss, _ = tp_model.forward(self.params, idx, targets, self.cfg, g.tp_comm, self.scheme)
-            total += float(to_host(xp.asarray(loss)))
+                loss = float(to_host(xp.asarray(loss)))
+            total += loss
         return g.dp_comm.comm.allreduce(total) / (g.dp * n_batches)
 
     def full_params(self):

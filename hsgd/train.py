@@ -59,7 +59,9 @@ def place_on_device(tc, world):
     set_cpu_threads(1)                                               # the GPU does the elementwise work
     path = "CUDA-aware MPI: device buffers to MPI" if cuda_aware_mpi() else \
         "MPI not CUDA-aware: buffers staged through host memory"
-    return f"gpu (CuPy), {n_gpus} GPU(s) on this node, rank 0 on GPU {gpu}; {path} (HSGD_CUDA_AWARE=0|1 overrides)"
+    import cupy
+    return (f"gpu (CuPy {cupy.__version__}), {n_gpus} GPU(s) on this node, rank 0 on GPU {gpu}; {path} "
+            "(HSGD_CUDA_AWARE=0|1 overrides)")
 
 
 def train(cfg, tc, world=MPI.COMM_WORLD, out=sys.stdout):

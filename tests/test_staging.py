@@ -3,6 +3,7 @@ back after it, so that a step that sends the same shapes every step allocates no
 copies run on the simulated GPU (tests/test_simgpu.py) and on a real one (tests/test_gpu.py); the bookkeeping is
 tested here with plain memory."""
 import numpy as np
+import pytest
 
 from hsgd.comm import HostStaging
 
@@ -33,14 +34,32 @@ def test_buffers_in_use_at_once_each_get_their_own():
     assert st.allocated == 3
 
 
-def test_free_bytes_are_bounded_least_recently_returned_dropped():
-    st = HostStaging(alloc=bytearray, max_bytes=3 * 8 * 100)            # room for three free (100,) float64
+def test_by_default_the_pool_keeps_every_buffer_and_refuses_one_given_back_twice():
+    st = HostStaging(alloc=bytearray)
+    bufs = [st.take((100,), np.float64) for _ in range(5)]              # five calls in flight at once
+    for b in bufs:
+        st.give(b)
+    again = [st.take((100,), np.float64) for _ in range(5)]            # the next step: the same five
+    assert {id(b) for b in again} == {id(b) for b in bufs} and st.allocated == 5
+    st.give(bufs[0])
+    with pytest.raises(ValueError, match="given back twice"):
+        st.give(bufs[0])                                                # would be handed to two calls at once
+
+
+def test_max_bytes_drops_free_buffers_in_take_least_recently_returned_first():
+    """Dropping happens in take, which runs after the stream is synchronized (a copy may read a buffer until then);
+    the most recently returned buffer is always kept, so a buffer larger than the cap is still reused."""
+    cap = 3 * 8 * 100                                                   # three free (100,) float64 buffers
+    st = HostStaging(alloc=bytearray, max_bytes=cap)
     bufs = [st.take((100,), np.float64) for _ in range(5)]
     for b in bufs:
         st.give(b)
-    assert st.free_bytes == sum(b.nbytes for b in st.free) <= st.max_bytes and len(st.free) == 3
-    assert [id(b) for b in st.free] == [id(b) for b in bufs[2:]]          # the first two returned were dropped
-    assert st.take((100,), np.float64) is bufs[4] and st.allocated == 5
-    big = st.take((1000,), np.float64)                                  # larger than the cap: used, not kept
+    assert len(st.free) == 5                                            # give drops nothing
+    assert st.take((100,), np.float64) is bufs[4]                       # the most recently returned
+    assert [id(b) for b in st.free] == [id(b) for b in bufs[2:4]] and st.free_bytes == sum(b.nbytes for b in st.free)
+    big = st.take((1000,), np.float64)                                  # larger than the cap
     st.give(big)
-    assert all(b is not big for b in st.free) and st.free_bytes <= st.max_bytes
+    assert st.take((1000,), np.float64) is big and st.allocated == 6
+    st.give(big)
+    st.take((7,), np.float64)
+    assert [id(b) for b in st.free] == [id(big)]                        # the older ones dropped, the last kept

@@ -524,9 +524,10 @@ grid.free()
 # 1. **NumPy** (the test suite, every chapter): the model code, the arithmetic of the GPU mapping, and one
 #    `to_host` copy per step.
 # 2. **The simulated GPU** (the test suite too: this chapter, `tests/mpi/test_simgpu.py`, `tests/test_simgpu.py`,
-#    `make gpu-sim`): device arrays end to end; no NumPy call on a device array and no host array in device
-#    arithmetic; every transfer of a step accounted for, on both transfer paths and every kind of layout; no
-#    pinned allocation after the first step; training on the device equal to training on the host.
+#    `make gpu-sim`): device arrays end to end; no implicit conversion of a device array to NumPy and no host
+#    array in device arithmetic; every transfer of a step accounted for, on both transfer paths and every kind
+#    of layout; no pinned allocation once the first step has run; training on the device equal to training on
+#    the host.
 # 3. **A real GPU**, with
 #
 #        make gpu-check          # python benchmarks/gpu_check.py
@@ -534,10 +535,11 @@ grid.free()
 #    on a machine with a GPU and CuPy: the float64 GPU-against-CPU tests of every layer and the model
 #    (`tests/test_gpu.py`, skipped elsewhere), `hsgd.verify --device gpu` for several layouts (ranks sharing the
 #    GPU when there are more ranks than GPUs), a float32 training run whose loss must fall, the host copies of a
-#    step, forward and backward under CuPy's own `cupyx.allow_synchronize(False)`, and one training step against
-#    PyTorch on the same GPU; it prints one table and exits non-zero if a check failed. Only this level runs
-#    CuPy's kernels, so only it can find a NumPy function CuPy lacks or computes differently, a wrong stream, or
-#    the speed. The README says whether it has been run.
+#    step, forward and backward under CuPy's own `cupyx.allow_synchronize(False)` (deprecated since CuPy 10: not
+#    checked where it is gone), and one training step against PyTorch on the same GPU; it prints one table and
+#    exits non-zero if a check failed. Only this level runs CuPy's kernels, so only it can find an argument or
+#    array method CuPy lacks, a result it computes differently, a wrong stream, or the speed. The README says
+#    whether it has been run.
 #
 # ## Check against serial
 #

@@ -12,6 +12,14 @@ WORLD = MPI.COMM_WORLD
 threadpool_limits(1)                                  # eight ranks share the cores
 
 
+def pytest_collection_modifyitems(items):
+    """pytest-timeout's thread method for every test here, however the file is run: a rank stuck in a blocking MPI
+    call (another rank raised before a collective) never returns to Python, so a signal cannot end it; the thread
+    method dumps the stacks and exits the process, and mpiexec then ends the other ranks."""
+    for item in items:
+        item.add_marker(pytest.mark.timeout(180, method="thread"))
+
+
 def check(ok, msg=""):
     """Collective assertion: passes on every rank iff `ok` holds on every rank."""
     oks = WORLD.allgather(bool(ok))

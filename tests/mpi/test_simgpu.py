@@ -1,10 +1,11 @@
 """The GPU code path on 8 ranks of the simulated GPU (tests/simgpu: CuPy's host/device rules, over NumPy).
 
 What a machine without a GPU can check of the GPU path, and what goes wrong silently on a real one:
-  * every device-to-host transfer of a training step is accounted for: the step's one `to_host` vector, plus, with
+  * every device-to-host transfer of training is accounted for: each step's one `to_host` vector, plus, with
     staging, one copy out of each buffer MPI reads; nothing else (no float(), item(), mask or print);
   * forward and backward make no transfer at all (under cupyx.allow_synchronize(False), where one raises);
-  * staging takes its pinned host buffers from a pool: none is allocated after the first steps;
+  * staging takes its pinned host buffers from a pool: none is allocated after the first step (the second with
+    staleness, where two exchanges are in flight from then on);
   * both transfer paths, device pointers to MPI (HSGD_CUDA_AWARE=1) and staging (0), train exactly as the CPU
     path does, float64, on 3-D, ZeRO, overlapped, hierarchical and sequence-parallel layouts, and MPI is never
     handed a device pointer while kernels are still queued on the stream.
@@ -31,10 +32,11 @@ import cupyx  # noqa: E402
 
 pytestmark = pytest.mark.mpi(min_size=8)
 
-# operation -> whether it copies its buffer out of the device when staged: it sends data (a Recv only receives);
-# Allreduce, Allgather and Reduce_scatter_block skip MPI altogether on a one-rank communicator
-SENDS = {"Allreduce": True, "Iallreduce": True, "Allgather": True, "Reduce_scatter_block": True, "Bcast": True,
-         "Send": True, "Isend": True, "Recv": False, "Irecv": False}
+# operation -> whether it copies its buffer out of the device when staged: it sends data (a Recv only receives;
+# a Bcast sends from its root only, and a training step has none); Allreduce, Allgather and Reduce_scatter_block
+# skip MPI altogether on a one-rank communicator
+SENDS = {"Allreduce": True, "Iallreduce": True, "Allgather": True, "Reduce_scatter_block": True, "Send": True,
+         "Isend": True, "Recv": False, "Irecv": False}
 SKIPPED_ON_ONE_RANK = ("Allreduce", "Allgather", "Reduce_scatter_block")
 
 LAYOUTS = {
@@ -43,6 +45,7 @@ LAYOUTS = {
     "dp4 tp2, ZeRO-2 adamw": dict(dp=4, tp=2, zero=2, optimizer="adamw", lr=0.01),
     "dp2 tp4, sequence parallel": dict(dp=2, tp=4, tp_scheme="sequence"),
     "dp8, hierarchical (4 per node)": dict(dp=8, tp=1, hierarchical=True, ranks_per_node=4),
+    "dp4 tp2, staleness 1": dict(dp=4, tp=2, dp_staleness=1),        # two exchanges of one shape in flight
 }
 
 
@@ -60,7 +63,8 @@ def test_the_simulated_device_keeps_cupys_rules():
     refused = []
     for what, f in (("np.asarray", lambda: np.asarray(x)), ("x + host", lambda: x + np.ones(3)),
                     ("host + x", lambda: np.ones(3) + x), ("cupy.exp(host)", lambda: cupy.exp(np.ones(3))),
-                    ("a function CuPy lacks", lambda: cupy.busday_count)):
+                    ("x + list", lambda: x + [1.0, 2.0, 3.0]), ("a function CuPy lacks", lambda: cupy.busday_count),
+                    ("get(out=) of another dtype", lambda: x.get(out=np.zeros((2, 3), np.float32)))):
         try:
             f()
         except (TypeError, AttributeError):
@@ -88,7 +92,7 @@ def test_the_simulated_device_keeps_cupys_rules():
     summed = y.get()
     say(f"refused: {refused}; transfers counted: {transfers}; sync refused: {raised}; MPI before the stream "
         f"synchronized: {unsynchronized}")
-    check(len(refused) == 5 and transfers == 3 and raised and unsynchronized == "refused" and total == 30.0
+    check(len(refused) == 7 and transfers == 3 and raised and unsynchronized == "refused" and total == 30.0
           and picked.shape == (3,) and host.tolist() == [[0, 1, 2], [3, 4, 5]]
           and summed.tolist() == [8.0 * i for i in range(6)])
 
@@ -101,43 +105,83 @@ def staged_sends(since, sizes):
 
 def run(tc, steps=4):
     """tc's layout for `steps` steps; returns (grid, trainer, per-step [to_host copies, all device-to-host
-    transfers, transfers staging accounts for, pinned allocations])."""
+    transfers, transfers staging accounts for, pinned allocations], the same for the whole run). A non-blocking
+    exchange is counted by the stats when it completes, which with staleness is the next step (or finish), so
+    the exact accounting is over the whole run."""
     grid = ProcessGrid(WORLD, dp=tc.dp, pp=tc.pp, tp=tc.tp)
     trainer = HybridTrainer(CFG, grid, tc)
     rpn = tc.ranks_per_node or 1
     sizes = {"world": WORLD.Get_size(), "tp": grid.tp, "pp": grid.pp, "dp": grid.dp, "dp-node": rpn,
              "dp-cross": grid.dp // rpn}
-    per_step = []
+
+    def now():
+        return d2h_count(), cupy.counts["d2h"], grid.stats.counts(), cupy.counts["pinned"]
+
+    def since(then):
+        copies, d2h, calls, pinned = then
+        staged = 0 if cuda_aware_mpi() else staged_sends(grid.stats.since(calls), sizes)
+        return d2h_count() - copies, cupy.counts["d2h"] - d2h, staged, cupy.counts["pinned"] - pinned
+
+    start, per_step = now(), []
     for step in range(1, steps + 1):
         idx, targets = CORPUS.batch(tc.seed, step, tc.batch_size)
-        before, calls, copies = dict(cupy.counts), grid.stats.counts(), d2h_count()
+        before = now()
         trainer.step(idx, targets, step)
-        staged = 0 if cuda_aware_mpi() else staged_sends(grid.stats.since(calls), sizes)
-        per_step.append((d2h_count() - copies, cupy.counts["d2h"] - before["d2h"], staged,
-                         cupy.counts["pinned"] - before["pinned"]))
+        per_step.append(since(before))
     trainer.finish()
-    return grid, trainer, per_step
+    return grid, trainer, per_step, since(start)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=list(LAYOUTS))
 def test_gpu_path_transfers_and_training(layout, transfer_path):
     kw = LAYOUTS[layout]
-    gpu_grid, gpu, per_step = run(config(device="gpu", **kw))
-    cpu_grid, cpu, _ = run(config(device="cpu", **kw))
+    gpu_grid, gpu, per_step, (to_host, d2h, staged, _) = run(config(device="gpu", **kw))
+    cpu_grid, cpu, *_ = run(config(device="cpu", **kw))
     on_device = all(type(p).__module__ == "cupy" for p in gpu.params.values())
     err = max(float(np.abs(to_numpy(gpu.params[n]) - p).max() / max(np.abs(p).max(), 0.02))
               for n, p in cpu.params.items())
-    accounted = all(to_host == 1 and d2h == 1 + staged for to_host, d2h, staged, _ in per_step)
-    pinned_later = sum(p for *_, p in per_step[2:])
+    accounted = all(step[0] == 1 for step in per_step) and d2h == to_host + staged
+    settled = 2 if kw.get("dp_staleness") else 1                 # staleness: two exchanges in flight from step 2
+    pinned_later = sum(p for *_, p in per_step[settled:])
     say(f"{layout} ({'CUDA-aware' if transfer_path else 'staging'}): per step [to_host, device-to-host, of them "
-        f"staged, pinned allocations] {per_step}; params vs the CPU path {world_max(err):.1e}")
+        f"staged, pinned allocations] {per_step}; run: {d2h} transfers = {to_host} to_host + {staged} staged; "
+        f"params vs the CPU path {world_max(err):.1e}")
     gpu_grid.free()
     cpu_grid.free()
     check(on_device and accounted and pinned_later == 0 and err <= 1e-12,
-          f"on device {on_device}, accounted {accounted} {per_step}, pinned after step 2: {pinned_later}, "
+          f"on device {on_device}, accounted {accounted} {per_step}, pinned after step {settled}: {pinned_later}, "
           f"err {err:.1e}")
     if transfer_path:
-        check(all(staged == 0 and p == 0 for *_, staged, p in per_step), "the CUDA-aware path staged something")
+        check(all(p == 0 for *_, p in per_step), "the CUDA-aware path allocated pinned host memory")
+
+
+def test_a_staged_receive_waits_for_the_copy_out_of_its_buffer(monkeypatch, request):
+    """Staging: a Recv ends with x.set(host), an asynchronous copy out of the host buffer, which then goes back to
+    the pool. The next Recv of that shape takes the same buffer and MPI writes into it: Comm._buf must synchronize
+    the stream first, or the copy may still be reading. Two Recvs in a row, nothing in between to synchronize."""
+    from hsgd.comm import Comm
+    monkeypatch.setenv("HSGD_CUDA_AWARE", "0")
+    cuda_aware_mpi.cache_clear()
+    request.addfinalizer(cuda_aware_mpi.cache_clear)
+    rank = WORLD.Get_rank()
+    pair = Comm(WORLD.Split(color=rank // 2, key=rank), "pair")              # ranks 2i and 2i + 1
+    x = cupy.zeros(4)
+    error = ""
+    try:
+        if pair.rank == 0:
+            for message in (1.0, 2.0):
+                pair.Send(cupy.full(4, message), dest=1)
+        else:
+            pair.Recv(x, source=0)
+            pair.Recv(x, source=0)                                           # the same pinned buffer again
+            cupy.cuda.get_current_stream().synchronize()                     # raises if it was overwritten early
+    except RuntimeError as e:
+        error = str(e)
+    got = x.get().tolist() if pair.rank == 1 else [2.0] * 4
+    pair.free()
+    error = next((e for e in WORLD.allgather(error) if e), "")                 # the receivers' verdict, on all
+    say(f"two staged Recvs into one buffer: {error or 'the copy out finished before MPI wrote again'}; got {got}")
+    check(not error and got == [2.0] * 4, error or str(got))
 
 
 @pytest.mark.parametrize("scheme", ["megatron", "gather"])
@@ -178,11 +222,14 @@ def test_each_rank_uses_the_gpu_of_its_node_local_rank(n_gpus, monkeypatch):
     evenly when there are fewer (the simulated node has $SIMGPU_DEVICES of them)."""
     from hsgd.train import local_ranks, place_on_device
     monkeypatch.setenv("SIMGPU_DEVICES", str(n_gpus))
-    where = place_on_device(config(device="gpu"), WORLD)
+    try:
+        where = place_on_device(config(device="gpu"), WORLD)
+        mine = cupy.cuda.Device().id
+    finally:
+        monkeypatch.setenv("SIMGPU_DEVICES", "1")
+        cupy.cuda.Device(0).use()                                # as the other tests expect
     local, _ = local_ranks(WORLD)
-    mine = cupy.cuda.Device().id
     per_gpu = np.bincount(WORLD.allgather(mine), minlength=n_gpus)
-    cupy.cuda.Device(0).use()
     say(f"{n_gpus} GPU(s): ranks per GPU {per_gpu.tolist()}; header: {where}")
     check(mine == local % n_gpus and per_gpu.max() - per_gpu.min() <= 1 and f"{n_gpus} GPU(s) on this node" in where,
           f"rank on GPU {mine}, local rank {local}")

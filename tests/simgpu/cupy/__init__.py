@@ -18,7 +18,9 @@ the GPU path that goes wrong silently on a real one:
     hsgd's transfer paths run, the CUDA-aware one (HSGD_CUDA_AWARE=1) and pinned host staging (HSGD_CUDA_AWARE=0);
   * the stream: every device operation counts as a kernel queued on it, and a synchronization (the stream's or
     the device's, or a device-to-host copy) waits for them all. Handing MPI a device pointer while kernels are
-    still queued raises, because a real GPU might still be writing that memory while MPI reads it.
+    still queued raises, because a real GPU might still be writing that memory while MPI reads it. `x.set(host)`
+    is an asynchronous copy, as in CuPy: if `host` changes before the next synchronization (MPI writing into a
+    staging buffer that is still being read), that synchronization raises;
 
   * only functions CuPy has: the module offers an explicit list (FUNCTIONS), each checked against CuPy's table
     of NumPy functions it implements, so that hsgd cannot start using one a real GPU would lack.
@@ -44,18 +46,31 @@ counts = {"d2h": 0, "h2d": 0, "pinned": 0}   # device-to-host transfers (each on
                                              # copies, pinned host allocations
 _allow_sync = [True]                         # cupyx.allow_synchronize(False) sets False
 _queued = [False]                            # kernels queued on the stream since the last synchronization
+_reading = []                                # (host array, its contents): asynchronous copies still reading it
 
 
 class DeviceSynchronized(RuntimeError):
     """Raised for a synchronizing transfer inside cupyx.allow_synchronize(False) (cupyx.DeviceSynchronized)."""
 
 
-def _to_host(what):
-    """Count one device-to-host transfer (which synchronizes the device); refuse it where syncs are disallowed."""
-    counts["d2h"] += 1
+def _synchronize(what):
+    """The host waits for everything queued on the stream: refused inside allow_synchronize(False); and an
+    asynchronous copy from host memory (ndarray.set) must have read what the host had when it was queued."""
     if not _allow_sync[0]:
-        raise DeviceSynchronized(f"{what} copies device memory to the host, which synchronizes the device")
-    _queued[0] = False                                      # the copy waited for every queued kernel
+        raise DeviceSynchronized(f"{what} synchronizes the device")
+    _queued[0] = False
+    changed = [src for src, was in _reading if not _np.array_equal(src, was, equal_nan=True)]
+    _reading.clear()
+    if changed:
+        raise RuntimeError("host memory was overwritten while an asynchronous host-to-device copy (ndarray.set) "
+                           "was still reading it; synchronize the stream before reusing the host buffer "
+                           "(simulated GPU)")
+
+
+def _to_host(what):
+    """Count one device-to-host transfer, which synchronizes the device."""
+    counts["d2h"] += 1
+    _synchronize(f"{what} copies device memory to the host, which")
 
 
 def _queue():
@@ -73,6 +88,13 @@ def _unwrap(x):
     if isinstance(x, (list, tuple)):
         return type(x)(_unwrap(v) for v in x)
     return x
+
+
+def _operand(x):
+    """An operand of arithmetic or a ufunc: a device array or a scalar (CuPy refuses host arrays and lists)."""
+    if isinstance(x, (list, tuple)):
+        raise TypeError(f"Unsupported type {type(x)}: a list is not an operand of a device operation")
+    return _unwrap(x)
 
 
 def _wrap(r):
@@ -133,7 +155,10 @@ class ndarray:
                 "version": 3, "stream": None}
 
     # ---- transfers
-    def get(self, stream=None, out=None):
+    def get(self, stream=None, order="C", out=None, blocking=True):
+        if out is not None and not (isinstance(out, _np.ndarray) and out.shape == self.shape and
+                                    out.dtype == self.dtype and out.flags.c_contiguous):
+            raise TypeError("get(out=...) needs a C-contiguous numpy.ndarray of the array's shape and dtype")
         _to_host("ndarray.get()")
         if out is None:
             return self._a.copy()
@@ -141,9 +166,17 @@ class ndarray:
         return out
 
     def set(self, arr, stream=None):
+        """An asynchronous copy from host memory: `arr` must not change until the stream is synchronized."""
+        if not (isinstance(arr, _np.ndarray) and arr.shape == self.shape and arr.dtype == self.dtype):
+            raise TypeError("set() needs a numpy.ndarray of the array's shape and dtype")
         _queue()
         counts["h2d"] += 1
         self._a[...] = arr
+        _reading.append((arr, arr.copy()))
+
+    def tobytes(self, order="C"):
+        _to_host("ndarray.tobytes()")
+        return self._a.tobytes(order)
 
     def item(self):
         _to_host("ndarray.item()")
@@ -206,8 +239,8 @@ class ndarray:
 
     # ---- the rest of the methods (sum, reshape, astype, fill, ...): NumPy's, on the device
     def __getattr__(self, name):
-        if name.startswith("__"):                           # no __array_interface__, no buffer: stay on the device
-            raise AttributeError(name)
+        if name.startswith("__") or name in ("ctypes", "tofile", "dump", "dumps"):
+            raise AttributeError(name)                      # no __array_interface__, no buffer: stay on the device
         attr = getattr(self._a, name)
         if callable(attr):
             return lambda *args, **kwargs: _device_call(attr, args, kwargs)
@@ -237,7 +270,7 @@ def _binary(name):
 
     def f(self, other):
         _queue()
-        return _wrap(op(self._a, _unwrap(other)))
+        return _wrap(op(self._a, _operand(other)))
     return f
 
 
@@ -246,7 +279,7 @@ def _reflected(name):
 
     def f(self, other):
         _queue()
-        return _wrap(op(_unwrap(other), self._a))
+        return _wrap(op(_operand(other), self._a))
     return f
 
 
@@ -255,7 +288,7 @@ def _inplace(name):
 
     def f(self, other):
         _queue()
-        op(self._a, _unwrap(other))
+        op(self._a, _operand(other))
         return self
     return f
 
@@ -307,6 +340,8 @@ class _Ufunc:
         self._uf, self.__name__ = uf, uf.__name__
 
     def __call__(self, *args, **kwargs):
+        for a in args:
+            _operand(a)                                     # refuses lists and host arrays
         return _device_call(self._uf, args, kwargs)
 
     def __getattr__(self, method):
@@ -339,9 +374,10 @@ def __getattr__(name):
     obj = getattr(_np, name)
     if isinstance(obj, _np.ufunc):
         return _Ufunc(obj)
-    if name in ("nonzero", "unique", "argwhere", "flatnonzero"):
+    if name in ("nonzero", "unique", "argwhere", "flatnonzero", "where"):
         def sized(*args, **kwargs):
-            _to_host(f"cupy.{name} (the result's size)")
+            if name != "where" or len(args) == 1:           # where(cond) is nonzero(cond)
+                _to_host(f"cupy.{name} (the result's size)")
             return _device_call(obj, args, kwargs)
         return sized
     return lambda *args, **kwargs: _device_call(obj, args, kwargs)
@@ -349,8 +385,8 @@ def __getattr__(name):
 
 # ---------------------------------------------------------------------------------------------- cupy.cuda
 class _Stream:
-    def synchronize(self):                                  # explicit: allowed; every queued kernel is done
-        _queued[0] = False
+    def synchronize(self):                                  # every queued kernel and copy is done
+        _synchronize("Stream.synchronize()")
 
 
 class _Device:
@@ -365,7 +401,7 @@ class _Device:
         self._current[0] = self.id
 
     def synchronize(self):
-        _queued[0] = False
+        _synchronize("Device.synchronize()")
 
     def __enter__(self):
         self._before = self._current[0]
