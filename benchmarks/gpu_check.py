@@ -5,7 +5,8 @@
 Installs nothing. Needs CuPy (pip install -e '.[gpu]') and, for the last row, PyTorch with CUDA. Runs:
   1. the float64 serial-equivalence tests on the GPU (tests/test_gpu.py: GPU against CPU, to 1e-10);
   2. hsgd.verify with --device gpu for a few layouts (ranks share the GPUs when there are more ranks than GPUs);
-  3. one float32 training run on the GPU whose validation loss must fall;
+  3. one float32 training run on the GPU whose validation loss must fall, staged through pinned host buffers
+     (HSGD_CUDA_AWARE=0) none of which may be allocated after the first step;
   4. the device-to-host copies of a training step (hsgd.backend.d2h_count: expected 1, the step's one small vector)
      and, under cupyx.allow_synchronize(False), that forward and backward make no implicit device sync;
   5. one serial training step, float32, hsgd (CuPy) against PyTorch (CUDA), same model and weights.
@@ -159,11 +160,15 @@ def main(argv=None):
     steps = "100" if a.quick else "300"
     code, out, s = run(["timeout", "400", mpiexec(), "-n", str(R), sys.executable, "-m", "hsgd.train", "--device",
                         "gpu", "--steps", steps, "--log-interval", "50", "--eval-interval", "0", "--sample-bytes",
-                        "0"], 420)
+                        "0"], 420, {"HSGD_CUDA_AWARE": "0"})                 # staged: the pool is reported
     m = re.search(r"val loss ([\d.]+) -> ([\d.]+) after", out)
     falls = bool(m) and float(m.group(2)) < float(m.group(1)) - 1.0
-    rows.append((f"float32 training, {R} ranks, {steps} steps", (m.group(0) if m else out.strip()[-200:]) +
+    rows.append((f"float32 training, {R} ranks, {steps} steps, staged", (m.group(0) if m else out.strip()[-200:]) +
                  f" ({s:.0f} s)", code == 0 and falls))
+    m = re.search(r"host staging .*: (\d+) pinned buffers, (.*) on rank 0; allocated after step 1, most on any "
+                  r"rank: (\d+)", out)
+    rows.append(("pinned staging buffers of that run: held / allocated after step 1",
+                 f"{m.group(1)} ({m.group(2)}) / {m.group(3)}" if m else "no report", bool(m) and m.group(3) == "0"))
     try:
         rows += device_step_checks(simulated)
     except Exception as e:

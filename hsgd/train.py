@@ -76,6 +76,14 @@ def train(cfg, tc, world=MPI.COMM_WORLD, out=sys.stdout):
         return _train(cfg, tc, world, out, threads)
 
 
+def staging_pools(grid, trainer):
+    """The pinned host-buffer pools of this rank's communicators (used only to stage device arrays)."""
+    comms = [grid.world, grid.tp_comm, grid.dp_comm, grid.pp_comm]
+    if trainer.hier:
+        comms += [trainer.hier.node_comm, trainer.hier.cross_comm]
+    return [c.staging for c in comms]
+
+
 def _train(cfg, tc, world, out, threads):
     rank0 = world.Get_rank() == 0
     say = (lambda s="": print(s, file=out, flush=True)) if rank0 else (lambda s="": None)
@@ -122,6 +130,7 @@ def _train(cfg, tc, world, out, threads):
     t_start = time.perf_counter()
     window = {"n": 0, "loss": 0.0, "s": 0.0, "tp": 0.0, "dp": 0.0}
     losses, per_step, val_points = [], {}, [(start - 1, val0)]
+    pinned_first = sum(st.allocated for st in staging_pools(grid, trainer))     # staging buffers after step `start`
     measured_step = min(start + 1, tc.steps)  # bytes of one step, the same every step (staleness' first: none)
     for step in range(start, tc.steps + 1):
         kind = fault[2] if fault and fault[:2] == (world.Get_rank(), step) else None
@@ -135,6 +144,8 @@ def _train(cfg, tc, world, out, threads):
             tracer.enabled = traced[0] <= step <= traced[1]
         with (tracer.span(f"step {step}") if tracer else nullcontext()):
             info = trainer.step(idx, targets, step, poison=kind == "nan")
+        if step == start:
+            pinned_first = sum(st.allocated for st in staging_pools(grid, trainer))
         if step == measured_step:
             per_step = grid.stats.since(before)                          # this step's traffic, nothing else
         if kind == "diverge":
@@ -191,6 +202,12 @@ def _train(cfg, tc, world, out, threads):
     mem = trainer.memory()
     say(f"memory per rank: parameters {fmt_bytes(mem['params'])}, gradients {fmt_bytes(mem['grads'])}, "
         f"optimizer state {fmt_bytes(mem['optimizer'])}")
+    pools = staging_pools(grid, trainer)
+    later = world.allreduce(sum(st.allocated for st in pools) - pinned_first, op=MPI.MAX)     # every rank calls it
+    held = sum(st.free_bytes for st in pools)
+    if held or later:
+        say(f"host staging (MPI not CUDA-aware): {sum(len(st.free) for st in pools)} pinned buffers, "
+            f"{fmt_bytes(held)} on rank 0; allocated after step {start}, most on any rank: {later}")
     if tracer:
         events = tracer.write(world, tc.trace) if tc.trace else world.gather(tracer.chrome_events(), root=0)
         if rank0 and not tc.trace:

@@ -25,7 +25,7 @@ def test_gpu_check_script_runs_on_the_simulated_gpu():
     print(r.stdout[-4000:])
     rows = [ln for ln in r.stdout.splitlines() if ln.startswith("| ")]
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert len(rows) == 13 and not any("| FAIL |" in ln for ln in rows)
+    assert len(rows) == 14 and not any("| FAIL |" in ln for ln in rows)
     assert "simulated GPU (NumPy)" in rows[0] and "host copies in one training step" in r.stdout
     after = open(results).read() if os.path.exists(results) else None
     assert after == before, "a dry run must not write results"
@@ -42,6 +42,7 @@ def test_training_on_the_simulated_gpu_saves_and_resumes_across_transfer_paths(t
     assert "device: gpu (CuPy simulated), 1 GPU(s) on this node" in first.stdout
     assert "staged through host memory" in first.stdout
     assert "sample:" in first.stdout and "after 4 steps" in first.stdout
+    assert "allocated after step 1, most on any rank: 0" in first.stdout
     second = run_mpi(2, ["-m", "hsgd.train", *tiny, "--tp", "1", "--steps", "6", "--resume", "auto",
                          "--sample-bytes", "0"], timeout=120, env=sim_env(HSGD_CUDA_AWARE="1"))
     print(second.stdout[-2500:])

@@ -184,7 +184,8 @@ check(f"loss and every gradient on '{DEVICE}' vs NumPy (rel)",
 #    lock the pages). So `Comm.staging` (a `HostStaging`) keeps a **pool**: a call takes a free buffer of its
 #    shape and dtype and gives it back when MPI is done with it (a blocking call on return, a non-blocking one at
 #    `Wait`). Every step sends the same shapes (gradient buckets, activations of one micro-batch), so after the
-#    first step every shape has its buffer and nothing is allocated, whatever address the device array has. A
+#    first step every shape has its buffer and nothing is allocated, whatever address the device array has
+#    (`hsgd.train` ends with a `host staging:` line that counts the buffers allocated after step 1). A
 #    buffer MPI only reads (the input of an Allgather, a Send) is not copied back; one it only writes (a Recv) is
 #    not filled first.
 #
