@@ -157,12 +157,15 @@ class Request:
 
     def __init__(self, req, comm, op, nbytes, t0, done=None):
         self.req, self.comm, self.op, self.nbytes, self.t0, self.done = req, comm, op, nbytes, t0, done
+        self.waited = False
 
     def Wait(self):
         self.req.Wait()
-        done, self.done = self.done, None                       # once only, however often Wait is called
-        if done:
-            done()
+        if self.waited:                                         # a second Wait: nothing more to do (the staging
+            return                                              # buffer must not go back to the pool twice)
+        self.waited = True
+        if self.done:
+            self.done()
         self.comm._record(self.op, self.nbytes, self.t0, track="async")
 
 

@@ -63,3 +63,14 @@ def test_max_bytes_drops_free_buffers_in_take_least_recently_returned_first():
     st.give(big)
     st.take((7,), np.float64)
     assert [id(b) for b in st.free] == [id(big)]                        # the older ones dropped, the last kept
+
+
+def test_a_request_waited_twice_gives_its_buffer_back_once():
+    from mpi4py import MPI
+
+    from hsgd.comm import Comm, Request
+    comm, given = Comm(MPI.COMM_SELF, "self"), []
+    req = Request(MPI.REQUEST_NULL, comm, "Irecv", 8, 0.0, done=lambda: given.append(1))
+    req.Wait()
+    req.Wait()
+    assert given == [1] and comm.stats.calls("self", "Irecv") == 1
