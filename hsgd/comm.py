@@ -54,6 +54,10 @@ def cuda_aware_mpi():
         return False
 
 
+def _nothing():
+    """What _buf returns to call after MPI when there is nothing to copy back or give back."""
+
+
 def _is_cupy(x):
     return type(x).__module__.startswith("cupy")
 
@@ -155,7 +159,7 @@ class Request:
     """A pending non-blocking call; Wait() completes it, copies staged data back to the device and gives the host
     buffer back (staging only), and records its time."""
 
-    def __init__(self, req, comm, op, nbytes, t0, done=None):
+    def __init__(self, req, comm, op, nbytes, t0, done=_nothing):
         self.req, self.comm, self.op, self.nbytes, self.t0, self.done = req, comm, op, nbytes, t0, done
         self.waited = False
 
@@ -164,8 +168,7 @@ class Request:
         if self.waited:                                         # a second Wait: nothing more to do (the staging
             return                                              # buffer must not go back to the pool twice)
         self.waited = True
-        if self.done:
-            self.done()
+        self.done()
         self.comm._record(self.op, self.nbytes, self.t0, track="async")
 
 
@@ -183,18 +186,18 @@ class Comm:
 
     # ---------------------------------------------------------------------------------------------- helpers
     def _buf(self, x, role="inout"):
-        """(what to hand MPI, a function to call once MPI is done with it, or None). role: "send" buffers are only
-        read by MPI, "recv" buffers only written, "inout" both. With staging, the function copies what MPI wrote
-        back to the device ("recv", "inout") and gives the host buffer back to the pool."""
+        """(what to hand MPI, a function to call once MPI is done with it). role: "send" buffers are only read by
+        MPI, "recv" buffers only written, "inout" both. With staging, the function copies what MPI wrote back to
+        the device ("recv", "inout") and gives the host buffer back to the pool; otherwise it does nothing."""
         if not x.flags.c_contiguous:
             raise ValueError(f"{self.name}: MPI buffers must be C-contiguous (got strides {x.strides}); "
                              "pass xp.ascontiguousarray(x) or a preallocated buffer")
         if not _is_cupy(x):
-            return x, None
+            return x, _nothing
         import cupy
         cupy.cuda.get_current_stream().synchronize()            # the kernels that wrote x are done, and the
         if cuda_aware_mpi():                                    # copies out of returned host buffers too
-            return x, None
+            return x, _nothing
         host = self.staging.take(x.shape, x.dtype)              # pinned, from the pool
         if role != "recv":
             x.get(out=host)                                     # device -> host, before MPI reads it
@@ -238,8 +241,7 @@ class Comm:
             return x
         b, done = self._buf(x)
         self.comm.Allreduce(MPI.IN_PLACE, b, op=op)
-        if done:
-            done()
+        done()
         self._record("Allreduce", x.nbytes, t0)
         return x
 
@@ -262,9 +264,8 @@ class Comm:
         s, sent = self._buf(part, "send")
         r, received = self._buf(out, "recv")
         self.comm.Allgather(s, r)
-        for done in (sent, received):
-            if done:
-                done()
+        sent()
+        received()
         self._record("Allgather", out.nbytes, t0)
         return out
 
@@ -280,9 +281,8 @@ class Comm:
         s, sent = self._buf(full, "send")
         r, received = self._buf(out, "recv")
         self.comm.Reduce_scatter_block(s, r, op=op)
-        for done in (sent, received):
-            if done:
-                done()
+        sent()
+        received()
         self._record("Reduce_scatter_block", full.nbytes, t0)
         return out
 
@@ -291,8 +291,7 @@ class Comm:
         t0 = time.perf_counter()
         b, done = self._buf(x, "send" if self.rank == root else "recv")     # the root reads, the others write
         self.comm.Bcast(b, root=root)
-        if done:
-            done()
+        done()
         self._record("Bcast", x.nbytes, t0)
         return x
 
@@ -305,16 +304,14 @@ class Comm:
         t0 = time.perf_counter()
         b, sent = self._buf(x, "send")
         self.comm.Send(b, dest=dest, tag=tag)
-        if sent:
-            sent()
+        sent()
         self._record("Send", x.nbytes, t0)
 
     def Recv(self, x, source, tag=0):
         t0 = time.perf_counter()
         b, done = self._buf(x, "recv")
         self.comm.Recv(b, source=source, tag=tag)
-        if done:
-            done()
+        done()
         self._record("Recv", x.nbytes, t0)
         return x
 

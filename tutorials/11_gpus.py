@@ -221,8 +221,7 @@ def x_of(r):
 
 x = to_device(x_of(rank), xp)                                            # (N,) on my device
 handed, done = world_comm._buf(x)                                       # what MPI would be given
-if done:
-    done()                                                               # (staging) the host buffer back
+done()                                                                   # (staging) the host buffer back
 if handed is x:
     path = "the array itself: host memory" if xp is np else "the device pointer (CUDA-aware MPI)"
 else:

@@ -47,6 +47,7 @@ counts = {"d2h": 0, "h2d": 0, "pinned": 0}   # device-to-host transfers (each on
 _allow_sync = [True]                         # cupyx.allow_synchronize(False) sets False
 _queued = [False]                            # kernels queued on the stream since the last synchronization
 _reading = []                                # (host array, its contents): asynchronous copies still reading it
+SIZED = ("nonzero", "unique", "argwhere", "flatnonzero")    # results whose size the host must read: a transfer
 
 
 class DeviceSynchronized(RuntimeError):
@@ -256,7 +257,7 @@ class ndarray:
         if func.__name__ not in FUNCTIONS:
             raise TypeError(f"numpy.{func.__name__} on a device array: not among the functions the simulated cupy "
                             "offers (FUNCTIONS: those checked to exist in CuPy)")
-        if func.__name__ in ("nonzero", "unique", "argwhere", "flatnonzero"):
+        if func.__name__ in SIZED:
             _to_host(f"{func.__name__} (the result's size)")
         return _device_call(func, args, kwargs)
 
@@ -374,7 +375,7 @@ def __getattr__(name):
     obj = getattr(_np, name)
     if isinstance(obj, _np.ufunc):
         return _Ufunc(obj)
-    if name in ("nonzero", "unique", "argwhere", "flatnonzero", "where"):
+    if name in SIZED + ("where",):
         def sized(*args, **kwargs):
             if name != "where" or len(args) == 1:           # where(cond) is nonzero(cond)
                 _to_host(f"cupy.{name} (the result's size)")
