@@ -8,7 +8,7 @@
     hsgd.grid               the dp x pp x tp process grid and its communicators (Split by color)
     hsgd.comm               every collective, recorded (calls, bytes, seconds) and optionally sequence-checked
     hsgd.tp_layers          tensor-parallel layers: f/g, column/row linears, all-gather/reduce-scatter, vocab-parallel
-    hsgd.tp_model           the GPT split over a tensor-parallel group (Megatron, the seed paper's gather scheme)
+    hsgd.tp_model           the GPT split over a tensor-parallel group (Megatron, the lecture's gather scheme)
     hsgd.tp_sequence        sequence parallelism: the third tensor-parallel scheme, activations sharded along T
     hsgd.dp                 data parallelism: batch slices, flat gradient buffers, the average over dp_comm, buckets
     hsgd.zero               reduce-scatter + sharded optimizer + all-gather over dp_comm (ZeRO 1 and 2)

@@ -3,7 +3,7 @@
     python -m hsgd.checkpoint export DIR out.npz      the full model under the serial names (one process)
     python -m hsgd.checkpoint info DIR                what a checkpoint holds, its files verified
 
-The seed paper, section 4.3: with the parameters sharded, saving and restoring is a distributed operation itself.
+The lecture, section 4.3: with the parameters sharded, saving and restoring is a distributed operation itself.
 A checkpoint is a directory `step-000123/` with
     shard-pp{s}-tp{t}.npz   the parameter shards and optimizer state of pipeline stage s, tensor rank t, written by
                             the first DP replica of that position (replicas are identical; with ZeRO the DP ranks'

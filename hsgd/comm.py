@@ -332,15 +332,6 @@ class Comm:
         """Lowercase (pickled) allgather: for small metadata only, never for arrays in the hot path."""
         return self.comm.allgather(obj)
 
-    def all_true(self, flag):
-        """A collective verdict: True on every rank iff `flag` is true on every rank."""
-        return bool(self.comm.allreduce(bool(flag), op=MPI.LAND))
-
     def free(self):
         if self.comm not in (MPI.COMM_WORLD, MPI.COMM_SELF):
             self.comm.Free()
-
-
-def host_array(shape, dtype, xp=np):
-    """A zero buffer for communication (NumPy or the module given)."""
-    return xp.zeros(shape, dtype=dtype)

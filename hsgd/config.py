@@ -11,7 +11,8 @@ from dataclasses import dataclass, fields
 from .errors import ConfigError
 
 
-def _divisors(n):
+def divisors(n):
+    """The divisors of n, ascending (for error messages that say what would work)."""
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
@@ -36,11 +37,7 @@ class ModelConfig:
         if self.d_model % self.n_heads:
             raise ConfigError(
                 f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
-                f"n_heads must divide d_model, e.g. one of {_divisors(self.d_model)[:12]}")
-
-    @property
-    def head_size(self):
-        return self.d_model // self.n_heads
+                f"n_heads must divide d_model, e.g. one of {divisors(self.d_model)[:12]}")
 
     def param_shapes(self):
         """Every parameter's name and shape, in the canonical order. Weights are stored (in, out): y = x @ W + b."""

@@ -1,6 +1,6 @@
 """Data parallelism across the G = dp groups: slice the global batch, average each gradient shard over dp_comm.
 
-The seed paper, section 3.4: every parameter shard W_part exists in G copies, one per model-parallel group; the
+The lecture, section 3.4: every parameter shard W_part exists in G copies, one per model-parallel group; the
 ranks that hold the same shard (the same tp_rank, in every group) form dp_comm, and after the backward pass they
 All-Reduce its gradient and divide by G. Each group computed the mean loss over its own B/G sequences, so
 

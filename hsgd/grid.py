@@ -21,7 +21,7 @@ For 8 ranks with dp=4, tp=2 (pp=1):
     dp 1:       2           3
     dp 2:       4           5
     dp 3:       6           7
-                ^ dp_comm {0, 2, 4, 6}  (the "first GPU of every group" of the seed paper)
+                ^ dp_comm {0, 2, 4, 6}  (the "first GPU of every group" of the lecture)
 """
 import argparse
 import numbers
@@ -75,9 +75,6 @@ class ProcessGrid:
     @staticmethod
     def rank_of(dp_rank, pp_rank, tp_rank, pp, tp):
         return (dp_rank * pp + pp_rank) * tp + tp_rank
-
-    def coords(self):
-        return {"dp": self.dp_rank, "pp": self.pp_rank, "tp": self.tp_rank}
 
     def layout_table(self):
         """The layout of every rank (world rank, dp, pp, tp, host) as text. Collective: call on all ranks."""

@@ -1,6 +1,6 @@
 """Hierarchical all-reduce: sum a flat array over a communicator in three steps, so that only 1/n of it leaves a node.
 
-The seed paper, section 4.1: keep traffic inside the node (NVLink inside a server, InfiniBand between servers);
+The lecture, section 4.1: keep traffic inside the node (NVLink inside a server, InfiniBand between servers);
 section 3.4 names the "2-D mesh all-reduce". View the P = k*n ranks of a communicator (the dp_comm) as a k x n
 mesh: k nodes of n ranks each. `node_split` builds both directions of the mesh with Split(color, key):
 
@@ -38,11 +38,8 @@ from mpi4py import MPI
 
 from .backend import array_module
 from .comm import Comm
+from .config import divisors
 from .errors import ConfigError
-
-
-def _divisors(p):
-    return [d for d in range(1, p + 1) if p % d == 0]
 
 
 def node_split(comm, ranks_per_node=None):
@@ -58,13 +55,13 @@ def node_split(comm, ranks_per_node=None):
         if len(set(sizes)) != 1:
             raise ConfigError(f"the shared-memory split of the {P} ranks of '{comm.name}' gives nodes of sizes "
                               f"{sizes}; the hierarchical all-reduce needs equal nodes: launch the same number of "
-                              f"ranks on every node, or pass ranks_per_node, one of {_divisors(P)}")
+                              f"ranks on every node, or pass ranks_per_node, one of {divisors(P)}")
         node = sorted(set(leaders)).index(leader)
     else:
         n = ranks_per_node
         if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1 or P % n:
             raise ConfigError(f"ranks_per_node={n!r} does not split the {P} ranks of '{comm.name}' into equal "
-                              f"nodes; use a divisor of {P}: {_divisors(P)}")
+                              f"nodes; use a divisor of {P}: {divisors(P)}")
         node, local = comm.rank // n, comm.rank % n       # consecutive ranks share a node
     node_comm = Comm(comm.comm.Split(color=node, key=local), f"{comm.name}-node", comm.stats, comm.check)
     cross_comm = Comm(comm.comm.Split(color=local, key=node), f"{comm.name}-cross", comm.stats, comm.check)

@@ -1,6 +1,6 @@
-"""One rank's part of training on the dp x pp x tp grid: the seed paper's algorithm, step by step.
+"""One rank's part of training on the dp x pp x tp grid: the lecture's algorithm, step by step.
 
-P = dp x pp x tp ranks (pp = 1: the seed paper's P = G x M). Each synchronous SGD step:
+P = dp x pp x tp ranks (pp = 1: the lecture's P = G x M). Each synchronous SGD step:
   1. the global batch of the step (B sequences, the same on every rank) is split into dp equal slices; DP group g
      takes slice g, and every TP rank of the group reads the same slice (hsgd.dp.dp_rows);
   2. the slice is cut into k = grad_accum micro-batches; for each, the tensor-parallel forward and backward

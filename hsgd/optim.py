@@ -1,6 +1,6 @@
 """Optimizers, the learning-rate schedule and gradient clipping, all on local shards.
 
-The seed paper's mini-batch SGD is  w <- w - lr * (1/B) * sum_j grad_j . hsgd's loss is already the mean over
+The lecture's mini-batch SGD is  w <- w - lr * (1/B) * sum_j grad_j . hsgd's loss is already the mean over
 the batch, so its gradient *is* (1/B) * sum_j grad_j, and the update is  w <- w - lr * g.
 
     SGD:    v <- mu v + g;  w <- w - lr v                      (mu = 0: plain SGD)

@@ -1,6 +1,6 @@
 """Pipeline parallelism: the layers split into pp stages, each DP group's batch into m micro-batches.
 
-The seed paper, sections 1 and 4.2: with layers split across workers, one worker computes while the others wait
+The lecture, sections 1 and 4.2: with layers split across workers, one worker computes while the others wait
 for its activations; cutting the mini-batch into micro-batches lets the stages work on different micro-batches
 at once. What remains idle is the "bubble": with p stages, m micro-batches and equal costs per stage, a fraction
 (p - 1) / (m + p - 1) of each stage's step.

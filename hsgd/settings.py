@@ -32,7 +32,7 @@ class TrainConfig:
     pp_split: str = None           # layers per stage, e.g. "3,1" (None: as even as possible)
     schedule: str = "1f1b"         # pipeline schedule: 1f1b (PipeDream-Flush) or gpipe
     micro_batches: int = None      # micro-batches per DP group and step (the pipeline's m; same as grad_accum)
-    tp_scheme: str = "megatron"    # megatron (f/g pairs) or gather (the seed paper: all-gather + reduce-scatter)
+    tp_scheme: str = "megatron"    # megatron (f/g pairs) or gather (the lecture: all-gather + reduce-scatter)
     steps: int = 1000              # optimizer steps
     batch_size: int = 16           # B: sequences in the global batch of every step
     grad_accum: int = 1            # micro-batches per DP group and step (gradient accumulation)
@@ -178,7 +178,7 @@ def build_parser():
     g.add_argument("--micro-batches", type=int, help="micro-batches per DP group and step: the pipeline's m "
                                                      "(the same number as --grad-accum)")
     g.add_argument("--tp-scheme", choices=tp_model.SCHEMES,
-                   help=f"tensor-parallel scheme: megatron f/g pairs or the seed paper's all-gather ({d.tp_scheme})")
+                   help=f"tensor-parallel scheme: megatron f/g pairs or the lecture's all-gather ({d.tp_scheme})")
     g = p.add_argument_group("model")
     g.add_argument("--seq-len", type=int, help=f"T: context length in bytes ({m.seq_len})")
     g.add_argument("--d-model", type=int, help=f"C: width of the residual stream ({m.d_model})")

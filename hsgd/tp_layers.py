@@ -10,7 +10,7 @@ Column-parallel linear  Y = X A,  A = [A_1 ... A_tp] split by output columns: ra
 Row-parallel linear     Y = X B,  B = [B_1; ...; B_tp] split by input rows, X = [X_1 ... X_tp]: rank i computes
                         the partial product X_i B_i; g sums them; the bias is added once, after the sum.
 
-The seed paper's scheme: every linear column-split, its output gathered, Y = [Y_1 ... Y_tp] = Allgather(Y_i).
+The lecture's scheme: every linear column-split, its output gathered, Y = [Y_1 ... Y_tp] = Allgather(Y_i).
 The adjoint of Allgather is Reduce-scatter: if rank r's loss term gives it the gradient D^(r) with respect to
 the whole gathered Y, then dL/dY_i = sum_r D^(r)_i, which is exactly Reduce_scatter(D). That is the case when
 the downstream work is split between ranks (each rank's D^(r) is a different partial gradient). When the
@@ -77,7 +77,7 @@ def row_linear_backward(dy, cache, dW_part, db, comm):
     return linear_backward(dy, cache, dW_part)
 
 
-# ------------------------------------------------------------------------------------------ the seed paper's gather
+# ------------------------------------------------------------------------------------------ the lecture's gather
 
 def allgather_forward(y_part, comm):
     """Y = [Y_1 ... Y_tp] along the last axis: every rank gets the whole Y. y_part (..., c) -> (..., tp*c)."""
@@ -112,7 +112,7 @@ def allgather_backward(dy, comm, replicated=True, reduce_scatter=False, scale=No
 
 
 def gather_linear_forward(x, W_part, b_part, comm):
-    """The seed paper's column-parallel linear: Y_i = X A_i + b_i, then Y = Allgather(Y_i). All replicated."""
+    """The lecture's column-parallel linear: Y_i = X A_i + b_i, then Y = Allgather(Y_i). All replicated."""
     y_part, cache = linear_forward(x, W_part, b_part)                    # (..., Cout/tp)
     return allgather_forward(y_part, comm), cache
 

@@ -6,7 +6,7 @@ Three schemes, all exact (every gradient shard equals the matching slice of hsgd
       whole, and computes their attention locally), the attention output projection is row-parallel; the MLP is
       column-parallel fc -> GELU -> row-parallel proj. One f (identity / Allreduce) at the entry of each branch,
       one g (Allreduce / identity) at its exit: 2 Allreduces of (B, T, C) per block forward, 2 backward.
-  "gather" (the seed paper) -- every linear is column-split and its output All-Gathered so that every rank holds
+  "gather" (the lecture) -- every linear is column-split and its output All-Gathered so that every rank holds
       the full activation; backward takes the slice of dY the rank's columns produced (the 1/tp-scaled
       Reduce-scatter, see tp_layers.allgather_backward) and All-Reduces the partial dX. q, k, v stay local (attention
       consumes exactly the local heads) and the gather happens after attention; fc's gather happens after GELU

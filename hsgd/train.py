@@ -1,6 +1,6 @@
 """Training on the dp x pp x tp grid:  mpirun -n 8 python -m hsgd.train  (--help for every flag)
 
-P = dp x pp x tp ranks; by default pp = 1, tp = 2 and dp = P / tp. Each step is the seed paper's synchronous
+P = dp x pp x tp ranks; by default pp = 1, tp = 2 and dp = P / tp. Each step is the lecture's synchronous
 mini-batch SGD on the global batch (hsgd/hybrid.py): every DP group computes its slice's gradients, the tensor-
 parallel model inside each pipeline stage (hsgd/tp_model.py, hsgd/pp.py), the ranks holding the same shard
 average it over dp_comm, and every rank updates its shards. One process (`python -m hsgd.train`) is the special

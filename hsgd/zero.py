@@ -1,6 +1,6 @@
 """Sharded optimizer over dp_comm (ZeRO stages 1 and 2): reduce-scatter the gradients, update 1/dp, all-gather.
 
-The seed paper, section 3.4, names the optimization: instead of All-Reducing every gradient and letting every
+The lecture, section 3.4, names the optimization: instead of All-Reducing every gradient and letting every
 replica do the same full update, Reduce-Scatter over the data-parallel dimension, so that DP rank r receives the
 averaged gradient of its own 1/dp of the parameters, updates only that part (and keeps optimizer state only
 for it), then All-Gather the updated parameters. An All-Reduce *is* a Reduce-Scatter followed by an All-Gather,

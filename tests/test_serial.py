@@ -11,7 +11,7 @@ from .conftest import max_rel_err, noisy_params, random_batch
 
 
 def test_minibatch_identity(tiny_cfg):
-    """grad of the batch-mean loss == (1/B) * sum of the per-example gradients (the seed paper's mini-batch SGD)."""
+    """grad of the batch-mean loss == (1/B) * sum of the per-example gradients (the lecture's mini-batch SGD)."""
     params = noisy_params(tiny_cfg)
     idx, targets = random_batch(tiny_cfg, 5)
     loss, grads = serial.loss_and_grads(params, idx, targets, tiny_cfg)
