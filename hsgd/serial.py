@@ -157,3 +157,41 @@ def loss(params, idx, targets, cfg):
     logits, _ = forward(params, xp.asarray(idx), cfg)
     value, _ = cross_entropy_forward(logits, xp.asarray(targets))
     return float(value)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The serial reference run
+
+def sgd(cfg, tc, batch, params=None, delayed=False):
+    """tc.steps steps of serial mini-batch SGD on one process: the run every parallel layout must reproduce.
+
+    For s = 1 .. tc.steps, with the global batch (idx, targets) = batch(s) of all B sequences:
+
+        g_s     = grad of the mean loss at w_s = (1/B) sum_j grad_j(w_s)       (the lecture's mini-batch SGD)
+        g_s    <- g_s * min(1, tc.clip / ||g_s||)    ||.|| over all parameters together; tc.clip = 0: never
+        w_{s+1} = opt(w_s, g_s, lr_s)                lr_s = lr_at(s, tc.lr, tc.warmup, tc.steps)
+
+    opt is tc's optimizer (SGD with momentum or AdamW, decoupled weight decay: hsgd.optim). delayed=True applies
+    each gradient one step late, w_{s+1} = opt(w_s, g_{s-1}, lr_s), and nothing at step 1: the update of
+    --dp-staleness 1. The whole batch goes through at once: tc's layout and micro-batches change how the gradient
+    is computed, never its value.
+
+    params: the starting parameters, updated in place (default: init_params(cfg, tc.seed, "float64")).
+    Returns (params, losses), losses[s - 1] being the mean loss at w_s (before step s's update).
+    """
+    from .optim import clip_grads, lr_at, make_optimizer   # here: optim imports mpi4py, the model alone does not
+    if params is None:
+        params = init_params(cfg, seed=tc.seed, dtype="float64")
+    opt = make_optimizer(tc.optimizer, tc.lr, momentum=tc.momentum, weight_decay=tc.weight_decay)
+    pending, losses = None, []
+    for step in range(1, tc.steps + 1):
+        value, grads = loss_and_grads(params, *batch(step), cfg)
+        losses.append(value)
+        if delayed:
+            grads, pending = pending, grads                 # apply the last step's gradient, keep this one
+            if grads is None:
+                continue                                    # step 1: no gradient in flight yet
+        norm = float(sum(float((g * g).sum()) for g in grads.values()) ** 0.5)   # ||g_s||, one norm for all
+        clip_grads(grads, norm, tc.clip)
+        opt.step(params, grads, lr_at(step, tc.lr, tc.warmup, tc.steps))
+    return params, losses
