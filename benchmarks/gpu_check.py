@@ -74,7 +74,7 @@ def device_step_checks(simulated=False):
     else:
         try:                                      # implicit syncs (float(), .item(), a[mask], ...) raise in here
             with cupyx.allow_synchronize(False):
-                trainer.compute_grads(cupy.asarray(idx), cupy.asarray(targets), host=False)
+                trainer.gradients(cupy.asarray(idx), cupy.asarray(targets))
             rows.append((what, "none", True))
         except Exception as e:
             rows.append((what, f"{type(e).__name__}: {e}", False))
@@ -147,11 +147,11 @@ def main(argv=None):
                  f" ({s:.0f} s)", code == 0))
     R = a.ranks
     for flags, env in ((["--tp", str(R)], None), (["--tp", "1"], None),
-                       (["--tp", str(R), "--tp-scheme", "gather", "--grad-accum", "2"], None),
+                       (["--tp", str(R), "--tp-scheme", "gather", "--micro-batches", "2"], None),
                        (["--tp", "1", "--pp", str(R), "--n-layers", str(2 * R), "--micro-batches", "2"], None),
                        (["--tp", str(R), "--dtype", "float32"], None),
                        (["--tp", str(R), "--seq-len", "256"], None),                  # several causal blocks
-                       (["--tp", "1", "--grad-accum", "2"], {"HSGD_CUDA_AWARE": "0"})):    # pinned host staging
+                       (["--tp", "1", "--micro-batches", "2"], {"HSGD_CUDA_AWARE": "0"})):    # pinned host staging
         code, out, s = run(["timeout", "240", mpiexec(), "-n", str(R), sys.executable, "-m", "hsgd.verify",
                             "--device", "gpu", *flags], 260, env)
         last = [ln for ln in out.splitlines() if ln.startswith(("PASS", "FAIL"))] or out.strip().splitlines()[-1:]

@@ -32,7 +32,7 @@ from dataclasses import asdict
 import numpy as np
 
 from . import tp_model
-from .backend import to_numpy
+from .backend import array_module, to_numpy
 from .config import ModelConfig
 from .errors import UsageError
 from .pp import parse_split, split_layers, stage_names
@@ -60,12 +60,44 @@ def _fsync_dir(path):
         os.close(fd)
 
 
+# ---------------------------------------------------------------------------------------------------- state
+
+def optimizer_state(trainer):
+    """Collective over dp_comm when the exchange shards the optimizer (ZeRO). ({name: {key: shard}}, t): the
+    optimizer state of every parameter shard of this rank (keys "velocity" for SGD, "m", "v" for AdamW; none for
+    plain SGD) and AdamW's step count. The optimizer holds it flat, over the exchange's owned slice."""
+    st = trainer.opt.state.get("flat")
+    arrays = {} if st is None else dict(zip(("m", "v"), st)) if isinstance(st, tuple) else {"velocity": st}
+    full = {k: trainer.exchange.gather(v) for k, v in arrays.items()}       # (N,) the whole flat layout
+    per = {n: {k: v[lo:hi].reshape(trainer.params[n].shape) for k, v in full.items()}
+           for n, (lo, hi) in trainer.pbuf.offsets.items()}
+    return {n: v for n, v in per.items() if v}, getattr(trainer.opt, "t", 0)
+
+
+def set_state(trainer, params, state, t):
+    """Set this rank's parameter shards and optimizer state (the layout of optimizer_state)."""
+    xp = array_module(trainer.pbuf.flat)
+    for n, p in params.items():
+        trainer.params[n][...] = xp.asarray(p)                              # (host arrays onto the device)
+    if hasattr(trainer.opt, "t"):
+        trainer.opt.t = t
+    flat = {k: xp.zeros(trainer.pbuf.flat.size, dtype=trainer.pbuf.flat.dtype) for st in state.values() for k in st}
+    for n, st in state.items():
+        lo, hi = trainer.pbuf.offsets[n]
+        for k, v in st.items():
+            flat[k][lo:hi] = xp.asarray(v).reshape(-1)
+    mine = {k: xp.array(v[trainer.exchange.owned]) for k, v in flat.items()}    # my part of the layout
+    trainer.opt.state.clear()
+    if mine:
+        trainer.opt.state["flat"] = (mine["m"], mine["v"]) if "m" in mine else mine["velocity"]
+
+
 # ---------------------------------------------------------------------------------------------------- save
 
 def save(trainer, step, save_dir, keep=3, kill_in_save=False):
     """Collective (every rank): write the checkpoint of `step` into save_dir/step-{step:06d}. Returns its path."""
     g, world = trainer.grid, trainer.grid.base
-    state, t = trainer.state_by_name()                                  # collective over dp_comm with ZeRO
+    state, t = optimizer_state(trainer)                                 # collective over dp_comm with ZeRO
     tmp = None
     if world.Get_rank() == 0:
         os.makedirs(save_dir, exist_ok=True)
@@ -223,7 +255,7 @@ def load(trainer, manifest):
         if all(v is not None for v in st.values()):
             state[name] = {k: tp_model.shard(v.astype(dtype), name, g.tp_rank, g.tp, trainer.scheme)
                            for k, v in st.items()}
-    trainer.load_state(params, state, manifest["optimizer"]["t"])
+    set_state(trainer, params, state, manifest["optimizer"]["t"])
     return manifest["step"]
 
 

@@ -1,16 +1,18 @@
 """Data parallelism across the G = dp groups: slice the global batch, average each gradient shard over dp_comm.
 
 The lecture, section 3.4: every parameter shard W_part exists in G copies, one per model-parallel group; the
-ranks that hold the same shard (the same tp_rank, in every group) form dp_comm, and after the backward pass they
-All-Reduce its gradient and divide by G. Each group computed the mean loss over its own B/G sequences, so
+ranks that hold the same shard (the same pp and tp coordinates, in every group) form dp_comm, and after the
+backward pass they All-Reduce its gradient and divide by G. Each group computed the mean loss over its own B/G
+sequences, so
 
     (1/G) sum_g grad(mean loss of slice g) = grad(mean loss of the global batch)
 
 (equal slices): the update is exactly serial mini-batch SGD on the global batch, and since every replica applies
 the same averaged gradient to the same parameters, the replicas stay identical.
 
-The gradient shards live in one contiguous buffer (`GradBuffer`), so the whole exchange is one Allreduce of all
-the rank's gradient bytes rather than one call per parameter.
+A rank's parameters and gradients each live in one contiguous buffer (`FlatBuffer`), so the whole exchange is one
+Allreduce of all the rank's gradient bytes rather than one call per parameter (`dp_average`). The other ways of
+doing the exchange (overlapped, hierarchical, ZeRO, stale) are classes behind one interface: hsgd.exchange.
 """
 import hashlib
 
@@ -24,24 +26,26 @@ def dp_rows(batch_size, dp, dp_rank):
     return slice(dp_rank * per, (dp_rank + 1) * per)
 
 
-def micro_batches(rows, grad_accum):
-    """Split a slice of rows into grad_accum equal, consecutive micro-batches."""
-    n = (rows.stop - rows.start) // grad_accum
-    return [slice(rows.start + j * n, rows.start + (j + 1) * n) for j in range(grad_accum)]
+def micro_batches(rows, m):
+    """Split a slice of rows into m equal, consecutive micro-batches."""
+    n = (rows.stop - rows.start) // m
+    return [slice(rows.start + j * n, rows.start + (j + 1) * n) for j in range(m)]
 
 
-def check_batch(batch_size, dp, grad_accum):
-    """Raise ConfigError unless the global batch splits into dp groups of grad_accum equal micro-batches."""
-    if batch_size % (dp * grad_accum):
-        per = dp * grad_accum
+def check_batch(batch_size, dp, m):
+    """Raise ConfigError unless the global batch splits into dp groups of m equal micro-batches."""
+    if batch_size % (dp * m):
+        per = dp * m
         options = [b for b in range(per, 4 * per + 1, per)]
-        raise ConfigError(f"batch_size={batch_size} does not split into dp={dp} groups x grad_accum={grad_accum} "
-                          f"equal micro-batches; use a multiple of dp*grad_accum = {per}, e.g. {options}")
+        raise ConfigError(f"batch_size={batch_size} does not split into dp={dp} groups x micro_batches={m} "
+                          f"equal micro-batches; use a multiple of dp*micro_batches = {per}, e.g. {options}")
 
 
-class GradBuffer:
-    """Arrays of the shapes of `params`, all views into one flat contiguous array: `grads[name]`, `flat`.
+class FlatBuffer:
+    """Arrays of the shapes of `params`, all views into one flat contiguous array: `views[name]`, `flat`.
 
+    Used twice per rank: once for the parameters, once for their gradients, with the same layout, so that a slice
+    of one (a bucket, a ZeRO chunk) is the same parameters in the other.
     order: the names in buffer order (default: the order of params). Laid out in the order the backward pass
     finishes them (tp_model.backward_order), each gradient group is a contiguous slice: a bucket.
     pad_multiple: the flat length is rounded up to a multiple of this (ZeRO splits it into dp equal chunks).
@@ -54,13 +58,13 @@ class GradBuffer:
         total = sum(params[n].size for n in order)
         total += -total % pad_multiple
         self.flat = xp.zeros(total, dtype=first.dtype)                  # (sum of shard sizes + padding,)
-        self.grads, self.offsets, offset = {}, {}, 0
+        self.views, self.offsets, offset = {}, {}, 0
         for name in order:
             size = params[name].size
-            self.grads[name] = self.flat[offset:offset + size].reshape(params[name].shape)
+            self.views[name] = self.flat[offset:offset + size].reshape(params[name].shape)
             self.offsets[name] = (offset, offset + size)
             offset += size
-        self.grads = {name: self.grads[name] for name in params}         # the caller's order for iteration
+        self.views = {name: self.views[name] for name in params}         # the caller's order for iteration
 
     def zero(self):
         self.flat.fill(0)
@@ -72,6 +76,13 @@ class GradBuffer:
         assert hi - lo == sum(self.offsets[n][1] - self.offsets[n][0] for n in names), "names are not contiguous"
         return slice(lo, hi)
 
+    def mask(self, predicate):
+        """(flat.size,) 1.0 where predicate(name) holds, else 0.0 (padding: 0): per-element flags for flat math."""
+        out = array_module(self.flat).zeros(self.flat.size, dtype=self.flat.dtype)
+        for name, (lo, hi) in self.offsets.items():
+            out[lo:hi] = 1.0 if predicate(name, self.views[name]) else 0.0
+        return out
+
 
 def backward_layout(params, group_of, groups_in_order):
     """Parameter names ordered by the backward pass's groups (so each group is one contiguous bucket)."""
@@ -79,37 +90,10 @@ def backward_layout(params, group_of, groups_in_order):
 
 
 def dp_average(buf, dp_comm):
-    """g <- (1/dp) * sum over the dp replicas of g, for every gradient shard at once."""
+    """g <- (1/dp) * sum over the dp replicas of g, for every gradient shard at once. buf: a FlatBuffer."""
     dp_comm.Allreduce(buf.flat)                                      # (all shards,) sum over the G groups
     if dp_comm.size > 1:
         buf.flat *= 1.0 / dp_comm.size
-
-
-class OverlappedAverage:
-    """Bucketed, overlapped gradient averaging: each bucket's Iallreduce over dp_comm starts as soon as the
-    backward pass has finished its group (tp_model.backward's on_ready), while the backward pass goes on with the
-    layers below; finish() waits for all of them and divides by dp. The same numbers as dp_average, in
-    len(buckets) calls instead of one.
-
-    buckets: {group: slice of buf.flat}, in backward order.
-    """
-
-    def __init__(self, buf, dp_comm, buckets):
-        self.buf, self.dp_comm, self.buckets = buf, dp_comm, buckets
-        self.pending = []
-
-    def on_ready(self, group):
-        self.pending.append(self.dp_comm.Iallreduce(self.buf.flat[self.buckets[group]]))   # starts, returns
-
-    def finish(self):
-        for req in self.pending:
-            req.Wait()
-        self.pending = []
-        if self.dp_comm.size > 1:
-            self.buf.flat *= 1.0 / self.dp_comm.size
-
-    def formula(self):
-        return {("dp", "Iallreduce"): (len(self.buckets), int(self.buf.flat.nbytes))}
 
 
 def dp_formula(params):

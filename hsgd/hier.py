@@ -39,6 +39,7 @@ from mpi4py import MPI
 from .backend import array_module
 from .comm import Comm
 from .config import divisors
+from .exchange import GradExchange
 from .errors import ConfigError
 
 
@@ -114,30 +115,34 @@ def cross_node_bytes(nbytes, ranks_per_node, n_nodes, itemsize):
     return {"hier": 2 * (k - 1) * m * itemsize / k, "flat_ring": 2 * (P - 1) * nbytes / P if k > 1 else 0.0}
 
 
-class HierarchicalAverager:
-    """In place of hsgd.dp.dp_average when hierarchical mode is on: g <- (1/dp) * sum over dp_comm of g."""
+class HierarchicalExchange(GradExchange):
+    """The gradient exchange of --hierarchical: g <- (1/dp) * sum over dp_comm of g, in the three steps of
+    hierarchical_allreduce over the node and cross-node communicators that node_split builds from dp_comm."""
 
-    def __init__(self, dp_comm, ranks_per_node=None):
-        self.dp_comm = dp_comm
+    def __init__(self, params, groups, dp_comm, ranks_per_node=None):
+        super().__init__(params, groups, dp_comm)
         self.node_comm, self.cross_comm = node_split(dp_comm, ranks_per_node)
         self.ranks_per_node, self.n_nodes = self.node_comm.size, self.cross_comm.size
-        self.buffers = {}                                 # (N, dtype, module) -> (pad, chunk), allocated once
+        self.scratch = hier_buffers(self.buf.flat, self.ranks_per_node)      # (pad, chunk), allocated once
 
-    def average(self, buf):
-        """buf: a GradBuffer (its .flat is reduced) or a flat array."""
-        flat = getattr(buf, "flat", buf)
-        key = (flat.size, str(flat.dtype), array_module(flat).__name__)
-        if key not in self.buffers:
-            self.buffers[key] = hier_buffers(flat, self.ranks_per_node)
-        hierarchical_allreduce(flat, self.node_comm, self.cross_comm, self.buffers[key])
+    def average(self):
+        hierarchical_allreduce(self.buf.flat, self.node_comm, self.cross_comm, self.scratch)   # node/cross/node
         if self.dp_comm.size > 1:
-            flat *= 1.0 / self.dp_comm.size
-        return buf
+            self.buf.flat *= 1.0 / self.dp_comm.size
 
-    def formula(self, nbytes, itemsize):
-        """CommStats of one average() of nbytes (see hier_formula)."""
-        return hier_formula(nbytes, self.ranks_per_node, self.n_nodes, itemsize, self.dp_comm.name)
+    def formula(self):
+        return hier_formula(self.buf.flat.nbytes, self.ranks_per_node, self.n_nodes, self.buf.flat.itemsize,
+                            self.dp_comm.name)
+
+    def describe(self):
+        return (f"hierarchical: {self.ranks_per_node} dp ranks per node x {self.n_nodes} nodes "
+                "(node Reduce_scatter_block, cross-node Allreduce, node Allgather)")
+
+    def comms(self):
+        return [self.node_comm, self.cross_comm]
 
     def free(self):
-        self.node_comm.free()
-        self.cross_comm.free()
+        if self.node_comm is not None:
+            self.node_comm.free()
+            self.cross_comm.free()
+            self.node_comm = self.cross_comm = None

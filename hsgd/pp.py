@@ -7,16 +7,16 @@ at once. What remains idle is the "bubble": with p stages, m micro-batches and e
 
 Stage s holds the blocks split_layers(L, pp)[s]; stage 0 also the embedding, stage p-1 the final LayerNorm, the
 LM head and the loss. Each stage is itself tensor-parallel over tp_comm (hsgd.tp_model.stage_forward/backward).
-Between stages, over pp_comm (the same dp and tp coordinates, consecutive stages):
-    forward of micro-batch j:  stage s  --activation (B/m, T, C)-->  stage s+1       (Isend / Recv, tag 2j)
-    backward of micro-batch j: stage s  <--dL/dactivation (B/m, T, C)--  stage s+1   (Isend / Recv, tag 2j+1)
-Sends are non-blocking and completed at the end of the step; receives block. With a distinct tag per message and
-a schedule whose dependencies have no cycle, no stage can wait forever.
+This module holds the schedules and what can be said of them without running them (the bubble of a simulated
+timeline, a text picture, the bytes); hsgd.stage runs a stage's schedule, sending activations forward and their
+gradients back over pp_comm.
 
 Schedules (the order in which one stage runs its forward "F j" and backward "B j" actions):
-    GPipe:  F0 F1 ... F(m-1)  B0 B1 ... B(m-1)                    holds the activations of all m micro-batches
-    1F1B:   (PipeDream-Flush) min(p-s-1, m) warm-up forwards, then one forward and one backward in turn, then the
-            remaining backwards                                    holds at most p - s micro-batches
+    GPipe (Huang et al. 2019):
+            F0 F1 ... F(m-1)  B0 B1 ... B(m-1)                     holds the activations of all m micro-batches
+    1F1B (PipeDream-Flush: Narayanan et al. 2019, 2021):
+            min(p-s-1, m) warm-up forwards, then one forward and one backward in turn, then the remaining
+            backwards                                              holds at most p - s micro-batches
 Both accumulate the gradients of the micro-batches in the same order (B0, B1, ...), so they give the same
 numbers; they differ in memory (and, with unequal costs, in time).
 """
@@ -143,68 +143,17 @@ def ideal_bubble(m, p):
     return (p - 1) / (m + p - 1)
 
 
-def pp_formula(batch_per_mb, cfg, m, first, last, itemsize):
+def pp_formula(batch_per_mb, cfg, m, first, last, itemsize, scheme="megatron", tp=1):
     """{(comm, op): (calls, bytes)} of one step on pp_comm for one stage: an activation out and a gradient in per
-    micro-batch towards the next stage, a gradient out and an activation in towards the previous one."""
-    msg = batch_per_mb * cfg.seq_len * cfg.d_model * itemsize
+    micro-batch towards the next stage, a gradient out and an activation in towards the previous one. A message
+    is one activation (tp_model.stage_activation_shape): (B/m, T, C), or the T-shard (B/m, T/tp, C) of the
+    sequence scheme."""
+    from .tp_model import stage_activation_shape
+    B, T, C = stage_activation_shape(scheme, batch_per_mb, cfg, tp)
+    msg = B * T * C * itemsize
     sends = m * (not last) + m * (not first)
     out = {}
     if sends:
         out[("pp", "Isend")] = (sends, sends * msg)
         out[("pp", "Recv")] = (sends, sends * msg)
     return out
-
-
-def run_stage(actions, params, grads, idx_mbs, tgt_mbs, cfg, grid, scheme, layers, first, last, tracer,
-              on_ready=None, backward=True):
-    """Run one stage's actions for one step. idx_mbs / tgt_mbs: the micro-batches' token ids and targets (every
-    stage has them; only the first uses idx, only the last targets). Gradients of (1/m) * each micro-batch's mean
-    loss accumulate into `grads`; on_ready goes to the last backward action. Returns (sum of the micro-batches'
-    losses on the last stage else 0.0, the stage's peak number of micro-batches held, [(action, start, end)])."""
-    import time
-
-    from . import tp_model
-    from .backend import array_module
-
-    tp, pc, m = grid.tp_comm, grid.pp_comm, len(idx_mbs)
-    xp = array_module(next(iter(params.values())))
-    dtype = next(iter(params.values())).dtype
-    s = pc.rank
-    caches, sends, loss_sum, live, peak, timeline = {}, [], 0.0, 0, 0, []
-    last_b = max((j for a, j in actions if a == "B"), default=None)
-    for kind, j in actions:
-        shape = (len(idx_mbs[j]), cfg.seq_len, cfg.d_model)
-        # receive first: the time spent waiting here is the bubble; the action's span starts when its input is in
-        if kind == "F" and not first:
-            inp = pc.Recv(xp.empty(shape, dtype=dtype), source=s - 1, tag=2 * j)               # activation in
-        elif kind == "F":
-            inp = xp.asarray(idx_mbs[j])
-        elif not last:
-            dout = pc.Recv(xp.empty(shape, dtype=dtype), source=s + 1, tag=2 * j + 1)          # gradient in
-        else:
-            dout = 1.0 / m                                                                     # d(mean over mbs)
-        t0 = time.perf_counter()
-        with tracer.span(f"{kind}{j}"):
-            if kind == "F":
-                out, caches[j] = tp_model.stage_forward(params, inp, xp.asarray(tgt_mbs[j]), cfg, tp, scheme, layers,
-                                                        first, last)
-                if last:
-                    loss_sum = loss_sum + out                                                  # on the device
-                else:
-                    out = xp.ascontiguousarray(out)
-                    sends.append((pc.Isend(out, dest=s + 1, tag=2 * j), out))                 # activation out
-                if not backward:
-                    caches.pop(j)
-                live += 1 if backward else 0
-                peak = max(peak, live)
-            else:
-                dx = tp_model.stage_backward(dout, caches.pop(j), grads, tp, scheme,
-                                             on_ready=on_ready if j == last_b else None)
-                if not first:
-                    dx = xp.ascontiguousarray(dx)
-                    sends.append((pc.Isend(dx, dest=s - 1, tag=2 * j + 1), dx))               # gradient out
-                live -= 1
-        timeline.append((f"{kind}{j}", t0, time.perf_counter()))
-    for req, _ in sends:
-        req.Wait()
-    return loss_sum, peak, timeline

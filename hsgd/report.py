@@ -1,4 +1,8 @@
-"""What rank 0 prints about a run: byte formulas per step, the pipeline's measured schedule, sizes and times."""
+"""What rank 0 prints at the end of a run: bytes per step against the formulas, the pipeline's measured schedule,
+memory per rank, the staging buffers of the GPU path, the trace and the plots. Every function is collective
+(called on every rank; only rank 0's `say` prints)."""
+from mpi4py import MPI
+
 from . import tp_model
 from .pp import bubble_fraction, ideal_bubble, peak_in_flight, picture, pp_formula, schedule, simulate
 
@@ -16,43 +20,81 @@ def fmt_bytes(n):
 
 
 def step_formula(cfg, tc, trainer):
-    """{(comm, op): (calls, bytes)} this rank should see in one training step, from the closed forms."""
-    grid, per_mb = trainer.grid, tc.batch_size // trainer.grid.dp // tc.grad_accum
-    stage = (len(trainer.layers), trainer.first, trainer.last) if grid.pp > 1 else None
-    f = tp_model.comm_formula(cfg, per_mb, trainer.pbuf.flat.itemsize, tc.tp_scheme, stage=stage)
-    f = {k: (v[0] * tc.grad_accum, v[1] * tc.grad_accum) for k, v in f.items()}
-    if grid.pp > 1:
-        f.update(pp_formula(per_mb, cfg, tc.grad_accum, trainer.first, trainer.last, trainer.pbuf.flat.itemsize))
-    f.update(trainer.dp_comm_formula())
+    """{(comm, op): (calls, bytes)} this rank should see in one training step, from the closed forms: the
+    tensor-parallel traffic of its stage for m micro-batches, the pipeline's messages and the dp exchange."""
+    grid, st, m = trainer.grid, trainer.stage, tc.micro_batches
+    per_mb, itemsize = tc.batch_size // grid.dp // m, trainer.pbuf.flat.itemsize
+    f = tp_model.comm_formula(cfg, per_mb, itemsize, tc.tp_scheme, stage=(len(st.layers), st.first, st.last))
+    f = {k: (v[0] * m, v[1] * m) for k, v in f.items()}
+    f.update(pp_formula(per_mb, cfg, m, st.first, st.last, itemsize, tc.tp_scheme, grid.tp))
+    f.update(trainer.exchange.formula())
     return f
 
 
 def report_pipeline(world, grid, tc, trainer, say):
     """The last step's measured schedule: a text picture, the bubble fraction and the micro-batches held."""
-    mine = (grid.pp_rank, trainer.timeline, trainer.peak_held) if grid.dp_rank == 0 and grid.tp_rank == 0 else None
+    st = trainer.stage
+    mine = (grid.pp_rank, st.timeline, st.peak_held) if grid.dp_rank == 0 and grid.tp_rank == 0 else None
     stages = sorted(r for r in (world.gather(mine) or []) if r)
     if not stages:
         return
     timeline = [t for _, t, _ in stages]
-    m, p = tc.grad_accum, grid.pp
+    m, p = tc.micro_batches, grid.pp
     ideal = simulate(tc.schedule, m, p)
     say(f"pipeline schedule of the last step, measured ({tc.schedule}, m={m}, p={p}; F = forward, B = backward of "
         "micro-batch j):\n" + picture(timeline))
     say(f"bubble fraction: measured {bubble_fraction(timeline):.3f} | equal-cost model {bubble_fraction(ideal):.3f} "
         f"| (p-1)/(m+p-1) = {ideal_bubble(m, p):.3f}")
     say("micro-batches held at once per stage: measured " + str([h for _, _, h in stages]) + " | schedule "
-        + str([peak_in_flight(schedule(tc.schedule, tc.grad_accum, p, s)) for s in range(p)]))
+        + str([peak_in_flight(schedule(tc.schedule, m, p, s)) for s in range(p)]))
 
 
-def describe_dp(trainer):
-    tc = trainer.tc
-    if trainer.zero:
-        return f"ZeRO stage {tc.zero} (Reduce_scatter_block + sharded optimizer + Allgather over dp_comm)"
-    if tc.dp_overlap:
-        return f"overlapped, {len(trainer.buckets)} buckets, one Iallreduce each during the backward pass"
-    if trainer.hier:
-        return (f"hierarchical: {trainer.hier.ranks_per_node} dp ranks per node x {trainer.hier.n_nodes} nodes "
-                "(node Reduce_scatter_block, cross-node Allreduce, node Allgather)")
-    if tc.dp_staleness:
-        return "stale by one step: each step's Iallreduce completes during the next step, applied one step late"
-    return "one Allreduce of all gradients after the backward pass"
+def report_comm(world, grid, measured_step, per_step, formula, say):
+    """Bytes of one step on each communicator: measured (CommStats) next to the formula, for the first rank of
+    every pipeline stage (the stages differ)."""
+    reports = world.gather((grid.pp_rank, per_step, formula) if grid.dp_rank == 0 and grid.tp_rank == 0 else None)
+    sizes = {"tp": grid.tp, "dp": grid.dp, "pp": grid.pp}
+    for stage, measured, expected in sorted(r for r in (reports or []) if r):
+        say(f"communication per step on each rank{f' of stage {stage}' if grid.pp > 1 else ''}, step "
+            f"{measured_step} (measured | formula):")
+        for key in sorted(set(measured) | set(expected)):
+            m, f = measured.get(key, (0, 0)), expected.get(key, (0, 0))
+            say(f"  {key[0]:<4} {key[1]:<22} {m[0]:>4} calls {fmt_bytes(m[1]):>11} | {f[0]:>4} calls "
+                f"{fmt_bytes(f[1]):>11}" + ("" if m == f else "   <- differs")
+                + ("   (a 1-rank communicator: nothing moves)" if sizes.get(key[0]) == 1 else ""))
+
+
+def report_memory(mem, say):
+    say(f"memory per rank: parameters {fmt_bytes(mem['params'])}, gradients {fmt_bytes(mem['grads'])}, "
+        f"optimizer state {fmt_bytes(mem['optimizer'])}")
+
+
+def staging_pools(grid, trainer):
+    """The pinned host-buffer pools of this rank's communicators (used only to stage device arrays)."""
+    comms = [grid.world, grid.tp_comm, grid.dp_comm, grid.pp_comm] + trainer.exchange.comms()
+    return [c.staging for c in comms]
+
+
+def report_staging(world, grid, trainer, allocated_first, start, say):
+    """Pinned staging buffers held, and how many were allocated after the first step (the most on any rank)."""
+    pools = staging_pools(grid, trainer)
+    later = world.allreduce(sum(st.allocated for st in pools) - allocated_first, op=MPI.MAX)   # every rank
+    held = sum(st.free_bytes for st in pools)
+    if held or later:
+        say(f"host staging (MPI not CUDA-aware): {sum(len(st.free) for st in pools)} pinned buffers, "
+            f"{fmt_bytes(held)} on rank 0; allocated after step {start}, most on any rank: {later}")
+
+
+def report_trace(world, tracer, tc, traced, losses, val_points, title, say):
+    """--trace: every rank's events into one file; --plot: the loss curves and a timeline of one step."""
+    from .plots import write_plots
+    events = tracer.write(world, tc.trace) if tc.trace else world.gather(tracer.chrome_events(), root=0)
+    if world.Get_rank() == 0 and not tc.trace:
+        events = [e for rank_events in events for e in rank_events]
+    if tc.trace:
+        say(f"trace of steps {traced[0]}-{traced[1]}, all ranks: {tc.trace} (open it at ui.perfetto.dev)")
+    if tc.plot and world.Get_rank() == 0:
+        window = [e for e in events if e.get("name") == f"step {traced[0]}"]
+        t_range = (min(e["ts"] for e in window), max(e["ts"] + e["dur"] for e in window)) if window else None
+        paths = write_plots(tc.plot, losses, val_points, events, t_range, title)
+        say("plots: " + ", ".join(paths))

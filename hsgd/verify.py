@@ -23,37 +23,25 @@ from threadpoolctl import threadpool_limits
 
 from . import launch, serial, tp_model
 from .backend import to_numpy
+from .config import flag_names
 from .grid import ProcessGrid
 from .hybrid import HybridTrainer
-from .train import TrainConfig, configs_from_args, place_on_device
+from .settings import GROUPS, MODEL_FLAGS, Layout, TrainConfig, configs_from_args, flags_parser
+from .train import place_on_device
 
 TOLERANCE = {"float64": (1e-12, 1e-10), "float32": (1e-6, 1e-4)}      # (loss, gradients)
+# the flags of hsgd.verify (hsgd.train's, less those a single checked step does not use), and its defaults
+VERIFY_FLAGS = flag_names(Layout) + MODEL_FLAGS + ("batch_size", "seed", "data", "dtype", "device")
+VERIFY_DEFAULTS = dict(dtype="float64", batch_size=8, seq_len=16, d_model=32, n_layers=2, n_heads=4, d_ff=64)
 
 
 def build_parser():
-    p = launch.RankZeroParser(prog="mpirun -n P python -m hsgd.verify",
-                              description="One step of the parallel model against the serial reference: a table of "
-                                          "the largest gradient error of every parameter; exit 0 if all are within "
-                                          "tolerance (float64 1e-10, float32 1e-4), else 1.")
-    p.add_argument("--tp", type=int, help="tensor-parallel size (default: 2 on an even number of ranks)")
-    p.add_argument("--dp", type=int, help="data-parallel size (default: ranks / (pp * tp))")
-    p.add_argument("--pp", type=int, help="pipeline stages (1)")
-    p.add_argument("--pp-split", metavar="N,N,...", help="layers per stage (default: as even as possible)")
-    p.add_argument("--schedule", choices=["1f1b", "gpipe"], help="pipeline schedule (1f1b)")
-    p.add_argument("--micro-batches", type=int, help="micro-batches per DP group (same as --grad-accum)")
-    p.add_argument("--tp-scheme", choices=tp_model.SCHEMES, help="tensor-parallel scheme (megatron)")
-    p.add_argument("--dtype", choices=["float32", "float64"], default="float64", help="floating-point type (float64)")
-    p.add_argument("--batch-size", type=int, default=8, help="global batch (8)")
-    p.add_argument("--grad-accum", type=int, help="micro-batches per DP group (1)")
-    p.add_argument("--seq-len", type=int, default=16, help="T (16)")
-    p.add_argument("--d-model", type=int, default=32, help="C (32)")
-    p.add_argument("--n-layers", type=int, default=2, help="L (2)")
-    p.add_argument("--n-heads", type=int, default=4, help="NH (4)")
-    p.add_argument("--d-ff", type=int, default=64, help="F (64)")
-    p.add_argument("--seed", type=int, default=0, help="seed of parameters and batch (0)")
-    p.add_argument("--data", metavar="FILE", help="text file for the batch (default: the built-in corpus)")
-    p.add_argument("--device", choices=["cpu", "gpu"], help="cpu or gpu")
-    return p
+    """hsgd.train's flags for the layout, the model, the batch and the numerics (settings.flags_parser, the same
+    help texts), with verify's defaults: a small model and float64."""
+    return flags_parser(GROUPS, only=VERIFY_FLAGS, overrides=VERIFY_DEFAULTS, prog="mpirun -n P python -m hsgd.verify",
+                        description="One step of the parallel model on P = dp x pp x tp MPI ranks against the serial "
+                                    "reference: a table of the largest gradient error of every parameter; exit 0 if "
+                                    "all are within tolerance (float64 1e-10, float32 1e-4), else 1.")
 
 
 def verify(cfg, tc, world=MPI.COMM_WORLD, out=sys.stdout, where=None):
@@ -64,8 +52,8 @@ def verify(cfg, tc, world=MPI.COMM_WORLD, out=sys.stdout, where=None):
     grid = ProcessGrid(world, dp=tc.dp, pp=tc.pp, tp=tc.tp)
     trainer = HybridTrainer(cfg, grid, tc)
     idx, targets = corpus.batch(tc.seed, 1, tc.batch_size)
-    loss = trainer.compute_grads(idx, targets)                       # (pp > 1: every stage has the loss)
-    loss = grid.dp_comm.comm.allreduce(loss) / grid.dp
+    loss = trainer.gradients(idx, targets)                           # my group's loss (on the last stage)
+    loss = trainer.global_loss(float(to_numpy(loss)))                # the global batch's, on every rank
     ref = serial.init_params(cfg, seed=tc.seed, dtype="float64", device="cpu")     # the host reference
     loss0, grads0 = serial.loss_and_grads(ref, idx, targets, cfg)
     scale = 1e-3 * max(float(np.abs(g).max()) for g in grads0.values())
@@ -90,7 +78,7 @@ def verify(cfg, tc, world=MPI.COMM_WORLD, out=sys.stdout, where=None):
             rows.append((name, shape, holders[0][1][name][2], split, abs_err, rel_err))
             ok = ok and rel_err <= tol_grad
         print(f"hsgd.verify | {world.Get_size()} ranks = dp {grid.dp} x pp {grid.pp} x tp {grid.tp} ({tc.tp_scheme}) "
-              f"| {tc.dtype} | batch {tc.batch_size} x {cfg.seq_len}, {tc.grad_accum} micro-batch(es)", file=out)
+              f"| {tc.dtype} | batch {tc.batch_size} x {cfg.seq_len}, {tc.micro_batches} micro-batch(es)", file=out)
         if where:
             print(f"device: {where}", file=out)
         print(f"loss: parallel {loss:.12g}  serial {loss0:.12g}  rel err {loss_err:.1e} (tolerance {tol_loss:.0e})",

@@ -16,41 +16,39 @@ exists from the backward pass to the Reduce-Scatter and is released after it). H
 the whole backward pass, so the peak still holds one full gradient; bucketing the Reduce-Scatter into the
 backward pass, which would lower the peak too, is left out.
 
-Element masks replace what the per-parameter optimizer knew from names: which elements get weight decay
-(2-D parameters) and which belong to tensor-sharded parameters (for the global gradient norm).
+The optimizer works on the flat layout in every exchange (hsgd.hybrid): element masks say which elements get
+weight decay (2-D parameters) and which belong to tensor-sharded parameters (for the global gradient norm); here it
+sees only the owned chunk of them.
 """
 from .backend import array_module
+from .exchange import GradExchange
 
 
-class ZeroOptimizer:
-    def __init__(self, params, pbuf, make_buf, dp_comm, opt, stage, decays, is_sharded):
-        """params: {name: view into pbuf.flat}; make_buf(): a new zeroed GradBuffer with pbuf's layout;
-        opt: an hsgd.optim optimizer (works on any dict of arrays); decays(name, p), is_sharded(name): bools."""
+class ZeroExchange(GradExchange):
+    """The exchange of ZeRO stages 1 and 2 (see the module docstring): the flat layout is padded to dp equal
+    chunks; `owned` is this rank's chunk, the only part it averages, updates and keeps optimizer state for."""
+
+    def __init__(self, params, groups, dp_comm, stage):
         assert stage in (1, 2)
-        xp = array_module(pbuf.flat)
-        self.dp_comm, self.opt, self.stage, self.make_buf = dp_comm, opt, stage, make_buf
-        self.pbuf = pbuf
+        super().__init__(params, groups, dp_comm, pad=dp_comm.size)
+        xp = array_module(self.pbuf.flat)
         dp, r = dp_comm.size, dp_comm.rank
-        self.chunk = pbuf.flat.size // dp
-        self.mine = slice(r * self.chunk, (r + 1) * self.chunk)         # my part of the flat layout
-        self.g_chunk = xp.zeros(self.chunk, dtype=pbuf.flat.dtype)       # (chunk,) my averaged gradient
-        self.p_send = xp.zeros(self.chunk, dtype=pbuf.flat.dtype)        # (chunk,) send buffer of the Allgather
-        decay, sharded = xp.zeros(pbuf.flat.size, bool), xp.zeros(pbuf.flat.size, bool)
-        for name, (lo, hi) in pbuf.offsets.items():
-            decay[lo:hi] = decays(name, params[name])
-            sharded[lo:hi] = is_sharded(name)
-        self.decay_mask = decay[self.mine].astype(pbuf.flat.dtype)      # (chunk,) 1 where weight decay applies
-        self.sharded_mask = sharded[self.mine]                          # (chunk,) True for tensor-sharded params
-        self.buf = make_buf()                                           # the full-size gradient buffer
+        self.stage, self.chunk = stage, self.pbuf.flat.size // dp
+        self.owned = slice(r * self.chunk, (r + 1) * self.chunk)        # my part of the flat layout
+        self.shard_comm = dp_comm                                       # each DP rank holds a different chunk
+        self.g_chunk = xp.zeros(self.chunk, dtype=self.pbuf.flat.dtype)  # (chunk,) my averaged gradient
+        self.p_send = xp.zeros(self.chunk, dtype=self.pbuf.flat.dtype)   # (chunk,) send buffer of the Allgather
+        if stage == 2:
+            self.buf = None                                             # the full buffer lives only in the step
 
-    def grads_for_backward(self):
+    def begin(self):
         """The gradient buffer the backward pass accumulates into (stage 2: allocated anew each step)."""
         if self.buf is None:
-            self.buf = self.make_buf()
+            self.buf = self.new_buffer()
         self.buf.zero()
         return self.buf
 
-    def reduce_scatter(self):
+    def average(self):
         """g_r <- (1/dp) * (sum over dp of the full gradient)[my chunk]; stage 2 then releases the full buffer."""
         dp = self.dp_comm.size
         self.dp_comm.Reduce_scatter_block(self.buf.flat.reshape(dp, self.chunk), self.g_chunk)
@@ -58,49 +56,29 @@ class ZeroOptimizer:
         if self.stage == 2:
             self.buf = None
 
-    def step(self, lr, clip_factor=1.0):
-        """Update my chunk of the parameters, then All-Gather all chunks into every rank's parameters."""
-        if clip_factor != 1.0:
-            self.g_chunk *= clip_factor
-        mine = self.pbuf.flat[self.mine]                                 # (chunk,) a view: updated in place
-        self.opt.step({"chunk": mine}, {"chunk": self.g_chunk}, lr, decay={"chunk": self.decay_mask})
-        self.p_send[...] = mine
+    def grads(self):
+        return self.g_chunk
+
+    def after_update(self):
+        """All-Gather every rank's updated chunk into every rank's parameters."""
+        self.p_send[...] = self.pbuf.flat[self.owned]
         self.dp_comm.Allgather(self.p_send, self.pbuf.flat.reshape(self.dp_comm.size, self.chunk))
 
-    def full_state(self):
-        """Collective over dp_comm: the optimizer state of the whole flat buffer, {key: flat array}, assembled from
-        every DP rank's chunk (for checkpoints). Keys: "velocity" (SGD) or "m", "v" (AdamW)."""
-        state = self.opt.state.get("chunk")
-        if state is None:
-            return {}
-        arrays = dict(zip(("m", "v"), state)) if isinstance(state, tuple) else {"velocity": state}
-        out = {}
-        for key, chunk in arrays.items():
-            full = array_module(chunk).empty((self.dp_comm.size, self.chunk), dtype=chunk.dtype)
-            self.dp_comm.Allgather(array_module(chunk).ascontiguousarray(chunk), full)
-            out[key] = full.reshape(-1)
-        return out
-
-    def load_state(self, flat_state):
-        """Keep my chunk of a full flat optimizer state {key: flat array} (the inverse of full_state)."""
-        xp = array_module(self.pbuf.flat)
-        chunks = {k: xp.array(xp.asarray(v)[self.mine]) for k, v in flat_state.items()}
-        if "velocity" in chunks:
-            self.opt.state["chunk"] = chunks["velocity"]
-        elif chunks:
-            self.opt.state["chunk"] = (chunks["m"], chunks["v"])
-
-    def state_bytes(self):
-        """Bytes of optimizer state on this rank."""
-        return sum(a.nbytes for v in self.opt.state.values() for a in (v if isinstance(v, tuple) else (v,)))
-
-    def grad_bytes(self):
-        """Bytes of gradient storage this rank keeps between steps."""
-        return self.g_chunk.nbytes + (self.buf.flat.nbytes if self.buf is not None else 0)
+    def gather(self, part):
+        """Collective over dp_comm: the whole flat array from every DP rank's chunk `part` (chunk,)."""
+        xp = array_module(part)
+        full = xp.empty((self.dp_comm.size, self.chunk), dtype=part.dtype)
+        self.dp_comm.Allgather(xp.ascontiguousarray(part), full)
+        return full.reshape(-1)
 
     def formula(self):
-        """{(comm, op): (calls, bytes)} per step: one Reduce_scatter_block of the padded gradient buffer and one
-        Allgather of the padded parameters (the two halves of an All-Reduce)."""
-        n = self.pbuf.flat.nbytes
+        """One Reduce_scatter_block of the padded gradient buffer and one Allgather of the padded parameters (the
+        two halves of an All-Reduce)."""
+        n = int(self.pbuf.flat.nbytes)
         return {("dp", "Reduce_scatter_block"): (1, n), ("dp", "Allgather"): (1, n)}
 
+    def grad_bytes(self):
+        return int(self.g_chunk.nbytes + (self.buf.flat.nbytes if self.buf is not None else 0))
+
+    def describe(self):
+        return f"ZeRO stage {self.stage} (Reduce_scatter_block + sharded optimizer + Allgather over dp_comm)"

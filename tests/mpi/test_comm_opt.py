@@ -1,7 +1,6 @@
 """Communication optimizations on 8 ranks, float64: overlapped buckets, ZeRO 1/2, hierarchical all-reduce and
 stragglers change nothing in the result (equal to serial SGD and to the plain path); staleness 1 equals a serial
 simulation of delayed SGD; every mode's measured bytes equal its formula; ZeRO's optimizer state falls by dp."""
-import math
 
 import numpy as np
 import pytest
@@ -9,7 +8,6 @@ import pytest
 import hsgd
 from hsgd import serial, tp_model
 from hsgd.data import Corpus
-from hsgd.optim import clip_grads, lr_at, make_optimizer
 from hsgd.trace import Tracer, overlap_seconds
 from hsgd.train import TrainConfig
 
@@ -31,20 +29,7 @@ def config(**kw):
 def serial_sgd(tc, delayed=False):
     """Serial mini-batch SGD on the global batch; delayed=True applies step s's gradient at step s+1 (nothing at
     step 1): w_{s+1} = w_s - lr_s * g(w_{s-1}), the update of --dp-staleness 1."""
-    params = serial.init_params(CFG, seed=tc.seed, dtype="float64")
-    opt = make_optimizer(tc.optimizer, tc.lr, momentum=tc.momentum, weight_decay=tc.weight_decay)
-    pending = None
-    for step in range(1, tc.steps + 1):
-        idx, targets = CORPUS.batch(tc.seed, step, tc.batch_size)
-        _, grads = serial.loss_and_grads(params, idx, targets, CFG)
-        if delayed:
-            grads, pending = pending, grads
-            if grads is None:
-                continue
-        norm = math.sqrt(sum(float((g * g).sum()) for g in grads.values()))
-        clip_grads(grads, norm, tc.clip)
-        opt.step(params, grads, lr_at(step, tc.lr, tc.warmup, tc.steps))
-    return params
+    return serial.sgd(CFG, tc, lambda step: CORPUS.batch(tc.seed, step, tc.batch_size), delayed=delayed)[0]
 
 
 def run(tc, tracer=None):
@@ -58,8 +43,8 @@ def param_err(trainer, grid, ref, scheme="megatron"):
 
 
 def expected_bytes(trainer, tc):
-    f = dict(tp_model.comm_formula(CFG, tc.batch_size // tc.dp // tc.grad_accum, 8, tc.tp_scheme))
-    f = {k: (v[0] * tc.grad_accum, v[1] * tc.grad_accum) for k, v in f.items()}
+    f = dict(tp_model.comm_formula(CFG, tc.batch_size // tc.dp // tc.micro_batches, 8, tc.tp_scheme))
+    f = {k: (v[0] * tc.micro_batches, v[1] * tc.micro_batches) for k, v in f.items()}
     f.update(trainer.dp_comm_formula())
     return f
 
@@ -79,8 +64,8 @@ MODES = {
 def test_mode_equals_serial_and_plain_and_its_formula(mode, tp, dp):
     extra = MODES[mode]
     k = 2 if mode == "overlap" else 1                                 # overlap: only the last micro-batch overlaps
-    tc = config(tp=tp, dp=dp, grad_accum=k, batch_size=8 * k, **extra)
-    plain = config(tp=tp, dp=dp, grad_accum=k, batch_size=8 * k,
+    tc = config(tp=tp, dp=dp, micro_batches=k, batch_size=8 * k, **extra)
+    plain = config(tp=tp, dp=dp, micro_batches=k, batch_size=8 * k,
                    **{key: v for key, v in extra.items() if key in ("optimizer", "lr", "weight_decay", "clip")})
     ref = serial_sgd(tc)
     grid, trainer, identical, per_step = run(tc)
@@ -103,7 +88,7 @@ def test_staleness_equals_delayed_serial_sgd():
         ref = serial_sgd(tc, delayed=True)
         grid, trainer, identical, per_step = run(tc)
         err = param_err(trainer, grid, ref)
-        nbytes = int(trainer.buf.flat.nbytes)
+        nbytes = int(trainer.exchange.buf.flat.nbytes)
         say(f"staleness 1 tp={tp} dp={dp}: param rel err vs delayed serial SGD {world_max(err):.1e}")
         check(err <= 1e-9 and identical and per_step.get(("dp", "Iallreduce")) == (1, nbytes), f"{err:.1e}")
         grid.free()
@@ -132,7 +117,7 @@ def test_overlap_is_visible_in_the_trace():
     n_async = sum(1 for e in events if e.get("ph") == "X" and e["name"] == "Iallreduce")
     say(f"Iallreduce in flight during compute: {world_max(overlap) * 1e3:.1f} ms (max over ranks), "
         f"{n_async} requests traced on rank 0")
-    check(overlap > 0 and n_async == 2 * len(trainer.buckets))
+    check(overlap > 0 and n_async == 2 * len(trainer.exchange.buckets))
     grid.free()
 
 

@@ -9,9 +9,9 @@ import pytest
 from mpi4py import MPI
 
 from hsgd.comm import Comm, CommStats
-from hsgd.dp import GradBuffer, dp_average
+from hsgd.dp import FlatBuffer, dp_average
 from hsgd.errors import ConfigError
-from hsgd.hier import HierarchicalAverager, cross_node_bytes, hier_formula, hierarchical_allreduce, node_split
+from hsgd.hier import HierarchicalExchange, cross_node_bytes, hier_formula, hierarchical_allreduce, node_split
 
 from .conftest import WORLD, check, say, world_max
 
@@ -118,27 +118,30 @@ def test_bad_ranks_per_node_is_a_config_error_on_every_rank(which, bad):
 
 
 @pytest.mark.parametrize("ranks_per_node", [2, 4])
-def test_averager_equals_dp_average(ranks_per_node):
+def test_exchange_equals_dp_average(ranks_per_node):
     """The drop-in for dp_average: the same mean gradient, replicas bit-identical, counts as its formula says."""
     dp = Comm(WORLD, "dp", CommStats())
     rng = np.random.default_rng(7 + WORLD.Get_rank())
     params = {"w": np.zeros((13, 7)), "b": np.zeros(7)}                 # 98 elements: padded to a multiple of n
-    hier, flat = GradBuffer(params), GradBuffer(params)
+    ex = HierarchicalExchange(params, {"all": ["w", "b"]}, dp, ranks_per_node)
+    flat = FlatBuffer(params)
+    hier = ex.begin()
     hier.flat[:] = flat.flat[:] = rng.standard_normal(hier.flat.size)
     ref_stats = Comm(WORLD, "ref", CommStats())
     dp_average(flat, ref_stats)
-    avg = HierarchicalAverager(dp, ranks_per_node)
-    for step in range(2):                                               # the second call reuses the buffers
+    scratch = ex.scratch
+    for step in range(2):                                               # the second step reuses the buffers
         if step:
+            hier = ex.begin()
             hier.flat[:] = rng.standard_normal(hier.flat.size)
             flat.flat[:] = hier.flat
             dp_average(flat, ref_stats)
         dp.stats.reset()
-        avg.average(hier)
+        ex.finish()
         err = float(np.max(np.abs(hier.flat - flat.flat)))
         same = len(set(WORLD.allgather(digest(hier.flat)))) == 1
-        check(err <= 1e-15 and same and dp.stats.counts() == avg.formula(hier.flat.nbytes, 8)
-              and len(avg.buffers) == 1, f"err {err:.2e}, replicas identical {same}, {dp.stats.counts()}")
-    say(f"HierarchicalAverager(ranks_per_node={ranks_per_node}) vs dp_average: max |diff| {world_max(err):.1e}\n"
+        check(err <= 1e-15 and same and dp.stats.counts() == ex.formula() and ex.scratch is scratch,
+              f"err {err:.2e}, replicas identical {same}, {dp.stats.counts()}")
+    say(f"HierarchicalExchange(ranks_per_node={ranks_per_node}) vs dp_average: max |diff| {world_max(err):.1e}\n"
         + dp.stats.format())
-    avg.free()
+    ex.free()

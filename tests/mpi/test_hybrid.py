@@ -1,6 +1,7 @@
 """Hybrid TP x DP training on 8 ranks, float64: every layout ends several steps with the parameters of serial SGD
 on the global batch, DP replicas stay bit-identical, and optimizers, clipping and gradient accumulation agree."""
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -11,7 +12,6 @@ from hsgd.data import Corpus
 from hsgd.dp import params_digest
 from hsgd.grid import ProcessGrid
 from hsgd.hybrid import HybridTrainer
-from hsgd.optim import clip_grads, lr_at, make_optimizer
 from hsgd.train import TrainConfig
 
 from .conftest import WORLD, check, say, world_max
@@ -30,15 +30,7 @@ def config(**kw):
 
 def serial_sgd(tc, steps):
     """The reference: serial mini-batch SGD on the global batch, with the same optimizer, schedule and clipping."""
-    params = serial.init_params(CFG, seed=tc.seed, dtype="float64")
-    opt = make_optimizer(tc.optimizer, tc.lr, momentum=tc.momentum, weight_decay=tc.weight_decay)
-    for step in range(1, steps + 1):
-        idx, targets = CORPUS.batch(tc.seed, step, tc.batch_size)
-        _, grads = serial.loss_and_grads(params, idx, targets, CFG)
-        norm = math.sqrt(sum(float((g * g).sum()) for g in grads.values()))
-        clip_grads(grads, norm, tc.clip)
-        opt.step(params, grads, lr_at(step, tc.lr, tc.warmup, tc.steps))
-    return params
+    return serial.sgd(CFG, replace(tc, steps=steps), lambda step: CORPUS.batch(tc.seed, step, tc.batch_size))[0]
 
 
 def parallel_sgd(tc, steps):
@@ -89,7 +81,7 @@ def test_clipping_is_active_and_the_norm_is_global():
     grid = ProcessGrid(WORLD, dp=2, tp=4)
     trainer = HybridTrainer(CFG, grid, tc)
     idx, targets = CORPUS.batch(tc.seed, 1, tc.batch_size)
-    trainer.compute_grads(idx, targets)
+    trainer.gradients(idx, targets)
     from hsgd.optim import global_grad_norm
     norm = global_grad_norm(trainer.grads, trainer.is_sharded, grid.tp_comm)
     _, grads = serial.loss_and_grads(serial.init_params(CFG, seed=tc.seed, dtype="float64"), idx, targets, CFG)
@@ -99,20 +91,20 @@ def test_clipping_is_active_and_the_norm_is_global():
     grid.free()
 
 
-def test_every_dp_and_grad_accum_split_gives_the_same_gradients():
+def test_every_dp_and_micro_batches_split_gives_the_same_gradients():
     B = 8
     params = serial.init_params(CFG, seed=1, dtype="float64")
     idx, targets = CORPUS.batch(1, 1, B)
     _, ref = serial.loss_and_grads(params, idx, targets, CFG)
     worst = 0.0
     for dp, k in [(8, 1), (4, 2), (4, 1), (2, 4), (2, 2), (1, 8), (1, 1)]:
-        tc = config(tp=8 // dp, dp=dp, grad_accum=k, batch_size=B, seed=1)
+        tc = config(tp=8 // dp, dp=dp, micro_batches=k, batch_size=B, seed=1)
         grid = ProcessGrid(WORLD, dp=dp, tp=8 // dp)
         trainer = HybridTrainer(CFG, grid, tc)
-        trainer.compute_grads(idx, targets)
+        trainer.gradients(idx, targets)
         err = max(float(np.abs(g - tp_model.shard(ref[n], n, grid.tp_rank, grid.tp)).max()
                         / max(np.abs(ref[n]).max(), 1e-6)) for n, g in trainer.grads.items())
-        say(f"dp={dp} grad_accum={k} tp={8 // dp}: max grad rel err {world_max(err):.1e}")
+        say(f"dp={dp} micro_batches={k} tp={8 // dp}: max grad rel err {world_max(err):.1e}")
         worst = max(worst, err)
         grid.free()
     check(worst <= 1e-10, f"{worst:.2e}")
@@ -144,7 +136,7 @@ def test_one_host_copy_per_training_step():
     tests/mpi/test_simgpu.py counts every transfer on the simulated GPU.)"""
     from hsgd.backend import d2h_count
     copies = {}
-    for dp, pp, tp, extra in ((4, 1, 2, {}), (2, 2, 2, {"grad_accum": 2}), (4, 1, 2, {"zero": 1, "clip": 0.5})):
+    for dp, pp, tp, extra in ((4, 1, 2, {}), (2, 2, 2, {"micro_batches": 2}), (4, 1, 2, {"zero": 1, "clip": 0.5})):
         tc = config(tp=tp, dp=dp, pp=pp, **extra)
         cfg = hsgd.ModelConfig(vocab_size=256, seq_len=8, d_model=16, n_heads=8, n_layers=2, d_ff=16)
         grid = ProcessGrid(WORLD, dp=dp, pp=pp, tp=tp)

@@ -1,7 +1,6 @@
 """Pipeline parallelism and 3-D grids on 8 ranks, float64: every factorization (dp, pp, tp) of 8 ends several
 steps with the parameters of serial SGD; GPipe and 1F1B give the same numbers for m in {1, p, 2p}; the stages
 hold the micro-batches the schedules promise; every stage's bytes equal the formulas."""
-import math
 
 import numpy as np
 import pytest
@@ -11,7 +10,6 @@ from hsgd import pp as pipeline
 from hsgd import serial, tp_model
 from hsgd.data import Corpus
 from hsgd.grid import factorizations
-from hsgd.optim import clip_grads, lr_at, make_optimizer
 from hsgd.train import TrainConfig, step_formula
 
 from .conftest import WORLD, check, say, train_steps, world_max
@@ -23,20 +21,13 @@ CORPUS = Corpus(np.random.default_rng(0).integers(0, 256, 4000, dtype=np.uint8).
 
 
 def config(**kw):
-    base = dict(steps=3, batch_size=16, grad_accum=2, lr=0.05, momentum=0.9, warmup=1, dtype="float64", seed=5)
+    base = dict(steps=3, batch_size=16, micro_batches=2, lr=0.05, momentum=0.9, warmup=1, dtype="float64", seed=5)
     base.update(kw)
     return TrainConfig(**base)
 
 
 def serial_sgd(tc):
-    params = serial.init_params(CFG, seed=tc.seed, dtype="float64")
-    opt = make_optimizer(tc.optimizer, tc.lr, momentum=tc.momentum, weight_decay=tc.weight_decay)
-    for step in range(1, tc.steps + 1):
-        idx, targets = CORPUS.batch(tc.seed, step, tc.batch_size)
-        _, grads = serial.loss_and_grads(params, idx, targets, CFG)
-        clip_grads(grads, math.sqrt(sum(float((g * g).sum()) for g in grads.values())), tc.clip)
-        opt.step(params, grads, lr_at(step, tc.lr, tc.warmup, tc.steps))
-    return params
+    return serial.sgd(CFG, tc, lambda step: CORPUS.batch(tc.seed, step, tc.batch_size))[0]
 
 
 def run(tc):
@@ -70,9 +61,9 @@ def test_gpipe_equals_1f1b_and_holds_what_it_promises(m_of_p):
     m = m_of_p(p)
     results = {}
     for kind in ("gpipe", "1f1b"):
-        tc = config(dp=1, pp=p, tp=2, grad_accum=m, batch_size=2 * m, schedule=kind)
+        tc = config(dp=1, pp=p, tp=2, micro_batches=m, batch_size=2 * m, schedule=kind)
         grid, trainer, _, _ = run(tc)
-        results[kind] = (dict(trainer.params), trainer.peak_held)
+        results[kind] = (dict(trainer.params), trainer.stage.peak_held)
         s = grid.pp_rank
         grid.free()
     same = max(float(np.abs(results["gpipe"][0][n] - results["1f1b"][0][n]).max()) for n in results["gpipe"][0])

@@ -40,7 +40,7 @@ SENDS = {"Allreduce": True, "Iallreduce": True, "Allgather": True, "Reduce_scatt
 SKIPPED_ON_ONE_RANK = ("Allreduce", "Allgather", "Reduce_scatter_block")
 
 LAYOUTS = {
-    "dp2 pp2 tp2, 2 micro-batches": dict(dp=2, pp=2, tp=2, grad_accum=2),
+    "dp2 pp2 tp2, 2 micro-batches": dict(dp=2, pp=2, tp=2, micro_batches=2),
     "dp4 tp2, overlapped dp, clip": dict(dp=4, tp=2, dp_overlap=True, clip=0.5),
     "dp4 tp2, ZeRO-2 adamw": dict(dp=4, tp=2, zero=2, optimizer="adamw", lr=0.01),
     "dp2 tp4, sequence parallel": dict(dp=2, tp=4, tp_scheme="sequence"),
@@ -194,7 +194,7 @@ def test_forward_and_backward_never_synchronize(scheme):
     idx, targets = (cupy.asarray(a) for a in CORPUS.batch(0, WORLD.Get_rank(), 8))
     with cupyx.allow_synchronize(False):
         try:
-            trainer.compute_grads(idx, targets, host=False)
+            trainer.gradients(idx, targets)
             error = ""
         except cupyx.DeviceSynchronized as e:
             error = str(e)
@@ -208,7 +208,7 @@ def test_verify_on_the_simulated_gpu(transfer_path):
     import io
 
     from hsgd import verify
-    tc = config(dp=2, pp=2, tp=2, grad_accum=2, device="gpu")
+    tc = config(dp=2, pp=2, tp=2, micro_batches=2, device="gpu")
     ok, rows = verify.verify(hsgd.ModelConfig(vocab_size=256, seq_len=8, d_model=16, n_heads=4, n_layers=2,
                                               d_ff=16), tc, WORLD, out=io.StringIO())
     worst = max((r[5] for r in rows), default=0.0)

@@ -1,0 +1,198 @@
+"""The gradient exchange over dp_comm: one interface, one class per way of averaging.
+
+After the backward pass every rank holds the gradient of its DP group's slice of the batch; the ranks holding the
+same shard (dp_comm) average it, g <- (1/dp) sum_r g_r (the lecture, section 3.4; hsgd.dp). hsgd has several
+ways to do that, each a class with the same methods, chosen in one place (`make_exchange`):
+
+    AllreduceExchange     one Allreduce of the whole flat gradient after the backward pass
+    OverlappedExchange    one Iallreduce per layer's bucket, started while the backward pass goes on
+    HierarchicalExchange  reduce-scatter inside the node, all-reduce across nodes, all-gather inside (hsgd.hier)
+    ZeroExchange          reduce-scatter: each DP rank averages and updates 1/dp of the flat buffer (hsgd.zero)
+    StaleExchange         the average started at step s is applied at step s+1 (asynchronous, one step late)
+
+The interface, in the order a step uses it (each exchange lays out the rank's parameters in a FlatBuffer `pbuf`,
+and its gradient buffers with the same layout):
+    begin() -> FlatBuffer       the zeroed gradient buffer the backward pass accumulates into
+    on_ready(group)             the backward pass has finished a group's gradients (a bucket), or None: not needed
+    finish() -> seconds         the average is complete (stale: started); returns the seconds this rank waited
+    owned                       the slice of the flat layout this rank updates (ZeRO: its chunk; else all of it)
+    grads() -> flat or None     the averaged gradient of `owned` to apply now (None: nothing has arrived yet)
+    checked() -> flat           the gradient the step's non-finite check looks at
+    after_update()              every replica gets the updated parameters (ZeRO: Allgather; else nothing)
+    shard_comm                  dp_comm when `owned` differs between DP ranks (then sums over it add up), else None
+    gather(part) -> flat        the whole flat array from every DP rank's `owned` part (checkpoints)
+    formula(), grad_bytes(), describe(), comms(), close(), free()
+"""
+import time
+
+from .dp import FlatBuffer, dp_average
+
+
+class GradExchange:
+    """The plain All-Reduce, and the defaults every other exchange shares: see the module docstring.
+
+    params: this rank's parameter shards {name: array}; groups: {group: [names]} in the order the backward pass
+    finishes them (tp_model.backward_order). The exchange lays out the flat parameter buffer `pbuf` (each group a
+    contiguous bucket, padded to a multiple of `pad`) and a gradient buffer `buf` with the same layout."""
+    on_ready = None                                                   # no per-bucket work during the backward
+    delay, tracer = 0.0, None                                         # --straggler: seconds to sleep before finish
+
+    def __init__(self, params, groups, dp_comm, pad=1):
+        self.dp_comm, self.groups, self.pad = dp_comm, groups, pad
+        self.order = [n for names in groups.values() for n in names]
+        self.pbuf = FlatBuffer(params, self.order, pad)               # (N + padding,) the parameters
+        for name, p in params.items():
+            self.pbuf.views[name][...] = p
+        self.buf = self.new_buffer()                                  # (N + padding,) their gradients
+        self.owned = slice(0, self.pbuf.flat.size)
+        self.shard_comm = None
+
+    def new_buffer(self):
+        """A zeroed buffer with the parameters' layout."""
+        return FlatBuffer(self.pbuf.views, self.order, self.pad)
+
+    def begin(self):
+        self.buf.zero()
+        return self.buf
+
+    def finish(self):
+        if self.delay:                                                # --straggler: this rank arrives late
+            with self.tracer.span("straggler delay"):
+                time.sleep(self.delay)
+        t0 = time.perf_counter()
+        self.average()
+        return time.perf_counter() - t0
+
+    def average(self):
+        dp_average(self.buf, self.dp_comm)                            # one Allreduce over dp_comm, then / dp
+
+    def grads(self):
+        return self.buf.flat
+
+    def checked(self):
+        return self.grads()
+
+    def after_update(self):
+        pass
+
+    def gather(self, part):
+        return part
+
+    def formula(self):
+        """{(comm, op): (calls, payload bytes)} of one step's exchange, as CommStats records it."""
+        return {("dp", "Allreduce"): (1, int(self.buf.flat.nbytes))}
+
+    def grad_bytes(self):
+        """Bytes of gradient storage this rank keeps between steps."""
+        return int(self.buf.flat.nbytes)
+
+    def describe(self):
+        return "one Allreduce of all gradients after the backward pass"
+
+    def comms(self):
+        """Communicators of this exchange's own (beyond the grid's), e.g. for tracing and staging reports."""
+        return []
+
+    def close(self):
+        """Complete anything still in flight (idempotent)."""
+
+    def free(self):
+        """close(), then free the exchange's own communicators."""
+        self.close()
+
+
+AllreduceExchange = GradExchange
+
+
+class OverlappedExchange(GradExchange):
+    """Bucketed, overlapped averaging: each bucket's Iallreduce over dp_comm starts as soon as the backward pass
+    has finished its group (on_ready), while the backward pass goes on with the layers below; finish() waits for
+    all of them and divides by dp. The same numbers as one Allreduce, in len(buckets) calls instead of one.
+
+    buckets: {group: slice of the flat layout}, in backward order (tp_model.backward_order)."""
+
+    def __init__(self, params, groups, dp_comm):
+        super().__init__(params, groups, dp_comm)
+        self.buckets = {grp: self.pbuf.span(names) for grp, names in groups.items()}   # group -> slice of flat
+        self.pending = []
+
+    def on_ready(self, group):
+        self.pending.append(self.dp_comm.Iallreduce(self.buf.flat[self.buckets[group]]))   # starts, returns
+
+    def average(self):
+        for req in self.pending:
+            req.Wait()                                                # what has not arrived yet is exposed here
+        self.pending = []
+        if self.dp_comm.size > 1:
+            self.buf.flat *= 1.0 / self.dp_comm.size
+
+    def formula(self):
+        return {("dp", "Iallreduce"): (len(self.buckets), int(self.buf.flat.nbytes))}
+
+    def describe(self):
+        return f"overlapped, {len(self.buckets)} buckets, one Iallreduce each during the backward pass"
+
+
+class StaleExchange(GradExchange):
+    """Staleness 1 (asynchronous SGD): step s copies its gradient into a free exchange buffer and starts its
+    Iallreduce; it applies the average started at step s-1, which had a whole step to arrive. Nothing is applied
+    at step 1:  w_{s+1} = w_s - lr * avg g(w_{s-1})."""
+
+    def __init__(self, params, groups, dp_comm):
+        super().__init__(params, groups, dp_comm)
+        self.spare = [self.new_buffer(), self.new_buffer()]          # exchange buffers, used alternately
+        self.inflight = None                                          # (buffer, request) of the last exchange
+        self.ready = None                                             # the average to apply now
+
+    def average(self):
+        busy = self.inflight[0] if self.inflight else None
+        free = self.spare[1] if busy is self.spare[0] else self.spare[0]
+        free.flat[...] = self.buf.flat
+        previous, self.inflight = self.inflight, (free, self.dp_comm.Iallreduce(free.flat))
+        self.ready = None
+        if previous is not None:
+            previous[1].Wait()
+            previous[0].flat *= 1.0 / self.dp_comm.size
+            self.ready = previous[0]
+
+    def grads(self):
+        return self.ready.flat if self.ready is not None else None
+
+    def checked(self):
+        return self.ready.flat if self.ready is not None else self.buf.flat
+
+    def formula(self):
+        return {("dp", "Iallreduce"): (1, int(self.buf.flat.nbytes))}
+
+    def grad_bytes(self):
+        return int(self.buf.flat.nbytes + sum(b.flat.nbytes for b in self.spare))
+
+    def describe(self):
+        return "stale by one step: each step's Iallreduce completes during the next step, applied one step late"
+
+    def close(self):
+        """The exchange in flight completes; its gradient is not applied."""
+        if self.inflight is not None:
+            self.inflight[1].Wait()
+            self.inflight = None
+
+
+def make_exchange(tc, params, groups, grid, tracer):
+    """The one place the exchange is chosen from the settings (--zero, --dp-overlap, --hierarchical,
+    --dp-staleness: at most one, checked by TrainConfig.validate). --straggler RANK:MS makes that rank sleep
+    before every exchange, to show what synchronous SGD pays for one slow worker."""
+    from .hier import HierarchicalExchange
+    from .zero import ZeroExchange
+    if tc.zero:
+        ex = ZeroExchange(params, groups, grid.dp_comm, tc.zero)
+    elif tc.dp_overlap:
+        ex = OverlappedExchange(params, groups, grid.dp_comm)
+    elif tc.hierarchical:
+        ex = HierarchicalExchange(params, groups, grid.dp_comm, tc.ranks_per_node)
+    elif tc.dp_staleness:
+        ex = StaleExchange(params, groups, grid.dp_comm)
+    else:
+        ex = AllreduceExchange(params, groups, grid.dp_comm)
+    if tc.straggler and int(tc.straggler.split(":")[0]) == grid.rank:
+        ex.delay, ex.tracer = int(tc.straggler.split(":")[1]) / 1000.0, tracer
+    return ex

@@ -1,0 +1,50 @@
+"""A step's numbers on the host, and what happens when one of them is not finite.
+
+On a GPU every host copy stalls the device, so a training step copies back exactly one small vector
+(`step_numbers`), from which the trainer reads everything it must decide on the host: the loss, whether any value
+is not finite, and the two sums of squares that give the global gradient norm (hsgd.optim.norm_from_squares).
+
+`check_finite` applies --on-nan: the ranks first agree on where a non-finite value appeared (a pickled allgather,
+so that every rank takes the same branch), then either stop the run (NumericalFault: every rank exits 3 with one
+message) or report that this step's update is to be skipped.
+"""
+from .backend import array_module, to_host
+from .errors import NumericalFault
+from .optim import norm_from_squares
+
+
+def step_numbers(loss, checked, grads, sharded):
+    """Host floats [loss, count of non-finite values in `checked` and the loss, sum of squares of `grads` over
+    tensor-sharded elements, over the others], in one device-to-host copy. grads: a flat array or None (nothing to
+    apply: sums 0); sharded: a 0/1 mask of grads' shape (masks by multiplication: no device sync)."""
+    xp = array_module(checked)
+    dtype = checked.dtype
+    nonfinite = (~xp.isfinite(checked)).sum() + (~xp.isfinite(xp.asarray(loss))).sum()
+    if grads is None:
+        sq_sharded = sq_all = xp.zeros((), dtype=dtype)
+    else:
+        sq = grads * grads
+        sq_sharded, sq_all = (sq * sharded).sum(), sq.sum()
+    host = to_host(xp.stack([xp.asarray(loss, dtype=dtype), nonfinite.astype(dtype), sq_sharded,
+                             sq_all - sq_sharded]))
+    return [float(x) for x in host]
+
+
+def global_norm(numbers, grid, shard_comm=None):
+    """The full model's gradient norm from this rank's step_numbers (sums over tp and pp; over shard_comm too when
+    each DP rank holds a different part, as with ZeRO)."""
+    return norm_from_squares(numbers[2], numbers[3], grid.tp_comm if grid.tp > 1 else None,
+                             grid.pp_comm if grid.pp > 1 else None, shard_comm)
+
+
+def check_finite(world, bad, step, on_nan):
+    """Collective over world: True if no rank saw a non-finite value; else raise (on_nan "stop") or return False
+    (on_nan "skip": the caller skips this step's update)."""
+    everyone = world.comm.allgather(bool(bad))                  # every rank learns where it went wrong
+    if not any(everyone):
+        return True
+    ranks = [r for r, b in enumerate(everyone) if b]
+    if on_nan == "stop":
+        raise NumericalFault(f"non-finite loss or gradient at step {step} on ranks {ranks} (--on-nan stop); "
+                             "resume from a checkpoint with a smaller --lr, or use --on-nan skip")
+    return False

@@ -1,0 +1,122 @@
+"""One rank's pipeline stage: its layers, its schedule of micro-batches, and the activations it sends and receives.
+
+A step of one DP group runs m micro-batches through the pp stages (hsgd.pp): stage s holds the blocks
+split_layers(L, pp)[s], the embedding on stage 0, the final LayerNorm, LM head and loss on stage pp-1, and runs its
+schedule, a list of actions ("F", j) and ("B", j). Between stages, over pp_comm (the same dp and tp coordinates):
+
+    forward of micro-batch j:   stage s  --activation-->        stage s+1   (Isend / Recv, tag 2j)
+    backward of micro-batch j:  stage s  <--dL/d(activation)--  stage s+1   (Isend / Recv, tag 2j+1)
+
+The activation is what the tensor-parallel scheme hands from block to block: (B/m, T, C), or for the sequence
+scheme this rank's T-shard (B/m, T/tp, C) (tp_model.stage_activation_shape). Sends are non-blocking and completed
+at the end of the step; receives block. With a distinct tag per message and a schedule whose dependencies have no
+cycle, no stage waits forever.
+
+pp = 1 is a pipeline of one stage: the whole model, nobody to send to, and the schedule F0 B0 F1 B1 ... (1F1B with
+no warm-up): plain gradient accumulation. Each micro-batch's backward starts from dloss = 1/m, so the gradients
+that accumulate (+=) are those of the mean of the micro-batches' mean losses: the gradient of the DP group's slice.
+"""
+import time
+
+from . import tp_model
+from .backend import array_module, to_host
+from .pp import parse_split, schedule, split_layers, stage_names
+
+
+class _Null:
+    """A stand-in tracer that records nothing."""
+
+    def span(self, *args, **kwargs):
+        from contextlib import nullcontext
+        return nullcontext()
+
+
+class Stage:
+    def __init__(self, cfg, grid, tc):
+        """cfg: ModelConfig; grid: ProcessGrid; tc: TrainConfig (pp_split, schedule, micro_batches, tp_scheme)."""
+        self.cfg, self.scheme, self.m = cfg, tc.tp_scheme, tc.micro_batches
+        self.tp_comm, self.pp_comm, self.s = grid.tp_comm, grid.pp_comm, grid.pp_rank
+        self.layers = split_layers(cfg.n_layers, grid.pp, parse_split(tc.pp_split))[grid.pp_rank]
+        self.first, self.last = grid.pp_rank == 0, grid.pp_rank == grid.pp - 1
+        self.names = stage_names(cfg, self.layers, self.first, self.last)    # the parameters this stage holds
+        self.actions = schedule(tc.schedule, self.m, grid.pp, grid.pp_rank)
+        self.peak_held, self.timeline = 0, []                          # measured by the last run()
+
+    def groups(self):
+        """{group: [names]}: this stage's parameters by gradient group, in the order the backward pass ends them."""
+        out = {}
+        for grp in tp_model.backward_order(self.cfg):
+            names = [n for n in self.names if tp_model.param_group(n) == grp]
+            if names:
+                out[grp] = names
+        return out
+
+    def run(self, params, grads, mbs, on_ready=None, tracer=None):
+        """One step of this stage: its actions on the micro-batches mbs = [(idx, targets)] (every stage has them;
+        only the first uses idx, only the last targets). The gradients of (1/m) * each micro-batch's mean loss
+        accumulate into `grads`; on_ready(group) is passed to the last backward action. Returns (1/m) * the sum
+        of the micro-batches' losses on the last stage (on the device), else 0.0. Records the micro-batches held
+        at once (peak_held) and when each action ran (timeline)."""
+        tracer = tracer or _Null()
+        self.caches, self.sends, self.loss, self.live = {}, [], 0.0, 0
+        self.peak_held, self.timeline = 0, []
+        last_b = max(j for a, j in self.actions if a == "B")
+        for kind, j in self.actions:
+            inp = self.receive(kind, j, params, mbs)                   # the wait here is the bubble
+            t0 = time.perf_counter()
+            with tracer.span("forward" if kind == "F" else "backward", micro_batch=j):
+                if kind == "F":
+                    self.forward(j, inp, params, mbs[j][1])
+                else:
+                    self.backward(j, inp, grads, on_ready if j == last_b else None)
+            self.timeline.append((f"{kind}{j}", t0, time.perf_counter()))
+        for req, _ in self.sends:
+            req.Wait()
+        return self.loss / self.m if self.last else 0.0
+
+    def receive(self, kind, j, params, mbs):
+        """The input of action (kind, j): the token ids, or the activation from stage s-1 (F); dloss = 1/m on the
+        last stage, or the gradient from stage s+1 (B)."""
+        if kind == "F" and self.first:
+            return array_module(params[self.names[0]]).asarray(mbs[j][0])
+        if kind == "B" and self.last:
+            return 1.0 / self.m                                        # d(mean over the micro-batches)
+        if kind == "F":
+            return self.recv_activation(len(mbs[j][0]), params, source=self.s - 1, tag=2 * j)     # activation in
+        return self.recv_activation(len(mbs[j][0]), params, source=self.s + 1, tag=2 * j + 1)     # gradient in
+
+    def recv_activation(self, batch, params, source, tag):
+        p = params[self.names[0]]
+        shape = tp_model.stage_activation_shape(self.scheme, batch, self.cfg, self.tp_comm.size)
+        return self.pp_comm.Recv(array_module(p).empty(shape, dtype=p.dtype), source=source, tag=tag)
+
+    def forward(self, j, inp, params, targets):
+        xp = array_module(params[self.names[0]])
+        out, self.caches[j] = tp_model.stage_forward(params, inp, xp.asarray(targets), self.cfg, self.tp_comm,
+                                                     self.scheme, self.layers, self.first, self.last)
+        if self.last:
+            self.loss = self.loss + out                                # stays on the device
+        else:
+            out = xp.ascontiguousarray(out)
+            self.sends.append((self.pp_comm.Isend(out, dest=self.s + 1, tag=2 * j), out))      # activation out
+        self.live += 1
+        self.peak_held = max(self.peak_held, self.live)
+
+    def backward(self, j, dout, grads, on_ready):
+        dx = tp_model.stage_backward(dout, self.caches.pop(j), grads, self.tp_comm, self.scheme, on_ready=on_ready)
+        if not self.first:
+            dx = array_module(dx).ascontiguousarray(dx)
+            self.sends.append((self.pp_comm.Isend(dx, dest=self.s - 1, tag=2 * j + 1), dx))   # gradient out
+        self.live -= 1
+
+    def loss_only(self, params, idx, targets):
+        """The mean loss of one batch, forwards only through the stages (evaluation): a float on every stage."""
+        xp = array_module(params[self.names[0]])
+        inp = xp.asarray(idx) if self.first else self.recv_activation(len(idx), params, source=self.s - 1, tag=0)
+        out, _ = tp_model.stage_forward(params, inp, xp.asarray(targets), self.cfg, self.tp_comm, self.scheme,
+                                        self.layers, self.first, self.last)
+        if not self.last:
+            self.pp_comm.Isend(xp.ascontiguousarray(out), dest=self.s + 1, tag=0).Wait()       # activation out
+            return self.pp_comm.comm.bcast(None, root=self.pp_comm.size - 1)
+        loss = float(to_host(xp.asarray(out)))
+        return self.pp_comm.comm.bcast(loss, root=self.pp_comm.size - 1) if self.pp_comm.size > 1 else loss
