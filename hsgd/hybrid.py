@@ -24,7 +24,7 @@ from .dp import dp_rows, micro_batches, params_digest
 from .exchange import make_exchange
 from .health import check_finite, global_norm, step_numbers
 from .optim import decays, lr_at, make_optimizer
-from .stage import Stage, _Null
+from .stage import _Null, make_stage
 
 
 @dataclass
@@ -43,7 +43,7 @@ class HybridTrainer:
         """cfg: ModelConfig; grid: ProcessGrid; tc: TrainConfig."""
         self.cfg, self.grid, self.tc, self.scheme = cfg, grid, tc, tc.tp_scheme
         self.tracer = tracer or _Null()
-        self.stage = Stage(cfg, grid, tc)                               # my layers, my schedule
+        self.stage = make_stage(cfg, grid, tc)                          # my layers, my schedule
         shards = tp_model.init_params(cfg, grid.tp_comm, seed=tc.seed, dtype=tc.dtype, device=tc.device,
                                       scheme=tc.tp_scheme)
         shards = {n: shards[n] for n in self.stage.names}

@@ -24,8 +24,11 @@ def step_formula(cfg, tc, trainer):
     tensor-parallel traffic of its stage for m micro-batches, the pipeline's messages and the dp exchange."""
     grid, st, m = trainer.grid, trainer.stage, tc.micro_batches
     per_mb, itemsize = tc.batch_size // grid.dp // m, trainer.pbuf.flat.itemsize
-    f = tp_model.comm_formula(cfg, per_mb, itemsize, tc.tp_scheme, stage=(len(st.layers), st.first, st.last))
-    f = {k: (v[0] * m, v[1] * m) for k, v in f.items()}
+    f = {}
+    for rows in st.pieces(per_mb):                                    # one piece, or one per thread
+        for k, (calls, nbytes) in tp_model.comm_formula(cfg, rows, itemsize, tc.tp_scheme,
+                                                        stage=(len(st.layers), st.first, st.last)).items():
+            f[k] = (f.get(k, (0, 0))[0] + m * calls, f.get(k, (0, 0))[1] + m * nbytes)
     f.update(pp_formula(per_mb, cfg, m, st.first, st.last, itemsize, tc.tp_scheme, grid.tp))
     f.update(trainer.exchange.formula())
     return f

@@ -34,21 +34,24 @@ def run(tc):
     return train_steps(CFG, CORPUS, tc)
 
 
-def param_err(trainer, grid, ref):
-    return max(float(np.abs(p - tp_model.shard(ref[n], n, grid.tp_rank, grid.tp)).max()
+def param_err(trainer, grid, ref, scheme="megatron"):
+    return max(float(np.abs(p - tp_model.shard(ref[n], n, grid.tp_rank, grid.tp, scheme)).max()
                      / max(np.abs(ref[n]).max(), 0.02)) for n, p in trainer.params.items())
 
 
+@pytest.mark.parametrize("scheme", ["megatron", "sequence"])
 @pytest.mark.parametrize("dp, pp, tp", factorizations(8))
-def test_every_3d_layout_equals_serial_sgd(dp, pp, tp):
-    tc = config(dp=dp, pp=pp, tp=tp, clip=0.5)
+def test_every_3d_layout_equals_serial_sgd(dp, pp, tp, scheme):
+    """All 10 factorizations of 8 ranks, with Megatron's scheme and with sequence parallelism (whose stages hand
+    each other T-shards of the activations)."""
+    tc = config(dp=dp, pp=pp, tp=tp, clip=0.5, tp_scheme=scheme)
     ref = serial_sgd(tc)
     grid, trainer, identical, per_step = run(tc)
-    err = param_err(trainer, grid, ref)
+    err = param_err(trainer, grid, ref, scheme)
     formula = step_formula(CFG, tc, trainer)
     names = WORLD.allgather(sorted(trainer.params))
     held = set(n for ns in names for n in ns) == set(CFG.param_shapes())            # every parameter somewhere
-    say(f"dp={dp} pp={pp} tp={tp}: 3 steps (clipped), max param rel err vs serial {world_max(err):.1e}, "
+    say(f"{scheme} dp={dp} pp={pp} tp={tp}: 3 steps (clipped), max param rel err vs serial {world_max(err):.1e}, "
         f"replicas identical {identical}, bytes == formula {per_step == formula}")
     check(err <= 1e-9 and identical and held and per_step == formula,
           f"err {err:.1e}\nmeasured {per_step}\nformula  {formula}")
