@@ -1,7 +1,8 @@
 """Tensor-parallel layers: forward/backward pairs with their communication written out.
 
 M = tp ranks hold one copy of the model between them. `comm` is the tensor-parallel communicator (hsgd.comm.Comm).
-Legend: N = B*T rows, C d_model, F d_ff, V vocab, Vp = ceil(V / tp) vocabulary rows per rank, tp ranks.
+Legend: B batch, T sequence, C d_model, F d_ff, V vocab, Vp = ceil(V / tp) vocabulary rows per rank, N = B*T rows,
+tp ranks; a dimension divided by tp is this rank's share of it.
 
 Megatron's conjugate operators (Shoeybi et al. 2019, arXiv:1909.08053):
     f: forward identity,  backward Allreduce      (enters a column-parallel region: x is replicated, dx partial)
@@ -17,13 +18,21 @@ the downstream work is split between ranks (each rank's D^(r) is a different par
 downstream computation is *replicated* (every rank computes the same thing from the same full Y, and the loss
 counts it once), every rank already holds the same, complete D = dL/dY, and Reduce_scatter would return
 tp * D_i: it must be scaled by 1/tp, which is the local slice D_i, with no communication at all.
+
+The pair along T of sequence parallelism (Korthikanti et al. 2022, arXiv:2205.05198; the paper's g and g-bar).
+Rank r holds the T-shard X^s_r, positions [r T/tp, (r+1) T/tp):
+    gather_T:   forward All-Gather along T      (B, T/tp, C) -> (B, T, C)          backward Reduce-Scatter along T
+    scatter_T:  forward Reduce-Scatter along T  (B, T, C) partial -> (B, T/tp, C)  backward All-Gather along T
+After gather_T every rank holds the whole X = [X^s_0; ...; X^s_tp-1] but uses it for its own columns, so its
+dL/dX is partial and dL/dX^s_i = sum_r (dL/dX^(r))_i: a Reduce-Scatter. scatter_T hands the sum's row block i to
+rank i, so every rank needs all of dL/dY: an All-Gather. scatter_T then gather_T moves the bytes of one Allreduce.
 """
 import math
 
 from mpi4py import MPI
 
 from .backend import array_module, scatter_add
-from .layers import linear_backward, linear_forward
+from .ops import linear_backward, linear_forward
 
 # ------------------------------------------------------------------------------------------------ f and g
 
@@ -125,6 +134,41 @@ def gather_linear_backward(dy, cache, dW_part, db_part, comm, reduce_scatter=Fal
     return dx_partial
 
 
+# ------------------------------------------------------------------------------------------ gather_T and scatter_T
+
+def gather_T_forward(x_s, comm):
+    """gather_T, forward: All-Gather along T. x^s (B, T/tp, C) -> (B, T, C), rank r's rows at [r T/tp, (r+1) T/tp)."""
+    xp = array_module(x_s)
+    B, Tl, C = x_s.shape
+    out = xp.empty((comm.size, B, Tl, C), dtype=x_s.dtype)             # (tp, B, T/tp, C) block r from rank r
+    comm.Allgather(xp.ascontiguousarray(x_s), out)                     # out[r] = x^s of rank r
+    return out.transpose(1, 0, 2, 3).reshape(B, comm.size * Tl, C)     # (B, T, C) copy, blocks along T
+
+
+def gather_T_backward(dx, comm):
+    """gather_T, backward: dX (B, T, C) is partial on every rank (its columns' share); Reduce-Scatter along T sums
+    it and keeps this rank's rows (B, T/tp, C)."""
+    return scatter_T_forward(dx, comm)
+
+
+def scatter_T_forward(y, comm):
+    """scatter_T, forward: Reduce-Scatter along T. y (B, T, C), a different partial sum on every rank ->
+    (B, T/tp, C): this rank's rows of the sum."""
+    xp = array_module(y)
+    B, T, C = y.shape
+    Tl = T // comm.size
+    full = xp.ascontiguousarray(y.reshape(B, comm.size, Tl, C).transpose(1, 0, 2, 3))   # (tp, B, T/tp, C)
+    out = xp.empty((B, Tl, C), dtype=y.dtype)                          # (B, T/tp, C)
+    comm.Reduce_scatter_block(full, out)                               # out = sum over ranks of full[rank]
+    return out
+
+
+def scatter_T_backward(dy_s, comm):
+    """scatter_T, backward: every rank needs the whole dY for its share of the partial sum: All-Gather along T of
+    the T-shards dY^s (B, T/tp, C) -> (B, T, C)."""
+    return gather_T_forward(dy_s, comm)
+
+
 # ------------------------------------------------------------------------------------------------ vocab-parallel
 
 def vocab_range(V, tp, rank):
@@ -133,29 +177,39 @@ def vocab_range(V, tp, rank):
     return rank * Vp, Vp
 
 
-def vocab_embedding_forward(idx, wte_part, wpe, start, comm):
-    """x = wte[idx] + wpe[:T], with wte split by rows: each rank looks up the tokens in its range, zeros for the
-    others, and an Allreduce assembles the rows."""
+def vocab_lookup_forward(idx, wte_part, start):
+    """wte[idx] restricted to this rank's rows: the rows of the tokens in [start, start + Vp), zeros for the others.
+    idx (B, T) -> (B, T, C), a partial sum over the tp ranks (each token's row comes from its owner alone)."""
     xp = array_module(wte_part)
-    B, T = idx.shape
     Vp = wte_part.shape[0]
     local = idx - start                                                  # (B, T) ids relative to the shard
     mine = (local >= 0) & (local < Vp)                                   # (B, T) tokens this rank owns
     local = xp.where(mine, local, 0)
     x = wte_part[local]                                                  # (B, T, C) gather (a copy)
     x *= mine[..., None]                                                 # zero the rows owned elsewhere
-    comm.Allreduce(x)                                                    # (B, T, C) each row from its owner
-    x += wpe[:T]
     return x, (local, mine)
+
+
+def vocab_lookup_backward(dx, cache, dwte_part):
+    """dwte rows of this rank's tokens from the whole dx (B, T, C): no communication."""
+    local, mine = cache
+    # rows owned elsewhere add zeros (to row 0): no boolean indexing, which would cost a device-host sync on GPUs
+    scatter_add(dwte_part, local.reshape(-1), (dx * mine[..., None]).reshape(-1, dx.shape[-1]))
+
+
+def vocab_embedding_forward(idx, wte_part, wpe, start, comm):
+    """Megatron's embedding in one call: x = wte[idx] + wpe[:T], wte split by rows; each rank looks up its own
+    tokens and an Allreduce assembles the rows. (hsgd.tp_model writes it as the lookup and its scheme's exit.)"""
+    x, cache = vocab_lookup_forward(idx, wte_part, start)               # (B, T, C) partial
+    comm.Allreduce(x)                                                    # (B, T, C) each row from its owner
+    x += wpe[:idx.shape[1]]
+    return x, cache
 
 
 def vocab_embedding_backward(dx, cache, dwte_part, dwpe):
     """dwte rows of this rank's tokens (dx is replicated: no communication); dwpe as in the serial layer."""
-    local, mine = cache
-    C = dx.shape[-1]
     dwpe[:dx.shape[1]] += dx.sum(axis=0)
-    # rows owned elsewhere add zeros (to row 0): no boolean indexing, which would cost a device-host sync on GPUs
-    scatter_add(dwte_part, local.reshape(-1), (dx * mine[..., None]).reshape(-1, C))
+    vocab_lookup_backward(dx, cache, dwte_part)
 
 
 def vocab_cross_entropy_forward(logits_part, targets, start, V, comm):

@@ -1,46 +1,49 @@
-"""The GPT split over a tensor-parallel group: M = tp ranks hold one copy of the model together.
+"""The GPT split over a tensor-parallel group: tp ranks hold one copy of the model together. Written once for the
+three schemes of hsgd.tp_schemes, which say how activations enter and leave the split matmuls:
 
-Three schemes, all exact (every gradient shard equals the matching slice of hsgd.serial's gradient):
+  "megatron" (default) -- q, k, v and fc column-parallel (rank i holds heads i*NH/tp ... (i+1)*NH/tp - 1 whole and
+      computes their attention locally), the output projections row-parallel; f enters, g leaves.
+  "gather" (the lecture) -- every linear column-split and its output All-Gathered; the projections' too.
+  "sequence" (Korthikanti et al. 2022) -- megatron's split, with LayerNorm, the residual stream and the embedding
+      split along T; gather_T enters, scatter_T leaves, and only T-shards are cached.
 
-  "megatron" (default) -- per block, q, k, v are column-parallel (rank i holds heads i*NH/tp ... (i+1)*NH/tp - 1
-      whole, and computes their attention locally), the attention output projection is row-parallel; the MLP is
-      column-parallel fc -> GELU -> row-parallel proj. One f (identity / Allreduce) at the entry of each branch,
-      one g (Allreduce / identity) at its exit: 2 Allreduces of (B, T, C) per block forward, 2 backward.
-  "gather" (the lecture) -- every linear is column-split and its output All-Gathered so that every rank holds
-      the full activation; backward takes the slice of dY the rank's columns produced (the 1/tp-scaled
-      Reduce-scatter, see tp_layers.allgather_backward) and All-Reduces the partial dX. q, k, v stay local (attention
-      consumes exactly the local heads) and the gather happens after attention; fc's gather happens after GELU
-      (an elementwise op commutes with the gather).
-  "sequence" (Korthikanti et al. 2022, hsgd.tp_sequence) -- megatron's split, with LayerNorm, the residual stream
-      and the embedding split along T between the ranks; an All-Gather along T enters each column-parallel region,
-      a Reduce-Scatter along T leaves each row-parallel one. Every cached activation is divided by tp.
+One block, with S the scheme (T~ = T, or T/tp where the scheme splits T; W_i this rank's shard):
+    a = LN1(x);  a_in = S.enter(a);  q, k, v = a_in Wq_i + bq_i, ...      (B, T~, C) -> (B, T, C) -> (B, T, C/tp)
+    x = x + S.proj(attention(q, k, v), Wo_i, bo)                          (B, T~, C)
+    m = LN2(x);  x = x + S.proj(GELU(S.enter(m) W1_i + b1_i), W2_i, b2)   (B, T~, C)
+Embedding: x = S.leave(wte_i[idx], zero where the token is owned elsewhere) + wpe[S.rows(T)].
+Head: logits_i = S.enter(LN_f(x)) lm_head_i (B, T, Vp), then the vocab-parallel cross-entropy over all B*T rows.
+The column-parallel linears cache their input as this rank holds it (x, before entering) and enter it again in the
+backward pass: free for f (an identity), an All-Gather for gather_T, so that the sequence scheme caches T-shards.
 
-In all three: the token embedding and the LM head are vocab-parallel (rank i holds vocabulary ids [i*Vp, (i+1)*Vp),
-Vp = ceil(V/tp), padded past V), the cross-entropy is computed without gathering the logits, and LayerNorm
-parameters, wpe and the biases of row-parallel layers are replicated (their gradients come out identical on
-every rank; "sequence" All-Reduces them, since each rank saw only its positions).
+In all three the token embedding and the LM head are vocab-parallel (rank i holds vocabulary ids [i*Vp, (i+1)*Vp),
+Vp = ceil(V/tp), padded past V), the cross-entropy never gathers the logits, and every gradient shard equals the
+matching slice of hsgd.serial's gradient. A pipeline stage (stage_forward/stage_backward) runs the embedding if it
+is the first, its blocks, the head if it is the last; it hands on the (B, T~, C) activation (stage_activation_shape).
 
-Legend: B batch, T sequence, C d_model, NH heads, F d_ff, V vocab, Vp vocab rows per rank, tp ranks.
+Legend: B batch, T sequence, C d_model, NH heads, F d_ff, V vocab, Vp vocab rows per rank, L layers, tp ranks.
 Parameters keep their serial names; a shard's shape shows its split, e.g. h.0.attn.q.weight (C, C/tp).
 """
 import math
 
-from . import serial, tp_sequence
+from . import serial
 from .backend import array_module
 from .errors import ConfigError
-from .layers import (attention_backward, attention_forward, gelu_backward, gelu_forward, layernorm_backward,
-                     layernorm_forward, linear_backward, linear_forward)
-from .tp_layers import (allgather_backward, allgather_forward, f_backward, f_forward, gather_linear_backward,
-                        gather_linear_forward, row_linear_backward, row_linear_forward, vocab_cross_entropy_backward,
-                        vocab_cross_entropy_forward, vocab_embedding_backward, vocab_embedding_forward, vocab_range)
+from .ops import (attention_backward, attention_forward, gelu_backward, gelu_forward, layernorm_backward,
+                  layernorm_forward, linear_backward, linear_forward)
+from .tp_layers import (vocab_cross_entropy_backward, vocab_cross_entropy_forward, vocab_lookup_backward,
+                        vocab_lookup_forward, vocab_range)
+from .tp_schemes import SCHEMES, make_scheme  # noqa: F401  (SCHEMES: the names, for the CLI and the tests)
 
-SCHEMES = ("megatron", "gather", "sequence")
+# the replicated parameters of each gradient group (the sequence scheme All-Reduces their partial gradients)
+BLOCK_REPLICATED = ("ln1.weight", "ln1.bias", "attn.proj.bias", "ln2.weight", "ln2.bias", "mlp.proj.bias")
+HEAD_REPLICATED = ("ln_f.weight", "ln_f.bias")
+EMBEDDING_REPLICATED = ("wpe",)
 
 
 def check_tp(cfg, tp, scheme="megatron"):
     """Raise ConfigError unless the model splits over tp ranks (the vocabulary may be padded; heads and d_ff not)."""
-    if scheme not in SCHEMES:
-        raise ConfigError(f"tp_scheme={scheme!r} is not known; use one of {', '.join(SCHEMES)}")
+    S = make_scheme(scheme)
     ok = [t for t in range(1, 65) if cfg.n_heads % t == 0 and cfg.d_ff % t == 0]
     if cfg.n_heads % tp:
         raise ConfigError(f"n_heads={cfg.n_heads} is not divisible by tp={tp}: each tensor-parallel rank holds "
@@ -48,23 +51,12 @@ def check_tp(cfg, tp, scheme="megatron"):
     if cfg.d_ff % tp:
         raise ConfigError(f"d_ff={cfg.d_ff} is not divisible by tp={tp}: each tensor-parallel rank holds d_ff/tp "
                           f"MLP columns; use tp in {ok}")
-    if scheme == "sequence":                                             # T-shards of seq_len/tp positions
-        tp_sequence.check_seq_len(cfg.seq_len, tp, [t for t in ok if cfg.seq_len % t == 0])
+    S.check(cfg, tp, ok)                                                 # sequence: T-shards of seq_len/tp
 
 
 def split_of(name, scheme="megatron"):
     """How a parameter is split: ("rep", None), ("split", axis) or ("vocab", axis)."""
-    if name == "wte":
-        return "vocab", 0
-    if name == "lm_head.weight":
-        return "vocab", 1
-    if ".attn.q." in name or ".attn.k." in name or ".attn.v." in name or ".mlp.fc." in name:
-        return "split", 1 if name.endswith(".weight") else 0
-    if name.endswith("attn.proj.weight") or name.endswith("mlp.proj.weight"):
-        return "split", 0 if scheme != "gather" else 1                   # row-parallel / column-parallel
-    if name.endswith("attn.proj.bias") or name.endswith("mlp.proj.bias"):
-        return ("rep", None) if scheme != "gather" else ("split", 0)
-    return "rep", None                                                   # wpe, LayerNorms
+    return make_scheme(scheme).split_of(name)
 
 
 def shard(full, name, tp_rank, tp, scheme="megatron"):
@@ -99,69 +91,161 @@ def init_params(cfg, comm, seed=0, dtype="float32", device=None, scheme="megatro
 
 # ------------------------------------------------------------------------------------------------ one block
 
-def block_forward(x, p, h, cfg, comm, scheme):
+def block_forward(x, p, h, cfg, comm, S):
+    """x + Attn(LN1(x)), then + MLP(LN2(x)), on this rank's heads and MLP columns. x: (B, T~, C)."""
     nh = cfg.n_heads // comm.size                                        # local heads
-    a, c_ln1 = layernorm_forward(x, p[h + "ln1.weight"], p[h + "ln1.bias"])          # (B, T, C) replicated
-    a = f_forward(a, comm)                                               # enters the column-parallel q, k, v
-    q, c_q = linear_forward(a, p[h + "attn.q.weight"], p[h + "attn.q.bias"])          # (B, T, C/tp) local heads
-    k, c_k = linear_forward(a, p[h + "attn.k.weight"], p[h + "attn.k.bias"])          # (B, T, C/tp)
-    v, c_v = linear_forward(a, p[h + "attn.v.weight"], p[h + "attn.v.bias"])          # (B, T, C/tp)
+    a, c_ln1 = layernorm_forward(x, p[h + "ln1.weight"], p[h + "ln1.bias"])          # (B, T~, C)
+    a_in = S.enter_forward(a, comm)                                      # (B, T, C) f: identity | gather_T: All-Gather
+    q, _ = linear_forward(a_in, p[h + "attn.q.weight"], p[h + "attn.q.bias"])         # (B, T, C/tp) local heads
+    k, _ = linear_forward(a_in, p[h + "attn.k.weight"], p[h + "attn.k.bias"])         # (B, T, C/tp)
+    v, _ = linear_forward(a_in, p[h + "attn.v.weight"], p[h + "attn.v.bias"])         # (B, T, C/tp)
     y, c_att = attention_forward(q, k, v, nh)                            # (B, T, C/tp) heads are independent
-    W, b = p[h + "attn.proj.weight"], p[h + "attn.proj.bias"]
-    if scheme == "megatron":
-        o, c_proj = row_linear_forward(y, W, b, comm)                    # (B, T, C) g: Allreduce
-    else:
-        y = allgather_forward(y, comm)                                   # (B, T, C) Allgather of the heads
-        o, c_proj = gather_linear_forward(y, W, b, comm)                 # (B, T, C) Allgather
+    o, c_proj = S.proj_forward(y, p[h + "attn.proj.weight"], p[h + "attn.proj.bias"], comm)  # (B, T~, C) leaves
     x = x + o
-    m, c_ln2 = layernorm_forward(x, p[h + "ln2.weight"], p[h + "ln2.bias"])          # (B, T, C) replicated
-    m = f_forward(m, comm)
-    u, c_fc = linear_forward(m, p[h + "mlp.fc.weight"], p[h + "mlp.fc.bias"])         # (B, T, F/tp)
-    g, c_gelu = gelu_forward(u)                                          # (B, T, F/tp)
-    W, b = p[h + "mlp.proj.weight"], p[h + "mlp.proj.bias"]
-    if scheme == "megatron":
-        o2, c_mproj = row_linear_forward(g, W, b, comm)                  # (B, T, C) g: Allreduce
-    else:
-        g = allgather_forward(g, comm)                                   # (B, T, F) Allgather
-        o2, c_mproj = gather_linear_forward(g, W, b, comm)               # (B, T, C) Allgather
+    m, c_ln2 = layernorm_forward(x, p[h + "ln2.weight"], p[h + "ln2.bias"])          # (B, T~, C)
+    m_in = S.enter_forward(m, comm)                                      # (B, T, C) f: identity | gather_T: All-Gather
+    u, _ = linear_forward(m_in, p[h + "mlp.fc.weight"], p[h + "mlp.fc.bias"])         # (B, T, F/tp)
+    gl, c_gelu = gelu_forward(u)                                         # (B, T, F/tp)
+    o2, c_mproj = S.proj_forward(gl, p[h + "mlp.proj.weight"], p[h + "mlp.proj.bias"], comm)  # (B, T~, C) leaves
     x = x + o2
+    # the column-parallel linears keep their input as this rank holds it, a or m (B, T~, C), and their weight
+    c_q, c_k, c_v = ((a, p[h + f"attn.{n}.weight"]) for n in "qkv")
+    c_fc = (m, p[h + "mlp.fc.weight"])
     return x, (c_ln1, c_q, c_k, c_v, c_att, c_proj, c_ln2, c_fc, c_gelu, c_mproj)
 
 
-def block_backward(dx, cache, g, h, comm, scheme, reduce_scatter=False):
-    """block_forward read from the bottom up; every collective is the adjoint of one in the forward pass."""
+def block_backward(dx, cache, g, h, comm, S):
+    """block_forward read from the bottom up; every collective is the adjoint of one in the forward pass.
+    dx: (B, T~, C)."""
     c_ln1, c_q, c_k, c_v, c_att, c_proj, c_ln2, c_fc, c_gelu, c_mproj = cache
-    dW, db = g[h + "mlp.proj.weight"], g[h + "mlp.proj.bias"]
-    if scheme == "megatron":
-        dg = row_linear_backward(dx, c_mproj, dW, db, comm)              # (B, T, F/tp) no communication
-    else:
-        dg = gather_linear_backward(dx, c_mproj, dW, db, comm, reduce_scatter)        # (B, T, F) Allreduce
-        dg = allgather_backward(dg, comm, replicated=True, reduce_scatter=reduce_scatter)  # (B, T, F/tp)
-    du = gelu_backward(dg, c_gelu)                                       # (B, T, F/tp)
-    dm = linear_backward(du, c_fc, g[h + "mlp.fc.weight"], g[h + "mlp.fc.bias"])      # (B, T, C) partial
-    dm = f_backward(dm, comm)                                            # Allreduce: full dm
+    dgl = S.proj_backward(dx, c_mproj, g[h + "mlp.proj.weight"], g[h + "mlp.proj.bias"], comm)   # (B, T, F/tp)
+    du = gelu_backward(dgl, c_gelu)                                      # (B, T, F/tp)
+    m_in = S.enter_forward(c_fc[0], comm)                                # (B, T, C) again: identity | All-Gather
+    dm_in = columns_backward(m_in, [du], [c_fc], [(g[h + "mlp.fc.weight"], g[h + "mlp.fc.bias"])])  # partial
+    dm = S.enter_backward(dm_in, comm)                                   # (B, T~, C) f^T: Allreduce | Reduce-Scatter
     dx = dx + layernorm_backward(dm, c_ln2, g[h + "ln2.weight"], g[h + "ln2.bias"])
-    dW, db = g[h + "attn.proj.weight"], g[h + "attn.proj.bias"]
-    if scheme == "megatron":
-        dy = row_linear_backward(dx, c_proj, dW, db, comm)               # (B, T, C/tp)
-    else:
-        dy = gather_linear_backward(dx, c_proj, dW, db, comm, reduce_scatter)         # (B, T, C) Allreduce
-        dy = allgather_backward(dy, comm, replicated=True, reduce_scatter=reduce_scatter)  # (B, T, C/tp)
+    dy = S.proj_backward(dx, c_proj, g[h + "attn.proj.weight"], g[h + "attn.proj.bias"], comm)   # (B, T, C/tp)
     dq, dk, dv = attention_backward(dy, c_att)                           # (B, T, C/tp) x 3
-    da = linear_backward(dq, c_q, g[h + "attn.q.weight"], g[h + "attn.q.bias"])       # (B, T, C) partial
-    da += linear_backward(dk, c_k, g[h + "attn.k.weight"], g[h + "attn.k.bias"])
-    da += linear_backward(dv, c_v, g[h + "attn.v.weight"], g[h + "attn.v.bias"])
-    da = f_backward(da, comm)                                            # Allreduce: full da
-    dx = dx + layernorm_backward(da, c_ln1, g[h + "ln1.weight"], g[h + "ln1.bias"])
+    a_in = S.enter_forward(c_q[0], comm)                                 # (B, T, C) again: identity | All-Gather
+    dqkv = [(g[h + f"attn.{n}.weight"], g[h + f"attn.{n}.bias"]) for n in "qkv"]
+    da_in = columns_backward(a_in, [dq, dk, dv], [c_q, c_k, c_v], dqkv)  # (B, T, C) partial: my heads' share
+    da = S.enter_backward(da_in, comm)                                   # (B, T~, C) f^T: Allreduce | Reduce-Scatter
+    return dx + layernorm_backward(da, c_ln1, g[h + "ln1.weight"], g[h + "ln1.bias"])
+
+
+def columns_backward(x_in, dys, caches, dparams):
+    """The column-parallel linears Y_j = X W_j + b_j that share the input X (q, k, v; fc; the LM head): dW_j += X^T
+    dY_j, db_j += sum dY_j (db_j None: no bias). x_in (B, T, C): X as entered; caches [(x, W_j)]; dparams [(dW_j,
+    db_j)]. Returns this rank's partial dX = sum_j dY_j W_j^T (B, T, C): its columns' share. No communication."""
+    x2 = x_in.reshape(-1, x_in.shape[-1])                                # (N, C) the cache linear_forward keeps
+    dx = linear_backward(dys[0], (x2, caches[0][1]), *dparams[0])        # (B, T, C)
+    for dy, (_, W), (dW, db) in zip(dys[1:], caches[1:], dparams[1:]):
+        dx += linear_backward(dy, (x2, W), dW, db)
     return dx
+
+
+# ------------------------------------------------------------------------------------------------ embedding, head
+
+def embedding_forward(idx, wte_part, wpe, start, comm, S):
+    """x = wte[idx] + wpe[positions], wte split by vocabulary rows: each rank looks up its own tokens (zero rows
+    for the others), a partial sum that the scheme's exit completes. idx (B, T) -> x (B, T~, C)."""
+    t0, t1 = S.rows(idx.shape[1], comm)                                  # the positions this rank holds
+    x, c_look = vocab_lookup_forward(idx, wte_part, start)               # (B, T, C) partial: zeros where not mine
+    x = S.leave_forward(x, comm)                                         # (B, T~, C) g: Allreduce | scatter_T: R-S
+    x += wpe[t0:t1]                                                      # (T~, C) broadcast over B
+    return x, (c_look, t0, t1)
+
+
+def embedding_backward(dx, cache, dwte_part, dwpe, comm, S):
+    """dwpe for the positions held (sequence: partial); dwte rows of this rank's tokens from the whole dx."""
+    c_look, t0, t1 = cache
+    dwpe[t0:t1] += dx.sum(axis=0)                                        # (T~, C)
+    dx = S.leave_backward(dx, comm)                                      # (B, T, C) g^T: identity | All-Gather
+    vocab_lookup_backward(dx, c_look, dwte_part)                         # no communication
+
+
+def head_forward(x, p, targets, start, cfg, comm, S):
+    """The mean cross-entropy of LN_f(x) lm_head over all B*T positions, the logits split by vocabulary columns."""
+    xf, c_lnf = layernorm_forward(x, p["ln_f.weight"], p["ln_f.bias"])             # (B, T~, C)
+    xf_in = S.enter_forward(xf, comm)                                    # (B, T, C) f: identity | gather_T: All-Gather
+    logits, _ = linear_forward(xf_in, p["lm_head.weight"])              # (B, T, Vp) my vocabulary columns
+    loss, c_ce = vocab_cross_entropy_forward(logits, targets, start, cfg.vocab_size, comm)  # 2 Allreduces
+    return loss, (c_lnf, (xf, p["lm_head.weight"]), c_ce)
+
+
+def head_backward(dloss, cache, g, comm, S):
+    c_lnf, c_head, c_ce = cache
+    dlogits = vocab_cross_entropy_backward(dloss, c_ce)                  # (B, T, Vp) no communication
+    xf_in = S.enter_forward(c_head[0], comm)                             # (B, T, C) again: identity | All-Gather
+    dxf_in = columns_backward(xf_in, [dlogits], [c_head], [(g["lm_head.weight"], None)])    # (B, T, C) partial
+    dxf = S.enter_backward(dxf_in, comm)                                 # (B, T~, C) f^T: Allreduce | Reduce-Scatter
+    return layernorm_backward(dxf, c_lnf, g["ln_f.weight"], g["ln_f.bias"])
+
+
+# ------------------------------------------------------------------------------------------------ a pipeline stage
+
+def stage_forward(params, inp, targets, cfg, comm, scheme, layers, first, last):
+    """Forward through one pipeline stage (the whole model when first and last): the embedding if `first`, the
+    blocks in `layers`, the final LayerNorm, LM head and loss if `last`. scheme: a name or a scheme object.
+
+    inp: token ids (B, T) on the first stage, else the activation (B, T~, C) received from the previous stage.
+    Returns (out, caches): out is the mean loss on the last stage, else the activation (B, T~, C) to send on.
+    """
+    S = make_scheme(scheme)
+    start, _ = vocab_range(cfg.vocab_size, comm.size, comm.rank)
+    c_emb = c_head = None
+    if first:
+        x, c_emb = embedding_forward(inp, params["wte"], params["wpe"], start, comm, S)   # (B, T~, C)
+    else:
+        x = inp                                                          # (B, T~, C) from stage s-1
+    c_blocks = []
+    for i in layers:
+        x, c = block_forward(x, params, f"h.{i}.", cfg, comm, S)         # (B, T~, C)
+        c_blocks.append((i, c))
+    if not last:
+        return x, (c_emb, c_blocks, None, None, None)
+    loss, (c_lnf, c_head, c_ce) = head_forward(x, params, targets, start, cfg, comm, S)
+    return loss, (c_emb, c_blocks, c_lnf, c_head, c_ce)
+
+
+def stage_backward(dout, caches, grads, comm, scheme="megatron", reduce_scatter=False, on_ready=None):
+    """stage_forward read from the bottom up. dout: dloss (a number) on the last stage, else dL/d(the stage's
+    output activation) (B, T~, C) from the next stage. Returns dL/d(input activation), or None on the first stage.
+
+    Each gradient group is final when on_ready(group) is called (see backward): the replicated parameters'
+    gradients first go where the scheme says (sequence: partial, All-Reduced per group by finish_replicated)."""
+    S = make_scheme(scheme, reduce_scatter)
+    c_emb, c_blocks, c_lnf, c_head, c_ce = caches
+    ready = on_ready or (lambda group: None)
+    dx = dout                                                            # (B, T~, C) from stage s+1
+    if c_ce is not None:
+        g, part = S.replicated_grads(grads, HEAD_REPLICATED)
+        dx = head_backward(dout, (c_lnf, c_head, c_ce), g, comm, S)      # (B, T~, C)
+        S.finish_replicated(part, grads, comm)                           # sequence: Allreduce of partial grads
+        ready("head")
+    for i, c in reversed(c_blocks):
+        g, part = S.replicated_grads(grads, [f"h.{i}.{n}" for n in BLOCK_REPLICATED])
+        dx = block_backward(dx, c, g, f"h.{i}.", comm, S)                # (B, T~, C)
+        S.finish_replicated(part, grads, comm)                           # sequence: Allreduce of partial grads
+        ready(f"h.{i}")
+    if c_emb is None:
+        return dx
+    g, part = S.replicated_grads(grads, EMBEDDING_REPLICATED)
+    embedding_backward(dx, c_emb, g["wte"], g["wpe"], comm, S)
+    S.finish_replicated(part, grads, comm)                               # sequence: Allreduce of partial dwpe
+    ready("embedding")
+    return None
+
+
+def stage_activation_shape(scheme, batch, cfg, tp):
+    """The activation a pipeline stage sends to the next: (B, T, C), or the T-shard (B, T/tp, C) (sequence)."""
+    return make_scheme(scheme).activation_shape(batch, cfg, tp)
 
 
 # ------------------------------------------------------------------------------------------------ the whole model
 
 def forward(params, idx, targets, cfg, comm, scheme="megatron"):
     """The mean loss (the same on every rank) and the caches of the backward pass."""
-    if scheme == "sequence":
-        return tp_sequence.forward(params, idx, targets, cfg, comm)
     return stage_forward(params, idx, targets, cfg, comm, scheme, range(cfg.n_layers), first=True, last=True)
 
 
@@ -172,60 +256,7 @@ def backward(caches, grads, comm, scheme="megatron", reduce_scatter=False, dloss
     (lm_head, ln_f), "h.{L-1}", ..., "h.0" (the blocks), "embedding" (wte, wpe). Data parallelism uses it to
     start each bucket's Allreduce while the backward pass goes on (see backward_order).
     """
-    if scheme == "sequence":
-        return tp_sequence.backward(caches, grads, comm, dloss, on_ready)
     stage_backward(dloss, caches, grads, comm, scheme, reduce_scatter, on_ready)
-
-
-def stage_forward(params, inp, targets, cfg, comm, scheme, layers, first, last):
-    """Forward through one pipeline stage (the whole model when first and last): the embedding if `first`, the
-    blocks in `layers`, the final LayerNorm, LM head and loss if `last`.
-
-    inp: token ids (B, T) on the first stage, else the activation (B, T, C) received from the previous stage.
-    Returns (out, caches): out is the mean loss on the last stage, else the activation (B, T, C) to send on.
-    """
-    p = params
-    start, _ = vocab_range(cfg.vocab_size, comm.size, comm.rank)
-    c_emb = c_lnf = c_head = c_ce = None
-    if first:
-        x, c_emb = vocab_embedding_forward(inp, p["wte"], p["wpe"], start, comm)    # (B, T, C) Allreduce
-    else:
-        x = inp                                                                     # (B, T, C) from stage s-1
-    c_blocks = []
-    for i in layers:
-        x, c = block_forward(x, p, f"h.{i}.", cfg, comm, scheme)
-        c_blocks.append((i, c))
-    if not last:
-        return x, (c_emb, c_blocks, c_lnf, c_head, c_ce)
-    xf, c_lnf = layernorm_forward(x, p["ln_f.weight"], p["ln_f.bias"])             # (B, T, C)
-    xf = f_forward(xf, comm)
-    logits, c_head = linear_forward(xf, p["lm_head.weight"])                        # (B, T, Vp) local vocab
-    loss, c_ce = vocab_cross_entropy_forward(logits, targets, start, cfg.vocab_size, comm)  # 2 Allreduces
-    return loss, (c_emb, c_blocks, c_lnf, c_head, c_ce)
-
-
-def stage_backward(dout, caches, grads, comm, scheme="megatron", reduce_scatter=False, on_ready=None):
-    """stage_forward read from the bottom up. dout: dloss (a number) on the last stage, else dL/d(the stage's
-    output activation) received from the next stage. Returns dL/d(input activation), or None on the first stage."""
-    c_emb, c_blocks, c_lnf, c_head, c_ce = caches
-    g = grads
-    ready = on_ready or (lambda group: None)
-    if c_ce is not None:
-        dlogits = vocab_cross_entropy_backward(dout, c_ce)              # (B, T, Vp) no communication
-        dxf = linear_backward(dlogits, c_head, g["lm_head.weight"])      # (B, T, C) partial
-        dxf = f_backward(dxf, comm)                                      # Allreduce
-        dx = layernorm_backward(dxf, c_lnf, g["ln_f.weight"], g["ln_f.bias"])
-        ready("head")
-    else:
-        dx = dout                                                        # (B, T, C) from stage s+1
-    for i, c in reversed(c_blocks):
-        dx = block_backward(dx, c, g, f"h.{i}.", comm, scheme, reduce_scatter)
-        ready(f"h.{i}")
-    if c_emb is None:
-        return dx
-    vocab_embedding_backward(dx, c_emb, g["wte"], g["wpe"])             # no communication
-    ready("embedding")
-    return None
 
 
 def param_group(name):
@@ -273,57 +304,13 @@ def gather_full(params, cfg, comm, scheme="megatron"):
     return {name: unshard(comm.allgather_obj(p), name, cfg, scheme) for name, p in params.items()}
 
 
-# ------------------------------------------------------------------------------------------------ communication
-
 def comm_formula(cfg, batch_size, itemsize, scheme="megatron", reduce_scatter=False, stage=None):
-    """{(communicator, operation): (calls, payload bytes)} of one loss_and_grads call on the "tp" communicator.
-
-    stage=(n_blocks, first, last) gives one pipeline stage's share (megatron and gather): its blocks' terms, the
-    embedding's Allreduce on the first stage, the LM head's and the cross-entropy's on the last.
-
-    N = B*T, s = bytes per element, L layers.
-    megatron: Allreduce  calls 4L + 4:  embedding 1, per block 2 forward (g) + 2 backward (f), LM head f 1,
-                                        cross-entropy 2 (MAX of (N,), SUM of (2, N))
-                         bytes ((4L + 2) C + 3) N s
-    gather:   Allgather  calls 4L, bytes L (3C + F) N s   (attention heads C, proj C, GELU output F, proj C)
-              Allreduce  calls 4L + 4, bytes ((3C + F) L + 2C + 3) N s   (the partial dX of the same four, plus
-                         embedding, LM head and cross-entropy)
-              with reduce_scatter: Reduce_scatter_block calls 4L, bytes L (3C + F) N s as well
-    sequence: Allgather  calls 6L + 3, bytes (6L + 3) N C s   forward: 2 per block (into q,k,v and fc), 1 into the
-                                        LM head; backward: the same 2L + 1 again (only the T-shards are cached)
-                                        and 2L + 1 adjoints of the Reduce-Scatters (2 per block, embedding)
-              Reduce_scatter_block  calls 4L + 2, bytes (4L + 2) N C s   forward: embedding, 2 per block (attention
-                                        and MLP proj); backward: adjoints of the 2L + 1 forward All-Gathers
-              Allreduce  calls L + 4, bytes (3N + (6L + 2 + T) C) s   cross-entropy 2 (3N), the partial gradients
-                                        of the replicated parameters, one call per group: head (ln_f: 2C), each
-                                        block (ln1, ln2, attn.proj.bias, mlp.proj.bias: 6C), embedding (wpe: T C)
-              (An Allreduce costs a ring 2 (tp-1)/tp of its bytes, an Allgather or Reduce-scatter (tp-1)/tp: the
-              sequence scheme moves what megatron does, plus the 2L + 1 repeated All-Gathers and the small
-              Allreduces of the replicated gradients.)
-    """
-    N, C, F, L, s = batch_size * cfg.seq_len, cfg.d_model, cfg.d_ff, cfg.n_layers, itemsize
-    if stage is not None:
-        L, first, last = stage
-        emb, head = int(first), int(last)                               # embedding: 1 call; head + loss: 3 calls
-        ar_calls, ar_bytes = emb + 3 * head, (emb * C + head * (C + 3)) * N * s
-        if scheme == "megatron":
-            return {("tp", "Allreduce"): (4 * L + ar_calls, 4 * L * C * N * s + ar_bytes)}
-        out = {("tp", "Allgather"): (4 * L, L * (3 * C + F) * N * s),
-               ("tp", "Allreduce"): (4 * L + ar_calls, (3 * C + F) * L * N * s + ar_bytes)}
-        if reduce_scatter:
-            out[("tp", "Reduce_scatter_block")] = (4 * L, L * (3 * C + F) * N * s)
-        return {k: v for k, v in out.items() if v[0]}
-    if scheme == "megatron":
-        return {("tp", "Allreduce"): (4 * L + 4, ((4 * L + 2) * C + 3) * N * s)}
-    if scheme == "sequence":
-        return {("tp", "Allgather"): (6 * L + 3, (6 * L + 3) * N * C * s),
-                ("tp", "Reduce_scatter_block"): (4 * L + 2, (4 * L + 2) * N * C * s),
-                ("tp", "Allreduce"): (L + 4, (3 * N + (6 * L + 2 + cfg.seq_len) * C) * s)}
-    out = {("tp", "Allgather"): (4 * L, L * (3 * C + F) * N * s),
-           ("tp", "Allreduce"): (4 * L + 4, ((3 * C + F) * L + 2 * C + 3) * N * s)}
-    if reduce_scatter:
-        out[("tp", "Reduce_scatter_block")] = (4 * L, L * (3 * C + F) * N * s)
-    return out
+    """{(communicator, operation): (calls, payload bytes)} of one loss_and_grads call on the "tp" communicator:
+    the whole model, or with stage=(n_blocks, first, last) one pipeline stage's share (its blocks' terms, the
+    embedding's on the first stage, the LM head's and the cross-entropy's on the last). The terms of each scheme
+    are in its comm_formula's docstring (hsgd.tp_schemes)."""
+    n_blocks, first, last = stage if stage is not None else (cfg.n_layers, True, True)
+    return make_scheme(scheme, reduce_scatter).comm_formula(cfg, batch_size, itemsize, n_blocks, first, last)
 
 
 def vocab_padding(cfg, tp):

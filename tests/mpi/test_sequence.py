@@ -1,4 +1,4 @@
-"""Sequence parallelism (tp scheme "sequence", hsgd.tp_sequence) on 8 ranks, float64: equal to serial for tp in
+"""Sequence parallelism (tp scheme "sequence", hsgd.tp_schemes.Sequence) on 8 ranks, float64: equal to serial for tp in
 {1, 2, 4, 8}; the T-axis All-Gather / Reduce-Scatter pair against finite differences; replicated gradients
 All-Reduced and identical; on_ready in order with final gradients; the bytes of every collective and of every
 cached activation equal to their formulas; and a clear error for a seq_len that does not split."""
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import hsgd
-from hsgd import serial, tp_model, tp_sequence
+from hsgd import memory, serial, tp_layers, tp_model
 from hsgd.errors import ConfigError
 from hsgd.grid import ProcessGrid
 
@@ -48,9 +48,9 @@ def test_sequence_equals_serial():
 
 
 def test_fd_T_axis_allgather_and_reduce_scatter():
-    """x^s -> g (All-Gather along T) -> times M_r (a different 'column share' on every rank) -> g-bar
-    (Reduce-Scatter along T) -> y^s;  L = sum over ranks of sum(S_r * y^s_r). dx^s comes out of g-bar's backward
-    All-Gather and g's backward Reduce-Scatter; the shapes show the T-shards."""
+    """x^s -> gather_T (All-Gather along T) -> times M_r (a different 'column share' on every rank) -> scatter_T
+    (Reduce-Scatter along T) -> y^s;  L = sum over ranks of sum(S_r * y^s_r). dx^s comes out of scatter_T's backward
+    All-Gather and gather_T's backward Reduce-Scatter; the shapes show the T-shards."""
     grid = ProcessGrid(WORLD, dp=2, tp=4)
     c = grid.tp_comm
     rng = np.random.default_rng(40 + c.rank)
@@ -58,13 +58,13 @@ def test_fd_T_axis_allgather_and_reduce_scatter():
     M, S = rng.normal(size=(2, 12, 5)), rng.normal(size=(2, 3, 5))      # (B, T, C), (B, T/tp, C)
 
     def loss():
-        y_s = tp_sequence.gbar_forward(tp_sequence.g_forward(x_s, c) * M, c)
+        y_s = tp_layers.scatter_T_forward(tp_layers.gather_T_forward(x_s, c) * M, c)
         return c.comm.allreduce(float(np.sum(S * y_s)))
 
-    x = tp_sequence.g_forward(x_s, c)
+    x = tp_layers.gather_T_forward(x_s, c)
     shapes_ok = x.shape == (2, 12, 5) and np.array_equal(x[:, 3 * c.rank:3 * c.rank + 3], x_s)
-    dy = tp_sequence.gbar_backward(S.copy(), c)                          # (B, T, C) All-Gather
-    dx_s = tp_sequence.g_backward(dy * M, c)                             # (B, T/tp, C) Reduce-Scatter
+    dy = tp_layers.scatter_T_backward(S.copy(), c)                       # (B, T, C) All-Gather
+    dx_s = tp_layers.gather_T_backward(dy * M, c)                        # (B, T/tp, C) Reduce-Scatter
     err = fd_check(loss, [x_s], [dx_s], c, [False], n=4)
     say(f"T-axis All-Gather / Reduce-Scatter pair: max rel err vs finite differences {world_max(err):.1e}")
     check(shapes_ok and dx_s.shape == x_s.shape and err < 1e-8, f"{err:.2e}")
@@ -73,14 +73,14 @@ def test_fd_T_axis_allgather_and_reduce_scatter():
 
 def test_replicated_gradients_are_all_reduced_and_identical():
     """Each TP rank sees only its T rows, so LayerNorm, wpe and row-parallel-bias gradients are partial until the
-    per-group Allreduce; afterwards the copies agree bit for bit. tp_sequence's lists name exactly the replicated
+    per-group Allreduce; afterwards the copies agree bit for bit. tp_model's lists name exactly the replicated
     parameters of split_of."""
     params, idx, targets, _, _ = reference(CFG, batch=B)
     grid, _, _, grads = sequence_grads(params, idx, targets, 4)
     c = grid.tp_comm
     names = [n for n in grads if tp_model.split_of(n, "sequence")[0] == "rep"]
-    listed = set(tp_sequence.HEAD_REPLICATED) | set(tp_sequence.EMBEDDING_REPLICATED) | \
-        {f"h.{i}.{n}" for i in range(CFG.n_layers) for n in tp_sequence.BLOCK_REPLICATED}
+    listed = set(tp_model.HEAD_REPLICATED) | set(tp_model.EMBEDDING_REPLICATED) | \
+        {f"h.{i}.{n}" for i in range(CFG.n_layers) for n in tp_model.BLOCK_REPLICATED}
     same = all(all(np.array_equal(g, grads[n]) for g in c.allgather_obj(grads[n])) for n in names)
     say(f"{len(names)} replicated gradients ({', '.join(names[:3])}, ...): identical on all 4 ranks: {same}")
     check(same and set(names) == listed, sorted(set(names) ^ listed))
@@ -140,19 +140,87 @@ def test_activation_memory_matches_the_formula_and_shrinks():
         for scheme in ("megatron", "sequence"):
             local = tp_model.shard_params(params, grid.tp_rank, tp, scheme)
             _, caches = tp_model.forward(local, idx, targets, CFG, grid.tp_comm, scheme)
-            measured[scheme] = (tp_sequence.activation_bytes(caches[1][0], local),
-                                tp_sequence.activation_bytes(caches, local))
-            f = tp_sequence.activation_formula(CFG, B, 8, tp, scheme)
+            measured[scheme] = (memory.activation_bytes(caches[1][0], local),
+                                memory.activation_bytes(caches, local))
+            f = memory.activation_formula(CFG, B, 8, tp, scheme)
             ok &= measured[scheme] == (f["block"], f["model"])
         (mb, mm), (sb, sm) = measured["megatron"], measured["sequence"]
         ok &= (sb < mb and sm < mm) if tp > 1 else (sb == mb and sm == mm)
-        ok &= sb * tp == tp_sequence.activation_formula(CFG, B, 8, 1, "sequence")["block"]
-        paper = [tp_sequence.paper_activation_bytes(CFG.seq_len, B, CFG.d_model, CFG.n_heads, tp, sp)
+        ok &= sb * tp == memory.activation_formula(CFG, B, 8, 1, "sequence")["block"]
+        paper = [memory.paper_activation_bytes(CFG.seq_len, B, CFG.d_model, CFG.n_heads, tp, sp)
                  for sp in (False, True)]
         say(f"tp={tp}: bytes per block megatron {mb}, sequence {sb} (ratio {mb / sb:.2f}; paper "
             f"{paper[0] / paper[1]:.2f}); whole forward {mm} / {sm} (ratio {mm / sm:.2f})")
         grid.free()
     check(ok)
+
+
+def test_gather_activation_memory_matches_the_formula():
+    """The gather scheme's projections cache their All-Gathered inputs: its measured bytes equal activation_formula
+    too, and lie between megatron's and (for tp = 1) equal them."""
+    params, idx, targets, _, _ = reference(CFG, batch=B)
+    ok, lines = True, []
+    for tp in (1, 2, 4, 8):
+        grid = ProcessGrid(WORLD, dp=8 // tp, tp=tp)
+        local = tp_model.shard_params(params, grid.tp_rank, tp, "gather")
+        _, caches = tp_model.forward(local, idx, targets, CFG, grid.tp_comm, "gather")
+        measured = (memory.activation_bytes(caches[1][0], local), memory.activation_bytes(caches, local))
+        f, fm = (memory.activation_formula(CFG, B, 8, tp, s) for s in ("gather", "megatron"))
+        ok &= measured == (f["block"], f["model"]) and (f["block"] > fm["block"] if tp > 1 else f == fm)
+        lines.append(f"tp={tp} {measured[0]}/{f['block']}")
+        grid.free()
+    say(f"gather: bytes per block measured/formula: {', '.join(lines)}")
+    check(ok, lines)
+
+
+def add_counts(total, counts):
+    for k, (calls, nbytes) in counts.items():
+        c0, b0 = total.get(k, (0, 0))
+        total[k] = (c0 + calls, b0 + nbytes)
+
+
+def test_pipeline_stages_chained_by_hand_equal_serial():
+    """The sequence scheme's stage_forward / stage_backward, chained by hand over 2 pipeline stages on the same 4
+    ranks of one tp group (block 0, then block 1 and the head): the first stage hands on its T-shard (B, T/tp, C),
+    the shape stage_activation_shape gives, equal to the serial activation's rows of this rank; the second hands
+    back dL/d(T-shard). The loss and every gradient shard equal serial's; each stage's collectives (forward and
+    backward) equal comm_formula(stage=(1, first, last)). The scheme is passed as an object."""
+    from hsgd.ops import embedding_forward
+    from hsgd.tp_schemes import make_scheme
+    params, idx, targets, loss0, grads0 = reference(CFG, batch=B)
+    grid = ProcessGrid(WORLD, dp=2, tp=4)
+    c, S = grid.tp_comm, make_scheme("sequence")
+    local = tp_model.shard_params(params, c.rank, 4, S)
+    grads = serial.zeros_like_params(local)
+    stages = [(range(0, 1), True, False), (range(1, 2), False, True)]
+    caches, counts, inp = [], [{}, {}], idx
+    for s, (layers, first, last) in enumerate(stages):                     # F0, F1
+        grid.stats.reset()
+        inp, cache = tp_model.stage_forward(local, inp, targets, CFG, c, S, layers, first, last)
+        add_counts(counts[s], grid.stats.counts())
+        caches.append(cache)
+        if s == 0:
+            x_s = inp                                                        # (B, T/tp, C) the T-shard handed on
+    dout = 1.0
+    for s in (1, 0):                                                         # B1, B0
+        grid.stats.reset()
+        dout = tp_model.stage_backward(dout, caches[s], grads, c, S)
+        add_counts(counts[s], grid.stats.counts())
+    x_ref, _ = embedding_forward(idx, params["wte"], params["wpe"])           # (B, T, C) serial, up to block 0
+    x_ref, _ = serial.block_forward(x_ref, params, "h.0.", CFG)
+    t0, Tl = 2 * c.rank, CFG.seq_len // 4
+    shape = tp_model.stage_activation_shape(S, B, CFG, 4)
+    x_err = float(np.abs(x_s - x_ref[:, t0:t0 + Tl]).max())
+    loss_err = abs(float(inp) - loss0) / abs(loss0)
+    errs = {n: rel_err(grads[n], tp_model.shard(grads0[n], n, c.rank, 4, S)) for n in grads}
+    worst = max(errs, key=errs.get)
+    formulas = [tp_model.comm_formula(CFG, B, 8, S, stage=(1, first, last)) for _, first, last in stages]
+    say(f"sequence, 2 stages by hand on tp=4: activation {x_s.shape} (max err vs serial {world_max(x_err):.1e}), "
+        f"loss rel err {world_max(loss_err):.1e}, max grad-shard rel err {world_max(errs[worst]):.1e}; "
+        f"collectives per stage == comm_formula: {counts == formulas}")
+    check(x_s.shape == shape == (B, Tl, CFG.d_model) and dout is None and x_err <= 1e-12 and loss_err <= 1e-12
+          and errs[worst] <= 1e-10 and counts == formulas, f"{worst} {errs[worst]:.2e} {counts} {formulas}")
+    grid.free()
 
 
 def test_hybrid_training_with_sequence_equals_serial_sgd():
@@ -161,7 +229,7 @@ def test_hybrid_training_with_sequence_equals_serial_sgd():
     from hsgd.hybrid import HybridTrainer
     from hsgd.optim import lr_at, make_optimizer
     from hsgd.train import TrainConfig
-    tc = TrainConfig(tp=4, dp=2, tp_scheme="sequence", steps=2, batch_size=8, grad_accum=2, lr=0.05, momentum=0.9,
+    tc = TrainConfig(tp=4, dp=2, tp_scheme="sequence", steps=2, batch_size=8, micro_batches=2, lr=0.05, momentum=0.9,
                      warmup=1, dtype="float64", seed=3)
     rng = np.random.default_rng(7)
     batches = [(rng.integers(0, 13, (8, 8)), rng.integers(0, 13, (8, 8))) for _ in range(2)]

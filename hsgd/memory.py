@@ -1,0 +1,77 @@
+"""Activation memory: the bytes a forward pass caches for the backward, counted and predicted.
+
+activation_bytes counts the distinct arrays held by the caches of a forward pass (hsgd.tp_model.forward);
+activation_formula predicts them for each tensor-parallel scheme, per block and for the whole model;
+paper_activation_bytes is Korthikanti et al. (2022)'s Table 2, to compare what sequence parallelism buys.
+
+Legend: B batch, T sequence, C d_model, NH heads, F d_ff, V vocab, Vp = ceil(V/tp), N = B*T, s bytes per element,
+tp ranks.
+"""
+from .tp_schemes import make_scheme
+
+
+def activation_bytes(caches, params):
+    """Bytes of the distinct array buffers held by `caches` (any nesting of tuples and lists), each counted once
+    through the array that owns the memory (a view counts as its base); parameters (caches hold W) do not count."""
+    def owner(a):                                                      # a, or the base a view was made from
+        while getattr(a, "base", None) is not None and hasattr(a.base, "nbytes"):
+            a = a.base
+        return a
+    skip = {id(owner(p)) for p in params.values()}
+    seen, todo = {}, [caches]
+    while todo:
+        x = todo.pop()
+        if isinstance(x, (tuple, list)):
+            todo.extend(x)
+        elif hasattr(x, "nbytes") and getattr(x, "ndim", 0) > 0 and id(owner(x)) not in skip:
+            seen[id(owner(x))] = owner(x).nbytes
+    return sum(seen.values())
+
+
+def activation_formula(cfg, batch_size, itemsize, tp, scheme):
+    """{"block": bytes cached by one block's forward, "model": by the whole forward} in this implementation.
+    scheme: a name or a scheme object (hsgd.tp_schemes).
+
+    What a block caches, in elements of s bytes (megatron / gather / sequence):
+        LN1, LN2: xhat (N, C) and rstd (N, 1), each        N(C + 1)        N(C + 1)    N(C + 1)/tp
+        the inputs of q,k,v and of fc (a, m)                2NC             2NC         2NC/tp  (the T-shards)
+        q, k, v (the attention cache views them)            3NC/tp          3NC/tp      3NC/tp
+        softmax probabilities (B, NH/tp, T, T)              B NH T^2/tp     B NH T^2/tp B NH T^2/tp
+        GELU's cache                                        NF/tp           NF/tp       NF/tp
+        the projections' inputs: heads, GELU output         (NC + NF)/tp    NC + NF     (NC + NF)/tp
+      megatron: s (4NC + 2N + (4NC + B NH T^2 + 2NF)/tp);   sequence: s (8NC + 2N + B NH T^2 + 2NF)/tp;
+      gather:   s (5NC + 2N + NF + (3NC + B NH T^2 + NF)/tp)  (its projections cache their All-Gathered input).
+    Outside the blocks: LN_f (xhat, rstd) and the LM head input, N(2C + 1) s (/tp for sequence); the loss's softmax
+    (N, Vp) s; the token ids and owner masks of the embedding and the loss, int64 and bool, 2 (8 + 1) N bytes, and
+    the loss's row numbers, 8N.
+    """
+    S = make_scheme(scheme)
+    B, N, C, F, NH, V = batch_size, batch_size * cfg.seq_len, cfg.d_model, cfg.d_ff, cfg.n_heads, cfg.vocab_size
+    s, Vp, T = itemsize, -(-V // tp), cfg.seq_len
+    between = tp if S.splits_T else 1                                 # between the split matmuls: T or T/tp rows
+    proj_in = 1 if S.gathers_proj_inputs else tp                      # the projections' inputs: whole or my share
+    block = ((4 * N * C + 2 * N) * s // between + (N * C + N * F) * s // proj_in
+             + (3 * N * C + B * NH * T * T + N * F) * s // tp)
+    outside = N * (2 * C + 1) * s // between
+    return {"block": block, "model": cfg.n_layers * block + outside + N * Vp * s + 26 * N}
+
+
+def paper_activation_bytes(s, b, h, a, t, sequence):
+    """Activation bytes per layer of the paper's Table 2 (16-bit activations, 1-byte dropout masks, F = 4h):
+    tensor parallel s b h (10 + 24/t + 5 a s / (h t)); tensor + sequence parallel s b h (34/t + 5 a s / (h t)).
+
+    hsgd's (activation_formula with s = T, b = B, h = C, a = NH), counted in 16-bit units to compare, F = 4h:
+        megatron s b h (8 + 24/t + 2 a s / (h t)),  sequence s b h (32/t + 2 a s / (h t))  (+ rstd 4sb, /t in SP)
+    The ratio megatron / sequence differs: for GPT-3 175B's shape (s = 2048, h = 12288, a = 96, t = 8) hsgd's is
+    1.88, the paper's 1.61; for the test model (T = 8, C = F = 16, NH = 8, B = 3, t = 8, float64) 3.04 and 2.30.
+      * no dropout: the paper's replicated 10 is LN inputs 4 + inputs of q,k,v and fc 4 + dropout masks 2;
+        hsgd's replicated 8 is LN xhat 4 + the same linear inputs 4 (plus LN's rstd);
+      * per attention entry the paper keeps scores, softmax and dropout output (2 bytes each) and the dropout mask
+        (1): 5; hsgd keeps the softmax only (2). This term is split by t in both schemes, and it is what is left
+        after sequence parallelism (the paper's 10 of 14.25 for GPT-3): the larger it is, the smaller the ratio;
+      * hsgd caches q, k, v, the merged heads, and for GELU its derivative and output: 24/t, as the paper's
+        terms split by t (where the paper keeps GELU's input, hsgd keeps its derivative);
+      * hsgd's elements are 8 bytes (float64) or 4 (float32), not 2; only ratios compare.
+    In both, sequence parallelism leaves nothing replicated: every term is divided by t.
+    """
+    return s * b * h * ((34 / t if sequence else 10 + 24 / t) + 5 * a * s / (h * t))
