@@ -35,7 +35,7 @@ from .progress import Progress
 from .report import (fmt_bytes, fmt_time, report_comm, report_memory, report_pipeline, report_staging,  # noqa: F401
                      report_trace, staging_pools, step_formula)
 from .settings import TrainConfig, build_parser, configs_from_args
-from .threads import set_cpu_threads, tune_allocator
+from .threads import openblas_note, set_cpu_threads, tune_allocator
 from .trace import Tracer
 
 __all__ = ["TrainConfig", "train", "main", "build_parser", "configs_from_args", "step_formula", "fmt_bytes"]
@@ -164,6 +164,8 @@ def header(run, device, threads):
     cfg, tc, grid, say, m = run.cfg, run.tc, run.grid, run.say, run.tc.micro_batches
     say(f"hsgd | {run.world.Get_size()} ranks = dp {grid.dp} x pp {grid.pp} x tp {grid.tp} ({tc.tp_scheme}) | "
         f"{tc.dtype} | {threads} CPU thread(s) per rank")
+    if openblas_note():
+        say(openblas_note())
     say(f"device: {device}")
     say(f"model: {cfg.n_params():,} parameters (L={cfg.n_layers} C={cfg.d_model} NH={cfg.n_heads} F={cfg.d_ff} "
         f"T={cfg.seq_len} V={cfg.vocab_size}); {sum(p.size for p in run.trainer.params.values()):,} on each rank "

@@ -115,14 +115,14 @@ def test_verify_detects_a_wrong_adjoint(monkeypatch):
     unscaled Reduce-scatter (tp times too large), and verify names the affected parameters."""
     import io
 
-    from hsgd import tp_layers, verify
+    from hsgd import tp_layers, tp_schemes, verify
 
     cfg = hsgd.ModelConfig(vocab_size=256, seq_len=8, d_model=16, n_heads=4, n_layers=1, d_ff=16)
     tc = config(tp=2, dp=4, tp_scheme="gather", steps=1)
     ok_before, _ = verify.verify(cfg, tc, WORLD, out=io.StringIO())
     wrong = lambda dy, comm, replicated=True, reduce_scatter=False, scale=None: tp_layers.allgather_backward(
         dy, comm, replicated, reduce_scatter=True, scale=1.0)
-    monkeypatch.setattr(tp_model, "allgather_backward", wrong)
+    monkeypatch.setattr(tp_schemes, "allgather_backward", wrong)
     report = io.StringIO()
     ok_after, rows = verify.verify(cfg, tc, WORLD, out=report)
     say(report.getvalue().splitlines()[-1] if report.getvalue() else "")
