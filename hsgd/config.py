@@ -1,12 +1,16 @@
-"""Configuration dataclasses: the model's shape and the training run's settings.
+"""The model's shape (ModelConfig), and `flag`: how a field of a settings dataclass becomes a command-line flag.
 
 `ModelConfig` fixes the GPT-2-style model that every hsgd implementation (serial, tensor-, data- and
 pipeline-parallel) computes. Validation errors name the field, the value and what would work.
 
+A field made with `flag(default, help_text, ...)` is also a command-line flag (and a TOML key): its metadata holds the
+help text and argparse's keywords, from which hsgd.settings builds the parsers, so a default and its help are
+written once.
+
 Legend used across hsgd: B batch, T sequence length, C d_model, NH heads, hs = C/NH head size,
 F d_ff, V vocabulary size, L layers.
 """
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 from .errors import ConfigError
 
@@ -22,14 +26,31 @@ def check_positive_int(name, value):
         raise ConfigError(f"{name}={value!r} must be a positive integer (1, 2, 3, ...)")
 
 
+def check_nonnegative_int(name, value):
+    """Raise ConfigError unless `value` is an int >= 0."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"{name}={value!r} must be an integer >= 0")
+
+
+def flag(default, help_text, shown=None, **argparse_keywords):
+    """A dataclass field that is also the flag --field-name: help_text and the default (or `shown`, a description
+    of it) make its help text; argparse_keywords (metavar, choices, ...) go to ArgumentParser.add_argument."""
+    return field(default=default, metadata=dict(help=help_text, shown=shown, **argparse_keywords))
+
+
+def flag_names(config_class):
+    """The fields of a config dataclass that are flags, in order."""
+    return tuple(f.name for f in fields(config_class) if "help" in f.metadata)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-    vocab_size: int = 256  # V: tokens are bytes by default
-    seq_len: int = 64      # T: context length, also the size of the position table wpe
-    d_model: int = 128     # C: width of the residual stream
-    n_heads: int = 4       # NH: attention heads; head size hs = C / NH
-    n_layers: int = 4      # L: Transformer blocks
-    d_ff: int = 512        # F: hidden width of the MLP (GPT-2 uses 4 * C)
+    vocab_size: int = 256  # V: tokens are bytes (not a flag)
+    seq_len: int = flag(64, "T: context length in bytes, also the rows of the position table wpe")
+    d_model: int = flag(128, "C: width of the residual stream")
+    n_heads: int = flag(4, "NH: attention heads; they divide d_model (head size hs = C / NH) and tp divides them")
+    n_layers: int = flag(4, "L: Transformer blocks")
+    d_ff: int = flag(512, "F: hidden width of the MLP, divisible by tp; GPT-2 uses 4 * C")
 
     def __post_init__(self):
         for f in fields(self):

@@ -22,9 +22,22 @@ from mpi4py import MPI
 from .errors import EXIT_NUMERICAL, EXIT_USAGE, NumericalFault, UsageError
 
 
+class LineBreakHelpFormatter(argparse.HelpFormatter):
+    """argparse's help layout, except that a line break in a flag's help text starts a new line (one per choice)."""
+
+    def _split_lines(self, text, width):
+        lines = []
+        for part in text.split("\n"):
+            lines += super()._split_lines(part, width)
+        return lines
+
+
 class RankZeroParser(argparse.ArgumentParser):
     """An ArgumentParser that prints (help, usage) on rank 0 only and raises UsageError instead of exiting, so
     that a bad flag is reported once and handled like every other usage error."""
+
+    def __init__(self, **kwargs):
+        super().__init__(formatter_class=LineBreakHelpFormatter, **kwargs)
 
     def _print_message(self, message, file=None):
         if MPI.COMM_WORLD.Get_rank() == 0:

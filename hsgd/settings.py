@@ -1,10 +1,23 @@
-"""The training run's settings: the TrainConfig dataclass, the command-line flags and TOML config files.
+"""The training run's settings: grouped dataclasses whose fields are the flags of hsgd.train and hsgd.verify.
 
-Every flag of `python -m hsgd.train` maps to a TrainConfig field (or a ModelConfig field), `--config FILE.toml`
-fills the same fields (keys are the flag names with underscores; flags on the command line win), and
-`configs_from_args` checks everything a run needs before any communication: bad values, layouts that do not fit
-the world size, batches that do not split, layers that do not split into stages. Errors name the field, the
-value and what would work.
+A run uses P = dp x pp x tp MPI ranks: dp data-parallel replicas (the lecture's G groups), each a pipeline of pp
+stages, each stage split over tp tensor-parallel ranks (the lecture's M workers per group). TrainConfig is one
+flat object (tc.tp, tc.lr, tc.micro_batches) whose fields come from the groups by plain dataclass inheritance:
+
+    Layout        the dp x pp x tp grid, how the tp ranks split the model, the pipeline's schedule and micro-batches
+    Optimization  steps, the batch, the optimizer and its hyperparameters, the seed
+    Data          the text, the floating-point type, the device, BLAS threads
+    Output        progress lines, validation losses, the sample, the JSON log, the trace and the plots
+    Checkpoints   saving and resuming, a non-finite loss, the replica check
+    Exchange      how the gradients cross dp_comm: all-reduce, overlapped, ZeRO, hierarchical or one step late
+    Experiments   faults and stragglers, on purpose
+
+Every field is made with config.flag(default, help_text, ...): `flags_parser` turns fields into flags (batch_size
+-> --batch-size, help = the help text and the default), so a default and its help are written once and the
+parsers of hsgd.train and hsgd.verify cannot drift apart. `--config FILE.toml` fills the same fields (keys are the
+field names; flags on the command line win), and `configs_from_args` checks everything a run needs before any
+communication: bad values, layouts that do not fit the world size, batches that do not split, layers that do not
+split into stages. Errors name the field, the value and what would work.
 """
 import argparse
 import os
@@ -12,7 +25,7 @@ from dataclasses import dataclass, fields
 
 from . import launch, tp_model
 from .backend import resolve_device, resolve_dtype
-from .config import ModelConfig, check_positive_int
+from .config import ModelConfig, check_nonnegative_int, check_positive_int, flag, flag_names
 from .dp import check_batch
 from .errors import ConfigError
 from .grid import check_sizes
@@ -23,68 +36,66 @@ try:
 except ImportError:                                  # Python < 3.11
     import tomli as tomllib
 
+FAULTS = ("raise", "kill", "kill-in-save", "nan", "diverge")        # the KINDs of --inject-fault
+
 
 @dataclass
-class TrainConfig:
-    tp: int = None                 # tensor-parallel size M (None: 2 when the ranks per stage are even, else 1)
-    dp: int = None                 # data-parallel size G (None: world size / (pp * tp))
-    pp: int = 1                    # pipeline stages
-    pp_split: str = None           # layers per stage, e.g. "3,1" (None: as even as possible)
-    schedule: str = "1f1b"         # pipeline schedule: 1f1b (PipeDream-Flush) or gpipe
-    micro_batches: int = None      # micro-batches per DP group and step (the pipeline's m; same as grad_accum)
-    tp_scheme: str = "megatron"    # megatron (f/g pairs) or gather (the lecture: all-gather + reduce-scatter)
-    steps: int = 1000              # optimizer steps
-    batch_size: int = 16           # B: sequences in the global batch of every step
-    grad_accum: int = 1            # micro-batches per DP group and step (gradient accumulation)
-    optimizer: str = "sgd"         # sgd (with momentum) or adamw
-    lr: float = 0.05               # peak learning rate
-    momentum: float = 0.9          # heavy-ball momentum of SGD (0 = plain SGD)
-    weight_decay: float = 0.0      # decoupled weight decay on weight matrices
-    warmup: int = 20               # linear warmup steps, then cosine decay to lr/10 at the last step
-    clip: float = 0.0              # clip the global gradient norm to this value (0 = no clipping)
-    seed: int = 0                  # seeds the parameters, the batches and the sample
-    data: str = None               # text file to train on; None = the built-in corpus
-    dtype: str = "float32"         # float32, or float64 for exactness checks
-    device: str = None             # cpu or gpu; None = $HSGD_DEVICE or cpu
-    eval_interval: int = 250       # steps between validation losses (0 = only before and after training)
-    eval_batches: int = 4          # batches averaged for one validation loss
-    log_interval: int = 50         # steps between progress lines
-    sample_bytes: int = 200        # bytes generated at the end (0 = none)
-    prompt: str = "def "           # prompt of the generated sample
-    threads: int = None            # BLAS threads per rank; None = cores / ranks on the machine (at least 1)
-    log_json: str = None           # write one JSON object per step to this file (rank 0)
-    inject_fault: str = None       # "RANK:STEP[:KIND]": a fault on that rank at that step, KIND one of FAULTS
-    save_dir: str = None           # write checkpoints into this directory
-    save_interval: int = 0         # steps between checkpoints (0: only after the last step)
-    keep: int = 3                  # checkpoints kept in save_dir (the newest)
-    resume: str = None             # "auto" (the newest checkpoint in save_dir, if any) or a checkpoint path
-    on_nan: str = "stop"           # a non-finite loss or gradient: "stop" the run (exit 3) or "skip" the update
-    check_replicas: int = 0        # every N steps compare the DP replicas' parameters (0: never)
-    dp_overlap: bool = False       # start each layer's gradient Iallreduce during the backward pass
-    zero: int = 0                  # 0: all-reduce; 1, 2: reduce-scatter + sharded optimizer + all-gather (ZeRO)
-    hierarchical: bool = False     # dp all-reduce as node reduce-scatter, cross-node all-reduce, node all-gather
-    ranks_per_node: int = None     # dp ranks per node for --hierarchical (None: MPI's shared-memory split)
-    straggler: str = None          # "RANK:MS": that rank sleeps MS milliseconds in every step
-    dp_staleness: int = 0          # 1: apply each step's averaged gradient one step late (asynchronous SGD)
-    trace: str = None              # write a Chrome/Perfetto trace of all ranks to this JSON file
-    plot: str = None               # write PNG plots (loss curves, a per-rank timeline of one step) to this folder
+class Layout:
+    """The P = dp x pp x tp grid of ranks, how the tp ranks split the model, and the pipeline's micro-batches."""
 
-    def __post_init__(self):
-        if self.micro_batches is not None and self.grad_accum == 1:
-            self.grad_accum = self.micro_batches        # the same number under its pipeline name
+    tp: int = flag(None, "tensor-parallel size: the ranks that split every layer of a stage between them",
+                   shown="2 when the ranks per stage are even, else 1")
+    dp: int = flag(None, "data-parallel size: model replicas, each on its own slice of the batch",
+                   shown="ranks / (pp * tp)")
+    pp: int = flag(1, "pipeline stages, each holding consecutive Transformer blocks")
+    pp_split: str = flag(None, "layers per pipeline stage, e.g. 3,1", shown="as even as possible", metavar="N,N,...")
+    schedule: str = flag("1f1b", "pipeline schedule: 1f1b = PipeDream-Flush, one forward then one backward in the "
+                                 "steady state; gpipe = all forwards, then all backwards", choices=("1f1b", "gpipe"))
+    micro_batches: int = flag(1, "micro-batches per DP group and step: the pipeline's m; gradient accumulation when "
+                                 "pp = 1")
+    tp_scheme: str = flag("megatron", "tensor-parallel scheme\n"
+                          "megatron: Megatron-LM's f/g operator pairs, one Allreduce at the exit of every branch\n"
+                          "gather: the lecture's, every linear column-split and its output All-Gathered\n"
+                          "sequence: megatron's split, with LayerNorm and the residual stream split along T",
+                          choices=tp_model.SCHEMES)
 
-    def validate(self):
-        if self.micro_batches is not None:                  # first: __post_init__ copied it into grad_accum
-            check_positive_int("micro_batches", self.micro_batches)
-        for name in ("steps", "batch_size", "grad_accum", "eval_batches", "log_interval"):
-            check_positive_int(name, getattr(self, name))
-        for name in ("eval_interval", "sample_bytes", "warmup"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ConfigError(f"{name}={v!r} must be an integer >= 0")
-        for name in ("threads", "tp", "dp"):
+    def check_layout(self):
+        for name in ("tp", "dp"):
             if getattr(self, name) is not None:
                 check_positive_int(name, getattr(self, name))
+        check_positive_int("pp", self.pp)
+        check_positive_int("micro_batches", self.micro_batches)
+        if self.schedule not in ("1f1b", "gpipe"):
+            raise ConfigError(f"schedule={self.schedule!r} is not known; use 1f1b or gpipe")
+
+    def resolve_layout(self, world_size):
+        """Fill in tp and dp from the world size, then check that dp * pp * tp == world size."""
+        per_stage = world_size // self.pp if world_size % self.pp == 0 else 1
+        if self.tp is None:
+            self.tp = 2 if per_stage % 2 == 0 and (self.dp is None or per_stage // self.dp % 2 == 0) else 1
+        if self.dp is None:
+            self.dp = max(world_size // (self.tp * self.pp), 1)
+        check_sizes(world_size, self.dp, self.pp, self.tp)
+
+
+@dataclass
+class Optimization:
+    """Mini-batch SGD (or AdamW): steps, the global batch, the learning-rate schedule, the seed."""
+
+    steps: int = flag(1000, "optimizer steps")
+    batch_size: int = flag(16, "B: sequences in the global batch of every step, a multiple of dp * micro_batches")
+    optimizer: str = flag("sgd", "sgd (with momentum) or adamw", choices=("sgd", "adamw"))
+    lr: float = flag(0.05, "peak learning rate")
+    momentum: float = flag(0.9, "heavy-ball momentum of SGD, 0 for plain SGD")
+    weight_decay: float = flag(0.0, "decoupled weight decay on the weight matrices")
+    warmup: int = flag(20, "linear warmup steps, then cosine decay to lr/10 at the last step")
+    clip: float = flag(0.0, "clip the global gradient norm to this value, 0 = no clipping")
+    seed: int = flag(0, "seeds the parameters, the batches and the sample")
+
+    def check_optimization(self):
+        check_positive_int("steps", self.steps)
+        check_positive_int("batch_size", self.batch_size)
+        check_nonnegative_int("warmup", self.warmup)
         if not self.lr > 0:
             raise ConfigError(f"lr={self.lr!r} must be > 0 (typical: SGD 0.01 to 0.1, AdamW 1e-4 to 3e-3)")
         if not 0 <= self.momentum < 1:
@@ -93,44 +104,88 @@ class TrainConfig:
             raise ConfigError(f"weight_decay={self.weight_decay!r} must be >= 0")
         if not self.clip >= 0:
             raise ConfigError(f"clip={self.clip!r} must be >= 0 (0 turns clipping off)")
-        if self.micro_batches is not None:
-            check_positive_int("micro_batches", self.micro_batches)
-            if self.grad_accum not in (1, self.micro_batches):
-                raise ConfigError(f"micro_batches={self.micro_batches} and grad_accum={self.grad_accum} disagree; "
-                                  "they name the same number: give one of them")
-            self.grad_accum = self.micro_batches
-        check_positive_int("pp", self.pp)
-        if self.schedule not in ("1f1b", "gpipe"):
-            raise ConfigError(f"schedule={self.schedule!r} is not known; use 1f1b or gpipe")
-        if self.pp > 1 and self.tp_scheme == "sequence":
-            raise ConfigError("tp_scheme='sequence' is not supported with pp > 1 (its activations are split along T "
-                              "between stages too); use --tp-scheme megatron or gather with --pp")
         if self.optimizer not in ("sgd", "adamw"):
             raise ConfigError(f"optimizer={self.optimizer!r} is not known; use sgd or adamw")
-        if self.straggler is not None:
-            parts = str(self.straggler).split(":")
-            if len(parts) != 2 or not all(p.isdigit() for p in parts):
-                raise ConfigError(f"straggler={self.straggler!r} must look like RANK:MILLISECONDS, e.g. 3:50")
-        if self.inject_fault is not None:
-            parts = str(self.inject_fault).split(":")
-            if not 2 <= len(parts) <= 3 or not all(p.isdigit() for p in parts[:2]) or \
-                    (len(parts) == 3 and parts[2] not in FAULTS):
-                raise ConfigError(f"inject_fault={self.inject_fault!r} must look like RANK:STEP or RANK:STEP:KIND with "
-                                  f"KIND one of {', '.join(FAULTS)}, e.g. 3:5 or 3:5:kill")
-        for name in ("save_interval", "check_replicas"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ConfigError(f"{name}={v!r} must be an integer >= 0")
+
+
+@dataclass
+class Data:
+    """What is trained on, in which floating-point type, on which device."""
+
+    data: str = flag(None, "text file to train on, its bytes the tokens",
+                     shown="the Python standard library's source files", metavar="FILE")
+    dtype: str = flag("float32", "floating-point type; float64 for exactness checks", choices=("float32", "float64"))
+    device: str = flag(None, "cpu (NumPy) or gpu (CuPy)", shown="$HSGD_DEVICE, else cpu", choices=("cpu", "gpu"))
+    threads: int = flag(None, "BLAS threads per rank", shown="cores / ranks on the machine, at least 1")
+
+    def check_data(self):
+        if self.threads is not None:
+            check_positive_int("threads", self.threads)
+        resolve_dtype(self.dtype)
+        resolve_device(self.device)
+
+
+@dataclass
+class Output:
+    """What rank 0 prints and writes while training."""
+
+    log_interval: int = flag(50, "steps between progress lines")
+    eval_interval: int = flag(250, "steps between validation losses, 0 = only before and after training")
+    eval_batches: int = flag(4, "batches averaged for one validation loss")
+    sample_bytes: int = flag(200, "bytes generated at the end, 0 = none")
+    prompt: str = flag("def ", "prompt of the generated sample", shown="'def '")
+    log_json: str = flag(None, "rank 0 writes one JSON object per step to FILE", metavar="FILE")
+    trace: str = flag(None, "write a Chrome/Perfetto trace of every rank (compute phases and collectives) to FILE",
+                      metavar="FILE.json")
+    plot: str = flag(None, "write PNG plots to DIR: loss curves and a per-rank timeline of one step", metavar="DIR")
+
+    def check_output(self):
+        check_positive_int("eval_batches", self.eval_batches)
+        check_positive_int("log_interval", self.log_interval)
+        check_nonnegative_int("eval_interval", self.eval_interval)
+        check_nonnegative_int("sample_bytes", self.sample_bytes)
+
+
+@dataclass
+class Checkpoints:
+    """Distributed checkpoints (the lecture's section 4.3); what to do with a non-finite loss or diverged replicas."""
+
+    save_dir: str = flag(None, "write distributed checkpoints into DIR", metavar="DIR")
+    save_interval: int = flag(0, "steps between checkpoints, 0 = only after the last step")
+    keep: int = flag(3, "checkpoints kept in save_dir, the newest")
+    resume: str = flag(None, "continue from the newest checkpoint in --save-dir (auto) or from PATH, under any layout "
+                             "valid for the model", metavar="auto|PATH")
+    on_nan: str = flag("stop", "a non-finite loss or gradient: stop the run (exit code 3) or skip that step's update",
+                       choices=("stop", "skip"))
+    check_replicas: int = flag(0, "every N steps compare the DP replicas' parameters and stop, naming the first that "
+                                  "differs; 0 = never", metavar="N")
+
+    def check_checkpoints(self):
+        check_nonnegative_int("save_interval", self.save_interval)
+        check_nonnegative_int("check_replicas", self.check_replicas)
         check_positive_int("keep", self.keep)
         if self.on_nan not in ("stop", "skip"):
             raise ConfigError(f"on_nan={self.on_nan!r} must be stop or skip")
-        if self.dp_staleness and (self.save_dir or self.resume):
-            raise ConfigError("checkpoints do not hold the gradient in flight of --dp-staleness 1; run it without "
-                              "--save-dir / --resume")
         if self.resume == "auto" and not self.save_dir:
             raise ConfigError("resume='auto' looks for the newest checkpoint in --save-dir; give --save-dir too")
         if self.save_dir and os.path.exists(self.save_dir) and not os.path.isdir(self.save_dir):
             raise ConfigError(f"save_dir={self.save_dir!r} exists and is not a directory; choose another path")
+
+
+@dataclass
+class Exchange:
+    """How the gradients are averaged over dp_comm (plain: one Allreduce per step)."""
+
+    dp_overlap: bool = flag(False, "start each layer's gradient Iallreduce while the backward pass goes on")
+    zero: int = flag(0, "ZeRO stage 1 or 2: reduce-scatter the gradients, update 1/dp of the parameters, all-gather "
+                        "them; 0 = all-reduce", choices=(0, 1, 2))
+    hierarchical: bool = flag(False, "all-reduce as reduce-scatter in the node, all-reduce across nodes, all-gather "
+                                     "in the node")
+    dp_staleness: int = flag(0, "1 = asynchronous SGD: each step's averaged gradient is applied one step late, its "
+                                "exchange overlapping the next step", choices=(0, 1))
+    ranks_per_node: int = flag(None, "dp ranks per node for --hierarchical", shown="MPI's shared-memory split")
+
+    def check_exchange(self):
         if self.zero not in (0, 1, 2):
             raise ConfigError(f"zero={self.zero!r} must be 0 (all-reduce), 1 or 2 (ZeRO stage)")
         if self.dp_staleness not in (0, 1):
@@ -143,106 +198,107 @@ class TrainConfig:
         if len(modes) > 1:
             raise ConfigError(f"{' and '.join(modes)} cannot be combined: each is its own way of exchanging the "
                               "gradients over dp_comm; choose one")
-        resolve_dtype(self.dtype)
-        resolve_device(self.device)
-
-    def resolve_layout(self, world_size):
-        """Fill in tp and dp from the world size, then check that dp * pp * tp == world size."""
-        per_stage = world_size // self.pp if world_size % self.pp == 0 else 1
-        if self.tp is None:
-            self.tp = 2 if per_stage % 2 == 0 and (self.dp is None or per_stage // self.dp % 2 == 0) else 1
-        if self.dp is None:
-            self.dp = max(world_size // (self.tp * self.pp), 1)
-        check_sizes(world_size, self.dp, self.pp, self.tp)
 
 
-MODEL_FLAGS = ("seq_len", "d_model", "n_layers", "n_heads", "d_ff")
-FAULTS = ("raise", "kill", "kill-in-save", "nan", "diverge")
+@dataclass
+class Experiments:
+    """Faults and slow ranks, made on purpose to test the fault tolerance and see what stragglers cost."""
+
+    inject_fault: str = flag(None, "a fault on RANK at STEP, for testing; KIND is one of\n"
+                                   "raise: an exception (the default)\n"
+                                   "kill: SIGKILL\n"
+                                   "kill-in-save: SIGKILL while writing a checkpoint\n"
+                                   "nan: a NaN in the gradient\n"
+                                   "diverge: one parameter perturbed, on that rank only", metavar="RANK:STEP[:KIND]")
+    straggler: str = flag(None, "make RANK sleep MS milliseconds in every step", metavar="RANK:MS")
+
+    def check_experiments(self):
+        if self.straggler is not None:
+            parts = str(self.straggler).split(":")
+            if len(parts) != 2 or not all(p.isdigit() for p in parts):
+                raise ConfigError(f"straggler={self.straggler!r} must look like RANK:MILLISECONDS, e.g. 3:50")
+        if self.inject_fault is not None:
+            parts = str(self.inject_fault).split(":")
+            if not 2 <= len(parts) <= 3 or not all(p.isdigit() for p in parts[:2]) or \
+                    (len(parts) == 3 and parts[2] not in FAULTS):
+                raise ConfigError(f"inject_fault={self.inject_fault!r} must look like RANK:STEP or RANK:STEP:KIND with "
+                                  f"KIND one of {', '.join(FAULTS)}, e.g. 3:5 or 3:5:kill")
+
+
+@dataclass
+class TrainConfig(Layout, Optimization, Data, Output, Checkpoints, Exchange, Experiments):
+    """Every setting of a training run in one flat object: the fields of the groups above."""
+
+    def validate(self):
+        """Check every value before any communication; raises ConfigError naming the field, the value and a fix."""
+        self.check_layout()
+        self.check_optimization()
+        self.check_data()
+        self.check_output()
+        self.check_checkpoints()
+        self.check_exchange()
+        self.check_experiments()
+        if self.dp_staleness and (self.save_dir or self.resume):
+            raise ConfigError("checkpoints do not hold the gradient in flight of --dp-staleness 1; run it without "
+                              "--save-dir / --resume")
+
+
+# The argument groups of --help, in order: (title, dataclass).
+GROUPS = (("parallel layout: P = dp x pp x tp ranks", Layout), ("model", ModelConfig),
+          ("optimization", Optimization), ("data and numerics", Data), ("output", Output),
+          ("checkpoints", Checkpoints),
+          ("data-parallel exchange (at most one of --dp-overlap, --zero, --hierarchical, --dp-staleness)", Exchange),
+          ("experiments", Experiments))
+MODEL_FLAGS = flag_names(ModelConfig)
+
+
+def add_flag(group, f, overrides):
+    """--field-name from a dataclass field: its help text with the default in parentheses at the end of the first
+    line, and its argparse keywords; an int or float field takes an int or float, a bool one --x / --no-x."""
+    keywords = {k: v for k, v in f.metadata.items() if k not in ("help", "shown")}
+    if f.name in overrides:
+        keywords["default"] = shown = overrides[f.name]
+    else:
+        shown = f.metadata["shown"] or f.default
+    if shown is None or shown is False:
+        shown = "off"
+    if f.type is bool:
+        keywords["action"] = argparse.BooleanOptionalAction
+    elif f.type in (int, float):
+        keywords["type"] = f.type
+    first, *rest = f.metadata["help"].split("\n")
+    group.add_argument("--" + f.name.replace("_", "-"), help="\n".join([f"{first} ({shown})", *rest]), **keywords)
+
+
+def flags_parser(groups, prog, description, epilog=None, only=None, overrides=None):
+    """An argparse parser with a flag for every field of the (title, dataclass) `groups` that is a flag (of those
+    named in `only`, if given), one argument group per dataclass. Flags default to None, so that only the flags
+    given override the TOML file and the dataclass defaults; `overrides` {name: value} are the parser's own
+    defaults instead (hsgd.verify's small model), shown in the help."""
+    p = launch.RankZeroParser(prog=prog, description=description, epilog=epilog, argument_default=None)
+    for title, config_class in groups:
+        chosen = [f for f in fields(config_class) if "help" in f.metadata and (only is None or f.name in only)]
+        if chosen:
+            g = p.add_argument_group(title)
+            for f in chosen:
+                add_flag(g, f, overrides or {})
+    return p
 
 
 def build_parser():
-    d, m = TrainConfig(), ModelConfig()
-    p = launch.RankZeroParser(
-        prog="mpirun -n P python -m hsgd.train",
-        description="Train a GPT-style Transformer with hybrid tensor x data parallel synchronous mini-batch SGD "
-                    "(P = dp x tp MPI ranks; one process works too), every backward pass and every collective "
-                    "written out. Trains on the Python standard library's source files unless --data is given.",
-        epilog="Example: mpirun -n 8 python -m hsgd.train --tp 4 --steps 100 --optimizer adamw --lr 3e-3",
-        argument_default=None)
-    g = p.add_argument_group("parallel layout")
-    g.add_argument("--tp", type=int, help="tensor-parallel size M (default: 2 on an even number of ranks, else 1)")
-    g.add_argument("--dp", type=int, help="data-parallel size G (default: ranks / tp)")
-    g.add_argument("--pp", type=int, help="pipeline stages (1)")
-    g.add_argument("--pp-split", metavar="N,N,...", help="layers per pipeline stage (default: as even as possible)")
-    g.add_argument("--schedule", choices=["1f1b", "gpipe"], help="pipeline schedule (1f1b)")
-    g.add_argument("--micro-batches", type=int, help="micro-batches per DP group and step: the pipeline's m "
-                                                     "(the same number as --grad-accum)")
-    g.add_argument("--tp-scheme", choices=tp_model.SCHEMES,
-                   help=f"tensor-parallel scheme: megatron f/g pairs or the lecture's all-gather ({d.tp_scheme})")
-    g = p.add_argument_group("model")
-    g.add_argument("--seq-len", type=int, help=f"T: context length in bytes ({m.seq_len})")
-    g.add_argument("--d-model", type=int, help=f"C: width of the residual stream ({m.d_model})")
-    g.add_argument("--n-layers", type=int, help=f"L: Transformer blocks ({m.n_layers})")
-    g.add_argument("--n-heads", type=int, help=f"NH: attention heads, must divide d-model and be divisible by tp "
-                                               f"({m.n_heads})")
-    g.add_argument("--d-ff", type=int, help=f"F: hidden width of the MLP, divisible by tp ({m.d_ff})")
-    g = p.add_argument_group("optimization")
-    g.add_argument("--steps", type=int, help=f"optimizer steps ({d.steps})")
-    g.add_argument("--batch-size", type=int, help=f"B: sequences in the global batch, a multiple of "
-                                                  f"dp * grad-accum ({d.batch_size})")
-    g.add_argument("--grad-accum", type=int, help=f"micro-batches per DP group and step ({d.grad_accum})")
-    g.add_argument("--optimizer", choices=["sgd", "adamw"], help=f"optimizer ({d.optimizer})")
-    g.add_argument("--lr", type=float, help=f"peak learning rate ({d.lr})")
-    g.add_argument("--momentum", type=float, help=f"SGD momentum, 0 for plain SGD ({d.momentum})")
-    g.add_argument("--weight-decay", type=float, help=f"decoupled weight decay ({d.weight_decay})")
-    g.add_argument("--warmup", type=int, help=f"warmup steps before the cosine decay ({d.warmup})")
-    g.add_argument("--clip", type=float, help=f"max global gradient norm, 0 = off ({d.clip})")
-    g.add_argument("--seed", type=int, help=f"seed of parameters, batches and sampling ({d.seed})")
-    g = p.add_argument_group("data and numerics")
-    g.add_argument("--data", metavar="FILE", help="text file to train on (bytes are tokens); default: the Python "
-                                                  "standard library's source files")
-    g.add_argument("--dtype", choices=["float32", "float64"], help=f"floating-point type ({d.dtype})")
-    g.add_argument("--device", choices=["cpu", "gpu"], help="cpu (NumPy) or gpu (CuPy); default $HSGD_DEVICE or cpu")
-    g.add_argument("--threads", type=int, help="BLAS threads per rank (default: cores / ranks, at least 1)")
-    g = p.add_argument_group("output")
-    g.add_argument("--log-interval", type=int, help=f"steps between progress lines ({d.log_interval})")
-    g.add_argument("--eval-interval", type=int, help=f"steps between validation losses, 0 = only before and after "
-                                                     f"({d.eval_interval})")
-    g.add_argument("--eval-batches", type=int, help=f"batches per validation loss ({d.eval_batches})")
-    g.add_argument("--sample-bytes", type=int, help=f"bytes to generate at the end ({d.sample_bytes})")
-    g.add_argument("--prompt", help=f"prompt of the generated sample ({d.prompt!r})")
-    g.add_argument("--log-json", metavar="FILE", help="write one JSON object per step (rank 0)")
-    g.add_argument("--config", metavar="FILE.toml", help="read settings from a TOML file (flags win)")
-    g.add_argument("--inject-fault", metavar="RANK:STEP[:KIND]",
-                   help="a fault on RANK at STEP, for testing: KIND raise (default, an exception), kill (SIGKILL), "
-                        "kill-in-save (SIGKILL while writing a checkpoint), nan (a NaN in the gradient), diverge "
-                        "(perturb one parameter on that rank only)")
-    g = p.add_argument_group("checkpoints and faults")
-    g.add_argument("--save-dir", metavar="DIR", help="write distributed checkpoints into DIR")
-    g.add_argument("--save-interval", type=int, help="steps between checkpoints (0: only after the last step)")
-    g.add_argument("--keep", type=int, help="checkpoints kept (3)")
-    g.add_argument("--resume", metavar="auto|PATH", help="continue from the newest checkpoint in --save-dir (auto) "
-                                                         "or from PATH, under any layout valid for the model")
-    g.add_argument("--on-nan", choices=["stop", "skip"], help="a non-finite loss or gradient: stop with exit code 3 "
-                                                              "or skip that step's update (stop)")
-    g.add_argument("--check-replicas", type=int, metavar="N", help="compare the DP replicas' parameters every N steps "
-                                                                   "and stop, naming the first that differs (0: off)")
-    g.add_argument("--trace", metavar="FILE.json", help="write a Chrome/Perfetto trace of every rank (compute phases "
-                                                        "and collectives) to FILE.json")
-    g.add_argument("--plot", metavar="DIR", help="write PNG plots to DIR: loss curves and a per-rank timeline of "
-                                                 "one step")
-    g = p.add_argument_group("data-parallel communication (choose at most one of the first four)")
-    g.add_argument("--dp-overlap", action=argparse.BooleanOptionalAction,
-                   help="start each layer's gradient Iallreduce while the backward pass goes on (default: off)")
-    g.add_argument("--zero", type=int, choices=[0, 1, 2], help="ZeRO stage: reduce-scatter the gradients, update "
-                                                              "1/dp of the parameters, all-gather them (0: off)")
-    g.add_argument("--hierarchical", action=argparse.BooleanOptionalAction,
-                   help="all-reduce as reduce-scatter in the node, all-reduce across nodes, all-gather in the node")
-    g.add_argument("--dp-staleness", type=int, choices=[0, 1], help="1: apply each step's averaged gradient one step "
-                                                                    "late, its exchange overlapping the next step")
-    g.add_argument("--ranks-per-node", type=int, help="dp ranks per node for --hierarchical (default: MPI's "
-                                                      "shared-memory split)")
-    g.add_argument("--straggler", metavar="RANK:MS", help="make RANK sleep MS milliseconds in every step")
+    """The flags of `python -m hsgd.train`: every field of TrainConfig and ModelConfig, and --config."""
+    p = flags_parser(
+        GROUPS, prog="mpirun -n P python -m hsgd.train",
+        description="Train a GPT-style Transformer with hybrid-parallel synchronous mini-batch SGD on P = dp x pp x "
+                    "tp MPI ranks (one process works too): dp data-parallel replicas (the lecture's G groups), each a "
+                    "pipeline of pp stages, each stage split over tp tensor-parallel ranks (the lecture's M), every "
+                    "backward pass and every collective written out. Trains on the Python standard library's source "
+                    "files unless --data is given.",
+        epilog="Example: mpirun -n 8 python -m hsgd.train --tp 4 --steps 100 --optimizer adamw --lr 3e-3. "
+               "--micro-batches (TOML key micro_batches) replaces --grad-accum (grad_accum).")
+    p.add_argument("--config", metavar="FILE.toml", help="read settings from a TOML file, the flag names with "
+                                                         "underscores as keys (lr = 0.01); flags on the command line "
+                                                         "win")
     return p
 
 
@@ -255,6 +311,9 @@ def read_toml(path):
         raise ConfigError(f"config file {path!r} does not exist") from None
     except (OSError, tomllib.TOMLDecodeError) as e:
         raise ConfigError(f"config file {path!r} cannot be read: {e}") from None
+    if "grad_accum" in table:
+        raise ConfigError(f"config file {path!r}: grad_accum is now micro_batches (micro-batches per DP group and "
+                          "step); rename the key")
     known = {f.name for f in fields(TrainConfig)} | set(MODEL_FLAGS)
     unknown = sorted(set(table) - known)
     if unknown:
@@ -273,6 +332,6 @@ def configs_from_args(args, world_size):
     tc.validate()
     tc.resolve_layout(world_size)
     tp_model.check_tp(model, tc.tp, tc.tp_scheme)
-    check_batch(tc.batch_size, tc.dp, tc.grad_accum)
+    check_batch(tc.batch_size, tc.dp, tc.micro_batches)
     split_layers(model.n_layers, tc.pp, parse_split(tc.pp_split))
     return model, tc

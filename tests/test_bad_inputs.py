@@ -13,9 +13,8 @@ BASE = ["--steps", "1", "--d-model", "8", "--n-heads", "2", "--n-layers", "1", "
 OUT_OF_RANGE = [
     (["--steps", "0"], "steps=0 must be a positive integer"),
     (["--batch-size", "0"], "batch_size=0 must be a positive integer"),
-    (["--grad-accum", "0"], "grad_accum=0 must be a positive integer"),
     (["--micro-batches", "0"], "micro_batches=0 must be a positive integer"),
-    (["--micro-batches", "2", "--grad-accum", "3"], "micro_batches=2 and grad_accum=3 disagree"),
+    (["--grad-accum", "2"], "unrecognized arguments: --grad-accum 2"),          # renamed: --micro-batches
     (["--lr", "0"], "lr=0.0 must be > 0"),
     (["--momentum", "1"], "momentum=1.0 must be in [0, 1)"),
     (["--weight-decay", "-0.1"], "weight_decay=-0.1 must be >= 0"),
@@ -57,7 +56,7 @@ LAYOUT = [
     (["--dp", "2"], "dp*pp*tp = 2*1*1 = 2 does not match the 1 ranks"),
     (["--pp", "2"], "dp*pp*tp = 1*2*1 = 2 does not match the 1 ranks"),
     (["--pp-split", "2"], "pp_split=2 must give each of the pp=1 stages at least one layer"),
-    (["--batch-size", "3", "--grad-accum", "2"], "batch_size=3 does not split into dp=1 groups x grad_accum=2"),
+    (["--batch-size", "3", "--micro-batches", "2"], "batch_size=3 does not split into dp=1 groups x micro_batches=2"),
 ]
 
 
@@ -102,7 +101,8 @@ def test_unreadable_data_file(tmp_path):
 def test_config_file_matrix(tmp_path):
     cases = {"malformed.toml": ("steps = = 1\n", "cannot be read"),
              "unknown.toml": ("step = 1\n", "has unknown keys ['step']"),
-             "badvalue.toml": ("lr = -1.0\n", "lr=-1.0 must be > 0")}
+             "badvalue.toml": ("lr = -1.0\n", "lr=-1.0 must be > 0"),
+             "renamed.toml": ("grad_accum = 2\n", "grad_accum is now micro_batches")}
     for name, (text, words) in cases.items():
         (tmp_path / name).write_text(text)
         assert_one_clear_line(*run("--config", str(tmp_path / name)), words)

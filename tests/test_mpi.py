@@ -60,6 +60,14 @@ def test_grid_prints_the_layout_table():
     assert "tp_comm groups: [[0, 1], [2, 3]]" in r.stdout and "dp_comm groups: [[0, 2], [1, 3]]" in r.stdout
 
 
+def test_help_describes_the_dp_pp_tp_grid_once():
+    r = run_mpi(8, ["-m", "hsgd.train", "--help"], timeout=60)
+    print(r.stdout[:600])
+    text = " ".join(r.stdout.split())
+    assert r.returncode == 0 and r.stdout.count("usage: mpirun -n P python -m hsgd.train") == 1   # rank 0 only
+    assert "P = dp x pp x tp MPI ranks" in text and "--micro-batches" in text and "dp x tp " not in text
+
+
 TINY = ["--steps", "3", "--d-model", "16", "--n-heads", "4", "--n-layers", "1", "--d-ff", "16", "--seq-len", "8",
         "--batch-size", "8", "--eval-batches", "1", "--sample-bytes", "0", "--log-interval", "1"]
 
@@ -67,8 +75,8 @@ TINY = ["--steps", "3", "--d-model", "16", "--n-heads", "4", "--n-layers", "1", 
 @pytest.mark.parametrize("flags, words", [
     (["--tp", "3"], "dp*pp*tp = 2*1*3 = 6 does not match the 8 ranks"),
     (["--tp", "8"], "n_heads=4 is not divisible by tp=8"),
-    (["--batch-size", "10"], "batch_size=10 does not split into dp=4 groups x grad_accum=1"),
-    (["--grad-accum", "3"], "does not split into dp=4 groups x grad_accum=3"),
+    (["--batch-size", "10"], "batch_size=10 does not split into dp=4 groups x micro_batches=1"),
+    (["--micro-batches", "3"], "does not split into dp=4 groups x micro_batches=3"),
     (["--steps", "0"], "steps=0 must be a positive integer"),
     (["--data", "/nonexistent/corpus.txt"], "does not exist"),
     (["--bogus"], "unrecognized arguments: --bogus"),
@@ -76,7 +84,6 @@ TINY = ["--steps", "3", "--d-model", "16", "--n-heads", "4", "--n-layers", "1", 
     (["--inject-fault", "x"], "inject_fault='x' must look like RANK:STEP"),
     (["--pp", "2"], "n_layers=1 cannot be split into pp=2 stages"),
     (["--pp", "2", "--n-layers", "2", "--pp-split", "2,1"], "pp_split=2,1 must give each of the pp=2 stages"),
-    (["--pp", "2", "--n-layers", "2", "--tp-scheme", "sequence"], "tp_scheme='sequence' is not supported with pp > 1"),
     (["--pp", "3"], "dp*pp*tp = 2*3*1 = 6 does not match the 8 ranks"),
 ])
 def test_invalid_flags_exit_2_with_one_message(flags, words):
@@ -130,10 +137,12 @@ def test_hybrid_training_run_prints_everything(tmp_path):
     assert "<- differs" not in out                                 # measured bytes == formula on every line
     import json
     lines = [json.loads(x) for x in log.read_text().splitlines()]
-    assert [x["step"] for x in lines] == list(range(1, 7)) and all(x["loss"] > 0 for x in lines)
+    steps = [x for x in lines if "loss" in x]                      # the step records (the others: val_loss)
+    assert [x["step"] for x in steps] == list(range(1, 7)) and all(x["loss"] > 0 for x in steps)
+    assert [(x["step"], x["val_loss"] > 0) for x in lines if "val_loss" in x] == [(0, True), (3, True), (6, True)]
 
 
-@pytest.mark.parametrize("flags", [["--tp", "2"], ["--tp", "4", "--tp-scheme", "gather", "--grad-accum", "2"],
+@pytest.mark.parametrize("flags", [["--tp", "2"], ["--tp", "4", "--tp-scheme", "gather", "--micro-batches", "2"],
                                    ["--tp", "4", "--tp-scheme", "sequence"], ["--tp", "1", "--dtype", "float32"],
                                    ["--pp", "2", "--tp", "2", "--micro-batches", "2", "--schedule", "gpipe"]])
 def test_verify_passes(flags):

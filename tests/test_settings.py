@@ -1,0 +1,103 @@
+"""The settings are written once: every TrainConfig / ModelConfig field that is a flag is in hsgd.train --help with
+its help text and default, hsgd.verify's parser is built from the same fields (the same help texts), and the help
+describes the dp x pp x tp grid."""
+from dataclasses import fields
+
+import pytest
+
+from hsgd.config import ModelConfig, flag_names
+from hsgd.errors import ConfigError
+from hsgd.settings import GROUPS, MODEL_FLAGS, TrainConfig, build_parser, configs_from_args, read_toml
+
+
+def squashed(text):
+    """`text` without any whitespace: argparse re-wraps help texts (and may break lines after a hyphen)."""
+    return "".join(text.split())
+
+
+HELP = {f.name: f.metadata["help"] for _, group in GROUPS for f in fields(group) if "help" in f.metadata}
+
+
+def options(parser):
+    """{dest: argparse action} of every --flag of `parser`."""
+    return {a.dest: a for a in parser._actions if a.option_strings and a.dest != "help"}
+
+
+def test_every_field_is_a_flag_with_its_help_text():
+    text = build_parser().format_help()
+    flat = squashed(text)
+    for title, group in GROUPS:
+        assert squashed(title) in flat, title
+        for f in fields(group):
+            if "help" not in f.metadata:
+                continue
+            assert f"--{f.name.replace('_', '-')}" in text, f.name
+            for line in f.metadata["help"].split("\n"):
+                assert squashed(line) in flat, (f.name, line)
+    # every TrainConfig field is a flag (a TOML key too), and the model's flags are all but vocab_size
+    assert {f.name for f in fields(TrainConfig)} | set(MODEL_FLAGS) == set(HELP)
+    assert set(MODEL_FLAGS) == {f.name for f in fields(ModelConfig)} - {"vocab_size"}
+    print(f"{len(HELP)} flags in hsgd.train --help, each with its help text")
+
+
+def test_help_describes_dp_pp_tp_and_the_renamed_flag():
+    text = " ".join(build_parser().format_help().split())
+    assert "P = dp x pp x tp MPI ranks" in text and "the lecture's G groups" in text and "the lecture's M" in text
+    usage_and_flags, epilog = text.split("Example:")
+    assert "P = dp x tp" not in text and "--grad-accum" in epilog and "--grad-accum" not in usage_and_flags
+    assert "data-parallel size: model replicas, each on its own slice of the batch (ranks / (pp * tp))" in text
+    for scheme in ("megatron:", "gather:", "sequence:"):
+        assert scheme in text
+    groups = {g.title: [a.dest for a in g._group_actions] for g in build_parser()._action_groups}
+    experiments = next(v for k, v in groups.items() if k.startswith("experiments"))
+    assert {"inject_fault", "straggler"} <= set(experiments)
+    assert {"trace", "plot", "log_json"} <= set(groups["output"])
+
+
+def test_verify_parser_is_built_from_the_same_fields():
+    from hsgd import verify
+    train_flags, verify_flags = options(build_parser()), options(verify.build_parser())
+    assert set(verify_flags) == set(verify.VERIFY_FLAGS) and set(verify_flags) < set(train_flags)
+    for name, action in verify_flags.items():
+        if name in verify.VERIFY_DEFAULTS:                     # verify's own default, shown in its help
+            first, *rest = HELP[name].split("\n")
+            assert action.help == "\n".join([f"{first} ({verify.VERIFY_DEFAULTS[name]})", *rest]), name
+            assert action.default == verify.VERIFY_DEFAULTS[name]
+        else:
+            assert action.help == train_flags[name].help, name
+        assert (action.type, action.choices, action.metavar) == \
+            (train_flags[name].type, train_flags[name].choices, train_flags[name].metavar), name
+    assert "P = dp x pp x tp MPI ranks" in " ".join(verify.build_parser().format_help().split())
+    print(f"{len(verify_flags)} flags of hsgd.verify, help texts identical to hsgd.train's")
+
+
+def test_defaults_come_from_the_dataclasses():
+    """No flag given: the parser adds nothing, so the run gets the dataclass defaults (and verify its own)."""
+    from hsgd import verify
+    cfg, tc = configs_from_args(build_parser().parse_args([]), world_size=1)
+    assert cfg == ModelConfig() and tc == TrainConfig(tp=1, dp=1) and tc.micro_batches == 1
+    cfg, tc = configs_from_args(verify.build_parser().parse_args([]), world_size=1)
+    assert cfg == ModelConfig(seq_len=16, d_model=32, n_layers=2, n_heads=4, d_ff=64)
+    assert (tc.dtype, tc.batch_size) == ("float64", 8)
+
+
+def test_toml_file_fills_the_same_fields_and_names_the_renamed_key(tmp_path):
+    good = tmp_path / "run.toml"
+    good.write_text('micro_batches = 2\ntp_scheme = "gather"\nd_model = 16\n')
+    cfg, tc = configs_from_args(build_parser().parse_args(["--config", str(good), "--batch-size", "4"]), 1)
+    assert (tc.micro_batches, tc.tp_scheme, tc.batch_size, cfg.d_model) == (2, "gather", 4, 16)
+    old = tmp_path / "old.toml"
+    old.write_text("grad_accum = 2\n")
+    with pytest.raises(ConfigError, match="grad_accum is now micro_batches"):
+        read_toml(str(old))
+    with pytest.raises(TypeError):
+        TrainConfig(grad_accum=2)
+
+
+def test_groups_are_plain_dataclasses_read_flat():
+    tc = TrainConfig(tp=2, lr=0.1, micro_batches=4, zero=1, inject_fault="1:2")
+    assert (tc.tp, tc.lr, tc.micro_batches, tc.zero, tc.inject_fault) == (2, 0.1, 4, 1, "1:2")
+    assert flag_names(ModelConfig) == MODEL_FLAGS
+    with pytest.raises(ConfigError, match="micro_batches=0 must be a positive integer"):
+        TrainConfig(micro_batches=0).validate()
+    TrainConfig(pp=2, tp_scheme="sequence").validate()                 # sequence runs with pipelines too
