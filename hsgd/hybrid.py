@@ -103,8 +103,7 @@ class HybridTrainer:
     def global_loss(self, group_loss):
         """The global batch's loss from this DP group's (held by the last stage): metadata, pickled."""
         g = self.grid
-        loss = g.pp_comm.comm.bcast(group_loss, root=g.pp - 1) if g.pp > 1 else group_loss
-        return g.dp_comm.comm.allreduce(loss) / g.dp
+        return g.dp_comm.comm.allreduce(g.pp_comm.comm.bcast(group_loss, root=g.pp - 1)) / g.dp
 
     def evaluate(self, corpus, n_batches, batch_size):
         """Mean loss over n_batches fixed validation batches; rows split over the dp groups like training."""

@@ -123,8 +123,7 @@ class Stage:
         if not self.last:
             self.pp_comm.Isend(xp.ascontiguousarray(out), dest=self.s + 1, tag=0).Wait()       # activation out
             return self.pp_comm.comm.bcast(None, root=self.pp_comm.size - 1)
-        loss = float(to_host(xp.asarray(out)))
-        return self.pp_comm.comm.bcast(loss, root=self.pp_comm.size - 1) if self.pp_comm.size > 1 else loss
+        return self.pp_comm.comm.bcast(float(to_host(xp.asarray(out))), root=self.pp_comm.size - 1)
 
 
 class ThreadedStage(Stage):
