@@ -116,7 +116,9 @@ class Data:
                      shown="the Python standard library's source files", metavar="FILE")
     dtype: str = flag("float32", "floating-point type; float64 for exactness checks", choices=("float32", "float64"))
     device: str = flag(None, "cpu (NumPy) or gpu (CuPy)", shown="$HSGD_DEVICE, else cpu", choices=("cpu", "gpu"))
-    threads: int = flag(None, "BLAS threads per rank", shown="cores / ranks on the machine, at least 1")
+    threads: int = flag(None, "CPU threads per rank: for BLAS and the tuned layers; a rank that holds the whole "
+                              "model (pp = tp = 1) splits each micro-batch's sequences over them",
+                        shown="cores / ranks on the machine, at least 1")
 
     def check_data(self):
         if self.threads is not None:
@@ -134,7 +136,8 @@ class Output:
     eval_batches: int = flag(4, "batches averaged for one validation loss")
     sample_bytes: int = flag(200, "bytes generated at the end, 0 = none")
     prompt: str = flag("def ", "prompt of the generated sample", shown="'def '")
-    log_json: str = flag(None, "rank 0 writes one JSON object per step to FILE", metavar="FILE")
+    log_json: str = flag(None, "rank 0 writes one JSON object per line to FILE: one per step (loss, lr, grad_norm, "
+                               "times) and one per validation loss (step, val_loss)", metavar="FILE")
     trace: str = flag(None, "write a Chrome/Perfetto trace of every rank (compute phases and collectives) to FILE",
                       metavar="FILE.json")
     plot: str = flag(None, "write PNG plots to DIR: loss curves and a per-rank timeline of one step", metavar="DIR")
