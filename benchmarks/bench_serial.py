@@ -7,7 +7,8 @@ Reports the model FLOPs of the step (by formula, ModelConfig.step_flops: the mat
 per second of the measured step, as a fraction of the float32 GEMM rate of this machine measured in the same
 run (a square 2048 x 2048 x 2048 matmul, best of several), for the step's two ways of using the threads: each
 layer splitting its work over them (timed in phases: forward, backward, update), and the batch split over them,
-one slice per thread (serial.loss_and_grads(split=True)). Prints a markdown table and writes
+one slice per thread (serial.loss_and_grads(split=True)). The serial model runs on hsgd.ops, the tuned kernels
+the models use (its default, hsgd.layers, is the plain reference). Prints a markdown table and writes
 benchmarks/results/serial.json.
 """
 import argparse
@@ -21,10 +22,10 @@ import hsgd  # before NumPy: hsgd sets how OpenBLAS threads wait (see hsgd/__ini
 import numpy as np
 from threadpoolctl import threadpool_info, threadpool_limits
 
-from hsgd import serial
-from hsgd.backend import set_cpu_threads, tune_allocator
-from hsgd.layers import cross_entropy_backward, cross_entropy_forward
+from hsgd import ops, serial
+from hsgd.ops import cross_entropy_backward, cross_entropy_forward
 from hsgd.optim import SGD
+from hsgd.threads import set_cpu_threads, tune_allocator
 
 
 def matmul_rate(n=2048, repeats=5, dtype=np.float32):
@@ -54,17 +55,17 @@ def time_step(cfg, batch_size, repeats):
         t0 = time.perf_counter()
         for g in grads.values():
             g.fill(0)
-        serial.loss_and_grads(params, idx, targets, cfg, grads=grads, split=True)     # slices on threads
+        serial.loss_and_grads(params, idx, targets, cfg, grads=grads, split=True, ops=ops)   # slices on threads
         opt.step(params, grads)
         if it > 0:
             best["step, batch split"] = min(best["step, batch split"], time.perf_counter() - t0)
         t0 = time.perf_counter()
-        logits, caches = serial.forward(params, idx, cfg)
+        logits, caches = serial.forward(params, idx, cfg, ops)
         loss, c_ce = cross_entropy_forward(logits, targets)
         t1 = time.perf_counter()
         for g in grads.values():
             g.fill(0)
-        serial.backward(cross_entropy_backward(1.0, c_ce), caches, grads)
+        serial.backward(cross_entropy_backward(1.0, c_ce), caches, grads, ops)
         t2 = time.perf_counter()
         opt.step(params, grads)
         t3 = time.perf_counter()

@@ -24,17 +24,11 @@
     hsgd.train              mpirun -n 8 python -m hsgd.train --help
     hsgd.verify             mpirun -n 8 python -m hsgd.verify: parallel gradients against serial, per parameter
 """
-import os
-
-# OpenBLAS's worker threads spin for a while after each matrix product, waiting for the next (2^28 cycles by
-# default). Between products hsgd runs its elementwise layers and attention on threads of its own
-# (backend.parallel_rows), and a spinning BLAS thread takes a core from them: about a tenth of a mid-size step on
-# 2 cores. A timeout of 2^4 cycles lets the BLAS threads sleep at once. OpenBLAS reads this when it is loaded, so
-# it only takes effect if hsgd is imported before NumPy (as `python -m hsgd.*` does); a value already set wins.
-os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
-
-from . import serial  # noqa: E402
-from .config import ModelConfig  # noqa: E402
+# First, before anything imports NumPy: hsgd.threads sets OPENBLAS_THREAD_TIMEOUT if NumPy is not loaded yet, and
+# records whether it took effect (threads.openblas_note(); the module's docstring explains the setting).
+from . import threads  # noqa: F401
+from . import serial
+from .config import ModelConfig
 
 __all__ = ["ModelConfig", "serial"]
 __version__ = "0.1.0"

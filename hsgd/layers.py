@@ -1,4 +1,4 @@
-"""The layers of a GPT-2-style Transformer, each a hand-written forward/backward pair.
+"""The layers of a GPT-2-style Transformer as plain formulas, each a hand-written forward/backward pair.
 
     *_forward(inputs..., params...) -> (out, cache)
     *_backward(dout, cache, dparams...) -> dinputs
@@ -9,6 +9,10 @@ nothing about parallelism: the tensor-parallel code calls the same functions on 
 (a column-split linear is `linear_forward` on W[:, part]; head-split attention is `attention_forward`
 on the local heads).
 
+This is the reference a reader checks against the math, and the one the serial model (hsgd.serial) runs.
+hsgd.kernels holds the same functions tuned for speed (preallocated buffers, threads, causal blocks), and
+hsgd.ops is where the models take those from; tests/test_kernels.py checks that both give the same numbers.
+
 Legend: B batch, T sequence, C d_model (C/tp on a TP shard), NH heads, hs head size, F d_ff, V vocab,
 N = B*T rows.
 
@@ -16,7 +20,7 @@ Arrays may be NumPy or CuPy; each function computes with the module its inputs b
 """
 import math
 
-from .backend import array_module, one_blas_thread, parallel_rows, scatter_add
+from .backend import array_module, scatter_add
 
 LN_EPS = 1e-5
 GELU_C = math.sqrt(2.0 / math.pi)
@@ -26,19 +30,18 @@ GELU_C = math.sqrt(2.0 / math.pi)
 # Embedding: x = wte[idx] + wpe[:T]
 
 def embedding_forward(idx, wte, wpe):
-    """x[b, t] = wte[idx[b, t]] + wpe[t]."""
-    B, T = idx.shape
-    out = wte[idx]                                            # (B, T, C) gather: a copy
-    out += wpe[:T]                                            # (B, T, C) broadcast over B
-    return out, (idx, wte.shape[0])
+    """x[b, t] = wte[idx[b, t]] + wpe[t]: a token's row plus its position's row."""
+    T = idx.shape[1]
+    return wte[idx] + wpe[:T], idx                            # (B, T, C)
 
 
 def embedding_backward(dout, cache, dwte, dwpe):
-    """dwte[v] += sum of dout over the positions holding token v; dwpe[t] += sum over the batch."""
-    idx, V = cache
+    """x[b, t] depends on wte[idx[b, t]] and wpe[t] with derivative 1, so
+        dwte[v] += sum of dout[b, t] over the positions with idx[b, t] = v;   dwpe[t] += sum_b dout[b, t]."""
+    idx = cache                                               # (B, T)
     B, T, C = dout.shape
     dwpe[:T] += dout.sum(axis=0)                              # (T, C)
-    scatter_add(dwte, idx.reshape(-1), dout.reshape(-1, C))   # scatter-add rows: (N,) -> (V, C)
+    scatter_add(dwte, idx.reshape(-1), dout.reshape(-1, C))   # (N,) rows -> (V, C), repeated tokens adding up
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -46,306 +49,139 @@ def embedding_backward(dout, cache, dwte, dwpe):
 
 def linear_forward(x, W, b=None):
     """y = x W + b over the last axis. x: (..., Cin), W: (Cin, Cout), b: (Cout,) or None."""
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])                           # (N, Cin) view
-    y = x2 @ W                                                # (N, Cout) one GEMM
-    if b is not None:
-        y += b
-    return y.reshape(*lead, W.shape[1]), (x2, W)
+    x2 = x.reshape(-1, x.shape[-1])                           # (N, Cin)
+    y = x2 @ W if b is None else x2 @ W + b                   # (N, Cout)
+    return y.reshape(*x.shape[:-1], W.shape[1]), (x2, W)
 
 
 def linear_backward(dy, cache, dW, db=None):
-    """dx = dy W^T;  dW += x^T dy;  db += sum_rows dy."""
-    x2, W = cache
+    """From y[n, j] = sum_i x[n, i] W[i, j] + b[j]:
+        dW += x^T dy  (dW[i, j] = sum_n x[n, i] dy[n, j]);  db += sum_n dy[n];  dx = dy W^T."""
+    x2, W = cache                                             # (N, Cin), (Cin, Cout)
     dy2 = dy.reshape(-1, dy.shape[-1])                        # (N, Cout)
     dW += x2.T @ dy2                                          # (Cin, Cout)
     if db is not None:
         db += dy2.sum(axis=0)                                 # (Cout,)
-    dx = dy2 @ W.T                                            # (N, Cin)
-    return dx.reshape(*dy.shape[:-1], W.shape[0])
-
-
-# --------------------------------------------------------------------------------------------------------------
-# q, k, v: three linears on the same input, computed as one GEMM on [Wq Wk Wv]
-
-def qkv_forward(x, Wq, bq, Wk, bk, Wv, bv):
-    """q, k, v = x Wq + bq, x Wk + bk, x Wv + bv, as one GEMM with the weights side by side (C, 3C'): one large
-    matrix product is faster than three, and the parameters stay separate. Returns views q, k, v (B, T, C')."""
-    xp = array_module(x)
-    W = xp.concatenate((Wq, Wk, Wv), axis=1)                  # (C, 3C') a copy of the three weights
-    b = xp.concatenate((bq, bk, bv))                          # (3C',)
-    y, (x2, _) = linear_forward(x, W, b)                      # (B, T, 3C')
-    c = Wq.shape[1]
-    return y[..., :c], y[..., c:2 * c], y[..., 2 * c:], (x2, (Wq, Wk, Wv))    # the cache holds the parameters,
-                                                                               # not the copy
-
-
-def qkv_backward(dqkv, cache, dWq, dbq, dWk, dbk, dWv, dbv):
-    """The adjoint of qkv_forward: dx = [dq dk dv] [Wq Wk Wv]^T, one GEMM for dx and one for the three dW.
-    dqkv: (B, T, 3C'), [dq | dk | dv] side by side (attention_backward's buffer)."""
-    x2, (Wq, Wk, Wv) = cache
-    W = array_module(x2).concatenate((Wq, Wk, Wv), axis=1)              # (C, 3C') again, rather than cached
-    c = dqkv.shape[-1] // 3
-    dy = dqkv.reshape(-1, 3 * c)                                        # (N, 3C')
-    dW = x2.T @ dy                                                      # (C, 3C')
-    db = dy.sum(axis=0)                                                 # (3C',)
-    for i, (gw, gb) in enumerate(((dWq, dbq), (dWk, dbk), (dWv, dbv))):
-        gw += dW[:, i * c:(i + 1) * c]
-        gb += db[i * c:(i + 1) * c]
-    dx = dy @ W.T                                                       # (N, C)
-    return dx.reshape(*dqkv.shape[:-1], W.shape[0])
+    return (dy2 @ W.T).reshape(*dy.shape[:-1], W.shape[0])    # (..., Cin)
 
 
 # --------------------------------------------------------------------------------------------------------------
 # LayerNorm over the last axis: y = (x - mean) / sqrt(var + eps) * w + b, biased variance
 
 def layernorm_forward(x, w, b):
-    """Row blocks in parallel (backend.parallel_rows)."""
+    """xhat = (x - mean) * rstd, rstd = 1 / sqrt(var + eps), over the last axis;  y = xhat * w + b."""
     xp = array_module(x)
-    C = x.shape[-1]
-    x2 = x.reshape(-1, C)                                     # (N, C)
-    xhat, out = xp.empty_like(x2), xp.empty_like(x2)
-    rstd = xp.empty((x2.shape[0], 1), dtype=x.dtype)          # (N, 1)
-
-    def rows(lo, hi):
-        xs, xh, r = x2[lo:hi], xhat[lo:hi], rstd[lo:hi]
-        xp.subtract(xs, xp.einsum("nc->n", xs)[:, None] / C, out=xh)          # x - mean (einsum: faster row sums)
-        var = xp.einsum("nc,nc->n", xh, xh)[:, None] / C                        # biased variance, no temporary
-        xp.divide(1.0, xp.sqrt(var + LN_EPS), out=r)
-        xh *= r                                                                 # normalized
-        xp.multiply(xh, w, out=out[lo:hi])
-        out[lo:hi] += b
-
-    parallel_rows(rows, x2.shape[0], min_rows=max(1, (1 << 17) // C), xp=xp)   # pieces of >= 128K elements
-    return out.reshape(x.shape), (xhat, rstd, w)
+    xc = x - x.mean(axis=-1, keepdims=True)                   # (..., C) centred
+    rstd = 1.0 / xp.sqrt((xc * xc).mean(axis=-1, keepdims=True) + LN_EPS)     # (..., 1)
+    xhat = xc * rstd                                          # (..., C) normalized
+    return xhat * w + b, (xhat, rstd, w)
 
 
 def layernorm_backward(dout, cache, dw, db):
-    """With g = dout * w:  dx = rstd * (g - mean(g) - xhat * mean(g * xhat)).
+    """dw += sum over rows of dout * xhat;  db += sum over rows of dout;  with g = dout * w (= dL/dxhat):
+        dx = rstd * (g - mean(g) - xhat * mean(g * xhat)).
 
-    (The mean subtraction removes the component along the all-ones direction, the second term the
-    component along xhat: the two directions the normalization is invariant to.)
+    (xhat is x projected away from the all-ones direction, then scaled to unit length: the backward removes from g
+    its component along the all-ones direction (mean(g)) and along xhat (mean(g * xhat), as mean(xhat^2) = 1),
+    the two directions the normalization is invariant to, and applies the scale rstd.)
     """
-    xp = array_module(dout)
-    xhat, rstd, w = cache                                     # (N, C), (N, 1), (C,)
+    xhat, rstd, w = cache                                     # (..., C), (..., 1), (C,)
     C = xhat.shape[-1]
-    d2 = dout.reshape(-1, C)                                  # (N, C)
-    dw += xp.einsum("nc,nc->c", d2, xhat)                     # (C,)
-    db += d2.sum(axis=0)                                      # (C,)
-    dx = xp.empty_like(d2)
-
-    def rows(lo, hi):
-        g, xh = dx[lo:hi], xhat[lo:hi]
-        xp.multiply(d2[lo:hi], w, out=g)                                        # g = dout * w
-        m1 = xp.einsum("nc->n", g)[:, None] / C                                 # mean(g)
-        m2 = xp.einsum("nc,nc->n", g, xh)[:, None] / C                          # mean(g * xhat)
-        g -= m1
-        g -= xh * m2
-        g *= rstd[lo:hi]
-
-    parallel_rows(rows, d2.shape[0], min_rows=max(1, (1 << 17) // C), xp=xp)
-    return dx.reshape(dout.shape)
+    dw += (dout * xhat).reshape(-1, C).sum(axis=0)            # (C,)
+    db += dout.reshape(-1, C).sum(axis=0)                     # (C,)
+    g = dout * w                                              # (..., C)
+    return rstd * (g - g.mean(axis=-1, keepdims=True) - xhat * (g * xhat).mean(axis=-1, keepdims=True))
 
 
 # --------------------------------------------------------------------------------------------------------------
 # GELU, tanh approximation: y = 0.5 x (1 + tanh(u)),  u = sqrt(2/pi) (x + 0.044715 x^3)
 
-PIECE = 1 << 16         # elements an elementwise pass works on at a time: its temporaries stay in the CPU's cache
-
-
 def gelu_forward(x):
-    """y and, for the backward pass, the derivative dy/dx = 0.5 (1 + t) + 0.5 x (1 - t^2) du/dx, t = tanh(u),
-    du/dx = sqrt(2/pi) (1 + 3 * 0.044715 x^2). Computing the derivative here, while x and t are in cache, makes
-    the backward pass one multiplication, and the cache one array (N, F) instead of the input and t.
-    Row blocks in parallel (backend.parallel_rows), each in pieces of PIECE elements, all written with out=."""
+    """y = 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3), elementwise. The cache is x."""
     xp = array_module(x)
-    x2 = x.reshape(-1, x.shape[-1])                           # (N, F)
-    y, d = xp.empty_like(x2), xp.empty_like(x2)
-    r = max(1, PIECE // x2.shape[1]) if xp.__name__ == "numpy" else x2.shape[0]   # rows per piece
-
-    def rows(lo, hi):
-        t, s = xp.empty_like(x2[:r]), xp.empty_like(x2[:r])  # scratch for one piece
-        for a in range(lo, hi, r):
-            b = min(a + r, hi)
-            xs, ys, ds, ts, ss = x2[a:b], y[a:b], d[a:b], t[:b - a], s[:b - a]
-            xp.multiply(xs, xs, out=ss)                                          # x^2
-            xp.multiply(ss, 0.044715 * GELU_C, out=ts)
-            ts += GELU_C
-            ts *= xs                                                             # u
-            xp.tanh(ts, out=ts)                                                  # t = tanh(u)
-            xp.add(ts, 1.0, out=ys)
-            ys *= xs
-            ys *= 0.5                                                            # y = 0.5 x (1 + t)
-            ss *= 3 * 0.044715 * GELU_C
-            ss += GELU_C                                                         # du/dx
-            xp.multiply(ts, ts, out=ds)
-            xp.subtract(1.0, ds, out=ds)                                         # 1 - t^2
-            ds *= ss
-            ds *= xs
-            ds += 1.0
-            ds += ts
-            ds *= 0.5                                                            # dy/dx
-
-    parallel_rows(rows, x2.shape[0], xp=xp)
-    return y.reshape(x.shape), d
+    return 0.5 * x * (1 + xp.tanh(GELU_C * (x + 0.044715 * x ** 3))), x
 
 
 def gelu_backward(dout, cache):
-    """dx = dout * dy/dx (the derivative gelu_forward cached)."""
-    xp = array_module(dout)
-    d = cache                                                 # (N, F)
-    g = dout.reshape(d.shape)
-    dx = xp.empty_like(d)
-    parallel_rows(lambda lo, hi: xp.multiply(g[lo:hi], d[lo:hi], out=dx[lo:hi]), d.shape[0],
-                  min_rows=max(1, (1 << 20) // d.shape[1]), xp=xp)    # one pass: only large arrays gain
-    return dx.reshape(dout.shape)
+    """dx = dout * dy/dx, by the product and chain rules with t = tanh(u), dt/du = 1 - t^2:
+        dy/dx = 0.5 (1 + t) + 0.5 x (1 - t^2) du/dx,   du/dx = sqrt(2/pi) (1 + 3 * 0.044715 x^2)."""
+    x = cache
+    t = array_module(x).tanh(GELU_C * (x + 0.044715 * x ** 3))
+    return dout * (0.5 * (1 + t) + 0.5 * x * (1 - t * t) * GELU_C * (1 + 3 * 0.044715 * x * x))
 
 
 # --------------------------------------------------------------------------------------------------------------
 # Causal multi-head self-attention on already projected q, k, v
 
-def _matmul_into(a, b, out):
-    """out[...] = a @ b, written straight into `out` (a strided view) where the array module allows it."""
-    xp = array_module(a)
-    if xp.__name__ == "numpy":
-        xp.matmul(a, b, out=out)
-    else:                                                     # CuPy: compute, then copy into the view
-        out[...] = a @ b
-    return out
-
-
-def _split_heads(x, n_heads):
+def split_heads(x, n_heads):
+    """(B, T, C) -> (B, NH, T, hs), a view: head h owns columns h*hs:(h+1)*hs."""
     B, T, C = x.shape
-    return x.reshape(B, T, n_heads, C // n_heads).transpose(0, 2, 1, 3)   # (B, NH, T, hs) view
+    return x.reshape(B, T, n_heads, C // n_heads).transpose(0, 2, 1, 3)
 
 
-def _sequences_per_piece(xp, B, n_heads, T):
-    """Attention is done a few sequences at a time. On the CPU a piece is small enough that its scores
-    (n, NH, T, T) stay in cache from the first product through the softmax to the second, and the pieces run
-    on parallel_rows' threads with one BLAS thread each (backend.one_blas_thread): for these small matrices
-    that is about twice as fast as whole-batch products split over the cores. A GPU takes the batch at once."""
-    if xp.__name__ != "numpy":
-        return B
-    return max(1, min(B, (1 << 18) // (n_heads * T * T)))                # pieces of up to 256K scores
-
-
-def causal_blocks(T, min_rows=64):
-    """Edges of the row blocks attention is computed in: [0, T/nb, 2T/nb, ..., T], nb = T // min_rows (at most 4).
-
-    The causal mask zeroes every score above the diagonal. Cut the (T, T) matrix into nb x nb blocks: the blocks
-    above the diagonal blocks are all masked, so row block i needs only the keys 0 .. (i+1)T/nb - 1. Skipping the
-    rest leaves (nb + 1) / (2 nb) of the products and of the softmax's work: 3/4 for nb = 2, 5/8 for nb = 4.
-    (FlashAttention skips masked blocks the same way.) Blocks narrower than min_rows cost more in overhead than
-    they save, so short sequences use one block."""
-    nb = max(1, min(4, T // min_rows))
-    return [T * i // nb for i in range(nb + 1)]
+def merge_heads(xh):
+    """(B, NH, T, hs) -> (B, T, C), the heads side by side again: split_heads undone."""
+    B, NH, T, hs = xh.shape
+    return xh.transpose(0, 2, 1, 3).reshape(B, T, NH * hs)
 
 
 def attention_forward(q, k, v, n_heads):
-    """y = softmax(q k^T / sqrt(hs) + causal mask) v, head by head.
+    """y = softmax(q k^T / sqrt(hs) + causal mask) v, for each head on its own.
 
-    q, k, v: (B, T, C) with the heads side by side along C (head h owns columns h*hs:(h+1)*hs).
-    On a tensor-parallel rank these are the local NH/tp heads, C/tp columns; nothing else changes.
-    Row block by row block (causal_blocks): a block of queries r0..r1-1 is scored against keys 0..r1-1 only; the
-    skipped probabilities are set to 0, so the cache holds the whole matrix P.
+    q, k, v: (B, T, C) with the heads side by side along C (split_heads). On a tensor-parallel rank these are the
+    local NH/tp heads, C/tp columns; nothing else changes. The mask is -inf above the diagonal: position t attends
+    to positions 0..t, and exp(-inf) = 0 gives the later ones probability 0. The cache holds P (index 3).
     """
     xp = array_module(q)
     B, T, C = q.shape
-    hs = C // n_heads
-    qh, kh, vh = (xp.empty_like(q, shape=(B, n_heads, T, hs)) for _ in range(3))    # contiguous heads: faster
-    att = xp.empty_like(q, shape=(B, n_heads, T, T))                                 # GEMMs; kept for backward
-    y = xp.empty_like(q)                                                             # (B, T, C)
-    yh = _split_heads(y, n_heads)                             # (B, NH, T, hs) view: heads written in place
-    mask = xp.triu(xp.full((T, T), -xp.inf, dtype=att.dtype), k=1)   # (T, T) -inf above the diagonal
-    n, edges = _sequences_per_piece(xp, B, n_heads, T), causal_blocks(T)
-
-    def sequences(lo, hi):                                    # sequences lo..hi-1, n at a time
-        for s in range(lo, hi, n):
-            b = slice(s, min(s + n, hi))
-            xp.multiply(_split_heads(q[b], n_heads), 1.0 / math.sqrt(hs), out=qh[b])    # q carries the scale
-            kh[b] = _split_heads(k[b], n_heads)
-            vh[b] = _split_heads(v[b], n_heads)
-            for r0, r1 in zip(edges[:-1], edges[1:]):                                   # queries r0..r1-1
-                a = att[b, :, r0:r1, :r1]                                               # (n, NH, r1-r0, r1)
-                _matmul_into(qh[b, :, r0:r1], kh[b, :, :r1].transpose(0, 1, 3, 2), a)   # scores / sqrt(hs)
-                a += mask[r0:r1, :r1]                                                   # position t sees 0..t
-                a -= a.max(axis=-1, keepdims=True)
-                xp.exp(a, out=a)
-                a *= 1.0 / xp.einsum("bhij->bhi", a)[..., None]                         # softmax, in place
-                _matmul_into(a, vh[b, :, :r1], yh[b, :, r0:r1])                         # y = P v
-                att[b, :, r0:r1, r1:] = 0                                               # the skipped keys
-
-    with one_blas_thread():
-        parallel_rows(sequences, B, min_rows=1, xp=xp)
-    return y, (qh, kh, vh, att)
+    qh, kh, vh = (split_heads(a, n_heads) for a in (q, k, v))                  # (B, NH, T, hs) each
+    S = qh @ kh.transpose(0, 1, 3, 2) / math.sqrt(C // n_heads)                 # (B, NH, T, T) scores
+    S = S + xp.triu(xp.full((T, T), -xp.inf, dtype=S.dtype), k=1)              # causal mask
+    P = xp.exp(S - S.max(axis=-1, keepdims=True))                              # (shifted: exp never overflows)
+    P = P / P.sum(axis=-1, keepdims=True)                                      # (B, NH, T, T) softmax over keys
+    return merge_heads(P @ vh), (qh, kh, vh, P)                                # (B, T, C)
 
 
-def attention_backward(dy, cache, out=None):
-    """Returns dq, dk, dv (each (B, T, C)): views of one buffer (B, T, 3C) laid out [dq | dk | dv], `out` if
-    given (qkv_backward takes that buffer whole).
-
-    With P = softmax(S), S = q k^T / sqrt(hs), y = P v (the cache holds q / sqrt(hs), not q):
-        dv = P^T dy;  dP = dy v^T;  dS = P * (dP - rowsum(dP * P));  dq = dS k / sqrt(hs);  dk = dS^T q / sqrt(hs)
-    Masked entries have P = 0, hence dS = 0: the mask needs no backward of its own, and the blocks the forward
-    skipped are skipped again. dP, dS and dq go by row blocks (queries r0..r1-1 against keys 0..r1-1); dv and dk
-    by column blocks (keys c0..c1-1 are seen by queries c0..T-1 only).
+def attention_backward(dy, cache):
+    """dq, dk, dv, each (B, T, C). With S = q k^T / sqrt(hs), P = softmax(S) row by row, y = P v:
+        dv = P^T dy;   dP = dy v^T;
+        dS = P * (dP - rowsum(dP * P))     (softmax's Jacobian: dS_ij = P_ij (dP_ij - sum_k dP_ik P_ik));
+        dq = dS k / sqrt(hs);   dk = dS^T q / sqrt(hs).
+    Masked entries have P = 0, hence dS = 0: the mask needs no backward of its own.
     """
-    qh, kh, vh, att = cache                                   # qh holds q / sqrt(hs)
-    xp = array_module(dy)
-    B, n_heads, T, hs = qh.shape
-    C = n_heads * hs
-    if out is None:
-        out = xp.empty_like(dy, shape=(B, T, 3 * C))
-    dq, dk, dv = out[..., :C], out[..., C:2 * C], out[..., 2 * C:]             # (B, T, C) views
-    dqh, dkh, dvh = (_split_heads(d, n_heads) for d in (dq, dk, dv))           # (B, NH, T, hs) views
-    n, edges = _sequences_per_piece(xp, B, n_heads, T), causal_blocks(T)
-
-    def sequences(lo, hi):                                    # sequences lo..hi-1, n at a time
-        for s in range(lo, hi, n):
-            b = slice(s, min(s + n, hi))
-            dyh = xp.ascontiguousarray(_split_heads(dy[b], n_heads))                    # (n, NH, T, hs)
-            dS = xp.empty_like(att[b])                                                  # (n, NH, T, T)
-            for r0, r1 in zip(edges[:-1], edges[1:]):                                   # queries r0..r1-1
-                a, d = att[b, :, r0:r1, :r1], dS[:, :, r0:r1, :r1]                      # P, dP: (n, NH, rows, r1)
-                _matmul_into(dyh[:, :, r0:r1], vh[b, :, :r1].transpose(0, 1, 3, 2), d)  # dP = dy v^T
-                d -= xp.einsum("bhij,bhij->bhi", d, a)[..., None]                       # dP - sum_j dP * P
-                d *= a                                                                  # dL/d(scores)
-                _matmul_into(d, kh[b, :, :r1], dqh[b, :, r0:r1])
-                dqh[b, :, r0:r1] *= 1.0 / math.sqrt(hs)                                 # dq = dS k / sqrt(hs)
-            for c0, c1 in zip(edges[:-1], edges[1:]):                                   # keys c0..c1-1
-                _matmul_into(att[b, :, c0:, c0:c1].transpose(0, 1, 3, 2), dyh[:, :, c0:], dvh[b, :, c0:c1])
-                _matmul_into(dS[:, :, c0:, c0:c1].transpose(0, 1, 3, 2), qh[b, :, c0:], dkh[b, :, c0:c1])
-                # dv = P^T dy;  dk = dS^T q / sqrt(hs) (qh holds q / sqrt(hs))
-
-    with one_blas_thread():
-        parallel_rows(sequences, B, min_rows=1, xp=xp)
-    return dq, dk, dv
+    qh, kh, vh, P = cache                                     # (B, NH, T, hs) x 3, (B, NH, T, T)
+    hs = qh.shape[-1]
+    dyh = split_heads(dy, qh.shape[1])                        # (B, NH, T, hs)
+    dv = P.transpose(0, 1, 3, 2) @ dyh                        # (B, NH, T, hs)
+    dP = dyh @ vh.transpose(0, 1, 3, 2)                       # (B, NH, T, T)
+    dS = P * (dP - (dP * P).sum(axis=-1, keepdims=True))      # (B, NH, T, T)
+    dq = dS @ kh / math.sqrt(hs)                              # (B, NH, T, hs)
+    dk = dS.transpose(0, 1, 3, 2) @ qh / math.sqrt(hs)        # (B, NH, T, hs)
+    return merge_heads(dq), merge_heads(dk), merge_heads(dv)
 
 
 # --------------------------------------------------------------------------------------------------------------
 # Softmax cross-entropy, mean over all N = B*T positions (natural log)
 
 def cross_entropy_forward(logits, targets):
-    """loss = mean_n [ logsumexp(logits[n]) - logits[n, targets[n]] ].  logits: (B, T, V), targets: (B, T)."""
+    """loss = mean_n [ logsumexp(z[n]) - z[n, targets[n]] ] = mean_n -log softmax(z[n])[targets[n]].
+    logits: (B, T, V), targets: (B, T). logsumexp is taken after subtracting the row's max (no overflow)."""
     xp = array_module(logits)
     V = logits.shape[-1]
-    z = logits.reshape(-1, V)                                 # (N, V) view
+    z = logits.reshape(-1, V)                                 # (N, V)
     tgt = targets.reshape(-1)                                 # (N,)
-    rows = xp.arange(z.shape[0])
     m = z.max(axis=1, keepdims=True)                          # (N, 1)
-    probs = z - m                                             # (N, V) shifted logits
-    zt = probs[rows, tgt]                                     # (N,) shifted target logits
-    xp.exp(probs, out=probs)
-    s = probs.sum(axis=1)                                     # (N,) pairwise sums: accurate over a long V
-    loss = (xp.log(s) - zt).mean()
-    probs /= s[:, None]                                       # softmax
-    return loss, (probs, tgt, rows, logits.shape)
+    lse = m + xp.log(xp.exp(z - m).sum(axis=1, keepdims=True))                # (N, 1) log sum_v exp z[n, v]
+    loss = (lse[:, 0] - z[xp.arange(z.shape[0]), tgt]).mean()
+    return loss, (xp.exp(z - lse), tgt, logits.shape)         # the softmax (N, V), for the backward
 
 
 def cross_entropy_backward(dloss, cache):
-    """dlogits = dloss * (softmax(logits) - onehot(targets)) / N."""
-    probs, tgt, rows, shape = cache
+    """d/dz[n, v] of -log softmax(z[n])[t_n] is softmax(z[n])[v] - [v = t_n]; the mean divides by N:
+        dlogits = dloss * (softmax(logits) - onehot(targets)) / N."""
+    probs, tgt, shape = cache                                 # (N, V), (N,)
+    xp = array_module(probs)
     N = probs.shape[0]
-    dz = probs * (dloss / N)                                  # (N, V)
-    dz[rows, tgt] -= dloss / N
-    return dz.reshape(shape)
+    onehot = xp.zeros_like(probs)
+    onehot[xp.arange(N), tgt] = 1.0                           # (N, V)
+    return (dloss / N * (probs - onehot)).reshape(shape)

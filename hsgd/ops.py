@@ -1,9 +1,13 @@
-"""The layer functions the models run, chosen in this one place.
+"""The layer functions the models run, chosen in this one place: the tuned kernels.
 
-hsgd.layers holds every layer as its plain formulas (the reference a learner reads); hsgd.kernels will hold the
-tuned versions with the same signatures. The tensor-parallel model imports its layers from here.
+hsgd.layers holds every layer as its plain formulas (the reference a learner reads, and the one hsgd.serial runs
+by default); hsgd.kernels holds the tuned versions with the same signatures and the same results
+(tests/test_kernels.py). The tensor-parallel model imports its layers from here, and
+`serial.loss_and_grads(..., ops=hsgd.ops)` runs the serial model on them. To run everything on the plain formulas
+instead (to read a profile, or to rule the kernels out), import the first twelve names below from .layers; the
+fused q/k/v projection has no plain counterpart (the plain model calls linear_forward three times).
 """
-from .layers import (attention_backward, attention_forward, cross_entropy_backward,  # noqa: F401
-                     cross_entropy_forward, embedding_backward, embedding_forward, gelu_backward, gelu_forward,
-                     layernorm_backward, layernorm_forward, linear_backward, linear_forward, qkv_backward,
-                     qkv_forward)
+from .kernels import (attention_backward, attention_forward, cross_entropy_backward,  # noqa: F401
+                      cross_entropy_forward, embedding_backward, embedding_forward, gelu_backward, gelu_forward,
+                      layernorm_backward, layernorm_forward, linear_backward, linear_forward)
+from .kernels import qkv_backward, qkv_forward  # noqa: F401

@@ -15,15 +15,19 @@ Legend: B batch, T sequence, C d_model, NH heads, F d_ff, V vocab, L layers.
 Public API: init_params(cfg, seed, dtype, device), loss_and_grads(params, idx, targets, cfg, grads, split) (split:
 the batch over the CPU threads), forward / backward for callers that want the pieces, loss(params, idx, targets,
 cfg) for evaluation.
+
+The model runs the plain layers of hsgd.layers, the formulas a reader checks. Every model function takes
+ops=hsgd.ops instead to run the tuned kernels, which have the same signatures (benchmarks and chapter 12 time
+the model that way).
 """
 import zlib
 
 import numpy as np
 
-from .backend import array_module, get_xp, parallel_batches, resolve_dtype, to_device
-from .layers import (attention_backward, attention_forward, cross_entropy_backward, cross_entropy_forward,
-                     embedding_backward, embedding_forward, gelu_backward, gelu_forward, layernorm_backward,
-                     layernorm_forward, linear_backward, linear_forward, qkv_backward, qkv_forward)
+from . import layers
+from .backend import array_module, get_xp, resolve_dtype, to_device
+from .layers import cross_entropy_forward
+from .threads import parallel_batches
 
 
 def init_std(name, cfg):
@@ -62,74 +66,80 @@ def zeros_like_params(params):
 # --------------------------------------------------------------------------------------------------------------
 # One Transformer block
 
-def block_forward(x, p, h, cfg):
-    """x + Attn(LN1(x)), then + MLP(LN2(x)). p: the params dict, h: the name prefix "h.{i}."."""
-    a, c_ln1 = layernorm_forward(x, p[h + "ln1.weight"], p[h + "ln1.bias"])       # (B, T, C)
-    q, k, v, c_qkv = qkv_forward(a, *(p[h + f"attn.{m}.{w}"] for m in "qkv" for w in ("weight", "bias")))
-    y, c_att = attention_forward(q, k, v, cfg.n_heads)                             # (B, T, C)
-    o, c_proj = linear_forward(y, p[h + "attn.proj.weight"], p[h + "attn.proj.bias"])
+def block_forward(x, p, h, cfg, ops=layers):
+    """x + Attn(LN1(x)), then + MLP(LN2(x)). p: the params dict, h: the name prefix "h.{i}.", ops: the layer
+    functions (hsgd.layers, or hsgd.ops for the tuned kernels)."""
+    a, c_ln1 = ops.layernorm_forward(x, p[h + "ln1.weight"], p[h + "ln1.bias"])   # (B, T, C)
+    q, c_q = ops.linear_forward(a, p[h + "attn.q.weight"], p[h + "attn.q.bias"])    # (B, T, C)
+    k, c_k = ops.linear_forward(a, p[h + "attn.k.weight"], p[h + "attn.k.bias"])    # (B, T, C)
+    v, c_v = ops.linear_forward(a, p[h + "attn.v.weight"], p[h + "attn.v.bias"])    # (B, T, C)
+    y, c_att = ops.attention_forward(q, k, v, cfg.n_heads)                         # (B, T, C)
+    o, c_proj = ops.linear_forward(y, p[h + "attn.proj.weight"], p[h + "attn.proj.bias"])
     x = x + o                                                                      # residual
-    m, c_ln2 = layernorm_forward(x, p[h + "ln2.weight"], p[h + "ln2.bias"])       # (B, T, C)
-    f, c_fc = linear_forward(m, p[h + "mlp.fc.weight"], p[h + "mlp.fc.bias"])      # (B, T, F)
-    g, c_gelu = gelu_forward(f)                                                    # (B, T, F)
-    o2, c_mproj = linear_forward(g, p[h + "mlp.proj.weight"], p[h + "mlp.proj.bias"])
+    m, c_ln2 = ops.layernorm_forward(x, p[h + "ln2.weight"], p[h + "ln2.bias"])   # (B, T, C)
+    f, c_fc = ops.linear_forward(m, p[h + "mlp.fc.weight"], p[h + "mlp.fc.bias"])  # (B, T, F)
+    g, c_gelu = ops.gelu_forward(f)                                                # (B, T, F)
+    o2, c_mproj = ops.linear_forward(g, p[h + "mlp.proj.weight"], p[h + "mlp.proj.bias"])
     x = x + o2                                                                     # residual
-    return x, (c_ln1, c_qkv, c_att, c_proj, c_ln2, c_fc, c_gelu, c_mproj)
+    return x, (c_ln1, c_q, c_k, c_v, c_att, c_proj, c_ln2, c_fc, c_gelu, c_mproj)
 
 
-def block_backward(dx, cache, g, h):
+def block_backward(dx, cache, g, h, ops=layers):
     """The block's backward: block_forward read from the bottom up. g: the grads dict."""
-    c_ln1, c_qkv, c_att, c_proj, c_ln2, c_fc, c_gelu, c_mproj = cache
+    c_ln1, c_q, c_k, c_v, c_att, c_proj, c_ln2, c_fc, c_gelu, c_mproj = cache
     # x = x + MLP(LN2(x)): the residual passes dx through, the branch adds its own
-    dg = linear_backward(dx, c_mproj, g[h + "mlp.proj.weight"], g[h + "mlp.proj.bias"])   # (B, T, F)
-    df = gelu_backward(dg, c_gelu)                                                      # (B, T, F)
-    dm = linear_backward(df, c_fc, g[h + "mlp.fc.weight"], g[h + "mlp.fc.bias"])        # (B, T, C)
-    dx = dx + layernorm_backward(dm, c_ln2, g[h + "ln2.weight"], g[h + "ln2.bias"])
+    dg = ops.linear_backward(dx, c_mproj, g[h + "mlp.proj.weight"], g[h + "mlp.proj.bias"])   # (B, T, F)
+    df = ops.gelu_backward(dg, c_gelu)                                                      # (B, T, F)
+    dm = ops.linear_backward(df, c_fc, g[h + "mlp.fc.weight"], g[h + "mlp.fc.bias"])        # (B, T, C)
+    dx = dx + ops.layernorm_backward(dm, c_ln2, g[h + "ln2.weight"], g[h + "ln2.bias"])
     # x = x + Attn(LN1(x))
-    dy = linear_backward(dx, c_proj, g[h + "attn.proj.weight"], g[h + "attn.proj.bias"])  # (B, T, C)
-    dqkv = array_module(dy).empty_like(dy, shape=(*dy.shape[:-1], 3 * dy.shape[-1]))   # (B, T, 3C)
-    attention_backward(dy, c_att, out=dqkv)                                             # [dq | dk | dv]
-    da = qkv_backward(dqkv, c_qkv, *(g[h + f"attn.{m}.{w}"] for m in "qkv" for w in ("weight", "bias")))
-    dx = dx + layernorm_backward(da, c_ln1, g[h + "ln1.weight"], g[h + "ln1.bias"])
+    dy = ops.linear_backward(dx, c_proj, g[h + "attn.proj.weight"], g[h + "attn.proj.bias"])  # (B, T, C)
+    dq, dk, dv = ops.attention_backward(dy, c_att)                                          # (B, T, C) x 3
+    da = ops.linear_backward(dq, c_q, g[h + "attn.q.weight"], g[h + "attn.q.bias"])         # (B, T, C)
+    da += ops.linear_backward(dk, c_k, g[h + "attn.k.weight"], g[h + "attn.k.bias"])        # a feeds q, k, v:
+    da += ops.linear_backward(dv, c_v, g[h + "attn.v.weight"], g[h + "attn.v.bias"])        # its gradients add
+    dx = dx + ops.layernorm_backward(da, c_ln1, g[h + "ln1.weight"], g[h + "ln1.bias"])
     return dx
 
 
 # --------------------------------------------------------------------------------------------------------------
 # The whole model
 
-def forward(params, idx, cfg):
-    """logits (B, T, V) for token ids idx (B, T), and the caches the backward pass needs."""
+def forward(params, idx, cfg, ops=layers):
+    """logits (B, T, V) for token ids idx (B, T), and the caches the backward pass needs (the backward takes the
+    same ops)."""
     p = params
-    x, c_emb = embedding_forward(idx, p["wte"], p["wpe"])                          # (B, T, C)
+    x, c_emb = ops.embedding_forward(idx, p["wte"], p["wpe"])                      # (B, T, C)
     c_blocks = []
     for i in range(cfg.n_layers):
-        x, c = block_forward(x, p, f"h.{i}.", cfg)
+        x, c = block_forward(x, p, f"h.{i}.", cfg, ops)
         c_blocks.append(c)
-    xf, c_lnf = layernorm_forward(x, p["ln_f.weight"], p["ln_f.bias"])           # (B, T, C)
-    logits, c_head = linear_forward(xf, p["lm_head.weight"])                      # (B, T, V)
+    xf, c_lnf = ops.layernorm_forward(x, p["ln_f.weight"], p["ln_f.bias"])       # (B, T, C)
+    logits, c_head = ops.linear_forward(xf, p["lm_head.weight"])                  # (B, T, V)
     return logits, (c_emb, c_blocks, c_lnf, c_head)
 
 
-def backward(dlogits, caches, grads):
+def backward(dlogits, caches, grads, ops=layers):
     """Accumulate (+=) every parameter's gradient into `grads`, given dloss/dlogits."""
     c_emb, c_blocks, c_lnf, c_head = caches
     g = grads
-    dxf = linear_backward(dlogits, c_head, g["lm_head.weight"])                   # (B, T, C)
-    dx = layernorm_backward(dxf, c_lnf, g["ln_f.weight"], g["ln_f.bias"])         # (B, T, C)
+    dxf = ops.linear_backward(dlogits, c_head, g["lm_head.weight"])               # (B, T, C)
+    dx = ops.layernorm_backward(dxf, c_lnf, g["ln_f.weight"], g["ln_f.bias"])     # (B, T, C)
     for i in reversed(range(len(c_blocks))):
-        dx = block_backward(dx, c_blocks[i], g, f"h.{i}.")
-    embedding_backward(dx, c_emb, g["wte"], g["wpe"])
+        dx = block_backward(dx, c_blocks[i], g, f"h.{i}.", ops)
+    ops.embedding_backward(dx, c_emb, g["wte"], g["wpe"])
 
 
-def loss_and_grads(params, idx, targets, cfg, grads=None, split=False):
+def loss_and_grads(params, idx, targets, cfg, grads=None, split=False, ops=layers):
     """(loss, grads): the mean cross-entropy over all B*T positions and its gradient for every parameter.
 
     idx, targets: integer arrays (B, T). If `grads` is given, gradients are accumulated into it.
-    split=True (NumPy, backend.cpu_threads() > 1): the batch is cut into cpu_threads() slices of whole sequences,
-    computed side by side, one thread each (backend.parallel_batches). Slice i, with B_i of the B sequences, adds
+    split=True (NumPy, threads.cpu_threads() > 1): the batch is cut into cpu_threads() slices of whole sequences,
+    computed side by side, one thread each (threads.parallel_batches). Slice i, with B_i of the B sequences, adds
     B_i / B times its own mean loss and gradients: the mean over the batch is the B_i-weighted mean of the slices'
     means (the mini-batch identity of chapter 5: data parallelism inside one process, the final sum in place of
     the All-Reduce). The same numbers as split=False, up to rounding.
+    ops: the layer functions, hsgd.layers (the plain formulas) or hsgd.ops (the tuned kernels): the same numbers.
     """
     xp = array_module(params["wte"])
     idx, targets = xp.asarray(idx), xp.asarray(targets)
@@ -139,9 +149,9 @@ def loss_and_grads(params, idx, targets, cfg, grads=None, split=False):
 
     def part(lo, hi):                                         # sequences lo..hi-1, weighted by their share
         g = grads if hi == B else zeros_like_params(params)   # the last slice adds into `grads` itself
-        logits, caches = forward(params, idx[lo:hi], cfg)
-        value, c_ce = cross_entropy_forward(logits, targets[lo:hi])
-        backward(cross_entropy_backward((hi - lo) / B, c_ce), caches, g)
+        logits, caches = forward(params, idx[lo:hi], cfg, ops)
+        value, c_ce = ops.cross_entropy_forward(logits, targets[lo:hi])
+        backward(ops.cross_entropy_backward((hi - lo) / B, c_ce), caches, g, ops)
         return value * ((hi - lo) / B), g
 
     parts = parallel_batches(part, B) if split and xp is np else [part(0, B)]

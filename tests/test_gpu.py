@@ -70,7 +70,7 @@ def test_staging_through_pinned_host_buffers(monkeypatch, request):
 def test_layers_on_gpu_equal_cpu_float64(B, T, NH):
     """Each layer on CuPy against NumPy, float64, with sequences long enough for several causal blocks (strided
     views of the scores, the skipped blocks set to 0, column-block products in the backward)."""
-    from hsgd import layers
+    from hsgd import kernels as layers                                 # the tuned layers the models run
     rng = np.random.default_rng(0)
     C, F, V = 8 * NH, 32, 50
     q, k, v, dy = (rng.normal(size=(B, T, C)) for _ in range(4))

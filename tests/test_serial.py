@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 import hsgd
-from hsgd import serial
+from hsgd import ops, serial
 from hsgd.data import Corpus
 from hsgd.train import TrainConfig, train
 
@@ -100,16 +100,17 @@ def test_same_seed_same_training_run():
 
 
 def test_threads_change_nothing(set_threads):
-    """The threaded paths (backend.parallel_rows: GELU, LayerNorm and attention pieces on 2 threads, attention's
-    BLAS on one thread per piece) give the one-thread gradients. The shapes are large enough for every threaded
-    layer but GELU's one-pass backward to split its rows, and the sequences long enough for 2 causal blocks."""
+    """The threaded paths of the kernels (serial on hsgd.ops; threads.parallel_rows: GELU, LayerNorm and attention
+    pieces on 2 threads, attention's BLAS on one thread per piece) give the one-thread gradients. The shapes are
+    large enough for every threaded layer but GELU's one-pass backward to split its rows, and the sequences long
+    enough for 2 causal blocks."""
     cfg = hsgd.ModelConfig(vocab_size=31, seq_len=128, d_model=512, n_heads=2, n_layers=1, d_ff=1024)
     params = serial.init_params(cfg, seed=3, dtype="float64")
     idx, targets = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 5, cfg.seq_len))
     set_threads(1)
-    loss1, g1 = serial.loss_and_grads(params, idx, targets, cfg)
+    loss1, g1 = serial.loss_and_grads(params, idx, targets, cfg, ops=ops)
     set_threads(2)
-    loss2, g2 = serial.loss_and_grads(params, idx, targets, cfg)
+    loss2, g2 = serial.loss_and_grads(params, idx, targets, cfg, ops=ops)
     err = max(max_rel_err(g2[n], g1[n]) for n in g1)
     print(f"2 threads vs 1: loss {loss2!r} vs {loss1!r}, max rel grad err {err:.1e}")
     assert abs(loss2 - loss1) <= 1e-14 * abs(loss1) and err < 1e-13
@@ -119,7 +120,7 @@ def test_threads_change_nothing(set_threads):
 def test_batch_split_over_threads_is_the_minibatch_identity(set_threads, threads, B):
     """split=True: slices of whole sequences on threads of their own, each weighted by its share of the batch,
     accumulated into the given gradients; equal to the unsplit computation up to rounding (float64)."""
-    from hsgd.backend import cpu_threads, parallel_batches
+    from hsgd.threads import cpu_threads, parallel_batches
     cfg = hsgd.ModelConfig(vocab_size=31, seq_len=8, d_model=16, n_heads=2, n_layers=2, d_ff=32)
     params = serial.init_params(cfg, seed=5, dtype="float64")
     idx, targets = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, B, cfg.seq_len))

@@ -1,10 +1,14 @@
-"""backend.parallel_rows and backend.parallel_batches: errors wait for every piece, pieces do not split again."""
+"""hsgd.threads: parallel_rows and parallel_batches (errors wait for every piece, pieces do not split again), and
+whether OPENBLAS_THREAD_TIMEOUT took effect (a note when NumPy was imported before hsgd)."""
+import os
+import subprocess
+import sys
 import threading
 import time
 
 import pytest
 
-from hsgd.backend import cpu_threads, parallel_batches, parallel_rows
+from hsgd.threads import cpu_threads, parallel_batches, parallel_rows
 
 
 @pytest.fixture
@@ -43,3 +47,30 @@ def test_a_piece_does_not_split_again(three_threads):
     print(f"inner calls (outer piece, threads, thread): {sorted(seen)}; batch slices see {results}")
     assert sorted(lo for lo, _, _ in seen) == [0, 1, 2] and all(n == 1 for _, n, _ in seen)
     assert results == [1, 1, 1] and cpu_threads() == 3
+
+
+def note_in_fresh_process(imports, timeout_value=None):
+    """threads.openblas_note() in a new Python process that runs `imports` first; the environment without
+    OPENBLAS_THREAD_TIMEOUT, or with it set to timeout_value. Returns (note, the variable as the process saw it)."""
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
+    if timeout_value is not None:
+        env["OPENBLAS_THREAD_TIMEOUT"] = timeout_value
+    code = (f"{imports}; import os, hsgd.threads as t; print(t.openblas_note()); "
+            "print(os.environ.get('OPENBLAS_THREAD_TIMEOUT'))")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=True)
+    note, value = out.stdout.strip().splitlines()
+    return note, value
+
+
+@pytest.mark.parametrize("imports, timeout_value, expect_note", [
+    ("import numpy; import hsgd", None, True),          # NumPy first: OpenBLAS started with its default
+    ("import hsgd; import numpy", None, False),         # hsgd first: hsgd set the variable before OpenBLAS loaded
+    ("import numpy; import hsgd", "4", False),          # set where the process started: in effect either way
+])
+def test_openblas_note_says_when_the_timeout_did_not_take_effect(imports, timeout_value, expect_note):
+    note, value = note_in_fresh_process(imports, timeout_value)
+    print(f"{imports!r}, OPENBLAS_THREAD_TIMEOUT={timeout_value} at start: note {note!r}; variable {value!r}")
+    if expect_note:
+        assert "OPENBLAS_THREAD_TIMEOUT=4" in note and value == "None"
+    else:
+        assert note == "None" and value == "4"

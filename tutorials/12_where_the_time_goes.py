@@ -23,10 +23,12 @@
 # 1. the FLOPs of a training step, by formula (`ModelConfig.step_flops`) and counted from the matrix products the
 #    layers actually perform, and MFU: the FLOPs per second of a step over the matmul rate of this machine;
 # 2. where the time goes: every layer timed inside a real step, next to what its FLOPs would take at the matmul
-#    rate; why the elementwise layers are written with `out=` and in place;
-# 3. causal attention skipping the blocks the mask zeroes, checked against a plain dense attention in float64;
-# 4. threads: NumPy releases the GIL, so hsgd splits rows over threads of its own (`backend.parallel_rows`), or
-#    splits the batch over them (`backend.parallel_batches`); the gradients do not change with the thread count;
+#    rate; why the tuned layers (`hsgd.kernels`) are written with `out=` and in place, where `hsgd.layers` writes
+#    the plain formulas;
+# 3. causal attention skipping the blocks the mask zeroes, checked against the plain dense attention of
+#    `hsgd.layers` in float64;
+# 4. threads: NumPy releases the GIL, so hsgd splits rows over threads of its own (`threads.parallel_rows`), or
+#    splits the batch over them (`threads.parallel_batches`); the gradients do not change with the thread count;
 #    why `import hsgd` comes before `import numpy`;
 # 5. memory as well as time: GELU caches its derivative instead of its input and tanh, checked against the
 #    activation formula of chapter 7 and a finite difference;
@@ -40,30 +42,30 @@
 # from machine to machine and from run to run (more so on a shared machine); no check depends on one. The checks
 # are about FLOPs, bytes and values, which do not vary.
 #
+# Every layer exists twice with the same signature: `hsgd.layers`, the plain formulas (the reference, which
+# `hsgd.serial` runs by default), and `hsgd.kernels`, the tuned versions, which `hsgd.ops` hands to the models
+# (tests/test_kernels.py checks that both give the same numbers). This chapter is about the second: it runs the
+# serial model on them, `serial.loss_and_grads(..., ops=ops)`.
+#
 # Legend: B batch, T sequence, C d_model, NH heads, hs = C/NH head size, F d_ff, V vocabulary, L layers,
 # N = B*T rows. A FLOP is one floating-point operation (a multiply-add is 2); GFLOP/s = 1e9 FLOPs per second;
 # MFU = model FLOPs utilization; ms = milliseconds.
 
 # %%
-# ruff: noqa: E402
-# (E402: one line of code comes before the other imports, to note whether NumPy was loaded before hsgd)
-import sys
+import hsgd  # before NumPy: hsgd sets OPENBLAS_THREAD_TIMEOUT, which OpenBLAS reads only when it is loaded (section 4)
 
-NUMPY_FIRST = "numpy" in sys.modules    # was NumPy loaded before hsgd? (not in a fresh `python` process)
-import hsgd  # before NumPy: hsgd sets OPENBLAS_THREAD_TIMEOUT, which OpenBLAS reads only when it is loaded
-
-import contextlib
 import os
 import threading
 import time
+import types
 from fractions import Fraction
 
 import numpy as np
 from mpi4py import MPI
 from threadpoolctl import threadpool_info, threadpool_limits
 
-from hsgd import layers, serial, tp_model, tp_sequence
-from hsgd.backend import parallel_rows, set_cpu_threads, tune_allocator
+from hsgd import kernels, layers, memory, ops, serial, threads, tp_model
+from hsgd.threads import parallel_rows, set_cpu_threads, tune_allocator
 from hsgd.comm import Comm
 from hsgd.optim import SGD
 
@@ -113,17 +115,24 @@ def best_and_median(f, repeats):
 #
 # The model of this section is `ModelConfig`'s default (what `hsgd.train` trains unless told otherwise) with
 # T = 128 instead of 64. Instead of trusting the
-# formula, count the products: wrap every layer function `hsgd.serial` calls with a function that records its
-# arguments, as a profiler would, run one step, and add up each call's matrix products from the shapes it was
-# actually given. The same wrappers time each call, for section 2.
+# formula, count the products: wrap every layer function of `hsgd.ops` with a function that records its
+# arguments, as a profiler would, hand the wrapped functions to the serial model (its `ops` argument), run one
+# step, and add up each call's matrix products from the shapes it was actually given. The same wrappers time each
+# call, for section 2.
 
 # %%
 cfg = hsgd.ModelConfig(vocab_size=256, seq_len=128, d_model=128, n_heads=4, n_layers=4, d_ff=512)
 B = 8
 N, C, F, V, T = B * cfg.seq_len, cfg.d_model, cfg.d_ff, cfg.vocab_size, cfg.seq_len
-LINEAR = {(C, C): "attn proj", (C, F): "mlp fc", (F, C): "mlp proj", (C, V): "LM head"}   # W (in, out) -> which
-LAYER_FUNCTIONS = sorted(n for n in vars(serial) if n.endswith(("_forward", "_backward"))
-                         and getattr(layers, n, None) is getattr(serial, n))       # serial's imports from layers
+LAYER_FUNCTIONS = sorted(n for n in dir(ops) if n.endswith(("_forward", "_backward")))   # what hsgd.ops offers
+LINEAR = {"attn.q": "qkv", "attn.k": "qkv", "attn.v": "qkv", "attn.proj": "attn proj", "mlp.fc": "mlp fc",
+          "mlp.proj": "mlp proj", "lm_head": "LM head"}                # a weight's name -> which product
+
+
+def linear_kind(W):
+    """Which product a linear's weight W belongs to, from its name in `params` (the arrays the step runs on)."""
+    name = next(n for n, p in params.items() if p is W)                 # e.g. "h.0.attn.q.weight"
+    return next(kind for part, kind in LINEAR.items() if part + ".weight" in name)
 
 
 def gemms(name, args):
@@ -131,19 +140,10 @@ def gemms(name, args):
     if name == "linear_forward":                                       # y = x W
         x, W = args[0], args[1]
         n = x.size // x.shape[-1]
-        return LINEAR[W.shape], 2 * n * W.size, f"({n}, {W.shape[0]}) @ {W.shape}"
+        return linear_kind(W), 2 * n * W.size, f"({n}, {W.shape[0]}) @ {W.shape}"
     if name == "linear_backward":                                      # dx = dy W^T and dW = x^T dy
         x2, W = args[1]
-        return LINEAR[W.shape], 2 * 2 * x2.shape[0] * W.size, f"2 x ({x2.shape[0]}, {W.shape[1]}) . {W.shape}"
-    if name == "qkv_forward":                                          # [q k v] = x [Wq Wk Wv]: one (C, 3C) product
-        x, Wq = args[0], args[1]
-        n = x.size // x.shape[-1]
-        C_in, C_out = x.shape[-1], 3 * Wq.shape[1]
-        return "qkv", 2 * n * C_in * C_out, f"({n}, {C_in}) @ ({C_in}, {C_out})"
-    if name == "qkv_backward":                                         # the cache holds Wq, Wk, Wv
-        x2, Ws = args[1]
-        C_in, C_out = Ws[0].shape[0], sum(w.shape[1] for w in Ws)
-        return "qkv", 2 * 2 * x2.shape[0] * C_in * C_out, f"2 x ({x2.shape[0]}, {C_out}) . ({C_in}, {C_out})"
+        return linear_kind(W), 2 * 2 * x2.shape[0] * W.size, f"2 x ({x2.shape[0]}, {W.shape[1]}) . {W.shape}"
     if name == "attention_forward":                                    # S = q k^T and y = P v, full T x T
         Bq, Tq, Cq = args[0].shape
         return "attention", 2 * 2 * Bq * Tq * Tq * Cq, f"2 x {Bq * args[3]} heads of ({Tq}, {Cq // args[3]}) x {Tq}"
@@ -153,12 +153,9 @@ def gemms(name, args):
     return name.rsplit("_", 1)[0], 0, ""                               # layernorm, gelu, embedding, cross_entropy
 
 
-@contextlib.contextmanager
 def profiled(calls):
-    """Inside the block, every layer function hsgd.serial calls appends (name, kind, FLOPs, shapes, seconds) to
-    `calls`. serial imported them by name, so they are replaced in serial's namespace, and restored afterwards."""
-    originals = {name: getattr(serial, name) for name in LAYER_FUNCTIONS}
-
+    """hsgd.ops' layer functions, each wrapped to append (name, kind, FLOPs, shapes, seconds) to `calls` when it is
+    called: an object with the same attributes as hsgd.ops, for the serial model's `ops` argument."""
     def wrapped(name, fn):
         def timed(*args, **kwargs):
             t0 = time.perf_counter()
@@ -168,13 +165,7 @@ def profiled(calls):
             return out
         return timed
 
-    for name, fn in originals.items():
-        setattr(serial, name, wrapped(name, fn))
-    try:
-        yield
-    finally:
-        for name, fn in originals.items():
-            setattr(serial, name, fn)
+    return types.SimpleNamespace(**{name: wrapped(name, getattr(ops, name)) for name in LAYER_FUNCTIONS})
 
 
 params = serial.init_params(cfg, seed=0, dtype="float32")
@@ -183,13 +174,12 @@ idx, targets = rng.integers(0, V, (B, T)), rng.integers(0, V, (B, T))      # (B,
 opt = SGD(lr=1e-4, momentum=0.9)
 
 calls = []
-with profiled(calls):
-    serial.loss_and_grads(params, idx, targets, cfg, grads=grads)
+serial.loss_and_grads(params, idx, targets, cfg, grads=grads, ops=profiled(calls))
 counted = sum(c[2] for c in calls)
 forward_flops = sum(c[2] for c in calls if c[0].endswith("_forward"))
 print(f"model: L={cfg.n_layers} C={C} NH={cfg.n_heads} F={F} T={T} V={V}, B={B} ({cfg.n_params():,} parameters)")
 print("the matrix products of block 0's forward pass and of the LM head, as the layers were called:")
-block0 = calls[:calls.index(next(c for c in calls if c[0] == "layernorm_forward")) + 8]   # embedding .. mlp proj
+block0 = calls[:calls.index(next(c for c in calls if c[0] == "layernorm_forward")) + 10]  # embedding .. mlp proj
 head = [c for c in calls if c[1] == "LM head" and c[0] == "linear_forward"]
 for name, kind, flops, shapes, _ in block0 + head:
     if flops:
@@ -220,10 +210,10 @@ def matmul_rate(n=1024, repeats=5):
     return 2 * n ** 3 / best
 
 
-def train_step():
+def train_step(layer_ops=ops):
     for g in grads.values():
         g.fill(0)
-    serial.loss_and_grads(params, idx, targets, cfg, grads=grads)
+    serial.loss_and_grads(params, idx, targets, cfg, grads=grads, ops=layer_ops)
     opt.step(params, grads)
 
 
@@ -244,8 +234,8 @@ print(f"MFU = {flops / 1e9:.3f} GFLOP / {step_best * 1e3:.1f} ms / {RATE / 1e9:.
 #
 # What to look for: the rows with FLOPs (the linears, q/k/v, attention, the LM head) take a time of the order of
 # their FLOPs at the matmul rate; their last column, the fraction of that rate they reach, stays below 1, because
-# this model's products are small and each layer function does a little more than multiply (q/k/v concatenates
-# its three weights, the linears add their biases and sum the bias gradients). The rows without FLOPs
+# this model's products are small and each layer function does a little more than multiply (the linears add their
+# biases and sum the bias gradients; q, k and v are three linears on the same input). The rows without FLOPs
 # (LayerNorm, GELU, the cross-entropy, the embedding) add time that no FLOP count sees. Attention's row counts the
 # full $T \times T$ scores and it does only part of them (section 3), so its fraction can look better than it is;
 # it also contains its softmax, elementwise work again.
@@ -254,11 +244,11 @@ print(f"MFU = {flops / 1e9:.3f} GFLOP / {step_best * 1e3:.1f} ms / {RATE / 1e9:.
 STEPS = 3
 calls, step_times = [], []
 train_step()                                                           # warm-up, outside the profile
-with profiled(calls):
-    for _ in range(STEPS):
-        t0 = time.perf_counter()
-        train_step()
-        step_times.append(time.perf_counter() - t0)
+profiled_ops = profiled(calls)
+for _ in range(STEPS):
+    t0 = time.perf_counter()
+    train_step(profiled_ops)
+    step_times.append(time.perf_counter() - t0)
 step_ms = 1e3 * sum(step_times) / STEPS
 KINDS = ["embedding", "layernorm", "qkv", "attention", "attn proj", "mlp fc", "gelu", "mlp proj", "LM head",
          "cross_entropy"]
@@ -283,14 +273,16 @@ print(f"{'step':<14}{'':>6}{step_ms:9.2f}{1:10.0%}{flops / 1e9:8.3f}{flops / RAT
 # few operations per element. Their speed is set by how many times the array passes between memory and the cores,
 # and by the cost of `tanh` and `exp` per element. NumPy makes this worse by default: every operator in an
 # expression like `0.5 * x * (1 + np.tanh(c * (x + 0.044715 * x**3)))` allocates a fresh (N, F) temporary and
-# passes over it. So hsgd writes these layers as sequences of ufuncs with `out=` into preallocated arrays, updates
-# in place (`a *= r`), takes row sums with `einsum` (no temporary for `x * x` before the sum), and cuts GELU's rows
-# into pieces of `layers.PIECE` elements so that its temporaries stay in the CPU's cache. On top of that it splits
-# the rows over threads (section 4). The same arithmetic, written both ways, on one (N, F) array four times the
-# size of this model's. (The plain version multiplies, `x * x * x`: NumPy may compute `x ** 3` with the general
-# power function, slower still, which would blur the point.) Expect the plain expressions to take a few times as
-# long as `gelu_forward` on one thread, though they do the same arithmetic, and more threads to cut the time
-# again; on an array small enough to stay in cache the first gap shrinks.
+# passes over it. That is how `hsgd.layers` writes them, to be read. `hsgd.kernels` writes the same layers as
+# sequences of ufuncs with `out=` into preallocated arrays, updates in place (`a *= r`), takes row sums with
+# `einsum` (no temporary for `x * x` before the sum), and cuts GELU's rows into pieces of `kernels.PIECE` elements
+# so that its temporaries stay in the CPU's cache. On top of that it splits the rows over threads (section 4). The
+# same arithmetic, written both ways, on one (N, F) array four times the size of this model's: GELU with its
+# derivative, as plain expressions and as `kernels.gelu_forward` (which computes both, section 5). (The plain
+# version here multiplies, `x * x * x`: NumPy may compute `x ** 3` with the general power function, slower still,
+# which would blur the point.) Expect the plain expressions to take a few times as long as `kernels.gelu_forward`
+# on one thread, though they do the same arithmetic, and more threads to cut the time again; on an array small
+# enough to stay in cache the first gap shrinks.
 
 # %%
 def gelu_plain(x):
@@ -304,20 +296,20 @@ def gelu_plain(x):
 xg = rng.standard_normal((4 * N, F)).astype(np.float32)                # (4N, F)
 plain_best, _ = best_and_median(lambda: gelu_plain(xg), 3)
 set_cpu_threads(1)
-one_best, _ = best_and_median(lambda: layers.gelu_forward(xg), 3)
+one_best, _ = best_and_median(lambda: kernels.gelu_forward(xg), 3)
 set_cpu_threads(THREADS)
-many_best, _ = best_and_median(lambda: layers.gelu_forward(xg), 3)
+many_best, _ = best_and_median(lambda: kernels.gelu_forward(xg), 3)
 print(f"GELU forward with its derivative on {xg.shape} float32: plain expressions {plain_best * 1e3:.1f} ms, "
       f"gelu_forward on 1 thread {one_best * 1e3:.1f} ms, on {THREADS} threads {many_best * 1e3:.1f} ms")
 check("gelu_forward vs plain expressions, float32: y and dy/dx (rel)",
-      max(rel_err(a, b) for a, b in zip(layers.gelu_forward(xg), gelu_plain(xg))), 1e-5)
+      max(rel_err(a, b) for a, b in zip(kernels.gelu_forward(xg), gelu_plain(xg))), 1e-5)
 
 # %% [markdown]
 # ## 3. Skipping the masked blocks of causal attention
 #
 # Position t attends to positions $\le t$ only: the mask sets every score above the diagonal to $-\infty$ and its
 # probability to 0. A dense implementation computes those scores anyway and throws them away. hsgd cuts the
-# $T \times T$ matrix into $n_b \times n_b$ blocks (`layers.causal_blocks(T)`: $n_b = \lfloor T/64 \rfloor$, at most 4,
+# $T \times T$ matrix into $n_b \times n_b$ blocks (`kernels.causal_blocks(T)`: $n_b = \lfloor T/64 \rfloor$, at most 4,
 # so that each block is large enough to be worth a separate product). Row block $i$ (queries
 # $iT/n_b \ldots (i+1)T/n_b - 1$) is scored only against keys $0 \ldots (i+1)T/n_b - 1$; the blocks right of that are
 # entirely masked and are skipped, in the forward pass (the products and the softmax) and in the backward pass.
@@ -333,7 +325,7 @@ check("gelu_forward vs plain expressions, float32: y and dy/dx (rel)",
 print(f"{'T':>6}  {'causal_blocks(T)':<28}{'nb':>4}{'work left':>11}")
 frac_err = 0
 for t_ in (32, 64, 128, 192, 256, 512, 1024):
-    edges = layers.causal_blocks(t_)
+    edges = kernels.causal_blocks(t_)
     nb = len(edges) - 1
     left = sum(Fraction((r1 - r0) * r1, t_ * t_) for r0, r1 in zip(edges[:-1], edges[1:]))   # rows x keys kept
     frac_err += abs(left - Fraction(nb + 1, 2 * nb))
@@ -342,7 +334,7 @@ check("work left by the blocks - (nb + 1) / (2 nb), summed over T", float(frac_e
 
 # %% [markdown]
 # That is the arithmetic; the products attention actually makes can be counted too. Its products all go through
-# `layers._matmul_into`, so wrapping that one function (inside `hsgd.layers`, for one forward and backward) gives
+# `kernels._matmul_into`, so wrapping that one function (inside `hsgd.kernels`, for one forward and backward) gives
 # the FLOPs performed, to compare with the dense count. The pieces run on several threads (section 4), so the
 # wrapper appends to a list, which is safe across threads.
 
@@ -350,7 +342,7 @@ check("work left by the blocks - (nb + 1) / (2 nb), summed over T", float(frac_e
 Ba, NHa, Ta, Ca = 3, 4, 256, 64                                        # a float64 attention, nb = 4
 q, k, v = (rng.standard_normal((Ba, Ta, Ca)) for _ in range(3))        # (B, T, C) each
 dy = rng.standard_normal((Ba, Ta, Ca))                                  # (B, T, C) dL/dy
-performed, matmul_into = [], layers._matmul_into
+performed, matmul_into = [], kernels._matmul_into
 
 
 def counting_matmul_into(a, b, out):
@@ -358,47 +350,30 @@ def counting_matmul_into(a, b, out):
     return matmul_into(a, b, out)
 
 
-layers._matmul_into = counting_matmul_into
+kernels._matmul_into = counting_matmul_into
 try:
-    y, cache = layers.attention_forward(q, k, v, NHa)
-    dq, dk, dv = layers.attention_backward(dy, cache)
+    y, cache = kernels.attention_forward(q, k, v, NHa)
+    dq, dk, dv = kernels.attention_backward(dy, cache)
 finally:
-    layers._matmul_into = matmul_into
+    kernels._matmul_into = matmul_into
 dense = 12 * Ba * Ta * Ta * Ca                                         # forward 2 products, backward 4, full T x T
-nb = len(layers.causal_blocks(Ta)) - 1
+nb = len(kernels.causal_blocks(Ta)) - 1
 print(f"T = {Ta}: {len(performed)} products, {sum(performed) / 1e6:.1f} MFLOP performed of {dense / 1e6:.1f} "
       f"MFLOP dense: {Fraction(sum(performed), dense)}")
 check("attention FLOPs performed / dense - (nb + 1) / (2 nb)",
       float(abs(Fraction(sum(performed), dense) - Fraction(nb + 1, 2 * nb))), 0)
 
 # %% [markdown]
-# Skipping work must not change the result. The reference is attention written the plain way, dense, with the
+# Skipping work must not change the result. The reference is the plain attention of `hsgd.layers`: dense, with the
 # mask applied to the whole score matrix, and the backward of chapter 1:
 # $dv = P^\top dy$, $dP = dy\, v^\top$, $dS = P \odot (dP - \text{rowsum}(dP \odot P))$, $dq = dS\, k/\sqrt{hs}$,
-# $dk = dS^\top q/\sqrt{hs}$. hsgd's cache holds the whole probability matrix P, with exact zeros in the skipped
-# blocks (they were never computed, so they are set), and that is compared too.
+# $dk = dS^\top q/\sqrt{hs}$. Both caches hold the whole probability matrix P (index 3), the kernel's with exact
+# zeros in the skipped blocks (they were never computed, so they are set), and that is compared too.
 
 # %%
-def dense_attention(q, k, v, dy, n_heads):
-    """y, P, dq, dk, dv of causal attention, every (T, T) score computed and then masked."""
-    Bd, Td, Cd = q.shape
-    hs = Cd // n_heads
-    heads = lambda a: a.reshape(Bd, Td, n_heads, hs).transpose(0, 2, 1, 3)      # (B, NH, T, hs)
-    merge = lambda a: a.transpose(0, 2, 1, 3).reshape(Bd, Td, Cd)               # (B, T, C)
-    qh, kh, vh, dyh = heads(q), heads(k), heads(v), heads(dy)
-    S = qh @ kh.transpose(0, 1, 3, 2) / np.sqrt(hs)                             # (B, NH, T, T)
-    S = np.where(np.tril(np.ones((Td, Td), dtype=bool)), S, -np.inf)            # the causal mask
-    P = np.exp(S - S.max(axis=-1, keepdims=True))
-    P /= P.sum(axis=-1, keepdims=True)                                          # softmax, row by row
-    dP = dyh @ vh.transpose(0, 1, 3, 2)                                         # (B, NH, T, T)
-    dS = P * (dP - (dP * P).sum(axis=-1, keepdims=True))
-    dqh = dS @ kh / np.sqrt(hs)
-    dkh = dS.transpose(0, 1, 3, 2) @ qh / np.sqrt(hs)
-    dvh = P.transpose(0, 1, 3, 2) @ dyh
-    return merge(P @ vh), P, merge(dqh), merge(dkh), merge(dvh)
-
-
-y_ref, P_ref, dq_ref, dk_ref, dv_ref = dense_attention(q, k, v, dy, NHa)
+y_ref, cache_ref = layers.attention_forward(q, k, v, NHa)              # every (T, T) score computed, then masked
+dq_ref, dk_ref, dv_ref = layers.attention_backward(dy, cache_ref)
+P_ref = cache_ref[3]                                                   # (B, NH, T, T)
 above = np.triu(np.ones((Ta, Ta), dtype=bool), k=1)                    # (T, T) the masked positions
 print(f"cached P {cache[3].shape}; largest |P| above the diagonal: {np.max(np.abs(cache[3][..., above]))}")
 check("attention y: blocked vs dense (rel)", rel_err(y, y_ref))
@@ -421,19 +396,19 @@ def attention_seconds(Bt, Tt):
     qf, kf, vf, dyf = (rng.standard_normal((Bt, Tt, C)).astype(np.float32) for _ in range(4))   # (B, T, C) each
 
     def attention_step():
-        _, c = layers.attention_forward(qf, kf, vf, cfg.n_heads)
-        layers.attention_backward(dyf, c)
+        _, c = kernels.attention_forward(qf, kf, vf, cfg.n_heads)
+        kernels.attention_backward(dyf, c)
     return best_and_median(attention_step, 5)[0]
 
 
-causal_blocks = layers.causal_blocks
+causal_blocks = kernels.causal_blocks
 for Bt, Tt in ((B, T), (B, 512)):
     blocked = attention_seconds(Bt, Tt)
-    layers.causal_blocks = lambda T, min_rows=64: [0, T]                # one block: every score computed
+    kernels.causal_blocks = lambda T, min_rows=64: [0, T]               # one block: every score computed
     try:
         one_block = attention_seconds(Bt, Tt)
     finally:
-        layers.causal_blocks = causal_blocks
+        kernels.causal_blocks = causal_blocks
     nbt = len(causal_blocks(Tt)) - 1
     print(f"attention forward + backward, B={Bt} NH={cfg.n_heads} T={Tt} C={C} float32: {nbt} blocks "
           f"{blocked * 1e3:.1f} ms, one block {one_block * 1e3:.1f} ms: ratio {blocked / one_block:.2f} "
@@ -445,7 +420,7 @@ for Bt, Tt in ((B, T), (B, 512)):
 # BLAS runs each matrix product on several threads. NumPy's elementwise ufuncs run on one. But a ufunc, like a
 # BLAS call, releases Python's global interpreter lock (GIL) while it loops over the array, so several Python
 # threads can run ufuncs at once, on different cores, as long as each works on its own rows.
-# `backend.parallel_rows(fn, n_rows)` does that: it cuts `range(n_rows)` into `cpu_threads()` contiguous pieces,
+# `threads.parallel_rows(fn, n_rows)` does that: it cuts `range(n_rows)` into `cpu_threads()` contiguous pieces,
 # hands all but the last to a pool of threads, runs the last itself on the calling thread (one hand-off fewer, and
 # the caller would only wait otherwise), and returns when every piece is done. `fn(lo, hi)` writes its rows into
 # arrays allocated before, so the pieces never touch the same memory. It runs everything inline when there is one
@@ -471,18 +446,18 @@ check("parallel_rows: the last piece not on the calling thread",
 # pool thread, which finishes one before another thread has started. Only the last piece's place is fixed.
 #
 # LayerNorm, GELU and the attention softmax use it (with `min_rows` chosen so that a piece holds enough elements).
-# Attention splits *sequences* over the threads, a few at a time (`layers._sequences_per_piece`: few enough that a
+# Attention splits *sequences* over the threads, a few at a time (`kernels._sequences_per_piece`: few enough that a
 # piece's scores stay in cache from the first product through the softmax to the second), and does its products
 # inside the pieces. Those products are small, and a product split over all cores by BLAS, one after another, is
 # slower than one product per core side by side; so while the pieces run, BLAS is held to one thread
-# (`backend.one_blas_thread`, through threadpoolctl).
+# (`threads.one_blas_thread`, through threadpoolctl).
 #
 # Splitting rows over threads must not change any number: each row is computed by the same operations, in the same
 # order, whichever thread does it. So a whole step in float64, on a model long enough for the attention blocks
 # (T = 128) and wide enough in rows that every threaded layer actually splits, must give the same loss and
 # gradients with 2 threads as with 1. (BLAS keeps its own thread count in both runs, except that with 2 threads
 # attention's pieces hold it to one; a BLAS gives each product the same result on one thread as on several, so
-# this changes nothing either, up to rounding at most.) A wrapper on `layers.parallel_rows` notes which threads
+# this changes nothing either, up to rounding at most.) A wrapper on `kernels.parallel_rows` notes which threads
 # ran each layer's pieces.
 
 # %%
@@ -490,7 +465,7 @@ cfg4 = hsgd.ModelConfig(vocab_size=256, seq_len=128, d_model=64, n_heads=4, n_la
 B4 = 64                                                                # N = 8192 rows: every layer splits
 p64 = serial.init_params(cfg4, seed=1, dtype="float64")
 idx4, targets4 = rng.integers(0, 256, (B4, 128)), rng.integers(0, 256, (B4, 128))
-used, rows_parallel = {}, layers.parallel_rows
+used, rows_parallel = {}, kernels.parallel_rows
 
 
 def noting_parallel_rows(fn, n_rows, min_rows=2, **options):
@@ -503,16 +478,16 @@ def noting_parallel_rows(fn, n_rows, min_rows=2, **options):
 
 
 results = {}
-layers.parallel_rows = noting_parallel_rows
+kernels.parallel_rows = noting_parallel_rows
 try:
     for n_threads in (1, 2):
         set_cpu_threads(n_threads)
         used.clear()
-        results[n_threads] = serial.loss_and_grads(p64, idx4, targets4, cfg4)
+        results[n_threads] = serial.loss_and_grads(p64, idx4, targets4, cfg4, ops=ops)
         print(f"set_cpu_threads({n_threads}): loss {results[n_threads][0]:.12f}; threads that ran each layer's "
               "rows: " + ", ".join(f"{layer} {len(ids)}" for layer, ids in sorted(used.items())))
 finally:
-    layers.parallel_rows = rows_parallel
+    kernels.parallel_rows = rows_parallel
     set_cpu_threads(THREADS)
 (loss1, g1), (loss2, g2) = results[1], results[2]
 check("float64 loss, 2 threads vs 1 (abs)", abs(loss2 - loss1), 1e-13)
@@ -526,16 +501,20 @@ check("layers that ran on fewer than 2 threads with set_cpu_threads(2)",
 # threads once and, after each product, lets them spin for a while, waiting for the next one, instead of going to
 # sleep (`OPENBLAS_THREAD_TIMEOUT`; by default $2^{28}$ cycles, about a tenth of a second at 3 GHz). For a program that
 # only multiplies matrices that saves a wake-up. In hsgd, between two products come LayerNorm, GELU and attention's
-# pieces on `parallel_rows`' threads, and a spinning BLAS thread takes a core from them. `hsgd/__init__.py`
-# therefore sets `OPENBLAS_THREAD_TIMEOUT=4` ($2^4$ cycles: sleep almost at once) in the environment, unless it is
-# set already. OpenBLAS reads the variable once, when it is loaded, and it is loaded when NumPy is first imported:
-# a program that imports NumPy first has started OpenBLAS with the default, and setting the variable afterwards
-# changes nothing. Hence this chapter's first lines, and those of `benchmarks/` and `python -m hsgd.*`.
+# pieces on `parallel_rows`' threads, and a spinning BLAS thread takes a core from them. `import hsgd` therefore
+# imports `hsgd.threads` before anything else, which sets `OPENBLAS_THREAD_TIMEOUT=4` ($2^4$ cycles: sleep almost
+# at once) in the environment, unless it is set already. OpenBLAS reads the variable once, when it is loaded, and it
+# is loaded when NumPy is first imported: a program that imports NumPy first has started OpenBLAS with the default,
+# and setting the variable afterwards changes nothing. Hence this chapter's first line, and those of `benchmarks/`
+# and `python -m hsgd.*`. When it is too late, `threads.openblas_note()` says so (`hsgd.train` prints it in its
+# header); setting the variable where the process starts works whatever the order of the imports:
+#
+#     OPENBLAS_THREAD_TIMEOUT=4 python tutorials/12_where_the_time_goes.py
 
 # %%
-print(f"OPENBLAS_THREAD_TIMEOUT = {os.environ.get('OPENBLAS_THREAD_TIMEOUT')}; NumPy was "
-      + ("already loaded before hsgd (e.g. by the notebook kernel): OpenBLAS kept its default"
-         if NUMPY_FIRST else "loaded after hsgd set it, so OpenBLAS uses it"))
+note = threads.openblas_note()                                         # None when the setting took effect
+print(f"OPENBLAS_THREAD_TIMEOUT = {os.environ.get('OPENBLAS_THREAD_TIMEOUT')}: "
+      + (note or "in effect (set before NumPy loaded OpenBLAS, or where the process started)"))
 
 # %% [markdown]
 # **Splitting the batch instead.** Everything above splits *each layer* over the threads, which hands work from one
@@ -544,7 +523,7 @@ print(f"OPENBLAS_THREAD_TIMEOUT = {os.environ.get('OPENBLAS_THREAD_TIMEOUT')}; N
 # The other way uses the mini-batch identity of chapter 5: the mean loss over B sequences is the $B_i/B$-weighted
 # mean of the mean losses over any slices of them, and so are its gradients. `serial.loss_and_grads(...,
 # split=True)` cuts the batch into `cpu_threads()` slices of whole sequences and gives each its own thread
-# (`backend.parallel_batches`): the slice's whole forward and backward run there with one BLAS thread and no
+# (`threads.parallel_batches`): the slice's whole forward and backward run there with one BLAS thread and no
 # further splitting (`cpu_threads()` is 1 on that thread), into gradients of its own, which are added at the end.
 # It is data parallelism inside one process, with the final sum in place of the All-Reduce; nothing is handed
 # over inside the step. The numbers are those of the unsplit step up to rounding (different sums, same terms):
@@ -552,7 +531,7 @@ print(f"OPENBLAS_THREAD_TIMEOUT = {os.environ.get('OPENBLAS_THREAD_TIMEOUT')}; N
 # %%
 set_cpu_threads(2)
 try:
-    loss_split, g_split = serial.loss_and_grads(p64, idx4, targets4, cfg4, split=True)
+    loss_split, g_split = serial.loss_and_grads(p64, idx4, targets4, cfg4, split=True, ops=ops)
 finally:
     set_cpu_threads(THREADS)
 check("float64 loss, batch split over 2 threads vs 1 thread (rel)", abs(loss_split - loss1) / abs(loss1), 1e-13)
@@ -563,7 +542,7 @@ check("float64 gradients, batch split over 2 threads vs 1 thread (rel)",
 def train_step_split():
     for g in grads.values():
         g.fill(0)
-    serial.loss_and_grads(params, idx, targets, cfg, grads=grads, split=True)
+    serial.loss_and_grads(params, idx, targets, cfg, grads=grads, split=True, ops=ops)
     opt.step(params, grads)
 
 
@@ -577,7 +556,7 @@ if THREADS > 1:
 # (the README's Speed section), and a tensor-parallel rank, whose layers talk to other ranks in the middle of the
 # step, keeps to splitting layers.
 #
-# `backend.tune_allocator()` (called at the top, as `hsgd.train` does) is the other setting outside the model
+# `threads.tune_allocator()` (called at the top, as `hsgd.train` does) is the other setting outside the model
 # code: glibc hands large freed blocks back to the operating system, and the next step's temporaries of the same
 # size then fault in fresh pages; it is told to keep them.
 #
@@ -588,16 +567,18 @@ if THREADS > 1:
 # $$y'(x) = \tfrac12 (1 + t) + \tfrac12 x\, (1 - t^2)\, \sqrt{2/\pi}\, (1 + 3 \cdot 0.044715\, x^2),
 # \qquad t = \tanh\!\big(\sqrt{2/\pi}\,(x + 0.044715\,x^3)\big).$$
 #
-# A straightforward GELU layer caches $x$ and $t$, two (N, F) arrays, and computes $y'$ in the backward pass.
-# `layers.gelu_forward` computes $y'$ in the forward pass instead, while $x$ and $t$ are in cache, and keeps only
-# $y'$: one (N, F) array less to keep per block until the backward pass, and a backward that is one multiplication.
+# A straightforward GELU layer caches $x$ and $t$, two (N, F) arrays, and computes $y'$ in the backward pass; the
+# plain `layers.gelu_forward` caches $x$ alone and computes $t$ a second time in the backward pass.
+# `kernels.gelu_forward` computes $y'$ in the forward pass instead, while $x$ and $t$ are in cache, and keeps only
+# $y'$: one (N, F) array less than caching $x$ and $t$, no second `tanh`, and a backward that is one
+# multiplication.
 # (With GPT-2's F = 4C, the (N, F) arrays are the largest a block caches, after the attention probabilities.)
 #
-# Chapter 7 counted a block's cached bytes (`tp_sequence.activation_bytes`: the distinct arrays in the cache,
-# parameters excluded) against `tp_sequence.activation_formula`, whose block term has $2NF$ elements for the MLP:
+# Chapter 7 counted a block's cached bytes (`memory.activation_bytes`: the distinct arrays in the cache,
+# parameters excluded) against `memory.activation_formula`, whose block term has $2NF$ elements for the MLP:
 # GELU's derivative and GELU's output (the input of the MLP projection). Here with tp = 1, the Megatron scheme of
-# `hsgd.tp_model`, on a one-rank communicator (MPI's `COMM_SELF`: no second process; `hsgd.comm.Comm` skips MPI on
-# one rank), in float64:
+# `hsgd.tp_model` (which runs the kernels, from `hsgd.ops`), on a one-rank communicator (MPI's `COMM_SELF`: no
+# second process; `hsgd.comm.Comm` skips MPI on one rank), in float64:
 
 # %%
 cfg5 = hsgd.ModelConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=2, d_ff=128)
@@ -607,24 +588,24 @@ local = tp_model.init_params(cfg5, comm, seed=0, dtype="float64")
 idx5, targets5 = rng.integers(0, 64, (B5, 16)), rng.integers(0, 64, (B5, 16))
 _, caches = tp_model.forward(local, idx5, targets5, cfg5, comm, "megatron")
 block = caches[1][0][1]                                                # block 0's cache
-formula = tp_sequence.activation_formula(cfg5, B5, itemsize, 1, "megatron")
+formula = memory.activation_formula(cfg5, B5, itemsize, 1, "megatron")
 N5 = B5 * cfg5.seq_len
 names = ("ln1", "q", "k", "v", "attention", "attn proj", "ln2", "mlp fc", "gelu", "mlp proj")
 print("block 0's cache, entry by entry (an array two entries share is counted in both lines, once in the sum):")
 for name, entry in zip(names, block):
-    print(f"  {name:<10} {tp_sequence.activation_bytes(entry, local):>8,} bytes")
-measured_block = tp_sequence.activation_bytes(block, local)
+    print(f"  {name:<10} {memory.activation_bytes(entry, local):>8,} bytes")
+measured_block = memory.activation_bytes(block, local)
 print(f"  {'block':<10} {measured_block:>8,} bytes; activation_formula {formula['block']:,}")
 check("block 0's cached bytes - activation_formula (megatron, tp = 1)", abs(measured_block - formula["block"]), 0)
-check("whole forward's cached bytes - activation_formula", abs(tp_sequence.activation_bytes(caches, local)
+check("whole forward's cached bytes - activation_formula", abs(memory.activation_bytes(caches, local)
                                                                - formula["model"]), 0)
 check("GELU's cache - one (N, F) array, in bytes",
-      abs(tp_sequence.activation_bytes(block[8], local) - N5 * cfg5.d_ff * itemsize), 0)
+      abs(memory.activation_bytes(block[8], local) - N5 * cfg5.d_ff * itemsize), 0)
 print(f"caching GELU's input and tanh instead would hold {N5 * cfg5.d_ff * itemsize:,} bytes more per block: "
       f"{N5 * cfg5.d_ff * itemsize / formula['block']:.0%} of this block's cache")
 
 # %% [markdown]
-# Moving work from the backward to the forward pass is only right if the derivative is: `gelu_forward`'s $y$ and
+# Moving work from the backward to the forward pass is only right if the derivative is: `kernels.gelu_forward`'s $y$ and
 # $y'$ against the formulas above written as plain expressions (`gelu_plain` of section 2), and `gelu_backward`
 # against a central finite difference of `gelu_forward`. GELU acts on each element alone, so one difference with
 # every element moved by h at once gives every element's derivative, with an error of order $h^2$.
@@ -632,10 +613,10 @@ print(f"caching GELU's input and tanh instead would hold {N5 * cfg5.d_ff * items
 # %%
 x = rng.standard_normal((64, 48)) * 3                                  # (N, F) float64, well into both tails
 dout = rng.standard_normal(x.shape)                                    # (N, F) dL/dy
-y, d = layers.gelu_forward(x)
-dx = layers.gelu_backward(dout, d)
+y, d = kernels.gelu_forward(x)
+dx = kernels.gelu_backward(dout, d)
 h = 1e-5
-fd = dout * (layers.gelu_forward(x + h)[0] - layers.gelu_forward(x - h)[0]) / (2 * h)
+fd = dout * (kernels.gelu_forward(x + h)[0] - kernels.gelu_forward(x - h)[0]) / (2 * h)
 y_ref, d_ref = gelu_plain(x)
 check("gelu_forward y and cached dy/dx vs the formulas, float64 (rel)", max(rel_err(y, y_ref), rel_err(d, d_ref)))
 check("gelu_backward vs central finite difference (rel)", rel_err(dx, fd), 1e-8)
