@@ -1,28 +1,47 @@
 """hsgd: hybrid-parallel SGD for GPT-style Transformers, written out in NumPy/CuPy and mpi4py.
 
-    hsgd.ModelConfig        the model's shape (config.py)
-    hsgd.backend            the one place that picks NumPy or CuPy
-    hsgd.layers             forward/backward pairs of every layer
-    hsgd.serial             the serial reference model: init_params, loss_and_grads
+It implements the lecture "Parallel SGD in parallel and distributed systems: the algorithm that combines model
+parallelism and data parallelism" (README, References) on P = dp x pp x tp MPI ranks. The modules, in the order
+of the algorithm:
+
+  the model, one process
+    hsgd.ModelConfig        the model's shape (config.py; config.flag: a field that is also a command-line flag)
+    hsgd.backend            the one place that picks NumPy or CuPy, and counts device-to-host copies
+    hsgd.layers             every layer as its plain formulas: forward/backward pairs, the reference
+    hsgd.kernels            the same layers tuned (pieces, out=, threads, causal blocks), tested equal to them
+    hsgd.ops                the one place the models choose their layer functions (the tuned kernels)
+    hsgd.threads            CPU threads for the kernels and the batch split; OpenBLAS's thread timeout
+    hsgd.serial             the serial reference model (plain layers) and serial.sgd, the run every layout matches
+    hsgd.optim              SGD, AdamW, the learning-rate schedule, global-norm clipping
     hsgd.data               the corpus, the train/validation split and the batch of each step
+  the ranks
     hsgd.grid               the dp x pp x tp process grid and its communicators (Split by color)
     hsgd.comm               every collective, recorded (calls, bytes, seconds) and optionally sequence-checked
-    hsgd.tp_layers          tensor-parallel layers: f/g, column/row linears, all-gather/reduce-scatter, vocab-parallel
-    hsgd.tp_model           the GPT split over a tensor-parallel group (Megatron, the lecture's gather scheme)
-    hsgd.tp_sequence        sequence parallelism: the third tensor-parallel scheme, activations sharded along T
-    hsgd.dp                 data parallelism: batch slices, flat gradient buffers, the average over dp_comm, buckets
-    hsgd.zero               reduce-scatter + sharded optimizer + all-gather over dp_comm (ZeRO 1 and 2)
-    hsgd.hier               hierarchical all-reduce: inside the node, across nodes, inside the node
-    hsgd.pp                 pipeline parallelism: stages, micro-batches, GPipe and 1F1B schedules, bubbles
-    hsgd.trace              a Chrome/Perfetto trace of every rank;  hsgd.plots: loss curves and per-rank timelines
-    hsgd.optim              SGD, AdamW, the learning-rate schedule, global-norm clipping
-    hsgd.hybrid             one rank's part of a training step on the dp x pp x tp grid
+  tensor parallelism (the lecture's M workers of a group)
+    hsgd.tp_layers          f/g, gather_T/scatter_T, column/row linears, all-gather and its adjoint, vocab-parallel
+    hsgd.tp_schemes         the schemes as objects: Megatron, Gather (the lecture's), Sequence
+    hsgd.tp_model           the GPT on a tensor-parallel group, written once for the three schemes
+    hsgd.memory             activation bytes: measured and by formula
+  pipeline parallelism
+    hsgd.pp                 stages, micro-batches, GPipe and 1F1B schedules, simulated bubbles, bytes
+    hsgd.stage              one rank's stage running its schedule (ThreadedStage: the batch split over threads)
+  data parallelism (the lecture's G groups)
+    hsgd.dp                 batch slices, flat buffers (FlatBuffer), the plain average over dp_comm
+    hsgd.exchange           the gradient exchange: one interface; all-reduce, overlapped and stale exchanges
+    hsgd.hier               the hierarchical all-reduce and its exchange: node, across nodes, node
+    hsgd.zero               ZeRO 1 and 2: reduce-scatter, the owned chunk's update, all-gather
+  training
+    hsgd.hybrid             one rank's part of a training step: gradients (steps 1-3), update (step 4)
+    hsgd.health             a step's one host copy; stop or skip on a non-finite value
+    hsgd.settings           TrainConfig: grouped dataclasses that generate the flags of hsgd.train and hsgd.verify
+    hsgd.train              mpirun -n 8 python -m hsgd.train --help: setup, loop, summary
+    hsgd.progress           progress lines and the --log-json records;  hsgd.faults: --inject-fault
+    hsgd.report             what rank 0 prints at the end;  hsgd.trace, hsgd.plots: a trace, loss curves, timelines
     hsgd.checkpoint         distributed checkpoints: shards per position, manifest, checksums, atomic, resharding
-    hsgd.sample             python -m hsgd.sample DIR --prompt TEXT: text from any checkpoint
     hsgd.launch             fail fast: usage errors reported once, exceptions abort the whole job
-    hsgd.settings           TrainConfig, the flags and TOML files;  hsgd.report: what rank 0 prints at the end
-    hsgd.train              mpirun -n 8 python -m hsgd.train --help
+  tools
     hsgd.verify             mpirun -n 8 python -m hsgd.verify: parallel gradients against serial, per parameter
+    hsgd.sample             python -m hsgd.sample DIR --prompt TEXT: text from any checkpoint
 """
 # First, before anything imports NumPy: hsgd.threads sets OPENBLAS_THREAD_TIMEOUT if NumPy is not loaded yet, and
 # records whether it took effect (threads.openblas_note(); the module's docstring explains the setting).

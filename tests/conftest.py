@@ -16,7 +16,7 @@ def max_rel_err(a, b, floor=1e-12):
 
 @pytest.fixture
 def set_threads():
-    """backend.set_cpu_threads for the test, the process-wide count restored afterwards."""
+    """threads.set_cpu_threads for the test, the process-wide count restored afterwards."""
     from hsgd.threads import cpu_threads, set_cpu_threads
     before = cpu_threads()
     yield set_cpu_threads
