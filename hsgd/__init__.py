@@ -38,10 +38,10 @@ of the algorithm:
     hsgd.progress           progress lines and the --log-json records;  hsgd.faults: --inject-fault
     hsgd.report             what rank 0 prints at the end;  hsgd.trace, hsgd.plots: a trace, loss curves, timelines
     hsgd.checkpoint         distributed checkpoints: shards per position, manifest, checksums, atomic, resharding
-    hsgd.launch             fail fast: usage errors reported once, exceptions abort the whole job
+    hsgd.launch             fail fast: usage errors reported once, exceptions abort the whole job (hsgd.errors)
   tools
     hsgd.verify             mpirun -n 8 python -m hsgd.verify: parallel gradients against serial, per parameter
-    hsgd.sample             python -m hsgd.sample DIR --prompt TEXT: text from any checkpoint
+    hsgd.sample             python -m hsgd.sample DIR --prompt TEXT: text from any checkpoint (hsgd.generate)
 """
 # First, before anything imports NumPy: hsgd.threads sets OPENBLAS_THREAD_TIMEOUT if NumPy is not loaded yet, and
 # records whether it took effect (threads.openblas_note(); the module's docstring explains the setting).
