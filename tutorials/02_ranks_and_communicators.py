@@ -22,7 +22,7 @@
 #
 # 1. what an MPI rank and an MPI communicator are;
 # 2. `Split(color, key)`, the one call that makes smaller communicators out of a big one;
-# 3. the seed paper's picture of P = G x M workers, as `hsgd.grid.ProcessGrid`, with a communicator for the
+# 3. the lecture's picture of P = G x M workers, as `hsgd.grid.ProcessGrid`, with a communicator for the
 #    M workers of one group (`tp_comm`) and one for the G workers that hold the same parameter shard
 #    (`dp_comm`);
 # 4. a first explicit collective on each communicator, checked against the sum NumPy computes from every
@@ -55,9 +55,9 @@ from checks import Checks            # tutorials/checks.py: the collective check
 world = MPI.COMM_WORLD               # every process that mpirun started
 rank = world.Get_rank()              # who am I: 0 .. P-1
 P = world.Get_size()                 # how many of us
-# check(what, err, tol=0) on every rank, in the same order: rank 0 prints the worst err over the ranks, and every
-# rank raises unless err <= tol on all of them (strict=False: the default tol=0 means "exactly 0"; a NaN fails)
-check = Checks(world, tol=0, width=62, strict=False, prefix="  check: ")
+# check(what, err, tol), check.holds(what, cond), check.equal(what, a, b): on every rank, in the same order; rank 0
+# prints the verdict (the worst err over the ranks), and every rank raises unless it holds on all of them
+check = Checks(world, width=62, prefix="  check: ")
 say = check.say                      # print once, from rank 0
 
 if P != 8:                           # every rank sees the same P, so every rank stops here together
@@ -92,8 +92,8 @@ everyone = world.gather(me, root=0)                  # on rank 0: [me of rank 0,
 say(f"{'world rank':>10} {'size':>5} {'pid':>8}  host")
 for r, size, pid, host in everyone or []:
     say(f"{r:>10} {size:>5} {pid:>8}  {host}")
-check("COMM_WORLD ranks are 0..P-1, each once",
-      0 if everyone is None or sorted(e[0] for e in everyone) == list(range(P)) else 1)
+check.holds("COMM_WORLD ranks are 0..P-1, each once",
+            everyone is None or sorted(e[0] for e in everyone) == list(range(P)))
 
 # %% [markdown]
 # ## 2. `Split(color, key)`: smaller communicators
@@ -121,20 +121,20 @@ for r, c, nr, ns, br, s in rows or []:
     say(f"{r:>10} {c:>6} {nr:>20} {ns:>9} {br:>21} {s:>15}")
 
 half = P // 2
-wrong = (parity.Get_size() != half) + (parity.Get_rank() != rank // 2) \
-    + (backwards.Get_rank() != half - 1 - rank // 2) + (row[5] != sum(range(color, P, 2)))
-check("Split: new ranks, sizes and member sums as predicted", int(wrong))
+check.equal("Split: (new rank, new size, rank for key=-rank, member sum)", row[2:],
+            (rank // 2, half, half - 1 - rank // 2, sum(range(color, P, 2))))
 parity.Free()                                        # communicators are MPI resources: free what you split
 backwards.Free()
 
 # %% [markdown]
 # ## 3. The process grid: P = G x M
 #
-# Section 2 of the seed paper (the lecture hsgd implements, see chapter 1) groups the P workers into
-# **G model-parallel groups of M workers each**, P = G x M. Inside a group the M workers split one copy of the
-# model between them (tensor parallelism: every weight matrix cut into M pieces, section 3.1); the G groups
-# are data-parallel replicas of each other, each working on different data. hsgd calls these sizes `tp` = M
-# and `dp` = G, and adds a third one, `pp`, for pipeline stages (section 6; here pp = 1).
+# Section 2 of the lecture groups the P workers into **G model-parallel groups of M workers each**, P = G x M.
+# Inside a group the M workers split one copy of the model between them (tensor parallelism: every weight matrix
+# cut into M pieces, section 3.1); the G groups are data-parallel replicas of each other, each working on
+# different data. hsgd calls these sizes `tp` = M and `dp` = G, and adds a third one, `pp`, for pipeline stages
+# (section 6; here pp = 1). G and M are the lecture's names; from here on hsgd writes every layout as
+# P = dp x pp x tp.
 #
 # `hsgd.grid.ProcessGrid(world, dp=4, tp=2)` gives each world rank its coordinates, with tp varying fastest:
 #
@@ -143,7 +143,7 @@ backwards.Free()
 # and builds one communicator per dimension with `Split`, exactly as in section 2:
 #
 # * `tp_comm`: color = which group I am in (dp_rank, pp_rank), key = tp_rank. The M ranks of one group,
-#   which together hold one copy of the model. Sections 3.2-3.3 of the seed paper communicate here, in every
+#   which together hold one copy of the model. Sections 3.2-3.3 of the lecture communicate here, in every
 #   layer: the All-Gather of the forward pass, its Reduce-Scatter and the All-Reduce of dL/dX in the backward.
 # * `dp_comm`: color = my position inside the group (pp_rank, tp_rank), key = dp_rank. The G ranks, one per
 #   group, that sit at the same position and therefore hold the **same parameter shard**. This is section 3.4's
@@ -153,7 +153,7 @@ backwards.Free()
 # Why tp fastest? On a cluster, `mpirun` normally gives each node a block of consecutive ranks (ranks 0-7 on
 # the first node, 8-15 on the second, ...). With tp fastest, a tensor-parallel group is a block of
 # consecutive ranks and so sits inside one node, on the fast links between its GPUs (NVLink), while `dp_comm`
-# crosses nodes. That is the seed paper's hierarchical communication (section 4.1). The tensor-parallel
+# crosses nodes. That is the lecture's hierarchical communication (section 4.1). The tensor-parallel
 # traffic comes in every layer, forward and backward, and the next layer cannot start before it is done, so it
 # gets the fast links; the data-parallel gradient sync comes once per step and can overlap the backward pass.
 #
@@ -182,15 +182,15 @@ def grid_picture(grid):
     return "\n".join(line.rstrip() for line in lines)
 
 
-def members_as_predicted(grid):
-    """How many of my communicators do not hold exactly the world ranks that grid.groups() predicts, in
-    comm-rank order. Collective: an allgather of world ranks on each communicator."""
-    wrong = 0
-    for dim in ("tp", "pp", "dp"):
-        members = getattr(grid, f"{dim}_comm").allgather_obj(rank)     # world ranks, in order of rank there
-        predicted = [g for g in grid.groups()[dim] if rank in g]
-        wrong += predicted != [members]
-    return wrong
+def members(grid):
+    """{dim: the world ranks of my dim_comm, in the order of their rank there}. Collective: an allgather of
+    world ranks on each communicator."""
+    return {dim: getattr(grid, f"{dim}_comm").allgather_obj(rank) for dim in ("tp", "pp", "dp")}
+
+
+def predicted(grid):
+    """{dim: the group of grid.groups()[dim] that holds me}, computed without communicating."""
+    return {dim: next(g for g in groups if rank in g) for dim, groups in grid.groups().items()}
 
 
 grid = ProcessGrid(world, dp=4, tp=2)
@@ -203,11 +203,11 @@ say(table)
 for dim, groups in grid.groups().items():
     say(f"{dim}_comm groups: {groups}")
 
-check("rank == (dp_rank*pp + pp_rank)*tp + tp_rank",
-      int(rank != ProcessGrid.rank_of(grid.dp_rank, grid.pp_rank, grid.tp_rank, grid.pp, grid.tp)))
-check("my rank in tp_comm is tp_rank, in dp_comm dp_rank",
-      int((grid.tp_comm.rank, grid.dp_comm.rank) != (grid.tp_rank, grid.dp_rank)))
-check("communicator members == grid.groups()", members_as_predicted(grid))
+check.equal("rank == (dp_rank*pp + pp_rank)*tp + tp_rank",
+            rank, ProcessGrid.rank_of(grid.dp_rank, grid.pp_rank, grid.tp_rank, grid.pp, grid.tp))
+check.equal("my rank in tp_comm is tp_rank, in dp_comm dp_rank",
+            (grid.tp_comm.rank, grid.dp_comm.rank), (grid.tp_rank, grid.dp_rank))
+check.equal("communicator members == grid.groups()", members(grid), predicted(grid))
 
 # %% [markdown]
 # The `host` column is the same everywhere here because all ranks run on one machine. On a cluster with two
@@ -235,7 +235,7 @@ check("communicator members == grid.groups()", members_as_predicted(grid))
 #   $\sum_{d} x_{(d, t)}$. This is section 3.4: G gradients of one shard, one per replica, summed.
 # * both in a row: summing within each group and then across groups adds up every rank's vector once, so each
 #   rank ends with the sum over the whole world, $\sum_r x_r$. This two-step all-reduce is the "2-D mesh"
-#   idea the seed paper mentions at the end of section 3.4.
+#   idea the lecture mentions at the end of section 3.4.
 #
 # The check against serial: every rank rebuilds all 8 inputs from their seeds (no communication at all),
 # and NumPy sums the rows that belong to its groups. Floating-point addition is not associative and MPI may
@@ -285,7 +285,7 @@ check("max |tp then dp Allreduce - NumPy sum over all ranks|", float(np.max(np.a
 # %%
 say(grid.stats.format())
 expected = {("dp", "Allreduce"): (2, 2 * N * 8), ("tp", "Allreduce"): (2, 2 * N * 8)}
-check("stats: 2 Allreduces of N float64 on each of tp, dp", int(grid.stats.counts() != expected))
+check.equal("stats: 2 Allreduces of N float64 on each of tp, dp", grid.stats.counts(), expected)
 grid.free()
 
 # %% [markdown]
@@ -307,12 +307,12 @@ for sizes in (dict(dp=3, tp=2), dict(dp=8, tp=0)):
         message = str(e)
     messages = world.allgather(message)                           # what each rank saw
     say(f"ProcessGrid(world, {args}) -> GridError: {messages[0]}")
-    check(f"{args}: every rank raised the same GridError", sum(m != messages[0] or not m for m in messages))
+    check.holds(f"{args}: every rank raised the same GridError", all(m and m == messages[0] for m in messages))
 
 # %% [markdown]
 # ## 6. The third dimension: pipeline stages
 #
-# Pipeline parallelism (seed paper section 3.1: "assign different layers to different nodes") cuts the model
+# Pipeline parallelism (the lecture's section 3.1: "assign different layers to different nodes") cuts the model
 # into pp stages of consecutive layers. hsgd places pp between tp and dp: within one replica, the stages
 # come one after another, each stage being a tensor-parallel group. `pp_comm` joins the stages of one
 # pipeline (same dp_rank, same tp_rank): they pass activations forward and gradients backward, to their
@@ -328,9 +328,9 @@ picture3 = grid_picture(grid3)
 say(picture3)
 for dim, groups in grid3.groups().items():
     say(f"{dim}_comm groups: {groups}")
-check("dp=2 pp=2 tp=2: rank == (dp_rank*pp+pp_rank)*tp + tp_rank",
-      int(rank != ProcessGrid.rank_of(grid3.dp_rank, grid3.pp_rank, grid3.tp_rank, 2, 2)))
-check("dp=2 pp=2 tp=2: communicator members == grid.groups()", members_as_predicted(grid3))
+check.equal("dp=2 pp=2 tp=2: rank == (dp_rank*pp+pp_rank)*tp + tp_rank",
+            rank, ProcessGrid.rank_of(grid3.dp_rank, grid3.pp_rank, grid3.tp_rank, 2, 2))
+check.equal("dp=2 pp=2 tp=2: communicator members == grid.groups()", members(grid3), predicted(grid3))
 grid3.free()
 
 # %% [markdown]
@@ -350,6 +350,6 @@ grid3.free()
 # Chapter 3 puts `tp_comm` to work: linear layers whose weight matrices are split across the group.
 
 # %%
-_, worst = check.worst([w for w, e in check.errors.items() if isinstance(e, float)])   # the float checks
-say(f"chapter 2: all {len(check.errors)} checks passed on {P} ranks; largest numerical difference from NumPy "
+_, worst = check.worst()                             # the numerical checks: the Allreduces against NumPy
+say(f"chapter 2: all {len(check.passed)} checks passed on {P} ranks; largest numerical difference from NumPy "
     f"{worst:.1e}")

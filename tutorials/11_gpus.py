@@ -16,10 +16,10 @@
 # %% [markdown]
 # # Chapter 11: GPUs
 #
-# The seed paper (the lecture hsgd implements, see chapter 1) trains on GPUs. Its section 4.1 says what the hardware
-# asks of the communication: **NVLink inside a server, InfiniBand between servers**, so the model-parallel traffic
-# should stay inside a server; and an **efficient collective library such as NCCL**. Every chapter so far ran on
-# CPUs, with NumPy arrays and MPI. This chapter shows what changes when each rank drives a GPU, and what does not:
+# The lecture trains on GPUs. Its section 4.1 says what the hardware asks of the communication: **NVLink inside a
+# server, InfiniBand between servers**, so the model-parallel traffic should stay inside a server; and an
+# **efficient collective library such as NCCL**. Every chapter so far ran on CPUs, with NumPy arrays and MPI. This
+# chapter shows what changes when each rank drives a GPU, and what does not:
 #
 # 1. one code path for CPU and GPU: the model code asks each array which module it belongs to (NumPy or CuPy), and
 #    the same seed gives the same parameters on both;
@@ -44,7 +44,6 @@
 # T sequence, C d_model, NH heads, F d_ff, V vocabulary, L layers.
 
 # %%
-import math
 import os
 
 import numpy as np
@@ -58,10 +57,9 @@ from hsgd.data import Corpus
 from hsgd.grid import ProcessGrid
 from hsgd.hybrid import HybridTrainer
 from hsgd.layers import gelu_forward
-from hsgd.optim import clip_grads, lr_at, make_optimizer
-from hsgd.train import TrainConfig, local_ranks, place_on_device
+from hsgd.train import local_ranks, place_on_device
 
-from checks import Checks, rel_err      # tutorials/checks.py, shared by the chapters
+from checks import Checks, rel_err, train_config   # tutorials/checks.py, shared by the chapters
 
 threadpool_limits(1)                    # two ranks, tiny matrices: one BLAS thread each
 P = 2
@@ -70,8 +68,9 @@ if world.Get_size() != P:               # every rank exits non-zero; rank 0 says
     raise SystemExit(f"run this chapter on {P} ranks: mpirun -n {P} python {__file__}"
                      if world.Get_rank() == 0 else 1)
 rank = world.Get_rank()
-# check(what, err, tol): collective; raises on every rank unless err <= tol on all of them (tol=0: exactly 0)
-check = Checks(world, tol=1e-10, width=66, strict=False)
+# check(what, err, tol), check.holds(what, cond), check.equal(what, a, b): collective; raise on every rank unless
+# err < tol, cond, a == b on all of them
+check = Checks(world, tol=1e-10, width=66)
 say = check.say                         # print on world rank 0 only
 
 
@@ -87,7 +86,7 @@ def gpus_visible():
 N_GPUS = world.allreduce(gpus_visible(), op=MPI.MIN)   # every rank takes the same path, so all make the same checks
 DEVICE = "gpu" if N_GPUS else "cpu"
 xp = get_xp(DEVICE)                     # numpy, or cupy
-say(f"device: {place_on_device(TrainConfig(device=DEVICE), world)}")   # binds each rank to its GPU (section 3)
+say(f"device: {place_on_device(train_config(device=DEVICE), world)}")   # binds each rank to its GPU (section 3)
 SEED = 0
 corpus = Corpus.load(None, 16)          # the built-in corpus (the Python standard library's source), as hsgd.train
 
@@ -146,8 +145,8 @@ loss_d, grads_d = serial.loss_and_grads(dev, idx, targets, cfg)                #
 say(f"parameters on the host: {type(host['wte']).__module__}, on '{DEVICE}': {type(dev['wte']).__module__}; "
     f"gradients on '{DEVICE}': {type(grads_d['wte']).__module__}")
 say(f"loss on the host {loss_h:.15f}, on '{DEVICE}' {loss_d:.15f}")
-check(f"init_params on '{DEVICE}' vs on the host: entries that differ",
-      sum(int(np.count_nonzero(to_numpy(dev[n]) != host[n])) for n in host), 0)
+check.holds(f"init_params on '{DEVICE}' == on the host, bit for bit",
+            all(np.array_equal(to_numpy(dev[n]), host[n]) for n in host))
 check(f"loss and every gradient on '{DEVICE}' vs NumPy (rel)",
       max([abs(loss_d - loss_h) / loss_h] + [rel_err(to_numpy(grads_d[n]), grads_h[n]) for n in host]))
 
@@ -231,7 +230,7 @@ world_comm.Allreduce(x)                                                  # in pl
 reference = np.sum([x_of(r) for r in range(P)], axis=0)                  # (N,) serial: NumPy on the host
 say(f"rank 0: Allreduce result {np.array2string(to_numpy(x), precision=4)} ({type(x).__module__} array)")
 check("Comm.Allreduce vs the NumPy sum of both ranks' vectors (rel)", rel_err(to_numpy(x), reference), 1e-15)
-check("the result is still on my device, in place (0 = yes)", int(array_module(x) is not xp), 0)
+check.holds("the result is still on my device, in place", array_module(x) is xp)
 
 # %% [markdown]
 # Staging, written out by hand with plain mpi4py, is the three steps of the list above; on a GPU `to_numpy` is the
@@ -261,7 +260,7 @@ try:
 except ValueError as e:
     message = str(e)
 say(f"Allreduce of a strided view -> ValueError: {message}")
-check("a strided view raised ValueError on every rank (0 = yes)", int(not message), 0)
+check.holds("a strided view raised ValueError on every rank", message)
 
 # %% [markdown]
 # **What NCCL would add.** The lecture recommends an efficient collective library such as NCCL, which PyTorch and
@@ -294,10 +293,10 @@ rows = world.gather((rank, hosts[rank], local_rank, n_local), root=0)
 say(f"{'world rank':>10} {'local rank':>11} {'ranks on node':>14}  host")
 for r, h, lr, nl in rows or []:
     say(f"{r:>10} {lr:>11} {nl:>14}  {h}")
-check("node-local rank - lower world ranks on my host", local_rank - same_host_before, 0)
+check.equal("node-local rank == lower world ranks on my host", local_rank, same_host_before)
 if DEVICE == "gpu":
     import cupy
-    check("my current GPU - local_rank % n_gpus", cupy.cuda.Device().id - local_rank % N_GPUS, 0)
+    check.equal("my current GPU == local_rank % n_gpus", cupy.cuda.Device().id, local_rank % N_GPUS)
 
 # %% [markdown]
 # **More ranks than GPUs.** The modulo lets any number of ranks run on any number of GPUs: on a machine with one GPU,
@@ -309,13 +308,13 @@ if DEVICE == "gpu":
 # %%
 RANKS_PER_NODE = 8
 say(f"{'GPUs':>5} | GPU of local rank {' '.join(f'{r:>2}' for r in range(RANKS_PER_NODE))} | ranks per GPU")
-uneven = 0
+balanced = True                         # every GPU gets as many ranks as every other
 for n_gpus in (1, 2, 4, 8):
     gpu_of = [r % n_gpus for r in range(RANKS_PER_NODE)]                 # backend.select_gpu's rule
     per_gpu = [gpu_of.count(g) for g in range(n_gpus)]
-    uneven += max(per_gpu) - min(per_gpu)
+    balanced &= max(per_gpu) == min(per_gpu)
     say(f"{n_gpus:>5} | {'':>17} {' '.join(f'{g:>2}' for g in gpu_of)} | {per_gpu}")
-check("8 ranks on 1, 2, 4, 8 GPUs: most minus fewest ranks on a GPU", uneven, 0)
+check.holds("8 ranks on 1, 2, 4, 8 GPUs: as many ranks on every GPU", balanced)
 
 # %% [markdown]
 # Schedulers can also hand each rank exactly one GPU by setting `CUDA_VISIBLE_DEVICES` per rank (Slurm does with
@@ -329,18 +328,18 @@ check("8 ranks on 1, 2, 4, 8 GPUs: most minus fewest ranks on a GPU", uneven, 0)
 # %%
 TP2, DP2 = 8, 2
 say(f"{'world rank':>10} {'node':>5} {'local rank = GPU':>17} {'dp_rank':>8} {'tp_rank':>8}")
-crossing, misnumbered = 0, 0
+numbered, inside = True, True
 for r in range(TP2 * DP2):
     node, local = divmod(r, RANKS_PER_NODE)                              # block placement
     dp_rank, tp_rank = divmod(r, TP2)                                    # tp fastest
-    misnumbered += ProcessGrid.rank_of(dp_rank, 0, tp_rank, 1, TP2) != r  # hsgd.grid agrees
-    crossing += node != (dp_rank * TP2) // RANKS_PER_NODE                # not on the node of my group's first rank
+    numbered &= ProcessGrid.rank_of(dp_rank, 0, tp_rank, 1, TP2) == r    # hsgd.grid agrees
+    inside &= node == (dp_rank * TP2) // RANKS_PER_NODE                  # on the node of my group's first rank
     if r in (0, 1, 7, 8, 9, 15):
         say(f"{r:>10} {node:>5} {local:>17} {dp_rank:>8} {tp_rank:>8}")
     elif r in (2, 10):
         say(f"{'...':>10}")
-check("16 ranks, dp=2 tp=8: ranks numbered unlike ProcessGrid.rank_of", misnumbered, 0)
-check("16 ranks, 8 per node, dp=2 tp=8: ranks off their tp group's node", crossing, 0)
+check.holds("16 ranks, dp=2 tp=8: numbered as ProcessGrid.rank_of", numbered)
+check.holds("16 ranks, 8 per node, dp=2 tp=8: every rank on its tp group's node", inside)
 
 # %% [markdown]
 # Each tp_comm (one dp_rank: 8 consecutive ranks) is one node, its 8 GPUs joined by NVLink; each dp_comm (one
@@ -366,7 +365,7 @@ check("16 ranks, 8 per node, dp=2 tp=8: ranks off their tp group's node", crossi
 # same lines are free, which is why they creep in unnoticed. hsgd's rules in the hot path: no `float()`, `bool()`
 # or `.item()` on device arrays, and **masks by multiplication or `xp.where`, never by indexing**, because the
 # shape then stays fixed. The vocabulary-parallel embedding (`tp_layers.vocab_embedding_backward`) and the
-# gradient-norm parts of `HybridTrainer.grad_squares` are written that way. The difference, on NumPy:
+# gradient-norm parts of `health.step_numbers` are written that way. The difference, on NumPy:
 
 # %%
 rng = np.random.default_rng(1)
@@ -397,8 +396,7 @@ check("sum of squares by mask multiplication vs by boolean indexing (rel)",
 
 # %%
 STEPS = 6
-tc = TrainConfig(tp=1, dp=P, steps=STEPS, batch_size=4, lr=0.1, momentum=0.9, warmup=2, clip=1.0,
-                 dtype="float64", seed=SEED, device=DEVICE)
+tc = train_config(tp=1, dp=P, steps=STEPS, batch_size=4, warmup=2, clip=1.0, seed=SEED, device=DEVICE)
 grid = ProcessGrid(world, dp=P, tp=1)
 trainer = HybridTrainer(cfg, grid, tc)                                   # parameters on DEVICE, in one flat buffer
 say(f"parameters: one flat {type(trainer.pbuf.flat).__module__} buffer of {trainer.pbuf.flat.size:,} float64")
@@ -416,7 +414,7 @@ for step in range(1, STEPS + 1):
                          for (c, op), (n, _) in sorted(grid.stats.counts().items()))
     say(f"step {step}: loss {info.loss:.4f}  grad norm {info.grad_norm:.4f}  lr {info.lr:.4f}  "
         f"to_host copies {copies[-1]}  collectives: {per_comm}")
-check(f"{STEPS} steps: |to_host copies - 1|, summed over the steps", sum(abs(c - 1) for c in copies), 0)
+check.equal(f"{STEPS} steps: to_host copies of every step", copies, [1] * STEPS)
 
 # %% [markdown]
 # Note the collectives of each step: the one Allreduce of the gradient buffer over dp_comm, and those the layers
@@ -451,31 +449,23 @@ check(f"{STEPS} steps: |to_host copies - 1|, summed over the steps", sum(abs(c -
 if SIMULATED:
     staged = 0 if cuda_aware_mpi() else 1                                # the dp Allreduce's copy to the host
     say(f"simulated GPU: device-to-host transfers per step {transfers}: to_host {copies[0]} + staged {staged}")
-    check(f"{STEPS} steps: |all transfers - to_host copies - staged copies|, summed",
-          sum(abs(t - c - staged) for t, c in zip(transfers, copies)), 0)
+    check.equal(f"{STEPS} steps: all transfers of every step == to_host + staged copies",
+                transfers, [c + staged for c in copies])
 else:
     say("(on NumPy or a real GPU only to_host's count is known; the simulated GPU counts every transfer)")
 
 # %% [markdown]
 # **The check against serial.** Rank 0 runs serial mini-batch SGD on the whole batch of every step, with the same
-# optimizer, schedule and clipping, in NumPy on the host, and broadcasts the result; every rank compares its
-# parameters (copied back with `to_numpy`) and the losses. As in chapters 5 and 6 the error is relative to each
-# parameter's largest entry, but at least to 0.02, the scale of the initialization.
+# optimizer, schedule and clipping, in NumPy on the host (`serial.sgd`, from parameters initialized on the host),
+# and broadcasts the result; every rank compares its parameters (copied back with `to_numpy`) and the losses. As in
+# chapters 5 and 6 the error is relative to each parameter's largest entry, but at least to 0.02, the scale of the
+# initialization.
 
 # %%
 reference = None
 if rank == 0:
-    ref = serial.init_params(cfg, seed=tc.seed, dtype="float64", device="cpu")
-    opt = make_optimizer(tc.optimizer, tc.lr, momentum=tc.momentum, weight_decay=tc.weight_decay)
-    ref_losses = []
-    for step in range(1, STEPS + 1):
-        idx, targets = corpus.batch(tc.seed, step, tc.batch_size)
-        loss, grads = serial.loss_and_grads(ref, idx, targets, cfg)
-        norm = math.sqrt(sum(float(np.sum(gr * gr)) for gr in grads.values()))
-        clip_grads(grads, norm, tc.clip)
-        opt.step(ref, grads, lr_at(step, tc.lr, tc.warmup, tc.steps))
-        ref_losses.append(loss)
-    reference = (ref, ref_losses)
+    start = serial.init_params(cfg, seed=tc.seed, dtype="float64", device="cpu")     # NumPy, whatever DEVICE is
+    reference = serial.sgd(cfg, tc, lambda step: corpus.batch(tc.seed, step, tc.batch_size), params=start)
 ref, ref_losses = world.bcast(reference, root=0)          # a toy model: a pickled broadcast is fine
 
 param_errs = {n: rel_err(to_numpy(p), ref[n], floor=0.02) for n, p in trainer.params.items()}
@@ -552,5 +542,5 @@ grid.free()
 
 # %%
 worst, err = check.worst()
-say(f"\nchapter 11: all {len(check.errors)} checks passed on {P} ranks ({DEVICE}); largest error {err:.1e} "
+say(f"\nchapter 11: all {len(check.passed)} checks passed on {P} ranks ({DEVICE}); largest error {err:.1e} "
     f"({worst})")

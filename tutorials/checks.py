@@ -9,13 +9,17 @@ the same verdict from it. Every rank must therefore make the same checks, in the
     from checks import Checks, rel_err
     check = Checks(MPI.COMM_WORLD, tol=1e-10)          # or Checks(tol=...) in a one-process chapter, without MPI
     check("dW vs serial", rel_err(dW_i, dW[:, cols]))  # rank 0 prints the worst error over the ranks
+    check.equal("bytes of a step", measured, formula)  # counts, tuples, dicts: exactly equal on every rank
+    check.holds("DP replicas bit-identical", same)     # a yes/no fact: true on every rank
     what, err = check.worst()                          # for the chapter's closing line
 
 This is not a chapter (tests/test_tutorials.py runs only the files named NN_*.py) and not a test framework:
 it holds only what the chapters share. Chapter-specific measures (finite differences, shard errors, traffic)
-stay in their chapters.
+stay in their chapters, and so do their configs, built with `train_config` (one set of defaults for all).
 """
 import numpy as np
+
+from hsgd.settings import TrainConfig
 
 FLOOR = 1e-6        # rel_err's absolute floor, for arrays that are (nearly) zero (chapter 4 explains why)
 
@@ -23,7 +27,9 @@ FLOOR = 1e-6        # rel_err's absolute floor, for arrays that are (nearly) zer
 class Checks:
     """`check(what, err, tol)` on every rank: passes when err < tol on every rank, or err <= tol with
     strict=False (then tol=0 means "exactly 0"); a NaN never passes. Rank 0 prints `what` and the worst err,
-    the worst is recorded in `errors`, and a failure raises AssertionError on every rank."""
+    the worst is recorded in `errors`, and a failure raises AssertionError on every rank.
+    `check.holds(what, cond)` and `check.equal(what, a, b)` are the same for facts that have no tolerance: a
+    condition, or two counts (tuples, dicts) that must be exactly equal. Every check passed is in `passed`."""
 
     def __init__(self, comm=None, tol=0.0, width=60, strict=True, prefix=""):
         self.comm = comm            # an mpi4py communicator (COMM_WORLD), or None: one process, MPI not needed
@@ -32,7 +38,8 @@ class Checks:
         self.strict = strict        # True: pass if err < tol; False: pass if err <= tol
         self.width = width          # column width of `what` in the printed line
         self.prefix = prefix        # printed before `what`, e.g. "  check: "
-        self.errors = {}            # what was checked -> the worst error over all ranks
+        self.errors = {}            # what was checked with a tolerance -> the worst error over all ranks
+        self.passed = []            # `what` of every check passed so far, in order
 
     def say(self, *args):
         """Print once, from rank 0 (P ranks printing the same line would only be noise)."""
@@ -51,6 +58,29 @@ class Checks:
             per_rank = f" (errors per rank: {errs})" if len(errs) > 1 else ""
             raise AssertionError(f"{what}: error {worst:.2e} is not {'below' if self.strict else 'at most'} "
                                  f"{tol:.0e}{per_rank}")
+        self.passed.append(what)
+
+    def holds(self, what, cond):
+        """Passes when cond is true on every rank. Rank 0 prints `what` and "yes"; a failure names the ranks."""
+        conds = self.comm.allgather(bool(cond)) if self.comm is not None else [bool(cond)]
+        failed = [r for r, c in enumerate(conds) if not c]
+        self.say(f"{self.prefix}{what:<{self.width}s} {'yes' if not failed else 'NO'}")
+        if failed:
+            raise AssertionError(f"{what}: false on rank(s) {failed}")
+        self.passed.append(what)
+
+    def equal(self, what, a, b):
+        """Passes when a == b exactly on every rank (counts, tuples, dicts; not arrays). Rank 0 prints `what` and
+        "equal"; a failure shows both sides (of two dicts, the entries that differ) on every rank where they differ."""
+        mine = None if a == b else differing(a, b)            # only what differs travels
+        seen = self.comm.allgather(mine) if self.comm is not None else [mine]
+        wrong = {r: d for r, d in enumerate(seen) if d is not None}
+        self.say(f"{self.prefix}{what:<{self.width}s} {'DIFFERENT' if wrong else 'equal'}")
+        if wrong:
+            sides = "\n".join(f"  rank {r}: got      {got}\n  rank {r}: expected {want}"
+                              for r, (got, want) in wrong.items())
+            raise AssertionError(f"{what}: not equal on rank(s) {list(wrong)}\n{sides}")
+        self.passed.append(what)
 
     def worst(self, names=None):
         """(what, err) of the largest error recorded, among `names` if given, else among all checks."""
@@ -63,7 +93,20 @@ def rel_err(a, b, floor=FLOOR):
     return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), floor))
 
 
-def count_diff(measured, expected):
-    """How far CommStats.counts() is from the expected {(comm, op): (calls, bytes)}: 0 when they are equal."""
-    keys = set(measured) | set(expected)
-    return float(sum(abs(m - e) for k in keys for m, e in zip(measured.get(k, (0, 0)), expected.get(k, (0, 0)))))
+
+def differing(a, b):
+    """(a, b), or for two dicts only the entries where they differ (a missing key shows as None)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        keys = sorted((k for k in set(a) | set(b) if a.get(k) != b.get(k)), key=repr)
+        return {k: a.get(k) for k in keys}, {k: b.get(k) for k in keys}
+    return a, b
+
+
+def train_config(**kw):
+    """The TrainConfig of a chapter's float64 runs: SGD with momentum 0.9, lr 0.1, one warm-up step, seed 0,
+    nothing evaluated, sampled or saved; then the chapter's own `kw`. Validated, as hsgd.train does."""
+    base = dict(lr=0.1, momentum=0.9, warmup=1, dtype="float64", seed=0, eval_interval=0, eval_batches=1,
+                sample_bytes=0)
+    tc = TrainConfig(**{**base, **kw})
+    tc.validate()
+    return tc
