@@ -30,6 +30,9 @@ Bytes that cross node boundaries (`cross_node_bytes`; ring algorithms, consecuti
 Per node the totals are about the same (~2 B); the gain is that the hierarchical version spreads them over n
 links in parallel (one NIC per GPU) and takes 2 (k-1) slow-network steps instead of 2 (P-1).
 
+The ring costs above are those of Thakur, Rabenseifner and Gropp 2005 ("Optimization of Collective Communication
+Operations in MPICH"): a ring Allreduce sends 2 (P-1)/P of the buffer per rank, a ring Reduce-scatter or Allgather
+(P-1)/P of it.
 Left out: overlapping the steps with the backward pass, and pipelining chunks of a large buffer.
 """
 import numbers

@@ -14,7 +14,8 @@ Legend: B batch, T sequence, C d_model, NH heads, F d_ff, V vocab, L layers.
 
 Public API: init_params(cfg, seed, dtype, device), loss_and_grads(params, idx, targets, cfg, grads, split) (split:
 the batch over the CPU threads), forward / backward for callers that want the pieces, loss(params, idx, targets,
-cfg) for evaluation.
+cfg) for evaluation, and sgd(cfg, tc, batch, params, delayed): whole runs of serial mini-batch SGD, the reference
+every parallel layout's training must reproduce.
 
 The model runs the plain layers of hsgd.layers, the formulas a reader checks. Every model function takes
 ops=hsgd.ops instead to run the tuned kernels, which have the same signatures (benchmarks and chapter 12 time

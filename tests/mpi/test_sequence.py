@@ -227,16 +227,12 @@ def test_hybrid_training_with_sequence_equals_serial_sgd():
     """Two SGD steps of the hybrid trainer (dp = 2 x tp = 4, gradient accumulation 2, "sequence") end with the
     parameters of serial SGD on the global batch."""
     from hsgd.hybrid import HybridTrainer
-    from hsgd.optim import lr_at, make_optimizer
     from hsgd.train import TrainConfig
     tc = TrainConfig(tp=4, dp=2, tp_scheme="sequence", steps=2, batch_size=8, micro_batches=2, lr=0.05, momentum=0.9,
                      warmup=1, dtype="float64", seed=3)
     rng = np.random.default_rng(7)
     batches = [(rng.integers(0, 13, (8, 8)), rng.integers(0, 13, (8, 8))) for _ in range(2)]
-    ref = serial.init_params(CFG, seed=3, dtype="float64")
-    opt = make_optimizer("sgd", tc.lr, momentum=tc.momentum)
-    for step, (idx, targets) in enumerate(batches, 1):
-        opt.step(ref, serial.loss_and_grads(ref, idx, targets, CFG)[1], lr_at(step, tc.lr, tc.warmup, tc.steps))
+    ref, _ = serial.sgd(CFG, tc, lambda step: batches[step - 1])
     grid = ProcessGrid(WORLD, dp=2, tp=4)
     trainer = HybridTrainer(CFG, grid, tc)
     for step, (idx, targets) in enumerate(batches, 1):
