@@ -1,21 +1,32 @@
-"""make bench: hsgd measured side by side with PyTorch on this machine, and the per-rank memory and bytes story.
+"""make bench: the trainer's own step measured side by side with PyTorch on this machine, and the per-rank memory and
+bytes story.
 
     python benchmarks/bench.py [--quick]          (make bench; needs torch: pip install -e '.[bench]')
 
 Writes benchmarks/results/bench.md (the tables) and bench.json (every number), and prints the tables:
-  a. one training step (forward, backward, SGD update; float32) of hsgd and of PyTorch eager on the CPU, the same
-     model and weights (equal loss checked first) and the same thread count, for a small and a mid-size model:
-     the time ratio hsgd / PyTorch (medians over alternating blocks of steps). hsgd's step splits the batch over
-     the threads (serial.loss_and_grads(split=True)), PyTorch splits each operation over them;
+  a. one training step (float32) of hsgd's trainer and of PyTorch eager on the CPU, the same model and weights
+     (equal loss checked first), the same batch and thread count, for a small and a mid-size model: the time ratio
+     hsgd / PyTorch (medians over alternating blocks of steps). What each side does in a step:
+       hsgd     HybridTrainer.step on a one-rank grid (dp = pp = tp = 1), as `python -m hsgd.train` runs it: zero
+                the flat gradient buffer; forward and backward with the batch split over the threads (ThreadedStage:
+                each thread one slice of the sequences, one BLAS thread each, the slices' gradients added at the
+                end); the step's one host copy (loss, non-finite count, the gradient's sums of squares for its
+                norm); SGD with momentum 0.9 on the flat parameter buffer;
+       PyTorch  zero_grad, the forward and backward of the same model (hsgd's specification written with PyTorch's
+                fused CPU kernels, benchmarks/torch_gpt.py; each operation split over the threads), and
+                torch.optim.SGD with momentum 0.9: the same update, v <- 0.9 v + g, w <- w - lr v;
   b. MFU: the model FLOPs of the step (ModelConfig.step_flops) per second over the float32 matmul rate of this
      machine measured in the same run (NumPy's BLAS; PyTorch's own matmul rate is shown too);
-  c. data-parallel scaling: the same global batch on 1 rank and on 2 ranks (one BLAS thread each), hsgd and
-     PyTorch DistributedDataParallel (gloo, on loopback) as the anchor;
-  d. tensor parallelism: tp = 2 on 2 ranks (one thread each) against serial on 2 threads;
+  c. data-parallel scaling: the same global batch on 1 rank and on 2 ranks (dp = 2, one thread each), the trainer
+     and PyTorch DistributedDataParallel (gloo, on loopback) as the anchor;
+  d. tensor parallelism: the trainer with tp = 2 on 2 ranks (one thread each) against the trainer on one rank with
+     2 threads (ThreadedStage), and PyTorch eager on 2 threads as the anchor;
   e. per-rank memory (parameters, gradients, optimizer state, activations) for tp in {1, 2, 4, 8} and zero in
      {0, 1} on 8 ranks, against the formulas;
   f. communication bytes per step against the formulas (the ratio must be exactly 1).
-Timings are medians over repetitions on a machine that may be shared: run it on an idle machine.
+Timings are medians over repetitions, with the best next to them: how far apart the two are is the run-to-run
+noise of this machine. Run it on an idle machine. benchmarks/compare_commits.py runs section a for two commits in
+turn, to compare their hsgd / PyTorch ratios against that noise.
 """
 import argparse
 import json
@@ -25,14 +36,16 @@ import subprocess
 import sys
 import time
 
-import hsgd  # before NumPy: hsgd sets how OpenBLAS threads wait (see hsgd/__init__.py)
+import hsgd  # before NumPy: hsgd sets how OpenBLAS threads wait (see hsgd/threads.py)
 import numpy as np
+from mpi4py import MPI
 from threadpoolctl import threadpool_info, threadpool_limits
 
 from hsgd import serial
-from hsgd.backend import set_cpu_threads, tune_allocator
-from hsgd.layers import cross_entropy_forward
-from hsgd.optim import SGD
+from hsgd.grid import ProcessGrid
+from hsgd.hybrid import HybridTrainer
+from hsgd.settings import TrainConfig
+from hsgd.threads import set_cpu_threads, tune_allocator
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -41,38 +54,47 @@ from bench_serial import matmul_rate  # noqa: E402
 # model, batch, rounds, steps per block (see compare_with_torch)
 CONFIGS = {"small (the default training model)": (hsgd.ModelConfig(256, 64, 128, 4, 4, 512), 16, 6, 6),
            "mid-size": (hsgd.ModelConfig(256, 256, 512, 8, 4, 2048), 8, 4, 3)}
+LR, MOMENTUM = 1e-4, 0.9                      # a tiny step: the weights barely move while they are timed
+
+
+def one_rank_trainer(cfg, batch):
+    """The trainer as `python -m hsgd.train` builds it on one process: a one-rank grid, SGD with momentum, float32,
+    no warmup (the schedule's cosine runs over a million steps: the learning rate stays LR)."""
+    tc = TrainConfig(tp=1, dp=1, steps=10 ** 6, batch_size=batch, dtype="float32", optimizer="sgd", lr=LR,
+                     momentum=MOMENTUM, warmup=0)
+    tc.validate()
+    return HybridTrainer(cfg, ProcessGrid(MPI.COMM_SELF), tc)
 
 
 def compare_with_torch(cfg, batch, rounds, block, threads):
-    """Both libraries' steps on the same model, weights and batch. Timed in alternating blocks (`rounds` blocks of
-    `block` steps each), so that both see the same machine noise, and the first step of every block is not counted:
-    each library leaves worker threads that spin for a while after it (PyTorch's OpenMP threads, for instance),
-    and a step that starts under the other's spinning threads measures that, not itself."""
+    """Both libraries' steps on the same model, weights and batch (see the module docstring for what each does).
+    Timed in alternating blocks (`rounds` blocks of `block` steps each), so that both see the same machine noise,
+    and the first step of every block is not counted: each library leaves worker threads that spin for a while
+    after it (PyTorch's OpenMP threads, for instance), and a step that starts under the other's spinning threads
+    measures that, not itself. The caller sets hsgd's thread count (set_cpu_threads(threads))."""
     import torch
 
-    from torch_gpt import loss_fn, sgd_step, to_torch
+    from torch_gpt import loss_fn, momentum_sgd, to_torch
     torch.set_num_threads(threads)
-    params = serial.init_params(cfg, 0, "float32")
     rng = np.random.default_rng(0)
     idx = rng.integers(0, cfg.vocab_size, (batch, cfg.seq_len))
     targets = rng.integers(0, cfg.vocab_size, (batch, cfg.seq_len))
-    tparams, ti, tt = to_torch(params), torch.tensor(idx), torch.tensor(targets)
+    trainer = one_rank_trainer(cfg, batch)
+    tparams, ti, tt = to_torch(serial.init_params(cfg, 0, "float32")), torch.tensor(idx), torch.tensor(targets)
+    opt = momentum_sgd(tparams, LR, MOMENTUM)
+    theirs = float(loss_fn(tparams, ti, tt, cfg).detach())             # before any update
     with threadpool_limits(threads):
-        ours = float(cross_entropy_forward(serial.forward(params, idx, cfg)[0], targets)[0])
-    theirs = float(loss_fn(tparams, ti, tt, cfg))
+        ours = trainer.step(idx, targets, 1).loss                      # the loss before its first update
     if abs(ours - theirs) > 1e-4 * abs(theirs):
         raise SystemExit(f"the two models disagree: loss {ours} (hsgd) vs {theirs} (PyTorch)")
-    grads, opt = serial.zeros_like_params(params), SGD(1e-4)
 
     def hsgd_step():
-        for g in grads.values():
-            g.fill(0)
-        serial.loss_and_grads(params, idx, targets, cfg, grads=grads, split=True)   # the batch over the threads
-        opt.step(params, grads)
+        trainer.step(idx, targets, 1)
 
     def torch_step():
+        opt.zero_grad()
         loss_fn(tparams, ti, tt, cfg).backward()
-        sgd_step(tparams, 1e-4)
+        opt.step()
 
     times = {"hsgd": [], "torch": []}
     with threadpool_limits(threads):
@@ -83,19 +105,26 @@ def compare_with_torch(cfg, batch, rounds, block, threads):
                     t0 = time.perf_counter()
                     f()
                     times[name].append(time.perf_counter() - t0)
-    a = 2048
-    x = torch.rand(a, a)
-    torch.mm(x, x)
-    t0 = time.perf_counter()
-    for _ in range(5):
-        torch.mm(x, x)
-    torch_rate = 5 * 2 * a ** 3 / (time.perf_counter() - t0)
+    trainer.grid.free()
     return {"loss_hsgd": ours, "loss_torch": theirs, "hsgd_s": float(np.median(times["hsgd"])),
             "torch_s": float(np.median(times["torch"])), "hsgd_best_s": min(times["hsgd"]),
-            "torch_best_s": min(times["torch"]), "torch_matmul_flops": torch_rate}
+            "torch_best_s": min(times["torch"]), "torch_matmul_flops": torch_matmul_rate(),
+            "stage": type(trainer.stage).__name__}
+
+
+def torch_matmul_rate(n=2048, repeats=5):
+    """FLOP/s of PyTorch's float32 n x n x n matmul (after one warm-up product)."""
+    import torch
+    x = torch.rand(n, n)
+    torch.mm(x, x)
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        torch.mm(x, x)
+    return repeats * 2 * n ** 3 / (time.perf_counter() - t0)
 
 
 def mpi(n, task, env=None):
+    """Rank 0's JSON result of `mpiexec -n n bench_worker.py task`."""
     exe = os.path.join(os.path.dirname(sys.executable), "mpiexec")
     cmd = ["timeout", "600", exe if os.path.exists(exe) else "mpiexec", "-n", str(n), sys.executable,
            os.path.join(HERE, "bench_worker.py"), task]
@@ -105,31 +134,19 @@ def mpi(n, task, env=None):
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--threads", type=int, default=os.cpu_count(), help="threads for the serial comparison")
-    p.add_argument("--quick", action="store_true", help="fewer repetitions")
-    p.add_argument("--out", default=os.path.join(HERE, "results"))
-    a = p.parse_args(argv)
-    say = lambda s="": print(s, flush=True)
-    set_cpu_threads(a.threads)                                           # as hsgd.train does for its ranks
-    tune_allocator()
-    res = {"machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine(),
-                       "blas": [(i["internal_api"], i.get("architecture")) for i in threadpool_info()],
-                       "python": platform.python_version(), "numpy": np.__version__}}
-    with threadpool_limits(a.threads):
-        res["matmul_flops"] = matmul_rate()
-    say(f"float32 matmul rate (NumPy, {a.threads} threads): {res['matmul_flops'] / 1e9:.1f} GFLOP/s")
-    md = ["## a-b. One training step (float32), hsgd vs PyTorch eager, "
-          f"{a.threads} threads", "",
-          "| model | B x T | hsgd median (best) | PyTorch median (best) | hsgd / PyTorch | hsgd MFU | PyTorch MFU "
-          "| equal loss |", "|---|---|---|---|---|---|---|---|"]
-    res["serial"] = {}
+# ----------------------------------------------------------------------------------------------------------------
+# The sections: each times its part, adds its numbers to res and its lines to md
+
+def section_step(a, res, md, say):
+    """a-b: the trainer's step against PyTorch's, and both MFUs."""
+    md += [f"## a-b. One training step (float32), hsgd's trainer vs PyTorch eager, {a.threads} threads", "",
+           "| model | B x T | hsgd median (best) | PyTorch median (best) | hsgd / PyTorch | hsgd MFU | PyTorch MFU "
+           "| equal loss |", "|---|---|---|---|---|---|---|---|"]
+    res["serial"], peak = {}, res["matmul_flops"]
     for name, (cfg, batch, rounds, block) in CONFIGS.items():
         say(f"timing {name} ...")
         r = compare_with_torch(cfg, batch, 2 if a.quick else rounds, block, a.threads)
         flops = cfg.step_flops(batch)
-        peak = res["matmul_flops"]
         r.update(ratio=r["hsgd_s"] / r["torch_s"], ratio_best=r["hsgd_best_s"] / r["torch_best_s"], flops=flops,
                  mfu_hsgd=flops / r["hsgd_s"] / peak, mfu_torch=flops / r["torch_s"] / peak,
                  mfu_hsgd_best=flops / r["hsgd_best_s"] / peak, mfu_torch_best=flops / r["torch_best_s"] / peak)
@@ -140,10 +157,17 @@ def main(argv=None):
                   f"({r['ratio_best']:.2f}) | {100 * r['mfu_hsgd']:.0f}% ({100 * r['mfu_hsgd_best']:.0f}%) | "
                   f"{100 * r['mfu_torch']:.0f}% ({100 * r['mfu_torch_best']:.0f}%) | {r['loss_hsgd']:.5f} = "
                   f"{r['loss_torch']:.5f} |")
-    md += ["", f"MFU: model FLOPs per second / the float32 matmul rate measured in the same run "
-               f"({res['matmul_flops'] / 1e9:.0f} GFLOP/s with NumPy's BLAS; PyTorch's own matmul ran at "
+    md += ["", "hsgd: `HybridTrainer.step` on one rank (the batch split over the threads, SGD with momentum on the "
+               "flat buffer, the step's norm and non-finite check); PyTorch: zero_grad, forward, backward, "
+               "`torch.optim.SGD` with momentum. The ratio of the medians, and in parentheses of the bests: how far "
+               "apart they are is the noise of this run.",
+           "", f"MFU: model FLOPs per second / the float32 matmul rate measured in the same run "
+               f"({peak / 1e9:.0f} GFLOP/s with NumPy's BLAS; PyTorch's own matmul ran at "
                f"{res['serial']['mid-size']['torch_matmul_flops'] / 1e9:.0f} GFLOP/s)."]
 
+
+def section_dp(a, res, md, say):
+    """c: the same global batch on 1 and 2 ranks, the trainer and PyTorch DDP."""
     say("timing data-parallel scaling (hsgd and PyTorch DDP, 1 and 2 ranks) ...")
     runs = {(k, n): [] for k in ("dp", "ddp") for n in (1, 2)}
     for _ in range(1 if a.quick else 3):                                 # alternating runs see the same noise
@@ -155,21 +179,34 @@ def main(argv=None):
     sc = hsgd.ModelConfig(256, 128, 256, 8, 4, 1024)
     md += ["", "## c. Data-parallel scaling: the same global batch (16 x 128) on 1 and 2 ranks, 1 thread each", "",
            f"Model L={sc.n_layers} C={sc.d_model} NH={sc.n_heads} F={sc.d_ff}. Each time is the median of "
-           f"{len(runs['dp', 1])} runs (alternating between the four), each run the median of 5 steps.", "",
-           "| | 1 rank | 2 ranks | speedup | efficiency |", "|---|---|---|---|---|"]
-    for k, label in (("dp", "hsgd (Allreduce over dp_comm)"), ("ddp", "PyTorch DDP (gloo)")):
+           f"{len(runs['dp', 1])} runs (alternating between the four; every run below), each run the median of 5 "
+           "steps.", "", "| | 1 rank | 2 ranks | speedup | efficiency | runs, 1 rank / 2 ranks |",
+           "|---|---|---|---|---|---|"]
+    for k, label in (("dp", "hsgd's trainer (Allreduce over dp_comm)"), ("ddp", "PyTorch DDP (gloo)")):
         s = dp[k][1] / dp[k][2]
-        md.append(f"| {label} | {dp[k][1] * 1e3:.0f} ms | {dp[k][2] * 1e3:.0f} ms | {s:.2f}x | {50 * s:.0f}% |")
+        spread = " / ".join(", ".join(f"{t * 1e3:.0f}" for t in runs[k, n]) for n in (1, 2))
+        md.append(f"| {label} | {dp[k][1] * 1e3:.0f} ms | {dp[k][2] * 1e3:.0f} ms | {s:.2f}x | {50 * s:.0f}% | "
+                  f"{spread} ms |")
 
-    say("timing tensor parallelism against serial ...")
-    tp2, serial2 = mpi(2, "tp")["seconds"], mpi(1, "tp", {"BENCH_THREADS": "2"})["seconds"]
-    res["tp_overhead"] = {"tp2_2ranks_s": tp2, "serial_2threads_s": serial2, "ratio": tp2 / serial2}
-    md += ["", "## d. Tensor parallelism: tp = 2 on 2 ranks (1 thread each) vs serial on 2 threads", "",
-           f"Same model and batch as c: tp=2 {tp2 * 1e3:.0f} ms, serial {serial2 * 1e3:.0f} ms, ratio "
-           f"{tp2 / serial2:.2f}. The tensor-parallel step does the same products on half the columns and adds "
-           "two All-Reduces of (N, C) activations per block, forward and backward; the serial step splits its "
-           "products over 2 BLAS threads and its elementwise layers over 2 threads of its own."]
 
+def section_tp(a, res, md, say):
+    """d: tp = 2 on 2 ranks against the trainer on one rank with 2 threads, and PyTorch on 2 threads."""
+    say("timing tensor parallelism against the trainer on one rank with 2 threads ...")
+    two = {"BENCH_THREADS": "2"}
+    tp2, threaded2, torch2 = mpi(2, "tp")["seconds"], mpi(1, "threaded", two), mpi(1, "torch", two)["seconds"]
+    t2 = threaded2["seconds"]
+    res["tp_overhead"] = {"tp2_2ranks_s": tp2, "one_rank_2threads_s": t2, "torch_2threads_s": torch2,
+                          "ratio": tp2 / t2, "one_rank_stage": threaded2["stage"]}
+    md += ["", "## d. Tensor parallelism: tp = 2 on 2 ranks (1 thread each) vs one rank with 2 threads", "",
+           f"Same model and batch as c, the trainer each time: tp = 2 {tp2 * 1e3:.0f} ms, one rank with 2 threads "
+           f"({threaded2['stage']}) {t2 * 1e3:.0f} ms, ratio {tp2 / t2:.2f}; PyTorch eager on 2 threads "
+           f"{torch2 * 1e3:.0f} ms (hsgd's one rank / PyTorch {t2 / torch2:.2f}). The tensor-parallel step does "
+           "the same products on half the columns and adds two All-Reduces of (N, C) activations per block, forward "
+           "and backward; the one-rank step splits the batch over its 2 threads and exchanges nothing."]
+
+
+def section_memory(a, res, md, say):
+    """e-f: per-rank memory and bytes per step on 8 ranks, against the formulas."""
     say("measuring memory and bytes on 8 ranks ...")
     mem = mpi(8, "memory")
     res["memory"] = mem
@@ -182,11 +219,30 @@ def main(argv=None):
         md.append(f"| {r['tp']} | {r['dp']} | {r['zero']} | {r['params']:,} | {r['grads']:,} | {r['optimizer']:,} | "
                   f"{r['activations']:,} | {'yes' if r['all_ranks_match'] else 'NO'} |")
     md += ["", "## f. Communication per step and rank: measured bytes / formula", "",
-           "| tp | zero | " + " | ".join(["communicator operation: measured / formula"]) + " |", "|---|---|---|"]
+           "| tp | zero | communicator operation: measured / formula |", "|---|---|---|"]
     for r in mem["rows"]:
         cells = ", ".join(f"{k} {m:,} / {f:,} = {m / f:.3f}" for k, (m, f) in r["comm"].items())
         md.append(f"| {r['tp']} | {r['zero']} | {cells} |")
 
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--threads", type=int, default=os.cpu_count(), help="threads for the one-rank comparison")
+    p.add_argument("--quick", action="store_true", help="fewer repetitions")
+    p.add_argument("--out", default=os.path.join(HERE, "results"))
+    a = p.parse_args(argv)
+    say = lambda s="": print(s, flush=True)
+    set_cpu_threads(a.threads)                                           # as hsgd.train does for its ranks
+    tune_allocator()
+    res = {"machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine(),
+                       "blas": [(i["internal_api"], i.get("architecture")) for i in threadpool_info()],
+                       "python": platform.python_version(), "numpy": np.__version__}}
+    with threadpool_limits(a.threads):
+        res["matmul_flops"] = matmul_rate()
+    say(f"float32 matmul rate (NumPy, {a.threads} threads): {res['matmul_flops'] / 1e9:.1f} GFLOP/s")
+    md = []
+    for section in (section_step, section_dp, section_tp, section_memory):
+        section(a, res, md, say)
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "bench.json"), "w") as f:
         json.dump(res, f, indent=1)

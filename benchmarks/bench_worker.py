@@ -1,7 +1,14 @@
 """One measurement of `make bench` that needs MPI ranks; started by benchmarks/bench.py under mpiexec.
 
-    mpiexec -n N python benchmarks/bench_worker.py TASK     TASK: dp | ddp | tp | memory
-Rank 0 prints one JSON object on its last line. Every rank uses one BLAS thread.
+    mpiexec -n N python benchmarks/bench_worker.py TASK     TASK: dp | ddp | tp | threaded | torch | memory
+
+    dp        the trainer, dp = N (one thread per rank), the global batch 16 x 128 split over the ranks
+    ddp       PyTorch DistributedDataParallel (gloo, on loopback) on the same model, batch and thread count
+    tp        the trainer, tp = 2 on 2 ranks (one thread each), or tp = 1 on 1 rank
+    threaded  the trainer on 1 rank with BENCH_THREADS threads (default 2): ThreadedStage splits the batch
+    torch     PyTorch eager on 1 rank with BENCH_THREADS threads (default 2), the anchor of `threaded`
+    memory    per-rank memory and bytes per step on 8 ranks against the formulas
+Rank 0 prints one JSON object on its last line. Every rank uses one BLAS thread unless BENCH_THREADS says more.
 """
 import json
 import os
@@ -9,19 +16,20 @@ import socket
 import sys
 import time
 
-import hsgd  # before NumPy: hsgd sets how OpenBLAS threads wait (see hsgd/__init__.py)
+import hsgd  # before NumPy: hsgd sets how OpenBLAS threads wait (see hsgd/threads.py)
 import numpy as np
 from mpi4py import MPI
 from threadpoolctl import threadpool_limits
 
-from hsgd import tp_model
-from hsgd.backend import set_cpu_threads, tune_allocator
+from hsgd import serial, tp_model
 from hsgd.data import Corpus
 from hsgd.grid import ProcessGrid
 from hsgd.hybrid import HybridTrainer
+from hsgd.memory import activation_bytes, activation_formula
 from hsgd.report import step_formula
 from hsgd.settings import TrainConfig
-from hsgd.tp_sequence import activation_bytes, activation_formula
+from hsgd.stage import ThreadedStage
+from hsgd.threads import set_cpu_threads, tune_allocator
 
 WORLD = MPI.COMM_WORLD
 SCALING = hsgd.ModelConfig(vocab_size=256, seq_len=128, d_model=256, n_heads=8, n_layers=4, d_ff=1024)
@@ -40,39 +48,42 @@ def median_step_seconds(step, reps):
 
 
 def hsgd_steps(cfg, batch, tp, reps, threads=1):
+    """(median seconds of the trainer's step, its stage's class name) with tp ranks per model, dp = ranks / tp."""
     n = WORLD.Get_size()
     tc = TrainConfig(tp=tp, dp=n // tp, steps=reps + 1, batch_size=batch, lr=1e-4, momentum=0.9, warmup=0)
     grid = ProcessGrid(WORLD, dp=n // tp, tp=tp)
+    set_cpu_threads(threads)                                             # as hsgd.train does for its ranks
     trainer = HybridTrainer(cfg, grid, tc)
     idx, targets = CORPUS.batch(0, 1, batch)
-    set_cpu_threads(threads)
     with threadpool_limits(threads):
         t = median_step_seconds(lambda: trainer.step(idx, targets, 1), reps)
     grid.free()
-    return t
+    return t, type(trainer.stage).__name__
+
+
+def bench_threads():
+    return int(os.environ.get("BENCH_THREADS", "2"))
 
 
 def task_dp():
-    return {"seconds": hsgd_steps(SCALING, 16, 1, 5)}
+    return {"seconds": hsgd_steps(SCALING, 16, 1, 5)[0]}
 
 
 def task_tp():
-    return {"seconds": hsgd_steps(SCALING, 16, 2 if WORLD.Get_size() == 2 else 1, 5,
-                                  threads=int(os.environ.get("BENCH_THREADS", "1")))}
+    return {"seconds": hsgd_steps(SCALING, 16, 2 if WORLD.Get_size() == 2 else 1, 5)[0]}
 
 
-def task_ddp():
-    """PyTorch DistributedDataParallel (gloo, on loopback) on the same model, batch and thread count."""
-    import torch
-    import torch.distributed as dist
+def task_threaded():
+    """One rank, its threads splitting the batch (the trainer picks ThreadedStage for a whole model on one rank)."""
+    t, stage = hsgd_steps(SCALING, 16, 1, 5, threads=bench_threads())
+    assert stage == ThreadedStage.__name__, f"one rank with threads runs {stage}, not ThreadedStage"
+    return {"seconds": t, "stage": stage}
+
+
+def torch_model(torch):
+    """SCALING in PyTorch as a Module (for DDP), with hsgd's initial weights."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from torch_gpt import loss_fn, to_torch
-    torch.set_num_threads(1)
-    n, r = WORLD.Get_size(), WORLD.Get_rank()
-    port = WORLD.bcast(_free_port() if r == 0 else None)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=r, world_size=n)
-    from hsgd import serial
-
     names, init = list(SCALING.param_shapes()), to_torch(serial.init_params(SCALING, 0))
 
     class Model(torch.nn.Module):
@@ -83,10 +94,13 @@ def task_ddp():
         def forward(self, idx, targets):
             return loss_fn(dict(zip(names, self.ps)), idx, targets, SCALING)
 
-    model = torch.nn.parallel.DistributedDataParallel(Model())
+    return Model()
+
+
+def torch_steps(torch, model, rows):
+    """Median seconds of PyTorch's step (zero_grad, forward, backward, SGD with momentum) on rows of the batch."""
     opt = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
     idx, targets = CORPUS.batch(0, 1, 16)
-    rows = slice(r * 16 // n, (r + 1) * 16 // n)
     ti, tt = torch.tensor(idx[rows]), torch.tensor(targets[rows])
 
     def step():
@@ -94,9 +108,29 @@ def task_ddp():
         model(ti, tt).backward()
         opt.step()
 
-    t = median_step_seconds(step, 5)
+    return median_step_seconds(step, 5)
+
+
+def task_ddp():
+    """PyTorch DistributedDataParallel (gloo, on loopback) on the same model, batch and thread count."""
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    n, r = WORLD.Get_size(), WORLD.Get_rank()
+    port = WORLD.bcast(_free_port() if r == 0 else None)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=r, world_size=n)
+    model = torch.nn.parallel.DistributedDataParallel(torch_model(torch))
+    t = torch_steps(torch, model, slice(r * 16 // n, (r + 1) * 16 // n))
     dist.destroy_process_group()
     return {"seconds": t}
+
+
+def task_torch():
+    """PyTorch eager on one process with BENCH_THREADS threads, the whole batch."""
+    import torch
+    torch.set_num_threads(bench_threads())
+    with threadpool_limits(bench_threads()):
+        return {"seconds": torch_steps(torch, torch_model(torch), slice(0, 16))}
 
 
 def _free_port():
@@ -164,6 +198,7 @@ if __name__ == "__main__":
     task = sys.argv[1]
     tune_allocator()
     with threadpool_limits(1):
-        result = {"dp": task_dp, "tp": task_tp, "ddp": task_ddp, "memory": task_memory}[task]()
+        result = {"dp": task_dp, "tp": task_tp, "threaded": task_threaded, "ddp": task_ddp, "torch": task_torch,
+                  "memory": task_memory}[task]()
     if WORLD.Get_rank() == 0:
         print(json.dumps(result))

@@ -35,7 +35,14 @@ def loss_fn(p, idx, targets, cfg):
     return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
 
 
+def momentum_sgd(p, lr, momentum):
+    """torch.optim.SGD over the parameter dict: v <- momentum v + g; w <- w - lr v (no dampening, no Nesterov),
+    hsgd's SGD (hsgd.optim.SGD)."""
+    return torch.optim.SGD(list(p.values()), lr=lr, momentum=momentum)
+
+
 def sgd_step(p, lr):
+    """Plain SGD, w <- w - lr g, then the gradients dropped (as zero_grad does)."""
     with torch.no_grad():
         for t in p.values():
             t -= lr * t.grad
