@@ -8,26 +8,35 @@ is not finite, and the two sums of squares that give the global gradient norm (h
 so that every rank takes the same branch), then either stop the run (NumericalFault: every rank exits 3 with one
 message) or report that this step's update is to be skipped.
 """
+import math
+
 from .backend import array_module, to_host
 from .errors import NumericalFault
 from .optim import norm_from_squares
 
 
 def step_numbers(loss, checked, grads, sharded):
-    """Host floats [loss, count of non-finite values in `checked` and the loss, sum of squares of `grads` over
-    tensor-sharded elements, over the others], in one device-to-host copy. grads: a flat array or None (nothing to
-    apply: sums 0); sharded: a 0/1 mask of grads' shape (masks by multiplication: no device sync)."""
+    """Host floats [loss, 1.0 if the loss or a value of `checked` is not finite else 0.0, sum of squares of `grads`
+    over tensor-sharded elements, over the others], in one device-to-host copy. grads: a flat array or None (nothing
+    to apply: sums 0), usually `checked` itself; sharded: a 0/1 mask of grads' shape (masks by multiplication: no
+    device sync). A NaN or an infinity anywhere in `checked` makes its sum of squares non-finite, which is how it
+    is found (so does a finite value whose square overflows, |x| > 1e154 in float64 or 1e19 in float32: a gradient
+    no run survives either). NumPy's sums, not BLAS dot products: those can round differently with the arrays'
+    alignment in memory, and a resumed run must repeat the uninterrupted one bit for bit."""
     xp = array_module(checked)
-    dtype = checked.dtype
-    nonfinite = (~xp.isfinite(checked)).sum() + (~xp.isfinite(xp.asarray(loss))).sum()
+    zero = xp.zeros((), dtype=checked.dtype)
     if grads is None:
-        sq_sharded = sq_all = xp.zeros((), dtype=dtype)
+        sq_checked, sq_all, sq_sharded = (checked * checked).sum(), zero, zero
     else:
-        sq = grads * grads
-        sq_sharded, sq_all = (sq * sharded).sum(), sq.sum()
-    host = to_host(xp.stack([xp.asarray(loss, dtype=dtype), nonfinite.astype(dtype), sq_sharded,
-                             sq_all - sq_sharded]))
-    return [float(x) for x in host]
+        sq = grads * grads                                      # (owned,) the one temporary
+        sq_all = sq.sum()
+        sq_checked = sq_all if checked is grads else (checked * checked).sum()
+        sq *= sharded                                           # only the tensor-sharded elements
+        sq_sharded = sq.sum()
+    host = to_host(xp.stack([xp.asarray(loss, dtype=checked.dtype), sq_checked, sq_sharded, sq_all]))
+    loss, sq_checked, sq_sharded, sq_all = (float(x) for x in host)
+    finite = math.isfinite(loss) and math.isfinite(sq_checked)
+    return [loss, 0.0 if finite else 1.0, sq_sharded, sq_all - sq_sharded]
 
 
 def global_norm(numbers, grid, shard_comm=None):

@@ -552,9 +552,10 @@ if THREADS > 1:
           f"the batch split {by_batch[1] * 1e3:.1f} ms (medians of 5)")
 
 # %% [markdown]
-# Which way is faster depends on the machine and the model; `make bench` measures hsgd's step with the batch split
-# (the README's Speed section), and a tensor-parallel rank, whose layers talk to other ranks in the middle of the
-# step, keeps to splitting layers.
+# Which way is faster depends on the machine and the model. The trainer uses the batch split where it can: a rank
+# that holds the whole model alone (pp = tp = 1) runs a `stage.ThreadedStage`, which does exactly this with each
+# micro-batch, and `make bench` times that step, `HybridTrainer.step` (the README's Speed section). A
+# tensor-parallel rank, whose layers talk to other ranks in the middle of the step, keeps to splitting layers.
 #
 # `threads.tune_allocator()` (called at the top, as `hsgd.train` does) is the other setting outside the model
 # code: glibc hands large freed blocks back to the operating system, and the next step's temporaries of the same
@@ -626,9 +627,10 @@ check("gelu_backward vs central finite difference (rel)", rel_err(dx, fd), 1e-8)
 #
 # An MFU, or a step time, says little until it is set next to something else on the same machine. `make bench`
 # (which installs PyTorch: `pip install -e '.[bench]'`) runs `benchmarks/bench_serial.py` (the step split into
-# forward, backward and update, and MFU against a 2048^3 matmul) and `benchmarks/bench.py`, which times hsgd's step
-# (with the batch split over the threads) and PyTorch eager's on the same model, weights, batch and thread count,
-# after checking that the two give the same loss. Timing two libraries in one process has pitfalls, and the
+# forward, backward and update, and MFU against a 2048^3 matmul) and `benchmarks/bench.py`, which times the trainer's
+# own step (`HybridTrainer.step` on one rank, the batch split over the threads, SGD with momentum) and PyTorch
+# eager's (`torch.optim.SGD` with the same momentum) on the same model, weights, batch and thread count, after
+# checking that the two give the same loss. Timing two libraries in one process has pitfalls, and the
 # comparison is written around them:
 #
 # * **Alternating blocks of steps.** The machine's speed drifts (other jobs, CPU frequency, a shared VM's
