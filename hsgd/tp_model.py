@@ -30,7 +30,7 @@ from . import serial
 from .backend import array_module
 from .errors import ConfigError
 from .ops import (attention_backward, attention_forward, gelu_backward, gelu_forward, layernorm_backward,
-                  layernorm_forward, linear_backward, linear_forward)
+                  layernorm_forward, linear_backward, linear_forward, qkv_backward, qkv_forward)
 from .tp_layers import (vocab_cross_entropy_backward, vocab_cross_entropy_forward, vocab_lookup_backward,
                         vocab_lookup_forward, vocab_range)
 from .tp_schemes import SCHEMES, make_scheme  # noqa: F401  (SCHEMES: the names, for the CLI and the tests)
@@ -96,9 +96,8 @@ def block_forward(x, p, h, cfg, comm, S):
     nh = cfg.n_heads // comm.size                                        # local heads
     a, c_ln1 = layernorm_forward(x, p[h + "ln1.weight"], p[h + "ln1.bias"])          # (B, T~, C)
     a_in = S.enter_forward(a, comm)                                      # (B, T, C) f: identity | gather_T: All-Gather
-    q, _ = linear_forward(a_in, p[h + "attn.q.weight"], p[h + "attn.q.bias"])         # (B, T, C/tp) local heads
-    k, _ = linear_forward(a_in, p[h + "attn.k.weight"], p[h + "attn.k.bias"])         # (B, T, C/tp)
-    v, _ = linear_forward(a_in, p[h + "attn.v.weight"], p[h + "attn.v.bias"])         # (B, T, C/tp)
+    # q = a_in Wq_i + bq_i, k = ..., v = ...: three column-parallel linears, computed as one product (ops.qkv_forward)
+    q, k, v, _ = qkv_forward(a_in, *(p[h + f"attn.{n}.{w}"] for n in "qkv" for w in ("weight", "bias")))
     y, c_att = attention_forward(q, k, v, nh)                            # (B, T, C/tp) heads are independent
     o, c_proj = S.proj_forward(y, p[h + "attn.proj.weight"], p[h + "attn.proj.bias"], comm)  # (B, T~, C) leaves
     x = x + o
@@ -125,10 +124,12 @@ def block_backward(dx, cache, g, h, comm, S):
     dm = S.enter_backward(dm_in, comm)                                   # (B, T~, C) f^T: Allreduce | Reduce-Scatter
     dx = dx + layernorm_backward(dm, c_ln2, g[h + "ln2.weight"], g[h + "ln2.bias"])
     dy = S.proj_backward(dx, c_proj, g[h + "attn.proj.weight"], g[h + "attn.proj.bias"], comm)   # (B, T, C/tp)
-    dq, dk, dv = attention_backward(dy, c_att)                           # (B, T, C/tp) x 3
+    dqkv = array_module(dy).empty_like(dy, shape=(*dy.shape[:-1], 3 * dy.shape[-1]))   # (B, T, 3C/tp)
+    attention_backward(dy, c_att, out=dqkv)                              # [dq | dk | dv] side by side
     a_in = S.enter_forward(c_q[0], comm)                                 # (B, T, C) again: identity | All-Gather
-    dqkv = [(g[h + f"attn.{n}.weight"], g[h + f"attn.{n}.bias"]) for n in "qkv"]
-    da_in = columns_backward(a_in, [dq, dk, dv], [c_q, c_k, c_v], dqkv)  # (B, T, C) partial: my heads' share
+    x2, Ws = a_in.reshape(-1, a_in.shape[-1]), (c_q[1], c_k[1], c_v[1])
+    # the three linears' columns_backward as one product each for dW and dX (ops.qkv_backward)
+    da_in = qkv_backward(dqkv, (x2, Ws), *(g[h + f"attn.{n}.{w}"] for n in "qkv" for w in ("weight", "bias")))
     da = S.enter_backward(da_in, comm)                                   # (B, T~, C) f^T: Allreduce | Reduce-Scatter
     return dx + layernorm_backward(da, c_ln1, g[h + "ln1.weight"], g[h + "ln1.bias"])
 
