@@ -96,7 +96,7 @@ def set_state(trainer, params, state, t):
 
 def save(trainer, step, save_dir, keep=3, kill_in_save=False):
     """Collective (every rank): write the checkpoint of `step` into save_dir/step-{step:06d}. Returns its path."""
-    g, world = trainer.grid, trainer.grid.base
+    grid, world = trainer.grid, trainer.grid.base
     state, t = optimizer_state(trainer)                                 # collective over dp_comm with ZeRO
     tmp = None
     if world.Get_rank() == 0:
@@ -108,8 +108,8 @@ def save(trainer, step, save_dir, keep=3, kill_in_save=False):
         os.makedirs(tmp)
     tmp = world.bcast(tmp, root=0)
     entry = None
-    if g.dp_rank == 0:                                                  # one writer per (stage, tensor rank)
-        name = f"shard-pp{g.pp_rank}-tp{g.tp_rank}.npz"
+    if grid.dp_rank == 0:                                                  # one writer per (stage, tensor rank)
+        name = f"shard-pp{grid.pp_rank}-tp{grid.tp_rank}.npz"
         path = os.path.join(tmp, name)
         arrays = {f"param/{n}": to_numpy(p) for n, p in trainer.params.items()}
         arrays.update({f"opt/{n}/{k}": to_numpy(v) for n, st in state.items() for k, v in st.items()})
@@ -117,7 +117,7 @@ def save(trainer, step, save_dir, keep=3, kill_in_save=False):
             np.savez(f, **arrays)
             f.flush()
             os.fsync(f.fileno())
-        entry = (name, {"pp": g.pp_rank, "tp": g.tp_rank, "sha256": sha256(path), "bytes": os.path.getsize(path)})
+        entry = (name, {"pp": grid.pp_rank, "tp": grid.tp_rank, "sha256": sha256(path), "bytes": os.path.getsize(path)})
     if kill_in_save:                                                    # fault injection: die mid-save
         os.kill(os.getpid(), signal.SIGKILL)
     entries = world.gather(entry, root=0)
@@ -126,8 +126,9 @@ def save(trainer, step, save_dir, keep=3, kill_in_save=False):
         tc = trainer.tc
         manifest = {
             "format": FORMAT, "step": step, "model": asdict(trainer.cfg),
-            "layout": {"dp": g.dp, "pp": g.pp, "tp": g.tp, "tp_scheme": trainer.scheme,
-                       "layers": [len(r) for r in split_layers(trainer.cfg.n_layers, g.pp, parse_split(tc.pp_split))]},
+            "layout": {"dp": grid.dp, "pp": grid.pp, "tp": grid.tp, "tp_scheme": trainer.scheme,
+                       "layers": [len(r) for r in split_layers(trainer.cfg.n_layers, grid.pp,
+                                                               parse_split(tc.pp_split))]},
             "optimizer": {"name": tc.optimizer, "t": int(t)}, "dtype": tc.dtype,
             "data": {"next_step": step + 1, "seed": tc.seed, "corpus": tc.data or "built-in",
                      "batch_size": tc.batch_size},
@@ -241,7 +242,7 @@ class Shards:
 def load(trainer, manifest):
     """Every rank: set its shards and optimizer state from the checkpoint, resharded to its own layout.
     Returns the step the checkpoint was written after."""
-    tc, g = trainer.tc, trainer.grid
+    tc, grid = trainer.tc, trainer.grid
     if manifest["optimizer"]["name"] != tc.optimizer:
         raise CheckpointError(f"checkpoint {manifest['path']!r} holds {manifest['optimizer']['name']} state; "
                               f"resume with --optimizer {manifest['optimizer']['name']}")
@@ -250,10 +251,10 @@ def load(trainer, manifest):
     params, state = {}, {}
     dtype = trainer.pbuf.flat.dtype
     for name in trainer.params:
-        params[name] = tp_model.shard(shards.full(name).astype(dtype), name, g.tp_rank, g.tp, trainer.scheme)
+        params[name] = tp_model.shard(shards.full(name).astype(dtype), name, grid.tp_rank, grid.tp, trainer.scheme)
         st = {k: shards.full(name, k) for k in keys}
         if all(v is not None for v in st.values()):
-            state[name] = {k: tp_model.shard(v.astype(dtype), name, g.tp_rank, g.tp, trainer.scheme)
+            state[name] = {k: tp_model.shard(v.astype(dtype), name, grid.tp_rank, grid.tp, trainer.scheme)
                            for k, v in st.items()}
     set_state(trainer, params, state, manifest["optimizer"]["t"])
     return manifest["step"]

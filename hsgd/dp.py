@@ -86,7 +86,7 @@ class FlatBuffer:
 
 def backward_layout(params, group_of, groups_in_order):
     """Parameter names ordered by the backward pass's groups (so each group is one contiguous bucket)."""
-    return [n for g in groups_in_order for n in params if group_of(n) == g]
+    return [n for grp in groups_in_order for n in params if group_of(n) == grp]
 
 
 def dp_average(buf, dp_comm):

@@ -84,26 +84,26 @@ class HybridTrainer:
         """Step 4, after the step's one device-to-host copy (loss, non-finite count, norm parts): stop or skip on a
         non-finite value (--on-nan), else clip by the global norm and update the owned shards with the
         scheduled learning rate. Returns the StepInfo."""
-        g, stats, tc = self.exchange.grads(), self.grid.stats, self.tc         # (owned,) or None (stale, step 1)
-        numbers = step_numbers(loss, self.exchange.checked(), g, self.sharded)
+        grads, stats, tc = self.exchange.grads(), self.grid.stats, self.tc        # (owned,) or None (stale, step 1)
+        numbers = step_numbers(loss, self.exchange.checked(), grads, self.sharded)
         lr, norm = lr_at(step, tc.lr, tc.warmup, tc.steps), float("nan")
         if not check_finite(self.grid.world, numbers[1] > 0, step, tc.on_nan):
             lr, self.skipped = float("nan"), self.skipped + 1                   # --on-nan skip: no update
-        elif g is not None:
+        elif grads is not None:
             norm = global_norm(numbers, self.grid, self.exchange.shard_comm)
             with self.tracer.span("optimizer"):
                 if tc.clip and norm > tc.clip:
-                    g *= tc.clip / (norm + 1e-12)                               # a device multiply, no host copy
+                    grads *= tc.clip / (norm + 1e-12)                               # a device multiply, no host copy
                 mine = self.pbuf.flat[self.exchange.owned]                      # a view: updated in place
-                self.opt.step({"flat": mine}, {"flat": g}, lr, decay={"flat": self.decay})
+                self.opt.step({"flat": mine}, {"flat": grads}, lr, decay={"flat": self.decay})
                 self.exchange.after_update()                                    # ZeRO: Allgather the chunks
         return StepInfo(self.global_loss(numbers[0]), lr, norm, time.perf_counter() - self.t_start,
                         stats.seconds("tp") - self.tp_start, self.dp_waited + stats.seconds("dp") - self.dp_start)
 
     def global_loss(self, group_loss):
         """The global batch's loss from this DP group's (held by the last stage): metadata, pickled."""
-        g = self.grid
-        return g.dp_comm.comm.allreduce(g.pp_comm.comm.bcast(group_loss, root=g.pp - 1)) / g.dp
+        grid = self.grid
+        return grid.dp_comm.comm.allreduce(grid.pp_comm.comm.bcast(group_loss, root=grid.pp - 1)) / grid.dp
 
     def evaluate(self, corpus, n_batches, batch_size):
         """Mean loss over n_batches fixed validation batches; rows split over the dp groups like training."""

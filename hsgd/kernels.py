@@ -192,9 +192,9 @@ def gelu_backward(dout, cache):
     """dx = dout * dy/dx (the derivative gelu_forward cached)."""
     xp = array_module(dout)
     d = cache                                                 # (N, F)
-    g = dout.reshape(d.shape)
+    dout2 = dout.reshape(d.shape)
     dx = xp.empty_like(d)
-    parallel_rows(lambda lo, hi: xp.multiply(g[lo:hi], d[lo:hi], out=dx[lo:hi]), d.shape[0],
+    parallel_rows(lambda lo, hi: xp.multiply(dout2[lo:hi], d[lo:hi], out=dx[lo:hi]), d.shape[0],
                   min_rows=max(1, (1 << 20) // d.shape[1]), xp=xp)    # one pass: only large arrays gain
     return dx.reshape(dout.shape)
 

@@ -79,27 +79,27 @@ def block_forward(x, p, h, cfg, ops=layers):
     x = x + o                                                                      # residual
     m, c_ln2 = ops.layernorm_forward(x, p[h + "ln2.weight"], p[h + "ln2.bias"])   # (B, T, C)
     f, c_fc = ops.linear_forward(m, p[h + "mlp.fc.weight"], p[h + "mlp.fc.bias"])  # (B, T, F)
-    g, c_gelu = ops.gelu_forward(f)                                                # (B, T, F)
-    o2, c_mproj = ops.linear_forward(g, p[h + "mlp.proj.weight"], p[h + "mlp.proj.bias"])
+    gl, c_gelu = ops.gelu_forward(f)                                                # (B, T, F)
+    o2, c_mproj = ops.linear_forward(gl, p[h + "mlp.proj.weight"], p[h + "mlp.proj.bias"])
     x = x + o2                                                                     # residual
     return x, (c_ln1, c_q, c_k, c_v, c_att, c_proj, c_ln2, c_fc, c_gelu, c_mproj)
 
 
-def block_backward(dx, cache, g, h, ops=layers):
-    """The block's backward: block_forward read from the bottom up. g: the grads dict."""
+def block_backward(dx, cache, grads, h, ops=layers):
+    """The block's backward: block_forward read from the bottom up. grads: the gradients dict (+=)."""
     c_ln1, c_q, c_k, c_v, c_att, c_proj, c_ln2, c_fc, c_gelu, c_mproj = cache
     # x = x + MLP(LN2(x)): the residual passes dx through, the branch adds its own
-    dg = ops.linear_backward(dx, c_mproj, g[h + "mlp.proj.weight"], g[h + "mlp.proj.bias"])   # (B, T, F)
+    dg = ops.linear_backward(dx, c_mproj, grads[h + "mlp.proj.weight"], grads[h + "mlp.proj.bias"])   # (B, T, F)
     df = ops.gelu_backward(dg, c_gelu)                                                      # (B, T, F)
-    dm = ops.linear_backward(df, c_fc, g[h + "mlp.fc.weight"], g[h + "mlp.fc.bias"])        # (B, T, C)
-    dx = dx + ops.layernorm_backward(dm, c_ln2, g[h + "ln2.weight"], g[h + "ln2.bias"])
+    dm = ops.linear_backward(df, c_fc, grads[h + "mlp.fc.weight"], grads[h + "mlp.fc.bias"])        # (B, T, C)
+    dx = dx + ops.layernorm_backward(dm, c_ln2, grads[h + "ln2.weight"], grads[h + "ln2.bias"])
     # x = x + Attn(LN1(x))
-    dy = ops.linear_backward(dx, c_proj, g[h + "attn.proj.weight"], g[h + "attn.proj.bias"])  # (B, T, C)
+    dy = ops.linear_backward(dx, c_proj, grads[h + "attn.proj.weight"], grads[h + "attn.proj.bias"])  # (B, T, C)
     dq, dk, dv = ops.attention_backward(dy, c_att)                                          # (B, T, C) x 3
-    da = ops.linear_backward(dq, c_q, g[h + "attn.q.weight"], g[h + "attn.q.bias"])         # (B, T, C)
-    da += ops.linear_backward(dk, c_k, g[h + "attn.k.weight"], g[h + "attn.k.bias"])        # a feeds q, k, v:
-    da += ops.linear_backward(dv, c_v, g[h + "attn.v.weight"], g[h + "attn.v.bias"])        # its gradients add
-    dx = dx + ops.layernorm_backward(da, c_ln1, g[h + "ln1.weight"], g[h + "ln1.bias"])
+    da = ops.linear_backward(dq, c_q, grads[h + "attn.q.weight"], grads[h + "attn.q.bias"])         # (B, T, C)
+    da += ops.linear_backward(dk, c_k, grads[h + "attn.k.weight"], grads[h + "attn.k.bias"])        # a feeds q, k, v:
+    da += ops.linear_backward(dv, c_v, grads[h + "attn.v.weight"], grads[h + "attn.v.bias"])        # its gradients add
+    dx = dx + ops.layernorm_backward(da, c_ln1, grads[h + "ln1.weight"], grads[h + "ln1.bias"])
     return dx
 
 
@@ -123,12 +123,11 @@ def forward(params, idx, cfg, ops=layers):
 def backward(dlogits, caches, grads, ops=layers):
     """Accumulate (+=) every parameter's gradient into `grads`, given dloss/dlogits."""
     c_emb, c_blocks, c_lnf, c_head = caches
-    g = grads
-    dxf = ops.linear_backward(dlogits, c_head, g["lm_head.weight"])               # (B, T, C)
-    dx = ops.layernorm_backward(dxf, c_lnf, g["ln_f.weight"], g["ln_f.bias"])     # (B, T, C)
+    dxf = ops.linear_backward(dlogits, c_head, grads["lm_head.weight"])               # (B, T, C)
+    dx = ops.layernorm_backward(dxf, c_lnf, grads["ln_f.weight"], grads["ln_f.bias"])     # (B, T, C)
     for i in reversed(range(len(c_blocks))):
-        dx = block_backward(dx, c_blocks[i], g, f"h.{i}.", ops)
-    ops.embedding_backward(dx, c_emb, g["wte"], g["wpe"])
+        dx = block_backward(dx, c_blocks[i], grads, f"h.{i}.", ops)
+    ops.embedding_backward(dx, c_emb, grads["wte"], grads["wpe"])
 
 
 def loss_and_grads(params, idx, targets, cfg, grads=None, split=False, ops=layers):
@@ -149,15 +148,15 @@ def loss_and_grads(params, idx, targets, cfg, grads=None, split=False, ops=layer
     B = idx.shape[0]
 
     def part(lo, hi):                                         # sequences lo..hi-1, weighted by their share
-        g = grads if hi == B else zeros_like_params(params)   # the last slice adds into `grads` itself
+        into = grads if hi == B else zeros_like_params(params)   # the last slice adds into `grads` itself
         logits, caches = forward(params, idx[lo:hi], cfg, ops)
         value, c_ce = ops.cross_entropy_forward(logits, targets[lo:hi])
-        backward(ops.cross_entropy_backward((hi - lo) / B, c_ce), caches, g, ops)
-        return value * ((hi - lo) / B), g
+        backward(ops.cross_entropy_backward((hi - lo) / B, c_ce), caches, into, ops)
+        return value * ((hi - lo) / B), into
 
     parts = parallel_batches(part, B) if split and xp is np else [part(0, B)]
-    for _, g in parts[:-1]:
-        for name, a in g.items():
+    for _, part_grads in parts[:-1]:
+        for name, a in part_grads.items():
             grads[name] += a
     return float(sum(value for value, _ in parts)), grads
 

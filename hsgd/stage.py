@@ -153,10 +153,10 @@ class ThreadedStage(Stage):
             t0 = time.perf_counter()
             with tracer.span("forward and backward", micro_batch=j):
                 parts = parallel_batches(lambda lo, hi: self.part(params, grads, idx, targets, lo, hi), len(idx))
-            for part_loss, g in parts:
+            for part_loss, part_grads in parts:
                 loss = loss + part_loss
-                if g is not grads:
-                    for name, a in g.items():
+                if part_grads is not grads:
+                    for name, a in part_grads.items():
                         grads[name] += a
             self.timeline.append((f"F{j}B{j}", t0, time.perf_counter()))
         for group in (self.groups() if on_ready else ()):
@@ -167,11 +167,11 @@ class ThreadedStage(Stage):
     def part(self, params, grads, idx, targets, lo, hi):
         """Sequences lo..hi-1 of a micro-batch: (their share of its loss, the gradient buffer they added into)."""
         xp, share = array_module(params[self.names[0]]), (hi - lo) / len(idx)
-        g = grads if hi == len(idx) else {n: xp.zeros_like(p) for n, p in grads.items()}
+        into = grads if hi == len(idx) else {n: xp.zeros_like(p) for n, p in grads.items()}
         out, cache = tp_model.stage_forward(params, xp.asarray(idx[lo:hi]), xp.asarray(targets[lo:hi]), self.cfg,
                                             self.tp_comm, self.scheme, self.layers, True, True)
-        tp_model.stage_backward(share / self.m, cache, g, self.tp_comm, self.scheme)
-        return out * share, g
+        tp_model.stage_backward(share / self.m, cache, into, self.tp_comm, self.scheme)
+        return out * share, into
 
 
 def make_stage(cfg, grid, tc):

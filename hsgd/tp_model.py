@@ -113,25 +113,25 @@ def block_forward(x, p, h, cfg, comm, S):
     return x, (c_ln1, c_q, c_k, c_v, c_att, c_proj, c_ln2, c_fc, c_gelu, c_mproj)
 
 
-def block_backward(dx, cache, g, h, comm, S):
+def block_backward(dx, cache, grads, h, comm, S):
     """block_forward read from the bottom up; every collective is the adjoint of one in the forward pass.
     dx: (B, T~, C)."""
     c_ln1, c_q, c_k, c_v, c_att, c_proj, c_ln2, c_fc, c_gelu, c_mproj = cache
-    dgl = S.proj_backward(dx, c_mproj, g[h + "mlp.proj.weight"], g[h + "mlp.proj.bias"], comm)   # (B, T, F/tp)
+    dgl = S.proj_backward(dx, c_mproj, grads[h + "mlp.proj.weight"], grads[h + "mlp.proj.bias"], comm)   # (B, T, F/tp)
     du = gelu_backward(dgl, c_gelu)                                      # (B, T, F/tp)
     m_in = S.enter_forward(c_fc[0], comm)                                # (B, T, C) again: identity | All-Gather
-    dm_in = columns_backward(m_in, [du], [c_fc], [(g[h + "mlp.fc.weight"], g[h + "mlp.fc.bias"])])  # partial
+    dm_in = columns_backward(m_in, [du], [c_fc], [(grads[h + "mlp.fc.weight"], grads[h + "mlp.fc.bias"])])  # partial
     dm = S.enter_backward(dm_in, comm)                                   # (B, T~, C) f^T: Allreduce | Reduce-Scatter
-    dx = dx + layernorm_backward(dm, c_ln2, g[h + "ln2.weight"], g[h + "ln2.bias"])
-    dy = S.proj_backward(dx, c_proj, g[h + "attn.proj.weight"], g[h + "attn.proj.bias"], comm)   # (B, T, C/tp)
+    dx = dx + layernorm_backward(dm, c_ln2, grads[h + "ln2.weight"], grads[h + "ln2.bias"])
+    dy = S.proj_backward(dx, c_proj, grads[h + "attn.proj.weight"], grads[h + "attn.proj.bias"], comm)   # (B, T, C/tp)
     dqkv = array_module(dy).empty_like(dy, shape=(*dy.shape[:-1], 3 * dy.shape[-1]))   # (B, T, 3C/tp)
     attention_backward(dy, c_att, out=dqkv)                              # [dq | dk | dv] side by side
     a_in = S.enter_forward(c_q[0], comm)                                 # (B, T, C) again: identity | All-Gather
     x2, Ws = a_in.reshape(-1, a_in.shape[-1]), (c_q[1], c_k[1], c_v[1])
     # the three linears' columns_backward as one product each for dW and dX (ops.qkv_backward)
-    da_in = qkv_backward(dqkv, (x2, Ws), *(g[h + f"attn.{n}.{w}"] for n in "qkv" for w in ("weight", "bias")))
+    da_in = qkv_backward(dqkv, (x2, Ws), *(grads[h + f"attn.{n}.{w}"] for n in "qkv" for w in ("weight", "bias")))
     da = S.enter_backward(da_in, comm)                                   # (B, T~, C) f^T: Allreduce | Reduce-Scatter
-    return dx + layernorm_backward(da, c_ln1, g[h + "ln1.weight"], g[h + "ln1.bias"])
+    return dx + layernorm_backward(da, c_ln1, grads[h + "ln1.weight"], grads[h + "ln1.bias"])
 
 
 def columns_backward(x_in, dys, caches, dparams):
@@ -174,13 +174,13 @@ def head_forward(x, p, targets, start, cfg, comm, S):
     return loss, (c_lnf, (xf, p["lm_head.weight"]), c_ce)
 
 
-def head_backward(dloss, cache, g, comm, S):
+def head_backward(dloss, cache, grads, comm, S):
     c_lnf, c_head, c_ce = cache
     dlogits = vocab_cross_entropy_backward(dloss, c_ce)                  # (B, T, Vp) no communication
     xf_in = S.enter_forward(c_head[0], comm)                             # (B, T, C) again: identity | All-Gather
-    dxf_in = columns_backward(xf_in, [dlogits], [c_head], [(g["lm_head.weight"], None)])    # (B, T, C) partial
+    dxf_in = columns_backward(xf_in, [dlogits], [c_head], [(grads["lm_head.weight"], None)])    # (B, T, C) partial
     dxf = S.enter_backward(dxf_in, comm)                                 # (B, T~, C) f^T: Allreduce | Reduce-Scatter
-    return layernorm_backward(dxf, c_lnf, g["ln_f.weight"], g["ln_f.bias"])
+    return layernorm_backward(dxf, c_lnf, grads["ln_f.weight"], grads["ln_f.bias"])
 
 
 # ------------------------------------------------------------------------------------------------ a pipeline stage
@@ -220,19 +220,19 @@ def stage_backward(dout, caches, grads, comm, scheme="megatron", reduce_scatter=
     ready = on_ready or (lambda group: None)
     dx = dout                                                            # (B, T~, C) from stage s+1
     if c_ce is not None:
-        g, part = S.replicated_grads(grads, HEAD_REPLICATED)
-        dx = head_backward(dout, (c_lnf, c_head, c_ce), g, comm, S)      # (B, T~, C)
+        into, part = S.replicated_grads(grads, HEAD_REPLICATED)
+        dx = head_backward(dout, (c_lnf, c_head, c_ce), into, comm, S)      # (B, T~, C)
         S.finish_replicated(part, grads, comm)                           # sequence: Allreduce of partial grads
         ready("head")
     for i, c in reversed(c_blocks):
-        g, part = S.replicated_grads(grads, [f"h.{i}.{n}" for n in BLOCK_REPLICATED])
-        dx = block_backward(dx, c, g, f"h.{i}.", comm, S)                # (B, T~, C)
+        into, part = S.replicated_grads(grads, [f"h.{i}.{n}" for n in BLOCK_REPLICATED])
+        dx = block_backward(dx, c, into, f"h.{i}.", comm, S)                # (B, T~, C)
         S.finish_replicated(part, grads, comm)                           # sequence: Allreduce of partial grads
         ready(f"h.{i}")
     if c_emb is None:
         return dx
-    g, part = S.replicated_grads(grads, EMBEDDING_REPLICATED)
-    embedding_backward(dx, c_emb, g["wte"], g["wpe"], comm, S)
+    into, part = S.replicated_grads(grads, EMBEDDING_REPLICATED)
+    embedding_backward(dx, c_emb, into["wte"], into["wpe"], comm, S)
     S.finish_replicated(part, grads, comm)                               # sequence: Allreduce of partial dwpe
     ready("embedding")
     return None

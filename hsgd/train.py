@@ -227,9 +227,9 @@ def resume(trainer, cfg, tc, world, say):
     where = tc.save_dir if tc.resume == "auto" else tc.resume
     manifest = launch.agree(world, lambda: checkpoint.open_checkpoint(where, cfg))
     step = launch.agree(world, lambda: checkpoint.load(trainer, manifest))
-    lay, g = manifest["layout"], trainer.grid
+    lay, grid = manifest["layout"], trainer.grid
     say(f"resumed from {manifest['path']} after step {step} (saved as dp {lay['dp']} x pp {lay['pp']} x tp "
-        f"{lay['tp']} {lay['tp_scheme']}; now dp {g.dp} x pp {g.pp} x tp {g.tp} {trainer.scheme})")
+        f"{lay['tp']} {lay['tp_scheme']}; now dp {grid.dp} x pp {grid.pp} x tp {grid.tp} {trainer.scheme})")
     return step + 1
 
 

@@ -56,12 +56,12 @@ def verify(cfg, tc, world=MPI.COMM_WORLD, out=sys.stdout, where=None):
     loss = trainer.global_loss(float(to_numpy(loss)))                # the global batch's, on every rank
     ref = serial.init_params(cfg, seed=tc.seed, dtype="float64", device="cpu")     # the host reference
     loss0, grads0 = serial.loss_and_grads(ref, idx, targets, cfg)
-    scale = 1e-3 * max(float(np.abs(g).max()) for g in grads0.values())
+    scale = 1e-3 * max(float(np.abs(grad).max()) for grad in grads0.values())
     mine = {}
-    for name, g in trainer.grads.items():
+    for name, grad in trainer.grads.items():
         expect = tp_model.shard(grads0[name], name, grid.tp_rank, grid.tp, tc.tp_scheme)
-        diff = float(np.abs(to_numpy(g).astype(np.float64) - expect).max())
-        mine[name] = (diff, diff / max(float(np.abs(expect).max()), scale), g.shape)
+        diff = float(np.abs(to_numpy(grad).astype(np.float64) - expect).max())
+        mine[name] = (diff, diff / max(float(np.abs(expect).max()), scale), grad.shape)
     everyone = world.gather((grid.pp_rank, mine))                     # (stage, errors) of every rank
     tol_loss, tol_grad = TOLERANCE[tc.dtype]
     loss_err = abs(loss - loss0) / abs(loss0)
