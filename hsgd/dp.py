@@ -44,8 +44,9 @@ def check_batch(batch_size, dp, m):
 class FlatBuffer:
     """Arrays of the shapes of `params`, all views into one flat contiguous array: `views[name]`, `flat`.
 
-    Used twice per rank: once for the parameters, once for their gradients, with the same layout, so that a slice
-    of one (a bucket, a ZeRO chunk) is the same parameters in the other.
+    A rank's parameters live in one (hsgd.exchange: `pbuf`) and their gradients in others with the same layout (the
+    exchange's `buf`; the stale exchange keeps two more, ZeRO 2 allocates `buf` each step), so that a slice of one
+    (a bucket, a ZeRO chunk) is the same parameters in the other.
     order: the names in buffer order (default: the order of params). Laid out in the order the backward pass
     finishes them (tp_model.backward_order), each gradient group is a contiguous slice: a bucket.
     pad_multiple: the flat length is rounded up to a multiple of this (ZeRO splits it into dp equal chunks).
@@ -77,16 +78,11 @@ class FlatBuffer:
         return slice(lo, hi)
 
     def mask(self, predicate):
-        """(flat.size,) 1.0 where predicate(name) holds, else 0.0 (padding: 0): per-element flags for flat math."""
+        """(flat.size,) 1.0 where predicate(name, view) holds, else 0.0 (padding: 0): per-element flags."""
         out = array_module(self.flat).zeros(self.flat.size, dtype=self.flat.dtype)
         for name, (lo, hi) in self.offsets.items():
             out[lo:hi] = 1.0 if predicate(name, self.views[name]) else 0.0
         return out
-
-
-def backward_layout(params, group_of, groups_in_order):
-    """Parameter names ordered by the backward pass's groups (so each group is one contiguous bucket)."""
-    return [n for grp in groups_in_order for n in params if group_of(n) == grp]
 
 
 def dp_average(buf, dp_comm):

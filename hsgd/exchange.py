@@ -10,10 +10,13 @@ ways to do that, each a class with the same methods, chosen in one place (`make_
     ZeroExchange          reduce-scatter: each DP rank averages and updates 1/dp of the flat buffer (hsgd.zero)
     StaleExchange         the average started at step s is applied at step s+1 (asynchronous, one step late)
 
-The interface, in the order a step uses it (each exchange lays out the rank's parameters in a FlatBuffer `pbuf`,
-and its gradient buffers with the same layout):
+The interface, in the order a step uses it:
+    pbuf, order                 the rank's parameters as one FlatBuffer, laid out by the exchange in `order` (the
+                                backward pass's groups, each a contiguous bucket; ZeRO pads it to dp chunks)
+    buf                         the gradient buffer (pbuf's layout) of the current step; None when released (ZeRO 2)
     begin() -> FlatBuffer       the zeroed gradient buffer the backward pass accumulates into
     on_ready(group)             the backward pass has finished a group's gradients (a bucket), or None: not needed
+    arrive()                    nothing, or --straggler's sleep (an experiment: this rank arrives late)
     finish() -> seconds         the average is complete (stale: started); returns the seconds this rank waited
     owned                       the slice of the flat layout this rank updates (ZeRO: its chunk; else all of it)
     grads() -> flat or None     the averaged gradient of `owned` to apply now (None: nothing has arrived yet)
@@ -55,10 +58,13 @@ class GradExchange:
         self.buf.zero()
         return self.buf
 
-    def finish(self):
-        if self.delay:                                                # --straggler: this rank arrives late
+    def arrive(self):
+        """Called before finish(): --straggler makes its rank sleep here, so that it arrives late."""
+        if self.delay:
             with self.tracer.span("straggler delay"):
                 time.sleep(self.delay)
+
+    def finish(self):
         t0 = time.perf_counter()
         self.average()
         return time.perf_counter() - t0

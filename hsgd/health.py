@@ -9,20 +9,27 @@ so that every rank takes the same branch), then either stop the run (NumericalFa
 message) or report that this step's update is to be skipped.
 """
 import math
+from typing import NamedTuple
 
 from .backend import array_module, to_host
 from .errors import NumericalFault
 from .optim import norm_from_squares
 
 
+class StepNumbers(NamedTuple):
+    loss: float            # this DP group's loss (on the last pipeline stage; 0.0 before it)
+    bad: bool              # the loss or a value of the checked gradient is not finite
+    sq_sharded: float      # sum of squares of the gradient to apply, over tensor-sharded elements
+    sq_replicated: float   # ... over the others
+
+
 def step_numbers(loss, checked, grads, sharded):
-    """Host floats [loss, 1.0 if the loss or a value of `checked` is not finite else 0.0, sum of squares of `grads`
-    over tensor-sharded elements, over the others], in one device-to-host copy. grads: a flat array or None (nothing
-    to apply: sums 0), usually `checked` itself; sharded: a 0/1 mask of grads' shape (masks by multiplication: no
-    device sync). A NaN or an infinity anywhere in `checked` makes its sum of squares non-finite, which is how it
-    is found (so does a finite value whose square overflows, |x| > 1e154 in float64 or 1e19 in float32: a gradient
-    no run survives either). NumPy's sums, not BLAS dot products: those can round differently with the arrays'
-    alignment in memory, and a resumed run must repeat the uninterrupted one bit for bit."""
+    """StepNumbers from one device-to-host copy. grads: the flat gradient to apply, or None (nothing to apply: sums
+    0), usually `checked` itself; sharded: a 0/1 mask of grads' shape (masks by multiplication: no device sync).
+    A NaN or an infinity anywhere in `checked` makes its sum of squares non-finite, which is how it is found (so
+    does a finite value whose square overflows, |x| > 1e154 in float64 or 1e19 in float32: a gradient no run
+    survives either). NumPy's sums, not BLAS dot products: those can round differently with the arrays' alignment
+    in memory, and a resumed run must repeat the uninterrupted one bit for bit."""
     xp = array_module(checked)
     zero = xp.zeros((), dtype=checked.dtype)
     if grads is None:
@@ -35,14 +42,14 @@ def step_numbers(loss, checked, grads, sharded):
         sq_sharded = sq.sum()
     host = to_host(xp.stack([xp.asarray(loss, dtype=checked.dtype), sq_checked, sq_sharded, sq_all]))
     loss, sq_checked, sq_sharded, sq_all = (float(x) for x in host)
-    finite = math.isfinite(loss) and math.isfinite(sq_checked)
-    return [loss, 0.0 if finite else 1.0, sq_sharded, sq_all - sq_sharded]
+    return StepNumbers(loss, not (math.isfinite(loss) and math.isfinite(sq_checked)), sq_sharded,
+                       sq_all - sq_sharded)
 
 
 def global_norm(numbers, grid, shard_comm=None):
-    """The full model's gradient norm from this rank's step_numbers (sums over tp and pp; over shard_comm too when
+    """The full model's gradient norm from this rank's StepNumbers (sums over tp and pp; over shard_comm too when
     each DP rank holds a different part, as with ZeRO)."""
-    return norm_from_squares(numbers[2], numbers[3], grid.tp_comm if grid.tp > 1 else None,
+    return norm_from_squares(numbers.sq_sharded, numbers.sq_replicated, grid.tp_comm if grid.tp > 1 else None,
                              grid.pp_comm if grid.pp > 1 else None, shard_comm)
 
 

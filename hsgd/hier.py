@@ -145,6 +145,7 @@ class HierarchicalExchange(GradExchange):
         return [self.node_comm, self.cross_comm]
 
     def free(self):
+        self.close()
         if self.node_comm is not None:
             self.node_comm.free()
             self.cross_comm.free()

@@ -2,7 +2,7 @@
 
 P = dp x pp x tp ranks (the lecture's P = G x M workers, with G = dp, M = tp, and pp = 1). One synchronous SGD
 step (`HybridTrainer.step`):
-  1. the global batch (B sequences, the same on every rank) is split into dp equal slices; DP group g takes slice g,
+  1. the global batch (B sequences, the same on every rank) is split into dp equal slices; DP group r takes slice r,
      and every rank of the group reads the same slice (hsgd.dp.dp_rows);
   2. the slice is cut into m micro-batches, which flow through this rank's pipeline stage (hsgd.stage; pp = 1 is
      a pipeline of one stage): the tensor-parallel forward and backward (collectives on tp_comm inside,
@@ -13,8 +13,8 @@ step (`HybridTrainer.step`):
 Result: the same update as serial mini-batch SGD on the global batch (tests/mpi/test_hybrid.py, test_comm_opt.py).
 
 The optimizer sees the rank's parameters as one flat array (the exchange's `pbuf`; ZeRO: only its chunk of it),
-with per-element masks for what names used to decide: weight decay (2-D parameters) and, for the gradient norm,
-which elements belong to tensor-sharded parameters.
+with per-element 0/1 masks: which elements get weight decay (those of 2-D parameters) and, for the gradient norm,
+which belong to tensor-sharded parameters.
 """
 import time
 from dataclasses import dataclass
@@ -24,7 +24,8 @@ from .dp import dp_rows, micro_batches, params_digest
 from .exchange import make_exchange
 from .health import check_finite, global_norm, step_numbers
 from .optim import decays, lr_at, make_optimizer
-from .stage import _Null, make_stage
+from .stage import make_stage
+from .trace import NullTracer
 
 
 @dataclass
@@ -42,7 +43,7 @@ class HybridTrainer:
     def __init__(self, cfg, grid, tc, tracer=None):
         """cfg: ModelConfig; grid: ProcessGrid; tc: TrainConfig."""
         self.cfg, self.grid, self.tc, self.scheme = cfg, grid, tc, tc.tp_scheme
-        self.tracer = tracer or _Null()
+        self.tracer = tracer or NullTracer()
         self.stage = make_stage(cfg, grid, tc)                          # my layers, my schedule
         shards = tp_model.init_params(cfg, grid.tp_comm, seed=tc.seed, dtype=tc.dtype, device=tc.device,
                                       scheme=tc.tp_scheme)
@@ -50,12 +51,15 @@ class HybridTrainer:
         self.exchange = make_exchange(tc, shards, self.stage.groups(), grid, self.tracer)
         self.pbuf = self.exchange.pbuf                                  # my parameters, one flat buffer
         self.params = self.pbuf.views                                   # {name: view into pbuf.flat}
-        self.grads = None                                               # {name: view}, after gradients()
+        # after gradients(): {name: view} of the step's gradient buffer: averaged over dp (all-reduce, overlapped,
+        # hierarchical), this rank's own (ZeRO 1, stale: the average is elsewhere), None (ZeRO 2 released it)
+        self.grads = None
         self.opt = make_optimizer(tc.optimizer, tc.lr, momentum=tc.momentum, weight_decay=tc.weight_decay)
         owned = self.exchange.owned
         self.decay = self.pbuf.mask(decays)[owned]                      # (owned,) 1 where weight decay applies
         self.sharded = self.pbuf.mask(lambda n, p: self.is_sharded(n))[owned]   # (owned,) 1: split over tp
         self.skipped = 0                                                # updates skipped for non-finite values
+        self.t_start = self.tp_start = self.dp_start = self.dp_waited = 0.0   # set by gradients(), for update()
 
     def is_sharded(self, name):
         return self.grid.tp > 1 and tp_model.split_of(name, self.scheme)[0] != "rep"
@@ -74,6 +78,7 @@ class HybridTrainer:
         buf = self.exchange.begin()                                                 # zeroed gradient buffer
         self.grads = buf.views
         loss = self.stage.run(self.params, self.grads, mbs, self.exchange.on_ready, self.tracer)
+        self.exchange.arrive()                                                      # (--straggler: sleeps)
         with self.tracer.span("dp sync"):
             self.dp_waited = self.exchange.finish()                                 # 3. average over dp_comm
         self.grads = self.exchange.buf.views if self.exchange.buf is not None else None     # ZeRO 2: released
@@ -87,7 +92,7 @@ class HybridTrainer:
         grads, stats, tc = self.exchange.grads(), self.grid.stats, self.tc        # (owned,) or None (stale, step 1)
         numbers = step_numbers(loss, self.exchange.checked(), grads, self.sharded)
         lr, norm = lr_at(step, tc.lr, tc.warmup, tc.steps), float("nan")
-        if not check_finite(self.grid.world, numbers[1] > 0, step, tc.on_nan):
+        if not check_finite(self.grid.world, numbers.bad, step, tc.on_nan):
             lr, self.skipped = float("nan"), self.skipped + 1                   # --on-nan skip: no update
         elif grads is not None:
             norm = global_norm(numbers, self.grid, self.exchange.shard_comm)
@@ -97,7 +102,7 @@ class HybridTrainer:
                 mine = self.pbuf.flat[self.exchange.owned]                      # a view: updated in place
                 self.opt.step({"flat": mine}, {"flat": grads}, lr, decay={"flat": self.decay})
                 self.exchange.after_update()                                    # ZeRO: Allgather the chunks
-        return StepInfo(self.global_loss(numbers[0]), lr, norm, time.perf_counter() - self.t_start,
+        return StepInfo(self.global_loss(numbers.loss), lr, norm, time.perf_counter() - self.t_start,
                         stats.seconds("tp") - self.tp_start, self.dp_waited + stats.seconds("dp") - self.dp_start)
 
     def global_loss(self, group_loss):

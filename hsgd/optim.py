@@ -9,8 +9,10 @@ the batch, so its gradient *is* (1/B) * sum_j grad_j, and the update is  w <- w 
     both:   decoupled weight decay w <- w - lr * wd * w on matrices (2-D), not on biases and LayerNorm.
 
 Every rank updates its own shards with the averaged gradient; the update is elementwise, so a shard's update is
-the slice of the full update and replicas stay identical. The one non-local quantity is the gradient norm used
-for clipping (`global_grad_norm`).
+the slice of the full update and replicas stay identical. The trainer hands the optimizer its shards as one flat
+array ({"flat": ...}) with a per-element 0/1 weight-decay mask; the per-parameter form (a dict of names, the 2-D
+rule) is the same arithmetic. The one non-local quantity is the gradient norm used for clipping (`global_grad_norm`
+per parameter; the trainer's one-copy form: hsgd.health.global_norm).
 """
 import math
 
@@ -41,10 +43,10 @@ class SGD:
         self.lr = lr                      # learning rate (a schedule may pass another one to step())
         self.momentum = momentum          # heavy-ball coefficient mu; 0 = plain SGD
         self.weight_decay = weight_decay  # decoupled weight decay on 2-D parameters
-        self.state = {}                   # name -> velocity v, created on first use
+        self.state = {}                   # name (the trainer: "flat") -> velocity v, created on first use
 
     def step(self, params, grads, lr=None, decay=None):
-        """decay: optional {name: bool or per-element 0/1 mask} instead of the 2-D rule (ZeRO's flat chunks)."""
+        """decay: optional {name: bool or per-element 0/1 mask} instead of the 2-D rule (the trainer's flat array)."""
         lr = self.lr if lr is None else lr
         for name, p in params.items():
             g = grads[name]
@@ -66,10 +68,10 @@ class AdamW:
         self.eps = eps                    # added to sqrt(v) to avoid division by zero
         self.weight_decay = weight_decay  # decoupled weight decay on 2-D parameters
         self.t = 0                        # steps taken (for the bias corrections)
-        self.state = {}                   # name -> (m, v)
+        self.state = {}                   # name (the trainer: "flat") -> (m, v)
 
     def step(self, params, grads, lr=None, decay=None):
-        """decay: optional {name: bool or per-element 0/1 mask} instead of the 2-D rule (ZeRO's flat chunks)."""
+        """decay: optional {name: bool or per-element 0/1 mask} instead of the 2-D rule (the trainer's flat array)."""
         lr = self.lr if lr is None else lr
         self.t += 1
         c1, c2 = 1.0 - self.b1 ** self.t, 1.0 - self.b2 ** self.t

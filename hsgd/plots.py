@@ -6,7 +6,8 @@ import os
 
 from .errors import UsageError
 
-COLORS = {"forward": "#4C72B0", "backward": "#55A868", "optimizer": "#8172B2", "dp sync": "#CCB974",
+COLORS = {"forward": "#4C72B0", "backward": "#55A868", "forward and backward": "#4F8D8C", "optimizer": "#8172B2",
+          "dp sync": "#CCB974",
           "straggler delay": "#C44E52", "Allreduce": "#DD8452", "Iallreduce": "#C44E52", "Allgather": "#64B5CD",
           "Reduce_scatter_block": "#937860", "Bcast": "#DA8BC3"}
 

@@ -22,14 +22,7 @@ from . import tp_model
 from .backend import array_module, to_host
 from .pp import parse_split, schedule, split_layers, stage_names
 from .threads import cpu_threads, parallel_batches
-
-
-class _Null:
-    """A stand-in tracer that records nothing."""
-
-    def span(self, *args, **kwargs):
-        from contextlib import nullcontext
-        return nullcontext()
+from .trace import NullTracer
 
 
 class Stage:
@@ -40,7 +33,8 @@ class Stage:
         self.layers = split_layers(cfg.n_layers, grid.pp, parse_split(tc.pp_split))[grid.pp_rank]
         self.first, self.last = grid.pp_rank == 0, grid.pp_rank == grid.pp - 1
         self.names = stage_names(cfg, self.layers, self.first, self.last)    # the parameters this stage holds
-        self.actions = schedule(tc.schedule, self.m, grid.pp, grid.pp_rank)
+        # one stage has no bubble to fill: it runs F0 B0 F1 B1 ... (1F1B), which holds one micro-batch at a time
+        self.actions = schedule(tc.schedule if grid.pp > 1 else "1f1b", self.m, grid.pp, grid.pp_rank)
         self.peak_held, self.timeline = 0, []                          # measured by the last run()
 
     def pieces(self, rows):
@@ -62,7 +56,7 @@ class Stage:
         accumulate into `grads`; on_ready(group) is passed to the last backward action. Returns (1/m) * the sum
         of the micro-batches' losses on the last stage (on the device), else 0.0. Records the micro-batches held
         at once (peak_held) and when each action ran (timeline)."""
-        tracer = tracer or _Null()
+        tracer = tracer or NullTracer()
         self.caches, self.sends, self.loss, self.live = {}, [], 0.0, 0
         self.peak_held, self.timeline = 0, []
         last_b = max(j for a, j in self.actions if a == "B")
@@ -77,6 +71,7 @@ class Stage:
             self.timeline.append((f"{kind}{j}", t0, time.perf_counter()))
         for req, _ in self.sends:
             req.Wait()
+        self.sends, self.caches = [], {}                               # nothing held until the next step
         return self.loss / self.m if self.last else 0.0
 
     def receive(self, kind, j, params, mbs):
@@ -130,24 +125,29 @@ class ThreadedStage(Stage):
     """A whole model on one rank (pp = 1, tp = 1) whose CPU threads split each micro-batch's sequences: data
     parallelism inside one process. Slice i of a micro-batch of b sequences (b_i of them) runs the forward and
     backward on its own thread with one BLAS thread (threads.parallel_batches), from dloss = (b_i / b) / m into a
-    gradient buffer of its own (the last slice: into `grads` itself); the buffers are added at the end, in place of
-    an All-Reduce. The same numbers as Stage.run up to rounding, and no work is handed between threads inside a
-    layer, which on small and mid-size models is the faster of the two ways to use the cores (tutorial 12).
+    gradient buffer of its own (the last slice: into `grads` itself; the others allocate one per micro-batch,
+    freed after it); the buffers are added at the end, in place of an All-Reduce. The same numbers as Stage.run up
+    to rounding (the sums run in another order, which depends on the thread count), and no work is handed between
+    threads inside a layer, which on small and mid-size models is the faster of the two ways to use the cores
+    (tutorial 12).
 
     The tensor-parallel collectives of the slices run on a one-rank tp_comm: nothing moves, but each slice's calls
-    are counted (pieces() says how many slices, for the byte formulas). The exchange's on_ready(group) is called
-    for every group once the slices' gradients are added."""
+    are counted (pieces() says how many slices the last step used, for the byte formulas). An exchange that needs
+    on_ready during the backward pass (--dp-overlap) gets the plain Stage.run: the slices finish their groups
+    together, at the very end, so there would be nothing to overlap."""
+    threads_used = 1                                                   # slices per micro-batch in the last run
 
     def pieces(self, rows):
-        """The slices' row counts for a micro-batch of `rows` sequences (threads.parallel_batches' split)."""
-        n = max(1, min(cpu_threads(), rows))
+        """The slices' row counts for a micro-batch of `rows` sequences, as the last step split them."""
+        n = max(1, min(self.threads_used, rows))
         return [rows * (i + 1) // n - rows * i // n for i in range(n)]
 
     def run(self, params, grads, mbs, on_ready=None, tracer=None):
         xp = array_module(params[self.names[0]])
-        if xp.__name__ != "numpy" or cpu_threads() <= 1:
+        self.threads_used = cpu_threads() if xp.__name__ == "numpy" and on_ready is None else 1
+        if self.threads_used <= 1:
             return super().run(params, grads, mbs, on_ready, tracer)
-        tracer = tracer or _Null()
+        tracer = tracer or NullTracer()
         self.timeline, loss = [], 0.0
         for j, (idx, targets) in enumerate(mbs):
             t0 = time.perf_counter()
@@ -159,8 +159,6 @@ class ThreadedStage(Stage):
                     for name, a in part_grads.items():
                         grads[name] += a
             self.timeline.append((f"F{j}B{j}", t0, time.perf_counter()))
-        for group in (self.groups() if on_ready else ()):
-            on_ready(group)
         self.peak_held = 1
         return loss / self.m
 

@@ -125,6 +125,7 @@ def loop(run):
     tc, grid, trainer, tracer = run.tc, run.grid, run.trainer, run.tracer
     faults, run.traced = Faults(tc.inject_fault, run.world.Get_rank()), (min(2, tc.steps), min(4, tc.steps))
     run.measured_step, t0 = min(run.start + 1, tc.steps), time.perf_counter()
+    run.pinned = sum(st.allocated for st in staging_pools(grid, trainer))   # (a resume past the last step: no step)
     for step in range(run.start, tc.steps + 1):
         faults.before_step(step)
         idx, targets = run.corpus.batch(tc.seed, step, tc.batch_size)      # the global batch, on every rank

@@ -150,9 +150,10 @@ check(f"plain DP, {STEPS} steps: every rank's shards vs serial SGD", param_err(p
 # done, nothing will touch its gradients again in this step, so their All-Reduce can start *now*, while the
 # layers below are still computing. Chapter 6 waited until the very end.
 #
-# To make each layer's gradients one message, `HybridTrainer` lays out its flat gradient buffer in backward order
-# (`dp.backward_layout`): every group is a contiguous slice, a **bucket** (`trainer.exchange.buckets`, group ->
-# slice of the buffer). `tp_model.backward` calls `on_ready(group)` when a group is final, and with
+# To make each layer's gradients one message, the exchange lays out the flat buffers in backward order (the
+# groups of `Stage.groups()`, in `GradExchange.__init__`): every group is a contiguous slice, a **bucket**
+# (`trainer.exchange.buckets`, group -> slice of the buffer). The stage's last backward action passes
+# `on_ready(group)` to `tp_model.stage_backward`, which calls it when a group is final, and with
 # `dp_overlap=True` that is `OverlappedExchange.on_ready`, which starts a non-blocking `Iallreduce` of the bucket
 # and returns at once. After the backward pass, `finish()` waits for all of them and divides by dp. The arithmetic
 # is the same sum over the same dp ranks, element by element, so the result is the same up to the order of the
