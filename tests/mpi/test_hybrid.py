@@ -91,6 +91,31 @@ def test_clipping_is_active_and_the_norm_is_global():
     grid.free()
 
 
+@pytest.mark.parametrize("layout", [dict(tp=2, dp=4), dict(tp=4, dp=2), dict(tp=8, dp=1, tp_scheme="gather"),
+                                    dict(tp=2, dp=2, pp=2, tp_scheme="sequence", micro_batches=2),
+                                    dict(tp=2, dp=4, zero=1)])
+def test_tensor_parallel_ranks_keep_identical_replicated_parameters(layout):
+    """Every tp rank holds a copy of the replicated parameters (embeddings' positions, layer norms, row-parallel
+    biases) and applies the same update to it, so the copies stay bit-identical: checkpoints store one of them and
+    a resumed run must repeat the uninterrupted one bit for bit. That needs the same clipping factor on every tp
+    rank, hence a global norm that is the same float everywhere (clip 0.05: active at every step)."""
+    tc = config(clip=0.05, **layout)
+    grid = ProcessGrid(WORLD, dp=tc.dp, pp=tc.pp, tp=tc.tp)
+    trainer = HybridTrainer(CFG, grid, tc)
+    replicated = [n for n in trainer.params if not trainer.is_sharded(n)]
+    differ, norms = 0, set()
+    for step in range(1, 5):
+        info = trainer.step(*CORPUS.batch(tc.seed, step, tc.batch_size), step)
+        norms.update(WORLD.allgather(info.grad_norm))
+        copies = grid.tp_comm.comm.allgather({n: trainer.params[n] for n in replicated})
+        differ += sum(not np.array_equal(c[n], copies[0][n]) for c in copies for n in replicated)
+    say(f"{layout}: replicated parameters that differ between tp ranks after 4 clipped steps "
+        f"{int(world_max(differ))} (of {len(replicated)} per rank); distinct global norms over the 4 steps "
+        f"{len(norms)}")
+    grid.free()
+    check(differ == 0 and len(norms) == 4, f"{differ} differ; norms {sorted(norms)}")
+
+
 def test_every_dp_and_micro_batches_split_gives_the_same_gradients():
     B = 8
     params = serial.init_params(CFG, seed=1, dtype="float64")
