@@ -36,6 +36,7 @@ from .backend import array_module, to_numpy
 from .config import ModelConfig
 from .errors import UsageError
 from .pp import parse_split, split_layers, stage_names
+from .preflight import regular_file
 
 FORMAT = "hsgd-checkpoint-1"
 
@@ -182,6 +183,7 @@ def resolve(path):
 def open_checkpoint(path, cfg=None):
     """The manifest of the checkpoint at `path`, after checking it (see the module docstring)."""
     path = resolve(path)
+    regular_file(os.path.join(path, "manifest.json"), "checkpoint manifest", CheckpointError)
     try:
         with open(os.path.join(path, "manifest.json")) as f:
             manifest = json.load(f)
@@ -197,6 +199,7 @@ def open_checkpoint(path, cfg=None):
         file = os.path.join(path, name)
         if not os.path.exists(file):
             raise CheckpointError(f"checkpoint file {file!r} is missing")
+        regular_file(file, "checkpoint file", CheckpointError)   # a FIFO or /dev/zero would never hash to an end
         if sha256(file) != info["sha256"]:
             raise CheckpointError(f"checkpoint file {file!r} is corrupt: its SHA-256 does not match the manifest "
                                   f"(truncated or modified); resume from an older checkpoint")

@@ -17,6 +17,7 @@ import sysconfig
 import numpy as np
 
 from .errors import DataError
+from .preflight import regular_file
 
 VAL_FRACTION = 0.10
 _SPLIT_ID = {"train": 0, "val": 1}
@@ -30,11 +31,14 @@ def default_corpus_files():
 
 def read_bytes(path):
     """The bytes of `path`, or a DataError that says what is wrong with it."""
+    if not isinstance(path, (str, os.PathLike)):                 # (an integer would open a file descriptor)
+        raise DataError(f"data {path!r} is not a path; give --data (TOML: data) the path of a text file")
     if not os.path.exists(path):
         raise DataError(f"data file {path!r} does not exist; pass --data with the path of a text file, "
                         "or leave --data out to train on the built-in corpus")
     if os.path.isdir(path):
         raise DataError(f"data path {path!r} is a directory; --data takes one text file")
+    regular_file(path, "data file", DataError)                   # a FIFO or a device would never end
     try:
         with open(path, "rb") as f:
             return f.read()

@@ -4,7 +4,9 @@ A progress line averages the steps since the last one: loss, learning rate, toke
 step time split into compute, tensor-parallel and data-parallel communication. --log-json FILE gets one JSON object
 per line: {"step", "loss", "lr", "grad_norm", "seconds", "tp_seconds", "dp_seconds"} for every step and
 {"step", "val_loss"} for every validation loss (step 0 or the resumed step: before training), so that a run can be
-plotted from the file alone. Only rank 0 writes.
+plotted from the file alone. Only rank 0 writes; a resumed run (--resume) appends to the file, so that it holds the
+whole run (steps after the checkpoint that the stopped run had logged appear again: the later record counts), and
+every line is flushed when written (a killed run keeps every step it logged).
 """
 import json
 import time
@@ -15,7 +17,8 @@ from .report import fmt_time
 class Progress:
     def __init__(self, tc, tokens_per_step, start, say, rank0):
         self.tc, self.tokens, self.start, self.say = tc, tokens_per_step, start, say
-        self.log = open(tc.log_json, "w") if (tc.log_json and rank0) else None
+        # a resumed run appends to the log of the steps before it; every record is flushed as it is written
+        self.log = open(tc.log_json, "a" if start > 1 else "w") if (tc.log_json and rank0) else None
         self.t0 = time.perf_counter()
         self.window = dict.fromkeys(("n", "loss", "s", "tp", "dp"), 0.0)
         self.losses = []                                          # every step's loss, for the plots

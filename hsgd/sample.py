@@ -13,6 +13,7 @@ from . import launch
 from .backend import get_xp, to_device
 from .checkpoint import Shards, open_checkpoint
 from .config import ModelConfig
+from .errors import UsageError
 from .generate import generate, printable
 
 
@@ -28,21 +29,41 @@ def build_parser():
     return p
 
 
+def check_args(args):
+    """Everything sampling needs, checked before any work (on every rank)."""
+    if args.bytes < 0:
+        raise UsageError(f"--bytes {args.bytes} must be an integer >= 0")
+    if not args.temperature > 0 or args.temperature == float("inf"):
+        raise UsageError(f"--temperature {args.temperature} must be a finite number > 0 (0.8 is the default)")
+    if not 1 <= args.top_k <= 256:
+        raise UsageError(f"--top-k {args.top_k} must be in 1..256 (the byte vocabulary)")
+    if args.seed < 0:
+        raise UsageError(f"--seed {args.seed} must be an integer >= 0")
+    try:
+        prompt = args.prompt.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise UsageError(f"--prompt {args.prompt!r} is not valid text ({e.reason}); pass the prompt as UTF-8") from None
+    return prompt, get_xp(args.device)                  # ConfigError with the fix when CuPy does not import
+
+
 def main(argv=None):
     world = MPI.COMM_WORLD
 
     def body():
         args = build_parser().parse_args(argv)
+        prompt, xp = launch.agree(world, lambda: check_args(args))
         manifest = launch.agree(world, lambda: open_checkpoint(args.dir))
-        if world.Get_rank() == 0:
-            shards = Shards(manifest)
+        shards = launch.agree(world, lambda: Shards(manifest))           # its layout splits the model, on every rank
+
+        def sample():                                    # rank 0's work; a failure reaches every rank (agree)
             cfg = ModelConfig(**manifest["model"])
-            xp = get_xp(args.device)
             params = {n: to_device(shards.full(n), xp) for n in cfg.param_shapes()}
-            text = generate(params, cfg, args.prompt.encode(), args.bytes, seed=args.seed,
-                            temperature=args.temperature, top_k=args.top_k)
+            return generate(params, cfg, prompt, args.bytes, seed=args.seed, temperature=args.temperature,
+                            top_k=args.top_k)
+
+        text = launch.agree(world, lambda: sample() if world.Get_rank() == 0 else None)
+        if world.Get_rank() == 0:
             print(f"# {manifest['path']} (step {manifest['step']})\n{printable(text)}")
-        world.Barrier()
         return 0
 
     return launch.run(body, world)

@@ -30,6 +30,7 @@ from .dp import check_batch
 from .errors import ConfigError
 from .grid import check_sizes
 from .pp import parse_split, split_layers
+from .preflight import regular_file
 
 try:
     import tomllib
@@ -307,11 +308,10 @@ def build_parser():
 
 def read_toml(path):
     """The settings in a TOML file, checked against the known keys."""
+    regular_file(path, "config file", ConfigError)              # exists; not a folder, FIFO or device
     try:
         with open(path, "rb") as f:
             table = tomllib.load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"config file {path!r} does not exist") from None
     except (OSError, tomllib.TOMLDecodeError) as e:
         raise ConfigError(f"config file {path!r} cannot be read: {e}") from None
     if "grad_accum" in table:

@@ -25,7 +25,7 @@ from threadpoolctl import threadpool_limits
 from . import checkpoint, launch
 from .backend import resolve_device, select_gpu
 from .data import Corpus
-from .errors import NumericalFault
+from .errors import ConfigError, NumericalFault
 from .faults import Faults
 from .generate import generate, printable
 from .grid import ProcessGrid
@@ -34,6 +34,7 @@ from .pp import ideal_bubble, parse_split, split_layers
 from .progress import Progress
 from .report import (fmt_bytes, fmt_time, report_comm, report_memory, report_pipeline, report_staging,  # noqa: F401
                      report_trace, staging_pools, step_formula)
+from .preflight import check_run
 from .settings import TrainConfig, build_parser, configs_from_args
 from .threads import openblas_note, set_cpu_threads, tune_allocator
 from .trace import Tracer
@@ -104,6 +105,7 @@ def setup(cfg, tc, world, out, threads):
     """The grid, the data, the trainer (and a checkpoint to resume from), the header, the first validation loss."""
     say = (lambda s="": print(s, file=out, flush=True)) if world.Get_rank() == 0 else (lambda s="": None)
     run = Run(cfg, tc, world, say)
+    launch.agree(world, lambda: check_run(tc, ConfigError))          # outputs, optional modules: before any work
     device = place_on_device(tc, world)
     run.corpus = launch.agree(world, lambda: Corpus.load(tc.data, cfg.seq_len))
     run.grid = ProcessGrid(world, dp=tc.dp, pp=tc.pp, tp=tc.tp)
@@ -222,10 +224,15 @@ def resume(trainer, cfg, tc, world, say):
     """Load --resume's checkpoint (checked on every rank first). Returns the first step to run."""
     if not tc.resume:
         return 1
-    if tc.resume == "auto" and not checkpoint.complete_checkpoints(tc.save_dir):
-        say(f"--resume auto: no complete checkpoint in {tc.save_dir!r}; starting at step 1")
-        return 1
-    where = tc.save_dir if tc.resume == "auto" else tc.resume
+    where = tc.resume
+    if tc.resume == "auto":             # decided once, on rank 0: nodes may see a shared folder differently
+        found = launch.agree(world, lambda: checkpoint.complete_checkpoints(tc.save_dir) if world.Get_rank() == 0
+                             else None)
+        found = world.bcast(found, root=0)
+        if not found:
+            say(f"--resume auto: no complete checkpoint in {tc.save_dir!r}; starting at step 1")
+            return 1
+        where = found[-1]                                            # the newest, the same path on every rank
     manifest = launch.agree(world, lambda: checkpoint.open_checkpoint(where, cfg))
     step = launch.agree(world, lambda: checkpoint.load(trainer, manifest))
     lay, grid = manifest["layout"], trainer.grid

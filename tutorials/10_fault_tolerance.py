@@ -446,6 +446,28 @@ say(f"launch.run: exit code {code}; rank 0's stderr: {caught.getvalue().strip()[
 check.equal("every rank: launch.run's exit code for a corrupted checkpoint", code, 2)
 
 # %% [markdown]
+# Two more ways a job waits forever without any error. A path that is not a regular file: a FIFO or a device such
+# as `/dev/zero` in place of a shard (or of the manifest, the data file, the TOML config) is never read to its end,
+# so the rank hashing it blocks and the others wait for it in the next collective. `hsgd.preflight.regular_file`
+# is the one gate every input file passes, and refuses such a path with what it is. And a question each rank
+# answers for itself: "is there a checkpoint in --save-dir?" can get different answers on different nodes of a
+# cluster (a shared file system's cache right after a restart), and then some ranks go into the checkpoint's
+# collectives while the others start training. `--resume auto` is therefore decided once, on rank 0, and
+# broadcast (`train.resume`); `tests/mpi/test_resume.py` gives rank 0 and the others different folders.
+
+# %%
+fifo = os.path.join(TMP, "fifo", "step-000004")
+if rank == 0:
+    shutil.copytree(path4, fifo)
+    os.remove(os.path.join(fifo, "shard-pp0-tp1.npz"))
+    os.mkfifo(os.path.join(fifo, "shard-pp0-tp1.npz"))                  # a reader would wait for a writer forever
+world.Barrier()
+_, errors = every_rank(lambda: checkpoint.open_checkpoint(fifo, cfg))
+say(f"a FIFO in place of a shard: {sum(e is not None for e in errors)} of {P} ranks refused it:\n  {errors[0]}")
+check.holds("a FIFO in place of a shard: refused by every rank, saying what it is",
+            all(e is not None and "is a FIFO" in e for e in errors))
+
+# %% [markdown]
 # ## 6. When a rank dies
 #
 # Two ways a rank can stop in the middle of a run, and what `hsgd` does about each:
@@ -609,7 +631,8 @@ check.equal("repaired: what replica_divergence() reports on each rank",
 # `train(resume="auto")`, while a resume without the velocities does not; resharding to dp 4 x pp 1 x tp 2 and to
 # dp 1 x pp 2 x tp 4 with the All-Gather scheme cuts exact slices and ends at the uninterrupted run's parameters
 # to rounding; the export under serial names equals the gathered model and serial SGD; a corrupted file, another
-# model and another optimizer are refused by every rank with what is wrong, with exit code 2; a NaN on one rank is
+# model and another optimizer are refused by every rank with what is wrong, with exit code 2, and so is a FIFO in
+# place of a shard; a NaN on one rank is
 # skipped or stops every rank (exit code 3); and a replica that moved by one ulp is named.
 
 # %%

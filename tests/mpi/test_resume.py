@@ -1,0 +1,51 @@
+"""Resuming on 8 ranks when the ranks see a shared folder differently (a node's NFS cache after a restart):
+`--resume auto` is decided once, on rank 0, and every rank follows it."""
+import os
+import shutil
+import tempfile
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+import hsgd
+from hsgd import checkpoint
+from hsgd.data import Corpus
+from hsgd.grid import ProcessGrid
+from hsgd.hybrid import HybridTrainer
+from hsgd.train import TrainConfig, resume
+
+from .conftest import WORLD, check, say
+
+pytestmark = pytest.mark.mpi(min_size=8)
+
+CFG = hsgd.ModelConfig(vocab_size=256, seq_len=8, d_model=16, n_heads=4, n_layers=2, d_ff=16)
+CORPUS = Corpus(np.random.default_rng(0).integers(0, 256, 4000, dtype=np.uint8).tobytes(), "random bytes", 8)
+
+
+@pytest.mark.parametrize("rank0_sees", [True, False])
+def test_resume_auto_follows_rank_0_when_ranks_see_different_folders(rank0_sees):
+    """Rank 0 and the others look at different save folders: one holds the checkpoint of step 2, the other is
+    empty. Every rank must take rank 0's decision (resume after step 2 from rank 0's path, or start at step 1);
+    deciding on each rank would send some into the checkpoint's collectives and the others into training."""
+    tc = TrainConfig(dp=2, tp=4, steps=4, batch_size=8, lr=0.05, momentum=0.9, dtype="float64", seed=3)
+    where = WORLD.bcast(tempfile.mkdtemp() if WORLD.Get_rank() == 0 else None)
+    full, empty = os.path.join(where, "full"), os.path.join(where, "empty")
+    grid = ProcessGrid(WORLD, dp=tc.dp, tp=tc.tp)
+    trainer = HybridTrainer(CFG, grid, tc)
+    for step in (1, 2):
+        trainer.step(*CORPUS.batch(tc.seed, step, tc.batch_size), step)
+    checkpoint.save(trainer, 2, full)
+    os.makedirs(empty, exist_ok=True)
+    mine = full if (WORLD.Get_rank() == 0) == rank0_sees else empty      # rank 0 sees one, the others the other
+    fresh = HybridTrainer(CFG, grid, tc)
+    start = resume(fresh, CFG, replace(tc, resume="auto", save_dir=mine), WORLD, say)
+    expected = 3 if rank0_sees else 1
+    same = all(np.array_equal(fresh.params[n], trainer.params[n]) for n in trainer.params)
+    say(f"rank 0 sees the checkpoint: {rank0_sees}; every rank starts at step {start} (expected {expected}); "
+        f"parameters {'equal to' if same else 'not'} the saved run's")
+    grid.free()
+    WORLD.Barrier()
+    if WORLD.Get_rank() == 0:
+        shutil.rmtree(where, ignore_errors=True)
+    check(start == expected and same == rank0_sees, f"start {start}, loaded {same}")

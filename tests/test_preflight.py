@@ -1,0 +1,141 @@
+"""Checks before any work (hsgd.preflight): inputs that would block, outputs that would fail only at the end of a
+run, optional modules that are missing. Each case: one clear line, exit 2, nothing written, in seconds; under
+mpiexec every rank ends (an outer `timeout` turns a hang into exit 124, which fails)."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from .test_bad_inputs import BASE, assert_one_clear_line
+from .test_mpi import ROOT, mpi_env, run_mpi
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def run(*flags, cwd=None, env=None):
+    r = subprocess.run([sys.executable, "-m", "hsgd.train", *BASE, *flags], capture_output=True, timeout=60,
+                       cwd=cwd, env=env)
+    return r.returncode, r.stderr.decode(errors="replace")
+
+
+def missing(tmp_path, *modules):
+    """An environment in which `import m` fails for each of modules (a package that raises ImportError first on
+    the path), whatever is installed."""
+    fake = tmp_path / "missing"
+    for m in modules:
+        (fake / m).mkdir(parents=True)
+        (fake / m / "__init__.py").write_text(f"raise ImportError('{m} is hidden by the test')\n")
+    path = os.pathsep.join([str(fake), ROOT, os.environ.get("PYTHONPATH", "")])
+    return mpi_env(PYTHONPATH=path)
+
+
+def test_inputs_that_would_block_are_refused(tmp_path):
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    toml_fd = tmp_path / "fd.toml"
+    toml_fd.write_text("data = 0\n")                                    # an integer: once read as stdin
+    toml_fd5 = tmp_path / "fd5.toml"
+    toml_fd5.write_text("data = 5\n")
+    cases = [(["--data", str(fifo)], "is a FIFO"), (["--data", "/dev/zero"], "is a device"),
+             (["--data", "/dev/null"], "is a device"), (["--config", str(fifo)], "is a FIFO"),
+             (["--config", "/dev/zero"], "is a device"), (["--config", str(toml_fd)], "data 0 is not a path"),
+             (["--config", str(toml_fd5)], "data 5 is not a path")]
+    for flags, words in cases:
+        assert_one_clear_line(*run(*flags), words)
+
+
+def test_outputs_are_checked_before_training(tmp_path):
+    a_file = tmp_path / "file.txt"
+    a_file.write_text("x")
+    before = sorted(os.listdir(tmp_path))
+    cases = [(["--save-dir", str(a_file / "ckpt")], "which is a file"),
+             (["--save-dir", str(a_file)], "exists and is not a directory"),
+             (["--log-json", str(tmp_path / "no" / "log.jsonl")], "does not exist; create it first"),
+             (["--log-json", str(tmp_path)], "is a directory"),
+             (["--trace", str(tmp_path / "no" / "trace.json")], "does not exist; create it first"),
+             (["--trace", str(tmp_path)], "is a directory"),
+             (["--plot", str(a_file / "plots")], "which is a file")]
+    for flags, words in cases:
+        code, err = run(*flags, "--steps", "50")
+        assert_one_clear_line(code, err, words)
+    assert sorted(os.listdir(tmp_path)) == before                       # nothing written
+
+
+def test_a_prompt_that_is_not_text_is_refused_before_training():
+    for prompt in (b"\xff\xfe", b"def \x80"):                           # not UTF-8: decoded with surrogates
+        r = subprocess.run([sys.executable.encode(), b"-m", b"hsgd.train", *[a.encode() for a in BASE],
+                            b"--sample-bytes", b"10", b"--prompt", prompt], capture_output=True, timeout=60)
+        assert_one_clear_line(r.returncode, r.stderr.decode(errors="replace"), "is not valid text")
+
+
+def test_missing_optional_modules_stop_every_rank_before_any_work(tmp_path):
+    """--plot without matplotlib, --device gpu without CuPy: once rank 0 failed after training and the other
+    ranks waited in a collective forever."""
+    env = missing(tmp_path, "matplotlib", "cupy")
+    for flags, words in ((["--plot", str(tmp_path / "plots")], "--plot needs matplotlib"),
+                         (["--device", "gpu"], "needs CuPy")):
+        r = run_mpi(2, ["-m", "hsgd.train", *BASE, *flags], timeout=60, env=env)
+        print(r.stderr.strip())
+        assert r.returncode == 2 and words in r.stderr and r.stderr.count("hsgd: error:") == 1, r.stderr[-2000:]
+    assert not os.path.exists(tmp_path / "plots")
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    d = tmp_path_factory.mktemp("sample")
+    r = subprocess.run([sys.executable, "-m", "hsgd.train", *BASE, "--save-dir", str(d)], capture_output=True,
+                       text=True, timeout=60, env=mpi_env())
+    assert r.returncode == 0, r.stderr
+    return d
+
+
+@pytest.mark.parametrize("flags, words", [(["--device", "gpu"], "needs CuPy"),
+                                          (["--temperature", "0"], "--temperature 0.0 must be a finite number > 0"),
+                                          (["--temperature", "inf"], "must be a finite number > 0"),
+                                          (["--top-k", "0"], "--top-k 0 must be in 1..256"),
+                                          (["--bytes", "-1"], "--bytes -1 must be an integer >= 0")])
+def test_sample_refuses_on_every_rank(ckpt, tmp_path, flags, words):
+    """hsgd.sample on 2 ranks: what rank 0 alone would find (no CuPy, a bad setting) ends every rank."""
+    r = run_mpi(2, ["-m", "hsgd.sample", str(ckpt), *flags], timeout=60, env=missing(tmp_path, "cupy"))
+    print(r.stderr.strip())
+    assert r.returncode == 2 and words in r.stderr and r.stderr.count("hsgd: error:") == 1, r.stderr[-2000:]
+
+
+def test_checkpoint_files_must_be_regular(ckpt, tmp_path):
+    """A checkpoint whose shard was replaced by a FIFO: refused, not hashed forever."""
+    import shutil
+    bad = tmp_path / "bad"
+    shutil.copytree(ckpt, bad)
+    step = sorted(p for p in os.listdir(bad) if p.startswith("step-"))[-1]
+    shard = bad / step / "shard-pp0-tp0.npz"
+    shard.unlink()
+    os.mkfifo(shard)
+    r = run_mpi(2, ["-m", "hsgd.sample", str(bad)], timeout=60)
+    print(r.stderr.strip())
+    assert r.returncode == 2 and "is a FIFO" in r.stderr, r.stderr[-2000:]
+    manifest = bad / step / "manifest.json"
+    manifest.unlink()
+    os.mkfifo(manifest)
+    r = run_mpi(2, ["-m", "hsgd.sample", str(bad / step)], timeout=60)
+    assert r.returncode == 2 and "is a FIFO" in r.stderr, r.stderr[-2000:]
+
+
+def test_log_json_appends_on_resume(tmp_path):
+    """A run of 3 steps, resumed to 6 with the same --log-json: the file holds both runs' records."""
+    log, save = tmp_path / "log.jsonl", tmp_path / "ckpt"
+    import json
+    r = run_mpi(2, ["-m", "hsgd.train", *BASE, "--steps", "3", "--save-dir", str(save), "--log-json", str(log)],
+                timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]
+    first = log.read_text()
+    r = run_mpi(2, ["-m", "hsgd.train", *BASE, "--steps", "6", "--save-dir", str(save), "--resume", "auto",
+                    "--log-json", str(log)], timeout=60)
+    assert r.returncode == 0 and "after step 3" in r.stdout, r.stderr[-2000:]
+    text = log.read_text()
+    records = [json.loads(line) for line in text.splitlines()]
+    steps = [rec["step"] for rec in records if "loss" in rec]
+    print(f"{len(records)} records; loss records for steps {steps}")
+    assert text.startswith(first) and steps == [1, 2, 3, 4, 5, 6]
+    assert np.isfinite([rec["loss"] for rec in records if "loss" in rec]).all()
