@@ -34,7 +34,7 @@ import numpy as np
 from . import tp_model
 from .backend import array_module, to_numpy
 from .config import ModelConfig
-from .errors import UsageError
+from .errors import NumericalFault, UsageError
 from .pp import parse_split, split_layers, stage_names
 from .preflight import regular_file
 
@@ -95,10 +95,24 @@ def set_state(trainer, params, state, t):
 
 # ---------------------------------------------------------------------------------------------------- save
 
+def refuse_non_finite(trainer, state, step, save_dir, world):
+    """Collective: raise NumericalFault on every rank if any rank's parameters or optimizer state hold a NaN or an
+    infinity (a checkpoint of them would be useless, and rotate a good one away)."""
+    xp = array_module(trainer.pbuf.flat)
+    finite = bool(xp.isfinite(trainer.pbuf.flat).all()) and all(bool(xp.isfinite(v).all())
+                                                                 for st in state.values() for v in st.values())
+    bad = [r for r, ok in enumerate(world.allgather(finite)) if not ok]
+    if bad:
+        raise NumericalFault(f"the parameters or optimizer state are not finite after step {step} (on ranks {bad}); "
+                             f"no checkpoint written, the ones in {save_dir!r} are kept; resume from the newest with "
+                             "a smaller --lr")
+
+
 def save(trainer, step, save_dir, keep=3, kill_in_save=False):
     """Collective (every rank): write the checkpoint of `step` into save_dir/step-{step:06d}. Returns its path."""
     grid, world = trainer.grid, trainer.grid.base
     state, t = optimizer_state(trainer)                                 # collective over dp_comm with ZeRO
+    refuse_non_finite(trainer, state, step, save_dir, world)             # never rotate good checkpoints away for it
     tmp = None
     if world.Get_rank() == 0:
         os.makedirs(save_dir, exist_ok=True)

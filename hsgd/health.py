@@ -88,3 +88,11 @@ def check_finite(world, bad, step, on_nan):
         raise NumericalFault(f"non-finite loss or gradient at step {step} on ranks {ranks} (--on-nan stop); "
                              "resume from a checkpoint with a smaller --lr, or use --on-nan skip")
     return False
+
+
+def stop_after_skips(in_a_row, max_skips, step):
+    """--on-nan skip: a run whose every step is non-finite has diverged for good; stop it (NumericalFault, exit
+    code 3) after max_skips steps in a row were skipped, instead of skipping to the end and exiting 0."""
+    if in_a_row >= max_skips:
+        raise NumericalFault(f"{in_a_row} steps in a row had non-finite values (the last: step {step}); the run has "
+                             "diverged (--max-skips); resume from a checkpoint with a smaller --lr")

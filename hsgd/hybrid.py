@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from . import tp_model
 from .dp import dp_rows, micro_batches, params_digest
 from .exchange import make_exchange
-from .health import check_finite, global_norm, step_numbers
+from .health import check_finite, global_norm, step_numbers, stop_after_skips
 from .optim import decays, lr_at, make_optimizer
 from .stage import make_stage
 from .trace import NullTracer
@@ -58,7 +58,7 @@ class HybridTrainer:
         owned = self.exchange.owned
         self.decay = self.pbuf.mask(decays)[owned]                      # (owned,) 1 where weight decay applies
         self.sharded = self.pbuf.mask(lambda n, p: self.is_sharded(n))[owned]   # (owned,) 1: split over tp
-        self.skipped = 0                                                # updates skipped for non-finite values
+        self.skipped = self.in_a_row = 0                                # updates skipped for non-finite values
         self.t_start = self.tp_start = self.dp_start = self.dp_waited = 0.0   # set by gradients(), for update()
 
     def is_sharded(self, name):
@@ -92,8 +92,11 @@ class HybridTrainer:
         grads, stats, tc = self.exchange.grads(), self.grid.stats, self.tc        # (owned,) or None (stale, step 1)
         numbers = step_numbers(loss, self.exchange.checked(), grads, self.sharded)
         lr, norm = lr_at(step, tc.lr, tc.warmup, tc.steps), float("nan")
-        if not check_finite(self.grid.world, numbers.bad, step, tc.on_nan):
+        finite = check_finite(self.grid.world, numbers.bad, step, tc.on_nan)
+        self.in_a_row = 0 if finite else self.in_a_row + 1
+        if not finite:
             lr, self.skipped = float("nan"), self.skipped + 1                   # --on-nan skip: no update
+            stop_after_skips(self.in_a_row, tc.max_skips, step)                 # (a run that diverged for good)
         elif grads is not None:
             norm = global_norm(numbers, self.grid, self.exchange.shard_comm)
             with self.tracer.span("optimizer"):

@@ -20,6 +20,7 @@ communication: bad values, layouts that do not fit the world size, batches that 
 split into stages. Errors name the field, the value and what would work.
 """
 import argparse
+import math
 import os
 from dataclasses import dataclass, fields
 
@@ -30,14 +31,10 @@ from .dp import check_batch
 from .errors import ConfigError
 from .grid import check_sizes
 from .pp import parse_split, split_layers
-from .preflight import regular_file
-
-try:
-    import tomllib
-except ImportError:                                  # Python < 3.11
-    import tomli as tomllib
+from .config_file import read_toml
 
 FAULTS = ("raise", "kill", "kill-in-save", "nan", "diverge")        # the KINDs of --inject-fault
+MAX_STRAGGLER_MS = 60_000                                            # a minute of sleep per step, at most
 
 
 @dataclass
@@ -97,6 +94,10 @@ class Optimization:
         check_positive_int("steps", self.steps)
         check_positive_int("batch_size", self.batch_size)
         check_nonnegative_int("warmup", self.warmup)
+        check_nonnegative_int("seed", self.seed)
+        for name in ("lr", "momentum", "weight_decay", "clip"):
+            if not math.isfinite(getattr(self, name)):
+                raise ConfigError(f"{name}={getattr(self, name)!r} must be a finite number")
         if not self.lr > 0:
             raise ConfigError(f"lr={self.lr!r} must be > 0 (typical: SGD 0.01 to 0.1, AdamW 1e-4 to 3e-3)")
         if not 0 <= self.momentum < 1:
@@ -161,6 +162,7 @@ class Checkpoints:
                              "valid for the model", metavar="auto|PATH")
     on_nan: str = flag("stop", "a non-finite loss or gradient: stop the run (exit code 3) or skip that step's update",
                        choices=("stop", "skip"))
+    max_skips: int = flag(10, "with --on-nan skip: stop (exit code 3) after N steps in a row skipped", metavar="N")
     check_replicas: int = flag(0, "every N steps compare the DP replicas' parameters and stop, naming the first that "
                                   "differs; 0 = never", metavar="N")
 
@@ -168,6 +170,7 @@ class Checkpoints:
         check_nonnegative_int("save_interval", self.save_interval)
         check_nonnegative_int("check_replicas", self.check_replicas)
         check_positive_int("keep", self.keep)
+        check_positive_int("max_skips", self.max_skips)
         if self.on_nan not in ("stop", "skip"):
             raise ConfigError(f"on_nan={self.on_nan!r} must be stop or skip")
         if self.resume == "auto" and not self.save_dir:
@@ -217,16 +220,33 @@ class Experiments:
     straggler: str = flag(None, "make RANK sleep MS milliseconds in every step", metavar="RANK:MS")
 
     def check_experiments(self):
+        digits = lambda p: p.isascii() and p.isdigit()            # "²".isdigit() is True, int("²") fails
         if self.straggler is not None:
             parts = str(self.straggler).split(":")
-            if len(parts) != 2 or not all(p.isdigit() for p in parts):
+            if len(parts) != 2 or not all(digits(p) for p in parts):
                 raise ConfigError(f"straggler={self.straggler!r} must look like RANK:MILLISECONDS, e.g. 3:50")
+            if int(parts[1]) > MAX_STRAGGLER_MS:
+                raise ConfigError(f"straggler={self.straggler!r}: at most {MAX_STRAGGLER_MS} ms of sleep per step")
         if self.inject_fault is not None:
             parts = str(self.inject_fault).split(":")
-            if not 2 <= len(parts) <= 3 or not all(p.isdigit() for p in parts[:2]) or \
+            if not 2 <= len(parts) <= 3 or not all(digits(p) for p in parts[:2]) or \
                     (len(parts) == 3 and parts[2] not in FAULTS):
                 raise ConfigError(f"inject_fault={self.inject_fault!r} must look like RANK:STEP or RANK:STEP:KIND with "
                                   f"KIND one of {', '.join(FAULTS)}, e.g. 3:5 or 3:5:kill")
+
+    def check_targets(self, world_size, steps):
+        """The ranks and steps named by --straggler and --inject-fault exist (else they would be silently ignored)."""
+        for name, value in (("straggler", self.straggler), ("inject_fault", self.inject_fault)):
+            if value is None:
+                continue
+            rank = int(str(value).split(":")[0])
+            if rank >= world_size:
+                raise ConfigError(f"{name}={value!r} names rank {rank}, but the job has ranks 0..{world_size - 1}")
+        if self.inject_fault is not None:
+            step = int(str(self.inject_fault).split(":")[1])
+            if not 1 <= step <= steps:
+                raise ConfigError(f"inject_fault={self.inject_fault!r} names step {step}, but the run has steps "
+                                  f"1..{steps}")
 
 
 @dataclass
@@ -306,24 +326,6 @@ def build_parser():
     return p
 
 
-def read_toml(path):
-    """The settings in a TOML file, checked against the known keys."""
-    regular_file(path, "config file", ConfigError)              # exists; not a folder, FIFO or device
-    try:
-        with open(path, "rb") as f:
-            table = tomllib.load(f)
-    except (OSError, tomllib.TOMLDecodeError) as e:
-        raise ConfigError(f"config file {path!r} cannot be read: {e}") from None
-    if "grad_accum" in table:
-        raise ConfigError(f"config file {path!r}: grad_accum is now micro_batches (micro-batches per DP group and "
-                          "step); rename the key")
-    known = {f.name for f in fields(TrainConfig)} | set(MODEL_FLAGS)
-    unknown = sorted(set(table) - known)
-    if unknown:
-        raise ConfigError(f"config file {path!r} has unknown keys {unknown}; known keys: {sorted(known)}")
-    return table
-
-
 def configs_from_args(args, world_size):
     """(ModelConfig, TrainConfig) from parsed flags (and --config), validated; raises UsageError."""
     given = {k: v for k, v in vars(args).items() if v is not None and k != "config"}
@@ -334,6 +336,7 @@ def configs_from_args(args, world_size):
     tc = TrainConfig(**{k: v for k, v in settings.items() if k not in MODEL_FLAGS})
     tc.validate()
     tc.resolve_layout(world_size)
+    tc.check_targets(world_size, tc.steps)
     tp_model.check_tp(model, tc.tp, tc.tp_scheme)
     check_batch(tc.batch_size, tc.dp, tc.micro_batches)
     split_layers(model.n_layers, tc.pp, parse_split(tc.pp_split))

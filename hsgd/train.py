@@ -76,8 +76,23 @@ def train(cfg, tc, world=MPI.COMM_WORLD, out=sys.stdout):
     tune_allocator()
     with threadpool_limits(limits=threads):
         run = setup(cfg, tc, world, out, threads)
+        if run.start > tc.steps:
+            return nothing_to_do(run)
         loop(run)
         return summary(run)
+
+
+def nothing_to_do(run):
+    """A resumed run whose checkpoint is already at or past --steps: say so, train nothing, exit 0."""
+    run.say(f"nothing to do: the checkpoint is after step {run.start - 1} and --steps is {run.tc.steps}; "
+            "give a larger --steps to train further")
+    run.progress.close()
+    val = run.val_points[0][1]
+    out = {"val_before": val, "val_after": val, "losses": [], "wall_s": 0.0, "comm_per_step": {},
+           "comm_formula": {}, "params": run.trainer.params, "memory": run.trainer.memory()}
+    run.trainer.free()
+    run.grid.free()
+    return out
 
 
 @dataclass
@@ -155,8 +170,11 @@ def at_intervals(run, step, faults):
     if tc.check_replicas and step % tc.check_replicas == 0:
         check_replicas(trainer, run.world, step)
     if tc.save_dir and ((tc.save_interval and step % tc.save_interval == 0) or step == tc.steps):
-        path = checkpoint.save(trainer, step, tc.save_dir, tc.keep, kill_in_save=faults.in_save(step))
-        run.say(f"checkpoint after step {step}: {path}")
+        if trainer.in_a_row:                    # a skipped step (--on-nan skip): keep the older, good checkpoints
+            run.say(f"checkpoint after step {step} not written: the step's values were not finite (--on-nan skip)")
+        else:
+            path = checkpoint.save(trainer, step, tc.save_dir, tc.keep, kill_in_save=faults.in_save(step))
+            run.say(f"checkpoint after step {step}: {path}")
     if tc.eval_interval and step % tc.eval_interval == 0 and step != tc.steps:
         run.val_points.append((step, trainer.evaluate(run.corpus, tc.eval_batches, tc.batch_size)))
         run.progress.validation(step, run.val_points[-1][1])

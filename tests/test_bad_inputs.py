@@ -50,6 +50,19 @@ OUT_OF_RANGE = [
     (["--dp-overlap", "--zero", "1"], "--dp-overlap and --zero 1 cannot be combined"),
     (["--resume", "auto"], "resume='auto' looks for the newest checkpoint in --save-dir"),
     (["--dp-staleness", "1", "--save-dir", "x"], "checkpoints do not hold the gradient in flight"),
+    (["--seed", "-1"], "seed=-1 must be an integer >= 0"),
+    (["--lr", "inf"], "lr=inf must be a finite number"),
+    (["--weight-decay", "inf"], "weight_decay=inf must be a finite number"),
+    (["--clip", "nan"], "clip=nan must be a finite number"),
+    (["--momentum", "nan"], "momentum=nan must be a finite number"),
+    (["--max-skips", "0"], "max_skips=0 must be a positive integer"),
+    (["--straggler", "0:\u00b2"], "must look like RANK:MILLISECONDS"),              # a superscript two
+    (["--inject-fault", "\u0663:1"], "must look like RANK:STEP"),                     # an Arabic-Indic three
+    (["--straggler", "0:99999999999"], "at most 60000 ms of sleep per step"),
+    (["--straggler", "5:10"], "names rank 5, but the job has ranks 0..0"),
+    (["--inject-fault", "1:1:kill"], "names rank 1, but the job has ranks 0..0"),
+    (["--inject-fault", "0:7"], "names step 7, but the run has steps 1..1"),
+    (["--inject-fault", "0:0"], "names step 0, but the run has steps 1..1"),
 ]
 LAYOUT = [
     (["--tp", "2"], "dp*pp*tp = 1*1*2 = 2 does not match the 1 ranks"),
@@ -107,6 +120,24 @@ def test_config_file_matrix(tmp_path):
         (tmp_path / name).write_text(text)
         assert_one_clear_line(*run("--config", str(tmp_path / name)), words)
     assert_one_clear_line(*run("--config", str(tmp_path / "none.toml")), "does not exist")
+
+
+def test_config_values_of_the_wrong_type(tmp_path):
+    """A TOML value must have its field's type: a string "no" for a switch would count as on, an integer path
+    would be used as a file descriptor, a string number would fail deep inside the run."""
+    cases = {"lr_string.toml": ('lr = "0.1"\n', "lr = '0.1' is not a number"),
+             "dtype_int.toml": ("dtype = 5\n", "dtype = 5 is not a string"),
+             "seed_float.toml": ("seed = 1.5\n", "seed = 1.5 is not an integer"),
+             "steps_bool.toml": ("steps = true\n", "steps = True is not an integer"),
+             "overlap_string.toml": ('dp_overlap = "no"\n', "dp_overlap = 'no' is not true or false"),
+             "log_int.toml": ("log_json = 1\n", "log_json = 1 is not a string"),
+             "data_int.toml": ("data = 5\n", "data = 5 is not a string"),
+             "d_model_float.toml": ("d_model = 16.0\n", "d_model = 16.0 is not an integer")}
+    for name, (text, words) in cases.items():
+        (tmp_path / name).write_text(text)
+        assert_one_clear_line(*run("--config", str(tmp_path / name)), words)
+    (tmp_path / "latin1.toml").write_bytes("prompt = 'caf\u00e9'\n".encode("latin-1"))
+    assert_one_clear_line(*run("--config", str(tmp_path / "latin1.toml")), "is not UTF-8 text")
 
 
 def test_existing_log_is_not_overwritten_by_a_failing_run(tmp_path):

@@ -139,6 +139,33 @@ def test_nan_stops_or_skips(tmp_path):
     assert r.returncode == 0 and "1 update(s) skipped for non-finite values" in r.stdout
 
 
+def test_a_run_that_diverged_for_good_stops_and_keeps_its_good_checkpoints(tmp_path):
+    """--on-nan skip with a learning rate that blows the model up: every step from the second on is non-finite.
+    The run stops with exit code 3 after --max-skips steps in a row (it used to skip to the end and exit 0), and no
+    checkpoint is written after a skipped step (they used to rotate the good ones away)."""
+    ckpt = tmp_path / "ckpt"
+    r = train(2, "--lr", "1e300", "--steps", "12", "--on-nan", "skip", "--max-skips", "4", "--save-dir", str(ckpt),
+              "--save-interval", "1", "--keep", "2")
+    print(r.stdout[-700:], r.stderr[-400:])
+    assert r.returncode == 3 and r.stderr.count("hsgd: stopped:") == 1, r.stderr[-2000:]
+    assert "4 steps in a row had non-finite values (the last: step 5)" in r.stderr
+    assert "checkpoint after step 2 not written" in r.stdout and "checkpoint after step 4 not written" in r.stdout
+    assert sorted(os.listdir(ckpt)) == ["step-000001"]
+    r = train(2, "--lr", "1e300", "--steps", "6", "--on-nan", "skip")        # 5 skips, fewer than the default 10
+    assert r.returncode == 0 and "5 update(s) skipped" in r.stdout, r.stderr[-2000:]
+
+
+def test_resuming_past_the_last_step_has_nothing_to_do(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    assert train(2, "--save-dir", str(ckpt)).returncode == 0                        # 6 steps
+    for steps in ("6", "4"):
+        r = train(2, "--steps", steps, "--save-dir", str(ckpt), "--resume", "auto")
+        print(r.stdout[-400:])
+        assert r.returncode == 0 and "nothing to do: the checkpoint is after step 6 and --steps is " + steps in \
+            r.stdout and "tok/s)" not in r.stdout, r.stderr[-2000:]
+    assert sorted(os.listdir(ckpt)) == ["step-000006"]
+
+
 def test_diverged_replicas_are_named(tmp_path):
     r = train(8, "--inject-fault", "5:3:diverge", "--check-replicas", "1")
     print(r.stderr)

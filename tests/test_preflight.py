@@ -40,10 +40,15 @@ def test_inputs_that_would_block_are_refused(tmp_path):
     toml_fd5.write_text("data = 5\n")
     cases = [(["--data", str(fifo)], "is a FIFO"), (["--data", "/dev/zero"], "is a device"),
              (["--data", "/dev/null"], "is a device"), (["--config", str(fifo)], "is a FIFO"),
-             (["--config", "/dev/zero"], "is a device"), (["--config", str(toml_fd)], "data 0 is not a path"),
-             (["--config", str(toml_fd5)], "data 5 is not a path")]
+             (["--config", "/dev/zero"], "is a device"), (["--config", str(toml_fd)], "data = 0 is not a string"),
+             (["--config", str(toml_fd5)], "data = 5 is not a string")]
     for flags, words in cases:
         assert_one_clear_line(*run(*flags), words)
+    from hsgd.data import Corpus                                        # the same gate from Python
+    from hsgd.errors import DataError
+    for path, words in ((0, "data 0 is not a path"), (str(fifo), "is a FIFO"), ("/dev/zero", "is a device")):
+        with pytest.raises(DataError, match=words):
+            Corpus.load(path, 8)
 
 
 def test_outputs_are_checked_before_training(tmp_path):

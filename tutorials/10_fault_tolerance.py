@@ -526,7 +526,10 @@ check.equal("train(resume='auto'): losses of steps 5, 6, bit for bit", summary["
 # do the same thing, as chosen by `on_nan` (`--on-nan`):
 #
 # * `"skip"`: no rank updates; the parameters and the optimizer state stay as they were, `trainer.skipped` counts
-#   it, and the next step goes on with the next batch;
+#   it, and the next step goes on with the next batch. A run whose every step is non-finite has diverged for good:
+#   after `max_skips` (`--max-skips`, 10) skipped steps in a row it stops as below, and no checkpoint is written
+#   after a skipped step, so that the older, finite ones are not rotated away (`checkpoint.save` itself refuses a
+#   state that is not finite, on every rank);
 # * `"stop"` (the default): every rank raises `NumericalFault`; `launch.run` turns it into one line from rank 0,
 #   `hsgd: stopped: ...`, and exit code 3 on every rank, so the job can be restarted from its last (finite)
 #   checkpoint with a smaller learning rate.

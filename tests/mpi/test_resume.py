@@ -1,5 +1,6 @@
-"""Resuming on 8 ranks when the ranks see a shared folder differently (a node's NFS cache after a restart):
-`--resume auto` is decided once, on rank 0, and every rank follows it."""
+"""Checkpoints on 8 ranks that must not go wrong quietly: `--resume auto` when the ranks see a shared folder
+differently (a node's NFS cache after a restart) is decided once, on rank 0, and every rank follows it; a state
+that is not finite is never saved."""
 import os
 import shutil
 import tempfile
@@ -49,3 +50,30 @@ def test_resume_auto_follows_rank_0_when_ranks_see_different_folders(rank0_sees)
     if WORLD.Get_rank() == 0:
         shutil.rmtree(where, ignore_errors=True)
     check(start == expected and same == rank0_sees, f"start {start}, loaded {same}")
+
+
+def test_a_state_that_is_not_finite_is_never_saved():
+    """One infinite parameter on one rank: every rank refuses to save (NumericalFault, exit code 3 from the command
+    line), and the checkpoint saved before stays the newest."""
+    from hsgd.errors import NumericalFault
+    tc = TrainConfig(dp=2, tp=4, steps=4, batch_size=8, lr=0.05, momentum=0.9, dtype="float64", seed=3)
+    where = WORLD.bcast(tempfile.mkdtemp() if WORLD.Get_rank() == 0 else None)
+    grid = ProcessGrid(WORLD, dp=tc.dp, tp=tc.tp)
+    trainer = HybridTrainer(CFG, grid, tc)
+    trainer.step(*CORPUS.batch(tc.seed, 1, tc.batch_size), 1)
+    good = checkpoint.save(trainer, 1, where)
+    if WORLD.Get_rank() == 6:
+        trainer.params["h.1.mlp.fc.weight"][0, 0] = np.inf
+    try:
+        checkpoint.save(trainer, 2, where)
+        message = None
+    except NumericalFault as e:
+        message = str(e)
+    kept = sorted(os.listdir(where))                                    # no other checkpoint, no leftover
+    say(f"after an infinite parameter on rank 6: {message}; checkpoints {kept}")
+    grid.free()
+    WORLD.Barrier()
+    if WORLD.Get_rank() == 0:
+        shutil.rmtree(where, ignore_errors=True)
+    check(message is not None and "not finite after step 2 (on ranks [6])" in message and
+          kept == [os.path.basename(good)], f"{message} {kept}")

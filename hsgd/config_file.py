@@ -1,0 +1,51 @@
+"""Settings from a TOML file (`--config FILE.toml`): the flags' names with underscores as keys, each value checked
+against its field's type before it is used (a string "no" for a switch would count as on, an integer path would be
+used as a file descriptor, a string number would fail deep inside the run)."""
+from dataclasses import fields
+
+from .config import ModelConfig, flag_names
+from .errors import ConfigError
+from .preflight import regular_file
+
+try:
+    import tomllib
+except ImportError:                                  # Python < 3.11
+    import tomli as tomllib
+
+
+def read_toml(path):
+    """The settings in a TOML file, checked against the known keys and their types."""
+    from .settings import TrainConfig                            # (settings imports this module)
+    regular_file(path, "config file", ConfigError)              # exists; not a folder, FIFO or device
+    try:
+        with open(path, "rb") as f:
+            table = tomllib.load(f)
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file {path!r} is not UTF-8 text, which TOML requires") from None
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise ConfigError(f"config file {path!r} cannot be read: {e}") from None
+    if "grad_accum" in table:
+        raise ConfigError(f"config file {path!r}: grad_accum is now micro_batches (micro-batches per DP group and "
+                          "step); rename the key")
+    types = {f.name: f.type for f in fields(TrainConfig)} | {f.name: f.type for f in fields(ModelConfig)}
+    known = {f.name for f in fields(TrainConfig)} | set(flag_names(ModelConfig))
+    unknown = sorted(set(table) - known)
+    if unknown:
+        raise ConfigError(f"config file {path!r} has unknown keys {unknown}; known keys: {sorted(known)}")
+    for key, value in table.items():
+        check_type(path, key, value, types[key])
+    return table
+
+
+def check_type(path, key, value, kind):
+    """A TOML value of the field's type: true/false for a switch (a string "no" would count as on), an integer
+    for an int, a number for a float, a string for a name or a path (an integer path would be a file descriptor)."""
+    ok = {bool: lambda v: isinstance(v, bool),
+          int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+          float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+          str: lambda v: isinstance(v, str)}[kind](value)
+    if not ok:
+        example = {bool: "true or false", int: "an integer, e.g. 4", float: "a number, e.g. 0.05",
+                   str: 'a string in quotes, e.g. "x"'}[kind]
+        raise ConfigError(f"config file {path!r}: {key} = {value!r} is not {example} (TOML type "
+                          f"{type(value).__name__})")
