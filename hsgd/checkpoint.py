@@ -27,6 +27,7 @@ import shutil
 import signal
 import sys
 import time
+import zipfile
 from dataclasses import asdict
 
 import numpy as np
@@ -35,6 +36,8 @@ from . import tp_model
 from .backend import array_module, to_numpy
 from .config import ModelConfig
 from .errors import NumericalFault, UsageError
+from .manifest import check as check_manifest
+from .manifest import digest as manifest_digest
 from .pp import parse_split, split_layers, stage_names
 from .preflight import regular_file
 
@@ -151,6 +154,7 @@ def save(trainer, step, save_dir, keep=3, kill_in_save=False):
             "files": dict(e for e in entries if e),
             "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
+        manifest["digest"] = manifest_digest(manifest)                  # any later edit is detected
         with open(os.path.join(tmp, "manifest.json"), "w") as f:
             json.dump(manifest, f, indent=1)
             f.flush()
@@ -203,8 +207,9 @@ def open_checkpoint(path, cfg=None):
             manifest = json.load(f)
     except (OSError, ValueError) as e:
         raise CheckpointError(f"manifest of checkpoint {path!r} cannot be read ({e})") from None
-    if manifest.get("format") != FORMAT:
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"{path!r} is not an hsgd checkpoint of format {FORMAT}")
+    check_manifest(manifest, path, FORMAT, CheckpointError)             # digest, schema, the files' names
     if cfg is not None and manifest["model"] != asdict(cfg):
         diff = ", ".join(f"{k} {manifest['model'].get(k)} in the checkpoint vs {v} now"
                          for k, v in asdict(cfg).items() if manifest["model"].get(k) != v)
@@ -247,13 +252,24 @@ class Shards:
 
     def full(self, name, key="param"):
         """The full tensor (serial shape) of a parameter (key "param") or of its optimizer state ("velocity",
-        "m", "v"); None if the checkpoint has no such state."""
+        "m", "v"); None if the checkpoint has no such state. Anything unreadable or of the wrong shape: corrupt."""
         lay, s = self.m["layout"], self.stage_of(name)
         field = f"param/{name}" if key == "param" else f"opt/{name}/{key}"
-        if field not in self._file(s, 0).files:
-            return None
-        pieces = [self._file(s, t)[field] for t in range(lay["tp"])]
-        return tp_model.unshard(pieces, name, self.cfg, lay["tp_scheme"])
+        try:
+            if field not in self._file(s, 0).files:
+                if key == "param":
+                    raise KeyError(f"no array {field}")
+                return None
+            pieces = [self._file(s, t)[field] for t in range(lay["tp"])]
+            out = tp_model.unshard(pieces, name, self.cfg, lay["tp_scheme"])
+        except (KeyError, ValueError, OSError, EOFError, zipfile.BadZipFile) as e:
+            raise CheckpointError(f"checkpoint {self.m['path']!r} is corrupt: {field} of stage {s} cannot be read "
+                                  f"({e}); resume from another checkpoint") from None
+        expected = self.cfg.param_shapes()[name]
+        if out.shape != expected or out.dtype.kind != "f":
+            raise CheckpointError(f"checkpoint {self.m['path']!r} is corrupt: {field} has shape {out.shape} "
+                                  f"({out.dtype}), the model needs {expected} (float)")
+        return out
 
 
 def load(trainer, manifest):

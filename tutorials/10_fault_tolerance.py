@@ -377,13 +377,18 @@ check("export of step 6 (the uninterrupted run) vs serial SGD", serial_err, 1e-9
 # A checkpoint is read long after it was written, by another job, perhaps from another file system. `open_checkpoint`
 # checks it before anything is loaded, on every rank:
 #
-# * the manifest exists, is JSON and of hsgd's format (a directory without one is not a checkpoint);
+# * the manifest exists, is JSON and of hsgd's format (a directory without one is not a checkpoint), and has not
+#   been changed since it was written: it records the SHA-256 of its own contents (`hsgd.manifest.digest`);
+# * it follows its schema (`hsgd.manifest.check`): every key of its type, a valid model, a layout that splits it,
+#   and as files exactly that layout's shard names, so that it cannot send a loader anywhere else or switch the
+#   checksums off with an empty list;
 # * the model in the manifest is the one being built, else it says what differs;
 # * every file the manifest names exists and has the manifest's SHA-256: a file truncated by a full disk, damaged
 #   in a copy or changed by hand is caught, and the message names it.
 #
-# And `load` refuses optimizer state of another kind. Loading never executes code (JSON, and `.npz` with
-# `allow_pickle=False`: a pickle could run anything), so a checkpoint from elsewhere is safe to open.
+# And `load` refuses optimizer state of another kind, and any array that cannot be read or has the wrong shape.
+# Loading never executes code (JSON, and `.npz` with `allow_pickle=False`: a pickle could run anything), so a
+# checkpoint from elsewhere is safe to open.
 #
 # The verdict must be collective: if one rank refused and the others went on, they would wait forever in the first
 # collective of training. So every rank checks, the verdicts are exchanged, and all raise or all go on together;

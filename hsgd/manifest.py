@@ -1,0 +1,82 @@
+"""A checkpoint's manifest: what it must hold, checked before any of it is trusted.
+
+A manifest decides which files are read (their names), how they are put together (the layout) and which checks
+apply (the checksums), so a damaged or edited one could make a loader read files outside the checkpoint, skip
+every checksum (an empty `files`), or cut a model into wrong shapes. `check` therefore verifies, in order:
+
+* its own digest (`digest`: SHA-256 of the manifest's JSON without that key, keys sorted), recorded when it was
+  written: any later edit is detected;
+* its schema: every key there, of its type; the model a valid ModelConfig; the layout (dp, pp, tp, a known tensor
+  scheme, layers per stage) one that splits that model;
+* its files: exactly the shard names of that layout, `shard-pp{s}-tp{t}.npz` for every stage s and tensor rank t,
+  each entry naming its own (s, t), a 64-digit SHA-256 and a size. Nothing else is ever opened.
+
+Every failure is `checkpoint ... is corrupt: ...` (a CheckpointError: exit code 2).
+"""
+import hashlib
+import json
+
+DTYPES = ("float32", "float64")
+OPTIMIZERS = ("sgd", "adamw")
+
+
+def digest(manifest):
+    """SHA-256 of the manifest's canonical JSON, without its own digest (and the loader's `path`)."""
+    body = {k: v for k, v in manifest.items() if k not in ("digest", "path")}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def shard_names(pp, tp):
+    """The files of a checkpoint saved on pp stages x tp tensor ranks."""
+    return {f"shard-pp{s}-tp{t}.npz": (s, t) for s in range(pp) for t in range(tp)}
+
+
+def is_int(x, low=0):
+    return isinstance(x, int) and not isinstance(x, bool) and x >= low
+
+
+def check(m, path, fmt, error):
+    """Raise error("checkpoint PATH is corrupt: ...") unless `m` is a manifest of format `fmt` as described in the
+    module docstring. Returns the ModelConfig it describes."""
+    from .config import ModelConfig
+    from .errors import UsageError
+    from .pp import split_layers
+    from .tp_model import SCHEMES, check_tp
+
+    def need(ok, what):
+        if not ok:
+            raise error(f"checkpoint {path!r} is corrupt: its manifest {what}; resume from another checkpoint")
+
+    need(isinstance(m, dict), "is not a JSON object")
+    need(m.get("format") == fmt, f"is not of the format {fmt!r}")
+    need(isinstance(m.get("digest"), str), "records no digest of itself (written by an older hsgd, or edited)")
+    need(m["digest"] == digest(m), "was changed after it was written (its digest does not match)")
+    for key, kind in (("step", int), ("model", dict), ("layout", dict), ("optimizer", dict), ("dtype", str),
+                      ("data", dict), ("files", dict)):
+        need(isinstance(m.get(key), kind) and not isinstance(m.get(key), bool), f"has no {key} of type {kind.__name__}")
+    need(m["step"] >= 1, f"has step {m['step']!r}, not a step >= 1")
+    try:
+        cfg = ModelConfig(**m["model"])
+    except (TypeError, UsageError) as e:
+        need(False, f"describes no valid model ({e})")
+    lay = m["layout"]
+    need(all(is_int(lay.get(k), 1) for k in ("dp", "pp", "tp")), "has a layout without positive dp, pp, tp")
+    need(lay.get("tp_scheme") in SCHEMES, f"names an unknown tensor-parallel scheme {lay.get('tp_scheme')!r}")
+    layers = lay.get("layers")
+    need(isinstance(layers, list) and all(is_int(x, 1) for x in layers), "has no list of layers per stage")
+    try:
+        split_layers(cfg.n_layers, lay["pp"], layers)
+        check_tp(cfg, lay["tp"], lay["tp_scheme"])
+    except UsageError as e:
+        need(False, f"has a layout that does not split its model ({e})")
+    opt = m["optimizer"]
+    need(opt.get("name") in OPTIMIZERS and is_int(opt.get("t")), "has no optimizer name and step count")
+    need(m["dtype"] in DTYPES, f"has an unknown dtype {m['dtype']!r}")
+    expected = shard_names(lay["pp"], lay["tp"])
+    need(set(m["files"]) == set(expected), f"lists the files {sorted(m['files'])!r}, not the shards of its layout "
+                                           f"{sorted(expected)}")
+    for name, info in m["files"].items():
+        s, t = expected[name]
+        need(isinstance(info, dict) and info.get("pp") == s and info.get("tp") == t and is_int(info.get("bytes"))
+             and isinstance(info.get("sha256"), str) and len(info["sha256"]) == 64, f"has a bad entry for {name}")
+    return cfg

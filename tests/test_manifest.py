@@ -1,0 +1,128 @@
+"""Checkpoints are validated, not trusted (hsgd.manifest): an edited manifest, one that names files outside the
+checkpoint or none at all, a layout that does not split the model, arrays of the wrong shape or unreadable ones:
+each is `checkpoint ... is corrupt: ...`, exit code 2 from the command line, before anything is used."""
+import hashlib
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from hsgd import checkpoint
+from hsgd.checkpoint import CheckpointError, Shards
+from hsgd.manifest import digest
+
+from .test_bad_inputs import BASE
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    d = tmp_path_factory.mktemp("saved")
+    r = subprocess.run([sys.executable, "-m", "hsgd.train", *BASE, "--n-layers", "2", "--save-dir", str(d)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return d / "step-000001"
+
+
+def copy(saved, tmp_path):
+    out = tmp_path / "step-000001"
+    shutil.copytree(saved, out)
+    return out
+
+
+def edit(ckpt, change, sign=True):
+    """Apply change(manifest) to the manifest on disk; sign=True records a matching digest (as a writer with a bug
+    would), sign=False leaves the old one (an edit by hand)."""
+    path = ckpt / "manifest.json"
+    m = json.loads(path.read_text())
+    change(m)
+    if sign:
+        m["digest"] = digest(m)
+    path.write_text(json.dumps(m))
+
+
+def refused(ckpt, words):
+    with pytest.raises(CheckpointError) as e:
+        checkpoint.open_checkpoint(str(ckpt))
+    print(e.value)
+    assert "is corrupt" in str(e.value) and words in str(e.value), str(e.value)
+
+
+def test_the_saved_manifest_verifies_and_records_its_digest(saved):
+    m = checkpoint.open_checkpoint(str(saved))
+    assert m["digest"] == digest(m) and len(m["digest"]) == 64
+
+
+@pytest.mark.parametrize("change, sign, words", [
+    (lambda m: m["layout"].update(tp=2), False, "was changed after it was written"),
+    (lambda m: m["data"].update(seed=7), False, "was changed after it was written"),
+    (lambda m: m.pop("digest"), False, "records no digest"),
+    (lambda m: m.update(files={}), True, "lists the files []"),
+    (lambda m: m["files"].update({"../../etc/passwd": m["files"]["shard-pp0-tp0.npz"]}), True, "lists the files"),
+    (lambda m: m.update(files={"/etc/hostname": m["files"].pop("shard-pp0-tp0.npz")}), True, "lists the files"),
+    (lambda m: m["layout"].update(tp_scheme="rows"), True, "unknown tensor-parallel scheme 'rows'"),
+    (lambda m: m["layout"].update(layers=[1]), True, "does not split its model"),
+    (lambda m: m["layout"].update(tp=3), True, "does not split its model"),
+    (lambda m: m["model"].update(d_model=17), True, "describes no valid model"),
+    (lambda m: m["model"].update(colour=1), True, "describes no valid model"),
+    (lambda m: m.update(step=-9), True, "not a step >= 1"),
+    (lambda m: m.update(dtype="float16"), True, "unknown dtype 'float16'"),
+    (lambda m: m["optimizer"].update(name="lion"), True, "no optimizer name"),
+    (lambda m: m["files"]["shard-pp0-tp0.npz"].update(sha256="00"), True, "bad entry for shard-pp0-tp0.npz"),
+], ids=["edited layout", "edited seed", "no digest", "no files", "a path outside", "an absolute path",
+        "unknown scheme", "layers", "tp", "bad model", "unknown model key", "negative step", "dtype", "optimizer",
+        "short checksum"])
+def test_a_bad_manifest_is_refused(saved, tmp_path, change, sign, words):
+    ckpt = copy(saved, tmp_path)
+    edit(ckpt, change, sign)
+    refused(ckpt, words)
+
+
+def rewrite_shard(ckpt, arrays):
+    """Replace shard-pp0-tp0.npz by `arrays` and update its checksum, size and the manifest's digest: only the
+    contents can tell."""
+    path = ckpt / "shard-pp0-tp0.npz"
+    if isinstance(arrays, bytes):
+        path.write_bytes(arrays)
+    else:
+        buf = io.BytesIO()
+        np.savez(buf, **arrays)
+        path.write_bytes(buf.getvalue())
+    sha = hashlib.sha256(path.read_bytes()).hexdigest()
+    edit(ckpt, lambda m: m["files"]["shard-pp0-tp0.npz"].update(sha256=sha, bytes=path.stat().st_size))
+
+
+def test_arrays_are_checked_before_use(saved, tmp_path):
+    with np.load(saved / "shard-pp0-tp0.npz") as f:
+        good = {k: f[k] for k in f.files}
+    cases = [({**good, "param/wpe": good["param/wpe"][:-1]}, "param/wpe has shape (7, 8)"),
+             ({k: v for k, v in good.items() if k != "param/h.0.ln1.weight"}, "param/h.0.ln1.weight of stage 0 "
+                                                                             "cannot be read"),
+             ({**good, "param/wte": good["param/wte"].astype(np.int64)}, "param/wte has shape"),
+             (b"not a zip file at all", "cannot be read")]
+    for i, (arrays, words) in enumerate(cases):
+        ckpt = copy(saved, tmp_path / str(i))
+        rewrite_shard(ckpt, arrays)
+        m = checkpoint.open_checkpoint(str(ckpt))                       # the manifest itself is fine now
+        with pytest.raises(CheckpointError) as e:
+            shards = Shards(m)
+            for name in shards.cfg.param_shapes():
+                shards.full(name)
+        print(e.value)
+        assert "is corrupt" in str(e.value) and words in str(e.value), str(e.value)
+
+
+def test_the_command_line_says_corrupt_with_exit_2(saved, tmp_path):
+    ckpt = copy(saved, tmp_path)
+    edit(ckpt, lambda m: m.update(files={}))
+    for cmd in (["-m", "hsgd.checkpoint", "info", str(ckpt)], ["-m", "hsgd.checkpoint", "export", str(ckpt),
+                                                                 str(tmp_path / "out.npz")],
+                ["-m", "hsgd.sample", str(ckpt)]):
+        r = subprocess.run([sys.executable, *cmd], capture_output=True, text=True, timeout=60)
+        print(r.stderr.strip())
+        assert r.returncode == 2 and "is corrupt" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not os.path.exists(tmp_path / "out.npz")
