@@ -37,6 +37,7 @@ from .backend import array_module, to_numpy
 from .config import ModelConfig
 from .errors import NumericalFault, UsageError
 from .manifest import check as check_manifest
+from .manifest import SCHEDULE
 from .manifest import digest as manifest_digest
 from .pp import parse_split, split_layers, stage_names
 from .preflight import regular_file
@@ -151,6 +152,7 @@ def save(trainer, step, save_dir, keep=3, kill_in_save=False):
             "data": {"next_step": step + 1, "seed": tc.seed, "corpus": tc.data or "built-in",
                      "batch_size": tc.batch_size},
             "rng": {"seed": tc.seed, "note": "batches and initialization are pure functions of the seed (and step)"},
+            "schedule": {k: getattr(tc, k) for k in SCHEDULE},
             "files": dict(e for e in entries if e),
             "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }

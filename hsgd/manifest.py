@@ -80,3 +80,20 @@ def check(m, path, fmt, error):
         need(isinstance(info, dict) and info.get("pp") == s and info.get("tp") == t and is_int(info.get("bytes"))
              and isinstance(info.get("sha256"), str) and len(info["sha256"]) == 64, f"has a bad entry for {name}")
     return cfg
+
+
+# What a resumed run may change, and what it may change only when told (--allow-changes): (name, where in the
+# manifest, the run's value, breaks exactness).
+def differences(m, tc):
+    """[(what, in the checkpoint, now, breaks)] for every setting that differs between the checkpoint's run and this
+    one. breaks: the resumed run then is not the continuation of the saved one (other batches or another
+    initialization of the data order), so it needs --allow-changes; the others (learning rate, schedule, dtype,
+    layout) change how the run goes on, and are only reported."""
+    data, sched = m["data"], m.get("schedule", {})
+    now = [("seed", data.get("seed"), tc.seed, True), ("data", data.get("corpus"), tc.data or "built-in", True),
+           ("batch_size", data.get("batch_size"), tc.batch_size, True), ("dtype", m["dtype"], tc.dtype, False)]
+    now += [(k, sched[k], getattr(tc, k), False) for k in SCHEDULE if k in sched]
+    return [(k, old, new, breaks) for k, old, new, breaks in now if old != new]
+
+
+SCHEDULE = ("lr", "warmup", "steps", "momentum", "weight_decay", "clip")     # recorded in the manifest

@@ -162,6 +162,8 @@ class Checkpoints:
                              "valid for the model", metavar="auto|PATH")
     on_nan: str = flag("stop", "a non-finite loss or gradient: stop the run (exit code 3) or skip that step's update",
                        choices=("stop", "skip"))
+    allow_changes: bool = flag(False, "resume although the seed, the data or the batch size differ from the "
+                                      "checkpoint's run (the result is then not its continuation)")
     max_skips: int = flag(10, "with --on-nan skip: stop (exit code 3) after N steps in a row skipped", metavar="N")
     check_replicas: int = flag(0, "every N steps compare the DP replicas' parameters and stop, naming the first that "
                                   "differs; 0 = never", metavar="N")

@@ -34,6 +34,7 @@ from .pp import ideal_bubble, parse_split, split_layers
 from .progress import Progress
 from .report import (fmt_bytes, fmt_time, report_comm, report_memory, report_pipeline, report_staging,  # noqa: F401
                      report_trace, staging_pools, step_formula)
+from .manifest import differences
 from .preflight import check_run
 from .settings import TrainConfig, build_parser, configs_from_args
 from .threads import openblas_note, set_cpu_threads, tune_allocator
@@ -252,11 +253,24 @@ def resume(trainer, cfg, tc, world, say):
             return 1
         where = found[-1]                                            # the newest, the same path on every rank
     manifest = launch.agree(world, lambda: checkpoint.open_checkpoint(where, cfg))
+    launch.agree(world, lambda: say_changes(manifest, tc, say))
     step = launch.agree(world, lambda: checkpoint.load(trainer, manifest))
     lay, grid = manifest["layout"], trainer.grid
     say(f"resumed from {manifest['path']} after step {step} (saved as dp {lay['dp']} x pp {lay['pp']} x tp "
         f"{lay['tp']} {lay['tp_scheme']}; now dp {grid.dp} x pp {grid.pp} x tp {grid.tp} {trainer.scheme})")
     return step + 1
+
+
+def say_changes(manifest, tc, say):
+    """What differs from the checkpoint's run: reported; a change of seed, data or batch size (not a continuation
+    of that run any more) refused unless --allow-changes."""
+    changes = differences(manifest, tc)
+    breaking = [f"{k} {old!r} -> {new!r}" for k, old, new, breaks in changes if breaks]
+    if breaking and not tc.allow_changes:
+        raise ConfigError(f"resuming {manifest['path']!r} with {', '.join(breaking)}: the run would not continue the "
+                          "saved one (other batches); pass the checkpoint's values, or --allow-changes")
+    for k, old, new, _ in changes:
+        say(f"resume: {k} {old!r} in the checkpoint's run, {new!r} now")
 
 
 def check_replicas(trainer, world, step):

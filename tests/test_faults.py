@@ -166,6 +166,28 @@ def test_resuming_past_the_last_step_has_nothing_to_do(tmp_path):
     assert sorted(os.listdir(ckpt)) == ["step-000006"]
 
 
+def test_a_resume_says_what_changed(tmp_path):
+    """Seed, data and batch size decide the batches: a resume that changes one is not the saved run's continuation
+    and needs --allow-changes; learning rate, schedule and dtype are reported."""
+    ckpt = tmp_path / "ckpt"
+    assert train(2, "--steps", "3", "--save-dir", str(ckpt)).returncode == 0
+    data = tmp_path / "data.txt"
+    data.write_bytes(bytes(range(256)) * 8)
+    for flags, words in ((["--seed", "1"], "with seed 0 -> 1"), (["--batch-size", "4"], "batch_size 8 -> 4"),
+                         (["--data", str(data)], "data 'built-in' -> "),
+                         (["--seed", "2", "--batch-size", "16"], "seed 0 -> 2, batch_size 8 -> 16")):
+        r = train(2, *flags, "--resume", str(ckpt))
+        print(r.stderr.strip())
+        assert r.returncode == 2 and words in r.stderr and "--allow-changes" in r.stderr, r.stderr[-2000:]
+    r = train(2, "--seed", "1", "--allow-changes", "--lr", "0.01", "--dtype", "float32", "--resume", str(ckpt))
+    print(r.stdout[:1500])
+    assert r.returncode == 0, r.stderr[-2000:]
+    for words in ("resume: seed 0 in the checkpoint's run, 1 now", "resume: lr 0.05 in the checkpoint's run, 0.01 now",
+                  "resume: steps 3 in the checkpoint's run, 6 now", "resume: dtype 'float64' in the checkpoint's "
+                  "run, 'float32' now"):
+        assert words in r.stdout, words
+
+
 def test_diverged_replicas_are_named(tmp_path):
     r = train(8, "--inject-fault", "5:3:diverge", "--check-replicas", "1")
     print(r.stderr)
