@@ -23,6 +23,7 @@ this takes the memory of a full model on each rank: fine for the model sizes of 
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import sys
@@ -33,14 +34,15 @@ from dataclasses import asdict
 import numpy as np
 
 from . import tp_model
-from .backend import array_module, to_numpy
+from .backend import to_numpy
 from .config import ModelConfig
-from .errors import NumericalFault, UsageError
+from .errors import UsageError
 from .manifest import check as check_manifest
 from .manifest import SCHEDULE
 from .manifest import digest as manifest_digest
 from .pp import parse_split, split_layers, stage_names
 from .preflight import regular_file
+from .trainer_state import optimizer_state, refuse_non_finite, set_state  # noqa: F401 (optimizer_state: API)
 
 FORMAT = "hsgd-checkpoint-1"
 
@@ -65,115 +67,124 @@ def _fsync_dir(path):
         os.close(fd)
 
 
-# ---------------------------------------------------------------------------------------------------- state
-
-def optimizer_state(trainer):
-    """Collective over dp_comm when the exchange shards the optimizer (ZeRO). ({name: {key: shard}}, t): the
-    optimizer state of every parameter shard of this rank (keys "velocity" for SGD, "m", "v" for AdamW; none for
-    plain SGD) and AdamW's step count. The optimizer holds it flat, over the exchange's owned slice."""
-    st = trainer.opt.state.get("flat")
-    arrays = {} if st is None else dict(zip(("m", "v"), st)) if isinstance(st, tuple) else {"velocity": st}
-    full = {k: trainer.exchange.gather(v) for k, v in arrays.items()}       # (N,) the whole flat layout
-    per = {n: {k: v[lo:hi].reshape(trainer.params[n].shape) for k, v in full.items()}
-           for n, (lo, hi) in trainer.pbuf.offsets.items()}
-    return {n: v for n, v in per.items() if v}, getattr(trainer.opt, "t", 0)
-
-
-def set_state(trainer, params, state, t):
-    """Set this rank's parameter shards and optimizer state (the layout of optimizer_state)."""
-    xp = array_module(trainer.pbuf.flat)
-    for n, p in params.items():
-        trainer.params[n][...] = xp.asarray(p)                              # (host arrays onto the device)
-    if hasattr(trainer.opt, "t"):
-        trainer.opt.t = t
-    flat = {k: xp.zeros(trainer.pbuf.flat.size, dtype=trainer.pbuf.flat.dtype) for st in state.values() for k in st}
-    for n, st in state.items():
-        lo, hi = trainer.pbuf.offsets[n]
-        for k, v in st.items():
-            flat[k][lo:hi] = xp.asarray(v).reshape(-1)
-    mine = {k: xp.array(v[trainer.exchange.owned]) for k, v in flat.items()}    # my part of the layout
-    trainer.opt.state.clear()
-    if mine:
-        trainer.opt.state["flat"] = (mine["m"], mine["v"]) if "m" in mine else mine["velocity"]
-
-
 # ---------------------------------------------------------------------------------------------------- save
 
-def refuse_non_finite(trainer, state, step, save_dir, world):
-    """Collective: raise NumericalFault on every rank if any rank's parameters or optimizer state hold a NaN or an
-    infinity (a checkpoint of them would be useless, and rotate a good one away)."""
-    xp = array_module(trainer.pbuf.flat)
-    finite = bool(xp.isfinite(trainer.pbuf.flat).all()) and all(bool(xp.isfinite(v).all())
-                                                                 for st in state.values() for v in st.values())
-    bad = [r for r, ok in enumerate(world.allgather(finite)) if not ok]
-    if bad:
-        raise NumericalFault(f"the parameters or optimizer state are not finite after step {step} (on ranks {bad}); "
-                             f"no checkpoint written, the ones in {save_dir!r} are kept; resume from the newest with "
-                             "a smaller --lr")
-
-
 def save(trainer, step, save_dir, keep=3, kill_in_save=False):
-    """Collective (every rank): write the checkpoint of `step` into save_dir/step-{step:06d}. Returns its path."""
+    """Collective (every rank): write the checkpoint of `step` into save_dir/step-{step:06d}. Returns its path.
+    A write that fails on any rank (a full disk, a file system gone read-only) removes the partial checkpoint on
+    every rank's word and raises CheckpointError everywhere; the previous checkpoints stay as they were."""
     grid, world = trainer.grid, trainer.grid.base
     state, t = optimizer_state(trainer)                                 # collective over dp_comm with ZeRO
     refuse_non_finite(trainer, state, step, save_dir, world)             # never rotate good checkpoints away for it
-    tmp = None
-    if world.Get_rank() == 0:
-        os.makedirs(save_dir, exist_ok=True)
-        for old in os.listdir(save_dir):                                # leftovers of an interrupted save
-            if old.startswith((".tmp-", ".old-")):
-                shutil.rmtree(os.path.join(save_dir, old), ignore_errors=True)
-        tmp = os.path.join(save_dir, f".tmp-step-{step:06d}-{os.getpid()}")
-        os.makedirs(tmp)
-    tmp = world.bcast(tmp, root=0)
+    tmp, error = world.bcast(attempt(lambda: make_tmp(save_dir, step)) if world.Get_rank() == 0 else None, root=0)
+    if error is not None:                                               # rank 0 could not even make the folder
+        raise not_written(step, f"{error} on rank 0", save_dir)
     entry = None
-    if grid.dp_rank == 0:                                                  # one writer per (stage, tensor rank)
-        name = f"shard-pp{grid.pp_rank}-tp{grid.tp_rank}.npz"
-        path = os.path.join(tmp, name)
-        arrays = {f"param/{n}": to_numpy(p) for n, p in trainer.params.items()}
-        arrays.update({f"opt/{n}/{k}": to_numpy(v) for n, st in state.items() for k, v in st.items()})
-        with open(path, "wb") as f:
-            np.savez(f, **arrays)
-            f.flush()
-            os.fsync(f.fileno())
-        entry = (name, {"pp": grid.pp_rank, "tp": grid.tp_rank, "sha256": sha256(path), "bytes": os.path.getsize(path)})
+    if grid.dp_rank == 0:                                               # one writer per (stage, tensor rank)
+        entry, error = attempt(lambda: write_shard(trainer, state, tmp))
     if kill_in_save:                                                    # fault injection: die mid-save
         os.kill(os.getpid(), signal.SIGKILL)
-    entries = world.gather(entry, root=0)
-    final = None
+    entries, errors = world.gather(entry, root=0), world.allgather(error and f"{error} on rank {world.Get_rank()}")
+    outcome = None
     if world.Get_rank() == 0:
-        tc = trainer.tc
-        manifest = {
-            "format": FORMAT, "step": step, "model": asdict(trainer.cfg),
-            "layout": {"dp": grid.dp, "pp": grid.pp, "tp": grid.tp, "tp_scheme": trainer.scheme,
-                       "layers": [len(r) for r in split_layers(trainer.cfg.n_layers, grid.pp,
-                                                               parse_split(tc.pp_split))]},
-            "optimizer": {"name": tc.optimizer, "t": int(t)}, "dtype": tc.dtype,
-            "data": {"next_step": step + 1, "seed": tc.seed, "corpus": tc.data or "built-in",
-                     "batch_size": tc.batch_size},
-            "rng": {"seed": tc.seed, "note": "batches and initialization are pure functions of the seed (and step)"},
-            "schedule": {k: getattr(tc, k) for k in SCHEDULE},
-            "files": dict(e for e in entries if e),
-            "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        }
-        manifest["digest"] = manifest_digest(manifest)                  # any later edit is detected
-        with open(os.path.join(tmp, "manifest.json"), "w") as f:
-            json.dump(manifest, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        _fsync_dir(tmp)
-        final = os.path.join(save_dir, f"step-{step:06d}")
-        aside = None
-        if os.path.exists(final):                                       # a checkpoint of this step exists already
-            aside = os.path.join(save_dir, f".old-step-{step:06d}-{os.getpid()}")
-            os.rename(final, aside)                                     # (only a kill between the two renames
-        os.rename(tmp, final)                                           #  leaves it hidden in .old-*) the atomic moment
-        _fsync_dir(save_dir)
-        if aside:
-            shutil.rmtree(aside, ignore_errors=True)
-        for old in complete_checkpoints(save_dir)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
-    return world.bcast(final, root=0)
+        error = next((e for e in errors if e), None)
+        final = None
+        if error is None:
+            final, error = attempt(lambda: publish(tmp, build_manifest(trainer, step, t, entries), save_dir, step,
+                                                   keep))
+            error = error and f"{error} on rank 0"
+        if error is not None and tmp:
+            shutil.rmtree(tmp, ignore_errors=True)                      # the partial checkpoint, nothing else
+        outcome = (final, error)
+    final, error = world.bcast(outcome, root=0)
+    if error is not None:
+        raise not_written(step, error, save_dir)
+    return final
+
+
+def not_written(step, error, save_dir):
+    return CheckpointError(f"the checkpoint of step {step} could not be written ({error}); the previous ones in "
+                           f"{save_dir!r} are kept; free some space or choose another --save-dir")
+
+
+def attempt(fn):
+    """(fn(), None), or (None, what went wrong) if fn raised OSError: the outcome of one rank's file work, to be
+    shared with the others before anyone acts on it."""
+    try:
+        return fn(), None
+    except OSError as e:
+        return None, f"{e.strerror or e}" + (f": {e.filename}" if e.filename else "")
+
+
+TEMPORARY = re.compile(r"\.(tmp|old)-step-\d{6,}-\d+")                    # this module's own temporary names
+
+
+def make_tmp(save_dir, step):
+    """Rank 0: the hidden folder the checkpoint is written into, after removing this module's leftovers of an
+    interrupted save (and nothing else)."""
+    os.makedirs(save_dir, exist_ok=True)
+    for old in os.listdir(save_dir):
+        if TEMPORARY.fullmatch(old):
+            shutil.rmtree(os.path.join(save_dir, old), ignore_errors=True)
+    tmp = os.path.join(save_dir, f".tmp-step-{step:06d}-{os.getpid()}")
+    os.makedirs(tmp)
+    return tmp
+
+
+def write_shard(trainer, state, tmp):
+    """This rank's file: its parameter shards and optimizer state, on disk (fsync) before its checksum is taken."""
+    grid = trainer.grid
+    name = f"shard-pp{grid.pp_rank}-tp{grid.tp_rank}.npz"
+    path = os.path.join(tmp, name)
+    arrays = {f"param/{n}": to_numpy(p) for n, p in trainer.params.items()}
+    arrays.update({f"opt/{n}/{k}": to_numpy(v) for n, st in state.items() for k, v in st.items()})
+    with open(path, "wb") as f:
+        np.savez(f, **arrays)
+        f.flush()
+        os.fsync(f.fileno())
+    return name, {"pp": grid.pp_rank, "tp": grid.tp_rank, "sha256": sha256(path), "bytes": os.path.getsize(path)}
+
+
+def build_manifest(trainer, step, t, entries):
+    """Rank 0: the manifest (see the module docstring), with its own digest."""
+    tc, grid = trainer.tc, trainer.grid
+    manifest = {
+        "format": FORMAT, "step": step, "model": asdict(trainer.cfg),
+        "layout": {"dp": grid.dp, "pp": grid.pp, "tp": grid.tp, "tp_scheme": trainer.scheme,
+                   "layers": [len(r) for r in split_layers(trainer.cfg.n_layers, grid.pp, parse_split(tc.pp_split))]},
+        "optimizer": {"name": tc.optimizer, "t": int(t)}, "dtype": tc.dtype,
+        "data": {"next_step": step + 1, "seed": tc.seed, "corpus": tc.data or "built-in", "batch_size": tc.batch_size},
+        "rng": {"seed": tc.seed, "note": "batches and initialization are pure functions of the seed (and step)"},
+        "schedule": {k: getattr(tc, k) for k in SCHEDULE},
+        "files": dict(e for e in entries if e),
+        "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    manifest["digest"] = manifest_digest(manifest)                      # any later edit is detected
+    return manifest
+
+
+def publish(tmp, manifest, save_dir, step, keep):
+    """Rank 0: the manifest into tmp, tmp renamed into place (the atomic moment), then the oldest checkpoints
+    beyond `keep` renamed aside before they are deleted (a kill while deleting leaves a hidden leftover, never a
+    half-deleted checkpoint that looks complete). Returns the checkpoint's path."""
+    with open(os.path.join(tmp, "manifest.json"), "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(tmp)
+    final = os.path.join(save_dir, f"step-{step:06d}")
+    olds = [final] if os.path.exists(final) else []                     # a checkpoint of this step exists already
+    aside = lambda path: os.path.join(save_dir, f".old-{os.path.basename(path)}-{os.getpid()}")
+    for old in olds:
+        os.rename(old, aside(old))
+    os.rename(tmp, final)
+    for old in complete_checkpoints(save_dir)[:-keep]:
+        os.rename(old, aside(old))
+        olds.append(old)
+    _fsync_dir(save_dir)
+    for old in olds:
+        shutil.rmtree(aside(old), ignore_errors=True)
+    return final
 
 
 def complete_checkpoints(save_dir):

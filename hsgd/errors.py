@@ -7,6 +7,7 @@ anything else is a bug and shows its traceback.
 
 EXIT_USAGE = 2      # exit code of every usage error (bad flag, bad file, bad layout, bad checkpoint)
 EXIT_NUMERICAL = 3  # exit code of a run stopped by a numerical fault (non-finite values, diverged replicas)
+EXIT_SIGNAL = 4     # exit code of a run stopped cleanly by SIGTERM or SIGINT (after a checkpoint, with --save-dir)
 
 
 class UsageError(ValueError):
@@ -24,3 +25,7 @@ class DataError(UsageError):
 class NumericalFault(RuntimeError):
     """All ranks agreed that the run cannot go on: a non-finite loss or gradient (--on-nan stop), or data-parallel
     replicas whose parameters differ (--check-replicas)."""
+
+
+class Stopped(RuntimeError):
+    """All ranks agreed to stop after a SIGTERM or SIGINT (hsgd.signals); the message says what was saved."""

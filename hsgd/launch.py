@@ -19,7 +19,7 @@ import traceback
 
 from mpi4py import MPI
 
-from .errors import EXIT_NUMERICAL, EXIT_USAGE, NumericalFault, UsageError
+from .errors import EXIT_NUMERICAL, EXIT_SIGNAL, EXIT_USAGE, NumericalFault, Stopped, UsageError
 
 
 class LineBreakHelpFormatter(argparse.HelpFormatter):
@@ -70,10 +70,10 @@ def run(main, world=MPI.COMM_WORLD):
         if world.Get_rank() == 0:
             print(f"hsgd: error: {e}", file=sys.stderr, flush=True)
         return EXIT_USAGE
-    except NumericalFault as e:
+    except (NumericalFault, Stopped) as e:
         if world.Get_rank() == 0:                                   # every rank agreed on it: report once
             print(f"hsgd: stopped: {e}", file=sys.stderr, flush=True)
-        return EXIT_NUMERICAL
+        return EXIT_NUMERICAL if isinstance(e, NumericalFault) else EXIT_SIGNAL
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else 0
     except BaseException:

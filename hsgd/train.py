@@ -25,7 +25,8 @@ from threadpoolctl import threadpool_limits
 from . import checkpoint, launch
 from .backend import resolve_device, select_gpu
 from .data import Corpus
-from .errors import ConfigError, NumericalFault
+from .checkpoint import CheckpointError
+from .errors import ConfigError, NumericalFault, Stopped
 from .faults import Faults
 from .generate import generate, printable
 from .grid import ProcessGrid
@@ -37,6 +38,7 @@ from .report import (fmt_bytes, fmt_time, report_comm, report_memory, report_pip
 from .manifest import differences
 from .preflight import check_run
 from .settings import TrainConfig, build_parser, configs_from_args
+from .signals import StopRequest
 from .threads import openblas_note, set_cpu_threads, tune_allocator
 from .trace import Tracer
 
@@ -140,46 +142,80 @@ def setup(cfg, tc, world, out, threads):
 
 def loop(run):
     """The training loop: one synchronous SGD step after the other, and what happens at intervals."""
-    tc, grid, trainer, tracer = run.tc, run.grid, run.trainer, run.tracer
+    tc, grid, trainer = run.tc, run.grid, run.trainer
     faults, run.traced = Faults(tc.inject_fault, run.world.Get_rank()), (min(2, tc.steps), min(4, tc.steps))
     run.measured_step, t0 = min(run.start + 1, tc.steps), time.perf_counter()
     run.pinned = sum(st.allocated for st in staging_pools(grid, trainer))   # (a resume past the last step: no step)
-    for step in range(run.start, tc.steps + 1):
-        faults.before_step(step)
-        idx, targets = run.corpus.batch(tc.seed, step, tc.batch_size)      # the global batch, on every rank
-        before = grid.stats.counts()
-        if tracer:
-            tracer.enabled = run.traced[0] <= step <= run.traced[1]
-        with (tracer.span(f"step {step}") if tracer else nullcontext()):
-            loss = trainer.gradients(idx, targets)                         # the lecture's steps 1-3
-            faults.after_gradients(trainer, step)
-            info = trainer.update(loss, step)                              # step 4
-        faults.after_step(trainer, step)
-        if step == run.start:
-            run.pinned = sum(st.allocated for st in staging_pools(grid, trainer))
-        if step == run.measured_step:
-            run.per_step = grid.stats.since(before)                        # this step's traffic, nothing else
-        run.progress.step(step, info)
-        at_intervals(run, step, faults)
+    with StopRequest() as stop:                                            # SIGTERM / SIGINT: a flag, read below
+        for step in range(run.start, tc.steps + 1):
+            info = one_step(run, step, faults)
+            run.progress.step(step, info)
+            saved = at_intervals(run, step, faults)
+            if stop.agreed(run.world):                                     # one Allreduce: every rank stops here
+                stop_after_signal(run, step, stop.signum_agreed, saved)
     trainer.finish()
     run.wall = time.perf_counter() - t0
 
 
+def one_step(run, step, faults):
+    """Step `step` (the lecture's steps 1-4) with its fault injection; records the traffic of the measured step."""
+    tc, grid, trainer, tracer = run.tc, run.grid, run.trainer, run.tracer
+    faults.before_step(step)
+    idx, targets = run.corpus.batch(tc.seed, step, tc.batch_size)          # the global batch, on every rank
+    before = grid.stats.counts()
+    if tracer:
+        tracer.enabled = run.traced[0] <= step <= run.traced[1]
+    with (tracer.span(f"step {step}") if tracer else nullcontext()):
+        loss = trainer.gradients(idx, targets)                             # the lecture's steps 1-3
+        faults.after_gradients(trainer, step)
+        info = trainer.update(loss, step)                                  # step 4
+    faults.after_step(trainer, step)
+    if step == run.start:
+        run.pinned = sum(st.allocated for st in staging_pools(grid, trainer))
+    if step == run.measured_step:
+        run.per_step = grid.stats.since(before)                            # this step's traffic, nothing else
+    return info
+
+
+def stop_after_signal(run, step, signum, saved):
+    """Every rank, after a SIGTERM or SIGINT that the ranks agreed on: a checkpoint of this step (with --save-dir,
+    unless just written or the step was skipped), then Stopped (exit code 4) with what to do next."""
+    tc, trainer, name = run.tc, run.trainer, StopRequest.name(signum)
+    run.progress.close()
+    if not tc.save_dir:
+        raise Stopped(f"{name} after step {step}; no --save-dir, so nothing was saved")
+    if trainer.in_a_row:
+        raise Stopped(f"{name} after step {step}, a step with non-finite values: no checkpoint written; the newest in "
+                      f"{tc.save_dir!r} is older")
+    try:
+        path = saved or checkpoint.save(trainer, step, tc.save_dir, tc.keep)
+    except CheckpointError as e:
+        raise Stopped(f"{name} after step {step}; {e}") from None
+    raise Stopped(f"{name} after step {step}; checkpoint {path}; continue with --resume auto")
+
+
 def at_intervals(run, step, faults):
-    """--check-replicas, checkpoints (--save-interval and after the last step), validation (--eval-interval)."""
-    tc, trainer = run.tc, run.trainer
+    """--check-replicas, checkpoints (--save-interval and after the last step), validation (--eval-interval).
+    Returns the path of the checkpoint written, or None."""
+    tc, trainer, path = run.tc, run.trainer, None
     if tc.check_replicas and step % tc.check_replicas == 0:
         check_replicas(trainer, run.world, step)
     if tc.save_dir and ((tc.save_interval and step % tc.save_interval == 0) or step == tc.steps):
         if trainer.in_a_row:                    # a skipped step (--on-nan skip): keep the older, good checkpoints
             run.say(f"checkpoint after step {step} not written: the step's values were not finite (--on-nan skip)")
         else:
-            path = checkpoint.save(trainer, step, tc.save_dir, tc.keep, kill_in_save=faults.in_save(step))
-            run.say(f"checkpoint after step {step}: {path}")
+            try:
+                path = checkpoint.save(trainer, step, tc.save_dir, tc.keep, kill_in_save=faults.in_save(step))
+                run.say(f"checkpoint after step {step}: {path}")
+            except CheckpointError as e:        # a full disk: every rank got it; retry at the next interval
+                if step == tc.steps:
+                    raise
+                run.say(f"{e}; training goes on, the next save is tried at step "
+                        f"{min(step + tc.save_interval, tc.steps)}")
     if tc.eval_interval and step % tc.eval_interval == 0 and step != tc.steps:
         run.val_points.append((step, trainer.evaluate(run.corpus, tc.eval_batches, tc.batch_size)))
         run.progress.validation(step, run.val_points[-1][1])
-
+    return path
 
 def header(run, device, threads):
     """What rank 0 prints before training: layout, device, model, data, batch, optimizer, pipeline, exchange."""

@@ -188,6 +188,51 @@ def test_a_resume_says_what_changed(tmp_path):
         assert words in r.stdout, words
 
 
+def start_training(n, *flags):
+    """A long run under mpiexec, returned once it has printed its first step line."""
+    import subprocess
+    import sys
+
+    from .test_mpi import mpi_env, mpiexec
+    p = subprocess.Popen([mpiexec(), "-n", str(n), sys.executable, *BASE, *flags], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=mpi_env())
+    for line in p.stdout:
+        if line.startswith("step "):
+            return p
+    raise AssertionError(f"the run ended before its first step: {p.wait()} {p.stderr.read()[-2000:]}")
+
+
+def rank_pids(p):
+    """The PIDs of the ranks of the mpiexec process p (children of its proxy)."""
+    import subprocess
+    kids = lambda pid: [int(x) for x in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True,
+                                                       text=True).stdout.split()]
+    return [rank for proxy in kids(p.pid) for rank in kids(proxy)]
+
+
+@pytest.mark.parametrize("sig, to", [("SIGTERM", "mpiexec"), ("SIGINT", "mpiexec"), ("SIGTERM", "one rank")])
+def test_a_signal_ends_the_run_with_a_checkpoint(tmp_path, sig, to):
+    """Preemption (SIGTERM) or Ctrl-C (SIGINT), to the whole job or to one rank only: every rank finishes its step,
+    the ranks agree, a checkpoint of that step is written, exit code 4 with one line; --resume auto goes on."""
+    import signal
+    import subprocess
+    ckpt = tmp_path / "ckpt"
+    p = start_training(2, "--steps", "100000", "--save-dir", str(ckpt), "--log-interval", "1000")
+    target = p.pid if to == "mpiexec" else rank_pids(p)[-1]
+    os.kill(target, getattr(signal, sig))
+    try:
+        out, err = p.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        raise
+    print(err.strip())
+    assert p.returncode == 4 and err.count("hsgd: stopped:") == 1 and f"{sig} after step" in err, err[-2000:]
+    step = int(err.split(f"{sig} after step ")[1].split(";")[0])
+    assert f"checkpoint {ckpt / f'step-{step:06d}'}; continue with --resume auto" in err
+    r = train(2, "--steps", str(step + 2), "--save-dir", str(ckpt), "--resume", "auto")
+    assert r.returncode == 0 and f"after step {step}" in r.stdout, r.stderr[-2000:]
+
+
 def test_diverged_replicas_are_named(tmp_path):
     r = train(8, "--inject-fault", "5:3:diverge", "--check-replicas", "1")
     print(r.stderr)

@@ -488,6 +488,12 @@ check.holds("a FIFO in place of a shard: refused by every rank, saying what it i
 #   nothing can be caught. The MPI launcher notices that one of its processes died and ends the others (MPICH's
 #   Hydra prints "BAD TERMINATION"), and the job exits non-zero. (`--inject-fault 5:4:kill` sends SIGKILL to rank 5
 #   at step 4.)
+# * **A rank asked to stop**: SIGTERM from a scheduler that preempts the job, SIGINT from Ctrl-C. These can be
+#   caught, and losing the work since the last checkpoint would be a waste. `hsgd.signals.StopRequest` only sets a
+#   flag in its handler (a handler that called MPI could interrupt a collective halfway); after every step the
+#   ranks agree on the flags with one Allreduce (MAX), since the signal may reach one rank, or reach them at
+#   different moments. Then every rank takes the same branch: a checkpoint of the step just finished (with
+#   `--save-dir`), and exit code 4 with `hsgd: stopped: SIGTERM after step N; checkpoint ...`.
 #
 # Either way the job is over, and what survives is on disk: the last complete checkpoint. The cure is the same
 # command again with `--resume auto`, which finds the newest complete checkpoint in `--save-dir`

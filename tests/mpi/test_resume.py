@@ -77,3 +77,46 @@ def test_a_state_that_is_not_finite_is_never_saved():
         shutil.rmtree(where, ignore_errors=True)
     check(message is not None and "not finite after step 2 (on ranks [6])" in message and
           kept == [os.path.basename(good)], f"{message} {kept}")
+
+
+@pytest.mark.parametrize("where_it_fails", ["a shard on rank 3", "the manifest on rank 0"])
+def test_a_save_that_fails_on_one_rank_keeps_the_previous_checkpoint(monkeypatch, where_it_fails):
+    """A full disk while saving: the error reaches every rank (CheckpointError, one line from the command line),
+    the partial checkpoint is removed, the previous one is untouched; leftovers of an interrupted save are cleaned
+    up, anything else in the folder is left alone."""
+    import errno
+
+    from hsgd.checkpoint import CheckpointError
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    tc = TrainConfig(dp=2, tp=4, steps=4, batch_size=8, lr=0.05, momentum=0.9, dtype="float64", seed=3)
+    where = WORLD.bcast(tempfile.mkdtemp() if WORLD.Get_rank() == 0 else None)
+    grid = ProcessGrid(WORLD, dp=tc.dp, tp=tc.tp)
+    trainer = HybridTrainer(CFG, grid, tc)
+    trainer.step(*CORPUS.batch(tc.seed, 1, tc.batch_size), 1)
+    good = checkpoint.save(trainer, 1, where)
+    if WORLD.Get_rank() == 0:
+        os.makedirs(os.path.join(where, ".tmp-step-000001-99999"))          # a leftover of a killed save
+        os.makedirs(os.path.join(where, ".tmp-notes"))                      # not ours
+    WORLD.Barrier()
+    if where_it_fails == "a shard on rank 3" and WORLD.Get_rank() == 3:
+        monkeypatch.setattr(checkpoint.np, "savez", full)
+    if where_it_fails == "the manifest on rank 0" and WORLD.Get_rank() == 0:
+        monkeypatch.setattr(checkpoint.json, "dump", full)
+    try:
+        checkpoint.save(trainer, 2, where)
+        message = None
+    except CheckpointError as e:
+        message = str(e)
+    monkeypatch.undo()
+    kept = sorted(os.listdir(where))
+    say(f"{where_it_fails} fails: {message}; the folder holds {kept}")
+    grid.free()
+    WORLD.Barrier()
+    if WORLD.Get_rank() == 0:
+        shutil.rmtree(where, ignore_errors=True)
+    rank = 3 if where_it_fails.endswith("3") else 0
+    check(message is not None and "No space left on device" in message and f"rank {rank}" in message
+          and kept == [".tmp-notes", os.path.basename(good)], f"{message} {kept}")
