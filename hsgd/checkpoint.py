@@ -42,6 +42,7 @@ from .manifest import SCHEDULE
 from .manifest import digest as manifest_digest
 from .pp import parse_split, split_layers, stage_names
 from .preflight import regular_file
+from .runs import DEFAULT_LINE, newest, own
 from .trainer_state import optimizer_state, refuse_non_finite, set_state  # noqa: F401 (optimizer_state: API)
 
 FORMAT = "hsgd-checkpoint-1"
@@ -69,7 +70,7 @@ def _fsync_dir(path):
 
 # ---------------------------------------------------------------------------------------------------- save
 
-def save(trainer, step, save_dir, keep=3, kill_in_save=False):
+def save(trainer, step, save_dir, keep=3, kill_in_save=False, line=DEFAULT_LINE, started_from=None):
     """Collective (every rank): write the checkpoint of `step` into save_dir/step-{step:06d}. Returns its path.
     A write that fails on any rank (a full disk, a file system gone read-only) removes the partial checkpoint on
     every rank's word and raises CheckpointError everywhere; the previous checkpoints stay as they were."""
@@ -90,8 +91,8 @@ def save(trainer, step, save_dir, keep=3, kill_in_save=False):
         error = next((e for e in errors if e), None)
         final = None
         if error is None:
-            final, error = attempt(lambda: publish(tmp, build_manifest(trainer, step, t, entries), save_dir, step,
-                                                   keep))
+            manifest = build_manifest(trainer, step, t, entries, {"line": line, "started_from": started_from})
+            final, error = attempt(lambda: publish(tmp, manifest, save_dir, step, keep))
             error = error and f"{error} on rank 0"
         if error is not None and tmp:
             shutil.rmtree(tmp, ignore_errors=True)                      # the partial checkpoint, nothing else
@@ -145,8 +146,9 @@ def write_shard(trainer, state, tmp):
     return name, {"pp": grid.pp_rank, "tp": grid.tp_rank, "sha256": sha256(path), "bytes": os.path.getsize(path)}
 
 
-def build_manifest(trainer, step, t, entries):
-    """Rank 0: the manifest (see the module docstring), with its own digest."""
+def build_manifest(trainer, step, t, entries, run):
+    """Rank 0: the manifest (see the module docstring), with its own digest. run: {"line", "started_from"}
+    (hsgd.runs)."""
     tc, grid = trainer.tc, trainer.grid
     manifest = {
         "format": FORMAT, "step": step, "model": asdict(trainer.cfg),
@@ -157,7 +159,7 @@ def build_manifest(trainer, step, t, entries):
         "rng": {"seed": tc.seed, "note": "batches and initialization are pure functions of the seed (and step)"},
         "schedule": {k: getattr(tc, k) for k in SCHEDULE},
         "files": dict(e for e in entries if e),
-        "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "written_ns": time.time_ns(), "run": run,
     }
     manifest["digest"] = manifest_digest(manifest)                      # any later edit is detected
     return manifest
@@ -178,7 +180,7 @@ def publish(tmp, manifest, save_dir, step, keep):
     for old in olds:
         os.rename(old, aside(old))
     os.rename(tmp, final)
-    for old in complete_checkpoints(save_dir)[:-keep]:
+    for old in own(complete_checkpoints(save_dir), manifest["run"]["line"])[:-keep]:   # this line's only
         os.rename(old, aside(old))
         olds.append(old)
     _fsync_dir(save_dir)
@@ -205,10 +207,10 @@ def resolve(path):
                               "or the --save-dir that holds them")
     if os.path.exists(os.path.join(path, "manifest.json")):
         return path
-    found = complete_checkpoints(path)
+    found = newest(complete_checkpoints(path))                          # the newest line's highest step
     if not found:
         raise CheckpointError(f"{path!r} holds no complete checkpoint (no step-*/manifest.json)")
-    return found[-1]
+    return found
 
 
 def open_checkpoint(path, cfg=None):

@@ -55,6 +55,9 @@ def check(m, path, fmt, error):
                       ("data", dict), ("files", dict)):
         need(isinstance(m.get(key), kind) and not isinstance(m.get(key), bool), f"has no {key} of type {kind.__name__}")
     need(m["step"] >= 1, f"has step {m['step']!r}, not a step >= 1")
+    run = m.get("run")
+    need(isinstance(run, dict) and isinstance(run.get("line"), str) and is_int(m.get("written_ns")),
+         "has no run line and write time")
     try:
         cfg = ModelConfig(**m["model"])
     except (TypeError, UsageError) as e:

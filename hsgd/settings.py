@@ -162,6 +162,8 @@ class Checkpoints:
                              "valid for the model", metavar="auto|PATH")
     on_nan: str = flag("stop", "a non-finite loss or gradient: stop the run (exit code 3) or skip that step's update",
                        choices=("stop", "skip"))
+    overwrite: bool = flag(False, "start a new run in a --save-dir that holds other checkpoints (they are kept; "
+                                  "--resume auto then follows the new run)")
     allow_changes: bool = flag(False, "resume although the seed, the data or the batch size differ from the "
                                       "checkpoint's run (the result is then not its continuation)")
     max_skips: int = flag(10, "with --on-nan skip: stop (exit code 3) after N steps in a row skipped", metavar="N")

@@ -33,6 +33,7 @@ from .grid import ProcessGrid
 from .hybrid import HybridTrainer
 from .pp import ideal_bubble, parse_split, split_layers
 from .progress import Progress
+from .runs import choose_line, lock_folder, newest
 from .report import (fmt_bytes, fmt_time, report_comm, report_memory, report_pipeline, report_staging,  # noqa: F401
                      report_trace, staging_pools, step_formula)
 from .manifest import differences
@@ -78,11 +79,17 @@ def train(cfg, tc, world=MPI.COMM_WORLD, out=sys.stdout):
     set_cpu_threads(threads)                                         # BLAS and the elementwise layers alike
     tune_allocator()
     with threadpool_limits(limits=threads):
-        run = setup(cfg, tc, world, out, threads)
-        if run.start > tc.steps:
-            return nothing_to_do(run)
-        loop(run)
-        return summary(run)
+        launch.agree(world, lambda: check_run(tc, ConfigError))      # outputs, optional modules: before any work
+        lock = launch.agree(world, lambda: lock_folder(tc) if world.Get_rank() == 0 else None)   # (hsgd.runs)
+        try:
+            run = setup(cfg, tc, world, out, threads)
+            if run.start > tc.steps:
+                return nothing_to_do(run)
+            loop(run)
+            return summary(run)
+        finally:
+            if lock:
+                lock.release()
 
 
 def nothing_to_do(run):
@@ -111,6 +118,8 @@ class Run:
     tracer: object = None           # Tracer, with --trace or --plot
     progress: object = None         # Progress: the progress lines and the --log-json records
     start: int = 1                  # the first step (after a checkpoint: the step after it)
+    line: str = None                # the line of the checkpoints this run writes, and where it started (hsgd.runs)
+    started_from: str = None
     val_points: list = field(default_factory=list)       # [(step, validation loss)]
     per_step: dict = field(default_factory=dict)         # one step's CommStats: {(comm, op): (calls, bytes)}
     measured_step: int = 1          # the step per_step was measured in (staleness' first moves nothing)
@@ -123,7 +132,6 @@ def setup(cfg, tc, world, out, threads):
     """The grid, the data, the trainer (and a checkpoint to resume from), the header, the first validation loss."""
     say = (lambda s="": print(s, file=out, flush=True)) if world.Get_rank() == 0 else (lambda s="": None)
     run = Run(cfg, tc, world, say)
-    launch.agree(world, lambda: check_run(tc, ConfigError))          # outputs, optional modules: before any work
     device = place_on_device(tc, world)
     run.corpus = launch.agree(world, lambda: Corpus.load(tc.data, cfg.seq_len))
     run.grid = ProcessGrid(world, dp=tc.dp, pp=tc.pp, tp=tc.tp)
@@ -131,7 +139,9 @@ def setup(cfg, tc, world, out, threads):
     run.trainer = launch.agree(world, lambda: HybridTrainer(cfg, run.grid, tc, run.tracer))
     for c in [run.grid.tp_comm, run.grid.dp_comm, run.grid.pp_comm, run.grid.world] + run.trainer.exchange.comms():
         c.tracer = run.tracer
-    run.start = resume(run.trainer, cfg, tc, world, say)             # 1, or the step after the checkpoint
+    run.start, manifest = resume(run.trainer, cfg, tc, world, say)   # 1, or the step after the checkpoint
+    line = launch.agree(world, lambda: choose_line(tc, manifest) if world.Get_rank() == 0 else None)
+    run.line, run.started_from = world.bcast(line, root=0)           # the checkpoints' line (hsgd.runs)
     header(run, device, threads)
     run.progress = Progress(tc, tc.batch_size * cfg.seq_len, run.start, say, world.Get_rank() == 0)
     run.val_points = [(run.start - 1, run.trainer.evaluate(run.corpus, tc.eval_batches, tc.batch_size))]
@@ -188,7 +198,8 @@ def stop_after_signal(run, step, signum, saved):
         raise Stopped(f"{name} after step {step}, a step with non-finite values: no checkpoint written; the newest in "
                       f"{tc.save_dir!r} is older")
     try:
-        path = saved or checkpoint.save(trainer, step, tc.save_dir, tc.keep)
+        path = saved or checkpoint.save(trainer, step, tc.save_dir, tc.keep, line=run.line,
+                                        started_from=run.started_from)
     except CheckpointError as e:
         raise Stopped(f"{name} after step {step}; {e}") from None
     raise Stopped(f"{name} after step {step}; checkpoint {path}; continue with --resume auto")
@@ -205,7 +216,8 @@ def at_intervals(run, step, faults):
             run.say(f"checkpoint after step {step} not written: the step's values were not finite (--on-nan skip)")
         else:
             try:
-                path = checkpoint.save(trainer, step, tc.save_dir, tc.keep, kill_in_save=faults.in_save(step))
+                path = checkpoint.save(trainer, step, tc.save_dir, tc.keep, kill_in_save=faults.in_save(step),
+                                   line=run.line, started_from=run.started_from)
                 run.say(f"checkpoint after step {step}: {path}")
             except CheckpointError as e:        # a full disk: every rank got it; retry at the next interval
                 if step == tc.steps:
@@ -276,9 +288,10 @@ def summary(run):
 
 
 def resume(trainer, cfg, tc, world, say):
-    """Load --resume's checkpoint (checked on every rank first). Returns the first step to run."""
+    """Load --resume's checkpoint (checked on every rank first). Returns the first step to run and the
+    checkpoint's manifest (None when starting at step 1)."""
     if not tc.resume:
-        return 1
+        return 1, None
     where = tc.resume
     if tc.resume == "auto":             # decided once, on rank 0: nodes may see a shared folder differently
         found = launch.agree(world, lambda: checkpoint.complete_checkpoints(tc.save_dir) if world.Get_rank() == 0
@@ -286,15 +299,15 @@ def resume(trainer, cfg, tc, world, say):
         found = world.bcast(found, root=0)
         if not found:
             say(f"--resume auto: no complete checkpoint in {tc.save_dir!r}; starting at step 1")
-            return 1
-        where = found[-1]                                            # the newest, the same path on every rank
+            return 1, None
+        where = newest(found)                                        # the newest line's last, the same everywhere
     manifest = launch.agree(world, lambda: checkpoint.open_checkpoint(where, cfg))
     launch.agree(world, lambda: say_changes(manifest, tc, say))
     step = launch.agree(world, lambda: checkpoint.load(trainer, manifest))
     lay, grid = manifest["layout"], trainer.grid
     say(f"resumed from {manifest['path']} after step {step} (saved as dp {lay['dp']} x pp {lay['pp']} x tp "
         f"{lay['tp']} {lay['tp_scheme']}; now dp {grid.dp} x pp {grid.pp} x tp {grid.tp} {trainer.scheme})")
-    return step + 1
+    return step + 1, manifest
 
 
 def say_changes(manifest, tc, say):

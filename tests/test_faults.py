@@ -233,6 +233,53 @@ def test_a_signal_ends_the_run_with_a_checkpoint(tmp_path, sig, to):
     assert r.returncode == 0 and f"after step {step}" in r.stdout, r.stderr[-2000:]
 
 
+def test_runs_in_one_folder_keep_their_own_checkpoints(tmp_path):
+    """Lines of runs (hsgd.runs): a fresh run into a folder with checkpoints needs --overwrite, and then neither
+    loses its own checkpoints to the other's higher steps (even with --keep 1) nor deletes theirs; --resume auto
+    follows the run written last. A resume from an older checkpoint is a branch: the checkpoint it started from
+    stays, and --resume auto follows the branch."""
+    ckpt = tmp_path / "ckpt"
+    assert train(2, "--save-dir", str(ckpt), "--save-interval", "1", "--keep", "6").returncode == 0    # steps 1-6
+    r = train(2, "--steps", "2", "--save-dir", str(ckpt))
+    assert r.returncode == 2 and "holds checkpoints of another run (the newest: step-000006)" in r.stderr, r.stderr
+    r = train(2, "--steps", "2", "--seed", "5", "--save-dir", str(ckpt), "--overwrite", "--keep", "1")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "step-000002" in os.listdir(ckpt) and "step-000006" in os.listdir(ckpt)
+    r = train(2, "--steps", "3", "--seed", "5", "--save-dir", str(ckpt), "--resume", "auto")
+    assert r.returncode == 0 and "after step 2" in r.stdout, r.stdout[-1500:] + r.stderr[-1500:]
+    branch = tmp_path / "branch"
+    assert train(2, "--save-dir", str(branch), "--save-interval", "1", "--keep", "2").returncode == 0   # 5, 6
+    r = train(2, "--steps", "8", "--save-dir", str(branch), "--resume", str(branch / "step-000005"), "--keep", "1",
+              "--save-interval", "1")
+    print(sorted(os.listdir(branch)))
+    assert r.returncode == 0 and "step-000005" in os.listdir(branch) and "step-000008" in os.listdir(branch)
+    assert "step-000007" not in os.listdir(branch)                                   # the branch's own rotation
+    r = train(2, "--steps", "9", "--save-dir", str(branch), "--resume", "auto")
+    assert r.returncode == 0 and "after step 8" in r.stdout, r.stderr[-2000:]
+
+
+def test_a_second_job_on_the_same_folder_is_refused(tmp_path):
+    import json
+    import signal
+    import socket
+    import subprocess
+    ckpt = tmp_path / "ckpt"
+    p = start_training(2, "--steps", "100000", "--save-dir", str(ckpt), "--log-interval", "1000")
+    r = train(2, "--save-dir", str(ckpt), "--resume", "auto")
+    print(r.stderr.strip())
+    assert r.returncode == 2 and "another job is using the save folder" in r.stderr, r.stderr[-2000:]
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=60) == 4 and not (ckpt / ".hsgd-lock").exists()
+    dead = subprocess.Popen(["true"])
+    dead.wait()                                                                   # a pid that no longer runs
+    (ckpt / ".hsgd-lock").write_text(json.dumps({"host": socket.gethostname(), "pid": dead.pid}))
+    r = train(2, "--steps", "2", "--save-dir", str(tmp_path / "ckpt"), "--resume", "auto")
+    assert r.returncode == 0, r.stderr[-2000:]                                   # a killed job's lock: taken over
+    (ckpt / ".hsgd-lock").write_text(json.dumps({"host": "elsewhere", "pid": 1}))
+    r = train(2, "--save-dir", str(ckpt), "--resume", "auto")
+    assert r.returncode == 2 and "(process 1 on elsewhere)" in r.stderr and "delete" in r.stderr, r.stderr
+
+
 def test_diverged_replicas_are_named(tmp_path):
     r = train(8, "--inject-fault", "5:3:diverge", "--check-replicas", "1")
     print(r.stderr)

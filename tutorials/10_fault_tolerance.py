@@ -230,6 +230,16 @@ check.equal("every rank: save_dir's checkpoints after the saves of steps 4 and 6
 path4 = os.path.join(SAVE, "step-000004")
 
 # %% [markdown]
+# Rotation by step number alone would be dangerous in a folder that more than one run writes into: a fresh run
+# next to an older run's step 1000 would see its own step 10 as the oldest and delete it at once. So each
+# checkpoint also records its run's *line* (`manifest["run"]`, `hsgd.runs`): a run and the resumptions that
+# continue from its newest checkpoint share a line, a fresh run or a resume from an older checkpoint starts a new
+# one, `keep` counts only the writing run's own line, and `--resume auto` (`checkpoint.resolve`) follows the line
+# written last. From the command line a fresh run into a folder that holds checkpoints is refused unless
+# `--overwrite`, and a lock file held by rank 0 keeps a second job out of the folder. (Saved from Python, as here,
+# the checkpoints share the line "default".)
+
+# %% [markdown]
 # ## 3. Exact resume in the same layout
 #
 # Restoring is the mirror image of saving. Every rank, in a new job: `open_checkpoint(path, cfg)` reads the

@@ -40,7 +40,7 @@ def test_resume_auto_follows_rank_0_when_ranks_see_different_folders(rank0_sees)
     os.makedirs(empty, exist_ok=True)
     mine = full if (WORLD.Get_rank() == 0) == rank0_sees else empty      # rank 0 sees one, the others the other
     fresh = HybridTrainer(CFG, grid, tc)
-    start = resume(fresh, CFG, replace(tc, resume="auto", save_dir=mine), WORLD, say)
+    start, _ = resume(fresh, CFG, replace(tc, resume="auto", save_dir=mine), WORLD, say)
     expected = 3 if rank0_sees else 1
     same = all(np.array_equal(fresh.params[n], trainer.params[n]) for n in trainer.params)
     say(f"rank 0 sees the checkpoint: {rank0_sees}; every rank starts at step {start} (expected {expected}); "
