@@ -12,7 +12,8 @@ A checkpoint is a directory `step-000123/` with
                             data position and seed (the batches are a pure function of (seed, step): that is all the
                             random state there is), optimizer, and the SHA-256 of every shard file.
 Writing goes into a hidden temporary directory that is renamed into place once every file and the manifest are
-on disk: a job killed while saving leaves the previous checkpoint as it was. The newest `keep` are kept.
+on disk: a job killed while saving leaves the previous checkpoint as it was. The newest `keep` of the writing
+run's line are kept (hsgd.runs). A manifest is checked before it is trusted (hsgd.manifest).
 
 Loading never executes code (NumPy .npz with allow_pickle=False, JSON) and checks first: the manifest is there
 and readable, the model is the one being trained (else what differs), every file exists and has its checksum.
@@ -41,7 +42,7 @@ from .manifest import check as check_manifest
 from .manifest import SCHEDULE
 from .manifest import digest as manifest_digest
 from .pp import parse_split, split_layers, stage_names
-from .preflight import regular_file
+from .preflight import regular_file, writable_file
 from .runs import DEFAULT_LINE, newest, own
 from .trainer_state import optimizer_state, refuse_non_finite, set_state  # noqa: F401 (optimizer_state: API)
 
@@ -311,39 +312,15 @@ def load(trainer, manifest):
 def export(path, out):
     """Write the full model of a checkpoint under the serial parameter names to `out` (.npz)."""
     manifest = open_checkpoint(path)
+    if os.path.realpath(os.path.dirname(os.path.abspath(out))) == os.path.realpath(manifest["path"]):
+        raise CheckpointError(f"{out!r} is inside the checkpoint it exports from; write it elsewhere")
+    writable_file(out, "export file", CheckpointError)
     shards = Shards(manifest)
     full = {name: shards.full(name) for name in shards.cfg.param_shapes()}
     np.savez(out, **full)
     return manifest, full
 
 
-def main(argv=None):
-    import argparse
-    p = argparse.ArgumentParser(prog="python -m hsgd.checkpoint", description="Inspect or export an hsgd checkpoint.")
-    sub = p.add_subparsers(dest="cmd", required=True)
-    e = sub.add_parser("export", help="write the full model under the serial parameter names to an .npz file")
-    e.add_argument("dir", help="a checkpoint directory (step-NNNNNN) or a --save-dir (its newest checkpoint)")
-    e.add_argument("out", help="the .npz file to write")
-    i = sub.add_parser("info", help="print what a checkpoint holds, after verifying its files")
-    i.add_argument("dir")
-    args = p.parse_args(argv)
-    try:
-        if args.cmd == "export":
-            manifest, full = export(args.dir, args.out)
-            n = sum(a.size for a in full.values())
-            print(f"{manifest['path']}: step {manifest['step']}, {len(full)} parameters ({n:,} numbers) -> {args.out}")
-        else:
-            m = open_checkpoint(args.dir)
-            lay = m["layout"]
-            opt = m["optimizer"]
-            print(f"{m['path']}: step {m['step']}, layout dp {lay['dp']} x pp {lay['pp']} x tp {lay['tp']} "
-                  f"({lay['tp_scheme']}), layers per stage {lay['layers']}, {opt['name']} (t={opt['t']}), "
-                  f"{m['dtype']}\nmodel {m['model']}\nfiles (SHA-256 verified): {', '.join(sorted(m['files']))}")
-    except UsageError as err:
-        print(f"hsgd: error: {err}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
+if __name__ == "__main__":                                              # python -m hsgd.checkpoint
+    from hsgd.checkpoint_cli import main
     sys.exit(main())

@@ -11,6 +11,7 @@ come from NumPy's PCG64 generator seeded with (seed, split, step). It does not d
 share it, so a data-parallel run can slice rows out of the very batch the serial run trains on.
 """
 import glob
+import hashlib
 import os
 import sysconfig
 
@@ -30,7 +31,8 @@ def default_corpus_files():
 
 
 def read_bytes(path):
-    """The bytes of `path`, or a DataError that says what is wrong with it."""
+    """The bytes of `path`, memory-mapped (a large file is not read into every rank's memory), or a DataError that
+    says what is wrong with it."""
     if not isinstance(path, (str, os.PathLike)):                 # (an integer would open a file descriptor)
         raise DataError(f"data {path!r} is not a path; give --data (TOML: data) the path of a text file")
     if not os.path.exists(path):
@@ -40,8 +42,9 @@ def read_bytes(path):
         raise DataError(f"data path {path!r} is a directory; --data takes one text file")
     regular_file(path, "data file", DataError)                   # a FIFO or a device would never end
     try:
-        with open(path, "rb") as f:
-            return f.read()
+        if os.path.getsize(path) == 0:
+            return b""
+        return np.memmap(path, dtype=np.uint8, mode="r")         # mapped: pages are read as batches need them
     except OSError as e:
         raise DataError(f"data file {path!r} cannot be read ({e.strerror}); check its permissions") from None
 
@@ -56,7 +59,7 @@ class Corpus:
         if n < seq_len + 1:
             raise DataError(f"data file {name!r} has {n} bytes, fewer than seq_len + 1 = {seq_len + 1}; "
                             f"use a longer file or a smaller --seq-len (at most {n - 1})")
-        tokens = np.frombuffer(data, dtype=np.uint8)
+        tokens = self.all = np.frombuffer(data, dtype=np.uint8)  # (a mapped file stays mapped: no copy)
         self.name = name
         self.seq_len = seq_len
         n_val = max(int(n * VAL_FRACTION), seq_len + 1)
@@ -72,12 +75,20 @@ class Corpus:
         """The corpus in `path`, or the default corpus when `path` is None."""
         if path is None:
             files = default_corpus_files()
-            data = b"".join(read_bytes(f) for f in files)
+            data = b"".join(bytes(read_bytes(f)) for f in files)
             if not data:
                 raise DataError("the built-in corpus (the standard library's source files) was not found; "
                                 "pass --data with the path of a text file")
             return cls(data, f"python-stdlib ({len(files)} files)", seq_len)
         return cls(read_bytes(path), path, seq_len)
+
+    def fingerprint(self):
+        """(size, SHA-256 of 64 blocks of 4 KiB spread over the corpus): cheap for a large mapped file, and enough
+        to tell whether two ranks (two nodes) see the same data."""
+        n, h = len(self.all), hashlib.sha256()
+        for start in np.linspace(0, max(n - 4096, 0), 64).astype(np.int64):
+            h.update(self.all[start:start + 4096].tobytes())
+        return n, h.hexdigest()
 
     def tokens(self, split):
         if split not in _SPLIT_ID:
@@ -97,3 +108,11 @@ class Corpus:
         split = "validation shares the training text (file too small to split)" if self.shared_split else \
             f"{len(self.train):,} train / {len(self.val):,} validation bytes"
         return f"{self.name}: {split}"
+
+
+def same_data(prints, path):
+    """Every rank read the same data (nodes can see different versions of a file), else DataError."""
+    differ = [r for r, p in enumerate(prints) if p != prints[0]]
+    if differ:
+        raise DataError(f"ranks {differ} read other data than rank 0 from {path or 'the built-in corpus'!r} "
+                          f"({prints[differ[0]][0]:,} bytes vs {prints[0][0]:,}); give every node the same file")

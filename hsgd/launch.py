@@ -65,7 +65,9 @@ def agree(world, fn):
 def run(main, world=MPI.COMM_WORLD):
     """Call main() and turn its outcome into an exit code, aborting the whole job on an unexpected exception."""
     try:
-        return main() or 0
+        code = main() or 0
+        world.Barrier()             # nobody finalizes while another rank still works: its error must reach stderr
+        return code
     except UsageError as e:
         if world.Get_rank() == 0:
             print(f"hsgd: error: {e}", file=sys.stderr, flush=True)
@@ -85,4 +87,5 @@ def run(main, world=MPI.COMM_WORLD):
             time.sleep(1.0)
         sys.stderr.write(text + f"[rank {rank}] aborting the job (MPI_Abort on COMM_WORLD)\n")
         sys.stderr.flush()
+        time.sleep(0.5)             # the launcher forwards the message before the abort tears its streams down
         world.Abort(1)

@@ -16,6 +16,8 @@ Every failure is `checkpoint ... is corrupt: ...` (a CheckpointError: exit code 
 import hashlib
 import json
 
+from .errors import ConfigError
+
 DTYPES = ("float32", "float64")
 OPTIMIZERS = ("sgd", "adamw")
 
@@ -100,3 +102,15 @@ def differences(m, tc):
 
 
 SCHEDULE = ("lr", "warmup", "steps", "momentum", "weight_decay", "clip")     # recorded in the manifest
+
+
+def say_changes(manifest, tc, say):
+    """What differs from the checkpoint's run: reported; a change of seed, data or batch size (not a continuation
+    of that run any more) refused unless --allow-changes."""
+    changes = differences(manifest, tc)
+    breaking = [f"{k} {old!r} -> {new!r}" for k, old, new, breaks in changes if breaks]
+    if breaking and not tc.allow_changes:
+        raise ConfigError(f"resuming {manifest['path']!r} with {', '.join(breaking)}: the run would not continue the "
+                          "saved one (other batches); pass the checkpoint's values, or --allow-changes")
+    for k, old, new, _ in changes:
+        say(f"resume: {k} {old!r} in the checkpoint's run, {new!r} now")

@@ -22,11 +22,12 @@ def _pyplot():
     return plt
 
 
-def plot_losses(losses, val_points, path, title=""):
-    """Training loss per step and validation loss at its evaluation steps."""
+def plot_losses(losses, val_points, path, title="", first_step=1):
+    """Training loss per step (losses[0] is step first_step: a resumed run starts later) and validation loss at
+    its evaluation steps."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(range(1, len(losses) + 1), losses, lw=0.8, label="training loss (global batch)")
+    ax.plot(range(first_step, first_step + len(losses)), losses, lw=0.8, label="training loss (global batch)")
     if val_points:
         ax.plot([s for s, _ in val_points], [v for _, v in val_points], "o-", label="validation loss")
     ax.set_xlabel("step")
@@ -77,11 +78,11 @@ def plot_timeline(events, path, title="", t_range=None):
     plt.close(fig)
 
 
-def write_plots(directory, losses, val_points, events, step_range, title):
+def write_plots(directory, losses, val_points, events, step_range, title, first_step=1):
     """Both pictures into `directory`; returns their paths."""
     os.makedirs(directory, exist_ok=True)
     paths = [os.path.join(directory, "loss.png"), os.path.join(directory, "timeline.png")]
-    plot_losses(losses, val_points, paths[0], title)
+    plot_losses(losses, val_points, paths[0], title, first_step)
     if events:
         plot_timeline(events, paths[1], f"{title}: one training step", step_range)
     else:

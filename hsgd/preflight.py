@@ -96,3 +96,47 @@ def check_run(tc, error):
         except UnicodeEncodeError as e:
             raise error(f"--prompt {tc.prompt!r} is not valid text (it cannot be encoded as UTF-8: {e.reason}); "
                         "pass the prompt as UTF-8") from None
+
+
+def memory_estimate(cfg, tc):
+    """A lower bound of the bytes one rank needs, from the sizes alone (no array is made): its share of the
+    parameters, their gradients and the optimizer state, and the activations of one micro-batch
+    (hsgd.memory.activation_formula)."""
+    from .memory import activation_formula
+    C, F, L, V, T = cfg.d_model, cfg.d_ff, cfg.n_layers, cfg.vocab_size, cfg.seq_len
+    params = L * (4 * C * C + 2 * C * F + F + 9 * C) + 2 * V * C + T * C + 2 * C     # ModelConfig.n_params()
+    itemsize = 8 if tc.dtype == "float64" else 4
+    states = 2 if tc.optimizer == "adamw" else 1 if tc.momentum else 0
+    weights = params * itemsize * (2 + states) // (tc.tp * tc.pp)
+    micro = max(tc.batch_size // (tc.dp * tc.micro_batches), 1)
+    activations = activation_formula(cfg, micro, itemsize, tc.tp, tc.tp_scheme)["model"] // tc.pp
+    return weights, activations
+
+
+def available_memory():
+    """Bytes this machine can still give (MemAvailable), or None where that is not known."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_memory(cfg, tc, ranks_here, error, available=None):
+    """Refuse a run whose ranks on this machine need more memory than it has (CPU runs: on a GPU the arrays live in
+    device memory), with the estimate, before anything is allocated."""
+    from .backend import resolve_device
+    available = available_memory() if available is None else available
+    if available is None or resolve_device(tc.device) == "gpu":
+        return
+    weights, activations = memory_estimate(cfg, tc)
+    need = (weights + activations) * ranks_here
+    if need > available:
+        gib = lambda b: f"{b / 2**30:,.1f} GiB"
+        raise error(f"this run needs at least {gib(weights + activations)} per rank (parameters, gradients and "
+                    f"optimizer state {gib(weights)}, activations of one micro-batch {gib(activations)}) x "
+                    f"{ranks_here} ranks on this machine = {gib(need)}, but {gib(available)} are available; use a "
+                    "smaller model or batch, more micro-batches, or more ranks for tp and pp")

@@ -99,5 +99,5 @@ def report_trace(world, tracer, tc, traced, losses, val_points, title, say):
     if tc.plot and world.Get_rank() == 0:
         window = [e for e in events if e.get("name") == f"step {traced[0]}"]
         t_range = (min(e["ts"] for e in window), max(e["ts"] + e["dur"] for e in window)) if window else None
-        paths = write_plots(tc.plot, losses, val_points, events, t_range, title)
+        paths = write_plots(tc.plot, losses, val_points, events, t_range, title, first_step=val_points[0][0] + 1)
         say("plots: " + ", ".join(paths))

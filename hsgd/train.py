@@ -24,20 +24,20 @@ from threadpoolctl import threadpool_limits
 
 from . import checkpoint, launch
 from .backend import resolve_device, select_gpu
-from .data import Corpus
 from .checkpoint import CheckpointError
+from .data import Corpus, same_data
 from .errors import ConfigError, NumericalFault, Stopped
 from .faults import Faults
 from .generate import generate, printable
 from .grid import ProcessGrid
 from .hybrid import HybridTrainer
+from .manifest import say_changes
 from .pp import ideal_bubble, parse_split, split_layers
+from .preflight import check_memory, check_run
 from .progress import Progress
-from .runs import choose_line, lock_folder, newest
 from .report import (fmt_bytes, fmt_time, report_comm, report_memory, report_pipeline, report_staging,  # noqa: F401
                      report_trace, staging_pools, step_formula)
-from .manifest import differences
-from .preflight import check_run
+from .runs import choose_line, lock_folder, newest
 from .settings import TrainConfig, build_parser, configs_from_args
 from .signals import StopRequest
 from .threads import openblas_note, set_cpu_threads, tune_allocator
@@ -75,11 +75,13 @@ def train(cfg, tc, world=MPI.COMM_WORLD, out=sys.stdout):
     tc = replace(tc)
     tc.validate()
     tc.resolve_layout(world.Get_size())
-    threads = tc.threads or max(1, (os.cpu_count() or 1) // local_ranks(world)[1])
+    ranks_here = local_ranks(world)[1]
+    threads = tc.threads or max(1, (os.cpu_count() or 1) // ranks_here)
     set_cpu_threads(threads)                                         # BLAS and the elementwise layers alike
     tune_allocator()
     with threadpool_limits(limits=threads):
         launch.agree(world, lambda: check_run(tc, ConfigError))      # outputs, optional modules: before any work
+        launch.agree(world, lambda: check_memory(cfg, tc, ranks_here, ConfigError))   # sizes this machine holds
         lock = launch.agree(world, lambda: lock_folder(tc) if world.Get_rank() == 0 else None)   # (hsgd.runs)
         try:
             run = setup(cfg, tc, world, out, threads)
@@ -134,6 +136,7 @@ def setup(cfg, tc, world, out, threads):
     run = Run(cfg, tc, world, say)
     device = place_on_device(tc, world)
     run.corpus = launch.agree(world, lambda: Corpus.load(tc.data, cfg.seq_len))
+    launch.agree(world, lambda: same_data(world.allgather(run.corpus.fingerprint()), tc.data))
     run.grid = ProcessGrid(world, dp=tc.dp, pp=tc.pp, tp=tc.tp)
     run.tracer = Tracer(world.Get_rank(), world, enabled=False) if (tc.trace or tc.plot) else None
     run.trainer = launch.agree(world, lambda: HybridTrainer(cfg, run.grid, tc, run.tracer))
@@ -153,7 +156,8 @@ def setup(cfg, tc, world, out, threads):
 def loop(run):
     """The training loop: one synchronous SGD step after the other, and what happens at intervals."""
     tc, grid, trainer = run.tc, run.grid, run.trainer
-    faults, run.traced = Faults(tc.inject_fault, run.world.Get_rank()), (min(2, tc.steps), min(4, tc.steps))
+    first = min(run.start + 1, tc.steps)                                   # traced: 3 steps after the first
+    faults, run.traced = Faults(tc.inject_fault, run.world.Get_rank()), (first, min(first + 2, tc.steps))
     run.measured_step, t0 = min(run.start + 1, tc.steps), time.perf_counter()
     run.pinned = sum(st.allocated for st in staging_pools(grid, trainer))   # (a resume past the last step: no step)
     with StopRequest() as stop:                                            # SIGTERM / SIGINT: a flag, read below
@@ -302,24 +306,12 @@ def resume(trainer, cfg, tc, world, say):
             return 1, None
         where = newest(found)                                        # the newest line's last, the same everywhere
     manifest = launch.agree(world, lambda: checkpoint.open_checkpoint(where, cfg))
-    launch.agree(world, lambda: say_changes(manifest, tc, say))
+    launch.agree(world, lambda: say_changes(manifest, tc, say))  # (hsgd.manifest)
     step = launch.agree(world, lambda: checkpoint.load(trainer, manifest))
     lay, grid = manifest["layout"], trainer.grid
     say(f"resumed from {manifest['path']} after step {step} (saved as dp {lay['dp']} x pp {lay['pp']} x tp "
         f"{lay['tp']} {lay['tp_scheme']}; now dp {grid.dp} x pp {grid.pp} x tp {grid.tp} {trainer.scheme})")
     return step + 1, manifest
-
-
-def say_changes(manifest, tc, say):
-    """What differs from the checkpoint's run: reported; a change of seed, data or batch size (not a continuation
-    of that run any more) refused unless --allow-changes."""
-    changes = differences(manifest, tc)
-    breaking = [f"{k} {old!r} -> {new!r}" for k, old, new, breaks in changes if breaks]
-    if breaking and not tc.allow_changes:
-        raise ConfigError(f"resuming {manifest['path']!r} with {', '.join(breaking)}: the run would not continue the "
-                          "saved one (other batches); pass the checkpoint's values, or --allow-changes")
-    for k, old, new, _ in changes:
-        say(f"resume: {k} {old!r} in the checkpoint's run, {new!r} now")
 
 
 def check_replicas(trainer, world, step):

@@ -280,6 +280,38 @@ def test_a_second_job_on_the_same_folder_is_refused(tmp_path):
     assert r.returncode == 2 and "(process 1 on elsewhere)" in r.stderr and "delete" in r.stderr, r.stderr
 
 
+def test_trace_and_plots_of_a_resumed_run(tmp_path):
+    """A resumed run traces its own first steps (it used to claim steps 2-4, which it never ran, and write an empty
+    trace) and plots its losses at their step numbers."""
+    import json
+    ckpt = tmp_path / "ckpt"
+    assert train(2, "--steps", "4", "--save-dir", str(ckpt)).returncode == 0
+    trace, plots = tmp_path / "trace.json", tmp_path / "plots"
+    r = train(2, "--steps", "9", "--save-dir", str(ckpt), "--resume", "auto", "--trace", str(trace), "--plot",
+              str(plots))
+    print(r.stdout[-600:])
+    assert r.returncode == 0 and "trace of steps 6-8, all ranks" in r.stdout, r.stderr[-2000:]
+    names = {e.get("name") for e in json.loads(trace.read_text())["traceEvents"]}
+    assert {"step 6", "step 7", "step 8"} <= names and "step 2" not in names
+    assert (plots / "loss.png").exists() and (plots / "timeline.png").exists()
+
+
+def test_export_does_not_write_into_its_checkpoint(tmp_path):
+    import subprocess
+    import sys
+    ckpt = tmp_path / "ckpt"
+    assert train(2, "--steps", "1", "--save-dir", str(ckpt)).returncode == 0
+    step = ckpt / "step-000001"
+    before = sorted(os.listdir(step))
+    for out, words in ((step / "full.npz", "is inside the checkpoint it exports from"),
+                       (tmp_path / "no" / "full.npz", "does not exist; create it first")):
+        r = subprocess.run([sys.executable, "-m", "hsgd.checkpoint", "export", str(step), str(out)],
+                           capture_output=True, text=True, timeout=60)
+        print(r.stderr.strip())
+        assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert sorted(os.listdir(step)) == before
+
+
 def test_diverged_replicas_are_named(tmp_path):
     r = train(8, "--inject-fault", "5:3:diverge", "--check-replicas", "1")
     print(r.stderr)

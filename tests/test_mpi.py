@@ -124,6 +124,23 @@ def test_an_exception_on_one_rank_ends_the_job_quickly():
     assert "[rank 3] Traceback (most recent call last):" in r.stderr
 
 
+def test_a_late_failure_on_rank_0_always_reaches_stderr(tmp_path):
+    """Rank 0 fails after the other ranks are done (in the end-of-run work only it does): the others must not
+    finalize and leave, or the launcher may tear down rank 0's output before its traceback is out (an empty stderr
+    in some runs). launch.run holds them in a Barrier until rank 0's abort ends them."""
+    script = tmp_path / "late.py"
+    script.write_text("import sys, time\nfrom mpi4py import MPI\nfrom hsgd import launch\n\n\ndef main():\n"
+                      "    if MPI.COMM_WORLD.Get_rank() == 0:\n        time.sleep(0.5)\n"
+                      "        raise RuntimeError('late failure on rank 0')\n    return 0\n\n\n"
+                      "sys.exit(launch.run(main))\n")
+    seen = []
+    for _ in range(6):
+        r = run_mpi(3, [str(script)], timeout=60)
+        seen.append(r.returncode != 0 and "late failure on rank 0" in r.stderr)
+    print(f"the traceback reached stderr in {sum(seen)} of {len(seen)} runs")
+    assert all(seen)
+
+
 def test_hybrid_training_run_prints_everything(tmp_path):
     log = tmp_path / "steps.jsonl"
     r = run_mpi(8, ["-m", "hsgd.train", *TINY[:-6], "--steps", "6", "--eval-interval", "3", "--sample-bytes", "20",

@@ -144,3 +144,48 @@ def test_log_json_appends_on_resume(tmp_path):
     print(f"{len(records)} records; loss records for steps {steps}")
     assert text.startswith(first) and steps == [1, 2, 3, 4, 5, 6]
     assert np.isfinite([rec["loss"] for rec in records if "loss" in rec]).all()
+
+
+def test_sizes_this_machine_cannot_hold_are_refused_at_once():
+    """Once --n-layers 10000000 grew memory for minutes and a wide model tried to allocate terabytes; now the
+    estimate (parameters, gradients, optimizer state, one micro-batch's activations) is checked first."""
+    import time
+    for flags, words in ((["--n-layers", "10000000"], "this run needs at least"),
+                         (["--d-model", "262144", "--n-heads", "2"], "this run needs at least"),
+                         (["--seq-len", "65536", "--batch-size", "64"], "activations of one micro-batch")):
+        t0 = time.perf_counter()
+        code, err = run(*flags)
+        seconds = time.perf_counter() - t0
+        print(f"{seconds:.1f} s: {err.strip()[:160]}")
+        assert_one_clear_line(code, err, words)
+        assert seconds < 30
+
+
+def test_the_memory_estimate_is_a_lower_bound_of_what_a_run_holds():
+    """The estimate's parameter part equals the model's parameter count x (2 + optimizer states) x bytes; the check
+    refuses exactly when the ranks of this machine need more than it has."""
+    from hsgd import ModelConfig
+    from hsgd.errors import ConfigError
+    from hsgd.preflight import check_memory, memory_estimate
+    from hsgd.settings import TrainConfig
+    cfg = ModelConfig(vocab_size=256, seq_len=16, d_model=32, n_heads=4, n_layers=3, d_ff=64)
+    tc = TrainConfig(dp=1, tp=1, pp=1, batch_size=4, dtype="float64", momentum=0.9)
+    weights, activations = memory_estimate(cfg, tc)
+    assert weights == cfg.n_params() * 8 * 3 and activations > 0
+    check_memory(cfg, tc, 4, ConfigError, available=4 * (weights + activations))
+    with pytest.raises(ConfigError, match="x 4 ranks on this machine"):
+        check_memory(cfg, tc, 4, ConfigError, available=4 * (weights + activations) - 1)
+
+
+def test_data_is_mapped_and_ranks_compare_what_they_read(tmp_path):
+    from hsgd.data import Corpus, same_data
+    from hsgd.errors import DataError
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_bytes(bytes(range(256)) * 4000)
+    b.write_bytes(bytes(range(256)) * 3999 + bytes(255) + b"x")                    # the same size, one byte off
+    ca, cb = Corpus.load(str(a), 8), Corpus.load(str(b), 8)
+    assert isinstance(ca.all.base, np.memmap)                                       # mapped, not read into memory
+    assert ca.fingerprint()[0] == cb.fingerprint()[0] and ca.fingerprint() != cb.fingerprint()
+    same_data([ca.fingerprint()] * 3, str(a))
+    with pytest.raises(DataError, match=r"ranks \[2\] read other data than rank 0"):
+        same_data([ca.fingerprint(), ca.fingerprint(), cb.fingerprint()], str(a))
