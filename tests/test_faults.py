@@ -312,6 +312,17 @@ def test_export_does_not_write_into_its_checkpoint(tmp_path):
     assert sorted(os.listdir(step)) == before
 
 
+def test_a_killed_run_keeps_every_step_it_logged(tmp_path):
+    """--log-json is flushed line by line: a rank killed at step 5 leaves the records of steps 1-4."""
+    import json
+    log = tmp_path / "log.jsonl"
+    r = train(2, "--log-json", str(log), "--inject-fault", "1:5:kill")
+    assert r.returncode not in (0, 124)
+    steps = [rec["step"] for rec in map(json.loads, log.read_text().splitlines()) if "loss" in rec]
+    print(f"logged steps {steps}")
+    assert steps == [1, 2, 3, 4]
+
+
 def test_diverged_replicas_are_named(tmp_path):
     r = train(8, "--inject-fault", "5:3:diverge", "--check-replicas", "1")
     print(r.stderr)

@@ -126,3 +126,25 @@ def test_the_command_line_says_corrupt_with_exit_2(saved, tmp_path):
         print(r.stderr.strip())
         assert r.returncode == 2 and "is corrupt" in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert not os.path.exists(tmp_path / "out.npz")
+
+
+def test_a_layout_that_does_not_split_ends_every_rank_of_sample(saved, tmp_path):
+    """hsgd.sample on 2 ranks with a (validly signed) manifest whose layout does not split the model: once rank 0
+    exited 2 and rank 1 waited in a Barrier forever."""
+    from .test_mpi import run_mpi
+    ckpt = copy(saved, tmp_path)
+    edit(ckpt, lambda m: m["layout"].update(pp=2, layers=[1, 1, 1]))
+    r = run_mpi(2, ["-m", "hsgd.sample", str(ckpt)], timeout=60)
+    print(r.stderr.strip())
+    assert r.returncode == 2 and r.stderr.count("hsgd: error:") == 1 and "is corrupt" in r.stderr, r.stderr
+
+
+def test_strings_from_a_manifest_are_printed_escaped(saved, tmp_path):
+    """A manifest's free text (here the data name, signed as if written so) reaches the terminal escaped: no
+    control character (an escape sequence could clear the screen or hide the message) is printed raw."""
+    ckpt = copy(saved, tmp_path)
+    edit(ckpt, lambda m: m["data"].update(corpus="x\x1b[2J\rhidden"))
+    r = subprocess.run([sys.executable, "-m", "hsgd.train", *BASE, "--n-layers", "2", "--steps", "2", "--resume",
+                        str(ckpt)], capture_output=True, text=True, timeout=60)
+    print(r.stderr.strip())
+    assert r.returncode == 2 and "\\x1b[2J\\rhidden" in r.stderr and "\x1b" not in r.stderr, r.stderr
