@@ -164,8 +164,9 @@ class Checkpoints:
                        choices=("stop", "skip"))
     overwrite: bool = flag(False, "start a new run in a --save-dir that holds other checkpoints (they are kept; "
                                   "--resume auto then follows the new run)")
-    allow_changes: bool = flag(False, "resume although the seed, the data or the batch size differ from the "
-                                      "checkpoint's run (the result is then not its continuation)")
+    allow_changes: bool = flag(False, "resume although seed, data or batch size differ from the checkpoint's run")
+    step_timeout: float = flag(0.0, "end the job (exit code 5) when a step runs longer than S seconds, as when a rank "
+                                    "stops and the others wait for it forever; 0 = off", metavar="S")
     max_skips: int = flag(10, "with --on-nan skip: stop (exit code 3) after N steps in a row skipped", metavar="N")
     check_replicas: int = flag(0, "every N steps compare the DP replicas' parameters and stop, naming the first that "
                                   "differs; 0 = never", metavar="N")
@@ -175,6 +176,8 @@ class Checkpoints:
         check_nonnegative_int("check_replicas", self.check_replicas)
         check_positive_int("keep", self.keep)
         check_positive_int("max_skips", self.max_skips)
+        if not (math.isfinite(self.step_timeout) and self.step_timeout >= 0):
+            raise ConfigError(f"step_timeout={self.step_timeout!r} must be a finite number of seconds >= 0 (0: off)")
         if self.on_nan not in ("stop", "skip"):
             raise ConfigError(f"on_nan={self.on_nan!r} must be stop or skip")
         if self.resume == "auto" and not self.save_dir:

@@ -42,6 +42,7 @@ from .settings import TrainConfig, build_parser, configs_from_args
 from .signals import StopRequest
 from .threads import openblas_note, set_cpu_threads, tune_allocator
 from .trace import Tracer
+from .watchdog import Watchdog
 
 __all__ = ["TrainConfig", "train", "main", "build_parser", "configs_from_args", "step_formula", "fmt_bytes"]
 
@@ -160,9 +161,11 @@ def loop(run):
     faults, run.traced = Faults(tc.inject_fault, run.world.Get_rank()), (first, min(first + 2, tc.steps))
     run.measured_step, t0 = min(run.start + 1, tc.steps), time.perf_counter()
     run.pinned = sum(st.allocated for st in staging_pools(grid, trainer))   # (a resume past the last step: no step)
-    with StopRequest() as stop:                                            # SIGTERM / SIGINT: a flag, read below
+    with StopRequest() as stop, Watchdog(tc.step_timeout, run.world) as dog:   # SIGTERM, SIGINT; --step-timeout
         for step in range(run.start, tc.steps + 1):
+            dog.started(step)
             info = one_step(run, step, faults)
+            dog.done()
             run.progress.step(step, info)
             saved = at_intervals(run, step, faults)
             if stop.agreed(run.world):                                     # one Allreduce: every rank stops here

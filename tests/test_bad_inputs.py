@@ -56,6 +56,8 @@ OUT_OF_RANGE = [
     (["--clip", "nan"], "clip=nan must be a finite number"),
     (["--momentum", "nan"], "momentum=nan must be a finite number"),
     (["--max-skips", "0"], "max_skips=0 must be a positive integer"),
+    (["--step-timeout", "-1"], "step_timeout=-1.0 must be a finite number of seconds >= 0"),
+    (["--step-timeout", "inf"], "step_timeout=inf must be a finite number of seconds >= 0"),
     (["--straggler", "0:\u00b2"], "must look like RANK:MILLISECONDS"),              # a superscript two
     (["--inject-fault", "\u0663:1"], "must look like RANK:STEP"),                     # an Arabic-Indic three
     (["--straggler", "0:99999999999"], "at most 60000 ms of sleep per step"),

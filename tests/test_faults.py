@@ -323,6 +323,27 @@ def test_a_killed_run_keeps_every_step_it_logged(tmp_path):
     assert steps == [1, 2, 3, 4]
 
 
+@pytest.mark.parametrize("how", ["a straggler of 60 s", "a rank stopped with SIGSTOP"])
+def test_a_stalled_rank_ends_the_job_after_the_step_timeout(how):
+    """--step-timeout: a rank that stops without dying stalls every other rank in the next collective; the
+    watchdog ends the whole job with exit code 5 and one line per rank that noticed, in seconds."""
+    import signal
+    import time
+    if how.startswith("a straggler"):
+        t0 = time.perf_counter()
+        r = train(2, "--steps", "5", "--straggler", "1:60000", "--step-timeout", "2", timeout=60)
+        out, err, code = r.stdout, r.stderr, r.returncode
+    else:
+        p = start_training(2, "--steps", "100000", "--log-interval", "1000", "--step-timeout", "2")
+        t0 = time.perf_counter()
+        os.kill(rank_pids(p)[-1], signal.SIGSTOP)
+        out, err = p.communicate(timeout=60)
+        code = p.returncode
+    seconds = time.perf_counter() - t0
+    print(f"{how}: exit {code} after {seconds:.1f} s; {err.strip().splitlines()[0]}")
+    assert code == 5 and "has run for more than --step-timeout 2 s" in err and seconds < 30, err[-2000:]
+
+
 def test_diverged_replicas_are_named(tmp_path):
     r = train(8, "--inject-fault", "5:3:diverge", "--check-replicas", "1")
     print(r.stderr)

@@ -504,6 +504,10 @@ check.holds("a FIFO in place of a shard: refused by every rank, saying what it i
 #   ranks agree on the flags with one Allreduce (MAX), since the signal may reach one rank, or reach them at
 #   different moments. Then every rank takes the same branch: a checkpoint of the step just finished (with
 #   `--save-dir`), and exit code 4 with `hsgd: stopped: SIGTERM after step N; checkpoint ...`.
+# * **A rank that stops without dying**: a frozen node, a stuck file system, SIGSTOP. Nothing fails, so nothing
+#   reports: the others wait in the step's next collective until the job's time runs out. `--step-timeout S`
+#   starts a watchdog thread on every rank (`hsgd.watchdog`) that ends the job with `MPI_Abort` (exit code 5) and
+#   one line when a step runs longer than S seconds.
 #
 # Either way the job is over, and what survives is on disk: the last complete checkpoint. The cure is the same
 # command again with `--resume auto`, which finds the newest complete checkpoint in `--save-dir`
