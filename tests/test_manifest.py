@@ -148,3 +148,32 @@ def test_strings_from_a_manifest_are_printed_escaped(saved, tmp_path):
                         str(ckpt)], capture_output=True, text=True, timeout=60)
     print(r.stderr.strip())
     assert r.returncode == 2 and "\\x1b[2J\\rhidden" in r.stderr and "\x1b" not in r.stderr, r.stderr
+
+
+def test_rotation_renames_a_checkpoint_aside_before_deleting_it(tmp_path, monkeypatch):
+    """A job killed while rotation deletes an old checkpoint must not leave a half-deleted one that still looks
+    complete: it is renamed to a hidden .old-* name first (cleaned up by the next save)."""
+    from mpi4py import MPI
+
+    import hsgd
+    from hsgd.grid import ProcessGrid
+    from hsgd.hybrid import HybridTrainer
+    from hsgd.settings import TrainConfig
+    cfg = hsgd.ModelConfig(vocab_size=256, seq_len=8, d_model=8, n_heads=2, n_layers=1, d_ff=8)
+    grid = ProcessGrid(MPI.COMM_SELF, dp=1, tp=1)
+    trainer = HybridTrainer(cfg, grid, TrainConfig(dp=1, tp=1, batch_size=2, dtype="float64"))
+    checkpoint.save(trainer, 1, str(tmp_path), keep=1)
+
+    def killed(path, ignore_errors=False):
+        raise KeyboardInterrupt("killed while deleting")
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", killed)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.save(trainer, 2, str(tmp_path), keep=1)
+    monkeypatch.undo()
+    listing = sorted(os.listdir(tmp_path))
+    print(listing)
+    assert [os.path.basename(p) for p in checkpoint.complete_checkpoints(str(tmp_path))] == ["step-000002"]
+    assert any(n.startswith(".old-step-000001-") for n in listing)
+    checkpoint.save(trainer, 3, str(tmp_path), keep=1)                 # the next save removes the leftover
+    assert sorted(os.listdir(tmp_path)) == ["step-000003"]
+    grid.free()
