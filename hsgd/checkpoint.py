@@ -71,8 +71,9 @@ def _fsync_dir(path):
 
 # ---------------------------------------------------------------------------------------------------- save
 
-def save(trainer, step, save_dir, keep=3, kill_in_save=False, line=DEFAULT_LINE, started_from=None):
+def save(trainer, step, save_dir, keep=3, kill_in_save=False, identity=None):
     """Collective (every rank): write the checkpoint of `step` into save_dir/step-{step:06d}. Returns its path.
+    identity: the writing run's {"line", "id", "started_from"} (hsgd.runs; default: the line "default").
     A write that fails on any rank (a full disk, a file system gone read-only) removes the partial checkpoint on
     every rank's word and raises CheckpointError everywhere; the previous checkpoints stay as they were."""
     grid, world = trainer.grid, trainer.grid.base
@@ -92,7 +93,8 @@ def save(trainer, step, save_dir, keep=3, kill_in_save=False, line=DEFAULT_LINE,
         error = next((e for e in errors if e), None)
         final = None
         if error is None:
-            manifest = build_manifest(trainer, step, t, entries, {"line": line, "started_from": started_from})
+            manifest = build_manifest(trainer, step, t, entries, identity or {"line": DEFAULT_LINE, "id": None,
+                                                                               "started_from": None})
             final, error = attempt(lambda: publish(tmp, manifest, save_dir, step, keep))
             error = error and f"{error} on rank 0"
         if error is not None and tmp:
@@ -148,7 +150,7 @@ def write_shard(trainer, state, tmp):
 
 
 def build_manifest(trainer, step, t, entries, run):
-    """Rank 0: the manifest (see the module docstring), with its own digest. run: {"line", "started_from"}
+    """Rank 0: the manifest (see the module docstring), with its own digest. run: {"line", "id", "started_from"}
     (hsgd.runs)."""
     tc, grid = trainer.tc, trainer.grid
     manifest = {

@@ -4,7 +4,8 @@ A save folder can hold the checkpoints of more than one run: a run and its resum
 branch resumed from an older checkpoint. Ranking them by step number alone loses work: a fresh run into a folder
 that holds a higher step has its own checkpoints rotated away as soon as it writes them, and a resume from an older
 checkpoint deletes the one it started from while `--resume auto` later picks up the abandoned run. So every
-checkpoint records its **line** (`manifest["run"]["line"]`, a random id) and what it started from:
+checkpoint records its **line** (`manifest["run"]["line"]`, a random id), the id of the run that wrote it and the
+checkpoint that run started from:
 
 * a fresh run starts a new line; into a folder that already holds checkpoints only with `--overwrite`;
 * a run resumed from the newest checkpoint of a line continues that line; resumed from an older one, it starts a
@@ -145,16 +146,17 @@ def lock_folder(tc):
 
 
 def choose_line(tc, manifest):
-    """Rank 0: (line, started_from) of the checkpoints this run will write (see the module docstring). manifest:
-    the checkpoint resumed from, or None for a fresh run, which is refused in a folder holding checkpoints unless
-    --overwrite."""
+    """Rank 0: the identity of this run that its checkpoints record, {"line", "id", "started_from"} (see the module
+    docstring): id is this run's own, started_from the checkpoint it resumed from. manifest: that checkpoint's, or
+    None for a fresh run, which is refused in a folder holding checkpoints unless --overwrite."""
     from .checkpoint import complete_checkpoints
     if manifest is not None:
         folder = os.path.dirname(manifest["path"])
-        return line_to_write(manifest, complete_checkpoints(folder)), os.path.basename(manifest["path"])
+        return {"line": line_to_write(manifest, complete_checkpoints(folder)), "id": new_line(),
+                "started_from": os.path.basename(manifest["path"])}
     found = complete_checkpoints(tc.save_dir) if tc.save_dir else []
     if found and not tc.overwrite:
         raise ConfigError(f"--save-dir {tc.save_dir!r} holds checkpoints of another run (the newest: "
                           f"{os.path.basename(newest(found))}); continue it with --resume auto, choose another "
                           "--save-dir, or pass --overwrite to start a new run beside them")
-    return new_line(), None
+    return {"line": new_line(), "id": new_line(), "started_from": None}

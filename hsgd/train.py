@@ -121,8 +121,7 @@ class Run:
     tracer: object = None           # Tracer, with --trace or --plot
     progress: object = None         # Progress: the progress lines and the --log-json records
     start: int = 1                  # the first step (after a checkpoint: the step after it)
-    line: str = None                # the line of the checkpoints this run writes, and where it started (hsgd.runs)
-    started_from: str = None
+    identity: dict = None           # {"line", "id", "started_from"} that this run's checkpoints record (hsgd.runs)
     val_points: list = field(default_factory=list)       # [(step, validation loss)]
     per_step: dict = field(default_factory=dict)         # one step's CommStats: {(comm, op): (calls, bytes)}
     measured_step: int = 1          # the step per_step was measured in (staleness' first moves nothing)
@@ -144,8 +143,8 @@ def setup(cfg, tc, world, out, threads):
     for c in [run.grid.tp_comm, run.grid.dp_comm, run.grid.pp_comm, run.grid.world] + run.trainer.exchange.comms():
         c.tracer = run.tracer
     run.start, manifest = resume(run.trainer, cfg, tc, world, say)   # 1, or the step after the checkpoint
-    line = launch.agree(world, lambda: choose_line(tc, manifest) if world.Get_rank() == 0 else None)
-    run.line, run.started_from = world.bcast(line, root=0)           # the checkpoints' line (hsgd.runs)
+    identity = launch.agree(world, lambda: choose_line(tc, manifest) if world.Get_rank() == 0 else None)
+    run.identity = world.bcast(identity, root=0)                     # line, run id, started from (hsgd.runs)
     header(run, device, threads)
     run.progress = Progress(tc, tc.batch_size * cfg.seq_len, run.start, say, world.Get_rank() == 0)
     run.val_points = [(run.start - 1, run.trainer.evaluate(run.corpus, tc.eval_batches, tc.batch_size))]
@@ -205,8 +204,7 @@ def stop_after_signal(run, step, signum, saved):
         raise Stopped(f"{name} after step {step}, a step with non-finite values: no checkpoint written; the newest in "
                       f"{tc.save_dir!r} is older")
     try:
-        path = saved or checkpoint.save(trainer, step, tc.save_dir, tc.keep, line=run.line,
-                                        started_from=run.started_from)
+        path = saved or checkpoint.save(trainer, step, tc.save_dir, tc.keep, identity=run.identity)
     except CheckpointError as e:
         raise Stopped(f"{name} after step {step}; {e}") from None
     raise Stopped(f"{name} after step {step}; checkpoint {path}; continue with --resume auto")
@@ -224,7 +222,7 @@ def at_intervals(run, step, faults):
         else:
             try:
                 path = checkpoint.save(trainer, step, tc.save_dir, tc.keep, kill_in_save=faults.in_save(step),
-                                   line=run.line, started_from=run.started_from)
+                                       identity=run.identity)
                 run.say(f"checkpoint after step {step}: {path}")
             except CheckpointError as e:        # a full disk: every rank got it; retry at the next interval
                 if step == tc.steps:

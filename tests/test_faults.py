@@ -256,6 +256,12 @@ def test_runs_in_one_folder_keep_their_own_checkpoints(tmp_path):
     assert "step-000007" not in os.listdir(branch)                                   # the branch's own rotation
     r = train(2, "--steps", "9", "--save-dir", str(branch), "--resume", "auto")
     assert r.returncode == 0 and "after step 8" in r.stdout, r.stderr[-2000:]
+    import json
+    run = {s: json.loads((branch / f"step-{s:06d}" / "manifest.json").read_text())["run"] for s in (5, 8, 9)}
+    print(run)
+    assert run[8]["started_from"] == "step-000005" and run[8]["line"] != run[5]["line"]       # a branch
+    assert run[9]["started_from"] == "step-000008" and run[9]["line"] == run[8]["line"]       # a continuation
+    assert len({run[s]["id"] for s in run}) == 3                                               # three runs
 
 
 def test_a_second_job_on_the_same_folder_is_refused(tmp_path):
