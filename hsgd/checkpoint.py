@@ -227,7 +227,7 @@ def open_checkpoint(path, cfg=None):
         raise CheckpointError(f"manifest of checkpoint {path!r} cannot be read ({e})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"{path!r} is not an hsgd checkpoint of format {FORMAT}")
-    check_manifest(manifest, path, FORMAT, CheckpointError)             # digest, schema, the files' names
+    check_manifest(manifest, path, CheckpointError)             # digest, schema, the files' names
     if cfg is not None and manifest["model"] != asdict(cfg):
         diff = ", ".join(f"{k} {manifest['model'].get(k)} in the checkpoint vs {v} now"
                          for k, v in asdict(cfg).items() if manifest["model"].get(k) != v)

@@ -37,9 +37,10 @@ def is_int(x, low=0):
     return isinstance(x, int) and not isinstance(x, bool) and x >= low
 
 
-def check(m, path, fmt, error):
-    """Raise error("checkpoint PATH is corrupt: ...") unless `m` is a manifest of format `fmt` as described in the
-    module docstring. Returns the ModelConfig it describes."""
+def check(m, path, error):
+    """Raise error("checkpoint PATH is corrupt: ...") unless `m`, a dict of hsgd's format (the caller has checked
+    that much: hsgd.checkpoint.open_checkpoint), is a manifest as described in the module docstring. Returns the
+    ModelConfig it describes."""
     from .config import ModelConfig
     from .errors import UsageError
     from .pp import split_layers
@@ -49,8 +50,6 @@ def check(m, path, fmt, error):
         if not ok:
             raise error(f"checkpoint {path!r} is corrupt: its manifest {what}; resume from another checkpoint")
 
-    need(isinstance(m, dict), "is not a JSON object")
-    need(m.get("format") == fmt, f"is not of the format {fmt!r}")
     need(isinstance(m.get("digest"), str), "records no digest of itself (written by an older hsgd, or edited)")
     need(m["digest"] == digest(m), "was changed after it was written (its digest does not match)")
     for key, kind in (("step", int), ("model", dict), ("layout", dict), ("optimizer", dict), ("dtype", str),

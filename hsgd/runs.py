@@ -30,7 +30,8 @@ from .errors import ConfigError
 DEFAULT_LINE = "default"        # checkpoints saved from Python without a line (tutorials, tests)
 
 
-def new_line():
+def random_id():
+    """A new line's or run's id: 16 hex digits."""
     return secrets.token_hex(8)
 
 
@@ -75,7 +76,7 @@ def line_to_write(manifest, checkpoints):
     mine = own(checkpoints, line)
     if mine and os.path.samefile(mine[-1], manifest["path"]):
         return line
-    return new_line()
+    return random_id()
 
 
 class FolderLock:
@@ -152,11 +153,11 @@ def choose_line(tc, manifest):
     from .checkpoint import complete_checkpoints
     if manifest is not None:
         folder = os.path.dirname(manifest["path"])
-        return {"line": line_to_write(manifest, complete_checkpoints(folder)), "id": new_line(),
+        return {"line": line_to_write(manifest, complete_checkpoints(folder)), "id": random_id(),
                 "started_from": os.path.basename(manifest["path"])}
     found = complete_checkpoints(tc.save_dir) if tc.save_dir else []
     if found and not tc.overwrite:
         raise ConfigError(f"--save-dir {tc.save_dir!r} holds checkpoints of another run (the newest: "
                           f"{os.path.basename(newest(found))}); continue it with --resume auto, choose another "
                           "--save-dir, or pass --overwrite to start a new run beside them")
-    return {"line": new_line(), "id": new_line(), "started_from": None}
+    return {"line": random_id(), "id": random_id(), "started_from": None}

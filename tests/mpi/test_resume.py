@@ -52,16 +52,21 @@ def test_resume_auto_follows_rank_0_when_ranks_see_different_folders(rank0_sees)
     check(start == expected and same == rank0_sees, f"start {start}, loaded {same}")
 
 
-def test_a_state_that_is_not_finite_is_never_saved():
-    """One infinite parameter on one rank: every rank refuses to save (NumericalFault, exit code 3 from the command
-    line), and the checkpoint saved before stays the newest."""
-    from hsgd.errors import NumericalFault
+def saved_after_step_1():
+    """(folder, grid, trainer, checkpoint of step 1): one float64 SGD step on dp 2 x tp 4, saved into a new folder."""
     tc = TrainConfig(dp=2, tp=4, steps=4, batch_size=8, lr=0.05, momentum=0.9, dtype="float64", seed=3)
     where = WORLD.bcast(tempfile.mkdtemp() if WORLD.Get_rank() == 0 else None)
     grid = ProcessGrid(WORLD, dp=tc.dp, tp=tc.tp)
     trainer = HybridTrainer(CFG, grid, tc)
     trainer.step(*CORPUS.batch(tc.seed, 1, tc.batch_size), 1)
-    good = checkpoint.save(trainer, 1, where)
+    return where, grid, trainer, checkpoint.save(trainer, 1, where)
+
+
+def test_a_state_that_is_not_finite_is_never_saved():
+    """One infinite parameter on one rank: every rank refuses to save (NumericalFault, exit code 3 from the command
+    line), and the checkpoint saved before stays the newest."""
+    from hsgd.errors import NumericalFault
+    where, grid, trainer, good = saved_after_step_1()
     if WORLD.Get_rank() == 6:
         trainer.params["h.1.mlp.fc.weight"][0, 0] = np.inf
     try:
@@ -91,12 +96,7 @@ def test_a_save_that_fails_on_one_rank_keeps_the_previous_checkpoint(monkeypatch
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    tc = TrainConfig(dp=2, tp=4, steps=4, batch_size=8, lr=0.05, momentum=0.9, dtype="float64", seed=3)
-    where = WORLD.bcast(tempfile.mkdtemp() if WORLD.Get_rank() == 0 else None)
-    grid = ProcessGrid(WORLD, dp=tc.dp, tp=tc.tp)
-    trainer = HybridTrainer(CFG, grid, tc)
-    trainer.step(*CORPUS.batch(tc.seed, 1, tc.batch_size), 1)
-    good = checkpoint.save(trainer, 1, where)
+    where, grid, trainer, good = saved_after_step_1()
     if WORLD.Get_rank() == 0:
         os.makedirs(os.path.join(where, ".tmp-step-000001-99999"))          # a leftover of a killed save
         os.makedirs(os.path.join(where, ".tmp-notes"))                      # not ours
