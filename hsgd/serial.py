@@ -18,7 +18,7 @@ cfg) for evaluation, and sgd(cfg, tc, batch, params, delayed): whole runs of ser
 every parallel layout's training must reproduce.
 
 The model runs the plain layers of hsgd.layers, the formulas a reader checks. Every model function takes
-ops=hsgd.ops instead to run the tuned kernels, which have the same signatures (benchmarks and chapter 12 time
+ops=hsgd.ops instead to run the tuned kernels, which have the same signatures (benchmarks and appendix A time
 the model that way).
 """
 import zlib
@@ -137,7 +137,7 @@ def loss_and_grads(params, idx, targets, cfg, grads=None, split=False, ops=layer
     split=True (NumPy, threads.cpu_threads() > 1): the batch is cut into cpu_threads() slices of whole sequences,
     computed side by side, one thread each (threads.parallel_batches). Slice i, with B_i of the B sequences, adds
     B_i / B times its own mean loss and gradients: the mean over the batch is the B_i-weighted mean of the slices'
-    means (the mini-batch identity of chapter 5: data parallelism inside one process, the final sum in place of
+    means (the mini-batch identity of chapter 4: data parallelism inside one process, the final sum in place of
     the All-Reduce). The same numbers as split=False, up to rounding.
     ops: the layer functions, hsgd.layers (the plain formulas) or hsgd.ops (the tuned kernels): the same numbers.
     """

@@ -83,7 +83,7 @@ print(f"tiny model: {cfg.n_params()} parameters in {len(params)} arrays")
 #
 # and because the gradient is linear, $\nabla\,\text{loss} = \frac{1}{B}\sum_j \nabla L_j$. The gradient
 # `loss_and_grads` returns therefore already *is* the lecture's averaged gradient, and the update in
-# `hsgd.optim.SGD` is just `w -= lr * g`. (This is also what makes data parallelism work in chapter 5: the
+# `hsgd.optim.SGD` is just `w -= lr * g`. (This is also what makes data parallelism work in chapter 4: the
 # mean over the batch equals the mean of the means over equal-sized shards.)
 #
 # Let us see it: the gradient of a batch of 4 sequences against the mean of 4 single-sequence gradients.
@@ -356,7 +356,7 @@ check.holds("validation loss fell by more than 0.5", run["val_after"] < run["val
 # is nothing further below to compare with, so the serial model itself was checked against calculus: every
 # layer's backward and the whole model's gradient agree with central finite differences to better than
 # $10^{-6}$ relative error, the batch gradient is the lecture's $\frac1B\sum_j \nabla L_j$, and SGD with it
-# learns. From chapter 2 on, `serial.loss_and_grads` is the reference.
+# learns. From chapter 3 on, `serial.loss_and_grads` is the reference.
 
 # %%
 worst, err = check.worst([w for w in check.errors if "rel err" in w])

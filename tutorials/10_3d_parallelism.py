@@ -14,7 +14,7 @@
 # ---
 
 # %% [markdown]
-# # Chapter 9: 3-D parallelism, dp x pp x tp
+# # Chapter 10: 3-D parallelism, dp x pp x tp
 #
 # The lecture ends with what an implementation has to get right. Its summary (in translation):
 #
@@ -25,7 +25,7 @@
 # > and pipelining to raise the throughput.
 #
 # Its "model-parallel group" may itself be split two ways (section 3.1): tensor parallelism inside each layer
-# (chapters 3, 4, 6) and pipeline parallelism across layers (chapter 8). With both, a rank has three coordinates,
+# (chapters 5, 6, 7) and pipeline parallelism across layers (chapter 9). With both, a rank has three coordinates,
 # and hsgd's grid is the product of all three dimensions. This chapter puts the pieces together on 8 ranks as
 # dp = 2 replicas x pp = 2 stages x tp = 2 tensor-parallel ranks:
 #
@@ -39,9 +39,9 @@
 #
 # Run it with eight ranks (well under a minute; on failure every rank raises, so it exits non-zero without hanging):
 #
-# mpirun -n 8 python tutorials/09_3d_parallelism.py
+# mpirun -n 8 python tutorials/10_3d_parallelism.py
 #
-# The notebook form (`jupytext --to ipynb tutorials/09_3d_parallelism.py`) is for reading: the code needs eight MPI
+# The notebook form (`jupytext --to ipynb tutorials/10_3d_parallelism.py`) is for reading: the code needs eight MPI
 # ranks. Only rank 0 prints.
 #
 # Legend: P ranks, dp replicas, p = pp stages, tp ranks per stage, B global batch, m micro-batches per replica and
@@ -95,22 +95,22 @@ def config(**kw):
 # %% [markdown]
 # ## 1. The grid, and who talks to whom
 #
-# `ProcessGrid(world, dp=2, pp=2, tp=2)` (chapter 2) numbers the ranks tp fastest, then pp, then dp:
+# `ProcessGrid(world, dp=2, pp=2, tp=2)` (chapter 3) numbers the ranks tp fastest, then pp, then dp:
 #
 # $$\text{rank} = (\text{dp\_rank} \cdot pp + \text{pp\_rank}) \cdot tp + \text{tp\_rank},$$
 #
 # and splits one communicator per dimension off the world, each joining the ranks that agree on the *other two*
 # coordinates:
 #
-# * **`tp_comm`**: same replica, same stage. The tp ranks that hold one stage's parameters between them (chapter 4's
+# * **`tp_comm`**: same replica, same stage. The tp ranks that hold one stage's parameters between them (chapter 6's
 #   shards: heads, MLP columns, vocabulary rows). They talk in every block, forward and backward.
 # * **`pp_comm`**: same replica, same tp_rank. The p stages of one pipeline, each rank holding the same shard
 #   position of a different stage; they pass activations forward and their gradients back, once per micro-batch,
-#   to their neighbours only (chapter 8). Every tp_rank has its own pipeline: the (N, C) activation is whole on
+#   to their neighbours only (chapter 9). Every tp_rank has its own pipeline: the (N, C) activation is whole on
 #   every rank of a tensor-parallel group after its All-Reduce, so each rank sends its copy to the rank with the
 #   same tp_rank in the next stage.
 # * **`dp_comm`**: same stage, same tp_rank. The dp ranks that hold the **same shard of the same stage** in each
-#   replica; they average its gradient once per step (chapters 5 and 6).
+#   replica; they average its gradient once per step (chapters 4 and 7).
 #
 # Numbering tp fastest keeps a tensor-parallel group on consecutive ranks (one node, on a cluster), the pipeline's
 # neighbours next, and the replicas farthest apart: the most frequent traffic on the fastest links, the lecture's
@@ -191,7 +191,7 @@ check.equal("shared communicators == the one coordinate two ranks differ in", vi
 # 1. replica g takes rows $[gB/dp, (g+1)B/dp)$ of the global batch and cuts them into m micro-batches of
 #    $B/(dp\,m)$ sequences (every rank of the replica reads the same rows);
 # 2. each stage runs its schedule (1F1B by default) of m forwards and m backwards; each forward and backward is the
-#    tensor-parallel `stage_forward` / `stage_backward` of chapter 8 on its tensor-parallel group;
+#    tensor-parallel `stage_forward` / `stage_backward` of chapter 9 on its tensor-parallel group;
 # 3. each rank averages its stage shard's gradient over `dp_comm`;
 # 4. each rank updates its shard. (The global gradient norm for clipping adds the squares over `tp_comm` and
 #    `pp_comm`: every stage holds different parameters.)
@@ -321,10 +321,10 @@ check.equal("the table's parameters per rank for my stage == the trainer's",
 #   larger. It is the traffic to keep inside a node.
 # * **pp** divides the parameters and the tensor-parallel traffic by the number of stages (each stage has $L/p$
 #   blocks) and adds only $2\,(B/dp)\,T\,C\,s$ of point-to-point messages per middle stage, the smallest payload of
-#   the three, at the price of the bubble $(p-1)/(m+p-1)$ (chapter 8): with m = 2 and p = 8 that is 7/9 of the time
+#   the three, at the price of the bubble $(p-1)/(m+p-1)$ (chapter 9): with m = 2 and p = 8 that is 7/9 of the time
 #   idle, which is why real pipelines use m of several p.
 # * **dp** divides nothing but the batch: each rank All-Reduces the whole gradient of its shard of its stage,
-#   $\approx$ (parameters)/(pp tp), once per step, where it can overlap the backward pass (chapter 7).
+#   $\approx$ (parameters)/(pp tp), once per step, where it can overlap the backward pass (chapter 8).
 #
 # Hence the usual recipe, the lecture's section 2 with the placement of its section 4.1: choose tp x pp just large
 # enough that one replica of the model fits (tp inside a node, where the bandwidth is; pp across nodes when more is
@@ -352,7 +352,7 @@ for extra in (dict(), dict(tp_scheme="gather", schedule="gpipe")):
 # `hsgd.train.train(cfg, tc, world)` is the loop of `mpirun -n 8 python -m hsgd.train --tp 2 --pp 2 --dp 2`: here
 # six float64 steps of SGD with momentum, a warm-up, a cosine schedule and clipping at 1.0, m = 2 micro-batches,
 # 1F1B. Besides the progress lines, it prints the bytes per step of every stage against `step_formula`, the last
-# step's measured pipeline schedule (noisy on a shared machine, see chapter 8) and the micro-batches each stage
+# step's measured pipeline schedule (noisy on a shared machine, see chapter 9) and the micro-batches each stage
 # held. Its output, from rank 0:
 
 # %%
@@ -362,7 +362,7 @@ run = train(cfg, tc, world, out=sys.stdout)           # rank 0 prints; every ran
 # %% [markdown]
 # The reference is serial mini-batch SGD on one process, the whole batch of every step, with the same optimizer,
 # schedule and clipping (the serial norm): `serial.sgd`. Rank 0 runs it and broadcasts the result; every rank
-# compares its shards of its stage with the matching slices. As in chapter 5 the error is relative to each
+# compares its shards of its stage with the matching slices. As in chapter 4 the error is relative to each
 # parameter's largest entry, but at least to 0.02: the attention k-biases only ever receive rounding noise. Both
 # replicas of every shard must also be bit-identical, and every parameter must be held by some rank.
 

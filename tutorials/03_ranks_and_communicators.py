@@ -14,7 +14,7 @@
 # ---
 
 # %% [markdown]
-# # Chapter 2: ranks, communicators and the process grid
+# # Chapter 3: ranks, communicators and the process grid
 #
 # Chapter 1 ran on one process. From here on hsgd runs on P processes at once, and before any of them trains
 # anything, each has to know where it stands: which part of the model it holds, which data it reads, and
@@ -33,10 +33,10 @@
 # The chapter needs 8 MPI processes. Run it as a script (a few seconds; it exits non-zero on every rank if
 # any check fails):
 #
-# mpirun -n 8 python tutorials/02_ranks_and_communicators.py
+# mpirun -n 8 python tutorials/03_ranks_and_communicators.py
 #
 # (`mpiexec` is the same launcher under its standard name). Opened as a notebook
-# (`jupytext --to ipynb tutorials/02_ranks_and_communicators.py`) it reads the same, but a notebook kernel is
+# (`jupytext --to ipynb tutorials/03_ranks_and_communicators.py`) it reads the same, but a notebook kernel is
 # a single process, so the cells only run under `mpirun`.
 #
 # Legend: P world size, dp = G (data-parallel replicas), tp = M (workers of one tensor-parallel group),
@@ -62,7 +62,7 @@ say = check.say                      # print once, from rank 0
 
 if P != 8:                           # every rank sees the same P, so every rank stops here together
     raise RuntimeError(f"this chapter needs 8 ranks, got {P}: "
-                       "mpirun -n 8 python tutorials/02_ranks_and_communicators.py")
+                       "mpirun -n 8 python tutorials/03_ranks_and_communicators.py")
 
 # %% [markdown]
 # ## 1. Ranks and communicators
@@ -347,9 +347,9 @@ grid3.free()
 #   those calls;
 # * sizes whose product is not 8 raise the same `GridError` on every rank, before any communication.
 #
-# Chapter 3 puts `tp_comm` to work: linear layers whose weight matrices are split across the group.
+# Chapter 5 puts `tp_comm` to work: linear layers whose weight matrices are split across the group.
 
 # %%
 _, worst = check.worst()                             # the numerical checks: the Allreduces against NumPy
-say(f"chapter 2: all {len(check.passed)} checks passed on {P} ranks; largest numerical difference from NumPy "
+say(f"chapter 3: all {len(check.passed)} checks passed on {P} ranks; largest numerical difference from NumPy "
     f"{worst:.1e}")

@@ -14,7 +14,7 @@
 # ---
 
 # %% [markdown]
-# # Chapter 3: tensor-parallel linear layers
+# # Chapter 5: tensor-parallel linear layers
 #
 # Section 3 of the lecture splits one copy of the model over a group of tp workers, "tensor parallelism": every
 # large weight matrix is cut by columns or by rows, and each worker multiplies with its own piece. This chapter
@@ -30,9 +30,9 @@
 # Every result is compared with the serial computation on the full matrices. Run it with four ranks (a few
 # seconds; on failure every rank raises, so it exits non-zero without hanging):
 #
-# mpirun -n 4 python tutorials/03_tensor_parallel_linear.py
+# mpirun -n 4 python tutorials/05_tensor_parallel_linear.py
 #
-# The notebook form (`jupytext --to ipynb tutorials/03_tensor_parallel_linear.py`) is for reading: the code needs
+# The notebook form (`jupytext --to ipynb tutorials/05_tensor_parallel_linear.py`) is for reading: the code needs
 # four MPI ranks, so run it with mpirun as above. Only rank 0 prints.
 #
 # Legend: B batch, T sequence, C d_model, F d_ff, N = B*T rows, tp tensor-parallel ranks, i (or r) a rank.
@@ -383,7 +383,7 @@ say(f"payload per MLP step: Megatron {mega_bytes} bytes, the lecture's {gath_byt
 # With $F = 4C$, as here and in GPT-2, the lecture's scheme moves $(F + C)/C = 5$ times the payload of
 # Megatron's, in four collectives instead of two. What it buys is simplicity: every layer's output is complete on
 # every rank, so any layer can follow any other. Megatron's pairing needs the column split to be followed by the
-# row split, which is exactly the shape of a Transformer's MLP and, as chapter 4 shows, of its attention.
+# row split, which is exactly the shape of a Transformer's MLP and, as chapter 6 shows, of its attention.
 #
 # ## Check against serial
 #
@@ -409,6 +409,6 @@ for scheme, out, grads in (("megatron", out_mega, mega), ("gather", out_gath, ga
           max(rel_err(grads[name], shard_of[scheme][name]) for name in grads))
 
 worst, err = check.worst()
-say(f"chapter 3: all {len(check.passed)} checks passed on {world.Get_size()} ranks; largest error {err:.1e} "
+say(f"chapter 5: all {len(check.passed)} checks passed on {world.Get_size()} ranks; largest error {err:.1e} "
     f"({worst}), tolerance {TOL:.0e}")
 grid.free()

@@ -14,7 +14,7 @@
 # ---
 
 # %% [markdown]
-# # Chapter 10: fault tolerance, checkpoints of a sharded model
+# # Chapter 11: fault tolerance, checkpoints of a sharded model
 #
 # The lecture lists fault tolerance among the challenges of hybrid parallel SGD. Its section 4.3 (in translation):
 #
@@ -26,7 +26,7 @@
 # The arithmetic behind the first sentence: if one node fails on average once in a few years, a job on a thousand
 # nodes loses one about every day. So a long run is a sequence of segments, each ending in a crash or at its time
 # limit and each starting from the last checkpoint. This chapter follows `hsgd.checkpoint` and the fault handling
-# of `hsgd.hybrid`, `hsgd.train` and `hsgd.launch` on 8 ranks, a dp 2 x pp 2 x tp 2 grid (chapter 9):
+# of `hsgd.hybrid`, `hsgd.train` and `hsgd.launch` on 8 ranks, a dp 2 x pp 2 x tp 2 grid (chapter 10):
 #
 # 1. what a checkpoint of a sharded model is: one file per (stage, tensor rank), a manifest with checksums;
 # 2. atomic writes: a job killed while saving leaves the previous checkpoint as it was; the newest K are kept;
@@ -38,9 +38,9 @@
 #
 # Run it with eight ranks (a few seconds; on failure every rank raises, so it exits non-zero without hanging):
 #
-# mpirun -n 8 python tutorials/10_fault_tolerance.py
+# mpirun -n 8 python tutorials/11_fault_tolerance.py
 #
-# The notebook form (`jupytext --to ipynb tutorials/10_fault_tolerance.py`) is for reading: the code needs eight
+# The notebook form (`jupytext --to ipynb tutorials/11_fault_tolerance.py`) is for reading: the code needs eight
 # MPI ranks. Only rank 0 prints. Everything the chapter writes goes into a temporary directory, removed at the end.
 #
 # Legend: P ranks, dp replicas, pp stages, tp ranks per stage, B global batch, m micro-batches, T sequence,
@@ -84,7 +84,7 @@ say = check.say                             # print on world rank 0 only
 cfg = ModelConfig(vocab_size=256, seq_len=8, d_model=16, n_heads=4, n_layers=2, d_ff=32)   # NH, F split 1, 2, 4 ways
 SEED, B, STEPS = 0, 8, 6
 corpus = Corpus.load(None, cfg.seq_len) # the built-in corpus (the Python standard library's source), as hsgd.train
-TMP = world.bcast(tempfile.mkdtemp(prefix="hsgd-ch10-") if rank == 0 else None, root=0)   # one directory for all
+TMP = world.bcast(tempfile.mkdtemp(prefix="hsgd-ch11-") if rank == 0 else None, root=0)   # one directory for all
 if rank == 0:
     atexit.register(shutil.rmtree, TMP, ignore_errors=True)   # removed at exit, also when a check fails
 SAVE = os.path.join(TMP, "run")         # the --save-dir of the run
@@ -100,7 +100,7 @@ def config(**kw):
 
 
 def batch(step):
-    """The global batch of `step`: a pure function of (seed, step), the same on every rank (chapter 5)."""
+    """The global batch of `step`: a pure function of (seed, step), the same on every rank (chapter 4)."""
     return corpus.batch(SEED, step, B)
 
 # %% [markdown]
@@ -108,7 +108,7 @@ def batch(step):
 #
 # On one process a checkpoint is `np.savez(params)`. On the grid no rank holds the model: rank r holds its stage's
 # blocks (pp), and of each of their weight matrices the columns or rows of its tensor rank (tp). What is there to
-# save is the union of the pieces, and the DP replicas hold identical copies of them (chapter 5: the same averaged
+# save is the union of the pieces, and the DP replicas hold identical copies of them (chapter 4: the same averaged
 # gradient, the same update). So `checkpoint.save(trainer, step, save_dir, keep)`, called by every rank:
 #
 # * **one file per (stage s, tensor rank t)**, `shard-pp{s}-tp{t}.npz`, written by the rank of that position in the
@@ -290,7 +290,7 @@ check.holds("resume without the velocity ends > 1e-6 away from the uninterrupted
 # ## 4. Resharding: the same checkpoint in another layout
 #
 # A restarted job often has another shape: fewer nodes after a failure, more when they come back, or another
-# trade-off between the dimensions (chapter 9's table). The checkpoint is not tied to the layout it was written in,
+# trade-off between the dimensions (chapter 10's table). The checkpoint is not tied to the layout it was written in,
 # because every piece is a known slice of a full tensor of the serial model. `checkpoint.load` reshards in two steps,
 # for each parameter the rank needs in its new stage:
 #
@@ -303,7 +303,7 @@ check.holds("resume without the velocity ends > 1e-6 away from the uninterrupted
 # The same for the optimizer state, which has the parameters' shapes. Each rank reads whole files and holds full
 # tensors for a moment: simple, and fine for the model sizes of this project (a large model would read only the
 # byte ranges it needs). Here is what world rank 0 of the layout dp 1 x pp 2 x tp 4, with the lecture's
-# All-Gather scheme (chapter 4), does for four of its parameters, written out by hand. `mlp.proj.weight` changes
+# All-Gather scheme (chapter 6), does for four of its parameters, written out by hand. `mlp.proj.weight` changes
 # its split axis too: rows in Megatron's scheme, columns in the All-Gather scheme.
 
 # %%
@@ -332,7 +332,7 @@ check.holds("full tensors joined by hand == Shards.full == the step-4 model", al
 # steps 5 and 6. In another layout the sums run in another order (other micro-batches per replica, other partial
 # sums per tensor rank), so the result equals the uninterrupted run to rounding, not bit for bit. The error is
 # relative to each parameter's largest entry, but at least to 0.02 (the attention k-biases only ever receive
-# rounding noise, chapter 9).
+# rounding noise, chapter 10).
 
 # %%
 def resume_in(dp, pp, tp, scheme):
@@ -614,7 +614,7 @@ check.equal("every rank: launch.run's exit code for a NaN with on_nan='stop'", c
 
 # %% [markdown]
 # The other silent fault: DP replicas that no longer agree. The replicas of a shard receive the same averaged
-# gradient and apply the same update, so they stay bit-identical (chapter 5); if they differ, something broke that
+# gradient and apply the same update, so they stay bit-identical (chapter 4); if they differ, something broke that
 # no exception reports, a bit flipped in memory or a bug, and the checkpoint (written by the first replica only)
 # would quietly drop the others' version. `replica_divergence()` compares a SHA-256 per parameter over `dp_comm`
 # and names the first parameter (in the backward order of the flat buffer) whose replicas differ, with the dp ranks

@@ -14,7 +14,7 @@
 # ---
 
 # %% [markdown]
-# # Chapter 11: GPUs
+# # Chapter 12: GPUs
 #
 # The lecture trains on GPUs. Its section 4.1 says what the hardware asks of the communication: **NVLink inside a
 # server, InfiniBand between servers**, so the model-parallel traffic should stay inside a server; and an
@@ -31,15 +31,15 @@
 #
 # Run it with two ranks (a few seconds; on failure every rank raises, so it exits non-zero without hanging):
 #
-# mpirun -n 2 python tutorials/11_gpus.py
+# mpirun -n 2 python tutorials/12_gpus.py
 #
 # It runs on any machine. When CuPy is installed (`pip install -e '.[gpu]'`) and sees a GPU, the same cells run on
 # CuPy arrays on the GPU; otherwise on NumPy arrays. Without a GPU, the cells also run on the **simulated GPU** of
-# `tests/simgpu` (section 4 says what it is): `PYTHONPATH=tests/simgpu mpirun -n 2 python tutorials/11_gpus.py`.
+# `tests/simgpu` (section 4 says what it is): `PYTHONPATH=tests/simgpu mpirun -n 2 python tutorials/12_gpus.py`.
 # The test suite runs the chapter both ways. The notebook form
-# (`jupytext --to ipynb tutorials/11_gpus.py`) is for reading: the code needs two MPI ranks. Only rank 0 prints.
+# (`jupytext --to ipynb tutorials/12_gpus.py`) is for reading: the code needs two MPI ranks. Only rank 0 prints.
 #
-# Legend: P ranks, dp / tp / pp the grid sizes (chapter 2), xp the array module (numpy or cupy), "host" the CPU
+# Legend: P ranks, dp / tp / pp the grid sizes (chapter 3), xp the array module (numpy or cupy), "host" the CPU
 # and its memory, "device" the GPU and its memory, D2H / H2D a device-to-host / host-to-device copy. B batch,
 # T sequence, C d_model, NH heads, F d_ff, V vocabulary, L layers.
 
@@ -202,7 +202,7 @@ say(f"mpi4py has MPI.Query_cuda_support: {hasattr(MPI, 'Query_cuda_support')}")
 say(f"cuda_aware_mpi():  {cuda_aware_mpi()}")
 
 # %% [markdown]
-# Now an Allreduce of this rank's arrays, through a `Comm` on the world as in chapter 2. Every rank r makes a vector
+# Now an Allreduce of this rank's arrays, through a `Comm` on the world as in chapter 3. Every rank r makes a vector
 # x_r from its own seed, on the host, and copies it to its device (on the CPU: leaves it where it is). Before the
 # call, a look at what `Comm._buf` would hand MPI for this buffer (a private helper, called here only to show it;
 # `Allreduce` calls it itself). The check against serial: every rank rebuilds both inputs from their seeds and sums
@@ -277,7 +277,7 @@ check.holds("a strided view raised ValueError on every rank", message)
 #
 # hsgd runs one MPI rank per GPU. The natural mapping is: rank i of a node uses GPU i of that node. A rank knows its
 # world rank, not its place on the node, so it asks MPI: `world.Split_type(MPI.COMM_TYPE_SHARED)` splits the world
-# into one communicator per shared-memory node (chapter 2's `Split`, with the node as the color), and the rank in
+# into one communicator per shared-memory node (chapter 3's `Split`, with the node as the color), and the rank in
 # it is the **node-local rank**. `hsgd.train.local_ranks(world)` returns (node-local rank, ranks on this node), and
 # `backend.select_gpu(local_rank)` makes GPU `local_rank % n_gpus` the current device of the rank
 # (`cupy.cuda.Device(i).use()`; `hsgd.train.place_on_device` calls both when `--device gpu`).
@@ -322,7 +322,7 @@ check.holds("8 ranks on 1, 2, 4, 8 GPUs: as many ranks on every GPU", balanced)
 # the same rule stays right.
 #
 # **On two nodes.** With 16 ranks placed 8 per node in blocks (ranks 0-7 on the first node, 8-15 on the second; the
-# default of the launchers in section 5), tp = 8 and dp = 2, chapter 2's numbering `rank = dp_rank * tp + tp_rank`
+# default of the launchers in section 5), tp = 8 and dp = 2, chapter 3's numbering `rank = dp_rank * tp + tp_rank`
 # gives:
 
 # %%
@@ -383,7 +383,7 @@ check("sum of squares by mask multiplication vs by boolean indexing (rel)",
 # (The `float()` calls in that check are the kind of host copy meant above; fine in a check, not in the step.)
 #
 # **One copy per step.** A training step has to bring *some* numbers to the host: the loss to print, whether any
-# gradient is NaN or infinite (`--on-nan`, chapter 10), and the gradient norm for clipping, which needs a sum over
+# gradient is NaN or infinite (`--on-nan`, chapter 11), and the gradient norm for clipping, which needs a sum over
 # ranks. `HybridTrainer.step` computes all of them on the device, stacks them into one small vector
 # `[loss, count of non-finite values, sum of squares of the tp-sharded gradients, of the replicated ones]`, and
 # copies that with **one** `backend.to_host` call. Everything after that is host arithmetic and small pickled MPI
@@ -391,7 +391,7 @@ check("sum of squares by mask multiplication vs by boolean indexing (rel)",
 # (`backend.d2h_count()`), on the CPU too, where the copy is free, so that the count can be checked on a machine
 # without a GPU; `tests/mpi/test_hybrid.py::test_one_host_copy_per_training_step` does that for three layouts.
 #
-# Here: dp = 2, tp = 1 (each rank holds the whole toy model and half of each batch, chapter 5), float64, SGD with
+# Here: dp = 2, tp = 1 (each rank holds the whole toy model and half of each batch, chapter 4), float64, SGD with
 # momentum, a warm-up, a cosine schedule and clipping; a few steps, counting the copies of each.
 
 # %%
@@ -419,7 +419,7 @@ check.equal(f"{STEPS} steps: to_host copies of every step", copies, [1] * STEPS)
 # %% [markdown]
 # Note the collectives of each step: the one Allreduce of the gradient buffer over dp_comm, and those the layers
 # make on tp_comm. With tp = 1 that communicator has one rank and an Allreduce over it changes nothing; hsgd still
-# makes the call, so that the counts match the formulas of chapter 6, but `Comm` skips MPI for it (no
+# makes the call, so that the counts match the formulas of chapter 7, but `Comm` skips MPI for it (no
 # synchronization, no staging). On a GPU every other collective is a synchronization (`Comm._buf`), and with
 # staging a D2H and an H2D copy of its buffer: communication, not values read by Python, and not in `d2h_count`.
 #
@@ -458,7 +458,7 @@ else:
 # **The check against serial.** Rank 0 runs serial mini-batch SGD on the whole batch of every step, with the same
 # optimizer, schedule and clipping, in NumPy on the host (`serial.sgd`, from parameters initialized on the host),
 # and broadcasts the result; every rank compares its parameters (copied back with `to_numpy`) and the losses. As in
-# chapters 5 and 6 the error is relative to each parameter's largest entry, but at least to 0.02, the scale of the
+# chapters 4 and 7 the error is relative to each parameter's largest entry, but at least to 0.02, the scale of the
 # initialization.
 
 # %%
@@ -503,9 +503,9 @@ grid.free()
 # **Why tp inside a node and dp across nodes.** All three launch lines place ranks **in blocks**: ranks 0-7 on the
 # first node, 8-15 on the second. hsgd numbers ranks tp fastest, so a tensor-parallel group is 8 consecutive ranks,
 # one node (the table of section 3). That is where its traffic must be: tensor parallelism communicates in every
-# layer, forward and backward (4L + 4 All-Reduces of (B, T, C) activations per micro-batch, chapter 6), and the next
+# layer, forward and backward (4L + 4 All-Reduces of (B, T, C) activations per micro-batch, chapter 7), and the next
 # layer waits for each, so it needs NVLink. Data parallelism communicates once per step, the gradient of each shard,
-# and can overlap the backward pass (chapter 7), so it can cross InfiniBand. A round-robin placement (Open MPI's
+# and can overlap the backward pass (chapter 8), so it can cross InfiniBand. A round-robin placement (Open MPI's
 # `--map-by node`, Slurm's `--distribution=cyclic`) would put every tp group across both nodes; check the `layout:`
 # table that `hsgd.train` prints (rank, dp, pp, tp, host): the ranks of one tp group should share a host.
 #

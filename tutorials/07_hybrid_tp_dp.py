@@ -14,9 +14,9 @@
 # ---
 
 # %% [markdown]
-# # Chapter 6: hybrid tensor x data parallelism
+# # Chapter 7: hybrid tensor x data parallelism
 #
-# Chapters 3 and 4 split one copy of the model over tp ranks; chapter 5 made dp copies of the model, each training
+# Chapters 5 and 6 split one copy of the model over tp ranks; chapter 4 made dp copies of the model, each training
 # on its own rows of the batch. The lecture combines the two, and this is the algorithm `python -m hsgd.train`
 # runs. Its section 2 (in translation):
 #
@@ -27,10 +27,10 @@
 # > communication inside the group; after the backward pass, the gradients of the *same parameter shard* are
 # > aggregated across the groups.
 #
-# G and M are the lecture's names for hsgd's dp and tp (chapter 2): here P = dp x tp, with pp = 1.
+# G and M are the lecture's names for hsgd's dp and tp (chapter 3): here P = dp x tp, with pp = 1.
 #
 # The reason for the combination (also section 2): a model of tens or hundreds of billions of parameters does not
-# fit one worker, so pure data parallelism is out (chapter 5's memory table); pure model parallelism moves
+# fit one worker, so pure data parallelism is out (chapter 4's memory table); pure model parallelism moves
 # activations in every layer, and cannot use more workers than the model has heads or columns to split. Tensor
 # parallelism makes the model fit, data parallelism multiplies the throughput. This chapter
 #
@@ -44,9 +44,9 @@
 #
 # Run it with eight ranks (a few seconds; on failure every rank raises, so it exits non-zero without hanging):
 #
-# mpirun -n 8 python tutorials/06_hybrid_tp_dp.py
+# mpirun -n 8 python tutorials/07_hybrid_tp_dp.py
 #
-# The notebook form (`jupytext --to ipynb tutorials/06_hybrid_tp_dp.py`) is for reading: the code needs eight MPI
+# The notebook form (`jupytext --to ipynb tutorials/07_hybrid_tp_dp.py`) is for reading: the code needs eight MPI
 # ranks. Only rank 0 prints.
 #
 # Legend: P ranks, dp replicas (groups), tp ranks per group, B global batch, b = B/dp sequences per group, k =
@@ -100,18 +100,18 @@ say(f"{P} ranks = dp {DP} groups x tp {TP} workers; model {cfg.n_params():,} par
 # %% [markdown]
 # ## 1. The grid, and who talks to whom
 #
-# `ProcessGrid(world, dp=4, tp=2)` (chapter 2) numbers the ranks tp fastest, `rank = dp_rank * tp + tp_rank`, and
+# `ProcessGrid(world, dp=4, tp=2)` (chapter 3) numbers the ranks tp fastest, `rank = dp_rank * tp + tp_rank`, and
 # splits two communicators off the world:
 #
 # * **`tp_comm`, a row of the picture**: the tp ranks of one group, which hold one copy of the model between them.
-#   They talk **in every layer**, forward and backward: with Megatron's scheme (chapter 4) an All-Reduce of the
+#   They talk **in every layer**, forward and backward: with Megatron's scheme (chapter 6) an All-Reduce of the
 #   partial sums of the (N, C) activations after the attention projection and after the MLP projection, and of
 #   the partial input gradients before q, k, v and before fc. The next layer cannot start before that exchange is
 #   done, so this traffic sits on the critical path: on a cluster it belongs on the fast links inside a node, which
 #   is what numbering tp fastest gives (consecutive ranks share a node).
 # * **`dp_comm`, a column**: the dp ranks, one per group, that sit at the same position and so hold the **same
 #   shard** of every parameter. They talk **once per step**: the All-Reduce that averages the gradient of their
-#   shard (chapter 5's `dp_average`, on a shard instead of a whole model). This is the lecture's section 3.4:
+#   shard (chapter 4's `dp_average`, on a shard instead of a whole model). This is the lecture's section 3.4:
 #   "all the 'first GPUs' of the tensor-parallel groups hold W_part1; they form a cross-group communication set
 #   and All-Reduce the gradient of this shard".
 #
@@ -165,8 +165,8 @@ check.equal("tp_comm: (distinct shards, distinct data slices) == (tp, 1)", same[
 # 1. group g takes rows $[g\,b, (g+1)\,b)$ of the global batch; every rank of the group reads the same rows;
 # 2. the group runs the tensor-parallel forward and backward on them (collectives on `tp_comm` inside
 #    `tp_model.loss_and_grads`). Each rank ends with **its shard of the gradient of its group's slice**: the group
-#    is an exact tensor-parallel model of its $b$ sequences (chapter 4);
-# 3. the ranks of each `dp_comm` All-Reduce their shard's gradient and divide by dp. By chapter 5's argument (the
+#    is an exact tensor-parallel model of its $b$ sequences (chapter 6);
+# 3. the ranks of each `dp_comm` All-Reduce their shard's gradient and divide by dp. By chapter 4's argument (the
 #    loss is a mean, the slices are equal), $\frac{1}{dp}\sum_g$ shard of $\nabla\text{loss}_g$ = shard of
 #    $\frac{1}{dp}\sum_g \nabla\text{loss}_g$ = **shard of the serial gradient of the global batch**: slicing and
 #    averaging commute, because both are linear;
@@ -387,7 +387,7 @@ check.holds("validation loss fell", run["val_after"] < run["val_before"])
 # The reference: serial mini-batch SGD on one process, the whole batch of every step, the same optimizer, schedule
 # and clipping (the serial norm), `serial.sgd`. Rank 0 runs it, and once more without clipping to show that the
 # clipping was active, and broadcasts the result; every rank compares its shards with the matching slices. As in
-# chapter 5 the error is relative to each parameter's largest entry, but at least to 0.02, the scale of the
+# chapter 4 the error is relative to each parameter's largest entry, but at least to 0.02, the scale of the
 # initialization: the attention k-biases start at zero and only ever receive rounding noise.
 
 # %%

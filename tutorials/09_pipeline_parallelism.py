@@ -14,9 +14,9 @@
 # ---
 
 # %% [markdown]
-# # Chapter 8: pipeline parallelism
+# # Chapter 9: pipeline parallelism
 #
-# Chapters 3 to 7 split every layer of the model over the ranks of a group. The lecture names the other way of
+# Chapters 5 to 8 split every layer of the model over the ranks of a group. The lecture names the other way of
 # splitting a model, by layers. Its section 3.1 (in translation):
 #
 # > pipeline parallelism: assign different layers of the model to different nodes, e.g. the first few layers to
@@ -48,9 +48,9 @@
 #
 # Run it with four ranks (a few seconds; on failure every rank raises, so it exits non-zero without hanging):
 #
-# mpirun -n 4 python tutorials/08_pipeline_parallelism.py
+# mpirun -n 4 python tutorials/09_pipeline_parallelism.py
 #
-# The notebook form (`jupytext --to ipynb tutorials/08_pipeline_parallelism.py`) is for reading: the code needs four
+# The notebook form (`jupytext --to ipynb tutorials/09_pipeline_parallelism.py`) is for reading: the code needs four
 # MPI ranks. Only rank 0 prints.
 #
 # Legend: p = pp stages, s a stage (its `pp_rank`), m micro-batches per step (`micro_batches`), B global batch, b =
@@ -100,7 +100,7 @@ say(f"{PP} ranks = {PP} pipeline stages; model {cfg.n_params():,} parameters (L=
 #
 # A GPT is a chain: the embedding (`wte`, `wpe`), L blocks, the final LayerNorm, the LM head and the loss. A
 # pipeline cuts the chain into p pieces of consecutive layers, the **stages**, and gives each to a rank (with
-# tensor parallelism, to a tensor-parallel group: chapter 9). hsgd's cut (`pp.split_layers`):
+# tensor parallelism, to a tensor-parallel group: chapter 10). hsgd's cut (`pp.split_layers`):
 #
 # * stage s holds the blocks `split_layers(L, p)[s]`, by default as even as possible (the first L mod p stages get
 #   one more);
@@ -160,7 +160,7 @@ for args in ((cfg.n_layers, PP, [3, 3, 3]), (cfg.n_layers, PP, [4, 4, 0, 0]), (2
 #     backward:  stage 0 <-dx(1)-- stage 1 <-dx(2)-- stage 2 <-dx(3)-- stage 3 (dloss = 1)  Send / Recv, tag 1
 #
 # `Recv` blocks until the message is there: a stage cannot start before its input exists. Every stage reads the
-# same micro-batch (a pure function of seed and step, chapter 5), but only the first uses the token ids and only
+# same micro-batch (a pure function of seed and step, chapter 4), but only the first uses the token ids and only
 # the last the targets.
 
 # %%
@@ -223,7 +223,7 @@ say(f"every message is one (b, T, C) = {act} float64 array = {np.prod(act) * 8:,
 #
 # With one micro-batch a pipeline is a relay race: while stage 0 computes, stages 1 to 3 wait, and so on. To give
 # the stages something to do at the same time, each DP group's batch is cut into m micro-batches of b = B/m
-# sequences and the gradients of their losses are accumulated, as in chapter 5's gradient accumulation (the same
+# sequences and the gradients of their losses are accumulated, as in chapter 4's gradient accumulation (the same
 # `micro_batches`): the gradient is the serial one whatever m is. A stage's work in a step is then a list of
 # actions, "F j" (forward of micro-batch j) and "B j", in an order fixed by a **schedule** (`pp.schedule(kind, m,
 # p, s)`):
@@ -339,7 +339,7 @@ for kind in ("gpipe", "1f1b"):
 # $\frac1m \text{loss}_j$ for j = 0, 1, ..., m-1 in that order under both schedules, so GPipe and 1F1B must agree
 # **bit for bit**, and since the sum over micro-batches is the gradient of the global batch's mean loss (chapter
 # 5), both must end with serial SGD's parameters up to rounding. The error is relative to each parameter's largest
-# entry, but at least to 0.02 (the scale of the initialization), as in chapter 5: the attention k-biases only ever
+# entry, but at least to 0.02 (the scale of the initialization), as in chapter 4: the attention k-biases only ever
 # receive rounding noise. The serial run is `serial.sgd` on the global batch of every step.
 
 # %%
@@ -448,7 +448,7 @@ check.equal("GPipe step 2: every stage's bytes == step_formula",
 
 # %% [markdown]
 # Put that next to the other way of using the same four ranks for one copy of the model, a tensor-parallel group
-# of 4 (chapter 4): `tp_model.comm_formula` All-Reduces (N, C) activations in every block, forward and backward,
+# of 4 (chapter 6): `tp_model.comm_formula` All-Reduces (N, C) activations in every block, forward and backward,
 # $((4L + 2)C + 3) N s$ bytes per rank and step with N = B T positions. The pipeline sends $2 B T C s$ per step
 # from a middle stage, to one neighbour at a time:
 
@@ -465,7 +465,7 @@ check.equal("pp bytes sent by a middle stage == 2 B T C s", pp_bytes, 2 * B * cf
 # That is the trade the lecture describes. Tensor parallelism has no bubble, every rank works on every micro-batch,
 # but it talks in every layer and needs the fast links inside a node. A pipeline talks little and only to its
 # neighbours, so its stages can sit on different nodes, but it pays with the bubble, $(p-1)/(m+p-1)$ of the time,
-# with activation memory (GPipe m micro-batches, 1F1B up to p), and with its slowest stage. Chapter 9 combines all
+# with activation memory (GPipe m micro-batches, 1F1B up to p), and with its slowest stage. Chapter 10 combines all
 # three dimensions.
 #
 # ## Check against serial

@@ -14,9 +14,9 @@
 # ---
 
 # %% [markdown]
-# # Chapter 4: attention split by heads, the vocab-parallel embedding and loss, and the whole TP model
+# # Chapter 6: attention split by heads, the vocab-parallel embedding and loss, and the whole TP model
 #
-# Chapter 3 split one linear layer, and the MLP, over a tensor-parallel group of tp ranks. A GPT has three more
+# Chapter 5 split one linear layer, and the MLP, over a tensor-parallel group of tp ranks. A GPT has three more
 # places where the model is wide: the attention, the token embedding and the LM head with its softmax over the
 # vocabulary. This chapter splits each of them, following the lecture's section 3.2 ("for attention, the heads can
 # be assigned to different workers") and Megatron-LM (Shoeybi et al. 2019, arXiv:1909.08053):
@@ -31,7 +31,7 @@
 #
 # Run it with four ranks (a few seconds; on failure every rank raises, so it exits non-zero without hanging):
 #
-# mpirun -n 4 python tutorials/04_attention_heads_and_vocab_parallel.py
+# mpirun -n 4 python tutorials/06_attention_heads_and_vocab_parallel.py
 #
 # The notebook form (`jupytext --to ipynb`) is for reading: the code needs four MPI ranks. Only rank 0 prints.
 #
@@ -80,7 +80,7 @@ rng = np.random.default_rng(0)          # the same seed on every rank: every ran
 # $i \frac{NH}{tp} \ldots (i+1)\frac{NH}{tp} - 1$, that is columns $i\frac{C}{tp} \ldots (i+1)\frac{C}{tp} - 1$ of
 # $W_q, W_k, W_v$ (C, C/tp) and of $b_q, b_k, b_v$, and runs the *unchanged* `layers.attention_forward` on its
 # NH/tp heads. Its output $y_i$: (N, C/tp) is a block of columns of $y$, exactly the input block of a row split
-# of $W_o$ (rows $i\frac{C}{tp} \ldots$, shape (C/tp, C)). This is chapter 3's column -> row pair again, with
+# of $W_o$ (rows $i\frac{C}{tp} \ldots$, shape (C/tp, C)). This is chapter 5's column -> row pair again, with
 # the attention in place of GELU:
 #
 # $$a \xrightarrow{f} \text{q, k, v column-parallel} \to \text{attention on local heads} \to
@@ -304,12 +304,12 @@ say(f"GPT-2 vocabulary, N = {Ng}, float32, tp = {TP}: logits {Ng * Vg * 4 / 2**3
 # ## 4. The whole model: check against serial
 #
 # `hsgd.tp_model` puts the pieces together: vocab-parallel embedding, per block LayerNorms (replicated), the
-# attention branch of section 1 and the MLP of chapter 3, LN_f, the vocab-parallel LM head and loss. LayerNorm
+# attention branch of section 1 and the MLP of chapter 5, LN_f, the vocab-parallel LM head and loss. LayerNorm
 # parameters, `wpe` and the row-parallel biases are replicated; everything else is split, and every gradient
 # shard must equal `tp_model.shard(serial_grad, name, rank, tp, scheme)`, the matching slice of
 # `serial.loss_and_grads`. Three variants: Megatron's f/g ("megatron"), the lecture's All-Gather scheme
 # ("gather", backward slices), and "gather" with `reduce_scatter=True` (backward by the $1/tp$-scaled
-# Reduce-Scatter of chapter 3: the same numbers, paid for with communication).
+# Reduce-Scatter of chapter 5: the same numbers, paid for with communication).
 #
 # Communication of one `loss_and_grads` (forward + backward), $N = BT$, $s$ bytes per number, L blocks:
 #

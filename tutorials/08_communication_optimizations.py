@@ -14,9 +14,9 @@
 # ---
 
 # %% [markdown]
-# # Chapter 7: communication optimizations
+# # Chapter 8: communication optimizations
 #
-# Chapter 6 trained the lecture's hybrid: dp groups of tp tensor-parallel workers, one All-Reduce of every gradient
+# Chapter 7 trained the lecture's hybrid: dp groups of tp tensor-parallel workers, one All-Reduce of every gradient
 # shard over `dp_comm` after the backward pass. The lecture then lists what makes that exchange cheaper or hides
 # it, and what it costs when it is not synchronous:
 #
@@ -34,17 +34,15 @@
 # 2. **Reduce-Scatter + sharded optimizer + All-Gather** (`zero=1`, `zero=2`): the same bytes, 1/dp of the
 #    optimizer state;
 # 3. **hierarchical all-reduce** (`hierarchical`, `ranks_per_node`): inside the node, across nodes, inside again;
-# 4. **sequence parallelism** (`tp_scheme="sequence"`): the tensor-parallel side, All-Gather and Reduce-Scatter
-#    instead of All-Reduce, and 1/tp of the activations;
-# 5. **stragglers** (`straggler`) and **staleness** (`dp_staleness=1`): what synchronous SGD pays for the slowest
+# 4. **stragglers** (`straggler`) and **staleness** (`dp_staleness=1`): what synchronous SGD pays for the slowest
 #    rank, and the exact (and inexact) price of not waiting.
 #
 # Run it with eight ranks (well under a minute; on failure every rank raises, so it exits non-zero without
 # hanging). It writes its PNG pictures into a fresh temporary folder and says where:
 #
-# mpirun -n 8 python tutorials/07_communication_optimizations.py
+# mpirun -n 8 python tutorials/08_communication_optimizations.py
 #
-# The notebook form (`jupytext --to ipynb tutorials/07_communication_optimizations.py`) is for reading: the code
+# The notebook form (`jupytext --to ipynb tutorials/08_communication_optimizations.py`) is for reading: the code
 # needs eight MPI ranks. Only rank 0 prints.
 #
 # Legend: P ranks, dp replicas (groups), tp ranks per group, B global batch, b = B/dp, T sequence,
@@ -61,7 +59,7 @@ import numpy as np
 from mpi4py import MPI
 from threadpoolctl import threadpool_limits
 
-from hsgd import ModelConfig, memory, serial, tp_model
+from hsgd import ModelConfig, serial, tp_model
 from hsgd.data import Corpus
 from hsgd.dp import params_digest
 from hsgd.grid import ProcessGrid
@@ -69,12 +67,12 @@ from hsgd.hier import cross_node_bytes, hier_formula
 from hsgd.hybrid import HybridTrainer
 from hsgd.plots import plot_timeline
 from hsgd.trace import Tracer, overlap_seconds
-from hsgd.train import fmt_bytes, train
+from hsgd.train import train
 
-from checks import FLOOR, Checks, rel_err, train_config   # tutorials/checks.py, shared by the chapters
+from checks import Checks, rel_err, train_config   # tutorials/checks.py, shared by the chapters
 
 threadpool_limits(1)                    # eight ranks share the cores, tiny matrices: one BLAS thread each
-P, DP, TP = 8, 4, 2                     # the default layout: 4 groups of 2, as in chapter 6
+P, DP, TP = 8, 4, 2                     # the default layout: 4 groups of 2, as in chapter 7
 world = MPI.COMM_WORLD
 if world.Get_size() != P:               # every rank exits non-zero; rank 0 says why
     raise SystemExit(f"run this chapter on {P} ranks: mpirun -n {P} python {__file__}"
@@ -84,7 +82,7 @@ grid = ProcessGrid(world, dp=DP, tp=TP)
 TOL = 1e-12                             # float64: two ways of summing the same numbers differ by ~1e-16 relative
 check = Checks(world, tol=TOL, width=70)  # check(what, err, tol): collective, raises on every rank unless err < tol
 say = check.say                           # print on world rank 0 only
-out_dir = world.bcast(tempfile.mkdtemp(prefix="hsgd_ch07_") if rank == 0 else None)   # rank 0 writes the PNGs
+out_dir = world.bcast(tempfile.mkdtemp(prefix="hsgd_ch08_") if rank == 0 else None)   # rank 0 writes the PNGs
 
 cfg = ModelConfig(vocab_size=256, seq_len=16, d_model=32, n_heads=8, n_layers=2, d_ff=128)   # NH, T split 1..8 ways
 SEED, B, STEPS = 0, 8, 4
@@ -97,9 +95,9 @@ say(f"{P} ranks; model {cfg.n_params():,} parameters (L={cfg.n_layers} C={cfg.d_
 # warm-up, a cosine schedule; `train_config` of `tutorials/checks.py` with this chapter's layout); `run` trains it
 # for a few steps on a grid and records the bytes of step 2; `serial_sgd` is the reference, `serial.sgd` on one
 # process with the whole batch of every step (every rank computes it; the toy is cheap), optionally with the
-# gradient applied one step late (section 5); `param_err` compares a rank's shards with the matching slices of
+# gradient applied one step late (section 4); `param_err` compares a rank's shards with the matching slices of
 # serial parameters, relative to each parameter's largest entry but at least to 0.02, the scale of the
-# initialization (chapter 5 says why: the attention k-biases only ever receive rounding noise).
+# initialization (chapter 4 says why: the attention k-biases only ever receive rounding noise).
 
 # %%
 def config(**kw):
@@ -139,7 +137,7 @@ def max_diff(a, b):
 
 
 ref_params, _ = serial_sgd(config())
-plain, _, plain_bytes, _ = run(config())          # chapter 6's path: one Allreduce after the backward
+plain, _, plain_bytes, _ = run(config())          # chapter 7's path: one Allreduce after the backward
 check(f"plain DP, {STEPS} steps: every rank's shards vs serial SGD", param_err(plain.params, ref_params), 1e-10)
 
 # %% [markdown]
@@ -148,7 +146,7 @@ check(f"plain DP, {STEPS} steps: every rank's shards vs serial SGD", param_err(p
 # The backward pass finishes the gradients from the top of the network down: the LM head and the final LayerNorm
 # first, then block L-1, ..., block 0, the embeddings last (`tp_model.backward_order`). Once a block's backward is
 # done, nothing will touch its gradients again in this step, so their All-Reduce can start *now*, while the
-# layers below are still computing. Chapter 6 waited until the very end.
+# layers below are still computing. Chapter 7 waited until the very end.
 #
 # To make each layer's gradients one message, the exchange lays out the flat buffers in backward order (the
 # groups of `Stage.groups()`, in `GradExchange.__init__`): every group is a contiguous slice, a **bucket**
@@ -383,105 +381,7 @@ hier.free()
 # %% [markdown]
 # (With one rank per node the hierarchy is the flat ring; with one node nothing leaves it.)
 #
-# ## 4. Sequence parallelism: the tensor-parallel side
-#
-# The sections above were about `dp_comm`. Inside a group, Megatron's scheme All-Reduces (N, C) activations in
-# every layer, and between the split matmuls every rank holds and caches the *whole* activation for LayerNorm and
-# the residual stream. Korthikanti et al. (2022) split those parts along the sequence instead: rank r keeps
-# positions $[rT/tp, (r+1)T/tp)$, and two conjugate operators switch layouts (`hsgd/tp_layers.py`, used by
-# `hsgd/tp_schemes.py`):
-#
-# $$g:\ \text{forward All-Gather along } T,\ \text{backward Reduce-Scatter};\qquad
-# \bar g:\ \text{forward Reduce-Scatter along } T,\ \text{backward All-Gather}.$$
-#
-# Where Megatron All-Reduces the partial sums after the attention and MLP projections, sequence parallelism's
-# $\bar g$ Reduce-Scatters them (each rank keeps its positions of the sum), and the next $g$ All-Gathers them back
-# before the next split matmul: the two halves of that All-Reduce again, with LayerNorm and the residual in between
-# working on $1/tp$ of the positions. First, exactness: on dp = 2 groups of tp = 4 (T = 16 splits into 4 positions
-# per rank), each group computes the loss and gradient shards of a batch of 4 sequences with both schemes:
-
-# %%
-TP4, B4 = 4, 4
-grid4 = ProcessGrid(world, dp=P // TP4, tp=TP4)
-full = serial.init_params(cfg, seed=SEED, dtype="float64")
-idx4, targets4 = corpus.batch(SEED, 1, B4)
-loss_ref, grads_ref = serial.loss_and_grads(full, idx4, targets4, cfg)
-tp_bytes = {}
-for scheme in ("megatron", "sequence"):
-    local = tp_model.shard_params(full, grid4.tp_rank, TP4, scheme)
-    grid4.stats.reset()
-    loss, grads = tp_model.loss_and_grads(local, idx4, targets4, cfg, grid4.tp_comm, scheme)
-    tp_bytes[scheme] = grid4.stats.counts()
-    check(f"{scheme}, tp={TP4}: loss vs serial", abs(loss - loss_ref) / loss_ref)
-    check(f"{scheme}, tp={TP4}: every gradient shard vs serial",
-          max(rel_err(grads[n], tp_model.shard(grads_ref[n], n, grid4.tp_rank, TP4, scheme), FLOOR) for n in grads),
-          1e-10)
-    check.equal(f"{scheme}: bytes of one forward + backward == comm_formula",
-                tp_bytes[scheme], tp_model.comm_formula(cfg, B4, itemsize, scheme))
-
-# %% [markdown]
-# The collectives of one forward and backward pass on `tp_comm` (rank 0, N = B T = 64 positions, C = 32; the
-# payload as CommStats records it, and what a ring sends per rank: $2\frac{tp-1}{tp}$ of an All-Reduce's payload,
-# $\frac{tp-1}{tp}$ of an All-Gather's or Reduce-Scatter's):
-
-# %%
-wire = {"Allreduce": 2 * (TP4 - 1) / TP4, "Allgather": (TP4 - 1) / TP4, "Reduce_scatter_block": (TP4 - 1) / TP4}
-for scheme, counts in tp_bytes.items():
-    total = sum(wire[op] * nb for (_, op), (_, nb) in counts.items())
-    say(f"{scheme}:")
-    for (c, op), (calls, nb) in sorted(counts.items()):
-        say(f"  {c:<3} {op:<22} {calls:>3} calls {nb:>9,} bytes")
-    say(f"  ring, sent per rank: {total:,.0f} bytes")
-
-# %% [markdown]
-# The large All-Reduces are gone; the sequence scheme sends *more* in all, because it caches only its own positions
-# of the inputs of q, k, v, fc and the LM head, and repeats those $2L + 1$ All-Gathers in the backward pass
-# (Megatron-LM does the same and overlaps them with the matmuls), plus small All-Reduces of the replicated
-# parameters' gradients (LayerNorms, `wpe`, row-parallel biases: each rank saw only its positions). What it buys is
-# memory: the activations the forward pass caches for the backward. `memory.activation_bytes` counts the distinct
-# arrays in the caches (parameters excluded), `activation_formula` predicts them, and the paper's Table 2 formula
-# (16-bit activations, dropout, 34/t) gives its own ratio for the same shape:
-
-# %%
-act, predicted = {}, {}
-for tp_ in (1, 2, 4, 8):
-    g_ = grid4 if tp_ == TP4 else ProcessGrid(world, dp=P // tp_, tp=tp_)
-    for scheme in ("megatron", "sequence"):
-        local = tp_model.shard_params(full, g_.tp_rank, tp_, scheme)
-        _, caches = tp_model.forward(local, idx4, targets4, cfg, g_.tp_comm, scheme)
-        act[tp_, scheme] = (memory.activation_bytes(caches[1][0], local),        # block 0's cache
-                            memory.activation_bytes(caches, local))              # the whole forward's
-        f = memory.activation_formula(cfg, B4, itemsize, tp_, scheme)
-        predicted[tp_, scheme] = (f["block"], f["model"])
-    if g_ is not grid4:
-        g_.free()
-
-say(f"{'tp':>3}{'megatron per block':>20}{'sequence per block':>20}{'ratio':>7}{'paper':>7}"
-    f"{'whole forward m / s':>24}")
-for tp_ in (1, 2, 4, 8):
-    (mb, mm), (sb, sm) = act[tp_, "megatron"], act[tp_, "sequence"]
-    paper = [memory.paper_activation_bytes(cfg.seq_len, B4, cfg.d_model, cfg.n_heads, tp_, sp)
-             for sp in (False, True)]
-    say(f"{tp_:>3}{mb:>20,}{sb:>20,}{mb / sb:>7.2f}{paper[0] / paper[1]:>7.2f}{mm:>12,} / {sm:,}")
-check.equal("activation bytes (block, model) == activation_formula, tp = 1, 2, 4, 8", act, predicted)
-check.equal("sequence: bytes per block x tp, tp = 2, 4, 8 == those of tp = 1",
-            [act[t, "sequence"][0] * t for t in (2, 4, 8)], [act[1, "sequence"][0]] * 3)
-
-gpt3 = ModelConfig(vocab_size=50257, seq_len=2048, d_model=12288, n_heads=96, n_layers=96, d_ff=4 * 12288)
-f_m, f_s = (memory.activation_formula(gpt3, 1, 2, 8, s)["block"] for s in ("megatron", "sequence"))
-p_m, p_s = (memory.paper_activation_bytes(2048, 1, 12288, 96, 8, sp) for sp in (False, True))
-say(f"GPT-3 175B's shape, one sequence, 16-bit, tp = 8, per block: hsgd {fmt_bytes(f_m)} -> {fmt_bytes(f_s)} "
-    f"(ratio {f_m / f_s:.2f}); the paper's Table 2 {fmt_bytes(p_m)} -> {fmt_bytes(p_s)} (ratio {p_m / p_s:.2f})")
-
-# %% [markdown]
-# With sequence parallelism *every* cached activation is divided by tp; with Megatron's scheme the LayerNorm
-# outputs and the inputs of the split matmuls stay whole on every rank, so its per-block bytes stop falling like
-# 1/tp. The ratios differ from the paper's because the two count different things: hsgd has no dropout, keeps only
-# the softmax per attention entry (the paper keeps scores, softmax, dropout output and mask), and caches q, k, v
-# and the GELU's derivative (`paper_activation_bytes`'s docstring lists the terms). Only ratios compare: hsgd's
-# numbers here are float64.
-#
-# ## 5. Stragglers and staleness
+# ## 4. Stragglers and staleness
 #
 # **A straggler.** Synchronous SGD waits: no rank can finish the dp exchange before the last one has joined it.
 # `TrainConfig(straggler="5:40")` makes rank 5 sleep 40 ms in every step, after its backward pass. Three steps
@@ -586,12 +486,10 @@ check.holds("the synchronous runs' losses are finite",
 # clipping) and the hierarchical all-reduce end a few steps with the parameters of the plain path and of serial SGD,
 # the DP replicas bit-identical, and a straggler changes no bit; the overlapped requests are in flight while the
 # backward pass computes, on every rank; every mode's bytes are exactly its formula, ZeRO's Reduce-Scatter and
-# All-Gather being the two halves of the All-Reduce they replace, with 1/dp of the optimizer state; the
-# sequence-parallel loss and gradient shards are the serial ones, with its collectives and cached activations
-# equal to their formulas; and staleness 1 is exactly delayed serial SGD.
+# All-Gather being the two halves of the All-Reduce they replace, with 1/dp of the optimizer state; and
+# staleness 1 is exactly delayed serial SGD.
 
 # %%
-grid4.free()
 grid8.free()
 worst, err = check.worst()
 say(f"\nchapter 7: all {len(check.passed)} checks passed on {world.Get_size()} ranks; largest error {err:.1e} "

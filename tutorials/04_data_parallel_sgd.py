@@ -14,9 +14,9 @@
 # ---
 
 # %% [markdown]
-# # Chapter 5: data-parallel SGD
+# # Chapter 4: data-parallel SGD
 #
-# Chapters 3 and 4 split one copy of the model over a tensor-parallel group. This chapter takes the other direction
+# Chapters 5 and 6 split one copy of the model over a tensor-parallel group. This chapter takes the other direction
 # of the lecture, the simpler one: **data parallelism**. Every worker holds the *whole* model and works on a
 # different part of the data. Section 1 of the lecture puts it like this (in translation):
 #
@@ -39,9 +39,9 @@
 #
 # Run it with four ranks (a few seconds; on failure every rank raises, so it exits non-zero without hanging):
 #
-# mpirun -n 4 python tutorials/05_data_parallel_sgd.py
+# mpirun -n 4 python tutorials/04_data_parallel_sgd.py
 #
-# The notebook form (`jupytext --to ipynb tutorials/05_data_parallel_sgd.py`) is for reading: the code needs four
+# The notebook form (`jupytext --to ipynb tutorials/04_data_parallel_sgd.py`) is for reading: the code needs four
 # MPI ranks. Only rank 0 prints.
 #
 # Legend: B global batch (sequences per step), dp replicas, b = B/dp sequences per replica, k = micro_batches per
@@ -268,7 +268,7 @@ check.holds("replicas bit-identical after every step", all(len(set(ds)) == 1 for
 # schedule: `serial.sgd(cfg, tc, batch)`, with `batch(step)` the global batch of the step. Rank 0 runs it and
 # broadcasts the result, and every rank compares its replica. The error is relative to each parameter's largest
 # entry, but at least to 0.02 (the scale of the initialization): the attention k-biases start at zero and only ever
-# receive rounding noise (their exact gradient is zero, chapter 4), so a purely relative error would divide noise
+# receive rounding noise (their exact gradient is zero, chapter 6), so a purely relative error would divide noise
 # by noise.
 
 # %%
@@ -338,8 +338,8 @@ for name, n in (("this toy", cfg.n_params()), ("GPT-2 small", gpt2.n_params()), 
 
 # %% [markdown]
 # Hundreds of GiB do not fit on one accelerator, so data parallelism alone cannot train such a model. The lecture's
-# answer (section 2) is to split the model over a group of tp workers (tensor parallelism, chapters 3 and 4) and
-# make dp data-parallel replicas of that *group*: the hybrid of chapter 6. For the stragglers the lecture (section
+# answer (section 2) is to split the model over a group of tp workers (tensor parallelism, chapters 5 and 6) and
+# make dp data-parallel replicas of that *group*: the hybrid of chapter 7. For the stragglers the lecture (section
 # 4.4) names the trade-off: synchronous SGD, as here, keeps serial SGD's convergence guarantees (given unbiased
 # gradients and a suitable learning rate); asynchronous updates, which do not wait for the slowest worker, add
 # noise.

@@ -14,7 +14,7 @@
 # ---
 
 # %% [markdown]
-# # Chapter 12: Where a step's time goes
+# # Appendix A: Where a step's time goes
 #
 # The chapters so far asked whether hsgd computes the right numbers. This one asks how fast, on one CPU process,
 # and why. A training step is mostly matrix products, and a matrix product is the one thing a CPU does close to its
@@ -32,14 +32,14 @@
 #    rounding (the same terms, added in another order);
 #    why `import hsgd` comes before `import numpy`;
 # 5. memory as well as time: GELU caches its derivative instead of its input and tanh, checked against the
-#    activation formula of chapter 7 and a finite difference;
+#    activation formula of chapter 8 and a finite difference;
 # 6. how to compare fairly with another library (`make bench`).
 #
 # Run it as a script, one process, no mpirun (several seconds; it exits non-zero if any check fails):
 #
-#     python tutorials/12_where_the_time_goes.py
+#     python tutorials/A_where_the_time_goes.py
 #
-# or open it as a notebook: `jupytext --to ipynb tutorials/12_where_the_time_goes.py`. The timings it prints vary
+# or open it as a notebook: `jupytext --to ipynb tutorials/A_where_the_time_goes.py`. The timings it prints vary
 # from machine to machine and from run to run (more so on a shared machine); no check depends on one. The checks
 # are about FLOPs, bytes and values, which do not vary.
 #
@@ -509,7 +509,7 @@ check.equal("layers that ran on fewer than 2 threads with set_cpu_threads(2)",
 # and `python -m hsgd.*`. When it is too late, `threads.openblas_note()` says so (`hsgd.train` prints it in its
 # header); setting the variable where the process starts works whatever the order of the imports:
 #
-#     OPENBLAS_THREAD_TIMEOUT=4 python tutorials/12_where_the_time_goes.py
+#     OPENBLAS_THREAD_TIMEOUT=4 python tutorials/A_where_the_time_goes.py
 
 # %%
 note = threads.openblas_note()                                         # None when the setting took effect
@@ -520,7 +520,7 @@ print(f"OPENBLAS_THREAD_TIMEOUT = {os.environ.get('OPENBLAS_THREAD_TIMEOUT')}: "
 # **Splitting the batch instead.** Everything above splits *each layer* over the threads, which hands work from one
 # thread to another several times per layer: at every matrix product (BLAS wakes its threads) and at every
 # `parallel_rows` call. On a machine whose idle cores take tens of microseconds to wake, those hand-offs add up.
-# The other way uses the mini-batch identity of chapter 5: the mean loss over B sequences is the $B_i/B$-weighted
+# The other way uses the mini-batch identity of chapter 4: the mean loss over B sequences is the $B_i/B$-weighted
 # mean of the mean losses over any slices of them, and so are its gradients. `serial.loss_and_grads(...,
 # split=True)` cuts the batch into `cpu_threads()` slices of whole sequences and gives each its own thread
 # (`threads.parallel_batches`): the slice's whole forward and backward run there with one BLAS thread and no
@@ -575,7 +575,7 @@ if THREADS > 1:
 # multiplication.
 # (With GPT-2's F = 4C, the (N, F) arrays are the largest a block caches, after the attention probabilities.)
 #
-# Chapter 7 counted a block's cached bytes (`memory.activation_bytes`: the distinct arrays in the cache,
+# Chapter 8 counted a block's cached bytes (`memory.activation_bytes`: the distinct arrays in the cache,
 # parameters excluded) against `memory.activation_formula`, whose block term has $2NF$ elements for the MLP:
 # GELU's derivative and GELU's output (the input of the MLP projection). Here with tp = 1, the Megatron scheme of
 # `hsgd.tp_model` (which runs the kernels, from `hsgd.ops`), on a one-rank communicator (MPI's `COMM_SELF`: no
@@ -668,4 +668,4 @@ print(f"training step of section 1: best {step_best * 1e3:.1f} ms, median {step_
 
 # %%
 worst, err = check.worst()
-print(f"chapter 12: all {len(check.errors)} checks passed; largest error {err:.1e} ({worst})")
+print(f"appendix A: all {len(check.errors)} checks passed; largest error {err:.1e} ({worst})")
