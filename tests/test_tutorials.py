@@ -1,7 +1,16 @@
-"""Every tutorial chapter runs to the end (and so passes its own check against serial), and opens as a notebook.
+"""The course: every chapter runs to the end (and so passes its own checks against serial), writes the pictures it
+names, opens as a notebook, ends with a cross-walk to the production frameworks and with exercises, and the
+solutions of those exercises run and pass their own checks.
 
-A chapter that needs several MPI ranks says so in a line `# mpirun -n N python tutorials/<file>`; it then runs
+A chapter (tutorials/NN_*.py, the appendix tutorials/A_*.py) or a solutions file (tutorials/solutions/<the
+chapter's file name>) that needs several MPI ranks says so in a line `# mpirun -n N python <file>`; it then runs
 under mpiexec with that many ranks, inside an outer `timeout` so that nothing can hang the suite.
+The shape of a chapter's ending, checked here without running it:
+
+    # ## Cross-walk: ...        a markdown table, a header row naming Megatron-LM, DeepSpeed and PyTorch, >= 3 rows
+    # ## Exercises
+    # ### Exercise 1: ...       3 to 5 of them, numbered from 1
+    tutorials/solutions/<chapter>.py defines exercise_1 .. exercise_k, one per exercise
 """
 import glob
 import os
@@ -13,8 +22,13 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CHAPTERS = sorted(glob.glob(os.path.join(ROOT, "tutorials", "[0-9][0-9]_*.py")))
+TUTORIALS = os.path.join(ROOT, "tutorials")
+CHAPTERS = (sorted(glob.glob(os.path.join(TUTORIALS, "[0-9][0-9]_*.py")))
+            + sorted(glob.glob(os.path.join(TUTORIALS, "A_*.py"))))
+SOLUTIONS = sorted(glob.glob(os.path.join(TUTORIALS, "solutions", "[0-9A]*.py")))
 TIMEOUT_S = 240
+# pictures.save(fig, "name") and pictures.grid(dp, pp, tp, "name"): a picture's name is a literal in the call
+PICTURE = re.compile(r"pictures\.(?:save|grid)\([^\"\n]*\"([A-Za-z0-9_]+)\"")
 
 
 def ranks_of(path):
@@ -28,20 +42,83 @@ def mpiexec():
     return here if os.path.exists(here) else shutil.which("mpiexec")
 
 
-def test_there_are_chapters():
-    assert CHAPTERS, "no tutorials/NN_*.py found"
+def pictures_of(path):
+    return PICTURE.findall(open(path).read())
 
 
-@pytest.mark.parametrize("path", CHAPTERS, ids=[os.path.basename(p) for p in CHAPTERS])
-def test_chapter_runs(path):
+def run_script(path, figures):
+    """Run a chapter or a solutions file as its header says (with mpiexec when it needs several ranks)."""
     n = ranks_of(path)
     cmd = [sys.executable, path]
     if n > 1:
         cmd = [mpiexec(), "-n", str(n)] + cmd
     r = subprocess.run(["timeout", "-k", "5", str(TIMEOUT_S)] + cmd, capture_output=True, text=True, cwd=ROOT,
-                       env=dict(os.environ, MPLBACKEND="Agg"))
+                       env=dict(os.environ, MPLBACKEND="Agg", HSGD_FIGURES=str(figures)))
     print(r.stdout[-3000:])
     assert r.returncode == 0, f"{os.path.basename(path)} exited {r.returncode}:\n{r.stderr[-4000:]}"
+    return r
+
+
+def test_there_are_chapters():
+    assert CHAPTERS, "no tutorials/NN_*.py found"
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=[os.path.basename(p) for p in CHAPTERS])
+def test_chapter_runs(path, tmp_path):
+    run_script(path, tmp_path)
+    written = {p.stem for p in tmp_path.glob("*.png") if p.stat().st_size > 0}
+    missing = [name for name in pictures_of(path) if name not in written]
+    print("pictures written:", sorted(written))
+    assert not missing, f"{os.path.basename(path)} names pictures it did not write (or wrote empty): {missing}"
+
+
+def test_the_course_draws_pictures():
+    """At least 8 pictures, written by the chapters (each checked to exist by test_chapter_runs)."""
+    names = [n for p in CHAPTERS for n in pictures_of(p)]
+    print(f"{len(set(names))} pictures: {sorted(set(names))}")
+    assert len(names) == len(set(names)), "two pictures share a name"
+    assert len(set(names)) >= 8, f"only {len(set(names))} pictures in the course"
+
+
+def section(text, heading):
+    """The markdown lines of `# ## heading...` up to the next `# ## ` heading or code cell."""
+    lines = text.split("\n")
+    starts = [i for i, line in enumerate(lines) if line.startswith("# ## " + heading)]
+    if not starts:
+        return None
+    out = []
+    for line in lines[starts[0] + 1:]:
+        if line.startswith("# ## ") or line.startswith("# %%"):
+            break
+        out.append(line)
+    return out
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=[os.path.basename(p) for p in CHAPTERS])
+def test_chapter_ends_with_crosswalk_and_exercises(path):
+    text = open(path).read()
+    name = os.path.basename(path)
+    walk = section(text, "Cross-walk")
+    assert walk is not None, f"{name}: no '# ## Cross-walk' section"
+    rows = [line for line in walk if line.startswith("# |") and not set(line[2:]) <= set("|-: ")]
+    assert rows and all(fw in rows[0] for fw in ("Megatron-LM", "DeepSpeed", "PyTorch")), \
+        f"{name}: the cross-walk's header row must name Megatron-LM, DeepSpeed and PyTorch: {rows[:1]}"
+    assert len(rows) - 1 >= 3, f"{name}: the cross-walk has {len(rows) - 1} rows; at least 3"
+    exercises = re.findall(r"^# ### Exercise (\d+)", text, flags=re.M)
+    assert section(text, "Exercises") is not None, f"{name}: no '# ## Exercises' section"
+    assert 3 <= len(exercises) <= 5 and exercises == [str(i) for i in range(1, len(exercises) + 1)], \
+        f"{name}: exercises numbered {exercises}; 3 to 5, numbered from 1"
+    solutions = os.path.join(TUTORIALS, "solutions", name)
+    assert os.path.exists(solutions), f"{name}: no tutorials/solutions/{name}"
+    solved = re.findall(r"^def exercise_(\d+)\(", open(solutions).read(), flags=re.M)
+    assert solved == exercises, f"solutions/{name} solves exercises {solved}; the chapter has {exercises}"
+
+
+@pytest.mark.parametrize("path", SOLUTIONS, ids=[os.path.basename(p) for p in SOLUTIONS])
+def test_solutions_run(path, tmp_path):
+    r = run_script(path, tmp_path)
+    k = len(re.findall(r"^def exercise_(\d+)\(", open(path).read(), flags=re.M))
+    assert f"exercises: all {k} solved" in r.stdout, "the solutions file did not report every exercise solved"
 
 
 @pytest.mark.parametrize("path", CHAPTERS, ids=[os.path.basename(p) for p in CHAPTERS])

@@ -10,10 +10,10 @@ the same verdict from it. Every rank must therefore make the same checks, in the
     check = Checks(MPI.COMM_WORLD, tol=1e-10)          # or Checks(tol=...) in a one-process chapter, without MPI
     check("dW vs serial", rel_err(dW_i, dW[:, cols]))  # rank 0 prints the worst error over the ranks
     check.equal("bytes of a step", measured, formula)  # counts, tuples, dicts: exactly equal on every rank
-    check.holds("DP replicas bit-identical", same)     # a yes/no fact: true on every rank
+    check.holds("DP replicas bit-identical", same)     # a fact: true on every rank (printed PASS or FAIL)
     what, err = check.worst()                          # for the chapter's closing line
 
-This is not a chapter (tests/test_tutorials.py runs only the files named NN_*.py) and not a test framework:
+This is not a chapter (tests/test_tutorials.py runs only the files named NN_*.py and A_*.py) nor a test framework:
 it holds only what the chapters share. Chapter-specific measures (finite differences, shard errors, traffic)
 stay in their chapters, and so do their configs, built with `train_config` (one set of defaults for all).
 """
@@ -21,13 +21,14 @@ import numpy as np
 
 from hsgd.settings import TrainConfig
 
-FLOOR = 1e-6        # rel_err's absolute floor, for arrays that are (nearly) zero (chapter 4 explains why)
+FLOOR = 1e-6        # rel_err's absolute floor, for arrays that are (nearly) zero (chapter 6 explains why)
 
 
 class Checks:
     """`check(what, err, tol)` on every rank: passes when err < tol on every rank, or err <= tol with
-    strict=False (then tol=0 means "exactly 0"); a NaN never passes. Rank 0 prints `what` and the worst err,
-    the worst is recorded in `errors`, and a failure raises AssertionError on every rank.
+    strict=False (then tol=0 means "exactly 0"); a NaN never passes. Rank 0 prints `what`, the worst err, the
+    bound and PASS or FAIL (every verdict in the course reads PASS or FAIL, never 0/1 or yes/no); the worst is
+    recorded in `errors`, and a failure raises AssertionError on every rank.
     `check.holds(what, cond)` and `check.equal(what, a, b)` are the same for facts that have no tolerance: a
     condition, or two counts (tuples, dicts) that must be exactly equal. Every check passed is in `passed`."""
 
@@ -52,7 +53,8 @@ class Checks:
         ok = all(e < tol if self.strict else e <= tol for e in errs)          # NaN compares False: a NaN fails
         worst = max(errs) if all(e == e for e in errs) else float("nan")     # e != e only for a NaN
         shown = worst if isinstance(worst, int) else f"{worst:.1e}"          # counts as they are, errors 1.2e-13
-        self.say(f"{self.prefix}{what:<{self.width}s} {shown}")
+        bound = f"{'<' if self.strict else '<='} {tol:.0e}"
+        self.say(f"{self.prefix}{what:<{self.width}s} {shown:>8} {bound:>8}  {'PASS' if ok else 'FAIL'}")
         self.errors[what] = worst
         if not ok:
             per_rank = f" (errors per rank: {errs})" if len(errs) > 1 else ""
@@ -61,21 +63,21 @@ class Checks:
         self.passed.append(what)
 
     def holds(self, what, cond):
-        """Passes when cond is true on every rank. Rank 0 prints `what` and "yes"; a failure names the ranks."""
+        """Passes when cond is true on every rank. Rank 0 prints `what` and PASS; a failure names the ranks."""
         conds = self.comm.allgather(bool(cond)) if self.comm is not None else [bool(cond)]
         failed = [r for r, c in enumerate(conds) if not c]
-        self.say(f"{self.prefix}{what:<{self.width}s} {'yes' if not failed else 'NO'}")
+        self.say(f"{self.prefix}{what:<{self.width}s} {'':>18}  {'FAIL' if failed else 'PASS'}")
         if failed:
             raise AssertionError(f"{what}: false on rank(s) {failed}")
         self.passed.append(what)
 
     def equal(self, what, a, b):
         """Passes when a == b exactly on every rank (counts, tuples, dicts; not arrays). Rank 0 prints `what` and
-        "equal"; a failure shows both sides (of two dicts, the entries that differ) on every rank where they differ."""
+        PASS; a failure shows both sides (of two dicts, the entries that differ) on every rank where they differ."""
         mine = None if a == b else differing(a, b)            # only what differs travels
         seen = self.comm.allgather(mine) if self.comm is not None else [mine]
         wrong = {r: d for r, d in enumerate(seen) if d is not None}
-        self.say(f"{self.prefix}{what:<{self.width}s} {'DIFFERENT' if wrong else 'equal'}")
+        self.say(f"{self.prefix}{what:<{self.width}s} {'':>18}  {'FAIL' if wrong else 'PASS'}")
         if wrong:
             sides = "\n".join(f"  rank {r}: got      {got}\n  rank {r}: expected {want}"
                               for r, (got, want) in wrong.items())
@@ -110,3 +112,14 @@ def train_config(**kw):
     tc = TrainConfig(**{**base, **kw})
     tc.validate()
     return tc
+
+
+def solve(check, exercises):
+    """Run a chapter's exercise solutions in order, each `exercise_k(check)`, under a heading from its docstring's
+    first line, then say "exercises: all k solved" (tests/test_tutorials.py looks for that line). A solution that
+    fails raises on every rank at its check, as a chapter does, so the line never appears."""
+    for k, exercise in enumerate(exercises, 1):
+        assert exercise.__name__ == f"exercise_{k}", f"{exercise.__name__} given as exercise {k}"
+        check.say(f"\nexercise {k}: {(exercise.__doc__ or '').strip().splitlines()[0]}")
+        exercise(check)
+    check.say(f"\nexercises: all {len(exercises)} solved ({len(check.passed)} checks passed)")
