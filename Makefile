@@ -32,8 +32,11 @@ export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM ?= 1
 train: $(STAMP)
 	$(RUN) mpirun -n $(NP) python -m hsgd.train
 
+# The chapters' markdown tables (the cross-walks) cannot wrap: tests/test_tutorials.py holds every other line
+# of a chapter to 120 characters.
 lint: $(STAMP)
-	$(VENV)/bin/ruff check --quiet --line-length 120 --select E,F,W --ignore E741,E731 hsgd tests tutorials benchmarks
+	$(VENV)/bin/ruff check --quiet --line-length 120 --select E,F,W --ignore E741,E731 \
+	    --per-file-ignores 'tutorials/[0-9A]*.py:E501' hsgd tests tutorials benchmarks
 
 test: $(STAMP) lint
 	$(RUN) python -m pytest -q

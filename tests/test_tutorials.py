@@ -28,7 +28,8 @@ CHAPTERS = (sorted(glob.glob(os.path.join(TUTORIALS, "[0-9][0-9]_*.py")))
 SOLUTIONS = sorted(glob.glob(os.path.join(TUTORIALS, "solutions", "[0-9A]*.py")))
 TIMEOUT_S = 240
 # pictures.save(fig, "name") and pictures.grid(dp, pp, tp, "name"): a picture's name is a literal in the call
-PICTURE = re.compile(r"pictures\.(?:save|grid)\([^\"\n]*\"([A-Za-z0-9_]+)\"")
+# (in single or double quotes)
+PICTURE = re.compile(r"""pictures\.(?:save|grid)\([^"'\n]*["']([A-Za-z0-9_]+)["']""")
 
 
 def ranks_of(path):
@@ -112,6 +113,15 @@ def test_chapter_ends_with_crosswalk_and_exercises(path):
     assert os.path.exists(solutions), f"{name}: no tutorials/solutions/{name}"
     solved = re.findall(r"^def exercise_(\d+)\(", open(solutions).read(), flags=re.M)
     assert solved == exercises, f"solutions/{name} solves exercises {solved}; the chapter has {exercises}"
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=[os.path.basename(p) for p in CHAPTERS])
+def test_chapter_lines_fit(path):
+    """120 characters a line, as the linter holds the rest of the code; only markdown table rows may be longer
+    (the Makefile's lint lets the chapters' long lines through for their sake)."""
+    long = [i for i, line in enumerate(open(path).read().split("\n"), 1)
+            if len(line) > 120 and not line.startswith("# |")]
+    assert not long, f"{os.path.basename(path)}: lines over 120 characters: {long}"
 
 
 @pytest.mark.parametrize("path", SOLUTIONS, ids=[os.path.basename(p) for p in SOLUTIONS])
