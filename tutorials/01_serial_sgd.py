@@ -28,25 +28,27 @@
 # 3. a finite-difference check of every layer and of the whole model, in float64;
 # 4. a short training run, to see the loss go down.
 #
-# Run it as a script (it takes a few seconds and exits non-zero if any check fails):
+# Run it as a script (about 5 s on a quiet 2-core machine; it exits non-zero if any check fails):
 #
 #     python tutorials/01_serial_sgd.py
 #
 # or open it as a notebook: `jupytext --to ipynb tutorials/01_serial_sgd.py`, then open the `.ipynb` in
-# Jupyter.
+# Jupyter. It draws two pictures into `$HSGD_FIGURES` (default `tutorials/figures/`): the finite-difference error
+# against the step size, and the training loss.
 #
 # Legend: B batch, T sequence, C d_model, NH heads, hs = C/NH head size, F d_ff, V vocabulary, N = B*T rows.
 
 # %%
 import inspect
 
-import numpy as np
-from threadpoolctl import threadpool_limits
-
-from hsgd import ModelConfig, layers, serial
+from hsgd import ModelConfig, layers, serial         # hsgd before NumPy: it sets OpenBLAS's thread timeout first
 from hsgd.optim import SGD
 from hsgd.train import TrainConfig, train
 
+import numpy as np
+from threadpoolctl import threadpool_limits
+
+import pictures                      # tutorials/pictures.py: where the PNGs go
 from checks import Checks            # tutorials/checks.py: the check every chapter uses
 
 threadpool_limits(1)                 # tiny matrices: extra BLAS threads only add overhead
@@ -332,6 +334,72 @@ print(f"  {kb}: max |grad| = {np.max(np.abs(grads[kb])):.0e}; relative error wit
       f"with it {model_err[kb]:.0e}")
 
 # %% [markdown]
+# The step $h = 10^{-5}$ was chosen from the two error terms above. Their sum,
+# $h^2 |L'''|/6 + \varepsilon |L|/h$, is smallest near $h^* \approx \varepsilon^{1/3}$ (times a scale of the
+# function): about $5\cdot 10^{-6}$ in float64 and $5\cdot 10^{-3}$ in float32, with an absolute error of the order
+# of $\varepsilon^{2/3}|L|$ there. Let us measure it rather than trust the estimate: the
+# relative error of the central difference on 4 coordinates of the whole model (in 4 different arrays, each the
+# coordinate with the largest gradient, so that the floor plays no part), for steps from $10^{-1}$ down to
+# $10^{-12}$, with the loss computed in float64 and in float32. The exact gradient is the float64 backward in both.
+
+# %%
+steps = np.logspace(-1, -12, 23)                                  # the h to try, large to small
+probed = ["wte", "h.0.attn.q.weight", "h.1.mlp.fc.weight", "lm_head.weight"]
+coords = [(name, int(np.argmax(np.abs(grads[name])))) for name in probed]   # the largest gradient of each
+
+
+def fd_sweep(ps):
+    """The worst relative error over the probed coordinates, for each h in steps, of the loss computed with
+    the parameters ps (perturbed in place and restored)."""
+    out = []
+    for h in steps:
+        worst = 0.0
+        for name, i in coords:
+            flat = ps[name].reshape(-1)                           # a view: writing it perturbs ps[name]
+            old = flat[i]
+            flat[i] = old + h
+            lp = serial.loss(ps, idx, targets, cfg)
+            flat[i] = old - h
+            lm = serial.loss(ps, idx, targets, cfg)
+            flat[i] = old
+            fd, an = (lp - lm) / (2 * h), grads[name].reshape(-1)[i]
+            worst = max(worst, abs(fd - an) / (abs(fd) + abs(an)))
+        out.append(worst)
+    return np.array(out)
+
+
+sweep = {"float64": fd_sweep(params), "float32": fd_sweep({n: p.astype(np.float32) for n, p in params.items()})}
+for dtype, errs in sweep.items():
+    best = int(np.argmin(errs))
+    print(f"  {dtype}: smallest error {errs[best]:.1e} at h = {steps[best]:.0e}; "
+          f"at h = {H:.0e}: {errs[int(np.argmin(np.abs(steps - H)))]:.1e}")
+best64 = steps[int(np.argmin(sweep["float64"]))]
+check.holds("float64: the best h is between 1e-8 and 1e-3", 1e-8 <= best64 <= 1e-3)
+check.holds("float32's best error > 1000 x float64's best", sweep["float32"].min() > 1e3 * sweep["float64"].min())
+
+fig, ax = pictures.figure(6, 3.2)
+for dtype, errs in sweep.items():
+    ax.loglog(steps, errs, "o-", ms=3, label=f"loss computed in {dtype}")
+ax.axvline(H, color="0.5", ls=":", lw=1)
+ax.text(H * 1.3, 3e-13, f"h = {H:.0e}, the checks' step", fontsize=7, color="0.3")
+ax.set_xlabel("step h of the central difference")
+ax.set_ylabel("|fd - exact| / (|fd| + |exact|)")
+ax.set_title("Central differences on 4 coordinates of the tiny model: rounding (left) vs truncation (right)",
+             fontsize=8)
+ax.set_ylim(1e-13, 3)
+ax.legend(fontsize=8)
+print("picture:", pictures.save(fig, "01_fd_error_vs_step"))
+
+# %% [markdown]
+# The picture shows both error terms: right of the minimum the error falls like $h^2$ as $h$ shrinks
+# (truncation, slope 2 on the log-log axes), left of it the error grows like $1/h$ (rounding, slope -1). In
+# float32 the valley is higher and further right, and below $h \approx 10^{-5}$ the step is lost in rounding
+# altogether ($w + h$ rounds back to $w$ for most parameters): the difference is 0 and the error 1. No step gives
+# float32 finite differences the accuracy a $10^{-6}$ check needs, which is why hsgd's gradient checks run in
+# float64; the relative errors are larger than $\varepsilon^{2/3}$ because the gradients ($10^{-2}$ and less)
+# are small next to the loss (about 2.4).
+
+# %% [markdown]
 # ## 4. Training
 #
 # With the gradients trusted, `hsgd.train.train` runs the mini-batch SGD loop on bytes of the Python standard
@@ -348,6 +416,23 @@ run = train(small, TrainConfig(steps=40, batch_size=8, lr=0.1, momentum=0.9, eva
 print(f"validation loss {run['val_before']:.3f} -> {run['val_after']:.3f}")
 check.holds("validation loss fell by more than 0.5", run["val_after"] < run["val_before"] - 0.5)
 
+fig, ax = pictures.figure(6, 3)
+ax.plot(range(1, len(run["losses"]) + 1), run["losses"], "-", label="training loss of the step's batch")
+ax.plot([0, len(run["losses"])], [run["val_before"], run["val_after"]], "s", color="C3",
+        label="validation loss, before and after")
+ax.axhline(np.log(256), color="0.5", ls=":", lw=1, label="ln 256: a uniform guess over bytes")
+ax.set_xlabel("step (a batch of 8 sequences of 32 bytes)")
+ax.set_ylabel("mean cross-entropy (nats)")
+ax.set_title("hsgd.train: serial mini-batch SGD with momentum 0.9 on the standard library's source", fontsize=8)
+ax.legend(fontsize=7)
+print("picture:", pictures.save(fig, "01_training_loss"))
+
+# %% [markdown]
+# The picture shows the loss of each step's batch (noisy: every step sees 8 new sequences) and the validation
+# loss on held-out bytes before and after the 40 steps. The learning rate rises over the first 20 steps (the
+# warm-up, `TrainConfig.warmup`'s default) and then decays along a cosine (`hsgd.optim.lr_at`), so the curve
+# falls slowly at first.
+
 # %% [markdown]
 # ## Check against serial
 #
@@ -356,9 +441,64 @@ check.holds("validation loss fell by more than 0.5", run["val_after"] < run["val
 # is nothing further below to compare with, so the serial model itself was checked against calculus: every
 # layer's backward and the whole model's gradient agree with central finite differences to better than
 # $10^{-6}$ relative error, the batch gradient is the lecture's $\frac1B\sum_j \nabla L_j$, and SGD with it
-# learns. From chapter 3 on, `serial.loss_and_grads` is the reference.
+# learns. Chapters 2 and 3 check MPI's collectives against sums NumPy computes on one process; from chapter 4 on,
+# `serial.loss_and_grads` is the reference.
 
 # %%
 worst, err = check.worst([w for w in check.errors if "rel err" in w])
 print(f"chapter 1: all {len(check.passed)} checks passed; largest finite-difference error {err:.1e} "
       f"({worst.split(':')[0]}), tolerance {TOL:.0e}")
+
+# %% [markdown]
+# ## Cross-walk: hsgd and the production frameworks
+#
+# The production frameworks never write a backward pass for a whole model: PyTorch's autograd records the forward
+# and runs each operation's backward in reverse. But autograd's unit is the same pair as hsgd's, an operation with a
+# forward, a saved context and a backward, and the frameworks write such pairs by hand where they need control
+# (fused kernels, communication inside the backward).
+#
+# | hsgd | Megatron-LM | DeepSpeed | PyTorch | where hsgd differs, on purpose |
+# |---|---|---|---|---|
+# | `layers.linear_forward` / `linear_backward`: `(out, cache)`, then `dx`, with `dW += x^T dy` | `LinearWithGradAccumulationAndAsyncCommunication` (megatron/core/tensor_parallel/layers.py): a `torch.autograd.Function` that saves `(input, weight)` and, with `gradient_accumulation_fusion`, adds the weight gradient into `main_grad` | none of its own: the model's modules, differentiated by PyTorch | `torch.autograd.Function` (`forward(ctx, ...)`, `ctx.save_for_backward`, `backward(ctx, grad_output)`); `torch.nn.Linear` under autograd | every layer's backward is written out, so the formula a reader derives is the code that runs |
+# | `layers.gelu_forward` / `gelu_backward` (tanh approximation) | `GeLUFunction` / `bias_gelu_back` (megatron/core/fusions/fused_bias_gelu.py), the same tanh formula and derivative | none | `torch.nn.functional.gelu(x, approximate="tanh")` | no fusion with the bias: one formula per function |
+# | `serial.block_backward`: the forward read from the bottom up | the block's backward is autograd's (`TransformerLayer`, megatron/core/transformer/transformer_layer.py) | the same, through `DeepSpeedEngine.backward` | `loss.backward()` | the reversed order is visible in the source |
+# | the gradient accumulated with `+=` into a `grads` dict | `param.main_grad` (a view into DDP's contiguous gradient buffer) | gradients accumulated across micro-batches until `is_gradient_accumulation_boundary()` | `param.grad` accumulates (`+=`) until `optimizer.zero_grad()` | the caller owns the arrays; nothing is hidden on the parameter |
+# | `fd_error`: central differences in float64 | none | none | `torch.autograd.gradcheck` (torch/autograd/gradcheck.py): central differences in float64 against the backward | the floor on the relative error is chosen and explained in the text |
+# | `optim.SGD(lr, momentum)`: $v \leftarrow \mu v + g$, $w \leftarrow w - \eta v$ | `OptimizerConfig(optimizer="sgd", sgd_momentum=0.9)` (megatron/core/optimizer/optimizer_config.py; default `"adam"`), built by `get_megatron_optimizer` | `"optimizer": {"type": "SGD", ...}`: a name DeepSpeed does not implement itself goes to `torch.optim` (`DeepSpeedEngine._configure_basic_optimizer`) | `torch.optim.SGD(params, lr, momentum=0.9)`: with the default `dampening=0` the same update | one flat state array per rank (chapter 4 on); no Nesterov, no dampening |
+# | `optim.lr_at`: linear warm-up, then cosine to lr/10 | `OptimizerParamScheduler` (megatron/core/optimizer_param_scheduler.py) | `WarmupLR`, `WarmupDecayLR` (deepspeed/runtime/lr_schedules.py) | `torch.optim.lr_scheduler.LinearLR`, `CosineAnnealingLR` | one function of the step, no scheduler object |
+#
+# ## Exercises
+#
+# ### Exercise 1: the backward of RMSNorm, by hand
+# LLaMA-style models replace LayerNorm with RMSNorm: $y = x\, r \odot w$ with $r = 1/\sqrt{\text{mean}(x^2) +
+# \epsilon}$ over the last axis (no mean subtracted, no bias). Write `rmsnorm_forward(x, w) -> (y, cache)` and
+# `rmsnorm_backward(dy, cache, dw) -> dx` (with `dw +=`), deriving $dx$ the way section 2 derives LayerNorm's.
+# Check every coordinate of $x$ and $w$ against central differences with the chapter's probe $L = \sum y \odot R$,
+# and check that, unlike LayerNorm's, the rows of $dx$ do *not* sum to zero. (Hint: with $g = dy \odot w$ and
+# $\hat x = x r$, $dx = r\,(g - \hat x\, \text{mean}(g \odot \hat x))$.)
+# (solution: `tutorials/solutions/01_serial_sgd.py`, `exercise_1`)
+#
+# ### Exercise 2: momentum SGD against plain SGD
+# Unroll `hsgd.optim.SGD` with momentum $\mu$: show that after $t$ steps with gradients $g_1 .. g_t$ (and a fixed
+# learning rate) $w_t = w_0 - \eta \sum_{s=1}^{t} \sum_{i=1}^{s} \mu^{s-i} g_i$, and check it against `SGD.step`
+# on random gradients. Then minimize the ill-conditioned quadratic $f(w) = \frac12 \sum_i \lambda_i w_i^2$,
+# $\lambda_i$ from 0.01 to 1, with plain SGD ($\mu = 0$) and with $\mu = 0.9$, both with $\eta = 1$, and count the
+# steps each needs to bring $f$ below $10^{-8} f(w_0)$. Check the plain count against the closed form: each
+# coordinate shrinks by $(1 - \eta\lambda_i)$ per step, so $f(w_t) = \frac12 \sum_i \lambda_i (1 - \eta\lambda_i)^{2t}
+# w_{0,i}^2$.
+# (solution: `tutorials/solutions/01_serial_sgd.py`, `exercise_2`)
+#
+# ### Exercise 3: gradient accumulation equals the big batch
+# Cut a batch of B = 8 sequences into micro-batches of 3 and 5 sequences. Run `serial.forward` and
+# `serial.backward` on each, seeding the backward with `layers.cross_entropy_backward(b_m / B, cache)` so that
+# micro-batch m adds $\frac{b_m}{B}\nabla L_m$ to one shared `grads` dict (the layers' `+=` does the accumulating).
+# Check the result against `serial.loss_and_grads` on all 8 sequences, and check that weighting the two micro-batches
+# equally ($\frac12$ each) is *not* the batch gradient when they have different sizes.
+# (solution: `tutorials/solutions/01_serial_sgd.py`, `exercise_3`)
+#
+# ### Exercise 4: the backward is as causal as the forward
+# Section 2 argued that no gradient flows to future keys. Check it on `layers.attention_forward` /
+# `attention_backward`: take the probe $L = \sum_{b,c} y_{b, t_0, c} R_{b, c}$ that reads only position $t_0$ of
+# the output, and check that dq, dk and dv are exactly zero at every position after $t_0$ (and that dq is zero at
+# every position except $t_0$ itself), while dk and dv at positions $\le t_0$ are not.
+# (solution: `tutorials/solutions/01_serial_sgd.py`, `exercise_4`)
