@@ -16,29 +16,41 @@
 # %% [markdown]
 # # Chapter 5: tensor-parallel linear layers
 #
-# Section 3 of the lecture splits one copy of the model over a group of tp workers, "tensor parallelism": every
-# large weight matrix is cut by columns or by rows, and each worker multiplies with its own piece. This chapter
-# takes the one layer everything is made of, the linear layer $Y = XW$, and works out
+# Chapter 4 gave every rank a whole copy of the model and split the data; its one collective was the All-Reduce
+# of the gradients, once per step. When one copy of the model no longer fits on a device, or one device computes
+# it too slowly, section 3 of the lecture splits the copy itself over a group of tp workers, "tensor
+# parallelism": every large weight matrix is cut by columns or by rows, and each worker multiplies with its own
+# piece. The workers then talk inside every layer, with the collectives of chapter 2 (All-Gather, Reduce-Scatter,
+# All-Reduce). This chapter takes the one layer everything is made of, the linear layer $Y = XW$, and works out
 #
 # 1. the two ways to cut $W$ (by columns, by rows) and how the pieces of the result add up to the serial one;
 # 2. the lecture's scheme (its sections 3.2 and 3.3): column split, All-Gather of the output pieces, and in the
 #    backward pass the adjoint of the All-Gather, a Reduce-Scatter. When it is exactly a Reduce-Scatter, and when
 #    it must be scaled by $1/tp$ (and then needs no communication at all);
-# 3. Megatron-LM's conjugate operators $f$ and $g$ (Shoeybi et al. 2019, arXiv:1909.08053), which build the
-#    MLP column -> GELU -> row with one All-Reduce forward and one backward, and the bytes each scheme moves.
+# 3. Megatron-LM's conjugate operators $f$ and $g$ (Shoeybi et al. 2019, "Megatron-LM: Training Multi-Billion
+#    Parameter Language Models Using Model Parallelism", arXiv:1909.08053), which build the MLP
+#    column -> GELU -> row with one All-Reduce forward and one backward;
+# 4. what each scheme costs, always in two columns: the **payload** (the logical tensor of the call, what hsgd's
+#    `CommStats` records) and the **bytes a ring sends per rank** (chapter 2: an All-Gather or a Reduce-Scatter
+#    sends $(tp-1)/tp$ of the gathered or full tensor, an All-Reduce $2(tp-1)/tp$ of it). A ratio of payloads is
+#    not a ratio of bytes on the wire.
 #
-# Every result is compared with the serial computation on the full matrices. Run it with four ranks (a few
-# seconds; on failure every rank raises, so it exits non-zero without hanging):
+# Every result is compared with the serial computation on the full matrices. Run it with four ranks (measured:
+# about 5 s on a quiet 2-core machine, 14 to 27 s while other jobs shared it; most of it is starting Python and
+# MPI and, on rank 0, drawing the pictures. On failure every rank raises, so it exits non-zero without hanging).
+# Rank 0 draws three pictures into `$HSGD_FIGURES` (default `tutorials/figures/`):
 #
 # mpirun -n 4 python tutorials/05_tensor_parallel_linear.py
 #
 # The notebook form (`jupytext --to ipynb tutorials/05_tensor_parallel_linear.py`) is for reading: the code needs
 # four MPI ranks, so run it with mpirun as above. Only rank 0 prints.
 #
-# Legend: B batch, T sequence, C d_model, F d_ff, N = B*T rows, tp tensor-parallel ranks, i (or r) a rank.
-# A `/tp` in a shape comment marks the dimension that is split, e.g. `(C, F/tp)`.
+# Legend: B batch, T sequence, C d_model, F d_ff, N = B*T rows, tp tensor-parallel ranks, i (or r) a rank,
+# s bytes per number (8: float64). A `/tp` in a shape comment marks the dimension that is split, e.g. `(C, F/tp)`.
 
 # %%
+from fractions import Fraction
+
 import numpy as np
 from mpi4py import MPI
 from threadpoolctl import threadpool_limits
@@ -46,19 +58,45 @@ from threadpoolctl import threadpool_limits
 from hsgd import layers, tp_layers
 from hsgd.grid import ProcessGrid
 
+import pictures                      # tutorials/pictures.py: where the PNGs go
 from checks import Checks, rel_err   # tutorials/checks.py, shared by the chapters
 
 threadpool_limits(1)                    # four ranks share the cores, tiny matrices: one BLAS thread each
 TP = 4                                  # tensor-parallel size; more ranks than 4 form data-parallel copies
 world = MPI.COMM_WORLD
+rank = world.Get_rank()
 if world.Get_size() % TP:               # every rank exits non-zero; rank 0 says why
     raise SystemExit(f"run this chapter on a multiple of {TP} ranks: mpirun -n {TP} python {__file__}"
-                     if world.Get_rank() == 0 else 1)
+                     if rank == 0 else 1)
 grid = ProcessGrid(world, dp=world.Get_size() // TP, tp=TP)
 tp, i = grid.tp_comm, grid.tp_rank      # the tensor-parallel communicator (hsgd.comm.Comm) and my place in it
 TOL = 1e-12                             # float64 throughout: parallel and serial differ only by rounding
 check = Checks(world, tol=TOL, width=60)  # check(what, err, tol): collective, raises on every rank unless err < tol
 say = check.say                           # print on world rank 0 only
+RANK_COLORS = [f"C{r}" for r in range(TP)]  # one colour per tp rank in the pictures (matplotlib's cycle)
+
+
+def ring_bytes(counts, p=TP):
+    """Bytes one rank sends on a ring for the collectives in `counts` ({(comm, op): (calls, payload bytes)}, as
+    CommStats records them): an All-Reduce 2(p-1)/p of its payload, an All-Gather (p-1)/p of the gathered tensor,
+    a Reduce-Scatter (p-1)/p of the full input (chapter 2). Exact, as a Fraction."""
+    per_payload = {"Allreduce": Fraction(2 * (p - 1), p), "Allgather": Fraction(p - 1, p),
+                   "Reduce_scatter_block": Fraction(p - 1, p)}
+    return sum((per_payload[op] * nbytes for (_, op), (_, nbytes) in counts.items()), Fraction(0))
+
+
+def payload(counts):
+    """The payload bytes of all the collectives in `counts`."""
+    return sum(nbytes for _, nbytes in counts.values())
+
+
+def merged(*counts):
+    """Several {(comm, op): (calls, bytes)} added up into one."""
+    out = {}
+    for c in counts:
+        for key, (calls, nbytes) in c.items():
+            out[key] = (out.get(key, (0, 0))[0] + calls, out.get(key, (0, 0))[1] + nbytes)
+    return out
 
 
 # Every rank draws the *same* full matrices from the same seed and keeps its slice of the weights; the serial
@@ -112,6 +150,56 @@ for r, a, b, sw, sy, rw, ry in shapes:
     say(f"{r:>4}  [{a:>2}, {b:>2})     {str(sw):<20s}  {str(sy):<17s}              {str(rw):<14s}   {ry}")
 
 # %% [markdown]
+# The picture draws the two cuts at this chapter's sizes, one colour per rank: on top the column split (every
+# rank multiplies the whole $X$ with its block of columns and owns that block of $Y$), below the row split
+# (every rank multiplies its block of the input's columns with its block of rows, and the full-sized partial
+# products are summed).
+
+# %%
+if rank == 0:
+    from matplotlib.patches import Patch, Rectangle
+
+    def matrix(ax, x, y, rows, ncols, label, split=None, color="0.85"):
+        """A (rows, ncols) matrix drawn to scale, top-left corner at (x, y); split=1 cuts it into tp blocks of
+        columns, split=0 into tp blocks of rows, block r in rank r's colour."""
+        for r in range(TP if split is not None else 1):
+            w, h = (ncols / TP, rows) if split == 1 else (ncols, rows / TP) if split == 0 else (ncols, rows)
+            x0, y0 = (x + r * w, y) if split == 1 else (x, y - r * h)
+            ax.add_patch(Rectangle((x0, y0 - h), w, h, fc=RANK_COLORS[r] if split is not None else color,
+                                   ec="black", lw=0.7, alpha=0.85))
+        ax.text(x + ncols / 2, y - rows - 1.0, label, ha="center", va="top", fontsize=7)
+
+    fig, (top, bottom) = pictures.figure(9.5, 6.6, nrows=2, gridspec_kw={"height_ratios": [1, 2.3]})
+    _, _, _, sw, sy, rw, ry = shapes[0]                         # rank 0's shapes: every rank's are the same
+    matrix(top, 0, C, N, C, f"$X$ (N, C) = ({N}, {C})\nreplicated")
+    top.text(C + 2, C - N / 2, "x", fontsize=12, ha="center", va="center")
+    matrix(top, C + 4, C, C, F, f"$W$ (C, F) = ({C}, {F}), cut by columns:\nrank $i$ holds $W_i$ {sw}", split=1)
+    top.text(C + F + 6, C - N / 2, "=", fontsize=12, ha="center", va="center")
+    matrix(top, C + F + 8, C, N, F, f"$Y = [XW_0 \\cdots XW_{TP - 1}]$: rank $i$ computes\n$Y_i = XW_i$ {sy}",
+           split=1)
+    top.set_title("column split: $Y_i = XW_i$, no communication (an All-Gather joins the $Y_i$)", fontsize=8)
+    matrix(bottom, 0, F, N, F, f"$X$ (N, F) = ({N}, {F}), cut by columns:\nrank $i$ holds $X_i$ (N, F/tp)",
+           split=1)
+    bottom.text(F + 2, F - N / 2, "x", fontsize=12, ha="center", va="center")
+    matrix(bottom, F + 4, F, F, C, f"$W$ (F, C) = ({F}, {C}),\ncut by rows:\n$W_i$ {rw}", split=0)
+    x_sum = F + C + 16                                          # where the partial products start
+    bottom.text(F + C + 10, F - N / 2, "= $\\sum_i$", fontsize=10, ha="center", va="center")
+    for r in range(TP):                                         # the partial products X_i W_i, full-sized
+        x0 = x_sum + r * (C + 2)
+        bottom.add_patch(Rectangle((x0, F - N), C, N, fc=RANK_COLORS[r], ec="black", lw=0.7, alpha=0.85))
+        bottom.text(x0 + C / 2, F - N - 1.0, f"$X_{r} W_{r}$\n{ry}", ha="center", va="top", fontsize=7)
+    bottom.set_title("row split: rank $i$ computes the full-sized partial product $X_i W_i$; an All-Reduce sums "
+                     "them", fontsize=8)
+    for ax, height in ((top, C), (bottom, F)):
+        ax.set_xlim(-1, C + F + 8 + F + 1 if ax is top else x_sum + TP * (C + 2))
+        ax.set_ylim(-5.5 if ax is bottom else C - N - 5.5, height + 1)
+        ax.set_aspect("equal")
+        ax.axis("off")
+    fig.legend(handles=[Patch(fc=RANK_COLORS[r], ec="black", label=f"tp rank {r}") for r in range(TP)],
+               loc="lower right", ncol=1, fontsize=7, frameon=False)
+    say(f"picture: {pictures.save(fig, '05_column_and_row_split')}")
+
+# %% [markdown]
 # Assembling the results. For the column split the blocks are put side by side; rank $i$'s block must equal
 # columns $iF/tp \ldots (i+1)F/tp - 1$ of the serial $XW$, and after an All-Gather
 # (`tp_layers.allgather_forward`, which calls `Allgather` and lays the blocks side by side) every rank holds the
@@ -151,7 +239,9 @@ A = rng.standard_normal((C, F))                 # (C, F)
 bA = rng.standard_normal(F)                     # (F,)
 A_i, bA_i = A[:, cols], bA[cols]                # (C, F/tp), (F/tp,) my columns
 
+grid.stats.reset()
 Y, cache_A = tp_layers.gather_linear_forward(X, A_i, bA_i, tp)      # (B, T, F) Allgather inside
+flow = {"forward": grid.stats.counts()}                             # for the picture at the end of section 2
 Y_serial, cache_A_serial = layers.linear_forward(X, A, bA)          # (B, T, F)
 check("Allgather(X A_i + b_i) vs serial X A + b", rel_err(Y, Y_serial))
 
@@ -168,8 +258,8 @@ check("Allgather(X A_i + b_i) vs serial X A + b", rel_err(Y, Y_serial))
 #
 # **The adjoint of All-Gather is Reduce-Scatter.** The All-Gather copies block $i$ of rank $i$ into block $i$ of
 # the $Y$ held by *every* rank $r$. A value copied to several places receives the sum of the gradients of all
-# the copies (chapter 1: "a value used twice receives the sum of both gradients"). So if rank $r$'s part of the
-# computation hands it the gradient $D^{(r)}$ with respect to its copy of the whole $Y$,
+# the copies (chapter 1: "a value used twice in the forward receives the sum of both gradients"). So if rank
+# $r$'s part of the computation hands it the gradient $D^{(r)}$ with respect to its copy of the whole $Y$,
 #
 # $$\frac{\partial L}{\partial Y_i} = \sum_{r=1}^{tp} D^{(r)}_i = \big[\text{ReduceScatter}(D^{(1)}, \ldots,
 # D^{(tp)})\big]_i :$$
@@ -237,10 +327,11 @@ check("unscaled: dA_i / serial dA_i - tp", float(np.max(np.abs(dA_wrong / dA[:, 
 # Two routes give the same $\partial L/\partial Y_i$. The gather scheme as written in `tp_layers` (and used by
 # `tp_model`) first All-Reduces the partial $dX$ of the second layer (bullet 2 above) to the full, replicated
 # $\partial L/\partial Y$, and then, being in case 1, takes its slice. The Reduce-Scatter does both in one
-# collective, and with the bandwidth-optimal algorithms MPI libraries use for large messages (a ring, or recursive
-# halving and doubling: Thakur, Rabenseifner and Gropp 2005) it moves half the data of the All-Reduce ($(tp-1)/tp$
-# instead of $2(tp-1)/tp$ of the tensor per rank): such an All-Reduce *is* a Reduce-Scatter followed by an
-# All-Gather, and the All-Gather half is wasted when each rank only wants its own block.
+# collective. Both calls carry the same payload, the (N, F) tensor; what differs is what a ring sends per rank
+# (chapter 2): $(tp-1)/tp$ of it for the Reduce-Scatter, $2(tp-1)/tp$ for the All-Reduce, which on a ring (or
+# with recursive halving and doubling, the bandwidth-optimal algorithms MPI libraries use for large messages:
+# Thakur, Rabenseifner and Gropp 2005, "Optimization of Collective Communication Operations in MPICH") *is* a
+# Reduce-Scatter followed by an All-Gather. The All-Gather half is wasted when each rank only wants its own block.
 
 # %%
 Bw = rng.standard_normal((F, C))                                # (F, C) the next layer's weight
@@ -252,16 +343,26 @@ Z, cache_B = tp_layers.gather_linear_forward(Y, Bw_i, None, tp)                 
 dZ_i = tp_layers.allgather_backward(R_Z, tp)                    # (B, T, C/tp) case 1: my slice of R_Z
 D_r = layers.linear_backward(dZ_i, cache_B, np.zeros_like(Bw_i))                 # (B, T, F) my partial dL/dY
 
+grid.stats.reset()
 dY_i_rs = tp_layers.allgather_backward(D_r, tp, replicated=False)                # (B, T, F/tp) Reduce-Scatter
+route_rs = grid.stats.counts()
+grid.stats.reset()
 D_full = D_r.copy()
 tp.Allreduce(D_full)                                            # (B, T, F) the All-Reduce route ...
 dY_i_ar = tp_layers.allgather_backward(D_full, tp)              # (B, T, F/tp) ... and then the slice
+route_ar = grid.stats.counts()
 
 dY_serial = R_Z @ Bw.T                                          # (B, T, F) serial dL/dY
 check("split: ReduceScatter(D^(r)) vs serial dL/dY_i", rel_err(dY_i_rs, dY_serial[..., cols]))
 check("split: ReduceScatter vs Allreduce + slice", rel_err(dY_i_rs, dY_i_ar))
 say(f"  (taking the slice of my own partial D^(r) without communication would be off by "
     f"{rel_err(D_r[..., cols], dY_serial[..., cols]):.0%}: case 2 needs the sum)")
+say(f"{'route to dL/dY_i':<26}{'payload':>10}{'ring, sent per rank':>22}")
+for name, counts in (("Reduce-Scatter", route_rs), ("All-Reduce + slice", route_ar)):
+    say(f"{name:<26}{payload(counts):>10,}{float(ring_bytes(counts)):>22,.0f}")
+check.equal("split: both routes' payload == N*F*8", (payload(route_rs), payload(route_ar)), (N * F * 8,) * 2)
+check.equal("split: ring bytes, Reduce-Scatter route == 1/2 All-Reduce's", ring_bytes(route_rs) * 2,
+            ring_bytes(route_ar))
 
 # %% [markdown]
 # From $\partial L/\partial Y_i$ on, the first layer's backward is the same as before: $dA_i = X^\top dY_i$
@@ -271,12 +372,81 @@ say(f"  (taking the slice of my own partial D^(r) without communication would be
 # %%
 dA_i = np.zeros_like(A_i)
 dX_partial = layers.linear_backward(dY_i_rs, cache_A, dA_i)     # (B, T, C) my partial dX = dY_i A_i^T
+grid.stats.reset()
 tp.Allreduce(dX_partial)                                        # (B, T, C) sum over the tp ranks: the full dX
+flow["backward"] = {**route_rs, **grid.stats.counts()}          # Reduce-Scatter of dY, All-Reduce of dX
 
 dA = np.zeros_like(A)
 dX_serial = layers.linear_backward(dY_serial, cache_A_serial, dA)                # (B, T, C)
 check("split: dA_i vs block i of serial dA", rel_err(dA_i, dA[:, cols]))
 check("split: Allreduce(dY_i A_i^T) vs serial dX", rel_err(dX_partial, dX_serial))
+
+# %% [markdown]
+# The picture follows the first layer through the lecture's scheme, one row per rank, with the shapes of this
+# chapter and the bytes its collectives recorded: in the forward pass each rank's block of columns is gathered
+# onto every rank; in the backward pass (case 2) each rank starts with its own partial gradient of the whole $Y$
+# (hatched), the Reduce-Scatter leaves each rank the sum of its block, and the All-Reduce sums the partial $dX$.
+
+# %%
+if rank == 0:
+    from matplotlib.patches import Rectangle
+
+    def strip(ax, x, y, width, owner, filled, hatched=False, blocks=TP):
+        """One rank's copy of a (N, width) tensor as a strip of `blocks` column blocks at (x, y): block b filled
+        in rank b's colour (hatched=True: in the colour of the rank `owner` whose partial it is), else empty."""
+        w = width / blocks
+        for b in range(blocks):
+            if b in filled:                                     # a whole, unsplit tensor (blocks=1): grey
+                color = RANK_COLORS[owner] if hatched else RANK_COLORS[b] if blocks == TP else "0.45"
+                ax.add_patch(Rectangle((x + b * w, y), w, 0.55, fc=color, alpha=0.45 if hatched else 0.85,
+                                       hatch="///" if hatched else None, ec="black", lw=0.6))
+            else:
+                ax.add_patch(Rectangle((x + b * w, y), w, 0.55, fc="white", ec="0.6", lw=0.6, ls=":"))
+
+    def stage(ax, x, title, width, filled_of, hatched=False, blocks=TP):
+        for r in range(TP):                                     # rank 0 on top
+            strip(ax, x, (TP - 1 - r) * 0.85, width, r, filled_of(r), hatched, blocks)
+            if x == 0:
+                ax.text(-0.25, (TP - 1 - r) * 0.85 + 0.27, f"rank {r}", ha="right", va="center", fontsize=7)
+        ax.text(x + width / 2, TP * 0.85 + 0.05, title, ha="center", va="bottom", fontsize=7)
+
+    def arrow(ax, x0, x1, label):
+        ax.annotate("", (x1, TP * 0.85 / 2), (x0, TP * 0.85 / 2), arrowprops=dict(arrowstyle="->", lw=1.3))
+        if label:
+            ax.text((x0 + x1) / 2, TP * 0.85 / 2 + 0.12, label, ha="center", va="bottom", fontsize=6.5,
+                    bbox=dict(fc="white", ec="none", pad=0.5))
+
+    def cost(counts):                                           # "Allgather: payload 1,536 B, ring 1,152 B/rank"
+        (_, op), (_, nb) = next(iter(counts.items()))
+        return f"{op}\npayload {nb:,} B\nring {float(ring_bytes(counts)):,.0f} B/rank"
+
+    wF, wC = 3.2, 3.2 * C / F                                   # strip widths to scale: F and C columns
+    fig, (fwd, bwd) = pictures.figure(10, 5.2, nrows=2)
+    everything = set(range(TP))
+    stage(fwd, 0, f"$Y_i = XA_i + b_i$\n{Y_col_i.shape} on rank $i$", wF, lambda r: {r})
+    arrow(fwd, wF + 0.3, wF + 3.3, cost(flow["forward"]))
+    stage(fwd, wF + 3.6, f"$Y = [Y_0 \\cdots Y_{TP - 1}]$\n{Y.shape} on every rank", wF, lambda r: everything)
+    fwd.set_title("forward (the lecture's section 3.2): each rank's block of columns, then All-Gather", fontsize=8)
+    rs = {k: v for k, v in flow["backward"].items() if k[1] == "Reduce_scatter_block"}
+    ar = {k: v for k, v in flow["backward"].items() if k[1] == "Allreduce"}
+    stage(bwd, 0, f"$D^{{(r)}} = dZ_r B_r^\\top$, partial\n{D_r.shape} on rank $r$", wF, lambda r: everything,
+          hatched=True)
+    arrow(bwd, wF + 0.3, wF + 3.3, cost(rs))
+    x2 = wF + 3.6
+    stage(bwd, x2, f"$dY_i = \\sum_r D^{{(r)}}_i$\n{dY_i_rs.shape} on rank $i$", wF, lambda r: {r})
+    stage(bwd, x2 + wF + 1.0, f"$dX_i = dY_i A_i^\\top$,\npartial {dX_partial.shape}", wC, lambda r: {0},
+          hatched=True, blocks=1)
+    arrow(bwd, x2 + wF + 0.1, x2 + wF + 0.9, "")                 # local: no communication
+    arrow(bwd, x2 + wF + wC + 1.3, x2 + wF + wC + 4.3, cost(ar))
+    stage(bwd, x2 + wF + wC + 4.6, f"$dX = \\sum_i dX_i$\n{dX_serial.shape} on every rank", wC, lambda r: {0},
+          blocks=1)
+    for ax in (fwd, bwd):
+        ax.set_xlim(-1.2, x2 + wF + wC + 4.6 + wC + 0.6)
+        ax.set_ylim(-0.2, TP * 0.85 + 0.75)
+        ax.axis("off")
+    bwd.set_title("backward (section 3.3, case 2): Reduce-Scatter of the partial dL/dY, then All-Reduce of dX",
+                  fontsize=8)
+    say(f"picture: {pictures.save(fig, '05_gather_scheme_flow')}")
 
 # %% [markdown]
 # So the lecture's "the backward of the All-Gather is a Reduce-Scatter" is exact when each rank contributes a
@@ -374,16 +544,57 @@ say("the lecture's MLP, forward and backward:\n" + grid.stats.format())
 
 expected = {("tp", "Allgather"): (2, N * (F + C) * 8), ("tp", "Allreduce"): (2, N * (F + C) * 8)}
 check.equal("the lecture's MLP: calls, bytes == expected", gather_counts, expected)
-mega_bytes = sum(b for _, b in fwd_counts.values()) + sum(b for _, b in bwd_counts.values())
-gath_bytes = sum(b for _, b in gather_counts.values())
-say(f"payload per MLP step: Megatron {mega_bytes} bytes, the lecture's {gath_bytes} bytes "
-    f"({gath_bytes / mega_bytes:.0f}x: (F + C) / C with F = {F // C}C)")
 
 # %% [markdown]
-# With $F = 4C$, as here and in GPT-2, the lecture's scheme moves $(F + C)/C = 5$ times the payload of
-# Megatron's, in four collectives instead of two. What it buys is simplicity: every layer's output is complete on
-# every rank, so any layer can follow any other. Megatron's pairing needs the column split to be followed by the
-# row split, which is exactly the shape of a Transformer's MLP and, as chapter 6 shows, of its attention.
+# Now the two columns. Megatron's MLP makes two All-Reduces of (N, C); the lecture's makes two All-Gathers and two
+# All-Reduces, of (N, F) and (N, C) each. Per MLP forward + backward, with $s$ bytes per number:
+#
+# | | payload | ring, sent per rank |
+# |---|---|---|
+# | Megatron | $2NCs$ | $2 \cdot 2\frac{tp-1}{tp} NCs = 4\frac{tp-1}{tp} NCs$ |
+# | the lecture's | $2N(F + C)s$ | $\big(\frac{tp-1}{tp} + 2\frac{tp-1}{tp}\big) N(F + C)s = 3\frac{tp-1}{tp} N(F+C)s$ |
+# | ratio | $(F + C)/C$ | $3(F + C)/(4C)$ |
+#
+# Half of the lecture's payload travels in All-Gathers, which a ring moves at half the price per payload byte of
+# an All-Reduce, so its ratio in bytes on the wire is smaller than its ratio of payloads:
+
+# %%
+mlp = {"Megatron": merged(fwd_counts, bwd_counts), "the lecture's": gather_counts}   # {(comm, op): (calls, bytes)}
+say(f"{'per MLP forward + backward':<28}{'payload (bytes)':>18}{'ring, sent per rank (bytes)':>30}")
+for name, counts in mlp.items():
+    say(f"{name:<28}{payload(counts):>18,}{float(ring_bytes(counts)):>30,.0f}")
+pay_ratio = Fraction(payload(mlp["the lecture's"]), payload(mlp["Megatron"]))
+ring_ratio = ring_bytes(mlp["the lecture's"]) / ring_bytes(mlp["Megatron"])
+say(f"{'ratio, the lecture / Megatron':<28}{float(pay_ratio):>17.2f}x{float(ring_ratio):>29.2f}x")
+check.equal("payload ratio == (F + C) / C", pay_ratio, Fraction(F + C, C))
+check.equal("ring-bytes ratio == 3 (F + C) / (4 C)", ring_ratio, Fraction(3 * (F + C), 4 * C))
+
+if rank == 0:
+    fig, ax = pictures.figure(6, 2.8)
+    names = list(mlp)
+    xs = np.arange(len(names))
+    for k, (label, values) in enumerate((("payload (the logical tensors)", [payload(mlp[n]) for n in names]),
+                                         (f"ring: bytes sent per rank, tp = {TP}",
+                                          [float(ring_bytes(mlp[n])) for n in names]))):
+        bars = ax.bar(xs + (k - 0.5) * 0.38, values, 0.36, label=label, color=["0.55", "C0"][k])
+        ax.bar_label(bars, labels=[f"{v:,.0f}" for v in values], fontsize=7)
+    ax.set_xticks(xs, [f"{n} MLP\n({', '.join(f'{c} {op}' for (_, op), (c, _) in mlp[n].items())})"
+                       for n in names], fontsize=7)
+    ax.set_ylim(0, 1.15 * max(float(ring_bytes(mlp[n])) for n in names))
+    ax.set_ylabel("bytes per forward + backward", fontsize=7)
+    ax.tick_params(labelsize=7)
+    ax.set_title(f"the MLP of sections 3 and 4 (N={N}, C={C}, F={F}, float64): payload ratio "
+                 f"{float(pay_ratio):.2f}x, ring ratio {float(ring_ratio):.2f}x", fontsize=8)
+    ax.legend(fontsize=7, frameon=False)
+    say(f"picture: {pictures.save(fig, '05_mlp_bytes')}")
+
+# %% [markdown]
+# With $F = 4C$, as here and in GPT-2, the lecture's scheme carries $(F + C)/C = 5$ times the payload of
+# Megatron's, in four collectives instead of two, and its ranks send $3(F + C)/(4C) = 3.75$ times the bytes on a
+# ring, whatever tp is (the factor $(tp-1)/tp$ cancels). The picture shows both columns. What the lecture's scheme
+# buys is simplicity: every layer's output is complete on every rank, so any layer can follow any other.
+# Megatron's pairing needs the column split to be followed by the row split, which is exactly the shape of a
+# Transformer's MLP and, as chapter 6 shows, of its attention.
 #
 # ## Check against serial
 #
@@ -412,3 +623,50 @@ worst, err = check.worst()
 say(f"chapter 5: all {len(check.passed)} checks passed on {world.Get_size()} ranks; largest error {err:.1e} "
     f"({worst}), tolerance {TOL:.0e}")
 grid.free()
+
+# %% [markdown]
+# ## Cross-walk: hsgd and the production frameworks
+#
+# The same operators in Megatron-LM (`megatron/core/tensor_parallel/`), DeepSpeed's automatic tensor parallelism
+# (AutoTP, `deepspeed/module_inject/`) and PyTorch's tensor-parallel styles (`torch.distributed.tensor.parallel`,
+# on DTensor). The frameworks store an `nn.Linear` weight as (out, in) and compute $XW^\top$, so their column split
+# cuts the weight's axis 0 and their row split its axis 1; hsgd stores $W$ as (in, out), as the lecture writes
+# $Y = XW$, and cuts axis 1 and axis 0.
+#
+# | hsgd | Megatron-LM | DeepSpeed | PyTorch | where hsgd differs, on purpose |
+# |---|---|---|---|---|
+# | `tp_layers.f_forward` / `f_backward`: identity, backward All-Reduce | `copy_to_tensor_model_parallel_region` (megatron/core/tensor_parallel/mappings.py); inside `ColumnParallelLinear` the backward All-Reduce usually runs in the linear's own backward (`allreduce_dgrad`, layers.py), started asynchronously and overlapped with the weight-gradient product | `ColumnParallel` autograd function (deepspeed/module_inject/layers.py); `AsyncColumnParallel` overlaps the All-Reduce with the weight gradient | no named operator: `ColwiseParallel` makes the input a `Replicate()` DTensor, and `DTensor.from_local`'s backward turns the partial input gradient into a replicated one (an All-Reduce) | a plain function pair, called where it happens, with no autograd and no overlap: the reader sees every collective at its call site |
+# | `tp_layers.g_forward` / `g_backward`: All-Reduce, backward identity | `reduce_from_tensor_model_parallel_region` (mappings.py) | `RowParallel` autograd function (layers.py) | `RowwiseParallel`'s default `output_layouts=Replicate()`: the partial output is All-Reduced | same |
+# | `column_linear_forward` / `_backward`: $W_i$ (C, F/tp), output split | `ColumnParallelLinear(..., gather_output=False)` (megatron/core/tensor_parallel/layers.py) | `LinearLayer` (layers.py), chosen by `AutoTP` (deepspeed/module_inject/auto_tp.py) | `ColwiseParallel()` on an `nn.Linear` (torch/distributed/tensor/parallel/style.py): weight and bias `Shard(0)` | (in, out) storage, as the lecture's $Y = XW$ |
+# | `row_linear_forward` / `_backward`: $W_i$ (F/tp, C), bias added once after the sum | `RowParallelLinear(..., input_is_parallel=True)`: bias added after `reduce_from_tensor_model_parallel_region` | `LinearAllreduce`: weight split, bias replicated and added after the All-Reduce | `RowwiseParallel()`: weight `Shard(1)`, bias `Replicate()` | - |
+# | `gather_linear_forward`, `allgather_forward`: the lecture's All-Gather of the output | `ColumnParallelLinear(..., gather_output=True)`, which calls `gather_from_tensor_model_parallel_region` | `LinearLayer(..., gather_output=True)`, which calls `GatherFromTensorParallelRegion` | `ColwiseParallel(output_layouts=Replicate())` | none: the frameworks offer the gather but build GPTs with Megatron's pairing (section 3); hsgd keeps the lecture's scheme runnable to compare |
+# | `allgather_backward(replicated=True)`: case 1, the slice | `gather_from_tensor_model_parallel_region`'s backward is `_split_along_last_dim` (a slice); `gather_from_sequence_parallel_region(..., tensor_parallel_output_grad=False)` slices along the first dimension | `GatherFromTensorParallelRegion`'s backward: `narrow`, a slice | a `Replicate()` gradient redistributed back to `Shard(-1)` (`Redistribute.backward`, torch/distributed/tensor/_redistribute.py): a local chunk | hsgd can also pay for the $1/tp$-scaled Reduce-Scatter (`reduce_scatter=True`), to show that both give the same numbers |
+# | `allgather_backward(replicated=False)`: case 2, the Reduce-Scatter | `all_gather_last_dim_from_tensor_parallel_region` (backward `_reduce_scatter_along_last_dim`); `gather_from_sequence_parallel_region(..., tensor_parallel_output_grad=True)` (the default: Reduce-Scatter along the first dimension) | none | a `Partial` gradient redistributed to `Shard(-1)`: a reduce-scatter | one function with a flag that names the case, where Megatron has one operator per case |
+# | none: a rank slices its block of a replicated input directly (`H[..., cols]`) | `scatter_to_tensor_model_parallel_region` (forward split, backward All-Gather), used by `RowParallelLinear(..., input_is_parallel=False)` | none | `RowwiseParallel(input_layouts=Replicate())` | hsgd's models never feed a replicated activation to a row-parallel layer |
+# | `CommStats`: calls and payload bytes per (communicator, operation) | none | `deepspeed.comm`'s `comms_logger` records each collective's message size, and `calc_bw_log` (deepspeed/utils/comms_logging.py) turns it into a "bus bandwidth" with this chapter's ring factors: $2\frac{n-1}{n}$ for all_reduce, $\frac{n-1}{n}$ of the gathered size for all_gather and reduce_scatter | `CommDebugMode` (torch.distributed.tensor.debug) counts the collectives, not their bytes | hsgd counts every payload byte so that the chapters can check it against a formula, and converts to ring bytes in the open (`ring_bytes` above) |
+#
+# ## Exercises
+#
+# ### Exercise 1: the gather's backward with one Reduce-Scatter
+# Write the backward of the All-Gather yourself, with `tp.Reduce_scatter_block` (hsgd's `Comm` wrapper; its
+# `full` argument is (tp, ...) with block r going to rank r): lay the (B, T, F) gradient out as tp blocks of F/tp
+# columns and call it once. Check it in case 2 (the chain $X \to$ gather linear $\to$ gather linear of section 2)
+# against the serial $\partial L / \partial Y$'s block; then write case 1 as the slice, check it against the
+# serial block too, and show that the unscaled Reduce-Scatter of a replicated gradient is exactly tp times too
+# large. Do not call `tp_layers.allgather_backward`.
+# (solution: `tutorials/solutions/05_tensor_parallel_linear.py`, `exercise_1`)
+#
+# ### Exercise 2: a row-parallel layer with its bias added once
+# Write `row_forward(X_i, W_i, b, comm)` and `row_backward(dY, cache, dW_i, db, comm)` for $Y = \sum_i X_i W_i
+# + b$ with a replicated bias, and check $Y$, $dX_i$, $dW_i$ and $db$ against the serial layer. Then add the
+# bias *before* the All-Reduce and check that the output is off by exactly $(tp - 1)\,b$. Why is $db$ the same on
+# every rank without any communication? Check that it is, bit for bit.
+# (solution: `tutorials/solutions/05_tensor_parallel_linear.py`, `exercise_2`)
+#
+# ### Exercise 3: the MLP with your own f and g, its bytes against a formula
+# Write $f$ and $g$ (forward and backward each) with `comm.Allreduce`, build section 3's MLP with them, and run it
+# on tensor-parallel groups of tp = 1, 2 and 4 (a `ProcessGrid(world, dp=4 // tp, tp=tp)` for each). Check the
+# output and $dX$ against serial, the recorded payload against $2NCs$, and the ring bytes per rank against
+# $4\frac{tp-1}{tp}NCs$. Then run the lecture's MLP of section 4 on the same groups and check that the ratio of
+# ring bytes is $3(F + C)/(4C)$ for every tp > 1 while the ratio of payloads is $(F + C)/C$.
+# (solution: `tutorials/solutions/05_tensor_parallel_linear.py`, `exercise_3`)

@@ -14,53 +14,81 @@
 # ---
 
 # %% [markdown]
-# # Chapter 6: attention split by heads, the vocab-parallel embedding and loss, and the whole TP model
+# # Chapter 6: attention heads, the vocab-parallel embedding and loss, the whole TP model, sequence parallelism
 #
 # Chapter 5 split one linear layer, and the MLP, over a tensor-parallel group of tp ranks. A GPT has three more
 # places where the model is wide: the attention, the token embedding and the LM head with its softmax over the
 # vocabulary. This chapter splits each of them, following the lecture's section 3.2 ("for attention, the heads can
-# be assigned to different workers") and Megatron-LM (Shoeybi et al. 2019, arXiv:1909.08053):
+# be assigned to different workers") and Megatron-LM (Shoeybi et al. 2019, "Megatron-LM: Training Multi-Billion
+# Parameter Language Models Using Model Parallelism", arXiv:1909.08053), puts them together, and then splits what
+# is left whole between the split matmuls along the sequence (Korthikanti et al. 2022):
 #
 # 1. attention by heads: q, k, v column-parallel, each rank computing whole heads locally, and the output
 #    projection row-parallel: one All-Reduce forward, one backward, as for the MLP;
 # 2. the vocab-parallel embedding: each rank holds V/tp rows of `wte` (padded when tp does not divide V);
 # 3. the vocab-parallel LM head and cross-entropy: the loss from three numbers per position, without ever
 #    gathering the (N, V) logits;
-# 4. the whole model, `hsgd.tp_model`, in both schemes, against `hsgd.serial` shard by shard, and its
-#    communication per step against `tp_model.comm_formula`.
+# 4. the whole model, `hsgd.tp_model`, in both schemes of chapter 5, against `hsgd.serial` shard by shard, and
+#    its communication per step against `tp_model.comm_formula`, in payload and in ring bytes;
+# 5. sequence parallelism: LayerNorm and the residual stream on 1/tp of the positions, All-Gather and
+#    Reduce-Scatter in place of the All-Reduces, and the activation memory that buys.
 #
-# Run it with four ranks (a few seconds; on failure every rank raises, so it exits non-zero without hanging):
+# Run it with four ranks (measured: about 5 s on a quiet 2-core machine, 13 to 21 s while other jobs shared it;
+# most of it is starting Python and MPI and, on rank 0, drawing the pictures. On failure every rank raises, so it
+# exits non-zero without hanging). Rank 0 draws three pictures into `$HSGD_FIGURES` (default
+# `tutorials/figures/`):
 #
 # mpirun -n 4 python tutorials/06_attention_heads_and_vocab_parallel.py
 #
 # The notebook form (`jupytext --to ipynb`) is for reading: the code needs four MPI ranks. Only rank 0 prints.
 #
 # Legend: B batch, T sequence, C d_model, NH heads, hs = C/NH head size, F d_ff, V vocabulary,
-# Vp = ceil(V/tp) vocabulary rows per rank, N = B*T positions, L layers, tp tensor-parallel ranks, i a rank.
-# A `/tp` in a shape comment marks the split dimension, e.g. `(C, C/tp)`; `Vp` marks a vocabulary shard.
+# Vp = ceil(V/tp) vocabulary rows per rank, N = B*T positions, L layers, tp tensor-parallel ranks, i a rank,
+# s bytes per number. A `/tp` in a shape comment marks the split dimension, e.g. `(C, C/tp)`; `Vp` marks a
+# vocabulary shard; `T/tp` a rank's positions under sequence parallelism.
 
 # %%
+from fractions import Fraction
+
 import numpy as np
 from mpi4py import MPI
 from threadpoolctl import threadpool_limits
 
-from hsgd import ModelConfig, layers, serial, tp_layers, tp_model
+from hsgd import ModelConfig, layers, memory, serial, tp_layers, tp_model
 from hsgd.errors import ConfigError
 from hsgd.grid import ProcessGrid
+from hsgd.report import fmt_bytes
 
+import pictures                      # tutorials/pictures.py: where the PNGs go
 from checks import Checks, rel_err   # tutorials/checks.py, shared by the chapters
 
 threadpool_limits(1)                    # four ranks share the cores, tiny matrices: one BLAS thread each
 TP = 4                                  # tensor-parallel size; more ranks than 4 form data-parallel copies
 world = MPI.COMM_WORLD
+rank = world.Get_rank()
 if world.Get_size() % TP:               # every rank exits non-zero; rank 0 says why
     raise SystemExit(f"run this chapter on a multiple of {TP} ranks: mpirun -n {TP} python {__file__}"
-                     if world.Get_rank() == 0 else 1)
+                     if rank == 0 else 1)
 grid = ProcessGrid(world, dp=world.Get_size() // TP, tp=TP)
 tp, i = grid.tp_comm, grid.tp_rank      # the tensor-parallel communicator (hsgd.comm.Comm) and my place in it
 TOL = 1e-10                             # float64: parallel and serial differ by rounding, ~1e-16 relative
-check = Checks(world, tol=TOL, width=60)  # check(what, err, tol): collective, raises on every rank unless err < tol
+check = Checks(world, tol=TOL, width=64)  # check(what, err, tol): collective, raises on every rank unless err < tol
 say = check.say                           # print on world rank 0 only
+RANK_COLORS = [f"C{r}" for r in range(TP)]  # one colour per tp rank in the pictures (matplotlib's cycle)
+
+
+def ring_bytes(counts, p=TP):
+    """Bytes one rank sends on a ring for the collectives in `counts` ({(comm, op): (calls, payload bytes)}, as
+    CommStats records them): an All-Reduce 2(p-1)/p of its payload, an All-Gather (p-1)/p of the gathered tensor,
+    a Reduce-Scatter (p-1)/p of the full input (chapter 2). Exact, as a Fraction."""
+    per_payload = {"Allreduce": Fraction(2 * (p - 1), p), "Allgather": Fraction(p - 1, p),
+                   "Reduce_scatter_block": Fraction(p - 1, p)}
+    return sum((per_payload[op] * nbytes for (_, op), (_, nbytes) in counts.items()), Fraction(0))
+
+
+def payload(counts):
+    """The payload bytes of all the collectives in `counts`."""
+    return sum(nbytes for _, nbytes in counts.values())
 
 
 rng = np.random.default_rng(0)          # the same seed on every rank: every rank can build the serial reference
@@ -128,6 +156,62 @@ da = tp_layers.f_backward(da, tp)                                         # (B, 
 bwd_counts = grid.stats.counts()
 
 # %% [markdown]
+# The picture shows the split at this section's sizes: the columns of $W_q$, $W_k$, $W_v$ and the rows of $W_o$
+# each rank holds, head by head, and below, the attention probabilities of the first sequence that each rank
+# computed for its own heads (from the cache of `attention_forward`): (T, T) per head, causal, never sent
+# anywhere.
+
+# %%
+P_mine = c_att[3][0]                                                      # (NH/tp, T, T) my heads, sequence 0
+P_all = tp.allgather_obj(P_mine)                                          # for the picture only: tiny
+if rank == 0:
+    from matplotlib.patches import Rectangle
+
+    fig, axes = pictures.figure(10, 4.4, nrows=2, ncols=NH, gridspec_kw={"height_ratios": [1.5, 1]})
+    for ax in axes[0]:
+        ax.remove()
+    top = fig.add_subplot(2, 1, 1)
+    for m, name in enumerate(("W_q", "W_k", "W_v", "W_o")):
+        x0 = m * (C + 4)
+        for r in range(TP):                                               # columns (q, k, v) or rows (o) of rank r
+            if name == "W_o":
+                top.add_patch(Rectangle((x0, C - (r + 1) * C / TP), C, C / TP, fc=RANK_COLORS[r], ec="black",
+                                        lw=0.6, alpha=0.85))
+            else:
+                top.add_patch(Rectangle((x0 + r * C / TP, 0), C / TP, C, fc=RANK_COLORS[r], ec="black", lw=0.6,
+                                        alpha=0.85))
+        for h in range(1, NH):                                            # head boundaries, every hs columns/rows
+            if name == "W_o":
+                top.plot([x0, x0 + C], [C - h * hs] * 2, color="white", lw=0.5)
+            else:
+                top.plot([x0 + h * hs] * 2, [0, C], color="white", lw=0.5)
+        for h in range(NH):
+            if name != "W_o":
+                top.text(x0 + (h + 0.5) * hs, C + 0.5, f"h{h}", ha="center", va="bottom", fontsize=5.5)
+        shape = f"({C}, {C // TP}) per rank" if name != "W_o" else f"({C // TP}, {C}) per rank"
+        split = "columns" if name != "W_o" else "rows"
+        top.text(x0 + C / 2, -1.0, f"${name}$ ({C}, {C}): {split}\n{shape}", ha="center", va="top", fontsize=7)
+    top.set_xlim(-1, 4 * (C + 4))
+    top.set_ylim(-6, C + 2.5)
+    top.set_aspect("equal")
+    top.axis("off")
+    top.set_title(f"NH = {NH} heads of hs = {hs} columns on tp = {TP} ranks: rank i holds heads "
+                  f"{nh}i .. {nh}i+{nh - 1} whole", fontsize=8)
+    for r, P_r in enumerate(P_all):
+        for j in range(nh):
+            ax = axes[1][r * nh + j]
+            ax.imshow(P_r[j], cmap="viridis", vmin=0, vmax=1)
+            ax.set_xticks([])
+            ax.set_yticks([])
+            for side in ax.spines.values():
+                side.set_color(RANK_COLORS[r])
+                side.set_linewidth(2.5)
+            ax.set_title(f"head {r * nh + j} (rank {r})", fontsize=6)
+    axes[1][0].set_ylabel(f"query t\n(T = {T})", fontsize=6)
+    axes[1][0].set_xlabel("key t'", fontsize=6)
+    say(f"picture: {pictures.save(fig, '06_attention_heads_split')}")
+
+# %% [markdown]
 # The serial branch on the full matrices, with all NH heads, and the comparison: the local heads' output is a
 # block of columns of the serial $y$, the branch output and $da$ are the serial ones, and every weight and bias
 # gradient is the serial gradient's block (columns for q, k, v; rows for $W_o$; $b_o$ whole).
@@ -145,6 +229,7 @@ da_serial = (layers.linear_backward(dq, c_qs, sW["q"], sb["q"]) + layers.linear_
              + layers.linear_backward(dv, c_vs, sW["v"], sb["v"]))
 
 check("attention: my heads' y_i vs serial y[:, :, cols]", rel_err(y_i, y[..., cols]))
+check("attention: my heads' probabilities vs serial", rel_err(c_att[3], c_atts[3][:, i * nh:(i + 1) * nh]))
 check("attention branch: output o vs serial", rel_err(o, o_serial))
 check("attention branch: da vs serial", rel_err(da, da_serial))
 check("attention: dWq, dWk, dWv, dbq, dbv column shards vs serial",
@@ -163,10 +248,11 @@ check.equal("attention: backward calls, bytes == (1, N*C*8)", bwd_counts, one)
 # was checked in absolute terms above. Serial and parallel runs produce *different* noise, and a purely relative
 # error of one noise against the other would come out near 1. That is why `rel_err` (`tutorials/checks.py`)
 # divides by at least `FLOOR` = $10^{-6}$; in section 4's model, whose gradients are about $10^{-2}$, the k-bias
-# noise is near $10^{-18}$ and its floored error stays around $10^{-12}$.
+# gradient is rounding noise far below the floor (printed there), and its floored error stays near $10^{-12}$.
 #
 # The split must fall on head boundaries: a head cut in two would need the other half of its q and k to form
-# its scores. `tp_model.check_tp` refuses such a configuration, naming the sizes that work:
+# its scores. `tp_model.check_tp` refuses such a configuration, naming the sizes that work (exercise 2 splits
+# heads unequally instead, as DeepSpeed allows):
 
 # %%
 try:
@@ -240,19 +326,20 @@ check.equal("vocab embedding: calls, bytes == (1, N*C*8)", emb_counts, one)
 # $$\ell_n = \log \sum_{v=1}^{V} e^{z_{nv}} - z_{n t_n} = \log \sum_{v} e^{z_{nv} - m_n} - (z_{n t_n} - m_n),
 # \qquad m_n = \max_v z_{nv},$$
 #
-# a sum over the whole vocabulary. It is assembled from the shards with two All-Reduces of per-position numbers:
+# sums over the whole vocabulary. Three numbers per position, each reduced over the tp ranks, assemble it:
 #
 # 1. each rank takes the max of its own columns, and an All-Reduce **MAX** gives $m_n$ to all ranks (every rank
 #    must subtract the *same* $m_n$ for the partial sums to add up; the max keeps $e^{z - m} \le 1$);
-# 2. each rank sums $e^{z_{nv} - m_n}$ over its columns, and the owner of $t_n$ contributes the shifted target
-#    logit $z_{n t_n} - m_n$ (the others 0); one All-Reduce **SUM** of the (2, N) array gives both totals.
+# 2. each rank sums $e^{z_{nv} - m_n}$ over its columns, and an All-Reduce **SUM** gives $s_n$;
+# 3. the owner of $t_n$ contributes the shifted target logit $z_{n t_n} - m_n$ (the others 0), and an
+#    All-Reduce **SUM** gives it to every rank.
 #
+# `tp_layers.vocab_cross_entropy_forward` sends 2 and 3 in one (2, N) All-Reduce: two calls, $3N$ numbers.
 # Padding columns are set to $-\infty$ first, so they add $e^{-\infty} = 0$. Then every rank has the loss, and
-# the backward, $\partial\,\text{loss} / \partial z_{nv} = (e^{z_{nv} - m_n} / s_n - [v = t_n]) / N$ with
-# $s_n$ the total sum, needs only the local columns and the already-reduced $m_n$, $s_n$: no communication (the
-# padding columns get exactly 0). The (N, V) logits are never gathered on one rank. The LM head's backward is
-# then that of a column-parallel linear: $dW_{head,i} = x_f^\top dz_i$ locally, and $f$'s All-Reduce of the
-# partial $dz_i W_{head,i}^\top$.
+# the backward, $\partial\,\text{loss} / \partial z_{nv} = (e^{z_{nv} - m_n} / s_n - [v = t_n]) / N$, needs only
+# the local columns and the already-reduced $m_n$, $s_n$: no communication (the padding columns get exactly 0).
+# The (N, V) logits are never gathered on one rank. The LM head's backward is then that of a column-parallel
+# linear: $dW_{head,i} = x_f^\top dz_i$ locally, and $f$'s All-Reduce of the partial $dz_i W_{head,i}^\top$.
 
 # %%
 xf = rng.standard_normal((B, T, C))                                       # (B, T, C) LN_f output, replicated
@@ -287,18 +374,92 @@ ce_expected = {("tp", "Allreduce"): (2, 3 * N * 8)}                       # (N,)
 check.equal("vocab cross-entropy: calls, bytes == (2, 3*N*8)", ce_counts, ce_expected)
 
 # %% [markdown]
-# What that saves. The logits and the softmax saved for the backward are (N, V) on one device but (N, Vp) per
-# rank here, and the only traffic of the loss is $3N$ numbers, where gathering the logits would move all
-# $N \cdot V$. For this toy it hardly matters; for GPT-2's vocabulary it does:
+# The same three numbers by hand, one All-Reduce each, as the list above says (and as Megatron-LM and PyTorch
+# do): they give the same loss.
 
 # %%
-say(f"this toy: logits per rank {z_i.shape} = {z_i.nbytes} bytes instead of {z.shape} = {z.nbytes} bytes; "
-    f"loss traffic {3 * N * 8} bytes instead of an Allgather of {z.nbytes}")
+zl = z_i.reshape(N, Vp).copy()                                            # (N, Vp) my logits
+zl[:, max(V - start, 0):] = -np.inf                                       # my padding columns (if any)
+m_i = zl.max(axis=1)                                                      # (N,) 1. my max ...
+m = m_i.copy()
+tp.Allreduce(m, op=MPI.MAX)                                               # (N,) ... the max over all V
+e_i = np.exp(zl - m[:, None]).sum(axis=1)                                 # (N,) 2. my sum of exp(z - m) ...
+s = e_i.copy()
+tp.Allreduce(s)                                                           # (N,) ... the sum over all V
+tgt = targets.reshape(-1) - start                                         # (N,) target column in my shard
+owner = (tgt >= 0) & (tgt < Vp)
+t_i = np.where(owner, zl[np.arange(N), np.where(owner, tgt, 0)] - m, 0.0)  # (N,) 3. z_t - m if I own t, else 0
+zt = t_i.copy()
+tp.Allreduce(zt)                                                          # (N,) ... from its owner
+loss_by_hand = float(np.mean(np.log(s) - zt))
+check("three All-Reduces by hand: loss vs serial", abs(loss_by_hand - loss_serial) / abs(loss_serial))
+
+# %% [markdown]
+# The picture shows them at this section's sizes: on the left the (N, tp Vp) logits, one block of Vp columns
+# per rank (padding hatched, each position's target circled); on the right, for each of the three numbers, what
+# every rank contributes and, after a gap, what the All-Reduce gives every rank.
+
+# %%
+pieces = tp.allgather_obj((zl, m_i, e_i, t_i))                            # for the picture only: tiny
+if rank == 0:
+    from matplotlib.patches import Rectangle
+
+    fig, axes = pictures.figure(10, 3.9, ncols=4, gridspec_kw={"width_ratios": [TP * Vp, TP + 2, TP + 2, TP + 2]})
+    logits = np.concatenate([p[0] for p in pieces], axis=1)               # (N, tp*Vp), -inf on padding
+    shown = np.where(np.isfinite(logits), logits, np.nan)
+    axes[0].imshow(shown, cmap="coolwarm", aspect="auto")
+    for c in range(V, TP * Vp):                                           # padding columns: -inf
+        axes[0].add_patch(Rectangle((c - 0.5, -0.5), 1, N, fc="0.85", ec="0.5", hatch="///", lw=0.3))
+    for r in range(TP):
+        axes[0].add_patch(Rectangle((r * Vp - 0.4, -0.4), Vp - 0.2, N - 0.2, fill=False, ec=RANK_COLORS[r],
+                                    lw=2.5))
+        axes[0].text((r + 0.5) * Vp - 0.5, -0.7, f"rank {r}\nids [{r * Vp}, {(r + 1) * Vp})", ha="center",
+                     va="bottom", fontsize=6.5, color=RANK_COLORS[r])
+    axes[0].scatter(targets.reshape(-1), np.arange(N), s=40, facecolors="none", edgecolors="black", lw=1.2)
+    axes[0].set_xlabel(f"vocabulary id (V = {V}, padded to tp Vp = {TP * Vp})", fontsize=7)
+    axes[0].set_ylabel(f"position n (N = B T = {N})", fontsize=7)
+    axes[0].set_title("logits z (each rank holds only its block; padding hatched, targets circled)", fontsize=8,
+                      pad=24)
+    for ax, k, reduced, title in ((axes[1], 1, m, "1. MAX: $m_n$"), (axes[2], 2, s, "2. SUM: $s_n$"),
+                                  (axes[3], 3, zt, "3. SUM: $z_{n t_n} - m_n$")):
+        table = np.full((N, TP + 2), np.nan)
+        table[:, :TP] = np.stack([p[k] for p in pieces], axis=1)          # what each rank contributes
+        table[:, TP + 1] = reduced                                        # what every rank gets back
+        image = ax.imshow(table, cmap="viridis", aspect="auto")
+        for n in range(N):
+            for col in list(range(TP)) + [TP + 1]:                       # dark text on the light cells
+                light = sum(image.cmap(image.norm(table[n, col]))[:3]) > 1.8
+                ax.text(col, n, f"{table[n, col]:.1f}", ha="center", va="center", fontsize=5,
+                        color="black" if light else "white")
+        ax.set_xticks(list(range(TP)) + [TP + 1], [f"r{r}" for r in range(TP)] + ["all"], fontsize=6)
+        ax.set_yticks([])
+        ax.set_title(title, fontsize=8)
+    axes[0].tick_params(labelsize=6)
+    fig.suptitle(f"vocab-parallel cross-entropy, tp = {TP}: hsgd sends these in 2 All-Reduces (MAX of (N,), "
+                 f"SUM of (2, N)), payload {payload(ce_counts):,} bytes; the logits never travel", fontsize=8)
+    say(f"picture: {pictures.save(fig, '06_vocab_parallel_cross_entropy')}")
+
+# %% [markdown]
+# What that saves. The logits and the softmax saved for the backward are (N, V) on one device but (N, Vp) per
+# rank here, and the loss's only traffic is $3N$ numbers, where gathering the logits would move all $N \cdot V$.
+# In both columns: the loss's two All-Reduces carry a payload of $3Ns$ bytes and a ring sends $2\frac{tp-1}{tp}$
+# of that per rank; an All-Gather of the (N, tp Vp) logits would carry $N \, tp V_p s$ and a ring would send
+# $\frac{tp-1}{tp}$ of that per rank. For this toy it hardly matters; for GPT-2's vocabulary it does:
+
+# %%
+gather_logits = {("tp", "Allgather"): (1, N * TP * Vp * 8)}               # what gathering the logits would cost
+say(f"this toy: logits per rank {z_i.shape} = {z_i.nbytes} bytes instead of {z.shape} = {z.nbytes} bytes")
+say(f"{'':<36}{'payload':>12}{'ring, sent per rank':>22}")
+say(f"{'loss: 2 All-Reduces (3N numbers)':<36}{payload(ce_counts):>12,}{float(ring_bytes(ce_counts)):>22,.0f}")
+say(f"{'an All-Gather of the logits':<36}{payload(gather_logits):>12,}{float(ring_bytes(gather_logits)):>22,.0f}")
 Ng, Vg = 8 * 1024, 50257                                                  # B = 8 sequences of T = 1024, float32
 Vpg = -(-Vg // TP)
+loss_g = {("tp", "Allreduce"): (2, 3 * Ng * 4)}
+gather_g = {("tp", "Allgather"): (1, Ng * TP * Vpg * 4)}
 say(f"GPT-2 vocabulary, N = {Ng}, float32, tp = {TP}: logits {Ng * Vg * 4 / 2**30:.2f} GiB on one device, "
-    f"{Ng * Vpg * 4 / 2**30:.2f} GiB per rank; loss traffic {3 * Ng * 4 / 2**10:.0f} KiB instead of "
-    f"{Ng * Vg * 4 / 2**30:.2f} GiB")
+    f"{Ng * Vpg * 4 / 2**30:.2f} GiB per rank; the loss's payload {payload(loss_g) / 2**10:.0f} KiB (ring "
+    f"{float(ring_bytes(loss_g)) / 2**10:.0f} KiB per rank) instead of {payload(gather_g) / 2**30:.2f} GiB (ring "
+    f"{float(ring_bytes(gather_g)) / 2**30:.2f} GiB per rank)")
 
 # %% [markdown]
 # ## 4. The whole model: check against serial
@@ -311,7 +472,8 @@ say(f"GPT-2 vocabulary, N = {Ng}, float32, tp = {TP}: logits {Ng * Vg * 4 / 2**3
 # ("gather", backward slices), and "gather" with `reduce_scatter=True` (backward by the $1/tp$-scaled
 # Reduce-Scatter of chapter 5: the same numbers, paid for with communication).
 #
-# Communication of one `loss_and_grads` (forward + backward), $N = BT$, $s$ bytes per number, L blocks:
+# Communication of one `loss_and_grads` (forward + backward), $N = BT$, $s$ bytes per number, L blocks, as
+# payload (what `CommStats` records and `comm_formula` predicts):
 #
 # * **megatron**: $4L + 4$ All-Reduces. The embedding 1 of (N, C); per block 2 forward ($g$ after the attention
 #   projection and after the MLP projection) and 2 backward ($f$ before q, k, v and before fc), each (N, C); the
@@ -324,7 +486,7 @@ say(f"GPT-2 vocabulary, N = {Ng}, float32, tp = {TP}: logits {Ng * Vg * 4 / 2**3
 #   $((3C + F)L + 2C + 3)\,Ns$ bytes. With `reduce_scatter=True`, $4L$ Reduce-Scatters of $L(3C+F)Ns$ bytes more.
 
 # %%
-cfg = ModelConfig(vocab_size=13, seq_len=6, d_model=16, n_heads=8, n_layers=2, d_ff=16)
+cfg = ModelConfig(vocab_size=13, seq_len=8, d_model=16, n_heads=8, n_layers=2, d_ff=16)   # T splits 1, 2, 4 ways
 params = serial.init_params(cfg, seed=0, dtype="float64")
 for p in params.values():               # noise, so LayerNorm weights are not all 1 and biases not all 0
     p += rng.normal(0.0, 0.1, p.shape)
@@ -333,15 +495,16 @@ idx = rng.integers(0, cfg.vocab_size, (batch, cfg.seq_len))               # (B, 
 targets = rng.integers(0, cfg.vocab_size, (batch, cfg.seq_len))
 loss_serial, grads_serial = serial.loss_and_grads(params, idx, targets, cfg)
 kb = grads_serial["h.0.attn.k.bias"]
-say(f"tiny model: {cfg.n_params()} parameters in {len(params)} arrays, batch {batch}; serial loss "
-    f"{loss_serial:.6f}; max |serial d(h.0.attn.k.bias)| = {np.max(np.abs(kb)):.0e} (zero up to rounding)")
+say(f"tiny model: {cfg.n_params()} parameters in {len(params)} arrays, batch {batch}, T = {cfg.seq_len}; serial "
+    f"loss {loss_serial:.6f}; max |serial d(h.0.attn.k.bias)| = {np.max(np.abs(kb)):.0e} (zero up to rounding)")
 
+measured_of = {}                                                          # {scheme: {(comm, op): (calls, bytes)}}
 for scheme, rs in (("megatron", False), ("gather", False), ("gather", True)):
     name = scheme + (" + reduce_scatter" if rs else "")
     local = tp_model.shard_params(params, i, TP, scheme)                  # my shards, cut the scheme's way
     grid.stats.reset()
     loss, grads = tp_model.loss_and_grads(local, idx, targets, cfg, tp, scheme, reduce_scatter=rs)
-    measured = grid.stats.counts()
+    measured_of[name] = measured = grid.stats.counts()
     formula = tp_model.comm_formula(cfg, batch, itemsize=8, scheme=scheme, reduce_scatter=rs)
     errs = {n: rel_err(grads[n], tp_model.shard(grads_serial[n], n, i, TP, scheme)) for n in grads}
     top = sorted(errs, key=errs.get, reverse=True)[:2]
@@ -360,16 +523,234 @@ for scheme, rs in (("megatron", False), ("gather", False), ("gather", True)):
 
 # %% [markdown]
 # At the size of GPT-2 small (C = 768, F = 3072, L = 12, V = 50257) with B = 8 sequences of T = 1024 in float32,
-# the formula gives the traffic one TP group pays per step, in each scheme:
+# the formula gives the traffic one TP group of tp = 4 pays per step, in each scheme, in both columns: the payload
+# and what a ring sends per rank. Much of the gather scheme's traffic is All-Gathers, which a ring sends at half
+# the price per payload byte of an All-Reduce, so its ratio in bytes on the wire is smaller than its ratio of
+# payloads:
 
 # %%
 gpt2 = ModelConfig(vocab_size=50257, seq_len=1024, d_model=768, n_heads=12, n_layers=12, d_ff=3072)
-per_step = {s: sum(b for _, b in tp_model.comm_formula(gpt2, 8, 4, s).values()) for s in ("megatron", "gather")}
-say(f"GPT-2 small, B=8, T=1024, float32: megatron {per_step['megatron'] / 2**30:.2f} GiB, gather "
-    f"{per_step['gather'] / 2**30:.2f} GiB of collective payload per step "
-    f"({per_step['gather'] / per_step['megatron']:.1f}x)")
+per_step = {s: tp_model.comm_formula(gpt2, 8, 4, s) for s in ("megatron", "gather")}
+say(f"{'GPT-2 small, B=8, T=1024, float32, tp=4':<42}{'payload':>12}{'ring, sent per rank':>22}")
+for s, counts in per_step.items():
+    say(f"{s + ' (' + ', '.join(f'{c} {op}' for (_, op), (c, _) in counts.items()) + ')':<42}"
+        f"{payload(counts) / 2**30:>8.2f} GiB{float(ring_bytes(counts)) / 2**30:>18.2f} GiB")
+gpt2_ratio = (payload(per_step["gather"]) / payload(per_step["megatron"]),
+              float(ring_bytes(per_step["gather"]) / ring_bytes(per_step["megatron"])))
+say(f"{'ratio, gather / megatron':<42}{gpt2_ratio[0]:>11.2f}x{gpt2_ratio[1]:>21.2f}x")
 
+# %% [markdown]
+# ## 5. Sequence parallelism: the tensor-parallel side of activation memory
+#
+# Between the split matmuls, Megatron's scheme keeps the whole activation (B, T, C) on every rank: the LayerNorms,
+# the residual additions and the inputs that q, k, v, fc and the LM head cache for their backward pass are tp
+# identical copies. Korthikanti et al. (2022, "Reducing Activation Recomputation in Large Transformer Models",
+# arXiv:2205.05198) split those parts along the sequence instead. LayerNorm and the residual treat every position
+# on its own, so rank $r$ can keep only positions $[rT/tp, (r+1)T/tp)$, its T-shard (B, T/tp, C). Two conjugate
+# operators switch between the layouts (`tp_layers.gather_T_*` and `scatter_T_*`; the paper calls them $g$ and
+# $\bar g$, where Shoeybi et al. had $f$ and $g$):
+#
+# | operator | forward | backward | replaces |
+# |---|---|---|---|
+# | gather_T | All-Gather along T: (B, T/tp, C) -> (B, T, C) | Reduce-Scatter along T | $f$: into q, k, v, fc, LM head |
+# | scatter_T | Reduce-Scatter along T: partial (B, T, C) -> (B, T/tp, C) | All-Gather along T | $g$: proj, embedding |
+#
+# Where Megatron's $g$ All-Reduces the partial sums after the attention and MLP projections, scatter_T
+# Reduce-Scatters them (each rank keeps its positions of the sum), and the next gather_T All-Gathers them back
+# before the next split matmul: the two halves of that All-Reduce (chapter 2), with LayerNorm and the residual in
+# between working on $1/tp$ of the positions. The backward of gather_T is chapter 5's case 2: after it every rank
+# uses the whole $X$ for its own columns, so every rank's $dX$ is a different partial gradient, and the
+# Reduce-Scatter sums them and hands each rank its positions. The replicated parameters (the LayerNorms, the
+# projections' biases, `wpe`) now see only their rank's positions, so their gradients are partial too and are
+# All-Reduced, one buffer per gradient group (exercise 3 shows why). This is `tp_model`'s "sequence" scheme
+# (`hsgd/tp_schemes.py`). First, exactness, on the model and batch of section 4 and the same tp = 4 group
+# (T = 8 splits into 2 positions per rank; Megatron's scheme was checked on them in section 4):
+
+# %%
+local = tp_model.shard_params(params, i, TP, "sequence")                 # cut as Megatron's: the same shards
+grid.stats.reset()
+loss, grads = tp_model.loss_and_grads(local, idx, targets, cfg, tp, "sequence")
+measured_of["sequence"] = grid.stats.counts()
+say(f"sequence: between the split matmuls a rank holds {tp_model.stage_activation_shape('sequence', batch, cfg, TP)}"
+    f" of the activation, where Megatron's holds {tp_model.stage_activation_shape('megatron', batch, cfg, TP)}")
+check("sequence: loss vs serial", abs(loss - loss_serial) / abs(loss_serial))
+check(f"sequence: all {len(grads)} gradient shards vs serial",
+      max(rel_err(grads[n], tp_model.shard(grads_serial[n], n, i, TP, "sequence")) for n in grads))
+check.equal("sequence: communication == comm_formula", measured_of["sequence"],
+            tp_model.comm_formula(cfg, batch, itemsize=8, scheme="sequence"))
+
+# %% [markdown]
+# The collectives of one forward and backward pass on `tp_comm` (N = B T = 24 positions, C = 16, float64), in
+# both columns: the payload as `CommStats` records it, and what a ring sends per rank ($2\frac{tp-1}{tp}$ of an
+# All-Reduce's payload, $\frac{tp-1}{tp}$ of an All-Gather's or a Reduce-Scatter's):
+
+# %%
+say(f"{'scheme':<10}{'operation':<22}{'calls':>6}{'payload':>10}{'ring, sent per rank':>22}")
+for scheme in ("megatron", "sequence"):
+    counts = measured_of[scheme]
+    for key, (calls, nb) in sorted(counts.items()):
+        say(f"{scheme:<10}{key[1]:<22}{calls:>6}{nb:>10,}{float(ring_bytes({key: (calls, nb)})):>22,.0f}")
+    say(f"{scheme:<10}{'all':<22}{sum(c for c, _ in counts.values()):>6}{payload(counts):>10,}"
+        f"{float(ring_bytes(counts)):>22,.0f}")
+seq_ratio = (payload(measured_of["sequence"]) / payload(measured_of["megatron"]),
+             float(ring_bytes(measured_of["sequence"]) / ring_bytes(measured_of["megatron"])))
+say(f"{'sequence / megatron':<38}{seq_ratio[0]:>9.2f}x{seq_ratio[1]:>21.2f}x")
+L, Ns, itemsize = cfg.n_layers, batch * cfg.seq_len, 8
+extra = (Fraction(TP - 1, TP) * (2 * L + 1) * Ns * cfg.d_model * itemsize                # the re-gathers
+         + Fraction(2 * (TP - 1), TP) * (6 * L + 2 + cfg.seq_len) * cfg.d_model * itemsize)   # replicated grads
+check.equal("ring bytes: sequence - megatron == (2L+1) re-gathers + replicated grads",
+            ring_bytes(measured_of["sequence"]) - ring_bytes(measured_of["megatron"]), extra)
+
+# %% [markdown]
+# The large All-Reduces are gone. Each of Megatron's (N, C) All-Reduces became a Reduce-Scatter and an
+# All-Gather, which carry twice the payload and, on a ring, send exactly the same bytes. What the sequence scheme
+# sends *more* than Megatron's on a ring is the difference checked above: it caches only its T-shard of the inputs
+# of q, k, v, fc and the LM head, and gathers them again in the backward pass, $2L + 1$ more All-Gathers of
+# (N, C) (Megatron-LM does the same, and overlaps them with the matmuls), plus small All-Reduces of the replicated
+# parameters' gradients ($6C$ per block, $2C$ for LN_f, $TC$ for `wpe`). Compare the two ratios in the last line
+# of the table: counted in payload the sequence scheme looks far more expensive than counted in the bytes a ring
+# sends, because almost all of its payload travels in All-Gathers and Reduce-Scatters, which a ring sends at half
+# the price per payload byte of an All-Reduce.
+#
+# What it buys is memory: the activations the forward pass caches for the backward. `memory.activation_bytes`
+# counts the distinct arrays in the caches (parameters excluded), `memory.activation_formula` predicts them, and
+# the paper's Table 2 formula (16-bit activations, dropout, $34/t$) gives its own ratio for the same shape. Each
+# scheme on groups of tp = 1, 2 and 4 (the chapter's four ranks as four, two and one group):
+
+# %%
+act, predicted = {}, {}
+TPS = (1, 2, TP)
+for tp_ in TPS:
+    g_ = grid if tp_ == TP else ProcessGrid(world, dp=world.Get_size() // tp_, tp=tp_)
+    for scheme in ("megatron", "sequence"):
+        local = tp_model.shard_params(params, g_.tp_rank, tp_, scheme)
+        _, caches = tp_model.forward(local, idx, targets, cfg, g_.tp_comm, scheme)
+        act[tp_, scheme] = (memory.activation_bytes(caches[1][0], local),        # block 0's cache
+                            memory.activation_bytes(caches, local))              # the whole forward's
+        f = memory.activation_formula(cfg, batch, itemsize, tp_, scheme)
+        predicted[tp_, scheme] = (f["block"], f["model"])
+    if g_ is not grid:
+        g_.free()
+
+say(f"{'tp':>3}{'megatron per block':>20}{'sequence per block':>20}{'ratio':>7}{'paper':>7}"
+    f"{'whole forward m / s':>24}")
+for tp_ in TPS:
+    (mb, mm), (sb, sm) = act[tp_, "megatron"], act[tp_, "sequence"]
+    paper = [memory.paper_activation_bytes(cfg.seq_len, batch, cfg.d_model, cfg.n_heads, tp_, sp)
+             for sp in (False, True)]
+    say(f"{tp_:>3}{mb:>20,}{sb:>20,}{mb / sb:>7.2f}{paper[0] / paper[1]:>7.2f}{mm:>12,} / {sm:,}")
+check.equal("activation bytes (block, model) == activation_formula, tp = 1, 2, 4", act, predicted)
+check.equal("sequence: bytes per block x tp, tp = 2, 4 == those of tp = 1",
+            [act[t, "sequence"][0] * t for t in TPS[1:]], [act[1, "sequence"][0]] * (len(TPS) - 1))
+
+gpt3 = ModelConfig(vocab_size=50257, seq_len=2048, d_model=12288, n_heads=96, n_layers=96, d_ff=4 * 12288)
+f_m, f_s = (memory.activation_formula(gpt3, 1, 2, 8, sc)["block"] for sc in ("megatron", "sequence"))
+p_m, p_s = (memory.paper_activation_bytes(2048, 1, 12288, 96, 8, sp) for sp in (False, True))
+say(f"GPT-3 175B's shape, one sequence, 16-bit, tp = 8, per block: hsgd {fmt_bytes(f_m)} -> {fmt_bytes(f_s)} "
+    f"(ratio {f_m / f_s:.2f}); the paper's Table 2 {fmt_bytes(p_m)} -> {fmt_bytes(p_s)} (ratio {p_m / p_s:.2f})")
+
+# %% [markdown]
+# The picture plots the measured bytes (on log scales, where $1/tp$ is the straight dotted line): with sequence
+# parallelism the cache of a block falls exactly as $1/tp$; with Megatron's scheme the LayerNorm outputs and the
+# inputs of the split matmuls stay whole on every rank, so its bytes fall more slowly.
+
+# %%
+if rank == 0:
+    fig, axes = pictures.figure(8, 3.2, ncols=2)
+    for ax, k, what in ((axes[0], 0, "one block's cache"), (axes[1], 1, "the whole forward's caches")):
+        for scheme, style in (("megatron", "o-"), ("sequence", "s-")):
+            values = [act[t, scheme][k] for t in TPS]
+            ax.plot(TPS, values, style, label=scheme)
+            for t, val in zip(TPS, values):
+                ax.annotate(f"{val:,}", (t, val), textcoords="offset points", xytext=(4, 4), fontsize=6)
+        ax.plot(TPS, [act[1, "sequence"][k] / t for t in TPS], ":", color="black", lw=1.2, zorder=3,
+                label="tp = 1 bytes / tp")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log", base=2)
+        ax.margins(x=0.15, y=0.15)
+        ax.set_xticks(TPS, [str(t) for t in TPS])
+        ax.set_xlabel("tp", fontsize=7)
+        ax.set_ylabel("bytes per rank (log scale)", fontsize=7)
+        ax.tick_params(labelsize=7)
+        ax.set_title(f"{what} (measured)", fontsize=8)
+        ax.legend(fontsize=7, frameon=False)
+    fig.suptitle(f"activation bytes per rank, L = {cfg.n_layers}, B = {batch}, T = {cfg.seq_len}, C = "
+                 f"{cfg.d_model}, NH = {cfg.n_heads}, float64", fontsize=8)
+    say(f"picture: {pictures.save(fig, '06_activation_bytes_per_block')}")
+
+# %% [markdown]
+# With sequence parallelism *every* cached activation is divided by tp; with Megatron's scheme its per-block bytes
+# stop falling like $1/tp$. The ratios differ from the paper's because the two count different things: hsgd has
+# no dropout, keeps only the softmax per attention entry (the paper keeps scores, softmax, dropout output and
+# mask), and caches q, k, v and the GELU's derivative (`memory.paper_activation_bytes`'s docstring lists the
+# terms). Only ratios compare: hsgd's numbers here are float64. The whole forward's bytes also include the loss's
+# softmax (N, Vp), split by vocabulary in both schemes.
+#
+# ## What the checks covered
+#
+# Every piece against the serial model on the full matrices: the attention branch split by heads, the
+# vocab-parallel embedding and cross-entropy (with their padding), the whole model in the three variants of the
+# two schemes of chapter 5 and in the sequence scheme, shard by shard, and every byte the tensor-parallel
+# communicator carried against its formula; the activation bytes against `memory.activation_formula`. Chapter 7
+# puts such tensor-parallel groups side by side as the lecture's data-parallel replicas (chapter 4's algorithm,
+# one gradient shard at a time), and chapter 8 overlaps their gradient exchange with the backward pass.
+
+# %%
 worst, err = check.worst()
-say(f"\nchapter 4: all {len(check.passed)} checks passed on {world.Get_size()} ranks; largest error "
+say(f"\nchapter 6: all {len(check.passed)} checks passed on {world.Get_size()} ranks; largest error "
     f"{err:.1e} ({worst}), tolerance {TOL:.0e}")
 grid.free()
+
+# %% [markdown]
+# ## Cross-walk: hsgd and the production frameworks
+#
+# The same pieces in Megatron-LM (`megatron/core/`), DeepSpeed (AutoTP in `deepspeed/module_inject/`, and its
+# sequence-parallel module `deepspeed/sequence/`) and PyTorch (`torch.distributed.tensor.parallel`, on DTensor).
+# Megatron-LM keeps activations as (T, B, C), the sequence first, so its sequence-parallel collectives work along
+# dimension 0 where hsgd's work along T, axis 1 of (B, T, C).
+#
+# | hsgd | Megatron-LM | DeepSpeed | PyTorch | where hsgd differs, on purpose |
+# |---|---|---|---|---|
+# | attention by heads: q, k, v column-parallel (C, C/tp), `attn.proj` row-parallel, `layers.attention_forward` unchanged on the local heads; `tp_model.check_tp` wants NH divisible by tp | `SelfAttention` (megatron/core/transformer/attention.py): `linear_qkv` column-parallel (one fused matrix), `linear_proj` row-parallel; `num_attention_heads_per_partition = divide(num_attention_heads, world_size)`, an exact division too | AutoTP makes q, k, v `LinearLayer`s (fused ones `fused_LinearLayer`, `SubParamColumnParallel`) and the output projection a `LinearAllreduce` (deepspeed/module_inject/layers.py); heads may split unequally: `get_shard_size` (deepspeed/module_inject/tp_shard.py) gives the first NH mod tp ranks one head more | `parallelize_module(block, tp_mesh, plan)` (torch/distributed/tensor/parallel/api.py) with `ColwiseParallel()` for q, k, v and `RowwiseParallel()` for the output projection | three separate weights (computed as one product only for speed, `ops.qkv_forward`); equal heads per rank (exercise 2 writes the unequal split) |
+# | the vocab-parallel embedding: `tp_layers.vocab_lookup_forward` (zero rows for ids owned elsewhere) and the scheme's exit (All-Reduce; sequence: Reduce-Scatter); V padded to $\lceil V/tp \rceil \cdot tp$ | `VocabParallelEmbedding` (megatron/core/tensor_parallel/layers.py): the same masking, then `reduce_from_tensor_model_parallel_region`, or with `reduce_scatter_embeddings` `reduce_scatter_to_sequence_parallel_region`; V padded to a multiple of `make_vocab_size_divisible_by` (default 128) x tp (`calculate_padded_vocab_size`, megatron/training/vocab_utils.py) | none in AutoTP: the embedding stays whole (`EmbeddingLayer`) | `RowwiseParallel()` on an `nn.Embedding`: weight `Shard(0)` (its rows are vocabulary ids), replicated input, partial output reduced to `Replicate()` | pads to the smallest multiple of tp; Megatron rounds further up for fast matrix shapes |
+# | the LM head column-parallel (C, Vp) and `tp_layers.vocab_cross_entropy_forward` / `_backward`: All-Reduce MAX of (N,), one SUM of (2, N); the backward local | `GPTModel.output_layer`, a `ColumnParallelLinear(..., gather_output=not parallel_output)` (megatron/core/models/gpt/gpt_model.py), and `vocab_parallel_cross_entropy` (megatron/core/tensor_parallel/cross_entropy.py): MAX, then two SUM All-Reduces (the target logit, the sum of exp) | none in AutoTP: `LmHeadLinearAllreduce` splits the LM head by its input features (a row split) and All-Reduces the whole (N, V) logits; `vocab_sequence_parallel_cross_entropy` (deepspeed/sequence/cross_entropy.py) is not vocab-parallel: its logits are split along the sequence, the whole vocabulary on every rank | `ColwiseParallel(use_local_output=False)` on the output projection, then `F.cross_entropy` inside `loss_parallel()` (torch/distributed/tensor/parallel/loss.py): MAX, SUM of exp, and the target logit's All-Reduce | the two sums share one buffer: two calls instead of three, the same $3N$ numbers |
+# | the "sequence" scheme (`tp_schemes.Sequence`; `TrainConfig(tp_scheme="sequence")`) | `sequence_parallel=True` (`ModelParallelConfig`, megatron/core/model_parallel_config.py) | none in AutoTP. DeepSpeed-Ulysses (`DistributedAttention`, deepspeed/sequence/layer.py) is a different sequence parallelism: every layer, attention included, works on sequence shards, and an all-to-all (`_SeqAllToAll`) trades sequence shards for head shards before attention and back after; it is not tied to tensor parallelism | `SequenceParallel()` on the norms (torch/distributed/tensor/parallel/style.py), with `ColwiseParallel(input_layouts=Shard(1))` and `RowwiseParallel(output_layouts=Shard(1))` around them | one flag switches the whole model, and the scheme is an object whose three methods are the only places that differ (`hsgd/tp_schemes.py`) |
+# | `tp_layers.gather_T_forward` / `_backward`: All-Gather along T, backward Reduce-Scatter | `gather_from_sequence_parallel_region` (megatron/core/tensor_parallel/mappings.py; `tensor_parallel_output_grad=True`: Reduce-Scatter backward); inside `ColumnParallelLinear` under `sequence_parallel` the linear's own autograd function (`LinearWithGradAccumulationAndAsyncCommunication`, layers.py) All-Gathers the input, caches only the shard, and gathers it again in the backward, overlapped with the input-gradient product | none | a `Shard(1)` input redistributed to `Replicate()` (`ColwiseParallel(input_layouts=Shard(1))`) | the backward re-gather is the same, not overlapped |
+# | `tp_layers.scatter_T_forward` / `_backward`: Reduce-Scatter along T, backward All-Gather | `reduce_scatter_to_sequence_parallel_region` (mappings.py), the exit of `RowParallelLinear` under `sequence_parallel` | none | `RowwiseParallel(output_layouts=Shard(1))`: the partial output reduce-scattered | - |
+# | `Sequence.finish_replicated`: one All-Reduce per gradient group of the partial gradients of the LayerNorms, the projections' biases and `wpe`, during the backward pass | `_allreduce_non_tensor_model_parallel_grads`, called by `finalize_model_grads` (megatron/core/distributed/finalize_model_grads.py) after the backward pass, for the parameters marked `sequence_parallel` | none | no step of its own: `SequenceParallel` keeps the norms' parameters `Replicate()` DTensors, DTensor's layer-norm backward (`layer_norm_bwd_strategy`, torch/distributed/tensor/_ops/_math_ops.py) gives their gradients the placement `Partial` (a sum still pending), and DTensor reduces it when the gradient is used | per group, so that data parallelism's bucketed All-Reduce (chapter 8) can start as soon as a group is final |
+# | `memory.activation_bytes` / `activation_formula` / `paper_activation_bytes` | `compute_activation_memory` (megatron/training/theoretical_memory_usage.py), the paper's Table 2 terms per layer | none | none | the cache is counted byte by byte and compared with a formula |
+#
+# ## Exercises
+#
+# ### Exercise 1: the vocab-parallel cross-entropy and its backward by hand
+# Write the forward with the three All-Reduces of section 3 (MAX, SUM of the exponentials, SUM of the shifted
+# target logit), keeping what the backward needs, and write the backward
+# $\partial\,\text{loss}/\partial z_{nv} = (e^{z_{nv} - m_n}/s_n - [v = t_n])/N$ on the local columns only. Check
+# the loss and every rank's (N, Vp) block of the logits' gradient against the serial `layers.cross_entropy_*`,
+# with V = 13 on tp = 4 (padding on the last rank), and that the padding columns get exactly 0.
+# (solution: `tutorials/solutions/06_attention_heads_and_vocab_parallel.py`, `exercise_1`)
+#
+# ### Exercise 2: attention with an unequal split of heads
+# `tp_model.check_tp` refuses NH = 6 on tp = 4; DeepSpeed's `get_shard_size` would give the ranks 2, 2, 1 and 1
+# heads. Write that split: each rank's columns of $W_q$, $W_k$, $W_v$ and rows of $W_o$ at its head boundaries,
+# `layers.attention_forward` on its own heads, $f$ and $g$ as in section 1. Check the branch output, $da$ and
+# every gradient block against the serial branch, and the bytes against one (N, C) All-Reduce each way. What does
+# the unequal split cost? (The slowest rank does $\lceil NH/tp \rceil / (NH/tp)$ times the average attention work.)
+# (solution: `tutorials/solutions/06_attention_heads_and_vocab_parallel.py`, `exercise_2`)
+#
+# ### Exercise 3: the sequence-parallel LayerNorm needs an All-Reduce of its gradients
+# Give every rank its T-shard of a (B, T, C) input and run `layers.layernorm_forward` / `_backward` on it with the
+# replicated weight and bias. Check that the input gradient of its own positions equals the serial one with no
+# communication, that the weight and bias gradients do *not* (each rank saw only its positions: the serial
+# gradient is the sum over all positions), and that an All-Reduce (sum) of them does. Then take one SGD step with
+# and without the All-Reduce and check which one leaves the replicated weight bit-identical on every rank.
+# (solution: `tutorials/solutions/06_attention_heads_and_vocab_parallel.py`, `exercise_3`)
+#
+# ### Exercise 4: the sequence-parallel MLP: twice the payload, the same ring bytes
+# Build the MLP of a block in both layouts: Megatron's ($f$, column fc, GELU, row proj, $g$) on the whole
+# (B, T, C) input, and sequence parallelism's (gather_T, the same matmuls, scatter_T) on the T-shards, with
+# `tp_layers`. Check both against the serial MLP (forward and input gradient), and count the activations'
+# collectives of a forward and backward: the sequence MLP's payload is twice Megatron's, and the bytes a ring
+# sends per rank are equal, $4\frac{tp-1}{tp}NCs$ for both (cache fc's gathered input, as Megatron's scheme
+# does; `tp_model` gathers it again in the backward to save memory, which costs one All-Gather more).
+# (solution: `tutorials/solutions/06_attention_heads_and_vocab_parallel.py`, `exercise_4`)
