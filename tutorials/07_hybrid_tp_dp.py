@@ -1,18 +1,3 @@
-# ---
-# jupyter:
-#   jupytext:
-#     formats: py:percent
-#     text_representation:
-#       extension: .py
-#       format_name: percent
-#       format_version: '1.3'
-#       jupytext_version: 1.19.6
-#   kernelspec:
-#     display_name: Python 3
-#     language: python
-#     name: python3
-# ---
-
 # %% [markdown]
 # # Chapter 7: hybrid tensor x data parallelism
 #
@@ -37,12 +22,14 @@
 # 1. draws the P = dp x tp grid and says which ranks talk to which, about what, and how often;
 # 2. follows one hybrid step and checks every rank's gradient shard against the serial gradient of the global
 #    batch, first by hand, then with `hsgd.verify`;
-# 3. measures the bytes on each communicator in one step and explains every term of the formulas; a table of
-#    layouts shows the trade-off between the two dimensions;
+# 3. measures the bytes on each communicator in one step and explains every term of the formulas, in two columns
+#    (the payload, and the bytes a ring sends per rank); a table of layouts shows the trade-off between the two
+#    dimensions;
 # 4. computes the global gradient norm for clipping when some parameters are split and others replicated;
-# 5. trains for a few dozen steps with `hsgd.train.train` and ends with the parameters of serial SGD.
+# 5. trains for 30 steps with `hsgd.train.train` and ends with the parameters of serial SGD.
 #
-# Run it with eight ranks (a few seconds; on failure every rank raises, so it exits non-zero without hanging):
+# Run it with eight ranks (about 8 s on a 2-core machine; on failure every rank raises, so it exits non-zero
+# without hanging). Rank 0 draws two pictures into `$HSGD_FIGURES` (default `tutorials/figures/`):
 #
 # mpirun -n 8 python tutorials/07_hybrid_tp_dp.py
 #
@@ -50,20 +37,22 @@
 # ranks. Only rank 0 prints.
 #
 # Legend: P ranks, dp replicas (groups), tp ranks per group, B global batch, b = B/dp sequences per group, k =
-# micro_batches per group, N = (b/k)*T positions of a micro-batch, T sequence, C d_model, NH heads, F d_ff, V
-# vocabulary, Vp = ceil(V/tp), L layers, s bytes per number.
+# micro_batches per group, T sequence, N = b*T positions of a group's slice in one step (its k micro-batches
+# together, N/k each), C d_model, NH heads, F d_ff, V vocabulary, Vp = ceil(V/tp), L layers, s bytes per number.
 
 # %%
+from hsgd import ModelConfig, serial, tp_model   # hsgd before NumPy: it sets OpenBLAS's thread timeout (hsgd.threads)
+
 import io
 import math
 import sys
+import time
 from dataclasses import replace
 
 import numpy as np
 from mpi4py import MPI
 from threadpoolctl import threadpool_limits
 
-from hsgd import ModelConfig, serial, tp_model
 from hsgd.data import Corpus
 from hsgd.dp import FlatBuffer, dp_average, dp_formula, dp_rows, params_digest
 from hsgd.grid import ProcessGrid
@@ -72,11 +61,13 @@ from hsgd.optim import clip_grads, global_grad_norm
 from hsgd.train import fmt_bytes, train
 from hsgd.verify import verify
 
+import pictures                                            # tutorials/pictures.py: where the PNGs go
 from checks import FLOOR, Checks, rel_err, train_config   # tutorials/checks.py, shared by the chapters
 
 threadpool_limits(1)                    # eight ranks share the cores, tiny matrices: one BLAS thread each
 P, DP, TP = 8, 4, 2                     # P = dp x tp: 4 groups of 2
 world = MPI.COMM_WORLD
+rank = world.Get_rank()
 if world.Get_size() != P:               # every rank exits non-zero; rank 0 says why
     raise SystemExit(f"run this chapter on {P} ranks: mpirun -n {P} python {__file__}"
                      if world.Get_rank() == 0 else 1)
@@ -84,6 +75,17 @@ grid = ProcessGrid(world, dp=DP, tp=TP)
 TOL = 1e-10                             # float64: parallel and serial differ by rounding, ~1e-16 relative
 check = Checks(world, tol=TOL, width=66)  # check(what, err, tol): collective, raises on every rank unless err < tol
 say = check.say                           # print on world rank 0 only
+
+
+def rank0_only(work):
+    """work() on rank 0 (a picture, a serial reference): its result there, None elsewhere. The other ranks wait for
+    it asleep, in a loop around a non-blocking barrier: waiting inside the next collective instead, MPICH would
+    spin on a core, and here eight ranks share two, so rank 0 would work at a fraction of one core."""
+    result = work() if rank == 0 else None
+    done = world.Ibarrier()
+    while not done.Test():
+        time.sleep(0.002)
+    return result
 
 
 def shard_err(local, full, tp_rank, tp, floor=FLOOR):
@@ -100,30 +102,38 @@ say(f"{P} ranks = dp {DP} groups x tp {TP} workers; model {cfg.n_params():,} par
 # %% [markdown]
 # ## 1. The grid, and who talks to whom
 #
-# `ProcessGrid(world, dp=4, tp=2)` (chapter 3) numbers the ranks tp fastest, `rank = dp_rank * tp + tp_rank`, and
-# splits two communicators off the world:
+# `ProcessGrid(world, dp=4, tp=2)` (chapter 3) numbers the ranks tp fastest, then pp, then dp:
+# `rank = (dp_rank * pp + pp_rank) * tp + tp_rank`, here with pp = 1 simply `dp_rank * tp + tp_rank`. tp is
+# innermost because its traffic comes in every layer, on the critical path, and for models of real size it is the
+# largest (the GPT-2 rows of section 3): on a cluster it must stay on the node's fastest links, and consecutive
+# ranks share a node. dp is outermost, so that each data-parallel replica (one pipeline of tp-groups; here one
+# tp-group) is a contiguous block of ranks, the lecture's G groups of M consecutive workers. The grid splits two
+# communicators off the world:
 #
-# * **`tp_comm`, a row of the picture**: the tp ranks of one group, which hold one copy of the model between them.
-#   They talk **in every layer**, forward and backward: with Megatron's scheme (chapter 6) an All-Reduce of the
-#   partial sums of the (N, C) activations after the attention projection and after the MLP projection, and of
-#   the partial input gradients before q, k, v and before fc. The next layer cannot start before that exchange is
-#   done, so this traffic sits on the critical path: on a cluster it belongs on the fast links inside a node, which
-#   is what numbering tp fastest gives (consecutive ranks share a node).
-# * **`dp_comm`, a column**: the dp ranks, one per group, that sit at the same position and so hold the **same
-#   shard** of every parameter. They talk **once per step**: the All-Reduce that averages the gradient of their
-#   shard (chapter 4's `dp_average`, on a shard instead of a whole model). This is the lecture's section 3.4:
-#   "all the 'first GPUs' of the tensor-parallel groups hold W_part1; they form a cross-group communication set
-#   and All-Reduce the gradient of this shard".
+# * **`tp_comm`, a row of the printout below (a blue bar in the picture)**: the tp ranks of one group, which hold
+#   one copy of the model between them. They talk **in every layer**, forward and backward: with Megatron's
+#   scheme (chapters 5 and 6) an All-Reduce of the partial sums of the (b, T, C) activations after the attention
+#   projection and after the MLP projection, and of the partial input gradients before q, k, v and before fc. The
+#   next layer cannot start before that exchange is done, so this traffic sits on the critical path.
+# * **`dp_comm`, a column (a red dashed line)**: the dp ranks, one per group, that sit at the same position and
+#   so hold the **same shard** of every parameter. They talk **once per step**: the All-Reduce that averages the
+#   gradient of their shard (chapter 4's `dp_average`, on a shard instead of a whole model). This is the lecture's
+#   section 3.4: "all the 'first GPUs' of the tensor-parallel groups hold W_part1; they form a cross-group
+#   communication set and All-Reduce the gradient of this shard".
 #
-# The data goes by rows of the picture (every rank of a group reads the same rows of the global batch,
-# `dp_rows(B, dp, dp_rank)`), the parameters by columns. The picture is drawn from `grid.groups()`, which computes
-# the members of every communicator from the sizes alone:
+# The data goes by rows of the printout (every rank of a group reads the same rows of the global batch,
+# `dp_rows(B, dp, dp_rank)`), the parameters by columns. The printout is computed from `grid.groups()`, which
+# gives the members of every communicator from the sizes alone; the picture is `pictures.grid`, drawn from the same
+# numbering. (Megatron-LM orders the other way round at the slow end: its default `order="tp-cp-ep-dp-pp"` puts
+# tp fastest too but pp slowest, because pp carries the least, one activation per micro-batch between neighbours.
+# With hsgd's order the dp All-Reduce is what crosses nodes, once per step and overlappable; with Megatron's, the
+# pipeline's point-to-point sends do. Both keep tp inside the node.)
 
 # %%
 B = 8                                   # global batch: b = B/dp = 2 sequences per group
 groups = grid.groups()                  # {"tp": [[0, 1], [2, 3], ...], "dp": [[0, 2, 4, 6], [1, 3, 5, 7]], ...}
 nh, Fp, Vp = cfg.n_heads // TP, cfg.d_ff // TP, math.ceil(cfg.vocab_size / TP)
-width = 11                              # of a column of the picture
+width = 11                              # of a column of the printout
 say((" " * 15 + "".join(f"{f'tp_rank {t}':^{width}}" for t in range(TP))).rstrip())
 for d, members in enumerate(groups["tp"]):
     rows = dp_rows(B, DP, d)
@@ -133,6 +143,8 @@ say((" " * 15 + "".join(f"{'^':^{width}}" for _ in range(TP))).rstrip())
 for t, members in enumerate(groups["dp"]):
     say(f"  dp_comm {members}: shard {t} (heads {t * nh}..{(t + 1) * nh - 1}, MLP columns {t * Fp}..{(t + 1) * Fp - 1},"
         f" vocab ids {t * Vp}..{(t + 1) * Vp - 1}), once per step")
+path = rank0_only(lambda: pictures.grid(DP, 1, TP, "07_grid_dp4_tp2"))
+say(f"picture: {path}")
 
 # %% [markdown]
 # Each rank builds its shards with `tp_model.init_params` (the slices of `serial.init_params` for the seed), so the
@@ -219,25 +231,33 @@ for layout in (dict(dp=4, tp=2), dict(dp=2, tp=4, tp_scheme="gather", micro_batc
 # %% [markdown]
 # ## 3. What one step sends, and where
 #
-# The grid's `CommStats` records every collective under (communicator, operation). A snapshot of the counts before
-# and after one `HybridTrainer.step` gives the traffic of a step on each rank, to compare with the formulas:
+# The grid's `CommStats` records every collective under (communicator, operation): the calls and the **payload**,
+# the size of the logical tensor of each call. A snapshot of the counts before and after one `HybridTrainer.step`
+# gives the traffic of a step on each rank, to compare with the formulas. Let N = b T be the positions of a group's
+# slice in one step; with k micro-batches each carries N/k of them.
 #
-# **tp_comm**, per micro-batch of N = (b/k) T positions, Megatron's scheme (`tp_model.comm_formula`):
-# $4L + 4$ All-Reduces, $((4L + 2)C + 3)\,N s$ bytes. Term by term:
+# **tp_comm**, Megatron's scheme (`tp_model.comm_formula`): each micro-batch makes $4L + 4$ All-Reduces carrying
+# $((4L + 2)C + 3)\,\frac{N}{k}\,s$ bytes, so one step makes $k(4L + 4)$ calls carrying
+# $((4L + 2)C + 3)\,N s$ bytes: k times the calls, the same bytes as one micro-batch of all N positions. Term by
+# term, for a micro-batch of $n = N/k$ positions:
 #
-# * $L \cdot 4 \cdot NCs$: in each block the forward All-Reduces the partial sums of the attention projection and
-#   of the MLP projection ($g$), the backward the partial input gradients of q, k, v and of fc ($f$), each (N, C);
-# * $NCs$: the vocab-parallel embedding (every rank looks up the tokens it owns, zeros elsewhere; the sum puts the
+# * $L \cdot 4 \cdot nCs$: in each block the forward All-Reduces the partial sums of the attention projection and
+#   of the MLP projection ($g$), the backward the partial input gradients of q, k, v and of fc ($f$), each (n, C);
+# * $nCs$: the vocab-parallel embedding (every rank looks up the tokens it owns, zeros elsewhere; the sum puts the
 #   rows together);
-# * $NCs$: the LM head's input gradient, partial over the vocabulary shards ($f$ backward);
-# * $3Ns$: the vocab-parallel cross-entropy, a MAX of (N,) and a SUM of (2, N).
+# * $nCs$: the LM head's input gradient, partial over the vocabulary shards ($f$ backward);
+# * $3ns$: the vocab-parallel cross-entropy, a MAX of (n,) and a SUM of (2, n).
 #
-# With $k$ micro-batches all of it happens $k$ times on $N/k$ of the positions: $k$ times the calls, the same bytes.
-# It grows with the activations, $B\,T\,C$ per layer, and does not depend on the number of parameters.
+# It grows with the activations of the group's slice, $N C$ per layer, and does not depend on the number of
+# parameters.
 #
 # **dp_comm**, once per step (`dp.dp_formula`): one All-Reduce of the rank's whole gradient buffer, the split
 # parameters' $1/tp$ shares plus the replicated ones (LayerNorms, `wpe`, the row-parallel biases) plus the
 # vocabulary padding. It grows with the number of parameters over tp, and does not depend on the batch.
+#
+# **On the wire.** A ring All-Reduce over a communicator of n ranks sends $2\frac{n-1}{n}$ times its payload from
+# every rank (chapter 2): $\times 2\frac{tp-1}{tp}$ on `tp_comm`, $\times 2\frac{dp-1}{dp}$ on `dp_comm`. Every
+# comparison below gives both columns, since a ratio of payloads is not a ratio of bytes sent.
 #
 # Not recorded: the loss and the squared gradient norm (section 4) travel as single pickled floats.
 #
@@ -262,24 +282,32 @@ def expected_traffic(cfg, tc, params):
     return out
 
 
-measured = {}
+def ring(payload, n):
+    """Bytes a ring All-Reduce over n ranks sends from each rank: 2 (n-1)/n of the payload (0 on one rank)."""
+    return 2 * (n - 1) / n * payload
+
+
+measured = {}                                            # tp -> {(comm, op): (calls, bytes)} of one step
 for dp_, tp_ in ((4, 2), (2, 4)):
     g2 = grid if (dp_, tp_) == (DP, TP) else ProcessGrid(world, dp=dp_, tp=tp_)
     tc2 = train_config(tp=tp_, dp=dp_, batch_size=B, micro_batches=2, seed=SEED)
     counts, tr = step_traffic(g2, tc2)
     formula = expected_traffic(cfg, tc2, tr.params)
     measured[tp_] = counts
-    say(f"dp={dp_} tp={tp_}, micro_batches=2, B={B}: one step on rank 0 (calls, bytes)")
+    say(f"dp={dp_} tp={tp_}, micro_batches=2, B={B}: one step on rank 0 (calls, payload bytes), and a ring's bytes")
     for key in sorted(set(counts) | set(formula)):
-        say(f"  {key[0]:<3} {key[1]:<10} measured {str(counts.get(key, (0, 0))):<14} formula "
-            f"{formula.get(key, (0, 0))}")
+        n = tp_ if key[0] == "tp" else dp_
+        calls, nbytes = counts.get(key, (0, 0))
+        say(f"  {key[0]:<3} {key[1]:<10} measured {str((calls, nbytes)):<14} "
+            f"formula {str(formula.get(key, (0, 0))):<14} ring, sent per rank {ring(nbytes, n):>9,.0f}")
     check.equal(f"dp={dp_} tp={tp_}: one step's traffic == comm_formula x k + dp_formula", counts, formula)
     if g2 is not grid:
         g2.free()
 
 # %% [markdown]
 # The formulas give the same numbers for any layout without running it. Per rank and step, for the 8 ranks as
-# dp x tp with $k$ = 1 (a "-" is a communicator of one rank, which moves nothing):
+# dp x tp, in both columns (a "-" is a communicator of one rank, which moves nothing). The bytes do not depend on
+# k, so the k = 1 formula must give what was just measured with k = 2:
 
 # %%
 def local_numel(cfg, tp):
@@ -293,46 +321,104 @@ def local_numel(cfg, tp):
     return total
 
 
-def layout_table(cfg, batch, s, tps, measured=None):
-    """Rows of per-rank traffic for P = 8 ranks as (8/tp) x tp: formula bytes of tp_comm and dp_comm."""
-    lines = [f"{'dp x tp':>7} {'b':>5} {'params/rank':>12} {'tp_comm/step':>13} {'dp_comm/step':>13}"
-             + ("   measured (tp, dp)" if measured else "")]
+def layout_bytes(cfg, batch, s, tp):
+    """{"tp", "dp": (payload, ring bytes per rank)} of one step for P ranks as (P/tp) x tp, from the formulas. A
+    communicator of one rank moves nothing: 0 (CommStats still counts its calls, as the formulas do)."""
+    dp = P // tp
+    tp_payload = sum(n for _, n in tp_model.comm_formula(cfg, batch // dp, s).values()) if tp > 1 else 0
+    dp_payload = local_numel(cfg, tp) * s if dp > 1 else 0
+    return {"tp": (tp_payload, ring(tp_payload, tp)), "dp": (dp_payload, ring(dp_payload, dp))}
+
+
+def layout_table(cfg, batch, s, tps):
+    """The per-rank traffic of P = 8 ranks as (8/tp) x tp: payload and ring bytes on each communicator, summed."""
+    lines = [f"{'dp x tp':>7} {'b':>3} {'params/rank':>12} | {'tp_comm payload':>15} {'ring':>10} | "
+             f"{'dp_comm payload':>15} {'ring':>10} | {'sum: payload':>12} {'ring':>10}"]
     for tp in tps:
-        dp = P // tp
-        tp_bytes = sum(n for _, n in tp_model.comm_formula(cfg, batch // dp, s).values())
-        dp_bytes = local_numel(cfg, tp) * s
-        line = (f"{f'{dp} x {tp}':>7} {batch // dp:>5} {local_numel(cfg, tp):>12,} "
-                f"{fmt_bytes(tp_bytes) if tp > 1 else '-':>13} {fmt_bytes(dp_bytes) if dp > 1 else '-':>13}")
-        if measured and tp in measured:
-            m = measured[tp]
-            line += (f"   {fmt_bytes(sum(n for (c, _), (_, n) in m.items() if c == 'tp')):>9}, "
-                     f"{fmt_bytes(sum(n for (c, _), (_, n) in m.items() if c == 'dp'))}")
-        lines.append(line)
+        dp, x = P // tp, layout_bytes(cfg, batch, s, tp)
+        tp_cells = [fmt_bytes(v) if tp > 1 else "-" for v in x["tp"]]
+        dp_cells = [fmt_bytes(v) if dp > 1 else "-" for v in x["dp"]]
+        lines.append(f"{f'{dp} x {tp}':>7} {batch // dp:>3} {local_numel(cfg, tp):>12,} | "
+                     f"{tp_cells[0]:>15} {tp_cells[1]:>10} | {dp_cells[0]:>15} {dp_cells[1]:>10} | "
+                     f"{fmt_bytes(x['tp'][0] + x['dp'][0]):>12} {fmt_bytes(x['tp'][1] + x['dp'][1]):>10}")
     return "\n".join(lines)
 
 
+def least(cfg, batch, s, tps):
+    """(the layout with the least payload summed over both communicators, ... with the fewest ring bytes)."""
+    totals = {tp: layout_bytes(cfg, batch, s, tp) for tp in tps}
+    best = [min(tps, key=lambda t: totals[t]["tp"][col] + totals[t]["dp"][col]) for col in (0, 1)]
+    return tuple(f"{P // tp} x {tp}" for tp in best)
+
+
 say(f"this toy, B = {B}, float64:")
-say(layout_table(cfg, B, 8, (1, 2, 4, 8), measured))
+say(layout_table(cfg, B, 8, (1, 2, 4, 8)))
+toy_best = least(cfg, B, 8, (1, 2, 4, 8))
+say(f"least payload: dp x tp = {toy_best[0]}; fewest ring bytes: {toy_best[1]}")
 check.equal("local_numel(cfg, tp) == the trainer's shard sizes", local_numel(cfg, TP), n_local)
+check.equal("measured payloads at k = 2 == the table's formula at k = 1",
+            {tp: {c: sum(n for (cc, _), (_, n) in measured[tp].items() if cc == c) for c in ("tp", "dp")}
+             for tp in measured},
+            {tp: {c: layout_bytes(cfg, B, 8, tp)[c][0] for c in ("tp", "dp")} for tp in measured})
 
 gpt2 = ModelConfig(vocab_size=50257, seq_len=1024, d_model=768, n_heads=12, n_layers=12, d_ff=3072)
 say(f"\nGPT-2 small's shape ({gpt2.n_params() / 1e6:.0f} M parameters), B = 32 sequences of 1024, float32 "
     "(tp = 8 does not divide its 12 heads):")
 say(layout_table(gpt2, 32, 4, (1, 2, 4)))
+gpt2_best = least(gpt2, 32, 4, (1, 2, 4))
+say(f"least payload: dp x tp = {gpt2_best[0]}; fewest ring bytes: {gpt2_best[1]}")
+check.holds("the toy: a mixed layout moves the least, in both columns", set(toy_best) <= {"4 x 2", "2 x 4"})
+check.holds("GPT-2's shape: pure DP moves the least, in both columns", set(gpt2_best) == {"8 x 1"})
 
 # %% [markdown]
 # Read the columns against each other. At a fixed P and global batch, doubling tp halves dp, so each group gets
-# twice the rows ($b = B\,tp/P$): the tensor-parallel payload per rank, proportional to $b\,T\,C\,L$, doubles,
-# while the data-parallel payload, proportional to the parameters over tp, roughly halves (the replicated
-# parameters do not shrink). Which total is smallest depends on the ratio of activations to parameters: for the
-# toy, whose parameters outweigh its tiny batch, tp = 2 moves the least; for GPT-2's shape the activations dominate
-# and pure data parallelism would move the least, if the model fitted. The lecture's point is that for a large
-# model tp must be at least what makes the model fit on the ranks of a group. Past that, the two payloads are not
-# equally expensive: the tensor-parallel one comes in $4L + 4$ pieces on the critical path of every layer, hence
-# inside a node; the data-parallel one comes once per step and can overlap the backward pass (the lecture's section
-# 4.1, a later chapter). (These are payloads; a ring All-Reduce sends about $2\frac{n-1}{n}$ times the payload per
-# rank.)
+# twice the rows ($b = B\,tp/P$): the tensor-parallel payload per rank, proportional to $b\,T\,C\,L$, doubles, and
+# its ring factor $2\frac{tp-1}{tp}$ grows too (1 at tp = 2, 1.5 at tp = 4); the data-parallel payload,
+# proportional to the parameters over tp, roughly halves (the replicated parameters do not shrink), and its ring
+# factor $2\frac{dp-1}{dp}$ shrinks with dp. Which total is smallest depends on the ratio of activations to
+# parameters, and the two columns need not agree; the lines under each table say which layout wins in each. For
+# the toy, whose parameters outweigh its tiny batch, the mixed layouts beat both pure ones; for GPT-2's shape the
+# activations dominate, and pure data parallelism would move the least, if the model fitted. The lecture's point
+# is that for a large model tp must be at least what makes the model fit on the ranks of a group. Past that, the
+# two kinds of traffic are not equally expensive: the tensor-parallel one comes in $k(4L + 4)$ pieces on the
+# critical path of every layer, hence inside a node; the data-parallel one comes once per step and can overlap the
+# backward pass (the lecture's section 4.1, chapter 8).
 #
+# The picture shows the measured bytes of one step on each communicator of rank 0, for the two layouts measured
+# above, in both columns: the payload `CommStats` recorded and what a ring sends for it.
+
+# %%
+def draw_bytes(measured):
+    """Rank 0: the measured payload and ring bytes of one step on each communicator, for each layout."""
+    fig, ax = pictures.figure(6.4, 3.0)
+    bars = []                                                      # (label, tp bytes, dp bytes)
+    for tp_ in sorted(measured):
+        dp_ = P // tp_
+        pay = {c: sum(n for (cc, _), (_, n) in measured[tp_].items() if cc == c) for c in ("tp", "dp")}
+        bars.append((f"dp {dp_} x tp {tp_}\npayload", pay["tp"], pay["dp"]))
+        bars.append((f"dp {dp_} x tp {tp_}\nring, sent per rank", ring(pay["tp"], tp_), ring(pay["dp"], dp_)))
+    xs = np.arange(len(bars))
+    tp_kib = np.array([t for _, t, _ in bars]) / 1024
+    dp_kib = np.array([d for _, _, d in bars]) / 1024
+    ax.bar(xs, tp_kib, 0.6, color=pictures.COLORS["tp"], label="tp_comm (k(4L+4) All-Reduces, every layer)")
+    ax.bar(xs, dp_kib, 0.6, bottom=tp_kib, color=pictures.COLORS["dp"], label="dp_comm (1 All-Reduce per step)")
+    for x, t, d in zip(xs, tp_kib, dp_kib):
+        ax.text(x, t / 2, f"{t:.0f}", ha="center", va="center", fontsize=7, color="white")
+        ax.text(x, t + d / 2, f"{d:.0f}", ha="center", va="center", fontsize=7, color="white")
+        ax.text(x, t + d + 4, f"{t + d:.0f} KiB", ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(xs, [label for label, _, _ in bars], fontsize=7)
+    ax.set_ylabel("KiB per step, rank 0", fontsize=7)
+    ax.set_ylim(0, 1.4 * max(tp_kib + dp_kib))
+    ax.tick_params(labelsize=7)
+    ax.legend(fontsize=7, frameon=False, loc="upper center", ncol=2)
+    ax.set_title(f"one step of the toy on {P} ranks (B={B}, k=2, float64), measured by CommStats", fontsize=8)
+    return pictures.save(fig, "07_bytes_per_step")
+
+
+path = rank0_only(lambda: draw_bytes(measured))
+say(f"picture: {path}")
+
+# %% [markdown]
 # ## 4. The global gradient norm, for clipping
 #
 # Clipping rescales the whole gradient when its norm exceeds a threshold, $g \leftarrow g \cdot \min(1, c/\lVert
@@ -391,12 +477,15 @@ check.holds("validation loss fell", run["val_after"] < run["val_before"])
 # initialization: the attention k-biases start at zero and only ever receive rounding noise.
 
 # %%
-reference = None
-if grid.rank == 0:
+def serial_reference(tc):
+    """serial.sgd with tc, and how far serial SGD without clipping ends from it: (params, losses, distance)."""
     batch = lambda step: corpus.batch(tc.seed, step, tc.batch_size)          # the global batch of every step
     ref, ref_losses = serial.sgd(cfg, tc, batch)
     unclipped, _ = serial.sgd(cfg, replace(tc, clip=0.0), batch)
-    reference = (ref, ref_losses, max(rel_err(unclipped[n], ref[n], floor=0.02) for n in ref))
+    return ref, ref_losses, max(rel_err(unclipped[n], ref[n], floor=0.02) for n in ref)
+
+
+reference = rank0_only(lambda: serial_reference(tc))
 ref, ref_losses, clip_effect = world.bcast(reference, root=0)   # a small model: a pickled broadcast is fine
 
 param_errs = {n: rel_err(p, tp_model.shard(ref[n], n, grid.tp_rank, TP), floor=0.02) for n, p in run["params"].items()}
@@ -421,6 +510,50 @@ check.equal("distinct digests of the DP replicas of each shard", replicas, 1)
 
 # %%
 worst, err = check.worst()
-say(f"\nchapter 6: all {len(check.passed)} checks passed on {world.Get_size()} ranks; largest error {err:.1e} "
+say(f"\nchapter 7: all {len(check.passed)} checks passed on {world.Get_size()} ranks; largest error {err:.1e} "
     f"({worst})")
 grid.free()
+
+# %% [markdown]
+# ## Cross-walk: hsgd and the production frameworks
+#
+# | hsgd | Megatron-LM | DeepSpeed | PyTorch | where hsgd differs, on purpose |
+# |---|---|---|---|---|
+# | `ProcessGrid(world, dp=4, tp=2)` with `grid.tp_comm`, `grid.dp_comm` (hsgd/grid.py); rank = (dp_rank * pp + pp_rank) * tp + tp_rank | `initialize_model_parallel(tensor_model_parallel_size=...)`, then `get_tensor_model_parallel_group()`, `get_data_parallel_group()` (megatron/core/parallel_state.py); rank order `order="tp-cp-ep-dp-pp"` (`RankGenerator`) | `deepspeed.initialize(..., mpu=...)` (`deepspeed/__init__.py`): the model-parallel groups come from an `mpu` object such as Megatron's parallel_state | `init_device_mesh("cuda", (dp, tp), mesh_dim_names=("dp", "tp"))` (torch/distributed/device_mesh.py), then `mesh["tp"]`, `mesh["dp"]` | MPI communicators from `Split(color, key)`, printed and checked; dp outermost so that a replica is a block of consecutive ranks (Megatron puts pp outermost) |
+# | `HybridTrainer.step` (hsgd/hybrid.py): the group's rows, the tp forward and backward, the `dp_comm` average, clipping, the update | `train_step` (megatron/training/training.py): `forward_backward_func`, whose `finalize_model_grads` (megatron/core/distributed/finalize_model_grads.py) calls each model chunk's `finish_grad_sync`, then `optimizer.step()` | `DeepSpeedEngine` (deepspeed/runtime/engine.py): `engine.backward(loss)` reduces the gradients (`allreduce_gradients`), `engine.step()` clips and updates | a plain loop, `loss.backward()` then `optimizer.step()`, on a module made tensor-parallel by `parallelize_module(model, mesh["tp"], plan)` with `ColwiseParallel` / `RowwiseParallel` (torch/distributed/tensor/parallel) and data-parallel by `fully_shard(model, mesh=mesh["dp"])` or `DistributedDataParallel(model, process_group=mesh["dp"].get_group())` | one function per step of the lecture, no autograd hooks: every collective is visible where it is called |
+# | `dp_average(buf, grid.dp_comm)` (hsgd/dp.py): one All-Reduce of a `FlatBuffer` holding all the rank's gradient shards | `DistributedDataParallel` (megatron/core/distributed/distributed_data_parallel.py) over contiguous gradient buffers (param_and_grad_buffer.py) | `allreduce_gradients` -> `buffered_allreduce_fallback` (deepspeed/runtime/engine.py) | `torch.nn.parallel.DistributedDataParallel`, buckets of `bucket_cap_mb` | one buffer, one call after the backward pass; buckets and overlap are chapter 8 |
+# | `optim.global_grad_norm(grads, is_sharded, tp_comm)`, `health.global_norm`: the split parameters' squares summed over `tp_comm`, the replicated ones counted once | `MegatronOptimizer.clip_grad_norm` -> `get_grad_norm_fp32` (megatron/core/optimizer/clip_grads.py) over the gradients that pass `param_is_not_shared` and `param_is_not_tensor_parallel_duplicate`; `clip_grad` in `OptimizerConfig` | the `"gradient_clipping"` setting; `clip_grad_norm_(parameters, max_norm, mpu=...)` (deepspeed/runtime/utils.py) counts a replicated parameter only on model-parallel rank 0 (`is_model_parallel_parameter`) | `torch.nn.utils.clip_grad_norm_` (torch/nn/utils/clip_grad.py); with DTensor gradients the norms of sharded tensors are reduced over their mesh | the two sums are kept apart with 0/1 masks, so every tp rank gets the same norm to the last bit and its replicated parameters stay bit-identical |
+# | `CommStats` with `tp_model.comm_formula` and `dp_formula`: calls and payload of every collective, checked for equality with a formula | none (profilers) | the `"comms_logger"` setting (deepspeed/comm/config.py): each collective's size and time, logged | `CommDebugMode` (torch.distributed.tensor.debug): counts the collectives of DTensor code, without bytes | the bytes are a test: a formula that is off by one term fails the chapter |
+# | `hsgd.verify`: every shard of the parallel gradient against the serial gradient, one table | none (its tests compare against single-GPU runs) | none | none | the serial reference is part of the library, so any layout can be checked from the command line |
+#
+# ## Exercises
+#
+# ### Exercise 1: the bytes of one step, by formula, for another layout
+# For dp = 2, tp = 4, micro_batches = 4 and B = 8, write the step's traffic yourself, without `comm_formula` or
+# `dp_formula`: on `tp_comm` $k(4L + 4)$ All-Reduces of $((4L + 2)C + 3)\,N s$ bytes in all ($N = bT$), on
+# `dp_comm` one All-Reduce of the rank's parameter count times $s$, counted from `cfg.param_shapes()` (split
+# parameters over tp, the vocabulary padded to $tp\lceil V/tp\rceil$, replicated ones whole). Run one
+# `HybridTrainer.step` on that grid and check your (calls, payload) against its `CommStats`; then give the bytes a
+# ring sends per rank on each communicator.
+# (solution: `tutorials/solutions/07_hybrid_tp_dp.py`, `exercise_1`)
+#
+# ### Exercise 2: the global gradient norm in one All-Reduce over the world
+# After one `HybridTrainer.gradients`, compute $\lVert g\rVert$ from `trainer.grads` with a single All-Reduce of one
+# float over all 8 ranks. Weight each rank's squares so that every element of the model counts exactly once: a
+# split parameter's shard exists on dp ranks (one per replica), a replicated parameter on dp x tp ranks. Check the
+# result against the serial norm of the global batch's gradient and against `global_grad_norm`.
+# (solution: `tutorials/solutions/07_hybrid_tp_dp.py`, `exercise_2`)
+#
+# ### Exercise 3: a hybrid step by hand
+# Write two steps of hybrid SGD from the pieces of chapters 4 to 6 only: `tp_model.shard_params` of the serial
+# initialization, `tp_model.loss_and_grads` on your group's rows (`dp_rows`), an All-Reduce of every gradient shard
+# over `grid.dp_comm.comm` with mpi4py itself (`MPI.IN_PLACE`), the division by dp, and $w \leftarrow w - \eta\,g$.
+# Check every rank's shards against two steps of serial SGD on the global batch (`serial.loss_and_grads`).
+# (solution: `tutorials/solutions/07_hybrid_tp_dp.py`, `exercise_3`)
+#
+# ### Exercise 4: unequal slices
+# Split B = 10 sequences over dp = 4 groups as 3, 3, 2, 2 rows. Each group's `tp_model.loss_and_grads` returns the
+# gradient of the mean loss over *its* rows. Find the weights of the average over `dp_comm` that give the serial
+# gradient of the global batch (hint: the global mean is a mean of means weighted by their sizes), do it with one
+# All-Reduce, and check against serial; show that the plain $1/dp$ average is off.
+# (solution: `tutorials/solutions/07_hybrid_tp_dp.py`, `exercise_4`)
