@@ -36,7 +36,9 @@
 # 6. when a rank dies: an exception, a SIGKILL, and `--resume auto`;
 # 7. numerical faults: a NaN on one rank, and DP replicas that no longer agree.
 #
-# Run it with eight ranks (a few seconds; on failure every rank raises, so it exits non-zero without hanging):
+# Run it with eight ranks, which share the machine's cores: about 10 s at best on a 2-core machine (the fastest of a
+# dozen runs on a machine shared with other jobs; most took 15 to 25 s, the slowest 40 s). On failure every rank
+# raises, so it exits non-zero without hanging:
 #
 # mpirun -n 8 python tutorials/11_fault_tolerance.py
 #
@@ -68,6 +70,7 @@ from hsgd.grid import ProcessGrid
 from hsgd.hybrid import HybridTrainer
 from hsgd.train import check_replicas, train
 
+import pictures                                     # tutorials/pictures.py: where the PNGs go
 from checks import Checks, rel_err, train_config   # tutorials/checks.py, shared by the chapters
 
 threadpool_limits(1)                    # eight ranks share the cores, tiny matrices: one BLAS thread each
@@ -167,6 +170,59 @@ check.holds("every rank: ... and they hold them bit for bit",
             all(np.array_equal(stored[k], v) for k, v in expected.items()))
 check.equal("every rank: my position's file's SHA-256 == the manifest's",
             checkpoint.sha256(os.path.join(path3, mine)), manifest["files"][mine]["sha256"])
+
+# %% [markdown]
+# The picture: on the left, what each file of this checkpoint holds, read back from the four files: for every layer
+# (a weight and its bias together) the number of parameter elements in each file, shaded by the share of the full
+# layer it is (the velocities double every number). Stage 0's files hold the embeddings and block 0, stage 1's
+# block 1, the final LayerNorm and the LM head. A split layer is halved between the two tensor ranks; a replicated
+# one (the LayerNorms, `wpe`, the row-parallel layers' biases in Megatron's scheme) is written whole by both, and
+# `unshard` reads the copy of tensor rank 0. On the right, the bytes each world rank wrote, from the manifest: the
+# four ranks of replica 0 one file each, rank 0 the manifest too, replica 1 nothing.
+
+# %%
+def layer_of(name):
+    """'h.0.attn.q.weight' -> 'h.0.attn.q': a weight and its bias are one row of the picture."""
+    return name.rsplit(".", 1)[0] if name.endswith((".weight", ".bias")) else name
+
+
+if rank == 0:
+    layer_names = list(dict.fromkeys(layer_of(n) for n in cfg.param_shapes()))    # in the model's order
+    full_size = {lay: sum(int(np.prod(s)) for n, s in cfg.param_shapes().items() if layer_of(n) == lay)
+                 for lay in layer_names}
+    files = sorted(manifest["files"])                                          # shard-pp{s}-tp{t}.npz
+    held = np.zeros((len(layer_names), len(files)), dtype=np.int64)            # elements per (layer, file)
+    for j, name in enumerate(files):
+        with np.load(os.path.join(path3, name), allow_pickle=False) as f:
+            for key in f.files:
+                if key.startswith("param/"):
+                    held[layer_names.index(layer_of(key[len("param/"):])), j] += f[key].size
+    share = held / np.array([full_size[lay] for lay in layer_names])[:, None]  # 1: a whole copy, 1/2: half
+    fig, (ax, bx) = pictures.figure(10, 6.2, ncols=2, gridspec_kw=dict(width_ratios=[1.45, 1]))
+    ax.imshow(share, cmap="Blues", vmin=0, vmax=1.6, aspect="auto")
+    for i in range(len(layer_names)):
+        for j in range(len(files)):
+            if held[i, j]:
+                ax.text(j, i, f"{held[i, j]:,}" + (" (whole)" if share[i, j] == 1 else ""), ha="center",
+                        va="center", fontsize=6.5)
+    holders = {f: [r for r, _, g in writers if g == f] for f in files}
+    ax.set_xticks(range(len(files)), [f"{f[6:-4]}\nranks {holders[f]}\nrank {holders[f][0]} writes"
+                                      for f in files], fontsize=7)
+    ax.set_yticks(range(len(layer_names)), layer_names, fontsize=7)
+    ax.set_title(f"parameter elements per file, step {manifest['step']} (dp {DP} x pp {PP} x tp {TP})", fontsize=8)
+    written = [manifest["files"][f]["bytes"] if d == 0 else 0 for r, d, f in writers]   # by world rank
+    extra = [os.path.getsize(os.path.join(path3, "manifest.json")) if r == 0 else 0 for r in range(P)]
+    bx.bar(range(P), written, color=pictures.COLORS["tp"], label="its shard file (parameters + velocities)")
+    bx.bar(range(P), extra, bottom=written, color="0.6", label="manifest.json")
+    for r, d, _ in writers:
+        if d:
+            bx.text(r, 1000, f"0: replica {d}", rotation=90, ha="center", va="bottom", fontsize=7)
+    bx.set_xticks(range(P), [f"{r}" for r in range(P)])
+    bx.set_xlabel("world rank")
+    bx.set_ylabel("bytes written")
+    bx.set_title("bytes each rank wrote (from the manifest)", fontsize=8)
+    bx.legend(fontsize=7, loc="upper right")
+    say(f"picture: {pictures.save(fig, '11_checkpoint_per_rank')}")
 
 # %% [markdown]
 # ## 2. Atomic writes, and keeping the newest K
@@ -303,16 +359,17 @@ check.holds("resume without the velocity ends > 1e-6 away from the uninterrupted
 # The same for the optimizer state, which has the parameters' shapes. Each rank reads whole files and holds full
 # tensors for a moment: simple, and fine for the model sizes of this project (a large model would read only the
 # byte ranges it needs). Here is what world rank 0 of the layout dp 1 x pp 2 x tp 4, with the lecture's
-# All-Gather scheme (chapter 6), does for four of its parameters, written out by hand. `mlp.proj.weight` changes
-# its split axis too: rows in Megatron's scheme, columns in the All-Gather scheme.
+# All-Gather scheme (chapters 5 and 6), does for four of its parameters, written out by hand. `mlp.proj.weight`
+# changes its split axis: rows in Megatron's scheme, columns in the All-Gather scheme; `attn.proj.bias` is
+# replicated in Megatron's scheme (each tensor rank adds it after the All-Reduce) and split in the other.
 
 # %%
 old, shards = manifest4["layout"], Shards(manifest4)
 say(f"saved as dp {old['dp']} x pp {old['pp']} x tp {old['tp']} {old['tp_scheme']}, blocks per stage "
     f"{old['layers']}; world rank 0 of dp 1 x pp 2 x tp 4 gather (stage 0, tp_rank 0) needs:")
 say(f"  {'parameter':<20} {'old pieces (file: shape)':<44} {'full':>9}  {'its piece':>9}")
-joined = []                                                            # by hand == Shards.full == step 4's
-for name in ("wte", "h.0.attn.q.weight", "h.0.mlp.proj.weight", "h.0.ln1.weight"):
+joined, old_shapes = [], {}                                            # by hand == Shards.full == step 4's
+for name in ("wte", "h.0.attn.q.weight", "h.0.mlp.proj.weight", "h.0.attn.proj.bias"):
     s = shards.stage_of(name)                                          # the old stage that held it
     pieces = []
     for t in range(old["tp"]):
@@ -321,9 +378,67 @@ for name in ("wte", "h.0.attn.q.weight", "h.0.mlp.proj.weight", "h.0.ln1.weight"
     full = tp_model.unshard(pieces, name, cfg, old["tp_scheme"])       # (serial shape)
     piece = tp_model.shard(full, name, 0, 4, "gather")                 # tp_rank 0 of 4
     joined.append(np.array_equal(full, shards.full(name)) and np.array_equal(full, full4[name]))
+    old_shapes[name] = [p.shape for p in pieces]                      # for the picture below
     files = ", ".join(f"pp{s}-tp{t}: {p.shape}" for t, p in enumerate(pieces))
     say(f"  {name:<20} {files:<44} {str(full.shape):>9}  {str(piece.shape):>9}")
 check.holds("full tensors joined by hand == Shards.full == the step-4 model", all(joined))
+
+# %% [markdown]
+# The same four parameters as a picture, every entry of the full tensor coloured by its owner: on top the old
+# tensor rank whose file holds it (the saved layout), below the new tensor rank that takes it (dp 1 x pp 2 x tp 4,
+# All-Gather scheme); grey where every tensor rank holds the whole tensor. The owners are computed, not drawn by
+# hand: `unshard` joins pieces filled with their tensor rank's number, and `shard` cuts each new rank's piece out of
+# a tensor of entry numbers. `wte` is split by vocabulary rows in both layouts; `mlp.proj.weight` is split by rows
+# in the saved layout and by columns in the new one, so every new piece takes a part of both old files; and the
+# replicated `attn.proj.bias` is read from tensor rank 0's file and cut into four.
+
+# %%
+def owners_old(name, shapes, scheme):
+    """(serial shape) the old tensor rank whose file holds each entry; -1 where the parameter is replicated."""
+    if tp_model.split_of(name, scheme)[0] == "rep":
+        return np.full(shapes[0], -1)
+    return tp_model.unshard([np.full(s, t) for t, s in enumerate(shapes)], name, cfg, scheme)
+
+
+def owners_new(shape, name, tp, scheme):
+    """(serial shape) the new tensor rank that takes each entry; -1 where every rank takes the whole parameter."""
+    if tp_model.split_of(name, scheme)[0] == "rep":
+        return np.full(shape, -1)
+    number = np.arange(1, int(np.prod(shape)) + 1).reshape(shape)     # 0 is left for the vocabulary padding
+    owner = np.full(shape, -1)
+    for t in range(tp):
+        mine = tp_model.shard(number, name, t, tp, scheme)
+        owner.flat[mine[mine > 0] - 1] = t
+    return owner
+
+
+if rank == 0:
+    from matplotlib.colors import BoundaryNorm, ListedColormap
+    palette = ListedColormap(["0.8", "#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd"])   # replicated, tp 0, 1, 2, 3
+    norm = BoundaryNorm(np.arange(-1.5, 4.5), palette.N)
+    names = list(old_shapes)                                           # the four of the table
+    fig, axes = pictures.figure(11, 5.2, nrows=2, ncols=len(names) + 1)   # the last column: the legend
+    for j, name in enumerate(names):
+        shape = cfg.param_shapes()[name]
+        maps = (owners_old(name, old_shapes[name], old["tp_scheme"]), owners_new(shape, name, 4, "gather"))
+        for i, (owner, what) in enumerate(zip(maps, (f"saved: {old['tp_scheme']}, tp {old['tp']}",
+                                                     "loaded: gather, tp 4"))):
+            a = axes[i, j]
+            a.imshow(owner.reshape(1, -1) if owner.ndim == 1 else owner, cmap=palette, norm=norm, aspect="auto",
+                     interpolation="nearest")
+            a.set_title(f"{name} {shape}\n{what}", fontsize=7)
+            a.tick_params(labelsize=6)
+            a.set_xlabel("column" if owner.ndim == 2 else "entry", fontsize=6)
+            if owner.ndim == 1:
+                a.set_yticks([])
+            else:
+                a.set_ylabel("row", fontsize=6)
+    for k, label in enumerate(["whole on every\ntensor rank", "tp_rank 0", "tp_rank 1", "tp_rank 2", "tp_rank 3"]):
+        axes[0, -1].plot([], [], "s", color=palette(k), ms=9, label=label)
+    axes[0, -1].legend(loc="center", fontsize=7, frameon=False, title="entry held by", title_fontsize=7)
+    for a in axes[:, -1]:
+        a.axis("off")
+    say(f"picture: {pictures.save(fig, '11_resharding_map')}")
 
 # %% [markdown]
 # Now the whole resume, in two other layouts of the same 8 ranks: dp 4 x pp 1 x tp 2 (no pipeline: every rank
@@ -332,7 +447,7 @@ check.holds("full tensors joined by hand == Shards.full == the step-4 model", al
 # steps 5 and 6. In another layout the sums run in another order (other micro-batches per replica, other partial
 # sums per tensor rank), so the result equals the uninterrupted run to rounding, not bit for bit. The error is
 # relative to each parameter's largest entry, but at least to 0.02 (the attention k-biases only ever receive
-# rounding noise, chapter 10).
+# rounding noise, chapter 6).
 
 # %%
 def resume_in(dp, pp, tp, scheme):
@@ -668,5 +783,62 @@ for t in (resumed, amnesiac, adamw, skipper, stopper, trainer):
     t.free()
 grid.free()
 worst, err = check.worst([w for w in check.errors if " vs " in w])
-say(f"\nchapter 10: all {len(check.passed)} checks passed on {world.Get_size()} ranks; largest error against the "
+say(f"\nchapter 11: all {len(check.passed)} checks passed on {world.Get_size()} ranks; largest error against the "
     f"uninterrupted run and serial {err:.1e} ({worst})")
+
+# %% [markdown]
+# ## Cross-walk: hsgd and the production frameworks
+#
+# | hsgd | Megatron-LM | DeepSpeed | PyTorch | where hsgd differs, on purpose |
+# |---|---|---|---|---|
+# | `checkpoint.save`: one `shard-pp{s}-tp{t}.npz` per (stage, tensor rank), written by the rank of dp_rank 0; `manifest.json` (layout, step, seed, checksums) by rank 0 | `dist_checkpointing.save(sharded_state_dict, checkpoint_dir)` (megatron/core/dist_checkpointing/serialization.py): every tensor a `ShardedTensor` (mapping.py) with its global shape and offset, and `replica_id` choosing the one replica that writes; `--ckpt-format torch_dist` | `engine.save_checkpoint(save_dir, tag)` (deepspeed/runtime/engine.py): `mp_rank_XX_model_states.pt` per model-parallel rank, and with ZeRO one `..._optim_states.pt` per data-parallel rank | `torch.distributed.checkpoint.save(state_dict, storage_writer=FileSystemWriter(path))` (state_dict_saver.py, filesystem.py): `.distcp` files and one pickled `.metadata`; replicated tensors written once (`dedup_save_plans`) | NumPy `.npz` and JSON: any tool reads them, and loading executes no code (a pickle could) |
+# | the atomic moment: a hidden directory renamed to `step-NNNNNN` once every file and the manifest are on disk; `complete_checkpoints` lists only directories with a manifest | the tracker file `latest_checkpointed_iteration.txt` (`get_checkpoint_tracker_filename`, megatron/training/checkpointing.py), written after the save of `iter_NNNNNNN/`; a dist checkpoint's `metadata.json` written last | the `latest` file, the tag of the newest checkpoint, written by rank 0 after the save (`save_latest=True`) | `FileSystemWriter.finish`: `.metadata.tmp` written, then renamed to `.metadata` | the whole directory appears at once, so a reader never meets half a checkpoint, pointer file or not |
+# | `open_checkpoint`: the manifest's own SHA-256, its schema, the model, and every file's SHA-256, before anything is loaded, on every rank | `save(..., verify_integrity=True)` writes `integrity.json` with every file's SHA-256, `load(..., verify_integrity=True)` checks it (`save_integrity_manifest`, `verify_integrity_manifest`, megatron/core/dist_checkpointing/validation.py); off by default | none: no checksums (`"checkpoint": {"tag_validation": ...}` checks only that every rank saves under the same tag) | none: `.metadata` records where each chunk is, not a checksum | always on: a checkpoint is read long after it was written, and the hashing costs one read of files that are read anyway |
+# | `checkpoint.load`: any dp, pp, tp and scheme; each rank joins the full tensor (`Shards.full`, `tp_model.unshard`) and cuts its piece (`tp_model.shard`) | `dist_checkpointing.load(sharded_state_dict, checkpoint_dir)`: the new layout's `ShardedTensor`s say which slices of each global tensor to read | universal checkpointing: `ds_to_universal.py` (deepspeed/checkpoint/) rewrites a checkpoint as one set of files per parameter, loaded into another layout with `"checkpoint": {"load_universal": true}` | `torch.distributed.checkpoint.load(state_dict, storage_reader=FileSystemReader(path))`: reads, for each `DTensor` of the new layout, the saved chunks that overlap it | every rank reads whole files and holds a full tensor for a moment: simple, and the memory of one parameter at a time |
+# | `checkpoint.export` (`python -m hsgd.checkpoint export DIR out.npz`): the model under the serial names | tools/checkpoint/convert.py (loaders and savers between formats and layouts) | `zero_to_fp32.py` (deepspeed/utils/): the full fp32 model from the ZeRO shards | `dcp_to_torch_save` (torch/distributed/checkpoint/format_utils.py) | - |
+# | a rank dies: `launch.run` calls `MPI_Abort`, the job ends; `--step-timeout` (a watchdog); the same command again with `--resume auto` | `megatron/training/ft_integration.py` (NVIDIA's resiliency extension: per-section timeouts, `ft_launcher`) and `--inprocess-restart` (megatron/training/inprocess_restart.py) | `DSElasticAgent` (deepspeed/elasticity/elastic_agent.py), on PyTorch's elastic agent | `torchrun --max-restarts N` (torch/distributed/run.py): the agent restarts every worker of the group, and the script loads its newest checkpoint itself | an MPI job does not outlive one of its ranks; the restart is a new `mpirun`, and the only state that crosses it is on disk |
+#
+# The ideas are the same everywhere: each rank writes what only it holds, one replica of what several hold, an
+# index of where every slice of every global tensor lies, and a last small write that makes the checkpoint visible.
+# Loading in another layout is reading, for each new piece, the saved slices it overlaps. hsgd's index is the layout
+# itself (the slices follow from dp, pp, tp and the scheme); Megatron-LM and PyTorch record every chunk's offset,
+# which also covers layouts no formula describes (ZeRO-3's flat chunks, for one).
+#
+# ## Exercises
+#
+# ### Exercise 1: how often to save
+# A checkpoint costs C seconds of a job whose failures come at rate 1/M (exponential; M, the job's mean time
+# between failures, is the node's divided by the nodes: 1000 nodes of 5 years make M = 43.8 hours), and a restart
+# costs R. With a checkpoint after every tau seconds of work, each segment needs an unbroken tau + C seconds (after
+# a failure: R + tau + C), which gives the expected wall time per second of work (Daly 2006)
+# $T(\tau) = M e^{R/M} (e^{(\tau + C)/M} - 1)/\tau$. Young (1974, "A first order approximation to the optimum
+# checkpoint interval") found the optimum $\tau \approx \sqrt{2CM}$; Daly (2006, "A higher order estimate of the
+# optimum checkpoint interval for restart dumps") corrected it to
+# $\sqrt{2CM}\,[1 + \tfrac13\sqrt{C/2M} + \tfrac19 (C/2M)] - C$ (for C < 2M). Find the true optimum of $T$ by
+# bisection on $dT/d\tau = 0$ for C = 300 s and for C = 0.05 M (R = 600 s), and compare both formulas with it. Then
+# simulate: draw exponential failure times for 200,000 segments and check that the mean wall time of a segment
+# agrees with the formula within 4 standard errors, at the optimum and at a third and three times it, and that the
+# waste is least at the optimum.
+# (solution: `tutorials/solutions/11_fault_tolerance.py`, `exercise_1`)
+#
+# ### Exercise 2: reshard one parameter by hand
+# Save a checkpoint on 4 ranks as dp 1 x pp 2 x tp 2 (Megatron's scheme) with V = 250, then, on each rank of the
+# layout dp 1 x pp 1 x tp 4 with the All-Gather scheme, build the rank's piece of `h.0.mlp.proj.weight` (rows in
+# the old layout, columns in the new) and of `wte` (vocabulary rows, padded to a multiple of tp: 2 x 125 rows
+# before, 4 x 63 after), and their velocities, with `json`, `np.load`, `np.concatenate` and slicing only. Check them
+# bit for bit against what `checkpoint.load` puts into a `HybridTrainer` of that layout.
+# (solution: `tutorials/solutions/11_fault_tolerance.py`, `exercise_2`)
+#
+# ### Exercise 3: find the corrupted shard
+# Write `verify(path)` that recomputes, with `hashlib` alone, the manifest's digest (SHA-256 of its JSON without
+# the key "digest", keys sorted) and every file's SHA-256, and returns (digest correct, the files that differ). Check
+# it on the intact checkpoint, on a copy with one bit flipped in `shard-pp1-tp0.npz`, and on a copy whose manifest
+# was edited to start from step 1; and that `open_checkpoint` refuses exactly the two damaged copies.
+# (solution: `tutorials/solutions/11_fault_tolerance.py`, `exercise_3`)
+#
+# ### Exercise 4: the size of a checkpoint
+# Predict, from the model's shape and the layout, the bytes of arrays in each `shard-pp{s}-tp{t}.npz` (parameters
+# and SGD velocities of the stage's parameters: a replicated one whole, a split one 1/tp of its split axis, the
+# vocabulary ceil(V/tp) rows), and check them against the files. How much more than the serial model and its
+# velocity does the checkpoint hold, and why? Check your formula for the difference.
+# (solution: `tutorials/solutions/11_fault_tolerance.py`, `exercise_4`)

@@ -29,28 +29,40 @@
 #    steps checked against serial SGD;
 # 5. launching on a cluster: command lines for MPICH, Open MPI and Slurm; why tp goes inside a node and dp across.
 #
-# Run it with two ranks (a few seconds; on failure every rank raises, so it exits non-zero without hanging):
+# Run it with two ranks: about 1.5 s at best on a 2-core machine without a GPU, about 2 s on the simulated GPU (on
+# the same machine shared with other jobs, up to 12 s). On failure every rank raises, so it exits non-zero without
+# hanging:
 #
 # mpirun -n 2 python tutorials/12_gpus.py
 #
-# It runs on any machine. When CuPy is installed (`pip install -e '.[gpu]'`) and sees a GPU, the same cells run on
-# CuPy arrays on the GPU; otherwise on NumPy arrays. Without a GPU, the cells also run on the **simulated GPU** of
-# `tests/simgpu` (section 4 says what it is): `PYTHONPATH=tests/simgpu mpirun -n 2 python tutorials/12_gpus.py`.
-# The test suite runs the chapter both ways. The notebook form
-# (`jupytext --to ipynb tutorials/12_gpus.py`) is for reading: the code needs two MPI ranks. Only rank 0 prints.
+# It runs on any machine, and what runs depends on what the machine has:
+#
+# * **No CuPy, or no GPU** (a laptop, the CI machine): every cell runs, on NumPy arrays. The checks that need a
+#   device are skipped, and the chapter says so where they would be: GELU on the device (section 1), the current
+#   GPU of each rank (section 3), and the count of every host/device transfer of a step (section 4). "The model on
+#   the device against NumPy" then compares NumPy with itself, exactly 0.
+# * **The simulated GPU** of `tests/simgpu` (section 4 says what it is), with no GPU at all:
+#   `PYTHONPATH=tests/simgpu mpirun -n 2 python tutorials/12_gpus.py`. Every cell takes its GPU branch on device
+#   arrays that keep CuPy's rules, and all the checks run, including the transfer count; nothing is timed.
+# * **CuPy with a GPU** (`pip install -e '.[gpu]'`): the same cells on CuPy arrays, each rank on GPU
+#   `local_rank % n_gpus`.
+#
+# The test suite runs the first two. The notebook form (`jupytext --to ipynb tutorials/12_gpus.py`) is for
+# reading: the code needs two MPI ranks. Only rank 0 prints.
 #
 # Legend: P ranks, dp / tp / pp the grid sizes (chapter 3), xp the array module (numpy or cupy), "host" the CPU
 # and its memory, "device" the GPU and its memory, D2H / H2D a device-to-host / host-to-device copy. B batch,
 # T sequence, C d_model, NH heads, F d_ff, V vocabulary, L layers.
 
 # %%
+import ctypes
 import os
 
 import numpy as np
 from mpi4py import MPI
 from threadpoolctl import threadpool_limits
 
-from hsgd import ModelConfig, serial
+from hsgd import ModelConfig, health, serial
 from hsgd.backend import array_module, d2h_count, get_xp, to_device, to_numpy
 from hsgd.comm import Comm, cuda_aware_mpi
 from hsgd.data import Corpus
@@ -59,6 +71,7 @@ from hsgd.hybrid import HybridTrainer
 from hsgd.layers import gelu_forward
 from hsgd.train import local_ranks, place_on_device
 
+import pictures                                     # tutorials/pictures.py: where the PNGs go
 from checks import Checks, rel_err, train_config   # tutorials/checks.py, shared by the chapters
 
 threadpool_limits(1)                    # two ranks, tiny matrices: one BLAS thread each
@@ -113,7 +126,7 @@ corpus = Corpus.load(None, 16)          # the built-in corpus (the Python standa
 a = np.linspace(-3.0, 3.0, 8).reshape(2, 4)                             # (2, 4) a host array
 y, _ = gelu_forward(a)                                                   # hsgd.layers, as the model calls it
 say(f"array_module(a) = {array_module(a).__name__}; gelu_forward(a) returned a {type(y).__module__} array")
-say(f"to_device(a, numpy) is a: {to_device(a, np) is a} (on the CPU there is nothing to copy)")
+check.holds("to_device(a, numpy) returns a itself: on the CPU nothing is copied", to_device(a, np) is a)
 if DEVICE == "gpu":
     a_dev = to_device(a, xp)                                             # H2D
     y_dev, _ = gelu_forward(a_dev)                                       # the same function, on the GPU
@@ -190,16 +203,25 @@ check(f"loss and every gradient on '{DEVICE}' vs NumPy (rel)",
 #
 # `cuda_aware_mpi()` decides once per process (it is cached), so every collective of a run takes the same path, and
 # `hsgd.train` prints which in its `device:` line. `HSGD_CUDA_AWARE=1` says "this MPI is CUDA-aware",
-# `HSGD_CUDA_AWARE=0` forces staging; without the variable, hsgd asks mpi4py for the library's CUDA-awareness query
-# if mpi4py offers one, and otherwise assumes "not CUDA-aware", the choice that always works. The lines below show
-# whether the installed mpi4py has the query; the versions this chapter was written with do not, so in practice
-# set the variable when you know your cluster's MPI: with a CUDA-aware MPI and no query, hsgd stages needlessly.
+# `HSGD_CUDA_AWARE=0` forces staging. Without the variable, hsgd calls the library's own query,
+# `MPIX_Query_cuda_support()` (MPICH and Open MPI export it; it returns 1 when the library was built with CUDA and
+# can use it now), looked up with `ctypes` among the symbols the process has loaded for all to see. When the lookup
+# finds nothing, hsgd assumes "not CUDA-aware", the choice that always works. mpi4py may load the MPI library so
+# that its symbols are not visible that way (the MPICH wheel used here is loaded so), and then a CUDA-aware MPI is
+# staged through needlessly: set the variable when you know your cluster's MPI. The lines below say what this
+# machine gives:
 
 # %%
-say(f"MPI library:       {' '.join(MPI.Get_library_version().split()[:3])}")
-say(f"HSGD_CUDA_AWARE:   {os.environ.get('HSGD_CUDA_AWARE', '(not set)')}")
-say(f"mpi4py has MPI.Query_cuda_support: {hasattr(MPI, 'Query_cuda_support')}")
-say(f"cuda_aware_mpi():  {cuda_aware_mpi()}")
+try:
+    query_found = hasattr(ctypes.CDLL(None), "MPIX_Query_cuda_support")  # the lookup hsgd.comm makes
+except OSError:                                                          # no process-wide symbol table here
+    query_found = False
+say(f"MPI library:             {' '.join(MPI.Get_library_version().split()[:3])}")
+say(f"HSGD_CUDA_AWARE:         {os.environ.get('HSGD_CUDA_AWARE', '(not set)')}")
+say(f"MPIX_Query_cuda_support: {'found' if query_found else 'not found'} among the globally visible symbols")
+path_taken = ("CUDA-aware: device pointers go to MPI" if cuda_aware_mpi()
+              else "not CUDA-aware: device buffers are staged through host memory")
+say(f"cuda_aware_mpi():        {path_taken}")
 
 # %% [markdown]
 # Now an Allreduce of this rank's arrays, through a `Comm` on the world as in chapter 3. Every rank r makes a vector
@@ -297,6 +319,8 @@ check.equal("node-local rank == lower world ranks on my host", local_rank, same_
 if DEVICE == "gpu":
     import cupy
     check.equal("my current GPU == local_rank % n_gpus", cupy.cuda.Device().id, local_rank % N_GPUS)
+else:
+    say("(no GPU visible to CuPy: which GPU each rank made current is checked only where there is one)")
 
 # %% [markdown]
 # **More ranks than GPUs.** The modulo lets any number of ranks run on any number of GPUs: on a machine with one GPU,
@@ -322,8 +346,8 @@ check.holds("8 ranks on 1, 2, 4, 8 GPUs: as many ranks on every GPU", balanced)
 # the same rule stays right.
 #
 # **On two nodes.** With 16 ranks placed 8 per node in blocks (ranks 0-7 on the first node, 8-15 on the second; the
-# default of the launchers in section 5), tp = 8 and dp = 2, chapter 3's numbering `rank = dp_rank * tp + tp_rank`
-# gives:
+# default of the launchers in section 5), tp = 8 and dp = 2, chapter 3's numbering
+# `rank = (dp_rank * pp + pp_rank) * tp + tp_rank`, here with pp = 1 `rank = dp_rank * tp + tp_rank`, gives:
 
 # %%
 TP2, DP2 = 8, 2
@@ -401,7 +425,9 @@ grid = ProcessGrid(world, dp=P, tp=1)
 trainer = HybridTrainer(cfg, grid, tc)                                   # parameters on DEVICE, in one flat buffer
 say(f"parameters: one flat {type(trainer.pbuf.flat).__module__} buffer of {trainer.pbuf.flat.size:,} float64")
 SIMULATED = getattr(xp, "SIMULATED", False)                             # the simulated GPU (see below)
-copies, transfers, losses = [], [], []
+copies, transfers, losses, traffic, host_bytes = [], [], [], [], []
+to_host = health.to_host                                                 # the one copy of a step (hsgd.health)
+health.to_host = lambda x: host_bytes.append(x.nbytes) or to_host(x)     # ... noting its bytes, for the picture
 for step in range(1, STEPS + 1):
     idx, targets = corpus.batch(tc.seed, step, tc.batch_size)            # (B, T) the global batch, host integers
     before, calls = d2h_count(), grid.stats.counts()
@@ -409,11 +435,13 @@ for step in range(1, STEPS + 1):
     info = trainer.step(idx, targets, step)
     copies.append(d2h_count() - before)
     transfers.append(xp.counts["d2h"] - all_before if SIMULATED else None)
+    traffic.append(grid.stats.since(calls))                              # {(comm, op): (calls, payload bytes)}
     losses.append(info.loss)
     per_comm = ", ".join(f"{c} {op} {n - calls.get((c, op), (0, 0))[0]}"
                          for (c, op), (n, _) in sorted(grid.stats.counts().items()))
     say(f"step {step}: loss {info.loss:.4f}  grad norm {info.grad_norm:.4f}  lr {info.lr:.4f}  "
         f"to_host copies {copies[-1]}  collectives: {per_comm}")
+health.to_host = to_host
 check.equal(f"{STEPS} steps: to_host copies of every step", copies, [1] * STEPS)
 
 # %% [markdown]
@@ -453,6 +481,66 @@ if SIMULATED:
                 transfers, [c + staged for c in copies])
 else:
     say("(on NumPy or a real GPU only to_host's count is known; the simulated GPU counts every transfer)")
+
+# %% [markdown]
+# The picture: on the left the two paths of section 2 for this step's one collective on more than one rank, the
+# All-Reduce of the gradient buffer over dp_comm; on the right the bytes that cross between host and device in one
+# step on each path, from the step's `CommStats` (the payload of every collective on a communicator of more than one
+# rank: staging copies it out and back) and the bytes of the step's one `to_host` copy, noted above. (The tp_comm
+# All-Reduces have one rank here and never reach MPI.) On the CPU nothing crosses; these are the bytes a GPU run of
+# the same step moves, and on the simulated GPU the check above has counted the copies.
+
+# %%
+sizes = {"dp": grid.dp_comm.size, "tp": grid.tp_comm.size}
+reaching_mpi = {key: nb for key, (n, nb) in traffic[-1].items() if sizes[key[0]] > 1}     # the last step's
+check.equal("the collectives of a step that reach MPI", sorted(reaching_mpi), [("dp", "Allreduce")])
+staged = reaching_mpi[("dp", "Allreduce")]                              # payload: out to the host, and back in
+check.equal("the dp Allreduce's payload == the flat gradient buffer's bytes", staged, trainer.pbuf.flat.nbytes)
+if rank == 0:
+    from matplotlib.patches import FancyBboxPatch
+    fig, (ax, bx) = pictures.figure(10, 3.4, ncols=2, gridspec_kw=dict(width_ratios=[1.6, 1]))
+
+    def box(x, y, text, colour, w=1.9):
+        ax.add_patch(FancyBboxPatch((x - w / 2, y - 0.32), w, 0.64, boxstyle="round,pad=0.03", fc=colour,
+                                    ec="black"))
+        ax.text(x, y, text, ha="center", va="center", fontsize=7)
+
+    def arrow(x0, y0, x1, y1, text, dy=0.12):
+        ax.annotate("", (x1, y1), (x0, y0), arrowprops=dict(arrowstyle="->", lw=1.2))
+        ax.text((x0 + x1) / 2, (y0 + y1) / 2 + dy, text, ha="center", va="bottom" if dy > 0 else "top",
+                fontsize=6.5)
+
+    gpu, host, net = "#c6dbef", "0.9", "#fdd0a2"
+    box(0, 2, "gradient buffer\n(device memory)", gpu)
+    box(4.0, 2, "pinned host buffer\n(HostStaging pool)", host)
+    box(7.6, 2, "MPI Allreduce\non host memory", net)
+    arrow(0.95, 2.12, 3.05, 2.12, f"sync, then\nD2H {staged:,} B")
+    arrow(3.05, 1.88, 0.95, 1.88, f"H2D {staged:,} B", dy=-0.12)
+    arrow(4.95, 2.0, 6.65, 2.0, "host pointer")
+    box(0, 0.4, "gradient buffer\n(device memory)", gpu)
+    box(7.4, 0.4, "CUDA-aware MPI\n(CUDA IPC, GPUDirect RDMA)", net, w=2.6)
+    arrow(0.95, 0.4, 6.1, 0.4, "sync, then the device pointer: nothing staged")
+    ax.text(-0.95, 2.55, "staging (HSGD_CUDA_AWARE=0, or no query found)", fontsize=7.5, weight="bold")
+    ax.text(-0.95, 0.95, "CUDA-aware MPI (HSGD_CUDA_AWARE=1)", fontsize=7.5, weight="bold")
+    ax.set_xlim(-1.1, 8.8)
+    ax.set_ylim(-0.1, 2.8)
+    ax.axis("off")
+    one_copy = host_bytes[-1]                                            # the step's to_host vector
+    x = np.arange(2)                                                     # staging, CUDA-aware
+    for shift, (label, nbytes, colour) in zip((-0.2, 0.2), (
+            ("device to host", [one_copy + staged, one_copy], pictures.COLORS["tp"]),
+            ("host to device", [staged, 0], pictures.COLORS["pp"]))):
+        bx.bar(x + shift, [max(b, 1) for b in nbytes], width=0.4, color=colour, label=label)
+        for i, b in enumerate(nbytes):
+            bx.text(i + shift, max(b, 1), f"{b:,} B", ha="center", va="bottom", fontsize=6.5)
+    bx.set_xticks(x, ["staging", "CUDA-aware"])
+    bx.set_yscale("log")
+    bx.set_ylim(1, 20 * staged)
+    bx.set_ylabel("bytes per step (log scale)")
+    bx.set_title(f"host <-> device per step, dp {P} x tp 1, float64\n(to_host: {one_copy} B, gradients: "
+                 f"{trainer.pbuf.flat.size:,} numbers)", fontsize=8)
+    bx.legend(fontsize=7, loc="upper right")
+    say(f"picture: {pictures.save(fig, '12_transfer_paths')}")
 
 # %% [markdown]
 # **The check against serial.** Rank 0 runs serial mini-batch SGD on the whole batch of every step, with the same
@@ -501,11 +589,17 @@ grid.free()
 # If that MPI is CUDA-aware, say so with `HSGD_CUDA_AWARE=1` (section 2), and read the `device:` line of the header.
 #
 # **Why tp inside a node and dp across nodes.** All three launch lines place ranks **in blocks**: ranks 0-7 on the
-# first node, 8-15 on the second. hsgd numbers ranks tp fastest, so a tensor-parallel group is 8 consecutive ranks,
-# one node (the table of section 3). That is where its traffic must be: tensor parallelism communicates in every
-# layer, forward and backward (4L + 4 All-Reduces of (B, T, C) activations per micro-batch, chapter 7), and the next
-# layer waits for each, so it needs NVLink. Data parallelism communicates once per step, the gradient of each shard,
-# and can overlap the backward pass (chapter 8), so it can cross InfiniBand. A round-robin placement (Open MPI's
+# first node, 8-15 on the second. hsgd numbers ranks tp fastest, then pp, then dp:
+# rank = (dp_rank * pp + pp_rank) * tp + tp_rank, so a tensor-parallel group is 8 consecutive ranks, one node (the
+# table of section 3). That is where its traffic must be: tensor parallelism communicates in every layer, forward
+# and backward (4L + 4 All-Reduces of (B, T, C) activations per micro-batch, chapters 6 and 7), and the next layer
+# waits for each, so it needs NVLink. hsgd puts dp outermost, so that each data-parallel replica (one pipeline of
+# tp groups) is a contiguous block of ranks, the lecture's G groups of M consecutive workers; data parallelism
+# communicates once per step, the gradient of each shard, and can overlap the backward pass (chapter 8), so it can
+# cross InfiniBand. By bytes, pp carries the least (one activation per micro-batch between neighbours), which is
+# why Megatron-LM puts pp outermost instead: its default order is "tp-cp-ep-dp-pp" (tp fastest, pipeline slowest;
+# `RankGenerator` in megatron/core/parallel_state.py), and then the pipeline's point-to-point sends cross the nodes
+# where hsgd's dp All-Reduce does. Both keep tp inside the node. A round-robin placement (Open MPI's
 # `--map-by node`, Slurm's `--distribution=cyclic`) would put every tp group across both nodes; check the `layout:`
 # table that `hsgd.train` prints (rank, dp, pp, tp, host): the ranks of one tp group should share a host.
 #
@@ -538,9 +632,66 @@ grid.free()
 # device array equals the NumPy sum on one rank, and staging it by hand gives the same; node-local ranks and the GPU
 # mapping are as computed, and a tp group of 8 stays on one node; masks by multiplication give what boolean
 # indexing gives; every data-parallel training step made exactly one counted device-to-host copy (on the simulated
-# GPU: every transfer of the step accounted for) and ended with the parameters of serial SGD.
+# GPU: every transfer of the step accounted for), reached MPI only with the dp All-Reduce of the flat gradient
+# buffer, and ended with the parameters of serial SGD.
 
 # %%
 worst, err = check.worst()
-say(f"\nchapter 11: all {len(check.passed)} checks passed on {P} ranks ({DEVICE}); largest error {err:.1e} "
+say(f"\nchapter 12: all {len(check.passed)} checks passed on {P} ranks ({DEVICE}); largest error {err:.1e} "
     f"({worst})")
+
+# %% [markdown]
+# ## Cross-walk: hsgd and the production frameworks
+#
+# | hsgd | Megatron-LM | DeepSpeed | PyTorch | where hsgd differs, on purpose |
+# |---|---|---|---|---|
+# | collectives on device buffers: `hsgd.comm.Comm` hands MPI a device pointer (CUDA-aware) or stages through pinned host buffers (`Comm._buf`, `HostStaging`), after synchronizing the stream | NCCL through torch.distributed: `distributed_backend` "nccl" by default (megatron/training/config/common_config.py) | `deepspeed.comm` (deepspeed/comm/comm.py): `init_distributed(dist_backend=...)` over torch.distributed, NCCL on NVIDIA GPUs | `init_process_group(backend="nccl")`: `ProcessGroupNCCL` queues each collective on a CUDA stream of its own, ordered after the current stream by an event (torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp); the host does not wait | one communication layer for CPU and GPU, every collective visible at its call site, any MPI; the price is a host wait per collective, and two PCIe copies when staging |
+# | `hsgd.comm.cuda_aware_mpi()`: `HSGD_CUDA_AWARE`, else the library's `MPIX_Query_cuda_support()` | - | - | the "mpi" backend's `cudaAwareMpiCheck()` (torch/csrc/distributed/c10d/ProcessGroupMPI.cpp) asks the same `MPIX_Query_cuda_support()`, and refuses CUDA tensors without it | hsgd stages instead of refusing: slower, but it runs on any MPI |
+# | `hsgd.train.local_ranks(world)`: `Split_type(COMM_TYPE_SHARED)`, the rank within the node's communicator | `local_rank` from `LOCAL_RANK` (megatron/training/config/common_config.py), set by the launcher | `mpi_discovery` (deepspeed/comm/comm.py): under mpirun, counts the lower ranks with the same `MPI.Get_processor_name()`, then sets `LOCAL_RANK`; the `deepspeed` launcher sets it otherwise (deepspeed/launcher/launch.py) | `torchrun` (torch/distributed/run.py) sets `LOCAL_RANK`, `RANK`, `WORLD_SIZE` in each worker's environment | MPI knows the node: no environment variable to trust, whichever launcher started the ranks |
+# | `backend.select_gpu(local_rank)`: `cupy.cuda.Device(local_rank % n_gpus).use()` | `torch.cuda.set_device(args.local_rank)` in `_initialize_distributed` (megatron/training/initialize.py) | `get_accelerator().set_device(self.local_rank)` in the engine (deepspeed/runtime/engine.py) | `torch.cuda.set_device(local_rank)` | the modulo lets more ranks than GPUs share them, for testing the parallel code on one GPU |
+# | launching: `mpirun -n 16 -ppn 8`, Open MPI's `-npernode 8`, `srun --ntasks-per-node=8`, ranks placed in blocks | `torchrun --nproc-per-node 8 --nnodes 2 ...` (one process per GPU) | the `deepspeed` launcher (deepspeed/launcher/runner.py), `--launcher` pdsh, openmpi, mpich, mvapich or slurm | `torchrun` (torch/distributed/run.py) | the site's MPI launcher, so the MPI library's own network and placement apply |
+# | `backend.to_host`, `d2h_count()`: one counted device-to-host copy per step; the simulated GPU (`tests/simgpu`) counts every transfer | - | - | `torch.cuda.set_sync_debug_mode("warn")` reports operations that synchronize with the host | a count checked on every machine, with or without a GPU |
+#
+# ## Exercises
+#
+# All four run without a GPU: on NumPy, on MPI's view of the machine, and on the simulated GPU of `tests/simgpu`
+# (put `tests/simgpu` first on `sys.path` before anything imports `cupy`).
+#
+# ### Exercise 1: the local rank from the environment
+# Launchers tell each process its place on the node in an environment variable: `LOCAL_RANK` (torchrun, the
+# `deepspeed` launcher), `OMPI_COMM_WORLD_LOCAL_RANK` (Open MPI), `MPI_LOCALRANKID` (MPICH's Hydra, the launcher
+# of this course), `SLURM_LOCALID` (srun). Write `local_rank_from_env(env)` that returns the first one found (and
+# its name), or None; and `local_rank_by_name(world)`, DeepSpeed's way: the number of lower world ranks with the
+# same `MPI.Get_processor_name()`. Check the first on a few made-up environments, and both against
+# `hsgd.train.local_ranks(world)` on every rank.
+# (solution: `tutorials/solutions/12_gpus.py`, `exercise_1`)
+#
+# ### Exercise 2: which GPU a rank uses
+# Write `physical_gpu(local_rank, visible)`: the rank uses device `local_rank % len(visible)` of the devices it
+# sees, and `visible` (from `CUDA_VISIBLE_DEVICES`) says which physical GPU that is. Check it, for 8 local ranks on
+# nodes of 1, 2, 4 and 8 GPUs and for one GPU per rank (`CUDA_VISIBLE_DEVICES=<local rank>`), against what
+# `backend.select_gpu` makes current on the simulated GPU (`SIMGPU_DEVICES=n` simulates n devices).
+# (solution: `tutorials/solutions/12_gpus.py`, `exercise_2`)
+#
+# ### Exercise 3: the bytes staged in one step
+# With staging (`HSGD_CUDA_AWARE=0`), predict from one step's `CommStats` the bytes that cross from device to host
+# and back in a training step on dp 1 x tp 2, for Megatron's scheme and for the All-Gather scheme: for each
+# collective on a communicator of more than one rank, an All-Reduce copies its payload out and back, an
+# All-Gather copies out the rank's part (payload / p) and back the whole, plus the step's one `to_host` vector.
+# Check the prediction against the simulated GPU, with its `ndarray.get` and `ndarray.set` wrapped to add up
+# bytes, and the number of device-to-host transfers against its `counts["d2h"]`.
+# (solution: `tutorials/solutions/12_gpus.py`, `exercise_3`)
+#
+# ### Exercise 4: find the host round trip
+# `clip_by_norm(g, max_norm)` below scales a gradient to norm `max_norm` if it is larger; it makes a hidden
+# synchronization on a GPU. Count its device-to-host transfers on the simulated GPU, then write a version that
+# makes none (it must run inside `cupyx.allow_synchronize(False)`) and gives the same result, for a gradient both
+# above and below the limit.
+#
+#     def clip_by_norm(g, max_norm):
+#         norm = float((g * g).sum()) ** 0.5
+#         if norm > max_norm:
+#             g = g * (max_norm / norm)
+#         return g
+#
+# (solution: `tutorials/solutions/12_gpus.py`, `exercise_4`)

@@ -21,7 +21,8 @@
 # peak; everything the step does besides them costs time without adding model FLOPs. The chapter shows
 #
 # 1. the FLOPs of a training step, by formula (`ModelConfig.step_flops`) and counted from the matrix products the
-#    layers actually perform, and MFU: the FLOPs per second of a step over the matmul rate of this machine;
+#    layers actually perform; MFU, the FLOPs per second of a step over the machine's peak (estimated here from
+#    `/proc/cpuinfo`), and the same over the matmul rate this machine measurably reaches;
 # 2. where the time goes: every layer timed inside a real step, next to what its FLOPs would take at the matmul
 #    rate; why the tuned layers (`hsgd.kernels`) are written with `out=` and in place, where `hsgd.layers` writes
 #    the plain formulas;
@@ -32,16 +33,20 @@
 #    rounding (the same terms, added in another order);
 #    why `import hsgd` comes before `import numpy`;
 # 5. memory as well as time: GELU caches its derivative instead of its input and tanh, checked against the
-#    activation formula of chapter 8 and a finite difference;
+#    activation formula of chapter 6 and a finite difference;
 # 6. how to compare fairly with another library (`make bench`).
 #
-# Run it as a script, one process, no mpirun (several seconds; it exits non-zero if any check fails):
+# Run it as a script, one process, no mpirun (it exits non-zero if any check fails):
 #
 #     python tutorials/A_where_the_time_goes.py
 #
-# or open it as a notebook: `jupytext --to ipynb tutorials/A_where_the_time_goes.py`. The timings it prints vary
-# from machine to machine and from run to run (more so on a shared machine); no check depends on one. The checks
-# are about FLOPs, bytes and values, which do not vary.
+# or open it as a notebook: `jupytext --to ipynb tutorials/A_where_the_time_goes.py`. It takes about 5 s at best on
+# a 2-core machine; on the same machine, while other jobs kept its cores busy (load averages of 7 to 15), runs took
+# from 10 s to 88 s. Most of the chapter splits every layer over two threads (section 4), and
+# a layer is done only when its slower thread is: on a busy machine that is the thread waiting for a core, once per
+# layer, hundreds of times a step. The chapter prints the load average at the start. The timings it prints vary in
+# the same way, from machine to machine and from run to run; no check depends on one. The checks are about FLOPs,
+# bytes and values, which do not vary.
 #
 # Every layer exists twice with the same signature: `hsgd.layers`, the plain formulas (the reference, which
 # `hsgd.serial` runs by default), and `hsgd.kernels`, the tuned versions, which `hsgd.ops` hands to the models
@@ -70,6 +75,7 @@ from hsgd.threads import parallel_rows, set_cpu_threads, tune_allocator
 from hsgd.comm import Comm
 from hsgd.optim import SGD
 
+import pictures                         # tutorials/pictures.py: where the PNGs go
 from checks import Checks, rel_err      # tutorials/checks.py: the check every chapter uses
 
 # check(what, err, tol): print err, record it, stop unless err <= tol (tol=0: exactly 0)
@@ -82,6 +88,8 @@ rng = np.random.default_rng(0)
 blas = next((i for i in threadpool_info() if i["user_api"] == "blas"), {})      # the BLAS NumPy loaded
 print(f"{THREADS} threads; BLAS: {blas.get('internal_api', '?')} {blas.get('version', '')} "
       f"({blas.get('architecture', '?')} kernels); NumPy {np.__version__}")
+if hasattr(os, "getloadavg"):                  # other processes competing for the cores slow every timing below
+    print(f"load average over the last minute: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
 
 
 def best_and_median(f, repeats):
@@ -191,18 +199,63 @@ check("|FLOPs counted from the layer calls - step_flops(B)|", abs(counted - cfg.
 check("|backward FLOPs / forward FLOPs - 2|", abs((counted - forward_flops) / forward_flops - 2), 0)
 
 # %% [markdown]
-# To turn FLOPs into a utilization we need the rate this machine reaches on the operation that does them: a
-# float32 square matrix product into a preallocated output, best of a few (a larger one, as `make bench` uses, is a
-# little faster still). Then a few float32 training steps (forward, backward, SGD update; the first not counted),
-# and
+# **MFU, and its denominator.** Model FLOPs utilization, as PaLM defined it (Chowdhery et al. 2022, "PaLM: Scaling
+# Language Modeling with Pathways") and as Megatron-LM's authors report it (Narayanan et al. 2021, "Efficient
+# Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", as a percentage of the GPUs' theoretical
+# peak), is the model FLOPs per second a step achieves over the **peak** FLOP rate of the hardware, the number on the
+# data sheet:
 #
-# $$\text{MFU} = \frac{\text{step\_flops}(B) / \text{step time}}{\text{matmul rate}}.$$
+# $$\text{MFU} = \frac{\text{step\_flops}(B) / \text{step time}}{\text{peak FLOP/s}}.$$
 #
-# MFU is what a step achieves against what the machine could do if it only multiplied matrices. In practice it is
-# below 1: everything else in the step (section 2) and the smaller, less efficient products of a small model pull
-# it down. A mid-size model comes closer to 1 than this small one (the README's Speed section has both).
+# For a CPU the peak is cores x clock x FLOPs per cycle per core, and the FLOPs per cycle are the float32 lanes of a
+# vector register (16 with AVX-512, 8 with AVX2) x 2 (a fused multiply-add is two FLOPs) x the fused multiply-add
+# units per core. `/proc/cpuinfo` gives the cores, a clock and the instruction sets (its `flags`), but not all of
+# it: it does not say how many FMA units a core has (Intel's server cores since Skylake have one or two 512-bit
+# units, depending on the model), nor the clock the cores keep under a full vector load (they may turbo above the
+# nominal clock, or drop below it running AVX-512, and a virtual machine reports a nominal clock). So the peak
+# below is an **estimate**, printed with every factor and where it came from: two FMA units are assumed, and the
+# clock is the highest the kernel's cpufreq reports, else the `cpu MHz` of `/proc/cpuinfo`. Where the flags show
+# neither AVX2 with FMA nor AVX-512 (another architecture, for one), no peak is claimed and only the formula is
+# printed.
+#
+# The second denominator is one this machine demonstrably reaches: the rate of a float32 square matrix product into
+# a preallocated output, best of a few (a larger one, as `make bench` uses, is a little faster still). A step's
+# FLOPs per second over that **measured matmul rate** says how much of what the BLAS actually delivers the step
+# keeps, whatever the BLAS's own efficiency on this CPU; it is always larger than the MFU, and it is not what papers
+# report, so numbers from papers compare only with the first. Then a few float32 training steps (forward, backward,
+# SGD update; the first not counted), and both ratios. Either is below 1: everything else in the step (section 2)
+# and the smaller, less efficient products of a small model pull it down. A mid-size model comes closer to the
+# matmul rate than this small one (the README's Speed section has both).
 
 # %%
+def cpu_peak(threads):
+    """(float32 FLOP/s, how it was computed) of the cores `threads` threads run on, estimated from /proc/cpuinfo;
+    (None, why not) when it cannot be. Assumes 2 fused multiply-add units per core, which /proc/cpuinfo does not
+    show. Two threads on one core (hyper-threading) share its units: the cores counted are the physical ones."""
+    try:
+        text = open("/proc/cpuinfo").read()
+    except OSError:
+        return None, "no /proc/cpuinfo (not Linux)"
+    cpus = [{k.strip(): v.strip() for k, v in (line.split(":", 1) for line in block.splitlines() if ":" in line)}
+            for block in text.split("\n\n") if block.strip()]                # one dict per logical CPU
+    physical = (len({(c["physical id"], c["core id"]) for c in cpus})
+                if all("physical id" in c and "core id" in c for c in cpus) else len(cpus))
+    cores = min(threads, physical)
+    flags = set(cpus[0].get("flags", "").split()) if cpus else set()
+    lanes, isa = (16, "avx512f") if "avx512f" in flags else (8, "avx2 + fma") if {"avx2", "fma"} <= flags else (0, "")
+    try:                                                              # the highest clock cpufreq may set, in kHz
+        ghz, clock = int(open("/sys/devices/system/cpu/cpu0/cpufreq/cpuinfo_max_freq").read()) / 1e6, "cpufreq max"
+    except (OSError, ValueError):
+        mhz = [float(c["cpu MHz"]) for c in cpus if "cpu MHz" in c]
+        ghz, clock = (max(mhz) / 1e3 if mhz else 0.0), "cpu MHz of /proc/cpuinfo"
+    if not lanes or not ghz:
+        return None, f"flags without avx2 + fma or avx512f, or no clock ({clock}): no peak is claimed"
+    fma_units = 2                                                     # assumed: not in /proc/cpuinfo
+    how = (f"{cores} cores x {ghz:.2f} GHz ({clock}) x {lanes} float32 lanes ({isa}) x 2 (fused multiply-add) x "
+           f"{fma_units} FMA units per core (assumed)")
+    return cores * ghz * 1e9 * lanes * 2 * fma_units, how
+
+
 def matmul_rate(n=1024, repeats=5):
     """Best FLOP/s of an n x n x n float32 matmul into a preallocated output."""
     a, b = rng.random((n, n), dtype=np.float32), rng.random((n, n), dtype=np.float32)
@@ -218,13 +271,24 @@ def train_step(layer_ops=ops):
     opt.step(params, grads)
 
 
+PEAK, PEAK_HOW = cpu_peak(THREADS)
 RATE = matmul_rate()
 step_best, step_median = best_and_median(train_step, 5)
 flops = cfg.step_flops(B)
-print(f"float32 matmul rate, 1024^3, {THREADS} threads: {RATE / 1e9:.1f} GFLOP/s")
-print(f"training step: best {step_best * 1e3:.1f} ms, median {step_median * 1e3:.1f} ms of 5")
-print(f"MFU = {flops / 1e9:.3f} GFLOP / {step_best * 1e3:.1f} ms / {RATE / 1e9:.1f} GFLOP/s = "
-      f"{flops / step_best / RATE:.0%} (best step), {flops / step_median / RATE:.0%} (median step)")
+print(f"peak, estimated: {PEAK_HOW}" + (f" = {PEAK / 1e9:.1f} GFLOP/s" if PEAK else ""))
+print(f"float32 matmul rate, 1024^3, {THREADS} threads, measured: {RATE / 1e9:.1f} GFLOP/s"
+      + (f" ({RATE / PEAK:.0%} of the estimated peak)" if PEAK else ""))
+print(f"training step: best {step_best * 1e3:.1f} ms, median {step_median * 1e3:.1f} ms of 5: "
+      f"{flops / step_best / 1e9:.1f} GFLOP/s (best), {flops / step_median / 1e9:.1f} GFLOP/s (median)")
+if PEAK:
+    print(f"MFU (PaLM's, over the estimated peak) = {flops / 1e9:.3f} GFLOP / {step_best * 1e3:.1f} ms / "
+          f"{PEAK / 1e9:.1f} GFLOP/s = {flops / step_best / PEAK:.0%} (best step), {flops / step_median / PEAK:.0%} "
+          "(median step)")
+else:
+    print("MFU (PaLM's) = step_flops / step time / (cores x clock x lanes x 2 x FMA units): not computed here, "
+          f"{PEAK_HOW}")
+print(f"over the measured matmul rate = {flops / 1e9:.3f} GFLOP / {step_best * 1e3:.1f} ms / {RATE / 1e9:.1f} GFLOP/s "
+      f"= {flops / step_best / RATE:.0%} (best step), {flops / step_median / RATE:.0%} (median step)")
 
 # %% [markdown]
 # ## 2. Where the time goes
@@ -234,9 +298,11 @@ print(f"MFU = {flops / 1e9:.3f} GFLOP / {step_best * 1e3:.1f} ms / {RATE / 1e9:.
 # "rest" is the step's time outside the layer functions: the residual adds, zeroing the gradients, the SGD update.
 #
 # What to look for: the rows with FLOPs (the linears, q/k/v, attention, the LM head) take a time of the order of
-# their FLOPs at the matmul rate; their last column, the fraction of that rate they reach, stays below 1, because
-# this model's products are small and each layer function does a little more than multiply (the linears add their
-# biases and sum the bias gradients; q, k and v are three linears on the same input). The rows without FLOPs
+# their FLOPs at the matmul rate; their last column, the fraction of that rate they reach, is mostly below 1,
+# because this model's products are small and each layer function does a little more than multiply (the linears add
+# their biases and sum the bias gradients; q, k and v are three linears on the same input). (A row above 1 means
+# the machine was busier while the matmul rate was measured than during the step: both are timings of a machine
+# that may be shared.) The rows without FLOPs
 # (LayerNorm, GELU, the cross-entropy, the embedding) add time that no FLOP count sees. Attention's row counts the
 # full $T \times T$ scores and it does only part of them (section 3), so its fraction can look better than it is;
 # it also contains its softmax, elementwise work again.
@@ -255,17 +321,41 @@ KINDS = ["embedding", "layernorm", "qkv", "attention", "attn proj", "mlp fc", "g
          "cross_entropy"]
 print(f"{'layer':<14}{'calls':>6}{'ms/step':>9}{'% of step':>10}{'GFLOP':>8}{'ms at matmul rate':>19}"
       f"{'of matmul rate':>16}")
-accounted = 0.0
+accounted, rows = 0.0, []
 for kind in KINDS:
     mine = [c for c in calls if c[1] == kind]
     ms = 1e3 * sum(c[4] for c in mine) / STEPS
     gflop = sum(c[2] for c in mine) / STEPS / 1e9
     accounted += ms
+    rows.append((kind, ms, gflop))
     ideal = f"{gflop / RATE * 1e12:19.2f}{gflop * 1e12 / RATE / ms:16.0%}" if gflop else f"{'-':>19}{'-':>16}"
     print(f"{kind:<14}{len(mine) // STEPS:>6}{ms:9.2f}{ms / step_ms:10.0%}{gflop:8.3f}{ideal}")
 print(f"{'rest':<14}{'':>6}{step_ms - accounted:9.2f}{(step_ms - accounted) / step_ms:10.0%}")
 print(f"{'step':<14}{'':>6}{step_ms:9.2f}{1:10.0%}{flops / 1e9:8.3f}{flops / RATE * 1e3:19.2f}"
       f"{flops / RATE * 1e3 / step_ms:16.0%}")
+rows.append(("rest", step_ms - accounted, 0.0))
+
+# %% [markdown]
+# The same table as a picture: for each kind of layer, the milliseconds it took per step (measured inside the
+# profiled steps), and for the layers with FLOPs, what its FLOPs would take at the measured matmul rate and at the
+# estimated peak of section 1. The distance between the first bar and the others is what a faster implementation
+# could win; the layers without FLOPs have only the first.
+
+# %%
+fig, ax = pictures.figure(7, 4.2)
+y = np.arange(len(rows))[::-1]                                         # the first kind at the top
+ax.barh(y + 0.27, [ms for _, ms, _ in rows], height=0.27, color=pictures.COLORS["tp"], label="measured")
+ax.barh(y, [g / RATE * 1e12 for _, _, g in rows], height=0.27, color="0.55",
+        label=f"its FLOPs at the measured matmul rate ({RATE / 1e9:.0f} GFLOP/s)")
+if PEAK:
+    ax.barh(y - 0.27, [g / PEAK * 1e12 for _, _, g in rows], height=0.27, color="0.8",
+            label=f"its FLOPs at the estimated peak ({PEAK / 1e9:.0f} GFLOP/s)")
+ax.set_yticks(y, [kind for kind, _, _ in rows], fontsize=8)
+ax.set_xlabel("milliseconds per training step")
+ax.set_title(f"where a step's {step_ms:.0f} ms go: L={cfg.n_layers} C={C} F={F} T={T} B={B}, float32, "
+             f"{THREADS} threads", fontsize=8)
+ax.legend(fontsize=7, loc="lower right")
+print(f"picture: {pictures.save(fig, 'A_step_time_by_layer')}")
 
 # %% [markdown]
 # **Why the elementwise layers cost more than their arithmetic.** A matrix product of an (N, K) and a (K, M) matrix
@@ -575,7 +665,7 @@ if THREADS > 1:
 # multiplication.
 # (With GPT-2's F = 4C, the (N, F) arrays are the largest a block caches, after the attention probabilities.)
 #
-# Chapter 8 counted a block's cached bytes (`memory.activation_bytes`: the distinct arrays in the cache,
+# Chapter 6 counted a block's cached bytes (`memory.activation_bytes`: the distinct arrays in the cache,
 # parameters excluded) against `memory.activation_formula`, whose block term has $2NF$ elements for the MLP:
 # GELU's derivative and GELU's output (the input of the MLP projection). Here with tp = 1, the Megatron scheme of
 # `hsgd.tp_model` (which runs the kernels, from `hsgd.ops`), on a one-rank communicator (MPI's `COMM_SELF`: no
@@ -604,6 +694,28 @@ check("GELU's cache - one (N, F) array, in bytes",
       abs(memory.activation_bytes(block[8], local) - N5 * cfg5.d_ff * itemsize), 0)
 print(f"caching GELU's input and tanh instead would hold {N5 * cfg5.d_ff * itemsize:,} bytes more per block: "
       f"{N5 * cfg5.d_ff * itemsize / formula['block']:.0%} of this block's cache")
+
+# %% [markdown]
+# The picture: block 0's cache, entry by entry, in bytes, as counted above, and (hatched) the array a GELU that
+# cached its input and tanh would hold in addition. An entry's bar counts every array it holds, so arrays that two
+# entries share (the attention cache views q, k and v; the MLP projection's input is GELU's output) appear in both
+# bars and once in the block's total, which is the formula's.
+
+# %%
+entry_bytes = [memory.activation_bytes(entry, local) for entry in block]
+fig, ax = pictures.figure(7, 3.6)
+y = np.arange(len(names))[::-1]
+ax.barh(y, entry_bytes, color=pictures.COLORS["tp"], label="cached (memory.activation_bytes)")
+ax.barh(y[names.index("gelu")], N5 * cfg5.d_ff * itemsize, left=entry_bytes[names.index("gelu")], color="white",
+        edgecolor=pictures.COLORS["dp"], hatch="//", label="one (N, F) array more: caching x and tanh")
+for yy, b in zip(y, entry_bytes):
+    ax.text(b, yy, f" {b:,}", va="center", fontsize=7)
+ax.set_yticks(y, names, fontsize=8)
+ax.set_xlabel("bytes")
+ax.set_title(f"block 0's cache, float64, N = B*T = {N5}, C = {cfg5.d_model}, F = {cfg5.d_ff}: distinct arrays "
+             f"{measured_block:,} B = activation_formula", fontsize=8)
+ax.legend(fontsize=7, loc="upper right")
+print(f"picture: {pictures.save(fig, 'A_block_cache_bytes')}")
 
 # %% [markdown]
 # Moving work from the backward to the forward pass is only right if the derivative is: `kernels.gelu_forward`'s $y$ and
@@ -649,12 +761,13 @@ print(f"training step of section 1: best {step_best * 1e3:.1f} ms, median {step_
       f"(median / best = {step_median / step_best:.2f}: how noisy this machine was just now)")
 
 # %% [markdown]
-# The MFU of both libraries is taken against the *same* matmul rate, NumPy's BLAS measured in the same run
-# (PyTorch's own is printed too), so that a faster BLAS in one library shows as a higher MFU instead of being
-# divided out. `bench.py` also measures data-parallel scaling against PyTorch DDP, tensor-parallel overhead, and
-# per-rank memory and bytes against their formulas. It writes `benchmarks/results/bench.md` (the tables) and
-# `bench.json`; the README's Speed section shows one run, and what made hsgd's step fast: the pieces of this
-# chapter.
+# The utilization of both libraries is taken against the *same* matmul rate, NumPy's BLAS measured in the same run
+# (PyTorch's own is printed too), so that a faster BLAS in one library shows as a higher utilization instead of
+# being divided out. (`bench.py` and the README call this ratio MFU; it is section 1's second ratio, over the
+# measured matmul rate, not PaLM's MFU over the hardware's peak.) `bench.py` also measures data-parallel scaling
+# against PyTorch DDP, tensor-parallel overhead, and per-rank memory and bytes against their formulas. It writes
+# `benchmarks/results/bench.md` (the tables) and `bench.json`; the README's Speed section shows one run, and what
+# made hsgd's step fast: the pieces of this chapter.
 #
 # ## Check against serial
 #
@@ -669,3 +782,45 @@ print(f"training step of section 1: best {step_best * 1e3:.1f} ms, median {step_
 # %%
 worst, err = check.worst()
 print(f"appendix A: all {len(check.errors)} checks passed; largest error {err:.1e} ({worst})")
+
+# %% [markdown]
+# ## Cross-walk: hsgd and the production frameworks
+#
+# | hsgd | Megatron-LM | DeepSpeed | PyTorch | where hsgd differs, on purpose |
+# |---|---|---|---|---|
+# | `ModelConfig.step_flops(B)`: the model FLOPs of a step from its shape, matrix products only, full T x T attention | `num_floating_point_operations(args, batch_size)` (megatron/training/training.py), the same kind of count by formula | `FlopsProfiler.get_total_flops()` (deepspeed/profiling/flops_profiler/profiler.py): counted per module as a step runs, not from a formula | `torch.utils.flop_counter.FlopCounterMode`: counts the FLOPs of the matmul-like operators as they run (`get_total_flops()`) | a formula checked exactly against the products the layers perform (section 1), so neither can drift |
+# | section 1's wrappers on `hsgd.ops`: every layer call timed and its products counted, inside a real step | `--log-timers-to-tensorboard`, the timers around the step's phases | `FlopsProfiler` / `get_model_profile` (deepspeed/profiling/flops_profiler/profiler.py), the `"flops_profiler"` config section: FLOPs, time and parameters per module | `torch.profiler.profile(with_flops=True)` and `key_averages()`: time per operator, FLOPs for matmuls and convolutions | twenty lines of Python around the layer functions: the reader sees what is measured |
+# | MFU over the peak estimated from `/proc/cpuinfo`, and over the measured matmul rate | `--log-throughput`: "throughput per GPU (TFLOP/s/GPU)" per iteration; MFU is that over the GPU's data-sheet peak, done by the reader; `gpu_sniff_test.py` measures GEMM TFLOP/s per GPU | the flops profiler prints FLOP/s per module | none built in: FLOPs from `FlopCounterMode` over time, over a peak the user supplies | a CPU's peak is not on a data sheet one can trust for a VM, so both denominators, and how the peak was estimated |
+# | `memory.activation_bytes` / `activation_formula`: the cached bytes counted and predicted (chapter 6) | `report_theoretical_memory` (megatron/training/theoretical_memory_usage.py) by formula; `report_memory` (megatron/training/utils/common_utils.py) from the allocator | `see_memory_usage` (deepspeed/runtime/utils.py); `estimate_zero2_model_states_mem_needs_all_live` (deepspeed/runtime/zero/stage_1_and_2.py) | `torch.cuda.max_memory_allocated()`; `torch.profiler.profile(profile_memory=True)` | counted array by array in the caches, so the formula is checked exactly, not against an allocator's rounding |
+# | `make bench`: hsgd against PyTorch eager on one CPU, alternating blocks, medians and bests (section 6) | - | - | `torch.utils.benchmark.Timer` | - |
+#
+# ## Exercises
+#
+# ### Exercise 1: the FLOPs of a step, three ways
+# Write the FLOPs of a training step from the model's shape yourself: per layer the four attention projections and
+# the two MLP products, attention's $QK^\top$ and $PV$ over the full $T \times T$, the LM head; the backward pass
+# twice the forward. Write it also in PaLM's per-token form, $6N + 12LTC$ per token, with N the parameters of the
+# weight matrices that multiply (the blocks' and the LM head's; not the embedding tables, whose lookups are no
+# products, nor biases and LayerNorms). Check both against `ModelConfig.step_flops` for a few shapes, and against
+# the products a float64 step of a small model actually performs, counted by wrapping the layer functions of
+# `hsgd.ops` as section 1 does.
+# (solution: `tutorials/solutions/A_where_the_time_goes.py`, `exercise_1`)
+#
+# ### Exercise 2: a CPU's peak, and MFU with two denominators
+# Write `peak_from_cpuinfo(text, threads)` that finds, in the text of a `/proc/cpuinfo`, the physical cores (the
+# distinct (physical id, core id) pairs, at most `threads`), the clock (`cpu MHz`) and the float32 lanes of the widest
+# vector unit its flags show (16 for `avx512f`, 8 for `avx2` with `fma`), and returns cores x clock x lanes x 2 x 2
+# (a fused multiply-add is 2 FLOPs; 2 FMA units assumed), or None when the flags show neither. Check it on three
+# made-up texts: two cores with two hyper-threads each, another with AVX-512, and an ARM machine. Then time a small
+# step on this machine and give its MFU over your estimate of this machine's peak and over a measured matmul rate,
+# and check that the two differ exactly by the ratio of the denominators.
+# (solution: `tutorials/solutions/A_where_the_time_goes.py`, `exercise_2`)
+#
+# ### Exercise 3: the memory of a layout
+# Write the bytes a tensor-parallel rank holds for the model's state: its parameters, their gradients and the
+# optimizer's state (one velocity for SGD with momentum, two moments for AdamW), from the shapes: a replicated
+# parameter whole, a split one 1/tp of its split axis, the vocabulary ceil(V/tp) rows. Check it against the shards
+# `tp_model.shard` cuts from the serial parameters, for Megatron's scheme and the All-Gather scheme at tp = 2 and 4,
+# then print the table for a GPT-2-small shape (L 12, C 768, F 3072, V 50257, T 1024) in float32 with AdamW at
+# tp = 1, 2, 4, 8.
+# (solution: `tutorials/solutions/A_where_the_time_goes.py`, `exercise_3`)
