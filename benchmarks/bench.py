@@ -15,8 +15,9 @@ Writes benchmarks/results/bench.md (the tables) and bench.json (every number), a
        PyTorch  zero_grad, the forward and backward of the same model (hsgd's specification written with PyTorch's
                 fused CPU kernels, benchmarks/torch_gpt.py; each operation split over the threads), and
                 torch.optim.SGD with momentum 0.9: the same update, v <- 0.9 v + g, w <- w - lr v;
-  b. MFU: the model FLOPs of the step (ModelConfig.step_flops) per second over the float32 matmul rate of this
-     machine measured in the same run (NumPy's BLAS; PyTorch's own matmul rate is shown too);
+  b. utilization of the matmul rate: the model FLOPs of the step (ModelConfig.step_flops) per second over the
+     float32 matmul rate of this machine measured in the same run (NumPy's BLAS; PyTorch's own matmul rate is shown
+     too). Not PaLM's MFU, whose denominator is the hardware's peak (appendix A of the course has both);
   c. data-parallel scaling: the same global batch on 1 rank and on 2 ranks (dp = 2, one thread each), the trainer
      and PyTorch DistributedDataParallel (gloo, on loopback) as the anchor;
   d. tensor parallelism: the trainer with tp = 2 on 2 ranks (one thread each) against the trainer on one rank with
@@ -138,10 +139,10 @@ def mpi(n, task, env=None):
 # The sections: each times its part, adds its numbers to res and its lines to md
 
 def section_step(a, res, md, say):
-    """a-b: the trainer's step against PyTorch's, and both MFUs."""
+    """a-b: the trainer's step against PyTorch's, and both utilizations of the matmul rate."""
     md += [f"## a-b. One training step (float32), hsgd's trainer vs PyTorch eager, {a.threads} threads", "",
-           "| model | B x T | hsgd median (best) | PyTorch median (best) | hsgd / PyTorch | hsgd MFU | PyTorch MFU "
-           "| equal loss |", "|---|---|---|---|---|---|---|---|"]
+           "| model | B x T | hsgd median (best) | PyTorch median (best) | hsgd / PyTorch | hsgd / matmul rate "
+           "| PyTorch / matmul rate | equal loss |", "|---|---|---|---|---|---|---|---|"]
     res["serial"], peak = {}, res["matmul_flops"]
     for name, (cfg, batch, rounds, block) in CONFIGS.items():
         say(f"timing {name} ...")
@@ -161,7 +162,8 @@ def section_step(a, res, md, say):
                "flat buffer, the step's norm and non-finite check); PyTorch: zero_grad, forward, backward, "
                "`torch.optim.SGD` with momentum. The ratio of the medians, and in parentheses of the bests: how far "
                "apart they are is the noise of this run.",
-           "", f"MFU: model FLOPs per second / the float32 matmul rate measured in the same run "
+           "", f"Utilization of the matmul rate: model FLOPs per second / the float32 matmul rate measured in the "
+               f"same run "
                f"({peak / 1e9:.0f} GFLOP/s with NumPy's BLAS; PyTorch's own matmul ran at "
                f"{res['serial']['mid-size']['torch_matmul_flops'] / 1e9:.0f} GFLOP/s)."]
 

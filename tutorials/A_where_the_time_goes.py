@@ -763,8 +763,8 @@ print(f"training step of section 1: best {step_best * 1e3:.1f} ms, median {step_
 # %% [markdown]
 # The utilization of both libraries is taken against the *same* matmul rate, NumPy's BLAS measured in the same run
 # (PyTorch's own is printed too), so that a faster BLAS in one library shows as a higher utilization instead of
-# being divided out. (`bench.py` and the README call this ratio MFU; it is section 1's second ratio, over the
-# measured matmul rate, not PaLM's MFU over the hardware's peak.) `bench.py` also measures data-parallel scaling
+# being divided out. (It is section 1's second ratio, over the measured matmul rate, not PaLM's MFU over the
+# hardware's peak; `bench.py` and the README say so.) `bench.py` also measures data-parallel scaling
 # against PyTorch DDP, tensor-parallel overhead, and per-rank memory and bytes against their formulas. It writes
 # `benchmarks/results/bench.md` (the tables) and `bench.json`; the README's Speed section shows one run, and what
 # made hsgd's step fast: the pieces of this chapter.
