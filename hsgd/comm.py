@@ -41,18 +41,33 @@ class CollectiveMismatch(RuntimeError):
     """Ranks of one communicator called different collectives (or shapes, dtypes) at the same point."""
 
 
+def cuda_support_query():
+    """MPIX_Query_cuda_support (MPICH and Open MPI export it), or None. The process's global symbols first, then
+    each libmpi it has loaded (/proc/self/maps): a wheel's MPI (PyPI's mpich) is loaded out of the global namespace."""
+    try:
+        with open("/proc/self/maps") as maps:
+            libs = sorted({line.split()[-1] for line in maps if "/libmpi" in line})
+    except OSError:
+        libs = []
+    for lib in [None] + [p for p in libs if os.path.basename(p).startswith("libmpi")]:
+        try:
+            query = ctypes.CDLL(lib).MPIX_Query_cuda_support
+        except (AttributeError, OSError):
+            continue
+        query.restype = ctypes.c_int
+        return query
+    return None
+
+
 @functools.lru_cache(maxsize=None)
 def cuda_aware_mpi():
-    """Whether device buffers may be given to MPI directly: $HSGD_CUDA_AWARE, else MPICH/Open MPI's query."""
+    """Whether device buffers may be given to MPI directly: $HSGD_CUDA_AWARE, else MPICH/Open MPI's query (an MPI
+    without the query is taken as not CUDA-aware)."""
     env = os.environ.get("HSGD_CUDA_AWARE")
     if env in ("0", "1"):
         return env == "1"
-    try:                                                # MPICH and Open MPI export MPIX_Query_cuda_support
-        query = ctypes.CDLL(None).MPIX_Query_cuda_support
-        query.restype = ctypes.c_int
-        return bool(query())
-    except (AttributeError, OSError):                   # an MPI without the query: assume not CUDA-aware
-        return False
+    query = cuda_support_query()
+    return bool(query()) if query is not None else False
 
 
 def _nothing():

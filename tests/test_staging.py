@@ -74,3 +74,24 @@ def test_a_request_waited_twice_gives_its_buffer_back_once():
     req.Wait()
     req.Wait()
     assert given == [1] and comm.stats.calls("self", "Irecv") == 1
+
+
+def test_the_cuda_support_query_is_found_in_a_privately_loaded_mpi():
+    """hsgd asks the MPI whether it is CUDA-aware (MPIX_Query_cuda_support). PyPI's mpich wheel is loaded out of the
+    process's global namespace, where a lookup of the global symbols alone misses the query and would take every
+    MPI for one that is not CUDA-aware: the query must be found wherever a loaded libmpi exports it."""
+    import ctypes
+    import os
+
+    from mpi4py import MPI  # noqa: F401 (loads the MPI library)
+
+    from hsgd.comm import cuda_support_query
+    if not os.path.exists("/proc/self/maps"):
+        pytest.skip("no /proc/self/maps: the loaded libraries cannot be listed here")
+    libs = sorted({line.split()[-1] for line in open("/proc/self/maps") if "/libmpi" in line})
+    exported = [p for p in libs if hasattr(ctypes.CDLL(p), "MPIX_Query_cuda_support")]
+    print(f"loaded MPI libraries {libs}; exporting the query: {exported}")
+    if not exported:
+        pytest.skip("this MPI does not export MPIX_Query_cuda_support")
+    query = cuda_support_query()
+    assert query is not None and query() in (0, 1)

@@ -64,7 +64,7 @@ from threadpoolctl import threadpool_limits
 
 from hsgd import ModelConfig, health, serial
 from hsgd.backend import array_module, d2h_count, get_xp, to_device, to_numpy
-from hsgd.comm import Comm, cuda_aware_mpi
+from hsgd.comm import Comm, cuda_aware_mpi, cuda_support_query
 from hsgd.data import Corpus
 from hsgd.grid import ProcessGrid
 from hsgd.hybrid import HybridTrainer
@@ -205,20 +205,21 @@ check(f"loss and every gradient on '{DEVICE}' vs NumPy (rel)",
 # `hsgd.train` prints which in its `device:` line. `HSGD_CUDA_AWARE=1` says "this MPI is CUDA-aware",
 # `HSGD_CUDA_AWARE=0` forces staging. Without the variable, hsgd calls the library's own query,
 # `MPIX_Query_cuda_support()` (MPICH and Open MPI export it; it returns 1 when the library was built with CUDA and
-# can use it now), looked up with `ctypes` among the symbols the process has loaded for all to see. When the lookup
-# finds nothing, hsgd assumes "not CUDA-aware", the choice that always works. mpi4py may load the MPI library so
-# that its symbols are not visible that way (the MPICH wheel used here is loaded so), and then a CUDA-aware MPI is
-# staged through needlessly: set the variable when you know your cluster's MPI. The lines below say what this
-# machine gives:
+# can use it now), looked up with `ctypes` (`hsgd.comm.cuda_support_query`): first among the symbols the process
+# has loaded for all to see, then in each MPI library the process has loaded, by its path. The second place
+# matters: mpi4py may load the MPI library so that its symbols are not visible globally (the MPICH wheel used here
+# is loaded so). When neither finds the query, hsgd assumes "not CUDA-aware", the choice that always works. The
+# lines below say what this machine gives:
 
 # %%
 try:
-    query_found = hasattr(ctypes.CDLL(None), "MPIX_Query_cuda_support")  # the lookup hsgd.comm makes
+    global_symbol = hasattr(ctypes.CDLL(None), "MPIX_Query_cuda_support")   # the first place hsgd.comm looks
 except OSError:                                                          # no process-wide symbol table here
-    query_found = False
+    global_symbol = False
 say(f"MPI library:             {' '.join(MPI.Get_library_version().split()[:3])}")
 say(f"HSGD_CUDA_AWARE:         {os.environ.get('HSGD_CUDA_AWARE', '(not set)')}")
-say(f"MPIX_Query_cuda_support: {'found' if query_found else 'not found'} among the globally visible symbols")
+say(f"MPIX_Query_cuda_support: {'found' if cuda_support_query() else 'not found'} "
+    f"({'among the global symbols' if global_symbol else 'not among the global symbols; looked up in the library'})")
 path_taken = ("CUDA-aware: device pointers go to MPI" if cuda_aware_mpi()
               else "not CUDA-aware: device buffers are staged through host memory")
 say(f"cuda_aware_mpi():        {path_taken}")
