@@ -1,0 +1,973 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Chapter 2: collectives, the vocabulary of every parallel step
+#
+# Chapter 1 trained a Transformer on one process. Every later chapter splits that work over P processes, and
+# whatever the split (data, tensors, pipeline stages), the processes cooperate through a handful of
+# communication patterns: the **collectives**. The lecture names them as it goes: an All-Reduce of the gradients
+# (section 1, data parallelism), an All-Gather of the partial outputs and its adjoint Reduce-Scatter (sections
+# 3.2 and 3.3, inside a tensor-parallel group), a Reduce-Scatter then an All-Gather (section 3.4). This chapter
+# learns that vocabulary on 4 processes and small arrays, before any model is involved:
+#
+# 1. point to point: `Send`, `Recv`, `Sendrecv`, and why two ranks that both send first can wait forever;
+# 2. the collectives, one at a time: `Bcast`, `Reduce`, `Allreduce`, `Allgather`, `Reduce_scatter_block`,
+#    `Alltoall`, each checked against what NumPy computes from every rank's input, and pictured;
+# 3. `hsgd.comm.Comm`, the thin wrapper through which hsgd makes every collective, and the payload bytes it
+#    records;
+# 4. the ring All-Reduce, written by hand from `Sendrecv`: why it sends 2(p-1)/p of the payload from each rank,
+#    and why no algorithm can send less;
+# 5. the alpha-beta cost model, measured on this machine and fitted; and when a step is communication-bound;
+# 6. debugging: a mismatched collective caught instead of hanging, and a rank that raises, ending the whole job.
+#
+# Run it with four ranks (about 15 s on a 2-core machine; on failure every rank raises, so it exits non-zero
+# without hanging). Rank 0 draws three pictures into `$HSGD_FIGURES` (default `tutorials/figures/`):
+#
+# mpirun -n 4 python tutorials/02_collectives.py
+#
+# (`mpiexec` is the same launcher under its standard name.) The notebook form
+# (`jupytext --to ipynb tutorials/02_collectives.py`) is for reading: the code needs four MPI ranks. Only rank 0
+# prints.
+#
+# Legend: p (or P) the number of ranks of a communicator, r a rank, $x_r$ rank r's input, n the payload in bytes
+# (the size of the logical tensor of a call), m the number of elements of a block, $\alpha$ the latency of a
+# message (seconds), $\beta$ the time per byte (seconds per byte; 1/$\beta$ is a bandwidth), $\gamma$ the time per
+# byte of a reduction's arithmetic.
+
+# %%
+from hsgd.comm import CollectiveMismatch, Comm, CommStats   # hsgd before NumPy: it sets OpenBLAS's thread timeout
+
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+from mpi4py import MPI
+from threadpoolctl import threadpool_limits
+
+import pictures                      # tutorials/pictures.py: where the PNGs go
+from checks import Checks            # tutorials/checks.py: the collective check every chapter uses
+
+threadpool_limits(1)                 # four ranks share two cores: one BLAS thread each
+world = MPI.COMM_WORLD               # every process mpirun started; this chapter needs no other communicator
+rank = world.Get_rank()              # who am I: 0 .. P-1
+P = world.Get_size()                 # how many of us
+if P != 4:                           # every rank sees the same P, so every rank stops here together
+    raise SystemExit(f"run this chapter on 4 ranks: mpirun -n 4 python {__file__}" if rank == 0 else 1)
+EPS = np.finfo(np.float64).eps       # 2.2e-16: the spacing of float64 numbers near 1
+# check(what, err, tol), check.holds(what, cond), check.equal(what, a, b): on every rank, in the same order; rank 0
+# prints the verdict (the worst err over the ranks), and every rank raises unless it holds on all of them
+check = Checks(world, tol=1e-12, width=68, prefix="  check: ")
+say = check.say                      # print once, from rank 0
+EXACT = []                           # the checks against NumPy, for the closing line
+
+
+def politely_wait(req):
+    """Wait for a non-blocking MPI request while sleeping, instead of spinning inside MPI.
+
+    MPICH waits by polling: a rank blocked in Barrier or Bcast keeps its core busy. With four ranks on two cores,
+    ranks that only wait would slow down the ranks that work (and the times they measure), so they sleep 2 ms
+    between tests of an Ibarrier instead."""
+    while not req.Test():
+        time.sleep(0.002)
+
+
+def digest(a):
+    """SHA-256 of an array's bytes: equal digests mean bit-identical arrays."""
+    return hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()
+
+
+# %% [markdown]
+# ## 1. Point to point: `Send`, `Recv`, `Sendrecv`
+#
+# An MPI program is P copies of the same script (chapter 3 says more about ranks; here all we need is that each
+# process knows its `rank` and the number of processes `P`). The copies share no memory. The simplest exchange is
+# one message: rank a calls `Send(buf, dest=b)`, rank b calls `Recv(buf, source=a)`, and b's buffer receives a
+# copy of a's.
+#
+# mpi4py has two spellings of every call. The **uppercase** ones (`Send`, `Recv`, `Allreduce`, ...) take buffers,
+# NumPy arrays, and hand their memory to MPI as it is: no copy, no conversion. The buffer must be contiguous and
+# the receiver must have allocated it, of the right size and type. The **lowercase** ones (`send`, `recv`,
+# `allreduce`, ...) take any Python object and pickle it: convenient for a few numbers of metadata, far too slow for
+# tensors. hsgd uses uppercase calls for every array and lowercase ones only for small metadata, as below, where
+# rank 0 sends rank 1 an array whose length rank 1 does not know yet: first the shape and type (lowercase), then the
+# numbers (uppercase) into a buffer allocated from that.
+#
+# A first pattern: a **ring shift**, rank r sends its vector to rank r+1 and receives rank r-1's (modulo P)
+# (pipeline stages pass their activations on like this, chapter 9). `Send` is *blocking*: it may return only once
+# the receiver has started receiving, as MPI does for large messages (small ones it copies into a buffer of its own
+# and returns at once). If every rank called `Send` first, each would wait for a receiver that is itself still
+# sending: a deadlock, which for small messages would not even show until the messages grew. Two cures: order the
+# calls by parity (even ranks send then receive, odd ranks receive then send; with P even, every Send meets a
+# Recv), or `Sendrecv`, one call that sends to one rank and receives from another and lets MPI do both at once. The
+# ring All-Reduce of section 4 is made of `Sendrecv`s.
+
+# %%
+def x_of(r):
+    """Rank r's input in sections 1 and 2: four small integers, 10(r+1) + i, distinct over all ranks (so a picture
+    can tell whose number a cell holds) and exact in float64 (so the sums below are exact too)."""
+    return 10.0 * (r + 1) + np.arange(P)                          # (P,) e.g. rank 1: [20. 21. 22. 23.]
+
+
+x = x_of(rank)                                                    # (P,) my input
+X = np.stack([x_of(r) for r in range(P)])                         # (P, P) the serial view: every rank's input
+right, left = (rank + 1) % P, (rank - 1) % P                      # my neighbours on the ring
+shown = {}                                                        # collective -> (before, after) on this rank
+
+got = np.empty_like(x)                                            # (P,) preallocated receive buffer
+if rank % 2 == 0:                                                 # even: send, then receive
+    world.Send(x, dest=right)
+    world.Recv(got, source=left)
+else:                                                             # odd: receive, then send
+    world.Recv(got, source=left)
+    world.Send(x, dest=right)
+shown["Send/Recv: r -> r+1"] = (x.copy(), got.copy())
+check("ring shift with Send/Recv (by parity): max |got - x_{r-1}|", float(np.max(np.abs(got - X[left]))))
+
+got2 = np.empty_like(x)
+world.Sendrecv(x, dest=right, recvbuf=got2, source=left)          # both directions in one call
+check("ring shift with Sendrecv: max |got - x_{r-1}|", float(np.max(np.abs(got2 - X[left]))))
+
+if rank == 0:                                                     # metadata first (pickled), then the numbers
+    msg = np.linspace(0.0, 1.0, 7)                                # (7,) rank 1 does not know the length
+    world.send((msg.shape, msg.dtype.str), dest=1, tag=1)
+    world.Send(msg, dest=1, tag=2)
+elif rank == 1:
+    shape, dtype = world.recv(source=0, tag=1)                    # small: lowercase is fine
+    msg = np.empty(shape, dtype=dtype)                            # allocate from the metadata
+    world.Recv(msg, source=0, tag=2)                              # the numbers: uppercase, into that buffer
+check("metadata with send/recv, then the array with Send/Recv",
+      float(np.max(np.abs(msg - np.linspace(0.0, 1.0, 7)))) if rank == 1 else 0.0)
+say(f"rank 0 received {np.array2string(got, precision=0)} from rank {(0 - 1) % P}")
+
+# %% [markdown]
+# ## 2. The collectives, one at a time
+#
+# A **collective** is a call that every rank of a communicator makes, the same call at the same point of the
+# program, and that completes only when all of them have made it. Each one below starts from the same inputs:
+# rank r holds $x_r = [10(r+1), 10(r+1)+1, 10(r+1)+2, 10(r+1)+3]$, so rank 0 holds 10..13 and rank 3 holds 40..43.
+# Each result is checked on every rank against what NumPy computes from all four inputs (`X`, which each rank
+# rebuilds for itself without communicating: the serial view). The inputs are small integers, so every sum is
+# exact and the errors are exactly 0; section 4 uses random numbers and says what rounding does.
+#
+# | call (mpi4py, uppercase) | after the call | what hsgd uses it for |
+# |---|---|---|
+# | `Bcast(buf, root)` | every rank holds the root's buf | the same data everywhere (a seed, metadata) |
+# | `Reduce(x, out, op, root)` | the root holds $\sum_r x_r$ | nothing: hsgd wants sums on every rank |
+# | `Allreduce(x, out)` | every rank holds $\sum_r x_r$ | the data-parallel gradient sum (chapter 4) |
+# | `Allgather(part, out)` | every rank holds every rank's part | the lecture's All-Gather of $Y_{part}$ (ch. 5) |
+# | `Reduce_scatter_block(full, out)` | rank r holds block r of $\sum_s full_s$ | the All-Gather's adjoint (ch. 5, 8) |
+# | `Alltoall(send, recv)` | rank r holds block r of every rank | nothing (mixture-of-experts layers use it) |
+#
+# Two relations to keep in mind, which the ring of section 4 uses: All-Reduce = Reduce-Scatter then All-Gather
+# (each rank sums one block, then everyone collects the summed blocks); and Reduce-Scatter is the adjoint of
+# All-Gather (chapter 5 needs exactly that for the backward pass of a gathered output). Alltoall is a transpose of
+# the blocks: block j of rank i goes to rank j as its block i.
+
+# %%
+ROOT = 0
+
+buf = x.copy() if rank == ROOT else np.full(P, np.nan)            # (P,) only the root's buffer holds data
+before = buf.copy()
+world.Bcast(buf, root=ROOT)                                       # every rank: buf <- the root's buf
+shown["Bcast (root 0)"] = (before, buf.copy())
+EXACT.append("Bcast: max |buf - x_root|")
+check(EXACT[-1], float(np.max(np.abs(buf - X[ROOT]))))
+
+total = np.empty(P) if rank == ROOT else None                     # only the root receives
+world.Reduce(x, total, op=MPI.SUM, root=ROOT)                     # the root: total <- sum_r x_r
+shown["Reduce (root 0)"] = (x.copy(), total.copy() if rank == ROOT else None)
+EXACT.append("Reduce: on the root, max |total - sum_r x_r|")
+check(EXACT[-1], float(np.max(np.abs(total - X.sum(axis=0)))) if rank == ROOT else 0.0)
+
+summed = np.empty(P)
+world.Allreduce(x, summed, op=MPI.SUM)                            # every rank: summed <- sum_r x_r
+shown["Allreduce"] = (x.copy(), summed.copy())
+EXACT.append("Allreduce: max |summed - sum_r x_r|")
+check(EXACT[-1], float(np.max(np.abs(summed - X.sum(axis=0)))))
+
+part = x[rank:rank + 1].copy()                                    # (1,) my block: element `rank` of my input
+gathered = np.empty((P, 1))                                       # (P, 1) row s <- rank s's block
+world.Allgather(part, gathered)
+shown["Allgather"] = (part.copy(), gathered.ravel().copy())
+EXACT.append("Allgather: max |gathered[s] - x_s[s]|")
+check(EXACT[-1], float(np.max(np.abs(gathered.ravel() - np.diag(X)))))
+
+mine = np.empty(1)                                                # (1,) block `rank` of the sum
+world.Reduce_scatter_block(x, mine, op=MPI.SUM)                   # x is (P,): P blocks of one element
+shown["Reduce_scatter_block"] = (x.copy(), mine.copy())
+EXACT.append("Reduce_scatter_block: max |mine - (sum_r x_r)[rank]|")
+check(EXACT[-1], float(np.max(np.abs(mine - X.sum(axis=0)[rank]))))
+
+swapped = np.empty(P)
+world.Alltoall(x, swapped)                                        # swapped[s] <- x_s[rank]: block `rank` of all
+shown["Alltoall"] = (x.copy(), swapped.copy())
+EXACT.append("Alltoall: max |swapped[s] - x_s[rank]| (a transpose)")
+check(EXACT[-1], float(np.max(np.abs(swapped - X[:, rank]))))
+
+# %% [markdown]
+# The picture below is drawn from the buffers above, gathered from the four ranks: for each collective, each
+# rank's buffer before the call (left) and after it (right). A cell's colour says whose number it holds; a grey
+# cell holds a sum over all four ranks; an empty cell, no data (a non-root rank before `Bcast`, or after
+# `Reduce`, where only the root receives).
+
+# %%
+everyone = world.gather(shown, root=0)                            # small arrays, for the picture: lowercase
+RANK_COLOURS = ["#8ecae6", "#ffb703", "#90be6d", "#f4978e"]       # rank 0..3: whose number a cell holds
+SUM_COLOUR = "0.75"                                               # a sum over all ranks
+
+
+def draw_buffers(ax, rows, x0, owner):
+    """One rank per row (rank 0 on top), one cell per element from x = x0, coloured by `owner` (value -> rank)."""
+    from matplotlib.patches import Rectangle
+    for r, row in enumerate(rows):
+        y = P - 1 - r
+        if row is None:                                           # this rank receives nothing in this call
+            ax.text(x0 + 0.1, y + 0.5, "(no result)", va="center", fontsize=7, color="0.4")
+            continue
+        for i, v in enumerate(row):
+            if np.isnan(v):
+                face, label = "white", ""                         # no data yet
+            else:
+                face, label = RANK_COLOURS[owner[v]] if v in owner else SUM_COLOUR, f"{v:.0f}"
+            ax.add_patch(Rectangle((x0 + i, y + 0.08), 0.92, 0.84, fc=face, ec="black", lw=0.6))
+            ax.text(x0 + i + 0.46, y + 0.5, label, ha="center", va="center", fontsize=7)
+
+
+if rank == 0:
+    from matplotlib.patches import Rectangle
+    owner = {float(v): r for r in range(P) for v in X[r]}         # every input value is unique
+    fig, axes = pictures.figure(11, 9.5, nrows=4, ncols=2)
+    for ax, name in zip(axes.ravel(), shown):
+        draw_buffers(ax, [everyone[r][name][0] for r in range(P)], 0.0, owner)    # before
+        ax.annotate("", (5.3, P / 2), (4.3, P / 2), arrowprops=dict(arrowstyle="->", lw=1.5))
+        draw_buffers(ax, [everyone[r][name][1] for r in range(P)], 5.6, owner)    # after
+        for r in range(P):
+            ax.text(-0.15, P - 1 - r + 0.5, f"rank {r}", ha="right", va="center", fontsize=7)
+        ax.text(2.0, P + 0.15, "before", ha="center", fontsize=8)
+        ax.text(7.6, P + 0.15, "after", ha="center", fontsize=8)
+        ax.set_title(name, fontsize=9)
+    key = axes.ravel()[-1]                                        # the eighth panel: the colour key
+    for r in range(P):
+        key.add_patch(Rectangle((0.5, P - 1 - r + 0.1), 0.9, 0.8, fc=RANK_COLOURS[r], ec="black", lw=0.6))
+        key.text(1.6, P - 1 - r + 0.5, f"a number of rank {r}'s input", va="center", fontsize=8)
+    key.add_patch(Rectangle((5.6, P - 1 + 0.1), 0.9, 0.8, fc=SUM_COLOUR, ec="black", lw=0.6))
+    key.text(6.7, P - 1 + 0.5, "a sum over all ranks", va="center", fontsize=8)
+    key.add_patch(Rectangle((5.6, P - 2 + 0.1), 0.9, 0.8, fc="white", ec="black", lw=0.6))
+    key.text(6.7, P - 2 + 0.5, "no data", va="center", fontsize=8)
+    key.set_title("key", fontsize=9)
+    for ax in axes.ravel():
+        ax.set_xlim(-1.3, 9.8)
+        ax.set_ylim(-0.1, P + 0.6)
+        ax.axis("off")
+    say(f"picture: {pictures.save(fig, '02_collectives_before_after')}")
+
+# %% [markdown]
+# ## 3. `hsgd.comm.Comm`: the same calls, recorded
+#
+# hsgd never calls mpi4py's collectives directly in its parallel code. It goes through `hsgd.comm.Comm`, a thin
+# wrapper around an mpi4py communicator that makes the same uppercase calls and adds three things: one line of
+# accounting per call (a `CommStats`, shared by all the communicators of a run), the buffer rules stated once
+# (contiguous arrays; GPU arrays synchronized and, without a CUDA-aware MPI, staged through host memory, chapter 12),
+# and an optional check of the sequence of calls (section 6). `Comm` wraps what hsgd uses:
+#
+# | `hsgd.comm.Comm` | mpi4py call it makes | payload recorded (bytes) |
+# |---|---|---|
+# | `Allreduce(x)`, `Iallreduce(x)` | `Allreduce(MPI.IN_PLACE, x)`, `Iallreduce` | x: the buffer |
+# | `Allgather(part, out)` | `Allgather(part, out)` | out: the gathered tensor, (size, *part.shape) |
+# | `Reduce_scatter_block(full, out)` | `Reduce_scatter_block(full, out)` | full: the whole input, (size, *out.shape) |
+# | `Bcast(x, root)` | `Bcast(x, root)` | x |
+# | `Send`, `Recv`, `Isend`, `Irecv` | the same | the message |
+# | `allgather_obj(obj)` | `allgather(obj)` (lowercase, pickled) | (not recorded: metadata) |
+#
+# hsgd has no `Reduce`, `Alltoall` or `Sendrecv` wrapper: no step of its algorithms needs them (its pipeline
+# sends with `Isend`/`Irecv`). The payload is always the size of the *logical tensor* of the call, not the bytes
+# an algorithm moves: those depend on the algorithm MPI picks, and section 4 derives them for the ring. The later
+# chapters compare these recorded payloads with their formulas (chapter 4 the data-parallel gradient, chapter 5
+# the tensor-parallel activations, ...), so here is a check that the records say exactly what was called.
+
+# %%
+stats = CommStats()                                               # calls, payload bytes, seconds per (comm, op)
+comm = Comm(world, "world", stats)                                # the name keys the accounting
+N = 6                                                             # elements per vector
+v = np.random.default_rng(rank).standard_normal(N)                # (N,) float64, this rank's vector
+V = np.stack([np.random.default_rng(r).standard_normal(N) for r in range(P)])   # (P, N) everyone's, rebuilt
+
+a = v.copy()
+comm.Allreduce(a)                                                 # in place: a <- sum over ranks
+full = np.stack([v * (s + 1) for s in range(P)])                  # (P, N): block s is (s+1) * v
+block = np.empty(N)
+comm.Reduce_scatter_block(full, block)                            # block <- (sum_r full_r)[rank]
+out = np.empty((P, N))
+comm.Allgather(block, out)                                        # out[s] <- block of rank s
+root_v = v.copy()
+comm.Bcast(root_v, root=2)                                        # root_v <- rank 2's v
+shifted = np.empty(N)
+if rank % 2 == 0:                                                 # the ring shift of section 1, through Comm
+    comm.Send(v, right)
+    comm.Recv(shifted, left)
+else:
+    comm.Recv(shifted, left)
+    comm.Send(v, right)
+
+ref_sum = V.sum(axis=0)                                           # (N,) what NumPy says
+scale = float(np.abs(V).sum(axis=0).max())                        # for a relative error of sums of 4 numbers
+EXACT.append("Comm.Allreduce: max |a - sum_r v_r| / max sum_r |v_r|")
+check(EXACT[-1], float(np.max(np.abs(a - ref_sum))) / scale)
+EXACT.append("Comm.Reduce_scatter_block + Allgather: vs (s+1) * sum_r v_r")
+check(EXACT[-1], float(np.max(np.abs(out - np.outer(np.arange(1, P + 1), ref_sum)))) / (P * scale))
+EXACT.append("Comm.Bcast and Comm.Send/Recv: vs v_2 and v_{r-1}")
+check(EXACT[-1], float(max(np.max(np.abs(root_v - V[2])), np.max(np.abs(shifted - V[left])))))
+say(f"\nrank 0's CommStats:\n{stats.format()}")
+check.equal("CommStats: one call each, payload = the logical tensor's bytes", stats.counts(),
+            {("world", "Allreduce"): (1, N * 8), ("world", "Reduce_scatter_block"): (1, P * N * 8),
+             ("world", "Allgather"): (1, P * N * 8), ("world", "Bcast"): (1, N * 8),
+             ("world", "Send"): (1, N * 8), ("world", "Recv"): (1, N * 8)})
+
+# %% [markdown]
+# ## 4. The ring All-Reduce, by hand
+#
+# How can P ranks sum their vectors of n bytes each? The obvious way, everyone sends to rank 0, which adds and
+# sends the sum back, makes rank 0 receive (p-1)n bytes and send (p-1)n: its link carries everything while the
+# others idle, so the time grows with p. The **ring** keeps every link equally busy. Cut each rank's vector into p
+# chunks of n/p bytes and arrange the ranks in a ring, r sending to r+1:
+#
+# * **Reduce-Scatter phase, p-1 steps.** At step s (s = 0..p-2) rank r sends its partial sum of chunk (r-s) mod p
+#   to the right and receives chunk (r-s-1) mod p from the left, to which it adds its own. Each partial sum travels
+#   one hop per step and picks up one more rank's contribution; after p-1 steps rank r holds chunk (r+1) mod p
+#   summed over all p ranks.
+# * **All-Gather phase, p-1 steps.** At step s rank r sends the complete chunk (r+1-s) mod p to the right and
+#   receives complete chunk (r-s) mod p from the left, which overwrites its own. After p-1 steps every rank holds
+#   every summed chunk.
+#
+# Each step is one `Sendrecv` of n/p bytes with both neighbours, all ranks at once. Per rank that is
+# 2(p-1) messages of n/p bytes: **2(p-1)/p x n bytes sent** (and as many received), whatever p is. This is the
+# ring of Patarasuk and Yuan (2009, "Bandwidth optimal all-reduce algorithms for clusters of workstations"); it
+# is also the "Reduce-Scatter then All-Gather" decomposition that Thakur, Rabenseifner and Gropp (2005,
+# "Optimization of collective communication operations in MPICH") use for long messages.
+
+# %%
+def ring_allreduce(comm, x, trace=None):
+    """In place: x <- the sum of x over the ranks of comm (an mpi4py communicator), by the ring: p-1 Sendrecv
+    steps of Reduce-Scatter, then p-1 of All-Gather. x: (n,) with n divisible by p; chunk c = x[c*m:(c+1)*m],
+    m = n/p. Returns the bytes this rank sent. With `trace` (a list), x is appended after every step."""
+    p, r = comm.Get_size(), comm.Get_rank()
+    right, left = (r + 1) % p, (r - 1) % p
+    chunks = x.reshape(p, -1)                                     # (p, m) a view of x: chunk c is row c
+    incoming = np.empty_like(chunks[0])                           # (m,) the chunk arriving from the left
+    sent = 0
+    for s in range(p - 1):                                        # Reduce-Scatter
+        out_c, in_c = (r - s) % p, (r - s - 1) % p
+        comm.Sendrecv(chunks[out_c], dest=right, recvbuf=incoming, source=left)
+        chunks[in_c] += incoming                                  # one more rank's contribution to chunk in_c
+        sent += chunks[out_c].nbytes
+        if trace is not None:
+            trace.append(x.copy())
+    for s in range(p - 1):                                        # All-Gather: chunk (r+1) % p is complete here
+        out_c, in_c = (r + 1 - s) % p, (r - s) % p
+        comm.Sendrecv(chunks[out_c], dest=right, recvbuf=chunks[in_c], source=left)   # overwrite: it is complete
+        sent += chunks[out_c].nbytes
+        if trace is not None:
+            trace.append(x.copy())
+    return sent
+
+
+M = 1000                                                          # elements per chunk
+g = np.random.default_rng(100 + rank).standard_normal(P * M)      # (P*M,) float64, this rank's "gradient"
+G = np.stack([np.random.default_rng(100 + r).standard_normal(P * M) for r in range(P)])   # (P, P*M) everyone's
+
+ring = g.copy()
+sent = ring_allreduce(world, ring)                                # by hand
+mpi = np.empty_like(g)
+world.Allreduce(g, mpi)                                           # MPI's own algorithm
+rs = np.empty(M)
+world.Reduce_scatter_block(g, rs)                                 # the two phases as MPI's own collectives
+two_phase = np.empty((P, M))
+world.Allgather(rs, two_phase)
+
+bound = (P - 1) * EPS                                             # see the text below
+mass = np.abs(G).sum(axis=0)                                      # (P*M,) sum_r |g_r|, elementwise
+EXACT.append("ring vs MPI Allreduce: max |ring - mpi| / sum_r |g_r|")
+check(EXACT[-1], float(np.max(np.abs(ring - mpi) / mass)), bound)
+EXACT.append("ring vs NumPy's sum: max |ring - sum_r g_r| / sum_r |g_r|")
+check(EXACT[-1], float(np.max(np.abs(ring - G.sum(axis=0)) / mass)), bound)
+EXACT.append("Reduce_scatter_block then Allgather vs Allreduce (same scale)")
+check(EXACT[-1], float(np.max(np.abs(two_phase.ravel() - mpi) / mass)), bound)
+same_ring, same_mpi = world.allgather(digest(ring)), world.allgather(digest(mpi))
+check.holds("ring: every rank holds the same bits", len(set(same_ring)) == 1)
+check.holds("MPI Allreduce: every rank holds the same bits (here)", len(set(same_mpi)) == 1)
+check.equal("ring: bytes sent per rank == 2(p-1)/p x payload", sent, 2 * (P - 1) * g.nbytes // P)
+say(f"payload {g.nbytes:,} B; the ring sent {sent:,} B from each rank = 2(p-1)/p x payload, p = {P}")
+
+# %% [markdown]
+# **The tolerance.** The ring, MPI's algorithm and `np.sum` add the same four numbers in different orders, and
+# floating-point addition is not associative, so the results may differ in the last bits. Any order of summing p
+# numbers has an error of at most $(p-1)\,u \sum_r |x_r|$ (to first order), with $u = \epsilon/2$ the unit
+# roundoff of float64; two orders therefore differ by at most $(p-1)\,\epsilon \sum_r |x_r|$, elementwise. The
+# checks divide by $\sum_r |g_r|$ and compare with $(p-1)\epsilon$ = 6.7e-16. (A relative error
+# |ring - ref| / |ref| would be the wrong yardstick: where the four numbers nearly cancel, it can be large for any
+# order.) Every rank of the ring ends with the same bits, by construction: each chunk is summed once, by one rank,
+# and then copied. MPI's `Allreduce` gave every rank the same bits too, as the digests show; chapter 4 relies on
+# that to keep data-parallel replicas identical (and checks it every step).
+#
+# **Why 2(p-1)/p is the least any algorithm can send.** Think of the two halves. After a Reduce-Scatter, rank r
+# holds the sum of chunk r, which depends on the other p-1 ranks' values of that chunk; conversely each rank's
+# values of the p-1 chunks it does not own must leave it, in some form (possibly already added to others), so
+# each rank sends at least (p-1)/p x n bytes. After an All-Gather, each rank holds all p chunks and had only one,
+# so it receives at least (p-1)/p x n bytes. An All-Reduce does both jobs, and Patarasuk and Yuan (2009) prove the
+# bound of 2(p-1)/p x n bytes per rank for it, which the ring meets. So with the ring, an All-Reduce over p ranks
+# costs each rank about 2n bytes however large p grows, while an All-Gather or a Reduce-Scatter alone costs
+# (p-1)/p x n. The picture shows the ring's steps on the four ranks, run on inputs that record who contributed:
+# rank r's chunks all hold $2^r$, so every partial sum is a bit mask of the ranks it contains.
+
+# %%
+trace = []
+ring_allreduce(world, 2.0 ** rank * np.ones(P), trace)            # (P,) one element per chunk; 2^r: a bit mask
+traces = world.gather([np.ones(P) * 2.0 ** rank] + trace, root=0) # per rank: the start and the 2(p-1) steps
+if rank == 0:
+    from matplotlib import cm
+    from matplotlib.patches import Rectangle
+    steps = len(traces[0])                                        # 1 + 2(p-1) = 7
+    fig, axes = pictures.figure(12, 5.6, nrows=2, ncols=4)
+    titles = (["start: rank r holds its own chunks"]
+              + [f"reduce-scatter step {s + 1}" for s in range(P - 1)]
+              + [f"all-gather step {s + 1}" for s in range(P - 1)])
+    for k, ax in enumerate(list(axes[0]) + list(axes[1])[:steps - P]):
+        for r in range(P):
+            for c in range(P):
+                mask = int(traces[r][k][c])                       # which ranks' values chunk c of rank r holds
+                members = [q for q in range(P) if mask >> q & 1]
+                changed = k > 0 and traces[r][k][c] != traces[r][k - 1][c]   # received at this step
+                ax.add_patch(Rectangle((c, P - 1 - r), 0.92, 0.9, fc=cm.Blues(0.15 + 0.2 * len(members)),
+                                       ec="red" if changed else "black", lw=2.2 if changed else 0.6))
+                label = "all" if len(members) == P else "+".join(map(str, members))
+                ax.text(c + 0.46, P - 1 - r + 0.45, label, ha="center", va="center", fontsize=7.5,
+                        color="white" if len(members) >= 3 else "black")
+            ax.text(-0.1, P - 1 - r + 0.45, f"rank {r}", ha="right", va="center", fontsize=7)
+        for c in range(P):
+            ax.text(c + 0.46, P + 0.05, f"chunk {c}", ha="center", fontsize=6.5)
+        ax.set_title(titles[k], fontsize=8.5)
+        ax.set_xlim(-1.2, P)
+        ax.set_ylim(-0.1, P + 0.4)
+        ax.axis("off")
+    key = axes[1][-1]
+    key.text(0, 0.75, "cell: the ranks whose values the chunk holds\n(darker: more ranks; all: complete)\n"
+                      "red border: received at this step\n\nreduce-scatter: received chunks are added;\n"
+                      "all-gather: received chunks overwrite", fontsize=8, va="top", transform=key.transAxes)
+    key.axis("off")
+    say(f"picture: {pictures.save(fig, '02_ring_allreduce_steps')}")
+final = trace[-1]
+check.equal("ring on bit masks: every chunk ends with all ranks (2^p - 1)", final.tolist(), [2.0 ** P - 1] * P)
+
+# %% [markdown]
+# The bytes of every collective, both columns: the **payload** (what `CommStats` records: the logical tensor of
+# the call) and the **bytes each rank sends** in the bandwidth-optimal algorithm (ring or pairwise exchange, as
+# in Thakur, Rabenseifner and Gropp 2005). The ring All-Reduce row was measured above; exercises 1 and 4 measure
+# the All-Gather and Alltoall rows with hand-written versions.
+
+# %%
+n_ex = g.nbytes                                                   # the payload of section 4, as an example
+rows = [("Send/Recv", "the message", 1.0, "the sender sends it once"),
+        ("Bcast", "the buffer", 1.0, "each non-root rank must receive all of it"),
+        ("Reduce", "one rank's buffer", 1.0, "each non-root rank's data must leave it"),
+        ("Allreduce", "the buffer", 2 * (P - 1) / P, "reduce-scatter + all-gather"),
+        ("Allgather", "the gathered tensor", (P - 1) / P, "each rank lacks p-1 of p blocks"),
+        ("Reduce_scatter_block", "the full input", (P - 1) / P, "p-1 of p blocks leave each rank"),
+        ("Alltoall", "the send buffer", (P - 1) / P, "every block but one's own leaves")]
+say(f"{'collective':<22}{'payload (CommStats)':<22}{'payload n':>11}{'sent per rank':>15}{'= factor':>10}  why")
+for name, what, factor, why in rows:
+    say(f"{name:<22}{what:<22}{n_ex:>11,}{int(factor * n_ex):>15,}{factor:>10.3f}  {why}")
+say(f"(p = {P}; the factors 2(p-1)/p and (p-1)/p tend to 2 and 1 as p grows)")
+
+# %% [markdown]
+# ## 5. The alpha-beta cost model, measured
+#
+# How long does a message of n bytes take? The simplest model that works is a fixed cost per message plus a cost
+# per byte,
+#
+# $$T(n) = \alpha + \beta\, n,$$
+#
+# Hockney's model (Hockney 1994, "The communication challenge for MPP: Intel Paragon and Meiko CS-2"): $\alpha$ is
+# the **latency** (software overhead, synchronization, the time of an empty message) and $1/\beta$ the
+# **bandwidth**. Small messages cost about $\alpha$ whatever their size, large ones about $\beta n$; they meet at
+# $n_{1/2} = \alpha/\beta$, where half the time is latency. Collectives are sums of messages, so they follow the
+# same form with other constants: for the ring All-Reduce, $T = 2(p-1)\alpha + 2\frac{p-1}{p} n \beta +
+# \frac{p-1}{p} n \gamma$, with $\gamma$ the time per byte of the additions (Thakur, Rabenseifner and Gropp 2005
+# give such a formula for each algorithm of MPICH).
+#
+# Here the model is fitted to measurements on this machine. How, so that the fit is honest:
+#
+# * **Two ranks measure, two wait.** This machine has 2 cores; four busy ranks would take turns on them, and
+#   MPICH's waiting ranks poll (they spin). So ranks 0 and 1 form a communicator of their own (`Split`, chapter 3)
+#   and time each collective on it, while ranks 2 and 3 sleep in `politely_wait`. Everything below is for p = 2.
+# * **One call at a time, interleaved, medians.** Every call is timed on its own, after a `Barrier`, and the calls
+#   of all (collective, size) pairs come in a random order: a round times each message under 64 KiB 16 times,
+#   each fitted large one twice and the others once, and there are 60 rounds. The fit uses the median of each
+#   pair's samples (the larger of the two ranks' medians). Other programs on the machine then disturb all pairs
+#   alike, at random moments, and the median ignores the calls they hit.
+# * **Sizes where the line holds.** The sizes run from 16 B to 4 MiB, but the line is fitted only to messages of
+#   at most 1 KiB, where latency dominates, and of 2 MiB and more, where bandwidth does. In between, MPICH changes
+#   method: small messages are copied eagerly into shared-memory cells of fixed size, large ones after a handshake,
+#   and most collectives switch algorithm at some size (its thresholds are `MPIR_CVAR_*` variables; `mpivars` lists
+#   them); and messages that fit a core's cache copy faster per byte than those that do not. Those sizes are measured
+#   and drawn, not fitted: the table shows how far they fall from the line.
+# * **Relative least squares.** The times span orders of magnitude; an ordinary least-squares fit would serve
+#   the 4 MiB points and ignore the small ones. Minimizing $\sum_i ((\alpha + \beta n_i)/t_i - 1)^2$ instead, which
+#   is still linear in $(\alpha, \beta)$, treats a 10% miss at 16 B and at 4 MiB alike.
+#
+# The check: on the fitted sizes the line reproduces every measured median within 30%.
+
+# %%
+KiB, MiB = 1 << 10, 1 << 20
+SIZES = [16, 64, 256, KiB, 4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB, MiB, 2 * MiB, 3 * MiB, 4 * MiB]  # bytes
+FITTED = [n for n in SIZES if n <= KiB or n >= 2 * MiB]           # where the line holds
+OPS = ["Sendrecv", "Bcast", "Allreduce", "Allgather", "Reduce_scatter_block", "Alltoall"]
+ROUNDS = 60
+
+
+def repeats(n):
+    """Timed calls per round of a message of n bytes: the short ones many times (they are cheap, and each is either
+    undisturbed or delayed by a whole time slice of another program, so their medians need many samples), the
+    fitted large ones twice, the middle sizes once (they are only drawn)."""
+    return 16 if n < 64 * KiB else 2 if n in FITTED else 1
+
+
+TOLERANCE = 0.30                                                  # the fit vs the medians, on FITTED
+
+
+def timed_call(pair, op, n):
+    """A function making one call of `op` on the 2-rank communicator `pair` with payload n bytes (float64)."""
+    m = n // 8
+    a, b, half = np.ones(m), np.zeros(m), np.zeros(m // 2)        # (m,), (m,), (m/2,)
+    other = 1 - pair.Get_rank()
+    calls = {"Sendrecv": lambda: pair.Sendrecv(a, dest=other, recvbuf=b, source=other),   # n each way
+             "Bcast": lambda: pair.Bcast(a, root=0),
+             "Allreduce": lambda: pair.Allreduce(a, b),
+             "Allgather": lambda: pair.Allgather(half, b),                    # gathered: n
+             "Reduce_scatter_block": lambda: pair.Reduce_scatter_block(a, half),   # full input: n
+             "Alltoall": lambda: pair.Alltoall(a, b)}
+    return calls[op]
+
+
+def measure(pair):
+    """{(op, n): median seconds} on the 2-rank communicator pair. A round makes repeats(n) calls of every (op, n),
+    each timed on its own after a Barrier, all in one random order (the same on both ranks); ROUNDS rounds. The
+    result is the median of each (op, n)'s samples, the larger of the two ranks' medians."""
+    calls = {(op, n): timed_call(pair, op, n) for op in OPS for n in SIZES}
+    for f in calls.values():                                      # warm up: first-touch allocations, connections
+        f()
+    schedule = [key for key in calls for _ in range(repeats(key[1]))]   # one entry per timed call of a round
+    samples = {key: [] for key in calls}
+    order = np.random.default_rng(0)                              # same seed on both ranks: same order
+    for _ in range(ROUNDS):
+        for i in order.permutation(len(schedule)):
+            key = schedule[i]
+            pair.Barrier()                                        # start together (not timed)
+            t0 = time.perf_counter()
+            calls[key]()
+            samples[key].append(time.perf_counter() - t0)
+    medians = {key: float(np.median(s)) for key, s in samples.items()}
+    both = pair.allgather(medians)                                # small: lowercase
+    return {key: max(d[key] for d in both) for key in medians}
+
+
+def matmul_times(C, tokens, reps=5):
+    """{N: median seconds of one linear layer's forward and backward matmuls on N tokens}, W: (C, 4C) float64."""
+    rng = np.random.default_rng(0)
+    W = rng.standard_normal((C, 4 * C))                           # (C, 4C) the layer's weight
+    out = {}
+    for N in tokens:
+        Xa, dY = rng.standard_normal((N, C)), rng.standard_normal((N, 4 * C))   # (N, C), (N, 4C)
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            Y = Xa @ W                                            # (N, 4C) forward
+            dX = dY @ W.T                                         # (N, C)  backward, input gradient
+            dW = Xa.T @ dY                                        # (C, 4C) backward, weight gradient
+            times.append(time.perf_counter() - t0)
+        out[N] = float(np.median(times))
+        del Y, dX, dW
+    return out
+
+
+t_measure = time.perf_counter()
+pair = world.Split(color=0 if rank < 2 else MPI.UNDEFINED, key=rank)   # ranks 0, 1; COMM_NULL on 2, 3
+medians = measure(pair) if pair != MPI.COMM_NULL else None
+politely_wait(world.Ibarrier())                                   # ranks 2, 3 slept here meanwhile
+medians = world.bcast(medians, root=0)
+if pair != MPI.COMM_NULL:
+    pair.Free()
+C_LAYER, TOKENS = 256, [32, 128, 512]                             # a layer C x 4C, tokens per rank
+mm = matmul_times(C_LAYER, TOKENS) if rank == 0 else None         # one core, the others asleep
+politely_wait(world.Ibarrier())
+mm = world.bcast(mm, root=0)
+t_measure = time.perf_counter() - t_measure
+
+
+def fit(op):
+    """(alpha, beta) minimizing sum over FITTED of ((alpha + beta n)/t - 1)^2: linear least squares."""
+    n = np.array(FITTED, dtype=float)
+    t = np.array([medians[op, s] for s in FITTED])
+    A = np.stack([1.0 / t, n / t], axis=1)                        # (len(FITTED), 2): row i times (a, b) = fit/t
+    (alpha, beta), *_ = np.linalg.lstsq(A, np.ones_like(t), rcond=None)
+    return float(alpha), float(beta)
+
+
+fits = {op: fit(op) for op in OPS}                                # every rank fits the same medians
+
+
+def deviation(op, sizes):
+    """[fit / measured median - 1] of op at each size: how far the line is from the measurements."""
+    alpha, beta = fits[op]
+    return [(alpha + beta * n) / medians[op, n] - 1.0 for n in sizes]
+
+
+MIDDLE = [n for n in SIZES if n not in FITTED]
+calls_made = ROUNDS * len(OPS) * sum(repeats(n) for n in SIZES)
+say(f"timed {calls_made:,} calls ({len(OPS)} collectives x {len(SIZES)} sizes, {ROUNDS} rounds) on 2 ranks, and the "
+    f"matmuls on one, in {t_measure:.1f} s")
+say(f"\n{'p = 2':<22}{'alpha (us)':>11}{'1/beta (GB/s)':>15}{'worst |fit/t - 1|':>19}{'middle, not fitted':>20}")
+for op in OPS:
+    alpha, beta = fits[op]
+    worst = max(abs(d) for d in deviation(op, FITTED))
+    mid = max(deviation(op, MIDDLE), key=abs)
+    say(f"{op:<22}{alpha * 1e6:>11.2f}{1e-9 / beta:>15.2f}{worst:>18.0%} {mid:>+19.0%}")
+say("\nmeasured medians (us):")
+say(f"{'size':>9}" + "".join(f"{op[:12]:>13}" for op in OPS))
+for n in SIZES:
+    mark = " " if n in FITTED else "*"
+    say(f"{n:>8,}{mark}" + "".join(f"{medians[op, n] * 1e6:>13.1f}" for op in OPS))
+say("(* not fitted)")
+for op in OPS:
+    check(f"alpha-beta fit of {op}: worst |fit/measured - 1|", max(abs(d) for d in deviation(op, FITTED)),
+          TOLERANCE)
+
+# %% [markdown]
+# The picture: the measured medians (filled: fitted; hollow: the middle sizes, not fitted) and the fitted lines, on
+# log-log axes; on the right, how far the line is from each median, with the 30% band.
+
+# %%
+if rank == 0:
+    fig, (ax, dev) = pictures.figure(12, 4.6, ncols=2)
+    colours = ["#000000", "#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e"]
+    grid_n = np.logspace(np.log10(SIZES[0]), np.log10(SIZES[-1]), 200)
+    for op, col in zip(OPS, colours):
+        alpha, beta = fits[op]
+        ax.plot(grid_n, (alpha + beta * grid_n) * 1e6, color=col, lw=1.2,
+                label=f"{op}: {alpha * 1e6:.1f} us + n / {1e-9 / beta:.1f} GB/s")
+        for sizes, face in ((FITTED, col), (MIDDLE, "white")):
+            ax.plot(sizes, [medians[op, n] * 1e6 for n in sizes], "o", ms=4.5, mfc=face, mec=col)
+            dev.plot(sizes, [100 * d for d in deviation(op, sizes)], "o", ms=4.5, mfc=face, mec=col)
+        dev.plot(SIZES, [100 * d for d in deviation(op, SIZES)], color=col, lw=0.6, alpha=0.5)
+    for a in (ax, dev):
+        a.set_xscale("log")
+        a.axvspan(KiB * 1.5, 1.5 * MiB, color="0.93", zorder=0)
+        a.set_xlabel("payload n (bytes)")
+        a.grid(alpha=0.3, which="both")
+    ax.set_yscale("log")
+    ax.set_ylabel("time per call (us), median")
+    ax.set_title("alpha-beta fits on 2 ranks of this machine (grey band: measured, not fitted)", fontsize=9)
+    ax.legend(fontsize=6.5, loc="upper left")
+    dev.axhspan(-100 * TOLERANCE, 100 * TOLERANCE, color="#d9f0d3", zorder=0)
+    dev.set_ylabel("fit / measured - 1 (%)")
+    dev.set_title("how far the line is from each median (green: the 30% check)", fontsize=9)
+    say(f"picture: {pictures.save(fig, '02_alpha_beta_fit')}")
+
+# %% [markdown]
+# **Latency and bandwidth against the ring's prediction.** On p = 2 ranks, the ring's bytes per rank (section 4)
+# predict each collective's $\beta$ from that of one `Sendrecv` step: Allreduce sends 2(p-1)/p = 1 x n per rank,
+# so $\beta_{Allreduce} = \beta_{Sendrecv}$; Allgather, Reduce-Scatter and Alltoall send (p-1)/p = 1/2 x n, so
+# half of it; a two-rank Bcast is one message of n bytes. The latencies are another matter: for short messages
+# MPICH does not use the ring but algorithms with fewer steps (recursive doubling, binomial trees; Thakur,
+# Rabenseifner and Gropp 2005), which on two ranks come down to one exchange, or for a Bcast one message one way,
+# with no reply to wait for. So each $\alpha$ is compared with one `Sendrecv`'s.
+
+# %%
+alpha_sr, beta_sr = fits["Sendrecv"]
+factor = {"Sendrecv": 1.0, "Bcast": 1.0, "Allreduce": 1.0, "Allgather": 0.5, "Reduce_scatter_block": 0.5,
+          "Alltoall": 0.5}                                        # bytes sent per rank / payload, p = 2
+say(f"{'p = 2':<22}{'beta (ns/B)':>12}{'ring predicts':>15}{'measured/predicted':>20}{'alpha / alpha_Sendrecv':>24}")
+for op in OPS:
+    alpha, beta = fits[op]
+    say(f"{op:<22}{beta * 1e9:>12.3f}{factor[op] * beta_sr * 1e9:>15.3f}{beta / (factor[op] * beta_sr):>20.2f}"
+        f"{alpha / alpha_sr:>24.2f}")
+check.holds("beta: Allreduce costs more per payload byte than Allgather",
+            fits["Allreduce"][1] > fits["Allgather"][1])
+
+# %% [markdown]
+# Read the ratios with the machine in mind. On one computer a "message" is a memory copy (or two, through a shared
+# buffer), done by the CPU, and everything else a collective does with memory costs the same kind of time: an
+# Allgather also copies the rank's own block into the output, an Alltoall its own block, an Allreduce and a
+# Reduce-Scatter add numbers (the $\gamma$ term). The ring's prediction counts only the bytes that travel, so the
+# collectives that also copy or add come out above it, the reductions most; a Bcast, which only sends, comes
+# closest. The ordering the ring predicts holds, and is checked: an Allreduce costs more per payload byte than an
+# Allgather (twice the bytes per rank, plus the additions). Between the GPUs of a cluster the links, not the memory,
+# are the slow part, and the ring's byte counts are what the links carry: that is why NCCL's performance tests
+# (nccl-tests) report a "bus bandwidth", the payload rate times 2(p-1)/p for an All-Reduce and (p-1)/p for an
+# All-Gather, and DeepSpeed's communication logger computes the same.
+#
+# **When is a step communication-bound?** Data parallelism (chapter 4) sums every weight gradient over the
+# replicas once per step. Take one linear layer, W of C x 4C with C = 256: its gradient is 2 MiB of float64,
+# inside the fitted range. Its forward and backward matmuls (Y = XW, dX = dY W^T, dW = X^T dY) cost
+# 3 x 2 N C (4C) flops for N tokens on the rank, so the **arithmetic intensity** against the gradient's bytes is
+# 6 N C 4C / (8 C 4C) = 0.75 N flops per byte: it grows with the tokens per rank, while the All-Reduce's cost does
+# not. Below some N the step waits more for the network than it computes (unless the two overlap, chapter 8).
+# With the Allreduce's fitted line and the matmuls timed on one core of this machine:
+
+# %%
+grad_bytes = C_LAYER * 4 * C_LAYER * 8                            # the layer's gradient, float64
+alpha_ar, beta_ar = fits["Allreduce"]
+t_ar = alpha_ar + beta_ar * grad_bytes                            # the model's time for that Allreduce (p = 2)
+flops = {N: 6 * N * C_LAYER * 4 * C_LAYER for N in TOKENS}
+say(f"layer W: {C_LAYER} x {4 * C_LAYER}, gradient {grad_bytes / MiB:.0f} MiB; Allreduce on 2 ranks "
+    f"(fitted line): {t_ar * 1e3:.2f} ms")
+say(f"{'tokens N':>9}{'matmuls (ms)':>14}{'GFLOP/s':>9}{'flops per gradient byte':>25}{'Allreduce / matmuls':>21}")
+for N in TOKENS:
+    say(f"{N:>9}{mm[N] * 1e3:>14.2f}{flops[N] / mm[N] / 1e9:>9.1f}{flops[N] / grad_bytes:>25.0f}"
+        f"{t_ar / mm[N]:>21.2f}")
+per_token = mm[TOKENS[-1]] / TOKENS[-1]                           # seconds per token, from the largest N
+say(f"break-even: below about {t_ar / per_token:.0f} tokens per rank, this layer's Allreduce takes longer than "
+    f"its matmuls (here, on one core and shared memory)")
+
+# %% [markdown]
+# Keep the numbers in proportion. This is one CPU core computing and the same machine's memory "communicating",
+# so the break-even point is small: on this machine a data-parallel step is compute-bound unless each rank has very
+# few tokens. On GPUs the balance moves the other way: a GPU computes the matmuls far faster than a CPU core, while
+# the links between GPUs (NVLink inside a server, InfiniBand between servers) are not faster by the same factor,
+# and crossing servers is slower than staying inside one. The break-even number of tokens per
+# rank grows by that ratio, and communication becomes the part of a step to hide and to place well. That is why
+# the lecture's section 4.1 keeps the tensor-parallel traffic (every layer, forward and backward) inside a server,
+# overlaps the data-parallel All-Reduce with the backward pass, and recommends an efficient collective library
+# (NCCL); chapters 3, 8 and 12 take those up. The method carries over unchanged: fit $\alpha$ and $\beta$ of the
+# real interconnect, count the bytes of each collective with the ring's factors, and compare with the flops.
+
+# %% [markdown]
+# ## 6. Debugging: a hang that is caught, a rank that fails
+#
+# **(a) A mismatched collective.** The classic bug of SPMD code: one rank takes a different branch and calls a
+# different collective (or the same one with another shape, or one collective fewer) than the others. MPI does not
+# check: the ranks wait for partners that are doing something else, and the job hangs, usually with no message,
+# until its time limit. Or worse, it finishes with wrong numbers, when the mismatched calls happen to exchange
+# compatible bytes.
+#
+# `hsgd.comm.Comm(..., check=True)`, or `HSGD_CHECK_COLLECTIVES=1` in the environment (the same switch for every
+# `Comm` made without `check=`), makes the ranks of a communicator agree before each collective: a small pickled
+# `allgather` of (operation, communicator name, shapes, dtype, call number). When they differ, every rank raises
+# `CollectiveMismatch`, with a message that names each rank's call; and since the check runs *before* the real
+# collective, no rank is left inside MPI, and the communicator stays usable. The price is one extra
+# small-message latency per collective, which is why it is off by default. Here rank 0 calls `Allreduce` while the
+# others call `Allgather`:
+
+# %%
+checked = Comm(world, "world", CommStats(), check=True)
+y = np.ones(3)                                                    # (3,)
+ys = np.empty((P, 3))                                             # (P, 3)
+try:
+    if rank == 0:
+        checked.Allreduce(y)                                      # the planted bug: rank 0 sums ...
+    else:
+        checked.Allgather(y, ys)                                  # ... while the others gather
+    caught = ""
+except CollectiveMismatch as e:
+    caught = str(e)
+messages = world.allgather(caught)                                # what each rank saw
+say(f"every rank raised:\n  {messages[0]}")
+check.holds("wrong collective: every rank raised CollectiveMismatch", all(messages))
+check.holds("the message names rank 0's Allreduce and ranks 1-3's Allgather",
+            all("rank 0: Allreduce" in m and "ranks 1,2,3: Allgather" in m for m in messages))
+
+z = np.ones(4 if rank != 3 else 5)                                # the planted bug: rank 3's buffer is longer
+try:
+    checked.Allreduce(z)
+    caught = ""
+except CollectiveMismatch as e:
+    caught = str(e)
+messages = world.allgather(caught)
+say(f"every rank raised:\n  {messages[0]}")
+check.holds("wrong shape: every rank raised, naming rank 3's (5,)",
+            all("rank 3: Allreduce shapes=[(5,)]" in m for m in messages))
+
+os.environ["HSGD_CHECK_COLLECTIVES"] = "1"                        # the environment switch, for a Comm without check=
+from_env = Comm(world, "world").check
+del os.environ["HSGD_CHECK_COLLECTIVES"]
+check.holds("HSGD_CHECK_COLLECTIVES=1 turns the check on", from_env and not Comm(world, "world").check)
+
+# %% [markdown]
+# Without the check, the first pair of calls would have been rank 0 inside `MPI_Allreduce` and ranks 1-3 inside
+# `MPI_Allgather`: mismatched collectives, which the MPI standard calls erroneous and leaves undefined. In practice
+# such a job hangs, or, worse, completes with garbage; this chapter does not run it. The check has a limit, which
+# `hsgd/comm.py` states: it cannot catch a rank that never calls the check on that communicator. A rank that skips
+# a collective and then makes a *different* one on the same communicator is caught (the next call's operation,
+# shape or call number differ); a rank that skips it and then waits elsewhere (in another communicator, in a raw
+# mpi4py call, or in nothing at all) leaves the others inside the check's own `allgather`, hanging as before.
+# Exercise 3 is such a hunt.
+#
+# **(b) A rank that raises.** An exception on one rank (a bug, a full disk) is dangerous less for that rank than for
+# the others, which are already waiting in their next collective for a partner that will never arrive. How long
+# they wait depends on the MPI library and launcher; mpi4py's documentation warns that an unhandled exception
+# combined with its automatic `MPI_Finalize` at exit may deadlock (its `python -m mpi4py` runner aborts instead).
+# hsgd's entry points run their main function through `hsgd.launch.run`: on an exception that is not a usage error
+# or an agreed numerical fault, the rank prints its traceback, each line prefixed `[rank r]`, says it is aborting,
+# and calls `MPI_Abort` on `COMM_WORLD`, which ends every rank of the job; `mpiexec` then exits non-zero.
+#
+# Rank 0 runs such a job below, two ranks in a subprocess (with an outer `timeout`, so that nothing can hang this
+# chapter): rank 1 raises, while rank 0 is waiting in an `Allreduce`. The other ranks of this chapter sleep
+# meanwhile, and the verdict is shared with all of them.
+
+# %%
+JOB = '''
+import sys
+import numpy as np
+from mpi4py import MPI
+from hsgd import launch
+
+
+def main():
+    world = MPI.COMM_WORLD
+    if world.Get_rank() == 1:
+        raise ValueError("planted failure on rank 1")
+    x = np.ones(4)
+    world.Allreduce(MPI.IN_PLACE, x)          # rank 0 waits here for rank 1, which never comes
+
+
+sys.exit(launch.run(main))
+'''
+
+
+def run_failing_job(limit_s=60):
+    """Run JOB on 2 ranks in a subprocess; (exit code, seconds, stderr)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))          # the repository: hsgd importable
+    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")          # the launcher of this Python
+    if not os.path.exists(mpiexec):
+        mpiexec = "mpiexec"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PMI_")}     # not a member of *this* job
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    with tempfile.TemporaryDirectory() as folder:
+        script = os.path.join(folder, "failing_job.py")
+        with open(script, "w") as f:
+            f.write(JOB)
+        t0 = time.perf_counter()
+        r = subprocess.run(["timeout", "-k", "5", str(limit_s), mpiexec, "-n", "2", sys.executable, script],
+                           capture_output=True, text=True, env=env, cwd=root)
+    return r.returncode, time.perf_counter() - t0, r.stderr
+
+
+outcome = run_failing_job() if rank == 0 else None
+politely_wait(world.Ibarrier())                                   # ranks 1-3 sleep while rank 0 waits for it
+code, seconds, stderr = world.bcast(outcome, root=0)
+for line in stderr.splitlines():
+    if line.startswith("[rank") or "MPI_Abort" in line:
+        say(f"  | {line}")
+say(f"mpiexec exited with code {code} after {seconds:.1f} s")
+check.holds("a rank that raises: the job ends with a non-zero exit code", code not in (0, 124, 137))
+check.holds("... within seconds (under 30 s), not at the outer timeout", seconds < 30)
+check.holds("... with one clear message: the traceback and the abort",
+            "[rank 1] ValueError: planted failure on rank 1" in stderr and "MPI_Abort" in stderr)
+
+# %% [markdown]
+# ## Check against serial
+#
+# What this chapter established, on 4 ranks and with every verdict reached collectively:
+#
+# * every collective (`Send`/`Recv`, `Sendrecv`, `Bcast`, `Reduce`, `Allreduce`, `Allgather`,
+#   `Reduce_scatter_block`, `Alltoall`) gives exactly what NumPy computes from every rank's input, and so do hsgd's
+#   `Comm` wrappers, whose `CommStats` record one call and the logical tensor's bytes for each;
+# * the ring All-Reduce written from `Sendrecv` equals MPI's `Allreduce` and NumPy's sum within the rounding bound
+#   $(p-1)\epsilon \sum_r |x_r|$, gives every rank the same bits, and sends 2(p-1)/p of the payload from each rank;
+# * the alpha-beta line, fitted on this machine, reproduces the measured times of small and large messages within
+#   30% (the sizes in between, where MPICH changes method, are drawn but not fitted);
+# * a mismatched collective raises `CollectiveMismatch` on every rank instead of hanging, and a rank that raises
+#   under `hsgd.launch` ends its whole job within seconds with a non-zero exit code.
+#
+# Chapter 3 builds the communicators these calls run on: ranks, `Split`, and the dp x pp x tp grid.
+
+# %%
+what, worst = check.worst(EXACT)                                  # the checks against NumPy and MPI
+fit_worst = max(check.errors[w] for w in check.errors if w.startswith("alpha-beta fit"))
+say(f"chapter 2: all {len(check.passed)} checks passed on {P} ranks; largest error against NumPy {worst:.1e} "
+    f"({what.split(':')[0]}); alpha-beta fits within {fit_worst:.0%} of the measured times")
+
+# %% [markdown]
+# ## Cross-walk: hsgd and the production frameworks
+#
+# Megatron-LM calls its collectives through `torch.distributed`, and DeepSpeed through its own `deepspeed.comm`
+# layer on top of it, most often with the NCCL backend, which runs them on the GPUs (NCCL picks the algorithm: a
+# ring, a tree, ...). The operations are this chapter's; the names and the buffer conventions differ.
+#
+# | hsgd (MPI, mpi4py) | Megatron-LM | DeepSpeed | PyTorch | where hsgd differs, on purpose |
+# |---|---|---|---|---|
+# | `Comm.Allreduce(x)`: `MPI_Allreduce`, in place (`MPI.IN_PLACE`) | `torch.distributed.all_reduce`, e.g. `_reduce` (megatron/core/tensor_parallel/mappings.py) and `start_grad_sync` (megatron/core/distributed/param_and_grad_buffer.py) | `deepspeed.comm.all_reduce` (deepspeed/comm/comm.py) | `torch.distributed.all_reduce` | NumPy buffers, CPU or staged GPU memory; NCCL works on GPU memory directly |
+# | `Comm.Allgather(part, out)`, out of shape (p, *part.shape) | `dist_all_gather_func` = `torch.distributed.all_gather_into_tensor` (`_gather_along_first_dim`, mappings.py) | `deepspeed.comm.all_gather_into_tensor` | `torch.distributed.all_gather_into_tensor` | a new leading axis of size p instead of p blocks concatenated along dim 0: the same memory, explicit shape |
+# | `Comm.Reduce_scatter_block(full, out)` | `dist_reduce_scatter_func` = `torch.distributed.reduce_scatter_tensor` (`_reduce_scatter_along_first_dim`) | `deepspeed.comm.reduce_scatter_tensor` | `torch.distributed.reduce_scatter_tensor` | the input has the leading axis of size p |
+# | mpi4py `Alltoall` (no hsgd wrapper) | `_AllToAll` over `torch.distributed.all_to_all_single` (mappings.py: `all_to_all`, `all_to_all_sp2hp`) | `deepspeed.comm.all_to_all_single` | `torch.distributed.all_to_all_single` | hsgd has no layer that needs it (no mixture of experts) |
+# | `Comm.Bcast(x, root)` | `torch.distributed.broadcast` in `broadcast_data` (megatron/core/tensor_parallel/data.py) | `deepspeed.comm.broadcast` | `torch.distributed.broadcast` | - |
+# | `Comm.Send`/`Recv`/`Isend`/`Irecv` | `torch.distributed.isend`/`irecv`, `batch_isend_irecv` (megatron/core/pipeline_parallel/p2p_communication.py) | `deepspeed.comm.send`/`recv`/`isend`/`irecv` | `torch.distributed.send`/`recv`/`isend`/`irecv` | - |
+# | mpi4py `Reduce` (no hsgd wrapper) | none | `deepspeed.comm.reduce` | `torch.distributed.reduce` | every hsgd reduction wants its result on all ranks |
+# | `CommStats`: calls, payload bytes, seconds per (communicator, operation) | none | the communication logger: `deepspeed.comm.log_summary()`; `calc_bw_log` (deepspeed/utils/comms_logging.py) converts to "bus bandwidth" with 2(n-1)/n and (n-1)/n | none in `torch.distributed` | hsgd records the payload and leaves the algorithm's factor to the formulas (section 4) |
+# | `Comm(check=True)` / `HSGD_CHECK_COLLECTIVES=1` -> `CollectiveMismatch` | none | none | `TORCH_DISTRIBUTED_DEBUG=DETAIL` wraps each process group in a `ProcessGroupWrapper` (torch/csrc/distributed/c10d/ProcessGroupWrapper.cpp) that compares the ranks' collective fingerprints: "Detected mismatch between collectives on ranks" | the same idea: one small exchange of (operation, shapes, dtype, sequence number) before each collective |
+# | `hsgd.launch.run`: traceback, `MPI_Abort`, every rank ended | launched by `torchrun` (examples/gpt3/train_gpt3_175b_distributed.sh) | the `deepspeed` launcher (deepspeed/launcher/launch.py) kills all local ranks when one exits non-zero (`sigkill_handler`) | `torchrun`'s `LocalElasticAgent` starts and stops the workers of a node as one unit | inside the job, through MPI, rather than in a supervising launcher process |
+#
+# (Megatron-LM checks whether `torch.distributed` has `all_gather_into_tensor` and `reduce_scatter_tensor` and
+# falls back to the older `_all_gather_base` and `_reduce_scatter_base`; the same assignment opens
+# mappings.py and param_and_grad_buffer.py.)
+
+# %% [markdown]
+# ## Exercises
+#
+# ### Exercise 1: a ring All-Gather by hand
+# Write `ring_allgather(comm, part)` from `Sendrecv`: p-1 steps, at step s rank r passes the block it received at
+# step s-1 (its own at step 0) to the right and receives a new one from the left. Check that the result equals MPI's
+# `Allgather` bit for bit (an All-Gather only copies), and that each rank sent exactly (p-1)/p x the payload (the
+# gathered tensor's bytes). Try it on a sub-communicator of 3 ranks too (`world.Split`).
+# (solution: `tutorials/solutions/02_collectives.py`, `exercise_1`)
+#
+# ### Exercise 2: a binomial-tree broadcast in log2 p rounds
+# Write `tree_bcast(comm, buf, root)` from `Send`/`Recv`: number the ranks relative to the root, d = (r - root) mod p;
+# in round k (k = 0, 1, ...) every rank with d < 2^k that has the data sends it to d + 2^k, if that exists. Check it
+# against MPI's `Bcast` for every root on 4 ranks and on 3, that it takes ceil(log2 p) rounds, and that every
+# non-root rank receives exactly n bytes while the root sends ceil(log2 p) x n. Then write its alpha-beta cost,
+# ceil(log2 p)(alpha + n beta), next to the ring-based broadcast (a scatter, then a ring All-Gather: about
+# (log2 p + p - 1) alpha + 2 (p-1)/p n beta): which wins for small messages, which for large, and why?
+# (solution: `tutorials/solutions/02_collectives.py`, `exercise_2`)
+#
+# ### Exercise 3: find the planted hang
+# This gradient sync skips the update when the loss is not finite, and then averages the loss for the log:
+#
+#     def sync(comm, grad, loss):                    # comm: an hsgd.comm.Comm
+#         if not np.isfinite(loss):                  # a NaN on one rank only
+#             skipped = True
+#         else:
+#             comm.Allreduce(grad)                   # sum the gradients
+#             skipped = False
+#         logged = np.array([loss])
+#         comm.Allreduce(logged)                     # the loss, for the log
+#         return skipped
+#
+# Give rank 2 a NaN loss and run it with `Comm(world, "world", check=True)`. Which ranks raise, and what does the
+# message say? Why would it hang without the check (which call of rank 2 meets which call of the others)? Fix it so
+# that the ranks *agree* on skipping (one small Allreduce of a flag with `MPI.MAX`, as chapter 11 does), and check
+# that every rank then takes the same branch, and that without a NaN the gradient is NumPy's sum.
+# (solution: `tutorials/solutions/02_collectives.py`, `exercise_3`)
+#
+# ### Exercise 4: Alltoall from Sendrecv
+# Write `pairwise_alltoall(comm, send)` with `send` of shape (p, m): in step k = 1..p-1, rank r sends block
+# (r+k) mod p to rank (r+k) mod p and receives block r from rank (r-k) mod p, with one `Sendrecv`; its own block it
+# copies. Check it equals MPI's `Alltoall` bit for bit on 4 ranks and on 3, and that each rank sent (p-1)/p x the
+# payload (the send buffer's bytes).
+# (solution: `tutorials/solutions/02_collectives.py`, `exercise_4`)
