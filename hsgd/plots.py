@@ -1,4 +1,5 @@
-"""PNG pictures of a run (--plot DIR): the loss curves, and a per-rank timeline of one training step.
+"""PNG pictures of a run (--plot DIR): the loss curves, and a per-rank timeline of one training step; and a
+pipeline's schedule as a Gantt chart (draw_pipeline, on axes the caller made: the tutorials use it).
 
 Needs matplotlib (installed by `pip install -e '.[dev]'`, which `make train` does); the Agg backend, no display.
 """
@@ -76,6 +77,49 @@ def plot_timeline(events, path, title="", t_range=None):
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def pipeline_spans(events, ranks):
+    """The pipeline actions of each rank in `ranks` from a trace (hsgd.trace's Chrome events): [[("F3", start s,
+    end s), ...] per rank, in time order]. hsgd.stage names a forward span "forward" and a backward "backward", with
+    the micro-batch in its args; "F3" is the forward of micro-batch 3, as in hsgd.pp's schedules."""
+    out = []
+    for rank in ranks:
+        mine = [e for e in events if e.get("ph") == "X" and e["pid"] == rank and e["name"] in ("forward", "backward")]
+        out.append(sorted(((e["name"][0].upper() + str(e["args"]["micro_batch"]), e["ts"] / 1e6,
+                            (e["ts"] + e["dur"]) / 1e6) for e in mine), key=lambda span: span[1]))
+    return out
+
+
+def draw_pipeline(ax, timeline, title="", unit=1.0, xlabel="time", legend=True):
+    """A pipeline schedule as a Gantt chart on `ax`: one row per stage (stage 0 on top), each action a bar over its
+    duration, forward and backward in their colours and labelled with the micro-batch; blank where the stage is idle.
+    timeline: [[(name, start, end), ...] per stage] with names "F j" / "B j" (hsgd.pp.simulate, pipeline_spans);
+    times are drawn from the earliest start, divided by `unit`. legend: a key to the colours, right of the axes."""
+    from matplotlib.patches import Patch
+    t0 = min(a for stage in timeline for _, a, _ in stage)
+    span = (max(b for stage in timeline for _, _, b in stage) - t0) / unit
+    p = len(timeline)
+    for s, stage in enumerate(timeline):
+        y = p - 1 - s                                                    # stage 0 on top
+        for name, a, b in stage:
+            x, w = (a - t0) / unit, (b - a) / unit
+            ax.broken_barh([(x, w)], (y + 0.1, 0.8), facecolor=COLORS["forward" if name[0] == "F" else "backward"],
+                           edgecolor="white", linewidth=0.6)
+            if w > span / 45:                                            # a label only where it fits
+                ax.text(x + w / 2, y + 0.5, name[1:], ha="center", va="center", fontsize=6, color="white")
+    ax.set_xlim(0, span)
+    ax.set_ylim(0, p)
+    ax.set_yticks([p - 1 - s + 0.5 for s in range(p)])
+    ax.set_yticklabels([f"stage {s}" for s in range(p)], fontsize=7)
+    ax.tick_params(axis="x", labelsize=7)
+    ax.set_xlabel(xlabel, fontsize=7)
+    ax.set_title(title, fontsize=8)
+    if legend:
+        ax.legend(handles=[Patch(color=COLORS["forward"], label="forward F j"),
+                           Patch(color=COLORS["backward"], label="backward B j")],
+                  loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=6, frameon=False)
+    return ax
 
 
 def write_plots(directory, losses, val_points, events, step_range, title, first_step=1):

@@ -16,7 +16,8 @@
 # %% [markdown]
 # # Chapter 9: pipeline parallelism
 #
-# Chapters 5 to 8 split every layer of the model over the ranks of a group. The lecture names the other way of
+# Chapters 5 and 6 split every layer of the model over the ranks of a tensor-parallel group, chapter 7 replicated
+# that group for data parallelism and chapter 8 made its communication cheaper. The lecture names the other way of
 # splitting a model, by layers. Its section 3.1 (in translation):
 #
 # > pipeline parallelism: assign different layers of the model to different nodes, e.g. the first few layers to
@@ -38,20 +39,24 @@
 # 1. how hsgd assigns the layers to stages (`pp.split_layers`, `pp.stage_names`);
 # 2. what crosses between stages, by doing one micro-batch by hand with `Send` and `Recv` on `pp_comm`, checked
 #    against serial;
-# 3. micro-batches and the bubble, $(p-1)/(m+p-1)$, in an equal-cost simulation of the two schedules hsgd has,
-#    GPipe and 1F1B;
+# 3. micro-batches and the bubble, $(p-1)/(m+p-1)$ of the step, in an equal-cost simulation of the two schedules
+#    hsgd has, GPipe and 1F1B, drawn; and Megatron-LM's other measure of the same idle time, $(p-1)/m$;
 # 4. what the schedules cost in memory (micro-batches held per stage), measured in real training steps;
-# 5. a measured schedule, drawn from the ranks' own clocks;
+# 5. the schedules as they ran, drawn from `hsgd.trace`'s record of every forward and backward, and the bubble
+#    measured for m = 1 to 16 micro-batches next to both formulas;
 # 6. that both schedules give the same parameters, bit for bit, and those of serial SGD;
 # 7. load balance: `--pp-split`, when the last stage carries the LM head;
-# 8. the bytes on `pp_comm` against `pp.pp_formula`, and against tensor parallelism on the same ranks.
+# 8. the bytes on `pp_comm` against `pp.pp_formula`, and against tensor parallelism on the same ranks, as payload
+#    and as bytes sent per rank.
 #
-# Run it with four ranks (a few seconds; on failure every rank raises, so it exits non-zero without hanging):
+# Run it with four ranks (about 13 s on a 2-core machine, up to 31 s when other jobs share the cores; on failure
+# every rank raises, so it exits non-zero without hanging):
 #
 # mpirun -n 4 python tutorials/09_pipeline_parallelism.py
 #
-# The notebook form (`jupytext --to ipynb tutorials/09_pipeline_parallelism.py`) is for reading: the code needs four
-# MPI ranks. Only rank 0 prints.
+# Rank 0 draws three pictures into `$HSGD_FIGURES` (default `tutorials/figures/`). The notebook form
+# (`jupytext --to ipynb tutorials/09_pipeline_parallelism.py`) is for reading: the code needs four MPI ranks. Only
+# rank 0 prints.
 #
 # Legend: p = pp stages, s a stage (its `pp_rank`), m micro-batches per step (`micro_batches`), B global batch, b =
 # B/m sequences per micro-batch, T sequence, C d_model, F d_ff, V vocabulary, L layers, $L_s$ the blocks of stage
@@ -71,10 +76,13 @@ from hsgd.errors import ConfigError
 from hsgd.grid import ProcessGrid
 from hsgd.hybrid import HybridTrainer
 from hsgd.layers import embedding_forward
-from hsgd.pp import (bubble_fraction, ideal_bubble, peak_in_flight, picture, pp_formula, schedule, simulate,
-                     split_layers, stage_names)
+from hsgd.plots import draw_pipeline, pipeline_spans
+from hsgd.pp import (bubble_fraction, ideal_bubble, peak_in_flight, pp_formula, schedule, simulate, split_layers,
+                     stage_names)
+from hsgd.trace import Tracer
 from hsgd.train import fmt_bytes, step_formula
 
+import pictures                          # tutorials/pictures.py: where the PNGs go
 from checks import Checks, rel_err, train_config   # tutorials/checks.py, shared by the chapters
 
 threadpool_limits(1)                    # four ranks share the cores, tiny matrices: one BLAS thread each
@@ -83,6 +91,7 @@ world = MPI.COMM_WORLD
 if world.Get_size() != PP:              # every rank exits non-zero; rank 0 says why
     raise SystemExit(f"run this chapter on {PP} ranks: mpirun -n {PP} python {__file__}"
                      if world.Get_rank() == 0 else 1)
+rank = world.Get_rank()                 # rank 0 prints and draws
 grid = ProcessGrid(world, dp=1, pp=PP, tp=1)   # one pipeline of 4 stages; tp_comm and dp_comm have one rank each
 pp_comm, s = grid.pp_comm, grid.pp_rank        # the pipeline's communicator (hsgd.comm.Comm) and my stage
 TOL = 1e-10                             # float64: parallel and serial differ by rounding, ~1e-16 relative
@@ -228,10 +237,12 @@ say(f"every message is one (b, T, C) = {act} float64 array = {np.prod(act) * 8:,
 # actions, "F j" (forward of micro-batch j) and "B j", in an order fixed by a **schedule** (`pp.schedule(kind, m,
 # p, s)`):
 #
-# * **GPipe** (Huang et al. 2019): all m forwards, then all m backwards;
-# * **1F1B** (one forward, one backward: PipeDream's schedule, Narayanan et al. 2019, in the synchronous form
-#   PipeDream-Flush that Megatron-LM uses, Narayanan et al. 2021): p-s-1 warm-up forwards, then one forward and
-#   one backward in turn, then the remaining backwards.
+# * **GPipe** (Huang et al. 2019, "GPipe: Efficient Training of Giant Neural Networks using Pipeline
+#   Parallelism"): all m forwards, then all m backwards;
+# * **1F1B** (one forward, one backward): the steady state of PipeDream (Narayanan et al. 2019, "PipeDream:
+#   Generalized Pipeline Parallelism for DNN Training"), in the synchronous form PipeDream-Flush (Narayanan et al.
+#   2021, "Memory-Efficient Pipeline-Parallel DNN Training") that Megatron-LM runs: $\min(p-s-1, m)$ warm-up
+#   forwards, then one forward and one backward in turn, then the remaining backwards.
 #
 # Both do every backward in the order B0, B1, ..., so they add up the same gradients in the same order.
 #
@@ -244,23 +255,59 @@ say(f"every message is one (b, T, C) = {act} float64 array = {np.prod(act) * 8:,
 # $$\text{bubble} = 1 - \frac{m (f + b_c)}{(m + p - 1)(f + b_c)} = \frac{p - 1}{m + p - 1},$$
 #
 # the same for both schedules and independent of f and $b_c$. It shrinks as m grows: m = 1 leaves $(p-1)/p$ of
-# the machine idle; for a long pipeline m = p leaves about half, m = 2p about a third, m = 4p about a fifth (for
-# p = 4: 0.43, 0.27, 0.16). The pictures below (f = 1, $b_c$ = 2, the usual ratio, since a backward computes two
-# matrix products for every one of the forward; 3 characters per unit of time) show where the idle time sits, the
-# dots: the fill at the start and the drain at the end.
+# the machine idle; for a long pipeline m = p leaves about half, m = 2p about a third, m = 4p about a fifth.
+#
+# **Two measures of the same idle time.** That fraction is hsgd's (`pp.ideal_bubble`, and `pp.bubble_fraction` of a
+# timeline): idle time over all the time of the step, p stages times its length. Narayanan et al. (2021), "Efficient
+# Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", divide the same idle time by the *ideal*
+# time instead, the computation alone: a stage idles $t_{pb} = (p-1)(f + b_c)$ and computes $t_{id} = m(f + b_c)$,
+# and their "bubble time fraction" is
+#
+# $$\frac{t_{pb}}{t_{id}} = \frac{p-1}{m}.$$
+#
+# Nothing differs but the denominator: if $\beta$ is hsgd's fraction, Megatron's is $\beta/(1-\beta)$, idle over
+# busy. The two agree only for large m; for small m Megatron's can exceed 1 (at m = 1 a stage idles p - 1 times as
+# long as it works), where hsgd's stays below 1. Papers and tools quote either, so say which. The table below
+# gives both for each simulated timeline, and the picture draws them (f = 1, $b_c$ = 2, the usual ratio, since a
+# backward computes two matrix products for every one of the forward): the blank space is the bubble, the fill at
+# the start and the drain at the end.
 
 # %%
+def bubbles(timeline):
+    """(hsgd's bubble, Megatron-LM's) of a timeline [[(action, start, end)] per stage]: the idle time over
+    p x the step's span (pp.bubble_fraction), and the same idle time over the busy time, beta / (1 - beta)."""
+    beta = bubble_fraction(timeline)
+    return beta, beta / (1.0 - beta)
+
+
+say(f"{'':<12} {'step':>4} {'(m+p-1)(f+b_c)':>15}   {'bubble':>6} {'(p-1)/(m+p-1)':>13}   {'idle/busy':>9} "
+    f"{'(p-1)/m':>7}")
+simulated = {}
 for m in (1, PP, 2 * PP):
     for kind in ("gpipe", "1f1b"):
         t = simulate(kind, m, PP, f_cost=1.0, b_cost=2.0)        # [[(action, start, end)] per stage]
         span = max(e for stage in t for _, _, e in stage)
-        say(f"{kind}, m = {m}, p = {PP}: step {span:.0f} = (m+p-1)(f+b_c) = {(m + PP - 1) * 3}, "
-            f"bubble {bubble_fraction(t):.3f}, (p-1)/(m+p-1) = {ideal_bubble(m, PP):.3f}")
-        say(picture(t, width=3 * int(span)) + "\n")
-        check(f"{kind} m={m}: simulated bubble - (p-1)/(m+p-1)", abs(bubble_fraction(t) - ideal_bubble(m, PP)),
-              1e-12)
+        ours, megatron = bubbles(t)
+        say(f"{kind:<5} m = {m:<2}  {span:>4.0f} {(m + PP - 1) * 3:>15}   {ours:>6.3f} {ideal_bubble(m, PP):>13.3f}   "
+            f"{megatron:>9.3f} {(PP - 1) / m:>7.3f}")
+        check(f"{kind} m={m}: simulated bubble - (p-1)/(m+p-1)", abs(ours - ideal_bubble(m, PP)), 1e-12)
+        check(f"{kind} m={m}: simulated idle/busy - (p-1)/m", abs(megatron - (PP - 1) / m), 1e-12)
+        simulated[kind, m] = t
+if rank == 0:
+    fig, axes = pictures.figure(10, 6.6, nrows=3, ncols=2, sharex=True)
+    for row, m in enumerate((1, PP, 2 * PP)):
+        for col, kind in enumerate(("gpipe", "1f1b")):
+            ours, megatron = bubbles(simulated[kind, m])
+            draw_pipeline(axes[row, col], simulated[kind, m], xlabel="time (units of f; b_c = 2f)" if row == 2 else "",
+                          title=f"{'GPipe' if kind == 'gpipe' else '1F1B'}, m = {m}, p = {PP}: bubble {ours:.2f} of "
+                                f"the step, idle/busy {megatron:.2f}", legend=col == 1)
+    path = pictures.save(fig, "09_schedules_equal_cost")
+    say(f"picture: {path}")
 
 # %% [markdown]
+# The picture shows the step of each schedule in the equal-cost model, one row per stage, each bar one forward or
+# backward of the micro-batch it is labelled with; both schedules take the same time for the same m.
+#
 # In the equal-cost model the two schedules are equally fast. They are not equally large. Follow stage 0 at m = 8:
 # GPipe runs F0 ... F7 before its first backward, so it holds the cached activations of all 8 micro-batches at
 # once; 1F1B starts B0 after 3 warm-up forwards and then frees one micro-batch for every new one it starts.
@@ -313,34 +360,121 @@ check.equal("micro-batches held == peak_in_flight(schedule), both schedules",
 check.equal("micro-batches held (GPipe, 1F1B) == (m, min(p - s, m))", (mine[0][0], mine[1][0]), (M, min(PP - s, M)))
 
 # %% [markdown]
-# ## 5. A measured schedule
+# ## 5. The schedules as they ran
 #
-# The same picture as in section 3, drawn from the last step's `trainer.stage.timeline` of every stage: each rank's
-# (action, start, end) on its `time.perf_counter()` clock, which on one machine is the same clock for all
-# processes. An action's span starts once its input has been received, so the dots are time spent waiting in a
-# `Recv`, the bubble (and a little bookkeeping between actions). Four ranks share the two cores of this machine,
-# and a rank that waits in `Recv` does not sleep: by default MPI polls for the message, so the waiting stages take
-# CPU time from the computing ones. At this toy size an action is also mostly Python and MPI overhead. The costs
-# are neither equal nor steady and the numbers change from run to run: they are printed, not checked. What the
-# picture does show reliably is the order: GPipe's forwards then backwards, and 1F1B's warm-up forwards followed by
-# alternating F and B, most clearly on the last stage.
+# Now the real thing, timed. `hsgd.trace.Tracer` records a span for every forward and backward a stage runs (named
+# "forward" or "backward", with its micro-batch; `Stage.run` opens the span once the action's input has been
+# received, so the gaps between spans are time spent waiting in `Recv`, the bubble, plus a little bookkeeping).
+# `hsgd.plots.pipeline_spans` turns a trace into the same [(action, start, end)] per stage as `pp.simulate`, and
+# `hsgd.plots.draw_pipeline` draws either. Each rank's trace counts from its own origin (`tracer.t0`, taken after a
+# Barrier); on one machine the ranks share `time.perf_counter`'s clock, so adding each origin back puts all stages
+# on one exact time axis.
+#
+# The timings use a wider model than the rest of the chapter (C = 64, T = 32, F = 256, still 8 blocks): at C = 16 a
+# forward is mostly Python's and MPI's fixed cost per call, not arithmetic. For each m, two steps of m
+# micro-batches of 2 sequences (B = 2m, so that a micro-batch costs the same whatever m), the second one traced.
 
 # %%
-for kind in ("gpipe", "1f1b"):
-    timeline = pp_comm.allgather_obj(runs[kind][0].stage.timeline)      # [[(action, start, end)] per stage]
-    say(f"{kind}, m = {M}, p = {PP}, measured (the last step):\n{picture(timeline)}")
-    say(f"bubble: measured {bubble_fraction(timeline):.3f}, equal-cost model (p-1)/(m+p-1) = "
-        f"{ideal_bubble(M, PP):.3f}\n")
+wide = ModelConfig(vocab_size=256, seq_len=32, d_model=64, n_heads=4, n_layers=8, d_ff=256)
+wide_corpus = Corpus.load(None, wide.seq_len)
+
+
+def traced(kind, m):
+    """The second of two steps of `kind` with m micro-batches of 2 sequences on the wide model, as hsgd.trace
+    recorded it: [[("F j" or "B j", start, end)] per stage], in seconds on the ranks' common clock."""
+    tc = config(schedule=kind, micro_batches=m, batch_size=2 * m, steps=2)
+    tracer = Tracer(rank, world)                            # a Barrier, then this rank's time origin
+    trainer = HybridTrainer(wide, grid, tc, tracer)
+    for step in (1, 2):
+        tracer.clear()                                      # keep only the last step's spans
+        trainer.step(*wide_corpus.batch(tc.seed, step, tc.batch_size), step)
+    trainer.free()
+    events = [e for mine in world.allgather(tracer.chrome_events()) for e in mine]   # every rank's spans
+    origins = world.allgather(tracer.t0)                    # world rank r is stage r here (dp = tp = 1)
+    return [[(name, origins[r] + a, origins[r] + b) for name, a, b in stage]
+            for r, stage in enumerate(pipeline_spans(events, range(PP)))]
+
+
+SWEEP = (1, 2, 4, 8, 16)
+timed = {(kind, m): traced(kind, m) for m in SWEEP for kind in ("gpipe", "1f1b")}
+check.holds("the traced actions of every stage, in time order == pp.schedule",
+            all([(n[0], int(n[1:])) for n, _, _ in t[st]] == schedule(kind, m, PP, st)
+                for (kind, m), t in timed.items() for st in range(PP)))
+if rank == 0:
+    fig, axes = pictures.figure(10, 4.6, nrows=2)
+    for ax, kind in zip(axes, ("gpipe", "1f1b")):
+        ours, megatron = bubbles(timed[kind, M])
+        draw_pipeline(ax, timed[kind, M], unit=1e-3, xlabel="milliseconds",
+                      title=f"{'GPipe' if kind == 'gpipe' else '1F1B'}, m = {M}, p = {PP}, measured: bubble {ours:.2f} "
+                            f"of the step (equal-cost model {ideal_bubble(M, PP):.2f}), idle/busy {megatron:.2f} "
+                            f"(model {(PP - 1) / M:.2f})")
+    path = pictures.save(fig, "09_schedules_measured")
+    say(f"picture: {path}")
 
 # %% [markdown]
+# The picture is the traced step of each schedule at m = 8 on the four ranks of this machine. The order is the
+# schedule's, every time: GPipe's eight forwards and then eight backwards; 1F1B's warm-up forwards (three on stage 0,
+# none on the last stage) followed by alternating F and B. The lengths are not the model's. The table gives the
+# bubble of every traced step, in both measures, next to the formulas, and the last column the part of it that
+# comes from unequal stages alone: a step lasts at least as long as its busiest stage computes, so even without any
+# fill or drain $1 - \overline{w}/\max_s w_s$ of the time would be idle, with $w_s$ the time stage s spent
+# computing (1F1B, from the same trace).
+
+# %%
+def busy(timeline):
+    """Seconds each stage spent in its actions."""
+    return [sum(e - a for _, a, e in stage) for stage in timeline]
+
+
+say(f"{'m':>3}  {'(p-1)/(m+p-1)':>13}  {'GPipe':>6} {'1F1B':>6}   {'(p-1)/m':>7}  {'GPipe':>6} {'1F1B':>6}   "
+    f"{'1 - mean/max busy':>17}")
+for m in SWEEP:
+    (g, g_meg), (f, f_meg) = bubbles(timed["gpipe", m]), bubbles(timed["1f1b", m])
+    w = busy(timed["1f1b", m])
+    say(f"{m:>3}  {ideal_bubble(m, PP):>13.3f}  {g:>6.3f} {f:>6.3f}   {(PP - 1) / m:>7.3f}  {g_meg:>6.3f} "
+        f"{f_meg:>6.3f}   {1 - np.mean(w) / max(w):>17.3f}")
+if rank == 0:
+    fig, (left, right) = pictures.figure(10, 3.6, ncols=2)
+    ms = np.arange(1, SWEEP[-1] + 1)
+    for ax, formula, label, which in ((left, (PP - 1) / (ms + PP - 1), "(p-1)/(m+p-1)", 0),
+                                      (right, (PP - 1) / ms, "(p-1)/m", 1)):
+        ax.plot(ms, formula, color="black", lw=1, label=f"equal-cost model {label}")
+        for kind, marker in (("gpipe", "o"), ("1f1b", "s")):
+            ax.plot(SWEEP, [bubbles(timed[kind, m])[which] for m in SWEEP], marker, ls="none",
+                    label=f"measured, {'GPipe' if kind == 'gpipe' else '1F1B'}")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(SWEEP, [str(m) for m in SWEEP])
+        ax.set_xlabel(f"micro-batches m (p = {PP})")
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    left.set_ylabel("idle / (p x step time)")
+    left.set_title("hsgd's bubble: a fraction of the step", fontsize=9)
+    right.set_ylabel("idle / busy")
+    right.set_title("Megatron-LM's bubble: against the ideal compute time", fontsize=9)
+    path = pictures.save(fig, "09_bubble_vs_micro_batches")
+    say(f"picture: {path}")
+
+# %% [markdown]
+# The second picture plots the measured bubble of each traced step against m, in hsgd's measure (left) and
+# Megatron-LM's (right), with the equal-cost formulas as lines.
+#
+# The measured bubble falls as m grows, roughly as the formula says, and stays above it, by an amount that
+# changes from run to run (so it is printed, not checked). Three things the equal-cost model leaves out add idle
+# time: the stages are not equal (the last one also computes the LM head and the loss: the last column, and section
+# 7); every action has a fixed cost outside the spans (receiving, Python, the MPI calls); and four ranks share the
+# two cores of this machine, where a rank that waits in `Recv` does not sleep (MPI polls for the message) and so
+# takes CPU time from the ranks that compute. The first two shrink as the model grows and its stages are balanced,
+# the third disappears with a core per rank; what is left is the bubble of the schedule itself, the formula's.
+#
 # ## 6. Both schedules are serial SGD
 #
 # Pipelining changes when each micro-batch is computed, never what: every stage accumulates the gradients of
 # $\frac1m \text{loss}_j$ for j = 0, 1, ..., m-1 in that order under both schedules, so GPipe and 1F1B must agree
 # **bit for bit**, and since the sum over micro-batches is the gradient of the global batch's mean loss (chapter
-# 5), both must end with serial SGD's parameters up to rounding. The error is relative to each parameter's largest
-# entry, but at least to 0.02 (the scale of the initialization), as in chapter 4: the attention k-biases only ever
-# receive rounding noise. The serial run is `serial.sgd` on the global batch of every step.
+# 4's gradient accumulation), both must end with serial SGD's parameters up to rounding. The error is relative to
+# each parameter's largest entry, but at least to 0.02 (the scale of the initialization), as in chapter 4: the
+# attention k-biases only ever receive rounding noise. The serial run is `serial.sgd` on the global batch of every
+# step.
 
 # %%
 tc = config()
@@ -448,37 +582,94 @@ check.equal("GPipe step 2: every stage's bytes == step_formula",
 
 # %% [markdown]
 # Put that next to the other way of using the same four ranks for one copy of the model, a tensor-parallel group
-# of 4 (chapter 6): `tp_model.comm_formula` All-Reduces (N, C) activations in every block, forward and backward,
-# $((4L + 2)C + 3) N s$ bytes per rank and step with N = B T positions. The pipeline sends $2 B T C s$ per step
-# from a middle stage, to one neighbour at a time:
+# of 4 (chapters 5 and 6): `tp_model.comm_formula` All-Reduces (N, C) activations in every block, forward and
+# backward, $((4L + 2)C + 3) N s$ bytes per rank and step with N = B T positions. The pipeline sends $2 B T C s$ per
+# step from a middle stage, to one neighbour at a time. Those are payloads, the logical tensors that `CommStats`
+# records. What a rank actually sends differs by the operation (chapter 2): a point-to-point message goes once, but
+# a ring All-Reduce over p ranks sends $2(p-1)/p$ times its payload from every rank (a Reduce-Scatter and an
+# All-Gather, each $(p-1)/p$). Both columns:
 
 # %%
 B = config().batch_size
 pp_bytes = max(sum(n for (c, op), (_, n) in form.items() if c == "pp" and op == "Isend")
                for form in pp_comm.allgather_obj(formula))
 tp_bytes = sum(n for _, n in tp_model.comm_formula(cfg, B, 8).values())
-say(f"per rank and step, B = {B}, float64: pipeline of 4 stages sends at most {fmt_bytes(pp_bytes)} (point to point); "
-    f"a tensor-parallel group of 4 All-Reduces {fmt_bytes(tp_bytes)}, {tp_bytes / pp_bytes:.0f} times more")
+ring = 2 * (PP - 1) / PP                                 # bytes a ring All-Reduce sends per rank, per payload byte
+say(f"per rank and step, B = {B}, float64          {'payload':>10}  {'sent per rank':>13}")
+say(f"pipeline of {PP} stages, Isend (middle stage)  {fmt_bytes(pp_bytes):>10}  {fmt_bytes(pp_bytes):>13}   (1 x)")
+say(f"tensor-parallel group of {PP}, Allreduce      {fmt_bytes(tp_bytes):>10}  {fmt_bytes(ring * tp_bytes):>13}   "
+    f"(2(p-1)/p = {ring:.2f} x)")
+say(f"tensor parallel / pipeline                  {tp_bytes / pp_bytes:>10.1f}  {ring * tp_bytes / pp_bytes:>13.1f}")
 check.equal("pp bytes sent by a middle stage == 2 B T C s", pp_bytes, 2 * B * cfg.seq_len * cfg.d_model * 8)
 
 # %% [markdown]
 # That is the trade the lecture describes. Tensor parallelism has no bubble, every rank works on every micro-batch,
-# but it talks in every layer and needs the fast links inside a node. A pipeline talks little and only to its
-# neighbours, so its stages can sit on different nodes, but it pays with the bubble, $(p-1)/(m+p-1)$ of the time,
-# with activation memory (GPipe m micro-batches, 1F1B up to p), and with its slowest stage. Chapter 10 combines all
-# three dimensions.
+# but it talks in every layer, many times the pipeline's payload (the table: more again on the wire), and
+# needs the fast links inside a node. A pipeline talks little and only to its neighbours, so its stages can sit on
+# different nodes, but it pays with the bubble, $(p-1)/(m+p-1)$ of the time, with activation memory (GPipe m
+# micro-batches, 1F1B up to p), and with its slowest stage. Chapter 10 combines all three dimensions.
 #
 # ## Check against serial
 #
 # On 4 ranks as a pipeline of 4 stages, every verdict reached collectively: every parameter lives on exactly one
 # stage; one micro-batch relayed by hand with `Send` and `Recv` gives each stage the serial activation, the serial
-# loss and its parameters' serial gradients; the equal-cost bubble of GPipe and 1F1B is $(p-1)/(m+p-1)$ for m = 1,
-# p, 2p; in real steps the stages hold exactly the micro-batches their schedules promise (GPipe m, 1F1B
-# $\min(p-s, m)$); GPipe and 1F1B end three steps with the same parameters bit for bit, and with serial SGD's, as
-# does an uneven `--pp-split`; and every stage's bytes are exactly `step_formula`'s.
+# loss and its parameters' serial gradients; the equal-cost bubble of GPipe and 1F1B is $(p-1)/(m+p-1)$ of the step
+# and $(p-1)/m$ of the compute for m = 1, p, 2p; in real steps the stages hold exactly the micro-batches their
+# schedules promise (GPipe m, 1F1B $\min(p-s, m)$) and run their actions in the schedule's order; GPipe and 1F1B end
+# three steps with the same parameters bit for bit, and with serial SGD's, as does an uneven `--pp-split`; and every
+# stage's bytes are exactly `step_formula`'s.
 
 # %%
 worst, err = check.worst([w for w in check.errors if "serial" in w])
-say(f"\nchapter 8: all {len(check.passed)} checks passed on {world.Get_size()} ranks; largest error against serial "
+say(f"\nchapter 9: all {len(check.passed)} checks passed on {world.Get_size()} ranks; largest error against serial "
     f"{err:.1e} ({worst})")
 grid.free()
+
+# %% [markdown]
+# ## Cross-walk: hsgd and the production frameworks
+#
+# | hsgd | Megatron-LM | DeepSpeed | PyTorch | where hsgd differs, on purpose |
+# |---|---|---|---|---|
+# | `pp.split_layers(L, p, split)`, `--pp-split` (`TrainConfig.pp_split`) | even split by default; `num_layers_in_first_pipeline_stage`, `num_layers_in_last_pipeline_stage`, `account_for_loss_in_pipeline_split`, `pipeline_model_parallel_layout` (`TransformerConfig`, megatron/core/transformer/transformer_config.py) | `PipelineModule(layers=..., partition_method="parameters")`, also `"uniform"` and `"type:..."` (deepspeed/runtime/pipe/module.py) | `pipeline(...)` with `SplitPoint` / `pipe_split()` (torch/distributed/pipelining/_IR.py), or one `PipelineStage` per hand-cut module | blocks per stage, given by hand; the cost model that chooses them is in this chapter (section 7), not in the library |
+# | `pp.schedule("gpipe", m, p, s)` | none (Megatron-LM runs 1F1B) | none (its `TrainSchedule` is 1F1B-like) | `ScheduleGPipe` (torch/distributed/pipelining/schedules.py) | kept to show what 1F1B saves in memory |
+# | `pp.schedule("1f1b", m, p, s)`, run by `Stage.run` (hsgd/stage.py) | `forward_backward_pipelining_without_interleaving` (megatron/core/pipeline_parallel/schedules.py; warm-up `total_stages - current_stage - 1` forwards), chosen by `get_forward_backward_func` | `TrainSchedule` (deepspeed/runtime/pipe/schedule.py), run by `PipelineEngine.train_batch` (deepspeed/runtime/pipe/engine.py) | `Schedule1F1B` (torch/distributed/pipelining/schedules.py) | a schedule is a plain list of ("F", j) / ("B", j) that one loop executes, so it can be printed, simulated and compared with the trace |
+# | none | `forward_backward_pipelining_with_interleaving` (virtual stages: v model chunks per rank) | none | `ScheduleInterleaved1F1B` | left out: interleaving divides the bubble by v and multiplies the messages by v (Narayanan et al. 2021) |
+# | `Stage.receive`, `Stage.forward` / `backward`: `Isend` / `Recv` on `pp_comm`, tags 2j and 2j+1 | `P2PCommunicator.send_forward`, `recv_forward`, `send_forward_recv_backward`, ... (megatron/core/pipeline_parallel/p2p_communication.py), batched with `torch.distributed.batch_isend_irecv` | `send`, `recv` (deepspeed/runtime/pipe/p2p.py) | `PipelineStage` (torch/distributed/pipelining/stage.py) builds `dist.P2POp` lists (`get_fwd_send_ops`, ...) | MPI tags name each message, so no two messages of a step can be confused, whatever the order the schedule posts them in |
+# | `pp.peak_in_flight(actions)`, measured as `Stage.peak_held`: GPipe m, 1F1B $\min(p-s, m)$ | `max_outstanding_backprops = num_warmup_microbatches + 1` in `forward_backward_pipelining_without_interleaving`: at most p - s micro-batches await their backward | `TrainSchedule.num_pipe_buffers()`: $\max(2, \min(p - s, m))$ buffers | none | counted and checked in real steps, not only promised |
+# | `pp.ideal_bubble` $(p-1)/(m+p-1)$, `pp.bubble_fraction` of a timeline (idle over the whole step) | the paper's bubble time fraction $(p-1)/m$ (idle over ideal compute; Narayanan et al. 2021) | none | none | hsgd's denominator is the step, so the fraction stays below 1; section 3 prints both |
+#
+# ## Exercises
+#
+# ### Exercise 1: the bubble from a table of time slots
+# With a forward taking one time slot and a backward two, build the table of a step by hand: for every stage a row
+# of slots, each slot idle or holding "F j" or "B j". Place the actions of `pp.schedule(kind, m, p, s)` in order,
+# each at the first slot where its stage is free and its input exists (F on stage s after F of the same
+# micro-batch on stage s-1; B on stage s after B on stage s+1, or on the last stage after its own F). Count the idle
+# slots: check that idle / (p x slots) is $(p-1)/(m+p-1)$ and idle / busy is $(p-1)/m$ for both schedules, p from 2
+# to 6 and m from 1 to 2p, and that every action ends in the slot where `pp.simulate` ends it.
+# (solution: `tutorials/solutions/09_pipeline_parallelism.py`, `exercise_1`)
+#
+# ### Exercise 2: what GPipe and 1F1B hold
+# Write stage s's 1F1B schedule yourself (warm-up forwards, one forward and one backward in turn, the remaining
+# backwards) and check it against `pp.schedule` for every p up to 6, m up to 12 and s. From a schedule, count the
+# micro-batches held after each action and check the peak against m (GPipe) and $\min(p-s, m)$ (1F1B). Then turn it
+# into bytes on the chapter's 4 ranks: cache one micro-batch's forward on your stage (`tp_model.stage_forward`),
+# measure it with `hsgd.memory.activation_bytes`, and print each stage's peak activation memory under both
+# schedules at m = 8; check your peak against `Stage.peak_held` after a real step of each schedule.
+# (solution: `tutorials/solutions/09_pipeline_parallelism.py`, `exercise_2`)
+#
+# ### Exercise 3: an unbalanced split
+# Extend the equal-cost simulation to a forward cost $f_s$ and a backward cost $b_s$ per stage, and check that a
+# GPipe step then takes $\sum_s f_s + (m-1)\max_s f_s + \sum_s b_s + (m-1)\max_s b_s$ (each phase is a flow of
+# identical jobs through the stages), which for equal costs is section 3's $(m+p-1)(f+b_c)$. With the stage costs of
+# section 7's FLOP model, predict how much longer a step of the split 5,1,1,1 takes than the even one. Then run both
+# on 4 ranks (`pp_split="5,1,1,1"`): check that each stage holds `split_layers(8, 4, [5, 1, 1, 1])[s]` and that both
+# splits end with the same parameters; print the measured step times next to your prediction.
+# (solution: `tutorials/solutions/09_pipeline_parallelism.py`, `exercise_3`)
+#
+# ### Exercise 4: the bytes between the stages
+# Write by hand the (calls, bytes) that stage s sends and receives on `pp_comm` in one step of m micro-batches of
+# $B/m$ sequences, and check them against `CommStats` after a real step on 4 ranks for m = 1, 2, 4, 8: the bytes do
+# not depend on m, only the number of messages does. Put the busiest stage's bytes per step next to a tensor-parallel
+# group of 4 on the same batch (`tp_model.comm_formula`), as payload and as bytes a ring sends per rank.
+# (solution: `tutorials/solutions/09_pipeline_parallelism.py`, `exercise_4`)
