@@ -17,8 +17,9 @@
 # # Chapter 1: serial SGD, and a Transformer's backward pass by hand
 #
 # hsgd implements a lecture, *Parallel SGD in parallel and distributed systems: the algorithm that combines model
-# parallelism and data parallelism* (summarized, section by section, in the README's References). From here on it
-# is "the lecture", and the chapters cite its sections by number.
+# parallelism and data parallelism* (summarized, section by section, in `tutorials/00_the_lecture.md`, with the
+# chapter that carries out each step). From here on it is "the lecture", and the chapters cite its sections by
+# number.
 #
 # Everything later in hsgd (tensor, data and pipeline parallelism) is checked against one program: the serial
 # model in `hsgd/serial.py`. This chapter makes sure that program is right. It covers

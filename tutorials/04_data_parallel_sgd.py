@@ -521,8 +521,8 @@ for name, n in (("this toy", cfg.n_params()), ("GPT-2 small", gpt2.n_params()), 
 # parallelism, the next two chapters) and make dp data-parallel replicas of that *group*: the hybrid of chapter 7.
 # (Chapter 8 shows the other way out, ZeRO: the dp replicas split the optimizer state and gradients between them.)
 # For the stragglers the lecture (section 4.4) names the trade-off: synchronous SGD, as here, keeps serial SGD's
-# convergence guarantees (given unbiased gradients and a suitable learning rate, section 5); asynchronous updates,
-# which do not wait for the slowest worker, add noise.
+# convergence guarantees (given unbiased gradients and a suitable learning rate: this chapter's section 5);
+# asynchronous updates, which do not wait for the slowest worker, add noise.
 #
 # ## Check against serial
 #
@@ -549,7 +549,7 @@ grid.free()
 # | `micro_batches` $k$; $B = b \cdot dp$, $b$ = $k$ micro-batches | `--micro-batch-size`, `--global-batch-size`; `get_num_microbatches()` = global / (micro x dp) (megatron/core/num_microbatches_calculator.py) | `train_batch_size` = `train_micro_batch_size_per_gpu` x `gradient_accumulation_steps` x dp (deepspeed/runtime/config.py) | a loop of backward passes inside `DistributedDataParallel.no_sync()` except the last | one number, `micro_batches`, per replica |
 # | `loss_scale` = $1/k$ per micro-batch | `forward_step` divides each micro-batch's loss by the number of micro-batches (megatron/core/pipeline_parallel/schedules.py); `DistributedDataParallel.no_sync()` holds the gradient sync until the last | `DeepSpeedEngine.backward(loss, scale_wrt_gas=True)` divides by `gradient_accumulation_steps` | the user divides the loss by the number of accumulation steps | - |
 # | equal slices required (`check_batch`); unequal ones need the weights $b_g/B$ (exercise 1) | `calculate_per_token_loss` (TransformerConfig): losses summed, and the gradients scaled by 1 / (the token count all-reduced over the DP ranks) in `finalize_model_grads` (megatron/core/distributed/finalize_model_grads.py): the weights $b_g/B$, for any slices | none | none | refusing unequal slices keeps the average a plain $1/dp$ |
-# | `lr_at`: linear warm-up, cosine decay; the rate scaled by hand | `OptimizerParamScheduler` (`--lr-warmup-iters`); `--rampup-batch-size` grows the batch instead (`RampupBatchsizeNumMicroBatchesCalculator`) | `WarmupLR`, `WarmupDecayLR` (deepspeed/runtime/lr_schedules.py) | `torch.optim.lr_scheduler.LinearLR` | no automatic scaling with dp: the rate is a hyperparameter of the global batch |
+# | `lr_at`: linear warm-up, cosine decay; the rate scaled by hand | `OptimizerParamScheduler` (`--lr-warmup-iters`); `--step-batch-size-schedule` grows the batch instead (`StepBatchsizeNumMicroBatchesCalculator`, megatron/core/num_microbatches_calculator.py; it replaces the deprecated `--rampup-batch-size`) | `WarmupLR`, `WarmupDecayLR` (deepspeed/runtime/lr_schedules.py) | `torch.optim.lr_scheduler.LinearLR` | no automatic scaling with dp: the rate is a hyperparameter of the global batch |
 #
 # ## Exercises
 #

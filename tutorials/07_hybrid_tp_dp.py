@@ -233,8 +233,8 @@ for layout in (dict(dp=4, tp=2), dict(dp=2, tp=4, tp_scheme="gather", micro_batc
 #
 # The grid's `CommStats` records every collective under (communicator, operation): the calls and the **payload**,
 # the size of the logical tensor of each call. A snapshot of the counts before and after one `HybridTrainer.step`
-# gives the traffic of a step on each rank, to compare with the formulas. Let N = b T be the positions of a group's
-# slice in one step; with k micro-batches each carries N/k of them.
+# gives the traffic of a step on each rank, to compare with the formulas. N = b T is, as in the legend, the positions
+# of a group's slice in one step; each of its k micro-batches carries N/k of them.
 #
 # **tp_comm**, Megatron's scheme (`tp_model.comm_formula`): each micro-batch makes $4L + 4$ All-Reduces carrying
 # $((4L + 2)C + 3)\,\frac{N}{k}\,s$ bytes, so one step makes $k(4L + 4)$ calls carrying
@@ -255,7 +255,7 @@ for layout in (dict(dp=4, tp=2), dict(dp=2, tp=4, tp_scheme="gather", micro_batc
 # parameters' $1/tp$ shares plus the replicated ones (LayerNorms, `wpe`, the row-parallel biases) plus the
 # vocabulary padding. It grows with the number of parameters over tp, and does not depend on the batch.
 #
-# **On the wire.** A ring All-Reduce over a communicator of n ranks sends $2\frac{n-1}{n}$ times its payload from
+# **On the wire.** A ring All-Reduce over a communicator of p ranks sends $2\frac{p-1}{p}$ times its payload from
 # every rank (chapter 2): $\times 2\frac{tp-1}{tp}$ on `tp_comm`, $\times 2\frac{dp-1}{dp}$ on `dp_comm`. Every
 # comparison below gives both columns, since a ratio of payloads is not a ratio of bytes sent.
 #
@@ -282,9 +282,9 @@ def expected_traffic(cfg, tc, params):
     return out
 
 
-def ring(payload, n):
-    """Bytes a ring All-Reduce over n ranks sends from each rank: 2 (n-1)/n of the payload (0 on one rank)."""
-    return 2 * (n - 1) / n * payload
+def ring(payload, p):
+    """Bytes a ring All-Reduce over p ranks sends from each rank: 2 (p-1)/p of the payload (0 on one rank)."""
+    return 2 * (p - 1) / p * payload
 
 
 measured = {}                                            # tp -> {(comm, op): (calls, bytes)} of one step
@@ -296,10 +296,10 @@ for dp_, tp_ in ((4, 2), (2, 4)):
     measured[tp_] = counts
     say(f"dp={dp_} tp={tp_}, micro_batches=2, B={B}: one step on rank 0 (calls, payload bytes), and a ring's bytes")
     for key in sorted(set(counts) | set(formula)):
-        n = tp_ if key[0] == "tp" else dp_
+        p = tp_ if key[0] == "tp" else dp_                   # ranks of the communicator
         calls, nbytes = counts.get(key, (0, 0))
         say(f"  {key[0]:<3} {key[1]:<10} measured {str((calls, nbytes)):<14} "
-            f"formula {str(formula.get(key, (0, 0))):<14} ring, sent per rank {ring(nbytes, n):>9,.0f}")
+            f"formula {str(formula.get(key, (0, 0))):<14} ring, sent per rank {ring(nbytes, p):>9,.0f}")
     check.equal(f"dp={dp_} tp={tp_}: one step's traffic == comm_formula x k + dp_formula", counts, formula)
     if g2 is not grid:
         g2.free()

@@ -589,20 +589,20 @@ grid.free()
 # PATH), and check on a compute node with `python -c "from mpi4py import MPI; print(MPI.Get_library_version())"`.
 # If that MPI is CUDA-aware, say so with `HSGD_CUDA_AWARE=1` (section 2), and read the `device:` line of the header.
 #
-# **Why tp inside a node and dp across nodes.** All three launch lines place ranks **in blocks**: ranks 0-7 on the
-# first node, 8-15 on the second. hsgd numbers ranks tp fastest, then pp, then dp:
-# rank = (dp_rank * pp + pp_rank) * tp + tp_rank, so a tensor-parallel group is 8 consecutive ranks, one node (the
-# table of section 3). That is where its traffic must be: tensor parallelism communicates in every layer, forward
-# and backward (4L + 4 All-Reduces of (B, T, C) activations per micro-batch, chapters 6 and 7), and the next layer
-# waits for each, so it needs NVLink. hsgd puts dp outermost, so that each data-parallel replica (one pipeline of
+# **Why tp inside a node and dp across nodes.** All three launch lines place ranks **in blocks**: ranks 0-7 on the first
+# node, 8-15 on the second. hsgd numbers ranks tp fastest, then pp, then dp:
+# rank = (dp_rank * pp + pp_rank) * tp + tp_rank, so a tensor-parallel group is 8 consecutive ranks, one node (the table
+# of section 3). That is where its traffic must be: tensor parallelism communicates in every layer, forward and backward
+# (4L + 4 All-Reduces per micro-batch, all but the loss's two of (B, T, C) activations, chapters 6 and 7), and the next
+# layer waits for each, so it needs NVLink. hsgd puts dp outermost, so that each data-parallel replica (one pipeline of
 # tp groups) is a contiguous block of ranks, the lecture's G groups of M consecutive workers; data parallelism
-# communicates once per step, the gradient of each shard, and can overlap the backward pass (chapter 8), so it can
-# cross InfiniBand. By bytes, pp carries the least (one activation per micro-batch between neighbours), which is
-# why Megatron-LM puts pp outermost instead: its default order is "tp-cp-ep-dp-pp" (tp fastest, pipeline slowest;
+# communicates once per step, the gradient of each shard, and can overlap the backward pass (chapter 8), so it can cross
+# InfiniBand. By bytes, pp carries the least (one activation per micro-batch between neighbours), which is why
+# Megatron-LM puts pp outermost instead: its default order is "tp-cp-ep-dp-pp" (tp fastest, pipeline slowest;
 # `RankGenerator` in megatron/core/parallel_state.py), and then the pipeline's point-to-point sends cross the nodes
-# where hsgd's dp All-Reduce does. Both keep tp inside the node. A round-robin placement (Open MPI's
-# `--map-by node`, Slurm's `--distribution=cyclic`) would put every tp group across both nodes; check the `layout:`
-# table that `hsgd.train` prints (rank, dp, pp, tp, host): the ranks of one tp group should share a host.
+# where hsgd's dp All-Reduce does. Both keep tp inside the node. A round-robin placement (Open MPI's `--map-by node`,
+# Slurm's `--distribution=cyclic`) would put every tp group across both nodes; check the `layout:` table that
+# `hsgd.train` prints (rank, dp, pp, tp, host): the ranks of one tp group should share a host.
 #
 # **What has been checked where.** Three levels, each catching what the one before cannot:
 #

@@ -218,14 +218,15 @@ check("|backward FLOPs / forward FLOPs - 2|", abs((counted - forward_flops) / fo
 # neither AVX2 with FMA nor AVX-512 (another architecture, for one), no peak is claimed and only the formula is
 # printed.
 #
-# The second denominator is one this machine demonstrably reaches: the rate of a float32 square matrix product into
-# a preallocated output, best of a few (a larger one, as `make bench` uses, is a little faster still). A step's
-# FLOPs per second over that **measured matmul rate** says how much of what the BLAS actually delivers the step
-# keeps, whatever the BLAS's own efficiency on this CPU; it is always larger than the MFU, and it is not what papers
-# report, so numbers from papers compare only with the first. Then a few float32 training steps (forward, backward,
-# SGD update; the first not counted), and both ratios. Either is below 1: everything else in the step (section 2)
-# and the smaller, less efficient products of a small model pull it down. A mid-size model comes closer to the
-# matmul rate than this small one (the README's Speed section has both).
+# The second denominator is one this machine demonstrably reaches: the rate of a float32 square matrix product into a
+# preallocated output, best of a few (a larger one, as `make bench` uses, is a little faster still). A step's FLOPs per
+# second over that **measured matmul rate** says how much of what the BLAS actually delivers the step keeps, whatever
+# the BLAS's own efficiency on this CPU; it is larger than the MFU whenever the matmul stays below the estimated peak (a
+# peak estimated from a clock below the one the cores really run at would reverse that), and it is not what papers
+# report, so numbers from papers compare only with the first. Then a few float32 training steps (forward, backward, SGD
+# update; the first not counted), and both ratios. Either is below 1: everything else in the step (section 2) and the
+# smaller, less efficient products of a small model pull it down. A mid-size model comes closer to the matmul rate than
+# this small one (the README's Speed section has both).
 
 # %%
 def cpu_peak(threads):
@@ -812,8 +813,8 @@ print(f"appendix A: all {len(check.errors)} checks passed; largest error {err:.1
 # vector unit its flags show (16 for `avx512f`, 8 for `avx2` with `fma`), and returns cores x clock x lanes x 2 x 2
 # (a fused multiply-add is 2 FLOPs; 2 FMA units assumed), or None when the flags show neither. Check it on three
 # made-up texts: two cores with two hyper-threads each, another with AVX-512, and an ARM machine. Then time a small
-# step on this machine and give its MFU over your estimate of this machine's peak and over a measured matmul rate,
-# and check that the two differ exactly by the ratio of the denominators.
+# step on this machine and give its MFU over your estimate of this machine's peak and over a measured matmul rate:
+# which is the larger, and what does that say about the estimate?
 # (solution: `tutorials/solutions/A_where_the_time_goes.py`, `exercise_2`)
 #
 # ### Exercise 3: the memory of a layout
@@ -821,6 +822,6 @@ print(f"appendix A: all {len(check.errors)} checks passed; largest error {err:.1
 # optimizer's state (one velocity for SGD with momentum, two moments for AdamW), from the shapes: a replicated
 # parameter whole, a split one 1/tp of its split axis, the vocabulary ceil(V/tp) rows. Check it against the shards
 # `tp_model.shard` cuts from the serial parameters, for Megatron's scheme and the All-Gather scheme at tp = 2 and 4,
-# then print the table for a GPT-2-small shape (L 12, C 768, F 3072, V 50257, T 1024) in float32 with AdamW at
-# tp = 1, 2, 4, 8.
+# then print the table for a GPT-2-small shape (L 12, C 768, NH 12, F 3072, V 50257, T 1024) in float32 with AdamW at
+# tp = 1, 2, 4 and 6 (`tp_model.check_tp` refuses tp = 8, which does not divide the 12 heads).
 # (solution: `tutorials/solutions/A_where_the_time_goes.py`, `exercise_3`)

@@ -168,9 +168,8 @@ def exercise_2(check):
         peak = here[0]
         check.say(f"this machine, one core: {here[1]} x {here[2]:.2f} GHz x {here[3]} lanes x 2 x 2 = "
                   f"{peak / 1e9:.1f} GFLOP/s (estimated); MFU {achieved / peak:.1%}, over the matmul rate "
-                  f"{achieved / rate:.1%}; the matmul reaches {rate / peak:.0%} of the estimate")
-        check("MFU over the peak * peak / (MFU over the matmul rate * rate) - 1",
-              abs((achieved / peak) * peak / ((achieved / rate) * rate) - 1), 1e-12)
+                  f"{achieved / rate:.1%}; the matmul reaches {rate / peak:.0%} of the estimate, so the MFU is the "
+                  f"{'smaller' if rate < peak else 'larger'} of the two")
 
 
 def timed(fn):
@@ -211,7 +210,8 @@ def exercise_3(check):
     gpt2 = ModelConfig(vocab_size=50257, seq_len=1024, d_model=768, n_heads=12, n_layers=12, d_ff=3072)
     check.say(f"GPT-2-small shape ({gpt2.n_params() / 1e6:.1f}M parameters: hsgd's LM head is not tied to wte), "
               "float32, AdamW, Megatron's scheme:")
-    for tp in (1, 2, 4, 8):
+    for tp in (1, 2, 4, 6):                                   # tp must divide the 12 heads: not 8
+        tp_model.check_tp(gpt2, tp)                           # raises ConfigError for a size hsgd cannot run
         check.say(f"  tp {tp}: {state_bytes(gpt2, tp, 'megatron', 4, 'adamw') / 2 ** 30:.3f} GiB per rank "
                   f"(parameters, gradients, two moments)")
     check.equal("tp 1: 16 bytes per parameter", state_bytes(gpt2, 1, "megatron", 4, "adamw"), 16 * gpt2.n_params())
