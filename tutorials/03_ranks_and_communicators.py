@@ -189,6 +189,7 @@ for dim, groups in grid.groups().items():
     say(f"{dim}_comm groups: {groups}")
 if rank == 0:
     say("picture:", pictures.grid(4, 1, 2, "03_grid_dp4_tp2"))
+pictures.wait_asleep(world)                      # the other ranks sleep while rank 0 draws
 
 check.equal("rank == (dp_rank*pp + pp_rank)*tp + tp_rank",
             rank, ProcessGrid.rank_of(grid.dp_rank, grid.pp_rank, grid.tp_rank, grid.pp, grid.tp))
@@ -328,6 +329,7 @@ for dim, groups in grid3.groups().items():
 hosts = [f"node {r // 4}" for r in range(P)]                     # 4 consecutive ranks per node
 if rank == 0:
     say("picture:", pictures.grid(2, 2, 2, "03_grid_dp2_pp2_tp2", hosts=hosts))
+pictures.wait_asleep(world)                      # the other ranks sleep while rank 0 draws
 crossing = [dim for dim, groups in grid3.groups().items()            # a group with ranks on two nodes
             if any(len({hosts[r] for r in g}) > 1 for g in groups)]
 say(f"with 4 ranks per node: {', '.join(d + '_comm' for d in crossing)} crosses nodes; "

@@ -422,6 +422,7 @@ if grid.rank == 0:                                     # world rank 0 draws
     right.set_title("each seed a marker (o, x), the line their mean", fontsize=9)
     right.legend(fontsize=7)
     say("picture:", pictures.save(fig, "04_lr_scaling"))
+pictures.wait_asleep(world)                          # the other ranks sleep while rank 0 draws
 
 # %% [markdown]
 # ## 6. What it costs
@@ -507,6 +508,7 @@ if grid.rank == 0:                                     # world rank 0 draws
                  fontsize=8)
     ax.legend(fontsize=7)
     say("picture:", pictures.save(fig, "04_memory_per_rank"))
+pictures.wait_asleep(world)                          # the other ranks sleep while rank 0 draws
 gpt2 = ModelConfig(vocab_size=50257, seq_len=1024, d_model=768, n_heads=12, n_layers=12, d_ff=3072)
 for name, n in (("this toy", cfg.n_params()), ("GPT-2 small", gpt2.n_params()), ("GPT-3", 175e9)):
     say(f"{name:<12} {n:>16,.0f} parameters: params + grads + momentum in float32 = {fmt_bytes(3 * 4 * n):>11} "

@@ -198,6 +198,7 @@ if rank == 0:
     fig.legend(handles=[Patch(fc=RANK_COLORS[r], ec="black", label=f"tp rank {r}") for r in range(TP)],
                loc="lower right", ncol=1, fontsize=7, frameon=False)
     say(f"picture: {pictures.save(fig, '05_column_and_row_split')}")
+pictures.wait_asleep(world)                      # the other ranks sleep while rank 0 draws
 
 # %% [markdown]
 # Assembling the results. For the column split the blocks are put side by side; rank $i$'s block must equal
@@ -447,6 +448,7 @@ if rank == 0:
     bwd.set_title("backward (section 3.3, case 2): Reduce-Scatter of the partial dL/dY, then All-Reduce of dX",
                   fontsize=8)
     say(f"picture: {pictures.save(fig, '05_gather_scheme_flow')}")
+pictures.wait_asleep(world)                      # the other ranks sleep while rank 0 draws
 
 # %% [markdown]
 # So the lecture's "the backward of the All-Gather is a Reduce-Scatter" is exact when each rank contributes a
@@ -587,6 +589,7 @@ if rank == 0:
                  f"{float(pay_ratio):.2f}x, ring ratio {float(ring_ratio):.2f}x", fontsize=8)
     ax.legend(fontsize=7, frameon=False)
     say(f"picture: {pictures.save(fig, '05_mlp_bytes')}")
+pictures.wait_asleep(world)                      # the other ranks sleep while rank 0 draws
 
 # %% [markdown]
 # With $F = 4C$, as here and in GPT-2, the lecture's scheme carries $(F + C)/C = 5$ times the payload of

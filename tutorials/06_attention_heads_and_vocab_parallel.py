@@ -210,6 +210,7 @@ if rank == 0:
     axes[1][0].set_ylabel(f"query t\n(T = {T})", fontsize=6)
     axes[1][0].set_xlabel("key t'", fontsize=6)
     say(f"picture: {pictures.save(fig, '06_attention_heads_split')}")
+pictures.wait_asleep(world)                      # the other ranks sleep while rank 0 draws
 
 # %% [markdown]
 # The serial branch on the full matrices, with all NH heads, and the comparison: the local heads' output is a
@@ -438,6 +439,7 @@ if rank == 0:
     fig.suptitle(f"vocab-parallel cross-entropy, tp = {TP}: hsgd sends these in 2 All-Reduces (MAX of (N,), "
                  f"SUM of (2, N)), payload {payload(ce_counts):,} bytes; the logits never travel", fontsize=8)
     say(f"picture: {pictures.save(fig, '06_vocab_parallel_cross_entropy')}")
+pictures.wait_asleep(world)                      # the other ranks sleep while rank 0 draws
 
 # %% [markdown]
 # What that saves. The logits and the softmax saved for the backward are (N, V) on one device but (N, Vp) per
@@ -677,6 +679,7 @@ if rank == 0:
     fig.suptitle(f"activation bytes per rank, L = {cfg.n_layers}, B = {batch}, T = {cfg.seq_len}, C = "
                  f"{cfg.d_model}, NH = {cfg.n_heads}, float64", fontsize=8)
     say(f"picture: {pictures.save(fig, '06_activation_bytes_per_block')}")
+pictures.wait_asleep(world)                      # the other ranks sleep while rank 0 draws
 
 # %% [markdown]
 # With sequence parallelism *every* cached activation is divided by tp; with Megatron's scheme its per-block bytes

@@ -49,7 +49,7 @@
 # 8. the bytes on `pp_comm` against `pp.pp_formula`, and against tensor parallelism on the same ranks, as payload
 #    and as bytes sent per rank.
 #
-# Run it with four ranks (about 13 s on a 2-core machine, up to 31 s when other jobs share the cores; on failure
+# Run it with four ranks (about 7 s on a quiet 2-core machine, up to 31 s when other jobs share the cores; on failure
 # every rank raises, so it exits non-zero without hanging):
 #
 # mpirun -n 4 python tutorials/09_pipeline_parallelism.py
@@ -303,6 +303,7 @@ if rank == 0:
                                 f"the step, idle/busy {megatron:.2f}", legend=col == 1)
     path = pictures.save(fig, "09_schedules_equal_cost")
     say(f"picture: {path}")
+pictures.wait_asleep(world)                      # the other ranks sleep while rank 0 draws
 
 # %% [markdown]
 # The picture shows the step of each schedule in the equal-cost model, one row per stage, each bar one forward or
@@ -410,6 +411,7 @@ if rank == 0:
                             f"(model {(PP - 1) / M:.2f})")
     path = pictures.save(fig, "09_schedules_measured")
     say(f"picture: {path}")
+pictures.wait_asleep(world)                      # the other ranks sleep while rank 0 draws
 
 # %% [markdown]
 # The picture is the traced step of each schedule at m = 8 on the four ranks of this machine. The order is the
@@ -453,6 +455,7 @@ if rank == 0:
     right.set_title("Megatron-LM's bubble: against the ideal compute time", fontsize=9)
     path = pictures.save(fig, "09_bubble_vs_micro_batches")
     say(f"picture: {path}")
+pictures.wait_asleep(world)                      # the other ranks sleep while rank 0 draws
 
 # %% [markdown]
 # The second picture plots the measured bubble of each traced step against m, in hsgd's measure (left) and

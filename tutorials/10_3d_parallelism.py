@@ -42,7 +42,7 @@
 # 6. a few steps of `hsgd.train.train` on it, ending with the parameters of serial SGD;
 # 7. the command lines that run the same things.
 #
-# Run it with eight ranks (about 13 s on a 2-core machine, 14 s when other jobs share the cores; on failure every
+# Run it with eight ranks (about 7 s on a quiet 2-core machine, 14 s when other jobs share the cores; on failure every
 # rank raises, so it exits non-zero without hanging):
 #
 # mpirun -n 8 python tutorials/10_3d_parallelism.py
@@ -159,6 +159,7 @@ node = [r // PER_NODE for r in range(P)]   # world rank -> node, consecutive ran
 if rank == 0:
     path = pictures.grid(DP, PP, TP, "10_grid_dp2_pp2_tp2", hosts=[f"node {n}" for n in node])
     say(f"picture: {path}")
+pictures.wait_asleep(world)                      # the other ranks sleep while rank 0 draws
 for dim in ("tp", "pp", "dp"):
     say(f"{dim}_comm groups: {groups[dim]}")
 members = {dim: getattr(grid, f"{dim}_comm").allgather_obj(rank) for dim in ("tp", "pp", "dp")}
@@ -485,6 +486,7 @@ if rank == 0:
     ax.grid(axis="y", alpha=0.3)
     path = pictures.save(fig, "10_memory_per_rank")
     say(f"picture: {path}")
+pictures.wait_asleep(world)                      # the other ranks sleep while rank 0 draws
 
 # %% [markdown]
 # The picture stacks the four parts for each of the ten layouts, for the rank of the stage that holds the most.
@@ -537,6 +539,7 @@ run = train(cfg, tc, world, out=sys.stdout)           # rank 0 prints; every ran
 reference = None
 if rank == 0:                                         # the same global batches, on one process
     reference = serial.sgd(cfg, tc, lambda step: corpus.batch(tc.seed, step, tc.batch_size))
+pictures.wait_asleep(world)                           # the others sleep meanwhile (not spin inside the bcast)
 ref, ref_losses = world.bcast(reference, root=0)      # a small model: a pickled broadcast is fine
 
 losses = run["losses"]

@@ -36,9 +36,8 @@
 # 6. when a rank dies: an exception, a SIGKILL, and `--resume auto`;
 # 7. numerical faults: a NaN on one rank, and DP replicas that no longer agree.
 #
-# Run it with eight ranks, which share the machine's cores: about 10 s at best on a 2-core machine (the fastest of a
-# dozen runs on a machine shared with other jobs; most took 15 to 25 s, the slowest 40 s). On failure every rank
-# raises, so it exits non-zero without hanging:
+# Run it with eight ranks, which share the machine's cores: about 6 s on a quiet 2-core machine (two to four times
+# that when other jobs share the cores). On failure every rank raises, so it exits non-zero without hanging:
 #
 # mpirun -n 8 python tutorials/11_fault_tolerance.py
 #
@@ -223,6 +222,7 @@ if rank == 0:
     bx.set_title("bytes each rank wrote (from the manifest)", fontsize=8)
     bx.legend(fontsize=7, loc="upper right")
     say(f"picture: {pictures.save(fig, '11_checkpoint_per_rank')}")
+pictures.wait_asleep(world)                      # the other ranks sleep while rank 0 draws
 
 # %% [markdown]
 # ## 2. Atomic writes, and keeping the newest K
@@ -439,6 +439,7 @@ if rank == 0:
     for a in axes[:, -1]:
         a.axis("off")
     say(f"picture: {pictures.save(fig, '11_resharding_map')}")
+pictures.wait_asleep(world)                      # the other ranks sleep while rank 0 draws
 
 # %% [markdown]
 # Now the whole resume, in two other layouts of the same 8 ranks: dp 4 x pp 1 x tp 2 (no pipeline: every rank

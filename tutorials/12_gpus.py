@@ -542,6 +542,7 @@ if rank == 0:
                  f"{trainer.pbuf.flat.size:,} numbers)", fontsize=8)
     bx.legend(fontsize=7, loc="upper right")
     say(f"picture: {pictures.save(fig, '12_transfer_paths')}")
+pictures.wait_asleep(world)                      # the other ranks sleep while rank 0 draws
 
 # %% [markdown]
 # **The check against serial.** Rank 0 runs serial mini-batch SGD on the whole batch of every step, with the same

@@ -5,8 +5,10 @@
     ...                                                   # draw
     path = pictures.save(fig, "05_column_and_row_split")  # <folder>/05_column_and_row_split.png; shown in a notebook
     pictures.grid(ProcessGrid-like sizes, name)           # the dp x pp x tp grid with its communicators
+    pictures.wait_asleep(world)                           # after rank 0 has drawn: every rank, before going on
 
-Only one rank draws (rank 0 of the chapter's world): a chapter calls these under `if rank == 0:`.
+Only one rank draws (rank 0 of the chapter's world): a chapter calls these under `if rank == 0:`, and then every
+rank calls wait_asleep, so that the others do not spin while rank 0 draws.
 The folder is $HSGD_FIGURES when set (the tests set it to a temporary folder and check that every picture a
 chapter names was written), else `tutorials/figures/` beside this file (not tracked by git). A picture's name
 starts with its chapter's number, so that the folder reads in the course's order.
@@ -15,6 +17,7 @@ This is not a chapter (tests/test_tutorials.py runs only the files named NN_*.py
 what several chapters draw.
 """
 import os
+import time
 
 FOLDER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "figures")
 COLORS = {"tp": "#1f77b4", "pp": "#2ca02c", "dp": "#d62728"}   # one colour per communicator, in every chapter
@@ -49,6 +52,15 @@ def save(fig, name):
     except NameError:
         pass
     return path
+
+
+def wait_asleep(comm, poll_s=0.002):
+    """Every rank of comm waits here until all have arrived, asleep between tests of a non-blocking barrier.
+    Why: while rank 0 draws, the other ranks would wait inside their next collective, where MPICH busy-polls; with
+    more ranks than cores (8 ranks on 2 cores in CI) rank 0 then draws at a fraction of one core."""
+    done = comm.Ibarrier()
+    while not done.Test():
+        time.sleep(poll_s)
 
 
 def grid(dp, pp, tp, name, title=None, hosts=None):
