@@ -46,7 +46,6 @@ from hsgd import ModelConfig, serial, tp_model   # hsgd before NumPy: it sets Op
 import io
 import math
 import sys
-import time
 from dataclasses import replace
 
 import numpy as np
@@ -82,9 +81,7 @@ def rank0_only(work):
     it asleep, in a loop around a non-blocking barrier: waiting inside the next collective instead, MPICH would
     spin on a core, and here eight ranks share two, so rank 0 would work at a fraction of one core."""
     result = work() if rank == 0 else None
-    done = world.Ibarrier()
-    while not done.Test():
-        time.sleep(0.002)
+    pictures.wait_asleep(world)
     return result
 
 
