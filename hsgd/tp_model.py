@@ -82,6 +82,22 @@ def shard_params(full_params, tp_rank, tp, scheme="megatron"):
     return {name: shard(p, name, tp_rank, tp, scheme) for name, p in full_params.items()}
 
 
+def shard_numel(cfg, tp, names=None, scheme="megatron"):
+    """How many numbers of the parameters `names` (default: all) one tensor-parallel rank holds, from the shapes:
+    a split parameter 1/tp of its axis (the vocabulary padded to tp * ceil(V/tp)), a replicated one whole. The
+    same on every tp rank; the size of its dp_comm gradient exchange and of its parameter memory."""
+    shapes = cfg.param_shapes()
+    total = 0
+    for name in shapes if names is None else names:
+        shape = shapes[name]
+        kind, axis = split_of(name, scheme)
+        n = math.prod(shape)
+        if kind != "rep":
+            n = n // shape[axis] * (vocab_range(shape[axis], tp, 0)[1] if kind == "vocab" else shape[axis] // tp)
+        total += n
+    return total
+
+
 def init_params(cfg, comm, seed=0, dtype="float32", device=None, scheme="megatron"):
     """This rank's shards: exact slices of hsgd.serial.init_params for the same seed. (Each rank draws the full
     model and keeps its slice: simple, and for the model sizes of this project cheap.)"""

@@ -136,3 +136,18 @@ def test_batch_split_over_threads_is_the_minibatch_identity(set_threads, threads
     n = min(threads, B)
     assert slices == [(B * i // n, B * (i + 1) // n, 1) for i in range(n)] and after == threads
     assert abs(loss2 - loss1) <= 1e-14 * abs(loss1) and err < 1e-13
+
+
+@pytest.mark.parametrize("scheme", ["megatron", "gather", "sequence"])
+def test_shard_numel_counts_what_a_tp_rank_holds(scheme):
+    """tp_model.shard_numel, from the shapes, is the size of the shards tp_model.shard cuts, on every rank; a
+    vocabulary of 250 does not split evenly, so its padding is counted too."""
+    from hsgd import ModelConfig, tp_model
+    cfg = ModelConfig(vocab_size=250, seq_len=8, d_model=16, n_heads=4, n_layers=2, d_ff=64)
+    full = serial.init_params(cfg, seed=0, dtype="float64")
+    some = ["wte", "h.0.attn.q.weight", "h.1.ln2.bias", "lm_head.weight"]
+    for tp in (1, 2, 4):
+        for rank in range(tp):
+            shards = tp_model.shard_params(full, rank, tp, scheme)
+            assert tp_model.shard_numel(cfg, tp, scheme=scheme) == sum(a.size for a in shards.values())
+            assert tp_model.shard_numel(cfg, tp, some, scheme) == sum(shards[n].size for n in some)

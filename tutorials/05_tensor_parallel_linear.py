@@ -59,7 +59,7 @@ from hsgd import layers, tp_layers
 from hsgd.grid import ProcessGrid
 
 import pictures                      # tutorials/pictures.py: where the PNGs go
-from checks import Checks, rel_err   # tutorials/checks.py, shared by the chapters
+from checks import Checks, payload, rel_err, ring_bytes   # tutorials/checks.py, shared by the chapters
 
 threadpool_limits(1)                    # four ranks share the cores, tiny matrices: one BLAS thread each
 TP = 4                                  # tensor-parallel size; more ranks than 4 form data-parallel copies
@@ -74,20 +74,6 @@ TOL = 1e-12                             # float64 throughout: parallel and seria
 check = Checks(world, tol=TOL, width=60)  # check(what, err, tol): collective, raises on every rank unless err < tol
 say = check.say                           # print on world rank 0 only
 RANK_COLORS = [f"C{r}" for r in range(TP)]  # one colour per tp rank in the pictures (matplotlib's cycle)
-
-
-def ring_bytes(counts, p=TP):
-    """Bytes one rank sends on a ring for the collectives in `counts` ({(comm, op): (calls, payload bytes)}, as
-    CommStats records them): an All-Reduce 2(p-1)/p of its payload, an All-Gather (p-1)/p of the gathered tensor,
-    a Reduce-Scatter (p-1)/p of the full input (chapter 2). Exact, as a Fraction."""
-    per_payload = {"Allreduce": Fraction(2 * (p - 1), p), "Allgather": Fraction(p - 1, p),
-                   "Reduce_scatter_block": Fraction(p - 1, p)}
-    return sum((per_payload[op] * nbytes for (_, op), (_, nbytes) in counts.items()), Fraction(0))
-
-
-def payload(counts):
-    """The payload bytes of all the collectives in `counts`."""
-    return sum(nbytes for _, nbytes in counts.values())
 
 
 def merged(*counts):
@@ -360,10 +346,10 @@ say(f"  (taking the slice of my own partial D^(r) without communication would be
     f"{rel_err(D_r[..., cols], dY_serial[..., cols]):.0%}: case 2 needs the sum)")
 say(f"{'route to dL/dY_i':<26}{'payload':>10}{'ring, sent per rank':>22}")
 for name, counts in (("Reduce-Scatter", route_rs), ("All-Reduce + slice", route_ar)):
-    say(f"{name:<26}{payload(counts):>10,}{float(ring_bytes(counts)):>22,.0f}")
+    say(f"{name:<26}{payload(counts):>10,}{float(ring_bytes(counts, TP)):>22,.0f}")
 check.equal("split: both routes' payload == N*F*8", (payload(route_rs), payload(route_ar)), (N * F * 8,) * 2)
-check.equal("split: ring bytes, Reduce-Scatter route == 1/2 All-Reduce's", ring_bytes(route_rs) * 2,
-            ring_bytes(route_ar))
+check.equal("split: ring bytes, Reduce-Scatter route == 1/2 All-Reduce's", ring_bytes(route_rs, TP) * 2,
+            ring_bytes(route_ar, TP))
 
 # %% [markdown]
 # From $\partial L/\partial Y_i$ on, the first layer's backward is the same as before: $dA_i = X^\top dY_i$
@@ -419,7 +405,7 @@ if rank == 0:
 
     def cost(counts):                                           # "Allgather: payload 1,536 B, ring 1,152 B/rank"
         (_, op), (_, nb) = next(iter(counts.items()))
-        return f"{op}\npayload {nb:,} B\nring {float(ring_bytes(counts)):,.0f} B/rank"
+        return f"{op}\npayload {nb:,} B\nring {float(ring_bytes(counts, TP)):,.0f} B/rank"
 
     wF, wC = 3.2, 3.2 * C / F                                   # strip widths to scale: F and C columns
     fig, (fwd, bwd) = pictures.figure(10, 5.2, nrows=2)
@@ -564,9 +550,9 @@ check.equal("the lecture's MLP: calls, bytes == expected", gather_counts, expect
 mlp = {"Megatron": merged(fwd_counts, bwd_counts), "the lecture's": gather_counts}   # {(comm, op): (calls, bytes)}
 say(f"{'per MLP forward + backward':<28}{'payload (bytes)':>18}{'ring, sent per rank (bytes)':>30}")
 for name, counts in mlp.items():
-    say(f"{name:<28}{payload(counts):>18,}{float(ring_bytes(counts)):>30,.0f}")
+    say(f"{name:<28}{payload(counts):>18,}{float(ring_bytes(counts, TP)):>30,.0f}")
 pay_ratio = Fraction(payload(mlp["the lecture's"]), payload(mlp["Megatron"]))
-ring_ratio = ring_bytes(mlp["the lecture's"]) / ring_bytes(mlp["Megatron"])
+ring_ratio = ring_bytes(mlp["the lecture's"], TP) / ring_bytes(mlp["Megatron"], TP)
 say(f"{'ratio, the lecture / Megatron':<28}{float(pay_ratio):>17.2f}x{float(ring_ratio):>29.2f}x")
 check.equal("payload ratio == (F + C) / C", pay_ratio, Fraction(F + C, C))
 check.equal("ring-bytes ratio == 3 (F + C) / (4 C)", ring_ratio, Fraction(3 * (F + C), 4 * C))
@@ -577,12 +563,12 @@ if rank == 0:
     xs = np.arange(len(names))
     for k, (label, values) in enumerate((("payload (the logical tensors)", [payload(mlp[n]) for n in names]),
                                          (f"ring: bytes sent per rank, tp = {TP}",
-                                          [float(ring_bytes(mlp[n])) for n in names]))):
+                                          [float(ring_bytes(mlp[n], TP)) for n in names]))):
         bars = ax.bar(xs + (k - 0.5) * 0.38, values, 0.36, label=label, color=["0.55", "C0"][k])
         ax.bar_label(bars, labels=[f"{v:,.0f}" for v in values], fontsize=7)
     ax.set_xticks(xs, [f"{n} MLP\n({', '.join(f'{c} {op}' for (_, op), (c, _) in mlp[n].items())})"
                        for n in names], fontsize=7)
-    ax.set_ylim(0, 1.15 * max(float(ring_bytes(mlp[n])) for n in names))
+    ax.set_ylim(0, 1.15 * max(float(ring_bytes(mlp[n], TP)) for n in names))
     ax.set_ylabel("bytes per forward + backward", fontsize=7)
     ax.tick_params(labelsize=7)
     ax.set_title(f"the MLP of sections 3 and 4 (N={N}, C={C}, F={F}, float64): payload ratio "

@@ -60,7 +60,7 @@ from hsgd.grid import ProcessGrid
 from hsgd.report import fmt_bytes
 
 import pictures                      # tutorials/pictures.py: where the PNGs go
-from checks import Checks, rel_err   # tutorials/checks.py, shared by the chapters
+from checks import Checks, payload, rel_err, ring_bytes, ring_share   # tutorials/checks.py, shared by the chapters
 
 threadpool_limits(1)                    # four ranks share the cores, tiny matrices: one BLAS thread each
 TP = 4                                  # tensor-parallel size; more ranks than 4 form data-parallel copies
@@ -75,20 +75,6 @@ TOL = 1e-10                             # float64: parallel and serial differ by
 check = Checks(world, tol=TOL, width=64)  # check(what, err, tol): collective, raises on every rank unless err < tol
 say = check.say                           # print on world rank 0 only
 RANK_COLORS = [f"C{r}" for r in range(TP)]  # one colour per tp rank in the pictures (matplotlib's cycle)
-
-
-def ring_bytes(counts, p=TP):
-    """Bytes one rank sends on a ring for the collectives in `counts` ({(comm, op): (calls, payload bytes)}, as
-    CommStats records them): an All-Reduce 2(p-1)/p of its payload, an All-Gather (p-1)/p of the gathered tensor,
-    a Reduce-Scatter (p-1)/p of the full input (chapter 2). Exact, as a Fraction."""
-    per_payload = {"Allreduce": Fraction(2 * (p - 1), p), "Allgather": Fraction(p - 1, p),
-                   "Reduce_scatter_block": Fraction(p - 1, p)}
-    return sum((per_payload[op] * nbytes for (_, op), (_, nbytes) in counts.items()), Fraction(0))
-
-
-def payload(counts):
-    """The payload bytes of all the collectives in `counts`."""
-    return sum(nbytes for _, nbytes in counts.values())
 
 
 rng = np.random.default_rng(0)          # the same seed on every rank: every rank can build the serial reference
@@ -452,16 +438,16 @@ pictures.wait_asleep(world)                      # the other ranks sleep while r
 gather_logits = {("tp", "Allgather"): (1, N * TP * Vp * 8)}               # what gathering the logits would cost
 say(f"this toy: logits per rank {z_i.shape} = {z_i.nbytes} bytes instead of {z.shape} = {z.nbytes} bytes")
 say(f"{'':<36}{'payload':>12}{'ring, sent per rank':>22}")
-say(f"{'loss: 2 All-Reduces (3N numbers)':<36}{payload(ce_counts):>12,}{float(ring_bytes(ce_counts)):>22,.0f}")
-say(f"{'an All-Gather of the logits':<36}{payload(gather_logits):>12,}{float(ring_bytes(gather_logits)):>22,.0f}")
+say(f"{'loss: 2 All-Reduces (3N numbers)':<36}{payload(ce_counts):>12,}{float(ring_bytes(ce_counts, TP)):>22,.0f}")
+say(f"{'an All-Gather of the logits':<36}{payload(gather_logits):>12,}{float(ring_bytes(gather_logits, TP)):>22,.0f}")
 Ng, Vg = 8 * 1024, 50257                                                  # B = 8 sequences of T = 1024, float32
 Vpg = -(-Vg // TP)
 loss_g = {("tp", "Allreduce"): (2, 3 * Ng * 4)}
 gather_g = {("tp", "Allgather"): (1, Ng * TP * Vpg * 4)}
 say(f"GPT-2 vocabulary, N = {Ng}, float32, tp = {TP}: logits {Ng * Vg * 4 / 2**30:.2f} GiB on one device, "
     f"{Ng * Vpg * 4 / 2**30:.2f} GiB per rank; the loss's payload {payload(loss_g) / 2**10:.0f} KiB (ring "
-    f"{float(ring_bytes(loss_g)) / 2**10:.0f} KiB per rank) instead of {payload(gather_g) / 2**30:.2f} GiB (ring "
-    f"{float(ring_bytes(gather_g)) / 2**30:.2f} GiB per rank)")
+    f"{float(ring_bytes(loss_g, TP)) / 2**10:.0f} KiB per rank) instead of {payload(gather_g) / 2**30:.2f} GiB (ring "
+    f"{float(ring_bytes(gather_g, TP)) / 2**30:.2f} GiB per rank)")
 
 # %% [markdown]
 # ## 4. The whole model: check against serial
@@ -536,9 +522,9 @@ per_step = {s: tp_model.comm_formula(gpt2, 8, 4, s) for s in ("megatron", "gathe
 say(f"{'GPT-2 small, B=8, T=1024, float32, tp=4':<42}{'payload':>12}{'ring, sent per rank':>22}")
 for s, counts in per_step.items():
     say(f"{s + ' (' + ', '.join(f'{c} {op}' for (_, op), (c, _) in counts.items()) + ')':<42}"
-        f"{payload(counts) / 2**30:>8.2f} GiB{float(ring_bytes(counts)) / 2**30:>18.2f} GiB")
+        f"{payload(counts) / 2**30:>8.2f} GiB{float(ring_bytes(counts, TP)) / 2**30:>18.2f} GiB")
 gpt2_ratio = (payload(per_step["gather"]) / payload(per_step["megatron"]),
-              float(ring_bytes(per_step["gather"]) / ring_bytes(per_step["megatron"])))
+              float(ring_bytes(per_step["gather"], TP) / ring_bytes(per_step["megatron"], TP)))
 say(f"{'ratio, gather / megatron':<42}{gpt2_ratio[0]:>11.2f}x{gpt2_ratio[1]:>21.2f}x")
 
 # %% [markdown]
@@ -591,17 +577,17 @@ say(f"{'scheme':<10}{'operation':<22}{'calls':>6}{'payload':>10}{'ring, sent per
 for scheme in ("megatron", "sequence"):
     counts = measured_of[scheme]
     for key, (calls, nb) in sorted(counts.items()):
-        say(f"{scheme:<10}{key[1]:<22}{calls:>6}{nb:>10,}{float(ring_bytes({key: (calls, nb)})):>22,.0f}")
+        say(f"{scheme:<10}{key[1]:<22}{calls:>6}{nb:>10,}{float(ring_bytes({key: (calls, nb)}, TP)):>22,.0f}")
     say(f"{scheme:<10}{'all':<22}{sum(c for c, _ in counts.values()):>6}{payload(counts):>10,}"
-        f"{float(ring_bytes(counts)):>22,.0f}")
+        f"{float(ring_bytes(counts, TP)):>22,.0f}")
 seq_ratio = (payload(measured_of["sequence"]) / payload(measured_of["megatron"]),
-             float(ring_bytes(measured_of["sequence"]) / ring_bytes(measured_of["megatron"])))
+             float(ring_bytes(measured_of["sequence"], TP) / ring_bytes(measured_of["megatron"], TP)))
 say(f"{'sequence / megatron':<38}{seq_ratio[0]:>9.2f}x{seq_ratio[1]:>21.2f}x")
 L, Ns, itemsize = cfg.n_layers, batch * cfg.seq_len, 8
 extra = (Fraction(TP - 1, TP) * (2 * L + 1) * Ns * cfg.d_model * itemsize                # the re-gathers
-         + Fraction(2 * (TP - 1), TP) * (6 * L + 2 + cfg.seq_len) * cfg.d_model * itemsize)   # replicated grads
+         + ring_share("Allreduce", TP) * (6 * L + 2 + cfg.seq_len) * cfg.d_model * itemsize)   # replicated grads
 check.equal("ring bytes: sequence - megatron == (2L+1) re-gathers + replicated grads",
-            ring_bytes(measured_of["sequence"]) - ring_bytes(measured_of["megatron"]), extra)
+            ring_bytes(measured_of["sequence"], TP) - ring_bytes(measured_of["megatron"], TP), extra)
 
 # %% [markdown]
 # The large All-Reduces are gone. Each of Megatron's (N, C) All-Reduces became a Reduce-Scatter and an

@@ -61,7 +61,7 @@ from hsgd.train import fmt_bytes, train
 from hsgd.verify import verify
 
 import pictures                                            # tutorials/pictures.py: where the PNGs go
-from checks import FLOOR, Checks, rel_err, train_config   # tutorials/checks.py, shared by the chapters
+from checks import FLOOR, Checks, rel_err, ring_share, train_config   # tutorials/checks.py, shared by the chapters
 
 threadpool_limits(1)                    # eight ranks share the cores, tiny matrices: one BLAS thread each
 P, DP, TP = 8, 4, 2                     # P = dp x tp: 4 groups of 2
@@ -74,15 +74,6 @@ grid = ProcessGrid(world, dp=DP, tp=TP)
 TOL = 1e-10                             # float64: parallel and serial differ by rounding, ~1e-16 relative
 check = Checks(world, tol=TOL, width=66)  # check(what, err, tol): collective, raises on every rank unless err < tol
 say = check.say                           # print on world rank 0 only
-
-
-def rank0_only(work):
-    """work() on rank 0 (a picture, a serial reference): its result there, None elsewhere. The other ranks wait for
-    it asleep, in a loop around a non-blocking barrier: waiting inside the next collective instead, MPICH would
-    spin on a core, and here eight ranks share two, so rank 0 would work at a fraction of one core."""
-    result = work() if rank == 0 else None
-    pictures.wait_asleep(world)
-    return result
 
 
 def shard_err(local, full, tp_rank, tp, floor=FLOOR):
@@ -140,7 +131,7 @@ say((" " * 15 + "".join(f"{'^':^{width}}" for _ in range(TP))).rstrip())
 for t, members in enumerate(groups["dp"]):
     say(f"  dp_comm {members}: shard {t} (heads {t * nh}..{(t + 1) * nh - 1}, MLP columns {t * Fp}..{(t + 1) * Fp - 1},"
         f" vocab ids {t * Vp}..{(t + 1) * Vp - 1}), once per step")
-path = rank0_only(lambda: pictures.grid(DP, 1, TP, "07_grid_dp4_tp2"))
+path = pictures.on_rank0(world, lambda: pictures.grid(DP, 1, TP, "07_grid_dp4_tp2"))
 say(f"picture: {path}")
 
 # %% [markdown]
@@ -279,11 +270,6 @@ def expected_traffic(cfg, tc, params):
     return out
 
 
-def ring(payload, p):
-    """Bytes a ring All-Reduce over p ranks sends from each rank: 2 (p-1)/p of the payload (0 on one rank)."""
-    return 2 * (p - 1) / p * payload
-
-
 measured = {}                                            # tp -> {(comm, op): (calls, bytes)} of one step
 for dp_, tp_ in ((4, 2), (2, 4)):
     g2 = grid if (dp_, tp_) == (DP, TP) else ProcessGrid(world, dp=dp_, tp=tp_)
@@ -295,8 +281,9 @@ for dp_, tp_ in ((4, 2), (2, 4)):
     for key in sorted(set(counts) | set(formula)):
         p = tp_ if key[0] == "tp" else dp_                   # ranks of the communicator
         calls, nbytes = counts.get(key, (0, 0))
+        sent = float(ring_share(key[1], p) * nbytes)
         say(f"  {key[0]:<3} {key[1]:<10} measured {str((calls, nbytes)):<14} "
-            f"formula {str(formula.get(key, (0, 0))):<14} ring, sent per rank {ring(nbytes, p):>9,.0f}")
+            f"formula {str(formula.get(key, (0, 0))):<14} ring, sent per rank {sent:>9,.0f}")
     check.equal(f"dp={dp_} tp={tp_}: one step's traffic == comm_formula x k + dp_formula", counts, formula)
     if g2 is not grid:
         g2.free()
@@ -307,24 +294,14 @@ for dp_, tp_ in ((4, 2), (2, 4)):
 # k, so the k = 1 formula must give what was just measured with k = 2:
 
 # %%
-def local_numel(cfg, tp):
-    """Parameters on one rank: split ones / tp (vocabulary padded to tp * ceil(V/tp)), replicated ones whole."""
-    total = 0
-    for name, shape in cfg.param_shapes().items():
-        kind, axis = tp_model.split_of(name)
-        n = math.prod(shape)
-        total += n if kind == "rep" else n // shape[axis] * (math.ceil(shape[axis] / tp) if kind == "vocab"
-                                                             else shape[axis] // tp)
-    return total
-
-
 def layout_bytes(cfg, batch, s, tp):
     """{"tp", "dp": (payload, ring bytes per rank)} of one step for P ranks as (P/tp) x tp, from the formulas. A
     communicator of one rank moves nothing: 0 (CommStats still counts its calls, as the formulas do)."""
     dp = P // tp
     tp_payload = sum(n for _, n in tp_model.comm_formula(cfg, batch // dp, s).values()) if tp > 1 else 0
-    dp_payload = local_numel(cfg, tp) * s if dp > 1 else 0
-    return {"tp": (tp_payload, ring(tp_payload, tp)), "dp": (dp_payload, ring(dp_payload, dp))}
+    dp_payload = tp_model.shard_numel(cfg, tp) * s if dp > 1 else 0
+    return {c: (n, float(ring_share("Allreduce", p) * n))
+            for c, n, p in (("tp", tp_payload, tp), ("dp", dp_payload, dp))}
 
 
 def layout_table(cfg, batch, s, tps):
@@ -335,7 +312,7 @@ def layout_table(cfg, batch, s, tps):
         dp, x = P // tp, layout_bytes(cfg, batch, s, tp)
         tp_cells = [fmt_bytes(v) if tp > 1 else "-" for v in x["tp"]]
         dp_cells = [fmt_bytes(v) if dp > 1 else "-" for v in x["dp"]]
-        lines.append(f"{f'{dp} x {tp}':>7} {batch // dp:>3} {local_numel(cfg, tp):>12,} | "
+        lines.append(f"{f'{dp} x {tp}':>7} {batch // dp:>3} {tp_model.shard_numel(cfg, tp):>12,} | "
                      f"{tp_cells[0]:>15} {tp_cells[1]:>10} | {dp_cells[0]:>15} {dp_cells[1]:>10} | "
                      f"{fmt_bytes(x['tp'][0] + x['dp'][0]):>12} {fmt_bytes(x['tp'][1] + x['dp'][1]):>10}")
     return "\n".join(lines)
@@ -352,7 +329,7 @@ say(f"this toy, B = {B}, float64:")
 say(layout_table(cfg, B, 8, (1, 2, 4, 8)))
 toy_best = least(cfg, B, 8, (1, 2, 4, 8))
 say(f"least payload: dp x tp = {toy_best[0]}; fewest ring bytes: {toy_best[1]}")
-check.equal("local_numel(cfg, tp) == the trainer's shard sizes", local_numel(cfg, TP), n_local)
+check.equal("tp_model.shard_numel(cfg, tp) == the trainer's shard sizes", tp_model.shard_numel(cfg, TP), n_local)
 check.equal("measured payloads at k = 2 == the table's formula at k = 1",
             {tp: {c: sum(n for (cc, _), (_, n) in measured[tp].items() if cc == c) for c in ("tp", "dp")}
              for tp in measured},
@@ -393,7 +370,8 @@ def draw_bytes(measured):
         dp_ = P // tp_
         pay = {c: sum(n for (cc, _), (_, n) in measured[tp_].items() if cc == c) for c in ("tp", "dp")}
         bars.append((f"dp {dp_} x tp {tp_}\npayload", pay["tp"], pay["dp"]))
-        bars.append((f"dp {dp_} x tp {tp_}\nring, sent per rank", ring(pay["tp"], tp_), ring(pay["dp"], dp_)))
+        bars.append((f"dp {dp_} x tp {tp_}\nring, sent per rank", float(ring_share("Allreduce", tp_) * pay["tp"]),
+                     float(ring_share("Allreduce", dp_) * pay["dp"])))
     xs = np.arange(len(bars))
     tp_kib = np.array([t for _, t, _ in bars]) / 1024
     dp_kib = np.array([d for _, _, d in bars]) / 1024
@@ -412,7 +390,7 @@ def draw_bytes(measured):
     return pictures.save(fig, "07_bytes_per_step")
 
 
-path = rank0_only(lambda: draw_bytes(measured))
+path = pictures.on_rank0(world, lambda: draw_bytes(measured))
 say(f"picture: {path}")
 
 # %% [markdown]
@@ -482,7 +460,7 @@ def serial_reference(tc):
     return ref, ref_losses, max(rel_err(unclipped[n], ref[n], floor=0.02) for n in ref)
 
 
-reference = rank0_only(lambda: serial_reference(tc))
+reference = pictures.on_rank0(world, lambda: serial_reference(tc))
 ref, ref_losses, clip_effect = world.bcast(reference, root=0)   # a small model: a pickled broadcast is fine
 
 param_errs = {n: rel_err(p, tp_model.shard(ref[n], n, grid.tp_rank, TP), floor=0.02) for n, p in run["params"].items()}

@@ -81,7 +81,7 @@ from hsgd.trace import Tracer, overlap_seconds
 from hsgd.train import train
 
 import pictures                                      # tutorials/pictures.py: where the PNGs go
-from checks import Checks, rel_err, train_config    # tutorials/checks.py, shared by the chapters
+from checks import Checks, rel_err, ring_share, train_config    # tutorials/checks.py, shared by the chapters
 
 threadpool_limits(1)                    # eight ranks share the cores, tiny matrices: one BLAS thread each
 P, DP, TP = 8, 4, 2                     # the default layout: 4 groups of 2, as in chapter 7
@@ -147,20 +147,6 @@ def max_diff(a, b):
     return max(rel_err(a[n], b[n], floor=0.02) for n in b)
 
 
-def ring_allreduce(payload, n):
-    """Bytes a ring All-Reduce over n ranks sends from each rank: 2 (n-1)/n of the payload (chapter 2)."""
-    return 2 * (n - 1) / n * payload
-
-
-def rank0_only(work):
-    """work() on rank 0 (a picture, a serial reference): its result there, None elsewhere. The other ranks wait for
-    it asleep, in a loop around a non-blocking barrier: waiting inside the next collective instead, MPICH would
-    spin on a core, and here eight ranks share two, so rank 0 would work at a fraction of one core."""
-    result = work() if rank == 0 else None
-    pictures.wait_asleep(world)
-    return result
-
-
 ref_params, _ = serial_sgd(config())
 plain, _, plain_bytes, _ = run(config())          # chapter 7's path: one Allreduce after the backward
 check(f"plain DP, {STEPS} steps: every rank's shards vs serial SGD", param_err(plain.params, ref_params), 1e-10)
@@ -191,7 +177,7 @@ for group, span in overlap.exchange.buckets.items():
     say(f"  {group:<10} buffer [{span.start:>6}, {span.stop:>6})  {(span.stop - span.start) * itemsize:>7,} bytes")
 say(f"step 2, dp_comm, measured (calls, payload): plain {plain_bytes[('dp', 'Allreduce')]} Allreduce, "
     f"overlapped {overlap_bytes[('dp', 'Iallreduce')]} Iallreduce; a ring sends "
-    f"{ring_allreduce(overlap_bytes[('dp', 'Iallreduce')][1], DP):,.0f} bytes per rank for either")
+    f"{float(ring_share('Allreduce', DP) * overlap_bytes[('dp', 'Iallreduce')][1]):,.0f} bytes per rank for either")
 check.equal("overlap: step 2's bytes == tp comm_formula + trainer.dp_comm_formula()",
             overlap_bytes, {**tp_model.comm_formula(cfg, B // DP, itemsize), **overlap.dp_comm_formula()})
 check.equal("overlap: dp bytes per step == plain's (one Allreduce)",
@@ -277,7 +263,7 @@ if rank == 0:
             + "; exposed dp wait (ms) " + " ".join(f"{1e3 * dp:5.2f}" for _, dp in rows))
     say("rank 0's Iallreduces, start and end relative to the end of its backward pass (ms): "
         + ", ".join(f"[{(s - backward[1]) / 1e3:+.2f}, {(e - backward[1]) / 1e3:+.2f}]" for s, e in spans))
-path = rank0_only(lambda: draw_timelines(timelines))
+path = pictures.on_rank0(world, lambda: draw_timelines(timelines))
 say(f"picture: {path}")
 
 # %% [markdown]
@@ -421,7 +407,7 @@ def draw_zero_chunks(tr1, dp_members):
 
 
 dp_members = grid.dp_comm.allgather_obj(rank)                    # world ranks of my dp_comm, in dp order
-path = rank0_only(lambda: draw_zero_chunks(zero_runs[1][0], dp_members))
+path = pictures.on_rank0(world, lambda: draw_zero_chunks(zero_runs[1][0], dp_members))
 say(f"picture: {path}")
 
 # %% [markdown]
@@ -496,7 +482,7 @@ def draw_mesh(n, k, hier_bytes):
     return pictures.save(fig, "08_hierarchical_mesh")
 
 
-path = rank0_only(lambda: draw_mesh(n, k, hier_bytes))
+path = pictures.on_rank0(world, lambda: draw_mesh(n, k, hier_bytes))
 say(f"picture: {path}")
 
 # %% [markdown]
@@ -642,7 +628,7 @@ def draw_curves(curves):
     return pictures.save(fig, "08_losses_sync_vs_stale")
 
 
-path = rank0_only(lambda: draw_curves(curves))
+path = pictures.on_rank0(world, lambda: draw_curves(curves))
 say(f"picture: {path}")
 check.holds("the synchronous runs' losses are finite",
             all(np.all(np.isfinite(c)) for n, c in curves.items() if "sync" in n))

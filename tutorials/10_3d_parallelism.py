@@ -276,25 +276,12 @@ check.equal("groups across nodes: hsgd dp only, Megatron-LM pp only, tp never",
 # rank compares its own measurement with `step_formula` and with the expressions above written out by hand:
 
 # %%
-def stage_numel(cfg, tp, names):
-    """Numbers one rank of a stage holds: split parameters / tp (vocabulary padded to tp * ceil(V/tp)), the
-    replicated ones whole."""
-    total = 0
-    for name in names:
-        shape = cfg.param_shapes()[name]
-        kind, axis = tp_model.split_of(name)
-        n = math.prod(shape)
-        total += n if kind == "rep" else n // shape[axis] * (math.ceil(shape[axis] / tp) if kind == "vocab"
-                                                             else shape[axis] // tp)
-    return total
-
-
 def by_hand(cfg, tp, m, n_blocks, first, last, names, positions, s=S):
     """The three closed forms above for one rank, {(comm, op): (calls, bytes)}; positions = N of a micro-batch."""
     C, N = cfg.d_model, positions
     out = {("tp", "Allreduce"): (m * (4 * n_blocks + first + 3 * last),
                                  m * (4 * n_blocks * C + first * C + last * (C + 3)) * N * s),
-           ("dp", "Allreduce"): (1, stage_numel(cfg, tp, names) * s)}
+           ("dp", "Allreduce"): (1, tp_model.shard_numel(cfg, tp, names) * s)}
     sends = m * ((not first) + (not last))
     if sends:
         out[("pp", "Isend")] = out[("pp", "Recv")] = (sends, sends * N * C * s)
@@ -350,7 +337,7 @@ def layout_rows(cfg, dp, pp, tp, batch, m, s=S):
             cfg, per_mb, s, stage=(len(blocks), first, last)).items()}
         if pp > 1:
             f.update(pp_formula(per_mb, cfg, m, first, last, s))
-        numel = stage_numel(cfg, tp, stage_names(cfg, blocks, first, last))
+        numel = tp_model.shard_numel(cfg, tp, stage_names(cfg, blocks, first, last))
         f[("dp", "Allreduce")] = (1, numel * s)
         out.append((numel, f))
     return out
@@ -416,7 +403,7 @@ check.equal("the table's parameters per rank for my stage == the trainer's",
 #
 # What each layout buys is memory. A rank holds, between and during steps:
 #
-# * its stage's parameters, $(\text{stage parameters})/tp$ give or take the replicated ones (`stage_numel` above);
+# * its stage's parameters, $(\text{stage parameters})/tp$ give or take the replicated ones (`tp_model.shard_numel`);
 # * as many gradients (the buffer the backward pass accumulates into and `dp_comm` averages);
 # * the optimizer's state: SGD with momentum keeps one velocity per parameter (AdamW would keep two);
 # * the activations the forward passes cache for their backward passes: per micro-batch of b sequences on stage s,
@@ -441,7 +428,7 @@ def rank_memory(cfg, dp, pp, tp, batch, m, st, s=S):
     """{part: bytes} one rank of stage st holds in the layout dp x pp x tp (SGD with momentum, 1F1B)."""
     blocks = split_layers(cfg.n_layers, pp)[st]
     first, last = st == 0, st == pp - 1
-    numel = stage_numel(cfg, tp, stage_names(cfg, blocks, first, last))
+    numel = tp_model.shard_numel(cfg, tp, stage_names(cfg, blocks, first, last))
     held = min(pp - st, m)                                                 # micro-batches in flight, 1F1B
     return {"parameters": numel * s, "gradients": numel * s, "optimizer state": numel * s,
             "activations": held * micro_batch_activations(cfg, tp, batch // dp // m, len(blocks), first, last, s)}

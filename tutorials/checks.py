@@ -10,6 +10,7 @@ the same verdict from it. Every rank must therefore make the same checks, in the
     check = Checks(MPI.COMM_WORLD, tol=1e-10)          # or Checks(tol=...) in a one-process chapter, without MPI
     check("dW vs serial", rel_err(dW_i, dW[:, cols]))  # rank 0 prints the worst error over the ranks
     check.equal("bytes of a step", measured, formula)  # counts, tuples, dicts: exactly equal on every rank
+    ring_bytes(counts, p), payload(counts)              # a step's bytes on the wire and its payload (two columns)
     check.holds("DP replicas bit-identical", same)     # a fact: true on every rank (printed PASS or FAIL)
     what, err = check.worst()                          # for the chapter's closing line
 
@@ -17,6 +18,8 @@ This is not a chapter (tests/test_tutorials.py runs only the files named NN_*.py
 it holds only what the chapters share. Chapter-specific measures (finite differences, shard errors, traffic)
 stay in their chapters, and so do their configs, built with `train_config` (one set of defaults for all).
 """
+from fractions import Fraction
+
 import numpy as np
 
 from hsgd.settings import TrainConfig
@@ -94,6 +97,29 @@ def rel_err(a, b, floor=FLOOR):
     """max |a - b| / max(max |b|, floor): relative, with an absolute floor for arrays that are (nearly) zero."""
     return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), floor))
 
+
+
+def ring_share(op, p):
+    """What one rank sends on a ring of p ranks per byte of an operation's payload (chapter 2), exactly: an
+    All-Reduce 2(p-1)/p, an All-Gather (p-1)/p of the gathered tensor, a Reduce-Scatter (p-1)/p of the full input,
+    a point-to-point send all of it, a receive nothing; on one rank nothing at all."""
+    if p == 1 or op in ("Recv", "Irecv"):
+        return Fraction(0)
+    shares = {"Allreduce": Fraction(2 * (p - 1), p), "Iallreduce": Fraction(2 * (p - 1), p),
+              "Allgather": Fraction(p - 1, p), "Reduce_scatter_block": Fraction(p - 1, p),
+              "Send": Fraction(1), "Isend": Fraction(1)}
+    return shares[op]
+
+
+def ring_bytes(counts, p):
+    """Bytes one rank sends on a ring of p ranks for the collectives in `counts` ({(comm, op): (calls, payload
+    bytes)}, as CommStats records them), exactly (a Fraction)."""
+    return sum((ring_share(op, p) * nbytes for (_, op), (_, nbytes) in counts.items()), Fraction(0))
+
+
+def payload(counts):
+    """The payload bytes of all the calls in `counts` ({(comm, op): (calls, payload bytes)})."""
+    return sum(nbytes for _, nbytes in counts.values())
 
 
 def differing(a, b):

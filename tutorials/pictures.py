@@ -6,6 +6,7 @@
     path = pictures.save(fig, "05_column_and_row_split")  # <folder>/05_column_and_row_split.png; shown in a notebook
     pictures.grid(ProcessGrid-like sizes, name)           # the dp x pp x tp grid with its communicators
     pictures.wait_asleep(world)                           # after rank 0 has drawn: every rank, before going on
+    pictures.on_rank0(world, draw)                        # the same two steps: draw() on rank 0, the others asleep
 
 Only one rank draws (rank 0 of the chapter's world): a chapter calls these under `if rank == 0:`, and then every
 rank calls wait_asleep, so that the others do not spin while rank 0 draws.
@@ -61,6 +62,14 @@ def wait_asleep(comm, poll_s=0.002):
     done = comm.Ibarrier()
     while not done.Test():
         time.sleep(poll_s)
+
+
+def on_rank0(comm, work):
+    """work() on rank 0 of comm (a picture, a serial reference): its result there, None elsewhere; the other ranks
+    wait for it asleep (wait_asleep)."""
+    result = work() if comm.Get_rank() == 0 else None
+    wait_asleep(comm)
+    return result
 
 
 def grid(dp, pp, tp, name, title=None, hosts=None):

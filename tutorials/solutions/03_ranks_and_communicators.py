@@ -18,7 +18,7 @@ import numpy as np
 from mpi4py import MPI
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # tutorials/: checks, pictures
-from checks import Checks, rel_err, solve  # noqa: E402
+from checks import Checks, rel_err, ring_share, solve  # noqa: E402
 
 world = MPI.COMM_WORLD
 rank, P = world.Get_rank(), world.Get_size()
@@ -159,15 +159,13 @@ def exercise_4(check):
     check("2-D mesh all-reduce vs hsgd.hier.hierarchical_allreduce", rel_err(mesh, ref), 1e-14)
     check("2-D mesh all-reduce vs the sum NumPy computes", rel_err(mesh, exact), 1e-14)
 
-    ring = {"Reduce_scatter_block": lambda p, b: (p - 1) / p * b, "Allgather": lambda p, b: (p - 1) / p * b,
-            "Allreduce": lambda p, b: 2 * (p - 1) / p * b}
     sizes = {"node": n, "cross": k}
     check.say(f"  {'step':<28}{'ranks':>6}{'payload':>9}{'ring bytes per rank':>21}{'leaves the node':>17}")
     for (name, op), (_, payload) in stats.counts().items():
-        sent = ring[op](sizes[name], payload)
+        sent = float(ring_share(op, sizes[name]) * payload)
         check.say(f"  {name + ' ' + op:<28}{sizes[name]:>6}{payload:>9}{sent:>21.0f}"
                   f"{sent if name == 'cross' else 0:>17.0f}")
-    flat_sent = ring["Allreduce"](P, 8 * N)
+    flat_sent = float(ring_share("Allreduce", P) * 8 * N)
     check.say(f"  {'flat Allreduce':<28}{P:>6}{8 * N:>9}{flat_sent:>21.0f}{flat_sent:>17.0f}  (the one rank per node "
               "whose ring neighbour is on the other node)")
     check.equal("payloads: node n*m*8, cross m*8, node n*m*8 bytes", stats.counts(),

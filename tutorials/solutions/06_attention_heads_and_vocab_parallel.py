@@ -19,19 +19,11 @@ from hsgd import layers, tp_layers
 from hsgd.grid import ProcessGrid
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # tutorials/: checks, pictures
-from checks import Checks, rel_err, solve  # noqa: E402
+from checks import Checks, rel_err, ring_bytes, solve  # noqa: E402
 
 threadpool_limits(1)                    # four ranks share the cores: one BLAS thread each
 world = MPI.COMM_WORLD
 TP = 4
-
-
-def ring_bytes(counts, p):
-    """Bytes one rank sends on a ring (chapter 2): 2(p-1)/p of an All-Reduce's payload, (p-1)/p of an
-    All-Gather's or a Reduce-Scatter's. counts: {(comm, op): (calls, payload bytes)}, as CommStats records."""
-    per_payload = {"Allreduce": Fraction(2 * (p - 1), p), "Allgather": Fraction(p - 1, p),
-                   "Reduce_scatter_block": Fraction(p - 1, p)}
-    return sum((per_payload[op] * nbytes for (_, op), (_, nbytes) in counts.items()), Fraction(0))
 
 
 def same_everywhere(comm, a):

@@ -54,12 +54,11 @@ def run(tc):
 
 # ---------------------------------------------------------------------------------------------------- exercise 1
 
-def slot_table(kind, m, p, f=1, b=2):
-    """The step as a table: rows[s] = list of slots, each None (idle) or "F j" / "B j". Every action of
-    pp.schedule goes, in the schedule's order, to the first slot where its stage is free and its input exists."""
+def simulate_costs(kind, m, f, b):
+    """pp.simulate with a forward cost f[s] and a backward cost b[s] per stage: [[(action, start, end)] per stage]."""
+    p = len(f)
     acts = [schedule(kind, m, p, st) for st in range(p)]
-    end = {}                                                 # ("F" or "B", stage, j) -> the slot after it ends
-    free, nxt, rows = [0] * p, [0] * p, [[] for _ in range(p)]
+    done, timeline, nxt, free = {}, [[] for _ in range(p)], [0] * p, [0.0] * p
     while any(nxt[st] < len(acts[st]) for st in range(p)):
         for st in range(p):
             if nxt[st] == len(acts[st]):
@@ -67,15 +66,26 @@ def slot_table(kind, m, p, f=1, b=2):
             a, j = acts[st][nxt[st]]
             need = (("F", st - 1, j) if st > 0 else None) if a == "F" else \
                 (("B", st + 1, j) if st < p - 1 else ("F", st, j))
-            if need is not None and need not in end:
-                continue                                     # its input does not exist yet: try the next stage
-            start = max(free[st], end[need] if need else 0)
-            length = f if a == "F" else b
-            rows[st] += [None] * (start - len(rows[st])) + [f"{a}{j}"] * length
-            end[a, st, j] = free[st] = start + length
+            if need is not None and need not in done:
+                continue
+            start = max(free[st], done[need] if need else 0.0)
+            done[a, st, j] = free[st] = start + (f[st] if a == "F" else b[st])
+            timeline[st].append((f"{a}{j}", start, free[st]))
             nxt[st] += 1
-    slots = max(len(r) for r in rows)
-    return [r + [None] * (slots - len(r)) for r in rows], end
+    return timeline
+
+
+def slot_table(kind, m, p, f=1, b=2):
+    """The step as a table: rows[s] = list of slots, each None (idle) or "F j" / "B j": simulate_costs (below) with
+    whole-slot costs, every action in the schedule's order at the first slot where its stage is free and its input
+    exists; each action fills the slots from its start to its end."""
+    timeline = simulate_costs(kind, m, [f] * p, [b] * p)
+    slots = int(max(e for stage in timeline for _, _, e in stage))
+    rows = [[None] * slots for _ in range(p)]
+    for st, stage in enumerate(timeline):
+        for name, start, end in stage:
+            rows[st][int(start):int(end)] = [name] * int(end - start)
+    return rows, timeline
 
 
 def exercise_1(check):
@@ -84,14 +94,16 @@ def exercise_1(check):
     for p in range(2, 7):
         for m in range(1, 2 * p + 1):
             for kind in ("gpipe", "1f1b"):
-                rows, end = slot_table(kind, m, p)
+                rows, mine = slot_table(kind, m, p)
                 idle = sum(cell is None for row in rows for cell in row)
                 busy = sum(cell is not None for row in rows for cell in row)
                 worst_ours = max(worst_ours, abs(idle / (p * len(rows[0])) - (p - 1) / (m + p - 1)))
                 worst_megatron = max(worst_megatron, abs(idle / busy - (p - 1) / m))
                 sim = simulate(kind, m, p, f_cost=1.0, b_cost=2.0)
-                worst_sim = max(worst_sim, max(abs(e - end[name[0], st, int(name[1:])])
-                                               for st in range(p) for name, _, e in sim[st]))
+                same_actions = [[a for a, _, _ in row] for row in sim] == [[a for a, _, _ in row] for row in mine]
+                worst_sim = max(worst_sim, float("inf") if not same_actions else
+                                max(abs(e - e_mine) for st in range(p)
+                                    for (_, _, e), (_, _, e_mine) in zip(sim[st], mine[st])))
     rows, _ = slot_table("1f1b", 4, 4)
     check.say("1F1B, m = 4, p = 4, two characters per slot ('..' idle):")
     for st, row in enumerate(rows):
@@ -149,27 +161,6 @@ def exercise_2(check):
 
 
 # ---------------------------------------------------------------------------------------------------- exercise 3
-
-def simulate_costs(kind, m, f, b):
-    """pp.simulate with a forward cost f[s] and a backward cost b[s] per stage: [[(action, start, end)] per stage]."""
-    p = len(f)
-    acts = [schedule(kind, m, p, st) for st in range(p)]
-    done, timeline, nxt, free = {}, [[] for _ in range(p)], [0] * p, [0.0] * p
-    while any(nxt[st] < len(acts[st]) for st in range(p)):
-        for st in range(p):
-            if nxt[st] == len(acts[st]):
-                continue
-            a, j = acts[st][nxt[st]]
-            need = (("F", st - 1, j) if st > 0 else None) if a == "F" else \
-                (("B", st + 1, j) if st < p - 1 else ("F", st, j))
-            if need is not None and need not in done:
-                continue
-            start = max(free[st], done[need] if need else 0.0)
-            done[a, st, j] = free[st] = start + (f[st] if a == "F" else b[st])
-            timeline[st].append((f"{a}{j}", start, free[st]))
-            nxt[st] += 1
-    return timeline
-
 
 def gpipe_step(f, b, m):
     """The length of a GPipe step with per-stage costs: two flows of m identical jobs through the stages."""

@@ -14,7 +14,7 @@ from mpi4py import MPI
 from threadpoolctl import threadpool_limits
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # tutorials/: checks, pictures
-from checks import Checks, solve, train_config  # noqa: E402
+from checks import Checks, ring_share, solve, train_config  # noqa: E402
 
 from hsgd import ModelConfig, tp_model  # noqa: E402
 from hsgd.data import Corpus  # noqa: E402
@@ -33,19 +33,6 @@ corpus = Corpus.load(None, cfg.seq_len)
 S = 8                                   # bytes per float64
 
 
-def stage_numel(cfg, tp, names):
-    """Numbers one rank of a stage holds: split parameters / tp (vocabulary padded to tp * ceil(V/tp)), the
-    replicated ones whole (as in the chapter's section 2)."""
-    total = 0
-    for name in names:
-        shape = cfg.param_shapes()[name]
-        kind, axis = tp_model.split_of(name)
-        n = math.prod(shape)
-        total += n if kind == "rep" else n // shape[axis] * (math.ceil(shape[axis] / tp) if kind == "vocab"
-                                                             else shape[axis] // tp)
-    return total
-
-
 def by_hand(cfg, dp, pp, tp, batch, m, st, s=S):
     """{(comm, op): (calls, payload bytes)} one rank of stage st moves in one step: the closed forms of the
     chapter's section 2 (every call is counted, also on a one-rank communicator, where nothing moves)."""
@@ -54,16 +41,11 @@ def by_hand(cfg, dp, pp, tp, batch, m, st, s=S):
     N = batch // dp // m * cfg.seq_len                                    # positions of a micro-batch
     out = {("tp", "Allreduce"): (m * (4 * L_s + first + 3 * last),                  # per micro-batch, times m
                                  m * (4 * L_s * C + first * C + last * (C + 3)) * N * s),
-           ("dp", "Allreduce"): (1, stage_numel(cfg, tp, stage_names(cfg, blocks, first, last)) * s)}
+           ("dp", "Allreduce"): (1, tp_model.shard_numel(cfg, tp, stage_names(cfg, blocks, first, last)) * s)}
     sends = m * ((not first) + (not last))
     if sends:
         out[("pp", "Isend")] = out[("pp", "Recv")] = (sends, sends * N * C * s)
     return out
-
-
-def ring(comm, op, size):
-    """Bytes a rank sends per payload byte: a ring All-Reduce over n ranks 2(n-1)/n, a point-to-point message 1."""
-    return 2 * (size - 1) / size if op == "Allreduce" else (1 if comm == "pp" and size > 1 else 0)
 
 
 def sent(f, sizes):
@@ -72,7 +54,7 @@ def sent(f, sizes):
     for (comm, op), (_, n) in f.items():
         if op != "Recv":
             payload, wire = out.get(comm, (0, 0.0))
-            out[comm] = (payload + n, wire + n * ring(comm, op, sizes[comm]))
+            out[comm] = (payload + n, wire + n * float(ring_share(op, sizes[comm])))
     return out
 
 
@@ -85,7 +67,7 @@ def rank_memory(cfg, dp, pp, tp, batch, m, st, s=S):
     N, C, Vp = b * cfg.seq_len, cfg.d_model, math.ceil(cfg.vocab_size / tp)
     act = (len(blocks) * activation_formula(cfg, b, s, tp, "megatron")["block"] + first * 9 * N
            + last * (N * (2 * C + 1) * s + N * Vp * s + 17 * N))
-    return 3 * stage_numel(cfg, tp, stage_names(cfg, blocks, first, last)) * s + min(pp - st, m) * act
+    return 3 * tp_model.shard_numel(cfg, tp, stage_names(cfg, blocks, first, last)) * s + min(pp - st, m) * act
 
 
 def groups(dp, pp, tp, rank_of):
