@@ -78,13 +78,14 @@ def save(trainer, step, save_dir, keep=3, kill_in_save=False, identity=None):
     every rank's word and raises CheckpointError everywhere; the previous checkpoints stay as they were."""
     grid, world = trainer.grid, trainer.grid.base
     state, t = optimizer_state(trainer)                                 # collective over dp_comm with ZeRO
+    params = trainer.exchange.full_params()                             # collective over dp_comm with ZeRO-3
     refuse_non_finite(trainer, state, step, save_dir, world)             # never rotate good checkpoints away for it
     tmp, error = world.bcast(attempt(lambda: make_tmp(save_dir, step)) if world.Get_rank() == 0 else None, root=0)
     if error is not None:                                               # rank 0 could not even make the folder
         raise not_written(step, f"{error} on rank 0", save_dir)
     entry = None
     if grid.dp_rank == 0:                                               # one writer per (stage, tensor rank)
-        entry, error = attempt(lambda: write_shard(trainer, state, tmp))
+        entry, error = attempt(lambda: write_shard(trainer, params, state, tmp))
     if kill_in_save:                                                    # fault injection: die mid-save
         os.kill(os.getpid(), signal.SIGKILL)
     entries, errors = world.gather(entry, root=0), world.allgather(error and f"{error} on rank {world.Get_rank()}")
@@ -135,12 +136,12 @@ def make_tmp(save_dir, step):
     return tmp
 
 
-def write_shard(trainer, state, tmp):
+def write_shard(trainer, params, state, tmp):
     """This rank's file: its parameter shards and optimizer state, on disk (fsync) before its checksum is taken."""
     grid = trainer.grid
     name = f"shard-pp{grid.pp_rank}-tp{grid.tp_rank}.npz"
     path = os.path.join(tmp, name)
-    arrays = {f"param/{n}": to_numpy(p) for n, p in trainer.params.items()}
+    arrays = {f"param/{n}": to_numpy(p) for n, p in params.items()}
     arrays.update({f"opt/{n}/{k}": to_numpy(v) for n, st in state.items() for k, v in st.items()})
     with open(path, "wb") as f:
         np.savez(f, **arrays)
@@ -300,8 +301,8 @@ def load(trainer, manifest):
     shards = Shards(manifest)
     keys = ("m", "v") if tc.optimizer == "adamw" else ("velocity",)
     params, state = {}, {}
-    dtype = trainer.pbuf.flat.dtype
-    for name in trainer.params:
+    dtype = trainer.dtype
+    for name in trainer.shapes():
         params[name] = tp_model.shard(shards.full(name).astype(dtype), name, grid.tp_rank, grid.tp, trainer.scheme)
         st = {k: shards.full(name, k) for k in keys}
         if all(v is not None for v in st.values()):

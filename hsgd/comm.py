@@ -304,6 +304,19 @@ class Comm:
         self._record("Reduce_scatter_block", full.nbytes, t0)
         return out
 
+    def Ireduce_scatter_block(self, full, out, op=MPI.SUM):
+        """Start out <- (op over ranks of full)[rank]; returns a Request whose Wait() completes it (neither
+        buffer may be touched before)."""
+        self._verify("Ireduce_scatter_block", full, out)
+        assert full.shape == (self.size, *out.shape), (full.shape, out.shape)
+        t0 = time.perf_counter()
+        s, sent = self._buf(full, "send")
+        r, received = self._buf(out, "recv")
+        req = Request(self.comm.Ireduce_scatter_block(s, r, op=op), self, "Ireduce_scatter_block", full.nbytes, t0,
+                      lambda: (sent(), received()))
+        req.keepalive = (full, out)                             # MPI may use both until Wait
+        return req
+
     def Bcast(self, x, root=0):
         self._verify("Bcast", x)
         t0 = time.perf_counter()

@@ -12,22 +12,32 @@ ways to do that, each a class with the same methods, chosen in one place (`make_
 
 The interface, in the order a step uses it:
     pbuf, order                 the rank's parameters as one FlatBuffer, laid out by the exchange in `order` (the
-                                backward pass's groups, each a contiguous bucket; ZeRO pads it to dp chunks)
+                                backward pass's groups, each a contiguous bucket; ZeRO pads it to dp chunks);
+                                ZeRO-3 has no pbuf: it holds only its chunks (hsgd.sharded)
+    params                      {name: array} the stage computes with (ZeRO-3: filled group by group by hooks)
+    hooks                       None, or a tp_model.Hooks run around each group's forward and backward
+    offsets, size               where each parameter lies in the flat layout, and its length (padding included)
     buf                         the gradient buffer (pbuf's layout) of the current step; None when released (ZeRO 2)
     begin() -> FlatBuffer       the zeroed gradient buffer the backward pass accumulates into
     on_ready(group)             the backward pass has finished a group's gradients (a bucket), or None: not needed
     arrive()                    nothing, or --straggler's sleep (an experiment: this rank arrives late)
     finish() -> seconds         the average is complete (stale: started); returns the seconds this rank waited
     owned                       the slice of the flat layout this rank updates (ZeRO: its chunk; else all of it)
-    grads() -> flat or None     the averaged gradient of `owned` to apply now (None: nothing has arrived yet)
+    master                      the parameters this rank updates, a view the optimizer writes into in place
+    mask(predicate)             (master.size,) 1.0 where predicate(name, shape) holds: per-element flags
+    grads() -> flat or None     the averaged gradient of `master` to apply now (None: nothing has arrived yet)
     checked() -> flat           the gradient the step's non-finite check looks at
     after_update()              every replica gets the updated parameters (ZeRO: Allgather; else nothing)
     shard_comm                  dp_comm when `owned` differs between DP ranks (then sums over it add up), else None
     gather(part) -> flat        the whole flat array from every DP rank's `owned` part (checkpoints)
-    formula(), grad_bytes(), describe(), comms(), close(), free()
+    own(flat) -> part           this rank's part of a whole flat array (the inverse of gather, no communication)
+    full_params() -> {name: a}  collective over dp_comm: every parameter whole (ZeRO-3 All-Gathers a copy)
+    set_params({name: a})       set this rank's parameters from whole ones (checkpoints)
+    formula(), param_bytes(), grad_bytes(), describe(), comms(), close(), free()
 """
 import time
 
+from .backend import array_module
 from .dp import FlatBuffer, dp_average
 
 
@@ -38,6 +48,7 @@ class GradExchange:
     finishes them (tp_model.backward_order). The exchange lays out the flat parameter buffer `pbuf` (each group a
     contiguous bucket, padded to a multiple of `pad`) and a gradient buffer `buf` with the same layout."""
     on_ready = None                                                   # no per-bucket work during the backward
+    hooks = None                                                      # no per-group work in forward or backward
     delay, tracer = 0.0, None                                         # --straggler: seconds to sleep before finish
 
     def __init__(self, params, groups, dp_comm, pad=1):
@@ -49,6 +60,26 @@ class GradExchange:
         self.buf = self.new_buffer()                                  # (N + padding,) their gradients
         self.owned = slice(0, self.pbuf.flat.size)
         self.shard_comm = None
+        self.params = self.pbuf.views                                 # {name: view into pbuf.flat}
+        self.offsets, self.size = self.pbuf.offsets, self.pbuf.flat.size
+
+    @property
+    def master(self):
+        return self.pbuf.flat[self.owned]                             # a view: the optimizer updates in place
+
+    def mask(self, predicate):
+        return self.own(self.pbuf.mask(lambda n, p: predicate(n, p.shape)))
+
+    def own(self, flat):
+        return flat[self.owned]
+
+    def full_params(self):
+        return self.params
+
+    def set_params(self, named):
+        xp = array_module(self.pbuf.flat)
+        for n, p in named.items():
+            self.params[n][...] = xp.asarray(p)                       # (host arrays onto the device)
 
     def new_buffer(self):
         """A zeroed buffer with the parameters' layout."""
@@ -87,6 +118,10 @@ class GradExchange:
     def formula(self):
         """{(comm, op): (calls, payload bytes)} of one step's exchange, as CommStats records it."""
         return {("dp", "Allreduce"): (1, int(self.buf.flat.nbytes))}
+
+    def param_bytes(self):
+        """Bytes of parameter storage this rank keeps between steps."""
+        return int(self.pbuf.flat.nbytes)
 
     def grad_bytes(self):
         """Bytes of gradient storage this rank keeps between steps."""

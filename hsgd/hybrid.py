@@ -12,7 +12,7 @@ step (`HybridTrainer.step`):
   4. the gradients are clipped by the global norm (optional) and the optimizer updates the shards this rank owns.
 Result: the same update as serial mini-batch SGD on the global batch (tests/mpi/test_hybrid.py, test_comm_opt.py).
 
-The optimizer sees the rank's parameters as one flat array (the exchange's `pbuf`; ZeRO: only its chunk of it),
+The optimizer sees the rank's parameters as one flat array (the exchange's `master`; ZeRO: only its chunks of it),
 with per-element 0/1 masks: which elements get weight decay (those of 2-D parameters) and, for the gradient norm,
 which belong to tensor-sharded parameters.
 """
@@ -49,15 +49,16 @@ class HybridTrainer:
                                       scheme=tc.tp_scheme)
         shards = {n: shards[n] for n in self.stage.names}
         self.exchange = make_exchange(tc, shards, self.stage.groups(), grid, self.tracer)
-        self.pbuf = self.exchange.pbuf                                  # my parameters, one flat buffer
-        self.params = self.pbuf.views                                   # {name: view into pbuf.flat}
+        self.pbuf = self.exchange.pbuf                                  # my parameters, one flat buffer (ZeRO-3: None)
+        self.params = self.exchange.params                              # {name: view} (ZeRO-3: filled per group)
+        self.dtype = shards[self.stage.names[0]].dtype
+        self.shard_shapes = {n: a.shape for n, a in shards.items()}     # this rank's tp shards' shapes
         # after gradients(): {name: view} of the step's gradient buffer: averaged over dp (all-reduce, overlapped,
         # hierarchical), this rank's own (ZeRO 1, stale: the average is elsewhere), None (ZeRO 2 released it)
         self.grads = None
         self.opt = make_optimizer(tc.optimizer, tc.lr, momentum=tc.momentum, weight_decay=tc.weight_decay)
-        owned = self.exchange.owned
-        self.decay = self.pbuf.mask(decays)[owned]                      # (owned,) 1 where weight decay applies
-        self.sharded = self.pbuf.mask(lambda n, p: self.is_sharded(n))[owned]   # (owned,) 1: split over tp
+        self.decay = self.exchange.mask(decays)                         # (owned,) 1 where weight decay applies
+        self.sharded = self.exchange.mask(lambda n, shape: self.is_sharded(n))   # (owned,) 1: split over tp
         self.skipped = self.in_a_row = 0                                # updates skipped for non-finite values
         self.t_start = self.tp_start = self.dp_start = self.dp_waited = 0.0   # set by gradients(), for update()
 
@@ -77,7 +78,7 @@ class HybridTrainer:
         mbs = [(idx[mb], targets[mb]) for mb in micro_batches(rows, m)]             # 2. its micro-batches
         buf = self.exchange.begin()                                                 # zeroed gradient buffer
         self.grads = buf.views
-        loss = self.stage.run(self.params, self.grads, mbs, self.exchange.on_ready, self.tracer)
+        loss = self.stage.run(self.params, self.grads, mbs, self.exchange.on_ready, self.tracer, self.hooks())
         self.exchange.arrive()                                                      # (--straggler: sleeps)
         with self.tracer.span("dp sync"):
             self.dp_waited = self.exchange.finish()                                 # 3. average over dp_comm
@@ -102,7 +103,7 @@ class HybridTrainer:
             with self.tracer.span("optimizer"):
                 if tc.clip and norm > tc.clip:
                     grads *= tc.clip / (norm + 1e-12)                               # a device multiply, no host copy
-                mine = self.pbuf.flat[self.exchange.owned]                      # a view: updated in place
+                mine = self.exchange.master                                     # a view: updated in place
                 self.opt.step({"flat": mine}, {"flat": grads}, lr, decay={"flat": self.decay})
                 self.exchange.after_update()                                    # ZeRO: Allgather the chunks
         return StepInfo(self.global_loss(numbers.loss), lr, norm, time.perf_counter() - self.t_start,
@@ -118,14 +119,23 @@ class HybridTrainer:
         rows, total = dp_rows(batch_size, self.grid.dp, self.grid.dp_rank), 0.0
         for i in range(n_batches):
             idx, targets = corpus.batch(self.tc.seed, i, batch_size, split="val")
-            total += self.stage.loss_only(self.params, idx[rows], targets[rows])
+            total += self.stage.loss_only(self.params, idx[rows], targets[rows], self.exchange.hooks)
         return self.grid.dp_comm.comm.allreduce(total) / (self.grid.dp * n_batches)
 
     # ------------------------------------------------------------------------------------------ reports
+    def shapes(self):
+        """{name: shape} of this rank's parameter shards (its stage's, tp-split)."""
+        return self.shard_shapes
+
+    def hooks(self):
+        """What runs around each group's forward and backward in a training step: the exchange's (ZeRO-3), or
+        nothing (None)."""
+        return self.exchange.hooks
+
     def memory(self):
         """Bytes this rank holds between steps: parameters, gradients, optimizer state."""
         state = sum(a.nbytes for v in self.opt.state.values() for a in (v if isinstance(v, tuple) else (v,)))
-        return {"params": int(self.pbuf.flat.nbytes), "grads": self.exchange.grad_bytes(), "optimizer": int(state)}
+        return {"params": self.exchange.param_bytes(), "grads": self.exchange.grad_bytes(), "optimizer": int(state)}
 
     def dp_comm_formula(self):
         """{(comm, op): (calls, bytes)} of one step's data-parallel exchange."""
@@ -135,7 +145,8 @@ class HybridTrainer:
         """Collective: None if every DP replica holds the same parameters, else the first parameter (in the
         buffer's order) whose replicas differ, and the dp ranks holding each version."""
         order = self.exchange.order
-        digests = self.grid.dp_comm.allgather_obj([params_digest({n: self.params[n]}) for n in order])
+        params = self.exchange.full_params()
+        digests = self.grid.dp_comm.allgather_obj([params_digest({n: params[n]}) for n in order])
         for i, name in enumerate(order):
             groups = {}
             for r, d in enumerate(digests):
@@ -147,7 +158,8 @@ class HybridTrainer:
     def full_params(self):
         """The whole model (serial names and shapes) on every rank (pickled: for sampling and checks only)."""
         full = {}
-        for part in self.grid.pp_comm.allgather_obj(tp_model.gather_full(self.params, self.cfg, self.grid.tp_comm,
+        mine = self.exchange.full_params()                                      # (ZeRO-3: All-Gathered over dp)
+        for part in self.grid.pp_comm.allgather_obj(tp_model.gather_full(mine, self.cfg, self.grid.tp_comm,
                                                                          self.scheme)):
             full.update(part)                                                   # every stage's parameters
         return {n: full[n] for n in self.cfg.param_shapes()}

@@ -22,8 +22,9 @@ from .backend import array_module, to_host
 
 
 def decays(name, p):
-    """Weight decay applies to weight matrices and embeddings (2-D), not to biases and LayerNorm (1-D)."""
-    return p.ndim >= 2
+    """Weight decay applies to weight matrices and embeddings (2-D), not to biases and LayerNorm (1-D).
+    p: the parameter, or its shape."""
+    return len(getattr(p, "shape", p)) >= 2
 
 
 def apply_weight_decay(p, name, lr, wd, decay=None):

@@ -23,7 +23,7 @@ def step_formula(cfg, tc, trainer):
     """{(comm, op): (calls, bytes)} this rank should see in one training step, from the closed forms: the
     tensor-parallel traffic of its stage for m micro-batches, the pipeline's messages and the dp exchange."""
     grid, st, m = trainer.grid, trainer.stage, tc.micro_batches
-    per_mb, itemsize = tc.batch_size // grid.dp // m, trainer.pbuf.flat.itemsize
+    per_mb, itemsize = tc.batch_size // grid.dp // m, trainer.dtype.itemsize
     f = {}
     for rows in st.pieces(per_mb):                                    # one piece, or one per thread
         for k, (calls, nbytes) in tp_model.comm_formula(cfg, rows, itemsize, tc.tp_scheme,

@@ -19,7 +19,7 @@ that accumulate (+=) are those of the mean of the micro-batches' mean losses: th
 import time
 
 from . import tp_model
-from .backend import array_module, to_host
+from .backend import get_xp, resolve_dtype, to_host
 from .pp import parse_split, schedule, split_layers, stage_names
 from .threads import cpu_threads, parallel_batches
 from .trace import NullTracer
@@ -29,6 +29,8 @@ class Stage:
     def __init__(self, cfg, grid, tc):
         """cfg: ModelConfig; grid: ProcessGrid; tc: TrainConfig (pp_split, schedule, micro_batches, tp_scheme)."""
         self.cfg, self.scheme, self.m = cfg, tc.tp_scheme, tc.micro_batches
+        self.recompute = getattr(tc, "recompute", "none")             # what the blocks keep (tp_model.block_forward)
+        self.xp, self.dtype = get_xp(tc.device), resolve_dtype(tc.dtype)   # (ZeRO-3: params may be empty here)
         self.tp_comm, self.pp_comm, self.s = grid.tp_comm, grid.pp_comm, grid.pp_rank
         self.layers = split_layers(cfg.n_layers, grid.pp, parse_split(tc.pp_split))[grid.pp_rank]
         self.first, self.last = grid.pp_rank == 0, grid.pp_rank == grid.pp - 1
@@ -50,13 +52,14 @@ class Stage:
                 out[grp] = names
         return out
 
-    def run(self, params, grads, mbs, on_ready=None, tracer=None):
+    def run(self, params, grads, mbs, on_ready=None, tracer=None, hooks=None):
         """One step of this stage: its actions on the micro-batches mbs = [(idx, targets)] (every stage has them;
         only the first uses idx, only the last targets). The gradients of (1/m) * each micro-batch's mean loss
-        accumulate into `grads`; on_ready(group) is passed to the last backward action. Returns (1/m) * the sum
-        of the micro-batches' losses on the last stage (on the device), else 0.0. Records the micro-batches held
-        at once (peak_held) and when each action ran (timeline)."""
-        tracer = tracer or NullTracer()
+        accumulate into `grads`; on_ready(group) is passed to the last backward action; hooks (tp_model.Hooks)
+        run around every group's forward and backward. Returns (1/m) * the sum of the micro-batches' losses on
+        the last stage (on the device), else 0.0. Records the micro-batches held at once (peak_held) and when
+        each action ran (timeline)."""
+        tracer, self.hooks = tracer or NullTracer(), hooks or tp_model.NO_HOOKS
         self.caches, self.sends, self.loss, self.live = {}, [], 0.0, 0
         self.peak_held, self.timeline = 0, []
         last_b = max(j for a, j in self.actions if a == "B")
@@ -78,7 +81,7 @@ class Stage:
         """The input of action (kind, j): the token ids, or the activation from stage s-1 (F); dloss = 1/m on the
         last stage, or the gradient from stage s+1 (B)."""
         if kind == "F" and self.first:
-            return array_module(params[self.names[0]]).asarray(mbs[j][0])
+            return self.xp.asarray(mbs[j][0])
         if kind == "B" and self.last:
             return 1.0 / self.m                                        # d(mean over the micro-batches)
         if kind == "F":
@@ -86,14 +89,14 @@ class Stage:
         return self.recv_activation(len(mbs[j][0]), params, source=self.s + 1, tag=2 * j + 1)     # gradient in
 
     def recv_activation(self, batch, params, source, tag):
-        p = params[self.names[0]]
         shape = tp_model.stage_activation_shape(self.scheme, batch, self.cfg, self.tp_comm.size)
-        return self.pp_comm.Recv(array_module(p).empty(shape, dtype=p.dtype), source=source, tag=tag)
+        return self.pp_comm.Recv(self.xp.empty(shape, dtype=self.dtype), source=source, tag=tag)
 
     def forward(self, j, inp, params, targets):
-        xp = array_module(params[self.names[0]])
+        xp = self.xp
         out, self.caches[j] = tp_model.stage_forward(params, inp, xp.asarray(targets), self.cfg, self.tp_comm,
-                                                     self.scheme, self.layers, self.first, self.last)
+                                                     self.scheme, self.layers, self.first, self.last, self.hooks,
+                                                     self.recompute)
         if self.last:
             self.loss = self.loss + out                                # stays on the device
         else:
@@ -103,18 +106,19 @@ class Stage:
         self.peak_held = max(self.peak_held, self.live)
 
     def backward(self, j, dout, grads, on_ready):
-        dx = tp_model.stage_backward(dout, self.caches.pop(j), grads, self.tp_comm, self.scheme, on_ready=on_ready)
+        dx = tp_model.stage_backward(dout, self.caches.pop(j), grads, self.tp_comm, self.scheme, on_ready=on_ready,
+                                     hooks=self.hooks)
         if not self.first:
-            dx = array_module(dx).ascontiguousarray(dx)
+            dx = self.xp.ascontiguousarray(dx)
             self.sends.append((self.pp_comm.Isend(dx, dest=self.s - 1, tag=2 * j + 1), dx))   # gradient out
         self.live -= 1
 
-    def loss_only(self, params, idx, targets):
+    def loss_only(self, params, idx, targets, hooks=None):
         """The mean loss of one batch, forwards only through the stages (evaluation): a float on every stage."""
-        xp = array_module(params[self.names[0]])
+        xp = self.xp
         inp = xp.asarray(idx) if self.first else self.recv_activation(len(idx), params, source=self.s - 1, tag=0)
         out, _ = tp_model.stage_forward(params, inp, xp.asarray(targets), self.cfg, self.tp_comm, self.scheme,
-                                        self.layers, self.first, self.last)
+                                        self.layers, self.first, self.last, hooks or tp_model.NO_HOOKS)
         if not self.last:
             self.pp_comm.Isend(xp.ascontiguousarray(out), dest=self.s + 1, tag=0).Wait()       # activation out
             return self.pp_comm.comm.bcast(None, root=self.pp_comm.size - 1)
@@ -133,8 +137,9 @@ class ThreadedStage(Stage):
 
     The tensor-parallel collectives of the slices run on a one-rank tp_comm: nothing moves, but each slice's calls
     are counted (pieces() says how many slices the last step used, for the byte formulas). An exchange that needs
-    on_ready during the backward pass (--dp-overlap) gets the plain Stage.run: the slices finish their groups
-    together, at the very end, so there would be nothing to overlap."""
+    on_ready during the backward pass (--dp-overlap) or hooks around each group (ZeRO 2 and 3, --memory) gets the
+    plain Stage.run: the slices finish their groups together, at the very end, so there would be nothing to
+    overlap, and each slice would need the whole gradient."""
     threads_used = 1                                                   # slices per micro-batch in the last run
 
     def pieces(self, rows):
@@ -142,11 +147,11 @@ class ThreadedStage(Stage):
         n = max(1, min(self.threads_used, rows))
         return [rows * (i + 1) // n - rows * i // n for i in range(n)]
 
-    def run(self, params, grads, mbs, on_ready=None, tracer=None):
-        xp = array_module(params[self.names[0]])
-        self.threads_used = cpu_threads() if xp.__name__ == "numpy" and on_ready is None else 1
+    def run(self, params, grads, mbs, on_ready=None, tracer=None, hooks=None):
+        plain = self.xp.__name__ == "numpy" and on_ready is None and hooks is None
+        self.threads_used = cpu_threads() if plain else 1
         if self.threads_used <= 1:
-            return super().run(params, grads, mbs, on_ready, tracer)
+            return super().run(params, grads, mbs, on_ready, tracer, hooks)
         tracer = tracer or NullTracer()
         self.timeline, loss = [], 0.0
         for j, (idx, targets) in enumerate(mbs):
@@ -164,10 +169,11 @@ class ThreadedStage(Stage):
 
     def part(self, params, grads, idx, targets, lo, hi):
         """Sequences lo..hi-1 of a micro-batch: (their share of its loss, the gradient buffer they added into)."""
-        xp, share = array_module(params[self.names[0]]), (hi - lo) / len(idx)
+        xp, share = self.xp, (hi - lo) / len(idx)
         into = grads if hi == len(idx) else {n: xp.zeros_like(p) for n, p in grads.items()}
         out, cache = tp_model.stage_forward(params, xp.asarray(idx[lo:hi]), xp.asarray(targets[lo:hi]), self.cfg,
-                                            self.tp_comm, self.scheme, self.layers, True, True)
+                                            self.tp_comm, self.scheme, self.layers, True, True,
+                                            recompute=self.recompute)
         tp_model.stage_backward(share / self.m, cache, into, self.tp_comm, self.scheme)
         return out * share, into
 

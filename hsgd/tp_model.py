@@ -25,6 +25,8 @@ Legend: B batch, T sequence, C d_model, NH heads, F d_ff, V vocab, Vp vocab rows
 Parameters keep their serial names; a shard's shape shows its split, e.g. h.0.attn.q.weight (C, C/tp).
 """
 import math
+from collections import namedtuple
+from contextlib import nullcontext
 
 from . import serial
 from .backend import array_module
@@ -107,14 +109,49 @@ def init_params(cfg, comm, seed=0, dtype="float32", device=None, scheme="megatro
 
 # ------------------------------------------------------------------------------------------------ one block
 
-def block_forward(x, p, h, cfg, comm, S):
-    """x + Attn(LN1(x)), then + MLP(LN2(x)), on this rank's heads and MLP columns. x: (B, T~, C)."""
+RECOMPUTE = ("none", "selective", "full")
+
+
+class Hooks:
+    """What runs around each gradient group's forward and backward in a stage (stage_forward, stage_backward):
+    here nothing. Two subclasses do something: ZeRO-3 All-Gathers a group's parameters into `params` on entry
+    and frees them on exit, and allocates, Reduce-Scatters and frees its gradients (hsgd.sharded); the memory
+    probe samples the bytes held on exit (hsgd.memtrace). Groups are "embedding", "h.{i}", "head"."""
+
+    def forward(self, group):
+        return nullcontext()
+
+    def backward(self, group):
+        return nullcontext()
+
+
+NO_HOOKS = Hooks()
+
+# what a stage's forward keeps for its backward: the parameters dict (ZeRO-3 fills it group by group), the model
+# config, the embedding's cache (first stage), [(i, block i's cache)], the head's cache (last stage)
+StageCache = namedtuple("StageCache", "params cfg emb blocks head")
+
+
+def block_forward(x, p, h, cfg, comm, S, recompute="none"):
+    """x + Attn(LN1(x)), then + MLP(LN2(x)), on this rank's heads and MLP columns. x: (B, T~, C).
+
+    The cache holds activations only, never a parameter (block_backward takes them from p again: ZeRO-3 frees
+    a layer's parameters between its forward and its backward). recompute (Korthikanti et al. 2022):
+      "none"       everything block_backward needs;
+      "selective"  q, k, v in place of the attention's probabilities (B, NH/tp, T, T): the core attention is
+                   computed again in the backward pass (no communication);
+      "full"       only the block's input x: the whole forward runs again in the backward pass, collectives too."""
+    if recompute == "full":
+        y, _ = block_forward(x, p, h, cfg, comm, S)                      # everything it caches is dropped here
+        return y, ("full", x)
     nh = cfg.n_heads // comm.size                                        # local heads
     a, c_ln1 = layernorm_forward(x, p[h + "ln1.weight"], p[h + "ln1.bias"])          # (B, T~, C)
     a_in = S.enter_forward(a, comm)                                      # (B, T, C) f: identity | gather_T: All-Gather
     # q = a_in Wq_i + bq_i, k = ..., v = ...: three column-parallel linears, computed as one product (ops.qkv_forward)
     q, k, v, _ = qkv_forward(a_in, *(p[h + f"attn.{n}.{w}"] for n in "qkv" for w in ("weight", "bias")))
     y, c_att = attention_forward(q, k, v, nh)                            # (B, T, C/tp) heads are independent
+    if recompute == "selective":
+        c_att = ("qkv", q, k, v)                                         # (B, T, C/tp) x 3: probabilities dropped
     o, c_proj = S.proj_forward(y, p[h + "attn.proj.weight"], p[h + "attn.proj.bias"], comm)  # (B, T~, C) leaves
     x = x + o
     m, c_ln2 = layernorm_forward(x, p[h + "ln2.weight"], p[h + "ln2.bias"])          # (B, T~, C)
@@ -123,31 +160,51 @@ def block_forward(x, p, h, cfg, comm, S):
     gl, c_gelu = gelu_forward(u)                                         # (B, T, F/tp)
     o2, c_mproj = S.proj_forward(gl, p[h + "mlp.proj.weight"], p[h + "mlp.proj.bias"], comm)  # (B, T~, C) leaves
     x = x + o2
-    # the column-parallel linears keep their input as this rank holds it, a or m (B, T~, C), and their weight
-    c_q, c_k, c_v = ((a, p[h + f"attn.{n}.weight"]) for n in "qkv")
-    c_fc = (m, p[h + "mlp.fc.weight"])
-    return x, (c_ln1, c_q, c_k, c_v, c_att, c_proj, c_ln2, c_fc, c_gelu, c_mproj)
+    # the column-parallel linears keep their input as this rank holds it, a or m (B, T~, C); the ops' caches end
+    # with their weight, which is dropped ([:-1]) and taken from p again in the backward pass
+    return x, (c_ln1[:-1], a, c_att, c_proj[:-1], c_ln2[:-1], m, c_gelu, c_mproj[:-1])
 
 
-def block_backward(dx, cache, grads, h, comm, S):
+def recompute_block(x, p, h, cfg, comm, S):
+    """--recompute full, in the backward pass: block_forward again from the block's input x (B, T~, C), its
+    tensor-parallel collectives included; returns the cache that "none" would have kept. Bit-identical: the
+    same operations on the same numbers."""
+    return block_forward(x, p, h, cfg, comm, S)[1]
+
+
+def recompute_attention(q, k, v, nh):
+    """--recompute selective, in the backward pass: the core attention again from q, k, v (B, T, C/tp); returns
+    attention_forward's cache, the probabilities (B, NH/tp, T, T) included."""
+    return attention_forward(q, k, v, nh)[1]
+
+
+def block_backward(dx, cache, grads, h, comm, S, p, cfg):
     """block_forward read from the bottom up; every collective is the adjoint of one in the forward pass.
-    dx: (B, T~, C)."""
-    c_ln1, c_q, c_k, c_v, c_att, c_proj, c_ln2, c_fc, c_gelu, c_mproj = cache
-    dgl = S.proj_backward(dx, c_mproj, grads[h + "mlp.proj.weight"], grads[h + "mlp.proj.bias"], comm)   # (B, T, F/tp)
+    dx: (B, T~, C); p: the parameters (the weights the caches dropped)."""
+    if isinstance(cache[0], str):                                        # ("full", x)
+        cache = recompute_block(cache[1], p, h, cfg, comm, S)            # the forward again, collectives too
+    c_ln1, a, c_att, c_proj, c_ln2, m, c_gelu, c_mproj = cache
+    if isinstance(c_att[0], str):                                        # ("qkv", q, k, v)
+        c_att = recompute_attention(*c_att[1:], cfg.n_heads // comm.size)   # the probabilities again
+    W = lambda name: p[h + name]                                         # a weight the cache dropped
+    dgl = S.proj_backward(dx, (*c_mproj, W("mlp.proj.weight")), grads[h + "mlp.proj.weight"],
+                          grads[h + "mlp.proj.bias"], comm)              # (B, T, F/tp)
     du = gelu_backward(dgl, c_gelu)                                      # (B, T, F/tp)
-    m_in = S.enter_forward(c_fc[0], comm)                                # (B, T, C) again: identity | All-Gather
-    dm_in = columns_backward(m_in, [du], [c_fc], [(grads[h + "mlp.fc.weight"], grads[h + "mlp.fc.bias"])])  # partial
+    m_in = S.enter_forward(m, comm)                                      # (B, T, C) again: identity | All-Gather
+    dm_in = columns_backward(m_in, [du], [(m, W("mlp.fc.weight"))],
+                             [(grads[h + "mlp.fc.weight"], grads[h + "mlp.fc.bias"])])          # (B, T, C) partial
     dm = S.enter_backward(dm_in, comm)                                   # (B, T~, C) f^T: Allreduce | Reduce-Scatter
-    dx = dx + layernorm_backward(dm, c_ln2, grads[h + "ln2.weight"], grads[h + "ln2.bias"])
-    dy = S.proj_backward(dx, c_proj, grads[h + "attn.proj.weight"], grads[h + "attn.proj.bias"], comm)   # (B, T, C/tp)
+    dx = dx + layernorm_backward(dm, (*c_ln2, W("ln2.weight")), grads[h + "ln2.weight"], grads[h + "ln2.bias"])
+    dy = S.proj_backward(dx, (*c_proj, W("attn.proj.weight")), grads[h + "attn.proj.weight"],
+                         grads[h + "attn.proj.bias"], comm)              # (B, T, C/tp)
     dqkv = array_module(dy).empty_like(dy, shape=(*dy.shape[:-1], 3 * dy.shape[-1]))   # (B, T, 3C/tp)
     attention_backward(dy, c_att, out=dqkv)                              # [dq | dk | dv] side by side
-    a_in = S.enter_forward(c_q[0], comm)                                 # (B, T, C) again: identity | All-Gather
-    x2, Ws = a_in.reshape(-1, a_in.shape[-1]), (c_q[1], c_k[1], c_v[1])
+    a_in = S.enter_forward(a, comm)                                      # (B, T, C) again: identity | All-Gather
+    x2, Ws = a_in.reshape(-1, a_in.shape[-1]), tuple(W(f"attn.{n}.weight") for n in "qkv")
     # the three linears' columns_backward as one product each for dW and dX (ops.qkv_backward)
     da_in = qkv_backward(dqkv, (x2, Ws), *(grads[h + f"attn.{n}.{w}"] for n in "qkv" for w in ("weight", "bias")))
     da = S.enter_backward(da_in, comm)                                   # (B, T~, C) f^T: Allreduce | Reduce-Scatter
-    return dx + layernorm_backward(da, c_ln1, grads[h + "ln1.weight"], grads[h + "ln1.bias"])
+    return dx + layernorm_backward(da, (*c_ln1, W("ln1.weight")), grads[h + "ln1.weight"], grads[h + "ln1.bias"])
 
 
 def columns_backward(x_in, dys, caches, dparams):
@@ -187,69 +244,79 @@ def head_forward(x, p, targets, start, cfg, comm, S):
     xf_in = S.enter_forward(xf, comm)                                    # (B, T, C) f: identity | gather_T: All-Gather
     logits, _ = linear_forward(xf_in, p["lm_head.weight"])              # (B, T, Vp) my vocabulary columns
     loss, c_ce = vocab_cross_entropy_forward(logits, targets, start, cfg.vocab_size, comm)  # 2 Allreduces
-    return loss, (c_lnf, (xf, p["lm_head.weight"]), c_ce)
+    return loss, (c_lnf[:-1], xf, c_ce)                                  # (no parameter in the cache)
 
 
-def head_backward(dloss, cache, grads, comm, S):
-    c_lnf, c_head, c_ce = cache
+def head_backward(dloss, cache, grads, comm, S, p):
+    c_lnf, xf, c_ce = cache
     dlogits = vocab_cross_entropy_backward(dloss, c_ce)                  # (B, T, Vp) no communication
-    xf_in = S.enter_forward(c_head[0], comm)                             # (B, T, C) again: identity | All-Gather
-    dxf_in = columns_backward(xf_in, [dlogits], [c_head], [(grads["lm_head.weight"], None)])    # (B, T, C) partial
+    xf_in = S.enter_forward(xf, comm)                                    # (B, T, C) again: identity | All-Gather
+    dxf_in = columns_backward(xf_in, [dlogits], [(xf, p["lm_head.weight"])], [(grads["lm_head.weight"], None)])
     dxf = S.enter_backward(dxf_in, comm)                                 # (B, T~, C) f^T: Allreduce | Reduce-Scatter
-    return layernorm_backward(dxf, c_lnf, grads["ln_f.weight"], grads["ln_f.bias"])
+    return layernorm_backward(dxf, (*c_lnf, p["ln_f.weight"]), grads["ln_f.weight"], grads["ln_f.bias"])
 
 
 # ------------------------------------------------------------------------------------------------ a pipeline stage
 
-def stage_forward(params, inp, targets, cfg, comm, scheme, layers, first, last):
+def stage_forward(params, inp, targets, cfg, comm, scheme, layers, first, last, hooks=NO_HOOKS, recompute="none"):
     """Forward through one pipeline stage (the whole model when first and last): the embedding if `first`, the
     blocks in `layers`, the final LayerNorm, LM head and loss if `last`. scheme: a name or a scheme object.
+    hooks: what runs around each gradient group (Hooks); recompute: what the blocks keep (block_forward).
 
     inp: token ids (B, T) on the first stage, else the activation (B, T~, C) received from the previous stage.
     Returns (out, caches): out is the mean loss on the last stage, else the activation (B, T~, C) to send on.
+    caches: a StageCache.
     """
     S = make_scheme(scheme)
     start, _ = vocab_range(cfg.vocab_size, comm.size, comm.rank)
-    c_emb = c_head = None
+    c_emb = None
     if first:
-        x, c_emb = embedding_forward(inp, params["wte"], params["wpe"], start, comm, S)   # (B, T~, C)
+        with hooks.forward("embedding"):
+            x, c_emb = embedding_forward(inp, params["wte"], params["wpe"], start, comm, S)   # (B, T~, C)
     else:
         x = inp                                                          # (B, T~, C) from stage s-1
     c_blocks = []
     for i in layers:
-        x, c = block_forward(x, params, f"h.{i}.", cfg, comm, S)         # (B, T~, C)
+        with hooks.forward(f"h.{i}"):
+            x, c = block_forward(x, params, f"h.{i}.", cfg, comm, S, recompute)   # (B, T~, C)
         c_blocks.append((i, c))
     if not last:
-        return x, (c_emb, c_blocks, None, None, None)
-    loss, (c_lnf, c_head, c_ce) = head_forward(x, params, targets, start, cfg, comm, S)
-    return loss, (c_emb, c_blocks, c_lnf, c_head, c_ce)
+        return x, StageCache(params, cfg, c_emb, c_blocks, None)
+    with hooks.forward("head"):
+        loss, c_head = head_forward(x, params, targets, start, cfg, comm, S)
+    return loss, StageCache(params, cfg, c_emb, c_blocks, c_head)
 
 
-def stage_backward(dout, caches, grads, comm, scheme="megatron", reduce_scatter=False, on_ready=None):
+def stage_backward(dout, caches, grads, comm, scheme="megatron", reduce_scatter=False, on_ready=None,
+                   hooks=NO_HOOKS):
     """stage_forward read from the bottom up. dout: dloss (a number) on the last stage, else dL/d(the stage's
     output activation) (B, T~, C) from the next stage. Returns dL/d(input activation), or None on the first stage.
 
     Each gradient group is final when on_ready(group) is called (see backward): the replicated parameters'
-    gradients first go where the scheme says (sequence: partial, All-Reduced per group by finish_replicated)."""
+    gradients first go where the scheme says (sequence: partial, All-Reduced per group by finish_replicated).
+    hooks.backward(group) is entered before a group's gradients are touched and left when they are final."""
     S = make_scheme(scheme, reduce_scatter)
-    c_emb, c_blocks, c_lnf, c_head, c_ce = caches
+    params, cfg, c_emb, c_blocks, c_head = caches
     ready = on_ready or (lambda group: None)
     dx = dout                                                            # (B, T~, C) from stage s+1
-    if c_ce is not None:
-        into, part = S.replicated_grads(grads, HEAD_REPLICATED)
-        dx = head_backward(dout, (c_lnf, c_head, c_ce), into, comm, S)      # (B, T~, C)
-        S.finish_replicated(part, grads, comm)                           # sequence: Allreduce of partial grads
+    if c_head is not None:
+        with hooks.backward("head"):
+            into, part = S.replicated_grads(grads, HEAD_REPLICATED)
+            dx = head_backward(dout, c_head, into, comm, S, params)      # (B, T~, C)
+            S.finish_replicated(part, grads, comm)                       # sequence: Allreduce of partial grads
         ready("head")
     for i, c in reversed(c_blocks):
-        into, part = S.replicated_grads(grads, [f"h.{i}.{n}" for n in BLOCK_REPLICATED])
-        dx = block_backward(dx, c, into, f"h.{i}.", comm, S)                # (B, T~, C)
-        S.finish_replicated(part, grads, comm)                           # sequence: Allreduce of partial grads
+        with hooks.backward(f"h.{i}"):
+            into, part = S.replicated_grads(grads, [f"h.{i}.{n}" for n in BLOCK_REPLICATED])
+            dx = block_backward(dx, c, into, f"h.{i}.", comm, S, params, cfg)   # (B, T~, C)
+            S.finish_replicated(part, grads, comm)                       # sequence: Allreduce of partial grads
         ready(f"h.{i}")
     if c_emb is None:
         return dx
-    into, part = S.replicated_grads(grads, EMBEDDING_REPLICATED)
-    embedding_backward(dx, c_emb, into["wte"], into["wpe"], comm, S)
-    S.finish_replicated(part, grads, comm)                               # sequence: Allreduce of partial dwpe
+    with hooks.backward("embedding"):
+        into, part = S.replicated_grads(grads, EMBEDDING_REPLICATED)
+        embedding_backward(dx, c_emb, into["wte"], into["wpe"], comm, S)
+        S.finish_replicated(part, grads, comm)                           # sequence: Allreduce of partial dwpe
     ready("embedding")
     return None
 
@@ -261,9 +328,10 @@ def stage_activation_shape(scheme, batch, cfg, tp):
 
 # ------------------------------------------------------------------------------------------------ the whole model
 
-def forward(params, idx, targets, cfg, comm, scheme="megatron"):
+def forward(params, idx, targets, cfg, comm, scheme="megatron", recompute="none"):
     """The mean loss (the same on every rank) and the caches of the backward pass."""
-    return stage_forward(params, idx, targets, cfg, comm, scheme, range(cfg.n_layers), first=True, last=True)
+    return stage_forward(params, idx, targets, cfg, comm, scheme, range(cfg.n_layers), first=True, last=True,
+                         recompute=recompute)
 
 
 def backward(caches, grads, comm, scheme="megatron", reduce_scatter=False, dloss=1.0, on_ready=None):
@@ -291,12 +359,12 @@ def backward_order(cfg):
 
 
 def loss_and_grads(params, idx, targets, cfg, comm, scheme="megatron", grads=None, reduce_scatter=False,
-                   loss_scale=1.0, on_ready=None):
+                   loss_scale=1.0, on_ready=None, recompute="none"):
     """(loss, grads) on this rank's shards. idx, targets (B, T): the same batch on every rank of the group.
     With `grads` given, the gradient of loss_scale * loss is accumulated into it (gradient accumulation)."""
     xp = array_module(params["wte"])
     idx, targets = xp.asarray(idx), xp.asarray(targets)
-    loss, caches = forward(params, idx, targets, cfg, comm, scheme)
+    loss, caches = forward(params, idx, targets, cfg, comm, scheme, recompute)
     if grads is None:
         grads = serial.zeros_like_params(params)
     backward(caches, grads, comm, scheme, reduce_scatter, dloss=loss_scale, on_ready=on_ready)

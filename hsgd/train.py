@@ -243,7 +243,7 @@ def header(run, device, threads):
         say(openblas_note())
     say(f"device: {device}")
     say(f"model: {cfg.n_params():,} parameters (L={cfg.n_layers} C={cfg.d_model} NH={cfg.n_heads} F={cfg.d_ff} "
-        f"T={cfg.seq_len} V={cfg.vocab_size}); {sum(p.size for p in run.trainer.params.values()):,} on each rank "
+        f"T={cfg.seq_len} V={cfg.vocab_size}); {sum(map(math.prod, run.trainer.shapes().values())):,} on each rank "
         "(incl. vocab padding)")
     say(f"data:  {run.corpus.describe()}")
     say(f"batch: global {tc.batch_size} x {cfg.seq_len} = {tc.batch_size * cfg.seq_len:,} tokens/step; per DP "

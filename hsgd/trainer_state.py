@@ -15,25 +15,25 @@ def optimizer_state(trainer):
     plain SGD) and AdamW's step count. The optimizer holds it flat, over the exchange's owned slice."""
     st = trainer.opt.state.get("flat")
     arrays = {} if st is None else dict(zip(("m", "v"), st)) if isinstance(st, tuple) else {"velocity": st}
-    full = {k: trainer.exchange.gather(v) for k, v in arrays.items()}       # (N,) the whole flat layout
-    per = {n: {k: v[lo:hi].reshape(trainer.params[n].shape) for k, v in full.items()}
-           for n, (lo, hi) in trainer.pbuf.offsets.items()}
+    ex, shapes = trainer.exchange, trainer.shapes()
+    full = {k: ex.gather(v) for k, v in arrays.items()}                     # (N,) the whole flat layout
+    per = {n: {k: v[lo:hi].reshape(shapes[n]) for k, v in full.items()} for n, (lo, hi) in ex.offsets.items()}
     return {n: v for n, v in per.items() if v}, getattr(trainer.opt, "t", 0)
 
 
 def set_state(trainer, params, state, t):
     """Set this rank's parameter shards and optimizer state (the layout of optimizer_state)."""
-    xp = array_module(trainer.pbuf.flat)
-    for n, p in params.items():
-        trainer.params[n][...] = xp.asarray(p)                              # (host arrays onto the device)
+    ex = trainer.exchange
+    xp = array_module(ex.master)
+    ex.set_params(params)
     if hasattr(trainer.opt, "t"):
         trainer.opt.t = t
-    flat = {k: xp.zeros(trainer.pbuf.flat.size, dtype=trainer.pbuf.flat.dtype) for st in state.values() for k in st}
+    flat = {k: xp.zeros(ex.size, dtype=trainer.dtype) for st in state.values() for k in st}
     for n, st in state.items():
-        lo, hi = trainer.pbuf.offsets[n]
+        lo, hi = ex.offsets[n]
         for k, v in st.items():
             flat[k][lo:hi] = xp.asarray(v).reshape(-1)
-    mine = {k: xp.array(v[trainer.exchange.owned]) for k, v in flat.items()}    # my part of the layout
+    mine = {k: xp.array(ex.own(v)) for k, v in flat.items()}                # my part of the layout
     trainer.opt.state.clear()
     if mine:
         trainer.opt.state["flat"] = (mine["m"], mine["v"]) if "m" in mine else mine["velocity"]
@@ -42,8 +42,8 @@ def set_state(trainer, params, state, t):
 def refuse_non_finite(trainer, state, step, save_dir, world):
     """Collective: raise NumericalFault on every rank if any rank's parameters or optimizer state hold a NaN or an
     infinity (a checkpoint of them would be useless, and rotate a good one away)."""
-    xp = array_module(trainer.pbuf.flat)
-    finite = bool(xp.isfinite(trainer.pbuf.flat).all()) and all(bool(xp.isfinite(v).all())
+    xp = array_module(trainer.exchange.master)
+    finite = bool(xp.isfinite(trainer.exchange.master).all()) and all(bool(xp.isfinite(v).all())
                                                                  for st in state.values() for v in st.values())
     bad = [r for r, ok in enumerate(world.allgather(finite)) if not ok]
     if bad:

@@ -613,7 +613,7 @@ for tp_ in TPS:
     for scheme in ("megatron", "sequence"):
         local = tp_model.shard_params(params, g_.tp_rank, tp_, scheme)
         _, caches = tp_model.forward(local, idx, targets, cfg, g_.tp_comm, scheme)
-        act[tp_, scheme] = (memory.activation_bytes(caches[1][0], local),        # block 0's cache
+        act[tp_, scheme] = (memory.activation_bytes(caches.blocks[0], local),        # block 0's cache
                             memory.activation_bytes(caches, local))              # the whole forward's
         f = memory.activation_formula(cfg, batch, itemsize, tp_, scheme)
         predicted[tp_, scheme] = (f["block"], f["model"])

@@ -679,10 +679,10 @@ comm = Comm(MPI.COMM_SELF, "tp")                                       # tp = 1
 local = tp_model.init_params(cfg5, comm, seed=0, dtype="float64")
 idx5, targets5 = rng.integers(0, 64, (B5, 16)), rng.integers(0, 64, (B5, 16))
 _, caches = tp_model.forward(local, idx5, targets5, cfg5, comm, "megatron")
-block = caches[1][0][1]                                                # block 0's cache
+block = caches.blocks[0][1]                                                # block 0's cache
 formula = memory.activation_formula(cfg5, B5, itemsize, 1, "megatron")
 N5 = B5 * cfg5.seq_len
-names = ("ln1", "q", "k", "v", "attention", "attn proj", "ln2", "mlp fc", "gelu", "mlp proj")
+names = ("ln1", "a (q,k,v in)", "attention", "attn proj", "ln2", "m (fc in)", "gelu", "mlp proj")
 print("block 0's cache, entry by entry (an array two entries share is counted in both lines, once in the sum):")
 for name, entry in zip(names, block):
     print(f"  {name:<10} {memory.activation_bytes(entry, local):>8,} bytes")

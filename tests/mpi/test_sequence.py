@@ -140,7 +140,7 @@ def test_activation_memory_matches_the_formula_and_shrinks():
         for scheme in ("megatron", "sequence"):
             local = tp_model.shard_params(params, grid.tp_rank, tp, scheme)
             _, caches = tp_model.forward(local, idx, targets, CFG, grid.tp_comm, scheme)
-            measured[scheme] = (memory.activation_bytes(caches[1][0], local),
+            measured[scheme] = (memory.activation_bytes(caches.blocks[0], local),
                                 memory.activation_bytes(caches, local))
             f = memory.activation_formula(CFG, B, 8, tp, scheme)
             ok &= measured[scheme] == (f["block"], f["model"])
@@ -164,7 +164,7 @@ def test_gather_activation_memory_matches_the_formula():
         grid = ProcessGrid(WORLD, dp=8 // tp, tp=tp)
         local = tp_model.shard_params(params, grid.tp_rank, tp, "gather")
         _, caches = tp_model.forward(local, idx, targets, CFG, grid.tp_comm, "gather")
-        measured = (memory.activation_bytes(caches[1][0], local), memory.activation_bytes(caches, local))
+        measured = (memory.activation_bytes(caches.blocks[0], local), memory.activation_bytes(caches, local))
         f, fm = (memory.activation_formula(CFG, B, 8, tp, s) for s in ("gather", "megatron"))
         ok &= measured == (f["block"], f["model"]) and (f["block"] > fm["block"] if tp > 1 else f == fm)
         lines.append(f"tp={tp} {measured[0]}/{f['block']}")
