@@ -59,6 +59,7 @@ class HybridTrainer:
         self.opt = make_optimizer(tc.optimizer, tc.lr, momentum=tc.momentum, weight_decay=tc.weight_decay)
         self.decay = self.exchange.mask(decays)                         # (owned,) 1 where weight decay applies
         self.sharded = self.exchange.mask(lambda n, shape: self.is_sharded(n))   # (owned,) 1: split over tp
+        self.probe = None                                               # --memory: an hsgd.memtrace probe
         self.skipped = self.in_a_row = 0                                # updates skipped for non-finite values
         self.t_start = self.tp_start = self.dp_start = self.dp_waited = 0.0   # set by gradients(), for update()
 
@@ -128,9 +129,10 @@ class HybridTrainer:
         return self.shard_shapes
 
     def hooks(self):
-        """What runs around each group's forward and backward in a training step: the exchange's (ZeRO-3), or
-        nothing (None)."""
-        return self.exchange.hooks
+        """What runs around each group's forward and backward in a training step: the exchange's (ZeRO 2 and 3),
+        then the memory probe's (--memory), or nothing (None)."""
+        chain = [h for h in (self.exchange.hooks, self.probe and self.probe.hooks) if h]
+        return None if not chain else chain[0] if len(chain) == 1 else tp_model.ChainedHooks(chain)
 
     def memory(self):
         """Bytes this rank holds between steps: parameters, gradients, optimizer state."""

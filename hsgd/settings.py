@@ -10,6 +10,7 @@ flat object (tc.tp, tc.lr, tc.micro_batches) whose fields come from the groups b
     Output        progress lines, validation losses, the sample, the JSON log, the trace and the plots
     Checkpoints   saving and resuming, a non-finite loss, the replica check
     Exchange      how the gradients cross dp_comm: all-reduce, overlapped, ZeRO, hierarchical or one step late
+    Memory        activation recomputation, and measuring every byte of a step
     Experiments   faults and stragglers, on purpose
 
 Every field is made with config.flag(default, help_text, ...): `flags_parser` turns fields into flags (batch_size
@@ -191,27 +192,62 @@ class Exchange:
     """How the gradients are averaged over dp_comm (plain: one Allreduce per step)."""
 
     dp_overlap: bool = flag(False, "start each layer's gradient Iallreduce while the backward pass goes on")
-    zero: int = flag(0, "ZeRO stage 1 or 2: reduce-scatter the gradients, update 1/dp of the parameters, all-gather "
-                        "them; 0 = all-reduce", choices=(0, 1, 2))
+    zero: int = flag(0, "ZeRO stage (Rajbhandari et al. 2020): each dp rank updates and keeps optimizer state for "
+                        "1/dp of the parameters\n"
+                        "0: all-reduce, no sharding\n"
+                        "1: reduce-scatter after the backward pass, all-gather after the update\n"
+                        "2: also the gradients: each layer's reduce-scatter runs during the backward pass\n"
+                        "3: also the parameters: each layer's are all-gathered before its forward and its "
+                        "backward, and freed after", choices=(0, 1, 2, 3))
     hierarchical: bool = flag(False, "all-reduce as reduce-scatter in the node, all-reduce across nodes, all-gather "
-                                     "in the node")
+                                     "in the node; with --zero 2 or 3: shard within the node, replicate across "
+                                     "nodes")
     dp_staleness: int = flag(0, "1 = asynchronous SGD: each step's averaged gradient is applied one step late, its "
                                 "exchange overlapping the next step", choices=(0, 1))
     ranks_per_node: int = flag(None, "dp ranks per node for --hierarchical", shown="MPI's shared-memory split")
 
     def check_exchange(self):
-        if self.zero not in (0, 1, 2):
-            raise ConfigError(f"zero={self.zero!r} must be 0 (all-reduce), 1 or 2 (ZeRO stage)")
+        if self.zero not in (0, 1, 2, 3):
+            raise ConfigError(f"zero={self.zero!r} must be 0 (all-reduce), 1, 2 or 3 (ZeRO stage)")
         if self.dp_staleness not in (0, 1):
             raise ConfigError(f"dp_staleness={self.dp_staleness!r} must be 0 (synchronous) or 1 (one step late)")
         if self.ranks_per_node is not None:
             check_positive_int("ranks_per_node", self.ranks_per_node)
+        hybrid = self.zero >= 2 and self.hierarchical                # sharded in the node, replicated across
         modes = [m for m, on in (("--dp-overlap", self.dp_overlap), (f"--zero {self.zero}", self.zero),
-                                 ("--hierarchical", self.hierarchical), ("--dp-staleness 1", self.dp_staleness))
-                 if on]
+                                 ("--hierarchical", self.hierarchical and not hybrid),
+                                 ("--dp-staleness 1", self.dp_staleness)) if on]
         if len(modes) > 1:
             raise ConfigError(f"{' and '.join(modes)} cannot be combined: each is its own way of exchanging the "
-                              "gradients over dp_comm; choose one")
+                              "gradients over dp_comm; choose one (--hierarchical combines with --zero 2 or 3 "
+                              "only: shard within a node, replicate across nodes)")
+        if self.zero == 3 and not self.hierarchical:
+            if self.check_replicas:
+                raise ConfigError("check_replicas compares the dp replicas' parameters, but --zero 3 keeps no "
+                                  "replicas (each dp rank holds its own 1/dp); drop --check-replicas, or add "
+                                  "--hierarchical (then the nodes hold replicas)")
+            if self.inject_fault and str(self.inject_fault).endswith(":diverge"):
+                raise ConfigError("inject_fault KIND diverge perturbs one replica, but --zero 3 keeps no replicas; "
+                                  "use another KIND or --zero 0, 1 or 2")
+
+
+@dataclass
+class Memory:
+    """Spending less memory on activations, and measuring where a step's bytes go."""
+
+    recompute: str = flag("none", "activation recomputation (Korthikanti et al. 2022)\n"
+                                  "none: the forward pass keeps everything the backward pass needs\n"
+                                  "selective: drop the attention probabilities (B x NH/tp x T x T per block) and "
+                                  "compute them again in the backward pass\n"
+                                  "full: keep only each block's input and run its forward again in the backward "
+                                  "pass, tensor-parallel collectives included", choices=tp_model.RECOMPUTE)
+    memory: bool = flag(False, "measure every rank's memory by category over one step (a real allocation tracker: "
+                               "tracemalloc on the CPU, CuPy's pool on the GPU) and print it next to the formula; "
+                               "slower, every allocation is traced")
+
+    def check_memory_settings(self):
+        if self.recompute not in tp_model.RECOMPUTE:
+            raise ConfigError(f"recompute={self.recompute!r} must be one of {', '.join(tp_model.RECOMPUTE)}")
 
 
 @dataclass
@@ -257,7 +293,7 @@ class Experiments:
 
 
 @dataclass
-class TrainConfig(Layout, Optimization, Data, Output, Checkpoints, Exchange, Experiments):
+class TrainConfig(Layout, Optimization, Data, Output, Checkpoints, Exchange, Memory, Experiments):
     """Every setting of a training run in one flat object: the fields of the groups above."""
 
     def validate(self):
@@ -268,6 +304,7 @@ class TrainConfig(Layout, Optimization, Data, Output, Checkpoints, Exchange, Exp
         self.check_output()
         self.check_checkpoints()
         self.check_exchange()
+        self.check_memory_settings()
         self.check_experiments()
         if self.dp_staleness and (self.save_dir or self.resume):
             raise ConfigError("checkpoints do not hold the gradient in flight of --dp-staleness 1; run it without "
@@ -278,7 +315,9 @@ class TrainConfig(Layout, Optimization, Data, Output, Checkpoints, Exchange, Exp
 GROUPS = (("parallel layout: P = dp x pp x tp ranks", Layout), ("model", ModelConfig),
           ("optimization", Optimization), ("data and numerics", Data), ("output", Output),
           ("checkpoints", Checkpoints),
-          ("data-parallel exchange (at most one of --dp-overlap, --zero, --hierarchical, --dp-staleness)", Exchange),
+          ("data-parallel exchange (at most one of --dp-overlap, --zero, --hierarchical, --dp-staleness; "
+           "--zero 2|3 --hierarchical is hybrid sharding)", Exchange),
+          ("memory", Memory),
           ("experiments", Experiments))
 MODEL_FLAGS = flag_names(ModelConfig)
 

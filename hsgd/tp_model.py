@@ -26,7 +26,7 @@ Parameters keep their serial names; a shard's shape shows its split, e.g. h.0.at
 """
 import math
 from collections import namedtuple
-from contextlib import nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 
 from . import serial
 from .backend import array_module
@@ -126,6 +126,28 @@ class Hooks:
 
 
 NO_HOOKS = Hooks()
+
+
+class ChainedHooks(Hooks):
+    """Several Hooks around each group, the first outermost (ZeRO-3's gather, then the memory probe's sample, so
+    that the probe sees the gathered parameters)."""
+
+    def __init__(self, chain):
+        self.chain = chain
+
+    def forward(self, group):
+        return _nested([h.forward(group) for h in self.chain])
+
+    def backward(self, group):
+        return _nested([h.backward(group) for h in self.chain])
+
+
+@contextmanager
+def _nested(contexts):
+    with ExitStack() as stack:
+        for c in contexts:
+            stack.enter_context(c)
+        yield
 
 # what a stage's forward keeps for its backward: the parameters dict (ZeRO-3 fills it group by group), the model
 # config, the embedding's cache (first stage), [(i, block i's cache)], the head's cache (last stage)
