@@ -124,6 +124,10 @@ class Hooks:
     def backward(self, group):
         return nullcontext()
 
+    def point(self, group, what):
+        """A moment worth seeing inside a group's backward: "recomputed" (the recomputation's arrays are all
+        alive). Nothing here; the memory probe samples."""
+
 
 NO_HOOKS = Hooks()
 
@@ -140,6 +144,10 @@ class ChainedHooks(Hooks):
 
     def backward(self, group):
         return _nested([h.backward(group) for h in self.chain])
+
+    def point(self, group, what):
+        for h in self.chain:
+            h.point(group, what)
 
 
 @contextmanager
@@ -200,7 +208,7 @@ def recompute_attention(q, k, v, nh):
     return attention_forward(q, k, v, nh)[1]
 
 
-def block_backward(dx, cache, grads, h, comm, S, p, cfg):
+def block_backward(dx, cache, grads, h, comm, S, p, cfg, hooks=NO_HOOKS):
     """block_forward read from the bottom up; every collective is the adjoint of one in the forward pass.
     dx: (B, T~, C); p: the parameters (the weights the caches dropped)."""
     if isinstance(cache[0], str):                                        # ("full", x)
@@ -208,6 +216,7 @@ def block_backward(dx, cache, grads, h, comm, S, p, cfg):
     c_ln1, a, c_att, c_proj, c_ln2, m, c_gelu, c_mproj = cache
     if isinstance(c_att[0], str):                                        # ("qkv", q, k, v)
         c_att = recompute_attention(*c_att[1:], cfg.n_heads // comm.size)   # the probabilities again
+    hooks.point(h[:-1], "recomputed")
     W = lambda name: p[h + name]                                         # a weight the cache dropped
     dgl = S.proj_backward(dx, (*c_mproj, W("mlp.proj.weight")), grads[h + "mlp.proj.weight"],
                           grads[h + "mlp.proj.bias"], comm)              # (B, T, F/tp)
@@ -330,7 +339,7 @@ def stage_backward(dout, caches, grads, comm, scheme="megatron", reduce_scatter=
     for i, c in reversed(c_blocks):
         with hooks.backward(f"h.{i}"):
             into, part = S.replicated_grads(grads, [f"h.{i}.{n}" for n in BLOCK_REPLICATED])
-            dx = block_backward(dx, c, into, f"h.{i}.", comm, S, params, cfg)   # (B, T~, C)
+            dx = block_backward(dx, c, into, f"h.{i}.", comm, S, params, cfg, hooks)   # (B, T~, C)
             S.finish_replicated(part, grads, comm)                       # sequence: Allreduce of partial grads
         ready(f"h.{i}")
     if c_emb is None:
