@@ -8,6 +8,8 @@ ways to do that, each a class with the same methods, chosen in one place (`make_
     OverlappedExchange    one Iallreduce per layer's bucket, started while the backward pass goes on
     HierarchicalExchange  reduce-scatter inside the node, all-reduce across nodes, all-gather inside (hsgd.hier)
     ZeroExchange          reduce-scatter: each DP rank averages and updates 1/dp of the flat buffer (hsgd.zero)
+    ShardedExchange       ZeRO 2 and 3: each layer's gradient reduce-scattered during the backward pass; stage 3
+                          also shards the parameters, gathered layer by layer (hsgd.sharded)
     StaleExchange         the average started at step s is applied at step s+1 (asynchronous, one step late)
 
 The interface, in the order a step uses it:
@@ -220,11 +222,15 @@ class StaleExchange(GradExchange):
 
 def make_exchange(tc, params, groups, grid, tracer):
     """The one place the exchange is chosen from the settings (--zero, --dp-overlap, --hierarchical,
-    --dp-staleness: at most one, checked by TrainConfig.validate). --straggler RANK:MS makes that rank sleep
+    --dp-staleness: at most one, checked by TrainConfig.validate; --zero 2|3 --hierarchical is hybrid sharding). --straggler RANK:MS makes that rank sleep
     before every exchange, to show what synchronous SGD pays for one slow worker."""
     from .hier import HierarchicalExchange
+    from .sharded import ShardedExchange
     from .zero import ZeroExchange
-    if tc.zero:
+    if tc.zero >= 2:
+        ex = ShardedExchange(params, groups, grid.dp_comm, tc.zero, hybrid=tc.hierarchical,
+                             ranks_per_node=tc.ranks_per_node, micro_batches=tc.micro_batches)
+    elif tc.zero:
         ex = ZeroExchange(params, groups, grid.dp_comm, tc.zero)
     elif tc.dp_overlap:
         ex = OverlappedExchange(params, groups, grid.dp_comm)

@@ -27,7 +27,8 @@ def step_formula(cfg, tc, trainer):
     f = {}
     for rows in st.pieces(per_mb):                                    # one piece, or one per thread
         for k, (calls, nbytes) in tp_model.comm_formula(cfg, rows, itemsize, tc.tp_scheme,
-                                                        stage=(len(st.layers), st.first, st.last)).items():
+                                                        stage=(len(st.layers), st.first, st.last),
+                                                        recompute=tc.recompute).items():
             f[k] = (f.get(k, (0, 0))[0] + m * calls, f.get(k, (0, 0))[1] + m * nbytes)
     f.update(pp_formula(per_mb, cfg, m, st.first, st.last, itemsize, tc.tp_scheme, grid.tp))
     f.update(trainer.exchange.formula())

@@ -420,13 +420,20 @@ def gather_full(params, cfg, comm, scheme="megatron"):
     return {name: unshard(comm.allgather_obj(p), name, cfg, scheme) for name, p in params.items()}
 
 
-def comm_formula(cfg, batch_size, itemsize, scheme="megatron", reduce_scatter=False, stage=None):
+def comm_formula(cfg, batch_size, itemsize, scheme="megatron", reduce_scatter=False, stage=None, recompute="none"):
     """{(communicator, operation): (calls, payload bytes)} of one loss_and_grads call on the "tp" communicator:
     the whole model, or with stage=(n_blocks, first, last) one pipeline stage's share (its blocks' terms, the
     embedding's on the first stage, the LM head's and the cross-entropy's on the last). The terms of each scheme
-    are in its comm_formula's docstring (hsgd.tp_schemes)."""
+    are in its comm_formula's docstring (hsgd.tp_schemes). --recompute full runs every block's forward twice:
+    its collectives (the scheme's block_forward_formula) once more per block; selective moves nothing more."""
     n_blocks, first, last = stage if stage is not None else (cfg.n_layers, True, True)
-    return make_scheme(scheme, reduce_scatter).comm_formula(cfg, batch_size, itemsize, n_blocks, first, last)
+    S = make_scheme(scheme, reduce_scatter)
+    out = S.comm_formula(cfg, batch_size, itemsize, n_blocks, first, last)
+    if recompute == "full" and n_blocks:
+        for k, (calls, nbytes) in S.block_forward_formula(cfg, batch_size, itemsize).items():
+            c0, b0 = out.get(k, (0, 0))
+            out[k] = (c0 + n_blocks * calls, b0 + n_blocks * nbytes)
+    return out
 
 
 def vocab_padding(cfg, tp):

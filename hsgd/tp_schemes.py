@@ -132,6 +132,12 @@ class Megatron:
         calls = 4 * L + emb + 3 * head
         return nonzero({("tp", "Allreduce"): (calls, (4 * L * C + emb * C + head * (C + 3)) * N * s)})
 
+    def block_forward_formula(self, cfg, batch, s):
+        """{("tp", op): (calls, payload bytes)} of one block's forward alone: what --recompute full repeats.
+        Megatron: the two g's, Allreduce of (N, C) each."""
+        N, C = batch * cfg.seq_len, cfg.d_model
+        return {("tp", "Allreduce"): (2, 2 * N * C * s)}
+
 
 class Gather(Megatron):
     """The lecture's scheme: every linear column-split, its output All-Gathered so that every rank holds it whole.
@@ -177,6 +183,12 @@ class Gather(Megatron):
         if self.reduce_scatter:
             out[("tp", "Reduce_scatter_block")] = gathered
         return nonzero(out)
+
+    def block_forward_formula(self, cfg, batch, s):
+        """The forward's four All-Gathers (heads, attention proj's output, GELU's output, MLP proj's output);
+        its Allreduces are all in the backward pass."""
+        N, C, F = batch * cfg.seq_len, cfg.d_model, cfg.d_ff
+        return {("tp", "Allgather"): (4, (3 * C + F) * N * s)}
 
 
 class Sequence(Megatron):
@@ -253,6 +265,11 @@ class Sequence(Megatron):
         return nonzero({("tp", "Allgather"): (ag, ag * N * C * s),
                         ("tp", "Reduce_scatter_block"): (rs, rs * N * C * s),
                         ("tp", "Allreduce"): (L + emb + 3 * head, ar_bytes)})
+
+    def block_forward_formula(self, cfg, batch, s):
+        """gather_T into q, k, v and into fc; scatter_T out of both projections: 2 + 2 calls of (N, C)."""
+        N, C = batch * cfg.seq_len, cfg.d_model
+        return {("tp", "Allgather"): (2, 2 * N * C * s), ("tp", "Reduce_scatter_block"): (2, 2 * N * C * s)}
 
 
 def nonzero(formula):

@@ -1,4 +1,4 @@
-"""Sharded optimizer over dp_comm (ZeRO stages 1 and 2): reduce-scatter the gradients, update 1/dp, all-gather.
+"""Sharded optimizer over dp_comm (ZeRO stage 1): reduce-scatter the gradients, update 1/dp, all-gather.
 
 The lecture, section 3.4, names the optimization: instead of All-Reducing every gradient and letting every
 replica do the same full update, Reduce-Scatter over the data-parallel dimension, so that DP rank r receives the
@@ -11,10 +11,10 @@ so the bytes are the same; what falls by dp is the optimizer's state and work (R
     p[chunk_r] <- optimizer(p[chunk_r], g_r)                                    state: (chunk,) per moment
     p = Allgather(p[chunk_r])                                                    (dp, chunk) -> flat
 
-Stage 1 keeps the full gradient buffer between steps; stage 2 keeps only the owned chunk (the full-size buffer
-exists from the backward pass to the Reduce-Scatter and is released after it). Here the Reduce-Scatter runs after
-the whole backward pass, so the peak still holds one full gradient; bucketing the Reduce-Scatter into the
-backward pass, which would lower the peak too, is left out.
+Stage 1 keeps the full gradient buffer, and the Reduce-Scatter runs after the whole backward pass. Stages 2 and 3
+(hsgd.sharded) reduce-scatter layer by layer during the backward pass and keep only the owned chunk of the
+gradient; stage 3 shards the parameters too. (ZeroExchange(stage=2) is the plain version of stage 2: the whole
+gradient buffer from the backward pass to one Reduce-Scatter after it, then released; the tests compare the two.)
 
 The optimizer works on the flat layout in every exchange (hsgd.hybrid): element masks say which elements get
 weight decay (2-D parameters) and which belong to tensor-sharded parameters (for the global gradient norm); here it
