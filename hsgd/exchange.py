@@ -222,7 +222,8 @@ class StaleExchange(GradExchange):
 
 def make_exchange(tc, params, groups, grid, tracer):
     """The one place the exchange is chosen from the settings (--zero, --dp-overlap, --hierarchical,
-    --dp-staleness: at most one, checked by TrainConfig.validate; --zero 2|3 --hierarchical is hybrid sharding). --straggler RANK:MS makes that rank sleep
+    --dp-staleness: at most one, checked by TrainConfig.validate; --zero 2|3 --hierarchical is hybrid sharding).
+    --straggler RANK:MS makes that rank sleep
     before every exchange, to show what synchronous SGD pays for one slow worker."""
     from .hier import HierarchicalExchange
     from .sharded import ShardedExchange

@@ -52,7 +52,7 @@ class ShardedExchange(GradExchange):
         if hybrid:
             self.node_comm, self.cross_comm = node_split(dp_comm, ranks_per_node)      # (hsgd.hier)
         shard = self.node_comm if hybrid else dp_comm
-        self.shard_comm, self.n, r = shard, shard.size, shard.rank    # norms add up over the shard comm
+        self.shard_comm, self.n = shard, shard.size                   # norms add up over the shard comm
         first = params[self.order[0]]
         xp, self.dtype = array_module(first), first.dtype
         self.shapes = {name: params[name].shape for name in self.order}

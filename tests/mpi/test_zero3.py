@@ -28,8 +28,8 @@ def config(**kw):
 
 
 def run(tc, trainer=None, start=1, stop=None):
-    """Steps start..stop (default tc.steps) on a new grid (or on `trainer`'s). Returns (grid, trainer, this rank's parameters
-    {name: tp shard}, the traffic of the last step)."""
+    """Steps start..stop (default tc.steps) on a new grid (or on `trainer`'s). Returns (grid, trainer, this
+    rank's parameters {name: tp shard}, the traffic of the last step)."""
     if trainer is None:
         grid = ProcessGrid(WORLD, dp=tc.dp, pp=tc.pp, tp=tc.tp)
         trainer = HybridTrainer(CFG, grid, tc)
