@@ -124,6 +124,12 @@ class HybridTrainer:
         return self.grid.dp_comm.comm.allreduce(total) / (self.grid.dp * n_batches)
 
     # ------------------------------------------------------------------------------------------ reports
+    def averaged_grads(self):
+        """After gradients(): {name: this rank's gradient shard averaged over dp, whole}. Collective over dp_comm
+        when the exchange keeps only a chunk of the average (ZeRO: the chunks are All-Gathered)."""
+        full = self.exchange.gather(self.exchange.grads())
+        return {n: full[lo:hi].reshape(self.shard_shapes[n]) for n, (lo, hi) in self.exchange.offsets.items()}
+
     def shapes(self):
         """{name: shape} of this rank's parameter shards (its stage's, tp-split)."""
         return self.shard_shapes

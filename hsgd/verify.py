@@ -1,9 +1,10 @@
 """Check the parallel model against the serial reference:  mpirun -n N python -m hsgd.verify [--tp --dp ...]
 
 One step of the parallel model on the dp x pp x tp grid (the same code path as training: micro-batches through
-the pipeline stages, tensor-parallel forward and backward, the exchange over dp_comm) and of hsgd.serial on the
-same global batch, then a table with, for every parameter, the largest error of any rank's gradient shard against
-the matching slice of the serial gradient.
+the pipeline stages, tensor-parallel forward and backward, the exchange over dp_comm; with --zero, --recompute and
+--hierarchical as given) and of hsgd.serial on the same global batch, then a table with, for every parameter, the
+largest error of any rank's averaged gradient shard against the matching slice of the serial gradient (with ZeRO
+each dp rank holds the average of its chunk only: the chunks are All-Gathered first).
 Exit code 0 when every error is within the tolerance of the dtype, 1 otherwise (2 for a usage error):
 
     float64: loss within 1e-12 and every gradient within 1e-10, relative
@@ -31,7 +32,8 @@ from .train import place_on_device
 
 TOLERANCE = {"float64": (1e-12, 1e-10), "float32": (1e-6, 1e-4)}      # (loss, gradients)
 # the flags of hsgd.verify (hsgd.train's, less those a single checked step does not use), and its defaults
-VERIFY_FLAGS = flag_names(Layout) + MODEL_FLAGS + ("batch_size", "seed", "data", "dtype", "device")
+VERIFY_FLAGS = flag_names(Layout) + MODEL_FLAGS + ("batch_size", "seed", "data", "dtype", "device", "zero",
+                                                   "hierarchical", "ranks_per_node", "recompute")
 VERIFY_DEFAULTS = dict(dtype="float64", batch_size=8, seq_len=16, d_model=32, n_layers=2, n_heads=4, d_ff=64)
 
 
@@ -58,7 +60,7 @@ def verify(cfg, tc, world=MPI.COMM_WORLD, out=sys.stdout, where=None):
     loss0, grads0 = serial.loss_and_grads(ref, idx, targets, cfg)
     scale = 1e-3 * max(float(np.abs(grad).max()) for grad in grads0.values())
     mine = {}
-    for name, grad in trainer.grads.items():
+    for name, grad in trainer.averaged_grads().items():                # collective with ZeRO
         expect = tp_model.shard(grads0[name], name, grid.tp_rank, grid.tp, tc.tp_scheme)
         diff = float(np.abs(to_numpy(grad).astype(np.float64) - expect).max())
         mine[name] = (diff, diff / max(float(np.abs(expect).max()), scale), grad.shape)
@@ -78,7 +80,8 @@ def verify(cfg, tc, world=MPI.COMM_WORLD, out=sys.stdout, where=None):
             rows.append((name, shape, holders[0][1][name][2], split, abs_err, rel_err))
             ok = ok and rel_err <= tol_grad
         print(f"hsgd.verify | {world.Get_size()} ranks = dp {grid.dp} x pp {grid.pp} x tp {grid.tp} ({tc.tp_scheme}) "
-              f"| {tc.dtype} | batch {tc.batch_size} x {cfg.seq_len}, {tc.micro_batches} micro-batch(es)", file=out)
+              f"| {tc.dtype} | batch {tc.batch_size} x {cfg.seq_len}, {tc.micro_batches} micro-batch(es) | zero "
+              f"{tc.zero}{' hierarchical' if tc.hierarchical else ''} | recompute {tc.recompute}", file=out)
         if where:
             print(f"device: {where}", file=out)
         print(f"loss: parallel {loss:.12g}  serial {loss0:.12g}  rel err {loss_err:.1e} (tolerance {tol_loss:.0e})",

@@ -161,7 +161,11 @@ def test_hybrid_training_run_prints_everything(tmp_path):
 
 @pytest.mark.parametrize("flags", [["--tp", "2"], ["--tp", "4", "--tp-scheme", "gather", "--micro-batches", "2"],
                                    ["--tp", "4", "--tp-scheme", "sequence"], ["--tp", "1", "--dtype", "float32"],
-                                   ["--pp", "2", "--tp", "2", "--micro-batches", "2", "--schedule", "gpipe"]])
+                                   ["--pp", "2", "--tp", "2", "--micro-batches", "2", "--schedule", "gpipe"],
+                                   ["--pp", "2", "--tp", "2", "--micro-batches", "2", "--zero", "3", "--recompute",
+                                    "full", "--tp-scheme", "sequence"],
+                                   ["--tp", "2", "--zero", "1", "--recompute", "selective"],
+                                   ["--zero", "3", "--hierarchical", "--ranks-per-node", "2"]])
 def test_verify_passes(flags):
     r = run_mpi(8, ["-m", "hsgd.verify", *flags], timeout=120)
     print(r.stdout[-1500:])
@@ -169,6 +173,7 @@ def test_verify_passes(flags):
 
 
 @pytest.mark.parametrize("flags", [["--dp-overlap"], ["--zero", "1"], ["--zero", "2", "--optimizer", "adamw"],
+                                   ["--zero", "3", "--pp", "2", "--micro-batches", "2", "--recompute", "full"],
                                    ["--hierarchical", "--ranks-per-node", "2"], ["--dp-staleness", "1"],
                                    ["--tp-scheme", "sequence"], ["--straggler", "3:5"]])
 def test_every_communication_option_trains_and_matches_its_formula(flags):
