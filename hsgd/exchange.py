@@ -129,6 +129,12 @@ class GradExchange:
         """Bytes of gradient storage this rank keeps between steps."""
         return int(self.buf.flat.nbytes)
 
+    def memory_formula(self):
+        """{"params", "grads", "comm"}: bytes of this exchange's own buffers at their peaks in a step
+        (hsgd.step_memory): the flat parameters pbuf and the gradient buffer buf, (size,) each; no other buffer."""
+        n = self.size * self.pbuf.flat.itemsize
+        return {"params": n, "grads": n, "comm": 0}
+
     def describe(self):
         return "one Allreduce of all gradients after the backward pass"
 
@@ -209,6 +215,12 @@ class StaleExchange(GradExchange):
 
     def grad_bytes(self):
         return int(self.buf.flat.nbytes + sum(b.flat.nbytes for b in self.spare))
+
+    def memory_formula(self):
+        """The gradient buffer and the two spares it is copied into for its Iallreduce: 3 (size,) of gradients
+        (its new_buffer allocates them, as the gradient buffer)."""
+        n = self.size * self.pbuf.flat.itemsize
+        return {"params": n, "grads": 3 * n, "comm": 0}
 
     def describe(self):
         return "stale by one step: each step's Iallreduce completes during the next step, applied one step late"

@@ -144,6 +144,14 @@ class HierarchicalExchange(GradExchange):
     def comms(self):
         return [self.node_comm, self.cross_comm]
 
+    def memory_formula(self):
+        """GradExchange's buffers, and the scratch of hierarchical_allreduce: the chunk (m,), m = ceil(size / n),
+        and the padded copy (n m,) unless n divides size."""
+        out, n, s = super().memory_formula(), self.ranks_per_node, self.pbuf.flat.itemsize
+        m = -(-self.size // n)
+        out["comm"] = (m + (n * m if n * m != self.size else 0)) * s
+        return out
+
     def free(self):
         self.close()
         if self.node_comm is not None:

@@ -80,5 +80,11 @@ class ZeroExchange(GradExchange):
     def grad_bytes(self):
         return int(self.g_chunk.nbytes + (self.buf.flat.nbytes if self.buf is not None else 0))
 
+    def memory_formula(self):
+        """Parameters (size,) whole; gradients: the full buffer (stage 2: from begin() to the Reduce-Scatter, so at
+        the step's peak too) and my averaged chunk (chunk,); comm: the Allgather's send buffer (chunk,)."""
+        s = self.pbuf.flat.itemsize
+        return {"params": self.size * s, "grads": (self.size + self.chunk) * s, "comm": self.chunk * s}
+
     def describe(self):
         return f"ZeRO stage {self.stage} (Reduce_scatter_block + sharded optimizer + Allgather over dp_comm)"
