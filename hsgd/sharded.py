@@ -206,6 +206,22 @@ class ShardedExchange(GradExchange):
             out[(self.cross_comm.name, "Allreduce")] = (1, int(self.g_owned.nbytes))
         return out
 
+    def memory_formula(self):
+        """{"params", "grads", "comm": bytes} at each one's peak over a step, as the memory probe samples them
+        (inside this exchange's hooks, after a group's forward or backward):
+            params  master, plus stage 2 the whole parameters, stage 3 the largest gathered group n c_g
+            grads   g_owned, plus two whole buckets: the group being filled and the one before it, whose
+                    Reduce-Scatter is still in flight (consecutive groups in backward order; with m > 1 the last
+                    group's is still in flight when the next micro-batch's backward fills the first)
+            comm    the receive chunk c_g of the Reduce-Scatter in flight"""
+        s, n, m = self.dtype.itemsize, self.n, self.m
+        cs = [L.c for L in self.layout.values()]                          # backward order
+        pairs = list(zip(cs, cs[1:])) + ([(cs[-1], cs[0])] if m > 1 else [])
+        in_flight = max((a + b for a, b in pairs), default=cs[0] * (2 if m > 1 else 1))
+        return {"params": self.param_bytes() + (s * n * max(cs) if self.zero == 3 else 0),
+                "grads": int(self.g_owned.nbytes) + s * n * in_flight,
+                "comm": s * max((a for a, _ in pairs), default=0)}
+
     def param_bytes(self):
         return int(self.master_.nbytes + (self.whole.nbytes if self.zero == 2 else 0))
 
