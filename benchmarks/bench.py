@@ -24,7 +24,9 @@ Writes benchmarks/results/bench.md (the tables) and bench.json (every number), a
      2 threads (ThreadedStage), and PyTorch eager on 2 threads as the anchor;
   e. per-rank memory (parameters, gradients, optimizer state, activations) for tp in {1, 2, 4, 8} and zero in
      {0, 1} on 8 ranks, against the formulas;
-  f. communication bytes per step against the formulas (the ratio must be exactly 1).
+  f. communication bytes per step against the formulas (the ratio must be exactly 1);
+  g. what memory savings cost in time: --recompute selective and full, --zero 3 and both, against the plain step,
+     on 2 ranks (dp = 2, one thread each), alternating, with the bytes each moves.
 Timings are medians over repetitions, with the best next to them: how far apart the two are is the run-to-run
 noise of this machine. Run it on an idle machine. benchmarks/compare_commits.py runs section a for two commits in
 turn, to compare their hsgd / PyTorch ratios against that noise.
@@ -227,6 +229,26 @@ def section_memory(a, res, md, say):
         md.append(f"| {r['tp']} | {r['zero']} | {cells} |")
 
 
+def section_memcost(a, res, md, say):
+    """g: the time cost of recomputation and of ZeRO-3 against the plain step."""
+    say("timing recomputation and ZeRO-3 on 2 ranks ...")
+    r = mpi(2, "memcost", {"BENCH_ROUNDS": "3" if a.quick else "7"})
+    res["memcost"] = r
+    base = r["seconds"]["none, zero 0"]
+    md += ["", "## g. What memory costs in time: recomputation and ZeRO-3, dp = 2 ranks (1 thread each)", "",
+           "Model and batch as c. Each variant's median step over alternating rounds (best in parentheses); bytes "
+           "per rank and step on each communicator.", "",
+           "| variant | step median (best) | / plain | bytes per step |", "|---|---|---|---|"]
+    for name, t in r["seconds"].items():
+        moved = ", ".join(f"{k} {v:,}" for k, v in sorted(r["bytes"][name].items()))
+        md.append(f"| {name} | {t * 1e3:.0f} ({r['best'][name] * 1e3:.0f}) ms | {t / base:.2f} | {moved} |")
+    md += ["", "Full recomputation runs every block's forward twice (about 4/3 of the step's matmul work when the "
+               "backward costs twice the forward); selective recomputes only the attention's probabilities. "
+               "ZeRO-3 All-Gathers every layer's parameters before its forward and again before its backward: 3 "
+               "times the parameter bytes per step against the All-Reduce's 2 (by payload: Allgather 2 x, "
+               "Reduce-Scatter 1 x the padded parameters)."]
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="threads for the one-rank comparison")
@@ -243,7 +265,7 @@ def main(argv=None):
         res["matmul_flops"] = matmul_rate()
     say(f"float32 matmul rate (NumPy, {a.threads} threads): {res['matmul_flops'] / 1e9:.1f} GFLOP/s")
     md = []
-    for section in (section_step, section_dp, section_tp, section_memory):
+    for section in (section_step, section_dp, section_tp, section_memory, section_memcost):
         section(a, res, md, say)
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "bench.json"), "w") as f:

@@ -1,6 +1,6 @@
 """One measurement of `make bench` that needs MPI ranks; started by benchmarks/bench.py under mpiexec.
 
-    mpiexec -n N python benchmarks/bench_worker.py TASK     TASK: dp | ddp | tp | threaded | torch | memory
+    mpiexec -n N python benchmarks/bench_worker.py TASK     TASK: dp | ddp | tp | threaded | torch | memory | memcost
 
     dp        the trainer, dp = N (one thread per rank), the global batch 16 x 128 split over the ranks
     ddp       PyTorch DistributedDataParallel (gloo, on loopback) on the same model, batch and thread count
@@ -8,6 +8,8 @@
     threaded  the trainer on 1 rank with BENCH_THREADS threads (default 2): ThreadedStage splits the batch
     torch     PyTorch eager on 1 rank with BENCH_THREADS threads (default 2), the anchor of `threaded`
     memory    per-rank memory and bytes per step on 8 ranks against the formulas
+    memcost   what recomputation (selective, full) and ZeRO-3 cost in time: dp = N, every variant's step timed
+              in alternating rounds, against --recompute none and --zero 0
 Rank 0 prints one JSON object on its last line. Every rank uses one BLAS thread unless BENCH_THREADS says more.
 """
 import json
@@ -172,7 +174,7 @@ def task_memory():
             _, caches = tp_model.forward(trainer.params, idx[rows_, :64], targets[rows_, :64], cfg, grid.tp_comm)
             act = activation_bytes(caches, trainer.params)
             mem = trainer.memory()
-            s = trainer.pbuf.flat.itemsize
+            s = trainer.dtype.itemsize
             pbytes = param_bytes_formula(cfg, tp, s)
             n_elems = pbytes // s
             chunk = -(-n_elems // dp)
@@ -194,11 +196,43 @@ def task_memory():
     return {"rows": rows, "config": {"C": 128, "L": 2, "NH": 8, "F": 512, "T": 64, "V": 256, "B": batch}}
 
 
+MEMCOST = {"none, zero 0": {}, "selective": dict(recompute="selective"), "full": dict(recompute="full"),
+           "zero 3": dict(zero=3), "zero 3 + full": dict(zero=3, recompute="full")}
+
+
+def task_memcost():
+    """Median step seconds of each MEMCOST variant (SCALING, global batch 16 x 128, dp = N ranks, one thread
+    each), the variants' steps alternating round by round so that all see the same machine noise; and the tp and
+    dp bytes of one step."""
+    n, rounds = WORLD.Get_size(), int(os.environ.get("BENCH_ROUNDS", "5"))
+    idx, targets = CORPUS.batch(0, 1, 16)
+    trainers, times, traffic = {}, {k: [] for k in MEMCOST}, {}
+    for name, extra in MEMCOST.items():
+        tc = TrainConfig(dp=n, tp=1, steps=10 ** 6, batch_size=16, lr=1e-4, momentum=0.9, warmup=0, **extra)
+        grid = ProcessGrid(WORLD, dp=n, tp=1)
+        trainers[name] = HybridTrainer(SCALING, grid, tc)
+        trainers[name].step(idx, targets, 1)                             # warm-up (and the optimizer state)
+        before = grid.stats.counts()
+        trainers[name].step(idx, targets, 1)
+        traffic[name] = {f"{c} {op}": b for (c, op), (_, b) in grid.stats.since(before).items()}
+    for _ in range(rounds):
+        for name, trainer in trainers.items():
+            WORLD.Barrier()
+            t0 = time.perf_counter()
+            trainer.step(idx, targets, 1)
+            times[name].append(WORLD.allreduce(time.perf_counter() - t0, op=MPI.MAX))
+    for trainer in trainers.values():
+        trainer.free()
+        trainer.grid.free()
+    return {"seconds": {k: float(np.median(v)) for k, v in times.items()},
+            "best": {k: float(min(v)) for k, v in times.items()}, "bytes": traffic, "ranks": n}
+
+
 if __name__ == "__main__":
     task = sys.argv[1]
     tune_allocator()
     with threadpool_limits(1):
         result = {"dp": task_dp, "tp": task_tp, "threaded": task_threaded, "ddp": task_ddp, "torch": task_torch,
-                  "memory": task_memory}[task]()
+                  "memory": task_memory, "memcost": task_memcost}[task]()
     if WORLD.Get_rank() == 0:
         print(json.dumps(result))
