@@ -151,7 +151,9 @@ def main(argv=None):
                        (["--tp", "1", "--pp", str(R), "--n-layers", str(2 * R), "--micro-batches", "2"], None),
                        (["--tp", str(R), "--dtype", "float32"], None),
                        (["--tp", str(R), "--seq-len", "256"], None),                  # several causal blocks
-                       (["--tp", "1", "--micro-batches", "2"], {"HSGD_CUDA_AWARE": "0"})):    # pinned host staging
+                       (["--tp", "1", "--micro-batches", "2"], {"HSGD_CUDA_AWARE": "0"}),    # pinned host staging
+                       (["--tp", "1", "--zero", "3", "--recompute", "full", "--micro-batches", "2"], None),
+                       (["--tp", "1", "--zero", "3"], {"HSGD_CUDA_AWARE": "0"})):     # staged Ireduce_scatter
         code, out, s = run(["timeout", "240", mpiexec(), "-n", str(R), sys.executable, "-m", "hsgd.verify",
                             "--device", "gpu", *flags], 260, env)
         last = [ln for ln in out.splitlines() if ln.startswith(("PASS", "FAIL"))] or out.strip().splitlines()[-1:]
