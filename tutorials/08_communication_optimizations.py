@@ -44,7 +44,7 @@
 #
 # 1. **overlap** (`dp_overlap`): one non-blocking All-Reduce per layer, started by the backward pass;
 # 2. **Reduce-Scatter + sharded optimizer + All-Gather** (`zero=1`, `zero=2`): the same bytes, 1/dp of the
-#    optimizer state;
+#    optimizer state (and with `zero=2`, reduce-scattered layer by layer during the backward pass, of the gradient);
 # 3. **hierarchical all-reduce** (`hierarchical`, `ranks_per_node`): inside the node, across nodes, inside again;
 # 4. **stragglers** (`straggler`) and **staleness** (`dp_staleness=1`): what synchronous SGD pays for the slowest
 #    rank, and the exact (and inexact) price of not waiting.
@@ -295,8 +295,11 @@ say(f"picture: {path}")
 # rank r updates only its chunk $w_r$ and keeps optimizer state only for it, then the updated *parameters* travel
 # in the All-Gather. The same bytes as an All-Reduce, $1/dp$ of the optimizer's memory and work: ZeRO stage 1
 # (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models"). Stage 2 also
-# drops the full gradient buffer between steps, keeping only $g_r$. The flat buffers are padded to a multiple of dp
-# so that the chunks are equal (`zero.py`). Clipping needs the global norm of the gradient, which is now spread over
+# drops the full gradient, keeping only $g_r$: in hsgd (`sharded.py`) each layer's gradient is a bucket of its own,
+# padded to dp chunks, alive only during that layer's backward; its Reduce-Scatter (non-blocking,
+# `Ireduce_scatter_block`) starts as soon as the layer is done and completes during the next layer's backward,
+# and the bucket is freed. Stage 1's flat buffer is padded once, to a multiple of dp (`zero.py`), stage 2's
+# every layer's bucket. Clipping needs the global norm of the gradient, which is now spread over
 # the chunks: `health.step_numbers` and `health.global_norm` add the chunks' squares over dp (and the split
 # parameters' over tp).
 #
@@ -322,22 +325,26 @@ check.holds("clipping active at every step (norm > 0.5)", all(i.grad_norm > 0.5 
 
 # %%
 phi = base.exchange.buf.flat.nbytes                               # plain DP: the gradient buffer, unpadded
-phi_pad = zero_runs[1][0].pbuf.flat.nbytes                         # ZeRO: padded to a multiple of dp
+phi_pad = zero_runs[1][0].pbuf.flat.nbytes                         # ZeRO-1: padded to a multiple of dp
+phi_pad2 = zero_runs[2][0].exchange.size * itemsize                # ZeRO-2: every layer's bucket padded
+n_groups = len(zero_runs[2][0].exchange.groups)                     # the layers: one bucket each
+reduce_op = {1: "Reduce_scatter_block", 2: "Ireduce_scatter_block"}
 ring = (DP - 1) / DP
 say(f"{'':<8}{'operation':<22}{'calls':>6}{'payload':>10}{'ring, sent per rank':>22}")
 say(f"{'plain':<8}{'Allreduce':<22}{zero_runs[0][2][('dp', 'Allreduce')][0]:>6}"
     f"{zero_runs[0][2][('dp', 'Allreduce')][1]:>10,}{2 * ring * phi:>22,.0f}")
 for z in (1, 2):
     nb = zero_runs[z][2]
-    for op in ("Reduce_scatter_block", "Allgather"):
+    for op in (reduce_op[z], "Allgather"):
         say(f"{f'ZeRO-{z}':<8}{op:<22}{nb[('dp', op)][0]:>6}{nb[('dp', op)][1]:>10,}{ring * nb[('dp', op)][1]:>22,.0f}")
-say(f"padding: {(phi_pad - phi) // itemsize} elements, so that the buffer splits into {DP} chunks of "
-    f"{phi_pad // itemsize // DP:,}")
-for z in (1, 2):
+say(f"padding: ZeRO-1 {(phi_pad - phi) // itemsize} elements, so that the buffer splits into {DP} chunks of "
+    f"{phi_pad // itemsize // DP:,}; ZeRO-2 {(phi_pad2 - phi) // itemsize} over its {n_groups} layers")
+for z, pad, calls in ((1, phi_pad, 1), (2, phi_pad2, n_groups)):
     nb = zero_runs[z][2]
-    check.equal(f"ZeRO-{z}: (Reduce-Scatter, Allgather) payloads == padded Phi",
-                (nb[("dp", "Reduce_scatter_block")][1], nb[("dp", "Allgather")][1]), (phi_pad, phi_pad))
-check.holds("padding < dp elements", 0 <= phi_pad - phi < DP * itemsize)
+    check.equal(f"ZeRO-{z}: (Reduce-Scatter, Allgather) (calls, payloads) == ({calls}, padded Phi) each",
+                (nb[("dp", reduce_op[z])], nb[("dp", "Allgather")]), ((calls, pad), (calls, pad)))
+check.holds("padding < dp elements (ZeRO-1), < dp per layer (ZeRO-2)",
+            0 <= phi_pad - phi < DP * itemsize and 0 <= phi_pad2 - phi < n_groups * DP * itemsize)
 
 # %% [markdown]
 # What it buys, measured with `trainer.memory()` after the last step (bytes this rank keeps between steps):
@@ -351,16 +358,17 @@ say(f"optimizer state: plain / ZeRO-1 = {mems[0]['optimizer'] / mems[1]['optimiz
     f"ZeRO-2 keeps {mems[2]['grads'] / mems[0]['grads']:.3f} of the gradient bytes between steps")
 check.equal("AdamW state: (plain, ZeRO-1 x dp, ZeRO-2 x dp) == (2 Phi, 2 padded Phi, same)",
             (mems[0]["optimizer"], mems[1]["optimizer"] * DP, mems[2]["optimizer"] * DP),
-            (2 * phi, 2 * phi_pad, 2 * phi_pad))
-check.equal("ZeRO-2: gradient bytes kept == one chunk", mems[2]["grads"], phi_pad // DP)
+            (2 * phi, 2 * phi_pad, 2 * phi_pad2))
+check.equal("ZeRO-2: gradient bytes kept == one chunk", mems[2]["grads"], phi_pad2 // DP)
 check.equal("ZeRO-1: gradient bytes kept == full buffer + chunk", mems[1]["grads"], phi_pad + phi_pad // DP)
 
 # %% [markdown]
 # ZeRO-1 keeps the full gradient buffer *and* its chunk: between steps it holds more gradient bytes than plain DP,
-# the price of a sharded optimizer that still accumulates full gradients; ZeRO-2 keeps $1/dp$. The peak is still
-# one full gradient, in both, during the backward pass: the Reduce-Scatter runs after the whole backward pass here
-# (bucketing it into the backward pass, as DeepSpeed does, would lower the peak too). The parameters stay whole on
-# every rank; sharding them as well is ZeRO stage 3, exercise 1.
+# the price of a sharded optimizer that still accumulates full gradients, and its peak holds one full gradient
+# during the backward pass. ZeRO-2 keeps $1/dp$, and at its peak two layers' buckets (the one being filled and the
+# one whose Reduce-Scatter is in flight). Its parameters stay whole on every rank, and the optimizer updates a
+# separate copy of its chunks (its "parameters" above: the whole plus $1/dp$). Sharding the parameters as well is
+# ZeRO stage 3: exercise 1 builds it by hand, and `--zero 3` and chapter 13 measure every byte of all four stages.
 #
 # The picture follows one step through the flat buffer of the ranks of rank 0's `dp_comm` (world ranks listed on
 # the left), drawn to scale from this run's buffer: its buckets (head, blocks, embedding), its $dp$ chunks, the
@@ -664,7 +672,7 @@ grid.free()
 # | hsgd | Megatron-LM | DeepSpeed | PyTorch | where hsgd differs, on purpose |
 # |---|---|---|---|---|
 # | `dp_overlap=True`: `OverlappedExchange` (hsgd/exchange.py), one `Iallreduce` per layer's bucket, started by `on_ready(group)` from `tp_model.stage_backward` | `DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=...)` (megatron/core/distributed/distributed_data_parallel_config.py; `bucket_size` counts parameters, default max(40M, 1M x dp)); a backward hook per parameter calls its bucket group's `register_grad_ready` (distributed_data_parallel.py); `no_sync()` holds the exchange back until the last micro-batch | without ZeRO, `allreduce_gradients` runs after the backward pass in buffers of `MEMORY_OPT_ALLREDUCE_SIZE` elements (deepspeed/runtime/engine.py), not overlapped; with ZeRO 1 or 2, `"overlap_comm"` and `"reduce_bucket_size"` under `"zero_optimization"` (deepspeed/runtime/zero/config.py) | `torch.nn.parallel.DistributedDataParallel(..., bucket_cap_mb=25)` (torch/nn/parallel/distributed.py): buckets in reverse parameter order, each all-reduced when its last gradient arrives; `no_sync()` | a bucket is a layer (`tp_model.backward_order`), not a size cap, so the buckets can be read off the model; MPICH has no progress thread, so the overlap is a schedule here, not a speed-up (section 1) |
-# | `zero=1`, `zero=2`: `ZeroExchange` (hsgd/zero.py): Reduce-Scatter of the padded flat buffer over `dp_comm`, AdamW on the owned chunk, All-Gather of the updated chunks | `use_distributed_optimizer=True` (`DistributedDataParallelConfig`) with `DistributedOptimizer` (megatron/core/optimizer/distrib_optimizer.py): reduce-scatter of the gradient buffer, the optimizer on the shard, all-gather of the parameters (`start_param_sync` in param_and_grad_buffer.py, overlapped with the next forward by `overlap_param_gather`): stage 1 with a Reduce-Scatter, like hsgd's ZeRO-1; parameters sharded too with Megatron-FSDP, `data_parallel_sharding_strategy="optim_grads_params"` | `"zero_optimization": {"stage": 1}` or `2` (`DeepSpeedZeroOptimizer`, deepspeed/runtime/zero/stage_1_and_2.py), `3` (`DeepSpeedZeroOptimizer_Stage3`, stage3.py) | `ZeroRedundancyOptimizer` (torch/distributed/optim/zero_redundancy_optimizer.py): the optimizer state sharded by whole parameters, the gradients still all-reduced by DDP, the updated parameters broadcast by their owner; FSDP's `ShardingStrategy.SHARD_GRAD_OP` (gradients and optimizer state sharded, like stage 2) and `FULL_SHARD` (parameters too, stage 3) in torch/distributed/fsdp/api.py; FSDP2's `fully_shard(..., reshard_after_forward=...)` | one flat buffer cut into dp equal chunks (padding included, chunk boundaries cut through parameters), exchanged after the whole backward pass; stage 3 is exercise 1 |
+# | `zero=1`: `ZeroExchange` (hsgd/zero.py): Reduce-Scatter of the padded flat buffer over `dp_comm`, AdamW on the owned chunk, All-Gather of the updated chunks; `zero=2`: `ShardedExchange` (hsgd/sharded.py), the same layer by layer | `use_distributed_optimizer=True` (`DistributedDataParallelConfig`) with `DistributedOptimizer` (megatron/core/optimizer/distrib_optimizer.py): reduce-scatter of the gradient buffer, the optimizer on the shard, all-gather of the parameters (`start_param_sync` in param_and_grad_buffer.py, overlapped with the next forward by `overlap_param_gather`): stage 1 with a Reduce-Scatter, like hsgd's ZeRO-1; parameters sharded too with Megatron-FSDP, `data_parallel_sharding_strategy="optim_grads_params"` | `"zero_optimization": {"stage": 1}` or `2` (`DeepSpeedZeroOptimizer`, deepspeed/runtime/zero/stage_1_and_2.py), `3` (`DeepSpeedZeroOptimizer_Stage3`, stage3.py) | `ZeroRedundancyOptimizer` (torch/distributed/optim/zero_redundancy_optimizer.py): the optimizer state sharded by whole parameters, the gradients still all-reduced by DDP, the updated parameters broadcast by their owner; FSDP's `ShardingStrategy.SHARD_GRAD_OP` (gradients and optimizer state sharded, like stage 2) and `FULL_SHARD` (parameters too, stage 3) in torch/distributed/fsdp/api.py; FSDP2's `fully_shard(..., reshard_after_forward=...)` | ZeRO-1: one flat buffer cut into dp equal chunks (padding included, chunk boundaries cut through parameters), exchanged after the whole backward pass; ZeRO-2 and 3 (hsgd/sharded.py): each layer's bucket cut into dp chunks, reduce-scattered during the backward pass; stage 3 by hand is exercise 1, `--zero 3` is chapter 13 |
 # | `hierarchical=True`, `ranks_per_node`: `HierarchicalExchange`, `hierarchical_allreduce` (hsgd/hier.py): node Reduce-Scatter, cross-node All-Reduce of one chunk, node All-Gather | with the distributed optimizer, `num_distributed_optimizer_instances` > 1: reduce-scatter inside an instance (`intra_distributed_optimizer_instance_group`), all-reduce of the shard across instances (`inter_distributed_optimizer_instance_group`), in param_and_grad_buffer.py | no hierarchical all-reduce setting; ZeRO++'s `"zero_quantized_gradients"` reduces gradients in two hops, inside the node then across nodes (`all_to_all_quant_reduce`, deepspeed/runtime/comm/coalesced_collectives.py), and `"zero_hpz_partition_size"` keeps a second copy of the parameter shards inside each node | FSDP's `ShardingStrategy.HYBRID_SHARD`: FULL_SHARD inside a node, replicas across nodes (a reduce-scatter in the node, an all-reduce across); under all three, NCCL chooses ring or tree per call (`NCCL_ALGO`), and its tree is itself two-level, chains inside the nodes and trees across them | a plain all-reduce (every rank ends with the whole sum), so it combines with any optimizer; the nodes are declared with `ranks_per_node` on one machine, so the mesh can be shown and measured |
 # | `dp_staleness=1`: `StaleExchange` (hsgd/exchange.py), the `Iallreduce` started at step s applied at step s+1 | none | none | none for one-step-late gradients; the nearest relaxation is local SGD: `PostLocalSGDOptimizer` (torch/distributed/optim/post_localSGD_optimizer.py) with `PostLocalSGDState` / `post_localSGD_hook` (torch/distributed/algorithms/ddp_comm_hooks/post_localSGD_hook.py), which averages the parameters every few steps instead of the gradients every step | kept as an experiment: exact delayed SGD, checked against `serial.sgd(..., delayed=True)`, to put a number on what not waiting costs |
 # | `straggler="5:100"`: one rank sleeps before every exchange | none | none | none | an experiment on purpose: the result must not change by a bit |
