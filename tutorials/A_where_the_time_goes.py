@@ -682,8 +682,9 @@ _, caches = tp_model.forward(local, idx5, targets5, cfg5, comm, "megatron")
 block = caches.blocks[0][1]                                                # block 0's cache
 formula = memory.activation_formula(cfg5, B5, itemsize, 1, "megatron")
 N5 = B5 * cfg5.seq_len
-names = ("ln1", "a (q,k,v in)", "attention", "attn proj", "ln2", "m (fc in)", "gelu", "mlp proj")
-print("block 0's cache, entry by entry (an array two entries share is counted in both lines, once in the sum):")
+names = ("ln1", "qkv in", "attention", "attn proj", "ln2", "fc in", "gelu", "mlp proj")
+print("block 0's cache, entry by entry (an array two entries share is counted in both lines, once in the sum; "
+      "the weights are not in it: the backward takes them from the parameters again):")
 for name, entry in zip(names, block):
     print(f"  {name:<10} {memory.activation_bytes(entry, local):>8,} bytes")
 measured_block = memory.activation_bytes(block, local)
@@ -692,15 +693,14 @@ check("block 0's cached bytes - activation_formula (megatron, tp = 1)", abs(meas
 check("whole forward's cached bytes - activation_formula", abs(memory.activation_bytes(caches, local)
                                                                - formula["model"]), 0)
 check("GELU's cache - one (N, F) array, in bytes",
-      abs(memory.activation_bytes(block[8], local) - N5 * cfg5.d_ff * itemsize), 0)
+      abs(memory.activation_bytes(block[names.index("gelu")], local) - N5 * cfg5.d_ff * itemsize), 0)
 print(f"caching GELU's input and tanh instead would hold {N5 * cfg5.d_ff * itemsize:,} bytes more per block: "
       f"{N5 * cfg5.d_ff * itemsize / formula['block']:.0%} of this block's cache")
 
 # %% [markdown]
 # The picture: block 0's cache, entry by entry, in bytes, as counted above, and (hatched) the array a GELU that
-# cached its input and tanh would hold in addition. An entry's bar counts every array it holds, so arrays that two
-# entries share (the attention cache views q, k and v; the MLP projection's input is GELU's output) appear in both
-# bars and once in the block's total, which is the formula's.
+# cached its input and tanh would hold in addition. An entry's bar counts every array it holds, so an array that two
+# entries shared would appear in both bars and once in the block's total, which is the formula's.
 
 # %%
 entry_bytes = [memory.activation_bytes(entry, local) for entry in block]
