@@ -70,7 +70,7 @@ class GradExchange:
         return self.pbuf.flat[self.owned]                             # a view: the optimizer updates in place
 
     def mask(self, predicate):
-        return self.own(self.pbuf.mask(lambda n, p: predicate(n, p.shape)))
+        return self.own(self.pbuf.mask(lambda n, p: predicate(n, p.shape))).copy()   # (not a view of the whole)
 
     def own(self, flat):
         return flat[self.owned]

@@ -75,3 +75,63 @@ def paper_activation_bytes(s, b, h, a, t, sequence):
     In both, sequence parallelism leaves nothing replicated: every term is divided by t.
     """
     return s * b * h * ((34 / t if sequence else 10 + 24 / t) + 5 * a * s / (h * t))
+
+
+def paper_table2(s, b, h, a, t):
+    """Korthikanti et al. (2022), "Reducing Activation Recomputation in Large Transformer Models", Table 2: the
+    activation bytes of one transformer layer in their setting (16-bit activations, 1-byte dropout masks, F = 4h):
+        "none"       no parallelism                      s b h (34 + 5 a s / h)
+        "tp"         tensor parallel                     s b h (10 + 24/t + 5 a s / (h t))
+        "tp+sp"      tensor + sequence parallel          s b h (34/t + 5 a s / (h t))
+        "selective"  tensor + sequence parallel, selective recomputation      34 s b h / t
+        "full"       full recomputation (the layer's input only)              2 s b h
+    s sequence, b batch, h hidden, a heads, t tensor-parallel ranks.
+
+    hsgd's rows (hsgd.step_memory.pieces: K per block, with --recompute none | selective | full), in bytes at 2
+    per element to compare, F = 4h: megatron s b h (8 + 24/t) + 4 s b + 2 a s^2 b / t; sequence (32 s b h + 4 s b
+    + 2 a s^2 b) / t; selective drops the 2 a s^2 b / t of the probabilities; full keeps x, 2 s b h (sequence /t).
+    Where they differ, and why:
+      * bytes per element: hsgd's are 8 (float64) or 4 (float32), not 2; dropout masks (1 byte in the paper) do
+        not exist in hsgd (no dropout): the paper's 10 replicated terms are LN inputs 4 + q,k,v and fc inputs 4 +
+        the two dropout masks 2; hsgd keeps LN's xhat and rstd (4 + the 2 s b of rstd) and the same linear inputs;
+      * per attention score the paper keeps the scores, softmax and dropout output (2 + 2 + 1 bytes with the
+        mask: 5 a s^2 b); hsgd keeps the softmax only (one element);
+      * the terms split by t: the paper keeps q, k (4), v (2), the attention output (2), fc's output (8, GELU's
+        input), GELU's output (8): 24; hsgd keeps the head-split q, k, v (3), the merged heads (1), GELU's
+        derivative (4, in place of its input) and GELU's output (4): 12 elements, 24 in 2-byte units;
+      * selective recomputation: the paper drops the scores, softmax, dropout mask and output, hsgd the softmax;
+        its recompute buffers (q, k, v copies and the probabilities, R) are alive while one block's backward runs;
+      * full recomputation: the paper's 2 s b h is one 2-byte input; hsgd's input is one element per number, and
+        the sequence scheme caches only its T-shard (1/t); the whole block's cache is rebuilt for one block at a
+        time in the backward pass (R = the "none" block cache).
+    """
+    per_score = 5 * a * s / h
+    return {"none": s * b * h * (34 + per_score), "tp": s * b * h * (10 + 24 / t + per_score / t),
+            "tp+sp": s * b * h * (34 / t + per_score / t), "selective": 34 * s * b * h / t, "full": 2 * s * b * h}
+
+
+def paper_zero_bytes(psi, nd, stage, K=12):
+    """Model-state bytes per data-parallel rank in Rajbhandari et al. (2020), "ZeRO: Memory Optimizations Toward
+    Training Trillion Parameter Models": mixed-precision Adam keeps 2 bytes of fp16 parameters and 2 of fp16
+    gradients per parameter, and K = 12 of optimizer state (an fp32 copy of the parameters, momentum, variance):
+        stage 0 (plain data parallel)     (2 + 2 + K) psi
+        stage 1 (optimizer states, P_os)  4 psi + K psi / Nd
+        stage 2 (+ gradients, P_os+g)     2 psi + (2 + K) psi / Nd
+        stage 3 (+ parameters, P_os+g+p)  (2 + 2 + K) psi / Nd
+
+    hsgd (hsgd.step_memory, the exchanges' memory_formula), s bytes per element, k optimizer copies (0 SGD,
+    1 momentum, 2 AdamW), psi' the flat layout padded to Nd chunks (per group in hsgd.sharded):
+        stage 0   s psi (params) + s psi (grads) + (k + 2) s psi (state, and two per-element masks)
+        stage 1   s psi + s psi + s psi'/Nd (the averaged chunk) + s psi'/Nd (the Allgather's send chunk)
+                  + k s psi'/Nd + 2 s psi' (the masks keep the whole layout alive under the owned view)
+        stage 2   s psi + s psi'/Nd (parameters whole, and the owned chunk) + s psi'/Nd + two groups' gradient
+                  buckets in flight + (k + 2) s psi'/Nd
+        stage 3   s psi'/Nd + the largest gathered group + the same gradients and state as stage 2
+    The differences: no fp16 copies and no fp32 master (hsgd computes and keeps one precision), so K is k s
+    and the 2 + 2 are s + s; two masks ride with the optimizer state; every stage keeps the flat layout padded to
+    Nd equal chunks; stage 2 reduce-scatters layer by layer, so two whole buckets (the group being filled and the
+    one in flight), not zero, are the full-size gradient at the peak; stage 3 holds one gathered group's
+    parameters in flight; and the receive and send chunks of the collectives are counted (comm).
+    """
+    full = (2 + 2 + K) * psi
+    return {0: full, 1: 4 * psi + K * psi / nd, 2: 2 * psi + (2 + K) * psi / nd, 3: full / nd}[stage]

@@ -122,6 +122,35 @@ def draw_pipeline(ax, timeline, title="", unit=1.0, xlabel="time", legend=True):
     return ax
 
 
+MEMORY_COLORS = {"params": "#4C72B0", "grads": "#55A868", "optimizer": "#8172B2", "activations": "#DD8452",
+                 "comm": "#64B5CD", "recompute": "#C44E52", "other": "#999999", "device": "#937860"}
+
+
+def plot_memory(per_rank, path, title=""):
+    """Memory over one step, one panel per rank, stacked by category. per_rank: [(rank, [(label, seconds,
+    {category: bytes}), ...])] (hsgd.memtrace's samples); the x axis is the sample's order, labelled F j / B j."""
+    plt = _pyplot()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    n = len(per_rank)
+    fig, axes = plt.subplots(n, 1, figsize=(11, 1.9 * n + 0.8), squeeze=False)
+    for ax, (rank, samples) in zip(axes[:, 0], per_rank):
+        cats = [c for c in MEMORY_COLORS if any(s[2].get(c, 0) for s in samples)]
+        xs = range(len(samples))
+        ax.stackplot(xs, *[[s[2].get(c, 0) / 2**20 for s in samples] for c in cats], labels=cats,
+                     colors=[MEMORY_COLORS[c] for c in cats], step="mid")
+        ax.set_ylabel(f"rank {rank}\nMiB", fontsize=7)
+        ax.set_xticks(list(xs))
+        ax.set_xticklabels([s[0] for s in samples], rotation=90, fontsize=5)
+        ax.tick_params(axis="y", labelsize=7)
+        ax.margins(x=0)
+    axes[0, 0].legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
+    axes[0, 0].set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def write_plots(directory, losses, val_points, events, step_range, title, first_step=1):
     """Both pictures into `directory`; returns their paths."""
     os.makedirs(directory, exist_ok=True)

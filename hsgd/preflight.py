@@ -101,19 +101,21 @@ def check_run(tc, error):
 def memory_estimate(cfg, tc):
     """A lower bound of the bytes one rank needs, from the sizes alone (no array is made): its share of the
     parameters, their gradients and the optimizer state (divided by dp where ZeRO shards them), and the
-    activations of one micro-batch
-    (hsgd.memory.activation_formula)."""
+    activations of one micro-batch (hsgd.memory.activation_formula, less what --recompute drops)."""
     from .memory import activation_formula
+    from .step_memory import pieces
     C, F, L, V, T = cfg.d_model, cfg.d_ff, cfg.n_layers, cfg.vocab_size, cfg.seq_len
     params = L * (4 * C * C + 2 * C * F + F + 9 * C) + 2 * V * C + T * C + 2 * C     # ModelConfig.n_params()
     itemsize = 8 if tc.dtype == "float64" else 4
     states = 2 if tc.optimizer == "adamw" else 1 if tc.momentum else 0
     share = params * itemsize // (tc.tp * tc.pp)                     # one copy of this rank's stage and tp shard
-    zero = tc.zero                                                   # ZeRO shards by dp: state (1), grads (2), params (3)
+    zero = tc.zero                                                   # ZeRO shards: state (1), grads (2), params (3)
     weights = (share // (tc.dp if zero >= 3 else 1) + share // (tc.dp if zero >= 2 else 1)
                + states * share // (tc.dp if zero >= 1 else 1))
     micro = max(tc.batch_size // (tc.dp * tc.micro_batches), 1)
-    activations = activation_formula(cfg, micro, itemsize, tc.tp, tc.tp_scheme)["model"] // tc.pp
+    f = activation_formula(cfg, micro, itemsize, tc.tp, tc.tp_scheme)
+    kept = pieces(cfg, micro, itemsize, tc.tp, tc.tp_scheme, tc.recompute)["K"]   # a block's cache, recomputed or not
+    activations = (f["model"] - L * f["block"] + L * kept) // tc.pp
     return weights, activations
 
 

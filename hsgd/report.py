@@ -68,9 +68,39 @@ def report_comm(world, grid, measured_step, per_step, formula, say):
                 + ("   (a 1-rank communicator: nothing moves)" if sizes.get(key[0]) == 1 else ""))
 
 
-def report_memory(mem, say):
+def report_memory(mem, say, world=None, grid=None, measured=None, formula=None, step=None):
+    """Between steps: parameters, gradients, optimizer state (HybridTrainer.memory). With --memory (measured: this
+    rank's hsgd.memtrace result, formula: hsgd.step_memory.step_formula), collective: the measured step's peak per
+    category next to the formula, one table per group of ranks whose numbers are the same."""
     say(f"memory per rank: parameters {fmt_bytes(mem['params'])}, gradients {fmt_bytes(mem['grads'])}, "
         f"optimizer state {fmt_bytes(mem['optimizer'])}")
+    if world is None or measured is None:
+        return
+    row = (grid.pp_rank, grid.tp_rank, grid.dp_rank, measured["peak"], formula["peak"], measured["total"],
+           formula["total"], measured["true_peak"], measured["at"])
+    rows = world.gather((world.Get_rank(), row))
+    if rows is None:
+        return
+    groups = {}
+    for rank, r in rows:
+        groups.setdefault(repr((r[3], r[4], r[5], r[6], r[8])), []).append((rank, r))
+    say(f"memory by category, peak over step {step} (sampled at every group's forward and backward exit; "
+        "measured: tracemalloc, unthreaded | formula: hsgd.step_memory):")
+    for members in groups.values():
+        r = members[0][1]
+        where = ", ".join(f"{rank} (pp {p} tp {t} dp {d})" for rank, (p, t, d, *_) in members)
+        say(f"  ranks {where}:")
+        for cat in sorted(set(r[3]) | set(r[4]), key=memory_order):
+            m, f = r[3].get(cat, 0), r[4].get(cat, 0)
+            ratio = f"{m / f:6.3f}" if f else ("     -" if not m else "   inf")
+            say(f"    {cat:<12} {fmt_bytes(m):>11} | {fmt_bytes(f):>11}  measured/formula {ratio}")
+        say(f"    {'total':<12} {fmt_bytes(r[5]):>11} | {fmt_bytes(r[6]):>11}  at {r[8]}; tracker's true peak "
+            f"{fmt_bytes(r[7])} (+{fmt_bytes(r[7] - r[5])} transient inside a group)")
+
+
+def memory_order(cat):
+    order = ("params", "grads", "optimizer", "activations", "comm", "recompute", "other", "device")
+    return order.index(cat) if cat in order else len(order)
 
 
 def staging_pools(grid, trainer):

@@ -243,7 +243,8 @@ class Memory:
                                   "pass, tensor-parallel collectives included", choices=tp_model.RECOMPUTE)
     memory: bool = flag(False, "measure every rank's memory by category over one step (a real allocation tracker: "
                                "tracemalloc on the CPU, CuPy's pool on the GPU) and print it next to the formula; "
-                               "slower, every allocation is traced")
+                               "with --plot also memory.png; the steps up to the measured one are traced (slower) "
+                               "and it runs unthreaded")
 
     def check_memory_settings(self):
         if self.recompute not in tp_model.RECOMPUTE:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 from mpi4py import MPI
 from threadpoolctl import threadpool_limits
 
-from . import checkpoint, launch
+from . import checkpoint, launch, memtrace, step_memory
 from .backend import resolve_device, select_gpu
 from .checkpoint import CheckpointError
 from .data import Corpus, same_data
@@ -128,6 +128,8 @@ class Run:
     pinned: int = 0                 # staging buffers allocated by the end of the first step
     traced: tuple = (1, 1)          # the steps the trace and the timeline show
     wall: float = 0.0               # seconds in the training loop
+    probe: object = None            # --memory: an hsgd.memtrace.MemoryProbe, tracing until the measured step
+    memory: dict = None             # --memory: the probe's result for the measured step
 
 
 def setup(cfg, tc, world, out, threads):
@@ -139,6 +141,9 @@ def setup(cfg, tc, world, out, threads):
     launch.agree(world, lambda: same_data(world.allgather(run.corpus.fingerprint()), tc.data))
     run.grid = ProcessGrid(world, dp=tc.dp, pp=tc.pp, tp=tc.tp)
     run.tracer = Tracer(world.Get_rank(), world, enabled=False) if (tc.trace or tc.plot) else None
+    if tc.memory:                                                    # traced from before the parameters exist
+        run.probe = memtrace.MemoryProbe(tc.device)
+        run.probe.start()
     run.trainer = launch.agree(world, lambda: HybridTrainer(cfg, run.grid, tc, run.tracer))
     for c in [run.grid.tp_comm, run.grid.dp_comm, run.grid.pp_comm, run.grid.world] + run.trainer.exchange.comms():
         c.tracer = run.tracer
@@ -181,10 +186,18 @@ def one_step(run, step, faults):
     before = grid.stats.counts()
     if tracer:
         tracer.enabled = run.traced[0] <= step <= run.traced[1]
-    with (tracer.span(f"step {step}") if tracer else nullcontext()):
+
+    def steps_1_to_4():
         loss = trainer.gradients(idx, targets)                             # the lecture's steps 1-3
         faults.after_gradients(trainer, step)
-        info = trainer.update(loss, step)                                  # step 4
+        return trainer.update(loss, step)                                  # step 4
+
+    measure = run.probe is not None and step == run.measured_step         # --memory: this step, sampled
+    with (tracer.span(f"step {step}") if tracer else nullcontext()):
+        info = memtrace.traced_step(trainer, run.probe, steps_1_to_4) if measure else steps_1_to_4()
+    if measure:
+        run.memory = run.probe.result()
+        run.probe.stop()                                                   # the rest of the run untraced
     faults.after_step(trainer, step)
     if step == run.start:
         run.pinned = sum(st.allocated for st in staging_pools(grid, trainer))
@@ -277,7 +290,14 @@ def summary(run):
     if grid.pp > 1:
         report_pipeline(world, grid, tc, trainer, say)
     mem = trainer.memory()
-    report_memory(mem, say)
+    report_memory(mem, say, world, grid, run.memory, step_memory.step_formula(trainer) if run.memory else None,
+                  run.measured_step)
+    if run.memory and tc.plot:
+        samples = world.gather((world.Get_rank(), run.memory["samples"]))
+        if samples:
+            from .plots import plot_memory
+            say("plots: " + plot_memory(samples, os.path.join(tc.plot, "memory.png"),
+                                        f"memory over step {run.measured_step} per rank, by category"))
     report_staging(world, grid, trainer, run.pinned, run.start, say)
     if run.tracer:
         report_trace(world, run.tracer, tc, run.traced, run.progress.losses, run.val_points,

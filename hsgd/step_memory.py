@@ -1,0 +1,169 @@
+"""This implementation's memory over one training step, per category, at the moments hsgd.memtrace samples.
+
+The probe samples at the step's start, at the exit of every gradient group's forward and backward, at the point
+inside a block's backward where recomputed arrays are alive, and at the end. `stage_samples` walks the stage's
+schedule (hsgd.pp) through the same moments and adds up what is alive at each, from the pieces below; a
+category's peak is its largest sample, as measured. Per micro-batch of b sequences (N = b T rows, N~ = b T~,
+T~ = T/tp for the sequence scheme, else T; s bytes per element; P = b (NH/tp) T^2 s the attention probabilities):
+
+    X      the activation between blocks, and each dL/dX:          N~ C s
+    E      the embedding's cache (first stage): its token ids int64 and owner mask bool     9 N
+    H      the head's cache (last stage): LN_f's xhat and rstd, its output, the softmax (N, Vp), target ids,
+           owner mask, row numbers:                                 (N~(2C + 1) + N Vp) s + 17 N
+    K      one block's cache (hsgd.memory.activation_formula's "block"), by --recompute:
+             none K0;   selective K0 - P (q, k, v kept, the probabilities dropped);   full: X, the block's input
+    R      recompute, at the "recomputed" point: full K0 (the whole block cache again); selective 3 N C/tp s + P
+           (attention's head-split q, k, v copies and the probabilities); none 0
+
+What is alive at each sample (this implementation, Stage.run and tp_model.stage_forward / stage_backward):
+  * a micro-batch's caches from its forward until its backward has *finished*: stage_backward holds the whole
+    StageCache while it runs, so nothing is freed group by group;
+  * the working activation: x on leaving a forward group, dx on leaving a backward group (X each);
+  * every array a stage sends (its output X after each forward, its dL/d(input) X after each backward) until the
+    step's end (Stage.run waits for the sends last): activations;
+  * the receive buffer of the running action (X, comm); with --recompute full the first block of a later stage
+    caches its input, which is that receive buffer: comm, held until the micro-batch's backward;
+  * the sequence scheme's partial gradients of a group's replicated parameters during its backward (grads):
+    6 C s per block, T C s for wpe, 2 C s for ln_f;
+  * the step's batch (other): hsgd.data's token windows (B, T + 1) int64, which idx and targets view;
+  * the exchange's buffers (its memory_formula(): params, grads, comm) and the optimizer's state (0, 1 or 2 x
+    the owned elements for SGD, momentum, AdamW) and its two per-element masks (weight decay, tensor-sharded: the
+    owned elements each), all held through the step.
+Not sampled: transients inside a group (dlogits, dqkv, the attention's dS, GELU's pieces); the tracker's true
+peak shows them. With ZeRO 2 and 3 (hsgd.sharded) what the exchange holds is followed sample by sample
+(ShardedInFlight).
+"""
+from .memory import activation_formula
+from .pp import schedule
+from .tp_schemes import make_scheme
+
+STATE_COPIES = {"sgd": lambda momentum: 1 if momentum else 0, "adamw": lambda momentum: 2}
+
+
+def pieces(cfg, b, s, tp, scheme, recompute):
+    """{"X", "E", "H", "K", "R", "partial": {group kind: bytes}} of the module docstring, in bytes."""
+    S = make_scheme(scheme)
+    T, C, NH = cfg.seq_len, cfg.d_model, cfg.n_heads
+    N, Tl, Vp = b * T, T // tp if S.splits_T else T, -(-cfg.vocab_size // tp)
+    X, P = b * Tl * C * s, b * (NH // tp) * T * T * s
+    K0 = activation_formula(cfg, b, s, tp, S)["block"]
+    K = {"none": K0, "selective": K0 - P, "full": X}[recompute]
+    R = {"none": 0, "selective": 3 * N * (C // tp) * s + P, "full": K0}[recompute]
+    partial = {"h": 6 * C * s, "embedding": T * C * s, "head": 2 * C * s} if scheme == "sequence" else {}
+    return {"X": X, "E": 9 * N, "H": (b * Tl * (2 * C + 1) + N * Vp) * s + 17 * N, "K": K, "R": R,
+            "partial": partial}
+
+
+class ShardedInFlight:
+    """ZeRO 2 and 3 (hsgd.sharded), sample by sample: what the exchange holds beyond its chunks depends on the
+    moment. The probe samples inside the exchange's hooks, so on leaving group g:
+        params  stage 3: g's gathered parameters, n c_g s (forward and backward)
+        grads   backward: g's whole bucket n c_g s (being filled); and always the bucket of the group whose
+                Reduce-Scatter is in flight (the one whose backward ended last), n c_p s
+        comm    the in-flight Reduce-Scatter's receive chunk, c_p s
+    After g's backward its Reduce-Scatter starts and the one before completes: g is then the one in flight."""
+
+    def __init__(self, ex):
+        self.ex, self.pending = ex, None
+
+    def at(self, kind, group):
+        ex, s = self.ex, self.ex.dtype.itemsize
+        c = lambda g: ex.layout[g].c if g is not None else 0         # noqa: E731
+        own = c(group) if kind == "B" else 0                          # the bucket being filled
+        return {"params": ex.n * c(group) * s if ex.zero == 3 and group is not None else 0,
+                "grads": ex.n * (own + c(self.pending)) * s, "comm": c(self.pending) * s}
+
+    def done(self, group):
+        self.pending = group
+
+
+def stage_samples(pc, layers, first, last, actions, recompute, base, inflight=None):
+    """[(label, {category: bytes})] at the probe's moments for one stage running `actions` [("F"|"B", j)].
+    pc: pieces(); layers: the stage's blocks; base: {category: bytes} held through the whole step (exchange,
+    optimizer); inflight: a ShardedInFlight for ZeRO 2 and 3 (what their hooks hold at each moment), or None."""
+    X, samples = pc["X"], []
+    held, sends = {}, 0                                   # j -> {"activations", "comm"} caches; bytes sent
+
+    def emit(label, act=0, comm=0, grads=0, rec=0, kind=None, group=None):
+        cats = dict(base)
+        extra = inflight.at(kind, group) if inflight is not None else {}
+        cats["activations"] = cats.get("activations", 0) + act + sends + sum(h["activations"] for h in held.values())
+        cats["comm"] = cats.get("comm", 0) + comm + sum(h["comm"] for h in held.values()) + extra.get("comm", 0)
+        cats["grads"] = cats.get("grads", 0) + grads + extra.get("grads", 0)
+        cats["params"] = cats.get("params", 0) + extra.get("params", 0)
+        cats["recompute"] = cats.get("recompute", 0) + rec
+        samples.append((label, cats))
+
+    def backward_done(group):
+        if inflight is not None:
+            inflight.done(group)
+
+    emit("start")
+    for kind, j in actions:
+        recv = X if (kind == "F" and not first) or (kind == "B" and not last) else 0   # this action's input
+        if kind == "F":
+            cur = held[j] = {"activations": 0, "comm": 0}
+            if first:
+                cur["activations"] += pc["E"]
+                emit(f"F{j} embedding", act=X, comm=recv, kind="F", group="embedding")
+            for i, layer in enumerate(layers):
+                if recompute == "full" and i == 0 and not first:
+                    cur["comm"], recv = X, 0               # the first block caches the receive buffer itself
+                else:
+                    cur["activations"] += pc["K"]
+                emit(f"F{j} h.{layer}", act=X, comm=recv, kind="F", group=f"h.{layer}")
+            if last:
+                cur["activations"] += pc["H"]
+                emit(f"F{j} head", act=X, comm=recv, kind="F", group="head")
+            else:
+                sends += X                                # the output, held by its Isend until the step's end
+            continue
+        part = pc["partial"]
+        if last:
+            emit(f"B{j} head", act=X, grads=part.get("head", 0), kind="B", group="head")
+            backward_done("head")
+        for i in reversed(range(len(layers))):
+            g = f"h.{layers[i]}"
+            incoming = 0 if (i == len(layers) - 1 and not last) else X     # dx in: the receive buffer itself, or X
+            emit(f"B{j} {g} recomputed", act=incoming, comm=recv, grads=part.get("h", 0), rec=pc["R"], kind="B",
+                 group=g)
+            emit(f"B{j} {g}", act=X, comm=recv, grads=part.get("h", 0), kind="B", group=g)
+            backward_done(g)
+        if first:
+            emit(f"B{j} embedding", act=X, grads=part.get("embedding", 0), comm=recv, kind="B", group="embedding")
+            backward_done("embedding")
+        del held[j]
+        if not first:
+            sends += X                                    # dL/d(input), held by its Isend until the step's end
+    sends = 0
+    if inflight is not None:
+        inflight.done(None)                               # finish(): every Reduce-Scatter completed
+    emit("end")
+    return samples
+
+
+def optimizer_formula(trainer):
+    """The optimizer's state and masks in bytes (see the module docstring)."""
+    ex, tc, s = trainer.exchange, trainer.tc, trainer.dtype.itemsize
+    copies = STATE_COPIES[tc.optimizer](tc.momentum)
+    return (copies + 2) * ex.master.size * s                          # state, and the decay and tp-sharded masks
+
+
+def step_formula(trainer):
+    """{"peak": {category: bytes}, "total": the largest sample's sum, "at": its label, "samples": [...]} of one
+    training step on this rank, in the categories of hsgd.memtrace."""
+    cfg, tc, grid, st, ex = trainer.cfg, trainer.tc, trainer.grid, trainer.stage, trainer.exchange
+    b, s = tc.batch_size // grid.dp // tc.micro_batches, trainer.dtype.itemsize
+    pc = pieces(cfg, b, s, grid.tp, tc.tp_scheme, tc.recompute)
+    inflight = ShardedInFlight(ex) if hasattr(ex, "layout") else None
+    base = ({"params": ex.param_bytes(), "grads": ex.grad_bytes(), "comm": 0} if inflight is not None
+            else dict(ex.memory_formula()))
+    base["optimizer"] = optimizer_formula(trainer)
+    base["other"] = tc.batch_size * (cfg.seq_len + 1) * 8             # the step's token windows (B, T+1) int64
+    actions = schedule(tc.schedule if grid.pp > 1 else "1f1b", tc.micro_batches, grid.pp, grid.pp_rank)
+    samples = stage_samples(pc, list(st.layers), st.first, st.last, actions, tc.recompute, base, inflight)
+    cats = sorted({c for _, cs in samples for c in cs})
+    totals = [sum(c.values()) for _, c in samples]
+    top = max(range(len(totals)), key=totals.__getitem__)
+    peak = {c: max(cs.get(c, 0) for _, cs in samples) for c in cats}
+    return {"peak": peak, "total": totals[top], "at": samples[top][0], "samples": samples}
