@@ -68,6 +68,55 @@ def report_comm(world, grid, measured_step, per_step, formula, say):
                 + ("   (a 1-rank communicator: nothing moves)" if sizes.get(key[0]) == 1 else ""))
 
 
+# ZeRO's accounting of data-parallel traffic in units of the parameter bytes Psi: an All-Reduce is a Reduce-Scatter
+# and an All-Gather, 2 Psi; each of those 1 Psi (a ring sends (p-1)/p of each per rank)
+PSI_UNITS = {"Allreduce": 2, "Iallreduce": 2, "Allgather": 1, "Reduce_scatter_block": 1, "Ireduce_scatter_block": 1}
+
+
+def dp_traffic(counts, comm_names):
+    """The data-parallel traffic of one step in Psi-units: sum over the exchange's communicators of payload x
+    PSI_UNITS (the cross-node Allreduce of hybrid sharding included)."""
+    return sum(nbytes * PSI_UNITS.get(op, 0) for (comm, op), (_, nbytes) in counts.items() if comm in comm_names)
+
+
+def report_traffic(world, grid, tc, trainer, per_step, say):
+    """What memory savings cost in bytes, for the first rank of every stage: the dp traffic in units of this rank's
+    padded parameter bytes Psi' (ZeRO 0 and 1: 2; ZeRO-2: m + 1; ZeRO-3: 3m, with m micro-batches: Rajbhandari
+    et al. 2020's 2 Psi against 3 Psi at m = 1), and the tensor-parallel bytes that --recompute full repeats (every
+    block's forward collectives once more), measured against the formulas."""
+    ex, m = trainer.exchange, tc.micro_batches
+    names = {grid.dp_comm.name} | {c.name for c in ex.comms()}
+    psi = ex.size * trainer.dtype.itemsize
+    row = None
+    if grid.dp_rank == 0 and grid.tp_rank == 0:
+        st, rows = trainer.stage, tc.batch_size // grid.dp // m
+        plain = dict(per_step)
+        repeated = {}
+        if tc.recompute == "full":
+            for k, (calls, nbytes) in tp_model.make_scheme(tc.tp_scheme).block_forward_formula(
+                    trainer.cfg, rows, trainer.dtype.itemsize).items():
+                repeated[k] = (m * len(st.layers) * calls, m * len(st.layers) * nbytes)
+        base = {k: v for k, v in tp_model.comm_formula(trainer.cfg, rows, trainer.dtype.itemsize, tc.tp_scheme,
+                                                        stage=(len(st.layers), st.first, st.last)).items()}
+        extra = {k: plain.get(k, (0, 0))[1] - m * base.get(k, (0, 0))[1] for k in repeated}
+        row = (grid.pp_rank, dp_traffic(per_step, names) / psi, dp_traffic(ex.formula(), names) / psi, repeated,
+               extra, psi)
+    rows = sorted(r for r in (world.gather(row) or []) if r)
+    for stage, measured, formula, repeated, extra, psi in rows:
+        say(f"stage {stage}: dp traffic {measured:.3f} Psi' per step (formula {formula:.3f}; Psi' = {fmt_bytes(psi)}, "
+            f"this rank's padded parameters; {exchange_rule(tc)})")
+        for (comm, op), (calls, nbytes) in repeated.items():
+            say(f"stage {stage}: --recompute full repeats {calls} {op} on {comm}, {fmt_bytes(nbytes)} (measured "
+                f"beyond the formula without recomputation: {fmt_bytes(extra[(comm, op)])})")
+
+
+def exchange_rule(tc):
+    m = tc.micro_batches
+    return {0: "an All-Reduce: 2", 1: "Reduce-Scatter + All-Gather: 2", 2: f"m + 1 = {m + 1}",
+            3: f"3m = {3 * m}"}[tc.zero] + (", plus 2/n for the cross-node All-Reduce of the 1/n chunk"
+                                            if tc.zero >= 2 and tc.hierarchical else "")
+
+
 def report_memory(mem, say, world=None, grid=None, measured=None, formula=None, step=None):
     """Between steps: parameters, gradients, optimizer state (HybridTrainer.memory). With --memory (measured: this
     rank's hsgd.memtrace result, formula: hsgd.step_memory.step_formula), collective: the measured step's peak per

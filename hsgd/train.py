@@ -36,7 +36,7 @@ from .pp import ideal_bubble, parse_split, split_layers
 from .preflight import check_memory, check_run
 from .progress import Progress
 from .report import (fmt_bytes, fmt_time, report_comm, report_memory, report_pipeline, report_staging,  # noqa: F401
-                     report_trace, staging_pools, step_formula)
+                     report_trace, report_traffic, staging_pools, step_formula)
 from .runs import choose_line, lock_folder, newest
 from .settings import TrainConfig, build_parser, configs_from_args
 from .signals import StopRequest
@@ -287,6 +287,7 @@ def summary(run):
     run.progress.close()
     formula = step_formula(cfg, tc, trainer)
     report_comm(world, grid, run.measured_step, run.per_step, formula, say)
+    report_traffic(world, grid, tc, trainer, run.per_step, say)
     if grid.pp > 1:
         report_pipeline(world, grid, tc, trainer, say)
     mem = trainer.memory()

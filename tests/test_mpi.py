@@ -7,6 +7,7 @@ cannot interrupt a call that never returns to Python. The outer `timeout` is the
 """
 import glob
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -172,8 +173,24 @@ def test_verify_passes(flags):
     assert r.returncode == 0 and "PASS: largest gradient error" in r.stdout, r.stderr[-2000:]
 
 
+def test_memory_flag_measures_every_category_next_to_its_formula(tmp_path):
+    """hsgd.train --memory on 8 ranks (pp 2 x tp 2, ZeRO-3, full recomputation, 2 micro-batches): a table per group
+    of ranks with every category's measured peak next to the formula, all equal within 5%, and memory.png."""
+    r = run_mpi(8, ["-m", "hsgd.train", *TINY, "--n-layers", "2", "--pp", "2", "--tp", "2", "--micro-batches", "2",
+                    "--zero", "3", "--recompute", "full", "--memory", "--plot", str(tmp_path)], timeout=180)
+    out = r.stdout
+    print(out[-2500:])
+    assert r.returncode == 0, r.stderr[-3000:]
+    ratios = [float(x) for x in re.findall(r"measured/formula +([\d.]+)", out)]
+    cats = set(re.findall(r"^ +(params|grads|optimizer|activations|comm|recompute) ", out, re.M))
+    assert "memory by category" in out and len(ratios) >= 12 and all(abs(x - 1) <= 0.05 for x in ratios), ratios
+    assert cats == {"params", "grads", "optimizer", "activations", "comm", "recompute"}, cats
+    assert (tmp_path / "memory.png").stat().st_size > 0
+
+
 @pytest.mark.parametrize("flags", [["--dp-overlap"], ["--zero", "1"], ["--zero", "2", "--optimizer", "adamw"],
-                                   ["--zero", "3", "--pp", "2", "--micro-batches", "2", "--recompute", "full"],
+                                   ["--zero", "3", "--pp", "2", "--n-layers", "2", "--micro-batches", "2",
+                                    "--recompute", "full"],
                                    ["--hierarchical", "--ranks-per-node", "2"], ["--dp-staleness", "1"],
                                    ["--tp-scheme", "sequence"], ["--straggler", "3:5"]])
 def test_every_communication_option_trains_and_matches_its_formula(flags):
@@ -183,6 +200,8 @@ def test_every_communication_option_trains_and_matches_its_formula(flags):
     assert r.returncode == 0, r.stderr[-3000:]
     assert "communication per step on each rank" in out and "<- differs" not in out and "dp exchange:" in out
     assert "memory per rank: parameters" in out
+    traffic = re.findall(r"dp traffic ([\d.]+) Psi' per step \(formula ([\d.]+);", out)   # ZeRO's units
+    assert traffic and all(a == b for a, b in traffic), traffic
 
 
 def test_combined_exchange_modes_are_refused():
