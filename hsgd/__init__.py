@@ -21,7 +21,7 @@ of the algorithm:
     hsgd.tp_layers          f/g, gather_T/scatter_T, column/row linears, all-gather and its adjoint, vocab-parallel
     hsgd.tp_schemes         the schemes as objects: Megatron, Gather (the lecture's), Sequence
     hsgd.tp_model           the GPT on a tensor-parallel group, written once for the three schemes
-    hsgd.memory             activation bytes: measured and by formula
+    hsgd.memory             activation bytes: measured and by formula; Korthikanti et al.'s and ZeRO's formulas
   pipeline parallelism
     hsgd.pp                 stages, micro-batches, GPipe and 1F1B schedules, simulated bubbles, bytes
     hsgd.stage              one rank's stage running its schedule (ThreadedStage: the batch split over threads)
@@ -29,7 +29,11 @@ of the algorithm:
     hsgd.dp                 batch slices, flat buffers (FlatBuffer), the plain average over dp_comm
     hsgd.exchange           the gradient exchange: one interface; all-reduce, overlapped and stale exchanges
     hsgd.hier               the hierarchical all-reduce and its exchange: node, across nodes, node
-    hsgd.zero               ZeRO 1 and 2: reduce-scatter, the owned chunk's update, all-gather
+    hsgd.zero               ZeRO 1: reduce-scatter, the owned chunk's update, all-gather
+    hsgd.sharded            ZeRO 2 and 3 layer by layer (3: the parameters gathered per layer), hybrid sharding
+  memory
+    hsgd.memtrace           --memory: every array of a step attributed to a category by a real allocation tracker
+    hsgd.step_memory        this implementation's bytes per category at the moments the tracker samples
   training
     hsgd.hybrid             one rank's part of a training step: gradients (steps 1-3), update (step 4)
     hsgd.health             a step's one host copy; stop or skip on a non-finite value

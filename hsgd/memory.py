@@ -123,7 +123,7 @@ def paper_zero_bytes(psi, nd, stage, K=12):
     1 momentum, 2 AdamW), psi' the flat layout padded to Nd chunks (per group in hsgd.sharded):
         stage 0   s psi (params) + s psi (grads) + (k + 2) s psi (state, and two per-element masks)
         stage 1   s psi + s psi + s psi'/Nd (the averaged chunk) + s psi'/Nd (the Allgather's send chunk)
-                  + k s psi'/Nd + 2 s psi' (the masks keep the whole layout alive under the owned view)
+                  + (k + 2) s psi'/Nd (state, and the two masks of the owned chunk)
         stage 2   s psi + s psi'/Nd (parameters whole, and the owned chunk) + s psi'/Nd + two groups' gradient
                   buckets in flight + (k + 2) s psi'/Nd
         stage 3   s psi'/Nd + the largest gathered group + the same gradients and state as stage 2
