@@ -47,31 +47,43 @@ def param_err(params, grid, ref, scheme):
                      / max(np.abs(ref[n]).max(), 0.02)) for n, p in params.items())
 
 
-VARIANTS = {"zero3": dict(zero=3), "selective": dict(recompute="selective"), "full": dict(recompute="full"),
-            "zero3+full": dict(zero=3, recompute="full", optimizer="adamw", lr=0.01, weight_decay=0.1, clip=0.5)}
+# each variant: the settings of its runs, one run per entry on every layout (the recomputation variant runs
+# without it too: its parameters must be the same bits)
+VARIANTS = {"zero3": [dict(zero=3)],
+            "recompute": [dict(recompute="selective"), dict(recompute="full"), dict(recompute="none")],
+            "zero3+full": [dict(zero=3, recompute="full", optimizer="adamw", lr=0.01, weight_decay=0.1, clip=0.5)]}
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_every_layout_equals_serial_sgd(variant):
-    """All 10 factorizations of 8 ranks (2 micro-batches) for each variant: parameters after 3 steps against
-    serial SGD, and every communicator's bytes against the formula (ZeRO-3's gathers and reduce-scatters,
-    full recomputation's repeated tensor-parallel collectives)."""
-    worst, ok = 0.0, True
-    for dp, pp, tp in factorizations(8):
-        tc = config(dp=dp, pp=pp, tp=tp, **VARIANTS[variant])
-        ref = serial.sgd(CFG, tc, lambda step: CORPUS.batch(tc.seed, step, tc.batch_size))[0]
-        grid, trainer, params, per_step = run(tc)
-        err = world_max(param_err(params, grid, ref, tc.tp_scheme))
-        same = per_step == step_formula(CFG, tc, trainer)
-        ok &= err <= 1e-10 and same
-        worst = max(worst, err)
-        if not same or err > 1e-10:
-            say(f"  {variant} dp={dp} pp={pp} tp={tp}: err {err:.1e}\n  measured {per_step}\n"
-                f"  formula  {step_formula(CFG, tc, trainer)}")
-        trainer.free()
-        grid.free()
-    say(f"{variant}: 10 layouts x 3 steps, max param rel err vs serial {worst:.1e}, bytes == formula: {ok}")
-    check(ok)
+    """All 10 factorizations of 8 ranks (2 micro-batches; the schemes megatron, gather and sequence in turn) with
+    --zero 3, with --recompute selective and full, and with both: parameters after 3 steps against serial SGD,
+    and every communicator's bytes against the formula (ZeRO-3's gathers and reduce-scatters, full
+    recomputation's repeated tensor-parallel collectives); recomputation's parameters are the same bits as
+    those of the same layout without it."""
+    worst, ok, identical = 0.0, True, True
+    for i, (dp, pp, tp) in enumerate(factorizations(8)):
+        scheme = tp_model.SCHEMES[i % 3]                                 # each layout one scheme, in turn
+        finals, ref = [], None
+        for extra in VARIANTS[variant]:
+            tc = config(dp=dp, pp=pp, tp=tp, tp_scheme=scheme, **extra)
+            if ref is None:                                              # (a variant's runs share the optimizer)
+                ref = serial.sgd(CFG, tc, lambda step: CORPUS.batch(tc.seed, step, tc.batch_size))[0]
+            grid, trainer, params, per_step = run(tc)
+            err = world_max(param_err(params, grid, ref, tc.tp_scheme))
+            same = per_step == step_formula(CFG, tc, trainer)
+            ok &= err <= 1e-10 and same
+            worst = max(worst, err)
+            if not same or err > 1e-10:
+                say(f"  {extra} dp={dp} pp={pp} tp={tp} {scheme}: err {err:.1e}\n  measured {per_step}\n"
+                    f"  formula  {step_formula(CFG, tc, trainer)}")
+            finals.append(params)
+            trainer.free()
+            grid.free()
+        identical &= all(all(np.array_equal(f[n], finals[-1][n]) for n in f) for f in finals)
+    say(f"{variant}: 10 layouts x 3 steps, max param rel err vs serial {worst:.1e}, bytes == formula: {ok}"
+        + (f", selective and full bit-identical to none: {identical}" if variant == "recompute" else ""))
+    check(ok and identical)
 
 
 @pytest.mark.parametrize("scheme", ["megatron", "gather", "sequence"])
