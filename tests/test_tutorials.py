@@ -21,6 +21,8 @@ import sys
 
 import pytest
 
+from .test_mpi import YIELD
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TUTORIALS = os.path.join(ROOT, "tutorials")
 CHAPTERS = (sorted(glob.glob(os.path.join(TUTORIALS, "[0-9][0-9]_*.py")))
@@ -54,7 +56,7 @@ def run_script(path, figures):
     if n > 1:
         cmd = [mpiexec(), "-n", str(n)] + cmd
     r = subprocess.run(["timeout", "-k", "5", str(TIMEOUT_S)] + cmd, capture_output=True, text=True, cwd=ROOT,
-                       env=dict(os.environ, MPLBACKEND="Agg", HSGD_FIGURES=str(figures)))
+                       env={**YIELD, **os.environ, "MPLBACKEND": "Agg", "HSGD_FIGURES": str(figures)})
     print(r.stdout[-3000:])
     assert r.returncode == 0, f"{os.path.basename(path)} exited {r.returncode}:\n{r.stderr[-4000:]}"
     return r

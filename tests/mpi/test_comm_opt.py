@@ -98,15 +98,17 @@ def test_zero_shards_the_optimizer_state_by_dp():
     mems, sizes = {}, {}
     for zero in (0, 1, 2):
         grid, trainer, _, _ = run(config(tp=2, dp=4, zero=zero, optimizer="adamw", lr=0.01, steps=2))
-        mems[zero], sizes[zero] = trainer.memory(), trainer.pbuf.flat.size      # elements (ZeRO: padded)
+        mems[zero], sizes[zero] = trainer.memory(), trainer.exchange.size       # elements (ZeRO: padded)
         grid.free()
-    n, chunk = sizes[0], sizes[1] // 4                                  # chunk = ceil(n / dp)
+    n, chunk, chunks2 = sizes[0], sizes[1] // 4, sizes[2] // 4          # ceil(n / dp); ZeRO-2: per layer
     full, z1, z2 = mems[0]["optimizer"], mems[1]["optimizer"], mems[2]["optimizer"]
     say(f"optimizer state per rank (AdamW, dp=4): plain {full:,} B, ZeRO-1 {z1:,} B, ZeRO-2 {z2:,} B; gradients kept: "
         f"plain {mems[0]['grads']:,} B, ZeRO-1 {mems[1]['grads']:,} B, ZeRO-2 {mems[2]['grads']:,} B")
     # AdamW keeps two float64 moments per element it updates: all n elements, or the chunk of ceil(n / dp)
-    check(full == 16 * n and z1 == z2 == 16 * chunk and sizes[1] - n < 4 and mems[2]["grads"] == 8 * chunk
-          and mems[1]["grads"] == 8 * (sizes[1] + chunk), f"{mems} n={n} chunk={chunk}")
+    # (ZeRO-2: the chunks of ceil(n_g / dp) of every layer's bucket, padded layer by layer)
+    check(full == 16 * n and z1 == 16 * chunk and z2 == 16 * chunks2 and sizes[1] - n < 4
+          and 0 <= sizes[2] - n < 4 * len(trainer.exchange.groups) and mems[2]["grads"] == 8 * chunks2
+          and mems[1]["grads"] == 8 * (sizes[1] + chunk), f"{mems} n={n} chunk={chunk} chunks2={chunks2}")
 
 
 def test_overlap_is_visible_in_the_trace():

@@ -1,7 +1,7 @@
 """ZeRO 2 and 3 layer by layer, hybrid sharding and activation recomputation on 8 ranks, float64: every
-factorization of 8 with --zero 3, --recompute selective, --recompute full and their combination ends several steps
+factorization of 8 with --zero 3, --recompute selective, --recompute full and their combination ends three steps
 with serial SGD's parameters (1e-10) and moves exactly the bytes of its formula; recomputation is bit-identical to
-none in every scheme; checkpoints reshard between ZeRO stages 0, 1, 2 and 3."""
+none in every layout (the three schemes in turn); checkpoints reshard between ZeRO stages 0, 1, 2 and 3."""
 
 import numpy as np
 import pytest
@@ -84,25 +84,6 @@ def test_every_layout_equals_serial_sgd(variant):
     say(f"{variant}: 10 layouts x 3 steps, max param rel err vs serial {worst:.1e}, bytes == formula: {ok}"
         + (f", selective and full bit-identical to none: {identical}" if variant == "recompute" else ""))
     check(ok and identical)
-
-
-@pytest.mark.parametrize("scheme", ["megatron", "gather", "sequence"])
-def test_recomputation_is_bit_identical(scheme):
-    """--recompute selective and full give the same bits as none after 3 steps, in each scheme, with pipeline
-    and tensor parallelism (dp 2 x pp 2 x tp 2) and without (dp 8, threaded stages)."""
-    ok, lines = True, []
-    for dp, pp, tp in ((2, 2, 2), (8, 1, 1)):
-        finals = {}
-        for mode in ("none", "selective", "full"):
-            grid, trainer, finals[mode], _ = run(config(dp=dp, pp=pp, tp=tp, tp_scheme=scheme, recompute=mode))
-            trainer.free()
-            grid.free()
-        for mode in ("selective", "full"):
-            same = all(np.array_equal(finals[mode][n], finals["none"][n]) for n in finals["none"])
-            ok &= same
-            lines.append(f"{dp}x{pp}x{tp} {mode}: {'identical' if same else 'DIFFERENT'}")
-    say(f"{scheme}: " + ", ".join(lines))
-    check(ok, lines)
 
 
 @pytest.mark.parametrize("zero", [2, 3])
