@@ -30,10 +30,11 @@ The interface, in the order a step uses it:
     grads() -> flat or None     the averaged gradient of `master` to apply now (None: nothing has arrived yet)
     checked() -> flat           the gradient the step's non-finite check looks at
     after_update()              every replica gets the updated parameters (ZeRO: Allgather; else nothing)
-    shard_comm                  dp_comm when `owned` differs between DP ranks (then sums over it add up), else None
+    shard_comm                  the communicator over which `owned` differs (dp_comm; hybrid sharding: the node's),
+                                so that sums over it add up; None when every DP rank owns everything
     gather(part) -> flat        the whole flat array from every DP rank's `owned` part (checkpoints)
     own(flat) -> part           this rank's part of a whole flat array (the inverse of gather, no communication)
-    full_params() -> {name: a}  collective over dp_comm: every parameter whole (ZeRO-3 All-Gathers a copy)
+    full_params() -> {name: a}  collective over shard_comm: every parameter whole (ZeRO-3 All-Gathers a copy)
     set_params({name: a})       set this rank's parameters from whole ones (checkpoints)
     formula(), param_bytes(), grad_bytes(), describe(), comms(), close(), free()
 """

@@ -36,7 +36,10 @@ class Faults:
 
     def after_step(self, trainer, step):
         if self.now(step, "diverge"):
-            trainer.params[trainer.exchange.order[-1]].reshape(-1)[0] += 1e-3    # this replica alone drifts
+            if trainer.tc.zero == 3:                                # (hybrid: a chunk replicated across nodes)
+                trainer.exchange.master[-1] += 1e-3                 # the parameters are gathered from it
+            else:
+                trainer.params[trainer.exchange.order[-1]].reshape(-1)[0] += 1e-3    # this replica alone drifts
 
     def in_save(self, step):
         """True when the checkpoint after this step is to be cut short by a SIGKILL."""

@@ -110,8 +110,9 @@ def memory_estimate(cfg, tc):
     states = 2 if tc.optimizer == "adamw" else 1 if tc.momentum else 0
     share = params * itemsize // (tc.tp * tc.pp)                     # one copy of this rank's stage and tp shard
     zero = tc.zero                                                   # ZeRO shards: state (1), grads (2), params (3)
-    weights = (share // (tc.dp if zero >= 3 else 1) + share // (tc.dp if zero >= 2 else 1)
-               + states * share // (tc.dp if zero >= 1 else 1))
+    n = (tc.ranks_per_node or tc.dp) if tc.hierarchical and zero >= 2 else tc.dp   # hybrid: within a node
+    weights = (share // (n if zero >= 3 else 1) + share // (n if zero >= 2 else 1)
+               + states * share // (n if zero >= 1 else 1))
     micro = max(tc.batch_size // (tc.dp * tc.micro_batches), 1)
     f = activation_formula(cfg, micro, itemsize, tc.tp, tc.tp_scheme)
     kept = pieces(cfg, micro, itemsize, tc.tp, tc.tp_scheme, tc.recompute)["K"]   # a block's cache, recomputed or not

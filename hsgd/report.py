@@ -112,6 +112,8 @@ def report_traffic(world, grid, tc, trainer, per_step, say):
 
 def exchange_rule(tc):
     m = tc.micro_batches
+    if tc.hierarchical and not tc.zero:
+        return "node Reduce-Scatter and All-Gather 2, plus 2/n for the cross-node All-Reduce of the 1/n chunk"
     return {0: "an All-Reduce: 2", 1: "Reduce-Scatter + All-Gather: 2", 2: f"m + 1 = {m + 1}",
             3: f"3m = {3 * m}"}[tc.zero] + (", plus 2/n for the cross-node All-Reduce of the 1/n chunk"
                                             if tc.zero >= 2 and tc.hierarchical else "")
@@ -133,8 +135,9 @@ def report_memory(mem, say, world=None, grid=None, measured=None, formula=None, 
     groups = {}
     for rank, r in rows:
         groups.setdefault(repr((r[3], r[4], r[5], r[6], r[8])), []).append((rank, r))
+    tracker = "CuPy's memory pool, its total only" if "device" in measured["peak"] else "tracemalloc"
     say(f"memory by category, peak over step {step} (sampled at every group's forward and backward exit; "
-        "measured: tracemalloc, unthreaded | formula: hsgd.step_memory):")
+        f"measured: {tracker}, unthreaded | formula: hsgd.step_memory):")
     for members in groups.values():
         r = members[0][1]
         where = ", ".join(f"{rank} (pp {p} tp {t} dp {d})" for rank, (p, t, d, *_) in members)

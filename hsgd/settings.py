@@ -244,7 +244,7 @@ class Memory:
     memory: bool = flag(False, "measure every rank's memory by category over one step (a real allocation tracker: "
                                "tracemalloc on the CPU, CuPy's pool on the GPU) and print it next to the formula; "
                                "with --plot also memory.png; the steps up to the measured one are traced (slower) "
-                               "and it runs unthreaded")
+                               "and the measured one runs unthreaded")
 
     def check_memory_settings(self):
         if self.recompute not in tp_model.RECOMPUTE:

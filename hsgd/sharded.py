@@ -29,7 +29,8 @@ With m = 1, ZeRO's 2 Psi against 3 Psi: stage 3 pays one more All-Gather of the 
 Hybrid (--hierarchical, n = ranks per node): the same on the node comm, plus an Allreduce of the owned chunks
 (Psi' / n) over the cross-node comm.
 Left out: prefetching the next layer's parameters (here the gather is exposed), and keeping the last layers'
-parameters gathered between the forward and the backward.
+parameters gathered between the forward and the backward. A checkpoint (hsgd.checkpoint) gathers the stage's
+whole parameters and optimizer state on every dp rank for a moment, as with the other exchanges.
 """
 from contextlib import contextmanager
 from types import SimpleNamespace
@@ -97,7 +98,7 @@ class ShardedExchange(GradExchange):
     def own(self, flat):
         """My chunk of every group of a whole flat array: (sum c_g,), a copy."""
         xp, r = array_module(flat), self.shard_comm.rank
-        return xp.concatenate([flat[L.off + r * L.c: L.off + (r + 1) * L.c] for L in self.layout.values()])
+        return xp.concatenate([flat[lay.off + r * lay.c: lay.off + (r + 1) * lay.c] for lay in self.layout.values()])
 
     def mask(self, predicate):
         xp = array_module(self.master_)
@@ -112,8 +113,8 @@ class ShardedExchange(GradExchange):
         got = xp.empty((self.n, part.size), dtype=part.dtype)                 # (n, sum c_g)
         self.shard_comm.Allgather(xp.ascontiguousarray(part), got)
         full = xp.empty(self.size, dtype=part.dtype)
-        for L in self.layout.values():
-            full[L.off:L.off + self.n * L.c] = got[:, L.own:L.own + L.c].reshape(-1)
+        for lay in self.layout.values():
+            full[lay.off:lay.off + self.n * lay.c] = got[:, lay.own:lay.own + lay.c].reshape(-1)
         return full
 
     def full_params(self):
@@ -131,12 +132,12 @@ class ShardedExchange(GradExchange):
     # ------------------------------------------------------------------------------------------ one group
     def gather_group(self, g):
         """Stage 3: params_g = Allgather(master_g) over the shard comm, into `params` (views of one buffer)."""
-        L = self.layout[g]
+        lay = self.layout[g]
         xp = array_module(self.master_)
-        got = xp.empty((self.n, L.c), dtype=self.dtype)                       # (n, c_g) the group, whole
-        self.shard_comm.Allgather(self.master_[L.own:L.own + L.c], got)
+        got = xp.empty((self.n, lay.c), dtype=self.dtype)                       # (n, c_g) the group, whole
+        self.shard_comm.Allgather(self.master_[lay.own:lay.own + lay.c], got)   # every rank's chunk c_g of g
         flat = got.reshape(-1)
-        for name, (lo, hi) in L.inner.items():
+        for name, (lo, hi) in lay.inner.items():
             self.params[name] = flat[lo:hi].reshape(self.shapes[name])
 
     def free_group(self, g):
@@ -146,20 +147,20 @@ class ShardedExchange(GradExchange):
 
     def grad_bucket(self, g):
         """The group's whole gradient for one micro-batch's backward: zeros (n c_g,), views into the grads dict."""
-        L = self.layout[g]
-        bucket = array_module(self.master_).zeros(self.n * L.c, dtype=self.dtype)   # (n c_g,)
-        for name, (lo, hi) in L.inner.items():
+        lay = self.layout[g]
+        bucket = array_module(self.master_).zeros(self.n * lay.c, dtype=self.dtype)   # (n c_g,)
+        for name, (lo, hi) in lay.inner.items():
             self.gdict[name] = bucket[lo:hi].reshape(self.shapes[name])
         self.live[g] = bucket
 
     def start_reduce_scatter(self, g):
         """The group's gradient is final for this micro-batch: start its Reduce-Scatter over the shard comm, then
         complete the one started before (it ran while this group's backward did) and free its bucket."""
-        L, bucket = self.layout[g], self.live.pop(g)
-        for name in L.inner:
+        lay, bucket = self.layout[g], self.live.pop(g)
+        for name in lay.inner:
             del self.gdict[name]
-        recv = array_module(bucket).empty(L.c, dtype=self.dtype)               # (c_g,) my chunk of the sum
-        req = self.shard_comm.Ireduce_scatter_block(bucket.reshape(self.n, L.c), recv)
+        recv = array_module(bucket).empty(lay.c, dtype=self.dtype)               # (c_g,) my chunk of the sum
+        req = self.shard_comm.Ireduce_scatter_block(bucket.reshape(self.n, lay.c), recv)   # (n, c_g) -> (c_g,)
         self.complete()
         self.pending.append((req, g, recv))
 
@@ -167,8 +168,8 @@ class ShardedExchange(GradExchange):
         """Wait for the reduce-scatters in flight and add each into my chunk of the gradient."""
         for req, g, recv in self.pending:
             req.Wait()
-            L = self.layout[g]
-            self.g_owned[L.own:L.own + L.c] += recv
+            lay = self.layout[g]
+            self.g_owned[lay.own:lay.own + lay.c] += recv
         self.pending = []
 
     # ------------------------------------------------------------------------------------------ the step
@@ -191,9 +192,9 @@ class ShardedExchange(GradExchange):
         """Stage 2: every group's updated chunks All-Gathered into the whole parameters. Stage 3: nothing."""
         if self.zero == 3:
             return
-        for L in self.layout.values():
-            self.shard_comm.Allgather(self.master_[L.own:L.own + L.c],
-                                      self.whole[L.off:L.off + self.n * L.c].reshape(self.n, L.c))
+        for lay in self.layout.values():
+            self.shard_comm.Allgather(self.master_[lay.own:lay.own + lay.c],                # my updated chunk ->
+                                      self.whole[lay.off:lay.off + self.n * lay.c].reshape(self.n, lay.c))   # (n, c_g)
 
     # ------------------------------------------------------------------------------------------ reports
     def formula(self):
@@ -215,7 +216,7 @@ class ShardedExchange(GradExchange):
                     group's is still in flight when the next micro-batch's backward fills the first)
             comm    the receive chunk c_g of the Reduce-Scatter in flight"""
         s, n, m = self.dtype.itemsize, self.n, self.m
-        cs = [L.c for L in self.layout.values()]                          # backward order
+        cs = [lay.c for lay in self.layout.values()]                          # backward order
         pairs = list(zip(cs, cs[1:])) + ([(cs[-1], cs[0])] if m > 1 else [])
         in_flight = max((a + b for a, b in pairs), default=cs[0] * (2 if m > 1 else 1))
         return {"params": self.param_bytes() + (s * n * max(cs) if self.zero == 3 else 0),

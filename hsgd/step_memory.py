@@ -1,10 +1,11 @@
 """This implementation's memory over one training step, per category, at the moments hsgd.memtrace samples.
 
 The probe samples at the step's start, at the exit of every gradient group's forward and backward, at the point
-inside a block's backward where recomputed arrays are alive, and at the end. `stage_samples` walks the stage's
-schedule (hsgd.pp) through the same moments and adds up what is alive at each, from the pieces below; a
-category's peak is its largest sample, as measured. Per micro-batch of b sequences (N = b T rows, N~ = b T~,
-T~ = T/tp for the sequence scheme, else T; s bytes per element; P = b (NH/tp) T^2 s the attention probabilities):
+inside a block's backward where recomputed arrays are alive (with --recompute selective or full), and at the end.
+`stage_samples` walks the stage's schedule (hsgd.pp) through the same moments and adds up what is alive at each,
+from the pieces below; a category's peak is its largest sample, as measured. Per micro-batch of b sequences
+(N = b T rows, N~ = b T~, T~ = T/tp for the sequence scheme, else T; s bytes per element; P = b (NH/tp) T^2 s the
+attention probabilities):
 
     X      the activation between blocks, and each dL/dX:          N~ C s
     E      the embedding's cache (first stage): its token ids int64 and owner mask bool     9 N
@@ -125,8 +126,9 @@ def stage_samples(pc, layers, first, last, actions, recompute, base, inflight=No
         for i in reversed(range(len(layers))):
             g = f"h.{layers[i]}"
             incoming = 0 if (i == len(layers) - 1 and not last) else X     # dx in: the receive buffer itself, or X
-            emit(f"B{j} {g} recomputed", act=incoming, comm=recv, grads=part.get("h", 0), rec=pc["R"], kind="B",
-                 group=g)
+            if recompute != "none":                       # the probe's point after recomputation
+                emit(f"B{j} {g} recomputed", act=incoming, comm=recv, grads=part.get("h", 0), rec=pc["R"],
+                     kind="B", group=g)
             emit(f"B{j} {g}", act=X, comm=recv, grads=part.get("h", 0), kind="B", group=g)
             backward_done(g)
         if first:

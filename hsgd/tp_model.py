@@ -114,9 +114,10 @@ RECOMPUTE = ("none", "selective", "full")
 
 class Hooks:
     """What runs around each gradient group's forward and backward in a stage (stage_forward, stage_backward):
-    here nothing. Two subclasses do something: ZeRO-3 All-Gathers a group's parameters into `params` on entry
-    and frees them on exit, and allocates, Reduce-Scatters and frees its gradients (hsgd.sharded); the memory
-    probe samples the bytes held on exit (hsgd.memtrace). Groups are "embedding", "h.{i}", "head"."""
+    here nothing. Two subclasses do something: ZeRO 2 and 3 allocate a group's gradient bucket on entry and
+    Reduce-Scatter and free it on exit, and ZeRO-3 also All-Gathers the group's parameters into `params` on entry
+    and frees them on exit (hsgd.sharded); the memory probe samples the bytes held on exit (hsgd.memtrace).
+    Groups are "embedding", "h.{i}", "head"."""
 
     def forward(self, group):
         return nullcontext()
@@ -211,12 +212,15 @@ def recompute_attention(q, k, v, nh):
 def block_backward(dx, cache, grads, h, comm, S, p, cfg, hooks=NO_HOOKS):
     """block_forward read from the bottom up; every collective is the adjoint of one in the forward pass.
     dx: (B, T~, C); p: the parameters (the weights the caches dropped)."""
-    if isinstance(cache[0], str):                                        # ("full", x)
+    recomputed = isinstance(cache[0], str)                               # ("full", x)
+    if recomputed:
         cache = recompute_block(cache[1], p, h, cfg, comm, S)            # the forward again, collectives too
     c_ln1, a, c_att, c_proj, c_ln2, m, c_gelu, c_mproj = cache
     if isinstance(c_att[0], str):                                        # ("qkv", q, k, v)
         c_att = recompute_attention(*c_att[1:], cfg.n_heads // comm.size)   # the probabilities again
-    hooks.point(h[:-1], "recomputed")
+        hooks.point(h[:-1], "recomputed")
+    elif recomputed:
+        hooks.point(h[:-1], "recomputed")
     W = lambda name: p[h + name]                                         # a weight the cache dropped
     dgl = S.proj_backward(dx, (*c_mproj, W("mlp.proj.weight")), grads[h + "mlp.proj.weight"],
                           grads[h + "mlp.proj.bias"], comm)              # (B, T, F/tp)

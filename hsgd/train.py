@@ -102,7 +102,7 @@ def nothing_to_do(run):
     run.progress.close()
     val = run.val_points[0][1]
     out = {"val_before": val, "val_after": val, "losses": [], "wall_s": 0.0, "comm_per_step": {},
-           "comm_formula": {}, "params": run.trainer.params, "memory": run.trainer.memory()}
+           "comm_formula": {}, "params": run.trainer.exchange.full_params(), "memory": run.trainer.memory()}
     run.trainer.free()
     run.grid.free()
     return out
@@ -142,7 +142,7 @@ def setup(cfg, tc, world, out, threads):
     run.grid = ProcessGrid(world, dp=tc.dp, pp=tc.pp, tp=tc.tp)
     run.tracer = Tracer(world.Get_rank(), world, enabled=False) if (tc.trace or tc.plot) else None
     if tc.memory:                                                    # traced from before the parameters exist
-        run.probe = memtrace.MemoryProbe(tc.device)
+        run.probe = memtrace.MemoryProbe(resolve_device(tc.device))
         run.probe.start()
     run.trainer = launch.agree(world, lambda: HybridTrainer(cfg, run.grid, tc, run.tracer))
     for c in [run.grid.tp_comm, run.grid.dp_comm, run.grid.pp_comm, run.grid.world] + run.trainer.exchange.comms():
@@ -307,7 +307,8 @@ def summary(run):
     if tc.sample_bytes and world.Get_rank() == 0:
         say("sample:\n" + printable(generate(full, cfg, tc.prompt.encode(), tc.sample_bytes, seed=tc.seed)))
     out = {"val_before": val0, "val_after": val1, "losses": run.progress.losses, "wall_s": run.wall,
-           "comm_per_step": run.per_step, "comm_formula": formula, "params": trainer.params, "memory": mem}
+           "comm_per_step": run.per_step, "comm_formula": formula, "params": trainer.exchange.full_params(),
+           "memory": mem}
     trainer.free()
     grid.free()
     return out
