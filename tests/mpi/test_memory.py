@@ -19,7 +19,7 @@ pytestmark = pytest.mark.mpi(min_size=8)
 
 CFG = hsgd.ModelConfig(vocab_size=64, seq_len=32, d_model=16, n_heads=4, n_layers=2, d_ff=64)
 CORPUS = Corpus(np.random.default_rng(0).integers(0, 64, 4000, dtype=np.uint8).tobytes(), "random bytes", 32)
-DEEP = hsgd.ModelConfig(vocab_size=64, seq_len=32, d_model=16, n_heads=4, n_layers=8, d_ff=64)   # 10 buckets
+DEEP = hsgd.ModelConfig(vocab_size=64, seq_len=32, d_model=16, n_heads=4, n_layers=6, d_ff=64)   # 8 buckets
 TOLERANCE = 0.05
 
 # (tp, pp, zero, recompute, scheme, micro-batches, schedule): a pairwise covering of tp {1, 2, 4} x pp {1, 2} x zero
@@ -76,7 +76,7 @@ def test_measured_peak_per_category_equals_the_formula(layout):
 
 
 def test_zero_stages_shrink_what_they_shard():
-    """At tp 2, dp 4, on a model of 8 blocks (10 gradient buckets): ZeRO-2's total peak lies below ZeRO-1's by
+    """At tp 2, dp 4, on a model of 6 blocks (8 gradient buckets): ZeRO-2's total peak lies below ZeRO-1's by
     about the whole gradient: by the whole gradient less what ZeRO-2 holds at its own peak, at most two buckets
     (the one being filled and the one whose Reduce-Scatter is in flight), as the formulas say; ZeRO-3's
     parameters are their 1/dp plus the largest group in flight."""
@@ -91,6 +91,9 @@ def test_zero_stages_shrink_what_they_shard():
     say(f"ZeRO-1 -> ZeRO-2: peak lower by {saved} B = {saved / full_grad:.2f} x the gradient ({full_grad} B), "
         f"formula {predicted} B; ZeRO-3 parameters {p3} B = {p3 / p0:.3f} of ZeRO-2's whole-and-chunk {p0} B "
         f"(dp {grid.dp}); formula {chunk}")
-    check(0.7 <= saved / full_grad <= 1.05 and abs(saved - predicted) <= TOLERANCE * predicted,
-          f"ZeRO-2 saves {saved} B (formula {predicted}) against a gradient of {full_grad} B")
+    # what ZeRO-2 ever holds beyond its owned chunks: the whole buckets in flight (gradients) and a receive chunk
+    in_flight = got[2][1]["peak"]["grads"] - got[2][2] // grid.dp + got[2][1]["peak"]["comm"]
+    say(f"the whole gradient less ZeRO-2's most in flight: {full_grad - in_flight} B")
+    check(full_grad - in_flight <= saved <= 1.05 * full_grad and abs(saved - predicted) <= TOLERANCE * predicted,
+          f"ZeRO-2 saves {saved} B (formula {predicted}) against a gradient of {full_grad} B, {in_flight} in flight")
     check(p3 < p0 / 2 and abs(p3 - chunk) <= TOLERANCE * chunk, f"ZeRO-3 params {p3} vs {p0}, formula {chunk}")
