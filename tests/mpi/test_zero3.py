@@ -17,7 +17,8 @@ from .conftest import WORLD, check, say, world_max
 
 pytestmark = pytest.mark.mpi(min_size=8)
 
-CFG = hsgd.ModelConfig(vocab_size=256, seq_len=8, d_model=16, n_heads=8, n_layers=8, d_ff=16)
+CFG = hsgd.ModelConfig(vocab_size=256, seq_len=8, d_model=16, n_heads=8, n_layers=8, d_ff=16)   # pp up to 8
+SMALL = hsgd.ModelConfig(vocab_size=256, seq_len=8, d_model=16, n_heads=8, n_layers=2, d_ff=16)  # pp up to 2
 CORPUS = Corpus(np.random.default_rng(0).integers(0, 256, 4000, dtype=np.uint8).tobytes(), "random bytes", 8)
 
 
@@ -27,12 +28,12 @@ def config(**kw):
     return TrainConfig(**base)
 
 
-def run(tc, trainer=None, start=1, stop=None):
+def run(tc, trainer=None, start=1, stop=None, cfg=CFG):
     """Steps start..stop (default tc.steps) on a new grid (or on `trainer`'s). Returns (grid, trainer, this
     rank's parameters {name: tp shard}, the traffic of the last step)."""
     if trainer is None:
         grid = ProcessGrid(WORLD, dp=tc.dp, pp=tc.pp, tp=tc.tp)
-        trainer = HybridTrainer(CFG, grid, tc)
+        trainer = HybridTrainer(cfg, grid, tc)
     grid, per_step = trainer.grid, None
     for step in range(start, (stop or tc.steps) + 1):
         before = grid.stats.counts()
@@ -96,15 +97,15 @@ def test_hybrid_sharding_and_bucketed_zero2(zero):
         for dp, tp in ((8, 1), (4, 2)):
             extra = dict(hierarchical=True, ranks_per_node=2) if hybrid else {}
             tc = config(dp=dp, tp=tp, zero=zero, optimizer="adamw", lr=0.01, **extra)
-            ref = serial.sgd(CFG, tc, lambda step: CORPUS.batch(tc.seed, step, tc.batch_size))[0]
-            grid, trainer, params, per_step = run(tc)
+            ref = serial.sgd(SMALL, tc, lambda step: CORPUS.batch(tc.seed, step, tc.batch_size))[0]
+            grid, trainer, params, per_step = run(tc, cfg=SMALL)
             err = world_max(param_err(params, grid, ref, tc.tp_scheme))
             n = 2 if hybrid else dp
             size = trainer.exchange.size                               # padded elements of the flat layout
             mem = trainer.memory()
             held = mem["grads"] == size // n * 8 and mem["optimizer"] == 2 * size // n * 8
             held &= mem["params"] == (size // n * 8 if zero == 3 else size * 8 + size // n * 8)
-            same = per_step == step_formula(CFG, tc, trainer)
+            same = per_step == step_formula(SMALL, tc, trainer)
             say(f"zero {zero}{' hybrid (2 per node)' if hybrid else ''} dp={dp} tp={tp}: err {err:.1e}, bytes == "
                 f"formula {same}, kept {mem} of {size * 8} B of parameters")
             ok &= err <= 1e-10 and same and held
@@ -117,12 +118,12 @@ def test_checkpoints_reshard_between_zero_stages(tmp_path_factory):
     """Save after 2 steps under each ZeRO stage, resume for 2 more steps under another stage (and another layout):
     0, 1, 2 -> 3 and 3 -> 0, 1, 2. The parameters equal 4 uninterrupted serial AdamW steps."""
     tc = config(steps=4, optimizer="adamw", lr=0.01, weight_decay=0.1, micro_batches=1, batch_size=8)
-    ref = serial.sgd(CFG, tc, lambda step: CORPUS.batch(tc.seed, step, tc.batch_size))[0]
+    ref = serial.sgd(SMALL, tc, lambda step: CORPUS.batch(tc.seed, step, tc.batch_size))[0]
     folder = WORLD.bcast(str(tmp_path_factory.mktemp("ckpt")) if WORLD.Get_rank() == 0 else None)
     ok, worst = True, 0.0
     for saved in (0, 1, 2, 3):
         first = config(**{**vars(tc), "zero": saved, "dp": 4, "tp": 2})
-        grid, trainer, _, _ = run(first, stop=2)
+        grid, trainer, _, _ = run(first, stop=2, cfg=SMALL)
         path = checkpoint.save(trainer, 2, f"{folder}/z{saved}", keep=1)
         trainer.free()
         grid.free()
@@ -130,9 +131,9 @@ def test_checkpoints_reshard_between_zero_stages(tmp_path_factory):
             layout = dict(dp=8, tp=1) if resumed % 2 else dict(dp=2, pp=2, tp=2)
             second = config(**{**vars(tc), **layout, "zero": resumed})
             grid = ProcessGrid(WORLD, dp=second.dp, pp=second.pp, tp=second.tp)
-            trainer = HybridTrainer(CFG, grid, second)
-            checkpoint.load(trainer, checkpoint.open_checkpoint(path, CFG))
-            grid, trainer, params, _ = run(second, trainer, start=3)
+            trainer = HybridTrainer(SMALL, grid, second)
+            checkpoint.load(trainer, checkpoint.open_checkpoint(path, SMALL))
+            grid, trainer, params, _ = run(second, trainer, start=3, cfg=SMALL)
             err = world_max(param_err(params, grid, ref, second.tp_scheme))
             worst = max(worst, err)
             ok &= err <= 1e-10
