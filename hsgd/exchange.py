@@ -17,7 +17,7 @@ The interface, in the order a step uses it:
                                 backward pass's groups, each a contiguous bucket; ZeRO pads it to dp chunks);
                                 ZeRO-3 has no pbuf: it holds only its chunks (hsgd.sharded)
     params                      {name: array} the stage computes with (ZeRO-3: filled group by group by hooks)
-    hooks                       None, or a tp_model.Hooks run around each group's forward and backward
+    hooks                       None, or an hsgd.hooks.Hooks run around each group's forward and backward
     offsets, size               where each parameter lies in the flat layout, and its length (padding included)
     buf                         the gradient buffer (pbuf's layout) of the current step; None when released (ZeRO 2)
     begin() -> FlatBuffer       the zeroed gradient buffer the backward pass accumulates into

@@ -23,6 +23,7 @@ from . import tp_model
 from .dp import dp_rows, micro_batches, params_digest
 from .exchange import make_exchange
 from .health import check_finite, global_norm, step_numbers, stop_after_skips
+from .hooks import ChainedHooks
 from .optim import decays, lr_at, make_optimizer
 from .stage import make_stage
 from .trace import NullTracer
@@ -138,7 +139,7 @@ class HybridTrainer:
         """What runs around each group's forward and backward in a training step: the exchange's (ZeRO 2 and 3),
         then the memory probe's (--memory), or nothing (None)."""
         chain = [h for h in (self.exchange.hooks, self.probe and self.probe.hooks) if h]
-        return None if not chain else chain[0] if len(chain) == 1 else tp_model.ChainedHooks(chain)
+        return None if not chain else chain[0] if len(chain) == 1 else ChainedHooks(chain)
 
     def memory(self):
         """Bytes this rank holds between steps: parameters, gradients, optimizer state."""

@@ -20,7 +20,7 @@ allocates two kinds of buffer). Frames carry only a file and a line, so each hsg
     recompute    what --recompute computes again in the backward pass (recompute_block, recompute_attention)
 
 A `MemoryProbe` samples at every gradient group's forward exit, backward exit and "recomputed" point (its
-`hooks`, a tp_model.Hooks, are chained after the exchange's by HybridTrainer.hooks), and at the step's start and
+`hooks`, an hsgd.hooks.Hooks, are chained after the exchange's by HybridTrainer.hooks), and at the step's start and
 end: bytes per category, a time, a label ("F0 h.1", "B0 head", "B0 h.1 recomputed"). Between two samples it
 also reads tracemalloc's true peak, so that the transient working memory (the true peak minus the largest
 sample) shows too. tracemalloc's counts include Python's own objects; they are taken as constant between two
@@ -44,7 +44,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from . import tp_model
+from .hooks import Hooks
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "comm", "recompute", "other")
 NFRAMES = 14              # frames kept per allocation: the deciding frame is at most the 5th from the allocation in
@@ -152,7 +152,7 @@ class Attributor:
 
 # ------------------------------------------------------------------------------------------------ the probe
 
-class ProbeHooks(tp_model.Hooks):
+class ProbeHooks(Hooks):
     """Samples on leaving each group's forward and backward, and at hooks.point (inside a block's backward)."""
 
     def __init__(self, probe):
@@ -244,6 +244,21 @@ class MemoryProbe:
         return {"peak": {c: max(s[2][c] for s in self.samples) for c in cats}, "total": totals[top],
                 "true_peak": max(s[3] for s in self.samples), "at": self.samples[top][0],
                 "samples": [(label, t, c) for label, t, c, _ in self.samples]}
+
+
+def measure_step(build, batch_of, device="cpu"):
+    """(the probe's result, the trainer) of step 2 of the trainer that build() makes, traced from before it exists
+    (its parameters, and after step 1 its optimizer state, are traced). batch_of(step) -> (idx, targets)."""
+    probe = MemoryProbe(device)
+    probe.start()
+    try:
+        trainer = build()
+        trainer.step(*batch_of(1), 1)
+        batch = batch_of(2)                                            # made before the step: not part of it
+        traced_step(trainer, probe, lambda: trainer.step(*batch, 2))
+    finally:
+        probe.stop()
+    return probe.result(), trainer
 
 
 def traced_step(trainer, probe, run_step):

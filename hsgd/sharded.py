@@ -38,7 +38,7 @@ from types import SimpleNamespace
 from .backend import array_module
 from .exchange import GradExchange
 from .hier import node_split
-from .tp_model import Hooks
+from .hooks import Hooks
 
 
 class ShardedExchange(GradExchange):

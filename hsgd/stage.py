@@ -20,6 +20,7 @@ import time
 
 from . import tp_model
 from .backend import get_xp, resolve_dtype, to_host
+from .hooks import NO_HOOKS
 from .pp import parse_split, schedule, split_layers, stage_names
 from .threads import cpu_threads, parallel_batches
 from .trace import NullTracer
@@ -55,11 +56,11 @@ class Stage:
     def run(self, params, grads, mbs, on_ready=None, tracer=None, hooks=None):
         """One step of this stage: its actions on the micro-batches mbs = [(idx, targets)] (every stage has them;
         only the first uses idx, only the last targets). The gradients of (1/m) * each micro-batch's mean loss
-        accumulate into `grads`; on_ready(group) is passed to the last backward action; hooks (tp_model.Hooks)
+        accumulate into `grads`; on_ready(group) is passed to the last backward action; hooks (hsgd.hooks.Hooks)
         run around every group's forward and backward. Returns (1/m) * the sum of the micro-batches' losses on
         the last stage (on the device), else 0.0. Records the micro-batches held at once (peak_held) and when
         each action ran (timeline)."""
-        tracer, self.hooks = tracer or NullTracer(), hooks or tp_model.NO_HOOKS
+        tracer, self.hooks = tracer or NullTracer(), hooks or NO_HOOKS
         self.caches, self.sends, self.loss, self.live = {}, [], 0.0, 0
         self.peak_held, self.timeline = 0, []
         last_b = max(j for a, j in self.actions if a == "B")
@@ -118,7 +119,7 @@ class Stage:
         xp = self.xp
         inp = xp.asarray(idx) if self.first else self.recv_activation(len(idx), params, source=self.s - 1, tag=0)
         out, _ = tp_model.stage_forward(params, inp, xp.asarray(targets), self.cfg, self.tp_comm, self.scheme,
-                                        self.layers, self.first, self.last, hooks or tp_model.NO_HOOKS)
+                                        self.layers, self.first, self.last, hooks or NO_HOOKS)
         if not self.last:
             self.pp_comm.Isend(xp.ascontiguousarray(out), dest=self.s + 1, tag=0).Wait()       # activation out
             return self.pp_comm.comm.bcast(None, root=self.pp_comm.size - 1)

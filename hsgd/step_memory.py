@@ -36,6 +36,7 @@ peak shows them. With ZeRO 2 and 3 (hsgd.sharded) what the exchange holds is fol
 """
 from .memory import activation_formula
 from .pp import schedule
+from .sharded import ShardedExchange
 from .tp_schemes import make_scheme
 
 STATE_COPIES = {"sgd": lambda momentum: 1 if momentum else 0, "adamw": lambda momentum: 2}
@@ -78,70 +79,84 @@ class ShardedInFlight:
         self.pending = group
 
 
+class NothingInFlight:
+    """The exchanges other than ZeRO 2 and 3: nothing beyond their memory_formula() at any moment."""
+
+    def at(self, kind, group):
+        return {}
+
+    def done(self, group):
+        pass
+
+
+class StageWalk:
+    """One stage's schedule walked through the probe's moments (see the module docstring): emit() records what
+    is alive at one of them; forward(j) and backward(j) walk one action."""
+
+    def __init__(self, pc, layers, first, last, recompute, base, inflight):
+        self.pc, self.layers, self.first, self.last = pc, layers, first, last
+        self.recompute, self.base, self.inflight = recompute, base, inflight
+        self.held, self.sends, self.samples = {}, 0, []   # j -> {"activations", "comm"} caches; bytes sent
+
+    def emit(self, label, act=0, comm=0, grads=0, rec=0, kind=None, group=None):
+        cats, extra, held = dict(self.base), self.inflight.at(kind, group), self.held.values()
+        cats["activations"] = cats.get("activations", 0) + act + self.sends + sum(h["activations"] for h in held)
+        cats["comm"] = cats.get("comm", 0) + comm + sum(h["comm"] for h in held) + extra.get("comm", 0)
+        cats["grads"] = cats.get("grads", 0) + grads + extra.get("grads", 0)
+        cats["params"] = cats.get("params", 0) + extra.get("params", 0)
+        cats["recompute"] = cats.get("recompute", 0) + rec
+        self.samples.append((label, cats))
+
+    def forward(self, j):
+        pc, X = self.pc, self.pc["X"]
+        recv = 0 if self.first else X                     # this action's input: the receive buffer
+        cur = self.held[j] = {"activations": 0, "comm": 0}
+        if self.first:
+            cur["activations"] += pc["E"]
+            self.emit(f"F{j} embedding", act=X, comm=recv, kind="F", group="embedding")
+        for i, layer in enumerate(self.layers):
+            if self.recompute == "full" and i == 0 and not self.first:
+                cur["comm"], recv = X, 0                  # the first block caches the receive buffer itself
+            else:
+                cur["activations"] += pc["K"]
+            self.emit(f"F{j} h.{layer}", act=X, comm=recv, kind="F", group=f"h.{layer}")
+        if self.last:
+            cur["activations"] += pc["H"]
+            self.emit(f"F{j} head", act=X, comm=recv, kind="F", group="head")
+        else:
+            self.sends += X                               # the output, held by its Isend until the step's end
+
+    def backward(self, j):
+        pc, X, part = self.pc, self.pc["X"], self.pc["partial"]
+        recv = 0 if self.last else X                      # this action's input: the receive buffer
+        groups = (["head"] if self.last else []) + [f"h.{layer}" for layer in reversed(self.layers)] + \
+            (["embedding"] if self.first else [])
+        for g in groups:
+            kind = "h" if g.startswith("h.") else g
+            if kind == "h" and self.recompute != "none":  # the probe's point after recomputation
+                incoming = 0 if (g == groups[0] and not self.last) else X     # dx in: the receive buffer, or X
+                self.emit(f"B{j} {g} recomputed", act=incoming, comm=recv, grads=part.get("h", 0), rec=pc["R"],
+                          kind="B", group=g)
+            self.emit(f"B{j} {g}", act=X, comm=recv, grads=part.get(kind, 0), kind="B", group=g)
+            self.inflight.done(g)
+        del self.held[j]
+        if not self.first:
+            self.sends += X                               # dL/d(input), held by its Isend until the step's end
+
+
 def stage_samples(pc, layers, first, last, actions, recompute, base, inflight=None):
     """[(label, {category: bytes})] at the probe's moments for one stage running `actions` [("F"|"B", j)].
     pc: pieces(); layers: the stage's blocks; base: {category: bytes} held through the whole step (exchange,
     optimizer); inflight: a ShardedInFlight for ZeRO 2 and 3 (what their hooks hold at each moment), or None."""
-    X, samples = pc["X"], []
-    held, sends = {}, 0                                   # j -> {"activations", "comm"} caches; bytes sent
-
-    def emit(label, act=0, comm=0, grads=0, rec=0, kind=None, group=None):
-        cats = dict(base)
-        extra = inflight.at(kind, group) if inflight is not None else {}
-        cats["activations"] = cats.get("activations", 0) + act + sends + sum(h["activations"] for h in held.values())
-        cats["comm"] = cats.get("comm", 0) + comm + sum(h["comm"] for h in held.values()) + extra.get("comm", 0)
-        cats["grads"] = cats.get("grads", 0) + grads + extra.get("grads", 0)
-        cats["params"] = cats.get("params", 0) + extra.get("params", 0)
-        cats["recompute"] = cats.get("recompute", 0) + rec
-        samples.append((label, cats))
-
-    def backward_done(group):
-        if inflight is not None:
-            inflight.done(group)
-
-    emit("start")
+    inflight = inflight or NothingInFlight()
+    walk = StageWalk(pc, layers, first, last, recompute, base, inflight)
+    walk.emit("start")
     for kind, j in actions:
-        recv = X if (kind == "F" and not first) or (kind == "B" and not last) else 0   # this action's input
-        if kind == "F":
-            cur = held[j] = {"activations": 0, "comm": 0}
-            if first:
-                cur["activations"] += pc["E"]
-                emit(f"F{j} embedding", act=X, comm=recv, kind="F", group="embedding")
-            for i, layer in enumerate(layers):
-                if recompute == "full" and i == 0 and not first:
-                    cur["comm"], recv = X, 0               # the first block caches the receive buffer itself
-                else:
-                    cur["activations"] += pc["K"]
-                emit(f"F{j} h.{layer}", act=X, comm=recv, kind="F", group=f"h.{layer}")
-            if last:
-                cur["activations"] += pc["H"]
-                emit(f"F{j} head", act=X, comm=recv, kind="F", group="head")
-            else:
-                sends += X                                # the output, held by its Isend until the step's end
-            continue
-        part = pc["partial"]
-        if last:
-            emit(f"B{j} head", act=X, grads=part.get("head", 0), kind="B", group="head")
-            backward_done("head")
-        for i in reversed(range(len(layers))):
-            g = f"h.{layers[i]}"
-            incoming = 0 if (i == len(layers) - 1 and not last) else X     # dx in: the receive buffer itself, or X
-            if recompute != "none":                       # the probe's point after recomputation
-                emit(f"B{j} {g} recomputed", act=incoming, comm=recv, grads=part.get("h", 0), rec=pc["R"],
-                     kind="B", group=g)
-            emit(f"B{j} {g}", act=X, comm=recv, grads=part.get("h", 0), kind="B", group=g)
-            backward_done(g)
-        if first:
-            emit(f"B{j} embedding", act=X, grads=part.get("embedding", 0), comm=recv, kind="B", group="embedding")
-            backward_done("embedding")
-        del held[j]
-        if not first:
-            sends += X                                    # dL/d(input), held by its Isend until the step's end
-    sends = 0
-    if inflight is not None:
-        inflight.done(None)                               # finish(): every Reduce-Scatter completed
-    emit("end")
-    return samples
+        walk.forward(j) if kind == "F" else walk.backward(j)
+    walk.sends = 0
+    inflight.done(None)                                   # finish(): every Reduce-Scatter completed
+    walk.emit("end")
+    return walk.samples
 
 
 def optimizer_formula(trainer):
@@ -157,7 +172,7 @@ def step_formula(trainer):
     cfg, tc, grid, st, ex = trainer.cfg, trainer.tc, trainer.grid, trainer.stage, trainer.exchange
     b, s = tc.batch_size // grid.dp // tc.micro_batches, trainer.dtype.itemsize
     pc = pieces(cfg, b, s, grid.tp, tc.tp_scheme, tc.recompute)
-    inflight = ShardedInFlight(ex) if hasattr(ex, "layout") else None
+    inflight = ShardedInFlight(ex) if isinstance(ex, ShardedExchange) else None
     base = ({"params": ex.param_bytes(), "grads": ex.grad_bytes(), "comm": 0} if inflight is not None
             else dict(ex.memory_formula()))
     base["optimizer"] = optimizer_formula(trainer)

@@ -26,11 +26,11 @@ Parameters keep their serial names; a shard's shape shows its split, e.g. h.0.at
 """
 import math
 from collections import namedtuple
-from contextlib import ExitStack, contextmanager, nullcontext
 
 from . import serial
 from .backend import array_module
 from .errors import ConfigError
+from .hooks import NO_HOOKS
 from .ops import (attention_backward, attention_forward, gelu_backward, gelu_forward, layernorm_backward,
                   layernorm_forward, linear_backward, linear_forward, qkv_backward, qkv_forward)
 from .tp_layers import (vocab_cross_entropy_backward, vocab_cross_entropy_forward, vocab_lookup_backward,
@@ -111,52 +111,6 @@ def init_params(cfg, comm, seed=0, dtype="float32", device=None, scheme="megatro
 
 RECOMPUTE = ("none", "selective", "full")
 
-
-class Hooks:
-    """What runs around each gradient group's forward and backward in a stage (stage_forward, stage_backward):
-    here nothing. Two subclasses do something: ZeRO 2 and 3 allocate a group's gradient bucket on entry and
-    Reduce-Scatter and free it on exit, and ZeRO-3 also All-Gathers the group's parameters into `params` on entry
-    and frees them on exit (hsgd.sharded); the memory probe samples the bytes held on exit (hsgd.memtrace).
-    Groups are "embedding", "h.{i}", "head"."""
-
-    def forward(self, group):
-        return nullcontext()
-
-    def backward(self, group):
-        return nullcontext()
-
-    def point(self, group, what):
-        """A moment worth seeing inside a group's backward: "recomputed" (the recomputation's arrays are all
-        alive). Nothing here; the memory probe samples."""
-
-
-NO_HOOKS = Hooks()
-
-
-class ChainedHooks(Hooks):
-    """Several Hooks around each group, the first outermost (ZeRO-3's gather, then the memory probe's sample, so
-    that the probe sees the gathered parameters)."""
-
-    def __init__(self, chain):
-        self.chain = chain
-
-    def forward(self, group):
-        return _nested([h.forward(group) for h in self.chain])
-
-    def backward(self, group):
-        return _nested([h.backward(group) for h in self.chain])
-
-    def point(self, group, what):
-        for h in self.chain:
-            h.point(group, what)
-
-
-@contextmanager
-def _nested(contexts):
-    with ExitStack() as stack:
-        for c in contexts:
-            stack.enter_context(c)
-        yield
 
 # what a stage's forward keeps for its backward: the parameters dict (ZeRO-3 fills it group by group), the model
 # config, the embedding's cache (first stage), [(i, block i's cache)], the head's cache (last stage)

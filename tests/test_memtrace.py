@@ -52,17 +52,10 @@ def traced(recompute):
     tc = TrainConfig(steps=2, batch_size=4, lr=0.05, momentum=0.9, dtype="float64", seed=3, recompute=recompute)
     tc.validate()
     tc.resolve_layout(1)
-    probe = memtrace.MemoryProbe()
-    probe.start()
-    try:
-        grid = ProcessGrid(MPI.COMM_WORLD.Split(MPI.COMM_WORLD.Get_rank(), 0))
-        trainer = HybridTrainer(CFG, grid, tc)
-        trainer.step(*CORPUS.batch(tc.seed, 1, tc.batch_size), 1)
-        batch = CORPUS.batch(tc.seed, 2, tc.batch_size)
-        memtrace.traced_step(trainer, probe, lambda: trainer.step(*batch, 2))
-    finally:
-        probe.stop()
-    return probe.result(), step_memory.step_formula(trainer)
+    grid = ProcessGrid(MPI.COMM_WORLD.Split(MPI.COMM_WORLD.Get_rank(), 0))
+    result, trainer = memtrace.measure_step(lambda: HybridTrainer(CFG, grid, tc),
+                                            lambda step: CORPUS.batch(tc.seed, step, tc.batch_size))
+    return result, step_memory.step_formula(trainer)
 
 
 @pytest.mark.parametrize("recompute", tp_model.RECOMPUTE)

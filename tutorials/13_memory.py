@@ -64,7 +64,7 @@
 # group g.
 
 # %%
-from hsgd import ModelConfig, memtrace, serial, step_memory, tp_model   # hsgd first: OpenBLAS's thread timeout
+from hsgd import ModelConfig, hooks, memtrace, serial, step_memory, tp_model   # hsgd first: OpenBLAS's thread timeout
 
 from contextlib import contextmanager
 
@@ -204,8 +204,8 @@ say(f"parameters of my shard {fmt_bytes(S * phi)}; one micro-batch's activations
 #
 # * the bytes on every communicator (`grid.stats`), to compare with `hsgd.report.step_formula`;
 # * the exchange's buffers at the moments hsgd's memory probe samples, the exit of every gradient group's forward
-#   and backward: `ExchangeMeter` below, the chapter's own helper, a `tp_model.Hooks` chained after the exchange's
-#   own hooks (`tp_model.ChainedHooks`), that adds up the distinct arrays the exchange holds at that moment:
+#   and backward: `ExchangeMeter` below, the chapter's own helper, a `hooks.Hooks` chained after the exchange's
+#   own hooks (`hooks.ChainedHooks`), that adds up the distinct arrays the exchange holds at that moment:
 #   parameters (the flat buffer, ZeRO's chunks, ZeRO-3's gathered layer), gradients (the buffer, the owned chunk,
 #   the layer buckets alive, those whose Reduce-Scatter is still in flight) and communication buffers. It reads
 #   the exchange's attributes, so it costs nothing and runs for all 13; it sees nothing outside the exchange;
@@ -237,7 +237,7 @@ def owner(a):
     return a
 
 
-class ExchangeMeter(tp_model.Hooks):
+class ExchangeMeter(hooks.Hooks):
     """The chapter's meter: at the exit of every group's forward and backward, {kind: bytes} of the distinct arrays
     the gradient exchange holds (each owner counted once, under the first kind it is met as)."""
 
@@ -312,7 +312,7 @@ def run(name, kw):
     tr.step(*corpus.batch(SEED, 1, B), 1)
     ex, meter = tr.exchange, ExchangeMeter(tr.exchange)
     own = ex.hooks                                                     # ZeRO 2 and 3: ShardHooks, else None
-    ex.hooks = meter if own is None else tp_model.ChainedHooks([own, meter])   # the meter inside the exchange's
+    ex.hooks = meter if own is None else hooks.ChainedHooks([own, meter])   # the meter inside the exchange's
     before = g.stats.counts()
     batch = corpus.batch(SEED, 2, B)                                   # (idx, targets): alive through the step
     step2 = lambda: tr.step(*batch, 2)
@@ -1004,10 +1004,10 @@ for g in grids.values():
 # (solution: `tutorials/solutions/13_memory.py`, `exercise_1`)
 #
 # ### Exercise 2: ZeRO-3 with a prefetch
-# hsgd's ZeRO-3 gathers each layer when it is needed, so the gather is exposed. Write a `tp_model.Hooks` that
+# hsgd's ZeRO-3 gathers each layer when it is needed, so the gather is exposed. Write a `hooks.Hooks` that
 # prefetches instead: on entering a group's forward (and backward) it also gathers the next group's parameters, and
 # frees each group after its use. Predict the peak of the parameters (the chunks plus the two largest consecutive
-# gathered groups), measure it at every group's exit with a `tp_model.Hooks` that adds up the exchange's parameter
+# gathered groups), measure it at every group's exit with a `hooks.Hooks` that adds up the exchange's parameter
 # arrays as `ExchangeMeter` does, compare it with `step_memory.step_formula`'s peak without the prefetch, and check
 # that the trained parameters still equal serial AdamW's and that the bytes moved did not change.
 # (solution: `tutorials/solutions/13_memory.py`, `exercise_2`)

@@ -41,17 +41,10 @@ def measure(tp, pp, zero, recompute, scheme="megatron", m=1, sched="1f1b", cfg=C
                      recompute=recompute, tp_scheme=scheme, micro_batches=m, schedule=sched)
     tc.validate()
     tc.resolve_layout(WORLD.Get_size())
-    probe = memtrace.MemoryProbe()
-    probe.start()
-    try:
-        grid = ProcessGrid(WORLD, dp=tc.dp, pp=tc.pp, tp=tc.tp)
-        trainer = HybridTrainer(cfg, grid, tc)
-        trainer.step(*CORPUS.batch(tc.seed, 1, tc.batch_size), 1)
-        batch = CORPUS.batch(tc.seed, 2, tc.batch_size)
-        memtrace.traced_step(trainer, probe, lambda: trainer.step(*batch, 2))
-    finally:
-        probe.stop()
-    out = probe.result(), step_memory.step_formula(trainer), trainer.exchange.size * 8, grid
+    grid = ProcessGrid(WORLD, dp=tc.dp, pp=tc.pp, tp=tc.tp)
+    result, trainer = memtrace.measure_step(lambda: HybridTrainer(cfg, grid, tc),
+                                            lambda step: CORPUS.batch(tc.seed, step, tc.batch_size))
+    out = result, step_memory.step_formula(trainer), trainer.exchange.size * 8, grid
     trainer.free()
     grid.free()
     return out

@@ -11,7 +11,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # tutorials/: checks, pictures
-from hsgd import ModelConfig, serial, step_memory, tp_model  # noqa: E402  (hsgd before NumPy: OpenBLAS)
+from hsgd import ModelConfig, hooks, serial, step_memory, tp_model  # noqa: E402  (hsgd before NumPy: OpenBLAS)
 
 from contextlib import contextmanager  # noqa: E402
 
@@ -136,7 +136,7 @@ def exercise_2(check):
             self.ex.start_reduce_scatter(group)
             self.ex.free_group(group)
 
-    class ParamMeter(tp_model.Hooks):
+    class ParamMeter(hooks.Hooks):
         """Bytes of parameters the exchange holds at each group's exit, its chunks and the gathered groups, as the
         chapter's ExchangeMeter counts them (hsgd's memory probe measures the same, at ten times the cost)."""
 
@@ -165,7 +165,7 @@ def exercise_2(check):
     grid = ProcessGrid(world, dp=4, tp=2)
     tr = HybridTrainer(cfg, grid, tc)
     ex = tr.exchange
-    ex.hooks = hooks = PrefetchHooks(ex)
+    ex.hooks = prefetch = PrefetchHooks(ex)
     meter = ParamMeter(ex)
     tr.probe = meter                                             # inside the prefetch's hooks: sees both groups
     tr.step(*corpus.batch(SEED, 1, B), 1)
@@ -173,7 +173,7 @@ def exercise_2(check):
     tr.step(*corpus.batch(SEED, 2, B), 2)
     measured = grid.stats.since(before)
     peak = meter.peak
-    cs = [ex.layout[g].c for g in hooks.fwd]
+    cs = [ex.layout[g].c for g in prefetch.fwd]
     predicted = ex.master_.nbytes + S * ex.n * max(x + y for x, y in zip(cs, cs[1:]))
     plain = step_memory.step_formula(tr)["peak"]["params"]       # without the prefetch: one group at a time
     check.say(f"  parameters at the peak: prefetch {peak:,} B (predicted {predicted:,}), without {plain:,} "
@@ -181,7 +181,7 @@ def exercise_2(check):
     check.equal("prefetch: measured parameter peak == chunks + two consecutive groups", peak, predicted)
     check.equal("without: step_memory.step_formula's == chunks + the largest group", plain,
                 ex.master_.nbytes + S * ex.n * max(cs))
-    check.equal("prefetch: 2 gathers per group and step, as without", hooks.gathers, 2 * 2 * len(cs))
+    check.equal("prefetch: 2 gathers per group and step, as without", prefetch.gathers, 2 * 2 * len(cs))
     check.equal("prefetch: step 2's bytes == report.step_formula (unchanged)", measured, step_formula(cfg, tc, tr))
     check("prefetch: parameters after 2 steps vs serial AdamW", shard_err(ex.full_params(), serial_params(tc), grid),
           1e-10)
