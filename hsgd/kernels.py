@@ -55,14 +55,25 @@ def linear_forward(x, W, b=None):
 
 
 def linear_backward(dy, cache, dW, db=None):
-    """dx = dy W^T;  dW += x^T dy;  db += sum_rows dy (layers.linear_backward)."""
+    """dx = dy W^T;  dW += x^T dy;  db += sum_rows dy (layers.linear_backward): the two halves below."""
+    linear_weight_grad(dy, cache, dW, db)
+    return linear_input_grad(dy, cache)
+
+
+def linear_input_grad(dy, cache):
+    """dx = dy W^T (the "B" half of linear_backward: what the layer below needs)."""
     x2, W = cache
+    dx = dy.reshape(-1, dy.shape[-1]) @ W.T                   # (N, Cin)
+    return dx.reshape(*dy.shape[:-1], W.shape[0])
+
+
+def linear_weight_grad(dy, cache, dW, db=None):
+    """dW += x^T dy;  db += sum_rows dy (the "W" half: nothing below waits for it)."""
+    x2, _ = cache
     dy2 = dy.reshape(-1, dy.shape[-1])                        # (N, Cout)
     dW += x2.T @ dy2                                          # (Cin, Cout)
     if db is not None:
         db += dy2.sum(axis=0)                                 # (Cout,)
-    dx = dy2 @ W.T                                            # (N, Cin)
-    return dx.reshape(*dy.shape[:-1], W.shape[0])
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -82,9 +93,22 @@ def qkv_forward(x, Wq, bq, Wk, bk, Wv, bv):
 
 def qkv_backward(dqkv, cache, dWq, dbq, dWk, dbk, dWv, dbv):
     """The adjoint of qkv_forward: dx = [dq dk dv] [Wq Wk Wv]^T, one GEMM for dx and one for the three dW.
-    dqkv: (B, T, 3C'), [dq | dk | dv] side by side (attention_backward's buffer)."""
+    dqkv: (B, T, 3C'), [dq | dk | dv] side by side (attention_backward's buffer). The two halves below."""
+    qkv_weight_grad(dqkv, cache, dWq, dbq, dWk, dbk, dWv, dbv)
+    return qkv_input_grad(dqkv, cache)
+
+
+def qkv_input_grad(dqkv, cache):
+    """dx = [dq dk dv] [Wq Wk Wv]^T (N, C): one GEMM."""
     x2, (Wq, Wk, Wv) = cache
     W = array_module(x2).concatenate((Wq, Wk, Wv), axis=1)              # (C, 3C') again, rather than cached
+    dx = dqkv.reshape(-1, W.shape[1]) @ W.T                             # (N, C)
+    return dx.reshape(*dqkv.shape[:-1], W.shape[0])
+
+
+def qkv_weight_grad(dqkv, cache, dWq, dbq, dWk, dbk, dWv, dbv):
+    """[dWq dWk dWv] += x^T [dq dk dv] as one GEMM (C, 3C'), and the three biases' row sums."""
+    x2, _ = cache
     c = dqkv.shape[-1] // 3
     dy = dqkv.reshape(-1, 3 * c)                                        # (N, 3C')
     dW = x2.T @ dy                                                      # (C, 3C')
@@ -92,8 +116,6 @@ def qkv_backward(dqkv, cache, dWq, dbq, dWk, dbk, dWv, dbv):
     for i, (gw, gb) in enumerate(((dWq, dbq), (dWk, dbk), (dWv, dbv))):
         gw += dW[:, i * c:(i + 1) * c]
         gb += db[i * c:(i + 1) * c]
-    dx = dy @ W.T                                                       # (N, C)
-    return dx.reshape(*dqkv.shape[:-1], W.shape[0])
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -56,13 +56,26 @@ def linear_forward(x, W, b=None):
 
 def linear_backward(dy, cache, dW, db=None):
     """From y[n, j] = sum_i x[n, i] W[i, j] + b[j]:
-        dW += x^T dy  (dW[i, j] = sum_n x[n, i] dy[n, j]);  db += sum_n dy[n];  dx = dy W^T."""
+        dW += x^T dy  (dW[i, j] = sum_n x[n, i] dy[n, j]);  db += sum_n dy[n];  dx = dy W^T.
+    Its two halves: linear_weight_grad (dW, db) and linear_input_grad (dx), which a zero-bubble pipeline runs at
+    different times (hsgd.schedules)."""
+    linear_weight_grad(dy, cache, dW, db)
+    return linear_input_grad(dy, cache)
+
+
+def linear_input_grad(dy, cache):
+    """dx = dy W^T (..., Cin)."""
     x2, W = cache                                             # (N, Cin), (Cin, Cout)
+    return (dy.reshape(-1, dy.shape[-1]) @ W.T).reshape(*dy.shape[:-1], W.shape[0])
+
+
+def linear_weight_grad(dy, cache, dW, db=None):
+    """dW += x^T dy;  db += sum_n dy[n]."""
+    x2, _ = cache
     dy2 = dy.reshape(-1, dy.shape[-1])                        # (N, Cout)
     dW += x2.T @ dy2                                          # (Cin, Cout)
     if db is not None:
         db += dy2.sum(axis=0)                                 # (Cout,)
-    return (dy2 @ W.T).reshape(*dy.shape[:-1], W.shape[0])    # (..., Cin)
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -31,8 +31,10 @@ from . import serial
 from .backend import array_module
 from .errors import ConfigError
 from .hooks import NO_HOOKS
+from .wgrad import WeightGrads
 from .ops import (attention_backward, attention_forward, gelu_backward, gelu_forward, layernorm_backward,
-                  layernorm_forward, linear_backward, linear_forward, qkv_backward, qkv_forward)
+                  layernorm_forward, linear_forward, linear_input_grad, linear_weight_grad, qkv_forward,
+                  qkv_input_grad, qkv_weight_grad)
 from .tp_layers import (vocab_cross_entropy_backward, vocab_cross_entropy_forward, vocab_lookup_backward,
                         vocab_lookup_forward, vocab_range)
 from .tp_schemes import SCHEMES, make_scheme  # noqa: F401  (SCHEMES: the names, for the CLI and the tests)
@@ -163,9 +165,11 @@ def recompute_attention(q, k, v, nh):
     return attention_forward(q, k, v, nh)[1]
 
 
-def block_backward(dx, cache, grads, h, comm, S, p, cfg, hooks=NO_HOOKS):
+def block_backward(dx, cache, grads, h, comm, S, p, cfg, hooks=NO_HOOKS, wg=None):
     """block_forward read from the bottom up; every collective is the adjoint of one in the forward pass.
-    dx: (B, T~, C); p: the parameters (the weights the caches dropped)."""
+    dx: (B, T~, C); p: the parameters (the weights the caches dropped); wg: where the weight-gradient products
+    go (WeightGrads; default: done at once into grads)."""
+    wg = wg or WeightGrads(grads)
     recomputed = isinstance(cache[0], str)                               # ("full", x)
     if recomputed:
         cache = recompute_block(cache[1], p, h, cfg, comm, S)            # the forward again, collectives too
@@ -176,34 +180,34 @@ def block_backward(dx, cache, grads, h, comm, S, p, cfg, hooks=NO_HOOKS):
     elif recomputed:
         hooks.point(h[:-1], "recomputed")
     W = lambda name: p[h + name]                                         # a weight the cache dropped
-    dgl = S.proj_backward(dx, (*c_mproj, W("mlp.proj.weight")), grads[h + "mlp.proj.weight"],
-                          grads[h + "mlp.proj.bias"], comm)              # (B, T, F/tp)
+    dgl = S.proj_backward(dx, (*c_mproj, W("mlp.proj.weight")), grads, h + "mlp.proj.", comm, wg)  # (B, T, F/tp)
     du = gelu_backward(dgl, c_gelu)                                      # (B, T, F/tp)
     m_in = S.enter_forward(m, comm)                                      # (B, T, C) again: identity | All-Gather
-    dm_in = columns_backward(m_in, [du], [(m, W("mlp.fc.weight"))],
-                             [(grads[h + "mlp.fc.weight"], grads[h + "mlp.fc.bias"])])          # (B, T, C) partial
+    dm_in = columns_backward(m_in, [du], [W("mlp.fc.weight")], [(h + "mlp.fc.weight", h + "mlp.fc.bias")], wg)
     dm = S.enter_backward(dm_in, comm)                                   # (B, T~, C) f^T: Allreduce | Reduce-Scatter
     dx = dx + layernorm_backward(dm, (*c_ln2, W("ln2.weight")), grads[h + "ln2.weight"], grads[h + "ln2.bias"])
-    dy = S.proj_backward(dx, (*c_proj, W("attn.proj.weight")), grads[h + "attn.proj.weight"],
-                         grads[h + "attn.proj.bias"], comm)              # (B, T, C/tp)
+    dy = S.proj_backward(dx, (*c_proj, W("attn.proj.weight")), grads, h + "attn.proj.", comm, wg)  # (B, T, C/tp)
     dqkv = array_module(dy).empty_like(dy, shape=(*dy.shape[:-1], 3 * dy.shape[-1]))   # (B, T, 3C/tp)
     attention_backward(dy, c_att, out=dqkv)                              # [dq | dk | dv] side by side
     a_in = S.enter_forward(a, comm)                                      # (B, T, C) again: identity | All-Gather
-    x2, Ws = a_in.reshape(-1, a_in.shape[-1]), tuple(W(f"attn.{n}.weight") for n in "qkv")
-    # the three linears' columns_backward as one product each for dW and dX (ops.qkv_backward)
-    da_in = qkv_backward(dqkv, (x2, Ws), *(grads[h + f"attn.{n}.{w}"] for n in "qkv" for w in ("weight", "bias")))
+    # the three linears' columns_backward as one product each for dW and dX (ops.qkv_input_grad / qkv_weight_grad)
+    c_qkv = (a_in.reshape(-1, a_in.shape[-1]), tuple(W(f"attn.{n}.weight") for n in "qkv"))
+    wg.add(qkv_weight_grad, (dqkv, c_qkv), *(h + f"attn.{n}.{w}" for n in "qkv" for w in ("weight", "bias")))
+    da_in = qkv_input_grad(dqkv, c_qkv)                                  # (B, T, C) partial
     da = S.enter_backward(da_in, comm)                                   # (B, T~, C) f^T: Allreduce | Reduce-Scatter
     return dx + layernorm_backward(da, (*c_ln1, W("ln1.weight")), grads[h + "ln1.weight"], grads[h + "ln1.bias"])
 
 
-def columns_backward(x_in, dys, caches, dparams):
-    """The column-parallel linears Y_j = X W_j + b_j that share the input X (q, k, v; fc; the LM head): dW_j += X^T
-    dY_j, db_j += sum dY_j (db_j None: no bias). x_in (B, T, C): X as entered; caches [(x, W_j)]; dparams [(dW_j,
-    db_j)]. Returns this rank's partial dX = sum_j dY_j W_j^T (B, T, C): its columns' share. No communication."""
+def columns_backward(x_in, dys, weights, names, wg):
+    """The column-parallel linears Y_j = X W_j (+ b_j) that share the input X (fc; the LM head): dW_j += X^T dY_j
+    (db_j += sum dY_j), handed to wg for the parameters names[j] = (weight, bias) or (weight,). x_in (B, T, C): X
+    as entered. Returns this rank's partial dX = sum_j dY_j W_j^T (B, T, C): its columns' share. No communication."""
     x2 = x_in.reshape(-1, x_in.shape[-1])                                # (N, C) the cache linear_forward keeps
-    dx = linear_backward(dys[0], (x2, caches[0][1]), *dparams[0])        # (B, T, C)
-    for dy, (_, W), (dW, db) in zip(dys[1:], caches[1:], dparams[1:]):
-        dx += linear_backward(dy, (x2, W), dW, db)
+    dx = None
+    for dy, W, params in zip(dys, weights, names):
+        wg.add(linear_weight_grad, (dy, (x2, W)), *params)               # dW_j += X^T dY_j, db_j
+        part = linear_input_grad(dy, (x2, W))                            # (B, T, C)
+        dx = part if dx is None else dx + part
     return dx
 
 
@@ -236,11 +240,12 @@ def head_forward(x, p, targets, start, cfg, comm, S):
     return loss, (c_lnf[:-1], xf, c_ce)                                  # (no parameter in the cache)
 
 
-def head_backward(dloss, cache, grads, comm, S, p):
+def head_backward(dloss, cache, grads, comm, S, p, wg=None):
     c_lnf, xf, c_ce = cache
     dlogits = vocab_cross_entropy_backward(dloss, c_ce)                  # (B, T, Vp) no communication
     xf_in = S.enter_forward(xf, comm)                                    # (B, T, C) again: identity | All-Gather
-    dxf_in = columns_backward(xf_in, [dlogits], [(xf, p["lm_head.weight"])], [(grads["lm_head.weight"], None)])
+    dxf_in = columns_backward(xf_in, [dlogits], [p["lm_head.weight"]], [("lm_head.weight",)],
+                              wg or WeightGrads(grads))
     dxf = S.enter_backward(dxf_in, comm)                                 # (B, T~, C) f^T: Allreduce | Reduce-Scatter
     return layernorm_backward(dxf, (*c_lnf, p["ln_f.weight"]), grads["ln_f.weight"], grads["ln_f.bias"])
 
@@ -277,27 +282,32 @@ def stage_forward(params, inp, targets, cfg, comm, scheme, layers, first, last, 
 
 
 def stage_backward(dout, caches, grads, comm, scheme="megatron", reduce_scatter=False, on_ready=None,
-                   hooks=NO_HOOKS):
+                   hooks=NO_HOOKS, wg=None):
     """stage_forward read from the bottom up. dout: dloss (a number) on the last stage, else dL/d(the stage's
     output activation) (B, T~, C) from the next stage. Returns dL/d(input activation), or None on the first stage.
 
     Each gradient group is final when on_ready(group) is called (see backward): the replicated parameters'
     gradients first go where the scheme says (sequence: partial, All-Reduced per group by finish_replicated).
-    hooks.backward(group) is entered before a group's gradients are touched and left when they are final."""
+    hooks.backward(group) is entered before a group's gradients are touched and left when they are final.
+    wg: a WeightGrads() that keeps the weight-gradient products for a later W action (then no group is final
+    here, and on_ready is not called: the caller calls it after the W); default: done at once."""
     S = make_scheme(scheme, reduce_scatter)
     params, cfg, c_emb, c_blocks, c_head = caches
-    ready = on_ready or (lambda group: None)
+    wg = wg or WeightGrads(grads)
+    ready = (on_ready if wg.grads is not None else None) or (lambda group: None)
     dx = dout                                                            # (B, T~, C) from stage s+1
     if c_head is not None:
+        wg.group = "head"
         with hooks.backward("head"):
             into, part = S.replicated_grads(grads, HEAD_REPLICATED)
-            dx = head_backward(dout, c_head, into, comm, S, params)      # (B, T~, C)
+            dx = head_backward(dout, c_head, into, comm, S, params, wg)  # (B, T~, C)
             S.finish_replicated(part, grads, comm)                       # sequence: Allreduce of partial grads
         ready("head")
     for i, c in reversed(c_blocks):
+        wg.group = f"h.{i}"
         with hooks.backward(f"h.{i}"):
             into, part = S.replicated_grads(grads, [f"h.{i}.{n}" for n in BLOCK_REPLICATED])
-            dx = block_backward(dx, c, into, f"h.{i}.", comm, S, params, cfg, hooks)   # (B, T~, C)
+            dx = block_backward(dx, c, into, f"h.{i}.", comm, S, params, cfg, hooks, wg)   # (B, T~, C)
             S.finish_replicated(part, grads, comm)                       # sequence: Allreduce of partial grads
         ready(f"h.{i}")
     if c_emb is None:

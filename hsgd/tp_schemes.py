@@ -24,9 +24,9 @@ ranks; T~ is what a rank holds between the split matmuls: T, or T/tp (sequence).
 """
 from .backend import array_module
 from .errors import ConfigError
-from .ops import linear_backward, linear_forward
+from .ops import linear_forward, linear_input_grad, linear_weight_grad
 from .tp_layers import (allgather_backward, allgather_forward, f_backward, f_forward, g_backward, g_forward,
-                        gather_T_backward, gather_T_forward, gather_linear_backward, gather_linear_forward,
+                        gather_T_backward, gather_T_forward, gather_linear_forward,
                         scatter_T_backward, scatter_T_forward)
 
 SCHEMES = ("megatron", "gather", "sequence")
@@ -89,12 +89,15 @@ class Megatron:
         o += b
         return o, cache
 
-    def proj_backward(self, do, cache, dW_part, db, comm):
+    def proj_backward(self, do, cache, grads, proj, comm, wg):
         """db += sum of dO over the rows held (sequence: a partial sum); dO = leave^T(dO) (B, T, C);
-        dB_i += Y_i^T dO; returns dY_i = dO B_i^T (B, T, Cin/tp)."""
-        db += do.reshape(-1, do.shape[-1]).sum(axis=0)                   # (C,)
+        dB_i += Y_i^T dO, handed to wg (tp_model.WeightGrads: done now, or in the W pass); returns dY_i = dO B_i^T
+        (B, T, Cin/tp). proj: the projection's name prefix, e.g. "h.0.attn.proj."; grads: where db goes."""
+        db = grads[proj + "bias"]                                        # (C,) replicated
+        db += do.reshape(-1, do.shape[-1]).sum(axis=0)
         do = self.leave_backward(do, comm)                               # (B, T, C) g^T: identity | All-Gather
-        return linear_backward(do, cache, dW_part)                       # (B, T, Cin/tp)
+        wg.add(linear_weight_grad, (do, cache), proj + "weight")         # (Cin/tp, C) dB_i += Y_i^T dO
+        return linear_input_grad(do, cache)                              # (B, T, Cin/tp)
 
     def rows(self, T, comm):
         """The positions [t0, t1) this rank holds between the split matmuls: all of them."""
@@ -159,10 +162,14 @@ class Gather(Megatron):
         y = allgather_forward(y_part, comm)                              # (B, T, Cin) Allgather of heads / columns
         return gather_linear_forward(y, W_part, b_part, comm)            # (B, T, C) Allgather of the outputs
 
-    def proj_backward(self, do, cache, dW_part, db_part, comm):
-        """dA_i, db_i from my slice of dO; dY = Allreduce of the partial dY; returns my slice dY_i (B, T, Cin/tp)."""
+    def proj_backward(self, do, cache, grads, proj, comm, wg):
+        """dA_i, db_i from my slice of dO (both split: handed to wg together); dY = Allreduce of the partial dY;
+        returns my slice dY_i (B, T, Cin/tp). (tp_layers.gather_linear_backward, its weight gradient separable.)"""
         rs = self.reduce_scatter
-        dy = gather_linear_backward(do, cache, dW_part, db_part, comm, rs)   # (B, T, Cin) Allreduce
+        do_part = allgather_backward(do, comm, replicated=True, reduce_scatter=rs)   # (B, T, C/tp) my slice
+        wg.add(linear_weight_grad, (do_part, cache), proj + "weight", proj + "bias")  # dA_i += X^T dO_i, db_i
+        dy = linear_input_grad(do_part, cache)                           # (B, T, Cin) partial: my columns' share
+        comm.Allreduce(dy)                                               # (B, T, Cin) whole dY
         return allgather_backward(dy, comm, replicated=True, reduce_scatter=rs)   # (B, T, Cin/tp) my slice
 
     def split_of(self, name):
