@@ -41,7 +41,7 @@ from .errors import UsageError
 from .manifest import check as check_manifest
 from .manifest import SCHEDULE
 from .manifest import digest as manifest_digest
-from .pp import parse_split, split_layers, stage_names
+from .pp import chunk_layers, parse_split, stage_names
 from .preflight import regular_file, writable_file
 from .runs import DEFAULT_LINE, newest, own
 from .trainer_state import optimizer_state, refuse_non_finite, set_state  # noqa: F401 (optimizer_state: API)
@@ -157,7 +157,9 @@ def build_manifest(trainer, step, t, entries, run):
     manifest = {
         "format": FORMAT, "step": step, "model": asdict(trainer.cfg),
         "layout": {"dp": grid.dp, "pp": grid.pp, "tp": grid.tp, "tp_scheme": trainer.scheme,
-                   "layers": [len(r) for r in split_layers(trainer.cfg.n_layers, grid.pp, parse_split(tc.pp_split))]},
+                   "virtual_stages": tc.virtual_stages,
+                   "layers": [len(r) for r in chunk_layers(trainer.cfg.n_layers, grid.pp, tc.virtual_stages,
+                                                           parse_split(tc.pp_split))]},
         "optimizer": {"name": tc.optimizer, "t": int(t)}, "dtype": tc.dtype,
         "data": {"next_step": step + 1, "seed": tc.seed, "corpus": tc.data or "built-in", "batch_size": tc.batch_size},
         "rng": {"seed": tc.seed, "note": "batches and initialization are pure functions of the seed (and step)"},
@@ -253,7 +255,7 @@ class Shards:
         self.m = manifest
         self.cfg = ModelConfig(**manifest["model"])
         lay = manifest["layout"]
-        self.stages = split_layers(self.cfg.n_layers, lay["pp"], lay["layers"])
+        self.pieces = chunk_layers(self.cfg.n_layers, lay["pp"], lay.get("virtual_stages", 1), lay["layers"])
         self.files = {}
 
     def _file(self, pp, tp):
@@ -264,9 +266,9 @@ class Shards:
 
     def stage_of(self, name):
         lay = self.m["layout"]
-        for s, layers in enumerate(self.stages):
-            if name in stage_names(self.cfg, layers, s == 0, s == lay["pp"] - 1):
-                return s
+        for k, layers in enumerate(self.pieces):                        # piece k: chunk k // pp of stage k % pp
+            if name in stage_names(self.cfg, layers, k == 0, k == len(self.pieces) - 1):
+                return k % lay["pp"]
         raise KeyError(name)
 
     def full(self, name, key="param"):

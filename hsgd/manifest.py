@@ -43,7 +43,7 @@ def check(m, path, error):
     ModelConfig it describes."""
     from .config import ModelConfig
     from .errors import UsageError
-    from .pp import split_layers
+    from .pp import chunk_layers
     from .tp_model import SCHEMES, check_tp
 
     def need(ok, what):
@@ -66,10 +66,11 @@ def check(m, path, error):
     lay = m["layout"]
     need(all(is_int(lay.get(k), 1) for k in ("dp", "pp", "tp")), "has a layout without positive dp, pp, tp")
     need(lay.get("tp_scheme") in SCHEMES, f"names an unknown tensor-parallel scheme {lay.get('tp_scheme')!r}")
-    layers = lay.get("layers")
+    layers, v = lay.get("layers"), lay.get("virtual_stages", 1)
     need(isinstance(layers, list) and all(is_int(x, 1) for x in layers), "has no list of layers per stage")
+    need(is_int(v, 1), f"has virtual_stages {v!r}, not a positive integer")
     try:
-        split_layers(cfg.n_layers, lay["pp"], layers)
+        chunk_layers(cfg.n_layers, lay["pp"], v, layers)
         check_tp(cfg, lay["tp"], lay["tp_scheme"])
     except UsageError as e:
         need(False, f"has a layout that does not split its model ({e})")

@@ -6,12 +6,13 @@ at once. What remains idle is the "bubble": with p stages, m micro-batches and e
 (p - 1) / (m + p - 1) of each stage's step.
 
 Stage s holds the blocks split_layers(L, pp)[s]; stage 0 also the embedding, stage p-1 the final LayerNorm, the
-LM head and the loss. Each stage is itself tensor-parallel over tp_comm (hsgd.tp_model.stage_forward/backward).
-This module holds the schedules and what can be said of them without running them (the bubble of a simulated
-timeline, a text picture, the bytes); hsgd.stage runs a stage's schedule, sending activations forward and their
-gradients back over pp_comm.
+LM head and the loss (with v chunks per stage, chunk_layers cuts pp v pieces, chunk c of stage s being piece
+c pp + s). Each stage is itself tensor-parallel over tp_comm (hsgd.tp_model.stage_forward/backward). This module
+holds the cut and the bytes on pp_comm; hsgd.schedules the schedules as lists of actions and what can be said of
+them without running them; hsgd.stage runs a stage's list, sending activations forward and their gradients back.
 
-Schedules (the order in which one stage runs its forward "F j" and backward "B j" actions):
+Schedules (the order in which one stage runs its forward "F j" and backward "B j" actions; more in
+hsgd.schedules: interleaved 1F1B and the zero-bubble ZB-H1):
     GPipe (Huang et al. 2019):
             F0 F1 ... F(m-1)  B0 B1 ... B(m-1)                     holds the activations of all m micro-batches
     1F1B (PipeDream-Flush: Narayanan et al. 2019, 2021):
@@ -21,8 +22,9 @@ Both accumulate the gradients of the micro-batches in the same order (B0, B1, ..
 numbers; they differ in memory (and, with unequal costs, in time).
 """
 from .errors import ConfigError
-
-SCHEDULES = ("1f1b", "gpipe")
+from .schedules import SCHEDULES, bubble_fraction, build, picture  # noqa: F401  (the names chapter 9 uses)
+from .schedules import peak_held as peak_in_flight  # noqa: F401
+from .schedules import simulate as simulate_actions
 
 
 def split_layers(n_layers, pp, split=None):
@@ -65,93 +67,47 @@ def stage_names(cfg, layers, first, last):
     return names
 
 
+def chunk_layers(n_layers, pp, v=1, split=None):
+    """The blocks of each of the pp v model pieces (hsgd.schedules): piece k = c pp + s is chunk c of stage s.
+    split: layers per piece (pp v numbers), default as even as possible. v = 1: split_layers."""
+    if v > 1 and pp * v > n_layers:
+        ok = [x for x in range(1, n_layers // pp + 1)]
+        raise ConfigError(f"n_layers={n_layers} cannot be cut into pp x virtual_stages = {pp} x {v} = {pp * v} "
+                          f"chunks of at least one layer; use virtual_stages in {ok} or more layers")
+    if v > 1 and split is not None and len(split) != pp * v:
+        raise ConfigError(f"pp_split={','.join(map(str, split))} must give the layers of each of the pp x "
+                          f"virtual_stages = {pp * v} chunks (chunk c of stage s is entry c*pp + s)")
+    return split_layers(n_layers, pp * v, split)
+
+
+# The schedules live in hsgd.schedules (lists of Actions, their check and simulation); the names below are the
+# short forms chapter 9 uses for one chunk per stage.
+
 def schedule(kind, m, p, s):
-    """Stage s's actions, [("F", j) or ("B", j)], for m micro-batches on p stages."""
-    if kind == "gpipe":
-        return [("F", j) for j in range(m)] + [("B", j) for j in range(m)]
-    if kind != "1f1b":
-        raise ConfigError(f"schedule={kind!r} is not known; use one of {', '.join(SCHEDULES)}")
-    warm = min(p - s - 1, m)
-    acts = [("F", j) for j in range(warm)]
-    for j in range(m - warm):
-        acts += [("F", warm + j), ("B", j)]
-    return acts + [("B", j) for j in range(m - warm, m)]
-
-
-def peak_in_flight(actions):
-    """The most micro-batches whose activations a stage holds at once (forwarded, not yet backwarded)."""
-    live = peak = 0
-    for kind, _ in actions:
-        live += 1 if kind == "F" else -1
-        peak = max(peak, live)
-    return peak
+    """Stage s's actions for m micro-batches on p stages (one chunk per stage)."""
+    return build(kind, m, p)[s]
 
 
 def simulate(kind, m, p, f_cost=1.0, b_cost=2.0):
-    """Start and end times of every action of every stage when each forward costs f_cost and each backward
-    b_cost and nothing else takes time: [[(action, start, end), ...] per stage]. An action starts when the stage
-    is free and its input has arrived: F(s, j) needs F(s-1, j); B(s, j) needs B(s+1, j) (on the last stage, F(p-1, j)).
-    """
-    done, timeline, pos, free = {}, [[] for _ in range(p)], [0] * p, [0.0] * p
-    acts = [schedule(kind, m, p, s) for s in range(p)]
-    while any(pos[s] < len(acts[s]) for s in range(p)):
-        progressed = False
-        for s in range(p):
-            if pos[s] == len(acts[s]):
-                continue
-            a, j = acts[s][pos[s]]
-            dep = (("F", s - 1, j) if s > 0 else None) if a == "F" else \
-                (("B", s + 1, j) if s < p - 1 else ("F", s, j))
-            if dep is not None and dep not in done:
-                continue
-            start = max(free[s], done[dep] if dep else 0.0)
-            end = start + (f_cost if a == "F" else b_cost)
-            done[(a, s, j)], free[s] = end, end
-            timeline[s].append((f"{a}{j}", start, end))
-            pos[s] += 1
-            progressed = True
-        if not progressed:
-            raise RuntimeError("the schedule has a cycle")                 # cannot happen for GPipe / 1F1B
-    return timeline
-
-
-def bubble_fraction(timeline):
-    """Idle fraction of the stages over the span of the step: 1 - (busy time) / (stages x makespan)."""
-    end = max(e for stage in timeline for _, _, e in stage)
-    start = min(s for stage in timeline for _, s, _ in stage)
-    busy = sum(e - s for stage in timeline for _, s, e in stage)
-    return 1.0 - busy / (len(timeline) * (end - start))
-
-
-def picture(timeline, width=96):
-    """A text picture of a timeline (one row per stage): each action drawn over its duration, '.' when idle."""
-    t0 = min(s for stage in timeline for _, s, _ in stage)
-    t1 = max(e for stage in timeline for _, _, e in stage)
-    scale = width / (t1 - t0)
-    rows = []
-    for s, stage in enumerate(timeline):
-        row = ["."] * width
-        for name, a, b in stage:
-            lo, hi = int((a - t0) * scale), max(int((a - t0) * scale) + 1, int((b - t0) * scale))
-            label = (name + "-" * width)[:hi - lo] if hi - lo >= len(name) else name[0] * (hi - lo)
-            row[lo:hi] = list(label)
-        rows.append(f"stage {s} |{''.join(row)}|")
-    return "\n".join(rows)
+    """[[(action, start, end)] per stage] of schedule `kind` when each forward costs f_cost and each (fused)
+    backward b_cost (schedules.simulate)."""
+    return simulate_actions(build(kind, m, p), m, costs=(f_cost, b_cost, 0.0))
 
 
 def ideal_bubble(m, p):
     return (p - 1) / (m + p - 1)
 
 
-def pp_formula(batch_per_mb, cfg, m, first, last, itemsize, scheme="megatron", tp=1):
-    """{(comm, op): (calls, bytes)} of one step on pp_comm for one stage: an activation out and a gradient in per
-    micro-batch towards the next stage, a gradient out and an activation in towards the previous one. A message
-    is one activation (tp_model.stage_activation_shape): (B/m, T, C), or the T-shard (B/m, T/tp, C) of the
-    sequence scheme."""
+def pp_formula(batch_per_mb, cfg, m, first, last, itemsize, scheme="megatron", tp=1, v=1):
+    """{(comm, op): (calls, bytes)} of one step on pp_comm for one stage: per micro-batch and chunk, an activation
+    out and a gradient in towards the next piece (unless the chunk is the model's last piece: `last`), a gradient
+    out and an activation in towards the previous one (unless it is the first: `first`), so m (2v - first - last)
+    messages each way; interleaving (v chunks) sends v times as often. A message is one activation
+    (tp_model.stage_activation_shape): (B/m, T, C), or the T-shard (B/m, T/tp, C) of the sequence scheme."""
     from .tp_model import stage_activation_shape
     B, T, C = stage_activation_shape(scheme, batch_per_mb, cfg, tp)
     msg = B * T * C * itemsize
-    sends = m * (not last) + m * (not first)
+    sends = m * (2 * v - first - last)
     out = {}
     if sends:
         out[("pp", "Isend")] = (sends, sends * msg)

@@ -4,7 +4,8 @@ memory per rank, the staging buffers of the GPU path, the trace and the plots. E
 from mpi4py import MPI
 
 from . import tp_model
-from .pp import bubble_fraction, ideal_bubble, peak_in_flight, picture, pp_formula, schedule, simulate
+from .pp import pp_formula
+from .schedules import FORMULA, bubble_formula, bubble_fraction, build, peak_held, picture, simulate
 
 
 def fmt_time(seconds):
@@ -30,7 +31,7 @@ def step_formula(cfg, tc, trainer):
                                                         stage=(len(st.layers), st.first, st.last),
                                                         recompute=tc.recompute).items():
             f[k] = (f.get(k, (0, 0))[0] + m * calls, f.get(k, (0, 0))[1] + m * nbytes)
-    f.update(pp_formula(per_mb, cfg, m, st.first, st.last, itemsize, tc.tp_scheme, grid.tp))
+    f.update(pp_formula(per_mb, cfg, m, st.first, st.last, itemsize, tc.tp_scheme, grid.tp, st.v))
     f.update(trainer.exchange.formula())
     return f
 
@@ -43,14 +44,15 @@ def report_pipeline(world, grid, tc, trainer, say):
     if not stages:
         return
     timeline = [t for _, t, _ in stages]
-    m, p = tc.micro_batches, grid.pp
-    ideal = simulate(tc.schedule, m, p)
-    say(f"pipeline schedule of the last step, measured ({tc.schedule}, m={m}, p={p}; F = forward, B = backward of "
-        "micro-batch j):\n" + picture(timeline))
+    m, p, v = tc.micro_batches, grid.pp, st.v
+    acts = build(tc.schedule, m, p, v)
+    ideal, closed = simulate(acts, m, v), bubble_formula(tc.schedule, m, p, v)
+    say(f"pipeline schedule of the last step, measured ({tc.schedule}, m={m}, p={p}" + (f", v={v}" if v > 1 else "")
+        + "; F forward, B backward, W weight gradients of micro-batch j[.chunk]):\n" + picture(timeline))
     say(f"bubble fraction: measured {bubble_fraction(timeline):.3f} | equal-cost model {bubble_fraction(ideal):.3f} "
-        f"| (p-1)/(m+p-1) = {ideal_bubble(m, p):.3f}")
+        f"| {FORMULA[tc.schedule]} = " + (f"{closed:.3f}" if closed is not None else "n/a (m < p)"))
     say("micro-batches held at once per stage: measured " + str([h for _, _, h in stages]) + " | schedule "
-        + str([peak_in_flight(schedule(tc.schedule, m, p, s)) for s in range(p)]))
+        + str([peak_held(a) for a in acts]))
 
 
 def report_comm(world, grid, measured_step, per_step, formula, say):

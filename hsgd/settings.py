@@ -31,7 +31,8 @@ from .config import ModelConfig, check_nonnegative_int, check_positive_int, flag
 from .dp import check_batch
 from .errors import ConfigError
 from .grid import check_sizes
-from .pp import parse_split, split_layers
+from .pp import chunk_layers, parse_split
+from .schedules import SCHEDULES, build
 from .config_file import read_toml
 
 FAULTS = ("raise", "kill", "kill-in-save", "nan", "diverge")        # the KINDs of --inject-fault
@@ -48,8 +49,14 @@ class Layout:
                    shown="ranks / (pp * tp)")
     pp: int = flag(1, "pipeline stages, each holding consecutive Transformer blocks")
     pp_split: str = flag(None, "layers per pipeline stage, e.g. 3,1", shown="as even as possible", metavar="N,N,...")
-    schedule: str = flag("1f1b", "pipeline schedule: 1f1b = PipeDream-Flush, one forward then one backward in the "
-                                 "steady state; gpipe = all forwards, then all backwards", choices=("1f1b", "gpipe"))
+    schedule: str = flag("1f1b", "pipeline schedule (python -m hsgd.schedule draws them)\n"
+                         "1f1b: PipeDream-Flush, one forward then one backward in the steady state\n"
+                         "gpipe: all forwards, then all backwards\n"
+                         "interleaved: 1F1B over --virtual-stages chunks per stage (Megatron-LM's order)\n"
+                         "zb-h1: zero-bubble H1, each backward split into B (input gradient) and W (weight "
+                         "gradients), the W's filling the bubble", choices=SCHEDULES)
+    virtual_stages: int = flag(1, "model chunks per pipeline stage (--schedule interleaved): the layers are cut "
+                                  "into pp x v chunks, chunk c of stage s being chunk c*pp + s of the model")
     micro_batches: int = flag(1, "micro-batches per DP group and step: the pipeline's m; gradient accumulation when "
                                  "pp = 1")
     tp_scheme: str = flag("megatron", "tensor-parallel scheme\n"
@@ -64,8 +71,9 @@ class Layout:
                 check_positive_int(name, getattr(self, name))
         check_positive_int("pp", self.pp)
         check_positive_int("micro_batches", self.micro_batches)
-        if self.schedule not in ("1f1b", "gpipe"):
-            raise ConfigError(f"schedule={self.schedule!r} is not known; use 1f1b or gpipe")
+        check_positive_int("virtual_stages", self.virtual_stages)
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"schedule={self.schedule!r} is not known; use one of {', '.join(SCHEDULES)}")
 
     def resolve_layout(self, world_size):
         """Fill in tp and dp from the world size, then check that dp * pp * tp == world size."""
@@ -386,5 +394,19 @@ def configs_from_args(args, world_size):
     tc.check_targets(world_size, tc.steps)
     tp_model.check_tp(model, tc.tp, tc.tp_scheme)
     check_batch(tc.batch_size, tc.dp, tc.micro_batches)
-    split_layers(model.n_layers, tc.pp, parse_split(tc.pp_split))
+    chunk_layers(model.n_layers, tc.pp, tc.virtual_stages, parse_split(tc.pp_split))
+    if tc.pp > 1 or tc.virtual_stages > 1:
+        build(tc.schedule, tc.micro_batches, tc.pp, tc.virtual_stages)      # the schedule's own conditions
+    check_schedule_options(tc)
     return model, tc
+
+
+def check_schedule_options(tc):
+    """The options that do not yet combine with the schedules beyond GPipe and 1F1B (refused, with what works)."""
+    if tc.pp > 1 and tc.schedule == "zb-h1" and tc.zero >= 2:
+        raise ConfigError(f"--schedule zb-h1 with --zero {tc.zero}: ZeRO {tc.zero} reduce-scatters each layer's "
+                          "gradient when its backward ends, but zb-h1 computes the weight gradients later, in W; use "
+                          "--zero 0 or 1 with zb-h1, or another schedule with --zero 2 or 3")
+    if tc.pp > 1 and tc.memory and (tc.schedule == "zb-h1" or tc.virtual_stages > 1):
+        raise ConfigError("--memory predicts a step of one chunk per stage with fused backwards (gpipe or 1f1b); "
+                          "measure interleaved and zb-h1 schedules with python -m hsgd.schedule --run")

@@ -1,44 +1,62 @@
 """One rank's pipeline stage: its layers, its schedule of micro-batches, and the activations it sends and receives.
 
-A step of one DP group runs m micro-batches through the pp stages (hsgd.pp): stage s holds the blocks
-split_layers(L, pp)[s], the embedding on stage 0, the final LayerNorm, LM head and loss on stage pp-1, and runs its
-schedule, a list of actions ("F", j) and ("B", j). Between stages, over pp_comm (the same dp and tp coordinates):
+A step of one DP group runs m micro-batches through the pp stages: stage s holds v model chunks (hsgd.pp.
+chunk_layers; v = 1 unless the schedule is interleaved), chunk c being the model's piece k = c pp + s, the
+embedding in piece 0 and the final LayerNorm, LM head and loss in piece pp v - 1. It runs its schedule, a list of
+Actions (hsgd.schedules: F, B, W of a micro-batch and chunk), checked before the first message. Between pieces,
+over pp_comm (the same dp and tp coordinates):
 
-    forward of micro-batch j:   stage s  --activation-->        stage s+1   (Isend / Recv, tag 2j)
-    backward of micro-batch j:  stage s  <--dL/d(activation)--  stage s+1   (Isend / Recv, tag 2j+1)
+    forward of micro-batch j:   piece k   --activation-->        piece k+1, on stage (s+1) mod pp   tag 2(k m + j)
+    backward of micro-batch j:  piece k   <--dL/d(activation)--  piece k+1                          tag 2(k m + j) + 1
 
 The activation is what the tensor-parallel scheme hands from block to block: (B/m, T, C), or for the sequence
 scheme this rank's T-shard (B/m, T/tp, C) (tp_model.stage_activation_shape). Sends are non-blocking and completed
-at the end of the step; receives block. With a distinct tag per message and a schedule whose dependencies have no
-cycle, no stage waits forever.
+at the end of the step; receives block. With a distinct tag per message and a schedule that schedules.check ran to
+its end, no stage waits forever. A B whose schedule has a W for the same micro-batch and chunk keeps its weight-
+gradient products (hsgd.wgrad) for that W; otherwise it does them at once.
 
 pp = 1 is a pipeline of one stage: the whole model, nobody to send to, and the schedule F0 B0 F1 B1 ... (1F1B with
 no warm-up): plain gradient accumulation. Each micro-batch's backward starts from dloss = 1/m, so the gradients
 that accumulate (+=) are those of the mean of the micro-batches' mean losses: the gradient of the DP group's slice.
 """
 import time
+from collections import namedtuple
 
 from . import tp_model
 from .backend import get_xp, resolve_dtype, to_host
 from .hooks import NO_HOOKS
-from .pp import parse_split, schedule, split_layers, stage_names
+from .pp import chunk_layers, parse_split, stage_names
+from .schedules import build, check
 from .threads import cpu_threads, parallel_batches
 from .trace import NullTracer
+from .wgrad import WeightGrads
+
+# one model chunk of a stage: its piece k of the model, its blocks, whether it has the embedding / the head
+Chunk = namedtuple("Chunk", "k layers first last")
+SPAN = {"F": "forward", "B": "backward", "W": "weight gradients"}
 
 
 class Stage:
     def __init__(self, cfg, grid, tc):
-        """cfg: ModelConfig; grid: ProcessGrid; tc: TrainConfig (pp_split, schedule, micro_batches, tp_scheme)."""
+        """cfg: ModelConfig; grid: ProcessGrid; tc: TrainConfig (pp_split, schedule, virtual_stages, micro_batches,
+        tp_scheme, recompute)."""
         self.cfg, self.scheme, self.m = cfg, tc.tp_scheme, tc.micro_batches
         self.recompute = getattr(tc, "recompute", "none")             # what the blocks keep (tp_model.block_forward)
         self.xp, self.dtype = get_xp(tc.device), resolve_dtype(tc.dtype)   # (ZeRO-3: params may be empty here)
-        self.tp_comm, self.pp_comm, self.s = grid.tp_comm, grid.pp_comm, grid.pp_rank
-        self.layers = split_layers(cfg.n_layers, grid.pp, parse_split(tc.pp_split))[grid.pp_rank]
-        self.first, self.last = grid.pp_rank == 0, grid.pp_rank == grid.pp - 1
-        self.names = stage_names(cfg, self.layers, self.first, self.last)    # the parameters this stage holds
+        self.tp_comm, self.pp_comm, self.s, p = grid.tp_comm, grid.pp_comm, grid.pp_rank, grid.pp
+        self.v = v = getattr(tc, "virtual_stages", 1)
+        pieces = chunk_layers(cfg.n_layers, p, v, parse_split(tc.pp_split))
+        self.chunks = [Chunk(c * p + self.s, pieces[c * p + self.s], c * p + self.s == 0, c * p + self.s == p * v - 1)
+                       for c in range(v)]
+        self.layers = [i for ch in self.chunks for i in ch.layers]    # every block this stage holds
+        self.first, self.last = self.chunks[0].first, self.chunks[-1].last
+        self.names = [n for ch in self.chunks for n in stage_names(cfg, ch.layers, ch.first, ch.last)]
         # one stage has no bubble to fill: it runs F0 B0 F1 B1 ... (1F1B), which holds one micro-batch at a time
-        self.actions = schedule(tc.schedule if grid.pp > 1 else "1f1b", self.m, grid.pp, grid.pp_rank)
-        self.peak_held, self.timeline = 0, []                          # measured by the last run()
+        kind = tc.schedule if p > 1 else "1f1b"
+        everyone = build(kind, self.m, p, v if p > 1 else 1)
+        check(everyone, self.m, v if p > 1 else 1)                     # before any message: refuses a deadlock
+        self.actions = everyone[self.s]
+        self.peak_held, self.timeline, self.measure_bytes, self.peak_bytes = 0, [], False, 0
 
     def pieces(self, rows):
         """How a micro-batch of `rows` sequences is computed: in one piece (ThreadedStage: one per thread)."""
@@ -55,75 +73,134 @@ class Stage:
 
     def run(self, params, grads, mbs, on_ready=None, tracer=None, hooks=None):
         """One step of this stage: its actions on the micro-batches mbs = [(idx, targets)] (every stage has them;
-        only the first uses idx, only the last targets). The gradients of (1/m) * each micro-batch's mean loss
-        accumulate into `grads`; on_ready(group) is passed to the last backward action; hooks (hsgd.hooks.Hooks)
-        run around every group's forward and backward. Returns (1/m) * the sum of the micro-batches' losses on
-        the last stage (on the device), else 0.0. Records the micro-batches held at once (peak_held) and when
-        each action ran (timeline)."""
+        only the first piece uses idx, only the last targets). The gradients of (1/m) * each micro-batch's mean
+        loss accumulate into `grads`; on_ready(group) is called when a group is final (after the last backward,
+        or W, of its chunk); hooks (hsgd.hooks.Hooks) run around every group's forward and backward. Returns
+        (1/m) * the sum of the micro-batches' losses on the last stage (on the device), else 0.0. Records the
+        (micro-batch, chunk) pairs held at once (peak_held) and when each action ran (timeline)."""
         tracer, self.hooks = tracer or NullTracer(), hooks or NO_HOOKS
-        self.caches, self.sends, self.loss, self.live = {}, [], 0.0, 0
-        self.peak_held, self.timeline = 0, []
-        last_b = max(j for a, j in self.actions if a == "B")
-        for kind, j in self.actions:
-            inp = self.receive(kind, j, params, mbs)                   # the wait here is the bubble
+        self.caches, self.kept, self.sends, self.loss, self.live = {}, {}, [], 0.0, 0
+        self.peak_held, self.peak_bytes, self.timeline = 0, 0, []
+        split = {(a.mb, a.chunk) for a in self.actions if a.kind == "W"}
+        final = {a.chunk: i for i, a in enumerate(self.actions) if a.kind == ("W" if (a.mb, a.chunk) in split else "B")}
+        for i, a in enumerate(self.actions):
+            ready = on_ready if final[a.chunk] == i else None          # the chunk's groups are final after this
+            inp = self.receive(a, params, mbs)                         # the wait here is the bubble
             t0 = time.perf_counter()
-            with tracer.span("forward" if kind == "F" else "backward", micro_batch=j):
-                if kind == "F":
-                    self.forward(j, inp, params, mbs[j][1])
+            with tracer.span(SPAN[a.kind], micro_batch=a.mb, chunk=a.chunk):
+                if a.kind == "F":
+                    self.forward(a, inp, params, mbs[a.mb][1])
+                elif a.kind == "B":
+                    self.backward(a, inp, grads, ready, (a.mb, a.chunk) in split)
                 else:
-                    self.backward(j, inp, grads, on_ready if j == last_b else None)
-            self.timeline.append((f"{kind}{j}", t0, time.perf_counter()))
+                    self.weights(a, grads, ready)
+            self.timeline.append((a, t0, time.perf_counter()))
+            if self.measure_bytes:
+                self.peak_bytes = max(self.peak_bytes, self.bytes_held(params))
         for req, _ in self.sends:
             req.Wait()
-        self.sends, self.caches = [], {}                               # nothing held until the next step
+        self.sends, self.caches, self.kept = [], {}, {}                # nothing held until the next step
         return self.loss / self.m if self.last else 0.0
 
-    def receive(self, kind, j, params, mbs):
-        """The input of action (kind, j): the token ids, or the activation from stage s-1 (F); dloss = 1/m on the
-        last stage, or the gradient from stage s+1 (B)."""
-        if kind == "F" and self.first:
-            return self.xp.asarray(mbs[j][0])
-        if kind == "B" and self.last:
+    def receive(self, a, params, mbs):
+        """The input of action a: the token ids, or the activation from piece k-1 (F); dloss = 1/m on the last
+        piece, or the gradient from piece k+1 (B); nothing (W)."""
+        ch, p, rows = self.chunks[a.chunk], self.pp_comm.size, len(mbs[a.mb][0])
+        if a.kind == "W":
+            return None
+        if a.kind == "F" and ch.first:
+            return self.xp.asarray(mbs[a.mb][0])
+        if a.kind == "B" and ch.last:
             return 1.0 / self.m                                        # d(mean over the micro-batches)
-        if kind == "F":
-            return self.recv_activation(len(mbs[j][0]), params, source=self.s - 1, tag=2 * j)     # activation in
-        return self.recv_activation(len(mbs[j][0]), params, source=self.s + 1, tag=2 * j + 1)     # gradient in
+        if a.kind == "F":                                              # activation in, from piece k-1
+            return self.recv_activation(rows, source=(self.s - 1) % p, tag=self.tag(ch.k - 1, a.mb))
+        return self.recv_activation(rows, source=(self.s + 1) % p, tag=self.tag(ch.k, a.mb) + 1)   # gradient in
 
-    def recv_activation(self, batch, params, source, tag):
+    def tag(self, k, j):
+        """The tag of micro-batch j's activation from piece k to piece k+1 (its gradient: + 1)."""
+        return 2 * (k * self.m + j)
+
+    def recv_activation(self, batch, source, tag):
         shape = tp_model.stage_activation_shape(self.scheme, batch, self.cfg, self.tp_comm.size)
         return self.pp_comm.Recv(self.xp.empty(shape, dtype=self.dtype), source=source, tag=tag)
 
-    def forward(self, j, inp, params, targets):
-        xp = self.xp
-        out, self.caches[j] = tp_model.stage_forward(params, inp, xp.asarray(targets), self.cfg, self.tp_comm,
-                                                     self.scheme, self.layers, self.first, self.last, self.hooks,
-                                                     self.recompute)
-        if self.last:
+    def forward(self, a, inp, params, targets):
+        xp, ch = self.xp, self.chunks[a.chunk]
+        out, self.caches[a.mb, a.chunk] = tp_model.stage_forward(params, inp, xp.asarray(targets), self.cfg,
+                                                                 self.tp_comm, self.scheme, ch.layers, ch.first,
+                                                                 ch.last, self.hooks, self.recompute)
+        if ch.last:
             self.loss = self.loss + out                                # stays on the device
         else:
-            out = xp.ascontiguousarray(out)
-            self.sends.append((self.pp_comm.Isend(out, dest=self.s + 1, tag=2 * j), out))      # activation out
+            out = xp.ascontiguousarray(out)                            # activation out, to piece k+1
+            self.sends.append((self.pp_comm.Isend(out, dest=(self.s + 1) % self.pp_comm.size,
+                                                  tag=self.tag(ch.k, a.mb)), out))
         self.live += 1
         self.peak_held = max(self.peak_held, self.live)
 
-    def backward(self, j, dout, grads, on_ready):
-        dx = tp_model.stage_backward(dout, self.caches.pop(j), grads, self.tp_comm, self.scheme, on_ready=on_ready,
-                                     hooks=self.hooks)
-        if not self.first:
+    def backward(self, a, dout, grads, on_ready, split):
+        """B: dL/d(the chunk's input), sent to piece k-1; the weight-gradient products kept for the W if split."""
+        ch = self.chunks[a.chunk]
+        wg = WeightGrads() if split else None
+        dx = tp_model.stage_backward(dout, self.caches.pop((a.mb, a.chunk)), grads, self.tp_comm, self.scheme,
+                                     on_ready=on_ready, hooks=self.hooks, wg=wg)
+        if not ch.first:                                               # gradient out, to piece k-1
             dx = self.xp.ascontiguousarray(dx)
-            self.sends.append((self.pp_comm.Isend(dx, dest=self.s - 1, tag=2 * j + 1), dx))   # gradient out
+            self.sends.append((self.pp_comm.Isend(dx, dest=(self.s - 1) % self.pp_comm.size,
+                                                  tag=self.tag(ch.k - 1, a.mb) + 1), dx))
+        if split:
+            self.kept[a.mb, a.chunk] = wg
+        else:
+            self.live -= 1
+
+    def weights(self, a, grads, on_ready):
+        """W: the kept weight-gradient products of a micro-batch and chunk, group by group in backward order; the
+        chunk's groups are final after its last W (on_ready)."""
+        wg, ch = self.kept.pop((a.mb, a.chunk)), self.chunks[a.chunk]
+        for group in wg.groups():
+            wg.run(grads, group)
+        if on_ready is not None:
+            for group in tp_model.backward_order(self.cfg):
+                if group in self.groups() and self.in_chunk(group, ch):
+                    on_ready(group)
         self.live -= 1
 
+    def in_chunk(self, group, ch):
+        return (group == "embedding" and ch.first) or (group == "head" and ch.last) or \
+            (group.startswith("h.") and int(group[2:]) in ch.layers)
+
+    def bytes_held(self, params):
+        """The bytes of the activations this stage holds now: every array its caches and kept weight-gradient
+        products reach (a view counted as the array it views, once; the parameters not counted)."""
+        def root(x):                                                   # the array a view views
+            while getattr(x, "base", None) is not None and hasattr(x.base, "nbytes"):
+                x = x.base
+            return x
+        skip, seen, total = {id(root(x)) for x in params.values()}, set(), 0   # (the flat parameter buffer)
+        todo = [c[1:] for c in self.caches.values()] + [[e[2] for e in wg.later] for wg in self.kept.values()]
+        while todo:
+            x = todo.pop()
+            if isinstance(x, (tuple, list)):
+                todo.extend(x)
+            elif hasattr(x, "nbytes") and hasattr(x, "base"):
+                x = root(x)
+                if id(x) not in seen and id(x) not in skip:
+                    seen.add(id(x))
+                    total += x.nbytes
+        return total
+
     def loss_only(self, params, idx, targets, hooks=None):
-        """The mean loss of one batch, forwards only through the stages (evaluation): a float on every stage."""
-        xp = self.xp
-        inp = xp.asarray(idx) if self.first else self.recv_activation(len(idx), params, source=self.s - 1, tag=0)
-        out, _ = tp_model.stage_forward(params, inp, xp.asarray(targets), self.cfg, self.tp_comm, self.scheme,
-                                        self.layers, self.first, self.last, hooks or NO_HOOKS)
+        """The mean loss of one batch, forwards only through the pieces (evaluation): a float on every stage."""
+        xp, p, x = self.xp, self.pp_comm.size, None
+        for ch in self.chunks:
+            inp = xp.asarray(idx) if ch.first else self.recv_activation(len(idx), source=(self.s - 1) % p, tag=ch.k)
+            x, _ = tp_model.stage_forward(params, inp, xp.asarray(targets), self.cfg, self.tp_comm, self.scheme,
+                                          ch.layers, ch.first, ch.last, hooks or NO_HOOKS)
+            if not ch.last:
+                self.pp_comm.Isend(xp.ascontiguousarray(x), dest=(self.s + 1) % p, tag=ch.k + 1).Wait()
         if not self.last:
-            self.pp_comm.Isend(xp.ascontiguousarray(out), dest=self.s + 1, tag=0).Wait()       # activation out
-            return self.pp_comm.comm.bcast(None, root=self.pp_comm.size - 1)
-        return self.pp_comm.comm.bcast(float(to_host(xp.asarray(out))), root=self.pp_comm.size - 1)
+            return self.pp_comm.comm.bcast(None, root=p - 1)
+        return self.pp_comm.comm.bcast(float(to_host(xp.asarray(x))), root=p - 1)
 
 
 class ThreadedStage(Stage):

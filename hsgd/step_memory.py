@@ -35,7 +35,6 @@ peak shows them. With ZeRO 2 and 3 (hsgd.sharded) what the exchange holds is fol
 (ShardedInFlight).
 """
 from .memory import activation_formula
-from .pp import schedule
 from .sharded import ShardedExchange
 from .tp_schemes import make_scheme
 
@@ -151,7 +150,7 @@ def stage_samples(pc, layers, first, last, actions, recompute, base, inflight=No
     inflight = inflight or NothingInFlight()
     walk = StageWalk(pc, layers, first, last, recompute, base, inflight)
     walk.emit("start")
-    for kind, j in actions:
+    for kind, j, _ in actions:
         walk.forward(j) if kind == "F" else walk.backward(j)
     walk.sends = 0
     inflight.done(None)                                   # finish(): every Reduce-Scatter completed
@@ -177,7 +176,7 @@ def step_formula(trainer):
             else dict(ex.memory_formula()))
     base["optimizer"] = optimizer_formula(trainer)
     base["other"] = tc.batch_size * (cfg.seq_len + 1) * 8             # the step's token windows (B, T+1) int64
-    actions = schedule(tc.schedule if grid.pp > 1 else "1f1b", tc.micro_batches, grid.pp, grid.pp_rank)
+    actions = trainer.stage.actions                                  # (gpipe or 1f1b: one chunk, fused B)
     samples = stage_samples(pc, list(st.layers), st.first, st.last, actions, tc.recompute, base, inflight)
     cats = sorted({c for _, cs in samples for c in cs})
     totals = [sum(c.values()) for _, c in samples]

@@ -32,7 +32,8 @@ from .generate import generate, printable
 from .grid import ProcessGrid
 from .hybrid import HybridTrainer
 from .manifest import say_changes
-from .pp import ideal_bubble, parse_split, split_layers
+from .pp import chunk_layers, parse_split
+from .schedules import FORMULA, bubble_formula
 from .preflight import check_memory, check_run
 from .progress import Progress
 from .report import (fmt_bytes, fmt_time, report_comm, report_memory, report_pipeline, report_staging,  # noqa: F401
@@ -265,9 +266,13 @@ def header(run, device, threads):
         + (f" momentum={tc.momentum}" if tc.optimizer == "sgd" else "")
         + f" weight_decay={tc.weight_decay} clip={tc.clip or 'off'} | {tc.steps} steps")
     if grid.pp > 1:
-        layers = [len(r) for r in split_layers(cfg.n_layers, grid.pp, parse_split(tc.pp_split))]
-        say(f"pipeline: {grid.pp} stages with {layers} blocks, {tc.schedule}, {m} micro-batches of "
-            f"{tc.batch_size // grid.dp // m} sequences; ideal bubble (p-1)/(m+p-1) = {ideal_bubble(m, grid.pp):.3f}")
+        v = tc.virtual_stages
+        layers = [len(r) for r in chunk_layers(cfg.n_layers, grid.pp, v, parse_split(tc.pp_split))]
+        closed = bubble_formula(tc.schedule, m, grid.pp, v)
+        say(f"pipeline: {grid.pp} stages with {layers} blocks" + (f" ({v} chunks per stage, chunk c of stage s = "
+            "entry c*pp + s)" if v > 1 else "") + f", {tc.schedule}, {m} micro-batches of "
+            f"{tc.batch_size // grid.dp // m} sequences; equal-cost bubble {FORMULA[tc.schedule]} = "
+            + (f"{closed:.3f}" if closed is not None else "n/a (m < p)"))
     rank, ms = tc.straggler.split(":") if tc.straggler else (None, None)
     say(f"dp exchange: {run.trainer.exchange.describe()}"
         + (f" | straggler: rank {rank} sleeps {ms} ms per step" if tc.straggler else ""))

@@ -1,0 +1,204 @@
+"""The schedule lab: a pipeline schedule drawn, simulated and (under mpirun, with --run) executed and measured.
+
+    python -m hsgd.schedule --pp 4 --micro-batches 8 --schedule interleaved --virtual-stages 2 [--costs 1,1,1]
+                            [--plot schedule.png]
+    mpirun -n 8 python -m hsgd.schedule --pp 4 --tp 2 --micro-batches 8 --schedule zb-h1 --run
+
+Without --run nothing is communicated (no MPI is needed): the schedule's actions (hsgd.schedules), checked, are
+simulated with the relative costs of F, B and W per chunk action (--costs F,B,W; a fused backward costs B + W) and
+printed as a grid (one row per stage, one column per time slot), with the bubble (simulated, and its closed form),
+the (micro-batch, chunk) pairs and the activation bytes each stage holds at its peak, and the bytes each stage
+sends on pp_comm per step. With --run, every rank trains --steps steps of the model on the dp x pp x tp grid with
+that schedule (hsgd.stage executes the same lists), and the last step is measured: the timeline of every stage,
+the bubble as the time stages waited, the pairs and bytes held (what the caches and the kept weight-gradient
+products reach), and the bytes sent, each next to its prediction.
+
+Activation bytes per (micro-batch, chunk), b sequences per micro-batch, s bytes per element (recompute none):
+    from F to its backward: what the chunk's forward caches (hsgd.memory.activation_formula per block; the
+        embedding's and the head's caches: hsgd.step_memory.pieces E and H)
+    from a split B to its W: what the W products read, X and dY of every linear (hsgd.wgrad) per block
+        megatron, sequence: N s (4C + (4C + 2F)/tp);   gather: N s (3C + F + (5C + F)/tp) (its projections' dO are
+        the local slices, copies);   the head N s (C + Vp)
+"""
+import sys
+
+from .config import flag_names
+from .errors import ConfigError
+from .settings import GROUPS, MODEL_FLAGS, Layout, configs_from_args, flags_parser
+from .schedules import (FORMULA, bubble_formula, bubble_fraction, build, grid, held, held_bytes, idle_per_stage,
+                        picture, simulate)
+
+LAB_FLAGS = flag_names(Layout) + MODEL_FLAGS + ("batch_size", "seed", "dtype", "steps", "recompute")
+LAB_DEFAULTS = dict(pp=4, micro_batches=8, batch_size=16, steps=3, dtype="float32")
+
+
+def build_parser():
+    p = flags_parser(GROUPS, only=LAB_FLAGS, overrides=LAB_DEFAULTS, prog="python -m hsgd.schedule",
+                     description="A pipeline schedule as a grid of actions per stage, its bubble and memory, predicted "
+                                 "for the given costs; with --run under mpirun (P = dp x pp x tp ranks) also executed "
+                                 "on the model and measured next to the prediction.")
+    g = p.add_argument_group("the lab")
+    g.add_argument("--costs", default="1,1,1", metavar="F,B,W",
+                   help="relative cost of a forward, an input-gradient backward B and a weight-gradient pass W, "
+                        "per chunk action; a fused backward costs B + W (1,1,1)")
+    g.add_argument("--plot", metavar="FILE.png", help="draw the timeline(s) to this file (off)")
+    g.add_argument("--run", action="store_true", help="execute the schedule under mpirun and measure it (off)")
+    return p
+
+
+def parse_costs(text):
+    try:
+        costs = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        costs = ()
+    if len(costs) != 3 or min(costs) < 0 or costs[0] <= 0:
+        raise ConfigError(f"costs={text!r} must be three numbers F,B,W (F > 0, B and W >= 0), e.g. 1,1,1 or 1,2,0")
+    return costs
+
+
+def keep_bytes(cfg, b, s, tp, scheme, recompute, chunk):
+    """(bytes from F to the backward, bytes from a split B to its W) of one micro-batch on one chunk (see the module
+    docstring); chunk: (number of blocks, first, last)."""
+    from .step_memory import pieces
+    from .tp_schemes import make_scheme
+    n, first, last = chunk
+    pc, S, N, C, F = pieces(cfg, b, s, tp, scheme, recompute), make_scheme(scheme), b * cfg.seq_len, cfg.d_model, \
+        cfg.d_ff
+    cache = n * pc["K"] + pc["E"] * first + pc["H"] * last
+    per_block = N * s * ((3 * C + F + (5 * C + F) // tp) if S.gathers_proj_inputs else (4 * C + (4 * C + 2 * F) // tp))
+    head = N * s * (C + -(-cfg.vocab_size // tp))
+    return cache, n * per_block + head * last
+
+
+class Plan:
+    """The schedule of the flags, its simulation and its predicted quantities per stage."""
+
+    def __init__(self, cfg, tc, costs):
+        from .pp import chunk_layers, parse_split, pp_formula
+        self.cfg, self.tc, self.costs = cfg, tc, costs
+        p, m, v = tc.pp, tc.micro_batches, tc.virtual_stages
+        self.actions = build(tc.schedule, m, p, v, costs)
+        self.timeline = simulate(self.actions, m, v, costs)                 # also the static check
+        pieces = chunk_layers(cfg.n_layers, p, v, parse_split(tc.pp_split))
+        b, s = tc.batch_size // tc.dp // m, 8 if tc.dtype == "float64" else 4
+        self.held = [max(held(a)) for a in self.actions]
+        self.bytes, self.sent = [], []
+        for st in range(p):
+            chunks = [(len(pieces[c * p + st]), c * p + st == 0, c * p + st == p * v - 1) for c in range(v)]
+            kept = [keep_bytes(cfg, b, s, tc.tp, tc.tp_scheme, tc.recompute, ch) for ch in chunks]
+            self.bytes.append(held_bytes(self.actions[st], [k[0] for k in kept], [k[1] for k in kept]))
+            f = pp_formula(b, cfg, m, st == 0, st == p - 1, s, tc.tp_scheme, tc.tp, v)   # piece 0, piece pv-1
+            self.sent.append(f.get(("pp", "Isend"), (0, 0)))
+
+    def report(self, say):
+        tc, (f, b, w), p, m, v = self.tc, self.costs, self.tc.pp, self.tc.micro_batches, self.tc.virtual_stages
+        closed = bubble_formula(tc.schedule, m, p, v, self.costs)
+        say(f"hsgd.schedule | {tc.schedule}" + (f", v={v} chunks per stage" if v > 1 else "") + f" | p={p} stages, "
+            f"m={m} micro-batches | costs per chunk action F={f:g} B={b:g} W={w:g} (fused backward B+W)")
+        say(grid(self.timeline))
+        idle = idle_per_stage(self.timeline)
+        say(f"bubble: simulated {bubble_fraction(self.timeline):.4f} of the step (idle {idle:g} time units per stage) "
+            f"| closed form {FORMULA[tc.schedule]} = "
+            + (f"{closed:.4f}" if closed is not None else "n/a (m < p)"))
+        say(f"held at the peak, per stage: (micro-batch, chunk) pairs {self.held} | activation bytes "
+            f"{[human(x) for x in self.bytes]}")
+        say(f"pp_comm per stage and step: messages sent {[c for c, _ in self.sent]}, bytes "
+            f"{[human(x) for _, x in self.sent]}")
+
+
+def human(n):
+    from .report import fmt_bytes
+    return fmt_bytes(n)
+
+
+def measure(cfg, tc, plan, say, plot):
+    """--run: tc.steps steps on the grid; the last one measured against the plan. Collective."""
+    from mpi4py import MPI
+
+    from .data import Corpus
+    from .grid import ProcessGrid
+    from .hybrid import HybridTrainer
+    world = MPI.COMM_WORLD
+    corpus = Corpus.load(None, cfg.seq_len)
+    g = ProcessGrid(world, dp=tc.dp, pp=tc.pp, tp=tc.tp)
+    trainer = HybridTrainer(cfg, g, tc)
+    for step in range(1, tc.steps + 1):
+        trainer.stage.measure_bytes = step == tc.steps
+        before = g.stats.counts()
+        trainer.step(*corpus.batch(tc.seed, step, tc.batch_size), step)
+    sent = g.stats.since(before).get(("pp", "Isend"), (0, 0))
+    st = trainer.stage
+    mine = (g.pp_rank, st.timeline, st.peak_held, st.peak_bytes, sent) if g.dp_rank == 0 and g.tp_rank == 0 else None
+    rows = sorted(r for r in (world.gather(mine) or []) if r)
+    trainer.finish()
+    if world.Get_rank() == 0:
+        timeline = [r[1] for r in rows]
+        say(f"measured on {world.Get_size()} ranks (dp {tc.dp} x pp {tc.pp} x tp {tc.tp}, {tc.tp_scheme}, {tc.dtype}), "
+            f"step {tc.steps}:")
+        say(picture(timeline))
+        say(f"bubble: measured {bubble_fraction(timeline):.4f} | predicted {bubble_fraction(plan.timeline):.4f} "
+            f"(simulated with F={plan.costs[0]:g} B={plan.costs[1]:g} W={plan.costs[2]:g})")
+        say(f"held at the peak: pairs measured {[r[2] for r in rows]} | predicted {plan.held}")
+        say(f"                  activation bytes measured {[human(r[3]) for r in rows]} | predicted "
+            f"{[human(x) for x in plan.bytes]}")
+        say(f"pp_comm sent per step: measured {[r[4] for r in rows]} | formula {plan.sent}")
+        if plot:
+            draw(plot, [("predicted", plan.timeline, 1.0), ("measured", timeline, 1e-3)])
+    g.free()
+    return rows
+
+
+def draw(path, panels):
+    from .plots import _pyplot, draw_pipeline
+    plt = _pyplot()
+    fig, axes = plt.subplots(len(panels), 1, figsize=(9, 1.2 + 0.45 * len(panels[0][1]) * len(panels)),
+                             squeeze=False)
+    for ax, (title, timeline, unit) in zip(axes[:, 0], panels):
+        draw_pipeline(ax, timeline, title=title, unit=unit, xlabel="time (ms)" if unit != 1.0 else "time (cost units)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    if not args.run:
+        try:
+            costs = parse_costs(args.costs)
+            world_size = (args.dp or 1) * (args.tp or 1) * args.pp
+            cfg, tc = configs_from_args(lab_flags_removed(args), world_size)
+            plan = Plan(cfg, tc, costs)
+        except ConfigError as e:
+            print(f"hsgd.schedule: error: {e}", file=sys.stderr)
+            return 2
+        plan.report(print)
+        if args.plot:
+            draw(args.plot, [(f"{tc.schedule} (simulated)", plan.timeline, 1.0)])
+            print(f"wrote {args.plot}")
+        return 0
+    from mpi4py import MPI
+
+    from . import launch
+    world = MPI.COMM_WORLD
+    say = print if world.Get_rank() == 0 else (lambda *a: None)
+
+    def body():
+        costs = launch.agree(world, lambda: parse_costs(args.costs))
+        cfg, tc = launch.agree(world, lambda: configs_from_args(lab_flags_removed(args),
+                                                                world.Get_size()))
+        plan = Plan(cfg, tc, costs)
+        plan.report(say)
+        measure(cfg, tc, plan, say, args.plot)
+        return 0
+
+    return launch.run(body, world)
+
+
+def lab_flags_removed(args):
+    """The flags that configs_from_args reads (the lab's own removed)."""
+    import argparse
+    return argparse.Namespace(**{k: v for k, v in vars(args).items() if k not in ("costs", "plot", "run")})
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,323 @@
+"""Pipeline schedules as data: for every stage, the list of actions it runs in one step, and what can be said of
+such lists without running them (whether they can run at all, their timeline, bubble and memory).
+
+An action is Action(kind, mb, chunk):
+    F   the forward of micro-batch mb through model chunk `chunk` of this stage
+    B   its backward: dL/d(input), sent to the previous stage; and the weight gradients too ("fused"), unless the
+        schedule has a W for the same micro-batch and chunk
+    W   the weight gradients dW += X^T dY of the chunk's linear layers (hsgd.wgrad), from what B kept
+Virtual stages (Narayanan et al. 2021): with v chunks per stage the layers are cut into p v chunks; chunk c of
+stage s is the model's piece k = c p + s, so a micro-batch goes stage 0, 1, ..., p-1, then back to stage 0 for
+chunk 1, and so on (v = 1: the plain pipeline). What each action waits for (and nothing else):
+    F(k, j)  needs F(k-1, j), from stage (s-1) mod p (k = 0: the tokens)
+    B(k, j)  needs B(k+1, j), from stage (s+1) mod p (the last piece: its own F(k, j), the loss)
+    W(k, j)  needs B(k, j) (same stage)
+Messages are sent as soon as an action ends and received when the receiving action starts (hsgd.stage), so these
+are the only waits: a list of actions that `check` can run to the end in this model cannot deadlock on MPI.
+
+One builder per schedule, `build(kind, m, p, v, costs)`:
+    gpipe        all forwards, then all backwards (Huang et al. 2019)                 holds m micro-batches
+    1f1b         min(p-s-1, m) warm-up forwards, then one forward and one backward in turn, then the remaining
+                 backwards (PipeDream-Flush: Narayanan et al. 2019, 2021)            holds p-s
+    interleaved  1F1B over v chunks per stage in Megatron-LM's order: forwards go through the chunks in groups of
+                 p micro-batches (chunk 0 for micro-batches 0..p-1, chunk 1 for the same, ..., then the next
+                 p), backwards the same with the chunks reversed; warm-up 2(p-s-1) + (v-1)p forwards
+    zb-h1        1F1B's forwards and backwards with B and W split (Qi et al. 2024): a W runs when the stage
+                 would otherwise wait for its next input, or when one more forward would hold more than p
+                 micro-batches (1F1B's peak, on stage 0); the rest at the end. Built by simulating with the
+                 given costs: the list is the order that simulation found.
+Bubbles with equal costs (stage busy time over the span of the step; p stages, m micro-batches): GPipe and 1F1B
+(p-1)/(m+p-1); interleaved (p-1)/(v m + p-1), with each chunk's F and B costing 1/v of a stage's (the paper
+writes the bubble as a fraction of the ideal time, (1/v)(p-1)/m; hsgd divides by the whole step, as for the
+others); ZB-H1 idle time per stage (p-1)(F + B - W) against 1F1B's (p-1)(F + B + W).
+"""
+from collections import namedtuple
+
+from .errors import ConfigError
+
+SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1")
+
+
+class Action(namedtuple("Action", "kind mb chunk")):
+    """One step of a stage (see the module docstring). str: F3, B3, W3 (chunk 0), F3.1 (chunk 1)."""
+    __slots__ = ()
+
+    def __new__(cls, kind, mb, chunk=0):
+        return super().__new__(cls, kind, mb, chunk)
+
+    def __str__(self):
+        return f"{self.kind}{self.mb}" + (f".{self.chunk}" if self.chunk else "")
+
+
+class ScheduleError(ConfigError):
+    """A list of actions that cannot run: a deadlock, a missing or repeated action."""
+
+
+# ------------------------------------------------------------------------------------------------ the builders
+
+def gpipe(m, p, s):
+    return [Action("F", j) for j in range(m)] + [Action("B", j) for j in range(m)]
+
+
+def one_f_one_b(m, p, s, kind="B"):
+    """1F1B; kind "B" fused, or the split B of zb-h1 (its W's are placed by zb_h1)."""
+    warm = min(p - s - 1, m)
+    acts = [Action("F", j) for j in range(warm)]
+    for j in range(m - warm):
+        acts += [Action("F", warm + j), Action(kind, j)]
+    return acts + [Action(kind, j) for j in range(m - warm, m)]
+
+
+def interleaved(m, p, s, v):
+    """Megatron-LM's interleaved 1F1B for stage s (the i-th forward of a stage: micro-batch (i // pv) p + i % p,
+    chunk (i // p) % v; the i-th backward the same with the chunk v-1 minus that)."""
+    if m % p:
+        ok = [x for x in range(p, 4 * p + 1, p)]
+        raise ConfigError(f"the interleaved schedule takes the micro-batches in groups of pp={p}: micro_batches={m} "
+                          f"must be a multiple of {p}, e.g. {', '.join(map(str, ok))}")
+    total = m * v
+    mb = lambda i: (i // (p * v)) * p + i % p                           # noqa: E731
+    fwd = lambda i: Action("F", mb(i), (i // p) % v)                    # noqa: E731
+    bwd = lambda i: Action("B", mb(i), v - 1 - (i // p) % v)            # noqa: E731
+    warm = min(2 * (p - s - 1) + (v - 1) * p, total)
+    acts = [fwd(i) for i in range(warm)]
+    for i in range(total - warm):
+        acts += [fwd(warm + i), bwd(i)]
+    return acts + [bwd(i) for i in range(total - warm, total)]
+
+
+def zb_h1(m, p, costs=(1.0, 1.0, 1.0)):
+    """Every stage's list for ZB-H1 (see the module docstring), found by list-scheduling 1F1B's F and B (split)
+    with the W's, the stages simulated together with costs (f, b, w) per action."""
+    f, b, w = costs
+    order = [one_f_one_b(m, p, s, "B") for s in range(p)]
+    pos, pending, held = [0] * p, [[] for _ in range(p)], [0] * p
+    free, done, out = [0.0] * p, {}, [[] for _ in range(p)]
+    while any(pos[s] < len(order[s]) or pending[s] for s in range(p)):
+        best = None
+        for s in range(p):
+            nxt = order[s][pos[s]] if pos[s] < len(order[s]) else None
+            dep = None if nxt is None else _dependency(nxt, s, p, 1)
+            ready = None if nxt is None else 0.0 if dep is None else done.get(dep)
+            if pending[s] and (nxt is None or (nxt.kind == "F" and held[s] >= p)
+                               or ready is None or ready > free[s]):
+                cand = (free[s], s, pending[s][0])                        # fill the wait (or make room) with a W
+            elif ready is not None:
+                cand = (max(free[s], ready), s, nxt)
+            else:
+                continue                                                  # waits for an action not yet placed
+            best = min(best, cand) if best else cand
+        start, s, a = best
+        cost = {"F": f, "B": b, "W": w}[a.kind]
+        done[(a.kind, s, a.mb, 0)], free[s] = start + cost, start + cost
+        out[s].append(a)
+        if a.kind == "W":
+            pending[s].pop(0)
+            held[s] -= 1
+        else:
+            pos[s] += 1
+            held[s] += a.kind == "F"
+            if a.kind == "B":
+                pending[s].append(Action("W", a.mb))
+    return out
+
+
+def build(kind, m, p, v=1, costs=(1.0, 1.0, 1.0)):
+    """[[Action] per stage] for schedule `kind` (SCHEDULES), m micro-batches, p stages, v chunks per stage."""
+    if kind not in SCHEDULES:
+        raise ConfigError(f"schedule={kind!r} is not known; use one of {', '.join(SCHEDULES)}")
+    if v != 1 and kind != "interleaved":
+        raise ConfigError(f"virtual_stages={v} needs the interleaved schedule (schedule={kind!r} runs one chunk "
+                          f"per stage); use --schedule interleaved, or --virtual-stages 1")
+    if kind == "interleaved" and v > 1 and p == 1:
+        raise ConfigError("virtual_stages > 1 needs pp > 1: one stage holding v chunks passes every activation to "
+                          "itself; use --pp 2 or more, or --virtual-stages 1")
+    if kind == "zb-h1":
+        return zb_h1(m, p, costs)
+    if kind == "interleaved":
+        return [interleaved(m, p, s, v) for s in range(p)]
+    return [(gpipe if kind == "gpipe" else one_f_one_b)(m, p, s) for s in range(p)]
+
+
+# ------------------------------------------------------------------------------------------------ the static check
+
+def _dependency(a, s, p, v):
+    """(kind, stage, mb) of the action that `a` on stage s waits for (None: nothing but its own stage)."""
+    k, K = a.chunk * p + s, p * v
+    if a.kind == "F":
+        return None if k == 0 else ("F", (s - 1) % p, a.mb, (k - 1) // p)
+    if a.kind == "B":
+        return ("F", s, a.mb, a.chunk) if k == K - 1 else ("B", (s + 1) % p, a.mb, (k + 1) // p)
+    return ("B", s, a.mb, a.chunk)
+
+
+def check(actions, m, v=1):
+    """Raise ScheduleError unless every stage's list runs each (micro-batch, chunk) F and B exactly once (W at
+    most once, after its B) and the stages can run their lists to the end without waiting for each other forever:
+    the dependencies of the module docstring, followed in order. The message names the first action that cannot
+    run. Returns nothing; `simulate` is the same walk with times."""
+    simulate(actions, m, v)
+
+
+def simulate(actions, m, v=1, costs=(1.0, 1.0, 1.0)):
+    """[[(action, start, end)] per stage]: each action starts when its stage is free and its input is there; F
+    costs f, B b (fused: b + w), W w (costs = (f, b, w), per chunk). Raises ScheduleError (see check)."""
+    p, (f, b, w) = len(actions), costs
+    split = _validate(actions, m, v)
+    done, timeline, pos, free = {}, [[] for _ in range(p)], [0] * p, [0.0] * p
+    while any(pos[s] < len(actions[s]) for s in range(p)):
+        progressed = False
+        for s in range(p):
+            while pos[s] < len(actions[s]):
+                a = actions[s][pos[s]]
+                dep = _dependency(a, s, p, v)
+                if a.kind in "BW" and ("F" if a.kind == "B" else "B", s, a.mb, a.chunk) not in done:
+                    raise ScheduleError(f"stage {s} runs {a} (action {pos[s]}) before its "
+                                        f"{'F' if a.kind == 'B' else 'B'}{a.mb}{f'.{a.chunk}' if a.chunk else ''}")
+                if dep is not None and dep not in done:
+                    break
+                cost = {"F": f, "W": w, "B": b + (w if (a.mb, a.chunk, s) not in split else 0.0)}[a.kind]
+                start = max(free[s], done[dep] if dep else 0.0)
+                done[(a.kind, s, a.mb, a.chunk)] = free[s] = start + cost
+                timeline[s].append((a, start, start + cost))
+                pos[s] += 1
+                progressed = True
+        if not progressed:
+            raise ScheduleError(_deadlock(actions, pos, p, v))
+    return timeline
+
+
+def _validate(actions, m, v):
+    """Each stage's actions in range and each once; returns the set of (mb, chunk, stage) whose B is split."""
+    p, seen, split = len(actions), {}, set()
+    for s, acts in enumerate(actions):
+        for i, a in enumerate(acts):
+            if not isinstance(a, Action) or a.kind not in ("F", "B", "W") or not 0 <= a.mb < m \
+                    or not 0 <= a.chunk < v:
+                raise ScheduleError(f"stage {s}'s action {i}, {a!r}, is not an Action(kind F, B or W, micro-batch "
+                                    f"0..{m - 1}, chunk 0..{v - 1})")
+            key = (a.kind, s, a.mb, a.chunk)
+            if key in seen:
+                raise ScheduleError(f"stage {s} runs {a} twice (actions {seen[key]} and {i}): micro-batch {a.mb} "
+                                    f"would be used twice")
+            seen[key] = i
+            if a.kind == "W":
+                split.add((a.mb, a.chunk, s))
+    for s in range(p):
+        for c in range(v):
+            for j in range(m):
+                for kind in "FB":
+                    if (kind, s, j, c) not in seen:
+                        raise ScheduleError(f"stage {s} never runs {Action(kind, j, c)}: every micro-batch needs "
+                                            f"a forward and a backward on every chunk")
+    return split
+
+
+def _deadlock(actions, pos, p, v):
+    s = min(s for s in range(p) if pos[s] < len(actions[s]))
+    a = actions[s][pos[s]]
+    kind, t, j, c = _dependency(a, s, p, v)
+    want = Action(kind, j, c)
+    where = [i for i, x in enumerate(actions[t]) if x == want]
+    behind = f"stage {t} is stuck at its action {pos[t]}, {actions[t][pos[t]]}" if pos[t] < len(actions[t]) else ""
+    return (f"the schedule deadlocks: stage {s} cannot run its action {pos[s]}, {a}: it waits for {want} of stage "
+            f"{t}, which comes at stage {t}'s action {where[0]}" + (f", and {behind}" if behind else "") +
+            "; no stage can go on")
+
+
+# ------------------------------------------------------------------------------------------------ what a timeline says
+
+def bubble_fraction(timeline):
+    """Idle fraction of the stages over the span of the step: 1 - (busy time) / (stages x makespan)."""
+    end = max(e for stage in timeline for _, _, e in stage)
+    start = min(s for stage in timeline for _, s, _ in stage)
+    busy = sum(e - s for stage in timeline for _, s, e in stage)
+    return 1.0 - busy / (len(timeline) * (end - start))
+
+
+def idle_per_stage(timeline):
+    """The step's span minus the mean busy time of a stage: the bubble as time."""
+    end = max(e for stage in timeline for _, _, e in stage)
+    start = min(s for stage in timeline for _, s, _ in stage)
+    busy = sum(e - s for stage in timeline for _, s, e in stage) / len(timeline)
+    return end - start - busy
+
+
+FORMULA = {"gpipe": "(p-1)/(m+p-1)", "1f1b": "(p-1)/(m+p-1)", "interleaved": "(p-1)/(vm+p-1)",
+           "zb-h1": "(p-1)(F+B-W)/(m(F+B+W)+(p-1)(F+B-W))"}
+
+
+def bubble_formula(kind, m, p, v=1, costs=(1.0, 1.0, 1.0)):
+    """The closed form of the module docstring (FORMULA[kind]), with costs (f, b, w) per chunk action; None for
+    zb-h1 with m < p, where it does not hold (the W's cannot all hide)."""
+    f, b, w = costs
+    if kind == "zb-h1" and m < p:
+        return None
+    if kind == "zb-h1":
+        idle = (p - 1) * (f + b - w)
+        return idle / (m * (f + b + w) + idle)
+    return (p - 1) / ((v if kind == "interleaved" else 1) * m + p - 1)
+
+
+def held(actions, v=1):
+    """[(micro-batch, chunk) pairs held after each action]: from its F until its backward is whole (its B if fused,
+    else its W): what the stage keeps activations for."""
+    split = {(a.mb, a.chunk) for a in actions if a.kind == "W"}
+    live, out = 0, []
+    for a in actions:
+        live += 1 if a.kind == "F" else -1 if a.kind == "W" or (a.kind == "B" and (a.mb, a.chunk) not in split) else 0
+        out.append(live)
+    return out
+
+
+def peak_held(actions):
+    """The most (micro-batch, chunk) pairs a stage holds at once."""
+    return max(held(actions), default=0)
+
+
+def held_bytes(actions, keep, keep_after_b):
+    """The peak bytes a stage holds: keep[c] per (micro-batch, chunk c) from F until the backward is whole, and
+    keep_after_b[c] more between a split B and its W (the dY the W reads)."""
+    split = {(a.mb, a.chunk) for a in actions if a.kind == "W"}
+    live = peak = 0
+    for a in actions:
+        if a.kind == "F":
+            live += keep[a.chunk]
+        elif a.kind == "B" and (a.mb, a.chunk) in split:
+            live += keep_after_b[a.chunk]
+        else:
+            live -= keep[a.chunk] + (keep_after_b[a.chunk] if a.kind == "W" else 0)
+        peak = max(peak, live)
+    return peak
+
+
+def picture(timeline, width=96):
+    """A text picture of a timeline (one row per stage): each action drawn over its duration, '.' when idle."""
+    t0 = min(s for stage in timeline for _, s, _ in stage)
+    t1 = max(e for stage in timeline for _, _, e in stage)
+    scale = width / (t1 - t0)
+    rows = []
+    for s, stage in enumerate(timeline):
+        row = ["."] * width
+        for name, a, b in stage:
+            name = str(name)
+            lo, hi = int((a - t0) * scale), max(int((a - t0) * scale) + 1, int((b - t0) * scale))
+            label = (name + "-" * width)[:hi - lo] if hi - lo >= len(name) else name[0] * (hi - lo)
+            row[lo:hi] = list(label)
+        rows.append(f"stage {s} |{''.join(row)}|")
+    return "\n".join(rows)
+
+
+def grid(timeline, slot=None):
+    """The timeline as a text grid: one row per stage, one column per time slot of length `slot` (default: the
+    shortest action), each cell the action running then ('.' idle)."""
+    slot = slot or min(e - s for stage in timeline for _, s, e in stage)
+    t1 = max(e for stage in timeline for _, _, e in stage)
+    n = int(round(t1 / slot))
+    cells = [["."] * n for _ in timeline]
+    for s, stage in enumerate(timeline):
+        for a, lo, hi in stage:
+            for t in range(int(round(lo / slot)), int(round(hi / slot))):
+                cells[s][t] = str(a)
+    w = max(len(c) for row in cells for c in row)
+    return "\n".join(f"stage {s} | " + " ".join(c.rjust(w) for c in row) for s, row in enumerate(cells))
