@@ -23,7 +23,10 @@ of the algorithm:
     hsgd.tp_model           the GPT on a tensor-parallel group, written once for the three schemes
     hsgd.memory             activation bytes: measured and by formula; Korthikanti et al.'s and ZeRO's formulas
   pipeline parallelism
-    hsgd.pp                 stages, micro-batches, GPipe and 1F1B schedules, simulated bubbles, bytes
+    hsgd.pp                 stages (and their model chunks), micro-batches, bytes on pp_comm
+    hsgd.schedules          schedules as data: lists of F/B/W actions (GPipe, 1F1B, interleaved, ZB-H1), their
+                            static check, simulation, bubbles and closed forms
+    hsgd.wgrad              the weight-gradient half of a backward pass, done at once or kept for a W action
     hsgd.stage              one rank's stage running its schedule (ThreadedStage: the batch split over threads)
   data parallelism (the lecture's G groups)
     hsgd.dp                 batch slices, flat buffers (FlatBuffer), the plain average over dp_comm
@@ -45,6 +48,7 @@ of the algorithm:
     hsgd.launch             fail fast: usage errors reported once, exceptions abort the whole job (hsgd.errors)
   tools
     hsgd.verify             mpirun -n 8 python -m hsgd.verify: parallel gradients against serial, per parameter
+    hsgd.schedule           python -m hsgd.schedule: a schedule drawn, its bubble and memory; --run measures them
     hsgd.sample             python -m hsgd.sample DIR --prompt TEXT: text from any checkpoint (hsgd.generate)
 """
 # First, before anything imports NumPy: hsgd.threads sets OPENBLAS_THREAD_TIMEOUT if NumPy is not loaded yet, and

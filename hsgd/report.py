@@ -50,7 +50,7 @@ def report_pipeline(world, grid, tc, trainer, say):
     say(f"pipeline schedule of the last step, measured ({tc.schedule}, m={m}, p={p}" + (f", v={v}" if v > 1 else "")
         + "; F forward, B backward, W weight gradients of micro-batch j[.chunk]):\n" + picture(timeline))
     say(f"bubble fraction: measured {bubble_fraction(timeline):.3f} | equal-cost model {bubble_fraction(ideal):.3f} "
-        f"| {FORMULA[tc.schedule]} = " + (f"{closed:.3f}" if closed is not None else "n/a (m < p)"))
+        f"| {FORMULA[tc.schedule]} = " + (f"{closed:.3f}" if closed is not None else "n/a (m < p or W > min(F, B))"))
     say("micro-batches held at once per stage: measured " + str([h for _, _, h in stages]) + " | schedule "
         + str([peak_held(a) for a in acts]))
 

@@ -99,7 +99,7 @@ class Plan:
         idle = idle_per_stage(self.timeline)
         say(f"bubble: simulated {bubble_fraction(self.timeline):.4f} of the step (idle {idle:g} time units per stage) "
             f"| closed form {FORMULA[tc.schedule]} = "
-            + (f"{closed:.4f}" if closed is not None else "n/a (m < p)"))
+            + (f"{closed:.4f}" if closed is not None else "n/a (m < p or W > min(F, B))"))
         say(f"held at the peak, per stage: (micro-batch, chunk) pairs {self.held} | activation bytes "
             f"{[human(x) for x in self.bytes]}")
         say(f"pp_comm per stage and step: messages sent {[c for c, _ in self.sent]}, bytes "
@@ -139,8 +139,7 @@ def measure(cfg, tc, plan, say, plot):
         say(f"bubble: measured {bubble_fraction(timeline):.4f} | predicted {bubble_fraction(plan.timeline):.4f} "
             f"(simulated with F={plan.costs[0]:g} B={plan.costs[1]:g} W={plan.costs[2]:g})")
         say(f"held at the peak: pairs measured {[r[2] for r in rows]} | predicted {plan.held}")
-        say(f"                  activation bytes measured {[human(r[3]) for r in rows]} | predicted "
-            f"{[human(x) for x in plan.bytes]}")
+        say(f"                  activation bytes measured {[r[3] for r in rows]} | predicted {plan.bytes}")
         say(f"pp_comm sent per step: measured {[r[4] for r in rows]} | formula {plan.sent}")
         if plot:
             draw(plot, [("predicted", plan.timeline, 1.0), ("measured", timeline, 1e-3)])

@@ -272,7 +272,7 @@ def header(run, device, threads):
         say(f"pipeline: {grid.pp} stages with {layers} blocks" + (f" ({v} chunks per stage, chunk c of stage s = "
             "entry c*pp + s)" if v > 1 else "") + f", {tc.schedule}, {m} micro-batches of "
             f"{tc.batch_size // grid.dp // m} sequences; equal-cost bubble {FORMULA[tc.schedule]} = "
-            + (f"{closed:.3f}" if closed is not None else "n/a (m < p)"))
+            + (f"{closed:.3f}" if closed is not None else "n/a (m < p or W > min(F, B))"))
     rank, ms = tc.straggler.split(":") if tc.straggler else (None, None)
     say(f"dp exchange: {run.trainer.exchange.describe()}"
         + (f" | straggler: rank {rank} sleeps {ms} ms per step" if tc.straggler else ""))

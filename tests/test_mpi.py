@@ -235,15 +235,36 @@ def test_trace_and_plots(tmp_path):
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
 
 
-@pytest.mark.parametrize("flags", [["--pp", "2", "--n-layers", "2", "--micro-batches", "2"],
-                                   ["--pp", "4", "--tp", "2", "--n-layers", "4", "--micro-batches", "8",
-                                    "--batch-size", "8", "--schedule", "gpipe", "--dp-overlap"]])
+@pytest.mark.parametrize("flags", [["--pp", "2", "--n-layers", "4", "--micro-batches", "2", "--schedule",
+                                    "interleaved", "--virtual-stages", "2"],
+                                   ["--pp", "4", "--tp", "1", "--n-layers", "4", "--micro-batches", "8", "--batch-size",
+                                    "16", "--schedule", "zb-h1", "--dp-overlap"]], ids=["interleaved", "zb-h1"])
 def test_pipeline_training_reports_its_schedule(flags):
+    """The end-of-run schedule report of the schedules beyond GPipe and 1F1B (zb-h1 with --dp-overlap: the
+    buckets start after each chunk's last W)."""
     r = run_mpi(8, ["-m", "hsgd.train", *TINY, *flags], timeout=120)
     out = r.stdout
     print(out[-2500:])
     assert r.returncode == 0, r.stderr[-3000:]
     for words in ("pipeline schedule of the last step, measured", "stage 0 |", "bubble fraction: measured",
-                  "micro-batches held at once per stage", "of stage 1"):
+                  "micro-batches held at once per stage", "of stage 1", "equal-cost bubble"):
         assert words in out, words
+    assert ("(p-1)/(vm+p-1) = 0.200" if "interleaved" in flags else "(p-1)(F+B-W)/(m(F+B+W)+(p-1)(F+B-W)) = 0.111") \
+        in out
     assert "<- differs" not in out
+
+
+def test_the_schedule_lab_runs_and_measures():
+    """python -m hsgd.schedule --run: the schedule executed on 4 ranks, measured next to its prediction; the
+    bytes sent on pp_comm equal the formula."""
+    r = run_mpi(4, ["-m", "hsgd.schedule", "--pp", "4", "--micro-batches", "4", "--batch-size", "4", "--schedule",
+                    "zb-h1", "--seq-len", "16", "--d-model", "32", "--n-heads", "4", "--d-ff", "64", "--run"],
+                timeout=120)
+    print(r.stdout[-3000:])
+    assert r.returncode == 0, r.stderr[-3000:]
+    sent = [line for line in r.stdout.splitlines() if line.startswith("pp_comm sent per step: measured")]
+    assert sent and sent[0].split("measured ")[1].split(" | formula ") == [sent[0].split(" | formula ")[1]] * 2
+    for words in ("pairs measured", "activation bytes measured"):                 # (the same lists)
+        line = [line for line in r.stdout.splitlines() if words in line][0]
+        assert line.split("measured ")[1].split(" | predicted ") == [line.split("predicted ")[1]] * 2, line
+    assert "bubble: measured" in r.stdout and "activation bytes measured" in r.stdout
