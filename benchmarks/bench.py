@@ -26,7 +26,9 @@ Writes benchmarks/results/bench.md (the tables) and bench.json (every number), a
      {0, 1} on 8 ranks, against the formulas;
   f. communication bytes per step against the formulas (the ratio must be exactly 1);
   g. what memory savings cost in time: --recompute selective and full, --zero 3 and both, against the plain step,
-     on 2 ranks (dp = 2, one thread each), alternating, with the bytes each moves.
+     on 2 ranks (dp = 2, one thread each), alternating, with the bytes each moves;
+  h. the pipeline schedules (gpipe, 1f1b, interleaved with 2 chunks, zb-h1) on 4 stages: step time and measured
+     bubble, alternating, next to each schedule's equal-cost bubble (hsgd.schedules).
 Timings are medians over repetitions, with the best next to them: how far apart the two are is the run-to-run
 noise of this machine. Run it on an idle machine. benchmarks/compare_commits.py runs section a for two commits in
 turn, to compare their hsgd / PyTorch ratios against that noise.
@@ -249,6 +251,27 @@ def section_memcost(a, res, md, say):
                "Reduce-Scatter 1 x the padded parameters)."]
 
 
+def section_schedules(a, res, md, say):
+    """h: the pipeline schedules on 4 stages, timed, with their measured bubbles."""
+    say("timing the pipeline schedules on 4 stages ...")
+    r = mpi(4, "schedules", {"BENCH_ROUNDS": "3" if a.quick else "7"})
+    res["schedules"] = r
+    base = r["seconds"]["1f1b"]
+    md += ["", f"## h. Pipeline schedules: pp = {r['ranks']} stages (1 thread each), {r['micro_batches']} "
+               f"micro-batches", "",
+           "Model as c with 8 layers, global batch 4 pp x 128. Each schedule's median step over alternating rounds "
+           "(best in parentheses), the bubble measured in those steps (1 - busy / (stages x span), from each "
+           "stage's timeline; a median) and the equal-cost simulation's (hsgd.schedules).", "",
+           "| schedule | step median (best) | / 1f1b | bubble measured | bubble, equal costs |",
+           "|---|---|---|---|---|"]
+    for name, t in r["seconds"].items():
+        md.append(f"| {name} | {t * 1e3:.0f} ({r['best'][name] * 1e3:.0f}) ms | {t / base:.2f} | "
+                  f"{r['bubble'][name]:.3f} | {r['predicted'][name]:.3f} |")
+    md += ["", "Four ranks share the cores of a small machine here: a stage that waits gives its core to another, "
+               "so the measured bubble mixes the schedule's idle time with the machine's sharing. The equal-cost "
+               "column is what the schedule itself leaves idle."]
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="threads for the one-rank comparison")
@@ -265,7 +288,8 @@ def main(argv=None):
         res["matmul_flops"] = matmul_rate()
     say(f"float32 matmul rate (NumPy, {a.threads} threads): {res['matmul_flops'] / 1e9:.1f} GFLOP/s")
     md = []
-    for section in (section_step, section_dp, section_tp, section_memory, section_memcost):
+    for section in (section_step, section_dp, section_tp, section_memory, section_memcost,
+                    section_schedules):
         section(a, res, md, say)
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "bench.json"), "w") as f:

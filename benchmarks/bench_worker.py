@@ -10,6 +10,8 @@
     memory    per-rank memory and bytes per step on 8 ranks against the formulas
     memcost   what recomputation (selective, full) and ZeRO-3 cost in time: dp = N, every variant's step timed
               in alternating rounds, against --recompute none and --zero 0
+    schedules the pipeline schedules on pp = N stages (8 layers, 2N micro-batches): each one's step time and its
+              measured bubble, in alternating rounds, next to the equal-cost simulation
 Rank 0 prints one JSON object on its last line. Every rank uses one BLAS thread unless BENCH_THREADS says more.
 """
 import json
@@ -228,11 +230,50 @@ def task_memcost():
             "best": {k: float(min(v)) for k, v in times.items()}, "bytes": traffic, "ranks": n}
 
 
+SCHEDULES = {"gpipe": {}, "1f1b": {}, "interleaved v=2": dict(schedule="interleaved", virtual_stages=2),
+             "zb-h1": dict(schedule="zb-h1")}
+
+
+def task_schedules():
+    """Median step seconds and the bubble of the last measured step (hsgd.schedules.bubble_fraction of every
+    stage's measured timeline) of each SCHEDULES entry, pp = N stages of an 8-layer SCALING model, global batch
+    4N x 128 in 2N micro-batches; and each schedule's equal-cost simulated bubble."""
+    from hsgd.schedules import bubble_fraction, build, simulate
+    n, rounds = WORLD.Get_size(), int(os.environ.get("BENCH_ROUNDS", "5"))
+    cfg, m = hsgd.ModelConfig(**{**SCALING.__dict__, "n_layers": 8}), 2 * n
+    idx, targets = CORPUS.batch(0, 1, 2 * m)
+    trainers, times, bubbles, predicted = {}, {k: [] for k in SCHEDULES}, {k: [] for k in SCHEDULES}, {}
+    for name, extra in SCHEDULES.items():
+        kind = extra.get("schedule", name)
+        tc = TrainConfig(dp=1, pp=n, tp=1, steps=10 ** 6, batch_size=2 * m, micro_batches=m, lr=1e-4,
+                         momentum=0.9, warmup=0, **{"schedule": kind, **extra})
+        grid = ProcessGrid(WORLD, dp=1, pp=n, tp=1)
+        trainers[name] = HybridTrainer(cfg, grid, tc)
+        trainers[name].step(idx, targets, 1)                             # warm-up (and the optimizer state)
+        v = extra.get("virtual_stages", 1)
+        predicted[name] = bubble_fraction(simulate(build(kind, m, n, v), m, v))
+    for _ in range(rounds):
+        for name, trainer in trainers.items():
+            WORLD.Barrier()
+            t0 = time.perf_counter()
+            trainer.step(idx, targets, 1)
+            times[name].append(WORLD.allreduce(time.perf_counter() - t0, op=MPI.MAX))
+            timeline = WORLD.allgather(trainer.stage.timeline)
+            bubbles[name].append(bubble_fraction(timeline))
+    for trainer in trainers.values():
+        trainer.free()
+        trainer.grid.free()
+    return {"seconds": {k: float(np.median(v)) for k, v in times.items()},
+            "best": {k: float(min(v)) for k, v in times.items()},
+            "bubble": {k: float(np.median(v)) for k, v in bubbles.items()}, "predicted": predicted, "ranks": n,
+            "micro_batches": m}
+
+
 if __name__ == "__main__":
     task = sys.argv[1]
     tune_allocator()
     with threadpool_limits(1):
         result = {"dp": task_dp, "tp": task_tp, "threaded": task_threaded, "ddp": task_ddp, "torch": task_torch,
-                  "memory": task_memory, "memcost": task_memcost}[task]()
+                  "memory": task_memory, "memcost": task_memcost, "schedules": task_schedules}[task]()
     if WORLD.Get_rank() == 0:
         print(json.dumps(result))

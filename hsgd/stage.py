@@ -156,18 +156,17 @@ class Stage:
     def weights(self, a, grads, on_ready):
         """W: the kept weight-gradient products of a micro-batch and chunk, group by group in backward order; the
         chunk's groups are final after its last W (on_ready)."""
-        wg, ch = self.kept.pop((a.mb, a.chunk)), self.chunks[a.chunk]
+        wg = self.kept.pop((a.mb, a.chunk))
         for group in wg.groups():
             wg.run(grads, group)
         if on_ready is not None:
-            for group in tp_model.backward_order(self.cfg):
-                if group in self.groups() and self.in_chunk(group, ch):
-                    on_ready(group)
+            for group in self.chunk_groups(self.chunks[a.chunk]):
+                on_ready(group)
         self.live -= 1
 
-    def in_chunk(self, group, ch):
-        return (group == "embedding" and ch.first) or (group == "head" and ch.last) or \
-            (group.startswith("h.") and int(group[2:]) in ch.layers)
+    def chunk_groups(self, ch):
+        """The gradient groups of one chunk, in backward order."""
+        return ["head"] * ch.last + [f"h.{i}" for i in reversed(ch.layers)] + ["embedding"] * ch.first
 
     def bytes_held(self, params):
         """The bytes of the activations this stage holds now: every array its caches and kept weight-gradient

@@ -73,6 +73,25 @@ def test_the_split_backward_in_the_other_schemes(scheme):
     check(ok)
 
 
+def test_the_overlapped_exchange_starts_each_bucket_after_its_last_backward():
+    """--dp-overlap: a bucket's Iallreduce starts when its group is final, after its chunk's last B (interleaved)
+    or last W (zb-h1), and the steps still equal serial SGD."""
+    ok, lines = True, []
+    for kind, v in (("zb-h1", 1), ("interleaved", 2)):
+        tc = config(dp=2, pp=2, tp=2, micro_batches=4, batch_size=16, schedule=kind, virtual_stages=v,
+                    dp_overlap=True)
+        grid, trainer, identical, per_step = run(tc)
+        err = world_max(param_err(trainer, grid, serial_sgd(tc)))
+        buckets = per_step.get(("dp", "Iallreduce"), (0, 0))[0]
+        lines.append(f"  {kind} v={v}: max param rel err vs serial {err:.1e}, Iallreduce calls {buckets} = groups "
+                     f"{len(trainer.stage.groups())}")
+        ok &= err <= 1e-10 and identical and buckets == len(trainer.stage.groups())
+        trainer.free()
+        grid.free()
+    say("overlapped exchange:\n" + "\n".join(lines))
+    check(ok)
+
+
 def test_checkpoints_reshard_between_schedules(tmp_path_factory):
     """Save after 2 steps under one schedule and layout, resume for 2 more under another: interleaved (v = 2,
     dp2 pp2 tp2) -> zb-h1 (dp1 pp4 tp2) and zb-h1 (dp2 pp4 tp1) -> interleaved (v = 2, dp1 pp4 tp2). The parameters
