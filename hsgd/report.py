@@ -5,7 +5,8 @@ from mpi4py import MPI
 
 from . import tp_model
 from .pp import pp_formula
-from .schedules import FORMULA, bubble_formula, bubble_fraction, build, peak_held, picture, simulate
+from .schedules import (FORMULA, PEAK_FORMULA, bubble_formula, bubble_fraction, build, peak_formula, peak_held,
+                        picture, simulate)
 
 
 def fmt_time(seconds):
@@ -52,7 +53,8 @@ def report_pipeline(world, grid, tc, trainer, say):
     say(f"bubble fraction: measured {bubble_fraction(timeline):.3f} | equal-cost model {bubble_fraction(ideal):.3f} "
         f"| {FORMULA[tc.schedule]} = " + (f"{closed:.3f}" if closed is not None else "n/a (m < p or W > min(F, B))"))
     say("micro-batches held at once per stage: measured " + str([h for _, _, h in stages]) + " | schedule "
-        + str([peak_held(a) for a in acts]))
+        + str([peak_held(a) for a in acts]) + f" | {PEAK_FORMULA[tc.schedule]} = "
+        + str([peak_formula(tc.schedule, m, p, s, v) for s in range(p)]))
 
 
 def report_comm(world, grid, measured_step, per_step, formula, say):

@@ -25,8 +25,8 @@ import sys
 from .config import flag_names
 from .errors import ConfigError
 from .settings import GROUPS, MODEL_FLAGS, Layout, configs_from_args, flags_parser
-from .schedules import (FORMULA, bubble_formula, bubble_fraction, build, grid, held, held_bytes, idle_per_stage,
-                        picture, simulate)
+from .schedules import (FORMULA, PEAK_FORMULA, bubble_formula, bubble_fraction, build, grid, held, held_bytes,
+                        idle_per_stage, peak_formula, picture, simulate)
 
 LAB_FLAGS = flag_names(Layout) + MODEL_FLAGS + ("batch_size", "seed", "dtype", "steps", "recompute")
 LAB_DEFAULTS = dict(pp=4, micro_batches=8, batch_size=16, steps=3, dtype="float32")
@@ -100,8 +100,9 @@ class Plan:
         say(f"bubble: simulated {bubble_fraction(self.timeline):.4f} of the step (idle {idle:g} time units per stage) "
             f"| closed form {FORMULA[tc.schedule]} = "
             + (f"{closed:.4f}" if closed is not None else "n/a (m < p or W > min(F, B))"))
-        say(f"held at the peak, per stage: (micro-batch, chunk) pairs {self.held} | activation bytes "
-            f"{[human(x) for x in self.bytes]}")
+        closed = [peak_formula(tc.schedule, m, p, s, v) for s in range(p)]
+        say(f"held at the peak, per stage: (micro-batch, chunk) pairs {self.held} (closed form "
+            f"{PEAK_FORMULA[tc.schedule]}: {closed}) | activation bytes {[human(x) for x in self.bytes]}")
         say(f"pp_comm per stage and step: messages sent {[c for c, _ in self.sent]}, bytes "
             f"{[human(x) for _, x in self.sent]}")
 

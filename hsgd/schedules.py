@@ -71,7 +71,8 @@ def one_f_one_b(m, p, s, kind="B"):
 
 def interleaved(m, p, s, v):
     """Megatron-LM's interleaved 1F1B for stage s (the i-th forward of a stage: micro-batch (i // pv) p + i % p,
-    chunk (i // p) % v; the i-th backward the same with the chunk v-1 minus that)."""
+    chunk (i // p) % v; the i-th backward the same with the chunk v-1 minus that). Warm-up: 2(p-s-1) + (v-1)p
+    forwards (v = 1: p-s-1, which makes it 1F1B)."""
     if m % p:
         ok = [x for x in range(p, 4 * p + 1, p)]
         raise ConfigError(f"the interleaved schedule takes the micro-batches in groups of pp={p}: micro_batches={m} "
@@ -80,7 +81,7 @@ def interleaved(m, p, s, v):
     mb = lambda i: (i // (p * v)) * p + i % p                           # noqa: E731
     fwd = lambda i: Action("F", mb(i), (i // p) % v)                    # noqa: E731
     bwd = lambda i: Action("B", mb(i), v - 1 - (i // p) % v)            # noqa: E731
-    warm = min(2 * (p - s - 1) + (v - 1) * p, total)
+    warm = min(2 * (p - s - 1) + (v - 1) * p if v > 1 else p - s - 1, total)     # v = 1: 1F1B itself
     acts = [fwd(i) for i in range(warm)]
     for i in range(total - warm):
         acts += [fwd(warm + i), bwd(i)]
@@ -261,6 +262,22 @@ def bubble_formula(kind, m, p, v=1, costs=(1.0, 1.0, 1.0)):
         idle = (p - 1) * (f + b - w)
         return idle / (m * (f + b + w) + idle)
     return (p - 1) / ((v if kind == "interleaved" else 1) * m + p - 1)
+
+
+PEAK_FORMULA = {"gpipe": "m", "1f1b": "min(p-s, m)", "interleaved": "min(2(p-s-1) + (v-1)p + 1, v m)",
+                "zb-h1": "min(p, m)"}
+
+
+def peak_formula(kind, m, p, s, v=1):
+    """The (micro-batch, chunk) pairs stage s holds at its peak, in closed form (PEAK_FORMULA[kind]): its warm-up
+    forwards plus one (interleaved with v = 1 is 1F1B); zb-h1 lets every stage hold what 1F1B's stage 0 does."""
+    if kind == "gpipe":
+        return m
+    if kind == "zb-h1":
+        return min(p, m)
+    if kind == "interleaved" and v > 1:
+        return min(2 * (p - s - 1) + (v - 1) * p + 1, v * m)
+    return min(p - s, m)
 
 
 def held(actions, v=1):

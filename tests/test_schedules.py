@@ -8,8 +8,8 @@ import sys
 import pytest
 
 from hsgd import pp
-from hsgd.schedules import (FORMULA, Action, ScheduleError, bubble_formula, bubble_fraction, build, check, held,
-                            held_bytes, idle_per_stage, peak_held, simulate)
+from hsgd.schedules import (FORMULA, PEAK_FORMULA, Action, ScheduleError, bubble_formula, bubble_fraction, build,
+                            check, held, held_bytes, idle_per_stage, peak_formula, peak_held, simulate)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -87,6 +87,22 @@ def test_zero_bubble_has_a_third_of_1f1bs_bubble_with_its_peak_memory():
             assert max(peaks) == max(peak_held(a) for a in one) == p
 
 
+def test_the_peak_pairs_held_equal_their_closed_forms():
+    n = 0
+    for p in (1, 2, 3, 4, 6, 8):
+        for m in (1, 2, 3, p, p + 1, 2 * p, 4 * p):
+            for kind, v in (("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("interleaved", 1), ("interleaved", 2),
+                            ("interleaved", 3)):
+                if kind == "interleaved" and (m % p or (p == 1 and v > 1)):
+                    continue
+                acts = build(kind, m, p, v)
+                assert [peak_held(a) for a in acts] == [peak_formula(kind, m, p, s, v) for s in range(p)], \
+                    (kind, m, p, v)
+                n += 1
+    assert build("interleaved", 8, 4, 1) == build("1f1b", 8, 4)              # one chunk: 1F1B itself
+    print(f"{n} (schedule, m, p, v): every stage's peak equals {PEAK_FORMULA}")
+
+
 def test_held_counts_until_the_backward_is_whole():
     acts = build("zb-h1", 4, 2)[0]
     assert held(acts)[-1] == 0 and peak_held(acts) == 2
@@ -112,7 +128,7 @@ def lab(*args):
                           timeout=120, cwd=ROOT)
 
 
-def test_the_lab_without_mpi(tmp_path):
+def test_the_lab_without_mpi(tmp_path, capsys):
     r = lab("--pp", "4", "--micro-batches", "8", "--schedule", "interleaved", "--virtual-stages", "2",
             "--n-layers", "8", "--plot", str(tmp_path / "s.png"))
     print(r.stdout[-1500:], r.stderr[-500:])
@@ -121,13 +137,14 @@ def test_the_lab_without_mpi(tmp_path):
     assert "bubble: simulated 0.1579 of the step" in r.stdout and "(p-1)/(vm+p-1) = 0.1579" in r.stdout
     assert "held at the peak, per stage: (micro-batch, chunk) pairs [11, 9, 7, 5]" in r.stdout
     assert os.path.getsize(tmp_path / "s.png") > 1000
-    r = lab("--pp", "4", "--schedule", "zb-h1", "--costs", "1,1")
-    assert r.returncode == 2 and "costs='1,1' must be three numbers F,B,W" in r.stderr
-    r = lab("--pp", "4", "--micro-batches", "6", "--batch-size", "12", "--schedule", "interleaved",
-            "--virtual-stages", "2", "--n-layers", "8")
-    assert r.returncode == 2 and "micro_batches=6 must be a multiple of 4" in r.stderr
-    r = lab("--pp", "2", "--schedule", "1f1b", "--virtual-stages", "2", "--n-layers", "8")
-    assert r.returncode == 2 and "virtual_stages=2 needs the interleaved schedule" in r.stderr
+    from hsgd.schedule import main                                      # the usage errors, in this process
+    for args, words in ((["--schedule", "zb-h1", "--costs", "1,1"], "costs='1,1' must be three numbers F,B,W"),
+                        (["--micro-batches", "6", "--batch-size", "12", "--schedule", "interleaved",
+                          "--virtual-stages", "2", "--n-layers", "8"], "micro_batches=6 must be a multiple of 4"),
+                        (["--schedule", "1f1b", "--virtual-stages", "2", "--n-layers", "8"],
+                         "virtual_stages=2 needs the interleaved schedule")):
+        assert main(["--pp", "4", *args]) == 2
+        assert words in capsys.readouterr().err
 
 
 def test_what_the_new_schedules_do_not_combine_with_is_refused():
