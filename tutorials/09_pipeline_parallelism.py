@@ -218,8 +218,8 @@ say(f"every message is one (b, T, C) = {act} float64 array = {np.prod(act) * 8:,
 # `Stage.run` (hsgd/stage.py), which training uses, does the same with two differences that matter once there are
 # several micro-batches in flight:
 #
-# * **tags**: the activation of micro-batch j travels with tag 2j, its gradient with tag 2j+1, so every `Recv`
-#   names exactly the message it waits for;
+# * **tags**: the activation of micro-batch j from stage s to stage s+1 travels with tag 2(sm + j), its gradient
+#   back with tag 2(sm + j) + 1, so every `Recv` names exactly the message it waits for;
 # * **non-blocking sends** (`Isend`, all completed at the end of the step). With a blocking `Send` the schedule of
 #   section 4 could deadlock: in 1F1B, stage s sends the activation of micro-batch j+1 to stage s+1 at the moment
 #   stage s+1 sends the gradient of micro-batch j back to stage s. For a large message MPI's `Send` returns only
@@ -235,7 +235,8 @@ say(f"every message is one (b, T, C) = {act} float64 array = {np.prod(act) * 8:,
 # sequences and the gradients of their losses are accumulated, as in chapter 4's gradient accumulation (the same
 # `micro_batches`): the gradient is the serial one whatever m is. A stage's work in a step is then a list of
 # actions, "F j" (forward of micro-batch j) and "B j", in an order fixed by a **schedule** (`pp.schedule(kind, m,
-# p, s)`):
+# p, s)`). In hsgd a schedule is data: a list of `Action(kind, micro-batch, chunk)` per stage (printed F3, B3; the
+# chunk is 0 until chapter 14, which interleaves model chunks and splits the backward for a zero-bubble schedule):
 #
 # * **GPipe** (Huang et al. 2019, "GPipe: Efficient Training of Giant Neural Networks using Pipeline
 #   Parallelism"): all m forwards, then all m backwards;
@@ -349,7 +350,7 @@ M = 2 * PP
 runs = {kind: run(config(schedule=kind)) for kind in ("gpipe", "1f1b")}
 say(f"1F1B, m = {M}, p = {PP}: the actions of every stage, pp.schedule('1f1b', m, p, s):")
 for st in range(PP):
-    say(f"  stage {st}: " + " ".join(f"{a}{j}" for a, j in schedule("1f1b", M, PP, st)))
+    say(f"  stage {st}: " + " ".join(str(a) for a in schedule("1f1b", M, PP, st)))   # Action: F3, B3
 check.equal("trainer.stage.actions == pp.schedule(kind, m, p, my stage), both",
             [runs[k][0].stage.actions for k in runs], [schedule(k, M, PP, s) for k in runs])
 say("stage   micro-batches held: GPipe measured / schedule   1F1B measured / schedule   min(p-s, m)")
@@ -399,7 +400,7 @@ def traced(kind, m):
 SWEEP = (1, 2, 4, 8, 16)
 timed = {(kind, m): traced(kind, m) for m in SWEEP for kind in ("gpipe", "1f1b")}
 check.holds("the traced actions of every stage, in time order == pp.schedule",
-            all([(n[0], int(n[1:])) for n, _, _ in t[st]] == schedule(kind, m, PP, st)
+            all([n for n, _, _ in t[st]] == [str(a) for a in schedule(kind, m, PP, st)]
                 for (kind, m), t in timed.items() for st in range(PP)))
 if rank == 0:
     fig, axes = pictures.figure(10, 4.6, nrows=2)
@@ -635,9 +636,9 @@ grid.free()
 # |---|---|---|---|---|
 # | `pp.split_layers(L, p, split)`, `--pp-split` (`TrainConfig.pp_split`) | even split by default; `num_layers_in_first_pipeline_stage`, `num_layers_in_last_pipeline_stage`, `account_for_loss_in_pipeline_split`, `pipeline_model_parallel_layout` (`TransformerConfig`, megatron/core/transformer/transformer_config.py) | `PipelineModule(layers=..., partition_method="parameters")`, also `"uniform"` and `"type:..."` (deepspeed/runtime/pipe/module.py) | `pipeline(...)` with `SplitPoint` / `pipe_split()` (torch/distributed/pipelining/_IR.py), or one `PipelineStage` per hand-cut module | blocks per stage, given by hand; the cost model that chooses them is in this chapter (section 7), not in the library |
 # | `pp.schedule("gpipe", m, p, s)` | none (Megatron-LM runs 1F1B) | none (its `TrainSchedule` is 1F1B-like) | `ScheduleGPipe` (torch/distributed/pipelining/schedules.py) | kept to show what 1F1B saves in memory |
-# | `pp.schedule("1f1b", m, p, s)`, run by `Stage.run` (hsgd/stage.py) | `forward_backward_pipelining_without_interleaving` (megatron/core/pipeline_parallel/schedules.py; warm-up `total_stages - current_stage - 1` forwards), chosen by `get_forward_backward_func` | `TrainSchedule` (deepspeed/runtime/pipe/schedule.py), run by `PipelineEngine.train_batch` (deepspeed/runtime/pipe/engine.py) | `Schedule1F1B` (torch/distributed/pipelining/schedules.py) | a schedule is a plain list of ("F", j) / ("B", j) that one loop executes, so it can be printed, simulated and compared with the trace |
-# | none | `forward_backward_pipelining_with_interleaving` (virtual stages: v model chunks per rank) | none | `ScheduleInterleaved1F1B` | left out: interleaving divides the bubble by v and multiplies the messages by v (Narayanan et al. 2021) |
-# | `Stage.receive`, `Stage.forward` / `backward`: `Isend` / `Recv` on `pp_comm`, tags 2j and 2j+1 | `P2PCommunicator.send_forward`, `recv_forward`, `send_forward_recv_backward`, ... (megatron/core/pipeline_parallel/p2p_communication.py), batched with `torch.distributed.batch_isend_irecv` | `send`, `recv` (deepspeed/runtime/pipe/p2p.py) | `PipelineStage` (torch/distributed/pipelining/stage.py) builds `dist.P2POp` lists (`get_fwd_send_ops`, ...) | MPI tags name each message, so no two messages of a step can be confused, whatever the order the schedule posts them in |
+# | `pp.schedule("1f1b", m, p, s)`, run by `Stage.run` (hsgd/stage.py) | `forward_backward_pipelining_without_interleaving` (megatron/core/pipeline_parallel/schedules.py; warm-up `total_stages - current_stage - 1` forwards), chosen by `get_forward_backward_func` | `TrainSchedule` (deepspeed/runtime/pipe/schedule.py), run by `PipelineEngine.train_batch` (deepspeed/runtime/pipe/engine.py) | `Schedule1F1B` (torch/distributed/pipelining/schedules.py) | a schedule is a plain list of `Action`s (F3, B3) that one loop executes, so it can be printed, simulated and compared with the trace |
+# | `schedules.build("interleaved", m, p, v)`: chapter 14 | `forward_backward_pipelining_with_interleaving` (virtual stages: v model chunks per rank) | none | `ScheduleInterleaved1F1B` | left to chapter 14: interleaving divides the bubble by about v and multiplies the messages by v (Narayanan et al. 2021) |
+# | `Stage.receive`, `Stage.forward` / `backward`: `Isend` / `Recv` on `pp_comm`, tags 2(sm + j) and 2(sm + j) + 1 | `P2PCommunicator.send_forward`, `recv_forward`, `send_forward_recv_backward`, ... (megatron/core/pipeline_parallel/p2p_communication.py), batched with `torch.distributed.batch_isend_irecv` | `send`, `recv` (deepspeed/runtime/pipe/p2p.py) | `PipelineStage` (torch/distributed/pipelining/stage.py) builds `dist.P2POp` lists (`get_fwd_send_ops`, ...) | MPI tags name each message, so no two messages of a step can be confused, whatever the order the schedule posts them in |
 # | `pp.peak_in_flight(actions)`, measured as `Stage.peak_held`: GPipe m, 1F1B $\min(p-s, m)$ | `max_outstanding_backprops = num_warmup_microbatches + 1` in `forward_backward_pipelining_without_interleaving`: at most p - s micro-batches await their backward | `TrainSchedule.num_pipe_buffers()`: $\max(2, \min(p - s, m))$ buffers | none | counted and checked in real steps, not only promised |
 # | `pp.ideal_bubble` $(p-1)/(m+p-1)$, `pp.bubble_fraction` of a timeline (idle over the whole step) | the paper's bubble time fraction $(p-1)/m$ (idle over ideal compute; Narayanan et al. 2021) | none | none | hsgd's denominator is the step, so the fraction stays below 1; section 3 prints both |
 #

@@ -66,9 +66,20 @@ def wait_asleep(comm, poll_s=0.002):
 
 def on_rank0(comm, work):
     """work() on rank 0 of comm (a picture, a serial reference): its result there, None elsewhere; the other ranks
-    wait for it asleep (wait_asleep)."""
-    result = work() if comm.Get_rank() == 0 else None
+    wait for it asleep (wait_asleep). If work() raises, every rank raises (rank 0 its own exception, the others a
+    RuntimeError naming it): nobody waits for a rank that has failed."""
+    result, error = None, None
+    if comm.Get_rank() == 0:
+        try:
+            result = work()
+        except Exception as e:                                          # told to every rank below, then raised
+            error = e
     wait_asleep(comm)
+    failed = comm.bcast(None if error is None else f"{type(error).__name__}: {error}", root=0)
+    if error is not None:
+        raise error
+    if failed:
+        raise RuntimeError(f"rank 0 failed in on_rank0: {failed}")
     return result
 
 

@@ -63,7 +63,7 @@ def simulate_costs(kind, m, f, b):
         for st in range(p):
             if nxt[st] == len(acts[st]):
                 continue
-            a, j = acts[st][nxt[st]]
+            a, j = acts[st][nxt[st]].kind, acts[st][nxt[st]].mb                  # an Action (kind, mb, chunk)
             need = (("F", st - 1, j) if st > 0 else None) if a == "F" else \
                 (("B", st + 1, j) if st < p - 1 else ("F", st, j))
             if need is not None and need not in done:
@@ -100,7 +100,7 @@ def exercise_1(check):
                 worst_ours = max(worst_ours, abs(idle / (p * len(rows[0])) - (p - 1) / (m + p - 1)))
                 worst_megatron = max(worst_megatron, abs(idle / busy - (p - 1) / m))
                 sim = simulate(kind, m, p, f_cost=1.0, b_cost=2.0)
-                same_actions = [[a for a, _, _ in row] for row in sim] == [[a for a, _, _ in row] for row in mine]
+                same_actions = [[str(a) for a, _, _ in row] for row in sim] == [[a for a, _, _ in row] for row in mine]
                 worst_sim = max(worst_sim, float("inf") if not same_actions else
                                 max(abs(e - e_mine) for st in range(p)
                                     for (_, _, e), (_, _, e_mine) in zip(sim[st], mine[st])))
@@ -125,10 +125,10 @@ def one_f_one_b(m, p, st):
 
 
 def held(actions):
-    """Micro-batches forwarded and not yet backwarded, after each action."""
+    """Micro-batches forwarded and not yet backwarded, after each action (("F", j) pairs, or pp's Actions)."""
     out, live = [], 0
-    for a, _ in actions:
-        live += 1 if a == "F" else -1
+    for a in actions:
+        live += 1 if a[0] == "F" else -1
         out.append(live)
     return out
 
@@ -136,7 +136,7 @@ def held(actions):
 def exercise_2(check):
     """What GPipe and 1F1B hold."""
     check.holds("my 1F1B == pp.schedule('1f1b'), p <= 6, m <= 12, every stage",
-                all(one_f_one_b(m, p, st) == schedule("1f1b", m, p, st)
+                all(one_f_one_b(m, p, st) == [(a.kind, a.mb) for a in schedule("1f1b", m, p, st)]
                     for p in range(1, 7) for m in range(1, 13) for st in range(p)))
     check.holds("peak held: GPipe m, 1F1B min(p - s, m), p <= 6, m <= 12",
                 all(max(held(schedule("gpipe", m, p, st))) == m and max(held(one_f_one_b(m, p, st))) == min(p - st, m)
@@ -187,7 +187,7 @@ def exercise_3(check):
     check("GPipe with random stage costs: simulated step - closed form", worst, 1e-12)
     equal = simulate_costs("1f1b", 8, [1.0] * PP, [2.0] * PP)
     check.holds("equal costs: my simulation == pp.simulate (1F1B, m = 8)",
-                equal == simulate("1f1b", 8, PP, f_cost=1.0, b_cost=2.0))
+                equal == [[(str(a), t0, t1) for a, t0, t1 in row] for row in simulate("1f1b", 8, PP, 1.0, 2.0)])
     m, split = 2 * PP, [5, 1, 1, 1]
     predicted = {}
     for label, sp in (("2,2,2,2", [2, 2, 2, 2]), ("5,1,1,1", split)):

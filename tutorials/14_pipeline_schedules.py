@@ -1,0 +1,675 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Chapter 14: pipeline schedules as data: interleaved 1F1B and zero bubble
+#
+# Chapter 9 ran a pipeline with two schedules, GPipe and 1F1B, and found the same idle time in both:
+# $(p-1)/(m+p-1)$ of the step. The lecture's section 1 lists that idle time among the challenges of pipeline
+# parallelism (in translation: "pipeline bubbles easily leave the devices idle"), and its section 4.2 gives the
+# remedy of its time: "split the data into micro-batches that fill the stages of the pipeline, to reduce the idle
+# time (the bubbles)". More micro-batches help only by making the batch larger or the micro-batches smaller. This
+# chapter continues those two sections with two later remedies that change the schedule instead:
+#
+# * **interleaved 1F1B** (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters
+#   Using Megatron-LM"): every stage holds v smaller chunks of the model instead of one, so the pipeline fills and
+#   drains in chunk-sized steps; the bubble shrinks to $(p-1)/(vm+p-1)$, for v times as many messages;
+# * **zero bubble** (Qi et al. 2024, "Zero Bubble Pipeline Parallelism"): the backward pass is split into B, the
+#   gradient of the stage's input that the previous stage waits for, and W, the gradients of the weights that
+#   nobody waits for; the W's fill the waits. Their schedule ZB-H1 holds no more micro-batches than 1F1B's first
+#   stage and leaves a third of 1F1B's idle time when F, B and W cost the same.
+#
+# In hsgd a schedule is data (`hsgd/schedules.py`): for every stage, the list of actions it runs in one step. A list
+# can be printed, checked for deadlocks before anything runs, simulated, and handed to `hsgd.stage.Stage`, which
+# runs it on the real grid. The chapter:
+#
+# 1. a schedule as data: the four schedules' lists for a small pipeline, the rules that order them, and the static
+#    check refusing hand-written lists that would deadlock, use a micro-batch twice or run a W before its B;
+# 2. each schedule drawn, simulated with equal costs, and one as a text grid of time slots;
+# 3. the closed forms of the bubble against the simulation, exactly, for many (m, p, v); the zero-bubble idle time
+#    $(p-1)(F+B-W)$ against 1F1B's $(p-1)(F+B+W)$ with the same peak; what interleaving holds;
+# 4. the W pass: the two halves of a linear layer's backward (`hsgd.ops`), what a B keeps for its W
+#    (`hsgd.wgrad.WeightGrads`), and why the numbers are bit-identical to the fused backward;
+# 5. all four schedules trained on 8 ranks, as a 4-stage pipeline (dp 2 x pp 4) and an 8-stage one (pp 8): serial
+#    SGD's parameters, bit-identical across schedules, and the pairs held, activation bytes and messages measured
+#    against their predictions; the measured timelines drawn;
+# 6. the trade-off: bubble, memory and messages of every schedule in one table and one picture.
+#
+# Run it with eight ranks (6 to 11 s measured on a 2-core machine with other work running beside it, 29 s once
+# while that work kept both cores busy; on failure every rank raises, so it exits non-zero without hanging). Rank 0
+# draws three pictures into `$HSGD_FIGURES` (default `tutorials/figures/`):
+#
+# mpirun -n 8 python tutorials/14_pipeline_schedules.py
+#
+# The notebook form (`jupytext --to ipynb tutorials/14_pipeline_schedules.py`) is for reading: the code needs eight
+# MPI ranks. Only rank 0 prints. The schedule lab, `python -m hsgd.schedule` (no MPI; with `--run` under mpirun, on
+# the real grid), prints and measures one schedule at a time from the command line.
+#
+# Legend: P ranks, p = pp stages, s a stage, m micro-batches per replica and step, j a micro-batch, v model chunks
+# per stage (virtual stages), c a chunk, k = cp + s the model's piece that chunk c of stage s holds. Actions: F
+# (forward), B (backward: the input gradient, and also the weight gradients unless the list has a W for the same
+# micro-batch and chunk, then it is "split"), W (the weight gradients); in formulas F, B and W are their times per
+# chunk, and a fused backward takes B + W. A "pair" is a (micro-batch, chunk) whose activations a stage holds. The
+# model: L layers, C d_model, NH heads, $d_{ff}$ the MLP width (the F of other chapters), T sequence, V vocabulary,
+# B = 16 sequences the global batch (in the code; in the text B is the action), b sequences per micro-batch,
+# N = bT positions, 8 bytes per number (float64).
+
+# %%
+from hsgd import ModelConfig, serial, tp_model   # hsgd first, as in chapter 13 (OpenBLAS's thread timeout)
+
+import numpy as np
+from mpi4py import MPI
+from threadpoolctl import threadpool_limits
+
+from hsgd.data import Corpus
+from hsgd.grid import ProcessGrid
+from hsgd.hybrid import HybridTrainer
+from hsgd.memory import activation_bytes
+from hsgd.ops import linear_backward, linear_forward, linear_input_grad, linear_weight_grad
+from hsgd.plots import draw_pipeline
+from hsgd.pp import chunk_layers, pp_formula, stage_names
+from hsgd.report import fmt_bytes
+from hsgd.schedule import keep_bytes
+from hsgd.schedules import (FORMULA, PEAK_FORMULA, Action, ScheduleError, bubble_formula, bubble_fraction, build,
+                            grid, held_bytes, idle_per_stage, peak_formula, peak_held, simulate)
+from hsgd.schedules import check as check_schedule
+from hsgd.wgrad import WeightGrads
+
+import pictures                                  # tutorials/pictures.py: where the PNGs go
+from checks import Checks, rel_err, train_config  # tutorials/checks.py, shared by the chapters
+
+threadpool_limits(1)                    # eight ranks share the cores, tiny matrices: one BLAS thread each
+P = 8
+world = MPI.COMM_WORLD
+if world.Get_size() != P:               # every rank exits non-zero; rank 0 says why
+    raise SystemExit(f"run this chapter on {P} ranks: mpirun -n {P} python {__file__}"
+                     if world.Get_rank() == 0 else 1)
+rank = world.Get_rank()
+check = Checks(world, tol=1e-10, width=76)  # check(what, err, tol): collective, raises on every rank unless err < tol
+say = check.say                             # print on world rank 0 only
+
+
+def on_rank0(work):
+    """work() on rank 0 while the other ranks sleep (`pictures.on_rank0`, which raises on every rank if work()
+    fails there), its result on every rank."""
+    return world.bcast(pictures.on_rank0(world, work), root=0)
+
+
+cfg = ModelConfig(vocab_size=256, seq_len=8, d_model=16, n_heads=4, n_layers=16, d_ff=32)  # 16 blocks: 8 x 2 chunks
+SEED, B, M, STEPS = 0, 16, 8, 2         # global batch, micro-batches per replica, steps per run
+KINDS = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1))   # (schedule, v): the chapter's four
+corpus = Corpus.load(None, cfg.seq_len) # the built-in corpus (the Python standard library's source), as hsgd.train
+say(f"{P} ranks; model {cfg.n_params():,} parameters (L={cfg.n_layers} C={cfg.d_model} NH={cfg.n_heads} "
+    f"d_ff={cfg.d_ff} T={cfg.seq_len} V={cfg.vocab_size}); B={B}, m={M} micro-batches per replica, float64")
+
+# %% [markdown]
+# ## 1. A schedule as data
+#
+# `schedules.build(kind, m, p, v)` returns, for each of the p stages, a list of `Action(kind, mb, chunk)`; printed,
+# an action reads F3 (forward of micro-batch 3 through the stage's chunk 0), B3, W3, or F3.1 for chunk 1. With v
+# chunks per stage the L blocks are cut into pv pieces, and chunk c of stage s is piece k = cp + s: a micro-batch
+# goes through stages 0, 1, ..., p-1, then back to stage 0 for chunk 1, and so on. An action waits for exactly one
+# other action:
+#
+#     F(k, j)  waits for F(k-1, j), the activation, from stage (s-1) mod p     (piece 0: the tokens, nothing)
+#     B(k, j)  waits for B(k+1, j), the gradient, from stage (s+1) mod p       (the last piece: its own F(k, j))
+#     W(k, j)  waits for B(k, j) on the same stage
+#
+# and for the action before it in its own stage's list. The four schedules for p = 4 stages and m = 4 micro-batches:
+#
+# * **GPipe**: all forwards, then all backwards;
+# * **1F1B**: $p-s-1$ warm-up forwards, then one forward and one backward in turn (chapter 9);
+# * **interleaved** (v = 2): Megatron-LM's order. The forwards go through the chunks in groups of p micro-batches
+#   (micro-batches 0..p-1 through chunk 0, the same through chunk 1, then the next p), the backwards the same with
+#   the chunks reversed, after $2(p-s-1) + (v-1)p$ warm-up forwards (with v = 1: $p-s-1$, and it is 1F1B). The
+#   groups of p are why hsgd (like Megatron-LM) asks for m to be a multiple of p;
+# * **ZB-H1**: 1F1B's forwards and backwards with every B split from its W; hsgd places each W by simulating the
+#   stages with the given costs (list scheduling): a W runs where its stage would otherwise wait for its next input,
+#   or where one more forward would hold more than p micro-batches; the rest at the end.
+
+# %%
+def lists(kind, m, p, v=1):
+    """Every stage's actions as text, one line per stage."""
+    return [f"  stage {s}: " + " ".join(str(a) for a in acts) for s, acts in enumerate(build(kind, m, p, v))]
+
+
+for kind, v in KINDS:
+    say(f"{kind}" + (f", v = {v}" if v > 1 else "") + ", m = 4, p = 4:")
+    for line in lists(kind, 4, 4, v):
+        say(line)
+counts = {kind: [len(acts) for acts in build(kind, 4, 4, v)] for kind, v in KINDS}
+check.equal("actions per stage: 2m (GPipe, 1F1B), 2vm (interleaved), 3m (ZB-H1)", counts,
+            {"gpipe": [8] * 4, "1f1b": [8] * 4, "interleaved": [16] * 4, "zb-h1": [12] * 4})
+
+# %% [markdown]
+# `schedules.check(actions, m, v)` walks those dependencies without running anything: every stage runs its list in
+# order for as long as what each action waits for is done. It refuses a list that misses or repeats an action, and
+# a list whose stages would all end up waiting for one another, naming the first action that cannot run. Sends in
+# hsgd are non-blocking and receives wait (chapter 9), so these waits are the only ones there are: a list that the
+# check runs to its end cannot deadlock on MPI either, and `Stage` checks its list before its first message. Three
+# hand-written lists for p = 2, m = 2, written as text (`parse`):
+#
+# * stage 0 runs 1F1B without its warm-up forward (F0 B0 F1 B1) while stage 1 runs GPipe (F0 F1 B0 B1): stage 0
+#   waits for B0, which stage 1 runs only after F1, which stage 0 runs only after B0;
+# * a forward of micro-batch 0 twice (and so none of micro-batch 1);
+# * a W before its B.
+
+# %%
+def parse(text):
+    """'F0 F1 B0 B1 | F0 B0 F1 B1' -> [[Action] per stage] ('F3.1': micro-batch 3, chunk 1)."""
+    out = []
+    for row in text.split("|"):
+        out.append([Action(t[0], int(t[1:].partition(".")[0]), int(t[1:].partition(".")[2] or 0))
+                    for t in row.split()])
+    return out
+
+
+def refusal(actions, m, v=1):
+    """schedules.check's message for a list it refuses ("" if it accepts it)."""
+    try:
+        check_schedule(actions, m, v)
+        return ""
+    except ScheduleError as e:
+        return str(e)
+
+
+for text, names in (("F0 B0 F1 B1 | F0 F1 B0 B1", ("deadlocks", "B0", "F1")),
+                    ("F0 F0 B0 B1 | F0 B0 F1 B1", ("twice", "F0")),
+                    ("F0 W0 F1 B0 B1 | F0 B0 F1 B1", ("W0", "before its B0"))):
+    why = refusal(parse(text), 2)
+    say(f"{text}\n  ScheduleError: {why}")
+    check.holds(f"refused, naming {' and '.join(names)}", why and all(n in why for n in names))
+check.holds("1F1B written by hand (F0 F1 B0 B1 | F0 B0 F1 B1) == build('1f1b', 2, 2), accepted",
+            parse("F0 F1 B0 B1 | F0 B0 F1 B1") == build("1f1b", 2, 2) and not refusal(build("1f1b", 2, 2), 2))
+
+# %% [markdown]
+# ## 2. Each schedule drawn
+#
+# `schedules.simulate(actions, m, v, costs)` is the same walk with times: each action starts when its stage is free
+# and what it waits for has ended, and takes F, B or W (a fused backward B + W). With equal costs per stage,
+# F = B = W = 1 for a stage's whole share of the model, an interleaved chunk holds 1/v of it, so its actions cost
+# 1/v each. The four schedules for p = 4 and m = 8, on one time axis:
+
+# %%
+P4 = 4
+sims = {kind: simulate(build(kind, M, P4, v), M, v, (1 / v,) * 3) for kind, v in KINDS}
+
+
+def title(kind, v):
+    return {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": f"interleaved 1F1B, v = {v}", "zb-h1": "ZB-H1"}[kind]
+
+
+def draw_equal_cost():
+    fig, axes = pictures.figure(10, 7.2, nrows=4, sharex=True)
+    for ax, (kind, v) in zip(axes, KINDS):
+        t = sims[kind]
+        draw_pipeline(ax, t, xlabel="time (F = B = W = 1 for a stage's share of the model)" if kind == "zb-h1" else "",
+                      title=f"{title(kind, v)}, m = {M}, p = {P4}: step {max(e for r in t for _, _, e in r):g}, "
+                            f"bubble {bubble_fraction(t):.3f} = {FORMULA[kind]}")
+    axes[0].set_xlim(0, max(e for t in sims.values() for r in t for _, _, e in r))   # shared: the longest step
+    return pictures.save(fig, "14_schedules_equal_cost")
+
+
+path = on_rank0(draw_equal_cost)
+say(f"picture: {path}")
+for kind, v in KINDS:
+    t = sims[kind]
+    say(f"{title(kind, v):<24} step {max(e for r in t for _, _, e in r):>5g}   bubble {bubble_fraction(t):.4f}   "
+        f"idle per stage {idle_per_stage(t):g}")
+say("1F1B and ZB-H1 as grids of time slots (schedules.grid; '.' idle, a fused B fills two slots):")
+say(grid(sims["1f1b"]))
+say(grid(sims["zb-h1"]))
+
+# %% [markdown]
+# The picture shows the four simulated steps, one row per stage, forwards blue, backwards green and W's light green.
+# GPipe and 1F1B take the same 33 time units, of which each stage waits for 9 while the pipeline fills and drains.
+# Interleaving fills and drains in half-size steps. ZB-H1 moves W's into the waits: in the grid, stage 0 runs each
+# W right after its B, in what would otherwise be a wait for its next backward, while stage 3, whose inputs never
+# keep it waiting once the pipeline is full, postpones its W's until it holds p pairs (W0 after B3) and runs the
+# last ones in the drain.
+#
+# ## 3. The closed forms against the simulation
+#
+# With equal costs the bubble, idle time over p times the step, has a closed form for each schedule
+# (`schedules.bubble_formula`, text in `schedules.FORMULA`):
+#
+# * GPipe and 1F1B: $(p-1)/(m+p-1)$ (chapter 9);
+# * interleaved: $(p-1)/(vm+p-1)$. A stage computes for $m(F+B+W)$ as before, but the fill and drain are made of
+#   chunk actions that cost 1/v of a stage's, so the idle time per stage is $(p-1)(F+B+W)/v$. Narayanan et al.
+#   divide it by the compute alone and write $\frac{1}{v}\cdot\frac{p-1}{m}$; hsgd divides by the whole step, as
+#   in chapter 9;
+# * ZB-H1: the idle time per stage is $(p-1)(F+B-W)$ against 1F1B's $(p-1)(F+B+W)$, so the bubble is
+#   $(p-1)(F+B-W) / (m(F+B+W) + (p-1)(F+B-W))$: the W's fill $2(p-1)W$ of each stage's idle time, and for
+#   F = B = W what is left is a third of 1F1B's. It needs m >= p (fewer micro-batches leave too few W's to fill
+#   the waits) and W <= min(F, B).
+#
+# The simulation does not know these formulas; it only follows the dependencies. Rank 0 simulates every case while
+# the other ranks sleep (`on_rank0`), and every rank checks its verdict:
+
+# %%
+def closed_forms():
+    """The largest |simulated - closed form| per schedule, over p = 2, 4, 8 (interleaved v = 2, 4) and m = p..4p,
+    and the ZB-H1 idle time and peaks for p = 2..8, m = p, 2p, 3p, equal costs and (F, B, W) = (1, 2, 1)."""
+    worst = {kind: 0.0 for kind, _ in KINDS}
+    for p in (2, 4, 8):
+        for m in (p, 2 * p, 4 * p):
+            for kind, vs in (("gpipe", (1,)), ("1f1b", (1,)), ("interleaved", (2, 4)), ("zb-h1", (1,))):
+                for v in vs:
+                    t = simulate(build(kind, m, p, v), m, v)
+                    worst[kind] = max(worst[kind], abs(bubble_fraction(t) - bubble_formula(kind, m, p, v)))
+    zb = []
+    for costs in ((1.0, 1.0, 1.0), (1.0, 2.0, 1.0)):
+        f, b, w = costs
+        for p in range(2, 9):
+            for m in (p, 2 * p, 3 * p):
+                zb_t = simulate(build("zb-h1", m, p, costs=costs), m, 1, costs)
+                one_t = simulate(build("1f1b", m, p), m, 1, costs)
+                zb.append((costs, p, m, idle_per_stage(zb_t), (p - 1) * (f + b - w), idle_per_stage(one_t),
+                           (p - 1) * (f + b + w), max(peak_held(a) for a in build("zb-h1", m, p, costs=costs)),
+                           max(peak_held(a) for a in build("1f1b", m, p))))
+    return worst, zb
+
+
+worst, zb = on_rank0(closed_forms)
+for kind, v in KINDS:
+    check(f"{kind}: simulated bubble - {FORMULA[kind]}, every case", worst[kind], 1e-12)
+check("ZB-H1: simulated idle per stage - (p-1)(F+B-W), p = 2..8, two costs", max(abs(r[3] - r[4]) for r in zb), 1e-12)
+check("1F1B: simulated idle per stage - (p-1)(F+B+W), the same cases", max(abs(r[5] - r[6]) for r in zb), 1e-12)
+ratio = max(r[3] / r[5] for r in zb if r[0] == (1.0, 1.0, 1.0))
+say(f"F = B = W: ZB-H1's idle time / 1F1B's = {ratio:.6f} at most, over p = 2..8 and m = p, 2p, 3p")
+check.holds("F = B = W: ZB-H1's idle time <= 40% of 1F1B's (it is a third)", ratio <= 0.4)
+check.equal("ZB-H1 and 1F1B hold the same peak pairs, max over the stages (= p)",
+            [r[7] for r in zb], [r[8] for r in zb])
+
+# %% [markdown]
+# What the two schedules pay for their bubble is memory and messages. 1F1B's stage s holds at most $p-s$
+# micro-batches (chapter 9). ZB-H1 holds p pairs on every stage: a pair whose W is postponed still holds what the W
+# reads (section 4), so the later stages hold more than under 1F1B, but no stage more than 1F1B's stage 0.
+# Interleaving's warm-up is $2(p-s-1) + (v-1)p$ forwards, so stage s holds up to $\min(2(p-s-1) + (v-1)p + 1, vm)$
+# pairs, each 1/v of the stage's layers: on stage 0 about $p(1 + 1/v)$ micro-batches' worth instead of p (for p = 4,
+# v = 2: 11 pairs, 5.5 micro-batches' worth). `schedules.peak_formula` has the four closed forms
+# (`PEAK_FORMULA`), checked against `peak_held` of the built lists, stage by stage:
+
+# %%
+cases = [(kind, p, m, v) for p in (2, 4, 8) for m in (p, 2 * p, 4 * p)
+         for kind, vs in (("gpipe", (1,)), ("1f1b", (1,)), ("interleaved", (1, 2, 3, 4)), ("zb-h1", (1,)))
+         for v in vs]
+for kind, _ in KINDS:
+    say(f"  {kind:<12} peak pairs of stage s: {PEAK_FORMULA[kind]}")
+check.equal("peak pairs of every stage == peak_formula, p = 2, 4, 8, m = p..4p, v = 1..4",
+            [[peak_held(a) for a in build(kind, m, p, v)] for kind, p, m, v in cases],
+            [[peak_formula(kind, m, p, s, v) for s in range(p)] for kind, p, m, v in cases])
+say(f"p = 4, m = 8: peak pairs per stage  1F1B {[peak_held(a) for a in build('1f1b', 8, 4)]}   "
+    f"interleaved v = 2 {[peak_held(a) for a in build('interleaved', 8, 4, 2)]}   "
+    f"ZB-H1 {[peak_held(a) for a in build('zb-h1', 8, 4)]}")
+
+# %% [markdown]
+# ## 4. The W pass
+#
+# A linear layer $Y = XW + b$ has two gradients with different customers (`hsgd.ops`, the functions every model in
+# hsgd runs):
+#
+# * `linear_input_grad(dY, cache)`: $dX = dY\,W^T$. The layer below needs it next, and across a pipeline the
+#   previous stage waits for it: this is B;
+# * `linear_weight_grad(dY, cache, dW, db)`: $dW \mathrel{+}= X^T dY$, $db \mathrel{+}= \sum_n dY_n$. Nothing
+#   needs it until the optimizer step: this is W.
+#
+# `linear_backward` is the two, one after the other. A B that is split hands every weight-gradient product to a
+# `WeightGrads()` (`hsgd.wgrad`) instead of doing it: the function and its arrays, X and dY, wait there for the W.
+# Everything else a backward computes (the gradients of the LayerNorms, of the embedding, and of the projections'
+# biases, which tensor parallelism replicates) stays in B; it is O(NC), small next to the products. First the two
+# halves against NumPy's formulas:
+
+# %%
+rng = np.random.default_rng(14)
+x, w_, bias = rng.standard_normal((2, 8, 16)), rng.standard_normal((16, 32)), rng.standard_normal(32)
+dy = rng.standard_normal((2, 8, 32))                                  # (b, T, Cout): dL/dY
+_, cache = linear_forward(x, w_, bias)
+dw_fused, db_fused = np.zeros_like(w_), np.zeros_like(bias)
+dx_fused = linear_backward(dy, cache, dw_fused, db_fused)             # both halves at once
+dx_b = linear_input_grad(dy, cache)                                   # B
+dw_w, db_w = np.zeros_like(w_), np.zeros_like(bias)
+linear_weight_grad(dy, cache, dw_w, db_w)                             # W, later
+x2, dy2 = x.reshape(-1, 16), dy.reshape(-1, 32)                       # (N, Cin), (N, Cout)
+check("dX = dY W^T, dW = X^T dY, db = sum dY against NumPy",
+      max(rel_err(dx_b, dy @ w_.T), rel_err(dw_w, x2.T @ dy2), rel_err(db_w, dy2.sum(0))), 1e-12)
+check.holds("linear_backward == linear_input_grad, then linear_weight_grad: bit for bit",
+            np.array_equal(dx_fused, dx_b) and np.array_equal(dw_fused, dw_w) and np.array_equal(db_fused, db_w))
+
+# %% [markdown]
+# Now a whole stage. Every rank takes its stage of the 4-stage pipeline (4 blocks; stage 0 also the embedding,
+# stage 3 the head) and runs one micro-batch of b = 1 sequence forward, then backward twice: fused
+# (`tp_model.stage_backward`, every product at once) and split (`wg=WeightGrads()`, then `wg.run(grads, group)` for
+# every group, the W). What the B kept, on stage 0, and how many bytes it is on each stage, next to the formulas of
+# `hsgd.schedule.keep_bytes`: the forward's cache, and what the W reads, $N \cdot 8 \cdot (4C + 4C + 2d_{ff})$ per
+# block (X and dY of q/k/v, attn.proj, fc and mlp.proj, with tp = 1) and $N \cdot 8 \cdot (C + V)$ for the head:
+
+# %%
+g4 = ProcessGrid(world, dp=P // P4, pp=P4, tp=1)     # ranks 0-3 replica 0, stages 0-3; ranks 4-7 replica 1
+s4 = g4.pp_rank
+layers4 = chunk_layers(cfg.n_layers, P4)[s4]
+first4, last4 = s4 == 0, s4 == P4 - 1
+full = serial.init_params(cfg, seed=SEED, dtype="float64")
+params = {n: full[n] for n in stage_names(cfg, layers4, first4, last4)}
+idx, targets = corpus.batch(SEED, 1, 1)                                # one sequence: (1, T) each
+inp = idx if first4 else np.random.default_rng(s4).standard_normal((1, cfg.seq_len, cfg.d_model))
+dout = 1.0 if last4 else np.random.default_rng(10 + s4).standard_normal((1, cfg.seq_len, cfg.d_model))
+
+
+def backward(split):
+    """A fresh forward of the micro-batch, then its backward, fused or split into B and W. Returns (dL/d(input),
+    the gradients, the forward's cache bytes, the bytes the B kept for the W, the kept products)."""
+    _, caches = tp_model.stage_forward(params, inp, targets, cfg, g4.tp_comm, "megatron", layers4, first4, last4)
+    cache_bytes = activation_bytes(caches, params)
+    grads = serial.zeros_like_params(params)
+    wg = WeightGrads() if split else None
+    dx = tp_model.stage_backward(dout, caches, grads, g4.tp_comm, "megatron", wg=wg)
+    if not split:
+        return dx, grads, cache_bytes, 0, []
+    del caches                                         # the B is done: only the kept products are left
+    kept, later = activation_bytes([e[2] for e in wg.later], params), list(wg.later)
+    for group in wg.groups():                          # the W, group by group in backward order
+        wg.run(grads, group)
+    return dx, grads, cache_bytes, kept, later
+
+
+dx_f, grads_f, cache_bytes, _, _ = backward(split=False)
+dx_s, grads_s, _, kept_bytes, later = backward(split=True)
+if rank == 0:
+    say(f"stage 0 kept {len(later)} products for its W; those of block {layers4[0]}:")
+    for group, fn, args, names in later[-4:][::-1]:     # the backward meets a stage's first block last
+        shapes = ", ".join(str(a.shape) for a in (args[0], args[1][0]))
+        say(f"  {group:<5} {fn.__name__:<19} dY, X = {shapes:<22} -> {', '.join(names)}")
+want = keep_bytes(cfg, 1, 8, 1, "megatron", "none", (len(layers4), first4, last4))
+say("stage  cache of F (measured, formula)   kept from B to W (measured, formula)")
+for st, row in enumerate(g4.pp_comm.allgather_obj((cache_bytes, want[0], kept_bytes, want[1]))):
+    say(f"{st:>5}  {row[0]:>14,} {row[1]:>14,}   {row[2]:>16,} {row[3]:>16,}")
+check.equal("one micro-batch: cache and kept bytes == keep_bytes, every stage", (cache_bytes, kept_bytes), want)
+check.holds("split B then W == fused backward: dL/d(input) and every gradient bit-identical",
+            (dx_f is None and dx_s is None or np.array_equal(dx_f, dx_s))
+            and all(np.array_equal(grads_f[n], grads_s[n]) for n in params))
+
+# %% [markdown]
+# Why bit-identical and not only close: the W calls the same functions on the same arrays as the fused backward
+# does, and the fused backward's products do not feed anything else of the backward (dX comes from W and dY, never
+# from dW). Across a step, a parameter's gradient is the sum over the micro-batches, and floating-point addition is
+# not associative, so the order matters: every schedule here adds the micro-batches of a chunk in the order 0, 1,
+# ..., m-1 (the W's of ZB-H1 run in the order of their B's). Section 5 checks that the four schedules end a step
+# with the same bits.
+#
+# The split costs memory while it waits: the B frees the forward's cache but keeps X and dY of every linear. Some
+# X's are cached arrays themselves (the LayerNorms' outputs), and the dY's are new. For this model a kept pair holds
+# about 85% of a cached one (87% on the last stage).
+#
+# ## 5. Every schedule on the real grid
+#
+# Now training. Two layouts of the 8 ranks: a 4-stage pipeline replicated twice (dp 2 x pp 4, each replica 8 of
+# the 16 sequences, b = 1) and one 8-stage pipeline (pp 8, b = 2). Each trains 2 steps of SGD with momentum from the
+# same initialization on the same batches with each of the four schedules (interleaved with v = 2: 8 pieces of 2
+# blocks on pp 4, 16 pieces of 1 block on pp 8). The last step is measured: every stage's timeline
+# (`stage.timeline`, each action's start and end on the ranks' common clock), the pairs it held (`stage.peak_held`),
+# the activation bytes its caches and kept products reach at the peak (`stage.measure_bytes = True`, then
+# `stage.peak_bytes`), and its bytes on `pp_comm` (`grid.stats`).
+#
+# The predictions, per stage: `peak_held` of its list; `schedules.held_bytes`, which walks the list with
+# `keep_bytes`' two amounts per chunk (an F adds the chunk's cache; a fused B frees it; a split B frees the cache
+# and keeps what its W reads; the W frees that); and `pp.pp_formula`, $m(2v - [s = 0] - [s = p-1])$ messages each
+# way, of $b\,T C \cdot 8$ bytes each.
+
+# %%
+def config(pp, kind, v=1):
+    """The float64 run every schedule shares (`train_config`: SGD with momentum, validated as hsgd.train does)."""
+    return train_config(dp=P // pp, pp=pp, tp=1, steps=STEPS, batch_size=B, micro_batches=M, schedule=kind,
+                        virtual_stages=v, seed=SEED)
+
+
+def predict(g, kind, v):
+    """My stage's (actions, peak pairs, peak activation bytes, pp_comm calls and bytes) as the formulas say."""
+    p, s, b = g.pp, g.pp_rank, B // g.dp // M
+    actions = build(kind, M, p, v)[s]
+    pieces = chunk_layers(cfg.n_layers, p, v)
+    amounts = [keep_bytes(cfg, b, 8, 1, "megatron", "none", (len(pieces[c * p + s]), c * p + s == 0,
+                                                              c * p + s == p * v - 1)) for c in range(v)]
+    peak_bytes = held_bytes(actions, [a for a, _ in amounts], [k for _, k in amounts])
+    return actions, peak_held(actions), peak_bytes, pp_formula(b, cfg, M, s == 0, s == p - 1, 8, "megatron", 1, v)
+
+
+def run(g, kind, v):
+    """STEPS steps of `kind` on grid g, the last one measured; every stage's measures of replica 0 on every rank."""
+    tc = config(g.pp, kind, v)
+    trainer = HybridTrainer(cfg, g, tc)
+    for step in range(1, tc.steps + 1):
+        trainer.stage.measure_bytes = step == tc.steps
+        before = g.stats.counts()
+        trainer.step(*corpus.batch(SEED, step, B), step)
+    st = trainer.stage
+    sent = {key: n for key, n in g.stats.since(before).items() if key[0] == "pp"}   # this step on pp_comm
+    mine = (st.actions, st.peak_held, st.peak_bytes, sent)
+    stages = sorted((r for r in world.allgather((g.dp_rank, g.pp_rank, st.timeline, st.peak_held, st.peak_bytes,
+                                                  sent)) if r[0] == 0), key=lambda r: r[1])   # replica 0, by stage
+    out = dict(mine=mine, predicted=predict(g, kind, v), params=dict(trainer.params), full=trainer.full_params(),
+               timeline=[r[2] for r in stages], held=[r[3] for r in stages], bytes=[r[4] for r in stages],
+               sent=[r[5].get(("pp", "Isend"), (0, 0)) for r in stages])
+    trainer.finish()
+    trainer.free()
+    return out
+
+
+g8 = ProcessGrid(world, dp=1, pp=8, tp=1)
+results = {(g.pp, kind): run(g, kind, v) for g in (g4, g8) for kind, v in KINDS}
+ref = on_rank0(lambda: serial.sgd(cfg, config(4, "1f1b"), lambda step: corpus.batch(SEED, step, B))[0])
+say(f"8 runs of {STEPS} steps; serial SGD on one process as the reference")
+
+# %% [markdown]
+# First what makes the measurements worth reading: every run computed serial SGD's step, and the four schedules
+# computed it with the same bits. Then, per layout, every stage's measurements next to their predictions (the pairs
+# and bytes of replica 0; the checks cover every rank):
+
+# %%
+def shard_err(r, g):
+    """The largest rel_err of my parameters against serial SGD's (floor 0.02 as in chapter 4; tp = 1: the whole
+    tensor, `tp_model.shard` in general)."""
+    return max(rel_err(p, tp_model.shard(ref[n], n, g.tp_rank, g.tp, "megatron"), floor=0.02)
+               for n, p in r["params"].items())
+
+
+for g in (g4, g8):
+    pp = g.pp
+    runs = [results[pp, kind] for kind, _ in KINDS]
+    predicted = [g.pp_comm.allgather_obj(r["predicted"][1:3]) for r in runs]   # every stage's (pairs, bytes)
+    for r, pred in zip(runs, predicted):
+        r["predicted stages"] = pred                                             # for section 6
+    say(f"\npp {pp} (dp {g.dp} x pp {pp}, b = {B // g.dp // M}), per stage: pairs held and activation KiB at the "
+        f"peak, measured/predicted, and messages sent")
+    say(("stage" + "".join(f"  {title(kind, v):<24}" for kind, v in KINDS)).rstrip())
+    for st in range(pp):
+        cells = [f"{r['held'][st]:>2}/{pred[st][0]:<2} {r['bytes'][st] / 1024:5.1f}/{pred[st][1] / 1024:<5.1f} "
+                 f"{r['sent'][st][0]:>2}" for r, pred in zip(runs, predicted)]
+        say((f"{st:>5}" + "".join(f"  {c:<24}" for c in cells)).rstrip())
+    check.equal(f"pp {pp}: my stage's actions == schedules.build(kind, m, p, v)[s], all four",
+                [r["mine"][0] for r in runs], [r["predicted"][0] for r in runs])
+    check.equal(f"pp {pp}: pairs held == peak_held(actions), all four", [r["mine"][1] for r in runs],
+                [r["predicted"][1] for r in runs])
+    check.equal(f"pp {pp}: activation bytes at the peak == held_bytes, all four", [r["mine"][2] for r in runs],
+                [r["predicted"][2] for r in runs])
+    check.equal(f"pp {pp}: pp_comm calls and bytes of the step == pp_formula, all four",
+                [r["mine"][3] for r in runs], [r["predicted"][3] for r in runs])
+    check(f"pp {pp}: my parameters vs serial SGD, the worst of the four schedules",
+          max(shard_err(r, g) for r in runs))
+    diff = max(float(np.abs(r["full"][n] - runs[0]["full"][n]).max()) for r in runs for n in runs[0]["full"])
+    say(f"pp {pp}: largest difference between the four schedules' parameters: {diff}")
+    check.holds(f"pp {pp}: the four schedules' parameters bit-identical",
+                all(np.array_equal(r["full"][n], runs[0]["full"][n]) for r in runs for n in runs[0]["full"]))
+
+# %% [markdown]
+# The bytes deserve a second look. On pp 4, ZB-H1 holds 4 pairs on every stage where 1F1B holds 4, 3, 2, 1, so its
+# later stages hold more bytes, and its fullest stage is the last one, whose pairs also carry the head's arrays
+# (a kept pair there holds X and dY of the LM head, dY being (N, V)). Interleaving holds 11 half-size pairs on
+# stage 0, more bytes than 1F1B's 4 whole ones. On pp 8 with m = p = 8 the interleaved warm-up,
+# $2(p-1) + (v-1)p = 22$ forwards, is longer than the 16 a stage runs: its first four stages run all their forwards
+# before any backward, like GPipe, and hold all 8 micro-batches' worth, as 1F1B's stage 0 does. Interleaving pays
+# off when m is several times p. Next, the measured timelines of 1F1B and ZB-H1 on the 4-stage pipeline, from the
+# same runs:
+
+# %%
+def draw_measured():
+    fig, axes = pictures.figure(10, 4.2, nrows=2)
+    for ax, kind in zip(axes, ("1f1b", "zb-h1")):
+        t = results[4, kind]["timeline"]
+        draw_pipeline(ax, t, unit=1e-3, xlabel="milliseconds" if kind == "zb-h1" else "",
+                      title=f"{title(kind, 1)}, m = {M}, p = 4, measured (replica 0, step {STEPS}): bubble "
+                            f"{bubble_fraction(t):.2f}; equal-cost model {bubble_fraction(sims[kind]):.2f}")
+    return pictures.save(fig, "14_1f1b_vs_zb_h1_measured")
+
+
+path = on_rank0(draw_measured)
+say(f"picture: {path}")
+
+# %% [markdown]
+# The picture shows one measured step of 1F1B and of ZB-H1 on the four stages of replica 0, in milliseconds. The
+# order of the bars is the list's, every time; their lengths are not the equal-cost model's. At this size an action is
+# mostly Python's and MPI's fixed cost per call, the last stage also computes the head and the loss, and eight
+# ranks share two cores, where a rank waiting in `Recv` takes CPU time from those computing (chapter 9, section 5).
+# So the measured bubble is printed, never checked: it says what this machine did, not what the schedule can do.
+#
+# ## 6. The trade-off
+#
+# Per layout and schedule: the bubble three ways (the closed form for equal costs, the simulation of the same list
+# with equal costs, and measured in step 2 of the runs above), the pairs and activation bytes held at the peak (the
+# most over the stages, predicted and measured: equal, as section 5 checked stage by stage), and the messages and
+# bytes that stage 1, a middle stage, sends on `pp_comm` per step. Point-to-point bytes are sent once, so the
+# payload and the bytes sent per rank are the same number (two columns, as in every chapter).
+
+# %%
+table = []
+for g in (g4, g8):
+    for kind, v in KINDS:
+        r = results[g.pp, kind]
+        t_sim = simulate(build(kind, M, g.pp, v), M, v)
+        calls, nbytes = r["sent"][1]                                   # stage 1, a middle stage
+        pred = r["predicted stages"]
+        table.append((g.pp, title(kind, v), bubble_formula(kind, M, g.pp, v), bubble_fraction(t_sim),
+                      bubble_fraction(r["timeline"]), max(h for h, _ in pred), max(r["held"]),
+                      max(b for _, b in pred), max(r["bytes"]), calls, nbytes))
+say(f"{'':<27} {'bubble':^32}   {'pairs held':^11}   {'activation bytes':^21}   {'pp_comm, stage 1':^26}".rstrip())
+say(f"{'p':>2}  {'schedule':<23} {'formula':>9} {'simulated':>10} {'measured':>10}   {'pred':>5} {'meas':>5}   "
+    f"{'predicted':>10} {'measured':>10}   {'messages':>8} {'payload':>8} {'sent':>8}")
+for p, name, closed, sim, meas, pairs_p, pairs, act_p, act, calls, nbytes in table:
+    say(f"{p:>2}  {name:<23} {closed:>9.4f} {sim:>10.4f} {meas:>10.2f}   {pairs_p:>5} {pairs:>5}   "
+        f"{fmt_bytes(act_p):>10} {fmt_bytes(act):>10}   {calls:>8} {fmt_bytes(nbytes):>8} {fmt_bytes(nbytes):>8}")
+check("every layout and schedule: simulated bubble - closed form", max(abs(r[2] - r[3]) for r in table), 1e-12)
+
+
+def draw_tradeoff():
+    fig, ax = pictures.figure(7, 4)
+    for p, marker in ((4, "o"), (8, "s")):
+        rows = [r for r in table if r[0] == p]
+        ax.plot([r[2] for r in rows], [r[8] / 1024 for r in rows], marker, ls="none", label=f"pp {p}, m = {M}")
+        for r in rows:
+            ax.annotate(f"{r[1].split(',')[0]} ({r[9]} msgs)", (r[2], r[8] / 1024), fontsize=7,
+                        xytext=(4, 3), textcoords="offset points")
+    ax.set_xlabel("bubble, equal costs (closed form)")
+    ax.set_ylabel("activation KiB at the peak (max over stages)")
+    ax.set_title("the trade-off: bubble against memory (and messages sent by a middle stage)", fontsize=9)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    return pictures.save(fig, "14_bubble_vs_memory")
+
+
+path = on_rank0(draw_tradeoff)
+say(f"picture: {path}")
+
+# %% [markdown]
+# The picture places every schedule of both layouts by its equal-cost bubble and the activation bytes of its
+# fullest stage, with the messages a middle stage sends per step.
+#
+# Read the table from the top. GPipe and 1F1B have the same bubble and send the same messages; 1F1B holds
+# $\min(p-s, m)$ micro-batches instead of m, never more. Interleaving with v = 2 halves the fill and drain: the
+# bubble goes from 3/11 to 3/19 on pp 4 and from 7/15 to 7/23 on pp 8, for twice the messages of the same size (so
+# twice the bytes: 32 KiB instead of 16 KiB per step from a middle stage of pp 4) and more activation memory on the
+# first stages. ZB-H1 cuts the bubble further, to 1/9 and 7/31, without a single extra message, for p pairs on every
+# stage: 1F1B's peak in pairs, but not here in bytes, since its fullest stage is the last, whose pairs carry the LM
+# head's (N, V) arrays (V = 256 is large next to C = 16 in this toy). None of this changes the numbers: every
+# schedule trains serial SGD, all four to the same bit. What the measured column shows instead is that on eight
+# ranks sharing two cores the costs are neither equal nor constant; the lists stay the same, and the lab
+# (`python -m hsgd.schedule --costs F,B,W`) shows how each one would fare with other costs.
+#
+# ## Check against serial
+#
+# On 8 ranks, every verdict reached collectively: the four schedules' lists have the expected length, the static
+# check refuses a deadlocking list, a repeated forward and a W before its B, each naming the action, and accepts
+# 1F1B written by hand; the simulated bubble of every schedule equals its closed form for p = 2, 4, 8, m = p to 4p
+# and v = 2, 4, and ZB-H1's idle time per stage is $(p-1)(F+B-W)$, at most 40% of 1F1B's for equal costs, with the
+# same peak pairs; every stage of every schedule holds the peak pairs of `peak_formula`; the two halves of a linear
+# layer's backward are NumPy's formulas and bit for bit the fused one, and so is a whole stage's split backward,
+# whose kept bytes are `keep_bytes`'; and on a 4-stage and an 8-stage pipeline, every schedule runs its list, holds
+# exactly the predicted pairs and activation bytes, sends exactly `pp_formula`'s messages, and ends with serial
+# SGD's parameters, the four schedules bit-identical.
+
+# %%
+worst_what, err = check.worst([w for w in check.errors if "serial" in w])
+say(f"\nchapter 14: all {len(check.passed)} checks passed on {world.Get_size()} ranks; largest error against serial "
+    f"{err:.1e} ({worst_what})")
+g4.free()
+g8.free()
+
+# %% [markdown]
+# ## Cross-walk: hsgd and the production frameworks
+#
+# | hsgd | Megatron-LM | DeepSpeed | PyTorch | where hsgd differs, on purpose |
+# |---|---|---|---|---|
+# | a schedule is data: `schedules.build(kind, m, p, v)`, per stage a list of `Action(kind, mb, chunk)` (F, B, W), run by `Stage.run` (hsgd/stage.py) | none: each schedule is a function whose loops run the steps (`forward_backward_no_pipelining`, `forward_backward_pipelining_without_interleaving`, `forward_backward_pipelining_with_interleaving`, megatron/core/pipeline_parallel/schedules.py), picked by `get_forward_backward_func` | `PipeSchedule.steps()` yields each step's list of `PipeInstruction`s (`ForwardPass`, `BackwardPass`, `SendActivation`, `RecvGrad`, ...); `TrainSchedule` is 1F1B (deepspeed/runtime/pipe/schedule.py) | `pipeline_order`: per rank a list of `_Action(stage_index, computation_type, microbatch_index)`, `_ComputationType` F, I (input gradient), W (weight gradient), B (full backward) (torch/distributed/pipelining/schedules.py) | the messages are not in the list: they follow from the dependencies, sent when an action ends and received when the next one starts |
+# | `schedules.check` / `simulate`: `ScheduleError` naming the first action that cannot run | none | none | `_simulate_comms_compute` dry-runs a `pipeline_order` and flags deadlocks | checked by every `Stage` before its first message, and simulated with chosen costs for the pictures and the lab |
+# | `build("interleaved", m, p, v)`, `--schedule interleaved --virtual-stages v` (`pp.chunk_layers`: chunk c of stage s is piece cp + s) | `forward_backward_pipelining_with_interleaving` with `virtual_pipeline_model_parallel_size` (`ModelParallelConfig`, `parallel_state.initialize_model_parallel`): v model chunks per rank, warm-up $2(p-s-1) + (v-1)p$ | none | `ScheduleInterleaved1F1B` | the same order, written out as a list; m must be a multiple of p |
+# | `build("zb-h1", m, p, costs=(F, B, W))`, `--schedule zb-h1`; the W's products kept by `wgrad.WeightGrads` | none upstream (Qi et al. built theirs on a fork); `delay_wgrad_compute` defers weight-gradient GEMMs to overlap expert-parallel communication, not to fill a pipeline | none | `ScheduleInterleavedZeroBubble` (zero bubble over several stages per rank), `ScheduleZBVZeroBubble` (the V-shaped placement), with I and W actions | only H1, one chunk per stage; the W's are placed by simulating with given costs, so the list changes when the costs do |
+# | `schedules.bubble_formula`, `FORMULA`; `idle_per_stage`, `bubble_fraction` | the paper's $\frac{1}{v}\cdot\frac{p-1}{m}$ (idle over compute) | none | none | idle over the whole step, so the fraction stays below 1 (chapter 9) |
+#
+# ## Exercises
+#
+# ### Exercise 1: Megatron-LM's interleaved order by hand
+# Write stage s's interleaved list from its description alone: the i-th forward is micro-batch $\lfloor i/(pv)
+# \rfloor p + (i \bmod p)$ through chunk $\lfloor i/p \rfloor \bmod v$, the i-th backward the same micro-batch through
+# chunk $v - 1 - (\lfloor i/p \rfloor \bmod v)$; $\min(2(p-s-1) + (v-1)p, vm)$ warm-up forwards ($p-s-1$ for
+# v = 1), then one forward and one backward in turn, then the remaining backwards. Check it against
+# `schedules.build("interleaved", m, p, v)` for p = 2 to 6, v = 1 to 4 and m = p, 2p, 3p, that `schedules.check`
+# accepts every list, and that a chunk's backwards come in the micro-batch order 0, 1, ..., m-1 on every stage
+# (what makes the gradients bit-identical to 1F1B's). Then use the interleaved warm-up, $2(p-s-1)$, for v = 1 too
+# (Megatron-LM never does: with one chunk it runs its schedule without interleaving): check with
+# `schedules.simulate` that the bubble does not change, and count what the extra warm-up costs in pairs held.
+# (solution: `tutorials/solutions/14_pipeline_schedules.py`, `exercise_1`)
+#
+# ### Exercise 2: ZB-H1 by hand
+# Read the grid of section 2: stage s runs 1F1B's forwards and backwards, and the W of micro-batch j right after the
+# B of micro-batch j + s, the last s W's at the end. Write that list, check it against `schedules.build("zb-h1", m,
+# p)` with equal costs for p = 2 to 8 and m = p to 3p, and check with `schedules.simulate` that its idle time per
+# stage is $(p-1)(F+B-W)$ and that each stage holds p pairs at most. Then take costs (F, B, W) = (1, 1, 1/2), a W
+# half as long: is your list still the one `build` finds, and are both idle times still the formula's?
+# (solution: `tutorials/solutions/14_pipeline_schedules.py`, `exercise_2`)
+#
+# ### Exercise 3: every schedule of a small pipeline
+# For p = 2 stages and m = 2 micro-batches, list every order in which one stage can run F0, F1, B0, B1 with each
+# forward before its backward (there are 6), and every pair of such orders for the two stages (36). Write your own
+# deadlock test (run each stage as far as it can, repeat until nothing moves) and check that it accepts exactly the
+# pairs `schedules.check` accepts. How many are there, which hold the fewest pairs, and which have the smallest
+# simulated step? Do the same for p = 3 (216 triples).
+# (solution: `tutorials/solutions/14_pipeline_schedules.py`, `exercise_3`)
+#
+# ### Exercise 4: what interleaving sends
+# On the chapter's 4-stage pipeline (dp 2 x pp 4) and its 16-block model, train one step with the interleaved
+# schedule for v = 1, 2 and 4 and read the calls and bytes of `pp_comm` from `grid.stats`. Write the count by hand,
+# $m(2v - [s = 0] - [s = p-1])$ messages each way of $b\,T C \cdot 8$ bytes, and check it against the measurement
+# and `pp.pp_formula`; check that the three runs end with the same parameters bit for bit, and print each stage's
+# bytes per step next to 1F1B's.
+# (solution: `tutorials/solutions/14_pipeline_schedules.py`, `exercise_4`)
