@@ -8,9 +8,10 @@ A checkpoint is a directory `step-000123/` with
     shard-pp{s}-tp{t}.npz   the parameter shards and optimizer state of pipeline stage s, tensor rank t, written by
                             the first DP replica of that position (replicas are identical; with ZeRO the DP ranks'
                             optimizer chunks are first All-Gathered to it)
-    manifest.json           written by rank 0: model config, layout (dp, pp, tp, scheme, layers per stage), step,
-                            data position and seed (the batches are a pure function of (seed, step): that is all the
-                            random state there is), optimizer, and the SHA-256 of every shard file.
+    manifest.json           written by rank 0: model config, layout (dp, pp, tp, scheme, virtual stages, layers
+                            per piece of the model), step, data position and seed (the batches are a pure function
+                            of (seed, step): that is all the random state there is), optimizer, and the SHA-256 of
+                            every shard file.
 Writing goes into a hidden temporary directory that is renamed into place once every file and the manifest are
 on disk: a job killed while saving leaves the previous checkpoint as it was. The newest `keep` of the writing
 run's line are kept (hsgd.runs). A manifest is checked before it is trusted (hsgd.manifest).

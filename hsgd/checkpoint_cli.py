@@ -26,7 +26,7 @@ def main(argv=None):
             lay = m["layout"]
             opt = m["optimizer"]
             print(f"{m['path']}: step {m['step']}, layout dp {lay['dp']} x pp {lay['pp']} x tp {lay['tp']} "
-                  f"({lay['tp_scheme']}), layers per stage {lay['layers']}, {opt['name']} (t={opt['t']}), "
+                  f"({lay['tp_scheme']}), layers per piece {lay['layers']}, {opt['name']} (t={opt['t']}), "
                   f"{m['dtype']}\nmodel {m['model']}\nfiles (SHA-256 verified): {', '.join(sorted(m['files']))}")
     except UsageError as err:
         print(f"hsgd: error: {err}", file=sys.stderr)

@@ -7,7 +7,7 @@ every checksum (an empty `files`), or cut a model into wrong shapes. `check` the
 * its own digest (`digest`: SHA-256 of the manifest's JSON without that key, keys sorted), recorded when it was
   written: any later edit is detected;
 * its schema: every key there, of its type; the model a valid ModelConfig; the layout (dp, pp, tp, a known tensor
-  scheme, layers per stage) one that splits that model;
+  scheme, virtual stages, layers per piece) one that splits that model;
 * its files: exactly the shard names of that layout, `shard-pp{s}-tp{t}.npz` for every stage s and tensor rank t,
   each entry naming its own (s, t), a 64-digit SHA-256 and a size. Nothing else is ever opened.
 
@@ -67,7 +67,8 @@ def check(m, path, error):
     need(all(is_int(lay.get(k), 1) for k in ("dp", "pp", "tp")), "has a layout without positive dp, pp, tp")
     need(lay.get("tp_scheme") in SCHEMES, f"names an unknown tensor-parallel scheme {lay.get('tp_scheme')!r}")
     layers, v = lay.get("layers"), lay.get("virtual_stages", 1)
-    need(isinstance(layers, list) and all(is_int(x, 1) for x in layers), "has no list of layers per stage")
+    need(isinstance(layers, list) and all(is_int(x, 1) for x in layers),
+         "has no list of layers per stage (per piece with virtual stages)")
     need(is_int(v, 1), f"has virtual_stages {v!r}, not a positive integer")
     try:
         chunk_layers(cfg.n_layers, lay["pp"], v, layers)

@@ -6,15 +6,13 @@ Needs matplotlib (installed by `pip install -e '.[dev]'`, which `make train` doe
 import os
 
 from .errors import UsageError
+from .schedules import KIND_NAMES
 
 COLORS = {"forward": "#4C72B0", "backward": "#55A868", "weight gradients": "#8DBF5A", "forward and backward": "#4F8D8C",
           "optimizer": "#8172B2",
           "dp sync": "#CCB974",
           "straggler delay": "#C44E52", "Allreduce": "#DD8452", "Iallreduce": "#C44E52", "Allgather": "#64B5CD",
           "Reduce_scatter_block": "#937860", "Bcast": "#DA8BC3"}
-KIND_SPAN = {"F": "forward", "B": "backward", "W": "weight gradients"}
-
-
 def _pyplot():
     try:
         import matplotlib
@@ -87,7 +85,7 @@ def pipeline_spans(events, ranks):
     the micro-batch in its args; "F3" is the forward of micro-batch 3, as in hsgd.pp's schedules."""
     out = []
     for rank in ranks:
-        mine = [e for e in events if e.get("ph") == "X" and e["pid"] == rank and e["name"] in KIND_SPAN.values()]
+        mine = [e for e in events if e.get("ph") == "X" and e["pid"] == rank and e["name"] in KIND_NAMES.values()]
         label = lambda e: ("W" if e["name"][0] == "w" else e["name"][0].upper()) + str(e["args"]["micro_batch"]) \
             + (f".{e['args']['chunk']}" if e["args"].get("chunk") else "")              # noqa: E731
         out.append(sorted(((label(e), e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6) for e in mine),
@@ -109,7 +107,7 @@ def draw_pipeline(ax, timeline, title="", unit=1.0, xlabel="time", legend=True):
         for name, a, b in stage:
             name = str(name)                                             # "F3", "B3.1" (an Action, or its text)
             x, w = (a - t0) / unit, (b - a) / unit
-            ax.broken_barh([(x, w)], (y + 0.1, 0.8), facecolor=COLORS[KIND_SPAN.get(name[0], "backward")],
+            ax.broken_barh([(x, w)], (y + 0.1, 0.8), facecolor=COLORS[KIND_NAMES.get(name[0], "backward")],
                            edgecolor="white", linewidth=0.6)
             if w > span / 45:                                            # a label only where it fits
                 ax.text(x + w / 2, y + 0.5, name[1:], ha="center", va="center", fontsize=6, color="white")
@@ -122,7 +120,7 @@ def draw_pipeline(ax, timeline, title="", unit=1.0, xlabel="time", legend=True):
     ax.set_title(title, fontsize=8)
     if legend:
         kinds = sorted({str(n)[0] for stage in timeline for n, _, _ in stage}, key="FBW".find)
-        ax.legend(handles=[Patch(color=COLORS[KIND_SPAN[k]], label=f"{KIND_SPAN[k]} {k} j") for k in kinds],
+        ax.legend(handles=[Patch(color=COLORS[KIND_NAMES[k]], label=f"{KIND_NAMES[k]} {k} j") for k in kinds],
                   loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=6, frameon=False)
     return ax
 

@@ -54,7 +54,8 @@ def parse_split(text):
     try:
         return [int(x) for x in str(text).split(",")]
     except ValueError:
-        raise ConfigError(f"pp_split={text!r} must be layers per stage separated by commas, e.g. 2,2") from None
+        raise ConfigError(f"pp_split={text!r} must be layers per stage (per chunk with virtual stages) separated by "
+                          f"commas, e.g. 2,2") from None
 
 
 def stage_names(cfg, layers, first, last):
@@ -70,13 +71,17 @@ def stage_names(cfg, layers, first, last):
 def chunk_layers(n_layers, pp, v=1, split=None):
     """The blocks of each of the pp v model pieces (hsgd.schedules): piece k = c pp + s is chunk c of stage s.
     split: layers per piece (pp v numbers), default as even as possible. v = 1: split_layers."""
-    if v > 1 and pp * v > n_layers:
-        ok = [x for x in range(1, n_layers // pp + 1)]
+    if v == 1 or pp > n_layers:
+        return split_layers(n_layers, pp, split)                        # (its messages speak of stages)
+    if pp * v > n_layers:
+        ok = ", ".join(str(x) for x in range(1, n_layers // pp + 1))
         raise ConfigError(f"n_layers={n_layers} cannot be cut into pp x virtual_stages = {pp} x {v} = {pp * v} "
-                          f"chunks of at least one layer; use virtual_stages in {ok} or more layers")
-    if v > 1 and split is not None and len(split) != pp * v:
-        raise ConfigError(f"pp_split={','.join(map(str, split))} must give the layers of each of the pp x "
-                          f"virtual_stages = {pp * v} chunks (chunk c of stage s is entry c*pp + s)")
+                          f"chunks of at least one layer; use virtual_stages {ok} or more layers")
+    if split is not None and (len(split) != pp * v or sum(split) != n_layers or min(split) < 1):
+        even = ",".join(str(len(r)) for r in split_layers(n_layers, pp * v))
+        raise ConfigError(f"pp_split={','.join(map(str, split))} must give each of the pp x virtual_stages = "
+                          f"{pp * v} chunks at least one layer (chunk c of stage s is entry c*pp + s) and add up to "
+                          f"n_layers={n_layers}, e.g. {even}")
     return split_layers(n_layers, pp * v, split)
 
 
@@ -102,8 +107,9 @@ def pp_formula(batch_per_mb, cfg, m, first, last, itemsize, scheme="megatron", t
     """{(comm, op): (calls, bytes)} of one step on pp_comm for one stage: per micro-batch and chunk, an activation
     out and a gradient in towards the next piece (unless the chunk is the model's last piece: `last`), a gradient
     out and an activation in towards the previous one (unless it is the first: `first`), so m (2v - first - last)
-    messages each way; interleaving (v chunks) sends v times as often. A message is one activation
-    (tp_model.stage_activation_shape): (B/m, T, C), or the T-shard (B/m, T/tp, C) of the sequence scheme."""
+    messages each way: with v chunks a middle stage sends v times as often as with one, an end stage 2v - 1 times.
+    A message is one activation (tp_model.stage_activation_shape): (B/m, T, C), or the T-shard (B/m, T/tp, C) of
+    the sequence scheme."""
     from .tp_model import stage_activation_shape
     B, T, C = stage_activation_shape(scheme, batch_per_mb, cfg, tp)
     msg = B * T * C * itemsize

@@ -9,9 +9,11 @@ simulated with the relative costs of F, B and W per chunk action (--costs F,B,W;
 printed as a grid (one row per stage, one column per time slot), with the bubble (simulated, and its closed form),
 the (micro-batch, chunk) pairs and the activation bytes each stage holds at its peak, and the bytes each stage
 sends on pp_comm per step. With --run, every rank trains --steps steps of the model on the dp x pp x tp grid with
-that schedule (hsgd.stage executes the same lists), and the last step is measured: the timeline of every stage,
-the bubble as the time stages waited, the pairs and bytes held (what the caches and the kept weight-gradient
-products reach), and the bytes sent, each next to its prediction.
+that schedule and the last step is measured: the timeline of every stage, the bubble as the time stages waited,
+and the bytes sent; the pairs and bytes held (what the caches and the kept weight-gradient products reach) are
+measured in the step before (walking the caches after every action takes time). Each is printed next to its
+prediction, for the list hsgd.stage runs: zb-h1's as training builds it, for equal costs (--costs then only
+changes the simulation it is compared with). One stage (pp = 1) runs 1F1B whatever --schedule says.
 
 Activation bytes per (micro-batch, chunk), b sequences per micro-batch, s bytes per element (recompute none):
     from F to its backward: what the chunk's forward caches (hsgd.memory.activation_formula per block; the
@@ -25,8 +27,8 @@ import sys
 from .config import flag_names
 from .errors import ConfigError
 from .settings import GROUPS, MODEL_FLAGS, Layout, configs_from_args, flags_parser
-from .schedules import (FORMULA, PEAK_FORMULA, bubble_formula, bubble_fraction, build, grid, held, held_bytes,
-                        idle_per_stage, peak_formula, picture, simulate)
+from .schedules import (FORMULA, PEAK_FORMULA, bubble_formula, bubble_fraction, build, effective, grid, held_bytes,
+                        idle_per_stage, peak_formula, peak_held, picture, simulate)
 
 LAB_FLAGS = flag_names(Layout) + MODEL_FLAGS + ("batch_size", "seed", "dtype", "steps", "recompute")
 LAB_DEFAULTS = dict(pp=4, micro_batches=8, batch_size=16, steps=3, dtype="float32")
@@ -73,18 +75,21 @@ def keep_bytes(cfg, b, s, tp, scheme, recompute, chunk):
 class Plan:
     """The schedule of the flags, its simulation and its predicted quantities per stage."""
 
-    def __init__(self, cfg, tc, costs):
+    def __init__(self, cfg, tc, costs, built_with=None):
+        """built_with: the costs the list is built with (zb-h1 places its W's by them), default `costs`; --run
+        passes (1, 1, 1), the costs hsgd.stage builds with, so that the prediction is of the list that runs."""
         from .pp import chunk_layers, parse_split, pp_formula
         self.cfg, self.tc, self.costs = cfg, tc, costs
         p, m, v = tc.pp, tc.micro_batches, tc.virtual_stages
-        self.actions = build(tc.schedule, m, p, v, costs)
+        self.kind = effective(tc.schedule, p, v)                            # (one stage runs 1F1B)
+        self.actions = build(self.kind, m, p, v, built_with or costs)
         self.timeline = simulate(self.actions, m, v, costs)                 # also the static check
-        pieces = chunk_layers(cfg.n_layers, p, v, parse_split(tc.pp_split))
+        cut = chunk_layers(cfg.n_layers, p, v, parse_split(tc.pp_split))    # the p v pieces of the model
         b, s = tc.batch_size // tc.dp // m, 8 if tc.dtype == "float64" else 4
-        self.held = [max(held(a)) for a in self.actions]
+        self.held = [peak_held(a) for a in self.actions]
         self.bytes, self.sent = [], []
         for st in range(p):
-            chunks = [(len(pieces[c * p + st]), c * p + st == 0, c * p + st == p * v - 1) for c in range(v)]
+            chunks = [(len(cut[c * p + st]), c * p + st == 0, c * p + st == p * v - 1) for c in range(v)]
             kept = [keep_bytes(cfg, b, s, tc.tp, tc.tp_scheme, tc.recompute, ch) for ch in chunks]
             self.bytes.append(held_bytes(self.actions[st], [k[0] for k in kept], [k[1] for k in kept]))
             f = pp_formula(b, cfg, m, st == 0, st == p - 1, s, tc.tp_scheme, tc.tp, v)   # piece 0, piece pv-1
@@ -92,17 +97,19 @@ class Plan:
 
     def report(self, say):
         tc, (f, b, w), p, m, v = self.tc, self.costs, self.tc.pp, self.tc.micro_batches, self.tc.virtual_stages
-        closed = bubble_formula(tc.schedule, m, p, v, self.costs)
-        say(f"hsgd.schedule | {tc.schedule}" + (f", v={v} chunks per stage" if v > 1 else "") + f" | p={p} stages, "
+        kind = self.kind
+        closed = bubble_formula(kind, m, p, v, self.costs)
+        say(f"hsgd.schedule | {kind}" + (" (one stage runs 1F1B)" if kind != tc.schedule else "")
+            + (f", v={v} chunks per stage" if v > 1 else "") + f" | p={p} stages, "
             f"m={m} micro-batches | costs per chunk action F={f:g} B={b:g} W={w:g} (fused backward B+W)")
         say(grid(self.timeline))
         idle = idle_per_stage(self.timeline)
         say(f"bubble: simulated {bubble_fraction(self.timeline):.4f} of the step (idle {idle:g} time units per stage) "
-            f"| closed form {FORMULA[tc.schedule]} = "
+            f"| closed form {FORMULA[kind]} = "
             + (f"{closed:.4f}" if closed is not None else "n/a (m < p or W > min(F, B))"))
-        closed = [peak_formula(tc.schedule, m, p, s, v) for s in range(p)]
+        closed = [peak_formula(kind, m, p, s, v) for s in range(p)]
         say(f"held at the peak, per stage: (micro-batch, chunk) pairs {self.held} (closed form "
-            f"{PEAK_FORMULA[tc.schedule]}: {closed}) | activation bytes {[human(x) for x in self.bytes]}")
+            f"{PEAK_FORMULA[kind]}: {closed}) | activation bytes {[human(x) for x in self.bytes]}")
         say(f"pp_comm per stage and step: messages sent {[c for c, _ in self.sent]}, bytes "
             f"{[human(x) for _, x in self.sent]}")
 
@@ -123,13 +130,17 @@ def measure(cfg, tc, plan, say, plot):
     corpus = Corpus.load(None, cfg.seq_len)
     g = ProcessGrid(world, dp=tc.dp, pp=tc.pp, tp=tc.tp)
     trainer = HybridTrainer(cfg, g, tc)
-    for step in range(1, tc.steps + 1):
-        trainer.stage.measure_bytes = step == tc.steps
+    held_bytes_measured = 0
+    for step in range(1, tc.steps + 1):          # bytes measured one step before the timed one (walking the caches
+        trainer.stage.measure_bytes = step == max(tc.steps - 1, 1)         # after every action takes time)
         before = g.stats.counts()
         trainer.step(*corpus.batch(tc.seed, step, tc.batch_size), step)
+        if trainer.stage.measure_bytes:
+            held_bytes_measured = trainer.stage.peak_bytes
     sent = g.stats.since(before).get(("pp", "Isend"), (0, 0))
     st = trainer.stage
-    mine = (g.pp_rank, st.timeline, st.peak_held, st.peak_bytes, sent) if g.dp_rank == 0 and g.tp_rank == 0 else None
+    first = g.dp_rank == 0 and g.tp_rank == 0
+    mine = (g.pp_rank, st.timeline, st.peak_held, held_bytes_measured, sent) if first else None
     rows = sorted(r for r in (world.gather(mine) or []) if r)
     trainer.finish()
     if world.Get_rank() == 0:
@@ -186,7 +197,7 @@ def main(argv=None):
         costs = launch.agree(world, lambda: parse_costs(args.costs))
         cfg, tc = launch.agree(world, lambda: configs_from_args(lab_flags_removed(args),
                                                                 world.Get_size()))
-        plan = Plan(cfg, tc, costs)
+        plan = Plan(cfg, tc, costs, built_with=(1.0, 1.0, 1.0))            # the list training builds
         plan.report(say)
         measure(cfg, tc, plan, say, args.plot)
         return 0

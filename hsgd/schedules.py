@@ -25,7 +25,9 @@ One builder per schedule, `build(kind, m, p, v, costs)`:
     zb-h1        1F1B's forwards and backwards with B and W split (Qi et al. 2024): a W runs when the stage
                  would otherwise wait for its next input, or when one more forward would hold more than p
                  micro-batches (1F1B's peak, on stage 0); the rest at the end. Built by simulating with the
-                 given costs: the list is the order that simulation found.
+                 given costs: the list is the order that simulation found (training builds it for equal
+                 costs). Every stage may hold p pairs: 1F1B's peak in pairs; in bytes only where every
+                 stage's pairs weigh the same (a last stage that keeps the LM head's dY for its W holds more).
 Bubbles with equal costs (stage busy time over the span of the step; p stages, m micro-batches): GPipe and 1F1B
 (p-1)/(m+p-1); interleaved (p-1)/(v m + p-1), with each chunk's F and B costing 1/v of a stage's (the paper
 writes the bubble as a fraction of the ideal time, (1/v)(p-1)/m; hsgd divides by the whole step, as for the
@@ -50,6 +52,18 @@ class Action(namedtuple("Action", "kind mb chunk")):
         return f"{self.kind}{self.mb}" + (f".{self.chunk}" if self.chunk else "")
 
 
+KIND_NAMES = {"F": "forward", "B": "backward", "W": "weight gradients"}       # (trace spans, picture legends)
+
+
+def effective(kind, p, v=1):
+    """The schedule a pipeline of p stages runs for `kind`: one stage has no bubble to fill and runs F0 B0 F1 B1 ...
+    (1F1B), which holds one micro-batch at a time. Raises ConfigError for v > 1 on one stage."""
+    if p == 1 and v > 1:
+        raise ConfigError(f"virtual_stages={v} needs pp > 1: one stage holding v chunks would pass every activation "
+                          "to itself; use --pp 2 or more, or --virtual-stages 1")
+    return "1f1b" if p == 1 else kind
+
+
 class ScheduleError(ConfigError):
     """A list of actions that cannot run: a deadlock, a missing or repeated action."""
 
@@ -60,20 +74,20 @@ def gpipe(m, p, s):
     return [Action("F", j) for j in range(m)] + [Action("B", j) for j in range(m)]
 
 
-def one_f_one_b(m, p, s, kind="B"):
-    """1F1B; kind "B" fused, or the split B of zb-h1 (its W's are placed by zb_h1)."""
+def one_f_one_b(m, p, s):
+    """1F1B (zb_h1 takes its F's and B's and adds W's)."""
     warm = min(p - s - 1, m)
     acts = [Action("F", j) for j in range(warm)]
     for j in range(m - warm):
-        acts += [Action("F", warm + j), Action(kind, j)]
-    return acts + [Action(kind, j) for j in range(m - warm, m)]
+        acts += [Action("F", warm + j), Action("B", j)]
+    return acts + [Action("B", j) for j in range(m - warm, m)]
 
 
 def interleaved(m, p, s, v):
     """Megatron-LM's interleaved 1F1B for stage s (the i-th forward of a stage: micro-batch (i // pv) p + i % p,
     chunk (i // p) % v; the i-th backward the same with the chunk v-1 minus that). Warm-up: 2(p-s-1) + (v-1)p
     forwards (v = 1: p-s-1, which makes it 1F1B)."""
-    if m % p:
+    if m % p and v > 1:
         ok = [x for x in range(p, 4 * p + 1, p)]
         raise ConfigError(f"the interleaved schedule takes the micro-batches in groups of pp={p}: micro_batches={m} "
                           f"must be a multiple of {p}, e.g. {', '.join(map(str, ok))}")
@@ -92,7 +106,7 @@ def zb_h1(m, p, costs=(1.0, 1.0, 1.0)):
     """Every stage's list for ZB-H1 (see the module docstring), found by list-scheduling 1F1B's F and B (split)
     with the W's, the stages simulated together with costs (f, b, w) per action."""
     f, b, w = costs
-    order = [one_f_one_b(m, p, s, "B") for s in range(p)]
+    order = [one_f_one_b(m, p, s) for s in range(p)]
     pos, pending, held = [0] * p, [[] for _ in range(p)], [0] * p
     free, done, out = [0.0] * p, {}, [[] for _ in range(p)]
     while any(pos[s] < len(order[s]) or pending[s] for s in range(p)):
@@ -131,9 +145,7 @@ def build(kind, m, p, v=1, costs=(1.0, 1.0, 1.0)):
     if v != 1 and kind != "interleaved":
         raise ConfigError(f"virtual_stages={v} needs the interleaved schedule (schedule={kind!r} runs one chunk "
                           f"per stage); use --schedule interleaved, or --virtual-stages 1")
-    if kind == "interleaved" and v > 1 and p == 1:
-        raise ConfigError("virtual_stages > 1 needs pp > 1: one stage holding v chunks passes every activation to "
-                          "itself; use --pp 2 or more, or --virtual-stages 1")
+    effective(kind, p, v)                                               # v > 1 needs p > 1
     if kind == "zb-h1":
         return zb_h1(m, p, costs)
     if kind == "interleaved":
@@ -141,10 +153,23 @@ def build(kind, m, p, v=1, costs=(1.0, 1.0, 1.0)):
     return [(gpipe if kind == "gpipe" else one_f_one_b)(m, p, s) for s in range(p)]
 
 
+def check_options(tc):
+    """Refuse the options that do not combine with the schedules beyond GPipe and 1F1B, saying what works: ZeRO 2
+    and 3 with zb-h1 (their Reduce-Scatter runs when a layer's backward ends, before its W) and --memory (whose
+    prediction walks one chunk per stage with fused backwards). tc: a TrainConfig."""
+    if tc.pp > 1 and tc.schedule == "zb-h1" and tc.zero >= 2:
+        raise ConfigError(f"--schedule zb-h1 with --zero {tc.zero}: ZeRO {tc.zero} reduce-scatters each layer's "
+                          "gradient when its backward ends, but zb-h1 computes the weight gradients later, in W; use "
+                          "--zero 0 or 1 with zb-h1, or another schedule with --zero 2 or 3")
+    if tc.pp > 1 and tc.memory and (tc.schedule == "zb-h1" or tc.virtual_stages > 1):
+        raise ConfigError("--memory predicts a step of one chunk per stage with fused backwards (gpipe or 1f1b); "
+                          "measure interleaved and zb-h1 schedules with python -m hsgd.schedule --run")
+
+
 # ------------------------------------------------------------------------------------------------ the static check
 
 def _dependency(a, s, p, v):
-    """(kind, stage, mb) of the action that `a` on stage s waits for (None: nothing but its own stage)."""
+    """(kind, stage, mb, chunk) of the action that `a` on stage s waits for (None: nothing but its own stage)."""
     k, K = a.chunk * p + s, p * v
     if a.kind == "F":
         return None if k == 0 else ("F", (s - 1) % p, a.mb, (k - 1) // p)
@@ -280,7 +305,7 @@ def peak_formula(kind, m, p, s, v=1):
     return min(p - s, m)
 
 
-def held(actions, v=1):
+def held(actions):
     """[(micro-batch, chunk) pairs held after each action]: from its F until its backward is whole (its B if fused,
     else its W): what the stage keeps activations for."""
     split = {(a.mb, a.chunk) for a in actions if a.kind == "W"}
@@ -331,10 +356,14 @@ def picture(timeline, width=96):
 
 def grid(timeline, slot=None):
     """The timeline as a text grid: one row per stage, one column per time slot of length `slot` (default: the
-    shortest action), each cell the action running then ('.' idle)."""
-    slot = slot or min(e - s for stage in timeline for _, s, e in stage)
-    t1 = max(e for stage in timeline for _, _, e in stage)
-    n = int(round(t1 / slot))
+    shortest action that takes time), each cell the action running then ('.' idle); actions that take no time are
+    left out. When some action does not last a whole number of slots, the proportional picture() instead."""
+    spans = [e - s for stage in timeline for _, s, e in stage if e > s]
+    slot = slot or min(spans)
+    if any(abs(x / slot - round(x / slot)) > 1e-9 for stage in timeline for _, x, _ in stage) or \
+            any(abs(x / slot - round(x / slot)) > 1e-9 for x in spans):
+        return picture(timeline)
+    n = int(round(max(e for stage in timeline for _, _, e in stage) / slot))
     cells = [["."] * n for _ in timeline]
     for s, stage in enumerate(timeline):
         for a, lo, hi in stage:

@@ -32,7 +32,7 @@ from .dp import check_batch
 from .errors import ConfigError
 from .grid import check_sizes
 from .pp import chunk_layers, parse_split
-from .schedules import SCHEDULES, build
+from .schedules import SCHEDULES, build, check_options
 from .config_file import read_toml
 
 FAULTS = ("raise", "kill", "kill-in-save", "nan", "diverge")        # the KINDs of --inject-fault
@@ -48,7 +48,9 @@ class Layout:
     dp: int = flag(None, "data-parallel size: model replicas, each on its own slice of the batch",
                    shown="ranks / (pp * tp)")
     pp: int = flag(1, "pipeline stages, each holding consecutive Transformer blocks")
-    pp_split: str = flag(None, "layers per pipeline stage, e.g. 3,1", shown="as even as possible", metavar="N,N,...")
+    pp_split: str = flag(None, "layers per pipeline stage, e.g. 3,1 (with --virtual-stages v: per chunk, pp x v "
+                               "numbers, chunk c of stage s at position c*pp + s)", shown="as even as possible",
+                         metavar="N,N,...")
     schedule: str = flag("1f1b", "pipeline schedule (python -m hsgd.schedule draws them)\n"
                          "1f1b: PipeDream-Flush, one forward then one backward in the steady state\n"
                          "gpipe: all forwards, then all backwards\n"
@@ -397,16 +399,5 @@ def configs_from_args(args, world_size):
     chunk_layers(model.n_layers, tc.pp, tc.virtual_stages, parse_split(tc.pp_split))
     if tc.pp > 1 or tc.virtual_stages > 1:
         build(tc.schedule, tc.micro_batches, tc.pp, tc.virtual_stages)      # the schedule's own conditions
-    check_schedule_options(tc)
+    check_options(tc)
     return model, tc
-
-
-def check_schedule_options(tc):
-    """The options that do not yet combine with the schedules beyond GPipe and 1F1B (refused, with what works)."""
-    if tc.pp > 1 and tc.schedule == "zb-h1" and tc.zero >= 2:
-        raise ConfigError(f"--schedule zb-h1 with --zero {tc.zero}: ZeRO {tc.zero} reduce-scatters each layer's "
-                          "gradient when its backward ends, but zb-h1 computes the weight gradients later, in W; use "
-                          "--zero 0 or 1 with zb-h1, or another schedule with --zero 2 or 3")
-    if tc.pp > 1 and tc.memory and (tc.schedule == "zb-h1" or tc.virtual_stages > 1):
-        raise ConfigError("--memory predicts a step of one chunk per stage with fused backwards (gpipe or 1f1b); "
-                          "measure interleaved and zb-h1 schedules with python -m hsgd.schedule --run")

@@ -24,16 +24,16 @@ from collections import namedtuple
 
 from . import tp_model
 from .backend import get_xp, resolve_dtype, to_host
+from .errors import ConfigError
 from .hooks import NO_HOOKS
 from .pp import chunk_layers, parse_split, stage_names
-from .schedules import build, check
+from .schedules import KIND_NAMES, build, check, check_options, effective
 from .threads import cpu_threads, parallel_batches
 from .trace import NullTracer
 from .wgrad import WeightGrads
 
 # one model chunk of a stage: its piece k of the model, its blocks, whether it has the embedding / the head
 Chunk = namedtuple("Chunk", "k layers first last")
-SPAN = {"F": "forward", "B": "backward", "W": "weight gradients"}
 
 
 class Stage:
@@ -45,16 +45,17 @@ class Stage:
         self.xp, self.dtype = get_xp(tc.device), resolve_dtype(tc.dtype)   # (ZeRO-3: params may be empty here)
         self.tp_comm, self.pp_comm, self.s, p = grid.tp_comm, grid.pp_comm, grid.pp_rank, grid.pp
         self.v = v = getattr(tc, "virtual_stages", 1)
-        pieces = chunk_layers(cfg.n_layers, p, v, parse_split(tc.pp_split))
-        self.chunks = [Chunk(c * p + self.s, pieces[c * p + self.s], c * p + self.s == 0, c * p + self.s == p * v - 1)
+        kind = effective(tc.schedule, p, v)                          # (one stage: 1F1B; v > 1 refused)
+        check_options(tc)                                              # (zb-h1 with ZeRO 2/3, ...: refused)
+        cut = chunk_layers(cfg.n_layers, p, v, parse_split(tc.pp_split))     # the p v pieces of the model
+        self.chunks = [Chunk(c * p + self.s, cut[c * p + self.s], c * p + self.s == 0, c * p + self.s == p * v - 1)
                        for c in range(v)]
         self.layers = [i for ch in self.chunks for i in ch.layers]    # every block this stage holds
         self.first, self.last = self.chunks[0].first, self.chunks[-1].last
         self.names = [n for ch in self.chunks for n in stage_names(cfg, ch.layers, ch.first, ch.last)]
-        # one stage has no bubble to fill: it runs F0 B0 F1 B1 ... (1F1B), which holds one micro-batch at a time
-        kind = tc.schedule if p > 1 else "1f1b"
-        everyone = build(kind, self.m, p, v if p > 1 else 1)
-        check(everyone, self.m, v if p > 1 else 1)                     # before any message: refuses a deadlock
+        everyone = build(kind, self.m, p, v)
+        check(everyone, self.m, v)                                     # before any message: refuses a deadlock
+        check_tags(self.pp_comm, self.tag(p * v - 1, self.m - 1) + 1)
         self.actions = everyone[self.s]
         self.peak_held, self.timeline, self.measure_bytes, self.peak_bytes = 0, [], False, 0
 
@@ -85,9 +86,9 @@ class Stage:
         final = {a.chunk: i for i, a in enumerate(self.actions) if a.kind == ("W" if (a.mb, a.chunk) in split else "B")}
         for i, a in enumerate(self.actions):
             ready = on_ready if final[a.chunk] == i else None          # the chunk's groups are final after this
-            inp = self.receive(a, params, mbs)                         # the wait here is the bubble
+            inp = self.receive(a, mbs)                                 # the wait here is the bubble
             t0 = time.perf_counter()
-            with tracer.span(SPAN[a.kind], micro_batch=a.mb, chunk=a.chunk):
+            with tracer.span(KIND_NAMES[a.kind], micro_batch=a.mb, chunk=a.chunk):
                 if a.kind == "F":
                     self.forward(a, inp, params, mbs[a.mb][1])
                 elif a.kind == "B":
@@ -102,7 +103,7 @@ class Stage:
         self.sends, self.caches, self.kept = [], {}, {}                # nothing held until the next step
         return self.loss / self.m if self.last else 0.0
 
-    def receive(self, a, params, mbs):
+    def receive(self, a, mbs):
         """The input of action a: the token ids, or the activation from piece k-1 (F); dloss = 1/m on the last
         piece, or the gradient from piece k+1 (B); nothing (W)."""
         ch, p, rows = self.chunks[a.chunk], self.pp_comm.size, len(mbs[a.mb][0])
@@ -154,13 +155,13 @@ class Stage:
             self.live -= 1
 
     def weights(self, a, grads, on_ready):
-        """W: the kept weight-gradient products of a micro-batch and chunk, group by group in backward order; the
-        chunk's groups are final after its last W (on_ready)."""
+        """W: the kept weight-gradient products of a micro-batch and chunk, group by group in backward order. In the
+        chunk's last W each group is final as soon as its products are done: on_ready(group) then, so that its
+        exchange starts while the W goes on with the groups below."""
         wg = self.kept.pop((a.mb, a.chunk))
-        for group in wg.groups():
-            wg.run(grads, group)
-        if on_ready is not None:
-            for group in self.chunk_groups(self.chunks[a.chunk]):
+        for group in self.chunk_groups(self.chunks[a.chunk]):
+            wg.run(grads, group)                                       # (none for the embedding)
+            if on_ready is not None:
                 on_ready(group)
         self.live -= 1
 
@@ -200,6 +201,16 @@ class Stage:
         if not self.last:
             return self.pp_comm.comm.bcast(None, root=p - 1)
         return self.pp_comm.comm.bcast(float(to_host(xp.asarray(x))), root=p - 1)
+
+
+def check_tags(pp_comm, largest):
+    """Refuse a pipeline whose largest message tag MPI cannot carry (MPI promises tags up to 32767 at least;
+    MPI.TAG_UB says how far this one goes)."""
+    from mpi4py import MPI
+    ub = pp_comm.comm.Get_attr(MPI.TAG_UB) if hasattr(pp_comm, "comm") else None
+    if ub is not None and largest > ub:
+        raise ConfigError(f"the pipeline's messages need tags up to {largest} (2 pp v m), more than this MPI's "
+                          f"MPI_TAG_UB = {ub}; use fewer micro-batches or virtual stages")
 
 
 class ThreadedStage(Stage):

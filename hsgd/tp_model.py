@@ -288,13 +288,14 @@ def stage_backward(dout, caches, grads, comm, scheme="megatron", reduce_scatter=
 
     Each gradient group is final when on_ready(group) is called (see backward): the replicated parameters'
     gradients first go where the scheme says (sequence: partial, All-Reduced per group by finish_replicated).
-    hooks.backward(group) is entered before a group's gradients are touched and left when they are final.
+    hooks.backward(group) is entered before a group's gradients are touched and left when this pass is done with
+    them: when they are final, unless wg keeps products for later.
     wg: a WeightGrads() that keeps the weight-gradient products for a later W action (then no group is final
     here, and on_ready is not called: the caller calls it after the W); default: done at once."""
     S = make_scheme(scheme, reduce_scatter)
     params, cfg, c_emb, c_blocks, c_head = caches
     wg = wg or WeightGrads(grads)
-    ready = (on_ready if wg.grads is not None else None) or (lambda group: None)
+    ready = (None if wg.keeps else on_ready) or (lambda group: None)
     dx = dout                                                            # (B, T~, C) from stage s+1
     if c_head is not None:
         wg.group = "head"

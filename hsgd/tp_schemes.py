@@ -89,14 +89,15 @@ class Megatron:
         o += b
         return o, cache
 
-    def proj_backward(self, do, cache, grads, proj, comm, wg):
+    def proj_backward(self, do, cache, grads, prefix, comm, wg):
         """db += sum of dO over the rows held (sequence: a partial sum); dO = leave^T(dO) (B, T, C);
-        dB_i += Y_i^T dO, handed to wg (tp_model.WeightGrads: done now, or in the W pass); returns dY_i = dO B_i^T
-        (B, T, Cin/tp). proj: the projection's name prefix, e.g. "h.0.attn.proj."; grads: where db goes."""
-        db = grads[proj + "bias"]                                        # (C,) replicated
+        dB_i += Y_i^T dO, handed to wg (hsgd.wgrad.WeightGrads: done now, or in the W pass); returns dY_i = dO B_i^T
+        (B, T, Cin/tp). prefix: the projection's parameter names without weight/bias, e.g. "h.0.attn.proj.";
+        grads: where db goes (replicated: it stays in this pass)."""
+        db = grads[prefix + "bias"]                                      # (C,) replicated
         db += do.reshape(-1, do.shape[-1]).sum(axis=0)
         do = self.leave_backward(do, comm)                               # (B, T, C) g^T: identity | All-Gather
-        wg.add(linear_weight_grad, (do, cache), proj + "weight")         # (Cin/tp, C) dB_i += Y_i^T dO
+        wg.add(linear_weight_grad, (do, cache), prefix + "weight")       # (Cin/tp, C) dB_i += Y_i^T dO
         return linear_input_grad(do, cache)                              # (B, T, Cin/tp)
 
     def rows(self, T, comm):
@@ -162,12 +163,12 @@ class Gather(Megatron):
         y = allgather_forward(y_part, comm)                              # (B, T, Cin) Allgather of heads / columns
         return gather_linear_forward(y, W_part, b_part, comm)            # (B, T, C) Allgather of the outputs
 
-    def proj_backward(self, do, cache, grads, proj, comm, wg):
+    def proj_backward(self, do, cache, grads, prefix, comm, wg):
         """dA_i, db_i from my slice of dO (both split: handed to wg together); dY = Allreduce of the partial dY;
         returns my slice dY_i (B, T, Cin/tp). (tp_layers.gather_linear_backward, its weight gradient separable.)"""
         rs = self.reduce_scatter
         do_part = allgather_backward(do, comm, replicated=True, reduce_scatter=rs)   # (B, T, C/tp) my slice
-        wg.add(linear_weight_grad, (do_part, cache), proj + "weight", proj + "bias")  # dA_i += X^T dO_i, db_i
+        wg.add(linear_weight_grad, (do_part, cache), prefix + "weight", prefix + "bias")  # dA_i += X^T dO_i, db_i
         dy = linear_input_grad(do_part, cache)                           # (B, T, Cin) partial: my columns' share
         comm.Allreduce(dy)                                               # (B, T, Cin) whole dY
         return allgather_backward(dy, comm, replicated=True, reduce_scatter=rs)   # (B, T, Cin/tp) my slice

@@ -21,10 +21,18 @@ class WeightGrads:
     functions on the same arrays: the same numbers. Kept, the products hold their X and dY until run."""
 
     def __init__(self, grads=None):
-        self.grads, self.later, self.group = grads, [], None
+        self.grads, self.later = grads, []
+        self.group = None                    # the gradient group the backward pass is in (set by stage_backward)
+
+    @property
+    def keeps(self):
+        """True when the products wait for run() (a W action), False when they are done at once."""
+        return self.grads is None
 
     def add(self, fn, args, *names):
-        """fn(*args, *(the gradients of names)), now or later."""
+        """fn(*args, *(the gradients of names)), now or later. The names are looked up in the stage's own grads
+        dict, so only tensor-split parameters may come here: a replicated one (the sequence scheme accumulates
+        those in a partial buffer, tp_schemes.Sequence.replicated_grads) stays in the backward pass."""
         if self.grads is not None:
             fn(*args, *(self.grads[n] for n in names))
         else:

@@ -75,7 +75,7 @@ def test_simulated_bubbles_equal_the_closed_forms():
     assert bubble_formula("zb-h1", 2, 4) is None and bubble_formula("zb-h1", 8, 4, 1, (1, 1, 2)) is None
 
 
-def test_zero_bubble_has_a_third_of_1f1bs_bubble_with_its_peak_memory():
+def test_zero_bubble_has_a_third_of_1f1bs_bubble_with_its_peak_pairs():
     for p in (2, 4, 8):
         for m in (p, 2 * p, 4 * p):
             zb, one = build("zb-h1", m, p), build("1f1b", m, p)
@@ -145,6 +145,9 @@ def test_the_lab_without_mpi(tmp_path, capsys):
                          "virtual_stages=2 needs the interleaved schedule")):
         assert main(["--pp", "4", *args]) == 2
         assert words in capsys.readouterr().err
+    for costs in ("1,1,0", "1,1.5,0.3"):                                  # a W that takes no time; odd slots
+        assert main(["--pp", "4", "--schedule", "zb-h1", "--costs", costs]) == 0
+        assert "stage 3 |" in capsys.readouterr().out
 
 
 def test_what_the_new_schedules_do_not_combine_with_is_refused():
@@ -160,3 +163,23 @@ def test_what_the_new_schedules_do_not_combine_with_is_refused():
                                           "--batch-size", "8", *flags])
         with pytest.raises(ConfigError, match=words):
             configs_from_args(args, 4)
+
+
+def test_a_stage_with_chunks_needs_a_pipeline():
+    """One stage with v > 1 chunks would send every activation to itself: refused when the stage is built (not
+    only by the command line), and so is zb-h1 with ZeRO 2."""
+    from mpi4py import MPI
+
+    from hsgd.config import ModelConfig
+    from hsgd.errors import ConfigError
+    from hsgd.grid import ProcessGrid
+    from hsgd.settings import TrainConfig
+    from hsgd.stage import Stage
+    cfg = ModelConfig(vocab_size=256, seq_len=8, d_model=16, n_heads=4, n_layers=4, d_ff=32)
+    grid = ProcessGrid(MPI.COMM_WORLD, dp=1, pp=1, tp=1)
+    with pytest.raises(ConfigError, match="virtual_stages=2 needs pp > 1"):
+        Stage(cfg, grid, TrainConfig(schedule="interleaved", virtual_stages=2, micro_batches=2))
+    with pytest.raises(ConfigError, match="zb-h1 with --zero 2"):
+        from hsgd.schedules import check_options
+        check_options(TrainConfig(pp=2, schedule="zb-h1", zero=2))
+    grid.free()
