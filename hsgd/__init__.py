@@ -25,7 +25,8 @@ of the algorithm:
   pipeline parallelism
     hsgd.pp                 stages (and their model chunks), micro-batches, bytes on pp_comm
     hsgd.schedules          schedules as data: lists of F/B/W actions (GPipe, 1F1B, interleaved, ZB-H1), their
-                            static check, simulation, bubbles and closed forms
+                            static check and simulation
+    hsgd.timelines          what a schedule or its timeline says: bubbles, pairs and bytes held, closed forms
     hsgd.wgrad              the weight-gradient half of a backward pass, done at once or kept for a W action
     hsgd.stage              one rank's stage running its schedule (ThreadedStage: the batch split over threads)
   data parallelism (the lecture's G groups)

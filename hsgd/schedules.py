@@ -1,5 +1,6 @@
-"""Pipeline schedules as data: for every stage, the list of actions it runs in one step, and what can be said of
-such lists without running them (whether they can run at all, their timeline, bubble and memory).
+"""Pipeline schedules as data: for every stage, the list of actions it runs in one step; whether such lists can run
+at all (the static check) and their timeline when they do (hsgd.timelines: what a list or a timeline says, the
+bubble, the pairs and bytes held, their closed forms and pictures).
 
 An action is Action(kind, mb, chunk):
     F   the forward of micro-batch mb through model chunk `chunk` of this stage
@@ -37,6 +38,9 @@ W <= min(F, B) (Qi et al. 2024; with F = B = W a third).
 from collections import namedtuple
 
 from .errors import ConfigError
+# what a list or a timeline says (bubbles, closed forms, pairs and bytes held, pictures), named here too
+from .timelines import (FORMULA, PEAK_FORMULA, bubble_formula, bubble_fraction, grid, held, held_bytes,  # noqa: F401
+                        idle_per_stage, peak_formula, peak_held, picture)
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1")
 
@@ -107,7 +111,7 @@ def zb_h1(m, p, costs=(1.0, 1.0, 1.0)):
     with the W's, the stages simulated together with costs (f, b, w) per action."""
     f, b, w = costs
     order = [one_f_one_b(m, p, s) for s in range(p)]
-    pos, pending, held = [0] * p, [[] for _ in range(p)], [0] * p
+    pos, pending, live = [0] * p, [[] for _ in range(p)], [0] * p
     free, done, out = [0.0] * p, {}, [[] for _ in range(p)]
     while any(pos[s] < len(order[s]) or pending[s] for s in range(p)):
         best = None
@@ -115,7 +119,7 @@ def zb_h1(m, p, costs=(1.0, 1.0, 1.0)):
             nxt = order[s][pos[s]] if pos[s] < len(order[s]) else None
             dep = None if nxt is None else _dependency(nxt, s, p, 1)
             ready = None if nxt is None else 0.0 if dep is None else done.get(dep)
-            if pending[s] and (nxt is None or (nxt.kind == "F" and held[s] >= p)
+            if pending[s] and (nxt is None or (nxt.kind == "F" and live[s] >= p)
                                or ready is None or ready > free[s]):
                 cand = (free[s], s, pending[s][0])                        # fill the wait (or make room) with a W
             elif ready is not None:
@@ -129,10 +133,10 @@ def zb_h1(m, p, costs=(1.0, 1.0, 1.0)):
         out[s].append(a)
         if a.kind == "W":
             pending[s].pop(0)
-            held[s] -= 1
+            live[s] -= 1
         else:
             pos[s] += 1
-            held[s] += a.kind == "F"
+            live[s] += a.kind == "F"
             if a.kind == "B":
                 pending[s].append(Action("W", a.mb))
     return out
@@ -251,123 +255,3 @@ def _deadlock(actions, pos, p, v):
             f"{t}, which comes at stage {t}'s action {where[0]}" + (f", and {behind}" if behind else "") +
             "; no stage can go on")
 
-
-# ------------------------------------------------------------------------------------------------ what a timeline says
-
-def bubble_fraction(timeline):
-    """Idle fraction of the stages over the span of the step: 1 - (busy time) / (stages x makespan)."""
-    end = max(e for stage in timeline for _, _, e in stage)
-    start = min(s for stage in timeline for _, s, _ in stage)
-    busy = sum(e - s for stage in timeline for _, s, e in stage)
-    return 1.0 - busy / (len(timeline) * (end - start))
-
-
-def idle_per_stage(timeline):
-    """The step's span minus the mean busy time of a stage: the bubble as time."""
-    end = max(e for stage in timeline for _, _, e in stage)
-    start = min(s for stage in timeline for _, s, _ in stage)
-    busy = sum(e - s for stage in timeline for _, s, e in stage) / len(timeline)
-    return end - start - busy
-
-
-FORMULA = {"gpipe": "(p-1)/(m+p-1)", "1f1b": "(p-1)/(m+p-1)", "interleaved": "(p-1)/(vm+p-1)",
-           "zb-h1": "(p-1)(F+B-W)/(m(F+B+W)+(p-1)(F+B-W))"}
-
-
-def bubble_formula(kind, m, p, v=1, costs=(1.0, 1.0, 1.0)):
-    """The closed form of the module docstring (FORMULA[kind]), with costs (f, b, w) per chunk action.
-
-    zb-h1: None for m < p or w > min(f, b), where it does not apply. The simulation of zb_h1's list equals it for
-    equal costs (every p <= 8, m >= p: tests/test_schedules.py) and the unequal costs tested there; the list
-    scheduling is greedy, and for some costs (f = 3, b = w = 2, p >= 3) it leaves more idle time than this."""
-    f, b, w = costs
-    if kind == "zb-h1" and (m < p or w > min(f, b)):
-        return None
-    if kind == "zb-h1":
-        idle = (p - 1) * (f + b - w)
-        return idle / (m * (f + b + w) + idle)
-    return (p - 1) / ((v if kind == "interleaved" else 1) * m + p - 1)
-
-
-PEAK_FORMULA = {"gpipe": "m", "1f1b": "min(p-s, m)", "interleaved": "min(2(p-s-1) + (v-1)p + 1, v m)",
-                "zb-h1": "min(p, m)"}
-
-
-def peak_formula(kind, m, p, s, v=1):
-    """The (micro-batch, chunk) pairs stage s holds at its peak, in closed form (PEAK_FORMULA[kind]): its warm-up
-    forwards plus one (interleaved with v = 1 is 1F1B); zb-h1 lets every stage hold what 1F1B's stage 0 does."""
-    if kind == "gpipe":
-        return m
-    if kind == "zb-h1":
-        return min(p, m)
-    if kind == "interleaved" and v > 1:
-        return min(2 * (p - s - 1) + (v - 1) * p + 1, v * m)
-    return min(p - s, m)
-
-
-def held(actions):
-    """[(micro-batch, chunk) pairs held after each action]: from its F until its backward is whole (its B if fused,
-    else its W): what the stage keeps activations for."""
-    split = {(a.mb, a.chunk) for a in actions if a.kind == "W"}
-    live, out = 0, []
-    for a in actions:
-        live += 1 if a.kind == "F" else -1 if a.kind == "W" or (a.kind == "B" and (a.mb, a.chunk) not in split) else 0
-        out.append(live)
-    return out
-
-
-def peak_held(actions):
-    """The most (micro-batch, chunk) pairs a stage holds at once."""
-    return max(held(actions), default=0)
-
-
-def held_bytes(actions, keep, keep_after_b):
-    """The peak bytes a stage holds: keep[c] per (micro-batch, chunk c) from its F until its backward (the
-    forward's caches), replaced at a split B by keep_after_b[c] until its W (the X and dY the W reads)."""
-    split = {(a.mb, a.chunk) for a in actions if a.kind == "W"}
-    live = peak = 0
-    for a in actions:
-        if a.kind == "F":
-            live += keep[a.chunk]
-        elif a.kind == "B":
-            live += (keep_after_b[a.chunk] if (a.mb, a.chunk) in split else 0) - keep[a.chunk]
-        else:
-            live -= keep_after_b[a.chunk]
-        peak = max(peak, live)
-    return peak
-
-
-def picture(timeline, width=96):
-    """A text picture of a timeline (one row per stage): each action drawn over its duration, '.' when idle."""
-    t0 = min(s for stage in timeline for _, s, _ in stage)
-    t1 = max(e for stage in timeline for _, _, e in stage)
-    scale = width / (t1 - t0)
-    rows = []
-    for s, stage in enumerate(timeline):
-        row = ["."] * width
-        for name, a, b in stage:
-            name = str(name)
-            lo, hi = int((a - t0) * scale), max(int((a - t0) * scale) + 1, int((b - t0) * scale))
-            label = (name + "-" * width)[:hi - lo] if hi - lo >= len(name) else name[0] * (hi - lo)
-            row[lo:hi] = list(label)
-        rows.append(f"stage {s} |{''.join(row)}|")
-    return "\n".join(rows)
-
-
-def grid(timeline, slot=None):
-    """The timeline as a text grid: one row per stage, one column per time slot of length `slot` (default: the
-    shortest action that takes time), each cell the action running then ('.' idle); actions that take no time are
-    left out. When some action does not last a whole number of slots, the proportional picture() instead."""
-    spans = [e - s for stage in timeline for _, s, e in stage if e > s]
-    slot = slot or min(spans)
-    if any(abs(x / slot - round(x / slot)) > 1e-9 for stage in timeline for _, x, _ in stage) or \
-            any(abs(x / slot - round(x / slot)) > 1e-9 for x in spans):
-        return picture(timeline)
-    n = int(round(max(e for stage in timeline for _, _, e in stage) / slot))
-    cells = [["."] * n for _ in timeline]
-    for s, stage in enumerate(timeline):
-        for a, lo, hi in stage:
-            for t in range(int(round(lo / slot)), int(round(hi / slot))):
-                cells[s][t] = str(a)
-    w = max(len(c) for row in cells for c in row)
-    return "\n".join(f"stage {s} | " + " ".join(c.rjust(w) for c in row) for s, row in enumerate(cells))
