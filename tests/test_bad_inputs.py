@@ -4,6 +4,7 @@ tests/test_mpi.py covers for the layouts)."""
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -86,6 +87,13 @@ def run(*flags, cwd=None):
     return r.returncode, r.stderr
 
 
+def run_all(cases, cwds=None):
+    """run(*flags, cwd=cwd) for every flags of `cases` (and cwd of `cwds`), as many at once as there are cores (each
+    is a process of its own, mostly Python's start-up): [(exit code, stderr)], in the order of `cases`."""
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        return list(pool.map(lambda flags, cwd: run(*flags, cwd=cwd), cases, cwds or [None] * len(cases)))
+
+
 def assert_one_clear_line(code, err, words):
     print(err.strip())
     assert code == 2, err
@@ -93,11 +101,19 @@ def assert_one_clear_line(code, err, words):
     assert err.count("hsgd: error:") == 1 and "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.fixture(scope="module")
+def flag_runs(tmp_path_factory):
+    """Every case of the flag matrix run once, each in an empty folder of its own: {flags: (code, stderr, folder)}."""
+    flags = [tuple(f) for f, _ in OUT_OF_RANGE + LAYOUT]
+    folders = [tmp_path_factory.mktemp("flags") for _ in flags]
+    return {f: (*result, folder) for f, result, folder in zip(flags, run_all(flags, folders), folders)}
+
+
 @pytest.mark.parametrize("flags, words", OUT_OF_RANGE + LAYOUT, ids=[" ".join(f) for f, _ in OUT_OF_RANGE + LAYOUT])
-def test_flag_matrix(flags, words, tmp_path):
-    code, err = run(*flags, cwd=tmp_path)
+def test_flag_matrix(flags, words, flag_runs):
+    code, err, folder = flag_runs[tuple(flags)]
     assert_one_clear_line(code, err, words)
-    assert os.listdir(tmp_path) == []                                   # nothing written
+    assert os.listdir(folder) == []                                     # nothing written
 
 
 def test_data_path_matrix(tmp_path):
@@ -105,9 +121,10 @@ def test_data_path_matrix(tmp_path):
     empty.write_bytes(b"")
     short.write_bytes(b"abc")
     folder.mkdir()
-    for path, words in ((tmp_path / "missing.txt", "does not exist"), (empty, "is empty"),
-                        (short, "has 3 bytes, fewer than seq_len + 1 = 9"), (folder, "is a directory")):
-        assert_one_clear_line(*run("--data", str(path)), words)
+    cases = ((tmp_path / "missing.txt", "does not exist"), (empty, "is empty"),
+             (short, "has 3 bytes, fewer than seq_len + 1 = 9"), (folder, "is a directory"))
+    for result, (_, words) in zip(run_all([("--data", str(path)) for path, _ in cases]), cases):
+        assert_one_clear_line(*result, words)
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root reads every file: unreadable files are tested in test_errors.py")
@@ -122,11 +139,13 @@ def test_config_file_matrix(tmp_path):
     cases = {"malformed.toml": ("steps = = 1\n", "cannot be read"),
              "unknown.toml": ("step = 1\n", "has unknown keys ['step']"),
              "badvalue.toml": ("lr = -1.0\n", "lr=-1.0 must be > 0"),
-             "renamed.toml": ("grad_accum = 2\n", "grad_accum is now micro_batches")}
-    for name, (text, words) in cases.items():
-        (tmp_path / name).write_text(text)
-        assert_one_clear_line(*run("--config", str(tmp_path / name)), words)
-    assert_one_clear_line(*run("--config", str(tmp_path / "none.toml")), "does not exist")
+             "renamed.toml": ("grad_accum = 2\n", "grad_accum is now micro_batches"),
+             "none.toml": (None, "does not exist")}
+    for name, (text, _) in cases.items():
+        if text is not None:
+            (tmp_path / name).write_text(text)
+    for result, (_, words) in zip(run_all([("--config", str(tmp_path / name)) for name in cases]), cases.values()):
+        assert_one_clear_line(*result, words)
 
 
 def test_config_values_of_the_wrong_type(tmp_path):
@@ -140,11 +159,12 @@ def test_config_values_of_the_wrong_type(tmp_path):
              "log_int.toml": ("log_json = 1\n", "log_json = 1 is not a string"),
              "data_int.toml": ("data = 5\n", "data = 5 is not a string"),
              "d_model_float.toml": ("d_model = 16.0\n", "d_model = 16.0 is not an integer")}
-    for name, (text, words) in cases.items():
+    for name, (text, _) in cases.items():
         (tmp_path / name).write_text(text)
-        assert_one_clear_line(*run("--config", str(tmp_path / name)), words)
     (tmp_path / "latin1.toml").write_bytes("prompt = 'caf\u00e9'\n".encode("latin-1"))
-    assert_one_clear_line(*run("--config", str(tmp_path / "latin1.toml")), "is not UTF-8 text")
+    words = [w for _, w in cases.values()] + ["is not UTF-8 text"]
+    for result, w in zip(run_all([("--config", str(tmp_path / name)) for name in [*cases, "latin1.toml"]]), words):
+        assert_one_clear_line(*result, w)
 
 
 def test_existing_log_is_not_overwritten_by_a_failing_run(tmp_path):

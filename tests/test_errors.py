@@ -3,6 +3,7 @@ import os
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -21,7 +22,7 @@ def run_train(*flags):
     return r.returncode, r.stderr
 
 
-@pytest.mark.parametrize("flags, words", [
+BAD_FLAGS = [
     (["--n-heads", "3"], "d_model=8 is not divisible by n_heads=3"),
     (["--steps", "0"], "steps=0 must be a positive integer"),
     (["--batch-size", "-2"], "batch_size=-2 must be a positive integer"),
@@ -29,9 +30,21 @@ def run_train(*flags):
     (["--momentum", "1.5"], "momentum=1.5 must be in [0, 1)"),
     (["--eval-interval", "-1"], "eval_interval=-1 must be an integer >= 0"),
     (["--data", "/nonexistent/corpus.txt"], "does not exist"),
-])
-def test_bad_flags_exit_2_with_one_line(flags, words):
-    code, err = run_train(*flags)
+]
+
+
+@pytest.fixture(scope="module")
+def bad_flag_runs():
+    """run_train(*flags) for every case of BAD_FLAGS, as many at once as there are cores (each is a process of its
+    own, mostly Python's start-up): {flags: (exit code, stderr)}."""
+    flags = [tuple(f) for f, _ in BAD_FLAGS]
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        return dict(zip(flags, pool.map(lambda f: run_train(*f), flags)))
+
+
+@pytest.mark.parametrize("flags, words", BAD_FLAGS)
+def test_bad_flags_exit_2_with_one_line(flags, words, bad_flag_runs):
+    code, err = bad_flag_runs[tuple(flags)]
     print(f"{flags} -> exit {code}: {err.strip()}")
     assert code == 2
     assert err.startswith("hsgd: error: ") and words in err

@@ -33,7 +33,7 @@
 # 5. the alpha-beta cost model, measured on this machine and fitted; and when a step is communication-bound;
 # 6. debugging: a mismatched collective caught instead of hanging, and a rank that raises, ending the whole job.
 #
-# Run it with four ranks (about 15 s on a 2-core machine; on failure every rank raises, so it exits non-zero
+# Run it with four ranks (about 11 s on a 2-core machine; on failure every rank raises, so it exits non-zero
 # without hanging). Rank 0 draws three pictures into `$HSGD_FIGURES` (default `tutorials/figures/`):
 #
 # mpirun -n 4 python tutorials/02_collectives.py
@@ -517,8 +517,8 @@ say(f"(p = {P}; the factors 2(p-1)/p and (p-1)/p tend to 2 and 1 as p grows)")
 #   MPICH's waiting ranks poll (they spin). So ranks 0 and 1 form a communicator of their own (`Split`, chapter 3)
 #   and time each collective on it, while ranks 2 and 3 sleep in `politely_wait`. Everything below is for p = 2.
 # * **One call at a time, interleaved, medians.** Every call is timed on its own, after a `Barrier`, and the calls
-#   of all (collective, size) pairs come in a random order: a round times each message under 64 KiB 16 times,
-#   each fitted large one twice and the others once, and there are 60 rounds. The fit uses the median of each
+#   of all (collective, size) pairs come in a random order: a round times each message under 64 KiB 8 times,
+#   each fitted large one twice and the others once, and there are 40 rounds. The fit uses the median of each
 #   pair's samples (the larger of the two ranks' medians). Other programs on the machine then disturb all pairs
 #   alike, at random moments, and the median ignores the calls they hit.
 # * **Sizes where the line holds.** The sizes run from 16 B to 4 MiB, but the line is fitted only to messages of
@@ -538,14 +538,14 @@ KiB, MiB = 1 << 10, 1 << 20
 SIZES = [16, 64, 256, KiB, 4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB, MiB, 2 * MiB, 3 * MiB, 4 * MiB]  # bytes
 FITTED = [n for n in SIZES if n <= KiB or n >= 2 * MiB]           # where the line holds
 OPS = ["Sendrecv", "Bcast", "Allreduce", "Allgather", "Reduce_scatter_block", "Alltoall"]
-ROUNDS = 60
+ROUNDS = 40
 
 
 def repeats(n):
     """Timed calls per round of a message of n bytes: the short ones many times (they are cheap, and each is either
     undisturbed or delayed by a whole time slice of another program, so their medians need many samples), the
     fitted large ones twice, the middle sizes once (they are only drawn)."""
-    return 16 if n < 64 * KiB else 2 if n in FITTED else 1
+    return 8 if n < 64 * KiB else 2 if n in FITTED else 1
 
 
 TOLERANCE = 0.30                                                  # the fit vs the medians, on FITTED

@@ -584,7 +584,8 @@ check.equal("every rank: launch.run's exit code for a corrupted checkpoint", cod
 # answers for itself: "is there a checkpoint in --save-dir?" can get different answers on different nodes of a
 # cluster (a shared file system's cache right after a restart), and then some ranks go into the checkpoint's
 # collectives while the others start training. `--resume auto` is therefore decided once, on rank 0, and
-# broadcast (`train.resume`); `tests/mpi/test_resume.py` gives rank 0 and the others different folders.
+# broadcast (`train.resume`); `tests/mpi/test_zero3.py` (its checkpoint tests) gives rank 0 and the others
+# different folders.
 
 # %%
 fifo = os.path.join(TMP, "fifo", "step-000004")

@@ -134,12 +134,25 @@ def run(tc, steps=4):
     return grid, trainer, per_step, since(start)
 
 
+CPU_PARAMS = {}                     # layout -> the CPU path's parameters after the run: one run serves both paths
+
+
+def cpu_run_params(layout):
+    """The parameters the CPU path ends with in `layout` (ZeRO-3: gathered), run once: the transfer path only
+    decides how device arrays reach MPI, so both transfer paths compare with the same CPU run."""
+    if layout not in CPU_PARAMS:
+        grid, cpu, *_ = run(config(device="cpu", **LAYOUTS[layout]))
+        CPU_PARAMS[layout] = {n: np.array(p) for n, p in cpu.exchange.full_params().items()}
+        grid.free()
+    return CPU_PARAMS[layout]
+
+
 @pytest.mark.parametrize("layout", LAYOUTS, ids=list(LAYOUTS))
 def test_gpu_path_transfers_and_training(layout, transfer_path):
     kw = LAYOUTS[layout]
     gpu_grid, gpu, per_step, (to_host, d2h, staged, _) = run(config(device="gpu", **kw))
-    cpu_grid, cpu, *_ = run(config(device="cpu", **kw))
-    gpu_params, cpu_params = gpu.exchange.full_params(), cpu.exchange.full_params()   # (ZeRO-3: gathered)
+    gpu_params = gpu.exchange.full_params()                      # (ZeRO-3: gathered)
+    cpu_params = cpu_run_params(layout)
     on_device = all(type(p).__module__ == "cupy" for p in gpu_params.values())
     err = max(float(np.abs(to_numpy(gpu_params[n]) - p).max() / max(np.abs(p).max(), 0.02))
               for n, p in cpu_params.items())
@@ -150,7 +163,6 @@ def test_gpu_path_transfers_and_training(layout, transfer_path):
         f"staged, pinned allocations] {per_step}; run: {d2h} transfers = {to_host} to_host + {staged} staged; "
         f"params vs the CPU path {world_max(err):.1e}")
     gpu_grid.free()
-    cpu_grid.free()
     check(on_device and accounted and pinned_later == 0 and err <= 1e-12,
           f"on device {on_device}, accounted {accounted} {per_step}, pinned after step {settled}: {pinned_later}, "
           f"err {err:.1e}")
