@@ -198,6 +198,19 @@ def task_memory():
     return {"rows": rows, "config": {"C": 128, "L": 2, "NH": 8, "F": 512, "T": 64, "V": 256, "B": batch}}
 
 
+def alternate(trainers, idx, targets, rounds, times, after=None):
+    """`rounds` rounds of one step of every trainer in turn (so that all see the same machine noise): the slowest
+    rank's seconds appended to times[name]; after(name, trainer), if given, once each step is timed."""
+    for _ in range(rounds):
+        for name, trainer in trainers.items():
+            WORLD.Barrier()
+            t0 = time.perf_counter()
+            trainer.step(idx, targets, 1)
+            times[name].append(WORLD.allreduce(time.perf_counter() - t0, op=MPI.MAX))
+            if after is not None:
+                after(name, trainer)
+
+
 MEMCOST = {"none, zero 0": {}, "selective": dict(recompute="selective"), "full": dict(recompute="full"),
            "zero 3": dict(zero=3), "zero 3 + full": dict(zero=3, recompute="full")}
 
@@ -217,12 +230,7 @@ def task_memcost():
         before = grid.stats.counts()
         trainers[name].step(idx, targets, 1)
         traffic[name] = {f"{c} {op}": b for (c, op), (_, b) in grid.stats.since(before).items()}
-    for _ in range(rounds):
-        for name, trainer in trainers.items():
-            WORLD.Barrier()
-            t0 = time.perf_counter()
-            trainer.step(idx, targets, 1)
-            times[name].append(WORLD.allreduce(time.perf_counter() - t0, op=MPI.MAX))
+    alternate(trainers, idx, targets, rounds, times)
     for trainer in trainers.values():
         trainer.free()
         trainer.grid.free()
@@ -252,14 +260,8 @@ def task_schedules():
         trainers[name].step(idx, targets, 1)                             # warm-up (and the optimizer state)
         v = extra.get("virtual_stages", 1)
         predicted[name] = bubble_fraction(simulate(build(kind, m, n, v), m, v))
-    for _ in range(rounds):
-        for name, trainer in trainers.items():
-            WORLD.Barrier()
-            t0 = time.perf_counter()
-            trainer.step(idx, targets, 1)
-            times[name].append(WORLD.allreduce(time.perf_counter() - t0, op=MPI.MAX))
-            timeline = WORLD.allgather(trainer.stage.timeline)
-            bubbles[name].append(bubble_fraction(timeline))
+    alternate(trainers, idx, targets, rounds, times,
+              after=lambda name, tr: bubbles[name].append(bubble_fraction(WORLD.allgather(tr.stage.timeline))))
     for trainer in trainers.values():
         trainer.free()
         trainer.grid.free()

@@ -85,6 +85,13 @@ def chunk_layers(n_layers, pp, v=1, split=None):
     return split_layers(n_layers, pp * v, split)
 
 
+def stage_chunks(n_layers, pp, s, v=1, split=None):
+    """Stage s's chunks, [(k, layers, first, last)]: chunk c is the model's piece k = c pp + s (chunk_layers), first
+    when it is piece 0 (the embedding), last when it is piece pp v - 1 (the head and the loss)."""
+    cut = chunk_layers(n_layers, pp, v, split)
+    return [(c * pp + s, cut[c * pp + s], c * pp + s == 0, c * pp + s == pp * v - 1) for c in range(v)]
+
+
 # The schedules live in hsgd.schedules (lists of Actions, their check and simulation); the names below are the
 # short forms chapter 9 uses for one chunk per stage.
 

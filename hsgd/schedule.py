@@ -78,18 +78,18 @@ class Plan:
     def __init__(self, cfg, tc, costs, built_with=None):
         """built_with: the costs the list is built with (zb-h1 places its W's by them), default `costs`; --run
         passes (1, 1, 1), the costs hsgd.stage builds with, so that the prediction is of the list that runs."""
-        from .pp import chunk_layers, parse_split, pp_formula
+        from .pp import parse_split, pp_formula, stage_chunks
         self.cfg, self.tc, self.costs = cfg, tc, costs
         p, m, v = tc.pp, tc.micro_batches, tc.virtual_stages
         self.kind = effective(tc.schedule, p, v)                            # (one stage runs 1F1B)
         self.actions = build(self.kind, m, p, v, built_with or costs)
         self.timeline = simulate(self.actions, m, v, costs)                 # also the static check
-        cut = chunk_layers(cfg.n_layers, p, v, parse_split(tc.pp_split))    # the p v pieces of the model
-        b, s = tc.batch_size // tc.dp // m, 8 if tc.dtype == "float64" else 4
+        b, s, split = tc.batch_size // tc.dp // m, 8 if tc.dtype == "float64" else 4, parse_split(tc.pp_split)
         self.held = [peak_held(a) for a in self.actions]
         self.bytes, self.sent = [], []
         for st in range(p):
-            chunks = [(len(cut[c * p + st]), c * p + st == 0, c * p + st == p * v - 1) for c in range(v)]
+            chunks = [(len(layers), first, last)
+                      for _, layers, first, last in stage_chunks(cfg.n_layers, p, st, v, split)]
             kept = [keep_bytes(cfg, b, s, tc.tp, tc.tp_scheme, tc.recompute, ch) for ch in chunks]
             self.bytes.append(held_bytes(self.actions[st], [k[0] for k in kept], [k[1] for k in kept]))
             f = pp_formula(b, cfg, m, st == 0, st == p - 1, s, tc.tp_scheme, tc.tp, v)   # piece 0, piece pv-1

@@ -157,6 +157,16 @@ def build(kind, m, p, v=1, costs=(1.0, 1.0, 1.0)):
     return [(gpipe if kind == "gpipe" else one_f_one_b)(m, p, s) for s in range(p)]
 
 
+def check_pipeline(n_layers, tc):
+    """Everything a pipeline's flags must satisfy before any work: the layers cut into pp x virtual_stages chunks,
+    the schedule's own conditions (build), and the options it combines with (check_options)."""
+    from .pp import chunk_layers, parse_split
+    chunk_layers(n_layers, tc.pp, tc.virtual_stages, parse_split(tc.pp_split))
+    if tc.pp > 1 or tc.virtual_stages > 1:
+        build(tc.schedule, tc.micro_batches, tc.pp, tc.virtual_stages)
+    check_options(tc)
+
+
 def check_options(tc):
     """Refuse the options that do not combine with the schedules beyond GPipe and 1F1B, saying what works: ZeRO 2
     and 3 with zb-h1 (their Reduce-Scatter runs when a layer's backward ends, before its W) and --memory (whose

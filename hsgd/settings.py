@@ -31,8 +31,7 @@ from .config import ModelConfig, check_nonnegative_int, check_positive_int, flag
 from .dp import check_batch
 from .errors import ConfigError
 from .grid import check_sizes
-from .pp import chunk_layers, parse_split
-from .schedules import SCHEDULES, build, check_options
+from .schedules import SCHEDULES, check_pipeline
 from .config_file import read_toml
 
 FAULTS = ("raise", "kill", "kill-in-save", "nan", "diverge")        # the KINDs of --inject-fault
@@ -396,8 +395,5 @@ def configs_from_args(args, world_size):
     tc.check_targets(world_size, tc.steps)
     tp_model.check_tp(model, tc.tp, tc.tp_scheme)
     check_batch(tc.batch_size, tc.dp, tc.micro_batches)
-    chunk_layers(model.n_layers, tc.pp, tc.virtual_stages, parse_split(tc.pp_split))
-    if tc.pp > 1 or tc.virtual_stages > 1:
-        build(tc.schedule, tc.micro_batches, tc.pp, tc.virtual_stages)      # the schedule's own conditions
-    check_options(tc)
+    check_pipeline(model.n_layers, tc)                                   # layers per chunk, the schedule
     return model, tc

@@ -26,7 +26,7 @@ from . import tp_model
 from .backend import get_xp, resolve_dtype, to_host
 from .errors import ConfigError
 from .hooks import NO_HOOKS
-from .pp import chunk_layers, parse_split, stage_names
+from .pp import parse_split, stage_chunks, stage_names
 from .schedules import KIND_NAMES, build, check, check_options, effective
 from .threads import cpu_threads, parallel_batches
 from .trace import NullTracer
@@ -47,9 +47,7 @@ class Stage:
         self.v = v = getattr(tc, "virtual_stages", 1)
         kind = effective(tc.schedule, p, v)                          # (one stage: 1F1B; v > 1 refused)
         check_options(tc)                                              # (zb-h1 with ZeRO 2/3, ...: refused)
-        cut = chunk_layers(cfg.n_layers, p, v, parse_split(tc.pp_split))     # the p v pieces of the model
-        self.chunks = [Chunk(c * p + self.s, cut[c * p + self.s], c * p + self.s == 0, c * p + self.s == p * v - 1)
-                       for c in range(v)]
+        self.chunks = [Chunk(*ch) for ch in stage_chunks(cfg.n_layers, p, self.s, v, parse_split(tc.pp_split))]
         self.layers = [i for ch in self.chunks for i in ch.layers]    # every block this stage holds
         self.first, self.last = self.chunks[0].first, self.chunks[-1].last
         self.names = [n for ch in self.chunks for n in stage_names(cfg, ch.layers, ch.first, ch.last)]
