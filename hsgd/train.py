@@ -170,10 +170,11 @@ def loop(run):
         for step in range(run.start, tc.steps + 1):
             dog.started(step)
             info = one_step(run, step, faults)
+            stopping = stop.agreed(run.world)                              # one Allreduce, timed with the step
             dog.done()
             run.progress.step(step, info)
-            saved = at_intervals(run, step, faults)
-            if stop.agreed(run.world):                                     # one Allreduce: every rank stops here
+            saved = at_intervals(run, step, faults, dog)
+            if stopping:                                                   # every rank stops here
                 stop_after_signal(run, step, stop.signum_agreed, saved)
     trainer.finish()
     run.wall = time.perf_counter() - t0
@@ -224,7 +225,7 @@ def stop_after_signal(run, step, signum, saved):
     raise Stopped(f"{name} after step {step}; checkpoint {path}; continue with --resume auto")
 
 
-def at_intervals(run, step, faults):
+def at_intervals(run, step, faults, dog):
     """--check-replicas, checkpoints (--save-interval and after the last step), validation (--eval-interval).
     Returns the path of the checkpoint written, or None."""
     tc, trainer, path = run.tc, run.trainer, None
@@ -244,7 +245,9 @@ def at_intervals(run, step, faults):
                 run.say(f"{e}; training goes on, the next save is tried at step "
                         f"{min(step + tc.save_interval, tc.steps)}")
     if tc.eval_interval and step % tc.eval_interval == 0 and step != tc.steps:
+        dog.validating(step, tc.eval_batches)                              # timed: S per batch
         run.val_points.append((step, trainer.evaluate(run.corpus, tc.eval_batches, tc.batch_size)))
+        dog.done()
         run.progress.validation(step, run.val_points[-1][1])
     return path
 

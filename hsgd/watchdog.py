@@ -5,8 +5,11 @@ waiting in the step's next collective, at full CPU, until the job's wall-clock l
 reported. Each rank therefore runs a watchdog thread that looks at the clock of the current step every so often;
 when a step has run longer than S seconds, the rank that notices first prints one line to stderr (the step, how
 long it ran, how long the steps before it took) and calls MPI_Abort with exit code 5, which ends every rank of the
-job. Only the steps themselves are timed, not evaluations or checkpoints between them. 0 (the default) turns it
-off; set S well above the slowest step you expect (the first includes warm-up).
+job. A step is timed together with the stop agreement that closes it (the one-number Allreduce of every rank's
+signal flag), so that a rank stopped after the step's last collective is caught too. A validation is timed with a
+limit of S per validation batch (one batch's forward pass is less work than a step). Checkpoints are not timed: a
+save takes as long as the file system makes it. 0 (the default) turns it off; set S well above the slowest step
+you expect (the first includes warm-up).
 """
 import sys
 import threading
@@ -19,6 +22,7 @@ class Watchdog:
     def __init__(self, seconds, world):
         self.seconds, self.world = seconds, world
         self.step, self.t0, self.longest = None, None, 0.0
+        self.what, self.limit = None, seconds           # what is timed now ("step 7"), and its limit in seconds
         self.stop = threading.Event()
 
     def __enter__(self):
@@ -31,21 +35,31 @@ class Watchdog:
         return False
 
     def started(self, step):
+        """Step `step` (and the stop agreement after it) starts: limit S."""
+        self.what, self.limit = None, self.seconds
+        self.step, self.t0 = step, time.monotonic()
+
+    def validating(self, step, batches):
+        """The validation after step `step` starts: limit S x batches."""
+        self.what, self.limit = f"the validation after step {step}", self.seconds * batches
         self.step, self.t0 = step, time.monotonic()
 
     def done(self):
-        self.longest = max(self.longest, time.monotonic() - self.t0)
+        if self.what is None:
+            self.longest = max(self.longest, time.monotonic() - self.t0)
         self.t0 = None
 
     def watch(self):
         while not self.stop.wait(min(1.0, self.seconds / 4)):
-            t0, step = self.t0, self.step
-            if t0 is not None and time.monotonic() - t0 > self.seconds:
+            t0, step, what, limit = self.t0, self.step, self.what, self.limit
+            if t0 is not None and time.monotonic() - t0 > limit:
                 rank = self.world.Get_rank()
                 before = f"the steps before it took at most {self.longest:.2f} s" if self.longest else "the first step"
-                sys.stderr.write(f"[rank {rank}] hsgd: stopped: step {step} has run for more than --step-timeout "
-                                 f"{self.seconds:g} s ({before}): a rank has stopped, or waits in a collective that "
-                                 "cannot complete; ending the job (MPI_Abort)\n")
+                timed = f"step {step} has run for more than --step-timeout {self.seconds:g} s ({before})" \
+                    if what is None else (f"{what} has run for more than {limit:g} s (--step-timeout "
+                                          f"{self.seconds:g} s per validation batch)")
+                sys.stderr.write(f"[rank {rank}] hsgd: stopped: {timed}: a rank has stopped, or waits in a collective "
+                                 "that cannot complete; ending the job (MPI_Abort)\n")
                 sys.stderr.flush()
                 time.sleep(0.5)
                 self.world.Abort(EXIT_TIMEOUT)
