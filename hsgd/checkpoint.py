@@ -85,7 +85,7 @@ def save(trainer, step, save_dir, keep=3, kill_in_save=False, identity=None):
     if error is not None:                                               # rank 0 could not even make the folder
         raise not_written(step, f"{error} on rank 0", save_dir)
     entry = None
-    if grid.dp_rank == 0:                                               # one writer per (stage, tensor rank)
+    if grid.dp_comm.rank == 0:                                          # one writer per (stage, tensor rank)
         entry, error = attempt(lambda: write_shard(trainer, params, state, tmp))
     if kill_in_save:                                                    # fault injection: die mid-save
         os.kill(os.getpid(), signal.SIGKILL)

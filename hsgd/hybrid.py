@@ -77,7 +77,8 @@ class HybridTrainer:
         stats, m = self.grid.stats, self.tc.micro_batches
         self.t_start, self.tp_start = time.perf_counter(), stats.seconds("tp")
         rows = dp_rows(len(idx), self.grid.dp, self.grid.dp_rank)                   # 1. my group's slice
-        mbs = [(idx[mb], targets[mb]) for mb in micro_batches(rows, m)]             # 2. its micro-batches
+        local = self.stage.ctx.local                                                #    my positions (cp)
+        mbs = [(local(idx[mb]), local(targets[mb])) for mb in micro_batches(rows, m)]   # 2. its micro-batches
         buf = self.exchange.begin()                                                 # zeroed gradient buffer
         self.grads = buf.views
         loss = self.stage.run(self.params, self.grads, mbs, self.exchange.on_ready, self.tracer, self.hooks())
@@ -112,17 +113,18 @@ class HybridTrainer:
                         stats.seconds("tp") - self.tp_start, self.dp_waited + stats.seconds("dp") - self.dp_start)
 
     def global_loss(self, group_loss):
-        """The global batch's loss from this DP group's (held by the last stage): metadata, pickled."""
+        """The global batch's loss from this DP group's (held by the last stage; with context parallelism its cp
+        ranks' losses of their positions, which are averaged too): metadata, pickled."""
         grid = self.grid
-        return grid.dp_comm.comm.allreduce(grid.pp_comm.comm.bcast(group_loss, root=grid.pp - 1)) / grid.dp
+        return grid.dp_comm.comm.allreduce(grid.pp_comm.comm.bcast(group_loss, root=grid.pp - 1)) / grid.dp_comm.size
 
     def evaluate(self, corpus, n_batches, batch_size):
         """Mean loss over n_batches fixed validation batches; rows split over the dp groups like training."""
-        rows, total = dp_rows(batch_size, self.grid.dp, self.grid.dp_rank), 0.0
+        rows, total, local = dp_rows(batch_size, self.grid.dp, self.grid.dp_rank), 0.0, self.stage.ctx.local
         for i in range(n_batches):
             idx, targets = corpus.batch(self.tc.seed, i, batch_size, split="val")
-            total += self.stage.loss_only(self.params, idx[rows], targets[rows], self.exchange.hooks)
-        return self.grid.dp_comm.comm.allreduce(total) / (self.grid.dp * n_batches)
+            total += self.stage.loss_only(self.params, local(idx[rows]), local(targets[rows]), self.exchange.hooks)
+        return self.grid.dp_comm.comm.allreduce(total) / (self.grid.dp_comm.size * n_batches)
 
     # ------------------------------------------------------------------------------------------ reports
     def averaged_grads(self):

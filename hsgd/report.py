@@ -40,7 +40,7 @@ def step_formula(cfg, tc, trainer):
 def report_pipeline(world, grid, tc, trainer, say):
     """The last step's measured schedule: a text picture, the bubble fraction and the micro-batches held."""
     st = trainer.stage
-    mine = (grid.pp_rank, st.timeline, st.peak_held) if grid.dp_rank == 0 and grid.tp_rank == 0 else None
+    mine = (grid.pp_rank, st.timeline, st.peak_held) if grid.dp_comm.rank == 0 and grid.tp_rank == 0 else None
     stages = sorted(r for r in (world.gather(mine) or []) if r)
     if not stages:
         return
@@ -60,8 +60,8 @@ def report_pipeline(world, grid, tc, trainer, say):
 def report_comm(world, grid, measured_step, per_step, formula, say):
     """Bytes of one step on each communicator: measured (CommStats) next to the formula, for the first rank of
     every pipeline stage (the stages differ)."""
-    reports = world.gather((grid.pp_rank, per_step, formula) if grid.dp_rank == 0 and grid.tp_rank == 0 else None)
-    sizes = {"tp": grid.tp, "dp": grid.dp, "pp": grid.pp}
+    reports = world.gather((grid.pp_rank, per_step, formula) if grid.dp_comm.rank == 0 and grid.tp_rank == 0 else None)
+    sizes = {"tp": grid.tp, "dp": grid.dp_comm.size, "pp": grid.pp, "cp": grid.cp}
     for stage, measured, expected in sorted(r for r in (reports or []) if r):
         say(f"communication per step on each rank{f' of stage {stage}' if grid.pp > 1 else ''}, step "
             f"{measured_step} (measured | formula):")
@@ -92,7 +92,7 @@ def report_traffic(world, grid, tc, trainer, per_step, say):
     names = {grid.dp_comm.name} | {c.name for c in ex.comms()}
     psi = ex.size * trainer.dtype.itemsize
     row = None
-    if grid.dp_rank == 0 and grid.tp_rank == 0:
+    if grid.dp_comm.rank == 0 and grid.tp_rank == 0:
         st, rows = trainer.stage, tc.batch_size // grid.dp // m
         plain = dict(per_step)
         repeated = {}

@@ -139,7 +139,7 @@ def measure(cfg, tc, plan, say, plot):
             held_bytes_measured = trainer.stage.peak_bytes
     sent = g.stats.since(before).get(("pp", "Isend"), (0, 0))
     st = trainer.stage
-    first = g.dp_rank == 0 and g.tp_rank == 0
+    first = g.dp_comm.rank == 0 and g.tp_rank == 0
     mine = (g.pp_rank, st.timeline, st.peak_held, held_bytes_measured, sent) if first else None
     rows = sorted(r for r in (world.gather(mine) or []) if r)
     trainer.finish()

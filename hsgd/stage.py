@@ -24,6 +24,7 @@ from collections import namedtuple
 
 from . import tp_model
 from .backend import get_xp, resolve_dtype, to_host
+from .context import make_context
 from .errors import ConfigError
 from .hooks import NO_HOOKS
 from .pp import parse_split, stage_chunks, stage_names
@@ -44,6 +45,7 @@ class Stage:
         self.recompute = getattr(tc, "recompute", "none")             # what the blocks keep (tp_model.block_forward)
         self.xp, self.dtype = get_xp(tc.device), resolve_dtype(tc.dtype)   # (ZeRO-3: params may be empty here)
         self.tp_comm, self.pp_comm, self.s, p = grid.tp_comm, grid.pp_comm, grid.pp_rank, grid.pp
+        self.ctx = make_context(cfg, grid, tc)                         # my positions of each sequence (hsgd.context)
         self.v = v = getattr(tc, "virtual_stages", 1)
         kind = effective(tc.schedule, p, v)                          # (one stage: 1F1B; v > 1 refused)
         check_options(tc)                                              # (zb-h1 with ZeRO 2/3, ...: refused)
@@ -127,7 +129,7 @@ class Stage:
         xp, ch = self.xp, self.chunks[a.chunk]
         out, self.caches[a.mb, a.chunk] = tp_model.stage_forward(params, inp, xp.asarray(targets), self.cfg,
                                                                  self.tp_comm, self.scheme, ch.layers, ch.first,
-                                                                 ch.last, self.hooks, self.recompute)
+                                                                 ch.last, self.hooks, self.recompute, self.ctx)
         if ch.last:
             self.loss = self.loss + out                                # stays on the device
         else:
@@ -193,7 +195,7 @@ class Stage:
         for ch in self.chunks:
             inp = xp.asarray(idx) if ch.first else self.recv_activation(len(idx), source=(self.s - 1) % p, tag=ch.k)
             x, _ = tp_model.stage_forward(params, inp, xp.asarray(targets), self.cfg, self.tp_comm, self.scheme,
-                                          ch.layers, ch.first, ch.last, hooks or NO_HOOKS)
+                                          ch.layers, ch.first, ch.last, hooks or NO_HOOKS, ctx=self.ctx)
             if not ch.last:
                 self.pp_comm.Isend(xp.ascontiguousarray(x), dest=(self.s + 1) % p, tag=ch.k + 1).Wait()
         if not self.last:
@@ -265,5 +267,7 @@ class ThreadedStage(Stage):
 
 
 def make_stage(cfg, grid, tc):
-    """This rank's stage: a ThreadedStage when it holds the whole model alone (pp = 1, tp = 1), else a Stage."""
-    return ThreadedStage(cfg, grid, tc) if grid.pp == 1 and grid.tp == 1 else Stage(cfg, grid, tc)
+    """This rank's stage: a ThreadedStage when it holds the whole model and sequence alone (pp = tp = cp = 1), else
+    a Stage."""
+    alone = grid.pp == 1 and grid.tp == 1 and getattr(grid, "cp", 1) == 1
+    return ThreadedStage(cfg, grid, tc) if alone else Stage(cfg, grid, tc)

@@ -29,10 +29,11 @@ from collections import namedtuple
 
 from . import serial
 from .backend import array_module
+from .context import WHOLE
 from .errors import ConfigError
 from .hooks import NO_HOOKS
 from .wgrad import WeightGrads
-from .ops import (attention_backward, attention_forward, gelu_backward, gelu_forward, layernorm_backward,
+from .ops import (gelu_backward, gelu_forward, layernorm_backward,
                   layernorm_forward, linear_forward, linear_input_grad, linear_weight_grad, qkv_forward,
                   qkv_input_grad, qkv_weight_grad)
 from .tp_layers import (vocab_cross_entropy_backward, vocab_cross_entropy_forward, vocab_lookup_backward,
@@ -115,12 +116,14 @@ RECOMPUTE = ("none", "selective", "full")
 
 
 # what a stage's forward keeps for its backward: the parameters dict (ZeRO-3 fills it group by group), the model
-# config, the embedding's cache (first stage), [(i, block i's cache)], the head's cache (last stage)
-StageCache = namedtuple("StageCache", "params cfg emb blocks head")
+# config, the embedding's cache (first stage), [(i, block i's cache)], the head's cache (last stage), the context
+# layout (hsgd.context: which positions this rank holds, and its core attention)
+StageCache = namedtuple("StageCache", "params cfg emb blocks head ctx")
 
 
-def block_forward(x, p, h, cfg, comm, S, recompute="none"):
-    """x + Attn(LN1(x)), then + MLP(LN2(x)), on this rank's heads and MLP columns. x: (B, T~, C).
+def block_forward(x, p, h, cfg, comm, S, recompute="none", ctx=WHOLE):
+    """x + Attn(LN1(x)), then + MLP(LN2(x)), on this rank's heads and MLP columns. x: (B, T~, C). ctx: the context
+    layout (hsgd.context): the rank's positions of the sequence (T here is T/cp of them) and its core attention.
 
     The cache holds activations only, never a parameter (block_backward takes them from p again: ZeRO-3 frees
     a layer's parameters between its forward and its backward). recompute (Korthikanti et al. 2022):
@@ -129,15 +132,15 @@ def block_forward(x, p, h, cfg, comm, S, recompute="none"):
                    computed again in the backward pass (no communication);
       "full"       only the block's input x: the whole forward runs again in the backward pass, collectives too."""
     if recompute == "full":
-        y, _ = block_forward(x, p, h, cfg, comm, S)                      # everything it caches is dropped here
+        y, _ = block_forward(x, p, h, cfg, comm, S, ctx=ctx)             # everything it caches is dropped here
         return y, ("full", x)
     nh = cfg.n_heads // comm.size                                        # local heads
     a, c_ln1 = layernorm_forward(x, p[h + "ln1.weight"], p[h + "ln1.bias"])          # (B, T~, C)
     a_in = S.enter_forward(a, comm)                                      # (B, T, C) f: identity | gather_T: All-Gather
     # q = a_in Wq_i + bq_i, k = ..., v = ...: three column-parallel linears, computed as one product (ops.qkv_forward)
     q, k, v, _ = qkv_forward(a_in, *(p[h + f"attn.{n}.{w}"] for n in "qkv" for w in ("weight", "bias")))
-    y, c_att = attention_forward(q, k, v, nh)                            # (B, T, C/tp) heads are independent
-    if recompute == "selective":
+    y, c_att = ctx.attention_forward(q, k, v, nh)                        # (B, T, C/tp) heads are independent
+    if recompute == "selective" and ctx.keeps_probabilities:
         c_att = ("qkv", q, k, v)                                         # (B, T, C/tp) x 3: probabilities dropped
     o, c_proj = S.proj_forward(y, p[h + "attn.proj.weight"], p[h + "attn.proj.bias"], comm)  # (B, T~, C) leaves
     x = x + o
@@ -152,30 +155,30 @@ def block_forward(x, p, h, cfg, comm, S, recompute="none"):
     return x, (c_ln1[:-1], a, c_att, c_proj[:-1], c_ln2[:-1], m, c_gelu, c_mproj[:-1])
 
 
-def recompute_block(x, p, h, cfg, comm, S):
+def recompute_block(x, p, h, cfg, comm, S, ctx=WHOLE):
     """--recompute full, in the backward pass: block_forward again from the block's input x (B, T~, C), its
     tensor-parallel collectives included; returns the cache that "none" would have kept. Bit-identical: the
     same operations on the same numbers."""
-    return block_forward(x, p, h, cfg, comm, S)[1]
+    return block_forward(x, p, h, cfg, comm, S, ctx=ctx)[1]
 
 
-def recompute_attention(q, k, v, nh):
+def recompute_attention(q, k, v, nh, ctx=WHOLE):
     """--recompute selective, in the backward pass: the core attention again from q, k, v (B, T, C/tp); returns
     attention_forward's cache, the probabilities (B, NH/tp, T, T) included."""
-    return attention_forward(q, k, v, nh)[1]
+    return ctx.attention_forward(q, k, v, nh)[1]
 
 
-def block_backward(dx, cache, grads, h, comm, S, p, cfg, hooks=NO_HOOKS, wg=None):
+def block_backward(dx, cache, grads, h, comm, S, p, cfg, hooks=NO_HOOKS, wg=None, ctx=WHOLE):
     """block_forward read from the bottom up; every collective is the adjoint of one in the forward pass.
     dx: (B, T~, C); p: the parameters (the weights the caches dropped); wg: where the weight-gradient products
-    go (WeightGrads; default: done at once into grads)."""
+    go (WeightGrads; default: done at once into grads); ctx: the context layout of the forward pass."""
     wg = wg or WeightGrads(grads)
     recomputed = isinstance(cache[0], str)                               # ("full", x)
     if recomputed:
-        cache = recompute_block(cache[1], p, h, cfg, comm, S)            # the forward again, collectives too
+        cache = recompute_block(cache[1], p, h, cfg, comm, S, ctx)       # the forward again, collectives too
     c_ln1, a, c_att, c_proj, c_ln2, m, c_gelu, c_mproj = cache
     if isinstance(c_att[0], str):                                        # ("qkv", q, k, v)
-        c_att = recompute_attention(*c_att[1:], cfg.n_heads // comm.size)   # the probabilities again
+        c_att = recompute_attention(*c_att[1:], cfg.n_heads // comm.size, ctx)   # the probabilities again
         hooks.point(h[:-1], "recomputed")
     elif recomputed:
         hooks.point(h[:-1], "recomputed")
@@ -188,7 +191,7 @@ def block_backward(dx, cache, grads, h, comm, S, p, cfg, hooks=NO_HOOKS, wg=None
     dx = dx + layernorm_backward(dm, (*c_ln2, W("ln2.weight")), grads[h + "ln2.weight"], grads[h + "ln2.bias"])
     dy = S.proj_backward(dx, (*c_proj, W("attn.proj.weight")), grads, h + "attn.proj.", comm, wg)  # (B, T, C/tp)
     dqkv = array_module(dy).empty_like(dy, shape=(*dy.shape[:-1], 3 * dy.shape[-1]))   # (B, T, 3C/tp)
-    attention_backward(dy, c_att, out=dqkv)                              # [dq | dk | dv] side by side
+    ctx.attention_backward(dy, c_att, out=dqkv)                          # [dq | dk | dv] side by side
     a_in = S.enter_forward(a, comm)                                      # (B, T, C) again: identity | All-Gather
     # the three linears' columns_backward as one product each for dW and dX (ops.qkv_input_grad / qkv_weight_grad)
     c_qkv = (a_in.reshape(-1, a_in.shape[-1]), tuple(W(f"attn.{n}.weight") for n in "qkv"))
@@ -213,20 +216,23 @@ def columns_backward(x_in, dys, weights, names, wg):
 
 # ------------------------------------------------------------------------------------------------ embedding, head
 
-def embedding_forward(idx, wte_part, wpe, start, comm, S):
+def embedding_forward(idx, wte_part, wpe, start, comm, S, ctx=WHOLE):
     """x = wte[idx] + wpe[positions], wte split by vocabulary rows: each rank looks up its own tokens (zero rows
-    for the others), a partial sum that the scheme's exit completes. idx (B, T) -> x (B, T~, C)."""
-    t0, t1 = S.rows(idx.shape[1], comm)                                  # the positions this rank holds
+    for the others), a partial sum that the scheme's exit completes. idx (B, T) -> x (B, T~, C): T is this rank's
+    positions of the sequence (ctx.rows says which; all of them without context parallelism)."""
+    t0, t1 = S.rows(idx.shape[1], comm)                                  # the rows this rank holds
+    rows = ctx.rows(t0, t1)                                              # their positions: wpe's rows
     x, c_look = vocab_lookup_forward(idx, wte_part, start)               # (B, T, C) partial: zeros where not mine
     x = S.leave_forward(x, comm)                                         # (B, T~, C) g: Allreduce | scatter_T: R-S
-    x += wpe[t0:t1]                                                      # (T~, C) broadcast over B
-    return x, (c_look, t0, t1)
+    x += wpe[rows]                                                       # (T~, C) broadcast over B
+    return x, (c_look, rows)
 
 
 def embedding_backward(dx, cache, dwte_part, dwpe, comm, S):
-    """dwpe for the positions held (sequence: partial); dwte rows of this rank's tokens from the whole dx."""
-    c_look, t0, t1 = cache
-    dwpe[t0:t1] += dx.sum(axis=0)                                        # (T~, C)
+    """dwpe for the positions held (sequence, context parallelism: partial); dwte rows of this rank's tokens from
+    the whole dx."""
+    c_look, rows = cache
+    dwpe[rows] += dx.sum(axis=0)                                         # (T~, C) distinct rows
     dx = S.leave_backward(dx, comm)                                      # (B, T, C) g^T: identity | All-Gather
     vocab_lookup_backward(dx, c_look, dwte_part)                         # no communication
 
@@ -252,10 +258,12 @@ def head_backward(dloss, cache, grads, comm, S, p, wg=None):
 
 # ------------------------------------------------------------------------------------------------ a pipeline stage
 
-def stage_forward(params, inp, targets, cfg, comm, scheme, layers, first, last, hooks=NO_HOOKS, recompute="none"):
+def stage_forward(params, inp, targets, cfg, comm, scheme, layers, first, last, hooks=NO_HOOKS, recompute="none",
+                  ctx=WHOLE):
     """Forward through one pipeline stage (the whole model when first and last): the embedding if `first`, the
     blocks in `layers`, the final LayerNorm, LM head and loss if `last`. scheme: a name or a scheme object.
-    hooks: what runs around each gradient group (Hooks); recompute: what the blocks keep (block_forward).
+    hooks: what runs around each gradient group (Hooks); recompute: what the blocks keep (block_forward); ctx: the
+    context layout (hsgd.context; with context parallelism T is this rank's T/cp positions, ctx.local of them).
 
     inp: token ids (B, T) on the first stage, else the activation (B, T~, C) received from the previous stage.
     Returns (out, caches): out is the mean loss on the last stage, else the activation (B, T~, C) to send on.
@@ -266,19 +274,19 @@ def stage_forward(params, inp, targets, cfg, comm, scheme, layers, first, last, 
     c_emb = None
     if first:
         with hooks.forward("embedding"):
-            x, c_emb = embedding_forward(inp, params["wte"], params["wpe"], start, comm, S)   # (B, T~, C)
+            x, c_emb = embedding_forward(inp, params["wte"], params["wpe"], start, comm, S, ctx)   # (B, T~, C)
     else:
         x = inp                                                          # (B, T~, C) from stage s-1
     c_blocks = []
     for i in layers:
         with hooks.forward(f"h.{i}"):
-            x, c = block_forward(x, params, f"h.{i}.", cfg, comm, S, recompute)   # (B, T~, C)
+            x, c = block_forward(x, params, f"h.{i}.", cfg, comm, S, recompute, ctx)   # (B, T~, C)
         c_blocks.append((i, c))
     if not last:
-        return x, StageCache(params, cfg, c_emb, c_blocks, None)
+        return x, StageCache(params, cfg, c_emb, c_blocks, None, ctx)
     with hooks.forward("head"):
         loss, c_head = head_forward(x, params, targets, start, cfg, comm, S)
-    return loss, StageCache(params, cfg, c_emb, c_blocks, c_head)
+    return loss, StageCache(params, cfg, c_emb, c_blocks, c_head, ctx)
 
 
 def stage_backward(dout, caches, grads, comm, scheme="megatron", reduce_scatter=False, on_ready=None,
@@ -293,7 +301,7 @@ def stage_backward(dout, caches, grads, comm, scheme="megatron", reduce_scatter=
     wg: a WeightGrads() that keeps the weight-gradient products for a later W action (then no group is final
     here, and on_ready is not called: the caller calls it after the W); default: done at once."""
     S = make_scheme(scheme, reduce_scatter)
-    params, cfg, c_emb, c_blocks, c_head = caches
+    params, cfg, c_emb, c_blocks, c_head, ctx = caches
     wg = wg or WeightGrads(grads)
     ready = (None if wg.keeps else on_ready) or (lambda group: None)
     dx = dout                                                            # (B, T~, C) from stage s+1
@@ -308,7 +316,7 @@ def stage_backward(dout, caches, grads, comm, scheme="megatron", reduce_scatter=
         wg.group = f"h.{i}"
         with hooks.backward(f"h.{i}"):
             into, part = S.replicated_grads(grads, [f"h.{i}.{n}" for n in BLOCK_REPLICATED])
-            dx = block_backward(dx, c, into, f"h.{i}.", comm, S, params, cfg, hooks, wg)   # (B, T~, C)
+            dx = block_backward(dx, c, into, f"h.{i}.", comm, S, params, cfg, hooks, wg, ctx)   # (B, T~, C)
             S.finish_replicated(part, grads, comm)                       # sequence: Allreduce of partial grads
         ready(f"h.{i}")
     if c_emb is None:
