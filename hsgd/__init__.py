@@ -1,7 +1,7 @@
 """hsgd: hybrid-parallel SGD for GPT-style Transformers, written out in NumPy/CuPy and mpi4py.
 
 It implements the lecture "Parallel SGD in parallel and distributed systems: the algorithm that combines model
-parallelism and data parallelism" (README, References) on P = dp x pp x tp MPI ranks. The modules, in the order
+parallelism and data parallelism" (README, References) on P = dp x pp x cp x tp MPI ranks. The modules, in the order
 of the algorithm:
 
   the model, one process
@@ -15,13 +15,16 @@ of the algorithm:
     hsgd.optim              SGD, AdamW, the learning-rate schedule, global-norm clipping
     hsgd.data               the corpus, the train/validation split and the batch of each step
   the ranks
-    hsgd.grid               the dp x pp x tp process grid and its communicators (Split by color)
+    hsgd.grid               the dp x pp x cp x tp process grid and its communicators (Split by color)
     hsgd.comm               every collective, recorded (calls, bytes, seconds) and optionally sequence-checked
   tensor parallelism (the lecture's M workers of a group)
     hsgd.tp_layers          f/g, gather_T/scatter_T, column/row linears, all-gather and its adjoint, vocab-parallel
     hsgd.tp_schemes         the schemes as objects: Megatron, Gather (the lecture's), Sequence
     hsgd.tp_model           the GPT on a tensor-parallel group, written once for the three schemes
     hsgd.memory             activation bytes: measured and by formula; Korthikanti et al.'s and ZeRO's formulas
+  context parallelism (the sequence split over ranks)
+    hsgd.context            the context layout the model asks: a rank's positions and its core attention
+    hsgd.cp                 the load-balanced split, ring attention and the all-gather variant, their bytes
   pipeline parallelism
     hsgd.pp                 stages (and their model chunks), micro-batches, bytes on pp_comm
     hsgd.schedules          schedules as data: lists of F/B/W actions (GPipe, 1F1B, interleaved, ZB-H1), their

@@ -6,9 +6,10 @@
 The lecture, section 4.3: with the parameters sharded, saving and restoring is a distributed operation itself.
 A checkpoint is a directory `step-000123/` with
     shard-pp{s}-tp{t}.npz   the parameter shards and optimizer state of pipeline stage s, tensor rank t, written by
-                            the first DP replica of that position (replicas are identical; with ZeRO the DP ranks'
-                            optimizer chunks are first All-Gathered to it)
-    manifest.json           written by rank 0: model config, layout (dp, pp, tp, scheme, virtual stages, layers
+                            the first rank of that position's dp_comm (its DP replicas and, with context
+                            parallelism, its cp ranks hold identical shards; with ZeRO their optimizer chunks are
+                            first All-Gathered to it). Nothing depends on cp: a checkpoint resumes under any cp.
+    manifest.json           written by rank 0: model config, layout (dp, pp, cp, tp, scheme, virtual stages, layers
                             per piece of the model), step, data position and seed (the batches are a pure function
                             of (seed, step): that is all the random state there is), optimizer, and the SHA-256 of
                             every shard file.
@@ -157,7 +158,7 @@ def build_manifest(trainer, step, t, entries, run):
     tc, grid = trainer.tc, trainer.grid
     manifest = {
         "format": FORMAT, "step": step, "model": asdict(trainer.cfg),
-        "layout": {"dp": grid.dp, "pp": grid.pp, "tp": grid.tp, "tp_scheme": trainer.scheme,
+        "layout": {"dp": grid.dp, "pp": grid.pp, "cp": grid.cp, "tp": grid.tp, "tp_scheme": trainer.scheme,
                    "virtual_stages": tc.virtual_stages,
                    "layers": [len(r) for r in chunk_layers(trainer.cfg.n_layers, grid.pp, tc.virtual_stages,
                                                            parse_split(tc.pp_split))]},

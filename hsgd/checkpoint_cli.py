@@ -25,7 +25,8 @@ def main(argv=None):
             m = open_checkpoint(args.dir)
             lay = m["layout"]
             opt = m["optimizer"]
-            print(f"{m['path']}: step {m['step']}, layout dp {lay['dp']} x pp {lay['pp']} x tp {lay['tp']} "
+            print(f"{m['path']}: step {m['step']}, layout dp {lay['dp']} x pp {lay['pp']} x cp {lay.get('cp', 1)} x tp "
+                  f"{lay['tp']} "
                   f"({lay['tp_scheme']}), layers per piece {lay['layers']}, {opt['name']} (t={opt['t']}), "
                   f"{m['dtype']}\nmodel {m['model']}\nfiles (SHA-256 verified): {', '.join(sorted(m['files']))}")
     except UsageError as err:

@@ -44,7 +44,10 @@ WHOLE = WholeSequence()
 
 
 def make_context(cfg, grid, tc):
-    """This rank's context layout: WHOLE without context parallelism (grid.cp = 1)."""
+    """This rank's context layout: WHOLE without context parallelism (grid.cp = 1), else hsgd.cp's Ring or
+    AllGather (--cp-scheme) on grid.cp_comm."""
     if getattr(grid, "cp", 1) == 1:
         return WHOLE
-    raise NotImplementedError("context parallelism")
+    from .backend import get_xp
+    from .cp import make_split
+    return make_split(getattr(tc, "cp_scheme", "ring"), grid.cp_comm, cfg.seq_len, get_xp(tc.device))

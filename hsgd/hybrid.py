@@ -3,12 +3,13 @@
 P = dp x pp x tp ranks (the lecture's P = G x M workers, with G = dp, M = tp, and pp = 1). One synchronous SGD
 step (`HybridTrainer.step`):
   1. the global batch (B sequences, the same on every rank) is split into dp equal slices; DP group r takes slice r,
-     and every rank of the group reads the same slice (hsgd.dp.dp_rows);
+     and every rank of the group reads the same slice (hsgd.dp.dp_rows); with context parallelism each of its cp
+     ranks keeps only its T/cp positions of every sequence (the stage's context layout, hsgd.cp);
   2. the slice is cut into m micro-batches, which flow through this rank's pipeline stage (hsgd.stage; pp = 1 is
      a pipeline of one stage): the tensor-parallel forward and backward (collectives on tp_comm inside,
      hsgd.tp_model) accumulate the gradient of (1/m) * each micro-batch's mean loss into the rank's shards;
-  3. the ranks holding the same shard average its gradient over dp_comm (hsgd.exchange: one Allreduce, or
-     overlapped, hierarchical, ZeRO's reduce-scatter, or one step late);
+  3. the ranks holding the same shard (dp x cp of them) average its gradient over dp_comm (hsgd.exchange: one
+     Allreduce, or overlapped, hierarchical, ZeRO's reduce-scatter, or one step late);
   4. the gradients are clipped by the global norm (optional) and the optimizer updates the shards this rank owns.
 Result: the same update as serial mini-batch SGD on the global batch (tests/mpi/test_hybrid.py, test_comm_opt.py).
 

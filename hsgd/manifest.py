@@ -65,6 +65,7 @@ def check(m, path, error):
         need(False, f"describes no valid model ({e})")
     lay = m["layout"]
     need(all(is_int(lay.get(k), 1) for k in ("dp", "pp", "tp")), "has a layout without positive dp, pp, tp")
+    need(is_int(lay.get("cp", 1), 1), f"has cp {lay.get('cp')!r}, not a positive integer")
     need(lay.get("tp_scheme") in SCHEMES, f"names an unknown tensor-parallel scheme {lay.get('tp_scheme')!r}")
     layers, v = lay.get("layers"), lay.get("virtual_stages", 1)
     need(isinstance(layers, list) and all(is_int(x, 1) for x in layers),

@@ -7,6 +7,7 @@ paper_activation_bytes is Korthikanti et al. (2022)'s Table 2, to compare what s
 Legend: B batch, T sequence, C d_model, NH heads, F d_ff, V vocab, Vp = ceil(V/tp), N = B*T, s bytes per element,
 tp ranks.
 """
+from .cp import attention_cache_bytes
 from .tp_schemes import make_scheme
 
 
@@ -28,7 +29,7 @@ def activation_bytes(caches, params):
     return sum(seen.values())
 
 
-def activation_formula(cfg, batch_size, itemsize, tp, scheme):
+def activation_formula(cfg, batch_size, itemsize, tp, scheme, cp=1, cp_scheme="ring"):
     """{"block": bytes cached by one block's forward, "model": by the whole forward} in this implementation.
     scheme: a name or a scheme object (hsgd.tp_schemes).
 
@@ -44,14 +45,16 @@ def activation_formula(cfg, batch_size, itemsize, tp, scheme):
     Outside the blocks: LN_f (xhat, rstd) and the LM head input, N(2C + 1) s (/tp for sequence); the loss's softmax
     (N, Vp) s; the token ids and owner masks of the embedding and the loss, int64 and bool, 2 (8 + 1) N bytes, and
     the loss's row numbers, 8N.
+    With context parallelism (cp > 1) every term is of the rank's N = B T/cp rows, and the attention's cache is
+    the cp scheme's in place of q, k, v and the probabilities (hsgd.cp.attention_cache_bytes).
     """
     S = make_scheme(scheme)
-    B, N, C, F, NH, V = batch_size, batch_size * cfg.seq_len, cfg.d_model, cfg.d_ff, cfg.n_heads, cfg.vocab_size
-    s, Vp, T = itemsize, -(-V // tp), cfg.seq_len
+    B, C, F, NH, V = batch_size, cfg.d_model, cfg.d_ff, cfg.n_heads, cfg.vocab_size
+    s, Vp, N = itemsize, -(-V // tp), batch_size * (cfg.seq_len // cp)
     between = tp if S.splits_T else 1                                 # between the split matmuls: T or T/tp rows
     proj_in = 1 if S.gathers_proj_inputs else tp                      # the projections' inputs: whole or my share
-    block = ((4 * N * C + 2 * N) * s // between + (N * C + N * F) * s // proj_in
-             + (3 * N * C + B * NH * T * T + N * F) * s // tp)
+    attention, _ = attention_cache_bytes(cp, cp_scheme, B, cfg.seq_len, C, NH, tp, s)
+    block = ((4 * N * C + 2 * N) * s // between + (N * C + N * F) * s // proj_in + N * F * s // tp + attention)
     outside = N * (2 * C + 1) * s // between
     return {"block": block, "model": cfg.n_layers * block + outside + N * Vp * s + 26 * N}
 

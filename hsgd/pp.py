@@ -110,15 +110,15 @@ def ideal_bubble(m, p):
     return (p - 1) / (m + p - 1)
 
 
-def pp_formula(batch_per_mb, cfg, m, first, last, itemsize, scheme="megatron", tp=1, v=1):
+def pp_formula(batch_per_mb, cfg, m, first, last, itemsize, scheme="megatron", tp=1, v=1, cp=1):
     """{(comm, op): (calls, bytes)} of one step on pp_comm for one stage: per micro-batch and chunk, an activation
     out and a gradient in towards the next piece (unless the chunk is the model's last piece: `last`), a gradient
     out and an activation in towards the previous one (unless it is the first: `first`), so m (2v - first - last)
     messages each way: with v chunks a middle stage sends v times as often as with one, an end stage 2v - 1 times.
     A message is one activation (tp_model.stage_activation_shape): (B/m, T, C), or the T-shard (B/m, T/tp, C) of
-    the sequence scheme."""
+    the sequence scheme; with context parallelism T/cp in place of T."""
     from .tp_model import stage_activation_shape
-    B, T, C = stage_activation_shape(scheme, batch_per_mb, cfg, tp)
+    B, T, C = stage_activation_shape(scheme, batch_per_mb, cfg, tp, cp)
     msg = B * T * C * itemsize
     sends = m * (2 * v - first - last)
     out = {}

@@ -110,12 +110,13 @@ def memory_estimate(cfg, tc):
     states = 2 if tc.optimizer == "adamw" else 1 if tc.momentum else 0
     share = params * itemsize // (tc.tp * tc.pp)                     # one copy of this rank's stage and tp shard
     zero = tc.zero                                                   # ZeRO shards: state (1), grads (2), params (3)
-    n = (tc.ranks_per_node or tc.dp) if tc.hierarchical and zero >= 2 else tc.dp   # hybrid: within a node
+    dcp = tc.dp * tc.cp                                              # dp_comm: every rank of a shard
+    n = (tc.ranks_per_node or dcp) if tc.hierarchical and zero >= 2 else dcp   # hybrid: within a node
     weights = (share // (n if zero >= 3 else 1) + share // (n if zero >= 2 else 1)
                + states * share // (n if zero >= 1 else 1))
     micro = max(tc.batch_size // (tc.dp * tc.micro_batches), 1)
-    f = activation_formula(cfg, micro, itemsize, tc.tp, tc.tp_scheme)
-    kept = pieces(cfg, micro, itemsize, tc.tp, tc.tp_scheme, tc.recompute)["K"]   # a block's cache, recomputed or not
+    f = activation_formula(cfg, micro, itemsize, tc.tp, tc.tp_scheme, tc.cp, tc.cp_scheme)
+    kept = pieces(cfg, micro, itemsize, tc.tp, tc.tp_scheme, tc.recompute, tc.cp, tc.cp_scheme)["K"]   # a block's cache
     activations = (f["model"] - L * f["block"] + L * kept) // tc.pp
     return weights, activations
 

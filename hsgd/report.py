@@ -4,6 +4,7 @@ memory per rank, the staging buffers of the GPU path, the trace and the plots. E
 from mpi4py import MPI
 
 from . import tp_model
+from .cp import cp_formula
 from .pp import pp_formula
 from .schedules import (FORMULA, PEAK_FORMULA, bubble_formula, bubble_fraction, build, peak_formula, peak_held,
                         picture, simulate)
@@ -30,9 +31,11 @@ def step_formula(cfg, tc, trainer):
     for rows in st.pieces(per_mb):                                    # one piece, or one per thread
         for k, (calls, nbytes) in tp_model.comm_formula(cfg, rows, itemsize, tc.tp_scheme,
                                                         stage=(len(st.layers), st.first, st.last),
-                                                        recompute=tc.recompute).items():
+                                                        recompute=tc.recompute, cp=grid.cp).items():
             f[k] = (f.get(k, (0, 0))[0] + m * calls, f.get(k, (0, 0))[1] + m * nbytes)
-    f.update(pp_formula(per_mb, cfg, m, st.first, st.last, itemsize, tc.tp_scheme, grid.tp, st.v))
+    f.update(pp_formula(per_mb, cfg, m, st.first, st.last, itemsize, tc.tp_scheme, grid.tp, st.v, grid.cp))
+    f.update(cp_formula(tc.cp_scheme, grid.cp, per_mb, cfg.seq_len, cfg.d_model, grid.tp, itemsize,
+                        m * len(st.layers), tc.recompute))
     f.update(trainer.exchange.formula())
     return f
 
@@ -98,10 +101,11 @@ def report_traffic(world, grid, tc, trainer, per_step, say):
         repeated = {}
         if tc.recompute == "full":
             for k, (calls, nbytes) in tp_model.make_scheme(tc.tp_scheme).block_forward_formula(
-                    trainer.cfg, rows, trainer.dtype.itemsize).items():
+                    trainer.cfg, rows, trainer.dtype.itemsize, grid.cp).items():
                 repeated[k] = (m * len(st.layers) * calls, m * len(st.layers) * nbytes)
         base = {k: v for k, v in tp_model.comm_formula(trainer.cfg, rows, trainer.dtype.itemsize, tc.tp_scheme,
-                                                        stage=(len(st.layers), st.first, st.last)).items()}
+                                                        stage=(len(st.layers), st.first, st.last),
+                                                        cp=grid.cp).items()}
         extra = {k: plain.get(k, (0, 0))[1] - m * base.get(k, (0, 0))[1] for k in repeated}
         row = (grid.pp_rank, dp_traffic(per_step, names) / psi, dp_traffic(ex.formula(), names) / psi, repeated,
                extra, psi)

@@ -1,10 +1,12 @@
 """The training run's settings: grouped dataclasses whose fields are the flags of hsgd.train and hsgd.verify.
 
-A run uses P = dp x pp x tp MPI ranks: dp data-parallel replicas (the lecture's G groups), each a pipeline of pp
-stages, each stage split over tp tensor-parallel ranks (the lecture's M workers per group). TrainConfig is one
+A run uses P = dp x pp x cp x tp MPI ranks: dp data-parallel replicas (the lecture's G groups), each a pipeline of
+pp stages, each stage split over tp tensor-parallel ranks (the lecture's M workers per group), and with context
+parallelism over cp ranks that hold T/cp positions of every sequence each (hsgd.cp). TrainConfig is one
 flat object (tc.tp, tc.lr, tc.micro_batches) whose fields come from the groups by plain dataclass inheritance:
 
-    Layout        the dp x pp x tp grid, how the tp ranks split the model, the pipeline's schedule and micro-batches
+    Layout        the dp x pp x cp x tp grid, how the tp and cp ranks split the model and the sequence, the
+                  pipeline's schedule and micro-batches
     Optimization  steps, the batch, the optimizer and its hyperparameters, the seed
     Data          the text, the floating-point type, the device, BLAS threads
     Output        progress lines, validation losses, the sample, the JSON log, the trace and the plots
@@ -33,6 +35,7 @@ from .errors import ConfigError
 from .grid import check_sizes
 from .schedules import SCHEDULES, check_pipeline
 from .config_file import read_toml
+from .cp import CP_SCHEMES, check_cp
 
 FAULTS = ("raise", "kill", "kill-in-save", "nan", "diverge")        # the KINDs of --inject-fault
 MAX_STRAGGLER_MS = 60_000                                            # a minute of sleep per step, at most
@@ -40,7 +43,8 @@ MAX_STRAGGLER_MS = 60_000                                            # a minute 
 
 @dataclass
 class Layout:
-    """The P = dp x pp x tp grid of ranks, how the tp ranks split the model, and the pipeline's micro-batches."""
+    """The P = dp x pp x cp x tp grid of ranks, how the tp ranks split the model and the cp ranks the sequence, and
+    the pipeline's micro-batches."""
 
     tp: int = flag(None, "tensor-parallel size: the ranks that split every layer of a stage between them",
                    shown="2 when the ranks per stage are even, else 1")
@@ -65,6 +69,12 @@ class Layout:
                           "gather: the lecture's, every linear column-split and its output All-Gathered\n"
                           "sequence: megatron's split, with LayerNorm and the residual stream split along T",
                           choices=tp_model.SCHEMES)
+    cp: int = flag(1, "context-parallel size: the ranks that split every sequence between them, T/cp positions each "
+                      "(rank r holds chunks r and 2cp-1-r of 2cp; seq_len a multiple of 2cp)")
+    cp_scheme: str = flag("ring", "how a cp rank's attention reads the keys and values of the others\n"
+                          "ring: ring attention, (k, v) blocks passed around cp_comm, overlapped with the blocks\n"
+                          "allgather: All-Gather k and v of the whole sequence, Reduce-Scatter their gradients",
+                          choices=CP_SCHEMES)
 
     def check_layout(self):
         for name in ("tp", "dp"):
@@ -73,17 +83,20 @@ class Layout:
         check_positive_int("pp", self.pp)
         check_positive_int("micro_batches", self.micro_batches)
         check_positive_int("virtual_stages", self.virtual_stages)
+        check_positive_int("cp", self.cp)
+        if self.cp_scheme not in CP_SCHEMES:
+            raise ConfigError(f"cp_scheme={self.cp_scheme!r} is not known; use one of {', '.join(CP_SCHEMES)}")
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"schedule={self.schedule!r} is not known; use one of {', '.join(SCHEDULES)}")
 
     def resolve_layout(self, world_size):
-        """Fill in tp and dp from the world size, then check that dp * pp * tp == world size."""
-        per_stage = world_size // self.pp if world_size % self.pp == 0 else 1
+        """Fill in tp and dp from the world size, then check that dp * pp * cp * tp == world size."""
+        per_stage = world_size // (self.pp * self.cp) if world_size % (self.pp * self.cp) == 0 else 1
         if self.tp is None:
             self.tp = 2 if per_stage % 2 == 0 and (self.dp is None or per_stage // self.dp % 2 == 0) else 1
         if self.dp is None:
-            self.dp = max(world_size // (self.tp * self.pp), 1)
-        check_sizes(world_size, self.dp, self.pp, self.tp)
+            self.dp = max(world_size // (self.tp * self.pp * self.cp), 1)
+        check_sizes(world_size, self.dp, self.pp, self.tp, self.cp)
 
 
 @dataclass
@@ -322,7 +335,7 @@ class TrainConfig(Layout, Optimization, Data, Output, Checkpoints, Exchange, Mem
 
 
 # The argument groups of --help, in order: (title, dataclass).
-GROUPS = (("parallel layout: P = dp x pp x tp ranks", Layout), ("model", ModelConfig),
+GROUPS = (("parallel layout: P = dp x pp x cp x tp ranks", Layout), ("model", ModelConfig),
           ("optimization", Optimization), ("data and numerics", Data), ("output", Output),
           ("checkpoints", Checkpoints),
           ("data-parallel exchange (at most one of --dp-overlap, --zero, --hierarchical, --dp-staleness; "
@@ -370,9 +383,10 @@ def build_parser():
     p = flags_parser(
         GROUPS, prog="mpirun -n P python -m hsgd.train",
         description="Train a GPT-style Transformer with hybrid-parallel synchronous mini-batch SGD on P = dp x pp x "
-                    "tp MPI ranks (one process works too): dp data-parallel replicas (the lecture's G groups), each a "
-                    "pipeline of pp stages, each stage split over tp tensor-parallel ranks (the lecture's M), every "
-                    "backward pass and every collective written out. Trains on the Python standard library's source "
+                    "cp x tp MPI ranks (one process works too): dp data-parallel replicas (the lecture's G groups), "
+                    "each a pipeline of pp stages, each stage split over tp tensor-parallel ranks (the lecture's M) "
+                    "and, with context parallelism, every sequence over cp ranks; every backward pass and every "
+                    "collective written out. Trains on the Python standard library's source "
                     "files unless --data is given.",
         epilog="Example: mpirun -n 8 python -m hsgd.train --tp 4 --steps 100 --optimizer adamw --lr 3e-3. "
                "--micro-batches (TOML key micro_batches) replaces --grad-accum (grad_accum).")
@@ -394,6 +408,7 @@ def configs_from_args(args, world_size):
     tc.resolve_layout(world_size)
     tc.check_targets(world_size, tc.steps)
     tp_model.check_tp(model, tc.tp, tc.tp_scheme)
+    check_cp(model.seq_len, tc.cp, tc.tp, tc.tp_scheme == "sequence")      # 2cp chunks (and tp T-shards of each)
     check_batch(tc.batch_size, tc.dp, tc.micro_batches)
     check_pipeline(model.n_layers, tc)                                   # layers per chunk, the schedule
     return model, tc

@@ -122,7 +122,7 @@ class Stage:
         return 2 * (k * self.m + j)
 
     def recv_activation(self, batch, source, tag):
-        shape = tp_model.stage_activation_shape(self.scheme, batch, self.cfg, self.tp_comm.size)
+        shape = tp_model.stage_activation_shape(self.scheme, batch, self.cfg, self.tp_comm.size, self.ctx.cp)
         return self.pp_comm.Recv(self.xp.empty(shape, dtype=self.dtype), source=source, tag=tag)
 
     def forward(self, a, inp, params, targets):

@@ -13,8 +13,12 @@ attention probabilities):
            owner mask, row numbers:                                 (N~(2C + 1) + N Vp) s + 17 N
     K      one block's cache (hsgd.memory.activation_formula's "block"), by --recompute:
              none K0;   selective K0 - P (q, k, v kept, the probabilities dropped);   full: X, the block's input
+           (selective in general: K0 less the attention's cache, plus q, k, v: 3 N C/tp s)
     R      recompute, at the "recomputed" point: full K0 (the whole block cache again); selective 3 N C/tp s + P
            (attention's head-split q, k, v copies and the probabilities); none 0
+With context parallelism (hsgd.cp) T is the rank's T/cp positions, and the attention's share of K0, P and
+selective's R are the cp scheme's (hsgd.cp.attention_cache_bytes): ring attention keeps no probabilities, so
+selective recomputation drops nothing and has no "recomputed" point.
 
 What is alive at each sample (this implementation, Stage.run and tp_model.stage_forward / stage_backward):
   * a micro-batch's caches from its forward until its backward has *finished*: stage_backward holds the whole
@@ -34,6 +38,7 @@ Not sampled: transients inside a group (dlogits, dqkv, the attention's dS, GELU'
 peak shows them. With ZeRO 2 and 3 (hsgd.sharded) what the exchange holds is followed sample by sample
 (ShardedInFlight).
 """
+from .cp import attention_cache_bytes
 from .memory import activation_formula
 from .sharded import ShardedExchange
 from .tp_schemes import make_scheme
@@ -41,18 +46,22 @@ from .tp_schemes import make_scheme
 STATE_COPIES = {"sgd": lambda momentum: 1 if momentum else 0, "adamw": lambda momentum: 2}
 
 
-def pieces(cfg, b, s, tp, scheme, recompute):
-    """{"X", "E", "H", "K", "R", "partial": {group kind: bytes}} of the module docstring, in bytes."""
+def pieces(cfg, b, s, tp, scheme, recompute, cp=1, cp_scheme="ring"):
+    """{"X", "E", "H", "K", "R", "partial": {group kind: bytes}} of the module docstring, in bytes. With context
+    parallelism the rows are the rank's T/cp positions, and selective recomputation drops the probabilities only
+    where the cp scheme keeps them (ring attention keeps none: nothing is dropped, nothing recomputed)."""
     S = make_scheme(scheme)
-    T, C, NH = cfg.seq_len, cfg.d_model, cfg.n_heads
+    T, C, NH = cfg.seq_len // cp, cfg.d_model, cfg.n_heads
     N, Tl, Vp = b * T, T // tp if S.splits_T else T, -(-cfg.vocab_size // tp)
-    X, P = b * Tl * C * s, b * (NH // tp) * T * T * s
-    K0 = activation_formula(cfg, b, s, tp, S)["block"]
-    K = {"none": K0, "selective": K0 - P, "full": X}[recompute]
-    R = {"none": 0, "selective": 3 * N * (C // tp) * s + P, "full": K0}[recompute]
-    partial = {"h": 6 * C * s, "embedding": T * C * s, "head": 2 * C * s} if scheme == "sequence" else {}
+    X = b * Tl * C * s
+    attention, P = attention_cache_bytes(cp, cp_scheme, b, cfg.seq_len, C, NH, tp, s)
+    K0 = activation_formula(cfg, b, s, tp, S, cp, cp_scheme)["block"]
+    kept_qkv = 3 * N * (C // tp) * s                                  # selective keeps q, k, v in place of
+    K = {"none": K0, "selective": K0 - attention + kept_qkv if P else K0, "full": X}[recompute]   # the attention's
+    R = {"none": 0, "selective": attention if P else 0, "full": K0}[recompute]
+    partial = {"h": 6 * C * s, "embedding": cfg.seq_len * C * s, "head": 2 * C * s} if scheme == "sequence" else {}
     return {"X": X, "E": 9 * N, "H": (b * Tl * (2 * C + 1) + N * Vp) * s + 17 * N, "K": K, "R": R,
-            "partial": partial}
+            "partial": partial, "recomputes": recompute == "full" or (recompute == "selective" and P > 0)}
 
 
 class ShardedInFlight:
@@ -132,7 +141,7 @@ class StageWalk:
             (["embedding"] if self.first else [])
         for g in groups:
             kind = "h" if g.startswith("h.") else g
-            if kind == "h" and self.recompute != "none":  # the probe's point after recomputation
+            if kind == "h" and pc["recomputes"]:         # the probe's point after recomputation
                 incoming = 0 if (g == groups[0] and not self.last) else X     # dx in: the receive buffer, or X
                 self.emit(f"B{j} {g} recomputed", act=incoming, comm=recv, grads=part.get("h", 0), rec=pc["R"],
                           kind="B", group=g)
@@ -172,12 +181,14 @@ def step_formula(trainer):
     training step on this rank, in the categories of hsgd.memtrace."""
     cfg, tc, grid, st, ex = trainer.cfg, trainer.tc, trainer.grid, trainer.stage, trainer.exchange
     b, s = tc.batch_size // grid.dp // tc.micro_batches, trainer.dtype.itemsize
-    pc = pieces(cfg, b, s, grid.tp, tc.tp_scheme, tc.recompute)
+    pc = pieces(cfg, b, s, grid.tp, tc.tp_scheme, tc.recompute, grid.cp, tc.cp_scheme)
     inflight = ShardedInFlight(ex) if isinstance(ex, ShardedExchange) else None
     base = ({"params": ex.param_bytes(), "grads": ex.grad_bytes(), "comm": 0} if inflight is not None
             else dict(ex.memory_formula()))
     base["optimizer"] = optimizer_formula(trainer)
     base["other"] = tc.batch_size * (cfg.seq_len + 1) * 8             # the step's token windows (B, T+1) int64
+    if grid.cp > 1:                        # my positions (T/cp,) int64, and my positions of idx and targets
+        base["other"] += (1 + 2 * tc.batch_size // grid.dp) * (cfg.seq_len // grid.cp) * 8
     actions = trainer.stage.actions                                  # (gpipe or 1f1b: one chunk, fused B)
     samples = stage_samples(pc, list(st.layers), st.first, st.last, actions, tc.recompute, base, inflight)
     cats = sorted({c for _, cs in samples for c in cs})

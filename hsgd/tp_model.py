@@ -329,9 +329,10 @@ def stage_backward(dout, caches, grads, comm, scheme="megatron", reduce_scatter=
     return None
 
 
-def stage_activation_shape(scheme, batch, cfg, tp):
-    """The activation a pipeline stage sends to the next: (B, T, C), or the T-shard (B, T/tp, C) (sequence)."""
-    return make_scheme(scheme).activation_shape(batch, cfg, tp)
+def stage_activation_shape(scheme, batch, cfg, tp, cp=1):
+    """The activation a pipeline stage sends to the next: (B, T, C), or the T-shard (B, T/tp, C) (sequence); T/cp
+    in place of T with context parallelism."""
+    return make_scheme(scheme).activation_shape(batch, cfg, tp, cp)
 
 
 # ------------------------------------------------------------------------------------------------ the whole model
@@ -397,17 +398,19 @@ def gather_full(params, cfg, comm, scheme="megatron"):
     return {name: unshard(comm.allgather_obj(p), name, cfg, scheme) for name, p in params.items()}
 
 
-def comm_formula(cfg, batch_size, itemsize, scheme="megatron", reduce_scatter=False, stage=None, recompute="none"):
+def comm_formula(cfg, batch_size, itemsize, scheme="megatron", reduce_scatter=False, stage=None, recompute="none",
+                 cp=1):
     """{(communicator, operation): (calls, payload bytes)} of one loss_and_grads call on the "tp" communicator:
     the whole model, or with stage=(n_blocks, first, last) one pipeline stage's share (its blocks' terms, the
     embedding's on the first stage, the LM head's and the cross-entropy's on the last). The terms of each scheme
     are in its comm_formula's docstring (hsgd.tp_schemes). --recompute full runs every block's forward twice:
-    its collectives (the scheme's block_forward_formula) once more per block; selective moves nothing more."""
+    its collectives (the scheme's block_forward_formula) once more per block; selective moves nothing more. With
+    context parallelism (cp > 1) a rank holds T/cp positions of each sequence: the same terms on N = B T/cp rows."""
     n_blocks, first, last = stage if stage is not None else (cfg.n_layers, True, True)
     S = make_scheme(scheme, reduce_scatter)
-    out = S.comm_formula(cfg, batch_size, itemsize, n_blocks, first, last)
+    out = S.comm_formula(cfg, batch_size, itemsize, n_blocks, first, last, cp)
     if recompute == "full" and n_blocks:
-        for k, (calls, nbytes) in S.block_forward_formula(cfg, batch_size, itemsize).items():
+        for k, (calls, nbytes) in S.block_forward_formula(cfg, batch_size, itemsize, cp).items():
             c0, b0 = out.get(k, (0, 0))
             out[k] = (c0 + n_blocks * calls, b0 + n_blocks * nbytes)
     return out

@@ -124,22 +124,23 @@ class Megatron:
     def finish_replicated(self, part, grads, comm):
         """Nothing to add up: the replicated gradients are whole (and equal) on every rank."""
 
-    def activation_shape(self, batch, cfg, tp):
-        """The activation one pipeline stage hands to the next: (B, T~, C)."""
-        return (batch, cfg.seq_len // tp if self.splits_T else cfg.seq_len, cfg.d_model)
+    def activation_shape(self, batch, cfg, tp, cp=1):
+        """The activation one pipeline stage hands to the next: (B, T~, C), of the T/cp positions a rank holds."""
+        T = cfg.seq_len // cp
+        return (batch, T // tp if self.splits_T else T, cfg.d_model)
 
-    def comm_formula(self, cfg, batch, s, L, first, last):
+    def comm_formula(self, cfg, batch, s, L, first, last, cp=1):
         """{("tp", op): (calls, payload bytes)} of one forward + backward of L blocks, with the embedding if first,
         the LM head and the loss if last. Allreduce: 4L (2 g forward, 2 f backward per block) + 1 (embedding's g)
         + 3 (LM head's f; the cross-entropy's MAX of (N,) and SUM of (2, N)); bytes (4LC + C + C + 3) N s."""
-        N, C, emb, head = batch * cfg.seq_len, cfg.d_model, int(first), int(last)
+        N, C, emb, head = batch * (cfg.seq_len // cp), cfg.d_model, int(first), int(last)
         calls = 4 * L + emb + 3 * head
         return nonzero({("tp", "Allreduce"): (calls, (4 * L * C + emb * C + head * (C + 3)) * N * s)})
 
-    def block_forward_formula(self, cfg, batch, s):
+    def block_forward_formula(self, cfg, batch, s, cp=1):
         """{("tp", op): (calls, payload bytes)} of one block's forward alone: what --recompute full repeats.
         Megatron: the two g's, Allreduce of (N, C) each."""
-        N, C = batch * cfg.seq_len, cfg.d_model
+        N, C = batch * (cfg.seq_len // cp), cfg.d_model
         return {("tp", "Allreduce"): (2, 2 * N * C * s)}
 
 
@@ -180,11 +181,11 @@ class Gather(Megatron):
             return "split", 0
         return super().split_of(name)
 
-    def comm_formula(self, cfg, batch, s, L, first, last):
+    def comm_formula(self, cfg, batch, s, L, first, last, cp=1):
         """Allgather 4L, bytes L (3C + F) N s: per block the heads (C) and proj's output (C), GELU's output (F) and
         proj's output (C). Allreduce 4L + emb + 3 head: the partial dX of those four, bytes (3C + F) L N s, plus the
         embedding, LM head and cross-entropy as in Megatron. With reduce_scatter, Reduce_scatter_block as Allgather."""
-        N, C, F, emb, head = batch * cfg.seq_len, cfg.d_model, cfg.d_ff, int(first), int(last)
+        N, C, F, emb, head = batch * (cfg.seq_len // cp), cfg.d_model, cfg.d_ff, int(first), int(last)
         gathered = (4 * L, L * (3 * C + F) * N * s)
         out = {("tp", "Allgather"): gathered,
                ("tp", "Allreduce"): (4 * L + emb + 3 * head, ((3 * C + F) * L + emb * C + head * (C + 3)) * N * s)}
@@ -192,10 +193,10 @@ class Gather(Megatron):
             out[("tp", "Reduce_scatter_block")] = gathered
         return nonzero(out)
 
-    def block_forward_formula(self, cfg, batch, s):
+    def block_forward_formula(self, cfg, batch, s, cp=1):
         """The forward's four All-Gathers (heads, attention proj's output, GELU's output, MLP proj's output);
         its Allreduces are all in the backward pass."""
-        N, C, F = batch * cfg.seq_len, cfg.d_model, cfg.d_ff
+        N, C, F = batch * (cfg.seq_len // cp), cfg.d_model, cfg.d_ff
         return {("tp", "Allgather"): (4, (3 * C + F) * N * s)}
 
 
@@ -257,7 +258,7 @@ class Sequence(Megatron):
         for n in names:
             grads[n] += local[n]
 
-    def comm_formula(self, cfg, batch, s, L, first, last):
+    def comm_formula(self, cfg, batch, s, L, first, last, cp=1):
         """Allgather 6L + emb + 2 head, of (N, C) each: per block 2 forward (into q, k, v and fc), the same 2
         again in the backward pass (only T-shards were cached), 2 adjoints of the scatter_T; the embedding's
         adjoint; into the LM head forward and again backward.
@@ -267,16 +268,16 @@ class Sequence(Megatron):
         gradients: block (ln1, ln2, attn.proj.bias, mlp.proj.bias: 6C), embedding (wpe: TC), head (ln_f: 2C).
         (A ring costs an Allreduce 2 (tp-1)/tp of its bytes, an Allgather or Reduce-Scatter (tp-1)/tp: this scheme
         moves what Megatron does, plus the repeated All-Gathers and the small Allreduces.)"""
-        N, C, T, emb, head = batch * cfg.seq_len, cfg.d_model, cfg.seq_len, int(first), int(last)
+        N, C, T, emb, head = batch * (cfg.seq_len // cp), cfg.d_model, cfg.seq_len, int(first), int(last)
         ag, rs = 6 * L + emb + 2 * head, 4 * L + emb + head
         ar_bytes = (3 * N * head + (6 * L + 2 * head + T * emb) * C) * s
         return nonzero({("tp", "Allgather"): (ag, ag * N * C * s),
                         ("tp", "Reduce_scatter_block"): (rs, rs * N * C * s),
                         ("tp", "Allreduce"): (L + emb + 3 * head, ar_bytes)})
 
-    def block_forward_formula(self, cfg, batch, s):
+    def block_forward_formula(self, cfg, batch, s, cp=1):
         """gather_T into q, k, v and into fc; scatter_T out of both projections: 2 + 2 calls of (N, C)."""
-        N, C = batch * cfg.seq_len, cfg.d_model
+        N, C = batch * (cfg.seq_len // cp), cfg.d_model
         return {("tp", "Allgather"): (2, 2 * N * C * s), ("tp", "Reduce_scatter_block"): (2, 2 * N * C * s)}
 
 

@@ -1,6 +1,6 @@
-"""Training on the dp x pp x tp grid:  mpirun -n 8 python -m hsgd.train  (--help for every flag)
+"""Training on the dp x pp x cp x tp grid:  mpirun -n 8 python -m hsgd.train  (--help for every flag)
 
-P = dp x pp x tp ranks; by default pp = 1, tp = 2 and dp = P / tp. Each step is the lecture's synchronous
+P = dp x pp x cp x tp ranks; by default pp = cp = 1, tp = 2 and dp = P / tp. Each step is the lecture's synchronous
 mini-batch SGD on the global batch (hsgd/hybrid.py): every DP group computes its slice's gradients with the
 tensor-parallel model inside each pipeline stage (hsgd/tp_model.py, hsgd/stage.py), the ranks holding the same shard
 average it over dp_comm (hsgd/exchange.py), and every rank updates its shards. One process
@@ -140,13 +140,14 @@ def setup(cfg, tc, world, out, threads):
     device = place_on_device(tc, world)
     run.corpus = launch.agree(world, lambda: Corpus.load(tc.data, cfg.seq_len))
     launch.agree(world, lambda: same_data(world.allgather(run.corpus.fingerprint()), tc.data))
-    run.grid = ProcessGrid(world, dp=tc.dp, pp=tc.pp, tp=tc.tp)
+    run.grid = ProcessGrid(world, dp=tc.dp, pp=tc.pp, tp=tc.tp, cp=tc.cp)
     run.tracer = Tracer(world.Get_rank(), world, enabled=False) if (tc.trace or tc.plot) else None
     if tc.memory:                                                    # traced from before the parameters exist
         run.probe = memtrace.MemoryProbe(resolve_device(tc.device))
         run.probe.start()
     run.trainer = launch.agree(world, lambda: HybridTrainer(cfg, run.grid, tc, run.tracer))
-    for c in [run.grid.tp_comm, run.grid.dp_comm, run.grid.pp_comm, run.grid.world] + run.trainer.exchange.comms():
+    for c in [run.grid.tp_comm, run.grid.cp_comm, run.grid.dp_comm, run.grid.pp_comm, run.grid.world] + \
+            run.trainer.exchange.comms():
         c.tracer = run.tracer
     run.start, manifest = resume(run.trainer, cfg, tc, world, say)   # 1, or the step after the checkpoint
     identity = launch.agree(world, lambda: choose_line(tc, manifest) if world.Get_rank() == 0 else None)
@@ -254,7 +255,8 @@ def at_intervals(run, step, faults, dog):
 def header(run, device, threads):
     """What rank 0 prints before training: layout, device, model, data, batch, optimizer, pipeline, exchange."""
     cfg, tc, grid, say, m = run.cfg, run.tc, run.grid, run.say, run.tc.micro_batches
-    say(f"hsgd | {run.world.Get_size()} ranks = dp {grid.dp} x pp {grid.pp} x tp {grid.tp} ({tc.tp_scheme}) | "
+    cp = f" x cp {grid.cp} ({tc.cp_scheme})" if grid.cp > 1 else ""
+    say(f"hsgd | {run.world.Get_size()} ranks = dp {grid.dp} x pp {grid.pp}{cp} x tp {grid.tp} ({tc.tp_scheme}) | "
         f"{tc.dtype} | {threads} CPU thread(s) per rank")
     if openblas_note():
         say(openblas_note())
@@ -264,7 +266,9 @@ def header(run, device, threads):
         "(incl. vocab padding)")
     say(f"data:  {run.corpus.describe()}")
     say(f"batch: global {tc.batch_size} x {cfg.seq_len} = {tc.batch_size * cfg.seq_len:,} tokens/step; per DP "
-        f"group {tc.batch_size // grid.dp} sequences in {m} micro-batch(es)")
+        f"group {tc.batch_size // grid.dp} sequences in {m} micro-batch(es)"
+        + (f"; each cp rank holds {cfg.seq_len // grid.cp} positions of each (chunks r and {2 * grid.cp - 1}-r of "
+           f"{2 * grid.cp}), gradients averaged over dp x cp = {grid.dp_comm.size} ranks" if grid.cp > 1 else ""))
     say(f"optim: {tc.optimizer} lr={tc.lr} warmup={tc.warmup} cosine to lr/10"
         + (f" momentum={tc.momentum}" if tc.optimizer == "sgd" else "")
         + f" weight_decay={tc.weight_decay} clip={tc.clip or 'off'} | {tc.steps} steps")
@@ -340,8 +344,9 @@ def resume(trainer, cfg, tc, world, say):
     launch.agree(world, lambda: say_changes(manifest, tc, say))  # (hsgd.manifest)
     step = launch.agree(world, lambda: checkpoint.load(trainer, manifest))
     lay, grid = manifest["layout"], trainer.grid
-    say(f"resumed from {manifest['path']} after step {step} (saved as dp {lay['dp']} x pp {lay['pp']} x tp "
-        f"{lay['tp']} {lay['tp_scheme']}; now dp {grid.dp} x pp {grid.pp} x tp {grid.tp} {trainer.scheme})")
+    say(f"resumed from {manifest['path']} after step {step} (saved as dp {lay['dp']} x pp {lay['pp']} x cp "
+        f"{lay.get('cp', 1)} x tp {lay['tp']} {lay['tp_scheme']}; now dp {grid.dp} x pp {grid.pp} x cp {grid.cp} x tp "
+        f"{grid.tp} {trainer.scheme})")
     return step + 1, manifest
 
 

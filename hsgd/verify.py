@@ -1,6 +1,6 @@
 """Check the parallel model against the serial reference:  mpirun -n N python -m hsgd.verify [--tp --dp ...]
 
-One step of the parallel model on the dp x pp x tp grid (the same code path as training: micro-batches through
+One step of the parallel model on the dp x pp x cp x tp grid (the same code path as training: micro-batches through
 the pipeline stages, tensor-parallel forward and backward, the exchange over dp_comm; with --zero, --recompute and
 --hierarchical as given) and of hsgd.serial on the same global batch, then a table with, for every parameter, the
 largest error of any rank's averaged gradient shard against the matching slice of the serial gradient (with ZeRO
@@ -41,9 +41,9 @@ def build_parser():
     """hsgd.train's flags for the layout, the model, the batch and the numerics (settings.flags_parser, the same
     help texts), with verify's defaults: a small model and float64."""
     return flags_parser(GROUPS, only=VERIFY_FLAGS, overrides=VERIFY_DEFAULTS, prog="mpirun -n P python -m hsgd.verify",
-                        description="One step of the parallel model on P = dp x pp x tp MPI ranks against the serial "
-                                    "reference: a table of the largest gradient error of every parameter; exit 0 if "
-                                    "all are within tolerance (float64 1e-10, float32 1e-4), else 1.")
+                        description="One step of the parallel model on P = dp x pp x cp x tp MPI ranks against the "
+                                    "serial reference: a table of the largest gradient error of every parameter; exit "
+                                    "0 if all are within tolerance (float64 1e-10, float32 1e-4), else 1.")
 
 
 def verify(cfg, tc, world=MPI.COMM_WORLD, out=sys.stdout, where=None):
@@ -51,7 +51,7 @@ def verify(cfg, tc, world=MPI.COMM_WORLD, out=sys.stdout, where=None):
     where: the device line of the header (train.place_on_device's description), if any."""
     from .data import Corpus
     corpus = launch.agree(world, lambda: Corpus.load(tc.data, cfg.seq_len))
-    grid = ProcessGrid(world, dp=tc.dp, pp=tc.pp, tp=tc.tp)
+    grid = ProcessGrid(world, dp=tc.dp, pp=tc.pp, tp=tc.tp, cp=tc.cp)
     trainer = HybridTrainer(cfg, grid, tc)
     idx, targets = corpus.batch(tc.seed, 1, tc.batch_size)
     loss = trainer.gradients(idx, targets)                           # my group's loss (on the last stage)
@@ -79,9 +79,11 @@ def verify(cfg, tc, world=MPI.COMM_WORLD, out=sys.stdout, where=None):
                 split += f", stage {holders[0][0]}"
             rows.append((name, shape, holders[0][1][name][2], split, abs_err, rel_err))
             ok = ok and rel_err <= tol_grad
-        print(f"hsgd.verify | {world.Get_size()} ranks = dp {grid.dp} x pp {grid.pp} x tp {grid.tp} ({tc.tp_scheme}) "
-              f"| {tc.dtype} | batch {tc.batch_size} x {cfg.seq_len}, {tc.micro_batches} micro-batch(es) | zero "
-              f"{tc.zero}{' hierarchical' if tc.hierarchical else ''} | recompute {tc.recompute}", file=out)
+        cp = f" x cp {grid.cp} ({tc.cp_scheme})" if grid.cp > 1 else ""
+        print(f"hsgd.verify | {world.Get_size()} ranks = dp {grid.dp} x pp {grid.pp}{cp} x tp {grid.tp} "
+              f"({tc.tp_scheme}) | {tc.dtype} | batch {tc.batch_size} x {cfg.seq_len}, {tc.micro_batches} "
+              f"micro-batch(es) | zero {tc.zero}{' hierarchical' if tc.hierarchical else ''} | recompute "
+              f"{tc.recompute}", file=out)
         if where:
             print(f"device: {where}", file=out)
         print(f"loss: parallel {loss:.12g}  serial {loss0:.12g}  rel err {loss_err:.1e} (tolerance {tol_loss:.0e})",

@@ -49,6 +49,25 @@ def max_rel(a, b):
     return max(float(np.abs(a[k] - b[k]).max() / max(np.abs(b[k]).max(), 0.02)) for k in b)
 
 
+def test_a_checkpoint_saved_with_cp_2_resumes_with_cp_1_and_cp_4(reference, tmp_path):
+    """Context parallelism splits the positions, not the parameters: a checkpoint saved by dp 2 x cp 2 x tp 2 (ZeRO 1:
+    the optimizer chunks are sharded over dp x cp = 4 ranks) resumes with cp 1 and with cp 4 (ring and all-gather)
+    and ends where the uninterrupted dp 4 x tp 2 run ends."""
+    saved = tmp_path / "saved"
+    r = train(8, "--dp", "2", "--cp", "2", "--tp", "2", "--zero", "1", "--save-dir", str(saved), "--save-interval",
+              "3", "--inject-fault", "0:4:kill")
+    assert r.returncode != 0 and (saved / "step-000003" / "manifest.json").exists(), r.stderr[-2000:]
+    for n, layout in ((2, ["--dp", "1", "--tp", "2"]), (8, ["--dp", "1", "--cp", "4", "--tp", "2"]),
+                      (4, ["--dp", "1", "--cp", "4", "--tp", "1", "--cp-scheme", "allgather"])):
+        out = tmp_path / f"resumed-{n}"
+        r = train(n, *layout, "--resume", str(saved / "step-000003"), "--save-dir", str(out))
+        print(r.stdout[-300:])
+        assert r.returncode == 0 and "saved as dp 2 x pp 1 x cp 2 x tp 2" in r.stdout, r.stderr[-2000:]
+        err = max_rel(export(out, tmp_path / f"final-{n}.npz"), reference)
+        print(f"saved dp2 x cp2 x tp2, resumed {layout} on {n} ranks: max rel diff to the uninterrupted run {err:.1e}")
+        assert err < 1e-9
+
+
 def test_sigkill_then_resume_auto_ends_bit_identical(reference, tmp_path):
     ckpt = tmp_path / "ckpt"
     r = train(8, "--save-dir", str(ckpt), "--save-interval", "3", "--inject-fault", "5:4:kill")
@@ -74,7 +93,7 @@ def test_resharding_to_other_layouts_and_world_sizes(reference, tmp_path):
         out = tmp_path / f"resumed-{n}"
         r = train(n, *layout, "--resume", str(saved / "step-000003"), "--save-dir", str(out))
         print(r.stdout[-400:])
-        assert r.returncode == 0 and "saved as dp 2 x pp 1 x tp 4" in r.stdout, r.stderr[-2000:]
+        assert r.returncode == 0 and "saved as dp 2 x pp 1 x cp 1 x tp 4" in r.stdout, r.stderr[-2000:]
         err = max_rel(export(out, tmp_path / f"final-{n}.npz"), reference)
         print(f"saved 2x1x4, resumed {layout} on {n} ranks: max rel diff to the uninterrupted run {err:.1e}")
         assert err < 1e-9

@@ -72,7 +72,7 @@ def test_help_describes_the_dp_pp_tp_grid_once():
     print(r.stdout[:600])
     text = " ".join(r.stdout.split())
     assert r.returncode == 0 and r.stdout.count("usage: mpirun -n P python -m hsgd.train") == 1   # rank 0 only
-    assert "P = dp x pp x tp MPI ranks" in text and "--micro-batches" in text and "dp x tp " not in text
+    assert "P = dp x pp x cp x tp MPI ranks" in text and "--micro-batches" in text and "dp x tp " not in text
 
 
 TINY = ["--steps", "3", "--d-model", "16", "--n-heads", "4", "--n-layers", "1", "--d-ff", "16", "--seq-len", "8",

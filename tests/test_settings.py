@@ -42,7 +42,7 @@ def test_every_field_is_a_flag_with_its_help_text():
 
 def test_help_describes_dp_pp_tp_and_the_renamed_flag():
     text = " ".join(build_parser().format_help().split())
-    assert "P = dp x pp x tp MPI ranks" in text and "the lecture's G groups" in text and "the lecture's M" in text
+    assert "P = dp x pp x cp x tp MPI ranks" in text and "the lecture's G groups" in text and "the lecture's M" in text
     usage_and_flags, epilog = text.split("Example:")
     assert "P = dp x tp" not in text and "--grad-accum" in epilog and "--grad-accum" not in usage_and_flags
     assert "data-parallel size: model replicas, each on its own slice of the batch (ranks / (pp * tp))" in text
@@ -67,7 +67,7 @@ def test_verify_parser_is_built_from_the_same_fields():
             assert action.help == train_flags[name].help, name
         assert (action.type, action.choices, action.metavar) == \
             (train_flags[name].type, train_flags[name].choices, train_flags[name].metavar), name
-    assert "P = dp x pp x tp MPI ranks" in " ".join(verify.build_parser().format_help().split())
+    assert "P = dp x pp x cp x tp MPI ranks" in " ".join(verify.build_parser().format_help().split())
     print(f"{len(verify_flags)} flags of hsgd.verify, help texts identical to hsgd.train's")
 
 
