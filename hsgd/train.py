@@ -179,6 +179,8 @@ def loop(run):
                 stop_after_signal(run, step, stop.signum_agreed, saved)
     trainer.finish()
     run.wall = time.perf_counter() - t0
+    if run.tracer:
+        run.tracer.enabled = False                                         # the final validation is not traced
 
 
 def one_step(run, step, faults):

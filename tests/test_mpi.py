@@ -63,8 +63,13 @@ def test_grid_prints_the_layout_table():
     r = run_mpi(4, ["-m", "hsgd.grid", "--tp", "2"], timeout=60)
     print(r.stdout)
     assert r.returncode == 0
-    assert "4 ranks = dp 2 x pp 1 x tp 2" in r.stdout
+    assert "4 ranks = dp 2 x pp 1 x cp 1 x tp 2" in r.stdout
     assert "tp_comm groups: [[0, 1], [2, 3]]" in r.stdout and "dp_comm groups: [[0, 2], [1, 3]]" in r.stdout
+    r = run_mpi(8, ["-m", "hsgd.grid", "--tp", "2", "--cp", "2"], timeout=60)           # cp next to tp
+    print(r.stdout)
+    assert r.returncode == 0 and "8 ranks = dp 2 x pp 1 x cp 2 x tp 2" in r.stdout
+    assert "cp_comm groups: [[0, 2], [1, 3], [4, 6], [5, 7]]" in r.stdout
+    assert "dp_comm groups: [[0, 2, 4, 6], [1, 3, 5, 7]]" in r.stdout                # every rank of a shard
 
 
 def test_help_describes_the_dp_pp_tp_grid_once():
@@ -92,6 +97,10 @@ TINY = ["--steps", "3", "--d-model", "16", "--n-heads", "4", "--n-layers", "1", 
     (["--pp", "2"], "n_layers=1 cannot be split into pp=2 stages"),
     (["--pp", "2", "--n-layers", "2", "--pp-split", "2,1"], "pp_split=2,1 must give each of the pp=2 stages"),
     (["--pp", "3"], "dp*pp*tp = 2*3*1 = 6 does not match the 8 ranks"),
+    (["--cp", "8"], "seq_len=8 does not cut into 2*cp = 16 equal chunks"),
+    (["--cp", "2", "--tp", "2", "--tp-scheme", "sequence", "--seq-len", "4"], "use seq_len a multiple of 8"),
+    (["--cp", "3"], "dp*pp*cp*tp = 2*1*3*1 = 6 does not match the 8 ranks"),
+    (["--cp-scheme", "ulysses"], "invalid choice: 'ulysses'"),
 ])
 def test_invalid_flags_exit_2_with_one_message(flags, words):
     r = run_mpi(8, ["-m", "hsgd.train", *TINY, *flags], timeout=60)
@@ -172,7 +181,9 @@ def test_hybrid_training_run_prints_everything(tmp_path):
                                    ["--pp", "2", "--tp", "2", "--micro-batches", "2", "--zero", "3", "--recompute",
                                     "full", "--tp-scheme", "sequence"],
                                    ["--tp", "2", "--zero", "1", "--recompute", "selective"],
-                                   ["--zero", "3", "--hierarchical", "--ranks-per-node", "2"]])
+                                   ["--zero", "3", "--hierarchical", "--ranks-per-node", "2"],
+                                   ["--cp", "2", "--tp", "2"], ["--cp", "4", "--pp", "2", "--cp-scheme", "allgather",
+                                                                "--micro-batches", "2"]])
 def test_verify_passes(flags):
     r = run_mpi(8, ["-m", "hsgd.verify", *flags], timeout=120)
     print(r.stdout[-1500:])
@@ -194,11 +205,29 @@ def test_memory_flag_measures_every_category_next_to_its_formula(tmp_path):
     assert (tmp_path / "memory.png").stat().st_size > 0
 
 
+@pytest.mark.parametrize("scheme", ["ring", "allgather"])
+def test_memory_with_context_parallelism_equals_its_formula(scheme):
+    """--memory on dp 2 x cp 2 x tp 2 with selective recomputation: ring attention keeps no probabilities (nothing
+    to recompute), the all-gather variant keeps the gathered keys and values and its probabilities, and drops them."""
+    r = run_mpi(8, ["-m", "hsgd.train", *TINY, "--n-layers", "2", "--cp", "2", "--tp", "2", "--cp-scheme", scheme,
+                    "--recompute", "selective", "--memory"], timeout=180)
+    out = r.stdout
+    print(out[-1500:])
+    assert r.returncode == 0, r.stderr[-3000:]
+    ratios = [float(x) for x in re.findall(r"measured/formula +([\d.]+)", out)]
+    assert len(ratios) >= 5 and all(abs(x - 1) <= 0.05 for x in ratios), ratios
+    recomputed = re.findall(r"^ +recompute +(\S+ \S+) \|", out, re.M)            # measured, per group of ranks
+    assert recomputed and all((x != "0 B") == (scheme == "allgather") for x in recomputed), recomputed
+
+
 @pytest.mark.parametrize("flags", [["--dp-overlap"], ["--zero", "1"], ["--zero", "2", "--optimizer", "adamw"],
                                    ["--zero", "3", "--pp", "2", "--n-layers", "2", "--micro-batches", "2",
                                     "--recompute", "full"],
                                    ["--hierarchical", "--ranks-per-node", "2"], ["--dp-staleness", "1"],
-                                   ["--tp-scheme", "sequence"], ["--straggler", "3:5"]])
+                                   ["--tp-scheme", "sequence"], ["--straggler", "3:5"],
+                                   ["--cp", "2", "--tp", "2", "--zero", "1"],
+                                   ["--cp", "4", "--pp", "2", "--n-layers", "2", "--micro-batches", "2", "--cp-scheme",
+                                    "allgather", "--recompute", "selective"]])
 def test_every_communication_option_trains_and_matches_its_formula(flags):
     r = run_mpi(8, ["-m", "hsgd.train", *TINY, *flags], timeout=120)
     out = r.stdout

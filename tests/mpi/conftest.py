@@ -48,10 +48,10 @@ def train_steps(cfg, corpus, tc, tracer=None):
     from hsgd.dp import params_digest
     from hsgd.grid import ProcessGrid
     from hsgd.hybrid import HybridTrainer
-    grid = ProcessGrid(WORLD, dp=tc.dp, pp=tc.pp, tp=tc.tp)
+    grid = ProcessGrid(WORLD, dp=tc.dp, pp=tc.pp, tp=tc.tp, cp=tc.cp)
     trainer = HybridTrainer(cfg, grid, tc, tracer)
     if tracer:
-        for c in (grid.tp_comm, grid.dp_comm, grid.pp_comm):
+        for c in (grid.tp_comm, grid.cp_comm, grid.dp_comm, grid.pp_comm):
             c.tracer = tracer
     identical, per_step = True, None
     for step in range(1, tc.steps + 1):
