@@ -28,7 +28,10 @@ Writes benchmarks/results/bench.md (the tables) and bench.json (every number), a
   g. what memory savings cost in time: --recompute selective and full, --zero 3 and both, against the plain step,
      on 2 ranks (dp = 2, one thread each), alternating, with the bytes each moves;
   h. the pipeline schedules (gpipe, 1f1b, interleaved with 2 chunks, zb-h1) on 4 stages: step time and measured
-     bubble, alternating, next to each schedule's equal-cost bubble (hsgd.schedules).
+     bubble, alternating, next to each schedule's equal-cost bubble (hsgd.schedules);
+  i. context parallelism on 4 ranks, T = 1024: cp = 4 with ring attention and with the all-gather of keys and
+     values, against dp = 4 on the same batch, alternating; cp_comm's bytes and the activation bytes per rank
+     against the formulas, and the attention scores each rank computed (hsgd.cp).
 Timings are medians over repetitions, with the best next to them: how far apart the two are is the run-to-run
 noise of this machine. Run it on an idle machine. benchmarks/compare_commits.py runs section a for two commits in
 turn, to compare their hsgd / PyTorch ratios against that noise.
@@ -272,6 +275,29 @@ def section_schedules(a, res, md, say):
                "column is what the schedule itself leaves idle."]
 
 
+def section_cp(a, res, md, say):
+    """i: context parallelism on 4 ranks, ring against all-gather, with dp as the anchor."""
+    say("timing context parallelism on 4 ranks ...")
+    r = mpi(4, "cp", {"BENCH_ROUNDS": "3" if a.quick else "7"})
+    res["cp"] = r
+    base = r["seconds"]["dp (whole sequences)"]
+    md += ["", f"## i. Context parallelism: {r['ranks']} ranks (1 thread each), T = {r['seq_len']}", "",
+           "L=2 C=128 NH=4 F=512, global batch 4 x T. dp = 4 gives each rank whole sequences; cp = 4 gives each "
+           "rank T/4 positions of every sequence (chunks r and 7-r of 8). Median step over alternating rounds (best "
+           "in parentheses); cp_comm's bytes of one step measured and by hsgd.cp.cp_formula; the activation bytes "
+           "one rank caches (hsgd.memory.activation_formula); the attention scores each rank computed in one "
+           "forward of its 2 layers, per head and sequence (counted).", "",
+           "| variant | step median (best) | / dp | cp_comm bytes (formula) | activation bytes per rank | scores "
+           "per rank |", "|---|---|---|---|---|---|"]
+    for name, t in r["seconds"].items():
+        e = r[name]
+        sent = ", ".join(f"{op} {b / 2**20:.1f} MiB" for op, b in sorted(e["cp_bytes"].items())) or "-"
+        same = "equal" if e["cp_bytes"] == e["cp_formula"] else f"formula {e['cp_formula']}"
+        scores = e["scores_per_rank"] if any(e["scores_per_rank"]) else "-"
+        md.append(f"| {name} | {t * 1e3:.0f} ({r['best'][name] * 1e3:.0f}) ms | {t / base:.2f} | {sent} ({same}) | "
+                  f"{e['activation_bytes'] / 2**20:.1f} MiB | {scores} |")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="threads for the one-rank comparison")
@@ -289,7 +315,7 @@ def main(argv=None):
     say(f"float32 matmul rate (NumPy, {a.threads} threads): {res['matmul_flops'] / 1e9:.1f} GFLOP/s")
     md = []
     for section in (section_step, section_dp, section_tp, section_memory, section_memcost,
-                    section_schedules):
+                    section_schedules, section_cp):
         section(a, res, md, say)
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "bench.json"), "w") as f:

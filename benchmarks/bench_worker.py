@@ -1,6 +1,7 @@
 """One measurement of `make bench` that needs MPI ranks; started by benchmarks/bench.py under mpiexec.
 
     mpiexec -n N python benchmarks/bench_worker.py TASK     TASK: dp | ddp | tp | threaded | torch | memory | memcost
+                                                                  | schedules | cp
 
     dp        the trainer, dp = N (one thread per rank), the global batch 16 x 128 split over the ranks
     ddp       PyTorch DistributedDataParallel (gloo, on loopback) on the same model, batch and thread count
@@ -12,6 +13,9 @@
               in alternating rounds, against --recompute none and --zero 0
     schedules the pipeline schedules on pp = N stages (8 layers, 2N micro-batches): each one's step time and its
               measured bubble, in alternating rounds, next to the equal-cost simulation
+    cp        context parallelism on N ranks (a long sequence): cp = N with ring attention and with the all-gather
+              of keys and values, and dp = N on the same batch, timed in alternating rounds; cp_comm's bytes and
+              the activation bytes per rank against the formulas, the attention scores each rank computed
 Rank 0 prints one JSON object on its last line. Every rank uses one BLAS thread unless BENCH_THREADS says more.
 """
 import json
@@ -271,11 +275,56 @@ def task_schedules():
             "micro_batches": m}
 
 
+LONG = hsgd.ModelConfig(vocab_size=256, seq_len=1024, d_model=128, n_heads=4, n_layers=2, d_ff=512)
+CP_VARIANTS = {"dp (whole sequences)": dict(), "cp ring": dict(cp_scheme="ring"),
+               "cp allgather": dict(cp_scheme="allgather")}
+
+
+def task_cp():
+    """Median step seconds of each CP_VARIANTS entry on LONG (T = 1024), global batch N x 1024, N ranks one thread
+    each: dp = N, or cp = N; the variants alternate round by round. For the cp variants also: cp_comm's bytes of one
+    step (measured, formula), the activation bytes per rank (hsgd.memory.activation_formula) and the attention
+    scores computed per rank in one forward (every rank's, counted)."""
+    from hsgd.cp import cp_formula
+    n, rounds = WORLD.Get_size(), int(os.environ.get("BENCH_ROUNDS", "5"))
+    idx, targets = long_batch(n)
+    trainers, times, extra = {}, {k: [] for k in CP_VARIANTS}, {}
+    for name, kw in CP_VARIANTS.items():
+        cp = n if kw else 1
+        b = n // (n // cp)                                                # sequences per DP group
+        tc = TrainConfig(dp=n // cp, cp=cp, tp=1, steps=10 ** 6, batch_size=n, lr=1e-4, momentum=0.9, warmup=0, **kw)
+        grid = ProcessGrid(WORLD, dp=n // cp, tp=1, cp=cp)
+        trainers[name] = tr = HybridTrainer(LONG, grid, tc)
+        tr.step(idx, targets, 1)                                          # warm-up (and the optimizer state)
+        before, work0 = grid.stats.counts(), getattr(tr.stage.ctx, "work", {}).get("forward", 0)
+        tr.step(idx, targets, 1)
+        measured = {op: b for (c, op), (_, b) in grid.stats.since(before).items() if c == "cp"}
+        formula = {op: nbytes for (c, op), (_, nbytes) in cp_formula(tc.cp_scheme, cp, b, LONG.seq_len, LONG.d_model,
+                                                                     1, 4, LONG.n_layers).items()}
+        work = WORLD.allgather(getattr(tr.stage.ctx, "work", {}).get("forward", 0) - work0)
+        act = activation_formula(LONG, b, 4, 1, "megatron", cp, tc.cp_scheme)["model"]
+        extra[name] = {"cp_bytes": measured, "cp_formula": formula, "activation_bytes": act,
+                       "scores_per_rank": work}
+    alternate(trainers, idx, targets, rounds, times)
+    for trainer in trainers.values():
+        trainer.free()
+        trainer.grid.free()
+    return {"seconds": {k: float(np.median(v)) for k, v in times.items()},
+            "best": {k: float(min(v)) for k, v in times.items()}, "ranks": n, "seq_len": LONG.seq_len, **extra}
+
+
+def long_batch(n):
+    """n random sequences of LONG.seq_len bytes (and their next bytes), the same on every rank."""
+    rng = np.random.default_rng(0)
+    w = rng.integers(0, 256, (n, LONG.seq_len + 1), dtype=np.int64)
+    return w[:, :-1], w[:, 1:]
+
+
 if __name__ == "__main__":
     task = sys.argv[1]
     tune_allocator()
     with threadpool_limits(1):
         result = {"dp": task_dp, "tp": task_tp, "threaded": task_threaded, "ddp": task_ddp, "torch": task_torch,
-                  "memory": task_memory, "memcost": task_memcost, "schedules": task_schedules}[task]()
+                  "memory": task_memory, "memcost": task_memcost, "schedules": task_schedules, "cp": task_cp}[task]()
     if WORLD.Get_rank() == 0:
         print(json.dumps(result))

@@ -11,7 +11,8 @@ positions (all ranks hold the same number of them).
 Which positions (load balancing). Under the causal mask query t reads keys 0..t: the plain split (rank r holds
 [r T/cp, (r+1) T/cp)) leaves rank 0 one diagonal block of work and rank cp-1 cp blocks, so every layer waits for
 the last rank. Cut the sequence into 2 cp chunks of c = T/(2 cp) positions instead; rank r holds chunks r and
-2cp-1-r (Brandon et al. 2023; Megatron-LM's context parallelism does the same). In units of c x c score blocks,
+2cp-1-r (the "zigzag" split of Dubey et al. 2024, used by Megatron-LM's context parallelism too; Brandon et al.
+2023 balance the same work with a striped layout, position t on rank t mod cp). In units of c x c score blocks,
 rank r's early chunk reads r full blocks and one diagonal, its late chunk 2cp-1-r full blocks and one diagonal:
 2cp-1 + 2 = 2cp + 1 blocks on every rank (attention_blocks counts both splits).
 
@@ -30,10 +31,11 @@ The core attention over the ring (Liu et al. 2023, Ring Attention with Blockwise
              are back with their owner. Per layer and micro-batch: Isend of (k, v) cp - 1 times forward, cp - 1
              times backward, of (dk, dv) cp times (cp_formula).
 
-The all-gather variant (--cp-scheme allgather; Llama 3's long-context training): All-Gather k and v of the whole
-sequence over cp_comm, score this rank's queries against all T keys with the mask of their positions, and in the
-backward pass Reduce-Scatter dk, dv back to their owners. Two collectives per layer and no online softmax, but
-the rank holds all T keys and values and the (T/cp x T) probabilities, and computes the masked blocks too.
+The all-gather variant (--cp-scheme allgather; Dubey et al. 2024 train Llama 3's long context this way): All-Gather
+k and v of the whole sequence over cp_comm, score this rank's queries against all T keys with the mask of their
+positions, and in the backward pass Reduce-Scatter dk, dv back to their owners. Two collectives per layer and no
+online softmax, but the rank holds all T keys and values and the (T/cp x T) probabilities, and computes the masked
+blocks too.
 
     ctx = make_context(cfg, grid, tc)     # hsgd.context: WHOLE, Ring or AllGather; Stage owns it
     ctx.local(idx)                        # (B, T) -> (B, T/cp), this rank's positions of each sequence
