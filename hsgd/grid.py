@@ -98,16 +98,19 @@ class ProcessGrid:
         return "\n".join(lines)
 
     def groups(self):
-        """{"tp": [[ranks of group 0], ...], "cp": ..., "pp": ..., "dp": ...}: who talks to whom (computed, no
-        comm). The dp groups hold every rank of a parameter shard: dp x cp ranks."""
+        """{"tp": [[ranks of group 0], ...], "pp": ..., "dp": ..., and "cp" when cp > 1}: who talks to whom
+        (computed, no comm). The dp groups hold every rank of a parameter shard: dp x cp ranks."""
         dp, pp, tp, cp = self.dp, self.pp, self.tp, self.cp
         r = lambda d, p, t, c=0: self.rank_of(d, p, t, pp, tp, c, cp)
-        return {
+        out = {
             "tp": [[r(d, p, t, c) for t in range(tp)] for d in range(dp) for p in range(pp) for c in range(cp)],
             "cp": [[r(d, p, t, c) for c in range(cp)] for d in range(dp) for p in range(pp) for t in range(tp)],
             "pp": [[r(d, p, t, c) for p in range(pp)] for d in range(dp) for c in range(cp) for t in range(tp)],
             "dp": [[r(d, p, t, c) for d in range(dp) for c in range(cp)] for p in range(pp) for t in range(tp)],
         }
+        if cp == 1:
+            del out["cp"]                                        # one rank each: nobody to talk to
+        return out
 
     def free(self):
         for c in (self.tp_comm, self.cp_comm, self.pp_comm, self.dp_comm):

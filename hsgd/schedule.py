@@ -58,14 +58,14 @@ def parse_costs(text):
     return costs
 
 
-def keep_bytes(cfg, b, s, tp, scheme, recompute, chunk):
+def keep_bytes(cfg, b, s, tp, scheme, recompute, chunk, cp=1, cp_scheme="ring"):
     """(bytes from F to the backward, bytes from a split B to its W) of one micro-batch on one chunk (see the module
-    docstring); chunk: (number of blocks, first, last)."""
+    docstring); chunk: (number of blocks, first, last); with context parallelism, of the rank's T/cp positions."""
     from .step_memory import pieces
     from .tp_schemes import make_scheme
     n, first, last = chunk
-    pc, S, N, C, F = pieces(cfg, b, s, tp, scheme, recompute), make_scheme(scheme), b * cfg.seq_len, cfg.d_model, \
-        cfg.d_ff
+    pc, S, C, F = pieces(cfg, b, s, tp, scheme, recompute, cp, cp_scheme), make_scheme(scheme), cfg.d_model, cfg.d_ff
+    N = b * (cfg.seq_len // cp)
     cache = n * pc["K"] + pc["E"] * first + pc["H"] * last
     per_block = N * s * ((3 * C + F + (5 * C + F) // tp) if S.gathers_proj_inputs else (4 * C + (4 * C + 2 * F) // tp))
     head = N * s * (C + -(-cfg.vocab_size // tp))
@@ -90,9 +90,9 @@ class Plan:
         for st in range(p):
             chunks = [(len(layers), first, last)
                       for _, layers, first, last in stage_chunks(cfg.n_layers, p, st, v, split)]
-            kept = [keep_bytes(cfg, b, s, tc.tp, tc.tp_scheme, tc.recompute, ch) for ch in chunks]
+            kept = [keep_bytes(cfg, b, s, tc.tp, tc.tp_scheme, tc.recompute, ch, tc.cp, tc.cp_scheme) for ch in chunks]
             self.bytes.append(held_bytes(self.actions[st], [k[0] for k in kept], [k[1] for k in kept]))
-            f = pp_formula(b, cfg, m, st == 0, st == p - 1, s, tc.tp_scheme, tc.tp, v)   # piece 0, piece pv-1
+            f = pp_formula(b, cfg, m, st == 0, st == p - 1, s, tc.tp_scheme, tc.tp, v, tc.cp)   # piece 0, pv-1
             self.sent.append(f.get(("pp", "Isend"), (0, 0)))
 
     def report(self, say):
@@ -145,8 +145,8 @@ def measure(cfg, tc, plan, say, plot):
     trainer.finish()
     if world.Get_rank() == 0:
         timeline = [r[1] for r in rows]
-        say(f"measured on {world.Get_size()} ranks (dp {tc.dp} x pp {tc.pp} x tp {tc.tp}, {tc.tp_scheme}, {tc.dtype}), "
-            f"step {tc.steps}:")
+        say(f"measured on {world.Get_size()} ranks (dp {tc.dp} x pp {tc.pp} x cp {tc.cp} x tp {tc.tp}, {tc.tp_scheme}, "
+            f"{tc.dtype}), step {tc.steps}:")
         say(picture(timeline))
         say(f"bubble: measured {bubble_fraction(timeline):.4f} | predicted {bubble_fraction(plan.timeline):.4f} "
             f"(simulated with F={plan.costs[0]:g} B={plan.costs[1]:g} W={plan.costs[2]:g})")

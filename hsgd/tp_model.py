@@ -225,14 +225,14 @@ def embedding_forward(idx, wte_part, wpe, start, comm, S, ctx=WHOLE):
     x, c_look = vocab_lookup_forward(idx, wte_part, start)               # (B, T, C) partial: zeros where not mine
     x = S.leave_forward(x, comm)                                         # (B, T~, C) g: Allreduce | scatter_T: R-S
     x += wpe[rows]                                                       # (T~, C) broadcast over B
-    return x, (c_look, rows)
+    return x, (c_look, t0, t1, ctx)                                      # (rows again in the backward pass)
 
 
 def embedding_backward(dx, cache, dwte_part, dwpe, comm, S):
     """dwpe for the positions held (sequence, context parallelism: partial); dwte rows of this rank's tokens from
     the whole dx."""
-    c_look, rows = cache
-    dwpe[rows] += dx.sum(axis=0)                                         # (T~, C) distinct rows
+    c_look, t0, t1, ctx = cache
+    dwpe[ctx.rows(t0, t1)] += dx.sum(axis=0)                             # (T~, C) distinct rows
     dx = S.leave_backward(dx, comm)                                      # (B, T, C) g^T: identity | All-Gather
     vocab_lookup_backward(dx, c_look, dwte_part)                         # no communication
 

@@ -283,13 +283,16 @@ def test_pipeline_training_reports_its_schedule(flags):
     assert "<- differs" not in out
 
 
-def test_the_schedule_lab_runs_and_measures():
-    """python -m hsgd.schedule --run: zb-h1 executed on 4 ranks (pp 2 x tp 2, sequence scheme, selective
-    recomputation), measured next to its prediction: the pairs and activation bytes held equal it, the bytes sent
-    on pp_comm equal the formula (chapter 14 measures the four schedules with the megatron scheme)."""
-    r = run_mpi(4, ["-m", "hsgd.schedule", "--pp", "2", "--tp", "2", "--tp-scheme", "sequence", "--recompute",
-                    "selective", "--micro-batches", "4", "--batch-size", "4", "--schedule", "zb-h1", "--seq-len", "16",
-                    "--d-model", "32", "--n-heads", "4", "--d-ff", "64", "--run"], timeout=120)
+@pytest.mark.parametrize("n, flags", [(4, ["--tp", "2", "--tp-scheme", "sequence"]),
+                                      (8, ["--tp", "2", "--cp", "2", "--cp-scheme", "allgather"])])
+def test_the_schedule_lab_runs_and_measures(n, flags):
+    """python -m hsgd.schedule --run: zb-h1 executed on pp 2 x tp 2 (sequence scheme) and pp 2 x cp 2 x tp 2 (the
+    all-gather attention), with selective recomputation, measured next to its prediction: the pairs and activation
+    bytes held equal it, the bytes sent on pp_comm equal the formula (chapter 14 measures the four schedules with
+    the megatron scheme)."""
+    r = run_mpi(n, ["-m", "hsgd.schedule", "--pp", "2", *flags, "--recompute", "selective", "--micro-batches", "4",
+                    "--batch-size", "4", "--schedule", "zb-h1", "--seq-len", "16", "--d-model", "32", "--n-heads", "4",
+                    "--d-ff", "64", "--run"], timeout=120)
     print(r.stdout[-3000:])
     assert r.returncode == 0, r.stderr[-3000:]
     sent = [line for line in r.stdout.splitlines() if line.startswith("pp_comm sent per step: measured")]

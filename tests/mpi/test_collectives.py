@@ -47,6 +47,28 @@ def test_every_factorization_places_ranks_and_splits_communicators():
     say("all 10 factorizations of 8 ranks: placement and communicators as documented")
 
 
+def test_every_4d_factorization_places_ranks_and_splits_communicators():
+    """dp x pp x cp x tp = 8 (all 20): rank = ((dp_rank pp + pp_rank) cp + cp_rank) tp + tp_rank, each communicator
+    the group grid.groups() names, and dp_comm every rank of a shard (dp x cp of them)."""
+    layouts = [(8 // (p * c * t), p, c, t) for p in (1, 2, 4, 8) for c in (1, 2, 4, 8) for t in (1, 2, 4, 8)
+               if 8 % (p * c * t) == 0]
+    r = WORLD.Get_rank()
+    for dp, pp, cp, tp in layouts:
+        grid = ProcessGrid(WORLD, dp=dp, pp=pp, tp=tp, cp=cp)
+        ok = (r == ProcessGrid.rank_of(grid.dp_rank, grid.pp_rank, grid.tp_rank, pp, tp, grid.cp_rank, cp)
+              and (grid.tp_comm.size, grid.cp_comm.size, grid.pp_comm.size, grid.dp_comm.size) == (tp, cp, pp, dp * cp)
+              and (grid.tp_comm.rank, grid.cp_comm.rank, grid.pp_comm.rank, grid.dp_comm.rank) ==
+              (grid.tp_rank, grid.cp_rank, grid.pp_rank, grid.dp_rank * cp + grid.cp_rank))
+        groups = grid.groups()
+        for dim in ("tp", "cp", "pp", "dp"):
+            members = getattr(grid, f"{dim}_comm").comm.allgather(r)
+            ok = ok and (members in groups[dim] if dim in groups else members == [r])
+        check(ok, f"layout dp={dp} pp={pp} cp={cp} tp={tp}")
+        grid.free()
+    say(f"all {len(layouts)} factorizations of 8 ranks into dp x pp x cp x tp: placement and communicators as "
+        "documented")
+
+
 def test_tp_groups_are_consecutive_ranks():
     grid = ProcessGrid(WORLD, dp=2, pp=2, tp=2)
     g = grid.groups()
