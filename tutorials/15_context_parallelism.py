@@ -1,0 +1,702 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Chapter 15: context parallelism: the sequence split over ranks, ring attention and the online softmax
+#
+# Every layout so far gives each rank whole sequences. Tensor parallelism (chapters 5 to 7) splits the weights and
+# the heads, pipeline parallelism (chapters 9 and 14) the layers, data parallelism the batch; none of them splits
+# the T positions of one sequence. But a block's activations grow with T, and the attention probabilities with
+# $T^2$, so a long enough sequence outgrows one device whatever happens to the weights. The lecture's section 2
+# makes that argument for the model (a GPT-3 or LLaMA-sized model does not fit one node, so the parallelisms are
+# combined); its section 4.2 asks to balance the work across partitions and its section 4.1 to overlap
+# communication with computation. It has no section on splitting the sequence: context parallelism goes beyond the
+# lecture, and this chapter builds it on the same grid, with the same kind of checks against serial SGD. Chapter
+# 6's sequence parallelism is not this: it splits T only where tensor parallelism leaves the activations whole
+# (LayerNorm, the residual stream) and gathers it back before the attention; context parallelism keeps T split
+# everywhere, the attention included.
+#
+# `hsgd/cp.py` splits every sequence over the cp ranks of `grid.cp_comm`. Everything in a block except the core
+# attention treats each position on its own, so it runs unchanged on a rank's T/cp positions. The core attention,
+# where position t reads the keys and values of positions 0..t, is done one of two ways:
+#
+# * **ring** (Liu, Zaharia and Abbeel 2023, "Ring Attention with Blockwise Transformers for Near-Infinite
+#   Context"): the (k, v) blocks travel around the ring of cp ranks while each rank keeps its queries, and the
+#   partial results are merged with the online softmax (Milakov and Gimelshein 2018, "Online normalizer calculation
+#   for softmax"; Dao et al. 2022, "FlashAttention");
+# * **all-gather** (the scheme the Llama 3 paper, Dubey et al. 2024, "The Llama 3 Herd of Models", uses for long
+#   contexts): All-Gather k and v, attend, Reduce-Scatter their gradients.
+#
+# The chapter:
+#
+# 1. why the sequence dimension: a block's activation bytes against T from `hsgd.memory.activation_formula`,
+#    with tp and with cp;
+# 2. the online softmax derived step by step, then checked in NumPy on one process;
+# 3. the ring forward and backward on 8 ranks (cp 8, and cp 4 x tp 2) against serial attention, with its messages
+#    counted against `cp.cp_formula`; the all-gather scheme the same way;
+# 4. load balancing under the causal mask: the plain split against hsgd's layout (rank r holds chunks r and
+#    2cp-1-r), counted and measured, with a picture;
+# 5. training with `HybridTrainer` on dp 2 x cp 2 x tp 2, cp 8 and pp 2 x cp 2 x tp 2, both schemes, against serial
+#    SGD, with each step's traffic and activation bytes against their formulas;
+# 6. ring against all-gather on 8 ranks: bytes (payload and bytes sent per rank), activation bytes, and time;
+# 7. the trace: one rank's ring attention, its sends in flight while it computes, drawn and checked.
+#
+# Run it with eight ranks (7 to 8 s measured on a 2-core machine; on failure every rank raises, so it exits
+# non-zero without hanging). Rank 0 draws three pictures into `$HSGD_FIGURES` (default `tutorials/figures/`):
+#
+# mpirun -n 8 python tutorials/15_context_parallelism.py
+#
+# The notebook form (`jupytext --to ipynb tutorials/15_context_parallelism.py`) is for reading: the code needs
+# eight MPI ranks. Only rank 0 prints. From the command line, `mpirun -n 8 python -m hsgd.train --cp 4 --tp 2
+# --cp-scheme ring` trains with context parallelism and ends by printing one step's traffic next to its formula.
+#
+# Legend: B sequences in the global batch, b sequences per micro-batch, T sequence length, $T_l = T/cp$ the
+# positions a cp rank holds, N = b T rows of a micro-batch ($N_l = b T_l$ on a cp rank), C d_model, NH heads,
+# hs = C/NH the head size, F the MLP width, V vocabulary, L layers; tp, cp, pp, dp the sizes of the grid (P = dp x
+# pp x cp x tp ranks); c = T/(2cp) the length of a chunk; s bytes per number (8, float64, in the runs; 2 in the
+# formulas of section 1). In the online softmax: s the scores of one query, m the running maximum, l the running
+# sum, o the running (unnormalised) output, lse = m + log l.
+
+# %%
+from hsgd import ModelConfig, serial   # hsgd first, as in chapter 13 (OpenBLAS's thread timeout)
+
+import dataclasses
+import time
+
+import numpy as np
+from mpi4py import MPI
+from threadpoolctl import threadpool_limits
+
+from hsgd import cp
+from hsgd.cp import attention_blocks, attention_cache_bytes, chunk_starts, cp_formula, make_split
+from hsgd.data import Corpus
+from hsgd.grid import ProcessGrid
+from hsgd.hybrid import HybridTrainer
+from hsgd.layers import attention_backward, attention_forward
+from hsgd.memory import activation_formula
+from hsgd.report import fmt_bytes, step_formula
+from hsgd.trace import Tracer
+
+import pictures                                  # tutorials/pictures.py: where the PNGs go
+from checks import Checks, payload, rel_err, ring_bytes, train_config   # tutorials/checks.py, shared
+
+threadpool_limits(1)                    # eight ranks share the cores, tiny matrices: one BLAS thread each
+P = 8
+world = MPI.COMM_WORLD
+if world.Get_size() != P:               # every rank exits non-zero; rank 0 says why
+    raise SystemExit(f"run this chapter on {P} ranks: mpirun -n {P} python {__file__}"
+                     if world.Get_rank() == 0 else 1)
+rank = world.Get_rank()
+check = Checks(world, tol=1e-10, width=78)  # check(what, err, tol): collective, raises on every rank unless err < tol
+say = check.say                             # print on world rank 0 only
+
+
+def on_rank0(work):
+    """work() on rank 0 while the other ranks sleep (`pictures.on_rank0`, which raises on every rank if work()
+    fails there), its result on every rank."""
+    return world.bcast(pictures.on_rank0(world, work), root=0)
+
+
+# %% [markdown]
+# ## 1. Why the sequence dimension
+#
+# `activation_formula(cfg, b, s, tp, scheme, cp, cp_scheme)["block"]` is what one block's forward caches on one
+# rank in hsgd, measured against the caches in chapter 13. With Megatron's tensor-parallel scheme it is
+#
+# $$s\,\big(4NC + 2N + (4NC + b\,NH\,T^2 + 2NF)/tp\big):$$
+#
+# the LayerNorms' outputs and the inputs of the q, k, v and fc linears ($4NC + 2N$) are replicated over tp, and
+# everything else, the attention's probabilities $b\,NH\,T^2$ included, is split by tp. Two things grow with T: the
+# linear terms, through N = bT, and the probabilities, with $T^2$. Tensor parallelism divides the second by tp but
+# leaves the replicated $4NC$ whole; the sequence scheme (chapter 6) divides that too, but the $T^2$ is still
+# there, divided only by tp. Context parallelism gives each rank $T/cp$ positions of every sequence, so every term
+# of the block is of $N_l = N/cp$ rows, and the core attention's cache is the scheme's
+# (`cp.attention_cache_bytes`):
+#
+# * ring: q, the rank's own (k, v), its output y, $4 N_l C/tp$, and lse, $b\,(NH/tp)\,T_l$: no $T \times T$ matrix
+#   at all, only what the online softmax of section 2 keeps;
+# * all-gather: q, the gathered k and v of the whole sequence ($2\,b\,T\,C/tp$) and the probabilities of the rank's
+#   queries against all keys, $b\,(NH/tp)\,T_l\,T$: the $T^2$ term divided by cp.
+#
+# For a block of a 7B-sized model (C = 4096, NH = 32, F = 16384, one sequence, 2-byte numbers), per rank, with the
+# 8 ranks used as tp 8 or as cp 8 (plain numbers: these are formulas, nothing is allocated):
+
+# %%
+big = ModelConfig(vocab_size=256, seq_len=4096, d_model=4096, n_heads=32, n_layers=32, d_ff=16384)
+S2, TS = 2, (4096, 16384, 65536, 131072)                     # bytes per number; sequence lengths
+
+
+def block(T, tp=1, scheme="megatron", cp_=1, cp_scheme="ring"):
+    """One block's activation bytes per rank for one sequence of T positions of the 7B-sized model."""
+    return activation_formula(dataclasses.replace(big, seq_len=T), 1, S2, tp, scheme, cp_, cp_scheme)["block"]
+
+
+def attn_cache(T, cp_=1, cp_scheme="ring", tp=1):
+    """The core attention's part of it (cp.attention_cache_bytes)."""
+    return attention_cache_bytes(cp_, cp_scheme, 1, T, big.d_model, big.n_heads, tp, S2)[0]
+
+
+C7, NH7, F7 = big.d_model, big.n_heads, big.d_ff
+rows = [(T, block(T), block(T, 8), block(T, 8, "sequence"), block(T, cp_=8), block(T, cp_=8, cp_scheme="allgather"))
+        for T in TS]
+say(f"{'T':>7} {'1 rank':>10} {'tp 8':>10} {'tp 8 seq':>10} {'cp 8 ring':>10} {'cp 8 gather':>11}   "
+    f"probabilities' share (1 rank)")
+for T, one, tp8, seq8, ring8, ag8 in rows:
+    say(f"{T:>7} {fmt_bytes(one):>10} {fmt_bytes(tp8):>10} {fmt_bytes(seq8):>10} {fmt_bytes(ring8):>10} "
+        f"{fmt_bytes(ag8):>11}   {S2 * NH7 * T * T / one:.1%}")
+check.equal("1 rank: block == s (8NC + 2N + 2NF + b NH T^2), every T",
+            [r[1] for r in rows], [S2 * (8 * T * C7 + 2 * T + 2 * T * F7 + NH7 * T * T) for T in TS])
+rep = [S2 * (4 * T * C7 + 2 * T) for T in TS]                # megatron's replicated s (4NC + 2N), b = 1
+check.equal("tp 8 (megatron): block - s (4NC + 2N) == (1 rank's - s (4NC + 2N)) / 8",
+            [r[2] - x for r, x in zip(rows, rep)], [(r[1] - x) // 8 for r, x in zip(rows, rep)])
+check.equal("cp 8: block - attention cache == (1 rank's - its attention cache) / 8",
+            [r[4] - attn_cache(T, 8) for r, T in zip(rows, TS)],
+            [(r[1] - attn_cache(T)) // 8 for r, T in zip(rows, TS)])
+check.equal("cp 8 ring: block(4T) == 4 block(T): linear in T, no T^2 term",
+            [block(4 * T, cp_=8) for T in TS[:2]], [4 * block(T, cp_=8) for T in TS[:2]])
+check.equal("cp 8 all-gather: its attention cache == s (N_l C + 2 T C + NH T_l T)",
+            [attn_cache(T, 8, "allgather") for T in TS],
+            [S2 * (T // 8 * C7 + 2 * T * C7 + NH7 * T // 8 * T) for T in TS])
+
+
+def draw_activations():
+    fig, ax = pictures.figure(6.5, 3.6)
+    Ts = [2 ** k for k in range(11, 18)]
+    for label, f, style in (("1 rank", lambda T: block(T), "k-"), ("tp 8 (megatron)", lambda T: block(T, 8), "C0-"),
+                            ("tp 8 (sequence)", lambda T: block(T, 8, "sequence"), "C0--"),
+                            ("cp 8, all-gather", lambda T: block(T, cp_=8, cp_scheme="allgather"), "C3--"),
+                            ("cp 8, ring", lambda T: block(T, cp_=8), "C3-")):
+        ax.loglog(Ts, [f(T) / 2 ** 30 for T in Ts], style, marker="o", ms=3, label=label, base=2)
+    ax.set_xlabel("T (positions per sequence)")
+    ax.set_ylabel("GiB per block and rank")
+    ax.set_title("one block's activations, 7B-sized model, 1 sequence, 2 bytes (activation_formula)", fontsize=8)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3, which="both")
+    return pictures.save(fig, "15_activations_vs_T")
+
+
+say(f"picture: {on_rank0(draw_activations)}")
+
+# %% [markdown]
+# The picture plots the five columns of the table against T on log-log axes: the lines with a $T^2$ term steepen to
+# slope 2, the ring's keeps slope 1.
+#
+# At T = 4096 the probabilities are already two thirds of a block on one rank, and at T = 131072 all but 1.5% of
+# its 1040 GiB. Tensor parallelism over 8 ranks leaves 133.5 GiB per block on each of them, the sequence scheme
+# 130 GiB: the probabilities divided by 8 are almost all of it. Context parallelism with the ring holds 2.1 GiB,
+# 1/8 of everything that is not attention plus its own O($T_l$) attention cache; with the all-gather, the
+# probabilities of its $T_l$ queries against all T keys are 128 GiB again. hsgd materialises the probabilities of
+# the scores it computes at once (all of them in the all-gather, one block at a time in the ring); a fused kernel
+# (FlashAttention) would not, and then the all-gather's price is the gathered k and v, O(T) per rank, where the ring
+# holds its own block and the two in transit.
+#
+# ## 2. The online softmax, step by step
+#
+# The core attention of one query is a softmax-weighted sum over the keys it may read,
+#
+# $$y = \sum_j p_j v_j,\qquad p_j = \frac{e^{s_j}}{\sum_k e^{s_k}},\qquad s_j = q \cdot k_j / \sqrt{hs}.$$
+#
+# On a context-parallel rank the keys arrive in blocks, one from each rank. The softmax needs the sum over all of
+# them, so it seems that nothing can be done before the last block arrives. It can, because the sum can be carried
+# along unnormalised. Keep three numbers per query after the blocks seen so far: the largest score $m$, the sum
+# $l = \sum_j e^{s_j - m}$ and the unnormalised output $o = \sum_j e^{s_j - m} v_j$. Then $y = o / l$ for the blocks
+# seen so far, exactly. A new block with scores $s_b$ and values $V_b$:
+#
+# 1. its maximum may be larger: $m' = \max(m, \max_j s_{b,j})$;
+# 2. the old terms were computed with $e^{s_j - m}$ and need $e^{s_j - m'}$: multiply both $l$ and $o$ by the
+#    same factor $e^{m - m'} \le 1$ (with $m = -\infty$ before the first block, the factor is 0);
+# 3. add the block's own terms with the new maximum, $p_b = e^{s_b - m'}$:
+#    $l \leftarrow l\,e^{m - m'} + \sum_j p_{b,j}$, $o \leftarrow o\,e^{m - m'} + p_b V_b$, $m \leftarrow m'$.
+#
+# After the last block, $y = o / l$. Every exponent is $\le 0$, so nothing overflows, whatever the scores. The
+# backward pass needs the probabilities again, $p_j = e^{s_j} / \sum_k e^{s_k} = e^{s_j - \mathrm{lse}}$ with
+# $\mathrm{lse} = \log \sum_k e^{s_k} = m + \log l$: one number per query is all the ring keeps of the softmax.
+# And the softmax's backward, $ds_j = p_j (dp_j - \sum_k p_k\,dp_k)$ with $dp_j = dy \cdot v_j$, needs the sum
+# over all keys once more; but $\sum_k p_k\,(dy \cdot v_k) = dy \cdot y$, so $D = dy \cdot y$, known before the
+# first block, replaces it. Every block's gradients are then local: $ds = p\,(dp - D)$, $dq \mathrel{+}= ds\,k_b$,
+# $dk_b \mathrel{+}= ds^T q$, $dv_b \mathrel{+}= p^T dy$ (the $1/\sqrt{hs}$ aside). That is `cp.Ring.merge` and
+# `cp.Ring.grads`. First in NumPy, for 4 queries and 64 keys in 8 blocks, against the softmax computed at once:
+
+# %%
+rng = np.random.default_rng(15)
+nq, nk, hs, nb = 4, 64, 8, 8
+s_all = rng.standard_normal((nq, nk)) * 3 + 800.0            # scores of 4 queries: e^709 is float64's largest
+V_all = rng.standard_normal((nk, hs))                        # values (nk, hs)
+with np.errstate(over="ignore", invalid="ignore"):
+    naive = np.exp(s_all) / np.exp(s_all).sum(axis=1, keepdims=True)   # the textbook formula: inf / inf
+shift = s_all - s_all.max(axis=1, keepdims=True)
+P_ref = np.exp(shift) / np.exp(shift).sum(axis=1, keepdims=True)        # softmax at once (shifted by the max)
+y_ref = P_ref @ V_all
+lse_ref = s_all.max(axis=1) + np.log(np.exp(shift).sum(axis=1))
+
+m = np.full(nq, -np.inf)                                     # running max
+l = np.zeros(nq)                                             # running sum of e^(s - m)
+o = np.zeros((nq, hs))                                       # running sum of e^(s - m) v
+for b0 in range(0, nk, nk // nb):                            # one block of 8 keys at a time
+    sb, Vb = s_all[:, b0:b0 + nk // nb], V_all[b0:b0 + nk // nb]
+    m_new = np.maximum(m, sb.max(axis=1))                    # 1. the new maximum
+    scale = np.exp(m - m_new)                                # 2. e^(m - m'): rescales the old terms (0 at first)
+    p = np.exp(sb - m_new[:, None])                          # 3. the block's terms
+    l = l * scale + p.sum(axis=1)
+    o = o * scale[:, None] + p @ Vb
+    m = m_new
+y_online, lse_online = o / l[:, None], m + np.log(l)
+say(f"scores around 800: the textbook formula gives {np.isnan(naive).sum()} NaN of {naive.size}; "
+    f"the blockwise sum none ({np.isnan(y_online).sum()})")
+check("online softmax in 8 blocks: y vs the softmax at once (relative)", rel_err(y_online, y_ref), 1e-14)
+check("lse = m + log l vs log sum e^s (relative)", rel_err(lse_online, lse_ref), 1e-14)
+dy1 = rng.standard_normal((nq, hs))
+dP = dy1 @ V_all.T                                           # (nq, nk) dL/dp
+D_soft, D_out = (P_ref * dP).sum(axis=1), (dy1 * y_online).sum(axis=1)
+check("backward: sum_k p_k dp_k == dy . y (the D of every block)", rel_err(D_out, D_soft), 1e-13)
+dS_ref = P_ref * (dP - D_soft[:, None])                      # the softmax's backward, all keys at once
+dS_blocks = np.concatenate([np.exp(s_all[:, b0:b0 + 8] - lse_online[:, None]) * (dP[:, b0:b0 + 8] - D_out[:, None])
+                            for b0 in range(0, nk, 8)], axis=1)   # block by block, from lse and D only
+check("backward block by block, p = e^(s - lse), ds = p (dp - D): vs all at once", rel_err(dS_blocks, dS_ref), 1e-13)
+
+# %% [markdown]
+# The forward's error is rounding, about $10^{-16}$: the blockwise result is the same sum, added in another order,
+# and the textbook formula, $e^{800}/e^{800}$, is NaN everywhere while every exponent of the online softmax is at
+# most 0. The backward's $10^{-14}$ is the rounding of scores near 800 (one unit in the last place of 800 is
+# $10^{-13}$) carried into $e^{s - \mathrm{lse}}$. The merge is associative (exercise 3), so the blocks may come in
+# any order, which is what a ring needs.
+#
+# ## 3. The ring, forward and backward, on 8 ranks
+#
+# A grid with `cp=8` puts all 8 ranks into one `cp_comm`; `cp=4, tp=2` makes two rings of 4, one for each tp rank
+# (ranks are numbered tp fastest, then cp: rank = ((dp_rank pp + pp_rank) cp + cp_rank) tp + tp_rank). A rank's
+# positions are `ctx.pos`: with cp = 4 and T = 32 the sequence is cut into 8 chunks of c = 4, and rank r holds
+# chunks r and 7 - r (section 4 says why):
+
+# %%
+B, T, C, NH = 2, 32, 16, 4                                   # batch, sequence, width, heads of the attention tests
+g8 = ProcessGrid(world, dp=1, pp=1, tp=1, cp=8)
+g42 = ProcessGrid(world, dp=1, pp=1, tp=2, cp=4)
+for r in range(4):
+    say(f"  cp 4, T = {T}: cp_rank {r} holds chunks {[g // 4 for _, g, _ in chunk_starts(T, 4, r)]}, positions "
+        f"{cp.positions(T, 4, r).tolist()}")
+rng = np.random.default_rng(0)                               # the same arrays on every rank
+q_all, k_all, v_all, dy_all = (rng.standard_normal((B, T, C)) for _ in range(4))
+y_all, cache_all = attention_forward(q_all, k_all, v_all, NH)     # serial: the whole sequence, every head
+dq_all, dk_all, dv_all = attention_backward(dy_all, cache_all)
+
+
+def attend(g, scheme, balanced=True):
+    """This rank's core attention through the context layout on g.cp_comm: its positions (and with tp its heads'
+    columns) of q, k, v and dy in, y, dq, dk, dv out; the error against serial, the cp_comm traffic, the work."""
+    ctx = make_split(scheme, g.cp_comm, T, balanced=balanced)
+    cols = slice(g.tp_rank * C // g.tp, (g.tp_rank + 1) * C // g.tp)       # my heads' columns
+    mine = [np.ascontiguousarray(a[:, ctx.pos, cols]) for a in (q_all, k_all, v_all, dy_all)]   # (B, T/cp, C/tp)
+    before = g.stats.counts()
+    y, cache = ctx.attention_forward(*mine[:3], NH // g.tp)
+    dq, dk, dv = ctx.attention_backward(mine[3], cache)
+    sent = {key: n for key, n in g.stats.since(before).items() if key[0] == "cp"}
+    err = max(rel_err(got, want[:, ctx.pos, cols]) for got, want in
+              ((y, y_all), (dq, dq_all), (dk, dk_all), (dv, dv_all)))
+    return err, sent, dict(ctx.work), ctx
+
+
+say(f"{'grid':<12} {'scheme':<10} {'calls':>12} {'payload':>10} {'sent/rank':>10}   (one layer, forward + backward, "
+    f"b = {B}, T = {T}, C = {C})")
+runs = {}
+for g, name in ((g8, "cp 8"), (g42, "cp 4 x tp 2")):
+    for scheme in cp.CP_SCHEMES:
+        err, sent, work, ctx = runs[name, scheme] = attend(g, scheme)
+        check(f"{name}, {scheme}: y, dq, dk, dv vs serial attention at my positions", err, 1e-13)
+        want = cp_formula(scheme, g.cp, B, T, C, g.tp, 8, 1)
+        check.equal(f"{name}, {scheme}: cp_comm calls and payload == cp_formula", sent, want)
+        calls = ", ".join(f"{op} {n}" for (_, op), (n, _) in sorted(sent.items()))
+        say(f"{name:<12} {scheme:<10} {calls:>22} {fmt_bytes(payload(sent)):>10} "
+            f"{fmt_bytes(float(ring_bytes(sent, g.cp))):>10}")
+
+# %% [markdown]
+# Every rank's output and the three gradients match serial attention at its positions to rounding, in both grids:
+# with tp the cp ring carries the rank's NH/tp heads only, (k, v) blocks of $b\,T_l\,C/tp$ numbers each.
+#
+# What each scheme sends, per layer and micro-batch, with a (k, v) block of $2\,b\,T_l\,(C/tp)\,s$ bytes
+# (`cp.cp_formula`):
+#
+# * ring: each (k, v) block goes round the ring, cp - 1 hops forward and cp - 1 again backward (it is not kept;
+#   only lse and the rank's own block are), and the gradients (dk, dv) of each block, to which every rank adds its
+#   share, cp hops, back to their owner: $3cp - 2$ Isends of one block, and as many Irecvs. A send moves all of
+#   it, a receive nothing more, so the bytes sent per rank are the Isends' payload: 22 blocks for cp 8.
+# * all-gather: one All-Gather of (k, v) (payload: the gathered cp blocks) and one Reduce-Scatter of the gathered
+#   (dk, dv) (payload: its input, cp blocks). A ring All-Gather or Reduce-Scatter sends (cp-1)/cp of it per rank:
+#   $2(cp-1)$ blocks, 14 for cp 8.
+#
+# So the ring sends more, $(3cp-2)/(2cp-2)$ times as much (1.57 for cp 8), for a memory of three blocks (its own
+# and the two in transit) where the all-gather holds all cp of them, and with its messages overlapped with the
+# blocks' computation (section 7).
+#
+# ## 4. Load balancing under the causal mask
+#
+# Query t reads keys 0..t. With the plain split, rank r holding positions $[rT/cp, (r+1)T/cp)$, rank 0 reads only
+# its own keys, one triangle, and the last rank reads every rank's: cp blocks, one of them a triangle. Every layer
+# waits for the slowest rank, so the plain split runs at the speed of the last rank, cp times the first's work.
+#
+# hsgd cuts the sequence into 2cp chunks of c = T/(2cp) positions and gives rank r chunks r and 2cp-1-r, one from
+# each end (Brandon et al. 2023, "Striped Attention: Faster Ring Attention for Causal Transformers", study the same
+# imbalance and stripe the positions; this zig-zag is what Megatron-LM does). Counted in c x c score blocks that
+# are not wholly masked: the early chunk r reads chunks 0..r, r full blocks and one diagonal; the late chunk
+# 2cp-1-r reads 2cp-1-r full blocks and one diagonal; together $2cp + 1$ blocks on every rank.
+# `cp.attention_blocks(T, cp, r, balanced)` counts the scores a rank computes per head and sequence (diagonal
+# blocks whole: the masked half of a diagonal block is computed and then masked, as in every blockwise kernel).
+# Each `Ring` counts the scores it computes in `ctx.work`; the runs of section 3 and a ring with the plain split:
+
+# %%
+err_plain, _, _, ctx_plain = attend(g8, "ring", balanced=False)
+check("cp 8, ring, plain split: y, dq, dk, dv vs serial (it is correct, only slow)", err_plain, 1e-13)
+plain = [attention_blocks(T, 8, r, balanced=False) for r in range(8)]
+balanced = [attention_blocks(T, 8, r) for r in range(8)]
+c8 = T // 16
+measured_plain = g8.cp_comm.allgather_obj(ctx_plain.work["forward"])
+measured_bal = g8.cp_comm.allgather_obj(runs["cp 8", "ring"][2]["forward"])
+measured_bwd = g8.cp_comm.allgather_obj(runs["cp 8", "ring"][2]["backward"])
+say(f"scores computed per head and sequence, cp 8, T = {T} (c = {c8}):")
+say(f"  plain    formula  {plain}\n           measured {measured_plain}")
+say(f"  balanced formula  {balanced}\n           measured {measured_bal} (backward {measured_bwd})")
+check.equal("plain split: rank r computes (r + 1) (T/cp)^2 scores", plain, [(r + 1) * (T // 8) ** 2 for r in range(8)])
+check.equal("plain split: the last rank computes cp times the first's", plain[-1], 8 * plain[0])
+check.equal("balanced: every rank computes (2cp + 1) c^2 scores", balanced, [17 * c8 ** 2] * 8)
+check.equal("measured ctx.work['forward'] of every rank == attention_blocks, both splits",
+            (measured_plain, measured_bal), (plain, balanced))
+check.equal("measured ctx.work['backward'] == the forward's (the same blocks again)", measured_bwd, measured_bal)
+say(f"all ranks together: plain {sum(plain)}, balanced {sum(balanced)} scores; the causal mask needs "
+    f"T (T + 1) / 2 = {T * (T + 1) // 2}")
+
+
+def owners(T_, cp_, balanced_):
+    """(T, T) arrays: which rank computes score (q, k) (-1: nobody) and whether the mask keeps it."""
+    who = np.full((T_, T_), -1)
+    for r in range(cp_):
+        for _, gq, nq_ in chunk_starts(T_, cp_, r, balanced_):
+            for o_ in range(cp_):
+                for _, gk, nk_ in chunk_starts(T_, cp_, o_, balanced_):
+                    if gk <= gq + nq_ - 1:                       # the block Ring.pairs computes
+                        who[gq:gq + nq_, gk:gk + nk_] = r
+    return who, np.tril(np.ones((T_, T_), dtype=bool))
+
+
+def draw_balance():
+    from matplotlib.colors import ListedColormap
+    fig, axes = pictures.figure(11, 3.6, ncols=3)
+    cmap = ListedColormap([f"C{i}" for i in range(4)])
+    for ax, bal in zip(axes[:2], (False, True)):
+        who, needed = owners(T, 4, bal)
+        shown = np.ma.masked_where(who < 0, who.astype(float))
+        ax.imshow(shown, cmap=cmap, vmin=-0.5, vmax=3.5, alpha=0.35, interpolation="nearest")   # computed
+        ax.imshow(np.ma.masked_where(~needed | (who < 0), who.astype(float)), cmap=cmap, vmin=-0.5, vmax=3.5,
+                  interpolation="nearest")                                                      # and needed
+        ax.set_title(f"{'balanced: chunks r, 2cp-1-r' if bal else 'plain split'} (cp 4, T = {T})", fontsize=8)
+        ax.set_xlabel("key position")
+        ax.set_ylabel("query position (colour: its rank)")
+    x = np.arange(8)
+    axes[2].bar(x - 0.2, measured_plain, 0.4, label="plain split", color="0.6")
+    axes[2].bar(x + 0.2, measured_bal, 0.4, label="balanced", color="C3")
+    axes[2].set_xlabel("cp_rank (cp 8)")
+    axes[2].set_ylabel("scores computed (measured ctx.work)")
+    axes[2].set_title(f"work per rank, cp 8, T = {T}, one head and sequence", fontsize=8)
+    axes[2].legend(fontsize=7)
+    return pictures.save(fig, "15_load_balance")
+
+
+say(f"picture: {on_rank0(draw_balance)}")
+
+# %% [markdown]
+# The picture shows, for cp 4, which rank computes each score of the $T \times T$ matrix, dark where the mask
+# keeps it and pale where a diagonal block is computed and then masked: with the plain split rank 3 owns the
+# widest rows, while the balanced layout gives each rank a short row band and a long one. On the right, the scores
+# every rank of cp 8 computed, measured: a staircase from 16 to 128 against 68 on every rank. The balanced layout
+# also computes fewer scores in all (544 against 576), because its chunks are half as long and so are the
+# diagonal blocks' wasted halves.
+#
+# ## 5. Training with context parallelism, against serial SGD
+#
+# In a training step each rank of a cp group takes its positions of every sequence (`ctx.local` of the token ids
+# and the targets) and the position embeddings of those positions (`ctx.rows`). Its loss is the mean over its
+# positions; the cp ranks hold equally many, so the mean of their means is the sequence's mean, and the gradients
+# are averaged over `dp_comm`, which holds the dp x cp ranks of each parameter shard: parameters are replicated
+# over cp as they are over dp. The check is chapter 10's: a few steps of SGD with momentum in float64 on three
+# layouts of the 8 ranks and both schemes, against `serial.sgd` on one process, and each step's traffic on every
+# communicator against `report.step_formula`, the one-micro-batch activation bytes against `activation_formula`.
+
+# %%
+cfg = ModelConfig(vocab_size=256, seq_len=16, d_model=16, n_heads=4, n_layers=2, d_ff=32)
+SEED, BT, M, STEPS = 0, 4, 2, 2                # global batch, micro-batches per replica, steps
+corpus = Corpus.load(None, cfg.seq_len)        # the built-in corpus, as hsgd.train
+LAYOUTS = ((2, 1, 2, 2), (1, 1, 8, 1), (1, 2, 2, 2))    # (dp, pp, cp, tp)
+
+
+def config(dp, pp, cp_, tp, scheme):
+    return train_config(dp=dp, pp=pp, tp=tp, cp=cp_, cp_scheme=scheme, steps=STEPS, batch_size=BT,
+                        micro_batches=M, seed=SEED)
+
+
+ref, ref_losses = on_rank0(lambda: serial.sgd(cfg, config(1, 1, 1, 1, "ring"),
+                                              lambda step: corpus.batch(SEED, step, BT)))
+say(f"model {cfg.n_params():,} parameters (L={cfg.n_layers} C={cfg.d_model} NH={cfg.n_heads} d_ff={cfg.d_ff} "
+    f"T={cfg.seq_len}); B={BT}, m={M}; serial SGD losses {' '.join(f'{x:.6f}' for x in ref_losses)}")
+say(f"{'dp x pp x cp x tp':<18} {'scheme':<10} {'params vs serial':>16} {'cp_comm calls':>14} {'payload':>9} "
+    f"{'sent/rank':>10} {'activations':>12}")
+for dp, pp, cp_, tp in LAYOUTS:
+    g = ProcessGrid(world, dp=dp, pp=pp, tp=tp, cp=cp_)
+    for scheme in cp.CP_SCHEMES:
+        tc = config(dp, pp, cp_, tp, scheme)
+        trainer = HybridTrainer(cfg, g, tc)
+        losses = []
+        for step in range(1, STEPS + 1):
+            trainer.stage.measure_bytes = step == STEPS
+            before = g.stats.counts()
+            losses.append(trainer.step(*corpus.batch(SEED, step, BT), step).loss)
+        sent = g.stats.since(before)
+        full = trainer.full_params()
+        err = max(rel_err(full[n], ref[n], floor=0.02) for n in ref)
+        name = f"dp {dp} x pp {pp} x cp {cp_} x tp {tp}"
+        check(f"{name}, {scheme}: parameters vs serial SGD", err)
+        check(f"{name}, {scheme}: losses vs serial SGD", max(abs(a - b) / b for a, b in zip(losses, ref_losses)))
+        check.equal(f"{name}, {scheme}: the step's calls and bytes, every comm == step_formula",
+                    sent, step_formula(cfg, tc, trainer))
+        act = trainer.stage.peak_bytes
+        if pp == 1:                            # one stage holds one micro-batch at a time: the whole model's caches
+            want = activation_formula(cfg, BT // dp // M, 8, tp, "megatron", cp_, scheme)["model"]
+            check.equal(f"{name}, {scheme}: activation bytes at the peak == activation_formula", act, want)
+        on_cp = {key: n for key, n in sent.items() if key[0] == "cp"}
+        say(f"{f'{dp} x {pp} x {cp_} x {tp}':<18} {scheme:<10} {err:>16.1e} {sum(n for n, _ in on_cp.values()):>14} "
+            f"{fmt_bytes(payload(on_cp)):>9} {fmt_bytes(float(ring_bytes(on_cp, cp_))):>10} {fmt_bytes(act):>12}")
+        trainer.finish()
+        trainer.free()
+    g.free()
+
+# %% [markdown]
+# Every layout and both schemes end the two steps with serial SGD's parameters and losses, to rounding. The
+# traffic of each step matched `step_formula` on every communicator: tp's collectives on rows of $T_l$ positions,
+# the pipeline's messages of $b\,T_l\,C$ numbers, the cp ring's or all-gather's $L \cdot m$ attention exchanges
+# per step, and the dp exchange over the dp x cp ranks that share each shard.
+#
+# The activation bytes measured (`stage.peak_bytes`: every array the caches reach, each counted once) are the
+# formula's exactly: `hsgd.memory.activation_formula` with cp counts every term on the rank's $T_l$ rows and the
+# cp scheme's attention cache in place of q, k, v and the probabilities. (The embedding's cache keeps the offsets
+# of its rows and asks the layout for their positions again in the backward pass, so that no array of the layout
+# itself is counted as an activation.)
+#
+# ## 6. Ring against all-gather, measured on 8 ranks
+#
+# The same model with a longer sequence, T = 64, on cp 8 (8 positions a rank), one sequence per step, both schemes
+# side by side: a warm-up step each, then 6 rounds in which the two schemes take turns, so that whatever else the
+# machine does falls on both.
+
+# %%
+cfg64 = dataclasses.replace(cfg, seq_len=64)
+corpus64 = Corpus.load(None, cfg64.seq_len)
+ROUNDS = 6
+trainers = {s: HybridTrainer(cfg64, g8, train_config(dp=1, pp=1, tp=1, cp=8, cp_scheme=s, steps=ROUNDS + 1,
+                                                     batch_size=1, micro_batches=1)) for s in cp.CP_SCHEMES}
+seconds, sent64, act64 = {s: [] for s in cp.CP_SCHEMES}, {}, {}
+for step in range(1, ROUNDS + 2):
+    for s, tr in trainers.items():
+        tr.stage.measure_bytes = step == 1
+        world.Barrier()
+        before, t0 = g8.stats.counts(), time.perf_counter()
+        tr.step(*corpus64.batch(SEED, step, 1), step)
+        t = world.allreduce(time.perf_counter() - t0, op=MPI.MAX)   # the step of the slowest rank
+        if step > 1:
+            seconds[s].append(t)
+        sent64[s] = {k: n for k, n in g8.stats.since(before).items() if k[0] == "cp"}
+        if step == 1:
+            act64[s] = tr.stage.peak_bytes                              # the warm-up step measured them
+say(f"cp 8, T = {cfg64.seq_len}, b = 1, L = {cfg64.n_layers}, per step:")
+say(f"{'scheme':<10} {'cp calls':>9} {'payload':>9} {'sent/rank':>10} {'activations':>12} {'(formula)':>10} "
+    f"{'ms per step (median, min)':>27}")
+for s in cp.CP_SCHEMES:
+    f_act = activation_formula(cfg64, 1, 8, 1, "megatron", 8, s)["model"]
+    ms = sorted(1e3 * x for x in seconds[s])
+    say(f"{s:<10} {sum(n for n, _ in sent64[s].values()):>9} {fmt_bytes(payload(sent64[s])):>9} "
+        f"{fmt_bytes(float(ring_bytes(sent64[s], 8))):>10} {fmt_bytes(act64[s]):>12} {fmt_bytes(f_act):>10} "
+        f"{ms[len(ms) // 2]:>18.1f} {ms[0]:>8.1f}")
+    check.equal(f"{s}: cp_comm per step == cp_formula(L blocks)", sent64[s],
+                cp_formula(s, 8, 1, cfg64.seq_len, cfg64.d_model, 1, 8, cfg64.n_layers))
+    check.equal(f"{s}: activation bytes == activation_formula", act64[s], f_act)
+kv = 2 * (cfg64.seq_len // 8) * cfg64.d_model * 8           # one (k, v) block, bytes
+check.equal("bytes sent per rank: ring (3cp - 2) blocks, all-gather 2 (cp - 1) blocks, per layer",
+            [float(ring_bytes(sent64[s], 8)) for s in cp.CP_SCHEMES], [2 * 22 * kv, 2 * 14 * kv])
+for tr in trainers.values():
+    tr.finish()
+    tr.free()
+
+# %% [markdown]
+# The bytes are what section 3 predicted per layer, times L: the ring sends 22 blocks per layer, the all-gather
+# 14. The all-gather already holds more than twice the ring's activations (the gathered k and v and the $8 \times
+# 64$ probabilities per head and sequence); by section 1 the factor is about 60 at T = 131072. The times are
+# printed, never checked: with eight ranks on two cores the ring's 44 Isends and 44 Irecvs per step, each a Python
+# call and an MPI handshake, cost more than four collectives, and nothing here computes long enough to hide them.
+# Where a block takes longer than a hop (large blocks on a GPU) the ring hides its sends behind the blocks, which is
+# the point of it; this run can only show that the sends are in flight while the blocks compute (next section).
+#
+# ## 7. The trace: sends in flight while the blocks compute
+#
+# `cp_comm.tracer = tracer` makes every Isend and Irecv a span on the trace's "async" track, from the call to its
+# Wait, and the ring's blocks spans on the "compute" track (`hsgd.trace`). In the forward pass step i issues the
+# Isend of the block it holds and the Irecv of the next one, computes the block, then waits; in the backward pass
+# the (k, v) blocks travel the same way, and the (dk, dv) shares one step behind. One ring attention forward and
+# backward on cp 8, with T = 256:
+
+# %%
+Tt, Ct, NHt = 256, 32, 4
+rng = np.random.default_rng(1)
+qt, kt, vt, dyt = (rng.standard_normal((B, Tt // 8, Ct)) for _ in range(4))   # my positions' rows (random)
+ring = cp.Ring(g8.cp_comm, Tt)
+ring.attention_backward(dyt, ring.attention_forward(qt, kt, vt, NHt)[1])        # a warm-up, not traced
+tracer = Tracer(rank, world)
+g8.cp_comm.tracer = tracer
+ring.attention_backward(dyt, ring.attention_forward(qt, kt, vt, NHt)[1])
+g8.cp_comm.tracer = None
+blocks = [(n, a, b) for n, tr_, a, b, _ in tracer.events if tr_ == "compute"]
+sends = [(a, b) for n, tr_, a, b, _ in tracer.events if tr_ == "async" and n == "Isend"]
+recvs = [(a, b) for n, tr_, a, b, _ in tracer.events if tr_ == "async" and n == "Irecv"]
+fwd = [(a, b) for n, a, b in sorted(blocks, key=lambda e: e[1]) if n == "attention block"]
+bwd = [(a, b) for n, a, b in sorted(blocks, key=lambda e: e[1]) if n == "attention block (backward)"]
+
+
+def in_flight(block_):
+    """Whether an Isend starts before the block ends and ends after it starts."""
+    return any(a < block_[1] and b > block_[0] for a, b in sends)
+
+
+def covered(block_):
+    """The fraction of the block's time during which at least one Isend is in flight."""
+    a0, b0 = block_
+    spans = sorted((max(a, a0), min(b, b0)) for a, b in sends if a < b0 and b > a0)
+    total, end = 0.0, a0
+    for a, b in spans:
+        total, end = total + max(0.0, b - max(a, end)), max(end, b)
+    return total / (b0 - a0)
+
+
+check.equal("8 forward and 8 backward blocks traced; 22 Isends and 22 Irecvs", (len(fwd), len(bwd), len(sends),
+                                                                               len(recvs)), (8, 8, 22, 22))
+check.holds("every ring step but the last: an Isend in flight during its block (forward)",
+            all(in_flight(b) for b in fwd[:-1]))
+check.holds("every ring step but the last: an Isend in flight during its block (backward)",
+            all(in_flight(b) for b in bwd[:-1]))
+cover = world.allgather(min(covered(b) for b in fwd[:-1] + bwd[:-1]))
+say(f"the least share of a block's time (steps 0..6) with a send in flight, per rank: "
+    f"{' '.join(f'{x:.0%}' for x in cover)}")
+
+
+def draw_overlap():
+    fig, ax = pictures.figure(10, 3.2)
+    t0 = min(a for a, _ in fwd)
+
+    def lanes(spans):                                       # stack overlapping spans in rows
+        ends, out = [], []
+        for a, b in sorted(spans):
+            row = next((i for i, e in enumerate(ends) if e <= a), len(ends))
+            if row < len(ends):
+                ends[row] = b
+            else:
+                ends.append(b)
+            out.append((row, a, b))
+        return out
+    for i, (a, b) in enumerate(fwd + bwd):
+        ax.barh(0, 1e3 * (b - a), left=1e3 * (a - t0), color="C0" if i < len(fwd) else "C2", edgecolor="white")
+    base_recv = 1.2 + 0.35 * (1 + max(r for r, _, _ in lanes(sends)))
+    for base, spans, color in ((1.2, sends, "C3"), (base_recv, recvs, "C1")):
+        for row, a, b in lanes(spans):
+            ax.barh(base + 0.35 * row, 1e3 * (b - a), left=1e3 * (a - t0), height=0.3, color=color, alpha=0.8)
+    ax.set_yticks([0, 1.2, base_recv])
+    ax.set_yticklabels(["compute: blocks\n(forward blue,\nbackward green)", "async: Isend", "async: Irecv"],
+                       fontsize=7)
+    ax.set_xlabel("milliseconds")
+    ax.set_title(f"rank 0, ring attention on cp 8 (T = {Tt}): compute track and async track", fontsize=9)
+    return pictures.save(fig, "15_ring_overlap")
+
+
+say(f"picture: {on_rank0(draw_overlap)}")
+
+# %% [markdown]
+# The picture shows rank 0's one ring attention: the 8 forward and 8 backward blocks on the compute track, and under
+# them the sends and receives, each a bar from its call to its Wait. Every block but the last of each pass has a send
+# under it, as checked: the next block is on its way while this one is computed, so on hardware where a block
+# takes longer than a hop the ring costs only its first hop. On this machine the blocks are short and most of the
+# time passes between them, in the Waits: eight ranks share two cores, and a message moves only when the rank at
+# its other end gets a core. The picture shows the structure of the overlap, not its speed.
+#
+# ## Check against serial
+#
+# On 8 ranks, every verdict reached collectively: the activation formula's terms (what tp leaves replicated, what cp
+# divides, the ring's linear and the all-gather's quadratic attention cache); the online softmax in blocks equals the
+# softmax at once with lse = m + log l, and the backward from lse and D alone equals the full one; ring and
+# all-gather attention on cp 8 and cp 4 x tp 2 equal serial attention at every rank's positions, forward and
+# backward, with exactly `cp_formula`'s messages; every rank's measured work equals `attention_blocks`, balanced on
+# every rank and a staircase with the plain split; two steps of SGD on dp 2 x cp 2 x tp 2, cp 8 and pp 2 x cp 2 x
+# tp 2 with both schemes end with serial SGD's parameters and losses, with `step_formula`'s traffic and
+# `activation_formula`'s bytes; and in the trace every ring step but the last has a send in flight during its block.
+
+# %%
+worst_what, err = check.worst([w for w in check.errors if "serial" in w])
+say(f"\nchapter 15: all {len(check.passed)} checks passed on {world.Get_size()} ranks; largest error against serial "
+    f"{err:.1e} ({worst_what})")
+g8.free()
+g42.free()
+
+# %% [markdown]
+# ## Cross-walk: hsgd and the production frameworks
+#
+# | hsgd | Megatron-LM | DeepSpeed | PyTorch | where hsgd differs, on purpose |
+# |---|---|---|---|---|
+# | `--cp N`: `ProcessGrid(cp=)`, `grid.cp_comm`; `dp_comm` holds the dp x cp ranks of a shard | `--context-parallel-size` (`ModelParallelConfig.context_parallel_size`), `parallel_state.get_context_parallel_group` | `sequence_parallel_size` in the config (Ulysses; `groups._get_sequence_parallel_world_size`) | `context_parallel(mesh, buffers=..., buffer_seq_dims=...)` (torch.distributed.tensor.experimental), a context manager over one `DeviceMesh` dimension | the cp ranks sit next to the tp ranks in the rank order; MPI communicators, no mesh |
+# | `--cp-scheme ring`: `cp.Ring`, (k, v) over Isend/Irecv, (dk, dv) back to their owner | `--cp-comm-type p2p` (the default): TransformerEngine's `AttnFuncWithCPAndKVP2P`, reached through `attn_forward_func_with_cp` | none | `set_rotate_method("alltoall")` (`_RotateMethod.ALL_TO_ALL`): the (k, v) shifted to the next rank by `permute_tensor` in `_templated_ring_attention` | NumPy blocks and MPI requests, one block's sends in flight at a time |
+# | `--cp-scheme allgather`: `cp.AllGather`, All-Gather k, v, Reduce-Scatter dk, dv | `--cp-comm-type allgather`: `AttnFuncWithCPAndKVAllGather` | none | `_RotateMethod.ALL_GATHER` (the default): `_AllGatherRotater` gathers once, the ring loop then reads its blocks | one softmax over all keys, no merge; the probabilities of the rank's queries are cached |
+# | the online softmax: `Ring.merge` carries (m, l, o), y = o / l, lse = m + log l | `flash_attn_fwd_softmax_lse_correction`, `flash_attn_fwd_out_correction` (TransformerEngine): merge normalised blocks by their lse | `update_out_and_lse` (deepspeed/sequence/fpdt_layer.py, FPDT's chunks) | `_SDPAMerger`: merges normalised outputs by lse | unnormalised o and one division at the end (exercise 3 merges normalised ones) |
+# | load balance: `chunk_starts`, rank r holds chunks r and 2cp-1-r; `attention_blocks` counts the work | `get_batch_on_this_cp_rank` (megatron/core/utils.py): the same zig-zag; seq_length a multiple of 2 x cp | none needed: Ulysses gives each rank whole sequences of NH/cp heads | `_HeadTailLoadBalancer` (`_context_parallel/_load_balancer.py`), head and tail chunks | the work is counted (`ctx.work`) and checked |
+# | none (exercise 2 builds it with MPI Alltoall) | `--cp-comm-type a2a`: `AttnFuncWithCPAndQKVOA2A`; `a2a+p2p` with `--hierarchical-context-parallel-sizes` | `DistributedAttention` with `_SeqAllToAll` (deepspeed/sequence/layer.py): all-to-all from a sequence split to a head split and back | none (its `ALL_TO_ALL` rotation is a ring shift, not a head split) | the head split needs NH divisible by cp; the ring and the all-gather do not |
+#
+# ## Exercises
+#
+# ### Exercise 1: the striped layout
+# Brandon et al. give rank r the positions t with t mod cp = r instead of two chunks. Write the striped positions,
+# count for each rank of cp = 2, 4, 8 (T = 64) the scores the causal mask needs, by brute force, and check three
+# closed forms: plain $n(rn) + n(n+1)/2$, hsgd's zig-zag $2cp\,c^2 + c$ (equal on every rank) and striped
+# $n(r+1) + cp\,n(n-1)/2$, with n = T/cp. Then make the striped layout run: subclass `cp.Ring`, set `pos` and
+# override `pairs(owner)` (one pair of all my rows and all the owner's rows, with the mask of their positions), and
+# check its attention forward and backward against serial on cp 8 and its `work` against $cp\,n^2$.
+# (solution: `tutorials/solutions/15_context_parallelism.py`, `exercise_1`)
+#
+# ### Exercise 2: all-to-all (Ulysses) against the ring and the all-gather
+# Write the bytes one rank sends per layer, forward and backward, in closed form, for a (k, v) block of
+# $2\,b\,T_l\,C\,s$ bytes: ring $(3cp - 2)$ blocks, all-gather $2(cp - 1)$ blocks, and DeepSpeed-Ulysses (Jacobs et
+# al. 2023): an all-to-all of q, k, v from the sequence split to a head split (each rank then holds whole sequences
+# of NH/cp heads), serial attention, an all-to-all of y back; the backward the same in reverse, 8 tensors of
+# $b\,T_l\,C$ numbers each sending $(cp-1)/cp$ of itself. Check the first two against `grid.stats` on cp 8; build
+# Ulysses with mpi4py's `Alltoall` on `cp_comm.comm` (NH = 8), check it against serial attention and its bytes
+# against your formula. Which sends least, and what does it need of NH?
+# (solution: `tutorials/solutions/15_context_parallelism.py`, `exercise_2`)
+#
+# ### Exercise 3: the merge of two partial results is associative
+# Write `merge((m1, l1, o1), (m2, l2, o2))` for partial results over two disjoint sets of keys, and `finish` =
+# o / l. Check on random blocks that merging is commutative and associative (to rounding), that any bracketing of 8
+# blocks gives the softmax at once, and that an empty block (m = -inf, l = 0, o = 0) changes nothing. Then merge
+# normalised outputs by their lse alone, $y = \sigma(\mathrm{lse}_1 - \mathrm{lse}_2)\,y_1 + \sigma(\mathrm{lse}_2 -
+# \mathrm{lse}_1)\,y_2$ and $\mathrm{lse} = \log(e^{\mathrm{lse}_1} + e^{\mathrm{lse}_2})$, and check it against
+# the same.
+# (solution: `tutorials/solutions/15_context_parallelism.py`, `exercise_3`)
+#
+# ### Exercise 4: where the memory crosses over
+# From the terms of section 1 (7B-sized model, one sequence, 2 bytes), write both schemes' block bytes on cp 8 as
+# $\alpha T$ (ring) and $\beta T + \gamma T^2$ (all-gather), and find in closed form the smallest T, a multiple of
+# 2cp, from which the all-gather holds at least twice the ring's activations; check it with a search over
+# `activation_formula`. Do the same for the T from which the probabilities are more than half of a block on one
+# rank without any parallelism.
+# (solution: `tutorials/solutions/15_context_parallelism.py`, `exercise_4`)
