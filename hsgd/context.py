@@ -4,12 +4,15 @@ Everything in a Transformer block treats each position on its own except the cor
 reads the keys and values of positions 0..t. So a layout of the sequence over ranks needs to say two things, and
 the model (hsgd.tp_model) asks only these:
 
+    ctx.cp                how many ranks share each sequence (1: WholeSequence)
+    ctx.held_bytes()      what the layout itself holds for the whole run (positions, masks)
     ctx.local(a)          (B, T) -> (B, T/cp): this rank's positions of the token ids or targets
     ctx.rows(t0, t1)      the global positions of local rows t0..t1-1: the rows of wpe they add
     ctx.attention_forward(q, k, v, nh) -> y, cache        q, k, v, y: (B, T/cp, C/tp), this rank's queries
     ctx.attention_backward(dy, cache, out) -> dq, dk, dv  views of out (B, T/cp, 3C/tp), [dq | dk | dv]
-    ctx.keeps_probabilities   whether the cache holds the (T x T) probabilities (--recompute selective drops
-                              them and calls attention_forward again in the backward pass)
+    ctx.keeps_probabilities   whether the cache holds the probabilities, (T x T) or (T/cp x T) (--recompute
+                              selective drops them and calls attention_forward again in the backward pass)
+The cp layouts also count the attention scores they compute (ctx.work, hsgd.cp).
 
 WholeSequence (cp = 1) is the layout of every run without context parallelism: all T positions on every rank,
 the core attention of hsgd.ops. hsgd.cp splits the sequence over cp ranks (ring attention, or an all-gather of
@@ -22,6 +25,10 @@ class WholeSequence:
     """cp = 1: every rank holds all T positions; the core attention is local (hsgd.ops)."""
     cp = 1
     keeps_probabilities = True
+
+    def held_bytes(self):
+        """Nothing held."""
+        return 0
 
     def local(self, a):
         """(B, T) -> (B, T): all of it."""

@@ -41,6 +41,7 @@ blocks too.
     ctx.local(idx)                        # (B, T) -> (B, T/cp), this rank's positions of each sequence
 """
 import math
+from contextlib import nullcontext
 
 import numpy as np
 
@@ -53,14 +54,16 @@ TAG_KV, TAG_KV_BACK, TAG_DKV = 0, 1, 2          # forward (k, v); backward (k, v
 
 
 def check_cp(T, cp, tp=1, splits_T=False):
-    """Raise ConfigError unless a sequence of T positions cuts into 2 cp chunks (and, with the sequence scheme,
-    T/cp into tp T-shards), naming the seq_len and cp values that would work."""
+    """Raise ConfigError unless a sequence of T positions cuts into 2 cp chunks (and, with the sequence scheme, a
+    rank's T/cp positions into tp T-shards, which may cross its chunks' border), naming the seq_len and cp values
+    that would work."""
     if cp == 1:
         return
-    step = 2 * cp * (tp if splits_T else 1)
+    need = lambda c: math.lcm(2 * c, c * tp) if splits_T else 2 * c   # T must be a multiple of this
+    step = need(cp)
     if T % step:
         near = sorted({max(step, T // step * step), T // step * step + step, T // step * step + 2 * step})
-        cps = [c for c in range(2, 33) if T % (2 * c * (tp if splits_T else 1)) == 0]
+        cps = [c for c in range(2, 33) if T % need(c) == 0]
         shards = f" and into tp={tp} T-shards (the sequence scheme)" if splits_T else ""
         raise ConfigError(f"seq_len={T} does not cut into 2*cp = {2 * cp} equal chunks{shards}: context parallelism "
                           f"gives rank r chunks r and 2cp-1-r of each sequence; use seq_len a multiple of {step} "
@@ -103,6 +106,14 @@ class ContextSplit:
         self.pos = positions(T, self.cp, self.r, balanced)          # (T/cp,) host: to select the token ids
         self.dev_pos = xp.asarray(self.pos)                         # (T/cp,) on the device: wpe's rows
         self.work = {"forward": 0, "backward": 0}
+        self.blocks = [self.block_pairs(o, xp) for o in range(self.cp)]   # per owner, masks on the device
+
+    def held_bytes(self):
+        """The bytes this layout holds for the whole run (hsgd.memtrace's "other"): its positions, on the host and
+        on the device, and its masks."""
+        masks = [m for pairs in self.blocks for _, _, m in pairs if m is not None] + [getattr(self, "mask", None)]
+        arrays = {id(a): a for a in [self.pos, self.dev_pos] + masks if a is not None}
+        return sum(int(a.nbytes) for a in arrays.values())
 
     def local(self, a):
         """(B, T) -> (B, T/cp): this rank's positions of each sequence (a copy)."""
@@ -114,13 +125,16 @@ class ContextSplit:
 
     def span(self, name, **args):
         """A span on the trace's compute track (hsgd.trace), when cp_comm has a tracer."""
-        from contextlib import nullcontext
         tracer = getattr(self.comm, "tracer", None)
         return tracer.span(name, **args) if tracer is not None else nullcontext()
 
     def pairs(self, owner):
         """The chunk pairs of my queries and owner's keys that are not wholly masked: (q rows, k rows, mask or
-        None), rows as local slices; mask (nq, nk) is -inf where the key's position is after the query's."""
+        None), rows as local slices; mask (nq, nk) is -inf where the key's position is after the query's (built
+        once per layout, block_pairs)."""
+        return self.blocks[owner]
+
+    def block_pairs(self, owner, xp):
         out = []
         for lq, gq, nq in self.chunks:
             for lk, gk, nk in chunk_starts(self.T, self.cp, owner, self.balanced):
@@ -129,7 +143,7 @@ class ContextSplit:
                 mask = None
                 if gk + nk - 1 > gq:                                # a diagonal block: part masked
                     pq, pk = np.arange(gq, gq + nq), np.arange(gk, gk + nk)
-                    mask = np.where(pk[None, :] > pq[:, None], -np.inf, 0.0)
+                    mask = xp.asarray(np.where(pk[None, :] > pq[:, None], -np.inf, 0.0))
                 out.append((slice(lq, lq + nq), slice(lk, lk + nk), mask))
         return out
 
@@ -170,7 +184,7 @@ class Ring(ContextSplit):
         """One block into the running (m, l, o) of queries sq: the online softmax."""
         s = qh[:, :, sq] @ kv[0][:, :, sk].transpose(0, 1, 3, 2)                  # (B, NH, nq, nk) scores
         if mask is not None:
-            s += xp.asarray(mask, dtype=s.dtype)
+            s += mask                                                               # (float64 -inf / 0)
         self.work["forward"] += s.shape[-2] * s.shape[-1]
         m_new = xp.maximum(m[:, :, sq], s.max(axis=-1))                             # (B, NH, nq)
         scale = xp.exp(m[:, :, sq] - m_new)                                         # e^(m - m'): 0 at the start
@@ -226,7 +240,7 @@ class Ring(ContextSplit):
         k, v = kv[0][:, :, sk], kv[1][:, :, sk]                                     # (B, NH, nk, hs)
         s = qh[:, :, sq] @ k.transpose(0, 1, 3, 2)                                  # (B, NH, nq, nk)
         if mask is not None:
-            s += xp.asarray(mask, dtype=s.dtype)
+            s += mask
         self.work["backward"] += s.shape[-2] * s.shape[-1]
         p = xp.exp(s - lse[:, :, sq, None])                                         # the probabilities again
         dp = dyh[:, :, sq] @ v.transpose(0, 1, 3, 2)
@@ -241,13 +255,18 @@ class AllGather(ContextSplit):
     Reduce-Scatter of dk, dv in the backward pass (see the module docstring)."""
     keeps_probabilities = True
 
+    def __init__(self, comm, T, balanced=True, xp=np):
+        super().__init__(comm, T, balanced, xp)
+        # (T/cp, T): -inf where a gathered key's position is after my query's
+        self.mask = xp.asarray(np.where(self.key_positions()[None, :] > self.pos[:, None], -np.inf, 0.0))
+
     def key_positions(self):
         """The positions of the gathered keys, rank by rank: (T,)."""
         return np.concatenate([positions(self.T, self.cp, o, self.balanced) for o in range(self.cp)])
 
     def attention_forward(self, q, k, v, nh):
-        """Cache: q / sqrt(hs), the gathered (k, v) (cp, 2, B, NH/tp, T/cp, hs) and the probabilities
-        (B, NH/tp, T/cp, T)."""
+        """Cache: q / sqrt(hs) (B, NH/tp, T/cp, hs), the gathered K and V (B, NH/tp, T, hs) each, their positions in
+        rank order (key_positions), and the probabilities (B, NH/tp, T/cp, T)."""
         xp, cp = array_module(q), self.cp
         B, Tl, C = q.shape
         hs = C // nh
@@ -258,9 +277,9 @@ class AllGather(ContextSplit):
         self.comm.Allgather(own, kv)                                                # every rank's [k | v]
         K = kv[:, 0].transpose(1, 2, 0, 3, 4).reshape(B, nh, cp * Tl, hs)           # (B, NH, T, hs) by rank
         V = kv[:, 1].transpose(1, 2, 0, 3, 4).reshape(B, nh, cp * Tl, hs)
-        mask = np.where(self.key_positions()[None, :] > self.pos[:, None], -np.inf, 0.0)   # (Tl, T)
         with self.span("attention (all keys)"):
-            s = qh @ K.transpose(0, 1, 3, 2) + xp.asarray(mask, dtype=q.dtype)      # (B, NH, Tl, T)
+            s = qh @ K.transpose(0, 1, 3, 2)                                        # (B, NH, Tl, T)
+            s += self.mask
             self.work["forward"] += s.shape[-2] * s.shape[-1]
             s -= s.max(axis=-1, keepdims=True)
             P = xp.exp(s)

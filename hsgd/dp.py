@@ -86,8 +86,9 @@ class FlatBuffer:
 
 
 def dp_average(buf, dp_comm):
-    """g <- (1/dp) * sum over the dp replicas of g, for every gradient shard at once. buf: a FlatBuffer."""
-    dp_comm.Allreduce(buf.flat)                                      # (all shards,) sum over the G groups
+    """g <- (1/n) * sum over the n ranks of dp_comm of g (the dp replicas; with context parallelism dp x cp), for
+    every gradient shard at once. buf: a FlatBuffer."""
+    dp_comm.Allreduce(buf.flat)                                      # (all shards,) sum over the G groups (x cp)
     if dp_comm.size > 1:
         buf.flat *= 1.0 / dp_comm.size
 

@@ -1,7 +1,7 @@
-"""One rank's part of training on the dp x pp x tp grid: the lecture's algorithm, step by step.
+"""One rank's part of training on the dp x pp x cp x tp grid: the lecture's algorithm, step by step.
 
-P = dp x pp x tp ranks (the lecture's P = G x M workers, with G = dp, M = tp, and pp = 1). One synchronous SGD
-step (`HybridTrainer.step`):
+P = dp x pp x cp x tp ranks (the lecture's P = G x M workers, with G = dp, M = tp, and pp = cp = 1). One
+synchronous SGD step (`HybridTrainer.step`):
   1. the global batch (B sequences, the same on every rank) is split into dp equal slices; DP group r takes slice r,
      and every rank of the group reads the same slice (hsgd.dp.dp_rows); with context parallelism each of its cp
      ranks keeps only its T/cp positions of every sequence (the stage's context layout, hsgd.cp);
@@ -129,8 +129,9 @@ class HybridTrainer:
 
     # ------------------------------------------------------------------------------------------ reports
     def averaged_grads(self):
-        """After gradients(): {name: this rank's gradient shard averaged over dp, whole}. Collective over dp_comm
-        when the exchange keeps only a chunk of the average (ZeRO: the chunks are All-Gathered)."""
+        """After gradients(): {name: this rank's gradient shard averaged over dp_comm (dp x cp ranks), whole}.
+        Collective over dp_comm when the exchange keeps only a chunk of the average (ZeRO: the chunks are
+        All-Gathered)."""
         full = self.exchange.gather(self.exchange.grads())
         return {n: full[lo:hi].reshape(self.shard_shapes[n]) for n, (lo, hi) in self.exchange.offsets.items()}
 
@@ -155,7 +156,7 @@ class HybridTrainer:
 
     def replica_divergence(self):
         """Collective: None if every DP replica holds the same parameters, else the first parameter (in the
-        buffer's order) whose replicas differ, and the dp ranks holding each version."""
+        buffer's order) whose replicas differ, and the dp_comm ranks holding each version (dp_rank cp + cp_rank)."""
         order = self.exchange.order
         params = self.exchange.full_params()
         digests = self.grid.dp_comm.allgather_obj([params_digest({n: params[n]}) for n in order])

@@ -135,27 +135,29 @@ def report_memory(mem, say, world=None, grid=None, measured=None, formula=None, 
         f"optimizer state {fmt_bytes(mem['optimizer'])}")
     if world is None or measured is None:
         return
-    row = (grid.pp_rank, grid.tp_rank, grid.dp_rank, measured["peak"], formula["peak"], measured["total"],
-           formula["total"], measured["true_peak"], measured["at"])
+    row = ((grid.pp_rank, grid.tp_rank, grid.dp_rank, grid.cp_rank), measured["peak"], formula["peak"],
+           measured["total"], formula["total"], measured["true_peak"], measured["at"])
     rows = world.gather((world.Get_rank(), row))
     if rows is None:
         return
     groups = {}
     for rank, r in rows:
-        groups.setdefault(repr((r[3], r[4], r[5], r[6], r[8])), []).append((rank, r))
+        groups.setdefault(repr((r[1], r[2], r[3], r[4], r[6])), []).append((rank, r))
     tracker = "CuPy's memory pool, its total only" if "device" in measured["peak"] else "tracemalloc"
     say(f"memory by category, peak over step {step} (sampled at every group's forward and backward exit; "
         f"measured: {tracker}, unthreaded | formula: hsgd.step_memory):")
     for members in groups.values():
         r = members[0][1]
-        where = ", ".join(f"{rank} (pp {p} tp {t} dp {d})" for rank, (p, t, d, *_) in members)
+        cp = grid.cp > 1
+        where = ", ".join(f"{rank} (pp {p} tp {t} dp {d}" + (f" cp {c})" if cp else ")")
+                          for rank, ((p, t, d, c), *_) in members)
         say(f"  ranks {where}:")
-        for cat in sorted(set(r[3]) | set(r[4]), key=memory_order):
-            m, f = r[3].get(cat, 0), r[4].get(cat, 0)
+        for cat in sorted(set(r[1]) | set(r[2]), key=memory_order):
+            m, f = r[1].get(cat, 0), r[2].get(cat, 0)
             ratio = f"{m / f:6.3f}" if f else ("     -" if not m else "   inf")
             say(f"    {cat:<12} {fmt_bytes(m):>11} | {fmt_bytes(f):>11}  measured/formula {ratio}")
-        say(f"    {'total':<12} {fmt_bytes(r[5]):>11} | {fmt_bytes(r[6]):>11}  at {r[8]}; tracker's true peak "
-            f"{fmt_bytes(r[7])} (+{fmt_bytes(r[7] - r[5])} transient inside a group)")
+        say(f"    {'total':<12} {fmt_bytes(r[3]):>11} | {fmt_bytes(r[4]):>11}  at {r[6]}; tracker's true peak "
+            f"{fmt_bytes(r[5])} (+{fmt_bytes(r[5] - r[3])} transient inside a group)")
 
 
 def memory_order(cat):
@@ -165,7 +167,7 @@ def memory_order(cat):
 
 def staging_pools(grid, trainer):
     """The pinned host-buffer pools of this rank's communicators (used only to stage device arrays)."""
-    comms = [grid.world, grid.tp_comm, grid.dp_comm, grid.pp_comm] + trainer.exchange.comms()
+    comms = [grid.world, grid.tp_comm, grid.cp_comm, grid.dp_comm, grid.pp_comm] + trainer.exchange.comms()
     return [c.staging for c in comms]
 
 

@@ -176,7 +176,7 @@ def main(argv=None):
     if not args.run:
         try:
             costs = parse_costs(args.costs)
-            world_size = (args.dp or 1) * (args.tp or 1) * args.pp
+            world_size = (args.dp or 1) * (args.tp or 1) * args.pp * (args.cp or 1)
             cfg, tc = configs_from_args(lab_flags_removed(args), world_size)
             plan = Plan(cfg, tc, costs)
         except ConfigError as e:

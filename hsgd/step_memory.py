@@ -187,8 +187,8 @@ def step_formula(trainer):
             else dict(ex.memory_formula()))
     base["optimizer"] = optimizer_formula(trainer)
     base["other"] = tc.batch_size * (cfg.seq_len + 1) * 8             # the step's token windows (B, T+1) int64
-    if grid.cp > 1:                        # my positions (T/cp,) int64, and my positions of idx and targets
-        base["other"] += (1 + 2 * tc.batch_size // grid.dp) * (cfg.seq_len // grid.cp) * 8
+    if grid.cp > 1:                        # my positions of idx and targets (int64), the layout's own arrays
+        base["other"] += 2 * tc.batch_size // grid.dp * (cfg.seq_len // grid.cp) * 8 + st.ctx.held_bytes()
     actions = trainer.stage.actions                                  # (gpipe or 1f1b: one chunk, fused B)
     samples = stage_samples(pc, list(st.layers), st.first, st.last, actions, tc.recompute, base, inflight)
     cats = sorted({c for _, cs in samples for c in cs})

@@ -139,7 +139,9 @@ def block_forward(x, p, h, cfg, comm, S, recompute="none", ctx=WHOLE):
     a_in = S.enter_forward(a, comm)                                      # (B, T, C) f: identity | gather_T: All-Gather
     # q = a_in Wq_i + bq_i, k = ..., v = ...: three column-parallel linears, computed as one product (ops.qkv_forward)
     q, k, v, _ = qkv_forward(a_in, *(p[h + f"attn.{n}.{w}"] for n in "qkv" for w in ("weight", "bias")))
-    y, c_att = ctx.attention_forward(q, k, v, nh)                        # (B, T, C/tp) heads are independent
+    # the core attention: heads are independent (tp); with cp, (k, v) go around cp_comm (ring: Isend/Irecv) or are
+    # All-Gathered (allgather), hsgd.cp
+    y, c_att = ctx.attention_forward(q, k, v, nh)                        # (B, T, C/tp)
     if recompute == "selective" and ctx.keeps_probabilities:
         c_att = ("qkv", q, k, v)                                         # (B, T, C/tp) x 3: probabilities dropped
     o, c_proj = S.proj_forward(y, p[h + "attn.proj.weight"], p[h + "attn.proj.bias"], comm)  # (B, T~, C) leaves
@@ -192,6 +194,7 @@ def block_backward(dx, cache, grads, h, comm, S, p, cfg, hooks=NO_HOOKS, wg=None
     dy = S.proj_backward(dx, (*c_proj, W("attn.proj.weight")), grads, h + "attn.proj.", comm, wg)  # (B, T, C/tp)
     dqkv = array_module(dy).empty_like(dy, shape=(*dy.shape[:-1], 3 * dy.shape[-1]))   # (B, T, 3C/tp)
     ctx.attention_backward(dy, c_att, out=dqkv)                          # [dq | dk | dv] side by side
+    # (cp: (dk, dv) back to their owners around cp_comm, or a Reduce-Scatter)
     a_in = S.enter_forward(a, comm)                                      # (B, T, C) again: identity | All-Gather
     # the three linears' columns_backward as one product each for dW and dX (ops.qkv_input_grad / qkv_weight_grad)
     c_qkv = (a_in.reshape(-1, a_in.shape[-1]), tuple(W(f"attn.{n}.weight") for n in "qkv"))

@@ -6,9 +6,11 @@ reported. Each rank therefore runs a watchdog thread that looks at the clock of 
 when a step has run longer than S seconds, the rank that notices first prints one line to stderr (the step, how
 long it ran, how long the steps before it took) and calls MPI_Abort with exit code 5, which ends every rank of the
 job. A step is timed together with the stop agreement that closes it (the one-number Allreduce of every rank's
-signal flag), so that a rank stopped after the step's last collective is caught too. A validation is timed with a
-limit of S per validation batch (one batch's forward pass is less work than a step). Checkpoints are not timed: a
-save takes as long as the file system makes it. 0 (the default) turns it off; set S well above the slowest step
+signal flag), so that a rank stopped after the step's last collective is caught too; a signal that arrives later,
+during a checkpoint or a validation, is acted on after the next step. The validations of --eval-interval are timed
+with a limit of S per validation batch (one batch's forward pass is less work than a step); the ones before the
+first step and after the last are not, and neither are checkpoints: a save takes as long as the file system makes
+it. 0 (the default) turns it off; set S well above the slowest step
 you expect (the first includes warm-up).
 """
 import sys

@@ -148,6 +148,9 @@ def test_the_lab_without_mpi(tmp_path, capsys):
     for costs in ("1,1,0", "1,1.5,0.3"):                                  # a W that takes no time; odd slots
         assert main(["--pp", "4", "--schedule", "zb-h1", "--costs", costs]) == 0
         assert "stage 3 |" in capsys.readouterr().out
+    for cp, sent in ((1, "128.0 KiB"), (2, "64.0 KiB")):                 # cp halves each message: T/cp positions
+        assert main(["--pp", "2", "--tp", "2", "--cp", str(cp), "--seq-len", "16"]) == 0
+        assert f"messages sent [8, 8], bytes ['{sent}', '{sent}']" in capsys.readouterr().out
 
 
 def test_what_the_new_schedules_do_not_combine_with_is_refused():

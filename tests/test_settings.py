@@ -101,3 +101,26 @@ def test_groups_are_plain_dataclasses_read_flat():
     with pytest.raises(ConfigError, match="micro_batches=0 must be a positive integer"):
         TrainConfig(micro_batches=0).validate()
     TrainConfig(pp=2, tp_scheme="sequence").validate()                 # sequence runs with pipelines too
+
+
+@pytest.mark.parametrize("flags, world, words", [
+    (["--cp", "8", "--seq-len", "8"], 8, "seq_len=8 does not cut into 2*cp = 16 equal chunks"),
+    (["--cp", "4", "--seq-len", "12"], 8, "use seq_len a multiple of 8 (e.g. [8, 16, 24]) or cp in [2, 3, 6]"),
+    (["--cp", "2", "--tp", "4", "--tp-scheme", "sequence", "--seq-len", "4"], 8, "use seq_len a multiple of 8"),
+    (["--cp", "3"], 8, "dp*pp*cp*tp = 2*1*3*1 = 6 does not match the 8 ranks"),
+    (["--cp", "0"], 8, "cp=0 must be a positive integer"),
+])
+def test_context_parallel_sizes_that_do_not_split_are_refused_with_what_works(flags, world, words):
+    from hsgd.errors import UsageError                        # ConfigError, or GridError for the world size
+    with pytest.raises(UsageError) as e:
+        configs_from_args(build_parser().parse_args(flags), world_size=world)
+    print(e.value)
+    assert words in str(e.value)
+
+
+def test_a_sequence_scheme_shard_may_cross_the_chunks():
+    """--tp-scheme sequence with cp: a rank's T/cp positions split into tp T-shards; only T % lcm(2cp, cp tp) = 0
+    is needed (T = 8, cp = 2, tp = 4: chunks of 2, T-shards of 1)."""
+    cfg, tc = configs_from_args(build_parser().parse_args(["--cp", "2", "--tp", "4", "--tp-scheme", "sequence",
+                                                           "--seq-len", "8"]), world_size=8)
+    assert (tc.dp, tc.cp, tc.tp, cfg.seq_len) == (1, 2, 4, 8)

@@ -12,6 +12,7 @@ import hsgd
 from hsgd import cp as context, layers, serial, tp_model
 from hsgd.data import Corpus
 from hsgd.grid import ProcessGrid
+from hsgd.memory import activation_formula
 from hsgd.trace import Tracer
 from hsgd.train import TrainConfig, step_formula
 
@@ -50,7 +51,8 @@ def param_err(trainer, grid, ref, scheme):
                                                                         for d, p, c, t in layouts()])
 def test_every_layout_with_cp_equals_serial_sgd(i, layout):
     """Both cp schemes on one layout: 3 steps equal serial SGD's parameters (1e-10), the replicas (dp x cp ranks)
-    stay bit-identical, the bytes of step 2 on every communicator equal step_formula's."""
+    stay bit-identical, the bytes of step 2 on every communicator equal step_formula's; without a pipeline, the
+    activation bytes held at the peak of a 4th step equal hsgd.memory.activation_formula's."""
     dp, pp, cp, tp = layout
     scheme = TP_SCHEMES[i % 3]
     ref, lines, ok, params = None, [], True, {}
@@ -62,6 +64,13 @@ def test_every_layout_with_cp_equals_serial_sgd(i, layout):
         formula = step_formula(CFG, tc, trainer)
         same = WORLD.allreduce(per_step == formula, op=MPI.LAND)
         params[cp_scheme] = {n: p.copy() for n, p in trainer.params.items()}
+        if pp == 1:                  # one step more, measured: the caches of one micro-batch at the peak
+            trainer.stage.measure_bytes = True
+            trainer.step(*CORPUS.batch(tc.seed, tc.steps + 1, tc.batch_size), tc.steps + 1)
+            b = tc.batch_size // dp // tc.micro_batches
+            act = activation_formula(CFG, b, 8, tp, scheme, cp, cp_scheme)["model"]
+            ok &= WORLD.allreduce(trainer.stage.peak_bytes == act, op=MPI.LAND)
+            lines.append(f"  {cp_scheme:<9}: activation bytes at the peak {trainer.stage.peak_bytes} (formula {act})")
         cp_bytes = sorted((op, v) for (c, op), v in per_step.items() if c == "cp")
         lines.append(f"  {cp_scheme:<9}: max param rel err vs serial {err:.1e}, replicas identical {identical}, "
                      f"bytes == formula {same} (cp_comm: {cp_bytes})")
@@ -82,7 +91,9 @@ def test_every_layout_with_cp_equals_serial_sgd(i, layout):
     ((1, 2, 2, 2), dict(schedule="zb-h1", micro_batches=4, dp_overlap=True)),
     ((1, 2, 4, 1), dict(schedule="interleaved", virtual_stages=2, micro_batches=4, recompute="selective")),
     ((2, 1, 2, 2), dict(hierarchical=True, ranks_per_node=2)),
-], ids=["zero3-full", "zero2-selective-allgather-sequence", "zb-h1-overlap", "interleaved-selective", "hier"])
+    ((4, 1, 2, 1), dict(zero=1, optimizer="adamw", lr=0.01, tp_scheme="gather", cp_scheme="allgather")),
+], ids=["zero3-full", "zero2-selective-allgather-sequence", "zb-h1-overlap", "interleaved-selective", "hier",
+        "zero1-adamw-allgather-gather"])
 def test_cp_with_zero_recompute_and_the_schedules(layout, kw):
     dp, pp, cp, tp = layout
     tc = config(dp=dp, pp=pp, cp=cp, tp=tp, batch_size=16, **kw)
