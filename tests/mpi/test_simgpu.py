@@ -7,8 +7,8 @@ What a machine without a GPU can check of the GPU path, and what goes wrong sile
   * staging takes its pinned host buffers from a pool: none is allocated after the first step (the second with
     staleness, where two exchanges are in flight from then on);
   * both transfer paths, device pointers to MPI (HSGD_CUDA_AWARE=1) and staging (0), train exactly as the CPU
-    path does, float64, on 3-D, ZeRO, overlapped, hierarchical and sequence-parallel layouts, and MPI is never
-    handed a device pointer while kernels are still queued on the stream.
+    path does, float64, on 3-D, ZeRO, overlapped, hierarchical, sequence- and context-parallel layouts, and MPI is
+    never handed a device pointer while kernels are still queued on the stream.
 Kernels, speed and memory need a real GPU: `make gpu-check`.
 """
 import os
@@ -48,6 +48,8 @@ LAYOUTS = {
     "dp2 tp4, sequence parallel": dict(dp=2, tp=4, tp_scheme="sequence"),
     "dp8, hierarchical (4 per node)": dict(dp=8, tp=1, hierarchical=True, ranks_per_node=4),
     "dp4 tp2, staleness 1": dict(dp=4, tp=2, dp_staleness=1),        # two exchanges of one shape in flight
+    "dp2 cp2 tp2, ring attention": dict(dp=2, cp=2, tp=2),
+    "cp4 tp2, all-gather attention, ZeRO-1": dict(dp=1, cp=4, tp=2, cp_scheme="allgather", zero=1),
 }
 
 
@@ -110,11 +112,11 @@ def run(tc, steps=4):
     transfers, transfers staging accounts for, pinned allocations], the same for the whole run). A non-blocking
     exchange is counted by the stats when it completes, which with staleness is the next step (or finish), so
     the exact accounting is over the whole run."""
-    grid = ProcessGrid(WORLD, dp=tc.dp, pp=tc.pp, tp=tc.tp)
+    grid = ProcessGrid(WORLD, dp=tc.dp, pp=tc.pp, tp=tc.tp, cp=tc.cp)
     trainer = HybridTrainer(CFG, grid, tc)
     rpn = tc.ranks_per_node or 1
-    sizes = {"world": WORLD.Get_size(), "tp": grid.tp, "pp": grid.pp, "dp": grid.dp, "dp-node": rpn,
-             "dp-cross": grid.dp // rpn}
+    sizes = {"world": WORLD.Get_size(), "tp": grid.tp, "pp": grid.pp, "dp": grid.dp_comm.size, "cp": grid.cp,
+             "dp-node": rpn, "dp-cross": grid.dp // rpn}
 
     def now():
         return d2h_count(), cupy.counts["d2h"], grid.stats.counts(), cupy.counts["pinned"]
