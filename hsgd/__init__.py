@@ -13,6 +13,8 @@ of the algorithm:
     hsgd.threads            CPU threads for the kernels and the batch split; OpenBLAS's thread timeout
     hsgd.serial             the serial reference model (plain layers) and serial.sgd, the run every layout matches
     hsgd.optim              SGD, AdamW, the learning-rate schedule, global-norm clipping
+    hsgd.precision          rounding to bfloat16 and float16, emulated exactly; unit roundoff, Higham's gamma_n
+    hsgd.loss_scale         dynamic loss scaling for float16 (PyTorch GradScaler's rules)
     hsgd.data               the corpus, the train/validation split and the batch of each step
   the ranks
     hsgd.grid               the dp x pp x cp x tp process grid and its communicators (Split by color)

@@ -1,0 +1,101 @@
+"""hsgd.precision and hsgd.loss_scale, one process: rounding to bfloat16 and float16 equals ml_dtypes' and NumPy's
+casts bit for bit (every float32 bit pattern class: normals of every exponent, subnormals, ties, overflow, inf,
+NaN, signed zeros; float64 inputs rounded once); the unit roundoff bounds every rounding; GradScaler's rules."""
+import numpy as np
+import pytest
+
+from hsgd.loss_scale import LossScaler
+from hsgd.precision import FORMATS, gamma, round_to, unit_roundoff
+
+ml_dtypes = pytest.importorskip("ml_dtypes")
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")    # the reference casts of NaN and of overflow
+
+
+def sample_inputs():
+    """float32 test tensors: every bit pattern class, many exponents, and exact ties of bfloat16 and float16."""
+    rng = np.random.default_rng(0)
+    patterns = rng.integers(0, 2 ** 32, 200_000, dtype=np.uint64).astype(np.uint32).view(np.float32)   # any float32
+    scaled = (rng.standard_normal(100_000) * 10.0 ** rng.integers(-45, 39, 100_000)).astype(np.float32)
+    # ties: a bfloat16 number plus half its spacing (the 16 low bits 0x8000), with an even and an odd last bit
+    bf_ties = ((rng.integers(0, 2 ** 16, 20_000, dtype=np.uint64).astype(np.uint32) << 16) | 0x8000).view(np.float32)
+    h = rng.integers(0, 2 ** 16, 20_000, dtype=np.uint64).astype(np.uint16).view(np.float16)
+    h = h[np.isfinite(h)].astype(np.float32)
+    f16_ties = (h.view(np.uint32) | np.uint32(1 << 12)).view(np.float32)     # half a float16 spacing above h
+    special = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 65504, 65519.99, 65520, 3.3895e38, 3.39e38,
+                        2.0 ** -126, 2.0 ** -133, 2.0 ** -134, 2.0 ** -24, 2.0 ** -25, 1.5 * 2.0 ** -25], np.float32)
+    return np.concatenate([patterns, scaled, bf_ties, f16_ties, special, -special])
+
+
+def bits(a, dtype):
+    return a.astype(dtype).view(np.uint16)
+
+
+@pytest.mark.parametrize("fmt", ["bfloat16", "float16"])
+def test_rounding_equals_the_reference_casts_bit_for_bit(fmt):
+    ref_dtype = ml_dtypes.bfloat16 if fmt == "bfloat16" else np.float16
+    x = sample_inputs()
+    ours = round_to(x, fmt)
+    assert ours.dtype == np.float32
+    same = bits(ours, ref_dtype) == bits(x, ref_dtype)         # our value is the one the reference cast makes
+    exact = np.isnan(ours) | (ours.astype(ref_dtype).astype(np.float32) == ours)   # and it is a fmt number
+    print(f"{fmt}: {x.size} float32 inputs, {int(same.sum())} equal to the reference cast bit for bit, "
+          f"{int((~exact).sum())} results not representable")
+    assert same.all() and exact.all(), x[~same][:10]
+    rng = np.random.default_rng(1)
+    x64 = rng.standard_normal(100_000) * 10.0 ** rng.integers(-40, 39, 100_000)
+    x64 = np.concatenate([x64, [1 + 2.0 ** -8 + 2.0 ** -30, 1 + 2.0 ** -11 + 2.0 ** -40]])   # ties only in float32
+    same64 = bits(round_to(x64, fmt), ref_dtype) == bits(x64, ref_dtype)
+    twice = bits(x64.astype(np.float32), ref_dtype) != bits(x64, ref_dtype)
+    print(f"{fmt}: float64 inputs rounded once, equal to the reference {int(same64.sum())}/{x64.size}; rounding "
+          f"through float32 first would differ on {int(twice.sum())}")
+    assert same64.all() and twice.sum() >= 1
+
+
+@pytest.mark.parametrize("fmt", ["bfloat16", "float16", "float32"])
+def test_one_rounding_is_within_the_unit_roundoff(fmt):
+    f, u = FORMATS[fmt], unit_roundoff(fmt)
+    x = np.random.default_rng(3).standard_normal(100_000) * 10.0 ** np.random.default_rng(4).integers(-3, 4, 100_000)
+    x = x[(np.abs(x) >= 2.0 ** f.emin) & (np.abs(x) <= f.max)]                # the normal range
+    rel = np.abs(round_to(x, fmt) - x) / np.abs(x)
+    print(f"{fmt}: largest relative rounding error {rel.max():.3e}, u = 2^-{f.p} = {u:.3e}")
+    assert rel.max() <= u and rel.max() > 0.9 * u                         # the bound holds and is reached
+
+
+def test_gamma_bounds_a_sum_in_any_order():
+    """A sum of n float16 numbers, accumulated in float16 (every addition rounded), in two orders: each within
+    gamma_(n-1) sum |x| of the exact sum, so within 2 gamma_(n-1) sum |x| of each other."""
+    rng = np.random.default_rng(5)
+    n = 200
+    worst = 0.0
+    for _ in range(20):
+        x = round_to(rng.standard_normal(n), "float16")
+        exact = float(np.sum(x.astype(np.float64)))
+        for order in (np.arange(n), rng.permutation(n)):
+            s = 0.0
+            for v in x[order]:
+                s = float(round_to(np.array([s + v]), "float16")[0])
+            worst = max(worst, abs(s - exact) / float(np.abs(x).sum()))
+    bound = gamma(n - 1, "float16")
+    print(f"float16 sums of {n}: largest error {worst:.2e} of sum |x|, gamma_{n - 1} = {bound:.2e}")
+    assert 0 < worst <= bound
+    assert gamma(300, "bfloat16") == float("inf") and gamma(1, "float64") == pytest.approx(2.0 ** -53)
+
+
+def test_loss_scaler_follows_gradscalers_rules():
+    s = LossScaler()
+    assert s.scale == 2.0 ** 16
+    assert [s.update(True) for _ in range(3)] == [False] * 3 and s.scale == 2.0 ** 13 and s.skipped == 3
+    for _ in range(1999):
+        assert s.update(False)
+    assert s.scale == 2.0 ** 13 and s.good_steps == 1999
+    s.update(False)                                                     # the 2000th good step in a row: grow
+    assert s.scale == 2.0 ** 14 and s.good_steps == 0
+    for _ in range(1500):
+        s.update(False)
+    s.update(True)                                                      # an inf resets the count
+    assert s.scale == 2.0 ** 13 and s.good_steps == 0
+    t = LossScaler(init_scale=8.0, growth_interval=2)
+    t.load(s.state())
+    assert t.state() == s.state() == {"scale": 2.0 ** 13, "good_steps": 0, "skipped": 4}
+    with pytest.raises(ValueError):
+        LossScaler(backoff_factor=1.5)
