@@ -26,7 +26,9 @@ of the algorithm:
     hsgd.memory             activation bytes: measured and by formula; Korthikanti et al.'s and ZeRO's formulas
   context parallelism (the sequence split over ranks)
     hsgd.context            the context layout the model asks: a rank's positions and its core attention
-    hsgd.cp                 the load-balanced split, ring attention and the all-gather variant, their bytes
+    hsgd.cp                 the load-balanced split, the work and bytes of both schemes, make_split
+    hsgd.ring_attention     ring attention: (k, v) around cp_comm, merged by the online softmax
+    hsgd.gather_attention   the all-gather variant: every key and value gathered, dk, dv reduce-scattered
   pipeline parallelism
     hsgd.pp                 stages (and their model chunks), micro-batches, bytes on pp_comm
     hsgd.schedules          schedules as data: lists of F/B/W actions (GPipe, 1F1B, interleaved, ZB-H1), their

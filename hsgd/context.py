@@ -51,8 +51,8 @@ WHOLE = WholeSequence()
 
 
 def make_context(cfg, grid, tc):
-    """This rank's context layout: WHOLE without context parallelism (grid.cp = 1), else hsgd.cp's Ring or
-    AllGather (--cp-scheme) on grid.cp_comm."""
+    """This rank's context layout: WHOLE without context parallelism (grid.cp = 1), else ring attention or
+    all-gather attention (--cp-scheme; hsgd.ring_attention.Ring, hsgd.gather_attention.AllGather) on grid.cp_comm."""
     if getattr(grid, "cp", 1) == 1:
         return WHOLE
     from .backend import get_xp

@@ -16,26 +16,13 @@ the last rank. Cut the sequence into 2 cp chunks of c = T/(2 cp) positions inste
 rank r's early chunk reads r full blocks and one diagonal, its late chunk 2cp-1-r full blocks and one diagonal:
 2cp-1 + 2 = 2cp + 1 blocks on every rank (attention_blocks counts both splits).
 
-The core attention over the ring (Liu et al. 2023, Ring Attention with Blockwise Transformers):
+The core attention, two ways (--cp-scheme): hsgd.ring_attention (Liu et al. 2023: the keys and values travel
+around the ring of cp ranks, merged by the online softmax) and hsgd.gather_attention (All-Gather the keys and
+values, as Dubey et al. 2024 train Llama 3's long context). This module holds what both share: the layout (which
+positions, ContextSplit), the checks, the work and byte counts, and make_split.
 
-    forward: each rank keeps its queries; the (k, v) blocks travel around cp_comm (rank r -> r+1), cp - 1 hops,
-             the next block's Isend/Irecv in flight while the current one is computed. Blocks are merged with the
-             online softmax (Milakov and Gimelshein 2018; FlashAttention): per query a running max m and sum l,
-             and an output accumulator o that is rescaled when m grows:
-                 s = q k_b^T / sqrt(hs) (+ mask);  m' = max(m, rowmax s);  p = exp(s - m')
-                 l <- l e^(m - m') + rowsum p;  o <- o e^(m - m') + p v_b;  m <- m'
-             and at the end y = o / l, with lse = m + log l kept for the backward pass (no T x T matrix).
-    backward: the (k, v) blocks go around the ring again; with p = exp(s - lse) and D = rowsum(dy * y):
-                 dp = dy v_b^T;  ds = p (dp - D);  dq += ds k_b / sqrt(hs);  dk_b += ds^T q / sqrt(hs);  dv_b += p^T dy
-             dq stays; (dk_b, dv_b) travel with their block, each rank adding its share, and after cp hops they
-             are back with their owner. Per layer and micro-batch: Isend of (k, v) cp - 1 times forward, cp - 1
-             times backward, of (dk, dv) cp times (cp_formula).
-
-The all-gather variant (--cp-scheme allgather; Dubey et al. 2024 train Llama 3's long context this way): All-Gather
-k and v of the whole sequence over cp_comm, score this rank's queries against all T keys with the mask of their
-positions, and in the backward pass Reduce-Scatter dk, dv back to their owners. Two collectives per layer and no
-online softmax, but the rank holds all T keys and values and the (T/cp x T) probabilities, and computes the masked
-blocks too.
+Legend: T sequence, cp ranks of cp_comm, c = T/(2 cp) a chunk, Tl = T/cp a rank's positions, B or b sequences,
+C d_model, NH heads (NH/tp on a rank), hs = C/NH, tp, s bytes per number.
 
     ctx = make_context(cfg, grid, tc)     # hsgd.context: WHOLE, Ring or AllGather; Stage owns it
     ctx.local(idx)                        # (B, T) -> (B, T/cp), this rank's positions of each sequence
@@ -45,12 +32,9 @@ from contextlib import nullcontext
 
 import numpy as np
 
-from .backend import array_module
 from .errors import ConfigError
-from .layers import merge_heads, split_heads
 
 CP_SCHEMES = ("ring", "allgather")
-TAG_KV, TAG_KV_BACK, TAG_DKV = 0, 1, 2          # forward (k, v); backward (k, v); backward (dk, dv)
 
 
 def check_cp(T, cp, tp=1, splits_T=False):
@@ -148,169 +132,6 @@ class ContextSplit:
         return out
 
 
-class Ring(ContextSplit):
-    """Ring attention over cp_comm, blockwise with the online softmax (see the module docstring)."""
-
-    def attention_forward(self, q, k, v, nh):
-        """q, k, v (B, T/cp, C/tp), this rank's positions -> y (B, T/cp, C/tp). Cache: q / sqrt(hs), this rank's
-        (k, v) as one (2, B, NH/tp, T/cp, hs) block, y by heads and lse = m + log l (B, NH/tp, T/cp)."""
-        xp, cp, comm = array_module(q), self.cp, self.comm
-        B, Tl, C = q.shape
-        hs = C // nh
-        qh = xp.ascontiguousarray(split_heads(q, nh)) * (1.0 / math.sqrt(hs))      # (B, NH, Tl, hs)
-        own = xp.empty_like(q, shape=(2, B, nh, Tl, hs))                            # what travels: [k | v]
-        own[0], own[1] = split_heads(k, nh), split_heads(v, nh)
-        m = xp.full((B, nh, Tl), -xp.inf, dtype=q.dtype)                            # running max
-        l = xp.zeros((B, nh, Tl), dtype=q.dtype)                                    # running sum
-        o = xp.zeros((B, nh, Tl, hs), dtype=q.dtype)                                # running output
-        ring = [own, xp.empty_like(own), xp.empty_like(own)]                        # own, then two to alternate
-        cur = 0
-        for i in range(cp):                                                         # block of rank r - i
-            owner, nxt = (self.r - i) % cp, (1 if cur != 1 else 2)
-            reqs = []
-            if i < cp - 1:                                                          # the next block, in flight
-                reqs = [comm.Irecv(ring[nxt], source=(self.r - 1) % cp, tag=TAG_KV),
-                        comm.Isend(ring[cur], dest=(self.r + 1) % cp, tag=TAG_KV)]
-            with self.span("attention block", owner=owner):
-                for sq, sk, mask in self.pairs(owner):
-                    self.merge(qh, ring[cur], sq, sk, mask, m, l, o, xp)
-            for req in reqs:
-                req.Wait()
-            cur = nxt
-        yh = o / l[..., None]                                                       # (B, NH, Tl, hs)
-        return merge_heads(yh), (qh, own, yh, m + xp.log(l))
-
-    def merge(self, qh, kv, sq, sk, mask, m, l, o, xp):
-        """One block into the running (m, l, o) of queries sq: the online softmax."""
-        s = qh[:, :, sq] @ kv[0][:, :, sk].transpose(0, 1, 3, 2)                  # (B, NH, nq, nk) scores
-        if mask is not None:
-            s += mask                                                               # (float64 -inf / 0)
-        self.work["forward"] += s.shape[-2] * s.shape[-1]
-        m_new = xp.maximum(m[:, :, sq], s.max(axis=-1))                             # (B, NH, nq)
-        scale = xp.exp(m[:, :, sq] - m_new)                                         # e^(m - m'): 0 at the start
-        p = xp.exp(s - m_new[..., None])
-        l[:, :, sq] = l[:, :, sq] * scale + p.sum(axis=-1)
-        o[:, :, sq] = o[:, :, sq] * scale[..., None] + p @ kv[1][:, :, sk]
-        m[:, :, sq] = m_new
-
-    def attention_backward(self, dy, cache, out=None):
-        """dq, dk, dv (B, T/cp, C/tp), views of out (B, T/cp, 3C/tp): dq from every block, dk and dv of this rank's
-        positions after their round of the ring."""
-        qh, own, yh, lse = cache
-        xp, cp, comm = array_module(dy), self.cp, self.comm
-        B, nh, Tl, hs = qh.shape
-        C = nh * hs
-        if out is None:
-            out = xp.empty_like(dy, shape=(B, Tl, 3 * C))
-        dyh = xp.ascontiguousarray(split_heads(dy, nh))                            # (B, NH, Tl, hs)
-        D = (dyh * yh).sum(axis=-1)                                                 # (B, NH, Tl) rowsum(dy * y)
-        dqh = xp.zeros_like(qh)
-        ring, cur, sending, acc_in = [own, xp.empty_like(own), xp.empty_like(own)], 0, None, None
-        for i in range(cp):                                                         # block of rank r - i
-            owner, nxt = (self.r - i) % cp, (1 if cur != 1 else 2)
-            reqs = []
-            if i < cp - 1:
-                reqs = [comm.Irecv(ring[nxt], source=(self.r - 1) % cp, tag=TAG_KV_BACK),
-                        comm.Isend(ring[cur], dest=(self.r + 1) % cp, tag=TAG_KV_BACK)]
-            if i > 0:                                   # owner's (dk, dv) so far, from the ranks before me
-                acc_in = xp.empty_like(own)
-                reqs.append(comm.Irecv(acc_in, source=(self.r - 1) % cp, tag=TAG_DKV))
-            mine = xp.zeros_like(own)                                               # my share: [dk | dv]
-            with self.span("attention block (backward)", owner=owner):
-                for sq, sk, mask in self.pairs(owner):
-                    self.grads(qh, dyh, D, lse, ring[cur], sq, sk, mask, dqh, mine, xp)
-            for req in reqs:
-                req.Wait()
-            if acc_in is not None:
-                mine += acc_in
-            if sending is not None:
-                sending.Wait()                                                      # (its buffer is dropped)
-            sending = comm.Isend(mine, dest=(self.r + 1) % cp, tag=TAG_DKV)        # on, to owner's next rank
-            cur = nxt
-        dkv = xp.empty_like(own)                                                    # my (dk, dv): every share
-        comm.Irecv(dkv, source=(self.r - 1) % cp, tag=TAG_DKV).Wait()
-        sending.Wait()
-        split_heads(out[..., :C], nh)[...] = dqh * (1.0 / math.sqrt(hs))
-        split_heads(out[..., C:2 * C], nh)[...] = dkv[0]
-        split_heads(out[..., 2 * C:], nh)[...] = dkv[1]
-        return out[..., :C], out[..., C:2 * C], out[..., 2 * C:]
-
-    def grads(self, qh, dyh, D, lse, kv, sq, sk, mask, dqh, dkv, xp):
-        """One block's share of dq (into dqh, still times sqrt(hs)) and of the owner's dk, dv (into dkv)."""
-        k, v = kv[0][:, :, sk], kv[1][:, :, sk]                                     # (B, NH, nk, hs)
-        s = qh[:, :, sq] @ k.transpose(0, 1, 3, 2)                                  # (B, NH, nq, nk)
-        if mask is not None:
-            s += mask
-        self.work["backward"] += s.shape[-2] * s.shape[-1]
-        p = xp.exp(s - lse[:, :, sq, None])                                         # the probabilities again
-        dp = dyh[:, :, sq] @ v.transpose(0, 1, 3, 2)
-        ds = p * (dp - D[:, :, sq, None])                                           # dL/d(scores)
-        dqh[:, :, sq] += ds @ k
-        dkv[0][:, :, sk] += ds.transpose(0, 1, 3, 2) @ qh[:, :, sq]                 # qh holds q / sqrt(hs)
-        dkv[1][:, :, sk] += p.transpose(0, 1, 3, 2) @ dyh[:, :, sq]
-
-
-class AllGather(ContextSplit):
-    """All-Gather of k and v along the sequence, attention of this rank's queries against all T keys, and the
-    Reduce-Scatter of dk, dv in the backward pass (see the module docstring)."""
-    keeps_probabilities = True
-
-    def __init__(self, comm, T, balanced=True, xp=np):
-        super().__init__(comm, T, balanced, xp)
-        # (T/cp, T): -inf where a gathered key's position is after my query's
-        self.mask = xp.asarray(np.where(self.key_positions()[None, :] > self.pos[:, None], -np.inf, 0.0))
-
-    def key_positions(self):
-        """The positions of the gathered keys, rank by rank: (T,)."""
-        return np.concatenate([positions(self.T, self.cp, o, self.balanced) for o in range(self.cp)])
-
-    def attention_forward(self, q, k, v, nh):
-        """Cache: q / sqrt(hs) (B, NH/tp, T/cp, hs), the gathered K and V (B, NH/tp, T, hs) each, their positions in
-        rank order (key_positions), and the probabilities (B, NH/tp, T/cp, T)."""
-        xp, cp = array_module(q), self.cp
-        B, Tl, C = q.shape
-        hs = C // nh
-        qh = xp.ascontiguousarray(split_heads(q, nh)) * (1.0 / math.sqrt(hs))      # (B, NH, Tl, hs)
-        own = xp.empty_like(q, shape=(2, B, nh, Tl, hs))
-        own[0], own[1] = split_heads(k, nh), split_heads(v, nh)
-        kv = xp.empty_like(own, shape=(cp, *own.shape))
-        self.comm.Allgather(own, kv)                                                # every rank's [k | v]
-        K = kv[:, 0].transpose(1, 2, 0, 3, 4).reshape(B, nh, cp * Tl, hs)           # (B, NH, T, hs) by rank
-        V = kv[:, 1].transpose(1, 2, 0, 3, 4).reshape(B, nh, cp * Tl, hs)
-        with self.span("attention (all keys)"):
-            s = qh @ K.transpose(0, 1, 3, 2)                                        # (B, NH, Tl, T)
-            s += self.mask
-            self.work["forward"] += s.shape[-2] * s.shape[-1]
-            s -= s.max(axis=-1, keepdims=True)
-            P = xp.exp(s)
-            P /= P.sum(axis=-1, keepdims=True)
-            yh = P @ V
-        return merge_heads(yh), (qh, K, V, P)
-
-    def attention_backward(self, dy, cache, out=None):
-        qh, K, V, P = cache
-        xp, cp = array_module(dy), self.cp
-        B, nh, Tl, hs = qh.shape
-        C = nh * hs
-        if out is None:
-            out = xp.empty_like(dy, shape=(B, Tl, 3 * C))
-        dyh = xp.ascontiguousarray(split_heads(dy, nh))
-        with self.span("attention (all keys, backward)"):
-            self.work["backward"] += P.shape[-2] * P.shape[-1]
-            dP = dyh @ V.transpose(0, 1, 3, 2)                                      # (B, NH, Tl, T)
-            dS = P * (dP - (dP * P).sum(axis=-1, keepdims=True))
-            dq = dS @ K * (1.0 / math.sqrt(hs))                                      # (B, NH, Tl, hs)
-            dkv = xp.empty_like(qh, shape=(cp, 2, B, nh, Tl, hs))                    # partial, by owner
-            dkv[:, 0] = (dS.transpose(0, 1, 3, 2) @ qh).reshape(B, nh, cp, Tl, hs).transpose(2, 0, 1, 3, 4)
-            dkv[:, 1] = (P.transpose(0, 1, 3, 2) @ dyh).reshape(B, nh, cp, Tl, hs).transpose(2, 0, 1, 3, 4)
-        mine = xp.empty_like(dkv[0])
-        self.comm.Reduce_scatter_block(dkv, mine)                                   # sum over ranks, my rows
-        split_heads(out[..., :C], nh)[...] = dq
-        split_heads(out[..., C:2 * C], nh)[...] = mine[0]
-        split_heads(out[..., 2 * C:], nh)[...] = mine[1]
-        return out[..., :C], out[..., C:2 * C], out[..., 2 * C:]
-
-
 def attention_cache_bytes(cp, scheme, b, T, C, NH, tp, s):
     """(bytes one block's core attention caches for a micro-batch of b sequences, of which the probabilities)
     on a rank holding T/cp positions (Tl) and NH/tp heads, N = b Tl:
@@ -332,6 +153,8 @@ def make_split(scheme, comm, T, xp=np, balanced=True):
     """The context layout of --cp-scheme ring | allgather on cp_comm."""
     if scheme not in CP_SCHEMES:
         raise ConfigError(f"unknown cp scheme {scheme!r}; use one of {list(CP_SCHEMES)}")
+    from .gather_attention import AllGather                # (they import this module's ContextSplit)
+    from .ring_attention import Ring
     return (Ring if scheme == "ring" else AllGather)(comm, T, balanced, xp)
 
 

@@ -80,6 +80,7 @@ from mpi4py import MPI
 from threadpoolctl import threadpool_limits
 
 from hsgd import cp
+from hsgd.ring_attention import Ring
 from hsgd.cp import attention_blocks, attention_cache_bytes, chunk_starts, cp_formula, make_split
 from hsgd.data import Corpus
 from hsgd.grid import ProcessGrid
@@ -226,8 +227,8 @@ say(f"picture: {on_rank0(draw_activations)}")
 # And the softmax's backward, $ds_j = p_j (dp_j - \sum_k p_k\,dp_k)$ with $dp_j = dy \cdot v_j$, needs the sum
 # over all keys once more; but $\sum_k p_k\,(dy \cdot v_k) = dy \cdot y$, so $D = dy \cdot y$, known before the
 # first block, replaces it. Every block's gradients are then local: $ds = p\,(dp - D)$, $dq \mathrel{+}= ds\,k_b$,
-# $dk_b \mathrel{+}= ds^T q$, $dv_b \mathrel{+}= p^T dy$ (the $1/\sqrt{hs}$ aside). That is `cp.Ring.merge` and
-# `cp.Ring.grads`. First in NumPy, for 4 queries and 64 keys in 8 blocks, against the softmax computed at once:
+# $dk_b \mathrel{+}= ds^T q$, $dv_b \mathrel{+}= p^T dy$ (the $1/\sqrt{hs}$ aside). That is `Ring.merge` and
+# `Ring.grads` (`hsgd/ring_attention.py`). First in NumPy, for 4 queries and 64 keys in 8 blocks, against the softmax computed at once:
 
 # %%
 rng = np.random.default_rng(15)
@@ -556,7 +557,7 @@ for tr in trainers.values():
 Tt, Ct, NHt = 256, 32, 4
 rng = np.random.default_rng(1)
 qt, kt, vt, dyt = (rng.standard_normal((B, Tt // 8, Ct)) for _ in range(4))   # my positions' rows (random)
-ring = cp.Ring(g8.cp_comm, Tt)
+ring = Ring(g8.cp_comm, Tt)
 ring.attention_backward(dyt, ring.attention_forward(qt, kt, vt, NHt)[1])        # a warm-up, not traced
 tracer = Tracer(rank, world)
 g8.cp_comm.tracer = tracer
@@ -657,8 +658,8 @@ g42.free()
 # | hsgd | Megatron-LM | DeepSpeed | PyTorch | where hsgd differs, on purpose |
 # |---|---|---|---|---|
 # | `--cp N`: `ProcessGrid(cp=)`, `grid.cp_comm`; `dp_comm` holds the dp x cp ranks of a shard | `--context-parallel-size` (`ModelParallelConfig.context_parallel_size`), `parallel_state.get_context_parallel_group` | `sequence_parallel_size` in the config (Ulysses; `groups._get_sequence_parallel_world_size`) | `context_parallel(mesh, buffers=..., buffer_seq_dims=...)` (torch.distributed.tensor.experimental), a context manager over one `DeviceMesh` dimension | the cp ranks sit next to the tp ranks in the rank order; MPI communicators, no mesh |
-# | `--cp-scheme ring`: `cp.Ring`, (k, v) over Isend/Irecv, (dk, dv) back to their owner | `--cp-comm-type p2p` (the default): TransformerEngine's `AttnFuncWithCPAndKVP2P`, reached through `attn_forward_func_with_cp` | none | `set_rotate_method("alltoall")` (`_RotateMethod.ALL_TO_ALL`): the (k, v) shifted to the next rank by `permute_tensor` in `_templated_ring_attention` | NumPy blocks and MPI requests, one block's sends in flight at a time |
-# | `--cp-scheme allgather`: `cp.AllGather`, All-Gather k, v, Reduce-Scatter dk, dv | `--cp-comm-type allgather`: `AttnFuncWithCPAndKVAllGather` | none | `_RotateMethod.ALL_GATHER` (the default): `_AllGatherRotater` gathers once, the ring loop then reads its blocks | one softmax over all keys, no merge; the probabilities of the rank's queries are cached |
+# | `--cp-scheme ring`: `ring_attention.Ring`, (k, v) over Isend/Irecv, (dk, dv) back to their owner | `--cp-comm-type p2p` (the default): TransformerEngine's `AttnFuncWithCPAndKVP2P`, reached through `attn_forward_func_with_cp` | none | `set_rotate_method("alltoall")` (`_RotateMethod.ALL_TO_ALL`): the (k, v) shifted to the next rank by `permute_tensor` in `_templated_ring_attention` | NumPy blocks and MPI requests, one block's sends in flight at a time |
+# | `--cp-scheme allgather`: `gather_attention.AllGather`, All-Gather k, v, Reduce-Scatter dk, dv | `--cp-comm-type allgather`: `AttnFuncWithCPAndKVAllGather` | none | `_RotateMethod.ALL_GATHER` (the default): `_AllGatherRotater` gathers once, the ring loop then reads its blocks | one softmax over all keys, no merge; the probabilities of the rank's queries are cached |
 # | the online softmax: `Ring.merge` carries (m, l, o), y = o / l, lse = m + log l | `flash_attn_fwd_softmax_lse_correction`, `flash_attn_fwd_out_correction` (TransformerEngine): merge normalised blocks by their lse | `update_out_and_lse` (deepspeed/sequence/fpdt_layer.py, FPDT's chunks) | `_SDPAMerger`: merges normalised outputs by lse | unnormalised o and one division at the end (exercise 3 merges normalised ones) |
 # | load balance: `chunk_starts`, rank r holds chunks r and 2cp-1-r; `attention_blocks` counts the work | `get_batch_on_this_cp_rank` (megatron/core/utils.py): the same zig-zag; seq_length a multiple of 2 x cp | none needed: Ulysses gives each rank whole sequences of NH/cp heads | `_HeadTailLoadBalancer` (`_context_parallel/_load_balancer.py`), head and tail chunks | the work is counted (`ctx.work`) and checked |
 # | none (exercise 2 builds it with MPI Alltoall) | `--cp-comm-type a2a`: `AttnFuncWithCPAndQKVOA2A`; `a2a+p2p` with `--hierarchical-context-parallel-sizes` | `DistributedAttention` with `_SeqAllToAll` (deepspeed/sequence/layer.py): all-to-all from a sequence split to a head split and back | none (its `ALL_TO_ALL` rotation is a ring shift, not a head split) | the head split needs NH divisible by cp; the ring and the all-gather do not |
@@ -669,7 +670,7 @@ g42.free()
 # Brandon et al. give rank r the positions t with t mod cp = r instead of two chunks. Write the striped positions,
 # count for each rank of cp = 2, 4, 8 (T = 64) the scores the causal mask needs, by brute force, and check three
 # closed forms: plain $n(rn) + n(n+1)/2$, hsgd's zig-zag $2cp\,c^2 + c$ (equal on every rank) and striped
-# $n(r+1) + cp\,n(n-1)/2$, with n = T/cp. Then make the striped layout run: subclass `cp.Ring`, set `pos` and
+# $n(r+1) + cp\,n(n-1)/2$, with n = T/cp. Then make the striped layout run: subclass `ring_attention.Ring`, set `pos` and
 # override `pairs(owner)` (one pair of all my rows and all the owner's rows, with the mask of their positions), and
 # check its attention forward and backward against serial on cp 8 and its `work` against $cp\,n^2$.
 # (solution: `tutorials/solutions/15_context_parallelism.py`, `exercise_1`)

@@ -2,7 +2,7 @@
 
     mpirun -n 8 python tutorials/solutions/15_context_parallelism.py
 
-Exercise 1 counts the work of three layouts and runs the striped one as a subclass of hsgd.cp.Ring on cp 8;
+Exercise 1 counts the work of three layouts and runs the striped one as a subclass of hsgd.ring_attention.Ring on cp 8;
 exercise 2 builds all-to-all (Ulysses) attention with mpi4py's Alltoall on cp_comm and compares the bytes of the
 three schemes; exercises 3 and 4 are arithmetic that every rank does (cheap), checked collectively.
 """
@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from checks import Checks, rel_err, ring_bytes, solve  # noqa: E402
 
 from hsgd import ModelConfig, cp  # noqa: E402
+from hsgd.ring_attention import Ring  # noqa: E402
 from hsgd.grid import ProcessGrid  # noqa: E402
 from hsgd.layers import attention_backward, attention_forward  # noqa: E402
 from hsgd.memory import activation_formula  # noqa: E402
@@ -44,7 +45,7 @@ def needed(pos):
     return int(sum(int(t) + 1 for t in pos))
 
 
-class Striped(cp.Ring):
+class Striped(Ring):
     """Ring attention with rank r holding the positions t = r mod cp (Brandon et al. 2023): every block is one pair
     of all my rows and all the owner's rows, masked by their positions."""
 
