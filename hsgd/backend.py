@@ -17,7 +17,8 @@ import numpy as np
 from .errors import ConfigError
 
 DEVICES = ("cpu", "gpu")
-DTYPES = {"float32": np.float32, "float64": np.float64}
+# the arrays' dtype for each --dtype: bfloat16 and float16 are emulated on float32 arrays (hsgd.precision)
+DTYPES = {"float32": np.float32, "float64": np.float64, "bfloat16": np.float32, "float16": np.float32}
 
 
 def resolve_device(device=None):
@@ -41,7 +42,8 @@ def get_xp(device=None):
 
 
 def resolve_dtype(dtype="float32"):
-    """A NumPy dtype from a name ("float32", "float64") or a dtype."""
+    """A NumPy dtype from a name ("float32", "float64"; "bfloat16" and "float16": float32, whose arrays hold
+    their values, hsgd.precision) or a dtype."""
     if isinstance(dtype, str):
         if dtype not in DTYPES:
             raise ConfigError(f"dtype={dtype!r} is not supported; use one of {', '.join(DTYPES)}")

@@ -163,6 +163,7 @@ def build_manifest(trainer, step, t, entries, run):
                    "layers": [len(r) for r in chunk_layers(trainer.cfg.n_layers, grid.pp, tc.virtual_stages,
                                                            parse_split(tc.pp_split))]},
         "optimizer": {"name": tc.optimizer, "t": int(t)}, "dtype": tc.dtype,
+        "loss_scale": trainer.scaler.state() if trainer.scaler else None,     # float16: the loss scaler's state
         "data": {"next_step": step + 1, "seed": tc.seed, "corpus": tc.data or "built-in", "batch_size": tc.batch_size},
         "rng": {"seed": tc.seed, "note": "batches and initialization are pure functions of the seed (and step)"},
         "schedule": {k: getattr(tc, k) for k in SCHEDULE},
@@ -313,6 +314,8 @@ def load(trainer, manifest):
             state[name] = {k: tp_model.shard(v.astype(dtype), name, grid.tp_rank, grid.tp, trainer.scheme)
                            for k, v in st.items()}
     set_state(trainer, params, state, manifest["optimizer"]["t"])
+    if trainer.scaler and manifest.get("loss_scale"):
+        trainer.scaler.load(manifest["loss_scale"])                     # float16: go on with the scale it had
     return manifest["step"]
 
 

@@ -200,6 +200,8 @@ class Comm:
         self.check = os.environ.get("HSGD_CHECK_COLLECTIVES") == "1" if check is None else check
         self.ncalls = 0                         # collectives called so far: the sequence number of the check
         self.tracer = None                      # an hsgd.trace.Tracer: every call becomes a span on the comm track
+        self.payload_round = None               # bfloat16 / float16 runs: rounds partial sums before they travel
+                                                # (hsgd.tp_layers.payload; hsgd.precision)
         self.staging = HostStaging()            # pinned host buffers, used only for CuPy arrays without CUDA-aware MPI
 
     # ---------------------------------------------------------------------------------------------- helpers

@@ -25,6 +25,7 @@ from .dp import dp_rows, micro_batches, params_digest
 from .exchange import make_exchange
 from .health import check_finite, global_norm, step_numbers, stop_after_skips
 from .hooks import ChainedHooks
+from .loss_scale import LossScaler
 from .optim import decays, lr_at, make_optimizer
 from .stage import make_stage
 from .trace import NullTracer
@@ -39,6 +40,8 @@ class StepInfo:
     tp_seconds: float    # of which in tp_comm collectives
     dp_seconds: float    # of which waiting for dp_comm collectives (an overlapped Iallreduce counts only while
                          # the rank waits for it)
+    loss_scale: float = None   # float16 with loss scaling: the S this step's backward pass started from
+    scale_skips: int = 0       # ... and the updates skipped so far for an inf or NaN (the scaler halved S)
 
 
 class HybridTrainer:
@@ -61,6 +64,8 @@ class HybridTrainer:
         self.opt = make_optimizer(tc.optimizer, tc.lr, momentum=tc.momentum, weight_decay=tc.weight_decay)
         self.decay = self.exchange.mask(decays)                         # (owned,) 1 where weight decay applies
         self.sharded = self.exchange.mask(lambda n, shape: self.is_sharded(n))   # (owned,) 1: split over tp
+        self.num = self.stage.num                                       # bfloat16 / float16: where it rounds
+        self.scaler = LossScaler() if tc.dtype == "float16" and tc.loss_scale == "dynamic" else None
         self.probe = None                                               # --memory: an hsgd.memtrace probe
         self.skipped = self.in_a_row = 0                                # updates skipped for non-finite values
         self.t_start = self.tp_start = self.dp_start = self.dp_waited = 0.0   # set by gradients(), for update()
@@ -82,13 +87,33 @@ class HybridTrainer:
         mbs = [(local(idx[mb]), local(targets[mb])) for mb in micro_batches(rows, m)]   # 2. its micro-batches
         buf = self.exchange.begin()                                                 # zeroed gradient buffer
         self.grads = buf.views
-        loss = self.stage.run(self.params, self.grads, mbs, self.exchange.on_ready, self.tracer, self.hooks())
+        self.stage.loss_scale = self.scaler.scale if self.scaler else 1.0          # float16: dloss = S / m
+        weights = self.num.weights(self.params)                                     # bf16 / fp16: rounded copies
+        loss = self.stage.run(weights, self.grads, mbs, self.rounded_ready(), self.tracer, self.hooks())
+        if self.exchange.on_ready is None:
+            self.num.reduced(buf.flat)                  # --reduce-dtype: my gradient as it travels (else per group)
         self.exchange.arrive()                                                      # (--straggler: sleeps)
         with self.tracer.span("dp sync"):
             self.dp_waited = self.exchange.finish()                                 # 3. average over dp_comm
+        if self.exchange.grads() is not None:
+            self.num.reduced(self.exchange.grads())     # --reduce-dtype: the average as it arrives
         self.grads = self.exchange.buf.views if self.exchange.buf is not None else None     # ZeRO 2: released
         self.dp_start = stats.seconds("dp")
         return loss
+
+    def rounded_ready(self):
+        """The exchange's on_ready, after rounding the group's gradients to --reduce-dtype (an exchange that starts
+        each group's Allreduce during the backward pass sends them as they are then); on_ready itself otherwise."""
+        on_ready = self.exchange.on_ready
+        if on_ready is None or self.num.reduce == "float32":
+            return on_ready
+        groups = self.stage.groups()
+
+        def ready(group):
+            for name in groups[group]:
+                self.num.reduced(self.grads[name])
+            on_ready(group)
+        return ready
 
     def update(self, loss, step):
         """Step 4, after the step's one device-to-host copy (loss, non-finite count, norm parts): stop or skip on a
@@ -97,21 +122,28 @@ class HybridTrainer:
         grads, stats, tc = self.exchange.grads(), self.grid.stats, self.tc        # (owned,) or None (stale, step 1)
         numbers = step_numbers(loss, self.exchange.checked(), grads, self.sharded)
         lr, norm = lr_at(step, tc.lr, tc.warmup, tc.steps), float("nan")
-        finite = check_finite(self.grid.world, numbers.bad, step, tc.on_nan)
+        s = self.stage.loss_scale                                               # this step's S (1: not scaled)
+        finite = check_finite(self.grid.world, numbers.bad, step, "skip" if self.scaler else tc.on_nan)
+        if self.scaler:
+            self.scaler.update(not finite)          # S x 0.5 after an inf or NaN, x 2 after 2000 good steps in a row
         self.in_a_row = 0 if finite else self.in_a_row + 1
         if not finite:
             lr, self.skipped = float("nan"), self.skipped + 1                   # --on-nan skip: no update
-            stop_after_skips(self.in_a_row, tc.max_skips, step)                 # (a run that diverged for good)
+            if not self.scaler:                     # (with loss scaling a skip is how S comes down: expected)
+                stop_after_skips(self.in_a_row, tc.max_skips, step)             # (a run that diverged for good)
         elif grads is not None:
-            norm = global_norm(numbers, self.grid, self.exchange.shard_comm)
+            norm = global_norm(numbers, self.grid, self.exchange.shard_comm) / s
             with self.tracer.span("optimizer"):
+                if s != 1.0:
+                    grads *= 1.0 / s                                            # unscaled, in float32
                 if tc.clip and norm > tc.clip:
                     grads *= tc.clip / (norm + 1e-12)                               # a device multiply, no host copy
                 mine = self.exchange.master                                     # a view: updated in place
                 self.opt.step({"flat": mine}, {"flat": grads}, lr, decay={"flat": self.decay})
                 self.exchange.after_update()                                    # ZeRO: Allgather the chunks
         return StepInfo(self.global_loss(numbers.loss), lr, norm, time.perf_counter() - self.t_start,
-                        stats.seconds("tp") - self.tp_start, self.dp_waited + stats.seconds("dp") - self.dp_start)
+                        stats.seconds("tp") - self.tp_start, self.dp_waited + stats.seconds("dp") - self.dp_start,
+                        s if self.scaler else None, self.scaler.skipped if self.scaler else 0)
 
     def global_loss(self, group_loss):
         """The global batch's loss from this DP group's (held by the last stage; with context parallelism its cp
@@ -124,7 +156,8 @@ class HybridTrainer:
         rows, total, local = dp_rows(batch_size, self.grid.dp, self.grid.dp_rank), 0.0, self.stage.ctx.local
         for i in range(n_batches):
             idx, targets = corpus.batch(self.tc.seed, i, batch_size, split="val")
-            total += self.stage.loss_only(self.params, local(idx[rows]), local(targets[rows]), self.exchange.hooks)
+            total += self.stage.loss_only(self.num.weights(self.params), local(idx[rows]), local(targets[rows]),
+                                          self.exchange.hooks)
         return self.grid.dp_comm.comm.allreduce(total) / (self.grid.dp_comm.size * n_batches)
 
     # ------------------------------------------------------------------------------------------ reports

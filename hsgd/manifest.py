@@ -18,7 +18,7 @@ import json
 
 from .errors import ConfigError
 
-DTYPES = ("float32", "float64")
+DTYPES = ("float32", "float64", "bfloat16", "float16")
 OPTIMIZERS = ("sgd", "adamw")
 
 

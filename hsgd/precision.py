@@ -54,6 +54,23 @@ def gamma(n, fmt):
 
 
 def round_to(x, fmt):
+    """round_formula(x, fmt), faster where the hardware's own conversions give the same bits (tests/test_precision.py
+    checks both against ml_dtypes and NumPy): a float32 array to bfloat16 by integer arithmetic on its bit pattern
+    (add half a bfloat16 spacing, 0x7FFF, plus the last kept bit for ties to even, then clear the low 16 bits; a
+    carry into the exponent is the rounding up to the next binade or to inf), to float16 by NumPy's (CuPy's)
+    correctly rounded float32 -> float16 -> float32 casts. NaN passes untouched."""
+    xp = array_module(x)
+    if x.dtype == xp.float32 and fmt == "bfloat16":
+        bits = x.view(xp.uint32)
+        up = (bits + xp.uint32(0x7FFF) + ((bits >> 16) & xp.uint32(1))) & xp.uint32(0xFFFF0000)
+        return xp.where(xp.isnan(x), x, up.view(xp.float32))
+    if x.dtype == xp.float32 and fmt == "float16":
+        with np.errstate(over="ignore"):
+            return xp.where(xp.isnan(x), x, x.astype(xp.float16).astype(xp.float32))
+    return round_formula(x, fmt)
+
+
+def round_formula(x, fmt):
     """x (a float32 or float64 array, NumPy or CuPy) rounded to the nearest number of `fmt`, ties to even (the
     module docstring's formula); the result in x's dtype. +-inf stays, overflow goes to +-inf, signed zeros keep
     their sign, and a NaN is passed on untouched, bit for bit (the formats do not say what a NaN's other bits
@@ -68,3 +85,79 @@ def round_to(x, fmt):
         r = xp.rint(x64 / q) * q                              # to the nearest multiple of q, ties to even
         r = xp.where(xp.abs(r) > f.max, xp.copysign(xp.inf, x64), r).astype(x.dtype)
     return xp.where(xp.isnan(x), x, r)
+
+
+# ------------------------------------------------------------------------------------------------ mixed precision
+
+LOW = ("bfloat16", "float16")          # the compute formats that are emulated: float32 arrays holding their values
+
+# Every place a low-precision run rounds, in one table (the calls are numerics.round(x, point) in hsgd.tp_model,
+# and comm.payload_round in hsgd.tp_layers' collectives). What is not here is not rounded: LayerNorm's mean and
+# variance, the softmax of attention and of the loss (their maxima, sums, exponentials), the weight gradients
+# (accumulated in float32 from compute-format inputs, as Megatron-LM's gradient-accumulation fusion does), the
+# gradient buffers, the optimizer's state and the master weights it updates: all float32.
+POINTS = {
+    "weights":   "the model's copy of the float32 master weights, made once per step",
+    "matmul":    "the output of every matrix product (the linears, q k v, the LM head's logits), accumulated in "
+                 "float32 on compute-format inputs, as a tensor core does",
+    "attention": "the core attention's output (its scores and softmax stay float32 inside, as in a fused kernel)",
+    "layernorm": "LayerNorm's output (its statistics in float32)",
+    "gelu":      "GELU's output",
+    "residual":  "the residual stream after each addition, and the embedding's sum",
+    "grad":      "every activation gradient an operation hands back in the backward pass",
+    "payload":   "the partial sums a tensor-parallel collective adds (Allreduce, Reduce-Scatter): rounded before "
+                 "they travel; the sum is rounded at the next point",
+    "reduce":    "the gradient exchange over dp_comm: each rank's gradient and the average, in --reduce-dtype",
+}
+
+
+class Numerics:
+    """How a run rounds. compute: float32 or float64 (nothing is rounded, no array is touched: the run is exactly
+    as without this object) or bfloat16 / float16 (emulated: round_to at every point of POINTS); reduce: the
+    format of the gradient exchange (float32: not rounded). counts: how often each point rounded (tests)."""
+
+    def __init__(self, compute="float32", reduce="float32"):
+        self.compute, self.reduce = compute, reduce
+        self.rounds = compute in LOW
+        self.counts = dict.fromkeys(POINTS, 0)
+
+    def round(self, x, point):
+        """x rounded to the compute format at `point` (a copy), or x itself when nothing is rounded."""
+        if not self.rounds:
+            return x
+        self.counts[point] += 1
+        return round_to(x, self.compute)
+
+    def round_(self, x, point):
+        """The same, in place (x[...] = rounded x); returns x."""
+        if self.rounds:
+            self.counts[point] += 1
+            x[...] = round_to(x, self.compute)
+        return x
+
+    def weights(self, params):
+        """The model's copy of the master weights {name: array}: rounded copies, or params itself."""
+        if not self.rounds:
+            return params
+        self.counts["weights"] += 1
+        return {n: round_to(p, self.compute) for n, p in params.items()}
+
+    def payload(self, x):
+        """A tensor-parallel collective's partial sums, rounded in place before they travel (comm.payload_round)."""
+        return self.round_(x, "payload")
+
+    def reduced(self, x):
+        """A gradient (or a part of one) rounded in place to the exchange's format; x itself for float32."""
+        if self.reduce in LOW:
+            self.counts["reduce"] += 1
+            x[...] = round_to(x, self.reduce)
+        return x
+
+
+EXACT = Numerics()                      # float32 and float64 runs: nothing rounded
+
+
+def make_numerics(tc):
+    """The Numerics of a run's settings: --dtype (bfloat16 and float16 emulated) and --reduce-dtype."""
+    dtype = getattr(tc, "dtype", "float32")
+    return Numerics(dtype if dtype in LOW else "float32", getattr(tc, "reduce_dtype", "float32"))

@@ -139,7 +139,15 @@ class Data:
 
     data: str = flag(None, "text file to train on, its bytes the tokens",
                      shown="the Python standard library's source files", metavar="FILE")
-    dtype: str = flag("float32", "floating-point type; float64 for exactness checks", choices=("float32", "float64"))
+    dtype: str = flag("float32", "floating-point type of the computation; float64 for exactness checks; bfloat16 "
+                                 "and float16 emulated on float32 arrays, rounded at every point of "
+                                 "hsgd.precision.POINTS, with float32 master weights, gradients and optimizer state",
+                      choices=("float32", "float64", "bfloat16", "float16"))
+    reduce_dtype: str = flag("float32", "the format the gradients are exchanged in over dp_comm (with --dtype "
+                                        "bfloat16 or float16)", choices=("float32", "bfloat16", "float16"))
+    loss_scale: str = flag("dynamic", "with --dtype float16: dynamic loss scaling (start at 2^16, halve and skip the "
+                                      "update on an inf or NaN, double after 2000 good steps), or none",
+                           choices=("dynamic", "none"))
     device: str = flag(None, "cpu (NumPy) or gpu (CuPy)", shown="$HSGD_DEVICE, else cpu", choices=("cpu", "gpu"))
     threads: int = flag(None, "CPU threads per rank: for BLAS and the tuned layers; a rank that holds the whole "
                               "model (pp = tp = 1) splits each micro-batch's sequences over them",
@@ -150,6 +158,25 @@ class Data:
             check_positive_int("threads", self.threads)
         resolve_dtype(self.dtype)
         resolve_device(self.device)
+        self.check_numerics()
+
+    def check_numerics(self):
+        """What bfloat16 and float16 (and a narrower gradient exchange) do not combine with, yet."""
+        low = self.dtype in ("bfloat16", "float16")
+        refused = [(low and self.zero == 3, "--zero 3 gathers each layer's float32 weights just before its use, "
+                                            "where no rounded copy is made; use --zero 0, 1 or 2"),
+                   (low and self.memory, "--memory predicts float32 and float64 runs only"),
+                   (self.dtype == "float16" and self.dp_staleness, "--dp-staleness 1 applies the gradient of the "
+                                                                   "step before, made with another loss scale"),
+                   (self.reduce_dtype != "float32" and self.zero >= 2, "--zero 2 and 3 reduce-scatter during the "
+                                                                       "backward pass, before the gradient is rounded")]
+        reduce = f", --reduce-dtype {self.reduce_dtype}" if self.reduce_dtype != "float32" else ""
+        for bad, why in refused:
+            if bad:
+                raise ConfigError(f"not with --dtype {self.dtype}{reduce}: {why}")
+        if self.reduce_dtype != "float32" and not low:
+            raise ConfigError(f"reduce_dtype={self.reduce_dtype!r} needs --dtype bfloat16 or float16 (a {self.dtype} "
+                              "run exchanges its gradients in its own type)")
 
 
 @dataclass

@@ -25,6 +25,7 @@ from collections import namedtuple
 from . import tp_model
 from .backend import get_xp, resolve_dtype, to_host
 from .context import make_context
+from .precision import make_numerics
 from .errors import ConfigError
 from .hooks import NO_HOOKS
 from .pp import parse_split, stage_chunks, stage_names
@@ -46,6 +47,10 @@ class Stage:
         self.xp, self.dtype = get_xp(tc.device), resolve_dtype(tc.dtype)   # (ZeRO-3: params may be empty here)
         self.tp_comm, self.pp_comm, self.s, p = grid.tp_comm, grid.pp_comm, grid.pp_rank, grid.pp
         self.ctx = make_context(cfg, grid, tc)                         # my positions of each sequence (hsgd.context)
+        self.num = make_numerics(tc)                                   # where bfloat16 / float16 round (hsgd.precision)
+        if self.num.rounds:                                            # tensor-parallel partial sums travel rounded
+            self.tp_comm.payload_round = self.num.payload
+        self.loss_scale = 1.0                                          # float16: the loss scaler's S (hsgd.hybrid)
         self.v = v = getattr(tc, "virtual_stages", 1)
         kind = effective(tc.schedule, p, v)                          # (one stage: 1F1B; v > 1 refused)
         check_options(tc)                                              # (zb-h1 with ZeRO 2/3, ...: refused)
@@ -112,7 +117,7 @@ class Stage:
         if a.kind == "F" and ch.first:
             return self.xp.asarray(mbs[a.mb][0])
         if a.kind == "B" and ch.last:
-            return 1.0 / self.m                                        # d(mean over the micro-batches)
+            return self.loss_scale / self.m                            # d(S x mean over the micro-batches)
         if a.kind == "F":                                              # activation in, from piece k-1
             return self.recv_activation(rows, source=(self.s - 1) % p, tag=self.tag(ch.k - 1, a.mb))
         return self.recv_activation(rows, source=(self.s + 1) % p, tag=self.tag(ch.k, a.mb) + 1)   # gradient in
@@ -129,7 +134,8 @@ class Stage:
         xp, ch = self.xp, self.chunks[a.chunk]
         out, self.caches[a.mb, a.chunk] = tp_model.stage_forward(params, inp, xp.asarray(targets), self.cfg,
                                                                  self.tp_comm, self.scheme, ch.layers, ch.first,
-                                                                 ch.last, self.hooks, self.recompute, self.ctx)
+                                                                 ch.last, self.hooks, self.recompute, self.ctx,
+                                                                 self.num)
         if ch.last:
             self.loss = self.loss + out                                # stays on the device
         else:
@@ -195,7 +201,7 @@ class Stage:
         for ch in self.chunks:
             inp = xp.asarray(idx) if ch.first else self.recv_activation(len(idx), source=(self.s - 1) % p, tag=ch.k)
             x, _ = tp_model.stage_forward(params, inp, xp.asarray(targets), self.cfg, self.tp_comm, self.scheme,
-                                          ch.layers, ch.first, ch.last, hooks or NO_HOOKS, ctx=self.ctx)
+                                          ch.layers, ch.first, ch.last, hooks or NO_HOOKS, ctx=self.ctx, num=self.num)
             if not ch.last:
                 self.pp_comm.Isend(xp.ascontiguousarray(x), dest=(self.s + 1) % p, tag=ch.k + 1).Wait()
         if not self.last:
@@ -261,8 +267,8 @@ class ThreadedStage(Stage):
         into = grads if hi == len(idx) else {n: xp.zeros_like(p) for n, p in grads.items()}
         out, cache = tp_model.stage_forward(params, xp.asarray(idx[lo:hi]), xp.asarray(targets[lo:hi]), self.cfg,
                                             self.tp_comm, self.scheme, self.layers, True, True,
-                                            recompute=self.recompute)
-        tp_model.stage_backward(share / self.m, cache, into, self.tp_comm, self.scheme)
+                                            recompute=self.recompute, num=self.num)
+        tp_model.stage_backward(share * self.loss_scale / self.m, cache, into, self.tp_comm, self.scheme)
         return out * share, into
 
 

@@ -41,15 +41,23 @@ def f_forward(x, comm):
     return x
 
 
+def payload(x, comm):
+    """The partial sums a collective is about to add, as they travel: rounded in place when the communicator
+    carries a narrower format (comm.payload_round, set by a bfloat16 or float16 stage: hsgd.precision's
+    "payload"); x untouched otherwise."""
+    rnd = getattr(comm, "payload_round", None)
+    return rnd(x) if rnd is not None else x
+
+
 def f_backward(dx, comm):
     """f, backward: each rank holds a partial dx (its columns' contribution); Allreduce sums them."""
-    comm.Allreduce(dx)                                  # (N, C) sum over tp ranks: partial dx -> full dx
+    comm.Allreduce(payload(dx, comm))                   # (N, C) sum over tp ranks: partial dx -> full dx
     return dx
 
 
 def g_forward(y, comm):
     """g, forward: each rank holds a partial y (its rows' product); Allreduce sums them."""
-    comm.Allreduce(y)                                   # (N, C) sum over tp ranks: partial y -> full y
+    comm.Allreduce(payload(y, comm))                    # (N, C) sum over tp ranks: partial y -> full y
     return y
 
 
@@ -114,7 +122,7 @@ def allgather_backward(dy, comm, replicated=True, reduce_scatter=False, scale=No
         return xp.ascontiguousarray(dy[..., rank * c:(rank + 1) * c])    # (..., c) the local slice
     full = xp.ascontiguousarray(dy.reshape(-1, tp, c).transpose(1, 0, 2))  # (tp, N, c) block r -> rank r
     out = xp.empty(full.shape[1:], dtype=dy.dtype)                       # (N, c)
-    comm.Reduce_scatter_block(full, out)                                 # out = sum over ranks of full[rank]
+    comm.Reduce_scatter_block(payload(full, comm), out)                  # out = sum over ranks of full[rank]
     if replicated:
         out *= (1.0 / tp) if scale is None else scale
     return out.reshape(*lead, c)
@@ -130,7 +138,7 @@ def gather_linear_backward(dy, cache, dW_part, db_part, comm, reduce_scatter=Fal
     """dY_i = adjoint of the gather; dA_i += X^T dY_i; dX = Allreduce of the partial dY_i A_i^T."""
     dy_part = allgather_backward(dy, comm, replicated=True, reduce_scatter=reduce_scatter)
     dx_partial = linear_backward(dy_part, cache, dW_part, db_part)
-    comm.Allreduce(dx_partial)                                           # (..., Cin) partial -> full dX
+    comm.Allreduce(payload(dx_partial, comm))                            # (..., Cin) partial -> full dX
     return dx_partial
 
 
@@ -159,7 +167,7 @@ def scatter_T_forward(y, comm):
     Tl = T // comm.size
     full = xp.ascontiguousarray(y.reshape(B, comm.size, Tl, C).transpose(1, 0, 2, 3))   # (tp, B, T/tp, C)
     out = xp.empty((B, Tl, C), dtype=y.dtype)                          # (B, T/tp, C)
-    comm.Reduce_scatter_block(full, out)                               # out = sum over ranks of full[rank]
+    comm.Reduce_scatter_block(payload(full, comm), out)                # out = sum over ranks of full[rank]
     return out
 
 

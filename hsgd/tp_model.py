@@ -30,6 +30,7 @@ from collections import namedtuple
 from . import serial
 from .backend import array_module
 from .context import WHOLE
+from .precision import EXACT
 from .errors import ConfigError
 from .hooks import NO_HOOKS
 from .wgrad import WeightGrads
@@ -117,13 +118,14 @@ RECOMPUTE = ("none", "selective", "full")
 
 # what a stage's forward keeps for its backward: the parameters dict (ZeRO-3 fills it group by group), the model
 # config, the embedding's cache (first stage), [(i, block i's cache)], the head's cache (last stage), the context
-# layout (hsgd.context: which positions this rank holds, and its core attention)
-StageCache = namedtuple("StageCache", "params cfg emb blocks head ctx")
+# layout (hsgd.context: which positions this rank holds, and its core attention), the numerics (hsgd.precision)
+StageCache = namedtuple("StageCache", "params cfg emb blocks head ctx num")
 
 
-def block_forward(x, p, h, cfg, comm, S, recompute="none", ctx=WHOLE):
+def block_forward(x, p, h, cfg, comm, S, recompute="none", ctx=WHOLE, num=EXACT):
     """x + Attn(LN1(x)), then + MLP(LN2(x)), on this rank's heads and MLP columns. x: (B, T~, C). ctx: the context
     layout (hsgd.context): the rank's positions of the sequence (T here is T/cp of them) and its core attention.
+    num: where a bfloat16 or float16 run rounds (hsgd.precision.POINTS; nothing for float32 and float64).
 
     The cache holds activations only, never a parameter (block_backward takes them from p again: ZeRO-3 frees
     a layer's parameters between its forward and its backward). recompute (Korthikanti et al. 2022):
@@ -132,36 +134,42 @@ def block_forward(x, p, h, cfg, comm, S, recompute="none", ctx=WHOLE):
                    computed again in the backward pass (no communication);
       "full"       only the block's input x: the whole forward runs again in the backward pass, collectives too."""
     if recompute == "full":
-        y, _ = block_forward(x, p, h, cfg, comm, S, ctx=ctx)             # everything it caches is dropped here
+        y, _ = block_forward(x, p, h, cfg, comm, S, ctx=ctx, num=num)    # everything it caches is dropped here
         return y, ("full", x)
     nh = cfg.n_heads // comm.size                                        # local heads
+    R = num.round                                                        # R(x, point): identity for float32/64
     a, c_ln1 = layernorm_forward(x, p[h + "ln1.weight"], p[h + "ln1.bias"])          # (B, T~, C)
+    a = R(a, "layernorm")
     a_in = S.enter_forward(a, comm)                                      # (B, T, C) f: identity | gather_T: All-Gather
     # q = a_in Wq_i + bq_i, k = ..., v = ...: three column-parallel linears, computed as one product (ops.qkv_forward)
     q, k, v, _ = qkv_forward(a_in, *(p[h + f"attn.{n}.{w}"] for n in "qkv" for w in ("weight", "bias")))
+    q, k, v = (R(t, "matmul") for t in (q, k, v))
     # the core attention: heads are independent (tp); with cp, (k, v) go around cp_comm (ring: Isend/Irecv) or are
     # All-Gathered (allgather), hsgd.cp
     y, c_att = ctx.attention_forward(q, k, v, nh)                        # (B, T, C/tp)
+    y = R(y, "attention")
     if recompute == "selective" and ctx.keeps_probabilities:
         c_att = ("qkv", q, k, v)                                         # (B, T, C/tp) x 3: probabilities dropped
     o, c_proj = S.proj_forward(y, p[h + "attn.proj.weight"], p[h + "attn.proj.bias"], comm)  # (B, T~, C) leaves
-    x = x + o
+    x = R(x + R(o, "matmul"), "residual")
     m, c_ln2 = layernorm_forward(x, p[h + "ln2.weight"], p[h + "ln2.bias"])          # (B, T~, C)
+    m = R(m, "layernorm")
     m_in = S.enter_forward(m, comm)                                      # (B, T, C) f: identity | gather_T: All-Gather
     u, _ = linear_forward(m_in, p[h + "mlp.fc.weight"], p[h + "mlp.fc.bias"])         # (B, T, F/tp)
-    gl, c_gelu = gelu_forward(u)                                         # (B, T, F/tp)
+    gl, c_gelu = gelu_forward(R(u, "matmul"))                            # (B, T, F/tp)
+    gl = R(gl, "gelu")
     o2, c_mproj = S.proj_forward(gl, p[h + "mlp.proj.weight"], p[h + "mlp.proj.bias"], comm)  # (B, T~, C) leaves
-    x = x + o2
+    x = R(x + R(o2, "matmul"), "residual")
     # the column-parallel linears keep their input as this rank holds it, a or m (B, T~, C); the ops' caches end
     # with their weight, which is dropped ([:-1]) and taken from p again in the backward pass
     return x, (c_ln1[:-1], a, c_att, c_proj[:-1], c_ln2[:-1], m, c_gelu, c_mproj[:-1])
 
 
-def recompute_block(x, p, h, cfg, comm, S, ctx=WHOLE):
+def recompute_block(x, p, h, cfg, comm, S, ctx=WHOLE, num=EXACT):
     """--recompute full, in the backward pass: block_forward again from the block's input x (B, T~, C), its
     tensor-parallel collectives included; returns the cache that "none" would have kept. Bit-identical: the
     same operations on the same numbers."""
-    return block_forward(x, p, h, cfg, comm, S, ctx=ctx)[1]
+    return block_forward(x, p, h, cfg, comm, S, ctx=ctx, num=num)[1]
 
 
 def recompute_attention(q, k, v, nh, ctx=WHOLE):
@@ -170,14 +178,16 @@ def recompute_attention(q, k, v, nh, ctx=WHOLE):
     return ctx.attention_forward(q, k, v, nh)[1]
 
 
-def block_backward(dx, cache, grads, h, comm, S, p, cfg, hooks=NO_HOOKS, wg=None, ctx=WHOLE):
+def block_backward(dx, cache, grads, h, comm, S, p, cfg, hooks=NO_HOOKS, wg=None, ctx=WHOLE, num=EXACT):
     """block_forward read from the bottom up; every collective is the adjoint of one in the forward pass.
     dx: (B, T~, C); p: the parameters (the weights the caches dropped); wg: where the weight-gradient products
-    go (WeightGrads; default: done at once into grads); ctx: the context layout of the forward pass."""
+    go (WeightGrads; default: done at once into grads); ctx, num: the context layout and numerics of the forward
+    pass (a low-precision run rounds every activation gradient an operation hands back: "grad")."""
     wg = wg or WeightGrads(grads)
+    R = num.round
     recomputed = isinstance(cache[0], str)                               # ("full", x)
     if recomputed:
-        cache = recompute_block(cache[1], p, h, cfg, comm, S, ctx)       # the forward again, collectives too
+        cache = recompute_block(cache[1], p, h, cfg, comm, S, ctx, num)  # the forward again, collectives too
     c_ln1, a, c_att, c_proj, c_ln2, m, c_gelu, c_mproj = cache
     if isinstance(c_att[0], str):                                        # ("qkv", q, k, v)
         c_att = recompute_attention(*c_att[1:], cfg.n_heads // comm.size, ctx)   # the probabilities again
@@ -186,22 +196,26 @@ def block_backward(dx, cache, grads, h, comm, S, p, cfg, hooks=NO_HOOKS, wg=None
         hooks.point(h[:-1], "recomputed")
     W = lambda name: p[h + name]                                         # a weight the cache dropped
     dgl = S.proj_backward(dx, (*c_mproj, W("mlp.proj.weight")), grads, h + "mlp.proj.", comm, wg)  # (B, T, F/tp)
-    du = gelu_backward(dgl, c_gelu)                                      # (B, T, F/tp)
+    du = R(gelu_backward(R(dgl, "grad"), c_gelu), "grad")                # (B, T, F/tp)
     m_in = S.enter_forward(m, comm)                                      # (B, T, C) again: identity | All-Gather
     dm_in = columns_backward(m_in, [du], [W("mlp.fc.weight")], [(h + "mlp.fc.weight", h + "mlp.fc.bias")], wg)
-    dm = S.enter_backward(dm_in, comm)                                   # (B, T~, C) f^T: Allreduce | Reduce-Scatter
-    dx = dx + layernorm_backward(dm, (*c_ln2, W("ln2.weight")), grads[h + "ln2.weight"], grads[h + "ln2.bias"])
+    dm = R(S.enter_backward(R(dm_in, "grad"), comm), "grad")             # (B, T~, C) f^T: Allreduce | Reduce-Scatter
+    dln2 = layernorm_backward(dm, (*c_ln2, W("ln2.weight")), grads[h + "ln2.weight"], grads[h + "ln2.bias"])
+    dx = R(dx + R(dln2, "grad"), "grad")
     dy = S.proj_backward(dx, (*c_proj, W("attn.proj.weight")), grads, h + "attn.proj.", comm, wg)  # (B, T, C/tp)
+    dy = R(dy, "grad")
     dqkv = array_module(dy).empty_like(dy, shape=(*dy.shape[:-1], 3 * dy.shape[-1]))   # (B, T, 3C/tp)
     ctx.attention_backward(dy, c_att, out=dqkv)                          # [dq | dk | dv] side by side
     # (cp: (dk, dv) back to their owners around cp_comm, or a Reduce-Scatter)
+    num.round_(dqkv, "grad")
     a_in = S.enter_forward(a, comm)                                      # (B, T, C) again: identity | All-Gather
     # the three linears' columns_backward as one product each for dW and dX (ops.qkv_input_grad / qkv_weight_grad)
     c_qkv = (a_in.reshape(-1, a_in.shape[-1]), tuple(W(f"attn.{n}.weight") for n in "qkv"))
     wg.add(qkv_weight_grad, (dqkv, c_qkv), *(h + f"attn.{n}.{w}" for n in "qkv" for w in ("weight", "bias")))
     da_in = qkv_input_grad(dqkv, c_qkv)                                  # (B, T, C) partial
-    da = S.enter_backward(da_in, comm)                                   # (B, T~, C) f^T: Allreduce | Reduce-Scatter
-    return dx + layernorm_backward(da, (*c_ln1, W("ln1.weight")), grads[h + "ln1.weight"], grads[h + "ln1.bias"])
+    da = R(S.enter_backward(R(da_in, "grad"), comm), "grad")             # (B, T~, C) f^T: Allreduce | Reduce-Scatter
+    dln1 = layernorm_backward(da, (*c_ln1, W("ln1.weight")), grads[h + "ln1.weight"], grads[h + "ln1.bias"])
+    return R(dx + R(dln1, "grad"), "grad")
 
 
 def columns_backward(x_in, dys, weights, names, wg):
@@ -219,7 +233,7 @@ def columns_backward(x_in, dys, weights, names, wg):
 
 # ------------------------------------------------------------------------------------------------ embedding, head
 
-def embedding_forward(idx, wte_part, wpe, start, comm, S, ctx=WHOLE):
+def embedding_forward(idx, wte_part, wpe, start, comm, S, ctx=WHOLE, num=EXACT):
     """x = wte[idx] + wpe[positions], wte split by vocabulary rows: each rank looks up its own tokens (zero rows
     for the others), a partial sum that the scheme's exit completes. idx (B, T) -> x (B, T~, C): T is this rank's
     positions of the sequence (ctx.rows says which; all of them without context parallelism)."""
@@ -228,7 +242,7 @@ def embedding_forward(idx, wte_part, wpe, start, comm, S, ctx=WHOLE):
     x, c_look = vocab_lookup_forward(idx, wte_part, start)               # (B, T, C) partial: zeros where not mine
     x = S.leave_forward(x, comm)                                         # (B, T~, C) g: Allreduce | scatter_T: R-S
     x += wpe[rows]                                                       # (T~, C) broadcast over B
-    return x, (c_look, t0, t1, ctx)                                      # (rows again in the backward pass)
+    return num.round(x, "residual"), (c_look, t0, t1, ctx)               # (rows again in the backward pass)
 
 
 def embedding_backward(dx, cache, dwte_part, dwpe, comm, S):
@@ -240,33 +254,38 @@ def embedding_backward(dx, cache, dwte_part, dwpe, comm, S):
     vocab_lookup_backward(dx, c_look, dwte_part)                         # no communication
 
 
-def head_forward(x, p, targets, start, cfg, comm, S):
-    """The mean cross-entropy of LN_f(x) lm_head over all B*T positions, the logits split by vocabulary columns."""
+def head_forward(x, p, targets, start, cfg, comm, S, num=EXACT):
+    """The mean cross-entropy of LN_f(x) lm_head over all B*T positions, the logits split by vocabulary columns
+    (a low-precision run rounds the logits; the cross-entropy's softmax is float32)."""
     xf, c_lnf = layernorm_forward(x, p["ln_f.weight"], p["ln_f.bias"])             # (B, T~, C)
+    xf = num.round(xf, "layernorm")
     xf_in = S.enter_forward(xf, comm)                                    # (B, T, C) f: identity | gather_T: All-Gather
     logits, _ = linear_forward(xf_in, p["lm_head.weight"])              # (B, T, Vp) my vocabulary columns
+    logits = num.round(logits, "matmul")
     loss, c_ce = vocab_cross_entropy_forward(logits, targets, start, cfg.vocab_size, comm)  # 2 Allreduces
     return loss, (c_lnf[:-1], xf, c_ce)                                  # (no parameter in the cache)
 
 
-def head_backward(dloss, cache, grads, comm, S, p, wg=None):
+def head_backward(dloss, cache, grads, comm, S, p, wg=None, num=EXACT):
     c_lnf, xf, c_ce = cache
-    dlogits = vocab_cross_entropy_backward(dloss, c_ce)                  # (B, T, Vp) no communication
+    R = num.round
+    dlogits = R(vocab_cross_entropy_backward(dloss, c_ce), "grad")       # (B, T, Vp) no communication
     xf_in = S.enter_forward(xf, comm)                                    # (B, T, C) again: identity | All-Gather
     dxf_in = columns_backward(xf_in, [dlogits], [p["lm_head.weight"]], [("lm_head.weight",)],
                               wg or WeightGrads(grads))
-    dxf = S.enter_backward(dxf_in, comm)                                 # (B, T~, C) f^T: Allreduce | Reduce-Scatter
-    return layernorm_backward(dxf, (*c_lnf, p["ln_f.weight"]), grads["ln_f.weight"], grads["ln_f.bias"])
+    dxf = R(S.enter_backward(R(dxf_in, "grad"), comm), "grad")           # (B, T~, C) f^T: Allreduce | Reduce-Scatter
+    return R(layernorm_backward(dxf, (*c_lnf, p["ln_f.weight"]), grads["ln_f.weight"], grads["ln_f.bias"]), "grad")
 
 
 # ------------------------------------------------------------------------------------------------ a pipeline stage
 
 def stage_forward(params, inp, targets, cfg, comm, scheme, layers, first, last, hooks=NO_HOOKS, recompute="none",
-                  ctx=WHOLE):
+                  ctx=WHOLE, num=EXACT):
     """Forward through one pipeline stage (the whole model when first and last): the embedding if `first`, the
     blocks in `layers`, the final LayerNorm, LM head and loss if `last`. scheme: a name or a scheme object.
     hooks: what runs around each gradient group (Hooks); recompute: what the blocks keep (block_forward); ctx: the
-    context layout (hsgd.context; with context parallelism T is this rank's T/cp positions, ctx.local of them).
+    context layout (hsgd.context; with context parallelism T is this rank's T/cp positions, ctx.local of them);
+    num: the numerics (hsgd.precision: where a bfloat16 or float16 run rounds; params is then the rounded copy).
 
     inp: token ids (B, T) on the first stage, else the activation (B, T~, C) received from the previous stage.
     Returns (out, caches): out is the mean loss on the last stage, else the activation (B, T~, C) to send on.
@@ -277,19 +296,19 @@ def stage_forward(params, inp, targets, cfg, comm, scheme, layers, first, last, 
     c_emb = None
     if first:
         with hooks.forward("embedding"):
-            x, c_emb = embedding_forward(inp, params["wte"], params["wpe"], start, comm, S, ctx)   # (B, T~, C)
+            x, c_emb = embedding_forward(inp, params["wte"], params["wpe"], start, comm, S, ctx, num)  # (B, T~, C)
     else:
         x = inp                                                          # (B, T~, C) from stage s-1
     c_blocks = []
     for i in layers:
         with hooks.forward(f"h.{i}"):
-            x, c = block_forward(x, params, f"h.{i}.", cfg, comm, S, recompute, ctx)   # (B, T~, C)
+            x, c = block_forward(x, params, f"h.{i}.", cfg, comm, S, recompute, ctx, num)   # (B, T~, C)
         c_blocks.append((i, c))
     if not last:
-        return x, StageCache(params, cfg, c_emb, c_blocks, None, ctx)
+        return x, StageCache(params, cfg, c_emb, c_blocks, None, ctx, num)
     with hooks.forward("head"):
-        loss, c_head = head_forward(x, params, targets, start, cfg, comm, S)
-    return loss, StageCache(params, cfg, c_emb, c_blocks, c_head, ctx)
+        loss, c_head = head_forward(x, params, targets, start, cfg, comm, S, num)
+    return loss, StageCache(params, cfg, c_emb, c_blocks, c_head, ctx, num)
 
 
 def stage_backward(dout, caches, grads, comm, scheme="megatron", reduce_scatter=False, on_ready=None,
@@ -304,7 +323,7 @@ def stage_backward(dout, caches, grads, comm, scheme="megatron", reduce_scatter=
     wg: a WeightGrads() that keeps the weight-gradient products for a later W action (then no group is final
     here, and on_ready is not called: the caller calls it after the W); default: done at once."""
     S = make_scheme(scheme, reduce_scatter)
-    params, cfg, c_emb, c_blocks, c_head, ctx = caches
+    params, cfg, c_emb, c_blocks, c_head, ctx, num = caches
     wg = wg or WeightGrads(grads)
     ready = (None if wg.keeps else on_ready) or (lambda group: None)
     dx = dout                                                            # (B, T~, C) from stage s+1
@@ -312,14 +331,14 @@ def stage_backward(dout, caches, grads, comm, scheme="megatron", reduce_scatter=
         wg.group = "head"
         with hooks.backward("head"):
             into, part = S.replicated_grads(grads, HEAD_REPLICATED)
-            dx = head_backward(dout, c_head, into, comm, S, params, wg)  # (B, T~, C)
+            dx = head_backward(dout, c_head, into, comm, S, params, wg, num)   # (B, T~, C)
             S.finish_replicated(part, grads, comm)                       # sequence: Allreduce of partial grads
         ready("head")
     for i, c in reversed(c_blocks):
         wg.group = f"h.{i}"
         with hooks.backward(f"h.{i}"):
             into, part = S.replicated_grads(grads, [f"h.{i}.{n}" for n in BLOCK_REPLICATED])
-            dx = block_backward(dx, c, into, f"h.{i}.", comm, S, params, cfg, hooks, wg, ctx)   # (B, T~, C)
+            dx = block_backward(dx, c, into, f"h.{i}.", comm, S, params, cfg, hooks, wg, ctx, num)   # (B, T~, C)
             S.finish_replicated(part, grads, comm)                       # sequence: Allreduce of partial grads
         ready(f"h.{i}")
     if c_emb is None:

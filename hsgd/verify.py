@@ -25,6 +25,7 @@ from threadpoolctl import threadpool_limits
 from . import launch, serial, tp_model
 from .backend import to_numpy
 from .config import flag_names
+from .errors import ConfigError
 from .grid import ProcessGrid
 from .hybrid import HybridTrainer
 from .settings import GROUPS, MODEL_FLAGS, Layout, TrainConfig, configs_from_args, flags_parser
@@ -108,6 +109,10 @@ def main(argv=None):
     def body():
         args = build_parser().parse_args(argv)
         cfg, tc = launch.agree(world, lambda: configs_from_args(args, world.Get_size()))
+        if tc.dtype not in TOLERANCE:
+            raise ConfigError(f"dtype={tc.dtype!r}: hsgd.verify holds float64 and float32 to fixed tolerances "
+                              f"({', '.join(TOLERANCE)}); how far a {tc.dtype} layout may differ is the tolerance "
+                              f"oracle's question, not built yet: train with --dtype {tc.dtype}, verify in float32")
         tc = replace(tc, steps=1, sample_bytes=0)
         where = place_on_device(tc, world)
         with threadpool_limits(limits=1):

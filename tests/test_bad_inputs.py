@@ -47,7 +47,7 @@ OUT_OF_RANGE = [
     (["--on-nan", "ignore"], "argument --on-nan: invalid choice: 'ignore'"),
     (["--schedule", "zigzag"], "argument --schedule: invalid choice: 'zigzag'"),
     (["--tp-scheme", "rows"], "argument --tp-scheme: invalid choice: 'rows'"),
-    (["--dtype", "float16"], "argument --dtype: invalid choice: 'float16'"),
+    (["--dtype", "float8"], "argument --dtype: invalid choice: 'float8'"),
     (["--straggler", "3"], "straggler='3' must look like RANK:MILLISECONDS"),
     (["--inject-fault", "1:2:explode"], "inject_fault='1:2:explode' must look like RANK:STEP"),
     (["--steps", "ten"], "argument --steps: invalid int value: 'ten'"),

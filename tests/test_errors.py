@@ -101,8 +101,8 @@ def test_config_errors_name_field_value_and_fix():
         hsgd.ModelConfig(n_layers=0)
     with pytest.raises(ConfigError, match=r"d_model=12 is not divisible by n_heads=5; .*\[1, 2, 3, 4, 6, 12\]"):
         hsgd.ModelConfig(d_model=12, n_heads=5)
-    with pytest.raises(ConfigError, match="dtype='float16' is not supported"):
-        TrainConfig(dtype="float16").validate()
+    with pytest.raises(ConfigError, match="dtype='float8' is not supported"):
+        TrainConfig(dtype="float8").validate()
     with pytest.raises(ConfigError, match="device='tpu' is not known"):
         TrainConfig(device="tpu").validate()
 

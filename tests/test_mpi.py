@@ -234,6 +234,23 @@ def test_every_communication_option_trains_and_matches_its_formula(flags):
     assert traffic and all(a == b for a, b in traffic), traffic
 
 
+def test_float16_training_reports_its_loss_scale(tmp_path):
+    """--dtype float16: the progress line and every --log-json record carry the loss scale and the updates it
+    skipped; bfloat16 has no loss scale (its range is float32's)."""
+    import json
+    for dtype in ("float16", "bfloat16"):
+        log = tmp_path / f"{dtype}.jsonl"
+        r = run_mpi(2, ["-m", "hsgd.train", *TINY, "--tp", "2", "--dtype", dtype, "--log-json", str(log)], timeout=60)
+        print(r.stdout[-600:])
+        assert r.returncode == 0, r.stderr[-2000:]
+        steps = [rec for rec in map(json.loads, log.read_text().splitlines()) if "loss" in rec]
+        if dtype == "float16":
+            assert "| loss scale 2^16, 0 skipped" in r.stdout
+            assert [(x["loss_scale"], x["scale_skips"]) for x in steps] == [(65536.0, 0)] * 3
+        else:
+            assert "loss scale" not in r.stdout and not any("loss_scale" in x for x in steps)
+
+
 def test_combined_exchange_modes_are_refused():
     r = run_mpi(8, ["-m", "hsgd.train", *TINY, "--zero", "1", "--dp-overlap"], timeout=60)
     assert r.returncode == 2 and r.stderr.count("hsgd: error:") == 1

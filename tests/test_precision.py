@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from hsgd.loss_scale import LossScaler
-from hsgd.precision import FORMATS, gamma, round_to, unit_roundoff
+from hsgd.precision import FORMATS, gamma, round_formula, round_to, unit_roundoff
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")    # the reference casts of NaN and of overflow
@@ -35,7 +35,8 @@ def test_rounding_equals_the_reference_casts_bit_for_bit(fmt):
     ref_dtype = ml_dtypes.bfloat16 if fmt == "bfloat16" else np.float16
     x = sample_inputs()
     ours = round_to(x, fmt)
-    assert ours.dtype == np.float32
+    plain = round_formula(x, fmt)                                         # the formula the fast path must equal
+    assert ours.dtype == np.float32 and np.array_equal(ours.view(np.uint32), plain.view(np.uint32))
     same = bits(ours, ref_dtype) == bits(x, ref_dtype)         # our value is the one the reference cast makes
     exact = np.isnan(ours) | (ours.astype(ref_dtype).astype(np.float32) == ours)   # and it is a fmt number
     print(f"{fmt}: {x.size} float32 inputs, {int(same.sum())} equal to the reference cast bit for bit, "
@@ -99,3 +100,100 @@ def test_loss_scaler_follows_gradscalers_rules():
     assert t.state() == s.state() == {"scale": 2.0 ** 13, "good_steps": 0, "skipped": 4}
     with pytest.raises(ValueError):
         LossScaler(backoff_factor=1.5)
+
+
+# ------------------------------------------------------------------------------------------------ mixed precision
+
+def one_process_trainer(dtype, loss_scale="dynamic", batch=1024, **kw):
+    """A HybridTrainer of a small model on this process alone (COMM_SELF), float16 activations gradients small
+    enough to underflow at batch 1024 x 16 positions."""
+    import hsgd
+    from mpi4py import MPI
+
+    from hsgd.grid import ProcessGrid
+    from hsgd.hybrid import HybridTrainer
+    from hsgd.settings import TrainConfig
+    cfg = hsgd.ModelConfig(vocab_size=256, seq_len=16, d_model=32, n_heads=2, n_layers=2, d_ff=64)
+    tc = TrainConfig(dtype=dtype, loss_scale=loss_scale, steps=10, batch_size=batch, lr=0.05, warmup=0, threads=1,
+                     **kw)
+    return HybridTrainer(cfg, ProcessGrid(MPI.COMM_SELF, dp=1, tp=1), tc)
+
+
+def batch(n, seed=0):
+    from hsgd.data import Corpus
+    corpus = Corpus(np.random.default_rng(seed).integers(0, 256, 200_000, dtype=np.uint8).tobytes(), "random", 16)
+    return corpus.batch(0, 1, n)
+
+
+def test_float32_and_float64_round_nothing():
+    from hsgd.precision import EXACT, Numerics
+    x = np.arange(5.0)
+    params = {"w": x}
+    for num in (EXACT, Numerics("float64"), Numerics("float32")):
+        assert num.round(x, "matmul") is x and num.weights(params) is params and num.reduced(x) is x
+        assert num.round_(x, "grad") is x and not num.rounds and not any(num.counts.values())
+    tr = one_process_trainer("float32", batch=8)
+    tr.step(*batch(8), 1)
+    assert tr.scaler is None and not any(tr.num.counts.values()) and tr.stage.loss_scale == 1.0
+    tr.grid.free()
+
+
+class CountingZeros:
+    """Wraps a trainer's Numerics: counts the activation-gradient entries that the "grad" rounding flushes to zero."""
+
+    def __init__(self, num):
+        self.num, self.flushed, self.seen = num, 0, 0
+
+    def __getattr__(self, name):
+        return getattr(self.num, name)
+
+    def round(self, x, point):
+        y = self.num.round(x, point)
+        if point == "grad":
+            self.flushed += int((y == 0).sum() - (x == 0).sum())
+            self.seen += x.size
+        return y
+
+
+def test_float16_underflows_without_loss_scaling_and_not_with_it():
+    """One step's gradient on a batch of 1024 x 16 positions: the float16 activation gradients of the mean loss are
+    ~1/(N V) small; without loss scaling some flush to zero and the first block's gradient is far off the
+    float32 one; with the loss scaled by 2^16 they stay in range and the gradient is within float16's rounding."""
+    idx, targets = batch(1024)
+    grads, flushed = {}, {}
+    for dtype, scaling in (("float32", "none"), ("float16", "none"), ("float16", "dynamic")):
+        tr = one_process_trainer(dtype, scaling)
+        tr.stage.num = tr.num = CountingZeros(tr.num)
+        tr.gradients(idx, targets)
+        grads[dtype, scaling] = {n: g / tr.stage.loss_scale for n, g in tr.grads.items()}
+        flushed[dtype, scaling] = tr.num.flushed / max(tr.num.seen, 1)
+        tr.grid.free()
+    ref = grads["float32", "none"]
+    floor = 1e-3 * max(float(np.abs(g).max()) for g in ref.values())      # (the k bias's gradient is ~0)
+    err = {k: max(float(np.abs(g[n] - ref[n]).max() / max(np.abs(ref[n]).max(), floor)) for n in ref)
+           for k, g in grads.items()}
+    print(f"float16, no loss scaling: max rel gradient error {err['float16', 'none']:.2e}, activation-gradient "
+          f"entries flushed to zero {100 * flushed['float16', 'none']:.1f}%; loss scale 2^16: "
+          f"{err['float16', 'dynamic']:.2e}, {100 * flushed['float16', 'dynamic']:.1f}%")
+    assert err["float16", "none"] > 0.1 and flushed["float16", "none"] > 0.01
+    assert err["float16", "dynamic"] < 0.01 and flushed["float16", "dynamic"] < 1e-4
+
+
+def test_an_overflow_skips_the_update_and_halves_the_scale():
+    """A loss scale far too large: every rank skips the update and halves S, step after step, until the gradients
+    fit float16; the first update then applies the unscaled gradient."""
+    tr = one_process_trainer("float16", batch=8)
+    tr.scaler.scale = 2.0 ** 40                         # dloss = 2^40 / m: the activation gradients overflow float16
+    before = tr.exchange.master.copy()
+    infos, untouched = [], True
+    while not infos or np.isnan(infos[-1].lr):
+        infos.append(tr.step(*batch(8), len(infos) + 1))
+        untouched &= bool(np.isnan(infos[-1].lr) <= np.array_equal(tr.exchange.master, before))
+        assert len(infos) < 40
+    skips = len(infos) - 1
+    print(f"S = 2^40: {skips} updates skipped, S halved each time; the first applied with S = "
+          f"2^{np.log2(infos[-1].loss_scale):g}")
+    assert skips >= 1 and untouched                      # a skipped step leaves every parameter as it was
+    assert [i.loss_scale for i in infos] == [2.0 ** (40 - k) for k in range(len(infos))]
+    assert infos[-1].scale_skips == skips and not np.array_equal(tr.exchange.master, before)
+    tr.grid.free()

@@ -124,3 +124,27 @@ def test_a_sequence_scheme_shard_may_cross_the_chunks():
     cfg, tc = configs_from_args(build_parser().parse_args(["--cp", "2", "--tp", "4", "--tp-scheme", "sequence",
                                                            "--seq-len", "8"]), world_size=8)
     assert (tc.dp, tc.cp, tc.tp, cfg.seq_len) == (1, 2, 4, 8)
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--dtype", "bfloat16", "--zero", "3"], "not with --dtype bfloat16: --zero 3 gathers each layer's float32"),
+    (["--dtype", "float16", "--memory"], "--memory predicts float32 and float64 runs only"),
+    (["--dtype", "float16", "--dp-staleness", "1"], "made with another loss scale"),
+    (["--dtype", "bfloat16", "--reduce-dtype", "bfloat16", "--zero", "2"], "--zero 2 and 3 reduce-scatter during"),
+    (["--reduce-dtype", "bfloat16"], "reduce_dtype='bfloat16' needs --dtype bfloat16 or float16"),
+    (["--dtype", "bfloat8"], "argument --dtype: invalid choice: 'bfloat8'"),
+])
+def test_what_the_narrow_formats_do_not_combine_with_is_refused(flags, words):
+    from hsgd.errors import UsageError
+    with pytest.raises(UsageError) as e:
+        configs_from_args(build_parser().parse_args(flags), world_size=1)
+    print(e.value)
+    assert words in str(e.value)
+
+
+def test_verify_refuses_the_narrow_formats_until_the_oracle_exists(capsys):
+    from hsgd import verify
+    assert verify.main(["--dtype", "bfloat16"]) == 2
+    err = capsys.readouterr().err
+    print(err)
+    assert "hsgd.verify holds float64 and float32 to fixed tolerances" in err and err.count("hsgd: error:") == 1

@@ -1,0 +1,73 @@
+"""Mixed precision on 8 ranks: bfloat16 and float16 (emulated, hsgd.precision) train like float32 on 3-D, sequence-
+and context-parallel layouts, every rounding point of hsgd.precision.POINTS used where it applies; the gradient
+exchange in bfloat16 (--reduce-dtype) too; the master weights, gradients and optimizer state stay float32."""
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import hsgd
+from hsgd.data import Corpus
+from hsgd.precision import POINTS
+from hsgd.train import TrainConfig
+
+from .conftest import WORLD, check, say, train_steps
+
+pytestmark = pytest.mark.mpi(min_size=8)
+
+CFG = hsgd.ModelConfig(vocab_size=256, seq_len=16, d_model=32, n_heads=4, n_layers=2, d_ff=64)
+WORDS = ["the", "cat", "sat", "on", "a", "mat", "and", "dog", "ran", "to", "its", "bed", "when", "it", "rained"]
+TEXT = " ".join(np.random.default_rng(2).choice(WORDS, 6000)).encode()     # learnable in a few steps
+CORPUS = Corpus(TEXT, "words", 16)
+STEPS = 12
+
+
+def run(**kw):
+    """STEPS steps; returns (the global loss of each step, the trainer, its grid)."""
+    tc = TrainConfig(**{**dict(steps=STEPS, batch_size=16, micro_batches=2, lr=0.05, momentum=0.9, warmup=2,
+                               seed=4), **kw})
+    grid, trainer, _, _ = train_steps(CFG, CORPUS, tc)
+    losses = [trainer.step(*CORPUS.batch(tc.seed, s, tc.batch_size), s).loss for s in range(STEPS + 1, STEPS + 3)]
+    return losses, trainer, grid
+
+
+@pytest.mark.parametrize("layout", [dict(dp=2, pp=2, tp=2, tp_scheme="gather"),
+                                    dict(dp=2, cp=2, tp=2, tp_scheme="sequence")],
+                         ids=["dp2-pp2-tp2-gather", "dp2-cp2-tp2-sequence"])
+def test_bfloat16_and_float16_train_like_float32(layout):
+    """After STEPS steps (and two more, whose losses are compared), each format's loss is within 2% of float32's;
+    every point of POINTS rounded on every rank ("payload" where tp > 1; "reduce" only with --reduce-dtype)."""
+    ref, tr32, g = run(dtype="float32", **layout)
+    ok, lines = True, []
+    g.free()
+    for dtype in ("bfloat16", "float16"):
+        losses, tr, g = run(dtype=dtype, **layout)
+        rel = max(abs(a - b) / b for a, b in zip(losses, ref))
+        used = {p for p, n in tr.num.counts.items() if n}
+        expected = set(POINTS) - {"reduce"} - ({"payload"} if g.tp == 1 else set())
+        float32 = tr.exchange.master.dtype == np.float32 and all(a.dtype == np.float32 for a in tr.grads.values())
+        good = rel <= 0.02 and used == expected and float32
+        ok &= WORLD.allreduce(good, op=MPI.LAND)
+        lines.append(f"  {dtype:<9}: losses {[f'{x:.4f}' for x in losses]} (float32 {[f'{x:.4f}' for x in ref]}), "
+                     f"max rel diff {rel:.1e}; points rounded {sorted(used)}; master and gradients float32 {float32}")
+        if dtype == "float16":
+            lines[-1] += f"; loss scale 2^{np.log2(tr.scaler.scale):g}, {tr.scaler.skipped} skipped"
+        g.free()
+    say(f"{layout}, {STEPS} steps:\n" + "\n".join(lines))
+    check(ok)
+
+
+def test_the_gradient_exchange_in_bfloat16():
+    """--reduce-dtype bfloat16 (each rank's gradient and the average rounded), with the plain all-reduce and with
+    the overlapped one (each group rounded as it leaves): still within 2% of float32."""
+    ref, _, g = run(dtype="float32", dp=4, tp=2)
+    g.free()
+    ok, lines = True, []
+    for extra in (dict(), dict(dp_overlap=True)):
+        losses, tr, g = run(dtype="bfloat16", reduce_dtype="bfloat16", dp=4, tp=2, **extra)
+        rel = max(abs(a - b) / b for a, b in zip(losses, ref))
+        ok &= WORLD.allreduce(rel <= 0.02 and tr.num.counts["reduce"] > 0, op=MPI.LAND)
+        lines.append(f"  {extra or 'all-reduce'}: max rel loss diff to float32 {rel:.1e}, gradients rounded to "
+                     f"bfloat16 {tr.num.counts['reduce']} times")
+        g.free()
+    say("dp4 tp2, bfloat16 with --reduce-dtype bfloat16:\n" + "\n".join(lines))
+    check(ok)
