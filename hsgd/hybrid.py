@@ -90,7 +90,7 @@ class HybridTrainer:
         self.stage.loss_scale = self.scaler.scale if self.scaler else 1.0          # float16: dloss = S / m
         weights = self.num.weights(self.params)                                     # bf16 / fp16: rounded copies
         loss = self.stage.run(weights, self.grads, mbs, self.rounded_ready(), self.tracer, self.hooks())
-        if self.exchange.on_ready is None:
+        if self.exchange.on_ready is None and self.num.reduce != "float32":
             self.num.reduced(buf.flat)                  # --reduce-dtype: my gradient as it travels (else per group)
         self.exchange.arrive()                                                      # (--straggler: sleeps)
         with self.tracer.span("dp sync"):

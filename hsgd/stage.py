@@ -48,7 +48,7 @@ class Stage:
         self.tp_comm, self.pp_comm, self.s, p = grid.tp_comm, grid.pp_comm, grid.pp_rank, grid.pp
         self.ctx = make_context(cfg, grid, tc)                         # my positions of each sequence (hsgd.context)
         self.num = make_numerics(tc)                                   # where bfloat16 / float16 round (hsgd.precision)
-        if self.num.rounds:                                            # tensor-parallel partial sums travel rounded
+        if self.num.rounds and self.tp_comm.size > 1:                  # tensor-parallel partial sums travel rounded
             self.tp_comm.payload_round = self.num.payload
         self.loss_scale = 1.0                                          # float16: the loss scaler's S (hsgd.hybrid)
         self.v = v = getattr(tc, "virtual_stages", 1)

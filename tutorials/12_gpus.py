@@ -27,10 +27,12 @@
 # 3. one GPU per rank: the node-local rank picks the GPU, and ranks share GPUs when there are more ranks than GPUs;
 # 4. silent host round trips, and how a training step keeps to one small device-to-host copy; a few data-parallel
 #    steps checked against serial SGD;
-# 5. launching on a cluster: command lines for MPICH, Open MPI and Slurm; why tp goes inside a node and dp across.
+# 5. launching on a cluster: command lines for MPICH, Open MPI and Slurm; why tp goes inside a node and dp across;
+# 6. mixed precision: bfloat16 and float16, emulated by rounding float32 arrays; what they are, where hsgd rounds,
+#    training with them, and dynamic loss scaling against float16's underflow.
 #
-# Run it with two ranks: about 1.5 s at best on a 2-core machine without a GPU, about 2 s on the simulated GPU (on
-# the same machine shared with other jobs, up to 12 s). On failure every rank raises, so it exits non-zero without
+# Run it with two ranks: about 3.5 s on a 2-core machine without a GPU, about 5 s on the simulated GPU (on the same
+# machine shared with other jobs, up to 20 s). On failure every rank raises, so it exits non-zero without
 # hanging:
 #
 # mpirun -n 2 python tutorials/12_gpus.py
@@ -66,9 +68,12 @@ from hsgd import ModelConfig, health, serial
 from hsgd.backend import array_module, d2h_count, get_xp, to_device, to_numpy
 from hsgd.comm import Comm, cuda_aware_mpi, cuda_support_query
 from hsgd.data import Corpus
+from hsgd.errors import ConfigError
 from hsgd.grid import ProcessGrid
 from hsgd.hybrid import HybridTrainer
 from hsgd.layers import gelu_forward
+from hsgd.loss_scale import LossScaler
+from hsgd.precision import FORMATS, POINTS, Numerics, round_to, unit_roundoff
 from hsgd.train import local_ranks, place_on_device
 
 import pictures                                     # tutorials/pictures.py: where the PNGs go
@@ -627,6 +632,294 @@ grid.free()
 #    array method CuPy lacks, a result it computes differently, a wrong stream, or the speed. The README says
 #    whether it has been run.
 #
+# ## 6. Numbers narrower than float32: bfloat16 and float16, emulated
+#
+# A GPU's tensor cores multiply 16-bit numbers several times faster than float32 ones, and 16-bit activations and
+# gradients take half the memory and half the bytes on NVLink. Two 16-bit formats are in use. A format with a p-bit
+# significand (the leading bit included), smallest normal exponent emin and largest finite value max holds the
+# numbers M 2^(e - p + 1), M an integer below 2^p; rounding to it costs at most the **unit roundoff u = 2^-p** of the
+# value, relative (Higham 2002, "Accuracy and Stability of Numerical Algorithms", section 2.1), and a sum of n + 1
+# terms at most gamma_n = n u / (1 - n u) of the sum of their magnitudes (section 3.1 there).
+#
+# * **float16** (IEEE 754 binary16): 5 exponent bits, p = 11. Its numbers end at 65504, its normal ones at
+#   2^-14 = 6.1e-5 and its subnormal ones at 2^-24 = 6.0e-8: a gradient smaller than that becomes 0.
+# * **bfloat16** ("brain float"): float32 with the lower 16 bits of the significand cut off, p = 8. It keeps all 8 of
+#   float32's exponent bits, so its range is float32's (Kalamkar et al. 2019, "A Study of BFLOAT16 for Deep Learning
+#   Training"): nothing that fits float32 overflows or underflows in it, but each number carries 3 significant
+#   decimal digits instead of float16's 3.3.
+#
+# `hsgd.precision.FORMATS` holds (p, emin, max) of each; the check compares them with NumPy's own description of
+# float16 and float32 (`np.finfo`; NumPy has no bfloat16), and bfloat16's range with float32's.
+
+# %%
+say(f"{'format':>9} {'p':>3} {'emin':>5} {'max':>11} {'smallest normal':>16} {'smallest subnormal':>19} "
+    f"{'u = 2^-p':>9}")
+for f in FORMATS.values():
+    say(f"{f.name:>9} {f.p:>3} {f.emin:>5} {f.max:>11.4e} {2.0 ** f.emin:>16.3e} {2.0 ** (f.emin - f.p + 1):>19.3e} "
+        f"{unit_roundoff(f.name):>9.2e}")
+for name in ("float16", "float32"):
+    fi = np.finfo(name)
+    check.equal(f"{name}: (p, emin, max, u) == NumPy's (nmant + 1, minexp, max, eps / 2)",
+                (FORMATS[name].p, FORMATS[name].emin, FORMATS[name].max, unit_roundoff(name)),
+                (fi.nmant + 1, fi.minexp, float(fi.max), float(fi.eps) / 2))
+bf16, f32 = FORMATS["bfloat16"], FORMATS["float32"]
+check.equal("bfloat16: max == (2 - 2^-7) 2^127, and emin, largest exponent == float32's",
+            (bf16.max, bf16.emin, np.frexp(bf16.max)[1]),
+            ((2 - 2.0 ** -7) * 2.0 ** 127, f32.emin, np.frexp(f32.max)[1]))
+
+# %% [markdown]
+# `round_to(x, fmt)` rounds each entry of a float32 or float64 array to the nearest number of `fmt`, ties to even
+# (IEEE 754's default), and returns it in x's own dtype: every bfloat16 and float16 number is a float32 number. The
+# cases below are worked out by hand. A bfloat16 number is a float32 whose lower 16 bits are zero, so its bit pattern
+# is the upper half of a float32's: 1.0 is 0x3F80, and 1 + 2^-7 (the next one) is 0x3F81. Halfway between two
+# numbers goes to the one with an even last bit; at the top of the range, halfway past max goes to infinity; at the
+# bottom, float16 has subnormals down to 2^-24, and half of that rounds to zero, keeping its sign.
+
+# %%
+INF = float("inf")
+by_hand = [  # (x, format, what rounding to nearest with ties to even gives, worked out by hand)
+    (1 + 2.0 ** -8, "bfloat16", 1.0),                           # halfway between 0x3F80 and 0x3F81: the even 0x3F80
+    (1 + 3 * 2.0 ** -8, "bfloat16", 1 + 2.0 ** -6),             # halfway between 0x3F81 and 0x3F82: 0x3F82
+    (1 + 2.0 ** -8 + 2.0 ** -20, "bfloat16", 1 + 2.0 ** -7),    # just past halfway: up, to 0x3F81
+    (bf16.max + 2.0 ** 119, "bfloat16", INF),                   # halfway from max (odd, 0x7F7F) to 2^128: overflow
+    (bf16.max + 2.0 ** 119 - 2.0 ** 104, "bfloat16", bf16.max),  # a float32 step below halfway: max
+    (2.0 ** -130 + 2.0 ** -140, "bfloat16", 2.0 ** -130),       # a subnormal, spacing 2^-133 as in float32
+    (65519.0, "float16", 65504.0),                              # below halfway between max and 2^16
+    (65520.0, "float16", INF),                                  # halfway: the even neighbour is 2^16, past max
+    (3 * 2.0 ** -25, "float16", 2.0 ** -23),                    # halfway between the subnormals 1 and 2 x 2^-24
+    (2.0 ** -25, "float16", 0.0),                               # halfway between 0 and 2^-24: to 0
+    (-2.0 ** -26, "float16", -0.0),                             # below half the smallest subnormal: -0
+]
+got = [float(round_to(np.array([x], np.float32), fmt)[0]) for x, fmt, _ in by_hand]
+for (x, fmt, want), g in zip(by_hand, got):
+    bits = (int(np.float32(g).view(np.uint32)) >> 16 if fmt == "bfloat16"     # bfloat16: float32's upper half
+            else int(np.float16(g).view(np.uint16)))                           # float16: NumPy's own pattern
+    bits = f"0x{bits:04X}"
+    say(f"round_to({x!r:>24}, {fmt!r:>10}) = {g!r:>24}   bits {bits}")
+check.equal(f"round_to on {len(by_hand)} cases worked out by hand (ties, overflow, subnormals, -0)",
+            [(g, np.signbit(g)) for g in got], [(w, np.signbit(w)) for _, _, w in by_hand])
+check.holds("bfloat16 results: the lower 16 bits of their float32 patterns are 0",
+            all(int(np.float32(g).view(np.uint32)) & 0xFFFF == 0 for g, (_, f, _) in zip(got, by_hand)
+                if f == "bfloat16"))
+
+# %% [markdown]
+# Then many values against NumPy's own float16 (its cast rounds to nearest, ties to even): float64 values spread over
+# float16's whole range and past it, and the exact midpoints between neighbouring float16 numbers, where ties decide.
+
+# %%
+rng = np.random.default_rng(2)
+spread = rng.choice([-1.0, 1.0], 20000) * 2.0 ** rng.uniform(-27, 17, 20000)      # (20000,) float64, 2^-27 .. 2^17
+h = rng.integers(0, 0x7C00, 20000, dtype=np.uint16).view(np.float16)               # (20000,) finite float16 >= 0
+midpoints = (h.astype(np.float64) + np.nextafter(h, np.float16(INF)).astype(np.float64)) / 2   # exact ties
+for what, x64 in (("spread values", spread), ("midpoints", midpoints)):
+    with np.errstate(over="ignore"):
+        numpy_says = x64.astype(np.float16).astype(np.float64)
+    check.holds(f"round_to(float64, 'float16') == NumPy's float16 cast: 20,000 {what}",
+                np.array_equal(round_to(x64, "float16"), numpy_says))
+for fmt in ("float16", "bfloat16"):                                      # one rounding costs at most u, relative
+    normal = (np.abs(spread) >= 2.0 ** FORMATS[fmt].emin) & (np.abs(spread) <= FORMATS[fmt].max)
+    rel = np.abs(round_to(spread, fmt) - spread)[normal] / np.abs(spread[normal])
+    check(f"{fmt}: largest relative error of one rounding, normal range (< u)", rel.max(), unit_roundoff(fmt))
+
+# %% [markdown]
+# **How hsgd emulates them.** NumPy has no bfloat16 and no fast float16 arithmetic, so hsgd keeps every array float32
+# and *rounds* it to the compute format at the places where a GPU would hold that format: the arrays then hold
+# bfloat16 (or float16) numbers only, and every later operation sees what it would see on the GPU. `--dtype bfloat16`
+# or `--dtype float16` (`TrainConfig(dtype=...)`) makes `hsgd.precision.make_numerics` a `Numerics` object; each stage
+# has one (`Stage.num`, `HybridTrainer.num` is the same), and the model calls `num.round(x, point)` at each of these
+# points (a float32 or float64 run rounds nothing and touches no array):
+
+# %%
+for point, where in POINTS.items():
+    say(f"  {point:>9}: {where}")
+
+# %% [markdown]
+# What is *not* rounded stays float32, as in the production recipe of Micikevicius et al. 2018 ("Mixed Precision
+# Training"): the **master weights** the optimizer updates (`trainer.params`; each step the model gets a rounded copy,
+# `num.weights`), the optimizer's momentum, the **weight gradients** (products of rounded inputs, accumulated in
+# float32 into the float32 gradient buffer), the statistics of LayerNorm and the softmaxes. Where it differs from real
+# hardware:
+#
+# * a tensor core multiplies the rounded inputs exactly and adds in float32, in its own order; hsgd multiplies the
+#   same rounded inputs with float32 BLAS, in another order: the two differ by float32 rounding only, far below u;
+# * a fused kernel (flash attention, a fused LayerNorm) may keep other intermediates in float32 or round a different
+#   set of them; hsgd's points are one consistent, named choice;
+# * collectives: hsgd rounds the partial sums before a tensor-parallel collective ("payload") and the sum after it
+#   (the next point), and `--reduce-dtype bfloat16` rounds each rank's gradient and the average of the dp exchange
+#   ("reduce"). NCCL's bfloat16 All-Reduce on a ring rounds after **every** addition along the ring, p - 1 roundings
+#   for p ranks; hsgd sums the rounded partials in float32 and rounds once. NCCL's error grows with p (about
+#   gamma_(p-1)), hsgd's does not;
+# * nothing is faster or smaller: the arrays are float32. The emulation is for the numbers, not for the speed.
+#
+# **Training.** Now the chapter's 2 ranks as one tensor-parallel group (tp 2), on the toy of section 1 in float32,
+# bfloat16 and float16 (with dynamic loss scaling, the default), each from the same seed on the same batches. The
+# runs are on the host (`device="cpu"`): the rounding is the same NumPy or CuPy arithmetic on any device. Then a
+# data-parallel run (dp 2) whose gradient exchange is bfloat16 (`reduce_dtype="bfloat16"`).
+
+# %%
+MP_STEPS = 6
+
+
+def mp_run(dtype, dp=1, tp=P, **kw):
+    """MP_STEPS steps of float32 SGD (lr 0.1, momentum 0.9) with `dtype` arithmetic: (trainer, grid, [StepInfo])."""
+    tc_mp = train_config(dtype=dtype, dp=dp, tp=tp, steps=MP_STEPS, batch_size=8, device="cpu", **kw)
+    mp_grid = ProcessGrid(world, dp=dp, tp=tp)
+    mp = HybridTrainer(cfg, mp_grid, tc_mp)
+    infos = [mp.step(*corpus.batch(tc_mp.seed, s, tc_mp.batch_size), s) for s in range(1, MP_STEPS + 1)]
+    return mp, mp_grid, infos
+
+
+runs = {dtype: mp_run(dtype) for dtype in ("float32", "bfloat16", "float16")}
+mp_losses = {dtype: [i.loss for i in infos] for dtype, (_, _, infos) in runs.items()}
+for dtype, losses_of in mp_losses.items():
+    say(f"tp {P}, {dtype:>8}: losses {' '.join(f'{v:.4f}' for v in losses_of)}")
+for dtype in ("bfloat16", "float16"):
+    check(f"tp {P}: {dtype} losses vs float32's, {MP_STEPS} steps (rel)",
+          max(abs(a - b) / b for a, b in zip(mp_losses[dtype], mp_losses["float32"])), 2e-2)
+    counts = runs[dtype][0].num.counts
+    say(f"tp {P}, {dtype}: roundings per point {counts}")
+    check.holds(f"tp {P}, {dtype}: every point of POINTS rounded but 'reduce', which did not",
+                all(counts[pt] > 0 for pt in POINTS if pt != "reduce") and counts["reduce"] == 0)
+mp16, _, infos16 = runs["float16"]
+say(f"float16: the progress line ends '| loss scale 2^{np.log2(infos16[-1].loss_scale):g}, "
+    f"{infos16[-1].scale_skips} skipped'")
+check.equal("float16: loss scale and skipped updates after 6 steps (2^16, none)",
+            (infos16[-1].loss_scale, infos16[-1].scale_skips), (2.0 ** 16, 0))
+mpbf, _, _ = runs["bfloat16"]
+model_copy = mpbf.num.weights(mpbf.params)                                # what the forward pass of a step gets
+check.holds("bfloat16: the model's copy is float32 arrays holding bfloat16 numbers only",
+            all(w.dtype == np.float32 and np.array_equal(round_to(w, "bfloat16"), w) for w in model_copy.values()))
+check.holds("bfloat16: the master weights are float32 numbers, not all of them bfloat16 ones",
+            any(not np.array_equal(round_to(w, "bfloat16"), w) for w in mpbf.params.values()))
+runs["dp"] = dpbf, _, infos_dp = mp_run("bfloat16", dp=P, tp=1, reduce_dtype="bfloat16")
+say(f"dp {P}, bfloat16, reduce in bfloat16: losses {' '.join(f'{i.loss:.4f}' for i in infos_dp)}; "
+    f"'reduce' rounded {dpbf.num.counts['reduce']} times")
+check(f"dp {P}, bfloat16 exchange: losses vs float32's on tp {P} (rel)",
+      max(abs(i.loss - b) / b for i, b in zip(infos_dp, mp_losses["float32"])), 2e-2)
+check.holds(f"dp {P}, --reduce-dtype bfloat16: the gradient exchange was rounded", dpbf.num.counts["reduce"] > 0)
+refusals = []
+for kw in (dict(dtype="bfloat16", zero=3), dict(dtype="float16", dp_staleness=1)):
+    try:
+        train_config(**kw)
+    except ConfigError as e:
+        refusals.append(str(e).split(":")[0])
+say(f"refused: {refusals}")
+check.equal("--dtype bfloat16 --zero 3 and --dtype float16 --dp-staleness 1 are refused", len(refusals), 2)
+for mp, mp_grid, _ in runs.values():
+    mp.free()
+    mp_grid.free()
+
+# %% [markdown]
+# **Loss scaling, step by step.** float16's range ends at 2^-24 below. The gradient of a mean loss over N = B T
+# positions starts at 1/N per position and shrinks through the layers; entries below 2^-25 become 0 when rounded
+# ("flushed"), and entries near 2^-24 keep one or two significant bits. Scaling the loss by S multiplies every
+# gradient of the backward pass by S (it is linear in dloss), lifting them out of that range; the optimizer divides
+# by S again in float32. In hsgd: the last stage's backward pass starts from dloss = S / m (m micro-batches) instead
+# of 1 / m (`Stage.loss_scale`), and `HybridTrainer.update` divides the gradient by S before clipping.
+#
+# The case: a model with 2 heads of 16 on random tokens, a batch of 256 sequences of 16, on the chapter's 2 ranks
+# as dp 2 (each rank's backward pass starts from the mean over its 128 x 16 = 2,048 positions). One
+# `trainer.gradients(idx, targets)` each in float32, float16 without loss scaling (`loss_scale="none"`), and float16
+# with it (S = 2^16), the float16 ones divided by their S and compared with float32's, parameter by parameter,
+# relative to each parameter's largest gradient entry (at least 1e-3 of the largest entry of all: the k bias's
+# gradient is zero up to rounding, since softmax ignores a constant added to every score). A `Numerics` subclass
+# counts the activation-gradient entries that rounding at "grad" turned into 0.
+
+# %%
+class CountingFlushes(Numerics):
+    """Numerics that also counts, at the point "grad", the nonzero entries that rounding made 0."""
+
+    def __init__(self, compute, reduce):
+        super().__init__(compute, reduce)
+        self.flushed = self.nonzero = 0
+
+    def round(self, x, point):
+        y = super().round(x, point)
+        if point == "grad" and self.rounds:
+            self.flushed += int(((x != 0) & (y == 0)).sum())
+            self.nonzero += int((x != 0).sum())
+        return y
+
+
+ls_cfg = ModelConfig(vocab_size=256, seq_len=16, d_model=32, n_heads=2, n_layers=2, d_ff=64)
+LS_BATCH = 256
+ls_rng = np.random.default_rng(0)
+ls_idx, ls_targets = (ls_rng.integers(0, ls_cfg.vocab_size, (LS_BATCH, ls_cfg.seq_len)) for _ in range(2))
+
+
+def scaled_gradients(dtype, loss_scale):
+    """One gradients() on dp P: ({name: gradient / S}, the CountingFlushes, the trainer, its grid)."""
+    ls_grid = ProcessGrid(world, dp=P, tp=1)
+    ls = HybridTrainer(ls_cfg, ls_grid, train_config(dtype=dtype, loss_scale=loss_scale, dp=P, steps=1,
+                                                     batch_size=LS_BATCH, device="cpu"))
+    ls.stage.num = ls.num = CountingFlushes(ls.num.compute, ls.num.reduce)
+    ls.gradients(ls_idx, ls_targets)
+    return {n: np.array(g) / ls.stage.loss_scale for n, g in ls.grads.items()}, ls.num, ls, ls_grid
+
+
+ref_grads, _, ls32, ls32_grid = scaled_gradients("float32", "none")
+largest = max(float(np.abs(g).max()) for g in ref_grads.values())
+ls_err, ls_flushed = {}, {}
+for mode in ("none", "dynamic"):
+    g16, num16, ls, ls_grid = scaled_gradients("float16", mode)
+    errs = {n: float(np.abs(g16[n] - ref_grads[n]).max()) / max(float(np.abs(ref_grads[n]).max()), 1e-3 * largest)
+            for n in ref_grads}
+    worst_name = max(errs, key=errs.get)
+    flushed, nonzero = world.allreduce(num16.flushed), world.allreduce(num16.nonzero)
+    ls_err[mode], ls_flushed[mode] = errs[worst_name], flushed / nonzero
+    say(f"float16, loss scale {mode:>7} (S = {ls.stage.loss_scale:g}): largest error {errs[worst_name]:.2e} "
+        f"({worst_name}); activation-gradient entries flushed to 0: {flushed:,} of {nonzero:,} "
+        f"({100 * flushed / nonzero:.2f}%)")
+    if mode == "dynamic":
+        kept = ls                                                        # for the overflow below
+    else:
+        ls.free()
+        ls_grid.free()
+check.holds("float16 without loss scaling: largest gradient error > 2%, and > 10x the scaled one's",
+            ls_err["none"] > 0.02 and ls_err["none"] > 10 * ls_err["dynamic"])
+check("float16 with loss scale 2^16: gradients vs float32's (rel)", ls_err["dynamic"], 1e-2)
+check.holds("flushed to 0: > 0.1% of the entries without scaling, > 100x fewer with it",
+            ls_flushed["none"] > 1e-3 and ls_flushed["dynamic"] * 100 < ls_flushed["none"])
+
+# %% [markdown]
+# The errors of the scaled run are float16's own rounding, a few u = 4.9e-4 per entry; those of the unscaled one are
+# gradients lost, mostly in q and k, whose gradients pass through the softmax's small derivatives.
+#
+# **Too large a scale overflows instead**: a gradient past 65504 becomes inf. `LossScaler` (the rules of PyTorch's
+# `GradScaler`) starts at S = 2^16 and adjusts it as training goes: a step whose gradients hold an inf or a NaN on
+# any rank (the collective verdict of `hsgd.health`, so every rank decides alike) is skipped and S halves; after
+# `growth_interval` (2000) good steps in a row S doubles. First on the trainer above, with S set to 2^40 by hand: its
+# backward pass overflows, the update is skipped, the weights stay, and S halves. Then the rules alone, with a
+# growth interval of 3.
+
+# %%
+before_update = {n: np.array(p) for n, p in kept.params.items()}
+kept.scaler.scale = 2.0 ** 40
+with np.errstate(over="ignore", invalid="ignore"):                     # inf - inf = NaN in the backward pass
+    info = kept.step(ls_idx[:8], ls_targets[:8], 1)
+check.equal("S = 2^40: step skipped, S halved to 2^39, one skip counted, weights unchanged",
+            (kept.scaler.scale, kept.scaler.skipped, info.scale_skips,
+             all(np.array_equal(kept.params[n], p) for n, p in before_update.items())),
+            (2.0 ** 39, 1, 1, True))
+scaler = LossScaler(init_scale=2.0 ** 16, growth_interval=3)
+verdicts = [False, False, False, True, False, False, False]              # found inf or NaN at step 1 .. 7
+trace = [(scaler.update(found), scaler.scale) for found in verdicts]      # (update applied?, S after the step)
+say("found inf:   " + " ".join(f"{str(v):>6}" for v in verdicts))
+say("applied:     " + " ".join(f"{str(a):>6}" for a, _ in trace))
+say("S after, 2^: " + " ".join(f"{np.log2(s):>6g}" for _, s in trace))
+check.equal("LossScaler (growth interval 3): the updates applied and S after each step",
+            trace, [(True, 2.0 ** 16), (True, 2.0 ** 16), (True, 2.0 ** 17), (False, 2.0 ** 16), (True, 2.0 ** 16),
+                    (True, 2.0 ** 16), (True, 2.0 ** 17)])
+for done_with in (kept, ls32):
+    done_with.free()
+    done_with.grid.free()
+
+# %% [markdown]
+# bfloat16 needs none of this: its range is float32's, so gradients neither underflow nor overflow where float32's
+# would not; it pays with 8 significant bits instead of 11. That is why hsgd scales only float16 (`--loss-scale` is
+# ignored for bfloat16), and why `--dp-staleness 1` is refused with float16: the late gradient would have been made
+# with the previous step's S.
+#
 # ## Check against serial
 #
 # On 2 ranks, every verdict reached collectively: the parameters drawn for the device are the host's, bit for bit,
@@ -635,7 +928,10 @@ grid.free()
 # mapping are as computed, and a tp group of 8 stays on one node; masks by multiplication give what boolean
 # indexing gives; every data-parallel training step made exactly one counted device-to-host copy (on the simulated
 # GPU: every transfer of the step accounted for), reached MPI only with the dp All-Reduce of the flat gradient
-# buffer, and ended with the parameters of serial SGD.
+# buffer, and ended with the parameters of serial SGD. And mixed precision: the formats' parameters are NumPy's, and
+# `round_to` gives the hand-worked cases and NumPy's float16 cast; bfloat16 and float16 runs train within 2% of
+# float32's losses, rounding at every point of `POINTS`; float16 without loss scaling loses gradients that the
+# scaled run keeps, and the loss scaler skips an overflowing step and follows GradScaler's rules.
 
 # %%
 worst, err = check.worst()
@@ -653,10 +949,13 @@ say(f"\nchapter 12: all {len(check.passed)} checks passed on {P} ranks ({DEVICE}
 # | `backend.select_gpu(local_rank)`: `cupy.cuda.Device(local_rank % n_gpus).use()` | `torch.cuda.set_device(args.local_rank)` in `_initialize_distributed` (megatron/training/initialize.py) | `get_accelerator().set_device(self.local_rank)` in the engine (deepspeed/runtime/engine.py) | `torch.cuda.set_device(local_rank)` | the modulo lets more ranks than GPUs share them, for testing the parallel code on one GPU |
 # | launching: `mpirun -n 16 -ppn 8`, Open MPI's `-npernode 8`, `srun --ntasks-per-node=8`, ranks placed in blocks | `torchrun --nproc-per-node 8 --nnodes 2 ...` (one process per GPU) | the `deepspeed` launcher (deepspeed/launcher/runner.py), `--launcher` pdsh, openmpi, mpich, mvapich or slurm | `torchrun` (torch/distributed/run.py) | the site's MPI launcher, so the MPI library's own network and placement apply |
 # | `backend.to_host`, `d2h_count()`: one counted device-to-host copy per step; the simulated GPU (`tests/simgpu`) counts every transfer | - | - | `torch.cuda.set_sync_debug_mode("warn")` reports operations that synchronize with the host | a count checked on every machine, with or without a GPU |
+# | `--dtype bfloat16` / `float16`: `hsgd.precision.Numerics` rounds float32 arrays (`round_to`) at every point of `POINTS`; float32 master weights, a rounded copy per step (`num.weights`) | `--bf16`, `--fp16` (megatron/training/arguments.py); `Float16Module` (megatron/core/transformer/module.py) casts the model to 16 bits, and the mixed-precision optimizer keeps float32 main params | `"bf16": {"enabled": true}`, `"fp16": {"enabled": true, ...}` in the config (deepspeed/runtime/constants.py) | `torch.autocast(device_type="cuda", dtype=torch.bfloat16)` casts op by op, the parameters stay float32 | emulated: no 16-bit tensors or tensor cores, every rounding point named and counted, so a test can say which ran; no speed or memory gained |
+# | weight gradients accumulated in float32; `--reduce-dtype bfloat16` rounds each rank's gradient and the average (`num.reduced`) | `--accumulate-allreduce-grads-in-fp32`: gradients accumulated and all-reduced in float32 `param.main_grad` (megatron/core/distributed/param_and_grad_buffer.py) | `"communication_data_type"` (deepspeed/runtime/constants.py) | DDP's `bf16_compress_hook` (torch/distributed/algorithms/ddp_comm_hooks/default_hooks.py) | NCCL's bfloat16 ring rounds at every hop; hsgd rounds the partials and the sum once |
+# | `--loss-scale dynamic` (float16): `hsgd.loss_scale.LossScaler`, S = 2^16, halve and skip on inf/NaN, double after 2000 good steps; `Stage.loss_scale`: dloss = S / m | `--loss-scale` (a static S; unset: dynamic), `--initial-loss-scale` (2^32), `--loss-scale-window` 1000, `--hysteresis` 2; `DynamicGradScaler` (megatron/core/optimizer/grad_scaler.py) | `"fp16": {"loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1}` (0: dynamic); `DynamicLossScaler` (deepspeed/runtime/fp16/loss_scaler.py) | `torch.amp.GradScaler` (torch/amp/grad_scaler.py): init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000 | GradScaler's rules, without hysteresis or a smallest S; the skip verdict is one collective (`hsgd.health`), the same on every rank |
 #
 # ## Exercises
 #
-# All four run without a GPU: on NumPy, on MPI's view of the machine, and on the simulated GPU of `tests/simgpu`
+# All five run without a GPU: on NumPy, on MPI's view of the machine, and on the simulated GPU of `tests/simgpu`
 # (put `tests/simgpu` first on `sys.path` before anything imports `cupy`).
 #
 # ### Exercise 1: the local rank from the environment
@@ -697,3 +996,13 @@ say(f"\nchapter 12: all {len(check.passed)} checks passed on {P} ranks ({DEVICE}
 #         return g
 #
 # (solution: `tutorials/solutions/12_gpus.py`, `exercise_4`)
+#
+# ### Exercise 5: bfloat16 by integer arithmetic
+# A bfloat16 number is the upper half of a float32 bit pattern, so rounding a float32 to it can be done on the
+# pattern as an unsigned 32-bit integer b: add 0x7FFF plus the lowest bit that is kept, (b >> 16) & 1 (this makes
+# halfway cases go to the even neighbour), and clear the lower 16 bits. A carry out of the significand moves into the
+# exponent, which is right, up to infinity. Write `bf16_bits(x)` for a float32 array, leaving NaNs as they are (why
+# would the rule break them?), and check it equals `hsgd.precision.round_to(x, "bfloat16")` bit for bit on 100,000
+# random bit patterns (every exponent, subnormals, infinities), on the exact midpoints between neighbouring bfloat16
+# numbers, and around bfloat16's max.
+# (solution: `tutorials/solutions/12_gpus.py`, `exercise_5`)

@@ -228,7 +228,8 @@ say(f"picture: {on_rank0(draw_activations)}")
 # over all keys once more; but $\sum_k p_k\,(dy \cdot v_k) = dy \cdot y$, so $D = dy \cdot y$, known before the
 # first block, replaces it. Every block's gradients are then local: $ds = p\,(dp - D)$, $dq \mathrel{+}= ds\,k_b$,
 # $dk_b \mathrel{+}= ds^T q$, $dv_b \mathrel{+}= p^T dy$ (the $1/\sqrt{hs}$ aside). That is `Ring.merge` and
-# `Ring.grads` (`hsgd/ring_attention.py`). First in NumPy, for 4 queries and 64 keys in 8 blocks, against the softmax computed at once:
+# `Ring.grads` (`hsgd/ring_attention.py`). First in NumPy, for 4 queries and 64 keys in 8 blocks, against the
+# softmax computed at once:
 
 # %%
 rng = np.random.default_rng(15)
@@ -670,9 +671,10 @@ g42.free()
 # Brandon et al. give rank r the positions t with t mod cp = r instead of two chunks. Write the striped positions,
 # count for each rank of cp = 2, 4, 8 (T = 64) the scores the causal mask needs, by brute force, and check three
 # closed forms: plain $n(rn) + n(n+1)/2$, hsgd's zig-zag $2cp\,c^2 + c$ (equal on every rank) and striped
-# $n(r+1) + cp\,n(n-1)/2$, with n = T/cp. Then make the striped layout run: subclass `ring_attention.Ring`, set `pos` and
-# override `pairs(owner)` (one pair of all my rows and all the owner's rows, with the mask of their positions), and
-# check its attention forward and backward against serial on cp 8 and its `work` against $cp\,n^2$.
+# $n(r+1) + cp\,n(n-1)/2$, with n = T/cp. Then make the striped layout run: subclass `ring_attention.Ring`, set
+# `pos` and override `pairs(owner)` (one pair of all my rows and all the owner's rows, with the mask of their
+# positions), and check its attention forward and backward against serial on cp 8 and its `work` against
+# $cp\,n^2$.
 # (solution: `tutorials/solutions/15_context_parallelism.py`, `exercise_1`)
 #
 # ### Exercise 2: all-to-all (Ulysses) against the ring and the all-gather

@@ -25,6 +25,7 @@ from hsgd import ModelConfig, backend  # noqa: E402
 from hsgd.data import Corpus  # noqa: E402
 from hsgd.grid import ProcessGrid  # noqa: E402
 from hsgd.hybrid import HybridTrainer  # noqa: E402
+from hsgd.precision import FORMATS, round_to  # noqa: E402
 from hsgd.train import local_ranks  # noqa: E402
 
 threadpool_limits(1)
@@ -200,7 +201,41 @@ def exercise_4(check):
               rel_err(cupy.asnumpy(device_version), cupy.asnumpy(host_version)), 1e-15)
 
 
+# ---------------------------------------------------------------------------------------------------- exercise 5
+
+def bf16_bits(x):
+    """float32 x rounded to bfloat16 (ties to even) on its bit pattern: b + 0x7FFF + the lowest kept bit, the lower
+    16 bits cleared. NaNs pass untouched: a NaN whose payload sits only in the lower 16 bits would become inf, and
+    one with all significand bits set would carry into the sign bit."""
+    b = x.view(np.uint32).astype(np.uint64)                             # room for the carry of 0xFFFFxxxx patterns
+    r = ((b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000).astype(np.uint32).view(np.float32)
+    return np.where(np.isnan(x), x, r)
+
+
+def exercise_5(check):
+    """bfloat16 by integer arithmetic."""
+    rng = np.random.default_rng(5 + rank)
+    patterns = rng.integers(0, 2 ** 32, 100_000, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    upper = rng.integers(0, 0x7F80, 100_000, dtype=np.uint32) << 16     # finite bfloat16 numbers >= 0
+    midpoints = (upper | 0x8000).view(np.float32)                       # exactly halfway to the next one
+    top = np.float32(FORMATS["bfloat16"].max).view(np.uint32) + np.arange(-4, 0x8001, dtype=np.int64)
+    near_max = top.astype(np.uint32).view(np.float32)                   # just below max .. halfway to 2^128
+    near_max = np.concatenate([near_max, -near_max])
+    specials = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 2.0 ** -149, -2.0 ** -149], np.float32)
+    for what, x in (("100,000 random bit patterns", patterns), ("100,000 midpoints", midpoints),
+                    ("around bfloat16's max, both signs", near_max), ("0, -0, +-inf, NaN, +-2^-149", specials)):
+        with np.errstate(invalid="ignore"):
+            mine = bf16_bits(x).view(np.uint32)
+        theirs = round_to(x, "bfloat16").view(np.uint32)
+        check.equal(f"bf16_bits == round_to, bit for bit: {what} (differing)", int((mine != theirs).sum()), 0)
+    n_nan = int(np.isnan(patterns).sum())
+    check.say(f"({n_nan} of the random patterns are NaNs, passed through; "
+              f"{int(np.isinf(round_to(near_max, 'bfloat16')).sum())} values near max overflowed to +-inf)")
+    ties = bf16_bits(midpoints).view(np.uint32)
+    check.holds("every midpoint went to the neighbour with an even last bit", not ((ties >> 16) & 1).any())
+
+
 if __name__ == "__main__":
     if world.Get_size() != 2:
         raise SystemExit("run on 2 ranks: mpirun -n 2 python tutorials/solutions/12_gpus.py" if rank == 0 else 1)
-    solve(Checks(world, tol=1e-12, width=72), [exercise_1, exercise_2, exercise_3, exercise_4])
+    solve(Checks(world, tol=1e-12, width=72), [exercise_1, exercise_2, exercise_3, exercise_4, exercise_5])
