@@ -35,13 +35,13 @@ LAYOUTS = [(1, 1, 0, "none", "megatron", 1, "1f1b"), (2, 1, 0, "selective", "gat
            (2, 2, 3, "full", "megatron", 2, "gpipe")]
 
 
-def measure(tp, pp, zero, recompute, scheme="megatron", m=1, sched="1f1b", cfg=CFG):
+def measure(tp, pp, zero, recompute, scheme="megatron", m=1, sched="1f1b", cfg=CFG, **more):
     """(this rank's measured result, formula, exchange's flat size) of step 2 (the optimizer state exists)."""
     tc = TrainConfig(steps=2, batch_size=16, lr=0.05, momentum=0.9, dtype="float64", seed=3, tp=tp, pp=pp, zero=zero,
-                     recompute=recompute, tp_scheme=scheme, micro_batches=m, schedule=sched)
+                     recompute=recompute, tp_scheme=scheme, micro_batches=m, schedule=sched, **more)
     tc.validate()
     tc.resolve_layout(WORLD.Get_size())
-    grid = ProcessGrid(WORLD, dp=tc.dp, pp=tc.pp, tp=tc.tp)
+    grid = ProcessGrid(WORLD, dp=tc.dp, pp=tc.pp, tp=tc.tp, cp=tc.cp)
     result, trainer = memtrace.measure_step(lambda: HybridTrainer(cfg, grid, tc),
                                             lambda step: CORPUS.batch(tc.seed, step, tc.batch_size))
     out = result, step_memory.step_formula(trainer), trainer.exchange.size * 8, grid
@@ -66,6 +66,20 @@ def test_measured_peak_per_category_equals_the_formula(layout):
         f"{max(w for _, w, _ in rows or [(0, 0, 0)]):.4f}; rank 0: " + ", ".join(f"{c} {x:.3f}" for c, x in r.items()))
     check(worst <= TOLERANCE, f"{layout}: measured/formula {r}")
     check(set(measured["peak"]) <= set(formula["peak"]), f"categories measured but not in the formula: {measured}")
+
+
+@pytest.mark.parametrize("cp_scheme", ["ring", "allgather"])
+def test_context_parallelism_per_category_equals_the_formula(cp_scheme):
+    """dp 2 x cp 2 x tp 2, selective recomputation: ring attention caches no probabilities (nothing recomputed),
+    the all-gather variant keeps the gathered keys and values and its probabilities, drops the probabilities and
+    computes them again (the recompute category)."""
+    measured, formula, _, _ = measure(2, 1, 0, "selective", cp=2, cp_scheme=cp_scheme)
+    r = ratios(measured, formula)
+    worst = max(abs(x - 1) for x in r.values())
+    recomputed = measured["peak"].get("recompute", 0)
+    say(f"cp 2 {cp_scheme}: worst |measured/formula - 1| {worst:.4f} (rank 0), recompute peak {recomputed} B; "
+        + ", ".join(f"{c} {x:.3f}" for c, x in r.items()))
+    check(worst <= TOLERANCE and (recomputed > 0) == (cp_scheme == "allgather"), f"measured/formula {r}")
 
 
 def test_zero_stages_shrink_what_they_shard():

@@ -18,7 +18,7 @@ CFG = hsgd.ModelConfig(vocab_size=256, seq_len=16, d_model=32, n_heads=4, n_laye
 WORDS = ["the", "cat", "sat", "on", "a", "mat", "and", "dog", "ran", "to", "its", "bed", "when", "it", "rained"]
 TEXT = " ".join(np.random.default_rng(2).choice(WORDS, 6000)).encode()     # learnable in a few steps
 CORPUS = Corpus(TEXT, "words", 16)
-STEPS = 12
+STEPS = 8
 
 
 def run(**kw):
@@ -57,12 +57,12 @@ def test_bfloat16_and_float16_train_like_float32(layout):
 
 
 def test_the_gradient_exchange_in_bfloat16():
-    """--reduce-dtype bfloat16 (each rank's gradient and the average rounded), with the plain all-reduce and with
-    the overlapped one (each group rounded as it leaves): still within 2% of float32."""
+    """--reduce-dtype bfloat16 with the overlapped all-reduce (each group's gradient rounded as it leaves, the
+    average as it arrives): still within 2% of float32. (The plain all-reduce, whole buffer at once: chapter 12.)"""
     ref, _, g = run(dtype="float32", dp=4, tp=2)
     g.free()
     ok, lines = True, []
-    for extra in (dict(), dict(dp_overlap=True)):
+    for extra in (dict(dp_overlap=True),):
         losses, tr, g = run(dtype="bfloat16", reduce_dtype="bfloat16", dp=4, tp=2, **extra)
         rel = max(abs(a - b) / b for a, b in zip(losses, ref))
         ok &= WORLD.allreduce(rel <= 0.02 and tr.num.counts["reduce"] > 0, op=MPI.LAND)
