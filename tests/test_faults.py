@@ -49,23 +49,30 @@ def max_rel(a, b):
     return max(float(np.abs(a[k] - b[k]).max() / max(np.abs(b[k]).max(), 0.02)) for k in b)
 
 
+def save_then_resume_elsewhere(reference, tmp_path, saved_with, saved_as, layouts):
+    """Train with `saved_with` until rank 0 is killed after the step-3 checkpoint, then resume it under each (ranks,
+    flags) of `layouts`: every resumed run names the saved layout and ends where the uninterrupted run ends."""
+    saved = tmp_path / "saved"
+    r = train(8, *saved_with, "--save-dir", str(saved), "--save-interval", "3", "--inject-fault", "0:4:kill")
+    assert r.returncode != 0 and (saved / "step-000003" / "manifest.json").exists(), r.stderr[-2000:]
+    for n, layout in layouts:
+        out = tmp_path / f"resumed-{n}"
+        r = train(n, *layout, "--resume", str(saved / "step-000003"), "--save-dir", str(out))
+        print(r.stdout[-400:])
+        assert r.returncode == 0 and f"saved as {saved_as}" in r.stdout, r.stderr[-2000:]
+        err = max_rel(export(out, tmp_path / f"final-{n}.npz"), reference)
+        print(f"saved {saved_as}, resumed {layout} on {n} ranks: max rel diff to the uninterrupted run {err:.1e}")
+        assert err < 1e-9
+
+
 def test_a_checkpoint_saved_with_cp_2_resumes_with_cp_1_and_cp_4(reference, tmp_path):
     """Context parallelism splits the positions, not the parameters: a checkpoint saved by dp 2 x cp 2 x tp 2 (ZeRO 1:
     the optimizer chunks are sharded over dp x cp = 4 ranks) resumes with cp 1 and with cp 4 (ring and all-gather)
     and ends where the uninterrupted dp 4 x tp 2 run ends."""
-    saved = tmp_path / "saved"
-    r = train(8, "--dp", "2", "--cp", "2", "--tp", "2", "--zero", "1", "--save-dir", str(saved), "--save-interval",
-              "3", "--inject-fault", "0:4:kill")
-    assert r.returncode != 0 and (saved / "step-000003" / "manifest.json").exists(), r.stderr[-2000:]
-    for n, layout in ((2, ["--dp", "1", "--tp", "2"]), (8, ["--dp", "1", "--cp", "4", "--tp", "2"]),
-                      (4, ["--dp", "1", "--cp", "4", "--tp", "1", "--cp-scheme", "allgather"])):
-        out = tmp_path / f"resumed-{n}"
-        r = train(n, *layout, "--resume", str(saved / "step-000003"), "--save-dir", str(out))
-        print(r.stdout[-300:])
-        assert r.returncode == 0 and "saved as dp 2 x pp 1 x cp 2 x tp 2" in r.stdout, r.stderr[-2000:]
-        err = max_rel(export(out, tmp_path / f"final-{n}.npz"), reference)
-        print(f"saved dp2 x cp2 x tp2, resumed {layout} on {n} ranks: max rel diff to the uninterrupted run {err:.1e}")
-        assert err < 1e-9
+    save_then_resume_elsewhere(reference, tmp_path, ["--dp", "2", "--cp", "2", "--tp", "2", "--zero", "1"],
+                               "dp 2 x pp 1 x cp 2 x tp 2",
+                               ((2, ["--dp", "1", "--tp", "2"]), (8, ["--dp", "1", "--cp", "4", "--tp", "2"]),
+                                (4, ["--dp", "1", "--cp", "4", "--tp", "1", "--cp-scheme", "allgather"])))
 
 
 def test_sigkill_then_resume_auto_ends_bit_identical(reference, tmp_path):
@@ -84,19 +91,10 @@ def test_sigkill_then_resume_auto_ends_bit_identical(reference, tmp_path):
 
 
 def test_resharding_to_other_layouts_and_world_sizes(reference, tmp_path):
-    saved = tmp_path / "saved"
-    r = train(8, "--dp", "2", "--tp", "4", "--save-dir", str(saved), "--save-interval", "3",
-              "--inject-fault", "0:4:kill")
-    assert r.returncode != 0 and (saved / "step-000003" / "manifest.json").exists(), r.stderr[-2000:]
-    for n, layout in ((8, ["--dp", "4", "--pp", "2", "--tp", "1"]), (2, ["--dp", "1", "--pp", "2", "--tp", "1"]),
-                      (4, ["--dp", "1", "--pp", "1", "--tp", "4", "--tp-scheme", "gather"])):
-        out = tmp_path / f"resumed-{n}"
-        r = train(n, *layout, "--resume", str(saved / "step-000003"), "--save-dir", str(out))
-        print(r.stdout[-400:])
-        assert r.returncode == 0 and "saved as dp 2 x pp 1 x cp 1 x tp 4" in r.stdout, r.stderr[-2000:]
-        err = max_rel(export(out, tmp_path / f"final-{n}.npz"), reference)
-        print(f"saved 2x1x4, resumed {layout} on {n} ranks: max rel diff to the uninterrupted run {err:.1e}")
-        assert err < 1e-9
+    save_then_resume_elsewhere(reference, tmp_path, ["--dp", "2", "--tp", "4"], "dp 2 x pp 1 x cp 1 x tp 4",
+                               ((8, ["--dp", "4", "--pp", "2", "--tp", "1"]),
+                                (2, ["--dp", "1", "--pp", "2", "--tp", "1"]),
+                                (4, ["--dp", "1", "--pp", "1", "--tp", "4", "--tp-scheme", "gather"])))
 
 
 def test_kill_while_saving_leaves_the_previous_checkpoint(reference, tmp_path):

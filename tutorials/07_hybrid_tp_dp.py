@@ -61,15 +61,13 @@ from hsgd.train import fmt_bytes, train
 from hsgd.verify import verify
 
 import pictures                                            # tutorials/pictures.py: where the PNGs go
-from checks import FLOOR, Checks, rel_err, ring_share, train_config   # tutorials/checks.py, shared by the chapters
+from checks import Checks, FLOOR, rel_err, require_ranks, ring_share, train_config
 
 threadpool_limits(1)                    # eight ranks share the cores, tiny matrices: one BLAS thread each
 P, DP, TP = 8, 4, 2                     # P = dp x tp: 4 groups of 2
 world = MPI.COMM_WORLD
 rank = world.Get_rank()
-if world.Get_size() != P:               # every rank exits non-zero; rank 0 says why
-    raise SystemExit(f"run this chapter on {P} ranks: mpirun -n {P} python {__file__}"
-                     if world.Get_rank() == 0 else 1)
+require_ranks(world, P, __file__)         # every rank exits non-zero unless P ranks; rank 0 says why
 grid = ProcessGrid(world, dp=DP, tp=TP)
 TOL = 1e-10                             # float64: parallel and serial differ by rounding, ~1e-16 relative
 check = Checks(world, tol=TOL, width=66)  # check(what, err, tol): collective, raises on every rank unless err < tol

@@ -81,14 +81,12 @@ from hsgd.trace import Tracer, overlap_seconds
 from hsgd.train import train
 
 import pictures                                      # tutorials/pictures.py: where the PNGs go
-from checks import Checks, rel_err, ring_share, train_config    # tutorials/checks.py, shared by the chapters
+from checks import Checks, rel_err, require_ranks, ring_share, train_config
 
 threadpool_limits(1)                    # eight ranks share the cores, tiny matrices: one BLAS thread each
 P, DP, TP = 8, 4, 2                     # the default layout: 4 groups of 2, as in chapter 7
 world = MPI.COMM_WORLD
-if world.Get_size() != P:               # every rank exits non-zero; rank 0 says why
-    raise SystemExit(f"run this chapter on {P} ranks: mpirun -n {P} python {__file__}"
-                     if world.Get_rank() == 0 else 1)
+require_ranks(world, P, __file__)         # every rank exits non-zero unless P ranks; rank 0 says why
 rank = world.Get_rank()
 grid = ProcessGrid(world, dp=DP, tp=TP)
 TOL = 1e-12                             # float64: two ways of summing the same numbers differ by ~1e-16 relative

@@ -77,14 +77,12 @@ from hsgd.train import fmt_bytes, step_formula, train
 from hsgd.verify import verify
 
 import pictures                          # tutorials/pictures.py: where the PNGs go
-from checks import Checks, rel_err, train_config   # tutorials/checks.py, shared by the chapters
+from checks import Checks, rel_err, require_ranks, train_config   # tutorials/checks.py, shared by the chapters
 
 threadpool_limits(1)                    # eight ranks share the cores, tiny matrices: one BLAS thread each
 P, DP, PP, TP = 8, 2, 2, 2              # 8 = 2 replicas x 2 stages x 2 tensor-parallel ranks
 world = MPI.COMM_WORLD
-if world.Get_size() != P:               # every rank exits non-zero; rank 0 says why
-    raise SystemExit(f"run this chapter on {P} ranks: mpirun -n {P} python {__file__}"
-                     if world.Get_rank() == 0 else 1)
+require_ranks(world, P, __file__)         # every rank exits non-zero unless P ranks; rank 0 says why
 rank = world.Get_rank()
 grid = ProcessGrid(world, dp=DP, pp=PP, tp=TP)
 TOL = 1e-10                             # float64: parallel and serial differ by rounding, ~1e-16 relative

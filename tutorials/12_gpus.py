@@ -77,14 +77,12 @@ from hsgd.precision import FORMATS, POINTS, Numerics, round_to, unit_roundoff
 from hsgd.train import local_ranks, place_on_device
 
 import pictures                                     # tutorials/pictures.py: where the PNGs go
-from checks import Checks, rel_err, train_config   # tutorials/checks.py, shared by the chapters
+from checks import Checks, rel_err, require_ranks, train_config   # tutorials/checks.py, shared by the chapters
 
 threadpool_limits(1)                    # two ranks, tiny matrices: one BLAS thread each
 P = 2
 world = MPI.COMM_WORLD
-if world.Get_size() != P:               # every rank exits non-zero; rank 0 says why
-    raise SystemExit(f"run this chapter on {P} ranks: mpirun -n {P} python {__file__}"
-                     if world.Get_rank() == 0 else 1)
+require_ranks(world, P, __file__)         # every rank exits non-zero unless P ranks; rank 0 says why
 rank = world.Get_rank()
 # check(what, err, tol), check.holds(what, cond), check.equal(what, a, b): collective; raise on every rank unless
 # err < tol, cond, a == b on all of them

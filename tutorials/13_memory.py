@@ -82,14 +82,12 @@ from hsgd.sharded import ShardedExchange
 from hsgd.tp_schemes import make_scheme
 
 import pictures                                      # tutorials/pictures.py: where the PNGs go
-from checks import Checks, rel_err, ring_share, train_config   # tutorials/checks.py, shared by the chapters
+from checks import Checks, rel_err, require_ranks, ring_share, train_config
 
 threadpool_limits(1)                    # eight ranks share the cores, tiny matrices: one BLAS thread each
 P = 8
 world = MPI.COMM_WORLD
-if world.Get_size() != P:               # every rank exits non-zero; rank 0 says why
-    raise SystemExit(f"run this chapter on {P} ranks: mpirun -n {P} python {__file__}"
-                     if world.Get_rank() == 0 else 1)
+require_ranks(world, P, __file__)         # every rank exits non-zero unless P ranks; rank 0 says why
 rank = world.Get_rank()
 check = Checks(world, tol=1e-10, width=74)  # check(what, err, tol): collective, raises on every rank unless err < tol
 say = check.say                             # print on world rank 0 only

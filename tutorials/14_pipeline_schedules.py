@@ -88,23 +88,15 @@ from hsgd.schedules import check as check_schedule
 from hsgd.wgrad import WeightGrads
 
 import pictures                                  # tutorials/pictures.py: where the PNGs go
-from checks import Checks, rel_err, train_config  # tutorials/checks.py, shared by the chapters
+from checks import Checks, rel_err, require_ranks, train_config  # tutorials/checks.py, shared by the chapters
 
 threadpool_limits(1)                    # eight ranks share the cores, tiny matrices: one BLAS thread each
 P = 8
 world = MPI.COMM_WORLD
-if world.Get_size() != P:               # every rank exits non-zero; rank 0 says why
-    raise SystemExit(f"run this chapter on {P} ranks: mpirun -n {P} python {__file__}"
-                     if world.Get_rank() == 0 else 1)
+require_ranks(world, P, __file__)         # every rank exits non-zero unless P ranks; rank 0 says why
 rank = world.Get_rank()
 check = Checks(world, tol=1e-10, width=76)  # check(what, err, tol): collective, raises on every rank unless err < tol
 say = check.say                             # print on world rank 0 only
-
-
-def on_rank0(work):
-    """work() on rank 0 while the other ranks sleep (`pictures.on_rank0`, which raises on every rank if work()
-    fails there), its result on every rank."""
-    return world.bcast(pictures.on_rank0(world, work), root=0)
 
 
 cfg = ModelConfig(vocab_size=256, seq_len=8, d_model=16, n_heads=4, n_layers=16, d_ff=32)  # 16 blocks: 8 x 2 chunks
@@ -222,7 +214,7 @@ def draw_equal_cost():
     return pictures.save(fig, "14_schedules_equal_cost")
 
 
-path = on_rank0(draw_equal_cost)
+path = pictures.on_rank0(world, draw_equal_cost, share=True)
 say(f"picture: {path}")
 for kind, v in KINDS:
     t = sims[kind]
@@ -256,7 +248,7 @@ say(grid(sims["zb-h1"]))
 #   the waits) and W <= min(F, B).
 #
 # The simulation does not know these formulas; it only follows the dependencies. Rank 0 simulates every case while
-# the other ranks sleep (`on_rank0`), and every rank checks its verdict:
+# the other ranks sleep (`pictures.on_rank0`), and every rank checks its verdict:
 
 # %%
 def closed_forms():
@@ -282,7 +274,7 @@ def closed_forms():
     return worst, zb
 
 
-worst, zb = on_rank0(closed_forms)
+worst, zb = pictures.on_rank0(world, closed_forms, share=True)
 for kind, v in KINDS:
     check(f"{kind}: simulated bubble - {FORMULA[kind]}, every case", worst[kind], 1e-12)
 check("ZB-H1: simulated idle per stage - (p-1)(F+B-W), p = 2..8, two costs", max(abs(r[3] - r[4]) for r in zb), 1e-12)
@@ -469,7 +461,8 @@ def run(g, kind, v):
 
 g8 = ProcessGrid(world, dp=1, pp=8, tp=1)
 results = {(g.pp, kind): run(g, kind, v) for g in (g4, g8) for kind, v in KINDS}
-ref = on_rank0(lambda: serial.sgd(cfg, config(4, "1f1b"), lambda step: corpus.batch(SEED, step, B))[0])
+ref = pictures.on_rank0(world, lambda: serial.sgd(cfg, config(4, "1f1b"), lambda step: corpus.batch(SEED, step, B))[0],
+                        share=True)
 say(f"8 runs of {STEPS} steps; serial SGD on one process as the reference")
 
 # %% [markdown]
@@ -534,7 +527,7 @@ def draw_measured():
     return pictures.save(fig, "14_1f1b_vs_zb_h1_measured")
 
 
-path = on_rank0(draw_measured)
+path = pictures.on_rank0(world, draw_measured, share=True)
 say(f"picture: {path}")
 
 # %% [markdown]
@@ -588,7 +581,7 @@ def draw_tradeoff():
     return pictures.save(fig, "14_bubble_vs_memory")
 
 
-path = on_rank0(draw_tradeoff)
+path = pictures.on_rank0(world, draw_tradeoff, share=True)
 say(f"picture: {path}")
 
 # %% [markdown]

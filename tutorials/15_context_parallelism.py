@@ -91,23 +91,15 @@ from hsgd.report import fmt_bytes, step_formula
 from hsgd.trace import Tracer
 
 import pictures                                  # tutorials/pictures.py: where the PNGs go
-from checks import Checks, payload, rel_err, ring_bytes, train_config   # tutorials/checks.py, shared
+from checks import Checks, payload, rel_err, require_ranks, ring_bytes, train_config   # tutorials/checks.py, shared
 
 threadpool_limits(1)                    # eight ranks share the cores, tiny matrices: one BLAS thread each
 P = 8
 world = MPI.COMM_WORLD
-if world.Get_size() != P:               # every rank exits non-zero; rank 0 says why
-    raise SystemExit(f"run this chapter on {P} ranks: mpirun -n {P} python {__file__}"
-                     if world.Get_rank() == 0 else 1)
+require_ranks(world, P, __file__)         # every rank exits non-zero unless P ranks; rank 0 says why
 rank = world.Get_rank()
 check = Checks(world, tol=1e-10, width=78)  # check(what, err, tol): collective, raises on every rank unless err < tol
 say = check.say                             # print on world rank 0 only
-
-
-def on_rank0(work):
-    """work() on rank 0 while the other ranks sleep (`pictures.on_rank0`, which raises on every rank if work()
-    fails there), its result on every rank."""
-    return world.bcast(pictures.on_rank0(world, work), root=0)
 
 
 # %% [markdown]
@@ -188,7 +180,7 @@ def draw_activations():
     return pictures.save(fig, "15_activations_vs_T")
 
 
-say(f"picture: {on_rank0(draw_activations)}")
+say(f"picture: {pictures.on_rank0(world, draw_activations, share=True)}")
 
 # %% [markdown]
 # The picture plots the five columns of the table against T on log-log axes: the lines with a $T^2$ term steepen to
@@ -414,7 +406,7 @@ def draw_balance():
     return pictures.save(fig, "15_load_balance")
 
 
-say(f"picture: {on_rank0(draw_balance)}")
+say(f"picture: {pictures.on_rank0(world, draw_balance, share=True)}")
 
 # %% [markdown]
 # The picture shows, for cp 4, which rank computes each score of the $T \times T$ matrix, dark where the mask
@@ -446,8 +438,8 @@ def config(dp, pp, cp_, tp, scheme):
                         micro_batches=M, seed=SEED)
 
 
-ref, ref_losses = on_rank0(lambda: serial.sgd(cfg, config(1, 1, 1, 1, "ring"),
-                                              lambda step: corpus.batch(SEED, step, BT)))
+ref, ref_losses = pictures.on_rank0(world, lambda: serial.sgd(cfg, config(1, 1, 1, 1, "ring"),
+                                                              lambda step: corpus.batch(SEED, step, BT)), share=True)
 say(f"model {cfg.n_params():,} parameters (L={cfg.n_layers} C={cfg.d_model} NH={cfg.n_heads} d_ff={cfg.d_ff} "
     f"T={cfg.seq_len}); B={BT}, m={M}; serial SGD losses {' '.join(f'{x:.6f}' for x in ref_losses)}")
 say(f"{'dp x pp x cp x tp':<18} {'scheme':<10} {'params vs serial':>16} {'cp_comm calls':>14} {'payload':>9} "
@@ -625,7 +617,7 @@ def draw_overlap():
     return pictures.save(fig, "15_ring_overlap")
 
 
-say(f"picture: {on_rank0(draw_overlap)}")
+say(f"picture: {pictures.on_rank0(world, draw_overlap, share=True)}")
 
 # %% [markdown]
 # The picture shows rank 0's one ring attention: the 8 forward and 8 backward blocks on the compute track, and under

@@ -13,6 +13,7 @@ the same verdict from it. Every rank must therefore make the same checks, in the
     ring_bytes(counts, p), payload(counts)              # a step's bytes on the wire and its payload (two columns)
     check.holds("DP replicas bit-identical", same)     # a fact: true on every rank (printed PASS or FAIL)
     what, err = check.worst()                          # for the chapter's closing line
+    require_ranks(MPI.COMM_WORLD, 8, __file__)           # a chapter for 8 ranks, started with another number
 
 This is not a chapter (tests/test_tutorials.py runs only the files named NN_*.py and A_*.py) nor a test framework:
 it holds only what the chapters share. Chapter-specific measures (finite differences, shard errors, traffic)
@@ -91,6 +92,14 @@ class Checks:
         """(what, err) of the largest error recorded, among `names` if given, else among all checks."""
         what = max(self.errors if names is None else names, key=self.errors.get)
         return what, self.errors[what]
+
+
+def require_ranks(world, P, path):
+    """A chapter written for P ranks, started with another number: every rank exits non-zero, rank 0 saying how
+    to run it (no rank waits in a collective that the others never reach)."""
+    if world.Get_size() != P:
+        raise SystemExit(f"run this chapter on {P} ranks: mpirun -n {P} python {path}" if world.Get_rank() == 0
+                         else 1)
 
 
 def rel_err(a, b, floor=FLOOR):

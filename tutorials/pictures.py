@@ -64,10 +64,10 @@ def wait_asleep(comm, poll_s=0.002):
         time.sleep(poll_s)
 
 
-def on_rank0(comm, work):
-    """work() on rank 0 of comm (a picture, a serial reference): its result there, None elsewhere; the other ranks
-    wait for it asleep (wait_asleep). If work() raises, every rank raises (rank 0 its own exception, the others a
-    RuntimeError naming it): nobody waits for a rank that has failed."""
+def on_rank0(comm, work, share=False):
+    """work() on rank 0 of comm (a picture, a serial reference): its result there, None elsewhere (share: on every
+    rank, broadcast); the other ranks wait for it asleep (wait_asleep). If work() raises, every rank raises (rank 0
+    its own exception, the others a RuntimeError naming it): nobody waits for a rank that has failed."""
     result, error = None, None
     if comm.Get_rank() == 0:
         try:
@@ -80,7 +80,7 @@ def on_rank0(comm, work):
         raise error
     if failed:
         raise RuntimeError(f"rank 0 failed in on_rank0: {failed}")
-    return result
+    return comm.bcast(result, root=0) if share else result
 
 
 def grid(dp, pp, tp, name, title=None, hosts=None):
