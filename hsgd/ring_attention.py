@@ -34,7 +34,7 @@ class Ring(ContextSplit):
     def attention_forward(self, q, k, v, nh):
         """q, k, v (B, T/cp, C/tp), this rank's positions -> y (B, T/cp, C/tp). Cache: q / sqrt(hs), this rank's
         (k, v) as one (2, B, NH/tp, T/cp, hs) block, y by heads and lse = m + log l (B, NH/tp, T/cp)."""
-        xp, cp, comm = array_module(q), self.cp, self.comm
+        xp = array_module(q)
         B, Tl, C = q.shape
         hs = C // nh
         qh = xp.ascontiguousarray(split_heads(q, nh)) * (1.0 / math.sqrt(hs))      # (B, NH, Tl, hs)
@@ -43,22 +43,27 @@ class Ring(ContextSplit):
         m = xp.full((B, nh, Tl), -xp.inf, dtype=q.dtype)                            # running max
         l = xp.zeros((B, nh, Tl), dtype=q.dtype)                                    # running sum
         o = xp.zeros((B, nh, Tl, hs), dtype=q.dtype)                                # running output
-        ring = [own, xp.empty_like(own), xp.empty_like(own)]                        # own, then two to alternate
-        cur = 0
-        for i in range(cp):                                                         # block of rank r - i
-            owner, nxt = (self.r - i) % cp, (1 if cur != 1 else 2)
-            reqs = []
-            if i < cp - 1:                                                          # the next block, in flight
-                reqs = [comm.Irecv(ring[nxt], source=(self.r - 1) % cp, tag=TAG_KV),
-                        comm.Isend(ring[cur], dest=(self.r + 1) % cp, tag=TAG_KV)]
+        for owner, kv in self.around(own, TAG_KV):                                 # block of rank r - i
             with self.span("attention block", owner=owner):
                 for sq, sk, mask in self.pairs(owner):
-                    self.merge(qh, ring[cur], sq, sk, mask, m, l, o, xp)
+                    self.merge(qh, kv, sq, sk, mask, m, l, o, xp)
+        yh = o / l[..., None]                                                       # (B, NH, Tl, hs)
+        return merge_heads(yh), (qh, own, yh, m + xp.log(l))
+
+    def around(self, own, tag):
+        """This rank's (k, v) block, then each other rank's in ring order, as (owner, block): while the caller
+        computes with one, the next is in flight (an Irecv from rank r-1 into one of two spare buffers, and this
+        block's Isend on to rank r+1), waited for when the caller asks for it."""
+        xp, cp, comm = array_module(own), self.cp, self.comm
+        ring, cur = [own, xp.empty_like(own), xp.empty_like(own)], 0                # own, then two to alternate
+        for i in range(cp):
+            nxt = 1 if cur != 1 else 2                                              # (sent two blocks ago: free)
+            reqs = [] if i == cp - 1 else [comm.Irecv(ring[nxt], source=(self.r - 1) % cp, tag=tag),
+                                           comm.Isend(ring[cur], dest=(self.r + 1) % cp, tag=tag)]
+            yield (self.r - i) % cp, ring[cur]
             for req in reqs:
                 req.Wait()
             cur = nxt
-        yh = o / l[..., None]                                                       # (B, NH, Tl, hs)
-        return merge_heads(yh), (qh, own, yh, m + xp.log(l))
 
     def merge(self, qh, kv, sq, sk, mask, m, l, o, xp):
         """One block into the running (m, l, o) of queries sq: the online softmax."""
@@ -85,28 +90,22 @@ class Ring(ContextSplit):
         dyh = xp.ascontiguousarray(split_heads(dy, nh))                            # (B, NH, Tl, hs)
         D = (dyh * yh).sum(axis=-1)                                                 # (B, NH, Tl) rowsum(dy * y)
         dqh = xp.zeros_like(qh)
-        ring, cur, sending, acc_in = [own, xp.empty_like(own), xp.empty_like(own)], 0, None, None
-        for i in range(cp):                                                         # block of rank r - i
-            owner, nxt = (self.r - i) % cp, (1 if cur != 1 else 2)
-            reqs = []
-            if i < cp - 1:
-                reqs = [comm.Irecv(ring[nxt], source=(self.r - 1) % cp, tag=TAG_KV_BACK),
-                        comm.Isend(ring[cur], dest=(self.r + 1) % cp, tag=TAG_KV_BACK)]
+        sending = None
+        for i, (owner, kv) in enumerate(self.around(own, TAG_KV_BACK)):           # block of rank r - i
+            acc_in = None
             if i > 0:                                   # owner's (dk, dv) so far, from the ranks before me
                 acc_in = xp.empty_like(own)
-                reqs.append(comm.Irecv(acc_in, source=(self.r - 1) % cp, tag=TAG_DKV))
+                receiving = comm.Irecv(acc_in, source=(self.r - 1) % cp, tag=TAG_DKV)
             mine = xp.zeros_like(own)                                               # my share: [dk | dv]
             with self.span("attention block (backward)", owner=owner):
                 for sq, sk, mask in self.pairs(owner):
-                    self.grads(qh, dyh, D, lse, ring[cur], sq, sk, mask, dqh, mine, xp)
-            for req in reqs:
-                req.Wait()
+                    self.grads(qh, dyh, D, lse, kv, sq, sk, mask, dqh, mine, xp)
             if acc_in is not None:
+                receiving.Wait()
                 mine += acc_in
             if sending is not None:
                 sending.Wait()                                                      # (its buffer is dropped)
             sending = comm.Isend(mine, dest=(self.r + 1) % cp, tag=TAG_DKV)        # on, to owner's next rank
-            cur = nxt
         dkv = xp.empty_like(own)                                                    # my (dk, dv): every share
         comm.Irecv(dkv, source=(self.r - 1) % cp, tag=TAG_DKV).Wait()
         sending.Wait()
