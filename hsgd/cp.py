@@ -28,11 +28,10 @@ C d_model, NH heads (NH/tp on a rank), hs = C/NH, tp, s bytes per number.
     ctx.local(idx)                        # (B, T) -> (B, T/cp), this rank's positions of each sequence
 """
 import math
-from contextlib import nullcontext
-
 import numpy as np
 
 from .errors import ConfigError
+from .trace import NullTracer
 
 CP_SCHEMES = ("ring", "allgather")
 
@@ -109,8 +108,7 @@ class ContextSplit:
 
     def span(self, name, **args):
         """A span on the trace's compute track (hsgd.trace), when cp_comm has a tracer."""
-        tracer = getattr(self.comm, "tracer", None)
-        return tracer.span(name, **args) if tracer is not None else nullcontext()
+        return (getattr(self.comm, "tracer", None) or NullTracer()).span(name, **args)
 
     def pairs(self, owner):
         """The chunk pairs of my queries and owner's keys that are not wholly masked: (q rows, k rows, mask or

@@ -64,11 +64,15 @@ class HybridTrainer:
         self.opt = make_optimizer(tc.optimizer, tc.lr, momentum=tc.momentum, weight_decay=tc.weight_decay)
         self.decay = self.exchange.mask(decays)                         # (owned,) 1 where weight decay applies
         self.sharded = self.exchange.mask(lambda n, shape: self.is_sharded(n))   # (owned,) 1: split over tp
-        self.num = self.stage.num                                       # bfloat16 / float16: where it rounds
         self.scaler = LossScaler() if tc.dtype == "float16" and tc.loss_scale == "dynamic" else None
         self.probe = None                                               # --memory: an hsgd.memtrace probe
         self.skipped = self.in_a_row = 0                                # updates skipped for non-finite values
         self.t_start = self.tp_start = self.dp_start = self.dp_waited = 0.0   # set by gradients(), for update()
+
+    @property
+    def num(self):
+        """The stage's numerics (hsgd.precision): where a bfloat16 or float16 run rounds."""
+        return self.stage.num
 
     def is_sharded(self, name):
         return self.grid.tp > 1 and tp_model.split_of(name, self.scheme)[0] != "rep"

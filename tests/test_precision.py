@@ -163,7 +163,7 @@ def test_float16_underflows_without_loss_scaling_and_not_with_it():
     grads, flushed = {}, {}
     for dtype, scaling in (("float32", "none"), ("float16", "none"), ("float16", "dynamic")):
         tr = one_process_trainer(dtype, scaling)
-        tr.stage.num = tr.num = CountingZeros(tr.num)
+        tr.stage.num = CountingZeros(tr.num)                          # (tr.num is the stage's)
         tr.gradients(idx, targets)
         grads[dtype, scaling] = {n: g / tr.stage.loss_scale for n, g in tr.grads.items()}
         flushed[dtype, scaling] = tr.num.flushed / max(tr.num.seen, 1)

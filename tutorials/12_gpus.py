@@ -850,7 +850,7 @@ def scaled_gradients(dtype, loss_scale):
     ls_grid = ProcessGrid(world, dp=P, tp=1)
     ls = HybridTrainer(ls_cfg, ls_grid, train_config(dtype=dtype, loss_scale=loss_scale, dp=P, steps=1,
                                                      batch_size=LS_BATCH, device="cpu"))
-    ls.stage.num = ls.num = CountingFlushes(ls.num.compute, ls.num.reduce)
+    ls.stage.num = CountingFlushes(ls.num.compute, ls.num.reduce)     # (trainer.num is the stage's)
     ls.gradients(ls_idx, ls_targets)
     return {n: np.array(g) / ls.stage.loss_scale for n, g in ls.grads.items()}, ls.num, ls, ls_grid
 
