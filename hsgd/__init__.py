@@ -49,6 +49,7 @@ of the algorithm:
     hsgd.hybrid             one rank's part of a training step: gradients (steps 1-3), update (step 4)
     hsgd.health             a step's one host copy; stop or skip on a non-finite value
     hsgd.settings           TrainConfig: grouped dataclasses that generate the flags of hsgd.train and hsgd.verify
+    hsgd.flags              the command lines made from those dataclasses, and reading them (and --config) back
     hsgd.train              mpirun -n 8 python -m hsgd.train --help: setup, loop, summary
     hsgd.progress           progress lines and the --log-json records;  hsgd.faults: --inject-fault
     hsgd.report             what rank 0 prints at the end;  hsgd.trace, hsgd.plots: a trace, loss curves, timelines

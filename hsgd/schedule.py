@@ -26,7 +26,8 @@ import sys
 
 from .config import flag_names
 from .errors import ConfigError
-from .settings import GROUPS, MODEL_FLAGS, Layout, configs_from_args, flags_parser
+from .flags import GROUPS, MODEL_FLAGS, configs_from_args, flags_parser
+from .settings import Layout
 from .schedules import (FORMULA, PEAK_FORMULA, bubble_formula, bubble_fraction, build, effective, grid, held_bytes,
                         idle_per_stage, peak_formula, peak_held, picture, simulate)
 

@@ -39,7 +39,8 @@ from .progress import Progress
 from .report import (fmt_bytes, fmt_time, report_comm, report_memory, report_pipeline, report_staging,  # noqa: F401
                      report_trace, report_traffic, staging_pools, step_formula)
 from .runs import choose_line, lock_folder, newest
-from .settings import TrainConfig, build_parser, configs_from_args
+from .flags import build_parser, configs_from_args
+from .settings import TrainConfig
 from .signals import StopRequest
 from .threads import openblas_note, set_cpu_threads, tune_allocator
 from .trace import Tracer

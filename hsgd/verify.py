@@ -28,7 +28,8 @@ from .config import flag_names
 from .errors import ConfigError
 from .grid import ProcessGrid
 from .hybrid import HybridTrainer
-from .settings import GROUPS, MODEL_FLAGS, Layout, TrainConfig, configs_from_args, flags_parser
+from .flags import GROUPS, MODEL_FLAGS, configs_from_args, flags_parser
+from .settings import Layout, TrainConfig
 from .train import place_on_device
 
 TOLERANCE = {"float64": (1e-12, 1e-10), "float32": (1e-6, 1e-4)}      # (loss, gradients)
@@ -39,7 +40,7 @@ VERIFY_DEFAULTS = dict(dtype="float64", batch_size=8, seq_len=16, d_model=32, n_
 
 
 def build_parser():
-    """hsgd.train's flags for the layout, the model, the batch and the numerics (settings.flags_parser, the same
+    """hsgd.train's flags for the layout, the model, the batch and the numerics (flags.flags_parser, the same
     help texts), with verify's defaults: a small model and float64."""
     return flags_parser(GROUPS, only=VERIFY_FLAGS, overrides=VERIFY_DEFAULTS, prog="mpirun -n P python -m hsgd.verify",
                         description="One step of the parallel model on P = dp x pp x cp x tp MPI ranks against the "

@@ -155,7 +155,7 @@ def test_the_lab_without_mpi(tmp_path, capsys):
 
 def test_what_the_new_schedules_do_not_combine_with_is_refused():
     from hsgd.errors import ConfigError
-    from hsgd.settings import configs_from_args
+    from hsgd.flags import configs_from_args
     from hsgd.train import build_parser
     for flags, words in ((["--zero", "2", "--schedule", "zb-h1"], "zb-h1 computes the weight gradients later"),
                          (["--memory", "--schedule", "interleaved", "--virtual-stages", "2"],

@@ -7,7 +7,9 @@ import pytest
 
 from hsgd.config import ModelConfig, flag_names
 from hsgd.errors import ConfigError
-from hsgd.settings import GROUPS, MODEL_FLAGS, TrainConfig, build_parser, configs_from_args, read_toml
+from hsgd.config_file import read_toml
+from hsgd.flags import GROUPS, MODEL_FLAGS, build_parser, configs_from_args
+from hsgd.settings import TrainConfig
 
 
 def squashed(text):
