@@ -23,6 +23,7 @@ of the algorithm:
     hsgd.tp_layers          f/g, gather_T/scatter_T, column/row linears, all-gather and its adjoint, vocab-parallel
     hsgd.tp_schemes         the schemes as objects: Megatron, Gather (the lecture's), Sequence
     hsgd.tp_model           the GPT on a tensor-parallel group, written once for the three schemes
+    hsgd.tp_shards          how each parameter splits over tp: its axis, the shards, the whole again
     hsgd.memory             activation bytes: measured and by formula; Korthikanti et al.'s and ZeRO's formulas
   context parallelism (the sequence split over ranks)
     hsgd.context            the context layout the model asks: a rank's positions and its core attention

@@ -24,14 +24,12 @@ is the first, its blocks, the head if it is the last; it hands on the (B, T~, C)
 Legend: B batch, T sequence, C d_model, NH heads, F d_ff, V vocab, Vp vocab rows per rank, L layers, tp ranks.
 Parameters keep their serial names; a shard's shape shows its split, e.g. h.0.attn.q.weight (C, C/tp).
 """
-import math
 from collections import namedtuple
 
 from . import serial
 from .backend import array_module
 from .context import WHOLE
 from .precision import EXACT
-from .errors import ConfigError
 from .hooks import NO_HOOKS
 from .wgrad import WeightGrads
 from .ops import (gelu_backward, gelu_forward, layernorm_backward,
@@ -40,75 +38,14 @@ from .ops import (gelu_backward, gelu_forward, layernorm_backward,
 from .tp_layers import (vocab_cross_entropy_backward, vocab_cross_entropy_forward, vocab_lookup_backward,
                         vocab_lookup_forward, vocab_range)
 from .tp_schemes import SCHEMES, make_scheme  # noqa: F401  (SCHEMES: the names, for the CLI and the tests)
+# how each parameter is split over the tp ranks (hsgd.tp_shards), named from here too: tp_model.shard(...)
+from .tp_shards import (check_tp, gather_full, init_params, shard, shard_numel, shard_params,  # noqa: F401
+                        split_of, unshard, vocab_padding)
 
 # the replicated parameters of each gradient group (the sequence scheme All-Reduces their partial gradients)
 BLOCK_REPLICATED = ("ln1.weight", "ln1.bias", "attn.proj.bias", "ln2.weight", "ln2.bias", "mlp.proj.bias")
 HEAD_REPLICATED = ("ln_f.weight", "ln_f.bias")
 EMBEDDING_REPLICATED = ("wpe",)
-
-
-def check_tp(cfg, tp, scheme="megatron"):
-    """Raise ConfigError unless the model splits over tp ranks (the vocabulary may be padded; heads and d_ff not)."""
-    S = make_scheme(scheme)
-    ok = [t for t in range(1, 65) if cfg.n_heads % t == 0 and cfg.d_ff % t == 0]
-    if cfg.n_heads % tp:
-        raise ConfigError(f"n_heads={cfg.n_heads} is not divisible by tp={tp}: each tensor-parallel rank holds "
-                          f"n_heads/tp whole heads; use tp in {ok}")
-    if cfg.d_ff % tp:
-        raise ConfigError(f"d_ff={cfg.d_ff} is not divisible by tp={tp}: each tensor-parallel rank holds d_ff/tp "
-                          f"MLP columns; use tp in {ok}")
-    S.check(cfg, tp, ok)                                                 # sequence: T-shards of seq_len/tp
-
-
-def split_of(name, scheme="megatron"):
-    """How a parameter is split: ("rep", None), ("split", axis) or ("vocab", axis)."""
-    return make_scheme(scheme).split_of(name)
-
-
-def shard(full, name, tp_rank, tp, scheme="megatron"):
-    """This rank's shard of a full (serial) parameter or gradient: a copy."""
-    xp = array_module(full)
-    kind, axis = split_of(name, scheme)
-    if kind == "rep":
-        return full.copy()
-    n = full.shape[axis]
-    if kind == "vocab":
-        start, size = vocab_range(n, tp, tp_rank)
-        padded_shape = list(full.shape)
-        padded_shape[axis] = size * tp
-        padded = xp.zeros(padded_shape, dtype=full.dtype)                # rows/columns past V stay zero
-        padded[(slice(None),) * axis + (slice(0, n),)] = full
-        full = padded
-    else:
-        size, start = n // tp, tp_rank * (n // tp)
-    return xp.ascontiguousarray(full[(slice(None),) * axis + (slice(start, start + size),)])
-
-
-def shard_params(full_params, tp_rank, tp, scheme="megatron"):
-    return {name: shard(p, name, tp_rank, tp, scheme) for name, p in full_params.items()}
-
-
-def shard_numel(cfg, tp, names=None, scheme="megatron"):
-    """How many numbers of the parameters `names` (default: all) one tensor-parallel rank holds, from the shapes:
-    a split parameter 1/tp of its axis (the vocabulary padded to tp * ceil(V/tp)), a replicated one whole. The
-    same on every tp rank; the size of its dp_comm gradient exchange and of its parameter memory."""
-    shapes = cfg.param_shapes()
-    total = 0
-    for name in shapes if names is None else names:
-        shape = shapes[name]
-        kind, axis = split_of(name, scheme)
-        n = math.prod(shape)
-        if kind != "rep":
-            n = n // shape[axis] * (vocab_range(shape[axis], tp, 0)[1] if kind == "vocab" else shape[axis] // tp)
-        total += n
-    return total
-
-
-def init_params(cfg, comm, seed=0, dtype="float32", device=None, scheme="megatron"):
-    """This rank's shards: exact slices of hsgd.serial.init_params for the same seed. (Each rank draws the full
-    model and keeps its slice: simple, and for the model sizes of this project cheap.)"""
-    check_tp(cfg, comm.size, scheme)
-    return shard_params(serial.init_params(cfg, seed, dtype, device), comm.rank, comm.size, scheme)
 
 
 # ------------------------------------------------------------------------------------------------ one block
@@ -402,24 +339,6 @@ def loss_and_grads(params, idx, targets, cfg, comm, scheme="megatron", grads=Non
     return float(loss), grads
 
 
-def unshard(pieces, name, cfg, scheme="megatron"):
-    """The full parameter from the shards of all tp ranks, in rank order (the inverse of `shard`)."""
-    xp = array_module(pieces[0])
-    kind, axis = split_of(name, scheme)
-    if kind == "rep":
-        return pieces[0].copy()
-    full = xp.concatenate(pieces, axis=axis)
-    if kind == "vocab":
-        full = full[(slice(None),) * axis + (slice(0, cfg.vocab_size),)]      # drop the padding
-    return xp.ascontiguousarray(full)
-
-
-def gather_full(params, cfg, comm, scheme="megatron"):
-    """Every full parameter on every rank of the group (pickled allgather: for small models, sampling and checks,
-    never in the training step)."""
-    return {name: unshard(comm.allgather_obj(p), name, cfg, scheme) for name, p in params.items()}
-
-
 def comm_formula(cfg, batch_size, itemsize, scheme="megatron", reduce_scatter=False, stage=None, recompute="none",
                  cp=1):
     """{(communicator, operation): (calls, payload bytes)} of one loss_and_grads call on the "tp" communicator:
@@ -436,8 +355,3 @@ def comm_formula(cfg, batch_size, itemsize, scheme="megatron", reduce_scatter=Fa
             c0, b0 = out.get(k, (0, 0))
             out[k] = (c0 + n_blocks * calls, b0 + n_blocks * nbytes)
     return out
-
-
-def vocab_padding(cfg, tp):
-    """Rows of wte (columns of lm_head) added so that every rank holds Vp = ceil(V/tp)."""
-    return math.ceil(cfg.vocab_size / tp) * tp - cfg.vocab_size
