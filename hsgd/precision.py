@@ -121,18 +121,23 @@ class Numerics:
         self.rounds = compute in LOW
         self.counts = dict.fromkeys(POINTS, 0)
 
+    def rounded(self, x, fmt):
+        """x rounded to fmt (a copy): the one place a value is rounded (hsgd.oracle's rounding-error model puts a
+        random perturbation of the same size here instead)."""
+        return round_to(x, fmt)
+
     def round(self, x, point):
         """x rounded to the compute format at `point` (a copy), or x itself when nothing is rounded."""
         if not self.rounds:
             return x
         self.counts[point] += 1
-        return round_to(x, self.compute)
+        return self.rounded(x, self.compute)
 
     def round_(self, x, point):
         """The same, in place (x[...] = rounded x); returns x."""
         if self.rounds:
             self.counts[point] += 1
-            x[...] = round_to(x, self.compute)
+            x[...] = self.rounded(x, self.compute)
         return x
 
     def weights(self, params):
@@ -140,7 +145,7 @@ class Numerics:
         if not self.rounds:
             return params
         self.counts["weights"] += 1
-        return {n: round_to(p, self.compute) for n, p in params.items()}
+        return {n: self.rounded(p, self.compute) for n, p in params.items()}
 
     def payload(self, x):
         """A tensor-parallel collective's partial sums, rounded in place before they travel (comm.payload_round)."""
@@ -150,7 +155,7 @@ class Numerics:
         """A gradient (or a part of one) rounded in place to the exchange's format; x itself for float32."""
         if self.reduce in LOW:
             self.counts["reduce"] += 1
-            x[...] = round_to(x, self.reduce)
+            x[...] = self.rounded(x, self.reduce)
         return x
 
 

@@ -47,9 +47,7 @@ class Stage:
         self.xp, self.dtype = get_xp(tc.device), resolve_dtype(tc.dtype)   # (ZeRO-3: params may be empty here)
         self.tp_comm, self.pp_comm, self.s, p = grid.tp_comm, grid.pp_comm, grid.pp_rank, grid.pp
         self.ctx = make_context(cfg, grid, tc)                         # my positions of each sequence (hsgd.context)
-        self.num = make_numerics(tc)                                   # where bfloat16 / float16 round (hsgd.precision)
-        if self.num.rounds and self.tp_comm.size > 1:                  # tensor-parallel partial sums travel rounded
-            self.tp_comm.payload_round = self.num.payload
+        self.use(make_numerics(tc))                                    # where bfloat16 / float16 round (hsgd.precision)
         self.loss_scale = 1.0                                          # float16: the loss scaler's S (hsgd.hybrid)
         self.v = v = getattr(tc, "virtual_stages", 1)
         kind = effective(tc.schedule, p, v)                          # (one stage: 1F1B; v > 1 refused)
@@ -63,6 +61,12 @@ class Stage:
         check_tags(self.pp_comm, self.tag(p * v - 1, self.m - 1) + 1)
         self.actions = everyone[self.s]
         self.peak_held, self.timeline, self.measure_bytes, self.peak_bytes = 0, [], False, 0
+
+    def use(self, num):
+        """Round where `num` (an hsgd.precision.Numerics) says: at the model's points, and the tensor-parallel
+        partial sums before they travel (comm.payload_round)."""
+        self.num = num
+        self.tp_comm.payload_round = num.payload if num.rounds and self.tp_comm.size > 1 else None
 
     def pieces(self, rows):
         """How a micro-batch of `rows` sequences is computed: in one piece (ThreadedStage: one per thread)."""
