@@ -154,6 +154,41 @@ def plot_memory(per_rank, path, title=""):
     return path
 
 
+def plot_tolerance(verdict, path):
+    """The tolerance oracle's verdict (hsgd.oracle.Verdict): for each layout, per parameter, the differences
+    observed over the seeds (dots: each seed; against float64 and against the first layout) under their bands
+    (lines), on a log scale; a dot above its line is outside what rounding explains."""
+    plt = _pyplot()
+    from .oracle import name_of
+    layouts, names = verdict.layouts, verdict.names
+    fig, axes = plt.subplots(len(layouts), 1, figsize=(max(7, 0.28 * len(names) + 2), 2.6 * len(layouts) + 0.6),
+                             squeeze=False, sharex=True)
+    x = list(range(len(names)))
+    for ax, L in zip(axes[:, 0], layouts):
+        for series, base, color, label in ((verdict.vs64, False, "#4C72B0", "vs float64"),
+                                           (verdict.vsbase, True, "#DD8452", f"vs {name_of(layouts[0])}")):
+            if base and L == layouts[0]:
+                continue
+            for i, k in enumerate(names):
+                seen = series[L][k]
+                ax.scatter([i + (0.15 if base else -0.15)] * len(seen), seen, s=8, color=color,
+                           label=label if i == 0 else None)
+            ax.step([i - 0.5 for i in x] + [len(x) - 0.5], [verdict.band(L, k, base) for k in names] +
+                    [verdict.band(L, names[-1], base)], where="post", color=color, lw=1, alpha=0.8,
+                    label=f"band ({label})")
+        ax.set_yscale("log")
+        ax.set_title(f"layout {name_of(L)}: {verdict.compute} differences (dots, one per seed) and their bands",
+                     fontsize=9)
+        ax.set_ylabel("relative difference")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="lower right")
+    axes[-1, 0].set_xticks(x)
+    axes[-1, 0].set_xticklabels(names, rotation=90, fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def write_plots(directory, losses, val_points, events, step_range, title, first_step=1):
     """Both pictures into `directory`; returns their paths."""
     os.makedirs(directory, exist_ok=True)

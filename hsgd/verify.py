@@ -10,11 +10,14 @@ Exit code 0 when every error is within the tolerance of the dtype, 1 otherwise (
     float64: loss within 1e-12 and every gradient within 1e-10, relative
     float32: loss within 1e-6 and every gradient within 1e-4, relative (the float32 error budget; the serial
              reference is computed in float64)
+    bfloat16, float16: no fixed tolerance; the tolerance oracle (hsgd.oracle) runs --layouts over --seeds and
+             predicts each difference's band from a model of the rounding errors
 
 "Relative" means relative to the largest serial gradient entry of that parameter, or to 1e-3 of the model's
 largest gradient entry when that is larger (some gradients are exactly zero, e.g. the attention k-bias: a
 softmax ignores a shift shared by a row of scores, so what is computed there is rounding noise).
 """
+import argparse
 import sys
 from dataclasses import replace
 
@@ -28,6 +31,8 @@ from .config import flag_names
 from .errors import ConfigError
 from .grid import ProcessGrid
 from .hybrid import HybridTrainer
+from .oracle import oracle, parse_layouts, report
+from .precision import LOW
 from .flags import GROUPS, MODEL_FLAGS, configs_from_args, flags_parser
 from .settings import Layout, TrainConfig
 from .train import place_on_device
@@ -35,17 +40,35 @@ from .train import place_on_device
 TOLERANCE = {"float64": (1e-12, 1e-10), "float32": (1e-6, 1e-4)}      # (loss, gradients)
 # the flags of hsgd.verify (hsgd.train's, less those a single checked step does not use), and its defaults
 VERIFY_FLAGS = flag_names(Layout) + MODEL_FLAGS + ("batch_size", "seed", "data", "dtype", "device", "zero",
-                                                   "hierarchical", "ranks_per_node", "recompute")
+                                                   "hierarchical", "ranks_per_node", "recompute", "reduce_dtype",
+                                                   "loss_scale")
 VERIFY_DEFAULTS = dict(dtype="float64", batch_size=8, seq_len=16, d_model=32, n_layers=2, n_heads=4, d_ff=64)
+
+
+ORACLE_FLAGS = ("layouts", "seeds", "loss_steps", "plot")
 
 
 def build_parser():
     """hsgd.train's flags for the layout, the model, the batch and the numerics (flags.flags_parser, the same
-    help texts), with verify's defaults: a small model and float64."""
-    return flags_parser(GROUPS, only=VERIFY_FLAGS, overrides=VERIFY_DEFAULTS, prog="mpirun -n P python -m hsgd.verify",
-                        description="One step of the parallel model on P = dp x pp x cp x tp MPI ranks against the "
-                                    "serial reference: a table of the largest gradient error of every parameter; exit "
-                                    "0 if all are within tolerance (float64 1e-10, float32 1e-4), else 1.")
+    help texts), with verify's defaults: a small model and float64; and the tolerance oracle's."""
+    p = flags_parser(GROUPS, only=VERIFY_FLAGS, overrides=VERIFY_DEFAULTS, prog="mpirun -n P python -m hsgd.verify",
+                     description="One step of the parallel model on P = dp x pp x cp x tp MPI ranks against the "
+                                 "serial reference: a table of the largest gradient error of every parameter; exit 0 "
+                                 "if all are within tolerance (float64 1e-10, float32 1e-4), else 1. With --dtype "
+                                 "bfloat16 or float16, the tolerance oracle: how far each layout's gradients may "
+                                 "differ from float64 and from each other through rounding alone.",
+                     epilog="Example: mpirun -n 8 python -m hsgd.verify --dtype bfloat16 --layouts 1x1x1,2x1x4,1x2x4 "
+                            "--seeds 8 --plot oracle.png")
+    g = p.add_argument_group("The tolerance oracle (--dtype bfloat16 or float16)")
+    g.add_argument("--layouts", metavar="DPxPPxTP,...", help="the layouts to compare, each dp x pp x tp or dp x pp x "
+                   "cp x tp on the first ranks; the first is the base the others are compared with (default: 1x1x1 "
+                   "and the layout of the flags on all P ranks)")
+    g.add_argument("--seeds", type=int, default=4, help="seeds (weights and batch) per layout: medians and maxima "
+                   "over them (default: 4)")
+    g.add_argument("--loss-steps", type=int, default=0, metavar="K", help="compare the loss after K training steps "
+                   "instead of one step's gradients (default: 0, the gradients)")
+    g.add_argument("--plot", metavar="FILE.png", help="draw each layout's differences against their bands")
+    return p
 
 
 def verify(cfg, tc, world=MPI.COMM_WORLD, out=sys.stdout, where=None):
@@ -109,18 +132,44 @@ def main(argv=None):
 
     def body():
         args = build_parser().parse_args(argv)
-        cfg, tc = launch.agree(world, lambda: configs_from_args(args, world.Get_size()))
-        if tc.dtype not in TOLERANCE:
-            raise ConfigError(f"dtype={tc.dtype!r}: hsgd.verify holds float64 and float32 to fixed tolerances "
-                              f"({', '.join(TOLERANCE)}); how far a {tc.dtype} layout may differ is the tolerance "
-                              f"oracle's question, not built yet: train with --dtype {tc.dtype}, verify in float32")
+        flags = argparse.Namespace(**{k: v for k, v in vars(args).items() if k not in ORACLE_FLAGS})
+        cfg, tc = launch.agree(world, lambda: configs_from_args(flags, world.Get_size()))
         tc = replace(tc, steps=1, sample_bytes=0)
+        if tc.dtype in LOW:
+            return tolerance_oracle(args, cfg, tc, world)
+        if args.layouts or args.plot or args.loss_steps:
+            raise ConfigError(f"--layouts, --loss-steps and --plot are the tolerance oracle's, for --dtype "
+                              f"bfloat16 or float16; {tc.dtype} is held to a fixed tolerance: leave them out")
         where = place_on_device(tc, world)
         with threadpool_limits(limits=1):
             ok, _ = verify(cfg, tc, world, where=where)
         return 0 if ok else 1
 
     return launch.run(body, world)
+
+
+def tolerance_oracle(args, cfg, tc, world):
+    """hsgd.oracle on the flags' layouts and seeds: its tables (and --plot) on rank 0; the exit code."""
+    from .data import Corpus
+    if args.seeds < 1 or args.loss_steps < 0:
+        raise ConfigError(f"--seeds {args.seeds} --loss-steps {args.loss_steps}: give --seeds >= 1 and "
+                          f"--loss-steps >= 0")
+    mine = f"{tc.dp}x{tc.pp}x{tc.tp}" if tc.cp == 1 else f"{tc.dp}x{tc.pp}x{tc.cp}x{tc.tp}"
+    text = args.layouts or ("1x1x1" if mine in ("1x1x1", "1x1x1x1") else f"1x1x1,{mine}")
+    layouts = launch.agree(world, lambda: parse_layouts(text, cfg, tc, world.Get_size()))
+    place_on_device(tc, world)
+    corpus = launch.agree(world, lambda: Corpus.load(tc.data, cfg.seq_len))
+    with threadpool_limits(limits=1):
+        verdict = oracle(cfg, tc, layouts, args.seeds, world, corpus, args.loss_steps,
+                         progress=lambda line: print(line, flush=True))
+    ok = None
+    if world.Get_rank() == 0:
+        ok = report(verdict, tc, cfg, world.Get_size(), sys.stdout, args.loss_steps)
+        if args.plot:
+            from .plots import plot_tolerance
+            plot_tolerance(verdict, args.plot)
+            print(f"picture: {args.plot}")
+    return 0 if world.bcast(ok) else 1
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """The settings are written once: every TrainConfig / ModelConfig field that is a flag is in hsgd.train --help with
 its help text and default, hsgd.verify's parser is built from the same fields (the same help texts), and the help
 describes the dp x pp x tp grid."""
+from argparse import Namespace
 from dataclasses import fields
 
 import pytest
@@ -59,6 +60,8 @@ def test_help_describes_dp_pp_tp_and_the_renamed_flag():
 def test_verify_parser_is_built_from_the_same_fields():
     from hsgd import verify
     train_flags, verify_flags = options(build_parser()), options(verify.build_parser())
+    assert set(verify.ORACLE_FLAGS) <= set(verify_flags)                  # the tolerance oracle's own
+    verify_flags = {k: a for k, a in verify_flags.items() if k not in verify.ORACLE_FLAGS}
     assert set(verify_flags) == set(verify.VERIFY_FLAGS) and set(verify_flags) < set(train_flags)
     for name, action in verify_flags.items():
         if name in verify.VERIFY_DEFAULTS:                     # verify's own default, shown in its help
@@ -78,7 +81,8 @@ def test_defaults_come_from_the_dataclasses():
     from hsgd import verify
     cfg, tc = configs_from_args(build_parser().parse_args([]), world_size=1)
     assert cfg == ModelConfig() and tc == TrainConfig(tp=1, dp=1) and tc.micro_batches == 1
-    cfg, tc = configs_from_args(verify.build_parser().parse_args([]), world_size=1)
+    args = vars(verify.build_parser().parse_args([]))
+    cfg, tc = configs_from_args(Namespace(**{k: v for k, v in args.items() if k not in verify.ORACLE_FLAGS}), 1)
     assert cfg == ModelConfig(seq_len=16, d_model=32, n_layers=2, n_heads=4, d_ff=64)
     assert (tc.dtype, tc.batch_size) == ("float64", 8)
 
@@ -144,9 +148,23 @@ def test_what_the_narrow_formats_do_not_combine_with_is_refused(flags, words):
     assert words in str(e.value)
 
 
-def test_verify_refuses_the_narrow_formats_until_the_oracle_exists(capsys):
+@pytest.mark.parametrize("flags,words", [
+    (["--dtype", "float64", "--layouts", "1x1x1"], "--layouts, --loss-steps and --plot are the tolerance oracle's"),
+    (["--dtype", "bfloat16", "--layouts", "1x1"], "'1x1' is not a layout; write dp x pp x tp"),
+    (["--dtype", "bfloat16", "--layouts", "1x1x1,2x1x1"], "2x1x1 needs 2 ranks, mpirun started 1"),
+    (["--dtype", "float16", "--seeds", "0"], "give --seeds >= 1")])
+def test_verify_refuses_what_the_oracle_cannot_do(flags, words, capsys):
     from hsgd import verify
-    assert verify.main(["--dtype", "bfloat16"]) == 2
+    assert verify.main(flags) == 2
     err = capsys.readouterr().err
     print(err)
-    assert "hsgd.verify holds float64 and float32 to fixed tolerances" in err and err.count("hsgd: error:") == 1
+    assert words in err and err.count("hsgd: error:") == 1
+
+
+def test_the_oracle_on_one_rank_passes_and_draws(tmp_path, capsys):
+    """hsgd.verify --dtype bfloat16 in one process: the layout 1x1x1 against float64, inside its band; --plot."""
+    from hsgd import verify
+    assert verify.main(["--dtype", "bfloat16", "--seeds", "2", "--plot", str(tmp_path / "o.png")]) == 0
+    out = capsys.readouterr().out
+    print(out[-600:])
+    assert "PASS: every difference of 1x1x1 is inside its band" in out and (tmp_path / "o.png").stat().st_size > 0

@@ -1,0 +1,296 @@
+"""The tolerance oracle: how far may a bfloat16 or float16 layout differ from float64, and from another layout,
+before it is a bug?
+
+    mpirun -n 8 python -m hsgd.verify --dtype bfloat16 --layouts 1x1x1,2x1x4,1x2x4 --seeds 8 [--loss-steps K]
+
+For every seed s (the initial weights and the batch) and every layout L (dp x pp x tp, or dp x pp x cp x tp, on
+the first dp pp cp tp ranks), four one-step runs of the same code path:
+
+    g          the float64 serial reference (layout 1x1x1, one micro-batch, float64)
+    g_L        L in the low format: what the user's run computes
+    g_L^64     L in float64: exact, equal to g up to ~1e-15 (else L has a bug, whatever the format)
+    g_L^model  L in float64 with every rounding of the low format replaced by a random relative error of the same
+               size: x -> x (1 + u e), e in [-1, 1), at every point of hsgd.precision.POINTS
+
+and, for every parameter P (relative to a norm; the floor keeps gradients that are zero in exact arithmetic, such
+as the attention k-bias's, from dividing by zero):
+
+    d(a, b) = ||a_P - b_P|| / max(||g_P||, 1e-3 max_Q ||g_Q||)          (Frobenius norms)
+
+    observed      d(g_L, g) against float64, d(g_L, g_B) against the first layout B; median and max over seeds
+    model         m_L = sqrt(mean_s d(g_L^model, g_L^64)^2): the rounding error the model predicts for L
+    band          lambda m_L                                  + 2 gamma_N(u_float32)     against float64
+                  lambda sqrt(m_L^2 + m_B^2)                  + 2 gamma_N(u_float32)     between L and B
+
+with lambda = 4. The first term is the probabilistic rounding-error analysis of Higham & Mary 2019 ("A new approach
+to probabilistic rounding error analysis"): rounding errors treated as independent random relative errors
+bounded by u, propagated by the model itself rather than by worst-case inequalities. Higham's worst-case bound
+gamma_n = n u / (1 - n u) says nothing in bfloat16 (gamma_n >= 1 from n = 256 terms), but it still bounds what the
+layouts do in float32: a weight gradient adds N = B T per-token terms in float32 (the accumulations of the matrix
+products, the micro-batches, the dp and cp ranks' shares), each layout in another order, and two orders of one sum
+differ by at most 2 gamma_N(u_float32) sum |terms| (taken relative to the gradient's norm: it assumes the terms do
+not cancel much; it is ~1e-5 here, far below the first term). The model differs from the user's run in that a
+value already representable is rounded exactly and the model still perturbs it, and in that it cannot
+underflow: it overestimates the typical error (an error uniform in [-u, u] has rms u/sqrt(3), a rounding's is
+about 0.74 of that), and float16's underflow is what the loss scale is for.
+
+A difference outside its band is flagged, and the oracle exits 1; so does a layout whose float64 run differs from
+the reference by more than hsgd.verify's float64 tolerance (a bug that is not rounding at all). Being inside the
+band is evidence, not proof: a bug smaller than the rounding error is invisible to any comparison of one step.
+
+With --loss-steps K the same question for the loss after K training steps (the mean loss of one validation batch),
+where the rounding errors of K updates have accumulated: one row per layout.
+"""
+from dataclasses import replace
+
+import numpy as np
+from mpi4py import MPI
+
+from .backend import to_numpy
+from .cp import check_cp
+from .dp import check_batch
+from .errors import ConfigError
+from .grid import ProcessGrid
+from .hybrid import HybridTrainer
+from .precision import LOW, Numerics, gamma, unit_roundoff
+from .schedules import check_pipeline
+from .tp_shards import check_tp, gather_full
+
+LAMBDA = 4.0                  # the band: LAMBDA times the model's rms difference
+FLOOR = 1e-3                  # the norm a parameter's difference is relative to: at least FLOOR x the largest
+FLOAT64_TOLERANCE = 1e-10     # a layout's float64 run against the reference (hsgd.verify's)
+
+
+# ------------------------------------------------------------------------------------------- the error model
+
+def uniform_of(x, salt):
+    """A number in [-1, 1) for every element of the float64 array x, a hash of its bits and `salt` (splitmix64's
+    finalizer): random to look at, but a function of the value, as a rounding is (two ranks that compute the
+    same value replicated perturb it the same way, and stay replicas)."""
+    xp = np if isinstance(x, np.ndarray) else __import__("cupy")
+    h = xp.ascontiguousarray(x, dtype=xp.float64).view(xp.uint64) ^ xp.uint64(salt)
+    h = h * xp.uint64(0x9E3779B97F4A7C15)                            # (wraps modulo 2^64)
+    h = (h ^ (h >> xp.uint64(30))) * xp.uint64(0xBF58476D1CE4E5B9)
+    h = (h ^ (h >> xp.uint64(27))) * xp.uint64(0x94D049BB133111EB)
+    h = h ^ (h >> xp.uint64(31))
+    return (h >> xp.uint64(11)).astype(xp.float64) * 2.0 ** -52 - 1.0     # 53 random bits -> [-1, 1)
+
+
+class Perturbed(Numerics):
+    """The rounding-error model: a float64 run whose every rounding to `compute` (and to `reduce`) is
+    x (1 + u e), u the format's unit roundoff and e = uniform_of(x, salt): an error as large as a rounding's can
+    be, random in size and sign. Nothing else changes: the same points, counted the same way."""
+
+    def __init__(self, compute, reduce="float32", salt=0):
+        super().__init__(compute, reduce)
+        self.salt = salt
+
+    def rounded(self, x, fmt):
+        return x * (1.0 + unit_roundoff(fmt) * uniform_of(x, self.salt))
+
+
+# ------------------------------------------------------------------------------------------- layouts
+
+def parse_layouts(text, cfg, tc, world_size):
+    """[(dp, pp, cp, tp)] from "1x1x1,2x1x4,1x2x4" (dp x pp x tp) or with four numbers dp x pp x cp x tp; each
+    checked as hsgd.train would (the model splits, the batch divides, the pipeline has layers): ConfigError."""
+    out = []
+    for spec in text.split(","):
+        try:
+            dims = [int(d) for d in spec.strip().lower().split("x")]
+        except ValueError:
+            dims = []
+        if len(dims) not in (3, 4) or min(dims) < 1:
+            raise ConfigError(f"--layouts: {spec!r} is not a layout; write dp x pp x tp or dp x pp x cp x tp, e.g. "
+                              f"--layouts 1x1x1,2x1x4,1x2x4 (on 8 ranks)")
+        dp, pp, cp, tp = dims if len(dims) == 4 else (dims[0], dims[1], 1, dims[2])
+        if dp * pp * cp * tp > world_size:
+            raise ConfigError(f"--layouts: {spec} needs {dp * pp * cp * tp} ranks, mpirun started {world_size}; "
+                              f"start more ranks or give layouts of at most {world_size}")
+        check_tp(cfg, tp, tc.tp_scheme)
+        check_cp(cfg.seq_len, cp, tp, tc.tp_scheme == "sequence")
+        check_batch(tc.batch_size, dp, tc.micro_batches)
+        check_pipeline(cfg.n_layers, layout_config(tc, (dp, pp, cp, tp)))
+        out.append((dp, pp, cp, tp))
+    return out
+
+
+def layout_config(tc, layout, **changes):
+    """tc on `layout` (dp, pp, cp, tp), with `changes`."""
+    dp, pp, cp, tp = layout
+    return replace(tc, dp=dp, pp=pp, cp=cp, tp=tp, **changes)
+
+
+def name_of(layout):
+    dp, pp, cp, tp = layout
+    return f"{dp}x{pp}x{tp}" if cp == 1 else f"{dp}x{pp}x{cp}x{tp}"
+
+
+# ------------------------------------------------------------------------------------------- one run
+
+def run_layout(cfg, tc, layout, seed, world, dtype, num=None, loss_steps=0, corpus=None):
+    """Collective over world: one run of `layout` on its first dp pp cp tp ranks, from the weights of `seed`, in
+    `dtype` (with `num`: the stage rounds as num says). loss_steps = 0: one step's gradient of the batch of
+    `seed`, returned on world rank 0 as {name: full float64 array} (a float16 run that overflows at its loss
+    scale S halves S and tries again, as the scaler would); loss_steps = K: K training steps, then the mean loss of
+    one validation batch (a float on rank 0). None on the other ranks."""
+    n = int(np.prod(layout))
+    sub = world.Split(0 if world.Get_rank() < n else MPI.UNDEFINED, world.Get_rank())
+    if sub == MPI.COMM_NULL:
+        return None
+    ltc = layout_config(tc, layout, seed=seed, dtype=dtype, steps=max(1, loss_steps))
+    grid = ProcessGrid(sub, dp=ltc.dp, pp=ltc.pp, tp=ltc.tp, cp=ltc.cp)
+    try:
+        trainer = HybridTrainer(cfg, grid, ltc)
+        if num is not None:
+            trainer.stage.use(num)
+        if loss_steps:
+            for step in range(1, loss_steps + 1):
+                trainer.step(*corpus.batch(seed, step, tc.batch_size), step)
+            loss = trainer.evaluate(corpus, 1, tc.batch_size)                  # (collective)
+            return loss if sub.Get_rank() == 0 else None
+        idx, targets = corpus.batch(seed, 1, tc.batch_size)
+        for _ in range(64):
+            trainer.gradients(idx, targets)
+            mine = {k: to_numpy(g).astype(np.float64) / trainer.stage.loss_scale
+                    for k, g in trainer.averaged_grads().items()}
+            if sub.allreduce(all(np.isfinite(g).all() for g in mine.values()), op=MPI.LAND):
+                break
+            trainer.scaler.update(True)                                  # S / 2, and again
+        full = {}
+        for part in grid.pp_comm.allgather_obj(gather_full(mine, cfg, grid.tp_comm, tc.tp_scheme)):
+            full.update(part)
+        return full if sub.Get_rank() == 0 else None
+    finally:
+        grid.free()
+        sub.Free()
+
+
+def differences(a, b, ref):
+    """{name: d(a, b)} of the module docstring, relative to the reference gradient ref."""
+    floor = FLOOR * max(float(np.linalg.norm(g)) for g in ref.values())
+    return {k: float(np.linalg.norm(a[k] - b[k])) / max(float(np.linalg.norm(ref[k])), floor) for k in ref}
+
+
+# ------------------------------------------------------------------------------------------- the oracle
+
+class Verdict:
+    """What the oracle saw, on rank 0: per layout and parameter (or "loss") the observed differences per seed
+    against float64 (`vs64`) and against the first layout (`vsbase`), the model's (`model`), the float64 run's
+    (`exact`), and the bands. rows() lists them, flagged."""
+
+    def __init__(self, layouts, names, compute, tokens):
+        self.layouts, self.names, self.compute = layouts, names, compute
+        self.floor32 = 2 * gamma(tokens, "float32")            # the float32 accumulations, reordered
+        self.tokens = tokens
+        self.vs64 = {L: {k: [] for k in names} for L in layouts}
+        self.vsbase = {L: {k: [] for k in names} for L in layouts}
+        self.model = {L: {k: [] for k in names} for L in layouts}
+        self.exact = {L: 0.0 for L in layouts}
+
+    def add(self, L, vs64, vsbase, model, exact):
+        for k in self.names:
+            self.vs64[L][k].append(vs64[k])
+            self.vsbase[L][k].append(vsbase[k])
+            self.model[L][k].append(model[k])
+        self.exact[L] = max(self.exact[L], max(exact.values()))
+
+    def rms(self, L, k):
+        return float(np.sqrt(np.mean(np.square(self.model[L][k]))))
+
+    def band(self, L, k, base=False):
+        m = self.rms(L, k)
+        if base:
+            m = float(np.hypot(m, self.rms(self.layouts[0], k)))
+        return LAMBDA * m + self.floor32
+
+    def rows(self):
+        """[(layout, name, median vs64, max vs64, band, median vs base, max vs base, band vs base)]."""
+        out = []
+        for L in self.layouts:
+            for k in self.names:
+                a, b = self.vs64[L][k], self.vsbase[L][k]
+                out.append((L, k, float(np.median(a)), max(a), self.band(L, k), float(np.median(b)), max(b),
+                            self.band(L, k, base=True)))
+        return out
+
+    def outside(self):
+        """The rows outside their band, and the layouts whose float64 run is not exact."""
+        bad = [r for r in self.rows() if r[3] > r[4] or r[6] > r[7]]
+        return bad, [L for L in self.layouts if self.exact[L] > FLOAT64_TOLERANCE]
+
+
+def oracle(cfg, tc, layouts, seeds, world, corpus, loss_steps=0, progress=None):
+    """Collective over world: the Verdict on rank 0 (None elsewhere). tc.dtype is bfloat16 or float16;
+    seeds: the seeds tc.seed, tc.seed + 1, ...; progress(text): a line per seed on rank 0."""
+    if tc.dtype not in LOW:
+        raise ConfigError(f"the tolerance oracle is for --dtype {' or '.join(LOW)}, not {tc.dtype}")
+    names = ["loss"] if loss_steps else list(cfg.param_shapes())
+    verdict = Verdict(layouts, names, tc.dtype, tc.batch_size * cfg.seq_len)
+    rank0 = world.Get_rank() == 0
+
+    def run(L, seed, dtype, num=None):
+        return run_layout(cfg, tc, L, seed, world, dtype, num, loss_steps, corpus)
+
+    def as_dict(x):
+        return {"loss": np.array(x)} if loss_steps else x
+
+    for i in range(seeds):
+        seed = tc.seed + i
+        ref = as_dict(run_layout(cfg, replace(tc, micro_batches=1), (1, 1, 1, 1), seed, world, "float64",
+                                 loss_steps=loss_steps, corpus=corpus))          # serial: one rank, one micro-batch
+        base = None
+        for j, L in enumerate(layouts):
+            low = as_dict(run(L, seed, tc.dtype))
+            exact = as_dict(run(L, seed, "float64"))
+            model = as_dict(run(L, seed, "float64", Perturbed(tc.dtype, tc.reduce_dtype, salt=1000 * i + j + 1)))
+            if rank0:
+                base = low if j == 0 else base
+                verdict.add(L, differences(low, ref, ref), differences(low, base, ref),
+                            differences(model, exact, ref), differences(exact, ref, ref))
+        if rank0 and progress:
+            progress(f"seed {seed}: {len(layouts)} layouts x 3 runs (in {tc.dtype}, float64, the error model) done")
+    return verdict if rank0 else None
+
+
+def report(verdict, tc, cfg, world_size, out, loss_steps=0):
+    """The oracle's tables, on rank 0; returns True when every difference is inside its band."""
+    u, n = unit_roundoff(verdict.compute), len(verdict.vs64[verdict.layouts[0]][verdict.names[0]])
+    base = name_of(verdict.layouts[0])
+    what = (f"the loss after {loss_steps} steps" if verdict.names == ["loss"] else "one step's gradients")
+    print(f"hsgd.verify, the tolerance oracle | {world_size} ranks | {verdict.compute} (u = {u:.1e}), reduce "
+          f"{tc.reduce_dtype} | {what}, {n} seeds | batch {tc.batch_size} x {cfg.seq_len}, {tc.micro_batches} "
+          f"micro-batch(es) | {tc.tp_scheme}", file=out)
+    print(f"band = {LAMBDA:g} x the error model's rms (between layouts: of both, in quadrature) + 2 gamma_N(u_float32)"
+          f" = {verdict.floor32:.1e} (N = {verdict.tokens} tokens); differences relative to the float64 gradient's "
+          f"norm", file=out)
+    rows = verdict.rows()
+    for L in verdict.layouts:
+        dp, pp, cp, tp = L
+        print(f"\nlayout {name_of(L)} (dp {dp} x pp {pp}{f' x cp {cp}' if cp > 1 else ''} x tp {tp}): in float64 "
+              f"{verdict.exact[L]:.1e} from the reference (exact: <= {FLOAT64_TOLERANCE:.0e})"
+              f"{'' if verdict.exact[L] <= FLOAT64_TOLERANCE else '   <- NOT EXACT: a bug, not rounding'}", file=out)
+        print(f"{'':<24}{'vs float64':>30}{'vs ' + base:>32}", file=out)
+        print(f"{'parameter':<24}{'median':>10}{'max':>10}{'band':>10}  {'median':>10}{'max':>10}{'band':>10}",
+              file=out)
+        for L2, k, med, mx, band, medb, mxb, bandb in rows:
+            if L2 == L:
+                flag = "   <- outside the band" if mx > band or mxb > bandb else ""
+                other = f"{medb:>10.1e}{mxb:>10.1e}{bandb:>10.1e}" if L != verdict.layouts[0] else f"{'-':>10}" * 3
+                print(f"{k:<24}{med:>10.1e}{mx:>10.1e}{band:>10.1e}  {other}{flag}", file=out)
+        mine = [r for r in rows if r[0] == L]
+        worst = max(mine, key=lambda r: max(r[3] / r[4], r[6] / r[7]))
+        print(f"largest observed / band: {max(worst[3] / worst[4], worst[6] / worst[7]):.2f} ({worst[1]})", file=out)
+    bad, inexact = verdict.outside()
+    ok = not bad and not inexact
+    if ok:
+        print(f"PASS: every difference of {', '.join(name_of(L) for L in verdict.layouts)} is inside its band: "
+              f"what rounding to {verdict.compute} explains", file=out)
+    else:
+        names = sorted({f"{name_of(r[0])} {r[1]}" for r in bad}) + [f"{name_of(L)} (float64)" for L in inexact]
+        print(f"FAIL: {len(names)} outside what rounding explains: {', '.join(names[:8])}"
+              f"{' ...' if len(names) > 8 else ''}", file=out)
+    return ok
+
+
+__all__ = ["oracle", "report", "Perturbed", "Verdict", "parse_layouts", "run_layout", "uniform_of", "LAMBDA"]
