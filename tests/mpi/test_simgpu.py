@@ -7,8 +7,9 @@ What a machine without a GPU can check of the GPU path, and what goes wrong sile
   * staging takes its pinned host buffers from a pool: none is allocated after the first step (the second with
     staleness, where two exchanges are in flight from then on);
   * both transfer paths, device pointers to MPI (HSGD_CUDA_AWARE=1) and staging (0), train exactly as the CPU
-    path does, float64, on 3-D, ZeRO, overlapped, hierarchical, sequence- and context-parallel layouts, and MPI is
-    never handed a device pointer while kernels are still queued on the stream.
+    path does, float64, on 3-D, ZeRO, overlapped, hierarchical, sequence- and context-parallel layouts (bfloat16
+    and float16, emulated, bit for bit too), and MPI is never handed a device pointer while kernels are still
+    queued on the stream.
 Kernels, speed and memory need a real GPU: `make gpu-check`.
 """
 import os
@@ -50,6 +51,9 @@ LAYOUTS = {
     "dp4 tp2, staleness 1": dict(dp=4, tp=2, dp_staleness=1),        # two exchanges of one shape in flight
     "dp2 cp2 tp2, ring attention": dict(dp=2, cp=2, tp=2),
     "cp4 tp2, all-gather attention, ZeRO-1": dict(dp=1, cp=4, tp=2, cp_scheme="allgather", zero=1),
+    "dp2 pp2 tp2, bfloat16, exchange in bfloat16": dict(dp=2, pp=2, tp=2, micro_batches=2, dtype="bfloat16",
+                                                        reduce_dtype="bfloat16"),
+    "dp4 tp2, float16, loss scaling": dict(dp=4, tp=2, dtype="float16"),
 }
 
 
