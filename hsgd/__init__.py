@@ -58,6 +58,7 @@ of the algorithm:
     hsgd.launch             fail fast: usage errors reported once, exceptions abort the whole job (hsgd.errors)
   tools
     hsgd.verify             mpirun -n 8 python -m hsgd.verify: parallel gradients against serial, per parameter
+    hsgd.oracle             the tolerance oracle (verify --dtype bfloat16): rounding or a bug?  hsgd.mutations: bugs
     hsgd.schedule           python -m hsgd.schedule: a schedule drawn, its bubble and memory; --run measures them
     hsgd.sample             python -m hsgd.sample DIR --prompt TEXT: text from any checkpoint (hsgd.generate)
 """

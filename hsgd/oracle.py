@@ -46,7 +46,7 @@ from dataclasses import replace
 import numpy as np
 from mpi4py import MPI
 
-from .backend import to_numpy
+from .backend import array_module, to_numpy
 from .cp import check_cp
 from .dp import check_batch
 from .errors import ConfigError
@@ -67,7 +67,7 @@ def uniform_of(x, salt):
     """A number in [-1, 1) for every element of the float64 array x, a hash of its bits and `salt` (splitmix64's
     finalizer): random to look at, but a function of the value, as a rounding is (two ranks that compute the
     same value replicated perturb it the same way, and stay replicas)."""
-    xp = np if isinstance(x, np.ndarray) else __import__("cupy")
+    xp = array_module(x)
     h = xp.ascontiguousarray(x, dtype=xp.float64).view(xp.uint64) ^ xp.uint64(salt)
     h = h * xp.uint64(0x9E3779B97F4A7C15)                            # (wraps modulo 2^64)
     h = (h ^ (h >> xp.uint64(30))) * xp.uint64(0xBF58476D1CE4E5B9)
@@ -154,7 +154,8 @@ def run_layout(cfg, tc, layout, seed, world, dtype, num=None, loss_steps=0, corp
             trainer.gradients(idx, targets)
             mine = {k: to_numpy(g).astype(np.float64) / trainer.stage.loss_scale
                     for k, g in trainer.averaged_grads().items()}
-            if sub.allreduce(all(np.isfinite(g).all() for g in mine.values()), op=MPI.LAND):
+            if trainer.scaler is None or sub.allreduce(all(np.isfinite(g).all() for g in mine.values()),
+                                                       op=MPI.LAND):
                 break
             trainer.scaler.update(True)                                  # S / 2, and again
         full = {}
