@@ -25,7 +25,7 @@ as the attention k-bias's, from dividing by zero):
 with lambda = 4. The first term is the probabilistic rounding-error analysis of Higham & Mary 2019 ("A new approach
 to probabilistic rounding error analysis"): rounding errors treated as independent random relative errors
 bounded by u, propagated by the model itself rather than by worst-case inequalities. Higham's worst-case bound
-gamma_n = n u / (1 - n u) says nothing in bfloat16 (gamma_n >= 1 from n = 256 terms), but it still bounds what the
+gamma_n = n u / (1 - n u) says nothing in bfloat16 (gamma_n >= 1 from n = 128 terms), but it still bounds what the
 layouts do in float32: a weight gradient adds N = B T per-token terms in float32 (the accumulations of the matrix
 products, the micro-batches, the dp and cp ranks' shares), each layout in another order, and two orders of one sum
 differ by at most 2 gamma_N(u_float32) sum |terms| (taken relative to the gradient's norm: it assumes the terms do
@@ -128,12 +128,12 @@ def name_of(layout):
 
 # ------------------------------------------------------------------------------------------- one run
 
-def run_layout(cfg, tc, layout, seed, world, dtype, num=None, loss_steps=0, corpus=None):
+def run_layout(cfg, tc, layout, seed, world, dtype, corpus, num=None, loss_steps=0):
     """Collective over world: one run of `layout` on its first dp pp cp tp ranks, from the weights of `seed`, in
-    `dtype` (with `num`: the stage rounds as num says). loss_steps = 0: one step's gradient of the batch of
-    `seed`, returned on world rank 0 as {name: full float64 array} (a float16 run that overflows at its loss
-    scale S halves S and tries again, as the scaler would); loss_steps = K: K training steps, then the mean loss of
-    one validation batch (a float on rank 0). None on the other ranks."""
+    `dtype` (with `num`: the stage rounds as num says), on the batches of hsgd.data's `corpus`. loss_steps = 0:
+    one step's gradient of the batch of `seed`, returned on world rank 0 as {name: full float64 array} (a float16
+    run that overflows at its loss scale S halves S and tries again, as the scaler would); loss_steps = K: K
+    training steps, then the mean loss of one validation batch (a float on rank 0). None on the other ranks."""
     n = int(np.prod(layout))
     sub = world.Split(0 if world.Get_rank() < n else MPI.UNDEFINED, world.Get_rank())
     if sub == MPI.COMM_NULL:
@@ -231,15 +231,15 @@ def oracle(cfg, tc, layouts, seeds, world, corpus, loss_steps=0, progress=None):
     rank0 = world.Get_rank() == 0
 
     def run(L, seed, dtype, num=None):
-        return run_layout(cfg, tc, L, seed, world, dtype, num, loss_steps, corpus)
+        return run_layout(cfg, tc, L, seed, world, dtype, corpus, num, loss_steps)
 
     def as_dict(x):
         return {"loss": np.array(x)} if loss_steps else x
 
     for i in range(seeds):
         seed = tc.seed + i
-        ref = as_dict(run_layout(cfg, replace(tc, micro_batches=1), (1, 1, 1, 1), seed, world, "float64",
-                                 loss_steps=loss_steps, corpus=corpus))          # serial: one rank, one micro-batch
+        ref = as_dict(run_layout(cfg, replace(tc, micro_batches=1), (1, 1, 1, 1), seed, world, "float64", corpus,
+                                 loss_steps=loss_steps))          # serial: one rank, one micro-batch
         base = None
         for j, L in enumerate(layouts):
             low = as_dict(run(L, seed, tc.dtype))
@@ -294,4 +294,5 @@ def report(verdict, tc, cfg, world_size, out, loss_steps=0):
     return ok
 
 
-__all__ = ["oracle", "report", "Perturbed", "Verdict", "parse_layouts", "run_layout", "uniform_of", "LAMBDA"]
+__all__ = ["oracle", "report", "Perturbed", "Verdict", "differences", "parse_layouts", "run_layout", "uniform_of",
+           "LAMBDA"]

@@ -154,10 +154,11 @@ def plot_memory(per_rank, path, title=""):
     return path
 
 
-def plot_tolerance(verdict, path):
+def plot_tolerance(verdict, path=None):
     """The tolerance oracle's verdict (hsgd.oracle.Verdict): for each layout, per parameter, the differences
     observed over the seeds (dots: each seed; against float64 and against the first layout) under their bands
-    (lines), on a log scale; a dot above its line is outside what rounding explains."""
+    (lines), on a log scale; a dot above its line is outside what rounding explains. Saved to `path` (and closed),
+    or, without a path, the figure is returned."""
     plt = _pyplot()
     from .oracle import name_of
     layouts, names = verdict.layouts, verdict.names
@@ -185,6 +186,8 @@ def plot_tolerance(verdict, path):
     axes[-1, 0].set_xticks(x)
     axes[-1, 0].set_xticklabels(names, rotation=90, fontsize=7)
     fig.tight_layout()
+    if path is None:
+        return fig
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
