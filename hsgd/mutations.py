@@ -16,12 +16,15 @@ BUGS = {
                         "gradients are summed over the tp ranks where each rank's was already the whole",
     "dropped-micro-batch": "the last micro-batch's backward pass starts from dloss = 0: its loss counts, its "
                            "gradient never arrives (with --micro-batches >= 2)",
+    "low-precision-scale": "one parameter's gradient 10% too large, in low-precision runs only (a code path that "
+                           "only bfloat16 and float16 take, such as a scale applied twice): float64 stays exact",
 }
 
 
 @contextmanager
 def injected(bug, name="ln_f.weight"):
-    """Run the block with `bug` (a key of BUGS); `name`: the parameter missing-tp-scale scales."""
+    """Run the block with `bug` (a key of BUGS); `name`: the parameter missing-tp-scale and low-precision-scale
+    scale."""
     Stage = stage_module.Stage
     if bug == "missing-tp-scale":
         attr, original = "run", Stage.run
@@ -30,6 +33,14 @@ def injected(bug, name="ln_f.weight"):
             loss = original(self, params, grads, mbs, *args, **kwargs)
             if grads.get(name) is not None:
                 grads[name] *= self.tp_comm.size                   # should have been x 1
+            return loss
+    elif bug == "low-precision-scale":
+        attr, original = "run", Stage.run
+
+        def broken(self, params, grads, mbs, *args, **kwargs):
+            loss = original(self, params, grads, mbs, *args, **kwargs)
+            if self.num.rounds and grads.get(name) is not None:
+                grads[name] *= 1.1                                  # should have been x 1
             return loss
     elif bug == "dropped-micro-batch":
         attr, original = "receive", Stage.receive

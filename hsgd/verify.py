@@ -33,6 +33,7 @@ from .grid import ProcessGrid
 from .hybrid import HybridTrainer
 from .oracle import oracle, parse_layouts, report
 from .precision import LOW
+from .preflight import needs_module, writable_file
 from .flags import GROUPS, MODEL_FLAGS, configs_from_args, flags_parser
 from .settings import Layout, TrainConfig
 from .train import place_on_device
@@ -41,7 +42,7 @@ TOLERANCE = {"float64": (1e-12, 1e-10), "float32": (1e-6, 1e-4)}      # (loss, g
 # the flags of hsgd.verify (hsgd.train's, less those a single checked step does not use), and its defaults
 VERIFY_FLAGS = flag_names(Layout) + MODEL_FLAGS + ("batch_size", "seed", "data", "dtype", "device", "zero",
                                                    "hierarchical", "ranks_per_node", "recompute", "reduce_dtype",
-                                                   "loss_scale")
+                                                   "loss_scale", "lr", "warmup")
 VERIFY_DEFAULTS = dict(dtype="float64", batch_size=8, seq_len=16, d_model=32, n_layers=2, n_heads=4, d_ff=64)
 
 
@@ -63,10 +64,10 @@ def build_parser():
     g.add_argument("--layouts", metavar="DPxPPxTP,...", help="the layouts to compare, each dp x pp x tp or dp x pp x "
                    "cp x tp on the first ranks; the first is the base the others are compared with (default: 1x1x1 "
                    "and the layout of the flags on all P ranks)")
-    g.add_argument("--seeds", type=int, default=4, help="seeds (weights and batch) per layout: medians and maxima "
-                   "over them (default: 4)")
+    g.add_argument("--seeds", type=int, default=None, help="seeds per layout, --seed, --seed + 1, ... (the weights "
+                   "and the batch): medians and maxima over them (default: 4)")
     g.add_argument("--loss-steps", type=int, default=0, metavar="K", help="compare the loss after K training steps "
-                   "instead of one step's gradients (default: 0, the gradients)")
+                   "(with --lr and --warmup) instead of one step's gradients (default: 0, the gradients)")
     g.add_argument("--plot", metavar="FILE.png", help="draw each layout's differences against their bands")
     return p
 
@@ -137,8 +138,8 @@ def main(argv=None):
         tc = replace(tc, steps=1, sample_bytes=0)
         if tc.dtype in LOW:
             return tolerance_oracle(args, cfg, tc, world)
-        if args.layouts or args.plot or args.loss_steps:
-            raise ConfigError(f"--layouts, --loss-steps and --plot are the tolerance oracle's, for --dtype "
+        if args.layouts or args.plot or args.loss_steps or args.seeds is not None:
+            raise ConfigError(f"--layouts, --seeds, --loss-steps and --plot are the tolerance oracle's, for --dtype "
                               f"bfloat16 or float16; {tc.dtype} is held to a fixed tolerance: leave them out")
         where = place_on_device(tc, world)
         with threadpool_limits(limits=1):
@@ -151,16 +152,23 @@ def main(argv=None):
 def tolerance_oracle(args, cfg, tc, world):
     """hsgd.oracle on the flags' layouts and seeds: its tables (and --plot) on rank 0; the exit code."""
     from .data import Corpus
-    if args.seeds < 1 or args.loss_steps < 0:
-        raise ConfigError(f"--seeds {args.seeds} --loss-steps {args.loss_steps}: give --seeds >= 1 and "
-                          f"--loss-steps >= 0")
+    seeds = 4 if args.seeds is None else args.seeds
+    if seeds < 1 or args.loss_steps < 0:
+        raise ConfigError(f"--seeds {seeds} --loss-steps {args.loss_steps}: give --seeds >= 1 and --loss-steps >= 0")
     mine = f"{tc.dp}x{tc.pp}x{tc.tp}" if tc.cp == 1 else f"{tc.dp}x{tc.pp}x{tc.cp}x{tc.tp}"
     text = args.layouts or ("1x1x1" if mine in ("1x1x1", "1x1x1x1") else f"1x1x1,{mine}")
-    layouts = launch.agree(world, lambda: parse_layouts(text, cfg, tc, world.Get_size()))
+
+    def checked():                                          # before any run: every rank agrees on what is wrong
+        if args.plot:
+            needs_module("matplotlib", "--plot", ConfigError)
+            writable_file(args.plot, "--plot", ConfigError)
+        return parse_layouts(text, cfg, tc, world.Get_size())
+
+    layouts = launch.agree(world, checked)
     place_on_device(tc, world)
     corpus = launch.agree(world, lambda: Corpus.load(tc.data, cfg.seq_len))
     with threadpool_limits(limits=1):
-        verdict = oracle(cfg, tc, layouts, args.seeds, world, corpus, args.loss_steps,
+        verdict = oracle(cfg, tc, layouts, seeds, world, corpus, args.loss_steps,
                          progress=lambda line: print(line, flush=True))
     ok = None
     if world.Get_rank() == 0:

@@ -25,7 +25,7 @@ def test_gpu_check_script_runs_on_the_simulated_gpu():
     print(r.stdout[-4000:])
     rows = [ln for ln in r.stdout.splitlines() if ln.startswith("| ")]
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert len(rows) == 18 and not any("| FAIL |" in ln for ln in rows)
+    assert len(rows) == 19 and not any("| FAIL |" in ln for ln in rows)
     assert "simulated GPU (NumPy)" in rows[0] and "host copies in one training step" in r.stdout
     after = open(results).read() if os.path.exists(results) else None
     assert after == before, "a dry run must not write results"

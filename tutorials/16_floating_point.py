@@ -356,9 +356,10 @@ check.holds("dp 3 with B = 6 (scalings by 1/3): median d from serial > 20 x 2 ga
 #
 # `hsgd.oracle` answers with a model of the rounding error, after Higham and Mary: run the layout in float64, and
 # wherever the bfloat16 run would round, multiply by $(1 + u e)$ instead, e in [-1, 1) "random". `Perturbed` is the
-# `Numerics` that does it, `uniform_of(x, salt)` draws e: a hash of the value's bits and a salt, so that two ranks
-# holding the same replicated value perturb it the same way and stay replicas, as real rounding would keep them.
-# Is e uniform, and is one model perturbation as large as a real rounding?
+# `Numerics` that does it, `uniform_of(x, salt)` draws e: a hash of the value's bits and a salt (one per draw and per
+# rounding point), so that two ranks holding the same replicated value perturb it the same way and stay replicas,
+# as real rounding would keep them; a value the format already holds is left alone, as a rounding leaves it. Is e
+# uniform, and is one model perturbation as large as a real rounding?
 
 # %%
 x = np.random.default_rng(5).standard_normal(200000)                    # (200000,) float64
@@ -393,14 +394,18 @@ check("the model's rms / (u/sqrt 3) against 1", abs(float(np.sqrt(np.mean(model 
 # error is largest at the bottom of the binade and half that at the top. For values spread evenly in $\log x$
 # (density $1/(x \ln 2)$ in a binade, as products of many factors tend to be) the mean of $1/x^2$ over $[1, 2)$ is
 # $3/(8 \ln 2)$, and the rms relative error is $\sqrt{3/(8 \ln 2)} = 0.736$ of $u/\sqrt{3}$, the rms of the
-# model's $u e$: the model **overestimates** a typical rounding by a third, on purpose (it also perturbs values a
-# real rounding would leave exact, and it cannot underflow: section 4).
+# model's $u e$: the model **overestimates** a typical rounding by a third, on purpose (and it cannot underflow:
+# section 4).
 #
 # The oracle runs, for each seed and layout L: the float64 serial reference g, L in bfloat16 ($g_L$), L in float64
-# ($g_L^{64}$, exact: any difference from g beyond 1e-10 is a bug, not rounding), and L under the model
-# ($g_L^{model}$). The model's rms $m_L = \sqrt{\mathrm{mean}_s\, d(g_L^{model}, g_L^{64})^2}$ sets the band
-# $\lambda m_L + 2\gamma_N(u_{32})$ against float64, and $\lambda \sqrt{m_L^2 + m_B^2} + 2\gamma_N(u_{32})$
-# between L and the first layout B, with $\lambda$ = 4. On 8 ranks, three layouts, two seeds, two micro-batches:
+# ($g_L^{64}$, exact: any difference from g beyond 1e-10 is a bug, not rounding), and L under the model twice (two
+# draws, $g_L^a$ and $g_L^b$). The model's rms $m_L = \sqrt{\mathrm{mean}_s\, d(g_L^a, g_L^b)^2 / 2}$ (two draws
+# differ by $\sqrt 2$ times one draw's error; what they share, such as a bug in a code path only the narrow formats
+# take, cancels and cannot widen the band) sets the band $\lambda m_L + \lambda \sqrt{N} u_{32}$ against float64,
+# and $\lambda \sqrt{m_L^2 + m_B^2} + \lambda \sqrt{N} u_{32}$ between L and the first layout B, with $\lambda$ = 4;
+# the second term is an allowance for the float32 sums the model does not perturb, in the probabilistic
+# $\sqrt{n}\,u$ form (the worst case $2\gamma_N(u_{32})$ of section 2 is its deterministic cousin). On 8 ranks,
+# three layouts, two seeds, two micro-batches:
 
 # %%
 LAYOUTS3 = [(1, 1, 1, 1), (4, 1, 1, 2), (2, 2, 1, 2)]
@@ -414,7 +419,7 @@ check.holds(f"the oracle: every layout of {', '.join(map(name_of, LAYOUTS3))} in
             facts[0])
 check("the oracle: every layout's float64 run against the float64 reference", facts[1], 1e-12)
 check("the oracle: largest observed difference / its band", facts[2], 1.0)
-check.holds(f"the oracle: every band above the float32 floor 2 gamma_N(u_float32) = {floor32:.1e}",
+check.holds(f"the oracle: every band above float32's worst-case reordering 2 gamma_N(u_float32) = {floor32:.1e}",
             facts[3] > floor32)
 say("picture: " + pictures.on_rank0(world, lambda: pictures.save(plot_tolerance(verdict), "16_oracle_band"),
                                     share=True))

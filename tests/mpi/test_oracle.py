@@ -1,7 +1,8 @@
 """The tolerance oracle (hsgd.oracle) on 8 ranks: a correct hsgd stays inside the predicted band on every
 factorization dp x pp x tp of 8 ranks (and a context-parallel one), with each tp scheme, in bfloat16 and float16;
 bugs of the size real ones have (a gradient tp times too large, a micro-batch's gradient lost) are flagged outside
-it, and the layout's float64 run names them as bugs, not rounding."""
+it, and the layout's float64 run names them as bugs, not rounding; so is a 10% error that only the narrow formats'
+code path makes."""
 import io
 
 import pytest
@@ -44,10 +45,10 @@ def worst(verdict):
 
 @pytest.mark.parametrize("scheme", list(LAYOUTS))
 def test_every_layout_of_8_ranks_is_inside_the_band(scheme):
-    """bfloat16, 2 seeds: every parameter of every layout, against float64 and against 1x1x1, inside its band;
-    every layout exact in float64."""
-    ok, verdict, text = run_oracle(scheme=scheme, layouts=[(1, 1, 1, 1)] + LAYOUTS[scheme], seeds=2,
-                                   cfg=CFG8 if scheme == "sequence" else CFG)
+    """bfloat16 (2 seeds for megatron, 1 for the others): every parameter of every layout, against float64 and
+    against 1x1x1, inside its band; every layout exact in float64."""
+    ok, verdict, text = run_oracle(scheme=scheme, layouts=[(1, 1, 1, 1)] + LAYOUTS[scheme],
+                                   seeds=2 if scheme == "megatron" else 1, cfg=CFG8 if scheme == "sequence" else CFG)
     if WORLD.Get_rank() == 0:
         ratio, L, name = worst(verdict)
         exact = max(verdict.exact.values())
@@ -61,13 +62,15 @@ def test_float16_with_its_loss_scale_is_inside_the_band():
     ok, verdict, text = run_oracle("float16", layouts=[(1, 1, 1, 1), (2, 2, 1, 2)], micro_batches=2)
     if WORLD.Get_rank() == 0:
         say(f"float16, S = 2^16: largest observed/band {worst(verdict)[0]:.2f}; {text.splitlines()[-1]}")
-    check(ok)
+    check(ok, text)
 
 
-@pytest.mark.parametrize("bug,kw", [("missing-tp-scale", {}), ("dropped-micro-batch", dict(micro_batches=2))])
+@pytest.mark.parametrize("bug,kw", [("missing-tp-scale", {}), ("dropped-micro-batch", dict(micro_batches=2)),
+                                    ("low-precision-scale", {})])
 def test_a_bug_is_flagged_outside_the_band(bug, kw):
     """The bug on layouts 2x1x4 and 2x2x2: the parameter it scales (a lost micro-batch: every parameter) is outside
-    its band, and the layouts' float64 runs are not exact."""
+    its band, and the layouts' float64 runs are not exact; a bug of 10% in the low-precision path only (float64
+    exact) is outside the band all the same, and does not widen it (the model's two draws share it)."""
     with injected(bug, "ln_f.weight"):
         ok, verdict, text = run_oracle(layouts=[(1, 1, 1, 1), (2, 1, 1, 4), (2, 2, 1, 2)], **kw)
     good = not ok
@@ -78,15 +81,19 @@ def test_a_bug_is_flagged_outside_the_band(bug, kw):
         say(f"{bug}: {len(flagged)} parameters outside the band, observed/band on 2x1x4 "
             f"{dict(list(ratio.items())[:4])}...; not exact in float64: {inexact}; {text.splitlines()[-1][:160]}")
         # (a lost micro-batch changes every gradient but the attention k-bias's, which is 0 in exact arithmetic)
-        expect = ["ln_f.weight"] if bug == "missing-tp-scale" else sorted(
-            k for k in CFG.param_shapes() if not k.endswith("attn.k.bias"))
-        good &= flagged == expect and {(2, 1, 1, 4), (2, 2, 1, 2)} <= set(inexact)
+        expect = sorted(k for k in CFG.param_shapes() if not k.endswith("attn.k.bias")) \
+            if bug == "dropped-micro-batch" else ["ln_f.weight"]
+        if bug == "low-precision-scale":        # 10%, in the narrow format only: the band alone must see it
+            good &= flagged == expect and inexact == []
+        else:
+            good &= flagged == expect and {(2, 1, 1, 4), (2, 2, 1, 2)} <= set(inexact)
     check(WORLD.bcast(good), f"{bug} not flagged: {text}")
 
 
 def test_the_loss_after_k_steps_is_inside_the_band():
-    ok, verdict, text = run_oracle(layouts=[(1, 1, 1, 1), (2, 2, 1, 2)], seeds=2, loss_steps=3, lr=0.05, warmup=0)
+    """One seed: the error model's spread from 9 draws (8 degrees of freedom), the one loss held to its band."""
+    ok, verdict, text = run_oracle(layouts=[(1, 1, 1, 1), (2, 2, 1, 2)], seeds=1, loss_steps=3, lr=0.05, warmup=0)
     if WORLD.Get_rank() == 0:
         (L, _, med, mx, band, *_), = [r for r in verdict.rows() if r[0] == (2, 2, 1, 2)]
         say(f"loss after 3 steps, 2x2x2 in bfloat16: median {med:.1e}, max {mx:.1e}, band {band:.1e}")
-    check(ok)
+    check(ok, text)
