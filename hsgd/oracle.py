@@ -61,7 +61,7 @@ from .grid import ProcessGrid
 from .hybrid import HybridTrainer
 from .precision import LOW, POINTS, Numerics, round_to, unit_roundoff
 from .schedules import check_pipeline
-from .tp_shards import check_tp, gather_full
+from .tp_shards import check_tp, unshard
 
 LAMBDA = 4.0                  # the band: LAMBDA times the model's rms difference
 FLOOR = 1e-3                  # the norm a parameter's difference is relative to: at least FLOOR x the largest
@@ -212,8 +212,10 @@ def one_run(cfg, tc, sub, corpus, num, loss_steps):
                                                        op=MPI.LAND):
                 break                                                   # (else not finite: reported as such)
             trainer.scaler.update(True)                                  # S / 2, and again
+        shards = grid.tp_comm.allgather_obj(mine)                      # one pickled message, not one per name
+        stage = {k: unshard([sh[k] for sh in shards], k, cfg, tc.tp_scheme) for k in mine}
         full = {}
-        for part in grid.pp_comm.allgather_obj(gather_full(mine, cfg, grid.tp_comm, tc.tp_scheme)):
+        for part in grid.pp_comm.allgather_obj(stage):                 # every stage's parameters
             full.update(part)
         return full
     finally:

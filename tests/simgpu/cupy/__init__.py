@@ -355,11 +355,11 @@ class _Ufunc:
 # list only after checking that table: then hsgd code cannot start using one that a real GPU would not have.
 FUNCTIONS = frozenset("""
     abs absolute add all allclose any arange argmax argmin argwhere array_equal ascontiguousarray broadcast_to clip
-    concatenate copyto cos cumsum divide dot einsum empty empty_like equal exp expand_dims expm1 eye flatnonzero
-    full full_like greater greater_equal isfinite isinf isnan less less_equal log log1p logical_and logical_not
-    logical_or matmul max maximum mean min minimum multiply negative nonzero ones ones_like outer power prod
-    reciprocal reshape sign sin split sqrt square squeeze stack subtract sum swapaxes take tanh tensordot
-    transpose tril triu unique where zeros zeros_like
+    concatenate copysign copyto cos cumsum divide dot einsum empty empty_like equal exp expand_dims expm1 eye
+    flatnonzero frexp full full_like greater greater_equal isfinite isinf isnan ldexp less less_equal log log1p
+    logical_and logical_not logical_or matmul max maximum mean min minimum multiply negative nonzero ones ones_like
+    outer power prod reciprocal reshape rint sign sin split sqrt square squeeze stack subtract sum swapaxes take
+    tanh tensordot transpose tril triu unique where zeros zeros_like
 """.split())
 CONSTANTS = frozenset("inf nan pi e newaxis float16 float32 float64 int8 int16 int32 int64 uint8 uint32 uint64 "
                       "bool_ complex64 complex128 dtype".split())
