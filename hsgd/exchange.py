@@ -118,6 +118,11 @@ class GradExchange:
     def gather(self, part):
         return part
 
+    def model_weights(self, num):
+        """The weights the model computes with in this step: the parameters as `num` (hsgd.precision.Numerics)
+        rounds them: a rounded copy in bfloat16 and float16, the parameters themselves otherwise."""
+        return num.weights(self.params)
+
     def formula(self):
         """{(comm, op): (calls, payload bytes)} of one step's exchange, as CommStats records it."""
         return {("dp", "Allreduce"): (1, int(self.buf.flat.nbytes))}

@@ -92,7 +92,7 @@ class HybridTrainer:
         buf = self.exchange.begin()                                                 # zeroed gradient buffer
         self.grads = buf.views
         self.stage.loss_scale = self.scaler.scale if self.scaler else 1.0          # float16: dloss = S / m
-        weights = self.num.weights(self.params)                                     # bf16 / fp16: rounded copies
+        weights = self.exchange.model_weights(self.num)                            # bf16 / fp16: rounded copies
         loss = self.stage.run(weights, self.grads, mbs, self.rounded_ready(), self.tracer, self.hooks())
         if self.exchange.on_ready is None and self.num.reduce != "float32":
             self.num.reduced(buf.flat)                  # --reduce-dtype: my gradient as it travels (else per group)
@@ -160,7 +160,7 @@ class HybridTrainer:
         rows, total, local = dp_rows(batch_size, self.grid.dp, self.grid.dp_rank), 0.0, self.stage.ctx.local
         for i in range(n_batches):
             idx, targets = corpus.batch(self.tc.seed, i, batch_size, split="val")
-            total += self.stage.loss_only(self.num.weights(self.params), local(idx[rows]), local(targets[rows]),
+            total += self.stage.loss_only(self.exchange.model_weights(self.num), local(idx[rows]), local(targets[rows]),
                                           self.exchange.hooks)
         return self.grid.dp_comm.comm.allreduce(total) / (self.grid.dp_comm.size * n_batches)
 

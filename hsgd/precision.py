@@ -97,7 +97,8 @@ LOW = ("bfloat16", "float16")          # the compute formats that are emulated: 
 # (accumulated in float32 from compute-format inputs, as Megatron-LM's gradient-accumulation fusion does), the
 # gradient buffers, the optimizer's state and the master weights it updates: all float32.
 POINTS = {
-    "weights":   "the model's copy of the float32 master weights, made once per step",
+    "weights":   "the model's copy of the float32 master weights, made once per step (ZeRO-3: each layer's "
+                 "gathered weights, rounded in place when they arrive)",
     "matmul":    "the output of every matrix product (the linears, q k v, the LM head's logits), accumulated in "
                  "float32 on compute-format inputs, as a tensor core does",
     "attention": "the core attention's output (its scores and softmax stay float32 inside, as in a fused kernel)",

@@ -39,6 +39,7 @@ from .backend import array_module
 from .exchange import GradExchange
 from .hier import node_split
 from .hooks import Hooks
+from .precision import EXACT
 
 
 class ShardedExchange(GradExchange):
@@ -85,6 +86,7 @@ class ShardedExchange(GradExchange):
         self.pbuf, self.buf, self.owned = None, None, None
         self.gdict, self.live, self.pending = {}, {}, []
         self.hooks = ShardHooks(self)
+        self.num = EXACT                                              # how gathered groups are rounded (stage 3)
 
     # ------------------------------------------------------------------------------------------ the flat layout
     def views(self, flat):
@@ -136,9 +138,15 @@ class ShardedExchange(GradExchange):
         xp = array_module(self.master_)
         got = xp.empty((self.n, lay.c), dtype=self.dtype)                       # (n, c_g) the group, whole
         self.shard_comm.Allgather(self.master_[lay.own:lay.own + lay.c], got)   # every rank's chunk c_g of g
-        flat = got.reshape(-1)
+        flat = self.num.round_(got.reshape(-1), "weights")                     # bf16 / fp16: the model's copy
         for name, (lo, hi) in lay.inner.items():
             self.params[name] = flat[lo:hi].reshape(self.shapes[name])
+
+    def model_weights(self, num):
+        """Stage 2: GradExchange's. Stage 3: `params` itself, which the hooks fill group by group; gather_group
+        rounds each gathered group in place as `num` says (no second copy: the gathered one is already a copy)."""
+        self.num = num
+        return super().model_weights(num) if self.zero == 2 else self.params
 
     def free_group(self, g):
         """Stage 3: drop the group's gathered parameters (nothing else refers to them: caches hold none)."""

@@ -58,6 +58,16 @@ def test_every_layout_of_8_ranks_is_inside_the_band(scheme):
     check(WORLD.bcast(ok), "a correct layout outside the band")
 
 
+def test_zero_3_rounds_each_gathered_layer_and_stays_inside_the_band():
+    """bfloat16 with ZeRO-3 (each layer's weights gathered, then rounded in place: the model's copy), 2
+    micro-batches: inside the band, and exact in float64."""
+    ok, verdict, text = run_oracle(layouts=[(1, 1, 1, 1), (4, 1, 1, 2), (2, 2, 1, 2)], zero=3, micro_batches=2)
+    if WORLD.Get_rank() == 0:
+        say(f"ZeRO-3, bfloat16: largest observed/band {worst(verdict)[0]:.2f}; float64 within "
+            f"{max(verdict.exact.values()):.1e}; {text.splitlines()[-1]}")
+    check(ok, text)
+
+
 def test_float16_with_its_loss_scale_is_inside_the_band():
     ok, verdict, text = run_oracle("float16", layouts=[(1, 1, 1, 1), (2, 2, 1, 2)], micro_batches=2)
     if WORLD.Get_rank() == 0:
