@@ -7,7 +7,8 @@ CATEGORY_TABLE decides (an entry may also name a word the allocating line must c
 allocates two kinds of buffer). Frames carry only a file and a line, so each hsgd module is parsed once with
 `ast` to find the innermost function around a line. What no entry claims is "other" (it should be ~0).
 
-    params       the exchange's parameter buffer (ZeRO: its chunks), ZeRO-3's gathered groups
+    params       the exchange's parameter buffer (ZeRO: its chunks), ZeRO-3's gathered groups, and in bfloat16 and
+                 float16 the model's rounded copy of the weights (hsgd.precision.Numerics.weights)
     grads        the gradient buffers (ZeRO: chunks and per-group buckets), the sequence scheme's partial
                  gradients of the replicated parameters
     optimizer    the optimizer's state (hsgd.optim) and its per-element masks (weight decay, tensor-sharded)
@@ -66,6 +67,7 @@ CATEGORY_TABLE = [
     ("sharded.py", "ShardedExchange.mask", None, "optimizer"),
     ("sharded.py", "ShardedExchange.__init__", "g_owned", "grads"),
     ("sharded.py", "ShardedExchange.__init__", None, "params"),     # master_ (stage 2: whole too)
+    ("precision.py", "Numerics.weights", None, "params"),          # bfloat16 / float16: the model's rounded copy
     ("tp_schemes.py", "Sequence.replicated_grads", None, "grads"),
     ("optim.py", "*", None, "optimizer"),
     ("tp_model.py", "recompute_block", None, "recompute"),

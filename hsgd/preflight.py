@@ -100,8 +100,9 @@ def check_run(tc, error):
 
 def memory_estimate(cfg, tc):
     """A lower bound of the bytes one rank needs, from the sizes alone (no array is made): its share of the
-    parameters, their gradients and the optimizer state (divided by dp where ZeRO shards them), and the
-    activations of one micro-batch (hsgd.memory.activation_formula, less what --recompute drops)."""
+    parameters, their gradients and the optimizer state (divided by dp where ZeRO shards them), the model's rounded
+    copy of the weights in bfloat16 and float16 (but ZeRO-3), and the activations of one micro-batch
+    (hsgd.memory.activation_formula, less what --recompute drops)."""
     from .memory import activation_formula
     from .step_memory import pieces
     C, F, L, V, T = cfg.d_model, cfg.d_ff, cfg.n_layers, cfg.vocab_size, cfg.seq_len
@@ -114,6 +115,8 @@ def memory_estimate(cfg, tc):
     n = (tc.ranks_per_node or dcp) if tc.hierarchical and zero >= 2 else dcp   # hybrid: within a node
     weights = (share // (n if zero >= 3 else 1) + share // (n if zero >= 2 else 1)
                + states * share // (n if zero >= 1 else 1))
+    if tc.dtype in ("bfloat16", "float16") and zero < 3:
+        weights += share                            # the model's rounded copy of the weights (hsgd.precision)
     micro = max(tc.batch_size // (tc.dp * tc.micro_batches), 1)
     f = activation_formula(cfg, micro, itemsize, tc.tp, tc.tp_scheme, tc.cp, tc.cp_scheme)
     kept = pieces(cfg, micro, itemsize, tc.tp, tc.tp_scheme, tc.recompute, tc.cp, tc.cp_scheme)["K"]   # a block's cache

@@ -31,6 +31,8 @@ What is alive at each sample (this implementation, Stage.run and tp_model.stage_
   * the sequence scheme's partial gradients of a group's replicated parameters during its backward (grads):
     6 C s per block, T C s for wpe, 2 C s for ln_f;
   * the step's batch (other): hsgd.data's token windows (B, T + 1) int64, which idx and targets view;
+  * in bfloat16 and float16 the model's rounded copy of the weights (params: the stage's shards again; ZeRO-3
+    rounds each gathered layer in place, no copy);
   * the exchange's buffers (its memory_formula(): params, grads, comm) and the optimizer's state (0, 1 or 2 x
     the owned elements for SGD, momentum, AdamW) and its two per-element masks (weight decay, tensor-sharded: the
     owned elements each), all held through the step.
@@ -38,6 +40,8 @@ Not sampled: transients inside a group (dlogits, dqkv, the attention's dS, GELU'
 peak shows them. With ZeRO 2 and 3 (hsgd.sharded) what the exchange holds is followed sample by sample
 (ShardedInFlight).
 """
+import numpy as np
+
 from .cp import attention_cache_bytes
 from .memory import activation_formula
 from .sharded import ShardedExchange
@@ -185,6 +189,8 @@ def step_formula(trainer):
     inflight = ShardedInFlight(ex) if isinstance(ex, ShardedExchange) else None
     base = ({"params": ex.param_bytes(), "grads": ex.grad_bytes(), "comm": 0} if inflight is not None
             else dict(ex.memory_formula()))
+    if trainer.num.rounds and tc.zero != 3:      # bf16 / fp16: the model's rounded copy of the weights, held through
+        base["params"] += sum(int(np.prod(shape)) for shape in trainer.shard_shapes.values()) * s   # the step
     base["optimizer"] = optimizer_formula(trainer)
     base["other"] = tc.batch_size * (cfg.seq_len + 1) * 8             # the step's token windows (B, T+1) int64
     if grid.cp > 1:                        # my positions of idx and targets (int64), the layout's own arrays

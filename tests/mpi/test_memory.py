@@ -35,9 +35,9 @@ LAYOUTS = [(1, 1, 0, "none", "megatron", 1, "1f1b"), (2, 1, 0, "selective", "gat
            (2, 2, 3, "full", "megatron", 2, "gpipe")]
 
 
-def measure(tp, pp, zero, recompute, scheme="megatron", m=1, sched="1f1b", cfg=CFG, **more):
+def measure(tp, pp, zero, recompute, scheme="megatron", m=1, sched="1f1b", cfg=CFG, dtype="float64", **more):
     """(this rank's measured result, formula, exchange's flat size) of step 2 (the optimizer state exists)."""
-    tc = TrainConfig(steps=2, batch_size=16, lr=0.05, momentum=0.9, dtype="float64", seed=3, tp=tp, pp=pp, zero=zero,
+    tc = TrainConfig(steps=2, batch_size=16, lr=0.05, momentum=0.9, dtype=dtype, seed=3, tp=tp, pp=pp, zero=zero,
                      recompute=recompute, tp_scheme=scheme, micro_batches=m, schedule=sched, **more)
     tc.validate()
     tc.resolve_layout(WORLD.Get_size())
@@ -80,6 +80,21 @@ def test_context_parallelism_per_category_equals_the_formula(cp_scheme):
     say(f"cp 2 {cp_scheme}: worst |measured/formula - 1| {worst:.4f} (rank 0), recompute peak {recomputed} B; "
         + ", ".join(f"{c} {x:.3f}" for c, x in r.items()))
     check(worst <= TOLERANCE and (recomputed > 0) == (cp_scheme == "allgather"), f"measured/formula {r}")
+
+
+@pytest.mark.parametrize("dtype,layout", [("bfloat16", (2, 1, 1, "selective", "sequence", 2, "1f1b")),
+                                          ("float16", (2, 2, 3, "none", "megatron", 2, "gpipe"))],
+                         ids=["bfloat16-tp2-zero1-selective-sequence", "float16-tp2-pp2-zero3-gpipe"])
+def test_the_narrow_formats_per_category_equal_the_formula(dtype, layout):
+    """bfloat16 and float16 (float32 arrays holding the narrow values): every category within 5%; the model's
+    rounded copy of the weights counts as parameters (ZeRO-3 rounds each gathered layer in place: no copy)."""
+    measured, formula, flat, _ = measure(*layout, dtype=dtype)
+    r = ratios(measured, formula)
+    worst = max(abs(x - 1) for x in r.values())
+    params = measured["peak"]["params"]
+    say(f"{dtype} {layout}: worst |measured/formula - 1| {worst:.4f} (rank 0), params peak {params} B; "
+        + ", ".join(f"{c} {x:.3f}" for c, x in r.items()))
+    check(worst <= TOLERANCE, f"measured/formula {r}")
 
 
 def test_zero_stages_shrink_what_they_shard():
