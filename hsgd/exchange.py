@@ -53,6 +53,7 @@ class GradExchange:
     on_ready = None                                                   # no per-bucket work during the backward
     hooks = None                                                      # no per-group work in forward or backward
     delay, tracer = 0.0, None                                         # --straggler: seconds to sleep before finish
+    lag = 0                                                           # steps from a gradient's backward to its update
 
     def __init__(self, params, groups, dp_comm, pad=1):
         self.dp_comm, self.groups, self.pad = dp_comm, groups, pad
@@ -192,6 +193,7 @@ class StaleExchange(GradExchange):
     """Staleness 1 (asynchronous SGD): step s copies its gradient into a free exchange buffer and starts its
     Iallreduce; it applies the average started at step s-1, which had a whole step to arrive. Nothing is applied
     at step 1:  w_{s+1} = w_s - lr * avg g(w_{s-1})."""
+    lag = 1                                                           # steps from a gradient's backward to its update
 
     def __init__(self, params, groups, dp_comm):
         super().__init__(params, groups, dp_comm)

@@ -67,6 +67,7 @@ class HybridTrainer:
         self.scaler = LossScaler() if tc.dtype == "float16" and tc.loss_scale == "dynamic" else None
         self.probe = None                                               # --memory: an hsgd.memtrace probe
         self.skipped = self.in_a_row = 0                                # updates skipped for non-finite values
+        self.scales = []                                                # S of each step's backward pass, the last 2
         self.t_start = self.tp_start = self.dp_start = self.dp_waited = 0.0   # set by gradients(), for update()
 
     @property
@@ -92,6 +93,7 @@ class HybridTrainer:
         buf = self.exchange.begin()                                                 # zeroed gradient buffer
         self.grads = buf.views
         self.stage.loss_scale = self.scaler.scale if self.scaler else 1.0          # float16: dloss = S / m
+        self.scales = (self.scales + [self.stage.loss_scale])[-2:]                  # (the S of the last two steps)
         weights = self.exchange.model_weights(self.num)                            # bf16 / fp16: rounded copies
         loss = self.stage.run(weights, self.grads, mbs, self.rounded_ready(), self.tracer, self.hooks())
         if self.exchange.on_ready is None and self.num.reduce != "float32":
@@ -126,7 +128,7 @@ class HybridTrainer:
         grads, stats, tc = self.exchange.grads(), self.grid.stats, self.tc        # (owned,) or None (stale, step 1)
         numbers = step_numbers(loss, self.exchange.checked(), grads, self.sharded)
         lr, norm = lr_at(step, tc.lr, tc.warmup, tc.steps), float("nan")
-        s = self.stage.loss_scale                                               # this step's S (1: not scaled)
+        s = self.applied_scale()                                                # 1: not scaled
         finite = check_finite(self.grid.world, numbers.bad, step, "skip" if self.scaler else tc.on_nan)
         if self.scaler:
             self.scaler.update(not finite)          # S x 0.5 after an inf or NaN, x 2 after 2000 good steps in a row
@@ -147,7 +149,13 @@ class HybridTrainer:
                 self.exchange.after_update()                                    # ZeRO: Allgather the chunks
         return StepInfo(self.global_loss(numbers.loss), lr, norm, time.perf_counter() - self.t_start,
                         stats.seconds("tp") - self.tp_start, self.dp_waited + stats.seconds("dp") - self.dp_start,
-                        s if self.scaler else None, self.scaler.skipped if self.scaler else 0)
+                        self.stage.loss_scale if self.scaler else None, self.scaler.skipped if self.scaler else 0)
+
+    def applied_scale(self):
+        """The loss scale S the gradient this update applies was made with: this step's, or with --dp-staleness 1
+        (the exchange's lag) the step before's, which the scaler may have halved since."""
+        lag = self.exchange.lag
+        return self.scales[-1 - lag] if len(self.scales) > lag else self.scales[-1]
 
     def global_loss(self, group_loss):
         """The global batch's loss from this DP group's (held by the last stage; with context parallelism its cp

@@ -158,9 +158,7 @@ class Data:
     def check_numerics(self):
         """What bfloat16 and float16 (and a narrower gradient exchange) do not combine with, yet."""
         low = self.dtype in ("bfloat16", "float16")
-        refused = [(self.dtype == "float16" and self.dp_staleness, "--dp-staleness 1 applies the gradient of the "
-                                                                   "step before, made with another loss scale"),
-                   (self.reduce_dtype != "float32" and self.zero >= 2, "--zero 2 and 3 reduce-scatter during the "
+        refused = [(self.reduce_dtype != "float32" and self.zero >= 2, "--zero 2 and 3 reduce-scatter during the "
                                                                        "backward pass, before the gradient is rounded")]
         reduce = f", --reduce-dtype {self.reduce_dtype}" if self.reduce_dtype != "float32" else ""
         for bad, why in refused:

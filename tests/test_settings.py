@@ -133,7 +133,6 @@ def test_a_sequence_scheme_shard_may_cross_the_chunks():
 
 
 @pytest.mark.parametrize("flags, words", [
-    (["--dtype", "float16", "--dp-staleness", "1"], "made with another loss scale"),
     (["--dtype", "bfloat16", "--reduce-dtype", "bfloat16", "--zero", "2"], "--zero 2 and 3 reduce-scatter during"),
     (["--reduce-dtype", "bfloat16"], "reduce_dtype='bfloat16' needs --dtype bfloat16 or float16"),
     (["--dtype", "bfloat8"], "argument --dtype: invalid choice: 'bfloat8'"),
