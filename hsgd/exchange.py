@@ -215,6 +215,10 @@ class StaleExchange(GradExchange):
     def grads(self):
         return self.ready.flat if self.ready is not None else None
 
+    def fresh(self):
+        """This step's own gradient, as it left this rank (made with this step's loss scale; applied next step)."""
+        return self.buf.flat
+
     def checked(self):
         return self.ready.flat if self.ready is not None else self.buf.flat
 

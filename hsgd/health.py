@@ -45,6 +45,11 @@ def step_numbers(loss, checked, grads, sharded):
     return StepNumbers(loss, not (math.isfinite(loss) and math.isfinite(sq_checked)), sq_sharded, sq_replicated)
 
 
+def all_finite(x):
+    """Whether every element of the flat array x is finite: its sum of squares is (one device-to-host copy)."""
+    return math.isfinite(float(to_host(masked_square_sums(x)[1])))
+
+
 def masked_square_sums(x, mask=None, block=1 << 15):
     """(sum of x^2 where mask is 1, sum of x^2 where mask is 0), as device scalars (no mask: all count as 0):
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from . import tp_model
 from .dp import dp_rows, micro_batches, params_digest
 from .exchange import make_exchange
-from .health import check_finite, global_norm, step_numbers, stop_after_skips
+from .health import all_finite, check_finite, global_norm, step_numbers, stop_after_skips
 from .hooks import ChainedHooks
 from .loss_scale import LossScaler
 from .optim import decays, lr_at, make_optimizer
@@ -40,7 +40,8 @@ class StepInfo:
     tp_seconds: float    # of which in tp_comm collectives
     dp_seconds: float    # of which waiting for dp_comm collectives (an overlapped Iallreduce counts only while
                          # the rank waits for it)
-    loss_scale: float = None   # float16 with loss scaling: the S this step's backward pass started from
+    loss_scale: float = None   # float16 with loss scaling: the S this step's backward pass started from (with
+                               # --dp-staleness 1 the update applies the step before's gradient, made with its S)
     scale_skips: int = 0       # ... and the updates skipped so far for an inf or NaN (the scaler halved S)
 
 
@@ -130,8 +131,10 @@ class HybridTrainer:
         lr, norm = lr_at(step, tc.lr, tc.warmup, tc.steps), float("nan")
         s = self.applied_scale()                                                # 1: not scaled
         finite = check_finite(self.grid.world, numbers.bad, step, "skip" if self.scaler else tc.on_nan)
-        if self.scaler:
-            self.scaler.update(not finite)          # S x 0.5 after an inf or NaN, x 2 after 2000 good steps in a row
+        if self.scaler:                             # S x 0.5 after an inf or NaN, x 2 after 2000 good steps in a row,
+            made_now = finite if not self.exchange.lag else check_finite(  # judged on the gradient made with the
+                self.grid.world, not all_finite(self.exchange.fresh()), step, "skip")   # current S (stale: its own)
+            self.scaler.update(not made_now)
         self.in_a_row = 0 if finite else self.in_a_row + 1
         if not finite:
             lr, self.skipped = float("nan"), self.skipped + 1                   # --on-nan skip: no update
@@ -153,7 +156,8 @@ class HybridTrainer:
 
     def applied_scale(self):
         """The loss scale S the gradient this update applies was made with: this step's, or with --dp-staleness 1
-        (the exchange's lag) the step before's, which the scaler may have halved since."""
+        (the exchange's lag) the step before's, which the scaler may have halved or doubled since. (The scaler
+        itself judges the gradient made with the current S, the step's own: an overflow is one back-off, not two.)"""
         lag = self.exchange.lag
         return self.scales[-1 - lag] if len(self.scales) > lag else self.scales[-1]
 

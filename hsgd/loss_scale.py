@@ -25,7 +25,8 @@ class LossScaler:
         self.growth_factor, self.backoff_factor = float(growth_factor), float(backoff_factor)
         self.growth_interval = int(growth_interval)
         self.good_steps = 0                  # steps in a row without an inf or NaN (GradScaler's growth tracker)
-        self.skipped = 0                     # updates skipped so far
+        self.skipped = 0                     # back-offs so far, each an update skipped (with --dp-staleness 1: the
+                                             # next step's, which applies the overflowed gradient)
 
     def update(self, found_inf):
         """After a step's gradients are checked (found_inf: the agreed verdict of every rank): back off and count a

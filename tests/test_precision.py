@@ -201,28 +201,46 @@ def test_an_overflow_skips_the_update_and_halves_the_scale():
 
 def test_a_stale_gradient_is_unscaled_by_the_scale_it_was_made_with():
     """float16 with --dp-staleness 1: the update of step s applies step s-1's gradient, made with step s-1's S; the
-    scaler may have halved S since (an overflow at step s-1), so it is unscaled by the S it carries, not the
-    current one. S = 2^40 at first: updates skipped, S halved, until the first applied update, whose S differs from
-    the current one by 2."""
+    scaler may have changed S since (here: grown, growth interval 2), so it is unscaled by the S it carries, not the
+    current one."""
     tr = one_process_trainer("float16", batch=8, dp_staleness=1, momentum=0.0)
-    tr.scaler.scale = 2.0 ** 40
-    before, applied = tr.exchange.master.copy(), None
-    for step in range(1, 40):
+    tr.scaler.scale, tr.scaler.growth_interval = 2.0 ** 10, 2
+    found = None
+    for step in range(1, 8):
         loss = tr.gradients(*batch(8, seed=step))
         made_with, made_now = tr.applied_scale(), tr.stage.loss_scale
         g = None if tr.exchange.grads() is None else tr.exchange.grads().copy()    # the average it applies, scaled
         before = tr.exchange.master.copy()
         info = tr.update(loss, step)
-        if not np.isnan(info.lr):
-            applied = (step, made_with, made_now, g, info.lr)
+        if g is not None and made_with != made_now:
+            found = (step, made_with, made_now, g, info.lr, before)
             break
-    assert applied is not None
-    step, made_with, made_now, g, lr = applied
+    assert found is not None
+    step, made_with, made_now, g, lr, before = found
     right = before - lr * (g / made_with)                       # plain SGD (momentum 0), no clipping
-    wrong = before - lr * (g / made_now)
     err = float(np.abs(tr.exchange.master - right).max() / np.abs(right - before).max())
-    print(f"first update at step {step}: the gradient was made with S = 2^{np.log2(made_with):g}, the step's S is "
+    print(f"step {step}: the applied gradient was made with S = 2^{np.log2(made_with):g}, the step's S is "
           f"2^{np.log2(made_now):g}; update vs g / S_made {err:.1e}")
-    assert made_with == 2 * made_now and err < 1e-5
+    assert made_now == 2 * made_with and err < 1e-5
+    wrong = before - lr * (g / made_now)
     assert not np.allclose(tr.exchange.master, wrong, rtol=0, atol=0.1 * float(np.abs(right - before).max()))
     tr.grid.free()
+
+
+def test_with_staleness_an_overflow_is_one_back_off():
+    """float16, S = 2^40 at first, the same batch every step: with --dp-staleness 1 the scaler judges each step's
+    own gradient (made with the current S), not the late one it applies, so S comes down to where it does without
+    staleness, one halving per overflow, and the first update is applied one step later."""
+    idx, targets = batch(8)
+    first = {}
+    for stale in (0, 1):
+        tr = one_process_trainer("float16", batch=8, dp_staleness=stale)
+        tr.scaler.scale = 2.0 ** 40
+        for step in range(1, 40):
+            info = tr.step(idx, targets, step)
+            if not np.isnan(info.lr) and (not stale or step > 1):
+                first[stale] = (step, tr.scaler.scale, tr.scaler.skipped)
+                break
+        tr.grid.free()
+    print(f"first update applied (step, S after, back-offs): without staleness {first[0]}, with {first[1]}")
+    assert first[1] == (first[0][0] + 1, first[0][1], first[0][2])

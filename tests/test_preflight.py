@@ -182,6 +182,10 @@ def test_the_memory_estimate_is_a_lower_bound_of_what_a_run_holds():
     check_memory(cfg, tc, 4, ConfigError, available=4 * (weights + activations))
     with pytest.raises(ConfigError, match="x 4 ranks on this machine"):
         check_memory(cfg, tc, 4, ConfigError, available=4 * (weights + activations) - 1)
+    for zero, copies in ((0, 1), (2, 1), (3, 0)):        # bfloat16: the model's rounded copy, but with ZeRO-3
+        low, _ = memory_estimate(cfg, TrainConfig(dp=1, tp=1, pp=1, batch_size=4, dtype="bfloat16", zero=zero))
+        plain, _ = memory_estimate(cfg, TrainConfig(dp=1, tp=1, pp=1, batch_size=4, dtype="float32", zero=zero))
+        assert low - plain == copies * cfg.n_params() * 4, zero
 
 
 def test_data_is_mapped_and_ranks_compare_what_they_read(tmp_path):

@@ -907,7 +907,7 @@ for done_with in (kept, ls32):
 # bfloat16 needs none of this: its range is float32's, so gradients neither underflow nor overflow where float32's
 # would not; it pays with 8 significant bits instead of 11. That is why hsgd scales only float16 (`--loss-scale` is
 # ignored for bfloat16), and why with `--dp-staleness 1` each gradient is unscaled by the S it was made with: the
-# update of step s applies step s-1's gradient, and the scaler may have halved S in between
+# update of step s applies step s-1's gradient, and the scaler may have halved or doubled S in between
 # (`HybridTrainer.applied_scale`).
 #
 # ## Check against serial

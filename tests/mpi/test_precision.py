@@ -74,3 +74,21 @@ def test_the_gradient_exchange_in_bfloat16():
         g.free()
     say("dp4 tp2, bfloat16 with --reduce-dtype bfloat16:\n" + "\n".join(lines))
     check(ok)
+
+
+def test_zero_3_rounds_every_gathered_layer_as_zero_2_rounds_its_copy():
+    """bfloat16 and float16: ZeRO-3 (each layer gathered for its forward and again for its backward, rounded in
+    place each time) computes with exactly the weights ZeRO-2's rounded copy holds: the parameters after the run
+    are bit-identical. A gather that skipped the rounding (forward or backward) would break this."""
+    ok, lines = True, []
+    for dtype in ("bfloat16", "float16"):
+        got = {}
+        for zero in (2, 3):
+            _, tr, g = run(dtype=dtype, dp=4, pp=2, tp=1, zero=zero, micro_batches=2)
+            got[zero] = {n: np.array(p) for n, p in tr.exchange.full_params().items()}
+            g.free()
+        diff = max(float(np.abs(got[2][n] - got[3][n]).max()) for n in got[2])
+        ok &= WORLD.allreduce(diff == 0.0, op=MPI.LAND)
+        lines.append(f"{dtype}: ZeRO-3 against ZeRO-2 after {STEPS + 2} steps, largest parameter difference {diff}")
+    say("\n".join(lines))
+    check(ok)
