@@ -96,27 +96,11 @@ class Perturbed(Numerics):
 
     def __init__(self, compute, reduce="float32", salt=0):
         super().__init__(compute, reduce)
-        self.salt, self.point = salt, "weights"
+        self.salt = salt
 
-    def round(self, x, point):
-        self.point = point
-        return super().round(x, point)
-
-    def round_(self, x, point):
-        self.point = point
-        return super().round_(x, point)
-
-    def weights(self, params):
-        self.point = "weights"
-        return super().weights(params)
-
-    def reduced(self, x):
-        self.point = "reduce"
-        return super().reduced(x)
-
-    def rounded(self, x, fmt):
+    def rounded(self, x, fmt, point):
         xp = array_module(x)
-        e = uniform_of(x, self.salt ^ POINT_SALT[self.point])
+        e = uniform_of(x, self.salt ^ POINT_SALT[point])
         return xp.where(round_to(x, fmt) == x, x, x * (1.0 + unit_roundoff(fmt) * e))
 
 
@@ -180,11 +164,13 @@ def run_layout(cfg, tc, layout, seed, world, dtype, corpus, num=None, loss_steps
     settings error on any rank is raised on every rank of world (launch.agree)."""
     n = int(np.prod(layout))
     sub = world.Split(0 if world.Get_rank() < n else MPI.UNDEFINED, world.Get_rank())
-    mine = None if sub == MPI.COMM_NULL else (lambda: one_run(cfg, layout_config(tc, layout, seed=seed, dtype=dtype,
-                                                                                  steps=max(1, loss_steps)),
-                                                              sub, corpus, num, loss_steps))
+    ltc = layout_config(tc, layout, seed=seed, dtype=dtype, steps=max(1, loss_steps))
+
+    def mine():                                                  # (the ranks outside the layout: nothing to do)
+        return None if sub == MPI.COMM_NULL else one_run(cfg, ltc, sub, corpus, num, loss_steps)
+
     try:
-        result = launch.agree(world, mine or (lambda: None))
+        result = launch.agree(world, mine)
     finally:
         if sub != MPI.COMM_NULL:
             sub.Free()

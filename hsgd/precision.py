@@ -122,9 +122,9 @@ class Numerics:
         self.rounds = compute in LOW
         self.counts = dict.fromkeys(POINTS, 0)
 
-    def rounded(self, x, fmt):
-        """x rounded to fmt (a copy): the one place a value is rounded (hsgd.oracle's rounding-error model puts a
-        random perturbation of the same size here instead)."""
+    def rounded(self, x, fmt, point):
+        """x rounded to fmt (a copy) at `point` of POINTS: the one place a value is rounded (hsgd.oracle's
+        rounding-error model puts a random perturbation of the same size here instead, one draw per point)."""
         return round_to(x, fmt)
 
     def round(self, x, point):
@@ -132,13 +132,13 @@ class Numerics:
         if not self.rounds:
             return x
         self.counts[point] += 1
-        return self.rounded(x, self.compute)
+        return self.rounded(x, self.compute, point)
 
     def round_(self, x, point):
         """The same, in place (x[...] = rounded x); returns x."""
         if self.rounds:
             self.counts[point] += 1
-            x[...] = self.rounded(x, self.compute)
+            x[...] = self.rounded(x, self.compute, point)
         return x
 
     def weights(self, params):
@@ -146,7 +146,7 @@ class Numerics:
         if not self.rounds:
             return params
         self.counts["weights"] += 1
-        return {n: self.rounded(p, self.compute) for n, p in params.items()}
+        return {n: self.rounded(p, self.compute, "weights") for n, p in params.items()}
 
     def payload(self, x):
         """A tensor-parallel collective's partial sums, rounded in place before they travel (comm.payload_round)."""
@@ -156,7 +156,7 @@ class Numerics:
         """A gradient (or a part of one) rounded in place to the exchange's format; x itself for float32."""
         if self.reduce in LOW:
             self.counts["reduce"] += 1
-            x[...] = self.rounded(x, self.reduce)
+            x[...] = self.rounded(x, self.reduce, "reduce")
         return x
 
 

@@ -378,7 +378,7 @@ check("uniform_of: largest |bin share - 0.05| over 20 bins", float(np.abs(hist -
 u16 = unit_roundoff("bfloat16")
 xs = (np.random.default_rng(6).choice([-1, 1], 200000) * 2.0 ** np.random.default_rng(7).uniform(-30, 30, 200000))
 real = (round_to(xs, "bfloat16") - xs) / xs                            # a real rounding's relative error
-model = (Perturbed("bfloat16").rounded(xs, "bfloat16") - xs) / xs     # the model's: u e
+model = (Perturbed("bfloat16").rounded(xs, "bfloat16", "matmul") - xs) / xs     # the model's: u e
 benford = math.sqrt(3 / (8 * math.log(2)))                             # see below
 say(f"relative error of one bfloat16 rounding of log-uniform x: max |d| / u = {np.abs(real).max() / u16:.4f}, "
     f"rms / (u/sqrt 3) = {np.sqrt(np.mean(real ** 2)) / (u16 / math.sqrt(3)):.4f}; the model's "
@@ -447,21 +447,12 @@ class Flushes(Numerics):
 
     def __init__(self, compute):
         super().__init__(compute)
-        self.point = "weights"                             # the point being rounded (weights: Numerics.weights)
         self.zeros, self.subnormal = dict.fromkeys(POINTS, 0), dict.fromkeys(POINTS, 0)
 
-    def round(self, x, point):
-        self.point = point
-        return super().round(x, point)
-
-    def round_(self, x, point):
-        self.point = point
-        return super().round_(x, point)
-
-    def rounded(self, x, fmt):
+    def rounded(self, x, fmt, point):                      # Numerics' one place a value is rounded
         r = round_to(x, fmt)
-        self.zeros[self.point] += int(np.count_nonzero((x != 0) & (r == 0)))
-        self.subnormal[self.point] += int(np.count_nonzero((r != 0) & (np.abs(r) < 2.0 ** FORMATS[fmt].emin)))
+        self.zeros[point] += int(np.count_nonzero((x != 0) & (r == 0)))
+        self.subnormal[point] += int(np.count_nonzero((r != 0) & (np.abs(r) < 2.0 ** FORMATS[fmt].emin)))
         return r
 
 

@@ -113,7 +113,7 @@ def exercise_3(check):
     d = []
     for salt in range(200):
         pert = Perturbed("bfloat16", salt=salt)
-        Xm, dYm = pert.rounded(X, "bfloat16"), pert.rounded(dY, "bfloat16")
+        Xm, dYm = pert.rounded(X, "bfloat16", "matmul"), pert.rounded(dY, "bfloat16", "grad")
         d.append(np.linalg.norm(Xm.T @ dYm - dW) / np.linalg.norm(dW))
     model = math.sqrt(np.mean(np.square(d)))
     real_W = (round_to(X.astype(np.float32), "bfloat16").T @ round_to(dY.astype(np.float32), "bfloat16"))
