@@ -37,6 +37,11 @@ The interface, in the order a step uses it:
     full_params() -> {name: a}  collective over shard_comm: every parameter whole (ZeRO-3 All-Gathers a copy)
     set_params({name: a})       set this rank's parameters from whole ones (checkpoints)
     formula(), param_bytes(), grad_bytes(), describe(), comms(), close(), free()
+
+The formulas (formula, memory_formula, param_bytes, grad_bytes, owned_numel) read only sizes, which `sizes()` sets
+from the elements of each gradient group, the itemsize and the dp_comm's size: the trainer's exchange sets them from
+its arrays, and `sized_exchange` makes the same class with its sizes alone (no arrays, no communicator), for a
+layout that is only planned (hsgd.plan) and for runs far larger than this machine.
 """
 import time
 
@@ -58,6 +63,8 @@ class GradExchange:
     def __init__(self, params, groups, dp_comm, pad=1):
         self.dp_comm, self.groups, self.pad = dp_comm, groups, pad
         self.order = [n for names in groups.values() for n in names]
+        self.sizes(group_numel(params, groups), next(iter(params.values())).dtype.itemsize, dp_comm.size,
+                   dp_comm.name)
         self.pbuf = FlatBuffer(params, self.order, pad)               # (N + padding,) the parameters
         for name, p in params.items():
             self.pbuf.views[name][...] = p
@@ -66,6 +73,21 @@ class GradExchange:
         self.shard_comm = None
         self.params = self.pbuf.views                                 # {name: view into pbuf.flat}
         self.offsets, self.size = self.pbuf.offsets, self.pbuf.flat.size
+
+    def configure(self, tc, dp_size):
+        """sized_exchange: the settings __init__ takes as arguments (here: none; pad 1)."""
+        self.pad = 1
+
+    def sizes(self, numel, itemsize, dp_size, name="dp"):
+        """What the formulas read: numel {group: elements} in backward order, itemsize bytes, dp_size ranks in
+        dp_comm (named `name`). The flat layout is sum numel, padded to a multiple of `pad`."""
+        self.numel, self.itemsize, self.dp_size, self.dp_name = dict(numel), itemsize, dp_size, name
+        total = sum(numel.values())
+        self.size = total + (-total % self.pad)                       # (N + padding,) the flat layout
+
+    def owned_numel(self):
+        """Elements this rank updates and keeps optimizer state for (the size of `master`)."""
+        return self.size
 
     @property
     def master(self):
@@ -126,20 +148,20 @@ class GradExchange:
 
     def formula(self):
         """{(comm, op): (calls, payload bytes)} of one step's exchange, as CommStats records it."""
-        return {("dp", "Allreduce"): (1, int(self.buf.flat.nbytes))}
+        return {(self.dp_name, "Allreduce"): (1, self.size * self.itemsize)}
 
     def param_bytes(self):
-        """Bytes of parameter storage this rank keeps between steps."""
-        return int(self.pbuf.flat.nbytes)
+        """Bytes of parameter storage this rank keeps between steps: pbuf (size,)."""
+        return self.size * self.itemsize
 
     def grad_bytes(self):
-        """Bytes of gradient storage this rank keeps between steps."""
-        return int(self.buf.flat.nbytes)
+        """Bytes of gradient storage this rank keeps between steps: buf (size,)."""
+        return self.size * self.itemsize
 
     def memory_formula(self):
         """{"params", "grads", "comm"}: bytes of this exchange's own buffers at their peaks in a step
         (hsgd.step_memory): the flat parameters pbuf and the gradient buffer buf, (size,) each; no other buffer."""
-        n = self.size * self.pbuf.flat.itemsize
+        n = self.size * self.itemsize
         return {"params": n, "grads": n, "comm": 0}
 
     def describe(self):
@@ -183,7 +205,7 @@ class OverlappedExchange(GradExchange):
             self.buf.flat *= 1.0 / self.dp_comm.size
 
     def formula(self):
-        return {("dp", "Iallreduce"): (len(self.buckets), int(self.buf.flat.nbytes))}
+        return {(self.dp_name, "Iallreduce"): (len(self.numel), self.size * self.itemsize)}
 
     def describe(self):
         return f"overlapped, {len(self.buckets)} buckets, one Iallreduce each during the backward pass"
@@ -223,15 +245,16 @@ class StaleExchange(GradExchange):
         return self.ready.flat if self.ready is not None else self.buf.flat
 
     def formula(self):
-        return {("dp", "Iallreduce"): (1, int(self.buf.flat.nbytes))}
+        return {(self.dp_name, "Iallreduce"): (1, self.size * self.itemsize)}
 
     def grad_bytes(self):
-        return int(self.buf.flat.nbytes + sum(b.flat.nbytes for b in self.spare))
+        """The gradient buffer and its two spares: 3 (size,)."""
+        return 3 * self.size * self.itemsize
 
     def memory_formula(self):
         """The gradient buffer and the two spares it is copied into for its Iallreduce: 3 (size,) of gradients
         (its new_buffer allocates them, as the gradient buffer)."""
-        n = self.size * self.pbuf.flat.itemsize
+        n = self.size * self.itemsize
         return {"params": n, "grads": 3 * n, "comm": 0}
 
     def describe(self):
@@ -244,27 +267,51 @@ class StaleExchange(GradExchange):
             self.inflight = None
 
 
+def group_numel(params, groups):
+    """{group: elements of its parameters}, in the groups' order."""
+    return {g: sum(int(params[n].size) for n in names) for g, names in groups.items()}
+
+
+def exchange_class(tc):
+    """The class make_exchange chooses for the settings tc (--zero, --dp-overlap, --hierarchical, --dp-staleness:
+    at most one, checked by TrainConfig.validate; --zero 2|3 --hierarchical is hybrid sharding)."""
+    from .hier import HierarchicalExchange
+    from .sharded import ShardedExchange
+    from .zero import ZeroExchange
+    return (ShardedExchange if tc.zero >= 2 else ZeroExchange if tc.zero else OverlappedExchange if tc.dp_overlap
+            else HierarchicalExchange if tc.hierarchical else StaleExchange if tc.dp_staleness else AllreduceExchange)
+
+
+def sized_exchange(tc, numel, itemsize, dp_size):
+    """The exchange make_exchange would make for tc, holding its sizes only (no array, no communicator): its
+    formula(), memory_formula(), param_bytes(), grad_bytes() and owned_numel() are those of the trainer's for a
+    stage whose gradient groups have numel {group: elements} (backward order), itemsize bytes, dp_comm of dp_size
+    ranks (dp x cp). --hierarchical needs tc.ranks_per_node here (no MPI to find the nodes)."""
+    cls = exchange_class(tc)
+    ex = cls.__new__(cls)                                             # no __init__: nothing is allocated
+    ex.dp_comm = None
+    ex.configure(tc, dp_size)
+    ex.sizes(numel, itemsize, dp_size)
+    return ex
+
+
 def make_exchange(tc, params, groups, grid, tracer):
-    """The one place the exchange is chosen from the settings (--zero, --dp-overlap, --hierarchical,
-    --dp-staleness: at most one, checked by TrainConfig.validate; --zero 2|3 --hierarchical is hybrid sharding).
+    """The one place the exchange is made from the settings (exchange_class says which).
     --straggler RANK:MS makes that rank sleep
     before every exchange, to show what synchronous SGD pays for one slow worker."""
     from .hier import HierarchicalExchange
     from .sharded import ShardedExchange
     from .zero import ZeroExchange
-    if tc.zero >= 2:
-        ex = ShardedExchange(params, groups, grid.dp_comm, tc.zero, hybrid=tc.hierarchical,
-                             ranks_per_node=tc.ranks_per_node, micro_batches=tc.micro_batches)
-    elif tc.zero:
-        ex = ZeroExchange(params, groups, grid.dp_comm, tc.zero)
-    elif tc.dp_overlap:
-        ex = OverlappedExchange(params, groups, grid.dp_comm)
-    elif tc.hierarchical:
-        ex = HierarchicalExchange(params, groups, grid.dp_comm, tc.ranks_per_node)
-    elif tc.dp_staleness:
-        ex = StaleExchange(params, groups, grid.dp_comm)
+    cls = exchange_class(tc)
+    if cls is ShardedExchange:
+        ex = cls(params, groups, grid.dp_comm, tc.zero, hybrid=tc.hierarchical,
+                 ranks_per_node=tc.ranks_per_node, micro_batches=tc.micro_batches)
+    elif cls is ZeroExchange:
+        ex = cls(params, groups, grid.dp_comm, tc.zero)
+    elif cls is HierarchicalExchange:
+        ex = cls(params, groups, grid.dp_comm, tc.ranks_per_node)
     else:
-        ex = AllreduceExchange(params, groups, grid.dp_comm)
+        ex = cls(params, groups, grid.dp_comm)
     if tc.straggler and int(tc.straggler.split(":")[0]) == grid.rank:
         ex.delay, ex.tracer = int(tc.straggler.split(":")[1]) / 1000.0, tracer
     return ex

@@ -128,14 +128,22 @@ class HierarchicalExchange(GradExchange):
         self.ranks_per_node, self.n_nodes = self.node_comm.size, self.cross_comm.size
         self.scratch = hier_buffers(self.buf.flat, self.ranks_per_node)      # (pad, chunk), allocated once
 
+    def configure(self, tc, dp_size):
+        """sized_exchange: nodes of tc.ranks_per_node consecutive dp ranks (required: no MPI to find them)."""
+        n = tc.ranks_per_node
+        if not n or dp_size % n:
+            raise ConfigError(f"ranks_per_node={n!r} does not split the {dp_size} dp ranks into equal nodes; give "
+                              f"one of {divisors(dp_size)}")
+        self.pad, self.ranks_per_node, self.n_nodes = 1, n, dp_size // n
+
     def average(self):
         hierarchical_allreduce(self.buf.flat, self.node_comm, self.cross_comm, self.scratch)   # node/cross/node
         if self.dp_comm.size > 1:
             self.buf.flat *= 1.0 / self.dp_comm.size
 
     def formula(self):
-        return hier_formula(self.buf.flat.nbytes, self.ranks_per_node, self.n_nodes, self.buf.flat.itemsize,
-                            self.dp_comm.name)
+        return hier_formula(self.size * self.itemsize, self.ranks_per_node, self.n_nodes, self.itemsize,
+                            self.dp_name)
 
     def describe(self):
         return (f"hierarchical: {self.ranks_per_node} dp ranks per node x {self.n_nodes} nodes "
@@ -147,7 +155,7 @@ class HierarchicalExchange(GradExchange):
     def memory_formula(self):
         """GradExchange's buffers, and the scratch of hierarchical_allreduce: the chunk (m,), m = ceil(size / n),
         and the padded copy (n m,) unless n divides size."""
-        out, n, s = super().memory_formula(), self.ranks_per_node, self.pbuf.flat.itemsize
+        out, n, s = super().memory_formula(), self.ranks_per_node, self.itemsize
         m = -(-self.size // n)
         out["comm"] = (m + (n * m if n * m != self.size else 0)) * s
         return out

@@ -25,18 +25,24 @@ def fmt_bytes(n):
 def step_formula(cfg, tc, trainer):
     """{(comm, op): (calls, bytes)} this rank should see in one training step, from the closed forms: the
     tensor-parallel traffic of its stage for m micro-batches, the pipeline's messages and the dp exchange."""
-    grid, st, m = trainer.grid, trainer.stage, tc.micro_batches
-    per_mb, itemsize = tc.batch_size // grid.dp // m, trainer.dtype.itemsize
+    return rank_bytes(cfg, tc, trainer.grid.dp, trainer.grid.tp, trainer.grid.cp, trainer.stage, trainer.exchange)
+
+
+def rank_bytes(cfg, tc, dp, tp, cp, stage, ex):
+    """step_formula from sizes alone: dp, tp, cp the grid; stage: its .pieces(rows), .layers, .first, .last, .v;
+    ex: the exchange, or hsgd.exchange.sized_exchange's (its formula() and itemsize)."""
+    m, itemsize = tc.micro_batches, ex.itemsize
+    per_mb = tc.batch_size // dp // m
     f = {}
-    for rows in st.pieces(per_mb):                                    # one piece, or one per thread
+    for rows in stage.pieces(per_mb):                                 # one piece, or one per thread
         for k, (calls, nbytes) in tp_model.comm_formula(cfg, rows, itemsize, tc.tp_scheme,
-                                                        stage=(len(st.layers), st.first, st.last),
-                                                        recompute=tc.recompute, cp=grid.cp).items():
+                                                        stage=(len(stage.layers), stage.first, stage.last),
+                                                        recompute=tc.recompute, cp=cp).items():
             f[k] = (f.get(k, (0, 0))[0] + m * calls, f.get(k, (0, 0))[1] + m * nbytes)
-    f.update(pp_formula(per_mb, cfg, m, st.first, st.last, itemsize, tc.tp_scheme, grid.tp, st.v, grid.cp))
-    f.update(cp_formula(tc.cp_scheme, grid.cp, per_mb, cfg.seq_len, cfg.d_model, grid.tp, itemsize,
-                        m * len(st.layers), tc.recompute))
-    f.update(trainer.exchange.formula())
+    f.update(pp_formula(per_mb, cfg, m, stage.first, stage.last, itemsize, tc.tp_scheme, tp, stage.v, cp))
+    f.update(cp_formula(tc.cp_scheme, cp, per_mb, cfg.seq_len, cfg.d_model, tp, itemsize,
+                        m * len(stage.layers), tc.recompute))
+    f.update(ex.formula())
     return f
 
 

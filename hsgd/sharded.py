@@ -37,6 +37,9 @@ from types import SimpleNamespace
 
 from .backend import array_module
 from .exchange import GradExchange
+from .config import divisors
+from .errors import ConfigError
+from .exchange import group_numel
 from .hier import node_split
 from .hooks import Hooks
 from .precision import EXACT
@@ -55,22 +58,18 @@ class ShardedExchange(GradExchange):
             self.node_comm, self.cross_comm = node_split(dp_comm, ranks_per_node)      # (hsgd.hier)
         shard = self.node_comm if hybrid else dp_comm
         self.shard_comm, self.n = shard, shard.size                   # norms add up over the shard comm
+        self.cross_name = self.cross_comm.name if hybrid else None
         first = params[self.order[0]]
         xp, self.dtype = array_module(first), first.dtype
         self.shapes = {name: params[name].shape for name in self.order}
-        # the layout: group g at offset off_g of the flat layout, n_g elements padded to n * c_g; its chunk at
-        # own_g in master. inner[g]: {name: (lo, hi) inside the group's bucket}
-        self.layout, self.offsets, off, own = {}, {}, 0, 0
-        for g, names in groups.items():
-            inner, k = {}, 0
+        self.sizes(group_numel(params, groups), self.dtype.itemsize, dp_comm.size, dp_comm.name)
+        self.offsets = {}                                             # name -> (lo, hi) in the flat layout
+        for g, names in groups.items():                               # inner: {name: (lo, hi) inside the bucket}
+            lay, k = self.layout[g], 0
             for name in names:
-                inner[name] = (k, k + params[name].size)
-                self.offsets[name] = (off + k, off + k + params[name].size)
+                lay.inner[name] = (k, k + params[name].size)
+                self.offsets[name] = (lay.off + k, lay.off + k + params[name].size)
                 k += params[name].size
-            c = -(-k // self.n)                                       # ceil(n_g / n)
-            self.layout[g] = SimpleNamespace(off=off, n_g=k, c=c, own=own, inner=inner)
-            off, own = off + self.n * c, own + c
-        self.size = off
         full = xp.zeros(self.size, dtype=self.dtype)                  # (size,) once, to cut my chunks from
         for name in self.order:
             lo, hi = self.offsets[name]
@@ -89,6 +88,33 @@ class ShardedExchange(GradExchange):
         self.num = EXACT                                              # how gathered groups are rounded (stage 3)
 
     # ------------------------------------------------------------------------------------------ the flat layout
+    def configure(self, tc, dp_size):
+        """sized_exchange: the stage, the micro-batches, and who shards: the dp_size ranks, or (hybrid, with
+        --hierarchical) the tc.ranks_per_node ranks of a node, replicated over dp_size / ranks_per_node nodes."""
+        self.zero, self.m = tc.zero, tc.micro_batches
+        self.n, self.cross_name = dp_size, None
+        if tc.hierarchical:
+            n = tc.ranks_per_node
+            if not n or dp_size % n:
+                raise ConfigError(f"ranks_per_node={n!r} does not split the {dp_size} dp ranks into equal nodes; "
+                                  f"give one of {divisors(dp_size)}")
+            self.n, self.cross_name = n, "dp-cross"
+
+    def sizes(self, numel, itemsize, dp_size, name="dp"):
+        """The layout from the sizes: group g at offset off_g of the flat layout, n_g elements padded to n * c_g;
+        its chunk at own_g in master (inner, the names inside the bucket, is filled by __init__)."""
+        self.numel, self.itemsize, self.dp_size, self.dp_name = dict(numel), itemsize, dp_size, name
+        self.shard_name = f"{name}-node" if self.cross_name else name             # hsgd.hier.node_split's names
+        self.layout, off, own = {}, 0, 0
+        for g, k in numel.items():
+            c = -(-k // self.n)                                       # ceil(n_g / n)
+            self.layout[g] = SimpleNamespace(off=off, n_g=k, c=c, own=own, inner={})
+            off, own = off + self.n * c, own + c
+        self.size = off
+
+    def owned_numel(self):
+        return sum(lay.c for lay in self.layout.values())
+
     def views(self, flat):
         """{name: view of flat (the whole flat layout) with the parameter's shape}."""
         return {n: flat[lo:hi].reshape(self.shapes[n]) for n, (lo, hi) in self.offsets.items()}
@@ -207,12 +233,12 @@ class ShardedExchange(GradExchange):
     # ------------------------------------------------------------------------------------------ reports
     def formula(self):
         """{(comm, op): (calls, payload bytes)} of one step of m micro-batches (see the module docstring)."""
-        G, psi, m = len(self.layout), self.size * self.dtype.itemsize, self.m
-        name = self.shard_comm.name
+        G, psi, m = len(self.layout), self.size * self.itemsize, self.m
+        name = self.shard_name
         out = {(name, "Ireduce_scatter_block"): (m * G, m * psi),
                (name, "Allgather"): ((2 * m if self.zero == 3 else 1) * G, (2 * m if self.zero == 3 else 1) * psi)}
-        if self.cross_comm is not None:
-            out[(self.cross_comm.name, "Allreduce")] = (1, int(self.g_owned.nbytes))
+        if self.cross_name is not None:
+            out[(self.cross_name, "Allreduce")] = (1, self.owned_numel() * self.itemsize)
         return out
 
     def memory_formula(self):
@@ -223,19 +249,21 @@ class ShardedExchange(GradExchange):
                     Reduce-Scatter is still in flight (consecutive groups in backward order; with m > 1 the last
                     group's is still in flight when the next micro-batch's backward fills the first)
             comm    the receive chunk c_g of the Reduce-Scatter in flight"""
-        s, n, m = self.dtype.itemsize, self.n, self.m
+        s, n, m = self.itemsize, self.n, self.m
         cs = [lay.c for lay in self.layout.values()]                          # backward order
         pairs = list(zip(cs, cs[1:])) + ([(cs[-1], cs[0])] if m > 1 else [])
         in_flight = max((a + b for a, b in pairs), default=cs[0] * (2 if m > 1 else 1))
         return {"params": self.param_bytes() + (s * n * max(cs) if self.zero == 3 else 0),
-                "grads": int(self.g_owned.nbytes) + s * n * in_flight,
+                "grads": self.grad_bytes() + s * n * in_flight,
                 "comm": s * max((a for a, _ in pairs), default=0)}
 
     def param_bytes(self):
-        return int(self.master_.nbytes + (self.whole.nbytes if self.zero == 2 else 0))
+        """master (sum c_g,), and stage 2 the whole parameters (size,)."""
+        return (self.owned_numel() + (self.size if self.zero == 2 else 0)) * self.itemsize
 
     def grad_bytes(self):
-        return int(self.g_owned.nbytes)
+        """g_owned (sum c_g,)."""
+        return self.owned_numel() * self.itemsize
 
     def describe(self):
         where = (f"sharded over the {self.n} dp ranks of a node, replicated over {self.cross_comm.size} nodes"

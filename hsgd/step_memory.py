@@ -40,8 +40,6 @@ Not sampled: transients inside a group (dlogits, dqkv, the attention's dS, GELU'
 peak shows them. With ZeRO 2 and 3 (hsgd.sharded) what the exchange holds is followed sample by sample
 (ShardedInFlight).
 """
-import numpy as np
-
 from .cp import attention_cache_bytes
 from .memory import activation_formula
 from .sharded import ShardedExchange
@@ -81,7 +79,7 @@ class ShardedInFlight:
         self.ex, self.pending = ex, None
 
     def at(self, kind, group):
-        ex, s = self.ex, self.ex.dtype.itemsize
+        ex, s = self.ex, self.ex.itemsize
         c = lambda g: ex.layout[g].c if g is not None else 0         # noqa: E731
         own = c(group) if kind == "B" else 0                          # the bucket being filled
         return {"params": ex.n * c(group) * s if ex.zero == 3 and group is not None else 0,
@@ -173,30 +171,38 @@ def stage_samples(pc, layers, first, last, actions, recompute, base, inflight=No
     return walk.samples
 
 
-def optimizer_formula(trainer):
-    """The optimizer's state and masks in bytes (see the module docstring)."""
-    ex, tc, s = trainer.exchange, trainer.tc, trainer.dtype.itemsize
+def optimizer_formula(tc, ex):
+    """The optimizer's state and masks in bytes (see the module docstring): tc the settings, ex the exchange (or
+    its sizes, hsgd.exchange.sized_exchange)."""
     copies = STATE_COPIES[tc.optimizer](tc.momentum)
-    return (copies + 2) * ex.master.size * s                          # state, and the decay and tp-sharded masks
+    return (copies + 2) * ex.owned_numel() * ex.itemsize              # state, and the decay and tp-sharded masks
 
 
 def step_formula(trainer):
     """{"peak": {category: bytes}, "total": the largest sample's sum, "at": its label, "samples": [...]} of one
     training step on this rank, in the categories of hsgd.memtrace."""
-    cfg, tc, grid, st, ex = trainer.cfg, trainer.tc, trainer.grid, trainer.stage, trainer.exchange
-    b, s = tc.batch_size // grid.dp // tc.micro_batches, trainer.dtype.itemsize
-    pc = pieces(cfg, b, s, grid.tp, tc.tp_scheme, tc.recompute, grid.cp, tc.cp_scheme)
+    grid, st = trainer.grid, trainer.stage
+    return rank_formula(trainer.cfg, trainer.tc, grid.dp, grid.tp, grid.cp, st, trainer.exchange,
+                        trainer.num.rounds, st.ctx.held_bytes())
+
+
+def rank_formula(cfg, tc, dp, tp, cp, stage, ex, rounds, cp_held=0):
+    """step_formula from sizes alone: dp, tp, cp the grid; stage: its .layers, .first, .last and .actions (gpipe or
+    1f1b: one chunk, fused B); ex: the exchange or hsgd.exchange.sized_exchange's; rounds: bfloat16 or float16
+    (the model's rounded copy of the weights); cp_held: the context layout's own arrays (ctx.held_bytes())."""
+    b, s = tc.batch_size // dp // tc.micro_batches, ex.itemsize
+    pc = pieces(cfg, b, s, tp, tc.tp_scheme, tc.recompute, cp, tc.cp_scheme)
     inflight = ShardedInFlight(ex) if isinstance(ex, ShardedExchange) else None
     base = ({"params": ex.param_bytes(), "grads": ex.grad_bytes(), "comm": 0} if inflight is not None
             else dict(ex.memory_formula()))
-    if trainer.num.rounds and tc.zero != 3:      # bf16 / fp16: the model's rounded copy of the weights, held through
-        base["params"] += sum(int(np.prod(shape)) for shape in trainer.shard_shapes.values()) * s   # the step
-    base["optimizer"] = optimizer_formula(trainer)
+    if rounds and tc.zero != 3:            # bf16 / fp16: the model's rounded copy of the weights, held through
+        base["params"] += sum(ex.numel.values()) * s                     # the step
+    base["optimizer"] = optimizer_formula(tc, ex)
     base["other"] = tc.batch_size * (cfg.seq_len + 1) * 8             # the step's token windows (B, T+1) int64
-    if grid.cp > 1:                        # my positions of idx and targets (int64), the layout's own arrays
-        base["other"] += 2 * tc.batch_size // grid.dp * (cfg.seq_len // grid.cp) * 8 + st.ctx.held_bytes()
-    actions = trainer.stage.actions                                  # (gpipe or 1f1b: one chunk, fused B)
-    samples = stage_samples(pc, list(st.layers), st.first, st.last, actions, tc.recompute, base, inflight)
+    if cp > 1:                             # my positions of idx and targets (int64), the layout's own arrays
+        base["other"] += 2 * tc.batch_size // dp * (cfg.seq_len // cp) * 8 + cp_held
+    samples = stage_samples(pc, list(stage.layers), stage.first, stage.last, stage.actions, tc.recompute, base,
+                            inflight)
     cats = sorted({c for _, cs in samples for c in cs})
     totals = [sum(c.values()) for _, c in samples]
     top = max(range(len(totals)), key=totals.__getitem__)

@@ -32,14 +32,25 @@ class ZeroExchange(GradExchange):
         assert stage in (1, 2)
         super().__init__(params, groups, dp_comm, pad=dp_comm.size)
         xp = array_module(self.pbuf.flat)
-        dp, r = dp_comm.size, dp_comm.rank
-        self.stage, self.chunk = stage, self.pbuf.flat.size // dp
+        r = dp_comm.rank
+        self.stage = stage
         self.owned = slice(r * self.chunk, (r + 1) * self.chunk)        # my part of the flat layout
         self.shard_comm = dp_comm                                       # each DP rank holds a different chunk
         self.g_chunk = xp.zeros(self.chunk, dtype=self.pbuf.flat.dtype)  # (chunk,) my averaged gradient
         self.p_send = xp.zeros(self.chunk, dtype=self.pbuf.flat.dtype)   # (chunk,) send buffer of the Allgather
         if stage == 2:
             self.buf = None                                             # the full buffer lives only in the step
+
+    def configure(self, tc, dp_size):
+        """sized_exchange: the flat layout padded to dp_size chunks; the stage."""
+        self.pad, self.stage = dp_size, tc.zero
+
+    def sizes(self, numel, itemsize, dp_size, name="dp"):
+        super().sizes(numel, itemsize, dp_size, name)
+        self.chunk = self.size // dp_size                               # my part of the padded flat layout
+
+    def owned_numel(self):
+        return self.chunk
 
     def begin(self):
         """The gradient buffer the backward pass accumulates into (stage 2: allocated anew each step)."""
@@ -74,16 +85,17 @@ class ZeroExchange(GradExchange):
     def formula(self):
         """One Reduce_scatter_block of the padded gradient buffer and one Allgather of the padded parameters (the
         two halves of an All-Reduce)."""
-        n = int(self.pbuf.flat.nbytes)
-        return {("dp", "Reduce_scatter_block"): (1, n), ("dp", "Allgather"): (1, n)}
+        n = self.size * self.itemsize
+        return {(self.dp_name, "Reduce_scatter_block"): (1, n), (self.dp_name, "Allgather"): (1, n)}
 
     def grad_bytes(self):
-        return int(self.g_chunk.nbytes + (self.buf.flat.nbytes if self.buf is not None else 0))
+        """Between steps: my averaged chunk (chunk,), and stage 1 the full buffer (size,) (stage 2 releases it)."""
+        return (self.chunk + (self.size if self.stage == 1 else 0)) * self.itemsize
 
     def memory_formula(self):
         """Parameters (size,) whole; gradients: the full buffer (stage 2: from begin() to the Reduce-Scatter, so at
         the step's peak too) and my averaged chunk (chunk,); comm: the Allgather's send buffer (chunk,)."""
-        s = self.pbuf.flat.itemsize
+        s = self.itemsize
         return {"params": self.size * s, "grads": (self.size + self.chunk) * s, "comm": self.chunk * s}
 
     def describe(self):

@@ -1,0 +1,76 @@
+"""A layout that is only planned: what one rank of it holds and sends in a training step of hsgd, from the sizes
+alone (no array is made, no message sent), so that runs far larger than this machine can be costed.
+
+hsgd.train reports, for the layout it runs, bytes per communicator (hsgd.report.step_formula) and memory per
+category (hsgd.step_memory.step_formula), each equal to what it measures. Both are functions of sizes
+(hsgd.report.rank_bytes, hsgd.step_memory.rank_formula), given a stage (its blocks, whether it holds the
+embedding or the head, its schedule) and an exchange (hsgd.exchange.sized_exchange). This module makes those two
+from the settings, for rank (pp stage s; every dp, cp and tp rank of a stage holds and sends the same):
+
+    stage s     PlannedStage: hsgd.pp.stage_chunks's blocks, hsgd.schedules.build's actions (as hsgd.stage.Stage)
+    exchange    sized_exchange(tc, {group: elements of stage s's tp shards}, itemsize, dp x cp)
+    bytes       rank_bytes(cfg, tc, dp, tp, cp, stage, exchange)
+    memory      rank_formula(cfg, tc, dp, tp, cp, stage, exchange, ...)   (gpipe and 1f1b: one chunk per stage)
+
+tests/mpi/test_plan_layout.py holds them equal to the trainer's for every factorization of 8 ranks.
+"""
+from types import SimpleNamespace
+
+from .. import tp_model
+from ..cp import make_split
+from ..exchange import sized_exchange
+from ..pp import parse_split, stage_chunks, stage_names
+from ..report import rank_bytes
+from ..schedules import build, effective
+from ..step_memory import rank_formula
+from ..tp_shards import shard_numel
+
+ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 4, "float16": 4}    # hsgd emulates the narrow formats in float32
+
+
+class PlannedStage:
+    """Stage s of pp as hsgd.stage.Stage lays it out: its chunks' blocks (v chunks with virtual stages), whether it
+    holds the embedding (first) and the head (last), its parameter names and its actions."""
+
+    def __init__(self, cfg, tc, pp, s):
+        v = getattr(tc, "virtual_stages", 1)
+        self.v, self.s = v, s
+        self.chunks = stage_chunks(cfg.n_layers, pp, s, v, parse_split(tc.pp_split))
+        self.layers = [i for _, layers, _, _ in self.chunks for i in layers]
+        self.first, self.last = self.chunks[0][2], self.chunks[-1][3]
+        self.names = [n for _, layers, first, last in self.chunks for n in stage_names(cfg, layers, first, last)]
+        self.actions = build(effective(tc.schedule, pp, v), tc.micro_batches, pp, v)[s]
+
+    def pieces(self, rows):
+        """A micro-batch in one piece (the planner leaves --threads out)."""
+        return [rows]
+
+    def group_numel(self, cfg, tp, scheme):
+        """{group: elements of this stage's tp shards} in the order the backward pass finishes the groups."""
+        out = {}
+        for grp in tp_model.backward_order(cfg):
+            names = [n for n in self.names if tp_model.param_group(n) == grp]
+            if names:
+                out[grp] = shard_numel(cfg, tp, names, scheme)
+        return out
+
+
+def context_held_bytes(cfg, tc, cp, cp_rank=0):
+    """What the context layout of cp_rank holds for the run (ctx.held_bytes(): positions, masks), made on the host
+    without a communicator (it asks only the size and the rank)."""
+    if cp == 1:
+        return 0
+    return make_split(tc.cp_scheme, SimpleNamespace(size=cp, rank=cp_rank), cfg.seq_len).held_bytes()
+
+
+def plan_rank(cfg, tc, dp, pp, tp, cp, s):
+    """{"bytes": {(comm, op): (calls, bytes)}, "memory": step_formula's dict or None (interleaved and zero-bubble
+    schedules: not modelled), "exchange": the sized exchange, "stage": the PlannedStage} of pp stage s."""
+    stage = PlannedStage(cfg, tc, pp, s)
+    ex = sized_exchange(tc, stage.group_numel(cfg, tp, tc.tp_scheme), ITEMSIZE[tc.dtype], dp * cp)
+    out = {"bytes": rank_bytes(cfg, tc, dp, tp, cp, stage, ex), "exchange": ex, "stage": stage, "memory": None}
+    one_chunk = stage.v == 1 and not any(a.kind == "W" for a in stage.actions)
+    if one_chunk:
+        rounds = tc.dtype in ("bfloat16", "float16")
+        out["memory"] = rank_formula(cfg, tc, dp, tp, cp, stage, ex, rounds, context_held_bytes(cfg, tc, cp))
+    return out
