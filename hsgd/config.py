@@ -93,16 +93,25 @@ class ModelConfig:
             total += n
         return total
 
-    def step_flops(self, batch_size):
-        """Floating-point operations of one training step (forward + backward) on B sequences of length T.
+    def step_flops(self, batch_size, recompute="none"):
+        """Floating-point operations of one training step (forward + backward) on B sequences of length T
+        (gpt_step_flops of this model's sizes; recompute: what --recompute runs again)."""
+        return gpt_step_flops(batch_size, self.seq_len, self.d_model, self.d_ff, self.vocab_size, self.n_layers,
+                              recompute)
 
-        Counts the matmuls only (2 flops per multiply-add), backward = 2 x forward:
-          per layer, per token: q, k, v, proj (4 C^2) and fc, proj (2 C F) -> 6 * (4C^2 + 2CF)
-          attention, per layer, per sequence: q k^T and att v, full T x T (the causal half is computed too)
-                                              -> 3 * 2 * 2 * T^2 * C
-          LM head, per token: 6 * C * V
-        """
-        B, T, C, F, V, L = batch_size, self.seq_len, self.d_model, self.d_ff, self.vocab_size, self.n_layers
-        tokens = B * T
-        per_layer = 6 * tokens * (4 * C * C + 2 * C * F) + 12 * B * T * T * C
-        return L * per_layer + 6 * tokens * C * V
+
+def gpt_step_flops(B, T, C, F, V, L, recompute="none"):
+    """Matmul FLOPs of one training step on B sequences of T tokens (2 flops per multiply-add), backward = 2 x
+    forward; plain arithmetic, so that it also takes symbols (tests/test_plan.py checks it with sympy):
+      per layer, per token: q, k, v, proj (4 C^2) and fc, proj (2 C F)  -> 6 * (4C^2 + 2CF)
+      attention, per layer, per sequence: q k^T and att v, full T x T (the causal half is computed too)
+                                                                         -> 3 * 2 * 2 * T^2 * C
+      LM head, per token: 6 * C * V
+    --recompute full runs every block's forward again (+ 2 (4C^2 + 2CF) per token and 4 T^2 C per sequence and
+    layer); selective runs the attention's again (+ 4 T^2 C). With F = 4C and full recomputation this is Narayanan
+    et al. (2021)'s 96 B s l h^2 (1 + s/(6h) + V/(16 l h)) (s = T, h = C, l = L)."""
+    tokens = B * T
+    per_layer = 6 * tokens * (4 * C * C + 2 * C * F) + 12 * B * T * T * C
+    again = {"none": 0, "selective": 4 * B * T * T * C,
+             "full": 2 * tokens * (4 * C * C + 2 * C * F) + 4 * B * T * T * C}[recompute]
+    return L * (per_layer + again) + 6 * tokens * C * V

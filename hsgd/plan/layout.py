@@ -14,9 +14,9 @@ from the settings, for rank (pp stage s; every dp, cp and tp rank of a stage hol
 
 tests/mpi/test_plan_layout.py holds them equal to the trainer's for every factorization of 8 ranks.
 """
+from functools import lru_cache
 from types import SimpleNamespace
 
-from .. import tp_model
 from ..cp import make_split
 from ..exchange import sized_exchange
 from ..pp import parse_split, stage_chunks, stage_names
@@ -26,6 +26,12 @@ from ..step_memory import rank_formula
 from ..tp_shards import shard_numel
 
 ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 4, "float16": 4}    # hsgd emulates the narrow formats in float32
+
+
+@lru_cache(maxsize=8)
+def all_actions(kind, m, p, v):
+    """hsgd.schedules.build's actions of every stage, kept for the planner's next stage of the same pipeline."""
+    return build(kind, m, p, v)
 
 
 class PlannedStage:
@@ -38,8 +44,18 @@ class PlannedStage:
         self.chunks = stage_chunks(cfg.n_layers, pp, s, v, parse_split(tc.pp_split))
         self.layers = [i for _, layers, _, _ in self.chunks for i in layers]
         self.first, self.last = self.chunks[0][2], self.chunks[-1][3]
-        self.names = [n for _, layers, first, last in self.chunks for n in stage_names(cfg, layers, first, last)]
-        self.actions = build(effective(tc.schedule, pp, v), tc.micro_batches, pp, v)[s]
+        self.cfg = cfg
+        self.kind, self.m, self.pp = effective(tc.schedule, pp, v), tc.micro_batches, pp
+
+    @property
+    def names(self):
+        """Its parameters' names (built when first asked)."""
+        return [n for _, layers, first, last in self.chunks for n in stage_names(self.cfg, layers, first, last)]
+
+    @property
+    def actions(self):
+        """Its actions in hsgd.schedules' list (built when first asked: memory needs them, bytes do not)."""
+        return all_actions(self.kind, self.m, self.pp, self.v)[self.s]
 
     def pieces(self, rows):
         """A micro-batch in one piece (the planner leaves --threads out)."""
@@ -47,12 +63,18 @@ class PlannedStage:
 
     def group_numel(self, cfg, tp, scheme):
         """{group: elements of this stage's tp shards} in the order the backward pass finishes the groups."""
-        out = {}
-        for grp in tp_model.backward_order(cfg):
-            names = [n for n in self.names if tp_model.param_group(n) == grp]
-            if names:
-                out[grp] = shard_numel(cfg, tp, names, scheme)
-        return out
+        per = kind_numel(cfg, tp, scheme)
+        blocks = [f"h.{i}" for i in reversed(self.layers)]
+        return {g: per["h" if g.startswith("h.") else g] for g in
+                (["head"] if self.last else []) + blocks + (["embedding"] if self.first else [])}
+
+
+@lru_cache(maxsize=256)
+def kind_numel(cfg, tp, scheme):
+    """{"embedding", "h", "head": elements of one tp rank's shards of that group} (every block alike)."""
+    names = {"embedding": stage_names(cfg, [], True, False), "h": stage_names(cfg, [0], False, False),
+             "head": stage_names(cfg, [], False, True)}
+    return {k: shard_numel(cfg, tp, v, scheme) for k, v in names.items()}
 
 
 def context_held_bytes(cfg, tc, cp, cp_rank=0):

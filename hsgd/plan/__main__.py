@@ -1,0 +1,245 @@
+"""python -m hsgd.plan: which layout, will it fit, how fast.
+
+    python -m hsgd.plan --model narayanan-145.6b --batch 2304 --devices 1536 --hw a100-80g
+    python -m hsgd.plan --model L=96,C=12288,NH=96,F=49152,V=51200,T=2048 --batch 1536 --devices 1024 --hw h100-80g
+    python -m hsgd.plan --model hsgd-default --batch 32 --devices 8 --hw this-machine --impl hsgd --dtype float32
+    mpirun -n 8 python -m hsgd.plan --calibrate --out my-machine.toml          # measure this machine
+
+It enumerates every dp x pp x tp (x cp, chunks per stage, ZeRO stage, sequence parallelism, recomputation,
+micro-batch size, schedule) that the model allows on the devices, drops what does not fit in a device's memory,
+and prints the fastest N with memory per device by category, bytes per step on each communicator and link, and
+the predicted step time split into compute, elementwise, exposed tensor-parallel, pipeline (bubble and
+transfers), data-parallel and context-parallel communication, with tokens/s and MFU. --explain prints every term
+of the best layouts as its formula with the numbers in; --json writes everything.
+The model of time, memory and bytes is in hsgd.plan.costs, hsgd.plan.layout and hsgd.plan.paper.
+"""
+import argparse
+import json
+import re
+import sys
+
+from ..config import ModelConfig
+from ..errors import EXIT_USAGE, ConfigError, UsageError
+from ..preflight import writable_file
+from .hardware import HardwareError, load, names
+from .paper import table1
+from .search import SCHEDULES, rate_of, search
+
+
+class PlanError(UsageError):
+    """Input the planner cannot use; the message says what to change."""
+
+
+GPT2 = {"gpt2-small": (12, 768, 12), "gpt2-medium": (24, 1024, 16), "gpt2-large": (36, 1280, 20),
+        "gpt2-xl": (48, 1600, 25)}
+KEYS = {"L": "n_layers", "C": "d_model", "NH": "n_heads", "F": "d_ff", "V": "vocab_size", "T": "seq_len"}
+
+
+def presets():
+    """{name: ModelConfig}: the GPT models of Narayanan et al. 2021 Table 1, GPT-2's four, hsgd's own."""
+    out = {f"narayanan-{r['params_billion']:g}b": r["cfg"] for r in table1()}
+    for name, (L, C, NH) in GPT2.items():
+        out[name] = ModelConfig(vocab_size=50257, seq_len=1024, d_model=C, n_heads=NH, n_layers=L, d_ff=4 * C)
+    out["hsgd-default"] = ModelConfig()                                   # hsgd.train's default model
+    out["hsgd-small"] = ModelConfig(seq_len=32, d_model=64, n_heads=4, n_layers=2, d_ff=256)
+    return out
+
+
+def parse_model(text):
+    """A preset name or L=..,C=..,NH=..,F=..,V=..,T=.. (F defaults to 4C, V to 256, T to 64)."""
+    table = presets()
+    if text in table:
+        return table[text]
+    if "=" not in text:
+        raise PlanError(f"unknown model {text!r}; give a preset ({', '.join(table)}) or sizes such as "
+                        "L=96,C=12288,NH=96,F=49152,V=51200,T=2048")
+    sizes = {}
+    for part in text.split(","):
+        k, _, v = part.partition("=")
+        if k.strip() not in KEYS or not re.fullmatch(r"\d+", v.strip()):
+            raise PlanError(f"--model {text!r}: {part!r} is not KEY=INTEGER with KEY one of {', '.join(KEYS)}")
+        sizes[KEYS[k.strip()]] = int(v)
+    missing = [k for k, f in KEYS.items() if f not in sizes and k in ("L", "C", "NH")]
+    if missing:
+        raise PlanError(f"--model {text!r} has no {', '.join(missing)}; L (layers), C (width) and NH (heads) are "
+                        "needed, e.g. L=24,C=2048,NH=16")
+    sizes.setdefault("d_ff", 4 * sizes["d_model"])
+    try:
+        return ModelConfig(**sizes)
+    except ConfigError as e:
+        raise PlanError(f"--model {text!r}: {e}") from None
+
+
+def int_list(name):
+    def parse(text):
+        try:
+            vals = [int(x) for x in text.split(",")]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} takes integers separated by commas, e.g. 1,2,4,8") from None
+        if any(v < 0 for v in vals):
+            raise argparse.ArgumentTypeError(f"{name} takes non-negative integers")
+        return vals
+    return parse
+
+
+def choice_list(name, allowed):
+    def parse(text):
+        vals = text.split(",")
+        bad = [v for v in vals if v not in allowed]
+        if bad:
+            raise argparse.ArgumentTypeError(f"{name}: {bad[0]!r} is not one of {', '.join(allowed)}")
+        return vals
+    return parse
+
+
+def build_parser():
+    ap = argparse.ArgumentParser(prog="python -m hsgd.plan", description=__doc__.split("\n\n")[2],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog="presets: " + ", ".join(presets()) + "\nhardware: " + ", ".join(names()))
+    ap.add_argument("--model", default="hsgd-default",
+                    help="a preset (below) or sizes L=..,C=..,NH=..[,F=..,V=..,T=..] (F = 4C, V = 256, T = 64 "
+                         "unless given); default hsgd-default")
+    ap.add_argument("--batch", type=int, default=None, help="global batch in sequences (default: 32)")
+    ap.add_argument("--devices", type=int, default=8, help="devices (ranks) in all; default 8")
+    ap.add_argument("--hw", default="a100-80g", help="a shipped hardware name or a TOML file (default a100-80g)")
+    ap.add_argument("--impl", choices=("megatron", "hsgd"), default="megatron",
+                    help="megatron: a mixed-precision run with Adam, memory from the published formulas (default); "
+                         "hsgd: this implementation's memory and bytes, exactly as hsgd.train measures them")
+    ap.add_argument("--dtype", default=None, choices=("float64", "float32", "bfloat16", "float16"),
+                    help="compute precision (default bfloat16 with --impl megatron, float32 with --impl hsgd)")
+    ap.add_argument("--efficiency", type=float, default=None,
+                    help="fraction of the matmul peak reached (default: the hardware file's, else 0.5)")
+    ap.add_argument("--optimizer", choices=("sgd", "adamw"), default="adamw", help="--impl hsgd: its state")
+    g = ap.add_argument_group("the search space (default: every value that applies)")
+    g.add_argument("--tp", type=int_list("--tp"), help="e.g. 1,2,4,8")
+    g.add_argument("--pp", type=int_list("--pp"))
+    g.add_argument("--cp", type=int_list("--cp"), help="default 1 (no context parallelism)")
+    g.add_argument("--zero", type=int_list("--zero"), help="ZeRO stages, e.g. 0,1")
+    g.add_argument("--recompute", type=choice_list("--recompute", ("none", "selective", "full")))
+    g.add_argument("--sp", choices=("yes", "no", "both"), default="both", help="sequence parallelism")
+    g.add_argument("--micro-batch", type=int_list("--micro-batch"), help="sequences per micro-batch, e.g. 1,2,4")
+    g.add_argument("--schedule", type=choice_list("--schedule", SCHEDULES), help="e.g. 1f1b,interleaved")
+    g.add_argument("--virtual", type=int_list("--virtual"), help="chunks per stage for interleaved (default 2)")
+    o = ap.add_argument_group("output")
+    o.add_argument("--top", type=int, default=5, help="how many layouts to print (default 5)")
+    o.add_argument("--explain", action="store_true", help="every term of the printed layouts as its formula")
+    o.add_argument("--json", metavar="FILE", help="write every fitting layout's numbers as JSON")
+    c = ap.add_argument_group("calibration (under mpirun)")
+    c.add_argument("--calibrate", action="store_true", help="measure this machine and write --out")
+    c.add_argument("--out", help="--calibrate: the hardware file to write")
+    c.add_argument("--quick", action="store_true", help="--calibrate: fewer sizes and repetitions")
+    return ap
+
+
+def gb(x):
+    return f"{x / 1e9:.2f} GB"
+
+
+def fmt_t(t):
+    return f"{t * 1e3:.1f} ms" if t < 10 else f"{t:.2f} s"
+
+
+def space_of(args):
+    space = {"tp": args.tp, "pp": args.pp, "cp": args.cp, "zero": args.zero, "recompute": args.recompute,
+             "b": args.micro_batch, "schedule": args.schedule, "v": args.virtual}
+    if args.sp != "both":
+        space["tp_scheme"] = ["sequence" if args.sp == "yes" else "megatron"]
+    return space
+
+
+def report(e, say, explain):
+    """One layout's numbers: memory, bytes, links, time."""
+    t = e.time
+    if e.memory is not None:
+        say(f"    memory of the fullest device (stage {e.stage}): " + ", ".join(
+            f"{k} {gb(v)}" for k, v in e.memory.items() if v) + f"; total {gb(sum(e.memory.values()))}")
+    say("    bytes per step, stage 0: " + ", ".join(f"{c} {op} {n} x {gb(b / max(n, 1))}"
+                                                  for (c, op), (n, b) in sorted(e.bytes[0].items())))
+    say("    per link: " + ", ".join(f"{k} {gb(v)}" for k, v in e.links.items()))
+    total = t.total
+    say("    time " + fmt_t(total) + ": " + ", ".join(f"{k} {fmt_t(v)} ({v / total:.0%})"
+                                                      for k, v in t.parts().items() if v > 0))
+    if explain:
+        for term, text in t.terms:
+            say(f"      [{term}] {text}")
+
+
+def to_json(e):
+    return {"layout": e.layout.__dict__ | {"name": e.layout.name()}, "memory": e.memory, "stage": e.stage,
+            "fits": e.fits, "bytes": {str(s): {f"{c} {op}": list(v) for (c, op), v in b.items()}
+                                      for s, b in e.bytes.items()},
+            "links": e.links, "time": e.time.parts() | {"total": e.time.total}, "tokens_per_s": e.tokens_per_s,
+            "mfu": e.mfu, "tflops_per_device": e.tflops}
+
+
+def plan(args, say=print):
+    """The planner's work for parsed args; returns the exit code."""
+    cfg = parse_model(args.model)
+    hw = load(args.hw)
+    dtype = args.dtype or ("float32" if args.impl == "hsgd" else "bfloat16")
+    batch = args.batch or 32
+    if args.devices < 1 or batch < 1:
+        raise PlanError(f"--devices {args.devices} and --batch {batch} must be positive")
+    if args.efficiency is not None and not 0 < args.efficiency <= 1:
+        raise PlanError(f"--efficiency {args.efficiency} must be in (0, 1], e.g. 0.5")
+    if args.json:
+        writable_file(args.json, "--json", PlanError)
+    eff = args.efficiency if args.efficiency is not None else (hw.efficiency or 0.5)
+    rate = rate_of(hw, dtype, eff)
+    say(f"model: L={cfg.n_layers} C={cfg.d_model} NH={cfg.n_heads} F={cfg.d_ff} V={cfg.vocab_size} "
+        f"T={cfg.seq_len}, {cfg.n_params() / 1e9:.3g} B parameters, {cfg.step_flops(batch) / 1e12:.4g} TFLOP per "
+        f"step of {batch} sequences (without recomputation)")
+    say(f"hardware: {hw.name} ({hw.source}); {args.devices} devices, {hw.devices_per_node} per node, "
+        f"{gb(hw.memory_bytes)} each; matmuls at {rate / 1e12:.4g} TFLOP/s in {dtype}"
+        + ("" if dtype in hw.measured_matmul else f" (peak x efficiency {eff:g})") + f"; implementation {args.impl}")
+    progress = (lambda i, n: say(f"  ... {i} of {n} layouts priced", flush=True)) if args.devices > 64 else None
+    found, tried, dropped = search(cfg, batch, args.devices, hw, space_of(args), args.impl, dtype, eff,
+                                   progress=progress)
+    say(f"{tried} layouts allowed by the model; {len(found)} fit" + (
+        "; dropped: " + "; ".join(f"{n} x {why}" for why, n in sorted(dropped.items(), key=lambda x: -x[1])[:4])
+        if dropped else ""))
+    if not found:
+        if not tried:
+            raise PlanError(f"no layout of {args.devices} devices splits this model and batch {batch}: tp must "
+                            f"divide n_heads={cfg.n_heads} and d_ff={cfg.d_ff}, dp the batch, pp <= L={cfg.n_layers};"
+                            " change --devices or --batch, or widen --tp/--pp")
+        raise PlanError(f"nothing fits in {gb(hw.memory_bytes)} per device ({tried} layouts tried): use more "
+                        "devices, a smaller --batch or --micro-batch 1, or allow --zero 1,2,3 and --recompute full")
+    from .search import evaluate                       # the printed ones priced again, with the simulator
+    shown = sorted((evaluate(cfg, batch, e.layout, hw, args.impl, dtype, eff, explain=args.explain,
+                             optimizer=args.optimizer) for e in found[:args.top]), key=lambda e: e.time.total)
+    say(f"\n{'#':>3} {'layout':<62} {'memory':>10} {'step':>10} {'tokens/s':>11} {'MFU':>6} {'TFLOP/s/dev':>11}")
+    for i, e in enumerate(shown):
+        mem = gb(sum(e.memory.values())) if e.memory is not None else "n/a"
+        say(f"{i + 1:>3} {e.layout.name():<62} {mem:>10} {fmt_t(e.time.total):>10} {e.tokens_per_s:>11,.0f} "
+            f"{e.mfu:>6.1%} {e.tflops:>11.1f}")
+    for i, e in enumerate(shown):
+        say(f"\n{i + 1}. {e.layout.name()}")
+        report(e, say, args.explain)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": cfg.__dict__, "batch": batch, "devices": args.devices, "hardware": hw.name,
+                       "impl": args.impl, "dtype": dtype, "efficiency": eff, "tried": tried,
+                       "layouts": [to_json(e) for e in shown + found[args.top:]]}, f, indent=1)
+        say(f"\nwrote {len(found)} layouts to {args.json}")
+    return 0
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    if args.calibrate:
+        if not args.out:
+            print("hsgd: error: --calibrate needs --out FILE (the hardware file to write), e.g. "
+                  "mpirun -n 8 python -m hsgd.plan --calibrate --out my-machine.toml", file=sys.stderr)
+            return EXIT_USAGE
+        from .calibrate import main as calibrate_main
+        return calibrate_main(["--out", args.out] + (["--quick"] if args.quick else []))
+    try:
+        return plan(args, lambda *a, **k: print(*a, flush=True))
+    except (PlanError, HardwareError, ConfigError, UsageError) as err:
+        print(f"hsgd: error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

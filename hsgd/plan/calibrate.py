@@ -1,0 +1,252 @@
+"""Calibration: measure this machine's matmul rate and the cost of each collective, and write a hardware file.
+
+    mpirun -n 8 python -m hsgd.plan.calibrate --out hsgd/plan/hw/this-machine.toml [--quick]
+    (the planner's CLI calls the same function: mpirun -n 8 python -m hsgd.plan --calibrate --out FILE)
+
+Matmul: every rank at once multiplies two n x n matrices (n = 256, one BLAS thread per rank), k = 16 or 32 times in
+a row per trial so that a trial spans many of the scheduler's time slices (with k = 4 on 8 ranks sharing 2 cores, a
+rank could finish inside one slice and seem 4x faster); a trial's time is its slowest rank's, the time of one
+multiply t = (trial time) / k, the median over trials, and the rate per rank
+
+    rate = 2 n^3 / t     (FLOP/s per rank with all ranks busy: what a training step sees when ranks share cores)
+
+for float64 and float32 (the slowest rank's, so the minimum over ranks).
+
+Collectives: for p = 2 .. P the first p ranks form a communicator (world.Split); on it each of Allreduce,
+Reduce_scatter_block and Allgather (and Sendrecv between 2 ranks, p = 2 only) runs on float64 arrays of S sizes,
+log-spaced from 8 B to 4 MiB. One repetition: Barrier, then the call, timed on each rank; the call is done when its
+slowest rank is, so a repetition's time is the maximum over the p ranks; per size the median over repetitions.
+The payload n is counted as hsgd's CommStats counts it: the whole array for Allreduce and Reduce_scatter_block
+(the send buffer), the whole received array for Allgather, the message for Sendrecv. Then the line
+
+    t(n) = alpha + beta n                  (alpha: s per call, beta: s per byte; 1/beta is a bandwidth)
+
+is fitted by least squares on the relative error, min sum_i ((alpha + beta n_i - t_i) / t_i)^2, so that the small
+sizes (which fix alpha) count as much as the large ones (which fix beta); alpha and beta are clipped to tiny positive
+values when noise makes one negative. The fits go to [measured.OP.p]; the Sendrecv line also gives [intra_node]
+(latency = alpha, bandwidth = 1/beta) and, as there is no network on one box, [inter_node].
+
+Left out: collectives on groups that are not the first p ranks (on one node all ranks are alike), overlap of
+communication with compute, and sizes beyond 4 MiB (the line is extrapolated).
+"""
+import datetime
+import os
+import sys
+import time
+
+import numpy as np
+from mpi4py import MPI
+from threadpoolctl import threadpool_limits
+
+from ..errors import UsageError
+from ..preflight import writable_file
+from .hardware import OPS, Hardware, HardwareError, Link, to_toml
+
+TINY_ALPHA = 1e-9               # s: the smallest alpha written (a fit may come out negative from noise)
+TINY_BETA = 1e-15               # s/byte: the smallest beta written (1 PB/s)
+
+
+def matmul_rate(world, dtype, n, k, trials):
+    """FLOP/s per rank of an n x n matmul in dtype with every rank of world multiplying at once (the slowest rank)."""
+    rng = np.random.default_rng(world.Get_rank())
+    a, b = rng.standard_normal((2, n, n)).astype(dtype)       # (n, n) each
+    c = np.empty((n, n), dtype)
+    times = np.empty(trials)
+    with threadpool_limits(1):
+        np.matmul(a, b, out=c)                                 # warm-up: page in, pick the kernel
+        for i in range(trials):
+            world.Barrier()                                    # all ranks start together, so all are busy
+            t0 = time.perf_counter()
+            for _ in range(k):
+                np.matmul(a, b, out=c)
+            times[i] = (time.perf_counter() - t0) / k
+    world.Allreduce(MPI.IN_PLACE, times, op=MPI.MAX)           # (trials,) the slowest rank of each trial
+    return 2 * n ** 3 / float(np.median(times))
+
+
+def buffers(op, nbytes, p):
+    """(call, payload bytes as CommStats counts them) for op moving about nbytes in total on p ranks."""
+    if op in ("Allreduce", "Sendrecv"):
+        x = np.zeros(max(1, nbytes // 8))                      # (m,) float64
+        if op == "Allreduce":
+            return lambda comm: comm.Allreduce(MPI.IN_PLACE, x, op=MPI.SUM), x.nbytes
+        y = np.empty_like(x)
+        return lambda comm: comm.Sendrecv(x, dest=1 - comm.Get_rank(), recvbuf=y, source=1 - comm.Get_rank()), \
+            x.nbytes
+    m = max(p, round(nbytes / 8 / p) * p)                      # whole-array elements, a multiple of p
+    full, part = np.zeros(m), np.zeros(m // p)                 # (m,) and (m/p,) float64
+    if op == "Reduce_scatter_block":
+        return lambda comm: comm.Reduce_scatter_block(full, part, op=MPI.SUM), full.nbytes
+    return lambda comm: comm.Allgather(part, full), full.nbytes  # Allgather: the received array counts
+
+
+def time_call(comm, call, reps):
+    """Median over reps of the call's time, each repetition's time the maximum over comm's ranks."""
+    call(comm)                                                 # warm-up: connections, buffers
+    times = np.empty(reps)
+    for i in range(reps):
+        comm.Barrier()
+        t0 = time.perf_counter()
+        call(comm)
+        times[i] = time.perf_counter() - t0
+    comm.Allreduce(MPI.IN_PLACE, times, op=MPI.MAX)            # (reps,) the slowest rank of each repetition
+    return float(np.median(times))
+
+
+def fit(ns, ts):
+    """(alpha, beta) of t = alpha + beta n, least squares on the relative error; both clipped to be > 0."""
+    ns, ts = np.asarray(ns, float), np.asarray(ts, float)
+    A = np.stack([np.ones_like(ns), ns], axis=1) / ts[:, None]  # (S, 2) rows divided by t_i: relative error
+    (alpha, beta), *_ = np.linalg.lstsq(A, np.ones_like(ts), rcond=None)
+    return max(float(alpha), TINY_ALPHA), max(float(beta), TINY_BETA)
+
+
+def measure_collectives(world, sizes, reps, say):
+    """{op: {p: (alpha, beta)}} on rank 0 ({} elsewhere), for p = 2 .. world size."""
+    rank, measured = world.Get_rank(), {}
+    for p in range(2, world.Get_size() + 1):
+        comm = world.Split(0 if rank < p else MPI.UNDEFINED, rank)   # the first p ranks; COMM_NULL for the rest
+        if comm != MPI.COMM_NULL:
+            for op in OPS:
+                if op == "Sendrecv" and p != 2:
+                    continue
+                calls = dict((n, call) for call, n in (buffers(op, s, p) for s in sizes))   # n -> call, no repeats
+                points = [(n, time_call(comm, call, reps)) for n, call in calls.items()]      # (n bytes, s)
+                if rank == 0:
+                    alpha, beta = measured.setdefault(op, {})[p] = fit(*zip(*points))
+                    say(f"calibrate: {op} p={p}: alpha {alpha * 1e6:.1f} us, 1/beta {1 / beta / 1e9:.2f} GB/s "
+                        f"({len(points)} sizes, {points[0][0]} B .. {points[-1][0]} B)")
+            comm.Free()
+        world.Barrier()                                        # the ranks left out wait here, not in a collective
+    return measured
+
+
+def summary(hw):
+    """The measured numbers as a table: matmul rates, then op, p, alpha (us), 1/beta (GB/s)."""
+    lines = [f"matmul {d}: {r / 1e9:.2f} GFLOP/s per rank (all ranks busy)" for d, r in hw.measured_matmul.items()]
+    lines.append(f"{'op':<22}{'p':>3}{'alpha (us)':>12}{'1/beta (GB/s)':>15}")
+    for op, by_p in hw.measured.items():
+        for p, (alpha, beta) in sorted(by_p.items()):
+            lines.append(f"{op:<22}{p:>3}{alpha * 1e6:>12.1f}{1 / beta / 1e9:>15.2f}")
+    return "\n".join(lines)
+
+
+def memory_bytes():
+    """This machine's memory in bytes: MemTotal of /proc/meminfo, else what sysconf says."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024              # the file says kB and means KiB
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def cpu_name():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "an unknown CPU"
+
+
+def agree(world, error):
+    """Raise HardwareError(error of rank 0) on every rank if rank 0 had one (a message or None)."""
+    error = world.bcast(error, root=0)
+    if error:
+        raise HardwareError(error)
+
+
+def calibrate(world, out_path, quick=False, say=print, command=None):
+    """Measure on every rank of world, write the hardware file at out_path on rank 0; returns the Hardware on every
+    rank. quick: fewer sizes and repetitions (about 2 s on 8 ranks of a 2-core box). say: progress, rank 0 only.
+    command: the command line to record in the file's name (default: the planner's `hsgd.plan --calibrate`)."""
+    size, rank = world.Get_size(), world.Get_rank()
+    if size < 2:
+        raise HardwareError("calibration needs at least 2 ranks to time collectives; run it under mpirun, e.g. "
+                            "mpirun -n 8 python -m hsgd.plan --calibrate --out FILE")
+    error = None
+    if rank == 0:
+        try:
+            writable_file(out_path, "calibration output", HardwareError)
+        except UsageError as e:
+            error = str(e)
+    agree(world, error)                                       # before minutes of measuring, not after
+    say = say if rank == 0 else (lambda *a, **k: None)
+    sizes = [int(s) for s in np.geomspace(8, 2 ** 20 if quick else 4 * 2 ** 20, 4 if quick else 8)]
+    reps, (k, trials) = (3 if quick else 10), ((16, 3) if quick else (32, 5))
+    node = world.Split_type(MPI.COMM_TYPE_SHARED)             # the ranks on this node: its "devices"
+    per_node = node.Get_size()
+    node.Free()
+
+    matmul = {}
+    for dtype in ("float64", "float32"):
+        matmul[dtype] = matmul_rate(world, dtype, 256, k, trials)
+        say(f"calibrate: matmul {dtype} n=256: {matmul[dtype] / 1e9:.2f} GFLOP/s per rank, {size} ranks busy")
+    measured = measure_collectives(world, sizes, reps, say)
+
+    hw, error = None, None
+    if rank == 0:
+        alpha, beta = measured["Sendrecv"][2]
+        link = dict(bandwidth=1 / beta, latency=alpha)
+        rates = dict(matmul, bfloat16=matmul["float32"], float16=matmul["float32"])   # emulated in float32 arrays
+        when = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
+        command = command or f"python -m hsgd.plan --calibrate{' --quick' * quick} --out {out_path}"
+        hw = Hardware(name=f"this machine: {size} MPI ranks on {os.cpu_count()} cores of {cpu_name()}, calibrated "
+                           f"{when} by `mpirun -n {size} {command}`",
+                      memory_bytes=float(memory_bytes() // per_node), devices_per_node=per_node, peak_flops=rates,
+                      intra=Link(**link, name="intra-node"), inter=Link(**link, name="inter-node"),
+                      measured=measured, measured_matmul=rates, source=str(out_path))
+        notes = [f"Measured by hsgd.plan.calibrate ({'quick' if quick else 'full'}): {size} ranks, one BLAS thread "
+                 "each.",
+                 "[peak_flops], [measured_matmul]: FLOP/s per rank of a 256 x 256 matmul with all ranks multiplying",
+                 "at once (the min over ranks); bfloat16 and float16 are emulated on float32 arrays (hsgd.precision),",
+                 "so their matmuls run at the float32 rate. A CPU has no datasheet peak here: the measured rate is it.",
+                 "[measured.OP.p]: t(n bytes) = alpha + beta * n seconds, fitted to the median time (max over ranks)",
+                 f"of {len(sizes)} float64 sizes from {sizes[0]} B to {sizes[-1]} B, {reps} repetitions each, on the "
+                 "first p ranks; n as",
+                 "hsgd's CommStats counts it (Allreduce, Reduce_scatter_block: the whole array; Allgather: the whole",
+                 "received array; Sendrecv: the message)."]
+        comments = {"memory_bytes": f"MemTotal of /proc/meminfo / {per_node} ranks",
+                    "devices_per_node": "the MPI ranks on this node",
+                    "intra_node": "the measured Sendrecv between 2 ranks (shared memory)",
+                    "inter_node": "the same numbers: there is no network, every rank is on this one node"}
+        try:
+            tmp = f"{out_path}.tmp{os.getpid()}"
+            with open(tmp, "w") as f:
+                f.write(to_toml(hw, notes, comments))
+            os.replace(tmp, out_path)                         # whole or not at all
+        except OSError as e:
+            error = f"calibration output {str(out_path)!r} cannot be written ({e.strerror}); choose another path"
+        say(summary(hw))
+        if not error:
+            say(f"calibrate: wrote {out_path}")
+    agree(world, error)
+    return world.bcast(hw, root=0)
+
+
+def main(argv=None):
+    import argparse
+    ap = argparse.ArgumentParser(prog="python -m hsgd.plan.calibrate",
+                                 description="Measure this machine's matmul rate and collective costs (run under "
+                                             "mpirun -n 8) and write them as a hardware file for hsgd.plan.")
+    ap.add_argument("--out", required=True, help="the TOML file to write, e.g. hsgd/plan/hw/this-machine.toml")
+    ap.add_argument("--quick", action="store_true", help="fewer sizes and repetitions (seconds, not a minute)")
+    args = ap.parse_args(argv)
+    world = MPI.COMM_WORLD
+    try:
+        calibrate(world, args.out, quick=args.quick, say=lambda *a: print(*a, flush=True),
+                  command=f"python -m hsgd.plan.calibrate{' --quick' * args.quick} --out {args.out}")
+    except UsageError as err:
+        if world.Get_rank() == 0:
+            print(f"hsgd: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

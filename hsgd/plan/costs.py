@@ -1,0 +1,286 @@
+"""The time of one training step, predicted: compute from the FLOPs, communication from the alpha-beta cost of each
+collective on the link it crosses, and the pipeline from the schedule simulator (hsgd.schedules).
+
+Legend: B global batch, b micro-batch (sequences), m = B / (dp b) micro-batches, T sequence, C d_model, F d_ff,
+V vocabulary, NH heads, L layers; dp, pp, cp, tp the grid, v chunks per stage; n bytes, p ranks in a group;
+alpha the latency of a message and beta = 1 / bandwidth of the link (Hockney's model, hsgd.plan.hardware).
+
+Every function returns seconds; with `why` (a list) it appends ("term", "formula = numbers = value") so that
+`python -m hsgd.plan --explain` prints each cost as its formula with the numbers filled in.
+
+1. Collectives (Thakur, Rabenseifner and Gropp 2005, "Optimization of Collective Communication Operations in
+   MPICH"), n the payload as hsgd's CommStats counts it (Allreduce: the buffer; Reduce-Scatter: its whole input;
+   All-Gather: its whole output):
+       Allreduce       ring             2 (p-1) alpha + 2 (p-1)/p n beta
+                       recursive doubling  ceil(log2 p) (alpha + n beta)              (short messages)
+                       Rabenseifner     2 log2 p alpha + 2 (p-1)/p n beta              (p a power of two)
+       Reduce-Scatter  ring             (p-1) alpha + (p-1)/p n beta
+       All-Gather      recursive halving / doubling  log2 p alpha + (p-1)/p n beta    (p a power of two)
+       a message       alpha + n beta   (Recv, Irecv: the receiver waits for it; Isend does not block)
+   A tuned MPI picks per size; the model takes the cheapest of the algorithms above. A hardware file measured
+   by --calibrate has its own alpha and beta per collective and group size, used in place of these.
+2. Links. Ranks are placed as hsgd.grid places them (tp fastest, then cp, pp, dp), devices_per_node to a node. A
+   group whose ranks span k consecutive ranks is inside a node when k <= devices_per_node: tp spans tp, cp spans
+   cp tp, pp spans pp cp tp, dp (dp x cp ranks) the whole world; the hierarchical exchange's node part spans its
+   ranks_per_node dp ranks. Otherwise the group crosses the network, whose per-device link is the bottleneck of a
+   ring.
+3. Compute: matmul FLOPs at the rate hw.rate(dtype) (peak x efficiency, or what --calibrate measured). Per
+   micro-batch on one rank of a stage, N = b T/cp rows: forward 2 N (4C^2 + 2CF)/tp per block, the attention's
+   4 S C/tp with S its query-key scores per sequence (T^2 without cp, hsgd.cp.attention_blocks with it), the
+   head's 2 N C V/tp. Backward: input gradients as much as the forward plus the attention's again, weight
+   gradients as much as the linears' forward (B + W = 2 F). --recompute full adds the blocks' forward to B,
+   selective the attention's.
+   Elementwise work (LayerNorm, softmax, GELU, residuals, dropout) is bound by memory bandwidth: with the
+   hardware file's memory_bandwidth, each activation a layer stores (Korthikanti et al. 2022's count,
+   hsgd.plan.paper.activation_bytes, at the layout's bytes per element) is taken as written and read once in the
+   forward and twice that in the backward (once more with full recomputation): 2, 4 (+2) x bytes / bandwidth.
+4. The pipeline: every stage at the slowest stage's F, B, W costs (compute, its exposed tp, cp and ZeRO-3 gathers,
+   and a received message per action), through hsgd.schedules.simulate: its makespan holds the bubble. While
+   searching (simulated=False), gpipe, 1f1b and interleaved use the closed form the simulation equals for such
+   stages, and zb-h1 is simulated in units of F with B/F and W/F rounded to 2 digits (at most 0.5% off), shared
+   by layouts with the same shape of costs; the layouts printed are priced again with the simulator.
+5. The data-parallel exchange: after the pipeline, unless it overlaps (--dp-overlap: one bucket per group during
+   the last micro-batch's backward; ZeRO 2 and 3: each micro-batch's reduce-scatters during its backward; the
+   stale exchange: during the whole next step): then only what the backward cannot hide, and at least the last
+   bucket.
+Left out: the optimizer's elementwise work, kernel launch and Python overheads,
+contention between collectives that run at once, and compute slowed by communication it overlaps with.
+"""
+import math
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from ..cp import attention_blocks
+from ..schedules import build, effective, simulate
+from ..tp_schemes import make_scheme
+from .paper import activation_bytes
+
+BLOCKING = {"Allreduce", "Reduce_scatter_block", "Allgather", "Recv", "Irecv", "Iallreduce",
+            "Ireduce_scatter_block", "Sendrecv"}        # what a rank's step waits for (Isend: no)
+BASE_OP = {"Iallreduce": "Allreduce", "Ireduce_scatter_block": "Reduce_scatter_block", "Recv": "Sendrecv",
+           "Irecv": "Sendrecv", "Send": "Sendrecv", "Isend": "Sendrecv"}
+
+
+def note(why, term, text):
+    if why is not None:
+        why.append((term, text))
+
+
+def fmt_s(t):
+    return f"{t * 1e3:.4g} ms" if t < 1 else f"{t:.4g} s"
+
+
+# ---------------------------------------------------------------------------------------------- 1. collectives
+def collective(op, n, p, link, hw=None, why=None, term=None):
+    """Seconds of one call of `op` moving n payload bytes on a group of p ranks over `link` (see 1 above)."""
+    base = BASE_OP.get(op, op)
+    if p == 1 and base != "Sendrecv":
+        return 0.0
+    fit = hw.measured_cost(base, 2 if base == "Sendrecv" else p) if hw is not None else None
+    if fit is not None:
+        t = fit[0] + fit[1] * n
+        note(why, term, f"{op} measured alpha + beta n = {fit[0]:.3g} + {fit[1]:.3g} x {n:.4g} = {fmt_s(t)}")
+        return t
+    a, b = link.latency, 1.0 / link.bandwidth
+    lg, pow2 = math.ceil(math.log2(p)) if p > 1 else 0, p & (p - 1) == 0
+    share = (p - 1) / p * n * b
+    if base == "Allreduce":
+        algos = {"ring": 2 * (p - 1) * a + 2 * share, "recursive doubling": lg * (a + n * b)}
+        if pow2:
+            algos["Rabenseifner"] = 2 * lg * a + 2 * share
+    elif base in ("Reduce_scatter_block", "Allgather"):
+        algos = {"ring": (p - 1) * a + share}
+        if pow2:
+            algos["recursive halving/doubling"] = lg * a + share
+    else:                                                             # a message between two ranks
+        algos = {"message": a + n * b}
+    name = min(algos, key=algos.get)
+    note(why, term, f"{op} of {n:.4g} B on {p} ranks over the {link.name} link ({name}; alpha {a:.3g} s, "
+                    f"bandwidth {link.bandwidth:.3g} B/s) = {fmt_s(algos[name])}")
+    return algos[name]
+
+
+def traffic(counts, sizes, links, hw=None, why=None, only=None):
+    """{comm: seconds a rank waits} for a step's {(comm, op): (calls, bytes)}: per call its share of the bytes.
+    sizes: {comm: ranks}; links: {comm: Link}; only: comms to include (default all)."""
+    out = {}
+    for (comm, op), (calls, nbytes) in sorted(counts.items()):
+        if op not in BLOCKING or not calls or (only is not None and comm not in only):
+            continue
+        t = calls * collective(op, nbytes / calls, sizes[comm], links[comm], hw)
+        note(why, comm, f"{calls} x {op} of {nbytes / calls:.4g} B on {sizes[comm]} ranks ({links[comm].name}) "
+                        f"= {fmt_s(t)}")
+        out[comm] = out.get(comm, 0.0) + t
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- 2. links
+def group_sizes(lay):
+    """{communicator name: ranks} of a layout (lay: .dp .pp .cp .tp, .ranks_per_node for hierarchical)."""
+    out = {"tp": lay.tp, "cp": lay.cp, "pp": lay.pp, "dp": lay.dp * lay.cp}
+    if lay.hierarchical:
+        out["dp-node"], out["dp-cross"] = lay.ranks_per_node, lay.dp * lay.cp // lay.ranks_per_node
+    return out
+
+
+def group_links(lay, hw):
+    """{communicator: the Link it crosses}: inside a node when its ranks span at most devices_per_node."""
+    D, inner = hw.devices_per_node, lay.cp * lay.tp
+    span = {"tp": lay.tp, "cp": inner, "pp": lay.pp * inner, "dp": lay.dp * lay.pp * inner}
+    if lay.hierarchical:
+        span["dp-node"] = lay.ranks_per_node * lay.pp * inner
+        span["dp-cross"] = span["dp"]
+    return {c: hw.intra if k <= D else hw.inter for c, k in span.items()}
+
+
+# ---------------------------------------------------------------------------------------------- 3. compute
+def micro_batch_flops(cfg, b, tp, cp, n_blocks, last, recompute, why=None):
+    """(F, B, W) matmul FLOPs of one micro-batch of b sequences on one rank of a stage (see 3 above)."""
+    T, C, F, V = cfg.seq_len, cfg.d_model, cfg.d_ff, cfg.vocab_size
+    N = b * T // cp
+    scores = b * (T * T if cp == 1 else attention_blocks(T, cp, 0))
+    lin = n_blocks * 2 * N * (4 * C * C + 2 * C * F) / tp + (2 * N * C * -(-V // tp) if last else 0)
+    att = n_blocks * 4 * scores * C / tp
+    f, bwd, w = lin + att, lin + 2 * att, lin
+    extra = {"full": lin - (2 * N * C * -(-V // tp) if last else 0) + att, "selective": att}.get(recompute, 0.0)
+    note(why, "compute", f"F = 2 N (4C^2 + 2CF)/tp x {n_blocks} blocks + 4 S C/tp x {n_blocks}"
+                         + (" + 2 N C Vp (head)" if last else "") + f" = {f:.4g} FLOP (N = {N}, S = {scores}); "
+                         f"B = {bwd + extra:.4g} (recompute {recompute}: +{extra:.4g}), W = {w:.4g}")
+    return f, bwd + extra, w
+
+
+# ---------------------------------------------------------------------------------------------- 4. the pipeline
+@lru_cache(maxsize=4096)
+def makespan(kind, m, p, v, f, b, w, simulated=True):
+    """Seconds from the first forward to the last backward of hsgd.schedules' `kind` with per-chunk costs (f, b, w)
+    on every stage: the simulator of Step 13 (fused backward b + w for every kind but zb-h1). simulated=False:
+    gpipe, 1f1b and interleaved take their closed form, which equals the simulation exactly when every stage
+    costs the same (tests/test_plan.py):  (m v + p - 1)(f + b + w); zb-h1 is always simulated."""
+    kind = effective(kind, p, v)
+    if kind != "zb-h1" and not simulated:
+        return (m * v + p - 1) * (f + b + w)
+    costs = (f, b, w) if kind == "zb-h1" else (f, b + w, 0.0)
+    timeline = simulate(build(kind, m, p, v, costs), m, v, costs)
+    return max(end for stage in timeline for _, _, end in stage)
+
+
+@dataclass
+class StepTime:
+    """Seconds of one step, by what a rank spends them on; total = their sum."""
+    compute: float
+    tp: float
+    pp_bubble: float
+    pp_transfer: float
+    cp: float
+    dp: float
+    zero_gather: float = 0.0
+    elementwise: float = 0.0
+    terms: list = field(default_factory=list)            # the --explain lines: (term, text)
+
+    @property
+    def total(self):
+        return (self.compute + self.elementwise + self.tp + self.pp_bubble + self.pp_transfer + self.cp + self.dp
+                + self.zero_gather)
+
+    def parts(self):
+        return {"compute": self.compute, "elementwise": self.elementwise, "tp": self.tp, "pp bubble": self.pp_bubble,
+                "pp transfer": self.pp_transfer,
+                "cp": self.cp, "dp": self.dp, "zero-3 gather": self.zero_gather}
+
+
+def step_time(cfg, lay, stages, hw, rate, explain=False, simulated=True):
+    """StepTime of layout `lay` (.dp .pp .cp .tp .v .b .m .schedule .recompute .tp_scheme .zero .dp_overlap
+    .dp_staleness .hierarchical .ranks_per_node .cp_scheme) whose stages are [(n_blocks, first, last, bytes of one
+    step on that stage's rank)], on hardware hw with matmul rate `rate` FLOP/s (see the module docstring)."""
+    why = [] if explain else None
+    sizes, links, m, p, v = group_sizes(lay), group_links(lay, hw), lay.m, lay.pp, lay.v
+    worst = None
+    for n_blocks, first, last, counts in stages:
+        fl, bl, wl = micro_batch_flops(cfg, lay.b, lay.tp, lay.cp, n_blocks, last, lay.recompute,
+                                       why if worst is None else None)
+        t = traffic(counts, sizes, links, hw)
+        tp_mb = t.get("tp", 0.0) / m
+        fwd = make_scheme(lay.tp_scheme).block_forward_formula(cfg, lay.b, counts_itemsize(lay), lay.cp)
+        tp_f = sum(n_blocks * c * collective(op, nb / max(c, 1), lay.tp, links["tp"], hw)
+                   for (_, op), (c, nb) in fwd.items()) if lay.tp > 1 else 0.0
+        tp_f = min(tp_f, tp_mb)
+        cp_mb = t.get("cp", 0.0) / m
+        att = n_blocks * 4 * lay.b * (cfg.seq_len ** 2 if lay.cp == 1 else attention_blocks(cfg.seq_len, lay.cp, 0)) \
+            * cfg.d_model / lay.tp / rate
+        cp_exposed = max(0.0, cp_mb - 3 * att) if lay.cp_scheme == "ring" else cp_mb   # ring: hidden behind scores
+        msg = 0.0
+        if p > 1:
+            calls, nbytes = counts.get(("pp", "Recv"), (0, 0))
+            msg = collective("Recv", nbytes / calls, 2, links["pp"], hw) if calls else 0.0
+        gather = 0.0
+        if lay.zero == 3:
+            calls, nbytes = counts.get((shard_name(lay), "Allgather"), (0, 0))
+            gather = calls * collective("Allgather", nbytes / max(calls, 1), shard_size(lay), links[shard_name(lay)],
+                                        hw) / (2 * m) if calls else 0.0
+        rs = 0.0
+        if lay.zero >= 2:                                  # each micro-batch's reduce-scatters, behind its backward
+            calls, nbytes = counts.get((shard_name(lay), "Ireduce_scatter_block"), (0, 0))
+            per_mb = calls * collective("Reduce_scatter_block", nbytes / max(calls, 1), shard_size(lay),
+                                        links[shard_name(lay)], hw) / m if calls else 0.0
+            rs = max(per_mb * lay.m / max(calls, 1), per_mb - (bl + wl) / rate)
+        ew = 0.0
+        if hw.memory_bandwidth:
+            act = activation_bytes(cfg, lay.b, lay.tp, lay.tp_scheme == "sequence", "none", lay.cp) * lay.itemsize / 2
+            ew = n_blocks * act / hw.memory_bandwidth                 # one write and one read of each activation
+        ew_f, ew_b = 2 * ew, (4 + 2 * (lay.recompute == "full")) * ew
+        f = fl / rate + ew_f + tp_f + cp_exposed / 3 + msg + gather
+        b = bl / rate + ew_b + (tp_mb - tp_f) + 2 * cp_exposed / 3 + msg + gather + rs
+        w = wl / rate
+        parts = dict(compute=(fl + bl + wl) / rate, ew=ew_f + ew_b, tp=tp_mb, cp=cp_exposed,
+                     msg=2 * msg if p > 1 else 0.0, gather=2 * gather, rs=rs, f=f, b=b, w=w, counts=counts)
+        if worst is None or f + b + w > worst["f"] + worst["b"] + worst["w"]:
+            worst = parts
+    kind = effective(lay.schedule, p, v)
+    if simulated:
+        span = makespan(kind, m, p, v, worst["f"] / v, worst["b"] / v, worst["w"] / v)
+    else:                                              # in units of a chunk's forward, B/F and W/F to 2 digits
+        span = worst["f"] / v * makespan(kind, m, p, v, 1.0, round(worst["b"] / worst["f"], 2),
+                                         round(worst["w"] / worst["f"], 2), simulated=False)
+    busy = m * (worst["f"] + worst["b"] + worst["w"])
+    note(why, "pipeline", f"{lay.schedule} on p = {p} stages, m = {m}, v = {v}: per micro-batch F {fmt_s(worst['f'])}, "
+                          f"B {fmt_s(worst['b'])}, W {fmt_s(worst['w'])}; simulated makespan {fmt_s(span)}, of which "
+                          f"busy m (F + B + W) = {fmt_s(busy)}, bubble {fmt_s(max(span - busy, 0.0))}")
+    dp = dp_exposed(lay, worst, sizes, links, hw, why)
+    st = StepTime(compute=m * worst["compute"], tp=m * worst["tp"], pp_bubble=max(span - busy, 0.0),
+                  pp_transfer=m * worst["msg"], cp=m * worst["cp"], dp=dp + m * worst["rs"],
+                  zero_gather=m * worst["gather"], elementwise=m * worst["ew"], terms=why or [])
+    if explain:
+        traffic(worst["counts"], sizes, links, hw, why)
+    return st
+
+
+def counts_itemsize(lay):
+    return lay.itemsize
+
+
+def shard_name(lay):
+    return "dp-node" if lay.hierarchical else "dp"
+
+
+def shard_size(lay):
+    return lay.ranks_per_node if lay.hierarchical else lay.dp * lay.cp
+
+
+def dp_exposed(lay, worst, sizes, links, hw, why):
+    """Seconds of the data-parallel exchange not hidden behind the backward pass (see 5 above); ZeRO 2 and 3's
+    reduce-scatters are counted per micro-batch in step_time."""
+    counts = {k: v for k, v in worst["counts"].items() if k[0] in ("dp", "dp-node", "dp-cross")}
+    if lay.zero >= 2:                                     # only the after-update gather and the cross-node sum
+        counts = {k: v for k, v in counts.items() if k[1] != "Ireduce_scatter_block"
+                  and not (lay.zero == 3 and k[1] == "Allgather")}
+    t = sum(traffic(counts, sizes, links, hw).values())
+    if lay.dp_overlap and not lay.zero:
+        groups = max(counts.get(("dp", "Iallreduce"), (1, 0))[0], 1)
+        exposed = max(t / groups, t - worst["b"] - worst["w"])
+    elif lay.dp_staleness:
+        exposed = max(0.0, t - lay.m * (worst["f"] + worst["b"] + worst["w"]))
+    else:
+        exposed = t
+    note(why, "dp", f"exchange {fmt_s(t)} ({'overlapped' if exposed < t else 'after the pipeline'}), exposed "
+                    f"{fmt_s(exposed)}")
+    return exposed

@@ -1,0 +1,213 @@
+"""Every layout a model allows on n devices, what each needs and how fast it runs, best first.
+
+A layout (`Layout`) is dp x pp x cp x tp = n devices, v chunks per stage, a ZeRO stage, the tensor-parallel scheme
+(megatron, or sequence: Korthikanti et al. 2022's sequence parallelism), recomputation, a micro-batch of b
+sequences (m = B / (dp b) micro-batches) and a pipeline schedule. `evaluate` prices one:
+
+    memory      per device by category: hsgd's own (--impl hsgd: hsgd.plan.layout, equal to what hsgd.train
+                measures) or a Megatron-style mixed-precision run's (--impl megatron: hsgd.plan.paper)
+    bytes       per step on each communicator (hsgd.report.rank_bytes), and on each link type
+    time        hsgd.plan.costs.step_time: compute, exposed tp, pp bubble and transfers, cp, dp
+    throughput  tokens/s = B T / step time; MFU = the model's FLOPs without recomputation / (time n peak);
+                TFLOP/s per device as Narayanan et al. 2021 count it (with recomputation's FLOPs when on)
+
+`search` enumerates (`layouts`), drops what does not split or fit, and sorts by step time.
+"""
+from dataclasses import dataclass, replace
+from types import SimpleNamespace
+
+from ..config import divisors
+from ..errors import ConfigError, UsageError
+from ..exchange import sized_exchange
+from ..report import rank_bytes
+from ..settings import TrainConfig
+from ..timelines import peak_formula
+from .costs import group_links, step_time
+from .layout import ITEMSIZE, PlannedStage, plan_rank
+from .paper import stage_memory
+
+SCHEDULES = ("1f1b", "interleaved", "gpipe", "zb-h1")
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int
+    pp: int
+    tp: int
+    cp: int = 1
+    v: int = 1                       # chunks per stage (interleaved)
+    zero: int = 0
+    tp_scheme: str = "megatron"      # or "sequence" (sequence parallelism)
+    recompute: str = "none"          # "selective", "full"
+    b: int = 1                       # sequences per micro-batch
+    m: int = 1                       # micro-batches per step, B / (dp b)
+    schedule: str = "1f1b"
+    dp_overlap: bool = False
+    dp_staleness: int = 0
+    hierarchical: bool = False
+    ranks_per_node: int = None
+    cp_scheme: str = "ring"
+    itemsize: int = 2                # bytes per element moved and held (hsgd: its dtype's; megatron: 2)
+
+    def name(self):
+        parts = [f"dp{self.dp} pp{self.pp} tp{self.tp}"] + ([f"cp{self.cp}"] if self.cp > 1 else [])
+        parts.append(f"b{self.b} m{self.m}")
+        if self.pp > 1:
+            parts.append(self.schedule + (f" v{self.v}" if self.v > 1 else ""))
+        parts += [f"zero{self.zero}"] if self.zero else []
+        parts += ["sp"] if self.tp_scheme == "sequence" else []
+        parts += [f"recompute {self.recompute}"] if self.recompute != "none" else []
+        parts += ["overlap"] if self.dp_overlap else []
+        parts += ["hierarchical"] if self.hierarchical else []
+        return ", ".join(parts)
+
+    def train_config(self, batch, dtype, optimizer="adamw"):
+        """The hsgd.train settings of this layout (checked: TrainConfig.validate)."""
+        tc = TrainConfig(tp=self.tp, pp=self.pp, cp=self.cp, dp=self.dp, virtual_stages=self.v, zero=self.zero,
+                         tp_scheme=self.tp_scheme, recompute=self.recompute, micro_batches=self.m,
+                         schedule=self.schedule, dp_overlap=self.dp_overlap, dp_staleness=self.dp_staleness,
+                         hierarchical=self.hierarchical, ranks_per_node=self.ranks_per_node,
+                         cp_scheme=self.cp_scheme, batch_size=batch, dtype=dtype, optimizer=optimizer)
+        tc.validate()
+        tc.resolve_layout(self.dp * self.pp * self.cp * self.tp)
+        return tc
+
+
+def check_model(cfg, tp, cp=1, sequence=False):
+    """None if the model splits over tp and cp (heads, d_ff; the sequence for sp and cp), else why not."""
+    if cfg.n_heads % tp or cfg.d_ff % tp:
+        return f"n_heads={cfg.n_heads} and d_ff={cfg.d_ff} must divide by tp={tp}"
+    if sequence and cfg.seq_len % (tp * cp):
+        return f"seq_len={cfg.seq_len} must divide by tp x cp = {tp * cp} for sequence parallelism"
+    if cp > 1 and cfg.seq_len % (2 * cp):
+        return f"seq_len={cfg.seq_len} must divide by 2 cp = {2 * cp}"
+    return None
+
+
+def layouts(cfg, batch, n, space):
+    """Every Layout of n devices that the model allows, over `space` (a dict of lists: tp, pp, cp, v, zero,
+    tp_scheme, recompute, b, schedule, dp_overlap, hierarchical; None: every value that applies)."""
+    out = []
+    for tp in space.get("tp") or divisors(n):
+        for cp in space.get("cp") or [1]:
+            for pp in space.get("pp") or divisors(n // tp if n % tp == 0 else 1):
+                if n % (tp * cp * pp) or pp > cfg.n_layers:
+                    continue
+                dp = n // (tp * cp * pp)
+                if batch % dp:
+                    continue
+                for b in space.get("b") or [x for x in (1, 2, 4, 8) if (batch // dp) % x == 0]:
+                    if (batch // dp) % b:
+                        continue
+                    m = batch // dp // b
+                    for sched in (space.get("schedule") or (["1f1b", "interleaved"] if pp > 1 else ["1f1b"])):
+                        for v in ((space.get("v") or [2]) if sched == "interleaved" else [1]):
+                            if v > 1 and (pp == 1 or pp * v > cfg.n_layers or m % pp):
+                                continue
+                            for more in options(space, dp * cp):
+                                lay = Layout(dp=dp, pp=pp, tp=tp, cp=cp, v=v, b=b, m=m, schedule=sched, **more)
+                                if check_model(cfg, tp, cp, lay.tp_scheme == "sequence") is None:
+                                    out.append(lay)
+    return out
+
+
+def options(space, ndp):
+    """The combinations of ZeRO stage, scheme, recomputation and exchange options in `space`."""
+    for zero in space.get("zero") or [0, 1, 2, 3]:
+        if zero and ndp == 1:
+            continue
+        for scheme in space.get("tp_scheme") or ["megatron", "sequence"]:
+            for rc in space.get("recompute") or ["none", "selective", "full"]:
+                for overlap in space.get("dp_overlap") or [False]:
+                    if overlap and (zero or ndp == 1):
+                        continue
+                    yield dict(zero=zero, tp_scheme=scheme, recompute=rc, dp_overlap=overlap)
+
+
+def rate_of(hw, dtype, efficiency):
+    """Matmul FLOP/s per device: what --calibrate measured, else peak x efficiency."""
+    if dtype in hw.measured_matmul:
+        return hw.measured_matmul[dtype]
+    return hw.peak(dtype) * (efficiency if efficiency is not None else (hw.efficiency or 1.0))
+
+
+def evaluate(cfg, batch, lay, hw, impl="megatron", dtype="bfloat16", efficiency=None, explain=False,
+             optimizer="adamw", simulated=True):
+    """A SimpleNamespace: layout, memory {category: bytes} of the fullest device and its stage, fits, bytes
+    {stage: {(comm, op): (calls, bytes)}}, links {link: bytes per device per step}, time (costs.StepTime),
+    tokens_per_s, mfu, tflops (per device, Narayanan et al.'s count). Raises ConfigError for settings hsgd.train
+    refuses (--impl hsgd)."""
+    n = lay.dp * lay.pp * lay.cp * lay.tp
+    stages = stage_ids(lay.pp)
+    if impl == "hsgd":
+        lay = replace(lay, itemsize=ITEMSIZE[dtype])
+        tc = lay.train_config(batch, dtype, optimizer)
+        plans = {s: plan_rank(cfg, tc, lay.dp, lay.pp, lay.tp, lay.cp, s) for s in stages}
+        mems = {s: p["memory"]["peak"] for s, p in plans.items() if p["memory"] is not None}
+        counts = {s: p["bytes"] for s, p in plans.items()}
+        shapes = {s: (len(p["stage"].layers), p["stage"].first, p["stage"].last) for s, p in plans.items()}
+    else:
+        tc = SimpleNamespace(tp_scheme=lay.tp_scheme, recompute=lay.recompute, cp_scheme=lay.cp_scheme,
+                             micro_batches=lay.m, batch_size=batch, zero=lay.zero, dp_overlap=lay.dp_overlap,
+                             dp_staleness=lay.dp_staleness, hierarchical=lay.hierarchical,
+                             ranks_per_node=lay.ranks_per_node, pp_split=None, virtual_stages=lay.v,
+                             schedule=lay.schedule)
+        mems, counts, shapes = {}, {}, {}
+        for s in stages:
+            st = PlannedStage(cfg, tc, lay.pp, s)
+            numel = st.group_numel(cfg, lay.tp, lay.tp_scheme)
+            ex = sized_exchange(tc, numel, lay.itemsize, lay.dp * lay.cp)
+            counts[s] = rank_bytes(cfg, tc, lay.dp, lay.tp, lay.cp, st, ex)
+            held = peak_formula(st.kind, lay.m, lay.pp, s, lay.v)            # (micro-batch, chunk) pairs in flight
+            mems[s] = stage_memory(cfg, lay, sum(numel.values()), len(st.layers), held, st.last)
+            shapes[s] = (len(st.layers), st.first, st.last)
+    full = max(mems, key=lambda s: sum(mems[s].values())) if mems else None
+    rate = rate_of(hw, dtype, efficiency)
+    t = step_time(cfg, lay, [(*shapes[s], counts[s]) for s in stages], hw, rate, explain, simulated)
+    peak = hw.peak(dtype)
+    tokens = batch * cfg.seq_len
+    return SimpleNamespace(
+        layout=lay, memory=mems.get(full), stage=full, fits=(sum(mems[full].values()) <= hw.memory_bytes
+                                                             if full is not None else None),
+        bytes=counts, links=link_bytes(lay, counts[stages[0]], hw), time=t, tokens_per_s=tokens / t.total,
+        mfu=cfg.step_flops(batch) / (t.total * n * peak),
+        tflops=cfg.step_flops(batch, lay.recompute) / (t.total * n) / 1e12, n=n)
+
+
+def stage_ids(pp):
+    """The stages whose ranks differ most: the first (embedding, most micro-batches in flight) and the last (the
+    head); a middle one when there is one (its blocks)."""
+    return sorted({0, pp // 2, pp - 1})
+
+
+def link_bytes(lay, counts, hw):
+    """{link name: payload bytes per step on it} for one device of stage 0."""
+    links = group_links(lay, hw)
+    out = {}
+    for (comm, op), (_, nbytes) in counts.items():
+        if comm in links and op not in ("Isend", "Send"):
+            out[links[comm].name] = out.get(links[comm].name, 0) + nbytes
+    return out
+
+
+def search(cfg, batch, n, hw, space=None, impl="megatron", dtype="bfloat16", efficiency=None, top=None,
+           progress=None):
+    """(fitting evaluations sorted by step time, how many layouts were tried, why the others were dropped)."""
+    space = space or {}
+    cands = layouts(cfg, batch, n, space)
+    ok, dropped = [], {}
+    for i, lay in enumerate(cands):
+        if progress and i and i % max(len(cands) // 10, 1) == 0:
+            progress(i, len(cands))
+        try:
+            e = evaluate(cfg, batch, lay, hw, impl, dtype, efficiency, simulated=False)
+        except (ConfigError, UsageError) as err:
+            dropped[str(err)] = dropped.get(str(err), 0) + 1
+            continue
+        if e.fits is False:
+            dropped["does not fit in memory"] = dropped.get("does not fit in memory", 0) + 1
+            continue
+        ok.append(e)
+    ok.sort(key=lambda e: e.time.total)
+    ok = ok[:top] if top else ok
+    return ok, len(cands), dropped
