@@ -120,6 +120,9 @@ def build_parser():
     g.add_argument("--micro-batch", type=int_list("--micro-batch"), help="sequences per micro-batch, e.g. 1,2,4")
     g.add_argument("--schedule", type=choice_list("--schedule", SCHEDULES), help="e.g. 1f1b,interleaved")
     g.add_argument("--virtual", type=int_list("--virtual"), help="chunks per stage for interleaved (default 2)")
+    g.add_argument("--overlap", action="store_true", help="also try --dp-overlap (bucketed, during the backward)")
+    g.add_argument("--hierarchical", action="store_true",
+                   help="also try the hierarchical exchange (within the node, then across: hsgd.hier)")
     o = ap.add_argument_group("output")
     o.add_argument("--top", type=int, default=5, help="how many layouts to print (default 5)")
     o.add_argument("--explain", action="store_true", help="every term of the printed layouts as its formula")
@@ -141,7 +144,9 @@ def fmt_t(t):
 
 def space_of(args):
     space = {"tp": args.tp, "pp": args.pp, "cp": args.cp, "zero": args.zero, "recompute": args.recompute,
-             "b": args.micro_batch, "schedule": args.schedule, "v": args.virtual}
+             "b": args.micro_batch, "schedule": args.schedule, "v": args.virtual,
+             "dp_overlap": [False, True] if args.overlap else None,
+             "hierarchical": [False, True] if args.hierarchical else None}
     if args.sp != "both":
         space["tp_scheme"] = ["sequence" if args.sp == "yes" else "megatron"]
     return space
@@ -189,11 +194,13 @@ def plan(args, say=print):
     say(f"model: L={cfg.n_layers} C={cfg.d_model} NH={cfg.n_heads} F={cfg.d_ff} V={cfg.vocab_size} "
         f"T={cfg.seq_len}, {cfg.n_params() / 1e9:.3g} B parameters, {cfg.step_flops(batch) / 1e12:.4g} TFLOP per "
         f"step of {batch} sequences (without recomputation)")
-    say(f"hardware: {hw.name} ({hw.source}); {args.devices} devices, {hw.devices_per_node} per node, "
+    where = args.hw if args.hw in names() else hw.source
+    say(f"hardware: {hw.name} ({where}); {args.devices} devices, {hw.devices_per_node} per node, "
         f"{gb(hw.memory_bytes)} each; matmuls at {rate / 1e12:.4g} TFLOP/s in {dtype}"
         + ("" if dtype in hw.measured_matmul else f" (peak x efficiency {eff:g})") + f"; implementation {args.impl}")
     progress = (lambda i, n: say(f"  ... {i} of {n} layouts priced", flush=True)) if args.devices > 64 else None
-    found, tried, dropped = search(cfg, batch, args.devices, hw, space_of(args), args.impl, dtype, eff,
+    space = dict(space_of(args), node_ranks=hw.devices_per_node)
+    found, tried, dropped = search(cfg, batch, args.devices, hw, space, args.impl, dtype, eff,
                                    progress=progress)
     say(f"{tried} layouts allowed by the model; {len(found)} fit" + (
         "; dropped: " + "; ".join(f"{n} x {why}" for why, n in sorted(dropped.items(), key=lambda x: -x[1])[:4])

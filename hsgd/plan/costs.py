@@ -105,8 +105,8 @@ def traffic(counts, sizes, links, hw=None, why=None, only=None):
     sizes: {comm: ranks}; links: {comm: Link}; only: comms to include (default all)."""
     out = {}
     for (comm, op), (calls, nbytes) in sorted(counts.items()):
-        if op not in BLOCKING or not calls or (only is not None and comm not in only):
-            continue
+        if op not in BLOCKING or not calls or (only is not None and comm not in only) or sizes[comm] == 1:
+            continue                                   # (a 1-rank communicator: nothing moves, nothing waits)
         t = calls * collective(op, nbytes / calls, sizes[comm], links[comm], hw)
         note(why, comm, f"{calls} x {op} of {nbytes / calls:.4g} B on {sizes[comm]} ranks ({links[comm].name}) "
                         f"= {fmt_s(t)}")

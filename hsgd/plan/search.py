@@ -86,7 +86,8 @@ def check_model(cfg, tp, cp=1, sequence=False):
 
 def layouts(cfg, batch, n, space):
     """Every Layout of n devices that the model allows, over `space` (a dict of lists: tp, pp, cp, v, zero,
-    tp_scheme, recompute, b, schedule, dp_overlap, hierarchical; None: every value that applies)."""
+    tp_scheme, recompute, b, schedule, dp_overlap, hierarchical; None: every value that applies; node_ranks: the
+    devices of a node, for the hierarchical exchange)."""
     out = []
     for tp in space.get("tp") or divisors(n):
         for cp in space.get("cp") or [1]:
@@ -104,15 +105,20 @@ def layouts(cfg, batch, n, space):
                         for v in ((space.get("v") or [2]) if sched == "interleaved" else [1]):
                             if v > 1 and (pp == 1 or pp * v > cfg.n_layers or m % pp):
                                 continue
-                            for more in options(space, dp * cp):
+                            for more in options(space, dp * cp, space.get("node_ranks") and
+                                                space["node_ranks"] // (pp * cp * tp)):
                                 lay = Layout(dp=dp, pp=pp, tp=tp, cp=cp, v=v, b=b, m=m, schedule=sched, **more)
+                                if lay.tp_scheme == "sequence" and tp == 1:
+                                    continue                               # the same as megatron at tp = 1
                                 if check_model(cfg, tp, cp, lay.tp_scheme == "sequence") is None:
                                     out.append(lay)
     return out
 
 
-def options(space, ndp):
-    """The combinations of ZeRO stage, scheme, recomputation and exchange options in `space`."""
+def options(space, ndp, per_node=None):
+    """The combinations of ZeRO stage, scheme, recomputation and exchange options in `space`. per_node: the dp
+    ranks in one node (space["node_ranks"] devices over the pp cp tp ranks of a replica), for the hierarchical
+    exchange (space["hierarchical"]: [False, True]) where 1 < per_node < ndp and it divides ndp."""
     for zero in space.get("zero") or [0, 1, 2, 3]:
         if zero and ndp == 1:
             continue
@@ -121,7 +127,12 @@ def options(space, ndp):
                 for overlap in space.get("dp_overlap") or [False]:
                     if overlap and (zero or ndp == 1):
                         continue
-                    yield dict(zero=zero, tp_scheme=scheme, recompute=rc, dp_overlap=overlap)
+                    for hier in space.get("hierarchical") or [False]:
+                        if hier and (overlap or zero == 1 or not per_node or not 1 < per_node < ndp
+                                     or ndp % per_node):
+                            continue
+                        yield dict(zero=zero, tp_scheme=scheme, recompute=rc, dp_overlap=overlap, hierarchical=hier,
+                                   ranks_per_node=per_node if hier else None)
 
 
 def rate_of(hw, dtype, efficiency):
@@ -164,6 +175,9 @@ def evaluate(cfg, batch, lay, hw, impl="megatron", dtype="bfloat16", efficiency=
     full = max(mems, key=lambda s: sum(mems[s].values())) if mems else None
     rate = rate_of(hw, dtype, efficiency)
     t = step_time(cfg, lay, [(*shapes[s], counts[s]) for s in stages], hw, rate, explain, simulated)
+    if explain and full is not None:
+        t.terms[:0] = memory_terms(cfg, lay, impl, mems[full], full, plans[full]["memory"]["at"]
+                                   if impl == "hsgd" else None)
     peak = hw.peak(dtype)
     tokens = batch * cfg.seq_len
     return SimpleNamespace(
@@ -172,6 +186,20 @@ def evaluate(cfg, batch, lay, hw, impl="megatron", dtype="bfloat16", efficiency=
         bytes=counts, links=link_bytes(lay, counts[stages[0]], hw), time=t, tokens_per_s=tokens / t.total,
         mfu=cfg.step_flops(batch) / (t.total * n * peak),
         tflops=cfg.step_flops(batch, lay.recompute) / (t.total * n) / 1e12, n=n)
+
+
+def memory_terms(cfg, lay, impl, mem, stage, at=None):
+    """The --explain lines of the memory of the fullest stage."""
+    if impl == "hsgd":
+        return [("memory", f"stage {stage}: hsgd.step_memory's walk of the schedule (equal to what hsgd.train "
+                           f"measures), peak at '{at}': " + ", ".join(f"{k} {v:.4g} B" for k, v in mem.items()))]
+    nd, s_, b, h = lay.dp * lay.cp, cfg.seq_len // lay.cp, lay.b, cfg.d_model
+    return [("memory", f"stage {stage}: ZeRO-{lay.zero} model states (Rajbhandari et al. 2020), 2 psi weights, "
+                       f"2 psi gradients, 12 psi Adam, divided by Nd = {nd} where sharded: params {mem['params']:.4g}"
+                       f" B, grads {mem['grads']:.4g} B, optimizer {mem['optimizer']:.4g} B"),
+            ("memory", f"activations (Korthikanti et al. 2022, Table 2, {lay.tp_scheme}, recompute {lay.recompute}): "
+                       f"s b h = {s_} x {b} x {h} per layer, times the layers of the stage and the micro-batches in "
+                       f"flight = {mem['activations']:.4g} B")]
 
 
 def stage_ids(pp):
