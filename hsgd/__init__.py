@@ -61,6 +61,9 @@ of the algorithm:
     hsgd.oracle             the tolerance oracle (verify --dtype bfloat16): rounding or a bug?  hsgd.mutations: bugs
     hsgd.schedule           python -m hsgd.schedule: a schedule drawn, its bubble and memory; --run measures them
     hsgd.sample             python -m hsgd.sample DIR --prompt TEXT: text from any checkpoint (hsgd.generate)
+    hsgd.plan               python -m hsgd.plan: which layout, will it fit, how fast (a cost model: costs.py; hsgd's
+                            own bytes and memory from sizes: layout.py; the published formulas and Table 1 of
+                            Narayanan et al. 2021: paper.py, validate.py; hardware files and --calibrate)
 """
 # First, before anything imports NumPy: hsgd.threads sets OPENBLAS_THREAD_TIMEOUT if NumPy is not loaded yet, and
 # records whether it took effect (threads.openblas_note(); the module's docstring explains the setting).

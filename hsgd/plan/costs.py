@@ -37,8 +37,7 @@ Every function returns seconds; with `why` (a list) it appends ("term", "formula
 4. The pipeline: every stage at the slowest stage's F, B, W costs (compute, its exposed tp, cp and ZeRO-3 gathers,
    and a received message per action), through hsgd.schedules.simulate: its makespan holds the bubble. While
    searching (simulated=False), gpipe, 1f1b and interleaved use the closed form the simulation equals for such
-   stages, and zb-h1 is simulated in units of F with B/F and W/F rounded to 2 digits (at most 0.5% off), shared
-   by layouts with the same shape of costs; the layouts printed are priced again with the simulator.
+   stages; the layouts printed are priced again with the simulator.
 5. The data-parallel exchange: after the pipeline, unless it overlaps (--dp-overlap: one bucket per group during
    the last micro-batch's backward; ZeRO 2 and 3: each micro-batch's reduce-scatters during its backward; the
    stale exchange: during the whole next step): then only what the backward cannot hide, and at least the last
@@ -155,11 +154,18 @@ def makespan(kind, m, p, v, f, b, w, simulated=True):
     """Seconds from the first forward to the last backward of hsgd.schedules' `kind` with per-chunk costs (f, b, w)
     on every stage: the simulator of Step 13 (fused backward b + w for every kind but zb-h1). simulated=False:
     gpipe, 1f1b and interleaved take their closed form, which equals the simulation exactly when every stage
-    costs the same (tests/test_plan.py):  (m v + p - 1)(f + b + w); zb-h1 is always simulated."""
+    costs the same (tests/test_plan.py):  (m v + p - 1)(f + b + w). zb-h1 is always simulated, in integer units
+    of f / 100 (B and W rounded to them: at most 0.5% off), because its greedy list breaks ties between equal
+    times, which floating-point noise would decide."""
     kind = effective(kind, p, v)
-    if kind != "zb-h1" and not simulated:
+    if kind == "zb-h1":
+        unit = f / 100
+        costs = (100.0, float(round(b / unit)), float(round(w / unit)))
+        timeline = simulate(build(kind, m, p, v, costs), m, v, costs)
+        return unit * max(end for stage in timeline for _, _, end in stage)
+    if not simulated:
         return (m * v + p - 1) * (f + b + w)
-    costs = (f, b, w) if kind == "zb-h1" else (f, b + w, 0.0)
+    costs = (f, b + w, 0.0)
     timeline = simulate(build(kind, m, p, v, costs), m, v, costs)
     return max(end for stage in timeline for _, _, end in stage)
 
@@ -236,11 +242,7 @@ def step_time(cfg, lay, stages, hw, rate, explain=False, simulated=True):
         if worst is None or f + b + w > worst["f"] + worst["b"] + worst["w"]:
             worst = parts
     kind = effective(lay.schedule, p, v)
-    if simulated:
-        span = makespan(kind, m, p, v, worst["f"] / v, worst["b"] / v, worst["w"] / v)
-    else:                                              # in units of a chunk's forward, B/F and W/F to 2 digits
-        span = worst["f"] / v * makespan(kind, m, p, v, 1.0, round(worst["b"] / worst["f"], 2),
-                                         round(worst["w"] / worst["f"], 2), simulated=False)
+    span = makespan(kind, m, p, v, worst["f"] / v, worst["b"] / v, worst["w"] / v, simulated)
     busy = m * (worst["f"] + worst["b"] + worst["w"])
     note(why, "pipeline", f"{lay.schedule} on p = {p} stages, m = {m}, v = {v}: per micro-batch F {fmt_s(worst['f'])}, "
                           f"B {fmt_s(worst['b'])}, W {fmt_s(worst['w'])}; simulated makespan {fmt_s(span)}, of which "

@@ -22,7 +22,7 @@ from ..exchange import sized_exchange
 from ..report import rank_bytes
 from ..settings import TrainConfig
 from ..timelines import peak_formula
-from .costs import group_links, step_time
+from .costs import group_links, group_sizes, step_time
 from .layout import ITEMSIZE, PlannedStage, plan_rank
 from .paper import stage_memory
 
@@ -154,7 +154,10 @@ def evaluate(cfg, batch, lay, hw, impl="megatron", dtype="bfloat16", efficiency=
         lay = replace(lay, itemsize=ITEMSIZE[dtype])
         tc = lay.train_config(batch, dtype, optimizer)
         plans = {s: plan_rank(cfg, tc, lay.dp, lay.pp, lay.tp, lay.cp, s) for s in stages}
-        mems = {s: p["memory"]["peak"] for s, p in plans.items() if p["memory"] is not None}
+        mems = {s: at_peak(p["memory"]) for s, p in plans.items() if p["memory"] is not None}
+        if not mems:
+            raise ConfigError("--impl hsgd has no memory formula for the interleaved and zero-bubble schedules "
+                              "(hsgd.step_memory walks one chunk per stage with fused backwards)")
         counts = {s: p["bytes"] for s, p in plans.items()}
         shapes = {s: (len(p["stage"].layers), p["stage"].first, p["stage"].last) for s, p in plans.items()}
     else:
@@ -188,6 +191,12 @@ def evaluate(cfg, batch, lay, hw, impl="megatron", dtype="bfloat16", efficiency=
         tflops=cfg.step_flops(batch, lay.recompute) / (t.total * n) / 1e12, n=n)
 
 
+def at_peak(formula):
+    """{category: bytes} at the sample of hsgd.step_memory's walk where the total peaks (each category's own
+    peak may come at another moment: their sum overstates the step's peak)."""
+    return max((cats for _, cats in formula["samples"]), key=lambda cats: sum(cats.values()))
+
+
 def memory_terms(cfg, lay, impl, mem, stage, at=None):
     """The --explain lines of the memory of the fullest stage."""
     if impl == "hsgd":
@@ -213,7 +222,7 @@ def link_bytes(lay, counts, hw):
     links = group_links(lay, hw)
     out = {}
     for (comm, op), (_, nbytes) in counts.items():
-        if comm in links and op not in ("Isend", "Send"):
+        if comm in links and op not in ("Isend", "Send") and group_sizes(lay)[comm] > 1:
             out[links[comm].name] = out.get(links[comm].name, 0) + nbytes
     return out
 

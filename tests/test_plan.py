@@ -1,0 +1,370 @@
+"""hsgd.plan, the planner, checked against what it claims to compute:
+
+  1. costs.makespan's closed form (m v + p - 1)(f + b + w) equals the schedule simulator for gpipe, 1f1b and
+     interleaved;
+  2. hsgd.config.gpt_step_flops is Narayanan et al. (2021)'s FLOPs, and hsgd's parameter count their P (sympy);
+  3. the Table 1 rows (narayanan2021.csv) agree with themselves: parameters, aggregate PFLOP/s, % of peak, grid;
+  4. paper.activation_bytes is Korthikanti et al. (2022)'s Table 2 and paper.stage_memory ZeRO's model states;
+  5. --impl hsgd prices each layout with hsgd.plan.layout.plan_rank (which tests/mpi/test_plan_layout.py holds
+     equal to the trainer), and search covers every factorization of 8 devices, sorted by time;
+  6. monotonic: a faster network never slows a layout, a bigger batch takes longer, MFU is in (0, 1];
+  7. the command line: usage errors exit 2 with one line that names the fix; a good run prints and writes JSON.
+
+    PATH=$PWD/.venv/bin:$PATH python -m pytest -q tests/test_plan.py -s      # -s shows the numbers each test saw
+
+Legend: l (L) layers, h (C) width, F d_ff, V vocabulary, s (T) sequence, a heads, B batch, b micro-batch,
+t (tp) tensor-parallel ranks, p (pp) stages, m micro-batches, v chunks per stage, Nd data-parallel ranks.
+"""
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from hsgd.config import ModelConfig, gpt_step_flops
+from hsgd.grid import factorizations
+from hsgd.memory import paper_table2, paper_zero_bytes
+from hsgd.plan import costs
+from hsgd.plan.__main__ import presets
+from hsgd.plan.hardware import load
+from hsgd.plan.layout import plan_rank
+from hsgd.plan.paper import activation_bytes, hsgd_params_as_paper, paper_params, stage_memory, table1
+from hsgd.plan.search import Layout, evaluate, layouts, search
+from hsgd.timelines import peak_formula
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))       # the repository root, for the CLI
+
+# a model that splits over tp up to 8 and pp up to 8 (V % tp != 0 on purpose, as in tests/mpi/test_plan_layout.py)
+SMALL = ModelConfig(vocab_size=61, seq_len=16, d_model=16, n_heads=8, n_layers=8, d_ff=32)
+
+
+# ------------------------------------------------------------------------------------ 1. the pipeline's makespan
+def test_makespan_closed_form_equals_the_simulator():
+    """For every stage costing (f, b, w) per chunk action, the simulated makespan of gpipe and 1f1b (v = 1) and of
+    interleaved (v = 2, 3; m a multiple of p) is (m v + p - 1)(f + b + w), to 1e-9 relative, for p = 2..8,
+    m = 1..12 and five cost triples (equal, no W, unequal in both orders, a heavy backward)."""
+    triples = [(1.0, 1.0, 1.0), (1.0, 2.0, 0.0), (0.3, 0.5, 0.4), (2.0, 1.0, 0.5), (1.0, 3.0, 1.7)]
+    cases, worst = 0, 0.0
+    for kind in ("gpipe", "1f1b", "interleaved"):
+        for p in range(2, 9):
+            for m in range(1, 13):
+                for v in ((2, 3) if kind == "interleaved" else (1,)):
+                    if kind == "interleaved" and m % p:
+                        continue
+                    for f, b, w in triples:
+                        closed = costs.makespan(kind, m, p, v, f, b, w, simulated=False)
+                        sim = costs.makespan(kind, m, p, v, f, b, w, simulated=True)
+                        err = abs(closed - sim) / sim
+                        worst = max(worst, err)
+                        cases += 1
+                        assert err <= 1e-9, f"{kind} m={m} p={p} v={v} {(f, b, w)}: closed {closed} simulated {sim}"
+    print(f"{cases} (kind, m, p, v, costs) cases: closed form = simulation, max relative error {worst:.2e}")
+    assert cases > 500
+
+
+# ------------------------------------------------------------------------------------ 2. FLOPs and parameters
+def test_step_flops_are_narayanans_symbolically():
+    """gpt_step_flops(B, s, h, 4h, V, l) as a polynomial in symbols: with full recomputation it is Narayanan et al.
+    (2021)'s 96 B s l h^2 (1 + s/(6h) + V/(16 l h)) and without it 72 B s l h^2 (1 + s/(6h) + V/(12 l h)) (3/4 of
+    theirs: one forward fewer per block); selective adds the attention's forward again, 4 B s^2 h per layer."""
+    sympy = pytest.importorskip("sympy")
+    B, s, h, V, l = sympy.symbols("B s h V l", positive=True)
+    full = sympy.expand(gpt_step_flops(B, s, h, 4 * h, V, l, "full") - 96 * B * s * l * h ** 2 * (
+        1 + s / (6 * h) + V / (16 * l * h)))
+    none = sympy.expand(gpt_step_flops(B, s, h, 4 * h, V, l, "none") - 72 * B * s * l * h ** 2 * (
+        1 + s / (6 * h) + V / (12 * l * h)))
+    selective = sympy.expand(gpt_step_flops(B, s, h, 4 * h, V, l, "selective")
+                             - gpt_step_flops(B, s, h, 4 * h, V, l, "none") - 4 * B * s ** 2 * h * l)
+    print(f"full - Narayanan = {full}; none - 72 B s l h^2 (...) = {none}; selective - none - 4 B s^2 h l = "
+          f"{selective}")
+    assert full == 0 and none == 0 and selective == 0
+
+
+def hsgd_params(L, C, F, V, T):
+    """hsgd's parameter count by hand from ModelConfig.param_shapes: per block LN1, LN2 (2C each), q, k, v, proj
+    (C^2 + C each), fc (CF + F), proj (FC + C): 4C^2 + 2CF + F + 9C; wte VC, wpe TC, ln_f 2C, lm_head CV."""
+    return L * (4 * C ** 2 + 2 * C * F + F + 9 * C) + 2 * V * C + T * C + 2 * C
+
+
+def test_parameter_count_is_narayanans():
+    """(a) The hand-written hsgd_params equals ModelConfig.n_params() on 24 configs with F != 4C too, so the
+    polynomial below is the code's. (b) Symbolically, Narayanan et al.'s P = 12 l h^2 (1 + 13/(12h) + (V+s)/(12 l h))
+    expands to l (12 h^2 + 13 h) + V h + s h, which is hsgd_params at F = 4C less the untied head VC and ln_f's 2C.
+    (c) paper.hsgd_params_as_paper(cfg) equals paper_params(l, h, V, s) on a grid of 3 x 4 x 2 x 2 integer
+    points (l, h, V, s): both sides are polynomials of degree at most (1, 2, 1, 1) in those variables, and two
+    such polynomials that agree on a grid with one more point per variable than its degree are equal."""
+    sympy = pytest.importorskip("sympy")
+    checked = 0
+    for L in (1, 3):
+        for C, NH in ((4, 2), (6, 3), (12, 4)):
+            for F, V, T in ((7, 5, 3), (4 * C, 11, 9), (20, 13, 2), (C, 2, 17)):
+                cfg = ModelConfig(vocab_size=V, seq_len=T, d_model=C, n_heads=NH, n_layers=L, d_ff=F)
+                assert hsgd_params(L, C, F, V, T) == cfg.n_params(), cfg
+                checked += 1
+    l, h, V, s = sympy.symbols("l h V s", positive=True)
+    paper = 12 * l * h ** 2 * (1 + sympy.Rational(13, 12) / h + (V + s) / (12 * l * h))
+    gap_poly = sympy.expand(paper - (l * (12 * h ** 2 + 13 * h) + V * h + s * h))
+    gap_hsgd = sympy.expand(paper - (hsgd_params(l, h, 4 * h, V, s) - V * h - 2 * h))
+    worst, points = 0.0, 0
+    for L in (1, 2, 3):
+        for C in (1, 2, 3, 5):
+            for Vn in (1, 7):
+                for T in (1, 5):
+                    cfg = ModelConfig(vocab_size=Vn, seq_len=T, d_model=C, n_heads=1, n_layers=L, d_ff=4 * C)
+                    ours, theirs = hsgd_params_as_paper(cfg), paper_params(L, C, Vn, T)
+                    worst = max(worst, abs(ours - theirs) / theirs)
+                    points += 1
+    print(f"hand-written count = n_params() on {checked} configs; P - l(12h^2 + 13h) - Vh - sh = {gap_poly}; "
+          f"P - (hsgd's at F = 4C - VC - 2C) = {gap_hsgd}; hsgd_params_as_paper vs paper_params on {points} points: "
+          f"max relative error {worst:.2e} (paper_params computes in floats)")
+    assert gap_poly == 0 and gap_hsgd == 0 and worst <= 1e-12
+
+
+# ------------------------------------------------------------------------------------ 3. Table 1
+def test_table1_rows_agree_with_themselves():
+    """Each row of Narayanan et al. (2021)'s Table 1: paper_params(layers, hidden, 51200, 2048) rounds to its
+    params_billion (to 0.1 B; 1008.0 to 1 B); tflops_per_gpu x gpus / 1000 is within 1% of aggregate_pflops;
+    tflops_per_gpu / 312 x 100 is within 1 point of percent_of_peak; t x p divides gpus and dp divides the batch;
+    the preset built from the row has its heads, hidden and layers."""
+    rows = table1()
+    worst_agg, worst_pct, worst_p = 0.0, 0.0, 0.0
+    for r in rows:
+        billions = paper_params(r["layers"], r["hidden"], 51200, 2048) / 1e9
+        tol = 0.5 if r["params_billion"] >= 1000 else 0.05
+        worst_p = max(worst_p, abs(billions - r["params_billion"]) / tol)
+        assert abs(billions - r["params_billion"]) <= tol + 1e-9, (r["params_billion"], billions)
+        agg = r["tflops_per_gpu"] * r["gpus"] / 1000
+        worst_agg = max(worst_agg, abs(agg / r["aggregate_pflops"] - 1))
+        assert abs(agg / r["aggregate_pflops"] - 1) <= 0.01, (r["params_billion"], agg, r["aggregate_pflops"])
+        pct = r["tflops_per_gpu"] / 312 * 100
+        worst_pct = max(worst_pct, abs(pct - r["percent_of_peak"]))
+        assert abs(pct - r["percent_of_peak"]) <= 1.0, (r["params_billion"], pct, r["percent_of_peak"])
+        assert r["gpus"] % (r["t"] * r["p"]) == 0, r
+        assert r["batch"] % (r["gpus"] // (r["t"] * r["p"])) == 0, r
+        cfg = r["cfg"]
+        assert (cfg.n_heads, cfg.d_model, cfg.n_layers, cfg.d_ff) == (r["heads"], r["hidden"], r["layers"],
+                                                                        4 * r["hidden"])
+    print(f"{len(rows)} rows: parameters off by at most {worst_p:.2f} of the rounding half-step; aggregate "
+          f"PFLOP/s max relative error {worst_agg:.2%}; % of peak max error {worst_pct:.2f} points")
+    assert len(rows) == 10
+
+
+# ------------------------------------------------------------------------------------ 4. Korthikanti, ZeRO
+# Korthikanti et al. (2022), Table 2 in units of s b h: tp 10 + 24/t + 5as/(ht); tp+sp 34/t + 5as/(ht);
+# selective (with sp) 34/t; full 2. For GPT-3 175B (5as/h = 80, t = 8): 23, 14.25, 4.25, 2, the paper's numbers;
+# for MT-NLG 530B (s = 2048, h = 20480, a = 128: 5as/h = 64, t = 8): 21, 12.25, 4.25, 2.
+SHAPES = [(dict(seq_len=2048, d_model=12288, n_heads=96), 1, 8, {"tp": 23, "tp+sp": 14.25, "selective": 4.25,
+                                                                  "full": 2}),
+          (dict(seq_len=2048, d_model=20480, n_heads=128), 2, 8, {"tp": 21, "tp+sp": 12.25, "selective": 4.25,
+                                                                   "full": 2})]
+
+
+@pytest.mark.parametrize("shape, b, t, per_sbh", SHAPES, ids=["gpt3-175b", "mt-nlg-530b"])
+def test_activation_bytes_are_korthikanti_table2(shape, b, t, per_sbh):
+    """paper.activation_bytes(cfg, b, t, sequence, recompute) equals hsgd.memory.paper_table2's row of those
+    settings, and both equal the paper's numbers written by hand above (in s b h): tp (no sp, no recomputation),
+    tp+sp, selective with sp, full without sp; full with sp is the input's T-shard, 2 s b h / t; selective
+    without sp keeps the replicated s b h (10 + 24/t); with cp = 2 every row is the one of s/2 positions."""
+    cfg = ModelConfig(vocab_size=51200, n_layers=2, d_ff=4 * shape["d_model"], **shape)
+    s, h, a = cfg.seq_len, cfg.d_model, cfg.n_heads
+    sbh = s * b * h
+    rows = paper_table2(s, b, h, a, t)
+    got = {"tp": activation_bytes(cfg, b, t, False, "none"), "tp+sp": activation_bytes(cfg, b, t, True, "none"),
+           "selective": activation_bytes(cfg, b, t, True, "selective"),
+           "full": activation_bytes(cfg, b, t, False, "full")}
+    worst = 0.0
+    for k, v in got.items():
+        worst = max(worst, abs(v - rows[k]) / rows[k], abs(v - per_sbh[k] * sbh) / (per_sbh[k] * sbh))
+    assert worst <= 1e-12, (got, rows, per_sbh)
+    assert activation_bytes(cfg, b, t, True, "full") == rows["full"] / t
+    assert abs(activation_bytes(cfg, b, t, False, "selective") - sbh * (10 + 24 / t)) <= 1e-12 * sbh
+    half = paper_table2(s // 2, b, h, a, t)
+    assert activation_bytes(cfg, b, t, True, "none", cp=2) == half["tp+sp"]
+    print(f"{shape} b={b} t={t}: per layer in s b h " + ", ".join(f"{k} {v / sbh:g}" for k, v in got.items())
+          + f"; max relative error against Table 2 {worst:.2e}")
+
+
+# ZeRO (Rajbhandari et al. 2020), Figure 1: psi = 7.5 B parameters, Nd = 64, K = 12 -> 120, 31.4, 16.6, 1.88 GB
+ZERO_FIGURE1 = {0: 120e9, 1: 31.4e9, 2: 16.6e9, 3: 1.88e9}
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_stage_memory_is_zero_and_korthikanti(zero):
+    """paper_zero_bytes reproduces ZeRO's Figure 1 (7.5 B parameters on 64 ranks, to its 3 digits). For a Layout
+    with Nd = dp x cp ranks and each recomputation and tp scheme, stage_memory's params + grads + optimizer equal
+    paper_zero_bytes(psi, Nd, zero) exactly, split as ZeRO splits them (2 psi weights, /Nd at stage 3; 2 psi
+    gradients, /Nd from stage 2; 12 psi of Adam, /Nd from stage 1); its activations are held x (blocks / v) x
+    activation_bytes (+ the head's 32-bit logits 4 (s/cp) b ceil(V/t) on the last stage), and full recomputation
+    adds one layer's whole activations."""
+    fig = paper_zero_bytes(7.5e9, 64, zero)
+    assert abs(fig - ZERO_FIGURE1[zero]) <= 0.005 * ZERO_FIGURE1[zero], (zero, fig)
+    cfg = ModelConfig(vocab_size=51201, seq_len=2048, d_model=6144, n_heads=48, n_layers=40, d_ff=4 * 6144)
+    psi, nd_seen, worst = 123_456_789, set(), 0.0
+    for dp, cp, tp, pp, v, sched in ((4, 1, 8, 4, 2, "interleaved"), (3, 2, 4, 2, 1, "1f1b"), (8, 1, 2, 5, 1, "gpipe")):
+        for scheme in ("megatron", "sequence"):
+            for rc in ("none", "selective", "full"):
+                lay = Layout(dp=dp, pp=pp, tp=tp, cp=cp, v=v, zero=zero, tp_scheme=scheme, recompute=rc, b=2, m=pp * 2,
+                             schedule=sched)
+                nd = dp * cp
+                nd_seen.add(nd)
+                for s, last in ((0, False), (pp - 1, True)):
+                    held = peak_formula(sched, lay.m, pp, s, v)
+                    blocks = cfg.n_layers // pp
+                    mem = stage_memory(cfg, lay, psi, blocks, held, last)
+                    states = mem["params"] + mem["grads"] + mem["optimizer"]
+                    assert states == paper_zero_bytes(psi, nd, zero), (lay, mem)
+                    by_hand = {"params": 2 * psi / (nd if zero == 3 else 1),
+                               "grads": 2 * psi / (nd if zero >= 2 else 1),
+                               "optimizer": 12 * psi / (nd if zero >= 1 else 1)}
+                    for k, want in by_hand.items():
+                        worst = max(worst, abs(mem[k] - want) / want)
+                    per_layer = activation_bytes(cfg, lay.b, tp, scheme == "sequence", rc, cp)
+                    acts = held * (blocks / v) * per_layer
+                    if last:
+                        acts += 4 * (cfg.seq_len // cp) * lay.b * -(-cfg.vocab_size // tp)
+                    assert mem["activations"] == acts, (lay, s, mem["activations"], acts)
+                    if rc == "full":
+                        assert mem["recompute"] == activation_bytes(cfg, lay.b, tp, scheme == "sequence", "none", cp)
+                    else:
+                        assert mem.get("recompute", 0) == 0
+    assert worst <= 1e-12, worst
+    print(f"ZeRO-{zero}: Figure 1 {fig / 1e9:.4g} GB (paper {ZERO_FIGURE1[zero] / 1e9:g}); model states = "
+          f"paper_zero_bytes for Nd in {sorted(nd_seen)}; max relative error of the split by hand {worst:.2e}")
+
+
+# ------------------------------------------------------------------------------------ 5. the planner on hsgd
+def test_search_on_hsgd_equals_plan_rank_and_covers_every_factorization():
+    """search(SMALL, 16, 8 devices, this-machine, impl="hsgd", float64): every layout it returns is priced with
+    plan_rank of the same settings (its bytes on stages 0, pp/2 and pp-1 are plan_rank's; its memory is plan_rank's
+    walk at the moment the total peaks, on the stage it names, and that total is the largest of ALL pp stages, not
+    only the three it looks at); the list is sorted by step time, every layout fits, elements are 8 bytes, all 10
+    factorizations dp x pp x tp of 8 appear, and the interleaved and zero-bubble layouts, whose memory hsgd has no
+    formula for, are dropped with that reason."""
+    hw = load("this-machine")
+    found, tried, dropped = search(SMALL, 16, 8, hw, impl="hsgd", dtype="float64")
+    times = [e.time.total for e in found]
+    assert times == sorted(times) and len(found) > 0
+    grids = {(e.layout.dp, e.layout.pp, e.layout.tp) for e in found}
+    assert grids == {(dp, pp, tp) for dp, pp, tp in factorizations(8)}, sorted(grids)
+    assert any("no memory formula for the interleaved" in why for why in dropped), dropped
+    under = 0.0
+    for e in found:
+        lay = e.layout
+        assert e.fits is True and lay.itemsize == 8 and lay.schedule != "interleaved", lay
+        tc = lay.train_config(16, "float64")
+        plans = {s: plan_rank(SMALL, tc, lay.dp, lay.pp, lay.tp, lay.cp, s) for s in range(lay.pp)}
+        assert set(e.bytes) == {0, lay.pp // 2, lay.pp - 1}
+        for s, counts in e.bytes.items():
+            assert counts == plans[s]["bytes"], (lay.name(), s)
+        total = plans[e.stage]["memory"]["total"]        # the largest sample of the walk
+        assert sum(e.memory.values()) == total, lay.name()
+        assert total == max(p["memory"]["total"] for p in plans.values()), (lay.name(), e.stage)
+        peaks = plans[e.stage]["memory"]["peak"]          # each category's own maximum, at any moment
+        assert all(e.memory[c] <= peaks[c] for c in e.memory), lay.name()
+        under = max(under, sum(peaks.values()) / total - 1)
+    print(f"{len(found)} of {tried} layouts, dropped {dropped}; {len(grids)} factorizations; memory equal to the "
+          f"walk's peak total on the fullest stage; times {times[0]:.4g} s .. {times[-1]:.4g} s; the sum of "
+          f"per-category peaks would overstate it by up to {under:.2%}")
+
+
+# ------------------------------------------------------------------------------------ 6. monotonic sanity
+def test_faster_network_and_bigger_batch():
+    """On a100-80g for narayanan-1.7b, batch 64 on 32 devices (4 nodes), every layout the model allows (priced as
+    search prices them): doubling the inter-node bandwidth (a dataclasses.replace copy) never makes a layout slower
+    and makes every layout whose dp group spans nodes (dp > 1, dp x pp x tp > 8) strictly faster; doubling the batch
+    (m doubled, the same layout otherwise) makes it strictly slower; MFU is in (0, 1]."""
+    cfg = presets()["narayanan-1.7b"]
+    hw = load("a100-80g")
+    fast = dataclasses.replace(hw, inter=dataclasses.replace(hw.inter, bandwidth=2 * hw.inter.bandwidth))
+    lays = layouts(cfg, 64, 32, {})
+    gains, slower, mfus = [], [], []
+    for lay in lays:
+        e = evaluate(cfg, 64, lay, hw, simulated=False)
+        t, t_fast = e.time.total, evaluate(cfg, 64, lay, fast, simulated=False).time.total
+        assert t_fast <= t * (1 + 1e-12), (lay.name(), t, t_fast)
+        if lay.dp > 1 and lay.dp * lay.pp * lay.tp * lay.cp > hw.devices_per_node:
+            assert t_fast < t, (lay.name(), t, t_fast)
+            gains.append(t / t_fast)
+        t_big = evaluate(cfg, 128, dataclasses.replace(lay, m=2 * lay.m), hw, simulated=False).time.total
+        assert t_big > t, (lay.name(), t, t_big)
+        slower.append(t_big / t)
+        assert 0 < e.mfu <= 1, (lay.name(), e.mfu)
+        mfus.append(e.mfu)
+    print(f"{len(lays)} layouts: 2x inter-node bandwidth speeds the {len(gains)} dp-across-nodes ones by "
+          f"{min(gains):.4f}x .. {max(gains):.4f}x; 2x batch takes {min(slower):.4f}x .. {max(slower):.4f}x as long; "
+          f"MFU {min(mfus):.3f} .. {max(mfus):.3f}")
+    assert len(gains) > 10
+
+
+# ------------------------------------------------------------------------------------ 7. the command line
+def cli(*args):
+    """(exit code, stdout, stderr) of python -m hsgd.plan args, run from the repository root."""
+    r = subprocess.run([sys.executable, "-m", "hsgd.plan", *args], cwd=ROOT, capture_output=True, text=True,
+                       timeout=60)
+    return r.returncode, r.stdout, r.stderr
+
+
+HW_MISSING_KEY = """\
+name = "test box"
+devices_per_node = 8
+[peak_flops]
+bfloat16 = 312e12
+[intra_node]
+bandwidth = 300e9
+latency = 2e-6
+[inter_node]
+bandwidth = 25e9
+latency = 5e-6
+"""
+
+# (flags, words the one error line must contain: what is wrong and what would work); "{tmp}" is tmp_path
+USAGE_ERRORS = [
+    (["--model", "nope"], ["unknown model", "narayanan-1.7b", "L=96"]),
+    (["--model", "L=2,C=10,NH=3"], ["n_heads must divide d_model", "[1, 2, 5, 10]"]),
+    (["--hw", "nope"], ["unknown hardware", "a100-80g"]),
+    (["--hw", "{tmp}/hw.toml"], ["has no 'memory_bytes'", "80e9"]),
+    (["--model", "gpt2-xl", "--devices", "8", "--tp", "8"], ["n_heads=25", "change --devices"]),
+    (["--model", "narayanan-1008b", "--devices", "8"], ["nothing fits", "more devices", "--zero 1,2,3"]),
+    (["--efficiency", "2"], ["--efficiency", "(0, 1]"]),
+    (["--json", "{tmp}/no/such/folder/out.json"], ["does not exist", "create it"]),
+    (["--calibrate"], ["--calibrate needs --out"]),
+]
+
+
+@pytest.mark.parametrize("flags, words", USAGE_ERRORS, ids=[" ".join(f) for f, _ in USAGE_ERRORS])
+def test_cli_usage_errors(tmp_path, flags, words):
+    """The flags exit 2 with exactly one line on stderr, 'hsgd: error: ...', that says what is wrong and what would
+    work (the words), and no traceback."""
+    (tmp_path / "hw.toml").write_text(HW_MISSING_KEY)
+    rc, out, err = cli(*[f.replace("{tmp}", str(tmp_path)) for f in flags])
+    lines = err.strip().splitlines()
+    print(f"exit {rc}: {err.strip()}")
+    assert rc == 2 and len(lines) == 1 and lines[0].startswith("hsgd: error:"), (rc, err)
+    for w in words:
+        assert w in lines[0], (w, lines[0])
+
+
+def test_cli_good_run_and_help(tmp_path):
+    """--model narayanan-1.7b --batch 512 --devices 32 --hw a100-80g --top 2 --json F --explain exits 0, prints the
+    table header and 2 ranked layouts, [compute] and [pipeline] lines, and F loads with 'layouts' sorted by step
+    time, the first two the printed ones; --help exits 0 and lists every preset."""
+    path = tmp_path / "plan.json"
+    rc, out, err = cli("--model", "narayanan-1.7b", "--batch", "512", "--devices", "32", "--hw", "a100-80g",
+                       "--top", "2", "--json", str(path), "--explain")
+    assert rc == 0, err
+    header = [line for line in out.splitlines() if re.match(r"\s*#\s+layout\s+memory\s+step\s+tokens/s\s+MFU", line)]
+    ranked = re.findall(r"^\s+(\d+) (dp\d+ pp\d+ tp\d+.*?)\s{2,}", out, flags=re.M)
+    assert len(header) == 1 and [r[0] for r in ranked] == ["1", "2"], out
+    assert "[compute]" in out and "[pipeline]" in out, out
+    with open(path) as f:
+        doc = json.load(f)
+    times = [e["time"]["total"] for e in doc["layouts"]]
+    assert times == sorted(times) and len(times) >= 2
+    assert [e["layout"]["name"] for e in doc["layouts"][:2]] == [r[1].strip() for r in ranked]
+    rc, help_text, err = cli("--help")
+    assert rc == 0 and all(name in help_text for name in presets()), help_text
+    print(f"printed {[r[1] for r in ranked]}; the JSON has {len(times)} layouts sorted, {times[0]:.4g} s .. "
+          f"{times[-1]:.4g} s; --help lists {len(presets())} presets")
