@@ -246,7 +246,7 @@ def test_search_on_hsgd_equals_plan_rank_and_covers_every_factorization():
     hw = load("this-machine")
     found, tried, dropped = search(SMALL, 16, 8, hw, impl="hsgd", dtype="float64")
     times = [e.time.total for e in found]
-    assert times == sorted(times) and len(found) > 0
+    assert all(a <= b + 1e-9 for a, b in zip(times, times[1:])) and len(found) > 0   # (ties: less memory first)
     grids = {(e.layout.dp, e.layout.pp, e.layout.tp) for e in found}
     assert grids == {(dp, pp, tp) for dp, pp, tp in factorizations(8)}, sorted(grids)
     assert any("no memory formula for the interleaved" in why for why in dropped), dropped
@@ -362,7 +362,7 @@ def test_cli_good_run_and_help(tmp_path):
     with open(path) as f:
         doc = json.load(f)
     times = [e["time"]["total"] for e in doc["layouts"]]
-    assert times == sorted(times) and len(times) >= 2
+    assert all(a <= b + 1e-9 for a, b in zip(times, times[1:])) and len(times) >= 2   # (ties: less memory first)
     assert [e["layout"]["name"] for e in doc["layouts"][:2]] == [r[1].strip() for r in ranked]
     rc, help_text, err = cli("--help")
     assert rc == 0 and all(name in help_text for name in presets()), help_text

@@ -56,7 +56,8 @@ def test_shipped_datasheet_files(name, memory, peaks, intra, inter):
     assert (hw.intra.bandwidth, hw.inter.bandwidth) == (intra, inter)
     assert 0 < hw.intra.latency <= hw.inter.latency < 1e-4
     assert (hw.intra.name, hw.inter.name) == ("intra-node", "inter-node")
-    assert hw.efficiency is None and hw.measured == {} and hw.measured_cost("Allreduce", 8) is None
+    assert (hw.efficiency is None) == (name != "a100-80g") and hw.measured == {}   # a100: fitted on Table 1
+    assert hw.measured_cost("Allreduce", 8) is None
     assert hw.source.endswith(os.path.join("hw", name + ".toml"))
     assert load(hw.source) == hw                                   # the same file by its path
 

@@ -23,7 +23,7 @@ from ..errors import EXIT_USAGE, ConfigError, UsageError
 from ..preflight import writable_file
 from .hardware import HardwareError, load, names
 from .paper import table1
-from .search import SCHEDULES, rate_of, search
+from .search import SCHEDULES, rank_key, rate_of, search
 
 
 class PlanError(UsageError):
@@ -214,7 +214,7 @@ def plan(args, say=print):
                         "devices, a smaller --batch or --micro-batch 1, or allow --zero 1,2,3 and --recompute full")
     from .search import evaluate                       # the printed ones priced again, with the simulator
     shown = sorted((evaluate(cfg, batch, e.layout, hw, args.impl, dtype, eff, explain=args.explain,
-                             optimizer=args.optimizer) for e in found[:args.top]), key=lambda e: e.time.total)
+                             optimizer=args.optimizer) for e in found[:args.top]), key=rank_key)
     say(f"\n{'#':>3} {'layout':<62} {'memory':>10} {'step':>10} {'tokens/s':>11} {'MFU':>6} {'TFLOP/s/dev':>11}")
     for i, e in enumerate(shown):
         mem = gb(sum(e.memory.values())) if e.memory is not None else "n/a"

@@ -1,4 +1,5 @@
-"""Calibration: measure this machine's matmul rate and the cost of each collective, and write a hardware file.
+"""Calibration: measure this machine's matmul rate, memory bandwidth and the cost of each collective, and write a
+hardware file.
 
     mpirun -n 8 python -m hsgd.plan.calibrate --out hsgd/plan/hw/this-machine.toml [--quick]
     (the planner's CLI calls the same function: mpirun -n 8 python -m hsgd.plan --calibrate --out FILE)
@@ -12,10 +13,21 @@ multiply t = (trial time) / k, the median over trials, and the rate per rank
 
 for float64 and float32 (the slowest rank's, so the minimum over ranks).
 
-Collectives: for p = 2 .. P the first p ranks form a communicator (world.Split); on it each of Allreduce,
+Memory bandwidth: every rank at once computes c[:] = a + b on float64 arrays of 8 MiB each (two ranks running at a
+time on 2 cores touch 48 MiB, beyond a 32 MiB L3), k = 4 or 8 passes per trial; a pass moves 3 x 8 MiB, a trial's
+time is its slowest rank's, and
+
+    memory_bandwidth = 3 x array bytes / (median over trials of the time of one pass)   (bytes/s per rank)
+
+(hsgd.plan.costs prices elementwise work with it: each stored activation written and read).
+
+Collectives: for p = 2 .. P the ranks form size // p disjoint groups of p consecutive ranks (world.Split; the ranks
+left over wait), and all groups call at once, as a training step's tp groups (or dp, pp groups) do: on a box whose
+ranks share cores and memory, one group alone would see idle neighbours and seem up to 2x faster. Each of Allreduce,
 Reduce_scatter_block and Allgather (and Sendrecv between 2 ranks, p = 2 only) runs on float64 arrays of S sizes,
-log-spaced from 8 B to 4 MiB. One repetition: Barrier, then the call, timed on each rank; the call is done when its
-slowest rank is, so a repetition's time is the maximum over the p ranks; per size the median over repetitions.
+log-spaced from 8 B to 4 MiB. One repetition: Barrier over every group's ranks, then the call, timed on each rank;
+the call is done when its slowest rank is, so a repetition's time is the maximum over the ranks of all groups; per
+size the median over repetitions.
 The payload n is counted as hsgd's CommStats counts it: the whole array for Allreduce and Reduce_scatter_block
 (the send buffer), the whole received array for Allgather, the message for Sendrecv. Then the line
 
@@ -26,8 +38,10 @@ sizes (which fix alpha) count as much as the large ones (which fix beta); alpha 
 values when noise makes one negative. The fits go to [measured.OP.p]; the Sendrecv line also gives [intra_node]
 (latency = alpha, bandwidth = 1/beta) and, as there is no network on one box, [inter_node].
 
-Left out: collectives on groups that are not the first p ranks (on one node all ranks are alike), overlap of
-communication with compute, and sizes beyond 4 MiB (the line is extrapolated).
+Left out: groups of ranks that are not consecutive (on one node all ranks are alike), overlap of communication with
+compute (a rank waiting in a collective while its neighbours compute), sizes beyond 4 MiB (the line is
+extrapolated), and the cost of hsgd's own elementwise layers, optimizer and Python per layer (which the
+bandwidth of c = a + b prices low: see benchmarks/plan_this_machine.py).
 """
 import datetime
 import os
@@ -44,6 +58,8 @@ from .hardware import OPS, Hardware, HardwareError, Link, to_toml
 
 TINY_ALPHA = 1e-9               # s: the smallest alpha written (a fit may come out negative from noise)
 TINY_BETA = 1e-15               # s/byte: the smallest beta written (1 PB/s)
+STREAM_BYTES = 8 * 2 ** 20      # bytes of each of a, b, c in the bandwidth test: 2 ranks at a time on 2 cores hold
+                                # 48 MiB, beyond a 32 MiB L3 (8 ranks: 192 MiB)
 
 
 def matmul_rate(world, dtype, n, k, trials):
@@ -64,6 +80,24 @@ def matmul_rate(world, dtype, n, k, trials):
     return 2 * n ** 3 / float(np.median(times))
 
 
+def memory_bandwidth(world, nbytes, k, trials):
+    """Bytes/s per rank of c[:] = a + b on float64 arrays of nbytes each with every rank of world adding at once (the
+    slowest rank): a pass reads a and b and writes c, 3 nbytes."""
+    rng = np.random.default_rng(world.Get_rank())
+    a, b = rng.standard_normal((2, max(1, nbytes // 8)))      # (n,) each, float64
+    c = np.empty_like(a)
+    times = np.empty(trials)
+    np.add(a, b, out=c)                                        # warm-up: page in c
+    for i in range(trials):
+        world.Barrier()                                        # all ranks start together, so all are busy
+        t0 = time.perf_counter()
+        for _ in range(k):
+            np.add(a, b, out=c)
+        times[i] = (time.perf_counter() - t0) / k
+    world.Allreduce(MPI.IN_PLACE, times, op=MPI.MAX)           # (trials,) the slowest rank of each trial
+    return 3 * a.nbytes / float(np.median(times))
+
+
 def buffers(op, nbytes, p):
     """(call, payload bytes as CommStats counts them) for op moving about nbytes in total on p ranks."""
     if op in ("Allreduce", "Sendrecv"):
@@ -80,16 +114,18 @@ def buffers(op, nbytes, p):
     return lambda comm: comm.Allgather(part, full), full.nbytes  # Allgather: the received array counts
 
 
-def time_call(comm, call, reps):
-    """Median over reps of the call's time, each repetition's time the maximum over comm's ranks."""
+def time_call(comm, call, reps, sync=None):
+    """Median over reps of the call's time on comm, each repetition's time the maximum over the ranks of `sync` (a
+    communicator holding comm's ranks and those of the groups that run at the same time; default comm)."""
+    sync = sync or comm
     call(comm)                                                 # warm-up: connections, buffers
     times = np.empty(reps)
     for i in range(reps):
-        comm.Barrier()
+        sync.Barrier()                                         # every group starts together
         t0 = time.perf_counter()
         call(comm)
         times[i] = time.perf_counter() - t0
-    comm.Allreduce(MPI.IN_PLACE, times, op=MPI.MAX)            # (reps,) the slowest rank of each repetition
+    sync.Allreduce(MPI.IN_PLACE, times, op=MPI.MAX)            # (reps,) the slowest rank of each repetition
     return float(np.median(times))
 
 
@@ -102,21 +138,25 @@ def fit(ns, ts):
 
 
 def measure_collectives(world, sizes, reps, say):
-    """{op: {p: (alpha, beta)}} on rank 0 ({} elsewhere), for p = 2 .. world size."""
-    rank, measured = world.Get_rank(), {}
-    for p in range(2, world.Get_size() + 1):
-        comm = world.Split(0 if rank < p else MPI.UNDEFINED, rank)   # the first p ranks; COMM_NULL for the rest
+    """{op: {p: (alpha, beta)}} on rank 0 ({} elsewhere), for p = 2 .. world size: size // p disjoint groups of p
+    consecutive ranks call at once, as a training step's tp (or dp, pp) groups do; the ranks left over wait."""
+    rank, size, measured = world.Get_rank(), world.Get_size(), {}
+    for p in range(2, size + 1):
+        busy = size // p * p                                   # ranks in a group: 0 .. busy - 1
+        comm = world.Split(rank // p if rank < busy else MPI.UNDEFINED, rank)   # my group; COMM_NULL: left over
+        both = world.Split(0 if rank < busy else MPI.UNDEFINED, rank)          # every group's ranks
         if comm != MPI.COMM_NULL:
             for op in OPS:
                 if op == "Sendrecv" and p != 2:
                     continue
                 calls = dict((n, call) for call, n in (buffers(op, s, p) for s in sizes))   # n -> call, no repeats
-                points = [(n, time_call(comm, call, reps)) for n, call in calls.items()]      # (n bytes, s)
+                points = [(n, time_call(comm, call, reps, both)) for n, call in calls.items()]   # (n bytes, s)
                 if rank == 0:
                     alpha, beta = measured.setdefault(op, {})[p] = fit(*zip(*points))
-                    say(f"calibrate: {op} p={p}: alpha {alpha * 1e6:.1f} us, 1/beta {1 / beta / 1e9:.2f} GB/s "
-                        f"({len(points)} sizes, {points[0][0]} B .. {points[-1][0]} B)")
+                    say(f"calibrate: {op} p={p} ({size // p} groups at once): alpha {alpha * 1e6:.1f} us, 1/beta "
+                        f"{1 / beta / 1e9:.2f} GB/s ({len(points)} sizes, {points[0][0]} B .. {points[-1][0]} B)")
             comm.Free()
+            both.Free()
         world.Barrier()                                        # the ranks left out wait here, not in a collective
     return measured
 
@@ -124,6 +164,8 @@ def measure_collectives(world, sizes, reps, say):
 def summary(hw):
     """The measured numbers as a table: matmul rates, then op, p, alpha (us), 1/beta (GB/s)."""
     lines = [f"matmul {d}: {r / 1e9:.2f} GFLOP/s per rank (all ranks busy)" for d, r in hw.measured_matmul.items()]
+    if hw.memory_bandwidth:
+        lines.append(f"memory bandwidth: {hw.memory_bandwidth / 1e9:.2f} GB/s per rank (all ranks busy)")
     lines.append(f"{'op':<22}{'p':>3}{'alpha (us)':>12}{'1/beta (GB/s)':>15}")
     for op, by_p in hw.measured.items():
         for p, (alpha, beta) in sorted(by_p.items()):
@@ -187,6 +229,8 @@ def calibrate(world, out_path, quick=False, say=print, command=None):
     for dtype in ("float64", "float32"):
         matmul[dtype] = matmul_rate(world, dtype, 256, k, trials)
         say(f"calibrate: matmul {dtype} n=256: {matmul[dtype] / 1e9:.2f} GFLOP/s per rank, {size} ranks busy")
+    bandwidth = memory_bandwidth(world, STREAM_BYTES, 4 if quick else 8, trials)
+    say(f"calibrate: c = a + b on 3 x {STREAM_BYTES >> 20} MiB: {bandwidth / 1e9:.2f} GB/s per rank, {size} ranks busy")
     measured = measure_collectives(world, sizes, reps, say)
 
     hw, error = None, None
@@ -200,18 +244,21 @@ def calibrate(world, out_path, quick=False, say=print, command=None):
                            f"{when} by `mpirun -n {size} {command}`",
                       memory_bytes=float(memory_bytes() // per_node), devices_per_node=per_node, peak_flops=rates,
                       intra=Link(**link, name="intra-node"), inter=Link(**link, name="inter-node"),
-                      measured=measured, measured_matmul=rates, source=str(out_path))
+                      memory_bandwidth=bandwidth, measured=measured, measured_matmul=rates, source=str(out_path))
         notes = [f"Measured by hsgd.plan.calibrate ({'quick' if quick else 'full'}): {size} ranks, one BLAS thread "
                  "each.",
                  "[peak_flops], [measured_matmul]: FLOP/s per rank of a 256 x 256 matmul with all ranks multiplying",
                  "at once (the min over ranks); bfloat16 and float16 are emulated on float32 arrays (hsgd.precision),",
                  "so their matmuls run at the float32 rate. A CPU has no datasheet peak here: the measured rate is it.",
+                 f"memory_bandwidth: bytes/s per rank of c[:] = a + b on float64 arrays of {STREAM_BYTES >> 20} MiB",
+                 "(3 x the array's bytes per pass), all ranks adding at once; the median over trials, slowest rank.",
                  "[measured.OP.p]: t(n bytes) = alpha + beta * n seconds, fitted to the median time (max over ranks)",
-                 f"of {len(sizes)} float64 sizes from {sizes[0]} B to {sizes[-1]} B, {reps} repetitions each, on the "
-                 "first p ranks; n as",
+                 f"of {len(sizes)} float64 sizes from {sizes[0]} B to {sizes[-1]} B, {reps} repetitions each,",
+                 f"{size} // p groups of p consecutive ranks calling at once; n as",
                  "hsgd's CommStats counts it (Allreduce, Reduce_scatter_block: the whole array; Allgather: the whole",
                  "received array; Sendrecv: the message)."]
         comments = {"memory_bytes": f"MemTotal of /proc/meminfo / {per_node} ranks",
+                    "memory_bandwidth": "bytes/s per rank of c = a + b, all ranks busy",
                     "devices_per_node": "the MPI ranks on this node",
                     "intra_node": "the measured Sendrecv between 2 ranks (shared memory)",
                     "inter_node": "the same numbers: there is no network, every rank is on this one node"}

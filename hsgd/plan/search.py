@@ -227,6 +227,11 @@ def link_bytes(lay, counts, hw):
     return out
 
 
+def rank_key(e):
+    """Fastest first; at equal time (ZeRO-1 moves what an All-Reduce does) the one that needs less memory."""
+    return (round(e.time.total, 9), sum(e.memory.values()) if e.memory is not None else 0.0)
+
+
 def search(cfg, batch, n, hw, space=None, impl="megatron", dtype="bfloat16", efficiency=None, top=None,
            progress=None):
     """(fitting evaluations sorted by step time, how many layouts were tried, why the others were dropped)."""
@@ -245,6 +250,6 @@ def search(cfg, batch, n, hw, space=None, impl="megatron", dtype="bfloat16", eff
             dropped["does not fit in memory"] = dropped.get("does not fit in memory", 0) + 1
             continue
         ok.append(e)
-    ok.sort(key=lambda e: e.time.total)
+    ok.sort(key=rank_key)
     ok = ok[:top] if top else ok
     return ok, len(cands), dropped

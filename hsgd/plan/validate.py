@@ -27,7 +27,9 @@ PAPER_SPACE = {"zero": [0], "tp_scheme": ["megatron"], "recompute": ["full"], "b
 
 
 def best_of(cfg, batch, n, hw, efficiency, tp=None, pp=None, simulated=False):
-    """{(t, p): the fastest fitting evaluation of that (t, p)} over PAPER_SPACE (optionally one t, one p)."""
+    """{(t, p): the fastest fitting evaluation of that (t, p)} over PAPER_SPACE (optionally one t, one p). The
+    pipeline by the closed form the simulator equals for 1F1B and interleaved schedules of equal stages
+    (costs.makespan; tests/test_plan.py), unless simulated."""
     space = dict(PAPER_SPACE, tp=[tp] if tp else [t for t in (1, 2, 4, 8, 16) if n % t == 0],
                  pp=[pp] if pp else None)
     out = {}
@@ -41,7 +43,7 @@ def best_of(cfg, batch, n, hw, efficiency, tp=None, pp=None, simulated=False):
 
 def predicted_tflops(row, hw, efficiency):
     """The planner's TFLOP/s per GPU for the paper's own (t, p) on that row, its best micro-batch and schedule."""
-    got = best_of(row["cfg"], row["batch"], row["gpus"], hw, efficiency, row["t"], row["p"], simulated=True)
+    got = best_of(row["cfg"], row["batch"], row["gpus"], hw, efficiency, row["t"], row["p"])
     return got[(row["t"], row["p"])].tflops if got else float("nan")
 
 

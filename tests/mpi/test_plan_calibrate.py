@@ -1,6 +1,7 @@
 """hsgd.plan.calibrate on 8 ranks (quick mode, ~2 s here): the file it writes loads with hsgd.plan.hardware.load,
-every collective has a positive alpha and beta for every group size 2..8, and the matmul rates are positive; an
-output that cannot be written, or a single rank, is refused on every rank before any measuring.
+every collective has a positive alpha and beta for every group size 2..8, the matmul rates and the memory bandwidth
+(c = a + b, all ranks busy; written to 4 digits) are positive; an output that cannot be written, or a single rank,
+is refused on every rank before any measuring.
 Timings on a shared box are noisy, so this checks the shape of the result, not its numbers (calibrate prints them)."""
 import os
 import tempfile
@@ -20,8 +21,10 @@ def test_quick_calibration_writes_a_loadable_file():
            if not (hw.measured_cost(op, p) and min(hw.measured_cost(op, p)) > 0)]
     ok = (not bad and hw.devices_per_node == WORLD.Get_size() and hw.memory_bytes > 0
           and all(hw.measured_matmul.get(d, 0) > 0 for d in ("float64", "float32"))
+          and (hw.memory_bandwidth or 0) > 0 and abs(returned.memory_bandwidth / hw.memory_bandwidth - 1) < 1e-3
           and hw.intra.latency == hw.measured_cost("Sendrecv", 2)[0] and returned.measured.keys() == hw.measured.keys())
-    check(ok, f"missing or non-positive fits {bad}; matmul {hw.measured_matmul}; {hw.devices_per_node} per node")
+    check(ok, f"missing or non-positive fits {bad}; matmul {hw.measured_matmul}; memory bandwidth "
+                   f"{hw.memory_bandwidth}; {hw.devices_per_node} per node")
     WORLD.Barrier()                                                        # everyone has read it
     if WORLD.Get_rank() == 0:
         os.remove(path)
