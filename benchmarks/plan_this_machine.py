@@ -132,8 +132,10 @@ def table(rows, hw_name, rounds, steps, wall):
     verdict = (f"Median |error| {med:.0%}; Spearman's rank correlation {rho:+.2f}; best predicted "
                f"({rows[best]['lay'].name()}) is {'' if best in fastest else 'NOT '}among the two fastest measured "
                f"({'; '.join(rows[i]['lay'].name() for i in fastest)}).")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    shown = os.path.relpath(hw_name, root) if os.path.isabs(hw_name) else hw_name   # (no machine paths)
     setup = (f"Model: {MODEL}, batch {BATCH}, {DTYPE}, {OPTIMIZER}, 1F1B, m = 2 pp micro-batches; hardware file "
-             f"{hw_name}. Measured: median over {rounds} alternating rounds of {steps} steps, the slowest rank; "
+             f"{shown}. Measured: median over {rounds} alternating rounds of {steps} steps, the slowest rank; "
              f"'meas. tp/dp': time in tp and dp collectives (StepInfo). Run: `mpirun -n 8 python "
              f"benchmarks/plan_this_machine.py --rounds {rounds} --steps {steps}`, {wall:.0f} s.")
     summary = [verdict, "", setup]

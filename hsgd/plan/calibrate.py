@@ -203,6 +203,74 @@ def agree(world, error):
         raise HardwareError(error)
 
 
+def optimizer_cost(world, name, n, trials):
+    """Seconds per element of one hsgd.optim step of `name` ("sgd" with momentum 0.9, "adamw") on a flat float32
+    array of n elements with a weight-decay mask, as the trainer steps its `master`, every rank stepping at once
+    (the slowest rank, the median over trials)."""
+    from ..optim import make_optimizer
+    rng = np.random.default_rng(world.Get_rank())
+    p, g = rng.standard_normal((2, n)).astype(np.float32)
+    decay = {"flat": np.ones(n, np.float32)}
+    opt = make_optimizer(name, 1e-3, momentum=0.9, weight_decay=0.1)
+    opt.step({"flat": p}, {"flat": g}, decay=decay)            # warm-up: the state is made
+    times = np.empty(trials)
+    for i in range(trials):
+        world.Barrier()
+        t0 = time.perf_counter()
+        opt.step({"flat": p}, {"flat": g}, decay=decay)
+        times[i] = time.perf_counter() - t0
+    world.Allreduce(MPI.IN_PLACE, times, op=MPI.MAX)
+    return float(np.median(times)) / n
+
+
+# the reference block of block_cost: not a model the planner is checked on (benchmarks/plan_this_machine.py uses
+# C = 128, NH = 8, T = 64), so that what calibration measures is not fitted to what the benchmark compares
+BLOCK = dict(vocab_size=64, seq_len=48, d_model=96, n_heads=6, d_ff=384)
+
+
+def block_cost(world, rate, bandwidth, trials, batches=(1, 2, 4, 8)):
+    """(elementwise_passes, block_overhead) of this machine: the forward and backward of one Transformer block on
+    one rank (hsgd.tp_model on a 1-rank communicator, float32; BLOCK's shape), every rank at once. A block's time
+    is half of a 3-block model's step less a 1-block model's (the embedding and the head cancel); less its matmul
+    FLOPs at the measured rate (hsgd.plan.costs.micro_batch_flops), what is left is fitted, over b sequences, to
+
+        overhead + passes x 6 A(b) / bandwidth      A(b): the activation bytes the block stores (hsgd.plan.paper)
+
+    6 A(b) / bandwidth being the planner's elementwise term of a block's forward (2) and backward (4): `passes`
+    scales it, and `overhead` is a fixed cost per block and micro-batch (Python, small arrays, the calls)."""
+    from ..comm import Comm
+    from ..config import ModelConfig
+    from ..data import Corpus
+    from .. import tp_model
+    from .costs import micro_batch_flops
+    from .paper import activation_bytes
+    comm = Comm(MPI.COMM_SELF, "tp")
+    corpus = Corpus(np.random.default_rng(0).integers(0, 64, 20000, dtype=np.uint8).tobytes(), "random", 48)
+    rest, bytes_ = [], []
+    with threadpool_limits(1):
+        for b in batches:
+            t = {}
+            for L in (1, 3):
+                cfg = ModelConfig(n_layers=L, **BLOCK)
+                params = tp_model.init_params(cfg, comm, seed=0, dtype="float32")
+                idx, targets = corpus.batch(0, 1, b)
+                tp_model.loss_and_grads(params, idx, targets, cfg, comm)          # warm-up
+                times = np.empty(trials)
+                for i in range(trials):
+                    world.Barrier()
+                    t0 = time.perf_counter()
+                    tp_model.loss_and_grads(params, idx, targets, cfg, comm)
+                    times[i] = time.perf_counter() - t0
+                world.Allreduce(MPI.IN_PLACE, times, op=MPI.MAX)
+                t[L] = float(np.median(times))
+            cfg = ModelConfig(n_layers=1, **BLOCK)
+            flops = sum(micro_batch_flops(cfg, b, 1, 1, 1, False, "none"))
+            rest.append((t[3] - t[1]) / 2 - flops / rate)
+            bytes_.append(6 * activation_bytes(cfg, b, 1, False, "none") * 4 / 2 / bandwidth)   # float32: 4 bytes
+    (passes, overhead) = np.polyfit(bytes_, rest, 1)
+    return max(float(passes), 1e-3), max(float(overhead), 1e-9)
+
+
 def calibrate(world, out_path, quick=False, say=print, command=None):
     """Measure on every rank of world, write the hardware file at out_path on rank 0; returns the Hardware on every
     rank. quick: fewer sizes and repetitions (about 2 s on 8 ranks of a 2-core box). say: progress, rank 0 only.
@@ -231,6 +299,13 @@ def calibrate(world, out_path, quick=False, say=print, command=None):
         say(f"calibrate: matmul {dtype} n=256: {matmul[dtype] / 1e9:.2f} GFLOP/s per rank, {size} ranks busy")
     bandwidth = memory_bandwidth(world, STREAM_BYTES, 4 if quick else 8, trials)
     say(f"calibrate: c = a + b on 3 x {STREAM_BYTES >> 20} MiB: {bandwidth / 1e9:.2f} GB/s per rank, {size} ranks busy")
+    passes, overhead = block_cost(world, matmul["float32"], bandwidth, 3 if quick else 7,
+                                  (1, 4) if quick else (1, 2, 4, 8))
+    say(f"calibrate: a block's forward and backward beyond its matmuls: {overhead * 1e3:.3f} ms + {passes:.2f} x its "
+        f"stored activations' bytes at the memory bandwidth, {size} ranks busy")
+    optimizer = {name: optimizer_cost(world, name, 2 ** 18 if quick else 2 ** 20, trials) for name in ("sgd", "adamw")}
+    say("calibrate: optimizer step " + ", ".join(f"{k} {v * 1e9:.2f} ns" for k, v in optimizer.items())
+        + f" per element, {size} ranks busy")
     measured = measure_collectives(world, sizes, reps, say)
 
     hw, error = None, None
@@ -244,7 +319,8 @@ def calibrate(world, out_path, quick=False, say=print, command=None):
                            f"{when} by `mpirun -n {size} {command}`",
                       memory_bytes=float(memory_bytes() // per_node), devices_per_node=per_node, peak_flops=rates,
                       intra=Link(**link, name="intra-node"), inter=Link(**link, name="inter-node"),
-                      memory_bandwidth=bandwidth, measured=measured, measured_matmul=rates, source=str(out_path))
+                      memory_bandwidth=bandwidth, measured=measured, measured_matmul=rates, source=str(out_path),
+                      elementwise_passes=passes, block_overhead=overhead, measured_optimizer=optimizer)
         notes = [f"Measured by hsgd.plan.calibrate ({'quick' if quick else 'full'}): {size} ranks, one BLAS thread "
                  "each.",
                  "[peak_flops], [measured_matmul]: FLOP/s per rank of a 256 x 256 matmul with all ranks multiplying",
@@ -252,6 +328,10 @@ def calibrate(world, out_path, quick=False, say=print, command=None):
                  "so their matmuls run at the float32 rate. A CPU has no datasheet peak here: the measured rate is it.",
                  f"memory_bandwidth: bytes/s per rank of c[:] = a + b on float64 arrays of {STREAM_BYTES >> 20} MiB",
                  "(3 x the array's bytes per pass), all ranks adding at once; the median over trials, slowest rank.",
+                 "elementwise_passes, block_overhead: one Transformer block's forward and backward (hsgd.tp_model,",
+                 "float32, C = 96, T = 48) less its matmuls at the measured rate, fitted over b = 1, 2, 4, 8 sequences",
+                 "to block_overhead + elementwise_passes x 6 x (its stored activation bytes) / memory_bandwidth.",
+                 "[measured_optimizer]: seconds per element of one hsgd.optim step on a flat float32 array.",
                  "[measured.OP.p]: t(n bytes) = alpha + beta * n seconds, fitted to the median time (max over ranks)",
                  f"of {len(sizes)} float64 sizes from {sizes[0]} B to {sizes[-1]} B, {reps} repetitions each,",
                  f"{size} // p groups of p consecutive ranks calling at once; n as",

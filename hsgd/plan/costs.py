@@ -33,7 +33,11 @@ Every function returns seconds; with `why` (a list) it appends ("term", "formula
    Elementwise work (LayerNorm, softmax, GELU, residuals, dropout) is bound by memory bandwidth: with the
    hardware file's memory_bandwidth, each activation a layer stores (Korthikanti et al. 2022's count,
    hsgd.plan.paper.activation_bytes, at the layout's bytes per element) is taken as written and read once in the
-   forward and twice that in the backward (once more with full recomputation): 2, 4 (+2) x bytes / bandwidth.
+   forward and twice that in the backward (once more with full recomputation): 2, 4 (+2) x bytes / bandwidth,
+   times the hardware's elementwise_passes; and block_overhead seconds per block and micro-batch that neither
+   FLOPs nor bytes explain (both measured by --calibrate: hsgd.plan.calibrate.block_cost; 1 and 0 otherwise).
+   The optimizer: its state's elements x the seconds per element --calibrate measured, or the bytes it moves per
+   element at the memory bandwidth (a fused mixed-precision Adam: 28; hsgd's: 7 or 3 elements for AdamW or SGD).
 4. The pipeline: every stage at the slowest stage's F, B, W costs (compute, its exposed tp, cp and ZeRO-3 gathers,
    and a received message per action), through hsgd.schedules.simulate: its makespan holds the bubble. While
    searching (simulated=False), gpipe, 1f1b and interleaved use the closed form the simulation equals for such
@@ -181,20 +185,21 @@ class StepTime:
     dp: float
     zero_gather: float = 0.0
     elementwise: float = 0.0
+    optimizer: float = 0.0
     terms: list = field(default_factory=list)            # the --explain lines: (term, text)
 
     @property
     def total(self):
         return (self.compute + self.elementwise + self.tp + self.pp_bubble + self.pp_transfer + self.cp + self.dp
-                + self.zero_gather)
+                + self.zero_gather + self.optimizer)
 
     def parts(self):
         return {"compute": self.compute, "elementwise": self.elementwise, "tp": self.tp, "pp bubble": self.pp_bubble,
                 "pp transfer": self.pp_transfer,
-                "cp": self.cp, "dp": self.dp, "zero-3 gather": self.zero_gather}
+                "cp": self.cp, "dp": self.dp, "zero-3 gather": self.zero_gather, "optimizer": self.optimizer}
 
 
-def step_time(cfg, lay, stages, hw, rate, explain=False, simulated=True):
+def step_time(cfg, lay, stages, hw, rate, explain=False, simulated=True, optimizer_s=0.0):
     """StepTime of layout `lay` (.dp .pp .cp .tp .v .b .m .schedule .recompute .tp_scheme .zero .dp_overlap
     .dp_staleness .hierarchical .ranks_per_node .cp_scheme) whose stages are [(n_blocks, first, last, bytes of one
     step on that stage's rank)], on hardware hw with matmul rate `rate` FLOP/s (see the module docstring)."""
@@ -232,8 +237,10 @@ def step_time(cfg, lay, stages, hw, rate, explain=False, simulated=True):
         ew = 0.0
         if hw.memory_bandwidth:
             act = activation_bytes(cfg, lay.b, lay.tp, lay.tp_scheme == "sequence", "none", lay.cp) * lay.itemsize / 2
-            ew = n_blocks * act / hw.memory_bandwidth                 # one write and one read of each activation
+            ew = n_blocks * act * hw.elementwise_passes / hw.memory_bandwidth   # a write and a read per activation
         ew_f, ew_b = 2 * ew, (4 + 2 * (lay.recompute == "full")) * ew
+        over = n_blocks * hw.block_overhead / 2                           # per block and micro-batch: half F, half B
+        ew_f, ew_b = ew_f + over, ew_b + over
         f = fl / rate + ew_f + tp_f + cp_exposed / 3 + msg + gather
         b = bl / rate + ew_b + (tp_mb - tp_f) + 2 * cp_exposed / 3 + msg + gather + rs
         w = wl / rate
@@ -250,7 +257,10 @@ def step_time(cfg, lay, stages, hw, rate, explain=False, simulated=True):
     dp = dp_exposed(lay, worst, sizes, links, hw, why)
     st = StepTime(compute=m * worst["compute"], tp=m * worst["tp"], pp_bubble=max(span - busy, 0.0),
                   pp_transfer=m * worst["msg"], cp=m * worst["cp"], dp=dp + m * worst["rs"],
-                  zero_gather=m * worst["gather"], elementwise=m * worst["ew"], terms=why or [])
+                  zero_gather=m * worst["gather"], elementwise=m * worst["ew"], optimizer=optimizer_s,
+                  terms=why or [])
+    note(why, "optimizer", f"its elements x the measured seconds per element, or the bytes it moves / bandwidth "
+                           f"= {fmt_s(optimizer_s)}")
     if explain:
         traffic(worst["counts"], sizes, links, hw, why)
     return st

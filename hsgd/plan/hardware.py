@@ -26,6 +26,9 @@ File schema (SI units: bytes, seconds, FLOP/s; every number > 0):
     [inter_node]  bandwidth, latency
     [measured.Allreduce.4]  alpha, beta    # optional (Allreduce, Reduce_scatter_block, Allgather; Sendrecv: p = 2)
     [measured_matmul]  float64 = ...       # optional: FLOP/s per rank, all ranks busy
+    elementwise_passes, block_overhead     # optional (--calibrate): elementwise traffic per stored activation
+                                           # byte, and seconds per block and micro-batch beyond FLOPs and bytes
+    [measured_optimizer]  adamw = ...      # optional: seconds per element of one optimizer step
 
 Left out: topologies beyond two levels (rails, fat-tree oversubscription), contention between collectives that
 run at once, and per-size protocol switches (one straight line per collective and group size).
@@ -57,7 +60,13 @@ TOP = {"name": 'a string saying what machine this is, e.g. "A100 80GB SXM in a D
        "intra_node": "a table [intra_node] with bandwidth (bytes/s) and latency (s) of the link inside a node",
        "inter_node": "a table [inter_node] with bandwidth (bytes/s) and latency (s) of each device's network link",
        "measured": "tables [measured.OP.p] with alpha (s) and beta (s/byte), as --calibrate writes them",
-       "measured_matmul": "a table [measured_matmul] of FLOP/s per rank by dtype, e.g. float64 = 2e9"}
+       "measured_matmul": "a table [measured_matmul] of FLOP/s per rank by dtype, e.g. float64 = 2e9",
+       "elementwise_passes": "how many times the elementwise work moves each activation byte a layer stores, "
+                             "e.g. 3.6 (measured by --calibrate; 1 when absent)",
+       "block_overhead": "seconds per Transformer block and micro-batch (forward and backward) that neither the "
+                         "FLOPs nor the bytes explain, e.g. 1e-3 (measured by --calibrate; 0 when absent)",
+       "measured_optimizer": "a table [measured_optimizer] of seconds per parameter element of one optimizer step, "
+                             "e.g. adamw = 5e-9"}
 LINK = {"intra_node": {"bandwidth": "bytes/s per device, one direction, e.g. 300e9 for NVLink 3",
                        "latency": "seconds, e.g. 2e-6"},
         "inter_node": {"bandwidth": "bytes/s per device, one direction, e.g. 25e9 for one HDR InfiniBand NIC",
@@ -92,6 +101,9 @@ class Hardware:
     memory_bandwidth: float = None  # bytes/s to the device's memory (elementwise work); None: not modelled
     measured: dict = field(default_factory=dict)          # op -> {p: (alpha s, beta s/byte)}, from --calibrate
     measured_matmul: dict = field(default_factory=dict)   # dtype -> FLOP/s per rank with all ranks busy
+    elementwise_passes: float = 1.0                        # elementwise traffic per stored activation byte
+    block_overhead: float = 0.0                            # s per block and micro-batch beyond FLOPs and bytes
+    measured_optimizer: dict = field(default_factory=dict)  # "sgd", "adamw" -> s per element of one step
     source: str = ""               # the file it was read from
 
     def peak(self, dtype):
@@ -178,9 +190,16 @@ def from_table(t, path="<table>"):
             alpha, beta = table_of(where, f"measured.{op}.{p}", fit, FIT).values()
             measured.setdefault(op, {})[int(p)] = (alpha, beta)
     matmul = per_dtype(where, "measured_matmul", t.get("measured_matmul", {}), "FLOP/s per rank, e.g. 2e9")
+    extra = {k: number(where, k, t[k], TOP[k]) for k in ("elementwise_passes", "block_overhead") if k in t}
+    optim = table(where, "measured_optimizer", t.get("measured_optimizer", {}), TOP["measured_optimizer"])
+    if set(optim) - {"sgd", "adamw"}:
+        raise HardwareError(f"{where}: [measured_optimizer] has an unknown optimizer "
+                            f"{sorted(set(optim) - {'sgd', 'adamw'})[0]!r}; known: sgd, adamw")
+    optim = {k: number(where, f"[measured_optimizer] {k}", v, TOP["measured_optimizer"]) for k, v in optim.items()}
     return Hardware(name=t["name"], memory_bytes=memory, devices_per_node=dpn, peak_flops=peak,
                     intra=links["intra_node"], inter=links["inter_node"], efficiency=efficiency, measured=measured,
-                    measured_matmul=matmul, source=str(path), memory_bandwidth=bandwidth)
+                    measured_matmul=matmul, source=str(path), memory_bandwidth=bandwidth, measured_optimizer=optim,
+                    **extra)
 
 
 def number(where, key, value, what):
@@ -239,11 +258,17 @@ def to_toml(hw, notes=(), comments=None):
         out.append(line("efficiency", num(hw.efficiency)))
     if hw.memory_bandwidth is not None:
         out.append(line("memory_bandwidth", num(hw.memory_bandwidth)))
+    if hw.elementwise_passes != 1.0:                  # (top-level keys: before the first table)
+        out.append(line("elementwise_passes", num(hw.elementwise_passes)))
+    if hw.block_overhead:
+        out.append(line("block_overhead", num(hw.block_overhead)))
     out += ["", head("peak_flops")] + [line(d, num(v)) for d, v in hw.peak_flops.items()]
     for name, link in (("intra_node", hw.intra), ("inter_node", hw.inter)):
         out += ["", head(name), line("bandwidth", num(link.bandwidth)), line("latency", num(link.latency))]
     if hw.measured_matmul:
         out += ["", head("measured_matmul")] + [line(d, num(v)) for d, v in hw.measured_matmul.items()]
+    if hw.measured_optimizer:
+        out += ["", head("measured_optimizer")] + [line(k, num(v)) for k, v in hw.measured_optimizer.items()]
     for op, by_p in hw.measured.items():
         for p, (alpha, beta) in sorted(by_p.items()):
             out += ["", f"[measured.{op}.{p}]", f"alpha = {num(alpha)}", f"beta = {num(beta)}"]

@@ -135,6 +135,22 @@ def options(space, ndp, per_node=None):
                                    ranks_per_node=per_node if hier else None)
 
 
+OPTIMIZER_BYTES = {"megatron": 28}   # a fused mixed-precision Adam: fp32 weights, m, v read and written (24), the
+                                     # fp16 gradient read (2) and the fp16 weights written (2)
+HSGD_OPTIMIZER_ELEMENTS = {"adamw": 7, "sgd": 3}     # p, g, m, v read, p, m, v written; p, g, v read, p, v written
+
+
+def optimizer_seconds(hw, impl, optimizer, itemsize, owned):
+    """Seconds of one optimizer step on `owned` elements: measured per element (--calibrate, hsgd's optimizer),
+    else the bytes it moves at the memory bandwidth, else 0 (not modelled)."""
+    if impl == "hsgd" and optimizer in hw.measured_optimizer:
+        return owned * hw.measured_optimizer[optimizer]
+    if not hw.memory_bandwidth:
+        return 0.0
+    per = OPTIMIZER_BYTES["megatron"] if impl == "megatron" else HSGD_OPTIMIZER_ELEMENTS[optimizer] * itemsize
+    return owned * per / hw.memory_bandwidth
+
+
 def rate_of(hw, dtype, efficiency):
     """Matmul FLOP/s per device: what --calibrate measured, else peak x efficiency."""
     if dtype in hw.measured_matmul:
@@ -159,6 +175,7 @@ def evaluate(cfg, batch, lay, hw, impl="megatron", dtype="bfloat16", efficiency=
             raise ConfigError("--impl hsgd has no memory formula for the interleaved and zero-bubble schedules "
                               "(hsgd.step_memory walks one chunk per stage with fused backwards)")
         counts = {s: p["bytes"] for s, p in plans.items()}
+        owned = max(p["exchange"].owned_numel() for p in plans.values())
         shapes = {s: (len(p["stage"].layers), p["stage"].first, p["stage"].last) for s, p in plans.items()}
     else:
         tc = SimpleNamespace(tp_scheme=lay.tp_scheme, recompute=lay.recompute, cp_scheme=lay.cp_scheme,
@@ -166,18 +183,20 @@ def evaluate(cfg, batch, lay, hw, impl="megatron", dtype="bfloat16", efficiency=
                              dp_staleness=lay.dp_staleness, hierarchical=lay.hierarchical,
                              ranks_per_node=lay.ranks_per_node, pp_split=None, virtual_stages=lay.v,
                              schedule=lay.schedule)
-        mems, counts, shapes = {}, {}, {}
+        mems, counts, shapes, owned = {}, {}, {}, 0
         for s in stages:
             st = PlannedStage(cfg, tc, lay.pp, s)
             numel = st.group_numel(cfg, lay.tp, lay.tp_scheme)
             ex = sized_exchange(tc, numel, lay.itemsize, lay.dp * lay.cp)
             counts[s] = rank_bytes(cfg, tc, lay.dp, lay.tp, lay.cp, st, ex)
+            owned = max(owned, ex.owned_numel())
             held = peak_formula(st.kind, lay.m, lay.pp, s, lay.v)            # (micro-batch, chunk) pairs in flight
             mems[s] = stage_memory(cfg, lay, sum(numel.values()), len(st.layers), held, st.last)
             shapes[s] = (len(st.layers), st.first, st.last)
     full = max(mems, key=lambda s: sum(mems[s].values())) if mems else None
     rate = rate_of(hw, dtype, efficiency)
-    t = step_time(cfg, lay, [(*shapes[s], counts[s]) for s in stages], hw, rate, explain, simulated)
+    t = step_time(cfg, lay, [(*shapes[s], counts[s]) for s in stages], hw, rate, explain, simulated,
+                  optimizer_seconds(hw, impl, optimizer, lay.itemsize, owned))
     if explain and full is not None:
         t.terms[:0] = memory_terms(cfg, lay, impl, mems[full], full, plans[full]["memory"]["at"]
                                    if impl == "hsgd" else None)
