@@ -50,6 +50,8 @@ $(BENCH_STAMP): $(STAMP)
 bench: $(BENCH_STAMP)
 	$(RUN) python benchmarks/bench_serial.py
 	$(RUN) python benchmarks/bench.py
+	$(RUN) python benchmarks/plan_narayanan.py
+	$(RUN) OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 mpirun -n $(NP) python benchmarks/plan_this_machine.py
 
 # The GPU path, on a machine with a GPU and CuPy (pip install -e '.[gpu]'); installs nothing itself.
 gpu-check:

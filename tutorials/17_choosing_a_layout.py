@@ -295,7 +295,7 @@ check("the jump 8 -> 16 = the bandwidth terms' ratio, within the latency terms",
 worst_bubble = 0.0
 for (tp, pp), s in grid.items():
     if pp > 1 and L % pp == 0:
-        busy = s["total"] - s["parts"]["pp bubble"] - s["parts"]["dp"]           # m (F + B + W) of a stage
+        busy = s["total"] - s["parts"]["pp bubble"] - s["parts"]["dp"] - s["parts"]["optimizer"]   # m (F + B + W)
         worst_bubble = max(worst_bubble, rel(s["parts"]["pp bubble"] / busy, (pp - 1) / s["m"]))
 check("pp bubble / busy time = (p - 1) / (v m), 1F1B (v = 1), the simulator", worst_bubble, 1e-9)
 say(f"{'pp':>3} {'m':>4} {'(p-1)/m':>8} {'bubble':>8} {'messages':>9} {'dp':>8}   (tp = 8)")
@@ -409,8 +409,8 @@ pictures.on_rank0(world, draw)
 # plan of each rank's stage must equal the trainer's formulas and the bytes `CommStats` records in a step, exactly.
 # The planner's predicted step time for this machine (`hsgd/plan/hw/this-machine.toml`, measured by `python -m
 # hsgd.plan --calibrate`) is printed next to the measured one, not checked: a 2-core machine shared by 8 ranks is
-# a poor clock, and the model leaves out the per-call overheads of Python and MPI, which are most of a step of a
-# model this small.
+# a poor clock, and one step of a model this small is mostly the per-block cost that calibration measures on
+# another shape (`block_overhead`: Python and NumPy's small arrays) and the MPI calls' latency.
 
 # %%
 SMALL = ModelConfig(vocab_size=61, seq_len=16, d_model=32, n_heads=8, n_layers=8, d_ff=64)
@@ -448,7 +448,9 @@ for dp, pp, tp, m in ((2, 2, 2, 2), (1, 4, 2, 4)):
 
 # %% [markdown]
 # A benchmark script, `benchmarks/plan_this_machine.py`, does the last two columns properly for all ten
-# factorizations of 8 ranks (several steps, medians), beside the planner's predictions.
+# factorizations of 8 ranks (several steps, medians, on a larger model), beside the planner's predictions, and
+# reports the error of each, the rank correlation and whether the planner's best is among the two fastest
+# measured (its table: `benchmarks/results/plan_this_machine.md`, and the README).
 #
 # ### (b) Narayanan et al. 2021, Table 1, predicted
 #
@@ -457,7 +459,7 @@ for dp, pp, tp, m in ((2, 2, 2, 2), (1, 4, 2, 4)):
 # (Megatron's scheme, full recomputation, no sequence parallelism and no ZeRO, 1F1B or interleaved, b from 1 to 8)
 # with one number fitted, the matmuls' fraction of the A100's 312 TFLOP/s peak, on the 145.6 B row; every other row
 # is a prediction. For each row it also ranks every (t, p) the model allows, each at its best micro-batch and
-# schedule, and says where the paper's choice falls. Rank 0 prices the table alone (about 6 s of this chapter).
+# schedule, and says where the paper's choice falls. Rank 0 prices the table alone (about a second).
 
 # %%
 eff, rows = pictures.on_rank0(world, lambda: table1_validation(fit="145.6"), share=True)

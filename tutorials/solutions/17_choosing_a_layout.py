@@ -83,7 +83,7 @@ def exercise_3(check):
         m = per_replica // b
         e = evaluate(cfg, 2304, Layout(dp=24, pp=p, tp=8, m=m, b=b, tp_scheme="sequence", recompute="selective"), HW)
         parts = e.time.parts()
-        busy = e.time.total - parts["pp bubble"] - parts["dp"]
+        busy = e.time.total - parts["pp bubble"] - parts["dp"] - parts["optimizer"]
         worst = max(worst, rel(parts["pp bubble"] / busy, (p - 1) / m))
         rows[b] = (e.time.total, parts, e.fits, sum(e.memory.values()))
         check.say(f"  b {b} m {m:>3}: step {e.time.total:6.2f} s, compute {parts['compute']:.2f}, tp {parts['tp']:.2f},"
