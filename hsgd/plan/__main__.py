@@ -70,15 +70,30 @@ def parse_model(text):
         raise PlanError(f"--model {text!r}: {e}") from None
 
 
-def int_list(name):
+def int_list(name, low=1, high=None):
+    """argparse type: integers separated by commas, each in [low, high]."""
     def parse(text):
         try:
             vals = [int(x) for x in text.split(",")]
         except ValueError:
             raise argparse.ArgumentTypeError(f"{name} takes integers separated by commas, e.g. 1,2,4,8") from None
-        if any(v < 0 for v in vals):
-            raise argparse.ArgumentTypeError(f"{name} takes non-negative integers")
+        bad = [v for v in vals if v < low or (high is not None and v > high)]
+        if bad:
+            allowed = f"from {low} to {high}" if high is not None else f"of at least {low}"
+            raise argparse.ArgumentTypeError(f"{name} {bad[0]}: give integers {allowed}")
         return vals
+    return parse
+
+
+def positive(name):
+    def parse(text):
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} takes an integer, e.g. 8") from None
+        if v < 1:
+            raise argparse.ArgumentTypeError(f"{name} {v}: give an integer of at least 1")
+        return v
     return parse
 
 
@@ -99,8 +114,8 @@ def build_parser():
     ap.add_argument("--model", default="hsgd-default",
                     help="a preset (below) or sizes L=..,C=..,NH=..[,F=..,V=..,T=..] (F = 4C, V = 256, T = 64 "
                          "unless given); default hsgd-default")
-    ap.add_argument("--batch", type=int, default=None, help="global batch in sequences (default: 32)")
-    ap.add_argument("--devices", type=int, default=8, help="devices (ranks) in all; default 8")
+    ap.add_argument("--batch", type=positive("--batch"), default=32, help="global batch in sequences (default 32)")
+    ap.add_argument("--devices", type=positive("--devices"), default=8, help="devices (ranks) in all; default 8")
     ap.add_argument("--hw", default="a100-80g", help="a shipped hardware name or a TOML file (default a100-80g)")
     ap.add_argument("--impl", choices=("megatron", "hsgd"), default="megatron",
                     help="megatron: a mixed-precision run with Adam, memory from the published formulas (default); "
@@ -114,7 +129,7 @@ def build_parser():
     g.add_argument("--tp", type=int_list("--tp"), help="e.g. 1,2,4,8")
     g.add_argument("--pp", type=int_list("--pp"))
     g.add_argument("--cp", type=int_list("--cp"), help="default 1 (no context parallelism)")
-    g.add_argument("--zero", type=int_list("--zero"), help="ZeRO stages, e.g. 0,1")
+    g.add_argument("--zero", type=int_list("--zero", 0, 3), help="ZeRO stages, e.g. 0,1")
     g.add_argument("--recompute", type=choice_list("--recompute", ("none", "selective", "full")))
     g.add_argument("--sp", choices=("yes", "no", "both"), default="both", help="sequence parallelism")
     g.add_argument("--micro-batch", type=int_list("--micro-batch"), help="sequences per micro-batch, e.g. 1,2,4")
@@ -124,7 +139,7 @@ def build_parser():
     g.add_argument("--hierarchical", action="store_true",
                    help="also try the hierarchical exchange (within the node, then across: hsgd.hier)")
     o = ap.add_argument_group("output")
-    o.add_argument("--top", type=int, default=5, help="how many layouts to print (default 5)")
+    o.add_argument("--top", type=positive("--top"), default=5, help="how many layouts to print (default 5)")
     o.add_argument("--explain", action="store_true", help="every term of the printed layouts as its formula")
     o.add_argument("--json", metavar="FILE", help="write every fitting layout's numbers as JSON")
     c = ap.add_argument_group("calibration (under mpirun)")
@@ -182,9 +197,7 @@ def plan(args, say=print):
     cfg = parse_model(args.model)
     hw = load(args.hw)
     dtype = args.dtype or ("float32" if args.impl == "hsgd" else "bfloat16")
-    batch = args.batch or 32
-    if args.devices < 1 or batch < 1:
-        raise PlanError(f"--devices {args.devices} and --batch {batch} must be positive")
+    batch = args.batch
     if args.efficiency is not None and not 0 < args.efficiency <= 1:
         raise PlanError(f"--efficiency {args.efficiency} must be in (0, 1], e.g. 0.5")
     if args.json:
@@ -207,9 +220,11 @@ def plan(args, say=print):
         if dropped else ""))
     if not found:
         if not tried:
+            cp = (f", seq_len={cfg.seq_len} divide by 2 cp (and by tp cp with sequence parallelism)"
+                  if args.cp and max(args.cp) > 1 else "")
             raise PlanError(f"no layout of {args.devices} devices splits this model and batch {batch}: tp must "
-                            f"divide n_heads={cfg.n_heads} and d_ff={cfg.d_ff}, dp the batch, pp <= L={cfg.n_layers};"
-                            " change --devices or --batch, or widen --tp/--pp")
+                            f"divide n_heads={cfg.n_heads} and d_ff={cfg.d_ff}, dp the batch, pp <= L={cfg.n_layers}"
+                            f"{cp}; change --devices or --batch, or widen --tp/--pp" + ("/--cp" if cp else ""))
         raise PlanError(f"nothing fits in {gb(hw.memory_bytes)} per device ({tried} layouts tried): use more "
                         "devices, a smaller --batch or --micro-batch 1, or allow --zero 1,2,3 and --recompute full")
     from .search import evaluate                       # the printed ones priced again, with the simulator

@@ -20,7 +20,7 @@ Every function returns seconds; with `why` (a list) it appends ("term", "formula
    A tuned MPI picks per size; the model takes the cheapest of the algorithms above. A hardware file measured
    by --calibrate has its own alpha and beta per collective and group size, used in place of these.
 2. Links. Ranks are placed as hsgd.grid places them (tp fastest, then cp, pp, dp), devices_per_node to a node. A
-   group whose ranks span k consecutive ranks is inside a node when k <= devices_per_node: tp spans tp, cp spans
+   group whose ranks span k consecutive ranks is inside a node when k divides devices_per_node: tp spans tp, cp spans
    cp tp, pp spans pp cp tp, dp (dp x cp ranks) the whole world; the hierarchical exchange's node part spans its
    ranks_per_node dp ranks. Otherwise the group crosses the network, whose per-device link is the bottleneck of a
    ring.
@@ -127,13 +127,14 @@ def group_sizes(lay):
 
 
 def group_links(lay, hw):
-    """{communicator: the Link it crosses}: inside a node when its ranks span at most devices_per_node."""
+    """{communicator: the Link it crosses}: inside a node when its ranks span at most devices_per_node and the span
+    divides it (the groups then align with the nodes; otherwise some group crosses, and all wait for it)."""
     D, inner = hw.devices_per_node, lay.cp * lay.tp
     span = {"tp": lay.tp, "cp": inner, "pp": lay.pp * inner, "dp": lay.dp * lay.pp * inner}
     if lay.hierarchical:
         span["dp-node"] = lay.ranks_per_node * lay.pp * inner
         span["dp-cross"] = span["dp"]
-    return {c: hw.intra if k <= D else hw.inter for c, k in span.items()}
+    return {c: hw.intra if k <= D and D % k == 0 else hw.inter for c, k in span.items()}   # (aligned to nodes)
 
 
 # ---------------------------------------------------------------------------------------------- 3. compute
@@ -206,9 +207,9 @@ def step_time(cfg, lay, stages, hw, rate, explain=False, simulated=True, optimiz
     why = [] if explain else None
     sizes, links, m, p, v = group_sizes(lay), group_links(lay, hw), lay.m, lay.pp, lay.v
     worst = None
-    for n_blocks, first, last, counts in stages:
-        fl, bl, wl = micro_batch_flops(cfg, lay.b, lay.tp, lay.cp, n_blocks, last, lay.recompute,
-                                       why if worst is None else None)
+    for s, (n_blocks, first, last, counts) in enumerate(stages):
+        mine = [] if explain else None                    # this stage's --explain lines (the slowest one's are kept)
+        fl, bl, wl = micro_batch_flops(cfg, lay.b, lay.tp, lay.cp, n_blocks, last, lay.recompute, mine)
         t = traffic(counts, sizes, links, hw)
         tp_mb = t.get("tp", 0.0) / m
         fwd = make_scheme(lay.tp_scheme).block_forward_formula(cfg, lay.b, counts_itemsize(lay), lay.cp)
@@ -219,10 +220,14 @@ def step_time(cfg, lay, stages, hw, rate, explain=False, simulated=True, optimiz
         att = n_blocks * 4 * lay.b * (cfg.seq_len ** 2 if lay.cp == 1 else attention_blocks(cfg.seq_len, lay.cp, 0)) \
             * cfg.d_model / lay.tp / rate
         cp_exposed = max(0.0, cp_mb - 3 * att) if lay.cp_scheme == "ring" else cp_mb   # ring: hidden behind scores
-        msg = 0.0
-        if p > 1:
+        msg_f = msg_b = 0.0                               # per micro-batch: the activations its forwards receive
+        if p > 1:                                          # (v - first), the gradients its backwards (v - last)
             calls, nbytes = counts.get(("pp", "Recv"), (0, 0))
-            msg = collective("Recv", nbytes / calls, 2, links["pp"], hw) if calls else 0.0
+            one = collective("Recv", nbytes / calls, 2, links["pp"], hw) if calls else 0.0
+            msg_f, msg_b = (v - first) * one, (v - last) * one
+            note(mine, "pp", f"a message of {nbytes / max(calls, 1):.4g} B over the {links['pp'].name} link "
+                             f"{fmt_s(one)}; per micro-batch {v - first} received by the forwards, {v - last} by the "
+                             f"backwards")
         gather = 0.0
         if lay.zero == 3:
             calls, nbytes = counts.get((shard_name(lay), "Allgather"), (0, 0))
@@ -241,13 +246,24 @@ def step_time(cfg, lay, stages, hw, rate, explain=False, simulated=True, optimiz
         ew_f, ew_b = 2 * ew, (4 + 2 * (lay.recompute == "full")) * ew
         over = n_blocks * hw.block_overhead / 2                           # per block and micro-batch: half F, half B
         ew_f, ew_b = ew_f + over, ew_b + over
-        f = fl / rate + ew_f + tp_f + cp_exposed / 3 + msg + gather
-        b = bl / rate + ew_b + (tp_mb - tp_f) + 2 * cp_exposed / 3 + msg + gather + rs
+        note(mine, "elementwise", f"{n_blocks} blocks x (2 forward + {4 + 2 * (lay.recompute == 'full')} backward) x "
+                                  f"{hw.elementwise_passes:.3g} passes x the stored activations / the memory bandwidth "
+                                  f"+ {n_blocks} x block_overhead {fmt_s(hw.block_overhead)} = {fmt_s(ew_f + ew_b)} "
+                                  "per micro-batch")
+        note(mine, "tp", f"per micro-batch {fmt_s(tp_mb)}: the blocks' forward collectives {fmt_s(tp_f)} in F, "
+                         f"the rest in B")
+        f = fl / rate + ew_f + tp_f + cp_exposed / 3 + msg_f + gather
+        b = bl / rate + ew_b + (tp_mb - tp_f) + 2 * cp_exposed / 3 + msg_b + gather + rs
         w = wl / rate
-        parts = dict(compute=(fl + bl + wl) / rate, ew=ew_f + ew_b, tp=tp_mb, cp=cp_exposed,
-                     msg=2 * msg if p > 1 else 0.0, gather=2 * gather, rs=rs, f=f, b=b, w=w, counts=counts)
+        parts = dict(compute=(fl + bl + wl) / rate, ew=ew_f + ew_b, tp=tp_mb, cp=cp_exposed, msg=msg_f + msg_b,
+                     gather=2 * gather, rs=rs, f=f, b=b, w=w, counts=counts, stage=s, why=mine)
         if worst is None or f + b + w > worst["f"] + worst["b"] + worst["w"]:
             worst = parts
+    if why is not None:
+        n_blocks, first, last, _ = stages[worst["stage"]]
+        why.append(("stage", f"the slowest stage, whose costs every stage is priced at: {n_blocks} blocks"
+                             + (", the embedding" if first else "") + (", the head" if last else "")))
+        why.extend(worst["why"])
     kind = effective(lay.schedule, p, v)
     span = makespan(kind, m, p, v, worst["f"] / v, worst["b"] / v, worst["w"] / v, simulated)
     busy = m * (worst["f"] + worst["b"] + worst["w"])

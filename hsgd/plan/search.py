@@ -101,7 +101,8 @@ def layouts(cfg, batch, n, space):
                     if (batch // dp) % b:
                         continue
                     m = batch // dp // b
-                    for sched in (space.get("schedule") or (["1f1b", "interleaved"] if pp > 1 else ["1f1b"])):
+                    scheds = space.get("schedule") or ["1f1b", "interleaved"]
+                    for sched in (scheds if pp > 1 else ["1f1b"]):            # (one stage: every schedule alike)
                         for v in ((space.get("v") or [2]) if sched == "interleaved" else [1]):
                             if v > 1 and (pp == 1 or pp * v > cfg.n_layers or m % pp):
                                 continue
