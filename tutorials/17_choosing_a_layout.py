@@ -207,21 +207,22 @@ check(f"activations of stage 0 = L x 34 T b C / t, any p ({n_acts} layouts)", wo
 fitting = sorted(c for c, s in grid.items() if s["fits"])
 smallest_pp = {tp: min((pp for t, pp in fitting if t == tp), default=None) for tp in TPS}
 say(f"the smallest pp that fits, per tp: {smallest_pp}")
-check.holds("tp 8: pp 4 does not fit (its activations), pp 8 does", not grid[8, 4]["fits"] and grid[8, 8]["fits"])
+check.holds("tp 8: pp 4 does not fit, pp 8 does", not grid[8, 4]["fits"] and grid[8, 8]["fits"])
 
 # %% [markdown]
-# Read down a column: at t = 1 no pipeline of up to 32 stages fits, because stage 0's activations alone, $L \cdot 34
-# T b C$, are 685 GB whatever p is. Read along a row: the model states fall as 1/p, the activations of stage 0 do
-# not, and at t = 8 four stages still leave 83 GB (46 of them activations); eight fit. Only t divides stage 0's
-# activations, so memory alone already says: tensor parallelism first. How far it should go is the time's business.
+# Read down a column: at t = 1 no pipeline of up to 32 stages fits: stage 0's activations alone, $L \cdot 34 T b C$,
+# are 68 GB whatever p is, and even at p = 32 the model states are 97 GB. Read along a row: the model states fall as
+# 1/p, the activations of stage 0 do not, and at t = 8 four stages still leave 83 GB (74 of them model states, 8.6
+# activations that no p divides); eight fit. Only t divides stage 0's activations, so memory alone already says: tensor
+# parallelism first. How far it should go is the time's business.
 
 # %% [markdown]
 # ## 3. Time: the terms of a step, and the rules of thumb derived
 #
-# `hsgd.plan.costs.step_time` adds, for the slowest stage: its matmuls at the rate (peak x efficiency: 312 x 0.5
-# TFLOP/s here), its elementwise work at the memory bandwidth, its tensor-parallel collectives (all exposed: hsgd
-# does not overlap them), the pipeline's bubble (from the schedule simulator) and point-to-point messages, and the
-# data-parallel exchange once per step, after the pipeline.
+# `hsgd.plan.costs.step_time` adds, for the slowest stage: its matmuls at the rate (peak x efficiency: 312 x 0.633
+# TFLOP/s here, the efficiency fitted on Table 1 in section 5), its elementwise work at the memory bandwidth, its
+# tensor-parallel collectives (all exposed: hsgd does not overlap them), the pipeline's bubble (from the schedule
+# simulator) and point-to-point messages, and the data-parallel exchange once per step, after the pipeline.
 
 # %%
 PARTS = ("compute", "elementwise", "tp", "pp bubble", "pp transfer", "dp")
@@ -311,7 +312,7 @@ check.holds(f"with N fixed, (p - 1)/m = (p-1)/p x N b/(B t) < N b/(B t) = {bound
 # With N devices fixed, more stages mean fewer replicas and so more micro-batches per replica: $m = Btp/(Nb)$, and
 # the bubble's share $(p-1)/m = \frac{p-1}{p}\cdot\frac{Nb}{Bt}$ never exceeds $Nb/(Bt)$ = 8.3% here. A message
 # between stages is one activation, $bTCs$ = 50 MB, sent once per micro-batch and direction instead of 4 per
-# layer: 0.05 s of the step at p = 8. What bounds pipeline parallelism is not its price but its preconditions:
+# layer: 0.025 s of the step at p = 8. What bounds pipeline parallelism is not its price but its preconditions:
 # enough micro-batches (m >= p), layers that split evenly (at p = 32, some of the 80 layers' stages have 3 blocks
 # where the average is 2.5, and the compute term grows by that 20%), and its activations: stage 0 keeps p
 # micro-batches in flight. Hence **pp until the model fits**, and no further.
