@@ -13,17 +13,25 @@ except ImportError:                                  # Python < 3.11
     import tomli as tomllib
 
 
+def load_toml(path, what, error):
+    """The table in the TOML file at `path`, or error(...) naming `what` ("config file", "hardware file") when it is
+    not a regular file (hsgd.preflight.regular_file), not UTF-8 text, or not TOML."""
+    regular_file(path, what, error)                              # exists; not a folder, FIFO or device
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except UnicodeDecodeError:
+        raise error(f"{what} {path!r} is not UTF-8 text, which TOML requires") from None
+    except tomllib.TOMLDecodeError as e:
+        raise error(f"{what} {path!r} cannot be read: it is not valid TOML ({e})") from None
+    except OSError as e:
+        raise error(f"{what} {path!r} cannot be read: {e}") from None
+
+
 def read_toml(path):
     """The settings in a TOML file, checked against the known keys and their types."""
     from .settings import TrainConfig                            # (settings imports this module)
-    regular_file(path, "config file", ConfigError)              # exists; not a folder, FIFO or device
-    try:
-        with open(path, "rb") as f:
-            table = tomllib.load(f)
-    except UnicodeDecodeError:
-        raise ConfigError(f"config file {path!r} is not UTF-8 text, which TOML requires") from None
-    except (OSError, tomllib.TOMLDecodeError) as e:
-        raise ConfigError(f"config file {path!r} cannot be read: {e}") from None
+    table = load_toml(path, "config file", ConfigError)
     if "grad_accum" in table:
         raise ConfigError(f"config file {path!r}: grad_accum is now micro_batches (micro-batches per DP group and "
                           "step); rename the key")

@@ -35,6 +35,8 @@ from hsgd.plan.paper import activation_bytes, hsgd_params_as_paper, paper_params
 from hsgd.plan.search import Layout, evaluate, layouts, search
 from hsgd.timelines import peak_formula
 
+from .test_plan_hardware import GOOD
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))       # the repository root, for the CLI
 
 # a model that splits over tp up to 8 and pp up to 8 (V % tp != 0 on purpose, as in tests/mpi/test_plan_layout.py)
@@ -307,18 +309,7 @@ def cli(*args):
     return r.returncode, r.stdout, r.stderr
 
 
-HW_MISSING_KEY = """\
-name = "test box"
-devices_per_node = 8
-[peak_flops]
-bfloat16 = 312e12
-[intra_node]
-bandwidth = 300e9
-latency = 2e-6
-[inter_node]
-bandwidth = 25e9
-latency = 5e-6
-"""
+HW_MISSING_KEY = GOOD.replace("memory_bytes = 80e9\n", "")           # a good file without its memory
 
 # (flags, words the one error line must contain: what is wrong and what would work); "{tmp}" is tmp_path
 USAGE_ERRORS = [

@@ -67,17 +67,12 @@ def matmul_rate(world, dtype, n, k, trials):
     rng = np.random.default_rng(world.Get_rank())
     a, b = rng.standard_normal((2, n, n)).astype(dtype)       # (n, n) each
     c = np.empty((n, n), dtype)
-    times = np.empty(trials)
+
+    def k_matmuls(_):
+        for _ in range(k):
+            np.matmul(a, b, out=c)
     with threadpool_limits(1):
-        np.matmul(a, b, out=c)                                 # warm-up: page in, pick the kernel
-        for i in range(trials):
-            world.Barrier()                                    # all ranks start together, so all are busy
-            t0 = time.perf_counter()
-            for _ in range(k):
-                np.matmul(a, b, out=c)
-            times[i] = (time.perf_counter() - t0) / k
-    world.Allreduce(MPI.IN_PLACE, times, op=MPI.MAX)           # (trials,) the slowest rank of each trial
-    return 2 * n ** 3 / float(np.median(times))
+        return 2 * n ** 3 / (time_call(world, k_matmuls, trials) / k)
 
 
 def memory_bandwidth(world, nbytes, k, trials):
@@ -86,16 +81,11 @@ def memory_bandwidth(world, nbytes, k, trials):
     rng = np.random.default_rng(world.Get_rank())
     a, b = rng.standard_normal((2, max(1, nbytes // 8)))      # (n,) each, float64
     c = np.empty_like(a)
-    times = np.empty(trials)
-    np.add(a, b, out=c)                                        # warm-up: page in c
-    for i in range(trials):
-        world.Barrier()                                        # all ranks start together, so all are busy
-        t0 = time.perf_counter()
+
+    def k_adds(_):
         for _ in range(k):
             np.add(a, b, out=c)
-        times[i] = (time.perf_counter() - t0) / k
-    world.Allreduce(MPI.IN_PLACE, times, op=MPI.MAX)           # (trials,) the slowest rank of each trial
-    return 3 * a.nbytes / float(np.median(times))
+    return 3 * a.nbytes / (time_call(world, k_adds, trials) / k)
 
 
 def buffers(op, nbytes, p):
@@ -212,15 +202,7 @@ def optimizer_cost(world, name, n, trials):
     p, g = rng.standard_normal((2, n)).astype(np.float32)
     decay = {"flat": np.ones(n, np.float32)}
     opt = make_optimizer(name, 1e-3, momentum=0.9, weight_decay=0.1)
-    opt.step({"flat": p}, {"flat": g}, decay=decay)            # warm-up: the state is made
-    times = np.empty(trials)
-    for i in range(trials):
-        world.Barrier()
-        t0 = time.perf_counter()
-        opt.step({"flat": p}, {"flat": g}, decay=decay)
-        times[i] = time.perf_counter() - t0
-    world.Allreduce(MPI.IN_PLACE, times, op=MPI.MAX)
-    return float(np.median(times)) / n
+    return time_call(world, lambda _: opt.step({"flat": p}, {"flat": g}, decay=decay), trials) / n
 
 
 # the reference block of block_cost: not a model the planner is checked on (benchmarks/plan_this_machine.py uses
@@ -254,21 +236,49 @@ def block_cost(world, rate, bandwidth, trials, batches=(1, 2, 4, 8)):
                 cfg = ModelConfig(n_layers=L, **BLOCK)
                 params = tp_model.init_params(cfg, comm, seed=0, dtype="float32")
                 idx, targets = corpus.batch(0, 1, b)
-                tp_model.loss_and_grads(params, idx, targets, cfg, comm)          # warm-up
-                times = np.empty(trials)
-                for i in range(trials):
-                    world.Barrier()
-                    t0 = time.perf_counter()
-                    tp_model.loss_and_grads(params, idx, targets, cfg, comm)
-                    times[i] = time.perf_counter() - t0
-                world.Allreduce(MPI.IN_PLACE, times, op=MPI.MAX)
-                t[L] = float(np.median(times))
+                t[L] = time_call(world, lambda _: tp_model.loss_and_grads(params, idx, targets, cfg, comm), trials)
             cfg = ModelConfig(n_layers=1, **BLOCK)
             flops = sum(micro_batch_flops(cfg, b, 1, 1, 1, False, "none"))
             rest.append((t[3] - t[1]) / 2 - flops / rate)
             bytes_.append(6 * activation_bytes(cfg, b, 1, False, "none") * 4 / 2 / bandwidth)   # float32: 4 bytes
     (passes, overhead) = np.polyfit(bytes_, rest, 1)
     return max(float(passes), 1e-3), max(float(overhead), 1e-9)
+
+
+def file_notes(size, quick, sizes, reps):
+    """The comment lines at the top of the written file: what each number is and how it was measured."""
+    return [f"Measured by hsgd.plan.calibrate ({'quick' if quick else 'full'}): {size} ranks, one BLAS thread each.",
+            "[peak_flops], [measured_matmul]: FLOP/s per rank of a 256 x 256 matmul with all ranks multiplying",
+            "at once (the min over ranks); bfloat16 and float16 are emulated on float32 arrays (hsgd.precision),",
+            "so their matmuls run at the float32 rate. A CPU has no datasheet peak here: the measured rate is it.",
+            f"memory_bandwidth: bytes/s per rank of c[:] = a + b on float64 arrays of {STREAM_BYTES >> 20} MiB",
+            "(3 x the array's bytes per pass), all ranks adding at once; the median over trials, slowest rank.",
+            "elementwise_passes, block_overhead: one Transformer block's forward and backward (hsgd.tp_model,",
+            "float32, C = 96, T = 48) less its matmuls at the measured rate, fitted over b = 1, 2, 4, 8 sequences",
+            "to block_overhead + elementwise_passes x 6 x (its stored activation bytes) / memory_bandwidth.",
+            "[measured_optimizer]: seconds per element of one hsgd.optim step on a flat float32 array.",
+            "[measured.OP.p]: t(n bytes) = alpha + beta * n seconds, fitted to the median time (max over ranks)",
+            f"of {len(sizes)} float64 sizes from {sizes[0]} B to {sizes[-1]} B, {reps} repetitions each,",
+            f"{size} // p groups of p consecutive ranks calling at once; n as",
+            "hsgd's CommStats counts it (Allreduce, Reduce_scatter_block: the whole array; Allgather: the whole",
+            "received array; Sendrecv: the message)."]
+
+
+def write_file(hw, out_path, notes, per_node):
+    """Write hw as TOML at out_path, whole or not at all; None, or the one-line error."""
+    comments = {"memory_bytes": f"MemTotal of /proc/meminfo / {per_node} ranks",
+                "memory_bandwidth": "bytes/s per rank of c = a + b, all ranks busy",
+                "devices_per_node": "the MPI ranks on this node",
+                "intra_node": "the measured Sendrecv between 2 ranks (shared memory)",
+                "inter_node": "the same numbers: there is no network, every rank is on this one node"}
+    try:
+        tmp = f"{out_path}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.write(to_toml(hw, notes, comments))
+        os.replace(tmp, out_path)                             # whole or not at all
+    except OSError as e:
+        return f"calibration output {str(out_path)!r} cannot be written ({e.strerror}); choose another path"
+    return None
 
 
 def calibrate(world, out_path, quick=False, say=print, command=None):
@@ -321,34 +331,7 @@ def calibrate(world, out_path, quick=False, say=print, command=None):
                       intra=Link(**link, name="intra-node"), inter=Link(**link, name="inter-node"),
                       memory_bandwidth=bandwidth, measured=measured, measured_matmul=rates, source=str(out_path),
                       elementwise_passes=passes, block_overhead=overhead, measured_optimizer=optimizer)
-        notes = [f"Measured by hsgd.plan.calibrate ({'quick' if quick else 'full'}): {size} ranks, one BLAS thread "
-                 "each.",
-                 "[peak_flops], [measured_matmul]: FLOP/s per rank of a 256 x 256 matmul with all ranks multiplying",
-                 "at once (the min over ranks); bfloat16 and float16 are emulated on float32 arrays (hsgd.precision),",
-                 "so their matmuls run at the float32 rate. A CPU has no datasheet peak here: the measured rate is it.",
-                 f"memory_bandwidth: bytes/s per rank of c[:] = a + b on float64 arrays of {STREAM_BYTES >> 20} MiB",
-                 "(3 x the array's bytes per pass), all ranks adding at once; the median over trials, slowest rank.",
-                 "elementwise_passes, block_overhead: one Transformer block's forward and backward (hsgd.tp_model,",
-                 "float32, C = 96, T = 48) less its matmuls at the measured rate, fitted over b = 1, 2, 4, 8 sequences",
-                 "to block_overhead + elementwise_passes x 6 x (its stored activation bytes) / memory_bandwidth.",
-                 "[measured_optimizer]: seconds per element of one hsgd.optim step on a flat float32 array.",
-                 "[measured.OP.p]: t(n bytes) = alpha + beta * n seconds, fitted to the median time (max over ranks)",
-                 f"of {len(sizes)} float64 sizes from {sizes[0]} B to {sizes[-1]} B, {reps} repetitions each,",
-                 f"{size} // p groups of p consecutive ranks calling at once; n as",
-                 "hsgd's CommStats counts it (Allreduce, Reduce_scatter_block: the whole array; Allgather: the whole",
-                 "received array; Sendrecv: the message)."]
-        comments = {"memory_bytes": f"MemTotal of /proc/meminfo / {per_node} ranks",
-                    "memory_bandwidth": "bytes/s per rank of c = a + b, all ranks busy",
-                    "devices_per_node": "the MPI ranks on this node",
-                    "intra_node": "the measured Sendrecv between 2 ranks (shared memory)",
-                    "inter_node": "the same numbers: there is no network, every rank is on this one node"}
-        try:
-            tmp = f"{out_path}.tmp{os.getpid()}"
-            with open(tmp, "w") as f:
-                f.write(to_toml(hw, notes, comments))
-            os.replace(tmp, out_path)                         # whole or not at all
-        except OSError as e:
-            error = f"calibration output {str(out_path)!r} cannot be written ({e.strerror}); choose another path"
+        error = write_file(hw, out_path, file_notes(size, quick, sizes, reps), per_node)
         say(summary(hw))
         if not error:
             say(f"calibrate: wrote {out_path}")

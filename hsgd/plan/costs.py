@@ -200,65 +200,73 @@ class StepTime:
                 "cp": self.cp, "dp": self.dp, "zero-3 gather": self.zero_gather, "optimizer": self.optimizer}
 
 
+def stage_costs(cfg, lay, n_blocks, first, last, counts, hw, rate, sizes, links, mine=None):
+    """One micro-batch on one rank of a stage: {"f", "b", "w": the seconds of its forward, backward and weight
+    gradients as the pipeline schedules them (compute, elementwise, exposed tp, cp and ZeRO-3 gathers, the messages
+    received), and their parts "compute", "ew", "tp", "cp", "msg", "gather", "rs"}; mine: its --explain lines."""
+    m, p, v = lay.m, lay.pp, lay.v
+    fl, bl, wl = micro_batch_flops(cfg, lay.b, lay.tp, lay.cp, n_blocks, last, lay.recompute, mine)
+    t = traffic(counts, sizes, links, hw)
+    tp_mb = t.get("tp", 0.0) / m
+    fwd = make_scheme(lay.tp_scheme).block_forward_formula(cfg, lay.b, lay.itemsize, lay.cp)
+    tp_f = sum(n_blocks * c * collective(op, nb / max(c, 1), lay.tp, links["tp"], hw)
+               for (_, op), (c, nb) in fwd.items()) if lay.tp > 1 else 0.0
+    tp_f = min(tp_f, tp_mb)
+    cp_mb = t.get("cp", 0.0) / m
+    att = n_blocks * 4 * lay.b * (cfg.seq_len ** 2 if lay.cp == 1 else attention_blocks(cfg.seq_len, lay.cp, 0)) \
+        * cfg.d_model / lay.tp / rate
+    cp_exposed = max(0.0, cp_mb - 3 * att) if lay.cp_scheme == "ring" else cp_mb   # ring: hidden behind scores
+    msg_f = msg_b = 0.0                               # per micro-batch: the activations its forwards receive
+    if p > 1:                                          # (v - first), the gradients its backwards (v - last)
+        calls, nbytes = counts.get(("pp", "Recv"), (0, 0))
+        one = collective("Recv", nbytes / calls, 2, links["pp"], hw) if calls else 0.0
+        msg_f, msg_b = (v - first) * one, (v - last) * one
+        note(mine, "pp", f"a message of {nbytes / max(calls, 1):.4g} B over the {links['pp'].name} link "
+                         f"{fmt_s(one)}; per micro-batch {v - first} received by the forwards, {v - last} by the "
+                         f"backwards")
+    gather = 0.0
+    if lay.zero == 3:
+        calls, nbytes = counts.get((shard_name(lay), "Allgather"), (0, 0))
+        gather = calls * collective("Allgather", nbytes / max(calls, 1), shard_size(lay), links[shard_name(lay)],
+                                    hw) / (2 * m) if calls else 0.0
+    rs = 0.0
+    if lay.zero >= 2:                                  # each micro-batch's reduce-scatters, behind its backward
+        calls, nbytes = counts.get((shard_name(lay), "Ireduce_scatter_block"), (0, 0))
+        per_mb = calls * collective("Reduce_scatter_block", nbytes / max(calls, 1), shard_size(lay),
+                                    links[shard_name(lay)], hw) / m if calls else 0.0
+        rs = max(per_mb * lay.m / max(calls, 1), per_mb - (bl + wl) / rate)
+    ew = 0.0
+    if hw.memory_bandwidth:
+        act = activation_bytes(cfg, lay.b, lay.tp, lay.tp_scheme == "sequence", "none", lay.cp) * lay.itemsize / 2
+        ew = n_blocks * act * hw.elementwise_passes / hw.memory_bandwidth   # a write and a read per activation
+    ew_f, ew_b = 2 * ew, (4 + 2 * (lay.recompute == "full")) * ew
+    over = n_blocks * hw.block_overhead / 2                           # per block and micro-batch: half F, half B
+    ew_f, ew_b = ew_f + over, ew_b + over
+    note(mine, "elementwise", f"{n_blocks} blocks x (2 forward + {4 + 2 * (lay.recompute == 'full')} backward) x "
+                              f"{hw.elementwise_passes:.3g} passes x the stored activations / the memory bandwidth "
+                              f"+ {n_blocks} x block_overhead {fmt_s(hw.block_overhead)} = {fmt_s(ew_f + ew_b)} "
+                              "per micro-batch")
+    note(mine, "tp", f"per micro-batch {fmt_s(tp_mb)}: the blocks' forward collectives {fmt_s(tp_f)} in F, "
+                     f"the rest in B")
+    f = fl / rate + ew_f + tp_f + cp_exposed / 3 + msg_f + gather
+    b = bl / rate + ew_b + (tp_mb - tp_f) + 2 * cp_exposed / 3 + msg_b + gather + rs
+    w = wl / rate
+    return dict(compute=(fl + bl + wl) / rate, ew=ew_f + ew_b, tp=tp_mb, cp=cp_exposed, msg=msg_f + msg_b,
+                gather=2 * gather, rs=rs, f=f, b=b, w=w, counts=counts)
+
+
 def step_time(cfg, lay, stages, hw, rate, explain=False, simulated=True, optimizer_s=0.0):
     """StepTime of layout `lay` (.dp .pp .cp .tp .v .b .m .schedule .recompute .tp_scheme .zero .dp_overlap
     .dp_staleness .hierarchical .ranks_per_node .cp_scheme) whose stages are [(n_blocks, first, last, bytes of one
     step on that stage's rank)], on hardware hw with matmul rate `rate` FLOP/s (see the module docstring)."""
     why = [] if explain else None
     sizes, links, m, p, v = group_sizes(lay), group_links(lay, hw), lay.m, lay.pp, lay.v
-    worst = None
+    priced = []
     for s, (n_blocks, first, last, counts) in enumerate(stages):
         mine = [] if explain else None                    # this stage's --explain lines (the slowest one's are kept)
-        fl, bl, wl = micro_batch_flops(cfg, lay.b, lay.tp, lay.cp, n_blocks, last, lay.recompute, mine)
-        t = traffic(counts, sizes, links, hw)
-        tp_mb = t.get("tp", 0.0) / m
-        fwd = make_scheme(lay.tp_scheme).block_forward_formula(cfg, lay.b, counts_itemsize(lay), lay.cp)
-        tp_f = sum(n_blocks * c * collective(op, nb / max(c, 1), lay.tp, links["tp"], hw)
-                   for (_, op), (c, nb) in fwd.items()) if lay.tp > 1 else 0.0
-        tp_f = min(tp_f, tp_mb)
-        cp_mb = t.get("cp", 0.0) / m
-        att = n_blocks * 4 * lay.b * (cfg.seq_len ** 2 if lay.cp == 1 else attention_blocks(cfg.seq_len, lay.cp, 0)) \
-            * cfg.d_model / lay.tp / rate
-        cp_exposed = max(0.0, cp_mb - 3 * att) if lay.cp_scheme == "ring" else cp_mb   # ring: hidden behind scores
-        msg_f = msg_b = 0.0                               # per micro-batch: the activations its forwards receive
-        if p > 1:                                          # (v - first), the gradients its backwards (v - last)
-            calls, nbytes = counts.get(("pp", "Recv"), (0, 0))
-            one = collective("Recv", nbytes / calls, 2, links["pp"], hw) if calls else 0.0
-            msg_f, msg_b = (v - first) * one, (v - last) * one
-            note(mine, "pp", f"a message of {nbytes / max(calls, 1):.4g} B over the {links['pp'].name} link "
-                             f"{fmt_s(one)}; per micro-batch {v - first} received by the forwards, {v - last} by the "
-                             f"backwards")
-        gather = 0.0
-        if lay.zero == 3:
-            calls, nbytes = counts.get((shard_name(lay), "Allgather"), (0, 0))
-            gather = calls * collective("Allgather", nbytes / max(calls, 1), shard_size(lay), links[shard_name(lay)],
-                                        hw) / (2 * m) if calls else 0.0
-        rs = 0.0
-        if lay.zero >= 2:                                  # each micro-batch's reduce-scatters, behind its backward
-            calls, nbytes = counts.get((shard_name(lay), "Ireduce_scatter_block"), (0, 0))
-            per_mb = calls * collective("Reduce_scatter_block", nbytes / max(calls, 1), shard_size(lay),
-                                        links[shard_name(lay)], hw) / m if calls else 0.0
-            rs = max(per_mb * lay.m / max(calls, 1), per_mb - (bl + wl) / rate)
-        ew = 0.0
-        if hw.memory_bandwidth:
-            act = activation_bytes(cfg, lay.b, lay.tp, lay.tp_scheme == "sequence", "none", lay.cp) * lay.itemsize / 2
-            ew = n_blocks * act * hw.elementwise_passes / hw.memory_bandwidth   # a write and a read per activation
-        ew_f, ew_b = 2 * ew, (4 + 2 * (lay.recompute == "full")) * ew
-        over = n_blocks * hw.block_overhead / 2                           # per block and micro-batch: half F, half B
-        ew_f, ew_b = ew_f + over, ew_b + over
-        note(mine, "elementwise", f"{n_blocks} blocks x (2 forward + {4 + 2 * (lay.recompute == 'full')} backward) x "
-                                  f"{hw.elementwise_passes:.3g} passes x the stored activations / the memory bandwidth "
-                                  f"+ {n_blocks} x block_overhead {fmt_s(hw.block_overhead)} = {fmt_s(ew_f + ew_b)} "
-                                  "per micro-batch")
-        note(mine, "tp", f"per micro-batch {fmt_s(tp_mb)}: the blocks' forward collectives {fmt_s(tp_f)} in F, "
-                         f"the rest in B")
-        f = fl / rate + ew_f + tp_f + cp_exposed / 3 + msg_f + gather
-        b = bl / rate + ew_b + (tp_mb - tp_f) + 2 * cp_exposed / 3 + msg_b + gather + rs
-        w = wl / rate
-        parts = dict(compute=(fl + bl + wl) / rate, ew=ew_f + ew_b, tp=tp_mb, cp=cp_exposed, msg=msg_f + msg_b,
-                     gather=2 * gather, rs=rs, f=f, b=b, w=w, counts=counts, stage=s, why=mine)
-        if worst is None or f + b + w > worst["f"] + worst["b"] + worst["w"]:
-            worst = parts
+        priced.append(dict(stage_costs(cfg, lay, n_blocks, first, last, counts, hw, rate, sizes, links, mine),
+                           stage=s, why=mine))
+    worst = max(priced, key=lambda c: c["f"] + c["b"] + c["w"])      # (the first of equals)
     if why is not None:
         n_blocks, first, last, _ = stages[worst["stage"]]
         why.append(("stage", f"the slowest stage, whose costs every stage is priced at: {n_blocks} blocks"
@@ -280,10 +288,6 @@ def step_time(cfg, lay, stages, hw, rate, explain=False, simulated=True, optimiz
     if explain:
         traffic(worst["counts"], sizes, links, hw, why)
     return st
-
-
-def counts_itemsize(lay):
-    return lay.itemsize
 
 
 def shard_name(lay):

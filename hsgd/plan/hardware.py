@@ -38,13 +38,8 @@ import math
 import os
 from dataclasses import dataclass, field
 
+from ..config_file import load_toml, tomllib  # noqa: F401  (tomllib: for tests that parse the shipped files)
 from ..errors import UsageError
-from ..preflight import regular_file
-
-try:
-    import tomllib
-except ImportError:                                  # Python < 3.11
-    import tomli as tomllib
 
 HW_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hw")   # the shipped files
 DTYPES = ("float64", "float32", "bfloat16", "float16")
@@ -139,15 +134,7 @@ def load(path_or_name):
     if not os.path.lexists(path):
         raise HardwareError(f"hardware file {path!r} does not exist; give an existing TOML file or one of the shipped "
                             f"names: {', '.join(names())}")
-    regular_file(path, "hardware file", HardwareError)          # not a folder, FIFO or device
-    try:
-        with open(path, "rb") as f:
-            table = tomllib.load(f)
-    except UnicodeDecodeError:
-        raise HardwareError(f"hardware file {path!r} is not UTF-8 text, which TOML requires") from None
-    except (OSError, tomllib.TOMLDecodeError) as e:
-        raise HardwareError(f"hardware file {path!r} is not valid TOML: {e}") from None
-    return from_table(table, path)
+    return from_table(load_toml(path, "hardware file", HardwareError), path)
 
 
 def from_table(t, path="<table>"):
