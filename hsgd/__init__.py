@@ -53,6 +53,7 @@ of the algorithm:
     hsgd.flags              the command lines made from those dataclasses, and reading them (and --config) back
     hsgd.train              mpirun -n 8 python -m hsgd.train --help: setup, loop, summary
     hsgd.progress           progress lines and the --log-json records;  hsgd.faults: --inject-fault
+    hsgd.watch              the points of a step where something besides training acts (faults, --dump-step)
     hsgd.report             what rank 0 prints at the end;  hsgd.trace, hsgd.plots: a trace, loss curves, timelines
     hsgd.checkpoint         distributed checkpoints: shards per position, manifest, checksums, atomic, resharding
     hsgd.launch             fail fast: usage errors reported once, exceptions abort the whole job (hsgd.errors)

@@ -6,14 +6,16 @@
     nan            a NaN in this rank's gradient after the exchange (--on-nan decides: stop or skip the update)
     diverge        after the step, one parameter of this replica alone moves (--check-replicas finds it)
 
-Each kind acts at one point of the training loop (hsgd.train); outside those points the loop does not know faults
-exist.
+Each kind acts at one point of the training loop (hsgd.train's step watchers: before the step, after the
+gradients, after the step); outside those points the loop does not know faults exist.
 """
 import os
 import signal
 
+from .watch import StepWatcher
 
-class Faults:
+
+class Faults(StepWatcher):
     def __init__(self, text, rank):
         """text: the --inject-fault value or None; rank: this process's world rank."""
         parts = text.split(":") if text else None
@@ -24,13 +26,13 @@ class Faults:
     def now(self, step, kind):
         return self.mine and step == self.step and self.kind == kind
 
-    def before_step(self, step):
+    def before_step(self, step, trainer=None, batch=None):
         if self.now(step, "raise"):
             raise RuntimeError(f"fault injected on rank {self.rank} at step {step} (--inject-fault)")
         if self.now(step, "kill"):
             os.kill(os.getpid(), signal.SIGKILL)                    # no cleanup, no message: a dead rank
 
-    def after_gradients(self, trainer, step):
+    def after_gradients(self, trainer, step, loss=None):
         if self.now(step, "nan"):
             trainer.exchange.checked()[0] = float("nan")            # what the step's non-finite check sees
 

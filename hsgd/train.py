@@ -132,6 +132,7 @@ class Run:
     wall: float = 0.0               # seconds in the training loop
     probe: object = None            # --memory: an hsgd.memtrace.MemoryProbe, tracing until the measured step
     memory: dict = None             # --memory: the probe's result for the measured step
+    watchers: list = None           # what acts at the points of each step (step_watchers)
 
 
 def setup(cfg, tc, world, out, threads):
@@ -165,17 +166,17 @@ def loop(run):
     """The training loop: one synchronous SGD step after the other, and what happens at intervals."""
     tc, grid, trainer = run.tc, run.grid, run.trainer
     first = min(run.start + 1, tc.steps)                                   # traced: 3 steps after the first
-    faults, run.traced = Faults(tc.inject_fault, run.world.Get_rank()), (first, min(first + 2, tc.steps))
+    run.watchers, run.traced = step_watchers(tc, run.world.Get_rank()), (first, min(first + 2, tc.steps))
     run.measured_step, t0 = min(run.start + 1, tc.steps), time.perf_counter()
     run.pinned = sum(st.allocated for st in staging_pools(grid, trainer))   # (a resume past the last step: no step)
     with StopRequest() as stop, Watchdog(tc.step_timeout, run.world) as dog:   # SIGTERM, SIGINT; --step-timeout
         for step in range(run.start, tc.steps + 1):
             dog.started(step)
-            info = one_step(run, step, faults)
+            info = one_step(run, step)
             stopping = stop.agreed(run.world)                              # one Allreduce, timed with the step
             dog.done()
             run.progress.step(step, info)
-            saved = at_intervals(run, step, faults, dog)
+            saved = at_intervals(run, step, dog)
             if stopping:                                                   # every rank stops here
                 stop_after_signal(run, step, stop.signum_agreed, saved)
     trainer.finish()
@@ -184,18 +185,27 @@ def loop(run):
         run.tracer.enabled = False                                         # the final validation is not traced
 
 
-def one_step(run, step, faults):
-    """Step `step` (the lecture's steps 1-4) with its fault injection; records the traffic of the measured step."""
+def step_watchers(tc, rank):
+    """What acts at the points of a step besides the training itself (hsgd.watch.StepWatcher), in order:
+    --inject-fault (hsgd.faults)."""
+    return [Faults(tc.inject_fault, rank)]
+
+
+def one_step(run, step):
+    """Step `step` (the lecture's steps 1-4) with its watchers (step_watchers); records the traffic of the
+    measured step."""
     tc, grid, trainer, tracer = run.tc, run.grid, run.trainer, run.tracer
-    faults.before_step(step)
     idx, targets = run.corpus.batch(tc.seed, step, tc.batch_size)          # the global batch, on every rank
+    for w in run.watchers:
+        w.before_step(step, trainer, (idx, targets))
     before = grid.stats.counts()
     if tracer:
         tracer.enabled = run.traced[0] <= step <= run.traced[1]
 
     def steps_1_to_4():
         loss = trainer.gradients(idx, targets)                             # the lecture's steps 1-3
-        faults.after_gradients(trainer, step)
+        for w in run.watchers:
+            w.after_gradients(trainer, step, loss)
         return trainer.update(loss, step)                                  # step 4
 
     measure = run.probe is not None and step == run.measured_step         # --memory: this step, sampled
@@ -204,7 +214,8 @@ def one_step(run, step, faults):
     if measure:
         run.memory = run.probe.result()
         run.probe.stop()                                                   # the rest of the run untraced
-    faults.after_step(trainer, step)
+    for w in run.watchers:
+        w.after_step(trainer, step)
     if step == run.start:
         run.pinned = sum(st.allocated for st in staging_pools(grid, trainer))
     if step == run.measured_step:
@@ -229,7 +240,7 @@ def stop_after_signal(run, step, signum, saved):
     raise Stopped(f"{name} after step {step}; checkpoint {path}; continue with --resume auto")
 
 
-def at_intervals(run, step, faults, dog):
+def at_intervals(run, step, dog):
     """--check-replicas, checkpoints (--save-interval and after the last step), validation (--eval-interval).
     Returns the path of the checkpoint written, or None."""
     tc, trainer, path = run.tc, run.trainer, None
@@ -240,8 +251,8 @@ def at_intervals(run, step, faults, dog):
             run.say(f"checkpoint after step {step} not written: the step's values were not finite (--on-nan skip)")
         else:
             try:
-                path = checkpoint.save(trainer, step, tc.save_dir, tc.keep, kill_in_save=faults.in_save(step),
-                                       identity=run.identity)
+                cut = any(w.in_save(step) for w in run.watchers)
+                path = checkpoint.save(trainer, step, tc.save_dir, tc.keep, kill_in_save=cut, identity=run.identity)
                 run.say(f"checkpoint after step {step}: {path}")
             except CheckpointError as e:        # a full disk: every rank got it; retry at the next interval
                 if step == tc.steps:
