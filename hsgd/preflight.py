@@ -90,6 +90,8 @@ def check_run(tc, error):
         writable_file(tc.log_json, "--log-json file", error)
     if tc.save_dir:
         writable_dir(tc.save_dir, "--save-dir", error)
+    if tc.dump_step:
+        writable_dir(tc.dump_step[1], "--dump-step folder", error)
     if tc.sample_bytes:
         try:
             tc.prompt.encode("utf-8")

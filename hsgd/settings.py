@@ -183,12 +183,17 @@ class Output:
     trace: str = flag(None, "write a Chrome/Perfetto trace of every rank (compute phases and collectives) to FILE",
                       metavar="FILE.json")
     plot: str = flag(None, "write PNG plots to DIR: loss curves and a per-rank timeline of one step", metavar="DIR")
+    dump_step: list = flag(None, "write step N as a crosscheck dump into DIR (the parameters before it, its batch, "
+                                 "its loss and every rank's gradient shards; hsgd/crosscheck/FORMAT.md), then go "
+                                 "on; check it with python -m hsgd.crosscheck DIR", nargs=2, metavar=("N", "DIR"))
 
     def check_output(self):
         check_positive_int("eval_batches", self.eval_batches)
         check_positive_int("log_interval", self.log_interval)
         check_nonnegative_int("eval_interval", self.eval_interval)
         check_nonnegative_int("sample_bytes", self.sample_bytes)
+        if self.dump_step is not None:
+            self.dump_step = dump_step_value(self.dump_step)
 
 
 @dataclass
@@ -319,6 +324,9 @@ class Experiments:
 
     def check_targets(self, world_size, steps):
         """The ranks and steps named by --straggler and --inject-fault exist (else they would be silently ignored)."""
+        if self.dump_step is not None and not 1 <= self.dump_step[0] <= steps:
+            raise ConfigError(f"dump_step: step {self.dump_step[0]} is not a step of the run (1..{steps}); give "
+                              f"--dump-step N DIR with N from 1 to --steps")
         for name, value in (("straggler", self.straggler), ("inject_fault", self.inject_fault)):
             if value is None:
                 continue
@@ -346,6 +354,19 @@ class TrainConfig(Layout, Optimization, Data, Output, Checkpoints, Exchange, Mem
         self.check_exchange()
         self.check_memory_settings()
         self.check_experiments()
+        if self.dump_step is not None and self.dp_staleness:
+            raise ConfigError("--dump-step writes a step's own averaged gradient, which --dp-staleness 1 applies a "
+                              "step later and never holds at the end of its step; dump a run with --dp-staleness 0")
         if self.dp_staleness and (self.save_dir or self.resume):
             raise ConfigError("checkpoints do not hold the gradient in flight of --dp-staleness 1; run it without "
                               "--save-dir / --resume")
+
+
+def dump_step_value(value):
+    """[N, DIR] from --dump-step's two strings or a TOML list: N a step >= 1, DIR a path; ConfigError otherwise."""
+    ok = isinstance(value, (list, tuple)) and len(value) == 2 and str(value[0]).isascii() and \
+        str(value[0]).isdigit() and int(value[0]) >= 1 and isinstance(value[1], str) and value[1]
+    if not ok:
+        raise ConfigError(f"dump_step={value!r} must be a step and a folder, e.g. --dump-step 1 dump "
+                          f"(TOML: dump_step = [1, \"dump\"])")
+    return [int(value[0]), value[1]]

@@ -166,7 +166,8 @@ def loop(run):
     """The training loop: one synchronous SGD step after the other, and what happens at intervals."""
     tc, grid, trainer = run.tc, run.grid, run.trainer
     first = min(run.start + 1, tc.steps)                                   # traced: 3 steps after the first
-    run.watchers, run.traced = step_watchers(tc, run.world.Get_rank()), (first, min(first + 2, tc.steps))
+    run.watchers = step_watchers(run.cfg, tc, run.world.Get_rank(), run.say)
+    run.traced = (first, min(first + 2, tc.steps))
     run.measured_step, t0 = min(run.start + 1, tc.steps), time.perf_counter()
     run.pinned = sum(st.allocated for st in staging_pools(grid, trainer))   # (a resume past the last step: no step)
     with StopRequest() as stop, Watchdog(tc.step_timeout, run.world) as dog:   # SIGTERM, SIGINT; --step-timeout
@@ -185,10 +186,11 @@ def loop(run):
         run.tracer.enabled = False                                         # the final validation is not traced
 
 
-def step_watchers(tc, rank):
+def step_watchers(cfg, tc, rank, say):
     """What acts at the points of a step besides the training itself (hsgd.watch.StepWatcher), in order:
-    --inject-fault (hsgd.faults)."""
-    return [Faults(tc.inject_fault, rank)]
+    --inject-fault (hsgd.faults), --dump-step (hsgd.crosscheck.hsgd_dump)."""
+    from .crosscheck.hsgd_dump import DumpStep
+    return [Faults(tc.inject_fault, rank)] + ([DumpStep(*tc.dump_step, cfg, tc, say)] if tc.dump_step else [])
 
 
 def one_step(run, step):

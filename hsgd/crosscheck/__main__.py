@@ -1,0 +1,249 @@
+"""python -m hsgd.crosscheck DIR: check a dump of one training step (any system's; hsgd/crosscheck/FORMAT.md)
+against hsgd's serial reference in float64, and name the kind of bug each wrong gradient shows.
+
+    1. read and check the dump (hsgd.crosscheck.dump; exit 2 with one line when it does not fit together)
+    2. the reference: hsgd.serial.loss_and_grads in float64 on the dump's parameters and batch
+    3. every tensor's gradient reassembled from its shards, one copy per replica, and mapped to the reference's
+       parameters (a transpose, a fused q|k|v cut apart)
+    4. per parameter hsgd.verify's table: the largest error of any copy, relative to the reference's largest
+       entry of that parameter (or to 1e-3 of the model's largest, when that is larger), and the tolerance
+    5. every parameter over its tolerance classified (hsgd.crosscheck.classify): constant factor, partial sum,
+       padding, permutation, transposed, missing, not finite, or no simple pattern
+
+Tolerances by the dump's dtype: float64 loss 1e-10 and gradients 1e-10 (hsgd.verify's, the loss a little wider
+since another system sums in another order); float32 1e-6 and 1e-4; bfloat16 and float16 the rounding band of the
+tolerance oracle (hsgd.oracle): the serial model run in float64 with every rounding of the format at hsgd's
+rounding points replaced by a random error as large as a rounding's, --draws times; the band of a parameter is
+4 x the rms spread of the draws + 4 sqrt(B T) u_float32, in the oracle's Frobenius-relative distance. That band
+models hsgd's rounding points, not the other system's: a system that rounds more often than hsgd does can exceed
+it without a bug; look at the class ("no simple pattern" then) before calling it one.
+
+Exit code 0 when the loss and every gradient are within tolerance, 1 otherwise, 2 for a dump that cannot be
+checked.
+"""
+import argparse
+import json
+import sys
+
+import numpy as np
+
+from .. import serial
+from ..errors import EXIT_USAGE, UsageError
+from ..precision import LOW, unit_roundoff
+from .classify import classify, factor_names
+from .dump import load
+
+TOLERANCE = {"float64": (1e-10, 1e-10), "float32": (1e-6, 1e-4)}        # (loss, gradients), relative
+FLOOR = 1e-3              # a parameter's error is relative to at least FLOOR x the model's largest gradient entry
+STRUCTURE = {"float64": 1e-8, "float32": 1e-4}       # classify: equal up to this relative distance
+LAMBDA = 4.0
+
+
+def build_parser():
+    p = argparse.ArgumentParser(
+        prog="python -m hsgd.crosscheck",
+        description="Check one training step's distributed gradients, dumped by any system (hsgd.train "
+                    "--dump-step N DIR, or another system's writer of hsgd/crosscheck/FORMAT.md), against hsgd's "
+                    "serial model in float64: a table of every parameter's largest error, and for each one over "
+                    "its tolerance the kind of bug it shows (a constant factor named by the layout's sizes, a "
+                    "partial sum, padding that takes part, a permutation of heads or rows, ...). Exit 0: all "
+                    "within tolerance; 1: some are not; 2: the dump cannot be checked.",
+        epilog="Example: mpirun -n 8 python -m hsgd.train --steps 1 --dump-step 1 dump && "
+               "python -m hsgd.crosscheck dump")
+    p.add_argument("dump", metavar="DIR", help="the dump's folder (layout.json, params.npz, batch.npz, "
+                                               "grads-rank{r}.npz)")
+    p.add_argument("--json", metavar="FILE", help="also write the verdict, one object per parameter, to FILE")
+    p.add_argument("--draws", type=int, default=3, help="bfloat16 and float16 dumps: runs of the rounding-error "
+                                                        "model that set the band (default: 3)")
+    return p
+
+
+def copies_of(t, grads):
+    """([the full stored gradient of tensor t as replica k holds it], [which ranks replica k came from], [the
+    padding entries' arrays]): replica k takes, for every slice, the k-th shard holding it (cycling where a slice
+    has fewer)."""
+    by_slice, pads, copies, labels = {}, [], [], []
+    for s in t.shards:
+        real, pad = s.split(grads[s.rank][s.key].astype(np.float64))
+        pads.append(pad)
+        if s.axis is None:
+            copies.append(real)
+            labels.append(str(s.rank))
+        else:
+            by_slice.setdefault((s.offset, s.length), []).append((s, real))
+    if by_slice:
+        n = max(len(v) for v in by_slice.values())
+        for k in range(n):
+            full, ranks = np.zeros(t.shape), []
+            for held in by_slice.values():
+                s, real = held[k % len(held)]
+                full[s.where(len(t.shape))] = real
+                ranks.append(str(s.rank))
+            copies.append(full)
+            labels.append("+".join(ranks))
+    return copies, labels, pads
+
+
+def describe(t):
+    """The split column: how the tensor's gradient is held."""
+    split = sorted({(s.offset, s.length) for s in t.shards if s.axis is not None})
+    axis = next((s.axis for s in t.shards if s.axis is not None), None)
+    holders = len(t.shards) // max(1, len(split)) if split else len(t.shards)
+    text = f"axis {axis} / {len(split)}" if split else "whole"
+    if holders > 1:
+        text += f", x{holders}"
+    if any(s.padding for s in t.shards):
+        text += " +pad"
+    if len(t.parts) > 1:
+        text += f", fused {t.interleave}"
+    if t.transposed:
+        text += ", T"
+    return text
+
+
+def rounding_band(dump, params, ref, draws):
+    """{name: band, "loss": band}: the tolerance oracle's band for the dump's low-precision dtype (see the module
+    docstring), from `draws` runs of hsgd's one-rank model in float64 through hsgd.oracle.Perturbed."""
+    from mpi4py import MPI
+
+    from ..grid import ProcessGrid
+    from ..hybrid import HybridTrainer
+    from ..oracle import Perturbed, differences, spread
+    from ..settings import TrainConfig
+    B = dump.idx.shape[0]
+    tc = TrainConfig(dp=1, tp=1, pp=1, cp=1, batch_size=B, dtype="float64", micro_batches=1)
+    runs = []
+    for d in range(draws):
+        grid = ProcessGrid(MPI.COMM_SELF, dp=1, pp=1, tp=1, cp=1)
+        trainer = HybridTrainer(dump.cfg, grid, tc)
+        try:
+            trainer.exchange.set_params(params)
+            trainer.stage.use(Perturbed(dump.dtype, "float32", salt=d + 1))
+            loss = float(trainer.gradients(dump.idx, dump.targets))
+            g = {k: np.array(v, dtype=np.float64) for k, v in trainer.averaged_grads().items()}
+            g["loss"] = np.array(loss)
+            runs.append(g)
+        finally:
+            trainer.finish()
+            trainer.free()
+            grid.free()
+    allowance = LAMBDA * (dump.idx.size ** 0.5) * unit_roundoff("float32")
+    var = spread(runs, ref)
+    return {k: LAMBDA * float(np.sqrt(v)) + allowance for k, v in var.items()}, differences
+
+
+def check(dump, draws=3):
+    """The verdict: (ok, loss row, rows) with rows [dict per reference parameter]."""
+    params = dump.reference_params()
+    loss0, grads0 = serial.loss_and_grads(params, dump.idx, dump.targets, dump.cfg)
+    low = dump.dtype in LOW
+    tol_loss, tol_grad = TOLERANCE.get(dump.dtype, (None, None))
+    floor = FLOOR * max(float(np.abs(g).max()) for g in grads0.values())
+    floor2 = FLOOR * max(float(np.linalg.norm(g)) for g in grads0.values())
+    band = None
+    if low:
+        ref = dict(grads0, loss=np.array(loss0))
+        band, _ = rounding_band(dump, params, ref, draws)
+        tol_loss = band["loss"]
+    p = dump.parallel
+    names = factor_names(p, dump.idx.size)
+    hs = dump.cfg.d_model // dump.cfg.n_heads
+    loss_err = abs(dump.loss - loss0) / abs(loss0) if np.isfinite(dump.loss) else float("inf")
+    loss_row = {"system": dump.loss, "reference": loss0, "error": loss_err, "tolerance": tol_loss,
+                "ok": loss_err <= tol_loss}
+    rows = {}
+    for t in dump.tensors.values():
+        copies, labels, pads = copies_of(t, dump.grads)
+        mapped = [t.to_reference(c) for c in copies]
+        for name in t.parts:
+            R = grads0[name]
+            mine = [m[name] for m in mapped]
+            abs_err = max(float(np.abs(c - R).max()) for c in mine)
+            if low:
+                err = max(float(np.linalg.norm(c - R)) for c in mine) / max(float(np.linalg.norm(R)), floor2)
+                tol = band[name]
+            else:
+                err = abs_err / max(float(np.abs(R).max()), floor)
+                tol = tol_grad
+            if not np.isfinite(err):
+                err = float("inf")
+            pad = max((float(np.abs(a).max()) for a in pads if a.size), default=0.0)
+            ok = err <= tol and pad <= (tol if not low else tol * float(np.abs(R).max()))
+            row = {"name": name, "shape": list(R.shape), "tensor": t.name, "split": describe(t),
+                   "abs_error": abs_err, "error": err, "tolerance": tol, "ok": bool(ok), "class": "", "detail": ""}
+            if not ok:
+                structure = STRUCTURE.get(dump.dtype, None) or 2 * tol
+                if low:                                      # the band is relative to max(||R||, floor2)
+                    structure = 2 * tol * max(float(np.linalg.norm(R)), floor2) / max(float(np.linalg.norm(R)),
+                                                                                       1e-300)
+                row["class"], row["detail"] = classify(name, mine, R, pads, structure, names, hs, labels)
+            rows[name] = row
+    ordered = [rows[n] for n in dump.cfg.param_shapes()]
+    ok = loss_row["ok"] and all(r["ok"] for r in ordered)
+    return ok, loss_row, ordered
+
+
+def report(dump, ok, loss_row, rows, out=None):
+    """The table and the verdict, on `out` (default: standard output)."""
+    out = out or sys.stdout
+    low = dump.dtype in LOW
+    metric = "rel. distance" if low else "max rel err"
+    print(f"hsgd.crosscheck | {dump.path} | {dump.meta.get('system', '(system not named)')}", file=out)
+    p = dump.parallel
+    print(f"{dump.ranks} ranks: dp {p['dp']} x pp {p['pp']} x cp {p['cp']} x tp {p['tp']}, {p['micro_batches']} "
+          f"micro-batch(es) | {dump.dtype} | batch {dump.idx.shape[0]} x {dump.idx.shape[1]} | reference: "
+          f"hsgd.serial in float64", file=out)
+    flag = "" if loss_row["ok"] else "   <- over tolerance"
+    print(f"loss: system {loss_row['system']:.12g}  reference {loss_row['reference']:.12g}  rel err "
+          f"{loss_row['error']:.1e} (tolerance {loss_row['tolerance']:.1e}){flag}", file=out)
+    print(f"{'parameter':<22}{'shape':>11}  {'split':<22}{'max abs err':>12}{metric:>14}{'tolerance':>10}  verdict",
+          file=out)
+    for r in rows:
+        verdict = "ok" if r["ok"] else r["class"]
+        print(f"{r['name']:<22}{str(tuple(r['shape'])):>11}  {r['split']:<22}{r['abs_error']:>12.1e}"
+              f"{r['error']:>14.1e}{r['tolerance']:>10.0e}  {verdict}", file=out)
+    bad = [r for r in rows if not r["ok"]]
+    if bad:
+        print("", file=out)
+        print("what the failures look like:", file=out)
+        for r in bad:
+            print(f"  {r['name']}: {r['class']}: {r['detail']}", file=out)
+        kinds = {}
+        for r in bad:
+            kinds.setdefault(r["class"], []).append(r["name"])
+        summary = "; ".join(f"{k} ({len(v)})" for k, v in kinds.items())
+        print(f"FAIL: {len(bad)} of {len(rows)} parameters over tolerance: {summary}" +
+              ("" if loss_row["ok"] else "; and the loss differs: the forward pass itself (or the parameters, or "
+                                          "the batch written) is not the reference's"), file=out)
+    elif not loss_row["ok"]:
+        print("FAIL: every gradient is within tolerance, the loss is not: the loss the system reports is not the "
+              "mean over all B*T positions (or not of this batch)", file=out)
+    else:
+        worst = max(rows, key=lambda r: r["error"] / r["tolerance"])
+        print(f"PASS: the loss and all {len(rows)} gradients within tolerance (largest {worst['error']:.1e}, "
+              f"{worst['name']})", file=out)
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    try:
+        if args.draws < 2:
+            raise UsageError(f"--draws {args.draws}: the band needs at least 2 draws of the error model")
+        dump = load(args.dump)
+        ok, loss_row, rows = check(dump, args.draws)
+    except UsageError as e:
+        print(f"hsgd: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    report(dump, ok, loss_row, rows)
+    if args.json:
+        try:
+            with open(args.json, "w", encoding="utf-8") as f:
+                json.dump({"ok": ok, "loss": loss_row, "parameters": rows}, f, indent=1)
+        except OSError as e:
+            print(f"hsgd: error: --json {args.json}: {e.strerror}; give a writable file", file=sys.stderr)
+            return EXIT_USAGE
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,161 @@
+"""What kind of bug a wrong gradient shows. Each test compares the system's gradient G of one parameter (every
+replica of it) with the reference's R, and says what G is, if it is R changed in a simple way:
+
+    not finite       G holds inf or NaN
+    missing          G = 0 where R is not: the gradient never arrived
+    partial sum      the replicas differ, and their sum (or mean) over the k distinct copies is R: a reduction
+                     over k ranks is missing (a replicated parameter's partial gradients never added up)
+    padding          entries that stand for no real index (a vocabulary padded to divide by tp) carry gradient:
+                     the padding takes part in the loss
+    constant factor  G = c R; c is named by the layout's sizes when it is one of them, a product of two, or an
+                     inverse (tp, dp, pp, cp, micro-batches, tokens): a sum where a mean belongs, a 1/n missing
+                     (the simplest names that fit, all of them when two sizes are equal: choose layouts whose
+                     sizes differ to tell them apart)
+    permutation      G's blocks along one axis are R's in another order: heads (blocks of hs), rows or columns
+    transposed       G = R^T (a square weight stored the other way round)
+    no simple pattern   none of these: a bug in the arithmetic itself (or several at once)
+
+`match` decides equality up to `tol`, the relative distance ||a - b|| / ||b|| (Frobenius norms) that the dump's
+dtype allows (hsgd.crosscheck.__main__ sets it: float64 1e-10, float32 1e-4, the rounding band otherwise).
+"""
+import itertools
+
+import numpy as np
+
+
+def rel(a, b):
+    """||a - b|| / ||b|| (Frobenius; 0 when both are 0, inf when only b is)."""
+    nb = float(np.linalg.norm(b))
+    d = float(np.linalg.norm(a - b))
+    return d / nb if nb > 0 else (0.0 if d == 0 else float("inf"))
+
+
+def match(a, b, tol):
+    return a.shape == b.shape and rel(a, b) <= tol
+
+
+def factor_names(parallel, tokens):
+    """[(value, name, how many sizes)]: the sizes a wrong constant factor may be (the layout's, the batch's tokens
+    B T and a dp rank's B T / dp), products of two of them (a size squared: two layers that each miss it), and the
+    inverses of all."""
+    sizes = {"tp": parallel.get("tp", 1), "dp": parallel.get("dp", 1), "pp": parallel.get("pp", 1),
+             "cp": parallel.get("cp", 1), "micro-batches": parallel.get("micro_batches", 1),
+             "tokens": tokens, "tokens per dp rank": tokens / max(1, parallel.get("dp", 1))}
+    base = [(v, k) for k, v in sizes.items() if v > 1]
+    out = []
+    for v, k in base:
+        out.append((v, k, 1))
+    for (v1, k1), (v2, k2) in itertools.combinations_with_replacement(base, 2):
+        out.append((v1 * v2, f"{k1} x {k2}", 2))
+    both = out + [(1.0 / v, f"1/{k}" if " x " not in k else f"1/({k})", n) for v, k, n in out]
+    return both
+
+
+def name_factor(c, names, tol):
+    """The simplest names of c among factor_names (all that fit, simplest first), or []."""
+    fits = [(n, k) for v, k, n in names if abs(c / v - 1.0) <= max(tol, 1e-9) * 10]
+    fits.sort()
+    if not fits:
+        return []
+    best = fits[0][0]
+    return [k for n, k in fits if n == best]
+
+
+def distinct(copies, tol):
+    """The different values among the replicas: [(value, [indices])]."""
+    out = []
+    for i, a in enumerate(copies):
+        for value, held in out:
+            if match(a, value, tol) or (float(np.linalg.norm(value)) == 0 and float(np.linalg.norm(a)) == 0):
+                held.append(i)
+                break
+        else:
+            out.append((a, [i]))
+    return out
+
+
+def block_permutation(G, R, axis, block, tol):
+    """The order p with G's block i = R's block p[i] along `axis` (blocks of `block` entries), if G is R with its
+    blocks permuted (not the identity); else None."""
+    n = G.shape[axis]
+    if n % block or n // block < 2:
+        return None
+    k = n // block
+    g = np.moveaxis(G, axis, 0).reshape(k, -1)
+    r = np.moveaxis(R, axis, 0).reshape(k, -1)
+    scale = float(np.linalg.norm(R))
+    if scale == 0:
+        return None
+    d = np.sqrt(((g[:, None, :] - r[None, :, :]) ** 2).sum(axis=2)) / scale      # (k, k)
+    order = [int(j) for j in d.argmin(axis=1)]
+    if sorted(order) != list(range(k)) or order == list(range(k)):
+        return None
+    if max(d[i, order[i]] for i in range(k)) > tol:
+        return None
+    return order
+
+
+def axis_words(name, axis, hs):
+    """(what a block of hs entries along `axis` is: "heads" or None, and what one entry is: "rows" / "columns")."""
+    heads = None
+    if (any(f".attn.{m}.weight" in name for m in "qkv") and axis == 1) or \
+            (any(f".attn.{m}.bias" in name for m in "qkv") and axis == 0) or \
+            (name.endswith("attn.proj.weight") and axis == 0):
+        heads = "heads"
+    return heads, ("rows" if axis == 0 else "columns")
+
+
+def classify(name, copies, R, pads, tol, names, hs, labels=None):
+    """(class, detail) of one parameter whose gradient failed. copies: the assembled replicas of G (reference
+    orientation, at least one); R: the reference gradient; pads: the padding entries' values (arrays, may be
+    empty); tol: the relative distance that counts as equal; names: factor_names(...); hs: the head size;
+    labels: the ranks each copy came from ("3", or "0+1" for one assembled from the shards of ranks 0 and 1)."""
+    labels = labels or [str(i) for i in range(len(copies))]
+    if not all(np.isfinite(c).all() for c in copies):
+        return "not finite", "the gradient holds inf or NaN"
+    bad_pad = max((float(np.abs(p).max()) for p in pads if p.size), default=0.0)
+    scale = float(np.abs(R).max()) or 1.0
+    if bad_pad > tol * scale:
+        return "padding", (f"the padded entries carry gradient (largest {bad_pad:.2g}, {bad_pad / scale:.2g} of the "
+                           f"largest real entry): the padded vocabulary takes part in the loss")
+    groups = distinct(copies, tol)
+    if len(groups) > 1:
+        k = len(groups)
+        total = sum(v for v, _ in groups)
+        held = " | ".join(",".join(labels[i] for i in idx) for _, idx in groups)
+        if match(total, R, tol):
+            return "partial sum", (f"the replicas hold {k} different values (ranks {held}); their sum is the "
+                                   f"reference: a sum over {k} ranks is missing")
+        if match(total / k, R, tol):
+            return "partial sum", (f"the replicas hold {k} different values (ranks {held}); their mean is the "
+                                   f"reference: an average over {k} ranks is missing")
+        return "replicas differ", f"the replicas hold {k} different values (ranks {held}), none adds up to R"
+    G = copies[0]
+    nR = float(np.linalg.norm(R))
+    if float(np.linalg.norm(G)) == 0 and nR > 0:
+        return "missing", "the gradient is zero: it never arrived"
+    if nR > 0:
+        c = float((G * R).sum()) / nR ** 2
+        if match(G, c * R, tol) and abs(c - 1) > tol:
+            fit = name_factor(c, names, tol)
+            what = f"{c:.6g} x the reference"
+            if fit:
+                big = c > 1
+                n = fit[0][2:] if fit[0].startswith("1/") else fit[0]
+                n = n if " x " not in n or n.startswith("(") else f"({n})"
+                hint = (f"a sum over {n} where an average belongs, or a 1/{n} missing" if big else
+                        f"divided by {n} once too often, or an average over {n} where a sum belongs")
+                return "constant factor", f"{what} = {' or '.join(fit)}: {hint}"
+            return "constant factor", f"{what} (not a size of the layout)"
+    if G.ndim == 2 and G.shape[0] == G.shape[1] and match(G, R.T, tol):
+        return "transposed", "the gradient is the reference's transpose"
+    for axis in range(G.ndim):
+        heads, entry = axis_words(name, axis, hs)
+        for block, word in ((hs, heads), (1, entry)):
+            if word is None or block is None:
+                continue
+            order = block_permutation(G, R, axis, block, tol)
+            if order is not None:
+                return "permutation", (f"{word} along axis {axis} in another order: {order} (G's block i is R's "
+                                       f"order[i])")
+    return "no simple pattern", f"differs by {rel(G, R):.2g} (relative), in no pattern tried"

@@ -1,0 +1,104 @@
+"""hsgd.train --dump-step N DIR: step N of an hsgd run written as a crosscheck dump (FORMAT.md), by a step watcher.
+
+    before step N      the whole parameters (HybridTrainer.full_params: every stage's, tp-gathered; ZeRO-3's
+                       All-Gathered) and the global batch, kept on rank 0
+    after gradients    every rank's averaged gradient shards (HybridTrainer.averaged_grads: ZeRO's chunks
+                       All-Gathered; a float16 run's loss scale divided out), the global loss; each rank writes its
+                       grads-rank{r}.npz, rank 0 the layout from every rank's shard descriptions (gathered)
+
+hsgd stores weights (in, out) under the reference's names, so no tensor is transposed or fused. A shard is the
+tp split of its parameter (tp_shards: axis, rank tp_rank's equal part; the vocabulary's ceil(V/tp) rows with the
+padding past V in the last ranks), or the whole parameter (replicated, or tp = 1); the dp and cp ranks hold
+replicas, a pipeline stage its own layers. The run goes on unchanged after the dump.
+"""
+import numpy as np
+
+from .. import launch, tp_model
+from ..grid import ProcessGrid
+from ..hybrid import HybridTrainer
+from ..backend import to_numpy
+from ..tp_layers import vocab_range
+from ..watch import StepWatcher
+from .dump import shard_entry, write_layout, write_rank
+
+
+class DumpStep(StepWatcher):
+    def __init__(self, step, path, cfg, tc, say=print):
+        """Dump step `step` of the run (cfg, tc) into folder `path`; say: where rank 0 says it is done."""
+        self.step, self.path, self.cfg, self.tc, self.say = step, path, cfg, tc, say
+        self.params = self.batch = None
+
+    def before_step(self, step, trainer, batch):
+        if step == self.step:
+            self.params = trainer.full_params()                           # (collective: pickled, small models)
+            self.batch = batch
+
+    def after_gradients(self, trainer, step, loss):
+        if step != self.step:
+            return
+        grid, tc = trainer.grid, self.tc
+        world, rank = grid.world.comm, grid.world.rank                    # (the mpi4py communicator: pickled)
+        scale = trainer.stage.loss_scale or 1.0                           # float16: the gradients of S x loss
+        grads = {n: host(g) / scale for n, g in trainer.averaged_grads().items()}   # (collective with ZeRO)
+        loss = trainer.global_loss(float(to_numpy(loss)))                 # (collective)
+        mine = {n: shard_of(n, self.cfg, grid.tp_rank, grid.tp, tc.tp_scheme, rank) for n in grads}
+        everyone = world.gather(mine)
+
+        def write():
+            write_rank(self.path, rank, grads)
+            if rank == 0:
+                tensors = {}
+                for name, shape in self.cfg.param_shapes().items():
+                    shards = [d[name] for d in everyone if name in d]
+                    tensors[name] = {"shape": list(shape), "dtype": tc.dtype, "shards": shards}
+                idx, targets = self.batch
+                system = (f"hsgd dp {tc.dp} x pp {tc.pp} x cp {tc.cp} x tp {tc.tp} ({tc.tp_scheme}), zero {tc.zero},"
+                          f" {tc.micro_batches} micro-batch(es), schedule {tc.schedule}, recompute {tc.recompute}, "
+                          f"step {step}")
+                write_layout(self.path, system=system, cfg=self.cfg, dtype=tc.dtype, loss=loss,
+                             ranks=world.Get_size(),
+                             parallel={"dp": tc.dp, "tp": tc.tp, "pp": tc.pp, "cp": tc.cp,
+                                       "micro_batches": tc.micro_batches},
+                             tensors=tensors, params={n: host(a) for n, a in self.params.items()},
+                             idx=to_numpy(idx), targets=to_numpy(targets))
+                self.say(f"dump of step {step}: {self.path} (check it: python -m hsgd.crosscheck {self.path})")
+        launch.agree(world, write)                                   # a write error: on every rank
+        self.params = self.batch = None
+
+
+def host(a):
+    """A NumPy copy for the .npz files: float64 as it is, the narrower formats as float32 (bfloat16 has no NumPy
+    type .npz can hold)."""
+    a = np.asarray(to_numpy(a))
+    return a.astype(np.float64 if a.dtype == np.float64 else np.float32)
+
+
+def shard_of(name, cfg, tp_rank, tp, scheme, rank):
+    """The shard entry of this rank's piece of `name` (tp_shards' split)."""
+    kind, axis = tp_model.split_of(name, scheme)
+    if kind == "rep" or tp == 1:
+        return shard_entry(rank)
+    n = cfg.param_shapes()[name][axis]
+    if kind == "vocab":
+        start, size = vocab_range(n, tp, tp_rank)                         # ceil(V/tp) ids, padded past V
+        length = max(0, min(size, n - start))
+        return shard_entry(rank, axis, min(start, n), length, size - length)
+    size = n // tp
+    return shard_entry(rank, axis, tp_rank * size, size)
+
+
+def dump_one_step(cfg, tc, world, path, corpus, say=lambda line: None):
+    """Collective over world: step 1 of tc's layout, from tc.seed's weights on corpus's first batch, dumped into
+    path, as hsgd.train --dump-step 1 would, without the rest of the run (tests, the chapter)."""
+    grid = ProcessGrid(world, dp=tc.dp, pp=tc.pp, tp=tc.tp, cp=tc.cp)
+    trainer = None
+    try:
+        trainer = HybridTrainer(cfg, grid, tc)
+        watcher, batch = DumpStep(1, path, cfg, tc, say), corpus.batch(tc.seed, 1, tc.batch_size)
+        watcher.before_step(1, trainer, batch)
+        watcher.after_gradients(trainer, 1, trainer.gradients(*batch))
+    finally:
+        if trainer is not None:
+            trainer.finish()
+            trainer.free()
+        grid.free()
