@@ -299,3 +299,24 @@ def test_the_schedule_lab_runs_and_measures(n, flags):
         line = [line for line in r.stdout.splitlines() if words in line][0]
         assert line.split("measured ")[1].split(" | predicted ") == [line.split("predicted ")[1]] * 2, line
     assert "bubble: measured" in r.stdout and "activation bytes measured" in r.stdout
+
+
+def test_train_dumps_a_step_that_crosscheck_passes_and_refuses_a_bad_dump_step(tmp_path):
+    """hsgd.train --dump-step 2 DIR on 4 ranks (tp 2 x dp 2, ZeRO 1) writes step 2 and trains on; python -m
+    hsgd.crosscheck DIR passes it. --dump-step past the last step, or with --dp-staleness 1: one line, exit 2."""
+    small = ["--steps", "2", "--batch-size", "8", "--seq-len", "16", "--d-model", "32", "--n-layers", "2",
+             "--n-heads", "4", "--d-ff", "64", "--dtype", "float64", "--sample-bytes", "0", "--eval-batches", "1"]
+    dump = tmp_path / "dump"
+    r = run_mpi(4, ["-m", "hsgd.train", "--tp", "2", "--zero", "1", *small, "--dump-step", "2", str(dump)],
+                timeout=120)
+    print(r.stdout[-2000:], r.stderr[-2000:])
+    assert r.returncode == 0 and f"dump of step 2: {dump}" in r.stdout and "step 2/2" in r.stdout
+    c = subprocess.run([sys.executable, "-m", "hsgd.crosscheck", str(dump)], capture_output=True, text=True,
+                       cwd=ROOT, timeout=120)
+    print(c.stdout[-1500:])
+    assert c.returncode == 0 and "PASS: the loss and all 37 gradients" in c.stdout
+    for extra, words in ((["--dump-step", "3", str(dump)], "step 3 is not a step of the run (1..2)"),
+                         (["--dump-step", "1", str(dump), "--dp-staleness", "1"], "dump a run with --dp-staleness 0")):
+        r = run_mpi(2, ["-m", "hsgd.train", *small, "--tp", "1", *extra], timeout=60)
+        print(r.stderr)
+        assert r.returncode == 2 and r.stderr.count("hsgd: error:") == 1 and words in r.stderr

@@ -360,7 +360,15 @@ def write_layout(path, *, system, cfg, dtype, loss, ranks, parallel, tensors, pa
             "ranks": ranks, "parallel": parallel, "tensors": tensors}
     _atomic(os.path.join(path, "params.npz"), lambda f: np.savez(f, **params))
     _atomic(os.path.join(path, "batch.npz"), lambda f: np.savez(f, idx=np.asarray(idx), targets=np.asarray(targets)))
-    _atomic(os.path.join(path, "layout.json"), lambda f: f.write(json.dumps(meta, indent=1).encode()))
+    _atomic(os.path.join(path, "layout.json"), lambda f: f.write(layout_text(meta).encode()))
+
+
+def layout_text(meta):
+    """layout.json's text: the header one key per line, then one line per tensor (readable, and diffable)."""
+    head = {k: v for k, v in meta.items() if k != "tensors"}
+    lines = [f" {json.dumps(k)}: {json.dumps(v)}," for k, v in head.items()]
+    tensors = [f"  {json.dumps(n)}: {json.dumps(t)}" for n, t in meta["tensors"].items()]
+    return "{\n" + "\n".join(lines) + '\n "tensors": {\n' + ",\n".join(tensors) + "\n }\n}\n"
 
 
 def write_rank(path, rank, arrays):
