@@ -517,10 +517,10 @@ say(f"(p = {P}; the factors 2(p-1)/p and (p-1)/p tend to 2 and 1 as p grows)")
 #   MPICH's waiting ranks poll (they spin). So ranks 0 and 1 form a communicator of their own (`Split`, chapter 3)
 #   and time each collective on it, while ranks 2 and 3 sleep in `politely_wait`. Everything below is for p = 2.
 # * **One call at a time, interleaved, medians.** Every call is timed on its own, after a `Barrier`, and the calls
-#   of all (collective, size) pairs come in a random order: a round times each message under 64 KiB 8 times,
-#   each fitted large one twice and the others once, and there are 40 rounds. The fit uses the median of each
-#   pair's samples (the larger of the two ranks' medians). Other programs on the machine then disturb all pairs
-#   alike, at random moments, and the median ignores the calls they hit.
+#   of all (collective, size) pairs come in a random order: a round times each fitted message of at most 1 KiB
+#   8 times, each fitted large one twice and the others (only drawn) once, and there are 40 rounds. The fit
+#   uses the median of each pair's samples (the larger of the two ranks' medians). Other programs on the machine
+#   then disturb all pairs alike, at random moments, and the median ignores the calls they hit.
 # * **Sizes where the line holds.** The sizes run from 16 B to 4 MiB, but the line is fitted only to messages of
 #   at most 1 KiB, where latency dominates, and of 2 MiB and more, where bandwidth does. In between, MPICH changes
 #   method: small messages are copied eagerly into shared-memory cells of fixed size, large ones after a handshake,
@@ -542,10 +542,10 @@ ROUNDS = 40
 
 
 def repeats(n):
-    """Timed calls per round of a message of n bytes: the short ones many times (they are cheap, and each is either
-    undisturbed or delayed by a whole time slice of another program, so their medians need many samples), the
-    fitted large ones twice, the middle sizes once (they are only drawn)."""
-    return 8 if n < 64 * KiB else 2 if n in FITTED else 1
+    """Timed calls per round of a message of n bytes: the short fitted ones many times (they are cheap, and each is
+    either undisturbed or delayed by a whole time slice of another program, so their medians need many samples),
+    the fitted large ones twice, the middle sizes once (they are only drawn, not checked)."""
+    return 8 if n <= KiB else 2 if n in FITTED else 1
 
 
 TOLERANCE = 0.30                                                  # the fit vs the medians, on FITTED

@@ -43,11 +43,12 @@ def config(**kw):
     return TrainConfig(**base)
 
 
-def run(tc, trainer=None, start=1, stop=None, cfg=CFG):
-    """Steps start..stop (default tc.steps) on a new grid (or on `trainer`'s). Returns (grid, trainer, this
-    rank's parameters {name: tp shard}, the traffic of the last step)."""
+def run(tc, trainer=None, start=1, stop=None, cfg=CFG, grid=None):
+    """Steps start..stop (default tc.steps) on a new trainer, on `grid` or a new grid of tc's layout (or on
+    `trainer` and its grid). Returns (grid, trainer, this rank's parameters {name: tp shard}, the traffic of the
+    last step)."""
     if trainer is None:
-        grid = ProcessGrid(WORLD, dp=tc.dp, pp=tc.pp, tp=tc.tp)
+        grid = grid or ProcessGrid(WORLD, dp=tc.dp, pp=tc.pp, tp=tc.tp)
         trainer = HybridTrainer(cfg, grid, tc)
     grid, per_step = trainer.grid, None
     for step in range(start, (stop or tc.steps) + 1):
@@ -64,11 +65,14 @@ SERIAL = {}
 def serial_params(cfg, tc):
     """Serial SGD's parameters after tc.steps steps: what every layout must end with. They depend on the model,
     the batches and the optimizer, not on the layout (nor on recomputation or ZeRO), so the runs that share these
-    share one serial run."""
+    share one serial run. It is computed on rank 0 alone and broadcast (the same bits on every rank, without
+    eight ranks repeating it on the machine's cores)."""
     key = (cfg, tc.steps, tc.batch_size, tc.seed, tc.optimizer, tc.lr, tc.momentum, tc.weight_decay, tc.clip,
            tc.warmup)
     if key not in SERIAL:
-        SERIAL[key] = serial.sgd(cfg, tc, lambda step: CORPUS.batch(tc.seed, step, tc.batch_size))[0]
+        mine = (serial.sgd(cfg, tc, lambda step: CORPUS.batch(tc.seed, step, tc.batch_size))[0]
+                if WORLD.Get_rank() == 0 else None)
+        SERIAL[key] = WORLD.bcast(mine, root=0)
     return SERIAL[key]
 
 
@@ -96,11 +100,12 @@ def test_every_layout_equals_serial_sgd(variant):
         scheme = tp_model.SCHEMES[i % 3]                                 # each layout one scheme, in turn
         cfg = blocks_for(pp)
         finals, ref = [], None
+        grid = ProcessGrid(WORLD, dp=dp, pp=pp, tp=tp)                  # one grid for the layout's runs
         for extra in VARIANTS[variant]:
             tc = config(dp=dp, pp=pp, tp=tp, tp_scheme=scheme, **extra)
             if ref is None:                                              # (a variant's runs share the optimizer)
                 ref = serial_params(cfg, tc)
-            grid, trainer, params, per_step = run(tc, cfg=cfg)
+            grid, trainer, params, per_step = run(tc, cfg=cfg, grid=grid)
             err = world_max(param_err(params, grid, ref, tc.tp_scheme))
             same = per_step == step_formula(cfg, tc, trainer)
             ok &= err <= 1e-10 and same
@@ -110,7 +115,7 @@ def test_every_layout_equals_serial_sgd(variant):
                     f"  formula  {step_formula(cfg, tc, trainer)}")
             finals.append(params)
             trainer.free()
-            grid.free()
+        grid.free()
         identical &= all(all(np.array_equal(f[n], finals[-1][n]) for n in f) for f in finals)
     say(f"{variant}: 10 layouts x 3 steps, max param rel err vs serial {worst:.1e}, bytes == formula: {ok}"
         + (f", selective and full bit-identical to none: {identical}" if variant == "recompute" else ""))
@@ -123,12 +128,13 @@ def test_hybrid_sharding_and_bucketed_zero2(zero):
     --zero 2, on dp 8 and on dp 4 x tp 2: serial SGD's parameters, the formula's bytes, and what each rank keeps
     between steps: 1/n of the parameters (stage 3) and of the gradients."""
     ok = True
-    for hybrid in (False, True):
-        for dp, tp in ((8, 1), (4, 2)):
+    for dp, tp in ((8, 1), (4, 2)):
+        grid = ProcessGrid(WORLD, dp=dp, tp=tp)                          # one grid for the layout's two runs
+        for hybrid in (False, True):
             extra = dict(hierarchical=True, ranks_per_node=2) if hybrid else {}
             tc = config(dp=dp, tp=tp, zero=zero, optimizer="adamw", lr=0.01, **extra)
             ref = serial_params(SMALL, tc)
-            grid, trainer, params, per_step = run(tc, cfg=SMALL)
+            grid, trainer, params, per_step = run(tc, cfg=SMALL, grid=grid)
             err = world_max(param_err(params, grid, ref, tc.tp_scheme))
             n = 2 if hybrid else dp
             size = trainer.exchange.size                               # padded elements of the flat layout
@@ -140,7 +146,7 @@ def test_hybrid_sharding_and_bucketed_zero2(zero):
                 f"formula {same}, kept {mem} of {size * 8} B of parameters")
             ok &= err <= 1e-10 and same and held
             trainer.free()
-            grid.free()
+        grid.free()
     check(ok)
 
 
@@ -148,7 +154,7 @@ def test_checkpoints_reshard_between_zero_stages(tmp_path_factory):
     """Save after 2 steps under each ZeRO stage, resume for 2 more steps under another stage (and another layout):
     0, 1, 2 -> 3 and 3 -> 0, 1, 2. The parameters equal 4 uninterrupted serial AdamW steps."""
     tc = config(steps=4, optimizer="adamw", lr=0.01, weight_decay=0.1, micro_batches=1, batch_size=8)
-    ref = serial.sgd(SMALL, tc, lambda step: CORPUS.batch(tc.seed, step, tc.batch_size))[0]
+    ref = serial_params(SMALL, tc)
     folder = WORLD.bcast(str(tmp_path_factory.mktemp("ckpt")) if WORLD.Get_rank() == 0 else None)
     ok, worst = True, 0.0
     for saved in (0, 1, 2, 3):
