@@ -2,7 +2,8 @@
 #   make train   create .venv if missing, install hsgd with MPI from PyPI, run the default training job:
 #                mpirun -n 8 python -m hsgd.train   (tp = 2, dp = 4)
 #   make test    same install, then the whole test suite (unit, MPI and tutorial tests)
-#   make bench   same install plus PyTorch, then the benchmarks in benchmarks/ (tables in benchmarks/results/)
+#   make bench   same install plus PyTorch, then the benchmarks in benchmarks/ (tables in benchmarks/results/) and
+#                the crosscheck of a PyTorch DTensor step (benchmarks/crosscheck_torch.py)
 #   make gpu-check  the GPU path on a machine with a GPU and CuPy: tests, verify, training, benchmark
 #   make gpu-sim    the same script on the simulated GPU (tests/simgpu: NumPy with CuPy's rules), no GPU needed
 # Use a system MPI instead of PyPI's mpich wheel:  make test EXTRAS=dev
@@ -52,6 +53,8 @@ bench: $(BENCH_STAMP)
 	$(RUN) python benchmarks/bench.py
 	$(RUN) python benchmarks/plan_narayanan.py
 	$(RUN) OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 mpirun -n $(NP) python benchmarks/plan_this_machine.py
+	d=$$(mktemp -d) && $(RUN) python benchmarks/crosscheck_torch.py --tp 2 --dp 2 --micro-batches 2 --out $$d/dump \
+	    && $(RUN) python -m hsgd.crosscheck $$d/dump; rc=$$?; rm -rf $$d; exit $$rc
 
 # The GPU path, on a machine with a GPU and CuPy (pip install -e '.[gpu]'); installs nothing itself.
 gpu-check:

@@ -65,6 +65,9 @@ of the algorithm:
     hsgd.plan               python -m hsgd.plan: which layout, will it fit, how fast (a cost model: costs.py; hsgd's
                             own bytes and memory from sizes: layout.py; the published formulas and Table 1 of
                             Narayanan et al. 2021: paper.py, validate.py; hardware files and --calibrate)
+    hsgd.crosscheck         python -m hsgd.crosscheck DIR: another system's (or hsgd's, --dump-step) gradients of one
+                            step against the serial reference, per parameter, each wrong one classified (FORMAT.md:
+                            the dump; dump.py, hsgd_dump.py, classify.py)
 """
 # First, before anything imports NumPy: hsgd.threads sets OPENBLAS_THREAD_TIMEOUT if NumPy is not loaded yet, and
 # records whether it took effect (threads.openblas_note(); the module's docstring explains the setting).

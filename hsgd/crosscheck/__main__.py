@@ -37,6 +37,19 @@ TOLERANCE = {"float64": (1e-10, 1e-10), "float32": (1e-6, 1e-4)}        # (loss,
 FLOOR = 1e-3              # a parameter's error is relative to at least FLOOR x the model's largest gradient entry
 STRUCTURE = {"float64": 1e-8, "float32": 1e-4}       # classify: equal up to this relative distance
 LAMBDA = 4.0
+# the most telling class first: a bug that moves the loss (padding in the softmax) changes every gradient a little,
+# and those then show "no simple pattern"
+FIRST = ("padding", "partial sum", "constant factor", "permutation", "transposed", "missing", "not finite",
+         "replicas differ", "no simple pattern")
+HINT = {"padding": "mask the padded entries (their logits to -inf) or drop them before the loss",
+        "partial sum": "a reduction of the partial gradients over the ranks named is missing",
+        "constant factor": "a scale by the size named is missing or doubled (a sum where a mean belongs)",
+        "permutation": "the order in which pieces are gathered or concatenated (rank order, head order)",
+        "transposed": "a weight stored (out, in) read as (in, out), or the dump's transposed flag",
+        "missing": "the gradient never reaches this rank's buffer (a hook not called, a buffer not synced)",
+        "not finite": "an overflow or a division by zero before this gradient",
+        "replicas differ": "the replicas should be equal: a reduction over the wrong group",
+        "no simple pattern": "the arithmetic itself; compare the forward pass first (the loss)"}
 
 
 def build_parser():
@@ -215,6 +228,9 @@ def report(dump, ok, loss_row, rows, out=None):
         print(f"FAIL: {len(bad)} of {len(rows)} parameters over tolerance: {summary}" +
               ("" if loss_row["ok"] else "; and the loss differs: the forward pass itself (or the parameters, or "
                                           "the batch written) is not the reference's"), file=out)
+        first = min(kinds, key=lambda k: FIRST.index(k) if k in FIRST else len(FIRST))
+        print(f"look first at: {first} ({', '.join(kinds[first][:3])}{', ...' if len(kinds[first]) > 3 else ''})"
+              f"; {HINT.get(first, '')}", file=out)
     elif not loss_row["ok"]:
         print("FAIL: every gradient is within tolerance, the loss is not: the loss the system reports is not the "
               "mean over all B*T positions (or not of this batch)", file=out)
