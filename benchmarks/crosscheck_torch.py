@@ -48,7 +48,6 @@ are "h.{i}.attn.qkv.weight" / ".bias", with a "fused" entry (interleave "head").
 """
 import argparse
 import datetime
-import json
 import math
 import os
 import sys
@@ -71,6 +70,7 @@ from torch.distributed.tensor.parallel import (  # noqa: E402
 
 from hsgd import serial  # noqa: E402
 from hsgd.config import ModelConfig  # noqa: E402
+from hsgd.crosscheck.dump import layout_text  # noqa: E402
 from hsgd.errors import ConfigError  # noqa: E402
 
 BUGS = {
@@ -390,7 +390,7 @@ def step(rank, args, cfg, params, idx, targets):
     np.savez(os.path.join(args.out, f"grads-rank{rank}.npz"), **grads)
     if rank == 0:
         with open(os.path.join(args.out, "layout.json"), "w") as f:
-            json.dump(layout(args, cfg, model, mesh, loss_value), f, indent=1)
+            f.write(layout_text(layout(args, cfg, model, mesh, loss_value)))   # one line per tensor
         whole = {}
         for name, p in before.items():
             whole[dump_name(name, hs)[0]] = p.numpy()[:V] if name in PADDED else p.numpy()

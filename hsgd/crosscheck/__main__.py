@@ -209,11 +209,11 @@ def report(dump, ok, loss_row, rows, out=None):
     flag = "" if loss_row["ok"] else "   <- over tolerance"
     print(f"loss: system {loss_row['system']:.12g}  reference {loss_row['reference']:.12g}  rel err "
           f"{loss_row['error']:.1e} (tolerance {loss_row['tolerance']:.1e}){flag}", file=out)
-    print(f"{'parameter':<22}{'shape':>11}  {'split':<22}{'max abs err':>12}{metric:>14}{'tolerance':>10}  verdict",
+    print(f"{'parameter':<22}{'shape':>11}  {'split':<30}{'max abs err':>12}{metric:>14}{'tolerance':>10}  verdict",
           file=out)
     for r in rows:
         verdict = "ok" if r["ok"] else r["class"]
-        print(f"{r['name']:<22}{str(tuple(r['shape'])):>11}  {r['split']:<22}{r['abs_error']:>12.1e}"
+        print(f"{r['name']:<22}{str(tuple(r['shape'])):>11}  {r['split']:<30}{r['abs_error']:>12.1e}"
               f"{r['error']:>14.1e}{r['tolerance']:>10.0e}  {verdict}", file=out)
     bad = [r for r in rows if not r["ok"]]
     if bad:

@@ -140,11 +140,12 @@ def classify(name, copies, R, pads, tol, names, hs, labels=None):
             fit = name_factor(c, names, tol)
             what = f"{c:.6g} x the reference"
             if fit:
-                big = c > 1
-                n = fit[0][2:] if fit[0].startswith("1/") else fit[0]
-                n = n if " x " not in n or n.startswith("(") else f"({n})"
-                hint = (f"a sum over {n} where an average belongs, or a 1/{n} missing" if big else
+                bare = [k[2:] if k.startswith("1/") else k for k in fit]
+                n = " or ".join(k if " x " not in k or k.startswith("(") else f"({k})" for k in bare)
+                hint = (f"a sum over {n} where an average belongs, or a 1/({n}) missing" if c > 1 else
                         f"divided by {n} once too often, or an average over {n} where a sum belongs")
+                if len(fit) == 1:
+                    hint = hint.replace(f"1/({n})", f"1/{n}")
                 return "constant factor", f"{what} = {' or '.join(fit)}: {hint}"
             return "constant factor", f"{what} (not a size of the layout)"
     if G.ndim == 2 and G.shape[0] == G.shape[1] and match(G, R.T, tol):
