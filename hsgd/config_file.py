@@ -47,13 +47,15 @@ def read_toml(path):
 
 def check_type(path, key, value, kind):
     """A TOML value of the field's type: true/false for a switch (a string "no" would count as on), an integer
-    for an int, a number for a float, a string for a name or a path (an integer path would be a file descriptor)."""
+    for an int, a number for a float, a string for a name or a path (an integer path would be a file descriptor),
+    a list for a field of several values (dump_step = [N, "DIR"]; the field's own check says what each must be)."""
     ok = {bool: lambda v: isinstance(v, bool),
           int: lambda v: isinstance(v, int) and not isinstance(v, bool),
           float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
-          str: lambda v: isinstance(v, str)}[kind](value)
+          str: lambda v: isinstance(v, str),
+          list: lambda v: isinstance(v, list)}[kind](value)
     if not ok:
         example = {bool: "true or false", int: "an integer, e.g. 4", float: "a number, e.g. 0.05",
-                   str: 'a string in quotes, e.g. "x"'}[kind]
+                   str: 'a string in quotes, e.g. "x"', list: 'a list, e.g. [1, "dump"]'}[kind]
         raise ConfigError(f"config file {path!r}: {key} = {value!r} is not {example} (TOML type "
                           f"{type(value).__name__})")

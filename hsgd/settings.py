@@ -364,8 +364,9 @@ class TrainConfig(Layout, Optimization, Data, Output, Checkpoints, Exchange, Mem
 
 def dump_step_value(value):
     """[N, DIR] from --dump-step's two strings or a TOML list: N a step >= 1, DIR a path; ConfigError otherwise."""
-    ok = isinstance(value, (list, tuple)) and len(value) == 2 and str(value[0]).isascii() and \
-        str(value[0]).isdigit() and int(value[0]) >= 1 and isinstance(value[1], str) and value[1]
+    ok = isinstance(value, (list, tuple)) and len(value) == 2 and not isinstance(value[0], (bool, float)) and \
+        str(value[0]).isascii() and str(value[0]).isdigit() and int(value[0]) >= 1 and \
+        isinstance(value[1], str) and value[1]
     if not ok:
         raise ConfigError(f"dump_step={value!r} must be a step and a folder, e.g. --dump-step 1 dump "
                           f"(TOML: dump_step = [1, \"dump\"])")

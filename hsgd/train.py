@@ -152,6 +152,9 @@ def setup(cfg, tc, world, out, threads):
             run.trainer.exchange.comms():
         c.tracer = run.tracer
     run.start, manifest = resume(run.trainer, cfg, tc, world, say)   # 1, or the step after the checkpoint
+    if tc.dump_step and tc.dump_step[0] < run.start <= tc.steps:     # (every rank knows run.start: raised on all)
+        raise ConfigError(f"--dump-step {tc.dump_step[0]}: the run resumes after step {run.start - 1}, so step "
+                          f"{tc.dump_step[0]} is never run; give a step from {run.start} to {tc.steps}")
     identity = launch.agree(world, lambda: choose_line(tc, manifest) if world.Get_rank() == 0 else None)
     run.identity = world.bcast(identity, root=0)                     # line, run id, started from (hsgd.runs)
     header(run, device, threads)

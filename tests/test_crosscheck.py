@@ -44,6 +44,9 @@ def write_tp_dump(path, tp=2, dp=2, change=None, dtype="float64", loss_change=1.
     return loss, grads
 
 
+GRADS = {}
+
+
 def verdict(path):
     ok, loss_row, rows = check(load(str(path)))
     return ok, loss_row, {r["name"]: r for r in rows}
@@ -71,11 +74,11 @@ def test_fused_qkv_interleaved_per_head_and_transposed_weights_map_back_exactly(
             w = n.endswith("weight")
             name = n.replace(".q.", ".qkv.")
             parts = [n, n.replace(".q.", ".k."), n.replace(".q.", ".v.")]
-            t = Tensor(name, (), "float64", w, parts, 0, "head", HS, [])
+            t = Tensor(name, (), w, parts, 0, "head", HS, [])
             e = {"fused": {"axis": 0, "parts": parts, "interleave": "head", "group": HS}, "transposed": w}
         else:
             w = len(shape) == 2 and n not in ("wte", "wpe")
-            t = Tensor(n, (), "float64", w, [n], 0, "block", 0, [])
+            t = Tensor(n, (), w, [n], 0, "block", 0, [])
             name, e = n, {"transposed": w}
         stored_p[name], stored_g[name] = t.from_reference(params), t.from_reference(grads)
         e.update(shape=list(stored_p[name].shape), dtype="float64", shards=[shard_entry(0)])
@@ -102,8 +105,15 @@ def test_fused_qkv_interleaved_per_head_and_transposed_weights_map_back_exactly(
     (lambda n, r, a: a[::-1].copy() if n == "wpe" else a, "wpe", ("permutation", "rows along axis 0")),
     (lambda n, r, a: np.concatenate([a[:-1], np.ones_like(a[-1:])]) if n == "wte" and r % 2 else a, "wte",
      ("padding", "padded entries carry gradient")),
-], ids=["factor-2", "factor-1/3", "partial-mean", "missing", "nan", "untouched", "rows", "padding"])
+    (lambda n, r, a: 0 * a if n == "wpe" and r == 2 else a, "wpe", ("missing", "zero on ranks 2:")),
+    (lambda n, r, a: a + 1e-9 * (np.arange(len(a)) >= 18)[:, None] if n == "wte" and r % 2 else a, "wte",
+     ("padding", "padded entries carry gradient")),
+    (lambda n, r, a: tp_model.shard(GRADS[n], n, 1 - r % 2, 2) if n == "h.0.mlp.proj.weight" else a,
+     "h.0.mlp.proj.weight", ("permutation", "shards along axis 0 in another order: [1, 0]")),
+], ids=["factor-2", "factor-1/3", "partial-mean", "missing", "nan", "untouched", "rows", "padding", "one-replica-zero",
+        "tiny-padding", "shards-swapped"])
 def test_each_kind_of_wrong_gradient_is_named(tmp_path, bug, name, expect):
+    GRADS.update(write_tp_dump(tmp_path)[1])                 # (the shards-swapped case writes the other rank's)
     write_tp_dump(tmp_path, change=bug)
     ok, _, rows = verdict(tmp_path)
     print({n: (r["class"], r["detail"]) for n, r in rows.items() if not r["ok"]})
@@ -117,12 +127,31 @@ def test_a_square_weight_transposed_and_a_head_permutation():
     R = np.random.default_rng(0).normal(size=(16, 16))
     from hsgd.crosscheck.classify import classify
     names = factor_names({"tp": 2, "dp": 4}, 64)
-    assert classify("h.0.attn.proj.weight", [R.T], R, [], 1e-8, names, HS)[0] == "transposed"
+    assert classify("h.0.attn.proj.weight", [R.T], R, 1e-8, names, HS)[0] == "transposed"
     G = R.reshape(16, 4, 4)[:, [2, 0, 1, 3]].reshape(16, 16)
-    cls, detail = classify("h.0.attn.v.weight", [G], R, [], 1e-8, names, HS)
+    cls, detail = classify("h.0.attn.v.weight", [G], R, 1e-8, names, HS)
     print(detail)
     assert cls == "permutation" and "heads along axis 1 in another order: [2, 0, 1, 3]" in detail
     assert block_permutation(R, R, 1, 4, 1e-8) is None                  # the identity is no permutation
+
+
+def test_a_permutation_of_many_rows_is_found_in_little_memory():
+    """wte of a 4096-token vocabulary (rows of absent tokens exactly zero) with two rows swapped: found through
+    k x k distances (128 MiB here), not a (k, k, C) array; above MAX_BLOCKS blocks it is not tried."""
+    from hsgd.crosscheck.classify import MAX_BLOCKS, classify
+    R = np.random.default_rng(0).normal(size=(4096, 4)) * (np.arange(4096) % 3 > 0)[:, None]
+    G = R.copy()
+    G[[1, 2]] = G[[2, 1]]
+    cls, detail = classify("wte", [G], R, 1e-8, factor_names({}, 64), HS)
+    assert cls == "permutation" and detail.startswith("rows along axis 0 in another order: [0, 2, 1, 3, 4")
+    big = np.ones((MAX_BLOCKS + 1, 2))
+    assert block_permutation(big[::-1], big, 0, 1, 1e-8) is None
+
+
+def test_a_factor_is_named_within_1_percent_at_most():
+    names = factor_names({"tp": 4, "dp": 2, "micro_batches": 8}, 64)
+    assert name_factor(2.0, names, 0.05) == ["dp"]
+    assert name_factor(1.15, names, 0.1) == [] and name_factor(2.1, names, 0.1) == []
 
 
 def test_factor_names_prefer_one_size_and_say_when_two_fit():
@@ -163,8 +192,8 @@ def edit_layout(change):
     (lambda p: os.remove(p / "layout.json"), "layout.json: no such file"),
     (lambda p: open(p / "layout.json", "w").write("{"), "not valid JSON"),
     (lambda p: os.remove(p / "grads-rank3.npz"), "grads-rank3.npz: no such file"),
-    (lambda p: np.savez(p / "batch.npz", idx=np.array([object()]), targets=np.zeros(3)), "pickled"),
-    (lambda p: open(p / "params.npz", "w").write("not a zip"), "not a readable .npz"),
+    (lambda p: np.savez(p / "batch.npz", idx=np.array([object()]), targets=np.zeros(3)), "without pickle"),
+    (lambda p: open(p / "params.npz", "w").write("not a zip"), "not an .npz file NumPy can read"),
     (edit_layout(lambda m: m.update(format="other")), "\"format\" must be"),
     (edit_layout(lambda m: m.update(version=7)), "this hsgd reads version 1"),
     (edit_layout(lambda m: m.update(dtype="float8")), "dtype 'float8'"),
@@ -174,7 +203,7 @@ def edit_layout(change):
     (edit_layout(lambda m: m["tensors"]["wte"].update(shards=[m["tensors"]["wte"]["shards"][0]])),
      "no shard holds entry 19 of axis 0"),
     (edit_layout(lambda m: m["tensors"]["wte"]["shards"][0].update(rank=9)), "rank 9, but the dump has ranks 0..3"),
-    (edit_layout(lambda m: m["tensors"]["wte"]["shards"][0].update(length=18)), "has shape (19, 16), its shard"),
+    (edit_layout(lambda m: m["tensors"]["wte"]["shards"][0].update(padding=1)), "has shape (19, 16), its shard"),
     (edit_layout(lambda m: m["tensors"].update(extra={"shape": [1], "shards": [{"rank": 0}]})),
      "'extra' is not a parameter of the model"),
     (edit_layout(lambda m: m["model"].update(n_heads=5)), "not divisible by n_heads=5"),
@@ -202,3 +231,45 @@ def test_a_bfloat16_dump_is_held_to_the_rounding_band(tmp_path):
     ok, _, rows = verdict(tmp_path)
     assert not ok and not rows["h.0.mlp.fc.weight"]["ok"] and rows["h.0.mlp.fc.weight"]["class"] == \
         "constant factor"
+
+
+@pytest.mark.parametrize("edit, words", [
+    (edit_layout(lambda m: m["tensors"]["wpe"].update(fused={"axis": 0, "parts": [["wpe"]]})),
+     "must be the reference parameters' names"),
+    (edit_layout(lambda m: m["tensors"]["wpe"].update(transposed="false")), "transposed 'false' must be true or"),
+    (edit_layout(lambda m: m["tensors"]["wpe"].update(dtype=["x"])), "dtype ['x'] must be one of"),
+    (edit_layout(lambda m: m.update(version=True)), "this hsgd reads version 1"),
+    (edit_layout(lambda m: m["tensors"]["wte"]["shards"][1].update(offset=10)), "overlap without being the same"),
+    (lambda p: os.replace(p / "params.npz", p / "x.npy") or np.save(p / "params.npy", np.zeros(3)) or
+     os.replace(p / "params.npy", p / "params.npz"), "one array (.npy), not an .npz archive"),
+    (lambda p: __import__("zipfile").ZipFile(p / "batch.npz", "w").writestr("idx", b"raw"), "not a .npy array"),
+    (lambda p: np.savez(p / "params.npz", **{k: v + np.nan for k, v in np.load(p / "params.npz").items()}),
+     "holds inf or NaN"),
+    (lambda p: (os.remove(p / "layout.json"), os.mkdir(p / "layout.json")), "a folder, not a file"),
+], ids=["parts-not-strings", "transposed-string", "dtype-list", "version-bool", "overlap", "npy", "not-npy-member",
+        "nan-params", "layout-folder"])
+def test_more_malformed_dumps_are_refused(tmp_path, edit, words):
+    assert words in bad(tmp_path, edit)
+
+
+def test_fused_parts_that_do_not_line_up_are_refused_and_unequal_blocks_map_back(tmp_path):
+    """Fused "block" parts may differ in length along the axis (q|k|v with fewer k, v heads would), not across."""
+    from hsgd.crosscheck.dump import _tensors
+    fused = {"h.0.attn.qf.weight": {"shape": [16, 48], "fused": {"axis": 1, "parts": ["h.0.attn.q.weight",
+             "h.0.mlp.fc.weight"]}, "shards": [{"rank": 0}]}}
+    rest = {n: {"shape": list(s), "shards": [{"rank": 0}]} for n, s in CFG.param_shapes().items()
+            if n not in ("h.0.attn.q.weight", "h.0.mlp.fc.weight")}
+    t = _tensors({**fused, **rest}, CFG, 1)["h.0.attn.qf.weight"]
+    q, fc = np.arange(256.0).reshape(16, 16), -np.arange(512.0).reshape(16, 32)
+    back = t.to_reference(t.from_reference({"h.0.attn.q.weight": q, "h.0.mlp.fc.weight": fc}))
+    assert np.array_equal(back["h.0.attn.q.weight"], q) and np.array_equal(back["h.0.mlp.fc.weight"], fc)
+    fused["h.0.attn.qf.weight"]["fused"]["axis"] = 0
+    fused["h.0.attn.qf.weight"]["shape"] = [32, 16]
+    with pytest.raises(DumpError, match="do not line up"):
+        _tensors({**fused, **rest}, CFG, 1)
+
+
+def test_a_loss_that_is_not_finite_is_said_so(tmp_path, capsys):
+    write_tp_dump(tmp_path, loss_change=float("nan"))
+    assert main([str(tmp_path)]) == 1
+    assert "the loss the system reports is not finite" in capsys.readouterr().out

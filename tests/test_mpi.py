@@ -303,20 +303,36 @@ def test_the_schedule_lab_runs_and_measures(n, flags):
 
 def test_train_dumps_a_step_that_crosscheck_passes_and_refuses_a_bad_dump_step(tmp_path):
     """hsgd.train --dump-step 2 DIR on 4 ranks (tp 2 x dp 2, ZeRO 1) writes step 2 and trains on; python -m
-    hsgd.crosscheck DIR passes it. --dump-step past the last step, or with --dp-staleness 1: one line, exit 2."""
-    small = ["--steps", "2", "--batch-size", "8", "--seq-len", "16", "--d-model", "32", "--n-layers", "2",
-             "--n-heads", "4", "--d-ff", "64", "--dtype", "float64", "--sample-bytes", "0", "--eval-batches", "1"]
-    dump = tmp_path / "dump"
-    r = run_mpi(4, ["-m", "hsgd.train", "--tp", "2", "--zero", "1", *small, "--dump-step", "2", str(dump)],
+    hsgd.crosscheck DIR passes it. Resumed from its checkpoint: dump_step = [3, DIR] in a --config file dumps step 3
+    (the parameters loaded from the checkpoint), which passes too; --dump-step 1 is refused (step 1 is never run),
+    as are a step past the last and --dp-staleness 1: one line, exit 2."""
+    small = ["--batch-size", "8", "--seq-len", "16", "--d-model", "32", "--n-layers", "2", "--n-heads", "4",
+             "--d-ff", "64", "--dtype", "float64", "--sample-bytes", "0", "--eval-batches", "1"]
+    ck = ["--save-dir", str(tmp_path / "ck"), "--tp", "2", "--zero", "1"]
+
+    def crosscheck(dump):
+        c = subprocess.run([sys.executable, "-m", "hsgd.crosscheck", str(dump)], capture_output=True, text=True,
+                           cwd=ROOT, timeout=120)
+        print(c.stdout[-800:])
+        assert c.returncode == 0 and "PASS: the loss and all 37 gradients" in c.stdout
+
+    r = run_mpi(4, ["-m", "hsgd.train", *small, *ck, "--steps", "2", "--dump-step", "2", str(tmp_path / "d2")],
                 timeout=120)
-    print(r.stdout[-2000:], r.stderr[-2000:])
-    assert r.returncode == 0 and f"dump of step 2: {dump}" in r.stdout and "step 2/2" in r.stdout
-    c = subprocess.run([sys.executable, "-m", "hsgd.crosscheck", str(dump)], capture_output=True, text=True,
-                       cwd=ROOT, timeout=120)
-    print(c.stdout[-1500:])
-    assert c.returncode == 0 and "PASS: the loss and all 37 gradients" in c.stdout
-    for extra, words in ((["--dump-step", "3", str(dump)], "step 3 is not a step of the run (1..2)"),
-                         (["--dump-step", "1", str(dump), "--dp-staleness", "1"], "dump a run with --dp-staleness 0")):
-        r = run_mpi(2, ["-m", "hsgd.train", *small, "--tp", "1", *extra], timeout=60)
+    print(r.stdout[-1500:], r.stderr[-2000:])
+    assert r.returncode == 0 and f"dump of step 2: {tmp_path / 'd2'}" in r.stdout and "step 2/2" in r.stdout
+    crosscheck(tmp_path / "d2")
+    (tmp_path / "c.toml").write_text(f'dump_step = [3, "{tmp_path / "d3"}"]\n')
+    r = run_mpi(4, ["-m", "hsgd.train", *small, *ck, "--steps", "3", "--resume", "auto", "--config",
+                    str(tmp_path / "c.toml")], timeout=120)
+    print(r.stdout[-1500:], r.stderr[-2000:])
+    assert r.returncode == 0 and "resumed from" in r.stdout and "dump of step 3" in r.stdout
+    crosscheck(tmp_path / "d3")
+    for n, extra, words in ((4, [*ck, "--steps", "4", "--resume", "auto", "--dump-step", "1", str(tmp_path / "x")],
+                             "the run resumes after step 3, so step 1 is never run"),
+                            (2, ["--steps", "2", "--dump-step", "3", str(tmp_path / "x")],
+                             "step 3 is not a step of the run (1..2)"),
+                            (2, ["--steps", "2", "--dump-step", "1", str(tmp_path / "x"), "--dp-staleness", "1"],
+                             "dump a run with --dp-staleness 0")):
+        r = run_mpi(n, ["-m", "hsgd.train", *small, *extra], timeout=60)
         print(r.stderr)
         assert r.returncode == 2 and r.stderr.count("hsgd: error:") == 1 and words in r.stderr

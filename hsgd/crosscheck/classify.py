@@ -2,7 +2,7 @@
 replica of it) with the reference's R, and says what G is, if it is R changed in a simple way:
 
     not finite       G holds inf or NaN
-    missing          G = 0 where R is not: the gradient never arrived
+    missing          G = 0 where R is not, on every replica or on some: the gradient never arrived there
     partial sum      the replicas differ, and their sum (or mean) over the k distinct copies is R: a reduction
                      over k ranks is missing (a replicated parameter's partial gradients never added up)
     padding          entries that stand for no real index (a vocabulary padded to divide by tp) carry gradient:
@@ -11,7 +11,8 @@ replica of it) with the reference's R, and says what G is, if it is R changed in
                      inverse (tp, dp, pp, cp, micro-batches, tokens): a sum where a mean belongs, a 1/n missing
                      (the simplest names that fit, all of them when two sizes are equal: choose layouts whose
                      sizes differ to tell them apart)
-    permutation      G's blocks along one axis are R's in another order: heads (blocks of hs), rows or columns
+    permutation      G's blocks along one axis are R's in another order: the shards (ranks gathered in another
+                     order), heads (blocks of hs), rows or columns
     transposed       G = R^T (a square weight stored the other way round)
     no simple pattern   none of these: a bug in the arithmetic itself (or several at once)
 
@@ -51,9 +52,13 @@ def factor_names(parallel, tokens):
     return both
 
 
+NAMING = 0.01             # a factor is named by a size within 1% of it, however wide the dtype's tolerance
+
+
 def name_factor(c, names, tol):
-    """The simplest names of c among factor_names (all that fit, simplest first), or []."""
-    fits = [(n, k) for v, k, n in names if abs(c / v - 1.0) <= max(tol, 1e-9) * 10]
+    """The simplest names of c among factor_names (all that fit, simplest first), or []: a size fits within 10 x
+    tol, and never more than NAMING (in bfloat16 a wide tolerance would otherwise name 2 by 2.1)."""
+    fits = [(n, k) for v, k, n in names if abs(c / v - 1.0) <= min(max(tol, 1e-9) * 10, NAMING)]
     fits.sort()
     if not fits:
         return []
@@ -74,11 +79,16 @@ def distinct(copies, tol):
     return out
 
 
+MAX_BLOCKS = 4096         # a permutation is looked for among at most this many blocks (k^2 distances)
+
+
 def block_permutation(G, R, axis, block, tol):
     """The order p with G's block i = R's block p[i] along `axis` (blocks of `block` entries), if G is R with its
-    blocks permuted (not the identity); else None."""
+    blocks permuted (not the identity); else None. Each block of G takes the nearest block of R not taken yet,
+    within tol ||R|| (blocks that are equal, such as the zero rows of tokens absent from the batch, match among
+    themselves in order). Not tried above MAX_BLOCKS blocks."""
     n = G.shape[axis]
-    if n % block or n // block < 2:
+    if n % block or not 2 <= n // block <= MAX_BLOCKS:
         return None
     k = n // block
     g = np.moveaxis(G, axis, 0).reshape(k, -1)
@@ -86,11 +96,23 @@ def block_permutation(G, R, axis, block, tol):
     scale = float(np.linalg.norm(R))
     if scale == 0:
         return None
-    d = np.sqrt(((g[:, None, :] - r[None, :, :]) ** 2).sum(axis=2)) / scale      # (k, k)
-    order = [int(j) for j in d.argmin(axis=1)]
-    if sorted(order) != list(range(k)) or order == list(range(k)):
-        return None
-    if max(d[i, order[i]] for i in range(k)) > tol:
+    # (k, k) distances by |g|^2 + |r|^2 - 2 g.r: a k x k matrix, not (k, k, block) differences; it loses digits
+    # to cancellation (about sqrt(eps) |g|), so it only orders the candidates, which are then measured exactly
+    d2 = (g * g).sum(1)[:, None] + (r * r).sum(1)[None, :] - 2.0 * g @ r.T
+    d = np.sqrt(np.maximum(d2, 0.0)) / scale
+    slack = 1e-6 + tol
+    taken, order = np.zeros(k, bool), []
+    for i in range(k):
+        for j in np.argsort(d[i], kind="stable"):
+            if d[i, j] > tol + slack:
+                return None                                  # no block of R is near enough
+            if not taken[j] and float(np.linalg.norm(g[i] - r[j])) / scale <= tol:
+                taken[j] = True
+                order.append(int(j))
+                break
+        else:
+            return None
+    if order == list(range(k)):
         return None
     return order
 
@@ -105,19 +127,26 @@ def axis_words(name, axis, hs):
     return heads, ("rows" if axis == 0 else "columns")
 
 
-def classify(name, copies, R, pads, tol, names, hs, labels=None):
+def classify(name, copies, R, tol, names, hs, labels=None, bad_pad=0.0, floor=0.0, blocks=()):
     """(class, detail) of one parameter whose gradient failed. copies: the assembled replicas of G (reference
-    orientation, at least one); R: the reference gradient; pads: the padding entries' values (arrays, may be
-    empty); tol: the relative distance that counts as equal; names: factor_names(...); hs: the head size;
-    labels: the ranks each copy came from ("3", or "0+1" for one assembled from the shards of ranks 0 and 1)."""
+    orientation, at least one); R: the reference gradient; tol: the relative distance that counts as equal;
+    names: factor_names(...); hs: the head size; labels: the ranks each copy came from ("3", or "0+1" for one
+    assembled from the shards of ranks 0 and 1); bad_pad: the largest padding entry, when over its tolerance;
+    floor: the norm a difference is at least relative to in the detail (the zero gradient of a k-bias);
+    blocks: more (axis, length, word) blocks to look for a permutation of (the tensor's shards)."""
     labels = labels or [str(i) for i in range(len(copies))]
     if not all(np.isfinite(c).all() for c in copies):
-        return "not finite", "the gradient holds inf or NaN"
-    bad_pad = max((float(np.abs(p).max()) for p in pads if p.size), default=0.0)
+        bad = [labels[i] for i, c in enumerate(copies) if not np.isfinite(c).all()]
+        return "not finite", f"the gradient holds inf or NaN (ranks {' | '.join(bad)})"
     scale = float(np.abs(R).max()) or 1.0
-    if bad_pad > tol * scale:
+    if bad_pad:
         return "padding", (f"the padded entries carry gradient (largest {bad_pad:.2g}, {bad_pad / scale:.2g} of the "
                            f"largest real entry): the padded vocabulary takes part in the loss")
+    nR = float(np.linalg.norm(R))
+    zero = [i for i, c in enumerate(copies) if not np.any(c)]
+    if zero and nR > 0:
+        where = "" if len(zero) == len(copies) else f" on ranks {' | '.join(labels[i] for i in zero)}"
+        return "missing", f"the gradient is zero{where}: it never arrived there"
     groups = distinct(copies, tol)
     if len(groups) > 1:
         k = len(groups)
@@ -131,9 +160,6 @@ def classify(name, copies, R, pads, tol, names, hs, labels=None):
                                    f"reference: an average over {k} ranks is missing")
         return "replicas differ", f"the replicas hold {k} different values (ranks {held}), none adds up to R"
     G = copies[0]
-    nR = float(np.linalg.norm(R))
-    if float(np.linalg.norm(G)) == 0 and nR > 0:
-        return "missing", "the gradient is zero: it never arrived"
     if nR > 0:
         c = float((G * R).sum()) / nR ** 2
         if match(G, c * R, tol) and abs(c - 1) > tol:
@@ -150,13 +176,16 @@ def classify(name, copies, R, pads, tol, names, hs, labels=None):
             return "constant factor", f"{what} (not a size of the layout)"
     if G.ndim == 2 and G.shape[0] == G.shape[1] and match(G, R.T, tol):
         return "transposed", "the gradient is the reference's transpose"
+    tries = list(blocks)
     for axis in range(G.ndim):
         heads, entry = axis_words(name, axis, hs)
-        for block, word in ((hs, heads), (1, entry)):
-            if word is None or block is None:
-                continue
-            order = block_permutation(G, R, axis, block, tol)
-            if order is not None:
-                return "permutation", (f"{word} along axis {axis} in another order: {order} (G's block i is R's "
-                                       f"order[i])")
-    return "no simple pattern", f"differs by {rel(G, R):.2g} (relative), in no pattern tried"
+        tries += [(axis, hs, heads), (axis, 1, entry)]
+    for axis, block, word in tries:
+        if word is None:
+            continue
+        order = block_permutation(G, R, axis, block, tol)
+        if order is not None:
+            return "permutation", (f"{word} along axis {axis} in another order: {order} (G's block i is R's "
+                                   f"order[i])")
+    d = float(np.linalg.norm(G - R)) / max(nR, floor) if max(nR, floor) > 0 else float("inf")
+    return "no simple pattern", f"differs by {d:.2g} (relative), in no pattern tried"

@@ -13,7 +13,6 @@
 benchmarks/crosscheck_torch.py writes PyTorch's without hsgd). Only JSON and .npz read with allow_pickle=False.
 """
 import json
-import math
 import os
 import zipfile
 from dataclasses import dataclass
@@ -66,17 +65,21 @@ class Shard:
 class Tensor:
     name: str
     shape: tuple
-    dtype: str
     transposed: bool
     parts: list           # the reference parameters it holds (one, or the fused ones)
     fuse_axis: int
     interleave: str       # "block" or "head" (fused only)
     group: int
     shards: list
+    lengths: tuple = ()   # each part's length along the fused axis (fused only)
+
+    def part_shapes(self, ref_shapes):
+        """Each part's shape as stored (transposed where the tensor is)."""
+        return [tuple(reversed(ref_shapes[p])) if self.transposed else tuple(ref_shapes[p]) for p in self.parts]
 
     def stored_shape(self, ref_shapes):
         """The full stored shape its reference parameters give."""
-        shapes = [tuple(reversed(ref_shapes[p])) if self.transposed else tuple(ref_shapes[p]) for p in self.parts]
+        shapes = self.part_shapes(ref_shapes)
         if len(self.parts) == 1:
             return shapes[0]
         out = list(shapes[0])
@@ -95,8 +98,8 @@ class Tensor:
                 H = moved.shape[0] // (J * g)
                 cut = moved.reshape((H, J, g) + moved.shape[1:])
                 pieces = [cut[:, j].reshape((H * g,) + moved.shape[1:]) for j in range(J)]
-            else:                              # [p0 | p1 | p2]
-                pieces = np.split(moved, J, axis=0)
+            else:                              # [p0 | p1 | p2], each its own length along the axis
+                pieces = np.split(moved, np.cumsum(self.lengths[:-1]), axis=0)
             pieces = [np.moveaxis(p, 0, self.fuse_axis) for p in pieces]
         return {p: (a.T if self.transposed else a) for p, a in zip(self.parts, pieces)}
 
@@ -143,15 +146,26 @@ class Dump:
 # ------------------------------------------------------------------------------------------------ reading
 
 def _npz(path, what):
+    """{name: array} of an .npz file written by numpy.savez, read without pickle; DumpError for anything else."""
     if not os.path.isfile(path):
         raise DumpError(f"{path}: no such file ({what}); a dump holds layout.json, params.npz, batch.npz and "
                         f"grads-rank{{r}}.npz for every rank (hsgd/crosscheck/FORMAT.md)")
+    fix = "write it with numpy.savez (arrays of numbers, no objects)"
     try:
-        with np.load(path, allow_pickle=False) as z:
-            return {k: z[k] for k in z.files}
-    except (ValueError, OSError, zipfile.BadZipFile, EOFError) as e:
-        reason = "it holds pickled objects, which are not read" if "pickle" in str(e).lower() else str(e)
-        raise DumpError(f"{path}: not a readable .npz file ({reason}); write arrays with numpy.savez") from None
+        z = np.load(path, allow_pickle=False)
+    except (ValueError, OSError, zipfile.BadZipFile, EOFError):
+        raise DumpError(f"{path}: not an .npz file NumPy can read without pickle; {fix}") from None
+    if not isinstance(z, np.lib.npyio.NpzFile):
+        raise DumpError(f"{path}: one array (.npy), not an .npz archive of named arrays; {fix}")
+    try:
+        with z:
+            out = {k: z[k] for k in z.files}
+    except (ValueError, OSError, zipfile.BadZipFile, EOFError):
+        raise DumpError(f"{path}: an entry is not an array NumPy can read without pickle; {fix}") from None
+    bad = [k for k, a in out.items() if not isinstance(a, np.ndarray)]
+    if bad:
+        raise DumpError(f"{path}: entry {bad[0]!r} is not a .npy array; {fix}")
+    return out
 
 
 def _int(value, what, low=0):
@@ -171,11 +185,13 @@ def load(path):
             meta = json.load(f)
     except FileNotFoundError:
         raise DumpError(f"{lpath}: no such file; {path} is not a dump (hsgd/crosscheck/FORMAT.md)") from None
+    except IsADirectoryError:
+        raise DumpError(f"{lpath}: a folder, not a file; layout.json is the dump's JSON description") from None
     except (ValueError, OSError) as e:
         raise DumpError(f"{lpath}: not valid JSON ({e})") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise DumpError(f"{lpath}: \"format\" must be \"{FORMAT}\" (hsgd/crosscheck/FORMAT.md)")
-    if meta.get("version") != VERSION:
+    if meta.get("version") != VERSION or isinstance(meta.get("version"), bool):
         raise DumpError(f"{lpath}: version {meta.get('version')!r}; this hsgd reads version {VERSION}")
     model = meta.get("model")
     if not isinstance(model, dict) or sorted(model) != sorted(MODEL_KEYS):
@@ -203,6 +219,8 @@ def load(path):
         if tuple(params[name].shape) != t.shape:
             raise DumpError(f"params.npz: {name} has shape {params[name].shape}, layout.json says {list(t.shape)}")
         _floating(params[name], f"params.npz: {name}")
+        if not np.isfinite(params[name]).all():
+            raise DumpError(f"params.npz: {name} holds inf or NaN; the parameters before the step must be finite")
     extra = sorted(set(params) - set(tensors))
     if extra:
         raise DumpError(f"params.npz: {extra[0]!r} is not a tensor of layout.json")
@@ -264,6 +282,8 @@ def _tensors(entries, cfg, ranks):
             if not isinstance(fused, dict) or not isinstance(fused.get("parts"), list) or len(fused["parts"]) < 1:
                 raise DumpError(f"{where}: fused must give \"parts\" (reference names) and \"axis\"")
             parts, interleave = fused["parts"], fused.get("interleave", "block")
+            if not all(isinstance(p, str) for p in parts):
+                raise DumpError(f"{where}: fused.parts must be the reference parameters' names (strings)")
             if interleave not in ("block", "head"):
                 raise DumpError(f"{where}: fused.interleave {interleave!r} must be block or head")
             group = _int(fused.get("group", hs), f"{name}: fused.group", 1)
@@ -275,7 +295,11 @@ def _tensors(entries, cfg, ranks):
             if p in owner:
                 raise DumpError(f"{where}: {p} is held by {owner[p]} too; every parameter is held once")
             owner[p] = name
-        transposed = bool(e.get("transposed", False))
+        transposed = e.get("transposed", False)
+        if not isinstance(transposed, bool):
+            raise DumpError(f"{where}: transposed {transposed!r} must be true or false")
+        if e.get("dtype", "float64") not in DTYPES:
+            raise DumpError(f"{where}: dtype {e.get('dtype')!r} must be one of {', '.join(DTYPES)}")
         shapes = {p: ref_shapes[p] for p in parts}
         if transposed and any(len(s) != 2 for s in shapes.values()):
             raise DumpError(f"{where}: transposed is for 2-D weights only")
@@ -286,7 +310,14 @@ def _tensors(entries, cfg, ranks):
             _int(axis, f"{name}: fused.axis")
             if axis >= ndim:
                 raise DumpError(f"{where}: fused.axis {axis} is not an axis of a {ndim}-D tensor")
-        t = Tensor(name, (), e.get("dtype", "float64"), transposed, parts, axis, interleave, group, [])
+        t = Tensor(name, (), transposed, parts, axis, interleave, group, [])
+        stored = t.part_shapes(ref_shapes)
+        if len(parts) > 1:
+            off_axis = {s[:axis] + s[axis + 1:] for s in stored}
+            if len(off_axis) != 1:
+                raise DumpError(f"{where}: fused parts of shapes {stored} do not line up: all but axis {axis} must "
+                                "be equal")
+            t.lengths = tuple(s[axis] for s in stored)
         t.shape = tuple(t.stored_shape(ref_shapes))
         given = e.get("shape")
         if not isinstance(given, list) or tuple(given) != t.shape:
@@ -328,8 +359,10 @@ def _shards(entries, t, ranks, where):
         if axis >= len(t.shape):
             raise DumpError(f"{where}: shard {i}: axis {axis} is not an axis of shape {list(t.shape)}")
         offset = _int(s.get("offset"), f"{t.name} shard {i}: offset")
-        length = _int(s.get("length"), f"{t.name} shard {i}: length", 1)
+        length = _int(s.get("length"), f"{t.name} shard {i}: length")
         padding = _int(s.get("padding", 0), f"{t.name} shard {i}: padding")
+        if length + padding < 1:
+            raise DumpError(f"{where}: shard {i} holds nothing (length 0 and no padding)")
         if offset + length > t.shape[axis]:
             raise DumpError(f"{where}: shard {i} ({offset} + {length}) runs past {t.shape[axis]} entries of axis "
                             f"{axis}")
@@ -338,6 +371,11 @@ def _shards(entries, t, ranks, where):
     split = axes - {None}
     if len(split) > 1:
         raise DumpError(f"{where}: its shards split it along axes {sorted(split)}; one axis per tensor")
+    slices = sorted({(s.offset, s.length) for s in shards if s.axis is not None and s.length})
+    for (o1, n1), (o2, n2) in zip(slices, slices[1:]):
+        if o2 < o1 + n1:
+            raise DumpError(f"{where}: shards [{o1}, {o1 + n1}) and [{o2}, {o2 + n2}) overlap without being the same "
+                            "slice; replicas hold the same slice, other shards disjoint ones")
     if split and None not in axes:
         axis = split.pop()
         covered = np.zeros(t.shape[axis], bool)
@@ -393,6 +431,3 @@ def shard_entry(rank, axis=None, offset=0, length=0, padding=0, key=None):
         e["key"] = key
     return e
 
-
-def numel(shape):
-    return math.prod(shape)

@@ -62,6 +62,9 @@ class DumpStep(StepWatcher):
                              tensors=tensors, params={n: host(a) for n, a in self.params.items()},
                              idx=to_numpy(idx), targets=to_numpy(targets))
                 self.say(f"dump of step {step}: {self.path} (check it: python -m hsgd.crosscheck {self.path})")
+        if not all(np.isfinite(g).all() for g in grads.values()) and trainer.scaler:
+            self.say(f"note: step {step}'s gradients overflowed at loss scale {scale:g}: hsgd skips this update and "
+                     "halves the scale; the dump holds the overflowed gradients (crosscheck calls them not finite)")
         launch.agree(world, write)                                   # a write error: on every rank
         self.params = self.batch = None
 

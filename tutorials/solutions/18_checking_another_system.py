@@ -104,11 +104,11 @@ def write_fused(path, interleave_said):
         if ".attn.q." in n:
             w = n.endswith("weight")
             name, parts = n.replace(".q.", ".qkv."), [n, n.replace(".q.", ".k."), n.replace(".q.", ".v.")]
-            t = Tensor(name, (), "float64", w, parts, 0, "block", HS, [])       # what the system really stores
+            t = Tensor(name, (), w, parts, 0, "block", HS, [])       # what the system really stores
             e = {"transposed": w, "fused": {"axis": 0, "parts": parts, "interleave": interleave_said, "group": HS}}
         else:
             w = len(shape) == 2 and n not in ("wte", "wpe")
-            t = Tensor(n, (), "float64", w, [n], 0, "block", 0, [])
+            t = Tensor(n, (), w, [n], 0, "block", 0, [])
             name, e = n, {"transposed": w}
         stored_p[name], stored_g[name] = t.from_reference(params), t.from_reference(grads)
         e.update(shape=list(stored_p[name].shape), dtype="float64", shards=[shard_entry(0)])
