@@ -227,6 +227,7 @@ def test_a_bfloat16_dump_is_held_to_the_rounding_band(tmp_path):
     band = rows["h.0.mlp.fc.weight"]["tolerance"]
     print("band", band)
     assert ok and 1e-4 < band < 0.2
+    assert rows["h.0.mlp.fc.weight"]["class"] == ""                     # exact: no rounding to speak of
     write_tp_dump(tmp_path, dtype="bfloat16", change=lambda n, r, a: a * 1.5 if n == "h.0.mlp.fc.weight" else a)
     ok, _, rows = verdict(tmp_path)
     assert not ok and not rows["h.0.mlp.fc.weight"]["ok"] and rows["h.0.mlp.fc.weight"]["class"] == \
