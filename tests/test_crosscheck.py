@@ -274,3 +274,12 @@ def test_a_loss_that_is_not_finite_is_said_so(tmp_path, capsys):
     write_tp_dump(tmp_path, loss_change=float("nan"))
     assert main([str(tmp_path)]) == 1
     assert "the loss the system reports is not finite" in capsys.readouterr().out
+
+
+def test_the_verdict_as_json(tmp_path):
+    write_tp_dump(tmp_path / "d", change=lambda n, r, a: 2 * a if n == "wpe" else a)
+    assert main([str(tmp_path / "d"), "--json", str(tmp_path / "v.json")]) == 1
+    v = json.load(open(tmp_path / "v.json"))
+    rows = {r["name"]: r for r in v["parameters"]}
+    assert v["ok"] is False and v["loss"]["ok"] and rows["wpe"]["class"] == "constant factor" and rows["wte"]["ok"]
+    assert main([str(tmp_path / "d"), "--json", str(tmp_path / "no" / "v.json")]) == 2

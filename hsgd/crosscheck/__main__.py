@@ -31,6 +31,7 @@ import numpy as np
 from .. import serial
 from ..errors import EXIT_USAGE, UsageError
 from ..precision import LOW, unit_roundoff
+from ..preflight import writable_file
 from .classify import classify, factor_names
 from .dump import load
 
@@ -269,6 +270,8 @@ def main(argv=None):
     try:
         if args.draws < 2:
             raise UsageError(f"--draws {args.draws}: the band needs at least 2 draws of the error model")
+        if args.json:
+            writable_file(args.json, "--json", UsageError)        # before any work (hsgd.preflight)
         dump = load(args.dump)
         ok, loss_row, rows = check(dump, args.draws)
     except UsageError as e:
