@@ -3,8 +3,8 @@ PyTorch's own DTensor API and data-parallel over a second mesh dimension, writte
 hsgd/crosscheck/FORMAT.md, so that `python -m hsgd.crosscheck DIR` checks its gradients against hsgd's serial
 float64 reference.
 
-    python benchmarks/crosscheck_torch.py --tp 2 --dp 2 --out /tmp/xc [--micro-batches 2] [--bug NAME]
-    python -m hsgd.crosscheck /tmp/xc
+    python benchmarks/crosscheck_torch.py --tp 2 --dp 2 --out dump [--micro-batches 2] [--bug NAME]
+    python -m hsgd.crosscheck dump
 
 The program is written the way a PyTorch user writes it, not the way hsgd does:
   * the model is an nn.Module (nn.Embedding, nn.LayerNorm, nn.Linear with its (out, in) weights) whose attention
