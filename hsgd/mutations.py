@@ -39,75 +39,81 @@ BUGS = {
 def injected(bug, name="ln_f.weight"):
     """Run the block with `bug` (a key of BUGS); `name`: the parameter missing-tp-scale and low-precision-scale
     scale, and head-permutation permutes."""
-    Stage = stage_module.Stage
-    owner = Stage                                                          # whose attribute the bug replaces
-    if bug == "missing-tp-scale":
-        attr, original = "run", Stage.run
-
-        def broken(self, params, grads, mbs, *args, **kwargs):
-            loss = original(self, params, grads, mbs, *args, **kwargs)
-            if grads.get(name) is not None:
-                grads[name] *= self.tp_comm.size                   # should have been x 1
-            return loss
-    elif bug == "low-precision-scale":
-        attr, original = "run", Stage.run
-
-        def broken(self, params, grads, mbs, *args, **kwargs):
-            loss = original(self, params, grads, mbs, *args, **kwargs)
-            if self.num.rounds and grads.get(name) is not None:
-                grads[name] *= 1.1                                  # should have been x 1
-            return loss
-    elif bug == "dropped-micro-batch":
-        attr, original = "receive", Stage.receive
-
-        def broken(self, a, mbs):
-            d = original(self, a, mbs)
-            if a.kind == "B" and self.chunks[a.chunk].last and a.mb == self.m - 1 and self.m > 1:
-                return 0.0 * d                                     # should have been S / m
-            return d
-    elif bug == "unscaled-allgather-adjoint":
-        owner, attr, original = tp_schemes, "allgather_backward", tp_schemes.allgather_backward
-
-        def broken(dy, comm, replicated=True, reduce_scatter=False, scale=None):
-            if replicated:
-                return original(dy, comm, True, True, 1.0)                 # should have been scale 1/tp
-            return original(dy, comm, replicated, reduce_scatter, scale)
-    elif bug == "zero-without-1/dp":
-        owner, attr, original = zero.ZeroExchange, "average", zero.ZeroExchange.average
-
-        def broken(self):
-            original(self)
-            self.g_chunk *= self.dp_comm.size                              # undoes the 1/dp
-    elif bug == "pipeline-without-1/m":
-        attr, original = "receive", Stage.receive
-
-        def broken(self, a, mbs):
-            d = original(self, a, mbs)
-            if a.kind == "B" and self.chunks[a.chunk].last:
-                return d * self.m                                          # should have been S / m
-            return d
-    elif bug == "sequence-without-ln-reduction":
-        owner, attr, original = tp_schemes.Sequence, "finish_replicated", tp_schemes.Sequence.finish_replicated
-
-        def broken(self, part, grads, comm):
-            flat, local, names = part                                      # (no Allreduce of the partials)
-            for n in names:
-                grads[n] += local[n]
-    elif bug == "head-permutation":
-        attr, original = "run", Stage.run
-
-        def broken(self, params, grads, mbs, *args, **kwargs):
-            loss = original(self, params, grads, mbs, *args, **kwargs)
-            g = grads.get(name)
-            if g is not None:
-                hs = self.cfg.d_model // self.cfg.n_heads
-                heads = g.shape[1] // hs                                   # this rank's heads, hs columns each
-                g[...] = g.reshape(g.shape[0], heads, hs)[:, ::-1].reshape(g.shape).copy()
-            return loss
-    else:
-        raise ValueError(f"bug {bug!r}: one of {', '.join(BUGS)}")
-    setattr(owner, attr, broken)
+    owner, attr, broken = patch(bug, name)
+    original = getattr(owner, attr)
+    setattr(owner, attr, broken(original))
     try:
         yield
     finally:
         setattr(owner, attr, original)
+
+
+def patch(bug, name):
+    """(the object, the attribute the bug replaces, a function of the original that returns the replacement)."""
+    if bug == "missing-tp-scale":
+        return after_run(lambda st, grads: scale(grads, name, st.tp_comm.size))        # should have been x 1
+    if bug == "low-precision-scale":
+        return after_run(lambda st, grads: scale(grads, name, 1.1 if st.num.rounds else 1.0))
+    if bug == "head-permutation":
+        return after_run(lambda st, grads: reverse_heads(grads.get(name), st.cfg.d_model // st.cfg.n_heads))
+    if bug == "dropped-micro-batch":                                       # should have been S / m
+        return on_dloss(lambda st, a, d: 0.0 * d if a.mb == st.m - 1 and st.m > 1 else d)
+    if bug == "pipeline-without-1/m":
+        return on_dloss(lambda st, a, d: d * st.m)                         # should have been S / m
+    if bug == "unscaled-allgather-adjoint":
+        def broken(original):
+            def unscaled(dy, comm, replicated=True, reduce_scatter=False, scale=None):
+                if replicated:
+                    return original(dy, comm, True, True, 1.0)             # should have been scale 1/tp
+                return original(dy, comm, replicated, reduce_scatter, scale)
+            return unscaled
+        return tp_schemes, "allgather_backward", broken
+    if bug == "zero-without-1/dp":
+        def broken(original):
+            def summed(self):
+                original(self)
+                self.g_chunk *= self.dp_comm.size                          # undoes the 1/dp
+            return summed
+        return zero.ZeroExchange, "average", broken
+    if bug == "sequence-without-ln-reduction":
+        def broken(original):
+            def partial(self, part, grads, comm):
+                flat, local, names = part                                  # (no Allreduce of the partials)
+                for n in names:
+                    grads[n] += local[n]
+            return partial
+        return tp_schemes.Sequence, "finish_replicated", broken
+    raise ValueError(f"bug {bug!r}: one of {', '.join(BUGS)}")
+
+
+def after_run(change):
+    """Stage.run, then change(stage, grads) on the gradients of this rank's stage."""
+    def broken(original):
+        def run(self, params, grads, mbs, *args, **kwargs):
+            loss = original(self, params, grads, mbs, *args, **kwargs)
+            change(self, grads)
+            return loss
+        return run
+    return stage_module.Stage, "run", broken
+
+
+def on_dloss(change):
+    """Stage.receive, with the dloss a backward action of the last chunk starts from replaced by change(stage,
+    action, dloss)."""
+    def broken(original):
+        def receive(self, a, mbs):
+            d = original(self, a, mbs)
+            return change(self, a, d) if a.kind == "B" and self.chunks[a.chunk].last else d
+        return receive
+    return stage_module.Stage, "receive", broken
+
+
+def scale(grads, name, factor):
+    if grads.get(name) is not None:
+        grads[name] *= factor
+
+
+def reverse_heads(g, hs):
+    """This rank's heads (blocks of hs columns) of g in reverse order, in place."""
+    if g is not None:
+        g[...] = g.reshape(g.shape[0], g.shape[1] // hs, hs)[:, ::-1].reshape(g.shape).copy()
