@@ -70,7 +70,7 @@ from torch.distributed.tensor.parallel import (  # noqa: E402
 
 from hsgd import serial  # noqa: E402
 from hsgd.config import ModelConfig  # noqa: E402
-from hsgd.crosscheck.dump import layout_text  # noqa: E402
+from hsgd.crosscheck.write import layout_text  # noqa: E402
 from hsgd.errors import ConfigError  # noqa: E402
 
 BUGS = {

@@ -67,7 +67,7 @@ of the algorithm:
                             Narayanan et al. 2021: paper.py, validate.py; hardware files and --calibrate)
     hsgd.crosscheck         python -m hsgd.crosscheck DIR: another system's (or hsgd's, --dump-step) gradients of one
                             step against the serial reference, per parameter, each wrong one classified (FORMAT.md:
-                            the dump; dump.py, hsgd_dump.py, classify.py)
+                            the dump; dump.py, read.py, write.py, hsgd_dump.py, classify.py)
 """
 # First, before anything imports NumPy: hsgd.threads sets OPENBLAS_THREAD_TIMEOUT if NumPy is not loaded yet, and
 # records whether it took effect (threads.openblas_note(); the module's docstring explains the setting).

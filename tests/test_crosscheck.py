@@ -12,7 +12,9 @@ import hsgd
 from hsgd import serial, tp_model
 from hsgd.crosscheck.__main__ import check, main
 from hsgd.crosscheck.classify import block_permutation, factor_names, name_factor
-from hsgd.crosscheck.dump import DumpError, Tensor, load, shard_entry, write_layout, write_rank
+from hsgd.crosscheck.dump import DumpError
+from hsgd.crosscheck.read import load
+from hsgd.crosscheck.write import write_layout, write_one_rank, write_rank
 from hsgd.crosscheck.hsgd_dump import shard_of
 
 CFG = hsgd.ModelConfig(vocab_size=37, seq_len=8, d_model=16, n_heads=4, n_layers=1, d_ff=32)
@@ -66,28 +68,10 @@ def test_fused_qkv_interleaved_per_head_and_transposed_weights_map_back_exactly(
     params = serial.init_params(CFG, seed=2, dtype="float64")
     idx, targets = batch(1)
     loss, grads = serial.loss_and_grads(params, idx, targets, CFG)
-    tensors, stored_p, stored_g = {}, {}, {}
-    for n, shape in CFG.param_shapes().items():
-        if ".attn.k." in n or ".attn.v." in n:
-            continue
-        if ".attn.q." in n:
-            w = n.endswith("weight")
-            name = n.replace(".q.", ".qkv.")
-            parts = [n, n.replace(".q.", ".k."), n.replace(".q.", ".v.")]
-            t = Tensor(name, (), w, parts, 0, "head", HS, [])
-            e = {"fused": {"axis": 0, "parts": parts, "interleave": "head", "group": HS}, "transposed": w}
-        else:
-            w = len(shape) == 2 and n not in ("wte", "wpe")
-            t = Tensor(n, (), w, [n], 0, "block", 0, [])
-            name, e = n, {"transposed": w}
-        stored_p[name], stored_g[name] = t.from_reference(params), t.from_reference(grads)
-        e.update(shape=list(stored_p[name].shape), dtype="float64", shards=[shard_entry(0)])
-        tensors[name] = e
+    stored = write_one_rank(tmp_path, CFG, params, grads, loss=loss, idx=idx, targets=targets, system="test")
     # the fused tensor's rows are [q_h0 k_h0 v_h0 q_h1 ...]: rows 4..7 are head 0 of k, i.e. column 0..3 of k
-    assert np.array_equal(stored_p["h.0.attn.qkv.weight"][HS:2 * HS], params["h.0.attn.k.weight"][:, :HS].T)
-    write_rank(tmp_path, 0, stored_g)
-    write_layout(tmp_path, system="test", cfg=CFG, dtype="float64", loss=loss, ranks=1, parallel={},
-                 tensors=tensors, params=stored_p, idx=idx, targets=targets)
+    assert np.array_equal(stored["h.0.attn.qkv.weight"][HS:2 * HS], params["h.0.attn.k.weight"][:, :HS].T)
+    assert json.load(open(tmp_path / "layout.json"))["tensors"]["h.0.attn.qkv.weight"]["transposed"] is True
     ok, _, rows = verdict(tmp_path)
     print(max(r["error"] for r in rows.values()))
     assert ok and max(r["error"] for r in rows.values()) < 1e-14
@@ -255,7 +239,7 @@ def test_more_malformed_dumps_are_refused(tmp_path, edit, words):
 
 def test_fused_parts_that_do_not_line_up_are_refused_and_unequal_blocks_map_back(tmp_path):
     """Fused "block" parts may differ in length along the axis (q|k|v with fewer k, v heads would), not across."""
-    from hsgd.crosscheck.dump import _tensors
+    from hsgd.crosscheck.read import _tensors
     fused = {"h.0.attn.qf.weight": {"shape": [16, 48], "fused": {"axis": 1, "parts": ["h.0.attn.q.weight",
              "h.0.mlp.fc.weight"]}, "shards": [{"rank": 0}]}}
     rest = {n: {"shape": list(s), "shards": [{"rank": 0}]} for n, s in CFG.param_shapes().items()

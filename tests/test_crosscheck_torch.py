@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("torch")
 
 from hsgd.crosscheck.__main__ import check  # noqa: E402
-from hsgd.crosscheck.dump import load  # noqa: E402
+from hsgd.crosscheck.read import load  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--d-model", "16", "--n-heads", "4", "--n-layers", "1", "--d-ff", "32", "--seq-len", "8", "--batch", "8"]

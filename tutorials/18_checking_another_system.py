@@ -69,7 +69,7 @@ from mpi4py import MPI
 from threadpoolctl import threadpool_limits
 
 from hsgd.crosscheck.__main__ import check as crosscheck, copies_of, report
-from hsgd.crosscheck.dump import load
+from hsgd.crosscheck.read import load
 from hsgd.crosscheck.hsgd_dump import dump_one_step
 from hsgd.data import Corpus
 from hsgd.mutations import BUGS, injected

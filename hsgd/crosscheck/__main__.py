@@ -1,7 +1,7 @@
 """python -m hsgd.crosscheck DIR: check a dump of one training step (any system's; hsgd/crosscheck/FORMAT.md)
 against hsgd's serial reference in float64, and name the kind of bug each wrong gradient shows.
 
-    1. read and check the dump (hsgd.crosscheck.dump; exit 2 with one line when it does not fit together)
+    1. read and check the dump (hsgd.crosscheck.read; exit 2 with one line when it does not fit together)
     2. the reference: hsgd.serial.loss_and_grads in float64 on the dump's parameters and batch
     3. every tensor's gradient reassembled from its shards, one copy per replica, and mapped to the reference's
        parameters (a transpose, a fused q|k|v cut apart)
@@ -33,7 +33,7 @@ from ..errors import EXIT_USAGE, UsageError
 from ..precision import LOW, unit_roundoff
 from ..preflight import writable_file
 from .classify import classify, factor_names
-from .dump import load
+from .read import load
 
 TOLERANCE = {"float64": (1e-10, 1e-10), "float32": (1e-6, 1e-4)}        # (loss, gradients), relative
 FLOOR = 1e-3              # a parameter's error is relative to at least FLOOR x the model's largest gradient entry

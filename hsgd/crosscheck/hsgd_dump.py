@@ -19,7 +19,7 @@ from ..hybrid import HybridTrainer
 from ..backend import to_numpy
 from ..tp_layers import vocab_range
 from ..watch import StepWatcher
-from .dump import shard_entry, write_layout, write_rank
+from .write import shard_entry, write_layout, write_rank
 
 
 class DumpStep(StepWatcher):

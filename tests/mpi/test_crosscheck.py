@@ -13,7 +13,7 @@ import pytest
 
 import hsgd
 from hsgd.crosscheck.__main__ import check, report
-from hsgd.crosscheck.dump import load
+from hsgd.crosscheck.read import load
 from hsgd.crosscheck.hsgd_dump import dump_one_step
 from hsgd.data import Corpus
 from hsgd.grid import factorizations

@@ -21,7 +21,9 @@ from mpi4py import MPI  # noqa: E402
 from threadpoolctl import threadpool_limits  # noqa: E402
 
 from hsgd.crosscheck.__main__ import check as crosscheck  # noqa: E402
-from hsgd.crosscheck.dump import Tensor, grads_file, load, shard_entry, write_layout, write_rank  # noqa: E402
+from hsgd.crosscheck.dump import grads_file  # noqa: E402
+from hsgd.crosscheck.read import load  # noqa: E402
+from hsgd.crosscheck.write import shard_entry, write_layout, write_one_rank, write_rank  # noqa: E402
 from hsgd.crosscheck.hsgd_dump import dump_one_step  # noqa: E402
 from hsgd.data import Corpus  # noqa: E402
 from hsgd.mutations import injected  # noqa: E402
@@ -97,26 +99,8 @@ def write_fused(path, interleave_said):
     """A one-rank dump in PyTorch's orientation, q|k|v fused as [q | k | v] (block) and stored (out, in); its
     layout.json says `interleave_said`."""
     params, idx, targets, loss, grads = step(seed=4)
-    tensors, stored_p, stored_g = {}, {}, {}
-    for n, shape in CFG.param_shapes().items():
-        if ".attn.k." in n or ".attn.v." in n:
-            continue
-        if ".attn.q." in n:
-            w = n.endswith("weight")
-            name, parts = n.replace(".q.", ".qkv."), [n, n.replace(".q.", ".k."), n.replace(".q.", ".v.")]
-            t = Tensor(name, (), w, parts, 0, "block", HS, [])       # what the system really stores
-            e = {"transposed": w, "fused": {"axis": 0, "parts": parts, "interleave": interleave_said, "group": HS}}
-        else:
-            w = len(shape) == 2 and n not in ("wte", "wpe")
-            t = Tensor(n, (), w, [n], 0, "block", 0, [])
-            name, e = n, {"transposed": w}
-        stored_p[name], stored_g[name] = t.from_reference(params), t.from_reference(grads)
-        e.update(shape=list(stored_p[name].shape), dtype="float64", shards=[shard_entry(0)])
-        tensors[name] = e
-    write_rank(path, 0, stored_g)
-    write_layout(path, system=f"by hand: qkv stored block, layout says {interleave_said}", cfg=CFG,
-                 dtype="float64", loss=loss, ranks=1, parallel={}, tensors=tensors, params=stored_p, idx=idx,
-                 targets=targets)
+    write_one_rank(path, CFG, params, grads, loss=loss, idx=idx, targets=targets, stored="block",
+                   said=interleave_said, system=f"by hand: qkv stored block, layout says {interleave_said}")
 
 
 def exercise_2(check):

@@ -1,0 +1,288 @@
+"""Reading a crosscheck dump (hsgd/crosscheck/FORMAT.md): `load(DIR)` reads layout.json, params.npz, batch.npz and
+every rank's grads-rank{r}.npz and checks each against the others: the tensors give every parameter of the model
+once, in its shape (fused, transposed); the shards lie inside their tensors, cover them, and are the arrays the
+ranks wrote; the parameters are finite, the batch's ids in the vocabulary. Anything that does not fit is one
+DumpError (exit 2) saying what and what would. Only JSON, and .npz read with allow_pickle=False.
+"""
+import json
+import os
+import zipfile
+
+import numpy as np
+
+from ..config import ModelConfig
+from ..errors import ConfigError
+from .dump import (DTYPES, FORMAT, MODEL_KEYS, PARALLEL, VERSION, Dump, DumpError, Shard, Tensor,
+                   grads_file)
+
+
+def _npz(path, what):
+    """{name: array} of an .npz file written by numpy.savez, read without pickle; DumpError for anything else."""
+    if not os.path.isfile(path):
+        raise DumpError(f"{path}: no such file ({what}); a dump holds layout.json, params.npz, batch.npz and "
+                        f"grads-rank{{r}}.npz for every rank (hsgd/crosscheck/FORMAT.md)")
+    fix = "write it with numpy.savez (arrays of numbers, no objects)"
+    try:
+        z = np.load(path, allow_pickle=False)
+    except (ValueError, OSError, zipfile.BadZipFile, EOFError):
+        raise DumpError(f"{path}: not an .npz file NumPy can read without pickle; {fix}") from None
+    if not isinstance(z, np.lib.npyio.NpzFile):
+        raise DumpError(f"{path}: one array (.npy), not an .npz archive of named arrays; {fix}")
+    try:
+        with z:
+            out = {k: z[k] for k in z.files}
+    except (ValueError, OSError, zipfile.BadZipFile, EOFError):
+        raise DumpError(f"{path}: an entry is not an array NumPy can read without pickle; {fix}") from None
+    bad = [k for k, a in out.items() if not isinstance(a, np.ndarray)]
+    if bad:
+        raise DumpError(f"{path}: entry {bad[0]!r} is not a .npy array; {fix}")
+    return out
+
+
+def _int(value, what, low=0):
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise DumpError(f"layout.json: {what} = {value!r} must be an integer >= {low}")
+    return value
+
+
+def load(path):
+    """The Dump in folder `path`, every part checked against the others; DumpError says what does not fit."""
+    if not os.path.isdir(path):
+        raise DumpError(f"{path}: not a folder; give the folder a dump was written to (hsgd.train --dump-step N DIR, "
+                        "or another system's writer of hsgd/crosscheck/FORMAT.md)")
+    meta = _layout_json(os.path.join(path, "layout.json"), path)
+    cfg, dtype, loss, ranks, parallel = _header(meta)
+    tensors = _tensors(meta.get("tensors"), cfg, ranks)
+    params = _params(os.path.join(path, "params.npz"), tensors)
+    idx, targets = _batch(os.path.join(path, "batch.npz"), cfg)
+    grads = _grads(path, tensors, ranks)
+    return Dump(path, meta, cfg, dtype, loss, ranks, parallel, tensors, params, idx, targets, grads)
+
+
+def _layout_json(lpath, path):
+    """layout.json's object, of this format and version."""
+    try:
+        with open(lpath, encoding="utf-8") as f:
+            meta = json.load(f)
+    except FileNotFoundError:
+        raise DumpError(f"{lpath}: no such file; {path} is not a dump (hsgd/crosscheck/FORMAT.md)") from None
+    except IsADirectoryError:
+        raise DumpError(f"{lpath}: a folder, not a file; layout.json is the dump's JSON description") from None
+    except (ValueError, OSError) as e:
+        raise DumpError(f"{lpath}: not valid JSON ({e})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise DumpError(f"{lpath}: \"format\" must be \"{FORMAT}\" (hsgd/crosscheck/FORMAT.md)")
+    if meta.get("version") != VERSION or isinstance(meta.get("version"), bool):
+        raise DumpError(f"{lpath}: version {meta.get('version')!r}; this hsgd reads version {VERSION}")
+    return meta
+
+
+def _header(meta):
+    """(ModelConfig, dtype, loss, ranks, {dp, tp, pp, cp, micro_batches}) from layout.json, checked."""
+    model = meta.get("model")
+    if not isinstance(model, dict) or sorted(model) != sorted(MODEL_KEYS):
+        raise DumpError(f"layout.json: \"model\" must give exactly {', '.join(MODEL_KEYS)}")
+    try:
+        cfg = ModelConfig(**model)
+    except ConfigError as e:
+        raise DumpError(f"layout.json: model: {e}") from None
+    dtype = meta.get("dtype")
+    if dtype not in DTYPES:
+        raise DumpError(f"layout.json: dtype {dtype!r} must be one of {', '.join(DTYPES)}")
+    loss = meta.get("loss")
+    if isinstance(loss, bool) or not isinstance(loss, (int, float)):
+        raise DumpError(f"layout.json: loss {loss!r} must be a number (the step's mean loss)")
+    ranks = _int(meta.get("ranks"), "ranks", 1)
+    parallel = meta.get("parallel", {})
+    if not isinstance(parallel, dict) or set(parallel) - set(PARALLEL):
+        raise DumpError(f"layout.json: \"parallel\" may give {', '.join(PARALLEL)} only")
+    parallel = {k: _int(parallel.get(k, 1), f"parallel.{k}", 1) for k in PARALLEL}
+    return cfg, dtype, float(loss), ranks, parallel
+
+
+def _params(ppath, tensors):
+    """params.npz: every tensor whole, of its shape, finite floating point, nothing else."""
+    params = _npz(ppath, "the parameters before the step")
+    for name, t in tensors.items():
+        if name not in params:
+            raise DumpError(f"params.npz: no array {name!r}; it holds every tensor of layout.json, whole")
+        if tuple(params[name].shape) != t.shape:
+            raise DumpError(f"params.npz: {name} has shape {params[name].shape}, layout.json says {list(t.shape)}")
+        _floating(params[name], f"params.npz: {name}")
+        if not np.isfinite(params[name]).all():
+            raise DumpError(f"params.npz: {name} holds inf or NaN; the parameters before the step must be finite")
+    extra = sorted(set(params) - set(tensors))
+    if extra:
+        raise DumpError(f"params.npz: {extra[0]!r} is not a tensor of layout.json")
+    return params
+
+
+def _batch(bpath, cfg):
+    """(idx, targets) of batch.npz: integer ids of the vocabulary, (B, T) with T <= seq_len, as int64."""
+    batch = _npz(bpath, "the step's batch")
+    idx, targets = batch.get("idx"), batch.get("targets")
+    if idx is None or targets is None:
+        raise DumpError("batch.npz: must hold arrays \"idx\" and \"targets\" (B, T)")
+    for what, a in (("idx", idx), ("targets", targets)):
+        if a.ndim != 2 or a.shape != idx.shape or not np.issubdtype(a.dtype, np.integer):
+            raise DumpError(f"batch.npz: {what} must be integers of one shape (B, T); it is {a.dtype} {a.shape}")
+        if a.size and (a.min() < 0 or a.max() >= cfg.vocab_size):
+            raise DumpError(f"batch.npz: {what} holds ids outside 0..{cfg.vocab_size - 1} (vocab_size)")
+    if idx.shape[1] > cfg.seq_len or idx.size == 0:
+        raise DumpError(f"batch.npz: (B, T) = {idx.shape}; T must be 1..seq_len = {cfg.seq_len}")
+    return idx.astype(np.int64), targets.astype(np.int64)
+
+
+def _grads(path, tensors, ranks):
+    """[{key: array}] of every rank's grads-rank{r}.npz: each shard of layout.json there, of its shape (padding
+    included), and nothing else."""
+    grads = [_npz(os.path.join(path, grads_file(r)), f"rank {r}'s gradients") for r in range(ranks)]
+    used = [set() for _ in range(ranks)]
+    for t in tensors.values():
+        for s in t.shards:
+            have = grads[s.rank].get(s.key)
+            if have is None:
+                raise DumpError(f"{grads_file(s.rank)}: no array {s.key!r} (a shard of {t.name})")
+            want = list(t.shape)
+            if s.axis is not None:
+                want[s.axis] = s.length + s.padding
+            if list(have.shape) != want:
+                raise DumpError(f"{grads_file(s.rank)}: {s.key} has shape {have.shape}, its shard of {t.name} "
+                                f"needs {tuple(want)}")
+            _floating(have, f"{grads_file(s.rank)}: {s.key}")
+            used[s.rank].add(s.key)
+    for r in range(ranks):
+        extra = sorted(set(grads[r]) - used[r])
+        if extra:
+            raise DumpError(f"{grads_file(r)}: {extra[0]!r} is no shard of layout.json")
+    return grads
+
+
+def _floating(a, what):
+    if not np.issubdtype(a.dtype, np.floating):
+        raise DumpError(f"{what} is {a.dtype}; write floating-point arrays (bfloat16 as float32)")
+
+
+def _tensors(entries, cfg, ranks):
+    """{name: Tensor} from layout.json's "tensors", checked: they give every reference parameter once, their shapes
+    are the reference's, their shards lie inside them and cover them."""
+    if not isinstance(entries, dict) or not entries:
+        raise DumpError("layout.json: \"tensors\" must map each tensor's name to its description")
+    owner, out = {}, {}
+    for name, e in entries.items():
+        out[name] = t = _tensor(name, e, cfg, ranks)
+        for p in t.parts:
+            if p in owner:
+                raise DumpError(f"layout.json: tensor {name}: {p} is held by {owner[p]} too; every parameter is held "
+                                "once")
+            owner[p] = name
+    missing = [p for p in cfg.param_shapes() if p not in owner]
+    if missing:
+        raise DumpError(f"layout.json: no tensor holds {missing[0]}" +
+                        (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "") +
+                        "; the tensors together must hold every parameter of the model")
+    return out
+
+
+def _tensor(name, e, cfg, ranks):
+    """One tensor's Tensor from its entry: its parts (itself, or the fused ones), transpose, shape and shards."""
+    where = f"layout.json: tensor {name}"
+    ref_shapes = cfg.param_shapes()
+    if not isinstance(e, dict):
+        raise DumpError(f"{where}: must be an object (hsgd/crosscheck/FORMAT.md)")
+    parts, axis, interleave, group = _fused(e.get("fused"), name, where, cfg.d_model // cfg.n_heads)
+    for p in parts:
+        if p not in ref_shapes:
+            raise DumpError(f"{where}: {p!r} is not a parameter of the model (names as in hsgd.serial, e.g. "
+                            f"h.0.attn.q.weight); without \"fused\" a tensor's name is the parameter's")
+    transposed = e.get("transposed", False)
+    if not isinstance(transposed, bool):
+        raise DumpError(f"{where}: transposed {transposed!r} must be true or false")
+    if e.get("dtype", "float64") not in DTYPES:
+        raise DumpError(f"{where}: dtype {e.get('dtype')!r} must be one of {', '.join(DTYPES)}")
+    ndims = {len(ref_shapes[p]) for p in parts}
+    if transposed and ndims != {2}:
+        raise DumpError(f"{where}: transposed is for 2-D weights only")
+    if len(ndims) != 1 or axis >= next(iter(ndims)):
+        raise DumpError(f"{where}: fused parts must have the same number of dimensions, more than fused.axis {axis}")
+    t = Tensor(name, (), transposed, parts, axis, interleave, group, [])
+    stored = t.part_shapes(ref_shapes)
+    if len(parts) > 1:
+        if len({s[:axis] + s[axis + 1:] for s in stored}) != 1:
+            raise DumpError(f"{where}: fused parts of shapes {stored} do not line up: all but axis {axis} must be "
+                            "equal")
+        t.lengths = tuple(s[axis] for s in stored)
+        if interleave == "head" and (len(set(t.lengths)) != 1 or t.lengths[0] % group):
+            raise DumpError(f"{where}: interleave head needs parts of one length along the axis, a multiple of "
+                            f"group {group}")
+    t.shape = tuple(t.stored_shape(ref_shapes))
+    given = e.get("shape")
+    if not isinstance(given, list) or tuple(given) != t.shape:
+        raise DumpError(f"{where}: shape {given!r}, but its parameters give {list(t.shape)}")
+    t.shards = _shards(e.get("shards"), t, ranks, where)
+    return t
+
+
+def _fused(fused, name, where, hs):
+    """(parts, axis, interleave, group) of a tensor's "fused" entry, or of a plain tensor (None)."""
+    if fused is None:
+        return [name], 0, "block", 0
+    if not isinstance(fused, dict) or not isinstance(fused.get("parts"), list) or len(fused["parts"]) < 1:
+        raise DumpError(f"{where}: fused must give \"parts\" (reference names) and \"axis\"")
+    parts, interleave = fused["parts"], fused.get("interleave", "block")
+    if not all(isinstance(p, str) for p in parts):
+        raise DumpError(f"{where}: fused.parts must be the reference parameters' names (strings)")
+    if interleave not in ("block", "head"):
+        raise DumpError(f"{where}: fused.interleave {interleave!r} must be block or head")
+    group = _int(fused.get("group", hs), f"{name}: fused.group", 1)
+    return parts, _int(fused.get("axis"), f"{name}: fused.axis"), interleave, group
+
+
+def _shards(entries, t, ranks, where):
+    if not isinstance(entries, list) or not entries:
+        raise DumpError(f"{where}: \"shards\" must list where its gradient's pieces are (at least one)")
+    shards, axes = [], set()
+    for i, s in enumerate(entries):
+        if not isinstance(s, dict):
+            raise DumpError(f"{where}: shard {i} must be an object with rank, axis, offset, length")
+        rank = _int(s.get("rank"), f"{t.name} shard {i}: rank")
+        if rank >= ranks:
+            raise DumpError(f"{where}: shard {i} is on rank {rank}, but the dump has ranks 0..{ranks - 1}")
+        axis = s.get("axis")
+        key = s.get("key", t.name)
+        if not isinstance(key, str):
+            raise DumpError(f"{where}: shard {i}: key must be a string")
+        if axis is None:
+            shards.append(Shard(rank, None, 0, 0, 0, key))
+            axes.add(None)
+            continue
+        _int(axis, f"{t.name} shard {i}: axis")
+        if axis >= len(t.shape):
+            raise DumpError(f"{where}: shard {i}: axis {axis} is not an axis of shape {list(t.shape)}")
+        offset = _int(s.get("offset"), f"{t.name} shard {i}: offset")
+        length = _int(s.get("length"), f"{t.name} shard {i}: length")
+        padding = _int(s.get("padding", 0), f"{t.name} shard {i}: padding")
+        if length + padding < 1:
+            raise DumpError(f"{where}: shard {i} holds nothing (length 0 and no padding)")
+        if offset + length > t.shape[axis]:
+            raise DumpError(f"{where}: shard {i} ({offset} + {length}) runs past {t.shape[axis]} entries of axis "
+                            f"{axis}")
+        shards.append(Shard(rank, axis, offset, length, padding, key))
+        axes.add(axis)
+    split = axes - {None}
+    if len(split) > 1:
+        raise DumpError(f"{where}: its shards split it along axes {sorted(split)}; one axis per tensor")
+    slices = sorted({(s.offset, s.length) for s in shards if s.axis is not None and s.length})
+    for (o1, n1), (o2, n2) in zip(slices, slices[1:]):
+        if o2 < o1 + n1:
+            raise DumpError(f"{where}: shards [{o1}, {o1 + n1}) and [{o2}, {o2 + n2}) overlap without being the same "
+                            "slice; replicas hold the same slice, other shards disjoint ones")
+    if split and None not in axes:
+        axis = split.pop()
+        covered = np.zeros(t.shape[axis], bool)
+        for s in shards:
+            covered[s.offset:s.offset + s.length] = True
+        if not covered.all():
+            hole = int(np.argmin(covered))
+            raise DumpError(f"{where}: no shard holds entry {hole} of axis {axis}; the shards must cover it")
+    return shards
