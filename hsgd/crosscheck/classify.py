@@ -133,47 +133,49 @@ def classify(name, copies, R, tol, names, hs, labels=None, bad_pad=0.0, floor=0.
     names: factor_names(...); hs: the head size; labels: the ranks each copy came from ("3", or "0+1" for one
     assembled from the shards of ranks 0 and 1); bad_pad: the largest padding entry, when over its tolerance;
     floor: the norm a difference is at least relative to in the detail (the zero gradient of a k-bias);
-    blocks: more (axis, length, word) blocks to look for a permutation of (the tensor's shards)."""
+    blocks: more (axis, length, word) blocks to look for a permutation of (the tensor's shards).
+    First what the replicas show (not finite, padding, missing, a partial sum), then what one replica's shape
+    shows (a factor, a transpose, a permutation)."""
     labels = labels or [str(i) for i in range(len(copies))]
+    return (of_replicas(copies, R, tol, labels, bad_pad) or
+            of_values(name, copies[0], R, tol, names, hs, floor, blocks))
+
+
+def of_replicas(copies, R, tol, labels, bad_pad):
+    """(class, detail) from the replicas together, or None when they agree and none is zero or not finite."""
     if not all(np.isfinite(c).all() for c in copies):
         bad = [labels[i] for i, c in enumerate(copies) if not np.isfinite(c).all()]
         return "not finite", f"the gradient holds inf or NaN (ranks {' | '.join(bad)})"
-    scale = float(np.abs(R).max()) or 1.0
     if bad_pad:
+        scale = float(np.abs(R).max()) or 1.0
         return "padding", (f"the padded entries carry gradient (largest {bad_pad:.2g}, {bad_pad / scale:.2g} of the "
                            f"largest real entry): the padded vocabulary takes part in the loss")
-    nR = float(np.linalg.norm(R))
     zero = [i for i, c in enumerate(copies) if not np.any(c)]
-    if zero and nR > 0:
+    if zero and np.any(R):
         where = "" if len(zero) == len(copies) else f" on ranks {' | '.join(labels[i] for i in zero)}"
         return "missing", f"the gradient is zero{where}: it never arrived there"
     groups = distinct(copies, tol)
-    if len(groups) > 1:
-        k = len(groups)
-        total = sum(v for v, _ in groups)
-        held = " | ".join(",".join(labels[i] for i in idx) for _, idx in groups)
-        if match(total, R, tol):
-            return "partial sum", (f"the replicas hold {k} different values (ranks {held}); their sum is the "
-                                   f"reference: a sum over {k} ranks is missing")
-        if match(total / k, R, tol):
-            return "partial sum", (f"the replicas hold {k} different values (ranks {held}); their mean is the "
-                                   f"reference: an average over {k} ranks is missing")
-        return "replicas differ", f"the replicas hold {k} different values (ranks {held}), none adds up to R"
-    G = copies[0]
+    if len(groups) == 1:
+        return None
+    k = len(groups)
+    total = sum(v for v, _ in groups)
+    held = " | ".join(",".join(labels[i] for i in idx) for _, idx in groups)
+    if match(total, R, tol):
+        return "partial sum", (f"the replicas hold {k} different values (ranks {held}); their sum is the "
+                               f"reference: a sum over {k} ranks is missing")
+    if match(total / k, R, tol):
+        return "partial sum", (f"the replicas hold {k} different values (ranks {held}); their mean is the "
+                               f"reference: an average over {k} ranks is missing")
+    return "replicas differ", f"the replicas hold {k} different values (ranks {held}), none adds up to R"
+
+
+def of_values(name, G, R, tol, names, hs, floor, blocks):
+    """(class, detail) from one replica G against R: a constant factor, a transpose, a permutation, or none."""
+    nR = float(np.linalg.norm(R))
     if nR > 0:
         c = float((G * R).sum()) / nR ** 2
         if match(G, c * R, tol) and abs(c - 1) > tol:
-            fit = name_factor(c, names, tol)
-            what = f"{c:.6g} x the reference"
-            if fit:
-                bare = [k[2:] if k.startswith("1/") else k for k in fit]
-                n = " or ".join(k if " x " not in k or k.startswith("(") else f"({k})" for k in bare)
-                hint = (f"a sum over {n} where an average belongs, or a 1/({n}) missing" if c > 1 else
-                        f"divided by {n} once too often, or an average over {n} where a sum belongs")
-                if len(fit) == 1:
-                    hint = hint.replace(f"1/({n})", f"1/{n}")
-                return "constant factor", f"{what} = {' or '.join(fit)}: {hint}"
-            return "constant factor", f"{what} (not a size of the layout)"
+            return "constant factor", factor_detail(c, name_factor(c, names, tol))
     if G.ndim == 2 and G.shape[0] == G.shape[1] and match(G, R.T, tol):
         return "transposed", "the gradient is the reference's transpose"
     tries = list(blocks)
@@ -181,11 +183,22 @@ def classify(name, copies, R, tol, names, hs, labels=None, bad_pad=0.0, floor=0.
         heads, entry = axis_words(name, axis, hs)
         tries += [(axis, hs, heads), (axis, 1, entry)]
     for axis, block, word in tries:
-        if word is None:
-            continue
-        order = block_permutation(G, R, axis, block, tol)
+        order = None if word is None else block_permutation(G, R, axis, block, tol)
         if order is not None:
             return "permutation", (f"{word} along axis {axis} in another order: {order} (G's block i is R's "
                                    f"order[i])")
     d = float(np.linalg.norm(G - R)) / max(nR, floor) if max(nR, floor) > 0 else float("inf")
     return "no simple pattern", f"differs by {d:.2g} (relative), in no pattern tried"
+
+
+def factor_detail(c, fit):
+    """What G = c R says, with the sizes `fit` that name c (name_factor), if any."""
+    what = f"{c:.6g} x the reference"
+    if not fit:
+        return f"{what} (not a size of the layout)"
+    bare = [k[2:] if k.startswith("1/") else k for k in fit]
+    n = " or ".join(k if " x " not in k or k.startswith("(") else f"({k})" for k in bare)
+    missing = f"1/{n}" if len(fit) == 1 else f"1/({n})"
+    hint = (f"a sum over {n} where an average belongs, or a {missing} missing" if c > 1 else
+            f"divided by {n} once too often, or an average over {n} where a sum belongs")
+    return f"{what} = {' or '.join(fit)}: {hint}"

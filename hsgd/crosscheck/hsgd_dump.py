@@ -17,14 +17,16 @@ from .. import launch, tp_model
 from ..grid import ProcessGrid
 from ..hybrid import HybridTrainer
 from ..backend import to_numpy
+from ..errors import ConfigError
 from ..tp_layers import vocab_range
 from ..watch import StepWatcher
 from .write import shard_entry, write_layout, write_rank
 
 
 class DumpStep(StepWatcher):
-    def __init__(self, step, path, cfg, tc, say=print):
-        """Dump step `step` of the run (cfg, tc) into folder `path`; say: where rank 0 says it is done."""
+    def __init__(self, step, path, cfg, tc, say=lambda line: None):
+        """Dump step `step` of the run (cfg, tc) into folder `path`; say(line): what the run prints (hsgd.train's
+        prints on rank 0 only), called on every rank."""
         self.step, self.path, self.cfg, self.tc, self.say = step, path, cfg, tc, say
         self.params = self.batch = None
 
@@ -45,6 +47,13 @@ class DumpStep(StepWatcher):
         everyone = world.gather(mine)
 
         def write():
+            try:
+                files()
+            except OSError as e:                                          # (a full disk, a folder made read-only)
+                raise ConfigError(f"--dump-step: {self.path!r} cannot be written ({e.strerror}); choose another "
+                                  "folder") from None
+
+        def files():
             write_rank(self.path, rank, grads)
             if rank == 0:
                 tensors = {}
@@ -61,11 +70,11 @@ class DumpStep(StepWatcher):
                                        "micro_batches": tc.micro_batches},
                              tensors=tensors, params={n: host(a) for n, a in self.params.items()},
                              idx=to_numpy(idx), targets=to_numpy(targets))
-                self.say(f"dump of step {step}: {self.path} (check it: python -m hsgd.crosscheck {self.path})")
+        launch.agree(world, write)                                        # a write error: one line, on every rank
+        self.say(f"dump of step {step}: {self.path} (check it: python -m hsgd.crosscheck {self.path})")
         if not all(np.isfinite(g).all() for g in grads.values()) and trainer.scaler:
             self.say(f"note: step {step}'s gradients overflowed at loss scale {scale:g}: hsgd skips this update and "
                      "halves the scale; the dump holds the overflowed gradients (crosscheck calls them not finite)")
-        launch.agree(world, write)                                   # a write error: on every rank
         self.params = self.batch = None
 
 
