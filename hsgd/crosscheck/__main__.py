@@ -141,19 +141,19 @@ def rounding_band(dump, params, loss0, grads0, draws):
     B = dump.idx.shape[0]
     tc = TrainConfig(dp=1, tp=1, pp=1, cp=1, batch_size=B, dtype="float64", micro_batches=1)
     runs = []
-    for d in range(draws):
-        grid = ProcessGrid(MPI.COMM_SELF, dp=1, pp=1, tp=1, cp=1)
-        trainer = HybridTrainer(dump.cfg, grid, tc)
-        try:
-            trainer.exchange.set_params(params)
+    grid = ProcessGrid(MPI.COMM_SELF, dp=1, pp=1, tp=1, cp=1)
+    trainer = HybridTrainer(dump.cfg, grid, tc)                      # one model, the draws one after the other
+    try:
+        trainer.exchange.set_params(params)
+        for d in range(draws):
             trainer.stage.use(Perturbed(dump.dtype, "float32", salt=d + 1))
-            loss = float(trainer.gradients(dump.idx, dump.targets))
+            loss = float(trainer.gradients(dump.idx, dump.targets))    # (each starts from a zeroed buffer)
             runs.append(({k: np.array(v, dtype=np.float64) for k, v in trainer.averaged_grads().items()},
                          {"loss": np.array(loss)}))
-        finally:
-            trainer.finish()
-            trainer.free()
-            grid.free()
+    finally:
+        trainer.finish()
+        trainer.free()
+        grid.free()
     allowance = LAMBDA * (dump.idx.size ** 0.5) * unit_roundoff("float32")
     var = spread([g for g, _ in runs], grads0)
     var.update(spread([x for _, x in runs], {"loss": np.array(loss0)}))
