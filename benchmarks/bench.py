@@ -28,10 +28,10 @@ Writes benchmarks/results/bench.md (the tables) and bench.json (every number), a
   g. what memory savings cost in time: --recompute selective and full, --zero 3 and both, against the plain step,
      on 2 ranks (dp = 2, one thread each), alternating, with the bytes each moves;
   h. the pipeline schedules (gpipe, 1f1b, interleaved with 2 chunks, zb-h1) on 4 stages: step time and measured
-     bubble, alternating, next to each schedule's equal-cost bubble (hsgd.schedules);
+     bubble, alternating, next to each schedule's equal-cost bubble (hsgd.pp.schedules);
   i. context parallelism on 4 ranks, T = 1024: cp = 4 with ring attention and with the all-gather of keys and
      values, against dp = 4 on the same batch, alternating; cp_comm's bytes and the activation bytes per rank
-     against the formulas, and the attention scores each rank computed (hsgd.cp).
+     against the formulas, and the attention scores each rank computed (hsgd.cp.split).
 Timings are medians over repetitions, with the best next to them: how far apart the two are is the run-to-run
 noise of this machine. Run it on an idle machine. benchmarks/compare_commits.py runs section a for two commits in
 turn, to compare their hsgd / PyTorch ratios against that noise.
@@ -44,24 +44,26 @@ import subprocess
 import sys
 import time
 
-import hsgd  # before NumPy: hsgd sets how OpenBLAS threads wait (see hsgd/threads.py)
+
+# before NumPy: hsgd sets how OpenBLAS threads wait (see hsgd/model/threads.py)
+from hsgd.model.config import ModelConfig
 import numpy as np
 from mpi4py import MPI
 from threadpoolctl import threadpool_info, threadpool_limits
 
-from hsgd import serial
-from hsgd.grid import ProcessGrid
-from hsgd.hybrid import HybridTrainer
-from hsgd.settings import TrainConfig
-from hsgd.threads import set_cpu_threads, tune_allocator
+from hsgd.model import serial
+from hsgd.grid.process_grid import ProcessGrid
+from hsgd.step.trainer import HybridTrainer
+from hsgd.run.settings import TrainConfig
+from hsgd.model.threads import set_cpu_threads, tune_allocator
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from bench_serial import matmul_rate  # noqa: E402
 
 # model, batch, rounds, steps per block (see compare_with_torch)
-CONFIGS = {"small (the default training model)": (hsgd.ModelConfig(256, 64, 128, 4, 4, 512), 16, 6, 6),
-           "mid-size": (hsgd.ModelConfig(256, 256, 512, 8, 4, 2048), 8, 4, 3)}
+CONFIGS = {"small (the default training model)": (ModelConfig(256, 64, 128, 4, 4, 512), 16, 6, 6),
+           "mid-size": (ModelConfig(256, 256, 512, 8, 4, 2048), 8, 4, 3)}
 LR, MOMENTUM = 1e-4, 0.9                      # a tiny step: the weights barely move while they are timed
 
 
@@ -185,7 +187,7 @@ def section_dp(a, res, md, say):
     dp = {k: {n: float(np.median(runs[k, n])) for n in (1, 2)} for k in ("dp", "ddp")}
     res["dp_scaling"] = dp
     res["dp_runs"] = {f"{k} {n}": v for (k, n), v in runs.items()}
-    sc = hsgd.ModelConfig(256, 128, 256, 8, 4, 1024)
+    sc = ModelConfig(256, 128, 256, 8, 4, 1024)
     md += ["", "## c. Data-parallel scaling: the same global batch (16 x 128) on 1 and 2 ranks, 1 thread each", "",
            f"Model L={sc.n_layers} C={sc.d_model} NH={sc.n_heads} F={sc.d_ff}. Each time is the median of "
            f"{len(runs['dp', 1])} runs (alternating between the four; every run below), each run the median of 5 "
@@ -264,7 +266,7 @@ def section_schedules(a, res, md, say):
                f"micro-batches", "",
            "Model as c with 8 layers, global batch 4 pp x 128. Each schedule's median step over alternating rounds "
            "(best in parentheses), the bubble measured in those steps (1 - busy / (stages x span), from each "
-           "stage's timeline; a median) and the equal-cost simulation's (hsgd.schedules).", "",
+           "stage's timeline; a median) and the equal-cost simulation's (hsgd.pp.schedules).", "",
            "| schedule | step median (best) | / 1f1b | bubble measured | bubble, equal costs |",
            "|---|---|---|---|---|"]
     for name, t in r["seconds"].items():
@@ -284,9 +286,9 @@ def section_cp(a, res, md, say):
     md += ["", f"## i. Context parallelism: {r['ranks']} ranks (1 thread each), T = {r['seq_len']}", "",
            "L=2 C=128 NH=4 F=512, global batch 4 x T. dp = 4 gives each rank whole sequences; cp = 4 gives each "
            "rank T/4 positions of every sequence (chunks r and 7-r of 8). Median step over alternating rounds (best "
-           "in parentheses); cp_comm's bytes of one step measured and by hsgd.cp.cp_formula; the activation bytes "
-           "one rank caches (hsgd.memory.activation_formula); the attention scores each rank computed in one "
-           "forward of its 2 layers, per head and sequence (counted).", "",
+           "in parentheses); cp_comm's bytes of one step measured and by hsgd.cp.split.cp_formula; the "
+           "activation bytes one rank caches (hsgd.accounting.activations.activation_formula); the attention scores "
+           "each rank computed in one forward of its 2 layers, per head and sequence (counted).", "",
            "| variant | step median (best) | / dp | cp_comm bytes (formula) | activation bytes per rank | scores "
            "per rank |", "|---|---|---|---|---|---|"]
     for name, t in r["seconds"].items():

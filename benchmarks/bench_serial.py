@@ -7,8 +7,8 @@ Reports the model FLOPs of the step (by formula, ModelConfig.step_flops: the mat
 per second of the measured step, as a fraction of the float32 GEMM rate of this machine measured in the same
 run (a square 2048 x 2048 x 2048 matmul, best of several), for the step's two ways of using the threads: each
 layer splitting its work over them (timed in phases: forward, backward, update), and the batch split over them,
-one slice per thread (serial.loss_and_grads(split=True)). The serial model runs on hsgd.ops, the tuned kernels
-the models use (its default, hsgd.layers, is the plain reference). Prints a markdown table and writes
+one slice per thread (serial.loss_and_grads(split=True)). The serial model runs on hsgd.model.ops, the tuned kernels
+the models use (its default, hsgd.model.layers, is the plain reference). Prints a markdown table and writes
 benchmarks/results/serial.json.
 """
 import argparse
@@ -18,14 +18,14 @@ import platform
 import sys
 import time
 
-import hsgd  # before NumPy: hsgd sets how OpenBLAS threads wait (see hsgd/__init__.py)
+from hsgd.model.config import ModelConfig   # before NumPy: hsgd sets how OpenBLAS threads wait (see hsgd/__init__.py)
 import numpy as np
 from threadpoolctl import threadpool_info, threadpool_limits
 
-from hsgd import ops, serial
-from hsgd.ops import cross_entropy_backward, cross_entropy_forward
-from hsgd.optim import SGD
-from hsgd.threads import set_cpu_threads, tune_allocator
+from hsgd.model import ops, serial
+from hsgd.model.ops import cross_entropy_backward, cross_entropy_forward
+from hsgd.model.optim import SGD
+from hsgd.model.threads import set_cpu_threads, tune_allocator
 
 
 def matmul_rate(n=2048, repeats=5, dtype=np.float32):
@@ -89,7 +89,7 @@ def main(argv=None):
     p.add_argument("--threads", type=int, default=os.cpu_count())
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     a = p.parse_args(argv)
-    cfg = hsgd.ModelConfig(vocab_size=256, seq_len=a.seq_len, d_model=a.d_model, n_heads=a.n_heads,
+    cfg = ModelConfig(vocab_size=256, seq_len=a.seq_len, d_model=a.d_model, n_heads=a.n_heads,
                            n_layers=a.n_layers, d_ff=a.d_ff)
     set_cpu_threads(a.threads)
     tune_allocator()

@@ -24,23 +24,26 @@ import socket
 import sys
 import time
 
-import hsgd  # before NumPy: hsgd sets how OpenBLAS threads wait (see hsgd/threads.py)
+
+# before NumPy: hsgd sets how OpenBLAS threads wait (see hsgd/model/threads.py)
+from hsgd.model.config import ModelConfig
 import numpy as np
 from mpi4py import MPI
 from threadpoolctl import threadpool_limits
 
-from hsgd import serial, tp_model
-from hsgd.data import Corpus
-from hsgd.grid import ProcessGrid
-from hsgd.hybrid import HybridTrainer
-from hsgd.memory import activation_bytes, activation_formula
-from hsgd.report import step_formula
-from hsgd.settings import TrainConfig
-from hsgd.stage import ThreadedStage
-from hsgd.threads import set_cpu_threads, tune_allocator
+from hsgd.model import serial
+from hsgd.tp import model as tp_model
+from hsgd.model.data import Corpus
+from hsgd.grid.process_grid import ProcessGrid
+from hsgd.step.trainer import HybridTrainer
+from hsgd.accounting.activations import activation_bytes, activation_formula
+from hsgd.run.report import step_formula
+from hsgd.run.settings import TrainConfig
+from hsgd.pp.stage import ThreadedStage
+from hsgd.model.threads import set_cpu_threads, tune_allocator
 
 WORLD = MPI.COMM_WORLD
-SCALING = hsgd.ModelConfig(vocab_size=256, seq_len=128, d_model=256, n_heads=8, n_layers=4, d_ff=1024)
+SCALING = ModelConfig(vocab_size=256, seq_len=128, d_model=256, n_heads=8, n_layers=4, d_ff=1024)
 CORPUS = Corpus(np.random.default_rng(0).integers(0, 256, 100_000, dtype=np.uint8).tobytes(), "random", 128)
 
 
@@ -160,7 +163,7 @@ def param_bytes_formula(cfg, tp, itemsize):
 
 def task_memory():
     """Per-rank memory and communication per step for tp in {1, 2, 4, 8} and zero in {0, 1} (dp = 8 / tp)."""
-    cfg = hsgd.ModelConfig(vocab_size=256, seq_len=64, d_model=128, n_heads=8, n_layers=2, d_ff=512)
+    cfg = ModelConfig(vocab_size=256, seq_len=64, d_model=128, n_heads=8, n_layers=2, d_ff=512)
     rows, batch = [], 16
     for tp in (1, 2, 4, 8):
         for zero in (0, 1):
@@ -247,12 +250,12 @@ SCHEDULES = {"gpipe": {}, "1f1b": {}, "interleaved v=2": dict(schedule="interlea
 
 
 def task_schedules():
-    """Median step seconds and the bubble of the last measured step (hsgd.schedules.bubble_fraction of every
+    """Median step seconds and the bubble of the last measured step (hsgd.pp.schedules.bubble_fraction of every
     stage's measured timeline) of each SCHEDULES entry, pp = N stages of an 8-layer SCALING model, global batch
     4N x 128 in 2N micro-batches; and each schedule's equal-cost simulated bubble."""
-    from hsgd.schedules import bubble_fraction, build, simulate
+    from hsgd.pp.schedules import bubble_fraction, build, simulate
     n, rounds = WORLD.Get_size(), int(os.environ.get("BENCH_ROUNDS", "5"))
-    cfg, m = hsgd.ModelConfig(**{**SCALING.__dict__, "n_layers": 8}), 2 * n
+    cfg, m = ModelConfig(**{**SCALING.__dict__, "n_layers": 8}), 2 * n
     idx, targets = CORPUS.batch(0, 1, 2 * m)
     trainers, times, bubbles, predicted = {}, {k: [] for k in SCHEDULES}, {k: [] for k in SCHEDULES}, {}
     for name, extra in SCHEDULES.items():
@@ -275,7 +278,7 @@ def task_schedules():
             "micro_batches": m}
 
 
-LONG = hsgd.ModelConfig(vocab_size=256, seq_len=1024, d_model=128, n_heads=4, n_layers=2, d_ff=512)
+LONG = ModelConfig(vocab_size=256, seq_len=1024, d_model=128, n_heads=4, n_layers=2, d_ff=512)
 CP_VARIANTS = {"dp (whole sequences)": dict(), "cp ring": dict(cp_scheme="ring"),
                "cp allgather": dict(cp_scheme="allgather")}
 
@@ -283,9 +286,9 @@ CP_VARIANTS = {"dp (whole sequences)": dict(), "cp ring": dict(cp_scheme="ring")
 def task_cp():
     """Median step seconds of each CP_VARIANTS entry on LONG (T = 1024), global batch N x 1024, N ranks one thread
     each: dp = N, or cp = N; the variants alternate round by round. For the cp variants also: cp_comm's bytes of one
-    step (measured, formula), the activation bytes per rank (hsgd.memory.activation_formula) and the attention
-    scores computed per rank in one forward (every rank's, counted)."""
-    from hsgd.cp import cp_formula
+    step (measured, formula), the activation bytes per rank (hsgd.accounting.activations.activation_formula) and the
+    attention scores computed per rank in one forward (every rank's, counted)."""
+    from hsgd.cp.split import cp_formula
     n, rounds = WORLD.Get_size(), int(os.environ.get("BENCH_ROUNDS", "5"))
     idx, targets = long_batch(n)
     trainers, times, extra = {}, {k: [] for k in CP_VARIANTS}, {}

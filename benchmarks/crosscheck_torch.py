@@ -68,8 +68,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard  # noqa: E402
 from torch.distributed.tensor.parallel import (  # noqa: E402
     ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module)
 
-from hsgd import serial  # noqa: E402
-from hsgd.config import ModelConfig  # noqa: E402
+from hsgd.model import serial  # noqa: E402
+from hsgd.model.config import ModelConfig  # noqa: E402
 from hsgd.crosscheck.write import layout_text  # noqa: E402
 from hsgd.errors import ConfigError  # noqa: E402
 
@@ -116,8 +116,8 @@ def parse_args(argv=None):
     p.add_argument("--vocab", type=int, default=256, metavar="V", help="vocabulary size V; if tp does not divide "
                    "it, wte and lm_head are padded to ceil(V/tp)*tp rows (default 256)")
     p.add_argument("--dtype", default="float64", choices=list(DTYPES), help="the step's precision (default float64)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the initial weights (hsgd.serial.init_params) and "
-                   "of the batch (default 0)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the initial weights "
+                   "(hsgd.model.serial.init_params) and of the batch (default 0)")
     p.add_argument("--batch", type=int, default=8, metavar="B", help="global batch, sequences (default 8)")
     p.add_argument("--seq-len", type=int, default=16, metavar="T", help="sequence length (default 16)")
     p.add_argument("--d-model", type=int, default=32, metavar="C", help="model width (default 32)")

@@ -8,8 +8,8 @@ Installs nothing. Needs CuPy (pip install -e '.[gpu]') and, for the last row, Py
      there are more ranks than GPUs), and the tolerance oracle in bfloat16 (CuPy's rounding);
   3. one float32 training run on the GPU whose validation loss must fall, staged through pinned host buffers
      (HSGD_CUDA_AWARE=0) none of which may be allocated after the first step;
-  4. the device-to-host copies of a training step (hsgd.backend.d2h_count: expected 1, the step's one small vector)
-     and, under cupyx.allow_synchronize(False), that forward and backward make no implicit device sync;
+  4. the device-to-host copies of a training step (hsgd.model.backend.d2h_count: expected 1, the step's one
+     small vector) and, under cupyx.allow_synchronize(False), that forward and backward make no implicit device sync;
   5. one serial training step, float32, hsgd (CuPy) against PyTorch (CUDA), same model and weights.
 Prints one summary table (and writes benchmarks/results/gpu_check.md); exits 1 if any check failed.
 
@@ -48,16 +48,17 @@ def device_step_checks(simulated=False):
     import numpy as np
     from mpi4py import MPI
 
-    import hsgd
-    from hsgd import serial
-    from hsgd.backend import d2h_count
-    from hsgd.data import Corpus
-    from hsgd.grid import ProcessGrid
-    from hsgd.hybrid import HybridTrainer
-    from hsgd.optim import SGD
-    from hsgd.settings import TrainConfig
+
+    from hsgd.model.config import ModelConfig
+    from hsgd.model import serial
+    from hsgd.model.backend import d2h_count
+    from hsgd.model.data import Corpus
+    from hsgd.grid.process_grid import ProcessGrid
+    from hsgd.step.trainer import HybridTrainer
+    from hsgd.model.optim import SGD
+    from hsgd.run.settings import TrainConfig
     rows = []
-    cfg = hsgd.ModelConfig(256, 64, 128, 4, 2, 512)
+    cfg = ModelConfig(256, 64, 128, 4, 2, 512)
     corpus = Corpus(np.random.default_rng(0).integers(0, 256, 20000, dtype=np.uint8).tobytes(), "random", 64)
     tc = TrainConfig(tp=1, dp=1, steps=3, batch_size=8, device="gpu")
     grid = ProcessGrid(MPI.COMM_SELF, dp=1, tp=1)
@@ -92,7 +93,7 @@ def device_step_checks(simulated=False):
     except ImportError as e:
         rows.append(("serial step vs PyTorch on the GPU", f"skipped ({e})", True))
         return rows
-    cfg, B = hsgd.ModelConfig(256, 256, 512, 8, 4, 2048), 8
+    cfg, B = ModelConfig(256, 256, 512, 8, 4, 2048), 8
     p = serial.init_params(cfg, 0, "float32", device="gpu")
     tparams = {n: torch.tensor(cupy.asnumpy(v), device="cuda", requires_grad=True) for n, v in p.items()}
     rng = np.random.default_rng(0)

@@ -1,5 +1,5 @@
-"""How often does the tolerance oracle (hsgd.oracle) flag a correct layout? Its band is a rule of thumb from a model
-of rounding, not a proven bound, so its false-alarm rate is measured here, not assumed.
+"""How often does the tolerance oracle (hsgd.check.oracle) flag a correct layout? Its band is a rule of thumb from a
+model of rounding, not a proven bound, so its false-alarm rate is measured here, not assumed.
 
     mpirun -n 8 python benchmarks/oracle_false_alarms.py [--seeds 24] [--loss-runs 16]
 
@@ -18,12 +18,12 @@ import numpy as np
 from mpi4py import MPI
 from threadpoolctl import threadpool_limits
 
-import hsgd
-from hsgd.data import Corpus
-from hsgd.oracle import oracle
-from hsgd.settings import TrainConfig
+from hsgd.model.config import ModelConfig
+from hsgd.model.data import Corpus
+from hsgd.check.oracle import oracle
+from hsgd.run.settings import TrainConfig
 
-CFG = hsgd.ModelConfig(vocab_size=256, seq_len=16, d_model=32, n_heads=4, n_layers=2, d_ff=64)
+CFG = ModelConfig(vocab_size=256, seq_len=16, d_model=32, n_heads=4, n_layers=2, d_ff=64)
 
 
 def describe(ratios):

@@ -26,20 +26,22 @@ import os
 import sys
 import time
 
-import hsgd  # before NumPy: hsgd sets how OpenBLAS threads wait (see hsgd/threads.py)
+
+# before NumPy: hsgd sets how OpenBLAS threads wait (see hsgd/model/threads.py)
+from hsgd.model.config import ModelConfig
 import numpy as np
 from mpi4py import MPI
 from threadpoolctl import threadpool_limits
 
-from hsgd.data import Corpus
-from hsgd.grid import ProcessGrid, factorizations
-from hsgd.hybrid import HybridTrainer
+from hsgd.model.data import Corpus
+from hsgd.grid.process_grid import ProcessGrid, factorizations
+from hsgd.step.trainer import HybridTrainer
 from hsgd.plan.hardware import load
 from hsgd.plan.search import Layout, evaluate
-from hsgd.threads import tune_allocator
+from hsgd.model.threads import tune_allocator
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-MODEL = hsgd.ModelConfig(vocab_size=256, seq_len=64, d_model=128, n_heads=8, n_layers=8, d_ff=512)
+MODEL = ModelConfig(vocab_size=256, seq_len=64, d_model=128, n_heads=8, n_layers=8, d_ff=512)
 BATCH, DTYPE, OPTIMIZER = 32, "float32", "adamw"
 PARTS = ("compute", "elementwise", "tp", "pp bubble", "pp transfer", "dp")      # the model's split, as printed
 

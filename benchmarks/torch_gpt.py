@@ -1,6 +1,6 @@
 """The hsgd model written in PyTorch, for the benchmarks only: what a user would pick instead.
 
-The same specification as hsgd/serial.py (pre-LayerNorm GPT-2 block, GELU tanh approximation, causal attention,
+The same specification as hsgd/model/serial.py (pre-LayerNorm GPT-2 block, GELU tanh approximation, causal attention,
 untied LM head without bias, mean cross-entropy), in PyTorch eager with its fused CPU kernels
 (F.layer_norm, F.gelu, F.scaled_dot_product_attention, F.cross_entropy). Parameters are copied from hsgd's
 NumPy parameters, so both start from identical weights and the benchmark first checks that both give the same
@@ -37,7 +37,7 @@ def loss_fn(p, idx, targets, cfg):
 
 def momentum_sgd(p, lr, momentum):
     """torch.optim.SGD over the parameter dict: v <- momentum v + g; w <- w - lr v (no dampening, no Nesterov),
-    hsgd's SGD (hsgd.optim.SGD)."""
+    hsgd's SGD (hsgd.model.optim.SGD)."""
     return torch.optim.SGD(list(p.values()), lr=lr, momentum=momentum)
 
 

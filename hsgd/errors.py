@@ -28,4 +28,4 @@ class NumericalFault(RuntimeError):
 
 
 class Stopped(RuntimeError):
-    """All ranks agreed to stop after a SIGTERM or SIGINT (hsgd.signals); the message says what was saved."""
+    """All ranks agreed to stop after a SIGTERM or SIGINT (hsgd.run.signals); the message says what was saved."""

@@ -1,20 +1,20 @@
 """Generate text from a checkpoint:  python -m hsgd.sample DIR --prompt "def "   (or under mpirun -n N)
 
 DIR is a checkpoint directory (step-NNNNNN) or the --save-dir holding them (its newest). The checkpoint may
-come from any layout: its shards are reassembled into the full model (hsgd.checkpoint.Shards), which the
-serial model then samples from, one byte at a time (hsgd.generate). Under mpirun every rank checks the
+come from any layout: its shards are reassembled into the full model (hsgd.checkpoint.store.Shards), which the
+serial model then samples from, one byte at a time (hsgd.model.generate). Under mpirun every rank checks the
 checkpoint and rank 0 samples and prints; the others only wait (sampling a small model needs no parallelism).
 """
 import sys
 
 from mpi4py import MPI
 
-from . import launch
-from .backend import get_xp, to_device
-from .checkpoint import Shards, open_checkpoint
-from .config import ModelConfig
-from .errors import UsageError
-from .generate import generate, printable
+from hsgd.grid import launch
+from hsgd.model.backend import get_xp, to_device
+from hsgd.checkpoint.store import Shards, open_checkpoint
+from hsgd.model.config import ModelConfig
+from hsgd.errors import UsageError
+from hsgd.model.generate import generate, printable
 
 
 def build_parser():

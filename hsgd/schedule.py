@@ -4,7 +4,7 @@
                             [--plot schedule.png]
     mpirun -n 8 python -m hsgd.schedule --pp 4 --tp 2 --micro-batches 8 --schedule zb-h1 --run
 
-Without --run nothing is communicated (no MPI is needed): the schedule's actions (hsgd.schedules), checked, are
+Without --run nothing is communicated (no MPI is needed): the schedule's actions (hsgd.pp.schedules), checked, are
 simulated with the relative costs of F, B and W per chunk action (--costs F,B,W; a fused backward costs B + W) and
 printed as a grid (one row per stage, one column per time slot), with the bubble (simulated, and its closed form),
 the (micro-batch, chunk) pairs and the activation bytes each stage holds at its peak, and the bytes each stage
@@ -12,24 +12,24 @@ sends on pp_comm per step. With --run, every rank trains --steps steps of the mo
 that schedule and the last step is measured: the timeline of every stage, the bubble as the time stages waited,
 and the bytes sent; the pairs and bytes held (what the caches and the kept weight-gradient products reach) are
 measured in the step before (walking the caches after every action takes time). Each is printed next to its
-prediction, for the list hsgd.stage runs: zb-h1's as training builds it, for equal costs (--costs then only
+prediction, for the list hsgd.pp.stage runs: zb-h1's as training builds it, for equal costs (--costs then only
 changes the simulation it is compared with). One stage (pp = 1) runs 1F1B whatever --schedule says.
 
 Activation bytes per (micro-batch, chunk), b sequences per micro-batch, s bytes per element (recompute none):
-    from F to its backward: what the chunk's forward caches (hsgd.memory.activation_formula per block; the
-        embedding's and the head's caches: hsgd.step_memory.pieces E and H)
-    from a split B to its W: what the W products read, X and dY of every linear (hsgd.wgrad) per block
+    from F to its backward: what the chunk's forward caches (hsgd.accounting.activations.activation_formula per
+        block; the embedding's and the head's caches: hsgd.accounting.step_memory.pieces E and H)
+    from a split B to its W: what the W products read, X and dY of every linear (hsgd.tp.wgrad) per block
         megatron, sequence: N s (4C + (4C + 2F)/tp);   gather: N s (3C + F + (5C + F)/tp) (its projections' dO are
         the local slices, copies);   the head N s (C + Vp)
 """
 import sys
 
-from .config import flag_names
-from .errors import ConfigError
-from .flags import GROUPS, MODEL_FLAGS, configs_from_args, flags_parser
-from .settings import Layout
-from .schedules import (FORMULA, PEAK_FORMULA, bubble_formula, bubble_fraction, build, effective, grid, held_bytes,
-                        idle_per_stage, peak_formula, peak_held, picture, simulate)
+from hsgd.model.config import flag_names
+from hsgd.errors import ConfigError
+from hsgd.run.flags import GROUPS, MODEL_FLAGS, configs_from_args, flags_parser
+from hsgd.run.settings import Layout
+from hsgd.pp.schedules import (FORMULA, PEAK_FORMULA, bubble_formula, bubble_fraction, build, effective, grid,
+                               held_bytes, idle_per_stage, peak_formula, peak_held, picture, simulate)
 
 LAB_FLAGS = flag_names(Layout) + MODEL_FLAGS + ("batch_size", "seed", "dtype", "steps", "recompute")
 LAB_DEFAULTS = dict(pp=4, micro_batches=8, batch_size=16, steps=3, dtype="float32")
@@ -62,8 +62,8 @@ def parse_costs(text):
 def keep_bytes(cfg, b, s, tp, scheme, recompute, chunk, cp=1, cp_scheme="ring"):
     """(bytes from F to the backward, bytes from a split B to its W) of one micro-batch on one chunk (see the module
     docstring); chunk: (number of blocks, first, last); with context parallelism, of the rank's T/cp positions."""
-    from .step_memory import pieces
-    from .tp_schemes import make_scheme
+    from hsgd.accounting.step_memory import pieces
+    from hsgd.tp.schemes import make_scheme
     n, first, last = chunk
     pc, S, C, F = pieces(cfg, b, s, tp, scheme, recompute, cp, cp_scheme), make_scheme(scheme), cfg.d_model, cfg.d_ff
     N = b * (cfg.seq_len // cp)
@@ -78,8 +78,8 @@ class Plan:
 
     def __init__(self, cfg, tc, costs, built_with=None):
         """built_with: the costs the list is built with (zb-h1 places its W's by them), default `costs`; --run
-        passes (1, 1, 1), the costs hsgd.stage builds with, so that the prediction is of the list that runs."""
-        from .pp import parse_split, pp_formula, stage_chunks
+        passes (1, 1, 1), the costs hsgd.pp.stage builds with, so that the prediction is of the list that runs."""
+        from hsgd.pp.chunks import parse_split, pp_formula, stage_chunks
         self.cfg, self.tc, self.costs = cfg, tc, costs
         p, m, v = tc.pp, tc.micro_batches, tc.virtual_stages
         self.kind = effective(tc.schedule, p, v)                            # (one stage runs 1F1B)
@@ -116,7 +116,7 @@ class Plan:
 
 
 def human(n):
-    from .report import fmt_bytes
+    from hsgd.run.report import fmt_bytes
     return fmt_bytes(n)
 
 
@@ -124,9 +124,9 @@ def measure(cfg, tc, plan, say, plot):
     """--run: tc.steps steps on the grid; the last one measured against the plan. Collective."""
     from mpi4py import MPI
 
-    from .data import Corpus
-    from .grid import ProcessGrid
-    from .hybrid import HybridTrainer
+    from hsgd.model.data import Corpus
+    from hsgd.grid.process_grid import ProcessGrid
+    from hsgd.step.trainer import HybridTrainer
     world = MPI.COMM_WORLD
     corpus = Corpus.load(None, cfg.seq_len)
     g = ProcessGrid(world, dp=tc.dp, pp=tc.pp, tp=tc.tp, cp=tc.cp)
@@ -161,7 +161,7 @@ def measure(cfg, tc, plan, say, plot):
 
 
 def draw(path, panels):
-    from .plots import _pyplot, draw_pipeline
+    from hsgd.run.plots import _pyplot, draw_pipeline
     plt = _pyplot()
     fig, axes = plt.subplots(len(panels), 1, figsize=(9, 1.2 + 0.45 * len(panels[0][1]) * len(panels)),
                              squeeze=False)
@@ -190,7 +190,7 @@ def main(argv=None):
         return 0
     from mpi4py import MPI
 
-    from . import launch
+    from hsgd.grid import launch
     world = MPI.COMM_WORLD
     say = print if world.Get_rank() == 0 else (lambda *a: None)
 

@@ -1,16 +1,16 @@
 """Training on the dp x pp x cp x tp grid:  mpirun -n 8 python -m hsgd.train  (--help for every flag)
 
 P = dp x pp x cp x tp ranks; by default pp = cp = 1, tp = 2 and dp = P / tp. Each step is the lecture's synchronous
-mini-batch SGD on the global batch (hsgd/hybrid.py): every DP group computes its slice's gradients with the
-tensor-parallel model inside each pipeline stage (hsgd/tp_model.py, hsgd/stage.py), the ranks holding the same shard
-average it over dp_comm (hsgd/exchange.py), and every rank updates its shards. One process
+mini-batch SGD on the global batch (hsgd/step/trainer.py): every DP group computes its slice's gradients with the
+tensor-parallel model inside each pipeline stage (hsgd/tp/model.py, hsgd/pp/stage.py), the ranks holding the same shard
+average it over dp_comm (hsgd/dp/exchange.py), and every rank updates its shards. One process
 (`python -m hsgd.train`) is the special case dp = pp = tp = 1.
 
 This file is the run's outline: `setup` (grid, data, trainer, a checkpoint to resume, the header), `loop` (the
-steps), `summary` (validation loss before -> after, then hsgd/report.py's reports: bytes per step on each
+steps), `summary` (validation loss before -> after, then hsgd/run/report.py's reports: bytes per step on each
 communicator against the formula, the pipeline's measured schedule, memory per rank, staging buffers, trace and
-plots, and a generated sample). Progress lines and the --log-json records: hsgd/progress.py; --inject-fault:
-hsgd/faults.py; the settings (flags and `--config FILE.toml`): hsgd/settings.py.
+plots, and a generated sample). Progress lines and the --log-json records: hsgd/run/progress.py; --inject-fault:
+hsgd/run/faults.py; the settings (flags and `--config FILE.toml`): hsgd/run/settings.py.
 """
 import math
 import os
@@ -22,29 +22,31 @@ from dataclasses import dataclass, field, replace
 from mpi4py import MPI
 from threadpoolctl import threadpool_limits
 
-from . import checkpoint, launch, memtrace, step_memory
-from .backend import resolve_device, select_gpu
-from .checkpoint import CheckpointError
-from .data import Corpus, same_data
-from .errors import ConfigError, NumericalFault, Stopped
-from .faults import Faults
-from .generate import generate, printable
-from .grid import ProcessGrid
-from .hybrid import HybridTrainer
-from .manifest import say_changes
-from .pp import chunk_layers, parse_split
-from .schedules import FORMULA, bubble_formula
-from .preflight import check_memory, check_run
-from .progress import Progress
-from .report import (fmt_bytes, fmt_time, report_comm, report_memory, report_pipeline, report_staging,  # noqa: F401
+from hsgd.checkpoint import store as checkpoint
+from hsgd.grid import launch
+from hsgd.accounting import allocations, step_memory
+from hsgd.model.backend import resolve_device, select_gpu
+from hsgd.checkpoint.store import CheckpointError
+from hsgd.model.data import Corpus, same_data
+from hsgd.errors import ConfigError, NumericalFault, Stopped
+from hsgd.run.faults import Faults
+from hsgd.model.generate import generate, printable
+from hsgd.grid.process_grid import ProcessGrid
+from hsgd.step.trainer import HybridTrainer
+from hsgd.checkpoint.manifest import say_changes
+from hsgd.pp.chunks import chunk_layers, parse_split
+from hsgd.pp.schedules import FORMULA, bubble_formula
+from hsgd.run.preflight import check_memory, check_run
+from hsgd.run.progress import Progress
+from hsgd.run.report import (fmt_bytes, fmt_time, report_comm, report_memory, report_pipeline, report_staging,  # noqa: F401
                      report_trace, report_traffic, staging_pools, step_formula)
-from .runs import choose_line, lock_folder, newest
-from .flags import build_parser, configs_from_args
-from .settings import TrainConfig
-from .signals import StopRequest
-from .threads import openblas_note, set_cpu_threads, tune_allocator
-from .trace import Tracer
-from .watchdog import Watchdog
+from hsgd.checkpoint.runs import choose_line, lock_folder, newest
+from hsgd.run.flags import build_parser, configs_from_args
+from hsgd.run.settings import TrainConfig
+from hsgd.run.signals import StopRequest
+from hsgd.model.threads import openblas_note, set_cpu_threads, tune_allocator
+from hsgd.grid.trace import Tracer
+from hsgd.run.watchdog import Watchdog
 
 __all__ = ["TrainConfig", "train", "main", "build_parser", "configs_from_args", "step_formula", "fmt_bytes"]
 
@@ -62,7 +64,7 @@ def place_on_device(tc, world):
     ranks than GPUs) and say how buffers reach MPI. Returns a description for the header."""
     if resolve_device(tc.device) == "cpu":
         return "cpu (NumPy)"
-    from .comm import cuda_aware_mpi
+    from hsgd.grid.comm import cuda_aware_mpi
     local, _ = local_ranks(world)
     gpu, n_gpus = launch.agree(world, lambda: select_gpu(local))
     set_cpu_threads(1)                                               # the GPU does the elementwise work
@@ -85,7 +87,7 @@ def train(cfg, tc, world=MPI.COMM_WORLD, out=sys.stdout):
     with threadpool_limits(limits=threads):
         launch.agree(world, lambda: check_run(tc, ConfigError))      # outputs, optional modules: before any work
         launch.agree(world, lambda: check_memory(cfg, tc, ranks_here, ConfigError))   # sizes this machine holds
-        lock = launch.agree(world, lambda: lock_folder(tc) if world.Get_rank() == 0 else None)   # (hsgd.runs)
+        lock = launch.agree(world, lambda: lock_folder(tc) if world.Get_rank() == 0 else None)   # (checkpoint.runs)
         try:
             run = setup(cfg, tc, world, out, threads)
             if run.start > tc.steps:
@@ -123,14 +125,14 @@ class Run:
     tracer: object = None           # Tracer, with --trace or --plot
     progress: object = None         # Progress: the progress lines and the --log-json records
     start: int = 1                  # the first step (after a checkpoint: the step after it)
-    identity: dict = None           # {"line", "id", "started_from"} that this run's checkpoints record (hsgd.runs)
+    identity: dict = None           # {"line", "id", "started_from"} this run's checkpoints record (checkpoint.runs)
     val_points: list = field(default_factory=list)       # [(step, validation loss)]
     per_step: dict = field(default_factory=dict)         # one step's CommStats: {(comm, op): (calls, bytes)}
     measured_step: int = 1          # the step per_step was measured in (staleness' first moves nothing)
     pinned: int = 0                 # staging buffers allocated by the end of the first step
     traced: tuple = (1, 1)          # the steps the trace and the timeline show
     wall: float = 0.0               # seconds in the training loop
-    probe: object = None            # --memory: an hsgd.memtrace.MemoryProbe, tracing until the measured step
+    probe: object = None            # --memory: an allocations.MemoryProbe, tracing until the measured step
     memory: dict = None             # --memory: the probe's result for the measured step
     watchers: list = None           # what acts at the points of each step (step_watchers)
 
@@ -145,7 +147,7 @@ def setup(cfg, tc, world, out, threads):
     run.grid = ProcessGrid(world, dp=tc.dp, pp=tc.pp, tp=tc.tp, cp=tc.cp)
     run.tracer = Tracer(world.Get_rank(), world, enabled=False) if (tc.trace or tc.plot) else None
     if tc.memory:                                                    # traced from before the parameters exist
-        run.probe = memtrace.MemoryProbe(resolve_device(tc.device))
+        run.probe = allocations.MemoryProbe(resolve_device(tc.device))
         run.probe.start()
     run.trainer = launch.agree(world, lambda: HybridTrainer(cfg, run.grid, tc, run.tracer))
     for c in [run.grid.tp_comm, run.grid.cp_comm, run.grid.dp_comm, run.grid.pp_comm, run.grid.world] + \
@@ -156,7 +158,7 @@ def setup(cfg, tc, world, out, threads):
         raise ConfigError(f"--dump-step {tc.dump_step[0]}: the run resumes after step {run.start - 1}, so step "
                           f"{tc.dump_step[0]} is never run; give a step from {run.start} to {tc.steps}")
     identity = launch.agree(world, lambda: choose_line(tc, manifest) if world.Get_rank() == 0 else None)
-    run.identity = world.bcast(identity, root=0)                     # line, run id, started from (hsgd.runs)
+    run.identity = world.bcast(identity, root=0)                     # line, run id, started from (hsgd.checkpoint.runs)
     header(run, device, threads)
     run.progress = Progress(tc, tc.batch_size * cfg.seq_len, run.start, say, world.Get_rank() == 0)
     run.val_points = [(run.start - 1, run.trainer.evaluate(run.corpus, tc.eval_batches, tc.batch_size))]
@@ -190,9 +192,9 @@ def loop(run):
 
 
 def step_watchers(cfg, tc, rank, say):
-    """What acts at the points of a step besides the training itself (hsgd.watch.StepWatcher), in order:
-    --inject-fault (hsgd.faults), --dump-step (hsgd.crosscheck.hsgd_dump)."""
-    from .crosscheck.hsgd_dump import DumpStep
+    """What acts at the points of a step besides the training itself (hsgd.run.watchers.StepWatcher), in order:
+    --inject-fault (hsgd.run.faults), --dump-step (hsgd.crosscheck.hsgd_dump)."""
+    from hsgd.crosscheck.hsgd_dump import DumpStep
     return [Faults(tc.inject_fault, rank)] + ([DumpStep(*tc.dump_step, cfg, tc, say)] if tc.dump_step else [])
 
 
@@ -215,7 +217,7 @@ def one_step(run, step):
 
     measure = run.probe is not None and step == run.measured_step         # --memory: this step, sampled
     with (tracer.span(f"step {step}") if tracer else nullcontext()):
-        info = memtrace.traced_step(trainer, run.probe, steps_1_to_4) if measure else steps_1_to_4()
+        info = allocations.traced_step(trainer, run.probe, steps_1_to_4) if measure else steps_1_to_4()
     if measure:
         run.memory = run.probe.result()
         run.probe.stop()                                                   # the rest of the run untraced
@@ -306,7 +308,7 @@ def header(run, device, threads):
 
 
 def summary(run):
-    """The end of a run: validation loss before -> after, the reports (hsgd.report), a sample; frees the grid."""
+    """The end of a run: validation loss before -> after, the reports (hsgd.run.report), a sample; frees the grid."""
     cfg, tc, world, grid, trainer, say = run.cfg, run.tc, run.world, run.grid, run.trainer, run.say
     val1 = trainer.evaluate(run.corpus, tc.eval_batches, tc.batch_size)
     n_steps, val0 = tc.steps - run.start + 1, run.val_points[0][1]
@@ -327,7 +329,7 @@ def summary(run):
     if run.memory and tc.plot:
         samples = world.gather((world.Get_rank(), run.memory["samples"]))
         if samples:
-            from .plots import plot_memory
+            from hsgd.run.plots import plot_memory
             say("plots: " + plot_memory(samples, os.path.join(tc.plot, "memory.png"),
                                         f"memory over step {run.measured_step} per rank, by category"))
     report_staging(world, grid, trainer, run.pinned, run.start, say)
@@ -360,7 +362,7 @@ def resume(trainer, cfg, tc, world, say):
             return 1, None
         where = newest(found)                                        # the newest line's last, the same everywhere
     manifest = launch.agree(world, lambda: checkpoint.open_checkpoint(where, cfg))
-    launch.agree(world, lambda: say_changes(manifest, tc, say))  # (hsgd.manifest)
+    launch.agree(world, lambda: say_changes(manifest, tc, say))  # (hsgd.checkpoint.manifest)
     step = launch.agree(world, lambda: checkpoint.load(trainer, manifest))
     lay, grid = manifest["layout"], trainer.grid
     say(f"resumed from {manifest['path']} after step {step} (saved as dp {lay['dp']} x pp {lay['pp']} x cp "

@@ -2,7 +2,7 @@
 
 One step of the parallel model on the dp x pp x cp x tp grid (the same code path as training: micro-batches through
 the pipeline stages, tensor-parallel forward and backward, the exchange over dp_comm; with --zero, --recompute and
---hierarchical as given) and of hsgd.serial on the same global batch, then a table with, for every parameter, the
+--hierarchical as given) and of hsgd.model.serial on the same global batch, then a table with, for every parameter, the
 largest error of any rank's averaged gradient shard against the matching slice of the serial gradient (with ZeRO
 each dp rank holds the average of its chunk only: the chunks are All-Gathered first).
 Exit code 0 when every error is within the tolerance of the dtype, 1 otherwise (2 for a usage error):
@@ -10,7 +10,7 @@ Exit code 0 when every error is within the tolerance of the dtype, 1 otherwise (
     float64: loss within 1e-12 and every gradient within 1e-10, relative
     float32: loss within 1e-6 and every gradient within 1e-4, relative (the float32 error budget; the serial
              reference is computed in float64)
-    bfloat16, float16: no fixed tolerance; the tolerance oracle (hsgd.oracle) runs --layouts over --seeds and
+    bfloat16, float16: no fixed tolerance; the tolerance oracle (hsgd.check.oracle) runs --layouts over --seeds and
              predicts each difference's band from a model of the rounding errors
 
 "Relative" means relative to the largest serial gradient entry of that parameter, or to 1e-3 of the model's
@@ -25,18 +25,20 @@ import numpy as np
 from mpi4py import MPI
 from threadpoolctl import threadpool_limits
 
-from . import launch, serial, tp_model
-from .backend import to_numpy
-from .config import flag_names
-from .errors import ConfigError
-from .grid import ProcessGrid
-from .hybrid import HybridTrainer
-from .oracle import oracle, parse_layouts, report
-from .precision import LOW
-from .preflight import needs_module, writable_file
-from .flags import GROUPS, MODEL_FLAGS, configs_from_args, flags_parser
-from .settings import Layout, TrainConfig
-from .train import place_on_device
+from hsgd.grid import launch
+from hsgd.model import serial
+from hsgd.tp import model as tp_model
+from hsgd.model.backend import to_numpy
+from hsgd.model.config import flag_names
+from hsgd.errors import ConfigError
+from hsgd.grid.process_grid import ProcessGrid
+from hsgd.step.trainer import HybridTrainer
+from hsgd.check.oracle import oracle, parse_layouts, report
+from hsgd.model.precision import LOW
+from hsgd.run.preflight import needs_module, writable_file
+from hsgd.run.flags import GROUPS, MODEL_FLAGS, configs_from_args, flags_parser
+from hsgd.run.settings import Layout, TrainConfig
+from hsgd.train import place_on_device
 
 TOLERANCE = {"float64": (1e-12, 1e-10), "float32": (1e-6, 1e-4)}      # (loss, gradients)
 # the flags of hsgd.verify (hsgd.train's, less those a single checked step does not use), and its defaults
@@ -75,7 +77,7 @@ def build_parser():
 def verify(cfg, tc, world=MPI.COMM_WORLD, out=sys.stdout, where=None):
     """Returns (ok, rows): rows = [(name, full shape, local shape, split, max abs err, max rel err)] on rank 0.
     where: the device line of the header (train.place_on_device's description), if any."""
-    from .data import Corpus
+    from hsgd.model.data import Corpus
     corpus = launch.agree(world, lambda: Corpus.load(tc.data, cfg.seq_len))
     grid = ProcessGrid(world, dp=tc.dp, pp=tc.pp, tp=tc.tp, cp=tc.cp)
     trainer = HybridTrainer(cfg, grid, tc)
@@ -150,8 +152,8 @@ def main(argv=None):
 
 
 def tolerance_oracle(args, cfg, tc, world):
-    """hsgd.oracle on the flags' layouts and seeds: its tables (and --plot) on rank 0; the exit code."""
-    from .data import Corpus
+    """hsgd.check.oracle on the flags' layouts and seeds: its tables (and --plot) on rank 0; the exit code."""
+    from hsgd.model.data import Corpus
     seeds = 4 if args.seeds is None else args.seeds
     if seeds < 1 or args.loss_steps < 0:
         raise ConfigError(f"--seeds {seeds} --loss-steps {args.loss_steps}: give --seeds >= 1 and --loss-steps >= 0")
@@ -174,7 +176,7 @@ def tolerance_oracle(args, cfg, tc, world):
     if world.Get_rank() == 0:
         ok = report(verdict, tc, cfg, world.Get_size(), sys.stdout, args.loss_steps)
         if args.plot:
-            from .plots import plot_tolerance
+            from hsgd.run.plots import plot_tolerance
             plot_tolerance(verdict, args.plot)
             print(f"picture: {args.plot}")
     return 0 if world.bcast(ok) else 1

@@ -9,7 +9,7 @@ summing the gradient over the broadcast axes (`_unbroadcast`).
 
 Part 2, `gpt_loss(params, idx, targets, cfg)`: the GPT-2-style decoder written from the model spec with these
 ops only. It deliberately imports nothing from hsgd (not layers, not serial): it is a second, independent
-implementation, so agreement with `hsgd.serial.loss_and_grads` checks both the math and the code.
+implementation, so agreement with `hsgd.model.serial.loss_and_grads` checks both the math and the code.
 
 Legend: B batch, T sequence, C d_model, NH heads, hs = C/NH head size, F d_ff, V vocab, L layers.
 
@@ -323,7 +323,7 @@ def gpt_loss(params, idx, targets, cfg):
 
 
 def loss_and_grads(arrays, idx, targets, cfg):
-    """(loss, grads) like hsgd.serial.loss_and_grads, but from the autograd engine: float, dict of arrays."""
+    """(loss, grads) like hsgd.model.serial.loss_and_grads, but from the autograd engine: float, dict of arrays."""
     params = {name: Tensor(a) for name, a in arrays.items()}
     loss = gpt_loss(params, idx, targets, cfg)
     loss.backward()

@@ -4,9 +4,8 @@ import tempfile
 
 import numpy as np
 import pytest
-
-import hsgd
-from hsgd import serial
+from hsgd.model.config import ModelConfig
+from hsgd.model import serial
 
 
 def max_rel_err(a, b, floor=1e-12):
@@ -18,7 +17,7 @@ def max_rel_err(a, b, floor=1e-12):
 @pytest.fixture
 def set_threads():
     """threads.set_cpu_threads for the test, the process-wide count restored afterwards."""
-    from hsgd.threads import cpu_threads, set_cpu_threads
+    from hsgd.model.threads import cpu_threads, set_cpu_threads
     before = cpu_threads()
     yield set_cpu_threads
     set_cpu_threads(before)
@@ -26,7 +25,7 @@ def set_threads():
 
 @pytest.fixture
 def tiny_cfg():
-    return hsgd.ModelConfig(vocab_size=13, seq_len=6, d_model=8, n_heads=2, n_layers=2, d_ff=12)
+    return ModelConfig(vocab_size=13, seq_len=6, d_model=8, n_heads=2, n_layers=2, d_ff=12)
 
 
 def noisy_params(cfg, seed=0, scale=0.1):

@@ -1,10 +1,10 @@
 """hsgd's hand-written backward equals an independent autograd of the model spec, to float64 rounding.
 
 tests/autograd_reference.py is a second implementation of the GPT model built on a small reverse-mode autograd
-engine; it shares no code with hsgd.layers or hsgd.serial. These tests prove, in order:
+engine; it shares no code with hsgd.model.layers or hsgd.model.serial. These tests prove, in order:
   1. the engine's gradients of each op (and of its GPT loss) match central finite differences, so the
      reference can be trusted;
-  2. hsgd.serial.loss_and_grads gives the same loss (1e-12 relative) and the same gradient for every parameter
+  2. hsgd.model.serial.loss_and_grads gives the same loss (1e-12 relative) and the same gradient for every parameter
      (1e-10 relative) as the engine, on tiny float64 models with non-trivial biases and LayerNorm weights:
      L=2, NH=2, B=3; and, for shape bugs, NH=4, L=1, B=1 with T=1 (one position) and with T=5;
   3. optionally, when torch is installed, the engine agrees with torch.float64 autograd of the same spec.
@@ -16,7 +16,8 @@ import math
 import numpy as np
 import pytest
 
-from hsgd import ModelConfig, serial
+from hsgd.model.config import ModelConfig
+from hsgd.model import serial
 
 from . import autograd_reference as ref
 from .autograd_reference import Tensor, where

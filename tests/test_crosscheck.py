@@ -8,8 +8,9 @@ import os
 import numpy as np
 import pytest
 
-import hsgd
-from hsgd import serial, tp_model
+from hsgd.model.config import ModelConfig
+from hsgd.model import serial
+from hsgd.tp import model as tp_model
 from hsgd.crosscheck.__main__ import check, main
 from hsgd.crosscheck.classify import block_permutation, factor_names, name_factor
 from hsgd.crosscheck.dump import DumpError
@@ -17,7 +18,7 @@ from hsgd.crosscheck.read import load
 from hsgd.crosscheck.write import write_layout, write_one_rank, write_rank
 from hsgd.crosscheck.hsgd_dump import shard_of
 
-CFG = hsgd.ModelConfig(vocab_size=37, seq_len=8, d_model=16, n_heads=4, n_layers=1, d_ff=32)
+CFG = ModelConfig(vocab_size=37, seq_len=8, d_model=16, n_heads=4, n_layers=1, d_ff=32)
 HS = CFG.d_model // CFG.n_heads
 
 

@@ -7,8 +7,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-import hsgd
-from hsgd.data import Corpus
+from hsgd.model.config import ModelConfig
+from hsgd.model.data import Corpus
 from hsgd.errors import ConfigError, DataError
 from hsgd.train import TrainConfig
 
@@ -98,9 +98,9 @@ def test_too_short_file_from_the_command_line(tmp_path):
 
 def test_config_errors_name_field_value_and_fix():
     with pytest.raises(ConfigError, match=r"n_layers=0 must be a positive integer"):
-        hsgd.ModelConfig(n_layers=0)
+        ModelConfig(n_layers=0)
     with pytest.raises(ConfigError, match=r"d_model=12 is not divisible by n_heads=5; .*\[1, 2, 3, 4, 6, 12\]"):
-        hsgd.ModelConfig(d_model=12, n_heads=5)
+        ModelConfig(d_model=12, n_heads=5)
     with pytest.raises(ConfigError, match="dtype='float8' is not supported"):
         TrainConfig(dtype="float8").validate()
     with pytest.raises(ConfigError, match="device='tpu' is not known"):
@@ -108,7 +108,7 @@ def test_config_errors_name_field_value_and_fix():
 
 
 def test_checkpoints_are_ordered_by_step_number(tmp_path):
-    from hsgd.checkpoint import complete_checkpoints
+    from hsgd.checkpoint.store import complete_checkpoints
     for step in (999999, 1000000, 7):
         (tmp_path / f"step-{step:06d}").mkdir()
         (tmp_path / f"step-{step:06d}" / "manifest.json").write_text("{}")

@@ -22,13 +22,13 @@ def train(n, *flags, timeout=120):
 
 def export(ckpt, out, cli=False):
     """The full model of checkpoint `ckpt`, written to `out` and read back: with cli, by `python -m hsgd.checkpoint
-    export` under mpiexec as a user runs it; else by the function it calls, hsgd.checkpoint.export, in this process
-    (the same export, without a process start-up)."""
+    export` under mpiexec as a user runs it; else by the function it calls, hsgd.checkpoint.store.export, in this
+    process (the same export, without a process start-up)."""
     if cli:
         r = run_mpi(1, ["-m", "hsgd.checkpoint", "export", str(ckpt), str(out)], timeout=60)
         assert r.returncode == 0, r.stderr
     else:
-        from hsgd import checkpoint
+        from hsgd.checkpoint import store as checkpoint
         checkpoint.export(str(ckpt), str(out))
     with np.load(out, allow_pickle=False) as f:
         return {k: f[k] for k in f.files}
@@ -277,8 +277,8 @@ def test_a_signal_ends_the_run_with_a_checkpoint(tmp_path, sig, to):
 
 
 def test_runs_in_one_folder_keep_their_own_checkpoints(tmp_path):
-    """Lines of runs (hsgd.runs): a fresh run into a folder with checkpoints needs --overwrite, and then neither
-    loses its own checkpoints to the other's higher steps (even with --keep 1) nor deletes theirs; --resume auto
+    """Lines of runs (hsgd.checkpoint.runs): a fresh run into a folder with checkpoints needs --overwrite, and then
+    neither loses its own checkpoints to the other's higher steps (even with --keep 1) nor deletes theirs; --resume auto
     follows the run written last. A resume from an older checkpoint is a branch: the checkpoint it started from
     stays, and --resume auto follows the branch."""
     ckpt = tmp_path / "ckpt"
@@ -409,8 +409,8 @@ def test_sample_and_export_from_any_checkpoint(tmp_path):
     ckpt = tmp_path / "ckpt"
     assert train(4, "--steps", "2", "--pp", "2", "--tp", "2", "--save-dir", str(ckpt)).returncode == 0   # 4 shards
     full = export(ckpt, tmp_path / "full.npz", cli=True)
-    import hsgd
-    cfg = hsgd.ModelConfig(vocab_size=256, seq_len=8, d_model=16, n_heads=4, n_layers=2, d_ff=16)
+    from hsgd.model.config import ModelConfig
+    cfg = ModelConfig(vocab_size=256, seq_len=8, d_model=16, n_heads=4, n_layers=2, d_ff=16)
     assert {k: v.shape for k, v in full.items()} == cfg.param_shapes()
     for n in (1, 3):
         r = run_mpi(n, ["-m", "hsgd.sample", str(ckpt), "--prompt", "def ", "--bytes", "20"], timeout=60)

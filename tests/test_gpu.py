@@ -10,8 +10,9 @@ except Exception:                                                       # no dri
     N_GPUS = 0
 pytestmark = pytest.mark.skipif(N_GPUS == 0, reason="no GPU visible to CuPy")
 
-import hsgd  # noqa: E402
-from hsgd import serial  # noqa: E402
+
+from hsgd.model.config import ModelConfig  # noqa: E402
+from hsgd.model import serial  # noqa: E402
 
 from .conftest import max_rel_err, noisy_params, random_batch  # noqa: E402
 
@@ -29,14 +30,14 @@ def test_serial_model_on_gpu_equals_cpu_float64(tiny_cfg):
 
 
 def test_init_on_gpu_equals_cpu():
-    cfg = hsgd.ModelConfig(vocab_size=256, seq_len=16, d_model=32, n_heads=4, n_layers=2, d_ff=64)
+    cfg = ModelConfig(vocab_size=256, seq_len=16, d_model=32, n_heads=4, n_layers=2, d_ff=64)
     a = serial.init_params(cfg, seed=3, dtype="float64", device="cpu")
     b = serial.init_params(cfg, seed=3, dtype="float64", device="gpu")
     assert all(np.array_equal(a[n], cupy.asnumpy(b[n])) for n in a)
 
 
 def test_embedding_scatter_add_on_gpu():
-    from hsgd.backend import scatter_add
+    from hsgd.model.backend import scatter_add
     target = cupy.zeros((5, 2))
     scatter_add(target, cupy.asarray([1, 1, 3]), cupy.ones((3, 2)))
     assert cupy.asnumpy(target).tolist() == [[0, 0], [2, 2], [0, 0], [1, 1], [0, 0]]
@@ -47,7 +48,7 @@ def test_staging_through_pinned_host_buffers(monkeypatch, request):
     before MPI reads it, copied back after MPI wrote it, then given back to the pool and taken again next time."""
     from mpi4py import MPI
 
-    from hsgd.comm import Comm, cuda_aware_mpi
+    from hsgd.grid.comm import Comm, cuda_aware_mpi
     monkeypatch.setenv("HSGD_CUDA_AWARE", "0")
     cuda_aware_mpi.cache_clear()                                        # decided once per process: decide again
     request.addfinalizer(cuda_aware_mpi.cache_clear)                    # and again after the variable is restored
@@ -70,7 +71,7 @@ def test_staging_through_pinned_host_buffers(monkeypatch, request):
 def test_layers_on_gpu_equal_cpu_float64(B, T, NH):
     """Each layer on CuPy against NumPy, float64, with sequences long enough for several causal blocks (strided
     views of the scores, the skipped blocks set to 0, column-block products in the backward)."""
-    from hsgd import kernels as layers                                 # the tuned layers the models run
+    from hsgd.model import kernels as layers                                 # the tuned layers the models run
     rng = np.random.default_rng(0)
     C, F, V = 8 * NH, 32, 50
     q, k, v, dy = (rng.normal(size=(B, T, C)) for _ in range(4))

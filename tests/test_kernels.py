@@ -1,4 +1,5 @@
-"""The tuned kernels (hsgd.kernels, what hsgd.ops gives the models) against the plain layers (hsgd.layers), float64.
+"""The tuned kernels (hsgd.model.kernels, what hsgd.model.ops gives the models) against the plain layers
+(hsgd.model.layers), float64.
 
 For every layer, both modules' forward outputs and backward gradients on the same inputs must agree to ~1e-12
 (relative, conftest.max_rel_err), on one CPU thread and on two, on shapes from tiny to long enough for 2 and 4
@@ -11,8 +12,8 @@ import threading
 import numpy as np
 import pytest
 
-import hsgd
-from hsgd import kernels, layers, ops, serial
+from hsgd.model.config import ModelConfig
+from hsgd.model import kernels, layers, ops, serial
 
 from .conftest import max_rel_err
 
@@ -79,7 +80,7 @@ LAYERS = {"embedding": run_embedding, "linear": run_linear, "layernorm": run_lay
 
 
 def plain_and_tuned(run, *case):
-    """The arrays `run` returns with hsgd.layers and with hsgd.kernels, on the same random inputs."""
+    """The arrays `run` returns with hsgd.model.layers and with hsgd.model.kernels, on the same random inputs."""
     return run(layers, np.random.default_rng(0), *case), run(kernels, np.random.default_rng(0), *case)
 
 
@@ -147,11 +148,11 @@ def test_every_threaded_kernel_splits_on_the_wide_case(set_threads, monkeypatch)
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_serial_model_on_kernels_equals_plain(set_threads, threads):
-    """The whole serial model, run on hsgd.ops (the kernels) and on hsgd.layers (its default): same loss and
+    """The whole serial model, run on hsgd.model.ops (the kernels) and on hsgd.model.layers (its default): same loss and
     gradients, with sequences long enough for 3 causal blocks. Floor 1e-6: the k-bias gradients are zero in exact
     arithmetic (softmax ignores a shift shared by a row of scores), rounding noise of ~1e-17 in both."""
     set_threads(threads)
-    cfg = hsgd.ModelConfig(vocab_size=31, seq_len=192, d_model=32, n_heads=4, n_layers=2, d_ff=64)
+    cfg = ModelConfig(vocab_size=31, seq_len=192, d_model=32, n_heads=4, n_layers=2, d_ff=64)
     params = serial.init_params(cfg, seed=3, dtype="float64")
     idx, targets = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 3, cfg.seq_len))
     loss_plain, g_plain = serial.loss_and_grads(params, idx, targets, cfg)

@@ -1,5 +1,5 @@
 """Every layer's hand-written backward, and the whole model's, against central finite differences (float64), for
-the plain layers (hsgd.layers) and the tuned kernels (hsgd.kernels) alike.
+the plain layers (hsgd.model.layers) and the tuned kernels (hsgd.model.kernels) alike.
 
 For a layer f, the scalar probe is  L = sum(f(x) * R)  with a fixed random R, so dL/dout = R; the analytic
 gradient from *_backward(R, cache) must match the central difference coordinate by coordinate. The stencil is
@@ -12,7 +12,7 @@ scores of a row).
 import numpy as np
 import pytest
 
-from hsgd import kernels, layers, ops, serial
+from hsgd.model import kernels, layers, ops, serial
 
 from .conftest import max_rel_err, noisy_params, random_batch
 
@@ -156,7 +156,7 @@ def test_attention_is_causal(rng, m):
 def test_scatter_add_both_ways(rng, V, N):
     """backend.scatter_add adds every row, repeats included: row by row when indices are few, sorted and summed
     in runs when they repeat a lot (more positions than vocabulary), and nothing for no indices."""
-    from hsgd.backend import scatter_add
+    from hsgd.model.backend import scatter_add
     index, values = rng.integers(0, V, N), rng.normal(size=(N, 4))
     target = rng.normal(size=(V, 4))
     expected = target.copy()
@@ -199,7 +199,7 @@ def test_cross_entropy(rng, m):
 
 @pytest.mark.parametrize("model_ops", [layers, ops], ids=["layers", "ops"])
 def test_whole_model(tiny_cfg, model_ops):
-    """Every parameter of the serial model, on the plain layers and on hsgd.ops' kernels: a few coordinates each,
+    """Every parameter of the serial model, on the plain layers and on hsgd.model.ops' kernels: a few coordinates each,
     by central differences of the loss (computed by the plain layers).
 
     The loss is O(1) while single-coordinate gradients are O(1e-4), so the step is larger (h = 1e-3: rounding

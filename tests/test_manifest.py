@@ -1,5 +1,5 @@
-"""Checkpoints are validated, not trusted (hsgd.manifest): an edited manifest, one that names files outside the
-checkpoint or none at all, a layout that does not split the model, arrays of the wrong shape or unreadable ones:
+"""Checkpoints are validated, not trusted (hsgd.checkpoint.manifest): an edited manifest, one that names files outside
+the checkpoint or none at all, a layout that does not split the model, arrays of the wrong shape or unreadable ones:
 each is `checkpoint ... is corrupt: ...`, exit code 2 from the command line, before anything is used."""
 import hashlib
 import io
@@ -12,9 +12,9 @@ import sys
 import numpy as np
 import pytest
 
-from hsgd import checkpoint
-from hsgd.checkpoint import CheckpointError, Shards
-from hsgd.manifest import digest
+from hsgd.checkpoint import store as checkpoint
+from hsgd.checkpoint.store import CheckpointError, Shards
+from hsgd.checkpoint.manifest import digest
 
 from .test_bad_inputs import BASE
 
@@ -155,11 +155,12 @@ def test_rotation_renames_a_checkpoint_aside_before_deleting_it(tmp_path, monkey
     complete: it is renamed to a hidden .old-* name first (cleaned up by the next save)."""
     from mpi4py import MPI
 
-    import hsgd
-    from hsgd.grid import ProcessGrid
-    from hsgd.hybrid import HybridTrainer
-    from hsgd.settings import TrainConfig
-    cfg = hsgd.ModelConfig(vocab_size=256, seq_len=8, d_model=8, n_heads=2, n_layers=1, d_ff=8)
+
+    from hsgd.model.config import ModelConfig
+    from hsgd.grid.process_grid import ProcessGrid
+    from hsgd.step.trainer import HybridTrainer
+    from hsgd.run.settings import TrainConfig
+    cfg = ModelConfig(vocab_size=256, seq_len=8, d_model=8, n_heads=2, n_layers=1, d_ff=8)
     grid = ProcessGrid(MPI.COMM_SELF, dp=1, tp=1)
     trainer = HybridTrainer(cfg, grid, TrainConfig(dp=1, tp=1, batch_size=2, dtype="float64"))
     checkpoint.save(trainer, 1, str(tmp_path), keep=1)

@@ -1,27 +1,29 @@
 """The memory probe on one process: the attribution puts known allocations in their categories, and one traced
-training step (float64, dp = pp = tp = 1) equals hsgd.step_memory sample by sample for every --recompute; full
-recomputation keeps one block's whole cache in the recompute category and less in activations."""
+training step (float64, dp = pp = tp = 1) equals hsgd.accounting.step_memory sample by sample for every --recompute;
+full recomputation keeps one block's whole cache in the recompute category and less in activations."""
 import tracemalloc
 
 import numpy as np
 import pytest
 from mpi4py import MPI
 
-import hsgd
-from hsgd import memory, memtrace, optim, step_memory, tp_model
-from hsgd.data import Corpus
-from hsgd.grid import ProcessGrid
-from hsgd.hybrid import HybridTrainer
+from hsgd.model.config import ModelConfig
+from hsgd.accounting import activations, allocations, step_memory
+from hsgd.model import kernels, optim
+from hsgd.tp import model as tp_model
+from hsgd.model.data import Corpus
+from hsgd.grid.process_grid import ProcessGrid
+from hsgd.step.trainer import HybridTrainer
 from hsgd.train import TrainConfig
 
-CFG = hsgd.ModelConfig(vocab_size=64, seq_len=32, d_model=16, n_heads=4, n_layers=2, d_ff=64)
+CFG = ModelConfig(vocab_size=64, seq_len=32, d_model=16, n_heads=4, n_layers=2, d_ff=64)
 CORPUS = Corpus(np.random.default_rng(0).integers(0, 64, 4000, dtype=np.uint8).tobytes(), "random bytes", 32)
 
 
 def categories_of_new_arrays(fn):
     """{category: bytes} of the NumPy arrays fn() allocates and keeps (returns)."""
-    probe = memtrace.MemoryProbe()
-    tracemalloc.start(memtrace.NFRAMES)
+    probe = allocations.MemoryProbe()
+    tracemalloc.start(allocations.NFRAMES)
     try:
         kept = fn()
         cats, _ = probe.measure()
@@ -42,8 +44,8 @@ def test_attribution_of_known_allocations():
     print({c: {k: v for k, v in cats.items() if v} for c, cats in got.items()})
     for cat, cats in got.items():
         assert cats[cat] == want[cat] and sum(cats.values()) == want[cat]
-    fmap = memtrace.FunctionMap()
-    path = memtrace.__file__.replace("memtrace.py", "kernels.py")
+    fmap = allocations.FunctionMap()
+    path = kernels.__file__
     line = [i for i, s in enumerate(open(path), 1) if "def rows(lo, hi):" in s][0]
     assert fmap.function(path, line + 1) == "layernorm_forward.rows"
 
@@ -53,7 +55,7 @@ def traced(recompute):
     tc.validate()
     tc.resolve_layout(1)
     grid = ProcessGrid(MPI.COMM_WORLD.Split(MPI.COMM_WORLD.Get_rank(), 0))
-    result, trainer = memtrace.measure_step(lambda: HybridTrainer(CFG, grid, tc),
+    result, trainer = allocations.measure_step(lambda: HybridTrainer(CFG, grid, tc),
                                             lambda step: CORPUS.batch(tc.seed, step, tc.batch_size))
     return result, step_memory.step_formula(trainer)
 
@@ -71,7 +73,7 @@ def test_one_step_equals_the_formula_sample_by_sample(recompute):
 
 def test_recomputation_trades_activations_for_one_block():
     m = {r: traced(r)[0]["peak"] for r in ("none", "full")}
-    block = memory.activation_formula(CFG, 4, 8, 1, "megatron")["block"]
+    block = activations.activation_formula(CFG, 4, 8, 1, "megatron")["block"]
     print(f"activations none {m['none']['activations']} -> full {m['full']['activations']}; recompute (full) "
           f"{m['full']['recompute']} = one block's cache {block}")
     assert m["full"]["activations"] < m["none"]["activations"] / 2 and m["full"]["recompute"] == block

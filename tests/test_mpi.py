@@ -150,7 +150,7 @@ def test_a_late_failure_on_rank_0_always_reaches_stderr(tmp_path):
     finalize and leave, or the launcher may tear down rank 0's output before its traceback is out (an empty stderr
     in some runs). launch.run holds them in a Barrier until rank 0's abort ends them."""
     script = tmp_path / "late.py"
-    script.write_text("import sys, time\nfrom mpi4py import MPI\nfrom hsgd import launch\n\n\ndef main():\n"
+    script.write_text("import sys, time\nfrom mpi4py import MPI\nfrom hsgd.grid import launch\n\n\ndef main():\n"
                       "    if MPI.COMM_WORLD.Get_rank() == 0:\n        time.sleep(0.5)\n"
                       "        raise RuntimeError('late failure on rank 0')\n    return 0\n\n\n"
                       "sys.exit(launch.run(main))\n")

@@ -1,11 +1,11 @@
-"""hsgd.oracle's rounding-error model, one process: the perturbation is uniform on [-1, 1), a function of the value
-(replicas stay replicas) and of the salt; a perturbed rounding is at most u away, relatively, and its rms is at least
-a real rounding's; a value the format holds is left alone, and each rounding point draws its own error; how the
+"""hsgd.check.oracle's rounding-error model, one process: the perturbation is uniform on [-1, 1), a function of the
+value (replicas stay replicas) and of the salt; a perturbed rounding is at most u away, relatively, and its rms is at
+least a real rounding's; a value the format holds is left alone, and each rounding point draws its own error; how the
 band is made of the model's draws."""
 import numpy as np
 
-from hsgd.oracle import Perturbed, Verdict, differences, spread, uniform_of
-from hsgd.precision import Numerics, round_to, unit_roundoff
+from hsgd.check.oracle import Perturbed, Verdict, differences, spread, uniform_of
+from hsgd.model.precision import Numerics, round_to, unit_roundoff
 
 
 def test_the_perturbation_is_uniform_and_a_function_of_the_value():

@@ -2,7 +2,7 @@
 
   1. costs.makespan's closed form (m v + p - 1)(f + b + w) equals the schedule simulator for gpipe, 1f1b and
      interleaved;
-  2. hsgd.config.gpt_step_flops is Narayanan et al. (2021)'s FLOPs, and hsgd's parameter count their P (sympy);
+  2. hsgd.model.config.gpt_step_flops is Narayanan et al. (2021)'s FLOPs, and hsgd's parameter count their P (sympy);
   3. the Table 1 rows (narayanan2021.csv) agree with themselves: parameters, aggregate PFLOP/s, % of peak, grid;
   4. paper.activation_bytes is Korthikanti et al. (2022)'s Table 2 and paper.stage_memory ZeRO's model states;
   5. --impl hsgd prices each layout with hsgd.plan.layout.plan_rank (which tests/mpi/test_plan_layout.py holds
@@ -24,16 +24,16 @@ import sys
 
 import pytest
 
-from hsgd.config import ModelConfig, gpt_step_flops
-from hsgd.grid import factorizations
-from hsgd.memory import paper_table2, paper_zero_bytes
+from hsgd.model.config import ModelConfig, gpt_step_flops
+from hsgd.grid.process_grid import factorizations
+from hsgd.accounting.activations import paper_table2, paper_zero_bytes
 from hsgd.plan import costs
 from hsgd.plan.__main__ import presets
 from hsgd.plan.hardware import load
 from hsgd.plan.layout import plan_rank
 from hsgd.plan.paper import activation_bytes, hsgd_params_as_paper, paper_params, stage_memory, table1
 from hsgd.plan.search import Layout, evaluate, layouts, search
-from hsgd.timelines import peak_formula
+from hsgd.pp.timelines import peak_formula
 
 from .test_plan_hardware import GOOD
 
@@ -166,8 +166,8 @@ SHAPES = [(dict(seq_len=2048, d_model=12288, n_heads=96), 1, 8, {"tp": 23, "tp+s
 
 @pytest.mark.parametrize("shape, b, t, per_sbh", SHAPES, ids=["gpt3-175b", "mt-nlg-530b"])
 def test_activation_bytes_are_korthikanti_table2(shape, b, t, per_sbh):
-    """paper.activation_bytes(cfg, b, t, sequence, recompute) equals hsgd.memory.paper_table2's row of those
-    settings, and both equal the paper's numbers written by hand above (in s b h): tp (no sp, no recomputation),
+    """paper.activation_bytes(cfg, b, t, sequence, recompute) equals hsgd.accounting.activations.paper_table2's row of
+    those settings, and both equal the paper's numbers written by hand above (in s b h): tp (no sp, no recomputation),
     tp+sp, selective with sp, full without sp; full with sp is the input's T-shard, 2 s b h / t; selective
     without sp keeps the replicated s b h (10 + 24/t); with cp = 2 every row is the one of s/2 positions."""
     cfg = ModelConfig(vocab_size=51200, n_layers=2, d_ff=4 * shape["d_model"], **shape)

@@ -1,11 +1,11 @@
-"""hsgd.precision and hsgd.loss_scale, one process: rounding to bfloat16 and float16 equals ml_dtypes' and NumPy's
-casts bit for bit (every float32 bit pattern class: normals of every exponent, subnormals, ties, overflow, inf,
+"""hsgd.model.precision and hsgd.step.loss_scale, one process: rounding to bfloat16 and float16 equals ml_dtypes' and
+NumPy's casts bit for bit (every float32 bit pattern class: normals of every exponent, subnormals, ties, overflow, inf,
 NaN, signed zeros; float64 inputs rounded once); the unit roundoff bounds every rounding; GradScaler's rules."""
 import numpy as np
 import pytest
 
-from hsgd.loss_scale import LossScaler
-from hsgd.precision import FORMATS, gamma, round_formula, round_to, unit_roundoff
+from hsgd.step.loss_scale import LossScaler
+from hsgd.model.precision import FORMATS, gamma, round_formula, round_to, unit_roundoff
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")    # the reference casts of NaN and of overflow
@@ -107,26 +107,26 @@ def test_loss_scaler_follows_gradscalers_rules():
 def one_process_trainer(dtype, loss_scale="dynamic", batch=1024, **kw):
     """A HybridTrainer of a small model on this process alone (COMM_SELF), float16 activations gradients small
     enough to underflow at batch 1024 x 16 positions."""
-    import hsgd
+    from hsgd.model.config import ModelConfig
     from mpi4py import MPI
 
-    from hsgd.grid import ProcessGrid
-    from hsgd.hybrid import HybridTrainer
-    from hsgd.settings import TrainConfig
-    cfg = hsgd.ModelConfig(vocab_size=256, seq_len=16, d_model=32, n_heads=2, n_layers=2, d_ff=64)
+    from hsgd.grid.process_grid import ProcessGrid
+    from hsgd.step.trainer import HybridTrainer
+    from hsgd.run.settings import TrainConfig
+    cfg = ModelConfig(vocab_size=256, seq_len=16, d_model=32, n_heads=2, n_layers=2, d_ff=64)
     tc = TrainConfig(dtype=dtype, loss_scale=loss_scale, steps=10, batch_size=batch, lr=0.05, warmup=0, threads=1,
                      **kw)
     return HybridTrainer(cfg, ProcessGrid(MPI.COMM_SELF, dp=1, tp=1), tc)
 
 
 def batch(n, seed=0):
-    from hsgd.data import Corpus
+    from hsgd.model.data import Corpus
     corpus = Corpus(np.random.default_rng(seed).integers(0, 256, 200_000, dtype=np.uint8).tobytes(), "random", 16)
     return corpus.batch(0, 1, n)
 
 
 def test_float32_and_float64_round_nothing():
-    from hsgd.precision import EXACT, Numerics
+    from hsgd.model.precision import EXACT, Numerics
     x = np.arange(5.0)
     params = {"w": x}
     for num in (EXACT, Numerics("float64"), Numerics("float32")):

@@ -1,4 +1,4 @@
-"""Checks before any work (hsgd.preflight): inputs that would block, outputs that would fail only at the end of a
+"""Checks before any work (hsgd.run.preflight): inputs that would block, outputs that would fail only at the end of a
 run, optional modules that are missing. Each case: one clear line, exit 2, nothing written, in seconds; under
 mpiexec every rank ends (an outer `timeout` turns a hang into exit 124, which fails)."""
 import os
@@ -52,7 +52,7 @@ def test_inputs_that_would_block_are_refused(tmp_path):
              (["--config", str(toml_fd5)], "data = 5 is not a string")]
     for result, (_, words) in zip(run_each([flags for flags, _ in cases]), cases):
         assert_one_clear_line(*result, words)
-    from hsgd.data import Corpus                                        # the same gate from Python
+    from hsgd.model.data import Corpus                                        # the same gate from Python
     from hsgd.errors import DataError
     for path, words in ((0, "data 0 is not a path"), (str(fifo), "is a FIFO"), ("/dev/zero", "is a device")):
         with pytest.raises(DataError, match=words):
@@ -171,10 +171,10 @@ def test_sizes_this_machine_cannot_hold_are_refused_at_once():
 def test_the_memory_estimate_is_a_lower_bound_of_what_a_run_holds():
     """The estimate's parameter part equals the model's parameter count x (2 + optimizer states) x bytes; the check
     refuses exactly when the ranks of this machine need more than it has."""
-    from hsgd import ModelConfig
+    from hsgd.model.config import ModelConfig
     from hsgd.errors import ConfigError
-    from hsgd.preflight import check_memory, memory_estimate
-    from hsgd.settings import TrainConfig
+    from hsgd.run.preflight import check_memory, memory_estimate
+    from hsgd.run.settings import TrainConfig
     cfg = ModelConfig(vocab_size=256, seq_len=16, d_model=32, n_heads=4, n_layers=3, d_ff=64)
     tc = TrainConfig(dp=1, tp=1, pp=1, batch_size=4, dtype="float64", momentum=0.9)
     weights, activations = memory_estimate(cfg, tc)
@@ -189,7 +189,7 @@ def test_the_memory_estimate_is_a_lower_bound_of_what_a_run_holds():
 
 
 def test_data_is_mapped_and_ranks_compare_what_they_read(tmp_path):
-    from hsgd.data import Corpus, same_data
+    from hsgd.model.data import Corpus, same_data
     from hsgd.errors import DataError
     a, b = tmp_path / "a.txt", tmp_path / "b.txt"
     a.write_bytes(bytes(range(256)) * 4000)

@@ -1,4 +1,4 @@
-"""Pipeline schedules as data (hsgd.schedules), without MPI: each builder's lists as documented, the static check
+"""Pipeline schedules as data (hsgd.pp.schedules), without MPI: each builder's lists as documented, the static check
 refusing what cannot run (naming the action), the simulated bubbles equal to the closed forms, zero bubble against
 1F1B, the byte formula of interleaving, and the schedule lab's command line."""
 import os
@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from hsgd import pp
-from hsgd.schedules import (FORMULA, PEAK_FORMULA, Action, ScheduleError, bubble_formula, bubble_fraction, build,
+from hsgd.pp import chunks as pp
+from hsgd.pp.schedules import (FORMULA, PEAK_FORMULA, Action, ScheduleError, bubble_formula, bubble_fraction, build,
                             check, held, held_bytes, idle_per_stage, peak_formula, peak_held, simulate)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -113,7 +113,7 @@ def test_held_counts_until_the_backward_is_whole():
 
 
 def test_interleaving_sends_v_times_as_often():
-    from hsgd.config import ModelConfig
+    from hsgd.model.config import ModelConfig
     cfg = ModelConfig(vocab_size=256, seq_len=8, d_model=16, n_heads=4, n_layers=8, d_ff=32)
     one = pp.pp_formula(2, cfg, 4, False, False, 8)[("pp", "Isend")]
     two = pp.pp_formula(2, cfg, 4, False, False, 8, v=2)[("pp", "Isend")]
@@ -155,7 +155,7 @@ def test_the_lab_without_mpi(tmp_path, capsys):
 
 def test_what_the_new_schedules_do_not_combine_with_is_refused():
     from hsgd.errors import ConfigError
-    from hsgd.flags import configs_from_args
+    from hsgd.run.flags import configs_from_args
     from hsgd.train import build_parser
     for flags, words in ((["--zero", "2", "--schedule", "zb-h1"], "zb-h1 computes the weight gradients later"),
                          (["--memory", "--schedule", "interleaved", "--virtual-stages", "2"],
@@ -173,16 +173,16 @@ def test_a_stage_with_chunks_needs_a_pipeline():
     only by the command line), and so is zb-h1 with ZeRO 2."""
     from mpi4py import MPI
 
-    from hsgd.config import ModelConfig
+    from hsgd.model.config import ModelConfig
     from hsgd.errors import ConfigError
-    from hsgd.grid import ProcessGrid
-    from hsgd.settings import TrainConfig
-    from hsgd.stage import Stage
+    from hsgd.grid.process_grid import ProcessGrid
+    from hsgd.run.settings import TrainConfig
+    from hsgd.pp.stage import Stage
     cfg = ModelConfig(vocab_size=256, seq_len=8, d_model=16, n_heads=4, n_layers=4, d_ff=32)
     grid = ProcessGrid(MPI.COMM_WORLD, dp=1, pp=1, tp=1)
     with pytest.raises(ConfigError, match="virtual_stages=2 needs pp > 1"):
         Stage(cfg, grid, TrainConfig(schedule="interleaved", virtual_stages=2, micro_batches=2))
     with pytest.raises(ConfigError, match="zb-h1 with --zero 2"):
-        from hsgd.schedules import check_options
+        from hsgd.pp.schedules import check_options
         check_options(TrainConfig(pp=2, schedule="zb-h1", zero=2))
     grid.free()

@@ -2,9 +2,9 @@
 import numpy as np
 import pytest
 
-import hsgd
-from hsgd import ops, serial
-from hsgd.data import Corpus
+from hsgd.model.config import ModelConfig
+from hsgd.model import ops, serial
+from hsgd.model.data import Corpus
 from hsgd.train import TrainConfig, train
 
 from .conftest import max_rel_err, noisy_params, random_batch
@@ -45,7 +45,7 @@ def test_grads_accumulate(tiny_cfg):
 
 
 def test_init_is_deterministic_and_follows_the_spec():
-    cfg = hsgd.ModelConfig(vocab_size=256, seq_len=16, d_model=32, n_heads=4, n_layers=3, d_ff=64)
+    cfg = ModelConfig(vocab_size=256, seq_len=16, d_model=32, n_heads=4, n_layers=3, d_ff=64)
     a = serial.init_params(cfg, seed=7, dtype="float64")
     b = serial.init_params(cfg, seed=7, dtype="float64")
     c = serial.init_params(cfg, seed=8, dtype="float64")
@@ -80,7 +80,7 @@ def test_batches_are_a_pure_function_of_seed_and_step(tmp_path):
 
 def test_training_lowers_the_loss_on_the_default_corpus():
     """A few dozen SGD steps of a small model on the built-in corpus: the validation loss falls clearly."""
-    cfg = hsgd.ModelConfig(vocab_size=256, seq_len=32, d_model=32, n_heads=2, n_layers=2, d_ff=64)
+    cfg = ModelConfig(vocab_size=256, seq_len=32, d_model=32, n_heads=2, n_layers=2, d_ff=64)
     tc = TrainConfig(steps=40, batch_size=8, lr=0.05, momentum=0.9, eval_interval=0, eval_batches=2,
                      log_interval=20, sample_bytes=20)
     out = train(cfg, tc, out=open("/dev/null", "w"))
@@ -91,7 +91,7 @@ def test_training_lowers_the_loss_on_the_default_corpus():
 
 def test_same_seed_same_training_run():
     """Two runs with the same seed give bit-identical losses and parameters (float64)."""
-    cfg = hsgd.ModelConfig(vocab_size=256, seq_len=16, d_model=16, n_heads=2, n_layers=1, d_ff=32)
+    cfg = ModelConfig(vocab_size=256, seq_len=16, d_model=16, n_heads=2, n_layers=1, d_ff=32)
     tc = TrainConfig(steps=5, batch_size=4, dtype="float64", eval_batches=1, sample_bytes=0)
     devnull = open("/dev/null", "w")
     a, b = train(cfg, tc, out=devnull), train(cfg, tc, out=devnull)
@@ -100,11 +100,11 @@ def test_same_seed_same_training_run():
 
 
 def test_threads_change_nothing(set_threads):
-    """The threaded paths of the kernels (serial on hsgd.ops; threads.parallel_rows: GELU, LayerNorm and attention
+    """The threaded paths of the kernels (serial on hsgd.model.ops; threads.parallel_rows: GELU, LayerNorm and attention
     pieces on 2 threads, attention's BLAS on one thread per piece) give the one-thread gradients. The shapes are
     large enough for every threaded layer but GELU's one-pass backward to split its rows, and the sequences long
     enough for 2 causal blocks."""
-    cfg = hsgd.ModelConfig(vocab_size=31, seq_len=128, d_model=512, n_heads=2, n_layers=1, d_ff=1024)
+    cfg = ModelConfig(vocab_size=31, seq_len=128, d_model=512, n_heads=2, n_layers=1, d_ff=1024)
     params = serial.init_params(cfg, seed=3, dtype="float64")
     idx, targets = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 5, cfg.seq_len))
     set_threads(1)
@@ -120,8 +120,8 @@ def test_threads_change_nothing(set_threads):
 def test_batch_split_over_threads_is_the_minibatch_identity(set_threads, threads, B):
     """split=True: slices of whole sequences on threads of their own, each weighted by its share of the batch,
     accumulated into the given gradients; equal to the unsplit computation up to rounding (float64)."""
-    from hsgd.threads import cpu_threads, parallel_batches
-    cfg = hsgd.ModelConfig(vocab_size=31, seq_len=8, d_model=16, n_heads=2, n_layers=2, d_ff=32)
+    from hsgd.model.threads import cpu_threads, parallel_batches
+    cfg = ModelConfig(vocab_size=31, seq_len=8, d_model=16, n_heads=2, n_layers=2, d_ff=32)
     params = serial.init_params(cfg, seed=5, dtype="float64")
     idx, targets = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, B, cfg.seq_len))
     set_threads(1)
@@ -142,7 +142,8 @@ def test_batch_split_over_threads_is_the_minibatch_identity(set_threads, threads
 def test_shard_numel_counts_what_a_tp_rank_holds(scheme):
     """tp_model.shard_numel, from the shapes, is the size of the shards tp_model.shard cuts, on every rank; a
     vocabulary of 250 does not split evenly, so its padding is counted too."""
-    from hsgd import ModelConfig, tp_model
+    from hsgd.model.config import ModelConfig
+    from hsgd.tp import model as tp_model
     cfg = ModelConfig(vocab_size=250, seq_len=8, d_model=16, n_heads=4, n_layers=2, d_ff=64)
     full = serial.init_params(cfg, seed=0, dtype="float64")
     some = ["wte", "h.0.attn.q.weight", "h.1.ln2.bias", "lm_head.weight"]

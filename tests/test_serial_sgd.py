@@ -5,9 +5,9 @@ import math
 
 import numpy as np
 
-from hsgd import serial
-from hsgd.optim import lr_at
-from hsgd.settings import TrainConfig
+from hsgd.model import serial
+from hsgd.model.optim import lr_at
+from hsgd.run.settings import TrainConfig
 
 from .conftest import max_rel_err, random_batch
 

@@ -6,11 +6,11 @@ from dataclasses import fields
 
 import pytest
 
-from hsgd.config import ModelConfig, flag_names
+from hsgd.model.config import ModelConfig, flag_names
 from hsgd.errors import ConfigError
-from hsgd.config_file import read_toml
-from hsgd.flags import GROUPS, MODEL_FLAGS, build_parser, configs_from_args
-from hsgd.settings import TrainConfig
+from hsgd.run.config_file import read_toml
+from hsgd.run.flags import GROUPS, MODEL_FLAGS, build_parser, configs_from_args
+from hsgd.run.settings import TrainConfig
 
 
 def squashed(text):

@@ -5,7 +5,7 @@ tested here with plain memory."""
 import numpy as np
 import pytest
 
-from hsgd.comm import HostStaging
+from hsgd.grid.comm import HostStaging
 
 
 def test_a_given_back_buffer_is_taken_again_for_its_shape():
@@ -68,7 +68,7 @@ def test_max_bytes_drops_free_buffers_in_take_least_recently_returned_first():
 def test_a_request_waited_twice_gives_its_buffer_back_once():
     from mpi4py import MPI
 
-    from hsgd.comm import Comm, Request
+    from hsgd.grid.comm import Comm, Request
     comm, given = Comm(MPI.COMM_SELF, "self"), []
     req = Request(MPI.REQUEST_NULL, comm, "Irecv", 8, 0.0, done=lambda: given.append(1))
     req.Wait()
@@ -85,7 +85,7 @@ def test_the_cuda_support_query_is_found_in_a_privately_loaded_mpi():
 
     from mpi4py import MPI  # noqa: F401 (loads the MPI library)
 
-    from hsgd.comm import cuda_support_query
+    from hsgd.grid.comm import cuda_support_query
     if not os.path.exists("/proc/self/maps"):
         pytest.skip("no /proc/self/maps: the loaded libraries cannot be listed here")
     libs = sorted({line.split()[-1] for line in open("/proc/self/maps") if "/libmpi" in line})

@@ -1,4 +1,4 @@
-"""hsgd.threads: parallel_rows and parallel_batches (errors wait for every piece, pieces do not split again), and
+"""hsgd.model.threads: parallel_rows and parallel_batches (errors wait for every piece, pieces do not split again), and
 whether OPENBLAS_THREAD_TIMEOUT took effect (a note when NumPy was imported before hsgd)."""
 import os
 import subprocess
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from hsgd.threads import cpu_threads, parallel_batches, parallel_rows
+from hsgd.model.threads import cpu_threads, parallel_batches, parallel_rows
 
 
 @pytest.fixture
@@ -55,7 +55,7 @@ def note_in_fresh_process(imports, timeout_value=None):
     env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_THREAD_TIMEOUT"}
     if timeout_value is not None:
         env["OPENBLAS_THREAD_TIMEOUT"] = timeout_value
-    code = (f"{imports}; import os, hsgd.threads as t; print(t.openblas_note()); "
+    code = (f"{imports}; import os, hsgd.model.threads as t; print(t.openblas_note()); "
             "print(os.environ.get('OPENBLAS_THREAD_TIMEOUT'))")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=True)
     note, value = out.stdout.strip().splitlines()

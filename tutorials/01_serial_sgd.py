@@ -22,7 +22,7 @@
 # number.
 #
 # Everything later in hsgd (tensor, data and pipeline parallelism) is checked against one program: the serial
-# model in `hsgd/serial.py`. This chapter makes sure that program is right. It covers
+# model in `hsgd/model/serial.py`. This chapter makes sure that program is right. It covers
 #
 # 1. SGD and mini-batch SGD as the lecture writes them, and why hsgd's update is simply `w -= lr * g`;
 # 2. the backward pass of a GPT-style Transformer block, derived layer by layer;
@@ -42,8 +42,9 @@
 # %%
 import inspect
 
-from hsgd import ModelConfig, layers, serial         # hsgd before NumPy: it sets OpenBLAS's thread timeout first
-from hsgd.optim import SGD
+from hsgd.model.config import ModelConfig   # hsgd before NumPy: it sets OpenBLAS's thread timeout first
+from hsgd.model import layers, serial
+from hsgd.model.optim import SGD
 from hsgd.train import TrainConfig, train
 
 import numpy as np
@@ -86,7 +87,7 @@ print(f"tiny model: {cfg.n_params()} parameters in {len(params)} arrays")
 #
 # and because the gradient is linear, $\nabla\,\text{loss} = \frac{1}{B}\sum_j \nabla L_j$. The gradient
 # `loss_and_grads` returns therefore already *is* the lecture's averaged gradient, and the update in
-# `hsgd.optim.SGD` is just `w -= lr * g`. (This is also what makes data parallelism work in chapter 4: the
+# `hsgd.model.optim.SGD` is just `w -= lr * g`. (This is also what makes data parallelism work in chapter 4: the
 # mean over the batch equals the mean of the means over equal-sized shards.)
 #
 # Let us see it: the gradient of a batch of 4 sequences against the mean of 4 single-sequence gradients.
@@ -106,7 +107,7 @@ check("max |batch grad - mean of grad_j|",
       max(float(np.max(np.abs(grads_batch[n] - grads_mean[n]))) for n in params), 1e-12)
 
 # %% [markdown]
-# One step of `hsgd.optim.SGD` without momentum is exactly the formula above:
+# One step of `hsgd.model.optim.SGD` without momentum is exactly the formula above:
 
 # %%
 lr = 0.1
@@ -118,7 +119,7 @@ check("max |SGD step - (w - lr * g)|",
 # %% [markdown]
 # ## 2. The backward pass, layer by layer
 #
-# Every layer in `hsgd/layers.py` is a pair
+# Every layer in `hsgd/model/layers.py` is a pair
 #
 #     out, cache = X_forward(inputs..., params...)
 #     dinputs    = X_backward(dout, cache, dparams...)     # dparams += ...
@@ -431,7 +432,7 @@ print("picture:", pictures.save(fig, "01_training_loss"))
 # %% [markdown]
 # The picture shows the loss of each step's batch (noisy: every step sees 8 new sequences) and the validation
 # loss on held-out bytes before and after the 40 steps. The learning rate rises over the first 20 steps (the
-# warm-up, `TrainConfig.warmup`'s default) and then decays along a cosine (`hsgd.optim.lr_at`), so the curve
+# warm-up, `TrainConfig.warmup`'s default) and then decays along a cosine (`hsgd.model.optim.lr_at`), so the curve
 # falls slowly at first.
 
 # %% [markdown]
@@ -480,7 +481,7 @@ print(f"chapter 1: all {len(check.passed)} checks passed; largest finite-differe
 # (solution: `tutorials/solutions/01_serial_sgd.py`, `exercise_1`)
 #
 # ### Exercise 2: momentum SGD against plain SGD
-# Unroll `hsgd.optim.SGD` with momentum $\mu$: show that after $t$ steps with gradients $g_1 .. g_t$ (and a fixed
+# Unroll `hsgd.model.optim.SGD` with momentum $\mu$: show that after $t$ steps with gradients $g_1 .. g_t$ (and a fixed
 # learning rate) $w_t = w_0 - \eta \sum_{s=1}^{t} \sum_{i=1}^{s} \mu^{s-i} g_i$, and check it against `SGD.step`
 # on random gradients. Then minimize the ill-conditioned quadratic $f(w) = \frac12 \sum_i \lambda_i w_i^2$,
 # $\lambda_i$ from 0.01 to 1, with plain SGD ($\mu = 0$) and with $\mu = 0.9$, both with $\eta = 1$, and count the

@@ -26,7 +26,7 @@
 # 1. point to point: `Send`, `Recv`, `Sendrecv`, and why two ranks that both send first can wait forever;
 # 2. the collectives, one at a time: `Bcast`, `Reduce`, `Allreduce`, `Allgather`, `Reduce_scatter_block`,
 #    `Alltoall`, each checked against what NumPy computes from every rank's input, and pictured;
-# 3. `hsgd.comm.Comm`, the thin wrapper through which hsgd makes every collective, and the payload bytes it
+# 3. `hsgd.grid.comm.Comm`, the thin wrapper through which hsgd makes every collective, and the payload bytes it
 #    records;
 # 4. the ring All-Reduce, written by hand from `Sendrecv`: why it sends 2(p-1)/p of the payload from each rank,
 #    and why no algorithm can send less;
@@ -48,7 +48,7 @@
 # byte of a reduction's arithmetic.
 
 # %%
-from hsgd.comm import CollectiveMismatch, Comm, CommStats   # hsgd before NumPy: it sets OpenBLAS's thread timeout
+from hsgd.grid.comm import CollectiveMismatch, Comm, CommStats   # hsgd before NumPy: it sets OpenBLAS's thread timeout
 
 import hashlib
 import os
@@ -279,15 +279,15 @@ if rank == 0:
     say(f"picture: {pictures.save(fig, '02_collectives_before_after')}")
 
 # %% [markdown]
-# ## 3. `hsgd.comm.Comm`: the same calls, recorded
+# ## 3. `hsgd.grid.comm.Comm`: the same calls, recorded
 #
-# hsgd never calls mpi4py's collectives directly in its parallel code. It goes through `hsgd.comm.Comm`, a thin
+# hsgd never calls mpi4py's collectives directly in its parallel code. It goes through `hsgd.grid.comm.Comm`, a thin
 # wrapper around an mpi4py communicator that makes the same uppercase calls and adds three things: one line of
 # accounting per call (a `CommStats`, shared by all the communicators of a run), the buffer rules stated once
 # (contiguous arrays; GPU arrays synchronized and, without a CUDA-aware MPI, staged through host memory, chapter 12),
 # and an optional check of the sequence of calls (section 6). `Comm` wraps what hsgd uses:
 #
-# | `hsgd.comm.Comm` | mpi4py call it makes | payload recorded (bytes) |
+# | `hsgd.grid.comm.Comm` | mpi4py call it makes | payload recorded (bytes) |
 # |---|---|---|
 # | `Allreduce(x)`, `Iallreduce(x)` | `Allreduce(MPI.IN_PLACE, x)`, `Iallreduce` | x: the buffer |
 # | `Allgather(part, out)` | `Allgather(part, out)` | out: the gathered tensor, (size, *part.shape) |
@@ -766,7 +766,7 @@ say(f"break-even: below about {t_ar / per_token:.0f} tokens per rank, this layer
 # until its time limit. Or worse, it finishes with wrong numbers, when the mismatched calls happen to exchange
 # compatible bytes.
 #
-# `hsgd.comm.Comm(..., check=True)`, or `HSGD_CHECK_COLLECTIVES=1` in the environment (the same switch for every
+# `hsgd.grid.comm.Comm(..., check=True)`, or `HSGD_CHECK_COLLECTIVES=1` in the environment (the same switch for every
 # `Comm` made without `check=`), makes the ranks of a communicator agree before each collective: a small pickled
 # `allgather` of (operation, communicator name, shapes, dtype, call number). When they differ, every rank raises
 # `CollectiveMismatch`, with a message that names each rank's call; and since the check runs *before* the real
@@ -812,7 +812,7 @@ check.holds("HSGD_CHECK_COLLECTIVES=1 turns the check on", from_env and not Comm
 # Without the check, the first pair of calls would have been rank 0 inside `MPI_Allreduce` and ranks 1-3 inside
 # `MPI_Allgather`: mismatched collectives, which the MPI standard calls erroneous and leaves undefined. In practice
 # such a job hangs, or, worse, completes with garbage; this chapter does not run it. The check has a limit, which
-# `hsgd/comm.py` states: it cannot catch a rank that never calls the check on that communicator. A rank that skips
+# `hsgd/grid/comm.py` states: it cannot catch a rank that never calls the check on that communicator. A rank that skips
 # a collective and then makes a *different* one on the same communicator is caught (the next call's operation,
 # shape or call number differ); a rank that skips it and then waits elsewhere (in another communicator, in a raw
 # mpi4py call, or in nothing at all) leaves the others inside the check's own `allgather`, hanging as before.
@@ -822,7 +822,7 @@ check.holds("HSGD_CHECK_COLLECTIVES=1 turns the check on", from_env and not Comm
 # the others, which are already waiting in their next collective for a partner that will never arrive. How long
 # they wait depends on the MPI library and launcher; mpi4py's documentation warns that an unhandled exception
 # combined with its automatic `MPI_Finalize` at exit may deadlock (its `python -m mpi4py` runner aborts instead).
-# hsgd's entry points run their main function through `hsgd.launch.run`: on an exception that is not a usage error
+# hsgd's entry points run their main function through `hsgd.grid.launch.run`: on an exception that is not a usage error
 # or an agreed numerical fault, the rank prints its traceback, each line prefixed `[rank r]`, says it is aborting,
 # and calls `MPI_Abort` on `COMM_WORLD`, which ends every rank of the job; `mpiexec` then exits non-zero.
 #
@@ -835,7 +835,7 @@ JOB = '''
 import sys
 import numpy as np
 from mpi4py import MPI
-from hsgd import launch
+from hsgd.grid import launch
 
 
 def main():
@@ -893,7 +893,7 @@ check.holds("... with one clear message: the traceback and the abort",
 # * the alpha-beta line, fitted on this machine, reproduces the measured times of small and large messages within
 #   30% (the sizes in between, where MPICH changes method, are drawn but not fitted);
 # * a mismatched collective raises `CollectiveMismatch` on every rank instead of hanging, and a rank that raises
-#   under `hsgd.launch` ends its whole job within seconds with a non-zero exit code.
+#   under `hsgd.grid.launch` ends its whole job within seconds with a non-zero exit code.
 #
 # Chapter 3 builds the communicators these calls run on: ranks, `Split`, and the dp x pp x tp grid.
 
@@ -921,7 +921,7 @@ say(f"chapter 2: all {len(check.passed)} checks passed on {P} ranks; largest err
 # | mpi4py `Reduce` (no hsgd wrapper) | none | `deepspeed.comm.reduce` | `torch.distributed.reduce` | every hsgd reduction wants its result on all ranks |
 # | `CommStats`: calls, payload bytes, seconds per (communicator, operation) | none | the communication logger: `deepspeed.comm.log_summary()`; `calc_bw_log` (deepspeed/utils/comms_logging.py) converts to "bus bandwidth" with 2(n-1)/n and (n-1)/n | none in `torch.distributed` | hsgd records the payload and leaves the algorithm's factor to the formulas (section 4) |
 # | `Comm(check=True)` / `HSGD_CHECK_COLLECTIVES=1` -> `CollectiveMismatch` | none | none | `TORCH_DISTRIBUTED_DEBUG=DETAIL` wraps each process group in a `ProcessGroupWrapper` (torch/csrc/distributed/c10d/ProcessGroupWrapper.cpp) that compares the ranks' collective fingerprints: "Detected mismatch between collectives on ranks" | the same idea: one small exchange of (operation, shapes, dtype, sequence number) before each collective |
-# | `hsgd.launch.run`: traceback, `MPI_Abort`, every rank ended | launched by `torchrun` (examples/gpt3/train_gpt3_175b_distributed.sh) | the `deepspeed` launcher (deepspeed/launcher/launch.py) kills all local ranks when one exits non-zero (`sigkill_handler`) | `torchrun`'s `LocalElasticAgent` starts and stops the workers of a node as one unit | inside the job, through MPI, rather than in a supervising launcher process |
+# | `hsgd.grid.launch.run`: traceback, `MPI_Abort`, every rank ended | launched by `torchrun` (examples/gpt3/train_gpt3_175b_distributed.sh) | the `deepspeed` launcher (deepspeed/launcher/launch.py) kills all local ranks when one exits non-zero (`sigkill_handler`) | `torchrun`'s `LocalElasticAgent` starts and stops the workers of a node as one unit | inside the job, through MPI, rather than in a supervising launcher process |
 #
 # (Megatron-LM checks whether `torch.distributed` has `all_gather_into_tensor` and `reduce_scatter_tensor` and
 # falls back to the older `_all_gather_base` and `_reduce_scatter_base`; the same assignment opens
@@ -949,7 +949,7 @@ say(f"chapter 2: all {len(check.passed)} checks passed on {P} ranks; largest err
 # ### Exercise 3: find the planted hang
 # This gradient sync skips the update when the loss is not finite, and then averages the loss for the log:
 #
-#     def sync(comm, grad, loss):                    # comm: an hsgd.comm.Comm
+#     def sync(comm, grad, loss):                    # comm: an hsgd.grid.comm.Comm
 #         if not np.isfinite(loss):                  # a NaN on one rank only
 #             skipped = True
 #         else:

@@ -22,7 +22,7 @@
 #
 # 1. what an MPI rank and an MPI communicator are;
 # 2. `Split(color, key)`, the one call that makes smaller communicators out of a big one;
-# 3. the lecture's picture of P = G x M workers, as `hsgd.grid.ProcessGrid`, with a communicator for the
+# 3. the lecture's picture of P = G x M workers, as `hsgd.grid.process_grid.ProcessGrid`, with a communicator for the
 #    M workers of one group (`tp_comm`) and one for the G workers that hold the same parameter shard
 #    (`dp_comm`), and why hsgd numbers the ranks the way it does;
 # 4. what is new about collectives on these sub-communicators (chapter 2 explains what each collective does):
@@ -47,7 +47,7 @@
 # %%
 import os
 
-from hsgd.grid import GridError, ProcessGrid         # hsgd before NumPy: it sets OpenBLAS's thread timeout first
+from hsgd.grid.process_grid import GridError, ProcessGrid   # hsgd before NumPy: it sets OpenBLAS's thread timeout first
 
 import numpy as np
 from mpi4py import MPI
@@ -84,7 +84,7 @@ if P != 8:                           # every rank sees the same P, so every rank
 # A collective (chapter 2) completes only when every rank of *its communicator* has called it. On a smaller
 # communicator that means: only its members take part, and only they wait for each other; a member that calls a
 # different collective, or none, leaves the others waiting forever (chapter 2: with `HSGD_CHECK_COLLECTIVES=1`,
-# `hsgd.comm.Comm` turns the first case into an error that names every rank's call). That is why even the
+# `hsgd.grid.comm.Comm` turns the first case into an error that names every rank's call). That is why even the
 # `check` of every chapter (`tutorials/checks.py`) is collective over `COMM_WORLD`: an `allgather` gives every
 # rank every rank's error, so a failing check is found on every rank, and all of them raise together.
 #
@@ -140,8 +140,8 @@ backwards.Free()
 # (section 6; here pp = 1). G and M are the lecture's names; from here on hsgd writes every layout as
 # P = dp x pp x tp.
 #
-# `hsgd.grid.ProcessGrid(world, dp=4, tp=2)` gives each world rank its coordinates, numbering the ranks **tp
-# fastest, then pp, then dp**:
+# `hsgd.grid.process_grid.ProcessGrid(world, dp=4, tp=2)` gives each world rank its coordinates, numbering the ranks
+# **tp fastest, then pp, then dp**:
 #
 #     rank = (dp_rank * pp + pp_rank) * tp + tp_rank
 #
@@ -214,7 +214,7 @@ check.equal("communicator members == grid.groups()", members(grid), predicted(gr
 #
 # Chapter 2 explained what Allreduce, Allgather and Reduce-Scatter compute and what they cost. What is new here is
 # only *where* they run. hsgd's parallel code calls them on `grid.tp_comm` and `grid.dp_comm`, which are
-# `hsgd.comm.Comm` objects: the same uppercase buffer methods as mpi4py, on contiguous NumPy arrays, in place,
+# `hsgd.grid.comm.Comm` objects: the same uppercase buffer methods as mpi4py, on contiguous NumPy arrays, in place,
 # plus one line of accounting per call.
 #
 # Every rank r makes a vector x_r of N numbers from its own seed. Then `grid.tp_comm.Allreduce(a)` sums over the
@@ -403,8 +403,8 @@ say(f"chapter 3: all {len(check.passed)} checks passed on {P} ranks; largest num
 #
 # ### Exercise 3: the grid of 12 ranks
 # Write `groups(dp, pp, tp)`, the members of every tp, pp and dp communicator computed from hsgd's formula alone.
-# For 12 ranks, list every factorization dp x pp x tp = 12 (`hsgd.grid.factorizations`) and check for each that
-# every rank is in exactly one group of each dimension and that every tp group is a block of consecutive ranks.
+# For 12 ranks, list every factorization dp x pp x tp = 12 (`hsgd.grid.process_grid.factorizations`) and check for each
+# that every rank is in exactly one group of each dimension and that every tp group is a block of consecutive ranks.
 # Then, on the 8 ranks you have, check your function against `ProcessGrid(world, dp, pp, tp).groups()` and against
 # the members of the communicators it builds, for every factorization of 8.
 # (solution: `tutorials/solutions/03_ranks_and_communicators.py`, `exercise_3`)
@@ -414,6 +414,6 @@ say(f"chapter 3: all {len(check.passed)} checks passed on {P} ranks; largest num
 # node). Build the two directions with `Split` on dp_comm (the ranks of one node; the ranks with the same position
 # in every node), and sum a gradient vector in three steps: Reduce-Scatter inside the node, All-Reduce across the
 # nodes on the chunk, All-Gather inside the node. Check the result against one flat `dp_comm.Allreduce` and
-# against `hsgd.hier.hierarchical_allreduce`, and print the payload and ring bytes of each step next to the flat
-# All-Reduce's.
+# against `hsgd.dp.hierarchical.hierarchical_allreduce`, and print the payload and ring bytes of each step next to the
+# flat All-Reduce's.
 # (solution: `tutorials/solutions/03_ranks_and_communicators.py`, `exercise_4`)

@@ -56,17 +56,18 @@
 # %%
 import time
 
-from hsgd import ModelConfig, serial                 # hsgd before NumPy: it sets OpenBLAS's thread timeout first
-from hsgd import tp_model
-from hsgd.comm import Comm
-from hsgd.data import Corpus
-from hsgd.dp import FlatBuffer, check_batch, dp_average, dp_formula, dp_rows, micro_batches, params_digest
+from hsgd.model.config import ModelConfig   # hsgd before NumPy: it sets OpenBLAS's thread timeout first
+from hsgd.model import serial
+from hsgd.tp import model as tp_model
+from hsgd.grid.comm import Comm
+from hsgd.model.data import Corpus
+from hsgd.dp.average import FlatBuffer, check_batch, dp_average, dp_formula, dp_rows, micro_batches, params_digest
 from hsgd.errors import ConfigError
-from hsgd.generate import printable
-from hsgd.grid import ProcessGrid
-from hsgd.hybrid import HybridTrainer
-from hsgd.memory import activation_bytes, activation_formula
-from hsgd.optim import lr_at
+from hsgd.model.generate import printable
+from hsgd.grid.process_grid import ProcessGrid
+from hsgd.step.trainer import HybridTrainer
+from hsgd.accounting.activations import activation_bytes, activation_formula
+from hsgd.model.optim import lr_at
 from hsgd.train import fmt_bytes
 
 import numpy as np
@@ -83,7 +84,7 @@ if world.Get_size() != DP:              # every rank exits non-zero; rank 0 says
     raise SystemExit(f"run this chapter on {DP} ranks: mpirun -n {DP} python {__file__}"
                      if world.Get_rank() == 0 else 1)
 grid = ProcessGrid(world, dp=DP, tp=1)  # dp = 4 replicas of one rank each
-dp, g = grid.dp_comm, grid.dp_rank      # the data-parallel communicator (hsgd.comm.Comm) and my replica
+dp, g = grid.dp_comm, grid.dp_rank      # the data-parallel communicator (hsgd.grid.comm.Comm) and my replica
 TOL = 1e-10                             # float64: parallel and serial differ by rounding, ~1e-16 relative
 check = Checks(world, tol=TOL, width=64)  # check(what, err, tol): collective, raises on every rank unless err < tol
 say = check.say                           # print on world rank 0 only
@@ -321,8 +322,8 @@ check(f"{tc.steps} steps: every replica's parameters vs serial SGD", max(param_e
 # their ResNet-50 on ImageNet the error stays flat up to minibatches of 8k images and rises quickly beyond.
 # McCandlish et al. (2018, "An Empirical Model of Large-Batch Training") relate that limit to the noise in the
 # gradient: their "gradient noise scale" predicts the largest useful batch, which differs from task to task and
-# grows as the loss falls. hsgd's schedule (`hsgd.optim.lr_at`) ramps linearly from $\eta/w$ at step 1 to $\eta$ at
-# step $w$ = `warmup`, then decays along a cosine to $\eta/10$ at the last step.
+# grows as the loss falls. hsgd's schedule (`hsgd.model.optim.lr_at`) ramps linearly from $\eta/w$ at step 1 to $\eta$
+# at step $w$ = `warmup`, then decays along a cosine to $\eta/10$ at the last step.
 #
 # Because a data-parallel run *is* serial SGD on its global batch, the experiment needs no data parallelism at
 # all: `serial.sgd` at batch $B$ is, up to rounding, dp = $B/8$ replicas of $b = 8$ sequences. (The four ranks share

@@ -55,8 +55,9 @@ import numpy as np
 from mpi4py import MPI
 from threadpoolctl import threadpool_limits
 
-from hsgd import layers, tp_layers
-from hsgd.grid import ProcessGrid
+from hsgd.model import layers
+from hsgd.tp import layers as tp_layers
+from hsgd.grid.process_grid import ProcessGrid
 
 import pictures                      # tutorials/pictures.py: where the PNGs go
 from checks import Checks, payload, rel_err, ring_bytes   # tutorials/checks.py, shared by the chapters
@@ -69,7 +70,7 @@ if world.Get_size() % TP:               # every rank exits non-zero; rank 0 says
     raise SystemExit(f"run this chapter on a multiple of {TP} ranks: mpirun -n {TP} python {__file__}"
                      if rank == 0 else 1)
 grid = ProcessGrid(world, dp=world.Get_size() // TP, tp=TP)
-tp, i = grid.tp_comm, grid.tp_rank      # the tensor-parallel communicator (hsgd.comm.Comm) and my place in it
+tp, i = grid.tp_comm, grid.tp_rank      # the tensor-parallel communicator (hsgd.grid.comm.Comm) and my place in it
 TOL = 1e-12                             # float64 throughout: parallel and serial differ only by rounding
 check = Checks(world, tol=TOL, width=60)  # check(what, err, tol): collective, raises on every rank unless err < tol
 say = check.say                           # print on world rank 0 only
@@ -439,7 +440,7 @@ pictures.wait_asleep(world)                      # the other ranks sleep while r
 # %% [markdown]
 # So the lecture's "the backward of the All-Gather is a Reduce-Scatter" is exact when each rank contributes a
 # different part of the gradient; when every rank holds the same complete gradient it is the $1/tp$-scaled
-# Reduce-Scatter, which is just the local slice. In `hsgd.tp_model` ("gather" scheme), the tensor after every
+# Reduce-Scatter, which is just the local slice. In `hsgd.tp.model` ("gather" scheme), the tensor after every
 # All-Gather receives its gradient replicated (from replicated work, or from the next layer's All-Reduce of its
 # partial $dX$, the All-Reduce route above), so the slice is what runs; `reduce_scatter=True` makes it call the
 # scaled Reduce-Scatter instead (same numbers, more traffic), which the tests use to show the two agree. For the
@@ -587,7 +588,7 @@ pictures.wait_asleep(world)                      # the other ranks sleep while r
 #
 # ## Check against serial
 #
-# Both parallel MLPs against `hsgd.layers` on the full matrices: the output, the input gradient $dX$
+# Both parallel MLPs against `hsgd.model.layers` on the full matrices: the output, the input gradient $dX$
 # (replicated), and every rank's shard of the weight and bias gradients, the shard being cut the way that
 # scheme cuts the parameter (Megatron: $W_2$ by rows, $b_2$ whole; the lecture's: $W_2$ and $b_2$ by columns).
 

@@ -28,7 +28,7 @@
 # 2. the vocab-parallel embedding: each rank holds V/tp rows of `wte` (padded when tp does not divide V);
 # 3. the vocab-parallel LM head and cross-entropy: the loss from three numbers per position, without ever
 #    gathering the (N, V) logits;
-# 4. the whole model, `hsgd.tp_model`, in both schemes of chapter 5, against `hsgd.serial` shard by shard, and
+# 4. the whole model, `hsgd.tp.model`, in both schemes of chapter 5, against `hsgd.model.serial` shard by shard, and
 #    its communication per step against `tp_model.comm_formula`, in payload and in ring bytes;
 # 5. sequence parallelism: LayerNorm and the residual stream on 1/tp of the positions, All-Gather and
 #    Reduce-Scatter in place of the All-Reduces, and the activation memory that buys.
@@ -54,10 +54,13 @@ import numpy as np
 from mpi4py import MPI
 from threadpoolctl import threadpool_limits
 
-from hsgd import ModelConfig, layers, memory, serial, tp_layers, tp_model
+from hsgd.model.config import ModelConfig
+from hsgd.model import layers, serial
+from hsgd.accounting import activations
+from hsgd.tp import layers as tp_layers, model as tp_model
 from hsgd.errors import ConfigError
-from hsgd.grid import ProcessGrid
-from hsgd.report import fmt_bytes
+from hsgd.grid.process_grid import ProcessGrid
+from hsgd.run.report import fmt_bytes
 
 import pictures                      # tutorials/pictures.py: where the PNGs go
 from checks import Checks, payload, rel_err, ring_bytes, ring_share   # tutorials/checks.py, shared by the chapters
@@ -70,7 +73,7 @@ if world.Get_size() % TP:               # every rank exits non-zero; rank 0 says
     raise SystemExit(f"run this chapter on a multiple of {TP} ranks: mpirun -n {TP} python {__file__}"
                      if rank == 0 else 1)
 grid = ProcessGrid(world, dp=world.Get_size() // TP, tp=TP)
-tp, i = grid.tp_comm, grid.tp_rank      # the tensor-parallel communicator (hsgd.comm.Comm) and my place in it
+tp, i = grid.tp_comm, grid.tp_rank      # the tensor-parallel communicator (hsgd.grid.comm.Comm) and my place in it
 TOL = 1e-10                             # float64: parallel and serial differ by rounding, ~1e-16 relative
 check = Checks(world, tol=TOL, width=64)  # check(what, err, tol): collective, raises on every rank unless err < tol
 say = check.say                           # print on world rank 0 only
@@ -452,7 +455,7 @@ say(f"GPT-2 vocabulary, N = {Ng}, float32, tp = {TP}: logits {Ng * Vg * 4 / 2**3
 # %% [markdown]
 # ## 4. The whole model: check against serial
 #
-# `hsgd.tp_model` puts the pieces together: vocab-parallel embedding, per block LayerNorms (replicated), the
+# `hsgd.tp.model` puts the pieces together: vocab-parallel embedding, per block LayerNorms (replicated), the
 # attention branch of section 1 and the MLP of chapter 5, LN_f, the vocab-parallel LM head and loss. LayerNorm
 # parameters, `wpe` and the row-parallel biases are replicated; everything else is split, and every gradient
 # shard must equal `tp_model.shard(serial_grad, name, rank, tp, scheme)`, the matching slice of
@@ -551,7 +554,7 @@ say(f"{'ratio, gather / megatron':<42}{gpt2_ratio[0]:>11.2f}x{gpt2_ratio[1]:>21.
 # Reduce-Scatter sums them and hands each rank its positions. The replicated parameters (the LayerNorms, the
 # projections' biases, `wpe`) now see only their rank's positions, so their gradients are partial too and are
 # All-Reduced, one buffer per gradient group (exercise 3 shows why). This is `tp_model`'s "sequence" scheme
-# (`hsgd/tp_schemes.py`). First, exactness, on the model and batch of section 4 and the same tp = 4 group
+# (`hsgd/tp/schemes.py`). First, exactness, on the model and batch of section 4 and the same tp = 4 group
 # (T = 8 splits into 2 positions per rank; Megatron's scheme was checked on them in section 4):
 
 # %%
@@ -600,8 +603,8 @@ check.equal("ring bytes: sequence - megatron == (2L+1) re-gathers + replicated g
 # sends, because almost all of its payload travels in All-Gathers and Reduce-Scatters, which a ring sends at half
 # the price per payload byte of an All-Reduce.
 #
-# What it buys is memory: the activations the forward pass caches for the backward. `memory.activation_bytes`
-# counts the distinct arrays in the caches (parameters excluded), `memory.activation_formula` predicts them, and
+# What it buys is memory: the activations the forward pass caches for the backward. `activations.activation_bytes`
+# counts the distinct arrays in the caches (parameters excluded), `activations.activation_formula` predicts them, and
 # the paper's Table 2 formula (16-bit activations, dropout, $34/t$) gives its own ratio for the same shape. Each
 # scheme on groups of tp = 1, 2 and 4 (the chapter's four ranks as four, two and one group):
 
@@ -613,9 +616,9 @@ for tp_ in TPS:
     for scheme in ("megatron", "sequence"):
         local = tp_model.shard_params(params, g_.tp_rank, tp_, scheme)
         _, caches = tp_model.forward(local, idx, targets, cfg, g_.tp_comm, scheme)
-        act[tp_, scheme] = (memory.activation_bytes(caches.blocks[0], local),        # block 0's cache
-                            memory.activation_bytes(caches, local))              # the whole forward's
-        f = memory.activation_formula(cfg, batch, itemsize, tp_, scheme)
+        act[tp_, scheme] = (activations.activation_bytes(caches.blocks[0], local),        # block 0's cache
+                            activations.activation_bytes(caches, local))              # the whole forward's
+        f = activations.activation_formula(cfg, batch, itemsize, tp_, scheme)
         predicted[tp_, scheme] = (f["block"], f["model"])
     if g_ is not grid:
         g_.free()
@@ -624,7 +627,7 @@ say(f"{'tp':>3}{'megatron per block':>20}{'sequence per block':>20}{'ratio':>7}{
     f"{'whole forward m / s':>24}")
 for tp_ in TPS:
     (mb, mm), (sb, sm) = act[tp_, "megatron"], act[tp_, "sequence"]
-    paper = [memory.paper_activation_bytes(cfg.seq_len, batch, cfg.d_model, cfg.n_heads, tp_, sp)
+    paper = [activations.paper_activation_bytes(cfg.seq_len, batch, cfg.d_model, cfg.n_heads, tp_, sp)
              for sp in (False, True)]
     say(f"{tp_:>3}{mb:>20,}{sb:>20,}{mb / sb:>7.2f}{paper[0] / paper[1]:>7.2f}{mm:>12,} / {sm:,}")
 check.equal("activation bytes (block, model) == activation_formula, tp = 1, 2, 4", act, predicted)
@@ -632,8 +635,8 @@ check.equal("sequence: bytes per block x tp, tp = 2, 4 == those of tp = 1",
             [act[t, "sequence"][0] * t for t in TPS[1:]], [act[1, "sequence"][0]] * (len(TPS) - 1))
 
 gpt3 = ModelConfig(vocab_size=50257, seq_len=2048, d_model=12288, n_heads=96, n_layers=96, d_ff=4 * 12288)
-f_m, f_s = (memory.activation_formula(gpt3, 1, 2, 8, sc)["block"] for sc in ("megatron", "sequence"))
-p_m, p_s = (memory.paper_activation_bytes(2048, 1, 12288, 96, 8, sp) for sp in (False, True))
+f_m, f_s = (activations.activation_formula(gpt3, 1, 2, 8, sc)["block"] for sc in ("megatron", "sequence"))
+p_m, p_s = (activations.paper_activation_bytes(2048, 1, 12288, 96, 8, sp) for sp in (False, True))
 say(f"GPT-3 175B's shape, one sequence, 16-bit, tp = 8, per block: hsgd {fmt_bytes(f_m)} -> {fmt_bytes(f_s)} "
     f"(ratio {f_m / f_s:.2f}); the paper's Table 2 {fmt_bytes(p_m)} -> {fmt_bytes(p_s)} (ratio {p_m / p_s:.2f})")
 
@@ -671,7 +674,7 @@ pictures.wait_asleep(world)                      # the other ranks sleep while r
 # With sequence parallelism *every* cached activation is divided by tp; with Megatron's scheme its per-block bytes
 # stop falling like $1/tp$. The ratios differ from the paper's because the two count different things: hsgd has
 # no dropout, keeps only the softmax per attention entry (the paper keeps scores, softmax, dropout output and
-# mask), and caches q, k, v and the GELU's derivative (`memory.paper_activation_bytes`'s docstring lists the
+# mask), and caches q, k, v and the GELU's derivative (`activations.paper_activation_bytes`'s docstring lists the
 # terms). Only ratios compare: hsgd's numbers here are float64. The whole forward's bytes also include the loss's
 # softmax (N, Vp), split by vocabulary in both schemes.
 #
@@ -680,7 +683,7 @@ pictures.wait_asleep(world)                      # the other ranks sleep while r
 # Every piece against the serial model on the full matrices: the attention branch split by heads, the
 # vocab-parallel embedding and cross-entropy (with their padding), the whole model in the three variants of the
 # two schemes of chapter 5 and in the sequence scheme, shard by shard, and every byte the tensor-parallel
-# communicator carried against its formula; the activation bytes against `memory.activation_formula`. Chapter 7
+# communicator carried against its formula; the activation bytes against `activations.activation_formula`. Chapter 7
 # puts such tensor-parallel groups side by side as the lecture's data-parallel replicas (chapter 4's algorithm,
 # one gradient shard at a time), and chapter 8 overlaps their gradient exchange with the backward pass.
 
@@ -703,11 +706,11 @@ grid.free()
 # | attention by heads: q, k, v column-parallel (C, C/tp), `attn.proj` row-parallel, `layers.attention_forward` unchanged on the local heads; `tp_model.check_tp` wants NH divisible by tp | `SelfAttention` (megatron/core/transformer/attention.py): `linear_qkv` column-parallel (one fused matrix), `linear_proj` row-parallel; `num_attention_heads_per_partition = divide(num_attention_heads, world_size)`, an exact division too | AutoTP makes q, k, v `LinearLayer`s (fused ones `fused_LinearLayer`, `SubParamColumnParallel`) and the output projection a `LinearAllreduce` (deepspeed/module_inject/layers.py); heads may split unequally: `get_shard_size` (deepspeed/module_inject/tp_shard.py) gives the first NH mod tp ranks one head more | `parallelize_module(block, tp_mesh, plan)` (torch/distributed/tensor/parallel/api.py) with `ColwiseParallel()` for q, k, v and `RowwiseParallel()` for the output projection | three separate weights (computed as one product only for speed, `ops.qkv_forward`); equal heads per rank (exercise 2 writes the unequal split) |
 # | the vocab-parallel embedding: `tp_layers.vocab_lookup_forward` (zero rows for ids owned elsewhere) and the scheme's exit (All-Reduce; sequence: Reduce-Scatter); V padded to $\lceil V/tp \rceil \cdot tp$ | `VocabParallelEmbedding` (megatron/core/tensor_parallel/layers.py): the same masking, then `reduce_from_tensor_model_parallel_region`, or with `reduce_scatter_embeddings` `reduce_scatter_to_sequence_parallel_region`; V padded to a multiple of `make_vocab_size_divisible_by` (default 128) x tp (`calculate_padded_vocab_size`, megatron/training/vocab_utils.py) | none in AutoTP: the embedding stays whole (`EmbeddingLayer`) | `RowwiseParallel()` on an `nn.Embedding`: weight `Shard(0)` (its rows are vocabulary ids), replicated input, partial output reduced to `Replicate()` | pads to the smallest multiple of tp; Megatron rounds further up for fast matrix shapes |
 # | the LM head column-parallel (C, Vp) and `tp_layers.vocab_cross_entropy_forward` / `_backward`: All-Reduce MAX of (N,), one SUM of (2, N); the backward local | `GPTModel.output_layer`, a `ColumnParallelLinear(..., gather_output=not parallel_output)` (megatron/core/models/gpt/gpt_model.py), and `vocab_parallel_cross_entropy` (megatron/core/tensor_parallel/cross_entropy.py): MAX, then two SUM All-Reduces (the target logit, the sum of exp) | none in AutoTP: `LmHeadLinearAllreduce` splits the LM head by its input features (a row split) and All-Reduces the whole (N, V) logits; `vocab_sequence_parallel_cross_entropy` (deepspeed/sequence/cross_entropy.py) is not vocab-parallel: its logits are split along the sequence, the whole vocabulary on every rank | `ColwiseParallel(use_local_output=False)` on the output projection, then `F.cross_entropy` inside `loss_parallel()` (torch/distributed/tensor/parallel/loss.py): MAX, SUM of exp, and the target logit's All-Reduce | the two sums share one buffer: two calls instead of three, the same $3N$ numbers |
-# | the "sequence" scheme (`tp_schemes.Sequence`; `TrainConfig(tp_scheme="sequence")`) | `sequence_parallel=True` (`ModelParallelConfig`, megatron/core/model_parallel_config.py) | none in AutoTP. DeepSpeed-Ulysses (`DistributedAttention`, deepspeed/sequence/layer.py) is a different sequence parallelism: every layer, attention included, works on sequence shards, and an all-to-all (`_SeqAllToAll`) trades sequence shards for head shards before attention and back after; it is not tied to tensor parallelism | `SequenceParallel()` on the norms (torch/distributed/tensor/parallel/style.py), with `ColwiseParallel(input_layouts=Shard(1))` and `RowwiseParallel(output_layouts=Shard(1))` around them | one flag switches the whole model, and the scheme is an object whose three methods are the only places that differ (`hsgd/tp_schemes.py`) |
+# | the "sequence" scheme (`tp_schemes.Sequence`; `TrainConfig(tp_scheme="sequence")`) | `sequence_parallel=True` (`ModelParallelConfig`, megatron/core/model_parallel_config.py) | none in AutoTP. DeepSpeed-Ulysses (`DistributedAttention`, deepspeed/sequence/layer.py) is a different sequence parallelism: every layer, attention included, works on sequence shards, and an all-to-all (`_SeqAllToAll`) trades sequence shards for head shards before attention and back after; it is not tied to tensor parallelism | `SequenceParallel()` on the norms (torch/distributed/tensor/parallel/style.py), with `ColwiseParallel(input_layouts=Shard(1))` and `RowwiseParallel(output_layouts=Shard(1))` around them | one flag switches the whole model, and the scheme is an object whose three methods are the only places that differ (`hsgd/tp/schemes.py`) |
 # | `tp_layers.gather_T_forward` / `_backward`: All-Gather along T, backward Reduce-Scatter | `gather_from_sequence_parallel_region` (megatron/core/tensor_parallel/mappings.py; `tensor_parallel_output_grad=True`: Reduce-Scatter backward); inside `ColumnParallelLinear` under `sequence_parallel` the linear's own autograd function (`LinearWithGradAccumulationAndAsyncCommunication`, layers.py) All-Gathers the input, caches only the shard, and gathers it again in the backward, overlapped with the input-gradient product | none | a `Shard(1)` input redistributed to `Replicate()` (`ColwiseParallel(input_layouts=Shard(1))`) | the backward re-gather is the same, not overlapped |
 # | `tp_layers.scatter_T_forward` / `_backward`: Reduce-Scatter along T, backward All-Gather | `reduce_scatter_to_sequence_parallel_region` (mappings.py), the exit of `RowParallelLinear` under `sequence_parallel` | none | `RowwiseParallel(output_layouts=Shard(1))`: the partial output reduce-scattered | - |
 # | `Sequence.finish_replicated`: one All-Reduce per gradient group of the partial gradients of the LayerNorms, the projections' biases and `wpe`, during the backward pass | `_allreduce_non_tensor_model_parallel_grads`, called by `finalize_model_grads` (megatron/core/distributed/finalize_model_grads.py) after the backward pass, for the parameters marked `sequence_parallel` | none | no step of its own: `SequenceParallel` keeps the norms' parameters `Replicate()` DTensors, DTensor's layer-norm backward (`layer_norm_bwd_strategy`, torch/distributed/tensor/_ops/_math_ops.py) gives their gradients the placement `Partial` (a sum still pending), and DTensor reduces it when the gradient is used | per group, so that data parallelism's bucketed All-Reduce (chapter 8) can start as soon as a group is final |
-# | `memory.activation_bytes` / `activation_formula` / `paper_activation_bytes` | `compute_activation_memory` (megatron/training/theoretical_memory_usage.py), the paper's Table 2 terms per layer | none | none | the cache is counted byte by byte and compared with a formula |
+# | `activations.activation_bytes` / `activation_formula` / `paper_activation_bytes` | `compute_activation_memory` (megatron/training/theoretical_memory_usage.py), the paper's Table 2 terms per layer | none | none | the cache is counted byte by byte and compared with a formula |
 #
 # ## Exercises
 #

@@ -41,7 +41,9 @@
 # together, N/k each), C d_model, NH heads, F d_ff, V vocabulary, Vp = ceil(V/tp), L layers, s bytes per number.
 
 # %%
-from hsgd import ModelConfig, serial, tp_model   # hsgd before NumPy: it sets OpenBLAS's thread timeout (hsgd.threads)
+from hsgd.model.config import ModelConfig   # hsgd before NumPy: it sets OpenBLAS's thread timeout (hsgd.model.threads)
+from hsgd.model import serial
+from hsgd.tp import model as tp_model
 
 import io
 import math
@@ -52,11 +54,11 @@ import numpy as np
 from mpi4py import MPI
 from threadpoolctl import threadpool_limits
 
-from hsgd.data import Corpus
-from hsgd.dp import FlatBuffer, dp_average, dp_formula, dp_rows, params_digest
-from hsgd.grid import ProcessGrid
-from hsgd.hybrid import HybridTrainer
-from hsgd.optim import clip_grads, global_grad_norm
+from hsgd.model.data import Corpus
+from hsgd.dp.average import FlatBuffer, dp_average, dp_formula, dp_rows, params_digest
+from hsgd.grid.process_grid import ProcessGrid
+from hsgd.step.trainer import HybridTrainer
+from hsgd.model.optim import clip_grads, global_grad_norm
 from hsgd.train import fmt_bytes, train
 from hsgd.verify import verify
 
@@ -158,7 +160,7 @@ check.equal("tp_comm: (distinct shards, distinct data slices) == (tp, 1)", same[
 # %% [markdown]
 # ## 2. One hybrid step, checked against serial
 #
-# The lecture's sections 3.2 to 3.5 as `HybridTrainer.step` runs them (hsgd/hybrid.py):
+# The lecture's sections 3.2 to 3.5 as `HybridTrainer.step` runs them (hsgd/step/trainer.py):
 #
 # 1. group g takes rows $[g\,b, (g+1)\,b)$ of the global batch; every rank of the group reads the same rows;
 # 2. the group runs the tensor-parallel forward and backward on them (collectives on `tp_comm` inside
@@ -492,9 +494,9 @@ grid.free()
 #
 # | hsgd | Megatron-LM | DeepSpeed | PyTorch | where hsgd differs, on purpose |
 # |---|---|---|---|---|
-# | `ProcessGrid(world, dp=4, tp=2)` with `grid.tp_comm`, `grid.dp_comm` (hsgd/grid.py); rank = (dp_rank * pp + pp_rank) * tp + tp_rank | `initialize_model_parallel(tensor_model_parallel_size=...)`, then `get_tensor_model_parallel_group()`, `get_data_parallel_group()` (megatron/core/parallel_state.py); rank order `order="tp-cp-ep-dp-pp"` (`RankGenerator`) | `deepspeed.initialize(..., mpu=...)` (`deepspeed/__init__.py`): the model-parallel groups come from an `mpu` object such as Megatron's parallel_state | `init_device_mesh("cuda", (dp, tp), mesh_dim_names=("dp", "tp"))` (torch/distributed/device_mesh.py), then `mesh["tp"]`, `mesh["dp"]` | MPI communicators from `Split(color, key)`, printed and checked; dp outermost so that a replica is a block of consecutive ranks (Megatron puts pp outermost) |
-# | `HybridTrainer.step` (hsgd/hybrid.py): the group's rows, the tp forward and backward, the `dp_comm` average, clipping, the update | `train_step` (megatron/training/training.py): `forward_backward_func`, whose `finalize_model_grads` (megatron/core/distributed/finalize_model_grads.py) calls each model chunk's `finish_grad_sync`, then `optimizer.step()` | `DeepSpeedEngine` (deepspeed/runtime/engine.py): `engine.backward(loss)` reduces the gradients (`allreduce_gradients`), `engine.step()` clips and updates | a plain loop, `loss.backward()` then `optimizer.step()`, on a module made tensor-parallel by `parallelize_module(model, mesh["tp"], plan)` with `ColwiseParallel` / `RowwiseParallel` (torch/distributed/tensor/parallel) and data-parallel by `fully_shard(model, mesh=mesh["dp"])` or `DistributedDataParallel(model, process_group=mesh["dp"].get_group())` | one function per step of the lecture, no autograd hooks: every collective is visible where it is called |
-# | `dp_average(buf, grid.dp_comm)` (hsgd/dp.py): one All-Reduce of a `FlatBuffer` holding all the rank's gradient shards | `DistributedDataParallel` (megatron/core/distributed/distributed_data_parallel.py) over contiguous gradient buffers (param_and_grad_buffer.py) | `allreduce_gradients` -> `buffered_allreduce_fallback` (deepspeed/runtime/engine.py) | `torch.nn.parallel.DistributedDataParallel`, buckets of `bucket_cap_mb` | one buffer, one call after the backward pass; buckets and overlap are chapter 8 |
+# | `ProcessGrid(world, dp=4, tp=2)` with `grid.tp_comm`, `grid.dp_comm` (hsgd/grid/process_grid.py); rank = (dp_rank * pp + pp_rank) * tp + tp_rank | `initialize_model_parallel(tensor_model_parallel_size=...)`, then `get_tensor_model_parallel_group()`, `get_data_parallel_group()` (megatron/core/parallel_state.py); rank order `order="tp-cp-ep-dp-pp"` (`RankGenerator`) | `deepspeed.initialize(..., mpu=...)` (`deepspeed/__init__.py`): the model-parallel groups come from an `mpu` object such as Megatron's parallel_state | `init_device_mesh("cuda", (dp, tp), mesh_dim_names=("dp", "tp"))` (torch/distributed/device_mesh.py), then `mesh["tp"]`, `mesh["dp"]` | MPI communicators from `Split(color, key)`, printed and checked; dp outermost so that a replica is a block of consecutive ranks (Megatron puts pp outermost) |
+# | `HybridTrainer.step` (hsgd/step/trainer.py): the group's rows, the tp forward and backward, the `dp_comm` average, clipping, the update | `train_step` (megatron/training/training.py): `forward_backward_func`, whose `finalize_model_grads` (megatron/core/distributed/finalize_model_grads.py) calls each model chunk's `finish_grad_sync`, then `optimizer.step()` | `DeepSpeedEngine` (deepspeed/runtime/engine.py): `engine.backward(loss)` reduces the gradients (`allreduce_gradients`), `engine.step()` clips and updates | a plain loop, `loss.backward()` then `optimizer.step()`, on a module made tensor-parallel by `parallelize_module(model, mesh["tp"], plan)` with `ColwiseParallel` / `RowwiseParallel` (torch/distributed/tensor/parallel) and data-parallel by `fully_shard(model, mesh=mesh["dp"])` or `DistributedDataParallel(model, process_group=mesh["dp"].get_group())` | one function per step of the lecture, no autograd hooks: every collective is visible where it is called |
+# | `dp_average(buf, grid.dp_comm)` (hsgd/dp/average.py): one All-Reduce of a `FlatBuffer` holding all the rank's gradient shards | `DistributedDataParallel` (megatron/core/distributed/distributed_data_parallel.py) over contiguous gradient buffers (param_and_grad_buffer.py) | `allreduce_gradients` -> `buffered_allreduce_fallback` (deepspeed/runtime/engine.py) | `torch.nn.parallel.DistributedDataParallel`, buckets of `bucket_cap_mb` | one buffer, one call after the backward pass; buckets and overlap are chapter 8 |
 # | `optim.global_grad_norm(grads, is_sharded, tp_comm)`, `health.global_norm`: the split parameters' squares summed over `tp_comm`, the replicated ones counted once | `MegatronOptimizer.clip_grad_norm` -> `get_grad_norm_fp32` (megatron/core/optimizer/clip_grads.py) over the gradients that pass `param_is_not_shared` and `param_is_not_tensor_parallel_duplicate`; `clip_grad` in `OptimizerConfig` | the `"gradient_clipping"` setting; `clip_grad_norm_(parameters, max_norm, mpu=...)` (deepspeed/runtime/utils.py) counts a replicated parameter only on model-parallel rank 0 (`is_model_parallel_parameter`) | `torch.nn.utils.clip_grad_norm_` (torch/nn/utils/clip_grad.py); with DTensor gradients the norms of sharded tensors are reduced over their mesh | the two sums are kept apart with 0/1 masks, so every tp rank gets the same norm to the last bit and its replicated parameters stay bit-identical |
 # | `CommStats` with `tp_model.comm_formula` and `dp_formula`: calls and payload of every collective, checked for equality with a formula | none (profilers) | the `"comms_logger"` setting (deepspeed/comm/config.py): each collective's size and time, logged | `CommDebugMode` (torch.distributed.tensor.debug): counts the collectives of DTensor code, without bytes | the bytes are a test: a formula that is off by one term fails the chapter |
 # | `hsgd.verify`: every shard of the parallel gradient against the serial gradient, one table | none (its tests compare against single-GPU runs) | none | none | the serial reference is part of the library, so any layout can be checked from the command line |

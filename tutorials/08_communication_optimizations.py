@@ -38,7 +38,7 @@
 # ranks of one `dp_comm` laid out as nodes x ranks per node, reduced along one dimension of the mesh, then the
 # other, then gathered back.
 #
-# `HybridTrainer` (hsgd/hybrid.py) has each optimization as a `TrainConfig` option. All but the last change *how*
+# `HybridTrainer` (hsgd/step/trainer.py) has each optimization as a `TrainConfig` option. All but the last change *how*
 # the gradients travel, never *what* the update is; staleness changes the algorithm, exactly. This chapter takes
 # them one at a time, measures the bytes, and checks the result against the plain path and against serial SGD:
 #
@@ -62,7 +62,9 @@
 # buffer, n ranks per node, k nodes, $\eta_s$ the learning rate of step s, $w_s$ the parameters after step s.
 
 # %%
-from hsgd import ModelConfig, serial, tp_model   # hsgd before NumPy: it sets OpenBLAS's thread timeout (hsgd.threads)
+from hsgd.model.config import ModelConfig   # hsgd before NumPy: it sets OpenBLAS's thread timeout (hsgd.model.threads)
+from hsgd.model import serial
+from hsgd.tp import model as tp_model
 
 import io
 import math
@@ -71,13 +73,13 @@ import numpy as np
 from mpi4py import MPI
 from threadpoolctl import threadpool_limits
 
-from hsgd.data import Corpus
-from hsgd.dp import params_digest
-from hsgd.grid import ProcessGrid
-from hsgd.hier import cross_node_bytes, hier_formula
-from hsgd.hybrid import HybridTrainer
-from hsgd.plots import COLORS as PHASE_COLORS
-from hsgd.trace import Tracer, overlap_seconds
+from hsgd.model.data import Corpus
+from hsgd.dp.average import params_digest
+from hsgd.grid.process_grid import ProcessGrid
+from hsgd.dp.hierarchical import cross_node_bytes, hier_formula
+from hsgd.step.trainer import HybridTrainer
+from hsgd.run.plots import COLORS as PHASE_COLORS
+from hsgd.grid.trace import Tracer, overlap_seconds
 from hsgd.train import train
 
 import pictures                                      # tutorials/pictures.py: where the PNGs go
@@ -185,7 +187,7 @@ check(f"overlap, {STEPS} steps: every rank's shards vs serial SGD", param_err(ov
 check.holds("overlap: DP replicas bit-identical after every step", same_replicas)
 
 # %% [markdown]
-# **Seeing it.** `hsgd.trace.Tracer` records every rank's compute-track phases (forward, backward, dp sync,
+# **Seeing it.** `hsgd.grid.trace.Tracer` records every rank's compute-track phases (forward, backward, dp sync,
 # optimizer) and every collective; a non-blocking call is one span on an "async" track from its start to the end
 # of its `Wait`. One more step of each trainer, traced. `overlap_seconds(events, rank)` adds up, request by request,
 # the time an `Iallreduce` was in flight during a span of the compute track. That track also holds "dp sync", the
@@ -669,10 +671,10 @@ grid.free()
 #
 # | hsgd | Megatron-LM | DeepSpeed | PyTorch | where hsgd differs, on purpose |
 # |---|---|---|---|---|
-# | `dp_overlap=True`: `OverlappedExchange` (hsgd/exchange.py), one `Iallreduce` per layer's bucket, started by `on_ready(group)` from `tp_model.stage_backward` | `DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=...)` (megatron/core/distributed/distributed_data_parallel_config.py; `bucket_size` counts parameters, default max(40M, 1M x dp)); a backward hook per parameter calls its bucket group's `register_grad_ready` (distributed_data_parallel.py); `no_sync()` holds the exchange back until the last micro-batch | without ZeRO, `allreduce_gradients` runs after the backward pass in buffers of `MEMORY_OPT_ALLREDUCE_SIZE` elements (deepspeed/runtime/engine.py), not overlapped; with ZeRO 1 or 2, `"overlap_comm"` and `"reduce_bucket_size"` under `"zero_optimization"` (deepspeed/runtime/zero/config.py) | `torch.nn.parallel.DistributedDataParallel(..., bucket_cap_mb=25)` (torch/nn/parallel/distributed.py): buckets in reverse parameter order, each all-reduced when its last gradient arrives; `no_sync()` | a bucket is a layer (`tp_model.backward_order`), not a size cap, so the buckets can be read off the model; MPICH has no progress thread, so the overlap is a schedule here, not a speed-up (section 1) |
-# | `zero=1`: `ZeroExchange` (hsgd/zero.py): Reduce-Scatter of the padded flat buffer over `dp_comm`, AdamW on the owned chunk, All-Gather of the updated chunks; `zero=2`: `ShardedExchange` (hsgd/sharded.py), the same layer by layer | `use_distributed_optimizer=True` (`DistributedDataParallelConfig`) with `DistributedOptimizer` (megatron/core/optimizer/distrib_optimizer.py): reduce-scatter of the gradient buffer, the optimizer on the shard, all-gather of the parameters (`start_param_sync` in param_and_grad_buffer.py, overlapped with the next forward by `overlap_param_gather`): stage 1 with a Reduce-Scatter, like hsgd's ZeRO-1; parameters sharded too with Megatron-FSDP, `data_parallel_sharding_strategy="optim_grads_params"` | `"zero_optimization": {"stage": 1}` or `2` (`DeepSpeedZeroOptimizer`, deepspeed/runtime/zero/stage_1_and_2.py), `3` (`DeepSpeedZeroOptimizer_Stage3`, stage3.py) | `ZeroRedundancyOptimizer` (torch/distributed/optim/zero_redundancy_optimizer.py): the optimizer state sharded by whole parameters, the gradients still all-reduced by DDP, the updated parameters broadcast by their owner; FSDP's `ShardingStrategy.SHARD_GRAD_OP` (gradients and optimizer state sharded, like stage 2) and `FULL_SHARD` (parameters too, stage 3) in torch/distributed/fsdp/api.py; FSDP2's `fully_shard(..., reshard_after_forward=...)` | ZeRO-1: one flat buffer cut into dp equal chunks (padding included, chunk boundaries cut through parameters), exchanged after the whole backward pass; ZeRO-2 and 3 (hsgd/sharded.py): each layer's bucket cut into dp chunks, reduce-scattered during the backward pass; stage 3 by hand is exercise 1, `--zero 3` is chapter 13 |
-# | `hierarchical=True`, `ranks_per_node`: `HierarchicalExchange`, `hierarchical_allreduce` (hsgd/hier.py): node Reduce-Scatter, cross-node All-Reduce of one chunk, node All-Gather | with the distributed optimizer, `num_distributed_optimizer_instances` > 1: reduce-scatter inside an instance (`intra_distributed_optimizer_instance_group`), all-reduce of the shard across instances (`inter_distributed_optimizer_instance_group`), in param_and_grad_buffer.py | no hierarchical all-reduce setting; ZeRO++'s `"zero_quantized_gradients"` reduces gradients in two hops, inside the node then across nodes (`all_to_all_quant_reduce`, deepspeed/runtime/comm/coalesced_collectives.py), and `"zero_hpz_partition_size"` keeps a second copy of the parameter shards inside each node | FSDP's `ShardingStrategy.HYBRID_SHARD`: FULL_SHARD inside a node, replicas across nodes (a reduce-scatter in the node, an all-reduce across); under all three, NCCL chooses ring or tree per call (`NCCL_ALGO`), and its tree is itself two-level, chains inside the nodes and trees across them | a plain all-reduce (every rank ends with the whole sum), so it combines with any optimizer; the nodes are declared with `ranks_per_node` on one machine, so the mesh can be shown and measured |
-# | `dp_staleness=1`: `StaleExchange` (hsgd/exchange.py), the `Iallreduce` started at step s applied at step s+1 | none | none | none for one-step-late gradients; the nearest relaxation is local SGD: `PostLocalSGDOptimizer` (torch/distributed/optim/post_localSGD_optimizer.py) with `PostLocalSGDState` / `post_localSGD_hook` (torch/distributed/algorithms/ddp_comm_hooks/post_localSGD_hook.py), which averages the parameters every few steps instead of the gradients every step | kept as an experiment: exact delayed SGD, checked against `serial.sgd(..., delayed=True)`, to put a number on what not waiting costs |
+# | `dp_overlap=True`: `OverlappedExchange` (hsgd/dp/exchange.py), one `Iallreduce` per layer's bucket, started by `on_ready(group)` from `tp_model.stage_backward` | `DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=...)` (megatron/core/distributed/distributed_data_parallel_config.py; `bucket_size` counts parameters, default max(40M, 1M x dp)); a backward hook per parameter calls its bucket group's `register_grad_ready` (distributed_data_parallel.py); `no_sync()` holds the exchange back until the last micro-batch | without ZeRO, `allreduce_gradients` runs after the backward pass in buffers of `MEMORY_OPT_ALLREDUCE_SIZE` elements (deepspeed/runtime/engine.py), not overlapped; with ZeRO 1 or 2, `"overlap_comm"` and `"reduce_bucket_size"` under `"zero_optimization"` (deepspeed/runtime/zero/config.py) | `torch.nn.parallel.DistributedDataParallel(..., bucket_cap_mb=25)` (torch/nn/parallel/distributed.py): buckets in reverse parameter order, each all-reduced when its last gradient arrives; `no_sync()` | a bucket is a layer (`tp_model.backward_order`), not a size cap, so the buckets can be read off the model; MPICH has no progress thread, so the overlap is a schedule here, not a speed-up (section 1) |
+# | `zero=1`: `ZeroExchange` (hsgd/dp/zero1.py): Reduce-Scatter of the padded flat buffer over `dp_comm`, AdamW on the owned chunk, All-Gather of the updated chunks; `zero=2`: `ShardedExchange` (hsgd/dp/sharded.py), the same layer by layer | `use_distributed_optimizer=True` (`DistributedDataParallelConfig`) with `DistributedOptimizer` (megatron/core/optimizer/distrib_optimizer.py): reduce-scatter of the gradient buffer, the optimizer on the shard, all-gather of the parameters (`start_param_sync` in param_and_grad_buffer.py, overlapped with the next forward by `overlap_param_gather`): stage 1 with a Reduce-Scatter, like hsgd's ZeRO-1; parameters sharded too with Megatron-FSDP, `data_parallel_sharding_strategy="optim_grads_params"` | `"zero_optimization": {"stage": 1}` or `2` (`DeepSpeedZeroOptimizer`, deepspeed/runtime/zero/stage_1_and_2.py), `3` (`DeepSpeedZeroOptimizer_Stage3`, stage3.py) | `ZeroRedundancyOptimizer` (torch/distributed/optim/zero_redundancy_optimizer.py): the optimizer state sharded by whole parameters, the gradients still all-reduced by DDP, the updated parameters broadcast by their owner; FSDP's `ShardingStrategy.SHARD_GRAD_OP` (gradients and optimizer state sharded, like stage 2) and `FULL_SHARD` (parameters too, stage 3) in torch/distributed/fsdp/api.py; FSDP2's `fully_shard(..., reshard_after_forward=...)` | ZeRO-1: one flat buffer cut into dp equal chunks (padding included, chunk boundaries cut through parameters), exchanged after the whole backward pass; ZeRO-2 and 3 (hsgd/dp/sharded.py): each layer's bucket cut into dp chunks, reduce-scattered during the backward pass; stage 3 by hand is exercise 1, `--zero 3` is chapter 13 |
+# | `hierarchical=True`, `ranks_per_node`: `HierarchicalExchange`, `hierarchical_allreduce` (hsgd/dp/hierarchical.py): node Reduce-Scatter, cross-node All-Reduce of one chunk, node All-Gather | with the distributed optimizer, `num_distributed_optimizer_instances` > 1: reduce-scatter inside an instance (`intra_distributed_optimizer_instance_group`), all-reduce of the shard across instances (`inter_distributed_optimizer_instance_group`), in param_and_grad_buffer.py | no hierarchical all-reduce setting; ZeRO++'s `"zero_quantized_gradients"` reduces gradients in two hops, inside the node then across nodes (`all_to_all_quant_reduce`, deepspeed/runtime/comm/coalesced_collectives.py), and `"zero_hpz_partition_size"` keeps a second copy of the parameter shards inside each node | FSDP's `ShardingStrategy.HYBRID_SHARD`: FULL_SHARD inside a node, replicas across nodes (a reduce-scatter in the node, an all-reduce across); under all three, NCCL chooses ring or tree per call (`NCCL_ALGO`), and its tree is itself two-level, chains inside the nodes and trees across them | a plain all-reduce (every rank ends with the whole sum), so it combines with any optimizer; the nodes are declared with `ranks_per_node` on one machine, so the mesh can be shown and measured |
+# | `dp_staleness=1`: `StaleExchange` (hsgd/dp/exchange.py), the `Iallreduce` started at step s applied at step s+1 | none | none | none for one-step-late gradients; the nearest relaxation is local SGD: `PostLocalSGDOptimizer` (torch/distributed/optim/post_localSGD_optimizer.py) with `PostLocalSGDState` / `post_localSGD_hook` (torch/distributed/algorithms/ddp_comm_hooks/post_localSGD_hook.py), which averages the parameters every few steps instead of the gradients every step | kept as an experiment: exact delayed SGD, checked against `serial.sgd(..., delayed=True)`, to put a number on what not waiting costs |
 # | `straggler="5:100"`: one rank sleeps before every exchange | none | none | none | an experiment on purpose: the result must not change by a bit |
 #
 # ## Exercises
@@ -702,7 +704,7 @@ grid.free()
 # ### Exercise 3: the bytes that leave a node
 # For dp = n x k (n ranks per node, k nodes), write the bytes that cross node boundaries per step: the flat ring's
 # busiest link and a hierarchical rank's link, in payload and in ring bytes. Check them against
-# `hsgd.hier.cross_node_bytes` for every layout of 4, 8, 16 and 64 ranks, and against a measured
+# `hsgd.dp.hierarchical.cross_node_bytes` for every layout of 4, 8, 16 and 64 ranks, and against a measured
 # `hierarchical_allreduce` on 4 ranks as 2 nodes x 2.
 # (solution: `tutorials/solutions/08_communication_optimizations.py`, `exercise_3`)
 #

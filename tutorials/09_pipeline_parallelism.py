@@ -42,7 +42,7 @@
 # 3. micro-batches and the bubble, $(p-1)/(m+p-1)$ of the step, in an equal-cost simulation of the two schedules
 #    hsgd has, GPipe and 1F1B, drawn; and Megatron-LM's other measure of the same idle time, $(p-1)/m$;
 # 4. what the schedules cost in memory (micro-batches held per stage), measured in real training steps;
-# 5. the schedules as they ran, drawn from `hsgd.trace`'s record of every forward and backward, and the bubble
+# 5. the schedules as they ran, drawn from `hsgd.grid.trace`'s record of every forward and backward, and the bubble
 #    measured for m = 1 to 16 micro-batches next to both formulas;
 # 6. that both schedules give the same parameters, bit for bit, and those of serial SGD;
 # 7. load balance: `--pp-split`, when the last stage carries the LM head;
@@ -70,16 +70,18 @@ import numpy as np
 from mpi4py import MPI
 from threadpoolctl import threadpool_limits
 
-from hsgd import ModelConfig, serial, tp_model
-from hsgd.data import Corpus
+from hsgd.model.config import ModelConfig
+from hsgd.model import serial
+from hsgd.tp import model as tp_model
+from hsgd.model.data import Corpus
 from hsgd.errors import ConfigError
-from hsgd.grid import ProcessGrid
-from hsgd.hybrid import HybridTrainer
-from hsgd.layers import embedding_forward
-from hsgd.plots import draw_pipeline, pipeline_spans
-from hsgd.pp import (bubble_fraction, ideal_bubble, peak_in_flight, pp_formula, schedule, simulate, split_layers,
+from hsgd.grid.process_grid import ProcessGrid
+from hsgd.step.trainer import HybridTrainer
+from hsgd.model.layers import embedding_forward
+from hsgd.run.plots import draw_pipeline, pipeline_spans
+from hsgd.pp.chunks import (bubble_fraction, ideal_bubble, peak_in_flight, pp_formula, schedule, simulate, split_layers,
                      stage_names)
-from hsgd.trace import Tracer
+from hsgd.grid.trace import Tracer
 from hsgd.train import fmt_bytes, step_formula
 
 import pictures                          # tutorials/pictures.py: where the PNGs go
@@ -93,7 +95,7 @@ if world.Get_size() != PP:              # every rank exits non-zero; rank 0 says
                      if world.Get_rank() == 0 else 1)
 rank = world.Get_rank()                 # rank 0 prints and draws
 grid = ProcessGrid(world, dp=1, pp=PP, tp=1)   # one pipeline of 4 stages; tp_comm and dp_comm have one rank each
-pp_comm, s = grid.pp_comm, grid.pp_rank        # the pipeline's communicator (hsgd.comm.Comm) and my stage
+pp_comm, s = grid.pp_comm, grid.pp_rank        # the pipeline's communicator (hsgd.grid.comm.Comm) and my stage
 TOL = 1e-10                             # float64: parallel and serial differ by rounding, ~1e-16 relative
 check = Checks(world, tol=TOL, width=68)  # check(what, err, tol): collective, raises on every rank unless err < tol
 say = check.say                           # print on world rank 0 only
@@ -215,7 +217,7 @@ say(f"every message is one (b, T, C) = {act} float64 array = {np.prod(act) * 8:,
     f"stages 1-2 send 2, stage 3 sends 1")
 
 # %% [markdown]
-# `Stage.run` (hsgd/stage.py), which training uses, does the same with two differences that matter once there are
+# `Stage.run` (hsgd/pp/stage.py), which training uses, does the same with two differences that matter once there are
 # several micro-batches in flight:
 #
 # * **tags**: the activation of micro-batch j from stage s to stage s+1 travels with tag 2(sm + j), its gradient
@@ -323,7 +325,7 @@ pictures.wait_asleep(world)                      # the other ranks sleep while r
 # very thing that shrinks the bubble, while 1F1B's is bounded by p.
 #
 # Now real training steps. `HybridTrainer` with `pp=4` runs its stage's schedule (`trainer.stage.actions`) through
-# `Stage.run` (hsgd/stage.py), which counts the micro-batches it actually holds (`trainer.stage.peak_held`) and
+# `Stage.run` (hsgd/pp/stage.py), which counts the micro-batches it actually holds (`trainer.stage.peak_held`) and
 # records when each action started and ended (`trainer.stage.timeline`). Three steps of SGD with momentum, B = 16,
 # m = 8 micro-batches of 2 sequences, once per schedule; the same helpers serve sections 5 to 8.
 
@@ -364,11 +366,11 @@ check.equal("micro-batches held (GPipe, 1F1B) == (m, min(p - s, m))", (mine[0][0
 # %% [markdown]
 # ## 5. The schedules as they ran
 #
-# Now the real thing, timed. `hsgd.trace.Tracer` records a span for every forward and backward a stage runs (named
+# Now the real thing, timed. `hsgd.grid.trace.Tracer` records a span for every forward and backward a stage runs (named
 # "forward" or "backward", with its micro-batch; `Stage.run` opens the span once the action's input has been
 # received, so the gaps between spans are time spent waiting in `Recv`, the bubble, plus a little bookkeeping).
-# `hsgd.plots.pipeline_spans` turns a trace into the same [(action, start, end)] per stage as `pp.simulate`, and
-# `hsgd.plots.draw_pipeline` draws either. Each rank's trace counts from its own origin (`tracer.t0`, taken after a
+# `hsgd.run.plots.pipeline_spans` turns a trace into the same [(action, start, end)] per stage as `pp.simulate`, and
+# `hsgd.run.plots.draw_pipeline` draws either. Each rank's trace counts from its own origin (`tracer.t0`, taken after a
 # Barrier); on one machine the ranks share `time.perf_counter`'s clock, so adding each origin back puts all stages
 # on one exact time axis.
 #
@@ -382,7 +384,7 @@ wide_corpus = Corpus.load(None, wide.seq_len)
 
 
 def traced(kind, m):
-    """The second of two steps of `kind` with m micro-batches of 2 sequences on the wide model, as hsgd.trace
+    """The second of two steps of `kind` with m micro-batches of 2 sequences on the wide model, as hsgd.grid.trace
     recorded it: [[("F j" or "B j", start, end)] per stage], in seconds on the ranks' common clock."""
     tc = config(schedule=kind, micro_batches=m, batch_size=2 * m, steps=2)
     tracer = Tracer(rank, world)                            # a Barrier, then this rank's time origin
@@ -636,7 +638,7 @@ grid.free()
 # |---|---|---|---|---|
 # | `pp.split_layers(L, p, split)`, `--pp-split` (`TrainConfig.pp_split`) | even split by default; `num_layers_in_first_pipeline_stage`, `num_layers_in_last_pipeline_stage`, `account_for_loss_in_pipeline_split`, `pipeline_model_parallel_layout` (`TransformerConfig`, megatron/core/transformer/transformer_config.py) | `PipelineModule(layers=..., partition_method="parameters")`, also `"uniform"` and `"type:..."` (deepspeed/runtime/pipe/module.py) | `pipeline(...)` with `SplitPoint` / `pipe_split()` (torch/distributed/pipelining/_IR.py), or one `PipelineStage` per hand-cut module | blocks per stage, given by hand; the cost model that chooses them is in this chapter (section 7), not in the library |
 # | `pp.schedule("gpipe", m, p, s)` | none (Megatron-LM runs 1F1B) | none (its `TrainSchedule` is 1F1B-like) | `ScheduleGPipe` (torch/distributed/pipelining/schedules.py) | kept to show what 1F1B saves in memory |
-# | `pp.schedule("1f1b", m, p, s)`, run by `Stage.run` (hsgd/stage.py) | `forward_backward_pipelining_without_interleaving` (megatron/core/pipeline_parallel/schedules.py; warm-up `total_stages - current_stage - 1` forwards), chosen by `get_forward_backward_func` | `TrainSchedule` (deepspeed/runtime/pipe/schedule.py), run by `PipelineEngine.train_batch` (deepspeed/runtime/pipe/engine.py) | `Schedule1F1B` (torch/distributed/pipelining/schedules.py) | a schedule is a plain list of `Action`s (F3, B3) that one loop executes, so it can be printed, simulated and compared with the trace |
+# | `pp.schedule("1f1b", m, p, s)`, run by `Stage.run` (hsgd/pp/stage.py) | `forward_backward_pipelining_without_interleaving` (megatron/core/pipeline_parallel/schedules.py; warm-up `total_stages - current_stage - 1` forwards), chosen by `get_forward_backward_func` | `TrainSchedule` (deepspeed/runtime/pipe/schedule.py), run by `PipelineEngine.train_batch` (deepspeed/runtime/pipe/engine.py) | `Schedule1F1B` (torch/distributed/pipelining/schedules.py) | a schedule is a plain list of `Action`s (F3, B3) that one loop executes, so it can be printed, simulated and compared with the trace |
 # | `schedules.build("interleaved", m, p, v)`: chapter 14 | `forward_backward_pipelining_with_interleaving` (virtual stages: v model chunks per rank) | none | `ScheduleInterleaved1F1B` | left to chapter 14: interleaving divides the bubble by about v and multiplies the messages by v (Narayanan et al. 2021) |
 # | `Stage.receive`, `Stage.forward` / `backward`: `Isend` / `Recv` on `pp_comm`, tags 2(sm + j) and 2(sm + j) + 1 | `P2PCommunicator.send_forward`, `recv_forward`, `send_forward_recv_backward`, ... (megatron/core/pipeline_parallel/p2p_communication.py), batched with `torch.distributed.batch_isend_irecv` | `send`, `recv` (deepspeed/runtime/pipe/p2p.py) | `PipelineStage` (torch/distributed/pipelining/stage.py) builds `dist.P2POp` lists (`get_fwd_send_ops`, ...) | MPI tags name each message, so no two messages of a step can be confused, whatever the order the schedule posts them in |
 # | `pp.peak_in_flight(actions)`, measured as `Stage.peak_held`: GPipe m, 1F1B $\min(p-s, m)$ | `max_outstanding_backprops = num_warmup_microbatches + 1` in `forward_backward_pipelining_without_interleaving`: at most p - s micro-batches await their backward | `TrainSchedule.num_pipe_buffers()`: $\max(2, \min(p - s, m))$ buffers | none | counted and checked in real steps, not only promised |
@@ -658,8 +660,8 @@ grid.free()
 # backwards) and check it against `pp.schedule` for every p up to 6, m up to 12 and s. From a schedule, count the
 # micro-batches held after each action and check the peak against m (GPipe) and $\min(p-s, m)$ (1F1B). Then turn it
 # into bytes on the chapter's 4 ranks: cache one micro-batch's forward on your stage (`tp_model.stage_forward`),
-# measure it with `hsgd.memory.activation_bytes`, and print each stage's peak activation memory under both
-# schedules at m = 8; check your peak against `Stage.peak_held` after a real step of each schedule.
+# measure it with `hsgd.accounting.activations.activation_bytes`, and print each stage's peak activation memory under
+# both schedules at m = 8; check your peak against `Stage.peak_held` after a real step of each schedule.
 # (solution: `tutorials/solutions/09_pipeline_parallelism.py`, `exercise_2`)
 #
 # ### Exercise 3: an unbalanced split

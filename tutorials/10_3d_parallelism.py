@@ -66,13 +66,15 @@ from mpi4py import MPI
 from threadpoolctl import threadpool_limits
 
 import hsgd.verify
-from hsgd import ModelConfig, serial, tp_model
-from hsgd.data import Corpus
-from hsgd.dp import params_digest
-from hsgd.grid import ProcessGrid, factorizations
-from hsgd.hybrid import HybridTrainer
-from hsgd.memory import activation_bytes, activation_formula
-from hsgd.pp import pp_formula, split_layers, stage_names
+from hsgd.model.config import ModelConfig
+from hsgd.model import serial
+from hsgd.tp import model as tp_model
+from hsgd.model.data import Corpus
+from hsgd.dp.average import params_digest
+from hsgd.grid.process_grid import ProcessGrid, factorizations
+from hsgd.step.trainer import HybridTrainer
+from hsgd.accounting.activations import activation_bytes, activation_formula
+from hsgd.pp.chunks import pp_formula, split_layers, stage_names
 from hsgd.train import fmt_bytes, step_formula, train
 from hsgd.verify import verify
 
@@ -405,12 +407,13 @@ check.equal("the table's parameters per rank for my stage == the trainer's",
 # * as many gradients (the buffer the backward pass accumulates into and `dp_comm` averages);
 # * the optimizer's state: SGD with momentum keeps one velocity per parameter (AdamW would keep two);
 # * the activations the forward passes cache for their backward passes: per micro-batch of b sequences on stage s,
-#   $L_s$ blocks of `hsgd.memory.activation_formula` (which already divides the split terms by tp), plus the token
-#   ids and masks of the embedding on the first stage and the final LayerNorm, the LM head's input and the loss's
-#   softmax on the last; times the micro-batches in flight, $\min(p - s, m)$ under 1F1B (chapter 9).
+#   $L_s$ blocks of `hsgd.accounting.activations.activation_formula` (which already divides the split terms by tp), plus
+#   the token ids and masks of the embedding on the first stage and the final LayerNorm, the LM head's input and the
+#   loss's softmax on the last; times the micro-batches in flight, $\min(p - s, m)$ under 1F1B (chapter 9).
 #
 # The 2 x 2 x 2 trainer above checks all four against measurement: `trainer.memory()` for the first three, and
-# `hsgd.memory.activation_bytes` of the caches of one micro-batch's `stage_forward` on every rank for the last.
+# `hsgd.accounting.activations.activation_bytes` of the caches of one micro-batch's `stage_forward` on every rank for
+# the last.
 
 # %%
 def micro_batch_activations(cfg, tp, b, n_blocks, first, last, s=S):
@@ -487,7 +490,7 @@ pictures.wait_asleep(world)                      # the other ranks sleep while r
 #
 # ## 5. `hsgd.verify` on the 3-D grid
 #
-# `hsgd.verify` runs one step of `HybridTrainer.gradients` and of `hsgd.serial` on the same batch and prints,
+# `hsgd.verify` runs one step of `HybridTrainer.gradients` and of `hsgd.model.serial` on the same batch and prints,
 # per parameter, the largest error of any rank's shard of the gradient, with the stage that holds it; exit code 0
 # when all are within the float64 tolerance ($10^{-10}$). Called as a function, on 2 x 2 x 2 with 1F1B, and with
 # the lecture's All-Gather scheme and GPipe; the first lines and the last of each report:
@@ -587,10 +590,10 @@ grid.free()
 #
 # | hsgd | Megatron-LM | DeepSpeed | PyTorch | where hsgd differs, on purpose |
 # |---|---|---|---|---|
-# | `ProcessGrid(world, dp, pp, tp)` (hsgd/grid.py): rank = (dp_rank pp + pp_rank) tp + tp_rank, order tp-pp-dp | `initialize_model_parallel(tensor_model_parallel_size, pipeline_model_parallel_size, ..., order="tp-cp-ep-dp-pp")`, ranks from `RankGenerator` (megatron/core/parallel_state.py): tp-dp-pp without cp and ep | `PipeModelDataParallelTopology(num_pp, num_mp, num_dp)`, axes ["pipe", "data", "model"], row-major (deepspeed/runtime/pipe/topology.py): tp-dp-pp | `init_device_mesh("cuda", (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))` (torch/distributed/device_mesh.py), row-major: the order is the caller's | dp outermost, so that a replica is a contiguous block of ranks (the lecture's G groups of M consecutive workers); the others put pp outermost, so that the pipeline's small messages cross nodes instead of the dp All-Reduce |
+# | `ProcessGrid(world, dp, pp, tp)` (hsgd/grid/process_grid.py): rank = (dp_rank pp + pp_rank) tp + tp_rank, order tp-pp-dp | `initialize_model_parallel(tensor_model_parallel_size, pipeline_model_parallel_size, ..., order="tp-cp-ep-dp-pp")`, ranks from `RankGenerator` (megatron/core/parallel_state.py): tp-dp-pp without cp and ep | `PipeModelDataParallelTopology(num_pp, num_mp, num_dp)`, axes ["pipe", "data", "model"], row-major (deepspeed/runtime/pipe/topology.py): tp-dp-pp | `init_device_mesh("cuda", (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))` (torch/distributed/device_mesh.py), row-major: the order is the caller's | dp outermost, so that a replica is a contiguous block of ranks (the lecture's G groups of M consecutive workers); the others put pp outermost, so that the pipeline's small messages cross nodes instead of the dp All-Reduce |
 # | `grid.groups()`; `tp_comm`, `pp_comm`, `dp_comm` from `Split(color, key)` | `RankGenerator.get_ranks("tp")` etc.; `get_tensor_model_parallel_group()`, `get_pipeline_model_parallel_group()`, `get_data_parallel_group()` | `PipelineParallelGrid(topology=...)`: `get_slice_parallel_group()` (tp), `get_pipe_parallel_group()`, `get_data_parallel_group()` | `mesh["tp"]`, `mesh["pp"]`, `mesh["dp"]` (sub-meshes), `mesh.get_group("tp")` | three MPI communicators passed as arguments, no global state |
 # | `train.step_formula`, the layout table of section 3 | none (the paper derives each dimension's traffic) | none | none | every term checked against `CommStats`, byte for byte |
-# | `HybridTrainer.memory()`, `hsgd.memory.activation_formula`, section 4's `rank_memory` | `report_theoretical_memory`, `compute_weight_and_optimizer_memory`, `compute_activation_memory` (megatron/training/theoretical_memory_usage.py; the first stage holds `min(num_microbatches, pipeline_model_parallel_size)` micro-batches) | `estimate_zero2_model_states_mem_needs_all_live` (deepspeed/runtime/zero/stage_1_and_2.py) | none | the formulas count hsgd's own caches exactly, and are checked against `activation_bytes` of a real forward |
+# | `HybridTrainer.memory()`, `hsgd.accounting.activations.activation_formula`, section 4's `rank_memory` | `report_theoretical_memory`, `compute_weight_and_optimizer_memory`, `compute_activation_memory` (megatron/training/theoretical_memory_usage.py; the first stage holds `min(num_microbatches, pipeline_model_parallel_size)` micro-batches) | `estimate_zero2_model_states_mem_needs_all_live` (deepspeed/runtime/zero/stage_1_and_2.py) | none | the formulas count hsgd's own caches exactly, and are checked against `activation_bytes` of a real forward |
 # | `hsgd.verify` (every rank's gradient shards against serial) | none | none | none | a parallel step is trusted only once it matches serial |
 #
 # ## Exercises

@@ -25,8 +25,8 @@
 #
 # The arithmetic behind the first sentence: if one node fails on average once in a few years, a job on a thousand
 # nodes loses one about every day. So a long run is a sequence of segments, each ending in a crash or at its time
-# limit and each starting from the last checkpoint. This chapter follows `hsgd.checkpoint` and the fault handling
-# of `hsgd.hybrid`, `hsgd.train` and `hsgd.launch` on 8 ranks, a dp 2 x pp 2 x tp 2 grid (chapter 10):
+# limit and each starting from the last checkpoint. This chapter follows `hsgd.checkpoint.store` and the fault handling
+# of `hsgd.step.trainer`, `hsgd.train` and `hsgd.grid.launch` on 8 ranks, a dp 2 x pp 2 x tp 2 grid (chapter 10):
 #
 # 1. what a checkpoint of a sharded model is: one file per (stage, tensor rank), a manifest with checksums;
 # 2. atomic writes: a job killed while saving leaves the previous checkpoint as it was; the newest K are kept;
@@ -60,13 +60,17 @@ import numpy as np
 from mpi4py import MPI
 from threadpoolctl import threadpool_limits
 
-from hsgd import ModelConfig, checkpoint, launch, serial, tp_model
-from hsgd.checkpoint import CheckpointError, Shards
-from hsgd.data import Corpus
+from hsgd.model.config import ModelConfig
+from hsgd.checkpoint import store as checkpoint
+from hsgd.grid import launch
+from hsgd.model import serial
+from hsgd.tp import model as tp_model
+from hsgd.checkpoint.store import CheckpointError, Shards
+from hsgd.model.data import Corpus
 from hsgd.errors import NumericalFault
-from hsgd.faults import Faults
-from hsgd.grid import ProcessGrid
-from hsgd.hybrid import HybridTrainer
+from hsgd.run.faults import Faults
+from hsgd.grid.process_grid import ProcessGrid
+from hsgd.step.trainer import HybridTrainer
 from hsgd.train import check_replicas, train
 
 import pictures                                     # tutorials/pictures.py: where the PNGs go
@@ -277,7 +281,7 @@ for step in range(4, STEPS + 1):
         listings[step] = sorted(os.listdir(SAVE))
         say(f"after the save of step {step}: {SAVE} holds {listings[step]}")
 ref = {n: p.copy() for n, p in trainer.params.items()}                # my shards after step 6
-ref_velocity = trainer.opt.state["flat"].copy()                       # my velocities, flat (hsgd.optim)
+ref_velocity = trainer.opt.state["flat"].copy()                       # my velocities, flat (hsgd.model.optim)
 ref_full = trainer.full_params()                                      # the whole model after step 6
 check.equal("every rank: save_dir's checkpoints after the saves of steps 4 and 6", listings,
             {4: ["step-000003", "step-000004"], 6: ["step-000004", "step-000006"]})
@@ -286,7 +290,7 @@ path4 = os.path.join(SAVE, "step-000004")
 # %% [markdown]
 # Rotation by step number alone would be dangerous in a folder that more than one run writes into: a fresh run
 # next to an older run's step 1000 would see its own step 10 as the oldest and delete it at once. So each
-# checkpoint also records its run's *line* (`manifest["run"]`, `hsgd.runs`): a run and the resumptions that
+# checkpoint also records its run's *line* (`manifest["run"]`, `hsgd.checkpoint.runs`): a run and the resumptions that
 # continue from its newest checkpoint share a line, a fresh run or a resume from an older checkpoint starts a new
 # one, `keep` counts only the writing run's own line, and `--resume auto` (`checkpoint.resolve`) follows the line
 # written last. From the command line a fresh run into a folder that holds checkpoints is refused unless
@@ -476,7 +480,7 @@ for dp, pp, tp, scheme in ((4, 1, 2, "megatron"), (1, 2, 4, "gather")):
 # %% [markdown]
 # The extreme case of resharding is one process: `checkpoint.export(path, out)` (also `python -m hsgd.checkpoint
 # export DIR out.npz`) joins every parameter into its full tensor and writes the model under the serial names,
-# for `hsgd.serial`, `hsgd.sample` or any other tool. Rank 0 exports the checkpoint of step 6 and compares it with
+# for `hsgd.model.serial`, `hsgd.sample` or any other tool. Rank 0 exports the checkpoint of step 6 and compares it with
 # the uninterrupted run's gathered model, and, as every chapter ends, with serial SGD on one process: the same six
 # steps, the whole batch, the same optimizer, schedule and clipping (the serial norm), `serial.sgd`.
 
@@ -502,9 +506,9 @@ check("export of step 6 (the uninterrupted run) vs serial SGD", serial_err, 1e-9
 # checks it before anything is loaded, on every rank:
 #
 # * the manifest exists, is JSON and of hsgd's format (a directory without one is not a checkpoint), and has not
-#   been changed since it was written: it records the SHA-256 of its own contents (`hsgd.manifest.digest`);
-# * it follows its schema (`hsgd.manifest.check`): every key of its type, a valid model, a layout that splits it,
-#   and as files exactly that layout's shard names, so that it cannot send a loader anywhere else or switch the
+#   been changed since it was written: it records the SHA-256 of its own contents (`hsgd.checkpoint.manifest.digest`);
+# * it follows its schema (`hsgd.checkpoint.manifest.check`): every key of its type, a valid model, a layout that splits
+#   it, and as files exactly that layout's shard names, so that it cannot send a loader anywhere else or switch the
 #   checksums off with an empty list;
 # * the model in the manifest is the one being built, else it says what differs;
 # * every file the manifest names exists and has the manifest's SHA-256: a file truncated by a full disk, damaged
@@ -577,7 +581,7 @@ check.equal("every rank: launch.run's exit code for a corrupted checkpoint", cod
 # %% [markdown]
 # Two more ways a job waits forever without any error. A path that is not a regular file: a FIFO or a device such
 # as `/dev/zero` in place of a shard (or of the manifest, the data file, the TOML config) is never read to its end,
-# so the rank hashing it blocks and the others wait for it in the next collective. `hsgd.preflight.regular_file`
+# so the rank hashing it blocks and the others wait for it in the next collective. `hsgd.run.preflight.regular_file`
 # is the one gate every input file passes, and refuses such a path with what it is. And a question each rank
 # answers for itself: "is there a checkpoint in --save-dir?" can get different answers on different nodes of a
 # cluster (a shared file system's cache right after a restart), and then some ranks go into the checkpoint's
@@ -614,14 +618,14 @@ check.holds("a FIFO in place of a shard: refused by every rank, saying what it i
 #   Hydra prints "BAD TERMINATION"), and the job exits non-zero. (`--inject-fault 5:4:kill` sends SIGKILL to rank 5
 #   at step 4.)
 # * **A rank asked to stop**: SIGTERM from a scheduler that preempts the job, SIGINT from Ctrl-C. These can be
-#   caught, and losing the work since the last checkpoint would be a waste. `hsgd.signals.StopRequest` only sets a
+#   caught, and losing the work since the last checkpoint would be a waste. `hsgd.run.signals.StopRequest` only sets a
 #   flag in its handler (a handler that called MPI could interrupt a collective halfway); after every step the
 #   ranks agree on the flags with one Allreduce (MAX), since the signal may reach one rank, or reach them at
 #   different moments. Then every rank takes the same branch: a checkpoint of the step just finished (with
 #   `--save-dir`), and exit code 4 with `hsgd: stopped: SIGTERM after step N; checkpoint ...`.
 # * **A rank that stops without dying**: a frozen node, a stuck file system, SIGSTOP. Nothing fails, so nothing
 #   reports: the others wait in the step's next collective until the job's time runs out. `--step-timeout S`
-#   starts a watchdog thread on every rank (`hsgd.watchdog`) that ends the job with `MPI_Abort` (exit code 5) and
+#   starts a watchdog thread on every rank (`hsgd.run.watchdog`) that ends the job with `MPI_Abort` (exit code 5) and
 #   one line when a step runs longer than S seconds.
 #
 # Either way the job is over, and what survives is on disk: the last complete checkpoint. The cure is the same
@@ -674,7 +678,7 @@ check.equal("train(resume='auto'): losses of steps 5, 6, bit for bit", summary["
 #   `hsgd: stopped: ...`, and exit code 3 on every rank, so the job can be restarted from its last (finite)
 #   checkpoint with a smaller learning rate.
 #
-# The fault is injected as `--inject-fault 3:5:nan` does it, with `hsgd.faults.Faults` between the two halves of a
+# The fault is injected as `--inject-fault 3:5:nan` does it, with `hsgd.run.faults.Faults` between the two halves of a
 # step (`trainer.gradients`, then `trainer.update`): one NaN in world rank 3's gradient, after the DP average (so
 # only rank 3 has it; a real one would already have reached its replica through the All-Reduce).
 

@@ -64,15 +64,17 @@ import numpy as np
 from mpi4py import MPI
 from threadpoolctl import threadpool_limits
 
-from hsgd import ModelConfig, health, serial
-from hsgd.backend import array_module, d2h_count, get_xp, to_device, to_numpy
-from hsgd.comm import Comm, cuda_aware_mpi, cuda_support_query
-from hsgd.data import Corpus
-from hsgd.grid import ProcessGrid
-from hsgd.hybrid import HybridTrainer
-from hsgd.layers import gelu_forward
-from hsgd.loss_scale import LossScaler
-from hsgd.precision import FORMATS, POINTS, Numerics, round_to, unit_roundoff
+from hsgd.model.config import ModelConfig
+from hsgd.step import health
+from hsgd.model import serial
+from hsgd.model.backend import array_module, d2h_count, get_xp, to_device, to_numpy
+from hsgd.grid.comm import Comm, cuda_aware_mpi, cuda_support_query
+from hsgd.model.data import Corpus
+from hsgd.grid.process_grid import ProcessGrid
+from hsgd.step.trainer import HybridTrainer
+from hsgd.model.layers import gelu_forward
+from hsgd.step.loss_scale import LossScaler
+from hsgd.model.precision import FORMATS, POINTS, Numerics, round_to, unit_roundoff
 from hsgd.train import local_ranks, place_on_device
 
 import pictures                                     # tutorials/pictures.py: where the PNGs go
@@ -116,17 +118,17 @@ corpus = Corpus.load(None, 16)          # the built-in corpus (the Python standa
 # namesakes do on the CPU. So hsgd's layers are written once. A layer never imports numpy for its arrays; it asks
 # its input which module it belongs to and computes with that:
 #
-#     xp = array_module(x)          # hsgd.backend: numpy for a NumPy array, cupy for a CuPy array
+#     xp = array_module(x)          # hsgd.model.backend: numpy for a NumPy array, cupy for a CuPy array
 #     y = xp.empty_like(x); xp.tanh(u, out=y); ...
 #
-# Arrays are *created* on a device in one place only, `hsgd/backend.py`: `get_xp(device)` gives the module for
+# Arrays are *created* on a device in one place only, `hsgd/model/backend.py`: `get_xp(device)` gives the module for
 # `"cpu"` or `"gpu"` (or `$HSGD_DEVICE`), `to_device(a, xp)` copies a host array there (nothing to do for NumPy), and
 # `to_numpy(x)` brings an array back. After that, every array a layer makes comes from its inputs' module, so a
 # whole forward and backward pass stays on the device it started on.
 
 # %%
 a = np.linspace(-3.0, 3.0, 8).reshape(2, 4)                             # (2, 4) a host array
-y, _ = gelu_forward(a)                                                   # hsgd.layers, as the model calls it
+y, _ = gelu_forward(a)                                                   # hsgd.model.layers, as the model calls it
 say(f"array_module(a) = {array_module(a).__name__}; gelu_forward(a) returned a {type(y).__module__} array")
 check.holds("to_device(a, numpy) returns a itself: on the CPU nothing is copied", to_device(a, np) is a)
 if DEVICE == "gpu":
@@ -186,7 +188,7 @@ check(f"loss and every gradient on '{DEVICE}' vs NumPy (rel)",
 # (Staging would not strictly need it, since the copy to the host is queued on the same stream, after those kernels;
 # hsgd synchronizes first on both paths, which keeps the rule simple.)
 #
-# `hsgd.comm.Comm` does all of this in one helper, `Comm._buf`, which every collective calls on its buffers:
+# `hsgd.grid.comm.Comm` does all of this in one helper, `Comm._buf`, which every collective calls on its buffers:
 #
 # 1. the buffer must be C-contiguous: MPI reads a pointer and a length, and a strided view is not one block of
 #    memory. A view is an error, not a silent copy;
@@ -207,7 +209,7 @@ check(f"loss and every gradient on '{DEVICE}' vs NumPy (rel)",
 # `hsgd.train` prints which in its `device:` line. `HSGD_CUDA_AWARE=1` says "this MPI is CUDA-aware",
 # `HSGD_CUDA_AWARE=0` forces staging. Without the variable, hsgd calls the library's own query,
 # `MPIX_Query_cuda_support()` (MPICH and Open MPI export it; it returns 1 when the library was built with CUDA and
-# can use it now), looked up with `ctypes` (`hsgd.comm.cuda_support_query`): first among the symbols the process
+# can use it now), looked up with `ctypes` (`hsgd.grid.comm.cuda_support_query`): first among the symbols the process
 # has loaded for all to see, then in each MPI library the process has loaded, by its path. The second place
 # matters: mpi4py may load the MPI library so that its symbols are not visible globally (the MPICH wheel used here
 # is loaded so). When neither finds the query, hsgd assumes "not CUDA-aware", the choice that always works. The
@@ -215,7 +217,7 @@ check(f"loss and every gradient on '{DEVICE}' vs NumPy (rel)",
 
 # %%
 try:
-    global_symbol = hasattr(ctypes.CDLL(None), "MPIX_Query_cuda_support")   # the first place hsgd.comm looks
+    global_symbol = hasattr(ctypes.CDLL(None), "MPIX_Query_cuda_support")   # the first place hsgd.grid.comm looks
 except OSError:                                                          # no process-wide symbol table here
     global_symbol = False
 say(f"MPI library:             {' '.join(MPI.Get_library_version().split()[:3])}")
@@ -359,7 +361,7 @@ numbered, inside = True, True
 for r in range(TP2 * DP2):
     node, local = divmod(r, RANKS_PER_NODE)                              # block placement
     dp_rank, tp_rank = divmod(r, TP2)                                    # tp fastest
-    numbered &= ProcessGrid.rank_of(dp_rank, 0, tp_rank, 1, TP2) == r    # hsgd.grid agrees
+    numbered &= ProcessGrid.rank_of(dp_rank, 0, tp_rank, 1, TP2) == r    # hsgd.grid.process_grid agrees
     inside &= node == (dp_rank * TP2) // RANKS_PER_NODE                  # on the node of my group's first rank
     if r in (0, 1, 7, 8, 9, 15):
         say(f"{r:>10} {node:>5} {local:>17} {dp_rank:>8} {tp_rank:>8}")
@@ -429,7 +431,7 @@ trainer = HybridTrainer(cfg, grid, tc)                                   # param
 say(f"parameters: one flat {type(trainer.pbuf.flat).__module__} buffer of {trainer.pbuf.flat.size:,} float64")
 SIMULATED = getattr(xp, "SIMULATED", False)                             # the simulated GPU (see below)
 copies, transfers, losses, traffic, host_bytes = [], [], [], [], []
-to_host = health.to_host                                                 # the one copy of a step (hsgd.health)
+to_host = health.to_host                                                 # the one copy of a step (hsgd.step.health)
 health.to_host = lambda x: host_bytes.append(x.nbytes) or to_host(x)     # ... noting its bytes, for the picture
 for step in range(1, STEPS + 1):
     idx, targets = corpus.batch(tc.seed, step, tc.batch_size)            # (B, T) the global batch, host integers
@@ -645,7 +647,7 @@ grid.free()
 #   Training"): nothing that fits float32 overflows or underflows in it, but each number carries 3 significant
 #   decimal digits instead of float16's 3.3.
 #
-# `hsgd.precision.FORMATS` holds (p, emin, max) of each; the check compares them with NumPy's own description of
+# `hsgd.model.precision.FORMATS` holds (p, emin, max) of each; the check compares them with NumPy's own description of
 # float16 and float32 (`np.finfo`; NumPy has no bfloat16), and bfloat16's range with float32's.
 
 # %%
@@ -722,9 +724,9 @@ for fmt in ("float16", "bfloat16"):                                      # one r
 # **How hsgd emulates them.** NumPy has no bfloat16 and no fast float16 arithmetic, so hsgd keeps every array float32
 # and *rounds* it to the compute format at the places where a GPU would hold that format: the arrays then hold
 # bfloat16 (or float16) numbers only, and every later operation sees what it would see on the GPU. `--dtype bfloat16`
-# or `--dtype float16` (`TrainConfig(dtype=...)`) makes `hsgd.precision.make_numerics` a `Numerics` object; each stage
-# has one (`Stage.num`, `HybridTrainer.num` is the same), and the model calls `num.round(x, point)` at each of these
-# points (a float32 or float64 run rounds nothing and touches no array):
+# or `--dtype float16` (`TrainConfig(dtype=...)`) makes `hsgd.model.precision.make_numerics` a `Numerics` object; each
+# stage has one (`Stage.num`, `HybridTrainer.num` is the same), and the model calls `num.round(x, point)` at each of
+# these points (a float32 or float64 run rounds nothing and touches no array):
 
 # %%
 for point, where in POINTS.items():
@@ -876,7 +878,7 @@ check.holds("flushed to 0: > 0.1% of the entries without scaling, > 100x fewer w
 #
 # **Too large a scale overflows instead**: a gradient past 65504 becomes inf. `LossScaler` (the rules of PyTorch's
 # `GradScaler`) starts at S = 2^16 and adjusts it as training goes: a step whose gradients hold an inf or a NaN on
-# any rank (the collective verdict of `hsgd.health`, so every rank decides alike) is skipped and S halves; after
+# any rank (the collective verdict of `hsgd.step.health`, so every rank decides alike) is skipped and S halves; after
 # `growth_interval` (2000) good steps in a row S doubles. First on the trainer above, with S set to 2^40 by hand: its
 # backward pass overflows, the update is skipped, the weights stay, and S halves. Then the rules alone, with a
 # growth interval of 3.
@@ -913,7 +915,7 @@ for done_with in (kept, ls32):
 # ## Check against serial
 #
 # On 2 ranks, every verdict reached collectively: the parameters drawn for the device are the host's, bit for bit,
-# and the loss and gradients computed there match NumPy's; an Allreduce through `hsgd.comm.Comm` of each rank's
+# and the loss and gradients computed there match NumPy's; an Allreduce through `hsgd.grid.comm.Comm` of each rank's
 # device array equals the NumPy sum on one rank, and staging it by hand gives the same; node-local ranks and the GPU
 # mapping are as computed, and a tp group of 8 stays on one node; masks by multiplication give what boolean
 # indexing gives; every data-parallel training step made exactly one counted device-to-host copy (on the simulated
@@ -933,15 +935,15 @@ say(f"\nchapter 12: all {len(check.passed)} checks passed on {P} ranks ({DEVICE}
 #
 # | hsgd | Megatron-LM | DeepSpeed | PyTorch | where hsgd differs, on purpose |
 # |---|---|---|---|---|
-# | collectives on device buffers: `hsgd.comm.Comm` hands MPI a device pointer (CUDA-aware) or stages through pinned host buffers (`Comm._buf`, `HostStaging`), after synchronizing the stream | NCCL through torch.distributed: `distributed_backend` "nccl" by default (megatron/training/config/common_config.py) | `deepspeed.comm` (deepspeed/comm/comm.py): `init_distributed(dist_backend=...)` over torch.distributed, NCCL on NVIDIA GPUs | `init_process_group(backend="nccl")`: `ProcessGroupNCCL` queues each collective on a CUDA stream of its own, ordered after the current stream by an event (torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp); the host does not wait | one communication layer for CPU and GPU, every collective visible at its call site, any MPI; the price is a host wait per collective, and two PCIe copies when staging |
-# | `hsgd.comm.cuda_aware_mpi()`: `HSGD_CUDA_AWARE`, else the library's `MPIX_Query_cuda_support()` | - | - | the "mpi" backend's `cudaAwareMpiCheck()` (torch/csrc/distributed/c10d/ProcessGroupMPI.cpp) asks the same `MPIX_Query_cuda_support()`, and refuses CUDA tensors without it | hsgd stages instead of refusing: slower, but it runs on any MPI |
+# | collectives on device buffers: `hsgd.grid.comm.Comm` hands MPI a device pointer (CUDA-aware) or stages through pinned host buffers (`Comm._buf`, `HostStaging`), after synchronizing the stream | NCCL through torch.distributed: `distributed_backend` "nccl" by default (megatron/training/config/common_config.py) | `deepspeed.comm` (deepspeed/comm/comm.py): `init_distributed(dist_backend=...)` over torch.distributed, NCCL on NVIDIA GPUs | `init_process_group(backend="nccl")`: `ProcessGroupNCCL` queues each collective on a CUDA stream of its own, ordered after the current stream by an event (torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp); the host does not wait | one communication layer for CPU and GPU, every collective visible at its call site, any MPI; the price is a host wait per collective, and two PCIe copies when staging |
+# | `hsgd.grid.comm.cuda_aware_mpi()`: `HSGD_CUDA_AWARE`, else the library's `MPIX_Query_cuda_support()` | - | - | the "mpi" backend's `cudaAwareMpiCheck()` (torch/csrc/distributed/c10d/ProcessGroupMPI.cpp) asks the same `MPIX_Query_cuda_support()`, and refuses CUDA tensors without it | hsgd stages instead of refusing: slower, but it runs on any MPI |
 # | `hsgd.train.local_ranks(world)`: `Split_type(COMM_TYPE_SHARED)`, the rank within the node's communicator | `local_rank` from `LOCAL_RANK` (megatron/training/config/common_config.py), set by the launcher | `mpi_discovery` (deepspeed/comm/comm.py): under mpirun, counts the lower ranks with the same `MPI.Get_processor_name()`, then sets `LOCAL_RANK`; the `deepspeed` launcher sets it otherwise (deepspeed/launcher/launch.py) | `torchrun` (torch/distributed/run.py) sets `LOCAL_RANK`, `RANK`, `WORLD_SIZE` in each worker's environment | MPI knows the node: no environment variable to trust, whichever launcher started the ranks |
 # | `backend.select_gpu(local_rank)`: `cupy.cuda.Device(local_rank % n_gpus).use()` | `torch.cuda.set_device(args.local_rank)` in `_initialize_distributed` (megatron/training/initialize.py) | `get_accelerator().set_device(self.local_rank)` in the engine (deepspeed/runtime/engine.py) | `torch.cuda.set_device(local_rank)` | the modulo lets more ranks than GPUs share them, for testing the parallel code on one GPU |
 # | launching: `mpirun -n 16 -ppn 8`, Open MPI's `-npernode 8`, `srun --ntasks-per-node=8`, ranks placed in blocks | `torchrun --nproc-per-node 8 --nnodes 2 ...` (one process per GPU) | the `deepspeed` launcher (deepspeed/launcher/runner.py), `--launcher` pdsh, openmpi, mpich, mvapich or slurm | `torchrun` (torch/distributed/run.py) | the site's MPI launcher, so the MPI library's own network and placement apply |
 # | `backend.to_host`, `d2h_count()`: one counted device-to-host copy per step; the simulated GPU (`tests/simgpu`) counts every transfer | - | - | `torch.cuda.set_sync_debug_mode("warn")` reports operations that synchronize with the host | a count checked on every machine, with or without a GPU |
-# | `--dtype bfloat16` / `float16`: `hsgd.precision.Numerics` rounds float32 arrays (`round_to`) at every point of `POINTS`; float32 master weights, a rounded copy per step (`num.weights`) | `--bf16`, `--fp16` (megatron/training/arguments.py); `Float16Module` (megatron/core/transformer/module.py) casts the model to 16 bits, and the mixed-precision optimizer keeps float32 main params | `"bf16": {"enabled": true}`, `"fp16": {"enabled": true, ...}` in the config (deepspeed/runtime/constants.py) | `torch.autocast(device_type="cuda", dtype=torch.bfloat16)` casts op by op, the parameters stay float32 | emulated: no 16-bit tensors or tensor cores, every rounding point named and counted, so a test can say which ran; no speed or memory gained |
+# | `--dtype bfloat16` / `float16`: `hsgd.model.precision.Numerics` rounds float32 arrays (`round_to`) at every point of `POINTS`; float32 master weights, a rounded copy per step (`num.weights`) | `--bf16`, `--fp16` (megatron/training/arguments.py); `Float16Module` (megatron/core/transformer/module.py) casts the model to 16 bits, and the mixed-precision optimizer keeps float32 main params | `"bf16": {"enabled": true}`, `"fp16": {"enabled": true, ...}` in the config (deepspeed/runtime/constants.py) | `torch.autocast(device_type="cuda", dtype=torch.bfloat16)` casts op by op, the parameters stay float32 | emulated: no 16-bit tensors or tensor cores, every rounding point named and counted, so a test can say which ran; no speed or memory gained |
 # | weight gradients accumulated in float32; `--reduce-dtype bfloat16` rounds each rank's gradient and the average (`num.reduced`) | `--accumulate-allreduce-grads-in-fp32`: gradients accumulated and all-reduced in float32 `param.main_grad` (megatron/core/distributed/param_and_grad_buffer.py) | `"communication_data_type"` (deepspeed/runtime/constants.py) | DDP's `bf16_compress_hook` (torch/distributed/algorithms/ddp_comm_hooks/default_hooks.py) | NCCL's bfloat16 ring rounds at every hop; hsgd rounds the partials and the sum once |
-# | `--loss-scale dynamic` (float16): `hsgd.loss_scale.LossScaler`, S = 2^16, halve and skip on inf/NaN, double after 2000 good steps; `Stage.loss_scale`: dloss = S / m | `--loss-scale` (a static S; unset: dynamic), `--initial-loss-scale` (2^32), `--loss-scale-window` 1000, `--hysteresis` 2; `DynamicGradScaler` (megatron/core/optimizer/grad_scaler.py) | `"fp16": {"loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1}` (0: dynamic); `DynamicLossScaler` (deepspeed/runtime/fp16/loss_scaler.py) | `torch.amp.GradScaler` (torch/amp/grad_scaler.py): init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000 | GradScaler's rules, without hysteresis or a smallest S; the skip verdict is one collective (`hsgd.health`), the same on every rank |
+# | `--loss-scale dynamic` (float16): `hsgd.step.loss_scale.LossScaler`, S = 2^16, halve and skip on inf/NaN, double after 2000 good steps; `Stage.loss_scale`: dloss = S / m | `--loss-scale` (a static S; unset: dynamic), `--initial-loss-scale` (2^32), `--loss-scale-window` 1000, `--hysteresis` 2; `DynamicGradScaler` (megatron/core/optimizer/grad_scaler.py) | `"fp16": {"loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1}` (0: dynamic); `DynamicLossScaler` (deepspeed/runtime/fp16/loss_scaler.py) | `torch.amp.GradScaler` (torch/amp/grad_scaler.py): init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000 | GradScaler's rules, without hysteresis or a smallest S; the skip verdict is one collective (`hsgd.step.health`), the same on every rank |
 #
 # ## Exercises
 #
@@ -992,7 +994,7 @@ say(f"\nchapter 12: all {len(check.passed)} checks passed on {P} ranks ({DEVICE}
 # pattern as an unsigned 32-bit integer b: add 0x7FFF plus the lowest bit that is kept, (b >> 16) & 1 (this makes
 # halfway cases go to the even neighbour), and clear the lower 16 bits. A carry out of the significand moves into the
 # exponent, which is right, up to infinity. Write `bf16_bits(x)` for a float32 array, leaving NaNs as they are (why
-# would the rule break them?), and check it equals `hsgd.precision.round_to(x, "bfloat16")` bit for bit on 100,000
+# would the rule break them?), and check it equals `hsgd.model.precision.round_to(x, "bfloat16")` bit for bit on 100,000
 # random bit patterns (every exponent, subnormals, infinities), on the exact midpoints between neighbouring bfloat16
 # numbers, and around bfloat16's max.
 # (solution: `tutorials/solutions/12_gpus.py`, `exercise_5`)

@@ -44,8 +44,9 @@
 # 7. the published formulas (Korthikanti et al. 2022, Table 2; Rajbhandari et al. 2020) next to hsgd's, and why
 #    they differ;
 # 8. the memory per rank of all 13 combinations, in a table and a picture;
-# 9. the whole step measured by hsgd's memory probe (`hsgd.memtrace`, an allocation tracker): every category at
-#    every sample equal to `hsgd.step_memory`'s formula, on two of the combinations and every rank.
+# 9. the whole step measured by hsgd's memory probe (`hsgd.accounting.allocations`, an allocation tracker): every
+#    category at every sample equal to `hsgd.accounting.step_memory`'s formula, on two of the combinations and every
+#    rank.
 #
 # Run it with eight ranks (14.5 to 17.5 s measured on a 2-core machine with nothing else running, more than half
 # of it the two runs traced by the memory probe; on failure every rank raises, so it exits non-zero without
@@ -64,7 +65,10 @@
 # group g.
 
 # %%
-from hsgd import ModelConfig, hooks, memtrace, serial, step_memory, tp_model   # hsgd first: OpenBLAS's thread timeout
+from hsgd.model.config import ModelConfig   # hsgd first: OpenBLAS's thread timeout
+from hsgd.tp import hooks, model as tp_model
+from hsgd.accounting import allocations, step_memory
+from hsgd.model import serial
 
 from contextlib import contextmanager
 
@@ -72,14 +76,14 @@ import numpy as np
 from mpi4py import MPI
 from threadpoolctl import threadpool_limits
 
-from hsgd.data import Corpus
-from hsgd.grid import ProcessGrid
-from hsgd.hybrid import HybridTrainer
-from hsgd.memory import activation_bytes, activation_formula, paper_activation_bytes
-from hsgd.pp import peak_in_flight, schedule
-from hsgd.report import fmt_bytes, step_formula
-from hsgd.sharded import ShardedExchange
-from hsgd.tp_schemes import make_scheme
+from hsgd.model.data import Corpus
+from hsgd.grid.process_grid import ProcessGrid
+from hsgd.step.trainer import HybridTrainer
+from hsgd.accounting.activations import activation_bytes, activation_formula, paper_activation_bytes
+from hsgd.pp.chunks import peak_in_flight, schedule
+from hsgd.run.report import fmt_bytes, step_formula
+from hsgd.dp.sharded import ShardedExchange
+from hsgd.tp.schemes import make_scheme
 
 import pictures                                      # tutorials/pictures.py: where the PNGs go
 from checks import Checks, rel_err, require_ranks, ring_share, train_config
@@ -148,9 +152,9 @@ for opt, k, extra in (("sgd", 1, dict(momentum=0.9, lr=0.1)), ("adamw", 2, {})):
 # %% [markdown]
 # The activations of one micro-batch are what `tp_model.stage_forward` returns as its caches. Every rank of the
 # dp 4 x tp 2 grid runs one forward of b = 2 sequences and counts the distinct arrays its caches hold
-# (`hsgd.memory.activation_bytes`: a view counts once, through the array that owns its memory; parameters never
-# count, the caches hold none). One block's cache, part by part, next to the terms of
-# `hsgd.memory.activation_formula` (Megatron's scheme, t = 2):
+# (`hsgd.accounting.activations.activation_bytes`: a view counts once, through the array that owns its memory;
+# parameters never count, the caches hold none). One block's cache, part by part, next to the terms of
+# `hsgd.accounting.activations.activation_formula` (Megatron's scheme, t = 2):
 
 # %%
 b2 = B // 4                                                            # sequences per replica on dp 4
@@ -200,15 +204,16 @@ say(f"parameters of my shard {fmt_bytes(S * phi)}; one micro-batch's activations
 # Each combination below is a `TrainConfig` trained for two steps by `HybridTrainer` on its own `ProcessGrid` of the
 # same 8 ranks. Step 2 is measured on every rank:
 #
-# * the bytes on every communicator (`grid.stats`), to compare with `hsgd.report.step_formula`;
+# * the bytes on every communicator (`grid.stats`), to compare with `hsgd.run.report.step_formula`;
 # * the exchange's buffers at the moments hsgd's memory probe samples, the exit of every gradient group's forward
 #   and backward: `ExchangeMeter` below, the chapter's own helper, a `hooks.Hooks` chained after the exchange's
 #   own hooks (`hooks.ChainedHooks`), that adds up the distinct arrays the exchange holds at that moment:
 #   parameters (the flat buffer, ZeRO's chunks, ZeRO-3's gathered layer), gradients (the buffer, the owned chunk,
 #   the layer buckets alive, those whose Reduce-Scatter is still in flight) and communication buffers. It reads
 #   the exchange's attributes, so it costs nothing and runs for all 13; it sees nothing outside the exchange;
-# * for two of them (`TRACED`), everything else too: step 2 runs under hsgd's memory probe (`hsgd.memtrace`,
-#   section 9), which traces every array allocated from before the trainer is built, by category;
+# * for two of them (`TRACED`), everything else too: step 2 runs under hsgd's memory probe
+#   (`hsgd.accounting.allocations`, section 9), which traces every array allocated from before the trainer is built, by
+#   category;
 # * the micro-batches held at once (`stage.peak_held`), and one micro-batch's caches (`activation_bytes` of a
 #   `stage_forward` on the rank's own stage);
 # * `trainer.memory()` after the step, and the parameters against serial AdamW.
@@ -224,7 +229,7 @@ def arrays(x):
     elif isinstance(x, (list, tuple)):
         for v in x:
             yield from arrays(v)
-    elif hasattr(x, "flat") and hasattr(x, "views"):                  # hsgd.dp.FlatBuffer
+    elif hasattr(x, "flat") and hasattr(x, "views"):                  # hsgd.dp.average.FlatBuffer
         yield x.flat
 
 
@@ -303,7 +308,7 @@ def run(name, kw):
     """Two steps of one combination; step 2 measured (and traced, for TRACED). Returns this rank's record."""
     tc = config(**kw)
     g = grid_of(tc.dp, tc.pp, tc.tp)
-    probe = memtrace.MemoryProbe() if name in TRACED else None
+    probe = allocations.MemoryProbe() if name in TRACED else None
     if probe:
         probe.start()                                                  # before the parameters and the state exist
     tr = HybridTrainer(cfg, g, tc)
@@ -314,7 +319,7 @@ def run(name, kw):
     before = g.stats.counts()
     batch = corpus.batch(SEED, 2, B)                                   # (idx, targets): alive through the step
     step2 = lambda: tr.step(*batch, 2)
-    info = memtrace.traced_step(tr, probe, step2) if probe else step2()   # the probe's hooks innermost
+    info = allocations.traced_step(tr, probe, step2) if probe else step2()   # the probe's hooks innermost
     if probe:
         probe.stop()
     ex.hooks = own
@@ -522,8 +527,8 @@ check.holds("selective and full: parameters after 2 steps bit-identical to none"
 #
 # Everything above divides by tp or pp; nothing divides by dp. ZeRO (Rajbhandari et al. 2020, "ZeRO: Memory
 # Optimizations Toward Training Trillion Parameter Models") shards over the n data-parallel ranks what they all hold
-# alike: stage 1 the optimizer state (chapter 8, `hsgd.zero`), stage 2 also the gradients, stage 3 also the
-# parameters (`hsgd.sharded.ShardedExchange`: per layer, each gradient group padded to n equal chunks $c_g$; the
+# alike: stage 1 the optimizer state (chapter 8, `hsgd.dp.zero1`), stage 2 also the gradients, stage 3 also the
+# parameters (`hsgd.dp.sharded.ShardedExchange`: per layer, each gradient group padded to n equal chunks $c_g$; the
 # layer's Reduce-Scatter started as soon as its backward ends and overlapped with the next layer's; stage 3
 # All-Gathers a layer's parameters before its forward and again before its backward, and frees them after). Hybrid
 # sharding shards within a node and replicates across nodes. Between steps a rank keeps, with $\Phi'$ the flat
@@ -706,7 +711,7 @@ for label, shape, b, t_ in (("GPT-3 175B, t = 8, b = 1", gpt3, 1, 8),
         f"{'hsgd / paper':>14}")
     for row in paper:
         say(f"  {row:<32}{fmt_bytes(paper[row]):>12}{fmt_bytes(mine[row]):>12}{mine[row] / paper[row]:>14.2f}")
-    check("Table 2's tensor-parallel rows == hsgd.memory.paper_activation_bytes",
+    check("Table 2's tensor-parallel rows == hsgd.accounting.activations.paper_activation_bytes",
           max(abs(paper_activation_bytes(shape.seq_len, b, shape.d_model, shape.n_heads, t_, sp)
                   - paper[row]) / paper[row] for sp, row in ((False, "tensor parallel"),
                                                              (True, "tensor + sequence parallel"))), 1e-12)
@@ -830,15 +835,15 @@ check.holds("every way to spend fewer lowers the peak below tp 2's",
 #
 # Everything above is measured piece by piece: the meter reads the exchange's arrays, `activation_bytes` one
 # micro-batch's caches, `stage.peak_held` the schedule, and section 8 adds their peaks as if they met. hsgd's memory
-# probe (`hsgd.memtrace.MemoryProbe`, what `hsgd.train --memory` prints) measures all of it at once, from the
-# allocator's side: NumPy reports every array's buffer to Python's `tracemalloc` with the stack that allocated it,
+# probe (`hsgd.accounting.allocations.MemoryProbe`, what `hsgd.train --memory` prints) measures all of it at once, from
+# the allocator's side: NumPy reports every array's buffer to Python's `tracemalloc` with the stack that allocated it,
 # and the probe puts each buffer in a category by the innermost function on that stack that its `CATEGORY_TABLE`
-# names (`Stage.forward` makes activations, `hsgd.optim` optimizer state, `recompute_block` recompute,
+# names (`Stage.forward` makes activations, `hsgd.model.optim` optimizer state, `recompute_block` recompute,
 # `Stage.recv_activation` comm; what no entry claims is other, here the step's token windows). It samples every
 # category at the step's start, at every gradient group's forward and backward exit, after a block's recomputation
 # ("B j h.i recomputed") and at the end, and reads between two samples the tracker's own peak, which also catches
-# the working arrays that live and die inside a group. `hsgd.step_memory.step_formula(trainer)` walks the stage's
-# schedule through the same moments and adds up what its docstring says is alive at each: the caches of the
+# the working arrays that live and die inside a group. `hsgd.accounting.step_memory.step_formula(trainer)` walks the
+# stage's schedule through the same moments and adds up what its docstring says is alive at each: the caches of the
 # micro-batches held, the working activation, the sends not yet completed, the receive buffer, ZeRO's gathered
 # group and buckets in flight.
 #
@@ -983,11 +988,11 @@ for g in grids.values():
 # |---|---|---|---|---|
 # | `--recompute full` (`tp_model.block_forward(..., "full")`, `recompute_block`) | `--recompute-granularity full` with `--recompute-method uniform\|block` and `--recompute-num-layers` (`TransformerConfig.recompute_granularity`, `recompute_method`); `tensor_parallel.checkpoint` (megatron/core/tensor_parallel/random.py) | `activation_checkpointing` config section (`partition_activations`, `cpu_checkpointing`, `number_checkpoints`); `deepspeed.checkpointing.checkpoint` (deepspeed/runtime/activation_checkpointing/checkpointing.py) | `torch.utils.checkpoint.checkpoint` | every block, always; the block's input is the whole cache, and the repeated tensor-parallel collectives are counted in `comm_formula` |
 # | `--recompute selective` (`recompute_attention`: q, k, v kept, the probabilities dropped) | `--recompute-granularity selective` with `--recompute-modules core_attn` (the default module); `CheckpointWithoutOutput` for output-discarding checkpoints | none (its checkpointing wraps whole functions) | `torch.utils.checkpoint.create_selective_checkpoint_contexts` (a policy per operator) | only the core attention, and the gradients are checked bit-identical to none |
-# | `--zero 1` (`hsgd.zero.ZeroExchange`) | `--use-distributed-optimizer` (`DistributedOptimizer`, megatron/core/optimizer/distrib_optimizer.py) | `zero_optimization.stage` = 1 | `torch.distributed.optim.ZeroRedundancyOptimizer` (shards DDP's optimizer state) | the Reduce-Scatter runs after the whole backward pass |
-# | `--zero 2`, `--zero 3` (`hsgd.sharded.ShardedExchange`, one gradient group per layer) | `data_parallel_sharding_strategy` = `optim_grads`, `optim_grads_params` (Megatron FSDP, `DistributedDataParallelConfig`) | `zero_optimization.stage` = 2, 3; `stage3_prefetch_bucket_size`, `stage3_param_persistence_threshold`, `stage3_max_live_parameters` | `FullyShardedDataParallel` with `ShardingStrategy.SHARD_GRAD_OP` / `FULL_SHARD`; `fully_shard(module, reshard_after_forward=...)` | no prefetch (the gather is exposed) and no persistent small parameters: every layer is gathered before its forward and again before its backward |
+# | `--zero 1` (`hsgd.dp.zero1.ZeroExchange`) | `--use-distributed-optimizer` (`DistributedOptimizer`, megatron/core/optimizer/distrib_optimizer.py) | `zero_optimization.stage` = 1 | `torch.distributed.optim.ZeroRedundancyOptimizer` (shards DDP's optimizer state) | the Reduce-Scatter runs after the whole backward pass |
+# | `--zero 2`, `--zero 3` (`hsgd.dp.sharded.ShardedExchange`, one gradient group per layer) | `data_parallel_sharding_strategy` = `optim_grads`, `optim_grads_params` (Megatron FSDP, `DistributedDataParallelConfig`) | `zero_optimization.stage` = 2, 3; `stage3_prefetch_bucket_size`, `stage3_param_persistence_threshold`, `stage3_max_live_parameters` | `FullyShardedDataParallel` with `ShardingStrategy.SHARD_GRAD_OP` / `FULL_SHARD`; `fully_shard(module, reshard_after_forward=...)` | no prefetch (the gather is exposed) and no persistent small parameters: every layer is gathered before its forward and again before its backward |
 # | `--zero 3 --hierarchical --ranks-per-node n` (shard in a node, replicate across) | `outer_dp_sharding_strategy`, `num_distributed_optimizer_instances` | ZeRO++ hierarchical partitioning, `zero_hpz_partition_size` | `ShardingStrategy.HYBRID_SHARD`; `fully_shard` on a 2-D `DeviceMesh` | the replicas' chunks are All-Reduced over the nodes once per step |
-# | `HybridTrainer.memory()`, `exchange.memory_formula()`, `hsgd.memory.activation_formula`, `hsgd.step_memory.step_formula`; this chapter's `ExchangeMeter` | `report_theoretical_memory`, `compute_activation_memory` (megatron/training/theoretical_memory_usage.py) | `estimate_zero2_model_states_mem_needs_all_live`, `estimate_zero3_model_states_mem_needs_all_live` | none (the allocator's numbers only) | a formula for every moment of the step, not only the model states or one layer's activations, checked byte for byte against the probe |
-# | `hsgd.memtrace.MemoryProbe` (`hsgd.train --memory`: tracemalloc, each allocation's category from its stack, sampled at every group's exits) | `torch.cuda.max_memory_allocated` in its logs (`--log-memory-to-tensorboard`) | `see_memory_usage` (deepspeed/runtime/utils.py) | `torch.cuda.memory._record_memory_history` and `_snapshot` (the allocator's own timeline, with stacks); `torch.cuda.max_memory_allocated` | categories from the allocating function in hsgd, not from tensors' names; the samples are the formula's moments, and the true peak between them is kept |
+# | `HybridTrainer.memory()`, `exchange.memory_formula()`, `hsgd.accounting.activations.activation_formula`, `hsgd.accounting.step_memory.step_formula`; this chapter's `ExchangeMeter` | `report_theoretical_memory`, `compute_activation_memory` (megatron/training/theoretical_memory_usage.py) | `estimate_zero2_model_states_mem_needs_all_live`, `estimate_zero3_model_states_mem_needs_all_live` | none (the allocator's numbers only) | a formula for every moment of the step, not only the model states or one layer's activations, checked byte for byte against the probe |
+# | `hsgd.accounting.allocations.MemoryProbe` (`hsgd.train --memory`: tracemalloc, each allocation's category from its stack, sampled at every group's exits) | `torch.cuda.max_memory_allocated` in its logs (`--log-memory-to-tensorboard`) | `see_memory_usage` (deepspeed/runtime/utils.py) | `torch.cuda.memory._record_memory_history` and `_snapshot` (the allocator's own timeline, with stacks); `torch.cuda.max_memory_allocated` | categories from the allocating function in hsgd, not from tensors' names; the samples are the formula's moments, and the true peak between them is kept |
 #
 # ## Exercises
 #

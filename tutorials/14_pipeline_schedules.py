@@ -31,8 +31,8 @@
 #   nobody waits for; the W's fill the waits. Their schedule ZB-H1 holds no more micro-batches than 1F1B's first
 #   stage and leaves a third of 1F1B's idle time when F, B and W cost the same.
 #
-# In hsgd a schedule is data (`hsgd/schedules.py`): for every stage, the list of actions it runs in one step. A list
-# can be printed, checked for deadlocks before anything runs, simulated, and handed to `hsgd.stage.Stage`, which
+# In hsgd a schedule is data (`hsgd/pp/schedules.py`): for every stage, the list of actions it runs in one step. A list
+# can be printed, checked for deadlocks before anything runs, simulated, and handed to `hsgd.pp.stage.Stage`, which
 # runs it on the real grid. The chapter:
 #
 # 1. a schedule as data: the four schedules' lists for a small pipeline, the rules that order them, and the static
@@ -40,8 +40,8 @@
 # 2. each schedule drawn, simulated with equal costs, and one as a text grid of time slots;
 # 3. the closed forms of the bubble against the simulation, exactly, for many (m, p, v); the zero-bubble idle time
 #    $(p-1)(F+B-W)$ against 1F1B's $(p-1)(F+B+W)$ with the same peak; what interleaving holds;
-# 4. the W pass: the two halves of a linear layer's backward (`hsgd.ops`), what a B keeps for its W
-#    (`hsgd.wgrad.WeightGrads`), and why the numbers are bit-identical to the fused backward;
+# 4. the W pass: the two halves of a linear layer's backward (`hsgd.model.ops`), what a B keeps for its W
+#    (`hsgd.tp.wgrad.WeightGrads`), and why the numbers are bit-identical to the fused backward;
 # 5. all four schedules trained on 8 ranks, as a 4-stage pipeline (dp 2 x pp 4) and an 8-stage one (pp 8): serial
 #    SGD's parameters, bit-identical across schedules, and the pairs held, activation bytes and messages measured
 #    against their predictions; the measured timelines drawn;
@@ -67,25 +67,27 @@
 # N = bT positions, 8 bytes per number (float64).
 
 # %%
-from hsgd import ModelConfig, serial, tp_model   # hsgd first, as in chapter 13 (OpenBLAS's thread timeout)
+from hsgd.model.config import ModelConfig   # hsgd first, as in chapter 13 (OpenBLAS's thread timeout)
+from hsgd.model import serial
+from hsgd.tp import model as tp_model
 
 import numpy as np
 from mpi4py import MPI
 from threadpoolctl import threadpool_limits
 
-from hsgd.data import Corpus
-from hsgd.grid import ProcessGrid
-from hsgd.hybrid import HybridTrainer
-from hsgd.memory import activation_bytes
-from hsgd.ops import linear_backward, linear_forward, linear_input_grad, linear_weight_grad
-from hsgd.plots import draw_pipeline
-from hsgd.pp import chunk_layers, pp_formula, stage_names
-from hsgd.report import fmt_bytes
+from hsgd.model.data import Corpus
+from hsgd.grid.process_grid import ProcessGrid
+from hsgd.step.trainer import HybridTrainer
+from hsgd.accounting.activations import activation_bytes
+from hsgd.model.ops import linear_backward, linear_forward, linear_input_grad, linear_weight_grad
+from hsgd.run.plots import draw_pipeline
+from hsgd.pp.chunks import chunk_layers, pp_formula, stage_names
+from hsgd.run.report import fmt_bytes
 from hsgd.schedule import keep_bytes
-from hsgd.schedules import (FORMULA, PEAK_FORMULA, Action, ScheduleError, bubble_formula, bubble_fraction, build,
+from hsgd.pp.schedules import (FORMULA, PEAK_FORMULA, Action, ScheduleError, bubble_formula, bubble_fraction, build,
                             grid, held_bytes, idle_per_stage, peak_formula, peak_held, simulate)
-from hsgd.schedules import check as check_schedule
-from hsgd.wgrad import WeightGrads
+from hsgd.pp.schedules import check as check_schedule
+from hsgd.tp.wgrad import WeightGrads
 
 import pictures                                  # tutorials/pictures.py: where the PNGs go
 from checks import Checks, rel_err, require_ranks, train_config  # tutorials/checks.py, shared by the chapters
@@ -310,7 +312,7 @@ say(f"p = 4, m = 8: peak pairs per stage  1F1B {[peak_held(a) for a in build('1f
 # %% [markdown]
 # ## 4. The W pass
 #
-# A linear layer $Y = XW + b$ has two gradients with different customers (`hsgd.ops`, the functions every model in
+# A linear layer $Y = XW + b$ has two gradients with different customers (`hsgd.model.ops`, the functions every model in
 # hsgd runs):
 #
 # * `linear_input_grad(dY, cache)`: $dX = dY\,W^T$. The layer below needs it next, and across a pipeline the
@@ -319,7 +321,7 @@ say(f"p = 4, m = 8: peak pairs per stage  1F1B {[peak_held(a) for a in build('1f
 #   needs it until the optimizer step: this is W.
 #
 # `linear_backward` is the two, one after the other. A B that is split hands every weight-gradient product to a
-# `WeightGrads()` (`hsgd.wgrad`) instead of doing it: the function and its arrays, X and dY, wait there for the W.
+# `WeightGrads()` (`hsgd.tp.wgrad`) instead of doing it: the function and its arrays, X and dY, wait there for the W.
 # Everything else a backward computes (the gradients of the LayerNorms, of the embedding, and of the projections'
 # biases, which tensor parallelism replicates) stays in B; it is O(NC), small next to the products. First the two
 # halves against NumPy's formulas:
@@ -623,7 +625,7 @@ g8.free()
 #
 # | hsgd | Megatron-LM | DeepSpeed | PyTorch | where hsgd differs, on purpose |
 # |---|---|---|---|---|
-# | a schedule is data: `schedules.build(kind, m, p, v)`, per stage a list of `Action(kind, mb, chunk)` (F, B, W), run by `Stage.run` (hsgd/stage.py) | none: each schedule is a function whose loops run the steps (`forward_backward_no_pipelining`, `forward_backward_pipelining_without_interleaving`, `forward_backward_pipelining_with_interleaving`, megatron/core/pipeline_parallel/schedules.py), picked by `get_forward_backward_func` | `PipeSchedule.steps()` yields each step's list of `PipeInstruction`s (`ForwardPass`, `BackwardPass`, `SendActivation`, `RecvGrad`, ...); `TrainSchedule` is 1F1B (deepspeed/runtime/pipe/schedule.py) | `pipeline_order`: per rank a list of `_Action(stage_index, computation_type, microbatch_index)`, `_ComputationType` F, I (input gradient), W (weight gradient), B (full backward) (torch/distributed/pipelining/schedules.py) | the messages are not in the list: they follow from the dependencies, sent when an action ends and received when the next one starts |
+# | a schedule is data: `schedules.build(kind, m, p, v)`, per stage a list of `Action(kind, mb, chunk)` (F, B, W), run by `Stage.run` (hsgd/pp/stage.py) | none: each schedule is a function whose loops run the steps (`forward_backward_no_pipelining`, `forward_backward_pipelining_without_interleaving`, `forward_backward_pipelining_with_interleaving`, megatron/core/pipeline_parallel/schedules.py), picked by `get_forward_backward_func` | `PipeSchedule.steps()` yields each step's list of `PipeInstruction`s (`ForwardPass`, `BackwardPass`, `SendActivation`, `RecvGrad`, ...); `TrainSchedule` is 1F1B (deepspeed/runtime/pipe/schedule.py) | `pipeline_order`: per rank a list of `_Action(stage_index, computation_type, microbatch_index)`, `_ComputationType` F, I (input gradient), W (weight gradient), B (full backward) (torch/distributed/pipelining/schedules.py) | the messages are not in the list: they follow from the dependencies, sent when an action ends and received when the next one starts |
 # | `schedules.check` / `simulate`: `ScheduleError` naming the first action that cannot run | none | none | `_simulate_comms_compute` dry-runs a `pipeline_order` and flags deadlocks | checked by every `Stage` before its first message, and simulated with chosen costs for the pictures and the lab |
 # | `build("interleaved", m, p, v)`, `--schedule interleaved --virtual-stages v` (`pp.chunk_layers`: chunk c of stage s is piece cp + s) | `forward_backward_pipelining_with_interleaving` with `virtual_pipeline_model_parallel_size` (`ModelParallelConfig`, `parallel_state.initialize_model_parallel`): v model chunks per rank, warm-up $2(p-s-1) + (v-1)p$ | none | `ScheduleInterleaved1F1B` | the same order, written out as a list; m must be a multiple of p |
 # | `build("zb-h1", m, p, costs=(F, B, W))`, `--schedule zb-h1`; the W's products kept by `wgrad.WeightGrads` | none upstream (Qi et al. built theirs on a fork); `delay_wgrad_compute` defers weight-gradient GEMMs to overlap expert-parallel communication, not to fill a pipeline | none | `ScheduleInterleavedZeroBubble` (zero bubble over several stages per rank), `ScheduleZBVZeroBubble` (the V-shaped placement), with I and W actions | only H1, one chunk per stage; the W's are placed by simulating with given costs, so the list changes when the costs do |

@@ -28,7 +28,7 @@
 # (LayerNorm, the residual stream) and gathers it back before the attention; context parallelism keeps T split
 # everywhere, the attention included.
 #
-# `hsgd/cp.py` splits every sequence over the cp ranks of `grid.cp_comm`. Everything in a block except the core
+# `hsgd/cp/split.py` splits every sequence over the cp ranks of `grid.cp_comm`. Everything in a block except the core
 # attention treats each position on its own, so it runs unchanged on a rank's T/cp positions. The core attention,
 # where position t reads the keys and values of positions 0..t, is done one of two ways:
 #
@@ -41,8 +41,8 @@
 #
 # The chapter:
 #
-# 1. why the sequence dimension: a block's activation bytes against T from `hsgd.memory.activation_formula`,
-#    with tp and with cp;
+# 1. why the sequence dimension: a block's activation bytes against T from
+#    `hsgd.accounting.activations.activation_formula`, with tp and with cp;
 # 2. the online softmax derived step by step, then checked in NumPy on one process;
 # 3. the ring forward and backward on 8 ranks (cp 8, and cp 4 x tp 2) against serial attention, with its messages
 #    counted against `cp.cp_formula`; the all-gather scheme the same way;
@@ -70,7 +70,8 @@
 # sum, o the running (unnormalised) output, lse = m + log l.
 
 # %%
-from hsgd import ModelConfig, serial   # hsgd first, as in chapter 13 (OpenBLAS's thread timeout)
+from hsgd.model.config import ModelConfig   # hsgd first, as in chapter 13 (OpenBLAS's thread timeout)
+from hsgd.model import serial
 
 import dataclasses
 import time
@@ -79,16 +80,16 @@ import numpy as np
 from mpi4py import MPI
 from threadpoolctl import threadpool_limits
 
-from hsgd import cp
-from hsgd.ring_attention import Ring
-from hsgd.cp import attention_blocks, attention_cache_bytes, chunk_starts, cp_formula, make_split
-from hsgd.data import Corpus
-from hsgd.grid import ProcessGrid
-from hsgd.hybrid import HybridTrainer
-from hsgd.layers import attention_backward, attention_forward
-from hsgd.memory import activation_formula
-from hsgd.report import fmt_bytes, step_formula
-from hsgd.trace import Tracer
+from hsgd.cp import split as cp
+from hsgd.cp.ring import Ring
+from hsgd.cp.split import attention_blocks, attention_cache_bytes, chunk_starts, cp_formula, make_split
+from hsgd.model.data import Corpus
+from hsgd.grid.process_grid import ProcessGrid
+from hsgd.step.trainer import HybridTrainer
+from hsgd.model.layers import attention_backward, attention_forward
+from hsgd.accounting.activations import activation_formula
+from hsgd.run.report import fmt_bytes, step_formula
+from hsgd.grid.trace import Tracer
 
 import pictures                                  # tutorials/pictures.py: where the PNGs go
 from checks import Checks, payload, rel_err, require_ranks, ring_bytes, train_config   # tutorials/checks.py, shared
@@ -220,7 +221,7 @@ say(f"picture: {pictures.on_rank0(world, draw_activations, share=True)}")
 # over all keys once more; but $\sum_k p_k\,(dy \cdot v_k) = dy \cdot y$, so $D = dy \cdot y$, known before the
 # first block, replaces it. Every block's gradients are then local: $ds = p\,(dp - D)$, $dq \mathrel{+}= ds\,k_b$,
 # $dk_b \mathrel{+}= ds^T q$, $dv_b \mathrel{+}= p^T dy$ (the $1/\sqrt{hs}$ aside). That is `Ring.merge` and
-# `Ring.grads` (`hsgd/ring_attention.py`). First in NumPy, for 4 queries and 64 keys in 8 blocks, against the
+# `Ring.grads` (`hsgd/cp/ring.py`). First in NumPy, for 4 queries and 64 keys in 8 blocks, against the
 # softmax computed at once:
 
 # %%
@@ -480,9 +481,9 @@ for dp, pp, cp_, tp in LAYOUTS:
 # per step, and the dp exchange over the dp x cp ranks that share each shard.
 #
 # The activation bytes measured (`stage.peak_bytes`: every array the caches reach, each counted once) are the
-# formula's exactly: `hsgd.memory.activation_formula` with cp counts every term on the rank's $T_l$ rows and the
-# cp scheme's attention cache in place of q, k, v and the probabilities. (The embedding's cache keeps the offsets
-# of its rows and asks the layout for their positions again in the backward pass, so that no array of the layout
+# formula's exactly: `hsgd.accounting.activations.activation_formula` with cp counts every term on the rank's $T_l$ rows
+# and the cp scheme's attention cache in place of q, k, v and the probabilities. (The embedding's cache keeps the
+# offsets of its rows and asks the layout for their positions again in the backward pass, so that no array of the layout
 # itself is counted as an activation.)
 #
 # ## 6. Ring against all-gather, measured on 8 ranks
@@ -541,7 +542,7 @@ for tr in trainers.values():
 # ## 7. The trace: sends in flight while the blocks compute
 #
 # `cp_comm.tracer = tracer` makes every Isend and Irecv a span on the trace's "async" track, from the call to its
-# Wait, and the ring's blocks spans on the "compute" track (`hsgd.trace`). In the forward pass step i issues the
+# Wait, and the ring's blocks spans on the "compute" track (`hsgd.grid.trace`). In the forward pass step i issues the
 # Isend of the block it holds and the Irecv of the next one, computes the block, then waits; in the backward pass
 # the (k, v) blocks travel the same way, and the (dk, dv) shares one step behind. One ring attention forward and
 # backward on cp 8, with T = 256:

@@ -31,11 +31,11 @@
 #    with a picture; stagnation, where the random model fails;
 # 2. what each layout sums differently: one bfloat16 step on 1x1x1, dp, pp, tp and with micro-batches, the rounding
 #    points each uses counted, and which layouts give bit-identical gradients and why;
-# 3. the band: the rounding-error model of `hsgd.oracle` (a rounding replaced by $x(1 + u e)$), checked against
+# 3. the band: the rounding-error model of `hsgd.check.oracle` (a rounding replaced by $x(1 + u e)$), checked against
 #    real bfloat16 roundings, then the tolerance oracle on 8 ranks, its report and its picture;
 # 4. loss scaling step by step: float16 gradients flushed to zero without a scale, none with $S = 2^{16}$;
 #    `LossScaler`'s rules over a sequence of overflows; what the oracle says of float16 with and without the scale;
-# 5. reading a "TP loss differs from one device" report: two bugs injected on purpose (`hsgd.mutations`), flagged
+# 5. reading a "TP loss differs from one device" report: two bugs injected on purpose (`hsgd.check.mutations`), flagged
 #    outside the band while the correct code stays inside, and a checklist.
 #
 # Run it with eight ranks (9 to 12 s measured on a 2-core machine shared with other jobs; on failure every rank
@@ -55,7 +55,7 @@
 # [-1, 1); d(a, b) the oracle's relative difference of two gradients of one parameter (section 3).
 
 # %%
-from hsgd import ModelConfig   # hsgd first, as in chapter 13 (OpenBLAS's thread timeout)
+from hsgd.model.config import ModelConfig   # hsgd first, as in chapter 13 (OpenBLAS's thread timeout)
 
 import io
 import math
@@ -65,13 +65,13 @@ import numpy as np
 from mpi4py import MPI
 from threadpoolctl import threadpool_limits
 
-from hsgd.data import Corpus
-from hsgd.loss_scale import LossScaler
-from hsgd.mutations import injected
-from hsgd.oracle import Perturbed, differences, name_of, oracle, report, run_layout, uniform_of
-from hsgd.plots import plot_tolerance
-from hsgd.precision import FORMATS, POINTS, Numerics, gamma, round_formula, round_to, unit_roundoff
-from hsgd.settings import TrainConfig
+from hsgd.model.data import Corpus
+from hsgd.step.loss_scale import LossScaler
+from hsgd.check.mutations import injected
+from hsgd.check.oracle import Perturbed, differences, name_of, oracle, report, run_layout, uniform_of
+from hsgd.run.plots import plot_tolerance
+from hsgd.model.precision import FORMATS, POINTS, Numerics, gamma, round_formula, round_to, unit_roundoff
+from hsgd.run.settings import TrainConfig
 
 import pictures                                  # tutorials/pictures.py: where the PNGs go
 from checks import Checks, require_ranks         # tutorials/checks.py, shared by the chapters
@@ -354,7 +354,7 @@ check.holds("dp 3 with B = 6 (scalings by 1/3): median d from serial > 20 x 2 ga
 #
 # ## 3. The band
 #
-# `hsgd.oracle` answers with a model of the rounding error, after Higham and Mary: run the layout in float64, and
+# `hsgd.check.oracle` answers with a model of the rounding error, after Higham and Mary: run the layout in float64, and
 # wherever the bfloat16 run would round, multiply by $(1 + u e)$ instead, e in [-1, 1) "random". `Perturbed` is the
 # `Numerics` that does it, `uniform_of(x, salt)` draws e: a hash of the value's bits and a salt (one per draw and per
 # rounding point), so that two ranks holding the same replicated value perturb it the same way and stay replicas,
@@ -528,7 +528,7 @@ check.holds("... only at the attention's q or k parameters",
 # %% [markdown]
 # ## 5. Reading a "TP loss differs from one device" report
 #
-# `hsgd.mutations.injected(bug)` switches on one of two mistakes distributed code is known to make, for the length
+# `hsgd.check.mutations.injected(bug)` switches on one of two mistakes distributed code is known to make, for the length
 # of a `with` block: `missing-tp-scale` makes one parameter's gradient tp times too large (a replicated parameter's
 # partial gradients summed over the tp ranks where each was already whole: here `ln_f.weight`), and
 # `dropped-micro-batch` starts the last micro-batch's backward pass from dloss = 0 (its loss counts, its gradient
@@ -607,8 +607,8 @@ say(f"\nchapter 16: all {len(check.passed)} checks passed on {world.Get_size()} 
 # | `--dtype bfloat16`: `precision.Numerics`, `round_to` at every point of `POINTS`, float32 master weights and gradients | `--bf16` (`Float16OptimizerWithFloat16Params`: float32 main params) | `"bf16": {"enabled": true}` | `torch.autocast(device_type, dtype=torch.bfloat16)`; FSDP `MixedPrecision(param_dtype=torch.bfloat16)` | emulated on float32 arrays, every rounding point named and counted; no kernel rounds differently from its neighbour |
 # | `--reduce-dtype`: the gradient exchange's format (`Numerics.reduced`); float32 by default | `--accumulate-allreduce-grads-in-fp32` (gradients accumulated and All-Reduced in float32) | `"communication_data_type"` | FSDP `MixedPrecision(reduce_dtype=...)` | the default is the safe one: float32 |
 # | `--dtype float16 --loss-scale dynamic`: `LossScaler` (S = 2^16, x 0.5 on inf, x 2 after 2000 good steps) | `--fp16`, `--loss-scale` (fixed), `--initial-loss-scale`, `--loss-scale-window`, `--hysteresis`, `--min-loss-scale` (`DynamicGradScaler`) | `"fp16": {"enabled", "loss_scale": 0 (dynamic), "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale"}` | `torch.amp.GradScaler(init_scale, growth_factor, backoff_factor, growth_interval)` | GradScaler's rules: no hysteresis (halve at the first inf), no minimum scale |
-# | `hsgd.oracle`, `python -m hsgd.verify --dtype bfloat16 --layouts ...`: a band per parameter from a rounding-error model | none | none | none (`torch.testing.assert_close` has fixed per-dtype tolerances, e.g. rtol 1.6e-2 for bfloat16) | the tolerance is predicted per layout and parameter, not fixed per dtype |
-# | `hsgd.mutations.injected(bug)`: bugs on purpose, to show the checks catch them | none | none | none | a teaching device, never imported by hsgd itself |
+# | `hsgd.check.oracle`, `python -m hsgd.verify --dtype bfloat16 --layouts ...`: a band per parameter from a rounding-error model | none | none | none (`torch.testing.assert_close` has fixed per-dtype tolerances, e.g. rtol 1.6e-2 for bfloat16) | the tolerance is predicted per layout and parameter, not fixed per dtype |
+# | `hsgd.check.mutations.injected(bug)`: bugs on purpose, to show the checks catch them | none | none | none | a teaching device, never imported by hsgd itself |
 #
 # ## Exercises
 #

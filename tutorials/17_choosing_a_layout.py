@@ -52,7 +52,9 @@
 # s bytes per element (2 in a mixed-precision run); $\alpha$ a link's latency, $\beta$ = 1/bandwidth.
 
 # %%
-from hsgd import ModelConfig, step_memory, tp_model   # hsgd first, as in chapter 13 (OpenBLAS's thread timeout)
+from hsgd.model.config import ModelConfig   # hsgd first, as in chapter 13 (OpenBLAS's thread timeout)
+from hsgd.accounting import step_memory
+from hsgd.tp import model as tp_model
 
 import math
 import time
@@ -61,16 +63,16 @@ import numpy as np
 from mpi4py import MPI
 from threadpoolctl import threadpool_limits
 
-from hsgd.data import Corpus
-from hsgd.grid import ProcessGrid
-from hsgd.hybrid import HybridTrainer
+from hsgd.model.data import Corpus
+from hsgd.grid.process_grid import ProcessGrid
+from hsgd.step.trainer import HybridTrainer
 from hsgd.plan.__main__ import build_parser, plan, presets
 from hsgd.plan.costs import collective
 from hsgd.plan.hardware import load
 from hsgd.plan.layout import plan_rank
 from hsgd.plan.search import Layout, evaluate
 from hsgd.plan.validate import table1_validation
-from hsgd.report import step_formula
+from hsgd.run.report import step_formula
 
 import pictures                                        # tutorials/pictures.py: where the PNGs go
 from checks import Checks, require_ranks, train_config   # tutorials/checks.py, shared by the chapters
@@ -405,8 +407,8 @@ pictures.on_rank0(world, draw)
 # ### (a) Exactly, on hsgd: the planner's bytes and memory against a real trainer
 #
 # With `--impl hsgd` the planner takes memory and bytes from `hsgd.plan.layout`: the trainer's own closed forms
-# (`hsgd.report.rank_bytes`, `hsgd.step_memory.rank_formula`) fed from the settings alone, without arrays or
-# communicators. On this machine's 8 ranks, two layouts of a small model are built as real `HybridTrainer`s; the
+# (`hsgd.run.report.rank_bytes`, `hsgd.accounting.step_memory.rank_formula`) fed from the settings alone, without arrays
+# or communicators. On this machine's 8 ranks, two layouts of a small model are built as real `HybridTrainer`s; the
 # plan of each rank's stage must equal the trainer's formulas and the bytes `CommStats` records in a step, exactly.
 # The planner's predicted step time for this machine (`hsgd/plan/hw/this-machine.toml`, measured by `python -m
 # hsgd.plan --calibrate`) is printed next to the measured one, not checked: a 2-core machine shared by 8 ranks is
@@ -437,7 +439,7 @@ for dp, pp, tp, m in ((2, 2, 2, 2), (1, 4, 2, 4)):
     name = f"dp{dp} pp{pp} tp{tp} m{m}"
     check.equal(f"{name}: planned bytes per communicator = the trainer's formula", planned["bytes"],
                 step_formula(SMALL, tc, trainer))
-    check.equal(f"{name}: planned memory per category = hsgd.step_memory's", planned["memory"]["peak"],
+    check.equal(f"{name}: planned memory per category = hsgd.accounting.step_memory's", planned["memory"]["peak"],
                 step_memory.step_formula(trainer)["peak"])
     check.equal(f"{name}: planned bytes = CommStats of step 2", planned["bytes"], measured)
     check.equal(f"{name}: evaluate(--impl hsgd)'s bytes of this stage = the plan's",

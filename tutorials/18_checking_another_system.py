@@ -30,7 +30,7 @@
 # 3. hsgd's own dumps (`dump_one_step`, `hsgd.train --dump-step N DIR`) on two layouts of the 8 ranks: PASS;
 # 4. the PyTorch system (`benchmarks/crosscheck_torch.py`: DTensor tensor parallelism, data parallelism by hand):
 #    its committed dumps, the correct ones and three real bugs, each named by its class;
-# 5. deliberately broken hsgd (`hsgd.mutations`): four more bugs, dumped and named;
+# 5. deliberately broken hsgd (`hsgd.check.mutations`): four more bugs, dumped and named;
 # 6. two pictures: how one tensor's shards come back together, and every parameter's error by class;
 # 7. reading a verdict: from the class to the line of code.
 #
@@ -51,7 +51,8 @@
 # set of ranks.
 
 # %%
-from hsgd import ModelConfig, serial   # hsgd first, as in chapter 13 (OpenBLAS's thread timeout)
+from hsgd.model.config import ModelConfig   # hsgd first, as in chapter 13 (OpenBLAS's thread timeout)
+from hsgd.model import serial
 
 import importlib.util
 import io
@@ -71,8 +72,8 @@ from threadpoolctl import threadpool_limits
 from hsgd.crosscheck.__main__ import check as crosscheck, copies_of, report
 from hsgd.crosscheck.read import load
 from hsgd.crosscheck.hsgd_dump import dump_one_step
-from hsgd.data import Corpus
-from hsgd.mutations import BUGS, injected
+from hsgd.model.data import Corpus
+from hsgd.check.mutations import BUGS, injected
 
 import pictures                                  # tutorials/pictures.py: where the PNGs go
 from checks import Checks, require_ranks, train_config   # tutorials/checks.py, shared by the chapters
@@ -175,7 +176,8 @@ for line in fmt["lines"]:
     say(line)
 say(f"{fmt['n_tensors']} tensors of the system hold hsgd's {fmt['n_params']} parameters; lm_head.weight's gradient "
     f"reassembled as {len(fmt['labels'])} replicas, from ranks {' and '.join(fmt['labels'])}")
-check.holds("the dump's parameters, mapped through layout.json = hsgd.serial.init_params(seed 0)", fmt["same_init"])
+check.holds("the dump's parameters, mapped through layout.json = hsgd.model.serial.init_params(seed 0)",
+            fmt["same_init"])
 check.holds("every tensor: from_reference(to_reference(x)) = x, and the other way round", fmt["round_trip"])
 check.holds(f"fused qkv rows hs..2hs (hs = {fmt['hs']}) = head 0 of k, transposed", fmt["k_head0"])
 check.holds("fused qkv rows 5hs..6hs = head 1 of v, transposed", fmt["v_head1"])
@@ -396,7 +398,7 @@ check.equal("vocab-padding: lm_head.weight's class", rows["lm_head.weight"]["cla
 # %% [markdown]
 # ## 5. Bugs on purpose in hsgd
 #
-# `hsgd.mutations.injected(bug, name)` switches on, for the length of a `with` block, one of the mistakes
+# `hsgd.check.mutations.injected(bug, name)` switches on, for the length of a `with` block, one of the mistakes
 # distributed training code is known to make, in hsgd itself. Four of them, each dumped on a layout where it shows
 # and crosschecked:
 
@@ -494,7 +496,7 @@ def draw():
     ax.text(len(names) - 0.5, 2e-10, "tolerance (float64)", fontsize=7, ha="right")
     ax.set_yscale("log")
     ax.set_xticks(range(len(names)), names, rotation=70, fontsize=6)
-    ax.set_ylabel("max rel. error vs hsgd.serial", fontsize=8)
+    ax.set_ylabel("max rel. error vs hsgd.model.serial", fontsize=8)
     handles = [ax.scatter([], [], color=c, label=k, s=18) for k, c in CLASS_COLORS.items()
                if k != "permutation"]
     handles += [ax.scatter([], [], color="k", marker="osD^v"[y], label=n.replace("torch_", ""), s=18)
@@ -557,8 +559,8 @@ say(f"\nchapter 18: all {len(check.passed)} checks passed on {world.Get_size()} 
 #
 # ### Exercise 1: a dump by hand
 # Write the dump of a one-rank "system" with gradient accumulation over 2 micro-batches (`parallel:
-# {"micro_batches": 2}`) whose wpe gradient is doubled: the parameters from `hsgd.serial.init_params`, a batch, the
-# exact gradients from `serial.loss_and_grads`, wpe's times 2, written with `write_layout` and `write_rank`. Check
+# {"micro_batches": 2}`) whose wpe gradient is doubled: the parameters from `hsgd.model.serial.init_params`, a batch,
+# the exact gradients from `serial.loss_and_grads`, wpe's times 2, written with `write_layout` and `write_rank`. Check
 # that the crosscheck fails on wpe alone and names the factor "= micro-batches".
 # (solution: `tutorials/solutions/18_checking_another_system.py`, `exercise_1`)
 #
@@ -569,7 +571,7 @@ say(f"\nchapter 18: all {len(check.passed)} checks passed on {world.Get_size()} 
 # (solution: `tutorials/solutions/18_checking_another_system.py`, `exercise_2`)
 #
 # ### Exercise 3: a factor of 2 is ambiguous on tp 2 x dp 2
-# With `hsgd.mutations.injected("zero-without-1/dp")`, dump hsgd on dp 2 x pp 2 x tp 2 with ZeRO 1 and check that
+# With `hsgd.check.mutations.injected("zero-without-1/dp")`, dump hsgd on dp 2 x pp 2 x tp 2 with ZeRO 1 and check that
 # the crosscheck names the factor 2 "dp or pp or tp"; then pick a layout of the 8 ranks that names it "dp" alone,
 # and check that.
 # (solution: `tutorials/solutions/18_checking_another_system.py`, `exercise_3`)

@@ -24,10 +24,10 @@
 #    layers actually perform; MFU, the FLOPs per second of a step over the machine's peak (estimated here from
 #    `/proc/cpuinfo`), and the same over the matmul rate this machine measurably reaches;
 # 2. where the time goes: every layer timed inside a real step, next to what its FLOPs would take at the matmul
-#    rate; why the tuned layers (`hsgd.kernels`) are written with `out=` and in place, where `hsgd.layers` writes
-#    the plain formulas;
+#    rate; why the tuned layers (`hsgd.model.kernels`) are written with `out=` and in place, where `hsgd.model.layers`
+#    writes the plain formulas;
 # 3. causal attention skipping the blocks the mask zeroes, checked against the plain dense attention of
-#    `hsgd.layers` in float64;
+#    `hsgd.model.layers` in float64;
 # 4. threads: NumPy releases the GIL, so hsgd splits rows over threads of its own (`threads.parallel_rows`), or
 #    splits the batch over them (`threads.parallel_batches`); the gradients change with the thread count only by
 #    rounding (the same terms, added in another order);
@@ -48,17 +48,18 @@
 # the same way, from machine to machine and from run to run; no check depends on one. The checks are about FLOPs,
 # bytes and values, which do not vary.
 #
-# Every layer exists twice with the same signature: `hsgd.layers`, the plain formulas (the reference, which
-# `hsgd.serial` runs by default), and `hsgd.kernels`, the tuned versions, which `hsgd.ops` hands to the models
-# (tests/test_kernels.py checks that both give the same numbers). This chapter is about the second: it runs the
-# serial model on them, `serial.loss_and_grads(..., ops=ops)`.
+# Every layer exists twice with the same signature: `hsgd.model.layers`, the plain formulas (the reference, which
+# `hsgd.model.serial` runs by default), and `hsgd.model.kernels`, the tuned versions, which `hsgd.model.ops` hands to
+# the models (tests/test_kernels.py checks that both give the same numbers). This chapter is about the second: it runs
+# the serial model on them, `serial.loss_and_grads(..., ops=ops)`.
 #
 # Legend: B batch, T sequence, C d_model, NH heads, hs = C/NH head size, F d_ff, V vocabulary, L layers,
 # N = B*T rows. A FLOP is one floating-point operation (a multiply-add is 2); GFLOP/s = 1e9 FLOPs per second;
 # MFU = model FLOPs utilization; ms = milliseconds.
 
 # %%
-import hsgd  # before NumPy: hsgd sets OPENBLAS_THREAD_TIMEOUT, which OpenBLAS reads only when it is loaded (section 4)
+# before NumPy: hsgd sets OPENBLAS_THREAD_TIMEOUT, which OpenBLAS reads only when it is loaded (section 4)
+from hsgd.model.config import ModelConfig
 
 import os
 import threading
@@ -70,10 +71,12 @@ import numpy as np
 from mpi4py import MPI
 from threadpoolctl import threadpool_info, threadpool_limits
 
-from hsgd import kernels, layers, memory, ops, serial, threads, tp_model
-from hsgd.threads import parallel_rows, set_cpu_threads, tune_allocator
-from hsgd.comm import Comm
-from hsgd.optim import SGD
+from hsgd.model import kernels, layers, ops, serial, threads
+from hsgd.accounting import activations
+from hsgd.tp import model as tp_model
+from hsgd.model.threads import parallel_rows, set_cpu_threads, tune_allocator
+from hsgd.grid.comm import Comm
+from hsgd.model.optim import SGD
 
 import pictures                         # tutorials/pictures.py: where the PNGs go
 from checks import Checks, rel_err      # tutorials/checks.py: the check every chapter uses
@@ -124,16 +127,16 @@ def best_and_median(f, repeats):
 #
 # The model of this section is `ModelConfig`'s default (what `hsgd.train` trains unless told otherwise) with
 # T = 128 instead of 64. Instead of trusting the
-# formula, count the products: wrap every layer function of `hsgd.ops` with a function that records its
+# formula, count the products: wrap every layer function of `hsgd.model.ops` with a function that records its
 # arguments, as a profiler would, hand the wrapped functions to the serial model (its `ops` argument), run one
 # step, and add up each call's matrix products from the shapes it was actually given. The same wrappers time each
 # call, for section 2.
 
 # %%
-cfg = hsgd.ModelConfig(vocab_size=256, seq_len=128, d_model=128, n_heads=4, n_layers=4, d_ff=512)
+cfg = ModelConfig(vocab_size=256, seq_len=128, d_model=128, n_heads=4, n_layers=4, d_ff=512)
 B = 8
 N, C, F, V, T = B * cfg.seq_len, cfg.d_model, cfg.d_ff, cfg.vocab_size, cfg.seq_len
-LAYER_FUNCTIONS = sorted(n for n in dir(ops) if n.endswith(("_forward", "_backward")))   # what hsgd.ops offers
+LAYER_FUNCTIONS = sorted(n for n in dir(ops) if n.endswith(("_forward", "_backward")))   # what hsgd.model.ops offers
 LINEAR = {"attn.q": "qkv", "attn.k": "qkv", "attn.v": "qkv", "attn.proj": "attn proj", "mlp.fc": "mlp fc",
           "mlp.proj": "mlp proj", "lm_head": "LM head"}                # a weight's name -> which product
 
@@ -163,8 +166,8 @@ def gemms(name, args):
 
 
 def profiled(calls):
-    """hsgd.ops' layer functions, each wrapped to append (name, kind, FLOPs, shapes, seconds) to `calls` when it is
-    called: an object with the same attributes as hsgd.ops, for the serial model's `ops` argument."""
+    """hsgd.model.ops' layer functions, each wrapped to append (name, kind, FLOPs, shapes, seconds) to `calls` when it
+    is called: an object with the same attributes as hsgd.model.ops, for the serial model's `ops` argument."""
     def wrapped(name, fn):
         def timed(*args, **kwargs):
             t0 = time.perf_counter()
@@ -365,8 +368,8 @@ print(f"picture: {pictures.save(fig, 'A_step_time_by_layer')}")
 # few operations per element. Their speed is set by how many times the array passes between memory and the cores,
 # and by the cost of `tanh` and `exp` per element. NumPy makes this worse by default: every operator in an
 # expression like `0.5 * x * (1 + np.tanh(c * (x + 0.044715 * x**3)))` allocates a fresh (N, F) temporary and
-# passes over it. That is how `hsgd.layers` writes them, to be read. `hsgd.kernels` writes the same layers as
-# sequences of ufuncs with `out=` into preallocated arrays, updates in place (`a *= r`), takes row sums with
+# passes over it. That is how `hsgd.model.layers` writes them, to be read. `hsgd.model.kernels` writes the same layers
+# as sequences of ufuncs with `out=` into preallocated arrays, updates in place (`a *= r`), takes row sums with
 # `einsum` (no temporary for `x * x` before the sum), and cuts GELU's rows into pieces of `kernels.PIECE` elements
 # so that its temporaries stay in the CPU's cache. On top of that it splits the rows over threads (section 4). The
 # same arithmetic, written both ways, on one (N, F) array four times the size of this model's: GELU with its
@@ -426,8 +429,8 @@ check("work left by the blocks - (nb + 1) / (2 nb), summed over T", float(frac_e
 
 # %% [markdown]
 # That is the arithmetic; the products attention actually makes can be counted too. Its products all go through
-# `kernels._matmul_into`, so wrapping that one function (inside `hsgd.kernels`, for one forward and backward) gives
-# the FLOPs performed, to compare with the dense count. The pieces run on several threads (section 4), so the
+# `kernels._matmul_into`, so wrapping that one function (inside `hsgd.model.kernels`, for one forward and backward)
+# gives the FLOPs performed, to compare with the dense count. The pieces run on several threads (section 4), so the
 # wrapper appends to a list, which is safe across threads.
 
 # %%
@@ -456,7 +459,7 @@ check("attention FLOPs performed / dense - (nb + 1) / (2 nb)",
       float(abs(Fraction(sum(performed), dense) - Fraction(nb + 1, 2 * nb))), 0)
 
 # %% [markdown]
-# Skipping work must not change the result. The reference is the plain attention of `hsgd.layers`: dense, with the
+# Skipping work must not change the result. The reference is the plain attention of `hsgd.model.layers`: dense, with the
 # mask applied to the whole score matrix, and the backward of chapter 1:
 # $dv = P^\top dy$, $dP = dy\, v^\top$, $dS = P \odot (dP - \text{rowsum}(dP \odot P))$, $dq = dS\, k/\sqrt{hs}$,
 # $dk = dS^\top q/\sqrt{hs}$. Both caches hold the whole probability matrix P (index 3), the kernel's with exact
@@ -515,7 +518,7 @@ for Bt, Tt in ((B, T), (B, 512)):
 # `threads.parallel_rows(fn, n_rows)` does that: it cuts `range(n_rows)` into `cpu_threads()` contiguous pieces,
 # hands all but the last to a pool of threads, runs the last itself on the calling thread (one hand-off fewer, and
 # the caller would only wait otherwise), and returns when every piece is done. `fn(lo, hi)` writes its rows into
-# arrays allocated before, so the pieces never touch the same memory. It runs everything inline when there is one
+# arrays allocated before, so the pieces never touch the same activations. It runs everything inline when there is one
 # thread or too few rows to be worth a hand-off (`min_rows`). Here it is on 10 rows with 3 threads:
 
 # %%
@@ -552,7 +555,7 @@ check.holds("parallel_rows: the last piece ran on the calling thread", pieces[-1
 # ran each layer's pieces.
 
 # %%
-cfg4 = hsgd.ModelConfig(vocab_size=256, seq_len=128, d_model=64, n_heads=4, n_layers=2, d_ff=256)
+cfg4 = ModelConfig(vocab_size=256, seq_len=128, d_model=64, n_heads=4, n_layers=2, d_ff=256)
 B4 = 64                                                                # N = 8192 rows: every layer splits
 p64 = serial.init_params(cfg4, seed=1, dtype="float64")
 idx4, targets4 = rng.integers(0, 256, (B4, 128)), rng.integers(0, 256, (B4, 128))
@@ -593,7 +596,7 @@ check.equal("layers that ran on fewer than 2 threads with set_cpu_threads(2)",
 # sleep (`OPENBLAS_THREAD_TIMEOUT`; by default $2^{28}$ cycles, about a tenth of a second at 3 GHz). For a program that
 # only multiplies matrices that saves a wake-up. In hsgd, between two products come LayerNorm, GELU and attention's
 # pieces on `parallel_rows`' threads, and a spinning BLAS thread takes a core from them. `import hsgd` therefore
-# imports `hsgd.threads` before anything else, which sets `OPENBLAS_THREAD_TIMEOUT=4` ($2^4$ cycles: sleep almost
+# imports `hsgd.model.threads` before anything else, which sets `OPENBLAS_THREAD_TIMEOUT=4` ($2^4$ cycles: sleep almost
 # at once) in the environment, unless it is set already. OpenBLAS reads the variable once, when it is loaded, and it
 # is loaded when NumPy is first imported: a program that imports NumPy first has started OpenBLAS with the default,
 # and setting the variable afterwards changes nothing. Hence this chapter's first line, and those of `benchmarks/`
@@ -666,34 +669,34 @@ if THREADS > 1:
 # multiplication.
 # (With GPT-2's F = 4C, the (N, F) arrays are the largest a block caches, after the attention probabilities.)
 #
-# Chapter 6 counted a block's cached bytes (`memory.activation_bytes`: the distinct arrays in the cache,
-# parameters excluded) against `memory.activation_formula`, whose block term has $2NF$ elements for the MLP:
+# Chapter 6 counted a block's cached bytes (`activations.activation_bytes`: the distinct arrays in the cache,
+# parameters excluded) against `activations.activation_formula`, whose block term has $2NF$ elements for the MLP:
 # GELU's derivative and GELU's output (the input of the MLP projection). Here with tp = 1, the Megatron scheme of
-# `hsgd.tp_model` (which runs the kernels, from `hsgd.ops`), on a one-rank communicator (MPI's `COMM_SELF`: no
-# second process; `hsgd.comm.Comm` skips MPI on one rank), in float64:
+# `hsgd.tp.model` (which runs the kernels, from `hsgd.model.ops`), on a one-rank communicator (MPI's `COMM_SELF`: no
+# second process; `hsgd.grid.comm.Comm` skips MPI on one rank), in float64:
 
 # %%
-cfg5 = hsgd.ModelConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=2, d_ff=128)
+cfg5 = ModelConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=2, d_ff=128)
 B5, itemsize = 3, 8
 comm = Comm(MPI.COMM_SELF, "tp")                                       # tp = 1
 local = tp_model.init_params(cfg5, comm, seed=0, dtype="float64")
 idx5, targets5 = rng.integers(0, 64, (B5, 16)), rng.integers(0, 64, (B5, 16))
 _, caches = tp_model.forward(local, idx5, targets5, cfg5, comm, "megatron")
 block = caches.blocks[0][1]                                                # block 0's cache
-formula = memory.activation_formula(cfg5, B5, itemsize, 1, "megatron")
+formula = activations.activation_formula(cfg5, B5, itemsize, 1, "megatron")
 N5 = B5 * cfg5.seq_len
 names = ("ln1", "qkv in", "attention", "attn proj", "ln2", "fc in", "gelu", "mlp proj")
 print("block 0's cache, entry by entry (an array two entries share is counted in both lines, once in the sum; "
       "the weights are not in it: the backward takes them from the parameters again):")
 for name, entry in zip(names, block):
-    print(f"  {name:<10} {memory.activation_bytes(entry, local):>8,} bytes")
-measured_block = memory.activation_bytes(block, local)
+    print(f"  {name:<10} {activations.activation_bytes(entry, local):>8,} bytes")
+measured_block = activations.activation_bytes(block, local)
 print(f"  {'block':<10} {measured_block:>8,} bytes; activation_formula {formula['block']:,}")
 check("block 0's cached bytes - activation_formula (megatron, tp = 1)", abs(measured_block - formula["block"]), 0)
-check("whole forward's cached bytes - activation_formula", abs(memory.activation_bytes(caches, local)
+check("whole forward's cached bytes - activation_formula", abs(activations.activation_bytes(caches, local)
                                                                - formula["model"]), 0)
 check("GELU's cache - one (N, F) array, in bytes",
-      abs(memory.activation_bytes(block[names.index("gelu")], local) - N5 * cfg5.d_ff * itemsize), 0)
+      abs(activations.activation_bytes(block[names.index("gelu")], local) - N5 * cfg5.d_ff * itemsize), 0)
 print(f"caching GELU's input and tanh instead would hold {N5 * cfg5.d_ff * itemsize:,} bytes more per block: "
       f"{N5 * cfg5.d_ff * itemsize / formula['block']:.0%} of this block's cache")
 
@@ -703,10 +706,10 @@ print(f"caching GELU's input and tanh instead would hold {N5 * cfg5.d_ff * items
 # entries shared would appear in both bars and once in the block's total, which is the formula's.
 
 # %%
-entry_bytes = [memory.activation_bytes(entry, local) for entry in block]
+entry_bytes = [activations.activation_bytes(entry, local) for entry in block]
 fig, ax = pictures.figure(7, 3.6)
 y = np.arange(len(names))[::-1]
-ax.barh(y, entry_bytes, color=pictures.COLORS["tp"], label="cached (memory.activation_bytes)")
+ax.barh(y, entry_bytes, color=pictures.COLORS["tp"], label="cached (activations.activation_bytes)")
 ax.barh(y[names.index("gelu")], N5 * cfg5.d_ff * itemsize, left=entry_bytes[names.index("gelu")], color="white",
         edgecolor=pictures.COLORS["dp"], hatch="//", label="one (N, F) array more: caching x and tanh")
 for yy, b in zip(y, entry_bytes):
@@ -790,9 +793,9 @@ print(f"appendix A: all {len(check.errors)} checks passed; largest error {err:.1
 # | hsgd | Megatron-LM | DeepSpeed | PyTorch | where hsgd differs, on purpose |
 # |---|---|---|---|---|
 # | `ModelConfig.step_flops(B)`: the model FLOPs of a step from its shape, matrix products only, full T x T attention | `num_floating_point_operations(args, batch_size)` (megatron/training/training.py), the same kind of count by formula | `FlopsProfiler.get_total_flops()` (deepspeed/profiling/flops_profiler/profiler.py): counted per module as a step runs, not from a formula | `torch.utils.flop_counter.FlopCounterMode`: counts the FLOPs of the matmul-like operators as they run (`get_total_flops()`) | a formula checked exactly against the products the layers perform (section 1), so neither can drift |
-# | section 1's wrappers on `hsgd.ops`: every layer call timed and its products counted, inside a real step | `--log-timers-to-tensorboard`, the timers around the step's phases | `FlopsProfiler` / `get_model_profile` (deepspeed/profiling/flops_profiler/profiler.py), the `"flops_profiler"` config section: FLOPs, time and parameters per module | `torch.profiler.profile(with_flops=True)` and `key_averages()`: time per operator, FLOPs for matmuls and convolutions | twenty lines of Python around the layer functions: the reader sees what is measured |
+# | section 1's wrappers on `hsgd.model.ops`: every layer call timed and its products counted, inside a real step | `--log-timers-to-tensorboard`, the timers around the step's phases | `FlopsProfiler` / `get_model_profile` (deepspeed/profiling/flops_profiler/profiler.py), the `"flops_profiler"` config section: FLOPs, time and parameters per module | `torch.profiler.profile(with_flops=True)` and `key_averages()`: time per operator, FLOPs for matmuls and convolutions | twenty lines of Python around the layer functions: the reader sees what is measured |
 # | MFU over the peak estimated from `/proc/cpuinfo`, and over the measured matmul rate | `--log-throughput`: "throughput per GPU (TFLOP/s/GPU)" per iteration; MFU is that over the GPU's data-sheet peak, done by the reader; `gpu_sniff_test.py` measures GEMM TFLOP/s per GPU | the flops profiler prints FLOP/s per module | none built in: FLOPs from `FlopCounterMode` over time, over a peak the user supplies | a CPU's peak is not on a data sheet one can trust for a VM, so both denominators, and how the peak was estimated |
-# | `memory.activation_bytes` / `activation_formula`: the cached bytes counted and predicted (chapter 6) | `report_theoretical_memory` (megatron/training/theoretical_memory_usage.py) by formula; `report_memory` (megatron/training/utils/common_utils.py) from the allocator | `see_memory_usage` (deepspeed/runtime/utils.py); `estimate_zero2_model_states_mem_needs_all_live` (deepspeed/runtime/zero/stage_1_and_2.py) | `torch.cuda.max_memory_allocated()`; `torch.profiler.profile(profile_memory=True)` | counted array by array in the caches, so the formula is checked exactly, not against an allocator's rounding |
+# | `activations.activation_bytes` / `activation_formula`: the cached bytes counted and predicted (chapter 6) | `report_theoretical_memory` (megatron/training/theoretical_memory_usage.py) by formula; `report_memory` (megatron/training/utils/common_utils.py) from the allocator | `see_memory_usage` (deepspeed/runtime/utils.py); `estimate_zero2_model_states_mem_needs_all_live` (deepspeed/runtime/zero/stage_1_and_2.py) | `torch.cuda.max_memory_allocated()`; `torch.profiler.profile(profile_memory=True)` | counted array by array in the caches, so the formula is checked exactly, not against an allocator's rounding |
 # | `make bench`: hsgd against PyTorch eager on one CPU, alternating blocks, medians and bests (section 6) | - | - | `torch.utils.benchmark.Timer` | - |
 #
 # ## Exercises
@@ -804,7 +807,7 @@ print(f"appendix A: all {len(check.errors)} checks passed; largest error {err:.1
 # weight matrices that multiply (the blocks' and the LM head's; not the embedding tables, whose lookups are no
 # products, nor biases and LayerNorms). Check both against `ModelConfig.step_flops` for a few shapes, and against
 # the products a float64 step of a small model actually performs, counted by wrapping the layer functions of
-# `hsgd.ops` as section 1 does.
+# `hsgd.model.ops` as section 1 does.
 # (solution: `tutorials/solutions/A_where_the_time_goes.py`, `exercise_1`)
 #
 # ### Exercise 2: a CPU's peak, and MFU with two denominators

@@ -23,7 +23,7 @@ from fractions import Fraction
 
 import numpy as np
 
-from hsgd.settings import TrainConfig
+from hsgd.run.settings import TrainConfig
 
 FLOOR = 1e-6        # rel_err's absolute floor, for arrays that are (nearly) zero (chapter 6 explains why)
 

@@ -84,7 +84,7 @@ def on_rank0(comm, work, share=False):
 
 
 def grid(dp, pp, tp, name, title=None, hosts=None):
-    """Draw the dp x pp x tp grid of hsgd.grid.ProcessGrid and save it as `name`; return the path.
+    """Draw the dp x pp x tp grid of hsgd.grid.process_grid.ProcessGrid and save it as `name`; return the path.
 
     Ranks are numbered tp fastest, then pp, then dp: rank = (dp_rank * pp + pp_rank) * tp + tp_rank. Each box is a
     rank; replica d is a column of pp x tp boxes (stage p one row, its tp ranks side by side). A blue bar joins the

@@ -2,7 +2,7 @@
 against hsgd's serial reference in float64, and name the kind of bug each wrong gradient shows.
 
     1. read and check the dump (hsgd.crosscheck.read; exit 2 with one line when it does not fit together)
-    2. the reference: hsgd.serial.loss_and_grads in float64 on the dump's parameters and batch
+    2. the reference: hsgd.model.serial.loss_and_grads in float64 on the dump's parameters and batch
     3. every tensor's gradient reassembled from its shards, one copy per replica, and mapped to the reference's
        parameters (a transpose, a fused q|k|v cut apart)
     4. per parameter hsgd.verify's table: the largest error of any copy, relative to the reference's largest
@@ -13,7 +13,7 @@ against hsgd's serial reference in float64, and name the kind of bug each wrong 
 
 Tolerances by the dump's dtype: float64 loss 1e-10 and gradients 1e-10 (hsgd.verify's, the loss a little wider
 since another system sums in another order); float32 1e-6 and 1e-4; bfloat16 and float16 the rounding band of the
-tolerance oracle (hsgd.oracle): the serial model run in float64 with every rounding of the format at hsgd's
+tolerance oracle (hsgd.check.oracle): the serial model run in float64 with every rounding of the format at hsgd's
 rounding points replaced by a random error as large as a rounding's, --draws times; the band of a parameter is
 4 x the rms spread of the draws + 4 sqrt(B T) u_float32, in the oracle's Frobenius-relative distance. That band
 models hsgd's rounding points, not the other system's: a system that rounds more often than hsgd does can exceed
@@ -28,10 +28,10 @@ import sys
 
 import numpy as np
 
-from .. import serial
-from ..errors import EXIT_USAGE, UsageError
-from ..precision import LOW, unit_roundoff
-from ..preflight import writable_file
+from hsgd.model import serial
+from hsgd.errors import EXIT_USAGE, UsageError
+from hsgd.model.precision import LOW, unit_roundoff
+from hsgd.run.preflight import writable_file
 from .classify import classify, factor_names
 from .read import load
 
@@ -130,14 +130,15 @@ def shard_blocks(t):
 
 def rounding_band(dump, params, loss0, grads0, draws):
     """{name: band, "loss": band}: the tolerance oracle's band for the dump's low-precision dtype (see the module
-    docstring), from `draws` runs of hsgd's one-rank model in float64 through hsgd.oracle.Perturbed. The gradients'
-    distances are relative to max(||R||, 1e-3 max ||R_Q||) over the gradients alone, as the errors they bound."""
+    docstring), from `draws` runs of hsgd's one-rank model in float64 through hsgd.check.oracle.Perturbed. The
+    gradients' distances are relative to max(||R||, 1e-3 max ||R_Q||) over the gradients alone, as the errors they
+    bound."""
     from mpi4py import MPI
 
-    from ..grid import ProcessGrid
-    from ..hybrid import HybridTrainer
-    from ..oracle import Perturbed, spread
-    from ..settings import TrainConfig
+    from hsgd.grid.process_grid import ProcessGrid
+    from hsgd.step.trainer import HybridTrainer
+    from hsgd.check.oracle import Perturbed, spread
+    from hsgd.run.settings import TrainConfig
     B = dump.idx.shape[0]
     tc = TrainConfig(dp=1, tp=1, pp=1, cp=1, batch_size=B, dtype="float64", micro_batches=1)
     runs = []
@@ -225,7 +226,7 @@ def report(dump, ok, loss_row, rows, out=None):
     p = dump.parallel
     print(f"{dump.ranks} ranks: dp {p['dp']} x pp {p['pp']} x cp {p['cp']} x tp {p['tp']}, {p['micro_batches']} "
           f"micro-batch(es) | {dump.dtype} | batch {dump.idx.shape[0]} x {dump.idx.shape[1]} | reference: "
-          f"hsgd.serial in float64", file=out)
+          f"hsgd.model.serial in float64", file=out)
     flag = "" if loss_row["ok"] else "   <- over tolerance"
     print(f"loss: system {loss_row['system']:.12g}  reference {loss_row['reference']:.12g}  rel err "
           f"{loss_row['error']:.1e} (tolerance {loss_row['tolerance']:.1e}){flag}", file=out)
@@ -271,7 +272,7 @@ def main(argv=None):
         if args.draws < 2:
             raise UsageError(f"--draws {args.draws}: the band needs at least 2 draws of the error model")
         if args.json:
-            writable_file(args.json, "--json", UsageError)        # before any work (hsgd.preflight)
+            writable_file(args.json, "--json", UsageError)        # before any work (hsgd.run.preflight)
         dump = load(args.dump)
         ok, loss_row, rows = check(dump, args.draws)
     except UsageError as e:

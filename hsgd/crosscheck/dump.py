@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..config import ModelConfig
-from ..errors import UsageError
+from hsgd.model.config import ModelConfig
+from hsgd.errors import UsageError
 
 FORMAT, VERSION = "hsgd-crosscheck", 1
 DTYPES = ("float64", "float32", "bfloat16", "float16")
@@ -131,7 +131,7 @@ class Dump:
     grads: list           # [{key: array}] per rank
 
     def reference_params(self):
-        """{reference name: float64 array}: the parameters before the step, as hsgd.serial names them."""
+        """{reference name: float64 array}: the parameters before the step, as hsgd.model.serial names them."""
         out = {}
         for t in self.tensors.values():
             for name, a in t.to_reference(self.params[t.name].astype(np.float64)).items():

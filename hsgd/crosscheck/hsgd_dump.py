@@ -13,13 +13,14 @@ replicas, a pipeline stage its own layers. The run goes on unchanged after the d
 """
 import numpy as np
 
-from .. import launch, tp_model
-from ..grid import ProcessGrid
-from ..hybrid import HybridTrainer
-from ..backend import to_numpy
-from ..errors import ConfigError
-from ..tp_layers import vocab_range
-from ..watch import StepWatcher
+from hsgd.grid import launch
+from hsgd.tp import model as tp_model
+from hsgd.grid.process_grid import ProcessGrid
+from hsgd.step.trainer import HybridTrainer
+from hsgd.model.backend import to_numpy
+from hsgd.errors import ConfigError
+from hsgd.tp.layers import vocab_range
+from hsgd.run.watchers import StepWatcher
 from .write import shard_entry, write_layout, write_rank
 
 

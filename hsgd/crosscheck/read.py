@@ -10,8 +10,8 @@ import zipfile
 
 import numpy as np
 
-from ..config import ModelConfig
-from ..errors import ConfigError
+from hsgd.model.config import ModelConfig
+from hsgd.errors import ConfigError
 from .dump import (DTYPES, FORMAT, MODEL_KEYS, PARALLEL, VERSION, Dump, DumpError, Shard, Tensor,
                    grads_file)
 
@@ -193,7 +193,7 @@ def _tensor(name, e, cfg, ranks):
     parts, axis, interleave, group = _fused(e.get("fused"), name, where, cfg.d_model // cfg.n_heads)
     for p in parts:
         if p not in ref_shapes:
-            raise DumpError(f"{where}: {p!r} is not a parameter of the model (names as in hsgd.serial, e.g. "
+            raise DumpError(f"{where}: {p!r} is not a parameter of the model (names as in hsgd.model.serial, e.g. "
                             f"h.0.attn.q.weight); without \"fused\" a tensor's name is the parameter's")
     transposed = e.get("transposed", False)
     if not isinstance(transposed, bool):

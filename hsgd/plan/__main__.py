@@ -18,9 +18,9 @@ import json
 import re
 import sys
 
-from ..config import ModelConfig
-from ..errors import EXIT_USAGE, ConfigError, UsageError
-from ..preflight import writable_file
+from hsgd.model.config import ModelConfig
+from hsgd.errors import EXIT_USAGE, ConfigError, UsageError
+from hsgd.run.preflight import writable_file
 from .hardware import HardwareError, load, names
 from .paper import table1
 from .search import SCHEDULES, rank_key, rate_of, search
@@ -137,7 +137,7 @@ def build_parser():
     g.add_argument("--virtual", type=int_list("--virtual"), help="chunks per stage for interleaved (default 2)")
     g.add_argument("--overlap", action="store_true", help="also try --dp-overlap (bucketed, during the backward)")
     g.add_argument("--hierarchical", action="store_true",
-                   help="also try the hierarchical exchange (within the node, then across: hsgd.hier)")
+                   help="also try the hierarchical exchange (within the node, then across: hsgd.dp.hierarchical)")
     o = ap.add_argument_group("output")
     o.add_argument("--top", type=positive("--top"), default=5, help="how many layouts to print (default 5)")
     o.add_argument("--explain", action="store_true", help="every term of the printed layouts as its formula")

@@ -52,8 +52,8 @@ import numpy as np
 from mpi4py import MPI
 from threadpoolctl import threadpool_limits
 
-from ..errors import UsageError
-from ..preflight import writable_file
+from hsgd.errors import UsageError
+from hsgd.run.preflight import writable_file
 from .hardware import OPS, Hardware, HardwareError, Link, to_toml
 
 TINY_ALPHA = 1e-9               # s: the smallest alpha written (a fit may come out negative from noise)
@@ -194,10 +194,10 @@ def agree(world, error):
 
 
 def optimizer_cost(world, name, n, trials):
-    """Seconds per element of one hsgd.optim step of `name` ("sgd" with momentum 0.9, "adamw") on a flat float32
+    """Seconds per element of one hsgd.model.optim step of `name` ("sgd" with momentum 0.9, "adamw") on a flat float32
     array of n elements with a weight-decay mask, as the trainer steps its `master`, every rank stepping at once
     (the slowest rank, the median over trials)."""
-    from ..optim import make_optimizer
+    from hsgd.model.optim import make_optimizer
     rng = np.random.default_rng(world.Get_rank())
     p, g = rng.standard_normal((2, n)).astype(np.float32)
     decay = {"flat": np.ones(n, np.float32)}
@@ -212,7 +212,7 @@ BLOCK = dict(vocab_size=64, seq_len=48, d_model=96, n_heads=6, d_ff=384)
 
 def block_cost(world, rate, bandwidth, trials, batches=(1, 2, 4, 8)):
     """(elementwise_passes, block_overhead) of this machine: the forward and backward of one Transformer block on
-    one rank (hsgd.tp_model on a 1-rank communicator, float32; BLOCK's shape), every rank at once. A block's time
+    one rank (hsgd.tp.model on a 1-rank communicator, float32; BLOCK's shape), every rank at once. A block's time
     is half of a 3-block model's step less a 1-block model's (the embedding and the head cancel); less its matmul
     FLOPs at the measured rate (hsgd.plan.costs.micro_batch_flops), what is left is fitted, over b sequences, to
 
@@ -220,10 +220,10 @@ def block_cost(world, rate, bandwidth, trials, batches=(1, 2, 4, 8)):
 
     6 A(b) / bandwidth being the planner's elementwise term of a block's forward (2) and backward (4): `passes`
     scales it, and `overhead` is a fixed cost per block and micro-batch (Python, small arrays, the calls)."""
-    from ..comm import Comm
-    from ..config import ModelConfig
-    from ..data import Corpus
-    from .. import tp_model
+    from hsgd.grid.comm import Comm
+    from hsgd.model.config import ModelConfig
+    from hsgd.model.data import Corpus
+    from hsgd.tp import model as tp_model
     from .costs import micro_batch_flops
     from .paper import activation_bytes
     comm = Comm(MPI.COMM_SELF, "tp")
@@ -249,14 +249,14 @@ def file_notes(size, quick, sizes, reps):
     """The comment lines at the top of the written file: what each number is and how it was measured."""
     return [f"Measured by hsgd.plan.calibrate ({'quick' if quick else 'full'}): {size} ranks, one BLAS thread each.",
             "[peak_flops], [measured_matmul]: FLOP/s per rank of a 256 x 256 matmul with all ranks multiplying",
-            "at once (the min over ranks); bfloat16 and float16 are emulated on float32 arrays (hsgd.precision),",
+            "at once (the min over ranks); bfloat16 and float16 are emulated on float32 arrays (hsgd.model.precision),",
             "so their matmuls run at the float32 rate. A CPU has no datasheet peak here: the measured rate is it.",
             f"memory_bandwidth: bytes/s per rank of c[:] = a + b on float64 arrays of {STREAM_BYTES >> 20} MiB",
             "(3 x the array's bytes per pass), all ranks adding at once; the median over trials, slowest rank.",
-            "elementwise_passes, block_overhead: one Transformer block's forward and backward (hsgd.tp_model,",
+            "elementwise_passes, block_overhead: one Transformer block's forward and backward (hsgd.tp.model,",
             "float32, C = 96, T = 48) less its matmuls at the measured rate, fitted over b = 1, 2, 4, 8 sequences",
             "to block_overhead + elementwise_passes x 6 x (its stored activation bytes) / memory_bandwidth.",
-            "[measured_optimizer]: seconds per element of one hsgd.optim step on a flat float32 array.",
+            "[measured_optimizer]: seconds per element of one hsgd.model.optim step on a flat float32 array.",
             "[measured.OP.p]: t(n bytes) = alpha + beta * n seconds, fitted to the median time (max over ranks)",
             f"of {len(sizes)} float64 sizes from {sizes[0]} B to {sizes[-1]} B, {reps} repetitions each,",
             f"{size} // p groups of p consecutive ranks calling at once; n as",

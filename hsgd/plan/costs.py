@@ -1,5 +1,5 @@
 """The time of one training step, predicted: compute from the FLOPs, communication from the alpha-beta cost of each
-collective on the link it crosses, and the pipeline from the schedule simulator (hsgd.schedules).
+collective on the link it crosses, and the pipeline from the schedule simulator (hsgd.pp.schedules).
 
 Legend: B global batch, b micro-batch (sequences), m = B / (dp b) micro-batches, T sequence, C d_model, F d_ff,
 V vocabulary, NH heads, L layers; dp, pp, cp, tp the grid, v chunks per stage; n bytes, p ranks in a group;
@@ -19,14 +19,14 @@ Every function returns seconds; with `why` (a list) it appends ("term", "formula
        a message       alpha + n beta   (Recv, Irecv: the receiver waits for it; Isend does not block)
    A tuned MPI picks per size; the model takes the cheapest of the algorithms above. A hardware file measured
    by --calibrate has its own alpha and beta per collective and group size, used in place of these.
-2. Links. Ranks are placed as hsgd.grid places them (tp fastest, then cp, pp, dp), devices_per_node to a node. A
-   group whose ranks span k consecutive ranks is inside a node when k divides devices_per_node: tp spans tp, cp spans
-   cp tp, pp spans pp cp tp, dp (dp x cp ranks) the whole world; the hierarchical exchange's node part spans its
-   ranks_per_node dp ranks. Otherwise the group crosses the network, whose per-device link is the bottleneck of a
+2. Links. Ranks are placed as hsgd.grid.process_grid places them (tp fastest, then cp, pp, dp), devices_per_node to
+   a node. A group whose ranks span k consecutive ranks is inside a node when k divides devices_per_node: tp spans tp,
+   cp spans cp tp, pp spans pp cp tp, dp (dp x cp ranks) the whole world; the hierarchical exchange's node part spans
+   its ranks_per_node dp ranks. Otherwise the group crosses the network, whose per-device link is the bottleneck of a
    ring.
 3. Compute: matmul FLOPs at the rate hw.rate(dtype) (peak x efficiency, or what --calibrate measured). Per
    micro-batch on one rank of a stage, N = b T/cp rows: forward 2 N (4C^2 + 2CF)/tp per block, the attention's
-   4 S C/tp with S its query-key scores per sequence (T^2 without cp, hsgd.cp.attention_blocks with it), the
+   4 S C/tp with S its query-key scores per sequence (T^2 without cp, hsgd.cp.split.attention_blocks with it), the
    head's 2 N C V/tp. Backward: input gradients as much as the forward plus the attention's again, weight
    gradients as much as the linears' forward (B + W = 2 F). --recompute full adds the blocks' forward to B,
    selective the attention's.
@@ -39,7 +39,7 @@ Every function returns seconds; with `why` (a list) it appends ("term", "formula
    The optimizer: its state's elements x the seconds per element --calibrate measured, or the bytes it moves per
    element at the memory bandwidth (a fused mixed-precision Adam: 28; hsgd's: 7 or 3 elements for AdamW or SGD).
 4. The pipeline: every stage at the slowest stage's F, B, W costs (compute, its exposed tp, cp and ZeRO-3 gathers,
-   and a received message per action), through hsgd.schedules.simulate: its makespan holds the bubble. While
+   and a received message per action), through hsgd.pp.schedules.simulate: its makespan holds the bubble. While
    searching (simulated=False), gpipe, 1f1b and interleaved use the closed form the simulation equals for such
    stages; the layouts printed are priced again with the simulator.
 5. The data-parallel exchange: after the pipeline, unless it overlaps (--dp-overlap: one bucket per group during
@@ -53,9 +53,9 @@ import math
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from ..cp import attention_blocks
-from ..schedules import build, effective, simulate
-from ..tp_schemes import make_scheme
+from hsgd.cp.split import attention_blocks
+from hsgd.pp.schedules import build, effective, simulate
+from hsgd.tp.schemes import make_scheme
 from .paper import activation_bytes
 
 BLOCKING = {"Allreduce", "Reduce_scatter_block", "Allgather", "Recv", "Irecv", "Iallreduce",
@@ -156,7 +156,7 @@ def micro_batch_flops(cfg, b, tp, cp, n_blocks, last, recompute, why=None):
 # ---------------------------------------------------------------------------------------------- 4. the pipeline
 @lru_cache(maxsize=4096)
 def makespan(kind, m, p, v, f, b, w, simulated=True):
-    """Seconds from the first forward to the last backward of hsgd.schedules' `kind` with per-chunk costs (f, b, w)
+    """Seconds from the first forward to the last backward of hsgd.pp.schedules' `kind` with per-chunk costs (f, b, w)
     on every stage: the simulator of Step 13 (fused backward b + w for every kind but zb-h1). simulated=False:
     gpipe, 1f1b and interleaved take their closed form, which equals the simulation exactly when every stage
     costs the same (tests/test_plan.py):  (m v + p - 1)(f + b + w). zb-h1 is always simulated, in integer units

@@ -38,8 +38,8 @@ import math
 import os
 from dataclasses import dataclass, field
 
-from ..config_file import load_toml, tomllib  # noqa: F401  (tomllib: for tests that parse the shipped files)
-from ..errors import UsageError
+from hsgd.run.config_file import load_toml, tomllib  # noqa: F401  (tomllib: for tests that parse the shipped files)
+from hsgd.errors import UsageError
 
 HW_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hw")   # the shipped files
 DTYPES = ("float64", "float32", "bfloat16", "float16")

@@ -1,13 +1,14 @@
 """A layout that is only planned: what one rank of it holds and sends in a training step of hsgd, from the sizes
 alone (no array is made, no message sent), so that runs far larger than this machine can be costed.
 
-hsgd.train reports, for the layout it runs, bytes per communicator (hsgd.report.step_formula) and memory per
-category (hsgd.step_memory.step_formula), each equal to what it measures. Both are functions of sizes
-(hsgd.report.rank_bytes, hsgd.step_memory.rank_formula), given a stage (its blocks, whether it holds the
-embedding or the head, its schedule) and an exchange (hsgd.exchange.sized_exchange). This module makes those two
+hsgd.train reports, for the layout it runs, bytes per communicator (hsgd.run.report.step_formula) and memory per
+category (hsgd.accounting.step_memory.step_formula), each equal to what it measures. Both are functions of sizes
+(hsgd.run.report.rank_bytes, hsgd.accounting.step_memory.rank_formula), given a stage (its blocks, whether it holds the
+embedding or the head, its schedule) and an exchange (hsgd.dp.exchange.sized_exchange). This module makes those two
 from the settings, for rank (pp stage s; every dp, cp and tp rank of a stage holds and sends the same):
 
-    stage s     PlannedStage: hsgd.pp.stage_chunks's blocks, hsgd.schedules.build's actions (as hsgd.stage.Stage)
+    stage s     PlannedStage: hsgd.pp.chunks.stage_chunks's blocks, hsgd.pp.schedules.build's actions (as
+                hsgd.pp.stage.Stage)
     exchange    sized_exchange(tc, {group: elements of stage s's tp shards}, itemsize, dp x cp)
     bytes       rank_bytes(cfg, tc, dp, tp, cp, stage, exchange)
     memory      rank_formula(cfg, tc, dp, tp, cp, stage, exchange, ...)   (gpipe and 1f1b: one chunk per stage)
@@ -17,25 +18,25 @@ tests/mpi/test_plan_layout.py holds them equal to the trainer's for every factor
 from functools import lru_cache
 from types import SimpleNamespace
 
-from ..cp import make_split
-from ..exchange import sized_exchange
-from ..pp import parse_split, stage_chunks, stage_names
-from ..report import rank_bytes
-from ..schedules import build, effective
-from ..step_memory import rank_formula
-from ..tp_shards import shard_numel
+from hsgd.cp.split import make_split
+from hsgd.dp.exchange import sized_exchange
+from hsgd.pp.chunks import parse_split, stage_chunks, stage_names
+from hsgd.run.report import rank_bytes
+from hsgd.pp.schedules import build, effective
+from hsgd.accounting.step_memory import rank_formula
+from hsgd.tp.shards import shard_numel
 
 ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 4, "float16": 4}    # hsgd emulates the narrow formats in float32
 
 
 @lru_cache(maxsize=8)
 def all_actions(kind, m, p, v):
-    """hsgd.schedules.build's actions of every stage, kept for the planner's next stage of the same pipeline."""
+    """hsgd.pp.schedules.build's actions of every stage, kept for the planner's next stage of the same pipeline."""
     return build(kind, m, p, v)
 
 
 class PlannedStage:
-    """Stage s of pp as hsgd.stage.Stage lays it out: its chunks' blocks (v chunks with virtual stages), whether it
+    """Stage s of pp as hsgd.pp.stage.Stage lays it out: its chunks' blocks (v chunks with virtual stages), whether it
     holds the embedding (first) and the head (last), its parameter names and its actions."""
 
     def __init__(self, cfg, tc, pp, s):
@@ -54,7 +55,7 @@ class PlannedStage:
 
     @property
     def actions(self):
-        """Its actions in hsgd.schedules' list (built when first asked: memory needs them, bytes do not)."""
+        """Its actions in hsgd.pp.schedules' list (built when first asked: memory needs them, bytes do not)."""
         return all_actions(self.kind, self.m, self.pp, self.v)[self.s]
 
     def pieces(self, rows):

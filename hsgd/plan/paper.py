@@ -1,23 +1,23 @@
 """Published formulas the planner uses for a Megatron-style implementation (mixed precision, Adam), and the
 published results it is checked against.
 
-hsgd itself computes in one precision and keeps what hsgd.step_memory says it keeps; a production system keeps
-16-bit weights and activations and a 32-bit optimizer. For those runs (`python -m hsgd.plan --impl megatron`) the
+hsgd itself computes in one precision and keeps what hsgd.accounting.step_memory says it keeps; a production system
+keeps 16-bit weights and activations and a 32-bit optimizer. For those runs (`python -m hsgd.plan --impl megatron`) the
 planner takes memory from the papers:
 
   * model state per device, Rajbhandari et al. (2020), "ZeRO: Memory Optimizations Toward Training Trillion
-    Parameter Models" (hsgd.memory.paper_zero_bytes): (2 + 2 + K) psi with K = 12 for Adam, divided by the dp
-    ranks where the ZeRO stage shards it; psi = the parameters of a device's stage and tensor shard;
+    Parameter Models" (hsgd.accounting.activations.paper_zero_bytes): (2 + 2 + K) psi with K = 12 for Adam, divided by
+    the dp ranks where the ZeRO stage shards it; psi = the parameters of a device's stage and tensor shard;
   * activations per layer and micro-batch, Korthikanti et al. (2022), "Reducing Activation Recomputation in Large
-    Transformer Models", Table 2 (hsgd.memory.paper_table2): s b h (10 + 24/t + 5 a s/(h t)) with tensor
+    Transformer Models", Table 2 (hsgd.accounting.activations.paper_table2): s b h (10 + 24/t + 5 a s/(h t)) with tensor
     parallelism, s b h (34/t + 5 a s/(h t)) with sequence parallelism, 34 s b h / t with selective
     recomputation (sequence parallel; without it s b h (10 + 24/t)), 2 s b h with full recomputation (plus one
     layer's whole activations while it is recomputed);
-    a stage holds the activations of the micro-batches its schedule keeps in flight (hsgd.timelines.peak_held),
+    a stage holds the activations of the micro-batches its schedule keeps in flight (hsgd.pp.timelines.peak_held),
     and the last stage the loss's 32-bit logits, 4 s b V/t.
 
 and the FLOPs of Narayanan et al. (2021), "Efficient Large-Scale Language Model Training on GPU Clusters Using
-Megatron-LM", with full recomputation (hsgd.config.gpt_step_flops equals it when F = 4h):
+Megatron-LM", with full recomputation (hsgd.model.config.gpt_step_flops equals it when F = 4h):
     parameters  P = 12 l h^2 (1 + 13/(12 h) + (V + s)/(12 l h))           (tied embeddings, no final LayerNorm)
     FLOPs       F = 96 B s l h^2 (1 + s/(6 h) + V/(16 l h))                 per iteration of B sequences
 Their Table 1 is in narayanan2021.csv (`table1()`).
@@ -27,8 +27,8 @@ buffers, and the memory allocator's fragmentation, are not.
 import csv
 import os
 
-from ..config import ModelConfig
-from ..memory import paper_table2, paper_zero_bytes
+from hsgd.model.config import ModelConfig
+from hsgd.accounting.activations import paper_table2, paper_zero_bytes
 
 TABLE1 = os.path.join(os.path.dirname(os.path.abspath(__file__)), "narayanan2021.csv")
 SEQ, VOCAB, PEAK = 2048, 51200, 312e12                        # Table 1's setting: s, V, A100 bf16/fp16 peak

@@ -6,7 +6,7 @@ sequences (m = B / (dp b) micro-batches) and a pipeline schedule. `evaluate` pri
 
     memory      per device by category: hsgd's own (--impl hsgd: hsgd.plan.layout, equal to what hsgd.train
                 measures) or a Megatron-style mixed-precision run's (--impl megatron: hsgd.plan.paper)
-    bytes       per step on each communicator (hsgd.report.rank_bytes), and on each link type
+    bytes       per step on each communicator (hsgd.run.report.rank_bytes), and on each link type
     time        hsgd.plan.costs.step_time: compute, exposed tp, pp bubble and transfers, cp, dp
     throughput  tokens/s = B T / step time; MFU = the model's FLOPs without recomputation / (time n peak);
                 TFLOP/s per device as Narayanan et al. 2021 count it (with recomputation's FLOPs when on)
@@ -16,12 +16,12 @@ sequences (m = B / (dp b) micro-batches) and a pipeline schedule. `evaluate` pri
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
-from ..config import divisors
-from ..errors import ConfigError, UsageError
-from ..exchange import sized_exchange
-from ..report import rank_bytes
-from ..settings import TrainConfig
-from ..timelines import peak_formula
+from hsgd.model.config import divisors
+from hsgd.errors import ConfigError, UsageError
+from hsgd.dp.exchange import sized_exchange
+from hsgd.run.report import rank_bytes
+from hsgd.run.settings import TrainConfig
+from hsgd.pp.timelines import peak_formula
 from .costs import group_links, group_sizes, step_time
 from .layout import ITEMSIZE, PlannedStage, plan_rank
 from .paper import stage_memory
@@ -174,7 +174,7 @@ def evaluate(cfg, batch, lay, hw, impl="megatron", dtype="bfloat16", efficiency=
         mems = {s: at_peak(p["memory"]) for s, p in plans.items() if p["memory"] is not None}
         if not mems:
             raise ConfigError("--impl hsgd has no memory formula for the interleaved and zero-bubble schedules "
-                              "(hsgd.step_memory walks one chunk per stage with fused backwards)")
+                              "(hsgd.accounting.step_memory walks one chunk per stage with fused backwards)")
         counts = {s: p["bytes"] for s, p in plans.items()}
         owned = max(p["exchange"].owned_numel() for p in plans.values())
         shapes = {s: (len(p["stage"].layers), p["stage"].first, p["stage"].last) for s, p in plans.items()}
@@ -212,7 +212,7 @@ def evaluate(cfg, batch, lay, hw, impl="megatron", dtype="bfloat16", efficiency=
 
 
 def at_peak(formula):
-    """{category: bytes} at the sample of hsgd.step_memory's walk where the total peaks (each category's own
+    """{category: bytes} at the sample of hsgd.accounting.step_memory's walk where the total peaks (each category's own
     peak may come at another moment: their sum overstates the step's peak)."""
     return max((cats for _, cats in formula["samples"]), key=lambda cats: sum(cats.values()))
 
@@ -220,8 +220,9 @@ def at_peak(formula):
 def memory_terms(cfg, lay, impl, mem, stage, at=None):
     """The --explain lines of the memory of the fullest stage."""
     if impl == "hsgd":
-        return [("memory", f"stage {stage}: hsgd.step_memory's walk of the schedule (equal to what hsgd.train "
-                           f"measures), peak at '{at}': " + ", ".join(f"{k} {v:.4g} B" for k, v in mem.items()))]
+        peak = ", ".join(f"{k} {v:.4g} B" for k, v in mem.items())
+        return [("memory", f"stage {stage}: hsgd.accounting.step_memory's walk of the schedule (equal to what "
+                           f"hsgd.train measures), peak at '{at}': {peak}")]
     nd, s_, b, h = lay.dp * lay.cp, cfg.seq_len // lay.cp, lay.b, cfg.d_model
     return [("memory", f"stage {stage}: ZeRO-{lay.zero} model states (Rajbhandari et al. 2020), 2 psi weights, "
                        f"2 psi gradients, 12 psi Adam, divided by Nd = {nd} where sharded: params {mem['params']:.4g}"

@@ -45,9 +45,9 @@ def world():
 def train_steps(cfg, corpus, tc, tracer=None):
     """tc.steps training steps on a new (dp, pp, tp) grid over COMM_WORLD. Returns (grid, trainer, whether the DP
     replicas were bit-identical after every step, the communication of step 2 {(comm, op): (calls, bytes)})."""
-    from hsgd.dp import params_digest
-    from hsgd.grid import ProcessGrid
-    from hsgd.hybrid import HybridTrainer
+    from hsgd.dp.average import params_digest
+    from hsgd.grid.process_grid import ProcessGrid
+    from hsgd.step.trainer import HybridTrainer
     grid = ProcessGrid(WORLD, dp=tc.dp, pp=tc.pp, tp=tc.tp, cp=tc.cp)
     trainer = HybridTrainer(cfg, grid, tc, tracer)
     if tracer:

@@ -14,11 +14,12 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from hsgd.comm import CollectiveMismatch, Comm, CommStats
-from hsgd.dp import FlatBuffer, dp_average
+from hsgd.grid.comm import CollectiveMismatch, Comm, CommStats
+from hsgd.dp.average import FlatBuffer, dp_average
 from hsgd.errors import ConfigError, UsageError
-from hsgd.grid import GridError, ProcessGrid, factorizations
-from hsgd.hier import HierarchicalExchange, cross_node_bytes, hier_formula, hierarchical_allreduce, node_split
+from hsgd.grid.process_grid import GridError, ProcessGrid, factorizations
+from hsgd.dp.hierarchical import (HierarchicalExchange, cross_node_bytes, hier_formula, hierarchical_allreduce,
+                                  node_split)
 
 from .conftest import WORLD, check, say, world_max
 

@@ -4,18 +4,18 @@ simulation of delayed SGD; every mode's measured bytes equal its formula; ZeRO's
 
 import numpy as np
 import pytest
-
-import hsgd
-from hsgd import serial, tp_model
-from hsgd.data import Corpus
-from hsgd.trace import Tracer, overlap_seconds
+from hsgd.model.config import ModelConfig
+from hsgd.model import serial
+from hsgd.tp import model as tp_model
+from hsgd.model.data import Corpus
+from hsgd.grid.trace import Tracer, overlap_seconds
 from hsgd.train import TrainConfig
 
 from .conftest import WORLD, check, say, train_steps, world_max
 
 pytestmark = pytest.mark.mpi(min_size=8)
 
-CFG = hsgd.ModelConfig(vocab_size=256, seq_len=8, d_model=16, n_heads=8, n_layers=2, d_ff=16)
+CFG = ModelConfig(vocab_size=256, seq_len=8, d_model=16, n_heads=8, n_layers=2, d_ff=16)
 CORPUS = Corpus(np.random.default_rng(0).integers(0, 256, 4000, dtype=np.uint8).tobytes(), "random bytes", 8)
 STEPS = 4
 
@@ -151,9 +151,9 @@ def test_zero_checkpoint_resumes_bit_identical():
     import shutil
     import tempfile
 
-    from hsgd import checkpoint
-    from hsgd.grid import ProcessGrid
-    from hsgd.hybrid import HybridTrainer
+    from hsgd.checkpoint import store as checkpoint
+    from hsgd.grid.process_grid import ProcessGrid
+    from hsgd.step.trainer import HybridTrainer
 
     tc = config(tp=2, dp=4, zero=2, optimizer="adamw", lr=0.01, weight_decay=0.1, clip=0.5, steps=4)
     where = WORLD.bcast(tempfile.mkdtemp() if WORLD.Get_rank() == 0 else None)

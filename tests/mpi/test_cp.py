@@ -8,19 +8,21 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-import hsgd
-from hsgd import cp as context, layers, serial, tp_model
-from hsgd.data import Corpus
-from hsgd.grid import ProcessGrid
-from hsgd.memory import activation_formula
-from hsgd.trace import Tracer
+from hsgd.model.config import ModelConfig
+from hsgd.cp import split as context
+from hsgd.model import layers, serial
+from hsgd.tp import model as tp_model
+from hsgd.model.data import Corpus
+from hsgd.grid.process_grid import ProcessGrid
+from hsgd.accounting.activations import activation_formula
+from hsgd.grid.trace import Tracer
 from hsgd.train import TrainConfig, step_formula
 
 from .conftest import WORLD, check, say, train_steps, world_max
 
 pytestmark = pytest.mark.mpi(min_size=8)
 
-CFG = hsgd.ModelConfig(vocab_size=256, seq_len=16, d_model=16, n_heads=8, n_layers=4, d_ff=16)
+CFG = ModelConfig(vocab_size=256, seq_len=16, d_model=16, n_heads=8, n_layers=4, d_ff=16)
 CORPUS = Corpus(np.random.default_rng(1).integers(0, 256, 4000, dtype=np.uint8).tobytes(), "random bytes", 16)
 TP_SCHEMES = ("megatron", "gather", "sequence")
 
@@ -52,7 +54,7 @@ def param_err(trainer, grid, ref, scheme):
 def test_every_layout_with_cp_equals_serial_sgd(i, layout):
     """Both cp schemes on one layout: 3 steps equal serial SGD's parameters (1e-10), the replicas (dp x cp ranks)
     stay bit-identical, the bytes of step 2 on every communicator equal step_formula's; without a pipeline, the
-    activation bytes held at the peak of a 4th step equal hsgd.memory.activation_formula's."""
+    activation bytes held at the peak of a 4th step equal hsgd.accounting.activations.activation_formula's."""
     dp, pp, cp, tp = layout
     scheme = TP_SCHEMES[i % 3]
     ref, lines, ok, params = None, [], True, {}

@@ -1,6 +1,6 @@
 """hsgd.crosscheck on hsgd's own dumps, 8 ranks: every factorization dp x pp x tp of 8 ranks under each tensor-
 parallel scheme passes (and ZeRO, context parallelism, bfloat16 and float16 within their rounding bands), and each
-deliberately broken hsgd (hsgd.mutations) fails with its bug named: the unscaled All-Gather adjoint and pipelining
+deliberately broken hsgd (hsgd.check.mutations) fails with its bug named: the unscaled All-Gather adjoint and pipelining
 without 1/m as constant factors (tp twice: the MLP's fc sits below two gathers; m), ZeRO without 1/dp as the
 factor dp, the sequence scheme without its LayerNorm reduction as a partial sum over tp, a head permutation as a
 permutation of heads."""
@@ -11,20 +11,20 @@ import tempfile
 import numpy as np
 import pytest
 
-import hsgd
+from hsgd.model.config import ModelConfig
 from hsgd.crosscheck.__main__ import check, report
 from hsgd.crosscheck.read import load
 from hsgd.crosscheck.hsgd_dump import dump_one_step
-from hsgd.data import Corpus
-from hsgd.grid import factorizations
-from hsgd.mutations import injected
+from hsgd.model.data import Corpus
+from hsgd.grid.process_grid import factorizations
+from hsgd.check.mutations import injected
 from hsgd.train import TrainConfig
 
 from .conftest import WORLD, check as agree, say
 
 pytestmark = pytest.mark.mpi(min_size=8)
 
-CFG = hsgd.ModelConfig(vocab_size=256, seq_len=8, d_model=16, n_heads=8, n_layers=8, d_ff=16)
+CFG = ModelConfig(vocab_size=256, seq_len=8, d_model=16, n_heads=8, n_layers=8, d_ff=16)
 CORPUS = Corpus(np.random.default_rng(1).integers(0, 256, 4000, dtype=np.uint8).tobytes(), "random bytes", 8)
 
 

@@ -6,19 +6,20 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-import hsgd
-from hsgd import serial, tp_model
-from hsgd.data import Corpus
-from hsgd.dp import params_digest
-from hsgd.grid import ProcessGrid
-from hsgd.hybrid import HybridTrainer
+from hsgd.model.config import ModelConfig
+from hsgd.model import serial
+from hsgd.tp import model as tp_model
+from hsgd.model.data import Corpus
+from hsgd.dp.average import params_digest
+from hsgd.grid.process_grid import ProcessGrid
+from hsgd.step.trainer import HybridTrainer
 from hsgd.train import TrainConfig
 
 from .conftest import WORLD, check, say, world_max
 
 pytestmark = pytest.mark.mpi(min_size=8)
 
-CFG = hsgd.ModelConfig(vocab_size=256, seq_len=8, d_model=16, n_heads=8, n_layers=2, d_ff=16)
+CFG = ModelConfig(vocab_size=256, seq_len=8, d_model=16, n_heads=8, n_layers=2, d_ff=16)
 CORPUS = Corpus(np.random.default_rng(0).integers(0, 256, 4000, dtype=np.uint8).tobytes(), "random bytes", 8)
 
 
@@ -82,7 +83,7 @@ def test_clipping_is_active_and_the_norm_is_global():
     trainer = HybridTrainer(CFG, grid, tc)
     idx, targets = CORPUS.batch(tc.seed, 1, tc.batch_size)
     trainer.gradients(idx, targets)
-    from hsgd.optim import global_grad_norm
+    from hsgd.model.optim import global_grad_norm
     norm = global_grad_norm(trainer.grads, trainer.is_sharded, grid.tp_comm)
     _, grads = serial.loss_and_grads(serial.init_params(CFG, seed=tc.seed, dtype="float64"), idx, targets, CFG)
     serial_norm = math.sqrt(sum(float((g * g).sum()) for g in grads.values()))
@@ -140,9 +141,10 @@ def test_verify_detects_a_wrong_adjoint(monkeypatch):
     unscaled Reduce-scatter (tp times too large), and verify names the affected parameters."""
     import io
 
-    from hsgd import tp_layers, tp_schemes, verify
+    from hsgd.tp import layers as tp_layers, schemes as tp_schemes
+    from hsgd import verify
 
-    cfg = hsgd.ModelConfig(vocab_size=256, seq_len=8, d_model=16, n_heads=4, n_layers=1, d_ff=16)
+    cfg = ModelConfig(vocab_size=256, seq_len=8, d_model=16, n_heads=4, n_layers=1, d_ff=16)
     tc = config(tp=2, dp=4, tp_scheme="gather", steps=1)
     ok_before, _ = verify.verify(cfg, tc, WORLD, out=io.StringIO())
     wrong = lambda dy, comm, replicated=True, reduce_scatter=False, scale=None: tp_layers.allgather_backward(
@@ -159,11 +161,11 @@ def test_one_host_copy_per_training_step():
     """A step copies one small vector (loss, non-finite count, norm parts) from the device, and nothing else goes
     through backend.to_host. (Implicit copies, float() or a[mask] on a device array, are not counted here:
     tests/mpi/test_simgpu.py counts every transfer on the simulated GPU.)"""
-    from hsgd.backend import d2h_count
+    from hsgd.model.backend import d2h_count
     copies = {}
     for dp, pp, tp, extra in ((4, 1, 2, {}), (2, 2, 2, {"micro_batches": 2}), (4, 1, 2, {"zero": 1, "clip": 0.5})):
         tc = config(tp=tp, dp=dp, pp=pp, **extra)
-        cfg = hsgd.ModelConfig(vocab_size=256, seq_len=8, d_model=16, n_heads=8, n_layers=2, d_ff=16)
+        cfg = ModelConfig(vocab_size=256, seq_len=8, d_model=16, n_heads=8, n_layers=2, d_ff=16)
         grid = ProcessGrid(WORLD, dp=dp, pp=pp, tp=tp)
         trainer = HybridTrainer(cfg, grid, tc)
         idx, targets = CORPUS.batch(3, 1, 8)

@@ -1,25 +1,25 @@
-"""Memory per category on 8 ranks (hsgd.memtrace against hsgd.step_memory), float64, on a model whose activations
-dominate (T = 32 against C = 16): for every tp in {1, 2, 4}, pp in {1, 2}, ZeRO stage in {0, 1, 2, 3} and
-recompute in {none, selective, full}, each in several layouts and tensor-parallel schemes, the measured peak of
+"""Memory per category on 8 ranks (hsgd.accounting.allocations against hsgd.accounting.step_memory), float64, on a model
+whose activations dominate (T = 32 against C = 16): for every tp in {1, 2, 4}, pp in {1, 2}, ZeRO stage in {0, 1, 2, 3}
+and recompute in {none, selective, full}, each in several layouts and tensor-parallel schemes, the measured peak of
 every category equals the formula within 5% on every rank; ZeRO-2's peak is below ZeRO-1's by about the whole
 gradient; ZeRO-3's parameters are 1/dp of them plus the largest group in flight."""
 import numpy as np
 import pytest
 
-import hsgd
-from hsgd import memtrace, step_memory
-from hsgd.data import Corpus
-from hsgd.grid import ProcessGrid
-from hsgd.hybrid import HybridTrainer
+from hsgd.model.config import ModelConfig
+from hsgd.accounting import allocations, step_memory
+from hsgd.model.data import Corpus
+from hsgd.grid.process_grid import ProcessGrid
+from hsgd.step.trainer import HybridTrainer
 from hsgd.train import TrainConfig
 
 from .conftest import WORLD, check, say
 
 pytestmark = pytest.mark.mpi(min_size=8)
 
-CFG = hsgd.ModelConfig(vocab_size=64, seq_len=32, d_model=16, n_heads=4, n_layers=2, d_ff=64)
+CFG = ModelConfig(vocab_size=64, seq_len=32, d_model=16, n_heads=4, n_layers=2, d_ff=64)
 CORPUS = Corpus(np.random.default_rng(0).integers(0, 64, 4000, dtype=np.uint8).tobytes(), "random bytes", 32)
-DEEP = hsgd.ModelConfig(vocab_size=64, seq_len=32, d_model=16, n_heads=4, n_layers=6, d_ff=64)   # 8 buckets
+DEEP = ModelConfig(vocab_size=64, seq_len=32, d_model=16, n_heads=4, n_layers=6, d_ff=64)   # 8 buckets
 TOLERANCE = 0.05
 
 # (tp, pp, zero, recompute, scheme, micro-batches, schedule): a pairwise covering of tp {1, 2, 4} x pp {1, 2} x zero
@@ -42,7 +42,7 @@ def measure(tp, pp, zero, recompute, scheme="megatron", m=1, sched="1f1b", cfg=C
     tc.validate()
     tc.resolve_layout(WORLD.Get_size())
     grid = ProcessGrid(WORLD, dp=tc.dp, pp=tc.pp, tp=tc.tp, cp=tc.cp)
-    result, trainer = memtrace.measure_step(lambda: HybridTrainer(cfg, grid, tc),
+    result, trainer = allocations.measure_step(lambda: HybridTrainer(cfg, grid, tc),
                                             lambda step: CORPUS.batch(tc.seed, step, tc.batch_size))
     out = result, step_memory.step_formula(trainer), trainer.exchange.size * 8, grid
     trainer.free()

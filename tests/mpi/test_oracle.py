@@ -1,4 +1,4 @@
-"""The tolerance oracle (hsgd.oracle) on 8 ranks: a correct hsgd stays inside the predicted band on every
+"""The tolerance oracle (hsgd.check.oracle) on 8 ranks: a correct hsgd stays inside the predicted band on every
 factorization dp x pp x tp of 8 ranks (and a context-parallel one), with each tp scheme, in bfloat16 and float16;
 bugs of the size real ones have (a gradient tp times too large, a micro-batch's gradient lost) are flagged outside
 it, and the layout's float64 run names them as bugs, not rounding; so is a 10% error that only the narrow formats'
@@ -7,10 +7,10 @@ import io
 
 import pytest
 
-import hsgd
-from hsgd.data import Corpus
-from hsgd.mutations import injected
-from hsgd.oracle import oracle, report
+from hsgd.model.config import ModelConfig
+from hsgd.model.data import Corpus
+from hsgd.check.mutations import injected
+from hsgd.check.oracle import oracle, report
 from hsgd.train import TrainConfig
 
 from .conftest import WORLD, check, say
@@ -19,8 +19,8 @@ pytestmark = pytest.mark.mpi(min_size=8)
 
 # four layers for pp up to 4 (eight for pp = 8), eight heads for tp up to 8: tiny, so that ~90 one-step runs take
 # seconds
-CFG = hsgd.ModelConfig(vocab_size=256, seq_len=16, d_model=16, n_heads=8, n_layers=4, d_ff=32)
-CFG8 = hsgd.ModelConfig(vocab_size=256, seq_len=16, d_model=16, n_heads=8, n_layers=8, d_ff=32)
+CFG = ModelConfig(vocab_size=256, seq_len=16, d_model=16, n_heads=8, n_layers=4, d_ff=32)
+CFG8 = ModelConfig(vocab_size=256, seq_len=16, d_model=16, n_heads=8, n_layers=8, d_ff=32)
 CORPUS = Corpus.load(None, 16)
 # the 10 factorizations (dp, pp, cp, tp) of 8, and a context-parallel layout, over the three tp schemes
 LAYOUTS = {"megatron": [(1, 1, 1, 8), (2, 1, 1, 4), (1, 2, 1, 4), (8, 1, 1, 1)],

@@ -4,19 +4,19 @@ hold the micro-batches the schedules promise; every stage's bytes equal the form
 
 import numpy as np
 import pytest
-
-import hsgd
-from hsgd import pp as pipeline
-from hsgd import serial, tp_model
-from hsgd.data import Corpus
-from hsgd.grid import factorizations
+from hsgd.model.config import ModelConfig
+from hsgd.pp import chunks as pipeline
+from hsgd.model import serial
+from hsgd.tp import model as tp_model
+from hsgd.model.data import Corpus
+from hsgd.grid.process_grid import factorizations
 from hsgd.train import TrainConfig, step_formula
 
 from .conftest import WORLD, check, say, train_steps, world_max
 
 pytestmark = pytest.mark.mpi(min_size=8)
 
-CFG = hsgd.ModelConfig(vocab_size=256, seq_len=8, d_model=16, n_heads=8, n_layers=8, d_ff=16)
+CFG = ModelConfig(vocab_size=256, seq_len=8, d_model=16, n_heads=8, n_layers=8, d_ff=16)
 CORPUS = Corpus(np.random.default_rng(0).integers(0, 256, 4000, dtype=np.uint8).tobytes(), "random bytes", 8)
 
 

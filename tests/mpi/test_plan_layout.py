@@ -1,19 +1,21 @@
 """The planner's sizes-only formulas (hsgd.plan.layout) against the trainer on 8 ranks: for every factorization
 dp x pp x tp of 8 (and cp layouts) and a covering set of options (ZeRO 0-3, overlapped, hierarchical and stale
 exchanges, the three tp schemes, recomputation, micro-batches, gpipe / 1f1b / interleaved / zero-bubble schedules,
-bfloat16 and float16), each rank's bytes per communicator equal hsgd.report.step_formula's and its memory per
-category equals hsgd.step_memory.step_formula's, exactly; and on a few layouts the bytes equal what CommStats
+bfloat16 and float16), each rank's bytes per communicator equal hsgd.run.report.step_formula's and its memory per
+category equals hsgd.accounting.step_memory.step_formula's, exactly; and on a few layouts the bytes equal what CommStats
 measures in a training step. (The trainer's formulas equal the measurements within the tolerances of
 tests/mpi/test_memory.py and exactly in tests/mpi/test_hybrid.py, test_cp.py and test_pipeline.py.)"""
 import numpy as np
 import pytest
 
 import hsgd
-from hsgd import step_memory
-from hsgd.data import Corpus
+
+from hsgd.model.config import ModelConfig
+from hsgd.accounting import step_memory
+from hsgd.model.data import Corpus
 from hsgd.errors import UsageError
-from hsgd.grid import ProcessGrid, factorizations
-from hsgd.hybrid import HybridTrainer
+from hsgd.grid.process_grid import ProcessGrid, factorizations
+from hsgd.step.trainer import HybridTrainer
 from hsgd.plan.layout import plan_rank
 from hsgd.train import TrainConfig, step_formula
 
@@ -21,7 +23,7 @@ from .conftest import WORLD, check, say
 
 pytestmark = pytest.mark.mpi(min_size=8)
 
-CFG = hsgd.ModelConfig(vocab_size=61, seq_len=16, d_model=16, n_heads=8, n_layers=8, d_ff=32)   # V % tp != 0
+CFG = ModelConfig(vocab_size=61, seq_len=16, d_model=16, n_heads=8, n_layers=8, d_ff=32)   # V % tp != 0
 CORPUS = Corpus(np.random.default_rng(0).integers(0, 61, 4000, dtype=np.uint8).tobytes(), "random bytes", 16)
 
 # every row on every factorization that accepts it (a row the settings refuse is skipped, the same on every rank)
@@ -42,8 +44,8 @@ def settings(dp, pp, tp, cp=1, **opts):
         tc = TrainConfig(**{**base, **opts})
         tc.validate()
         tc.resolve_layout(WORLD.Get_size())
-        hsgd.schedules.check_pipeline(CFG.n_layers, tc)
-        hsgd.schedules.check_options(tc)
+        hsgd.pp.schedules.check_pipeline(CFG.n_layers, tc)
+        hsgd.pp.schedules.check_options(tc)
         if tc.dp != dp:
             return None
         if tc.hierarchical and (tc.dp * tc.cp) % tc.ranks_per_node:

@@ -1,20 +1,20 @@
-"""Mixed precision on 8 ranks: bfloat16 and float16 (emulated, hsgd.precision) train like float32 on 3-D, sequence-
-and context-parallel layouts, every rounding point of hsgd.precision.POINTS used where it applies; the gradient
-exchange in bfloat16 (--reduce-dtype) too; the master weights, gradients and optimizer state stay float32."""
+"""Mixed precision on 8 ranks: bfloat16 and float16 (emulated, hsgd.model.precision) train like float32 on 3-D,
+sequence- and context-parallel layouts, every rounding point of hsgd.model.precision.POINTS used where it applies; the
+gradient exchange in bfloat16 (--reduce-dtype) too; the master weights, gradients and optimizer state stay float32."""
 import numpy as np
 import pytest
 from mpi4py import MPI
 
-import hsgd
-from hsgd.data import Corpus
-from hsgd.precision import POINTS
+from hsgd.model.config import ModelConfig
+from hsgd.model.data import Corpus
+from hsgd.model.precision import POINTS
 from hsgd.train import TrainConfig
 
 from .conftest import WORLD, check, say, train_steps
 
 pytestmark = pytest.mark.mpi(min_size=8)
 
-CFG = hsgd.ModelConfig(vocab_size=256, seq_len=16, d_model=32, n_heads=4, n_layers=2, d_ff=64)
+CFG = ModelConfig(vocab_size=256, seq_len=16, d_model=32, n_heads=4, n_layers=2, d_ff=64)
 WORDS = ["the", "cat", "sat", "on", "a", "mat", "and", "dog", "ran", "to", "its", "bed", "when", "it", "rained"]
 TEXT = " ".join(np.random.default_rng(2).choice(WORDS, 6000)).encode()     # learnable in a few steps
 CORPUS = Corpus(TEXT, "words", 16)

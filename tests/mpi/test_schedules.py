@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from hsgd import checkpoint
-from hsgd.grid import ProcessGrid, factorizations
-from hsgd.hybrid import HybridTrainer
-from hsgd.schedules import build, peak_held
+from hsgd.checkpoint import store as checkpoint
+from hsgd.grid.process_grid import ProcessGrid, factorizations
+from hsgd.step.trainer import HybridTrainer
+from hsgd.pp.schedules import build, peak_held
 from hsgd.train import step_formula
 
 from .conftest import WORLD, check, say, world_max

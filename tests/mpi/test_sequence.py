@@ -1,14 +1,16 @@
-"""Sequence parallelism (tp scheme "sequence", hsgd.tp_schemes.Sequence) on 8 ranks, float64: equal to serial for tp in
+"""Sequence parallelism (tp scheme "sequence", hsgd.tp.schemes.Sequence) on 8 ranks, float64: equal to serial for tp in
 {1, 2, 4, 8}; the T-axis All-Gather / Reduce-Scatter pair against finite differences; replicated gradients
 All-Reduced and identical; on_ready in order with final gradients; the bytes of every collective and of every
 cached activation equal to their formulas; and a clear error for a seq_len that does not split."""
 import numpy as np
 import pytest
 
-import hsgd
-from hsgd import memory, serial, tp_layers, tp_model
+from hsgd.model.config import ModelConfig
+from hsgd.accounting import activations
+from hsgd.model import serial
+from hsgd.tp import layers as tp_layers, model as tp_model
 from hsgd.errors import ConfigError
-from hsgd.grid import ProcessGrid
+from hsgd.grid.process_grid import ProcessGrid
 
 from .conftest import WORLD, check, say, world_max
 from .test_tp import fd_check, reference
@@ -16,7 +18,7 @@ from .test_tp import fd_check, reference
 pytestmark = pytest.mark.mpi(min_size=8)
 
 # T = 8 splits over up to 8 ranks (one position each at tp = 8); V = 13 is padded for every tp > 1
-CFG = hsgd.ModelConfig(vocab_size=13, seq_len=8, d_model=16, n_heads=8, n_layers=2, d_ff=16)
+CFG = ModelConfig(vocab_size=13, seq_len=8, d_model=16, n_heads=8, n_layers=2, d_ff=16)
 B = 3
 
 
@@ -140,14 +142,14 @@ def test_activation_memory_matches_the_formula_and_shrinks():
         for scheme in ("megatron", "sequence"):
             local = tp_model.shard_params(params, grid.tp_rank, tp, scheme)
             _, caches = tp_model.forward(local, idx, targets, CFG, grid.tp_comm, scheme)
-            measured[scheme] = (memory.activation_bytes(caches.blocks[0], local),
-                                memory.activation_bytes(caches, local))
-            f = memory.activation_formula(CFG, B, 8, tp, scheme)
+            measured[scheme] = (activations.activation_bytes(caches.blocks[0], local),
+                                activations.activation_bytes(caches, local))
+            f = activations.activation_formula(CFG, B, 8, tp, scheme)
             ok &= measured[scheme] == (f["block"], f["model"])
         (mb, mm), (sb, sm) = measured["megatron"], measured["sequence"]
         ok &= (sb < mb and sm < mm) if tp > 1 else (sb == mb and sm == mm)
-        ok &= sb * tp == memory.activation_formula(CFG, B, 8, 1, "sequence")["block"]
-        paper = [memory.paper_activation_bytes(CFG.seq_len, B, CFG.d_model, CFG.n_heads, tp, sp)
+        ok &= sb * tp == activations.activation_formula(CFG, B, 8, 1, "sequence")["block"]
+        paper = [activations.paper_activation_bytes(CFG.seq_len, B, CFG.d_model, CFG.n_heads, tp, sp)
                  for sp in (False, True)]
         say(f"tp={tp}: bytes per block megatron {mb}, sequence {sb} (ratio {mb / sb:.2f}; paper "
             f"{paper[0] / paper[1]:.2f}); whole forward {mm} / {sm} (ratio {mm / sm:.2f})")
@@ -164,8 +166,8 @@ def test_gather_activation_memory_matches_the_formula():
         grid = ProcessGrid(WORLD, dp=8 // tp, tp=tp)
         local = tp_model.shard_params(params, grid.tp_rank, tp, "gather")
         _, caches = tp_model.forward(local, idx, targets, CFG, grid.tp_comm, "gather")
-        measured = (memory.activation_bytes(caches.blocks[0], local), memory.activation_bytes(caches, local))
-        f, fm = (memory.activation_formula(CFG, B, 8, tp, s) for s in ("gather", "megatron"))
+        measured = (activations.activation_bytes(caches.blocks[0], local), activations.activation_bytes(caches, local))
+        f, fm = (activations.activation_formula(CFG, B, 8, tp, s) for s in ("gather", "megatron"))
         ok &= measured == (f["block"], f["model"]) and (f["block"] > fm["block"] if tp > 1 else f == fm)
         lines.append(f"tp={tp} {measured[0]}/{f['block']}")
         grid.free()
@@ -185,8 +187,8 @@ def test_pipeline_stages_chained_by_hand_equal_serial():
     the shape stage_activation_shape gives, equal to the serial activation's rows of this rank; the second hands
     back dL/d(T-shard). The loss and every gradient shard equal serial's; each stage's collectives (forward and
     backward) equal comm_formula(stage=(1, first, last)). The scheme is passed as an object."""
-    from hsgd.ops import embedding_forward
-    from hsgd.tp_schemes import make_scheme
+    from hsgd.model.ops import embedding_forward
+    from hsgd.tp.schemes import make_scheme
     params, idx, targets, loss0, grads0 = reference(CFG, batch=B)
     grid = ProcessGrid(WORLD, dp=2, tp=4)
     c, S = grid.tp_comm, make_scheme("sequence")
@@ -226,7 +228,7 @@ def test_pipeline_stages_chained_by_hand_equal_serial():
 def test_hybrid_training_with_sequence_equals_serial_sgd():
     """Two SGD steps of the hybrid trainer (dp = 2 x tp = 4, gradient accumulation 2, "sequence") end with the
     parameters of serial SGD on the global batch."""
-    from hsgd.hybrid import HybridTrainer
+    from hsgd.step.trainer import HybridTrainer
     from hsgd.train import TrainConfig
     tc = TrainConfig(tp=4, dp=2, tp_scheme="sequence", steps=2, batch_size=8, micro_batches=2, lr=0.05, momentum=0.9,
                      warmup=1, dtype="float64", seed=3)
@@ -250,7 +252,7 @@ def test_hybrid_training_with_sequence_equals_serial_sgd():
 def test_bad_seq_len_is_a_clear_error():
     """seq_len = 6 does not split over tp = 4: check_tp names seq_len, tp and what works; so does the forward pass
     for a batch of that length (before any communication, so every rank raises)."""
-    cfg = hsgd.ModelConfig(vocab_size=13, seq_len=6, d_model=16, n_heads=8, n_layers=1, d_ff=16)
+    cfg = ModelConfig(vocab_size=13, seq_len=6, d_model=16, n_heads=8, n_layers=1, d_ff=16)
     msgs = []
     try:
         tp_model.check_tp(cfg, 4, "sequence")

@@ -18,11 +18,11 @@ import sys
 import numpy as np
 import pytest
 
-import hsgd
-from hsgd.backend import d2h_count, to_numpy
-from hsgd.comm import cuda_aware_mpi
-from hsgd.grid import ProcessGrid
-from hsgd.hybrid import HybridTrainer
+from hsgd.model.config import ModelConfig
+from hsgd.model.backend import d2h_count, to_numpy
+from hsgd.grid.comm import cuda_aware_mpi
+from hsgd.grid.process_grid import ProcessGrid
+from hsgd.step.trainer import HybridTrainer
 
 from .conftest import WORLD, check, say, world_max
 from .test_hybrid import CFG, CORPUS, config
@@ -180,7 +180,7 @@ def test_a_staged_receive_waits_for_the_copy_out_of_its_buffer(monkeypatch, requ
     """Staging: a Recv ends with x.set(host), an asynchronous copy out of the host buffer, which then goes back to
     the pool. The next Recv of that shape takes the same buffer and MPI writes into it: Comm._buf must synchronize
     the stream first, or the copy may still be reading. Two Recvs in a row, nothing in between to synchronize."""
-    from hsgd.comm import Comm
+    from hsgd.grid.comm import Comm
     monkeypatch.setenv("HSGD_CUDA_AWARE", "0")
     cuda_aware_mpi.cache_clear()
     request.addfinalizer(cuda_aware_mpi.cache_clear)
@@ -230,7 +230,7 @@ def test_verify_on_the_simulated_gpu(transfer_path):
 
     from hsgd import verify
     tc = config(dp=2, pp=2, tp=2, micro_batches=2, device="gpu")
-    ok, rows = verify.verify(hsgd.ModelConfig(vocab_size=256, seq_len=8, d_model=16, n_heads=4, n_layers=2,
+    ok, rows = verify.verify(ModelConfig(vocab_size=256, seq_len=8, d_model=16, n_heads=4, n_layers=2,
                                               d_ff=16), tc, WORLD, out=io.StringIO())
     worst = max((r[5] for r in rows), default=0.0)
     say(f"hsgd.verify dp2 pp2 tp2 on the simulated GPU: {'PASS' if ok else 'FAIL'}, largest error {worst:.1e}")

@@ -2,19 +2,19 @@
 against finite differences through every distributed backward, and the bytes of every collective counted."""
 import numpy as np
 import pytest
-
-import hsgd
-from hsgd import serial, tp_layers, tp_model
+from hsgd.model.config import ModelConfig
+from hsgd.model import serial
+from hsgd.tp import layers as tp_layers, model as tp_model
 from hsgd.errors import ConfigError
-from hsgd.grid import ProcessGrid
-from hsgd.layers import linear_backward, linear_forward
+from hsgd.grid.process_grid import ProcessGrid
+from hsgd.model.layers import linear_backward, linear_forward
 
 from .conftest import WORLD, check, say, world_max
 
 pytestmark = pytest.mark.mpi(min_size=8)
 
 # V = 13 is divisible by no tp > 1 (padding); 8 heads and d_ff = 16 split over up to 8 ranks
-CFG = hsgd.ModelConfig(vocab_size=13, seq_len=6, d_model=16, n_heads=8, n_layers=2, d_ff=16)
+CFG = ModelConfig(vocab_size=13, seq_len=6, d_model=16, n_heads=8, n_layers=2, d_ff=16)
 VARIANTS = [("megatron", False), ("gather", False), ("gather", True)]      # (scheme, reduce_scatter)
 
 
@@ -171,7 +171,7 @@ def test_fd_vocab_parallel_cross_entropy():
     loss = lambda: float(tp_layers.vocab_cross_entropy_forward(local, targets, start, V, c)[0])
     value, cache = tp_layers.vocab_cross_entropy_forward(local, targets, start, V, c)
     dlocal = tp_layers.vocab_cross_entropy_backward(1.0, cache)
-    from hsgd.layers import cross_entropy_forward
+    from hsgd.model.layers import cross_entropy_forward
     serial_loss = float(cross_entropy_forward(logits, targets)[0])
     err = fd_check(loss, [local], [dlocal], c, [False], n=4)
     say(f"vocab-parallel cross-entropy: loss diff {abs(value - serial_loss):.1e}, FD rel err {world_max(err):.1e}")
@@ -223,7 +223,7 @@ def test_communication_matches_the_formula(scheme, rs):
 
 
 def test_bad_tp_is_a_clear_error():
-    cfg = hsgd.ModelConfig(vocab_size=13, seq_len=4, d_model=12, n_heads=6, n_layers=1, d_ff=24)
+    cfg = ModelConfig(vocab_size=13, seq_len=4, d_model=12, n_heads=6, n_layers=1, d_ff=24)
     msgs = []
     for tp, scheme in ((4, "megatron"), (3, "nope")):
         try:
@@ -232,7 +232,7 @@ def test_bad_tp_is_a_clear_error():
             msgs.append(str(e))
     check(msgs[0].startswith("n_heads=6 is not divisible by tp=4") and "[1, 2, 3, 6]" in msgs[0]
           and "tp_scheme='nope' is not known" in msgs[1], msgs)
-    cfg2 = hsgd.ModelConfig(vocab_size=13, seq_len=4, d_model=16, n_heads=4, n_layers=1, d_ff=6)
+    cfg2 = ModelConfig(vocab_size=13, seq_len=4, d_model=16, n_heads=4, n_layers=1, d_ff=6)
     try:
         tp_model.check_tp(cfg2, 4)
         msg = ""
@@ -242,7 +242,7 @@ def test_bad_tp_is_a_clear_error():
 
 
 def test_init_params_are_slices_of_the_serial_init():
-    cfg = hsgd.ModelConfig(vocab_size=13, seq_len=4, d_model=16, n_heads=4, n_layers=1, d_ff=8)
+    cfg = ModelConfig(vocab_size=13, seq_len=4, d_model=16, n_heads=4, n_layers=1, d_ff=8)
     grid = ProcessGrid(WORLD, dp=2, tp=4)
     c = grid.tp_comm
     full = serial.init_params(cfg, seed=11, dtype="float64")
@@ -258,7 +258,7 @@ def test_init_params_are_slices_of_the_serial_init():
 def test_float32_error_budget():
     """float32 is not exact: its documented budget (README) is a loss within 1e-6 relative and every gradient
     shard within 1e-4 of the parameter's largest float64 gradient, for a model of this size (measured ~2e-5)."""
-    cfg = hsgd.ModelConfig(vocab_size=256, seq_len=32, d_model=64, n_heads=8, n_layers=2, d_ff=256)
+    cfg = ModelConfig(vocab_size=256, seq_len=32, d_model=64, n_heads=8, n_layers=2, d_ff=256)
     p64 = serial.init_params(cfg, seed=0, dtype="float64")
     rng = np.random.default_rng(1)
     idx, targets = rng.integers(0, 256, (4, 32)), rng.integers(0, 256, (4, 32))

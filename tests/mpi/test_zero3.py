@@ -14,20 +14,21 @@ import tempfile
 
 import numpy as np
 import pytest
-
-import hsgd
-from hsgd import checkpoint, serial, tp_model
-from hsgd.data import Corpus
-from hsgd.grid import ProcessGrid, factorizations
-from hsgd.hybrid import HybridTrainer
+from hsgd.model.config import ModelConfig
+from hsgd.checkpoint import store as checkpoint
+from hsgd.model import serial
+from hsgd.tp import model as tp_model
+from hsgd.model.data import Corpus
+from hsgd.grid.process_grid import ProcessGrid, factorizations
+from hsgd.step.trainer import HybridTrainer
 from hsgd.train import TrainConfig, resume, step_formula
 
 from .conftest import WORLD, check, say, world_max
 
 pytestmark = pytest.mark.mpi(min_size=8)
 
-CFG = hsgd.ModelConfig(vocab_size=256, seq_len=8, d_model=16, n_heads=8, n_layers=8, d_ff=16)   # pp up to 8
-SMALL = hsgd.ModelConfig(vocab_size=256, seq_len=8, d_model=16, n_heads=8, n_layers=2, d_ff=16)  # pp up to 2
+CFG = ModelConfig(vocab_size=256, seq_len=8, d_model=16, n_heads=8, n_layers=8, d_ff=16)   # pp up to 8
+SMALL = ModelConfig(vocab_size=256, seq_len=8, d_model=16, n_heads=8, n_layers=2, d_ff=16)  # pp up to 2
 CORPUS = Corpus(np.random.default_rng(0).integers(0, 256, 4000, dtype=np.uint8).tobytes(), "random bytes", 8)
 
 
@@ -182,7 +183,7 @@ def test_checkpoints_reshard_between_zero_stages(tmp_path_factory):
 
 # ------------------------------------------------------------------------- checkpoints that must not go wrong quietly
 
-RESUME_CFG = hsgd.ModelConfig(vocab_size=256, seq_len=8, d_model=16, n_heads=4, n_layers=2, d_ff=16)
+RESUME_CFG = ModelConfig(vocab_size=256, seq_len=8, d_model=16, n_heads=4, n_layers=2, d_ff=16)
 
 
 @pytest.mark.parametrize("rank0_sees", [True, False])
@@ -252,7 +253,7 @@ def test_a_save_that_fails_on_one_rank_keeps_the_previous_checkpoint(monkeypatch
     up, anything else in the folder is left alone."""
     import errno
 
-    from hsgd.checkpoint import CheckpointError
+    from hsgd.checkpoint.store import CheckpointError
 
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")

@@ -8,8 +8,9 @@ or a formula, and stops (non-zero exit) at the first check that fails.
 import os
 import sys
 
-from hsgd import ModelConfig, layers, serial          # hsgd before NumPy: it sets OpenBLAS's thread timeout first
-from hsgd.optim import SGD
+from hsgd.model.config import ModelConfig   # hsgd before NumPy: it sets OpenBLAS's thread timeout first
+from hsgd.model import layers, serial
+from hsgd.model.optim import SGD
 
 import numpy as np
 from threadpoolctl import threadpool_limits

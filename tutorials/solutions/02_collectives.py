@@ -17,7 +17,7 @@ from threadpoolctl import threadpool_limits
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # tutorials/: checks, pictures
 from checks import Checks, rel_err, solve  # noqa: E402
 
-from hsgd.comm import CollectiveMismatch, Comm, CommStats  # noqa: E402
+from hsgd.grid.comm import CollectiveMismatch, Comm, CommStats  # noqa: E402
 
 threadpool_limits(1)                      # four ranks share the cores: one BLAS thread each
 world = MPI.COMM_WORLD

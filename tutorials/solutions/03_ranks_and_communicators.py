@@ -9,9 +9,9 @@ communicators with Split, and checks the two against each other on every rank (C
 import os
 import sys
 
-from hsgd.comm import Comm, CommStats               # hsgd before NumPy: it sets OpenBLAS's thread timeout first
-from hsgd.grid import ProcessGrid, factorizations
-from hsgd.hier import hierarchical_allreduce, node_split
+from hsgd.grid.comm import Comm, CommStats               # hsgd before NumPy: it sets OpenBLAS's thread timeout first
+from hsgd.grid.process_grid import ProcessGrid, factorizations
+from hsgd.dp.hierarchical import hierarchical_allreduce, node_split
 from hsgd.train import local_ranks
 
 import numpy as np
@@ -156,7 +156,7 @@ def exercise_4(check):
     hierarchical_allreduce(ref, node_comm, cross_comm)               # hsgd's version
     exact = sum(np.random.default_rng(r).standard_normal(N) for r in range(P))   # the serial sum
     check("2-D mesh all-reduce vs flat dp_comm Allreduce", rel_err(mesh, flat), 1e-14)
-    check("2-D mesh all-reduce vs hsgd.hier.hierarchical_allreduce", rel_err(mesh, ref), 1e-14)
+    check("2-D mesh all-reduce vs hsgd.dp.hierarchical.hierarchical_allreduce", rel_err(mesh, ref), 1e-14)
     check("2-D mesh all-reduce vs the sum NumPy computes", rel_err(mesh, exact), 1e-14)
 
     sizes = {"node": n, "cross": k}

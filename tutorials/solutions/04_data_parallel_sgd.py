@@ -9,11 +9,12 @@ serial SGD on the whole batch (or a formula), collectively on the 4 ranks.
 import os
 import sys
 
-from hsgd import ModelConfig, serial               # hsgd before NumPy: it sets OpenBLAS's thread timeout first
-from hsgd.data import Corpus
-from hsgd.dp import FlatBuffer, dp_average, params_digest
-from hsgd.grid import ProcessGrid
-from hsgd.hybrid import HybridTrainer
+from hsgd.model.config import ModelConfig   # hsgd before NumPy: it sets OpenBLAS's thread timeout first
+from hsgd.model import serial
+from hsgd.model.data import Corpus
+from hsgd.dp.average import FlatBuffer, dp_average, params_digest
+from hsgd.grid.process_grid import ProcessGrid
+from hsgd.step.trainer import HybridTrainer
 
 import numpy as np
 from mpi4py import MPI

@@ -15,8 +15,9 @@ import numpy as np
 from mpi4py import MPI
 from threadpoolctl import threadpool_limits
 
-from hsgd import layers, tp_layers
-from hsgd.grid import ProcessGrid
+from hsgd.model import layers
+from hsgd.tp import layers as tp_layers
+from hsgd.grid.process_grid import ProcessGrid
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # tutorials/: checks, pictures
 from checks import Checks, rel_err, ring_bytes, solve  # noqa: E402

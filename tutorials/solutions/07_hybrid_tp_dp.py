@@ -10,7 +10,9 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # tutorials/: checks, pictures
-from hsgd import ModelConfig, serial, tp_model  # noqa: E402  (hsgd before NumPy: OpenBLAS's thread timeout)
+from hsgd.model.config import ModelConfig  # noqa: E402  (hsgd before NumPy: OpenBLAS's thread timeout)
+from hsgd.model import serial
+from hsgd.tp import model as tp_model
 
 import math  # noqa: E402
 
@@ -18,11 +20,11 @@ import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 from threadpoolctl import threadpool_limits  # noqa: E402
 
-from hsgd.data import Corpus  # noqa: E402
-from hsgd.dp import FlatBuffer, dp_rows  # noqa: E402
-from hsgd.grid import ProcessGrid  # noqa: E402
-from hsgd.hybrid import HybridTrainer  # noqa: E402
-from hsgd.optim import global_grad_norm  # noqa: E402
+from hsgd.model.data import Corpus  # noqa: E402
+from hsgd.dp.average import FlatBuffer, dp_rows  # noqa: E402
+from hsgd.grid.process_grid import ProcessGrid  # noqa: E402
+from hsgd.step.trainer import HybridTrainer  # noqa: E402
+from hsgd.model.optim import global_grad_norm  # noqa: E402
 
 from checks import Checks, rel_err, solve, train_config  # noqa: E402
 

@@ -18,12 +18,14 @@ from threadpoolctl import threadpool_limits
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # tutorials/: checks, pictures
 from checks import Checks, rel_err, solve, train_config  # noqa: E402
 
-from hsgd import ModelConfig, serial, tp_model  # noqa: E402
-from hsgd.data import Corpus  # noqa: E402
-from hsgd.grid import ProcessGrid  # noqa: E402
-from hsgd.hybrid import HybridTrainer  # noqa: E402
-from hsgd.memory import activation_bytes  # noqa: E402
-from hsgd.pp import schedule, simulate, split_layers, stage_names  # noqa: E402
+from hsgd.model.config import ModelConfig  # noqa: E402
+from hsgd.model import serial
+from hsgd.tp import model as tp_model
+from hsgd.model.data import Corpus  # noqa: E402
+from hsgd.grid.process_grid import ProcessGrid  # noqa: E402
+from hsgd.step.trainer import HybridTrainer  # noqa: E402
+from hsgd.accounting.activations import activation_bytes  # noqa: E402
+from hsgd.pp.chunks import schedule, simulate, split_layers, stage_names  # noqa: E402
 from hsgd.train import fmt_bytes  # noqa: E402
 
 threadpool_limits(1)                    # four ranks share the cores, tiny matrices: one BLAS thread each

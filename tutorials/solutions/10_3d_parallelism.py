@@ -16,14 +16,15 @@ from threadpoolctl import threadpool_limits
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # tutorials/: checks, pictures
 from checks import Checks, ring_share, solve, train_config  # noqa: E402
 
-from hsgd import ModelConfig, tp_model  # noqa: E402
-from hsgd.data import Corpus  # noqa: E402
-from hsgd.dp import check_batch  # noqa: E402
+from hsgd.model.config import ModelConfig  # noqa: E402
+from hsgd.tp import model as tp_model
+from hsgd.model.data import Corpus  # noqa: E402
+from hsgd.dp.average import check_batch  # noqa: E402
 from hsgd.errors import ConfigError  # noqa: E402
-from hsgd.grid import ProcessGrid, factorizations  # noqa: E402
-from hsgd.hybrid import HybridTrainer  # noqa: E402
-from hsgd.memory import activation_formula  # noqa: E402
-from hsgd.pp import split_layers, stage_names  # noqa: E402
+from hsgd.grid.process_grid import ProcessGrid, factorizations  # noqa: E402
+from hsgd.step.trainer import HybridTrainer  # noqa: E402
+from hsgd.accounting.activations import activation_formula  # noqa: E402
+from hsgd.pp.chunks import split_layers, stage_names  # noqa: E402
 from hsgd.train import fmt_bytes  # noqa: E402
 
 threadpool_limits(1)                    # eight ranks share the cores, tiny matrices: one BLAS thread each

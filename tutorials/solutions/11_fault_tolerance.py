@@ -22,9 +22,10 @@ from threadpoolctl import threadpool_limits
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # tutorials/: checks, pictures
 from checks import Checks, solve, train_config  # noqa: E402
 
-from hsgd import ModelConfig, checkpoint, manifest as hsgd_manifest  # noqa: E402
-from hsgd.grid import ProcessGrid  # noqa: E402
-from hsgd.hybrid import HybridTrainer  # noqa: E402
+from hsgd.model.config import ModelConfig  # noqa: E402
+from hsgd.checkpoint import store as checkpoint, manifest as hsgd_manifest
+from hsgd.grid.process_grid import ProcessGrid  # noqa: E402
+from hsgd.step.trainer import HybridTrainer  # noqa: E402
 
 threadpool_limits(1)
 world = MPI.COMM_WORLD
@@ -230,7 +231,7 @@ def exercise_3(check):
     world.Barrier()
     with open(os.path.join(path, "manifest.json")) as f:
         m = json.load(f)
-    check.equal("my digest of the manifest == hsgd.manifest.digest", hashlib.sha256(json.dumps(
+    check.equal("my digest of the manifest == hsgd.checkpoint.manifest.digest", hashlib.sha256(json.dumps(
         {k: v for k, v in m.items() if k != "digest"}, sort_keys=True).encode()).hexdigest(), hsgd_manifest.digest(m))
     check.equal("the intact checkpoint: (digest correct, bad files)", verify(path), (True, []))
     check.equal("one bit flipped: (digest correct, bad files)", verify(flipped), (True, ["shard-pp1-tp0.npz"]))
@@ -255,8 +256,8 @@ def shard_elements(name, shape, tp, scheme_split):
 def exercise_4(check):
     """The bytes of a checkpoint, predicted from the model's shape and the layout."""
     path = SAVED["path"]
-    from hsgd.pp import split_layers, stage_names
-    from hsgd.tp_model import split_of
+    from hsgd.pp.chunks import split_layers, stage_names
+    from hsgd.tp.model import split_of
     with open(os.path.join(path, "manifest.json")) as f:
         m = json.load(f)
     lay = m["layout"]

@@ -21,11 +21,12 @@ from threadpoolctl import threadpool_limits  # noqa: E402
 import cupy  # noqa: E402  (the simulated one)
 import cupyx  # noqa: E402
 from checks import Checks, rel_err, solve, train_config  # noqa: E402
-from hsgd import ModelConfig, backend  # noqa: E402
-from hsgd.data import Corpus  # noqa: E402
-from hsgd.grid import ProcessGrid  # noqa: E402
-from hsgd.hybrid import HybridTrainer  # noqa: E402
-from hsgd.precision import FORMATS, round_to  # noqa: E402
+from hsgd.model.config import ModelConfig  # noqa: E402
+from hsgd.model import backend  # noqa: E402
+from hsgd.model.data import Corpus  # noqa: E402
+from hsgd.grid.process_grid import ProcessGrid  # noqa: E402
+from hsgd.step.trainer import HybridTrainer  # noqa: E402
+from hsgd.model.precision import FORMATS, round_to  # noqa: E402
 from hsgd.train import local_ranks  # noqa: E402
 
 threadpool_limits(1)

@@ -11,7 +11,10 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # tutorials/: checks, pictures
-from hsgd import ModelConfig, hooks, serial, step_memory, tp_model  # noqa: E402  (hsgd before NumPy: OpenBLAS)
+from hsgd.model.config import ModelConfig  # noqa: E402  (hsgd before NumPy: OpenBLAS)
+from hsgd.tp import hooks, model as tp_model
+from hsgd.model import serial
+from hsgd.accounting import step_memory
 
 from contextlib import contextmanager  # noqa: E402
 
@@ -19,13 +22,13 @@ import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 from threadpoolctl import threadpool_limits  # noqa: E402
 
-from hsgd.data import Corpus  # noqa: E402
-from hsgd.grid import ProcessGrid  # noqa: E402
-from hsgd.hybrid import HybridTrainer  # noqa: E402
-from hsgd.memory import activation_formula  # noqa: E402
-from hsgd.report import step_formula  # noqa: E402
-from hsgd.sharded import ShardHooks  # noqa: E402
-from hsgd.tp_schemes import make_scheme  # noqa: E402
+from hsgd.model.data import Corpus  # noqa: E402
+from hsgd.grid.process_grid import ProcessGrid  # noqa: E402
+from hsgd.step.trainer import HybridTrainer  # noqa: E402
+from hsgd.accounting.activations import activation_formula  # noqa: E402
+from hsgd.run.report import step_formula  # noqa: E402
+from hsgd.dp.sharded import ShardHooks  # noqa: E402
+from hsgd.tp.schemes import make_scheme  # noqa: E402
 
 import pictures  # noqa: E402  (on_rank0: the serial reference on rank 0, the others asleep)
 from checks import Checks, rel_err, ring_share, solve, train_config  # noqa: E402

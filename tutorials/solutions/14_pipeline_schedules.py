@@ -19,15 +19,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import pictures  # noqa: E402
 from checks import Checks, solve, train_config  # noqa: E402
 
-from hsgd import ModelConfig  # noqa: E402
-from hsgd.data import Corpus  # noqa: E402
-from hsgd.grid import ProcessGrid  # noqa: E402
-from hsgd.hybrid import HybridTrainer  # noqa: E402
-from hsgd.pp import pp_formula  # noqa: E402
-from hsgd.report import fmt_bytes  # noqa: E402
-from hsgd.schedules import (Action, ScheduleError, bubble_formula, bubble_fraction, build, idle_per_stage,  # noqa: E402
-                            peak_held, simulate)
-from hsgd.schedules import check as check_schedule  # noqa: E402
+from hsgd.model.config import ModelConfig  # noqa: E402
+from hsgd.model.data import Corpus  # noqa: E402
+from hsgd.grid.process_grid import ProcessGrid  # noqa: E402
+from hsgd.step.trainer import HybridTrainer  # noqa: E402
+from hsgd.pp.chunks import pp_formula  # noqa: E402
+from hsgd.run.report import fmt_bytes  # noqa: E402
+from hsgd.pp.schedules import (Action, ScheduleError, bubble_formula, bubble_fraction, build,  # noqa: E402
+                               idle_per_stage, peak_held, simulate)
+from hsgd.pp.schedules import check as check_schedule  # noqa: E402
 
 threadpool_limits(1)                    # eight ranks share the cores, tiny matrices: one BLAS thread each
 world = MPI.COMM_WORLD

@@ -2,7 +2,7 @@
 
     mpirun -n 8 python tutorials/solutions/15_context_parallelism.py
 
-Exercise 1 counts the work of three layouts and runs the striped one as a subclass of hsgd.ring_attention.Ring on cp 8;
+Exercise 1 counts the work of three layouts and runs the striped one as a subclass of hsgd.cp.ring.Ring on cp 8;
 exercise 2 builds all-to-all (Ulysses) attention with mpi4py's Alltoall on cp_comm and compares the bytes of the
 three schemes; exercises 3 and 4 are arithmetic that every rank does (cheap), checked collectively.
 """
@@ -19,11 +19,12 @@ from threadpoolctl import threadpool_limits
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # tutorials/: checks, pictures
 from checks import Checks, rel_err, ring_bytes, solve  # noqa: E402
 
-from hsgd import ModelConfig, cp  # noqa: E402
-from hsgd.ring_attention import Ring  # noqa: E402
-from hsgd.grid import ProcessGrid  # noqa: E402
-from hsgd.layers import attention_backward, attention_forward  # noqa: E402
-from hsgd.memory import activation_formula  # noqa: E402
+from hsgd.model.config import ModelConfig  # noqa: E402
+from hsgd.cp import split as cp
+from hsgd.cp.ring import Ring  # noqa: E402
+from hsgd.grid.process_grid import ProcessGrid  # noqa: E402
+from hsgd.model.layers import attention_backward, attention_forward  # noqa: E402
+from hsgd.accounting.activations import activation_formula  # noqa: E402
 
 threadpool_limits(1)                    # eight ranks share the cores, tiny matrices: one BLAS thread each
 world = MPI.COMM_WORLD

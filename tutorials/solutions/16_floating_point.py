@@ -17,13 +17,13 @@ from threadpoolctl import threadpool_limits
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # tutorials/: checks, pictures
 from checks import Checks, solve  # noqa: E402
 
-from hsgd import ModelConfig  # noqa: E402
-from hsgd.data import Corpus  # noqa: E402
-from hsgd.grid import ProcessGrid  # noqa: E402
-from hsgd.hybrid import HybridTrainer  # noqa: E402
-from hsgd.oracle import Perturbed  # noqa: E402
-from hsgd.precision import FORMATS, Numerics, round_to, unit_roundoff  # noqa: E402
-from hsgd.settings import TrainConfig  # noqa: E402
+from hsgd.model.config import ModelConfig  # noqa: E402
+from hsgd.model.data import Corpus  # noqa: E402
+from hsgd.grid.process_grid import ProcessGrid  # noqa: E402
+from hsgd.step.trainer import HybridTrainer  # noqa: E402
+from hsgd.check.oracle import Perturbed  # noqa: E402
+from hsgd.model.precision import FORMATS, Numerics, round_to, unit_roundoff  # noqa: E402
+from hsgd.run.settings import TrainConfig  # noqa: E402
 
 threadpool_limits(1)                    # the ranks share the cores, tiny matrices: one BLAS thread each
 world = MPI.COMM_WORLD

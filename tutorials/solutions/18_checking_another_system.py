@@ -12,7 +12,8 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # tutorials/: checks, pictures
-from hsgd import ModelConfig, serial  # noqa: E402  (hsgd first, as in the chapters)
+from hsgd.model.config import ModelConfig  # noqa: E402  (hsgd first, as in the chapters)
+from hsgd.model import serial
 
 import json  # noqa: E402
 
@@ -25,8 +26,8 @@ from hsgd.crosscheck.dump import grads_file  # noqa: E402
 from hsgd.crosscheck.read import load  # noqa: E402
 from hsgd.crosscheck.write import shard_entry, write_layout, write_one_rank, write_rank  # noqa: E402
 from hsgd.crosscheck.hsgd_dump import dump_one_step  # noqa: E402
-from hsgd.data import Corpus  # noqa: E402
-from hsgd.mutations import injected  # noqa: E402
+from hsgd.model.data import Corpus  # noqa: E402
+from hsgd.check.mutations import injected  # noqa: E402
 
 import pictures  # noqa: E402
 from checks import Checks, require_ranks, solve, train_config  # noqa: E402
@@ -198,7 +199,7 @@ def exercise_4(check):
 
     ok, err, diff = on_rank0(work)
     check.holds("the repaired dump: PASS", ok)
-    check("the repaired dump: the largest gradient error against hsgd.serial", err, 1e-10)
+    check("the repaired dump: the largest gradient error against hsgd.model.serial", err, 1e-10)
     check("the repaired gradients = the correct program's (torch_tp2_dp2), relative", diff, 1e-12)
 
 

@@ -18,9 +18,11 @@ from threadpoolctl import threadpool_limits
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # tutorials/: checks, pictures
 from checks import Checks, solve  # noqa: E402
 
-from hsgd import ModelConfig, ops, serial, tp_model  # noqa: E402
-from hsgd.optim import SGD  # noqa: E402
-from hsgd.threads import set_cpu_threads  # noqa: E402
+from hsgd.model.config import ModelConfig  # noqa: E402
+from hsgd.model import ops, serial
+from hsgd.tp import model as tp_model
+from hsgd.model.optim import SGD  # noqa: E402
+from hsgd.model.threads import set_cpu_threads  # noqa: E402
 
 threadpool_limits(1)                    # one BLAS thread, and one of hsgd's own: exercise 2 times one core
 set_cpu_threads(1)
@@ -45,7 +47,7 @@ def palm_step_flops(cfg, B):
 
 
 def counted_step_flops(cfg, B):
-    """The FLOPs of the products one float64 step performs: hsgd.ops' linear and attention functions wrapped, each
+    """The FLOPs of the products one float64 step performs: hsgd.model.ops' linear and attention functions wrapped, each
     call's products counted from the shapes it was given (dense attention, full T x T)."""
     count = []
 

@@ -1,0 +1,1 @@
+"""hsgd.accounting."""

@@ -1,0 +1,369 @@
+"""The tolerance oracle: how far may a bfloat16 or float16 layout differ from float64, and from another layout,
+before it is a bug?
+
+    mpirun -n 8 python -m hsgd.verify --dtype bfloat16 --layouts 1x1x1,2x1x4,1x2x4 --seeds 8 [--loss-steps K]
+
+For every seed s (the initial weights and the batch) and every layout L (dp x pp x tp, or dp x pp x cp x tp, on
+the first dp pp cp tp ranks), one-step runs of the same code path:
+
+    g          the float64 serial reference (one rank, one micro-batch, plain exchange, float64)
+    g_L        L in the low format: what the user's run computes
+    g_L^64     L in float64: exact, equal to g up to ~1e-15 (else L has a bug, whatever the format)
+    g_L^1..D   L in float64 through the error model, D times (D draws; 2 for gradients, with --loss-steps enough
+               that seeds x (D - 1) >= 8): every rounding of the low format, at every point of
+               hsgd.model.precision.POINTS, replaced by x -> x (1 + u e), e in [-1, 1) random; a value the format
+               already holds is left alone, as a rounding leaves it
+
+and, for every parameter P (relative to a norm; the floor keeps gradients that are zero in exact arithmetic, such
+as the attention k-bias's, from dividing by zero):
+
+    d(a, b) = ||a_P - b_P|| / max(||g_P||, 1e-3 max_Q ||g_Q||)          (Frobenius norms; inf if not finite)
+
+    observed      d(g_L, g) against float64, d(g_L, g_B) against the first layout B; median and max over seeds
+    model         m_L = sqrt(mean_s sum_d d(g_L^d, mean_d g_L^d)^2 / (D - 1)): the rms rounding error the model
+                  predicts for L, from the draws' spread (whatever the draws share, such as a bug in the
+                  low-precision code path that every draw takes, cancels and cannot widen the band)
+    band          lambda m_L                         + lambda sqrt(N) u_float32          against float64
+                  lambda sqrt(m_L^2 + m_B^2)         + lambda sqrt(N) u_float32          between L and B
+
+with lambda = 4. The model is a Monte Carlo simulation of the rounding-error model of Higham & Mary 2019 ("A New
+Approach to Probabilistic Rounding Error Analysis": each rounding a relative error bounded by u, independent and
+of mean zero), run through the code itself instead of bounded by hand; lambda times an rms measured over a few
+draws is a rule of thumb, not a bound with a proven probability. Higham's worst-case gamma_n = n u / (1 - n u)
+says nothing in bfloat16 (gamma_n >= 1 from n = 128 terms). The second term is an allowance, in the probabilistic
+sqrt(n) u form, for what the model does not perturb: the float32 arithmetic, where a weight gradient adds N = B T
+per-token terms (the matrix products' accumulations, the micro-batches, the dp and cp ranks' shares) in another
+order in each layout; it is far below the first term for gradients (~3e-6 at N = 128) and matters only where the
+rounding in the narrow format is tiny. Where the model is wrong: it cannot underflow (float16's underflow is what
+the loss scale is for), and its e is uniform, a larger error than a real rounding's (an error uniform in [-u, u]
+has rms u/sqrt(3); a rounding's is about 0.74 of that, tests/test_oracle.py), so the band leans wide.
+
+A difference outside its band is flagged, and the oracle exits 1; so does a non-finite difference, and a layout
+whose float64 run differs from the reference by more than hsgd.verify's float64 tolerance (a bug that is not
+rounding at all). Being inside the band is evidence, not proof: a bug smaller than the rounding error is invisible
+to any comparison of one step.
+
+With --loss-steps K the same question for the loss after K training steps (the mean loss of one validation batch),
+where the rounding errors of K updates have accumulated: one row per layout. One number per seed is a noisy
+sample, so there the median over the seeds is held to the band, not the largest.
+"""
+from dataclasses import replace
+
+import numpy as np
+from mpi4py import MPI
+
+from hsgd.grid import launch
+from hsgd.model.backend import array_module, to_numpy
+from hsgd.cp.split import check_cp
+from hsgd.dp.average import check_batch
+from hsgd.errors import ConfigError
+from hsgd.grid.process_grid import ProcessGrid
+from hsgd.step.trainer import HybridTrainer
+from hsgd.model.precision import LOW, POINTS, Numerics, round_to, unit_roundoff
+from hsgd.pp.schedules import check_pipeline
+from hsgd.tp.shards import check_tp, unshard
+
+LAMBDA = 4.0                  # the band: LAMBDA times the model's rms difference
+FLOOR = 1e-3                  # the norm a parameter's difference is relative to: at least FLOOR x the largest
+FLOAT64_TOLERANCE = 1e-10     # a layout's float64 run against the reference (hsgd.verify's)
+
+
+# ------------------------------------------------------------------------------------------- the error model
+
+def uniform_of(x, salt):
+    """A number in [-1, 1) for every element of the float64 array x, a hash of its bits and `salt` (splitmix64's
+    finalizer): random to look at, but a function of the value, as a rounding is (two ranks that compute the
+    same value replicated perturb it the same way, and stay replicas)."""
+    xp = array_module(x)
+    h = xp.ascontiguousarray(x, dtype=xp.float64).view(xp.uint64) ^ xp.uint64(salt)
+    h = h * xp.uint64(0x9E3779B97F4A7C15)                            # (wraps modulo 2^64)
+    h = (h ^ (h >> xp.uint64(30))) * xp.uint64(0xBF58476D1CE4E5B9)
+    h = (h ^ (h >> xp.uint64(27))) * xp.uint64(0x94D049BB133111EB)
+    h = h ^ (h >> xp.uint64(31))
+    return (h >> xp.uint64(11)).astype(xp.float64) * 2.0 ** -52 - 1.0     # 53 random bits -> [-1, 1)
+
+
+# a salt per rounding point (odd multiples of a 64-bit constant): the same value rounded at two points is
+# perturbed independently
+POINT_SALT = {p: ((2 * i + 1) * 0x9E3779B97F4A7C15) % 2 ** 64 for i, p in enumerate(POINTS)}
+
+
+class Perturbed(Numerics):
+    """The rounding-error model: a float64 run whose every rounding to `compute` (and to `reduce`) is
+    x (1 + u e), u the format's unit roundoff and e = uniform_of(x, salt of the draw and of the point), except
+    where x is a number of the format (a rounding leaves it alone, and so does the model): an error as large as a
+    rounding's can be, random in size and sign. Nothing else changes: the same points, counted the same way."""
+
+    def __init__(self, compute, reduce="float32", salt=0):
+        super().__init__(compute, reduce)
+        self.salt = salt
+
+    def rounded(self, x, fmt, point):
+        xp = array_module(x)
+        e = uniform_of(x, self.salt ^ POINT_SALT[point])
+        return xp.where(round_to(x, fmt) == x, x, x * (1.0 + unit_roundoff(fmt) * e))
+
+
+# ------------------------------------------------------------------------------------------- layouts
+
+def parse_layouts(text, cfg, tc, world_size):
+    """[(dp, pp, cp, tp)] from "1x1x1,2x1x4,1x2x4" (dp x pp x tp) or with four numbers dp x pp x cp x tp; each
+    checked as hsgd.train would (the model splits, the batch divides, the pipeline has layers): ConfigError."""
+    out = []
+    for spec in text.split(","):
+        try:
+            dims = [int(d) for d in spec.strip().lower().split("x")]
+        except ValueError:
+            dims = []
+        if len(dims) not in (3, 4) or min(dims) < 1:
+            raise ConfigError(f"--layouts: {spec!r} is not a layout; write dp x pp x tp or dp x pp x cp x tp, e.g. "
+                              f"--layouts 1x1x1,2x1x4,1x2x4 (on 8 ranks)")
+        dp, pp, cp, tp = dims if len(dims) == 4 else (dims[0], dims[1], 1, dims[2])
+        if dp * pp * cp * tp > world_size:
+            raise ConfigError(f"--layouts: {spec} needs {dp * pp * cp * tp} ranks, mpirun started {world_size}; "
+                              f"start more ranks or give layouts of at most {world_size}")
+        if (dp, pp, cp, tp) in out:
+            raise ConfigError(f"--layouts: {spec} is given twice; give each layout once")
+        ltc = layout_config(tc, (dp, pp, cp, tp))
+        ltc.validate()
+        ltc.resolve_layout(dp * pp * cp * tp)
+        check_tp(cfg, tp, tc.tp_scheme)
+        check_cp(cfg.seq_len, cp, tp, tc.tp_scheme == "sequence")
+        check_batch(tc.batch_size, dp, tc.micro_batches)
+        check_pipeline(cfg.n_layers, ltc)
+        out.append((dp, pp, cp, tp))
+    return out
+
+
+def serial_config(tc):
+    """The reference's settings: tc on one rank, one micro-batch, the plain exchange and schedule, nothing
+    recomputed (whatever tc asks of its layouts)."""
+    return layout_config(tc, (1, 1, 1, 1), micro_batches=1, zero=0, hierarchical=False, dp_overlap=False,
+                         dp_staleness=0, pp_split=None, virtual_stages=1, schedule="1f1b", recompute="none")
+
+
+def layout_config(tc, layout, **changes):
+    """tc on `layout` (dp, pp, cp, tp), with `changes`."""
+    dp, pp, cp, tp = layout
+    return replace(tc, dp=dp, pp=pp, cp=cp, tp=tp, **changes)
+
+
+def name_of(layout):
+    dp, pp, cp, tp = layout
+    return f"{dp}x{pp}x{tp}" if cp == 1 else f"{dp}x{pp}x{cp}x{tp}"
+
+
+# ------------------------------------------------------------------------------------------- one run
+
+def run_layout(cfg, tc, layout, seed, world, dtype, corpus, num=None, loss_steps=0):
+    """Collective over world: one run of `layout` on its first dp pp cp tp ranks, from the weights of `seed`, in
+    `dtype` (with `num`: the stage rounds as num says), on the batches of hsgd.model.data's `corpus`. loss_steps = 0:
+    one step's gradient of the batch of `seed`, returned on world rank 0 as {name: full float64 array} (a float16
+    run that overflows at its loss scale S halves S and tries again, as the scaler would); loss_steps = K: K
+    training steps, then the mean loss of one validation batch (a float on rank 0). None on the other ranks. A
+    settings error on any rank is raised on every rank of world (launch.agree)."""
+    n = int(np.prod(layout))
+    sub = world.Split(0 if world.Get_rank() < n else MPI.UNDEFINED, world.Get_rank())
+    ltc = layout_config(tc, layout, seed=seed, dtype=dtype, steps=max(1, loss_steps))
+
+    def mine():                                                  # (the ranks outside the layout: nothing to do)
+        return None if sub == MPI.COMM_NULL else one_run(cfg, ltc, sub, corpus, num, loss_steps)
+
+    try:
+        result = launch.agree(world, mine)
+    finally:
+        if sub != MPI.COMM_NULL:
+            sub.Free()
+    return result if world.Get_rank() == 0 else None
+
+
+def one_run(cfg, tc, sub, corpus, num, loss_steps):
+    """run_layout's work on the ranks of the layout (sub, of dp pp cp tp ranks)."""
+    grid = ProcessGrid(sub, dp=tc.dp, pp=tc.pp, tp=tc.tp, cp=tc.cp)
+    trainer = None
+    try:
+        trainer = HybridTrainer(cfg, grid, tc)
+        if num is not None:
+            trainer.stage.use(num)
+        if loss_steps:
+            for step in range(1, loss_steps + 1):
+                trainer.step(*corpus.batch(tc.seed, step, tc.batch_size), step)
+            return trainer.evaluate(corpus, 1, tc.batch_size)                  # (collective)
+        idx, targets = corpus.batch(tc.seed, 1, tc.batch_size)
+        for _ in range(64):
+            trainer.gradients(idx, targets)
+            mine = {k: to_numpy(g).astype(np.float64) / trainer.stage.loss_scale
+                    for k, g in trainer.averaged_grads().items()}
+            if trainer.scaler is None or sub.allreduce(all(np.isfinite(g).all() for g in mine.values()),
+                                                       op=MPI.LAND):
+                break                                                   # (else not finite: reported as such)
+            trainer.scaler.update(True)                                  # S / 2, and again
+        shards = grid.tp_comm.allgather_obj(mine)                      # one pickled message, not one per name
+        stage = {k: unshard([sh[k] for sh in shards], k, cfg, tc.tp_scheme) for k in mine}
+        full = {}
+        for part in grid.pp_comm.allgather_obj(stage):                 # every stage's parameters
+            full.update(part)
+        return full
+    finally:
+        if trainer is not None:
+            trainer.finish()
+            trainer.free()
+        grid.free()
+
+
+def differences(a, b, ref):
+    """{name: d(a, b)} of the module docstring, relative to the reference gradient ref; inf where a or b is not
+    finite (an overflow, a NaN: outside every band)."""
+    floor = FLOOR * max(float(np.linalg.norm(g)) for g in ref.values())
+    out = {}
+    for k in ref:
+        d = float(np.linalg.norm(a[k] - b[k])) / max(float(np.linalg.norm(ref[k])), floor)
+        out[k] = d if np.isfinite(d) else float("inf")
+    return out
+
+
+def spread(draws, ref):
+    """{name: sum_d d(draw_d, mean of the draws)^2 / (D - 1)}: the draws' variance, relative as d is."""
+    mean = {k: sum(g[k] for g in draws) / len(draws) for k in ref}
+    each = [differences(g, mean, ref) for g in draws]
+    return {k: sum(e[k] ** 2 for e in each) / (len(draws) - 1) for k in ref}
+
+
+# ------------------------------------------------------------------------------------------- the oracle
+
+class Verdict:
+    """What the oracle saw, on rank 0: per layout and parameter (or "loss") the observed differences per seed
+    against float64 (`vs64`) and against the first layout (`vsbase`), the model's (`model`: the draws' variance),
+    the float64 run's (`exact`), and the bands. rows() lists them; outside() the ones a correct run would not
+    give."""
+
+    def __init__(self, layouts, names, compute, tokens):
+        self.layouts, self.names, self.compute = layouts, names, compute
+        self.scalar = names == ["loss"]                            # --loss-steps: the median is held to the band
+        self.reorder32 = LAMBDA * tokens ** 0.5 * unit_roundoff("float32")   # the float32 sums' allowance
+        self.tokens = tokens
+        self.vs64 = {L: {k: [] for k in names} for L in layouts}
+        self.vsbase = {L: {k: [] for k in names} for L in layouts}
+        self.model = {L: {k: [] for k in names} for L in layouts}
+        self.exact = {L: 0.0 for L in layouts}
+
+    def add(self, L, vs64, vsbase, model, exact):
+        for k in self.names:
+            self.vs64[L][k].append(vs64[k])
+            self.vsbase[L][k].append(vsbase[k])
+            self.model[L][k].append(model[k])
+        worst = float(np.max(list(exact.values())))
+        self.exact[L] = max(self.exact[L], worst if np.isfinite(worst) else float("inf"))
+
+    def rms(self, L, k):
+        """m_L: the model's rms error of one draw (`model` holds each seed's variance of the draws)."""
+        return float(np.sqrt(np.mean(self.model[L][k])))
+
+    def band(self, L, k, base=False):
+        m = self.rms(L, k)
+        if base:
+            m = float(np.hypot(m, self.rms(self.layouts[0], k)))
+        return LAMBDA * m + self.reorder32
+
+    def rows(self):
+        """[(layout, name, median vs64, max vs64, band, median vs base, max vs base, band vs base)]."""
+        out = []
+        for L in self.layouts:
+            for k in self.names:
+                a, b = self.vs64[L][k], self.vsbase[L][k]
+                out.append((L, k, float(np.median(a)), float(np.max(a)), self.band(L, k), float(np.median(b)),
+                            float(np.max(b)), self.band(L, k, base=True)))
+        return out
+
+    def ratio(self, row):
+        """How far a row is into its band: the held statistic (max, or with --loss-steps the median) over the
+        band, against float64 and against the base, the larger; inf when the band itself is not finite."""
+        L, k, med, mx, band, medb, mxb, bandb = row
+        held = (med, medb) if self.scalar else (mx, mxb)
+        if not (np.isfinite(band) and np.isfinite(bandb)):
+            return float("inf")
+        return max(held[0] / band, held[1] / bandb if L != self.layouts[0] else 0.0)
+
+    def outside(self):
+        """The rows outside their band, and the layouts whose float64 run is not exact."""
+        bad = [r for r in self.rows() if not self.ratio(r) <= 1.0]
+        return bad, [L for L in self.layouts if not self.exact[L] <= FLOAT64_TOLERANCE]
+
+
+def oracle(cfg, tc, layouts, seeds, world, corpus, loss_steps=0, progress=None):
+    """Collective over world: the Verdict on rank 0 (None elsewhere). tc.dtype is bfloat16 or float16;
+    seeds: the seeds tc.seed, tc.seed + 1, ...; progress(text): a line per seed on rank 0."""
+    if tc.dtype not in LOW:
+        raise ConfigError(f"the tolerance oracle is for --dtype {' or '.join(LOW)}, not {tc.dtype}")
+    names = ["loss"] if loss_steps else list(cfg.param_shapes())
+    verdict = Verdict(layouts, names, tc.dtype, tc.batch_size * cfg.seq_len)
+    rank0 = world.Get_rank() == 0
+    n_draws = 2 if not loss_steps else max(2, 1 + -(-8 // seeds))     # one number per run: >= 8 degrees of freedom
+
+    def run(L, seed, dtype, num=None, ltc=tc):
+        x = run_layout(cfg, ltc, L, seed, world, dtype, corpus, num, loss_steps)
+        return {"loss": np.array(x)} if loss_steps and rank0 else x
+
+    for i in range(seeds):
+        seed = tc.seed + i
+        ref = run((1, 1, 1, 1), seed, "float64", ltc=serial_config(tc))            # the serial reference
+        base = None
+        for j, L in enumerate(layouts):
+            low = run(L, seed, tc.dtype)
+            exact = run(L, seed, "float64")
+            draws = [run(L, seed, "float64", Perturbed(tc.dtype, tc.reduce_dtype, salt=(1000 * i + j) * 64 + d + 1))
+                     for d in range(n_draws)]
+            if rank0:
+                base = low if j == 0 else base
+                verdict.add(L, differences(low, ref, ref), differences(low, base, ref), spread(draws, ref),
+                            differences(exact, ref, ref))
+        if rank0 and progress:
+            progress(f"seed {seed}: {len(layouts)} layouts x {2 + n_draws} runs (in {tc.dtype}, in float64, "
+                     f"{n_draws} draws of the error model) done")
+    return verdict if rank0 else None
+
+
+def report(verdict, tc, cfg, world_size, out, loss_steps=0):
+    """The oracle's tables, on rank 0; returns True when every difference is inside its band."""
+    u, n = unit_roundoff(verdict.compute), len(verdict.vs64[verdict.layouts[0]][verdict.names[0]])
+    base = name_of(verdict.layouts[0])
+    what = (f"the loss after {loss_steps} steps" if verdict.names == ["loss"] else "one step's gradients")
+    print(f"hsgd.verify, the tolerance oracle | {world_size} ranks | {verdict.compute} (u = {u:.1e}), reduce "
+          f"{tc.reduce_dtype} | {what}, {n} seeds | batch {tc.batch_size} x {cfg.seq_len}, {tc.micro_batches} "
+          f"micro-batch(es) | {tc.tp_scheme}", file=out)
+    print(f"band = {LAMBDA:g} x the error model's rms (between layouts: of both, in quadrature) + {LAMBDA:g} "
+          f"sqrt(N) u_float32 = {verdict.reorder32:.1e} (N = {verdict.tokens} tokens); differences relative to the "
+          f"float64 {'loss' if verdict.scalar else 'gradient norm'}"
+          f"{'; the median over seeds is held to the band' if verdict.scalar else ''}", file=out)
+    rows = verdict.rows()
+    for L in verdict.layouts:
+        dp, pp, cp, tp = L
+        print(f"\nlayout {name_of(L)} (dp {dp} x pp {pp}{f' x cp {cp}' if cp > 1 else ''} x tp {tp}): in float64 "
+              f"{verdict.exact[L]:.1e} from the reference (exact: <= {FLOAT64_TOLERANCE:.0e})"
+              f"{'' if verdict.exact[L] <= FLOAT64_TOLERANCE else '   <- NOT EXACT: a bug, not rounding'}", file=out)
+        print(f"{'':<24}{'vs float64':>30}{'vs ' + base:>32}", file=out)
+        print(f"{'parameter':<24}{'median':>10}{'max':>10}{'band':>10}  {'median':>10}{'max':>10}{'band':>10}",
+              file=out)
+        for row in rows:
+            L2, k, med, mx, band, medb, mxb, bandb = row
+            if L2 == L:
+                flag = "" if verdict.ratio(row) <= 1 else "   <- outside the band" + (
+                    "" if np.isfinite(mx) else " (not finite: an overflow, a NaN)")
+                other = f"{medb:>10.1e}{mxb:>10.1e}{bandb:>10.1e}" if L != verdict.layouts[0] else f"{'-':>10}" * 3
+                print(f"{k:<24}{med:>10.1e}{mx:>10.1e}{band:>10.1e}  {other}{flag}", file=out)
+        worst = max((r for r in rows if r[0] == L), key=verdict.ratio)
+        print(f"largest observed / band: {verdict.ratio(worst):.2f} ({worst[1]})", file=out)
+    bad, inexact = verdict.outside()
+    ok = not bad and not inexact
+    if ok:
+        print(f"PASS: every difference of {', '.join(name_of(L) for L in verdict.layouts)} is inside its band: "
+              f"what rounding to {verdict.compute} explains", file=out)
+    else:
+        names = sorted({f"{name_of(r[0])} {r[1]}" for r in bad}) + [f"{name_of(L)} (float64)" for L in inexact]
+        print(f"FAIL: {len(names)} outside what rounding explains: {', '.join(names[:8])}"
+              f"{' ...' if len(names) > 8 else ''}", file=out)
+    return ok
+
+
+__all__ = ["oracle", "report", "Perturbed", "Verdict", "differences", "spread", "parse_layouts", "run_layout",
+           "serial_config", "uniform_of", "LAMBDA"]

@@ -1,0 +1,118 @@
+"""A checkpoint's manifest: what it must hold, checked before any of it is trusted.
+
+A manifest decides which files are read (their names), how they are put together (the layout) and which checks
+apply (the checksums), so a damaged or edited one could make a loader read files outside the checkpoint, skip
+every checksum (an empty `files`), or cut a model into wrong shapes. `check` therefore verifies, in order:
+
+* its own digest (`digest`: SHA-256 of the manifest's JSON without that key, keys sorted), recorded when it was
+  written: any later edit is detected;
+* its schema: every key there, of its type; the model a valid ModelConfig; the layout (dp, pp, tp, a known tensor
+  scheme, virtual stages, layers per piece) one that splits that model;
+* its files: exactly the shard names of that layout, `shard-pp{s}-tp{t}.npz` for every stage s and tensor rank t,
+  each entry naming its own (s, t), a 64-digit SHA-256 and a size. Nothing else is ever opened.
+
+Every failure is `checkpoint ... is corrupt: ...` (a CheckpointError: exit code 2).
+"""
+import hashlib
+import json
+
+from hsgd.errors import ConfigError
+
+DTYPES = ("float32", "float64", "bfloat16", "float16")
+OPTIMIZERS = ("sgd", "adamw")
+
+
+def digest(manifest):
+    """SHA-256 of the manifest's canonical JSON, without its own digest (and the loader's `path`)."""
+    body = {k: v for k, v in manifest.items() if k not in ("digest", "path")}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def shard_names(pp, tp):
+    """The files of a checkpoint saved on pp stages x tp tensor ranks."""
+    return {f"shard-pp{s}-tp{t}.npz": (s, t) for s in range(pp) for t in range(tp)}
+
+
+def is_int(x, low=0):
+    return isinstance(x, int) and not isinstance(x, bool) and x >= low
+
+
+def check(m, path, error):
+    """Raise error("checkpoint PATH is corrupt: ...") unless `m`, a dict of hsgd's format (the caller has checked
+    that much: hsgd.checkpoint.store.open_checkpoint), is a manifest as described in the module docstring. Returns the
+    ModelConfig it describes."""
+    from hsgd.model.config import ModelConfig
+    from hsgd.errors import UsageError
+    from hsgd.pp.chunks import chunk_layers
+    from hsgd.tp.model import SCHEMES, check_tp
+
+    def need(ok, what):
+        if not ok:
+            raise error(f"checkpoint {path!r} is corrupt: its manifest {what}; resume from another checkpoint")
+
+    need(isinstance(m.get("digest"), str), "records no digest of itself (written by an older hsgd, or edited)")
+    need(m["digest"] == digest(m), "was changed after it was written (its digest does not match)")
+    for key, kind in (("step", int), ("model", dict), ("layout", dict), ("optimizer", dict), ("dtype", str),
+                      ("data", dict), ("files", dict)):
+        need(isinstance(m.get(key), kind) and not isinstance(m.get(key), bool), f"has no {key} of type {kind.__name__}")
+    need(m["step"] >= 1, f"has step {m['step']!r}, not a step >= 1")
+    run = m.get("run")
+    need(isinstance(run, dict) and isinstance(run.get("line"), str) and is_int(m.get("written_ns")),
+         "has no run line and write time")
+    try:
+        cfg = ModelConfig(**m["model"])
+    except (TypeError, UsageError) as e:
+        need(False, f"describes no valid model ({e})")
+    lay = m["layout"]
+    need(all(is_int(lay.get(k), 1) for k in ("dp", "pp", "tp")), "has a layout without positive dp, pp, tp")
+    need(is_int(lay.get("cp", 1), 1), f"has cp {lay.get('cp')!r}, not a positive integer")
+    need(lay.get("tp_scheme") in SCHEMES, f"names an unknown tensor-parallel scheme {lay.get('tp_scheme')!r}")
+    layers, v = lay.get("layers"), lay.get("virtual_stages", 1)
+    need(isinstance(layers, list) and all(is_int(x, 1) for x in layers),
+         "has no list of layers per stage (per piece with virtual stages)")
+    need(is_int(v, 1), f"has virtual_stages {v!r}, not a positive integer")
+    try:
+        chunk_layers(cfg.n_layers, lay["pp"], v, layers)
+        check_tp(cfg, lay["tp"], lay["tp_scheme"])
+    except UsageError as e:
+        need(False, f"has a layout that does not split its model ({e})")
+    opt = m["optimizer"]
+    need(opt.get("name") in OPTIMIZERS and is_int(opt.get("t")), "has no optimizer name and step count")
+    need(m["dtype"] in DTYPES, f"has an unknown dtype {m['dtype']!r}")
+    expected = shard_names(lay["pp"], lay["tp"])
+    need(set(m["files"]) == set(expected), f"lists the files {sorted(m['files'])!r}, not the shards of its layout "
+                                           f"{sorted(expected)}")
+    for name, info in m["files"].items():
+        s, t = expected[name]
+        need(isinstance(info, dict) and info.get("pp") == s and info.get("tp") == t and is_int(info.get("bytes"))
+             and isinstance(info.get("sha256"), str) and len(info["sha256"]) == 64, f"has a bad entry for {name}")
+    return cfg
+
+
+# What a resumed run may change, and what it may change only when told (--allow-changes): (name, where in the
+# manifest, the run's value, breaks exactness).
+def differences(m, tc):
+    """[(what, in the checkpoint, now, breaks)] for every setting that differs between the checkpoint's run and this
+    one. breaks: the resumed run then is not the continuation of the saved one (other batches or another
+    initialization of the data order), so it needs --allow-changes; the others (learning rate, schedule, dtype,
+    layout) change how the run goes on, and are only reported."""
+    data, sched = m["data"], m.get("schedule", {})
+    now = [("seed", data.get("seed"), tc.seed, True), ("data", data.get("corpus"), tc.data or "built-in", True),
+           ("batch_size", data.get("batch_size"), tc.batch_size, True), ("dtype", m["dtype"], tc.dtype, False)]
+    now += [(k, sched[k], getattr(tc, k), False) for k in SCHEDULE if k in sched]
+    return [(k, old, new, breaks) for k, old, new, breaks in now if old != new]
+
+
+SCHEDULE = ("lr", "warmup", "steps", "momentum", "weight_decay", "clip")     # recorded in the manifest
+
+
+def say_changes(manifest, tc, say):
+    """What differs from the checkpoint's run: reported; a change of seed, data or batch size (not a continuation
+    of that run any more) refused unless --allow-changes."""
+    changes = differences(manifest, tc)
+    breaking = [f"{k} {old!r} -> {new!r}" for k, old, new, breaks in changes if breaks]
+    if breaking and not tc.allow_changes:
+        raise ConfigError(f"resuming {manifest['path']!r} with {', '.join(breaking)}: the run would not continue the "
+                          "saved one (other batches); pass the checkpoint's values, or --allow-changes")
+    for k, old, new, _ in changes:
+        say(f"resume: {k} {old!r} in the checkpoint's run, {new!r} now")

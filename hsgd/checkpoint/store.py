@@ -1,0 +1,330 @@
+"""Distributed checkpoints: every (stage, tensor) position writes its own shards; they load under any layout.
+
+    python -m hsgd.checkpoint export DIR out.npz      the full model under the serial names (one process)
+    python -m hsgd.checkpoint info DIR                what a checkpoint holds, its files verified
+
+The lecture, section 4.3: with the parameters sharded, saving and restoring is a distributed operation itself.
+A checkpoint is a directory `step-000123/` with
+    shard-pp{s}-tp{t}.npz   the parameter shards and optimizer state of pipeline stage s, tensor rank t, written by
+                            the first rank of that position's dp_comm (its DP replicas and, with context
+                            parallelism, its cp ranks hold identical shards; with ZeRO their optimizer chunks are
+                            first All-Gathered to it). Nothing depends on cp: a checkpoint resumes under any cp.
+    manifest.json           written by rank 0: model config, layout (dp, pp, cp, tp, scheme, virtual stages, layers
+                            per piece of the model), step, data position and seed (the batches are a pure function
+                            of (seed, step): that is all the random state there is), optimizer, and the SHA-256 of
+                            every shard file.
+Writing goes into a hidden temporary directory that is renamed into place once every file and the manifest are
+on disk: a job killed while saving leaves the previous checkpoint as it was. The newest `keep` of the writing
+run's line are kept (hsgd.checkpoint.runs). A manifest is checked before it is trusted (hsgd.checkpoint.manifest).
+
+Loading never executes code (NumPy .npz with allow_pickle=False, JSON) and checks first: the manifest is there
+and readable, the model is the one being trained (else what differs), every file exists and has its checksum.
+Resharding: each rank rebuilds the full tensor of each parameter it needs from the old layout's pieces
+(tp_model.unshard) and cuts its own piece for the new layout (tp_model.shard). Each rank reads whole files, so
+this takes the memory of a full model on each rank: fine for the model sizes of this project.
+"""
+import hashlib
+import json
+import os
+import re
+import shutil
+import signal
+import time
+import zipfile
+from dataclasses import asdict
+
+import numpy as np
+
+from hsgd.tp import model as tp_model
+from hsgd.model.backend import to_numpy
+from hsgd.model.config import ModelConfig
+from hsgd.errors import UsageError
+from hsgd.checkpoint.manifest import check as check_manifest
+from hsgd.checkpoint.manifest import SCHEDULE
+from hsgd.checkpoint.manifest import digest as manifest_digest
+from hsgd.pp.chunks import chunk_layers, parse_split, stage_names
+from hsgd.run.preflight import regular_file, writable_file
+from hsgd.checkpoint.runs import DEFAULT_LINE, newest, own
+from hsgd.checkpoint.state import optimizer_state, refuse_non_finite, set_state  # noqa: F401 (optimizer_state: API)
+
+FORMAT = "hsgd-checkpoint-1"
+
+
+class CheckpointError(UsageError):
+    """A checkpoint is missing, corrupt, or does not fit the model."""
+
+
+def sha256(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _fsync_dir(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------------------------------------------- save
+
+def save(trainer, step, save_dir, keep=3, kill_in_save=False, identity=None):
+    """Collective (every rank): write the checkpoint of `step` into save_dir/step-{step:06d}. Returns its path.
+    identity: the writing run's {"line", "id", "started_from"} (hsgd.checkpoint.runs; default: the line "default").
+    A write that fails on any rank (a full disk, a file system gone read-only) removes the partial checkpoint on
+    every rank's word and raises CheckpointError everywhere; the previous checkpoints stay as they were."""
+    grid, world = trainer.grid, trainer.grid.base
+    state, t = optimizer_state(trainer)                                 # collective over dp_comm with ZeRO
+    params = trainer.exchange.full_params()                             # collective over dp_comm with ZeRO-3
+    refuse_non_finite(trainer, state, step, save_dir, world)             # never rotate good checkpoints away for it
+    tmp, error = world.bcast(attempt(lambda: make_tmp(save_dir, step)) if world.Get_rank() == 0 else None, root=0)
+    if error is not None:                                               # rank 0 could not even make the folder
+        raise not_written(step, f"{error} on rank 0", save_dir)
+    entry = None
+    if grid.dp_comm.rank == 0:                                          # one writer per (stage, tensor rank)
+        entry, error = attempt(lambda: write_shard(trainer, params, state, tmp))
+    if kill_in_save:                                                    # fault injection: die mid-save
+        os.kill(os.getpid(), signal.SIGKILL)
+    entries, errors = world.gather(entry, root=0), world.allgather(error and f"{error} on rank {world.Get_rank()}")
+    outcome = None
+    if world.Get_rank() == 0:
+        error = next((e for e in errors if e), None)
+        final = None
+        if error is None:
+            manifest = build_manifest(trainer, step, t, entries, identity or {"line": DEFAULT_LINE, "id": None,
+                                                                               "started_from": None})
+            final, error = attempt(lambda: publish(tmp, manifest, save_dir, step, keep))
+            error = error and f"{error} on rank 0"
+        if error is not None and tmp:
+            shutil.rmtree(tmp, ignore_errors=True)                      # the partial checkpoint, nothing else
+        outcome = (final, error)
+    final, error = world.bcast(outcome, root=0)
+    if error is not None:
+        raise not_written(step, error, save_dir)
+    return final
+
+
+def not_written(step, error, save_dir):
+    return CheckpointError(f"the checkpoint of step {step} could not be written ({error}); the previous ones in "
+                           f"{save_dir!r} are kept; free some space or choose another --save-dir")
+
+
+def attempt(fn):
+    """(fn(), None), or (None, what went wrong) if fn raised OSError: the outcome of one rank's file work, to be
+    shared with the others before anyone acts on it."""
+    try:
+        return fn(), None
+    except OSError as e:
+        return None, f"{e.strerror or e}" + (f": {e.filename}" if e.filename else "")
+
+
+TEMPORARY = re.compile(r"\.(tmp|old)-step-\d{6,}-\d+")                    # this module's own temporary names
+
+
+def make_tmp(save_dir, step):
+    """Rank 0: the hidden folder the checkpoint is written into, after removing this module's leftovers of an
+    interrupted save (and nothing else)."""
+    os.makedirs(save_dir, exist_ok=True)
+    for old in os.listdir(save_dir):
+        if TEMPORARY.fullmatch(old):
+            shutil.rmtree(os.path.join(save_dir, old), ignore_errors=True)
+    tmp = os.path.join(save_dir, f".tmp-step-{step:06d}-{os.getpid()}")
+    os.makedirs(tmp)
+    return tmp
+
+
+def write_shard(trainer, params, state, tmp):
+    """This rank's file: its parameter shards and optimizer state, on disk (fsync) before its checksum is taken."""
+    grid = trainer.grid
+    name = f"shard-pp{grid.pp_rank}-tp{grid.tp_rank}.npz"
+    path = os.path.join(tmp, name)
+    arrays = {f"param/{n}": to_numpy(p) for n, p in params.items()}
+    arrays.update({f"opt/{n}/{k}": to_numpy(v) for n, st in state.items() for k, v in st.items()})
+    with open(path, "wb") as f:
+        np.savez(f, **arrays)
+        f.flush()
+        os.fsync(f.fileno())
+    return name, {"pp": grid.pp_rank, "tp": grid.tp_rank, "sha256": sha256(path), "bytes": os.path.getsize(path)}
+
+
+def build_manifest(trainer, step, t, entries, run):
+    """Rank 0: the manifest (see the module docstring), with its own digest. run: {"line", "id", "started_from"}
+    (hsgd.checkpoint.runs)."""
+    tc, grid = trainer.tc, trainer.grid
+    manifest = {
+        "format": FORMAT, "step": step, "model": asdict(trainer.cfg),
+        "layout": {"dp": grid.dp, "pp": grid.pp, "cp": grid.cp, "tp": grid.tp, "tp_scheme": trainer.scheme,
+                   "virtual_stages": tc.virtual_stages,
+                   "layers": [len(r) for r in chunk_layers(trainer.cfg.n_layers, grid.pp, tc.virtual_stages,
+                                                           parse_split(tc.pp_split))]},
+        "optimizer": {"name": tc.optimizer, "t": int(t)}, "dtype": tc.dtype,
+        "loss_scale": trainer.scaler.state() if trainer.scaler else None,     # float16: the loss scaler's state
+        "data": {"next_step": step + 1, "seed": tc.seed, "corpus": tc.data or "built-in", "batch_size": tc.batch_size},
+        "rng": {"seed": tc.seed, "note": "batches and initialization are pure functions of the seed (and step)"},
+        "schedule": {k: getattr(tc, k) for k in SCHEDULE},
+        "files": dict(e for e in entries if e),
+        "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "written_ns": time.time_ns(), "run": run,
+    }
+    manifest["digest"] = manifest_digest(manifest)                      # any later edit is detected
+    return manifest
+
+
+def publish(tmp, manifest, save_dir, step, keep):
+    """Rank 0: the manifest into tmp, tmp renamed into place (the atomic moment), then the oldest checkpoints
+    beyond `keep` renamed aside before they are deleted (a kill while deleting leaves a hidden leftover, never a
+    half-deleted checkpoint that looks complete). Returns the checkpoint's path."""
+    with open(os.path.join(tmp, "manifest.json"), "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(tmp)
+    final = os.path.join(save_dir, f"step-{step:06d}")
+    olds = [final] if os.path.exists(final) else []                     # a checkpoint of this step exists already
+    aside = lambda path: os.path.join(save_dir, f".old-{os.path.basename(path)}-{os.getpid()}")
+    for old in olds:
+        os.rename(old, aside(old))
+    os.rename(tmp, final)
+    for old in own(complete_checkpoints(save_dir), manifest["run"]["line"])[:-keep]:   # this line's only
+        os.rename(old, aside(old))
+        olds.append(old)
+    _fsync_dir(save_dir)
+    for old in olds:
+        shutil.rmtree(aside(old), ignore_errors=True)
+    return final
+
+
+def complete_checkpoints(save_dir):
+    """The complete checkpoints in save_dir (those with a manifest), oldest first."""
+    if not os.path.isdir(save_dir):
+        return []
+    dirs = [d for d in os.listdir(save_dir) if d.startswith("step-") and d[5:].isdigit()]
+    dirs.sort(key=lambda d: int(d[5:]))                                 # by step: step-1000000 after step-999999
+    return [os.path.join(save_dir, d) for d in dirs if os.path.exists(os.path.join(save_dir, d, "manifest.json"))]
+
+
+# ---------------------------------------------------------------------------------------------------- open and check
+
+def resolve(path):
+    """A checkpoint directory from a path that is one, or a save directory holding some (the newest)."""
+    if not os.path.exists(path):
+        raise CheckpointError(f"checkpoint {path!r} does not exist; pass a checkpoint directory (step-NNNNNN) "
+                              "or the --save-dir that holds them")
+    if os.path.exists(os.path.join(path, "manifest.json")):
+        return path
+    found = newest(complete_checkpoints(path))                          # the newest line's highest step
+    if not found:
+        raise CheckpointError(f"{path!r} holds no complete checkpoint (no step-*/manifest.json)")
+    return found
+
+
+def open_checkpoint(path, cfg=None):
+    """The manifest of the checkpoint at `path`, after checking it (see the module docstring)."""
+    path = resolve(path)
+    regular_file(os.path.join(path, "manifest.json"), "checkpoint manifest", CheckpointError)
+    try:
+        with open(os.path.join(path, "manifest.json")) as f:
+            manifest = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"manifest of checkpoint {path!r} cannot be read ({e})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{path!r} is not an hsgd checkpoint of format {FORMAT}")
+    check_manifest(manifest, path, CheckpointError)             # digest, schema, the files' names
+    if cfg is not None and manifest["model"] != asdict(cfg):
+        diff = ", ".join(f"{k} {manifest['model'].get(k)} in the checkpoint vs {v} now"
+                         for k, v in asdict(cfg).items() if manifest["model"].get(k) != v)
+        raise CheckpointError(f"checkpoint {path!r} is of a different model: {diff}")
+    for name, info in manifest["files"].items():
+        file = os.path.join(path, name)
+        if not os.path.exists(file):
+            raise CheckpointError(f"checkpoint file {file!r} is missing")
+        regular_file(file, "checkpoint file", CheckpointError)   # a FIFO or /dev/zero would never hash to an end
+        if sha256(file) != info["sha256"]:
+            raise CheckpointError(f"checkpoint file {file!r} is corrupt: its SHA-256 does not match the manifest "
+                                  f"(truncated or modified); resume from an older checkpoint")
+    manifest["path"] = path
+    return manifest
+
+
+class Shards:
+    """Read access to a checkpoint's pieces: full tensors of any parameter or optimizer state, reassembled from
+    the old layout (np.load with allow_pickle=False: nothing is executed)."""
+
+    def __init__(self, manifest):
+        self.m = manifest
+        self.cfg = ModelConfig(**manifest["model"])
+        lay = manifest["layout"]
+        self.pieces = chunk_layers(self.cfg.n_layers, lay["pp"], lay.get("virtual_stages", 1), lay["layers"])
+        self.files = {}
+
+    def _file(self, pp, tp):
+        key = (pp, tp)
+        if key not in self.files:
+            self.files[key] = np.load(os.path.join(self.m["path"], f"shard-pp{pp}-tp{tp}.npz"), allow_pickle=False)
+        return self.files[key]
+
+    def stage_of(self, name):
+        lay = self.m["layout"]
+        for k, layers in enumerate(self.pieces):                        # piece k: chunk k // pp of stage k % pp
+            if name in stage_names(self.cfg, layers, k == 0, k == len(self.pieces) - 1):
+                return k % lay["pp"]
+        raise KeyError(name)
+
+    def full(self, name, key="param"):
+        """The full tensor (serial shape) of a parameter (key "param") or of its optimizer state ("velocity",
+        "m", "v"); None if the checkpoint has no such state. Anything unreadable or of the wrong shape: corrupt."""
+        lay, s = self.m["layout"], self.stage_of(name)
+        field = f"param/{name}" if key == "param" else f"opt/{name}/{key}"
+        try:
+            if field not in self._file(s, 0).files:
+                if key == "param":
+                    raise KeyError(f"no array {field}")
+                return None
+            pieces = [self._file(s, t)[field] for t in range(lay["tp"])]
+            out = tp_model.unshard(pieces, name, self.cfg, lay["tp_scheme"])
+        except (KeyError, ValueError, OSError, EOFError, zipfile.BadZipFile) as e:
+            raise CheckpointError(f"checkpoint {self.m['path']!r} is corrupt: {field} of stage {s} cannot be read "
+                                  f"({e}); resume from another checkpoint") from None
+        expected = self.cfg.param_shapes()[name]
+        if out.shape != expected or out.dtype.kind != "f":
+            raise CheckpointError(f"checkpoint {self.m['path']!r} is corrupt: {field} has shape {out.shape} "
+                                  f"({out.dtype}), the model needs {expected} (float)")
+        return out
+
+
+def load(trainer, manifest):
+    """Every rank: set its shards and optimizer state from the checkpoint, resharded to its own layout.
+    Returns the step the checkpoint was written after."""
+    tc, grid = trainer.tc, trainer.grid
+    if manifest["optimizer"]["name"] != tc.optimizer:
+        raise CheckpointError(f"checkpoint {manifest['path']!r} holds {manifest['optimizer']['name']} state; "
+                              f"resume with --optimizer {manifest['optimizer']['name']}")
+    shards = Shards(manifest)
+    keys = ("m", "v") if tc.optimizer == "adamw" else ("velocity",)
+    params, state = {}, {}
+    dtype = trainer.dtype
+    for name in trainer.shapes():
+        params[name] = tp_model.shard(shards.full(name).astype(dtype), name, grid.tp_rank, grid.tp, trainer.scheme)
+        st = {k: shards.full(name, k) for k in keys}
+        if all(v is not None for v in st.values()):
+            state[name] = {k: tp_model.shard(v.astype(dtype), name, grid.tp_rank, grid.tp, trainer.scheme)
+                           for k, v in st.items()}
+    set_state(trainer, params, state, manifest["optimizer"]["t"])
+    if trainer.scaler and manifest.get("loss_scale"):
+        trainer.scaler.load(manifest["loss_scale"])                     # float16: go on with the scale it had
+    return manifest["step"]
+
+
+def export(path, out):
+    """Write the full model of a checkpoint under the serial parameter names to `out` (.npz)."""
+    manifest = open_checkpoint(path)
+    if os.path.realpath(os.path.dirname(os.path.abspath(out))) == os.path.realpath(manifest["path"]):
+        raise CheckpointError(f"{out!r} is inside the checkpoint it exports from; write it elsewhere")
+    writable_file(out, "export file", CheckpointError)
+    shards = Shards(manifest)
+    full = {name: shards.full(name) for name in shards.cfg.param_shapes()}
+    np.savez(out, **full)
+    return manifest, full

@@ -1,0 +1,175 @@
+"""Context parallelism: the sequence split over the cp ranks of cp_comm, with ring attention or an all-gather of the
+keys and values (--cp N --cp-scheme ring|allgather).
+
+Activations grow with T and attention's work with T^2, so a long enough sequence outgrows one device however the
+weights are split. Context parallelism splits the sequence itself: each of the cp ranks of cp_comm holds T/cp
+positions of every sequence, and everything but the core attention (the embedding, LayerNorm, the linears, the
+MLP, the loss) works on its own positions as if they were a shorter batch. Parameters are replicated over cp:
+their gradients are averaged over the dp x cp ranks of dp_comm, each rank's loss being the mean over its
+positions (all ranks hold the same number of them).
+
+Which positions (load balancing). Under the causal mask query t reads keys 0..t: the plain split (rank r holds
+[r T/cp, (r+1) T/cp)) leaves rank 0 one diagonal block of work and rank cp-1 cp blocks, so every layer waits for
+the last rank. Cut the sequence into 2 cp chunks of c = T/(2 cp) positions instead; rank r holds chunks r and
+2cp-1-r (the "zigzag" split of Dubey et al. 2024, used by Megatron-LM's context parallelism too; Brandon et al.
+2023 balance the same work with a striped layout, position t on rank t mod cp). In units of c x c score blocks,
+rank r's early chunk reads r full blocks and one diagonal, its late chunk 2cp-1-r full blocks and one diagonal:
+2cp-1 + 2 = 2cp + 1 blocks on every rank (attention_blocks counts both splits).
+
+The core attention, two ways (--cp-scheme): hsgd.cp.ring (Liu et al. 2023: the keys and values travel
+around the ring of cp ranks, merged by the online softmax) and hsgd.cp.allgather (All-Gather the keys and
+values, as Dubey et al. 2024 train Llama 3's long context). This module holds what both share: the layout (which
+positions, ContextSplit), the checks, the work and byte counts, and make_split.
+
+Legend: T sequence, cp ranks of cp_comm, c = T/(2 cp) a chunk, Tl = T/cp a rank's positions, B or b sequences,
+C d_model, NH heads (NH/tp on a rank), hs = C/NH, tp, s bytes per number.
+
+    ctx = make_context(cfg, grid, tc)     # hsgd.cp.layouts: WHOLE, Ring or AllGather; Stage owns it
+    ctx.local(idx)                        # (B, T) -> (B, T/cp), this rank's positions of each sequence
+"""
+import math
+import numpy as np
+
+from hsgd.errors import ConfigError
+from hsgd.grid.trace import NullTracer
+
+CP_SCHEMES = ("ring", "allgather")
+
+
+def check_cp(T, cp, tp=1, splits_T=False):
+    """Raise ConfigError unless a sequence of T positions cuts into 2 cp chunks (and, with the sequence scheme, a
+    rank's T/cp positions into tp T-shards, which may cross its chunks' border), naming the seq_len and cp values
+    that would work."""
+    if cp == 1:
+        return
+    need = lambda c: math.lcm(2 * c, c * tp) if splits_T else 2 * c   # T must be a multiple of this
+    step = need(cp)
+    if T % step:
+        near = sorted({max(step, T // step * step), T // step * step + step, T // step * step + 2 * step})
+        cps = [c for c in range(2, 33) if T % need(c) == 0]
+        shards = f" and into tp={tp} T-shards (the sequence scheme)" if splits_T else ""
+        raise ConfigError(f"seq_len={T} does not cut into 2*cp = {2 * cp} equal chunks{shards}: context parallelism "
+                          f"gives rank r chunks r and 2cp-1-r of each sequence; use seq_len a multiple of {step} "
+                          f"(e.g. {near}) or cp in {cps or 'none: T is too short'}")
+
+
+def chunk_starts(T, cp, r, balanced=True):
+    """[(local offset, global start, length)] of the chunks rank r holds: (0, r c, c) and (c, (2cp-1-r) c, c) with
+    c = T/(2 cp) (balanced), or the plain split's one chunk (0, r T/cp, T/cp)."""
+    if not balanced or cp == 1:
+        n = T // cp
+        return [(0, r * n, n)]
+    c = T // (2 * cp)
+    return [(0, r * c, c), (c, (2 * cp - 1 - r) * c, c)]
+
+
+def positions(T, cp, r, balanced=True):
+    """The global positions of rank r's local rows, in order: (T/cp,) int64."""
+    return np.concatenate([np.arange(g, g + n) for _, g, n in chunk_starts(T, cp, r, balanced)])
+
+
+def attention_blocks(T, cp, r, balanced=True):
+    """How many query-key scores rank r computes per head and sequence in one ring attention forward: the chunk
+    pairs that are not wholly masked, each n_q x n_k. Balanced: (2cp + 1) c^2 on every rank (c = T/(2cp));
+    plain: (r + 1) (T/cp)^2, cp times more on the last rank than on the first."""
+    mine = chunk_starts(T, cp, r, balanced)
+    return sum(nq * nk for o in range(cp) for _, gq, nq in mine for _, gk, nk in chunk_starts(T, cp, o, balanced)
+               if gk <= gq + nq - 1)
+
+
+class ContextSplit:
+    """The context layout of one rank of cp_comm (hsgd.cp.layouts's interface): its positions, and the bookkeeping
+    of the score blocks its core attention computes (work: {"forward": scores, "backward": scores})."""
+    keeps_probabilities = False
+
+    def __init__(self, comm, T, balanced=True, xp=np):
+        self.comm, self.T, self.cp, self.r = comm, T, comm.size, comm.rank
+        self.balanced = balanced
+        self.chunks = chunk_starts(T, self.cp, self.r, balanced)
+        self.pos = positions(T, self.cp, self.r, balanced)          # (T/cp,) host: to select the token ids
+        self.dev_pos = xp.asarray(self.pos)                         # (T/cp,) on the device: wpe's rows
+        self.work = {"forward": 0, "backward": 0}
+        self.blocks = [self.block_pairs(o, xp) for o in range(self.cp)]   # per owner, masks on the device
+
+    def held_bytes(self):
+        """The bytes this layout holds for the whole run (hsgd.accounting.allocations's "other"): its positions, on the
+        host and on the device, and its masks."""
+        masks = [m for pairs in self.blocks for _, _, m in pairs if m is not None] + [getattr(self, "mask", None)]
+        arrays = {id(a): a for a in [self.pos, self.dev_pos] + masks if a is not None}
+        return sum(int(a.nbytes) for a in arrays.values())
+
+    def local(self, a):
+        """(B, T) -> (B, T/cp): this rank's positions of each sequence (a copy)."""
+        return a[:, self.pos]
+
+    def rows(self, t0, t1):
+        """The global positions of local rows t0..t1-1: indices into wpe."""
+        return self.dev_pos[t0:t1]
+
+    def span(self, name, **args):
+        """A span on the trace's compute track (hsgd.grid.trace), when cp_comm has a tracer."""
+        return (getattr(self.comm, "tracer", None) or NullTracer()).span(name, **args)
+
+    def pairs(self, owner):
+        """The chunk pairs of my queries and owner's keys that are not wholly masked: (q rows, k rows, mask or
+        None), rows as local slices; mask (nq, nk) is -inf where the key's position is after the query's (built
+        once per layout, block_pairs)."""
+        return self.blocks[owner]
+
+    def block_pairs(self, owner, xp):
+        out = []
+        for lq, gq, nq in self.chunks:
+            for lk, gk, nk in chunk_starts(self.T, self.cp, owner, self.balanced):
+                if gk > gq + nq - 1:
+                    continue                                        # every key after every query: skipped
+                mask = None
+                if gk + nk - 1 > gq:                                # a diagonal block: part masked
+                    pq, pk = np.arange(gq, gq + nq), np.arange(gk, gk + nk)
+                    mask = xp.asarray(np.where(pk[None, :] > pq[:, None], -np.inf, 0.0))
+                out.append((slice(lq, lq + nq), slice(lk, lk + nk), mask))
+        return out
+
+
+def attention_cache_bytes(cp, scheme, b, T, C, NH, tp, s):
+    """(bytes one block's core attention caches for a micro-batch of b sequences, of which the probabilities)
+    on a rank holding T/cp positions (Tl) and NH/tp heads, N = b Tl:
+        cp = 1 (hsgd.model.ops)   q, k, v by heads 3 N C/tp, the probabilities b NH/tp T^2
+        ring                q, own (k, v), y by heads: 4 N C/tp, and lse b NH/tp Tl; no probabilities
+        allgather           q N C/tp, the gathered k and v 2 b T C/tp, the probabilities b NH/tp Tl T"""
+    Tl, c, nh = T // cp, C // tp, NH // tp
+    N = b * Tl
+    if cp == 1:
+        P = b * nh * T * T * s
+        return 3 * N * c * s + P, P
+    if scheme == "ring":
+        return 4 * N * c * s + b * nh * Tl * s, 0
+    P = b * nh * Tl * T * s
+    return N * c * s + 2 * b * T * c * s + P, P
+
+
+def make_split(scheme, comm, T, xp=np, balanced=True):
+    """The context layout of --cp-scheme ring | allgather on cp_comm."""
+    if scheme not in CP_SCHEMES:
+        raise ConfigError(f"unknown cp scheme {scheme!r}; use one of {list(CP_SCHEMES)}")
+    from hsgd.cp.allgather import AllGather                # (they import this module's ContextSplit)
+    from hsgd.cp.ring import Ring
+    return (Ring if scheme == "ring" else AllGather)(comm, T, balanced, xp)
+
+
+def cp_formula(scheme, cp, batch, T, C, tp, itemsize, n_blocks, recompute="none"):
+    """{("cp", op): (calls, payload bytes)} of one forward and backward of n_blocks blocks on a micro-batch of
+    `batch` sequences. A (k, v) block is 2N bytes, N = batch (T/cp) (C/tp) itemsize.
+      ring:      Isend and Irecv (cp-1) + (cp-1) + cp times per block: (k, v) forward, again backward, (dk, dv);
+                 --recompute full runs the forward's ring again (+ cp-1); selective keeps what the ring keeps.
+      allgather: one Allgather (payload: the gathered cp 2N) and one Reduce_scatter_block (its input, cp 2N) per
+                 block; --recompute selective or full gathers again (+ 1 Allgather)."""
+    if cp == 1 or not n_blocks:
+        return {}
+    kv = 2 * batch * (T // cp) * (C // tp) * itemsize
+    if scheme == "ring":
+        hops = (cp - 1) + (cp - 1) + cp + (cp - 1) * (recompute == "full")
+        return {("cp", "Isend"): (n_blocks * hops, n_blocks * hops * kv),
+                ("cp", "Irecv"): (n_blocks * hops, n_blocks * hops * kv)}
+    gathers = 1 + (recompute != "none")
+    return {("cp", "Allgather"): (n_blocks * gathers, n_blocks * gathers * cp * kv),
+            ("cp", "Reduce_scatter_block"): (n_blocks, n_blocks * cp * kv)}

@@ -1,0 +1,208 @@
+"""The serial reference model: a GPT-2-style decoder with a hand-written backward pass.
+
+Every parallel layout in hsgd is checked against this file: same seed, same batch, same loss, and every
+gradient shard equal to the matching slice of `loss_and_grads`' gradients.
+
+    x = wte[idx] + wpe[:T]
+    for each block:  x = x + Attn(LN1(x));  x = x + MLP(LN2(x))
+    logits = LN_f(x) @ lm_head;   loss = mean cross-entropy over all B*T positions
+
+Attn: q, k, v = LN1(x) @ Wq + bq, ...; NH causal heads of size hs = C/NH; output projection.
+MLP: fc (C -> F), GELU (tanh approximation), proj (F -> C). No dropout, untied LM head without bias.
+
+Legend: B batch, T sequence, C d_model, NH heads, F d_ff, V vocab, L layers.
+
+Public API: init_params(cfg, seed, dtype, device), loss_and_grads(params, idx, targets, cfg, grads, split) (split:
+the batch over the CPU threads), forward / backward for callers that want the pieces, loss(params, idx, targets,
+cfg) for evaluation, and sgd(cfg, tc, batch, params, delayed): whole runs of serial mini-batch SGD, the reference
+every parallel layout's training must reproduce.
+
+The model runs the plain layers of hsgd.model.layers, the formulas a reader checks. Every model function takes
+ops=hsgd.model.ops instead to run the tuned kernels, which have the same signatures (benchmarks and appendix A time
+the model that way).
+"""
+import zlib
+
+import numpy as np
+
+from hsgd.model import layers
+from hsgd.model.backend import array_module, get_xp, resolve_dtype, to_device
+from hsgd.model.layers import cross_entropy_forward
+from hsgd.model.threads import parallel_batches
+
+
+def init_std(name, cfg):
+    """Initial standard deviation of a parameter (None: a constant, see init_params)."""
+    if name.endswith(".bias"):
+        return None                                           # zeros
+    if ".ln" in name or name.startswith("ln_f"):
+        return None                                           # LayerNorm weights: ones
+    if name.endswith("attn.proj.weight") or name.endswith("mlp.proj.weight"):
+        return 0.02 / np.sqrt(2 * cfg.n_layers)               # residual projections, GPT-2 scaling
+    return 0.02
+
+
+def init_param(name, shape, cfg, seed):
+    """One parameter as a float64 NumPy array. Its values depend only on (seed, name, shape), drawn from
+    NumPy's PCG64 generator, so they are the same on every machine and independent of the other parameters."""
+    std = init_std(name, cfg)
+    if std is None:
+        fill = 0.0 if name.endswith(".bias") else 1.0
+        return np.full(shape, fill)
+    rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+    return rng.normal(0.0, std, size=shape)
+
+
+def init_params(cfg, seed=0, dtype="float32", device=None):
+    """All parameters, keyed by their GPT-2 names (see ModelConfig.param_shapes), on `device`."""
+    xp, dt = get_xp(device), resolve_dtype(dtype)
+    return {name: to_device(init_param(name, shape, cfg, seed).astype(dt), xp)
+            for name, shape in cfg.param_shapes().items()}
+
+
+def zeros_like_params(params):
+    return {name: array_module(p).zeros_like(p) for name, p in params.items()}
+
+
+# --------------------------------------------------------------------------------------------------------------
+# One Transformer block
+
+def block_forward(x, p, h, cfg, ops=layers):
+    """x + Attn(LN1(x)), then + MLP(LN2(x)). p: the params dict, h: the name prefix "h.{i}.", ops: the layer
+    functions (hsgd.model.layers, or hsgd.model.ops for the tuned kernels)."""
+    a, c_ln1 = ops.layernorm_forward(x, p[h + "ln1.weight"], p[h + "ln1.bias"])   # (B, T, C)
+    q, c_q = ops.linear_forward(a, p[h + "attn.q.weight"], p[h + "attn.q.bias"])    # (B, T, C)
+    k, c_k = ops.linear_forward(a, p[h + "attn.k.weight"], p[h + "attn.k.bias"])    # (B, T, C)
+    v, c_v = ops.linear_forward(a, p[h + "attn.v.weight"], p[h + "attn.v.bias"])    # (B, T, C)
+    y, c_att = ops.attention_forward(q, k, v, cfg.n_heads)                         # (B, T, C)
+    o, c_proj = ops.linear_forward(y, p[h + "attn.proj.weight"], p[h + "attn.proj.bias"])
+    x = x + o                                                                      # residual
+    m, c_ln2 = ops.layernorm_forward(x, p[h + "ln2.weight"], p[h + "ln2.bias"])   # (B, T, C)
+    f, c_fc = ops.linear_forward(m, p[h + "mlp.fc.weight"], p[h + "mlp.fc.bias"])  # (B, T, F)
+    gl, c_gelu = ops.gelu_forward(f)                                                # (B, T, F)
+    o2, c_mproj = ops.linear_forward(gl, p[h + "mlp.proj.weight"], p[h + "mlp.proj.bias"])
+    x = x + o2                                                                     # residual
+    return x, (c_ln1, c_q, c_k, c_v, c_att, c_proj, c_ln2, c_fc, c_gelu, c_mproj)
+
+
+def block_backward(dx, cache, grads, h, ops=layers):
+    """The block's backward: block_forward read from the bottom up. grads: the gradients dict (+=)."""
+    c_ln1, c_q, c_k, c_v, c_att, c_proj, c_ln2, c_fc, c_gelu, c_mproj = cache
+    # x = x + MLP(LN2(x)): the residual passes dx through, the branch adds its own
+    dg = ops.linear_backward(dx, c_mproj, grads[h + "mlp.proj.weight"], grads[h + "mlp.proj.bias"])   # (B, T, F)
+    df = ops.gelu_backward(dg, c_gelu)                                                      # (B, T, F)
+    dm = ops.linear_backward(df, c_fc, grads[h + "mlp.fc.weight"], grads[h + "mlp.fc.bias"])        # (B, T, C)
+    dx = dx + ops.layernorm_backward(dm, c_ln2, grads[h + "ln2.weight"], grads[h + "ln2.bias"])
+    # x = x + Attn(LN1(x))
+    dy = ops.linear_backward(dx, c_proj, grads[h + "attn.proj.weight"], grads[h + "attn.proj.bias"])  # (B, T, C)
+    dq, dk, dv = ops.attention_backward(dy, c_att)                                          # (B, T, C) x 3
+    da = ops.linear_backward(dq, c_q, grads[h + "attn.q.weight"], grads[h + "attn.q.bias"])         # (B, T, C)
+    da += ops.linear_backward(dk, c_k, grads[h + "attn.k.weight"], grads[h + "attn.k.bias"])        # a feeds q, k, v:
+    da += ops.linear_backward(dv, c_v, grads[h + "attn.v.weight"], grads[h + "attn.v.bias"])        # its gradients add
+    dx = dx + ops.layernorm_backward(da, c_ln1, grads[h + "ln1.weight"], grads[h + "ln1.bias"])
+    return dx
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The whole model
+
+def forward(params, idx, cfg, ops=layers):
+    """logits (B, T, V) for token ids idx (B, T), and the caches the backward pass needs (the backward takes the
+    same ops)."""
+    p = params
+    x, c_emb = ops.embedding_forward(idx, p["wte"], p["wpe"])                      # (B, T, C)
+    c_blocks = []
+    for i in range(cfg.n_layers):
+        x, c = block_forward(x, p, f"h.{i}.", cfg, ops)
+        c_blocks.append(c)
+    xf, c_lnf = ops.layernorm_forward(x, p["ln_f.weight"], p["ln_f.bias"])       # (B, T, C)
+    logits, c_head = ops.linear_forward(xf, p["lm_head.weight"])                  # (B, T, V)
+    return logits, (c_emb, c_blocks, c_lnf, c_head)
+
+
+def backward(dlogits, caches, grads, ops=layers):
+    """Accumulate (+=) every parameter's gradient into `grads`, given dloss/dlogits."""
+    c_emb, c_blocks, c_lnf, c_head = caches
+    dxf = ops.linear_backward(dlogits, c_head, grads["lm_head.weight"])               # (B, T, C)
+    dx = ops.layernorm_backward(dxf, c_lnf, grads["ln_f.weight"], grads["ln_f.bias"])     # (B, T, C)
+    for i in reversed(range(len(c_blocks))):
+        dx = block_backward(dx, c_blocks[i], grads, f"h.{i}.", ops)
+    ops.embedding_backward(dx, c_emb, grads["wte"], grads["wpe"])
+
+
+def loss_and_grads(params, idx, targets, cfg, grads=None, split=False, ops=layers):
+    """(loss, grads): the mean cross-entropy over all B*T positions and its gradient for every parameter.
+
+    idx, targets: integer arrays (B, T). If `grads` is given, gradients are accumulated into it.
+    split=True (NumPy, threads.cpu_threads() > 1): the batch is cut into cpu_threads() slices of whole sequences,
+    computed side by side, one thread each (threads.parallel_batches). Slice i, with B_i of the B sequences, adds
+    B_i / B times its own mean loss and gradients: the mean over the batch is the B_i-weighted mean of the slices'
+    means (the mini-batch identity of chapter 4: data parallelism inside one process, the final sum in place of
+    the All-Reduce). The same numbers as split=False, up to rounding.
+    ops: the layer functions, hsgd.model.layers (the plain formulas) or hsgd.model.ops (the tuned kernels): the same
+    numbers.
+    """
+    xp = array_module(params["wte"])
+    idx, targets = xp.asarray(idx), xp.asarray(targets)
+    if grads is None:
+        grads = zeros_like_params(params)
+    B = idx.shape[0]
+
+    def part(lo, hi):                                         # sequences lo..hi-1, weighted by their share
+        into = grads if hi == B else zeros_like_params(params)   # the last slice adds into `grads` itself
+        logits, caches = forward(params, idx[lo:hi], cfg, ops)
+        value, c_ce = ops.cross_entropy_forward(logits, targets[lo:hi])
+        backward(ops.cross_entropy_backward((hi - lo) / B, c_ce), caches, into, ops)
+        return value * ((hi - lo) / B), into
+
+    parts = parallel_batches(part, B) if split and xp is np else [part(0, B)]
+    for _, part_grads in parts[:-1]:
+        for name, a in part_grads.items():
+            grads[name] += a
+    return float(sum(value for value, _ in parts)), grads
+
+
+def loss(params, idx, targets, cfg):
+    """The mean cross-entropy only (evaluation; no backward)."""
+    xp = array_module(params["wte"])
+    logits, _ = forward(params, xp.asarray(idx), cfg)
+    value, _ = cross_entropy_forward(logits, xp.asarray(targets))
+    return float(value)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The serial reference run
+
+def sgd(cfg, tc, batch, params=None, delayed=False):
+    """tc.steps steps of serial mini-batch SGD on one process: the run every parallel layout must reproduce.
+
+    For s = 1 .. tc.steps, with the global batch (idx, targets) = batch(s) of all B sequences:
+
+        g_s     = grad of the mean loss at w_s = (1/B) sum_j grad_j(w_s)       (the lecture's mini-batch SGD)
+        g_s    <- g_s * min(1, tc.clip / ||g_s||)    ||.|| over all parameters together; tc.clip = 0: never
+        w_{s+1} = opt(w_s, g_s, lr_s)                lr_s = lr_at(s, tc.lr, tc.warmup, tc.steps)
+
+    opt is tc's optimizer (SGD with momentum or AdamW, decoupled weight decay: hsgd.model.optim). delayed=True applies
+    each gradient one step late, w_{s+1} = opt(w_s, g_{s-1}, lr_s), and nothing at step 1: the update of
+    --dp-staleness 1. The whole batch goes through at once: tc's layout and micro-batches change how the gradient
+    is computed, never its value.
+
+    params: the starting parameters, updated in place (default: init_params(cfg, tc.seed, "float64")).
+    Returns (params, losses), losses[s - 1] being the mean loss at w_s (before step s's update).
+    """
+    from hsgd.model.optim import clip_grads, lr_at, make_optimizer   # here: optim imports mpi4py, the model does not
+    if params is None:
+        params = init_params(cfg, seed=tc.seed, dtype="float64")
+    opt = make_optimizer(tc.optimizer, tc.lr, momentum=tc.momentum, weight_decay=tc.weight_decay)
+    pending, losses = None, []
+    for step in range(1, tc.steps + 1):
+        value, grads = loss_and_grads(params, *batch(step), cfg)
+        losses.append(value)
+        if delayed:
+            grads, pending = pending, grads                 # apply the last step's gradient, keep this one
+            if grads is None:
+                continue                                    # step 1: no gradient in flight yet
+        norm = float(sum(float((g * g).sum()) for g in grads.values()) ** 0.5)   # ||g_s||, one norm for all
+        clip_grads(grads, norm, tc.clip)
+        opt.step(params, grads, lr_at(step, tc.lr, tc.warmup, tc.steps))
+    return params, losses

@@ -1,0 +1,128 @@
+"""Pipeline parallelism: the layers split into pp stages, each DP group's batch into m micro-batches.
+
+The lecture, sections 1 and 4.2: with layers split across workers, one worker computes while the others wait
+for its activations; cutting the mini-batch into micro-batches lets the stages work on different micro-batches
+at once. What remains idle is the "bubble": with p stages, m micro-batches and equal costs per stage, a fraction
+(p - 1) / (m + p - 1) of each stage's step.
+
+Stage s holds the blocks split_layers(L, pp)[s]; stage 0 also the embedding, stage p-1 the final LayerNorm, the
+LM head and the loss (with v chunks per stage, chunk_layers cuts pp v pieces, chunk c of stage s being piece
+c pp + s). Each stage is itself tensor-parallel over tp_comm (hsgd.tp.model.stage_forward/backward). This module
+holds the cut and the bytes on pp_comm; hsgd.pp.schedules the schedules as lists of actions and what can be said of
+them without running them; hsgd.pp.stage runs a stage's list, sending activations forward and their gradients back.
+
+Schedules (the order in which one stage runs its forward "F j" and backward "B j" actions; more in
+hsgd.pp.schedules: interleaved 1F1B and the zero-bubble ZB-H1):
+    GPipe (Huang et al. 2019):
+            F0 F1 ... F(m-1)  B0 B1 ... B(m-1)                     holds the activations of all m micro-batches
+    1F1B (PipeDream-Flush: Narayanan et al. 2019, 2021):
+            min(p-s-1, m) warm-up forwards, then one forward and one backward in turn, then the remaining
+            backwards                                              holds at most p - s micro-batches
+Both accumulate the gradients of the micro-batches in the same order (B0, B1, ...), so they give the same
+numbers; they differ in memory (and, with unequal costs, in time).
+"""
+from hsgd.errors import ConfigError
+from hsgd.pp.schedules import SCHEDULES, bubble_fraction, build, picture  # noqa: F401  (the names chapter 9 uses)
+from hsgd.pp.schedules import peak_held as peak_in_flight  # noqa: F401
+from hsgd.pp.schedules import simulate as simulate_actions
+
+
+def split_layers(n_layers, pp, split=None):
+    """The blocks of each stage, as ranges. split: layers per stage (a list), default as even as possible
+    (the first n_layers % pp stages get one more)."""
+    if split is None:
+        if pp > n_layers:
+            raise ConfigError(f"n_layers={n_layers} cannot be split into pp={pp} stages of at least one layer; "
+                              f"use pp <= {n_layers} or more layers")
+        base, extra = divmod(n_layers, pp)
+        split = [base + (s < extra) for s in range(pp)]
+    split = [int(x) for x in split]
+    if len(split) != pp or sum(split) != n_layers or min(split) < 1:
+        if pp > n_layers:
+            raise ConfigError(f"n_layers={n_layers} cannot be split into pp={pp} stages of at least one layer")
+        even = ",".join(str(len(r)) for r in split_layers(n_layers, pp))
+        raise ConfigError(f"pp_split={','.join(map(str, split))} must give each of the pp={pp} stages at least one "
+                          f"layer and add up to n_layers={n_layers}, e.g. {even}")
+    bounds = [sum(split[:s]) for s in range(pp + 1)]
+    return [range(bounds[s], bounds[s + 1]) for s in range(pp)]
+
+
+def parse_split(text):
+    """'2,1,1' -> [2, 1, 1]; None stays None."""
+    if text is None or isinstance(text, (list, tuple)):
+        return text
+    try:
+        return [int(x) for x in str(text).split(",")]
+    except ValueError:
+        raise ConfigError(f"pp_split={text!r} must be layers per stage (per chunk with virtual stages) separated by "
+                          f"commas, e.g. 2,2") from None
+
+
+def stage_names(cfg, layers, first, last):
+    """Names of the parameters a stage holds."""
+    names = [n for n in cfg.param_shapes() if n.startswith("h.") and int(n.split(".")[1]) in layers]
+    if first:
+        names = ["wte", "wpe"] + names
+    if last:
+        names += ["ln_f.weight", "ln_f.bias", "lm_head.weight"]
+    return names
+
+
+def chunk_layers(n_layers, pp, v=1, split=None):
+    """The blocks of each of the pp v model pieces (hsgd.pp.schedules): piece k = c pp + s is chunk c of stage s.
+    split: layers per piece (pp v numbers), default as even as possible. v = 1: split_layers."""
+    if v == 1 or pp > n_layers:
+        return split_layers(n_layers, pp, split)                        # (its messages speak of stages)
+    if pp * v > n_layers:
+        ok = ", ".join(str(x) for x in range(1, n_layers // pp + 1))
+        raise ConfigError(f"n_layers={n_layers} cannot be cut into pp x virtual_stages = {pp} x {v} = {pp * v} "
+                          f"chunks of at least one layer; use virtual_stages {ok} or more layers")
+    if split is not None and (len(split) != pp * v or sum(split) != n_layers or min(split) < 1):
+        even = ",".join(str(len(r)) for r in split_layers(n_layers, pp * v))
+        raise ConfigError(f"pp_split={','.join(map(str, split))} must give each of the pp x virtual_stages = "
+                          f"{pp * v} chunks at least one layer (chunk c of stage s is entry c*pp + s) and add up to "
+                          f"n_layers={n_layers}, e.g. {even}")
+    return split_layers(n_layers, pp * v, split)
+
+
+def stage_chunks(n_layers, pp, s, v=1, split=None):
+    """Stage s's chunks, [(k, layers, first, last)]: chunk c is the model's piece k = c pp + s (chunk_layers), first
+    when it is piece 0 (the embedding), last when it is piece pp v - 1 (the head and the loss)."""
+    cut = chunk_layers(n_layers, pp, v, split)
+    return [(c * pp + s, cut[c * pp + s], c * pp + s == 0, c * pp + s == pp * v - 1) for c in range(v)]
+
+
+# The schedules live in hsgd.pp.schedules (lists of Actions, their check and simulation); the names below are the
+# short forms chapter 9 uses for one chunk per stage.
+
+def schedule(kind, m, p, s):
+    """Stage s's actions for m micro-batches on p stages (one chunk per stage)."""
+    return build(kind, m, p)[s]
+
+
+def simulate(kind, m, p, f_cost=1.0, b_cost=2.0):
+    """[[(action, start, end)] per stage] of schedule `kind` when each forward costs f_cost and each (fused)
+    backward b_cost (schedules.simulate)."""
+    return simulate_actions(build(kind, m, p), m, costs=(f_cost, b_cost, 0.0))
+
+
+def ideal_bubble(m, p):
+    return (p - 1) / (m + p - 1)
+
+
+def pp_formula(batch_per_mb, cfg, m, first, last, itemsize, scheme="megatron", tp=1, v=1, cp=1):
+    """{(comm, op): (calls, bytes)} of one step on pp_comm for one stage: per micro-batch and chunk, an activation
+    out and a gradient in towards the next piece (unless the chunk is the model's last piece: `last`), a gradient
+    out and an activation in towards the previous one (unless it is the first: `first`), so m (2v - first - last)
+    messages each way: with v chunks a middle stage sends v times as often as with one, an end stage 2v - 1 times.
+    A message is one activation (tp_model.stage_activation_shape): (B/m, T, C), or the T-shard (B/m, T/tp, C) of
+    the sequence scheme; with context parallelism T/cp in place of T."""
+    from hsgd.tp.model import stage_activation_shape
+    B, T, C = stage_activation_shape(scheme, batch_per_mb, cfg, tp, cp)
+    msg = B * T * C * itemsize
+    sends = m * (2 * v - first - last)
+    out = {}
+    if sends:
+        out[("pp", "Isend")] = (sends, sends * msg)
+        out[("pp", "Recv")] = (sends, sends * msg)
+    return out

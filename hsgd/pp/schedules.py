@@ -1,0 +1,267 @@
+"""Pipeline schedules as data: for every stage, the list of actions it runs in one step; whether such lists can run
+at all (the static check) and their timeline when they do (hsgd.pp.timelines: what a list or a timeline says, the
+bubble, the pairs and bytes held, their closed forms and pictures).
+
+An action is Action(kind, mb, chunk):
+    F   the forward of micro-batch mb through model chunk `chunk` of this stage
+    B   its backward: dL/d(input), sent to the previous stage; and the weight gradients too ("fused"), unless the
+        schedule has a W for the same micro-batch and chunk
+    W   the weight gradients dW += X^T dY of the chunk's linear layers (hsgd.tp.wgrad), from what B kept
+Virtual stages (Narayanan et al. 2021): with v chunks per stage the layers are cut into p v chunks; chunk c of
+stage s is the model's piece k = c p + s, so a micro-batch goes stage 0, 1, ..., p-1, then back to stage 0 for
+chunk 1, and so on (v = 1: the plain pipeline). What each action waits for (and nothing else):
+    F(k, j)  needs F(k-1, j), from stage (s-1) mod p (k = 0: the tokens)
+    B(k, j)  needs B(k+1, j), from stage (s+1) mod p (the last piece: its own F(k, j), the loss)
+    W(k, j)  needs B(k, j) (same stage)
+Messages are sent as soon as an action ends and received when the receiving action starts (hsgd.pp.stage), so these
+are the only waits: a list of actions that `check` can run to the end in this model cannot deadlock on MPI.
+
+One builder per schedule, `build(kind, m, p, v, costs)`:
+    gpipe        all forwards, then all backwards (Huang et al. 2019)                 holds m micro-batches
+    1f1b         min(p-s-1, m) warm-up forwards, then one forward and one backward in turn, then the remaining
+                 backwards (PipeDream-Flush: Narayanan et al. 2019, 2021)            holds p-s
+    interleaved  1F1B over v chunks per stage in Megatron-LM's order: forwards go through the chunks in groups of
+                 p micro-batches (chunk 0 for micro-batches 0..p-1, chunk 1 for the same, ..., then the next
+                 p), backwards the same with the chunks reversed; warm-up 2(p-s-1) + (v-1)p forwards
+    zb-h1        1F1B's forwards and backwards with B and W split (Qi et al. 2024): a W runs when the stage
+                 would otherwise wait for its next input, or when one more forward would hold more than p
+                 micro-batches (1F1B's peak, on stage 0); the rest at the end. Built by simulating with the
+                 given costs: the list is the order that simulation found (training builds it for equal
+                 costs). Every stage may hold p pairs: 1F1B's peak in pairs; in bytes only where every
+                 stage's pairs weigh the same (a last stage that keeps the LM head's dY for its W holds more).
+Bubbles with equal costs (stage busy time over the span of the step; p stages, m micro-batches): GPipe and 1F1B
+(p-1)/(m+p-1); interleaved (p-1)/(v m + p-1), with each chunk's F and B costing 1/v of a stage's (the paper
+writes the bubble as a fraction of the ideal time, (1/v)(p-1)/m; hsgd divides by the whole step, as for the
+others); ZB-H1 idle time per stage (p-1)(F + B - W) against 1F1B's (p-1)(F + B + W), for m >= p and
+W <= min(F, B) (Qi et al. 2024; with F = B = W a third).
+"""
+from collections import namedtuple
+
+from hsgd.errors import ConfigError
+# what a list or a timeline says (bubbles, closed forms, pairs and bytes held, pictures), named here too
+from hsgd.pp.timelines import (FORMULA, PEAK_FORMULA, bubble_formula, bubble_fraction, grid, held, held_bytes,  # noqa: F401
+                        idle_per_stage, peak_formula, peak_held, picture)
+
+SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1")
+
+
+class Action(namedtuple("Action", "kind mb chunk")):
+    """One step of a stage (see the module docstring). str: F3, B3, W3 (chunk 0), F3.1 (chunk 1)."""
+    __slots__ = ()
+
+    def __new__(cls, kind, mb, chunk=0):
+        return super().__new__(cls, kind, mb, chunk)
+
+    def __str__(self):
+        return f"{self.kind}{self.mb}" + (f".{self.chunk}" if self.chunk else "")
+
+
+KIND_NAMES = {"F": "forward", "B": "backward", "W": "weight gradients"}       # (trace spans, picture legends)
+
+
+def effective(kind, p, v=1):
+    """The schedule a pipeline of p stages runs for `kind`: one stage has no bubble to fill and runs F0 B0 F1 B1 ...
+    (1F1B), which holds one micro-batch at a time. Raises ConfigError for v > 1 on one stage."""
+    if p == 1 and v > 1:
+        raise ConfigError(f"virtual_stages={v} needs pp > 1: one stage holding v chunks would pass every activation "
+                          "to itself; use --pp 2 or more, or --virtual-stages 1")
+    return "1f1b" if p == 1 else kind
+
+
+class ScheduleError(ConfigError):
+    """A list of actions that cannot run: a deadlock, a missing or repeated action."""
+
+
+# ------------------------------------------------------------------------------------------------ the builders
+
+def gpipe(m, p, s):
+    return [Action("F", j) for j in range(m)] + [Action("B", j) for j in range(m)]
+
+
+def one_f_one_b(m, p, s):
+    """1F1B (zb_h1 takes its F's and B's and adds W's)."""
+    warm = min(p - s - 1, m)
+    acts = [Action("F", j) for j in range(warm)]
+    for j in range(m - warm):
+        acts += [Action("F", warm + j), Action("B", j)]
+    return acts + [Action("B", j) for j in range(m - warm, m)]
+
+
+def interleaved(m, p, s, v):
+    """Megatron-LM's interleaved 1F1B for stage s (the i-th forward of a stage: micro-batch (i // pv) p + i % p,
+    chunk (i // p) % v; the i-th backward the same with the chunk v-1 minus that). Warm-up: 2(p-s-1) + (v-1)p
+    forwards (v = 1: p-s-1, which makes it 1F1B)."""
+    if m % p and v > 1:
+        ok = [x for x in range(p, 4 * p + 1, p)]
+        raise ConfigError(f"the interleaved schedule takes the micro-batches in groups of pp={p}: micro_batches={m} "
+                          f"must be a multiple of {p}, e.g. {', '.join(map(str, ok))}")
+    total = m * v
+    mb = lambda i: (i // (p * v)) * p + i % p                           # noqa: E731
+    fwd = lambda i: Action("F", mb(i), (i // p) % v)                    # noqa: E731
+    bwd = lambda i: Action("B", mb(i), v - 1 - (i // p) % v)            # noqa: E731
+    warm = min(2 * (p - s - 1) + (v - 1) * p if v > 1 else p - s - 1, total)     # v = 1: 1F1B itself
+    acts = [fwd(i) for i in range(warm)]
+    for i in range(total - warm):
+        acts += [fwd(warm + i), bwd(i)]
+    return acts + [bwd(i) for i in range(total - warm, total)]
+
+
+def zb_h1(m, p, costs=(1.0, 1.0, 1.0)):
+    """Every stage's list for ZB-H1 (see the module docstring), found by list-scheduling 1F1B's F and B (split)
+    with the W's, the stages simulated together with costs (f, b, w) per action."""
+    f, b, w = costs
+    order = [one_f_one_b(m, p, s) for s in range(p)]
+    pos, pending, live = [0] * p, [[] for _ in range(p)], [0] * p
+    free, done, out = [0.0] * p, {}, [[] for _ in range(p)]
+    while any(pos[s] < len(order[s]) or pending[s] for s in range(p)):
+        best = None
+        for s in range(p):
+            nxt = order[s][pos[s]] if pos[s] < len(order[s]) else None
+            dep = None if nxt is None else _dependency(nxt, s, p, 1)
+            ready = None if nxt is None else 0.0 if dep is None else done.get(dep)
+            if pending[s] and (nxt is None or (nxt.kind == "F" and live[s] >= p)
+                               or ready is None or ready > free[s]):
+                cand = (free[s], s, pending[s][0])                        # fill the wait (or make room) with a W
+            elif ready is not None:
+                cand = (max(free[s], ready), s, nxt)
+            else:
+                continue                                                  # waits for an action not yet placed
+            best = min(best, cand) if best else cand
+        start, s, a = best
+        cost = {"F": f, "B": b, "W": w}[a.kind]
+        done[(a.kind, s, a.mb, 0)], free[s] = start + cost, start + cost
+        out[s].append(a)
+        if a.kind == "W":
+            pending[s].pop(0)
+            live[s] -= 1
+        else:
+            pos[s] += 1
+            live[s] += a.kind == "F"
+            if a.kind == "B":
+                pending[s].append(Action("W", a.mb))
+    return out
+
+
+def build(kind, m, p, v=1, costs=(1.0, 1.0, 1.0)):
+    """[[Action] per stage] for schedule `kind` (SCHEDULES), m micro-batches, p stages, v chunks per stage."""
+    if kind not in SCHEDULES:
+        raise ConfigError(f"schedule={kind!r} is not known; use one of {', '.join(SCHEDULES)}")
+    if v != 1 and kind != "interleaved":
+        raise ConfigError(f"virtual_stages={v} needs the interleaved schedule (schedule={kind!r} runs one chunk "
+                          f"per stage); use --schedule interleaved, or --virtual-stages 1")
+    effective(kind, p, v)                                               # v > 1 needs p > 1
+    if kind == "zb-h1":
+        return zb_h1(m, p, costs)
+    if kind == "interleaved":
+        return [interleaved(m, p, s, v) for s in range(p)]
+    return [(gpipe if kind == "gpipe" else one_f_one_b)(m, p, s) for s in range(p)]
+
+
+def check_pipeline(n_layers, tc):
+    """Everything a pipeline's flags must satisfy before any work: the layers cut into pp x virtual_stages chunks,
+    the schedule's own conditions (build), and the options it combines with (check_options)."""
+    from hsgd.pp.chunks import chunk_layers, parse_split
+    chunk_layers(n_layers, tc.pp, tc.virtual_stages, parse_split(tc.pp_split))
+    if tc.pp > 1 or tc.virtual_stages > 1:
+        build(tc.schedule, tc.micro_batches, tc.pp, tc.virtual_stages)
+    check_options(tc)
+
+
+def check_options(tc):
+    """Refuse the options that do not combine with the schedules beyond GPipe and 1F1B, saying what works: ZeRO 2
+    and 3 with zb-h1 (their Reduce-Scatter runs when a layer's backward ends, before its W) and --memory (whose
+    prediction walks one chunk per stage with fused backwards). tc: a TrainConfig."""
+    if tc.pp > 1 and tc.schedule == "zb-h1" and tc.zero >= 2:
+        raise ConfigError(f"--schedule zb-h1 with --zero {tc.zero}: ZeRO {tc.zero} reduce-scatters each layer's "
+                          "gradient when its backward ends, but zb-h1 computes the weight gradients later, in W; use "
+                          "--zero 0 or 1 with zb-h1, or another schedule with --zero 2 or 3")
+    if tc.pp > 1 and tc.memory and (tc.schedule == "zb-h1" or tc.virtual_stages > 1):
+        raise ConfigError("--memory predicts a step of one chunk per stage with fused backwards (gpipe or 1f1b); "
+                          "measure interleaved and zb-h1 schedules with python -m hsgd.schedule --run")
+
+
+# ------------------------------------------------------------------------------------------------ the static check
+
+def _dependency(a, s, p, v):
+    """(kind, stage, mb, chunk) of the action that `a` on stage s waits for (None: nothing but its own stage)."""
+    k, K = a.chunk * p + s, p * v
+    if a.kind == "F":
+        return None if k == 0 else ("F", (s - 1) % p, a.mb, (k - 1) // p)
+    if a.kind == "B":
+        return ("F", s, a.mb, a.chunk) if k == K - 1 else ("B", (s + 1) % p, a.mb, (k + 1) // p)
+    return ("B", s, a.mb, a.chunk)
+
+
+def check(actions, m, v=1):
+    """Raise ScheduleError unless every stage's list runs each (micro-batch, chunk) F and B exactly once (W at
+    most once, after its B) and the stages can run their lists to the end without waiting for each other forever:
+    the dependencies of the module docstring, followed in order. The message names the first action that cannot
+    run. Returns nothing; `simulate` is the same walk with times."""
+    simulate(actions, m, v)
+
+
+def simulate(actions, m, v=1, costs=(1.0, 1.0, 1.0)):
+    """[[(action, start, end)] per stage]: each action starts when its stage is free and its input is there; F
+    costs f, B b (fused: b + w), W w (costs = (f, b, w), per chunk). Raises ScheduleError (see check)."""
+    p, (f, b, w) = len(actions), costs
+    split = _validate(actions, m, v)
+    done, timeline, pos, free = {}, [[] for _ in range(p)], [0] * p, [0.0] * p
+    while any(pos[s] < len(actions[s]) for s in range(p)):
+        progressed = False
+        for s in range(p):
+            while pos[s] < len(actions[s]):
+                a = actions[s][pos[s]]
+                dep = _dependency(a, s, p, v)
+                if a.kind in "BW" and ("F" if a.kind == "B" else "B", s, a.mb, a.chunk) not in done:
+                    raise ScheduleError(f"stage {s} runs {a} (action {pos[s]}) before its "
+                                        f"{'F' if a.kind == 'B' else 'B'}{a.mb}{f'.{a.chunk}' if a.chunk else ''}")
+                if dep is not None and dep not in done:
+                    break
+                cost = {"F": f, "W": w, "B": b + (w if (a.mb, a.chunk, s) not in split else 0.0)}[a.kind]
+                start = max(free[s], done[dep] if dep else 0.0)
+                done[(a.kind, s, a.mb, a.chunk)] = free[s] = start + cost
+                timeline[s].append((a, start, start + cost))
+                pos[s] += 1
+                progressed = True
+        if not progressed:
+            raise ScheduleError(_deadlock(actions, pos, p, v))
+    return timeline
+
+
+def _validate(actions, m, v):
+    """Each stage's actions in range and each once; returns the set of (mb, chunk, stage) whose B is split."""
+    p, seen, split = len(actions), {}, set()
+    for s, acts in enumerate(actions):
+        for i, a in enumerate(acts):
+            if not isinstance(a, Action) or a.kind not in ("F", "B", "W") or not 0 <= a.mb < m \
+                    or not 0 <= a.chunk < v:
+                raise ScheduleError(f"stage {s}'s action {i}, {a!r}, is not an Action(kind F, B or W, micro-batch "
+                                    f"0..{m - 1}, chunk 0..{v - 1})")
+            key = (a.kind, s, a.mb, a.chunk)
+            if key in seen:
+                raise ScheduleError(f"stage {s} runs {a} twice (actions {seen[key]} and {i}): micro-batch {a.mb} "
+                                    f"would be used twice")
+            seen[key] = i
+            if a.kind == "W":
+                split.add((a.mb, a.chunk, s))
+    for s in range(p):
+        for c in range(v):
+            for j in range(m):
+                for kind in "FB":
+                    if (kind, s, j, c) not in seen:
+                        raise ScheduleError(f"stage {s} never runs {Action(kind, j, c)}: every micro-batch needs "
+                                            f"a forward and a backward on every chunk")
+    return split
+
+
+def _deadlock(actions, pos, p, v):
+    s = min(s for s in range(p) if pos[s] < len(actions[s]))
+    a = actions[s][pos[s]]
+    kind, t, j, c = _dependency(a, s, p, v)
+    want = Action(kind, j, c)
+    where = [i for i, x in enumerate(actions[t]) if x == want]
+    behind = f"stage {t} is stuck at its action {pos[t]}, {actions[t][pos[t]]}" if pos[t] < len(actions[t]) else ""
+    return (f"the schedule deadlocks: stage {s} cannot run its action {pos[s]}, {a}: it waits for {want} of stage "
+            f"{t}, which comes at stage {t}'s action {where[0]}" + (f", and {behind}" if behind else "") +
+            "; no stage can go on")
+

@@ -1,0 +1,283 @@
+"""One rank's pipeline stage: its layers, its schedule of micro-batches, and the activations it sends and receives.
+
+A step of one DP group runs m micro-batches through the pp stages: stage s holds v model chunks (hsgd.pp.chunks.
+chunk_layers; v = 1 unless the schedule is interleaved), chunk c being the model's piece k = c pp + s, the
+embedding in piece 0 and the final LayerNorm, LM head and loss in piece pp v - 1. It runs its schedule, a list of
+Actions (hsgd.pp.schedules: F, B, W of a micro-batch and chunk), checked before the first message. Between pieces,
+over pp_comm (the same dp and tp coordinates):
+
+    forward of micro-batch j:   piece k   --activation-->        piece k+1, on stage (s+1) mod pp   tag 2(k m + j)
+    backward of micro-batch j:  piece k   <--dL/d(activation)--  piece k+1                          tag 2(k m + j) + 1
+
+The activation is what the tensor-parallel scheme hands from block to block: (B/m, T, C), or for the sequence
+scheme this rank's T-shard (B/m, T/tp, C) (tp_model.stage_activation_shape). Sends are non-blocking and completed
+at the end of the step; receives block. With a distinct tag per message and a schedule that schedules.check ran to
+its end, no stage waits forever. A B whose schedule has a W for the same micro-batch and chunk keeps its weight-
+gradient products (hsgd.tp.wgrad) for that W; otherwise it does them at once.
+
+pp = 1 is a pipeline of one stage: the whole model, nobody to send to, and the schedule F0 B0 F1 B1 ... (1F1B with
+no warm-up): plain gradient accumulation. Each micro-batch's backward starts from dloss = 1/m, so the gradients
+that accumulate (+=) are those of the mean of the micro-batches' mean losses: the gradient of the DP group's slice.
+"""
+import time
+from collections import namedtuple
+
+from hsgd.tp import model as tp_model
+from hsgd.model.backend import get_xp, resolve_dtype, to_host
+from hsgd.cp.layouts import make_context
+from hsgd.model.precision import make_numerics
+from hsgd.errors import ConfigError
+from hsgd.tp.hooks import NO_HOOKS
+from hsgd.pp.chunks import parse_split, stage_chunks, stage_names
+from hsgd.pp.schedules import KIND_NAMES, build, check, check_options, effective
+from hsgd.model.threads import cpu_threads, parallel_batches
+from hsgd.grid.trace import NullTracer
+from hsgd.tp.wgrad import WeightGrads
+
+# one model chunk of a stage: its piece k of the model, its blocks, whether it has the embedding / the head
+Chunk = namedtuple("Chunk", "k layers first last")
+
+
+class Stage:
+    def __init__(self, cfg, grid, tc):
+        """cfg: ModelConfig; grid: ProcessGrid; tc: TrainConfig (pp_split, schedule, virtual_stages, micro_batches,
+        tp_scheme, recompute)."""
+        self.cfg, self.scheme, self.m = cfg, tc.tp_scheme, tc.micro_batches
+        self.recompute = getattr(tc, "recompute", "none")             # what the blocks keep (tp_model.block_forward)
+        self.xp, self.dtype = get_xp(tc.device), resolve_dtype(tc.dtype)   # (ZeRO-3: params may be empty here)
+        self.tp_comm, self.pp_comm, self.s, p = grid.tp_comm, grid.pp_comm, grid.pp_rank, grid.pp
+        self.ctx = make_context(cfg, grid, tc)                         # my positions of each sequence (cp.layouts)
+        self.use(make_numerics(tc))                                    # where bfloat16 / float16 round (precision)
+        self.loss_scale = 1.0                                          # float16: the loss scaler's S (step.trainer)
+        self.v = v = getattr(tc, "virtual_stages", 1)
+        kind = effective(tc.schedule, p, v)                          # (one stage: 1F1B; v > 1 refused)
+        check_options(tc)                                              # (zb-h1 with ZeRO 2/3, ...: refused)
+        self.chunks = [Chunk(*ch) for ch in stage_chunks(cfg.n_layers, p, self.s, v, parse_split(tc.pp_split))]
+        self.layers = [i for ch in self.chunks for i in ch.layers]    # every block this stage holds
+        self.first, self.last = self.chunks[0].first, self.chunks[-1].last
+        self.names = [n for ch in self.chunks for n in stage_names(cfg, ch.layers, ch.first, ch.last)]
+        everyone = build(kind, self.m, p, v)
+        check(everyone, self.m, v)                                     # before any message: refuses a deadlock
+        check_tags(self.pp_comm, self.tag(p * v - 1, self.m - 1) + 1)
+        self.actions = everyone[self.s]
+        self.peak_held, self.timeline, self.measure_bytes, self.peak_bytes = 0, [], False, 0
+
+    def use(self, num):
+        """Round where `num` (an hsgd.model.precision.Numerics) says: at the model's points, and the tensor-parallel
+        partial sums before they travel (comm.payload_round)."""
+        self.num = num
+        self.tp_comm.payload_round = num.payload if num.rounds and self.tp_comm.size > 1 else None
+
+    def pieces(self, rows):
+        """How a micro-batch of `rows` sequences is computed: in one piece (ThreadedStage: one per thread)."""
+        return [rows]
+
+    def groups(self):
+        """{group: [names]}: this stage's parameters by gradient group, in the order the backward pass ends them."""
+        out = {}
+        for grp in tp_model.backward_order(self.cfg):
+            names = [n for n in self.names if tp_model.param_group(n) == grp]
+            if names:
+                out[grp] = names
+        return out
+
+    def run(self, params, grads, mbs, on_ready=None, tracer=None, hooks=None):
+        """One step of this stage: its actions on the micro-batches mbs = [(idx, targets)] (every stage has them;
+        only the first piece uses idx, only the last targets). The gradients of (1/m) * each micro-batch's mean
+        loss accumulate into `grads`; on_ready(group) is called when a group is final (after the last backward,
+        or W, of its chunk); hooks (hsgd.tp.hooks.Hooks) run around every group's forward and backward. Returns
+        (1/m) * the sum of the micro-batches' losses on the last stage (on the device), else 0.0. Records the
+        (micro-batch, chunk) pairs held at once (peak_held) and when each action ran (timeline)."""
+        tracer, self.hooks = tracer or NullTracer(), hooks or NO_HOOKS
+        self.caches, self.kept, self.sends, self.loss, self.live = {}, {}, [], 0.0, 0
+        self.peak_held, self.peak_bytes, self.timeline = 0, 0, []
+        split = {(a.mb, a.chunk) for a in self.actions if a.kind == "W"}
+        final = {a.chunk: i for i, a in enumerate(self.actions) if a.kind == ("W" if (a.mb, a.chunk) in split else "B")}
+        for i, a in enumerate(self.actions):
+            ready = on_ready if final[a.chunk] == i else None          # the chunk's groups are final after this
+            inp = self.receive(a, mbs)                                 # the wait here is the bubble
+            t0 = time.perf_counter()
+            with tracer.span(KIND_NAMES[a.kind], micro_batch=a.mb, chunk=a.chunk):
+                if a.kind == "F":
+                    self.forward(a, inp, params, mbs[a.mb][1])
+                elif a.kind == "B":
+                    self.backward(a, inp, grads, ready, (a.mb, a.chunk) in split)
+                else:
+                    self.weights(a, grads, ready)
+            self.timeline.append((a, t0, time.perf_counter()))
+            if self.measure_bytes:
+                self.peak_bytes = max(self.peak_bytes, self.bytes_held(params))
+        for req, _ in self.sends:
+            req.Wait()
+        self.sends, self.caches, self.kept = [], {}, {}                # nothing held until the next step
+        return self.loss / self.m if self.last else 0.0
+
+    def receive(self, a, mbs):
+        """The input of action a: the token ids, or the activation from piece k-1 (F); dloss = 1/m on the last
+        piece, or the gradient from piece k+1 (B); nothing (W)."""
+        ch, p, rows = self.chunks[a.chunk], self.pp_comm.size, len(mbs[a.mb][0])
+        if a.kind == "W":
+            return None
+        if a.kind == "F" and ch.first:
+            return self.xp.asarray(mbs[a.mb][0])
+        if a.kind == "B" and ch.last:
+            return self.loss_scale / self.m                            # d(S x mean over the micro-batches)
+        if a.kind == "F":                                              # activation in, from piece k-1
+            return self.recv_activation(rows, source=(self.s - 1) % p, tag=self.tag(ch.k - 1, a.mb))
+        return self.recv_activation(rows, source=(self.s + 1) % p, tag=self.tag(ch.k, a.mb) + 1)   # gradient in
+
+    def tag(self, k, j):
+        """The tag of micro-batch j's activation from piece k to piece k+1 (its gradient: + 1)."""
+        return 2 * (k * self.m + j)
+
+    def recv_activation(self, batch, source, tag):
+        shape = tp_model.stage_activation_shape(self.scheme, batch, self.cfg, self.tp_comm.size, self.ctx.cp)
+        return self.pp_comm.Recv(self.xp.empty(shape, dtype=self.dtype), source=source, tag=tag)
+
+    def forward(self, a, inp, params, targets):
+        xp, ch = self.xp, self.chunks[a.chunk]
+        out, self.caches[a.mb, a.chunk] = tp_model.stage_forward(params, inp, xp.asarray(targets), self.cfg,
+                                                                 self.tp_comm, self.scheme, ch.layers, ch.first,
+                                                                 ch.last, self.hooks, self.recompute, self.ctx,
+                                                                 self.num)
+        if ch.last:
+            self.loss = self.loss + out                                # stays on the device
+        else:
+            out = xp.ascontiguousarray(out)                            # activation out, to piece k+1
+            self.sends.append((self.pp_comm.Isend(out, dest=(self.s + 1) % self.pp_comm.size,
+                                                  tag=self.tag(ch.k, a.mb)), out))
+        self.live += 1
+        self.peak_held = max(self.peak_held, self.live)
+
+    def backward(self, a, dout, grads, on_ready, split):
+        """B: dL/d(the chunk's input), sent to piece k-1; the weight-gradient products kept for the W if split."""
+        ch = self.chunks[a.chunk]
+        wg = WeightGrads() if split else None
+        dx = tp_model.stage_backward(dout, self.caches.pop((a.mb, a.chunk)), grads, self.tp_comm, self.scheme,
+                                     on_ready=on_ready, hooks=self.hooks, wg=wg)
+        if not ch.first:                                               # gradient out, to piece k-1
+            dx = self.xp.ascontiguousarray(dx)
+            self.sends.append((self.pp_comm.Isend(dx, dest=(self.s - 1) % self.pp_comm.size,
+                                                  tag=self.tag(ch.k - 1, a.mb) + 1), dx))
+        if split:
+            self.kept[a.mb, a.chunk] = wg
+        else:
+            self.live -= 1
+
+    def weights(self, a, grads, on_ready):
+        """W: the kept weight-gradient products of a micro-batch and chunk, group by group in backward order. In the
+        chunk's last W each group is final as soon as its products are done: on_ready(group) then, so that its
+        exchange starts while the W goes on with the groups below."""
+        wg = self.kept.pop((a.mb, a.chunk))
+        for group in self.chunk_groups(self.chunks[a.chunk]):
+            wg.run(grads, group)                                       # (none for the embedding)
+            if on_ready is not None:
+                on_ready(group)
+        self.live -= 1
+
+    def chunk_groups(self, ch):
+        """The gradient groups of one chunk, in backward order."""
+        return ["head"] * ch.last + [f"h.{i}" for i in reversed(ch.layers)] + ["embedding"] * ch.first
+
+    def bytes_held(self, params):
+        """The bytes of the activations this stage holds now: every array its caches and kept weight-gradient
+        products reach (a view counted as the array it views, once; the parameters not counted)."""
+        def root(x):                                                   # the array a view views
+            while getattr(x, "base", None) is not None and hasattr(x.base, "nbytes"):
+                x = x.base
+            return x
+        skip, seen, total = {id(root(x)) for x in params.values()}, set(), 0   # (the flat parameter buffer)
+        todo = [c[1:] for c in self.caches.values()] + [[e[2] for e in wg.later] for wg in self.kept.values()]
+        while todo:
+            x = todo.pop()
+            if isinstance(x, (tuple, list)):
+                todo.extend(x)
+            elif hasattr(x, "nbytes") and hasattr(x, "base"):
+                x = root(x)
+                if id(x) not in seen and id(x) not in skip:
+                    seen.add(id(x))
+                    total += x.nbytes
+        return total
+
+    def loss_only(self, params, idx, targets, hooks=None):
+        """The mean loss of one batch, forwards only through the pieces (evaluation): a float on every stage."""
+        xp, p, x = self.xp, self.pp_comm.size, None
+        for ch in self.chunks:
+            inp = xp.asarray(idx) if ch.first else self.recv_activation(len(idx), source=(self.s - 1) % p, tag=ch.k)
+            x, _ = tp_model.stage_forward(params, inp, xp.asarray(targets), self.cfg, self.tp_comm, self.scheme,
+                                          ch.layers, ch.first, ch.last, hooks or NO_HOOKS, ctx=self.ctx, num=self.num)
+            if not ch.last:
+                self.pp_comm.Isend(xp.ascontiguousarray(x), dest=(self.s + 1) % p, tag=ch.k + 1).Wait()
+        if not self.last:
+            return self.pp_comm.comm.bcast(None, root=p - 1)
+        return self.pp_comm.comm.bcast(float(to_host(xp.asarray(x))), root=p - 1)
+
+
+def check_tags(pp_comm, largest):
+    """Refuse a pipeline whose largest message tag MPI cannot carry (MPI promises tags up to 32767 at least;
+    MPI.TAG_UB says how far this one goes)."""
+    from mpi4py import MPI
+    ub = pp_comm.comm.Get_attr(MPI.TAG_UB) if hasattr(pp_comm, "comm") else None
+    if ub is not None and largest > ub:
+        raise ConfigError(f"the pipeline's messages need tags up to {largest} (2 pp v m), more than this MPI's "
+                          f"MPI_TAG_UB = {ub}; use fewer micro-batches or virtual stages")
+
+
+class ThreadedStage(Stage):
+    """A whole model on one rank (pp = 1, tp = 1) whose CPU threads split each micro-batch's sequences: data
+    parallelism inside one process. Slice i of a micro-batch of b sequences (b_i of them) runs the forward and
+    backward on its own thread with one BLAS thread (threads.parallel_batches), from dloss = (b_i / b) / m into a
+    gradient buffer of its own (the last slice: into `grads` itself; the others allocate one per micro-batch,
+    freed after it); the buffers are added at the end, in place of an All-Reduce. The same numbers as Stage.run up
+    to rounding (the sums run in another order, which depends on the thread count), and no work is handed between
+    threads inside a layer, which on small and mid-size models is the faster of the two ways to use the cores
+    (tutorial 12).
+
+    The tensor-parallel collectives of the slices run on a one-rank tp_comm: nothing moves, but each slice's calls
+    are counted (pieces() says how many slices the last step used, for the byte formulas). An exchange that needs
+    on_ready during the backward pass (--dp-overlap) or hooks around each group (ZeRO 2 and 3, --memory) gets the
+    plain Stage.run: the slices finish their groups together, at the very end, so there would be nothing to
+    overlap, and each slice would need the whole gradient."""
+    threads_used = 1                                                   # slices per micro-batch in the last run
+
+    def pieces(self, rows):
+        """The slices' row counts for a micro-batch of `rows` sequences, as the last step split them."""
+        n = max(1, min(self.threads_used, rows))
+        return [rows * (i + 1) // n - rows * i // n for i in range(n)]
+
+    def run(self, params, grads, mbs, on_ready=None, tracer=None, hooks=None):
+        plain = self.xp.__name__ == "numpy" and on_ready is None and hooks is None
+        self.threads_used = cpu_threads() if plain else 1
+        if self.threads_used <= 1:
+            return super().run(params, grads, mbs, on_ready, tracer, hooks)
+        tracer = tracer or NullTracer()
+        self.timeline, loss = [], 0.0
+        for j, (idx, targets) in enumerate(mbs):
+            t0 = time.perf_counter()
+            with tracer.span("forward and backward", micro_batch=j):
+                parts = parallel_batches(lambda lo, hi: self.part(params, grads, idx, targets, lo, hi), len(idx))
+            for part_loss, part_grads in parts:
+                loss = loss + part_loss
+                if part_grads is not grads:
+                    for name, a in part_grads.items():
+                        grads[name] += a
+            self.timeline.append((f"F{j}B{j}", t0, time.perf_counter()))
+        self.peak_held = 1
+        return loss / self.m
+
+    def part(self, params, grads, idx, targets, lo, hi):
+        """Sequences lo..hi-1 of a micro-batch: (their share of its loss, the gradient buffer they added into)."""
+        xp, share = self.xp, (hi - lo) / len(idx)
+        into = grads if hi == len(idx) else {n: xp.zeros_like(p) for n, p in grads.items()}
+        out, cache = tp_model.stage_forward(params, xp.asarray(idx[lo:hi]), xp.asarray(targets[lo:hi]), self.cfg,
+                                            self.tp_comm, self.scheme, self.layers, True, True,
+                                            recompute=self.recompute, num=self.num)
+        tp_model.stage_backward(share * self.loss_scale / self.m, cache, into, self.tp_comm, self.scheme)
+        return out * share, into
+
+
+def make_stage(cfg, grid, tc):
+    """This rank's stage: a ThreadedStage when it holds the whole model and sequence alone (pp = tp = cp = 1), else
+    a Stage."""
+    alone = grid.pp == 1 and grid.tp == 1 and getattr(grid, "cp", 1) == 1
+    return ThreadedStage(cfg, grid, tc) if alone else Stage(cfg, grid, tc)

@@ -1,0 +1,155 @@
+"""What a run checks before it does any work: inputs that would block, outputs that would fail at the end.
+
+Two kinds of failure cost a run more than a bad flag does. An input that is not a regular file (a FIFO, a device
+such as /dev/zero, a terminal) never ends or never arrives, so the rank reading it waits forever and the others
+wait for it. An output that cannot be written (a --save-dir under a file, a --log-json in a missing folder,
+--plot without matplotlib) is found only when it is first used, which for checkpoints, plots and the sample is
+after the last step: the run is lost. So `check_run` looks at every output path and every optional dependency
+before the first step, on every rank (inside `launch.agree`, so that all ranks stop together with one line and
+exit code 2), and `regular_file` is the one gate every input file passes: data, --config, a checkpoint's
+manifest and its shards. Nothing here writes anything.
+"""
+import importlib
+import os
+import stat
+
+
+def regular_file(path, what, error):
+    """Raise error(...) unless `path` names an existing regular file. what: how the message names it ("data
+    file", "config file", ...); error: the UsageError subclass to raise."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise error(f"{what} {path!r} is not a path; give the file's path as a string")
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise error(f"{what} {str(path)!r} does not exist") from None
+    except OSError as e:
+        raise error(f"{what} {str(path)!r} cannot be read ({e.strerror})") from None
+    if stat.S_ISDIR(mode):
+        raise error(f"{what} {str(path)!r} is a directory; pass a file")
+    if not stat.S_ISREG(mode):
+        kind = "a FIFO" if stat.S_ISFIFO(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else \
+            "a socket" if stat.S_ISSOCK(mode) else "not a regular file"
+        raise error(f"{what} {str(path)!r} is {kind}, whose reading could block or never end; pass a regular file")
+
+
+def writable_file(path, what, error):
+    """Raise error(...) unless a file can be written at `path` (its folder exists and is writable; the path is not
+    a folder, or a file that cannot be written)."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise error(f"{what} {path!r} is not a path; give a file path as a string")
+    path = str(path)
+    if os.path.isdir(path):
+        raise error(f"{what} {path!r} is a directory; give a file path")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise error(f"{what} {path!r}: its folder {folder!r} does not exist; create it first or choose another path")
+    if not os.access(folder, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise error(f"{what} {path!r} cannot be written (permissions or a read-only file system); "
+                    "choose another path")
+
+
+def writable_dir(path, what, error):
+    """Raise error(...) unless `path` is a writable folder, or one that can be created (its nearest existing
+    ancestor is a writable folder)."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise error(f"{what} {path!r} is not a path; give a folder path as a string")
+    path = os.path.abspath(str(path))
+    probe = path
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        where = "exists and is not a directory" if probe == path else f"is under {probe!r}, which is a file"
+        raise error(f"{what} {path!r} {where}; choose another path")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise error(f"{what} {path!r} cannot be written in {probe!r} (permissions or a read-only file system); "
+                    "choose another path")
+
+
+def needs_module(name, why, error):
+    """Raise error(...) unless the optional module `name` imports."""
+    try:
+        importlib.import_module(name)
+    except ImportError as e:
+        raise error(f"{why} needs {name}, which failed to import ({e}); pip install {name} "
+                    "(or pip install -e '.[dev]'), or leave the option out") from None
+
+
+def check_run(tc, error):
+    """Every check of a training run's outputs and optional dependencies, before any work (see the module
+    docstring). tc: TrainConfig; error: the UsageError subclass to raise."""
+    from hsgd.model.backend import get_xp, resolve_device
+    if resolve_device(tc.device) == "gpu":
+        get_xp("gpu")                                    # ConfigError with the fix when CuPy does not import
+    if tc.plot:
+        needs_module("matplotlib", "--plot", error)
+        writable_dir(tc.plot, "--plot folder", error)
+    if tc.trace:
+        writable_file(tc.trace, "--trace file", error)
+    if tc.log_json:
+        writable_file(tc.log_json, "--log-json file", error)
+    if tc.save_dir:
+        writable_dir(tc.save_dir, "--save-dir", error)
+    if tc.dump_step:
+        writable_dir(tc.dump_step[1], "--dump-step folder", error)
+    if tc.sample_bytes:
+        try:
+            tc.prompt.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise error(f"--prompt {tc.prompt!r} is not valid text (it cannot be encoded as UTF-8: {e.reason}); "
+                        "pass the prompt as UTF-8") from None
+
+
+def memory_estimate(cfg, tc):
+    """A lower bound of the bytes one rank needs, from the sizes alone (no array is made): its share of the
+    parameters, their gradients and the optimizer state (divided by dp where ZeRO shards them), the model's rounded
+    copy of the weights in bfloat16 and float16 (but ZeRO-3), and the activations of one micro-batch
+    (hsgd.accounting.activations.activation_formula, less what --recompute drops)."""
+    from hsgd.accounting.activations import activation_formula
+    from hsgd.accounting.step_memory import pieces
+    C, F, L, V, T = cfg.d_model, cfg.d_ff, cfg.n_layers, cfg.vocab_size, cfg.seq_len
+    params = L * (4 * C * C + 2 * C * F + F + 9 * C) + 2 * V * C + T * C + 2 * C     # ModelConfig.n_params()
+    itemsize = 8 if tc.dtype == "float64" else 4
+    states = 2 if tc.optimizer == "adamw" else 1 if tc.momentum else 0
+    share = params * itemsize // (tc.tp * tc.pp)                     # one copy of this rank's stage and tp shard
+    zero = tc.zero                                                   # ZeRO shards: state (1), grads (2), params (3)
+    dcp = tc.dp * tc.cp                                              # dp_comm: every rank of a shard
+    n = (tc.ranks_per_node or dcp) if tc.hierarchical and zero >= 2 else dcp   # hybrid: within a node
+    weights = (share // (n if zero >= 3 else 1) + share // (n if zero >= 2 else 1)
+               + states * share // (n if zero >= 1 else 1))
+    if tc.dtype in ("bfloat16", "float16") and zero < 3:
+        weights += share                            # the model's rounded copy of the weights (hsgd.model.precision)
+    micro = max(tc.batch_size // (tc.dp * tc.micro_batches), 1)
+    f = activation_formula(cfg, micro, itemsize, tc.tp, tc.tp_scheme, tc.cp, tc.cp_scheme)
+    kept = pieces(cfg, micro, itemsize, tc.tp, tc.tp_scheme, tc.recompute, tc.cp, tc.cp_scheme)["K"]   # a block's cache
+    activations = (f["model"] - L * f["block"] + L * kept) // tc.pp
+    return weights, activations
+
+
+def available_memory():
+    """Bytes this machine can still give (MemAvailable), or None where that is not known."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_memory(cfg, tc, ranks_here, error, available=None):
+    """Refuse a run whose ranks on this machine need more memory than it has (CPU runs: on a GPU the arrays live in
+    device memory), with the estimate, before anything is allocated."""
+    from hsgd.model.backend import resolve_device
+    available = available_memory() if available is None else available
+    if available is None or resolve_device(tc.device) == "gpu":
+        return
+    weights, activations = memory_estimate(cfg, tc)
+    need = (weights + activations) * ranks_here
+    if need > available:
+        gib = lambda b: f"{b / 2**30:,.1f} GiB"
+        raise error(f"this run needs at least {gib(weights + activations)} per rank (parameters, gradients and "
+                    f"optimizer state {gib(weights)}, activations of one micro-batch {gib(activations)}) x "
+                    f"{ranks_here} ranks on this machine = {gib(need)}, but {gib(available)} are available; use a "
+                    "smaller model or batch, more micro-batches, or more ranks for tp and pp")

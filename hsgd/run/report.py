@@ -1,0 +1,202 @@
+"""What rank 0 prints at the end of a run: bytes per step against the formulas, the pipeline's measured schedule,
+memory per rank, the staging buffers of the GPU path, the trace and the plots. Every function is collective
+(called on every rank; only rank 0's `say` prints)."""
+from mpi4py import MPI
+
+from hsgd.tp import model as tp_model
+from hsgd.cp.split import cp_formula
+from hsgd.pp.chunks import pp_formula
+from hsgd.pp.schedules import (FORMULA, PEAK_FORMULA, bubble_formula, bubble_fraction, build, peak_formula, peak_held,
+                        picture, simulate)
+
+
+def fmt_time(seconds):
+    seconds = int(round(seconds))
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+def fmt_bytes(n):
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+
+
+def step_formula(cfg, tc, trainer):
+    """{(comm, op): (calls, bytes)} this rank should see in one training step, from the closed forms: the
+    tensor-parallel traffic of its stage for m micro-batches, the pipeline's messages and the dp exchange."""
+    return rank_bytes(cfg, tc, trainer.grid.dp, trainer.grid.tp, trainer.grid.cp, trainer.stage, trainer.exchange)
+
+
+def rank_bytes(cfg, tc, dp, tp, cp, stage, ex):
+    """step_formula from sizes alone: dp, tp, cp the grid; stage: its .pieces(rows), .layers, .first, .last, .v;
+    ex: the exchange, or hsgd.dp.exchange.sized_exchange's (its formula() and itemsize)."""
+    m, itemsize = tc.micro_batches, ex.itemsize
+    per_mb = tc.batch_size // dp // m
+    f = {}
+    for rows in stage.pieces(per_mb):                                 # one piece, or one per thread
+        for k, (calls, nbytes) in tp_model.comm_formula(cfg, rows, itemsize, tc.tp_scheme,
+                                                        stage=(len(stage.layers), stage.first, stage.last),
+                                                        recompute=tc.recompute, cp=cp).items():
+            f[k] = (f.get(k, (0, 0))[0] + m * calls, f.get(k, (0, 0))[1] + m * nbytes)
+    f.update(pp_formula(per_mb, cfg, m, stage.first, stage.last, itemsize, tc.tp_scheme, tp, stage.v, cp))
+    f.update(cp_formula(tc.cp_scheme, cp, per_mb, cfg.seq_len, cfg.d_model, tp, itemsize,
+                        m * len(stage.layers), tc.recompute))
+    f.update(ex.formula())
+    return f
+
+
+def report_pipeline(world, grid, tc, trainer, say):
+    """The last step's measured schedule: a text picture, the bubble fraction and the micro-batches held."""
+    st = trainer.stage
+    mine = (grid.pp_rank, st.timeline, st.peak_held) if grid.dp_comm.rank == 0 and grid.tp_rank == 0 else None
+    stages = sorted(r for r in (world.gather(mine) or []) if r)
+    if not stages:
+        return
+    timeline = [t for _, t, _ in stages]
+    m, p, v = tc.micro_batches, grid.pp, st.v
+    acts = build(tc.schedule, m, p, v)
+    ideal, closed = simulate(acts, m, v), bubble_formula(tc.schedule, m, p, v)
+    say(f"pipeline schedule of the last step, measured ({tc.schedule}, m={m}, p={p}" + (f", v={v}" if v > 1 else "")
+        + "; F forward, B backward, W weight gradients of micro-batch j[.chunk]):\n" + picture(timeline))
+    say(f"bubble fraction: measured {bubble_fraction(timeline):.3f} | equal-cost model {bubble_fraction(ideal):.3f} "
+        f"| {FORMULA[tc.schedule]} = " + (f"{closed:.3f}" if closed is not None else "n/a (m < p or W > min(F, B))"))
+    say("micro-batches held at once per stage: measured " + str([h for _, _, h in stages]) + " | schedule "
+        + str([peak_held(a) for a in acts]) + f" | {PEAK_FORMULA[tc.schedule]} = "
+        + str([peak_formula(tc.schedule, m, p, s, v) for s in range(p)]))
+
+
+def report_comm(world, grid, measured_step, per_step, formula, say):
+    """Bytes of one step on each communicator: measured (CommStats) next to the formula, for the first rank of
+    every pipeline stage (the stages differ)."""
+    reports = world.gather((grid.pp_rank, per_step, formula) if grid.dp_comm.rank == 0 and grid.tp_rank == 0 else None)
+    sizes = {"tp": grid.tp, "dp": grid.dp_comm.size, "pp": grid.pp, "cp": grid.cp}
+    for stage, measured, expected in sorted(r for r in (reports or []) if r):
+        say(f"communication per step on each rank{f' of stage {stage}' if grid.pp > 1 else ''}, step "
+            f"{measured_step} (measured | formula):")
+        for key in sorted(set(measured) | set(expected)):
+            m, f = measured.get(key, (0, 0)), expected.get(key, (0, 0))
+            say(f"  {key[0]:<4} {key[1]:<22} {m[0]:>4} calls {fmt_bytes(m[1]):>11} | {f[0]:>4} calls "
+                f"{fmt_bytes(f[1]):>11}" + ("" if m == f else "   <- differs")
+                + ("   (a 1-rank communicator: nothing moves)" if sizes.get(key[0]) == 1 else ""))
+
+
+# ZeRO's accounting of data-parallel traffic in units of the parameter bytes Psi: an All-Reduce is a Reduce-Scatter
+# and an All-Gather, 2 Psi; each of those 1 Psi (a ring sends (p-1)/p of each per rank)
+PSI_UNITS = {"Allreduce": 2, "Iallreduce": 2, "Allgather": 1, "Reduce_scatter_block": 1, "Ireduce_scatter_block": 1}
+
+
+def dp_traffic(counts, comm_names):
+    """The data-parallel traffic of one step in Psi-units: sum over the exchange's communicators of payload x
+    PSI_UNITS (the cross-node Allreduce of hybrid sharding included)."""
+    return sum(nbytes * PSI_UNITS.get(op, 0) for (comm, op), (_, nbytes) in counts.items() if comm in comm_names)
+
+
+def report_traffic(world, grid, tc, trainer, per_step, say):
+    """What memory savings cost in bytes, for the first rank of every stage: the dp traffic in units of this rank's
+    padded parameter bytes Psi' (ZeRO 0 and 1: 2; ZeRO-2: m + 1; ZeRO-3: 3m, with m micro-batches: Rajbhandari
+    et al. 2020's 2 Psi against 3 Psi at m = 1), and the tensor-parallel bytes that --recompute full repeats (every
+    block's forward collectives once more), measured against the formulas."""
+    ex, m = trainer.exchange, tc.micro_batches
+    names = {grid.dp_comm.name} | {c.name for c in ex.comms()}
+    psi = ex.size * trainer.dtype.itemsize
+    row = None
+    if grid.dp_comm.rank == 0 and grid.tp_rank == 0:
+        st, rows = trainer.stage, tc.batch_size // grid.dp // m
+        plain = dict(per_step)
+        repeated = {}
+        if tc.recompute == "full":
+            for k, (calls, nbytes) in tp_model.make_scheme(tc.tp_scheme).block_forward_formula(
+                    trainer.cfg, rows, trainer.dtype.itemsize, grid.cp).items():
+                repeated[k] = (m * len(st.layers) * calls, m * len(st.layers) * nbytes)
+        base = {k: v for k, v in tp_model.comm_formula(trainer.cfg, rows, trainer.dtype.itemsize, tc.tp_scheme,
+                                                        stage=(len(st.layers), st.first, st.last),
+                                                        cp=grid.cp).items()}
+        extra = {k: plain.get(k, (0, 0))[1] - m * base.get(k, (0, 0))[1] for k in repeated}
+        row = (grid.pp_rank, dp_traffic(per_step, names) / psi, dp_traffic(ex.formula(), names) / psi, repeated,
+               extra, psi)
+    rows = sorted(r for r in (world.gather(row) or []) if r)
+    for stage, measured, formula, repeated, extra, psi in rows:
+        say(f"stage {stage}: dp traffic {measured:.3f} Psi' per step (formula {formula:.3f}; Psi' = {fmt_bytes(psi)}, "
+            f"this rank's padded parameters; {exchange_rule(tc)})")
+        for (comm, op), (calls, nbytes) in repeated.items():
+            say(f"stage {stage}: --recompute full repeats {calls} {op} on {comm}, {fmt_bytes(nbytes)} (measured "
+                f"beyond the formula without recomputation: {fmt_bytes(extra[(comm, op)])})")
+
+
+def exchange_rule(tc):
+    m = tc.micro_batches
+    if tc.hierarchical and not tc.zero:
+        return "node Reduce-Scatter and All-Gather 2, plus 2/n for the cross-node All-Reduce of the 1/n chunk"
+    return {0: "an All-Reduce: 2", 1: "Reduce-Scatter + All-Gather: 2", 2: f"m + 1 = {m + 1}",
+            3: f"3m = {3 * m}"}[tc.zero] + (", plus 2/n for the cross-node All-Reduce of the 1/n chunk"
+                                            if tc.zero >= 2 and tc.hierarchical else "")
+
+
+def report_memory(mem, say, world=None, grid=None, measured=None, formula=None, step=None):
+    """Between steps: parameters, gradients, optimizer state (HybridTrainer.memory). With --memory (measured: this
+    rank's hsgd.accounting.allocations result, formula: hsgd.accounting.step_memory.step_formula), collective: the
+    measured step's peak per category next to the formula, one table per group of ranks whose numbers are the same."""
+    say(f"memory per rank: parameters {fmt_bytes(mem['params'])}, gradients {fmt_bytes(mem['grads'])}, "
+        f"optimizer state {fmt_bytes(mem['optimizer'])}")
+    if world is None or measured is None:
+        return
+    row = ((grid.pp_rank, grid.tp_rank, grid.dp_rank, grid.cp_rank), measured["peak"], formula["peak"],
+           measured["total"], formula["total"], measured["true_peak"], measured["at"])
+    rows = world.gather((world.Get_rank(), row))
+    if rows is None:
+        return
+    groups = {}
+    for rank, r in rows:
+        groups.setdefault(repr((r[1], r[2], r[3], r[4], r[6])), []).append((rank, r))
+    tracker = "CuPy's memory pool, its total only" if "device" in measured["peak"] else "tracemalloc"
+    say(f"memory by category, peak over step {step} (sampled at every group's forward and backward exit; "
+        f"measured: {tracker}, unthreaded | formula: hsgd.accounting.step_memory):")
+    for members in groups.values():
+        r = members[0][1]
+        cp = grid.cp > 1
+        where = ", ".join(f"{rank} (pp {p} tp {t} dp {d}" + (f" cp {c})" if cp else ")")
+                          for rank, ((p, t, d, c), *_) in members)
+        say(f"  ranks {where}:")
+        for cat in sorted(set(r[1]) | set(r[2]), key=memory_order):
+            m, f = r[1].get(cat, 0), r[2].get(cat, 0)
+            ratio = f"{m / f:6.3f}" if f else ("     -" if not m else "   inf")
+            say(f"    {cat:<12} {fmt_bytes(m):>11} | {fmt_bytes(f):>11}  measured/formula {ratio}")
+        say(f"    {'total':<12} {fmt_bytes(r[3]):>11} | {fmt_bytes(r[4]):>11}  at {r[6]}; tracker's true peak "
+            f"{fmt_bytes(r[5])} (+{fmt_bytes(r[5] - r[3])} transient inside a group)")
+
+
+def memory_order(cat):
+    order = ("params", "grads", "optimizer", "activations", "comm", "recompute", "other", "device")
+    return order.index(cat) if cat in order else len(order)
+
+
+def staging_pools(grid, trainer):
+    """The pinned host-buffer pools of this rank's communicators (used only to stage device arrays)."""
+    comms = [grid.world, grid.tp_comm, grid.cp_comm, grid.dp_comm, grid.pp_comm] + trainer.exchange.comms()
+    return [c.staging for c in comms]
+
+
+def report_staging(world, grid, trainer, allocated_first, start, say):
+    """Pinned staging buffers held, and how many were allocated after the first step (the most on any rank)."""
+    pools = staging_pools(grid, trainer)
+    later = world.allreduce(sum(st.allocated for st in pools) - allocated_first, op=MPI.MAX)   # every rank
+    held = sum(st.free_bytes for st in pools)
+    if held or later:
+        say(f"host staging (MPI not CUDA-aware): {sum(len(st.free) for st in pools)} pinned buffers, "
+            f"{fmt_bytes(held)} on rank 0; allocated after step {start}, most on any rank: {later}")
+
+
+def report_trace(world, tracer, tc, traced, losses, val_points, title, say):
+    """--trace: every rank's events into one file; --plot: the loss curves and a timeline of one step."""
+    from hsgd.run.plots import write_plots
+    events = tracer.write(world, tc.trace) if tc.trace else world.gather(tracer.chrome_events(), root=0)
+    if world.Get_rank() == 0 and not tc.trace:
+        events = [e for rank_events in events for e in rank_events]
+    if tc.trace:
+        say(f"trace of steps {traced[0]}-{traced[1]}, all ranks: {tc.trace} (open it at ui.perfetto.dev)")
+    if tc.plot and world.Get_rank() == 0:
+        window = [e for e in events if e.get("name") == f"step {traced[0]}"]
+        t_range = (min(e["ts"] for e in window), max(e["ts"] + e["dur"] for e in window)) if window else None
+        paths = write_plots(tc.plot, losses, val_points, events, t_range, title, first_step=val_points[0][0] + 1)
+        say("plots: " + ", ".join(paths))

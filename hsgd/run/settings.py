@@ -1,0 +1,374 @@
+"""The training run's settings: grouped dataclasses whose fields are the flags of hsgd.train and hsgd.verify.
+
+A run uses P = dp x pp x cp x tp MPI ranks: dp data-parallel replicas (the lecture's G groups), each a pipeline of
+pp stages, each stage split over tp tensor-parallel ranks (the lecture's M workers per group), and with context
+parallelism over cp ranks that hold T/cp positions of every sequence each (hsgd.cp.split). TrainConfig is one
+flat object (tc.tp, tc.lr, tc.micro_batches) whose fields come from the groups by plain dataclass inheritance:
+
+    Layout        the dp x pp x cp x tp grid, how the tp and cp ranks split the model and the sequence, the
+                  pipeline's schedule and micro-batches
+    Optimization  steps, the batch, the optimizer and its hyperparameters, the seed
+    Data          the text, the floating-point type, the device, BLAS threads
+    Output        progress lines, validation losses, the sample, the JSON log, the trace and the plots
+    Checkpoints   saving and resuming, a non-finite loss, the replica check
+    Exchange      how the gradients cross dp_comm: all-reduce, overlapped, ZeRO, hierarchical or one step late
+    Memory        activation recomputation, and measuring every byte of a step
+    Experiments   faults and stragglers, on purpose
+
+Every field is made with config.flag(default, help_text, ...), and hsgd.run.flags turns the fields into the command
+lines of hsgd.train, hsgd.verify and the schedule lab (and reads --config FILE.toml), so that a default and its
+help are written once. Each group checks its own values (TrainConfig.validate); hsgd.run.flags.configs_from_args adds
+what needs the model and the world size. Errors name the field, the value and what would work.
+"""
+import math
+import os
+from dataclasses import dataclass
+
+from hsgd.tp import model as tp_model
+from hsgd.model.backend import resolve_device, resolve_dtype
+from hsgd.model.config import check_nonnegative_int, check_positive_int, flag
+from hsgd.cp.split import CP_SCHEMES
+from hsgd.errors import ConfigError
+from hsgd.grid.process_grid import check_sizes
+from hsgd.pp.schedules import SCHEDULES
+
+FAULTS = ("raise", "kill", "kill-in-save", "nan", "diverge")        # the KINDs of --inject-fault
+MAX_STRAGGLER_MS = 60_000                                            # a minute of sleep per step, at most
+
+
+@dataclass
+class Layout:
+    """The P = dp x pp x cp x tp grid of ranks, how the tp ranks split the model and the cp ranks the sequence, and
+    the pipeline's micro-batches."""
+
+    tp: int = flag(None, "tensor-parallel size: the ranks that split every layer of a stage between them",
+                   shown="2 when the ranks per stage are even, else 1")
+    dp: int = flag(None, "data-parallel size: model replicas, each on its own slice of the batch",
+                   shown="ranks / (pp * tp)")
+    pp: int = flag(1, "pipeline stages, each holding consecutive Transformer blocks")
+    pp_split: str = flag(None, "layers per pipeline stage, e.g. 3,1 (with --virtual-stages v: per chunk, pp x v "
+                               "numbers, chunk c of stage s at position c*pp + s)", shown="as even as possible",
+                         metavar="N,N,...")
+    schedule: str = flag("1f1b", "pipeline schedule (python -m hsgd.schedule draws them)\n"
+                         "1f1b: PipeDream-Flush, one forward then one backward in the steady state\n"
+                         "gpipe: all forwards, then all backwards\n"
+                         "interleaved: 1F1B over --virtual-stages chunks per stage (Megatron-LM's order)\n"
+                         "zb-h1: zero-bubble H1, each backward split into B (input gradient) and W (weight "
+                         "gradients), the W's filling the bubble", choices=SCHEDULES)
+    virtual_stages: int = flag(1, "model chunks per pipeline stage (--schedule interleaved): the layers are cut "
+                                  "into pp x v chunks, chunk c of stage s being chunk c*pp + s of the model")
+    micro_batches: int = flag(1, "micro-batches per DP group and step: the pipeline's m; gradient accumulation when "
+                                 "pp = 1")
+    tp_scheme: str = flag("megatron", "tensor-parallel scheme\n"
+                          "megatron: Megatron-LM's f/g operator pairs, one Allreduce at the exit of every branch\n"
+                          "gather: the lecture's, every linear column-split and its output All-Gathered\n"
+                          "sequence: megatron's split, with LayerNorm and the residual stream split along T",
+                          choices=tp_model.SCHEMES)
+    cp: int = flag(1, "context-parallel size: the ranks that split every sequence between them, T/cp positions each "
+                      "(rank r holds chunks r and 2cp-1-r of 2cp; seq_len a multiple of 2cp)")
+    cp_scheme: str = flag("ring", "how a cp rank's attention reads the keys and values of the others\n"
+                          "ring: ring attention, (k, v) blocks passed around cp_comm, overlapped with the blocks\n"
+                          "allgather: All-Gather k and v of the whole sequence, Reduce-Scatter their gradients",
+                          choices=CP_SCHEMES)
+
+    def check_layout(self):
+        for name in ("tp", "dp"):
+            if getattr(self, name) is not None:
+                check_positive_int(name, getattr(self, name))
+        check_positive_int("pp", self.pp)
+        check_positive_int("micro_batches", self.micro_batches)
+        check_positive_int("virtual_stages", self.virtual_stages)
+        check_positive_int("cp", self.cp)
+        if self.cp_scheme not in CP_SCHEMES:
+            raise ConfigError(f"cp_scheme={self.cp_scheme!r} is not known; use one of {', '.join(CP_SCHEMES)}")
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"schedule={self.schedule!r} is not known; use one of {', '.join(SCHEDULES)}")
+
+    def resolve_layout(self, world_size):
+        """Fill in tp and dp from the world size, then check that dp * pp * cp * tp == world size."""
+        per_stage = world_size // (self.pp * self.cp) if world_size % (self.pp * self.cp) == 0 else 1
+        if self.tp is None:
+            self.tp = 2 if per_stage % 2 == 0 and (self.dp is None or per_stage // self.dp % 2 == 0) else 1
+        if self.dp is None:
+            self.dp = max(world_size // (self.tp * self.pp * self.cp), 1)
+        check_sizes(world_size, self.dp, self.pp, self.tp, self.cp)
+
+
+@dataclass
+class Optimization:
+    """Mini-batch SGD (or AdamW): steps, the global batch, the learning-rate schedule, the seed."""
+
+    steps: int = flag(1000, "optimizer steps")
+    batch_size: int = flag(16, "B: sequences in the global batch of every step, a multiple of dp * micro_batches")
+    optimizer: str = flag("sgd", "sgd (with momentum) or adamw", choices=("sgd", "adamw"))
+    lr: float = flag(0.05, "peak learning rate")
+    momentum: float = flag(0.9, "heavy-ball momentum of SGD, 0 for plain SGD")
+    weight_decay: float = flag(0.0, "decoupled weight decay on the weight matrices")
+    warmup: int = flag(20, "linear warmup steps, then cosine decay to lr/10 at the last step")
+    clip: float = flag(0.0, "clip the global gradient norm to this value, 0 = no clipping")
+    seed: int = flag(0, "seeds the parameters, the batches and the sample")
+
+    def check_optimization(self):
+        check_positive_int("steps", self.steps)
+        check_positive_int("batch_size", self.batch_size)
+        check_nonnegative_int("warmup", self.warmup)
+        check_nonnegative_int("seed", self.seed)
+        for name in ("lr", "momentum", "weight_decay", "clip"):
+            if not math.isfinite(getattr(self, name)):
+                raise ConfigError(f"{name}={getattr(self, name)!r} must be a finite number")
+        if not self.lr > 0:
+            raise ConfigError(f"lr={self.lr!r} must be > 0 (typical: SGD 0.01 to 0.1, AdamW 1e-4 to 3e-3)")
+        if not 0 <= self.momentum < 1:
+            raise ConfigError(f"momentum={self.momentum!r} must be in [0, 1) (typical: 0.9)")
+        if not self.weight_decay >= 0:
+            raise ConfigError(f"weight_decay={self.weight_decay!r} must be >= 0")
+        if not self.clip >= 0:
+            raise ConfigError(f"clip={self.clip!r} must be >= 0 (0 turns clipping off)")
+        if self.optimizer not in ("sgd", "adamw"):
+            raise ConfigError(f"optimizer={self.optimizer!r} is not known; use sgd or adamw")
+
+
+@dataclass
+class Data:
+    """What is trained on, in which floating-point type, on which device."""
+
+    data: str = flag(None, "text file to train on, its bytes the tokens",
+                     shown="the Python standard library's source files", metavar="FILE")
+    dtype: str = flag("float32", "floating-point type of the computation; float64 for exactness checks; bfloat16 "
+                                 "and float16 emulated on float32 arrays, rounded at every point of "
+                                 "hsgd.model.precision.POINTS, with float32 "
+                                 "master weights, gradients and optimizer state",
+                      choices=("float32", "float64", "bfloat16", "float16"))
+    reduce_dtype: str = flag("float32", "the format the gradients are exchanged in over dp_comm (with --dtype "
+                                        "bfloat16 or float16)", choices=("float32", "bfloat16", "float16"))
+    loss_scale: str = flag("dynamic", "with --dtype float16: dynamic loss scaling (start at 2^16, halve and skip the "
+                                      "update on an inf or NaN, double after 2000 good steps), or none",
+                           choices=("dynamic", "none"))
+    device: str = flag(None, "cpu (NumPy) or gpu (CuPy)", shown="$HSGD_DEVICE, else cpu", choices=("cpu", "gpu"))
+    threads: int = flag(None, "CPU threads per rank: for BLAS and the tuned layers; a rank that holds the whole "
+                              "model (pp = tp = 1) splits each micro-batch's sequences over them",
+                        shown="cores / ranks on the machine, at least 1")
+
+    def check_data(self):
+        if self.threads is not None:
+            check_positive_int("threads", self.threads)
+        resolve_dtype(self.dtype)
+        resolve_device(self.device)
+        self.check_numerics()
+
+    def check_numerics(self):
+        """What bfloat16 and float16 (and a narrower gradient exchange) do not combine with, yet."""
+        low = self.dtype in ("bfloat16", "float16")
+        refused = [(self.reduce_dtype != "float32" and self.zero >= 2, "--zero 2 and 3 reduce-scatter during the "
+                                                                       "backward pass, before the gradient is rounded")]
+        reduce = f", --reduce-dtype {self.reduce_dtype}" if self.reduce_dtype != "float32" else ""
+        for bad, why in refused:
+            if bad:
+                raise ConfigError(f"not with --dtype {self.dtype}{reduce}: {why}")
+        if self.reduce_dtype != "float32" and not low:
+            raise ConfigError(f"reduce_dtype={self.reduce_dtype!r} needs --dtype bfloat16 or float16 (a {self.dtype} "
+                              "run exchanges its gradients in its own type)")
+
+
+@dataclass
+class Output:
+    """What rank 0 prints and writes while training."""
+
+    log_interval: int = flag(50, "steps between progress lines")
+    eval_interval: int = flag(250, "steps between validation losses, 0 = only before and after training")
+    eval_batches: int = flag(4, "batches averaged for one validation loss")
+    sample_bytes: int = flag(200, "bytes generated at the end, 0 = none")
+    prompt: str = flag("def ", "prompt of the generated sample", shown="'def '")
+    log_json: str = flag(None, "rank 0 writes one JSON object per line to FILE: one per step (loss, lr, grad_norm, "
+                               "times) and one per validation loss (step, val_loss)", metavar="FILE")
+    trace: str = flag(None, "write a Chrome/Perfetto trace of every rank (compute phases and collectives) to FILE",
+                      metavar="FILE.json")
+    plot: str = flag(None, "write PNG plots to DIR: loss curves and a per-rank timeline of one step", metavar="DIR")
+    dump_step: list = flag(None, "write step N as a crosscheck dump into DIR (the parameters before it, its batch, "
+                                 "its loss and every rank's gradient shards; hsgd/crosscheck/FORMAT.md), then go "
+                                 "on; check it with python -m hsgd.crosscheck DIR", nargs=2, metavar=("N", "DIR"))
+
+    def check_output(self):
+        check_positive_int("eval_batches", self.eval_batches)
+        check_positive_int("log_interval", self.log_interval)
+        check_nonnegative_int("eval_interval", self.eval_interval)
+        check_nonnegative_int("sample_bytes", self.sample_bytes)
+        if self.dump_step is not None:
+            self.dump_step = dump_step_value(self.dump_step)
+
+
+@dataclass
+class Checkpoints:
+    """Distributed checkpoints (the lecture's section 4.3); what to do with a non-finite loss or diverged replicas."""
+
+    save_dir: str = flag(None, "write distributed checkpoints into DIR", metavar="DIR")
+    save_interval: int = flag(0, "steps between checkpoints, 0 = only after the last step")
+    keep: int = flag(3, "checkpoints kept in save_dir, the newest")
+    resume: str = flag(None, "continue from the newest checkpoint in --save-dir (auto) or from PATH, under any layout "
+                             "valid for the model", metavar="auto|PATH")
+    on_nan: str = flag("stop", "a non-finite loss or gradient: stop the run (exit code 3) or skip that step's update",
+                       choices=("stop", "skip"))
+    overwrite: bool = flag(False, "start a new run in a --save-dir that holds other checkpoints (they are kept; "
+                                  "--resume auto then follows the new run)")
+    allow_changes: bool = flag(False, "resume although seed, data or batch size differ from the checkpoint's run")
+    step_timeout: float = flag(0.0, "end the job (exit code 5) when a step runs longer than S seconds, as when a rank "
+                                    "stops and the others wait for it forever; 0 = off", metavar="S")
+    max_skips: int = flag(10, "with --on-nan skip: stop (exit code 3) after N steps in a row skipped", metavar="N")
+    check_replicas: int = flag(0, "every N steps compare the DP replicas' parameters and stop, naming the first that "
+                                  "differs; 0 = never", metavar="N")
+
+    def check_checkpoints(self):
+        check_nonnegative_int("save_interval", self.save_interval)
+        check_nonnegative_int("check_replicas", self.check_replicas)
+        check_positive_int("keep", self.keep)
+        check_positive_int("max_skips", self.max_skips)
+        if not (math.isfinite(self.step_timeout) and self.step_timeout >= 0):
+            raise ConfigError(f"step_timeout={self.step_timeout!r} must be a finite number of seconds >= 0 (0: off)")
+        if self.on_nan not in ("stop", "skip"):
+            raise ConfigError(f"on_nan={self.on_nan!r} must be stop or skip")
+        if self.resume == "auto" and not self.save_dir:
+            raise ConfigError("resume='auto' looks for the newest checkpoint in --save-dir; give --save-dir too")
+        if self.save_dir and os.path.exists(self.save_dir) and not os.path.isdir(self.save_dir):
+            raise ConfigError(f"save_dir={self.save_dir!r} exists and is not a directory; choose another path")
+
+
+@dataclass
+class Exchange:
+    """How the gradients are averaged over dp_comm (plain: one Allreduce per step)."""
+
+    dp_overlap: bool = flag(False, "start each layer's gradient Iallreduce while the backward pass goes on")
+    zero: int = flag(0, "ZeRO stage (Rajbhandari et al. 2020): each dp rank updates and keeps optimizer state for "
+                        "1/dp of the parameters\n"
+                        "0: all-reduce, no sharding\n"
+                        "1: reduce-scatter after the backward pass, all-gather after the update\n"
+                        "2: also the gradients: each layer's reduce-scatter runs during the backward pass\n"
+                        "3: also the parameters: each layer's are all-gathered before its forward and its "
+                        "backward, and freed after", choices=(0, 1, 2, 3))
+    hierarchical: bool = flag(False, "all-reduce as reduce-scatter in the node, all-reduce across nodes, all-gather "
+                                     "in the node; with --zero 2 or 3: shard within the node, replicate across "
+                                     "nodes")
+    dp_staleness: int = flag(0, "1 = asynchronous SGD: each step's averaged gradient is applied one step late, its "
+                                "exchange overlapping the next step", choices=(0, 1))
+    ranks_per_node: int = flag(None, "dp ranks per node for --hierarchical", shown="MPI's shared-memory split")
+
+    def check_exchange(self):
+        if self.zero not in (0, 1, 2, 3):
+            raise ConfigError(f"zero={self.zero!r} must be 0 (all-reduce), 1, 2 or 3 (ZeRO stage)")
+        if self.dp_staleness not in (0, 1):
+            raise ConfigError(f"dp_staleness={self.dp_staleness!r} must be 0 (synchronous) or 1 (one step late)")
+        if self.ranks_per_node is not None:
+            check_positive_int("ranks_per_node", self.ranks_per_node)
+        hybrid = self.zero >= 2 and self.hierarchical                # sharded in the node, replicated across
+        modes = [m for m, on in (("--dp-overlap", self.dp_overlap), (f"--zero {self.zero}", self.zero),
+                                 ("--hierarchical", self.hierarchical and not hybrid),
+                                 ("--dp-staleness 1", self.dp_staleness)) if on]
+        if len(modes) > 1:
+            raise ConfigError(f"{' and '.join(modes)} cannot be combined: each is its own way of exchanging the "
+                              "gradients over dp_comm; choose one (--hierarchical combines with --zero 2 or 3 "
+                              "only: shard within a node, replicate across nodes)")
+        if self.zero == 3 and not self.hierarchical:
+            if self.check_replicas:
+                raise ConfigError("check_replicas compares the dp replicas' parameters, but --zero 3 keeps no "
+                                  "replicas (each dp rank holds its own 1/dp); drop --check-replicas, or add "
+                                  "--hierarchical (then the nodes hold replicas)")
+            if self.inject_fault and str(self.inject_fault).endswith(":diverge"):
+                raise ConfigError("inject_fault KIND diverge perturbs one replica, but --zero 3 keeps no replicas; "
+                                  "use another KIND or --zero 0, 1 or 2")
+
+
+@dataclass
+class Memory:
+    """Spending less memory on activations, and measuring where a step's bytes go."""
+
+    recompute: str = flag("none", "activation recomputation (Korthikanti et al. 2022)\n"
+                                  "none: the forward pass keeps everything the backward pass needs\n"
+                                  "selective: drop the attention probabilities (B x NH/tp x T x T per block) and "
+                                  "compute them again in the backward pass\n"
+                                  "full: keep only each block's input and run its forward again in the backward "
+                                  "pass, tensor-parallel collectives included", choices=tp_model.RECOMPUTE)
+    memory: bool = flag(False, "measure every rank's memory by category over one step (a real allocation tracker: "
+                               "tracemalloc on the CPU, CuPy's pool on the GPU) and print it next to the formula; "
+                               "with --plot also memory.png; the steps up to the measured one are traced (slower) "
+                               "and the measured one runs unthreaded")
+
+    def check_memory_settings(self):
+        if self.recompute not in tp_model.RECOMPUTE:
+            raise ConfigError(f"recompute={self.recompute!r} must be one of {', '.join(tp_model.RECOMPUTE)}")
+
+
+@dataclass
+class Experiments:
+    """Faults and slow ranks, made on purpose to test the fault tolerance and see what stragglers cost."""
+
+    inject_fault: str = flag(None, "a fault on RANK at STEP, for testing; KIND is one of\n"
+                                   "raise: an exception (the default)\n"
+                                   "kill: SIGKILL\n"
+                                   "kill-in-save: SIGKILL while writing a checkpoint\n"
+                                   "nan: a NaN in the gradient\n"
+                                   "diverge: one parameter perturbed, on that rank only", metavar="RANK:STEP[:KIND]")
+    straggler: str = flag(None, "make RANK sleep MS milliseconds in every step", metavar="RANK:MS")
+
+    def check_experiments(self):
+        digits = lambda p: p.isascii() and p.isdigit()            # "²".isdigit() is True, int("²") fails
+        if self.straggler is not None:
+            parts = str(self.straggler).split(":")
+            if len(parts) != 2 or not all(digits(p) for p in parts):
+                raise ConfigError(f"straggler={self.straggler!r} must look like RANK:MILLISECONDS, e.g. 3:50")
+            if int(parts[1]) > MAX_STRAGGLER_MS:
+                raise ConfigError(f"straggler={self.straggler!r}: at most {MAX_STRAGGLER_MS} ms of sleep per step")
+        if self.inject_fault is not None:
+            parts = str(self.inject_fault).split(":")
+            if not 2 <= len(parts) <= 3 or not all(digits(p) for p in parts[:2]) or \
+                    (len(parts) == 3 and parts[2] not in FAULTS):
+                raise ConfigError(f"inject_fault={self.inject_fault!r} must look like RANK:STEP or RANK:STEP:KIND with "
+                                  f"KIND one of {', '.join(FAULTS)}, e.g. 3:5 or 3:5:kill")
+
+    def check_targets(self, world_size, steps):
+        """The ranks and steps named by --straggler and --inject-fault exist (else they would be silently ignored)."""
+        if self.dump_step is not None and not 1 <= self.dump_step[0] <= steps:
+            raise ConfigError(f"dump_step: step {self.dump_step[0]} is not a step of the run (1..{steps}); give "
+                              f"--dump-step N DIR with N from 1 to --steps")
+        for name, value in (("straggler", self.straggler), ("inject_fault", self.inject_fault)):
+            if value is None:
+                continue
+            rank = int(str(value).split(":")[0])
+            if rank >= world_size:
+                raise ConfigError(f"{name}={value!r} names rank {rank}, but the job has ranks 0..{world_size - 1}")
+        if self.inject_fault is not None:
+            step = int(str(self.inject_fault).split(":")[1])
+            if not 1 <= step <= steps:
+                raise ConfigError(f"inject_fault={self.inject_fault!r} names step {step}, but the run has steps "
+                                  f"1..{steps}")
+
+
+@dataclass
+class TrainConfig(Layout, Optimization, Data, Output, Checkpoints, Exchange, Memory, Experiments):
+    """Every setting of a training run in one flat object: the fields of the groups above."""
+
+    def validate(self):
+        """Check every value before any communication; raises ConfigError naming the field, the value and a fix."""
+        self.check_layout()
+        self.check_optimization()
+        self.check_data()
+        self.check_output()
+        self.check_checkpoints()
+        self.check_exchange()
+        self.check_memory_settings()
+        self.check_experiments()
+        if self.dump_step is not None and self.dp_staleness:
+            raise ConfigError("--dump-step writes a step's own averaged gradient, which --dp-staleness 1 applies a "
+                              "step later and never holds at the end of its step; dump a run with --dp-staleness 0")
+        if self.dp_staleness and (self.save_dir or self.resume):
+            raise ConfigError("checkpoints do not hold the gradient in flight of --dp-staleness 1; run it without "
+                              "--save-dir / --resume")
+
+
+def dump_step_value(value):
+    """[N, DIR] from --dump-step's two strings or a TOML list: N a step >= 1, DIR a path; ConfigError otherwise."""
+    ok = isinstance(value, (list, tuple)) and len(value) == 2 and not isinstance(value[0], (bool, float)) and \
+        str(value[0]).isascii() and str(value[0]).isdigit() and int(value[0]) >= 1 and \
+        isinstance(value[1], str) and value[1]
+    if not ok:
+        raise ConfigError(f"dump_step={value!r} must be a step and a folder, e.g. --dump-step 1 dump "
+                          f"(TOML: dump_step = [1, \"dump\"])")
+    return [int(value[0]), value[1]]

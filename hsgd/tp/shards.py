@@ -1,0 +1,102 @@
+"""How each parameter of the GPT is split over the tensor-parallel ranks: which axis, the shards, and the whole again.
+
+A parameter is replicated ("rep"), split along one axis in tp equal parts ("split": the column-parallel weights and
+biases, the row-parallel projections), or split by vocabulary ("vocab": wte's rows, lm_head's columns, padded to
+tp ceil(V/tp) so that every rank holds Vp = ceil(V/tp) ids). The scheme (hsgd.tp.schemes) says which; a shard is
+the exact slice of hsgd.model.serial's parameter, and `unshard` of every rank's shards, in rank order, is the parameter
+again. hsgd.tp.model names these functions too (tp_model.shard, ...).
+"""
+import math
+
+from hsgd.model import serial
+from hsgd.model.backend import array_module
+from hsgd.errors import ConfigError
+from hsgd.tp.layers import vocab_range
+from hsgd.tp.schemes import make_scheme
+
+
+def check_tp(cfg, tp, scheme="megatron"):
+    """Raise ConfigError unless the model splits over tp ranks (the vocabulary may be padded; heads and d_ff not)."""
+    S = make_scheme(scheme)
+    ok = [t for t in range(1, 65) if cfg.n_heads % t == 0 and cfg.d_ff % t == 0]
+    if cfg.n_heads % tp:
+        raise ConfigError(f"n_heads={cfg.n_heads} is not divisible by tp={tp}: each tensor-parallel rank holds "
+                          f"n_heads/tp whole heads; use tp in {ok}")
+    if cfg.d_ff % tp:
+        raise ConfigError(f"d_ff={cfg.d_ff} is not divisible by tp={tp}: each tensor-parallel rank holds d_ff/tp "
+                          f"MLP columns; use tp in {ok}")
+    S.check(cfg, tp, ok)                                                 # sequence: T-shards of seq_len/tp
+
+
+def split_of(name, scheme="megatron"):
+    """How a parameter is split: ("rep", None), ("split", axis) or ("vocab", axis)."""
+    return make_scheme(scheme).split_of(name)
+
+
+def shard(full, name, tp_rank, tp, scheme="megatron"):
+    """This rank's shard of a full (serial) parameter or gradient: a copy."""
+    xp = array_module(full)
+    kind, axis = split_of(name, scheme)
+    if kind == "rep":
+        return full.copy()
+    n = full.shape[axis]
+    if kind == "vocab":
+        start, size = vocab_range(n, tp, tp_rank)
+        padded_shape = list(full.shape)
+        padded_shape[axis] = size * tp
+        padded = xp.zeros(padded_shape, dtype=full.dtype)                # rows/columns past V stay zero
+        padded[(slice(None),) * axis + (slice(0, n),)] = full
+        full = padded
+    else:
+        size, start = n // tp, tp_rank * (n // tp)
+    return xp.ascontiguousarray(full[(slice(None),) * axis + (slice(start, start + size),)])
+
+
+def shard_params(full_params, tp_rank, tp, scheme="megatron"):
+    return {name: shard(p, name, tp_rank, tp, scheme) for name, p in full_params.items()}
+
+
+def shard_numel(cfg, tp, names=None, scheme="megatron"):
+    """How many numbers of the parameters `names` (default: all) one tensor-parallel rank holds, from the shapes:
+    a split parameter 1/tp of its axis (the vocabulary padded to tp * ceil(V/tp)), a replicated one whole. The
+    same on every tp rank; the size of its dp_comm gradient exchange and of its parameter memory."""
+    shapes = cfg.param_shapes()
+    total = 0
+    for name in shapes if names is None else names:
+        shape = shapes[name]
+        kind, axis = split_of(name, scheme)
+        n = math.prod(shape)
+        if kind != "rep":
+            n = n // shape[axis] * (vocab_range(shape[axis], tp, 0)[1] if kind == "vocab" else shape[axis] // tp)
+        total += n
+    return total
+
+
+def init_params(cfg, comm, seed=0, dtype="float32", device=None, scheme="megatron"):
+    """This rank's shards: exact slices of hsgd.model.serial.init_params for the same seed. (Each rank draws the full
+    model and keeps its slice: simple, and for the model sizes of this project cheap.)"""
+    check_tp(cfg, comm.size, scheme)
+    return shard_params(serial.init_params(cfg, seed, dtype, device), comm.rank, comm.size, scheme)
+
+
+def unshard(pieces, name, cfg, scheme="megatron"):
+    """The full parameter from the shards of all tp ranks, in rank order (the inverse of `shard`)."""
+    xp = array_module(pieces[0])
+    kind, axis = split_of(name, scheme)
+    if kind == "rep":
+        return pieces[0].copy()
+    full = xp.concatenate(pieces, axis=axis)
+    if kind == "vocab":
+        full = full[(slice(None),) * axis + (slice(0, cfg.vocab_size),)]      # drop the padding
+    return xp.ascontiguousarray(full)
+
+
+def gather_full(params, cfg, comm, scheme="megatron"):
+    """Every full parameter on every rank of the group (pickled allgather: for small models, sampling and checks,
+    never in the training step)."""
+    return {name: unshard(comm.allgather_obj(p), name, cfg, scheme) for name, p in params.items()}
+
+
+def vocab_padding(cfg, tp):
+    """Rows of wte (columns of lm_head) added so that every rank holds Vp = ceil(V/tp)."""
+    return math.ceil(cfg.vocab_size / tp) * tp - cfg.vocab_size
