@@ -37,7 +37,7 @@ from hsgd.model.data import Corpus
 from hsgd.grid.process_grid import ProcessGrid
 from hsgd.step.trainer import HybridTrainer
 from hsgd.accounting.activations import activation_bytes, activation_formula
-from hsgd.run.report import step_formula
+from hsgd.accounting.traffic import step_formula
 from hsgd.run.settings import TrainConfig
 from hsgd.pp.stage import ThreadedStage
 from hsgd.model.threads import set_cpu_threads, tune_allocator
@@ -250,10 +250,11 @@ SCHEDULES = {"gpipe": {}, "1f1b": {}, "interleaved v=2": dict(schedule="interlea
 
 
 def task_schedules():
-    """Median step seconds and the bubble of the last measured step (hsgd.pp.schedules.bubble_fraction of every
+    """Median step seconds and the bubble of the last measured step (hsgd.pp.timelines.bubble_fraction of every
     stage's measured timeline) of each SCHEDULES entry, pp = N stages of an 8-layer SCALING model, global batch
     4N x 128 in 2N micro-batches; and each schedule's equal-cost simulated bubble."""
-    from hsgd.pp.schedules import bubble_fraction, build, simulate
+    from hsgd.pp.schedules import build, simulate
+    from hsgd.pp.timelines import bubble_fraction
     n, rounds = WORLD.Get_size(), int(os.environ.get("BENCH_ROUNDS", "5"))
     cfg, m = ModelConfig(**{**SCALING.__dict__, "n_layers": 8}), 2 * n
     idx, targets = CORPUS.batch(0, 1, 2 * m)

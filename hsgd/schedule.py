@@ -28,8 +28,9 @@ from hsgd.model.config import flag_names
 from hsgd.errors import ConfigError
 from hsgd.run.flags import GROUPS, MODEL_FLAGS, configs_from_args, flags_parser
 from hsgd.run.settings import Layout
-from hsgd.pp.schedules import (FORMULA, PEAK_FORMULA, bubble_formula, bubble_fraction, build, effective, grid,
-                               held_bytes, idle_per_stage, peak_formula, peak_held, picture, simulate)
+from hsgd.pp.schedules import build, effective, simulate
+from hsgd.pp.timelines import (FORMULA, PEAK_FORMULA, bubble_formula, bubble_fraction, grid, held_bytes, idle_per_stage,
+                               peak_formula, peak_held, picture)
 
 LAB_FLAGS = flag_names(Layout) + MODEL_FLAGS + ("batch_size", "seed", "dtype", "steps", "recompute")
 LAB_DEFAULTS = dict(pp=4, micro_batches=8, batch_size=16, steps=3, dtype="float32")
@@ -161,8 +162,8 @@ def measure(cfg, tc, plan, say, plot):
 
 
 def draw(path, panels):
-    from hsgd.run.plots import _pyplot, draw_pipeline
-    plt = _pyplot()
+    from hsgd.run.plots import pyplot, draw_pipeline
+    plt = pyplot()
     fig, axes = plt.subplots(len(panels), 1, figsize=(9, 1.2 + 0.45 * len(panels[0][1]) * len(panels)),
                              squeeze=False)
     for ax, (title, timeline, unit) in zip(axes[:, 0], panels):

@@ -25,7 +25,9 @@ from threadpoolctl import threadpool_limits
 from hsgd.checkpoint import store as checkpoint
 from hsgd.grid import launch
 from hsgd.accounting import allocations, step_memory
-from hsgd.model.backend import resolve_device, select_gpu
+from hsgd.model.backend import resolve_device
+from hsgd.grid.devices import local_ranks, place_on_device
+from hsgd.accounting.traffic import step_formula
 from hsgd.checkpoint.store import CheckpointError
 from hsgd.model.data import Corpus, same_data
 from hsgd.errors import ConfigError, NumericalFault, Stopped
@@ -35,45 +37,17 @@ from hsgd.grid.process_grid import ProcessGrid
 from hsgd.step.trainer import HybridTrainer
 from hsgd.checkpoint.manifest import say_changes
 from hsgd.pp.chunks import chunk_layers, parse_split
-from hsgd.pp.schedules import FORMULA, bubble_formula
+from hsgd.pp.timelines import FORMULA, bubble_formula
 from hsgd.run.preflight import check_memory, check_run
 from hsgd.run.progress import Progress
-from hsgd.run.report import (fmt_bytes, fmt_time, report_comm, report_memory, report_pipeline, report_staging,  # noqa: F401
-                     report_trace, report_traffic, staging_pools, step_formula)
-from hsgd.checkpoint.runs import choose_line, lock_folder, newest
+from hsgd.run.report import (fmt_time, report_comm, report_memory, report_pipeline, report_staging, report_trace,
+                             report_traffic, staging_pools)
+from hsgd.checkpoint.runs import choose_line, complete_checkpoints, lock_folder, newest
 from hsgd.run.flags import build_parser, configs_from_args
-from hsgd.run.settings import TrainConfig
 from hsgd.run.signals import StopRequest
 from hsgd.model.threads import openblas_note, set_cpu_threads, tune_allocator
 from hsgd.grid.trace import Tracer
 from hsgd.run.watchdog import Watchdog
-
-__all__ = ["TrainConfig", "train", "main", "build_parser", "configs_from_args", "step_formula", "fmt_bytes"]
-
-
-def local_ranks(world):
-    """(this rank's index among the job's ranks on this machine, how many there are)."""
-    node = world.Split_type(MPI.COMM_TYPE_SHARED)
-    rank, n = node.Get_rank(), node.Get_size()
-    node.Free()
-    return rank, n
-
-
-def place_on_device(tc, world):
-    """"cpu", or for --device gpu: use the GPU of this node-local rank (ranks share GPUs when there are more
-    ranks than GPUs) and say how buffers reach MPI. Returns a description for the header."""
-    if resolve_device(tc.device) == "cpu":
-        return "cpu (NumPy)"
-    from hsgd.grid.comm import cuda_aware_mpi
-    local, _ = local_ranks(world)
-    gpu, n_gpus = launch.agree(world, lambda: select_gpu(local))
-    set_cpu_threads(1)                                               # the GPU does the elementwise work
-    path = "CUDA-aware MPI: device buffers to MPI" if cuda_aware_mpi() else \
-        "MPI not CUDA-aware: buffers staged through host memory"
-    import cupy
-    return (f"gpu (CuPy {cupy.__version__}), {n_gpus} GPU(s) on this node, rank 0 on GPU {gpu}; {path} "
-            "(HSGD_CUDA_AWARE=0|1 overrides)")
-
 
 def train(cfg, tc, world=MPI.COMM_WORLD, out=sys.stdout):
     """Train on `world` (every rank calls this); returns a summary dict on every rank."""
@@ -354,7 +328,7 @@ def resume(trainer, cfg, tc, world, say):
         return 1, None
     where = tc.resume
     if tc.resume == "auto":             # decided once, on rank 0: nodes may see a shared folder differently
-        found = launch.agree(world, lambda: checkpoint.complete_checkpoints(tc.save_dir) if world.Get_rank() == 0
+        found = launch.agree(world, lambda: complete_checkpoints(tc.save_dir) if world.Get_rank() == 0
                              else None)
         found = world.bcast(found, root=0)
         if not found:

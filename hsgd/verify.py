@@ -27,18 +27,19 @@ from threadpoolctl import threadpool_limits
 
 from hsgd.grid import launch
 from hsgd.model import serial
-from hsgd.tp import model as tp_model
+from hsgd.tp import shards as tp_shards
 from hsgd.model.backend import to_numpy
 from hsgd.model.config import flag_names
 from hsgd.errors import ConfigError
 from hsgd.grid.process_grid import ProcessGrid
 from hsgd.step.trainer import HybridTrainer
-from hsgd.check.oracle import oracle, parse_layouts, report
+from hsgd.check.oracle import oracle, parse_layouts
+from hsgd.check.verdict import report
 from hsgd.model.precision import LOW
-from hsgd.run.preflight import needs_module, writable_file
+from hsgd.files import needs_module, writable_file
 from hsgd.run.flags import GROUPS, MODEL_FLAGS, configs_from_args, flags_parser
 from hsgd.run.settings import Layout, TrainConfig
-from hsgd.train import place_on_device
+from hsgd.grid.devices import place_on_device
 
 TOLERANCE = {"float64": (1e-12, 1e-10), "float32": (1e-6, 1e-4)}      # (loss, gradients)
 # the flags of hsgd.verify (hsgd.train's, less those a single checked step does not use), and its defaults
@@ -89,7 +90,7 @@ def verify(cfg, tc, world=MPI.COMM_WORLD, out=sys.stdout, where=None):
     scale = 1e-3 * max(float(np.abs(grad).max()) for grad in grads0.values())
     mine = {}
     for name, grad in trainer.averaged_grads().items():                # collective with ZeRO
-        expect = tp_model.shard(grads0[name], name, grid.tp_rank, grid.tp, tc.tp_scheme)
+        expect = tp_shards.shard(grads0[name], name, grid.tp_rank, grid.tp, tc.tp_scheme)
         diff = float(np.abs(to_numpy(grad).astype(np.float64) - expect).max())
         mine[name] = (diff, diff / max(float(np.abs(expect).max()), scale), grad.shape)
     everyone = world.gather((grid.pp_rank, mine))                     # (stage, errors) of every rank
@@ -101,7 +102,7 @@ def verify(cfg, tc, world=MPI.COMM_WORLD, out=sys.stdout, where=None):
             holders = [(stage, r) for stage, r in everyone if name in r]  # with pp > 1, the ranks of its stage
             abs_err = max(r[name][0] for _, r in holders)
             rel_err = max(r[name][1] for _, r in holders)
-            kind, axis = tp_model.split_of(name, tc.tp_scheme)
+            kind, axis = tp_shards.split_of(name, tc.tp_scheme)
             split = "replicated" if kind == "rep" or grid.tp == 1 else f"{kind} axis {axis} / {grid.tp}"
             if grid.pp > 1:
                 split += f", stage {holders[0][0]}"
@@ -176,7 +177,7 @@ def tolerance_oracle(args, cfg, tc, world):
     if world.Get_rank() == 0:
         ok = report(verdict, tc, cfg, world.Get_size(), sys.stdout, args.loss_steps)
         if args.plot:
-            from hsgd.run.plots import plot_tolerance
+            from hsgd.check.verdict import plot_tolerance
             plot_tolerance(verdict, args.plot)
             print(f"picture: {args.plot}")
     return 0 if world.bcast(ok) else 1

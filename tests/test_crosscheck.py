@@ -10,7 +10,7 @@ import pytest
 
 from hsgd.model.config import ModelConfig
 from hsgd.model import serial
-from hsgd.tp import model as tp_model
+from hsgd.tp import shards as tp_shards
 from hsgd.crosscheck.__main__ import check, main
 from hsgd.crosscheck.classify import block_permutation, factor_names, name_factor
 from hsgd.crosscheck.dump import DumpError
@@ -38,7 +38,7 @@ def write_tp_dump(path, tp=2, dp=2, change=None, dtype="float64", loss_change=1.
         t = r % tp
         mine = {}
         for n, g in grads.items():
-            a = tp_model.shard(g, n, t, tp)
+            a = tp_shards.shard(g, n, t, tp)
             mine[n] = change(n, r, a) if change else a
             tensors[n]["shards"].append(shard_of(n, CFG, t, tp, "megatron", r))
         write_rank(path, r, mine)
@@ -93,7 +93,7 @@ def test_fused_qkv_interleaved_per_head_and_transposed_weights_map_back_exactly(
     (lambda n, r, a: 0 * a if n == "wpe" and r == 2 else a, "wpe", ("missing", "zero on ranks 2:")),
     (lambda n, r, a: a + 1e-9 * (np.arange(len(a)) >= 18)[:, None] if n == "wte" and r % 2 else a, "wte",
      ("padding", "padded entries carry gradient")),
-    (lambda n, r, a: tp_model.shard(GRADS[n], n, 1 - r % 2, 2) if n == "h.0.mlp.proj.weight" else a,
+    (lambda n, r, a: tp_shards.shard(GRADS[n], n, 1 - r % 2, 2) if n == "h.0.mlp.proj.weight" else a,
      "h.0.mlp.proj.weight", ("permutation", "shards along axis 0 in another order: [1, 0]")),
 ], ids=["factor-2", "factor-1/3", "partial-mean", "missing", "nan", "untouched", "rows", "padding", "one-replica-zero",
         "tiny-padding", "shards-swapped"])

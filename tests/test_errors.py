@@ -10,7 +10,7 @@ import pytest
 from hsgd.model.config import ModelConfig
 from hsgd.model.data import Corpus
 from hsgd.errors import ConfigError, DataError
-from hsgd.train import TrainConfig
+from hsgd.run.settings import TrainConfig
 
 
 def run_train(*flags):
@@ -108,7 +108,7 @@ def test_config_errors_name_field_value_and_fix():
 
 
 def test_checkpoints_are_ordered_by_step_number(tmp_path):
-    from hsgd.checkpoint.store import complete_checkpoints
+    from hsgd.checkpoint.runs import complete_checkpoints
     for step in (999999, 1000000, 7):
         (tmp_path / f"step-{step:06d}").mkdir()
         (tmp_path / f"step-{step:06d}" / "manifest.json").write_text("{}")

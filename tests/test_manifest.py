@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from hsgd.checkpoint import store as checkpoint
+from hsgd.checkpoint.runs import complete_checkpoints
 from hsgd.checkpoint.store import CheckpointError, Shards
 from hsgd.checkpoint.manifest import digest
 
@@ -173,7 +174,7 @@ def test_rotation_renames_a_checkpoint_aside_before_deleting_it(tmp_path, monkey
     monkeypatch.undo()
     listing = sorted(os.listdir(tmp_path))
     print(listing)
-    assert [os.path.basename(p) for p in checkpoint.complete_checkpoints(str(tmp_path))] == ["step-000002"]
+    assert [os.path.basename(p) for p in complete_checkpoints(str(tmp_path))] == ["step-000002"]
     assert any(n.startswith(".old-step-000001-") for n in listing)
     checkpoint.save(trainer, 3, str(tmp_path), keep=1)                 # the next save removes the leftover
     assert sorted(os.listdir(tmp_path)) == ["step-000003"]

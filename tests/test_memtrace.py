@@ -14,7 +14,7 @@ from hsgd.tp import model as tp_model
 from hsgd.model.data import Corpus
 from hsgd.grid.process_grid import ProcessGrid
 from hsgd.step.trainer import HybridTrainer
-from hsgd.train import TrainConfig
+from hsgd.run.settings import TrainConfig
 
 CFG = ModelConfig(vocab_size=64, seq_len=32, d_model=16, n_heads=4, n_layers=2, d_ff=64)
 CORPUS = Corpus(np.random.default_rng(0).integers(0, 64, 4000, dtype=np.uint8).tobytes(), "random bytes", 32)

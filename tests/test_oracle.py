@@ -4,7 +4,8 @@ least a real rounding's; a value the format holds is left alone, and each roundi
 band is made of the model's draws."""
 import numpy as np
 
-from hsgd.check.oracle import Perturbed, Verdict, differences, spread, uniform_of
+from hsgd.check.oracle import Perturbed, differences, spread, uniform_of
+from hsgd.check.verdict import Verdict
 from hsgd.model.precision import Numerics, round_to, unit_roundoff
 
 

@@ -6,7 +6,12 @@ import numpy as np
 import pytest
 
 from hsgd.errors import UsageError
-from hsgd.plan.hardware import OPS, HardwareError, from_table, load, names, to_toml, tomllib
+from hsgd.plan.hardware import OPS, HardwareError, from_table, load, names, to_toml
+
+try:
+    import tomllib
+except ModuleNotFoundError:                                     # Python < 3.11
+    import tomli as tomllib
 
 GOOD = """\
 name = "test box"

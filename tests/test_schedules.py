@@ -8,8 +8,9 @@ import sys
 import pytest
 
 from hsgd.pp import chunks as pp
-from hsgd.pp.schedules import (FORMULA, PEAK_FORMULA, Action, ScheduleError, bubble_formula, bubble_fraction, build,
-                            check, held, held_bytes, idle_per_stage, peak_formula, peak_held, simulate)
+from hsgd.pp.schedules import Action, ScheduleError, build, check, simulate
+from hsgd.pp.timelines import (FORMULA, PEAK_FORMULA, bubble_formula, bubble_fraction, held, held_bytes, idle_per_stage,
+                               peak_formula, peak_held)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -156,7 +157,7 @@ def test_the_lab_without_mpi(tmp_path, capsys):
 def test_what_the_new_schedules_do_not_combine_with_is_refused():
     from hsgd.errors import ConfigError
     from hsgd.run.flags import configs_from_args
-    from hsgd.train import build_parser
+    from hsgd.run.flags import build_parser
     for flags, words in ((["--zero", "2", "--schedule", "zb-h1"], "zb-h1 computes the weight gradients later"),
                          (["--memory", "--schedule", "interleaved", "--virtual-stages", "2"],
                           "measure interleaved and zb-h1 schedules with python -m hsgd.schedule --run"),

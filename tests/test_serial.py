@@ -5,7 +5,8 @@ import pytest
 from hsgd.model.config import ModelConfig
 from hsgd.model import ops, serial
 from hsgd.model.data import Corpus
-from hsgd.train import TrainConfig, train
+from hsgd.train import train
+from hsgd.run.settings import TrainConfig
 
 from .conftest import max_rel_err, noisy_params, random_batch
 
@@ -140,15 +141,15 @@ def test_batch_split_over_threads_is_the_minibatch_identity(set_threads, threads
 
 @pytest.mark.parametrize("scheme", ["megatron", "gather", "sequence"])
 def test_shard_numel_counts_what_a_tp_rank_holds(scheme):
-    """tp_model.shard_numel, from the shapes, is the size of the shards tp_model.shard cuts, on every rank; a
+    """tp_shards.shard_numel, from the shapes, is the size of the shards tp_shards.shard cuts, on every rank; a
     vocabulary of 250 does not split evenly, so its padding is counted too."""
     from hsgd.model.config import ModelConfig
-    from hsgd.tp import model as tp_model
+    from hsgd.tp import shards as tp_shards
     cfg = ModelConfig(vocab_size=250, seq_len=8, d_model=16, n_heads=4, n_layers=2, d_ff=64)
     full = serial.init_params(cfg, seed=0, dtype="float64")
     some = ["wte", "h.0.attn.q.weight", "h.1.ln2.bias", "lm_head.weight"]
     for tp in (1, 2, 4):
         for rank in range(tp):
-            shards = tp_model.shard_params(full, rank, tp, scheme)
-            assert tp_model.shard_numel(cfg, tp, scheme=scheme) == sum(a.size for a in shards.values())
-            assert tp_model.shard_numel(cfg, tp, some, scheme) == sum(shards[n].size for n in some)
+            shards = tp_shards.shard_params(full, rank, tp, scheme)
+            assert tp_shards.shard_numel(cfg, tp, scheme=scheme) == sum(a.size for a in shards.values())
+            assert tp_shards.shard_numel(cfg, tp, some, scheme) == sum(shards[n].size for n in some)

@@ -45,7 +45,8 @@ import inspect
 from hsgd.model.config import ModelConfig   # hsgd before NumPy: it sets OpenBLAS's thread timeout first
 from hsgd.model import layers, serial
 from hsgd.model.optim import SGD
-from hsgd.train import TrainConfig, train
+from hsgd.train import train
+from hsgd.run.settings import TrainConfig
 
 import numpy as np
 from threadpoolctl import threadpool_limits

@@ -68,7 +68,7 @@ from hsgd.grid.process_grid import ProcessGrid
 from hsgd.step.trainer import HybridTrainer
 from hsgd.accounting.activations import activation_bytes, activation_formula
 from hsgd.model.optim import lr_at
-from hsgd.train import fmt_bytes
+from hsgd.run.report import fmt_bytes
 
 import numpy as np
 from mpi4py import MPI
@@ -547,7 +547,7 @@ grid.free()
 # | hsgd | Megatron-LM | DeepSpeed | PyTorch | where hsgd differs, on purpose |
 # |---|---|---|---|---|
 # | `dp_average(buf, dp_comm)`: one `Allreduce` of the flat gradient buffer (`FlatBuffer`) after the backward, then $\times 1/dp$ | `DistributedDataParallel` (megatron/core/distributed/distributed_data_parallel.py): gradients in contiguous `_ParamAndGradBuffer`s, scaled by `gradient_scaling_factor` = 1/dp before a sum (or averaged inside the collective, `average_in_collective`), in buckets overlapped with the backward (`overlap_grad_reduce`) | `DeepSpeedEngine.allreduce_gradients()` with ZeRO stage 0 (`"zero_optimization": {"stage": 0}`, `ZeroStageEnum.disabled`) | `torch.nn.parallel.DistributedDataParallel`: an all-reduce per bucket of gradients (`bucket_cap_mb`) as the backward produces them, averaged over the group | one call, after the backward, so the step reads in order; chapter 8 adds the buckets and the overlap |
-# | the same seed on every replica (`serial.init_params`, `tp_model.init_params`) | `DistributedDataParallel.broadcast_params()` from the first rank of the data-parallel group | `DeepSpeedEngine._broadcast_model()` | the DDP constructor broadcasts rank 0's `state_dict()` | nothing is sent: the start is a pure function of the seed (exercise 4 does the broadcast) |
+# | the same seed on every replica (`serial.init_params`, `tp_shards.init_params`) | `DistributedDataParallel.broadcast_params()` from the first rank of the data-parallel group | `DeepSpeedEngine._broadcast_model()` | the DDP constructor broadcasts rank 0's `state_dict()` | nothing is sent: the start is a pure function of the seed (exercise 4 does the broadcast) |
 # | `params_digest` after every step: replicas bit-identical | `--check-weight-hash-across-dp-replicas-interval` (`check_param_hashes_across_dp_replicas`) | none | none | checked every step in the tests and `--check-replicas` |
 # | `micro_batches` $k$; $B = b \cdot dp$, $b$ = $k$ micro-batches | `--micro-batch-size`, `--global-batch-size`; `get_num_microbatches()` = global / (micro x dp) (megatron/core/num_microbatches_calculator.py) | `train_batch_size` = `train_micro_batch_size_per_gpu` x `gradient_accumulation_steps` x dp (deepspeed/runtime/config.py) | a loop of backward passes inside `DistributedDataParallel.no_sync()` except the last | one number, `micro_batches`, per replica |
 # | `loss_scale` = $1/k$ per micro-batch | `forward_step` divides each micro-batch's loss by the number of micro-batches (megatron/core/pipeline_parallel/schedules.py); `DistributedDataParallel.no_sync()` holds the gradient sync until the last | `DeepSpeedEngine.backward(loss, scale_wrt_gas=True)` divides by `gradient_accumulation_steps` | the user divides the loss by the number of accumulation steps | - |

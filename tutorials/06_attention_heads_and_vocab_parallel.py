@@ -57,7 +57,7 @@ from threadpoolctl import threadpool_limits
 from hsgd.model.config import ModelConfig
 from hsgd.model import layers, serial
 from hsgd.accounting import activations
-from hsgd.tp import layers as tp_layers, model as tp_model
+from hsgd.tp import layers as tp_layers, model as tp_model, shards as tp_shards
 from hsgd.errors import ConfigError
 from hsgd.grid.process_grid import ProcessGrid
 from hsgd.run.report import fmt_bytes
@@ -241,12 +241,12 @@ check.equal("attention: backward calls, bytes == (1, N*C*8)", bwd_counts, one)
 # gradient is rounding noise far below the floor (printed there), and its floored error stays near $10^{-12}$.
 #
 # The split must fall on head boundaries: a head cut in two would need the other half of its q and k to form
-# its scores. `tp_model.check_tp` refuses such a configuration, naming the sizes that work (exercise 2 splits
+# its scores. `tp_shards.check_tp` refuses such a configuration, naming the sizes that work (exercise 2 splits
 # heads unequally instead, as DeepSpeed allows):
 
 # %%
 try:
-    tp_model.check_tp(ModelConfig(vocab_size=13, seq_len=4, d_model=12, n_heads=6, n_layers=1, d_ff=24), TP)
+    tp_shards.check_tp(ModelConfig(vocab_size=13, seq_len=4, d_model=12, n_heads=6, n_layers=1, d_ff=24), TP)
     refused = ""
 except ConfigError as e:
     refused = str(e)
@@ -280,11 +280,11 @@ wte = rng.standard_normal((V, C))                                         # (V, 
 wpe = rng.standard_normal((T, C))                                         # (T, C) replicated
 idx = rng.integers(0, V, (B, T))                                          # (B, T) token ids, the same everywhere
 idx[0, 0] = V - 1                                                         # make sure the last rank owns one
-wte_i = tp_model.shard(wte, "wte", i, TP)                                 # (Vp, C) my rows, zero past V
+wte_i = tp_shards.shard(wte, "wte", i, TP)                                 # (Vp, C) my rows, zero past V
 
 mine = int(np.sum((idx >= start) & (idx < start + Vp)))
 rows = tp.allgather_obj((i, start, start + Vp, min(start + Vp, V) - start, mine))
-say(f"V = {V}, tp = {TP}: Vp = {Vp}, {tp_model.vocab_padding(ModelConfig(vocab_size=V), TP)} padding rows")
+say(f"V = {V}, tp = {TP}: Vp = {Vp}, {tp_shards.vocab_padding(ModelConfig(vocab_size=V), TP)} padding rows")
 say("rank  ids          real rows   tokens of idx owned (of N = %d)" % (B * T))
 for r, s0, s1, real, n_mine in rows:
     say(f"{r:>4}  [{s0:>2}, {s1:>2})     {real:>5}      {n_mine:>5}")
@@ -301,7 +301,7 @@ dwte, dwpe_serial = np.zeros_like(wte), np.zeros_like(wpe)
 layers.embedding_backward(dx, c_embs, dwte, dwpe_serial)
 check("vocab embedding: x vs serial wte[idx] + wpe", rel_err(x, x_serial))
 check("vocab embedding: dwte shard (padding rows 0) vs serial",
-      rel_err(dwte_i, tp_model.shard(dwte, "wte", i, TP)))
+      rel_err(dwte_i, tp_shards.shard(dwte, "wte", i, TP)))
 check("vocab embedding: dwpe vs serial", rel_err(dwpe, dwpe_serial))
 check.equal("vocab embedding: calls, bytes == (1, N*C*8)", emb_counts, one)
 
@@ -336,7 +336,7 @@ xf = rng.standard_normal((B, T, C))                                       # (B, 
 W_head = rng.standard_normal((C, V))                                      # (C, V) full
 targets = rng.integers(0, V, (B, T))                                      # (B, T)
 targets[0, 1] = V - 1                                                     # one target on the last rank
-W_head_i = tp_model.shard(W_head, "lm_head.weight", i, TP)                # (C, Vp) my columns, zero past V
+W_head_i = tp_shards.shard(W_head, "lm_head.weight", i, TP)                # (C, Vp) my columns, zero past V
 
 grid.stats.reset()
 z_i, c_head = layers.linear_forward(tp_layers.f_forward(xf, tp), W_head_i)                 # (B, T, Vp)
@@ -357,7 +357,7 @@ check("vocab cross-entropy: loss vs serial", abs(loss - loss_serial) / abs(loss_
 check("vocab cross-entropy: dlogits shard vs serial", rel_err(dz_i, dz_padded[..., start:start + Vp]))
 pad = dz_i[..., max(V - start, 0):]                                       # my padding columns (none but on the last)
 check("vocab cross-entropy: max |dlogits| in padding columns", float(np.max(np.abs(pad), initial=0.0)))
-check("LM head: dW_head shard vs serial", rel_err(dW_head_i, tp_model.shard(dW_head, "lm_head.weight", i, TP)))
+check("LM head: dW_head shard vs serial", rel_err(dW_head_i, tp_shards.shard(dW_head, "lm_head.weight", i, TP)))
 check("LM head: dxf vs serial", rel_err(dxf, dxf_serial))
 N = B * T
 ce_expected = {("tp", "Allreduce"): (2, 3 * N * 8)}                       # (N,) MAX + (2, N) SUM, float64
@@ -458,7 +458,7 @@ say(f"GPT-2 vocabulary, N = {Ng}, float32, tp = {TP}: logits {Ng * Vg * 4 / 2**3
 # `hsgd.tp.model` puts the pieces together: vocab-parallel embedding, per block LayerNorms (replicated), the
 # attention branch of section 1 and the MLP of chapter 5, LN_f, the vocab-parallel LM head and loss. LayerNorm
 # parameters, `wpe` and the row-parallel biases are replicated; everything else is split, and every gradient
-# shard must equal `tp_model.shard(serial_grad, name, rank, tp, scheme)`, the matching slice of
+# shard must equal `tp_shards.shard(serial_grad, name, rank, tp, scheme)`, the matching slice of
 # `serial.loss_and_grads`. Three variants: Megatron's f/g ("megatron"), the lecture's All-Gather scheme
 # ("gather", backward slices), and "gather" with `reduce_scatter=True` (backward by the $1/tp$-scaled
 # Reduce-Scatter of chapter 5: the same numbers, paid for with communication).
@@ -492,12 +492,12 @@ say(f"tiny model: {cfg.n_params()} parameters in {len(params)} arrays, batch {ba
 measured_of = {}                                                          # {scheme: {(comm, op): (calls, bytes)}}
 for scheme, rs in (("megatron", False), ("gather", False), ("gather", True)):
     name = scheme + (" + reduce_scatter" if rs else "")
-    local = tp_model.shard_params(params, i, TP, scheme)                  # my shards, cut the scheme's way
+    local = tp_shards.shard_params(params, i, TP, scheme)                  # my shards, cut the scheme's way
     grid.stats.reset()
     loss, grads = tp_model.loss_and_grads(local, idx, targets, cfg, tp, scheme, reduce_scatter=rs)
     measured_of[name] = measured = grid.stats.counts()
     formula = tp_model.comm_formula(cfg, batch, itemsize=8, scheme=scheme, reduce_scatter=rs)
-    errs = {n: rel_err(grads[n], tp_model.shard(grads_serial[n], n, i, TP, scheme)) for n in grads}
+    errs = {n: rel_err(grads[n], tp_shards.shard(grads_serial[n], n, i, TP, scheme)) for n in grads}
     top = sorted(errs, key=errs.get, reverse=True)[:2]
     rest = max(e for n, e in errs.items() if "attn.k.bias" not in n)     # all but the zero k-bias gradients
     say(f"\n{name}: shards on rank 0: wte {local['wte'].shape}, h.0.attn.q.weight "
@@ -558,7 +558,7 @@ say(f"{'ratio, gather / megatron':<42}{gpt2_ratio[0]:>11.2f}x{gpt2_ratio[1]:>21.
 # (T = 8 splits into 2 positions per rank; Megatron's scheme was checked on them in section 4):
 
 # %%
-local = tp_model.shard_params(params, i, TP, "sequence")                 # cut as Megatron's: the same shards
+local = tp_shards.shard_params(params, i, TP, "sequence")                 # cut as Megatron's: the same shards
 grid.stats.reset()
 loss, grads = tp_model.loss_and_grads(local, idx, targets, cfg, tp, "sequence")
 measured_of["sequence"] = grid.stats.counts()
@@ -566,7 +566,7 @@ say(f"sequence: between the split matmuls a rank holds {tp_model.stage_activatio
     f" of the activation, where Megatron's holds {tp_model.stage_activation_shape('megatron', batch, cfg, TP)}")
 check("sequence: loss vs serial", abs(loss - loss_serial) / abs(loss_serial))
 check(f"sequence: all {len(grads)} gradient shards vs serial",
-      max(rel_err(grads[n], tp_model.shard(grads_serial[n], n, i, TP, "sequence")) for n in grads))
+      max(rel_err(grads[n], tp_shards.shard(grads_serial[n], n, i, TP, "sequence")) for n in grads))
 check.equal("sequence: communication == comm_formula", measured_of["sequence"],
             tp_model.comm_formula(cfg, batch, itemsize=8, scheme="sequence"))
 
@@ -614,7 +614,7 @@ TPS = (1, 2, TP)
 for tp_ in TPS:
     g_ = grid if tp_ == TP else ProcessGrid(world, dp=world.Get_size() // tp_, tp=tp_)
     for scheme in ("megatron", "sequence"):
-        local = tp_model.shard_params(params, g_.tp_rank, tp_, scheme)
+        local = tp_shards.shard_params(params, g_.tp_rank, tp_, scheme)
         _, caches = tp_model.forward(local, idx, targets, cfg, g_.tp_comm, scheme)
         act[tp_, scheme] = (activations.activation_bytes(caches.blocks[0], local),        # block 0's cache
                             activations.activation_bytes(caches, local))              # the whole forward's
@@ -703,7 +703,7 @@ grid.free()
 #
 # | hsgd | Megatron-LM | DeepSpeed | PyTorch | where hsgd differs, on purpose |
 # |---|---|---|---|---|
-# | attention by heads: q, k, v column-parallel (C, C/tp), `attn.proj` row-parallel, `layers.attention_forward` unchanged on the local heads; `tp_model.check_tp` wants NH divisible by tp | `SelfAttention` (megatron/core/transformer/attention.py): `linear_qkv` column-parallel (one fused matrix), `linear_proj` row-parallel; `num_attention_heads_per_partition = divide(num_attention_heads, world_size)`, an exact division too | AutoTP makes q, k, v `LinearLayer`s (fused ones `fused_LinearLayer`, `SubParamColumnParallel`) and the output projection a `LinearAllreduce` (deepspeed/module_inject/layers.py); heads may split unequally: `get_shard_size` (deepspeed/module_inject/tp_shard.py) gives the first NH mod tp ranks one head more | `parallelize_module(block, tp_mesh, plan)` (torch/distributed/tensor/parallel/api.py) with `ColwiseParallel()` for q, k, v and `RowwiseParallel()` for the output projection | three separate weights (computed as one product only for speed, `ops.qkv_forward`); equal heads per rank (exercise 2 writes the unequal split) |
+# | attention by heads: q, k, v column-parallel (C, C/tp), `attn.proj` row-parallel, `layers.attention_forward` unchanged on the local heads; `tp_shards.check_tp` wants NH divisible by tp | `SelfAttention` (megatron/core/transformer/attention.py): `linear_qkv` column-parallel (one fused matrix), `linear_proj` row-parallel; `num_attention_heads_per_partition = divide(num_attention_heads, world_size)`, an exact division too | AutoTP makes q, k, v `LinearLayer`s (fused ones `fused_LinearLayer`, `SubParamColumnParallel`) and the output projection a `LinearAllreduce` (deepspeed/module_inject/layers.py); heads may split unequally: `get_shard_size` (deepspeed/module_inject/tp_shard.py) gives the first NH mod tp ranks one head more | `parallelize_module(block, tp_mesh, plan)` (torch/distributed/tensor/parallel/api.py) with `ColwiseParallel()` for q, k, v and `RowwiseParallel()` for the output projection | three separate weights (computed as one product only for speed, `ops.qkv_forward`); equal heads per rank (exercise 2 writes the unequal split) |
 # | the vocab-parallel embedding: `tp_layers.vocab_lookup_forward` (zero rows for ids owned elsewhere) and the scheme's exit (All-Reduce; sequence: Reduce-Scatter); V padded to $\lceil V/tp \rceil \cdot tp$ | `VocabParallelEmbedding` (megatron/core/tensor_parallel/layers.py): the same masking, then `reduce_from_tensor_model_parallel_region`, or with `reduce_scatter_embeddings` `reduce_scatter_to_sequence_parallel_region`; V padded to a multiple of `make_vocab_size_divisible_by` (default 128) x tp (`calculate_padded_vocab_size`, megatron/training/vocab_utils.py) | none in AutoTP: the embedding stays whole (`EmbeddingLayer`) | `RowwiseParallel()` on an `nn.Embedding`: weight `Shard(0)` (its rows are vocabulary ids), replicated input, partial output reduced to `Replicate()` | pads to the smallest multiple of tp; Megatron rounds further up for fast matrix shapes |
 # | the LM head column-parallel (C, Vp) and `tp_layers.vocab_cross_entropy_forward` / `_backward`: All-Reduce MAX of (N,), one SUM of (2, N); the backward local | `GPTModel.output_layer`, a `ColumnParallelLinear(..., gather_output=not parallel_output)` (megatron/core/models/gpt/gpt_model.py), and `vocab_parallel_cross_entropy` (megatron/core/tensor_parallel/cross_entropy.py): MAX, then two SUM All-Reduces (the target logit, the sum of exp) | none in AutoTP: `LmHeadLinearAllreduce` splits the LM head by its input features (a row split) and All-Reduces the whole (N, V) logits; `vocab_sequence_parallel_cross_entropy` (deepspeed/sequence/cross_entropy.py) is not vocab-parallel: its logits are split along the sequence, the whole vocabulary on every rank | `ColwiseParallel(use_local_output=False)` on the output projection, then `F.cross_entropy` inside `loss_parallel()` (torch/distributed/tensor/parallel/loss.py): MAX, SUM of exp, and the target logit's All-Reduce | the two sums share one buffer: two calls instead of three, the same $3N$ numbers |
 # | the "sequence" scheme (`tp_schemes.Sequence`; `TrainConfig(tp_scheme="sequence")`) | `sequence_parallel=True` (`ModelParallelConfig`, megatron/core/model_parallel_config.py) | none in AutoTP. DeepSpeed-Ulysses (`DistributedAttention`, deepspeed/sequence/layer.py) is a different sequence parallelism: every layer, attention included, works on sequence shards, and an all-to-all (`_SeqAllToAll`) trades sequence shards for head shards before attention and back after; it is not tied to tensor parallelism | `SequenceParallel()` on the norms (torch/distributed/tensor/parallel/style.py), with `ColwiseParallel(input_layouts=Shard(1))` and `RowwiseParallel(output_layouts=Shard(1))` around them | one flag switches the whole model, and the scheme is an object whose three methods are the only places that differ (`hsgd/tp/schemes.py`) |
@@ -723,7 +723,7 @@ grid.free()
 # (solution: `tutorials/solutions/06_attention_heads_and_vocab_parallel.py`, `exercise_1`)
 #
 # ### Exercise 2: attention with an unequal split of heads
-# `tp_model.check_tp` refuses NH = 6 on tp = 4; DeepSpeed's `get_shard_size` would give the ranks 2, 2, 1 and 1
+# `tp_shards.check_tp` refuses NH = 6 on tp = 4; DeepSpeed's `get_shard_size` would give the ranks 2, 2, 1 and 1
 # heads. Write that split: each rank's columns of $W_q$, $W_k$, $W_v$ and rows of $W_o$ at its head boundaries,
 # `layers.attention_forward` on its own heads, $f$ and $g$ as in section 1. Check the branch output, $da$ and
 # every gradient block against the serial branch, and the bytes against one (N, C) All-Reduce each way. What does

@@ -43,7 +43,7 @@
 # %%
 from hsgd.model.config import ModelConfig   # hsgd before NumPy: it sets OpenBLAS's thread timeout (hsgd.model.threads)
 from hsgd.model import serial
-from hsgd.tp import model as tp_model
+from hsgd.tp import model as tp_model, shards as tp_shards
 
 import io
 import math
@@ -59,7 +59,8 @@ from hsgd.dp.average import FlatBuffer, dp_average, dp_formula, dp_rows, params_
 from hsgd.grid.process_grid import ProcessGrid
 from hsgd.step.trainer import HybridTrainer
 from hsgd.model.optim import clip_grads, global_grad_norm
-from hsgd.train import fmt_bytes, train
+from hsgd.train import train
+from hsgd.run.report import fmt_bytes
 from hsgd.verify import verify
 
 import pictures                                            # tutorials/pictures.py: where the PNGs go
@@ -78,7 +79,7 @@ say = check.say                           # print on world rank 0 only
 
 def shard_err(local, full, tp_rank, tp, floor=FLOOR):
     """The largest rel_err of this rank's shards against the matching slices of full (serial) arrays."""
-    return max(rel_err(local[n], tp_model.shard(full[n], n, tp_rank, tp), floor) for n in local)
+    return max(rel_err(local[n], tp_shards.shard(full[n], n, tp_rank, tp), floor) for n in local)
 
 
 cfg = ModelConfig(vocab_size=256, seq_len=16, d_model=32, n_heads=8, n_layers=2, d_ff=128)   # NH, F split 1..8 ways
@@ -135,7 +136,7 @@ path = pictures.on_rank0(world, lambda: pictures.grid(DP, 1, TP, "07_grid_dp4_tp
 say(f"picture: {path}")
 
 # %% [markdown]
-# Each rank builds its shards with `tp_model.init_params` (the slices of `serial.init_params` for the seed), so the
+# Each rank builds its shards with `tp_shards.init_params` (the slices of `serial.init_params` for the seed), so the
 # statement "columns hold the same shard, rows hold different shards and the same data" can be checked with
 # digests: along `dp_comm` every rank must have the same parameters and different rows of the batch, along
 # `tp_comm` different parameters and the same rows.
@@ -178,7 +179,7 @@ check.equal("tp_comm: (distinct shards, distinct data slices) == (tp, 1)", same[
 
 # %%
 full = serial.init_params(cfg, seed=SEED, dtype="float64")              # the serial model, on every rank
-local = tp_model.shard_params(full, grid.tp_rank, TP)                   # my shards of it (= trainer.params)
+local = tp_shards.shard_params(full, grid.tp_rank, TP)                   # my shards of it (= trainer.params)
 _, grads_slice = serial.loss_and_grads(full, idx[rows], targets[rows], cfg)     # serial gradient of my slice
 loss_ref, grads_ref = serial.loss_and_grads(full, idx, targets, cfg)            # ... of the global batch
 
@@ -299,7 +300,7 @@ def layout_bytes(cfg, batch, s, tp):
     communicator of one rank moves nothing: 0 (CommStats still counts its calls, as the formulas do)."""
     dp = P // tp
     tp_payload = sum(n for _, n in tp_model.comm_formula(cfg, batch // dp, s).values()) if tp > 1 else 0
-    dp_payload = tp_model.shard_numel(cfg, tp) * s if dp > 1 else 0
+    dp_payload = tp_shards.shard_numel(cfg, tp) * s if dp > 1 else 0
     return {c: (n, float(ring_share("Allreduce", p) * n))
             for c, n, p in (("tp", tp_payload, tp), ("dp", dp_payload, dp))}
 
@@ -312,7 +313,7 @@ def layout_table(cfg, batch, s, tps):
         dp, x = P // tp, layout_bytes(cfg, batch, s, tp)
         tp_cells = [fmt_bytes(v) if tp > 1 else "-" for v in x["tp"]]
         dp_cells = [fmt_bytes(v) if dp > 1 else "-" for v in x["dp"]]
-        lines.append(f"{f'{dp} x {tp}':>7} {batch // dp:>3} {tp_model.shard_numel(cfg, tp):>12,} | "
+        lines.append(f"{f'{dp} x {tp}':>7} {batch // dp:>3} {tp_shards.shard_numel(cfg, tp):>12,} | "
                      f"{tp_cells[0]:>15} {tp_cells[1]:>10} | {dp_cells[0]:>15} {dp_cells[1]:>10} | "
                      f"{fmt_bytes(x['tp'][0] + x['dp'][0]):>12} {fmt_bytes(x['tp'][1] + x['dp'][1]):>10}")
     return "\n".join(lines)
@@ -329,7 +330,7 @@ say(f"this toy, B = {B}, float64:")
 say(layout_table(cfg, B, 8, (1, 2, 4, 8)))
 toy_best = least(cfg, B, 8, (1, 2, 4, 8))
 say(f"least payload: dp x tp = {toy_best[0]}; fewest ring bytes: {toy_best[1]}")
-check.equal("tp_model.shard_numel(cfg, tp) == the trainer's shard sizes", tp_model.shard_numel(cfg, TP), n_local)
+check.equal("tp_shards.shard_numel(cfg, tp) == the trainer's shard sizes", tp_shards.shard_numel(cfg, TP), n_local)
 check.equal("measured payloads at k = 2 == the table's formula at k = 1",
             {tp: {c: sum(n for (cc, _), (_, n) in measured[tp].items() if cc == c) for c in ("tp", "dp")}
              for tp in measured},
@@ -463,7 +464,7 @@ def serial_reference(tc):
 reference = pictures.on_rank0(world, lambda: serial_reference(tc))
 ref, ref_losses, clip_effect = world.bcast(reference, root=0)   # a small model: a pickled broadcast is fine
 
-param_errs = {n: rel_err(p, tp_model.shard(ref[n], n, grid.tp_rank, TP), floor=0.02) for n, p in run["params"].items()}
+param_errs = {n: rel_err(p, tp_shards.shard(ref[n], n, grid.tp_rank, TP), floor=0.02) for n, p in run["params"].items()}
 worst = max(param_errs, key=param_errs.get)
 replicas = len(set(grid.dp_comm.allgather_obj(params_digest(run["params"]))))
 say(f"serial SGD without clipping ends {clip_effect:.1e} away (rel) from serial SGD with it; largest parameter "
@@ -520,7 +521,7 @@ grid.free()
 # (solution: `tutorials/solutions/07_hybrid_tp_dp.py`, `exercise_2`)
 #
 # ### Exercise 3: a hybrid step by hand
-# Write two steps of hybrid SGD from the pieces of chapters 4 to 6 only: `tp_model.shard_params` of the serial
+# Write two steps of hybrid SGD from the pieces of chapters 4 to 6 only: `tp_shards.shard_params` of the serial
 # initialization, `tp_model.loss_and_grads` on your group's rows (`dp_rows`), an All-Reduce of every gradient shard
 # over `grid.dp_comm.comm` with mpi4py itself (`MPI.IN_PLACE`), the division by dp, and $w \leftarrow w - \eta\,g$.
 # Check every rank's shards against two steps of serial SGD on the global batch (`serial.loss_and_grads`).

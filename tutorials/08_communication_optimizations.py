@@ -64,7 +64,7 @@
 # %%
 from hsgd.model.config import ModelConfig   # hsgd before NumPy: it sets OpenBLAS's thread timeout (hsgd.model.threads)
 from hsgd.model import serial
-from hsgd.tp import model as tp_model
+from hsgd.tp import model as tp_model, shards as tp_shards
 
 import io
 import math
@@ -139,7 +139,7 @@ def serial_sgd(tc, delayed=False):
 def param_err(params, ref, g=None, scheme="megatron"):
     """Largest rel_err of this rank's shards against the matching slices of serial parameters (floor 0.02)."""
     g = g or grid
-    return max(rel_err(p, tp_model.shard(ref[n], n, g.tp_rank, g.tp, scheme), floor=0.02) for n, p in params.items())
+    return max(rel_err(p, tp_shards.shard(ref[n], n, g.tp_rank, g.tp, scheme), floor=0.02) for n, p in params.items())
 
 
 def max_diff(a, b):

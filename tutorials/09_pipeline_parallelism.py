@@ -79,10 +79,12 @@ from hsgd.grid.process_grid import ProcessGrid
 from hsgd.step.trainer import HybridTrainer
 from hsgd.model.layers import embedding_forward
 from hsgd.run.plots import draw_pipeline, pipeline_spans
-from hsgd.pp.chunks import (bubble_fraction, ideal_bubble, peak_in_flight, pp_formula, schedule, simulate, split_layers,
-                     stage_names)
+from hsgd.pp.chunks import pp_formula, split_layers, stage_names
+from hsgd.pp.schedules import build, simulate
+from hsgd.pp.timelines import bubble_formula, bubble_fraction, peak_held
 from hsgd.grid.trace import Tracer
-from hsgd.train import fmt_bytes, step_formula
+from hsgd.run.report import fmt_bytes
+from hsgd.accounting.traffic import step_formula
 
 import pictures                          # tutorials/pictures.py: where the PNGs go
 from checks import Checks, rel_err, train_config   # tutorials/checks.py, shared by the chapters
@@ -236,9 +238,10 @@ say(f"every message is one (b, T, C) = {act} float64 array = {np.prod(act) * 8:,
 # the stages something to do at the same time, each DP group's batch is cut into m micro-batches of b = B/m
 # sequences and the gradients of their losses are accumulated, as in chapter 4's gradient accumulation (the same
 # `micro_batches`): the gradient is the serial one whatever m is. A stage's work in a step is then a list of
-# actions, "F j" (forward of micro-batch j) and "B j", in an order fixed by a **schedule** (`pp.schedule(kind, m,
-# p, s)`). In hsgd a schedule is data: a list of `Action(kind, micro-batch, chunk)` per stage (printed F3, B3; the
-# chunk is 0 until chapter 14, which interleaves model chunks and splits the backward for a zero-bubble schedule):
+# actions, "F j" (forward of micro-batch j) and "B j", in an order fixed by a **schedule** (`build(kind, m,
+# p)[s]`, hsgd.pp.schedules). In hsgd a schedule is data: a list of `Action(kind, micro-batch, chunk)` per stage
+# (printed F3, B3; the chunk is 0 until chapter 14, which interleaves model chunks and splits the backward for a
+# zero-bubble schedule):
 #
 # * **GPipe** (Huang et al. 2019, "GPipe: Efficient Training of Giant Neural Networks using Pipeline
 #   Parallelism"): all m forwards, then all m backwards;
@@ -249,10 +252,10 @@ say(f"every message is one (b, T, C) = {act} float64 array = {np.prod(act) * 8:,
 #
 # Both do every backward in the order B0, B1, ..., so they add up the same gradients in the same order.
 #
-# **The bubble.** Suppose every forward on every stage takes f and every backward $b_c$ (`pp.simulate`, which
-# starts each action as soon as its stage is free and its input has arrived). The first micro-batch reaches the
-# last stage after $(p-1)f$; the last stage then does its m forwards and m backwards, $m(f + b_c)$, and the
-# gradient of the last micro-batch needs $(p-1)b_c$ more to reach stage 0. The step takes
+# **The bubble.** Suppose every forward on every stage takes f and every backward $b_c$ (`simulate` of
+# hsgd.pp.schedules, which starts each action as soon as its stage is free and its input has arrived). The first
+# micro-batch reaches the last stage after $(p-1)f$; the last stage then does its m forwards and m backwards, $m(f +
+# b_c)$, and the gradient of the last micro-batch needs $(p-1)b_c$ more to reach stage 0. The step takes
 # $(m + p - 1)(f + b_c)$, of which each stage computes $m(f + b_c)$, so the idle fraction, the **bubble**, is
 #
 # $$\text{bubble} = 1 - \frac{m (f + b_c)}{(m + p - 1)(f + b_c)} = \frac{p - 1}{m + p - 1},$$
@@ -260,7 +263,7 @@ say(f"every message is one (b, T, C) = {act} float64 array = {np.prod(act) * 8:,
 # the same for both schedules and independent of f and $b_c$. It shrinks as m grows: m = 1 leaves $(p-1)/p$ of
 # the machine idle; for a long pipeline m = p leaves about half, m = 2p about a third, m = 4p about a fifth.
 #
-# **Two measures of the same idle time.** That fraction is hsgd's (`pp.ideal_bubble`, and `pp.bubble_fraction` of a
+# **Two measures of the same idle time.** That fraction is hsgd's (`bubble_formula`, and `bubble_fraction` of a
 # timeline): idle time over all the time of the step, p stages times its length. Narayanan et al. (2021), "Efficient
 # Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", divide the same idle time by the *ideal*
 # time instead, the computation alone: a stage idles $t_{pb} = (p-1)(f + b_c)$ and computes $t_{id} = m(f + b_c)$,
@@ -278,7 +281,7 @@ say(f"every message is one (b, T, C) = {act} float64 array = {np.prod(act) * 8:,
 # %%
 def bubbles(timeline):
     """(hsgd's bubble, Megatron-LM's) of a timeline [[(action, start, end)] per stage]: the idle time over
-    p x the step's span (pp.bubble_fraction), and the same idle time over the busy time, beta / (1 - beta)."""
+    p x the step's span (bubble_fraction), and the same idle time over the busy time, beta / (1 - beta)."""
     beta = bubble_fraction(timeline)
     return beta, beta / (1.0 - beta)
 
@@ -288,12 +291,13 @@ say(f"{'':<12} {'step':>4} {'(m+p-1)(f+b_c)':>15}   {'bubble':>6} {'(p-1)/(m+p-1
 simulated = {}
 for m in (1, PP, 2 * PP):
     for kind in ("gpipe", "1f1b"):
-        t = simulate(kind, m, PP, f_cost=1.0, b_cost=2.0)        # [[(action, start, end)] per stage]
+        t = simulate(build(kind, m, PP), m, costs=(1.0, 2.0, 0.0))        # [[(action, start, end)] per stage]
         span = max(e for stage in t for _, _, e in stage)
         ours, megatron = bubbles(t)
-        say(f"{kind:<5} m = {m:<2}  {span:>4.0f} {(m + PP - 1) * 3:>15}   {ours:>6.3f} {ideal_bubble(m, PP):>13.3f}   "
+        closed = bubble_formula(kind, m, PP)                     # (p-1)/(m+p-1), both schedules
+        say(f"{kind:<5} m = {m:<2}  {span:>4.0f} {(m + PP - 1) * 3:>15}   {ours:>6.3f} {closed:>13.3f}   "
             f"{megatron:>9.3f} {(PP - 1) / m:>7.3f}")
-        check(f"{kind} m={m}: simulated bubble - (p-1)/(m+p-1)", abs(ours - ideal_bubble(m, PP)), 1e-12)
+        check(f"{kind} m={m}: simulated bubble - (p-1)/(m+p-1)", abs(ours - closed), 1e-12)
         check(f"{kind} m={m}: simulated idle/busy - (p-1)/m", abs(megatron - (PP - 1) / m), 1e-12)
         simulated[kind, m] = t
 if rank == 0:
@@ -318,7 +322,7 @@ pictures.wait_asleep(world)                      # the other ranks sleep while r
 #
 # ## 4. Two schedules, run for real: what they hold
 #
-# `pp.peak_in_flight(actions)` counts the most micro-batches a list of actions has forwarded and not yet
+# `peak_held(actions)` (hsgd.pp.timelines) counts the most micro-batches a list of actions has forwarded and not yet
 # backwarded: for GPipe m on every stage, for 1F1B $\min(p - s, m)$, the most on stage 0 and one on the last stage.
 # A micro-batch in flight means its caches are alive: for each of the stage's blocks a few (b, T, C) and
 # (b, T, F) arrays and the (b, NH, T, T) attention probabilities. So GPipe's activation memory grows with m, the
@@ -350,16 +354,16 @@ def run(tc):
 
 M = 2 * PP
 runs = {kind: run(config(schedule=kind)) for kind in ("gpipe", "1f1b")}
-say(f"1F1B, m = {M}, p = {PP}: the actions of every stage, pp.schedule('1f1b', m, p, s):")
+say(f"1F1B, m = {M}, p = {PP}: the actions of every stage, build('1f1b', m, p)[s]:")
 for st in range(PP):
-    say(f"  stage {st}: " + " ".join(str(a) for a in schedule("1f1b", M, PP, st)))   # Action: F3, B3
-check.equal("trainer.stage.actions == pp.schedule(kind, m, p, my stage), both",
-            [runs[k][0].stage.actions for k in runs], [schedule(k, M, PP, s) for k in runs])
+    say(f"  stage {st}: " + " ".join(str(a) for a in build("1f1b", M, PP)[st]))   # Action: F3, B3
+check.equal("trainer.stage.actions == build(kind, m, p)[my stage], both",
+            [runs[k][0].stage.actions for k in runs], [build(k, M, PP)[s] for k in runs])
 say("stage   micro-batches held: GPipe measured / schedule   1F1B measured / schedule   min(p-s, m)")
-mine = [(runs[k][0].stage.peak_held, peak_in_flight(runs[k][0].stage.actions)) for k in ("gpipe", "1f1b")]
+mine = [(runs[k][0].stage.peak_held, peak_held(runs[k][0].stage.actions)) for k in ("gpipe", "1f1b")]
 for st, ((g_meas, g_sched), (f_meas, f_sched)) in enumerate(pp_comm.allgather_obj(mine)):
     say(f"{st:>5}   {g_meas:>27} / {g_sched:<8} {f_meas:>16} / {f_sched:<8} {min(PP - st, M):>12}")
-check.equal("micro-batches held == peak_in_flight(schedule), both schedules",
+check.equal("micro-batches held == peak_held(schedule), both schedules",
             [held for held, _ in mine], [promised for _, promised in mine])
 check.equal("micro-batches held (GPipe, 1F1B) == (m, min(p - s, m))", (mine[0][0], mine[1][0]), (M, min(PP - s, M)))
 
@@ -369,7 +373,7 @@ check.equal("micro-batches held (GPipe, 1F1B) == (m, min(p - s, m))", (mine[0][0
 # Now the real thing, timed. `hsgd.grid.trace.Tracer` records a span for every forward and backward a stage runs (named
 # "forward" or "backward", with its micro-batch; `Stage.run` opens the span once the action's input has been
 # received, so the gaps between spans are time spent waiting in `Recv`, the bubble, plus a little bookkeeping).
-# `hsgd.run.plots.pipeline_spans` turns a trace into the same [(action, start, end)] per stage as `pp.simulate`, and
+# `hsgd.run.plots.pipeline_spans` turns a trace into the same [(action, start, end)] per stage as `simulate`, and
 # `hsgd.run.plots.draw_pipeline` draws either. Each rank's trace counts from its own origin (`tracer.t0`, taken after a
 # Barrier); on one machine the ranks share `time.perf_counter`'s clock, so adding each origin back puts all stages
 # on one exact time axis.
@@ -401,16 +405,17 @@ def traced(kind, m):
 
 SWEEP = (1, 2, 4, 8, 16)
 timed = {(kind, m): traced(kind, m) for m in SWEEP for kind in ("gpipe", "1f1b")}
-check.holds("the traced actions of every stage, in time order == pp.schedule",
-            all([n for n, _, _ in t[st]] == [str(a) for a in schedule(kind, m, PP, st)]
+check.holds("the traced actions of every stage, in time order == build(kind, m, p)",
+            all([n for n, _, _ in t[st]] == [str(a) for a in build(kind, m, PP)[st]]
                 for (kind, m), t in timed.items() for st in range(PP)))
 if rank == 0:
     fig, axes = pictures.figure(10, 4.6, nrows=2)
     for ax, kind in zip(axes, ("gpipe", "1f1b")):
         ours, megatron = bubbles(timed[kind, M])
+        closed = bubble_formula(kind, M, PP)
         draw_pipeline(ax, timed[kind, M], unit=1e-3, xlabel="milliseconds",
                       title=f"{'GPipe' if kind == 'gpipe' else '1F1B'}, m = {M}, p = {PP}, measured: bubble {ours:.2f} "
-                            f"of the step (equal-cost model {ideal_bubble(M, PP):.2f}), idle/busy {megatron:.2f} "
+                            f"of the step (equal-cost model {closed:.2f}), idle/busy {megatron:.2f} "
                             f"(model {(PP - 1) / M:.2f})")
     path = pictures.save(fig, "09_schedules_measured")
     say(f"picture: {path}")
@@ -436,7 +441,7 @@ say(f"{'m':>3}  {'(p-1)/(m+p-1)':>13}  {'GPipe':>6} {'1F1B':>6}   {'(p-1)/m':>7}
 for m in SWEEP:
     (g, g_meg), (f, f_meg) = bubbles(timed["gpipe", m]), bubbles(timed["1f1b", m])
     w = busy(timed["1f1b", m])
-    say(f"{m:>3}  {ideal_bubble(m, PP):>13.3f}  {g:>6.3f} {f:>6.3f}   {(PP - 1) / m:>7.3f}  {g_meg:>6.3f} "
+    say(f"{m:>3}  {bubble_formula('gpipe', m, PP):>13.3f}  {g:>6.3f} {f:>6.3f}   {(PP - 1) / m:>7.3f}  {g_meg:>6.3f} "
         f"{f_meg:>6.3f}   {1 - np.mean(w) / max(w):>17.3f}")
 if rank == 0:
     fig, (left, right) = pictures.figure(10, 3.6, ncols=2)
@@ -637,27 +642,27 @@ grid.free()
 # | hsgd | Megatron-LM | DeepSpeed | PyTorch | where hsgd differs, on purpose |
 # |---|---|---|---|---|
 # | `pp.split_layers(L, p, split)`, `--pp-split` (`TrainConfig.pp_split`) | even split by default; `num_layers_in_first_pipeline_stage`, `num_layers_in_last_pipeline_stage`, `account_for_loss_in_pipeline_split`, `pipeline_model_parallel_layout` (`TransformerConfig`, megatron/core/transformer/transformer_config.py) | `PipelineModule(layers=..., partition_method="parameters")`, also `"uniform"` and `"type:..."` (deepspeed/runtime/pipe/module.py) | `pipeline(...)` with `SplitPoint` / `pipe_split()` (torch/distributed/pipelining/_IR.py), or one `PipelineStage` per hand-cut module | blocks per stage, given by hand; the cost model that chooses them is in this chapter (section 7), not in the library |
-# | `pp.schedule("gpipe", m, p, s)` | none (Megatron-LM runs 1F1B) | none (its `TrainSchedule` is 1F1B-like) | `ScheduleGPipe` (torch/distributed/pipelining/schedules.py) | kept to show what 1F1B saves in memory |
-# | `pp.schedule("1f1b", m, p, s)`, run by `Stage.run` (hsgd/pp/stage.py) | `forward_backward_pipelining_without_interleaving` (megatron/core/pipeline_parallel/schedules.py; warm-up `total_stages - current_stage - 1` forwards), chosen by `get_forward_backward_func` | `TrainSchedule` (deepspeed/runtime/pipe/schedule.py), run by `PipelineEngine.train_batch` (deepspeed/runtime/pipe/engine.py) | `Schedule1F1B` (torch/distributed/pipelining/schedules.py) | a schedule is a plain list of `Action`s (F3, B3) that one loop executes, so it can be printed, simulated and compared with the trace |
+# | `build("gpipe", m, p)[s]` (hsgd.pp.schedules) | none (Megatron-LM runs 1F1B) | none (its `TrainSchedule` is 1F1B-like) | `ScheduleGPipe` (torch/distributed/pipelining/schedules.py) | kept to show what 1F1B saves in memory |
+# | `build("1f1b", m, p)[s]`, run by `Stage.run` (hsgd/pp/stage.py) | `forward_backward_pipelining_without_interleaving` (megatron/core/pipeline_parallel/schedules.py; warm-up `total_stages - current_stage - 1` forwards), chosen by `get_forward_backward_func` | `TrainSchedule` (deepspeed/runtime/pipe/schedule.py), run by `PipelineEngine.train_batch` (deepspeed/runtime/pipe/engine.py) | `Schedule1F1B` (torch/distributed/pipelining/schedules.py) | a schedule is a plain list of `Action`s (F3, B3) that one loop executes, so it can be printed, simulated and compared with the trace |
 # | `schedules.build("interleaved", m, p, v)`: chapter 14 | `forward_backward_pipelining_with_interleaving` (virtual stages: v model chunks per rank) | none | `ScheduleInterleaved1F1B` | left to chapter 14: interleaving divides the bubble by about v and multiplies the messages by v (Narayanan et al. 2021) |
 # | `Stage.receive`, `Stage.forward` / `backward`: `Isend` / `Recv` on `pp_comm`, tags 2(sm + j) and 2(sm + j) + 1 | `P2PCommunicator.send_forward`, `recv_forward`, `send_forward_recv_backward`, ... (megatron/core/pipeline_parallel/p2p_communication.py), batched with `torch.distributed.batch_isend_irecv` | `send`, `recv` (deepspeed/runtime/pipe/p2p.py) | `PipelineStage` (torch/distributed/pipelining/stage.py) builds `dist.P2POp` lists (`get_fwd_send_ops`, ...) | MPI tags name each message, so no two messages of a step can be confused, whatever the order the schedule posts them in |
-# | `pp.peak_in_flight(actions)`, measured as `Stage.peak_held`: GPipe m, 1F1B $\min(p-s, m)$ | `max_outstanding_backprops = num_warmup_microbatches + 1` in `forward_backward_pipelining_without_interleaving`: at most p - s micro-batches await their backward | `TrainSchedule.num_pipe_buffers()`: $\max(2, \min(p - s, m))$ buffers | none | counted and checked in real steps, not only promised |
-# | `pp.ideal_bubble` $(p-1)/(m+p-1)$, `pp.bubble_fraction` of a timeline (idle over the whole step) | the paper's bubble time fraction $(p-1)/m$ (idle over ideal compute; Narayanan et al. 2021) | none | none | hsgd's denominator is the step, so the fraction stays below 1; section 3 prints both |
+# | `peak_held(actions)` (hsgd.pp.timelines), measured as `Stage.peak_held`: GPipe m, 1F1B $\min(p-s, m)$ | `max_outstanding_backprops = num_warmup_microbatches + 1` in `forward_backward_pipelining_without_interleaving`: at most p - s micro-batches await their backward | `TrainSchedule.num_pipe_buffers()`: $\max(2, \min(p - s, m))$ buffers | none | counted and checked in real steps, not only promised |
+# | `bubble_formula` $(p-1)/(m+p-1)$, `bubble_fraction` of a timeline (hsgd.pp.timelines) (idle over the whole step) | the paper's bubble time fraction $(p-1)/m$ (idle over ideal compute; Narayanan et al. 2021) | none | none | hsgd's denominator is the step, so the fraction stays below 1; section 3 prints both |
 #
 # ## Exercises
 #
 # ### Exercise 1: the bubble from a table of time slots
 # With a forward taking one time slot and a backward two, build the table of a step by hand: for every stage a row
-# of slots, each slot idle or holding "F j" or "B j". Place the actions of `pp.schedule(kind, m, p, s)` in order,
+# of slots, each slot idle or holding "F j" or "B j". Place the actions of `build(kind, m, p)[s]` in order,
 # each at the first slot where its stage is free and its input exists (F on stage s after F of the same
 # micro-batch on stage s-1; B on stage s after B on stage s+1, or on the last stage after its own F). Count the idle
 # slots: check that idle / (p x slots) is $(p-1)/(m+p-1)$ and idle / busy is $(p-1)/m$ for both schedules, p from 2
-# to 6 and m from 1 to 2p, and that every action ends in the slot where `pp.simulate` ends it.
+# to 6 and m from 1 to 2p, and that every action ends in the slot where `simulate` ends it.
 # (solution: `tutorials/solutions/09_pipeline_parallelism.py`, `exercise_1`)
 #
 # ### Exercise 2: what GPipe and 1F1B hold
 # Write stage s's 1F1B schedule yourself (warm-up forwards, one forward and one backward in turn, the remaining
-# backwards) and check it against `pp.schedule` for every p up to 6, m up to 12 and s. From a schedule, count the
+# backwards) and check it against `build` for every p up to 6, m up to 12 and s. From a schedule, count the
 # micro-batches held after each action and check the peak against m (GPipe) and $\min(p-s, m)$ (1F1B). Then turn it
 # into bytes on the chapter's 4 ranks: cache one micro-batch's forward on your stage (`tp_model.stage_forward`),
 # measure it with `hsgd.accounting.activations.activation_bytes`, and print each stage's peak activation memory under

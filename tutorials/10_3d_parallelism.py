@@ -68,14 +68,16 @@ from threadpoolctl import threadpool_limits
 import hsgd.verify
 from hsgd.model.config import ModelConfig
 from hsgd.model import serial
-from hsgd.tp import model as tp_model
+from hsgd.tp import model as tp_model, shards as tp_shards
 from hsgd.model.data import Corpus
 from hsgd.dp.average import params_digest
 from hsgd.grid.process_grid import ProcessGrid, factorizations
 from hsgd.step.trainer import HybridTrainer
 from hsgd.accounting.activations import activation_bytes, activation_formula
 from hsgd.pp.chunks import pp_formula, split_layers, stage_names
-from hsgd.train import fmt_bytes, step_formula, train
+from hsgd.train import train
+from hsgd.run.report import fmt_bytes
+from hsgd.accounting.traffic import step_formula
 from hsgd.verify import verify
 
 import pictures                          # tutorials/pictures.py: where the PNGs go
@@ -281,7 +283,7 @@ def by_hand(cfg, tp, m, n_blocks, first, last, names, positions, s=S):
     C, N = cfg.d_model, positions
     out = {("tp", "Allreduce"): (m * (4 * n_blocks + first + 3 * last),
                                  m * (4 * n_blocks * C + first * C + last * (C + 3)) * N * s),
-           ("dp", "Allreduce"): (1, tp_model.shard_numel(cfg, tp, names) * s)}
+           ("dp", "Allreduce"): (1, tp_shards.shard_numel(cfg, tp, names) * s)}
     sends = m * ((not first) + (not last))
     if sends:
         out[("pp", "Isend")] = out[("pp", "Recv")] = (sends, sends * N * C * s)
@@ -337,7 +339,7 @@ def layout_rows(cfg, dp, pp, tp, batch, m, s=S):
             cfg, per_mb, s, stage=(len(blocks), first, last)).items()}
         if pp > 1:
             f.update(pp_formula(per_mb, cfg, m, first, last, s))
-        numel = tp_model.shard_numel(cfg, tp, stage_names(cfg, blocks, first, last))
+        numel = tp_shards.shard_numel(cfg, tp, stage_names(cfg, blocks, first, last))
         f[("dp", "Allreduce")] = (1, numel * s)
         out.append((numel, f))
     return out
@@ -403,7 +405,7 @@ check.equal("the table's parameters per rank for my stage == the trainer's",
 #
 # What each layout buys is memory. A rank holds, between and during steps:
 #
-# * its stage's parameters, $(\text{stage parameters})/tp$ give or take the replicated ones (`tp_model.shard_numel`);
+# * its stage's parameters, $(\text{stage parameters})/tp$ give or take the replicated ones (`tp_shards.shard_numel`);
 # * as many gradients (the buffer the backward pass accumulates into and `dp_comm` averages);
 # * the optimizer's state: SGD with momentum keeps one velocity per parameter (AdamW would keep two);
 # * the activations the forward passes cache for their backward passes: per micro-batch of b sequences on stage s,
@@ -429,7 +431,7 @@ def rank_memory(cfg, dp, pp, tp, batch, m, st, s=S):
     """{part: bytes} one rank of stage st holds in the layout dp x pp x tp (SGD with momentum, 1F1B)."""
     blocks = split_layers(cfg.n_layers, pp)[st]
     first, last = st == 0, st == pp - 1
-    numel = tp_model.shard_numel(cfg, tp, stage_names(cfg, blocks, first, last))
+    numel = tp_shards.shard_numel(cfg, tp, stage_names(cfg, blocks, first, last))
     held = min(pp - st, m)                                                 # micro-batches in flight, 1F1B
     return {"parameters": numel * s, "gradients": numel * s, "optimizer state": numel * s,
             "activations": held * micro_batch_activations(cfg, tp, batch // dp // m, len(blocks), first, last, s)}
@@ -531,7 +533,7 @@ pictures.wait_asleep(world)                           # the others sleep meanwhi
 ref, ref_losses = world.bcast(reference, root=0)      # a small model: a pickled broadcast is fine
 
 losses = run["losses"]
-param_errs = {n: rel_err(p, tp_model.shard(ref[n], n, grid.tp_rank, TP), floor=0.02) for n, p in run["params"].items()}
+param_errs = {n: rel_err(p, tp_shards.shard(ref[n], n, grid.tp_rank, TP), floor=0.02) for n, p in run["params"].items()}
 replicas = len(set(grid.dp_comm.allgather_obj(params_digest(run["params"]))))
 held = set(n for names in world.allgather(sorted(run["params"])) for n in names)
 say(f"\nserial SGD losses: {' '.join(f'{x:.6f}' for x in ref_losses)}")

@@ -64,7 +64,8 @@ from hsgd.model.config import ModelConfig
 from hsgd.checkpoint import store as checkpoint
 from hsgd.grid import launch
 from hsgd.model import serial
-from hsgd.tp import model as tp_model
+from hsgd.tp import shards as tp_shards
+from hsgd.checkpoint.runs import complete_checkpoints
 from hsgd.checkpoint.store import CheckpointError, Shards
 from hsgd.model.data import Corpus
 from hsgd.errors import NumericalFault
@@ -243,7 +244,7 @@ pictures.wait_asleep(world)                      # the other ranks sleep while r
 #
 # A kill before step 4 leaves a `.tmp-*` directory with some shard files, perhaps cut off, and no manifest, next to
 # the untouched `step-000003` (`--inject-fault 3:4:kill-in-save` does exactly this; `tests/test_faults.py` checks
-# it). `checkpoint.complete_checkpoints(save_dir)` lists only `step-*` directories that hold a manifest, so
+# it). `complete_checkpoints(save_dir)` (hsgd.checkpoint.runs) lists only `step-*` directories that hold a manifest, so
 # `--resume auto` and `resolve` never see the half-written one. Instead of killing a rank of this job, here is that
 # state made by hand: a temporary directory of step 4 with half of one shard file in it.
 
@@ -256,7 +257,7 @@ if rank == 0:                                                          # what a 
     with open(os.path.join(tmp, "shard-pp0-tp0.npz"), "wb") as f:
         f.write(data[:len(data) // 2])                                 # cut off mid-write, and no manifest
 world.Barrier()                                                        # the other ranks look only after that
-found = checkpoint.complete_checkpoints(SAVE)
+found = complete_checkpoints(SAVE)
 say(f"{SAVE} holds {sorted(os.listdir(SAVE))}; complete: {[os.path.basename(p) for p in found]}; "
     f"resolve() -> {os.path.basename(checkpoint.resolve(SAVE))}")
 check.equal("every rank: the complete checkpoints == [step-000003]", found, [path3])
@@ -354,9 +355,9 @@ check.holds("resume without the velocity ends > 1e-6 away from the uninterrupted
 #
 # 1. `Shards(manifest).full(name)`: find the old stage that held the parameter (the manifest's blocks per stage),
 #    read its piece from the files of all old tensor ranks, `shard-pp{s}-tp0.npz ... shard-pp{s}-tp{tp-1}.npz`,
-#    and join them with `tp_model.unshard(pieces, name, cfg, old_scheme)`: concatenate along the split axis and drop
+#    and join them with `tp_shards.unshard(pieces, name, cfg, old_scheme)`: concatenate along the split axis and drop
 #    the vocabulary padding;
-# 2. `tp_model.shard(full, name, new_tp_rank, new_tp, new_scheme)`: cut the rank's own piece for the new layout.
+# 2. `tp_shards.shard(full, name, new_tp_rank, new_tp, new_scheme)`: cut the rank's own piece for the new layout.
 #
 # The same for the optimizer state, which has the parameters' shapes. Each rank reads whole files and holds full
 # tensors for a moment: simple, and fine for the model sizes of this project (a large model would read only the
@@ -377,8 +378,8 @@ for name in ("wte", "h.0.attn.q.weight", "h.0.mlp.proj.weight", "h.0.attn.proj.b
     for t in range(old["tp"]):
         with np.load(os.path.join(path4, f"shard-pp{s}-tp{t}.npz"), allow_pickle=False) as f:
             pieces.append(f[f"param/{name}"])
-    full = tp_model.unshard(pieces, name, cfg, old["tp_scheme"])       # (serial shape)
-    piece = tp_model.shard(full, name, 0, 4, "gather")                 # tp_rank 0 of 4
+    full = tp_shards.unshard(pieces, name, cfg, old["tp_scheme"])       # (serial shape)
+    piece = tp_shards.shard(full, name, 0, 4, "gather")                 # tp_rank 0 of 4
     joined.append(np.array_equal(full, shards.full(name)) and np.array_equal(full, full4[name]))
     old_shapes[name] = [p.shape for p in pieces]                      # for the picture below
     files = ", ".join(f"pp{s}-tp{t}: {p.shape}" for t, p in enumerate(pieces))
@@ -397,19 +398,19 @@ check.holds("full tensors joined by hand == Shards.full == the step-4 model", al
 # %%
 def owners_old(name, shapes, scheme):
     """(serial shape) the old tensor rank whose file holds each entry; -1 where the parameter is replicated."""
-    if tp_model.split_of(name, scheme)[0] == "rep":
+    if tp_shards.split_of(name, scheme)[0] == "rep":
         return np.full(shapes[0], -1)
-    return tp_model.unshard([np.full(s, t) for t, s in enumerate(shapes)], name, cfg, scheme)
+    return tp_shards.unshard([np.full(s, t) for t, s in enumerate(shapes)], name, cfg, scheme)
 
 
 def owners_new(shape, name, tp, scheme):
     """(serial shape) the new tensor rank that takes each entry; -1 where every rank takes the whole parameter."""
-    if tp_model.split_of(name, scheme)[0] == "rep":
+    if tp_shards.split_of(name, scheme)[0] == "rep":
         return np.full(shape, -1)
     number = np.arange(1, int(np.prod(shape)) + 1).reshape(shape)     # 0 is left for the vocabulary padding
     owner = np.full(shape, -1)
     for t in range(tp):
-        mine = tp_model.shard(number, name, t, tp, scheme)
+        mine = tp_shards.shard(number, name, t, tp, scheme)
         owner.flat[mine[mine > 0] - 1] = t
     return owner
 
@@ -446,7 +447,7 @@ pictures.wait_asleep(world)                      # the other ranks sleep while r
 # %% [markdown]
 # Now the whole resume, in two other layouts of the same 8 ranks: dp 4 x pp 1 x tp 2 (no pipeline: every rank
 # reads the files of both old stages) and dp 1 x pp 2 x tp 4 with the All-Gather scheme. Each builds its grid,
-# loads, checks that each of its shards is exactly the slice `tp_model.shard` cuts from the step-4 model, and trains
+# loads, checks that each of its shards is exactly the slice `tp_shards.shard` cuts from the step-4 model, and trains
 # steps 5 and 6. In another layout the sums run in another order (other micro-batches per replica, other partial
 # sums per tensor rank), so the result equals the uninterrupted run to rounding, not bit for bit. The error is
 # relative to each parameter's largest entry, but at least to 0.02 (the attention k-biases only ever receive
@@ -459,7 +460,7 @@ def resume_in(dp, pp, tp, scheme):
     g = ProcessGrid(world, dp=dp, pp=pp, tp=tp)
     t = HybridTrainer(cfg, g, config(dp=dp, pp=pp, tp=tp, tp_scheme=scheme))
     first = checkpoint.load(t, checkpoint.open_checkpoint(path4, cfg)) + 1
-    slice_of = lambda full, n: tp_model.shard(full[n], n, g.tp_rank, tp, scheme)   # my slice of a full model
+    slice_of = lambda full, n: tp_shards.shard(full[n], n, g.tp_rank, tp, scheme)   # my slice of a full model
     exact = all(np.array_equal(p, slice_of(full4, n)) for n, p in t.params.items())
     loss_err = 0.0
     for step in range(first, STEPS + 1):
@@ -581,7 +582,7 @@ check.equal("every rank: launch.run's exit code for a corrupted checkpoint", cod
 # %% [markdown]
 # Two more ways a job waits forever without any error. A path that is not a regular file: a FIFO or a device such
 # as `/dev/zero` in place of a shard (or of the manifest, the data file, the TOML config) is never read to its end,
-# so the rank hashing it blocks and the others wait for it in the next collective. `hsgd.run.preflight.regular_file`
+# so the rank hashing it blocks and the others wait for it in the next collective. `hsgd.files.regular_file`
 # is the one gate every input file passes, and refuses such a path with what it is. And a question each rank
 # answers for itself: "is there a checkpoint in --save-dir?" can get different answers on different nodes of a
 # cluster (a shared file system's cache right after a restart), and then some ranks go into the checkpoint's
@@ -798,7 +799,7 @@ say(f"\nchapter 11: all {len(check.passed)} checks passed on {world.Get_size()} 
 # | `checkpoint.save`: one `shard-pp{s}-tp{t}.npz` per (stage, tensor rank), written by the rank of dp_rank 0; `manifest.json` (layout, step, seed, checksums) by rank 0 | `dist_checkpointing.save(sharded_state_dict, checkpoint_dir)` (megatron/core/dist_checkpointing/serialization.py): every tensor a `ShardedTensor` (mapping.py) with its global shape and offset, and `replica_id` choosing the one replica that writes; `--ckpt-format torch_dist` | `engine.save_checkpoint(save_dir, tag)` (deepspeed/runtime/engine.py): `mp_rank_XX_model_states.pt` per model-parallel rank, and with ZeRO one `..._optim_states.pt` per data-parallel rank | `torch.distributed.checkpoint.save(state_dict, storage_writer=FileSystemWriter(path))` (state_dict_saver.py, filesystem.py): `.distcp` files and one pickled `.metadata`; replicated tensors written once (`dedup_save_plans`) | NumPy `.npz` and JSON: any tool reads them, and loading executes no code (a pickle could) |
 # | the atomic moment: a hidden directory renamed to `step-NNNNNN` once every file and the manifest are on disk; `complete_checkpoints` lists only directories with a manifest | the tracker file `latest_checkpointed_iteration.txt` (`get_checkpoint_tracker_filename`, megatron/training/checkpointing.py), written after the save of `iter_NNNNNNN/`; a dist checkpoint's `metadata.json` written last | the `latest` file, the tag of the newest checkpoint, written by rank 0 after the save (`save_latest=True`) | `FileSystemWriter.finish`: `.metadata.tmp` written, then renamed to `.metadata` | the whole directory appears at once, so a reader never meets half a checkpoint, pointer file or not |
 # | `open_checkpoint`: the manifest's own SHA-256, its schema, the model, and every file's SHA-256, before anything is loaded, on every rank | `save(..., verify_integrity=True)` writes `integrity.json` with every file's SHA-256, `load(..., verify_integrity=True)` checks it (`save_integrity_manifest`, `verify_integrity_manifest`, megatron/core/dist_checkpointing/validation.py); off by default | none: no checksums (`"checkpoint": {"tag_validation": ...}` checks only that every rank saves under the same tag) | none: `.metadata` records where each chunk is, not a checksum | always on: a checkpoint is read long after it was written, and the hashing costs one read of files that are read anyway |
-# | `checkpoint.load`: any dp, pp, tp and scheme; each rank joins the full tensor (`Shards.full`, `tp_model.unshard`) and cuts its piece (`tp_model.shard`) | `dist_checkpointing.load(sharded_state_dict, checkpoint_dir)`: the new layout's `ShardedTensor`s say which slices of each global tensor to read | universal checkpointing: `ds_to_universal.py` (deepspeed/checkpoint/) rewrites a checkpoint as one set of files per parameter, loaded into another layout with `"checkpoint": {"load_universal": true}` | `torch.distributed.checkpoint.load(state_dict, storage_reader=FileSystemReader(path))`: reads, for each `DTensor` of the new layout, the saved chunks that overlap it | every rank reads whole files and holds a full tensor for a moment: simple, and the memory of one parameter at a time |
+# | `checkpoint.load`: any dp, pp, tp and scheme; each rank joins the full tensor (`Shards.full`, `tp_shards.unshard`) and cuts its piece (`tp_shards.shard`) | `dist_checkpointing.load(sharded_state_dict, checkpoint_dir)`: the new layout's `ShardedTensor`s say which slices of each global tensor to read | universal checkpointing: `ds_to_universal.py` (deepspeed/checkpoint/) rewrites a checkpoint as one set of files per parameter, loaded into another layout with `"checkpoint": {"load_universal": true}` | `torch.distributed.checkpoint.load(state_dict, storage_reader=FileSystemReader(path))`: reads, for each `DTensor` of the new layout, the saved chunks that overlap it | every rank reads whole files and holds a full tensor for a moment: simple, and the memory of one parameter at a time |
 # | `checkpoint.export` (`python -m hsgd.checkpoint export DIR out.npz`): the model under the serial names | tools/checkpoint/convert.py (loaders and savers between formats and layouts) | `zero_to_fp32.py` (deepspeed/utils/): the full fp32 model from the ZeRO shards | `dcp_to_torch_save` (torch/distributed/checkpoint/format_utils.py) | - |
 # | a rank dies: `launch.run` calls `MPI_Abort`, the job ends; `--step-timeout` (a watchdog); the same command again with `--resume auto` | `megatron/training/ft_integration.py` (NVIDIA's resiliency extension: per-section timeouts, `ft_launcher`) and `--inprocess-restart` (megatron/training/inprocess_restart.py) | `DSElasticAgent` (deepspeed/elasticity/elastic_agent.py), on PyTorch's elastic agent | `torchrun --max-restarts N` (torch/distributed/run.py): the agent restarts every worker of the group, and the script loads its newest checkpoint itself | an MPI job does not outlive one of its ranks; the restart is a new `mpirun`, and the only state that crosses it is on disk |
 #

@@ -75,7 +75,7 @@ from hsgd.step.trainer import HybridTrainer
 from hsgd.model.layers import gelu_forward
 from hsgd.step.loss_scale import LossScaler
 from hsgd.model.precision import FORMATS, POINTS, Numerics, round_to, unit_roundoff
-from hsgd.train import local_ranks, place_on_device
+from hsgd.grid.devices import local_ranks, place_on_device
 
 import pictures                                     # tutorials/pictures.py: where the PNGs go
 from checks import Checks, rel_err, require_ranks, train_config   # tutorials/checks.py, shared by the chapters
@@ -145,7 +145,7 @@ else:
 # produce NumPy's numbers. So `serial.init_params` always draws on the host, with NumPy, and then copies each array
 # to the device (`to_device`): a GPU run and a CPU run of the same seed start from the same model, bit for bit, so
 # the serial NumPy reference of the earlier chapters serves GPU runs too. The tensor-parallel shards are slices of
-# the same draw (`tp_model.init_params`), so this holds on every grid.
+# the same draw (`tp_shards.init_params`), so this holds on every grid.
 #
 # Then the whole model, forward and backward, on the device against NumPy in float64. On a GPU the two differ by
 # rounding only (the GPU adds in other orders), far below the 1e-10 of the check, as in `tests/test_gpu.py`.

@@ -66,7 +66,7 @@
 
 # %%
 from hsgd.model.config import ModelConfig   # hsgd first: OpenBLAS's thread timeout
-from hsgd.tp import hooks, model as tp_model
+from hsgd.tp import hooks, model as tp_model, shards as tp_shards
 from hsgd.accounting import allocations, step_memory
 from hsgd.model import serial
 
@@ -80,8 +80,10 @@ from hsgd.model.data import Corpus
 from hsgd.grid.process_grid import ProcessGrid
 from hsgd.step.trainer import HybridTrainer
 from hsgd.accounting.activations import activation_bytes, activation_formula, paper_activation_bytes
-from hsgd.pp.chunks import peak_in_flight, schedule
-from hsgd.run.report import fmt_bytes, step_formula
+from hsgd.pp.schedules import build
+from hsgd.pp.timelines import peak_held
+from hsgd.run.report import fmt_bytes
+from hsgd.accounting.traffic import step_formula
 from hsgd.dp.sharded import ShardedExchange
 from hsgd.tp.schemes import make_scheme
 
@@ -124,7 +126,7 @@ def config(**kw):
 #
 # A rank that trains its shard of the model holds four kinds of array:
 #
-# * **parameters**: $\Phi$ elements, $s\Phi$ bytes, where $\Phi$ is its shard (`tp_model.shard_numel`: the split
+# * **parameters**: $\Phi$ elements, $s\Phi$ bytes, where $\Phi$ is its shard (`tp_shards.shard_numel`: the split
 #   matrices divided by t, the LayerNorms, `wpe` and the row-parallel biases whole);
 # * **gradients**: as many, the buffer the backward pass accumulates into and the dp exchange averages;
 # * **optimizer state**: k more copies, one velocity for SGD with momentum, two moments for AdamW;
@@ -137,7 +139,7 @@ def config(**kw):
 
 # %%
 g2 = grid_of(4, 1, 2)
-phi = tp_model.shard_numel(cfg, 2)                                     # my shard's parameters (either tp rank)
+phi = tp_shards.shard_numel(cfg, 2)                                     # my shard's parameters (either tp rank)
 for opt, k, extra in (("sgd", 1, dict(momentum=0.9, lr=0.1)), ("adamw", 2, {})):
     tr = HybridTrainer(cfg, g2, config(optimizer=opt, **extra))
     tr.step(*corpus.batch(SEED, 1, B), 1)                               # the optimizer's state exists from here
@@ -349,7 +351,7 @@ say(f"{len(runs)} combinations, 2 steps each; serial AdamW on one process as the
 def param_err(r):
     """The largest rel_err of my shards against the matching slices of serial parameters (floor 0.02, chapter 4)."""
     g, scheme = r["grid"], r["tc"].tp_scheme
-    return max(rel_err(p, tp_model.shard(ref[n], n, g.tp_rank, g.tp, scheme), floor=0.02)
+    return max(rel_err(p, tp_shards.shard(ref[n], n, g.tp_rank, g.tp, scheme), floor=0.02)
                for n, p in r["params"].items())
 
 
@@ -412,10 +414,10 @@ for name, kind in (("pp 4 GPipe m 4", "gpipe"), ("pp 4 1F1B m 4", "1f1b")):
     rows = held_table(name)
     say(f"{name}: stage (micro-batches held, measured | schedule) x one micro-batch's caches = activations held")
     for s_, held, act in rows:
-        want = peak_in_flight(schedule(kind, 4, 4, s_))
+        want = peak_held(build(kind, 4, 4)[s_])
         say(f"  stage {s_}: {held} | {want} x {fmt_bytes(act):>9} = {fmt_bytes(held * act):>9}")
-    check.equal(f"{name}: micro-batches held == peak_in_flight(schedule), every stage",
-                r["held"], peak_in_flight(schedule(kind, 4, 4, r["grid"].pp_rank)))
+    check.equal(f"{name}: micro-batches held == peak_held(schedule), every stage",
+                r["held"], peak_held(build(kind, 4, 4)[r["grid"].pp_rank]))
 check.equal("1F1B holds min(p - s, m), GPipe m", (runs["pp 4 1F1B m 4"]["held"], runs["pp 4 GPipe m 4"]["held"]),
             (min(4 - runs["pp 4 1F1B m 4"]["grid"].pp_rank, 4), 4))
 

@@ -69,7 +69,7 @@
 # %%
 from hsgd.model.config import ModelConfig   # hsgd first, as in chapter 13 (OpenBLAS's thread timeout)
 from hsgd.model import serial
-from hsgd.tp import model as tp_model
+from hsgd.tp import model as tp_model, shards as tp_shards
 
 import numpy as np
 from mpi4py import MPI
@@ -84,8 +84,9 @@ from hsgd.run.plots import draw_pipeline
 from hsgd.pp.chunks import chunk_layers, pp_formula, stage_names
 from hsgd.run.report import fmt_bytes
 from hsgd.schedule import keep_bytes
-from hsgd.pp.schedules import (FORMULA, PEAK_FORMULA, Action, ScheduleError, bubble_formula, bubble_fraction, build,
-                            grid, held_bytes, idle_per_stage, peak_formula, peak_held, simulate)
+from hsgd.pp.schedules import Action, ScheduleError, build, simulate
+from hsgd.pp.timelines import (FORMULA, PEAK_FORMULA, bubble_formula, bubble_fraction, grid, held_bytes, idle_per_stage,
+                               peak_formula, peak_held)
 from hsgd.pp.schedules import check as check_schedule
 from hsgd.tp.wgrad import WeightGrads
 
@@ -222,7 +223,7 @@ for kind, v in KINDS:
     t = sims[kind]
     say(f"{title(kind, v):<24} step {max(e for r in t for _, _, e in r):>5g}   bubble {bubble_fraction(t):.4f}   "
         f"idle per stage {idle_per_stage(t):g}")
-say("1F1B and ZB-H1 as grids of time slots (schedules.grid; '.' idle, a fused B fills two slots):")
+say("1F1B and ZB-H1 as grids of time slots (timelines.grid; '.' idle, a fused B fills two slots):")
 say(grid(sims["1f1b"]))
 say(grid(sims["zb-h1"]))
 
@@ -237,7 +238,7 @@ say(grid(sims["zb-h1"]))
 # ## 3. The closed forms against the simulation
 #
 # With equal costs the bubble, idle time over p times the step, has a closed form for each schedule
-# (`schedules.bubble_formula`, text in `schedules.FORMULA`):
+# (`timelines.bubble_formula`, text in `timelines.FORMULA`):
 #
 # * GPipe and 1F1B: $(p-1)/(m+p-1)$ (chapter 9);
 # * interleaved: $(p-1)/(vm+p-1)$. A stage computes for $m(F+B+W)$ as before, but the fill and drain are made of
@@ -293,7 +294,7 @@ check.equal("ZB-H1 and 1F1B hold the same peak pairs, max over the stages (= p)"
 # reads (section 4), so the later stages hold more than under 1F1B, but no stage more than 1F1B's stage 0.
 # Interleaving's warm-up is $2(p-s-1) + (v-1)p$ forwards, so stage s holds up to $\min(2(p-s-1) + (v-1)p + 1, vm)$
 # pairs, each 1/v of the stage's layers: on stage 0 about $p(1 + 1/v)$ micro-batches' worth instead of p (for p = 4,
-# v = 2: 11 pairs, 5.5 micro-batches' worth). `schedules.peak_formula` has the four closed forms
+# v = 2: 11 pairs, 5.5 micro-batches' worth). `timelines.peak_formula` has the four closed forms
 # (`PEAK_FORMULA`), checked against `peak_held` of the built lists, stage by stage:
 
 # %%
@@ -417,7 +418,7 @@ check.holds("split B then W == fused backward: dL/d(input) and every gradient bi
 # the activation bytes its caches and kept products reach at the peak (`stage.measure_bytes = True`, then
 # `stage.peak_bytes`), and its bytes on `pp_comm` (`grid.stats`).
 #
-# The predictions, per stage: `peak_held` of its list; `schedules.held_bytes`, which walks the list with
+# The predictions, per stage: `peak_held` of its list; `timelines.held_bytes`, which walks the list with
 # `keep_bytes`' two amounts per chunk (an F adds the chunk's cache; a fused B frees it; a split B frees the cache
 # and keeps what its W reads; the W frees that); and `pp.pp_formula`, $m(2v - [s = 0] - [s = p-1])$ messages each
 # way, of $b\,T C \cdot 8$ bytes each.
@@ -475,8 +476,8 @@ say(f"8 runs of {STEPS} steps; serial SGD on one process as the reference")
 # %%
 def shard_err(r, g):
     """The largest rel_err of my parameters against serial SGD's (floor 0.02 as in chapter 4; tp = 1: the whole
-    tensor, `tp_model.shard` in general)."""
-    return max(rel_err(p, tp_model.shard(ref[n], n, g.tp_rank, g.tp, "megatron"), floor=0.02)
+    tensor, `tp_shards.shard` in general)."""
+    return max(rel_err(p, tp_shards.shard(ref[n], n, g.tp_rank, g.tp, "megatron"), floor=0.02)
                for n, p in r["params"].items())
 
 
@@ -629,7 +630,7 @@ g8.free()
 # | `schedules.check` / `simulate`: `ScheduleError` naming the first action that cannot run | none | none | `_simulate_comms_compute` dry-runs a `pipeline_order` and flags deadlocks | checked by every `Stage` before its first message, and simulated with chosen costs for the pictures and the lab |
 # | `build("interleaved", m, p, v)`, `--schedule interleaved --virtual-stages v` (`pp.chunk_layers`: chunk c of stage s is piece cp + s) | `forward_backward_pipelining_with_interleaving` with `virtual_pipeline_model_parallel_size` (`ModelParallelConfig`, `parallel_state.initialize_model_parallel`): v model chunks per rank, warm-up $2(p-s-1) + (v-1)p$ | none | `ScheduleInterleaved1F1B` | the same order, written out as a list; m must be a multiple of p |
 # | `build("zb-h1", m, p, costs=(F, B, W))`, `--schedule zb-h1`; the W's products kept by `wgrad.WeightGrads` | none upstream (Qi et al. built theirs on a fork); `delay_wgrad_compute` defers weight-gradient GEMMs to overlap expert-parallel communication, not to fill a pipeline | none | `ScheduleInterleavedZeroBubble` (zero bubble over several stages per rank), `ScheduleZBVZeroBubble` (the V-shaped placement), with I and W actions | only H1, one chunk per stage; the W's are placed by simulating with given costs, so the list changes when the costs do |
-# | `schedules.bubble_formula`, `FORMULA`; `idle_per_stage`, `bubble_fraction` | the paper's $\frac{1}{v}\cdot\frac{p-1}{m}$ (idle over compute) | none | none | idle over the whole step, so the fraction stays below 1 (chapter 9) |
+# | `timelines.bubble_formula`, `FORMULA`; `idle_per_stage`, `bubble_fraction` | the paper's $\frac{1}{v}\cdot\frac{p-1}{m}$ (idle over compute) | none | none | idle over the whole step, so the fraction stays below 1 (chapter 9) |
 #
 # ## Exercises
 #

@@ -45,7 +45,7 @@
 #    `hsgd.accounting.activations.activation_formula`, with tp and with cp;
 # 2. the online softmax derived step by step, then checked in NumPy on one process;
 # 3. the ring forward and backward on 8 ranks (cp 8, and cp 4 x tp 2) against serial attention, with its messages
-#    counted against `cp.cp_formula`; the all-gather scheme the same way;
+#    counted against `split.cp_formula`; the all-gather scheme the same way;
 # 4. load balancing under the causal mask: the plain split against hsgd's layout (rank r holds chunks r and
 #    2cp-1-r), counted and measured, with a picture;
 # 5. training with `HybridTrainer` on dp 2 x cp 2 x tp 2, cp 8 and pp 2 x cp 2 x tp 2, both schemes, against serial
@@ -80,15 +80,17 @@ import numpy as np
 from mpi4py import MPI
 from threadpoolctl import threadpool_limits
 
-from hsgd.cp import split as cp
+from hsgd.cp import split
 from hsgd.cp.ring import Ring
-from hsgd.cp.split import attention_blocks, attention_cache_bytes, chunk_starts, cp_formula, make_split
+from hsgd.cp.layouts import make_split
+from hsgd.cp.split import attention_blocks, attention_cache_bytes, chunk_starts, cp_formula
 from hsgd.model.data import Corpus
 from hsgd.grid.process_grid import ProcessGrid
 from hsgd.step.trainer import HybridTrainer
 from hsgd.model.layers import attention_backward, attention_forward
 from hsgd.accounting.activations import activation_formula
-from hsgd.run.report import fmt_bytes, step_formula
+from hsgd.run.report import fmt_bytes
+from hsgd.accounting.traffic import step_formula
 from hsgd.grid.trace import Tracer
 
 import pictures                                  # tutorials/pictures.py: where the PNGs go
@@ -117,7 +119,7 @@ say = check.say                             # print on world rank 0 only
 # leaves the replicated $4NC$ whole; the sequence scheme (chapter 6) divides that too, but the $T^2$ is still
 # there, divided only by tp. Context parallelism gives each rank $T/cp$ positions of every sequence, so every term
 # of the block is of $N_l = N/cp$ rows, and the core attention's cache is the scheme's
-# (`cp.attention_cache_bytes`):
+# (`split.attention_cache_bytes`):
 #
 # * ring: q, the rank's own (k, v), its output y, $4 N_l C/tp$, and lse, $b\,(NH/tp)\,T_l$: no $T \times T$ matrix
 #   at all, only what the online softmax of section 2 keeps;
@@ -138,7 +140,7 @@ def block(T, tp=1, scheme="megatron", cp_=1, cp_scheme="ring"):
 
 
 def attn_cache(T, cp_=1, cp_scheme="ring", tp=1):
-    """The core attention's part of it (cp.attention_cache_bytes)."""
+    """The core attention's part of it (split.attention_cache_bytes)."""
     return attention_cache_bytes(cp_, cp_scheme, 1, T, big.d_model, big.n_heads, tp, S2)[0]
 
 
@@ -281,7 +283,7 @@ g8 = ProcessGrid(world, dp=1, pp=1, tp=1, cp=8)
 g42 = ProcessGrid(world, dp=1, pp=1, tp=2, cp=4)
 for r in range(4):
     say(f"  cp 4, T = {T}: cp_rank {r} holds chunks {[g // 4 for _, g, _ in chunk_starts(T, 4, r)]}, positions "
-        f"{cp.positions(T, 4, r).tolist()}")
+        f"{split.positions(T, 4, r).tolist()}")
 rng = np.random.default_rng(0)                               # the same arrays on every rank
 q_all, k_all, v_all, dy_all = (rng.standard_normal((B, T, C)) for _ in range(4))
 y_all, cache_all = attention_forward(q_all, k_all, v_all, NH)     # serial: the whole sequence, every head
@@ -307,7 +309,7 @@ say(f"{'grid':<12} {'scheme':<10} {'calls':>12} {'payload':>10} {'sent/rank':>10
     f"b = {B}, T = {T}, C = {C})")
 runs = {}
 for g, name in ((g8, "cp 8"), (g42, "cp 4 x tp 2")):
-    for scheme in cp.CP_SCHEMES:
+    for scheme in split.CP_SCHEMES:
         err, sent, work, ctx = runs[name, scheme] = attend(g, scheme)
         check(f"{name}, {scheme}: y, dq, dk, dv vs serial attention at my positions", err, 1e-13)
         want = cp_formula(scheme, g.cp, B, T, C, g.tp, 8, 1)
@@ -321,7 +323,7 @@ for g, name in ((g8, "cp 8"), (g42, "cp 4 x tp 2")):
 # with tp the cp ring carries the rank's NH/tp heads only, (k, v) blocks of $b\,T_l\,C/tp$ numbers each.
 #
 # What each scheme sends, per layer and micro-batch, with a (k, v) block of $2\,b\,T_l\,(C/tp)\,s$ bytes
-# (`cp.cp_formula`):
+# (`split.cp_formula`):
 #
 # * ring: each (k, v) block goes round the ring, cp - 1 hops forward and cp - 1 again backward (it is not kept;
 #   only lse and the rank's own block are), and the gradients (dk, dv) of each block, to which every rank adds its
@@ -346,7 +348,7 @@ for g, name in ((g8, "cp 8"), (g42, "cp 4 x tp 2")):
 # imbalance and stripe the positions; this zig-zag is what Megatron-LM does). Counted in c x c score blocks that
 # are not wholly masked: the early chunk r reads chunks 0..r, r full blocks and one diagonal; the late chunk
 # 2cp-1-r reads 2cp-1-r full blocks and one diagonal; together $2cp + 1$ blocks on every rank.
-# `cp.attention_blocks(T, cp, r, balanced)` counts the scores a rank computes per head and sequence (diagonal
+# `split.attention_blocks(T, cp, r, balanced)` counts the scores a rank computes per head and sequence (diagonal
 # blocks whole: the masked half of a diagonal block is computed and then masked, as in every blockwise kernel).
 # Each `Ring` counts the scores it computes in `ctx.work`; the runs of section 3 and a ring with the plain split:
 
@@ -447,7 +449,7 @@ say(f"{'dp x pp x cp x tp':<18} {'scheme':<10} {'params vs serial':>16} {'cp_com
     f"{'sent/rank':>10} {'activations':>12}")
 for dp, pp, cp_, tp in LAYOUTS:
     g = ProcessGrid(world, dp=dp, pp=pp, tp=tp, cp=cp_)
-    for scheme in cp.CP_SCHEMES:
+    for scheme in split.CP_SCHEMES:
         tc = config(dp, pp, cp_, tp, scheme)
         trainer = HybridTrainer(cfg, g, tc)
         losses = []
@@ -497,8 +499,8 @@ cfg64 = dataclasses.replace(cfg, seq_len=64)
 corpus64 = Corpus.load(None, cfg64.seq_len)
 ROUNDS = 6
 trainers = {s: HybridTrainer(cfg64, g8, train_config(dp=1, pp=1, tp=1, cp=8, cp_scheme=s, steps=ROUNDS + 1,
-                                                     batch_size=1, micro_batches=1)) for s in cp.CP_SCHEMES}
-seconds, sent64, act64 = {s: [] for s in cp.CP_SCHEMES}, {}, {}
+                                                     batch_size=1, micro_batches=1)) for s in split.CP_SCHEMES}
+seconds, sent64, act64 = {s: [] for s in split.CP_SCHEMES}, {}, {}
 for step in range(1, ROUNDS + 2):
     for s, tr in trainers.items():
         tr.stage.measure_bytes = step == 1
@@ -514,7 +516,7 @@ for step in range(1, ROUNDS + 2):
 say(f"cp 8, T = {cfg64.seq_len}, b = 1, L = {cfg64.n_layers}, per step:")
 say(f"{'scheme':<10} {'cp calls':>9} {'payload':>9} {'sent/rank':>10} {'activations':>12} {'(formula)':>10} "
     f"{'ms per step (median, min)':>27}")
-for s in cp.CP_SCHEMES:
+for s in split.CP_SCHEMES:
     f_act = activation_formula(cfg64, 1, 8, 1, "megatron", 8, s)["model"]
     ms = sorted(1e3 * x for x in seconds[s])
     say(f"{s:<10} {sum(n for n, _ in sent64[s].values()):>9} {fmt_bytes(payload(sent64[s])):>9} "
@@ -525,7 +527,7 @@ for s in cp.CP_SCHEMES:
     check.equal(f"{s}: activation bytes == activation_formula", act64[s], f_act)
 kv = 2 * (cfg64.seq_len // 8) * cfg64.d_model * 8           # one (k, v) block, bytes
 check.equal("bytes sent per rank: ring (3cp - 2) blocks, all-gather 2 (cp - 1) blocks, per layer",
-            [float(ring_bytes(sent64[s], 8)) for s in cp.CP_SCHEMES], [2 * 22 * kv, 2 * 14 * kv])
+            [float(ring_bytes(sent64[s], 8)) for s in split.CP_SCHEMES], [2 * 22 * kv, 2 * 14 * kv])
 for tr in trainers.values():
     tr.finish()
     tr.free()

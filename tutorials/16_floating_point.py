@@ -68,8 +68,8 @@ from threadpoolctl import threadpool_limits
 from hsgd.model.data import Corpus
 from hsgd.step.loss_scale import LossScaler
 from hsgd.check.mutations import injected
-from hsgd.check.oracle import Perturbed, differences, name_of, oracle, report, run_layout, uniform_of
-from hsgd.run.plots import plot_tolerance
+from hsgd.check.oracle import Perturbed, differences, oracle, run_layout, uniform_of
+from hsgd.check.verdict import name_of, plot_tolerance, report
 from hsgd.model.precision import FORMATS, POINTS, Numerics, gamma, round_formula, round_to, unit_roundoff
 from hsgd.run.settings import TrainConfig
 
@@ -425,7 +425,7 @@ say("picture: " + pictures.on_rank0(world, lambda: pictures.save(plot_tolerance(
                                     share=True))
 
 # %% [markdown]
-# The picture (`plots.plot_tolerance`) shows, for each layout, every parameter's observed differences (a dot per
+# The picture (`verdict.plot_tolerance`) shows, for each layout, every parameter's observed differences (a dot per
 # seed, against float64 and against 1x1x1) under its band (the step line), on a log scale: every dot at least a
 # factor 4 below its line (the largest ratio is printed above), most about 10. The band is wide because it has to
 # be: the observed differences are themselves of order u, spread over seeds, and the band must hold on every seed

@@ -72,7 +72,7 @@ from hsgd.plan.hardware import load
 from hsgd.plan.layout import plan_rank
 from hsgd.plan.search import Layout, evaluate
 from hsgd.plan.validate import table1_validation
-from hsgd.run.report import step_formula
+from hsgd.accounting.traffic import step_formula
 
 import pictures                                        # tutorials/pictures.py: where the PNGs go
 from checks import Checks, require_ranks, train_config   # tutorials/checks.py, shared by the chapters

@@ -73,7 +73,7 @@ from threadpoolctl import threadpool_info, threadpool_limits
 
 from hsgd.model import kernels, layers, ops, serial, threads
 from hsgd.accounting import activations
-from hsgd.tp import model as tp_model
+from hsgd.tp import model as tp_model, shards as tp_shards
 from hsgd.model.threads import parallel_rows, set_cpu_threads, tune_allocator
 from hsgd.grid.comm import Comm
 from hsgd.model.optim import SGD
@@ -679,7 +679,7 @@ if THREADS > 1:
 cfg5 = ModelConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=2, d_ff=128)
 B5, itemsize = 3, 8
 comm = Comm(MPI.COMM_SELF, "tp")                                       # tp = 1
-local = tp_model.init_params(cfg5, comm, seed=0, dtype="float64")
+local = tp_shards.init_params(cfg5, comm, seed=0, dtype="float64")
 idx5, targets5 = rng.integers(0, 64, (B5, 16)), rng.integers(0, 64, (B5, 16))
 _, caches = tp_model.forward(local, idx5, targets5, cfg5, comm, "megatron")
 block = caches.blocks[0][1]                                                # block 0's cache
@@ -824,7 +824,7 @@ print(f"appendix A: all {len(check.errors)} checks passed; largest error {err:.1
 # Write the bytes a tensor-parallel rank holds for the model's state: its parameters, their gradients and the
 # optimizer's state (one velocity for SGD with momentum, two moments for AdamW), from the shapes: a replicated
 # parameter whole, a split one 1/tp of its split axis, the vocabulary ceil(V/tp) rows. Check it against the shards
-# `tp_model.shard` cuts from the serial parameters, for Megatron's scheme and the All-Gather scheme at tp = 2 and 4,
+# `tp_shards.shard` cuts from the serial parameters, for Megatron's scheme and the All-Gather scheme at tp = 2 and 4,
 # then print the table for a GPT-2-small shape (L 12, C 768, NH 12, F 3072, V 50257, T 1024) in float32 with AdamW at
-# tp = 1, 2, 4 and 6 (`tp_model.check_tp` refuses tp = 8, which does not divide the 12 heads).
+# tp = 1, 2, 4 and 6 (`tp_shards.check_tp` refuses tp = 8, which does not divide the 12 heads).
 # (solution: `tutorials/solutions/A_where_the_time_goes.py`, `exercise_3`)

@@ -44,7 +44,8 @@ def check(m, path, error):
     from hsgd.model.config import ModelConfig
     from hsgd.errors import UsageError
     from hsgd.pp.chunks import chunk_layers
-    from hsgd.tp.model import SCHEMES, check_tp
+    from hsgd.tp.schemes import SCHEMES
+    from hsgd.tp.shards import check_tp
 
     def need(ok, what):
         if not ok:

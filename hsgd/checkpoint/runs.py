@@ -46,6 +46,15 @@ def read_run(path):
         return None, 0
 
 
+def complete_checkpoints(save_dir):
+    """The complete checkpoints in save_dir (those with a manifest), oldest first."""
+    if not os.path.isdir(save_dir):
+        return []
+    dirs = [d for d in os.listdir(save_dir) if d.startswith("step-") and d[5:].isdigit()]
+    dirs.sort(key=lambda d: int(d[5:]))                                 # by step: step-1000000 after step-999999
+    return [os.path.join(save_dir, d) for d in dirs if os.path.exists(os.path.join(save_dir, d, "manifest.json"))]
+
+
 def lines(checkpoints):
     """{line: [paths, by step]} of the given complete checkpoints (listed by step)."""
     out = {}
@@ -150,7 +159,6 @@ def choose_line(tc, manifest):
     """Rank 0: the identity of this run that its checkpoints record, {"line", "id", "started_from"} (see the module
     docstring): id is this run's own, started_from the checkpoint it resumed from. manifest: that checkpoint's, or
     None for a fresh run, which is refused in a folder holding checkpoints unless --overwrite."""
-    from hsgd.checkpoint.store import complete_checkpoints
     if manifest is not None:
         folder = os.path.dirname(manifest["path"])
         return {"line": line_to_write(manifest, complete_checkpoints(folder)), "id": random_id(),

@@ -20,7 +20,7 @@ run's line are kept (hsgd.checkpoint.runs). A manifest is checked before it is t
 Loading never executes code (NumPy .npz with allow_pickle=False, JSON) and checks first: the manifest is there
 and readable, the model is the one being trained (else what differs), every file exists and has its checksum.
 Resharding: each rank rebuilds the full tensor of each parameter it needs from the old layout's pieces
-(tp_model.unshard) and cuts its own piece for the new layout (tp_model.shard). Each rank reads whole files, so
+(tp_shards.unshard) and cuts its own piece for the new layout (tp_shards.shard). Each rank reads whole files, so
 this takes the memory of a full model on each rank: fine for the model sizes of this project.
 """
 import hashlib
@@ -35,7 +35,7 @@ from dataclasses import asdict
 
 import numpy as np
 
-from hsgd.tp import model as tp_model
+from hsgd.tp import shards as tp_shards
 from hsgd.model.backend import to_numpy
 from hsgd.model.config import ModelConfig
 from hsgd.errors import UsageError
@@ -43,8 +43,8 @@ from hsgd.checkpoint.manifest import check as check_manifest
 from hsgd.checkpoint.manifest import SCHEDULE
 from hsgd.checkpoint.manifest import digest as manifest_digest
 from hsgd.pp.chunks import chunk_layers, parse_split, stage_names
-from hsgd.run.preflight import regular_file, writable_file
-from hsgd.checkpoint.runs import DEFAULT_LINE, newest, own
+from hsgd.files import regular_file, writable_file
+from hsgd.checkpoint.runs import DEFAULT_LINE, complete_checkpoints, newest, own
 from hsgd.checkpoint.state import optimizer_state, refuse_non_finite, set_state  # noqa: F401 (optimizer_state: API)
 
 FORMAT = "hsgd-checkpoint-1"
@@ -197,15 +197,6 @@ def publish(tmp, manifest, save_dir, step, keep):
     return final
 
 
-def complete_checkpoints(save_dir):
-    """The complete checkpoints in save_dir (those with a manifest), oldest first."""
-    if not os.path.isdir(save_dir):
-        return []
-    dirs = [d for d in os.listdir(save_dir) if d.startswith("step-") and d[5:].isdigit()]
-    dirs.sort(key=lambda d: int(d[5:]))                                 # by step: step-1000000 after step-999999
-    return [os.path.join(save_dir, d) for d in dirs if os.path.exists(os.path.join(save_dir, d, "manifest.json"))]
-
-
 # ---------------------------------------------------------------------------------------------------- open and check
 
 def resolve(path):
@@ -284,7 +275,7 @@ class Shards:
                     raise KeyError(f"no array {field}")
                 return None
             pieces = [self._file(s, t)[field] for t in range(lay["tp"])]
-            out = tp_model.unshard(pieces, name, self.cfg, lay["tp_scheme"])
+            out = tp_shards.unshard(pieces, name, self.cfg, lay["tp_scheme"])
         except (KeyError, ValueError, OSError, EOFError, zipfile.BadZipFile) as e:
             raise CheckpointError(f"checkpoint {self.m['path']!r} is corrupt: {field} of stage {s} cannot be read "
                                   f"({e}); resume from another checkpoint") from None
@@ -307,10 +298,10 @@ def load(trainer, manifest):
     params, state = {}, {}
     dtype = trainer.dtype
     for name in trainer.shapes():
-        params[name] = tp_model.shard(shards.full(name).astype(dtype), name, grid.tp_rank, grid.tp, trainer.scheme)
+        params[name] = tp_shards.shard(shards.full(name).astype(dtype), name, grid.tp_rank, grid.tp, trainer.scheme)
         st = {k: shards.full(name, k) for k in keys}
         if all(v is not None for v in st.values()):
-            state[name] = {k: tp_model.shard(v.astype(dtype), name, grid.tp_rank, grid.tp, trainer.scheme)
+            state[name] = {k: tp_shards.shard(v.astype(dtype), name, grid.tp_rank, grid.tp, trainer.scheme)
                            for k, v in st.items()}
     set_state(trainer, params, state, manifest["optimizer"]["t"])
     if trainer.scaler and manifest.get("loss_scale"):

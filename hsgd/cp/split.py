@@ -19,7 +19,7 @@ rank r's early chunk reads r full blocks and one diagonal, its late chunk 2cp-1-
 The core attention, two ways (--cp-scheme): hsgd.cp.ring (Liu et al. 2023: the keys and values travel
 around the ring of cp ranks, merged by the online softmax) and hsgd.cp.allgather (All-Gather the keys and
 values, as Dubey et al. 2024 train Llama 3's long context). This module holds what both share: the layout (which
-positions, ContextSplit), the checks, the work and byte counts, and make_split.
+positions, ContextSplit), the checks, and the work and byte counts; hsgd.cp.layouts makes a layout.
 
 Legend: T sequence, cp ranks of cp_comm, c = T/(2 cp) a chunk, Tl = T/cp a rank's positions, B or b sequences,
 C d_model, NH heads (NH/tp on a rank), hs = C/NH, tp, s bytes per number.
@@ -78,7 +78,7 @@ def attention_blocks(T, cp, r, balanced=True):
 
 
 class ContextSplit:
-    """The context layout of one rank of cp_comm (hsgd.cp.layouts's interface): its positions, and the bookkeeping
+    """A context layout (hsgd.tp.attention's interface) of one rank of cp_comm: its positions, and the bookkeeping
     of the score blocks its core attention computes (work: {"forward": scores, "backward": scores})."""
     keeps_probabilities = False
 
@@ -145,15 +145,6 @@ def attention_cache_bytes(cp, scheme, b, T, C, NH, tp, s):
         return 4 * N * c * s + b * nh * Tl * s, 0
     P = b * nh * Tl * T * s
     return N * c * s + 2 * b * T * c * s + P, P
-
-
-def make_split(scheme, comm, T, xp=np, balanced=True):
-    """The context layout of --cp-scheme ring | allgather on cp_comm."""
-    if scheme not in CP_SCHEMES:
-        raise ConfigError(f"unknown cp scheme {scheme!r}; use one of {list(CP_SCHEMES)}")
-    from hsgd.cp.allgather import AllGather                # (they import this module's ContextSplit)
-    from hsgd.cp.ring import Ring
-    return (Ring if scheme == "ring" else AllGather)(comm, T, balanced, xp)
 
 
 def cp_formula(scheme, cp, batch, T, C, tp, itemsize, n_blocks, recompute="none"):

@@ -1,4 +1,5 @@
-"""Check another system's distributed gradients against hsgd's serial float64 reference, and name the bug:
+"""Check another system's distributed gradients against hsgd's serial float64 reference, and name the bug
+(chapter 18):
 
     python -m hsgd.crosscheck DIR          (DIR: a dump, hsgd/crosscheck/FORMAT.md)
 

@@ -29,16 +29,16 @@ import sys
 import numpy as np
 
 from hsgd.model import serial
+from hsgd.check.verdict import LAMBDA
 from hsgd.errors import EXIT_USAGE, UsageError
 from hsgd.model.precision import LOW, unit_roundoff
-from hsgd.run.preflight import writable_file
+from hsgd.files import writable_file
 from .classify import classify, factor_names
 from .read import load
 
 TOLERANCE = {"float64": (1e-10, 1e-10), "float32": (1e-6, 1e-4)}        # (loss, gradients), relative
 FLOOR = 1e-3              # a parameter's error is relative to at least FLOOR x the model's largest gradient entry
 STRUCTURE = {"float64": 1e-8, "float32": 1e-4}       # classify: equal up to this relative distance
-LAMBDA = 4.0
 # the most telling class first: a bug that moves the loss (padding in the softmax) changes every gradient a little,
 # and those then show "no simple pattern"
 FIRST = ("padding", "partial sum", "constant factor", "permutation", "transposed", "missing", "not finite",

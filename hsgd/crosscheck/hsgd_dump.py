@@ -14,7 +14,7 @@ replicas, a pipeline stage its own layers. The run goes on unchanged after the d
 import numpy as np
 
 from hsgd.grid import launch
-from hsgd.tp import model as tp_model
+from hsgd.tp import shards as tp_shards
 from hsgd.grid.process_grid import ProcessGrid
 from hsgd.step.trainer import HybridTrainer
 from hsgd.model.backend import to_numpy
@@ -88,7 +88,7 @@ def host(a):
 
 def shard_of(name, cfg, tp_rank, tp, scheme, rank):
     """The shard entry of this rank's piece of `name` (tp_shards' split)."""
-    kind, axis = tp_model.split_of(name, scheme)
+    kind, axis = tp_shards.split_of(name, scheme)
     if kind == "rep" or tp == 1:
         return shard_entry(rank)
     n = cfg.param_shapes()[name][axis]

@@ -1,1 +1,13 @@
-"""hsgd.dp."""
+"""Data parallelism: the lecture's G groups, each on its own slice of the batch; the ranks holding the same shard
+average its gradient over dp_comm (section 3.4), in one of several ways. Chapters 4 (why the average is serial
+SGD) and 8 (overlap, ZeRO, hierarchical, stragglers and staleness).
+
+    average       batch slices, flat buffers (FlatBuffer), the plain average over dp_comm
+    exchange      the gradient exchange's interface, and the plain one: one Allreduce after the backward pass
+    overlapped    one Iallreduce per layer's bucket, started during the backward pass
+    hierarchical  reduce-scatter in the node, all-reduce across nodes, all-gather in the node
+    stale         one step late: each step's exchange overlaps the whole next step
+    zero1         ZeRO 1: reduce-scatter, the owned chunk's update, all-gather
+    sharded       ZeRO 2 and 3 layer by layer (3: the parameters gathered per layer), hybrid sharding
+    make          the one place the exchange is made from the settings (or its sizes alone, for the planner)
+"""

@@ -1,17 +1,18 @@
 """The gradient exchange over dp_comm: one interface, one class per way of averaging.
 
 After the backward pass every rank holds the gradient of its DP group's slice of the batch; the ranks holding the
-same shard (dp_comm) average it, g <- (1/dp) sum_r g_r (the lecture, section 3.4; hsgd.dp.average). hsgd has several
-ways to do that, each a class with the same methods, chosen in one place (`make_exchange`):
+same shard (dp_comm) average it, g <- (1/dp) sum_r g_r (the lecture, section 3.4; hsgd.dp.average). hsgd has
+several ways to do that, each a class with the same methods, chosen in one place (hsgd.dp.make):
 
-    AllreduceExchange     one Allreduce of the whole flat gradient after the backward pass
-    OverlappedExchange    one Iallreduce per layer's bucket, started while the backward pass goes on
+    AllreduceExchange     one Allreduce of the whole flat gradient after the backward pass (here)
+    OverlappedExchange    one Iallreduce per layer's bucket, started during the backward pass (hsgd.dp.overlapped)
     HierarchicalExchange  reduce-scatter inside the node, all-reduce across nodes, all-gather inside
-    (hsgd.dp.hierarchical) ZeroExchange          reduce-scatter: each DP rank averages and updates 1/dp of the flat
-    buffer (hsgd.dp.zero1) ShardedExchange       ZeRO 2 and 3: each layer's gradient reduce-scattered during the
-    backward pass; stage 3
-                          also shards the parameters, gathered layer by layer (hsgd.dp.sharded)
-    StaleExchange         the average started at step s is applied at step s+1 (asynchronous, one step late)
+                          (hsgd.dp.hierarchical)
+    ZeroExchange          reduce-scatter: each DP rank averages and updates 1/dp of the flat buffer (hsgd.dp.zero1)
+    ShardedExchange       ZeRO 2 and 3: each layer's gradient reduce-scattered during the backward pass; stage 3 also
+                          shards the parameters, gathered layer by layer (hsgd.dp.sharded)
+    StaleExchange         the average started at step s is applied at step s+1 (asynchronous, one step late;
+                          hsgd.dp.stale)
 
 The interface, in the order a step uses it:
     pbuf, order                 the rank's parameters as one FlatBuffer, laid out by the exchange in `order` (the
@@ -184,136 +185,6 @@ class GradExchange:
 AllreduceExchange = GradExchange
 
 
-class OverlappedExchange(GradExchange):
-    """Bucketed, overlapped averaging: each bucket's Iallreduce over dp_comm starts as soon as the backward pass
-    has finished its group (on_ready), while the backward pass goes on with the layers below; finish() waits for
-    all of them and divides by dp. The same numbers as one Allreduce, in len(buckets) calls instead of one.
-
-    buckets: {group: slice of the flat layout}, in backward order (tp_model.backward_order)."""
-
-    def __init__(self, params, groups, dp_comm):
-        super().__init__(params, groups, dp_comm)
-        self.buckets = {grp: self.pbuf.span(names) for grp, names in groups.items()}   # group -> slice of flat
-        self.pending = []
-
-    def on_ready(self, group):
-        self.pending.append(self.dp_comm.Iallreduce(self.buf.flat[self.buckets[group]]))   # starts, returns
-
-    def average(self):
-        for req in self.pending:
-            req.Wait()                                                # what has not arrived yet is exposed here
-        self.pending = []
-        if self.dp_comm.size > 1:
-            self.buf.flat *= 1.0 / self.dp_comm.size
-
-    def formula(self):
-        return {(self.dp_name, "Iallreduce"): (len(self.numel), self.size * self.itemsize)}
-
-    def describe(self):
-        return f"overlapped, {len(self.buckets)} buckets, one Iallreduce each during the backward pass"
-
-
-class StaleExchange(GradExchange):
-    """Staleness 1 (asynchronous SGD): step s copies its gradient into a free exchange buffer and starts its
-    Iallreduce; it applies the average started at step s-1, which had a whole step to arrive. Nothing is applied
-    at step 1:  w_{s+1} = w_s - lr * avg g(w_{s-1})."""
-    lag = 1                                                           # steps from a gradient's backward to its update
-
-    def __init__(self, params, groups, dp_comm):
-        super().__init__(params, groups, dp_comm)
-        self.spare = [self.new_buffer(), self.new_buffer()]          # exchange buffers, used alternately
-        self.inflight = None                                          # (buffer, request) of the last exchange
-        self.ready = None                                             # the average to apply now
-
-    def average(self):
-        busy = self.inflight[0] if self.inflight else None
-        free = self.spare[1] if busy is self.spare[0] else self.spare[0]
-        free.flat[...] = self.buf.flat
-        previous, self.inflight = self.inflight, (free, self.dp_comm.Iallreduce(free.flat))
-        self.ready = None
-        if previous is not None:
-            previous[1].Wait()
-            previous[0].flat *= 1.0 / self.dp_comm.size
-            self.ready = previous[0]
-
-    def grads(self):
-        return self.ready.flat if self.ready is not None else None
-
-    def fresh(self):
-        """This step's own gradient, as it left this rank (made with this step's loss scale; applied next step)."""
-        return self.buf.flat
-
-    def checked(self):
-        return self.ready.flat if self.ready is not None else self.buf.flat
-
-    def formula(self):
-        return {(self.dp_name, "Iallreduce"): (1, self.size * self.itemsize)}
-
-    def grad_bytes(self):
-        """The gradient buffer and its two spares: 3 (size,)."""
-        return 3 * self.size * self.itemsize
-
-    def memory_formula(self):
-        """The gradient buffer and the two spares it is copied into for its Iallreduce: 3 (size,) of gradients
-        (its new_buffer allocates them, as the gradient buffer)."""
-        n = self.size * self.itemsize
-        return {"params": n, "grads": 3 * n, "comm": 0}
-
-    def describe(self):
-        return "stale by one step: each step's Iallreduce completes during the next step, applied one step late"
-
-    def close(self):
-        """The exchange in flight completes; its gradient is not applied."""
-        if self.inflight is not None:
-            self.inflight[1].Wait()
-            self.inflight = None
-
-
 def group_numel(params, groups):
     """{group: elements of its parameters}, in the groups' order."""
     return {g: sum(int(params[n].size) for n in names) for g, names in groups.items()}
-
-
-def exchange_class(tc):
-    """The class make_exchange chooses for the settings tc (--zero, --dp-overlap, --hierarchical, --dp-staleness:
-    at most one, checked by TrainConfig.validate; --zero 2|3 --hierarchical is hybrid sharding)."""
-    from hsgd.dp.hierarchical import HierarchicalExchange
-    from hsgd.dp.sharded import ShardedExchange
-    from hsgd.dp.zero1 import ZeroExchange
-    return (ShardedExchange if tc.zero >= 2 else ZeroExchange if tc.zero else OverlappedExchange if tc.dp_overlap
-            else HierarchicalExchange if tc.hierarchical else StaleExchange if tc.dp_staleness else AllreduceExchange)
-
-
-def sized_exchange(tc, numel, itemsize, dp_size):
-    """The exchange make_exchange would make for tc, holding its sizes only (no array, no communicator): its
-    formula(), memory_formula(), param_bytes(), grad_bytes() and owned_numel() are those of the trainer's for a
-    stage whose gradient groups have numel {group: elements} (backward order), itemsize bytes, dp_comm of dp_size
-    ranks (dp x cp). --hierarchical needs tc.ranks_per_node here (no MPI to find the nodes)."""
-    cls = exchange_class(tc)
-    ex = cls.__new__(cls)                                             # no __init__: nothing is allocated
-    ex.dp_comm = None
-    ex.configure(tc, dp_size)
-    ex.sizes(numel, itemsize, dp_size)
-    return ex
-
-
-def make_exchange(tc, params, groups, grid, tracer):
-    """The one place the exchange is made from the settings (exchange_class says which).
-    --straggler RANK:MS makes that rank sleep
-    before every exchange, to show what synchronous SGD pays for one slow worker."""
-    from hsgd.dp.hierarchical import HierarchicalExchange
-    from hsgd.dp.sharded import ShardedExchange
-    from hsgd.dp.zero1 import ZeroExchange
-    cls = exchange_class(tc)
-    if cls is ShardedExchange:
-        ex = cls(params, groups, grid.dp_comm, tc.zero, hybrid=tc.hierarchical,
-                 ranks_per_node=tc.ranks_per_node, micro_batches=tc.micro_batches)
-    elif cls is ZeroExchange:
-        ex = cls(params, groups, grid.dp_comm, tc.zero)
-    elif cls is HierarchicalExchange:
-        ex = cls(params, groups, grid.dp_comm, tc.ranks_per_node)
-    else:
-        ex = cls(params, groups, grid.dp_comm)
-    if tc.straggler and int(tc.straggler.split(":")[0]) == grid.rank:
-        ex.delay, ex.tracer = int(tc.straggler.split(":")[1]) / 1000.0, tracer
-    return ex

@@ -1,1 +1,16 @@
-"""hsgd.model."""
+"""The model on one process: the GPT-2-style decoder every layout computes, its layers as forward/backward pairs,
+the serial reference every parallel run is checked against, and what one process needs around it. Chapter 1 (the
+serial SGD of the lecture's section 1), appendix A (where the time goes), chapter 16 (the number formats).
+
+    config      ModelConfig, the model's shape; `flag`, how a settings field becomes a command-line flag
+    backend     the one place that picks NumPy or CuPy; device-to-host copies, counted
+    threads     CPU threads for the kernels and the batch split; OpenBLAS's thread timeout
+    layers      every layer as its plain formulas, a forward/backward pair each: the reference a reader checks
+    kernels     the same layers tuned (pieces, out=, threads, causal blocks), tested equal to them
+    ops         the one place the models choose their layer functions (the tuned kernels)
+    serial      the serial reference model and serial.sgd, the run every layout must reproduce
+    optim       SGD, AdamW, the learning-rate schedule, global-norm clipping
+    precision   bfloat16 and float16 emulated exactly: rounding, the unit roundoff, Numerics (where a run rounds)
+    data        the corpus, the train/validation split and the batch of every step
+    generate    text from a trained model, one byte at a time
+"""

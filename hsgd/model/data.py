@@ -18,7 +18,7 @@ import sysconfig
 import numpy as np
 
 from hsgd.errors import DataError
-from hsgd.run.preflight import regular_file
+from hsgd.files import regular_file
 
 VAL_FRACTION = 0.10
 _SPLIT_ID = {"train": 0, "val": 1}

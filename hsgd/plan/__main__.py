@@ -20,7 +20,7 @@ import sys
 
 from hsgd.model.config import ModelConfig
 from hsgd.errors import EXIT_USAGE, ConfigError, UsageError
-from hsgd.run.preflight import writable_file
+from hsgd.files import writable_file
 from .hardware import HardwareError, load, names
 from .paper import table1
 from .search import SCHEDULES, rank_key, rate_of, search

@@ -53,7 +53,7 @@ from mpi4py import MPI
 from threadpoolctl import threadpool_limits
 
 from hsgd.errors import UsageError
-from hsgd.run.preflight import writable_file
+from hsgd.files import writable_file
 from .hardware import OPS, Hardware, HardwareError, Link, to_toml
 
 TINY_ALPHA = 1e-9               # s: the smallest alpha written (a fit may come out negative from noise)
@@ -223,7 +223,7 @@ def block_cost(world, rate, bandwidth, trials, batches=(1, 2, 4, 8)):
     from hsgd.grid.comm import Comm
     from hsgd.model.config import ModelConfig
     from hsgd.model.data import Corpus
-    from hsgd.tp import model as tp_model
+    from hsgd.tp import model as tp_model, shards as tp_shards
     from .costs import micro_batch_flops
     from .paper import activation_bytes
     comm = Comm(MPI.COMM_SELF, "tp")
@@ -234,7 +234,7 @@ def block_cost(world, rate, bandwidth, trials, batches=(1, 2, 4, 8)):
             t = {}
             for L in (1, 3):
                 cfg = ModelConfig(n_layers=L, **BLOCK)
-                params = tp_model.init_params(cfg, comm, seed=0, dtype="float32")
+                params = tp_shards.init_params(cfg, comm, seed=0, dtype="float32")
                 idx, targets = corpus.batch(0, 1, b)
                 t[L] = time_call(world, lambda _: tp_model.loss_and_grads(params, idx, targets, cfg, comm), trials)
             cfg = ModelConfig(n_layers=1, **BLOCK)

@@ -38,7 +38,7 @@ import math
 import os
 from dataclasses import dataclass, field
 
-from hsgd.run.config_file import load_toml, tomllib  # noqa: F401  (tomllib: for tests that parse the shipped files)
+from hsgd.run.config_file import load_toml
 from hsgd.errors import UsageError
 
 HW_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hw")   # the shipped files

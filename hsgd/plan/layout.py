@@ -4,7 +4,7 @@ alone (no array is made, no message sent), so that runs far larger than this mac
 hsgd.train reports, for the layout it runs, bytes per communicator (hsgd.run.report.step_formula) and memory per
 category (hsgd.accounting.step_memory.step_formula), each equal to what it measures. Both are functions of sizes
 (hsgd.run.report.rank_bytes, hsgd.accounting.step_memory.rank_formula), given a stage (its blocks, whether it holds the
-embedding or the head, its schedule) and an exchange (hsgd.dp.exchange.sized_exchange). This module makes those two
+embedding or the head, its schedule) and an exchange (hsgd.dp.make.sized_exchange). This module makes those two
 from the settings, for rank (pp stage s; every dp, cp and tp rank of a stage holds and sends the same):
 
     stage s     PlannedStage: hsgd.pp.chunks.stage_chunks's blocks, hsgd.pp.schedules.build's actions (as
@@ -18,10 +18,10 @@ tests/mpi/test_plan_layout.py holds them equal to the trainer's for every factor
 from functools import lru_cache
 from types import SimpleNamespace
 
-from hsgd.cp.split import make_split
-from hsgd.dp.exchange import sized_exchange
+from hsgd.cp.layouts import make_split
+from hsgd.dp.make import sized_exchange
 from hsgd.pp.chunks import parse_split, stage_chunks, stage_names
-from hsgd.run.report import rank_bytes
+from hsgd.accounting.traffic import rank_bytes
 from hsgd.pp.schedules import build, effective
 from hsgd.accounting.step_memory import rank_formula
 from hsgd.tp.shards import shard_numel

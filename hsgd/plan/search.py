@@ -18,8 +18,8 @@ from types import SimpleNamespace
 
 from hsgd.model.config import divisors
 from hsgd.errors import ConfigError, UsageError
-from hsgd.dp.exchange import sized_exchange
-from hsgd.run.report import rank_bytes
+from hsgd.dp.make import sized_exchange
+from hsgd.accounting.traffic import rank_bytes
 from hsgd.run.settings import TrainConfig
 from hsgd.pp.timelines import peak_formula
 from .costs import group_links, group_sizes, step_time

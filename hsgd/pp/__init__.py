@@ -1,1 +1,10 @@
-"""hsgd.pp."""
+"""Pipeline parallelism: the layers cut into pp stages (and v model chunks per stage), each DP group's batch into
+m micro-batches that flow through them, and the schedules that order the work (the lecture's sections 1 and
+4.2). Chapters 9 (stages, micro-batches, the bubble, GPipe and 1F1B) and 14 (schedules as data, interleaved,
+zero bubble).
+
+    chunks      the cut: the blocks of every stage and chunk, their parameters, the bytes on pp_comm
+    schedules   schedules as data: lists of F/B/W actions (GPipe, 1F1B, interleaved, ZB-H1), checked, simulated
+    timelines   what a list or a timeline says: bubbles, pairs and bytes held, closed forms, pictures
+    stage       one rank's stage running its list (ThreadedStage: the batch split over CPU threads)
+"""

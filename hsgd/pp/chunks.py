@@ -22,9 +22,6 @@ Both accumulate the gradients of the micro-batches in the same order (B0, B1, ..
 numbers; they differ in memory (and, with unequal costs, in time).
 """
 from hsgd.errors import ConfigError
-from hsgd.pp.schedules import SCHEDULES, bubble_fraction, build, picture  # noqa: F401  (the names chapter 9 uses)
-from hsgd.pp.schedules import peak_held as peak_in_flight  # noqa: F401
-from hsgd.pp.schedules import simulate as simulate_actions
 
 
 def split_layers(n_layers, pp, split=None):
@@ -90,24 +87,6 @@ def stage_chunks(n_layers, pp, s, v=1, split=None):
     when it is piece 0 (the embedding), last when it is piece pp v - 1 (the head and the loss)."""
     cut = chunk_layers(n_layers, pp, v, split)
     return [(c * pp + s, cut[c * pp + s], c * pp + s == 0, c * pp + s == pp * v - 1) for c in range(v)]
-
-
-# The schedules live in hsgd.pp.schedules (lists of Actions, their check and simulation); the names below are the
-# short forms chapter 9 uses for one chunk per stage.
-
-def schedule(kind, m, p, s):
-    """Stage s's actions for m micro-batches on p stages (one chunk per stage)."""
-    return build(kind, m, p)[s]
-
-
-def simulate(kind, m, p, f_cost=1.0, b_cost=2.0):
-    """[[(action, start, end)] per stage] of schedule `kind` when each forward costs f_cost and each (fused)
-    backward b_cost (schedules.simulate)."""
-    return simulate_actions(build(kind, m, p), m, costs=(f_cost, b_cost, 0.0))
-
-
-def ideal_bubble(m, p):
-    return (p - 1) / (m + p - 1)
 
 
 def pp_formula(batch_per_mb, cfg, m, first, last, itemsize, scheme="megatron", tp=1, v=1, cp=1):

@@ -38,9 +38,6 @@ W <= min(F, B) (Qi et al. 2024; with F = B = W a third).
 from collections import namedtuple
 
 from hsgd.errors import ConfigError
-# what a list or a timeline says (bubbles, closed forms, pairs and bytes held, pictures), named here too
-from hsgd.pp.timelines import (FORMULA, PEAK_FORMULA, bubble_formula, bubble_fraction, grid, held, held_bytes,  # noqa: F401
-                        idle_per_stage, peak_formula, peak_held, picture)
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1")
 

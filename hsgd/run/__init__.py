@@ -1,1 +1,15 @@
-"""hsgd.run."""
+"""A training run around the steps: its settings and command lines, the checks before any work, what it prints,
+what it watches, and how it ends on a fault or a signal. Chapters 7 (a run end to end) and 11 (fault tolerance).
+
+    settings      TrainConfig: grouped dataclasses whose fields are the flags
+    flags         the command lines made from them, and --config FILE.toml read back (config_file)
+    config_file   one TOML loader for config and hardware files
+    preflight     checks before any work: outputs writable, optional modules there, the memory the machine has
+    progress      progress lines and the --log-json records
+    report        what rank 0 prints at the end: bytes, the pipeline, memory, staging, trace and plots
+    plots         PNG pictures of a run: losses, a timeline, memory
+    watchers      the points of a step where something besides training acts (faults, --dump-step)
+    faults        --inject-fault: one fault, on purpose
+    signals       SIGTERM and SIGINT: stop cleanly, with a checkpoint
+    watchdog      --step-timeout: end the job when a step or a validation hangs
+"""

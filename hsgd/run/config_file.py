@@ -5,7 +5,7 @@ from dataclasses import fields
 
 from hsgd.model.config import ModelConfig, flag_names
 from hsgd.errors import ConfigError
-from hsgd.run.preflight import regular_file
+from hsgd.files import regular_file
 
 try:
     import tomllib
@@ -15,7 +15,7 @@ except ImportError:                                  # Python < 3.11
 
 def load_toml(path, what, error):
     """The table in the TOML file at `path`, or error(...) naming `what` ("config file", "hardware file") when it is
-    not a regular file (hsgd.run.preflight.regular_file), not UTF-8 text, or not TOML."""
+    not a regular file (hsgd.files.regular_file), not UTF-8 text, or not TOML."""
     regular_file(path, what, error)                              # exists; not a folder, FIFO or device
     try:
         with open(path, "rb") as f:

@@ -11,7 +11,7 @@ import argparse
 from dataclasses import fields
 
 from hsgd.grid import launch
-from hsgd.tp import model as tp_model
+from hsgd.tp import shards as tp_shards
 from hsgd.model.config import ModelConfig, flag_names
 from hsgd.run.config_file import read_toml
 from hsgd.cp.split import check_cp
@@ -94,7 +94,7 @@ def configs_from_args(args, world_size):
     tc.validate()
     tc.resolve_layout(world_size)
     tc.check_targets(world_size, tc.steps)
-    tp_model.check_tp(model, tc.tp, tc.tp_scheme)
+    tp_shards.check_tp(model, tc.tp, tc.tp_scheme)
     check_cp(model.seq_len, tc.cp, tc.tp, tc.tp_scheme == "sequence")      # 2cp chunks (and tp T-shards of each)
     check_batch(tc.batch_size, tc.dp, tc.micro_batches)
     check_pipeline(model.n_layers, tc)                                   # layers per chunk, the schedule

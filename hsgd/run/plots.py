@@ -13,7 +13,7 @@ COLORS = {"forward": "#4C72B0", "backward": "#55A868", "weight gradients": "#8DB
           "dp sync": "#CCB974",
           "straggler delay": "#C44E52", "Allreduce": "#DD8452", "Iallreduce": "#C44E52", "Allgather": "#64B5CD",
           "Reduce_scatter_block": "#937860", "Bcast": "#DA8BC3"}
-def _pyplot():
+def pyplot():
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -26,7 +26,7 @@ def _pyplot():
 def plot_losses(losses, val_points, path, title="", first_step=1):
     """Training loss per step (losses[0] is step first_step: a resumed run starts later) and validation loss at
     its evaluation steps."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(range(first_step, first_step + len(losses)), losses, lw=0.8, label="training loss (global batch)")
     if val_points:
@@ -44,7 +44,7 @@ def plot_losses(losses, val_points, path, title="", first_step=1):
 def plot_timeline(events, path, title="", t_range=None):
     """One row per rank and track (compute, comm, async): every span as a bar, collectives colored by operation;
     non-blocking calls in flight at the same time are drawn translucent on top of each other."""
-    plt = _pyplot()
+    plt = pyplot()
     xs = [e for e in events if e.get("ph") == "X"]
     ranks = sorted({e["pid"] for e in xs})
     if t_range is None:
@@ -133,7 +133,7 @@ def plot_memory(per_rank, path, title=""):
     """Memory over one step, one panel per rank, stacked by category. per_rank: [(rank, [(label, seconds,
     {category: bytes}), ...])] (hsgd.accounting.allocations's samples); the x axis is the sample's order, labelled F j /
     B j."""
-    plt = _pyplot()
+    plt = pyplot()
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     n = len(per_rank)
     fig, axes = plt.subplots(n, 1, figsize=(11, 1.9 * n + 0.8), squeeze=False)
@@ -153,44 +153,6 @@ def plot_memory(per_rank, path, title=""):
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
-
-
-def plot_tolerance(verdict, path=None):
-    """The tolerance oracle's verdict (hsgd.check.oracle.Verdict): for each layout, per parameter, the differences
-    observed over the seeds (dots: each seed; against float64 and against the first layout) under their bands
-    (lines), on a log scale; a dot above its line is outside what rounding explains. Saved to `path` (and closed),
-    or, without a path, the figure is returned."""
-    plt = _pyplot()
-    from hsgd.check.oracle import name_of
-    layouts, names = verdict.layouts, verdict.names
-    fig, axes = plt.subplots(len(layouts), 1, figsize=(max(7, 0.28 * len(names) + 2), 2.6 * len(layouts) + 0.6),
-                             squeeze=False, sharex=True)
-    x = list(range(len(names)))
-    for ax, L in zip(axes[:, 0], layouts):
-        for series, base, color, label in ((verdict.vs64, False, "#4C72B0", "vs float64"),
-                                           (verdict.vsbase, True, "#DD8452", f"vs {name_of(layouts[0])}")):
-            if base and L == layouts[0]:
-                continue
-            for i, k in enumerate(names):
-                seen = series[L][k]
-                ax.scatter([i + (0.15 if base else -0.15)] * len(seen), seen, s=8, color=color,
-                           label=label if i == 0 else None)
-            ax.step([i - 0.5 for i in x] + [len(x) - 0.5], [verdict.band(L, k, base) for k in names] +
-                    [verdict.band(L, names[-1], base)], where="post", color=color, lw=1, alpha=0.8,
-                    label=f"band ({label})")
-        ax.set_yscale("log")
-        ax.set_title(f"layout {name_of(L)}: {verdict.compute} differences (dots, one per seed) and their bands",
-                     fontsize=9)
-        ax.set_ylabel("relative difference")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="lower right")
-    axes[-1, 0].set_xticks(x)
-    axes[-1, 0].set_xticklabels(names, rotation=90, fontsize=7)
-    fig.tight_layout()
-    if path is None:
-        return fig
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def write_plots(directory, losses, val_points, events, step_range, title, first_step=1):

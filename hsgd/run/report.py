@@ -4,10 +4,9 @@ memory per rank, the staging buffers of the GPU path, the trace and the plots. E
 from mpi4py import MPI
 
 from hsgd.tp import model as tp_model
-from hsgd.cp.split import cp_formula
-from hsgd.pp.chunks import pp_formula
-from hsgd.pp.schedules import (FORMULA, PEAK_FORMULA, bubble_formula, bubble_fraction, build, peak_formula, peak_held,
-                        picture, simulate)
+from hsgd.tp.schemes import make_scheme
+from hsgd.pp.schedules import build, simulate
+from hsgd.pp.timelines import FORMULA, PEAK_FORMULA, bubble_formula, bubble_fraction, peak_formula, peak_held, picture
 
 
 def fmt_time(seconds):
@@ -20,30 +19,6 @@ def fmt_bytes(n):
         if n < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
-
-
-def step_formula(cfg, tc, trainer):
-    """{(comm, op): (calls, bytes)} this rank should see in one training step, from the closed forms: the
-    tensor-parallel traffic of its stage for m micro-batches, the pipeline's messages and the dp exchange."""
-    return rank_bytes(cfg, tc, trainer.grid.dp, trainer.grid.tp, trainer.grid.cp, trainer.stage, trainer.exchange)
-
-
-def rank_bytes(cfg, tc, dp, tp, cp, stage, ex):
-    """step_formula from sizes alone: dp, tp, cp the grid; stage: its .pieces(rows), .layers, .first, .last, .v;
-    ex: the exchange, or hsgd.dp.exchange.sized_exchange's (its formula() and itemsize)."""
-    m, itemsize = tc.micro_batches, ex.itemsize
-    per_mb = tc.batch_size // dp // m
-    f = {}
-    for rows in stage.pieces(per_mb):                                 # one piece, or one per thread
-        for k, (calls, nbytes) in tp_model.comm_formula(cfg, rows, itemsize, tc.tp_scheme,
-                                                        stage=(len(stage.layers), stage.first, stage.last),
-                                                        recompute=tc.recompute, cp=cp).items():
-            f[k] = (f.get(k, (0, 0))[0] + m * calls, f.get(k, (0, 0))[1] + m * nbytes)
-    f.update(pp_formula(per_mb, cfg, m, stage.first, stage.last, itemsize, tc.tp_scheme, tp, stage.v, cp))
-    f.update(cp_formula(tc.cp_scheme, cp, per_mb, cfg.seq_len, cfg.d_model, tp, itemsize,
-                        m * len(stage.layers), tc.recompute))
-    f.update(ex.formula())
-    return f
 
 
 def report_pipeline(world, grid, tc, trainer, say):
@@ -106,7 +81,7 @@ def report_traffic(world, grid, tc, trainer, per_step, say):
         plain = dict(per_step)
         repeated = {}
         if tc.recompute == "full":
-            for k, (calls, nbytes) in tp_model.make_scheme(tc.tp_scheme).block_forward_formula(
+            for k, (calls, nbytes) in make_scheme(tc.tp_scheme).block_forward_formula(
                     trainer.cfg, rows, trainer.dtype.itemsize, grid.cp).items():
                 repeated[k] = (m * len(st.layers) * calls, m * len(st.layers) * nbytes)
         base = {k: v for k, v in tp_model.comm_formula(trainer.cfg, rows, trainer.dtype.itemsize, tc.tp_scheme,

@@ -24,7 +24,7 @@ import math
 import os
 from dataclasses import dataclass
 
-from hsgd.tp import model as tp_model
+from hsgd.tp import model as tp_model, schemes as tp_schemes
 from hsgd.model.backend import resolve_device, resolve_dtype
 from hsgd.model.config import check_nonnegative_int, check_positive_int, flag
 from hsgd.cp.split import CP_SCHEMES
@@ -63,7 +63,7 @@ class Layout:
                           "megatron: Megatron-LM's f/g operator pairs, one Allreduce at the exit of every branch\n"
                           "gather: the lecture's, every linear column-split and its output All-Gathered\n"
                           "sequence: megatron's split, with LayerNorm and the residual stream split along T",
-                          choices=tp_model.SCHEMES)
+                          choices=tp_schemes.SCHEMES)
     cp: int = flag(1, "context-parallel size: the ranks that split every sequence between them, T/cp positions each "
                       "(rank r holds chunks r and 2cp-1-r of 2cp; seq_len a multiple of 2cp)")
     cp_scheme: str = flag("ring", "how a cp rank's attention reads the keys and values of the others\n"

@@ -20,9 +20,9 @@ which belong to tensor-sharded parameters.
 import time
 from dataclasses import dataclass
 
-from hsgd.tp import model as tp_model
+from hsgd.tp import shards as tp_shards
 from hsgd.dp.average import dp_rows, micro_batches, params_digest
-from hsgd.dp.exchange import make_exchange
+from hsgd.dp.make import make_exchange
 from hsgd.step.health import all_finite, check_finite, global_norm, step_numbers, stop_after_skips
 from hsgd.tp.hooks import ChainedHooks
 from hsgd.step.loss_scale import LossScaler
@@ -51,7 +51,7 @@ class HybridTrainer:
         self.cfg, self.grid, self.tc, self.scheme = cfg, grid, tc, tc.tp_scheme
         self.tracer = tracer or NullTracer()
         self.stage = make_stage(cfg, grid, tc)                          # my layers, my schedule
-        shards = tp_model.init_params(cfg, grid.tp_comm, seed=tc.seed, dtype=tc.dtype, device=tc.device,
+        shards = tp_shards.init_params(cfg, grid.tp_comm, seed=tc.seed, dtype=tc.dtype, device=tc.device,
                                       scheme=tc.tp_scheme)
         shards = {n: shards[n] for n in self.stage.names}
         self.exchange = make_exchange(tc, shards, self.stage.groups(), grid, self.tracer)
@@ -77,7 +77,7 @@ class HybridTrainer:
         return self.stage.num
 
     def is_sharded(self, name):
-        return self.grid.tp > 1 and tp_model.split_of(name, self.scheme)[0] != "rep"
+        return self.grid.tp > 1 and tp_shards.split_of(name, self.scheme)[0] != "rep"
 
     def step(self, idx, targets, step):
         """One optimizer step on the global batch idx, targets (B, T); `step` counts from 1 (for the schedule)."""
@@ -221,7 +221,7 @@ class HybridTrainer:
         """The whole model (serial names and shapes) on every rank (pickled: for sampling and checks only)."""
         full = {}
         mine = self.exchange.full_params()                                      # (ZeRO-3: All-Gathered over dp)
-        for part in self.grid.pp_comm.allgather_obj(tp_model.gather_full(mine, self.cfg, self.grid.tp_comm,
+        for part in self.grid.pp_comm.allgather_obj(tp_shards.gather_full(mine, self.cfg, self.grid.tp_comm,
                                                                          self.scheme)):
             full.update(part)                                                   # every stage's parameters
         return {n: full[n] for n in self.cfg.param_shapes()}

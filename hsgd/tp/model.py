@@ -28,7 +28,7 @@ from collections import namedtuple
 
 from hsgd.model import serial
 from hsgd.model.backend import array_module
-from hsgd.cp.layouts import WHOLE
+from hsgd.tp.attention import WHOLE
 from hsgd.model.precision import EXACT
 from hsgd.tp.hooks import NO_HOOKS
 from hsgd.tp.wgrad import WeightGrads
@@ -37,10 +37,7 @@ from hsgd.model.ops import (gelu_backward, gelu_forward, layernorm_backward,
                   qkv_input_grad, qkv_weight_grad)
 from hsgd.tp.layers import (vocab_cross_entropy_backward, vocab_cross_entropy_forward, vocab_lookup_backward,
                         vocab_lookup_forward, vocab_range)
-from hsgd.tp.schemes import SCHEMES, make_scheme  # noqa: F401  (SCHEMES: the names, for the CLI and the tests)
-# how each parameter is split over the tp ranks (hsgd.tp.shards), named from here too: tp_model.shard(...)
-from hsgd.tp.shards import (check_tp, gather_full, init_params, shard, shard_numel, shard_params,  # noqa: F401
-                        split_of, unshard, vocab_padding)
+from hsgd.tp.schemes import make_scheme
 
 # the replicated parameters of each gradient group (the sequence scheme All-Reduces their partial gradients)
 BLOCK_REPLICATED = ("ln1.weight", "ln1.bias", "attn.proj.bias", "ln2.weight", "ln2.bias", "mlp.proj.bias")
@@ -55,13 +52,13 @@ RECOMPUTE = ("none", "selective", "full")
 
 # what a stage's forward keeps for its backward: the parameters dict (ZeRO-3 fills it group by group), the model
 # config, the embedding's cache (first stage), [(i, block i's cache)], the head's cache (last stage), the context
-# layout (hsgd.cp.layouts: which positions this rank holds, and its core attention), the numerics (hsgd.model.precision)
+# layout (hsgd.tp.attention: which positions this rank holds, and its core attention), the numerics (precision)
 StageCache = namedtuple("StageCache", "params cfg emb blocks head ctx num")
 
 
 def block_forward(x, p, h, cfg, comm, S, recompute="none", ctx=WHOLE, num=EXACT):
     """x + Attn(LN1(x)), then + MLP(LN2(x)), on this rank's heads and MLP columns. x: (B, T~, C). ctx: the context
-    layout (hsgd.cp.layouts): the rank's positions of the sequence (T here is T/cp of them) and its core attention.
+    layout (hsgd.tp.attention): the rank's positions of the sequence (T here is T/cp of them) and its core attention.
     num: where a bfloat16 or float16 run rounds (hsgd.model.precision.POINTS; nothing for float32 and float64).
 
     The cache holds activations only, never a parameter (block_backward takes them from p again: ZeRO-3 frees
@@ -221,7 +218,7 @@ def stage_forward(params, inp, targets, cfg, comm, scheme, layers, first, last, 
     """Forward through one pipeline stage (the whole model when first and last): the embedding if `first`, the
     blocks in `layers`, the final LayerNorm, LM head and loss if `last`. scheme: a name or a scheme object.
     hooks: what runs around each gradient group (Hooks); recompute: what the blocks keep (block_forward); ctx: the
-    context layout (hsgd.cp.layouts; with context parallelism T is this rank's T/cp positions, ctx.local of them);
+    context layout (hsgd.tp.attention; with context parallelism T is this rank's T/cp positions, ctx.local of them);
     num: the numerics (hsgd.model.precision: where a bfloat16 or float16 run rounds; params is then the rounded copy).
 
     inp: token ids (B, T) on the first stage, else the activation (B, T~, C) received from the previous stage.

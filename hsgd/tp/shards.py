@@ -4,7 +4,7 @@ A parameter is replicated ("rep"), split along one axis in tp equal parts ("spli
 biases, the row-parallel projections), or split by vocabulary ("vocab": wte's rows, lm_head's columns, padded to
 tp ceil(V/tp) so that every rank holds Vp = ceil(V/tp) ids). The scheme (hsgd.tp.schemes) says which; a shard is
 the exact slice of hsgd.model.serial's parameter, and `unshard` of every rank's shards, in rank order, is the parameter
-again. hsgd.tp.model names these functions too (tp_model.shard, ...).
+again.
 """
 import math
 

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 from hsgd.model.config import ModelConfig
 from hsgd.model import serial
-from hsgd.tp import model as tp_model
+from hsgd.tp import model as tp_model, shards as tp_shards
 from hsgd.model.data import Corpus
 from hsgd.grid.trace import Tracer, overlap_seconds
-from hsgd.train import TrainConfig
+from hsgd.run.settings import TrainConfig
 
 from .conftest import WORLD, check, say, train_steps, world_max
 
@@ -38,7 +38,7 @@ def run(tc, tracer=None):
 
 def param_err(trainer, grid, ref, scheme="megatron"):
     """Max over parameters of max |p - ref shard| / max(max |ref|, 0.02) (k-biases stay ~0: see test_hybrid)."""
-    return max(float(np.abs(p - tp_model.shard(ref[n], n, grid.tp_rank, grid.tp, scheme)).max()
+    return max(float(np.abs(p - tp_shards.shard(ref[n], n, grid.tp_rank, grid.tp, scheme)).max()
                      / max(np.abs(ref[n]).max(), 0.02)) for n, p in trainer.params.items())
 
 

@@ -9,14 +9,16 @@ import pytest
 from mpi4py import MPI
 
 from hsgd.model.config import ModelConfig
-from hsgd.cp import split as context
+from hsgd.cp import split
+from hsgd.cp.layouts import make_split
 from hsgd.model import layers, serial
-from hsgd.tp import model as tp_model
+from hsgd.tp import shards as tp_shards
 from hsgd.model.data import Corpus
 from hsgd.grid.process_grid import ProcessGrid
 from hsgd.accounting.activations import activation_formula
 from hsgd.grid.trace import Tracer
-from hsgd.train import TrainConfig, step_formula
+from hsgd.run.settings import TrainConfig
+from hsgd.accounting.traffic import step_formula
 
 from .conftest import WORLD, check, say, train_steps, world_max
 
@@ -45,7 +47,7 @@ def serial_sgd(tc):
 def param_err(trainer, grid, ref, scheme):
     """Collective (ZeRO-3 gathers this rank's shards over dp_comm): the largest relative error of a shard."""
     mine = trainer.exchange.full_params()
-    return max(float(np.abs(p - tp_model.shard(ref[n], n, grid.tp_rank, grid.tp, scheme)).max()
+    return max(float(np.abs(p - tp_shards.shard(ref[n], n, grid.tp_rank, grid.tp, scheme)).max()
                      / max(np.abs(ref[n]).max(), 0.02)) for n, p in mine.items())
 
 
@@ -58,7 +60,7 @@ def test_every_layout_with_cp_equals_serial_sgd(i, layout):
     dp, pp, cp, tp = layout
     scheme = TP_SCHEMES[i % 3]
     ref, lines, ok, params = None, [], True, {}
-    for cp_scheme in context.CP_SCHEMES:
+    for cp_scheme in split.CP_SCHEMES:
         tc = config(dp=dp, pp=pp, cp=cp, tp=tp, tp_scheme=scheme, cp_scheme=cp_scheme)
         ref = ref or serial_sgd(tc)
         grid, trainer, identical, per_step = train_steps(CFG, CORPUS, tc)
@@ -117,7 +119,7 @@ def attention_case(grid, scheme, balanced, B=2, nh=2, hs=3, T=32, seed=0):
     q, k, v, dy = (rng.standard_normal((B, T, C)) for _ in range(4))
     y0, cache0 = layers.attention_forward(q, k, v, nh)
     grads0 = layers.attention_backward(dy, cache0)
-    ctx = context.make_split(scheme, grid.cp_comm, T, balanced=balanced)
+    ctx = make_split(scheme, grid.cp_comm, T, balanced=balanced)
     pos = ctx.pos
     y, cache = ctx.attention_forward(q[:, pos], k[:, pos], v[:, pos], nh)
     grads = ctx.attention_backward(dy[:, pos], cache)
@@ -129,18 +131,18 @@ def test_ring_and_allgather_attention_equal_the_serial_attention_and_the_work_is
     grid = ProcessGrid(WORLD, dp=1, pp=1, tp=2, cp=4)                 # 2 rings of 4, side by side
     cp, T, ok, lines = grid.cp, 32, True, []
     for balanced in (True, False):
-        for scheme in context.CP_SCHEMES:
+        for scheme in split.CP_SCHEMES:
             err, ctx = attention_case(grid, scheme, balanced)
             work = grid.cp_comm.comm.allgather(ctx.work["forward"])
-            expect = [context.attention_blocks(T, cp, r, balanced) for r in range(cp)]
+            expect = [split.attention_blocks(T, cp, r, balanced) for r in range(cp)]
             good = err <= 1e-12
             if scheme == "ring":                                      # the ring skips the masked chunk pairs
                 good &= work == expect and ctx.work["backward"] == ctx.work["forward"]
             lines.append(f"  {'balanced' if balanced else 'plain':<8} {scheme:<9}: max rel err {world_max(err):.1e}; "
                          f"scores per rank {work}")
             ok &= good
-    blocks = [context.attention_blocks(T, cp, r) for r in range(cp)]
-    plain = [context.attention_blocks(T, cp, r, balanced=False) for r in range(cp)]
+    blocks = [split.attention_blocks(T, cp, r) for r in range(cp)]
+    plain = [split.attention_blocks(T, cp, r, balanced=False) for r in range(cp)]
     c = T // (2 * cp)
     ok &= blocks == [(2 * cp + 1) * c * c] * cp and plain == [(r + 1) * (T // cp) ** 2 for r in range(cp)]
     say(f"cp={cp}, T={T}, float64:\n" + "\n".join(lines) + f"\n  the formula: balanced {blocks}, plain {plain} "
@@ -155,7 +157,7 @@ def test_the_work_is_equal_in_training_and_the_plain_split_would_not_be():
     grid, trainer, _, _ = train_steps(CFG, CORPUS, tc)
     ctx = trainer.stage.ctx
     work = WORLD.allgather(ctx.work["forward"])
-    expect = CFG.n_layers * context.attention_blocks(CFG.seq_len, 8, 0)  # one attention per block (m = 1)
+    expect = CFG.n_layers * split.attention_blocks(CFG.seq_len, 8, 0)  # one attention per block (m = 1)
     say(f"cp=8, one step: forward scores per rank {work} (formula {expect} each)")
     check(work == [expect] * 8)
     trainer.free()

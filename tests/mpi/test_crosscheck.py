@@ -18,7 +18,7 @@ from hsgd.crosscheck.hsgd_dump import dump_one_step
 from hsgd.model.data import Corpus
 from hsgd.grid.process_grid import factorizations
 from hsgd.check.mutations import injected
-from hsgd.train import TrainConfig
+from hsgd.run.settings import TrainConfig
 
 from .conftest import WORLD, check as agree, say
 

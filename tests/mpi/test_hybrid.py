@@ -8,12 +8,12 @@ import pytest
 
 from hsgd.model.config import ModelConfig
 from hsgd.model import serial
-from hsgd.tp import model as tp_model
+from hsgd.tp import shards as tp_shards
 from hsgd.model.data import Corpus
 from hsgd.dp.average import params_digest
 from hsgd.grid.process_grid import ProcessGrid
 from hsgd.step.trainer import HybridTrainer
-from hsgd.train import TrainConfig
+from hsgd.run.settings import TrainConfig
 
 from .conftest import WORLD, check, say, world_max
 
@@ -52,7 +52,7 @@ def compare(tc, steps=4, tol=1e-9):
     grid, trainer, identical = parallel_sgd(tc, steps)
     # relative to the parameter's largest entry, and at least to 0.02 (the init scale): the attention k-biases
     # start at 0 and only ever receive rounding noise (their exact gradient is zero), so they stay ~1e-12
-    errs = {n: float(np.abs(p - tp_model.shard(ref[n], n, grid.tp_rank, grid.tp, tc.tp_scheme)).max()
+    errs = {n: float(np.abs(p - tp_shards.shard(ref[n], n, grid.tp_rank, grid.tp, tc.tp_scheme)).max()
                      / max(np.abs(ref[n]).max(), 0.02)) for n, p in trainer.params.items()}
     worst = max(errs, key=errs.get)
     grid.free()
@@ -128,7 +128,7 @@ def test_every_dp_and_micro_batches_split_gives_the_same_gradients():
         grid = ProcessGrid(WORLD, dp=dp, tp=8 // dp)
         trainer = HybridTrainer(CFG, grid, tc)
         trainer.gradients(idx, targets)
-        err = max(float(np.abs(g - tp_model.shard(ref[n], n, grid.tp_rank, grid.tp)).max()
+        err = max(float(np.abs(g - tp_shards.shard(ref[n], n, grid.tp_rank, grid.tp)).max()
                         / max(np.abs(ref[n]).max(), 1e-6)) for n, g in trainer.grads.items())
         say(f"dp={dp} micro_batches={k} tp={8 // dp}: max grad rel err {world_max(err):.1e}")
         worst = max(worst, err)

@@ -11,7 +11,7 @@ from hsgd.accounting import allocations, step_memory
 from hsgd.model.data import Corpus
 from hsgd.grid.process_grid import ProcessGrid
 from hsgd.step.trainer import HybridTrainer
-from hsgd.train import TrainConfig
+from hsgd.run.settings import TrainConfig
 
 from .conftest import WORLD, check, say
 

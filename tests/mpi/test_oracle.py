@@ -10,8 +10,9 @@ import pytest
 from hsgd.model.config import ModelConfig
 from hsgd.model.data import Corpus
 from hsgd.check.mutations import injected
-from hsgd.check.oracle import oracle, report
-from hsgd.train import TrainConfig
+from hsgd.check.oracle import oracle
+from hsgd.check.verdict import report
+from hsgd.run.settings import TrainConfig
 
 from .conftest import WORLD, check, say
 

@@ -5,12 +5,15 @@ hold the micro-batches the schedules promise; every stage's bytes equal the form
 import numpy as np
 import pytest
 from hsgd.model.config import ModelConfig
-from hsgd.pp import chunks as pipeline
+from hsgd.pp.chunks import split_layers
+from hsgd.pp.schedules import build, simulate
+from hsgd.pp.timelines import bubble_formula, bubble_fraction, peak_held, picture
 from hsgd.model import serial
-from hsgd.tp import model as tp_model
+from hsgd.tp import shards as tp_shards
 from hsgd.model.data import Corpus
 from hsgd.grid.process_grid import factorizations
-from hsgd.train import TrainConfig, step_formula
+from hsgd.run.settings import TrainConfig
+from hsgd.accounting.traffic import step_formula
 
 from .conftest import WORLD, check, say, train_steps, world_max
 
@@ -35,7 +38,7 @@ def run(tc):
 
 
 def param_err(trainer, grid, ref, scheme="megatron"):
-    return max(float(np.abs(p - tp_model.shard(ref[n], n, grid.tp_rank, grid.tp, scheme)).max()
+    return max(float(np.abs(p - tp_shards.shard(ref[n], n, grid.tp_rank, grid.tp, scheme)).max()
                      / max(np.abs(ref[n]).max(), 0.02)) for n, p in trainer.params.items())
 
 
@@ -78,28 +81,28 @@ def test_gpipe_equals_1f1b_and_holds_what_it_promises(m_of_p):
 
 def test_schedules_and_bubble_formula():
     """The schedules as documented, and the equal-cost bubble (p-1)/(m+p-1) for both."""
-    acts = [(a.kind, a.mb) for a in pipeline.schedule("1f1b", 6, 4, 1)]   # stage 1 of 4: two warm-up forwards
+    acts = [(a.kind, a.mb) for a in build("1f1b", 6, 4)[1]]   # stage 1 of 4: two warm-up forwards
     ok = acts == [("F", 0), ("F", 1), ("F", 2), ("B", 0), ("F", 3), ("B", 1), ("F", 4), ("B", 2), ("F", 5), ("B", 3),
                   ("B", 4), ("B", 5)]
-    ok &= [str(a) for a in pipeline.schedule("gpipe", 2, 3, 0)] == ["F0", "F1", "B0", "B1"]
+    ok &= [str(a) for a in build("gpipe", 2, 3)[0]] == ["F0", "F1", "B0", "B1"]
     worst = 0.0
     for p in (2, 3, 4, 8):
         for m in (1, 2, p, 2 * p, 3 * p):
             for kind in ("gpipe", "1f1b"):
-                t = pipeline.simulate(kind, m, p)
-                worst = max(worst, abs(pipeline.bubble_fraction(t) - pipeline.ideal_bubble(m, p)))
-                ok &= [pipeline.peak_in_flight(pipeline.schedule(kind, m, p, s)) for s in range(p)] == \
+                t = simulate(build(kind, m, p), m, costs=(1.0, 2.0, 0.0))
+                worst = max(worst, abs(bubble_fraction(t) - bubble_formula(kind, m, p)))
+                ok &= [peak_held(build(kind, m, p)[s]) for s in range(p)] == \
                     ([m] * p if kind == "gpipe" else [min(p - s, m) for s in range(p)])
     say(f"equal-cost bubble vs (p-1)/(m+p-1): max difference {worst:.1e}")
-    say(pipeline.picture(pipeline.simulate("1f1b", 8, 4), width=72))
+    say(picture(simulate(build("1f1b", 8, 4), 8, costs=(1.0, 2.0, 0.0)), width=72))
     check(ok and worst < 1e-12)
 
 
 def test_impossible_layouts_are_refused():
     from hsgd.errors import ConfigError
     msgs = []
-    for fn in (lambda: pipeline.split_layers(2, 4), lambda: pipeline.split_layers(4, 2, [3, 2]),
-               lambda: pipeline.split_layers(4, 2, [4, 0]), lambda: pipeline.schedule("zigzag", 2, 2, 0)):
+    for fn in (lambda: split_layers(2, 4), lambda: split_layers(4, 2, [3, 2]),
+               lambda: split_layers(4, 2, [4, 0]), lambda: build("zigzag", 2, 2)[0]):
         try:
             fn()
             msgs.append("")

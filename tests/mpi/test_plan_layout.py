@@ -17,7 +17,8 @@ from hsgd.errors import UsageError
 from hsgd.grid.process_grid import ProcessGrid, factorizations
 from hsgd.step.trainer import HybridTrainer
 from hsgd.plan.layout import plan_rank
-from hsgd.train import TrainConfig, step_formula
+from hsgd.run.settings import TrainConfig
+from hsgd.accounting.traffic import step_formula
 
 from .conftest import WORLD, check, say
 

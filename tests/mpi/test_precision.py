@@ -8,7 +8,7 @@ from mpi4py import MPI
 from hsgd.model.config import ModelConfig
 from hsgd.model.data import Corpus
 from hsgd.model.precision import POINTS
-from hsgd.train import TrainConfig
+from hsgd.run.settings import TrainConfig
 
 from .conftest import WORLD, check, say, train_steps
 

@@ -10,8 +10,9 @@ from mpi4py import MPI
 from hsgd.checkpoint import store as checkpoint
 from hsgd.grid.process_grid import ProcessGrid, factorizations
 from hsgd.step.trainer import HybridTrainer
-from hsgd.pp.schedules import build, peak_held
-from hsgd.train import step_formula
+from hsgd.pp.schedules import build
+from hsgd.pp.timelines import peak_held
+from hsgd.accounting.traffic import step_formula
 
 from .conftest import WORLD, check, say, world_max
 from .test_pipeline import CFG, CORPUS, config, param_err, run, serial_sgd

@@ -8,7 +8,7 @@ import pytest
 from hsgd.model.config import ModelConfig
 from hsgd.accounting import activations
 from hsgd.model import serial
-from hsgd.tp import layers as tp_layers, model as tp_model
+from hsgd.tp import layers as tp_layers, model as tp_model, shards as tp_shards
 from hsgd.errors import ConfigError
 from hsgd.grid.process_grid import ProcessGrid
 
@@ -30,7 +30,7 @@ def rel_err(a, b):
 
 def sequence_grads(params, idx, targets, tp, **kw):
     grid = ProcessGrid(WORLD, dp=8 // tp, tp=tp)
-    local = tp_model.shard_params(params, grid.tp_rank, tp, "sequence")
+    local = tp_shards.shard_params(params, grid.tp_rank, tp, "sequence")
     grid.stats.reset()
     loss, grads = tp_model.loss_and_grads(local, idx, targets, CFG, grid.tp_comm, "sequence", **kw)
     return grid, local, loss, grads
@@ -41,7 +41,7 @@ def test_sequence_equals_serial():
     for tp in (1, 2, 4, 8):
         grid, _, loss, grads = sequence_grads(params, idx, targets, tp)
         loss_err = abs(loss - loss0) / abs(loss0)
-        errs = {n: rel_err(grads[n], tp_model.shard(grads0[n], n, grid.tp_rank, tp, "sequence")) for n in grads}
+        errs = {n: rel_err(grads[n], tp_shards.shard(grads0[n], n, grid.tp_rank, tp, "sequence")) for n in grads}
         worst = max(errs, key=errs.get)
         say(f"sequence tp={tp}: loss rel err {world_max(loss_err):.1e}, max grad-shard rel err "
             f"{world_max(errs[worst]):.1e}")
@@ -80,7 +80,7 @@ def test_replicated_gradients_are_all_reduced_and_identical():
     params, idx, targets, _, _ = reference(CFG, batch=B)
     grid, _, _, grads = sequence_grads(params, idx, targets, 4)
     c = grid.tp_comm
-    names = [n for n in grads if tp_model.split_of(n, "sequence")[0] == "rep"]
+    names = [n for n in grads if tp_shards.split_of(n, "sequence")[0] == "rep"]
     listed = set(tp_model.HEAD_REPLICATED) | set(tp_model.EMBEDDING_REPLICATED) | \
         {f"h.{i}.{n}" for i in range(CFG.n_layers) for n in tp_model.BLOCK_REPLICATED}
     same = all(all(np.array_equal(g, grads[n]) for g in c.allgather_obj(grads[n])) for n in names)
@@ -96,7 +96,7 @@ def test_on_ready_in_backward_order_with_final_gradients():
     params, idx, targets, _, grads0 = reference(CFG, batch=B)
     grid = ProcessGrid(WORLD, dp=2, tp=4)
     c = grid.tp_comm
-    local = tp_model.shard_params(params, c.rank, 4, "sequence")
+    local = tp_shards.shard_params(params, c.rank, 4, "sequence")
     groups = {}
     for n in local:
         groups.setdefault(tp_model.param_group(n), []).append(n)
@@ -110,8 +110,8 @@ def test_on_ready_in_backward_order_with_final_gradients():
 
     tp_model.loss_and_grads(local, idx, targets, CFG, c, "sequence", grads=grads, loss_scale=0.5, on_ready=on_ready)
     final = all(np.array_equal(snapshots[gr][n], grads[n]) for gr in snapshots for n in snapshots[gr])
-    err = max(rel_err(grads[n], tp_model.shard(grads0[n], n, c.rank, 4, "sequence")) for n in grads)
-    rep = [(gr, n) for gr in snapshots for n in snapshots[gr] if tp_model.split_of(n, "sequence")[0] == "rep"]
+    err = max(rel_err(grads[n], tp_shards.shard(grads0[n], n, c.rank, 4, "sequence")) for n in grads)
+    rep = [(gr, n) for gr in snapshots for n in snapshots[gr] if tp_shards.split_of(n, "sequence")[0] == "rep"]
     same = all(all(np.array_equal(s, snapshots[gr][n]) for s in c.allgather_obj(snapshots[gr][n])) for gr, n in rep)
     say(f"on_ready order {seen}; final at the call: {final}; accumulated 2 x 1/2 vs serial: rel err "
         f"{world_max(err):.1e}")
@@ -140,7 +140,7 @@ def test_activation_memory_matches_the_formula_and_shrinks():
         grid = ProcessGrid(WORLD, dp=8 // tp, tp=tp)
         measured = {}
         for scheme in ("megatron", "sequence"):
-            local = tp_model.shard_params(params, grid.tp_rank, tp, scheme)
+            local = tp_shards.shard_params(params, grid.tp_rank, tp, scheme)
             _, caches = tp_model.forward(local, idx, targets, CFG, grid.tp_comm, scheme)
             measured[scheme] = (activations.activation_bytes(caches.blocks[0], local),
                                 activations.activation_bytes(caches, local))
@@ -164,7 +164,7 @@ def test_gather_activation_memory_matches_the_formula():
     ok, lines = True, []
     for tp in (1, 2, 4, 8):
         grid = ProcessGrid(WORLD, dp=8 // tp, tp=tp)
-        local = tp_model.shard_params(params, grid.tp_rank, tp, "gather")
+        local = tp_shards.shard_params(params, grid.tp_rank, tp, "gather")
         _, caches = tp_model.forward(local, idx, targets, CFG, grid.tp_comm, "gather")
         measured = (activations.activation_bytes(caches.blocks[0], local), activations.activation_bytes(caches, local))
         f, fm = (activations.activation_formula(CFG, B, 8, tp, s) for s in ("gather", "megatron"))
@@ -192,7 +192,7 @@ def test_pipeline_stages_chained_by_hand_equal_serial():
     params, idx, targets, loss0, grads0 = reference(CFG, batch=B)
     grid = ProcessGrid(WORLD, dp=2, tp=4)
     c, S = grid.tp_comm, make_scheme("sequence")
-    local = tp_model.shard_params(params, c.rank, 4, S)
+    local = tp_shards.shard_params(params, c.rank, 4, S)
     grads = serial.zeros_like_params(local)
     stages = [(range(0, 1), True, False), (range(1, 2), False, True)]
     caches, counts, inp = [], [{}, {}], idx
@@ -214,7 +214,7 @@ def test_pipeline_stages_chained_by_hand_equal_serial():
     shape = tp_model.stage_activation_shape(S, B, CFG, 4)
     x_err = float(np.abs(x_s - x_ref[:, t0:t0 + Tl]).max())
     loss_err = abs(float(inp) - loss0) / abs(loss0)
-    errs = {n: rel_err(grads[n], tp_model.shard(grads0[n], n, c.rank, 4, S)) for n in grads}
+    errs = {n: rel_err(grads[n], tp_shards.shard(grads0[n], n, c.rank, 4, S)) for n in grads}
     worst = max(errs, key=errs.get)
     formulas = [tp_model.comm_formula(CFG, B, 8, S, stage=(1, first, last)) for _, first, last in stages]
     say(f"sequence, 2 stages by hand on tp=4: activation {x_s.shape} (max err vs serial {world_max(x_err):.1e}), "
@@ -229,7 +229,7 @@ def test_hybrid_training_with_sequence_equals_serial_sgd():
     """Two SGD steps of the hybrid trainer (dp = 2 x tp = 4, gradient accumulation 2, "sequence") end with the
     parameters of serial SGD on the global batch."""
     from hsgd.step.trainer import HybridTrainer
-    from hsgd.train import TrainConfig
+    from hsgd.run.settings import TrainConfig
     tc = TrainConfig(tp=4, dp=2, tp_scheme="sequence", steps=2, batch_size=8, micro_batches=2, lr=0.05, momentum=0.9,
                      warmup=1, dtype="float64", seed=3)
     rng = np.random.default_rng(7)
@@ -239,7 +239,7 @@ def test_hybrid_training_with_sequence_equals_serial_sgd():
     trainer = HybridTrainer(CFG, grid, tc)
     for step, (idx, targets) in enumerate(batches, 1):
         trainer.step(idx, targets, step)
-    err = max(float(np.abs(p - tp_model.shard(ref[n], n, grid.tp_rank, 4, "sequence")).max())
+    err = max(float(np.abs(p - tp_shards.shard(ref[n], n, grid.tp_rank, 4, "sequence")).max())
               / max(float(np.abs(ref[n]).max()), 0.02) for n, p in trainer.params.items())
     init = serial.init_params(CFG, seed=3, dtype="float64")
     moved = max(float(np.abs(ref[n] - init[n]).max()) for n in ref)           # the steps did change the model
@@ -255,12 +255,12 @@ def test_bad_seq_len_is_a_clear_error():
     cfg = ModelConfig(vocab_size=13, seq_len=6, d_model=16, n_heads=8, n_layers=1, d_ff=16)
     msgs = []
     try:
-        tp_model.check_tp(cfg, 4, "sequence")
+        tp_shards.check_tp(cfg, 4, "sequence")
     except ConfigError as e:
         msgs.append(str(e))
-    tp_model.check_tp(cfg, 4, "megatron")                                # only "sequence" splits T
+    tp_shards.check_tp(cfg, 4, "megatron")                                # only "sequence" splits T
     grid = ProcessGrid(WORLD, dp=2, tp=4)
-    local = tp_model.shard_params(serial.init_params(cfg, dtype="float64"), grid.tp_rank, 4, "sequence")
+    local = tp_shards.shard_params(serial.init_params(cfg, dtype="float64"), grid.tp_rank, 4, "sequence")
     try:
         tp_model.forward(local, np.zeros((2, 6), dtype=np.int64), np.zeros((2, 6), dtype=np.int64), cfg,
                          grid.tp_comm, "sequence")

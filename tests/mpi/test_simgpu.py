@@ -241,7 +241,7 @@ def test_verify_on_the_simulated_gpu(transfer_path):
 def test_each_rank_uses_the_gpu_of_its_node_local_rank(n_gpus, monkeypatch):
     """place_on_device binds rank r (node-local) to GPU r % n_gpus: one GPU each when there are enough, shared
     evenly when there are fewer (the simulated node has $SIMGPU_DEVICES of them)."""
-    from hsgd.train import local_ranks, place_on_device
+    from hsgd.grid.devices import local_ranks, place_on_device
     monkeypatch.setenv("SIMGPU_DEVICES", str(n_gpus))
     try:
         where = place_on_device(config(device="gpu"), WORLD)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from hsgd.model.config import ModelConfig
 from hsgd.model import serial
-from hsgd.tp import layers as tp_layers, model as tp_model
+from hsgd.tp import layers as tp_layers, model as tp_model, schemes as tp_schemes, shards as tp_shards
 from hsgd.errors import ConfigError
 from hsgd.grid.process_grid import ProcessGrid
 from hsgd.model.layers import linear_backward, linear_forward
@@ -37,12 +37,12 @@ def test_tp_equals_serial(scheme, rs):
     for tp in (1, 2, 4, 8):
         grid = ProcessGrid(WORLD, dp=8 // tp, tp=tp)
         c = grid.tp_comm
-        local = tp_model.shard_params(params, c.rank, tp, scheme)
+        local = tp_shards.shard_params(params, c.rank, tp, scheme)
         loss, grads = tp_model.loss_and_grads(local, idx, targets, CFG, c, scheme, reduce_scatter=rs)
         loss_err = abs(loss - loss0) / abs(loss0)
         # floor 1e-6: the k-bias gradients are exactly zero in exact arithmetic (softmax ignores a shift shared
         # by a row of scores), so what is computed for them is rounding noise; the other gradients are ~1e-2
-        errs = {n: np.abs(grads[n] - tp_model.shard(grads0[n], n, c.rank, tp, scheme)).max()
+        errs = {n: np.abs(grads[n] - tp_shards.shard(grads0[n], n, c.rank, tp, scheme)).max()
                 / max(np.abs(grads0[n]).max(), 1e-6) for n in grads}
         worst = max(errs, key=errs.get)
         say(f"{scheme}{'+rs' if rs else ''} tp={tp}: loss rel err {world_max(loss_err):.1e}, "
@@ -57,8 +57,8 @@ def test_replicated_gradients_are_identical_on_every_tp_rank():
     params, idx, targets, _, _ = reference()
     grid = ProcessGrid(WORLD, dp=2, tp=4)
     c = grid.tp_comm
-    _, grads = tp_model.loss_and_grads(tp_model.shard_params(params, c.rank, 4), idx, targets, CFG, c)
-    names = [n for n in grads if tp_model.split_of(n)[0] == "rep"]
+    _, grads = tp_model.loss_and_grads(tp_shards.shard_params(params, c.rank, 4), idx, targets, CFG, c)
+    names = [n for n in grads if tp_shards.split_of(n)[0] == "rep"]
     same = all(all(np.array_equal(g, grads[n]) for g in c.allgather_obj(grads[n])) for n in names)
     say(f"{len(names)} replicated parameters ({', '.join(names[:4])}, ...): identical gradients on all 4 ranks")
     check(same and any("ln1" in n for n in names))
@@ -188,10 +188,10 @@ def test_fd_whole_tp_model(scheme):
     params, idx, targets, _, _ = reference(batch=2)
     grid = ProcessGrid(WORLD, dp=2, tp=4)
     c = grid.tp_comm
-    local = tp_model.shard_params(params, c.rank, 4, scheme)
+    local = tp_shards.shard_params(params, c.rank, 4, scheme)
     _, grads = tp_model.loss_and_grads(local, idx, targets, CFG, c, scheme)
     names = [n for n in local if not n.startswith("h.0.") or ".attn." in n]    # one block's worth plus the rest
-    rep = {n: tp_model.split_of(n, scheme)[0] == "rep" for n in names}
+    rep = {n: tp_shards.split_of(n, scheme)[0] == "rep" for n in names}
     # this tp group's half: every other sharded and every other replicated parameter (a sharded one costs tp
     # times as many loss evaluations), so that the two groups take about as long
     mine = [n for kind in (False, True) for n in [n for n in names if rep[n] == kind][grid.dp_rank::grid.dp]]
@@ -212,7 +212,7 @@ def test_communication_matches_the_formula(scheme, rs):
     params, idx, targets, _, _ = reference(batch=3)
     grid = ProcessGrid(WORLD, dp=2, tp=4)
     c = grid.tp_comm
-    local = tp_model.shard_params(params, c.rank, 4, scheme)
+    local = tp_shards.shard_params(params, c.rank, 4, scheme)
     grid.stats.reset()
     tp_model.loss_and_grads(local, idx, targets, CFG, c, scheme, reduce_scatter=rs)
     measured = grid.stats.counts()
@@ -227,14 +227,14 @@ def test_bad_tp_is_a_clear_error():
     msgs = []
     for tp, scheme in ((4, "megatron"), (3, "nope")):
         try:
-            tp_model.check_tp(cfg, tp, scheme)
+            tp_shards.check_tp(cfg, tp, scheme)
         except ConfigError as e:
             msgs.append(str(e))
     check(msgs[0].startswith("n_heads=6 is not divisible by tp=4") and "[1, 2, 3, 6]" in msgs[0]
           and "tp_scheme='nope' is not known" in msgs[1], msgs)
     cfg2 = ModelConfig(vocab_size=13, seq_len=4, d_model=16, n_heads=4, n_layers=1, d_ff=6)
     try:
-        tp_model.check_tp(cfg2, 4)
+        tp_shards.check_tp(cfg2, 4)
         msg = ""
     except ConfigError as e:
         msg = str(e)
@@ -247,9 +247,9 @@ def test_init_params_are_slices_of_the_serial_init():
     c = grid.tp_comm
     full = serial.init_params(cfg, seed=11, dtype="float64")
     ok = True
-    for scheme in tp_model.SCHEMES:
-        local = tp_model.init_params(cfg, c, seed=11, dtype="float64", scheme=scheme)
-        ok &= all(np.array_equal(local[n], tp_model.shard(full[n], n, c.rank, 4, scheme)) for n in full)
+    for scheme in tp_schemes.SCHEMES:
+        local = tp_shards.init_params(cfg, c, seed=11, dtype="float64", scheme=scheme)
+        ok &= all(np.array_equal(local[n], tp_shards.shard(full[n], n, c.rank, 4, scheme)) for n in full)
         ok &= local["wte"].shape == (4, 16) and local["h.0.attn.q.weight"].shape == (16, 4)
     check(ok)
     grid.free()
@@ -267,10 +267,10 @@ def test_float32_error_budget():
     for tp, scheme in ((4, "megatron"), (8, "gather")):
         grid = ProcessGrid(WORLD, dp=8 // tp, tp=tp)
         c = grid.tp_comm
-        loss, grads = tp_model.loss_and_grads(tp_model.shard_params(p32, c.rank, tp, scheme), idx, targets, cfg, c,
+        loss, grads = tp_model.loss_and_grads(tp_shards.shard_params(p32, c.rank, tp, scheme), idx, targets, cfg, c,
                                               scheme)
         loss_err = abs(loss - loss0) / loss0
-        err = max(np.abs(grads[n] - tp_model.shard(grads0[n], n, c.rank, tp, scheme)).max()
+        err = max(np.abs(grads[n] - tp_shards.shard(grads0[n], n, c.rank, tp, scheme)).max()
                   / max(np.abs(grads0[n]).max(), 1e-6) for n in grads)
         say(f"float32 tp={tp} {scheme}: loss rel err {world_max(loss_err):.1e}, max grad rel err {world_max(err):.1e}")
         check(grads["wte"].dtype == np.float32 and loss_err < 1e-6 and err < 1e-4, f"{loss_err:.1e} {err:.1e}")

@@ -17,11 +17,13 @@ import pytest
 from hsgd.model.config import ModelConfig
 from hsgd.checkpoint import store as checkpoint
 from hsgd.model import serial
-from hsgd.tp import model as tp_model
+from hsgd.tp import schemes as tp_schemes, shards as tp_shards
 from hsgd.model.data import Corpus
 from hsgd.grid.process_grid import ProcessGrid, factorizations
 from hsgd.step.trainer import HybridTrainer
-from hsgd.train import TrainConfig, resume, step_formula
+from hsgd.train import resume
+from hsgd.run.settings import TrainConfig
+from hsgd.accounting.traffic import step_formula
 
 from .conftest import WORLD, check, say, world_max
 
@@ -78,7 +80,7 @@ def serial_params(cfg, tc):
 
 
 def param_err(params, grid, ref, scheme):
-    return max(float(np.abs(p - tp_model.shard(ref[n], n, grid.tp_rank, grid.tp, scheme)).max()
+    return max(float(np.abs(p - tp_shards.shard(ref[n], n, grid.tp_rank, grid.tp, scheme)).max()
                      / max(np.abs(ref[n]).max(), 0.02)) for n, p in params.items())
 
 
@@ -98,7 +100,7 @@ def test_every_layout_equals_serial_sgd(variant):
     the same bits as those of the same layout without it."""
     worst, ok, identical = 0.0, True, True
     for i, (dp, pp, tp) in enumerate(factorizations(8)):
-        scheme = tp_model.SCHEMES[i % 3]                                 # each layout one scheme, in turn
+        scheme = tp_schemes.SCHEMES[i % 3]                                 # each layout one scheme, in turn
         cfg = blocks_for(pp)
         finals, ref = [], None
         grid = ProcessGrid(WORLD, dp=dp, pp=pp, tp=tp)                  # one grid for the layout's runs

@@ -12,7 +12,7 @@ import sys
 from hsgd.grid.comm import Comm, CommStats               # hsgd before NumPy: it sets OpenBLAS's thread timeout first
 from hsgd.grid.process_grid import ProcessGrid, factorizations
 from hsgd.dp.hierarchical import hierarchical_allreduce, node_split
-from hsgd.train import local_ranks
+from hsgd.grid.devices import local_ranks
 
 import numpy as np
 from mpi4py import MPI

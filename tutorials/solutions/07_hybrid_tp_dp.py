@@ -12,7 +12,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # tutorials/: checks, pictures
 from hsgd.model.config import ModelConfig  # noqa: E402  (hsgd before NumPy: OpenBLAS's thread timeout)
 from hsgd.model import serial
-from hsgd.tp import model as tp_model
+from hsgd.tp import model as tp_model, shards as tp_shards
 
 import math  # noqa: E402
 
@@ -42,7 +42,7 @@ def exercise_1(check):
     N = B // dp * cfg.seq_len                                  # positions of a group's slice in one step
     local = 0                                                  # parameters on one rank
     for name, shape in cfg.param_shapes().items():
-        kind, axis = tp_model.split_of(name)
+        kind, axis = tp_shards.split_of(name)
         rest = math.prod(shape) // shape[axis] if kind != "rep" else math.prod(shape)
         local += rest if kind == "rep" else rest * (math.ceil(shape[axis] / tp) if kind == "vocab"
                                                     else shape[axis] // tp)
@@ -88,7 +88,7 @@ def exercise_3(check):
     dp, tp, B, lr = 4, 2, 8, 0.1
     grid = ProcessGrid(world, dp=dp, tp=tp)
     ref = serial.init_params(cfg, SEED, "float64")             # serial SGD's parameters, on every rank
-    mine = {n: p.copy() for n, p in tp_model.shard_params(ref, grid.tp_rank, tp).items()}   # my shards: copies,
+    mine = {n: p.copy() for n, p in tp_shards.shard_params(ref, grid.tp_rank, tp).items()}   # my shards: copies,
     # since a replicated parameter's "shard" is the serial array itself, which serial SGD below updates too
     rows = dp_rows(B, dp, grid.dp_rank)
     for step in (1, 2):
@@ -101,7 +101,7 @@ def exercise_3(check):
         _, grads_ref = serial.loss_and_grads(ref, idx, targets, cfg)
         for name, g in grads_ref.items():
             ref[name] -= lr * g
-        err = max(rel_err(p, tp_model.shard(ref[n], n, grid.tp_rank, tp), floor=0.02) for n, p in mine.items())
+        err = max(rel_err(p, tp_shards.shard(ref[n], n, grid.tp_rank, tp), floor=0.02) for n, p in mine.items())
         check(f"step {step}: my shards vs serial SGD", err, 1e-12)
     grid.free()
 
@@ -113,7 +113,7 @@ def exercise_4(check):
     B, starts = sum(sizes), np.cumsum([0] + sizes)
     grid = ProcessGrid(world, dp=dp, tp=tp)
     full = serial.init_params(cfg, SEED, "float64")
-    local = tp_model.shard_params(full, grid.tp_rank, tp)
+    local = tp_shards.shard_params(full, grid.tp_rank, tp)
     idx, targets = corpus.batch(SEED, 1, B)
     rows = slice(starts[grid.dp_rank], starts[grid.dp_rank + 1])
     buf = FlatBuffer(local)                                    # my gradient shards, one flat array
@@ -124,7 +124,7 @@ def exercise_4(check):
     grid.dp_comm.Allreduce(plain)
     plain /= dp                                                # the plain average: wrong for unequal slices
     _, grads_ref = serial.loss_and_grads(full, idx, targets, cfg)
-    ref = np.concatenate([tp_model.shard(grads_ref[n], n, grid.tp_rank, tp).ravel() for n in local])   # buf's order
+    ref = np.concatenate([tp_shards.shard(grads_ref[n], n, grid.tp_rank, tp).ravel() for n in local])   # buf's order
     weighted_err, plain_err = rel_err(buf.flat, ref), rel_err(plain, ref)
     check.say(f"  rows per group {sizes}: weighted average off by {weighted_err:.1e}, plain 1/dp average by "
               f"{plain_err:.1e}")

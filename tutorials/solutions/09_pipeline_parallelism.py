@@ -25,8 +25,9 @@ from hsgd.model.data import Corpus  # noqa: E402
 from hsgd.grid.process_grid import ProcessGrid  # noqa: E402
 from hsgd.step.trainer import HybridTrainer  # noqa: E402
 from hsgd.accounting.activations import activation_bytes  # noqa: E402
-from hsgd.pp.chunks import schedule, simulate, split_layers, stage_names  # noqa: E402
-from hsgd.train import fmt_bytes  # noqa: E402
+from hsgd.pp.chunks import split_layers, stage_names  # noqa: E402
+from hsgd.pp.schedules import build, simulate  # noqa: E402
+from hsgd.run.report import fmt_bytes  # noqa: E402
 
 threadpool_limits(1)                    # four ranks share the cores, tiny matrices: one BLAS thread each
 PP = 4
@@ -57,9 +58,10 @@ def run(tc):
 # ---------------------------------------------------------------------------------------------------- exercise 1
 
 def simulate_costs(kind, m, f, b):
-    """pp.simulate with a forward cost f[s] and a backward cost b[s] per stage: [[(action, start, end)] per stage]."""
+    """hsgd.pp.schedules.simulate with a forward cost f[s] and a backward cost b[s] per stage: [[(action, start,
+    end)] per stage]."""
     p = len(f)
-    acts = [schedule(kind, m, p, st) for st in range(p)]
+    acts = [build(kind, m, p)[st] for st in range(p)]
     done, timeline, nxt, free = {}, [[] for _ in range(p)], [0] * p, [0.0] * p
     while any(nxt[st] < len(acts[st]) for st in range(p)):
         for st in range(p):
@@ -101,7 +103,7 @@ def exercise_1(check):
                 busy = sum(cell is not None for row in rows for cell in row)
                 worst_ours = max(worst_ours, abs(idle / (p * len(rows[0])) - (p - 1) / (m + p - 1)))
                 worst_megatron = max(worst_megatron, abs(idle / busy - (p - 1) / m))
-                sim = simulate(kind, m, p, f_cost=1.0, b_cost=2.0)
+                sim = simulate(build(kind, m, p), m, costs=(1.0, 2.0, 0.0))
                 same_actions = [[str(a) for a, _, _ in row] for row in sim] == [[a for a, _, _ in row] for row in mine]
                 worst_sim = max(worst_sim, float("inf") if not same_actions else
                                 max(abs(e - e_mine) for st in range(p)
@@ -112,7 +114,7 @@ def exercise_1(check):
         check.say(f"  stage {st} |" + "".join(".." if c is None else c for c in row) + "|")
     check("p = 2..6, m = 1..2p: idle/(p x slots) - (p-1)/(m+p-1)", worst_ours, 1e-12)
     check("p = 2..6, m = 1..2p: idle/busy - (p-1)/m", worst_megatron, 1e-12)
-    check("every action ends in the slot where pp.simulate ends it", worst_sim, 1e-12)
+    check("every action ends in the slot where hsgd.pp.schedules.simulate ends it", worst_sim, 1e-12)
 
 
 # ---------------------------------------------------------------------------------------------------- exercise 2
@@ -137,11 +139,11 @@ def held(actions):
 
 def exercise_2(check):
     """What GPipe and 1F1B hold."""
-    check.holds("my 1F1B == pp.schedule('1f1b'), p <= 6, m <= 12, every stage",
-                all(one_f_one_b(m, p, st) == [(a.kind, a.mb) for a in schedule("1f1b", m, p, st)]
+    check.holds("my 1F1B == build('1f1b'), p <= 6, m <= 12, every stage",
+                all(one_f_one_b(m, p, st) == [(a.kind, a.mb) for a in build("1f1b", m, p)[st]]
                     for p in range(1, 7) for m in range(1, 13) for st in range(p)))
     check.holds("peak held: GPipe m, 1F1B min(p - s, m), p <= 6, m <= 12",
-                all(max(held(schedule("gpipe", m, p, st))) == m and max(held(one_f_one_b(m, p, st))) == min(p - st, m)
+                all(max(held(build("gpipe", m, p)[st])) == m and max(held(one_f_one_b(m, p, st))) == min(p - st, m)
                     for p in range(1, 7) for m in range(1, 13) for st in range(p)))
     m = 2 * PP
     tc = config()
@@ -153,7 +155,7 @@ def exercise_2(check):
     inp = idx if first else np.random.default_rng(s).standard_normal((len(idx), cfg.seq_len, cfg.d_model))
     _, caches = tp_model.stage_forward(params, inp, targets, cfg, grid.tp_comm, "megatron", layers, first, last)
     one = activation_bytes(caches, params)                                # bytes one micro-batch keeps alive
-    peaks = {kind: max(held(schedule(kind, m, PP, s))) for kind in ("gpipe", "1f1b")}
+    peaks = {kind: max(held(build(kind, m, PP)[s])) for kind in ("gpipe", "1f1b")}
     check.say(f"m = {m}: stage  one micro-batch  GPipe peak          1F1B peak")
     for st, (b1, pk) in enumerate(grid.pp_comm.allgather_obj((one, peaks))):
         check.say(f"{st:>12}  {fmt_bytes(b1):>14}  {pk['gpipe']} x = {fmt_bytes(pk['gpipe'] * b1):>9}   "
@@ -188,8 +190,9 @@ def exercise_3(check):
         worst = max(worst, abs(span - gpipe_step(f, b, m)) / span)
     check("GPipe with random stage costs: simulated step - closed form", worst, 1e-12)
     equal = simulate_costs("1f1b", 8, [1.0] * PP, [2.0] * PP)
-    check.holds("equal costs: my simulation == pp.simulate (1F1B, m = 8)",
-                equal == [[(str(a), t0, t1) for a, t0, t1 in row] for row in simulate("1f1b", 8, PP, 1.0, 2.0)])
+    check.holds("equal costs: my simulation == hsgd.pp.schedules.simulate (1F1B, m = 8)",
+                equal == [[(str(a), t0, t1) for a, t0, t1 in row]
+                         for row in simulate(build("1f1b", 8, PP), 8, costs=(1.0, 2.0, 0.0))])
     m, split = 2 * PP, [5, 1, 1, 1]
     predicted = {}
     for label, sp in (("2,2,2,2", [2, 2, 2, 2]), ("5,1,1,1", split)):

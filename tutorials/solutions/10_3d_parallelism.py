@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from checks import Checks, ring_share, solve, train_config  # noqa: E402
 
 from hsgd.model.config import ModelConfig  # noqa: E402
-from hsgd.tp import model as tp_model
+from hsgd.tp import shards as tp_shards
 from hsgd.model.data import Corpus  # noqa: E402
 from hsgd.dp.average import check_batch  # noqa: E402
 from hsgd.errors import ConfigError  # noqa: E402
@@ -25,7 +25,7 @@ from hsgd.grid.process_grid import ProcessGrid, factorizations  # noqa: E402
 from hsgd.step.trainer import HybridTrainer  # noqa: E402
 from hsgd.accounting.activations import activation_formula  # noqa: E402
 from hsgd.pp.chunks import split_layers, stage_names  # noqa: E402
-from hsgd.train import fmt_bytes  # noqa: E402
+from hsgd.run.report import fmt_bytes  # noqa: E402
 
 threadpool_limits(1)                    # eight ranks share the cores, tiny matrices: one BLAS thread each
 world = MPI.COMM_WORLD
@@ -42,7 +42,7 @@ def by_hand(cfg, dp, pp, tp, batch, m, st, s=S):
     N = batch // dp // m * cfg.seq_len                                    # positions of a micro-batch
     out = {("tp", "Allreduce"): (m * (4 * L_s + first + 3 * last),                  # per micro-batch, times m
                                  m * (4 * L_s * C + first * C + last * (C + 3)) * N * s),
-           ("dp", "Allreduce"): (1, tp_model.shard_numel(cfg, tp, stage_names(cfg, blocks, first, last)) * s)}
+           ("dp", "Allreduce"): (1, tp_shards.shard_numel(cfg, tp, stage_names(cfg, blocks, first, last)) * s)}
     sends = m * ((not first) + (not last))
     if sends:
         out[("pp", "Isend")] = out[("pp", "Recv")] = (sends, sends * N * C * s)
@@ -68,7 +68,7 @@ def rank_memory(cfg, dp, pp, tp, batch, m, st, s=S):
     N, C, Vp = b * cfg.seq_len, cfg.d_model, math.ceil(cfg.vocab_size / tp)
     act = (len(blocks) * activation_formula(cfg, b, s, tp, "megatron")["block"] + first * 9 * N
            + last * (N * (2 * C + 1) * s + N * Vp * s + 17 * N))
-    return 3 * tp_model.shard_numel(cfg, tp, stage_names(cfg, blocks, first, last)) * s + min(pp - st, m) * act
+    return 3 * tp_shards.shard_numel(cfg, tp, stage_names(cfg, blocks, first, last)) * s + min(pp - st, m) * act
 
 
 def groups(dp, pp, tp, rank_of):
@@ -86,7 +86,7 @@ def exercise_1(check):
     rows, refused = {}, []
     for dp, pp, tp in factorizations(P):
         try:
-            tp_model.check_tp(cfg, tp)
+            tp_shards.check_tp(cfg, tp)
             split_layers(cfg.n_layers, pp)
             check_batch(B, dp, m)
         except ConfigError as e:

@@ -257,7 +257,7 @@ def exercise_4(check):
     """The bytes of a checkpoint, predicted from the model's shape and the layout."""
     path = SAVED["path"]
     from hsgd.pp.chunks import split_layers, stage_names
-    from hsgd.tp.model import split_of
+    from hsgd.tp.shards import split_of
     with open(os.path.join(path, "manifest.json")) as f:
         m = json.load(f)
     lay = m["layout"]

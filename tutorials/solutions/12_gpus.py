@@ -27,7 +27,7 @@ from hsgd.model.data import Corpus  # noqa: E402
 from hsgd.grid.process_grid import ProcessGrid  # noqa: E402
 from hsgd.step.trainer import HybridTrainer  # noqa: E402
 from hsgd.model.precision import FORMATS, round_to  # noqa: E402
-from hsgd.train import local_ranks  # noqa: E402
+from hsgd.grid.devices import local_ranks  # noqa: E402
 
 threadpool_limits(1)
 world = MPI.COMM_WORLD

@@ -12,7 +12,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # tutorials/: checks, pictures
 from hsgd.model.config import ModelConfig  # noqa: E402  (hsgd before NumPy: OpenBLAS)
-from hsgd.tp import hooks, model as tp_model
+from hsgd.tp import hooks, shards as tp_shards
 from hsgd.model import serial
 from hsgd.accounting import step_memory
 
@@ -26,7 +26,7 @@ from hsgd.model.data import Corpus  # noqa: E402
 from hsgd.grid.process_grid import ProcessGrid  # noqa: E402
 from hsgd.step.trainer import HybridTrainer  # noqa: E402
 from hsgd.accounting.activations import activation_formula  # noqa: E402
-from hsgd.run.report import step_formula  # noqa: E402
+from hsgd.accounting.traffic import step_formula  # noqa: E402
 from hsgd.dp.sharded import ShardHooks  # noqa: E402
 from hsgd.tp.schemes import make_scheme  # noqa: E402
 
@@ -55,7 +55,7 @@ def serial_params(tc):
 
 
 def shard_err(params, ref, g, scheme="megatron"):
-    return max(rel_err(np.asarray(p), tp_model.shard(ref[n], n, g.tp_rank, g.tp, scheme), floor=0.02)
+    return max(rel_err(np.asarray(p), tp_shards.shard(ref[n], n, g.tp_rank, g.tp, scheme), floor=0.02)
                for n, p in params.items())
 
 

@@ -25,8 +25,8 @@ from hsgd.grid.process_grid import ProcessGrid  # noqa: E402
 from hsgd.step.trainer import HybridTrainer  # noqa: E402
 from hsgd.pp.chunks import pp_formula  # noqa: E402
 from hsgd.run.report import fmt_bytes  # noqa: E402
-from hsgd.pp.schedules import (Action, ScheduleError, bubble_formula, bubble_fraction, build,  # noqa: E402
-                               idle_per_stage, peak_held, simulate)
+from hsgd.pp.schedules import Action, ScheduleError, build, simulate  # noqa: E402
+from hsgd.pp.timelines import bubble_formula, bubble_fraction, idle_per_stage, peak_held  # noqa: E402
 from hsgd.pp.schedules import check as check_schedule  # noqa: E402
 
 threadpool_limits(1)                    # eight ranks share the cores, tiny matrices: one BLAS thread each

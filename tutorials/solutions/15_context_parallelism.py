@@ -20,7 +20,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from checks import Checks, rel_err, ring_bytes, solve  # noqa: E402
 
 from hsgd.model.config import ModelConfig  # noqa: E402
-from hsgd.cp import split as cp
+from hsgd.cp import split
+from hsgd.cp.layouts import make_split
 from hsgd.cp.ring import Ring  # noqa: E402
 from hsgd.grid.process_grid import ProcessGrid  # noqa: E402
 from hsgd.model.layers import attention_backward, attention_forward  # noqa: E402
@@ -68,8 +69,8 @@ def exercise_1(check):
     counts = {}
     for cpn in (2, 4, 8):
         n, c = T // cpn, T // (2 * cpn)
-        plain = [needed(cp.positions(T, cpn, r, balanced=False)) for r in range(cpn)]
-        zigzag = [needed(cp.positions(T, cpn, r)) for r in range(cpn)]
+        plain = [needed(split.positions(T, cpn, r, balanced=False)) for r in range(cpn)]
+        zigzag = [needed(split.positions(T, cpn, r)) for r in range(cpn)]
         striped = [needed(np.arange(r, T, cpn)) for r in range(cpn)]
         counts[cpn] = (plain, zigzag, striped)
         check.equal(f"cp {cpn}: plain needs n (r n) + n (n + 1) / 2 on rank r", plain,
@@ -91,7 +92,7 @@ def exercise_1(check):
     n = T // 8
     check.equal("striped ring: every rank computes cp n^2 scores (no block is skipped)",
                 g.cp_comm.allgather_obj(ring.work["forward"]), [8 * n * n] * 8)
-    check.say(f"  striped computes {8 * n * n} scores a rank, hsgd's zig-zag {cp.attention_blocks(T, 8, 0)}: its "
+    check.say(f"  striped computes {8 * n * n} scores a rank, hsgd's zig-zag {split.attention_blocks(T, 8, 0)}: its "
               f"blocks have no wholly masked parts to skip")
     g.free()
 
@@ -105,8 +106,8 @@ class Ulysses:
 
     def __init__(self, comm, T):
         self.comm, self.cp, self.r = comm.comm, comm.size, comm.rank          # the mpi4py communicator
-        self.pos = cp.positions(T, self.cp, self.r)
-        self.every = [cp.positions(T, self.cp, o) for o in range(self.cp)]   # every rank's positions
+        self.pos = split.positions(T, self.cp, self.r)
+        self.every = [split.positions(T, self.cp, o) for o in range(self.cp)]   # every rank's positions
         self.sent = Fraction(0)
 
     def alltoall(self, send):
@@ -147,8 +148,8 @@ def exercise_2(check):
     formula = {"ring": (3 * cpn - 2) * block, "allgather": 2 * (cpn - 1) * block,
                "ulysses": Fraction(8 * (cpn - 1), cpn) * B * tl * C * s}
     measured = {}
-    for scheme in cp.CP_SCHEMES:
-        ctx = cp.make_split(scheme, g.cp_comm, T)
+    for scheme in split.CP_SCHEMES:
+        ctx = make_split(scheme, g.cp_comm, T)
         mine = [np.ascontiguousarray(a[:, ctx.pos]) for a in (q, k, v, dy)]
         before = g.stats.counts()
         y, cache = ctx.attention_forward(*mine[:3], nh)

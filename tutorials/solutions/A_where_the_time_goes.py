@@ -20,7 +20,7 @@ from checks import Checks, solve  # noqa: E402
 
 from hsgd.model.config import ModelConfig  # noqa: E402
 from hsgd.model import ops, serial
-from hsgd.tp import model as tp_model
+from hsgd.tp import shards as tp_shards
 from hsgd.model.optim import SGD  # noqa: E402
 from hsgd.model.threads import set_cpu_threads  # noqa: E402
 
@@ -188,7 +188,7 @@ def state_bytes(cfg, tp, scheme, itemsize, optimizer):
     copies = 2 + (1 if optimizer == "sgd" else 2)
     elements = 0
     for name, shape in cfg.param_shapes().items():
-        kind, axis = tp_model.split_of(name, scheme)
+        kind, axis = tp_shards.split_of(name, scheme)
         n = math.prod(shape)
         if kind == "split":
             n //= tp
@@ -204,16 +204,16 @@ def exercise_3(check):
     full = serial.init_params(cfg, seed=0, dtype="float64")
     for scheme in ("megatron", "gather"):
         for tp in (2, 4):
-            cut = [sum(tp_model.shard(p, n, t, tp, scheme).size for n, p in full.items()) for t in range(tp)]
+            cut = [sum(tp_shards.shard(p, n, t, tp, scheme).size for n, p in full.items()) for t in range(tp)]
             for optimizer in ("sgd", "adamw"):
                 copies = 2 + (1 if optimizer == "sgd" else 2)
-                check.equal(f"{scheme} tp {tp} {optimizer}: bytes per rank == from tp_model.shard on every rank",
+                check.equal(f"{scheme} tp {tp} {optimizer}: bytes per rank == from tp_shards.shard on every rank",
                             [state_bytes(cfg, tp, scheme, 8, optimizer)] * tp, [copies * 8 * c for c in cut])
     gpt2 = ModelConfig(vocab_size=50257, seq_len=1024, d_model=768, n_heads=12, n_layers=12, d_ff=3072)
     check.say(f"GPT-2-small shape ({gpt2.n_params() / 1e6:.1f}M parameters: hsgd's LM head is not tied to wte), "
               "float32, AdamW, Megatron's scheme:")
     for tp in (1, 2, 4, 6):                                   # tp must divide the 12 heads: not 8
-        tp_model.check_tp(gpt2, tp)                           # raises ConfigError for a size hsgd cannot run
+        tp_shards.check_tp(gpt2, tp)                           # raises ConfigError for a size hsgd cannot run
         check.say(f"  tp {tp}: {state_bytes(gpt2, tp, 'megatron', 4, 'adamw') / 2 ** 30:.3f} GiB per rank "
                   f"(parameters, gradients, two moments)")
     check.equal("tp 1: 16 bytes per parameter", state_bytes(gpt2, 1, "megatron", 4, "adamw"), 16 * gpt2.n_params())

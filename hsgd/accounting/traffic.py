@@ -1,0 +1,32 @@
+"""The bytes a rank sends in one training step, by formula: {(communicator, operation): (calls, payload bytes)} as
+hsgd.grid.comm.CommStats records them. Each part of the algorithm owns its closed form (tp: tp.model.comm_formula, pp:
+pp.chunks.pp_formula, cp: cp.split.cp_formula, dp: the exchange's formula()); this module adds them up for one rank
+of a layout. hsgd.train prints them next to what it measured (equal, call for call and byte for byte), and the
+planner (hsgd.plan.layout) asks the same function with sizes alone. Chapters 7, 10 and 13 check them."""
+from hsgd.cp.split import cp_formula
+from hsgd.pp.chunks import pp_formula
+from hsgd.tp import model as tp_model
+
+
+def step_formula(cfg, tc, trainer):
+    """{(comm, op): (calls, bytes)} this rank should see in one training step, from the closed forms: the
+    tensor-parallel traffic of its stage for m micro-batches, the pipeline's messages and the dp exchange."""
+    return rank_bytes(cfg, tc, trainer.grid.dp, trainer.grid.tp, trainer.grid.cp, trainer.stage, trainer.exchange)
+
+
+def rank_bytes(cfg, tc, dp, tp, cp, stage, ex):
+    """step_formula from sizes alone: dp, tp, cp the grid; stage: its .pieces(rows), .layers, .first, .last, .v;
+    ex: the exchange, or hsgd.dp.make.sized_exchange's (its formula() and itemsize)."""
+    m, itemsize = tc.micro_batches, ex.itemsize
+    per_mb = tc.batch_size // dp // m
+    f = {}
+    for rows in stage.pieces(per_mb):                                 # one piece, or one per thread
+        for k, (calls, nbytes) in tp_model.comm_formula(cfg, rows, itemsize, tc.tp_scheme,
+                                                        stage=(len(stage.layers), stage.first, stage.last),
+                                                        recompute=tc.recompute, cp=cp).items():
+            f[k] = (f.get(k, (0, 0))[0] + m * calls, f.get(k, (0, 0))[1] + m * nbytes)
+    f.update(pp_formula(per_mb, cfg, m, stage.first, stage.last, itemsize, tc.tp_scheme, tp, stage.v, cp))
+    f.update(cp_formula(tc.cp_scheme, cp, per_mb, cfg.seq_len, cfg.d_model, tp, itemsize,
+                        m * len(stage.layers), tc.recompute))
+    f.update(ex.formula())
+    return f

@@ -1,0 +1,59 @@
+"""Staleness 1 (--dp-staleness 1): asynchronous SGD with every replica one step behind, each step's exchange
+overlapping the whole next step (chapter 8, section 4): w_{s+1} = w_s - lr * avg g(w_{s-1})."""
+from hsgd.dp.exchange import GradExchange
+
+
+class StaleExchange(GradExchange):
+    """Staleness 1 (asynchronous SGD): step s copies its gradient into a free exchange buffer and starts its
+    Iallreduce; it applies the average started at step s-1, which had a whole step to arrive. Nothing is applied
+    at step 1:  w_{s+1} = w_s - lr * avg g(w_{s-1})."""
+    lag = 1                                                           # steps from a gradient's backward to its update
+
+    def __init__(self, params, groups, dp_comm):
+        super().__init__(params, groups, dp_comm)
+        self.spare = [self.new_buffer(), self.new_buffer()]          # exchange buffers, used alternately
+        self.inflight = None                                          # (buffer, request) of the last exchange
+        self.ready = None                                             # the average to apply now
+
+    def average(self):
+        busy = self.inflight[0] if self.inflight else None
+        free = self.spare[1] if busy is self.spare[0] else self.spare[0]
+        free.flat[...] = self.buf.flat
+        previous, self.inflight = self.inflight, (free, self.dp_comm.Iallreduce(free.flat))
+        self.ready = None
+        if previous is not None:
+            previous[1].Wait()
+            previous[0].flat *= 1.0 / self.dp_comm.size
+            self.ready = previous[0]
+
+    def grads(self):
+        return self.ready.flat if self.ready is not None else None
+
+    def fresh(self):
+        """This step's own gradient, as it left this rank (made with this step's loss scale; applied next step)."""
+        return self.buf.flat
+
+    def checked(self):
+        return self.ready.flat if self.ready is not None else self.buf.flat
+
+    def formula(self):
+        return {(self.dp_name, "Iallreduce"): (1, self.size * self.itemsize)}
+
+    def grad_bytes(self):
+        """The gradient buffer and its two spares: 3 (size,)."""
+        return 3 * self.size * self.itemsize
+
+    def memory_formula(self):
+        """The gradient buffer and the two spares it is copied into for its Iallreduce: 3 (size,) of gradients
+        (its new_buffer allocates them, as the gradient buffer)."""
+        n = self.size * self.itemsize
+        return {"params": n, "grads": 3 * n, "comm": 0}
+
+    def describe(self):
+        return "stale by one step: each step's Iallreduce completes during the next step, applied one step late"
+
+    def close(self):
+        """The exchange in flight completes; its gradient is not applied."""
+        if self.inflight is not None:
+            self.inflight[1].Wait()
+            self.inflight = None
