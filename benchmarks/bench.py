@@ -54,7 +54,7 @@ from threadpoolctl import threadpool_info, threadpool_limits
 from hsgd.model import serial
 from hsgd.grid.process_grid import ProcessGrid
 from hsgd.step.trainer import HybridTrainer
-from hsgd.run.settings import TrainConfig
+from hsgd.step.settings import TrainConfig
 from hsgd.model.threads import set_cpu_threads, tune_allocator
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -38,7 +38,7 @@ from hsgd.grid.process_grid import ProcessGrid
 from hsgd.step.trainer import HybridTrainer
 from hsgd.accounting.activations import activation_bytes, activation_formula
 from hsgd.accounting.traffic import step_formula
-from hsgd.run.settings import TrainConfig
+from hsgd.step.settings import TrainConfig
 from hsgd.pp.stage import ThreadedStage
 from hsgd.model.threads import set_cpu_threads, tune_allocator
 
@@ -180,7 +180,8 @@ def task_memory():
             measured = grid.stats.since(before)
             formula = step_formula(cfg, tc, trainer)
             rows_ = slice(grid.dp_rank * batch // dp, (grid.dp_rank + 1) * batch // dp)
-            _, caches = tp_model.forward(trainer.params, idx[rows_, :64], targets[rows_, :64], cfg, grid.tp_comm)
+            _, caches = tp_model.forward(trainer.params, idx[rows_, :64], targets[rows_, :64],
+                                         tp_model.TPSetup(cfg, grid.tp_comm))
             act = activation_bytes(caches, trainer.params)
             mem = trainer.memory()
             s = trainer.dtype.itemsize

@@ -56,7 +56,7 @@ def device_step_checks(simulated=False):
     from hsgd.grid.process_grid import ProcessGrid
     from hsgd.step.trainer import HybridTrainer
     from hsgd.model.optim import SGD
-    from hsgd.run.settings import TrainConfig
+    from hsgd.step.settings import TrainConfig
     rows = []
     cfg = ModelConfig(256, 64, 128, 4, 2, 512)
     corpus = Corpus(np.random.default_rng(0).integers(0, 256, 20000, dtype=np.uint8).tobytes(), "random", 64)

@@ -21,7 +21,7 @@ from threadpoolctl import threadpool_limits
 from hsgd.model.config import ModelConfig
 from hsgd.model.data import Corpus
 from hsgd.check.oracle import oracle
-from hsgd.run.settings import TrainConfig
+from hsgd.step.settings import TrainConfig
 
 CFG = ModelConfig(vocab_size=256, seq_len=16, d_model=32, n_heads=4, n_layers=2, d_ff=64)
 

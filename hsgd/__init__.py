@@ -16,10 +16,11 @@ test_package_map.py holds that), and each package's docstring lists its modules 
     hsgd.pp            pipeline parallelism: stages, micro-batches, schedules as data (chapters 9, 14)
     hsgd.dp            data parallelism, the lecture's G groups: the gradient exchange and its ways, ZeRO 1-3
                        (chapters 4, 8)
-    hsgd.step          one training step, the lecture's steps 1 to 4 (chapters 7, 10)
+    hsgd.step          one training step, the lecture's steps 1 to 4: the trainer, its settings, health and loss
+                       scale (chapters 7, 10, 16)
     hsgd.accounting    bytes per communicator and memory per category, by formula and measured (chapter 13)
     hsgd.checkpoint    distributed checkpoints that reshard (chapter 11)
-    hsgd.run           a training run around the steps: settings, flags, checks, progress, reports, faults
+    hsgd.run           a training run around the steps: flags, checks, progress, reports, faults, signals
     hsgd.check         the tolerance oracle and bugs on purpose (chapter 16)
     hsgd.plan          python -m hsgd.plan: which layout, will it fit, how fast (chapter 17)
     hsgd.crosscheck    python -m hsgd.crosscheck DIR: another system's gradients against the reference (chapter 18)

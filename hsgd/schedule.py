@@ -27,7 +27,7 @@ import sys
 from hsgd.model.config import flag_names
 from hsgd.errors import ConfigError
 from hsgd.run.flags import GROUPS, MODEL_FLAGS, configs_from_args, flags_parser
-from hsgd.run.settings import Layout
+from hsgd.step.settings import Layout
 from hsgd.pp.schedules import build, effective, simulate
 from hsgd.pp.timelines import (FORMULA, PEAK_FORMULA, bubble_formula, bubble_fraction, grid, held_bytes, idle_per_stage,
                                peak_formula, peak_held, picture)

@@ -10,7 +10,7 @@ This file is the run's outline: `setup` (grid, data, trainer, a checkpoint to re
 steps), `summary` (validation loss before -> after, then hsgd/run/report.py's reports: bytes per step on each
 communicator against the formula, the pipeline's measured schedule, memory per rank, staging buffers, trace and
 plots, and a generated sample). Progress lines and the --log-json records: hsgd/run/progress.py; --inject-fault:
-hsgd/run/faults.py; the settings (flags and `--config FILE.toml`): hsgd/run/settings.py.
+hsgd/run/faults.py; the settings (flags and `--config FILE.toml`): hsgd/step/settings.py.
 """
 import math
 import os
@@ -30,22 +30,21 @@ from hsgd.grid.devices import local_ranks, place_on_device
 from hsgd.accounting.traffic import step_formula
 from hsgd.checkpoint.store import CheckpointError
 from hsgd.model.data import Corpus, same_data
-from hsgd.errors import ConfigError, NumericalFault, Stopped
+from hsgd.errors import ConfigError, NumericalFault
 from hsgd.run.faults import Faults
 from hsgd.model.generate import generate, printable
 from hsgd.grid.process_grid import ProcessGrid
 from hsgd.step.trainer import HybridTrainer
-from hsgd.checkpoint.manifest import say_changes
-from hsgd.pp.chunks import chunk_layers, parse_split
-from hsgd.pp.timelines import FORMULA, bubble_formula
 from hsgd.run.preflight import check_memory, check_run
 from hsgd.run.progress import Progress
-from hsgd.run.report import (fmt_time, report_comm, report_memory, report_pipeline, report_staging, report_trace,
-                             report_traffic, staging_pools)
-from hsgd.checkpoint.runs import choose_line, complete_checkpoints, lock_folder, newest
+from hsgd.run.report import (fmt_time, header, report_comm, report_memory, report_pipeline, report_staging,
+                             report_trace, report_traffic, staging_pools)
+from hsgd.checkpoint.resume import resume
+from hsgd.checkpoint.runs import choose_line, lock_folder
+from hsgd.dp.average import replica_divergence
 from hsgd.run.flags import build_parser, configs_from_args
-from hsgd.run.signals import StopRequest
-from hsgd.model.threads import openblas_note, set_cpu_threads, tune_allocator
+from hsgd.run.signals import StopRequest, stop_after_signal
+from hsgd.model.threads import set_cpu_threads, tune_allocator
 from hsgd.grid.trace import Tracer
 from hsgd.run.watchdog import Watchdog
 
@@ -102,6 +101,7 @@ class Run:
     identity: dict = None           # {"line", "id", "started_from"} this run's checkpoints record (checkpoint.runs)
     val_points: list = field(default_factory=list)       # [(step, validation loss)]
     per_step: dict = field(default_factory=dict)         # one step's CommStats: {(comm, op): (calls, bytes)}
+    formula: dict = field(default_factory=dict)          # ... and the closed forms of that step (its thread split)
     measured_step: int = 1          # the step per_step was measured in (staleness' first moves nothing)
     pinned: int = 0                 # staging buffers allocated by the end of the first step
     traced: tuple = (1, 1)          # the steps the trace and the timeline show
@@ -199,26 +199,9 @@ def one_step(run, step):
         w.after_step(trainer, step)
     if step == run.start:
         run.pinned = sum(st.allocated for st in staging_pools(grid, trainer))
-    if step == run.measured_step:
-        run.per_step = grid.stats.since(before)                            # this step's traffic, nothing else
+    if step == run.measured_step:                                          # this step's traffic, nothing else,
+        run.per_step, run.formula = grid.stats.since(before), step_formula(run.cfg, tc, trainer)   # and its formula
     return info
-
-
-def stop_after_signal(run, step, signum, saved):
-    """Every rank, after a SIGTERM or SIGINT that the ranks agreed on: a checkpoint of this step (with --save-dir,
-    unless just written or the step was skipped), then Stopped (exit code 4) with what to do next."""
-    tc, trainer, name = run.tc, run.trainer, StopRequest.name(signum)
-    run.progress.close()
-    if not tc.save_dir:
-        raise Stopped(f"{name} after step {step}; no --save-dir, so nothing was saved")
-    if trainer.in_a_row:
-        raise Stopped(f"{name} after step {step}, a step with non-finite values: no checkpoint written; the newest in "
-                      f"{tc.save_dir!r} is older")
-    try:
-        path = saved or checkpoint.save(trainer, step, tc.save_dir, tc.keep, identity=run.identity)
-    except CheckpointError as e:
-        raise Stopped(f"{name} after step {step}; {e}") from None
-    raise Stopped(f"{name} after step {step}; checkpoint {path}; continue with --resume auto")
 
 
 def at_intervals(run, step, dog):
@@ -228,7 +211,7 @@ def at_intervals(run, step, dog):
     if tc.check_replicas and step % tc.check_replicas == 0:
         check_replicas(trainer, run.world, step)
     if tc.save_dir and ((tc.save_interval and step % tc.save_interval == 0) or step == tc.steps):
-        if trainer.in_a_row:                    # a skipped step (--on-nan skip): keep the older, good checkpoints
+        if trainer.scaler.in_a_row:             # a skipped step (--on-nan skip): keep the older, good checkpoints
             run.say(f"checkpoint after step {step} not written: the step's values were not finite (--on-nan skip)")
         else:
             try:
@@ -247,40 +230,6 @@ def at_intervals(run, step, dog):
         run.progress.validation(step, run.val_points[-1][1])
     return path
 
-def header(run, device, threads):
-    """What rank 0 prints before training: layout, device, model, data, batch, optimizer, pipeline, exchange."""
-    cfg, tc, grid, say, m = run.cfg, run.tc, run.grid, run.say, run.tc.micro_batches
-    cp = f" x cp {grid.cp} ({tc.cp_scheme})" if grid.cp > 1 else ""
-    say(f"hsgd | {run.world.Get_size()} ranks = dp {grid.dp} x pp {grid.pp}{cp} x tp {grid.tp} ({tc.tp_scheme}) | "
-        f"{tc.dtype} | {threads} CPU thread(s) per rank")
-    if openblas_note():
-        say(openblas_note())
-    say(f"device: {device}")
-    say(f"model: {cfg.n_params():,} parameters (L={cfg.n_layers} C={cfg.d_model} NH={cfg.n_heads} F={cfg.d_ff} "
-        f"T={cfg.seq_len} V={cfg.vocab_size}); {sum(map(math.prod, run.trainer.shapes().values())):,} on each rank "
-        "(incl. vocab padding)")
-    say(f"data:  {run.corpus.describe()}")
-    say(f"batch: global {tc.batch_size} x {cfg.seq_len} = {tc.batch_size * cfg.seq_len:,} tokens/step; per DP "
-        f"group {tc.batch_size // grid.dp} sequences in {m} micro-batch(es)"
-        + (f"; each cp rank holds {cfg.seq_len // grid.cp} positions of each (chunks r and {2 * grid.cp - 1}-r of "
-           f"{2 * grid.cp}), gradients averaged over dp x cp = {grid.dp_comm.size} ranks" if grid.cp > 1 else ""))
-    say(f"optim: {tc.optimizer} lr={tc.lr} warmup={tc.warmup} cosine to lr/10"
-        + (f" momentum={tc.momentum}" if tc.optimizer == "sgd" else "")
-        + f" weight_decay={tc.weight_decay} clip={tc.clip or 'off'} | {tc.steps} steps")
-    if grid.pp > 1:
-        v = tc.virtual_stages
-        layers = [len(r) for r in chunk_layers(cfg.n_layers, grid.pp, v, parse_split(tc.pp_split))]
-        closed = bubble_formula(tc.schedule, m, grid.pp, v)
-        say(f"pipeline: {grid.pp} stages with {layers} blocks" + (f" ({v} chunks per stage, chunk c of stage s = "
-            "entry c*pp + s)" if v > 1 else "") + f", {tc.schedule}, {m} micro-batches of "
-            f"{tc.batch_size // grid.dp // m} sequences; equal-cost bubble {FORMULA[tc.schedule]} = "
-            + (f"{closed:.3f}" if closed is not None else "n/a (m < p or W > min(F, B))"))
-    rank, ms = tc.straggler.split(":") if tc.straggler else (None, None)
-    say(f"dp exchange: {run.trainer.exchange.describe()}"
-        + (f" | straggler: rank {rank} sleeps {ms} ms per step" if tc.straggler else ""))
-    say("layout:\n" + grid.layout_table())
-
-
 def summary(run):
     """The end of a run: validation loss before -> after, the reports (hsgd.run.report), a sample; frees the grid."""
     cfg, tc, world, grid, trainer, say = run.cfg, run.tc, run.world, run.grid, run.trainer, run.say
@@ -288,12 +237,12 @@ def summary(run):
     n_steps, val0 = tc.steps - run.start + 1, run.val_points[0][1]
     say(f"val loss {val0:.4f} -> {val1:.4f} after {n_steps} steps in {fmt_time(run.wall)} "
         f"({n_steps * tc.batch_size * cfg.seq_len / max(run.wall, 1e-9):,.0f} tok/s)"
-        + (f"; {trainer.skipped} update(s) skipped for non-finite values (--on-nan skip)" if trainer.skipped else ""))
+        + (f"; {trainer.scaler.updates_skipped} update(s) skipped for non-finite values"
+           if trainer.scaler.updates_skipped else ""))
     run.val_points.append((tc.steps, val1))
     run.progress.write({"step": tc.steps, "val_loss": val1})
     run.progress.close()
-    formula = step_formula(cfg, tc, trainer)
-    report_comm(world, grid, run.measured_step, run.per_step, formula, say)
+    report_comm(world, grid, run.measured_step, run.per_step, run.formula, say)
     report_traffic(world, grid, tc, trainer, run.per_step, say)
     if grid.pp > 1:
         report_pipeline(world, grid, tc, trainer, say)
@@ -309,45 +258,21 @@ def summary(run):
     report_staging(world, grid, trainer, run.pinned, run.start, say)
     if run.tracer:
         report_trace(world, run.tracer, tc, run.traced, run.progress.losses, run.val_points,
-                     f"dp {grid.dp} x tp {grid.tp}, {trainer.exchange.describe()}", say)
+                     f"dp {grid.dp} x tp {grid.tp}, {trainer.exchange.sizes.describe()}", say)
     full = trainer.full_params() if tc.sample_bytes else None
     if tc.sample_bytes and world.Get_rank() == 0:
         say("sample:\n" + printable(generate(full, cfg, tc.prompt.encode(), tc.sample_bytes, seed=tc.seed)))
     out = {"val_before": val0, "val_after": val1, "losses": run.progress.losses, "wall_s": run.wall,
-           "comm_per_step": run.per_step, "comm_formula": formula, "params": trainer.exchange.full_params(),
+           "comm_per_step": run.per_step, "comm_formula": run.formula, "params": trainer.exchange.full_params(),
            "memory": mem}
     trainer.free()
     grid.free()
     return out
 
 
-def resume(trainer, cfg, tc, world, say):
-    """Load --resume's checkpoint (checked on every rank first). Returns the first step to run and the
-    checkpoint's manifest (None when starting at step 1)."""
-    if not tc.resume:
-        return 1, None
-    where = tc.resume
-    if tc.resume == "auto":             # decided once, on rank 0: nodes may see a shared folder differently
-        found = launch.agree(world, lambda: complete_checkpoints(tc.save_dir) if world.Get_rank() == 0
-                             else None)
-        found = world.bcast(found, root=0)
-        if not found:
-            say(f"--resume auto: no complete checkpoint in {tc.save_dir!r}; starting at step 1")
-            return 1, None
-        where = newest(found)                                        # the newest line's last, the same everywhere
-    manifest = launch.agree(world, lambda: checkpoint.open_checkpoint(where, cfg))
-    launch.agree(world, lambda: say_changes(manifest, tc, say))  # (hsgd.checkpoint.manifest)
-    step = launch.agree(world, lambda: checkpoint.load(trainer, manifest))
-    lay, grid = manifest["layout"], trainer.grid
-    say(f"resumed from {manifest['path']} after step {step} (saved as dp {lay['dp']} x pp {lay['pp']} x cp "
-        f"{lay.get('cp', 1)} x tp {lay['tp']} {lay['tp_scheme']}; now dp {grid.dp} x pp {grid.pp} x cp {grid.cp} x tp "
-        f"{grid.tp} {trainer.scheme})")
-    return step + 1, manifest
-
-
 def check_replicas(trainer, world, step):
     """Stop (exit 3) if any DP group's replicas hold different parameters, naming the first that differs."""
-    found = world.allgather(trainer.replica_divergence())
+    found = world.allgather(replica_divergence(trainer.exchange, trainer.grid.dp_comm))
     for r, d in enumerate(found):
         if d:
             raise NumericalFault(f"data-parallel replicas diverged by step {step}: the first parameter that differs is "

@@ -32,13 +32,14 @@ from hsgd.model.backend import to_numpy
 from hsgd.model.config import flag_names
 from hsgd.errors import ConfigError
 from hsgd.grid.process_grid import ProcessGrid
+from hsgd.dp.average import global_loss
 from hsgd.step.trainer import HybridTrainer
 from hsgd.check.oracle import oracle, parse_layouts
 from hsgd.check.verdict import report
 from hsgd.model.precision import LOW
 from hsgd.files import needs_module, writable_file
 from hsgd.run.flags import GROUPS, MODEL_FLAGS, configs_from_args, flags_parser
-from hsgd.run.settings import Layout, TrainConfig
+from hsgd.step.settings import Layout, TrainConfig
 from hsgd.grid.devices import place_on_device
 
 TOLERANCE = {"float64": (1e-12, 1e-10), "float32": (1e-6, 1e-4)}      # (loss, gradients)
@@ -84,7 +85,7 @@ def verify(cfg, tc, world=MPI.COMM_WORLD, out=sys.stdout, where=None):
     trainer = HybridTrainer(cfg, grid, tc)
     idx, targets = corpus.batch(tc.seed, 1, tc.batch_size)
     loss = trainer.gradients(idx, targets)                           # my group's loss (on the last stage)
-    loss = trainer.global_loss(float(to_numpy(loss)))                # the global batch's, on every rank
+    loss = global_loss(float(to_numpy(loss)), trainer.grid)                # the global batch's, on every rank
     ref = serial.init_params(cfg, seed=tc.seed, dtype="float64", device="cpu")     # the host reference
     loss0, grads0 = serial.loss_and_grads(ref, idx, targets, cfg)
     scale = 1e-3 * max(float(np.abs(grad).max()) for grad in grads0.values())

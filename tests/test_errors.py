@@ -10,7 +10,7 @@ import pytest
 from hsgd.model.config import ModelConfig
 from hsgd.model.data import Corpus
 from hsgd.errors import ConfigError, DataError
-from hsgd.run.settings import TrainConfig
+from hsgd.step.settings import TrainConfig
 
 
 def run_train(*flags):

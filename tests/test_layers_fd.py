@@ -12,7 +12,7 @@ scores of a row).
 import numpy as np
 import pytest
 
-from hsgd.model import kernels, layers, ops, serial
+from hsgd.model import gradcheck, kernels, layers, ops, serial
 
 from .conftest import max_rel_err, noisy_params, random_batch
 
@@ -22,24 +22,10 @@ TOL = 1e-6
 
 def fd_error(f, args, grads, n=12, seed=0, h=H, floor=1e-8):
     """Worst error over the arguments in `grads` (index -> analytic gradient), each measured on n sampled
-    coordinates as  max_j |fd_j - an_j| / max(max_j |an_j|, floor)  (the measure of conftest.max_rel_err)."""
-    rng = np.random.default_rng(seed)
-    worst = 0.0
-    for i, an in grads.items():
-        a = args[i].reshape(-1)
-        assert np.shares_memory(a, args[i])
-        coords = rng.choice(a.size, min(n, a.size), replace=False)
-        fd = np.empty(len(coords))
-        for c, j in enumerate(coords):
-            old = a[j]
-            fvals = []
-            for step in (2 * h, h, -h, -2 * h):
-                a[j] = old + step
-                fvals.append(f(*args))
-            a[j] = old
-            fd[c] = (-fvals[0] + 8 * fvals[1] - 8 * fvals[2] + fvals[3]) / (12 * h)
-        worst = max(worst, max_rel_err(fd, an.reshape(-1)[coords], floor=floor))
-    return worst
+    coordinates by 4th-order central differences of f(*args) as  max_j |fd_j - an_j| / max(max_j |an_j|, floor)
+    (the measure of conftest.max_rel_err)."""
+    return gradcheck.fd_error(lambda: f(*args), [args[i] for i in grads], list(grads.values()), n=n, h=h,
+                              floor=floor, order=4, measure="array", rng=np.random.default_rng(seed))
 
 
 @pytest.fixture

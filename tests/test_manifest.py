@@ -160,7 +160,7 @@ def test_rotation_renames_a_checkpoint_aside_before_deleting_it(tmp_path, monkey
     from hsgd.model.config import ModelConfig
     from hsgd.grid.process_grid import ProcessGrid
     from hsgd.step.trainer import HybridTrainer
-    from hsgd.run.settings import TrainConfig
+    from hsgd.step.settings import TrainConfig
     cfg = ModelConfig(vocab_size=256, seq_len=8, d_model=8, n_heads=2, n_layers=1, d_ff=8)
     grid = ProcessGrid(MPI.COMM_SELF, dp=1, tp=1)
     trainer = HybridTrainer(cfg, grid, TrainConfig(dp=1, tp=1, batch_size=2, dtype="float64"))

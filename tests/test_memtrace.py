@@ -14,7 +14,7 @@ from hsgd.tp import model as tp_model
 from hsgd.model.data import Corpus
 from hsgd.grid.process_grid import ProcessGrid
 from hsgd.step.trainer import HybridTrainer
-from hsgd.run.settings import TrainConfig
+from hsgd.step.settings import TrainConfig
 
 CFG = ModelConfig(vocab_size=64, seq_len=32, d_model=16, n_heads=4, n_layers=2, d_ff=64)
 CORPUS = Corpus(np.random.default_rng(0).integers(0, 64, 4000, dtype=np.uint8).tobytes(), "random bytes", 32)
@@ -34,14 +34,17 @@ def categories_of_new_arrays(fn):
 
 
 def test_attribution_of_known_allocations():
-    q = k = v = np.ones((2, 8, 8))
+    q = k = v = np.ones((2, 8, 8))                                       # (B, T, C): 2 heads of 4
+    grid = ProcessGrid(MPI.COMM_SELF)
+    setup = tp_model.TPSetup(ModelConfig(vocab_size=16, seq_len=8, d_model=8, n_heads=2), grid.tp_comm)
     opt = optim.SGD(0.1, momentum=0.9)
     p, g = {"flat": np.ones(1000)}, {"flat": np.ones(1000)}
     got = {"optimizer": categories_of_new_arrays(lambda: opt.step(p, g) or opt.state),
-           "recompute": categories_of_new_arrays(lambda: tp_model.recompute_attention(q, k, v, 2)),
+           "recompute": categories_of_new_arrays(lambda: tp_model.recompute_attention(q, k, v, setup)),
            "other": categories_of_new_arrays(lambda: np.zeros(500))}
     want = {"optimizer": 8000, "recompute": (3 * 64 + 128) * 8 * 2, "other": 4000}   # v; qh, kh, vh, P
     print({c: {k: v for k, v in cats.items() if v} for c, cats in got.items()})
+    grid.free()
     for cat, cats in got.items():
         assert cats[cat] == want[cat] and sum(cats.values()) == want[cat]
     fmap = allocations.FunctionMap()

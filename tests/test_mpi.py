@@ -199,7 +199,22 @@ def test_memory_flag_measures_every_category_next_to_its_formula(tmp_path):
     cats = set(re.findall(r"^ +(params|grads|optimizer|activations|comm|recompute) ", out, re.M))
     assert "memory by category" in out and len(ratios) >= 12 and all(abs(x - 1) <= 0.05 for x in ratios), ratios
     assert cats == {"params", "grads", "optimizer", "activations", "comm", "recompute"}, cats
+    assert "<- differs" not in out
     assert (tmp_path / "memory.png").stat().st_size > 0
+
+
+def test_memory_flag_on_one_threaded_process_counts_the_measured_step():
+    """--memory measures an unthreaded step; the communication formula must count that step's calls (the threaded
+    steps around it split each micro-batch over 2 threads, which doubles the tp calls: the table used to print
+    "8 calls | 16 calls <- differs" on a single process)."""
+    r = run_mpi(1, ["-m", "hsgd.train", *TINY, "--threads", "2", "--memory"], timeout=120)
+    out = r.stdout
+    print(out[-2500:])
+    assert r.returncode == 0, r.stderr[-3000:]
+    calls = re.findall(r"^ +(dp|tp) +Allreduce +(\d+) calls .*\| +(\d+) calls", out, re.M)
+    ratios = [float(x) for x in re.findall(r"measured/formula +([\d.]+)", out)]
+    assert len(calls) == 2 and all(a == b for _, a, b in calls) and "<- differs" not in out, calls
+    assert len(ratios) >= 5 and all(abs(x - 1) <= 0.05 for x in ratios), ratios
 
 
 

@@ -112,7 +112,7 @@ def one_process_trainer(dtype, loss_scale="dynamic", batch=1024, **kw):
 
     from hsgd.grid.process_grid import ProcessGrid
     from hsgd.step.trainer import HybridTrainer
-    from hsgd.run.settings import TrainConfig
+    from hsgd.step.settings import TrainConfig
     cfg = ModelConfig(vocab_size=256, seq_len=16, d_model=32, n_heads=2, n_layers=2, d_ff=64)
     tc = TrainConfig(dtype=dtype, loss_scale=loss_scale, steps=10, batch_size=batch, lr=0.05, warmup=0, threads=1,
                      **kw)
@@ -134,7 +134,7 @@ def test_float32_and_float64_round_nothing():
         assert num.round_(x, "grad") is x and not num.rounds and not any(num.counts.values())
     tr = one_process_trainer("float32", batch=8)
     tr.step(*batch(8), 1)
-    assert tr.scaler is None and not any(tr.num.counts.values()) and tr.stage.loss_scale == 1.0
+    assert not tr.scaler.dynamic and not any(tr.num.counts.values()) and tr.stage.loss_scale == 1.0
     tr.grid.free()
 
 
@@ -163,7 +163,7 @@ def test_float16_underflows_without_loss_scaling_and_not_with_it():
     grads, flushed = {}, {}
     for dtype, scaling in (("float32", "none"), ("float16", "none"), ("float16", "dynamic")):
         tr = one_process_trainer(dtype, scaling)
-        tr.stage.num = CountingZeros(tr.num)                          # (tr.num is the stage's)
+        tr.use_numerics(CountingZeros(tr.num))                        # (tr.num is the stage's)
         tr.gradients(idx, targets)
         grads[dtype, scaling] = {n: g / tr.stage.loss_scale for n, g in tr.grads.items()}
         flushed[dtype, scaling] = tr.num.flushed / max(tr.num.seen, 1)
@@ -208,7 +208,7 @@ def test_a_stale_gradient_is_unscaled_by_the_scale_it_was_made_with():
     found = None
     for step in range(1, 8):
         loss = tr.gradients(*batch(8, seed=step))
-        made_with, made_now = tr.applied_scale(), tr.stage.loss_scale
+        made_with, made_now = tr.scaler.made_with(tr.exchange.lag), tr.stage.loss_scale
         g = None if tr.exchange.grads() is None else tr.exchange.grads().copy()    # the average it applies, scaled
         before = tr.exchange.master.copy()
         info = tr.update(loss, step)

@@ -174,7 +174,7 @@ def test_the_memory_estimate_is_a_lower_bound_of_what_a_run_holds():
     from hsgd.model.config import ModelConfig
     from hsgd.errors import ConfigError
     from hsgd.run.preflight import check_memory, memory_estimate
-    from hsgd.run.settings import TrainConfig
+    from hsgd.step.settings import TrainConfig
     cfg = ModelConfig(vocab_size=256, seq_len=16, d_model=32, n_heads=4, n_layers=3, d_ff=64)
     tc = TrainConfig(dp=1, tp=1, pp=1, batch_size=4, dtype="float64", momentum=0.9)
     weights, activations = memory_estimate(cfg, tc)

@@ -177,13 +177,13 @@ def test_a_stage_with_chunks_needs_a_pipeline():
     from hsgd.model.config import ModelConfig
     from hsgd.errors import ConfigError
     from hsgd.grid.process_grid import ProcessGrid
-    from hsgd.run.settings import TrainConfig
+    from hsgd.step.settings import Data, Layout, TrainConfig
     from hsgd.pp.stage import Stage
     cfg = ModelConfig(vocab_size=256, seq_len=8, d_model=16, n_heads=4, n_layers=4, d_ff=32)
     grid = ProcessGrid(MPI.COMM_WORLD, dp=1, pp=1, tp=1)
+    tc = TrainConfig(schedule="interleaved", virtual_stages=2, micro_batches=2)
     with pytest.raises(ConfigError, match="virtual_stages=2 needs pp > 1"):
-        Stage(cfg, grid, TrainConfig(schedule="interleaved", virtual_stages=2, micro_batches=2))
+        Stage(cfg, grid, tc.group(Layout), tc.recompute, tc.group(Data))
     with pytest.raises(ConfigError, match="zb-h1 with --zero 2"):
-        from hsgd.pp.schedules import check_options
-        check_options(TrainConfig(pp=2, schedule="zb-h1", zero=2))
+        TrainConfig(pp=2, schedule="zb-h1", zero=2).validate()
     grid.free()

@@ -6,7 +6,7 @@ from hsgd.model.config import ModelConfig
 from hsgd.model import ops, serial
 from hsgd.model.data import Corpus
 from hsgd.train import train
-from hsgd.run.settings import TrainConfig
+from hsgd.step.settings import TrainConfig
 
 from .conftest import max_rel_err, noisy_params, random_batch
 

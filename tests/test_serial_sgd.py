@@ -7,7 +7,7 @@ import numpy as np
 
 from hsgd.model import serial
 from hsgd.model.optim import lr_at
-from hsgd.run.settings import TrainConfig
+from hsgd.step.settings import TrainConfig
 
 from .conftest import max_rel_err, random_batch
 

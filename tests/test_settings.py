@@ -10,7 +10,7 @@ from hsgd.model.config import ModelConfig, flag_names
 from hsgd.errors import ConfigError
 from hsgd.run.config_file import read_toml
 from hsgd.run.flags import GROUPS, MODEL_FLAGS, build_parser, configs_from_args
-from hsgd.run.settings import TrainConfig
+from hsgd.step.settings import TrainConfig
 
 
 def squashed(text):

@@ -43,10 +43,11 @@
 import inspect
 
 from hsgd.model.config import ModelConfig   # hsgd before NumPy: it sets OpenBLAS's thread timeout first
-from hsgd.model import layers, serial
+from hsgd.model import gradcheck, layers, serial
+from hsgd.model.gradcheck import FLOOR, H, fd_error
 from hsgd.model.optim import SGD
 from hsgd.train import train
-from hsgd.run.settings import TrainConfig
+from hsgd.step.settings import TrainConfig
 
 import numpy as np
 from threadpoolctl import threadpool_limits
@@ -215,28 +216,15 @@ print(inspect.getsource(serial.block_backward))
 # $\partial L / \partial \text{out} = R$, and `X_backward(R, cache)` must give
 # $\partial L / \partial \text{inputs}$. A random $R$ probes every direction of the layer's Jacobian (an
 # all-ones probe could hide bugs).
+#
+# The checker is `hsgd.model.gradcheck.fd_error`, the one every test of hsgd uses too: it perturbs each
+# coordinate in place, calls `central_difference` (below) and keeps the worst `disagreement` (below, the
+# "coordinate" measure is the formula above). Its defaults are this section's step and floor.
 
 # %%
-H, FLOOR = 1e-5, 1e-3
-
-
-def fd_error(probe, arrays, grads, h=H, floor=FLOOR, n=None):
-    """Worst err over the coordinates of `arrays` (all, or n sampled per array). probe() -> the scalar L,
-    computed from the current contents of `arrays`, which are perturbed in place and restored."""
-    worst = 0.0
-    for a, an in zip(arrays, grads):
-        flat, an = a.reshape(-1), an.reshape(-1)            # flat is a view: writing it perturbs a
-        coords = range(flat.size) if n is None else rng.choice(flat.size, min(n, flat.size), replace=False)
-        for i in coords:
-            old = flat[i]
-            flat[i] = old + h
-            lp = probe()
-            flat[i] = old - h
-            lm = probe()
-            flat[i] = old
-            fd = (lp - lm) / (2 * h)
-            worst = max(worst, abs(fd - an[i]) / max(abs(fd) + abs(an[i]), floor))
-    return worst
+print(f"gradcheck's defaults: h = {H:g}, floor = {FLOOR:g}")
+print(inspect.getsource(gradcheck.central_difference))
+print(inspect.getsource(gradcheck.disagreement))
 
 
 def layer_check(name, forward, backward, arrays):
@@ -326,7 +314,7 @@ _, grads = serial.loss_and_grads(params, idx, targets, cfg)
 probe = lambda: serial.loss(params, idx, targets, cfg)      # reads params, which fd_error perturbs in place
 model_err = {}
 for name in params:
-    model_err[name] = fd_error(probe, [params[name]], [grads[name]], n=6)
+    model_err[name] = fd_error(probe, [params[name]], [grads[name]], n=6, rng=rng)
 for name in sorted(model_err, key=model_err.get, reverse=True)[:3]:
     print(f"  {name:<22s} {model_err[name]:.1e}")
 check(f"whole model ({len(params)} arrays): max rel err", max(model_err.values()))
@@ -359,13 +347,8 @@ def fd_sweep(ps):
         worst = 0.0
         for name, i in coords:
             flat = ps[name].reshape(-1)                           # a view: writing it perturbs ps[name]
-            old = flat[i]
-            flat[i] = old + h
-            lp = serial.loss(ps, idx, targets, cfg)
-            flat[i] = old - h
-            lm = serial.loss(ps, idx, targets, cfg)
-            flat[i] = old
-            fd, an = (lp - lm) / (2 * h), grads[name].reshape(-1)[i]
+            fd = gradcheck.central_difference(lambda: serial.loss(ps, idx, targets, cfg), flat, i, h)
+            an = grads[name].reshape(-1)[i]
             worst = max(worst, abs(fd - an) / (abs(fd) + abs(an)))
         out.append(worst)
     return np.array(out)

@@ -72,22 +72,17 @@ from hsgd.run.report import fmt_bytes
 
 import numpy as np
 from mpi4py import MPI
-from threadpoolctl import threadpool_limits
 
 import pictures                                    # tutorials/pictures.py: where the PNGs go
-from checks import Checks, rel_err, train_config   # tutorials/checks.py, shared by the chapters
+from checks import mpi_chapter, rel_err, train_config   # tutorials/checks.py, shared by the chapters
 
-threadpool_limits(1)                    # four ranks share the cores, tiny matrices: one BLAS thread each
 DP = 4                                  # data-parallel size dp
-world = MPI.COMM_WORLD
-if world.Get_size() != DP:              # every rank exits non-zero; rank 0 says why
-    raise SystemExit(f"run this chapter on {DP} ranks: mpirun -n {DP} python {__file__}"
-                     if world.Get_rank() == 0 else 1)
+TOL = 1e-10                             # float64: parallel and serial differ by rounding, ~1e-16 relative
+# one BLAS thread per rank; the ranks this chapter needs, else a clear exit; check(what, err, tol) and
+# check.holds(what, cond), collective: they raise on every rank at once; say(...) prints on rank 0
+world, rank, check, say = mpi_chapter(__file__, DP, tol=TOL, width=64)
 grid = ProcessGrid(world, dp=DP, tp=1)  # dp = 4 replicas of one rank each
 dp, g = grid.dp_comm, grid.dp_rank      # the data-parallel communicator (hsgd.grid.comm.Comm) and my replica
-TOL = 1e-10                             # float64: parallel and serial differ by rounding, ~1e-16 relative
-check = Checks(world, tol=TOL, width=64)  # check(what, err, tol): collective, raises on every rank unless err < tol
-say = check.say                           # print on world rank 0 only
 
 
 def max_rel_err(grads, ref, floor=1e-6):
@@ -199,7 +194,7 @@ check.holds("check_batch refuses B=10 on dp=4, naming batch_size", refused.start
 # The activations a replica stores for its backward pass grow with the number of sequences it processes at
 # once. When $b$ sequences do not fit, hsgd cuts the slice into $k$ = `micro_batches` consecutive micro-batches of
 # $b/k$ sequences (`dp.micro_batches`), runs the forward and backward of each in turn, and adds up the gradients of
-# $\frac1k \text{loss}_{g,m}$, the micro-batch losses scaled by $1/k$ (`loss_scale` in `tp_model.loss_and_grads`,
+# $\frac1k \text{loss}_{g,m}$, the micro-batch losses scaled by $1/k$ (`dloss` in `tp_model.loss_and_grads`,
 # the model code every layout runs, which for tp = 1 computes what `serial.loss_and_grads` does;
 # the layers accumulate weight gradients with `+=`). By the same argument as above,
 #
@@ -483,7 +478,7 @@ self_comm = Comm(MPI.COMM_SELF, "tp")                    # a one-rank tp_comm: t
 acts = {}                                                # dp -> activation bytes of one replica's b sequences
 for n in (1, 2, 4, 8):
     b = B16 // n
-    _, caches = tp_model.forward(trainer.params, idx16[:b], targets16[:b], cfg, self_comm)
+    _, caches = tp_model.forward(trainer.params, idx16[:b], targets16[:b], tp_model.TPSetup(cfg, self_comm))
     acts[n] = activation_bytes(caches, trainer.params)
     check.equal(f"dp={n}, b={b}: activation bytes == activation_formula", acts[n],
                 activation_formula(cfg, b, 8, 1, "megatron")["model"])

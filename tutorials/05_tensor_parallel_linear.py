@@ -52,28 +52,21 @@
 from fractions import Fraction
 
 import numpy as np
-from mpi4py import MPI
-from threadpoolctl import threadpool_limits
 
 from hsgd.model import layers
 from hsgd.tp import layers as tp_layers
 from hsgd.grid.process_grid import ProcessGrid
 
 import pictures                      # tutorials/pictures.py: where the PNGs go
-from checks import Checks, payload, rel_err, ring_bytes   # tutorials/checks.py, shared by the chapters
+from checks import mpi_chapter, payload, rel_err, ring_bytes   # tutorials/checks.py, shared by the chapters
 
-threadpool_limits(1)                    # four ranks share the cores, tiny matrices: one BLAS thread each
 TP = 4                                  # tensor-parallel size; more ranks than 4 form data-parallel copies
-world = MPI.COMM_WORLD
-rank = world.Get_rank()
-if world.Get_size() % TP:               # every rank exits non-zero; rank 0 says why
-    raise SystemExit(f"run this chapter on a multiple of {TP} ranks: mpirun -n {TP} python {__file__}"
-                     if rank == 0 else 1)
+TOL = 1e-12                             # float64 throughout: parallel and serial differ only by rounding
+# one BLAS thread per rank; the ranks this chapter needs, else a clear exit; check(what, err, tol) and
+# check.holds(what, cond), collective: they raise on every rank at once; say(...) prints on rank 0
+world, rank, check, say = mpi_chapter(__file__, TP, tol=TOL, width=60, multiple=True)
 grid = ProcessGrid(world, dp=world.Get_size() // TP, tp=TP)
 tp, i = grid.tp_comm, grid.tp_rank      # the tensor-parallel communicator (hsgd.grid.comm.Comm) and my place in it
-TOL = 1e-12                             # float64 throughout: parallel and serial differ only by rounding
-check = Checks(world, tol=TOL, width=60)  # check(what, err, tol): collective, raises on every rank unless err < tol
-say = check.say                           # print on world rank 0 only
 RANK_COLORS = [f"C{r}" for r in range(TP)]  # one colour per tp rank in the pictures (matplotlib's cycle)
 
 

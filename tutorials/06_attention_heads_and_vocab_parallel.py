@@ -52,7 +52,6 @@ from fractions import Fraction
 
 import numpy as np
 from mpi4py import MPI
-from threadpoolctl import threadpool_limits
 
 from hsgd.model.config import ModelConfig
 from hsgd.model import layers, serial
@@ -63,20 +62,15 @@ from hsgd.grid.process_grid import ProcessGrid
 from hsgd.run.report import fmt_bytes
 
 import pictures                      # tutorials/pictures.py: where the PNGs go
-from checks import Checks, payload, rel_err, ring_bytes, ring_share   # tutorials/checks.py, shared by the chapters
+from checks import mpi_chapter, payload, rel_err, ring_bytes, ring_share   # tutorials/checks.py, shared by the chapters
 
-threadpool_limits(1)                    # four ranks share the cores, tiny matrices: one BLAS thread each
 TP = 4                                  # tensor-parallel size; more ranks than 4 form data-parallel copies
-world = MPI.COMM_WORLD
-rank = world.Get_rank()
-if world.Get_size() % TP:               # every rank exits non-zero; rank 0 says why
-    raise SystemExit(f"run this chapter on a multiple of {TP} ranks: mpirun -n {TP} python {__file__}"
-                     if rank == 0 else 1)
+TOL = 1e-10                             # float64: parallel and serial differ by rounding, ~1e-16 relative
+# one BLAS thread per rank; the ranks this chapter needs, else a clear exit; check(what, err, tol) and
+# check.holds(what, cond), collective: they raise on every rank at once; say(...) prints on rank 0
+world, rank, check, say = mpi_chapter(__file__, TP, tol=TOL, width=64, multiple=True)
 grid = ProcessGrid(world, dp=world.Get_size() // TP, tp=TP)
 tp, i = grid.tp_comm, grid.tp_rank      # the tensor-parallel communicator (hsgd.grid.comm.Comm) and my place in it
-TOL = 1e-10                             # float64: parallel and serial differ by rounding, ~1e-16 relative
-check = Checks(world, tol=TOL, width=64)  # check(what, err, tol): collective, raises on every rank unless err < tol
-say = check.say                           # print on world rank 0 only
 RANK_COLORS = [f"C{r}" for r in range(TP)]  # one colour per tp rank in the pictures (matplotlib's cycle)
 
 
@@ -494,7 +488,7 @@ for scheme, rs in (("megatron", False), ("gather", False), ("gather", True)):
     name = scheme + (" + reduce_scatter" if rs else "")
     local = tp_shards.shard_params(params, i, TP, scheme)                  # my shards, cut the scheme's way
     grid.stats.reset()
-    loss, grads = tp_model.loss_and_grads(local, idx, targets, cfg, tp, scheme, reduce_scatter=rs)
+    loss, grads = tp_model.loss_and_grads(local, idx, targets, tp_model.TPSetup(cfg, tp, scheme, reduce_scatter=rs))
     measured_of[name] = measured = grid.stats.counts()
     formula = tp_model.comm_formula(cfg, batch, itemsize=8, scheme=scheme, reduce_scatter=rs)
     errs = {n: rel_err(grads[n], tp_shards.shard(grads_serial[n], n, i, TP, scheme)) for n in grads}
@@ -560,7 +554,7 @@ say(f"{'ratio, gather / megatron':<42}{gpt2_ratio[0]:>11.2f}x{gpt2_ratio[1]:>21.
 # %%
 local = tp_shards.shard_params(params, i, TP, "sequence")                 # cut as Megatron's: the same shards
 grid.stats.reset()
-loss, grads = tp_model.loss_and_grads(local, idx, targets, cfg, tp, "sequence")
+loss, grads = tp_model.loss_and_grads(local, idx, targets, tp_model.TPSetup(cfg, tp, "sequence"))
 measured_of["sequence"] = grid.stats.counts()
 say(f"sequence: between the split matmuls a rank holds {tp_model.stage_activation_shape('sequence', batch, cfg, TP)}"
     f" of the activation, where Megatron's holds {tp_model.stage_activation_shape('megatron', batch, cfg, TP)}")
@@ -615,7 +609,7 @@ for tp_ in TPS:
     g_ = grid if tp_ == TP else ProcessGrid(world, dp=world.Get_size() // tp_, tp=tp_)
     for scheme in ("megatron", "sequence"):
         local = tp_shards.shard_params(params, g_.tp_rank, tp_, scheme)
-        _, caches = tp_model.forward(local, idx, targets, cfg, g_.tp_comm, scheme)
+        _, caches = tp_model.forward(local, idx, targets, tp_model.TPSetup(cfg, g_.tp_comm, scheme))
         act[tp_, scheme] = (activations.activation_bytes(caches.blocks[0], local),        # block 0's cache
                             activations.activation_bytes(caches, local))              # the whole forward's
         f = activations.activation_formula(cfg, batch, itemsize, tp_, scheme)

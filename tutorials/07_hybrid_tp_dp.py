@@ -51,8 +51,6 @@ import sys
 from dataclasses import replace
 
 import numpy as np
-from mpi4py import MPI
-from threadpoolctl import threadpool_limits
 
 from hsgd.model.data import Corpus
 from hsgd.dp.average import FlatBuffer, dp_average, dp_formula, dp_rows, params_digest
@@ -64,17 +62,14 @@ from hsgd.run.report import fmt_bytes
 from hsgd.verify import verify
 
 import pictures                                            # tutorials/pictures.py: where the PNGs go
-from checks import Checks, FLOOR, rel_err, require_ranks, ring_share, train_config
+from checks import FLOOR, mpi_chapter, rel_err, ring_share, train_config
 
-threadpool_limits(1)                    # eight ranks share the cores, tiny matrices: one BLAS thread each
 P, DP, TP = 8, 4, 2                     # P = dp x tp: 4 groups of 2
-world = MPI.COMM_WORLD
-rank = world.Get_rank()
-require_ranks(world, P, __file__)         # every rank exits non-zero unless P ranks; rank 0 says why
-grid = ProcessGrid(world, dp=DP, tp=TP)
 TOL = 1e-10                             # float64: parallel and serial differ by rounding, ~1e-16 relative
-check = Checks(world, tol=TOL, width=66)  # check(what, err, tol): collective, raises on every rank unless err < tol
-say = check.say                           # print on world rank 0 only
+# one BLAS thread per rank; the ranks this chapter needs, else a clear exit; check(what, err, tol) and
+# check.holds(what, cond), collective: they raise on every rank at once; say(...) prints on rank 0
+world, rank, check, say = mpi_chapter(__file__, P, tol=TOL, width=66)
+grid = ProcessGrid(world, dp=DP, tp=TP)
 
 
 def shard_err(local, full, tp_rank, tp, floor=FLOOR):
@@ -184,7 +179,8 @@ _, grads_slice = serial.loss_and_grads(full, idx[rows], targets[rows], cfg)     
 loss_ref, grads_ref = serial.loss_and_grads(full, idx, targets, cfg)            # ... of the global batch
 
 buf = FlatBuffer(local)                                                 # my gradient shards, one flat buffer
-loss_g, _ = tp_model.loss_and_grads(local, idx[rows], targets[rows], cfg, grid.tp_comm, grads=buf.views)
+setup = tp_model.TPSetup(cfg, grid.tp_comm)                             # the model on my tp group (megatron)
+loss_g, _ = tp_model.loss_and_grads(local, idx[rows], targets[rows], setup, grads=buf.views)
 check("step 2: my shard of my group's gradient vs serial, on the slice", shard_err(buf.views, grads_slice,
                                                                                    grid.tp_rank, TP))
 say(f"  (the same shard against the global batch's gradient, before averaging: "

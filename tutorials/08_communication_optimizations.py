@@ -70,8 +70,6 @@ import io
 import math
 
 import numpy as np
-from mpi4py import MPI
-from threadpoolctl import threadpool_limits
 
 from hsgd.model.data import Corpus
 from hsgd.dp.average import params_digest
@@ -83,17 +81,14 @@ from hsgd.grid.trace import Tracer, overlap_seconds
 from hsgd.train import train
 
 import pictures                                      # tutorials/pictures.py: where the PNGs go
-from checks import Checks, rel_err, require_ranks, ring_share, train_config
+from checks import mpi_chapter, rel_err, ring_share, train_config
 
-threadpool_limits(1)                    # eight ranks share the cores, tiny matrices: one BLAS thread each
 P, DP, TP = 8, 4, 2                     # the default layout: 4 groups of 2, as in chapter 7
-world = MPI.COMM_WORLD
-require_ranks(world, P, __file__)         # every rank exits non-zero unless P ranks; rank 0 says why
-rank = world.Get_rank()
-grid = ProcessGrid(world, dp=DP, tp=TP)
 TOL = 1e-12                             # float64: two ways of summing the same numbers differ by ~1e-16 relative
-check = Checks(world, tol=TOL, width=70)  # check(what, err, tol): collective, raises on every rank unless err < tol
-say = check.say                           # print on world rank 0 only
+# one BLAS thread per rank; the ranks this chapter needs, else a clear exit; check(what, err, tol) and
+# check.holds(what, cond), collective: they raise on every rank at once; say(...) prints on rank 0
+world, rank, check, say = mpi_chapter(__file__, P, tol=TOL, width=70)
+grid = ProcessGrid(world, dp=DP, tp=TP)
 
 cfg = ModelConfig(vocab_size=256, seq_len=16, d_model=32, n_heads=8, n_layers=2, d_ff=128)   # NH, T split 1..8 ways
 SEED, B, STEPS = 0, 8, 4
@@ -160,7 +155,7 @@ check(f"plain DP, {STEPS} steps: every rank's shards vs serial SGD", param_err(p
 # layers below are still computing. Chapter 7 waited until the very end.
 #
 # To make each layer's gradients one message, the exchange lays out the flat buffers in backward order (the
-# groups of `Stage.groups()`, in `GradExchange.__init__`): every group is a contiguous slice, a **bucket**
+# groups of `Stage.groups()`, in `AllreduceExchange.__init__`): every group is a contiguous slice, a **bucket**
 # (`trainer.exchange.buckets`, group -> slice of the buffer). The stage's last backward action passes
 # `on_ready(group)` to `tp_model.stage_backward`, which calls it when a group is final, and with
 # `dp_overlap=True` that is `OverlappedExchange.on_ready`, which starts a non-blocking `Iallreduce` of the bucket
@@ -178,8 +173,8 @@ for group, span in overlap.exchange.buckets.items():
 say(f"step 2, dp_comm, measured (calls, payload): plain {plain_bytes[('dp', 'Allreduce')]} Allreduce, "
     f"overlapped {overlap_bytes[('dp', 'Iallreduce')]} Iallreduce; a ring sends "
     f"{float(ring_share('Allreduce', DP) * overlap_bytes[('dp', 'Iallreduce')][1]):,.0f} bytes per rank for either")
-check.equal("overlap: step 2's bytes == tp comm_formula + trainer.dp_comm_formula()",
-            overlap_bytes, {**tp_model.comm_formula(cfg, B // DP, itemsize), **overlap.dp_comm_formula()})
+check.equal("overlap: step 2's bytes == tp comm_formula + trainer.exchange.sizes.formula()",
+            overlap_bytes, {**tp_model.comm_formula(cfg, B // DP, itemsize), **overlap.exchange.sizes.formula()})
 check.equal("overlap: dp bytes per step == plain's (one Allreduce)",
             overlap_bytes[("dp", "Iallreduce")][1], plain_bytes[("dp", "Allreduce")][1])
 check(f"overlap vs plain DP after {STEPS} steps: parameters", max_diff(overlap.params, plain.params))
@@ -295,10 +290,10 @@ say(f"picture: {path}")
 # rank r updates only its chunk $w_r$ and keeps optimizer state only for it, then the updated *parameters* travel
 # in the All-Gather. The same bytes as an All-Reduce, $1/dp$ of the optimizer's memory and work: ZeRO stage 1
 # (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models"). Stage 2 also
-# drops the full gradient, keeping only $g_r$: in hsgd (`sharded.py`) each layer's gradient is a bucket of its own,
+# drops the full gradient, keeping only $g_r$: in hsgd (`dp/zero2.py`) each layer's gradient is a bucket of its own,
 # padded to dp chunks, alive only during that layer's backward; its Reduce-Scatter (non-blocking,
 # `Ireduce_scatter_block`) starts as soon as the layer is done and completes during the next layer's backward,
-# and the bucket is freed. Stage 1's flat buffer is padded once, to a multiple of dp (`zero.py`), stage 2's
+# and the bucket is freed. Stage 1's flat buffer is padded once, to a multiple of dp (`dp/zero1.py`), stage 2's
 # every layer's bucket. Clipping needs the global norm of the gradient, which is now spread over
 # the chunks: `health.step_numbers` and `health.global_norm` add the chunks' squares over dp (and the split
 # parameters' over tp).
@@ -314,8 +309,8 @@ for z in (1, 2):
     tr, infos, nbytes, same = zero_runs[z]
     check(f"ZeRO-{z} vs plain DP, AdamW + decay + clipping, {STEPS} steps", max_diff(tr.params, base.params))
     check(f"ZeRO-{z}, {STEPS} steps: every rank's shards vs serial AdamW", param_err(tr.params, zero_ref), 1e-10)
-    check.equal(f"ZeRO-{z}: bytes of step 2 == tp comm_formula + dp_comm_formula",
-                nbytes, {**tp_model.comm_formula(cfg, B // DP, itemsize), **tr.dp_comm_formula()})
+    check.equal(f"ZeRO-{z}: bytes of step 2 == tp comm_formula + the exchange's formula",
+                nbytes, {**tp_model.comm_formula(cfg, B // DP, itemsize), **tr.exchange.sizes.formula()})
     check.holds(f"ZeRO-{z}: DP replicas bit-identical after every step", same)
 check.holds("clipping active at every step (norm > 0.5)", all(i.grad_norm > 0.5 for i in zero_runs[1][1]))
 
@@ -326,7 +321,7 @@ check.holds("clipping active at every step (norm > 0.5)", all(i.grad_norm > 0.5 
 # %%
 phi = base.exchange.buf.flat.nbytes                               # plain DP: the gradient buffer, unpadded
 phi_pad = zero_runs[1][0].pbuf.flat.nbytes                         # ZeRO-1: padded to a multiple of dp
-phi_pad2 = zero_runs[2][0].exchange.size * itemsize                # ZeRO-2: every layer's bucket padded
+phi_pad2 = zero_runs[2][0].exchange.sizes.size * itemsize                # ZeRO-2: every layer's bucket padded
 n_groups = len(zero_runs[2][0].exchange.groups)                     # the layers: one bucket each
 reduce_op = {1: "Reduce_scatter_block", 2: "Ireduce_scatter_block"}
 ring = (DP - 1) / DP
@@ -444,7 +439,7 @@ flat8, _, _, _ = run(config(tp=1, dp=P), grid8)
 hier, _, hier_bytes, same_replicas = run(config(tp=1, dp=P, hierarchical=True, ranks_per_node=4), grid8)
 members = {c.name: c.comm.allgather(rank) for c in (hier.exchange.node_comm, hier.exchange.cross_comm)}
 say(f"rank {rank}: dp-node {members['dp-node']}, dp-cross {members['dp-cross']}")
-n, k = hier.exchange.ranks_per_node, hier.exchange.n_nodes
+n, k = hier.exchange.sizes.ranks_per_node, hier.exchange.sizes.n_nodes
 phi8 = hier.exchange.buf.flat.nbytes
 formula = hier_formula(phi8, n, k, itemsize)
 ring_sent = {("dp-node", "Reduce_scatter_block"): (n - 1) / n, ("dp-cross", "Allreduce"): 2 * (k - 1) / k,
@@ -587,8 +582,8 @@ sync_ref, _ = serial_sgd(config(momentum=0.0, steps=5))
 say(f"staleness 1, step 2's dp exchange: {stale_bytes[('dp', 'Iallreduce')]} (calls, payload) Iallreduce; "
     f"gradient norm applied at step 1: {stale_infos[0].grad_norm}")
 check("staleness 1, 5 steps: every rank's shards vs delayed serial SGD", param_err(stale.params, delayed_ref), 1e-10)
-check.equal("staleness 1: bytes of step 2 == tp comm_formula + dp_comm_formula",
-            stale_bytes, {**tp_model.comm_formula(cfg, B // DP, itemsize), **stale.dp_comm_formula()})
+check.equal("staleness 1: bytes of step 2 == tp comm_formula + the exchange's formula",
+            stale_bytes, {**tp_model.comm_formula(cfg, B // DP, itemsize), **stale.exchange.sizes.formula()})
 check.holds("staleness 1: nothing applied at step 1 (its norm is nan)", math.isnan(stale_infos[0].grad_norm))
 check.holds("staleness 1: DP replicas bit-identical after every step", same_replicas)
 say(f"  (the same shards against synchronous serial SGD: {param_err(stale.params, sync_ref):.1e}: a different "
@@ -672,7 +667,7 @@ grid.free()
 # | hsgd | Megatron-LM | DeepSpeed | PyTorch | where hsgd differs, on purpose |
 # |---|---|---|---|---|
 # | `dp_overlap=True`: `OverlappedExchange` (hsgd/dp/exchange.py), one `Iallreduce` per layer's bucket, started by `on_ready(group)` from `tp_model.stage_backward` | `DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=...)` (megatron/core/distributed/distributed_data_parallel_config.py; `bucket_size` counts parameters, default max(40M, 1M x dp)); a backward hook per parameter calls its bucket group's `register_grad_ready` (distributed_data_parallel.py); `no_sync()` holds the exchange back until the last micro-batch | without ZeRO, `allreduce_gradients` runs after the backward pass in buffers of `MEMORY_OPT_ALLREDUCE_SIZE` elements (deepspeed/runtime/engine.py), not overlapped; with ZeRO 1 or 2, `"overlap_comm"` and `"reduce_bucket_size"` under `"zero_optimization"` (deepspeed/runtime/zero/config.py) | `torch.nn.parallel.DistributedDataParallel(..., bucket_cap_mb=25)` (torch/nn/parallel/distributed.py): buckets in reverse parameter order, each all-reduced when its last gradient arrives; `no_sync()` | a bucket is a layer (`tp_model.backward_order`), not a size cap, so the buckets can be read off the model; MPICH has no progress thread, so the overlap is a schedule here, not a speed-up (section 1) |
-# | `zero=1`: `ZeroExchange` (hsgd/dp/zero1.py): Reduce-Scatter of the padded flat buffer over `dp_comm`, AdamW on the owned chunk, All-Gather of the updated chunks; `zero=2`: `ShardedExchange` (hsgd/dp/sharded.py), the same layer by layer | `use_distributed_optimizer=True` (`DistributedDataParallelConfig`) with `DistributedOptimizer` (megatron/core/optimizer/distrib_optimizer.py): reduce-scatter of the gradient buffer, the optimizer on the shard, all-gather of the parameters (`start_param_sync` in param_and_grad_buffer.py, overlapped with the next forward by `overlap_param_gather`): stage 1 with a Reduce-Scatter, like hsgd's ZeRO-1; parameters sharded too with Megatron-FSDP, `data_parallel_sharding_strategy="optim_grads_params"` | `"zero_optimization": {"stage": 1}` or `2` (`DeepSpeedZeroOptimizer`, deepspeed/runtime/zero/stage_1_and_2.py), `3` (`DeepSpeedZeroOptimizer_Stage3`, stage3.py) | `ZeroRedundancyOptimizer` (torch/distributed/optim/zero_redundancy_optimizer.py): the optimizer state sharded by whole parameters, the gradients still all-reduced by DDP, the updated parameters broadcast by their owner; FSDP's `ShardingStrategy.SHARD_GRAD_OP` (gradients and optimizer state sharded, like stage 2) and `FULL_SHARD` (parameters too, stage 3) in torch/distributed/fsdp/api.py; FSDP2's `fully_shard(..., reshard_after_forward=...)` | ZeRO-1: one flat buffer cut into dp equal chunks (padding included, chunk boundaries cut through parameters), exchanged after the whole backward pass; ZeRO-2 and 3 (hsgd/dp/sharded.py): each layer's bucket cut into dp chunks, reduce-scattered during the backward pass; stage 3 by hand is exercise 1, `--zero 3` is chapter 13 |
+# | `zero=1`: `Zero1Exchange` (hsgd/dp/zero1.py): Reduce-Scatter of the padded flat buffer over `dp_comm`, AdamW on the owned chunk, All-Gather of the updated chunks; `zero=2`: `Zero2Exchange` (hsgd/dp/zero2.py, hsgd/dp/sharded.py), the same layer by layer | `use_distributed_optimizer=True` (`DistributedDataParallelConfig`) with `DistributedOptimizer` (megatron/core/optimizer/distrib_optimizer.py): reduce-scatter of the gradient buffer, the optimizer on the shard, all-gather of the parameters (`start_param_sync` in param_and_grad_buffer.py, overlapped with the next forward by `overlap_param_gather`): stage 1 with a Reduce-Scatter, like hsgd's ZeRO-1; parameters sharded too with Megatron-FSDP, `data_parallel_sharding_strategy="optim_grads_params"` | `"zero_optimization": {"stage": 1}` or `2` (`DeepSpeedZeroOptimizer`, deepspeed/runtime/zero/stage_1_and_2.py), `3` (`DeepSpeedZeroOptimizer_Stage3`, stage3.py) | `ZeroRedundancyOptimizer` (torch/distributed/optim/zero_redundancy_optimizer.py): the optimizer state sharded by whole parameters, the gradients still all-reduced by DDP, the updated parameters broadcast by their owner; FSDP's `ShardingStrategy.SHARD_GRAD_OP` (gradients and optimizer state sharded, like stage 2) and `FULL_SHARD` (parameters too, stage 3) in torch/distributed/fsdp/api.py; FSDP2's `fully_shard(..., reshard_after_forward=...)` | ZeRO-1: one flat buffer cut into dp equal chunks (padding included, chunk boundaries cut through parameters), exchanged after the whole backward pass; ZeRO-2 and 3 (hsgd/dp/zero2.py, zero3.py): each layer's bucket cut into dp chunks, reduce-scattered during the backward pass; stage 3 by hand is exercise 1, `--zero 3` is chapter 13 |
 # | `hierarchical=True`, `ranks_per_node`: `HierarchicalExchange`, `hierarchical_allreduce` (hsgd/dp/hierarchical.py): node Reduce-Scatter, cross-node All-Reduce of one chunk, node All-Gather | with the distributed optimizer, `num_distributed_optimizer_instances` > 1: reduce-scatter inside an instance (`intra_distributed_optimizer_instance_group`), all-reduce of the shard across instances (`inter_distributed_optimizer_instance_group`), in param_and_grad_buffer.py | no hierarchical all-reduce setting; ZeRO++'s `"zero_quantized_gradients"` reduces gradients in two hops, inside the node then across nodes (`all_to_all_quant_reduce`, deepspeed/runtime/comm/coalesced_collectives.py), and `"zero_hpz_partition_size"` keeps a second copy of the parameter shards inside each node | FSDP's `ShardingStrategy.HYBRID_SHARD`: FULL_SHARD inside a node, replicas across nodes (a reduce-scatter in the node, an all-reduce across); under all three, NCCL chooses ring or tree per call (`NCCL_ALGO`), and its tree is itself two-level, chains inside the nodes and trees across them | a plain all-reduce (every rank ends with the whole sum), so it combines with any optimizer; the nodes are declared with `ranks_per_node` on one machine, so the mesh can be shown and measured |
 # | `dp_staleness=1`: `StaleExchange` (hsgd/dp/exchange.py), the `Iallreduce` started at step s applied at step s+1 | none | none | none for one-step-late gradients; the nearest relaxation is local SGD: `PostLocalSGDOptimizer` (torch/distributed/optim/post_localSGD_optimizer.py) with `PostLocalSGDState` / `post_localSGD_hook` (torch/distributed/algorithms/ddp_comm_hooks/post_localSGD_hook.py), which averages the parameters every few steps instead of the gradients every step | kept as an experiment: exact delayed SGD, checked against `serial.sgd(..., delayed=True)`, to put a number on what not waiting costs |
 # | `straggler="5:100"`: one rank sleeps before every exchange | none | none | none | an experiment on purpose: the result must not change by a bit |

@@ -36,7 +36,7 @@
 # split of tensor parallelism, the assignment of layers of pipeline parallelism)". This chapter runs a pipeline
 # of p = 4 stages on 4 ranks (pp = 4, tp = dp = 1) and shows
 #
-# 1. how hsgd assigns the layers to stages (`pp.split_layers`, `pp.stage_names`);
+# 1. how hsgd assigns the layers to stages (`pp.chunks.split_layers`, `pp.chunks.stage_names`);
 # 2. what crosses between stages, by doing one micro-batch by hand with `Send` and `Recv` on `pp_comm`, checked
 #    against serial;
 # 3. micro-batches and the bubble, $(p-1)/(m+p-1)$ of the step, in an equal-cost simulation of the two schedules
@@ -46,7 +46,7 @@
 #    measured for m = 1 to 16 micro-batches next to both formulas;
 # 6. that both schedules give the same parameters, bit for bit, and those of serial SGD;
 # 7. load balance: `--pp-split`, when the last stage carries the LM head;
-# 8. the bytes on `pp_comm` against `pp.pp_formula`, and against tensor parallelism on the same ranks, as payload
+# 8. the bytes on `pp_comm` against `pp.chunks.pp_formula`, and against tensor parallelism on the same ranks, as payload
 #    and as bytes sent per rank.
 #
 # Run it with four ranks (about 7 s on a quiet 2-core machine, up to 31 s when other jobs share the cores; on failure
@@ -67,8 +67,6 @@
 import itertools
 
 import numpy as np
-from mpi4py import MPI
-from threadpoolctl import threadpool_limits
 
 from hsgd.model.config import ModelConfig
 from hsgd.model import serial
@@ -87,20 +85,15 @@ from hsgd.run.report import fmt_bytes
 from hsgd.accounting.traffic import step_formula
 
 import pictures                          # tutorials/pictures.py: where the PNGs go
-from checks import Checks, rel_err, train_config   # tutorials/checks.py, shared by the chapters
+from checks import mpi_chapter, rel_err, train_config   # tutorials/checks.py, shared by the chapters
 
-threadpool_limits(1)                    # four ranks share the cores, tiny matrices: one BLAS thread each
 PP = 4                                  # pipeline stages p
-world = MPI.COMM_WORLD
-if world.Get_size() != PP:              # every rank exits non-zero; rank 0 says why
-    raise SystemExit(f"run this chapter on {PP} ranks: mpirun -n {PP} python {__file__}"
-                     if world.Get_rank() == 0 else 1)
-rank = world.Get_rank()                 # rank 0 prints and draws
+TOL = 1e-10                             # float64: parallel and serial differ by rounding, ~1e-16 relative
+# one BLAS thread per rank; the ranks this chapter needs, else a clear exit; check(what, err, tol) and
+# check.holds(what, cond), collective: they raise on every rank at once; say(...) prints on rank 0
+world, rank, check, say = mpi_chapter(__file__, PP, tol=TOL, width=68)
 grid = ProcessGrid(world, dp=1, pp=PP, tp=1)   # one pipeline of 4 stages; tp_comm and dp_comm have one rank each
 pp_comm, s = grid.pp_comm, grid.pp_rank        # the pipeline's communicator (hsgd.grid.comm.Comm) and my stage
-TOL = 1e-10                             # float64: parallel and serial differ by rounding, ~1e-16 relative
-check = Checks(world, tol=TOL, width=68)  # check(what, err, tol): collective, raises on every rank unless err < tol
-say = check.say                           # print on world rank 0 only
 
 cfg = ModelConfig(vocab_size=256, seq_len=16, d_model=16, n_heads=4, n_layers=8, d_ff=64)   # 8 blocks, 4 stages
 SEED = 0
@@ -113,12 +106,12 @@ say(f"{PP} ranks = {PP} pipeline stages; model {cfg.n_params():,} parameters (L=
 #
 # A GPT is a chain: the embedding (`wte`, `wpe`), L blocks, the final LayerNorm, the LM head and the loss. A
 # pipeline cuts the chain into p pieces of consecutive layers, the **stages**, and gives each to a rank (with
-# tensor parallelism, to a tensor-parallel group: chapter 10). hsgd's cut (`pp.split_layers`):
+# tensor parallelism, to a tensor-parallel group: chapter 10). hsgd's cut (`pp.chunks.split_layers`):
 #
 # * stage s holds the blocks `split_layers(L, p)[s]`, by default as even as possible (the first L mod p stages get
 #   one more);
 # * the embedding sits on the first stage, the final LayerNorm, the LM head and the loss on the last
-#   (`pp.stage_names(cfg, layers, first, last)` lists the parameters of a stage);
+#   (`pp.chunks.stage_names(cfg, layers, first, last)` lists the parameters of a stage);
 # * `--pp-split 3,2,2,1` (`TrainConfig.pp_split`) chooses the blocks per stage instead, for balance (section 7).
 #
 # A stage holds only its own parameters, their gradients and their optimizer state: that, not speed, is why
@@ -157,15 +150,16 @@ for args in ((cfg.n_layers, PP, [3, 3, 3]), (cfg.n_layers, PP, [4, 4, 0, 0]), (2
 # %% [markdown]
 # ## 2. What crosses between stages: one micro-batch by hand
 #
-# Stage s runs `tp_model.stage_forward(params, inp, ...)` on its blocks (the same function that runs the whole
-# model when one stage is first and last). Its input is the token ids on the first stage, otherwise the
-# **activation** $x^{(s)}$: (b, T, C), the residual stream after the previous stage's last block. Its output is
-# the activation for stage s+1, or the loss on the last stage. The backward pass runs the chain the other way:
-# `tp_model.stage_backward(dout, caches, grads, ...)` takes $\partial L / \partial x^{(s+1)}$, the **gradient of
-# the stage's output**, received from stage s+1 (on the last stage $dout = 1$, the derivative of the loss with
-# respect to itself), accumulates the gradients of the stage's parameters with `+=`, and returns
-# $\partial L/\partial x^{(s)}$ for stage s-1. By the chain rule nothing else is needed: a stage's parameter
-# gradients depend on the rest of the network only through that one (b, T, C) array.
+# Stage s runs `tp_model.stage_forward(params, inp, targets, piece, setup)` on its piece of the model, its blocks
+# (the same function that runs the whole model when one stage is first and last); `setup`, a `tp_model.TPSetup`,
+# says how (its tp communicator, the tensor-parallel scheme, what the blocks keep), once for every call. Its input
+# is the token ids on the first stage, otherwise the **activation** $x^{(s)}$: (b, T, C), the residual stream after
+# the previous stage's last block. Its output is the activation for stage s+1, or the loss on the last stage. The
+# backward pass runs the chain the other way: `tp_model.stage_backward(dout, caches, grads, setup)` takes
+# $\partial L / \partial x^{(s+1)}$, the **gradient of the stage's output**, received from stage s+1 (on the last
+# stage $dout = 1$, the derivative of the loss with respect to itself), accumulates the gradients of the stage's
+# parameters with `+=`, and returns $\partial L/\partial x^{(s)}$ for stage s-1. By the chain rule nothing else is
+# needed: a stage's parameter gradients depend on the rest of the network only through that one (b, T, C) array.
 #
 # So one micro-batch is two relay races over `pp_comm`, each message to a neighbour:
 #
@@ -183,16 +177,18 @@ full = serial.init_params(cfg, seed=SEED, dtype="float64")     # the serial mode
 params = {n: full[n] for n in names}                    # my stage's parameters
 grads = serial.zeros_like_params(params)                # my stage's gradients, accumulated with +=
 act = (b, cfg.seq_len, cfg.d_model)                     # (b, T, C): every message has this shape
+piece = tp_model.Piece(layers, first, last)             # my blocks, the embedding on stage 0, the head on the last
+setup = tp_model.TPSetup(cfg, grid.tp_comm, "megatron")       # tp = 1 here: the whole width of every block
 
 grid.stats.reset()
 # forward: wait for stage s-1's activation, run my blocks, pass the result on
 inp = idx if first else pp_comm.Recv(np.empty(act), source=s - 1, tag=0)          # (b, T) ids or (b, T, C)
-out, caches = tp_model.stage_forward(params, inp, targets, cfg, grid.tp_comm, "megatron", layers, first, last)
+out, caches = tp_model.stage_forward(params, inp, targets, piece, setup)
 if not last:
     pp_comm.Send(np.ascontiguousarray(out), dest=s + 1, tag=0)                     # (b, T, C) activation out
 # backward: the last stage starts from dloss = 1; the others wait for dL/d(my output) from stage s+1
 dout = 1.0 if last else pp_comm.Recv(np.empty(act), source=s + 1, tag=1)          # (b, T, C) gradient in
-dinp = tp_model.stage_backward(dout, caches, grads, grid.tp_comm)                 # += into grads; None on stage 0
+dinp = tp_model.stage_backward(dout, caches, grads, setup)                        # += into grads; None on stage 0
 if not first:
     pp_comm.Send(np.ascontiguousarray(dinp), dest=s - 1, tag=1)                    # (b, T, C) gradient out
 by_hand = grid.stats.counts()
@@ -572,12 +568,13 @@ check(f"pp_split {pp_split}, 3 steps: my stage's parameters vs serial SGD",
 # %% [markdown]
 # ## 8. What the pipeline sends
 #
-# Per step, stage s sends, for each of the m micro-batches, its output activation to stage s+1 (unless it is the
-# last) and its input gradient to stage s-1 (unless it is the first), and receives as many: `pp.pp_formula` gives
-# m `Isend` and m `Recv` of $\frac{B}{m} T C s$ bytes per neighbour, $B T C s$ per neighbour and direction in
-# all, **whatever m is**. More micro-batches mean more and smaller messages, not more bytes. `train.step_formula`
-# adds the stage's share of the tensor-parallel formula (here on a one-rank `tp_comm`, where the calls move
-# nothing) and the data-parallel one (a one-rank `dp_comm` too). Step 2 of the 1F1B run, measured on every stage:
+# Per step, stage s sends, for each of the m micro-batches, its output activation to stage s+1 (unless it is the last)
+# and its input gradient to stage s-1 (unless it is the first), and receives as many: `pp.chunks.pp_formula` gives m
+# `Isend` and m `Recv` of $\frac{B}{m} T C s$ bytes per neighbour, $B T C s$ per neighbour and direction in all,
+# **whatever m is**. More micro-batches mean more and smaller messages, not more bytes.
+# `accounting.traffic.step_formula` adds the stage's share of the tensor-parallel formula (here on a one-rank `tp_comm`,
+# where the calls move nothing) and the data-parallel one (a one-rank `dp_comm` too). Step 2 of the 1F1B run, measured
+# on every stage:
 
 # %%
 formula = step_formula(cfg, config(schedule="1f1b"), onefb)
@@ -641,7 +638,7 @@ grid.free()
 #
 # | hsgd | Megatron-LM | DeepSpeed | PyTorch | where hsgd differs, on purpose |
 # |---|---|---|---|---|
-# | `pp.split_layers(L, p, split)`, `--pp-split` (`TrainConfig.pp_split`) | even split by default; `num_layers_in_first_pipeline_stage`, `num_layers_in_last_pipeline_stage`, `account_for_loss_in_pipeline_split`, `pipeline_model_parallel_layout` (`TransformerConfig`, megatron/core/transformer/transformer_config.py) | `PipelineModule(layers=..., partition_method="parameters")`, also `"uniform"` and `"type:..."` (deepspeed/runtime/pipe/module.py) | `pipeline(...)` with `SplitPoint` / `pipe_split()` (torch/distributed/pipelining/_IR.py), or one `PipelineStage` per hand-cut module | blocks per stage, given by hand; the cost model that chooses them is in this chapter (section 7), not in the library |
+# | `pp.chunks.split_layers(L, p, split)`, `--pp-split` (`TrainConfig.pp_split`) | even split by default; `num_layers_in_first_pipeline_stage`, `num_layers_in_last_pipeline_stage`, `account_for_loss_in_pipeline_split`, `pipeline_model_parallel_layout` (`TransformerConfig`, megatron/core/transformer/transformer_config.py) | `PipelineModule(layers=..., partition_method="parameters")`, also `"uniform"` and `"type:..."` (deepspeed/runtime/pipe/module.py) | `pipeline(...)` with `SplitPoint` / `pipe_split()` (torch/distributed/pipelining/_IR.py), or one `PipelineStage` per hand-cut module | blocks per stage, given by hand; the cost model that chooses them is in this chapter (section 7), not in the library |
 # | `build("gpipe", m, p)[s]` (hsgd.pp.schedules) | none (Megatron-LM runs 1F1B) | none (its `TrainSchedule` is 1F1B-like) | `ScheduleGPipe` (torch/distributed/pipelining/schedules.py) | kept to show what 1F1B saves in memory |
 # | `build("1f1b", m, p)[s]`, run by `Stage.run` (hsgd/pp/stage.py) | `forward_backward_pipelining_without_interleaving` (megatron/core/pipeline_parallel/schedules.py; warm-up `total_stages - current_stage - 1` forwards), chosen by `get_forward_backward_func` | `TrainSchedule` (deepspeed/runtime/pipe/schedule.py), run by `PipelineEngine.train_batch` (deepspeed/runtime/pipe/engine.py) | `Schedule1F1B` (torch/distributed/pipelining/schedules.py) | a schedule is a plain list of `Action`s (F3, B3) that one loop executes, so it can be printed, simulated and compared with the trace |
 # | `schedules.build("interleaved", m, p, v)`: chapter 14 | `forward_backward_pipelining_with_interleaving` (virtual stages: v model chunks per rank) | none | `ScheduleInterleaved1F1B` | left to chapter 14: interleaving divides the bubble by about v and multiplies the messages by v (Narayanan et al. 2021) |

@@ -33,7 +33,7 @@
 # 1. the 3-D grid: where each rank sits, what it holds, and which ranks talk to which, drawn from `grid.groups()`;
 #    the order in which hsgd numbers the ranks, Megatron-LM's, and which traffic each puts between nodes;
 # 2. what each of the three communicators carries in one step, measured on every rank and compared with the closed
-#    forms of `train.step_formula`, term by term;
+#    forms of `accounting.traffic.step_formula`, term by term;
 # 3. a table of the bytes per rank and step for all 10 ways of writing 8 = dp x pp x tp, from the formulas, as
 #    payload and as bytes a ring sends;
 # 4. the memory per rank of the same 10 layouts: parameters, gradients, optimizer state and activations, the
@@ -62,9 +62,6 @@ import sys
 
 import numpy as np
 
-from mpi4py import MPI
-from threadpoolctl import threadpool_limits
-
 import hsgd.verify
 from hsgd.model.config import ModelConfig
 from hsgd.model import serial
@@ -81,17 +78,14 @@ from hsgd.accounting.traffic import step_formula
 from hsgd.verify import verify
 
 import pictures                          # tutorials/pictures.py: where the PNGs go
-from checks import Checks, rel_err, require_ranks, train_config   # tutorials/checks.py, shared by the chapters
+from checks import mpi_chapter, rel_err, train_config   # tutorials/checks.py, shared by the chapters
 
-threadpool_limits(1)                    # eight ranks share the cores, tiny matrices: one BLAS thread each
 P, DP, PP, TP = 8, 2, 2, 2              # 8 = 2 replicas x 2 stages x 2 tensor-parallel ranks
-world = MPI.COMM_WORLD
-require_ranks(world, P, __file__)         # every rank exits non-zero unless P ranks; rank 0 says why
-rank = world.Get_rank()
-grid = ProcessGrid(world, dp=DP, pp=PP, tp=TP)
 TOL = 1e-10                             # float64: parallel and serial differ by rounding, ~1e-16 relative
-check = Checks(world, tol=TOL, width=68)  # check(what, err, tol): collective, raises on every rank unless err < tol
-say = check.say                           # print on world rank 0 only
+# one BLAS thread per rank; the ranks this chapter needs, else a clear exit; check(what, err, tol) and
+# check.holds(what, cond), collective: they raise on every rank at once; say(...) prints on rank 0
+world, rank, check, say = mpi_chapter(__file__, P, tol=TOL, width=68)
+grid = ProcessGrid(world, dp=DP, pp=PP, tp=TP)
 
 cfg = ModelConfig(vocab_size=256, seq_len=16, d_model=32, n_heads=8, n_layers=8, d_ff=64)   # splits 1..8 ways
 SEED, B, M_MB, S = 0, 8, 2, 8           # global batch, micro-batches per replica, bytes per float64
@@ -260,8 +254,9 @@ check.equal("groups across nodes: hsgd dp only, Megatron-LM pp only, tp never",
 # 4. each rank updates its shard. (The global gradient norm for clipping adds the squares over `tp_comm` and
 #    `pp_comm`: every stage holds different parameters.)
 #
-# So the three communicators carry, per rank and step (`train.step_formula`, from `tp_model.comm_formula(...,
-# stage=(L_s, first, last))`, `pp.pp_formula` and `trainer.dp_comm_formula()`):
+# So the three communicators carry, per rank and step (`accounting.traffic.step_formula`, from
+# `tp_model.comm_formula(..., stage=(L_s, first, last))`, `pp.chunks.pp_formula` and
+# `trainer.exchange.sizes.formula()`):
 #
 # * **tp_comm, per micro-batch, times m**: Megatron's All-Reduces of (N, C) activations, $4L_s$ of them for the
 #   stage's $L_s$ blocks (2 forward, 2 backward per block), plus the embedding's on the first stage and, on the
@@ -440,7 +435,8 @@ def rank_memory(cfg, dp, pp, tp, batch, m, st, s=S):
 b_mb = B // DP // M_MB                                                     # sequences per micro-batch
 idx, targets = corpus.batch(SEED, 1, b_mb)
 inp = idx if first else np.random.default_rng(grid.pp_rank).standard_normal((b_mb, cfg.seq_len, cfg.d_model))
-_, caches = tp_model.stage_forward(trainer.params, inp, targets, cfg, grid.tp_comm, "megatron", layers, first, last)
+_, caches = tp_model.stage_forward(trainer.params, inp, targets, tp_model.Piece(layers, first, last),
+                                   tp_model.TPSetup(cfg, grid.tp_comm, "megatron"))
 predicted = rank_memory(cfg, DP, PP, TP, B, M_MB, grid.pp_rank)
 mem = trainer.memory()                                                     # {"params", "grads", "optimizer"}
 check.equal("trainer.memory() == formulas (parameters, gradients, optimizer)",
@@ -594,7 +590,7 @@ grid.free()
 # |---|---|---|---|---|
 # | `ProcessGrid(world, dp, pp, tp)` (hsgd/grid/process_grid.py): rank = (dp_rank pp + pp_rank) tp + tp_rank, order tp-pp-dp | `initialize_model_parallel(tensor_model_parallel_size, pipeline_model_parallel_size, ..., order="tp-cp-ep-dp-pp")`, ranks from `RankGenerator` (megatron/core/parallel_state.py): tp-dp-pp without cp and ep | `PipeModelDataParallelTopology(num_pp, num_mp, num_dp)`, axes ["pipe", "data", "model"], row-major (deepspeed/runtime/pipe/topology.py): tp-dp-pp | `init_device_mesh("cuda", (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))` (torch/distributed/device_mesh.py), row-major: the order is the caller's | dp outermost, so that a replica is a contiguous block of ranks (the lecture's G groups of M consecutive workers); the others put pp outermost, so that the pipeline's small messages cross nodes instead of the dp All-Reduce |
 # | `grid.groups()`; `tp_comm`, `pp_comm`, `dp_comm` from `Split(color, key)` | `RankGenerator.get_ranks("tp")` etc.; `get_tensor_model_parallel_group()`, `get_pipeline_model_parallel_group()`, `get_data_parallel_group()` | `PipelineParallelGrid(topology=...)`: `get_slice_parallel_group()` (tp), `get_pipe_parallel_group()`, `get_data_parallel_group()` | `mesh["tp"]`, `mesh["pp"]`, `mesh["dp"]` (sub-meshes), `mesh.get_group("tp")` | three MPI communicators passed as arguments, no global state |
-# | `train.step_formula`, the layout table of section 3 | none (the paper derives each dimension's traffic) | none | none | every term checked against `CommStats`, byte for byte |
+# | `accounting.traffic.step_formula`, the layout table of section 3 | none (the paper derives each dimension's traffic) | none | none | every term checked against `CommStats`, byte for byte |
 # | `HybridTrainer.memory()`, `hsgd.accounting.activations.activation_formula`, section 4's `rank_memory` | `report_theoretical_memory`, `compute_weight_and_optimizer_memory`, `compute_activation_memory` (megatron/training/theoretical_memory_usage.py; the first stage holds `min(num_microbatches, pipeline_model_parallel_size)` micro-batches) | `estimate_zero2_model_states_mem_needs_all_live` (deepspeed/runtime/zero/stage_1_and_2.py) | none | the formulas count hsgd's own caches exactly, and are checked against `activation_bytes` of a real forward |
 # | `hsgd.verify` (every rank's gradient shards against serial) | none | none | none | a parallel step is trusted only once it matches serial |
 #

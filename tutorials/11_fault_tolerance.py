@@ -57,8 +57,6 @@ import shutil
 import tempfile
 
 import numpy as np
-from mpi4py import MPI
-from threadpoolctl import threadpool_limits
 
 from hsgd.model.config import ModelConfig
 from hsgd.checkpoint import store as checkpoint
@@ -68,6 +66,7 @@ from hsgd.tp import shards as tp_shards
 from hsgd.checkpoint.runs import complete_checkpoints
 from hsgd.checkpoint.store import CheckpointError, Shards
 from hsgd.model.data import Corpus
+from hsgd.dp.average import replica_divergence
 from hsgd.errors import NumericalFault
 from hsgd.run.faults import Faults
 from hsgd.grid.process_grid import ProcessGrid
@@ -75,16 +74,13 @@ from hsgd.step.trainer import HybridTrainer
 from hsgd.train import check_replicas, train
 
 import pictures                                     # tutorials/pictures.py: where the PNGs go
-from checks import Checks, rel_err, require_ranks, train_config   # tutorials/checks.py, shared by the chapters
+from checks import mpi_chapter, rel_err, train_config   # tutorials/checks.py, shared by the chapters
 
-threadpool_limits(1)                    # eight ranks share the cores, tiny matrices: one BLAS thread each
 P, DP, PP, TP = 8, 2, 2, 2              # 8 = 2 replicas x 2 stages x 2 tensor-parallel ranks
-world = MPI.COMM_WORLD
-require_ranks(world, P, __file__)         # every rank exits non-zero unless P ranks; rank 0 says why
-rank = world.Get_rank()
+# one BLAS thread per rank; the ranks this chapter needs, else a clear exit; check(what, err, tol) and
+# check.holds(what, cond), collective: they raise on every rank at once; say(...) prints on rank 0
+world, rank, check, say = mpi_chapter(__file__, P, tol=1e-10, width=78)
 grid = ProcessGrid(world, dp=DP, pp=PP, tp=TP)
-check = Checks(world, tol=1e-10, width=78)  # check(what, err, tol): collective, raises on every rank unless err < tol
-say = check.say                             # print on world rank 0 only
 
 cfg = ModelConfig(vocab_size=256, seq_len=8, d_model=16, n_heads=4, n_layers=2, d_ff=32)   # NH, F split 1, 2, 4 ways
 SEED, B, STEPS = 0, 8, 6
@@ -162,9 +158,9 @@ with np.load(os.path.join(path3, mine), allow_pickle=False) as f:
     stored = {k: f[k] for k in f.files}                                # {"param/wte": ..., "opt/wte/velocity": ...}
 say(f"{mine} (world rank 0's): {len(stored)} arrays: " + ", ".join(f"{k} {stored[k].shape}" for k in list(stored)[:4])
     + ", ...")
-state, _ = checkpoint.optimizer_state(trainer)                        # {name: {"velocity": my shard's}}
-expected = {f"param/{n}": p for n, p in trainer.params.items()}
-expected.update({f"opt/{n}/{k}": v for n, st in state.items() for k, v in st.items()})
+state = trainer.state_dict()                       # {"params", "moments": {name: {"velocity": my shard's}}, ...}
+expected = {f"param/{n}": p for n, p in state["params"].items()}
+expected.update({f"opt/{n}/{k}": v for n, st in state["moments"].items() for k, v in st.items()})
 check.equal("every rank: the checkpoint's files == pp x tp shards + manifest", set(os.listdir(path3)),
             {f"shard-pp{s}-tp{t}.npz" for s in range(PP) for t in range(TP)} | {"manifest.json"})
 check.equal("every rank: the arrays of my position's file == my shards and velocities", set(stored), set(expected))
@@ -282,7 +278,7 @@ for step in range(4, STEPS + 1):
         listings[step] = sorted(os.listdir(SAVE))
         say(f"after the save of step {step}: {SAVE} holds {listings[step]}")
 ref = {n: p.copy() for n, p in trainer.params.items()}                # my shards after step 6
-ref_velocity = trainer.opt.state["flat"].copy()                       # my velocities, flat (hsgd.model.optim)
+ref_velocity = trainer.opt.moments("flat")["velocity"].copy()        # my velocities, flat (hsgd.model.optim)
 ref_full = trainer.full_params()                                      # the whole model after step 6
 check.equal("every rank: save_dir's checkpoints after the saves of steps 4 and 6", listings,
             {4: ["step-000003", "step-000004"], 6: ["step-000004", "step-000006"]})
@@ -323,7 +319,8 @@ say(f"resumed after step {start - 1}; losses of steps {start}-{STEPS}: "
 say(f"uninterrupted run, the same steps:  {' '.join(f'{losses[s]:.15f}' for s in resumed_losses)}")
 check.holds("exact resume: shards bit-identical to the uninterrupted run",
             all(np.array_equal(resumed.params[n], ref[n]) for n in ref))
-check.holds("exact resume: velocities bit-identical", np.array_equal(resumed.opt.state["flat"], ref_velocity))
+check.holds("exact resume: velocities bit-identical", np.array_equal(resumed.opt.moments("flat")["velocity"],
+                                                                        ref_velocity))
 check.equal("exact resume: losses == the uninterrupted run's, bit for bit", resumed_losses,
             {s: losses[s] for s in resumed_losses})
 
@@ -336,7 +333,7 @@ check.equal("exact resume: losses == the uninterrupted run's, bit for bit", resu
 # %%
 amnesiac = HybridTrainer(cfg, grid, config())
 checkpoint.load(amnesiac, manifest4)
-amnesiac.opt.state.clear()                                             # as if only the parameters had been saved
+amnesiac.opt.set_moments("flat", {})                                  # as if only the parameters had been saved
 for step in range(start, STEPS + 1):
     amnesiac.step(*batch(step), step)
 drift = max(rel_err(amnesiac.params[n], ref[n], floor=0.02) for n in ref)
@@ -670,11 +667,11 @@ check.equal("train(resume='auto'): losses of steps 5, 6, bit for bit", summary["
 # exchange one flag each (`allgather`): every rank learns whether *any* rank went wrong, and which. Then all of them
 # do the same thing, as chosen by `on_nan` (`--on-nan`):
 #
-# * `"skip"`: no rank updates; the parameters and the optimizer state stay as they were, `trainer.skipped` counts
-#   it, and the next step goes on with the next batch. A run whose every step is non-finite has diverged for good:
-#   after `max_skips` (`--max-skips`, 10) skipped steps in a row it stops as below, and no checkpoint is written
-#   after a skipped step, so that the older, finite ones are not rotated away (`checkpoint.save` itself refuses a
-#   state that is not finite, on every rank);
+# * `"skip"`: no rank updates; the parameters and the optimizer state stay as they were, `trainer.scaler` counts it
+#   (`updates_skipped`; a run without loss scaling keeps the same books with S = 1), and the next step goes on with the
+#   next batch. A run whose every step is non-finite has diverged for good: after `max_skips` (`--max-skips`, 10)
+#   skipped steps in a row it stops as below, and no checkpoint is written after a skipped step, so that the older,
+#   finite ones are not rotated away (`checkpoint.save` itself refuses a state that is not finite, on every rank);
 # * `"stop"` (the default): every rank raises `NumericalFault`; `launch.run` turns it into one line from rank 0,
 #   `hsgd: stopped: ...`, and exit code 3 on every rank, so the job can be restarted from its last (finite)
 #   checkpoint with a smaller learning rate.
@@ -694,21 +691,21 @@ def poisoned_step(trainer, step):
 skipper = HybridTrainer(cfg, grid, config(on_nan="skip"))
 checkpoint.load(skipper, manifest4)
 before = {n: p.copy() for n, p in skipper.params.items()}
-velocity_before = skipper.opt.state["flat"].copy()
+velocity_before = skipper.opt.moments("flat")["velocity"].copy()
 info = poisoned_step(skipper, 5)
 say(f"on_nan='skip', NaN on rank 3 at step 5: loss {info.loss:.4f}, lr {info.lr}, grad norm {info.grad_norm}, "
-    f"skipped {skipper.skipped} on every rank: {world.allgather(skipper.skipped)}")
+    f"skipped {skipper.scaler.updates_skipped} on every rank: {world.allgather(skipper.scaler.updates_skipped)}")
 check.holds("on_nan='skip': shards and velocities unchanged by the skipped step",
             all(np.array_equal(skipper.params[n], p) for n, p in before.items())
-            and np.array_equal(skipper.opt.state["flat"], velocity_before))
-check.equal("on_nan='skip': trainer.skipped", skipper.skipped, 1)
+            and np.array_equal(skipper.opt.moments("flat")["velocity"], velocity_before))
+check.equal("on_nan='skip': trainer.scaler.updates_skipped", skipper.scaler.updates_skipped, 1)
 info = skipper.step(*batch(6), 6)                                      # the run goes on with the next batch
 moved = sum(not np.array_equal(skipper.params[n], p) for n, p in before.items())
 say(f"step 6 after it: loss {info.loss:.4f}, lr {info.lr:.2e}, grad norm {info.grad_norm:.3f}; shards changed / "
     f"held on each rank: {' '.join(world.allgather(f'{moved}/{len(before)}'))} (tp_rank 1's wte holds the rows of "
     "bytes 128-255, which none of these batches contains: no gradient, no change)")
 check.holds("on_nan='skip': a clean step after it moves shards, and skipped stays 1",
-            moved > 0 and skipper.skipped == 1)
+            moved > 0 and skipper.scaler.updates_skipped == 1)
 
 # %% [markdown]
 # With `on_nan="stop"` every rank raises `NumericalFault` in the same step: caught here on every rank, and then once
@@ -733,14 +730,14 @@ say(f"launch.run: exit code {code}; rank 0's stderr: {caught.getvalue().strip()[
 check.equal("every rank: launch.run's exit code for a NaN with on_nan='stop'", code, 3)
 
 # %% [markdown]
-# The other silent fault: DP replicas that no longer agree. The replicas of a shard receive the same averaged
-# gradient and apply the same update, so they stay bit-identical (chapter 4); if they differ, something broke that
-# no exception reports, a bit flipped in memory or a bug, and the checkpoint (written by the first replica only)
-# would quietly drop the others' version. `replica_divergence()` compares a SHA-256 per parameter over `dp_comm`
-# and names the first parameter (in the backward order of the flat buffer) whose replicas differ, with the dp ranks
-# holding each version; `--check-replicas N` calls it every N steps through `train.check_replicas`, which stops
-# the run like a NaN. The smallest possible damage: one entry of `h.0.attn.q.weight` on world rank 5 (replica 1,
-# stage 0, tp_rank 1) moved by one unit in the last place, `np.nextafter`.
+# The other silent fault: DP replicas that no longer agree. The replicas of a shard receive the same averaged gradient
+# and apply the same update, so they stay bit-identical (chapter 4); if they differ, something broke that no exception
+# reports, a bit flipped in memory or a bug, and the checkpoint (written by the first replica only) would quietly drop
+# the others' version. `replica_divergence` (hsgd.dp.average) compares a SHA-256 per parameter over `dp_comm` and names
+# the first parameter (in the backward order of the flat buffer) whose replicas differ, with the dp ranks holding each
+# version; `--check-replicas N` calls it every N steps through `train.check_replicas`, which stops the run like a NaN.
+# The smallest possible damage: one entry of `h.0.attn.q.weight` on world rank 5 (replica 1, stage 0, tp_rank 1) moved
+# by one unit in the last place, `np.nextafter`.
 
 # %%
 name = "h.0.attn.q.weight"
@@ -751,7 +748,7 @@ if rank == 5:
     shift = (float(original), float(trainer.params[name][0, 0]))
 shift = world.bcast(shift, root=5)
 say(f"world rank 5: {name}[0, 0] = {shift[0]!r} -> {shift[1]!r}")
-found = world.allgather(trainer.replica_divergence())                 # collective over each dp_comm
+found = world.allgather(replica_divergence(trainer.exchange, grid.dp_comm))   # collective over each dp_comm
 say("replica_divergence() on each rank: " + ", ".join(f"{r}: {d}" for r, d in enumerate(found)))
 try:
     check_replicas(trainer, world, STEPS)
@@ -767,7 +764,7 @@ check.holds("diverged replica: every rank stopped, naming it",
 if rank == 5:
     trainer.params[name][0, 0] = original                             # repaired: the replicas agree again
 check.equal("repaired: what replica_divergence() reports on each rank",
-            world.allgather(trainer.replica_divergence()), [None] * P)
+            world.allgather(replica_divergence(trainer.exchange, grid.dp_comm)), [None] * P)
 
 # %% [markdown]
 # ## Check against serial

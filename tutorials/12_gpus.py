@@ -62,7 +62,6 @@ import os
 
 import numpy as np
 from mpi4py import MPI
-from threadpoolctl import threadpool_limits
 
 from hsgd.model.config import ModelConfig
 from hsgd.step import health
@@ -78,17 +77,12 @@ from hsgd.model.precision import FORMATS, POINTS, Numerics, round_to, unit_round
 from hsgd.grid.devices import local_ranks, place_on_device
 
 import pictures                                     # tutorials/pictures.py: where the PNGs go
-from checks import Checks, rel_err, require_ranks, train_config   # tutorials/checks.py, shared by the chapters
+from checks import mpi_chapter, rel_err, train_config   # tutorials/checks.py, shared by the chapters
 
-threadpool_limits(1)                    # two ranks, tiny matrices: one BLAS thread each
 P = 2
-world = MPI.COMM_WORLD
-require_ranks(world, P, __file__)         # every rank exits non-zero unless P ranks; rank 0 says why
-rank = world.Get_rank()
-# check(what, err, tol), check.holds(what, cond), check.equal(what, a, b): collective; raise on every rank unless
-# err < tol, cond, a == b on all of them
-check = Checks(world, tol=1e-10, width=66)
-say = check.say                         # print on world rank 0 only
+# one BLAS thread per rank; the ranks this chapter needs, else a clear exit; check(what, err, tol) and
+# check.holds(what, cond), collective: they raise on every rank at once; say(...) prints on rank 0
+world, rank, check, say = mpi_chapter(__file__, P, tol=1e-10, width=66)
 
 
 def gpus_visible():
@@ -725,8 +719,10 @@ for fmt in ("float16", "bfloat16"):                                      # one r
 # and *rounds* it to the compute format at the places where a GPU would hold that format: the arrays then hold
 # bfloat16 (or float16) numbers only, and every later operation sees what it would see on the GPU. `--dtype bfloat16`
 # or `--dtype float16` (`TrainConfig(dtype=...)`) makes `hsgd.model.precision.make_numerics` a `Numerics` object; each
-# stage has one (`Stage.num`, `HybridTrainer.num` is the same), and the model calls `num.round(x, point)` at each of
-# these points (a float32 or float64 run rounds nothing and touches no array):
+# stage has one (`Stage.num`, `HybridTrainer.num` is the same), and `num.round(x, point)` runs at each of these
+# points. The model's lines do not call it: `hsgd.tp.rounded` wraps the layer functions, the scheme's collectives and
+# the core attention, so that `x = op.residual_forward(x, o)` stays the formula `x = x + o` and the rounding happens
+# around it (a float32 or float64 run wraps nothing, rounds nothing and touches no array):
 
 # %%
 for point, where in POINTS.items():
@@ -843,7 +839,7 @@ def scaled_gradients(dtype, loss_scale):
     ls_grid = ProcessGrid(world, dp=P, tp=1)
     ls = HybridTrainer(ls_cfg, ls_grid, train_config(dtype=dtype, loss_scale=loss_scale, dp=P, steps=1,
                                                      batch_size=LS_BATCH, device="cpu"))
-    ls.stage.num = CountingFlushes(ls.num.compute, ls.num.reduce)     # (trainer.num is the stage's)
+    ls.use_numerics(CountingFlushes(ls.num.compute, ls.num.reduce))   # the stage and the exchange round with it
     ls.gradients(ls_idx, ls_targets)
     return {n: np.array(g) / ls.stage.loss_scale for n, g in ls.grads.items()}, ls.num, ls, ls_grid
 
@@ -910,7 +906,7 @@ for done_with in (kept, ls32):
 # would not; it pays with 8 significant bits instead of 11. That is why hsgd scales only float16 (`--loss-scale` is
 # ignored for bfloat16), and why with `--dp-staleness 1` each gradient is unscaled by the S it was made with: the
 # update of step s applies step s-1's gradient, and the scaler may have halved or doubled S in between
-# (`HybridTrainer.applied_scale`).
+# (`LossScaler.made_with`, hsgd.step.loss_scale).
 #
 # ## Check against serial
 #

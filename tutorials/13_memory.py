@@ -74,7 +74,6 @@ from contextlib import contextmanager
 
 import numpy as np
 from mpi4py import MPI
-from threadpoolctl import threadpool_limits
 
 from hsgd.model.data import Corpus
 from hsgd.grid.process_grid import ProcessGrid
@@ -88,15 +87,12 @@ from hsgd.dp.sharded import ShardedExchange
 from hsgd.tp.schemes import make_scheme
 
 import pictures                                      # tutorials/pictures.py: where the PNGs go
-from checks import Checks, rel_err, require_ranks, ring_share, train_config
+from checks import mpi_chapter, rel_err, ring_share, train_config
 
-threadpool_limits(1)                    # eight ranks share the cores, tiny matrices: one BLAS thread each
 P = 8
-world = MPI.COMM_WORLD
-require_ranks(world, P, __file__)         # every rank exits non-zero unless P ranks; rank 0 says why
-rank = world.Get_rank()
-check = Checks(world, tol=1e-10, width=74)  # check(what, err, tol): collective, raises on every rank unless err < tol
-say = check.say                             # print on world rank 0 only
+# one BLAS thread per rank; the ranks this chapter needs, else a clear exit; check(what, err, tol) and
+# check.holds(what, cond), collective: they raise on every rank at once; say(...) prints on rank 0
+world, rank, check, say = mpi_chapter(__file__, P, tol=1e-10, width=74)
 
 cfg = ModelConfig(vocab_size=256, seq_len=16, d_model=32, n_heads=8, n_layers=4, d_ff=128)   # NH, F, T split 8 ways
 SEED, B, S = 0, 8, 8                    # global batch, bytes per float64
@@ -161,8 +157,7 @@ for opt, k, extra in (("sgd", 1, dict(momentum=0.9, lr=0.1)), ("adamw", 2, {})):
 # %%
 b2 = B // 4                                                            # sequences per replica on dp 4
 idx, targets = corpus.batch(SEED, 1, b2)
-loss, caches = tp_model.stage_forward(params, idx, targets, cfg, g2.tp_comm, "megatron", range(cfg.n_layers),
-                                      True, True)
+loss, caches = tp_model.forward(params, idx, targets, tp_model.TPSetup(cfg, g2.tp_comm, "megatron"))
 N, C, F, NH, T, t = b2 * cfg.seq_len, cfg.d_model, cfg.d_ff, cfg.n_heads, cfg.seq_len, 2
 block = caches.blocks[0][1]                    # (ln1, a, attention, proj input, ln2, m, GELU, mlp.proj input)
 parts = [("LN1: xhat (N, C), rstd (N, 1)", block[0], N * (C + 1)),
@@ -206,7 +201,7 @@ say(f"parameters of my shard {fmt_bytes(S * phi)}; one micro-batch's activations
 # Each combination below is a `TrainConfig` trained for two steps by `HybridTrainer` on its own `ProcessGrid` of the
 # same 8 ranks. Step 2 is measured on every rank:
 #
-# * the bytes on every communicator (`grid.stats`), to compare with `hsgd.run.report.step_formula`;
+# * the bytes on every communicator (`grid.stats`), to compare with `hsgd.accounting.traffic.step_formula`;
 # * the exchange's buffers at the moments hsgd's memory probe samples, the exit of every gradient group's forward
 #   and backward: `ExchangeMeter` below, the chapter's own helper, a `hooks.Hooks` chained after the exchange's
 #   own hooks (`hooks.ChainedHooks`), that adds up the distinct arrays the exchange holds at that moment:
@@ -329,12 +324,13 @@ def run(name, kw):
     b = B // tc.dp // tc.micro_batches
     full = tr.exchange.full_params()                                   # ZeRO-3: All-Gathered over the shard comm
     inp, tgt = stage_input(tr, b)
-    _, mb_caches = tp_model.stage_forward(full, inp, tgt, cfg, g.tp_comm, tc.tp_scheme, tr.stage.layers,
-                                          tr.stage.first, tr.stage.last, recompute=tc.recompute)
+    piece = tp_model.Piece(tr.stage.layers, tr.stage.first, tr.stage.last)
+    _, mb_caches = tp_model.stage_forward(full, inp, tgt, piece, tp_model.TPSetup(cfg, g.tp_comm, tc.tp_scheme,
+                                                                                  recompute=tc.recompute))
     traced = dict(probe=probe.result(), step_memory=step_memory.step_formula(tr)) if probe else {}
     return dict(name=name, tc=tc, trainer=tr, grid=g, meter=meter, seconds=info.seconds, **traced,
                 measured=measured, formula=step_formula(cfg, tc, tr), memory=tr.memory(),
-                ex_formula=tr.exchange.memory_formula(), held=tr.stage.peak_held, b=b,
+                ex_formula=tr.exchange.sizes.memory_formula(), held=tr.stage.peak_held, b=b,
                 mb_act=activation_bytes(mb_caches, full), params={n: np.array(p) for n, p in full.items()})
 
 
@@ -459,11 +455,13 @@ r0 = runs["tp 2"]
 kept, again = block_terms(r0)
 S2 = make_scheme("megatron")
 x_in = np.random.default_rng(rank).standard_normal((b2, T, C))
-_, c_full = tp_model.block_forward(x_in, r0["params"], "h.0.", cfg, g2.tp_comm, S2, "full")
-_, c_sel = tp_model.block_forward(x_in, r0["params"], "h.0.", cfg, g2.tp_comm, S2, "selective")
-measured_again = {"full": activation_bytes(tp_model.recompute_block(x_in, r0["params"], "h.0.", cfg, g2.tp_comm, S2),
+setups = {rc: tp_model.TPSetup(cfg, g2.tp_comm, S2, recompute=rc) for rc in ("full", "selective")}
+_, c_full = tp_model.block_forward(x_in, r0["params"], "h.0.", setups["full"])
+_, c_sel = tp_model.block_forward(x_in, r0["params"], "h.0.", setups["selective"])
+measured_again = {"full": activation_bytes(tp_model.recompute_block(x_in, r0["params"], "h.0.", setups["full"]),
                                            r0["params"]),
-                  "selective": activation_bytes(tp_model.recompute_attention(*c_sel[2][1:], NH // 2), r0["params"])}
+                  "selective": activation_bytes(tp_model.recompute_attention(*c_sel[2][1:], setups["selective"]),
+                                                r0["params"])}
 measured_kept = {"full": activation_bytes(c_full, r0["params"]), "selective": activation_bytes(c_sel, r0["params"])}
 say(f"{'--recompute':<12}{'kept per block':>16}{'formula':>10}{'alive again in its backward':>30}{'formula':>10}"
     f"{'micro-batch, all blocks':>26}")
@@ -530,7 +528,7 @@ check.holds("selective and full: parameters after 2 steps bit-identical to none"
 # Everything above divides by tp or pp; nothing divides by dp. ZeRO (Rajbhandari et al. 2020, "ZeRO: Memory
 # Optimizations Toward Training Trillion Parameter Models") shards over the n data-parallel ranks what they all hold
 # alike: stage 1 the optimizer state (chapter 8, `hsgd.dp.zero1`), stage 2 also the gradients, stage 3 also the
-# parameters (`hsgd.dp.sharded.ShardedExchange`: per layer, each gradient group padded to n equal chunks $c_g$; the
+# parameters (`hsgd.dp.zero3`, `hsgd.dp.sharded`: per layer, each gradient group padded to n equal chunks $c_g$; the
 # layer's Reduce-Scatter started as soon as its backward ends and overlapped with the next layer's; stage 3
 # All-Gathers a layer's parameters before its forward and again before its backward, and frees them after). Hybrid
 # sharding shards within a node and replicates across nodes. Between steps a rank keeps, with $\Phi'$ the flat
@@ -545,9 +543,9 @@ check.holds("selective and full: parameters after 2 steps bit-identical to none"
 
 # %%
 def chunks(r):
-    """c-bar: the sum of a ShardedExchange's chunks (its layout), and n, the ranks it shards over."""
-    ex = r["trainer"].exchange
-    return sum(L.c for L in ex.layout.values()), ex.n
+    """c-bar: the sum of a ZeRO 2 or 3 exchange's chunks (its sizes' layout), and n, the ranks it shards over."""
+    sizes = r["trainer"].exchange.sizes
+    return sum(L.c for L in sizes.layout.values()), sizes.n
 
 
 def between_formula(name):
@@ -592,7 +590,7 @@ for name in ZEROS + ("all four",):
     say(f"{name:<20}{pk['params']:>12,}{pk['grads']:>12,}{pk['comm']:>11,}   "
         f"{'equal' if pk == r['ex_formula'] else r['ex_formula']}")
 for name, r in runs.items():
-    check.equal(f"{name}: the meter's peaks == exchange.memory_formula()", r["meter"].peaks(), r["ex_formula"])
+    check.equal(f"{name}: the meter's peaks == exchange.sizes.memory_formula()", r["meter"].peaks(), r["ex_formula"])
 z1, z2 = runs["tp 2 ZeRO-1"]["meter"].peaks(), runs["tp 2 ZeRO-2"]["meter"].peaks()
 whole_grad = runs["tp 2"]["memory"]["grads"]
 say(f"gradient peak: ZeRO-1 {fmt_bytes(z1['grads'])}, ZeRO-2 {fmt_bytes(z2['grads'])}: lower by "
@@ -618,7 +616,7 @@ for name in ZEROS:
             dp_payload[name] += nbytes
             sent = float(ring_share(op, sizes[comm]) * nbytes)                # non-blocking as blocking
             say(f"{name:<20}{comm:<14}{op:<24}{calls:>6}{nbytes:>11,}{sent:>16,.0f}")
-pad_bytes = runs["tp 2 ZeRO-3"]["trainer"].exchange.size * S                # Psi': the padded flat layout
+pad_bytes = runs["tp 2 ZeRO-3"]["trainer"].exchange.sizes.size * S                # Psi': the padded flat layout
 check.equal("ZeRO-2 moves 2 Psi', ZeRO-3 3 Psi' (payload over dp_comm)",
             (dp_payload["tp 2 ZeRO-2"], dp_payload["tp 2 ZeRO-3"]), (2 * pad_bytes, 3 * pad_bytes))
 
@@ -988,12 +986,12 @@ for g in grids.values():
 #
 # | hsgd | Megatron-LM | DeepSpeed | PyTorch | where hsgd differs, on purpose |
 # |---|---|---|---|---|
-# | `--recompute full` (`tp_model.block_forward(..., "full")`, `recompute_block`) | `--recompute-granularity full` with `--recompute-method uniform\|block` and `--recompute-num-layers` (`TransformerConfig.recompute_granularity`, `recompute_method`); `tensor_parallel.checkpoint` (megatron/core/tensor_parallel/random.py) | `activation_checkpointing` config section (`partition_activations`, `cpu_checkpointing`, `number_checkpoints`); `deepspeed.checkpointing.checkpoint` (deepspeed/runtime/activation_checkpointing/checkpointing.py) | `torch.utils.checkpoint.checkpoint` | every block, always; the block's input is the whole cache, and the repeated tensor-parallel collectives are counted in `comm_formula` |
+# | `--recompute full` (`tp_model.block_forward` with `TPSetup(..., recompute="full")`, `recompute_block`) | `--recompute-granularity full` with `--recompute-method uniform\|block` and `--recompute-num-layers` (`TransformerConfig.recompute_granularity`, `recompute_method`); `tensor_parallel.checkpoint` (megatron/core/tensor_parallel/random.py) | `activation_checkpointing` config section (`partition_activations`, `cpu_checkpointing`, `number_checkpoints`); `deepspeed.checkpointing.checkpoint` (deepspeed/runtime/activation_checkpointing/checkpointing.py) | `torch.utils.checkpoint.checkpoint` | every block, always; the block's input is the whole cache, and the repeated tensor-parallel collectives are counted in `comm_formula` |
 # | `--recompute selective` (`recompute_attention`: q, k, v kept, the probabilities dropped) | `--recompute-granularity selective` with `--recompute-modules core_attn` (the default module); `CheckpointWithoutOutput` for output-discarding checkpoints | none (its checkpointing wraps whole functions) | `torch.utils.checkpoint.create_selective_checkpoint_contexts` (a policy per operator) | only the core attention, and the gradients are checked bit-identical to none |
-# | `--zero 1` (`hsgd.dp.zero1.ZeroExchange`) | `--use-distributed-optimizer` (`DistributedOptimizer`, megatron/core/optimizer/distrib_optimizer.py) | `zero_optimization.stage` = 1 | `torch.distributed.optim.ZeroRedundancyOptimizer` (shards DDP's optimizer state) | the Reduce-Scatter runs after the whole backward pass |
-# | `--zero 2`, `--zero 3` (`hsgd.dp.sharded.ShardedExchange`, one gradient group per layer) | `data_parallel_sharding_strategy` = `optim_grads`, `optim_grads_params` (Megatron FSDP, `DistributedDataParallelConfig`) | `zero_optimization.stage` = 2, 3; `stage3_prefetch_bucket_size`, `stage3_param_persistence_threshold`, `stage3_max_live_parameters` | `FullyShardedDataParallel` with `ShardingStrategy.SHARD_GRAD_OP` / `FULL_SHARD`; `fully_shard(module, reshard_after_forward=...)` | no prefetch (the gather is exposed) and no persistent small parameters: every layer is gathered before its forward and again before its backward |
+# | `--zero 1` (`hsgd.dp.zero1.Zero1Exchange`) | `--use-distributed-optimizer` (`DistributedOptimizer`, megatron/core/optimizer/distrib_optimizer.py) | `zero_optimization.stage` = 1 | `torch.distributed.optim.ZeroRedundancyOptimizer` (shards DDP's optimizer state) | the Reduce-Scatter runs after the whole backward pass |
+# | `--zero 2`, `--zero 3` (`hsgd.dp.zero2.Zero2Exchange`, `hsgd.dp.zero3.Zero3Exchange`, one gradient group per layer) | `data_parallel_sharding_strategy` = `optim_grads`, `optim_grads_params` (Megatron FSDP, `DistributedDataParallelConfig`) | `zero_optimization.stage` = 2, 3; `stage3_prefetch_bucket_size`, `stage3_param_persistence_threshold`, `stage3_max_live_parameters` | `FullyShardedDataParallel` with `ShardingStrategy.SHARD_GRAD_OP` / `FULL_SHARD`; `fully_shard(module, reshard_after_forward=...)` | no prefetch (the gather is exposed) and no persistent small parameters: every layer is gathered before its forward and again before its backward |
 # | `--zero 3 --hierarchical --ranks-per-node n` (shard in a node, replicate across) | `outer_dp_sharding_strategy`, `num_distributed_optimizer_instances` | ZeRO++ hierarchical partitioning, `zero_hpz_partition_size` | `ShardingStrategy.HYBRID_SHARD`; `fully_shard` on a 2-D `DeviceMesh` | the replicas' chunks are All-Reduced over the nodes once per step |
-# | `HybridTrainer.memory()`, `exchange.memory_formula()`, `hsgd.accounting.activations.activation_formula`, `hsgd.accounting.step_memory.step_formula`; this chapter's `ExchangeMeter` | `report_theoretical_memory`, `compute_activation_memory` (megatron/training/theoretical_memory_usage.py) | `estimate_zero2_model_states_mem_needs_all_live`, `estimate_zero3_model_states_mem_needs_all_live` | none (the allocator's numbers only) | a formula for every moment of the step, not only the model states or one layer's activations, checked byte for byte against the probe |
+# | `HybridTrainer.memory()`, `exchange.sizes.memory_formula()`, `hsgd.accounting.activations.activation_formula`, `hsgd.accounting.step_memory.step_formula`; this chapter's `ExchangeMeter` | `report_theoretical_memory`, `compute_activation_memory` (megatron/training/theoretical_memory_usage.py) | `estimate_zero2_model_states_mem_needs_all_live`, `estimate_zero3_model_states_mem_needs_all_live` | none (the allocator's numbers only) | a formula for every moment of the step, not only the model states or one layer's activations, checked byte for byte against the probe |
 # | `hsgd.accounting.allocations.MemoryProbe` (`hsgd.train --memory`: tracemalloc, each allocation's category from its stack, sampled at every group's exits) | `torch.cuda.max_memory_allocated` in its logs (`--log-memory-to-tensorboard`) | `see_memory_usage` (deepspeed/runtime/utils.py) | `torch.cuda.memory._record_memory_history` and `_snapshot` (the allocator's own timeline, with stacks); `torch.cuda.max_memory_allocated` | categories from the allocating function in hsgd, not from tensors' names; the samples are the formula's moments, and the true peak between them is kept |
 #
 # ## Exercises

@@ -72,8 +72,6 @@ from hsgd.model import serial
 from hsgd.tp import model as tp_model, shards as tp_shards
 
 import numpy as np
-from mpi4py import MPI
-from threadpoolctl import threadpool_limits
 
 from hsgd.model.data import Corpus
 from hsgd.grid.process_grid import ProcessGrid
@@ -91,15 +89,12 @@ from hsgd.pp.schedules import check as check_schedule
 from hsgd.tp.wgrad import WeightGrads
 
 import pictures                                  # tutorials/pictures.py: where the PNGs go
-from checks import Checks, rel_err, require_ranks, train_config  # tutorials/checks.py, shared by the chapters
+from checks import mpi_chapter, rel_err, train_config  # tutorials/checks.py, shared by the chapters
 
-threadpool_limits(1)                    # eight ranks share the cores, tiny matrices: one BLAS thread each
 P = 8
-world = MPI.COMM_WORLD
-require_ranks(world, P, __file__)         # every rank exits non-zero unless P ranks; rank 0 says why
-rank = world.Get_rank()
-check = Checks(world, tol=1e-10, width=76)  # check(what, err, tol): collective, raises on every rank unless err < tol
-say = check.say                             # print on world rank 0 only
+# one BLAS thread per rank; the ranks this chapter needs, else a clear exit; check(what, err, tol) and
+# check.holds(what, cond), collective: they raise on every rank at once; say(...) prints on rank 0
+world, rank, check, say = mpi_chapter(__file__, P, tol=1e-10, width=76)
 
 
 cfg = ModelConfig(vocab_size=256, seq_len=8, d_model=16, n_heads=4, n_layers=16, d_ff=32)  # 16 blocks: 8 x 2 chunks
@@ -366,11 +361,12 @@ dout = 1.0 if last4 else np.random.default_rng(10 + s4).standard_normal((1, cfg.
 def backward(split):
     """A fresh forward of the micro-batch, then its backward, fused or split into B and W. Returns (dL/d(input),
     the gradients, the forward's cache bytes, the bytes the B kept for the W, the kept products)."""
-    _, caches = tp_model.stage_forward(params, inp, targets, cfg, g4.tp_comm, "megatron", layers4, first4, last4)
+    setup = tp_model.TPSetup(cfg, g4.tp_comm, "megatron")
+    _, caches = tp_model.stage_forward(params, inp, targets, tp_model.Piece(layers4, first4, last4), setup)
     cache_bytes = activation_bytes(caches, params)
     grads = serial.zeros_like_params(params)
     wg = WeightGrads() if split else None
-    dx = tp_model.stage_backward(dout, caches, grads, g4.tp_comm, "megatron", wg=wg)
+    dx = tp_model.stage_backward(dout, caches, grads, setup, wg=wg)
     if not split:
         return dx, grads, cache_bytes, 0, []
     del caches                                         # the B is done: only the kept products are left
@@ -420,7 +416,7 @@ check.holds("split B then W == fused backward: dL/d(input) and every gradient bi
 #
 # The predictions, per stage: `peak_held` of its list; `timelines.held_bytes`, which walks the list with
 # `keep_bytes`' two amounts per chunk (an F adds the chunk's cache; a fused B frees it; a split B frees the cache
-# and keeps what its W reads; the W frees that); and `pp.pp_formula`, $m(2v - [s = 0] - [s = p-1])$ messages each
+# and keeps what its W reads; the W frees that); and `pp.chunks.pp_formula`, $m(2v - [s = 0] - [s = p-1])$ messages each
 # way, of $b\,T C \cdot 8$ bytes each.
 
 # %%
@@ -628,7 +624,7 @@ g8.free()
 # |---|---|---|---|---|
 # | a schedule is data: `schedules.build(kind, m, p, v)`, per stage a list of `Action(kind, mb, chunk)` (F, B, W), run by `Stage.run` (hsgd/pp/stage.py) | none: each schedule is a function whose loops run the steps (`forward_backward_no_pipelining`, `forward_backward_pipelining_without_interleaving`, `forward_backward_pipelining_with_interleaving`, megatron/core/pipeline_parallel/schedules.py), picked by `get_forward_backward_func` | `PipeSchedule.steps()` yields each step's list of `PipeInstruction`s (`ForwardPass`, `BackwardPass`, `SendActivation`, `RecvGrad`, ...); `TrainSchedule` is 1F1B (deepspeed/runtime/pipe/schedule.py) | `pipeline_order`: per rank a list of `_Action(stage_index, computation_type, microbatch_index)`, `_ComputationType` F, I (input gradient), W (weight gradient), B (full backward) (torch/distributed/pipelining/schedules.py) | the messages are not in the list: they follow from the dependencies, sent when an action ends and received when the next one starts |
 # | `schedules.check` / `simulate`: `ScheduleError` naming the first action that cannot run | none | none | `_simulate_comms_compute` dry-runs a `pipeline_order` and flags deadlocks | checked by every `Stage` before its first message, and simulated with chosen costs for the pictures and the lab |
-# | `build("interleaved", m, p, v)`, `--schedule interleaved --virtual-stages v` (`pp.chunk_layers`: chunk c of stage s is piece cp + s) | `forward_backward_pipelining_with_interleaving` with `virtual_pipeline_model_parallel_size` (`ModelParallelConfig`, `parallel_state.initialize_model_parallel`): v model chunks per rank, warm-up $2(p-s-1) + (v-1)p$ | none | `ScheduleInterleaved1F1B` | the same order, written out as a list; m must be a multiple of p |
+# | `build("interleaved", m, p, v)`, `--schedule interleaved --virtual-stages v` (`pp.chunks.chunk_layers`: chunk c of stage s is piece cp + s) | `forward_backward_pipelining_with_interleaving` with `virtual_pipeline_model_parallel_size` (`ModelParallelConfig`, `parallel_state.initialize_model_parallel`): v model chunks per rank, warm-up $2(p-s-1) + (v-1)p$ | none | `ScheduleInterleaved1F1B` | the same order, written out as a list; m must be a multiple of p |
 # | `build("zb-h1", m, p, costs=(F, B, W))`, `--schedule zb-h1`; the W's products kept by `wgrad.WeightGrads` | none upstream (Qi et al. built theirs on a fork); `delay_wgrad_compute` defers weight-gradient GEMMs to overlap expert-parallel communication, not to fill a pipeline | none | `ScheduleInterleavedZeroBubble` (zero bubble over several stages per rank), `ScheduleZBVZeroBubble` (the V-shaped placement), with I and W actions | only H1, one chunk per stage; the W's are placed by simulating with given costs, so the list changes when the costs do |
 # | `timelines.bubble_formula`, `FORMULA`; `idle_per_stage`, `bubble_fraction` | the paper's $\frac{1}{v}\cdot\frac{p-1}{m}$ (idle over compute) | none | none | idle over the whole step, so the fraction stays below 1 (chapter 9) |
 #
@@ -666,6 +662,6 @@ g8.free()
 # On the chapter's 4-stage pipeline (dp 2 x pp 4) and its 16-block model, train one step with the interleaved
 # schedule for v = 1, 2 and 4 and read the calls and bytes of `pp_comm` from `grid.stats`. Write the count by hand,
 # $m(2v - [s = 0] - [s = p-1])$ messages each way of $b\,T C \cdot 8$ bytes, and check it against the measurement
-# and `pp.pp_formula`; check that the three runs end with the same parameters bit for bit, and print each stage's
+# and `pp.chunks.pp_formula`; check that the three runs end with the same parameters bit for bit, and print each stage's
 # bytes per step next to 1F1B's.
 # (solution: `tutorials/solutions/14_pipeline_schedules.py`, `exercise_4`)

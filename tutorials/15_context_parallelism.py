@@ -78,7 +78,6 @@ import time
 
 import numpy as np
 from mpi4py import MPI
-from threadpoolctl import threadpool_limits
 
 from hsgd.cp import split
 from hsgd.cp.ring import Ring
@@ -94,15 +93,12 @@ from hsgd.accounting.traffic import step_formula
 from hsgd.grid.trace import Tracer
 
 import pictures                                  # tutorials/pictures.py: where the PNGs go
-from checks import Checks, payload, rel_err, require_ranks, ring_bytes, train_config   # tutorials/checks.py, shared
+from checks import mpi_chapter, payload, rel_err, ring_bytes, train_config   # tutorials/checks.py, shared
 
-threadpool_limits(1)                    # eight ranks share the cores, tiny matrices: one BLAS thread each
 P = 8
-world = MPI.COMM_WORLD
-require_ranks(world, P, __file__)         # every rank exits non-zero unless P ranks; rank 0 says why
-rank = world.Get_rank()
-check = Checks(world, tol=1e-10, width=78)  # check(what, err, tol): collective, raises on every rank unless err < tol
-say = check.say                             # print on world rank 0 only
+# one BLAS thread per rank; the ranks this chapter needs, else a clear exit; check(what, err, tol) and
+# check.holds(what, cond), collective: they raise on every rank at once; say(...) prints on rank 0
+world, rank, check, say = mpi_chapter(__file__, P, tol=1e-10, width=78)
 
 
 # %% [markdown]
@@ -425,9 +421,9 @@ say(f"picture: {pictures.on_rank0(world, draw_balance, share=True)}")
 # and the targets) and the position embeddings of those positions (`ctx.rows`). Its loss is the mean over its
 # positions; the cp ranks hold equally many, so the mean of their means is the sequence's mean, and the gradients
 # are averaged over `dp_comm`, which holds the dp x cp ranks of each parameter shard: parameters are replicated
-# over cp as they are over dp. The check is chapter 10's: a few steps of SGD with momentum in float64 on three
-# layouts of the 8 ranks and both schemes, against `serial.sgd` on one process, and each step's traffic on every
-# communicator against `report.step_formula`, the one-micro-batch activation bytes against `activation_formula`.
+# over cp as they are over dp. The check is chapter 10's: a few steps of SGD with momentum in float64 on three layouts
+# of the 8 ranks and both schemes, against `serial.sgd` on one process, and each step's traffic on every communicator
+# against `accounting.traffic.step_formula`, the one-micro-batch activation bytes against `activation_formula`.
 
 # %%
 cfg = ModelConfig(vocab_size=256, seq_len=16, d_model=16, n_heads=4, n_layers=2, d_ff=32)

@@ -62,8 +62,6 @@ import math
 from dataclasses import replace
 
 import numpy as np
-from mpi4py import MPI
-from threadpoolctl import threadpool_limits
 
 from hsgd.model.data import Corpus
 from hsgd.step.loss_scale import LossScaler
@@ -71,18 +69,15 @@ from hsgd.check.mutations import injected
 from hsgd.check.oracle import Perturbed, differences, oracle, run_layout, uniform_of
 from hsgd.check.verdict import name_of, plot_tolerance, report
 from hsgd.model.precision import FORMATS, POINTS, Numerics, gamma, round_formula, round_to, unit_roundoff
-from hsgd.run.settings import TrainConfig
+from hsgd.step.settings import TrainConfig
 
 import pictures                                  # tutorials/pictures.py: where the PNGs go
-from checks import Checks, require_ranks         # tutorials/checks.py, shared by the chapters
+from checks import mpi_chapter         # tutorials/checks.py, shared by the chapters
 
-threadpool_limits(1)                    # eight ranks share the cores, tiny matrices: one BLAS thread each
 P = 8
-world = MPI.COMM_WORLD
-require_ranks(world, P, __file__)         # every rank exits non-zero unless P ranks; rank 0 says why
-rank = world.Get_rank()
-check = Checks(world, tol=1e-10, width=84)  # check(what, err, tol): collective, raises on every rank unless err < tol
-say = check.say                             # print on world rank 0 only
+# one BLAS thread per rank; the ranks this chapter needs, else a clear exit; check(what, err, tol) and
+# check.holds(what, cond), collective: they raise on every rank at once; say(...) prints on rank 0
+world, rank, check, say = mpi_chapter(__file__, P, tol=1e-10, width=84)
 
 
 # %% [markdown]

@@ -66,8 +66,6 @@ import textwrap
 import time
 
 import numpy as np
-from mpi4py import MPI
-from threadpoolctl import threadpool_limits
 
 from hsgd.crosscheck.__main__ import check as crosscheck, copies_of, report
 from hsgd.crosscheck.read import load
@@ -76,15 +74,12 @@ from hsgd.model.data import Corpus
 from hsgd.check.mutations import BUGS, injected
 
 import pictures                                  # tutorials/pictures.py: where the PNGs go
-from checks import Checks, require_ranks, train_config   # tutorials/checks.py, shared by the chapters
+from checks import mpi_chapter, train_config   # tutorials/checks.py, shared by the chapters
 
-threadpool_limits(1)                    # eight ranks share the cores, tiny matrices: one BLAS thread each
 P = 8
-world = MPI.COMM_WORLD
-require_ranks(world, P, __file__)       # every rank exits non-zero unless P ranks; rank 0 says why
-rank = world.Get_rank()
-check = Checks(world, tol=1e-10, width=84)  # check(what, err, tol): collective, raises on every rank unless err < tol
-say = check.say                             # print on world rank 0 only
+# one BLAS thread per rank; the ranks this chapter needs, else a clear exit; check(what, err, tol) and
+# check.holds(what, cond), collective: they raise on every rank at once; say(...) prints on rank 0
+world, rank, check, say = mpi_chapter(__file__, P, tol=1e-10, width=84)
 HERE = os.path.dirname(os.path.abspath(__file__))
 DUMPS = os.path.join(HERE, "crosscheck_dumps")     # the PyTorch program's dumps, committed (their README.md)
 
@@ -521,7 +516,7 @@ pictures.on_rank0(world, draw)
 # | class | what it means | where to look |
 # |---|---|---|
 # | constant factor = m (micro-batches) | the micro-batches' gradients summed where their mean belongs | the loss divided by m before each backward (`(loss * scale).backward()` in the PyTorch program, `Stage.receive`'s S/m in hsgd) |
-# | constant factor = dp | the dp replicas' gradients summed, not averaged | the division by dp after the dp All-Reduce (or the Reduce-Scatter of ZeRO: `ZeroExchange.average`) |
+# | constant factor = dp | the dp replicas' gradients summed, not averaged | the division by dp after the dp All-Reduce (or the Reduce-Scatter of ZeRO: `Zero1Exchange.average`) |
 # | constant factor = tp, or tp x tp | a tensor-parallel adjoint that sums what each rank already held whole | the backward of the All-Gather or All-Reduce in front of the layers that show it (the lowest layer showing the factor is just below the faulty collective) |
 # | 1/n of any size | an average where a sum belongs, or a 1/n applied twice | the same reductions, the other way round |
 # | partial sum: the mean is R | the replicas of a parameter never averaged over a group (dp: the groups the detail lists) | the list of parameters the dp All-Reduce covers: a replicated parameter left out |

@@ -681,7 +681,7 @@ B5, itemsize = 3, 8
 comm = Comm(MPI.COMM_SELF, "tp")                                       # tp = 1
 local = tp_shards.init_params(cfg5, comm, seed=0, dtype="float64")
 idx5, targets5 = rng.integers(0, 64, (B5, 16)), rng.integers(0, 64, (B5, 16))
-_, caches = tp_model.forward(local, idx5, targets5, cfg5, comm, "megatron")
+_, caches = tp_model.forward(local, idx5, targets5, tp_model.TPSetup(cfg5, comm, "megatron"))
 block = caches.blocks[0][1]                                                # block 0's cache
 formula = activations.activation_formula(cfg5, B5, itemsize, 1, "megatron")
 N5 = B5 * cfg5.seq_len

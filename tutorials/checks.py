@@ -22,8 +22,9 @@ stay in their chapters, and so do their configs, built with `train_config` (one 
 from fractions import Fraction
 
 import numpy as np
+from threadpoolctl import threadpool_limits
 
-from hsgd.run.settings import TrainConfig
+from hsgd.step.settings import TrainConfig
 
 FLOOR = 1e-6        # rel_err's absolute floor, for arrays that are (nearly) zero (chapter 6 explains why)
 
@@ -94,12 +95,26 @@ class Checks:
         return what, self.errors[what]
 
 
-def require_ranks(world, P, path):
-    """A chapter written for P ranks, started with another number: every rank exits non-zero, rank 0 saying how
-    to run it (no rank waits in a collective that the others never reach)."""
-    if world.Get_size() != P:
-        raise SystemExit(f"run this chapter on {P} ranks: mpirun -n {P} python {path}" if world.Get_rank() == 0
-                         else 1)
+def require_ranks(world, P, path, multiple=False):
+    """A chapter written for P ranks (or a multiple of P), started with another number: every rank exits non-zero,
+    rank 0 saying how to run it (no rank waits in a collective that the others never reach)."""
+    if world.Get_size() % P if multiple else world.Get_size() != P:
+        raise SystemExit(f"run this chapter on {'a multiple of ' if multiple else ''}{P} ranks: "
+                         f"mpirun -n {P} python {path}" if world.Get_rank() == 0 else 1)
+
+
+def mpi_chapter(path, P, tol=0.0, width=60, multiple=False):
+    """The preamble of every chapter from 4 on (chapters 2 and 3 write it out, line by line): one BLAS thread per
+    rank (the ranks share the cores, the matrices are tiny); P ranks, or a multiple of P, else every rank exits
+    non-zero and rank 0 says how to run it; the chapter's collective check. Returns (world, rank, check, say):
+    COMM_WORLD and this rank in it; check(what, err, tol), check.holds(what, cond), check.equal(what, a, b), which
+    raise on every rank unless err < tol, cond, a == b holds on all of them; say(...), print on rank 0 only."""
+    from mpi4py import MPI
+    threadpool_limits(1)
+    world = MPI.COMM_WORLD
+    require_ranks(world, P, path, multiple)
+    check = Checks(world, tol=tol, width=width)
+    return world, world.Get_rank(), check, check.say
 
 
 def rel_err(a, b, floor=FLOOR):

@@ -54,20 +54,20 @@ NFRAMES = 14              # frames kept per allocation: the deciding frame is at
 # (module, function, word or None, category): the first entry matching a frame decides; frames are tried from the
 # innermost outward. function "*": any function of the module; word: the allocating line must contain it.
 CATEGORY_TABLE = [
-    ("dp/exchange.py", "GradExchange.new_buffer", None, "grads"),      # buf, the stale exchange's spares, ZeRO's buf
-    ("dp/exchange.py", "GradExchange.__init__", None, "params"),       # pbuf
-    ("dp/exchange.py", "GradExchange.mask", None, "optimizer"),
-    ("dp/average.py", "FlatBuffer.mask", None, "optimizer"),                # per-element weight-decay / sharded flags
-    ("dp/zero1.py", "ZeroExchange.__init__", "p_send", "comm"),         # the Allgather's send buffer
-    ("dp/zero1.py", "ZeroExchange.__init__", None, "grads"),            # g_chunk
+    ("dp/exchange.py", "AllreduceExchange.new_buffer", None, "grads"),   # buf, the stale exchange's spares
+    ("dp/exchange.py", "AllreduceExchange.__init__", None, "params"),    # pbuf
+    ("dp/exchange.py", "AllreduceExchange.mask", None, "optimizer"),
+    ("dp/average.py", "FlatBuffer.mask", None, "optimizer"),            # per-element weight-decay / sharded flags
+    ("dp/zero1.py", "Zero1Exchange.__init__", "p_send", "comm"),        # the Allgather's send buffer
+    ("dp/zero1.py", "Zero1Exchange.__init__", None, "grads"),           # g_chunk
     ("dp/hierarchical.py", "hier_buffers", None, "comm"),
-    ("dp/sharded.py", "ShardedExchange.gather_group", None, "params"),
+    ("dp/zero3.py", "Zero3Exchange.gather_group", None, "params"),
     ("dp/sharded.py", "ShardedExchange.grad_bucket", None, "grads"),
     ("dp/sharded.py", "ShardedExchange.start_reduce_scatter", None, "comm"),
     ("dp/sharded.py", "ShardedExchange.mask", None, "optimizer"),
     ("dp/sharded.py", "ShardedExchange.__init__", "g_owned", "grads"),
     ("dp/sharded.py", "ShardedExchange.__init__", None, "params"),     # master_ (stage 2: whole too)
-    ("model/precision.py", "Numerics.weights", None, "params"),          # bfloat16 / float16: the model's rounded copy
+    ("model/precision.py", "Numerics.weights", None, "params"),        # bfloat16 / float16: the model's rounded copy
     ("tp/schemes.py", "Sequence.replicated_grads", None, "grads"),
     ("model/optim.py", "*", None, "optimizer"),
     ("tp/model.py", "recompute_block", None, "recompute"),

@@ -43,7 +43,7 @@ peak shows them. With ZeRO 2 and 3 (hsgd.dp.sharded) what the exchange holds is 
 """
 from hsgd.cp.split import attention_cache_bytes
 from hsgd.accounting.activations import activation_formula
-from hsgd.dp.sharded import ShardedExchange
+from hsgd.dp.sharded import ShardedSizes
 from hsgd.tp.schemes import make_scheme
 
 STATE_COPIES = {"sgd": lambda momentum: 1 if momentum else 0, "adamw": lambda momentum: 2}
@@ -68,23 +68,23 @@ def pieces(cfg, b, s, tp, scheme, recompute, cp=1, cp_scheme="ring"):
 
 
 class ShardedInFlight:
-    """ZeRO 2 and 3 (hsgd.dp.sharded), sample by sample: what the exchange holds beyond its chunks depends on the
-    moment. The probe samples inside the exchange's hooks, so on leaving group g:
+    """ZeRO 2 and 3 (hsgd.dp.sharded; sizes: the exchange's ShardedSizes), sample by sample: what the exchange holds
+    beyond its chunks depends on the moment. The probe samples inside the exchange's hooks, so on leaving group g:
         params  stage 3: g's gathered parameters, n c_g s (forward and backward)
         grads   backward: g's whole bucket n c_g s (being filled); and always the bucket of the group whose
                 Reduce-Scatter is in flight (the one whose backward ended last), n c_p s
         comm    the in-flight Reduce-Scatter's receive chunk, c_p s
     After g's backward its Reduce-Scatter starts and the one before completes: g is then the one in flight."""
 
-    def __init__(self, ex):
-        self.ex, self.pending = ex, None
+    def __init__(self, sizes):
+        self.sizes, self.pending = sizes, None
 
     def at(self, kind, group):
-        ex, s = self.ex, self.ex.itemsize
-        c = lambda g: ex.layout[g].c if g is not None else 0         # noqa: E731
+        sizes, s = self.sizes, self.sizes.itemsize
+        c = lambda g: sizes.layout[g].c if g is not None else 0      # noqa: E731
         own = c(group) if kind == "B" else 0                          # the bucket being filled
-        return {"params": ex.n * c(group) * s if ex.zero == 3 and group is not None else 0,
-                "grads": ex.n * (own + c(self.pending)) * s, "comm": c(self.pending) * s}
+        gathered = sizes.n * c(group) * s if not sizes.holds_weight_copy else 0   # stage 3: the group's parameters
+        return {"params": gathered, "grads": sizes.n * (own + c(self.pending)) * s, "comm": c(self.pending) * s}
 
     def done(self, group):
         self.pending = group
@@ -172,33 +172,34 @@ def stage_samples(pc, layers, first, last, actions, recompute, base, inflight=No
     return walk.samples
 
 
-def optimizer_formula(tc, ex):
-    """The optimizer's state and masks in bytes (see the module docstring): tc the settings, ex the exchange (or
-    its sizes, hsgd.dp.exchange.sized_exchange)."""
+def optimizer_formula(tc, sizes):
+    """The optimizer's state and masks in bytes (see the module docstring): tc the settings, sizes the exchange's
+    (hsgd.dp.exchange)."""
     copies = STATE_COPIES[tc.optimizer](tc.momentum)
-    return (copies + 2) * ex.owned_numel() * ex.itemsize              # state, and the decay and tp-sharded masks
+    return (copies + 2) * sizes.owned_numel() * sizes.itemsize        # state, and the decay and tp-sharded masks
 
 
 def step_formula(trainer):
     """{"peak": {category: bytes}, "total": the largest sample's sum, "at": its label, "samples": [...]} of one
     training step on this rank, in the categories of hsgd.accounting.allocations."""
     grid, st = trainer.grid, trainer.stage
-    return rank_formula(trainer.cfg, trainer.tc, grid.dp, grid.tp, grid.cp, st, trainer.exchange,
+    return rank_formula(trainer.cfg, trainer.tc, grid.dp, grid.tp, grid.cp, st, trainer.exchange.sizes,
                         trainer.num.rounds, st.ctx.held_bytes())
 
 
-def rank_formula(cfg, tc, dp, tp, cp, stage, ex, rounds, cp_held=0):
+def rank_formula(cfg, tc, dp, tp, cp, stage, sizes, rounds, cp_held=0):
     """step_formula from sizes alone: dp, tp, cp the grid; stage: its .layers, .first, .last and .actions (gpipe or
-    1f1b: one chunk, fused B); ex: the exchange or hsgd.dp.exchange.sized_exchange's; rounds: bfloat16 or float16
-    (the model's rounded copy of the weights); cp_held: the context layout's own arrays (ctx.held_bytes())."""
-    b, s = tc.batch_size // dp // tc.micro_batches, ex.itemsize
+    1f1b: one chunk, fused B); sizes: the exchange's (hsgd.dp.make.exchange_sizes for a planned one); rounds:
+    bfloat16 or float16 (the model's rounded copy of the weights); cp_held: the context layout's own arrays
+    (ctx.held_bytes())."""
+    b, s = tc.batch_size // dp // tc.micro_batches, sizes.itemsize
     pc = pieces(cfg, b, s, tp, tc.tp_scheme, tc.recompute, cp, tc.cp_scheme)
-    inflight = ShardedInFlight(ex) if isinstance(ex, ShardedExchange) else None
-    base = ({"params": ex.param_bytes(), "grads": ex.grad_bytes(), "comm": 0} if inflight is not None
-            else dict(ex.memory_formula()))
-    if rounds and tc.zero != 3:            # bf16 / fp16: the model's rounded copy of the weights, held through
-        base["params"] += sum(ex.numel.values()) * s                     # the step
-    base["optimizer"] = optimizer_formula(tc, ex)
+    inflight = ShardedInFlight(sizes) if isinstance(sizes, ShardedSizes) else None
+    base = ({"params": sizes.param_bytes(), "grads": sizes.grad_bytes(), "comm": 0} if inflight is not None
+            else dict(sizes.memory_formula()))
+    if rounds and sizes.holds_weight_copy:  # bf16 / fp16: the model's rounded copy of the weights, held through
+        base["params"] += sum(sizes.numel.values()) * s                  # the step (ZeRO-3: the gathered group)
+    base["optimizer"] = optimizer_formula(tc, sizes)
     base["other"] = tc.batch_size * (cfg.seq_len + 1) * 8             # the step's token windows (B, T+1) int64
     if cp > 1:                             # my positions of idx and targets (int64), the layout's own arrays
         base["other"] += 2 * tc.batch_size // dp * (cfg.seq_len // cp) * 8 + cp_held

@@ -11,13 +11,13 @@ from hsgd.tp import model as tp_model
 def step_formula(cfg, tc, trainer):
     """{(comm, op): (calls, bytes)} this rank should see in one training step, from the closed forms: the
     tensor-parallel traffic of its stage for m micro-batches, the pipeline's messages and the dp exchange."""
-    return rank_bytes(cfg, tc, trainer.grid.dp, trainer.grid.tp, trainer.grid.cp, trainer.stage, trainer.exchange)
+    return rank_bytes(cfg, tc, trainer.grid.dp, trainer.grid.tp, trainer.grid.cp, trainer.stage, trainer.exchange.sizes)
 
 
-def rank_bytes(cfg, tc, dp, tp, cp, stage, ex):
+def rank_bytes(cfg, tc, dp, tp, cp, stage, sizes):
     """step_formula from sizes alone: dp, tp, cp the grid; stage: its .pieces(rows), .layers, .first, .last, .v;
-    ex: the exchange, or hsgd.dp.make.sized_exchange's (its formula() and itemsize)."""
-    m, itemsize = tc.micro_batches, ex.itemsize
+    sizes: the exchange's sizes (its formula() and itemsize; hsgd.dp.make.exchange_sizes for a planned one)."""
+    m, itemsize = tc.micro_batches, sizes.itemsize
     per_mb = tc.batch_size // dp // m
     f = {}
     for rows in stage.pieces(per_mb):                                 # one piece, or one per thread
@@ -28,5 +28,5 @@ def rank_bytes(cfg, tc, dp, tp, cp, stage, ex):
     f.update(pp_formula(per_mb, cfg, m, stage.first, stage.last, itemsize, tc.tp_scheme, tp, stage.v, cp))
     f.update(cp_formula(tc.cp_scheme, cp, per_mb, cfg.seq_len, cfg.d_model, tp, itemsize,
                         m * len(stage.layers), tc.recompute))
-    f.update(ex.formula())
+    f.update(sizes.formula())
     return f

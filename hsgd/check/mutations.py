@@ -6,14 +6,14 @@ catch them, and hsgd.crosscheck to name them.
         verdict = oracle(...)                         # ln_f.weight is flagged, on every layout with tp > 1
 
 Each bug patches one function or method (of hsgd.pp.stage.Stage, which every layout but the one-rank threaded path
-runs, or of the tensor-parallel schemes and the ZeRO exchange) and puts it back on leaving the block. Nothing in
+runs, or of the tensor-parallel schemes and the ZeRO-1 exchange) and puts it back on leaving the block. Nothing in
 hsgd imports this module: it exists for tests and tutorials.
 """
 from contextlib import contextmanager
 
 from hsgd.pp import stage as stage_module
 from hsgd.tp import schemes as tp_schemes
-from hsgd.dp import zero1 as zero
+from hsgd.dp import zero1
 
 BUGS = {
     "missing-tp-scale": "one parameter's gradient tp times too large, as when a replicated parameter's partial "
@@ -25,7 +25,7 @@ BUGS = {
     "unscaled-allgather-adjoint": "the gather scheme's All-Gather adjoint as a Reduce-Scatter without its 1/tp "
                                   "(every rank's dL/dY was already the whole): the layers below it tp times "
                                   "too large (--tp-scheme gather)",
-    "zero-without-1/dp": "ZeRO 1 and 2's Reduce-Scatter of the gradients summed over dp, never divided by dp",
+    "zero-without-1/dp": "ZeRO 1's Reduce-Scatter of the gradients summed over dp, never divided by dp",
     "pipeline-without-1/m": "each micro-batch's backward pass starts from dloss = 1 instead of 1/m: the "
                             "accumulated gradients are m times too large (--micro-batches m)",
     "sequence-without-ln-reduction": "the sequence scheme's replicated parameters (LayerNorms, the projections' "
@@ -75,7 +75,7 @@ def patch(bug, name):
                 original(self)
                 self.g_chunk *= self.dp_comm.size                          # undoes the 1/dp
             return summed
-        return zero.ZeroExchange, "average", broken
+        return zero1.Zero1Exchange, "average", broken
     if bug == "sequence-without-ln-reduction":
         def broken(original):
             def partial(self, part, grads, comm):

@@ -178,7 +178,7 @@ def one_run(cfg, tc, sub, corpus, num, loss_steps):
     try:
         trainer = HybridTrainer(cfg, grid, tc)
         if num is not None:
-            trainer.stage.use(num)
+            trainer.use_numerics(num)
         if loss_steps:
             for step in range(1, loss_steps + 1):
                 trainer.step(*corpus.batch(tc.seed, step, tc.batch_size), step)
@@ -186,10 +186,9 @@ def one_run(cfg, tc, sub, corpus, num, loss_steps):
         idx, targets = corpus.batch(tc.seed, 1, tc.batch_size)
         for _ in range(64):
             trainer.gradients(idx, targets)
-            mine = {k: to_numpy(g).astype(np.float64) / trainer.stage.loss_scale
-                    for k, g in trainer.averaged_grads().items()}
-            if trainer.scaler is None or sub.allreduce(all(np.isfinite(g).all() for g in mine.values()),
-                                                       op=MPI.LAND):
+            mine = {k: to_numpy(g).astype(np.float64) for k, g in trainer.averaged_grads().items()}   # (unscaled)
+            if not trainer.scaler.dynamic or sub.allreduce(all(np.isfinite(g).all() for g in mine.values()),
+                                                           op=MPI.LAND):
                 break                                                   # (else not finite: reported as such)
             trainer.scaler.update(True)                                  # S / 2, and again
         shards = grid.tp_comm.allgather_obj(mine)                      # one pickled message, not one per name

@@ -36,16 +36,15 @@ from dataclasses import asdict
 import numpy as np
 
 from hsgd.tp import shards as tp_shards
-from hsgd.model.backend import to_numpy
+from hsgd.model.backend import array_module, to_numpy
 from hsgd.model.config import ModelConfig
-from hsgd.errors import UsageError
+from hsgd.errors import NumericalFault, UsageError
 from hsgd.checkpoint.manifest import check as check_manifest
 from hsgd.checkpoint.manifest import SCHEDULE
 from hsgd.checkpoint.manifest import digest as manifest_digest
 from hsgd.pp.chunks import chunk_layers, parse_split, stage_names
 from hsgd.files import regular_file, writable_file
 from hsgd.checkpoint.runs import DEFAULT_LINE, complete_checkpoints, newest, own
-from hsgd.checkpoint.state import optimizer_state, refuse_non_finite, set_state  # noqa: F401 (optimizer_state: API)
 
 FORMAT = "hsgd-checkpoint-1"
 
@@ -78,15 +77,14 @@ def save(trainer, step, save_dir, keep=3, kill_in_save=False, identity=None):
     A write that fails on any rank (a full disk, a file system gone read-only) removes the partial checkpoint on
     every rank's word and raises CheckpointError everywhere; the previous checkpoints stay as they were."""
     grid, world = trainer.grid, trainer.grid.base
-    state, t = optimizer_state(trainer)                                 # collective over dp_comm with ZeRO
-    params = trainer.exchange.full_params()                             # collective over dp_comm with ZeRO-3
-    refuse_non_finite(trainer, state, step, save_dir, world)             # never rotate good checkpoints away for it
+    state = trainer.state_dict()                                        # collective over dp_comm with ZeRO
+    refuse_non_finite(state, step, save_dir, world)                     # never rotate good checkpoints away for it
     tmp, error = world.bcast(attempt(lambda: make_tmp(save_dir, step)) if world.Get_rank() == 0 else None, root=0)
     if error is not None:                                               # rank 0 could not even make the folder
         raise not_written(step, f"{error} on rank 0", save_dir)
     entry = None
     if grid.dp_comm.rank == 0:                                          # one writer per (stage, tensor rank)
-        entry, error = attempt(lambda: write_shard(trainer, params, state, tmp))
+        entry, error = attempt(lambda: write_shard(trainer, state, tmp))
     if kill_in_save:                                                    # fault injection: die mid-save
         os.kill(os.getpid(), signal.SIGKILL)
     entries, errors = world.gather(entry, root=0), world.allgather(error and f"{error} on rank {world.Get_rank()}")
@@ -95,7 +93,7 @@ def save(trainer, step, save_dir, keep=3, kill_in_save=False, identity=None):
         error = next((e for e in errors if e), None)
         final = None
         if error is None:
-            manifest = build_manifest(trainer, step, t, entries, identity or {"line": DEFAULT_LINE, "id": None,
+            manifest = build_manifest(trainer, step, state, entries, identity or {"line": DEFAULT_LINE, "id": None,
                                                                                "started_from": None})
             final, error = attempt(lambda: publish(tmp, manifest, save_dir, step, keep))
             error = error and f"{error} on rank 0"
@@ -106,6 +104,18 @@ def save(trainer, step, save_dir, keep=3, kill_in_save=False, identity=None):
     if error is not None:
         raise not_written(step, error, save_dir)
     return final
+
+
+def refuse_non_finite(state, step, save_dir, world):
+    """Collective: raise NumericalFault on every rank if any rank's parameters or optimizer moments (a
+    state_dict) hold a NaN or an infinity: a checkpoint of them would be useless, and rotate a good one away."""
+    arrays = list(state["params"].values()) + [v for m in state["moments"].values() for v in m.values()]
+    finite = all(bool(array_module(a).isfinite(a).all()) for a in arrays)
+    bad = [r for r, ok in enumerate(world.allgather(finite)) if not ok]
+    if bad:
+        raise NumericalFault(f"the parameters or optimizer state are not finite after step {step} (on ranks {bad}); "
+                             f"no checkpoint written, the ones in {save_dir!r} are kept; resume from the newest with "
+                             "a smaller --lr")
 
 
 def not_written(step, error, save_dir):
@@ -137,13 +147,13 @@ def make_tmp(save_dir, step):
     return tmp
 
 
-def write_shard(trainer, params, state, tmp):
+def write_shard(trainer, state, tmp):
     """This rank's file: its parameter shards and optimizer state, on disk (fsync) before its checksum is taken."""
     grid = trainer.grid
     name = f"shard-pp{grid.pp_rank}-tp{grid.tp_rank}.npz"
     path = os.path.join(tmp, name)
-    arrays = {f"param/{n}": to_numpy(p) for n, p in params.items()}
-    arrays.update({f"opt/{n}/{k}": to_numpy(v) for n, st in state.items() for k, v in st.items()})
+    arrays = {f"param/{n}": to_numpy(p) for n, p in state["params"].items()}
+    arrays.update({f"opt/{n}/{k}": to_numpy(v) for n, st in state["moments"].items() for k, v in st.items()})
     with open(path, "wb") as f:
         np.savez(f, **arrays)
         f.flush()
@@ -151,7 +161,7 @@ def write_shard(trainer, params, state, tmp):
     return name, {"pp": grid.pp_rank, "tp": grid.tp_rank, "sha256": sha256(path), "bytes": os.path.getsize(path)}
 
 
-def build_manifest(trainer, step, t, entries, run):
+def build_manifest(trainer, step, state, entries, run):
     """Rank 0: the manifest (see the module docstring), with its own digest. run: {"line", "id", "started_from"}
     (hsgd.checkpoint.runs)."""
     tc, grid = trainer.tc, trainer.grid
@@ -161,8 +171,8 @@ def build_manifest(trainer, step, t, entries, run):
                    "virtual_stages": tc.virtual_stages,
                    "layers": [len(r) for r in chunk_layers(trainer.cfg.n_layers, grid.pp, tc.virtual_stages,
                                                            parse_split(tc.pp_split))]},
-        "optimizer": {"name": tc.optimizer, "t": int(t)}, "dtype": tc.dtype,
-        "loss_scale": trainer.scaler.state() if trainer.scaler else None,     # float16: the loss scaler's state
+        "optimizer": {"name": tc.optimizer, "t": int(state["t"])}, "dtype": tc.dtype,
+        "loss_scale": state["loss_scale"],                              # float16: the loss scaler's state
         "data": {"next_step": step + 1, "seed": tc.seed, "corpus": tc.data or "built-in", "batch_size": tc.batch_size},
         "rng": {"seed": tc.seed, "note": "batches and initialization are pure functions of the seed (and step)"},
         "schedule": {k: getattr(tc, k) for k in SCHEDULE},
@@ -297,15 +307,14 @@ def load(trainer, manifest):
     keys = ("m", "v") if tc.optimizer == "adamw" else ("velocity",)
     params, state = {}, {}
     dtype = trainer.dtype
-    for name in trainer.shapes():
+    for name in trainer.shard_shapes:
         params[name] = tp_shards.shard(shards.full(name).astype(dtype), name, grid.tp_rank, grid.tp, trainer.scheme)
         st = {k: shards.full(name, k) for k in keys}
         if all(v is not None for v in st.values()):
             state[name] = {k: tp_shards.shard(v.astype(dtype), name, grid.tp_rank, grid.tp, trainer.scheme)
                            for k, v in st.items()}
-    set_state(trainer, params, state, manifest["optimizer"]["t"])
-    if trainer.scaler and manifest.get("loss_scale"):
-        trainer.scaler.load(manifest["loss_scale"])                     # float16: go on with the scale it had
+    trainer.load_state_dict({"params": params, "moments": state, "t": manifest["optimizer"]["t"],
+                             "loss_scale": manifest.get("loss_scale")})
     return manifest["step"]
 
 

@@ -11,12 +11,13 @@ from hsgd.model.backend import get_xp
 from hsgd.tp.attention import WHOLE
 
 
-def make_context(cfg, grid, tc):
+def make_context(cfg, grid, cp_scheme="ring", device=None):
     """This rank's context layout: WHOLE without context parallelism (grid.cp = 1), else ring attention or
-    all-gather attention (--cp-scheme; hsgd.cp.ring.Ring, hsgd.cp.allgather.AllGather) on grid.cp_comm."""
-    if getattr(grid, "cp", 1) == 1:
+    all-gather attention (--cp-scheme; hsgd.cp.ring.Ring, hsgd.cp.allgather.AllGather) on grid.cp_comm, with the
+    arrays of `device`."""
+    if grid.cp == 1:
         return WHOLE
-    return make_split(getattr(tc, "cp_scheme", "ring"), grid.cp_comm, cfg.seq_len, get_xp(tc.device))
+    return make_split(cp_scheme, grid.cp_comm, cfg.seq_len, get_xp(device))
 
 
 def make_split(scheme, comm, T, xp=np, balanced=True):

@@ -138,7 +138,7 @@ def rounding_band(dump, params, loss0, grads0, draws):
     from hsgd.grid.process_grid import ProcessGrid
     from hsgd.step.trainer import HybridTrainer
     from hsgd.check.oracle import Perturbed, spread
-    from hsgd.run.settings import TrainConfig
+    from hsgd.step.settings import TrainConfig
     B = dump.idx.shape[0]
     tc = TrainConfig(dp=1, tp=1, pp=1, cp=1, batch_size=B, dtype="float64", micro_batches=1)
     runs = []
@@ -147,7 +147,7 @@ def rounding_band(dump, params, loss0, grads0, draws):
     try:
         trainer.exchange.set_params(params)
         for d in range(draws):
-            trainer.stage.use(Perturbed(dump.dtype, "float32", salt=d + 1))
+            trainer.use_numerics(Perturbed(dump.dtype, "float32", salt=d + 1))
             loss = float(trainer.gradients(dump.idx, dump.targets))    # (each starts from a zeroed buffer)
             runs.append(({k: np.array(v, dtype=np.float64) for k, v in trainer.averaged_grads().items()},
                          {"loss": np.array(loss)}))

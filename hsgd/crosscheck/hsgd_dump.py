@@ -16,6 +16,7 @@ import numpy as np
 from hsgd.grid import launch
 from hsgd.tp import shards as tp_shards
 from hsgd.grid.process_grid import ProcessGrid
+from hsgd.dp.average import global_loss
 from hsgd.step.trainer import HybridTrainer
 from hsgd.model.backend import to_numpy
 from hsgd.errors import ConfigError
@@ -41,9 +42,9 @@ class DumpStep(StepWatcher):
             return
         grid, tc = trainer.grid, self.tc
         world, rank = grid.world.comm, grid.world.rank                    # (the mpi4py communicator: pickled)
-        scale = trainer.stage.loss_scale or 1.0                           # float16: the gradients of S x loss
-        grads = {n: host(g) / scale for n, g in trainer.averaged_grads().items()}   # (collective with ZeRO)
-        loss = trainer.global_loss(float(to_numpy(loss)))                 # (collective)
+        scale = trainer.scaler.made_with(0)                               # float16: the gradients were of S x loss
+        grads = {n: host(g) for n, g in trainer.averaged_grads().items()}   # unscaled (collective with ZeRO)
+        loss = global_loss(float(to_numpy(loss)), grid)                 # (collective)
         mine = {n: shard_of(n, self.cfg, grid.tp_rank, grid.tp, tc.tp_scheme, rank) for n in grads}
         everyone = world.gather(mine)
 
@@ -73,7 +74,7 @@ class DumpStep(StepWatcher):
                              idx=to_numpy(idx), targets=to_numpy(targets))
         launch.agree(world, write)                                        # a write error: one line, on every rank
         self.say(f"dump of step {step}: {self.path} (check it: python -m hsgd.crosscheck {self.path})")
-        if not all(np.isfinite(g).all() for g in grads.values()) and trainer.scaler:
+        if not all(np.isfinite(g).all() for g in grads.values()) and trainer.scaler.dynamic:
             self.say(f"note: step {step}'s gradients overflowed at loss scale {scale:g}: hsgd skips this update and "
                      "halves the scale; the dump holds the overflowed gradients (crosscheck calls them not finite)")
         self.params = self.batch = None

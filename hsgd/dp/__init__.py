@@ -2,12 +2,15 @@
 average its gradient over dp_comm (section 3.4), in one of several ways. Chapters 4 (why the average is serial
 SGD) and 8 (overlap, ZeRO, hierarchical, stragglers and staleness).
 
-    average       batch slices, flat buffers (FlatBuffer), the plain average over dp_comm
-    exchange      the gradient exchange's interface, and the plain one: one Allreduce after the backward pass
+    average       batch slices, flat buffers (FlatBuffer), the plain average over dp_comm, the replicas compared
+    exchange      the gradient exchange's interface, and the plain one: one Allreduce after the backward pass;
+                  every exchange's formulas as an object of sizes alone
     overlapped    one Iallreduce per layer's bucket, started during the backward pass
     hierarchical  reduce-scatter in the node, all-reduce across nodes, all-gather in the node
     stale         one step late: each step's exchange overlaps the whole next step
     zero1         ZeRO 1: reduce-scatter, the owned chunk's update, all-gather
-    sharded       ZeRO 2 and 3 layer by layer (3: the parameters gathered per layer), hybrid sharding
+    sharded       what ZeRO 2 and 3 share: each layer's gradient reduce-scattered during the backward pass
+    zero2         ZeRO 2: gradients and optimizer state sharded, the parameters kept whole
+    zero3         ZeRO 3: the parameters sharded too, gathered layer by layer (with zero2: hybrid sharding)
     make          the one place the exchange is made from the settings (or its sizes alone, for the planner)
 """

@@ -104,3 +104,23 @@ def params_digest(params):
     for name in params:
         h.update(to_numpy(params[name]).tobytes())
     return h.hexdigest()
+
+
+def global_loss(group_loss, grid):
+    """The global batch's loss from this DP group's (held by the last pipeline stage; with context parallelism its
+    cp ranks' losses of their positions, which are averaged too): metadata, pickled. Collective over the grid."""
+    return grid.dp_comm.comm.allreduce(grid.pp_comm.comm.bcast(group_loss, root=grid.pp - 1)) / grid.dp_comm.size
+
+
+def replica_divergence(exchange, dp_comm):
+    """Collective over dp_comm: None if every DP replica holds the same parameters, else the first parameter (in
+    the exchange's order) whose replicas differ, and the dp_comm ranks holding each version (dp_rank cp + cp_rank)."""
+    params = exchange.full_params()
+    digests = dp_comm.allgather_obj([params_digest({n: params[n]}) for n in exchange.order])
+    for i, name in enumerate(exchange.order):
+        groups = {}
+        for r, d in enumerate(digests):
+            groups.setdefault(d[i], []).append(r)
+        if len(groups) > 1:
+            return name, sorted(groups.values())
+    return None

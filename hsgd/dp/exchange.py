@@ -8,20 +8,22 @@ several ways to do that, each a class with the same methods, chosen in one place
     OverlappedExchange    one Iallreduce per layer's bucket, started during the backward pass (hsgd.dp.overlapped)
     HierarchicalExchange  reduce-scatter inside the node, all-reduce across nodes, all-gather inside
                           (hsgd.dp.hierarchical)
-    ZeroExchange          reduce-scatter: each DP rank averages and updates 1/dp of the flat buffer (hsgd.dp.zero1)
-    ShardedExchange       ZeRO 2 and 3: each layer's gradient reduce-scattered during the backward pass; stage 3 also
-                          shards the parameters, gathered layer by layer (hsgd.dp.sharded)
     StaleExchange         the average started at step s is applied at step s+1 (asynchronous, one step late;
                           hsgd.dp.stale)
+    Zero1Exchange         reduce-scatter: each DP rank averages and updates 1/dp of the flat buffer (hsgd.dp.zero1)
+    Zero2Exchange         each layer's gradient reduce-scattered during the backward pass (hsgd.dp.zero2)
+    Zero3Exchange         ... and the parameters sharded too, gathered layer by layer (hsgd.dp.zero3)
 
 The interface, in the order a step uses it:
     pbuf, order                 the rank's parameters as one FlatBuffer, laid out by the exchange in `order` (the
                                 backward pass's groups, each a contiguous bucket; ZeRO pads it to dp chunks);
-                                ZeRO-3 has no pbuf: it holds only its chunks (hsgd.dp.sharded)
+                                ZeRO 2 and 3 have none: they hold their chunks (hsgd.dp.sharded)
     params                      {name: array} the stage computes with (ZeRO-3: filled group by group by hooks)
     hooks                       None, or an hsgd.tp.hooks.Hooks run around each group's forward and backward
-    offsets, size               where each parameter lies in the flat layout, and its length (padding included)
-    buf                         the gradient buffer (pbuf's layout) of the current step; None when released (ZeRO 2)
+    offsets                     where each parameter lies in the flat layout
+    use(num)                    where --reduce-dtype and the weights round (hsgd.model.precision.Numerics)
+    model_weights()             the weights the model computes with this step (bfloat16, float16: rounded copies)
+    buf                         the gradient buffer (pbuf's layout) of the current step; None when released
     begin() -> FlatBuffer       the zeroed gradient buffer the backward pass accumulates into
     on_ready(group)             the backward pass has finished a group's gradients (a bucket), or None: not needed
     arrive()                    nothing, or --straggler's sleep (an experiment: this rank arrives late)
@@ -36,60 +38,115 @@ The interface, in the order a step uses it:
                                 so that sums over it add up; None when every DP rank owns everything
     gather(part) -> flat        the whole flat array from every DP rank's `owned` part (checkpoints)
     own(flat) -> part           this rank's part of a whole flat array (the inverse of gather, no communication)
+    named(part) -> {name: a}    gather(part) cut into this rank's parameter shards' shapes (collective with ZeRO)
+    owned_part({name: a})       own() of a flat array filled from whole shards (the inverse of named)
     full_params() -> {name: a}  collective over shard_comm: every parameter whole (ZeRO-3 All-Gathers a copy)
     set_params({name: a})       set this rank's parameters from whole ones (checkpoints)
-    formula(), param_bytes(), grad_bytes(), describe(), comms(), close(), free()
+    comms(), close(), free()    its own communicators; complete what is in flight; free them
+    sizes                       its bytes and memory as formulas of sizes alone (below)
 
-The formulas (formula, memory_formula, param_bytes, grad_bytes, owned_numel) read only sizes, which `sizes()` sets
-from the elements of each gradient group, the itemsize and the dp_comm's size: the trainer's exchange sets them from
-its arrays, and `sized_exchange` makes the same class with its sizes alone (no arrays, no communicator), for a
-layout that is only planned (hsgd.plan) and for runs far larger than this machine.
+Every exchange's formulas are an object of their own that reads only sizes: the elements of each gradient group,
+the itemsize and the dp_comm's size (and the settings that shape it). The exchange makes its `sizes` from its arrays;
+hsgd.dp.make.exchange_sizes makes the same object from sizes alone (no array, no communicator) for a layout that is
+only planned (hsgd.plan) and for runs far larger than this machine. What a sizes object answers:
+    size, itemsize, numel       the flat layout's length (padding included), bytes per element, {group: elements}
+    owned_numel()               elements this rank updates and keeps optimizer state for
+    formula()                   {(comm, op): (calls, payload bytes)} of one step, as CommStats records it
+    param_bytes(), grad_bytes() storage kept between steps
+    memory_formula()            {"params", "grads", "comm"}: its buffers at their peaks in a step
+    comms()                     {name: ranks} of its own communicators (beyond dp_comm)
+    when(key)                   when a collective of formula() runs: "after" the pipeline, "backward" (behind each
+                                micro-batch's backward pass), "forward and backward" (before each)
+    hidden_by                   what hides the exchange that runs "after": None, "buckets" (the backward pass, all
+                                but a bucket), "next step" (the whole next step)
+    describe()                  one line for the run's header
 """
 import time
 
-from hsgd.model.backend import array_module
 from hsgd.dp.average import FlatBuffer, dp_average
+from hsgd.model.backend import array_module
+from hsgd.model.precision import EXACT
 
 
-class GradExchange:
-    """The plain All-Reduce, and the defaults every other exchange shares: see the module docstring.
+class AllreduceSizes:
+    """The plain exchange from sizes alone: numel {group: elements} in backward order, itemsize bytes, dp_size ranks
+    in dp_comm (named `name`). The flat layout is sum numel, padded to a multiple of `pad`."""
+    hidden_by = None                                                  # nothing hides it: after the pipeline
+    holds_weight_copy = True          # bfloat16, float16: the model's rounded copy of the weights lives all step
+
+    def __init__(self, numel, itemsize, dp_size, name="dp", pad=1):
+        self.numel, self.itemsize, self.dp_size, self.dp_name, self.pad = dict(numel), itemsize, dp_size, name, pad
+        total = sum(self.numel.values())
+        self.size = total + (-total % pad)                            # (N + padding,) the flat layout
+
+    def owned_numel(self):
+        """Elements this rank updates and keeps optimizer state for (the size of `master`)."""
+        return self.size
+
+    def formula(self):
+        """One Allreduce of the whole flat gradient."""
+        return {(self.dp_name, "Allreduce"): (1, self.size * self.itemsize)}
+
+    def param_bytes(self):
+        """Bytes of parameter storage this rank keeps between steps: pbuf (size,)."""
+        return self.size * self.itemsize
+
+    def grad_bytes(self):
+        """Bytes of gradient storage this rank keeps between steps: buf (size,)."""
+        return self.size * self.itemsize
+
+    def memory_formula(self):
+        """{"params", "grads", "comm"}: bytes of this exchange's own buffers at their peaks in a step
+        (hsgd.accounting.step_memory): the flat parameters pbuf and the gradient buffer buf, (size,) each."""
+        n = self.size * self.itemsize
+        return {"params": n, "grads": n, "comm": 0}
+
+    def comms(self):
+        return {}
+
+    def when(self, key):
+        return "after"
+
+    def describe(self):
+        return "one Allreduce of all gradients after the backward pass"
+
+
+class AllreduceExchange:
+    """The plain All-Reduce, and what every other exchange shares (see the module docstring).
 
     params: this rank's parameter shards {name: array}; groups: {group: [names]} in the order the backward pass
-    finishes them (tp_model.backward_order). The exchange lays out the flat parameter buffer `pbuf` (each group a
-    contiguous bucket, padded to a multiple of `pad`) and a gradient buffer `buf` with the same layout."""
+    finishes them (tp_model.backward_order); sizes: the exchange's formulas (here AllreduceSizes of the arrays). The
+    exchange lays out the flat parameter buffer `pbuf` (each group a contiguous bucket, padded to sizes.pad) and a
+    gradient buffer `buf` with the same layout."""
     on_ready = None                                                   # no per-bucket work during the backward
     hooks = None                                                      # no per-group work in forward or backward
     delay, tracer = 0.0, None                                         # --straggler: seconds to sleep before finish
     lag = 0                                                           # steps from a gradient's backward to its update
+    num = EXACT                                                       # where --reduce-dtype rounds: nowhere
 
-    def __init__(self, params, groups, dp_comm, pad=1):
-        self.dp_comm, self.groups, self.pad = dp_comm, groups, pad
+    def __init__(self, params, groups, dp_comm, sizes=None):
+        self.dp_comm, self.groups = dp_comm, groups
         self.order = [n for names in groups.values() for n in names]
-        self.sizes(group_numel(params, groups), next(iter(params.values())).dtype.itemsize, dp_comm.size,
-                   dp_comm.name)
-        self.pbuf = FlatBuffer(params, self.order, pad)               # (N + padding,) the parameters
+        self.sizes = sizes or AllreduceSizes(*numel_of(params, groups), dp_comm.size, dp_comm.name)
+        self.pbuf = FlatBuffer(params, self.order, self.sizes.pad)    # (N + padding,) the parameters
         for name, p in params.items():
             self.pbuf.views[name][...] = p
         self.buf = self.new_buffer()                                  # (N + padding,) their gradients
         self.owned = slice(0, self.pbuf.flat.size)
         self.shard_comm = None
         self.params = self.pbuf.views                                 # {name: view into pbuf.flat}
-        self.offsets, self.size = self.pbuf.offsets, self.pbuf.flat.size
+        self.offsets = self.pbuf.offsets
+        self.shapes = {n: p.shape for n, p in params.items()}
 
-    def configure(self, tc, dp_size):
-        """sized_exchange: the settings __init__ takes as arguments (here: none; pad 1)."""
-        self.pad = 1
+    def use(self, num):
+        """Round where `num` says: --reduce-dtype's format for the gradients this exchange sends and receives
+        ("reduce"), the compute format for the weights the model computes with ("weights")."""
+        self.num = num
 
-    def sizes(self, numel, itemsize, dp_size, name="dp"):
-        """What the formulas read: numel {group: elements} in backward order, itemsize bytes, dp_size ranks in
-        dp_comm (named `name`). The flat layout is sum numel, padded to a multiple of `pad`."""
-        self.numel, self.itemsize, self.dp_size, self.dp_name = dict(numel), itemsize, dp_size, name
-        total = sum(numel.values())
-        self.size = total + (-total % self.pad)                       # (N + padding,) the flat layout
-
-    def owned_numel(self):
-        """Elements this rank updates and keeps optimizer state for (the size of `master`)."""
-        return self.size
+    def model_weights(self):
+        """The weights the model computes with in this step: a rounded copy in bfloat16 and float16, the parameters
+        themselves otherwise."""
+        return self.num.weights(self.params)
 
     @property
     def master(self):
@@ -111,11 +168,15 @@ class GradExchange:
 
     def new_buffer(self):
         """A zeroed buffer with the parameters' layout."""
-        return FlatBuffer(self.pbuf.views, self.order, self.pad)
+        return FlatBuffer(self.pbuf.views, self.order, self.sizes.pad)
 
     def begin(self):
         self.buf.zero()
         return self.buf
+
+    def slow_down(self, seconds, tracer):
+        """--straggler: sleep `seconds` before every exchange (arrive), shown on the trace as "straggler delay"."""
+        self.delay, self.tracer = seconds, tracer
 
     def arrive(self):
         """Called before finish(): --straggler makes its rank sleep here, so that it arrives late."""
@@ -124,12 +185,19 @@ class GradExchange:
                 time.sleep(self.delay)
 
     def finish(self):
+        """The average (average()), then --reduce-dtype: the average rounded as it arrives. Returns the seconds this
+        rank waited."""
         t0 = time.perf_counter()
         self.average()
-        return time.perf_counter() - t0
+        waited = time.perf_counter() - t0
+        if self.grads() is not None:
+            self.num.reduced(self.grads())
+        return waited
 
     def average(self):
-        dp_average(self.buf, self.dp_comm)                            # one Allreduce over dp_comm, then / dp
+        """My gradient (rounded to --reduce-dtype as it leaves), one Allreduce over dp_comm, then / dp."""
+        self.num.reduced(self.buf.flat)
+        dp_average(self.buf, self.dp_comm)
 
     def grads(self):
         return self.buf.flat
@@ -143,32 +211,21 @@ class GradExchange:
     def gather(self, part):
         return part
 
-    def model_weights(self, num):
-        """The weights the model computes with in this step: the parameters as `num` (hsgd.model.precision.Numerics)
-        rounds them: a rounded copy in bfloat16 and float16, the parameters themselves otherwise."""
-        return num.weights(self.params)
+    def named(self, part):
+        """{name: this rank's shard, whole} from every DP rank's `owned` part of a flat array (a gradient, an
+        optimizer moment): gather(part), collective over shard_comm when the exchange shards."""
+        flat = self.gather(part)
+        return {n: flat[lo:hi].reshape(self.shapes[n]) for n, (lo, hi) in self.offsets.items()}
 
-    def formula(self):
-        """{(comm, op): (calls, payload bytes)} of one step's exchange, as CommStats records it."""
-        return {(self.dp_name, "Allreduce"): (1, self.size * self.itemsize)}
-
-    def param_bytes(self):
-        """Bytes of parameter storage this rank keeps between steps: pbuf (size,)."""
-        return self.size * self.itemsize
-
-    def grad_bytes(self):
-        """Bytes of gradient storage this rank keeps between steps: buf (size,)."""
-        return self.size * self.itemsize
-
-    def memory_formula(self):
-        """{"params", "grads", "comm"}: bytes of this exchange's own buffers at their peaks in a step
-        (hsgd.accounting.step_memory): the flat parameters pbuf and the gradient buffer buf, (size,) each; no other
-        buffer."""
-        n = self.size * self.itemsize
-        return {"params": n, "grads": n, "comm": 0}
-
-    def describe(self):
-        return "one Allreduce of all gradients after the backward pass"
+    def owned_part(self, named):
+        """This rank's `owned` part of the flat array laid out from {name: whole shard} (zeros where none is given):
+        the inverse of named, without communication."""
+        xp = array_module(self.master)
+        flat = xp.zeros(self.sizes.size, dtype=self.master.dtype)
+        for n, a in named.items():
+            lo, hi = self.offsets[n]
+            flat[lo:hi] = xp.asarray(a).reshape(-1)
+        return xp.array(self.own(flat))
 
     def comms(self):
         """Communicators of this exchange's own (beyond the grid's), e.g. for tracing and staging reports."""
@@ -182,9 +239,7 @@ class GradExchange:
         self.close()
 
 
-AllreduceExchange = GradExchange
-
-
-def group_numel(params, groups):
-    """{group: elements of its parameters}, in the groups' order."""
-    return {g: sum(int(params[n].size) for n in names) for g, names in groups.items()}
+def numel_of(params, groups):
+    """({group: elements of its parameters}, in the groups' order; bytes per element)."""
+    numel = {g: sum(int(params[n].size) for n in names) for g, names in groups.items()}
+    return numel, next(iter(params.values())).dtype.itemsize

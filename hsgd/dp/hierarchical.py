@@ -42,7 +42,7 @@ from mpi4py import MPI
 from hsgd.model.backend import array_module
 from hsgd.grid.comm import Comm
 from hsgd.model.config import divisors
-from hsgd.dp.exchange import GradExchange
+from hsgd.dp.exchange import AllreduceExchange, AllreduceSizes, numel_of
 from hsgd.errors import ConfigError
 
 
@@ -118,47 +118,54 @@ def cross_node_bytes(nbytes, ranks_per_node, n_nodes, itemsize):
     return {"hier": 2 * (k - 1) * m * itemsize / k, "flat_ring": 2 * (P - 1) * nbytes / P if k > 1 else 0.0}
 
 
-class HierarchicalExchange(GradExchange):
-    """The gradient exchange of --hierarchical: g <- (1/dp) * sum over dp_comm of g, in the three steps of
-    hierarchical_allreduce over the node and cross-node communicators that node_split builds from dp_comm."""
+class HierarchicalSizes(AllreduceSizes):
+    """The hierarchical exchange from sizes: nodes of ranks_per_node consecutive dp ranks (hier_formula's bytes)."""
 
-    def __init__(self, params, groups, dp_comm, ranks_per_node=None):
-        super().__init__(params, groups, dp_comm)
-        self.node_comm, self.cross_comm = node_split(dp_comm, ranks_per_node)
-        self.ranks_per_node, self.n_nodes = self.node_comm.size, self.cross_comm.size
-        self.scratch = hier_buffers(self.buf.flat, self.ranks_per_node)      # (pad, chunk), allocated once
-
-    def configure(self, tc, dp_size):
-        """sized_exchange: nodes of tc.ranks_per_node consecutive dp ranks (required: no MPI to find them)."""
-        n = tc.ranks_per_node
-        if not n or dp_size % n:
-            raise ConfigError(f"ranks_per_node={n!r} does not split the {dp_size} dp ranks into equal nodes; give "
-                              f"one of {divisors(dp_size)}")
-        self.pad, self.ranks_per_node, self.n_nodes = 1, n, dp_size // n
-
-    def average(self):
-        hierarchical_allreduce(self.buf.flat, self.node_comm, self.cross_comm, self.scratch)   # node/cross/node
-        if self.dp_comm.size > 1:
-            self.buf.flat *= 1.0 / self.dp_comm.size
+    def __init__(self, numel, itemsize, dp_size, ranks_per_node, name="dp"):
+        super().__init__(numel, itemsize, dp_size, name)
+        if not ranks_per_node or dp_size % ranks_per_node:
+            raise ConfigError(f"ranks_per_node={ranks_per_node!r} does not split the {dp_size} dp ranks into equal "
+                              f"nodes; give one of {divisors(dp_size)}")
+        self.ranks_per_node, self.n_nodes = ranks_per_node, dp_size // ranks_per_node
 
     def formula(self):
         return hier_formula(self.size * self.itemsize, self.ranks_per_node, self.n_nodes, self.itemsize,
                             self.dp_name)
 
-    def describe(self):
-        return (f"hierarchical: {self.ranks_per_node} dp ranks per node x {self.n_nodes} nodes "
-                "(node Reduce_scatter_block, cross-node Allreduce, node Allgather)")
-
-    def comms(self):
-        return [self.node_comm, self.cross_comm]
-
     def memory_formula(self):
-        """GradExchange's buffers, and the scratch of hierarchical_allreduce: the chunk (m,), m = ceil(size / n),
-        and the padded copy (n m,) unless n divides size."""
+        """The plain exchange's buffers, and the scratch of hierarchical_allreduce: the chunk (m,), m = ceil(size
+        / n), and the padded copy (n m,) unless n divides size."""
         out, n, s = super().memory_formula(), self.ranks_per_node, self.itemsize
         m = -(-self.size // n)
         out["comm"] = (m + (n * m if n * m != self.size else 0)) * s
         return out
+
+    def comms(self):
+        return {f"{self.dp_name}-node": self.ranks_per_node, f"{self.dp_name}-cross": self.n_nodes}
+
+    def describe(self):
+        return (f"hierarchical: {self.ranks_per_node} dp ranks per node x {self.n_nodes} nodes "
+                "(node Reduce_scatter_block, cross-node Allreduce, node Allgather)")
+
+
+class HierarchicalExchange(AllreduceExchange):
+    """The gradient exchange of --hierarchical: g <- (1/dp) * sum over dp_comm of g, in the three steps of
+    hierarchical_allreduce over the node and cross-node communicators that node_split builds from dp_comm."""
+
+    def __init__(self, params, groups, dp_comm, ranks_per_node=None):
+        self.node_comm, self.cross_comm = node_split(dp_comm, ranks_per_node)
+        super().__init__(params, groups, dp_comm, HierarchicalSizes(*numel_of(params, groups), dp_comm.size,
+                                                                     self.node_comm.size, dp_comm.name))
+        self.scratch = hier_buffers(self.buf.flat, self.node_comm.size)      # (pad, chunk), allocated once
+
+    def average(self):
+        """My gradient (rounded to --reduce-dtype as it leaves), node / cross / node, then / dp."""
+        hierarchical_allreduce(self.num.reduced(self.buf.flat), self.node_comm, self.cross_comm, self.scratch)
+        if self.dp_comm.size > 1:
+            self.buf.flat *= 1.0 / self.dp_comm.size
+
+    def comms(self):
+        return [self.node_comm, self.cross_comm]
 
     def free(self):
         self.close()

@@ -1,47 +1,46 @@
-"""The gradient exchange of a run, made in this one place from the settings: which class (exchange_class), the
-exchange itself (make_exchange), or its sizes alone (sized_exchange). Chapter 8 runs every one."""
-from hsgd.dp.exchange import AllreduceExchange
-from hsgd.dp.hierarchical import HierarchicalExchange
-from hsgd.dp.overlapped import OverlappedExchange
-from hsgd.dp.sharded import ShardedExchange
-from hsgd.dp.stale import StaleExchange
-from hsgd.dp.zero1 import ZeroExchange
+"""The gradient exchange of a run, made in this one place from the Exchange settings (--zero, --dp-overlap,
+--hierarchical, --dp-staleness: at most one, checked by TrainConfig.validate; --zero 2|3 --hierarchical is hybrid
+sharding): the exchange itself (make_exchange), or its sizes alone (exchange_sizes: its formulas without an array
+or a communicator, for the planner). Chapter 8 runs every one."""
+from hsgd.dp.exchange import AllreduceExchange, AllreduceSizes
+from hsgd.dp.hierarchical import HierarchicalExchange, HierarchicalSizes
+from hsgd.dp.overlapped import OverlappedExchange, OverlappedSizes
+from hsgd.dp.stale import StaleExchange, StaleSizes
+from hsgd.dp.zero1 import Zero1Exchange, Zero1Sizes
+from hsgd.dp.zero2 import Zero2Exchange, Zero2Sizes
+from hsgd.dp.zero3 import Zero3Exchange, Zero3Sizes
 
 
-def exchange_class(tc):
-    """The class make_exchange chooses for the settings tc (--zero, --dp-overlap, --hierarchical, --dp-staleness:
-    at most one, checked by TrainConfig.validate; --zero 2|3 --hierarchical is hybrid sharding)."""
-    return (ShardedExchange if tc.zero >= 2 else ZeroExchange if tc.zero else OverlappedExchange if tc.dp_overlap
-            else HierarchicalExchange if tc.hierarchical else StaleExchange if tc.dp_staleness else AllreduceExchange)
-
-
-def sized_exchange(tc, numel, itemsize, dp_size):
-    """The exchange make_exchange would make for tc, holding its sizes only (no array, no communicator): its
-    formula(), memory_formula(), param_bytes(), grad_bytes() and owned_numel() are those of the trainer's for a
-    stage whose gradient groups have numel {group: elements} (backward order), itemsize bytes, dp_comm of dp_size
-    ranks (dp x cp). --hierarchical needs tc.ranks_per_node here (no MPI to find the nodes)."""
-    cls = exchange_class(tc)
-    ex = cls.__new__(cls)                                             # no __init__: nothing is allocated
-    ex.dp_comm = None
-    ex.configure(tc, dp_size)
-    ex.sizes(numel, itemsize, dp_size)
-    return ex
-
-
-def make_exchange(tc, params, groups, grid, tracer):
-    """The one place the exchange is made from the settings (exchange_class says which).
-    --straggler RANK:MS makes that rank sleep
-    before every exchange, to show what synchronous SGD pays for one slow worker."""
-    cls = exchange_class(tc)
-    if cls is ShardedExchange:
-        ex = cls(params, groups, grid.dp_comm, tc.zero, hybrid=tc.hierarchical,
-                 ranks_per_node=tc.ranks_per_node, micro_batches=tc.micro_batches)
-    elif cls is ZeroExchange:
-        ex = cls(params, groups, grid.dp_comm, tc.zero)
-    elif cls is HierarchicalExchange:
-        ex = cls(params, groups, grid.dp_comm, tc.ranks_per_node)
+def make_exchange(settings, params, groups, grid, micro_batches, num):
+    """This rank's exchange for the Exchange settings: params, groups its stage's parameter shards by gradient group
+    (backward order), grid the ProcessGrid (its dp_comm), micro_batches per step (ZeRO 2 and 3 reduce-scatter each
+    one's), num where it rounds (hsgd.model.precision.Numerics)."""
+    s, dp_comm = settings, grid.dp_comm
+    if s.zero >= 2:
+        cls = Zero2Exchange if s.zero == 2 else Zero3Exchange
+        ex = cls(params, groups, dp_comm, micro_batches, hybrid=s.hierarchical, ranks_per_node=s.ranks_per_node)
+    elif s.zero == 1:
+        ex = Zero1Exchange(params, groups, dp_comm)
+    elif s.hierarchical:
+        ex = HierarchicalExchange(params, groups, dp_comm, s.ranks_per_node)
     else:
-        ex = cls(params, groups, grid.dp_comm)
-    if tc.straggler and int(tc.straggler.split(":")[0]) == grid.rank:
-        ex.delay, ex.tracer = int(tc.straggler.split(":")[1]) / 1000.0, tracer
+        ex = (OverlappedExchange if s.dp_overlap else StaleExchange if s.dp_staleness else AllreduceExchange)(
+            params, groups, dp_comm)
+    ex.use(num)
     return ex
+
+
+def exchange_sizes(settings, numel, itemsize, dp_size, micro_batches=1):
+    """The sizes object (its formulas) of the exchange make_exchange would make for the Exchange settings, for a
+    stage whose gradient groups have numel {group: elements} (backward order) of itemsize bytes, on a dp_comm of
+    dp_size ranks (dp x cp). --hierarchical needs settings.ranks_per_node here (no MPI to find the nodes)."""
+    s = settings
+    if s.zero >= 2:
+        hybrid = s.ranks_per_node if s.hierarchical else None
+        return (Zero2Sizes if s.zero == 2 else Zero3Sizes)(numel, itemsize, dp_size, micro_batches, hybrid)
+    if s.zero == 1:
+        return Zero1Sizes(numel, itemsize, dp_size)
+    if s.hierarchical:
+        return HierarchicalSizes(numel, itemsize, dp_size, s.ranks_per_node)
+    return (OverlappedSizes if s.dp_overlap else StaleSizes if s.dp_staleness else AllreduceSizes)(
+        numel, itemsize, dp_size)

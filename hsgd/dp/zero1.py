@@ -12,75 +12,26 @@ so the bytes are the same; what falls by dp is the optimizer's state and work (R
     p = Allgather(p[chunk_r])                                                    (dp, chunk) -> flat
 
 Stage 1 keeps the full gradient buffer, and the Reduce-Scatter runs after the whole backward pass. Stages 2 and 3
-(hsgd.dp.sharded) reduce-scatter layer by layer during the backward pass and keep only the owned chunk of the
-gradient; stage 3 shards the parameters too. (ZeroExchange(stage=2) is the plain version of stage 2: the whole
-gradient buffer from the backward pass to one Reduce-Scatter after it, then released; the tests compare the two.)
+(hsgd.dp.zero2, hsgd.dp.zero3) reduce-scatter layer by layer during the backward pass and keep only the owned chunk
+of the gradient; stage 3 shards the parameters too.
 
 The optimizer works on the flat layout in every exchange (hsgd.step.trainer): element masks say which elements get
 weight decay (2-D parameters) and which belong to tensor-sharded parameters (for the global gradient norm); here it
 sees only the owned chunk of them.
 """
+from hsgd.dp.exchange import AllreduceExchange, AllreduceSizes, numel_of
 from hsgd.model.backend import array_module
-from hsgd.dp.exchange import GradExchange
 
 
-class ZeroExchange(GradExchange):
-    """The exchange of ZeRO stages 1 and 2 (see the module docstring): the flat layout is padded to dp equal
-    chunks; `owned` is this rank's chunk, the only part it averages, updates and keeps optimizer state for."""
+class Zero1Sizes(AllreduceSizes):
+    """ZeRO 1 from sizes: the flat layout padded to dp_size equal chunks, one of which this rank owns."""
 
-    def __init__(self, params, groups, dp_comm, stage):
-        assert stage in (1, 2)
-        super().__init__(params, groups, dp_comm, pad=dp_comm.size)
-        xp = array_module(self.pbuf.flat)
-        r = dp_comm.rank
-        self.stage = stage
-        self.owned = slice(r * self.chunk, (r + 1) * self.chunk)        # my part of the flat layout
-        self.shard_comm = dp_comm                                       # each DP rank holds a different chunk
-        self.g_chunk = xp.zeros(self.chunk, dtype=self.pbuf.flat.dtype)  # (chunk,) my averaged gradient
-        self.p_send = xp.zeros(self.chunk, dtype=self.pbuf.flat.dtype)   # (chunk,) send buffer of the Allgather
-        if stage == 2:
-            self.buf = None                                             # the full buffer lives only in the step
-
-    def configure(self, tc, dp_size):
-        """sized_exchange: the flat layout padded to dp_size chunks; the stage."""
-        self.pad, self.stage = dp_size, tc.zero
-
-    def sizes(self, numel, itemsize, dp_size, name="dp"):
-        super().sizes(numel, itemsize, dp_size, name)
+    def __init__(self, numel, itemsize, dp_size, name="dp"):
+        super().__init__(numel, itemsize, dp_size, name, pad=dp_size)
         self.chunk = self.size // dp_size                               # my part of the padded flat layout
 
     def owned_numel(self):
         return self.chunk
-
-    def begin(self):
-        """The gradient buffer the backward pass accumulates into (stage 2: allocated anew each step)."""
-        if self.buf is None:
-            self.buf = self.new_buffer()
-        self.buf.zero()
-        return self.buf
-
-    def average(self):
-        """g_r <- (1/dp) * (sum over dp of the full gradient)[my chunk]; stage 2 then releases the full buffer."""
-        dp = self.dp_comm.size
-        self.dp_comm.Reduce_scatter_block(self.buf.flat.reshape(dp, self.chunk), self.g_chunk)
-        self.g_chunk *= 1.0 / dp
-        if self.stage == 2:
-            self.buf = None
-
-    def grads(self):
-        return self.g_chunk
-
-    def after_update(self):
-        """All-Gather every rank's updated chunk into every rank's parameters."""
-        self.p_send[...] = self.pbuf.flat[self.owned]
-        self.dp_comm.Allgather(self.p_send, self.pbuf.flat.reshape(self.dp_comm.size, self.chunk))
-
-    def gather(self, part):
-        """Collective over dp_comm: the whole flat array from every DP rank's chunk `part` (chunk,)."""
-        xp = array_module(part)
-        full = xp.empty((self.dp_comm.size, self.chunk), dtype=part.dtype)
-        self.dp_comm.Allgather(xp.ascontiguousarray(part), full)
-        return full.reshape(-1)
 
     def formula(self):
         """One Reduce_scatter_block of the padded gradient buffer and one Allgather of the padded parameters (the
@@ -89,14 +40,49 @@ class ZeroExchange(GradExchange):
         return {(self.dp_name, "Reduce_scatter_block"): (1, n), (self.dp_name, "Allgather"): (1, n)}
 
     def grad_bytes(self):
-        """Between steps: my averaged chunk (chunk,), and stage 1 the full buffer (size,) (stage 2 releases it)."""
-        return (self.chunk + (self.size if self.stage == 1 else 0)) * self.itemsize
+        """Between steps: the full buffer (size,) and my averaged chunk (chunk,)."""
+        return (self.size + self.chunk) * self.itemsize
 
     def memory_formula(self):
-        """Parameters (size,) whole; gradients: the full buffer (stage 2: from begin() to the Reduce-Scatter, so at
-        the step's peak too) and my averaged chunk (chunk,); comm: the Allgather's send buffer (chunk,)."""
+        """Parameters (size,) whole; gradients: the full buffer and my averaged chunk (chunk,); comm: the
+        Allgather's send buffer (chunk,)."""
         s = self.itemsize
         return {"params": self.size * s, "grads": (self.size + self.chunk) * s, "comm": self.chunk * s}
 
     def describe(self):
-        return f"ZeRO stage {self.stage} (Reduce_scatter_block + sharded optimizer + Allgather over dp_comm)"
+        return "ZeRO stage 1 (Reduce_scatter_block + sharded optimizer + Allgather over dp_comm)"
+
+
+class Zero1Exchange(AllreduceExchange):
+    """The exchange of ZeRO stage 1 (see the module docstring): the flat layout is padded to dp equal chunks;
+    `owned` is this rank's chunk, the only part it averages, updates and keeps optimizer state for."""
+
+    def __init__(self, params, groups, dp_comm):
+        super().__init__(params, groups, dp_comm, Zero1Sizes(*numel_of(params, groups), dp_comm.size, dp_comm.name))
+        xp, r, chunk = array_module(self.pbuf.flat), dp_comm.rank, self.sizes.chunk
+        self.owned = slice(r * chunk, (r + 1) * chunk)                  # my part of the flat layout
+        self.shard_comm = dp_comm                                       # each DP rank holds a different chunk
+        self.g_chunk = xp.zeros(chunk, dtype=self.pbuf.flat.dtype)      # (chunk,) my averaged gradient
+        self.p_send = xp.zeros(chunk, dtype=self.pbuf.flat.dtype)       # (chunk,) send buffer of the Allgather
+
+    def average(self):
+        """g_r <- (1/dp) * (sum over dp of the full gradient, rounded to --reduce-dtype as it leaves)[my chunk]."""
+        dp = self.dp_comm.size
+        self.dp_comm.Reduce_scatter_block(self.num.reduced(self.buf.flat).reshape(dp, self.sizes.chunk),
+                                          self.g_chunk)
+        self.g_chunk *= 1.0 / dp
+
+    def grads(self):
+        return self.g_chunk
+
+    def after_update(self):
+        """All-Gather every rank's updated chunk into every rank's parameters."""
+        self.p_send[...] = self.pbuf.flat[self.owned]
+        self.dp_comm.Allgather(self.p_send, self.pbuf.flat.reshape(self.dp_comm.size, self.sizes.chunk))
+
+    def gather(self, part):
+        """Collective over dp_comm: the whole flat array from every DP rank's chunk `part` (chunk,)."""
+        xp = array_module(part)
+        full = xp.empty((self.dp_comm.size, self.sizes.chunk), dtype=part.dtype)
+        self.dp_comm.Allgather(xp.ascontiguousarray(part), full)
+        return full.reshape(-1)

@@ -9,6 +9,7 @@ serial SGD of the lecture's section 1), appendix A (where the time goes), chapte
     kernels     the same layers tuned (pieces, out=, threads, causal blocks), tested equal to them
     ops         the one place the models choose their layer functions (the tuned kernels)
     serial      the serial reference model and serial.sgd, the run every layout must reproduce
+    gradcheck   finite differences: every hand-written backward checked against the loss itself
     optim       SGD, AdamW, the learning-rate schedule, global-norm clipping
     precision   bfloat16 and float16 emulated exactly: rounding, the unit roundoff, Numerics (where a run rounds)
     data        the corpus, the train/validation split and the batch of every step

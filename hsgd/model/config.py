@@ -4,7 +4,7 @@
 pipeline-parallel) computes. Validation errors name the field, the value and what would work.
 
 A field made with `flag(default, help_text, ...)` is also a command-line flag (and a TOML key): its metadata holds the
-help text and argparse's keywords, from which hsgd.run.settings builds the parsers, so a default and its help are
+help text and argparse's keywords, from which hsgd.step.settings builds the parsers, so a default and its help are
 written once.
 
 Legend used across hsgd: B batch, T sequence length, C d_model, NH heads, hs = C/NH head size,

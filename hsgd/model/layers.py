@@ -27,6 +27,20 @@ GELU_C = math.sqrt(2.0 / math.pi)
 
 
 # --------------------------------------------------------------------------------------------------------------
+# The residual connection: y = x + f(x)
+
+def residual_forward(x, o):
+    """y = x + o: the residual stream x plus a sublayer's output o = f(x)."""
+    return x + o
+
+
+def residual_backward(dout, dbranch):
+    """y = x + f(x) reads x twice, through the skip and through f, so the gradient of x is the sum of both paths:
+    dL/dx = dout (the skip: dy/dx = 1) + dbranch (dout carried back through f to x)."""
+    return dout + dbranch
+
+
+# --------------------------------------------------------------------------------------------------------------
 # Embedding: x = wte[idx] + wpe[:T]
 
 def embedding_forward(idx, wte, wpe):

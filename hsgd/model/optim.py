@@ -44,11 +44,23 @@ class SGD:
         self.lr = lr                      # learning rate (a schedule may pass another one to step())
         self.momentum = momentum          # heavy-ball coefficient mu; 0 = plain SGD
         self.weight_decay = weight_decay  # decoupled weight decay on 2-D parameters
+        self.t = 0                        # steps taken
         self.state = {}                   # name (the trainer: "flat") -> velocity v, created on first use
+
+    def moments(self, name):
+        """{"velocity": v} of parameter `name` (empty before the first step, and for plain SGD)."""
+        return {"velocity": self.state[name]} if name in self.state else {}
+
+    def set_moments(self, name, moments):
+        """The inverse of moments (a checkpoint's state back in place)."""
+        self.state.pop(name, None)
+        if moments:
+            self.state[name] = moments["velocity"]
 
     def step(self, params, grads, lr=None, decay=None):
         """decay: optional {name: bool or per-element 0/1 mask} instead of the 2-D rule (the trainer's flat array)."""
         lr = self.lr if lr is None else lr
+        self.t += 1
         for name, p in params.items():
             g = grads[name]
             apply_weight_decay(p, name, lr, self.weight_decay, decay)
@@ -70,6 +82,16 @@ class AdamW:
         self.weight_decay = weight_decay  # decoupled weight decay on 2-D parameters
         self.t = 0                        # steps taken (for the bias corrections)
         self.state = {}                   # name (the trainer: "flat") -> (m, v)
+
+    def moments(self, name):
+        """{"m": first moment, "v": second moment} of parameter `name` (empty before the first step)."""
+        return dict(zip(("m", "v"), self.state[name])) if name in self.state else {}
+
+    def set_moments(self, name, moments):
+        """The inverse of moments (a checkpoint's state back in place)."""
+        self.state.pop(name, None)
+        if moments:
+            self.state[name] = (moments["m"], moments["v"])
 
     def step(self, params, grads, lr=None, decay=None):
         """decay: optional {name: bool or per-element 0/1 mask} instead of the 2-D rule (the trainer's flat array)."""

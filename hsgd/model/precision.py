@@ -163,7 +163,7 @@ class Numerics:
 EXACT = Numerics()                      # float32 and float64 runs: nothing rounded
 
 
-def make_numerics(tc):
-    """The Numerics of a run's settings: --dtype (bfloat16 and float16 emulated) and --reduce-dtype."""
-    dtype = getattr(tc, "dtype", "float32")
-    return Numerics(dtype if dtype in LOW else "float32", getattr(tc, "reduce_dtype", "float32"))
+def make_numerics(dtype, reduce_dtype="float32"):
+    """The Numerics of a run: --dtype (bfloat16 and float16 emulated; float32 and float64: nothing rounded) and
+    --reduce-dtype."""
+    return Numerics(dtype if dtype in LOW else "float32", reduce_dtype)

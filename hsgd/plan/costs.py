@@ -42,10 +42,11 @@ Every function returns seconds; with `why` (a list) it appends ("term", "formula
    and a received message per action), through hsgd.pp.schedules.simulate: its makespan holds the bubble. While
    searching (simulated=False), gpipe, 1f1b and interleaved use the closed form the simulation equals for such
    stages; the layouts printed are priced again with the simulator.
-5. The data-parallel exchange: after the pipeline, unless it overlaps (--dp-overlap: one bucket per group during
-   the last micro-batch's backward; ZeRO 2 and 3: each micro-batch's reduce-scatters during its backward; the
-   stale exchange: during the whole next step): then only what the backward cannot hide, and at least the last
-   bucket.
+5. The data-parallel exchange, as its sizes say (hsgd.dp.exchange: when each collective runs, what hides it):
+   after the pipeline, unless it overlaps (--dp-overlap: one bucket per group during the last micro-batch's
+   backward; ZeRO 2 and 3: each micro-batch's reduce-scatters during its backward, ZeRO 3's gathers before each
+   forward and backward; the stale exchange: during the whole next step): then only what the backward cannot hide,
+   and at least the last bucket.
 Left out: the optimizer's elementwise work, kernel launch and Python overheads,
 contention between collectives that run at once, and compute slowed by communication it overlaps with.
 """
@@ -118,22 +119,20 @@ def traffic(counts, sizes, links, hw=None, why=None, only=None):
 
 
 # ---------------------------------------------------------------------------------------------- 2. links
-def group_sizes(lay):
-    """{communicator name: ranks} of a layout (lay: .dp .pp .cp .tp, .ranks_per_node for hierarchical)."""
-    out = {"tp": lay.tp, "cp": lay.cp, "pp": lay.pp, "dp": lay.dp * lay.cp}
-    if lay.hierarchical:
-        out["dp-node"], out["dp-cross"] = lay.ranks_per_node, lay.dp * lay.cp // lay.ranks_per_node
-    return out
+def group_sizes(lay, exchange):
+    """{communicator name: ranks} of a layout (lay: .dp .pp .cp .tp) and of its exchange's own (exchange: its
+    sizes; the hierarchical exchange's and hybrid sharding's node and cross-node communicators)."""
+    return {"tp": lay.tp, "cp": lay.cp, "pp": lay.pp, "dp": lay.dp * lay.cp, **exchange.comms()}
 
 
-def group_links(lay, hw):
+def group_links(lay, hw, exchange):
     """{communicator: the Link it crosses}: inside a node when its ranks span at most devices_per_node and the span
-    divides it (the groups then align with the nodes; otherwise some group crosses, and all wait for it)."""
+    divides it (the groups then align with the nodes; otherwise some group crosses, and all wait for it). A node
+    communicator of the exchange spans its consecutive dp ranks, a cross-node one the whole dp span."""
     D, inner = hw.devices_per_node, lay.cp * lay.tp
     span = {"tp": lay.tp, "cp": inner, "pp": lay.pp * inner, "dp": lay.dp * lay.pp * inner}
-    if lay.hierarchical:
-        span["dp-node"] = lay.ranks_per_node * lay.pp * inner
-        span["dp-cross"] = span["dp"]
+    for name, ranks in exchange.comms().items():
+        span[name] = ranks * lay.pp * inner if name.endswith("-node") else span["dp"]
     return {c: hw.intra if k <= D and D % k == 0 else hw.inter for c, k in span.items()}   # (aligned to nodes)
 
 
@@ -200,10 +199,12 @@ class StepTime:
                 "cp": self.cp, "dp": self.dp, "zero-3 gather": self.zero_gather, "optimizer": self.optimizer}
 
 
-def stage_costs(cfg, lay, n_blocks, first, last, counts, hw, rate, sizes, links, mine=None):
-    """One micro-batch on one rank of a stage: {"f", "b", "w": the seconds of its forward, backward and weight
-    gradients as the pipeline schedules them (compute, elementwise, exposed tp, cp and ZeRO-3 gathers, the messages
-    received), and their parts "compute", "ew", "tp", "cp", "msg", "gather", "rs"}; mine: its --explain lines."""
+def stage_costs(cfg, lay, stage, hw, rate, sizes, links, mine=None):
+    """One micro-batch on one rank of a stage, stage = (n_blocks, first, last, its bytes of a step, its exchange's
+    sizes): {"f", "b", "w": the seconds of its forward, backward and weight gradients as the pipeline schedules them
+    (compute, elementwise, exposed tp, cp and the exchange's gathers, the messages received), and their parts
+    "compute", "ew", "tp", "cp", "msg", "gather", "rs"}; mine: its --explain lines."""
+    n_blocks, first, last, counts, ex = stage
     m, p, v = lay.m, lay.pp, lay.v
     fl, bl, wl = micro_batch_flops(cfg, lay.b, lay.tp, lay.cp, n_blocks, last, lay.recompute, mine)
     t = traffic(counts, sizes, links, hw)
@@ -224,17 +225,14 @@ def stage_costs(cfg, lay, n_blocks, first, last, counts, hw, rate, sizes, links,
         note(mine, "pp", f"a message of {nbytes / max(calls, 1):.4g} B over the {links['pp'].name} link "
                          f"{fmt_s(one)}; per micro-batch {v - first} received by the forwards, {v - last} by the "
                          f"backwards")
-    gather = 0.0
-    if lay.zero == 3:
-        calls, nbytes = counts.get((shard_name(lay), "Allgather"), (0, 0))
-        gather = calls * collective("Allgather", nbytes / max(calls, 1), shard_size(lay), links[shard_name(lay)],
-                                    hw) / (2 * m) if calls else 0.0
-    rs = 0.0
-    if lay.zero >= 2:                                  # each micro-batch's reduce-scatters, behind its backward
-        calls, nbytes = counts.get((shard_name(lay), "Ireduce_scatter_block"), (0, 0))
-        per_mb = calls * collective("Reduce_scatter_block", nbytes / max(calls, 1), shard_size(lay),
-                                    links[shard_name(lay)], hw) / m if calls else 0.0
-        rs = max(per_mb * lay.m / max(calls, 1), per_mb - (bl + wl) / rate)
+    gather = rs = 0.0
+    for (comm, op), (calls, nbytes) in ex.formula().items():
+        one = collective(op, nbytes / max(calls, 1), sizes[comm], links[comm], hw) if calls else 0.0
+        if ex.when((comm, op)) == "forward and backward":            # ZeRO-3's gathers: before each F and each B
+            gather += calls * one / (2 * m)
+        elif ex.when((comm, op)) == "backward":                      # each micro-batch's, behind its backward
+            per_mb = calls * one / m
+            rs += max(per_mb * m / calls, per_mb - (bl + wl) / rate)
     ew = 0.0
     if hw.memory_bandwidth:
         act = activation_bytes(cfg, lay.b, lay.tp, lay.tp_scheme == "sequence", "none", lay.cp) * lay.itemsize / 2
@@ -256,19 +254,19 @@ def stage_costs(cfg, lay, n_blocks, first, last, counts, hw, rate, sizes, links,
 
 
 def step_time(cfg, lay, stages, hw, rate, explain=False, simulated=True, optimizer_s=0.0):
-    """StepTime of layout `lay` (.dp .pp .cp .tp .v .b .m .schedule .recompute .tp_scheme .zero .dp_overlap
-    .dp_staleness .hierarchical .ranks_per_node .cp_scheme) whose stages are [(n_blocks, first, last, bytes of one
-    step on that stage's rank)], on hardware hw with matmul rate `rate` FLOP/s (see the module docstring)."""
+    """StepTime of layout `lay` (.dp .pp .cp .tp .v .b .m .schedule .recompute .tp_scheme .cp_scheme) whose stages
+    are [(n_blocks, first, last, bytes of one step on that stage's rank, its exchange's sizes: hsgd.dp.exchange)],
+    on hardware hw with matmul rate `rate` FLOP/s (see the module docstring)."""
     why = [] if explain else None
-    sizes, links, m, p, v = group_sizes(lay), group_links(lay, hw), lay.m, lay.pp, lay.v
+    ex = stages[0][4]                                     # (every stage's exchange has the same communicators)
+    sizes, links, m, p, v = group_sizes(lay, ex), group_links(lay, hw, ex), lay.m, lay.pp, lay.v
     priced = []
-    for s, (n_blocks, first, last, counts) in enumerate(stages):
+    for s, stage in enumerate(stages):
         mine = [] if explain else None                    # this stage's --explain lines (the slowest one's are kept)
-        priced.append(dict(stage_costs(cfg, lay, n_blocks, first, last, counts, hw, rate, sizes, links, mine),
-                           stage=s, why=mine))
+        priced.append(dict(stage_costs(cfg, lay, stage, hw, rate, sizes, links, mine), stage=s, why=mine))
     worst = max(priced, key=lambda c: c["f"] + c["b"] + c["w"])      # (the first of equals)
     if why is not None:
-        n_blocks, first, last, _ = stages[worst["stage"]]
+        n_blocks, first, last, _, _ = stages[worst["stage"]]
         why.append(("stage", f"the slowest stage, whose costs every stage is priced at: {n_blocks} blocks"
                              + (", the embedding" if first else "") + (", the head" if last else "")))
         why.extend(worst["why"])
@@ -278,7 +276,7 @@ def step_time(cfg, lay, stages, hw, rate, explain=False, simulated=True, optimiz
     note(why, "pipeline", f"{lay.schedule} on p = {p} stages, m = {m}, v = {v}: per micro-batch F {fmt_s(worst['f'])}, "
                           f"B {fmt_s(worst['b'])}, W {fmt_s(worst['w'])}; simulated makespan {fmt_s(span)}, of which "
                           f"busy m (F + B + W) = {fmt_s(busy)}, bubble {fmt_s(max(span - busy, 0.0))}")
-    dp = dp_exposed(lay, worst, sizes, links, hw, why)
+    dp = dp_exposed(lay, worst, stages[worst["stage"]][4], sizes, links, hw, why)
     st = StepTime(compute=m * worst["compute"], tp=m * worst["tp"], pp_bubble=max(span - busy, 0.0),
                   pp_transfer=m * worst["msg"], cp=m * worst["cp"], dp=dp + m * worst["rs"],
                   zero_gather=m * worst["gather"], elementwise=m * worst["ew"], optimizer=optimizer_s,
@@ -290,26 +288,16 @@ def step_time(cfg, lay, stages, hw, rate, explain=False, simulated=True, optimiz
     return st
 
 
-def shard_name(lay):
-    return "dp-node" if lay.hierarchical else "dp"
-
-
-def shard_size(lay):
-    return lay.ranks_per_node if lay.hierarchical else lay.dp * lay.cp
-
-
-def dp_exposed(lay, worst, sizes, links, hw, why):
-    """Seconds of the data-parallel exchange not hidden behind the backward pass (see 5 above); ZeRO 2 and 3's
-    reduce-scatters are counted per micro-batch in step_time."""
-    counts = {k: v for k, v in worst["counts"].items() if k[0] in ("dp", "dp-node", "dp-cross")}
-    if lay.zero >= 2:                                     # only the after-update gather and the cross-node sum
-        counts = {k: v for k, v in counts.items() if k[1] != "Ireduce_scatter_block"
-                  and not (lay.zero == 3 and k[1] == "Allgather")}
+def dp_exposed(lay, worst, ex, sizes, links, hw, why):
+    """Seconds of the data-parallel exchange not hidden behind the backward pass (see 5 above): its collectives that
+    run after the pipeline (ex.when; ZeRO 2 and 3's reduce-scatters and ZeRO 3's gathers are counted per micro-batch
+    in step_time), less what its hidden_by hides."""
+    counts = {k: v for k, v in worst["counts"].items() if k in ex.formula() and ex.when(k) == "after"}
     t = sum(traffic(counts, sizes, links, hw).values())
-    if lay.dp_overlap and not lay.zero:
-        groups = max(counts.get(("dp", "Iallreduce"), (1, 0))[0], 1)
+    if ex.hidden_by == "buckets":                         # all but the last bucket, behind the backward pass
+        groups = max(sum(calls for calls, _ in counts.values()), 1)
         exposed = max(t / groups, t - worst["b"] - worst["w"])
-    elif lay.dp_staleness:
+    elif ex.hidden_by == "next step":                     # behind the whole next step
         exposed = max(0.0, t - lay.m * (worst["f"] + worst["b"] + worst["w"]))
     else:
         exposed = t

@@ -1,15 +1,16 @@
 """A layout that is only planned: what one rank of it holds and sends in a training step of hsgd, from the sizes
 alone (no array is made, no message sent), so that runs far larger than this machine can be costed.
 
-hsgd.train reports, for the layout it runs, bytes per communicator (hsgd.run.report.step_formula) and memory per
-category (hsgd.accounting.step_memory.step_formula), each equal to what it measures. Both are functions of sizes
-(hsgd.run.report.rank_bytes, hsgd.accounting.step_memory.rank_formula), given a stage (its blocks, whether it holds the
-embedding or the head, its schedule) and an exchange (hsgd.dp.make.sized_exchange). This module makes those two
-from the settings, for rank (pp stage s; every dp, cp and tp rank of a stage holds and sends the same):
+hsgd.train reports, for the layout it runs, bytes per communicator (hsgd.accounting.traffic.step_formula) and
+memory per category (hsgd.accounting.step_memory.step_formula), each equal to what it measures. Both are functions
+of sizes (hsgd.accounting.traffic.rank_bytes, hsgd.accounting.step_memory.rank_formula), given a stage (its blocks,
+whether it holds the embedding or the head, its schedule) and the exchange's sizes (hsgd.dp.make.exchange_sizes).
+This module makes those two from the settings, for rank (pp stage s; every dp, cp and tp rank of a stage holds and
+sends the same):
 
     stage s     PlannedStage: hsgd.pp.chunks.stage_chunks's blocks, hsgd.pp.schedules.build's actions (as
                 hsgd.pp.stage.Stage)
-    exchange    sized_exchange(tc, {group: elements of stage s's tp shards}, itemsize, dp x cp)
+    exchange    exchange_sizes(tc, {group: elements of stage s's tp shards}, itemsize, dp x cp, micro-batches)
     bytes       rank_bytes(cfg, tc, dp, tp, cp, stage, exchange)
     memory      rank_formula(cfg, tc, dp, tp, cp, stage, exchange, ...)   (gpipe and 1f1b: one chunk per stage)
 
@@ -19,7 +20,7 @@ from functools import lru_cache
 from types import SimpleNamespace
 
 from hsgd.cp.layouts import make_split
-from hsgd.dp.make import sized_exchange
+from hsgd.dp.make import exchange_sizes
 from hsgd.pp.chunks import parse_split, stage_chunks, stage_names
 from hsgd.accounting.traffic import rank_bytes
 from hsgd.pp.schedules import build, effective
@@ -40,7 +41,7 @@ class PlannedStage:
     holds the embedding (first) and the head (last), its parameter names and its actions."""
 
     def __init__(self, cfg, tc, pp, s):
-        v = getattr(tc, "virtual_stages", 1)
+        v = tc.virtual_stages
         self.v, self.s = v, s
         self.chunks = stage_chunks(cfg.n_layers, pp, s, v, parse_split(tc.pp_split))
         self.layers = [i for _, layers, _, _ in self.chunks for i in layers]
@@ -88,9 +89,9 @@ def context_held_bytes(cfg, tc, cp, cp_rank=0):
 
 def plan_rank(cfg, tc, dp, pp, tp, cp, s):
     """{"bytes": {(comm, op): (calls, bytes)}, "memory": step_formula's dict or None (interleaved and zero-bubble
-    schedules: not modelled), "exchange": the sized exchange, "stage": the PlannedStage} of pp stage s."""
+    schedules: not modelled), "exchange": the exchange's sizes, "stage": the PlannedStage} of pp stage s."""
     stage = PlannedStage(cfg, tc, pp, s)
-    ex = sized_exchange(tc, stage.group_numel(cfg, tp, tc.tp_scheme), ITEMSIZE[tc.dtype], dp * cp)
+    ex = exchange_sizes(tc, stage.group_numel(cfg, tp, tc.tp_scheme), ITEMSIZE[tc.dtype], dp * cp, tc.micro_batches)
     out = {"bytes": rank_bytes(cfg, tc, dp, tp, cp, stage, ex), "exchange": ex, "stage": stage, "memory": None}
     one_chunk = stage.v == 1 and not any(a.kind == "W" for a in stage.actions)
     if one_chunk:

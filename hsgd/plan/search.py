@@ -6,7 +6,7 @@ sequences (m = B / (dp b) micro-batches) and a pipeline schedule. `evaluate` pri
 
     memory      per device by category: hsgd's own (--impl hsgd: hsgd.plan.layout, equal to what hsgd.train
                 measures) or a Megatron-style mixed-precision run's (--impl megatron: hsgd.plan.paper)
-    bytes       per step on each communicator (hsgd.run.report.rank_bytes), and on each link type
+    bytes       per step on each communicator (hsgd.accounting.traffic.rank_bytes), and on each link type
     time        hsgd.plan.costs.step_time: compute, exposed tp, pp bubble and transfers, cp, dp
     throughput  tokens/s = B T / step time; MFU = the model's FLOPs without recomputation / (time n peak);
                 TFLOP/s per device as Narayanan et al. 2021 count it (with recomputation's FLOPs when on)
@@ -18,9 +18,9 @@ from types import SimpleNamespace
 
 from hsgd.model.config import divisors
 from hsgd.errors import ConfigError, UsageError
-from hsgd.dp.make import sized_exchange
+from hsgd.dp.make import exchange_sizes
 from hsgd.accounting.traffic import rank_bytes
-from hsgd.run.settings import TrainConfig
+from hsgd.step.settings import TrainConfig
 from hsgd.pp.timelines import peak_formula
 from .costs import group_links, group_sizes, step_time
 from .layout import ITEMSIZE, PlannedStage, plan_rank
@@ -176,6 +176,7 @@ def evaluate(cfg, batch, lay, hw, impl="megatron", dtype="bfloat16", efficiency=
             raise ConfigError("--impl hsgd has no memory formula for the interleaved and zero-bubble schedules "
                               "(hsgd.accounting.step_memory walks one chunk per stage with fused backwards)")
         counts = {s: p["bytes"] for s, p in plans.items()}
+        exchanges = {s: p["exchange"] for s, p in plans.items()}
         owned = max(p["exchange"].owned_numel() for p in plans.values())
         shapes = {s: (len(p["stage"].layers), p["stage"].first, p["stage"].last) for s, p in plans.items()}
     else:
@@ -184,11 +185,11 @@ def evaluate(cfg, batch, lay, hw, impl="megatron", dtype="bfloat16", efficiency=
                              dp_staleness=lay.dp_staleness, hierarchical=lay.hierarchical,
                              ranks_per_node=lay.ranks_per_node, pp_split=None, virtual_stages=lay.v,
                              schedule=lay.schedule)
-        mems, counts, shapes, owned = {}, {}, {}, 0
+        mems, counts, shapes, exchanges, owned = {}, {}, {}, {}, 0
         for s in stages:
             st = PlannedStage(cfg, tc, lay.pp, s)
             numel = st.group_numel(cfg, lay.tp, lay.tp_scheme)
-            ex = sized_exchange(tc, numel, lay.itemsize, lay.dp * lay.cp)
+            ex = exchanges[s] = exchange_sizes(tc, numel, lay.itemsize, lay.dp * lay.cp, lay.m)
             counts[s] = rank_bytes(cfg, tc, lay.dp, lay.tp, lay.cp, st, ex)
             owned = max(owned, ex.owned_numel())
             held = peak_formula(st.kind, lay.m, lay.pp, s, lay.v)            # (micro-batch, chunk) pairs in flight
@@ -196,7 +197,7 @@ def evaluate(cfg, batch, lay, hw, impl="megatron", dtype="bfloat16", efficiency=
             shapes[s] = (len(st.layers), st.first, st.last)
     full = max(mems, key=lambda s: sum(mems[s].values())) if mems else None
     rate = rate_of(hw, dtype, efficiency)
-    t = step_time(cfg, lay, [(*shapes[s], counts[s]) for s in stages], hw, rate, explain, simulated,
+    t = step_time(cfg, lay, [(*shapes[s], counts[s], exchanges[s]) for s in stages], hw, rate, explain, simulated,
                   optimizer_seconds(hw, impl, optimizer, lay.itemsize, owned))
     if explain and full is not None:
         t.terms[:0] = memory_terms(cfg, lay, impl, mems[full], full, plans[full]["memory"]["at"]
@@ -206,7 +207,8 @@ def evaluate(cfg, batch, lay, hw, impl="megatron", dtype="bfloat16", efficiency=
     return SimpleNamespace(
         layout=lay, memory=mems.get(full), stage=full, fits=(sum(mems[full].values()) <= hw.memory_bytes
                                                              if full is not None else None),
-        bytes=counts, links=link_bytes(lay, counts[stages[0]], hw), time=t, tokens_per_s=tokens / t.total,
+        bytes=counts, links=link_bytes(lay, counts[stages[0]], hw, exchanges[stages[0]]), time=t,
+        tokens_per_s=tokens / t.total,
         mfu=cfg.step_flops(batch) / (t.total * n * peak),
         tflops=cfg.step_flops(batch, lay.recompute) / (t.total * n) / 1e12, n=n)
 
@@ -238,12 +240,12 @@ def stage_ids(pp):
     return sorted({0, pp // 2, pp - 1})
 
 
-def link_bytes(lay, counts, hw):
-    """{link name: payload bytes per step on it} for one device of stage 0."""
-    links = group_links(lay, hw)
+def link_bytes(lay, counts, hw, exchange):
+    """{link name: payload bytes per step on it} for one device of stage 0 (exchange: its exchange's sizes)."""
+    links, sizes = group_links(lay, hw, exchange), group_sizes(lay, exchange)
     out = {}
     for (comm, op), (_, nbytes) in counts.items():
-        if comm in links and op not in ("Isend", "Send") and group_sizes(lay)[comm] > 1:
+        if comm in links and op not in ("Isend", "Send") and sizes[comm] > 1:
             out[links[comm].name] = out.get(links[comm].name, 0) + nbytes
     return out
 

@@ -154,27 +154,14 @@ def build(kind, m, p, v=1, costs=(1.0, 1.0, 1.0)):
     return [(gpipe if kind == "gpipe" else one_f_one_b)(m, p, s) for s in range(p)]
 
 
-def check_pipeline(n_layers, tc):
+def check_pipeline(n_layers, layout):
     """Everything a pipeline's flags must satisfy before any work: the layers cut into pp x virtual_stages chunks,
-    the schedule's own conditions (build), and the options it combines with (check_options)."""
+    the schedule's own conditions (build). layout: the Layout settings (what the schedules combine with beyond
+    GPipe and 1F1B is checked by TrainConfig.validate)."""
     from hsgd.pp.chunks import chunk_layers, parse_split
-    chunk_layers(n_layers, tc.pp, tc.virtual_stages, parse_split(tc.pp_split))
-    if tc.pp > 1 or tc.virtual_stages > 1:
-        build(tc.schedule, tc.micro_batches, tc.pp, tc.virtual_stages)
-    check_options(tc)
-
-
-def check_options(tc):
-    """Refuse the options that do not combine with the schedules beyond GPipe and 1F1B, saying what works: ZeRO 2
-    and 3 with zb-h1 (their Reduce-Scatter runs when a layer's backward ends, before its W) and --memory (whose
-    prediction walks one chunk per stage with fused backwards). tc: a TrainConfig."""
-    if tc.pp > 1 and tc.schedule == "zb-h1" and tc.zero >= 2:
-        raise ConfigError(f"--schedule zb-h1 with --zero {tc.zero}: ZeRO {tc.zero} reduce-scatters each layer's "
-                          "gradient when its backward ends, but zb-h1 computes the weight gradients later, in W; use "
-                          "--zero 0 or 1 with zb-h1, or another schedule with --zero 2 or 3")
-    if tc.pp > 1 and tc.memory and (tc.schedule == "zb-h1" or tc.virtual_stages > 1):
-        raise ConfigError("--memory predicts a step of one chunk per stage with fused backwards (gpipe or 1f1b); "
-                          "measure interleaved and zb-h1 schedules with python -m hsgd.schedule --run")
+    chunk_layers(n_layers, layout.pp, layout.virtual_stages, parse_split(layout.pp_split))
+    if layout.pp > 1 or layout.virtual_stages > 1:
+        build(layout.schedule, layout.micro_batches, layout.pp, layout.virtual_stages)
 
 
 # ------------------------------------------------------------------------------------------------ the static check

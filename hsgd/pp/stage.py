@@ -29,7 +29,7 @@ from hsgd.model.precision import make_numerics
 from hsgd.errors import ConfigError
 from hsgd.tp.hooks import NO_HOOKS
 from hsgd.pp.chunks import parse_split, stage_chunks, stage_names
-from hsgd.pp.schedules import KIND_NAMES, build, check, check_options, effective
+from hsgd.pp.schedules import KIND_NAMES, build, check, effective
 from hsgd.model.threads import cpu_threads, parallel_batches
 from hsgd.grid.trace import NullTracer
 from hsgd.tp.wgrad import WeightGrads
@@ -39,20 +39,19 @@ Chunk = namedtuple("Chunk", "k layers first last")
 
 
 class Stage:
-    def __init__(self, cfg, grid, tc):
-        """cfg: ModelConfig; grid: ProcessGrid; tc: TrainConfig (pp_split, schedule, virtual_stages, micro_batches,
-        tp_scheme, recompute)."""
-        self.cfg, self.scheme, self.m = cfg, tc.tp_scheme, tc.micro_batches
-        self.recompute = getattr(tc, "recompute", "none")             # what the blocks keep (tp_model.block_forward)
-        self.xp, self.dtype = get_xp(tc.device), resolve_dtype(tc.dtype)   # (ZeRO-3: params may be empty here)
+    def __init__(self, cfg, grid, layout, recompute, data):
+        """cfg: ModelConfig; grid: ProcessGrid; layout: the Layout settings (tp_scheme, cp_scheme, pp_split,
+        schedule, virtual_stages, micro_batches); recompute: what the blocks keep (hsgd.tp.model.block_forward);
+        data: the Data settings (dtype, reduce_dtype, device)."""
+        self.cfg, self.scheme, self.m, self.recompute = cfg, layout.tp_scheme, layout.micro_batches, recompute
+        self.xp, self.dtype = get_xp(data.device), resolve_dtype(data.dtype)   # (ZeRO-3: params may be empty here)
         self.tp_comm, self.pp_comm, self.s, p = grid.tp_comm, grid.pp_comm, grid.pp_rank, grid.pp
-        self.ctx = make_context(cfg, grid, tc)                         # my positions of each sequence (cp.layouts)
-        self.use(make_numerics(tc))                                    # where bfloat16 / float16 round (precision)
+        self.ctx = make_context(cfg, grid, layout.cp_scheme, data.device)   # my positions of each sequence
+        self.use(make_numerics(data.dtype, data.reduce_dtype))         # where bfloat16 / float16 round (precision)
         self.loss_scale = 1.0                                          # float16: the loss scaler's S (step.trainer)
-        self.v = v = getattr(tc, "virtual_stages", 1)
-        kind = effective(tc.schedule, p, v)                          # (one stage: 1F1B; v > 1 refused)
-        check_options(tc)                                              # (zb-h1 with ZeRO 2/3, ...: refused)
-        self.chunks = [Chunk(*ch) for ch in stage_chunks(cfg.n_layers, p, self.s, v, parse_split(tc.pp_split))]
+        self.v = v = layout.virtual_stages
+        kind = effective(layout.schedule, p, v)                        # (one stage: 1F1B; v > 1 refused)
+        self.chunks = [Chunk(*ch) for ch in stage_chunks(cfg.n_layers, p, self.s, v, parse_split(layout.pp_split))]
         self.layers = [i for ch in self.chunks for i in ch.layers]    # every block this stage holds
         self.first, self.last = self.chunks[0].first, self.chunks[-1].last
         self.names = [n for ch in self.chunks for n in stage_names(cfg, ch.layers, ch.first, ch.last)]
@@ -63,9 +62,11 @@ class Stage:
         self.peak_held, self.timeline, self.measure_bytes, self.peak_bytes = 0, [], False, 0
 
     def use(self, num):
-        """Round where `num` (an hsgd.model.precision.Numerics) says: at the model's points, and the tensor-parallel
-        partial sums before they travel (comm.payload_round)."""
+        """Round where `num` (an hsgd.model.precision.Numerics) says: at the model's points (the TPSetup's scheme,
+        layer functions and attention: hsgd.tp.rounded), and the tensor-parallel partial sums before they travel
+        (comm.payload_round)."""
         self.num = num
+        self.setup = tp_model.TPSetup(self.cfg, self.tp_comm, self.scheme, self.recompute, self.ctx, num)
         self.tp_comm.payload_round = num.payload if num.rounds and self.tp_comm.size > 1 else None
 
     def pieces(self, rows):
@@ -136,10 +137,8 @@ class Stage:
 
     def forward(self, a, inp, params, targets):
         xp, ch = self.xp, self.chunks[a.chunk]
-        out, self.caches[a.mb, a.chunk] = tp_model.stage_forward(params, inp, xp.asarray(targets), self.cfg,
-                                                                 self.tp_comm, self.scheme, ch.layers, ch.first,
-                                                                 ch.last, self.hooks, self.recompute, self.ctx,
-                                                                 self.num)
+        out, self.caches[a.mb, a.chunk] = tp_model.stage_forward(params, inp, xp.asarray(targets), ch, self.setup,
+                                                                 self.hooks)
         if ch.last:
             self.loss = self.loss + out                                # stays on the device
         else:
@@ -153,8 +152,8 @@ class Stage:
         """B: dL/d(the chunk's input), sent to piece k-1; the weight-gradient products kept for the W if split."""
         ch = self.chunks[a.chunk]
         wg = WeightGrads() if split else None
-        dx = tp_model.stage_backward(dout, self.caches.pop((a.mb, a.chunk)), grads, self.tp_comm, self.scheme,
-                                     on_ready=on_ready, hooks=self.hooks, wg=wg)
+        dx = tp_model.stage_backward(dout, self.caches.pop((a.mb, a.chunk)), grads, self.setup, on_ready, self.hooks,
+                                     wg)
         if not ch.first:                                               # gradient out, to piece k-1
             dx = self.xp.ascontiguousarray(dx)
             self.sends.append((self.pp_comm.Isend(dx, dest=(self.s - 1) % self.pp_comm.size,
@@ -204,8 +203,7 @@ class Stage:
         xp, p, x = self.xp, self.pp_comm.size, None
         for ch in self.chunks:
             inp = xp.asarray(idx) if ch.first else self.recv_activation(len(idx), source=(self.s - 1) % p, tag=ch.k)
-            x, _ = tp_model.stage_forward(params, inp, xp.asarray(targets), self.cfg, self.tp_comm, self.scheme,
-                                          ch.layers, ch.first, ch.last, hooks or NO_HOOKS, ctx=self.ctx, num=self.num)
+            x, _ = tp_model.stage_forward(params, inp, xp.asarray(targets), ch, self.setup, hooks or NO_HOOKS)
             if not ch.last:
                 self.pp_comm.Isend(xp.ascontiguousarray(x), dest=(self.s + 1) % p, tag=ch.k + 1).Wait()
         if not self.last:
@@ -269,15 +267,14 @@ class ThreadedStage(Stage):
         """Sequences lo..hi-1 of a micro-batch: (their share of its loss, the gradient buffer they added into)."""
         xp, share = self.xp, (hi - lo) / len(idx)
         into = grads if hi == len(idx) else {n: xp.zeros_like(p) for n, p in grads.items()}
-        out, cache = tp_model.stage_forward(params, xp.asarray(idx[lo:hi]), xp.asarray(targets[lo:hi]), self.cfg,
-                                            self.tp_comm, self.scheme, self.layers, True, True,
-                                            recompute=self.recompute, num=self.num)
-        tp_model.stage_backward(share * self.loss_scale / self.m, cache, into, self.tp_comm, self.scheme)
+        out, cache = tp_model.stage_forward(params, xp.asarray(idx[lo:hi]), xp.asarray(targets[lo:hi]),
+                                            self.chunks[0], self.setup)
+        tp_model.stage_backward(share * self.loss_scale / self.m, cache, into, self.setup)
         return out * share, into
 
 
-def make_stage(cfg, grid, tc):
-    """This rank's stage: a ThreadedStage when it holds the whole model and sequence alone (pp = tp = cp = 1), else
-    a Stage."""
-    alone = grid.pp == 1 and grid.tp == 1 and getattr(grid, "cp", 1) == 1
-    return ThreadedStage(cfg, grid, tc) if alone else Stage(cfg, grid, tc)
+def make_stage(cfg, grid, layout, recompute, data):
+    """This rank's stage (see Stage for the arguments): a ThreadedStage when it holds the whole model and sequence
+    alone (pp = tp = cp = 1), else a Stage."""
+    alone = grid.pp == 1 and grid.tp == 1 and grid.cp == 1
+    return (ThreadedStage if alone else Stage)(cfg, grid, layout, recompute, data)

@@ -1,8 +1,7 @@
 """A training run around the steps: its settings and command lines, the checks before any work, what it prints,
 what it watches, and how it ends on a fault or a signal. Chapters 7 (a run end to end) and 11 (fault tolerance).
 
-    settings      TrainConfig: grouped dataclasses whose fields are the flags
-    flags         the command lines made from them, and --config FILE.toml read back (config_file)
+    flags         the command lines made from the settings (hsgd.step.settings), and --config FILE.toml read back
     config_file   one TOML loader for config and hardware files
     preflight     checks before any work: outputs writable, optional modules there, the memory the machine has
     progress      progress lines and the --log-json records

@@ -30,7 +30,7 @@ def load_toml(path, what, error):
 
 def read_toml(path):
     """The settings in a TOML file, checked against the known keys and their types."""
-    from hsgd.run.settings import TrainConfig                            # (settings imports this module)
+    from hsgd.step.settings import TrainConfig                            # (settings imports this module)
     table = load_toml(path, "config file", ConfigError)
     if "grad_accum" in table:
         raise ConfigError(f"config file {path!r}: grad_accum is now micro_batches (micro-batches per DP group and "

@@ -1,6 +1,6 @@
 """The command lines of hsgd.train, hsgd.verify and the schedule lab, made from the settings' dataclasses.
 
-Every field of hsgd.run.settings' groups (and of ModelConfig) made with config.flag(default, help_text, ...) becomes a
+Every field of hsgd.step.settings' groups (and of ModelConfig) made with config.flag(default, help_text, ...) becomes a
 flag: `flags_parser` turns batch_size into --batch-size, its help the help text with the default at the end, so
 that a default and its help are written once and the parsers cannot drift apart. `--config FILE.toml` fills the
 same fields (keys are the field names; flags on the command line win), and `configs_from_args` checks everything
@@ -17,7 +17,7 @@ from hsgd.run.config_file import read_toml
 from hsgd.cp.split import check_cp
 from hsgd.dp.average import check_batch
 from hsgd.pp.schedules import check_pipeline
-from hsgd.run.settings import (Checkpoints, Data, Exchange, Experiments, Layout, Memory, Optimization, Output,
+from hsgd.step.settings import (Checkpoints, Data, Exchange, Experiments, Layout, Memory, Optimization, Output,
                        TrainConfig)
 
 
@@ -93,7 +93,7 @@ def configs_from_args(args, world_size):
     tc = TrainConfig(**{k: v for k, v in settings.items() if k not in MODEL_FLAGS})
     tc.validate()
     tc.resolve_layout(world_size)
-    tc.check_targets(world_size, tc.steps)
+    tc.check_targets(world_size)
     tp_shards.check_tp(model, tc.tp, tc.tp_scheme)
     check_cp(model.seq_len, tc.cp, tc.tp, tc.tp_scheme == "sequence")      # 2cp chunks (and tp T-shards of each)
     check_batch(tc.batch_size, tc.dp, tc.micro_batches)

@@ -1,10 +1,15 @@
-"""What rank 0 prints at the end of a run: bytes per step against the formulas, the pipeline's measured schedule,
-memory per rank, the staging buffers of the GPU path, the trace and the plots. Every function is collective
-(called on every rank; only rank 0's `say` prints)."""
+"""What rank 0 prints about a run: before training, its header (layout, device, model, data, batch, optimizer,
+pipeline, exchange); at the end, bytes per step against the formulas, the pipeline's measured schedule, memory per
+rank, the staging buffers of the GPU path, the trace and the plots. Every function at the end is collective (called
+on every rank; only rank 0's `say` prints)."""
+import math
+
 from mpi4py import MPI
 
 from hsgd.tp import model as tp_model
 from hsgd.tp.schemes import make_scheme
+from hsgd.model.threads import openblas_note
+from hsgd.pp.chunks import chunk_layers, parse_split
 from hsgd.pp.schedules import build, simulate
 from hsgd.pp.timelines import FORMULA, PEAK_FORMULA, bubble_formula, bubble_fraction, peak_formula, peak_held, picture
 
@@ -19,6 +24,40 @@ def fmt_bytes(n):
         if n < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
+
+
+def header(run, device, threads):
+    """What rank 0 prints before training: layout, device, model, data, batch, optimizer, pipeline, exchange."""
+    cfg, tc, grid, say, m = run.cfg, run.tc, run.grid, run.say, run.tc.micro_batches
+    cp = f" x cp {grid.cp} ({tc.cp_scheme})" if grid.cp > 1 else ""
+    say(f"hsgd | {run.world.Get_size()} ranks = dp {grid.dp} x pp {grid.pp}{cp} x tp {grid.tp} ({tc.tp_scheme}) | "
+        f"{tc.dtype} | {threads} CPU thread(s) per rank")
+    if openblas_note():
+        say(openblas_note())
+    say(f"device: {device}")
+    say(f"model: {cfg.n_params():,} parameters (L={cfg.n_layers} C={cfg.d_model} NH={cfg.n_heads} F={cfg.d_ff} "
+        f"T={cfg.seq_len} V={cfg.vocab_size}); {sum(map(math.prod, run.trainer.shard_shapes.values())):,} on each rank "
+        "(incl. vocab padding)")
+    say(f"data:  {run.corpus.describe()}")
+    say(f"batch: global {tc.batch_size} x {cfg.seq_len} = {tc.batch_size * cfg.seq_len:,} tokens/step; per DP "
+        f"group {tc.batch_size // grid.dp} sequences in {m} micro-batch(es)"
+        + (f"; each cp rank holds {cfg.seq_len // grid.cp} positions of each (chunks r and {2 * grid.cp - 1}-r of "
+           f"{2 * grid.cp}), gradients averaged over dp x cp = {grid.dp_comm.size} ranks" if grid.cp > 1 else ""))
+    say(f"optim: {tc.optimizer} lr={tc.lr} warmup={tc.warmup} cosine to lr/10"
+        + (f" momentum={tc.momentum}" if tc.optimizer == "sgd" else "")
+        + f" weight_decay={tc.weight_decay} clip={tc.clip or 'off'} | {tc.steps} steps")
+    if grid.pp > 1:
+        v = tc.virtual_stages
+        layers = [len(r) for r in chunk_layers(cfg.n_layers, grid.pp, v, parse_split(tc.pp_split))]
+        closed = bubble_formula(tc.schedule, m, grid.pp, v)
+        say(f"pipeline: {grid.pp} stages with {layers} blocks" + (f" ({v} chunks per stage, chunk c of stage s = "
+            "entry c*pp + s)" if v > 1 else "") + f", {tc.schedule}, {m} micro-batches of "
+            f"{tc.batch_size // grid.dp // m} sequences; equal-cost bubble {FORMULA[tc.schedule]} = "
+            + (f"{closed:.3f}" if closed is not None else "n/a (m < p or W > min(F, B))"))
+    rank, ms = tc.straggler.split(":") if tc.straggler else (None, None)
+    say(f"dp exchange: {run.trainer.exchange.sizes.describe()}"
+        + (f" | straggler: rank {rank} sleeps {ms} ms per step" if tc.straggler else ""))
+    say("layout:\n" + grid.layout_table())
 
 
 def report_pipeline(world, grid, tc, trainer, say):
@@ -74,7 +113,7 @@ def report_traffic(world, grid, tc, trainer, per_step, say):
     block's forward collectives once more), measured against the formulas."""
     ex, m = trainer.exchange, tc.micro_batches
     names = {grid.dp_comm.name} | {c.name for c in ex.comms()}
-    psi = ex.size * trainer.dtype.itemsize
+    psi = ex.sizes.size * trainer.dtype.itemsize
     row = None
     if grid.dp_comm.rank == 0 and grid.tp_rank == 0:
         st, rows = trainer.stage, tc.batch_size // grid.dp // m
@@ -88,7 +127,7 @@ def report_traffic(world, grid, tc, trainer, per_step, say):
                                                         stage=(len(st.layers), st.first, st.last),
                                                         cp=grid.cp).items()}
         extra = {k: plain.get(k, (0, 0))[1] - m * base.get(k, (0, 0))[1] for k in repeated}
-        row = (grid.pp_rank, dp_traffic(per_step, names) / psi, dp_traffic(ex.formula(), names) / psi, repeated,
+        row = (grid.pp_rank, dp_traffic(per_step, names) / psi, dp_traffic(ex.sizes.formula(), names) / psi, repeated,
                extra, psi)
     rows = sorted(r for r in (world.gather(row) or []) if r)
     for stage, measured, formula, repeated, extra, psi in rows:

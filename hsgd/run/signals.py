@@ -13,6 +13,9 @@ import threading
 
 from mpi4py import MPI
 
+from hsgd.checkpoint.store import CheckpointError, save
+from hsgd.errors import Stopped
+
 CAUGHT = (signal.SIGTERM, signal.SIGINT)
 
 
@@ -44,3 +47,20 @@ class StopRequest:
     @staticmethod
     def name(signum):
         return signal.Signals(signum).name
+
+
+def stop_after_signal(run, step, signum, saved):
+    """Every rank, after a SIGTERM or SIGINT that the ranks agreed on: a checkpoint of this step (with --save-dir,
+    unless just written or the step was skipped), then Stopped (exit code 4) with what to do next."""
+    tc, trainer, name = run.tc, run.trainer, StopRequest.name(signum)
+    run.progress.close()
+    if not tc.save_dir:
+        raise Stopped(f"{name} after step {step}; no --save-dir, so nothing was saved")
+    if trainer.scaler.in_a_row:
+        raise Stopped(f"{name} after step {step}, a step with non-finite values: no checkpoint written; the newest in "
+                      f"{tc.save_dir!r} is older")
+    try:
+        path = saved or save(trainer, step, tc.save_dir, tc.keep, identity=run.identity)
+    except CheckpointError as e:
+        raise Stopped(f"{name} after step {step}; {e}") from None
+    raise Stopped(f"{name} after step {step}; checkpoint {path}; continue with --resume auto")

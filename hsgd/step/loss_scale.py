@@ -12,21 +12,89 @@ torch.amp.GradScaler:
     after `growth_interval` (2000) steps in a row without one: S <- S * 2.
 
 The verdict "inf or NaN somewhere" must be the same on every rank (a collective: hsgd.step.health), or the replicas
-would diverge: one rank would update, another skip. LossScaler only keeps the state and applies the rules.
+would diverge: one rank would update, another skip. The scaler keeps the books of a run: the S each step's backward
+pass started from (with --dp-staleness 1 the update applies the step before's gradient, made with its S: made_with),
+the verdict on each step (after_step: update or skip) and the updates skipped. A run without loss scaling keeps the
+same books with S = 1 (NoLossScale), where a non-finite value is what --on-nan says: stop, or skip the update.
 """
+from hsgd.step.health import all_finite, check_finite, stop_after_skips
 
 
-class LossScaler:
+class NoLossScale:
+    """S = 1 at every step (float32, float64, bfloat16; float16 with --loss-scale none). A non-finite loss or
+    gradient stops the run (on_nan "stop": NumericalFault, exit 3) or skips the update (on_nan "skip"), and
+    max_skips skipped in a row stop it: a run that diverged for good."""
+    dynamic = False
+
+    def __init__(self, on_nan="stop", max_skips=10):
+        self.on_nan, self.max_skips = on_nan, max_skips
+        self.scale = 1.0
+        self.updates_skipped = 0             # updates skipped for a non-finite value, so far
+        self.in_a_row = 0                    # ... the last ones in a row (0 after a step that updated)
+
+    def begin_step(self):
+        """The S this step's backward pass starts from."""
+        return self.scale
+
+    def made_with(self, lag=0):
+        """The S the gradient applied now was made with, `lag` steps ago."""
+        return self.scale
+
+    def after_step(self, world, step, bad, fresh=None):
+        """Collective over world: whether this step's update is applied, no rank having seen a non-finite value in
+        the loss or the gradient to apply (bad: this rank's verdict); else what --on-nan says. fresh: LossScaler's."""
+        return self.count(check_finite(world, bad, step, self.on_nan), step)
+
+    def count(self, applied, step):
+        """The books of a step whose update is applied or skipped; returns applied."""
+        self.in_a_row = 0 if applied else self.in_a_row + 1
+        self.updates_skipped += not applied
+        if not applied and not self.dynamic:         # (with loss scaling a skip is how S comes down: expected)
+            stop_after_skips(self.in_a_row, self.max_skips, step)
+        return applied
+
+    def state(self):
+        """What a checkpoint keeps, and the progress line and --log-json show (nothing: S is always 1)."""
+        return None
+
+
+class LossScaler(NoLossScale):
+    """Dynamic loss scaling (see the module docstring): S x backoff_factor and the update skipped after an inf or
+    NaN, S x growth_factor after growth_interval good steps in a row."""
+    dynamic = True
+
     def __init__(self, init_scale=2.0 ** 16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000):
         if not (init_scale > 0 and growth_factor > 1 and 0 < backoff_factor < 1 and growth_interval >= 1):
             raise ValueError("a loss scaler needs init_scale > 0, growth_factor > 1, 0 < backoff_factor < 1 and "
                              "growth_interval >= 1")
+        super().__init__(on_nan="skip")
         self.scale = float(init_scale)
         self.growth_factor, self.backoff_factor = float(growth_factor), float(backoff_factor)
         self.growth_interval = int(growth_interval)
         self.good_steps = 0                  # steps in a row without an inf or NaN (GradScaler's growth tracker)
         self.skipped = 0                     # back-offs so far, each an update skipped (with --dp-staleness 1: the
                                              # next step's, which applies the overflowed gradient)
+        self.made = []                       # the S of the last two steps' backward passes
+
+    def begin_step(self):
+        """The S this step's backward pass starts from (dloss = S / m), kept for made_with."""
+        self.made = (self.made + [self.scale])[-2:]
+        return self.scale
+
+    def made_with(self, lag=0):
+        """The S the gradient applied now was made with: this step's (lag 0), or with --dp-staleness 1 (lag 1) the
+        step before's, which the scaler may have halved or doubled since."""
+        return self.made[-1 - lag] if len(self.made) > lag else self.made[-1] if self.made else self.scale
+
+    def after_step(self, world, step, bad, fresh=None):
+        """Collective over world: whether this step's update is applied (no rank saw an inf or NaN in the loss or
+        the gradient to apply), and S backed off or grown. S is judged on the gradient made with the current S:
+        the applied one, or with --dp-staleness 1 this step's own (fresh(): the flat gradient as it left this
+        rank), so that one overflow is one back-off, not two."""
+        applied = check_finite(world, bad, step, "skip")
+        now = applied if fresh is None else check_finite(world, not all_finite(fresh()), step, "skip")
+        self.update(not now)
+        return self.count(applied, step)
 
     def update(self, found_inf):
         """After a step's gradients are checked (found_inf: the agreed verdict of every rank): back off and count a
@@ -50,3 +118,8 @@ class LossScaler:
     def load(self, state):
         self.scale, self.good_steps, self.skipped = float(state["scale"]), int(state["good_steps"]), \
             int(state["skipped"])
+
+
+def make_scaler(dtype, loss_scale="dynamic", on_nan="stop", max_skips=10):
+    """The loss scale of a run: dynamic for float16 with --loss-scale dynamic, else none (S = 1, --on-nan)."""
+    return LossScaler() if dtype == "float16" and loss_scale == "dynamic" else NoLossScale(on_nan, max_skips)

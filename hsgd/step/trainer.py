@@ -3,38 +3,42 @@
 P = dp x pp x cp x tp ranks (the lecture's P = G x M workers, with G = dp, M = tp, and pp = cp = 1). One
 synchronous SGD step (`HybridTrainer.step`):
   1. the global batch (B sequences, the same on every rank) is split into dp equal slices; DP group r takes slice r,
-     and every rank of the group reads the same slice (hsgd.dp.average.dp_rows); with context parallelism each of its cp
-     ranks keeps only its T/cp positions of every sequence (the stage's context layout, hsgd.cp.split);
+     and every rank of the group reads the same slice (hsgd.dp.average.dp_rows); with context parallelism each of
+     its cp ranks keeps only its T/cp positions of every sequence (the stage's context layout, hsgd.cp);
   2. the slice is cut into m micro-batches, which flow through this rank's pipeline stage (hsgd.pp.stage; pp = 1 is
      a pipeline of one stage): the tensor-parallel forward and backward (collectives on tp_comm inside,
-     hsgd.tp.model) accumulate the gradient of (1/m) * each micro-batch's mean loss into the rank's shards;
-  3. the ranks holding the same shard (dp x cp of them) average its gradient over dp_comm (hsgd.dp.exchange: one
+     hsgd.tp.model) accumulate the gradient of (S/m) * each micro-batch's mean loss into the rank's shards;
+  3. the ranks holding the same shard (dp x cp of them) average its gradient over dp_comm (hsgd.dp: one
      Allreduce, or overlapped, hierarchical, ZeRO's reduce-scatter, or one step late);
-  4. the gradients are clipped by the global norm (optional) and the optimizer updates the shards this rank owns.
+  4. the gradients are unscaled (1/S), clipped by the global norm (optional), and the optimizer updates the shards
+     this rank owns.
 Result: the same update as serial mini-batch SGD on the global batch (tests/mpi/test_hybrid.py, test_comm_opt.py).
 
-The optimizer sees the rank's parameters as one flat array (the exchange's `master`; ZeRO: only its chunks of it),
-with per-element 0/1 masks: which elements get weight decay (those of 2-D parameters) and, for the gradient norm,
-which belong to tensor-sharded parameters.
+S is the loss scale (hsgd.step.loss_scale: 1 unless float16 with dynamic loss scaling, which also decides when a
+non-finite step is skipped). The optimizer sees the rank's parameters as one flat array (the exchange's `master`;
+ZeRO: only its chunks of it), with per-element 0/1 masks: which elements get weight decay (those of 2-D parameters)
+and, for the gradient norm, which belong to tensor-sharded parameters. Where a bfloat16 or float16 run rounds is
+the stage's and the exchange's business (use_numerics), not the step's.
 """
 import time
 from dataclasses import dataclass
 
-from hsgd.tp import shards as tp_shards
-from hsgd.dp.average import dp_rows, micro_batches, params_digest
+from hsgd.dp.average import dp_rows, global_loss, micro_batches
 from hsgd.dp.make import make_exchange
-from hsgd.step.health import all_finite, check_finite, global_norm, step_numbers, stop_after_skips
-from hsgd.tp.hooks import ChainedHooks
-from hsgd.step.loss_scale import LossScaler
 from hsgd.model.optim import decays, lr_at, make_optimizer
 from hsgd.pp.stage import make_stage
 from hsgd.grid.trace import NullTracer
+from hsgd.step.health import global_norm, step_numbers
+from hsgd.step.loss_scale import make_scaler
+from hsgd.step.settings import Data, Exchange, Layout
+from hsgd.tp import shards as tp_shards
+from hsgd.tp.hooks import ChainedHooks
 
 
 @dataclass
 class StepInfo:
     loss: float          # mean loss over the global batch (averaged over dp groups)
-    lr: float            # learning rate used
+    lr: float            # learning rate used (nan when the update was skipped)
     grad_norm: float     # global gradient norm before clipping (nan when no update was applied)
     seconds: float       # wall time of the step
     tp_seconds: float    # of which in tp_comm collectives
@@ -47,34 +51,39 @@ class StepInfo:
 
 class HybridTrainer:
     def __init__(self, cfg, grid, tc, tracer=None):
-        """cfg: ModelConfig; grid: ProcessGrid; tc: TrainConfig."""
+        """cfg: ModelConfig; grid: ProcessGrid; tc: TrainConfig, whose groups make the parts (stage, exchange,
+        optimizer, loss scale)."""
         self.cfg, self.grid, self.tc, self.scheme = cfg, grid, tc, tc.tp_scheme
         self.tracer = tracer or NullTracer()
-        self.stage = make_stage(cfg, grid, tc)                          # my layers, my schedule
-        shards = tp_shards.init_params(cfg, grid.tp_comm, seed=tc.seed, dtype=tc.dtype, device=tc.device,
-                                      scheme=tc.tp_scheme)
-        shards = {n: shards[n] for n in self.stage.names}
-        self.exchange = make_exchange(tc, shards, self.stage.groups(), grid, self.tracer)
-        self.pbuf = self.exchange.pbuf                                  # my parameters, one flat buffer (ZeRO-3: None)
-        self.params = self.exchange.params                              # {name: view} (ZeRO-3: filled per group)
+        self.stage = make_stage(cfg, grid, tc.group(Layout), tc.recompute, tc.group(Data))   # my layers, schedule
+        shards = tp_shards.init_params(cfg, grid.tp_comm, tc.seed, tc.dtype, tc.device, tc.tp_scheme)
+        self.shard_shapes = {n: shards[n].shape for n in self.stage.names}   # this rank's tp shards' shapes
+        self.exchange = make_exchange(tc.group(Exchange), {n: shards[n] for n in self.stage.names},
+                                      self.stage.groups(), grid, tc.micro_batches, self.stage.num)
+        if tc.straggler and int(tc.straggler.split(":")[0]) == grid.rank:   # --straggler RANK:MS, an experiment
+            self.exchange.slow_down(int(tc.straggler.split(":")[1]) / 1000.0, self.tracer)
+        self.pbuf, self.params = self.exchange.pbuf, self.exchange.params  # my parameters (ZeRO-3: filled per group)
         self.dtype = shards[self.stage.names[0]].dtype
-        self.shard_shapes = {n: a.shape for n, a in shards.items()}     # this rank's tp shards' shapes
         # after gradients(): {name: view} of the step's gradient buffer: averaged over dp (all-reduce, overlapped,
         # hierarchical), this rank's own (ZeRO 1, stale: the average is elsewhere), None (ZeRO 2 released it)
         self.grads = None
         self.opt = make_optimizer(tc.optimizer, tc.lr, momentum=tc.momentum, weight_decay=tc.weight_decay)
         self.decay = self.exchange.mask(decays)                         # (owned,) 1 where weight decay applies
         self.sharded = self.exchange.mask(lambda n, shape: self.is_sharded(n))   # (owned,) 1: split over tp
-        self.scaler = LossScaler() if tc.dtype == "float16" and tc.loss_scale == "dynamic" else None
-        self.probe = None                                               # --memory: an hsgd.accounting.allocations probe
-        self.skipped = self.in_a_row = 0                                # updates skipped for non-finite values
-        self.scales = []                                                # S of each step's backward pass, the last 2
+        self.scaler = make_scaler(tc.dtype, tc.loss_scale, tc.on_nan, tc.max_skips)   # S, and the skips
+        self.probe = None                                               # --memory: an allocations.MemoryProbe
         self.t_start = self.tp_start = self.dp_start = self.dp_waited = 0.0   # set by gradients(), for update()
 
     @property
     def num(self):
-        """The stage's numerics (hsgd.model.precision): where a bfloat16 or float16 run rounds."""
+        """The numerics (hsgd.model.precision) the stage and the exchange compute with."""
         return self.stage.num
+
+    def use_numerics(self, num):
+        """Round where `num` says, in the stage (the model's points, the tp collectives) and the exchange (the
+        weights, --reduce-dtype): the tolerance oracle's error model uses this."""
+        self.stage.use(num)
+        self.exchange.use(num)
 
     def is_sharded(self, name):
         return self.grid.tp > 1 and tp_shards.split_of(name, self.scheme)[0] != "rep"
@@ -84,109 +93,58 @@ class HybridTrainer:
         return self.update(self.gradients(idx, targets), step)
 
     def gradients(self, idx, targets):
-        """Steps 1-3: this rank's gradient of the global batch's mean loss, averaged over dp (ZeRO: of its chunk;
-        stale: the exchange only started). Returns this DP group's loss on the device (0.0 before the last stage)."""
-        stats, m = self.grid.stats, self.tc.micro_batches
+        """Steps 1-3: this rank's gradient of S x the global batch's mean loss, averaged over dp (ZeRO: of its
+        chunk; stale: the exchange only started). Returns this DP group's loss on the device (0.0 before the last
+        stage)."""
+        stats = self.grid.stats
         self.t_start, self.tp_start = time.perf_counter(), stats.seconds("tp")
         rows = dp_rows(len(idx), self.grid.dp, self.grid.dp_rank)                   # 1. my group's slice
         local = self.stage.ctx.local                                                #    my positions (cp)
-        mbs = [(local(idx[mb]), local(targets[mb])) for mb in micro_batches(rows, m)]   # 2. its micro-batches
+        mbs = [(local(idx[mb]), local(targets[mb])) for mb in micro_batches(rows, self.tc.micro_batches)]
         buf = self.exchange.begin()                                                 # zeroed gradient buffer
         self.grads = buf.views
-        self.stage.loss_scale = self.scaler.scale if self.scaler else 1.0          # float16: dloss = S / m
-        self.scales = (self.scales + [self.stage.loss_scale])[-2:]                  # (the S of the last two steps)
-        weights = self.exchange.model_weights(self.num)                            # bf16 / fp16: rounded copies
-        loss = self.stage.run(weights, self.grads, mbs, self.rounded_ready(), self.tracer, self.hooks())
-        if self.exchange.on_ready is None and self.num.reduce != "float32":
-            self.num.reduced(buf.flat)                  # --reduce-dtype: my gradient as it travels (else per group)
+        self.stage.loss_scale = self.scaler.begin_step()                           # float16: dloss = S / m
+        loss = self.stage.run(self.exchange.model_weights(), self.grads, mbs,      # 2. its micro-batches
+                              self.exchange.on_ready, self.tracer, self.hooks())
         self.exchange.arrive()                                                      # (--straggler: sleeps)
         with self.tracer.span("dp sync"):
             self.dp_waited = self.exchange.finish()                                 # 3. average over dp_comm
-        if self.exchange.grads() is not None:
-            self.num.reduced(self.exchange.grads())     # --reduce-dtype: the average as it arrives
         self.grads = self.exchange.buf.views if self.exchange.buf is not None else None     # ZeRO 2: released
         self.dp_start = stats.seconds("dp")
         return loss
 
-    def rounded_ready(self):
-        """The exchange's on_ready, after rounding the group's gradients to --reduce-dtype (an exchange that starts
-        each group's Allreduce during the backward pass sends them as they are then); on_ready itself otherwise."""
-        on_ready = self.exchange.on_ready
-        if on_ready is None or self.num.reduce == "float32":
-            return on_ready
-        groups = self.stage.groups()
-
-        def ready(group):
-            for name in groups[group]:
-                self.num.reduced(self.grads[name])
-            on_ready(group)
-        return ready
-
     def update(self, loss, step):
-        """Step 4, after the step's one device-to-host copy (loss, non-finite count, norm parts): stop or skip on a
-        non-finite value (--on-nan), else clip by the global norm and update the owned shards with the
-        scheduled learning rate. Returns the StepInfo."""
-        grads, stats, tc = self.exchange.grads(), self.grid.stats, self.tc        # (owned,) or None (stale, step 1)
-        numbers = step_numbers(loss, self.exchange.checked(), grads, self.sharded)
-        lr, norm = lr_at(step, tc.lr, tc.warmup, tc.steps), float("nan")
-        s = self.applied_scale()                                                # 1: not scaled
-        finite = check_finite(self.grid.world, numbers.bad, step, "skip" if self.scaler else tc.on_nan)
-        if self.scaler:                             # S x 0.5 after an inf or NaN, x 2 after 2000 good steps in a row,
-            made_now = finite if not self.exchange.lag else check_finite(  # judged on the gradient made with the
-                self.grid.world, not all_finite(self.exchange.fresh()), step, "skip")   # current S (stale: its own)
-            self.scaler.update(not made_now)
-        self.in_a_row = 0 if finite else self.in_a_row + 1
-        if not finite:
-            lr, self.skipped = float("nan"), self.skipped + 1                   # --on-nan skip: no update
-            if not self.scaler:                     # (with loss scaling a skip is how S comes down: expected)
-                stop_after_skips(self.in_a_row, tc.max_skips, step)             # (a run that diverged for good)
+        """Step 4, after the step's one device-to-host copy (loss, non-finite count, norm parts): the ranks agree
+        whether the update is applied (the scaler: --on-nan, or the loss scale's skip), then the gradient is
+        unscaled, clipped by the global norm and applied to the owned shards with the scheduled learning rate.
+        Returns the StepInfo."""
+        grads, stats, tc, ex = self.exchange.grads(), self.grid.stats, self.tc, self.exchange   # (owned,) or None
+        numbers = step_numbers(loss, ex.checked(), grads, self.sharded)
+        lr, norm, s = lr_at(step, tc.lr, tc.warmup, tc.steps), float("nan"), self.scaler.made_with(ex.lag)
+        if not self.scaler.after_step(self.grid.world, step, numbers.bad, ex.fresh if ex.lag else None):
+            lr = float("nan")                                                   # skipped: no update
         elif grads is not None:
-            norm = global_norm(numbers, self.grid, self.exchange.shard_comm) / s
+            norm = global_norm(numbers, self.grid, ex.shard_comm) / s
             with self.tracer.span("optimizer"):
                 if s != 1.0:
                     grads *= 1.0 / s                                            # unscaled, in float32
                 if tc.clip and norm > tc.clip:
-                    grads *= tc.clip / (norm + 1e-12)                               # a device multiply, no host copy
-                mine = self.exchange.master                                     # a view: updated in place
-                self.opt.step({"flat": mine}, {"flat": grads}, lr, decay={"flat": self.decay})
-                self.exchange.after_update()                                    # ZeRO: Allgather the chunks
-        return StepInfo(self.global_loss(numbers.loss), lr, norm, time.perf_counter() - self.t_start,
+                    grads *= tc.clip / (norm + 1e-12)                           # a device multiply, no host copy
+                self.opt.step({"flat": ex.master}, {"flat": grads}, lr, decay={"flat": self.decay})   # in place
+                ex.after_update()                                               # ZeRO: Allgather the chunks
+        dynamic = self.scaler.dynamic
+        return StepInfo(global_loss(numbers.loss, self.grid), lr, norm, time.perf_counter() - self.t_start,
                         stats.seconds("tp") - self.tp_start, self.dp_waited + stats.seconds("dp") - self.dp_start,
-                        self.stage.loss_scale if self.scaler else None, self.scaler.skipped if self.scaler else 0)
-
-    def applied_scale(self):
-        """The loss scale S the gradient this update applies was made with: this step's, or with --dp-staleness 1
-        (the exchange's lag) the step before's, which the scaler may have halved or doubled since. (The scaler
-        itself judges the gradient made with the current S, the step's own: an overflow is one back-off, not two.)"""
-        lag = self.exchange.lag
-        return self.scales[-1 - lag] if len(self.scales) > lag else self.scales[-1]
-
-    def global_loss(self, group_loss):
-        """The global batch's loss from this DP group's (held by the last stage; with context parallelism its cp
-        ranks' losses of their positions, which are averaged too): metadata, pickled."""
-        grid = self.grid
-        return grid.dp_comm.comm.allreduce(grid.pp_comm.comm.bcast(group_loss, root=grid.pp - 1)) / grid.dp_comm.size
+                        self.stage.loss_scale if dynamic else None, self.scaler.skipped if dynamic else 0)
 
     def evaluate(self, corpus, n_batches, batch_size):
         """Mean loss over n_batches fixed validation batches; rows split over the dp groups like training."""
         rows, total, local = dp_rows(batch_size, self.grid.dp, self.grid.dp_rank), 0.0, self.stage.ctx.local
         for i in range(n_batches):
             idx, targets = corpus.batch(self.tc.seed, i, batch_size, split="val")
-            total += self.stage.loss_only(self.exchange.model_weights(self.num), local(idx[rows]), local(targets[rows]),
+            total += self.stage.loss_only(self.exchange.model_weights(), local(idx[rows]), local(targets[rows]),
                                           self.exchange.hooks)
         return self.grid.dp_comm.comm.allreduce(total) / (self.grid.dp_comm.size * n_batches)
-
-    # ------------------------------------------------------------------------------------------ reports
-    def averaged_grads(self):
-        """After gradients(): {name: this rank's gradient shard averaged over dp_comm (dp x cp ranks), whole}.
-        Collective over dp_comm when the exchange keeps only a chunk of the average (ZeRO: the chunks are
-        All-Gathered)."""
-        full = self.exchange.gather(self.exchange.grads())
-        return {n: full[lo:hi].reshape(self.shard_shapes[n]) for n, (lo, hi) in self.exchange.offsets.items()}
-
-    def shapes(self):
-        """{name: shape} of this rank's parameter shards (its stage's, tp-split)."""
-        return self.shard_shapes
 
     def hooks(self):
         """What runs around each group's forward and backward in a training step: the exchange's (ZeRO 2 and 3),
@@ -194,37 +152,43 @@ class HybridTrainer:
         chain = [h for h in (self.exchange.hooks, self.probe and self.probe.hooks) if h]
         return None if not chain else chain[0] if len(chain) == 1 else ChainedHooks(chain)
 
+    # ------------------------------------------------------------------------------------------ what it holds
+    def averaged_grads(self):
+        """After gradients(): {name: this rank's shard of the gradient of the global batch's mean loss, averaged
+        over dp_comm (dp x cp ranks), whole, unscaled (1/S)}. Collective over dp_comm when the exchange keeps only
+        a chunk of the average (ZeRO: the chunks are All-Gathered)."""
+        return self.exchange.named(self.exchange.grads() * (1.0 / self.scaler.made_with(0)))
+
     def memory(self):
         """Bytes this rank holds between steps: parameters, gradients, optimizer state."""
-        state = sum(a.nbytes for v in self.opt.state.values() for a in (v if isinstance(v, tuple) else (v,)))
-        return {"params": self.exchange.param_bytes(), "grads": self.exchange.grad_bytes(), "optimizer": int(state)}
+        sizes = self.exchange.sizes
+        state = sum(a.nbytes for a in self.opt.moments("flat").values())
+        return {"params": sizes.param_bytes(), "grads": sizes.grad_bytes(), "optimizer": int(state)}
 
-    def dp_comm_formula(self):
-        """{(comm, op): (calls, bytes)} of one step's data-parallel exchange."""
-        return self.exchange.formula()
+    def state_dict(self):
+        """Collective over dp_comm when the exchange shards (ZeRO): {"params": {name: this rank's tp shard, whole
+        over dp}, "moments": {name: {"velocity" | "m", "v": its optimizer moments}}, "t": the optimizer's steps,
+        "loss_scale": the scaler's state or None}: what a checkpoint keeps, by name, to cut again for any layout."""
+        named = {k: self.exchange.named(v) for k, v in self.opt.moments("flat").items()}   # {moment: {name: a}}
+        moments = {n: {k: v[n] for k, v in named.items()} for n in self.shard_shapes if named}
+        return {"params": self.exchange.full_params(), "moments": moments, "t": self.opt.t,
+                "loss_scale": self.scaler.state()}
 
-    def replica_divergence(self):
-        """Collective: None if every DP replica holds the same parameters, else the first parameter (in the
-        buffer's order) whose replicas differ, and the dp_comm ranks holding each version (dp_rank cp + cp_rank)."""
-        order = self.exchange.order
-        params = self.exchange.full_params()
-        digests = self.grid.dp_comm.allgather_obj([params_digest({n: params[n]}) for n in order])
-        for i, name in enumerate(order):
-            groups = {}
-            for r, d in enumerate(digests):
-                groups.setdefault(d[i], []).append(r)
-            if len(groups) > 1:
-                return name, sorted(groups.values())
-        return None
+    def load_state_dict(self, state):
+        """The inverse of state_dict on this rank's layout (no communication): its parameter shards, its part of
+        the optimizer's moments (ZeRO: its chunk), the optimizer's steps and the loss scale."""
+        self.exchange.set_params(state["params"])
+        keys = {k for m in state["moments"].values() for k in m}                  # velocity, or m and v
+        self.opt.set_moments("flat", {k: self.exchange.owned_part({n: m[k] for n, m in state["moments"].items()})
+                                      for k in keys})                            # my part of the layout
+        self.opt.t = state["t"]
+        if self.scaler.dynamic and state.get("loss_scale"):
+            self.scaler.load(state["loss_scale"])                         # float16: go on with the scale it had
 
     def full_params(self):
         """The whole model (serial names and shapes) on every rank (pickled: for sampling and checks only)."""
-        full = {}
-        mine = self.exchange.full_params()                                      # (ZeRO-3: All-Gathered over dp)
-        for part in self.grid.pp_comm.allgather_obj(tp_shards.gather_full(mine, self.cfg, self.grid.tp_comm,
-                                                                         self.scheme)):
-            full.update(part)                                                   # every stage's parameters
-        return {n: full[n] for n in self.cfg.param_shapes()}
+        return tp_shards.whole_model(self.exchange.full_params(), self.cfg, self.grid.tp_comm, self.grid.pp_comm,
+                                     self.scheme)                               # (ZeRO-3: All-Gathered over dp)
 
     def finish(self):
         """Complete what is still in flight (the stale exchange's last Iallreduce: not applied)."""

@@ -9,6 +9,8 @@ splits, f and g) and 6 (attention heads, the vocabulary, sequence parallelism).
     attention   the context layout the model asks (positions, core attention); the whole sequence's
     wgrad       the weight-gradient half of a backward pass, done at once or kept for a W action
     hooks       what runs around each gradient group's forward and backward (ZeRO 2 and 3, the memory probe)
+    ops         the layer functions the model runs, in one place
+    rounded     where a bfloat16 or float16 run rounds: the layer functions, scheme and attention, rounded
     model       the GPT on a tensor-parallel group, written once for the three schemes: a block, the embedding,
-                the head, a pipeline stage
+                the head, a pipeline stage; TPSetup, what all of them take
 """

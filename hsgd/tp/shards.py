@@ -97,6 +97,15 @@ def gather_full(params, cfg, comm, scheme="megatron"):
     return {name: unshard(comm.allgather_obj(p), name, cfg, scheme) for name, p in params.items()}
 
 
+def whole_model(params, cfg, tp_comm, pp_comm, scheme="megatron"):
+    """The whole model (serial names and shapes) on every rank, from every rank's shards of its stage: gathered
+    over tp_comm, then every stage's over pp_comm (pickled: for sampling and checks only)."""
+    full = {}
+    for part in pp_comm.allgather_obj(gather_full(params, cfg, tp_comm, scheme)):
+        full.update(part)                                                   # every stage's parameters
+    return {n: full[n] for n in cfg.param_shapes()}
+
+
 def vocab_padding(cfg, tp):
     """Rows of wte (columns of lm_head) added so that every rank holds Vp = ceil(V/tp)."""
     return math.ceil(cfg.vocab_size / tp) * tp - cfg.vocab_size

@@ -37,6 +37,13 @@ def world_max(x):
     return WORLD.allreduce(float(x), op=MPI.MAX)
 
 
+def float64_config(**kw):
+    """The settings of a float64 test run (SGD with momentum 0.9 at lr 0.05, seed 3, 2 steps of 16 sequences),
+    kw changing any field: the one place the MPI tests build a TrainConfig."""
+    from hsgd.step.settings import TrainConfig
+    return TrainConfig(**{**dict(steps=2, batch_size=16, lr=0.05, momentum=0.9, dtype="float64", seed=3), **kw})
+
+
 @pytest.fixture
 def world():
     return WORLD

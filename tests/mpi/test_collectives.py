@@ -327,7 +327,7 @@ def test_exchange_equals_dp_average(ranks_per_node):
         ex.finish()
         err = float(np.max(np.abs(hier.flat - flat.flat)))
         same = len(set(WORLD.allgather(digest(hier.flat)))) == 1
-        check(err <= 1e-15 and same and dp.stats.counts() == ex.formula() and ex.scratch is scratch,
+        check(err <= 1e-15 and same and dp.stats.counts() == ex.sizes.formula() and ex.scratch is scratch,
               f"err {err:.2e}, replicas identical {same}, {dp.stats.counts()}")
     say(f"HierarchicalExchange(ranks_per_node={ranks_per_node}) vs dp_average: max |diff| {world_max(err):.1e}\n"
         + dp.stats.format())

@@ -9,9 +9,8 @@ from hsgd.model import serial
 from hsgd.tp import model as tp_model, shards as tp_shards
 from hsgd.model.data import Corpus
 from hsgd.grid.trace import Tracer, overlap_seconds
-from hsgd.run.settings import TrainConfig
 
-from .conftest import WORLD, check, say, train_steps, world_max
+from .conftest import WORLD, check, float64_config, say, train_steps, world_max
 
 pytestmark = pytest.mark.mpi(min_size=8)
 
@@ -21,9 +20,7 @@ STEPS = 4
 
 
 def config(**kw):
-    base = dict(steps=STEPS, batch_size=8, lr=0.05, momentum=0.9, warmup=2, dtype="float64", seed=3)
-    base.update(kw)
-    return TrainConfig(**base)
+    return float64_config(**{**dict(steps=STEPS, batch_size=8, warmup=2), **kw})
 
 
 def serial_sgd(tc, delayed=False):
@@ -45,7 +42,7 @@ def param_err(trainer, grid, ref, scheme="megatron"):
 def expected_bytes(trainer, tc):
     f = dict(tp_model.comm_formula(CFG, tc.batch_size // tc.dp // tc.micro_batches, 8, tc.tp_scheme))
     f = {k: (v[0] * tc.micro_batches, v[1] * tc.micro_batches) for k, v in f.items()}
-    f.update(trainer.dp_comm_formula())
+    f.update(trainer.exchange.sizes.formula())
     return f
 
 
@@ -111,7 +108,7 @@ def test_zero_shards_the_optimizer_state_by_dp():
     mems, sizes = {}, {}
     for zero in (0, 1, 2):
         grid, trainer, _, _ = run(config(tp=2, dp=4, zero=zero, optimizer="adamw", lr=0.01, steps=2))
-        mems[zero], sizes[zero] = trainer.memory(), trainer.exchange.size       # elements (ZeRO: padded)
+        mems[zero], sizes[zero] = trainer.memory(), trainer.exchange.sizes.size       # elements (ZeRO: padded)
         grid.free()
     n, chunk, chunks2 = sizes[0], sizes[1] // 4, sizes[2] // 4          # ceil(n / dp); ZeRO-2: per layer
     full, z1, z2 = mems[0]["optimizer"], mems[1]["optimizer"], mems[2]["optimizer"]

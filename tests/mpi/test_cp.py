@@ -17,10 +17,9 @@ from hsgd.model.data import Corpus
 from hsgd.grid.process_grid import ProcessGrid
 from hsgd.accounting.activations import activation_formula
 from hsgd.grid.trace import Tracer
-from hsgd.run.settings import TrainConfig
 from hsgd.accounting.traffic import step_formula
 
-from .conftest import WORLD, check, say, train_steps, world_max
+from .conftest import WORLD, check, float64_config, say, train_steps, world_max
 
 pytestmark = pytest.mark.mpi(min_size=8)
 
@@ -36,8 +35,7 @@ def layouts(n=8):
 
 
 def config(**kw):
-    base = dict(steps=3, batch_size=16, micro_batches=2, lr=0.05, momentum=0.9, warmup=1, dtype="float64", seed=3)
-    return TrainConfig(**{**base, **kw})
+    return float64_config(**{**dict(steps=3, micro_batches=2, warmup=1), **kw})
 
 
 def serial_sgd(tc):

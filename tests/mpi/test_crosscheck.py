@@ -18,9 +18,8 @@ from hsgd.crosscheck.hsgd_dump import dump_one_step
 from hsgd.model.data import Corpus
 from hsgd.grid.process_grid import factorizations
 from hsgd.check.mutations import injected
-from hsgd.run.settings import TrainConfig
 
-from .conftest import WORLD, check as agree, say
+from .conftest import WORLD, check as agree, float64_config, say
 
 pytestmark = pytest.mark.mpi(min_size=8)
 
@@ -30,8 +29,7 @@ CORPUS = Corpus(np.random.default_rng(1).integers(0, 256, 4000, dtype=np.uint8).
 
 def crosscheck(**kw):
     """Dump step 1 of the layout kw on the 8 ranks, check it on rank 0: (ok, loss row, {name: row}, the table)."""
-    base = dict(batch_size=8, dtype="float64", seed=5, steps=1)
-    tc = TrainConfig(**{**base, **kw})
+    tc = float64_config(**{**dict(batch_size=8, seed=5, steps=1), **kw})
     path = WORLD.bcast(tempfile.mkdtemp(prefix="hsgd-dump-") if WORLD.Get_rank() == 0 else None)
     try:
         dump_one_step(CFG, tc, WORLD, path, CORPUS)

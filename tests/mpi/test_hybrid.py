@@ -13,9 +13,8 @@ from hsgd.model.data import Corpus
 from hsgd.dp.average import params_digest
 from hsgd.grid.process_grid import ProcessGrid
 from hsgd.step.trainer import HybridTrainer
-from hsgd.run.settings import TrainConfig
 
-from .conftest import WORLD, check, say, world_max
+from .conftest import WORLD, check, float64_config, say, world_max
 
 pytestmark = pytest.mark.mpi(min_size=8)
 
@@ -24,9 +23,7 @@ CORPUS = Corpus(np.random.default_rng(0).integers(0, 256, 4000, dtype=np.uint8).
 
 
 def config(**kw):
-    base = dict(steps=4, batch_size=8, lr=0.05, momentum=0.9, warmup=2, dtype="float64", seed=3)
-    base.update(kw)
-    return TrainConfig(**base)
+    return float64_config(**{**dict(steps=4, batch_size=8, warmup=2), **kw})
 
 
 def serial_sgd(tc, steps):

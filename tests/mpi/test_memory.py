@@ -11,9 +11,8 @@ from hsgd.accounting import allocations, step_memory
 from hsgd.model.data import Corpus
 from hsgd.grid.process_grid import ProcessGrid
 from hsgd.step.trainer import HybridTrainer
-from hsgd.run.settings import TrainConfig
 
-from .conftest import WORLD, check, say
+from .conftest import WORLD, check, float64_config, say
 
 pytestmark = pytest.mark.mpi(min_size=8)
 
@@ -37,14 +36,14 @@ LAYOUTS = [(1, 1, 0, "none", "megatron", 1, "1f1b"), (2, 1, 0, "selective", "gat
 
 def measure(tp, pp, zero, recompute, scheme="megatron", m=1, sched="1f1b", cfg=CFG, dtype="float64", **more):
     """(this rank's measured result, formula, exchange's flat size) of step 2 (the optimizer state exists)."""
-    tc = TrainConfig(steps=2, batch_size=16, lr=0.05, momentum=0.9, dtype=dtype, seed=3, tp=tp, pp=pp, zero=zero,
-                     recompute=recompute, tp_scheme=scheme, micro_batches=m, schedule=sched, **more)
+    tc = float64_config(dtype=dtype, tp=tp, pp=pp, zero=zero, recompute=recompute, tp_scheme=scheme,
+                        micro_batches=m, schedule=sched, **more)
     tc.validate()
     tc.resolve_layout(WORLD.Get_size())
     grid = ProcessGrid(WORLD, dp=tc.dp, pp=tc.pp, tp=tc.tp, cp=tc.cp)
     result, trainer = allocations.measure_step(lambda: HybridTrainer(cfg, grid, tc),
                                             lambda step: CORPUS.batch(tc.seed, step, tc.batch_size))
-    out = result, step_memory.step_formula(trainer), trainer.exchange.size * 8, grid
+    out = result, step_memory.step_formula(trainer), trainer.exchange.sizes.size * 8, grid
     trainer.free()
     grid.free()
     return out

@@ -12,9 +12,8 @@ from hsgd.model.data import Corpus
 from hsgd.check.mutations import injected
 from hsgd.check.oracle import oracle
 from hsgd.check.verdict import report
-from hsgd.run.settings import TrainConfig
 
-from .conftest import WORLD, check, say
+from .conftest import WORLD, check, float64_config, say
 
 pytestmark = pytest.mark.mpi(min_size=8)
 
@@ -31,7 +30,7 @@ LAYOUTS = {"megatron": [(1, 1, 1, 8), (2, 1, 1, 4), (1, 2, 1, 4), (8, 1, 1, 1)],
 
 def run_oracle(dtype="bfloat16", scheme="megatron", layouts=((1, 1, 1, 1), (2, 1, 1, 4)), seeds=1, loss_steps=0,
                cfg=CFG, **kw):
-    tc = TrainConfig(**{**dict(dtype=dtype, batch_size=8, tp_scheme=scheme, tp=1, dp=8, seed=3), **kw})
+    tc = float64_config(**{**dict(dtype=dtype, batch_size=8, tp_scheme=scheme, tp=1, dp=8), **kw})
     verdict = oracle(cfg, tc, list(layouts), seeds, WORLD, CORPUS, loss_steps)
     out = io.StringIO()
     ok = report(verdict, tc, cfg, WORLD.Get_size(), out, loss_steps) if WORLD.Get_rank() == 0 else None

@@ -12,10 +12,9 @@ from hsgd.model import serial
 from hsgd.tp import shards as tp_shards
 from hsgd.model.data import Corpus
 from hsgd.grid.process_grid import factorizations
-from hsgd.run.settings import TrainConfig
 from hsgd.accounting.traffic import step_formula
 
-from .conftest import WORLD, check, say, train_steps, world_max
+from .conftest import WORLD, check, float64_config, say, train_steps, world_max
 
 pytestmark = pytest.mark.mpi(min_size=8)
 
@@ -24,9 +23,7 @@ CORPUS = Corpus(np.random.default_rng(0).integers(0, 256, 4000, dtype=np.uint8).
 
 
 def config(**kw):
-    base = dict(steps=3, batch_size=16, micro_batches=2, lr=0.05, momentum=0.9, warmup=1, dtype="float64", seed=5)
-    base.update(kw)
-    return TrainConfig(**base)
+    return float64_config(**{**dict(steps=3, micro_batches=2, warmup=1, seed=5), **kw})
 
 
 def serial_sgd(tc):

@@ -1,9 +1,9 @@
 """The planner's sizes-only formulas (hsgd.plan.layout) against the trainer on 8 ranks: for every factorization
 dp x pp x tp of 8 (and cp layouts) and a covering set of options (ZeRO 0-3, overlapped, hierarchical and stale
 exchanges, the three tp schemes, recomputation, micro-batches, gpipe / 1f1b / interleaved / zero-bubble schedules,
-bfloat16 and float16), each rank's bytes per communicator equal hsgd.run.report.step_formula's and its memory per
-category equals hsgd.accounting.step_memory.step_formula's, exactly; and on a few layouts the bytes equal what CommStats
-measures in a training step. (The trainer's formulas equal the measurements within the tolerances of
+bfloat16 and float16), each rank's bytes per communicator equal hsgd.accounting.traffic.step_formula's and its
+memory per category equals hsgd.accounting.step_memory.step_formula's, exactly; and on a few layouts the bytes equal
+what CommStats measures in a training step. (The trainer's formulas equal the measurements within the tolerances of
 tests/mpi/test_memory.py and exactly in tests/mpi/test_hybrid.py, test_cp.py and test_pipeline.py.)"""
 import numpy as np
 import pytest
@@ -17,10 +17,9 @@ from hsgd.errors import UsageError
 from hsgd.grid.process_grid import ProcessGrid, factorizations
 from hsgd.step.trainer import HybridTrainer
 from hsgd.plan.layout import plan_rank
-from hsgd.run.settings import TrainConfig
 from hsgd.accounting.traffic import step_formula
 
-from .conftest import WORLD, check, say
+from .conftest import WORLD, check, float64_config, say
 
 pytestmark = pytest.mark.mpi(min_size=8)
 
@@ -40,13 +39,11 @@ OPTIONS = [dict(),
 
 def settings(dp, pp, tp, cp=1, **opts):
     """A validated TrainConfig, or None where the settings refuse this layout."""
-    base = dict(steps=2, batch_size=16, lr=0.05, momentum=0.9, dtype="float64", seed=3, tp=tp, pp=pp, cp=cp)
     try:
-        tc = TrainConfig(**{**base, **opts})
+        tc = float64_config(**{**dict(tp=tp, pp=pp, cp=cp), **opts})
         tc.validate()
         tc.resolve_layout(WORLD.Get_size())
         hsgd.pp.schedules.check_pipeline(CFG.n_layers, tc)
-        hsgd.pp.schedules.check_options(tc)
         if tc.dp != dp:
             return None
         if tc.hierarchical and (tc.dp * tc.cp) % tc.ranks_per_node:

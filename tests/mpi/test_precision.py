@@ -8,9 +8,8 @@ from mpi4py import MPI
 from hsgd.model.config import ModelConfig
 from hsgd.model.data import Corpus
 from hsgd.model.precision import POINTS
-from hsgd.run.settings import TrainConfig
 
-from .conftest import WORLD, check, say, train_steps
+from .conftest import WORLD, check, float64_config, say, train_steps
 
 pytestmark = pytest.mark.mpi(min_size=8)
 
@@ -22,9 +21,8 @@ STEPS = 8
 
 
 def run(**kw):
-    """STEPS steps; returns (the global loss of each step, the trainer, its grid)."""
-    tc = TrainConfig(**{**dict(steps=STEPS, batch_size=16, micro_batches=2, lr=0.05, momentum=0.9, warmup=2,
-                               seed=4), **kw})
+    """STEPS steps in kw["dtype"]; returns (the global loss of each step, the trainer, its grid)."""
+    tc = float64_config(**{**dict(steps=STEPS, micro_batches=2, warmup=2, seed=4), **kw})   # kw: the dtype
     grid, trainer, _, _ = train_steps(CFG, CORPUS, tc)
     losses = [trainer.step(*CORPUS.batch(tc.seed, s, tc.batch_size), s).loss for s in range(STEPS + 1, STEPS + 3)]
     return losses, trainer, grid

@@ -12,7 +12,7 @@ from hsgd.tp import layers as tp_layers, model as tp_model, shards as tp_shards
 from hsgd.errors import ConfigError
 from hsgd.grid.process_grid import ProcessGrid
 
-from .conftest import WORLD, check, say, world_max
+from .conftest import WORLD, check, float64_config, say, world_max
 from .test_tp import fd_check, reference
 
 pytestmark = pytest.mark.mpi(min_size=8)
@@ -28,11 +28,11 @@ def rel_err(a, b):
     return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-6))
 
 
-def sequence_grads(params, idx, targets, tp, **kw):
+def sequence_grads(params, idx, targets, tp):
     grid = ProcessGrid(WORLD, dp=8 // tp, tp=tp)
     local = tp_shards.shard_params(params, grid.tp_rank, tp, "sequence")
     grid.stats.reset()
-    loss, grads = tp_model.loss_and_grads(local, idx, targets, CFG, grid.tp_comm, "sequence", **kw)
+    loss, grads = tp_model.loss_and_grads(local, idx, targets, tp_model.TPSetup(CFG, grid.tp_comm, "sequence"))
     return grid, local, loss, grads
 
 
@@ -101,14 +101,15 @@ def test_on_ready_in_backward_order_with_final_gradients():
     for n in local:
         groups.setdefault(tp_model.param_group(n), []).append(n)
     grads = serial.zeros_like_params(local)
-    tp_model.loss_and_grads(local, idx, targets, CFG, c, "sequence", grads=grads, loss_scale=0.5)
+    tp_model.loss_and_grads(local, idx, targets, tp_model.TPSetup(CFG, c, "sequence"), grads=grads, dloss=0.5)
     seen, snapshots = [], {}
 
     def on_ready(group):
         seen.append(group)
         snapshots[group] = {n: grads[n].copy() for n in groups[group]}
 
-    tp_model.loss_and_grads(local, idx, targets, CFG, c, "sequence", grads=grads, loss_scale=0.5, on_ready=on_ready)
+    tp_model.loss_and_grads(local, idx, targets, tp_model.TPSetup(CFG, c, "sequence"), grads=grads, dloss=0.5,
+                            on_ready=on_ready)
     final = all(np.array_equal(snapshots[gr][n], grads[n]) for gr in snapshots for n in snapshots[gr])
     err = max(rel_err(grads[n], tp_shards.shard(grads0[n], n, c.rank, 4, "sequence")) for n in grads)
     rep = [(gr, n) for gr in snapshots for n in snapshots[gr] if tp_shards.split_of(n, "sequence")[0] == "rep"]
@@ -141,7 +142,7 @@ def test_activation_memory_matches_the_formula_and_shrinks():
         measured = {}
         for scheme in ("megatron", "sequence"):
             local = tp_shards.shard_params(params, grid.tp_rank, tp, scheme)
-            _, caches = tp_model.forward(local, idx, targets, CFG, grid.tp_comm, scheme)
+            _, caches = tp_model.forward(local, idx, targets, tp_model.TPSetup(CFG, grid.tp_comm, scheme))
             measured[scheme] = (activations.activation_bytes(caches.blocks[0], local),
                                 activations.activation_bytes(caches, local))
             f = activations.activation_formula(CFG, B, 8, tp, scheme)
@@ -165,7 +166,7 @@ def test_gather_activation_memory_matches_the_formula():
     for tp in (1, 2, 4, 8):
         grid = ProcessGrid(WORLD, dp=8 // tp, tp=tp)
         local = tp_shards.shard_params(params, grid.tp_rank, tp, "gather")
-        _, caches = tp_model.forward(local, idx, targets, CFG, grid.tp_comm, "gather")
+        _, caches = tp_model.forward(local, idx, targets, tp_model.TPSetup(CFG, grid.tp_comm, "gather"))
         measured = (activations.activation_bytes(caches.blocks[0], local), activations.activation_bytes(caches, local))
         f, fm = (activations.activation_formula(CFG, B, 8, tp, s) for s in ("gather", "megatron"))
         ok &= measured == (f["block"], f["model"]) and (f["block"] > fm["block"] if tp > 1 else f == fm)
@@ -195,10 +196,10 @@ def test_pipeline_stages_chained_by_hand_equal_serial():
     local = tp_shards.shard_params(params, c.rank, 4, S)
     grads = serial.zeros_like_params(local)
     stages = [(range(0, 1), True, False), (range(1, 2), False, True)]
-    caches, counts, inp = [], [{}, {}], idx
+    caches, counts, inp, setup = [], [{}, {}], idx, tp_model.TPSetup(CFG, c, S)
     for s, (layers, first, last) in enumerate(stages):                     # F0, F1
         grid.stats.reset()
-        inp, cache = tp_model.stage_forward(local, inp, targets, CFG, c, S, layers, first, last)
+        inp, cache = tp_model.stage_forward(local, inp, targets, tp_model.Piece(layers, first, last), setup)
         add_counts(counts[s], grid.stats.counts())
         caches.append(cache)
         if s == 0:
@@ -206,7 +207,7 @@ def test_pipeline_stages_chained_by_hand_equal_serial():
     dout = 1.0
     for s in (1, 0):                                                         # B1, B0
         grid.stats.reset()
-        dout = tp_model.stage_backward(dout, caches[s], grads, c, S)
+        dout = tp_model.stage_backward(dout, caches[s], grads, setup)
         add_counts(counts[s], grid.stats.counts())
     x_ref, _ = embedding_forward(idx, params["wte"], params["wpe"])           # (B, T, C) serial, up to block 0
     x_ref, _ = serial.block_forward(x_ref, params, "h.0.", CFG)
@@ -229,9 +230,7 @@ def test_hybrid_training_with_sequence_equals_serial_sgd():
     """Two SGD steps of the hybrid trainer (dp = 2 x tp = 4, gradient accumulation 2, "sequence") end with the
     parameters of serial SGD on the global batch."""
     from hsgd.step.trainer import HybridTrainer
-    from hsgd.run.settings import TrainConfig
-    tc = TrainConfig(tp=4, dp=2, tp_scheme="sequence", steps=2, batch_size=8, micro_batches=2, lr=0.05, momentum=0.9,
-                     warmup=1, dtype="float64", seed=3)
+    tc = float64_config(tp=4, dp=2, tp_scheme="sequence", batch_size=8, micro_batches=2, warmup=1)
     rng = np.random.default_rng(7)
     batches = [(rng.integers(0, 13, (8, 8)), rng.integers(0, 13, (8, 8))) for _ in range(2)]
     ref, _ = serial.sgd(CFG, tc, lambda step: batches[step - 1])
@@ -262,8 +261,8 @@ def test_bad_seq_len_is_a_clear_error():
     grid = ProcessGrid(WORLD, dp=2, tp=4)
     local = tp_shards.shard_params(serial.init_params(cfg, dtype="float64"), grid.tp_rank, 4, "sequence")
     try:
-        tp_model.forward(local, np.zeros((2, 6), dtype=np.int64), np.zeros((2, 6), dtype=np.int64), cfg,
-                         grid.tp_comm, "sequence")
+        tp_model.forward(local, np.zeros((2, 6), dtype=np.int64), np.zeros((2, 6), dtype=np.int64),
+                         tp_model.TPSetup(cfg, grid.tp_comm, "sequence"))
     except ConfigError as e:
         msgs.append(str(e))
     say(f"seq_len error: {msgs[0] if msgs else None}")

@@ -3,7 +3,7 @@ against finite differences through every distributed backward, and the bytes of 
 import numpy as np
 import pytest
 from hsgd.model.config import ModelConfig
-from hsgd.model import serial
+from hsgd.model import gradcheck, serial
 from hsgd.tp import layers as tp_layers, model as tp_model, schemes as tp_schemes, shards as tp_shards
 from hsgd.errors import ConfigError
 from hsgd.grid.process_grid import ProcessGrid
@@ -38,7 +38,8 @@ def test_tp_equals_serial(scheme, rs):
         grid = ProcessGrid(WORLD, dp=8 // tp, tp=tp)
         c = grid.tp_comm
         local = tp_shards.shard_params(params, c.rank, tp, scheme)
-        loss, grads = tp_model.loss_and_grads(local, idx, targets, CFG, c, scheme, reduce_scatter=rs)
+        loss, grads = tp_model.loss_and_grads(local, idx, targets, tp_model.TPSetup(CFG, c, scheme,
+                                                                                    reduce_scatter=rs))
         loss_err = abs(loss - loss0) / abs(loss0)
         # floor 1e-6: the k-bias gradients are exactly zero in exact arithmetic (softmax ignores a shift shared
         # by a row of scores), so what is computed for them is rounding noise; the other gradients are ~1e-2
@@ -57,7 +58,8 @@ def test_replicated_gradients_are_identical_on_every_tp_rank():
     params, idx, targets, _, _ = reference()
     grid = ProcessGrid(WORLD, dp=2, tp=4)
     c = grid.tp_comm
-    _, grads = tp_model.loss_and_grads(tp_shards.shard_params(params, c.rank, 4), idx, targets, CFG, c)
+    _, grads = tp_model.loss_and_grads(tp_shards.shard_params(params, c.rank, 4), idx, targets,
+                                       tp_model.TPSetup(CFG, c))
     names = [n for n in grads if tp_shards.split_of(n)[0] == "rep"]
     same = all(all(np.array_equal(g, grads[n]) for g in c.allgather_obj(grads[n])) for n in names)
     say(f"{len(names)} replicated parameters ({', '.join(names[:4])}, ...): identical gradients on all 4 ranks")
@@ -68,32 +70,11 @@ def test_replicated_gradients_are_identical_on_every_tp_rank():
 # ---------------------------------------------------------------------------------------------- finite differences
 
 def fd_check(loss_fn, arrays, grads, comm, replicated, n=3, h=1e-3, seed=0, floor=1e-6):
-    """Max relative error of `grads` against 4th-order central differences of the collective `loss_fn`.
-
-    A sharded array is perturbed on its owner alone (one rank at a time); a replicated one on every rank at
-    once (it is one logical parameter). Every rank evaluates the loss at every perturbation.
-    """
-    worst = 0.0
-    rng = np.random.default_rng(seed)
-    for i, a in enumerate(arrays):
-        flat = a.reshape(-1)
-        coords = rng.choice(flat.size, min(n, flat.size), replace=False)
-        owners = [None] if replicated[i] else range(comm.size)
-        for owner in owners:
-            fd = np.zeros(len(coords))
-            for k, j in enumerate(coords):
-                vals = []
-                for step in (2 * h, h, -h, -2 * h):
-                    old = flat[j]
-                    if owner is None or owner == comm.rank:
-                        flat[j] = old + step
-                    vals.append(loss_fn())
-                    flat[j] = old
-                fd[k] = (-vals[0] + 8 * vals[1] - 8 * vals[2] + vals[3]) / (12 * h)
-            if owner is None or owner == comm.rank:
-                an = grads[i].reshape(-1)[coords]
-                worst = max(worst, np.abs(fd - an).max() / max(np.abs(an).max(), floor))
-    return worst
+    """Max relative error (max |fd - an| / max |an| per array) of `grads` against 4th-order central differences of
+    the collective `loss_fn`: hsgd.model.gradcheck.fd_error, a shard perturbed on its owner alone (one rank at a
+    time), a replicated array on every rank at once (it is one logical parameter)."""
+    return gradcheck.fd_error(loss_fn, arrays, grads, n=n, h=h, floor=floor, order=4, measure="array",
+                              rng=np.random.default_rng(seed), comm=comm, replicated=replicated)
 
 
 def test_fd_f_and_g_pair():
@@ -189,13 +170,13 @@ def test_fd_whole_tp_model(scheme):
     grid = ProcessGrid(WORLD, dp=2, tp=4)
     c = grid.tp_comm
     local = tp_shards.shard_params(params, c.rank, 4, scheme)
-    _, grads = tp_model.loss_and_grads(local, idx, targets, CFG, c, scheme)
+    _, grads = tp_model.loss_and_grads(local, idx, targets, tp_model.TPSetup(CFG, c, scheme))
     names = [n for n in local if not n.startswith("h.0.") or ".attn." in n]    # one block's worth plus the rest
     rep = {n: tp_shards.split_of(n, scheme)[0] == "rep" for n in names}
     # this tp group's half: every other sharded and every other replicated parameter (a sharded one costs tp
     # times as many loss evaluations), so that the two groups take about as long
     mine = [n for kind in (False, True) for n in [n for n in names if rep[n] == kind][grid.dp_rank::grid.dp]]
-    loss = lambda: tp_model.forward(local, idx, targets, CFG, c, scheme)[0]
+    loss = lambda: tp_model.forward(local, idx, targets, tp_model.TPSetup(CFG, c, scheme))[0]
     err = fd_check(loss, [local[n] for n in mine], [grads[n] for n in mine], c, [rep[n] for n in mine], n=2,
                    floor=1e-4)
     checked = sum(WORLD.allgather(len(mine) if c.rank == 0 else 0))
@@ -214,7 +195,7 @@ def test_communication_matches_the_formula(scheme, rs):
     c = grid.tp_comm
     local = tp_shards.shard_params(params, c.rank, 4, scheme)
     grid.stats.reset()
-    tp_model.loss_and_grads(local, idx, targets, CFG, c, scheme, reduce_scatter=rs)
+    tp_model.loss_and_grads(local, idx, targets, tp_model.TPSetup(CFG, c, scheme, reduce_scatter=rs))
     measured = grid.stats.counts()
     formula = tp_model.comm_formula(CFG, batch_size=3, itemsize=8, scheme=scheme, reduce_scatter=rs)
     say(f"{scheme}{'+rs' if rs else ''}: measured {measured}, formula {formula}")
@@ -267,8 +248,8 @@ def test_float32_error_budget():
     for tp, scheme in ((4, "megatron"), (8, "gather")):
         grid = ProcessGrid(WORLD, dp=8 // tp, tp=tp)
         c = grid.tp_comm
-        loss, grads = tp_model.loss_and_grads(tp_shards.shard_params(p32, c.rank, tp, scheme), idx, targets, cfg, c,
-                                              scheme)
+        loss, grads = tp_model.loss_and_grads(tp_shards.shard_params(p32, c.rank, tp, scheme), idx, targets,
+                                              tp_model.TPSetup(cfg, c, scheme))
         loss_err = abs(loss - loss0) / loss0
         err = max(np.abs(grads[n] - tp_shards.shard(grads0[n], n, c.rank, tp, scheme)).max()
                   / max(np.abs(grads0[n]).max(), 1e-6) for n in grads)

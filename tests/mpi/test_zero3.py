@@ -22,10 +22,9 @@ from hsgd.model.data import Corpus
 from hsgd.grid.process_grid import ProcessGrid, factorizations
 from hsgd.step.trainer import HybridTrainer
 from hsgd.train import resume
-from hsgd.run.settings import TrainConfig
 from hsgd.accounting.traffic import step_formula
 
-from .conftest import WORLD, check, say, world_max
+from .conftest import WORLD, check, float64_config, say, world_max
 
 pytestmark = pytest.mark.mpi(min_size=8)
 
@@ -41,9 +40,7 @@ def blocks_for(pp):
 
 
 def config(**kw):
-    base = dict(steps=3, batch_size=16, micro_batches=2, lr=0.05, momentum=0.9, warmup=1, dtype="float64", seed=5)
-    base.update(kw)
-    return TrainConfig(**base)
+    return float64_config(**{**dict(steps=3, micro_batches=2, warmup=1, seed=5), **kw})
 
 
 def run(tc, trainer=None, start=1, stop=None, cfg=CFG, grid=None):
@@ -140,7 +137,7 @@ def test_hybrid_sharding_and_bucketed_zero2(zero):
             grid, trainer, params, per_step = run(tc, cfg=SMALL, grid=grid)
             err = world_max(param_err(params, grid, ref, tc.tp_scheme))
             n = 2 if hybrid else dp
-            size = trainer.exchange.size                               # padded elements of the flat layout
+            size = trainer.exchange.sizes.size                               # padded elements of the flat layout
             mem = trainer.memory()
             held = mem["grads"] == size // n * 8 and mem["optimizer"] == 2 * size // n * 8
             held &= mem["params"] == (size // n * 8 if zero == 3 else size * 8 + size // n * 8)
@@ -193,7 +190,7 @@ def test_resume_auto_follows_rank_0_when_ranks_see_different_folders(rank0_sees)
     """Rank 0 and the others look at different save folders: one holds the checkpoint of step 2, the other is
     empty. Every rank must take rank 0's decision (resume after step 2 from rank 0's path, or start at step 1);
     deciding on each rank would send some into the checkpoint's collectives and the others into training."""
-    tc = TrainConfig(dp=2, tp=4, steps=4, batch_size=8, lr=0.05, momentum=0.9, dtype="float64", seed=3)
+    tc = float64_config(dp=2, tp=4, steps=4, batch_size=8)
     where = WORLD.bcast(tempfile.mkdtemp() if WORLD.Get_rank() == 0 else None)
     full, empty = os.path.join(where, "full"), os.path.join(where, "empty")
     grid = ProcessGrid(WORLD, dp=tc.dp, tp=tc.tp)
@@ -218,7 +215,7 @@ def test_resume_auto_follows_rank_0_when_ranks_see_different_folders(rank0_sees)
 
 def saved_after_step_1():
     """(folder, grid, trainer, checkpoint of step 1): one float64 SGD step on dp 2 x tp 4, saved into a new folder."""
-    tc = TrainConfig(dp=2, tp=4, steps=4, batch_size=8, lr=0.05, momentum=0.9, dtype="float64", seed=3)
+    tc = float64_config(dp=2, tp=4, steps=4, batch_size=8)
     where = WORLD.bcast(tempfile.mkdtemp() if WORLD.Get_rank() == 0 else None)
     grid = ProcessGrid(WORLD, dp=tc.dp, tp=tc.tp)
     trainer = HybridTrainer(RESUME_CFG, grid, tc)

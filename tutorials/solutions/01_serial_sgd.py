@@ -10,6 +10,7 @@ import sys
 
 from hsgd.model.config import ModelConfig   # hsgd before NumPy: it sets OpenBLAS's thread timeout first
 from hsgd.model import layers, serial
+from hsgd.model.gradcheck import fd_error   # chapter 1's checker: order 2, every coordinate
 from hsgd.model.optim import SGD
 
 import numpy as np
@@ -20,24 +21,6 @@ from checks import Checks, rel_err, solve  # noqa: E402
 
 threadpool_limits(1)
 rng = np.random.default_rng(1)
-H, FLOOR = 1e-5, 1e-3                       # chapter 1's finite-difference step and floor
-
-
-def fd_error(probe, arrays, grads, h=H, floor=FLOOR):
-    """Chapter 1's measure: the worst |fd - an| / max(|fd| + |an|, floor) over every coordinate of `arrays`."""
-    worst = 0.0
-    for a, an in zip(arrays, grads):
-        flat, an = a.reshape(-1), an.reshape(-1)
-        for i in range(flat.size):
-            old = flat[i]
-            flat[i] = old + h
-            lp = probe()
-            flat[i] = old - h
-            lm = probe()
-            flat[i] = old
-            fd = (lp - lm) / (2 * h)
-            worst = max(worst, abs(fd - an[i]) / max(abs(fd) + abs(an[i]), floor))
-    return worst
 
 
 # ------------------------------------------------------------------------------------------------------------ 1

@@ -93,7 +93,8 @@ def exercise_3(check):
     rows = dp_rows(B, dp, grid.dp_rank)
     for step in (1, 2):
         idx, targets = corpus.batch(SEED, step, B)
-        _, grads = tp_model.loss_and_grads(mine, idx[rows], targets[rows], cfg, grid.tp_comm)   # my group's slice
+        _, grads = tp_model.loss_and_grads(mine, idx[rows], targets[rows],
+                                           tp_model.TPSetup(cfg, grid.tp_comm))   # my group's slice
         for name, g in grads.items():
             grid.dp_comm.comm.Allreduce(MPI.IN_PLACE, g)        # the same shard, summed over the replicas
             g /= dp
@@ -117,7 +118,7 @@ def exercise_4(check):
     idx, targets = corpus.batch(SEED, 1, B)
     rows = slice(starts[grid.dp_rank], starts[grid.dp_rank + 1])
     buf = FlatBuffer(local)                                    # my gradient shards, one flat array
-    tp_model.loss_and_grads(local, idx[rows], targets[rows], cfg, grid.tp_comm, grads=buf.views)
+    tp_model.loss_and_grads(local, idx[rows], targets[rows], tp_model.TPSetup(cfg, grid.tp_comm), grads=buf.views)
     plain = buf.flat.copy()
     buf.flat *= sizes[grid.dp_rank] / B                        # the global mean is a size-weighted mean of means
     grid.dp_comm.Allreduce(buf.flat)                           # one All-Reduce of the weighted gradients

@@ -153,7 +153,8 @@ def exercise_2(check):
     full = serial.init_params(cfg, seed=0, dtype="float64")
     params = {n: full[n] for n in stage_names(cfg, layers, first, last)}
     inp = idx if first else np.random.default_rng(s).standard_normal((len(idx), cfg.seq_len, cfg.d_model))
-    _, caches = tp_model.stage_forward(params, inp, targets, cfg, grid.tp_comm, "megatron", layers, first, last)
+    _, caches = tp_model.stage_forward(params, inp, targets, tp_model.Piece(layers, first, last),
+                                       tp_model.TPSetup(cfg, grid.tp_comm, "megatron"))
     one = activation_bytes(caches, params)                                # bytes one micro-batch keeps alive
     peaks = {kind: max(held(build(kind, m, PP)[s])) for kind in ("gpipe", "1f1b")}
     check.say(f"m = {m}: stage  one micro-batch  GPipe peak          1F1B peak")

@@ -166,7 +166,7 @@ def exercise_2(check):
     trainer = HybridTrainer(cfg, grid, train_config(dp=1, pp=1, tp=4, tp_scheme="gather", steps=2, batch_size=B,
                                                     threads=1))
     checkpoint.load(trainer, checkpoint.open_checkpoint(path, cfg))     # hsgd's resharding, the reference
-    state, _ = checkpoint.optimizer_state(trainer)
+    state = trainer.state_dict()["moments"]                           # {name: {"velocity": my shard's}}
     for name, axis in (("h.0.mlp.proj.weight", 1), ("wte", 0)):         # gather: proj by columns; wte by rows
         mine = piece_by_hand(path, name, "param", 4, grid.tp_rank, axis)
         velocity = piece_by_hand(path, name, "velocity", 4, grid.tp_rank, axis)

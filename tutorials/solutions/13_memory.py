@@ -110,12 +110,12 @@ def exercise_2(check):
 
         def __init__(self, ex):
             super().__init__(ex)
-            self.back = list(ex.layout)                          # backward order: head, h.3, ..., embedding
+            self.back = list(ex.sizes.layout)                    # backward order: head, h.3, ..., embedding
             self.fwd = self.back[::-1]
             self.gathers = 0
 
         def ensure(self, g):
-            if g is not None and next(iter(self.ex.layout[g].inner)) not in self.ex.params:
+            if g is not None and self.ex.groups[g][0] not in self.ex.params:
                 self.ex.gather_group(g)
                 self.gathers += 1
 
@@ -176,16 +176,16 @@ def exercise_2(check):
     tr.step(*corpus.batch(SEED, 2, B), 2)
     measured = grid.stats.since(before)
     peak = meter.peak
-    cs = [ex.layout[g].c for g in prefetch.fwd]
-    predicted = ex.master_.nbytes + S * ex.n * max(x + y for x, y in zip(cs, cs[1:]))
+    cs = [ex.sizes.layout[g].c for g in prefetch.fwd]
+    predicted = ex.master_.nbytes + S * ex.sizes.n * max(x + y for x, y in zip(cs, cs[1:]))
     plain = step_memory.step_formula(tr)["peak"]["params"]       # without the prefetch: one group at a time
     check.say(f"  parameters at the peak: prefetch {peak:,} B (predicted {predicted:,}), without {plain:,} "
               f"(step_memory): +{(peak - plain) / plain:.0%} for hiding each gather behind the layer before")
     check.equal("prefetch: measured parameter peak == chunks + two consecutive groups", peak, predicted)
     check.equal("without: step_memory.step_formula's == chunks + the largest group", plain,
-                ex.master_.nbytes + S * ex.n * max(cs))
+                ex.master_.nbytes + S * ex.sizes.n * max(cs))
     check.equal("prefetch: 2 gathers per group and step, as without", prefetch.gathers, 2 * 2 * len(cs))
-    check.equal("prefetch: step 2's bytes == report.step_formula (unchanged)", measured, step_formula(cfg, tc, tr))
+    check.equal("prefetch: step 2's bytes == traffic.step_formula (unchanged)", measured, step_formula(cfg, tc, tr))
     check("prefetch: parameters after 2 steps vs serial AdamW", shard_err(ex.full_params(), serial_params(tc), grid),
           1e-10)
     tr.free()
@@ -231,7 +231,7 @@ def exercise_4(check):
         kw = dict(zero=3) if n == 8 else dict(zero=3, hierarchical=True, ranks_per_node=n)
         tc = config(dp=8, tp=1, **kw)
         tr = HybridTrainer(cfg, grid, tc)
-        sizes = [sum(int(np.prod(tr.shapes()[name])) for name in names) for names in tr.stage.groups().values()]
+        sizes = [sum(int(np.prod(tr.shard_shapes[name])) for name in names) for names in tr.stage.groups().values()]
         cbar = sum(-(-k // n) for k in sizes)                    # my chunk of every group
         kept = {"params": S * cbar, "grads": S * cbar, "optimizer": 2 * S * cbar}
         psi = S * n * cbar                                       # the padded flat layout

@@ -23,7 +23,7 @@ from hsgd.grid.process_grid import ProcessGrid  # noqa: E402
 from hsgd.step.trainer import HybridTrainer  # noqa: E402
 from hsgd.check.oracle import Perturbed  # noqa: E402
 from hsgd.model.precision import FORMATS, Numerics, round_to, unit_roundoff  # noqa: E402
-from hsgd.run.settings import TrainConfig  # noqa: E402
+from hsgd.step.settings import TrainConfig  # noqa: E402
 
 threadpool_limits(1)                    # the ranks share the cores, tiny matrices: one BLAS thread each
 world = MPI.COMM_WORLD
@@ -147,7 +147,7 @@ def exercise_4(check):
     grid = ProcessGrid(world, dp=2, pp=1, tp=1)
     trainer = HybridTrainer(cfg, grid, tc)
     num = Largest("float16")
-    trainer.stage.use(num)
+    trainer.use_numerics(num)
     trainer.scaler.scale = 2.0 ** 36                                     # far too large: everything overflows
     idx, targets = corpus.batch(tc.seed, 1, tc.batch_size)
     history, unchanged = [], True

@@ -22,7 +22,7 @@ what needs the model and the world size. Errors name the field, the value and wh
 """
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from hsgd.tp import model as tp_model, schemes as tp_schemes
 from hsgd.model.backend import resolve_device, resolve_dtype
@@ -154,18 +154,7 @@ class Data:
             check_positive_int("threads", self.threads)
         resolve_dtype(self.dtype)
         resolve_device(self.device)
-        self.check_numerics()
-
-    def check_numerics(self):
-        """What bfloat16 and float16 (and a narrower gradient exchange) do not combine with, yet."""
-        low = self.dtype in ("bfloat16", "float16")
-        refused = [(self.reduce_dtype != "float32" and self.zero >= 2, "--zero 2 and 3 reduce-scatter during the "
-                                                                       "backward pass, before the gradient is rounded")]
-        reduce = f", --reduce-dtype {self.reduce_dtype}" if self.reduce_dtype != "float32" else ""
-        for bad, why in refused:
-            if bad:
-                raise ConfigError(f"not with --dtype {self.dtype}{reduce}: {why}")
-        if self.reduce_dtype != "float32" and not low:
+        if self.reduce_dtype != "float32" and self.dtype not in ("bfloat16", "float16"):
             raise ConfigError(f"reduce_dtype={self.reduce_dtype!r} needs --dtype bfloat16 or float16 (a {self.dtype} "
                               "run exchanges its gradients in its own type)")
 
@@ -266,14 +255,6 @@ class Exchange:
             raise ConfigError(f"{' and '.join(modes)} cannot be combined: each is its own way of exchanging the "
                               "gradients over dp_comm; choose one (--hierarchical combines with --zero 2 or 3 "
                               "only: shard within a node, replicate across nodes)")
-        if self.zero == 3 and not self.hierarchical:
-            if self.check_replicas:
-                raise ConfigError("check_replicas compares the dp replicas' parameters, but --zero 3 keeps no "
-                                  "replicas (each dp rank holds its own 1/dp); drop --check-replicas, or add "
-                                  "--hierarchical (then the nodes hold replicas)")
-            if self.inject_fault and str(self.inject_fault).endswith(":diverge"):
-                raise ConfigError("inject_fault KIND diverge perturbs one replica, but --zero 3 keeps no replicas; "
-                                  "use another KIND or --zero 0, 1 or 2")
 
 
 @dataclass
@@ -323,11 +304,8 @@ class Experiments:
                 raise ConfigError(f"inject_fault={self.inject_fault!r} must look like RANK:STEP or RANK:STEP:KIND with "
                                   f"KIND one of {', '.join(FAULTS)}, e.g. 3:5 or 3:5:kill")
 
-    def check_targets(self, world_size, steps):
+    def check_experiment_targets(self, world_size, steps):
         """The ranks and steps named by --straggler and --inject-fault exist (else they would be silently ignored)."""
-        if self.dump_step is not None and not 1 <= self.dump_step[0] <= steps:
-            raise ConfigError(f"dump_step: step {self.dump_step[0]} is not a step of the run (1..{steps}); give "
-                              f"--dump-step N DIR with N from 1 to --steps")
         for name, value in (("straggler", self.straggler), ("inject_fault", self.inject_fault)):
             if value is None:
                 continue
@@ -345,8 +323,13 @@ class Experiments:
 class TrainConfig(Layout, Optimization, Data, Output, Checkpoints, Exchange, Memory, Experiments):
     """Every setting of a training run in one flat object: the fields of the groups above."""
 
+    def group(self, cls):
+        """The settings of one group (Layout, Exchange, ...) as an object of its own: what a factory takes."""
+        return cls(**{f.name: getattr(self, f.name) for f in fields(cls)})
+
     def validate(self):
-        """Check every value before any communication; raises ConfigError naming the field, the value and a fix."""
+        """Check every value before any communication; raises ConfigError naming the field, the value and a fix.
+        Each group checks its own fields; what combines fields of two groups is checked here."""
         self.check_layout()
         self.check_optimization()
         self.check_data()
@@ -355,12 +338,37 @@ class TrainConfig(Layout, Optimization, Data, Output, Checkpoints, Exchange, Mem
         self.check_exchange()
         self.check_memory_settings()
         self.check_experiments()
+        if self.reduce_dtype != "float32" and self.zero >= 2:
+            raise ConfigError(f"not with --dtype {self.dtype}, --reduce-dtype {self.reduce_dtype}: --zero 2 and 3 "
+                              "reduce-scatter during the backward pass, before the gradient is rounded")
+        if self.zero == 3 and not self.hierarchical and self.check_replicas:
+            raise ConfigError("check_replicas compares the dp replicas' parameters, but --zero 3 keeps no replicas "
+                              "(each dp rank holds its own 1/dp); drop --check-replicas, or add --hierarchical (then "
+                              "the nodes hold replicas)")
+        if self.zero == 3 and not self.hierarchical and str(self.inject_fault).endswith(":diverge"):
+            raise ConfigError("inject_fault KIND diverge perturbs one replica, but --zero 3 keeps no replicas; use "
+                              "another KIND or --zero 0, 1 or 2")
+        if self.pp > 1 and self.schedule == "zb-h1" and self.zero >= 2:
+            raise ConfigError(f"--schedule zb-h1 with --zero {self.zero}: ZeRO {self.zero} reduce-scatters each "
+                              "layer's gradient when its backward ends, but zb-h1 computes the weight gradients "
+                              "later, in W; use --zero 0 or 1 with zb-h1, or another schedule with --zero 2 or 3")
+        if self.pp > 1 and self.memory and (self.schedule == "zb-h1" or self.virtual_stages > 1):
+            raise ConfigError("--memory predicts a step of one chunk per stage with fused backwards (gpipe or 1f1b); "
+                              "measure interleaved and zb-h1 schedules with python -m hsgd.schedule --run")
         if self.dump_step is not None and self.dp_staleness:
             raise ConfigError("--dump-step writes a step's own averaged gradient, which --dp-staleness 1 applies a "
                               "step later and never holds at the end of its step; dump a run with --dp-staleness 0")
         if self.dp_staleness and (self.save_dir or self.resume):
             raise ConfigError("checkpoints do not hold the gradient in flight of --dp-staleness 1; run it without "
                               "--save-dir / --resume")
+
+    def check_targets(self, world_size):
+        """The ranks and steps named by --straggler, --inject-fault and --dump-step exist in a job of world_size
+        ranks and self.steps steps (else they would be silently ignored)."""
+        if self.dump_step is not None and not 1 <= self.dump_step[0] <= self.steps:
+            raise ConfigError(f"dump_step: step {self.dump_step[0]} is not a step of the run (1..{self.steps}); give "
+                              f"--dump-step N DIR with N from 1 to --steps")
+        self.check_experiment_targets(world_size, self.steps)
 
 
 def dump_step_value(value):
