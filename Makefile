@@ -18,13 +18,16 @@ STAMP  := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 
 .PHONY: train test lint bench gpu-check gpu-sim clean
 
+# --no-compile: pip would byte-compile every file of every package (sympy's alone takes seconds); Python compiles
+# what is imported instead, once, since RUN turns byte-code caching on whatever the environment says (the test
+# suite starts hundreds of Python processes, up to 8 ranks at a time, and each would compile hsgd again).
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --disable-pip-version-check -q -e '.[$(EXTRAS)]'
+	$(PY) -m pip install --disable-pip-version-check -q --no-compile -e '.[$(EXTRAS)]'
 	touch $(STAMP)
 
 NP     ?= 8
-RUN    := PATH="$(abspath $(VENV))/bin:$$PATH"
+RUN    := PATH="$(abspath $(VENV))/bin:$$PATH" PYTHONDONTWRITEBYTECODE=
 # For a system Open MPI (ignored by MPICH): allow more ranks than cores, and running as root in containers.
 export OMPI_MCA_rmaps_base_oversubscribe ?= 1
 export OMPI_ALLOW_RUN_AS_ROOT ?= 1

@@ -48,7 +48,6 @@ def device_step_checks(simulated=False):
     import numpy as np
     from mpi4py import MPI
 
-
     from hsgd.model.config import ModelConfig
     from hsgd.model import serial
     from hsgd.model.backend import d2h_count

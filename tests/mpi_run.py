@@ -12,6 +12,7 @@ from mpi4py import MPI
 rank = MPI.COMM_WORLD.Get_rank()
 logdir = os.environ.get("HSGD_MPI_LOGDIR")
 if rank and logdir:
+    os.makedirs(logdir, exist_ok=True)
     fd = os.open(os.path.join(logdir, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)

@@ -1,9 +1,6 @@
 """Bad configuration values and bad data files: one clear line on stderr, exit code 2, no traceback."""
 import os
 import re
-import subprocess
-import sys
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -11,15 +8,6 @@ from hsgd.model.config import ModelConfig
 from hsgd.model.data import Corpus
 from hsgd.errors import ConfigError, DataError
 from hsgd.step.settings import TrainConfig
-
-
-def run_train(*flags):
-    """python -m hsgd.train with tiny settings plus `flags`; returns (exit code, stderr)."""
-    cmd = [sys.executable, "-m", "hsgd.train", "--steps", "1", "--d-model", "8", "--n-heads", "2", "--n-layers",
-           "1", "--d-ff", "8", "--seq-len", "8", "--batch-size", "2", "--sample-bytes", "0", "--eval-batches", "1",
-           *flags]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
-    return r.returncode, r.stderr
 
 
 BAD_FLAGS = [
@@ -34,12 +22,17 @@ BAD_FLAGS = [
 
 
 @pytest.fixture(scope="module")
-def bad_flag_runs():
-    """run_train(*flags) for every case of BAD_FLAGS, as many at once as there are cores (each is a process of its
-    own, mostly Python's start-up): {flags: (exit code, stderr)}."""
-    flags = [tuple(f) for f, _ in BAD_FLAGS]
-    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-        return dict(zip(flags, pool.map(lambda f: run_train(*f), flags)))
+def bad_flag_runs(tmp_path_factory):
+    """python -m hsgd.train's main with tiny settings plus each case's flags, all in one process
+    (tests/test_bad_inputs.run_all): {flags: (exit code, stderr)}; BAD_FLAGS, an unparsable value and a corpus of
+    3 bytes ("short")."""
+    from .test_bad_inputs import run_all
+    short = tmp_path_factory.mktemp("short") / "short.txt"
+    short.write_bytes(b"abc")
+    cases = [tuple(f) for f, _ in BAD_FLAGS] + [("--steps", "many"), ("--data", str(short))]
+    runs = dict(zip(cases, run_all(cases)))
+    runs["short"] = runs.pop(("--data", str(short)))
+    return runs
 
 
 @pytest.mark.parametrize("flags, words", BAD_FLAGS)
@@ -51,8 +44,8 @@ def test_bad_flags_exit_2_with_one_line(flags, words, bad_flag_runs):
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
-def test_unparsable_flag_is_a_usage_error():
-    code, err = run_train("--steps", "many")
+def test_unparsable_flag_is_a_usage_error(bad_flag_runs):
+    code, err = bad_flag_runs[("--steps", "many")]
     assert code == 2 and "invalid int value: 'many'" in err and "Traceback" not in err
 
 
@@ -89,10 +82,8 @@ def test_unreadable_data_file(tmp_path, monkeypatch):
         Corpus.load(str(path), seq_len=8)
 
 
-def test_too_short_file_from_the_command_line(tmp_path):
-    short = tmp_path / "short.txt"
-    short.write_bytes(b"abc")
-    code, err = run_train("--data", str(short))
+def test_too_short_file_from_the_command_line(bad_flag_runs):
+    code, err = bad_flag_runs["short"]
     assert code == 2 and "has 3 bytes, fewer than seq_len + 1 = 9" in err and "--seq-len" in err
 
 

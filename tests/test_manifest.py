@@ -156,7 +156,6 @@ def test_rotation_renames_a_checkpoint_aside_before_deleting_it(tmp_path, monkey
     complete: it is renamed to a hidden .old-* name first (cleaned up by the next save)."""
     from mpi4py import MPI
 
-
     from hsgd.model.config import ModelConfig
     from hsgd.grid.process_grid import ProcessGrid
     from hsgd.step.trainer import HybridTrainer

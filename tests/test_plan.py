@@ -325,12 +325,42 @@ USAGE_ERRORS = [
 ]
 
 
+# The usage errors in one process: main(argv) of python -m hsgd.plan for each case in turn, its stdout and stderr
+# captured, and its exit code (what `python -m hsgd.plan` exits with); every refusal comes before any work.
+IN_ONE_PROCESS = """
+import contextlib, io, json, sys
+from hsgd.plan.__main__ import main
+out = []
+for argv in json.loads(sys.stdin.read()):
+    o, e = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(o), contextlib.redirect_stderr(e):
+        try:
+            code = main(argv)
+        except SystemExit as x:
+            code = x.code if isinstance(x.code, int) else 0
+    out.append((code, o.getvalue(), e.getvalue()))
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def usage_runs(tmp_path_factory):
+    """{flags: (exit code, stdout, stderr)} of every case of USAGE_ERRORS, in one process."""
+    import json
+    tmp = tmp_path_factory.mktemp("plan-usage")
+    (tmp / "hw.toml").write_text(HW_MISSING_KEY)
+    cases = [[f.replace("{tmp}", str(tmp)) for f in flags] for flags, _ in USAGE_ERRORS]
+    r = subprocess.run([sys.executable, "-c", IN_ONE_PROCESS], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120, input=json.dumps(cases))
+    assert r.returncode == 0, r.stderr[-3000:]
+    return dict(zip((tuple(f) for f, _ in USAGE_ERRORS), json.loads(r.stdout.strip().splitlines()[-1])))
+
+
 @pytest.mark.parametrize("flags, words", USAGE_ERRORS, ids=[" ".join(f) for f, _ in USAGE_ERRORS])
-def test_cli_usage_errors(tmp_path, flags, words):
+def test_cli_usage_errors(usage_runs, flags, words):
     """The flags exit 2 with exactly one line on stderr, 'hsgd: error: ...', that says what is wrong and what would
     work (the words), and no traceback."""
-    (tmp_path / "hw.toml").write_text(HW_MISSING_KEY)
-    rc, out, err = cli(*[f.replace("{tmp}", str(tmp_path)) for f in flags])
+    rc, out, err = usage_runs[tuple(flags)]
     lines = err.strip().splitlines()
     print(f"exit {rc}: {err.strip()}")
     assert rc == 2 and len(lines) == 1 and lines[0].startswith("hsgd: error:"), (rc, err)

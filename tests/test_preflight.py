@@ -4,12 +4,11 @@ mpiexec every rank ends (an outer `timeout` turns a hang into exit 124, which fa
 import os
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 
-from .test_bad_inputs import BASE, assert_one_clear_line
+from .test_bad_inputs import BASE, assert_one_clear_line, run_all   # run_all: the cases in one process
 from .test_mpi import ROOT, mpi_env, run_mpi
 
 pytestmark = pytest.mark.timeout(300)
@@ -19,13 +18,6 @@ def run(*flags, cwd=None, env=None):
     r = subprocess.run([sys.executable, "-m", "hsgd.train", *BASE, *flags], capture_output=True, timeout=60,
                        cwd=cwd, env=env)
     return r.returncode, r.stderr.decode(errors="replace")
-
-
-def run_each(flag_lists):
-    """run(*flags) for every flags of flag_lists, as many at once as there are cores (each is a process of its own,
-    mostly Python's start-up): [(exit code, stderr)], in order."""
-    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-        return list(pool.map(lambda flags: run(*flags), flag_lists))
 
 
 def missing(tmp_path, *modules):
@@ -50,7 +42,7 @@ def test_inputs_that_would_block_are_refused(tmp_path):
              (["--data", "/dev/null"], "is a device"), (["--config", str(fifo)], "is a FIFO"),
              (["--config", "/dev/zero"], "is a device"), (["--config", str(toml_fd)], "data = 0 is not a string"),
              (["--config", str(toml_fd5)], "data = 5 is not a string")]
-    for result, (_, words) in zip(run_each([flags for flags, _ in cases]), cases):
+    for result, (_, words) in zip(run_all([flags for flags, _ in cases]), cases):
         assert_one_clear_line(*result, words)
     from hsgd.model.data import Corpus                                        # the same gate from Python
     from hsgd.errors import DataError
@@ -70,7 +62,7 @@ def test_outputs_are_checked_before_training(tmp_path):
              (["--trace", str(tmp_path / "no" / "trace.json")], "does not exist; create it first"),
              (["--trace", str(tmp_path)], "is a directory"),
              (["--plot", str(a_file / "plots")], "which is a file")]
-    for (code, err), (_, words) in zip(run_each([[*flags, "--steps", "50"] for flags, _ in cases]), cases):
+    for (code, err), (_, words) in zip(run_all([[*flags, "--steps", "50"] for flags, _ in cases]), cases):
         assert_one_clear_line(code, err, words)
     assert sorted(os.listdir(tmp_path)) == before                       # nothing written
 

@@ -632,8 +632,8 @@ check.holds("a FIFO in place of a shard: refused by every rank, saying what it i
 # step. The pair of commands, as `tests/test_faults.py` runs them (a rank killed at step 4 after a checkpoint at
 # step 3, then the resume; the test checks that the final model is bit-identical to an uninterrupted run's):
 #
-#     mpirun -n 8 python -m hsgd.train --dtype float64 --steps 6 --save-dir D --save-interval 3 --inject-fault 5:4:kill
-#     mpirun -n 8 python -m hsgd.train --dtype float64 --steps 6 --save-dir D --resume auto
+#     mpirun -n 4 python -m hsgd.train --dtype float64 --steps 6 --save-dir D --save-interval 3 --inject-fault 3:4:kill
+#     mpirun -n 4 python -m hsgd.train --dtype float64 --steps 6 --save-dir D --resume auto
 #
 # (the test's model-size flags left out). The other tests there kill a rank while a checkpoint is written, resume
 # on other layouts and world sizes, and damage files.

@@ -44,6 +44,25 @@ def float64_config(**kw):
     return TrainConfig(**{**dict(steps=2, batch_size=16, lr=0.05, momentum=0.9, dtype="float64", seed=3), **kw})
 
 
+SERIAL = {}
+
+
+def serial_params(cfg, corpus, tc, delayed=False):
+    """Serial SGD's parameters after tc.steps steps on `corpus`'s batches: what every layout must end with. They
+    depend on the model, the batches and the optimizer's settings, not on the layout, the micro-batches, the
+    schedule, recomputation or ZeRO (hsgd.model.serial.sgd), so the tests that share these share one serial run,
+    computed once per process on rank 0 alone and broadcast (the same bits on every rank, without eight ranks
+    repeating it on the machine's cores). Read it, never write it."""
+    from hsgd.model import serial
+    key = (cfg, id(corpus), tc.steps, tc.batch_size, tc.seed, tc.optimizer, tc.lr, tc.momentum, tc.weight_decay,
+           tc.clip, tc.warmup, delayed)
+    if key not in SERIAL:
+        mine = (serial.sgd(cfg, tc, lambda step: corpus.batch(tc.seed, step, tc.batch_size), delayed=delayed)[0]
+                if WORLD.Get_rank() == 0 else None)
+        SERIAL[key] = WORLD.bcast(mine, root=0)
+    return SERIAL[key]
+
+
 @pytest.fixture
 def world():
     return WORLD

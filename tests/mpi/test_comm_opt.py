@@ -5,12 +5,11 @@ simulation of delayed SGD; every mode's measured bytes equal its formula; ZeRO's
 import numpy as np
 import pytest
 from hsgd.model.config import ModelConfig
-from hsgd.model import serial
 from hsgd.tp import model as tp_model, shards as tp_shards
 from hsgd.model.data import Corpus
 from hsgd.grid.trace import Tracer, overlap_seconds
 
-from .conftest import WORLD, check, float64_config, say, train_steps, world_max
+from .conftest import WORLD, check, float64_config, say, serial_params, train_steps, world_max
 
 pytestmark = pytest.mark.mpi(min_size=8)
 
@@ -24,9 +23,9 @@ def config(**kw):
 
 
 def serial_sgd(tc, delayed=False):
-    """Serial mini-batch SGD on the global batch; delayed=True applies step s's gradient at step s+1 (nothing at
-    step 1): w_{s+1} = w_s - lr_s * g(w_{s-1}), the update of --dp-staleness 1."""
-    return serial.sgd(CFG, tc, lambda step: CORPUS.batch(tc.seed, step, tc.batch_size), delayed=delayed)[0]
+    """Serial mini-batch SGD on the global batch (shared: conftest.serial_params); delayed=True applies step s's
+    gradient at step s+1 (nothing at step 1): w_{s+1} = w_s - lr_s * g(w_{s-1}), the update of --dp-staleness 1."""
+    return serial_params(CFG, CORPUS, tc, delayed)
 
 
 def run(tc, tracer=None):

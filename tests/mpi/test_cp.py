@@ -11,7 +11,7 @@ from mpi4py import MPI
 from hsgd.model.config import ModelConfig
 from hsgd.cp import split
 from hsgd.cp.layouts import make_split
-from hsgd.model import layers, serial
+from hsgd.model import layers
 from hsgd.tp import shards as tp_shards
 from hsgd.model.data import Corpus
 from hsgd.grid.process_grid import ProcessGrid
@@ -19,7 +19,7 @@ from hsgd.accounting.activations import activation_formula
 from hsgd.grid.trace import Tracer
 from hsgd.accounting.traffic import step_formula
 
-from .conftest import WORLD, check, float64_config, say, train_steps, world_max
+from .conftest import WORLD, check, float64_config, say, serial_params, train_steps, world_max
 
 pytestmark = pytest.mark.mpi(min_size=8)
 
@@ -39,7 +39,8 @@ def config(**kw):
 
 
 def serial_sgd(tc):
-    return serial.sgd(CFG, tc, lambda step: CORPUS.batch(tc.seed, step, tc.batch_size))[0]
+    """Serial SGD's parameters after tc.steps steps on this file's model and batches (shared: conftest)."""
+    return serial_params(CFG, CORPUS, tc)
 
 
 def param_err(trainer, grid, ref, scheme):

@@ -1,9 +1,9 @@
-"""hsgd.crosscheck on hsgd's own dumps, 8 ranks: every factorization dp x pp x tp of 8 ranks under each tensor-
-parallel scheme passes (and ZeRO, context parallelism, bfloat16 and float16 within their rounding bands), and each
-deliberately broken hsgd (hsgd.check.mutations) fails with its bug named: the unscaled All-Gather adjoint and pipelining
-without 1/m as constant factors (tp twice: the MLP's fc sits below two gathers; m), ZeRO without 1/dp as the
-factor dp, the sequence scheme without its LayerNorm reduction as a partial sum over tp, a head permutation as a
-permutation of heads."""
+"""hsgd.crosscheck on hsgd's own dumps, 8 ranks: every factorization dp x pp x tp of 8 ranks under each tensor-parallel
+scheme passes (gather and sequence where tp > 1: at tp 1 the three are the same computation), and so do ZeRO, context
+parallelism, bfloat16 and float16 within their rounding bands; each deliberately broken hsgd
+(hsgd.check.mutations) fails with its bug named: the unscaled All-Gather adjoint and pipelining without 1/m as constant
+factors (tp twice: the MLP's fc sits below two gathers; m), ZeRO without 1/dp as the factor dp, the sequence scheme
+without its LayerNorm reduction as a partial sum over tp, a head permutation as a permutation of heads."""
 import io
 import shutil
 import tempfile
@@ -50,6 +50,8 @@ def crosscheck(**kw):
 def test_every_factorization_of_8_ranks_passes(scheme):
     worst = 0.0
     for dp, pp, tp in factorizations(8):
+        if tp == 1 and scheme != "megatron":
+            continue                    # at tp 1 the schemes compute the same bits: the megatron pass has them
         m = 2 if pp > 1 and 8 // dp >= 2 else 1
         ok, loss_row, rows, table = crosscheck(dp=dp, pp=pp, tp=tp, tp_scheme=scheme, micro_batches=m)
         err = max(r["error"] for r in rows.values())

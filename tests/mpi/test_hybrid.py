@@ -14,7 +14,7 @@ from hsgd.dp.average import params_digest
 from hsgd.grid.process_grid import ProcessGrid
 from hsgd.step.trainer import HybridTrainer
 
-from .conftest import WORLD, check, float64_config, say, world_max
+from .conftest import WORLD, check, float64_config, say, serial_params, world_max
 
 pytestmark = pytest.mark.mpi(min_size=8)
 
@@ -27,8 +27,9 @@ def config(**kw):
 
 
 def serial_sgd(tc, steps):
-    """The reference: serial mini-batch SGD on the global batch, with the same optimizer, schedule and clipping."""
-    return serial.sgd(CFG, replace(tc, steps=steps), lambda step: CORPUS.batch(tc.seed, step, tc.batch_size))[0]
+    """The reference: serial mini-batch SGD on the global batch, with the same optimizer, schedule and clipping
+    (shared: conftest.serial_params)."""
+    return serial_params(CFG, CORPUS, replace(tc, steps=steps))
 
 
 def parallel_sgd(tc, steps):

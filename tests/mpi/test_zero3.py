@@ -16,15 +16,14 @@ import numpy as np
 import pytest
 from hsgd.model.config import ModelConfig
 from hsgd.checkpoint import store as checkpoint
-from hsgd.model import serial
 from hsgd.tp import schemes as tp_schemes, shards as tp_shards
 from hsgd.model.data import Corpus
 from hsgd.grid.process_grid import ProcessGrid, factorizations
 from hsgd.step.trainer import HybridTrainer
-from hsgd.train import resume
+from hsgd.checkpoint.resume import resume
 from hsgd.accounting.traffic import step_formula
 
-from .conftest import WORLD, check, float64_config, say, world_max
+from .conftest import WORLD, check, float64_config, say, serial_params, world_max
 
 pytestmark = pytest.mark.mpi(min_size=8)
 
@@ -59,23 +58,6 @@ def run(tc, trainer=None, start=1, stop=None, cfg=CFG, grid=None):
     return grid, trainer, {n: p.copy() for n, p in trainer.exchange.full_params().items()}, per_step
 
 
-SERIAL = {}
-
-
-def serial_params(cfg, tc):
-    """Serial SGD's parameters after tc.steps steps: what every layout must end with. They depend on the model,
-    the batches and the optimizer, not on the layout (nor on recomputation or ZeRO), so the runs that share these
-    share one serial run. It is computed on rank 0 alone and broadcast (the same bits on every rank, without
-    eight ranks repeating it on the machine's cores)."""
-    key = (cfg, tc.steps, tc.batch_size, tc.seed, tc.optimizer, tc.lr, tc.momentum, tc.weight_decay, tc.clip,
-           tc.warmup)
-    if key not in SERIAL:
-        mine = (serial.sgd(cfg, tc, lambda step: CORPUS.batch(tc.seed, step, tc.batch_size))[0]
-                if WORLD.Get_rank() == 0 else None)
-        SERIAL[key] = WORLD.bcast(mine, root=0)
-    return SERIAL[key]
-
-
 def param_err(params, grid, ref, scheme):
     return max(float(np.abs(p - tp_shards.shard(ref[n], n, grid.tp_rank, grid.tp, scheme)).max()
                      / max(np.abs(ref[n]).max(), 0.02)) for n, p in params.items())
@@ -104,7 +86,7 @@ def test_every_layout_equals_serial_sgd(variant):
         for extra in VARIANTS[variant]:
             tc = config(dp=dp, pp=pp, tp=tp, tp_scheme=scheme, **extra)
             if ref is None:                                              # (a variant's runs share the optimizer)
-                ref = serial_params(cfg, tc)
+                ref = serial_params(cfg, CORPUS, tc)
             grid, trainer, params, per_step = run(tc, cfg=cfg, grid=grid)
             err = world_max(param_err(params, grid, ref, tc.tp_scheme))
             same = per_step == step_formula(cfg, tc, trainer)
@@ -133,7 +115,7 @@ def test_hybrid_sharding_and_bucketed_zero2(zero):
         for hybrid in (False, True):
             extra = dict(hierarchical=True, ranks_per_node=2) if hybrid else {}
             tc = config(dp=dp, tp=tp, zero=zero, optimizer="adamw", lr=0.01, **extra)
-            ref = serial_params(SMALL, tc)
+            ref = serial_params(SMALL, CORPUS, tc)
             grid, trainer, params, per_step = run(tc, cfg=SMALL, grid=grid)
             err = world_max(param_err(params, grid, ref, tc.tp_scheme))
             n = 2 if hybrid else dp
@@ -154,7 +136,7 @@ def test_checkpoints_reshard_between_zero_stages(tmp_path_factory):
     """Save after 2 steps under each ZeRO stage, resume for 2 more steps under another stage (and another layout):
     0, 1, 2 -> 3 and 3 -> 0, 1, 2. The parameters equal 4 uninterrupted serial AdamW steps."""
     tc = config(steps=4, optimizer="adamw", lr=0.01, weight_decay=0.1, micro_batches=1, batch_size=8)
-    ref = serial_params(SMALL, tc)
+    ref = serial_params(SMALL, CORPUS, tc)
     folder = WORLD.bcast(str(tmp_path_factory.mktemp("ckpt")) if WORLD.Get_rank() == 0 else None)
     ok, worst = True, 0.0
     for saved in (0, 1, 2, 3):
