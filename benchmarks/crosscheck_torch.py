@@ -38,11 +38,13 @@ on every tp rank (correct values); the program keeps its own rows (redistribute 
 communication) before the dp All-Reduce. And the padded logits are masked on the local shard (to_local, then
 DTensor.from_local with the same Shard(-1) placement), which autograd follows through both conversions.
 
-The dump (gradients after the step's reductions, before any optimizer): rank 0 writes layout.json, params.npz and
-batch.npz; every rank writes grads-rank{r}.npz. A tensor that is one reference parameter is written under the
-reference's name ("wte", "h.0.attn.proj.weight", ...; module name h.0.proj.weight); the fused qkv weight and bias
-are "h.{i}.attn.qkv.weight" / ".bias", with a "fused" entry (interleave "head"). nn.Linear weights are
-"transposed" (stored (out, in)).
+The dump (gradients after the step's reductions, before any optimizer), one set of files of one run
+(hsgd.crosscheck.manifest): the parent removes what an earlier dump left in the folder; every rank writes
+grads-rank{r}.npz, rank 0 layout.json, params.npz and batch.npz, each whole or absent (hsgd.crosscheck.write) and
+stamped with the run's id; after a barrier rank 0 writes dump.json, last, with every file's size and sha256. A
+tensor that is one reference parameter is written under the reference's name ("wte", "h.0.attn.proj.weight", ...;
+module name h.0.proj.weight); the fused qkv weight and bias are "h.{i}.attn.qkv.weight" / ".bias", with a "fused"
+entry (interleave "head"). nn.Linear weights are "transposed" (stored (out, in)).
 
 --bug switches on one real mistake, for the checker to find (see --help).
 """
@@ -70,7 +72,9 @@ from torch.distributed.tensor.parallel import (  # noqa: E402
 
 from hsgd.model import serial  # noqa: E402
 from hsgd.model.config import ModelConfig  # noqa: E402
-from hsgd.crosscheck.write import layout_text  # noqa: E402
+from hsgd.crosscheck.dump import DumpError  # noqa: E402
+from hsgd.crosscheck.manifest import clean, new_run, seal  # noqa: E402
+from hsgd.crosscheck.write import layout_text, write_npz, write_rank, write_text  # noqa: E402
 from hsgd.errors import ConfigError  # noqa: E402
 
 BUGS = {
@@ -107,8 +111,8 @@ def parse_args(argv=None):
                    "(default 2)")
     p.add_argument("--dp", type=int, default=2, help="data-parallel ranks, a divisor of batch / micro-batches "
                    "(default 2)")
-    p.add_argument("--out", required=True, metavar="DIR", help="the dump directory (created; files of an earlier "
-                   "dump there are replaced)")
+    p.add_argument("--out", required=True, metavar="DIR", help="the dump directory (created; the files an earlier "
+                   "dump left there are removed first)")
     p.add_argument("--micro-batches", type=int, default=1, metavar="M", help="micro-batches per dp rank, "
                    "gradient accumulation (default 1)")
     p.add_argument("--bug", default="none", choices=list(BUGS), help="one real mistake to make (default none; "
@@ -305,14 +309,14 @@ def shard_entries(p, shape, mesh):
     return out
 
 
-def layout(args, cfg, model, mesh, loss):
-    """layout.json's dict (rank 0 writes it)."""
+def layout(args, cfg, model, mesh, loss, run):
+    """layout.json's dict (rank 0 writes it), stamped with the run's id."""
     tensors = {}
     for name, p in model.named_parameters():
         key, extra = dump_name(name, cfg.d_model // cfg.n_heads)
         shape = [cfg.vocab_size, *p.shape[1:]] if name in PADDED else list(p.shape)   # the full shape, unpadded
         tensors[key] = {"shape": shape, "dtype": args.dtype, **extra, "shards": shard_entries(p, shape, mesh)}
-    return {"format": "hsgd-crosscheck", "version": 1,
+    return {"format": "hsgd-crosscheck", "version": 1, "run": run,
             "system": f"PyTorch {torch.__version__} DTensor tp {args.tp} x dp {args.dp} (gloo), micro-batches "
                       f"{args.micro_batches}, bug: {args.bug}",
             "model": {"vocab_size": cfg.vocab_size, "seq_len": cfg.seq_len, "d_model": cfg.d_model,
@@ -325,20 +329,21 @@ def layout(args, cfg, model, mesh, loss):
 # --------------------------------------------------------------------------------------------------------------
 # One rank
 
-def worker(rank, args, cfg, params, idx, targets, init_file):
+def worker(rank, args, cfg, params, idx, targets, run, init_file):
     """Global rank `rank` of tp * dp: build, split, run one step, dump."""
     torch.set_num_threads(1)
     world = args.tp * args.dp
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=args.timeout))
     try:
-        step(rank, args, cfg, params, idx, targets)
+        step(rank, args, cfg, params, idx, targets, run)
     finally:
         dist.destroy_process_group()
 
 
-def step(rank, args, cfg, params, idx, targets):
-    """One step of the model on this rank: forward and backward per micro-batch, the dp All-Reduce, the dump."""
+def step(rank, args, cfg, params, idx, targets, run):
+    """One step of the model on this rank: forward and backward per micro-batch, the dp All-Reduce, the dump (its
+    files stamped with `run`)."""
     dtype, M, V, hs = DTYPES[args.dtype], args.micro_batches, cfg.vocab_size, cfg.d_model // cfg.n_heads
     mesh = init_device_mesh("cpu", (args.dp, args.tp), mesh_dim_names=("dp", "tp"))
     dp_rank, tp_rank = mesh["dp"].get_local_rank(), mesh["tp"].get_local_rank()
@@ -387,18 +392,20 @@ def step(rank, args, cfg, params, idx, targets):
     dist.all_reduce(total, op=dist.ReduceOp.SUM, group=dp_group)
     loss_value = total.item() / args.dp
 
-    np.savez(os.path.join(args.out, f"grads-rank{rank}.npz"), **grads)
+    write_rank(args.out, rank, grads, run)                      # each file whole or absent, stamped with run
     if rank == 0:
-        with open(os.path.join(args.out, "layout.json"), "w") as f:
-            f.write(layout_text(layout(args, cfg, model, mesh, loss_value)))   # one line per tensor
+        write_text(os.path.join(args.out, "layout.json"),
+                   layout_text(layout(args, cfg, model, mesh, loss_value, run)))    # one line per tensor
         whole = {}
         for name, p in before.items():
             whole[dump_name(name, hs)[0]] = p.numpy()[:V] if name in PADDED else p.numpy()
-        np.savez(os.path.join(args.out, "params.npz"), **whole)
-        np.savez(os.path.join(args.out, "batch.npz"), idx=idx, targets=targets)
+        write_npz(os.path.join(args.out, "params.npz"), whole, run)
+        write_npz(os.path.join(args.out, "batch.npz"), {"idx": idx, "targets": targets}, run)
+    dist.barrier()                                              # every rank's file whole before dump.json
+    if rank == 0:
+        seal(args.out, run, args.tp * args.dp)                  # dump.json, last: every file's size and sha256
         print(f"crosscheck_torch: wrote {args.out} ({args.tp * args.dp} ranks, tp {args.tp} x dp {args.dp}, "
               f"micro-batches {M}, bug {args.bug}): loss {loss_value:.6f}", flush=True)
-    dist.barrier()                                              # no rank leaves before all have written
 
 
 def main(argv=None):
@@ -415,15 +422,17 @@ def main(argv=None):
     idx = rng.integers(0, cfg.vocab_size, size=(args.batch, cfg.seq_len), dtype=np.int64)
     targets = rng.integers(0, cfg.vocab_size, size=(args.batch, cfg.seq_len), dtype=np.int64)
 
-    os.makedirs(args.out, exist_ok=True)
-    for f in os.listdir(args.out):                              # an earlier dump's files: none may be left over
-        if f.startswith("grads-rank") and f.endswith(".npz") or f in ("layout.json", "params.npz", "batch.npz"):
-            os.remove(os.path.join(args.out, f))
+    try:
+        clean(args.out)                                         # an earlier dump's files: none may be left over
+    except (DumpError, OSError) as e:
+        print(f"crosscheck_torch.py: error: --out {args.out}: {getattr(e, 'strerror', None) or e}", file=sys.stderr)
+        return 2
+    run = new_run()                                             # the id every file of this dump is stamped with
     with tempfile.TemporaryDirectory(prefix="crosscheck_torch-") as tmp:
         try:
             # fork: the children share the parent's imports (torch takes ~2 s to import, on each rank with spawn);
             # if a rank fails, join() ends the others and raises here
-            mp.start_processes(worker, args=(args, cfg, params, idx, targets, os.path.join(tmp, "rendezvous")),
+            mp.start_processes(worker, args=(args, cfg, params, idx, targets, run, os.path.join(tmp, "rendezvous")),
                                nprocs=args.tp * args.dp, join=True, start_method="fork")
         except Exception as e:                                  # ProcessRaisedException, ProcessExitedException
             lines = [x for x in str(e).strip().splitlines() if x.strip()]

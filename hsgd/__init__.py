@@ -7,6 +7,9 @@ test_package_map.py holds that), and each package's docstring lists its modules 
 
     hsgd.errors        the exceptions every part raises, and the exit codes they end a job with
     hsgd.files         files read and written, checked first: regular inputs, writable outputs, optional modules
+    hsgd.readers       bounded readers of JSON, TOML and .npz (size and nesting checked before parsing), and
+                       printable() for text from a file
+    hsgd.cli           the parser of every command: a usage error is one line and exit code 2, --help is full
     hsgd.model         the model on one process: layers as forward/backward pairs, the serial reference, the
                        optimizer, the number formats, the data (chapter 1; appendix A)
     hsgd.grid          the ranks: the process grid, its communicators, every collective counted (chapters 2, 3)

@@ -6,7 +6,8 @@ anything else is a bug and shows its traceback.
 """
 
 EXIT_USAGE = 2      # exit code of every usage error (bad flag, bad file, bad layout, bad checkpoint)
-EXIT_NUMERICAL = 3  # exit code of a run stopped by a numerical fault (non-finite values, diverged replicas)
+EXIT_NUMERICAL = 3  # exit code of a run stopped by a numerical fault (non-finite values, diverged replicas, updates
+                    # skipped for good: hsgd.step.health.Skipping)
 EXIT_SIGNAL = 4     # exit code of a run stopped cleanly by SIGTERM or SIGINT (after a checkpoint, with --save-dir)
 
 
@@ -23,8 +24,9 @@ class DataError(UsageError):
 
 
 class NumericalFault(RuntimeError):
-    """All ranks agreed that the run cannot go on: a non-finite loss or gradient (--on-nan stop), or data-parallel
-    replicas whose parameters differ (--check-replicas)."""
+    """All ranks agreed that the run cannot go on: a non-finite loss or gradient (--on-nan stop), data-parallel
+    replicas whose parameters differ (--check-replicas), or updates skipped for good (hsgd.step.health.Skipping:
+    --max-skips in a row, the loss scale below its floor, none applied at all)."""
 
 
 class Stopped(RuntimeError):

@@ -9,19 +9,24 @@ import sys
 
 from mpi4py import MPI
 
+from hsgd.cli import Parser
 from hsgd.grid import launch
 from hsgd.model.backend import get_xp, to_device
 from hsgd.checkpoint.store import Shards, open_checkpoint
 from hsgd.model.config import ModelConfig
 from hsgd.errors import UsageError
-from hsgd.model.generate import generate, printable
+from hsgd.step.settings import MAX_SAMPLE_BYTES
+from hsgd.model.generate import generate, sample_text
+
+MAX_BYTES = MAX_SAMPLE_BYTES    # --bytes at most: one forward pass of the model per byte (as hsgd.train's)
 
 
 def build_parser():
-    p = launch.RankZeroParser(prog="python -m hsgd.sample", description="Generate text from an hsgd checkpoint.")
+    p = Parser(prog="python -m hsgd.sample", description="Generate text from an hsgd checkpoint.",
+               speaks=launch.on_rank_zero)
     p.add_argument("dir", help="a checkpoint directory or a --save-dir (its newest checkpoint)")
     p.add_argument("--prompt", default="def ", help="the text to continue ('def ')")
-    p.add_argument("--bytes", type=int, default=200, help="bytes to generate (200)")
+    p.add_argument("--bytes", type=int, default=200, help=f"bytes to generate, at most {MAX_BYTES:,} (200)")
     p.add_argument("--temperature", type=float, default=0.8, help="softmax temperature (0.8)")
     p.add_argument("--top-k", type=int, default=40, help="sample among the k most likely bytes (40)")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling (0)")
@@ -33,6 +38,9 @@ def check_args(args):
     """Everything sampling needs, checked before any work (on every rank)."""
     if args.bytes < 0:
         raise UsageError(f"--bytes {args.bytes} must be an integer >= 0")
+    if args.bytes > MAX_BYTES:
+        raise UsageError(f"--bytes {args.bytes} is more than {MAX_BYTES:,} (each byte is a forward pass of the model); "
+                         "give a smaller number")
     if not args.temperature > 0 or args.temperature == float("inf"):
         raise UsageError(f"--temperature {args.temperature} must be a finite number > 0 (0.8 is the default)")
     if not 1 <= args.top_k <= 256:
@@ -63,7 +71,7 @@ def main(argv=None):
 
         text = launch.agree(world, lambda: sample() if world.Get_rank() == 0 else None)
         if world.Get_rank() == 0:
-            print(f"# {manifest['path']} (step {manifest['step']})\n{printable(text)}")
+            print(f"# {manifest['path']} (step {manifest['step']})\n{sample_text(text)}")
         return 0
 
     return launch.run(body, world)

@@ -4,16 +4,19 @@
                             [--plot schedule.png]
     mpirun -n 8 python -m hsgd.schedule --pp 4 --tp 2 --micro-batches 8 --schedule zb-h1 --run
 
-Without --run nothing is communicated (no MPI is needed): the schedule's actions (hsgd.pp.schedules), checked, are
-simulated with the relative costs of F, B and W per chunk action (--costs F,B,W; a fused backward costs B + W) and
-printed as a grid (one row per stage, one column per time slot), with the bubble (simulated, and its closed form),
-the (micro-batch, chunk) pairs and the activation bytes each stage holds at its peak, and the bytes each stage
-sends on pp_comm per step. With --run, every rank trains --steps steps of the model on the dp x pp x tp grid with
-that schedule and the last step is measured: the timeline of every stage, the bubble as the time stages waited,
-and the bytes sent; the pairs and bytes held (what the caches and the kept weight-gradient products reach) are
-measured in the step before (walking the caches after every action takes time). Each is printed next to its
-prediction, for the list hsgd.pp.stage runs: zb-h1's as training builds it, for equal costs (--costs then only
-changes the simulation it is compared with). One stage (pp = 1) runs 1F1B whatever --schedule says.
+Without --run nothing is trained (one process is enough; under mpirun rank 0 does it): the schedule's actions
+(hsgd.pp.schedules), checked, are simulated with the relative costs of F, B and W per chunk action (--costs F,B,W,
+each from 0.001 to 1000; a fused backward costs B + W) and printed as a grid (one row per stage, one column per time
+slot), with the bubble (simulated, and its closed form), the (micro-batch, chunk) pairs and the activation bytes
+each stage holds at its peak, and the bytes each stage sends on pp_comm per step. With --run, every rank trains
+--steps steps of the model on the dp x pp x tp grid with that schedule and the last step is measured: the timeline
+of every stage, the bubble as the time stages waited, and the bytes sent; the pairs and bytes held (what the caches
+and the kept weight-gradient products reach) are measured in the step before (walking the caches after every action
+takes time). Each is printed next to its prediction, for the list hsgd.pp.stage runs: zb-h1's as training builds it,
+for equal costs (--costs then only changes the simulation it is compared with). One stage (pp = 1) runs 1F1B
+whatever --schedule says. Before any work: the flags (one line and exit 2 on every rank for a bad one), --plot
+created and removed, and the lab's stated maxima (LIMITS: pp 64, micro-batches 1024, virtual stages 16, layers
+4096).
 
 Activation bytes per (micro-batch, chunk), b sequences per micro-batch, s bytes per element (recompute none):
     from F to its backward: what the chunk's forward caches (hsgd.accounting.activations.activation_formula per
@@ -24,16 +27,22 @@ Activation bytes per (micro-batch, chunk), b sequences per micro-batch, s bytes 
 """
 import sys
 
-from hsgd.model.config import flag_names
+from hsgd.model.config import MAX_SIZES, flag_names
 from hsgd.errors import ConfigError
+from hsgd.run.preflight import check_memory
+from hsgd.files import needs_module, writable_file
 from hsgd.run.flags import GROUPS, MODEL_FLAGS, configs_from_args, flags_parser
 from hsgd.step.settings import Layout
-from hsgd.pp.schedules import build, effective, simulate
+from hsgd.pp.schedules import MAX_PIECES, build, effective, simulate
 from hsgd.pp.timelines import (FORMULA, PEAK_FORMULA, bubble_formula, bubble_fraction, grid, held_bytes, idle_per_stage,
                                peak_formula, peak_held, picture)
 
 LAB_FLAGS = flag_names(Layout) + MODEL_FLAGS + ("batch_size", "seed", "dtype", "steps", "recompute")
 LAB_DEFAULTS = dict(pp=4, micro_batches=8, batch_size=16, steps=3, dtype="float32")
+# the lab's stated maxima (checked before any work): stages are the picture's rows, micro-batches and chunks its
+# columns, and layers are listed per stage
+LIMITS = {"--pp": 64, "--micro-batches": 1024, "--virtual-stages": 16, "--n-layers": MAX_SIZES["n_layers"]}
+COSTS = (1e-3, 1e3)             # each relative cost F, B, W from 0.001 to 1000 (B and W may also be 0)
 
 
 def build_parser():
@@ -44,20 +53,43 @@ def build_parser():
     g = p.add_argument_group("the lab")
     g.add_argument("--costs", default="1,1,1", metavar="F,B,W",
                    help="relative cost of a forward, an input-gradient backward B and a weight-gradient pass W, "
-                        "per chunk action; a fused backward costs B + W (1,1,1)")
+                        f"per chunk action, each from {COSTS[0]:g} to {COSTS[1]:g} (B and W may be 0); a fused "
+                        "backward costs B + W (1,1,1)")
     g.add_argument("--plot", metavar="FILE.png", help="draw the timeline(s) to this file (off)")
     g.add_argument("--run", action="store_true", help="execute the schedule under mpirun and measure it (off)")
+    p.epilog = ("The lab draws at most " + ", ".join(f"{flag} {high}" for flag, high in LIMITS.items())
+                + f", and pp x virtual-stages x micro-batches at most {MAX_PIECES} (hsgd.pp.schedules).")
     return p
 
 
 def parse_costs(text):
+    """(F, B, W) from --costs: three finite numbers from COSTS[0] to COSTS[1], F > 0, B and W also 0."""
     try:
         costs = tuple(float(x) for x in text.split(","))
     except ValueError:
         costs = ()
-    if len(costs) != 3 or min(costs) < 0 or costs[0] <= 0:
-        raise ConfigError(f"costs={text!r} must be three numbers F,B,W (F > 0, B and W >= 0), e.g. 1,1,1 or 1,2,0")
+    low, high = COSTS
+    if len(costs) != 3 or costs[0] == 0 or not all(c == 0 or low <= c <= high for c in costs):
+        raise ConfigError(f"costs={text[:60]!r} must be three numbers F,B,W, each from {low:g} to {high:g} (relative "
+                          f"costs; B and W may be 0), e.g. 1,1,1 or 1,2,0")
     return costs
+
+
+def check_sizes(args):
+    """The sizes the lab's lists, simulation and picture grow with, against its stated maxima (LIMITS), before
+    anything depends on them."""
+    for flag, high in LIMITS.items():
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None and value > high:
+            raise ConfigError(f"{flag} {value} is more than the schedule lab draws (at most {high}); give a smaller "
+                              "number")
+
+
+def check_plot(path):
+    """--plot: matplotlib imports and the file can be written (created and removed), before any work."""
+    if path:
+        needs_module("matplotlib", "--plot", ConfigError)
+        writable_file(path, "--plot", ConfigError)
 
 
 def keep_bytes(cfg, b, s, tp, scheme, recompute, chunk, cp=1, cp_scheme="ring"):
@@ -174,31 +206,36 @@ def draw(path, panels):
 
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)
-    if not args.run:
-        try:
-            costs = parse_costs(args.costs)
-            world_size = (args.dp or 1) * (args.tp or 1) * args.pp * (args.cp or 1)
-            cfg, tc = configs_from_args(lab_flags_removed(args), world_size)
-            plan = Plan(cfg, tc, costs)
-        except ConfigError as e:
-            print(f"hsgd.schedule: error: {e}", file=sys.stderr)
-            return 2
-        plan.report(print)
-        if args.plot:
-            draw(args.plot, [(f"{tc.schedule} (simulated)", plan.timeline, 1.0)])
-            print(f"wrote {args.plot}")
-        return 0
+    """The exit code on every rank: 0, or 2 with one line from rank 0 for a usage error (hsgd.grid.launch). Every
+    check comes before any work: the flags, --plot (created and removed), the sizes, the costs, the layout."""
     from mpi4py import MPI
 
     from hsgd.grid import launch
     world = MPI.COMM_WORLD
-    say = print if world.Get_rank() == 0 else (lambda *a: None)
+    rank0 = world.Get_rank() == 0
+    say = print if rank0 else (lambda *a: None)
+
+    def checked(args):
+        check_plot(args.plot)                                         # (rank 0 draws; every rank checks)
+        check_sizes(args)
+        costs = parse_costs(args.costs)
+        world_size = world.Get_size() if args.run else (args.dp or 1) * (args.tp or 1) * args.pp * (args.cp or 1)
+        cfg, tc = configs_from_args(lab_flags_removed(args), world_size)
+        if args.run:                                                  # (a simulation allocates nothing)
+            check_memory(cfg, tc, 1, ConfigError)
+        return cfg, tc, costs
 
     def body():
-        costs = launch.agree(world, lambda: parse_costs(args.costs))
-        cfg, tc = launch.agree(world, lambda: configs_from_args(lab_flags_removed(args),
-                                                                world.Get_size()))
+        args = build_parser().parse_args(argv)
+        cfg, tc, costs = launch.agree(world, lambda: checked(args))
+        if not args.run:                                              # nothing trained: rank 0 simulates
+            plan = launch.agree(world, lambda: Plan(cfg, tc, costs) if rank0 else None)
+            if rank0:
+                plan.report(print)
+                if args.plot:
+                    draw(args.plot, [(f"{tc.schedule} (simulated)", plan.timeline, 1.0)])
+                    print(f"wrote {args.plot}")
+            return 0
         plan = Plan(cfg, tc, costs, built_with=(1.0, 1.0, 1.0))            # the list training builds
         plan.report(say)
         measure(cfg, tc, plan, say, args.plot)

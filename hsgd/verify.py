@@ -31,6 +31,7 @@ from hsgd.tp import shards as tp_shards
 from hsgd.model.backend import to_numpy
 from hsgd.model.config import flag_names
 from hsgd.errors import ConfigError
+from hsgd.run.preflight import check_memory
 from hsgd.grid.process_grid import ProcessGrid
 from hsgd.dp.average import global_loss
 from hsgd.step.trainer import HybridTrainer
@@ -51,6 +52,8 @@ VERIFY_DEFAULTS = dict(dtype="float64", batch_size=8, seq_len=16, d_model=32, n_
 
 
 ORACLE_FLAGS = ("layouts", "seeds", "loss_steps", "plot")
+MAX_SEEDS = 64                  # --seeds at most: each is a run of every layout
+MAX_LOSS_STEPS = 10_000         # --loss-steps at most: each is a step of every layout, for every seed
 
 
 def build_parser():
@@ -69,9 +72,10 @@ def build_parser():
                    "cp x tp on the first ranks; the first is the base the others are compared with (default: 1x1x1 "
                    "and the layout of the flags on all P ranks)")
     g.add_argument("--seeds", type=int, default=None, help="seeds per layout, --seed, --seed + 1, ... (the weights "
-                   "and the batch): medians and maxima over them (default: 4)")
+                   f"and the batch): medians and maxima over them, at most {MAX_SEEDS} (default: 4)")
     g.add_argument("--loss-steps", type=int, default=0, metavar="K", help="compare the loss after K training steps "
-                   "(with --lr and --warmup) instead of one step's gradients (default: 0, the gradients)")
+                   "(with --lr and --warmup) instead of one step's gradients (default: 0, the gradients; at most "
+                   f"{MAX_LOSS_STEPS})")
     g.add_argument("--plot", metavar="FILE.png", help="draw each layout's differences against their bands")
     return p
 
@@ -139,6 +143,7 @@ def main(argv=None):
         args = build_parser().parse_args(argv)
         flags = argparse.Namespace(**{k: v for k, v in vars(args).items() if k not in ORACLE_FLAGS})
         cfg, tc = launch.agree(world, lambda: configs_from_args(flags, world.Get_size()))
+        launch.agree(world, lambda: check_memory(cfg, tc, 1, ConfigError))   # one rank alone fits, before any work
         tc = replace(tc, steps=1, sample_bytes=0)
         if tc.dtype in LOW:
             return tolerance_oracle(args, cfg, tc, world)
@@ -157,8 +162,9 @@ def tolerance_oracle(args, cfg, tc, world):
     """hsgd.check.oracle on the flags' layouts and seeds: its tables (and --plot) on rank 0; the exit code."""
     from hsgd.model.data import Corpus
     seeds = 4 if args.seeds is None else args.seeds
-    if seeds < 1 or args.loss_steps < 0:
-        raise ConfigError(f"--seeds {seeds} --loss-steps {args.loss_steps}: give --seeds >= 1 and --loss-steps >= 0")
+    if not 1 <= seeds <= MAX_SEEDS or not 0 <= args.loss_steps <= MAX_LOSS_STEPS:
+        raise ConfigError(f"--seeds {seeds} --loss-steps {args.loss_steps}: give --seeds from 1 to {MAX_SEEDS} and "
+                          f"--loss-steps from 0 to {MAX_LOSS_STEPS}")
     mine = f"{tc.dp}x{tc.pp}x{tc.tp}" if tc.cp == 1 else f"{tc.dp}x{tc.pp}x{tc.cp}x{tc.tp}"
     text = args.layouts or ("1x1x1" if mine in ("1x1x1", "1x1x1x1") else f"1x1x1,{mine}")
 

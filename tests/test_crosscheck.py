@@ -14,6 +14,7 @@ from hsgd.tp import shards as tp_shards
 from hsgd.crosscheck.__main__ import check, main
 from hsgd.crosscheck.classify import block_permutation, factor_names, name_factor
 from hsgd.crosscheck.dump import DumpError
+from hsgd.crosscheck.manifest import new_run, write_manifest
 from hsgd.crosscheck.read import load
 from hsgd.crosscheck.write import write_layout, write_one_rank, write_rank
 from hsgd.crosscheck.hsgd_dump import shard_of
@@ -34,6 +35,7 @@ def write_tp_dump(path, tp=2, dp=2, change=None, dtype="float64", loss_change=1.
     idx, targets = batch()
     loss, grads = serial.loss_and_grads(params, idx, targets, CFG)
     tensors = {n: {"shape": list(s), "dtype": dtype, "shards": []} for n, s in CFG.param_shapes().items()}
+    run, files = new_run(), {}
     for r in range(tp * dp):
         t = r % tp
         mine = {}
@@ -41,9 +43,11 @@ def write_tp_dump(path, tp=2, dp=2, change=None, dtype="float64", loss_change=1.
             a = tp_shards.shard(g, n, t, tp)
             mine[n] = change(n, r, a) if change else a
             tensors[n]["shards"].append(shard_of(n, CFG, t, tp, "megatron", r))
-        write_rank(path, r, mine)
-    write_layout(path, system="test", cfg=CFG, dtype=dtype, loss=loss * loss_change, ranks=tp * dp,
-                 parallel={"dp": dp, "tp": tp}, tensors=tensors, params=params, idx=idx, targets=targets)
+        files.update(write_rank(path, r, mine, run))
+    files.update(write_layout(path, system="test", cfg=CFG, dtype=dtype, loss=loss * loss_change, ranks=tp * dp,
+                              parallel={"dp": dp, "tp": tp}, tensors=tensors, params=params, idx=idx,
+                              targets=targets, run=run))
+    write_manifest(path, run, tp * dp, files)                 # dump.json, last
     return loss, grads
 
 

@@ -12,6 +12,7 @@ import pytest
 pytest.importorskip("torch")
 
 from hsgd.crosscheck.__main__ import check  # noqa: E402
+from hsgd.crosscheck.manifest import check_set  # noqa: E402
 from hsgd.crosscheck.read import load  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -24,6 +25,7 @@ def torch_dump(path, *flags):
                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     print(r.stdout[-1000:], r.stderr[-3000:])
     assert r.returncode == 0
+    check_set(str(path))                        # dump.json written last, every file of this run
     ok, loss_row, rows = check(load(str(path)))
     return ok, loss_row, {r["name"]: r for r in rows}
 

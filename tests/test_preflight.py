@@ -147,9 +147,10 @@ def test_log_json_appends_on_resume(tmp_path):
 
 def test_sizes_this_machine_cannot_hold_are_refused_at_once():
     """Once --n-layers 10000000 grew memory for minutes and a wide model tried to allocate terabytes; now the
-    estimate (parameters, gradients, optimizer state, one micro-batch's activations) is checked first."""
+    estimate (parameters, gradients, optimizer state, one micro-batch's activations) is checked first (and sizes
+    past hsgd's stated maxima before it: tests/test_bounds.py)."""
     import time
-    for flags, words in ((["--n-layers", "10000000"], "this run needs at least"),
+    for flags, words in ((["--n-layers", "4096", "--d-model", "4096"], "this run needs at least"),
                          (["--d-model", "262144", "--n-heads", "2"], "this run needs at least"),
                          (["--seq-len", "65536", "--batch-size", "64"], "activations of one micro-batch")):
         t0 = time.perf_counter()

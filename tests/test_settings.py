@@ -149,7 +149,7 @@ def test_what_the_narrow_formats_do_not_combine_with_is_refused(flags, words):
     (["--dtype", "float64", "--layouts", "1x1x1"], "--layouts, --seeds, --loss-steps and --plot are the tolerance"),
     (["--dtype", "bfloat16", "--layouts", "1x1"], "'1x1' is not a layout; write dp x pp x tp"),
     (["--dtype", "bfloat16", "--layouts", "1x1x1,2x1x1"], "2x1x1 needs 2 ranks, mpirun started 1"),
-    (["--dtype", "float16", "--seeds", "0"], "give --seeds >= 1"),
+    (["--dtype", "float16", "--seeds", "0"], "give --seeds from 1 to 64"),
     (["--dtype", "float64", "--seeds", "3"], "--layouts, --seeds, --loss-steps and --plot are the tolerance oracle's"),
     (["--dtype", "bfloat16", "--layouts", "1x1x1,1x1x1x1"], "1x1x1x1 is given twice"),
     (["--dtype", "bfloat16", "--plot", "/nonexistent-folder/o.png"], "its folder '/nonexistent-folder' does not exist"),

@@ -63,7 +63,7 @@ from hsgd.grid.comm import Comm
 from hsgd.model.data import Corpus
 from hsgd.dp.average import FlatBuffer, check_batch, dp_average, dp_formula, dp_rows, micro_batches, params_digest
 from hsgd.errors import ConfigError
-from hsgd.model.generate import printable
+from hsgd.model.generate import sample_text
 from hsgd.grid.process_grid import ProcessGrid
 from hsgd.step.trainer import HybridTrainer
 from hsgd.accounting.activations import activation_bytes, activation_formula
@@ -115,7 +115,7 @@ B = 8
 idx, targets = corpus.batch(SEED, 1, B)                 # (B, T) int64 each: the global batch of step 1
 rows = dp_rows(B, DP, g)                                # my rows of it
 batch_digests = dp.allgather_obj(params_digest({"idx": idx, "targets": targets}))
-slices = dp.allgather_obj((g, rows.start, rows.stop, printable(bytes(idx[rows.start, :12].astype(np.uint8)))))
+slices = dp.allgather_obj((g, rows.start, rows.stop, sample_text(bytes(idx[rows.start, :12].astype(np.uint8)))))
 say(f"global batch of step 1: {idx.shape}; its SHA-256 on the 4 ranks: {sorted(set(d[:12] for d in batch_digests))}")
 say("replica  rows of the global batch   its first sequence begins")
 for r, r0, r1, text in slices:

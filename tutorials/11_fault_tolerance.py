@@ -34,7 +34,9 @@
 # 4. resharding: the same checkpoint continued in other layouts, and exported under the serial names;
 # 5. checking before loading: a corrupted shard, a different model, a different optimizer;
 # 6. when a rank dies: an exception, a SIGKILL, and `--resume auto`;
-# 7. numerical faults: a NaN on one rank, and DP replicas that no longer agree.
+# 7. numerical faults: a NaN on one rank, and DP replicas that no longer agree;
+# 8. no quiet failure: every collective phase watched, a run whose updates keep being skipped stopped, a killed
+#    job's zombie ranks not holding the save folder.
 #
 # Run it with eight ranks, which share the machine's cores: about 6 s on a quiet 2-core machine (two to four times
 # that when other jobs share the cores). On failure every rank raises, so it exits non-zero without hanging:
@@ -54,7 +56,9 @@ import io
 import json
 import os
 import shutil
+import socket
 import tempfile
+import time
 
 import numpy as np
 
@@ -71,7 +75,12 @@ from hsgd.errors import NumericalFault
 from hsgd.run.faults import Faults
 from hsgd.grid.process_grid import ProcessGrid
 from hsgd.step.trainer import HybridTrainer
-from hsgd.train import check_replicas, train
+from hsgd.run.diverged import check_replicas
+from hsgd.train import train
+from hsgd.checkpoint.runs import ZOMBIE_WAIT_S, FolderLock, proc_state
+from hsgd.run.watchdog import CHECKPOINT_TIMES, EXIT_TIMEOUT, REPORTS_S, Watchdog, per_batch
+from hsgd.step.health import Skipping
+from hsgd.step.loss_scale import MIN_SCALE, LossScaler
 
 import pictures                                     # tutorials/pictures.py: where the PNGs go
 from checks import mpi_chapter, rel_err, train_config   # tutorials/checks.py, shared by the chapters
@@ -622,9 +631,10 @@ check.holds("a FIFO in place of a shard: refused by every rank, saying what it i
 #   different moments. Then every rank takes the same branch: a checkpoint of the step just finished (with
 #   `--save-dir`), and exit code 4 with `hsgd: stopped: SIGTERM after step N; checkpoint ...`.
 # * **A rank that stops without dying**: a frozen node, a stuck file system, SIGSTOP. Nothing fails, so nothing
-#   reports: the others wait in the step's next collective until the job's time runs out. `--step-timeout S`
-#   starts a watchdog thread on every rank (`hsgd.run.watchdog`) that ends the job with `MPI_Abort` (exit code 5) and
-#   one line when a step runs longer than S seconds.
+#   reports: the others wait in the next collective until the job's time runs out. `--step-timeout S` starts a
+#   watchdog thread on every rank (`hsgd.run.watchdog`) that ends the job with `MPI_Abort` (exit code 5) and one
+#   line naming the phase when a collective phase runs past its limit: not only the steps but every place where the
+#   ranks wait for each other (section 8 lists them).
 #
 # Either way the job is over, and what survives is on disk: the last complete checkpoint. The cure is the same
 # command again with `--resume auto`, which finds the newest complete checkpoint in `--save-dir`
@@ -735,7 +745,8 @@ check.equal("every rank: launch.run's exit code for a NaN with on_nan='stop'", c
 # reports, a bit flipped in memory or a bug, and the checkpoint (written by the first replica only) would quietly drop
 # the others' version. `replica_divergence` (hsgd.dp.average) compares a SHA-256 per parameter over `dp_comm` and names
 # the first parameter (in the backward order of the flat buffer) whose replicas differ, with the dp ranks holding each
-# version; `--check-replicas N` calls it every N steps through `train.check_replicas`, which stops the run like a NaN.
+# version; `--check-replicas N` calls it every N steps through `hsgd.run.diverged.check_replicas`, which stops the run
+# like a NaN.
 # The smallest possible damage: one entry of `h.0.attn.q.weight` on world rank 5 (replica 1, stage 0, tp_rank 1) moved
 # by one unit in the last place, `np.nextafter`.
 
@@ -767,6 +778,129 @@ check.equal("repaired: what replica_divergence() reports on each rank",
             world.allgather(replica_divergence(trainer.exchange, grid.dp_comm)), [None] * P)
 
 # %% [markdown]
+# ## 8. No quiet failure
+#
+# A fault that ends the job is reported; the dangerous ones are those that do not. Three of them, and the rule for
+# each.
+#
+# **Every collective phase is watched.** A rank may stop anywhere, not only inside a step: while a checkpoint is
+# written, in a validation, while rank 0 samples at the end. `hsgd.train` runs each such phase inside
+# `Watchdog.phase(what, limit)`, a context manager that `--step-timeout S` watches: a step with its stop
+# agreement (S), the checkpoint load of `--resume` (10 S), every checkpoint save (10 S: a save writes and syncs all
+# the state, slower than a step on a shared file system), every validation (S per batch:
+# the one before the first step, those of `--eval-interval`, the one after the last), the `--dump-step` dump (S),
+# the reports at the end (S + 60 s: plots take seconds), and the sample with the final agreement that every rank is
+# done (S per sampled byte). A phase that ends past its limit ends the job too, when it ends, and a rank whose
+# watchdog has fired goes past no further phase: the exit code is 5 however early (a `--step-timeout 0.001` run
+# used to print "ending the job" and exit 0, its ranks finishing before the abort). `tests/test_watched.py` stops
+# a rank (`--inject-fault RANK:STEP:stop-in-save`, `-load`, `-validation`, `-dump`, `-sample`: SIGSTOP as the
+# phase starts) in each, and each job ends with exit code 5 in seconds. Here, one phase watched without a fault:
+# what the phase's `entering` hook (where those faults act) is told, and that nothing fired:
+
+# %%
+S = 30.0                                                                # --step-timeout, far above this validation
+seen = []
+with Watchdog(S, world, entering=lambda kind, step: seen.append((kind, step))) as dog:
+    with dog.phase(f"the validation after step {STEPS}", *per_batch(S, 1), kind="validation", step=STEPS):
+        val = trainer.evaluate(corpus, 1, B)                           # collective over dp_comm
+say(f"watched: the validation after step {STEPS} (limit {per_batch(S, 1)[0]:g} s): loss {val:.4f}; entering saw "
+    f"{seen}; fired: {dog.fired}; exit code of a watchdog abort: {EXIT_TIMEOUT}; the reports' extra {REPORTS_S:g} s")
+check.equal("a watched phase: entering(kind, step) called once, nothing fired", (seen, dog.fired),
+            ([("validation", STEPS)], False))
+check.equal("the numbers of the prose: exit code 5, reports S + 60 s, checkpoints 10 S",
+            (EXIT_TIMEOUT, REPORTS_S, CHECKPOINT_TIMES), (5, 60.0, 10))
+
+# %% [markdown]
+# **A run whose updates keep being skipped stops.** A float16 run's loss scaler halves S and skips the update at
+# every overflow (chapter 16). A run that has diverged overflows at every scale, so S halves at every step and no
+# update is ever applied: such a run used to skip to its end and exit 0, saving nothing (and after about 1090 steps
+# S underflowed to 0 and the progress line crashed on log2(0)). Now S below its floor (`MIN_SCALE`, 1: DeepSpeed's
+# `min_loss_scale`) ends the run; once an update was applied, the skips count toward `--max-skips` (10 by default)
+# like `--on-nan skip`'s (before the first, the back-offs are S finding its level from 2^16, and the floor bounds
+# them: 17 halvings); and a run that applied none of its updates never exits 0. Each is `Skipping`, a
+# `NumericalFault` (exit code 3), raised on every rank at once (the verdict is collective), after which `hsgd.train`
+# writes a checkpoint of the last finite state: the step of the last applied update, whose parameters the skipped
+# steps left as they were, with the scaler rewound to its state of then (`rewind`). A scaler fed an overflow at
+# every step, on every rank:
+
+# %%
+def overflow_until_stopped(scaler, first=1):
+    """Steps with an inf on every rank from step `first` until the scaler stops the run: (the step it stopped at,
+    its message)."""
+    for step in range(first, 100):
+        try:
+            scaler.after_step(grid.world, step, bad=True)              # collective: the ranks' verdicts agreed
+        except Skipping as e:
+            return step, str(e)
+
+
+floor_step, floor_message = overflow_until_stopped(LossScaler())        # no update applied yet: the floor decides
+after_one = LossScaler()
+after_one.after_step(grid.world, 1, bad=False)                         # step 1 applied: from here skips count
+skips_step, skips_message = overflow_until_stopped(after_one, first=2)
+say(f"2^16 halved at every step from the start: stopped at step {floor_step}:\n  {floor_message}\n"
+    f"step 1 applied, then an overflow at every step (--max-skips {config().max_skips}): stopped at step "
+    f"{skips_step}:\n  {skips_message}")
+check.equal("S = 2^16 x 0.5^17 = 0.5 < MIN_SCALE 1: stopped at step 17", (floor_step, MIN_SCALE), (17, 1.0))
+check.equal("--max-skips 10 (the default) in a row after step 1: stopped at step 11", (skips_step,
+            config().max_skips), (11, 10))
+rewound = LossScaler()
+rewound.after_step(grid.world, 1, bad=False)                           # one applied update: S = 2^16 then
+for step in (2, 3, 4):
+    rewound.after_step(grid.world, step, bad=True)                     # three overflows: S = 2^13
+halved = rewound.scale
+rewound.rewind()
+say(f"after an applied step and 3 overflows S = 2^{np.log2(halved):g}; rewound to the last finite state: "
+    f"S = 2^{np.log2(rewound.scale):g}, last applied update at step {rewound.last_applied}")
+check.equal("rewind: the scaler's state of the last applied update", (halved, rewound.scale, rewound.last_applied),
+            (2.0 ** 13, 2.0 ** 16, 1))
+
+# %% [markdown]
+# And a run whose every update was skipped, even one too short to reach `--max-skips`: `train` with one step whose
+# gradient holds a NaN on rank 3 (`--inject-fault 3:1:nan --on-nan skip`), through `launch.run` as `python -m
+# hsgd.train` runs it. It used to exit 0 with "1 update(s) skipped".
+
+# %%
+caught = io.StringIO()
+with contextlib.redirect_stderr(caught):
+    code = launch.run(lambda: train(cfg, config(steps=1, on_nan="skip", inject_fault="3:1:nan"), world,
+                                    out=io.StringIO()), world)
+say(f"launch.run: exit code {code}; rank 0's stderr: {caught.getvalue().strip()}")
+check.equal("a run that applied none of its updates: exit code 3", code, 3)
+
+# %% [markdown]
+# **A killed job's zombies do not hold the folder.** While a run trains, rank 0 holds `save_dir/.hsgd-lock` (host
+# and pid), and a second job on the folder is refused unless the holder no longer runs. Right after `kill -9` of
+# mpirun its ranks are zombies for a moment: they have exited, but their parent has not collected them yet, so
+# `kill(pid, 0)` still finds them, and a requeue right after the kill was refused for about a second.
+# `hsgd.checkpoint.runs.alive` reads the process state in `/proc/PID/stat` ('Z': a zombie, not running; without
+# `/proc`, the holder is given `ZOMBIE_WAIT_S` = 2 s to go). Rank 0 makes one: a child that exits, not collected:
+
+# %%
+taken = None
+if rank == 0:
+    child = os.fork()
+    if child == 0:
+        os._exit(0)                                                     # exits at once; nobody collects it yet
+    for _ in range(200):
+        if proc_state(child) in ("Z", None):
+            break
+        time.sleep(0.01)
+    folder = os.path.join(TMP, "requeued")
+    os.makedirs(folder)
+    with open(os.path.join(folder, ".hsgd-lock"), "w") as f:
+        json.dump({"host": socket.gethostname(), "pid": child}, f)     # the killed job's lock
+    lock = FolderLock(folder)
+    lock.acquire()                                                      # refused before: the zombie counted as alive
+    taken = (proc_state(child), lock.held)
+    lock.release()
+    os.waitpid(child, 0)
+taken = world.bcast(taken, root=0)
+say(f"a lock held by a zombie (state {taken[0]!r}): taken over: {taken[1]}; without /proc the wait is "
+    f"{ZOMBIE_WAIT_S:g} s")
+check.equal("the zombie's lock taken over at once; the wait without /proc 2 s", (taken[1], ZOMBIE_WAIT_S), (True, 2.0))
+
+# %% [markdown]
 # ## Check against serial
 #
 # On 8 ranks as dp 2 x pp 2 x tp 2, every verdict reached collectively: a checkpoint holds one file per (stage,
@@ -778,7 +912,9 @@ check.equal("repaired: what replica_divergence() reports on each rank",
 # to rounding; the export under serial names equals the gathered model and serial SGD; a corrupted file, another
 # model and another optimizer are refused by every rank with what is wrong, with exit code 2, and so is a FIFO in
 # place of a shard; a NaN on one rank is
-# skipped or stops every rank (exit code 3); and a replica that moved by one ulp is named.
+# skipped or stops every rank (exit code 3); a replica that moved by one ulp is named; a phase is watched without
+# firing; a scaler that overflows at every step stops at its floor (step 17) or after --max-skips (step 11) and
+# rewinds to its last finite state, a run that applied no update exits 3, and a zombie's lock is taken over.
 
 # %%
 for t in (resumed, amnesiac, adamw, skipper, stopper, trainer):

@@ -68,6 +68,7 @@ import time
 import numpy as np
 
 from hsgd.crosscheck.__main__ import check as crosscheck, copies_of, report
+from hsgd.crosscheck.manifest import check_set
 from hsgd.crosscheck.read import load
 from hsgd.crosscheck.hsgd_dump import dump_one_step
 from hsgd.model.data import Corpus
@@ -90,7 +91,8 @@ def folder(name):
 
 def verdict_of(path, label="DIR"):
     """hsgd.crosscheck on the dump in `path` (rank 0): (ok, loss row, {name: row}, the printed table, with the
-    folder's path printed as `label`)."""
+    folder's path printed as `label`). As the command does, first the set: dump.json and every file it lists."""
+    check_set(path)
     dump = load(path)
     ok, loss_row, rows = crosscheck(dump)
     out = io.StringIO()
@@ -127,7 +129,9 @@ def failed(rows):
 #
 # The PyTorch program of section 4 wrote `tutorials/crosscheck_dumps/torch_tp2_dp2/`: 4 ranks, tp 2 x dp 2, global
 # rank = dp_rank x tp + tp_rank. The folder holds `layout.json`, `params.npz` (the whole parameters before the step,
-# as PyTorch stores them), `batch.npz` (the global batch) and `grads-rank{r}.npz` (rank r's gradient pieces). The
+# as PyTorch stores them), `batch.npz` (the global batch), `grads-rank{r}.npz` (rank r's gradient pieces) and,
+# written last, `dump.json` (every file's size and sha256: one set of files of one run, or the crosscheck refuses
+# the folder as incomplete or mixed). The
 # layout says, for every tensor of the system, its full shape, how it maps to hsgd's parameters, and where the
 # pieces of its gradient are. Four of its entries, shortened to one line each:
 
@@ -555,8 +559,9 @@ say(f"\nchapter 18: all {len(check.passed)} checks passed on {world.Get_size()} 
 # ### Exercise 1: a dump by hand
 # Write the dump of a one-rank "system" with gradient accumulation over 2 micro-batches (`parallel:
 # {"micro_batches": 2}`) whose wpe gradient is doubled: the parameters from `hsgd.model.serial.init_params`, a batch,
-# the exact gradients from `serial.loss_and_grads`, wpe's times 2, written with `write_layout` and `write_rank`. Check
-# that the crosscheck fails on wpe alone and names the factor "= micro-batches".
+# the exact gradients from `serial.loss_and_grads`, wpe's times 2, written with `write_layout` and `write_rank`, and
+# `dump.json` last (`hsgd.crosscheck.manifest.write_manifest`). Check that the crosscheck fails on wpe alone and
+# names the factor "= micro-batches".
 # (solution: `tutorials/solutions/18_checking_another_system.py`, `exercise_1`)
 #
 # ### Exercise 2: a layout.json that lies about the interleave
@@ -573,6 +578,8 @@ say(f"\nchapter 18: all {len(check.passed)} checks passed on {world.Get_size()} 
 #
 # ### Exercise 4: repair the ln-not-reduced dump
 # Copy `tutorials/crosscheck_dumps/torch_tp2_dp2_ln-not-reduced`, and in the copy replace every LayerNorm gradient
-# on every rank by the mean over the dp ranks (the All-Reduce the program forgot). Check that the crosscheck then
-# passes, and that the repaired gradients equal the correct dump's (`torch_tp2_dp2`) to 1e-12.
+# on every rank by the mean over the dp ranks (the All-Reduce the program forgot), and seal the copy anew
+# (`hsgd.crosscheck.manifest.seal`: the old `dump.json`'s digests no longer hold, and the crosscheck would refuse it
+# as a mixed dump). Check that the crosscheck then passes, and that the repaired gradients equal the correct dump's
+# (`torch_tp2_dp2`) to 1e-12.
 # (solution: `tutorials/solutions/18_checking_another_system.py`, `exercise_4`)

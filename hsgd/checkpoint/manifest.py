@@ -7,7 +7,8 @@ every checksum (an empty `files`), or cut a model into wrong shapes. `check` the
 * its own digest (`digest`: SHA-256 of the manifest's JSON without that key, keys sorted), recorded when it was
   written: any later edit is detected;
 * its schema: every key there, of its type; the model a valid ModelConfig; the layout (dp, pp, tp, a known tensor
-  scheme, virtual stages, layers per piece) one that splits that model;
+  scheme, virtual stages, layers per piece) one that splits that model; the optimizer's step count at most the
+  checkpoint's step, a loss scale finite and positive (check_state);
 * its files: exactly the shard names of that layout, `shard-pp{s}-tp{t}.npz` for every stage s and tensor rank t,
   each entry naming its own (s, t), a 64-digit SHA-256 and a size. Nothing else is ever opened.
 
@@ -15,6 +16,7 @@ Every failure is `checkpoint ... is corrupt: ...` (a CheckpointError: exit code 
 """
 import hashlib
 import json
+import math
 
 from hsgd.errors import ConfigError
 
@@ -33,8 +35,34 @@ def shard_names(pp, tp):
     return {f"shard-pp{s}-tp{t}.npz": (s, t) for s in range(pp) for t in range(tp)}
 
 
+def check_sizes(lay, need):
+    """need(ok, what) that the layout's sizes are ones a job can have (dp pp cp tp <= MAX_RANKS ranks): checked
+    before any list or name depends on them."""
+    from hsgd.step.settings import MAX_RANKS
+    ranks = lay["dp"] * lay["pp"] * lay.get("cp", 1) * lay["tp"]
+    need(ranks <= MAX_RANKS, f"has a layout of dp x pp x cp x tp = {ranks} ranks, more than a job has (at most "
+                             f"{MAX_RANKS})")
+
+
 def is_int(x, low=0):
     return isinstance(x, int) and not isinstance(x, bool) and x >= low
+
+
+def check_state(m, need):
+    """need(ok, what) that the training state the manifest carries could have come from its run: the optimizer's
+    step count t at most the checkpoint's step (one update per step at most: AdamW's bias correction divides by
+    1 - beta^t), and a float16 loss scaler's state (or null) a finite positive scale with step counts of that
+    run; a NaN scale would skip every update of the resumed run."""
+    t, step, ls = m["optimizer"]["t"], m["step"], m.get("loss_scale")
+    need(t <= step, f"has an optimizer step count {t}, more than its step {step}")
+    if ls is None:
+        return
+    scale = ls.get("scale") if isinstance(ls, dict) else None
+    need(isinstance(scale, (int, float)) and not isinstance(scale, bool) and math.isfinite(scale) and scale > 0,
+         f"has a loss scale {scale!r}, not a finite positive number")
+    need(all(is_int(ls.get(k)) and ls[k] <= step for k in ("good_steps", "skipped")),
+         f"has a loss scaler's step counts {ls.get('good_steps')!r} and {ls.get('skipped')!r}, not integers from 0 "
+         f"to its step {step}")
 
 
 def check(m, path, error):
@@ -67,6 +95,7 @@ def check(m, path, error):
     lay = m["layout"]
     need(all(is_int(lay.get(k), 1) for k in ("dp", "pp", "tp")), "has a layout without positive dp, pp, tp")
     need(is_int(lay.get("cp", 1), 1), f"has cp {lay.get('cp')!r}, not a positive integer")
+    check_sizes(lay, need)                                             # before a list or a name depends on them
     need(lay.get("tp_scheme") in SCHEMES, f"names an unknown tensor-parallel scheme {lay.get('tp_scheme')!r}")
     layers, v = lay.get("layers"), lay.get("virtual_stages", 1)
     need(isinstance(layers, list) and all(is_int(x, 1) for x in layers),
@@ -79,7 +108,11 @@ def check(m, path, error):
         need(False, f"has a layout that does not split its model ({e})")
     opt = m["optimizer"]
     need(opt.get("name") in OPTIMIZERS and is_int(opt.get("t")), "has no optimizer name and step count")
+    check_state(m, need)                                               # the optimizer's steps, the loss scale
     need(m["dtype"] in DTYPES, f"has an unknown dtype {m['dtype']!r}")
+    listed, count = sorted(m["files"]), lay["pp"] * lay["tp"]             # (counted before the names are made)
+    need(len(listed) == count, f"lists the files {listed[:8]!r}{' ...' if len(listed) > 8 else ''}, not the pp x "
+                               f"tp = {count} shards of its layout")
     expected = shard_names(lay["pp"], lay["tp"])
     need(set(m["files"]) == set(expected), f"lists the files {sorted(m['files'])!r}, not the shards of its layout "
                                            f"{sorted(expected)}")

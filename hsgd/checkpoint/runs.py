@@ -17,17 +17,22 @@ checkpoint that run started from:
 A checkpoint of a branch with the step number of one in another line replaces it (the names are `step-NNNNNN`).
 
 `FolderLock`: rank 0 holds `save_dir/.hsgd-lock` (host and pid) while a run trains; a second job on the same folder
-is refused, unless the holder is a process of this host that no longer exists (a job that was killed), whose
-lock is taken over.
+is refused, unless the holder is a process of this host that no longer runs (a job that was killed), whose
+lock is taken over. A killed job's ranks are zombies for a moment after `kill -9` of mpirun (exited, not yet
+collected): they do not count as running (`alive`), so a requeue right after the kill resumes.
 """
 import json
 import os
 import secrets
 import socket
+import time
 
 from hsgd.errors import ConfigError
+from hsgd.readers import read_json
 
 DEFAULT_LINE = "default"        # checkpoints saved from Python without a line (tutorials, tests)
+ZOMBIE_WAIT_S = 2.0             # without /proc: how long a lock's holder that still exists is given to go away
+MAX_MANIFEST_BYTES = 16 << 20   # manifest.json: about 200 bytes per shard file, so room for 80000 of them
 
 
 def random_id():
@@ -38,8 +43,8 @@ def random_id():
 def read_run(path):
     """(line, written_ns) of the checkpoint at path, from its manifest; (None, 0) if it cannot be read."""
     try:
-        with open(os.path.join(path, "manifest.json")) as f:
-            m = json.load(f)
+        m = read_json(os.path.join(path, "manifest.json"), "checkpoint manifest", ValueError,
+                      max_bytes=MAX_MANIFEST_BYTES)            # bounded: a FIFO or /dev/zero there is unreadable
         run = m.get("run", {})
         return str(run.get("line", DEFAULT_LINE)), int(m.get("written_ns", 0))
     except (OSError, ValueError, AttributeError, TypeError):
@@ -113,8 +118,7 @@ class FolderLock:
 
     def take_over_if_stale(self, me):
         try:
-            with open(self.path) as f:
-                holder = json.load(f)
+            holder = read_json(self.path, "lock file", ValueError, max_bytes=4096)   # {"host", "pid"}: small
             host, pid = holder["host"], int(holder["pid"])
         except (OSError, ValueError, KeyError, TypeError):
             host, pid = None, None
@@ -136,14 +140,38 @@ class FolderLock:
             self.held = False
 
 
-def alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+def alive(pid, wait=ZOMBIE_WAIT_S):
+    """Whether process `pid` of this host still runs. A zombie (it has exited, its parent has not collected it yet:
+    the ranks of an mpirun killed with SIGKILL, for a moment) does not: with /proc, its state says so ('Z', or 'X'
+    while it goes); without /proc (macOS), a process that still exists is given `wait` seconds to go away. A pid
+    that no process can have (0 or less: kill() would signal a group) is not alive."""
+    if not isinstance(pid, int) or pid <= 0:
         return False
-    except PermissionError:
-        return True
-    return True
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            os.kill(pid, 0)
+        except (ProcessLookupError, OverflowError):
+            return False
+        except PermissionError:
+            return True                                                 # another user's process: it exists
+        state = proc_state(pid)
+        if state is not None:
+            return state not in ("Z", "X")
+        if time.monotonic() >= deadline:
+            return True
+        time.sleep(0.05)
+
+
+def proc_state(pid):
+    """The one-letter state of process pid from /proc/<pid>/stat ("pid (name) S ..."; the name may hold spaces and
+    parentheses, so the state is the first word after the last ')'), or None where there is no /proc."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            text = f.read(4096).decode("ascii", "replace")
+    except OSError:
+        return None if not os.path.isdir("/proc/self") else "X"           # gone between kill() and here
+    return text.rpartition(")")[2].split()[0] if ")" in text else None
 
 
 def lock_folder(tc):

@@ -23,7 +23,6 @@ Resharding: each rank rebuilds the full tensor of each parameter it needs from t
 (tp_shards.unshard) and cuts its own piece for the new layout (tp_shards.shard). Each rank reads whole files, so
 this takes the memory of a full model on each rank: fine for the model sizes of this project.
 """
-import hashlib
 import json
 import os
 import re
@@ -43,30 +42,15 @@ from hsgd.checkpoint.manifest import check as check_manifest
 from hsgd.checkpoint.manifest import SCHEDULE
 from hsgd.checkpoint.manifest import digest as manifest_digest
 from hsgd.pp.chunks import chunk_layers, parse_split, stage_names
-from hsgd.files import regular_file, writable_file
-from hsgd.checkpoint.runs import DEFAULT_LINE, complete_checkpoints, newest, own
+from hsgd.files import sha256, sync_folder, regular_file, writable_file
+from hsgd.readers import Npz, machine_memory, read_json
+from hsgd.checkpoint.runs import DEFAULT_LINE, MAX_MANIFEST_BYTES, complete_checkpoints, newest, own
 
 FORMAT = "hsgd-checkpoint-1"
 
 
 class CheckpointError(UsageError):
     """A checkpoint is missing, corrupt, or does not fit the model."""
-
-
-def sha256(path):
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _fsync_dir(path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # ---------------------------------------------------------------------------------------------------- save
@@ -191,7 +175,7 @@ def publish(tmp, manifest, save_dir, step, keep):
         json.dump(manifest, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
-    _fsync_dir(tmp)
+    sync_folder(tmp)
     final = os.path.join(save_dir, f"step-{step:06d}")
     olds = [final] if os.path.exists(final) else []                     # a checkpoint of this step exists already
     aside = lambda path: os.path.join(save_dir, f".old-{os.path.basename(path)}-{os.getpid()}")
@@ -201,7 +185,7 @@ def publish(tmp, manifest, save_dir, step, keep):
     for old in own(complete_checkpoints(save_dir), manifest["run"]["line"])[:-keep]:   # this line's only
         os.rename(old, aside(old))
         olds.append(old)
-    _fsync_dir(save_dir)
+    sync_folder(save_dir)
     for old in olds:
         shutil.rmtree(aside(old), ignore_errors=True)
     return final
@@ -225,12 +209,8 @@ def resolve(path):
 def open_checkpoint(path, cfg=None):
     """The manifest of the checkpoint at `path`, after checking it (see the module docstring)."""
     path = resolve(path)
-    regular_file(os.path.join(path, "manifest.json"), "checkpoint manifest", CheckpointError)
-    try:
-        with open(os.path.join(path, "manifest.json")) as f:
-            manifest = json.load(f)
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"manifest of checkpoint {path!r} cannot be read ({e})") from None
+    manifest = read_json(os.path.join(path, "manifest.json"), "checkpoint manifest", CheckpointError,
+                         max_bytes=MAX_MANIFEST_BYTES)          # a regular file, bounded; no NaN, no huge integers
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"{path!r} is not an hsgd checkpoint of format {FORMAT}")
     check_manifest(manifest, path, CheckpointError)             # digest, schema, the files' names
@@ -252,7 +232,7 @@ def open_checkpoint(path, cfg=None):
 
 class Shards:
     """Read access to a checkpoint's pieces: full tensors of any parameter or optimizer state, reassembled from
-    the old layout (np.load with allow_pickle=False: nothing is executed)."""
+    the old layout (hsgd.readers.Npz: every header checked before an array is read, never a pickle)."""
 
     def __init__(self, manifest):
         self.m = manifest
@@ -262,9 +242,15 @@ class Shards:
         self.files = {}
 
     def _file(self, pp, tp):
+        """The shard file of (stage pp, tensor rank tp), its headers checked before any array is read
+        (hsgd.readers.Npz): all its arrays together at most the whole model's parameters and two optimizer moments
+        in float64, and at most this machine's memory."""
         key = (pp, tp)
         if key not in self.files:
-            self.files[key] = np.load(os.path.join(self.m["path"], f"shard-pp{pp}-tp{tp}.npz"), allow_pickle=False)
+            corrupt = lambda why: CheckpointError(f"checkpoint {self.m['path']!r} is corrupt: {why}; resume from "
+                                                  "another checkpoint")
+            self.files[key] = Npz(os.path.join(self.m["path"], f"shard-pp{pp}-tp{tp}.npz"), "checkpoint file",
+                                  corrupt, max_bytes=min(3 * 8 * self.cfg.n_params() + (1 << 20), machine_memory()))
         return self.files[key]
 
     def stage_of(self, name):
@@ -320,10 +306,11 @@ def load(trainer, manifest):
 
 def export(path, out):
     """Write the full model of a checkpoint under the serial parameter names to `out` (.npz)."""
+    out = str(out) if str(out).endswith(".npz") else f"{out}.npz"          # the name np.savez writes
+    writable_file(out, "export file", CheckpointError)                    # before any work (reading every file)
     manifest = open_checkpoint(path)
     if os.path.realpath(os.path.dirname(os.path.abspath(out))) == os.path.realpath(manifest["path"]):
         raise CheckpointError(f"{out!r} is inside the checkpoint it exports from; write it elsewhere")
-    writable_file(out, "export file", CheckpointError)
     shards = Shards(manifest)
     full = {name: shards.full(name) for name in shards.cfg.param_shapes()}
     np.savez(out, **full)

@@ -6,6 +6,8 @@
 hsgd.crosscheck.dump        the dump once read: Dump, its Tensors (to and from the reference's parameters), Shards
 hsgd.crosscheck.read        load(DIR): reading a dump and checking every part against the others (DumpError)
 hsgd.crosscheck.write       writing one (layout.json, the .npz files), and a one-rank dump in PyTorch's storage
+hsgd.crosscheck.manifest    dump.json, written last: a dump as one set of files of one run (check_set refuses an
+                            incomplete or mixed folder; clean removes an earlier dump's files before writing)
 hsgd.crosscheck.hsgd_dump   hsgd.train --dump-step N DIR: hsgd's own runs as dumps
 hsgd.crosscheck.classify    what kind of bug a wrong gradient shows: a constant factor, a permutation, padding,
                             a partial sum, or only rounding

@@ -1,7 +1,8 @@
 """python -m hsgd.crosscheck DIR: check a dump of one training step (any system's; hsgd/crosscheck/FORMAT.md)
 against hsgd's serial reference in float64, and name the kind of bug each wrong gradient shows.
 
-    1. read and check the dump (hsgd.crosscheck.read; exit 2 with one line when it does not fit together)
+    1. check that the folder holds one whole dump of one run (hsgd.crosscheck.manifest: dump.json lists every file
+       with its sha256), read and check the dump (hsgd.crosscheck.read; exit 2 with one line when either fails)
     2. the reference: hsgd.model.serial.loss_and_grads in float64 on the dump's parameters and batch
     3. every tensor's gradient reassembled from its shards, one copy per replica, and mapped to the reference's
        parameters (a transpose, a fused q|k|v cut apart)
@@ -22,18 +23,21 @@ it without a bug; look at the class ("no simple pattern" then) before calling it
 Exit code 0 when the loss and every gradient are within tolerance, 1 otherwise, 2 for a dump that cannot be
 checked.
 """
-import argparse
 import json
 import sys
 
 import numpy as np
 
+from hsgd import cli
+from hsgd.cli import Parser
 from hsgd.model import serial
 from hsgd.check.verdict import LAMBDA
-from hsgd.errors import EXIT_USAGE, UsageError
+from hsgd.errors import UsageError
 from hsgd.model.precision import LOW, unit_roundoff
 from hsgd.files import writable_file
+from hsgd.readers import printable
 from .classify import classify, factor_names
+from .manifest import check_set
 from .read import load
 
 TOLERANCE = {"float64": (1e-10, 1e-10), "float32": (1e-6, 1e-4)}        # (loss, gradients), relative
@@ -54,8 +58,11 @@ HINT = {"padding": "mask the padded entries (their logits to -inf) or drop them 
         "no simple pattern": "the arithmetic itself; compare the forward pass first (the loss)"}
 
 
+MAX_DRAWS = 100                                                        # runs of the reference for the band
+
+
 def build_parser():
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="python -m hsgd.crosscheck",
         description="Check one training step's distributed gradients, dumped by any system (hsgd.train "
                     "--dump-step N DIR, or another system's writer of hsgd/crosscheck/FORMAT.md), against hsgd's "
@@ -69,7 +76,7 @@ def build_parser():
                                                "grads-rank{r}.npz)")
     p.add_argument("--json", metavar="FILE", help="also write the verdict, one object per parameter, to FILE")
     p.add_argument("--draws", type=int, default=3, help="bfloat16 and float16 dumps: runs of the rounding-error "
-                                                        "model that set the band (default: 3)")
+                                                        f"model that set the band, 2 to {MAX_DRAWS} (default: 3)")
     return p
 
 
@@ -222,7 +229,7 @@ def report(dump, ok, loss_row, rows, out=None):
     out = out or sys.stdout
     low = dump.dtype in LOW
     metric = "rel. distance" if low else "max rel err"
-    print(f"hsgd.crosscheck | {dump.path} | {dump.meta.get('system', '(system not named)')}", file=out)
+    print(f"hsgd.crosscheck | {dump.path} | {printable(dump.meta.get('system', '(system not named)'))}", file=out)
     p = dump.parallel
     print(f"{dump.ranks} ranks: dp {p['dp']} x pp {p['pp']} x cp {p['cp']} x tp {p['tp']}, {p['micro_batches']} "
           f"micro-batch(es) | {dump.dtype} | batch {dump.idx.shape[0]} x {dump.idx.shape[1]} | reference: "
@@ -267,25 +274,27 @@ def report(dump, ok, loss_row, rows, out=None):
 
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)
-    try:
-        if args.draws < 2:
-            raise UsageError(f"--draws {args.draws}: the band needs at least 2 draws of the error model")
-        if args.json:
-            writable_file(args.json, "--json", UsageError)        # before any work (hsgd.run.preflight)
-        dump = load(args.dump)
-        ok, loss_row, rows = check(dump, args.draws)
-    except UsageError as e:
-        print(f"hsgd: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
+    """The exit code of python -m hsgd.crosscheck argv: 0 or 1 (the verdict), 2 with one line for a dump that cannot
+    be checked or another usage error (hsgd.cli)."""
+    return cli.run(lambda: command(build_parser().parse_args(argv)))
+
+
+def command(args):
+    if not 2 <= args.draws <= MAX_DRAWS:
+        raise UsageError(f"--draws {args.draws}: the band needs at least 2 draws of the error model, and takes at "
+                         f"most {MAX_DRAWS} (each is a run of the reference)")
+    if args.json:
+        writable_file(args.json, "--json", UsageError)            # before any work (hsgd.run.preflight)
+    check_set(args.dump)                                          # one whole set of one run's files
+    dump = load(args.dump)
+    ok, loss_row, rows = check(dump, args.draws)
     report(dump, ok, loss_row, rows)
     if args.json:
         try:
             with open(args.json, "w", encoding="utf-8") as f:
                 json.dump({"ok": ok, "loss": loss_row, "parameters": rows}, f, indent=1)
         except OSError as e:
-            print(f"hsgd: error: --json {args.json}: {e.strerror}; give a writable file", file=sys.stderr)
-            return EXIT_USAGE
+            raise UsageError(f"--json {args.json!r} cannot be written ({e.strerror}); give a writable file") from None
     return 0 if ok else 1
 
 

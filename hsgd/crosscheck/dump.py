@@ -6,12 +6,14 @@
     DIR/params.npz         the whole parameters before the step, as the system stores them
     DIR/batch.npz          idx, targets (B, T): the step's global batch
     DIR/grads-rank{r}.npz  rank r's gradient pieces
+    DIR/dump.json          written last: the run and every file's size and sha256 (hsgd.crosscheck.manifest)
 
 Here: what a dump is once read (Dump, its Tensors and their Shards); `Tensor.to_reference` / `from_reference` map a
 stored tensor to the reference parameters it holds and back. Reading and checking a folder: hsgd.crosscheck.read
 (`load(DIR)`, DumpError for anything that does not fit); writing one: hsgd.crosscheck.write.
 """
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
@@ -30,6 +32,51 @@ class DumpError(UsageError):
 
 def grads_file(r):
     return f"grads-rank{r}.npz"
+
+
+# ------------------------------------------------------------------------------------------------ sizes
+
+@lru_cache(maxsize=4)
+def reference_shapes(cfg):
+    """cfg.param_shapes(), made once per model: a dump's tensors are checked against it one by one, and building it
+    afresh for each would cost layers x tensors (read-only: do not change the dict)."""
+    return cfg.param_shapes()
+
+
+def check_sizes(ranks, parallel):
+    """DumpError unless the ranks and the parallel sizes of layout.json are ones a job can have (at most MAX_RANKS),
+    checked before a list of ranks is made or a file per rank is looked for."""
+    from hsgd.step.settings import MAX_RANKS
+    for what, n in [("ranks", ranks)] + [(f"parallel.{k}", v) for k, v in parallel.items()]:
+        if n > MAX_RANKS:
+            raise DumpError(f"layout.json: {what} = {n} is more than a job has (at most {MAX_RANKS}); a dump "
+                            f"describes one step of a real run")
+
+
+def reference_bytes(cfg, batch_shape=None):
+    """Bytes the float64 reference run (hsgd.model.serial) needs at least: the parameters and their gradients, and
+    with the batch's (B, T) what its forward keeps per token: each block's normalized inputs, q, k, v, the attention's
+    output and probabilities, the MLP's two hidden layers (8 C + 2 F + NH T), and the logits and their
+    probabilities (2 V)."""
+    need = 2 * cfg.n_params() * 8
+    if batch_shape is not None:
+        B, T = batch_shape
+        C, F = cfg.d_model, cfg.d_ff
+        need += B * T * 8 * (cfg.n_layers * (8 * C + 2 * F + cfg.n_heads * T) + 2 * cfg.vocab_size)
+    return need
+
+
+def check_reference_fits(cfg, batch_shape=None, memory=None):
+    """DumpError when the reference run of this model (and batch) could not fit in this machine's memory (`memory`
+    bytes, default what it has available: hsgd.run.preflight.available_memory()): checked from layout.json before
+    params.npz is read, and from batch.npz's shape before the reference runs."""
+    from hsgd.run.preflight import available_memory
+    memory = available_memory() if memory is None else memory
+    need = reference_bytes(cfg, batch_shape)
+    if memory and need > memory:
+        what = "model" if batch_shape is None else f"model and batch (B, T) = {tuple(batch_shape)}"
+        raise DumpError(f"the dump's {what} need at least {need / 2**30:.4g} GiB for hsgd's float64 reference, more "
+                        f"than this machine's {memory / 2**30:.4g} GiB; crosscheck a smaller model or batch")
 
 
 # ------------------------------------------------------------------------------------------------ a tensor

@@ -3,8 +3,10 @@
     before step N      the whole parameters (HybridTrainer.full_params: every stage's, tp-gathered; ZeRO-3's
                        All-Gathered) and the global batch, kept on rank 0
     after gradients    every rank's averaged gradient shards (HybridTrainer.averaged_grads: ZeRO's chunks
-                       All-Gathered; a float16 run's loss scale divided out), the global loss; each rank writes its
-                       grads-rank{r}.npz, rank 0 the layout from every rank's shard descriptions (gathered)
+                       All-Gathered; a float16 run's loss scale divided out), the global loss; then, as one set
+                       of files of one run (hsgd.crosscheck.manifest): rank 0 removes what an earlier dump left in
+                       DIR, each rank writes its grads-rank{r}.npz, rank 0 the layout from every rank's shard
+                       descriptions (gathered) and, last, dump.json listing every file's size and sha256
 
 hsgd stores weights (in, out) under the reference's names, so no tensor is transposed or fused. A shard is the
 tp split of its parameter (tp_shards: axis, rank tp_rank's equal part; the vocabulary's ceil(V/tp) rows with the
@@ -22,6 +24,7 @@ from hsgd.model.backend import to_numpy
 from hsgd.errors import ConfigError
 from hsgd.tp.layers import vocab_range
 from hsgd.run.watchers import StepWatcher
+from .manifest import clean, new_run, write_manifest
 from .write import shard_entry, write_layout, write_rank
 
 
@@ -47,37 +50,53 @@ class DumpStep(StepWatcher):
         loss = global_loss(float(to_numpy(loss)), grid)                 # (collective)
         mine = {n: shard_of(n, self.cfg, grid.tp_rank, grid.tp, tc.tp_scheme, rank) for n in grads}
         everyone = world.gather(mine)
+        run = world.bcast(new_run() if rank == 0 else None)               # the id every file is stamped with
 
-        def write():
-            try:
-                files()
-            except OSError as e:                                          # (a full disk, a folder made read-only)
-                raise ConfigError(f"--dump-step: {self.path!r} cannot be written ({e.strerror}); choose another "
-                                  "folder") from None
+        def layout():
+            tensors = {}
+            for name, shape in self.cfg.param_shapes().items():
+                shards = [d[name] for d in everyone if name in d]
+                tensors[name] = {"shape": list(shape), "dtype": tc.dtype, "shards": shards}
+            idx, targets = self.batch
+            system = (f"hsgd dp {tc.dp} x pp {tc.pp} x cp {tc.cp} x tp {tc.tp} ({tc.tp_scheme}), zero {tc.zero},"
+                      f" {tc.micro_batches} micro-batch(es), schedule {tc.schedule}, recompute {tc.recompute}, "
+                      f"step {step}")
+            return write_layout(self.path, system=system, cfg=self.cfg, dtype=tc.dtype, loss=loss,
+                                ranks=world.Get_size(),
+                                parallel={"dp": tc.dp, "tp": tc.tp, "pp": tc.pp, "cp": tc.cp,
+                                          "micro_batches": tc.micro_batches},
+                                tensors=tensors, params={n: host(a) for n, a in self.params.items()},
+                                idx=to_numpy(idx), targets=to_numpy(targets), run=run)
 
-        def files():
-            write_rank(self.path, rank, grads)
+        def finish():                                                     # rank 0, once every rank's file is whole
             if rank == 0:
-                tensors = {}
-                for name, shape in self.cfg.param_shapes().items():
-                    shards = [d[name] for d in everyone if name in d]
-                    tensors[name] = {"shape": list(shape), "dtype": tc.dtype, "shards": shards}
-                idx, targets = self.batch
-                system = (f"hsgd dp {tc.dp} x pp {tc.pp} x cp {tc.cp} x tp {tc.tp} ({tc.tp_scheme}), zero {tc.zero},"
-                          f" {tc.micro_batches} micro-batch(es), schedule {tc.schedule}, recompute {tc.recompute}, "
-                          f"step {step}")
-                write_layout(self.path, system=system, cfg=self.cfg, dtype=tc.dtype, loss=loss,
-                             ranks=world.Get_size(),
-                             parallel={"dp": tc.dp, "tp": tc.tp, "pp": tc.pp, "cp": tc.cp,
-                                       "micro_batches": tc.micro_batches},
-                             tensors=tensors, params={n: host(a) for n, a in self.params.items()},
-                             idx=to_numpy(idx), targets=to_numpy(targets))
-        launch.agree(world, write)                                        # a write error: one line, on every rank
-        self.say(f"dump of step {step}: {self.path} (check it: python -m hsgd.crosscheck {self.path})")
+                entries = layout()
+                for f in files:
+                    entries.update(f)
+                write_manifest(self.path, run, world.Get_size(), entries)   # dump.json, last
+
+        # one set of files (hsgd.crosscheck.manifest): an earlier dump's files removed before any rank writes,
+        # dump.json after all; each phase agreed, so that a write error is one line on every rank
+        removed = self.agree(world, lambda: clean(self.path) if rank == 0 else [])
+        files = world.gather(self.agree(world, lambda: write_rank(self.path, rank, grads, run)))
+        self.agree(world, finish)
+        again = f"; it replaced an earlier dump's {len(removed)} files there" if removed else ""
+        self.say(f"dump of step {step}: {self.path} (check it: python -m hsgd.crosscheck {self.path}){again}")
         if not all(np.isfinite(g).all() for g in grads.values()) and trainer.scaler.dynamic:
             self.say(f"note: step {step}'s gradients overflowed at loss scale {scale:g}: hsgd skips this update and "
                      "halves the scale; the dump holds the overflowed gradients (crosscheck calls them not finite)")
         self.params = self.batch = None
+
+    def agree(self, world, fn):
+        """fn() on every rank, agreed (hsgd.grid.launch.agree); an OSError (a full disk, a folder made read-only)
+        is one line on every rank."""
+        def guarded():
+            try:
+                return fn()
+            except OSError as e:
+                raise ConfigError(f"--dump-step: {self.path!r} cannot be written ({e.strerror}); choose another "
+                                  "folder") from None
+        return launch.agree(world, guarded)
 
 
 def host(a):

@@ -4,39 +4,29 @@ once, in its shape (fused, transposed); the shards lie inside their tensors, cov
 ranks wrote; the parameters are finite, the batch's ids in the vocabulary. Anything that does not fit is one
 DumpError (exit 2) saying what and what would. Only JSON, and .npz read with allow_pickle=False.
 """
-import json
+import math
 import os
-import zipfile
 
 import numpy as np
 
 from hsgd.model.config import ModelConfig
 from hsgd.errors import ConfigError
+from hsgd.readers import Npz, machine_memory, read_json
 from .dump import (DTYPES, FORMAT, MODEL_KEYS, PARALLEL, VERSION, Dump, DumpError, Shard, Tensor,
-                   grads_file)
+                   check_reference_fits, check_sizes, grads_file, reference_shapes)
+
+MAX_LAYOUT_BYTES = 64 << 20    # layout.json: a model of 1000 layers over 1000 ranks describes itself in a few MB
 
 
-def _npz(path, what):
-    """{name: array} of an .npz file written by numpy.savez, read without pickle; DumpError for anything else."""
+def _npz(path, what, shapes=None, max_bytes=None):
+    """{name: array} of an .npz file written by numpy.savez, read without pickle, after its headers are checked
+    (hsgd.readers.Npz: numbers only, the expected shapes, every array's bytes and all of them at most max_bytes, each
+    member's uncompressed size the header's: nothing is decompressed before); DumpError for anything else."""
     if not os.path.isfile(path):
         raise DumpError(f"{path}: no such file ({what}); a dump holds layout.json, params.npz, batch.npz and "
                         f"grads-rank{{r}}.npz for every rank (hsgd/crosscheck/FORMAT.md)")
-    fix = "write it with numpy.savez (arrays of numbers, no objects)"
-    try:
-        z = np.load(path, allow_pickle=False)
-    except (ValueError, OSError, zipfile.BadZipFile, EOFError):
-        raise DumpError(f"{path}: not an .npz file NumPy can read without pickle; {fix}") from None
-    if not isinstance(z, np.lib.npyio.NpzFile):
-        raise DumpError(f"{path}: one array (.npy), not an .npz archive of named arrays; {fix}")
-    try:
-        with z:
-            out = {k: z[k] for k in z.files}
-    except (ValueError, OSError, zipfile.BadZipFile, EOFError):
-        raise DumpError(f"{path}: an entry is not an array NumPy can read without pickle; {fix}") from None
-    bad = [k for k, a in out.items() if not isinstance(a, np.ndarray)]
-    if bad:
-        raise DumpError(f"{path}: entry {bad[0]!r} is not a .npy array; {fix}")
-    return out
+    with Npz(path, "dump file", DumpError, shapes, max_bytes) as z:
+        return {k: z[k] for k in z.files}
 
 
 def _int(value, what, low=0):
@@ -61,15 +51,11 @@ def load(path):
 
 def _layout_json(lpath, path):
     """layout.json's object, of this format and version."""
-    try:
-        with open(lpath, encoding="utf-8") as f:
-            meta = json.load(f)
-    except FileNotFoundError:
-        raise DumpError(f"{lpath}: no such file; {path} is not a dump (hsgd/crosscheck/FORMAT.md)") from None
-    except IsADirectoryError:
-        raise DumpError(f"{lpath}: a folder, not a file; layout.json is the dump's JSON description") from None
-    except (ValueError, OSError) as e:
-        raise DumpError(f"{lpath}: not valid JSON ({e})") from None
+    if not os.path.lexists(lpath):
+        raise DumpError(f"{lpath}: no such file; {path} is not a dump (hsgd/crosscheck/FORMAT.md)")
+    if os.path.isdir(lpath):
+        raise DumpError(f"{lpath}: a folder, not a file; layout.json is the dump's JSON description")
+    meta = read_json(lpath, "layout.json", DumpError, max_bytes=MAX_LAYOUT_BYTES, constants=True)  # (a NaN loss)
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise DumpError(f"{lpath}: \"format\" must be \"{FORMAT}\" (hsgd/crosscheck/FORMAT.md)")
     if meta.get("version") != VERSION or isinstance(meta.get("version"), bool):
@@ -93,16 +79,19 @@ def _header(meta):
     if isinstance(loss, bool) or not isinstance(loss, (int, float)):
         raise DumpError(f"layout.json: loss {loss!r} must be a number (the step's mean loss)")
     ranks = _int(meta.get("ranks"), "ranks", 1)
+    check_reference_fits(cfg)                                  # before params.npz is read
     parallel = meta.get("parallel", {})
     if not isinstance(parallel, dict) or set(parallel) - set(PARALLEL):
         raise DumpError(f"layout.json: \"parallel\" may give {', '.join(PARALLEL)} only")
     parallel = {k: _int(parallel.get(k, 1), f"parallel.{k}", 1) for k in PARALLEL}
+    check_sizes(ranks, parallel)
     return cfg, dtype, float(loss), ranks, parallel
 
 
 def _params(ppath, tensors):
     """params.npz: every tensor whole, of its shape, finite floating point, nothing else."""
-    params = _npz(ppath, "the parameters before the step")
+    shapes = {name: t.shape for name, t in tensors.items()}
+    params = _npz(ppath, "the parameters before the step", shapes, sum(16 * math.prod(s) for s in shapes.values()))
     for name, t in tensors.items():
         if name not in params:
             raise DumpError(f"params.npz: no array {name!r}; it holds every tensor of layout.json, whole")
@@ -119,7 +108,7 @@ def _params(ppath, tensors):
 
 def _batch(bpath, cfg):
     """(idx, targets) of batch.npz: integer ids of the vocabulary, (B, T) with T <= seq_len, as int64."""
-    batch = _npz(bpath, "the step's batch")
+    batch = _npz(bpath, "the step's batch", max_bytes=machine_memory() // 4)     # (the reference's check follows)
     idx, targets = batch.get("idx"), batch.get("targets")
     if idx is None or targets is None:
         raise DumpError("batch.npz: must hold arrays \"idx\" and \"targets\" (B, T)")
@@ -130,13 +119,20 @@ def _batch(bpath, cfg):
             raise DumpError(f"batch.npz: {what} holds ids outside 0..{cfg.vocab_size - 1} (vocab_size)")
     if idx.shape[1] > cfg.seq_len or idx.size == 0:
         raise DumpError(f"batch.npz: (B, T) = {idx.shape}; T must be 1..seq_len = {cfg.seq_len}")
+    check_reference_fits(cfg, idx.shape)                       # before the reference runs on it
     return idx.astype(np.int64), targets.astype(np.int64)
 
 
 def _grads(path, tensors, ranks):
     """[{key: array}] of every rank's grads-rank{r}.npz: each shard of layout.json there, of its shape (padding
     included), and nothing else."""
-    grads = [_npz(os.path.join(path, grads_file(r)), f"rank {r}'s gradients") for r in range(ranks)]
+    held = [0] * ranks                                          # elements of the shards each rank holds
+    for t in tensors.values():
+        for s in t.shards:
+            held[s.rank] += math.prod(t.shape) // t.shape[s.axis] * (s.length + s.padding) if s.axis is not None \
+                else math.prod(t.shape)
+    grads = [_npz(os.path.join(path, grads_file(r)), f"rank {r}'s gradients", max_bytes=(1 << 20) + 16 * held[r])
+             for r in range(ranks)]
     used = [set() for _ in range(ranks)]
     for t in tensors.values():
         for s in t.shards:
@@ -176,7 +172,7 @@ def _tensors(entries, cfg, ranks):
                 raise DumpError(f"layout.json: tensor {name}: {p} is held by {owner[p]} too; every parameter is held "
                                 "once")
             owner[p] = name
-    missing = [p for p in cfg.param_shapes() if p not in owner]
+    missing = [p for p in reference_shapes(cfg) if p not in owner]
     if missing:
         raise DumpError(f"layout.json: no tensor holds {missing[0]}" +
                         (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "") +
@@ -187,7 +183,7 @@ def _tensors(entries, cfg, ranks):
 def _tensor(name, e, cfg, ranks):
     """One tensor's Tensor from its entry: its parts (itself, or the fused ones), transpose, shape and shards."""
     where = f"layout.json: tensor {name}"
-    ref_shapes = cfg.param_shapes()
+    ref_shapes = reference_shapes(cfg)
     if not isinstance(e, dict):
         raise DumpError(f"{where}: must be an object (hsgd/crosscheck/FORMAT.md)")
     parts, axis, interleave, group = _fused(e.get("fused"), name, where, cfg.d_model // cfg.n_heads)

@@ -1,27 +1,38 @@
-"""Writing a crosscheck dump (hsgd/crosscheck/FORMAT.md): rank 0's layout.json, params.npz and batch.npz
-(write_layout), every rank's grads-rank{r}.npz (write_rank), each written to a temporary name and renamed, so that
-a file is whole or absent. hsgd.crosscheck.hsgd_dump writes hsgd's own runs with them; benchmarks/crosscheck_torch.py
-writes PyTorch's. write_one_rank: a one-rank dump with the model stored as a PyTorch module stores it (the
-tests' and the exercises' hand-made dumps).
+"""Writing a crosscheck dump (hsgd/crosscheck/FORMAT.md) as one set of files from one run (hsgd.crosscheck.manifest):
+
+    manifest.clean(DIR)               first: what an earlier dump left there removed (its dump.json first)
+    write_rank(DIR, r, arrays, run)   every rank: grads-rank{r}.npz
+    write_layout(DIR, ..., run=run)   rank 0: layout.json, params.npz, batch.npz
+    manifest.write_manifest(DIR, run, ranks, files)    rank 0, LAST, once every rank's file is written: dump.json
+
+Each file is written to a temporary name, synced and renamed, so that it is whole or absent, and stamped with the
+run's id (manifest.new_run(); layout.json's "run", an .npz's archive comment); each writer returns {name: {"size",
+"sha256"}} of what it wrote, the entries dump.json lists. hsgd.crosscheck.hsgd_dump writes hsgd's own runs with
+them; benchmarks/crosscheck_torch.py writes PyTorch's (manifest.seal hashes the files it wrote). write_one_rank: a
+whole one-rank dump with the model stored as a PyTorch module stores it (the tests' and the exercises' hand-made
+dumps).
 """
 import json
 import os
+import zipfile
 
 import numpy as np
 
 from .dump import FORMAT, MODEL_KEYS, VERSION, Tensor, grads_file
+from .manifest import STAMP, clean, file_entry, new_run, write_manifest
 
 
-def write_layout(path, *, system, cfg, dtype, loss, ranks, parallel, tensors, params, idx, targets):
-    """Rank 0's files: layout.json (tensors: {name: description as in FORMAT.md}), params.npz, batch.npz.
-    Written to temporary names and renamed, so that a dump is either whole or absent."""
+def write_layout(path, *, system, cfg, dtype, loss, ranks, parallel, tensors, params, idx, targets, run=None):
+    """Rank 0's files: layout.json (tensors: {name: description as in FORMAT.md}), params.npz, batch.npz, each
+    stamped with `run` (None: unstamped). Returns their {name: {"size", "sha256"}} for dump.json."""
     os.makedirs(path, exist_ok=True)
-    meta = {"format": FORMAT, "version": VERSION, "system": system,
+    meta = {"format": FORMAT, "version": VERSION, **({"run": run} if run else {}), "system": system,
             "model": {k: getattr(cfg, k) for k in MODEL_KEYS}, "dtype": dtype, "loss": float(loss),
             "ranks": ranks, "parallel": parallel, "tensors": tensors}
-    _atomic(os.path.join(path, "params.npz"), lambda f: np.savez(f, **params))
-    _atomic(os.path.join(path, "batch.npz"), lambda f: np.savez(f, idx=np.asarray(idx), targets=np.asarray(targets)))
-    _atomic(os.path.join(path, "layout.json"), lambda f: f.write(layout_text(meta).encode()))
+    return {**write_npz(os.path.join(path, "params.npz"), params, run),
+            **write_npz(os.path.join(path, "batch.npz"), {"idx": np.asarray(idx), "targets": np.asarray(targets)},
+                        run),
+            **write_text(os.path.join(path, "layout.json"), layout_text(meta))}
 
 
 def layout_text(meta):
@@ -32,17 +43,38 @@ def layout_text(meta):
     return "{\n" + "\n".join(lines) + '\n "tensors": {\n' + ",\n".join(tensors) + "\n }\n}\n"
 
 
-def write_rank(path, rank, arrays):
-    """grads-rank{rank}.npz: this rank's gradient pieces {key: array}."""
+def write_rank(path, rank, arrays, run=None):
+    """grads-rank{rank}.npz: this rank's gradient pieces {key: array}, stamped with `run`. Returns its entry."""
     os.makedirs(path, exist_ok=True)
-    _atomic(os.path.join(path, grads_file(rank)), lambda f: np.savez(f, **arrays))
+    return write_npz(os.path.join(path, grads_file(rank)), arrays, run)
+
+
+def write_npz(final, arrays, run=None):
+    """The .npz file `final` of arrays {name: array} (numpy.savez), its zip archive comment "hsgd-crosscheck run
+    RUN" (None: none). Returns {basename: {"size", "sha256"}}."""
+    def write(f):
+        np.savez(f, **arrays)
+        if run:
+            with zipfile.ZipFile(f, "a") as z:                    # rewrites only the end of the archive
+                z.comment = STAMP + run.encode("ascii")
+    return _atomic(final, write)
+
+
+def write_text(final, text):
+    """The text file `final` (UTF-8). Returns {basename: {"size", "sha256"}}."""
+    return _atomic(final, lambda f: f.write(text.encode("utf-8")))
 
 
 def _atomic(final, write):
+    """write(f) into a temporary name beside `final`, synced to disk, then renamed: the file is whole or absent."""
     tmp = f"{final}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
+    with open(tmp, "w+b") as f:
         write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    entry = file_entry(tmp)
     os.replace(tmp, final)
+    return {os.path.basename(final): entry}
 
 
 def shard_entry(rank, axis=None, offset=0, length=0, padding=0, key=None):
@@ -76,9 +108,10 @@ def pytorch_tensors(cfg, interleave="head"):
 
 def write_one_rank(path, cfg, params, grads, *, loss, idx, targets, system, stored="head", said=None,
                    parallel=None):
-    """A dump of one rank holding every tensor whole, in PyTorch's storage (pytorch_tensors): the q|k|v fused as
-    `stored` interleaves them, while layout.json says `said` (default: the same; another value is a layout.json
-    that lies). params, grads: the reference's {name: array}. Returns the stored parameters {name: array}."""
+    """A whole dump (cleaned, written, dump.json last) of one rank holding every tensor whole, in PyTorch's storage
+    (pytorch_tensors): the q|k|v fused as `stored` interleaves them, while layout.json says `said` (default: the
+    same; another value is a layout.json that lies). params, grads: the reference's {name: array}. Returns the
+    stored parameters {name: array}."""
     hs = cfg.d_model // cfg.n_heads
     tensors, stored_p, stored_g = {}, {}, {}
     for name, t in pytorch_tensors(cfg, stored).items():
@@ -88,7 +121,11 @@ def write_one_rank(path, cfg, params, grads, *, loss, idx, targets, system, stor
         if len(t.parts) > 1:
             e["fused"] = {"axis": 0, "parts": t.parts, "interleave": said or stored, "group": hs}
         tensors[name] = e
-    write_rank(path, 0, stored_g)
-    write_layout(path, system=system, cfg=cfg, dtype="float64", loss=loss, ranks=1, parallel=parallel or {},
-                 tensors=tensors, params=stored_p, idx=idx, targets=targets)
+    run = new_run()
+    clean(path)
+    files = write_rank(path, 0, stored_g, run)
+    files.update(write_layout(path, system=system, cfg=cfg, dtype="float64", loss=loss, ranks=1,
+                              parallel=parallel or {}, tensors=tensors, params=stored_p, idx=idx, targets=targets,
+                              run=run))
+    write_manifest(path, run, 1, files)
     return stored_p

@@ -12,39 +12,19 @@
   next collective. (Ranks other than 0 wait a second before printing: when all ranks hit the same bug, rank 0's
   abort ends them first and the traceback appears once.)
 """
-import argparse
 import sys
 import time
 import traceback
 
 from mpi4py import MPI
 
+from hsgd.cli import error_line, one_line
 from hsgd.errors import EXIT_NUMERICAL, EXIT_SIGNAL, EXIT_USAGE, NumericalFault, Stopped, UsageError
 
 
-class LineBreakHelpFormatter(argparse.HelpFormatter):
-    """argparse's help layout, except that a line break in a flag's help text starts a new line (one per choice)."""
-
-    def _split_lines(self, text, width):
-        lines = []
-        for part in text.split("\n"):
-            lines += super()._split_lines(part, width)
-        return lines
-
-
-class RankZeroParser(argparse.ArgumentParser):
-    """An ArgumentParser that prints (help, usage) on rank 0 only and raises UsageError instead of exiting, so
-    that a bad flag is reported once and handled like every other usage error."""
-
-    def __init__(self, **kwargs):
-        super().__init__(formatter_class=LineBreakHelpFormatter, **kwargs)
-
-    def _print_message(self, message, file=None):
-        if MPI.COMM_WORLD.Get_rank() == 0:
-            super()._print_message(message, file)
-
-    def error(self, message):
-        raise UsageError(f"{message} (see {self.prog} --help)")
+def on_rank_zero():
+    """Whether this process prints a command's help and messages: rank 0 of COMM_WORLD (hsgd.cli.Parser's speaks)."""
+    return MPI.COMM_WORLD.Get_rank() == 0
 
 
 def agree(world, fn):
@@ -70,11 +50,11 @@ def run(main, world=MPI.COMM_WORLD):
         return code
     except UsageError as e:
         if world.Get_rank() == 0:
-            print(f"hsgd: error: {e}", file=sys.stderr, flush=True)
+            print(error_line(e), file=sys.stderr, flush=True)
         return EXIT_USAGE
     except (NumericalFault, Stopped) as e:
         if world.Get_rank() == 0:                                   # every rank agreed on it: report once
-            print(f"hsgd: stopped: {e}", file=sys.stderr, flush=True)
+            print(f"hsgd: stopped: {one_line(e)}", file=sys.stderr, flush=True)
         return EXIT_NUMERICAL if isinstance(e, NumericalFault) else EXIT_SIGNAL
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else 0

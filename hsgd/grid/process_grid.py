@@ -36,6 +36,7 @@ import numbers
 from mpi4py import MPI
 
 from hsgd.grid.comm import Comm, CommStats
+from hsgd.model.config import divisors
 from hsgd.errors import UsageError
 
 
@@ -44,9 +45,9 @@ class GridError(UsageError):
 
 
 def factorizations(n):
-    """All (dp, pp, tp) with dp * pp * tp = n."""
-    return [(n // (p * t), p, t) for p in range(1, n + 1) if n % p == 0
-            for t in range(1, n // p + 1) if (n // p) % t == 0]
+    """All (dp, pp, tp) with dp * pp * tp = n: pp a divisor of n, tp one of n / pp (hsgd.model.config.divisors, in
+    O(sqrt n) each)."""
+    return [(n // (p * t), p, t) for p in divisors(n) for t in divisors(n // p)]
 
 
 def check_sizes(world_size, dp, pp, tp, cp=1):

@@ -16,8 +16,31 @@ from hsgd.errors import ConfigError
 
 
 def divisors(n):
-    """The divisors of n, ascending (for error messages that say what would work)."""
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of n, ascending (for error messages that say what would work). Trial division up to sqrt(n):
+    each d <= sqrt(n) that divides n brings its partner n // d, so n = 10^12 costs 10^6 steps, not 10^12."""
+    small, large, d = [], [], 1
+    while d * d <= n:
+        if n % d == 0:
+            small.append(d)
+            if d * d != n:
+                large.append(n // d)
+        d += 1
+    return small + large[::-1]
+
+
+# The largest model hsgd takes, whatever it is for (training, the planner, a checkpoint, a dump): every size is
+# checked against these before a loop or an array depends on it (n_layers is walked one block at a time; a width is
+# an array's side). The planner prices far bigger models than a machine could train: Narayanan et al. (2021)'s
+# largest has L=128, C=25600, F=102400, V=51200, T=2048. Training checks what a rank would hold against the
+# machine's memory as well (hsgd.run.preflight.check_memory).
+MAX_SIZES = {"vocab_size": 2**20, "seq_len": 2**20, "d_model": 2**20, "n_heads": 2**20, "n_layers": 4096,
+             "d_ff": 2**22}
+
+
+def check_at_most(name, value, limit, what_works):
+    """Raise ConfigError unless value <= limit (a stated maximum, checked before any work depends on the value)."""
+    if value > limit:
+        raise ConfigError(f"{name}={value} is more than hsgd takes (at most {limit}); {what_works}")
 
 
 def check_positive_int(name, value):
@@ -46,15 +69,19 @@ def flag_names(config_class):
 @dataclass(frozen=True)
 class ModelConfig:
     vocab_size: int = 256  # V: tokens are bytes (not a flag)
-    seq_len: int = flag(64, "T: context length in bytes, also the rows of the position table wpe")
-    d_model: int = flag(128, "C: width of the residual stream")
+    seq_len: int = flag(64, "T: context length in bytes, also the rows of the position table wpe (at most "
+                            f"{MAX_SIZES['seq_len']})")
+    d_model: int = flag(128, f"C: width of the residual stream (at most {MAX_SIZES['d_model']})")
     n_heads: int = flag(4, "NH: attention heads; they divide d_model (head size hs = C / NH) and tp divides them")
-    n_layers: int = flag(4, "L: Transformer blocks")
-    d_ff: int = flag(512, "F: hidden width of the MLP, divisible by tp; GPT-2 uses 4 * C")
+    n_layers: int = flag(4, f"L: Transformer blocks (at most {MAX_SIZES['n_layers']})")
+    d_ff: int = flag(512, "F: hidden width of the MLP, divisible by tp; GPT-2 uses 4 * C (at most "
+                          f"{MAX_SIZES['d_ff']})")
 
     def __post_init__(self):
         for f in fields(self):
             check_positive_int(f.name, getattr(self, f.name))
+            check_at_most(f.name, getattr(self, f.name), MAX_SIZES[f.name],
+                          f"give {f.name} from 1 to {MAX_SIZES[f.name]}")
         if self.d_model % self.n_heads:
             raise ConfigError(
                 f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "

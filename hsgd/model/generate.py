@@ -25,7 +25,7 @@ def generate(params, cfg, prompt, n_new, seed=0, temperature=0.8, top_k=40):
     return bytes(out)
 
 
-def printable(text):
+def sample_text(text):
     """Bytes as text for a terminal: invalid UTF-8 replaced, control characters other than newline and tab shown
     as '?'."""
     s = text.decode("utf-8", errors="replace")

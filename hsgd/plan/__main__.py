@@ -18,12 +18,15 @@ import json
 import re
 import sys
 
+from hsgd import cli
+from hsgd.cli import Parser
 from hsgd.model.config import ModelConfig
-from hsgd.errors import EXIT_USAGE, ConfigError, UsageError
+from hsgd.errors import ConfigError, UsageError
 from hsgd.files import writable_file
-from .hardware import HardwareError, load, names
+from hsgd.readers import printable
+from .hardware import load, names
 from .paper import table1
-from .search import SCHEDULES, rank_key, rate_of, search
+from .search import SCHEDULES, check_search, rank_key, rate_of, search
 
 
 class PlanError(UsageError):
@@ -108,9 +111,9 @@ def choice_list(name, allowed):
 
 
 def build_parser():
-    ap = argparse.ArgumentParser(prog="python -m hsgd.plan", description=__doc__.split("\n\n")[2],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog="presets: " + ", ".join(presets()) + "\nhardware: " + ", ".join(names()))
+    ap = Parser(prog="python -m hsgd.plan", description=__doc__.split("\n\n")[2],
+                formatter_class=argparse.RawDescriptionHelpFormatter,
+                epilog="presets: " + ", ".join(presets()) + "\nhardware: " + ", ".join(names()))
     ap.add_argument("--model", default="hsgd-default",
                     help="a preset (below) or sizes L=..,C=..,NH=..[,F=..,V=..,T=..] (F = 4C, V = 256, T = 64 "
                          "unless given); default hsgd-default")
@@ -198,6 +201,7 @@ def plan(args, say=print):
     hw = load(args.hw)
     dtype = args.dtype or ("float32" if args.impl == "hsgd" else "bfloat16")
     batch = args.batch
+    check_search(cfg, batch, args.devices)                             # the stated maxima, before any work
     if args.efficiency is not None and not 0 < args.efficiency <= 1:
         raise PlanError(f"--efficiency {args.efficiency} must be in (0, 1], e.g. 0.5")
     if args.json:
@@ -208,8 +212,8 @@ def plan(args, say=print):
         f"T={cfg.seq_len}, {cfg.n_params() / 1e9:.3g} B parameters, {cfg.step_flops(batch) / 1e12:.4g} TFLOP per "
         f"step of {batch} sequences (without recomputation)")
     where = args.hw if args.hw in names() else hw.source
-    say(f"hardware: {hw.name} ({where}); {args.devices} devices, {hw.devices_per_node} per node, "
-        f"{gb(hw.memory_bytes)} each; matmuls at {rate / 1e12:.4g} TFLOP/s in {dtype}"
+    say(f"hardware: {printable(hw.name)} ({printable(where)}); {args.devices} devices, {hw.devices_per_node} per "
+        f"node, {gb(hw.memory_bytes)} each; matmuls at {rate / 1e12:.4g} TFLOP/s in {dtype}"
         + ("" if dtype in hw.measured_matmul else f" (peak x efficiency {eff:g})") + f"; implementation {args.impl}")
     progress = (lambda i, n: say(f"  ... {i} of {n} layouts priced", flush=True)) if args.devices > 64 else None
     space = dict(space_of(args), node_ranks=hw.devices_per_node)
@@ -248,19 +252,18 @@ def plan(args, say=print):
 
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)
+    """The exit code of python -m hsgd.plan argv: 0, or 2 with one line for a usage error (hsgd.cli)."""
+    return cli.run(lambda: command(build_parser().parse_args(argv)))
+
+
+def command(args):
     if args.calibrate:
         if not args.out:
-            print("hsgd: error: --calibrate needs --out FILE (the hardware file to write), e.g. "
-                  "mpirun -n 8 python -m hsgd.plan --calibrate --out my-machine.toml", file=sys.stderr)
-            return EXIT_USAGE
+            raise PlanError("--calibrate needs --out FILE (the hardware file to write), e.g. "
+                            "mpirun -n 8 python -m hsgd.plan --calibrate --out my-machine.toml")
         from .calibrate import main as calibrate_main
         return calibrate_main(["--out", args.out] + (["--quick"] if args.quick else []))
-    try:
-        return plan(args, lambda *a, **k: print(*a, flush=True))
-    except (PlanError, HardwareError, ConfigError, UsageError) as err:
-        print(f"hsgd: error: {err}", file=sys.stderr)
-        return EXIT_USAGE
+    return plan(args, lambda *a, **k: print(*a, flush=True))
 
 
 if __name__ == "__main__":

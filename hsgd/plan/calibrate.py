@@ -53,6 +53,7 @@ from mpi4py import MPI
 from threadpoolctl import threadpool_limits
 
 from hsgd.errors import UsageError
+from hsgd.cli import Parser
 from hsgd.files import writable_file
 from .hardware import OPS, Hardware, HardwareError, Link, to_toml
 
@@ -341,22 +342,23 @@ def calibrate(world, out_path, quick=False, say=print, command=None):
 
 
 def main(argv=None):
-    import argparse
-    ap = argparse.ArgumentParser(prog="python -m hsgd.plan.calibrate",
-                                 description="Measure this machine's matmul rate and collective costs (run under "
-                                             "mpirun -n 8) and write them as a hardware file for hsgd.plan.")
+    """The exit code of mpirun -n P python -m hsgd.plan.calibrate argv: 0, or 2 on every rank with one line from
+    rank 0 for a usage error (hsgd.cli)."""
+    from hsgd.grid import launch
+    ap = Parser(prog="mpirun -n P python -m hsgd.plan.calibrate", speaks=launch.on_rank_zero,
+                description="Measure this machine's matmul rate and collective costs (run under mpirun -n 8) and "
+                            "write them as a hardware file for hsgd.plan.")
     ap.add_argument("--out", required=True, help="the TOML file to write, e.g. hsgd/plan/hw/this-machine.toml")
     ap.add_argument("--quick", action="store_true", help="fewer sizes and repetitions (seconds, not a minute)")
-    args = ap.parse_args(argv)
     world = MPI.COMM_WORLD
-    try:
+
+    def body():
+        args = ap.parse_args(argv)
         calibrate(world, args.out, quick=args.quick, say=lambda *a: print(*a, flush=True),
                   command=f"python -m hsgd.plan.calibrate{' --quick' * args.quick} --out {args.out}")
-    except UsageError as err:
-        if world.Get_rank() == 0:
-            print(f"hsgd: error: {err}", file=sys.stderr)
-        return 2
-    return 0
+        return 0
+
+    return launch.run(body, world)
 
 
 if __name__ == "__main__":

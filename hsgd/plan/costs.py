@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from hsgd.cp.split import attention_blocks
-from hsgd.pp.schedules import build, effective, simulate
+from hsgd.pp.schedules import MAX_PIECES, build, effective, simulate
 from hsgd.tp.schemes import make_scheme
 from .paper import activation_bytes
 
@@ -156,18 +156,23 @@ def micro_batch_flops(cfg, b, tp, cp, n_blocks, last, recompute, why=None):
 @lru_cache(maxsize=4096)
 def makespan(kind, m, p, v, f, b, w, simulated=True):
     """Seconds from the first forward to the last backward of hsgd.pp.schedules' `kind` with per-chunk costs (f, b, w)
-    on every stage: the simulator of Step 13 (fused backward b + w for every kind but zb-h1). simulated=False:
-    gpipe, 1f1b and interleaved take their closed form, which equals the simulation exactly when every stage
-    costs the same (tests/test_plan.py):  (m v + p - 1)(f + b + w). zb-h1 is always simulated, in integer units
+    on every stage: the simulator of Step 13 (fused backward b + w for every kind but zb-h1). simulated=False (or
+    more than hsgd.pp.schedules.MAX_PIECES to simulate): gpipe, 1f1b and interleaved take their closed form, which
+    equals the simulation exactly when every stage costs the same (tests/test_plan.py):  (m v + p - 1)(f + b + w),
+    as here. zb-h1 is simulated up to MAX_PIECES (beyond: m(f + b + w) + (p - 1)(f + b - w), its closed form where
+    m >= p and w <= min(f, b), else 1F1B's), in integer units
     of f / 100 (B and W rounded to them: at most 0.5% off), because its greedy list breaks ties between equal
     times, which floating-point noise would decide."""
     kind = effective(kind, p, v)
+    if kind == "zb-h1" and p * v * m > MAX_PIECES:          # too many to write down: the closed form, where it holds
+        idle = (p - 1) * (f + b - w) if m >= p and w <= min(f, b) else None     # (timelines.bubble_formula)
+        return m * (f + b + w) + idle if idle is not None else (m * v + p - 1) * (f + b + w)   # else 1F1B's
     if kind == "zb-h1":
         unit = f / 100
         costs = (100.0, float(round(b / unit)), float(round(w / unit)))
         timeline = simulate(build(kind, m, p, v, costs), m, v, costs)
         return unit * max(end for stage in timeline for _, _, end in stage)
-    if not simulated:
+    if not simulated or p * v * m > MAX_PIECES:             # (too many to write down: the closed form, exact here)
         return (m * v + p - 1) * (f + b + w)
     costs = (f, b + w, 0.0)
     timeline = simulate(build(kind, m, p, v, costs), m, v, costs)

@@ -14,7 +14,7 @@ per rank with all ranks busy ([measured_matmul]).
     hw = load("a100-80g")                      # a shipped file, hsgd/plan/hw/a100-80g.toml; or load("my.toml")
     hw.peak("bfloat16"), hw.intra.bandwidth, hw.measured_cost("Allreduce", 4)
 
-File schema (SI units: bytes, seconds, FLOP/s; every number > 0):
+File schema (SI units: bytes, seconds, FLOP/s; every number > 0 and inside the physical limits below):
 
     name = "..."                     # what machine this is
     memory_bytes = 80e9              # per device
@@ -30,16 +30,33 @@ File schema (SI units: bytes, seconds, FLOP/s; every number > 0):
                                            # byte, and seconds per block and micro-batch beyond FLOPs and bytes
     [measured_optimizer]  adamw = ...      # optional: seconds per element of one optimizer step
 
+Physical limits (LIMITS): a number outside them is a typo or a crafted file, refused with one line, since it would
+rank layouts as "nan s" or "0 s" (a subnormal latency such as 5e-324, a bandwidth of 1e300):
+
+    memory_bytes                          1e6 .. 1e15 bytes (1 MB .. 1 PB per device)
+    peak_flops, measured_matmul           1e6 .. 1e19 FLOP/s (1 MFLOP/s .. 10 EFLOP/s per device)
+    bandwidth, memory_bandwidth           1e3 .. 1e16 bytes/s (1 kB/s .. 10 PB/s)
+    latency, alpha, block_overhead        1e-10 .. 100 s
+    beta                                  1e-16 .. 1e-3 s/byte (the inverse of a bandwidth)
+    measured_optimizer                    1e-16 .. 1 s per element
+    efficiency                            1e-6 .. 1
+    elementwise_passes                    1e-3 .. 1e3
+    devices_per_node                      1 .. 65536, an integer; a group size p: ASCII digits, 2 .. 2^20
+
 Left out: topologies beyond two levels (rails, fat-tree oversubscription), contention between collectives that
 run at once, and per-size protocol switches (one straight line per collective and group size).
 """
 import json
 import math
 import os
+import re
+import sys
 from dataclasses import dataclass, field
 
 from hsgd.run.config_file import load_toml
+from hsgd.readers import printable
 from hsgd.errors import UsageError
+from hsgd.step.settings import MAX_RANKS
 
 HW_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hw")   # the shipped files
 DTYPES = ("float64", "float32", "bfloat16", "float16")
@@ -67,6 +84,17 @@ LINK = {"intra_node": {"bandwidth": "bytes/s per device, one direction, e.g. 300
         "inter_node": {"bandwidth": "bytes/s per device, one direction, e.g. 25e9 for one HDR InfiniBand NIC",
                        "latency": "seconds, e.g. 5e-6"}}
 FIT = {"alpha": "seconds per call, e.g. 2e-5", "beta": "seconds per byte, e.g. 3e-10"}
+
+# The physical limits of each kind of number (the module docstring's table): (lowest, highest, unit).
+LIMITS = {"bytes": (1e6, 1e15, "bytes"), "flops": (1e6, 1e19, "FLOP/s"), "bandwidth": (1e3, 1e16, "bytes/s"),
+          "seconds": (1e-10, 100.0, "s"), "beta": (1e-16, 1e-3, "s/byte"), "per_element": (1e-16, 1.0, "s"),
+          "fraction": (1e-6, 1.0, ""), "passes": (1e-3, 1e3, "")}
+KIND = {"memory_bytes": "bytes", "memory_bandwidth": "bandwidth", "efficiency": "fraction", "bandwidth": "bandwidth",
+        "latency": "seconds", "alpha": "seconds", "beta": "beta", "block_overhead": "seconds",
+        "elementwise_passes": "passes", "peak_flops": "flops", "measured_matmul": "flops",
+        "measured_optimizer": "per_element"}
+MAX_DEVICES_PER_NODE = 65536
+MAX_GROUP = MAX_RANKS                   # a group of a job's ranks (hsgd.step.settings)
 
 
 class HardwareError(UsageError):
@@ -149,17 +177,17 @@ def from_table(t, path="<table>"):
     if not isinstance(t["name"], str) or not t["name"].strip():
         raise HardwareError(f"{where}: name = {t['name']!r} is not {TOP['name']}")
     dpn = t["devices_per_node"]
-    if not isinstance(dpn, int) or isinstance(dpn, bool) or dpn < 1:
-        raise HardwareError(f"{where}: devices_per_node = {dpn!r} is not a positive integer, e.g. 8")
-    memory = number(where, "memory_bytes", t["memory_bytes"], TOP["memory_bytes"])
+    if not isinstance(dpn, int) or isinstance(dpn, bool) or not 1 <= dpn <= MAX_DEVICES_PER_NODE:
+        raise HardwareError(f"{where}: devices_per_node = {dpn!r} is not a positive integer (at most "
+                            f"{MAX_DEVICES_PER_NODE}), e.g. 8")
+    memory = number(where, "memory_bytes", t["memory_bytes"], TOP["memory_bytes"], "memory_bytes")
     efficiency = None
     if "efficiency" in t:
-        efficiency = number(where, "efficiency", t["efficiency"], TOP["efficiency"])
-        if efficiency > 1:
-            raise HardwareError(f"{where}: efficiency = {efficiency!r} is more than 1; {TOP['efficiency']}")
+        efficiency = number(where, "efficiency", t["efficiency"], TOP["efficiency"], "efficiency")   # <= 1
     bandwidth = None
     if "memory_bandwidth" in t:
-        bandwidth = number(where, "memory_bandwidth", t["memory_bandwidth"], TOP["memory_bandwidth"])
+        bandwidth = number(where, "memory_bandwidth", t["memory_bandwidth"], TOP["memory_bandwidth"],
+                           "memory_bandwidth")
     peak = per_dtype(where, "peak_flops", t["peak_flops"], "dense matmul FLOP/s per device, e.g. 312e12")
     if not peak:
         raise HardwareError(f"{where}: [peak_flops] is empty; {TOP['peak_flops']}")
@@ -171,31 +199,44 @@ def from_table(t, path="<table>"):
         if op not in OPS:
             raise HardwareError(f"{where}: unknown collective [measured.{op}]; known: {', '.join(OPS)}")
         for p, fit in table(where, f"measured.{op}", by_p, "tables [measured.OP.p], one per group size p").items():
-            if not p.isdigit() or int(p) < 2 or (op == "Sendrecv" and int(p) != 2):
-                allowed = "2 (between two ranks)" if op == "Sendrecv" else "an integer >= 2, e.g. [measured.OP.4]"
-                raise HardwareError(f"{where}: [measured.{op}.{p}]: the group size {p!r} is not {allowed}")
+            ok = re.fullmatch(r"[0-9]{1,7}", p) and 2 <= int(p) <= MAX_GROUP    # ASCII: "\u00b2".isdigit() is True
+            if not ok or (op == "Sendrecv" and int(p) != 2):
+                allowed = "2 (between two ranks)" if op == "Sendrecv" else \
+                    f"an integer >= 2 (at most {MAX_GROUP}, in ASCII digits), e.g. [measured.OP.4]"
+                raise HardwareError(f"{where}: [measured.{op}.{printable(p, 40)}]: the group size {printable(p, 40)!r}"
+                                    f" is not {allowed}")
             alpha, beta = table_of(where, f"measured.{op}.{p}", fit, FIT).values()
             measured.setdefault(op, {})[int(p)] = (alpha, beta)
     matmul = per_dtype(where, "measured_matmul", t.get("measured_matmul", {}), "FLOP/s per rank, e.g. 2e9")
-    extra = {k: number(where, k, t[k], TOP[k]) for k in ("elementwise_passes", "block_overhead") if k in t}
+    extra = {k: number(where, k, t[k], TOP[k], k) for k in ("elementwise_passes", "block_overhead") if k in t}
     optim = table(where, "measured_optimizer", t.get("measured_optimizer", {}), TOP["measured_optimizer"])
     if set(optim) - {"sgd", "adamw"}:
         raise HardwareError(f"{where}: [measured_optimizer] has an unknown optimizer "
                             f"{sorted(set(optim) - {'sgd', 'adamw'})[0]!r}; known: sgd, adamw")
-    optim = {k: number(where, f"[measured_optimizer] {k}", v, TOP["measured_optimizer"]) for k, v in optim.items()}
+    optim = {k: number(where, f"[measured_optimizer] {k}", v, TOP["measured_optimizer"], "measured_optimizer")
+             for k, v in optim.items()}
     return Hardware(name=t["name"], memory_bytes=memory, devices_per_node=dpn, peak_flops=peak,
                     intra=links["intra_node"], inter=links["inter_node"], efficiency=efficiency, measured=measured,
                     measured_matmul=matmul, source=str(path), memory_bandwidth=bandwidth, measured_optimizer=optim,
                     **extra)
 
 
-def number(where, key, value, what):
-    """value as a float, if it is a finite number > 0 (not a bool, not a string)."""
+def number(where, key, value, what, name):
+    """value as a float, if it is a finite number > 0 (not a bool, not a string), not subnormal, and inside the
+    physical limits of its kind (LIMITS[KIND[name]]; name: the key or table it is, "latency", "peak_flops")."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise HardwareError(f"{where}: {key} = {value!r} is not a number (TOML type {type(value).__name__}); "
-                            f"it should be {what}")
+        raise HardwareError(f"{where}: {key} = {printable(repr(value), 60)} is not a number (TOML type "
+                            f"{type(value).__name__}); it should be {what}")
     if not math.isfinite(value) or value <= 0:
         raise HardwareError(f"{where}: {key} = {value!r} is not a positive finite number; it should be {what}")
+    if value < sys.float_info.min:
+        raise HardwareError(f"{where}: {key} = {value!r} is subnormal (below {sys.float_info.min:.3g}), no physical "
+                            f"quantity; it should be {what}")
+    low, high, unit = LIMITS[KIND[name]]
+    if not low <= value <= high:
+        side = f"less than {low:g}" if value < low else f"more than {high:g}"
+        raise HardwareError(f"{where}: {key} = {value!r} is {side}{' ' + unit if unit else ''}, beyond physical limits "
+                            f"(hsgd/plan/hardware.py); it should be {what}")
     return float(value)
 
 
@@ -214,7 +255,7 @@ def table_of(where, key, value, keys):
     for k, what in keys.items():
         if k not in value:
             raise HardwareError(f"{where}: [{key}] has no {k!r} ({what})")
-    return {k: number(where, f"[{key}] {k}", value[k], what) for k, what in keys.items()}
+    return {k: number(where, f"[{key}] {k}", value[k], what, k) for k, what in keys.items()}
 
 
 def per_dtype(where, key, value, what):
@@ -223,7 +264,7 @@ def per_dtype(where, key, value, what):
     unknown = sorted(set(value) - set(DTYPES))
     if unknown:
         raise HardwareError(f"{where}: [{key}] has an unknown dtype {unknown[0]!r}; known: {', '.join(DTYPES)}")
-    return {d: number(where, f"[{key}] {d}", v, what) for d, v in value.items()}
+    return {d: number(where, f"[{key}] {d}", v, what, key) for d, v in value.items()}
 
 
 def to_toml(hw, notes=(), comments=None):

@@ -16,11 +16,11 @@ sequences (m = B / (dp b) micro-batches) and a pipeline schedule. `evaluate` pri
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
-from hsgd.model.config import divisors
+from hsgd.model.config import check_at_most, divisors
 from hsgd.errors import ConfigError, UsageError
 from hsgd.dp.make import exchange_sizes
 from hsgd.accounting.traffic import rank_bytes
-from hsgd.step.settings import TrainConfig
+from hsgd.step.settings import MAX_RANKS, TrainConfig
 from hsgd.pp.timelines import peak_formula
 from .costs import group_links, group_sizes, step_time
 from .layout import ITEMSIZE, PlannedStage, plan_rank
@@ -84,26 +84,51 @@ def check_model(cfg, tp, cp=1, sequence=False):
     return None
 
 
+MAX_DEVICES = MAX_RANKS   # devices of a plan: a job's ranks
+MAX_BATCH = 2**30         # sequences in a planned step
+MAX_LAYOUTS = 100_000     # layouts one search prices (about 0.4 ms each: some 40 s), and 10x that looked at
+
+
+def check_search(cfg, batch, n):
+    """Raise ConfigError unless n devices and a batch of `batch` sequences are within the stated maxima (the model's
+    own sizes are bounded by ModelConfig): checked before any loop depends on them."""
+    check_at_most("devices", n, MAX_DEVICES, f"plan for at most {MAX_DEVICES} devices")
+    check_at_most("batch", batch, MAX_BATCH, f"plan a batch of at most {MAX_BATCH} sequences")
+
+
+def too_many(what):
+    return ConfigError(f"the search space holds more than {what}; narrow it with --tp, --pp, --cp, --micro-batch, "
+                       "--schedule, --virtual, --zero or --recompute")
+
+
 def layouts(cfg, batch, n, space):
     """Every Layout of n devices that the model allows, over `space` (a dict of lists: tp, pp, cp, v, zero,
     tp_scheme, recompute, b, schedule, dp_overlap, hierarchical; None: every value that applies; node_ranks: the
-    devices of a node, for the hierarchical exchange)."""
-    out = []
-    for tp in space.get("tp") or divisors(n):
-        for cp in space.get("cp") or [1]:
-            for pp in space.get("pp") or divisors(n // tp if n % tp == 0 else 1):
+    devices of a node, for the hierarchical exchange). The sizes are the divisors of n (the lists given: their
+    values that divide it, each once), and at most MAX_LAYOUTS layouts are made (ConfigError beyond)."""
+    check_search(cfg, batch, n)
+    out, looked = [], 0
+    tps = [t for t in dict.fromkeys(space.get("tp") or divisors(n)) if n % t == 0]
+    for tp in tps:
+        for cp in dict.fromkeys(space.get("cp") or [1]):
+            if n % (tp * cp) or check_model(cfg, tp, cp) is not None:
+                continue                                       # (sequence parallelism needs more, never less)
+            for pp in dict.fromkeys(space.get("pp") or divisors(n // (tp * cp))):
                 if n % (tp * cp * pp) or pp > cfg.n_layers:
                     continue
                 dp = n // (tp * cp * pp)
                 if batch % dp:
                     continue
-                for b in space.get("b") or [x for x in (1, 2, 4, 8) if (batch // dp) % x == 0]:
+                for b in dict.fromkeys(space.get("b") or [x for x in (1, 2, 4, 8) if (batch // dp) % x == 0]):
                     if (batch // dp) % b:
                         continue
                     m = batch // dp // b
                     scheds = space.get("schedule") or ["1f1b", "interleaved"]
                     for sched in (scheds if pp > 1 else ["1f1b"]):            # (one stage: every schedule alike)
-                        for v in ((space.get("v") or [2]) if sched == "interleaved" else [1]):
+                        for v in (dict.fromkeys(space.get("v") or [2]) if sched == "interleaved" else [1]):
+                            looked += 1
+                            if looked > 10 * MAX_LAYOUTS:
+                                raise too_many(f"{10 * MAX_LAYOUTS} combinations of sizes")
                             if v > 1 and (pp == 1 or pp * v > cfg.n_layers or m % pp):
                                 continue
                             for more in options(space, dp * cp, space.get("node_ranks") and
@@ -113,6 +138,8 @@ def layouts(cfg, batch, n, space):
                                     continue                               # the same as megatron at tp = 1
                                 if check_model(cfg, tp, cp, lay.tp_scheme == "sequence") is None:
                                     out.append(lay)
+                                    if len(out) > MAX_LAYOUTS:
+                                        raise too_many(f"{MAX_LAYOUTS} layouts")
     return out
 
 

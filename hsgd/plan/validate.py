@@ -18,6 +18,7 @@ micro-batch and schedule, the rank of the paper's (t, p) and its time against th
 """
 import sys
 
+from hsgd import cli
 from .hardware import load
 from .paper import table1
 from .search import evaluate, layouts
@@ -99,8 +100,18 @@ def markdown(eff, rows, hw_name="a100-80g"):
 
 
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    fit = argv[0] if argv else "145.6"
+    """The exit code of python -m hsgd.plan.validate [FIT]: 0 when the predictions and layouts are within their aims,
+    1 when not, 2 with one line for a usage error (hsgd.cli)."""
+    sizes = [f"{r['params_billion']:g}" for r in table1()]
+    ap = cli.Parser(prog="python -m hsgd.plan.validate", description="The planner against Narayanan et al. (2021) "
+                    "Table 1: the matmul efficiency fitted on one row, every other row predicted.")
+    ap.add_argument("fit", nargs="?", default="145.6", choices=sizes, metavar="FIT",
+                    help=f"the row (billions of parameters) the efficiency is fitted on, one of {', '.join(sizes)} "
+                         "(145.6)")
+    return cli.run(lambda: validate(ap.parse_args(argv).fit))
+
+
+def validate(fit):
     eff, rows = table1_validation(fit)
     print(markdown(eff, rows))
     worst = max(abs(r["error"]) for r in rows if not r["fitted"])

@@ -21,6 +21,8 @@ hsgd.pp.schedules: interleaved 1F1B and the zero-bubble ZB-H1):
 Both accumulate the gradients of the micro-batches in the same order (B0, B1, ...), so they give the same
 numbers; they differ in memory (and, with unequal costs, in time).
 """
+import itertools
+
 from hsgd.errors import ConfigError
 
 
@@ -40,7 +42,7 @@ def split_layers(n_layers, pp, split=None):
         even = ",".join(str(len(r)) for r in split_layers(n_layers, pp))
         raise ConfigError(f"pp_split={','.join(map(str, split))} must give each of the pp={pp} stages at least one "
                           f"layer and add up to n_layers={n_layers}, e.g. {even}")
-    bounds = [sum(split[:s]) for s in range(pp + 1)]
+    bounds = [0, *itertools.accumulate(split)]                         # (linear in pp)
     return [range(bounds[s], bounds[s + 1]) for s in range(pp)]
 
 
@@ -71,9 +73,9 @@ def chunk_layers(n_layers, pp, v=1, split=None):
     if v == 1 or pp > n_layers:
         return split_layers(n_layers, pp, split)                        # (its messages speak of stages)
     if pp * v > n_layers:
-        ok = ", ".join(str(x) for x in range(1, n_layers // pp + 1))
         raise ConfigError(f"n_layers={n_layers} cannot be cut into pp x virtual_stages = {pp} x {v} = {pp * v} "
-                          f"chunks of at least one layer; use virtual_stages {ok} or more layers")
+                          f"chunks of at least one layer; use virtual_stages from 1 to {n_layers // pp} or more "
+                          "layers")
     if split is not None and (len(split) != pp * v or sum(split) != n_layers or min(split) < 1):
         even = ",".join(str(len(r)) for r in split_layers(n_layers, pp * v))
         raise ConfigError(f"pp_split={','.join(map(str, split))} must give each of the pp x virtual_stages = "

@@ -34,12 +34,27 @@ Bubbles with equal costs (stage busy time over the span of the step; p stages, m
 writes the bubble as a fraction of the ideal time, (1/v)(p-1)/m; hsgd divides by the whole step, as for the
 others); ZB-H1 idle time per stage (p-1)(F + B - W) against 1F1B's (p-1)(F + B + W), for m >= p and
 W <= min(F, B) (Qi et al. 2024; with F = B = W a third).
+Sizes: a schedule holds at most MAX_PIECES = p v m (stage, chunk, micro-batch) triples, checked (check_size) before
+any list is built or walked; building, the static check and the simulation are linear in the actions (zb-h1 times
+log p), whatever p.
 """
-from collections import namedtuple
+import heapq
+from collections import deque, namedtuple
 
 from hsgd.errors import ConfigError
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1")
+MAX_PIECES = 2**18     # p v m, the (stage, chunk, micro-batch) triples of a step: each is an F and a B (and a W) in a
+                       # list; 2^18 of them (up to 800k actions) build and simulate in a few seconds
+
+
+def check_size(m, p, v=1):
+    """Raise ConfigError unless a schedule of p stages, v chunks and m micro-batches is small enough to write down:
+    p v m <= MAX_PIECES (checked before any list is built; building and simulating are linear in it)."""
+    if p * v * m > MAX_PIECES:
+        raise ConfigError(f"pp x virtual_stages x micro_batches = {p} x {v} x {m} = {p * v * m} is more than a "
+                          f"schedule hsgd writes down (at most {MAX_PIECES} pieces of work); use fewer stages or "
+                          "micro-batches")
 
 
 class Action(namedtuple("Action", "kind mb chunk")):
@@ -105,37 +120,49 @@ def interleaved(m, p, s, v):
 
 def zb_h1(m, p, costs=(1.0, 1.0, 1.0)):
     """Every stage's list for ZB-H1 (see the module docstring), found by list-scheduling 1F1B's F and B (split)
-    with the W's, the stages simulated together with costs (f, b, w) per action."""
+    with the W's, the stages simulated together with costs (f, b, w) per action: the next action placed is the one
+    that starts first (the lower stage at a tie). Each stage's candidate lives in a heap and is recomputed only when
+    its own stage moves or the action it waits for is placed, so the cost is linear in the actions (times log p)."""
     f, b, w = costs
     order = [one_f_one_b(m, p, s) for s in range(p)]
-    pos, pending, live = [0] * p, [[] for _ in range(p)], [0] * p
+    pos, pending, live = [0] * p, [deque() for _ in range(p)], [0] * p
     free, done, out = [0.0] * p, {}, [[] for _ in range(p)]
-    while any(pos[s] < len(order[s]) or pending[s] for s in range(p)):
-        best = None
-        for s in range(p):
-            nxt = order[s][pos[s]] if pos[s] < len(order[s]) else None
-            dep = None if nxt is None else _dependency(nxt, s, p, 1)
-            ready = None if nxt is None else 0.0 if dep is None else done.get(dep)
-            if pending[s] and (nxt is None or (nxt.kind == "F" and live[s] >= p)
-                               or ready is None or ready > free[s]):
-                cand = (free[s], s, pending[s][0])                        # fill the wait (or make room) with a W
-            elif ready is not None:
-                cand = (max(free[s], ready), s, nxt)
-            else:
-                continue                                                  # waits for an action not yet placed
-            best = min(best, cand) if best else cand
-        start, s, a = best
+    heap, version, waiter = [], [0] * p, {}
+
+    def offer(s):
+        """Stage s's candidate (start, s, action) into the heap (an older one of s is stale from now on)."""
+        version[s] += 1
+        nxt = order[s][pos[s]] if pos[s] < len(order[s]) else None
+        dep = None if nxt is None else _dependency(nxt, s, p, 1)
+        ready = None if nxt is None else 0.0 if dep is None else done.get(dep)
+        if nxt is not None and ready is None:
+            waiter[dep] = s                                               # offered again once dep is placed
+        if pending[s] and (nxt is None or (nxt.kind == "F" and live[s] >= p) or ready is None or ready > free[s]):
+            heapq.heappush(heap, (free[s], s, pending[s][0], version[s]))  # fill the wait (or make room) with a W
+        elif ready is not None:
+            heapq.heappush(heap, (max(free[s], ready), s, nxt, version[s]))
+
+    for s in range(p):
+        offer(s)
+    while heap:
+        start, s, a, seen = heapq.heappop(heap)
+        if seen != version[s]:
+            continue                                                      # stage s has moved on since
         cost = {"F": f, "B": b, "W": w}[a.kind]
-        done[(a.kind, s, a.mb, 0)], free[s] = start + cost, start + cost
+        key = (a.kind, s, a.mb, 0)
+        done[key], free[s] = start + cost, start + cost
         out[s].append(a)
         if a.kind == "W":
-            pending[s].pop(0)
+            pending[s].popleft()
             live[s] -= 1
         else:
             pos[s] += 1
             live[s] += a.kind == "F"
             if a.kind == "B":
                 pending[s].append(Action("W", a.mb))
+        offer(s)
+        if key in waiter:
+            offer(waiter.pop(key))
     return out
 
 
@@ -143,6 +170,7 @@ def build(kind, m, p, v=1, costs=(1.0, 1.0, 1.0)):
     """[[Action] per stage] for schedule `kind` (SCHEDULES), m micro-batches, p stages, v chunks per stage."""
     if kind not in SCHEDULES:
         raise ConfigError(f"schedule={kind!r} is not known; use one of {', '.join(SCHEDULES)}")
+    check_size(m, p, v)
     if v != 1 and kind != "interleaved":
         raise ConfigError(f"virtual_stages={v} needs the interleaved schedule (schedule={kind!r} runs one chunk "
                           f"per stage); use --schedule interleaved, or --virtual-stages 1")
@@ -186,29 +214,35 @@ def check(actions, m, v=1):
 
 def simulate(actions, m, v=1, costs=(1.0, 1.0, 1.0)):
     """[[(action, start, end)] per stage]: each action starts when its stage is free and its input is there; F
-    costs f, B b (fused: b + w), W w (costs = (f, b, w), per chunk). Raises ScheduleError (see check)."""
+    costs f, B b (fused: b + w), W w (costs = (f, b, w), per chunk). Raises ScheduleError (see check). A stage runs
+    its list until an action's input is missing, then waits; the action that brings the input wakes it again, so
+    every action is looked at a bounded number of times (linear in the actions, however many stages)."""
     p, (f, b, w) = len(actions), costs
+    check_size(m, p, v)
     split = _validate(actions, m, v)
     done, timeline, pos, free = {}, [[] for _ in range(p)], [0] * p, [0.0] * p
-    while any(pos[s] < len(actions[s]) for s in range(p)):
-        progressed = False
-        for s in range(p):
-            while pos[s] < len(actions[s]):
-                a = actions[s][pos[s]]
-                dep = _dependency(a, s, p, v)
-                if a.kind in "BW" and ("F" if a.kind == "B" else "B", s, a.mb, a.chunk) not in done:
-                    raise ScheduleError(f"stage {s} runs {a} (action {pos[s]}) before its "
-                                        f"{'F' if a.kind == 'B' else 'B'}{a.mb}{f'.{a.chunk}' if a.chunk else ''}")
-                if dep is not None and dep not in done:
-                    break
-                cost = {"F": f, "W": w, "B": b + (w if (a.mb, a.chunk, s) not in split else 0.0)}[a.kind]
-                start = max(free[s], done[dep] if dep else 0.0)
-                done[(a.kind, s, a.mb, a.chunk)] = free[s] = start + cost
-                timeline[s].append((a, start, start + cost))
-                pos[s] += 1
-                progressed = True
-        if not progressed:
-            raise ScheduleError(_deadlock(actions, pos, p, v))
+    awake, waiter = list(range(p - 1, -1, -1)), {}                       # stages to run (stage 0 first)
+    while awake:
+        s = awake.pop()
+        while pos[s] < len(actions[s]):
+            a = actions[s][pos[s]]
+            dep = _dependency(a, s, p, v)
+            if a.kind in "BW" and ("F" if a.kind == "B" else "B", s, a.mb, a.chunk) not in done:
+                raise ScheduleError(f"stage {s} runs {a} (action {pos[s]}) before its "
+                                    f"{'F' if a.kind == 'B' else 'B'}{a.mb}{f'.{a.chunk}' if a.chunk else ''}")
+            if dep is not None and dep not in done:
+                waiter[dep] = s                                           # woken when dep is done
+                break
+            cost = {"F": f, "W": w, "B": b + (w if (a.mb, a.chunk, s) not in split else 0.0)}[a.kind]
+            start = max(free[s], done[dep] if dep else 0.0)
+            key = (a.kind, s, a.mb, a.chunk)
+            done[key] = free[s] = start + cost
+            timeline[s].append((a, start, start + cost))
+            pos[s] += 1
+            if key in waiter:
+                awake.append(waiter.pop(key))
+    if any(pos[s] < len(actions[s]) for s in range(p)):
+        raise ScheduleError(_deadlock(actions, pos, p, v))
     return timeline
 
 

@@ -10,5 +10,6 @@ what it watches, and how it ends on a fault or a signal. Chapters 7 (a run end t
     watchers      the points of a step where something besides training acts (faults, --dump-step)
     faults        --inject-fault: one fault, on purpose
     signals       SIGTERM and SIGINT: stop cleanly, with a checkpoint
-    watchdog      --step-timeout: end the job when a step or a validation hangs
+    diverged      replicas that differ, updates skipped for good: stop, with the last finite state saved
+    watchdog      --step-timeout: end the job when a collective phase hangs (steps, checkpoints, validations, ...)
 """

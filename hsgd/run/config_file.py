@@ -5,27 +5,14 @@ from dataclasses import fields
 
 from hsgd.model.config import ModelConfig, flag_names
 from hsgd.errors import ConfigError
-from hsgd.files import regular_file
-
-try:
-    import tomllib
-except ImportError:                                  # Python < 3.11
-    import tomli as tomllib
+from hsgd.readers import read_toml as read_bounded_toml
 
 
 def load_toml(path, what, error):
     """The table in the TOML file at `path`, or error(...) naming `what` ("config file", "hardware file") when it is
-    not a regular file (hsgd.files.regular_file), not UTF-8 text, or not TOML."""
-    regular_file(path, what, error)                              # exists; not a folder, FIFO or device
-    try:
-        with open(path, "rb") as f:
-            return tomllib.load(f)
-    except UnicodeDecodeError:
-        raise error(f"{what} {path!r} is not UTF-8 text, which TOML requires") from None
-    except tomllib.TOMLDecodeError as e:
-        raise error(f"{what} {path!r} cannot be read: it is not valid TOML ({e})") from None
-    except OSError as e:
-        raise error(f"{what} {path!r} cannot be read: {e}") from None
+    not a regular file, not UTF-8 text, not TOML, or beyond the bounds of hsgd.readers.read_toml (1 MiB, 64 levels of
+    nesting, integers of 20 digits, finite floats)."""
+    return read_bounded_toml(path, what, error)
 
 
 def read_toml(path):

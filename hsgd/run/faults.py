@@ -5,9 +5,13 @@
     kill-in-save   SIGKILL while the checkpoint after that step is being written (the newest complete one survives)
     nan            a NaN in this rank's gradient after the exchange (--on-nan decides: stop or skip the update)
     diverge        after the step, one parameter of this replica alone moves (--check-replicas finds it)
+    stop-in-PHASE  SIGSTOP as a watched phase starts (hsgd.run.watchdog): a rank that stops without dying, where
+                   --step-timeout must end the job (exit code 5). PHASE: load (the --resume checkpoint; STEP is not
+                   used), validation (before STEP when the run starts there, else after STEP), save (after STEP),
+                   dump (of STEP), sample (at the end; STEP the last)
 
 Each kind acts at one point of the training loop (hsgd.train's step watchers: before the step, after the
-gradients, after the step); outside those points the loop does not know faults exist.
+gradients, after the step, as a watched phase starts); outside those points the loop does not know faults exist.
 """
 import os
 import signal
@@ -42,6 +46,12 @@ class Faults(StepWatcher):
                 trainer.exchange.master[-1] += 1e-3                 # the parameters are gathered from it
             else:
                 trainer.params[trainer.exchange.order[-1]].reshape(-1)[0] += 1e-3    # this replica alone drifts
+
+    def entering(self, phase, step):
+        """A watched phase (hsgd.run.watchdog) starts: stop-in-PHASE stops this process here, once."""
+        if self.mine and self.kind == f"stop-in-{phase}" and (step == self.step or phase == "load"):
+            self.mine = False
+            os.kill(os.getpid(), signal.SIGSTOP)                    # stopped, not dead: the others wait for it
 
     def in_save(self, step):
         """True when the checkpoint after this step is to be cut short by a SIGKILL."""

@@ -10,6 +10,7 @@ split, layers that do not split into stages, sequences that do not cut into the 
 import argparse
 from dataclasses import fields
 
+from hsgd.cli import Parser
 from hsgd.grid import launch
 from hsgd.tp import shards as tp_shards
 from hsgd.model.config import ModelConfig, flag_names
@@ -55,7 +56,7 @@ def flags_parser(groups, prog, description, epilog=None, only=None, overrides=No
     named in `only`, if given), one argument group per dataclass. Flags default to None, so that only the flags
     given override the TOML file and the dataclass defaults; `overrides` {name: value} are the parser's own
     defaults instead (hsgd.verify's small model), shown in the help."""
-    p = launch.RankZeroParser(prog=prog, description=description, epilog=epilog, argument_default=None)
+    p = Parser(prog=prog, description=description, epilog=epilog, argument_default=None, speaks=launch.on_rank_zero)
     for title, config_class in groups:
         chosen = [f for f in fields(config_class) if "help" in f.metadata and (only is None or f.name in only)]
         if chosen:

@@ -7,7 +7,8 @@ wait for it. An output that cannot be written (a --save-dir under a file, a --lo
 after the last step: the run is lost. So `check_run` looks at every output path and every optional dependency
 before the first step, on every rank (inside `launch.agree`, so that all ranks stop together with one line and
 exit code 2), and `regular_file` is the one gate every input file passes: data, --config, a checkpoint's
-manifest and its shards. Nothing here writes anything.
+manifest and its shards. An output is proved writable by creating and removing a file there (hsgd.files:
+os.access() says yes where nothing can be created); nothing is left behind.
 """
 
 from hsgd.files import needs_module, writable_dir, writable_file

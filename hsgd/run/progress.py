@@ -16,6 +16,11 @@ import time
 from hsgd.run.report import fmt_time
 
 
+def power_of_two(x):
+    """2^k for a positive finite x (k exact for a power of two), else x as it is (0.0, inf, nan: no log2 of them)."""
+    return f"2^{math.log2(x):g}" if 0 < x < math.inf else f"{x:g}"
+
+
 class Progress:
     def __init__(self, tc, tokens_per_step, start, say, rank0):
         self.tc, self.tokens, self.start, self.say = tc, tokens_per_step, start, say
@@ -47,7 +52,7 @@ class Progress:
                  f"ETA {fmt_time(elapsed / (step - self.start + 1) * (steps - step))} | "
                  f"step {1e3 * w['s'] / n:.0f} ms = compute {1e3 * comp / n:.0f} + "
                  f"tp {1e3 * w['tp'] / n:.0f} + dp {1e3 * w['dp'] / n:.0f}"
-                 + (f" | loss scale 2^{math.log2(info.loss_scale):g}, {info.scale_skips} skipped"
+                 + (f" | loss scale {power_of_two(info.loss_scale)}, {info.scale_skips} skipped"
                     if info is not None and info.loss_scale is not None else ""))
         self.window = dict.fromkeys(self.window, 0.0)
 

@@ -3,9 +3,11 @@ pipeline, exchange); at the end, bytes per step against the formulas, the pipeli
 rank, the staging buffers of the GPU path, the trace and the plots. Every function at the end is collective (called
 on every rank; only rank 0's `say` prints)."""
 import math
+import os
 
 from mpi4py import MPI
 
+from hsgd.accounting import step_memory
 from hsgd.tp import model as tp_model
 from hsgd.tp.schemes import make_scheme
 from hsgd.model.threads import openblas_note
@@ -214,3 +216,27 @@ def report_trace(world, tracer, tc, traced, losses, val_points, title, say):
         t_range = (min(e["ts"] for e in window), max(e["ts"] + e["dur"] for e in window)) if window else None
         paths = write_plots(tc.plot, losses, val_points, events, t_range, title, first_step=val_points[0][0] + 1)
         say("plots: " + ", ".join(paths))
+
+
+def report_end(run):
+    """Rank 0 prints the reports of hsgd.run.report (collective): bytes per step against the formula, the pipeline,
+    memory (returned: this rank's), staging buffers, trace and plots."""
+    tc, world, grid, trainer, say = run.tc, run.world, run.grid, run.trainer, run.say
+    report_comm(world, grid, run.measured_step, run.per_step, run.formula, say)
+    report_traffic(world, grid, tc, trainer, run.per_step, say)
+    if grid.pp > 1:
+        report_pipeline(world, grid, tc, trainer, say)
+    mem = trainer.memory()
+    report_memory(mem, say, world, grid, run.memory, step_memory.step_formula(trainer) if run.memory else None,
+                  run.measured_step)
+    if run.memory and tc.plot:
+        samples = world.gather((world.Get_rank(), run.memory["samples"]))
+        if samples:
+            from hsgd.run.plots import plot_memory
+            say("plots: " + plot_memory(samples, os.path.join(tc.plot, "memory.png"),
+                                        f"memory over step {run.measured_step} per rank, by category"))
+    report_staging(world, grid, trainer, run.pinned, run.start, say)
+    if run.tracer:
+        report_trace(world, run.tracer, tc, run.traced, run.progress.losses, run.val_points,
+                     f"dp {grid.dp} x tp {grid.tp}, {trainer.exchange.sizes.describe()}", say)
+    return mem

@@ -4,9 +4,9 @@ A signal handler only sets a flag (`StopRequest.signum`); it never touches MPI o
 ranks agree on the flag with one Allreduce (MAX), because the signal does not reach every rank at the same moment
 (or at all: a scheduler may signal some tasks first), and every rank must take the same branch. Once they agree
 the run writes a checkpoint of the step it just finished (with --save-dir; not after a step skipped for non-finite
-values), rank 0 says where, and every rank exits with code 4 (`hsgd: stopped: ...`): `--resume auto` goes on from
-there. A second signal of the same kind is not caught any more: it ends the process at once, for a user who does
-not want to wait for the step to finish.
+values; watched by --step-timeout like every save), rank 0 says where, and every rank exits with code 4
+(`hsgd: stopped: ...`): `--resume auto` goes on from there. A second signal of the same kind is not caught any
+more: it ends the process at once, for a user who does not want to wait for the step to finish.
 """
 import signal
 import threading
@@ -15,6 +15,7 @@ from mpi4py import MPI
 
 from hsgd.checkpoint.store import CheckpointError, save
 from hsgd.errors import Stopped
+from hsgd.run.watchdog import checkpoint_limit
 
 CAUGHT = (signal.SIGTERM, signal.SIGINT)
 
@@ -60,7 +61,9 @@ def stop_after_signal(run, step, signum, saved):
         raise Stopped(f"{name} after step {step}, a step with non-finite values: no checkpoint written; the newest in "
                       f"{tc.save_dir!r} is older")
     try:
-        path = saved or save(trainer, step, tc.save_dir, tc.keep, identity=run.identity)
+        with run.dog.phase(f"the checkpoint save after step {step} ({name})",
+                           *checkpoint_limit(run.tc.step_timeout), kind="save", step=step):
+            path = saved or save(trainer, step, tc.save_dir, tc.keep, identity=run.identity)
     except CheckpointError as e:
         raise Stopped(f"{name} after step {step}; {e}") from None
     raise Stopped(f"{name} after step {step}; checkpoint {path}; continue with --resume auto")

@@ -5,6 +5,8 @@ them, in order, and knows nothing else of what they do):
     after_gradients(trainer, step, loss)   after the gradients are averaged over dp_comm, before the update
     after_step(trainer, step)              after the update
     in_save(step)                          True: cut the checkpoint written after this step short (a SIGKILL)
+    entering(phase, step)                  a phase watched by --step-timeout starts (hsgd.run.watchdog): load,
+                                           validation, save, dump or sample, of or after `step`
 
 StepWatcher does nothing at each; hsgd.run.faults.Faults (--inject-fault) is one.
 """
@@ -22,3 +24,6 @@ class StepWatcher:
 
     def in_save(self, step):
         return False
+
+    def entering(self, phase, step):
+        pass

@@ -95,9 +95,16 @@ def check_finite(world, bad, step, on_nan):
     return False
 
 
+class Skipping(NumericalFault):
+    """The run ends because its updates kept being skipped (--max-skips in a row, the loss scale below its floor,
+    or none applied at all): exit code 3. The parameters are still those of the last applied update, so the run
+    can save them first (hsgd.train)."""
+
+
 def stop_after_skips(in_a_row, max_skips, step):
-    """--on-nan skip: a run whose every step is non-finite has diverged for good; stop it (NumericalFault, exit
-    code 3) after max_skips steps in a row were skipped, instead of skipping to the end and exiting 0."""
+    """--on-nan skip or float16's loss scaling: a run whose every step is non-finite has diverged for good; stop it
+    (Skipping, exit code 3) after max_skips steps in a row were skipped, instead of skipping to the end and
+    exiting 0."""
     if in_a_row >= max_skips:
-        raise NumericalFault(f"{in_a_row} steps in a row had non-finite values (the last: step {step}); the run has "
-                             "diverged (--max-skips); resume from a checkpoint with a smaller --lr")
+        raise Skipping(f"{in_a_row} steps in a row had non-finite values (the last: step {step}); the run has "
+                       f"diverged (--max-skips {max_skips})")

@@ -11,13 +11,24 @@ torch.amp.GradScaler:
     a step whose gradients hold an inf or a NaN on any rank: every rank skips the update and S <- S * 0.5;
     after `growth_interval` (2000) steps in a row without one: S <- S * 2.
 
+A run whose S keeps backing off has diverged, not underflowed: no scale makes an infinite loss finite. So no run
+fails quietly: the updates skipped in a row count toward --max-skips (10 by default), with or without loss scaling
+(with it, from the run's first applied update on: the back-offs before it are S finding its level from 2^16, which
+the floor bounds, 17 halvings); S below MIN_SCALE (1, DeepSpeed's `min_loss_scale`: at S < 1 the scaling shrinks
+the gradients it was there to lift) ends the run; and a run that applied none of its updates ends with exit code 3
+too, however few steps it ran (hsgd.train). Each of these is `Skipping` (exit code 3), raised on every rank at
+once, after which the run writes a checkpoint of its last finite state: the parameters of the last applied update,
+which the skipped ones left as they were, with the scaler's state of then (`rewind`).
+
 The verdict "inf or NaN somewhere" must be the same on every rank (a collective: hsgd.step.health), or the replicas
 would diverge: one rank would update, another skip. The scaler keeps the books of a run: the S each step's backward
 pass started from (with --dp-staleness 1 the update applies the step before's gradient, made with its S: made_with),
 the verdict on each step (after_step: update or skip) and the updates skipped. A run without loss scaling keeps the
 same books with S = 1 (NoLossScale), where a non-finite value is what --on-nan says: stop, or skip the update.
 """
-from hsgd.step.health import all_finite, check_finite, stop_after_skips
+from hsgd.step.health import Skipping, all_finite, check_finite, stop_after_skips
+
+MIN_SCALE = 1.0             # the loss scale's floor: below it the run ends (Skipping, exit code 3)
 
 
 class NoLossScale:
@@ -31,6 +42,8 @@ class NoLossScale:
         self.scale = 1.0
         self.updates_skipped = 0             # updates skipped for a non-finite value, so far
         self.in_a_row = 0                    # ... the last ones in a row (0 after a step that updated)
+        self.updates_applied = 0             # updates applied, so far
+        self.last_applied = None             # the step of the last applied update (None: none yet)
 
     def begin_step(self):
         """The S this step's backward pass starts from."""
@@ -46,10 +59,16 @@ class NoLossScale:
         return self.count(check_finite(world, bad, step, self.on_nan), step)
 
     def count(self, applied, step):
-        """The books of a step whose update is applied or skipped; returns applied."""
+        """The books of a step whose update is applied or skipped; returns applied. max_skips skipped in a row:
+        Skipping (with loss scaling too, once an update was applied: before it, the skips are S coming down to its
+        level, which the floor bounds; after it, many in a row are a diverged run)."""
         self.in_a_row = 0 if applied else self.in_a_row + 1
         self.updates_skipped += not applied
-        if not applied and not self.dynamic:         # (with loss scaling a skip is how S comes down: expected)
+        self.updates_applied += applied
+        if applied:
+            self.last_applied = step
+            self.finite = self.state()
+        elif not self.dynamic or self.updates_applied:
             stop_after_skips(self.in_a_row, self.max_skips, step)
         return applied
 
@@ -57,17 +76,22 @@ class NoLossScale:
         """What a checkpoint keeps, and the progress line and --log-json show (nothing: S is always 1)."""
         return None
 
+    def rewind(self):
+        """Back to the state of the last applied update (the last finite state), for its checkpoint."""
+
 
 class LossScaler(NoLossScale):
     """Dynamic loss scaling (see the module docstring): S x backoff_factor and the update skipped after an inf or
     NaN, S x growth_factor after growth_interval good steps in a row."""
     dynamic = True
 
-    def __init__(self, init_scale=2.0 ** 16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000):
+    def __init__(self, init_scale=2.0 ** 16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000,
+                 max_skips=10, min_scale=MIN_SCALE):
         if not (init_scale > 0 and growth_factor > 1 and 0 < backoff_factor < 1 and growth_interval >= 1):
             raise ValueError("a loss scaler needs init_scale > 0, growth_factor > 1, 0 < backoff_factor < 1 and "
                              "growth_interval >= 1")
-        super().__init__(on_nan="skip")
+        super().__init__(on_nan="skip", max_skips=max_skips)
+        self.min_scale = float(min_scale)
         self.scale = float(init_scale)
         self.growth_factor, self.backoff_factor = float(growth_factor), float(backoff_factor)
         self.growth_interval = int(growth_interval)
@@ -75,6 +99,7 @@ class LossScaler(NoLossScale):
         self.skipped = 0                     # back-offs so far, each an update skipped (with --dp-staleness 1: the
                                              # next step's, which applies the overflowed gradient)
         self.made = []                       # the S of the last two steps' backward passes
+        self.finite = self.state()           # the state after the last applied update (rewind)
 
     def begin_step(self):
         """The S this step's backward pass starts from (dloss = S / m), kept for made_with."""
@@ -94,6 +119,10 @@ class LossScaler(NoLossScale):
         applied = check_finite(world, bad, step, "skip")
         now = applied if fresh is None else check_finite(world, not all_finite(fresh()), step, "skip")
         self.update(not now)
+        if self.scale < self.min_scale:
+            self.count(applied, step)
+            raise Skipping(f"the loss scale fell to {self.scale:g} at step {step}, below its floor {self.min_scale:g}: "
+                           f"{self.in_a_row} update(s) in a row overflowed at every scale; the run has diverged")
         return self.count(applied, step)
 
     def update(self, found_inf):
@@ -118,8 +147,13 @@ class LossScaler(NoLossScale):
     def load(self, state):
         self.scale, self.good_steps, self.skipped = float(state["scale"]), int(state["good_steps"]), \
             int(state["skipped"])
+        self.finite = self.state()
+
+    def rewind(self):
+        self.load(self.finite)
 
 
 def make_scaler(dtype, loss_scale="dynamic", on_nan="stop", max_skips=10):
     """The loss scale of a run: dynamic for float16 with --loss-scale dynamic, else none (S = 1, --on-nan)."""
-    return LossScaler() if dtype == "float16" and loss_scale == "dynamic" else NoLossScale(on_nan, max_skips)
+    return LossScaler(max_skips=max_skips) if dtype == "float16" and loss_scale == "dynamic" else \
+        NoLossScale(on_nan, max_skips)

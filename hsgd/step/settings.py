@@ -26,14 +26,18 @@ from dataclasses import dataclass, fields
 
 from hsgd.tp import model as tp_model, schemes as tp_schemes
 from hsgd.model.backend import resolve_device, resolve_dtype
-from hsgd.model.config import check_nonnegative_int, check_positive_int, flag
+from hsgd.model.config import check_at_most, check_nonnegative_int, check_positive_int, flag
 from hsgd.cp.split import CP_SCHEMES
 from hsgd.errors import ConfigError
 from hsgd.grid.process_grid import check_sizes
 from hsgd.pp.schedules import SCHEDULES
 
-FAULTS = ("raise", "kill", "kill-in-save", "nan", "diverge")        # the KINDs of --inject-fault
+FAULTS = ("raise", "kill", "kill-in-save", "nan", "diverge") + tuple(    # the KINDs of --inject-fault
+    f"stop-in-{phase}" for phase in ("load", "validation", "save", "dump", "sample"))
 MAX_STRAGGLER_MS = 60_000                                            # a minute of sleep per step, at most
+MAX_RANKS = 2**20            # ranks in a job, and so each of dp, pp, cp, tp (the largest machines have ~10^5 devices)
+MAX_SAMPLE_BYTES = 2**20     # bytes of the sample: each is a forward pass
+MAX_EVAL_BATCHES = 2**20     # batches of one validation loss: each is a forward pass of the whole batch
 
 
 @dataclass
@@ -41,7 +45,8 @@ class Layout:
     """The P = dp x pp x cp x tp grid of ranks, how the tp ranks split the model and the cp ranks the sequence, and
     the pipeline's micro-batches."""
 
-    tp: int = flag(None, "tensor-parallel size: the ranks that split every layer of a stage between them",
+    tp: int = flag(None, "tensor-parallel size: the ranks that split every layer of a stage between them (each of "
+                         f"tp, dp, pp, cp and their product, the ranks, at most {MAX_RANKS})",
                    shown="2 when the ranks per stage are even, else 1")
     dp: int = flag(None, "data-parallel size: model replicas, each on its own slice of the batch",
                    shown="ranks / (pp * tp)")
@@ -79,6 +84,9 @@ class Layout:
         check_positive_int("micro_batches", self.micro_batches)
         check_positive_int("virtual_stages", self.virtual_stages)
         check_positive_int("cp", self.cp)
+        for name in ("tp", "dp", "pp", "cp"):
+            if getattr(self, name) is not None:
+                check_at_most(name, getattr(self, name), MAX_RANKS, f"a job has at most {MAX_RANKS} ranks")
         if self.cp_scheme not in CP_SCHEMES:
             raise ConfigError(f"cp_scheme={self.cp_scheme!r} is not known; use one of {', '.join(CP_SCHEMES)}")
         if self.schedule not in SCHEDULES:
@@ -86,6 +94,7 @@ class Layout:
 
     def resolve_layout(self, world_size):
         """Fill in tp and dp from the world size, then check that dp * pp * cp * tp == world size."""
+        check_at_most("ranks", world_size, MAX_RANKS, f"run on at most {MAX_RANKS} ranks")
         per_stage = world_size // (self.pp * self.cp) if world_size % (self.pp * self.cp) == 0 else 1
         if self.tp is None:
             self.tp = 2 if per_stage % 2 == 0 and (self.dp is None or per_stage // self.dp % 2 == 0) else 1
@@ -142,7 +151,8 @@ class Data:
     reduce_dtype: str = flag("float32", "the format the gradients are exchanged in over dp_comm (with --dtype "
                                         "bfloat16 or float16)", choices=("float32", "bfloat16", "float16"))
     loss_scale: str = flag("dynamic", "with --dtype float16: dynamic loss scaling (start at 2^16, halve and skip the "
-                                      "update on an inf or NaN, double after 2000 good steps), or none",
+                                      "update on an inf or NaN, double after 2000 good steps; stop with exit code "
+                                      "3 when it falls below 1), or none",
                            choices=("dynamic", "none"))
     device: str = flag(None, "cpu (NumPy) or gpu (CuPy)", shown="$HSGD_DEVICE, else cpu", choices=("cpu", "gpu"))
     threads: int = flag(None, "CPU threads per rank: for BLAS and the tuned layers; a rank that holds the whole "
@@ -165,8 +175,8 @@ class Output:
 
     log_interval: int = flag(50, "steps between progress lines")
     eval_interval: int = flag(250, "steps between validation losses, 0 = only before and after training")
-    eval_batches: int = flag(4, "batches averaged for one validation loss")
-    sample_bytes: int = flag(200, "bytes generated at the end, 0 = none")
+    eval_batches: int = flag(4, f"batches averaged for one validation loss (at most {MAX_EVAL_BATCHES})")
+    sample_bytes: int = flag(200, f"bytes generated at the end, 0 = none (at most {MAX_SAMPLE_BYTES})")
     prompt: str = flag("def ", "prompt of the generated sample", shown="'def '")
     log_json: str = flag(None, "rank 0 writes one JSON object per line to FILE: one per step (loss, lr, grad_norm, "
                                "times) and one per validation loss (step, val_loss)", metavar="FILE")
@@ -182,6 +192,8 @@ class Output:
         check_positive_int("log_interval", self.log_interval)
         check_nonnegative_int("eval_interval", self.eval_interval)
         check_nonnegative_int("sample_bytes", self.sample_bytes)
+        check_at_most("sample_bytes", self.sample_bytes, MAX_SAMPLE_BYTES, "each byte is a forward pass")
+        check_at_most("eval_batches", self.eval_batches, MAX_EVAL_BATCHES, "each batch is a forward pass")
         if self.dump_step is not None:
             self.dump_step = dump_step_value(self.dump_step)
 
@@ -200,9 +212,16 @@ class Checkpoints:
     overwrite: bool = flag(False, "start a new run in a --save-dir that holds other checkpoints (they are kept; "
                                   "--resume auto then follows the new run)")
     allow_changes: bool = flag(False, "resume although seed, data or batch size differ from the checkpoint's run")
-    step_timeout: float = flag(0.0, "end the job (exit code 5) when a step runs longer than S seconds, as when a rank "
-                                    "stops and the others wait for it forever; 0 = off", metavar="S")
-    max_skips: int = flag(10, "with --on-nan skip: stop (exit code 3) after N steps in a row skipped", metavar="N")
+    step_timeout: float = flag(0.0, "end the job (exit code 5) when a collective phase runs longer than its limit, as "
+                                    "when a rank stops and the others wait for it forever: S seconds for a step and "
+                                    "the --dump-step dump; 10 S for a checkpoint save or load; S per batch for a "
+                                    "validation (the first and the last too); S per byte for the sample; S + 60 s for "
+                                    "the reports at the end; 0 = off", metavar="S")
+    max_skips: int = flag(10, "stop (exit code 3; with --save-dir, a checkpoint of the last finite state first) "
+                              "after N updates in a row skipped for non-finite values (--on-nan skip, or float16's "
+                              "loss scale backing off once an update was applied; before the first, S finding its "
+                              "level is bounded by its floor of 1: 17 halvings from 2^16)",
+                          metavar="N")
     check_replicas: int = flag(0, "every N steps compare the DP replicas' parameters and stop, naming the first that "
                                   "differs; 0 = never", metavar="N")
 
@@ -286,7 +305,9 @@ class Experiments:
                                    "kill: SIGKILL\n"
                                    "kill-in-save: SIGKILL while writing a checkpoint\n"
                                    "nan: a NaN in the gradient\n"
-                                   "diverge: one parameter perturbed, on that rank only", metavar="RANK:STEP[:KIND]")
+                                   "diverge: one parameter perturbed, on that rank only\n"
+                                   "stop-in-PHASE: SIGSTOP as PHASE starts (load, validation, save, dump, sample; "
+                                   "see --step-timeout)", metavar="RANK:STEP[:KIND]")
     straggler: str = flag(None, "make RANK sleep MS milliseconds in every step", metavar="RANK:MS")
 
     def check_experiments(self):

@@ -23,6 +23,7 @@ from threadpoolctl import threadpool_limits  # noqa: E402
 
 from hsgd.crosscheck.__main__ import check as crosscheck  # noqa: E402
 from hsgd.crosscheck.dump import grads_file  # noqa: E402
+from hsgd.crosscheck.manifest import check_set, new_run, seal, write_manifest  # noqa: E402
 from hsgd.crosscheck.read import load  # noqa: E402
 from hsgd.crosscheck.write import shard_entry, write_layout, write_one_rank, write_rank  # noqa: E402
 from hsgd.crosscheck.hsgd_dump import dump_one_step  # noqa: E402
@@ -42,6 +43,7 @@ DUMPS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def verdict(path):
+    check_set(path)                                   # as python -m hsgd.crosscheck: one whole set of files first
     ok, loss_row, rows = crosscheck(load(path))
     return ok, loss_row, {r["name"]: r for r in rows}
 
@@ -79,10 +81,12 @@ def exercise_1(check):
         grads["wpe"] = 2 * grads["wpe"]                           # the bug: one parameter's 1/m forgotten
         tensors = {n: {"shape": list(s), "dtype": "float64", "shards": [shard_entry(0)]}
                    for n, s in CFG.param_shapes().items()}
-        write_rank(path, 0, grads)
-        write_layout(path, system="by hand: one rank, 2 micro-batches", cfg=CFG, dtype="float64", loss=loss,
-                     ranks=1, parallel={"micro_batches": 2}, tensors=tensors, params=params, idx=idx,
-                     targets=targets)
+        run = new_run()
+        files = write_rank(path, 0, grads, run)
+        files.update(write_layout(path, system="by hand: one rank, 2 micro-batches", cfg=CFG, dtype="float64",
+                                  loss=loss, ranks=1, parallel={"micro_batches": 2}, tensors=tensors, params=params,
+                                  idx=idx, targets=targets, run=run))
+        write_manifest(path, run, 1, files)                 # dump.json, last
         ok, loss_row, rows = verdict(path)
         return ok, loss_row["ok"], failed(rows), rows["wpe"]["class"], rows["wpe"]["detail"]
 
@@ -190,6 +194,7 @@ def exercise_4(check):
         for r, g in enumerate(grads):
             os.remove(os.path.join(path, grads_file(r)))
             write_rank(path, r, g)
+        seal(path, new_run(), len(grads))                 # a new set: the old dump.json's digests no longer hold
         ok, _, rows = verdict(path)
         good = load(os.path.join(DUMPS, "torch_tp2_dp2"))
         repaired = load(path)
