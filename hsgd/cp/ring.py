@@ -11,16 +11,18 @@ positions (rank r holds chunks r and 2cp-1-r) and what both cp schemes share: hs
                  s = q k_b^T / sqrt(hs) (+ mask);  m' = max(m, rowmax s);  p = exp(s - m')
                  l <- l e^(m - m') + rowsum p;  o <- o e^(m - m') + p v_b;  m <- m'
              and at the end y = o / l, with lse = m + log l kept for the backward pass (no T x T matrix).
+             Each block pair is hsgd.model.flash's step: flash.scores, flash.merge (start and finish around them).
     backward: the (k, v) blocks go around the ring again; with p = exp(s - lse) and D = rowsum(dy * y):
                  dp = dy v_b^T;  ds = p (dp - D);  dq += ds k_b / sqrt(hs);  dk_b += ds^T q / sqrt(hs);  dv_b += p^T dy
-             dq stays; (dk_b, dv_b) travel with their block, each rank adding its share, and after cp hops they
-             are back with their owner. Per layer and micro-batch: Isend of (k, v) cp - 1 times forward, cp - 1
-             times backward, of (dk, dv) cp times (hsgd.cp.split.cp_formula).
+             (flash.block_grads). dq stays; (dk_b, dv_b) travel with their block, each rank adding its share,
+             and after cp hops they are back with their owner. Per layer and micro-batch: Isend of (k, v) cp - 1
+             times forward, cp - 1 times backward, of (dk, dv) cp times (hsgd.cp.split.cp_formula).
 
 Legend: Tl = T/cp a rank's positions, B sequences, NH/tp the rank's heads, hs the head size, C/tp = NH/tp hs.
 """
 import math
 
+from hsgd.model import flash
 from hsgd.model.backend import array_module
 from hsgd.cp.split import ContextSplit
 from hsgd.model.layers import merge_heads, split_heads
@@ -40,15 +42,15 @@ class Ring(ContextSplit):
         qh = xp.ascontiguousarray(split_heads(q, nh)) * (1.0 / math.sqrt(hs))      # (B, NH, Tl, hs)
         own = xp.empty_like(q, shape=(2, B, nh, Tl, hs))                            # what travels: [k | v]
         own[0], own[1] = split_heads(k, nh), split_heads(v, nh)
-        m = xp.full((B, nh, Tl), -xp.inf, dtype=q.dtype)                            # running max
-        l = xp.zeros((B, nh, Tl), dtype=q.dtype)                                    # running sum
-        o = xp.zeros((B, nh, Tl, hs), dtype=q.dtype)                                # running output
+        m, l, o = flash.start(qh)                                                   # (B, NH, Tl), .., (.., hs)
         for owner, kv in self.around(own, TAG_KV):                                 # block of rank r - i
             with self.span("attention block", owner=owner):
                 for sq, sk, mask in self.pairs(owner):
-                    self.merge(qh, kv, sq, sk, mask, m, l, o, xp)
-        yh = o / l[..., None]                                                       # (B, NH, Tl, hs)
-        return merge_heads(yh), (qh, own, yh, m + xp.log(l))
+                    s = flash.scores(qh[:, :, sq], kv[0][:, :, sk], mask)           # (B, NH, nq, nk)
+                    self.work["forward"] += s.shape[-2] * s.shape[-1]
+                    flash.merge(s, kv[1][:, :, sk], m[:, :, sq], l[:, :, sq], o[:, :, sq])
+        yh, lse = flash.finish(m, l, o)                                             # (B, NH, Tl, hs), (B, NH, Tl)
+        return merge_heads(yh), (qh, own, yh, lse)
 
     def around(self, own, tag):
         """This rank's (k, v) block, then each other rank's in ring order, as (owner, block): while the caller
@@ -64,19 +66,6 @@ class Ring(ContextSplit):
             for req in reqs:
                 req.Wait()
             cur = nxt
-
-    def merge(self, qh, kv, sq, sk, mask, m, l, o, xp):
-        """One block into the running (m, l, o) of queries sq: the online softmax."""
-        s = qh[:, :, sq] @ kv[0][:, :, sk].transpose(0, 1, 3, 2)                  # (B, NH, nq, nk) scores
-        if mask is not None:
-            s += mask                                                               # (float64 -inf / 0)
-        self.work["forward"] += s.shape[-2] * s.shape[-1]
-        m_new = xp.maximum(m[:, :, sq], s.max(axis=-1))                             # (B, NH, nq)
-        scale = xp.exp(m[:, :, sq] - m_new)                                         # e^(m - m'): 0 at the start
-        p = xp.exp(s - m_new[..., None])
-        l[:, :, sq] = l[:, :, sq] * scale + p.sum(axis=-1)
-        o[:, :, sq] = o[:, :, sq] * scale[..., None] + p @ kv[1][:, :, sk]
-        m[:, :, sq] = m_new
 
     def attention_backward(self, dy, cache, out=None):
         """dq, dk, dv (B, T/cp, C/tp), views of out (B, T/cp, 3C/tp): dq from every block, dk and dv of this rank's
@@ -98,8 +87,12 @@ class Ring(ContextSplit):
                 receiving = comm.Irecv(acc_in, source=(self.r - 1) % cp, tag=TAG_DKV)
             mine = xp.zeros_like(own)                                               # my share: [dk | dv]
             with self.span("attention block (backward)", owner=owner):
-                for sq, sk, mask in self.pairs(owner):
-                    self.grads(qh, dyh, D, lse, kv, sq, sk, mask, dqh, mine, xp)
+                for sq, sk, mask in self.pairs(owner):                              # my queries, owner's keys
+                    qb, kb, vb = qh[:, :, sq], kv[0][:, :, sk], kv[1][:, :, sk]     # (B, NH, nq or nk, hs)
+                    s = flash.scores(qb, kb, mask)                                  # (B, NH, nq, nk)
+                    self.work["backward"] += s.shape[-2] * s.shape[-1]
+                    flash.block_grads(s, qb, kb, vb, dyh[:, :, sq], lse[:, :, sq], D[:, :, sq],
+                                      dqh[:, :, sq], mine[0][:, :, sk], mine[1][:, :, sk])   # dq; dk_b, dv_b
             if acc_in is not None:
                 receiving.Wait()
                 mine += acc_in
@@ -113,17 +106,3 @@ class Ring(ContextSplit):
         split_heads(out[..., C:2 * C], nh)[...] = dkv[0]
         split_heads(out[..., 2 * C:], nh)[...] = dkv[1]
         return out[..., :C], out[..., C:2 * C], out[..., 2 * C:]
-
-    def grads(self, qh, dyh, D, lse, kv, sq, sk, mask, dqh, dkv, xp):
-        """One block's share of dq (into dqh, still times sqrt(hs)) and of the owner's dk, dv (into dkv)."""
-        k, v = kv[0][:, :, sk], kv[1][:, :, sk]                                     # (B, NH, nk, hs)
-        s = qh[:, :, sq] @ k.transpose(0, 1, 3, 2)                                  # (B, NH, nq, nk)
-        if mask is not None:
-            s += mask
-        self.work["backward"] += s.shape[-2] * s.shape[-1]
-        p = xp.exp(s - lse[:, :, sq, None])                                         # the probabilities again
-        dp = dyh[:, :, sq] @ v.transpose(0, 1, 3, 2)
-        ds = p * (dp - D[:, :, sq, None])                                           # dL/d(scores)
-        dqh[:, :, sq] += ds @ k
-        dkv[0][:, :, sk] += ds.transpose(0, 1, 3, 2) @ qh[:, :, sq]                 # qh holds q / sqrt(hs)
-        dkv[1][:, :, sk] += p.transpose(0, 1, 3, 2) @ dyh[:, :, sq]

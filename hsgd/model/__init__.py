@@ -6,7 +6,11 @@ serial SGD of the lecture's section 1), appendix A (where the time goes), chapte
     backend     the one place that picks NumPy or CuPy; device-to-host copies, counted
     threads     CPU threads for the kernels and the batch split; OpenBLAS's thread timeout
     layers      every layer as its plain formulas, a forward/backward pair each: the reference a reader checks
+    llama_layers the Llama block's layers the same way: RMSNorm, rotary embedding, SwiGLU, grouped-query kv repeat
+                (checked alone; no model uses them yet)
     kernels     the same layers tuned (pieces, out=, threads, causal blocks), tested equal to them
+    flash       attention that stores no scores: blocks, the online softmax, y and lse kept (FlashAttention);
+                ring attention's blocks (hsgd.cp.ring) use it
     ops         the one place the models choose their layer functions (the tuned kernels)
     serial      the serial reference model and serial.sgd, the run every layout must reproduce
     gradcheck   finite differences: every hand-written backward checked against the loss itself
