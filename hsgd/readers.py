@@ -210,7 +210,15 @@ def escaped(c):
 
 
 def machine_memory():
-    """Bytes of memory of this machine (the bound of a read whose size no file or flag states)."""
+    """Bytes of memory of this machine (the bound of a read whose size no file or flag states; the planner's
+    calibration of this machine): MemTotal of /proc/meminfo, else what sysconf says, else 1 TiB."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024              # the file says kB and means KiB
+    except (OSError, ValueError, IndexError):
+        pass
     try:
         return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):

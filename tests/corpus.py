@@ -152,6 +152,7 @@ def edit_layout(folder, change):
     write(path, json.dumps(meta))
 
 
+# a valid hardware file (tests/test_plan_hardware.py reads it too); the cases below change one line each
 HARDWARE = """name = "corpus machine"
 memory_bytes = 80e9
 devices_per_node = 8

@@ -7,28 +7,13 @@ import pytest
 
 from hsgd.errors import UsageError
 from hsgd.plan.hardware import OPS, HardwareError, from_table, load, names, to_toml
+from tests.corpus import HARDWARE as GOOD          # a valid hardware file, which the corpus varies
 
 try:
     import tomllib
 except ModuleNotFoundError:                                     # Python < 3.11
     import tomli as tomllib
 
-GOOD = """\
-name = "test box"
-memory_bytes = 80e9
-devices_per_node = 8
-[peak_flops]
-bfloat16 = 312e12
-[intra_node]
-bandwidth = 300e9
-latency = 2e-6
-[inter_node]
-bandwidth = 25e9
-latency = 5e-6
-[measured.Allreduce.4]
-alpha = 2.1e-5
-beta = 3.0e-10
-"""
 
 
 def write(tmp_path, text, name="x.toml"):

@@ -55,6 +55,7 @@ from threadpoolctl import threadpool_limits
 from hsgd.errors import UsageError
 from hsgd.cli import Parser
 from hsgd.files import writable_file
+from hsgd.readers import machine_memory
 from .hardware import OPS, Hardware, HardwareError, Link, to_toml
 
 TINY_ALPHA = 1e-9               # s: the smallest alpha written (a fit may come out negative from noise)
@@ -162,18 +163,6 @@ def summary(hw):
         for p, (alpha, beta) in sorted(by_p.items()):
             lines.append(f"{op:<22}{p:>3}{alpha * 1e6:>12.1f}{1 / beta / 1e9:>15.2f}")
     return "\n".join(lines)
-
-
-def memory_bytes():
-    """This machine's memory in bytes: MemTotal of /proc/meminfo, else what sysconf says."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024              # the file says kB and means KiB
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def cpu_name():
@@ -329,7 +318,7 @@ def calibrate(world, out_path, quick=False, say=print, command=None):
         command = command or f"python -m hsgd.plan --calibrate{' --quick' * quick} --out {out_path}"
         hw = Hardware(name=f"this machine: {size} MPI ranks on {os.cpu_count()} cores of {cpu_name()}, calibrated "
                            f"{when} by `mpirun -n {size} {command}`",
-                      memory_bytes=float(memory_bytes() // per_node), devices_per_node=per_node, peak_flops=rates,
+                      memory_bytes=float(machine_memory() // per_node), devices_per_node=per_node, peak_flops=rates,
                       intra=Link(**link, name="intra-node"), inter=Link(**link, name="inter-node"),
                       memory_bandwidth=bandwidth, measured=measured, measured_matmul=rates, source=str(out_path),
                       elementwise_passes=passes, block_overhead=overhead, measured_optimizer=optimizer)

@@ -18,8 +18,8 @@ from hsgd.run.config_file import read_toml
 from hsgd.cp.split import check_cp
 from hsgd.dp.average import check_batch
 from hsgd.pp.schedules import check_pipeline
-from hsgd.step.settings import (Checkpoints, Data, Exchange, Experiments, Layout, Memory, Optimization, Output,
-                       TrainConfig)
+from hsgd.step.experiments import Experiments
+from hsgd.step.settings import Checkpoints, Data, Exchange, Layout, Memory, Optimization, Output, TrainConfig
 
 
 # The argument groups of --help, in order: (title, dataclass).

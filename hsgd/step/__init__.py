@@ -3,6 +3,7 @@ update), and what decides on the host whether the step counts. Chapters 7 (the h
 16 (loss scaling).
 
     settings     TrainConfig: grouped dataclasses whose fields are the flags; each factory takes its group
+    experiments  the group of faults and stragglers made on purpose (--inject-fault, --straggler)
     trainer      HybridTrainer: gradients (steps 1-3) and update (step 4)
     health       the step's one host copy; stop or skip on a non-finite value
     loss_scale   dynamic loss scaling for float16 (GradScaler's rules)

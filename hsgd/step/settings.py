@@ -13,7 +13,7 @@ flat object (tc.tp, tc.lr, tc.micro_batches) whose fields come from the groups b
     Checkpoints   saving and resuming, a non-finite loss, the replica check
     Exchange      how the gradients cross dp_comm: all-reduce, overlapped, ZeRO, hierarchical or one step late
     Memory        activation recomputation, and measuring every byte of a step
-    Experiments   faults and stragglers, on purpose
+    Experiments   faults and stragglers, on purpose (hsgd.step.experiments)
 
 Every field is made with config.flag(default, help_text, ...), and hsgd.run.flags turns the fields into the command
 lines of hsgd.train, hsgd.verify and the schedule lab (and reads --config FILE.toml), so that a default and its
@@ -31,10 +31,8 @@ from hsgd.cp.split import CP_SCHEMES
 from hsgd.errors import ConfigError
 from hsgd.grid.process_grid import check_sizes
 from hsgd.pp.schedules import SCHEDULES
+from hsgd.step.experiments import Experiments
 
-FAULTS = ("raise", "kill", "kill-in-save", "nan", "diverge") + tuple(    # the KINDs of --inject-fault
-    f"stop-in-{phase}" for phase in ("load", "validation", "save", "dump", "sample"))
-MAX_STRAGGLER_MS = 60_000                                            # a minute of sleep per step, at most
 MAX_RANKS = 2**20            # ranks in a job, and so each of dp, pp, cp, tp (the largest machines have ~10^5 devices)
 MAX_SAMPLE_BYTES = 2**20     # bytes of the sample: each is a forward pass
 MAX_EVAL_BATCHES = 2**20     # batches of one validation loss: each is a forward pass of the whole batch
@@ -294,50 +292,6 @@ class Memory:
     def check_memory_settings(self):
         if self.recompute not in tp_model.RECOMPUTE:
             raise ConfigError(f"recompute={self.recompute!r} must be one of {', '.join(tp_model.RECOMPUTE)}")
-
-
-@dataclass
-class Experiments:
-    """Faults and slow ranks, made on purpose to test the fault tolerance and see what stragglers cost."""
-
-    inject_fault: str = flag(None, "a fault on RANK at STEP, for testing; KIND is one of\n"
-                                   "raise: an exception (the default)\n"
-                                   "kill: SIGKILL\n"
-                                   "kill-in-save: SIGKILL while writing a checkpoint\n"
-                                   "nan: a NaN in the gradient\n"
-                                   "diverge: one parameter perturbed, on that rank only\n"
-                                   "stop-in-PHASE: SIGSTOP as PHASE starts (load, validation, save, dump, sample; "
-                                   "see --step-timeout)", metavar="RANK:STEP[:KIND]")
-    straggler: str = flag(None, "make RANK sleep MS milliseconds in every step", metavar="RANK:MS")
-
-    def check_experiments(self):
-        digits = lambda p: p.isascii() and p.isdigit()            # "²".isdigit() is True, int("²") fails
-        if self.straggler is not None:
-            parts = str(self.straggler).split(":")
-            if len(parts) != 2 or not all(digits(p) for p in parts):
-                raise ConfigError(f"straggler={self.straggler!r} must look like RANK:MILLISECONDS, e.g. 3:50")
-            if int(parts[1]) > MAX_STRAGGLER_MS:
-                raise ConfigError(f"straggler={self.straggler!r}: at most {MAX_STRAGGLER_MS} ms of sleep per step")
-        if self.inject_fault is not None:
-            parts = str(self.inject_fault).split(":")
-            if not 2 <= len(parts) <= 3 or not all(digits(p) for p in parts[:2]) or \
-                    (len(parts) == 3 and parts[2] not in FAULTS):
-                raise ConfigError(f"inject_fault={self.inject_fault!r} must look like RANK:STEP or RANK:STEP:KIND with "
-                                  f"KIND one of {', '.join(FAULTS)}, e.g. 3:5 or 3:5:kill")
-
-    def check_experiment_targets(self, world_size, steps):
-        """The ranks and steps named by --straggler and --inject-fault exist (else they would be silently ignored)."""
-        for name, value in (("straggler", self.straggler), ("inject_fault", self.inject_fault)):
-            if value is None:
-                continue
-            rank = int(str(value).split(":")[0])
-            if rank >= world_size:
-                raise ConfigError(f"{name}={value!r} names rank {rank}, but the job has ranks 0..{world_size - 1}")
-        if self.inject_fault is not None:
-            step = int(str(self.inject_fault).split(":")[1])
-            if not 1 <= step <= steps:
-                raise ConfigError(f"inject_fault={self.inject_fault!r} names step {step}, but the run has steps "
-                                  f"1..{steps}")
 
 
 @dataclass
