@@ -65,7 +65,7 @@ def time_step(cfg, batch_size, repeats):
         t1 = time.perf_counter()
         for g in grads.values():
             g.fill(0)
-        serial.backward(cross_entropy_backward(1.0, c_ce), caches, grads, ops)
+        serial.backward(cross_entropy_backward(1.0, c_ce), caches, grads, cfg, ops)
         t2 = time.perf_counter()
         opt.step(params, grads)
         t3 = time.perf_counter()

@@ -95,7 +95,7 @@ def verify(cfg, tc, world=MPI.COMM_WORLD, out=sys.stdout, where=None):
     scale = 1e-3 * max(float(np.abs(grad).max()) for grad in grads0.values())
     mine = {}
     for name, grad in trainer.averaged_grads().items():                # collective with ZeRO
-        expect = tp_shards.shard(grads0[name], name, grid.tp_rank, grid.tp, tc.tp_scheme)
+        expect = tp_shards.shard(grads0[name], name, grid.tp_rank, grid.tp, tc.tp_scheme, cfg)
         diff = float(np.abs(to_numpy(grad).astype(np.float64) - expect).max())
         mine[name] = (diff, diff / max(float(np.abs(expect).max()), scale), grad.shape)
     everyone = world.gather((grid.pp_rank, mine))                     # (stage, errors) of every rank

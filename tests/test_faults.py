@@ -152,6 +152,8 @@ def test_corrupt_shard_is_caught_by_its_checksum(saved_4, tmp_path, damage):
 @pytest.mark.parametrize("flags, words", [
     (["--d-model", "32"], "is of a different model: d_model 16 in the checkpoint vs 32 now"),
     (["--optimizer", "adamw"], "holds sgd state; resume with --optimizer sgd"),
+    (["--arch", "llama"], "holds a model of another family (norm layernorm, positions learned, mlp gelu, n_kv_heads "
+                          "4, bias True; arch gpt2) than this run's (arch llama); resume with --arch gpt2"),
 ])
 def test_incompatible_checkpoint_is_refused(saved_2, tmp_path, flags, words):
     ckpt = tmp_path / "ckpt"

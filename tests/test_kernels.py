@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from hsgd.model.config import ModelConfig
-from hsgd.model import kernels, layers, ops, serial
+from hsgd.model import kernels, layers, llama_layers, ops, serial
 
 from .conftest import max_rel_err
 
@@ -75,8 +75,16 @@ def run_cross_entropy(m, rng, B, T, C, NH, F):
     return np.asarray(loss), m.cross_entropy_backward(0.7, cache)
 
 
+def run_swiglu(m, rng, B, T, C, NH, F):
+    m = llama_layers if m is layers else m                                           # the plain one is Llama's
+    F = min(F, 256)                                                                  # (its sigmoid is slow)
+    g, u, dh = 3.0 * rng.normal(size=(B, T, F)), rng.normal(size=(B, T, F)), rng.normal(size=(B, T, F))
+    h, cache = m.swiglu_forward(g, u)
+    return (h, *m.swiglu_backward(dh, cache))
+
+
 LAYERS = {"embedding": run_embedding, "linear": run_linear, "layernorm": run_layernorm, "gelu": run_gelu,
-          "attention": run_attention, "cross_entropy": run_cross_entropy}
+          "attention": run_attention, "cross_entropy": run_cross_entropy, "swiglu": run_swiglu}
 
 
 def plain_and_tuned(run, *case):
@@ -138,25 +146,27 @@ def test_every_threaded_kernel_splits_on_the_wide_case(set_threads, monkeypatch)
 
     monkeypatch.setattr(kernels, "parallel_rows", noting)
     set_threads(2)
-    for name in ("layernorm", "gelu", "attention"):
+    for name in ("layernorm", "gelu", "attention", "swiglu"):
         LAYERS[name](kernels, np.random.default_rng(0), *CASES[-1])
     print("threads that ran each kernel's pieces: " + ", ".join(f"{k} {len(v)}" for k, v in sorted(used.items())))
     assert sorted(used) == ["attention_backward", "attention_forward", "gelu_backward", "gelu_forward",
-                            "layernorm_backward", "layernorm_forward"]
+                            "layernorm_backward", "layernorm_forward", "swiglu_backward", "swiglu_forward"]
     assert all(len(ids) == 2 for ids in used.values())
 
 
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_serial_model_on_kernels_equals_plain(set_threads, threads):
+def test_serial_model_on_kernels_equals_plain(set_threads, threads, arch):
     """The whole serial model, run on hsgd.model.ops (the kernels) and on hsgd.model.layers (its default): same loss and
     gradients, with sequences long enough for 3 causal blocks. Floor 1e-6: the k-bias gradients are zero in exact
     arithmetic (softmax ignores a shift shared by a row of scores), rounding noise of ~1e-17 in both."""
     set_threads(threads)
-    cfg = ModelConfig(vocab_size=31, seq_len=192, d_model=32, n_heads=4, n_layers=2, d_ff=64)
+    cfg = ModelConfig(vocab_size=31, seq_len=192, d_model=32, n_heads=4, n_layers=2, d_ff=64, arch=arch)
     params = serial.init_params(cfg, seed=3, dtype="float64")
     idx, targets = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 3, cfg.seq_len))
     loss_plain, g_plain = serial.loss_and_grads(params, idx, targets, cfg)
     loss_tuned, g_tuned = serial.loss_and_grads(params, idx, targets, cfg, ops=ops)
     err = max(max_rel_err(g_tuned[n], g_plain[n], floor=1e-6) for n in params)
-    print(f"serial model, {threads} thread(s): loss {loss_tuned!r} vs {loss_plain!r}, max rel grad err {err:.1e}")
+    print(f"serial {arch} model, {threads} thread(s): loss {loss_tuned!r} vs {loss_plain!r}, "
+          f"max rel grad err {err:.1e}")
     assert abs(loss_tuned - loss_plain) <= 1e-14 * abs(loss_plain) and err < TOL

@@ -295,7 +295,7 @@ def block_forward(x, *ws):
 
 def block_backward(dx, cache):
     g = {name: np.zeros_like(params[name]) for name in h0}
-    dx = serial.block_backward(dx, cache, g, "h.0.")
+    dx = serial.block_backward(dx, cache, g, "h.0.", cfg)
     return [dx] + [g[name] for name in h0]
 
 

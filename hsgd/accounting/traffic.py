@@ -23,7 +23,7 @@ def rank_bytes(cfg, tc, dp, tp, cp, stage, sizes):
     for rows in stage.pieces(per_mb):                                 # one piece, or one per thread
         for k, (calls, nbytes) in tp_model.comm_formula(cfg, rows, itemsize, tc.tp_scheme,
                                                         stage=(len(stage.layers), stage.first, stage.last),
-                                                        recompute=tc.recompute, cp=cp).items():
+                                                        recompute=tc.recompute, cp=cp, tp=tp).items():
             f[k] = (f.get(k, (0, 0))[0] + m * calls, f.get(k, (0, 0))[1] + m * nbytes)
     f.update(pp_formula(per_mb, cfg, m, stage.first, stage.last, itemsize, tc.tp_scheme, tp, stage.v, cp))
     f.update(cp_formula(tc.cp_scheme, cp, per_mb, cfg.seq_len, cfg.d_model, tp, itemsize,

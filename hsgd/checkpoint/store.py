@@ -34,9 +34,9 @@ from dataclasses import asdict
 
 import numpy as np
 
+from hsgd.model.config import SIZES, ModelConfig
 from hsgd.tp import shards as tp_shards
 from hsgd.model.backend import array_module, to_numpy
-from hsgd.model.config import ModelConfig
 from hsgd.errors import NumericalFault, UsageError
 from hsgd.checkpoint.manifest import check as check_manifest
 from hsgd.checkpoint.manifest import SCHEDULE
@@ -206,6 +206,20 @@ def resolve(path):
     return found
 
 
+def check_same_model(saved, cfg, path):
+    """Raise CheckpointError unless the checkpoint's model (saved; a manifest without the family fields is of
+    gpt2's) is cfg: another family first, by name, then other sizes."""
+    if saved.family() != cfg.family():
+        diff = ", ".join(f"{k} {v}" for k, v in saved.family().items() if cfg.family()[k] != v)
+        raise CheckpointError(f"checkpoint {path!r} holds a model of another family ({diff}; arch {saved.arch}) than "
+                              f"this run's (arch {cfg.arch}); resume with --arch {saved.arch} and the same family "
+                              f"flags, or start a new run in another --save-dir")
+    diff = ", ".join(f"{k} {v} in the checkpoint vs {getattr(cfg, k)} now"
+                     for k, v in asdict(saved).items() if getattr(cfg, k) != v and k in SIZES)
+    if diff:
+        raise CheckpointError(f"checkpoint {path!r} is of a different model: {diff}")
+
+
 def open_checkpoint(path, cfg=None):
     """The manifest of the checkpoint at `path`, after checking it (see the module docstring)."""
     path = resolve(path)
@@ -214,10 +228,8 @@ def open_checkpoint(path, cfg=None):
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"{path!r} is not an hsgd checkpoint of format {FORMAT}")
     check_manifest(manifest, path, CheckpointError)             # digest, schema, the files' names
-    if cfg is not None and manifest["model"] != asdict(cfg):
-        diff = ", ".join(f"{k} {manifest['model'].get(k)} in the checkpoint vs {v} now"
-                         for k, v in asdict(cfg).items() if manifest["model"].get(k) != v)
-        raise CheckpointError(f"checkpoint {path!r} is of a different model: {diff}")
+    if cfg is not None:
+        check_same_model(ModelConfig(**manifest["model"]), cfg, path)
     for name, info in manifest["files"].items():
         file = os.path.join(path, name)
         if not os.path.exists(file):
@@ -294,10 +306,11 @@ def load(trainer, manifest):
     params, state = {}, {}
     dtype = trainer.dtype
     for name in trainer.shard_shapes:
-        params[name] = tp_shards.shard(shards.full(name).astype(dtype), name, grid.tp_rank, grid.tp, trainer.scheme)
+        params[name] = tp_shards.shard(shards.full(name).astype(dtype), name, grid.tp_rank, grid.tp, trainer.scheme,
+                                      trainer.cfg)
         st = {k: shards.full(name, k) for k in keys}
         if all(v is not None for v in st.values()):
-            state[name] = {k: tp_shards.shard(v.astype(dtype), name, grid.tp_rank, grid.tp, trainer.scheme)
+            state[name] = {k: tp_shards.shard(v.astype(dtype), name, grid.tp_rank, grid.tp, trainer.scheme, trainer.cfg)
                            for k, v in st.items()}
     trainer.load_state_dict({"params": params, "moments": state, "t": manifest["optimizer"]["t"],
                              "loss_scale": manifest.get("loss_scale")})

@@ -8,15 +8,15 @@ from hsgd.cp.ring import Ring
 from hsgd.cp.split import CP_SCHEMES
 from hsgd.errors import ConfigError
 from hsgd.model.backend import get_xp
-from hsgd.tp.attention import WHOLE
+from hsgd.tp.attention import FLASH, WHOLE
 
 
-def make_context(cfg, grid, cp_scheme="ring", device=None):
-    """This rank's context layout: WHOLE without context parallelism (grid.cp = 1), else ring attention or
-    all-gather attention (--cp-scheme; hsgd.cp.ring.Ring, hsgd.cp.allgather.AllGather) on grid.cp_comm, with the
-    arrays of `device`."""
+def make_context(cfg, grid, cp_scheme="ring", device=None, attention="materialized"):
+    """This rank's context layout: WHOLE (FLASH with --attention flash) without context parallelism (grid.cp = 1),
+    else ring attention or all-gather attention (--cp-scheme; hsgd.cp.ring.Ring, hsgd.cp.allgather.AllGather) on
+    grid.cp_comm, with the arrays of `device`."""
     if grid.cp == 1:
-        return WHOLE
+        return FLASH if attention == "flash" else WHOLE
     return make_split(cp_scheme, grid.cp_comm, cfg.seq_len, get_xp(device))
 
 

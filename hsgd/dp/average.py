@@ -78,10 +78,11 @@ class FlatBuffer:
         return slice(lo, hi)
 
     def mask(self, predicate):
-        """(flat.size,) 1.0 where predicate(name, view) holds, else 0.0 (padding: 0): per-element flags."""
+        """(flat.size,) 1.0 where predicate(name, view) holds, else 0.0 (padding: 0): per-element flags; a number
+        the predicate returns is written as it is (a weight)."""
         out = array_module(self.flat).zeros(self.flat.size, dtype=self.flat.dtype)
         for name, (lo, hi) in self.offsets.items():
-            out[lo:hi] = 1.0 if predicate(name, self.views[name]) else 0.0
+            out[lo:hi] = float(predicate(name, self.views[name]))           # a flag, or a weight
         return out
 
 

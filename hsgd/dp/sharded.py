@@ -176,7 +176,7 @@ class ShardedExchange(AllreduceExchange):
         xp = array_module(self.master_)
         full = xp.zeros(self.sizes.size, dtype=self.dtype)
         for name, (lo, hi) in self.offsets.items():
-            full[lo:hi] = 1.0 if predicate(name, self.shapes[name]) else 0.0
+            full[lo:hi] = float(predicate(name, self.shapes[name]))         # a flag, or a weight
         return self.own(full)
 
     def gather(self, part):

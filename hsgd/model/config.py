@@ -1,13 +1,14 @@
 """The model's shape (ModelConfig), and `flag`: how a field of a settings dataclass becomes a command-line flag.
 
-`ModelConfig` fixes the GPT-2-style model that every hsgd implementation (serial, tensor-, data- and
-pipeline-parallel) computes. Validation errors name the field, the value and what would work.
+`ModelConfig` fixes the model that every hsgd implementation (serial, tensor-, data- and pipeline-parallel)
+computes: its sizes and its family (GPT-2's block, Llama's, or a mix of their fields; ARCHS). Validation errors name
+the field, the value and what would work.
 
 A field made with `flag(default, help_text, ...)` is also a command-line flag (and a TOML key): its metadata holds the
 help text and argparse's keywords, from which hsgd.step.settings builds the parsers, so a default and its help are
 written once.
 
-Legend used across hsgd: B batch, T sequence length, C d_model, NH heads, hs = C/NH head size,
+Legend used across hsgd: B batch, T sequence length, C d_model, NH heads, hs = C/NH head size, NKV key/value heads,
 F d_ff, V vocabulary size, L layers.
 """
 from dataclasses import dataclass, field, fields
@@ -66,6 +67,21 @@ def flag_names(config_class):
     return tuple(f.name for f in fields(config_class) if "help" in f.metadata)
 
 
+# The model families: a preset for each field of the block's family that --arch sets, and the flags that override
+# one field at a time. gpt2 is today's model (Radford et al. 2019): LayerNorm with biases, learned positions, GELU MLP,
+# every head its own keys and values, biases on the linears, an untied LM head. llama is the block of Touvron et al.
+# (2023) and Dubey et al. (2024): RMSNorm, rotary positions (Su et al. 2021), SwiGLU (Shazeer 2020), grouped-query
+# attention (Ainslie et al. 2023; here two query heads per key/value head), no biases, untied.
+ARCHS = {
+    "gpt2": dict(norm="layernorm", positions="learned", rope_theta=10000.0, mlp="gelu", n_kv_heads=None, bias=True,
+                 tied=False),
+    "llama": dict(norm="rmsnorm", positions="rope", rope_theta=10000.0, mlp="swiglu", n_kv_heads="half", bias=False,
+                  tied=False),
+}
+FAMILY = ("norm", "positions", "rope_theta", "mlp", "n_kv_heads", "bias", "tied")
+SIZES = ("vocab_size", "seq_len", "d_model", "n_heads", "n_layers", "d_ff")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     vocab_size: int = 256  # V: tokens are bytes (not a flag)
@@ -76,39 +92,114 @@ class ModelConfig:
     n_layers: int = flag(4, f"L: Transformer blocks (at most {MAX_SIZES['n_layers']})")
     d_ff: int = flag(512, "F: hidden width of the MLP, divisible by tp; GPT-2 uses 4 * C (at most "
                           f"{MAX_SIZES['d_ff']})")
+    arch: str = flag("gpt2", "the model family, a preset of the six flags below (each flag overrides its field):\n"
+                             "gpt2: layernorm, learned positions, gelu, n_kv_heads = n_heads, biases, untied;\n"
+                             "llama: rmsnorm, rope, swiglu, n_kv_heads = n_heads/2 (n_heads when odd), no biases, "
+                             "untied", choices=tuple(ARCHS))
+    norm: str = flag(None, "normalization: layernorm (weight and bias) or rmsnorm (weight only)", shown="--arch's",
+                     choices=("layernorm", "rmsnorm"))
+    positions: str = flag(None, "learned (a table wpe added to the embedding) or rope (q and k rotated by their "
+                                "position; no wpe)", shown="--arch's", choices=("learned", "rope"))
+    rope_theta: float = flag(None, "RoPE's base: pair i of a head turns by position * theta^(-2i/hs)",
+                             shown="--arch's: 10000")
+    mlp: str = flag(None, "gelu (fc, GELU, proj) or swiglu (SiLU(x W_gate) * (x W_up), then proj)",
+                    shown="--arch's", choices=("gelu", "swiglu"))
+    n_kv_heads: int = flag(None, "NKV: key/value heads, each shared by n_heads/NKV query heads (= n_heads: "
+                                 "multi-head; 1: multi-query)", shown="--arch's")
+    bias: bool = flag(None, "biases on the linears (q, k, v, the projections, fc or gate and up)", shown="--arch's")
+    tied: bool = flag(None, "the LM head is the token embedding transposed (no lm_head.weight)", shown="--arch's")
 
     def __post_init__(self):
-        for f in fields(self):
-            check_positive_int(f.name, getattr(self, f.name))
-            check_at_most(f.name, getattr(self, f.name), MAX_SIZES[f.name],
-                          f"give {f.name} from 1 to {MAX_SIZES[f.name]}")
+        for name in SIZES:
+            check_positive_int(name, getattr(self, name))
+            check_at_most(name, getattr(self, name), MAX_SIZES[name], f"give {name} from 1 to {MAX_SIZES[name]}")
         if self.d_model % self.n_heads:
             raise ConfigError(
                 f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}; "
                 f"n_heads must divide d_model, e.g. one of {divisors(self.d_model)[:12]}")
+        if self.arch not in ARCHS:
+            raise ConfigError(f"arch={self.arch!r} is not a model family hsgd has; use one of {list(ARCHS)}")
+        for name, value in ARCHS[self.arch].items():             # the preset fills what was not given
+            if getattr(self, name) is None:
+                if name == "n_kv_heads":
+                    value = self.n_heads // 2 if value == "half" and self.n_heads % 2 == 0 else self.n_heads
+                object.__setattr__(self, name, value)
+        for name, choices in (("norm", ("layernorm", "rmsnorm")), ("positions", ("learned", "rope")),
+                              ("mlp", ("gelu", "swiglu"))):
+            if getattr(self, name) not in choices:
+                raise ConfigError(f"{name}={getattr(self, name)!r} is not one hsgd has; use one of {list(choices)}")
+        for name in ("bias", "tied"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name}={getattr(self, name)!r} must be true or false")
+        check_positive_int("n_kv_heads", self.n_kv_heads)
+        if self.n_heads % self.n_kv_heads:
+            raise ConfigError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}: each "
+                              f"key/value head serves n_heads/n_kv_heads query heads; use n_kv_heads in "
+                              f"{divisors(self.n_heads)[:12]}")
+        theta = self.rope_theta
+        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not 1.0 < theta < 1e12:
+            raise ConfigError(f"rope_theta={theta!r} must be a number above 1 (10000 in Llama 2, 500000 in Llama 3)")
+        object.__setattr__(self, "rope_theta", float(theta))
+        if self.positions == "rope" and self.head_size % 2:
+            raise ConfigError(f"head size d_model/n_heads = {self.d_model}/{self.n_heads} = {self.head_size} is odd: "
+                              f"rotary positions turn a head's dimensions in pairs; use an even head size (e.g. "
+                              f"n_heads in {[h for h in divisors(self.d_model) if (self.d_model // h) % 2 == 0][:8]})"
+                              f" or --positions learned")
+
+    @property
+    def head_size(self):
+        """hs = C / NH."""
+        return self.d_model // self.n_heads
+
+    @property
+    def kv_width(self):
+        """The columns of k and v: NKV * hs (= C with multi-head attention)."""
+        return self.n_kv_heads * self.head_size
+
+    def describe_family(self):
+        """The family in words, e.g. 'llama: rmsnorm, rope (theta 500000), swiglu, NKV=8, no biases, untied'."""
+        pos = f"rope (theta {self.rope_theta:g})" if self.positions == "rope" else "learned positions"
+        return (f"{self.arch}: {self.norm}, {pos}, {self.mlp}, NKV={self.n_kv_heads}, "
+                f"{'biases' if self.bias else 'no biases'}, {'tied' if self.tied else 'untied'}")
+
+    def family(self):
+        """The fields that make the block what it is (hsgd.checkpoint refuses a resume into another family)."""
+        return {name: getattr(self, name) for name in FAMILY}
 
     def param_shapes(self):
-        """Every parameter's name and shape, in the canonical order. Weights are stored (in, out): y = x @ W + b."""
-        V, T, C, F = self.vocab_size, self.seq_len, self.d_model, self.d_ff
-        shapes = {"wte": (V, C), "wpe": (T, C)}
+        """Every parameter's name and shape, in the canonical order. Weights are stored (in, out): y = x @ W + b.
+        The family decides which exist: wpe with learned positions; LayerNorm biases with layernorm; the linears'
+        biases with bias; mlp.fc with gelu, mlp.gate and mlp.up with swiglu; lm_head.weight unless tied. k and v
+        have NKV * hs columns."""
+        V, T, C, F, K = self.vocab_size, self.seq_len, self.d_model, self.d_ff, self.kv_width
+        shapes = {"wte": (V, C)}
+        if self.positions == "learned":
+            shapes["wpe"] = (T, C)
+        norm_bias, bias = self.norm == "layernorm", self.bias
+
+        def norm(prefix):
+            shapes[prefix + ".weight"] = (C,)
+            if norm_bias:
+                shapes[prefix + ".bias"] = (C,)
+
+        def linear(prefix, cin, cout):
+            shapes[prefix + ".weight"] = (cin, cout)
+            if bias:
+                shapes[prefix + ".bias"] = (cout,)
+
         for i in range(self.n_layers):
             h = f"h.{i}."
-            shapes[h + "ln1.weight"] = (C,)
-            shapes[h + "ln1.bias"] = (C,)
-            for m in ("q", "k", "v"):
-                shapes[h + f"attn.{m}.weight"] = (C, C)
-                shapes[h + f"attn.{m}.bias"] = (C,)
-            shapes[h + "attn.proj.weight"] = (C, C)
-            shapes[h + "attn.proj.bias"] = (C,)
-            shapes[h + "ln2.weight"] = (C,)
-            shapes[h + "ln2.bias"] = (C,)
-            shapes[h + "mlp.fc.weight"] = (C, F)
-            shapes[h + "mlp.fc.bias"] = (F,)
-            shapes[h + "mlp.proj.weight"] = (F, C)
-            shapes[h + "mlp.proj.bias"] = (C,)
-        shapes["ln_f.weight"] = (C,)
-        shapes["ln_f.bias"] = (C,)
-        shapes["lm_head.weight"] = (C, V)
+            norm(h + "ln1")
+            for m, width in (("q", C), ("k", K), ("v", K)):
+                linear(h + f"attn.{m}", C, width)
+            linear(h + "attn.proj", C, C)
+            norm(h + "ln2")
+            for m in (("fc",) if self.mlp == "gelu" else ("gate", "up")):
+                linear(h + f"mlp.{m}", C, F)
+            linear(h + "mlp.proj", F, C)
+        norm("ln_f")
+        if not self.tied:
+            shapes["lm_head.weight"] = (C, V)
         return shapes
 
     def n_params(self):
@@ -122,23 +213,26 @@ class ModelConfig:
 
     def step_flops(self, batch_size, recompute="none"):
         """Floating-point operations of one training step (forward + backward) on B sequences of length T
-        (gpt_step_flops of this model's sizes; recompute: what --recompute runs again)."""
+        (gpt_step_flops of this model's sizes and family; recompute: what --recompute runs again)."""
         return gpt_step_flops(batch_size, self.seq_len, self.d_model, self.d_ff, self.vocab_size, self.n_layers,
-                              recompute)
+                              recompute, K=self.kv_width, mlp_mats=2 if self.mlp == "gelu" else 3)
 
 
-def gpt_step_flops(B, T, C, F, V, L, recompute="none"):
+def gpt_step_flops(B, T, C, F, V, L, recompute="none", K=None, mlp_mats=2):
     """Matmul FLOPs of one training step on B sequences of T tokens (2 flops per multiply-add), backward = 2 x
     forward; plain arithmetic, so that it also takes symbols (tests/test_plan.py checks it with sympy):
-      per layer, per token: q, k, v, proj (4 C^2) and fc, proj (2 C F)  -> 6 * (4C^2 + 2CF)
+      per layer, per token: q, proj (2 C^2), k, v (2 C K, K = NKV hs = C without grouped-query attention) and the
+      MLP's mlp_mats C x F matrices (2: fc, proj; 3 with SwiGLU: gate, up, proj)   -> 6 * (2C^2 + 2CK + m CF)
       attention, per layer, per sequence: q k^T and att v, full T x T (the causal half is computed too)
                                                                          -> 3 * 2 * 2 * T^2 * C
       LM head, per token: 6 * C * V
-    --recompute full runs every block's forward again (+ 2 (4C^2 + 2CF) per token and 4 T^2 C per sequence and
-    layer); selective runs the attention's again (+ 4 T^2 C). With F = 4C and full recomputation this is Narayanan
-    et al. (2021)'s 96 B s l h^2 (1 + s/(6h) + V/(16 l h)) (s = T, h = C, l = L)."""
+    --recompute full runs every block's forward again (+ 2 (2C^2 + 2CK + m CF) per token and 4 T^2 C per sequence
+    and layer); selective runs the attention's again (+ 4 T^2 C). With K = C, m = 2, F = 4C and full recomputation
+    this is Narayanan et al. (2021)'s 96 B s l h^2 (1 + s/(6h) + V/(16 l h)) (s = T, h = C, l = L)."""
+    K = C if K is None else K
     tokens = B * T
-    per_layer = 6 * tokens * (4 * C * C + 2 * C * F) + 12 * B * T * T * C
+    dense = 2 * C * C + 2 * C * K + mlp_mats * C * F
+    per_layer = 6 * tokens * dense + 12 * B * T * T * C
     again = {"none": 0, "selective": 4 * B * T * T * C,
-             "full": 2 * tokens * (4 * C * C + 2 * C * F) + 4 * B * T * T * C}[recompute]
+             "full": 2 * tokens * dense + 4 * B * T * T * C}[recompute]
     return L * (per_layer + again) + 6 * tokens * C * V

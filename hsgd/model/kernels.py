@@ -6,7 +6,8 @@ each gives the plain one's outputs and gradients (float64, ~1e-12) on one thread
 consumed by the same module's backward; what it holds may differ from the plain one's. The speed tricks:
   * ufuncs with `out=` into preallocated arrays, updates in place, row sums with einsum: no temporary per operator;
   * GELU in pieces of PIECE elements that stay in the CPU's cache, its derivative computed in the forward pass
-    while x and tanh are in cache (the cache is one array, the backward one multiplication);
+    while x and tanh are in cache (the cache is one array, the backward one multiplication); SwiGLU's sigmoid as
+    one tanh, computed once in each pass;
   * rows or sequences split over CPU threads (threads.parallel_rows), attention's pieces with one BLAS thread each;
   * causal attention by row blocks (causal_blocks), skipping the blocks the mask zeroes; heads written in place;
   * q, k, v as one GEMM on [Wq Wk Wv] (qkv_forward, qkv_backward; attention_backward(..., out=) fills its buffer).
@@ -79,43 +80,67 @@ def linear_weight_grad(dy, cache, dW, db=None):
 # --------------------------------------------------------------------------------------------------------------
 # q, k, v: three linears on the same input, computed as one GEMM on [Wq Wk Wv]
 
-def qkv_forward(x, Wq, bq, Wk, bk, Wv, bv):
-    """q, k, v = x Wq + bq, x Wk + bk, x Wv + bv, as one GEMM with the weights side by side (C, 3C'): one large
-    matrix product is faster than three, and the parameters stay separate. Returns views q, k, v (B, T, C')."""
+def fused_forward(x, weights, biases):
+    """y_j = x W_j + b_j for several linears reading the same x, as one GEMM with the weights side by side
+    (C, sum of widths): one large matrix product is faster than several, and the parameters stay separate.
+    biases: one per weight, or all None. Returns the views y_j (..., width_j) and the cache."""
     xp = array_module(x)
-    W = xp.concatenate((Wq, Wk, Wv), axis=1)                  # (C, 3C') a copy of the three weights
-    b = xp.concatenate((bq, bk, bv))                          # (3C',)
-    y, (x2, _) = linear_forward(x, W, b)                      # (B, T, 3C')
-    c = Wq.shape[1]
-    return y[..., :c], y[..., c:2 * c], y[..., 2 * c:], (x2, (Wq, Wk, Wv))    # the cache holds the parameters,
-                                                                               # not the copy
+    W = xp.concatenate(weights, axis=1) if len(weights) > 1 else weights[0]     # (C, sum C_j) a copy of them
+    b = None if biases[0] is None else xp.concatenate(biases) if len(biases) > 1 else biases[0]
+    y, (x2, _) = linear_forward(x, W, b)                      # (..., sum C_j)
+    ends = [0]
+    for w in weights:
+        ends.append(ends[-1] + w.shape[1])
+    return [y[..., lo:hi] for lo, hi in zip(ends, ends[1:])], (x2, tuple(weights))   # the cache holds the
+                                                                                     # parameters, not the copy
+
+
+def fused_input_grad(dy, cache):
+    """dx = [dy_1 .. dy_n] [W_1 .. W_n]^T (..., C): one GEMM. dy: the outputs' gradients side by side."""
+    x2, weights = cache
+    W = array_module(x2).concatenate(weights, axis=1) if len(weights) > 1 else weights[0]   # again, not cached
+    dx = dy.reshape(-1, W.shape[1]) @ W.T                               # (N, C)
+    return dx.reshape(*dy.shape[:-1], W.shape[0])
+
+
+def fused_weight_grad(dy, cache, *grads):
+    """[dW_1 .. dW_n] += x^T [dy_1 .. dy_n] as one GEMM, and the biases' row sums. grads: (dW_1, db_1, ..., dW_n,
+    db_n), the db's None without biases."""
+    x2, weights = cache
+    dy2 = dy.reshape(-1, dy.shape[-1])                                  # (N, sum C_j)
+    dW = x2.T @ dy2                                                     # (C, sum C_j)
+    db = dy2.sum(axis=0) if grads[1] is not None else None              # (sum C_j,)
+    lo = 0
+    for w, gw, gb in zip(weights, grads[0::2], grads[1::2]):
+        hi = lo + w.shape[1]
+        gw += dW[:, lo:hi]
+        if gb is not None:
+            gb += db[lo:hi]
+        lo = hi
+
+
+def qkv_forward(x, Wq, bq, Wk, bk, Wv, bv):
+    """q, k, v = x Wq + bq, x Wk + bk, x Wv + bv as one GEMM (fused_forward): views (B, T, C'), (B, T, K'),
+    (B, T, K') (K' = C' but with grouped-query attention); the biases all None without biases."""
+    (q, k, v), cache = fused_forward(x, (Wq, Wk, Wv), (bq, bk, bv))
+    return q, k, v, cache
 
 
 def qkv_backward(dqkv, cache, dWq, dbq, dWk, dbk, dWv, dbv):
     """The adjoint of qkv_forward: dx = [dq dk dv] [Wq Wk Wv]^T, one GEMM for dx and one for the three dW.
-    dqkv: (B, T, 3C'), [dq | dk | dv] side by side (attention_backward's buffer). The two halves below."""
+    dqkv: (B, T, C' + 2K'), [dq | dk | dv] side by side (attention_backward's buffer). The two halves below."""
     qkv_weight_grad(dqkv, cache, dWq, dbq, dWk, dbk, dWv, dbv)
     return qkv_input_grad(dqkv, cache)
 
 
 def qkv_input_grad(dqkv, cache):
     """dx = [dq dk dv] [Wq Wk Wv]^T (N, C): one GEMM."""
-    x2, (Wq, Wk, Wv) = cache
-    W = array_module(x2).concatenate((Wq, Wk, Wv), axis=1)              # (C, 3C') again, rather than cached
-    dx = dqkv.reshape(-1, W.shape[1]) @ W.T                             # (N, C)
-    return dx.reshape(*dqkv.shape[:-1], W.shape[0])
+    return fused_input_grad(dqkv, cache)
 
 
 def qkv_weight_grad(dqkv, cache, dWq, dbq, dWk, dbk, dWv, dbv):
-    """[dWq dWk dWv] += x^T [dq dk dv] as one GEMM (C, 3C'), and the three biases' row sums."""
-    x2, _ = cache
-    c = dqkv.shape[-1] // 3
-    dy = dqkv.reshape(-1, 3 * c)                                        # (N, 3C')
-    dW = x2.T @ dy                                                      # (C, 3C')
-    db = dy.sum(axis=0)                                                 # (3C',)
-    for i, (gw, gb) in enumerate(((dWq, dbq), (dWk, dbk), (dWv, dbv))):
-        gw += dW[:, i * c:(i + 1) * c]
-        gb += db[i * c:(i + 1) * c]
+    """[dWq dWk dWv] += x^T [dq dk dv] as one GEMM, and the three biases' row sums."""
+    fused_weight_grad(dqkv, cache, dWq, dbq, dWk, dbk, dWv, dbv)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -219,6 +244,61 @@ def gelu_backward(dout, cache):
     parallel_rows(lambda lo, hi: xp.multiply(dout2[lo:hi], d[lo:hi], out=dx[lo:hi]), d.shape[0],
                   min_rows=max(1, (1 << 20) // d.shape[1]), xp=xp)    # one pass: only large arrays gain
     return dx.reshape(dout.shape)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# SwiGLU: h = silu(g) * u, silu(g) = g sigmoid(g)
+
+def _sigmoid_into(g, out):
+    """sigmoid(g) = (1 + tanh(g/2)) / 2 into out: one tanh, which never overflows (llama_layers.sigmoid's exp of
+    -|g| and its where cost about four times as much)."""
+    xp = array_module(g)
+    xp.multiply(g, 0.5, out=out)
+    xp.tanh(out, out=out)
+    out += 1.0
+    out *= 0.5
+    return out
+
+
+def swiglu_forward(gate_pre, up_pre):
+    """h = silu(g) u (llama_layers.swiglu_forward), in row blocks on threads, each written with out=. The cache is
+    (g, u), as the plain one's."""
+    xp = array_module(gate_pre)
+    g2, u2 = gate_pre.reshape(-1, gate_pre.shape[-1]), up_pre.reshape(-1, up_pre.shape[-1])   # (N, F) views
+    h = xp.empty(g2.shape, dtype=g2.dtype)
+
+    def rows(lo, hi):
+        _sigmoid_into(g2[lo:hi], h[lo:hi])                  # s
+        h[lo:hi] *= g2[lo:hi]                               # silu(g) = g s
+        h[lo:hi] *= u2[lo:hi]                               # h = silu(g) u
+
+    parallel_rows(rows, g2.shape[0], xp=xp)
+    return h.reshape(gate_pre.shape), (gate_pre, up_pre)
+
+
+def swiglu_backward(dh, cache):
+    """(dg, du) = (dh u s (1 + g (1 - s)), dh g s) with s = sigmoid(g) computed once (llama_layers.swiglu_backward
+    computes it three times)."""
+    gate_pre, up_pre = cache
+    xp = array_module(dh)
+    F = gate_pre.shape[-1]
+    g2, u2, dh2 = gate_pre.reshape(-1, F), up_pre.reshape(-1, F), dh.reshape(-1, F)
+    dg, du = xp.empty(g2.shape, dtype=dh.dtype), xp.empty(g2.shape, dtype=dh.dtype)
+
+    def rows(lo, hi):
+        s, a, b = dg[lo:hi], du[lo:hi], g2[lo:hi]
+        _sigmoid_into(b, s)                                  # s
+        xp.multiply(b, s, out=a)                             # silu(g) = g s
+        t = xp.subtract(1.0, s)                              # 1 - s
+        t *= b
+        t += 1.0
+        s *= t                                               # silu'(g) = s (1 + g (1 - s))
+        s *= u2[lo:hi]
+        s *= dh2[lo:hi]                                      # dg = dh u silu'(g)
+        a *= dh2[lo:hi]                                      # du = dh silu(g)
+
+    parallel_rows(rows, g2.shape[0], xp=xp)
+    return dg.reshape(dh.shape), du.reshape(dh.shape)
 
 
 # --------------------------------------------------------------------------------------------------------------

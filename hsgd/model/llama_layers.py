@@ -206,3 +206,41 @@ def repeat_kv_backward(dout, cache):
     n_rep = cache
     B, NH, T, hs = dout.shape
     return dout.reshape(B, NH // n_rep, n_rep, T, hs).sum(axis=2)             # (B, NKV, T, hs)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The same two layers on the model's layout: (B, T, NH*hs), a position's heads side by side (layers.split_heads)
+
+def rope_rows_forward(x, n_heads, cos, sin):
+    """rope_forward on every head of x (B, T, NH*hs), heads side by side as the linears give them: the same
+    rotation, with no transpose (cos, sin: (T, hs), broadcast over the heads)."""
+    B, T, C = x.shape
+    y, _ = rope_forward(x.reshape(B, T, n_heads, C // n_heads), cos[:, None], sin[:, None])   # (B, T, NH, hs)
+    return y.reshape(B, T, C), (cos, sin, n_heads)
+
+
+def rope_rows_backward(dy, cache):
+    """rope_backward on every head of dy (B, T, NH*hs): the rotation by -a."""
+    cos, sin, n_heads = cache
+    B, T, C = dy.shape
+    return rope_backward(dy.reshape(B, T, n_heads, C // n_heads), (cos[:, None], sin[:, None])).reshape(B, T, C)
+
+
+def repeat_kv_rows_forward(k, n_kv_heads, n_rep):
+    """repeat_kv_forward on k (B, T, NKV*hs) -> (B, T, NKV*n_rep*hs): head g's columns n_rep times in a row, so that
+    query head j reads key/value head j // n_rep. n_rep = 1 hands k itself on. The cache is (NKV, n_rep)."""
+    if n_rep == 1:
+        return k, (n_kv_heads, 1)
+    B, T, K = k.shape
+    xp = array_module(k)
+    return xp.repeat(k.reshape(B, T, n_kv_heads, K // n_kv_heads), n_rep, axis=2).reshape(B, T, K * n_rep), \
+        (n_kv_heads, n_rep)
+
+
+def repeat_kv_rows_backward(dout, cache):
+    """The sum over each group of n_rep query heads (repeat_kv_backward): (B, T, NH*hs) -> (B, T, NKV*hs)."""
+    n_kv_heads, n_rep = cache
+    if n_rep == 1:
+        return dout
+    B, T, C = dout.shape
+    return dout.reshape(B, T, n_kv_heads, n_rep, C // (n_kv_heads * n_rep)).sum(axis=3).reshape(B, T, C // n_rep)

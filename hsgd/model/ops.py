@@ -14,5 +14,10 @@ from hsgd.model.kernels import (attention_backward, attention_forward, cross_ent
                                 cross_entropy_forward, embedding_backward, embedding_forward, gelu_backward,
                                 gelu_forward, layernorm_backward, layernorm_forward, linear_backward, linear_forward,
                                 linear_input_grad, linear_weight_grad)
-from hsgd.model.kernels import qkv_backward, qkv_forward, qkv_input_grad, qkv_weight_grad  # noqa: F401
+from hsgd.model.kernels import (fused_forward, fused_input_grad, fused_weight_grad, qkv_backward,  # noqa: F401
+                                qkv_forward, qkv_input_grad, qkv_weight_grad)
+from hsgd.model.kernels import swiglu_backward, swiglu_forward  # noqa: F401
+# the Llama block's other layers: their plain formulas (a small part of a step's time)
+from hsgd.model.llama_layers import (repeat_kv_rows_backward, repeat_kv_rows_forward, rmsnorm_backward,  # noqa: F401
+                                     rmsnorm_forward, rope_rows_backward, rope_rows_forward)
 from hsgd.model.layers import residual_backward, residual_forward  # noqa: F401

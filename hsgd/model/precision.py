@@ -99,11 +99,11 @@ LOW = ("bfloat16", "float16")          # the compute formats that are emulated: 
 POINTS = {
     "weights":   "the model's copy of the float32 master weights, made once per step (ZeRO-3: each layer's "
                  "gathered weights, rounded in place when they arrive)",
-    "matmul":    "the output of every matrix product (the linears, q k v, the LM head's logits), accumulated in "
-                 "float32 on compute-format inputs, as a tensor core does",
+    "matmul":    "the output of every matrix product (the linears, q k v, gate and up, the LM head's logits; q and k "
+                 "after their rotation), accumulated in float32 on compute-format inputs, as a tensor core does",
     "attention": "the core attention's output (its scores and softmax stay float32 inside, as in a fused kernel)",
-    "layernorm": "LayerNorm's output (its statistics in float32)",
-    "gelu":      "GELU's output",
+    "layernorm": "LayerNorm's or RMSNorm's output (its statistics in float32)",
+    "gelu":      "GELU's or SwiGLU's output",
     "residual":  "the residual stream after each addition, and the embedding's sum",
     "grad":      "every activation gradient an operation hands back in the backward pass",
     "payload":   "the partial sums a tensor-parallel collective adds (Allreduce, Reduce-Scatter): rounded before "

@@ -10,6 +10,12 @@ gradient shard equal to the matching slice of `loss_and_grads`' gradients.
 Attn: q, k, v = LN1(x) @ Wq + bq, ...; NH causal heads of size hs = C/NH; output projection.
 MLP: fc (C -> F), GELU (tanh approximation), proj (F -> C). No dropout, untied LM head without bias.
 
+The same file runs the Llama family (cfg.arch "llama", or any mix of the family's fields, hsgd.model.config):
+    x = wte[idx]                                       (no wpe: the positions enter as rotations of q and k)
+    for each block:  x = x + Attn(RMSNorm1(x));  x = x + SwiGLU(RMSNorm2(x))
+    logits = RMSNorm_f(x) @ lm_head   (or wte^T, tied)
+with NKV key/value heads, each read by NH/NKV query heads, and no biases; the layers are hsgd.model.llama_layers'.
+
 Legend: B batch, T sequence, C d_model, NH heads, F d_ff, V vocab, L layers.
 
 Public API: init_params(cfg, seed, dtype, device), loss_and_grads(params, idx, targets, cfg, grads, split) (split:
@@ -25,8 +31,8 @@ import zlib
 
 import numpy as np
 
-from hsgd.model import layers
-from hsgd.model.backend import array_module, get_xp, resolve_dtype, to_device
+from hsgd.model import layers, llama_layers
+from hsgd.model.backend import array_module, get_xp, resolve_dtype, scatter_add, to_device
 from hsgd.model.layers import cross_entropy_forward
 from hsgd.model.threads import parallel_batches
 
@@ -65,69 +71,138 @@ def zeros_like_params(params):
 
 
 # --------------------------------------------------------------------------------------------------------------
-# One Transformer block
+# One Transformer block, of either family (cfg.norm, cfg.positions, cfg.mlp, cfg.n_kv_heads, cfg.bias)
 
-def block_forward(x, p, h, cfg, ops=layers):
-    """x + Attn(LN1(x)), then + MLP(LN2(x)). p: the params dict, h: the name prefix "h.{i}.", ops: the layer
-    functions (hsgd.model.layers, or hsgd.model.ops for the tuned kernels)."""
-    a, c_ln1 = ops.layernorm_forward(x, p[h + "ln1.weight"], p[h + "ln1.bias"])   # (B, T, C)
-    q, c_q = ops.linear_forward(a, p[h + "attn.q.weight"], p[h + "attn.q.bias"])    # (B, T, C)
-    k, c_k = ops.linear_forward(a, p[h + "attn.k.weight"], p[h + "attn.k.bias"])    # (B, T, C)
-    v, c_v = ops.linear_forward(a, p[h + "attn.v.weight"], p[h + "attn.v.bias"])    # (B, T, C)
+def llama_ops(ops):
+    """Where the Llama layers come from: hsgd.model.llama_layers beside the plain layers, ops itself (the tuned
+    kernels' module, hsgd.model.ops, has them all) otherwise."""
+    return llama_layers if ops is layers else ops
+
+
+def norm_forward(x, p, prefix, cfg, ops=layers):
+    """LayerNorm (weight and bias) or RMSNorm (weight only), as cfg.norm says. prefix: "h.{i}.ln1", "ln_f", ..."""
+    if cfg.norm == "layernorm":
+        return ops.layernorm_forward(x, p[prefix + ".weight"], p[prefix + ".bias"])
+    return llama_ops(ops).rmsnorm_forward(x, p[prefix + ".weight"])
+
+
+def norm_backward(dy, cache, grads, prefix, cfg, ops=layers):
+    if cfg.norm == "layernorm":
+        return ops.layernorm_backward(dy, cache, grads[prefix + ".weight"], grads[prefix + ".bias"])
+    return llama_ops(ops).rmsnorm_backward(dy, cache, grads[prefix + ".weight"])
+
+
+def rope_tables(cfg, T, dtype, xp=np):
+    """(cos, sin) (T, hs) of positions 0..T-1 with rotary positions, else None."""
+    if cfg.positions != "rope":
+        return None
+    return llama_layers.rope_angles(xp.arange(T), cfg.head_size, cfg.rope_theta, dtype)
+
+
+def block_forward(x, p, h, cfg, ops=layers, rope=None):
+    """x + Attn(Norm1(x)), then + MLP(Norm2(x)). p: the params dict, h: the name prefix "h.{i}.", ops: the layer
+    functions (hsgd.model.layers, or hsgd.model.ops for the tuned kernels), rope: rope_tables (rotary positions).
+
+    Attn: q = a Wq (+ bq) (B, T, C), k and v (B, T, NKV hs); with rotary positions q and k rotated by each row's
+    position; each kv head repeated for its n_rep = NH/NKV query heads; causal attention; the projection.
+    MLP: GELU(m W_fc) W_proj, or SwiGLU: (silu(m W_gate) * (m W_up)) W_proj (hsgd.model.llama_layers)."""
+    b = lambda name: p.get(h + name)                                               # a bias, or None without
+    lops = llama_ops(ops)
+    n_rep = cfg.n_heads // cfg.n_kv_heads
+    a, c_ln1 = norm_forward(x, p, h + "ln1", cfg, ops)                             # (B, T, C)
+    q, c_q = ops.linear_forward(a, p[h + "attn.q.weight"], b("attn.q.bias"))      # (B, T, C)
+    k, c_k = ops.linear_forward(a, p[h + "attn.k.weight"], b("attn.k.bias"))      # (B, T, NKV hs)
+    v, c_v = ops.linear_forward(a, p[h + "attn.v.weight"], b("attn.v.bias"))      # (B, T, NKV hs)
+    c_rope = None
+    if rope is not None:                                                           # q, k turned by position
+        q, c_rope = lops.rope_rows_forward(q, cfg.n_heads, *rope)
+        k, _ = lops.rope_rows_forward(k, cfg.n_kv_heads, *rope)
+    k, c_rep = lops.repeat_kv_rows_forward(k, cfg.n_kv_heads, n_rep)       # (B, T, C) head j: kv j // n_rep
+    v, _ = lops.repeat_kv_rows_forward(v, cfg.n_kv_heads, n_rep)
     y, c_att = ops.attention_forward(q, k, v, cfg.n_heads)                         # (B, T, C)
-    o, c_proj = ops.linear_forward(y, p[h + "attn.proj.weight"], p[h + "attn.proj.bias"])
+    o, c_proj = ops.linear_forward(y, p[h + "attn.proj.weight"], b("attn.proj.bias"))
     x = x + o                                                                      # residual
-    m, c_ln2 = ops.layernorm_forward(x, p[h + "ln2.weight"], p[h + "ln2.bias"])   # (B, T, C)
-    f, c_fc = ops.linear_forward(m, p[h + "mlp.fc.weight"], p[h + "mlp.fc.bias"])  # (B, T, F)
-    gl, c_gelu = ops.gelu_forward(f)                                                # (B, T, F)
-    o2, c_mproj = ops.linear_forward(gl, p[h + "mlp.proj.weight"], p[h + "mlp.proj.bias"])
+    m, c_ln2 = norm_forward(x, p, h + "ln2", cfg, ops)                             # (B, T, C)
+    if cfg.mlp == "gelu":
+        f, c_fc = ops.linear_forward(m, p[h + "mlp.fc.weight"], b("mlp.fc.bias"))  # (B, T, F)
+        gl, c_act = ops.gelu_forward(f)                                             # (B, T, F)
+    else:
+        g, c_gate = ops.linear_forward(m, p[h + "mlp.gate.weight"], b("mlp.gate.bias"))   # (B, T, F)
+        u, c_up = ops.linear_forward(m, p[h + "mlp.up.weight"], b("mlp.up.bias"))         # (B, T, F)
+        gl, c_act = lops.swiglu_forward(g, u)                              # (B, T, F) silu(g) * u
+        c_fc = (c_gate, c_up)
+    o2, c_mproj = ops.linear_forward(gl, p[h + "mlp.proj.weight"], b("mlp.proj.bias"))
     x = x + o2                                                                     # residual
-    return x, (c_ln1, c_q, c_k, c_v, c_att, c_proj, c_ln2, c_fc, c_gelu, c_mproj)
+    return x, (c_ln1, c_q, c_k, c_v, c_rope, c_rep, c_att, c_proj, c_ln2, c_fc, c_act, c_mproj)
 
 
-def block_backward(dx, cache, grads, h, ops=layers):
+def block_backward(dx, cache, grads, h, cfg, ops=layers):
     """The block's backward: block_forward read from the bottom up. grads: the gradients dict (+=)."""
-    c_ln1, c_q, c_k, c_v, c_att, c_proj, c_ln2, c_fc, c_gelu, c_mproj = cache
-    # x = x + MLP(LN2(x)): the residual passes dx through, the branch adds its own
-    dg = ops.linear_backward(dx, c_mproj, grads[h + "mlp.proj.weight"], grads[h + "mlp.proj.bias"])   # (B, T, F)
-    df = ops.gelu_backward(dg, c_gelu)                                                      # (B, T, F)
-    dm = ops.linear_backward(df, c_fc, grads[h + "mlp.fc.weight"], grads[h + "mlp.fc.bias"])        # (B, T, C)
-    dx = dx + ops.layernorm_backward(dm, c_ln2, grads[h + "ln2.weight"], grads[h + "ln2.bias"])
-    # x = x + Attn(LN1(x))
-    dy = ops.linear_backward(dx, c_proj, grads[h + "attn.proj.weight"], grads[h + "attn.proj.bias"])  # (B, T, C)
+    c_ln1, c_q, c_k, c_v, c_rope, c_rep, c_att, c_proj, c_ln2, c_fc, c_act, c_mproj = cache
+    g = lambda name: grads.get(h + name)                                           # a bias's gradient, or None
+    lops = llama_ops(ops)
+    # x = x + MLP(Norm2(x)): the residual passes dx through, the branch adds its own
+    dgl = ops.linear_backward(dx, c_mproj, grads[h + "mlp.proj.weight"], g("mlp.proj.bias"))   # (B, T, F)
+    if cfg.mlp == "gelu":
+        df = ops.gelu_backward(dgl, c_act)                                                      # (B, T, F)
+        dm = ops.linear_backward(df, c_fc, grads[h + "mlp.fc.weight"], g("mlp.fc.bias"))         # (B, T, C)
+    else:
+        dgate, dup = lops.swiglu_backward(dgl, c_act)                                   # (B, T, F) x 2
+        dm = ops.linear_backward(dup, c_fc[1], grads[h + "mlp.up.weight"], g("mlp.up.bias"))    # m feeds gate and
+        dm += ops.linear_backward(dgate, c_fc[0], grads[h + "mlp.gate.weight"], g("mlp.gate.bias"))   # up: add
+    dx = dx + norm_backward(dm, c_ln2, grads, h + "ln2", cfg, ops)
+    # x = x + Attn(Norm1(x))
+    dy = ops.linear_backward(dx, c_proj, grads[h + "attn.proj.weight"], g("attn.proj.bias"))  # (B, T, C)
     dq, dk, dv = ops.attention_backward(dy, c_att)                                          # (B, T, C) x 3
-    da = ops.linear_backward(dq, c_q, grads[h + "attn.q.weight"], grads[h + "attn.q.bias"])         # (B, T, C)
-    da += ops.linear_backward(dk, c_k, grads[h + "attn.k.weight"], grads[h + "attn.k.bias"])        # a feeds q, k, v:
-    da += ops.linear_backward(dv, c_v, grads[h + "attn.v.weight"], grads[h + "attn.v.bias"])        # its gradients add
-    dx = dx + ops.layernorm_backward(da, c_ln1, grads[h + "ln1.weight"], grads[h + "ln1.bias"])
+    dk = lops.repeat_kv_rows_backward(dk, c_rep)                                    # (B, T, NKV hs): the
+    dv = lops.repeat_kv_rows_backward(dv, c_rep)                                    # sum over each group
+    if c_rope is not None:                                                                  # turned back by -a
+        dq = lops.rope_rows_backward(dq, c_rope)
+        dk = lops.rope_rows_backward(dk, (*c_rope[:2], cfg.n_kv_heads))
+    da = ops.linear_backward(dq, c_q, grads[h + "attn.q.weight"], g("attn.q.bias"))         # (B, T, C)
+    da += ops.linear_backward(dk, c_k, grads[h + "attn.k.weight"], g("attn.k.bias"))        # a feeds q, k, v:
+    da += ops.linear_backward(dv, c_v, grads[h + "attn.v.weight"], g("attn.v.bias"))        # its gradients add
+    dx = dx + norm_backward(da, c_ln1, grads, h + "ln1", cfg, ops)
     return dx
 
 
 # --------------------------------------------------------------------------------------------------------------
 # The whole model
 
+def head_weight(p, cfg):
+    """The LM head (C, V): lm_head.weight, or wte^T (a view) with tied embeddings."""
+    return p["wte"].T if cfg.tied else p["lm_head.weight"]
+
+
 def forward(params, idx, cfg, ops=layers):
     """logits (B, T, V) for token ids idx (B, T), and the caches the backward pass needs (the backward takes the
-    same ops)."""
-    p = params
-    x, c_emb = ops.embedding_forward(idx, p["wte"], p["wpe"])                      # (B, T, C)
+    same ops and cfg)."""
+    p, xp = params, array_module(params["wte"])
+    if cfg.positions == "learned":
+        x, c_emb = ops.embedding_forward(idx, p["wte"], p["wpe"])                  # (B, T, C) token + position
+    else:
+        x, c_emb = p["wte"][idx], idx                                              # (B, T, C) token only
+    rope = rope_tables(cfg, idx.shape[1], p["wte"].dtype, xp)
     c_blocks = []
     for i in range(cfg.n_layers):
-        x, c = block_forward(x, p, f"h.{i}.", cfg, ops)
+        x, c = block_forward(x, p, f"h.{i}.", cfg, ops, rope)
         c_blocks.append(c)
-    xf, c_lnf = ops.layernorm_forward(x, p["ln_f.weight"], p["ln_f.bias"])       # (B, T, C)
-    logits, c_head = ops.linear_forward(xf, p["lm_head.weight"])                  # (B, T, V)
+    xf, c_lnf = norm_forward(x, p, "ln_f", cfg, ops)                               # (B, T, C)
+    logits, c_head = ops.linear_forward(xf, head_weight(p, cfg))                  # (B, T, V)
     return logits, (c_emb, c_blocks, c_lnf, c_head)
 
 
-def backward(dlogits, caches, grads, ops=layers):
+def backward(dlogits, caches, grads, cfg, ops=layers):
     """Accumulate (+=) every parameter's gradient into `grads`, given dloss/dlogits."""
     c_emb, c_blocks, c_lnf, c_head = caches
-    dxf = ops.linear_backward(dlogits, c_head, grads["lm_head.weight"])               # (B, T, C)
-    dx = ops.layernorm_backward(dxf, c_lnf, grads["ln_f.weight"], grads["ln_f.bias"])     # (B, T, C)
+    dxf = ops.linear_backward(dlogits, c_head, head_weight(grads, cfg))               # (B, T, C) (tied: into wte^T)
+    dx = norm_backward(dxf, c_lnf, grads, "ln_f", cfg, ops)                           # (B, T, C)
     for i in reversed(range(len(c_blocks))):
-        dx = block_backward(dx, c_blocks[i], grads, f"h.{i}.", ops)
-    ops.embedding_backward(dx, c_emb, grads["wte"], grads["wpe"])
+        dx = block_backward(dx, c_blocks[i], grads, f"h.{i}.", cfg, ops)
+    if cfg.positions == "learned":
+        ops.embedding_backward(dx, c_emb, grads["wte"], grads["wpe"])
+    else:
+        scatter_add(grads["wte"], c_emb.reshape(-1), dx.reshape(-1, dx.shape[-1]))   # rows of the tokens read
 
 
 def loss_and_grads(params, idx, targets, cfg, grads=None, split=False, ops=layers):
@@ -152,7 +227,7 @@ def loss_and_grads(params, idx, targets, cfg, grads=None, split=False, ops=layer
         into = grads if hi == B else zeros_like_params(params)   # the last slice adds into `grads` itself
         logits, caches = forward(params, idx[lo:hi], cfg, ops)
         value, c_ce = ops.cross_entropy_forward(logits, targets[lo:hi])
-        backward(ops.cross_entropy_backward((hi - lo) / B, c_ce), caches, into, ops)
+        backward(ops.cross_entropy_backward((hi - lo) / B, c_ce), caches, into, cfg, ops)
         return value * ((hi - lo) / B), into
 
     parts = parallel_batches(part, B) if split and xp is np else [part(0, B)]

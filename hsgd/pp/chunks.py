@@ -58,12 +58,14 @@ def parse_split(text):
 
 
 def stage_names(cfg, layers, first, last):
-    """Names of the parameters a stage holds."""
-    names = [n for n in cfg.param_shapes() if n.startswith("h.") and int(n.split(".")[1]) in layers]
+    """Names of the parameters a stage holds (those the model's family has): the embedding's on the first, its
+    blocks', the head's on the last (a tied head is wte, which the first stage holds: hsgd ties with pp = 1)."""
+    shapes = cfg.param_shapes()
+    names = [n for n in shapes if n.startswith("h.") and int(n.split(".")[1]) in layers]
     if first:
-        names = ["wte", "wpe"] + names
+        names = [n for n in ("wte", "wpe") if n in shapes] + names
     if last:
-        names += ["ln_f.weight", "ln_f.bias", "lm_head.weight"]
+        names += [n for n in ("ln_f.weight", "ln_f.bias", "lm_head.weight") if n in shapes]
     return names
 
 

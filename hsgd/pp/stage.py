@@ -46,7 +46,7 @@ class Stage:
         self.cfg, self.scheme, self.m, self.recompute = cfg, layout.tp_scheme, layout.micro_batches, recompute
         self.xp, self.dtype = get_xp(data.device), resolve_dtype(data.dtype)   # (ZeRO-3: params may be empty here)
         self.tp_comm, self.pp_comm, self.s, p = grid.tp_comm, grid.pp_comm, grid.pp_rank, grid.pp
-        self.ctx = make_context(cfg, grid, layout.cp_scheme, data.device)   # my positions of each sequence
+        self.ctx = make_context(cfg, grid, layout.cp_scheme, data.device, layout.attention)   # my positions
         self.use(make_numerics(data.dtype, data.reduce_dtype))         # where bfloat16 / float16 round (precision)
         self.loss_scale = 1.0                                          # float16: the loss scaler's S (step.trainer)
         self.v = v = layout.virtual_stages

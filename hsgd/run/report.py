@@ -40,6 +40,7 @@ def header(run, device, threads):
     say(f"model: {cfg.n_params():,} parameters (L={cfg.n_layers} C={cfg.d_model} NH={cfg.n_heads} F={cfg.d_ff} "
         f"T={cfg.seq_len} V={cfg.vocab_size}); {sum(map(math.prod, run.trainer.shard_shapes.values())):,} on each rank "
         "(incl. vocab padding)")
+    say(f"block: {cfg.describe_family()}")
     say(f"data:  {run.corpus.describe()}")
     say(f"batch: global {tc.batch_size} x {cfg.seq_len} = {tc.batch_size * cfg.seq_len:,} tokens/step; per DP "
         f"group {tc.batch_size // grid.dp} sequences in {m} micro-batch(es)"
@@ -127,7 +128,7 @@ def report_traffic(world, grid, tc, trainer, per_step, say):
                 repeated[k] = (m * len(st.layers) * calls, m * len(st.layers) * nbytes)
         base = {k: v for k, v in tp_model.comm_formula(trainer.cfg, rows, trainer.dtype.itemsize, tc.tp_scheme,
                                                         stage=(len(st.layers), st.first, st.last),
-                                                        cp=grid.cp).items()}
+                                                        cp=grid.cp, tp=grid.tp).items()}
         extra = {k: plain.get(k, (0, 0))[1] - m * base.get(k, (0, 0))[1] for k in repeated}
         row = (grid.pp_rank, dp_traffic(per_step, names) / psi, dp_traffic(ex.sizes.formula(), names) / psi, repeated,
                extra, psi)

@@ -53,7 +53,10 @@ def all_finite(x):
 def masked_square_sums(x, mask=None, block=1 << 15):
     """(sum of x^2 where mask is 1, sum of x^2 where mask is 0), as device scalars (no mask: all count as 0):
 
-        ((x * x * mask).sum(), (x * x * (1 - mask)).sum())
+        ((x * x * mask).sum(), (x * x * (mask == 0)).sum())
+
+    A mask between 0 and 1 weighs an element of the first sum: a key/value head that tp/NKV ranks hold alike
+    (hsgd.tp.model.kv_heads) counts NKV/tp on each, once in all when the tp ranks' sums are added.
 
     Each sum adds its own elements only (the others are exact zeros), so it does not depend on the other part:
     the tp ranks hold bit-identical replicated gradients at the same places, hence bit-identical replicated sums,
@@ -68,9 +71,9 @@ def masked_square_sums(x, mask=None, block=1 << 15):
     for lo in range(0, x.size, block):
         sq = x[lo:lo + block] * x[lo:lo + block]                # (block,) squares
         if mask is not None:
-            mine = sq * mask[lo:lo + block]                     # the masked elements' squares, zeros elsewhere
-            part += mine.sum()
-            sq -= mine                                          # exact: x - x = 0, x - 0 = x (NaN stays NaN)
+            m = mask[lo:lo + block]
+            part += (sq * m).sum()                              # the masked elements' squares, weighted
+            sq *= m == 0                                        # exact: the unmasked ones alone (NaN stays NaN)
         rest += sq.sum()
     return part, rest
 

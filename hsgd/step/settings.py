@@ -28,6 +28,7 @@ from hsgd.tp import model as tp_model, schemes as tp_schemes
 from hsgd.model.backend import resolve_device, resolve_dtype
 from hsgd.model.config import check_at_most, check_nonnegative_int, check_positive_int, flag
 from hsgd.cp.split import CP_SCHEMES
+from hsgd.tp.attention import ATTENTIONS
 from hsgd.errors import ConfigError
 from hsgd.grid.process_grid import check_sizes
 from hsgd.pp.schedules import SCHEDULES
@@ -73,6 +74,13 @@ class Layout:
                           "ring: ring attention, (k, v) blocks passed around cp_comm, overlapped with the blocks\n"
                           "allgather: All-Gather k and v of the whole sequence, Reduce-Scatter their gradients",
                           choices=CP_SCHEMES)
+    attention: str = flag("materialized", "how a rank holding whole sequences computes its core attention\n"
+                          "materialized: the scores and probabilities (B x NH/tp x T x T per block) computed whole "
+                          "and the probabilities kept for the backward pass\n"
+                          "flash: by blocks of 64 keys with an online softmax, keeping only the output and one "
+                          "log-sum-exp per query; the backward pass computes each block's probabilities again "
+                          "(Dao 2023, FlashAttention-2). With --cp, ring attention is blockwise already and "
+                          "allgather keeps its (T/cp x T) probabilities", choices=ATTENTIONS)
 
     def check_layout(self):
         for name in ("tp", "dp"):

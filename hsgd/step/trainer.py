@@ -86,7 +86,11 @@ class HybridTrainer:
         self.exchange.use(num)
 
     def is_sharded(self, name):
-        return self.grid.tp > 1 and tp_shards.split_of(name, self.scheme)[0] != "rep"
+        """1 for a parameter split over tp, 0 for a replicated one, NKV/tp for a key/value head that tp/NKV ranks
+        hold alike (its share of the norm on each: hsgd.step.health.masked_square_sums)."""
+        if self.grid.tp == 1 or tp_shards.split_of(name, self.scheme)[0] == "rep":
+            return 0
+        return tp_shards.holders_weight(name, self.cfg, self.grid.tp)
 
     def step(self, idx, targets, step):
         """One optimizer step on the global batch idx, targets (B, T); `step` counts from 1 (for the schedule)."""

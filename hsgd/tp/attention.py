@@ -16,10 +16,14 @@ the model (hsgd.tp.model) asks only these:
 The cp layouts also count the attention scores they compute (ctx.work, hsgd.cp.split).
 
 WholeSequence (cp = 1) is the layout of every run without context parallelism: all T positions on every rank,
-the core attention of hsgd.model.ops. Context parallelism (hsgd.cp, chapter 15) splits the sequence over cp ranks
-with two more layouts of this interface: ring attention, and an all-gather of the keys and values.
+the core attention of hsgd.model.ops; FlashSequence (--attention flash) the same positions with the attention of
+hsgd.model.flash, which keeps no probabilities. Context parallelism (hsgd.cp, chapter 15) splits the sequence over
+cp ranks with two more layouts of this interface: ring attention, and an all-gather of the keys and values.
 """
+from hsgd.model import flash
 from hsgd.model.ops import attention_backward, attention_forward
+
+ATTENTIONS = ("materialized", "flash")
 
 
 class WholeSequence:
@@ -49,3 +53,19 @@ class WholeSequence:
 
 
 WHOLE = WholeSequence()
+
+
+class FlashSequence(WholeSequence):
+    """cp = 1, --attention flash: the core attention by blocks with an online softmax (hsgd.model.flash), caching
+    q/sqrt(hs), k, v, y and one log-sum-exp per query and head: no (T x T) array is kept, and --recompute selective
+    has nothing to drop."""
+    keeps_probabilities = False
+
+    def attention_forward(self, q, k, v, nh):
+        return flash.attention_forward(q, k, v, nh)
+
+    def attention_backward(self, dy, cache, out=None):
+        return flash.attention_backward(dy, cache, out=out)
+
+
+FLASH = FlashSequence()

@@ -27,13 +27,25 @@ whole model on a group): the communicator, the scheme, the layer functions, the 
 recompute. In a bfloat16 or float16 run its scheme, layer functions and attention are the rounded ones of
 hsgd.tp.rounded: the lines below are the formulas, and where a low-precision run rounds is decided there.
 
-Legend: B batch, T sequence, C d_model, NH heads, F d_ff, V vocab, Vp vocab rows per rank, L layers, tp ranks.
+The Llama family (hsgd.model.config: RMSNorm, rotary positions, SwiGLU, grouped-query attention, no biases, a tied
+head) changes the same lines, never the collectives: Norm is RMSNorm where cfg.norm says; q and k are turned by their
+rows' global positions (TPSetup.rope: all T positions, or a context-parallel rank's chunks; the sequence scheme
+rotates after gather_T, on every position); the SwiGLU MLP's gate and up are column-split like fc and computed as one
+product [gate_i | up_i] (ops.fused_forward); the key/value heads are split over tp when NKV is a multiple of tp, as
+Megatron-LM does (it divides num_query_groups by tp and asserts that it divides), and, where tp is a multiple of NKV,
+every rank holds the one kv head its NH/tp query heads read (replicated over tp/NKV ranks, as vLLM and
+TensorRT-LLM do): their partial dk, dv are then summed over tp (kv_sum) before the weight gradients, so that every
+holder of a kv head gets the whole of its gradient. The tied head reads wte_i^T: the same vocabulary split.
+
+Legend: B batch, T sequence, C d_model, NH heads, NKV kv heads, hs head size, F d_ff, V vocab, Vp vocab rows per rank,
+L layers, tp ranks.
 Parameters keep their serial names; a shard's shape shows its split, e.g. h.0.attn.q.weight (C, C/tp).
 """
 from collections import namedtuple
 
 from hsgd.model import serial
 from hsgd.model.backend import array_module
+from hsgd.model.llama_layers import rope_angles
 from hsgd.model.precision import EXACT
 from hsgd.tp import ops as tp_ops
 from hsgd.tp.attention import WHOLE
@@ -72,7 +84,48 @@ class TPSetup:
         self.cfg, self.comm, self.recompute = cfg, comm, recompute
         self.scheme, self.ops, self.ctx = rounded(make_scheme(scheme, reduce_scatter), tp_ops, ctx, num)
         self.nh = cfg.n_heads // comm.size                                   # the heads of this rank
+        self.nkv, self.kv_owner = kv_heads(cfg, comm.size, comm.rank)        # its kv heads, and the first's index
+        self.n_rep = self.nh // self.nkv                                     # q heads per kv head here
+        self.kv_shared = cfg.n_kv_heads < comm.size                          # kv heads replicated over tp ranks
         self.start, _ = tp_ops.vocab_range(cfg.vocab_size, comm.size, comm.rank)   # its first vocabulary id
+        self.tables = {}
+
+    def rope(self, Tl, dtype, xp):
+        """(cos, sin) (Tl, hs) of this rank's Tl positions (its context layout's; all T without context
+        parallelism), made once per length and dtype; None with learned positions."""
+        if self.cfg.positions != "rope":
+            return None
+        key = (Tl, str(dtype))
+        if key not in self.tables:
+            pos = xp.arange(self.cfg.seq_len)[self.ctx.rows(0, Tl)]         # the global positions of my rows
+            self.tables[key] = rope_angles(pos, self.cfg.head_size, self.cfg.rope_theta, dtype)
+        return self.tables[key]
+
+
+def kv_heads(cfg, tp, rank):
+    """(how many kv heads a tp rank holds, the index of its first): NKV/tp of them from rank * NKV/tp when tp divides
+    NKV; else (tp a multiple of NKV) the one its query heads read, rank // (tp/NKV) (hsgd.tp.shards.check_tp refuses
+    the rest)."""
+    if cfg.n_kv_heads >= tp:
+        return cfg.n_kv_heads // tp, rank * (cfg.n_kv_heads // tp)
+    return 1, rank // (tp // cfg.n_kv_heads)
+
+
+def kv_sum(dkv, setup):
+    """The replicated kv heads' adjoint: where tp/NKV ranks hold the same kv head, each has the part of dk, dv
+    (B, T, 2 hs) its own query heads give; the head's gradient is their sum. One Allreduce over tp of a (B, T, 2 NKV
+    hs) buffer, every rank's part in its head's slot and zeros elsewhere; each keeps its slot. Returns dkv summed."""
+    xp = array_module(dkv)
+    B, T, w = dkv.shape                                                  # w = 2 hs
+    full = xp.zeros((B, T, setup.cfg.n_kv_heads, w), dtype=dkv.dtype)    # (B, T, NKV, 2 hs)
+    full[:, :, setup.kv_owner] = dkv
+    setup.comm.Allreduce(full)                                           # sum over tp: the holders of each head
+    return xp.ascontiguousarray(full[:, :, setup.kv_owner])
+
+
+def replicated(names, p, prefix=""):
+    """Those of the replicated parameters `names` (prefix + name) that this model has (its family decides)."""
+    return [prefix + n for n in names if prefix + n in p]
 
 
 # ------------------------------------------------------------------------------------------------ one block
@@ -93,30 +146,61 @@ def block_forward(x, p, h, setup):
     return attention_and_mlp(x, p, h, setup, keep_probabilities=setup.recompute != "selective")
 
 
+def norm_forward(x, p, prefix, setup):
+    """LayerNorm or RMSNorm (cfg.norm) of x (B, T~, C), replicated weights. The cache ends with the weight."""
+    if setup.cfg.norm == "layernorm":
+        return setup.ops.layernorm_forward(x, p[prefix + ".weight"], p[prefix + ".bias"])
+    return setup.ops.rmsnorm_forward(x, p[prefix + ".weight"])
+
+
+def norm_backward(dy, cache, grads, p, prefix, setup):
+    """norm_forward's adjoint; cache: without its weight (taken from p again)."""
+    if setup.cfg.norm == "layernorm":
+        return setup.ops.layernorm_backward(dy, (*cache, p[prefix + ".weight"]), grads[prefix + ".weight"],
+                                            grads[prefix + ".bias"])
+    return setup.ops.rmsnorm_backward(dy, (*cache, p[prefix + ".weight"]), grads[prefix + ".weight"])
+
+
+def mlp_names(setup, h):
+    """The column-parallel linears of the MLP: [fc] (GELU) or [gate, up] (SwiGLU), as parameter prefixes."""
+    return [h + "mlp.fc."] if setup.cfg.mlp == "gelu" else [h + "mlp.gate.", h + "mlp.up."]
+
+
 def attention_and_mlp(x, p, h, setup, keep_probabilities):
-    """The block's forward: (x + Attn(LN1(x)) + MLP(LN2(...)), the cache of everything block_backward needs; with
-    keep_probabilities False, q, k, v in place of the attention's probabilities)."""
+    """The block's forward: (x + Attn(Norm1(x)) + MLP(Norm2(...)), the cache of everything block_backward needs;
+    with keep_probabilities False, q, k, v in place of the attention's probabilities)."""
     op, S, comm, ctx = setup.ops, setup.scheme, setup.comm, setup.ctx
-    a, c_ln1 = op.layernorm_forward(x, p[h + "ln1.weight"], p[h + "ln1.bias"])       # (B, T~, C)
+    a, c_ln1 = norm_forward(x, p, h + "ln1", setup)                      # (B, T~, C)
     a_in = S.enter_forward(a, comm)                                      # (B, T, C) f: identity | gather_T: All-Gather
     # q = a_in Wq_i + bq_i, k = ..., v = ...: three column-parallel linears, computed as one product (ops.qkv_forward)
-    q, k, v, _ = op.qkv_forward(a_in, *(p[h + f"attn.{n}.{w}"] for n in "qkv" for w in ("weight", "bias")))
+    q, k, v, _ = op.qkv_forward(a_in, *(p.get(h + f"attn.{n}.{w}") for n in "qkv" for w in ("weight", "bias")))
+    rope = setup.rope(a_in.shape[1], a_in.dtype, array_module(a_in))
+    if rope is not None:                                                 # q, k turned by their global positions
+        q, _ = op.rope_rows_forward(q, setup.nh, *rope)                  # (B, T, C/tp)
+        k, _ = op.rope_rows_forward(k, setup.nkv, *rope)                 # (B, T, NKV/tp hs)
+    k, _ = op.repeat_kv_rows_forward(k, setup.nkv, setup.n_rep)          # (B, T, C/tp) q head j reads kv j // n_rep
+    v, _ = op.repeat_kv_rows_forward(v, setup.nkv, setup.n_rep)
     # the core attention: heads are independent (tp); with cp, (k, v) go around cp_comm (ring: Isend/Irecv) or are
     # All-Gathered (allgather), hsgd.cp
     y, c_att = ctx.attention_forward(q, k, v, setup.nh)                  # (B, T, C/tp)
     if not keep_probabilities and ctx.keeps_probabilities:
         c_att = ("qkv", q, k, v)                                         # (B, T, C/tp) x 3: probabilities dropped
-    o, c_proj = S.proj_forward(y, p[h + "attn.proj.weight"], p[h + "attn.proj.bias"], comm)  # (B, T~, C) leaves
+    o, c_proj = S.proj_forward(y, p[h + "attn.proj.weight"], p.get(h + "attn.proj.bias"), comm)  # (B, T~, C) leaves
     x = op.residual_forward(x, o)                                        # x + o
-    m, c_ln2 = op.layernorm_forward(x, p[h + "ln2.weight"], p[h + "ln2.bias"])       # (B, T~, C)
+    m, c_ln2 = norm_forward(x, p, h + "ln2", setup)                      # (B, T~, C)
     m_in = S.enter_forward(m, comm)                                      # (B, T, C) f: identity | gather_T: All-Gather
-    u, _ = op.linear_forward(m_in, p[h + "mlp.fc.weight"], p[h + "mlp.fc.bias"])      # (B, T, F/tp)
-    gl, c_gelu = op.gelu_forward(u)                                      # (B, T, F/tp)
-    o2, c_mproj = S.proj_forward(gl, p[h + "mlp.proj.weight"], p[h + "mlp.proj.bias"], comm)  # (B, T~, C) leaves
+    if setup.cfg.mlp == "gelu":
+        u, _ = op.linear_forward(m_in, p[h + "mlp.fc.weight"], p.get(h + "mlp.fc.bias"))      # (B, T, F/tp)
+        gl, c_act = op.gelu_forward(u)                                   # (B, T, F/tp)
+    else:                                                                # [gate_i | up_i]: one product
+        (g, u), _ = op.fused_forward(m_in, [p[n + "weight"] for n in mlp_names(setup, h)],
+                                     [p.get(n + "bias") for n in mlp_names(setup, h)])        # (B, T, F/tp) x 2
+        gl, c_act = op.swiglu_forward(g, u)                              # (B, T, F/tp) silu(g) * u
+    o2, c_mproj = S.proj_forward(gl, p[h + "mlp.proj.weight"], p.get(h + "mlp.proj.bias"), comm)  # (B, T~, C)
     x = op.residual_forward(x, o2)                                       # x + o2
     # the column-parallel linears keep their input as this rank holds it, a or m (B, T~, C); the ops' caches end
     # with their weight, which is dropped ([:-1]) and taken from p again in the backward pass
-    return x, (c_ln1[:-1], a, c_att, c_proj[:-1], c_ln2[:-1], m, c_gelu, c_mproj[:-1])
+    return x, (c_ln1[:-1], a, c_att, c_proj[:-1], c_ln2[:-1], m, c_act, c_mproj[:-1])
 
 
 def recompute_block(x, p, h, setup):
@@ -140,7 +224,7 @@ def block_backward(dx, cache, grads, p, h, setup, hooks=NO_HOOKS, wg=None):
     recomputed = isinstance(cache[0], str)                               # ("full", x)
     if recomputed:
         cache = recompute_block(cache[1], p, h, setup)                   # the forward again, collectives too
-    c_ln1, a, c_att, c_proj, c_ln2, m, c_gelu, c_mproj = cache
+    c_ln1, a, c_att, c_proj, c_ln2, m, c_act, c_mproj = cache
     if isinstance(c_att[0], str):                                        # ("qkv", q, k, v)
         c_att = recompute_attention(*c_att[1:], setup)                   # the probabilities again
         hooks.point(h[:-1], "recomputed")
@@ -148,24 +232,59 @@ def block_backward(dx, cache, grads, p, h, setup, hooks=NO_HOOKS, wg=None):
         hooks.point(h[:-1], "recomputed")
     W = lambda name: p[h + name]                                         # a weight the cache dropped
     dgl = S.proj_backward(dx, (*c_mproj, W("mlp.proj.weight")), grads, h + "mlp.proj.", comm, wg)  # (B, T, F/tp)
-    du = op.gelu_backward(dgl, c_gelu)                                   # (B, T, F/tp)
-    dm_in = column_backward(S.enter_forward(m, comm), du, W("mlp.fc.weight"), (h + "mlp.fc.weight", h + "mlp.fc.bias"),
-                            op, wg)                                      # (B, T, C) partial (m entered again)
+    m_in = S.enter_forward(m, comm)                                      # (B, T, C) again: identity | All-Gather
+    names = mlp_names(setup, h)
+    if setup.cfg.mlp == "gelu":
+        du = op.gelu_backward(dgl, c_act)                                # (B, T, F/tp)
+    else:
+        du = array_module(dgl).concatenate(op.swiglu_backward(dgl, c_act), axis=-1)   # (B, T, 2F/tp) [dg | du]
+    c_mlp = (m_in.reshape(-1, m_in.shape[-1]), tuple(p[n + "weight"] for n in names))
+    wg.add(op.fused_weight_grad, (du, c_mlp),
+           *(bias_or_weight(n + w, grads) for n in names for w in ("weight", "bias")))
+    dm_in = op.fused_input_grad(du, c_mlp)                               # (B, T, C) partial (m entered again)
     dm = S.enter_backward(dm_in, comm)                                   # (B, T~, C) f^T: Allreduce | Reduce-Scatter
-    dln2 = op.layernorm_backward(dm, (*c_ln2, W("ln2.weight")), grads[h + "ln2.weight"], grads[h + "ln2.bias"])
+    dln2 = norm_backward(dm, c_ln2, grads, p, h + "ln2", setup)
     dx = op.residual_backward(dx, dln2)                                  # dx + dln2: the skip and the MLP meet
     dy = S.proj_backward(dx, (*c_proj, W("attn.proj.weight")), grads, h + "attn.proj.", comm, wg)  # (B, T, C/tp)
-    dqkv = array_module(dy).empty_like(dy, shape=(*dy.shape[:-1], 3 * dy.shape[-1]))   # (B, T, 3C/tp)
+    xp = array_module(dy)
+    dqkv = xp.empty_like(dy, shape=(*dy.shape[:-1], 3 * dy.shape[-1]))  # (B, T, 3C/tp)
     setup.ctx.attention_backward(dy, c_att, out=dqkv)                    # [dq | dk | dv] side by side
     # (cp: (dk, dv) back to their owners around cp_comm, or a Reduce-Scatter)
+    dqkv = kv_backward(dqkv, a.dtype, setup)                             # (B, T, C/tp + 2 NKV/tp hs)
     a_in = S.enter_forward(a, comm)                                      # (B, T, C) again: identity | All-Gather
     # the three linears' backward as one product each for dW and dX (ops.qkv_input_grad / qkv_weight_grad)
     c_qkv = (a_in.reshape(-1, a_in.shape[-1]), tuple(W(f"attn.{n}.weight") for n in "qkv"))
-    wg.add(op.qkv_weight_grad, (dqkv, c_qkv), *(h + f"attn.{n}.{w}" for n in "qkv" for w in ("weight", "bias")))
     da_in = op.qkv_input_grad(dqkv, c_qkv)                               # (B, T, C) partial
+    if setup.kv_shared:                                                  # the weight gradient of a shared kv head
+        c = dy.shape[-1]                                                 # needs every holder's dk, dv: summed
+        dqkv = xp.concatenate([dqkv[..., :c], kv_sum(dqkv[..., c:], setup)], axis=-1)
+    wg.add(op.qkv_weight_grad, (dqkv, c_qkv), *(bias_or_weight(h + f"attn.{n}.{w}", grads) for n in "qkv"
+                                               for w in ("weight", "bias")))
     da = S.enter_backward(da_in, comm)                                   # (B, T~, C) f^T: Allreduce | Reduce-Scatter
-    dln1 = op.layernorm_backward(da, (*c_ln1, W("ln1.weight")), grads[h + "ln1.weight"], grads[h + "ln1.bias"])
+    dln1 = norm_backward(da, c_ln1, grads, p, h + "ln1", setup)
     return op.residual_backward(dx, dln1)                                # dx + dln1: the skip and the attention meet
+
+
+def bias_or_weight(name, grads):
+    """A parameter name for WeightGrads, or None for a bias this family has not (the kernels skip None)."""
+    return name if name in grads or not name.endswith(".bias") else None
+
+
+def kv_backward(dqkv, dtype, setup):
+    """From attention's [dq | dk | dv] (B, T, 3C/tp) on the repeated heads to [dq | dk | dv] on this rank's own
+    (B, T, C/tp + 2 NKV/tp hs): the repeat's adjoint (the sum over each group of n_rep query heads), then the
+    rotation's (by -a) on dq and dk. Without grouped-query attention or rotary positions: dqkv itself."""
+    op, c = setup.ops, dqkv.shape[-1] // 3
+    dq, dk, dv = dqkv[..., :c], dqkv[..., c:2 * c], dqkv[..., 2 * c:]
+    if setup.n_rep == 1 and setup.cfg.positions != "rope":
+        return dqkv
+    rep = (setup.nkv, setup.n_rep)
+    dk, dv = op.repeat_kv_rows_backward(dk, rep), op.repeat_kv_rows_backward(dv, rep)   # (B, T, NKV/tp hs)
+    rope = setup.rope(dqkv.shape[1], dtype, array_module(dqkv))
+    if rope is not None:
+        dq = op.rope_rows_backward(dq, (*rope, setup.nh))
+        dk = op.rope_rows_backward(dk, (*rope, setup.nkv))
+    return array_module(dqkv).concatenate([dq, dk, dv], axis=-1)
 
 
 def column_backward(x_in, dy, W, names, op, wg):
@@ -182,12 +301,14 @@ def column_backward(x_in, dy, W, names, op, wg):
 def embedding_forward(idx, p, setup):
     """x = wte[idx] + wpe[positions], wte split by vocabulary rows: each rank looks up its own tokens (zero rows
     for the others), a partial sum that the scheme's exit completes. idx (B, T) -> x (B, T~, C): T is this rank's
-    positions of the sequence (setup.ctx.rows says which; all of them without context parallelism)."""
+    positions of the sequence (setup.ctx.rows says which; all of them without context parallelism). With rotary
+    positions there is no wpe: the positions enter in the attention."""
     op, S, comm = setup.ops, setup.scheme, setup.comm
     t0, t1 = S.rows(idx.shape[1], comm)                                  # the rows this rank holds
     x, c_look = op.vocab_lookup_forward(idx, p["wte"], setup.start)      # (B, T, C) partial: zeros where not mine
     x = S.leave_forward(x, comm)                                         # (B, T~, C) g: Allreduce | scatter_T: R-S
-    x = op.residual_forward(x, p["wpe"][setup.ctx.rows(t0, t1)])         # + wpe (T~, C): the residual stream
+    if "wpe" in p:
+        x = op.residual_forward(x, p["wpe"][setup.ctx.rows(t0, t1)])     # + wpe (T~, C): the residual stream
     return x, (c_look, t0, t1)                                           # (rows again in the backward pass)
 
 
@@ -195,18 +316,25 @@ def embedding_backward(dx, cache, grads, setup):
     """dwpe for the positions held (sequence, context parallelism: partial); dwte rows of this rank's tokens from
     the whole dx."""
     c_look, t0, t1 = cache
-    grads["wpe"][setup.ctx.rows(t0, t1)] += dx.sum(axis=0)               # (T~, C) distinct rows
+    if "wpe" in grads:
+        grads["wpe"][setup.ctx.rows(t0, t1)] += dx.sum(axis=0)           # (T~, C) distinct rows
     dx = setup.scheme.leave_backward(dx, setup.comm)                     # (B, T, C) g^T: identity | All-Gather
     setup.ops.vocab_lookup_backward(dx, c_look, grads["wte"])            # no communication
 
 
+def head_weight(p, setup):
+    """(the LM head's shard (C, Vp), its parameter's name): lm_head.weight, or wte_i^T (a view: the same vocabulary
+    rows) with a tied head."""
+    return (p["wte"].T, "wte") if setup.cfg.tied else (p["lm_head.weight"], "lm_head.weight")
+
+
 def head_forward(x, p, targets, setup):
-    """The mean cross-entropy of LN_f(x) lm_head over all B*T positions, the logits split by vocabulary columns
+    """The mean cross-entropy of Norm_f(x) lm_head over all B*T positions, the logits split by vocabulary columns
     (the cross-entropy's softmax in float32 in every run)."""
     op, S, comm = setup.ops, setup.scheme, setup.comm
-    xf, c_lnf = op.layernorm_forward(x, p["ln_f.weight"], p["ln_f.bias"])           # (B, T~, C)
+    xf, c_lnf = norm_forward(x, p, "ln_f", setup)                        # (B, T~, C)
     xf_in = S.enter_forward(xf, comm)                                    # (B, T, C) f: identity | gather_T: All-Gather
-    logits, _ = op.linear_forward(xf_in, p["lm_head.weight"])           # (B, T, Vp) my vocabulary columns
+    logits, _ = op.linear_forward(xf_in, head_weight(p, setup)[0])      # (B, T, Vp) my vocabulary columns
     loss, c_ce = op.vocab_cross_entropy_forward(logits, targets, setup.start, setup.cfg.vocab_size, comm)  # 2 Allreduce
     return loss, (c_lnf[:-1], xf, c_ce)                                  # (no parameter in the cache)
 
@@ -214,11 +342,18 @@ def head_forward(x, p, targets, setup):
 def head_backward(dloss, cache, grads, p, setup, wg=None):
     op, S, comm = setup.ops, setup.scheme, setup.comm
     c_lnf, xf, c_ce = cache
+    W, name = head_weight(p, setup)
     dlogits = op.vocab_cross_entropy_backward(dloss, c_ce)               # (B, T, Vp) no communication
-    dxf_in = column_backward(S.enter_forward(xf, comm), dlogits, p["lm_head.weight"], ("lm_head.weight",), op,
-                             wg or WeightGrads(grads))                   # (B, T, C) partial (xf entered again)
+    wg = wg or WeightGrads(grads)
+    xf_in = S.enter_forward(xf, comm)                                    # (B, T, C) xf entered again
+    x2 = xf_in.reshape(-1, xf_in.shape[-1])
+    if setup.cfg.tied:                                                   # dW^T: into wte's gradient rows
+        wg.add(lambda dy, c, dwte: op.linear_weight_grad(dy, c, dwte.T), (dlogits, (x2, W)), name)
+        dxf_in = op.linear_input_grad(dlogits, (x2, W))                  # (B, T, C) partial
+    else:
+        dxf_in = column_backward(xf_in, dlogits, W, (name,), op, wg)     # (B, T, C) partial
     dxf = S.enter_backward(dxf_in, comm)                                 # (B, T~, C) f^T: Allreduce | Reduce-Scatter
-    return op.layernorm_backward(dxf, (*c_lnf, p["ln_f.weight"]), grads["ln_f.weight"], grads["ln_f.bias"])
+    return norm_backward(dxf, c_lnf, grads, p, "ln_f", setup)
 
 
 # ------------------------------------------------------------------------------------------------ a pipeline stage
@@ -264,21 +399,21 @@ def stage_backward(dout, caches, grads, setup, on_ready=None, hooks=NO_HOOKS, wg
     if c_head is not None:
         wg.group = "head"
         with hooks.backward("head"):
-            into, part = S.replicated_grads(grads, HEAD_REPLICATED)
+            into, part = S.replicated_grads(grads, replicated(HEAD_REPLICATED, grads))
             dx = head_backward(dout, c_head, into, params, setup, wg)    # (B, T~, C)
             S.finish_replicated(part, grads, comm)                       # sequence: Allreduce of partial grads
         ready("head")
     for i, c in reversed(c_blocks):
         wg.group = f"h.{i}"
         with hooks.backward(f"h.{i}"):
-            into, part = S.replicated_grads(grads, [f"h.{i}.{n}" for n in BLOCK_REPLICATED])
+            into, part = S.replicated_grads(grads, replicated(BLOCK_REPLICATED, grads, f"h.{i}."))
             dx = block_backward(dx, c, into, params, f"h.{i}.", setup, hooks, wg)   # (B, T~, C)
             S.finish_replicated(part, grads, comm)                       # sequence: Allreduce of partial grads
         ready(f"h.{i}")
     if c_emb is None:
         return dx
     with hooks.backward("embedding"):
-        into, part = S.replicated_grads(grads, EMBEDDING_REPLICATED)
+        into, part = S.replicated_grads(grads, replicated(EMBEDDING_REPLICATED, grads))
         embedding_backward(dx, c_emb, into, setup)
         S.finish_replicated(part, grads, comm)                           # sequence: Allreduce of partial dwpe
     ready("embedding")
@@ -334,13 +469,14 @@ def loss_and_grads(params, idx, targets, setup, grads=None, dloss=1.0, on_ready=
 
 
 def comm_formula(cfg, batch_size, itemsize, scheme="megatron", reduce_scatter=False, stage=None, recompute="none",
-                 cp=1):
+                 cp=1, tp=1):
     """{(communicator, operation): (calls, payload bytes)} of one loss_and_grads call on the "tp" communicator:
     the whole model, or with stage=(n_blocks, first, last) one pipeline stage's share (its blocks' terms, the
     embedding's on the first stage, the LM head's and the cross-entropy's on the last). The terms of each scheme
     are in its comm_formula's docstring (hsgd.tp.schemes). --recompute full runs every block's forward twice:
     its collectives (the scheme's block_forward_formula) once more per block; selective moves nothing more. With
-    context parallelism (cp > 1) a rank holds T/cp positions of each sequence: the same terms on N = B T/cp rows."""
+    context parallelism (cp > 1) a rank holds T/cp positions of each sequence: the same terms on N = B T/cp rows.
+    Key/value heads replicated over tp (NKV < tp) add kv_sum's Allreduce of (N, 2 NKV hs) per block."""
     n_blocks, first, last = stage if stage is not None else (cfg.n_layers, True, True)
     S = make_scheme(scheme, reduce_scatter)
     out = S.comm_formula(cfg, batch_size, itemsize, n_blocks, first, last, cp)
@@ -348,4 +484,8 @@ def comm_formula(cfg, batch_size, itemsize, scheme="megatron", reduce_scatter=Fa
         for k, (calls, nbytes) in S.block_forward_formula(cfg, batch_size, itemsize, cp).items():
             c0, b0 = out.get(k, (0, 0))
             out[k] = (c0 + n_blocks * calls, b0 + n_blocks * nbytes)
+    if cfg.n_kv_heads < tp and n_blocks:
+        c0, b0 = out.get(("tp", "Allreduce"), (0, 0))
+        N = batch_size * (cfg.seq_len // cp)
+        out[("tp", "Allreduce")] = (c0 + n_blocks, b0 + n_blocks * N * 2 * cfg.kv_width * itemsize)
     return out

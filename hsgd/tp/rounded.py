@@ -6,9 +6,10 @@ hsgd.model.precision.POINTS that names it:
 
     point       rounded                                            by
     matmul      q, k, v; the fc and the LM head's outputs           RoundedOps.qkv_forward, .linear_forward
+                gate and up (SwiGLU); q and k after their rotation  RoundedOps.fused_forward, .rope_rows_forward
                 the output projections' (after their collective)    RoundedScheme.proj_forward
-    layernorm   LayerNorm's output                                  RoundedOps.layernorm_forward
-    gelu        GELU's output                                       RoundedOps.gelu_forward
+    layernorm   LayerNorm's or RMSNorm's output                     RoundedOps.layernorm_forward, .rmsnorm_forward
+    gelu        GELU's or SwiGLU's output                           RoundedOps.gelu_forward, .swiglu_forward
     attention   the core attention's output                         RoundedAttention.attention_forward
     residual    the residual stream after each addition             RoundedOps.residual_forward
     grad        every activation gradient an operation hands back   the backward functions of all three
@@ -73,8 +74,46 @@ class RoundedOps:
     def vocab_cross_entropy_backward(self, dloss, cache):
         return self.num.round(self.f.vocab_cross_entropy_backward(dloss, cache), "grad")
 
+    def rmsnorm_forward(self, x, w):
+        y, cache = self.f.rmsnorm_forward(x, w)
+        return self.num.round(y, "layernorm"), cache
+
+    def rmsnorm_backward(self, dout, cache, dw):
+        return self.num.round(self.f.rmsnorm_backward(dout, cache, dw), "grad")
+
+    def fused_forward(self, x, weights, biases):
+        ys, cache = self.f.fused_forward(x, weights, biases)
+        return [self.num.round(y, "matmul") for y in ys], cache
+
+    def fused_input_grad(self, dy, cache):
+        return self.num.round(self.f.fused_input_grad(dy, cache), "grad")
+
+    def rope_rows_forward(self, x, n_heads, cos, sin):
+        y, cache = self.f.rope_rows_forward(x, n_heads, cos, sin)
+        return self.num.round(y, "matmul"), cache
+
+    def rope_rows_backward(self, dy, cache):
+        return self.num.round(self.f.rope_rows_backward(dy, cache), "grad")
+
+    def swiglu_forward(self, gate_pre, up_pre):
+        y, cache = self.f.swiglu_forward(gate_pre, up_pre)
+        return self.num.round(y, "gelu"), cache
+
+    def swiglu_backward(self, dh, cache):
+        return tuple(self.num.round(d, "grad") for d in self.f.swiglu_backward(dh, cache))
+
     # as they are: the weight gradients accumulate in float32; the lookup's sum rounds as the residual stream; the
-    # loss's softmax is float32
+    # loss's softmax is float32; the kv heads' repeat and its sum move values (the sum of n_rep gradients is
+    # rounded with the others, in rope_rows_backward or by the fused product that reads it)
+    def repeat_kv_rows_forward(self, k, n_kv_heads, n_rep):
+        return self.f.repeat_kv_rows_forward(k, n_kv_heads, n_rep)
+
+    def repeat_kv_rows_backward(self, dout, cache):
+        return self.f.repeat_kv_rows_backward(dout, cache)
+
+    def fused_weight_grad(self, dy, cache, *grads):
+        return self.f.fused_weight_grad(dy, cache, *grads)
+
     def linear_weight_grad(self, dy, cache, dW, db=None):
         return self.f.linear_weight_grad(dy, cache, dW, db)
 

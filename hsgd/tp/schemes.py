@@ -86,7 +86,8 @@ class Megatron:
         W_part (Cin/tp, C): its rows of B; b (C,) replicated, added once, after the sum. O is (B, T~, C)."""
         o, cache = linear_forward(y_part, W_part)                        # (B, T, C) partial: my rows' product
         o = self.leave_forward(o, comm)                                  # (B, T~, C) g: Allreduce | scatter_T
-        o += b
+        if b is not None:                                                # (None: a family without biases)
+            o += b
         return o, cache
 
     def proj_backward(self, do, cache, grads, prefix, comm, wg):
@@ -94,8 +95,8 @@ class Megatron:
         dB_i += Y_i^T dO, handed to wg (hsgd.tp.wgrad.WeightGrads: done now, or in the W pass); returns dY_i = dO B_i^T
         (B, T, Cin/tp). prefix: the projection's parameter names without weight/bias, e.g. "h.0.attn.proj.";
         grads: where db goes (replicated: it stays in this pass)."""
-        db = grads[prefix + "bias"]                                      # (C,) replicated
-        db += do.reshape(-1, do.shape[-1]).sum(axis=0)
+        if prefix + "bias" in grads:                                     # (C,) replicated
+            grads[prefix + "bias"] += do.reshape(-1, do.shape[-1]).sum(axis=0)
         do = self.leave_backward(do, comm)                               # (B, T, C) g^T: identity | All-Gather
         wg.add(linear_weight_grad, (do, cache), prefix + "weight")       # (Cin/tp, C) dB_i += Y_i^T dO
         return linear_input_grad(do, cache)                              # (B, T, Cin/tp)
@@ -110,7 +111,7 @@ class Megatron:
             return "vocab", 0                                            # rows: vocabulary ids
         if name == "lm_head.weight":
             return "vocab", 1                                            # columns: vocabulary ids
-        if ".attn.q." in name or ".attn.k." in name or ".attn.v." in name or ".mlp.fc." in name:
+        if any(f".{m}." in name for m in ("attn.q", "attn.k", "attn.v", "mlp.fc", "mlp.gate", "mlp.up")):
             return "split", 1 if name.endswith(".weight") else 0         # column-parallel
         if name.endswith(PROJ_WEIGHTS):
             return "split", 0                                            # row-parallel: B_i, rows of B
@@ -169,7 +170,8 @@ class Gather(Megatron):
         returns my slice dY_i (B, T, Cin/tp). (tp_layers.gather_linear_backward, its weight gradient separable.)"""
         rs = self.reduce_scatter
         do_part = allgather_backward(do, comm, replicated=True, reduce_scatter=rs)   # (B, T, C/tp) my slice
-        wg.add(linear_weight_grad, (do_part, cache), prefix + "weight", prefix + "bias")  # dA_i += X^T dO_i, db_i
+        wg.add(linear_weight_grad, (do_part, cache), prefix + "weight",
+               prefix + "bias" if prefix + "bias" in grads else None)  # dA_i += X^T dO_i, db_i
         dy = linear_input_grad(do_part, cache)                           # (B, T, Cin) partial: my columns' share
         comm.Allreduce(dy)                                               # (B, T, Cin) whole dY
         return allgather_backward(dy, comm, replicated=True, reduce_scatter=rs)   # (B, T, Cin/tp) my slice
@@ -242,7 +244,10 @@ class Sequence(Megatron):
 
     def replicated_grads(self, grads, names):
         """Each rank sees only its rows: the partial gradients go to one zeroed contiguous buffer, through a copy of
-        the grads dict whose `names` point into it. Returns (that dict, what finish_replicated needs)."""
+        the grads dict whose `names` point into it. Returns (that dict, what finish_replicated needs). No names (a
+        family without them, e.g. no wpe with rotary positions): grads itself, nothing to finish."""
+        if not names:
+            return grads, None
         xp = array_module(grads[names[0]])
         flat = xp.zeros(sum(grads[n].size for n in names), dtype=grads[names[0]].dtype)   # (sum of sizes,)
         local, offset = dict(grads), 0
@@ -253,6 +258,8 @@ class Sequence(Megatron):
 
     def finish_replicated(self, part, grads, comm):
         """Allreduce of the group's partial gradients (one call), then accumulate (+=) them into grads."""
+        if part is None:
+            return
         flat, local, names = part
         comm.Allreduce(flat)                                             # sum of the tp partials
         for n in names:
@@ -265,15 +272,18 @@ class Sequence(Megatron):
         Reduce_scatter_block 4L + emb + head, of (N, C): per block 2 scatter_T forward (attention and MLP proj),
         2 adjoints of the gathers; the embedding's exit; the LM head's adjoint.
         Allreduce L + emb + 3 head: the cross-entropy 2 (3N), one per gradient group of partial replicated
-        gradients: block (ln1, ln2, attn.proj.bias, mlp.proj.bias: 6C), embedding (wpe: TC), head (ln_f: 2C).
+        gradients: block (GPT-2: ln1, ln2, attn.proj.bias, mlp.proj.bias: 6C; Llama: ln1, ln2: 2C), embedding (wpe:
+        TC; none with rotary positions), head (ln_f: 2C, or C with RMSNorm).
         (A ring costs an Allreduce 2 (tp-1)/tp of its bytes, an Allgather or Reduce-Scatter (tp-1)/tp: this scheme
         moves what Megatron does, plus the repeated All-Gathers and the small Allreduces.)"""
         N, C, T, emb, head = batch * (cfg.seq_len // cp), cfg.d_model, cfg.seq_len, int(first), int(last)
         ag, rs = 6 * L + emb + 2 * head, 4 * L + emb + head
-        ar_bytes = (3 * N * head + (6 * L + 2 * head + T * emb) * C) * s
+        norms = 2 if cfg.norm == "layernorm" else 1                      # a norm's weight, and bias
+        wpe = int(cfg.positions == "learned")
+        ar_bytes = (3 * N * head + (L * (2 * norms + 2 * cfg.bias) + head * norms + T * emb * wpe) * C) * s
         return nonzero({("tp", "Allgather"): (ag, ag * N * C * s),
                         ("tp", "Reduce_scatter_block"): (rs, rs * N * C * s),
-                        ("tp", "Allreduce"): (L + emb + 3 * head, ar_bytes)})
+                        ("tp", "Allreduce"): (L + emb * wpe + 3 * head, ar_bytes)})
 
     def block_forward_formula(self, cfg, batch, s, cp=1):
         """gather_T into q, k, v and into fc; scatter_T out of both projections: 2 + 2 calls of (N, C)."""

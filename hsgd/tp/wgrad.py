@@ -32,9 +32,10 @@ class WeightGrads:
     def add(self, fn, args, *names):
         """fn(*args, *(the gradients of names)), now or later. The names are looked up in the stage's own grads
         dict, so only tensor-split parameters may come here: a replicated one (the sequence scheme accumulates
-        those in a partial buffer, tp_schemes.Sequence.replicated_grads) stays in the backward pass."""
+        those in a partial buffer, tp_schemes.Sequence.replicated_grads) stays in the backward pass. A name None
+        (a bias the model's family has not) hands fn None."""
         if self.grads is not None:
-            fn(*args, *(self.grads[n] for n in names))
+            fn(*args, *(None if n is None else self.grads[n] for n in names))
         else:
             self.later.append((self.group, fn, args, names))
 
@@ -46,5 +47,5 @@ class WeightGrads:
         """Do the kept products of one group into grads, and drop them (and what they held)."""
         for g, fn, args, names in self.later:
             if g == group:
-                fn(*args, *(grads[n] for n in names))
+                fn(*args, *(None if n is None else grads[n] for n in names))
         self.later = [e for e in self.later if e[0] != group]

@@ -103,7 +103,7 @@ def exercise_3(check):
         for (lo, hi), wgt in zip(((0, 3), (3, 8)), weights):
             logits, caches = serial.forward(params, idx[lo:hi], cfg)
             _, c_ce = layers.cross_entropy_forward(logits, targets[lo:hi])
-            serial.backward(layers.cross_entropy_backward(wgt, c_ce), caches, grads)   # += wgt * grad L_m
+            serial.backward(layers.cross_entropy_backward(wgt, c_ce), caches, grads, cfg)   # += wgt * grad L_m
         return grads
 
     by_size = accumulate((3 / B, 5 / B))

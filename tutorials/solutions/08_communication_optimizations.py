@@ -102,7 +102,7 @@ def exercise_1(check):
             p = gather(f"h.{i}")
             _, cache = serial.block_forward(inputs[i], p, f"h.{i}.", cfg)
             grads = {n: np.zeros(shapes[n]) for n in groups[f"h.{i}"]}
-            dx = serial.block_backward(dx, cache, grads, f"h.{i}.")
+            dx = serial.block_backward(dx, cache, grads, f"h.{i}.", cfg)
             reduce_scatter_and_update(f"h.{i}", grads)
         grads = {"wte": np.zeros(shapes["wte"]), "wpe": np.zeros(shapes["wpe"])}
         layers.embedding_backward(dx, idx[rows], grads["wte"], grads["wpe"])   # needs the token ids only
