@@ -1,7 +1,8 @@
 """Activation memory: the bytes a forward pass caches for the backward, counted and predicted.
 
 activation_bytes counts the distinct arrays held by the caches of a forward pass (hsgd.tp.model.forward);
-activation_formula predicts them for each tensor-parallel scheme, per block and for the whole model;
+activation_formula predicts them for each tensor-parallel scheme, model family (GPT-2, Llama) and core attention
+(materialized, flash), per block and for the whole model;
 paper_activation_bytes is Korthikanti et al. (2022)'s Table 2, to compare what sequence parallelism buys.
 
 Legend: B batch, T sequence, C d_model, NH heads, F d_ff, V vocab, Vp = ceil(V/tp), N = B*T, s bytes per element,
@@ -29,32 +30,44 @@ def activation_bytes(caches, params):
     return sum(seen.values())
 
 
-def activation_formula(cfg, batch_size, itemsize, tp, scheme, cp=1, cp_scheme="ring"):
+def activation_formula(cfg, batch_size, itemsize, tp, scheme, cp=1, cp_scheme="ring", attention="materialized"):
     """{"block": bytes cached by one block's forward, "model": by the whole forward} in this implementation.
-    scheme: a name or a scheme object (hsgd.tp.schemes).
+    scheme: a name or a scheme object (hsgd.tp.schemes); attention: --attention, "materialized" or "flash" (cp = 1).
 
     What a block caches, in elements of s bytes (megatron / gather / sequence):
         LN1, LN2: xhat (N, C) and rstd (N, 1), each        N(C + 1)        N(C + 1)    N(C + 1)/tp
-        the inputs of q,k,v and of fc (a, m)                2NC             2NC         2NC/tp  (the T-shards)
-        q, k, v (the attention cache views them)            3NC/tp          3NC/tp      3NC/tp
-        softmax probabilities (B, NH/tp, T, T)              B NH T^2/tp     B NH T^2/tp B NH T^2/tp
-        GELU's cache                                        NF/tp           NF/tp       NF/tp
-        the projections' inputs: heads, GELU output         (NC + NF)/tp    NC + NF     (NC + NF)/tp
-      megatron: s (4NC + 2N + (4NC + B NH T^2 + 2NF)/tp);   sequence: s (8NC + 2N + B NH T^2 + 2NF)/tp;
-      gather:   s (5NC + 2N + NF + (3NC + B NH T^2 + NF)/tp)  (its projections cache their All-Gathered input).
+          (RMSNorm: xhat and rrms, the same sizes)
+        the inputs of q,k,v and of the MLP (a, m)           2NC             2NC         2NC/tp  (the T-shards)
+        the core attention A (below)                        A               A           A
+        the MLP's cache: GELU's, or SwiGLU's gate and       G NF/tp         G NF/tp     G NF/tp
+          up pre-activations (views of one fused product)
+        the projections' inputs: heads, MLP output          (NC + NF)/tp    NC + NF     (NC + NF)/tp
+          (GELU(u), or silu(g) * u)
+    with G = 1 (GELU) or 2 (SwiGLU), and A, the core attention's cache (hsgd.cp.split.attention_cache_bytes):
+        materialized   q, k, v by heads and the probabilities (B, NH/tp, T, T)    (3NC + B NH T^2)/tp
+        flash          q, k, v, y by heads and the log-sum-exp (B, NH/tp, T)        (4NC + B NH T)/tp
+      (flash's y is held twice: by heads in its cache, merged as the projection's input)
+    k and v are counted at C/tp columns whatever NKV is: the model repeats them to the NH/tp query heads before
+    the core attention, whose cache holds the repeated ones. In all:
+      megatron: s (4NC + 2N) + s (NC + (1 + G) NF)/tp + s A;   sequence: s (5NC + 2N + (1 + G) NF)/tp + s A;
+      gather:   s (5NC + 2N + NF) + G s NF/tp + s A  (its projections cache their All-Gathered input).
+    GPT-2 (G = 1, materialized) is megatron s (4NC + 2N + (4NC + B NH T^2 + 2NF)/tp). The materialized A grows with
+    T^2, flash's with T: the probabilities outgrow an (N, C) array once T > hs (B NH T^2 > B T C).
     Outside the blocks: LN_f (xhat, rstd) and the LM head input, N(2C + 1) s (/tp for sequence); the loss's softmax
     (N, Vp) s; the token ids and owner masks of the embedding and the loss, int64 and bool, 2 (8 + 1) N bytes, and
-    the loss's row numbers, 8N.
+    the loss's row numbers, 8N. Neither the rotary positions (no wpe; their tables belong to the setup) nor a tied
+    head (its weight is wte's transposed view) cache anything more.
     With context parallelism (cp > 1) every term is of the rank's N = B T/cp rows, and the attention's cache is
-    the cp scheme's in place of q, k, v and the probabilities (hsgd.cp.split.attention_cache_bytes).
+    the cp scheme's in place of A (hsgd.cp.split.attention_cache_bytes; --attention does not apply).
     """
     S = make_scheme(scheme)
     B, C, F, NH, V = batch_size, cfg.d_model, cfg.d_ff, cfg.n_heads, cfg.vocab_size
     s, Vp, N = itemsize, -(-V // tp), batch_size * (cfg.seq_len // cp)
+    G = 1 if cfg.mlp == "gelu" else 2                                 # GELU's cache, or SwiGLU's gate and up
     between = tp if S.splits_T else 1                                 # between the split matmuls: T or T/tp rows
     proj_in = 1 if S.gathers_proj_inputs else tp                      # the projections' inputs: whole or my share
-    attention, _ = attention_cache_bytes(cp, cp_scheme, B, cfg.seq_len, C, NH, tp, s)
-    block = ((4 * N * C + 2 * N) * s // between + (N * C + N * F) * s // proj_in + N * F * s // tp + attention)
+    A, _ = attention_cache_bytes(cp, cp_scheme, B, cfg.seq_len, C, NH, tp, s, attention)
+    block = ((4 * N * C + 2 * N) * s // between + (N * C + N * F) * s // proj_in + G * N * F * s // tp + A)
     outside = N * (2 * C + 1) * s // between
     return {"block": block, "model": cfg.n_layers * block + outside + N * Vp * s + 26 * N}
 

@@ -70,6 +70,7 @@ CATEGORY_TABLE = [
     ("model/precision.py", "Numerics.weights", None, "params"),        # bfloat16 / float16: the model's rounded copy
     ("tp/schemes.py", "Sequence.replicated_grads", None, "grads"),
     ("model/optim.py", "*", None, "optimizer"),
+    ("tp/model.py", "TPSetup.rope", None, "other"),                   # the rotary tables, kept for the run
     ("tp/model.py", "recompute_block", None, "recompute"),
     ("tp/model.py", "recompute_attention", None, "recompute"),
     ("pp/stage.py", "Stage.recv_activation", None, "comm"),

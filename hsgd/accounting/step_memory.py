@@ -14,12 +14,18 @@ attention probabilities):
            owner mask, row numbers:                                 (N~(2C + 1) + N Vp) s + 17 N
     K      one block's cache (hsgd.accounting.activations.activation_formula's "block"), by --recompute:
              none K0;   selective K0 - P (q, k, v kept, the probabilities dropped);   full: X, the block's input
-           (selective in general: K0 less the attention's cache, plus q, k, v: 3 N C/tp s)
+           (selective in general: K0 less the attention's cache, plus q, k, v: selective_kept, 3 N C/tp s but
+           where a view of the fused q|k|v product holds the whole product)
     R      recompute, at the "recomputed" point: full K0 (the whole block cache again); selective 3 N C/tp s + P
            (attention's head-split q, k, v copies and the probabilities); none 0
+    Q      with rotary positions, the stage's tables cos and sin (T, hs) s each (hsgd.tp.model.TPSetup.rope): made
+           by the first forward (or hsgd.train's validation before step 1) and kept by the setup for the run: the
+           probe counts them as "other" (hsgd.accounting.allocations.CATEGORY_TABLE), at every sample of a later
+           step.
 With context parallelism (hsgd.cp.split) T is the rank's T/cp positions, and the attention's share of K0, P and
 selective's R are the cp scheme's (hsgd.cp.split.attention_cache_bytes): ring attention keeps no probabilities, so
-selective recomputation drops nothing and has no "recomputed" point.
+selective recomputation drops nothing and has no "recomputed" point; nor has it with --attention flash (cp = 1),
+whose cache holds q, k, v, y and the log-sum-exp in place of the probabilities (P = 0).
 
 What is alive at each sample (this implementation, Stage.run and tp_model.stage_forward / stage_backward):
   * a micro-batch's caches from its forward until its backward has *finished*: stage_backward holds the whole
@@ -30,7 +36,7 @@ What is alive at each sample (this implementation, Stage.run and tp_model.stage_
   * the receive buffer of the running action (X, comm); with --recompute full the first block of a later stage
     caches its input, which is that receive buffer: comm, held until the micro-batch's backward;
   * the sequence scheme's partial gradients of a group's replicated parameters during its backward (grads):
-    6 C s per block, T C s for wpe, 2 C s for ln_f;
+    6 C s per block, T C s for wpe, 2 C s for ln_f (GPT-2; Llama 2 C s, nothing, C s: replicated_bytes);
   * the step's batch (other): hsgd.model.data's token windows (B, T + 1) int64, which idx and targets view;
   * in bfloat16 and float16 the model's rounded copy of the weights (params: the stage's shards again; ZeRO-3
     rounds each gathered layer in place, no copy);
@@ -41,29 +47,60 @@ Not sampled: transients inside a group (dlogits, dqkv, the attention's dS, GELU'
 peak shows them. With ZeRO 2 and 3 (hsgd.dp.sharded) what the exchange holds is followed sample by sample
 (ShardedInFlight).
 """
+import math
+
 from hsgd.cp.split import attention_cache_bytes
 from hsgd.accounting.activations import activation_formula
 from hsgd.dp.sharded import ShardedSizes
+from hsgd.tp.model import BLOCK_REPLICATED, EMBEDDING_REPLICATED, HEAD_REPLICATED
 from hsgd.tp.schemes import make_scheme
 
 STATE_COPIES = {"sgd": lambda momentum: 1 if momentum else 0, "adamw": lambda momentum: 2}
 
 
-def pieces(cfg, b, s, tp, scheme, recompute, cp=1, cp_scheme="ring"):
-    """{"X", "E", "H", "K", "R", "partial": {group kind: bytes}} of the module docstring, in bytes. With context
+def selective_kept(cfg, N, tp, s):
+    """Bytes of the q, k, v that --recompute selective keeps in place of the attention's cache (hsgd.tp.model
+    attention_and_mlp), N rows: each as the core attention takes it, (N, C/tp). One the block made itself (q and k
+    turned by rotary positions; k and v repeated for grouped-query attention, n_rep > 1) is held alone; one neither
+    turned nor repeated is a view of the fused q|k|v product (N, C/tp + 2 NKV_l hs), NKV_l the rank's kv heads,
+    and holds that product whole. GPT-2: the product, 3 N C/tp; Llama with n_rep > 1: three arrays, 3 N C/tp;
+    Llama with NKV = NH: q, k and the product, 5 N C/tp."""
+    c, nkv = cfg.d_model // tp, max(cfg.n_kv_heads // tp, 1)          # C/tp; kv heads on a rank (replicated: 1)
+    repeated, turned = (cfg.n_heads // tp) // nkv > 1, cfg.positions == "rope"
+    own = (turned, turned or repeated, repeated)                        # q, k, v: made by the block, not views
+    product = 0 if all(own) else N * (c + 2 * nkv * cfg.head_size) * s
+    return sum(own) * N * c * s + product
+
+
+def replicated_bytes(cfg, s):
+    """{group kind: bytes} of the parameters each gradient group replicates over tp (hsgd.tp.model's
+    BLOCK_REPLICATED, EMBEDDING_REPLICATED, HEAD_REPLICATED, those the family has): GPT-2 6 C s per block (two
+    LayerNorms' weights and biases, the projections' biases), T C s (wpe), 2 C s (ln_f); Llama 2 C s, 0, C s."""
+    shapes = cfg.param_shapes()
+
+    def numel(names, prefix=""):
+        return sum(math.prod(shapes[prefix + n]) for n in names if prefix + n in shapes)
+    return {"h": numel(BLOCK_REPLICATED, "h.0.") * s, "embedding": numel(EMBEDDING_REPLICATED) * s,
+            "head": numel(HEAD_REPLICATED) * s}
+
+
+def pieces(cfg, b, s, tp, scheme, recompute, cp=1, cp_scheme="ring", attention="materialized"):
+    """{"X", "E", "H", "K", "R", "Q", "partial": {group kind: bytes}} of the module docstring, in bytes. With context
     parallelism the rows are the rank's T/cp positions, and selective recomputation drops the probabilities only
-    where the cp scheme keeps them (ring attention keeps none: nothing is dropped, nothing recomputed)."""
+    where the cp scheme keeps them (ring attention keeps none: nothing is dropped, nothing recomputed); attention:
+    --attention (flash keeps none either)."""
     S = make_scheme(scheme)
     T, C, NH = cfg.seq_len // cp, cfg.d_model, cfg.n_heads
     N, Tl, Vp = b * T, T // tp if S.splits_T else T, -(-cfg.vocab_size // tp)
     X = b * Tl * C * s
-    attention, P = attention_cache_bytes(cp, cp_scheme, b, cfg.seq_len, C, NH, tp, s)
-    K0 = activation_formula(cfg, b, s, tp, S, cp, cp_scheme)["block"]
-    kept_qkv = 3 * N * (C // tp) * s                                  # selective keeps q, k, v in place of
-    K = {"none": K0, "selective": K0 - attention + kept_qkv if P else K0, "full": X}[recompute]   # the attention's
-    R = {"none": 0, "selective": attention if P else 0, "full": K0}[recompute]
-    partial = {"h": 6 * C * s, "embedding": cfg.seq_len * C * s, "head": 2 * C * s} if scheme == "sequence" else {}
-    return {"X": X, "E": 9 * N, "H": (b * Tl * (2 * C + 1) + N * Vp) * s + 17 * N, "K": K, "R": R,
+    A, P = attention_cache_bytes(cp, cp_scheme, b, cfg.seq_len, C, NH, tp, s, attention)   # the attention's cache
+    K0 = activation_formula(cfg, b, s, tp, S, cp, cp_scheme, attention)["block"]
+    kept_qkv = selective_kept(cfg, N, tp, s)                          # selective keeps q, k, v in place of A
+    K = {"none": K0, "selective": K0 - A + kept_qkv if P else K0, "full": X}[recompute]
+    R = {"none": 0, "selective": A if P else 0, "full": K0}[recompute]
+    partial = replicated_bytes(cfg, s) if scheme == "sequence" else {}
+    Q = 2 * T * cfg.head_size * s if cfg.positions == "rope" else 0   # cos, sin of the rank's T (/cp) positions
+    return {"X": X, "E": 9 * N, "H": (b * Tl * (2 * C + 1) + N * Vp) * s + 17 * N, "K": K, "R": R, "Q": Q,
             "partial": partial, "recomputes": recompute == "full" or (recompute == "selective" and P > 0)}
 
 
@@ -193,14 +230,16 @@ def rank_formula(cfg, tc, dp, tp, cp, stage, sizes, rounds, cp_held=0):
     bfloat16 or float16 (the model's rounded copy of the weights); cp_held: the context layout's own arrays
     (ctx.held_bytes())."""
     b, s = tc.batch_size // dp // tc.micro_batches, sizes.itemsize
-    pc = pieces(cfg, b, s, tp, tc.tp_scheme, tc.recompute, cp, tc.cp_scheme)
+    pc = pieces(cfg, b, s, tp, tc.tp_scheme, tc.recompute, cp, tc.cp_scheme, tc.attention)
     inflight = ShardedInFlight(sizes) if isinstance(sizes, ShardedSizes) else None
     base = ({"params": sizes.param_bytes(), "grads": sizes.grad_bytes(), "comm": 0} if inflight is not None
             else dict(sizes.memory_formula()))
     if rounds and sizes.holds_weight_copy:  # bf16 / fp16: the model's rounded copy of the weights, held through
         base["params"] += sum(sizes.numel.values()) * s                  # the step (ZeRO-3: the gathered group)
     base["optimizer"] = optimizer_formula(tc, sizes)
+    base["activations"] = 0
     base["other"] = tc.batch_size * (cfg.seq_len + 1) * 8             # the step's token windows (B, T+1) int64
+    base["other"] += pc["Q"] if stage.layers else 0                   # the rotary tables, held since they were made
     if cp > 1:                             # my positions of idx and targets (int64), the layout's own arrays
         base["other"] += 2 * tc.batch_size // dp * (cfg.seq_len // cp) * 8 + cp_held
     samples = stage_samples(pc, list(stage.layers), stage.first, stage.last, stage.actions, tc.recompute, base,

@@ -130,14 +130,19 @@ class ContextSplit:
         return out
 
 
-def attention_cache_bytes(cp, scheme, b, T, C, NH, tp, s):
+def attention_cache_bytes(cp, scheme, b, T, C, NH, tp, s, attention="materialized"):
     """(bytes one block's core attention caches for a micro-batch of b sequences, of which the probabilities)
     on a rank holding T/cp positions (Tl) and NH/tp heads, N = b Tl:
-        cp = 1 (hsgd.model.ops)   q, k, v by heads 3 N C/tp, the probabilities b NH/tp T^2
+        cp = 1, materialized (hsgd.model.ops)   q, k, v by heads 3 N C/tp, the probabilities b NH/tp T^2
+        cp = 1, flash (hsgd.model.flash)        q, k, v, y by heads 4 N C/tp, and lse b NH/tp T; no probabilities
         ring                q, own (k, v), y by heads: 4 N C/tp, and lse b NH/tp Tl; no probabilities
-        allgather           q N C/tp, the gathered k and v 2 b T C/tp, the probabilities b NH/tp Tl T"""
+        allgather           q N C/tp, the gathered k and v 2 b T C/tp, the probabilities b NH/tp Tl T
+    (attention, --attention, only says which cp = 1 takes.) With grouped-query attention k and v reach the core
+    attention repeated to the NH/tp query heads (hsgd.tp.model), so they are C/tp wide here too."""
     Tl, c, nh = T // cp, C // tp, NH // tp
     N = b * Tl
+    if cp == 1 and attention == "flash":
+        return 4 * N * c * s + b * nh * T * s, 0
     if cp == 1:
         P = b * nh * T * T * s
         return 3 * N * c * s + P, P

@@ -59,8 +59,9 @@ def memory_estimate(cfg, tc):
     if tc.dtype in ("bfloat16", "float16") and zero < 3:
         weights += share                            # the model's rounded copy of the weights (hsgd.model.precision)
     micro = max(tc.batch_size // (tc.dp * tc.micro_batches), 1)
-    f = activation_formula(cfg, micro, itemsize, tc.tp, tc.tp_scheme, tc.cp, tc.cp_scheme)
-    kept = pieces(cfg, micro, itemsize, tc.tp, tc.tp_scheme, tc.recompute, tc.cp, tc.cp_scheme)["K"]   # a block's cache
+    f = activation_formula(cfg, micro, itemsize, tc.tp, tc.tp_scheme, tc.cp, tc.cp_scheme, tc.attention)
+    kept = pieces(cfg, micro, itemsize, tc.tp, tc.tp_scheme, tc.recompute, tc.cp, tc.cp_scheme,
+                  tc.attention)["K"]                                 # a block's cache
     activations = (f["model"] - L * f["block"] + L * kept) // tc.pp
     return weights, activations
 

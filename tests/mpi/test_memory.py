@@ -2,7 +2,8 @@
 whose activations dominate (T = 32 against C = 16): for every tp in {1, 2, 4}, pp in {1, 2}, ZeRO stage in {0, 1, 2, 3}
 and recompute in {none, selective, full}, each in several layouts and tensor-parallel schemes, the measured peak of
 every category equals the formula within 5% on every rank; ZeRO-2's peak is below ZeRO-1's by about the whole
-gradient; ZeRO-3's parameters are 1/dp of them plus the largest group in flight."""
+gradient; ZeRO-3's parameters are 1/dp of them plus the largest group in flight; the Llama family with flash attention
+(what --memory reports for --arch llama --attention flash): activations equal the formula to the byte."""
 import numpy as np
 import pytest
 
@@ -18,6 +19,7 @@ pytestmark = pytest.mark.mpi(min_size=8)
 
 CFG = ModelConfig(vocab_size=64, seq_len=32, d_model=16, n_heads=4, n_layers=2, d_ff=64)
 CORPUS = Corpus(np.random.default_rng(0).integers(0, 64, 4000, dtype=np.uint8).tobytes(), "random bytes", 32)
+LLAMA = ModelConfig(vocab_size=64, seq_len=32, d_model=16, n_heads=4, n_layers=2, d_ff=64, arch="llama")   # NKV 2
 DEEP = ModelConfig(vocab_size=64, seq_len=32, d_model=16, n_heads=4, n_layers=6, d_ff=64)   # 8 buckets
 TOLERANCE = 0.05
 
@@ -79,6 +81,23 @@ def test_context_parallelism_per_category_equals_the_formula(cp_scheme):
     say(f"cp 2 {cp_scheme}: worst |measured/formula - 1| {worst:.4f} (rank 0), recompute peak {recomputed} B; "
         + ", ".join(f"{c} {x:.3f}" for c, x in r.items()))
     check(worst <= TOLERANCE and (recomputed > 0) == (cp_scheme == "allgather"), f"measured/formula {r}")
+
+
+def test_llama_flash_activations_equal_the_formula():
+    """--arch llama --attention flash, tp 2 (one kv head per rank) x dp 4, the sequence scheme, ZeRO-1, selective
+    recomputation over 2 micro-batches: flash keeps no probabilities, so nothing is recomputed, and the measured
+    activations (the caches of RMSNorm, rotated q, k, repeated v by heads, y, lse, SwiGLU's gate|up product, the
+    rotary tables) equal step_memory's to the byte on every rank; every other category within 5%."""
+    measured, formula, _, _ = measure(2, 1, 1, "selective", "sequence", 2, cfg=LLAMA, attention="flash")
+    r = ratios(measured, formula)
+    worst = max(abs(x - 1) for x in r.values())
+    act = (measured["peak"]["activations"], formula["peak"]["activations"])
+    rows = WORLD.gather((worst, act, measured["peak"].get("recompute", 0)))
+    say(f"llama flash tp 2: activations measured | formula per rank {[a for _, a, _ in rows or []]}; worst "
+        f"|measured/formula - 1| {max(w for w, _, _ in rows or [(0, 0, 0)]):.4f}; recompute peak "
+        f"{max(c for _, _, c in rows or [(0, 0, 0)])} B")
+    check(worst <= TOLERANCE and act[0] == act[1] and not measured["peak"].get("recompute", 0),
+          f"measured/formula {r}, activations {act}")
 
 
 @pytest.mark.parametrize("dtype,layout", [("bfloat16", (2, 1, 1, "selective", "sequence", 2, "1f1b")),
