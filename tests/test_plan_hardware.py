@@ -33,12 +33,17 @@ def refused(path_or_name, *words):
         assert w in msg, msg
 
 
+G = 2**30                                   # a GiB: devices are sold in them
+
+
 @pytest.mark.parametrize("name, memory, peaks, intra, inter", [
-    ("a100-80g", 80e9, {"float64": 19.5e12, "float32": 19.5e12, "bfloat16": 312e12, "float16": 312e12}, 300e9, 25e9),
-    ("h100-80g", 80e9, {"float64": 67e12, "float32": 67e12, "bfloat16": 989e12, "float16": 989e12}, 450e9, 50e9),
-    ("h200-141g", 141e9, {"float64": 67e12, "float32": 67e12, "bfloat16": 989e12, "float16": 989e12}, 450e9, 50e9),
+    ("a100-80g", 80 * G, {"float64": 19.5e12, "float32": 19.5e12, "bfloat16": 312e12, "float16": 312e12}, 300e9, 25e9),
+    ("h100-80g", 80 * G, {"float64": 67e12, "float32": 67e12, "bfloat16": 989e12, "float16": 989e12}, 450e9, 50e9),
+    ("h200-141g", 143771 * 2**20,                   # (nvidia-smi's 143771 MiB)
+     {"float64": 67e12, "float32": 67e12, "bfloat16": 989e12, "float16": 989e12}, 450e9, 50e9),
 ])
 def test_shipped_datasheet_files(name, memory, peaks, intra, inter):
+    """A shipped file has its datasheet's numbers; memory in GiB (2^30 bytes), as devices are sold."""
     hw = load(name)
     print(hw.name)
     assert hw.memory_bytes == memory and hw.devices_per_node == 8 and hw.peak_flops == peaks

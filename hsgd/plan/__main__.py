@@ -3,74 +3,37 @@
     python -m hsgd.plan --model narayanan-145.6b --batch 2304 --devices 1536 --hw a100-80g
     python -m hsgd.plan --model L=96,C=12288,NH=96,F=49152,V=51200,T=2048 --batch 1536 --devices 1024 --hw h100-80g
     python -m hsgd.plan --model hsgd-default --batch 32 --devices 8 --hw this-machine --impl hsgd --dtype float32
+    python -m hsgd.plan --model llama3-405b --batch 2048 --devices 8192 --hw h100-80g --tp 8 --pp 16
     mpirun -n 8 python -m hsgd.plan --calibrate --out my-machine.toml          # measure this machine
 
 It enumerates every dp x pp x tp (x cp, chunks per stage, ZeRO stage, sequence parallelism, recomputation,
 micro-batch size, schedule) that the model allows on the devices, drops what does not fit in a device's memory,
 and prints the fastest N with memory per device by category, bytes per step on each communicator and link, and
 the predicted step time split into compute, elementwise, exposed tensor-parallel, pipeline (bubble and
-transfers), data-parallel and context-parallel communication, with tokens/s and MFU. --explain prints every term
-of the best layouts as its formula with the numbers in; --json writes everything.
+transfers), data-parallel and context-parallel communication, with tokens/s and MFU; memory in GiB, a layout
+fitting in what --headroom leaves; with --impl megatron, the best layout's Megatron-LM flags and torchtitan keys
+(hsgd.plan.flags). --model gives the family too (hsgd.plan.models: GQA, SwiGLU, RMSNorm, RoPE; Llama 3 presets).
+--explain prints every term of the best layouts as its formula with the numbers in; --json writes everything.
 The model of time, memory and bytes is in hsgd.plan.costs, hsgd.plan.layout and hsgd.plan.paper.
 """
 import argparse
 import json
-import re
 import sys
 
 from hsgd import cli
 from hsgd.cli import Parser
-from hsgd.model.config import ModelConfig
-from hsgd.errors import ConfigError, UsageError
+from hsgd.errors import UsageError
 from hsgd.files import writable_file
 from hsgd.readers import printable
+from . import flags
+from .family import describe, is_gpt2
 from .hardware import load, names
-from .paper import table1
-from .search import SCHEDULES, check_search, rank_key, rate_of, search
+from .models import parse_model, presets
+from .search import HEADROOM, SCHEDULES, check_search, rank_key, rate_of, search
 
 
 class PlanError(UsageError):
     """Input the planner cannot use; the message says what to change."""
-
-
-GPT2 = {"gpt2-small": (12, 768, 12), "gpt2-medium": (24, 1024, 16), "gpt2-large": (36, 1280, 20),
-        "gpt2-xl": (48, 1600, 25)}
-KEYS = {"L": "n_layers", "C": "d_model", "NH": "n_heads", "F": "d_ff", "V": "vocab_size", "T": "seq_len"}
-
-
-def presets():
-    """{name: ModelConfig}: the GPT models of Narayanan et al. 2021 Table 1, GPT-2's four, hsgd's own."""
-    out = {f"narayanan-{r['params_billion']:g}b": r["cfg"] for r in table1()}
-    for name, (L, C, NH) in GPT2.items():
-        out[name] = ModelConfig(vocab_size=50257, seq_len=1024, d_model=C, n_heads=NH, n_layers=L, d_ff=4 * C)
-    out["hsgd-default"] = ModelConfig()                                   # hsgd.train's default model
-    out["hsgd-small"] = ModelConfig(seq_len=32, d_model=64, n_heads=4, n_layers=2, d_ff=256)
-    return out
-
-
-def parse_model(text):
-    """A preset name or L=..,C=..,NH=..,F=..,V=..,T=.. (F defaults to 4C, V to 256, T to 64)."""
-    table = presets()
-    if text in table:
-        return table[text]
-    if "=" not in text:
-        raise PlanError(f"unknown model {text!r}; give a preset ({', '.join(table)}) or sizes such as "
-                        "L=96,C=12288,NH=96,F=49152,V=51200,T=2048")
-    sizes = {}
-    for part in text.split(","):
-        k, _, v = part.partition("=")
-        if k.strip() not in KEYS or not re.fullmatch(r"\d+", v.strip()):
-            raise PlanError(f"--model {text!r}: {part!r} is not KEY=INTEGER with KEY one of {', '.join(KEYS)}")
-        sizes[KEYS[k.strip()]] = int(v)
-    missing = [k for k, f in KEYS.items() if f not in sizes and k in ("L", "C", "NH")]
-    if missing:
-        raise PlanError(f"--model {text!r} has no {', '.join(missing)}; L (layers), C (width) and NH (heads) are "
-                        "needed, e.g. L=24,C=2048,NH=16")
-    sizes.setdefault("d_ff", 4 * sizes["d_model"])
-    try:
-        return ModelConfig(**sizes)
-    except ConfigError as e:
-        raise PlanError(f"--model {text!r}: {e}") from None
 
 
 def int_list(name, low=1, high=None):
@@ -115,8 +78,10 @@ def build_parser():
                 formatter_class=argparse.RawDescriptionHelpFormatter,
                 epilog="presets: " + ", ".join(presets()) + "\nhardware: " + ", ".join(names()))
     ap.add_argument("--model", default="hsgd-default",
-                    help="a preset (below) or sizes L=..,C=..,NH=..[,F=..,V=..,T=..] (F = 4C, V = 256, T = 64 "
-                         "unless given); default hsgd-default")
+                    help="a preset (below), a preset and keys (llama3-70b,T=4096) or keys L=..,C=..,NH=..[,F=..,V=..,"
+                         "T=..,NKV=..,arch=gpt2|llama,norm=layernorm|rmsnorm,pos=learned|rope,mlp=gelu|swiglu,"
+                         "bias=yes|no,tied=yes|no] (F = 4C, V = 256, T = 64 unless given; the rest arch's); default "
+                         "hsgd-default")
     ap.add_argument("--batch", type=positive("--batch"), default=32, help="global batch in sequences (default 32)")
     ap.add_argument("--devices", type=positive("--devices"), default=8, help="devices (ranks) in all; default 8")
     ap.add_argument("--hw", default="a100-80g", help="a shipped hardware name or a TOML file (default a100-80g)")
@@ -125,6 +90,13 @@ def build_parser():
                          "hsgd: this implementation's memory and bytes, exactly as hsgd.train measures them")
     ap.add_argument("--dtype", default=None, choices=("float64", "float32", "bfloat16", "float16"),
                     help="compute precision (default bfloat16 with --impl megatron, float32 with --impl hsgd)")
+    ap.add_argument("--attention", choices=("flash", "materialized"), default=None,
+                    help="flash: no stored T x T scores, as production runs use (default with --impl megatron); "
+                         "materialized: the scores, softmax and dropout kept, Korthikanti et al. 2022's 5 a s^2 b "
+                         "(default with --impl hsgd, which keeps the softmax)")
+    ap.add_argument("--headroom", type=float, default=HEADROOM,
+                    help=f"fraction of a device's memory kept free for the CUDA context, communication buffers and "
+                         f"fragmentation (default {HEADROOM:g}); a layout fits in the rest")
     ap.add_argument("--efficiency", type=float, default=None,
                     help="fraction of the matmul peak reached (default: the hardware file's, else 0.5)")
     ap.add_argument("--optimizer", choices=("sgd", "adamw"), default="adamw", help="--impl hsgd: its state")
@@ -153,15 +125,17 @@ def build_parser():
 
 
 def gb(x):
-    return f"{x / 1e9:.2f} GB"
+    """Bytes in GiB (2^30 bytes), the unit devices are sold in: an "80 GB" GPU holds 80 GiB."""
+    return f"{x / 2**30:.2f} GiB"
 
 
 def fmt_t(t):
     return f"{t * 1e3:.1f} ms" if t < 10 else f"{t:.2f} s"
 
 
-def space_of(args):
-    space = {"tp": args.tp, "pp": args.pp, "cp": args.cp, "zero": args.zero, "recompute": args.recompute,
+def space_of(args, attention):
+    space = {"attention": [attention], "tp": args.tp, "pp": args.pp, "cp": args.cp, "zero": args.zero,
+             "recompute": args.recompute,
              "b": args.micro_batch, "schedule": args.schedule, "v": args.virtual,
              "dp_overlap": [False, True] if args.overlap else None,
              "hierarchical": [False, True] if args.hierarchical else None}
@@ -204,21 +178,33 @@ def plan(args, say=print):
     check_search(cfg, batch, args.devices)                             # the stated maxima, before any work
     if args.efficiency is not None and not 0 < args.efficiency <= 1:
         raise PlanError(f"--efficiency {args.efficiency} must be in (0, 1], e.g. 0.5")
+    if not 0 <= args.headroom < 1:
+        raise PlanError(f"--headroom {args.headroom} must be in [0, 1): the fraction of memory kept free, e.g. 0.1")
+    attention = args.attention or ("flash" if args.impl == "megatron" else "materialized")
+    if args.impl == "hsgd" and attention == "flash":
+        raise PlanError("--impl hsgd prices hsgd.train's memory, whose attention keeps its softmax; use --attention "
+                        "materialized, or --impl megatron for flash attention")
     if args.json:
         writable_file(args.json, "--json", PlanError)
     eff = args.efficiency if args.efficiency is not None else (hw.efficiency or 0.5)
     rate = rate_of(hw, dtype, eff)
     say(f"model: L={cfg.n_layers} C={cfg.d_model} NH={cfg.n_heads} F={cfg.d_ff} V={cfg.vocab_size} "
-        f"T={cfg.seq_len}, {cfg.n_params() / 1e9:.3g} B parameters, {cfg.step_flops(batch) / 1e12:.4g} TFLOP per "
+        f"T={cfg.seq_len}, {cfg.n_params() / 1e9:.4g} B parameters, {cfg.step_flops(batch) / 1e12:.4g} TFLOP per "
         f"step of {batch} sequences (without recomputation)")
+    if not is_gpt2(cfg) or cfg.arch != "gpt2":
+        say(f"family: {describe(cfg)}")
     where = args.hw if args.hw in names() else hw.source
     say(f"hardware: {printable(hw.name)} ({printable(where)}); {args.devices} devices, {hw.devices_per_node} per "
         f"node, {gb(hw.memory_bytes)} each; matmuls at {rate / 1e12:.4g} TFLOP/s in {dtype}"
         + ("" if dtype in hw.measured_matmul else f" (peak x efficiency {eff:g})") + f"; implementation {args.impl}")
+    usable = (1 - args.headroom) * hw.memory_bytes
+    say(f"memory: a layout fits in {gb(usable)} per device ({args.headroom:.0%} of {gb(hw.memory_bytes)} kept free, "
+        f"--headroom); attention {attention}" + (" (no stored scores)" if attention == "flash" else
+                                                  " (the scores stored)"))
     progress = (lambda i, n: say(f"  ... {i} of {n} layouts priced", flush=True)) if args.devices > 64 else None
-    space = dict(space_of(args), node_ranks=hw.devices_per_node)
+    space = dict(space_of(args, attention), node_ranks=hw.devices_per_node)
     found, tried, dropped = search(cfg, batch, args.devices, hw, space, args.impl, dtype, eff,
-                                   progress=progress)
+                                   progress=progress, headroom=args.headroom)
     say(f"{tried} layouts allowed by the model; {len(found)} fit" + (
         "; dropped: " + "; ".join(f"{n} x {why}" for why, n in sorted(dropped.items(), key=lambda x: -x[1])[:4])
         if dropped else ""))
@@ -226,14 +212,20 @@ def plan(args, say=print):
         if not tried:
             cp = (f", seq_len={cfg.seq_len} divide by 2 cp (and by tp cp with sequence parallelism)"
                   if args.cp and max(args.cp) > 1 else "")
+            kv = f", and divide n_kv_heads={cfg.n_kv_heads} or be a multiple of it" if cfg.n_kv_heads < cfg.n_heads \
+                else ""
             raise PlanError(f"no layout of {args.devices} devices splits this model and batch {batch}: tp must "
-                            f"divide n_heads={cfg.n_heads} and d_ff={cfg.d_ff}, dp the batch, pp <= L={cfg.n_layers}"
+                            f"divide n_heads={cfg.n_heads} and d_ff={cfg.d_ff}{kv}, dp the batch, pp <= "
+                            f"L={cfg.n_layers}"
                             f"{cp}; change --devices or --batch, or widen --tp/--pp" + ("/--cp" if cp else ""))
-        raise PlanError(f"nothing fits in {gb(hw.memory_bytes)} per device ({tried} layouts tried): use more "
-                        "devices, a smaller --batch or --micro-batch 1, or allow --zero 1,2,3 and --recompute full")
+        raise PlanError(f"nothing fits in {gb(usable)} per device ({gb(hw.memory_bytes)} less {args.headroom:.0%} "
+                        f"headroom; {tried} layouts tried): use more devices, a smaller --batch or --micro-batch 1, "
+                        "or allow --zero 1,2,3 and --recompute full" + (", or --attention flash"
+                                                                          if attention != "flash" else ""))
     from .search import evaluate                       # the printed ones priced again, with the simulator
     shown = sorted((evaluate(cfg, batch, e.layout, hw, args.impl, dtype, eff, explain=args.explain,
-                             optimizer=args.optimizer) for e in found[:args.top]), key=rank_key)
+                             optimizer=args.optimizer, headroom=args.headroom) for e in found[:args.top]),
+                   key=rank_key)
     say(f"\n{'#':>3} {'layout':<62} {'memory':>10} {'step':>10} {'tokens/s':>11} {'MFU':>6} {'TFLOP/s/dev':>11}")
     for i, e in enumerate(shown):
         mem = gb(sum(e.memory.values())) if e.memory is not None else "n/a"
@@ -242,10 +234,19 @@ def plan(args, say=print):
     for i, e in enumerate(shown):
         say(f"\n{i + 1}. {e.layout.name()}")
         report(e, say, args.explain)
+    if args.impl == "megatron":
+        best = shown[0].layout
+        say(f"\nto run layout 1 ({best.name()}) with Megatron-LM:")
+        for line in flags.megatron(cfg, best, batch, dtype):
+            say("    " + line)
+        say("with torchtitan (its TOML job file):")
+        for line in flags.torchtitan(cfg, best, batch):
+            say("    " + line)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": cfg.__dict__, "batch": batch, "devices": args.devices, "hardware": hw.name,
                        "impl": args.impl, "dtype": dtype, "efficiency": eff, "tried": tried,
+                       "attention": attention, "headroom": args.headroom, "usable_bytes": usable,
                        "layouts": [to_json(e) for e in shown + found[args.top:]]}, f, indent=1)
         say(f"\nwrote {len(found)} layouts to {args.json}")
     return 0

@@ -25,9 +25,10 @@ Every function returns seconds; with `why` (a list) it appends ("term", "formula
    its ranks_per_node dp ranks. Otherwise the group crosses the network, whose per-device link is the bottleneck of a
    ring.
 3. Compute: matmul FLOPs at the rate hw.rate(dtype) (peak x efficiency, or what --calibrate measured). Per
-   micro-batch on one rank of a stage, N = b T/cp rows: forward 2 N (4C^2 + 2CF)/tp per block, the attention's
-   4 S C/tp with S its query-key scores per sequence (T^2 without cp, hsgd.cp.split.attention_blocks with it), the
-   head's 2 N C V/tp. Backward: input gradients as much as the forward plus the attention's again, weight
+   micro-batch on one rank of a stage, N = b T/cp rows: forward 2 N (4C^2 + 2CF)/tp per block (of the family:
+   2 N (2C^2 + 2CK + m CF)/tp, micro_batch_flops), the attention's 4 S C/tp with S its query-key scores per sequence
+   (T^2 without cp, hsgd.cp.split.attention_blocks with it; with flash attention the causal half), the head's
+   2 N C V/tp. Backward: input gradients as much as the forward plus the attention's again, weight
    gradients as much as the linears' forward (B + W = 2 F). --recompute full adds the blocks' forward to B,
    selective the attention's.
    Elementwise work (LayerNorm, softmax, GELU, residuals, dropout) is bound by memory bandwidth: with the
@@ -57,6 +58,7 @@ from functools import lru_cache
 from hsgd.cp.split import attention_blocks
 from hsgd.pp.schedules import MAX_PIECES, build, effective, simulate
 from hsgd.tp.schemes import make_scheme
+from .family import kv_columns
 from .paper import activation_bytes
 
 BLOCKING = {"Allreduce", "Reduce_scatter_block", "Allgather", "Recv", "Irecv", "Iallreduce",
@@ -137,18 +139,27 @@ def group_links(lay, hw, exchange):
 
 
 # ---------------------------------------------------------------------------------------------- 3. compute
-def micro_batch_flops(cfg, b, tp, cp, n_blocks, last, recompute, why=None):
-    """(F, B, W) matmul FLOPs of one micro-batch of b sequences on one rank of a stage (see 3 above)."""
+def micro_batch_flops(cfg, b, tp, cp, n_blocks, last, recompute, why=None, attention="materialized"):
+    """(F, B, W) matmul FLOPs of one micro-batch of b sequences on one rank of a stage (see 3 above), of the model's
+    family: per token and block 2 (2C^2 + m C F)/tp + 2 C K_t (m = 2 with GELU, 3 with SwiGLU; K_t = the columns of k
+    and v on a rank, NKV hs/tp, or hs when tp > NKV: hsgd.plan.family.kv_columns). Attention materialized: the
+    whole T x T scores (the causal half computed too), F 4 S C/tp, B twice that. Flash (Dao 2023, FlashAttention-2):
+    only the blocks the causal mask leaves, S = b T^2/2 without cp, and its backward computes the scores again:
+    B = 10 S C/tp, 2.5 times the forward's."""
     T, C, F, V = cfg.seq_len, cfg.d_model, cfg.d_ff, cfg.vocab_size
+    m, K = (2 if cfg.mlp == "gelu" else 3), kv_columns(cfg, tp)
     N = b * T // cp
     scores = b * (T * T if cp == 1 else attention_blocks(T, cp, 0))
-    lin = n_blocks * 2 * N * (4 * C * C + 2 * C * F) / tp + (2 * N * C * -(-V // tp) if last else 0)
+    if attention == "flash" and cp == 1:
+        scores = scores / 2                                          # (the blocks under the diagonal)
+    lin = n_blocks * 2 * N * (2 * C * C + 2 * C * K * tp + m * C * F) / tp + (2 * N * C * -(-V // tp) if last else 0)
     att = n_blocks * 4 * scores * C / tp
-    f, bwd, w = lin + att, lin + 2 * att, lin
+    f, bwd, w = lin + att, lin + (2.5 if attention == "flash" else 2) * att, lin
     extra = {"full": lin - (2 * N * C * -(-V // tp) if last else 0) + att, "selective": att}.get(recompute, 0.0)
-    note(why, "compute", f"F = 2 N (4C^2 + 2CF)/tp x {n_blocks} blocks + 4 S C/tp x {n_blocks}"
-                         + (" + 2 N C Vp (head)" if last else "") + f" = {f:.4g} FLOP (N = {N}, S = {scores}); "
-                         f"B = {bwd + extra:.4g} (recompute {recompute}: +{extra:.4g}), W = {w:.4g}")
+    note(why, "compute", f"F = 2 N (2C^2 + 2C K_t tp + {m} C F)/tp x {n_blocks} blocks + 4 S C/tp x {n_blocks}"
+                         + (" + 2 N C Vp (head)" if last else "") + f" = {f:.4g} FLOP (N = {N}, K_t = {K}, S = "
+                         f"{scores:.6g}, attention {attention}); B = {bwd + extra:.4g} (recompute {recompute}: "
+                         f"+{extra:.4g}), W = {w:.4g}")
     return f, bwd + extra, w
 
 
@@ -211,7 +222,7 @@ def stage_costs(cfg, lay, stage, hw, rate, sizes, links, mine=None):
     "compute", "ew", "tp", "cp", "msg", "gather", "rs"}; mine: its --explain lines."""
     n_blocks, first, last, counts, ex = stage
     m, p, v = lay.m, lay.pp, lay.v
-    fl, bl, wl = micro_batch_flops(cfg, lay.b, lay.tp, lay.cp, n_blocks, last, lay.recompute, mine)
+    fl, bl, wl = micro_batch_flops(cfg, lay.b, lay.tp, lay.cp, n_blocks, last, lay.recompute, mine, lay.attention)
     t = traffic(counts, sizes, links, hw)
     tp_mb = t.get("tp", 0.0) / m
     fwd = make_scheme(lay.tp_scheme).block_forward_formula(cfg, lay.b, lay.itemsize, lay.cp)
@@ -240,7 +251,8 @@ def stage_costs(cfg, lay, stage, hw, rate, sizes, links, mine=None):
             rs += max(per_mb * m / calls, per_mb - (bl + wl) / rate)
     ew = 0.0
     if hw.memory_bandwidth:
-        act = activation_bytes(cfg, lay.b, lay.tp, lay.tp_scheme == "sequence", "none", lay.cp) * lay.itemsize / 2
+        act = activation_bytes(cfg, lay.b, lay.tp, lay.tp_scheme == "sequence", "none", lay.cp,
+                               lay.attention) * lay.itemsize / 2
         ew = n_blocks * act * hw.elementwise_passes / hw.memory_bandwidth   # a write and a read per activation
     ew_f, ew_b = 2 * ew, (4 + 2 * (lay.recompute == "full")) * ew
     over = n_blocks * hw.block_overhead / 2                           # per block and micro-batch: half F, half B

@@ -63,9 +63,11 @@ class PlannedStage:
         """A micro-batch in one piece (the planner leaves --threads out)."""
         return [rows]
 
-    def group_numel(self, cfg, tp, scheme):
-        """{group: elements of this stage's tp shards} in the order the backward pass finishes the groups."""
-        per = kind_numel(cfg, tp, scheme)
+    def group_numel(self, cfg, tp, scheme, per=None):
+        """{group: elements of this stage's tp shards} in the order the backward pass finishes the groups; per:
+        {"embedding", "h", "head": elements of each kind} (default hsgd's shards, kind_numel; the planner's
+        Megatron-style run: hsgd.plan.family.megatron_numel)."""
+        per = per or kind_numel(cfg, tp, scheme)
         blocks = [f"h.{i}" for i in reversed(self.layers)]
         return {g: per["h" if g.startswith("h.") else g] for g in
                 (["head"] if self.last else []) + blocks + (["embedding"] if self.first else [])}

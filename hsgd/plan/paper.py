@@ -14,7 +14,9 @@ planner takes memory from the papers:
     recomputation (sequence parallel; without it s b h (10 + 24/t)), 2 s b h with full recomputation (plus one
     layer's whole activations while it is recomputed);
     a stage holds the activations of the micro-batches its schedule keeps in flight (hsgd.pp.timelines.peak_held),
-    and the last stage the loss's 32-bit logits, 4 s b V/t.
+    and the last stage the loss's 32-bit logits, 4 s b V/t. `activation_bytes` writes Table 2 term by term, so
+    that the family changes it (grouped-query k and v, SwiGLU, no dropout in Llama's runs) and so that flash
+    attention (the planner's default) drops the 5 a s^2 b of the stored scores for the 4 a s b of the log-sum-exp;
 
 and the FLOPs of Narayanan et al. (2021), "Efficient Large-Scale Language Model Training on GPU Clusters Using
 Megatron-LM", with full recomputation (hsgd.model.config.gpt_step_flops equals it when F = 4h):
@@ -28,7 +30,8 @@ import csv
 import os
 
 from hsgd.model.config import ModelConfig
-from hsgd.accounting.activations import paper_table2, paper_zero_bytes
+from hsgd.accounting.activations import paper_zero_bytes
+from .family import kv_columns
 
 TABLE1 = os.path.join(os.path.dirname(os.path.abspath(__file__)), "narayanan2021.csv")
 SEQ, VOCAB, PEAK = 2048, 51200, 312e12                        # Table 1's setting: s, V, A100 bf16/fp16 peak
@@ -62,15 +65,38 @@ def table1():
     return out
 
 
-def activation_bytes(cfg, b, tp, sequence, recompute, cp=1):
+DROPOUT = {"gpt2": True, "llama": False}   # Korthikanti et al.'s GPT runs keep dropout masks; Llama 3 uses none
+
+
+def activation_bytes(cfg, b, tp, sequence, recompute, cp=1, attention="materialized"):
     """Korthikanti et al. (2022)'s activation bytes of one layer for one micro-batch of b sequences (16-bit), on a
-    rank holding T/cp positions: the Table 2 row of these settings (see the module docstring)."""
-    rows = paper_table2(cfg.seq_len // cp, b, cfg.d_model, cfg.n_heads, tp)
+    rank holding s = T/cp positions, term by term so that the family changes them (K_t = kv_columns: the columns of
+    k and v on one of the t tensor-parallel ranks; mlp 4 s b F with GELU (its input and output), 6 s b F with SwiGLU
+    (the fused kernel's 2F-wide input of gate and up, and the product, the projection's input)):
+
+        replicated   s b h (8 + 2 dropout)        the two norms' inputs 4, the inputs of qkv and of the MLP 4, the
+                                                  two 1-byte dropout masks 2 (gpt2's runs; none in Llama 3's)
+        split by t   4 s b h + 4 s b K_t t + mlp  q 2, the attention's output 2, k and v 2 K_t t / h each
+        scores       materialized: (5 with dropout, else 2) a s^2 b / t   the scores, softmax, dropout mask and
+                                                  output (2 + 2 + 1) of Table 2; without dropout the softmax only
+                     flash: 4 a s b / t           FlashAttention (Dao et al. 2022) stores no scores: of the
+                                                  attention it keeps the output (counted above) and each row's
+                                                  32-bit log-sum-exp; the scores are recomputed in the backward
+
+    rows: none = replicated (/t with sequence parallelism) + split/t + scores; selective = the same without the
+    scores; full = the layer's input, 2 s b h (/t with sequence parallelism). For gpt2 with F = 4h (K = h, dropout,
+    materialized) this is Table 2: s b h (10 + 24/t + 5 a s/(h t)), s b h (34/t + 5 a s/(h t)), 34 s b h/t, 2 s b h."""
+    s, h, a, t = cfg.seq_len // cp, cfg.d_model, cfg.n_heads, tp
     if recompute == "full":
-        return rows["full"] / (tp if sequence else 1)
-    if recompute == "selective":
-        return rows["selective"] if sequence else cfg.seq_len // cp * b * cfg.d_model * (10 + 24 / tp)
-    return rows["tp+sp" if sequence else "tp"]
+        return 2 * s * b * h / (t if sequence else 1)
+    drop = DROPOUT[cfg.arch]
+    rep = 8 + 2 * drop
+    split = 4 + 4 * (kv_columns(cfg, t) * t) / h + (4 if cfg.mlp == "gelu" else 6) * cfg.d_ff / h
+    score = 0 if recompute == "selective" else (
+        4 * a / h if attention == "flash" else (5 if drop else 2) * a * s / h)
+    if sequence:
+        return s * b * h * ((rep + split) / t + score / t)
+    return s * b * h * (rep + split / t + score / t)
 
 
 def stage_memory(cfg, lay, numel, n_blocks, held, last, state_bytes=16):
@@ -83,11 +109,11 @@ def stage_memory(cfg, lay, numel, n_blocks, held, last, state_bytes=16):
     weights = numel * 2 / (nd if lay.zero == 3 else 1)
     grads = numel * 2 / (nd if lay.zero >= 2 else 1)
     sequence = lay.tp_scheme == "sequence"
-    per_layer = activation_bytes(cfg, lay.b, lay.tp, sequence, lay.recompute, lay.cp)
+    per_layer = activation_bytes(cfg, lay.b, lay.tp, sequence, lay.recompute, lay.cp, lay.attention)
     acts = held * (n_blocks / lay.v) * per_layer
     out = {"params": weights, "grads": grads, "optimizer": states - weights - grads, "activations": acts}
     if lay.recompute == "full":                             # one layer's whole activations, rebuilt for its backward
-        out["recompute"] = activation_bytes(cfg, lay.b, lay.tp, sequence, "none", lay.cp)
+        out["recompute"] = activation_bytes(cfg, lay.b, lay.tp, sequence, "none", lay.cp, lay.attention)
     if last:
         out["activations"] += 4 * (cfg.seq_len // lay.cp) * lay.b * -(-cfg.vocab_size // lay.tp)
     return out

@@ -5,7 +5,9 @@ A layout (`Layout`) is dp x pp x cp x tp = n devices, v chunks per stage, a ZeRO
 sequences (m = B / (dp b) micro-batches) and a pipeline schedule. `evaluate` prices one:
 
     memory      per device by category: hsgd's own (--impl hsgd: hsgd.plan.layout, equal to what hsgd.train
-                measures) or a Megatron-style mixed-precision run's (--impl megatron: hsgd.plan.paper)
+                measures) or a Megatron-style mixed-precision run's (--impl megatron: hsgd.plan.paper, its
+                parameters per tp rank hsgd.plan.family.megatron_numel, its attention Layout.attention); it fits
+                within (1 - headroom) x the device's memory (HEADROOM, 10%, unless told)
     bytes       per step on each communicator (hsgd.accounting.traffic.rank_bytes), and on each link type
     time        hsgd.plan.costs.step_time: compute, exposed tp, pp bubble and transfers, cp, dp
     throughput  tokens/s = B T / step time; MFU = the model's FLOPs without recomputation / (time n peak);
@@ -24,6 +26,7 @@ from hsgd.step.settings import MAX_RANKS, TrainConfig
 from hsgd.pp.timelines import peak_formula
 from .costs import group_links, group_sizes, step_time
 from .layout import ITEMSIZE, PlannedStage, plan_rank
+from .family import megatron_numel
 from .paper import stage_memory
 
 SCHEDULES = ("1f1b", "interleaved", "gpipe", "zb-h1")
@@ -48,6 +51,7 @@ class Layout:
     ranks_per_node: int = None
     cp_scheme: str = "ring"
     itemsize: int = 2                # bytes per element moved and held (hsgd: its dtype's; megatron: 2)
+    attention: str = "materialized"  # or "flash": no stored scores (hsgd.plan.paper.activation_bytes)
 
     def name(self):
         parts = [f"dp{self.dp} pp{self.pp} tp{self.tp}"] + ([f"cp{self.cp}"] if self.cp > 1 else [])
@@ -74,9 +78,12 @@ class Layout:
 
 
 def check_model(cfg, tp, cp=1, sequence=False):
-    """None if the model splits over tp and cp (heads, d_ff; the sequence for sp and cp), else why not."""
+    """None if the model splits over tp and cp (heads, d_ff, and key/value heads or tp a multiple of them; the
+    sequence for sp and cp), else why not."""
     if cfg.n_heads % tp or cfg.d_ff % tp:
         return f"n_heads={cfg.n_heads} and d_ff={cfg.d_ff} must divide by tp={tp}"
+    if cfg.n_kv_heads % tp and tp % cfg.n_kv_heads:
+        return f"n_kv_heads={cfg.n_kv_heads} and tp={tp}: one must divide the other"
     if sequence and cfg.seq_len % (tp * cp):
         return f"seq_len={cfg.seq_len} must divide by tp x cp = {tp * cp} for sequence parallelism"
     if cp > 1 and cfg.seq_len % (2 * cp):
@@ -103,11 +110,13 @@ def too_many(what):
 
 def layouts(cfg, batch, n, space):
     """Every Layout of n devices that the model allows, over `space` (a dict of lists: tp, pp, cp, v, zero,
-    tp_scheme, recompute, b, schedule, dp_overlap, hierarchical; None: every value that applies; node_ranks: the
+    tp_scheme, recompute, b, schedule, dp_overlap, hierarchical; attention: one of them, the run's, default
+    materialized; None: every value that applies; node_ranks: the
     devices of a node, for the hierarchical exchange). The sizes are the divisors of n (the lists given: their
     values that divide it, each once), and at most MAX_LAYOUTS layouts are made (ConfigError beyond)."""
     check_search(cfg, batch, n)
     out, looked = [], 0
+    attention = (space.get("attention") or ["materialized"])[0]
     tps = [t for t in dict.fromkeys(space.get("tp") or divisors(n)) if n % t == 0]
     for tp in tps:
         for cp in dict.fromkeys(space.get("cp") or [1]):
@@ -133,7 +142,8 @@ def layouts(cfg, batch, n, space):
                                 continue
                             for more in options(space, dp * cp, space.get("node_ranks") and
                                                 space["node_ranks"] // (pp * cp * tp)):
-                                lay = Layout(dp=dp, pp=pp, tp=tp, cp=cp, v=v, b=b, m=m, schedule=sched, **more)
+                                lay = Layout(dp=dp, pp=pp, tp=tp, cp=cp, v=v, b=b, m=m, schedule=sched,
+                                             attention=attention, **more)
                                 if lay.tp_scheme == "sequence" and tp == 1:
                                     continue                               # the same as megatron at tp = 1
                                 if check_model(cfg, tp, cp, lay.tp_scheme == "sequence") is None:
@@ -186,9 +196,14 @@ def rate_of(hw, dtype, efficiency):
     return hw.peak(dtype) * (efficiency if efficiency is not None else (hw.efficiency or 1.0))
 
 
+HEADROOM = 0.10   # of a device's memory kept free: the CUDA context, NCCL's buffers, the allocator's fragmentation
+                  # and the temporaries the formulas leave out (hsgd.plan.paper's "Left out")
+
+
 def evaluate(cfg, batch, lay, hw, impl="megatron", dtype="bfloat16", efficiency=None, explain=False,
-             optimizer="adamw", simulated=True):
-    """A SimpleNamespace: layout, memory {category: bytes} of the fullest device and its stage, fits, bytes
+             optimizer="adamw", simulated=True, headroom=HEADROOM):
+    """A SimpleNamespace: layout, memory {category: bytes} of the fullest device and its stage, fits (its total
+    within usable = (1 - headroom) x the device's memory_bytes), usable, bytes
     {stage: {(comm, op): (calls, bytes)}}, links {link: bytes per device per step}, time (costs.StepTime),
     tokens_per_s, mfu, tflops (per device, Narayanan et al.'s count). Raises ConfigError for settings hsgd.train
     refuses (--impl hsgd)."""
@@ -215,7 +230,8 @@ def evaluate(cfg, batch, lay, hw, impl="megatron", dtype="bfloat16", efficiency=
         mems, counts, shapes, exchanges, owned = {}, {}, {}, {}, 0
         for s in stages:
             st = PlannedStage(cfg, tc, lay.pp, s)
-            numel = st.group_numel(cfg, lay.tp, lay.tp_scheme)
+            numel = st.group_numel(cfg, lay.tp, lay.tp_scheme,
+                                   megatron_numel(cfg, lay.tp, tied_copy=st.last and not st.first))
             ex = exchanges[s] = exchange_sizes(tc, numel, lay.itemsize, lay.dp * lay.cp, lay.m)
             counts[s] = rank_bytes(cfg, tc, lay.dp, lay.tp, lay.cp, st, ex)
             owned = max(owned, ex.owned_numel())
@@ -231,9 +247,10 @@ def evaluate(cfg, batch, lay, hw, impl="megatron", dtype="bfloat16", efficiency=
                                    if impl == "hsgd" else None)
     peak = hw.peak(dtype)
     tokens = batch * cfg.seq_len
+    usable = (1 - headroom) * hw.memory_bytes
     return SimpleNamespace(
-        layout=lay, memory=mems.get(full), stage=full, fits=(sum(mems[full].values()) <= hw.memory_bytes
-                                                             if full is not None else None),
+        layout=lay, memory=mems.get(full), stage=full, usable=usable,
+        fits=sum(mems[full].values()) <= usable if full is not None else None,
         bytes=counts, links=link_bytes(lay, counts[stages[0]], hw, exchanges[stages[0]]), time=t,
         tokens_per_s=tokens / t.total,
         mfu=cfg.step_flops(batch) / (t.total * n * peak),
@@ -256,7 +273,8 @@ def memory_terms(cfg, lay, impl, mem, stage, at=None):
     return [("memory", f"stage {stage}: ZeRO-{lay.zero} model states (Rajbhandari et al. 2020), 2 psi weights, "
                        f"2 psi gradients, 12 psi Adam, divided by Nd = {nd} where sharded: params {mem['params']:.4g}"
                        f" B, grads {mem['grads']:.4g} B, optimizer {mem['optimizer']:.4g} B"),
-            ("memory", f"activations (Korthikanti et al. 2022, Table 2, {lay.tp_scheme}, recompute {lay.recompute}): "
+            ("memory", f"activations (Korthikanti et al. 2022, Table 2, for the {cfg.arch} family, {lay.tp_scheme}, "
+                       f"recompute {lay.recompute}, attention {lay.attention}): "
                        f"s b h = {s_} x {b} x {h} per layer, times the layers of the stage and the micro-batches in "
                        f"flight = {mem['activations']:.4g} B")]
 
@@ -283,7 +301,7 @@ def rank_key(e):
 
 
 def search(cfg, batch, n, hw, space=None, impl="megatron", dtype="bfloat16", efficiency=None, top=None,
-           progress=None):
+           progress=None, headroom=HEADROOM):
     """(fitting evaluations sorted by step time, how many layouts were tried, why the others were dropped)."""
     space = space or {}
     cands = layouts(cfg, batch, n, space)
@@ -292,7 +310,7 @@ def search(cfg, batch, n, hw, space=None, impl="megatron", dtype="bfloat16", eff
         if progress and i and i % max(len(cands) // 10, 1) == 0:
             progress(i, len(cands))
         try:
-            e = evaluate(cfg, batch, lay, hw, impl, dtype, efficiency, simulated=False)
+            e = evaluate(cfg, batch, lay, hw, impl, dtype, efficiency, simulated=False, headroom=headroom)
         except (ConfigError, UsageError) as err:
             dropped[str(err)] = dropped.get(str(err), 0) + 1
             continue

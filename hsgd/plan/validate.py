@@ -7,7 +7,8 @@ and the teraFLOP/s per GPU they achieved).
 
 The runs of the paper, in the planner's terms: --impl megatron (16-bit, Adam), full recomputation, no sequence
 parallelism and no ZeRO (neither was in Megatron-LM then), the 1F1B or interleaved schedule (v = 2), and
-micro-batches of 1, 2, 4 or 8 sequences (the paper tuned them; the table does not say which). TFLOP/s per GPU are
+micro-batches of 1, 2, 4 or 8 sequences (the paper tuned them; the table does not say which), the attention scores
+stored (Layout's default; FlashAttention came a year later), and the 80 GiB less search.HEADROOM. TFLOP/s per GPU are
 counted as the paper counts them, its FLOPs with recomputation (hsgd.model.config.gpt_step_flops equals them) over the
 step time and the GPUs.
 

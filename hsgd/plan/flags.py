@@ -1,0 +1,136 @@
+"""The chosen layout as the settings of two production trainers: Megatron-LM's command-line flags and torchtitan's
+TOML keys, so that a plan can be run where hsgd cannot (python -m hsgd.plan prints both for its best layout).
+
+Flag and key names were checked against the projects' sources, not copied from them:
+  * Megatron-LM, megatron/training/arguments.py and the dataclasses its flags are made from (TransformerConfig,
+    ModelParallelConfig), at the core_v0.15 line (August 2026): --tensor-model-parallel-size,
+    --pipeline-model-parallel-size, --context-parallel-size, --sequence-parallel,
+    --num-layers-per-virtual-pipeline-stage, --decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers
+    (uneven stages), --recompute-granularity, --recompute-method, --recompute-num-layers,
+    --use-distributed-optimizer (ZeRO-1), --use-megatron-fsdp with --data-parallel-sharding-strategy optim_grads
+    (ZeRO-2) or optim_grads_params (ZeRO-3), --overlap-grad-reduce, --normalization RMSNorm,
+    --position-embedding-type rope, --rotary-base, --swiglu, --group-query-attention with --num-query-groups,
+    --untie-embeddings-and-output-weights, --disable-bias-linear, --use-flash-attn, --attention-dropout,
+    --hidden-dropout, --micro-batch-size, --global-batch-size, --bf16. Its attention accepts fewer key/value heads
+    than tp ranks (one head per rank, shared), as hsgd.plan.family prices it.
+  * torchtitan, torchtitan/config/job_config.py as of February 2026 (the last release with TOML job files; later
+    versions configure in Python with the same field names) and torchtitan/models/llama3 (flavors "8B", "70B",
+    "405B" with Llama 3's sizes): [parallelism] data_parallel_replicate_degree, data_parallel_shard_degree,
+    fsdp_reshard_after_forward, tensor_parallel_degree, pipeline_parallel_degree, pipeline_parallel_schedule
+    ("1F1B", "Interleaved1F1B", "GPipe"), pipeline_parallel_layers_per_stage, pipeline_parallel_microbatch_size,
+    context_parallel_degree; [activation_checkpoint] mode ("none", "selective", "full"), selective_ac_option;
+    [training] local_batch_size, seq_len; [model] name, flavor.
+What does not carry over is said in a comment line (#): Megatron-LM has no GPipe or ZB-H1 schedule here; torchtitan
+always pairs tensor with sequence parallelism, has no ZeRO-1 (its nearest is FSDP without resharding, ZeRO-2's
+memory) and builds only the llama3 block.
+"""
+
+FLAVORS = {(32, 4096, 14336, 32, 8, 128256): "8B", (80, 8192, 28672, 64, 8, 128256): "70B",
+           (126, 16384, 53248, 128, 8, 128256): "405B"}          # torchtitan's llama3 flavors, in Llama 3's sizes
+
+
+def uneven(L, pp):
+    """(first, last) layers of Megatron-LM's uneven pipeline when pp does not divide L: the first and last stages
+    take f layers each and the pp - 2 others (L - 2f)/(pp - 2), the f nearest L/pp that makes that whole; None when
+    no f does."""
+    if pp < 3:
+        return None
+    fits = [f for f in range(1, L) if L - 2 * f > 0 and (L - 2 * f) % (pp - 2) == 0]
+    return (min(fits, key=lambda f: abs(f - L / pp)),) * 2 if fits else None
+
+
+def megatron(cfg, lay, batch, dtype="bfloat16"):
+    """Megatron-LM's flags for the model and layout: a list of lines, flags first, then '# ...' notes."""
+    L, out, notes = cfg.n_layers, [], []
+    out.append(f"--num-layers {L} --hidden-size {cfg.d_model} --ffn-hidden-size {cfg.d_ff} "
+               f"--num-attention-heads {cfg.n_heads} --seq-length {cfg.seq_len} --max-position-embeddings "
+               f"{cfg.seq_len}")
+    fam = []
+    if cfg.norm == "rmsnorm":
+        fam.append("--normalization RMSNorm")
+    fam.append(f"--position-embedding-type rope --rotary-base {cfg.rope_theta:g}" if cfg.positions == "rope"
+               else "--position-embedding-type learned_absolute")
+    if cfg.mlp == "swiglu":
+        fam.append("--swiglu")
+    if cfg.n_kv_heads != cfg.n_heads:
+        fam.append(f"--group-query-attention --num-query-groups {cfg.n_kv_heads}")
+    if not cfg.tied:
+        fam.append("--untie-embeddings-and-output-weights")
+    if not cfg.bias:
+        fam.append("--disable-bias-linear")
+    if cfg.arch == "llama":
+        fam.append("--attention-dropout 0 --hidden-dropout 0")
+    out.append(" ".join(fam))
+    par = [f"--tensor-model-parallel-size {lay.tp}", f"--pipeline-model-parallel-size {lay.pp}"]
+    if lay.cp > 1:
+        par.append(f"--context-parallel-size {lay.cp}")
+    if lay.tp_scheme == "sequence":
+        par.append("--sequence-parallel")
+    if lay.pp > 1 and L % lay.pp:
+        cut = uneven(L, lay.pp)
+        if cut and lay.v == 1:
+            par.append(f"--decoder-first-pipeline-num-layers {cut[0]} --decoder-last-pipeline-num-layers {cut[1]}")
+        else:
+            chunks = f" x {lay.v} chunks" if lay.v > 1 else ""
+            notes.append(f"# {L} layers do not split evenly over {lay.pp} stages{chunks}: give "
+                         "--pipeline-model-parallel-layout")
+    if lay.v > 1 and L % (lay.pp * lay.v) == 0:
+        par.append(f"--num-layers-per-virtual-pipeline-stage {L // (lay.pp * lay.v)}")
+    if lay.pp > 1 and lay.schedule in ("gpipe", "zb-h1"):
+        notes.append(f"# Megatron-LM runs 1F1B in place of {lay.schedule}")
+    par.append(f"--micro-batch-size {lay.b} --global-batch-size {batch}")
+    if lay.recompute == "selective":
+        par.append("--recompute-granularity selective")
+    elif lay.recompute == "full":
+        par.append("--recompute-granularity full --recompute-method uniform --recompute-num-layers 1")
+    par.append({0: "", 1: "--use-distributed-optimizer",
+                2: "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads",
+                3: "--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params"}[lay.zero])
+    if lay.dp_overlap:
+        par.append("--overlap-grad-reduce")
+    if lay.attention == "flash":
+        par.append("--use-flash-attn")
+    par.append({"bfloat16": "--bf16", "float16": "--fp16"}.get(dtype, ""))
+    out.append(" ".join(p for p in par if p))
+    return out + notes
+
+
+def torchtitan(cfg, lay, batch):
+    """torchtitan's TOML for the model and layout: a list of lines ([table], key = value, '# ...' notes)."""
+    sizes = (cfg.n_layers, cfg.d_model, cfg.d_ff, cfg.n_heads, cfg.n_kv_heads, cfg.vocab_size)
+    flavor = FLAVORS.get(sizes) if cfg.arch == "llama" and (cfg.norm, cfg.positions, cfg.mlp, cfg.bias,
+                                                            cfg.tied) == ("rmsnorm", "rope", "swiglu", False,
+                                                                          False) else None
+    out = ["[model]", 'name = "llama3"']
+    if flavor:
+        out.append(f'flavor = "{flavor}"')
+    elif cfg.arch == "llama":
+        out.append("# no llama3 flavor has these sizes: add one (dim, n_layers, n_heads, n_kv_heads, the FFN width)")
+    else:
+        out.append(f"# torchtitan builds the llama3 block only, not {cfg.arch}'s")
+    out += ["[training]", f"local_batch_size = {batch // lay.dp}", f"seq_len = {cfg.seq_len}", "[parallelism]"]
+    if lay.zero == 0:
+        out += [f"data_parallel_replicate_degree = {lay.dp}", "data_parallel_shard_degree = 1"]
+    else:
+        out += ["data_parallel_replicate_degree = 1", f"data_parallel_shard_degree = {lay.dp}"]
+        if lay.zero < 3:
+            out += ['fsdp_reshard_after_forward = "never"',
+                    f"# ZeRO-{lay.zero}: torchtitan's nearest is FSDP that keeps the parameters gathered from the "
+                    "forward to the backward (ZeRO-2's memory)"]
+    out += [f"tensor_parallel_degree = {lay.tp}", f"context_parallel_degree = {lay.cp}",
+            f"pipeline_parallel_degree = {lay.pp}"]
+    if lay.tp > 1 and lay.tp_scheme != "sequence":
+        out.append("# torchtitan's tensor parallelism is always sequence-parallel too")
+    if lay.pp > 1:
+        sched = {"1f1b": "1F1B", "interleaved": "Interleaved1F1B", "gpipe": "GPipe"}.get(lay.schedule)
+        out.append(f'pipeline_parallel_schedule = "{sched}"' if sched else
+                   f"# no torchtitan schedule is {lay.schedule}")
+        if lay.v > 1 and cfg.n_layers % (lay.pp * lay.v) == 0:
+            out.append(f"pipeline_parallel_layers_per_stage = {cfg.n_layers // (lay.pp * lay.v)}")
+        out.append(f"pipeline_parallel_microbatch_size = {lay.b}")
+    out += ["[activation_checkpoint]", f'mode = "{lay.recompute}"']
+    if lay.recompute == "selective":
+        out.append('selective_ac_option = "op"')
+    if lay.attention == "materialized":
+        out.append("# torchtitan's attention is scaled_dot_product_attention (flash): no stored scores")
+    return out
