@@ -5,11 +5,14 @@
 
 hsgd.crosscheck.dump        the dump once read: Dump, its Tensors (to and from the reference's parameters), Shards
 hsgd.crosscheck.read        load(DIR): reading a dump and checking every part against the others (DumpError)
-hsgd.crosscheck.write       writing one (layout.json, the .npz files), and a one-rank dump in PyTorch's storage
+hsgd.crosscheck.write       writing one (layout.json, the .npz files), a one-rank dump in PyTorch's storage, and one
+                            of tp x dp ranks in any storage (write_sharded)
 hsgd.crosscheck.manifest    dump.json, written last: a dump as one set of files of one run (check_set refuses an
                             incomplete or mixed folder; clean removes an earlier dump's files before writing)
 hsgd.crosscheck.hsgd_dump   hsgd.train --dump-step N DIR: hsgd's own runs as dumps
+hsgd.crosscheck.systems     other systems' storage of the model as a dump's tensors: Megatron-LM's names and fused
+                            linear_qkv (per query group) and linear_fc1 ([gate_i | up_i] per rank), Hugging Face's
 hsgd.crosscheck.classify    what kind of bug a wrong gradient shows: a constant factor, a permutation, padding,
-                            a partial sum, or only rounding
+                            a partial sum, fused parts swapped, a tied weight's part missing, or only rounding
 hsgd.crosscheck.__main__    the command: reassemble, reference, the per-parameter table, exit 0 / 1 / 2
 """

@@ -5,11 +5,13 @@ against hsgd's serial reference in float64, and name the kind of bug each wrong 
        with its sha256), read and check the dump (hsgd.crosscheck.read; exit 2 with one line when either fails)
     2. the reference: hsgd.model.serial.loss_and_grads in float64 on the dump's parameters and batch
     3. every tensor's gradient reassembled from its shards, one copy per replica, and mapped to the reference's
-       parameters (a transpose, a fused q|k|v cut apart)
+       parameters (a transpose, a fused q|k|v or gate|up cut apart)
     4. per parameter hsgd.verify's table: the largest error of any copy, relative to the reference's largest
        entry of that parameter (or to 1e-3 of the model's largest, when that is larger), and the tolerance
     5. every parameter over its tolerance classified (hsgd.crosscheck.classify): constant factor, partial sum,
-       padding, permutation, transposed, missing, not finite, or no simple pattern; one over float64's tolerance
+       padding, permutation, transposed, swapped (fused parts), part missing (a tied weight's), missing, not
+       finite, or no simple pattern; every part of a fused tensor "fused layout" when another of the usual layouts
+       (relaid: [q | k | v], per query group, per head, per tp rank) reads them all right; one over float64's tolerance
        but within its dtype's (float32's, or the rounding band) is "within the rounding band" ("ok, rounding")
 
 Tolerances by the dump's dtype: float64 loss 1e-10 and gradients 1e-10 (hsgd.verify's, the loss a little wider
@@ -25,6 +27,7 @@ checked.
 """
 import json
 import sys
+from dataclasses import replace
 
 import numpy as np
 
@@ -36,7 +39,7 @@ from hsgd.errors import UsageError
 from hsgd.model.precision import LOW, unit_roundoff
 from hsgd.files import writable_file
 from hsgd.readers import printable
-from .classify import classify, factor_names
+from .classify import classify, factor_names, match
 from .manifest import check_set
 from .read import load
 
@@ -45,13 +48,19 @@ FLOOR = 1e-3              # a parameter's error is relative to at least FLOOR x 
 STRUCTURE = {"float64": 1e-8, "float32": 1e-4}       # classify: equal up to this relative distance
 # the most telling class first: a bug that moves the loss (padding in the softmax) changes every gradient a little,
 # and those then show "no simple pattern"
-FIRST = ("padding", "partial sum", "constant factor", "permutation", "transposed", "missing", "not finite",
-         "replicas differ", "no simple pattern")
+FIRST = ("padding", "partial sum", "fused layout", "part missing", "swapped", "constant factor", "permutation",
+         "transposed", "missing", "not finite", "replicas differ", "no simple pattern")
 HINT = {"padding": "mask the padded entries (their logits to -inf) or drop them before the loss",
         "partial sum": "a reduction of the partial gradients over the ranks named is missing",
         "constant factor": "a scale by the size named is missing or doubled (a sum where a mean belongs)",
         "permutation": "the order in which pieces are gathered or concatenated (rank order, head order)",
         "transposed": "a weight stored (out, in) read as (in, out), or the dump's transposed flag",
+        "fused layout": "the order of a fused tensor's pieces: layout.json's fused.interleave and groups, or the "
+                        "system's concatenation (per tp rank, per query group, per head)",
+        "part missing": "a weight used twice (tied embeddings: the lookup and the LM head) gets only one use's "
+                        "gradient: add the other's before the reduction",
+        "swapped": "the order of the fused tensor's parts ([gate | up] or [up | gate]; q, k, v) in the system or in "
+                   "layout.json's fused.parts",
         "missing": "the gradient never reaches this rank's buffer (a hook not called, a buffer not synced)",
         "not finite": "an overflow or a division by zero before this gradient",
         "replicas differ": "the replicas should be equal: a reduction over the wrong group",
@@ -117,7 +126,7 @@ def describe(t):
     if any(s.padding for s in t.shards):
         text += " +pad"
     if len(t.parts) > 1:
-        text += f", fused {t.interleave}"
+        text += f", fused {t.interleave}" + (f" {t.groups}" if t.interleave == "groups" else "")
     if t.transposed:
         text += ", T"
     return text
@@ -168,6 +177,34 @@ def rounding_band(dump, params, loss0, grads0, draws):
     return {k: LAMBDA * float(np.sqrt(v)) + allowance for k, v in var.items()}
 
 
+def relaid(t, G, grads0, tol, cfg, tp):
+    """(class, detail) when the fused tensor t's stored gradient G, read with another of the usual layouts, gives
+    every part's reference gradient within tol: [p0 | p1 | p2] (groups 1), per query group (NKV), per head (NH), per
+    tp rank (tp); else None. A layout.json that says another layout than the system wrote."""
+    said = t.n_pieces()
+    for n in sorted({1, cfg.n_kv_heads, cfg.n_heads, tp} - {said}):
+        if any(length % n for length in t.lengths):
+            continue
+        other = replace(t, interleave="groups", groups=n)
+        if all(match(a, grads0[p], tol) for p, a in other.to_reference(G).items()):
+            layout = "[p0 | p1 | ...] (interleave block)" if n == 1 else f"interleave groups, groups = {n}"
+            return "fused layout", (f"{t.name} holds its parts as {layout}, not as layout.json says ("
+                                    f"{t.interleave}, {said} pieces per part): read so, every part is the reference")
+    return None
+
+
+def tied_parts(dump, params):
+    """The two uses' parts of a tied wte's reference gradient, as classify's `others`: with tied embeddings
+    (logits = x wte^T) dL/dwte = the lookup's (rows of the batch's ids) + the LM head's; the reference of the same
+    model untied, with lm_head = wte^T, gives them apart (its wte and lm_head.weight^T)."""
+    untied = replace(dump.cfg, tied=False)
+    _, g = serial.loss_and_grads({**params, "lm_head.weight": params["wte"].T.copy()}, dump.idx, dump.targets, untied)
+    return [("part missing", "G is the embedding lookup's part alone: the LM head's (tied: logits = x wte^T) is "
+                             "not added to wte's gradient", g["wte"]),
+            ("part missing", "G is the LM head's part alone: the embedding lookup's is not added to wte's gradient",
+             g["lm_head.weight"].T)]
+
+
 def check(dump, draws=3):
     """The verdict: (ok, loss row, rows) with rows [dict per reference parameter]."""
     params = dump.reference_params()
@@ -182,11 +219,11 @@ def check(dump, draws=3):
         tol_loss = band["loss"]
     p = dump.parallel
     names = factor_names(p, dump.idx.size)
-    hs = dump.cfg.d_model // dump.cfg.n_heads
+    hs = dump.cfg.head_size
     loss_err = abs(dump.loss - loss0) / abs(loss0) if np.isfinite(dump.loss) else float("inf")
     loss_row = {"system": dump.loss, "reference": loss0, "error": loss_err, "tolerance": tol_loss,
                 "ok": bool(loss_err <= tol_loss), "finite": bool(np.isfinite(dump.loss))}
-    rows = {}
+    rows, relayouts = {}, {}
     for t in dump.tensors.values():
         copies, labels, pads = copies_of(t, dump.grads)
         mapped = [t.to_reference(c) for c in copies]
@@ -216,8 +253,18 @@ def check(dump, draws=3):
                 if low:                                      # the band is relative to max(||R||, floor2)
                     structure = 2 * tol * max(float(np.linalg.norm(R)), floor2) / max(float(np.linalg.norm(R)),
                                                                                        1e-300)
-                row["class"], row["detail"] = classify(name, mine, R, structure, names, hs, labels,
-                                                       pad if pad > pad_limit else 0.0, floor2, shard_blocks(t))
+                if len(t.parts) > 1 and t.name not in relayouts:         # (once per fused tensor)
+                    relayouts[t.name] = relaid(t, copies[0], grads0, structure, dump.cfg, p["tp"])
+                found = relayouts.get(t.name)
+                if found is None:
+                    others = [("swapped", f"G is {o}'s gradient, fused beside it in {t.name}: the parts are in "
+                                          f"another order than layout.json's fused.parts", grads0[o])
+                              for o in t.parts if o != name and grads0[o].shape == R.shape]
+                    if name == "wte" and dump.cfg.tied:
+                        others += tied_parts(dump, params)
+                    found = classify(name, mine, R, structure, names, hs, labels, pad if pad > pad_limit else 0.0,
+                                     floor2, shard_blocks(t), others)
+                row["class"], row["detail"] = found
             rows[name] = row
     ordered = [rows[n] for n in dump.cfg.param_shapes()]
     ok = loss_row["ok"] and all(r["ok"] for r in ordered)
@@ -237,11 +284,11 @@ def report(dump, ok, loss_row, rows, out=None):
     flag = "" if loss_row["ok"] else "   <- over tolerance"
     print(f"loss: system {loss_row['system']:.12g}  reference {loss_row['reference']:.12g}  rel err "
           f"{loss_row['error']:.1e} (tolerance {loss_row['tolerance']:.1e}){flag}", file=out)
-    print(f"{'parameter':<22}{'shape':>11}  {'split':<30}{'max abs err':>12}{metric:>14}{'tolerance':>10}  verdict",
+    print(f"{'parameter':<22}{'shape':>11}  {'split':<34}{'max abs err':>12}{metric:>14}{'tolerance':>10}  verdict",
           file=out)
     for r in rows:
         verdict = ("ok, rounding" if r["class"] else "ok") if r["ok"] else r["class"]
-        print(f"{r['name']:<22}{str(tuple(r['shape'])):>11}  {r['split']:<30}{r['abs_error']:>12.1e}"
+        print(f"{r['name']:<22}{str(tuple(r['shape'])):>11}  {r['split']:<34}{r['abs_error']:>12.1e}"
               f"{r['error']:>14.1e}{r['tolerance']:>10.0e}  {verdict}", file=out)
     bad = [r for r in rows if not r["ok"]]
     if bad:

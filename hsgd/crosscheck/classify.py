@@ -14,6 +14,10 @@ replica of it) with the reference's R, and says what G is, if it is R changed in
     permutation      G's blocks along one axis are R's in another order: the shards (ranks gathered in another
                      order), heads (blocks of hs), rows or columns
     transposed       G = R^T (a square weight stored the other way round)
+    swapped          G is another parameter's gradient, one fused with it in the same tensor (gate and up of a
+                     fused [gate | up], read in another order than layout.json says)
+    part missing     G is one part of R, a sum of several uses of one weight: with tied embeddings wte's gradient
+                     is the embedding lookup's plus the LM head's (logits = x wte^T), and one was not added
     no simple pattern   none of these: a bug in the arithmetic itself (or several at once)
 
 `match` decides equality up to `tol`, the relative distance ||a - b|| / ||b|| (Frobenius norms) that the dump's
@@ -127,17 +131,19 @@ def axis_words(name, axis, hs):
     return heads, ("rows" if axis == 0 else "columns")
 
 
-def classify(name, copies, R, tol, names, hs, labels=None, bad_pad=0.0, floor=0.0, blocks=()):
+def classify(name, copies, R, tol, names, hs, labels=None, bad_pad=0.0, floor=0.0, blocks=(), others=()):
     """(class, detail) of one parameter whose gradient failed. copies: the assembled replicas of G (reference
     orientation, at least one); R: the reference gradient; tol: the relative distance that counts as equal;
     names: factor_names(...); hs: the head size; labels: the ranks each copy came from ("3", or "0+1" for one
     assembled from the shards of ranks 0 and 1); bad_pad: the largest padding entry, when over its tolerance;
     floor: the norm a difference is at least relative to in the detail (the zero gradient of a k-bias);
-    blocks: more (axis, length, word) blocks to look for a permutation of (the tensor's shards).
-    First what the replicas show (not finite, padding, missing, a partial sum), then what one replica's shape
-    shows (a factor, a transpose, a permutation)."""
+    blocks: more (axis, length, word) blocks to look for a permutation of (the tensor's shards);
+    others: [(class, detail, array)]: what else G may be (swapped, part missing; of_others).
+    First what the replicas show (not finite, padding, missing, a partial sum), then whether G is one of the
+    others, then what one replica's shape shows (a factor, a transpose, a permutation)."""
     labels = labels or [str(i) for i in range(len(copies))]
     return (of_replicas(copies, R, tol, labels, bad_pad) or
+            of_others(copies[0], tol, others) or
             of_values(name, copies[0], R, tol, names, hs, floor, blocks))
 
 
@@ -167,6 +173,15 @@ def of_replicas(copies, R, tol, labels, bad_pad):
         return "partial sum", (f"the replicas hold {k} different values (ranks {held}); their mean is the "
                                f"reference: an average over {k} ranks is missing")
     return "replicas differ", f"the replicas hold {k} different values (ranks {held}), none adds up to R"
+
+
+def of_others(G, tol, others):
+    """(class, detail) of the first of `others` [(class, detail, A)] that G equals within tol: G is A, not R (the
+    gradient of the part fused beside it, one use of a weight used twice); else None."""
+    for cls, detail, A in others:
+        if match(G, A, tol):
+            return cls, detail
+    return None
 
 
 def of_values(name, G, R, tol, names, hs, floor, blocks):

@@ -1,8 +1,9 @@
 """The crosscheck dump: one training step of any system, in a neutral format (hsgd/crosscheck/FORMAT.md).
 
-    DIR/layout.json        what every tensor is (its global shape, its mapping to the reference's parameters: a
-                           name, a transpose, a fused q|k|v) and where its gradient's pieces are (per rank: axis,
-                           offset, length, padding; several ranks with one slice are replicas)
+    DIR/layout.json        the model (its sizes and family), what every tensor is (its global shape, its mapping to
+                           the reference's parameters: a name, a transpose, a fused q|k|v or gate|up) and where its
+                           gradient's pieces are (per rank: axis, offset, length, padding; several ranks with one
+                           slice are replicas)
     DIR/params.npz         the whole parameters before the step, as the system stores them
     DIR/batch.npz          idx, targets (B, T): the step's global batch
     DIR/grads-rank{r}.npz  rank r's gradient pieces
@@ -17,13 +18,15 @@ from functools import lru_cache
 
 import numpy as np
 
-from hsgd.model.config import ModelConfig
+from hsgd.model.config import FAMILY, ModelConfig, SIZES
 from hsgd.errors import UsageError
 
 FORMAT, VERSION = "hsgd-crosscheck", 1
 DTYPES = ("float64", "float32", "bfloat16", "float16")
 PARALLEL = ("dp", "tp", "pp", "cp", "micro_batches")
-MODEL_KEYS = ("vocab_size", "seq_len", "d_model", "n_heads", "n_layers", "d_ff")
+MODEL_KEYS = SIZES                       # layout.json's "model": these it must give,
+FAMILY_KEYS = ("arch",) + FAMILY         # and these it may (absent: the arch's preset; no arch: gpt2, format 1's model)
+INTERLEAVES = ("block", "head", "groups")
 
 
 class DumpError(UsageError):
@@ -56,13 +59,14 @@ def check_sizes(ranks, parallel):
 def reference_bytes(cfg, batch_shape=None):
     """Bytes the float64 reference run (hsgd.model.serial) needs at least: the parameters and their gradients, and
     with the batch's (B, T) what its forward keeps per token: each block's normalized inputs, q, k, v, the attention's
-    output and probabilities, the MLP's two hidden layers (8 C + 2 F + NH T), and the logits and their
-    probabilities (2 V)."""
+    output and probabilities, the MLP's hidden layers (6 C + 2 K + 2 F, or 3 F with SwiGLU, + NH T; K = NKV hs), and
+    the logits and their probabilities (2 V)."""
     need = 2 * cfg.n_params() * 8
     if batch_shape is not None:
         B, T = batch_shape
-        C, F = cfg.d_model, cfg.d_ff
-        need += B * T * 8 * (cfg.n_layers * (8 * C + 2 * F + cfg.n_heads * T) + 2 * cfg.vocab_size)
+        C, F, K = cfg.d_model, cfg.d_ff, cfg.kv_width
+        hidden = (2 if cfg.mlp == "gelu" else 3) * F
+        need += B * T * 8 * (cfg.n_layers * (6 * C + 2 * K + hidden + cfg.n_heads * T) + 2 * cfg.vocab_size)
     return need
 
 
@@ -111,10 +115,18 @@ class Tensor:
     transposed: bool
     parts: list           # the reference parameters it holds (one, or the fused ones)
     fuse_axis: int
-    interleave: str       # "block" or "head" (fused only)
-    group: int
+    interleave: str       # "block", "head" or "groups" (fused only)
+    group: int            # "head": entries per piece (hs)
     shards: list
     lengths: tuple = ()   # each part's length along the fused axis (fused only)
+    groups: int = 0       # "groups": pieces per part
+
+    def n_pieces(self):
+        """How many pieces each part is cut into along the fused axis: 1 ("block"), its length / group ("head"),
+        groups ("groups")."""
+        if self.interleave == "head":
+            return self.lengths[0] // self.group
+        return self.groups if self.interleave == "groups" else 1
 
     def part_shapes(self, ref_shapes):
         """Each part's shape as stored (transposed where the tensor is)."""
@@ -130,20 +142,18 @@ class Tensor:
         return tuple(out)
 
     def to_reference(self, x):
-        """{reference name: array in the reference's orientation} from the stored full tensor x."""
+        """{reference name: array in the reference's orientation} from the stored full tensor x. A fused tensor is,
+        along its axis, n pieces of (a piece of each part in turn): [p0_0 p1_0 p2_0 | p0_1 p1_1 p2_1 | ...], part j's
+        pieces lengths[j] / n long (n = n_pieces(): 1 is [p0 | p1 | p2])."""
         if len(self.parts) == 1:
             pieces = [x]
         else:
-            moved = np.moveaxis(x, self.fuse_axis, 0)
-            J = len(self.parts)
-            if self.interleave == "head":      # [p0_h0 p1_h0 p2_h0 p0_h1 ...], pieces of `group` entries
-                g = self.group
-                H = moved.shape[0] // (J * g)
-                cut = moved.reshape((H, J, g) + moved.shape[1:])
-                pieces = [cut[:, j].reshape((H * g,) + moved.shape[1:]) for j in range(J)]
-            else:                              # [p0 | p1 | p2], each its own length along the axis
-                pieces = np.split(moved, np.cumsum(self.lengths[:-1]), axis=0)
-            pieces = [np.moveaxis(p, 0, self.fuse_axis) for p in pieces]
+            moved = np.moveaxis(x, self.fuse_axis, 0)                      # (fused axis, the rest)
+            n, rest = self.n_pieces(), moved.shape[1:]
+            widths = [L // n for L in self.lengths]                        # one piece of each part
+            cut = moved.reshape((n, sum(widths)) + rest)                   # (n, sum widths, ...)
+            within = np.split(cut, np.cumsum(widths[:-1]), axis=1)         # part j: (n, widths[j], ...)
+            pieces = [np.moveaxis(c.reshape((n * w,) + rest), 0, self.fuse_axis) for c, w in zip(within, widths)]
         return {p: (a.T if self.transposed else a) for p, a in zip(self.parts, pieces)}
 
     def from_reference(self, ref):
@@ -152,13 +162,9 @@ class Tensor:
         if len(pieces) == 1:
             return np.ascontiguousarray(pieces[0])
         moved = [np.moveaxis(p, self.fuse_axis, 0) for p in pieces]
-        if self.interleave == "head":
-            g = self.group
-            H = moved[0].shape[0] // g
-            cut = np.stack([m.reshape((H, g) + m.shape[1:]) for m in moved], axis=1)     # (H, J, g, ...)
-            out = cut.reshape((H * len(pieces) * g,) + moved[0].shape[1:])
-        else:
-            out = np.concatenate(moved, axis=0)
+        n, rest = self.n_pieces(), moved[0].shape[1:]
+        cut = [m.reshape((n, m.shape[0] // n) + rest) for m in moved]     # part j: (n, widths[j], ...)
+        out = np.concatenate(cut, axis=1).reshape((-1,) + rest)
         return np.ascontiguousarray(np.moveaxis(out, 0, self.fuse_axis))
 
 

@@ -10,8 +10,9 @@
 
 hsgd stores weights (in, out) under the reference's names, so no tensor is transposed or fused. A shard is the
 tp split of its parameter (tp_shards: axis, rank tp_rank's equal part; the vocabulary's ceil(V/tp) rows with the
-padding past V in the last ranks), or the whole parameter (replicated, or tp = 1); the dp and cp ranks hold
-replicas, a pipeline stage its own layers. The run goes on unchanged after the dump.
+padding past V in the last ranks; with fewer kv heads than tp ranks, attn.k and attn.v's one head a rank reads, the
+same slice on tp/NKV ranks), or the whole parameter (replicated, or tp = 1); the dp and cp ranks hold replicas, a
+pipeline stage its own layers. The run goes on unchanged after the dump.
 """
 import numpy as np
 
@@ -116,6 +117,9 @@ def shard_of(name, cfg, tp_rank, tp, scheme, rank):
         start, size = vocab_range(n, tp, tp_rank)                         # ceil(V/tp) ids, padded past V
         length = max(0, min(size, n - start))
         return shard_entry(rank, axis, min(start, n), length, size - length)
+    if tp_shards.kv_shared(name, cfg, tp):                                # NKV < tp: kv head r // (tp/NKV), the
+        size = n // cfg.n_kv_heads                                        # same slice on tp/NKV ranks (replicas)
+        return shard_entry(rank, axis, tp_rank // (tp // cfg.n_kv_heads) * size, size)
     size = n // tp
     return shard_entry(rank, axis, tp_rank * size, size)
 

@@ -11,9 +11,9 @@ import numpy as np
 
 from hsgd.model.config import ModelConfig
 from hsgd.errors import ConfigError
-from hsgd.readers import Npz, machine_memory, read_json
-from .dump import (DTYPES, FORMAT, MODEL_KEYS, PARALLEL, VERSION, Dump, DumpError, Shard, Tensor,
-                   check_reference_fits, check_sizes, grads_file, reference_shapes)
+from hsgd.readers import Npz, machine_memory, printable, read_json
+from .dump import (DTYPES, FAMILY_KEYS, FORMAT, INTERLEAVES, MODEL_KEYS, PARALLEL, VERSION, Dump, DumpError, Shard,
+                   Tensor, check_reference_fits, check_sizes, grads_file, reference_shapes)
 
 MAX_LAYOUT_BYTES = 64 << 20    # layout.json: a model of 1000 layers over 1000 ranks describes itself in a few MB
 
@@ -65,13 +65,7 @@ def _layout_json(lpath, path):
 
 def _header(meta):
     """(ModelConfig, dtype, loss, ranks, {dp, tp, pp, cp, micro_batches}) from layout.json, checked."""
-    model = meta.get("model")
-    if not isinstance(model, dict) or sorted(model) != sorted(MODEL_KEYS):
-        raise DumpError(f"layout.json: \"model\" must give exactly {', '.join(MODEL_KEYS)}")
-    try:
-        cfg = ModelConfig(**model)
-    except ConfigError as e:
-        raise DumpError(f"layout.json: model: {e}") from None
+    cfg = _model(meta.get("model"))
     dtype = meta.get("dtype")
     if dtype not in DTYPES:
         raise DumpError(f"layout.json: dtype {dtype!r} must be one of {', '.join(DTYPES)}")
@@ -86,6 +80,27 @@ def _header(meta):
     parallel = {k: _int(parallel.get(k, 1), f"parallel.{k}", 1) for k in PARALLEL}
     check_sizes(ranks, parallel)
     return cfg, dtype, float(loss), ranks, parallel
+
+
+def _model(model):
+    """The ModelConfig of layout.json's "model": the sizes (MODEL_KEYS) it must give, the family's fields
+    (FAMILY_KEYS) it may; an absent field is the arch's preset, no arch gpt2 (a dump of format 1 before the family:
+    the GPT-2 block). ModelConfig checks every value (its ConfigError's words, one line)."""
+    if not isinstance(model, dict) or not set(MODEL_KEYS) <= set(model):
+        raise DumpError(f"layout.json: \"model\" must give {', '.join(MODEL_KEYS)} (and may give "
+                        f"{', '.join(FAMILY_KEYS)})")
+    extra = sorted(set(model) - set(MODEL_KEYS) - set(FAMILY_KEYS), key=str)
+    if extra:
+        raise DumpError(f"layout.json: model: {extra[0]!r:.80} is not a field of the model; give "
+                        f"{', '.join(MODEL_KEYS)} and any of {', '.join(FAMILY_KEYS)}")
+    if not isinstance(model.get("arch", "gpt2"), str):                # (a list is no dict key of the presets)
+        raise DumpError(f"layout.json: model: arch={model['arch']!r:.80} must be a string: gpt2 or llama")
+    # a text longer than any value a field takes is shortened before ModelConfig repeats it in its message
+    model = {k: v[:40] + "..." if isinstance(v, str) and len(v) > 40 else v for k, v in model.items()}
+    try:
+        return ModelConfig(**model)
+    except ConfigError as e:
+        raise DumpError(f"layout.json: model: {printable(str(e), 400)}") from None
 
 
 def _params(ppath, tensors):
@@ -186,11 +201,12 @@ def _tensor(name, e, cfg, ranks):
     ref_shapes = reference_shapes(cfg)
     if not isinstance(e, dict):
         raise DumpError(f"{where}: must be an object (hsgd/crosscheck/FORMAT.md)")
-    parts, axis, interleave, group = _fused(e.get("fused"), name, where, cfg.d_model // cfg.n_heads)
+    parts, axis, interleave, group, groups = _fused(e.get("fused"), name, where, cfg.head_size)
     for p in parts:
         if p not in ref_shapes:
-            raise DumpError(f"{where}: {p!r} is not a parameter of the model (names as in hsgd.model.serial, e.g. "
-                            f"h.0.attn.q.weight); without \"fused\" a tensor's name is the parameter's")
+            raise DumpError(f"{where}: {p!r:.80} is not a parameter of the model ({cfg.arch}'s family: "
+                            f"names as in hsgd.model.config's param_shapes, e.g. h.0.attn.q.weight); without \"fused\" "
+                            f"a tensor's name is the parameter's (fused with one part: another name for it)")
     transposed = e.get("transposed", False)
     if not isinstance(transposed, bool):
         raise DumpError(f"{where}: transposed {transposed!r} must be true or false")
@@ -201,7 +217,7 @@ def _tensor(name, e, cfg, ranks):
         raise DumpError(f"{where}: transposed is for 2-D weights only")
     if len(ndims) != 1 or axis >= next(iter(ndims)):
         raise DumpError(f"{where}: fused parts must have the same number of dimensions, more than fused.axis {axis}")
-    t = Tensor(name, (), transposed, parts, axis, interleave, group, [])
+    t = Tensor(name, (), transposed, parts, axis, interleave, group, [], (), groups)
     stored = t.part_shapes(ref_shapes)
     if len(parts) > 1:
         if len({s[:axis] + s[axis + 1:] for s in stored}) != 1:
@@ -210,7 +226,10 @@ def _tensor(name, e, cfg, ranks):
         t.lengths = tuple(s[axis] for s in stored)
         if interleave == "head" and (len(set(t.lengths)) != 1 or t.lengths[0] % group):
             raise DumpError(f"{where}: interleave head needs parts of one length along the axis, a multiple of "
-                            f"group {group}")
+                            f"group {group}; parts of other lengths (grouped k, v) take interleave groups")
+        if interleave == "groups" and any(n % groups for n in t.lengths):
+            raise DumpError(f"{where}: interleave groups cuts each part into groups = {groups} pieces, but the parts' "
+                            f"lengths along axis {axis} are {list(t.lengths)}; groups must divide each")
     t.shape = tuple(t.stored_shape(ref_shapes))
     given = e.get("shape")
     if not isinstance(given, list) or tuple(given) != t.shape:
@@ -220,18 +239,24 @@ def _tensor(name, e, cfg, ranks):
 
 
 def _fused(fused, name, where, hs):
-    """(parts, axis, interleave, group) of a tensor's "fused" entry, or of a plain tensor (None)."""
+    """(parts, axis, interleave, group, groups) of a tensor's "fused" entry, or of a plain tensor (None). One part:
+    the tensor is that parameter under another name (its axis may be left out)."""
     if fused is None:
-        return [name], 0, "block", 0
+        return [name], 0, "block", 0, 0
     if not isinstance(fused, dict) or not isinstance(fused.get("parts"), list) or len(fused["parts"]) < 1:
         raise DumpError(f"{where}: fused must give \"parts\" (reference names) and \"axis\"")
     parts, interleave = fused["parts"], fused.get("interleave", "block")
     if not all(isinstance(p, str) for p in parts):
         raise DumpError(f"{where}: fused.parts must be the reference parameters' names (strings)")
-    if interleave not in ("block", "head"):
-        raise DumpError(f"{where}: fused.interleave {interleave!r} must be block or head")
+    if not isinstance(interleave, str) or interleave not in INTERLEAVES:
+        raise DumpError(f"{where}: fused.interleave {interleave!r:.80} must be one of {', '.join(INTERLEAVES)}")
     group = _int(fused.get("group", hs), f"{name}: fused.group", 1)
-    return parts, _int(fused.get("axis"), f"{name}: fused.axis"), interleave, group
+    groups = _int(fused.get("groups", 1), f"{name}: fused.groups", 1)
+    if interleave == "groups" and "groups" not in fused:
+        raise DumpError(f"{where}: interleave groups needs \"groups\": how many pieces each part is cut into (the "
+                        "kv heads of a grouped q|k|v, tp for one [gate_i | up_i] per rank)")
+    axis = _int(fused.get("axis", 0 if len(parts) == 1 else None), f"{name}: fused.axis")
+    return parts, axis, interleave, group, groups
 
 
 def _shards(entries, t, ranks, where):

@@ -9,8 +9,9 @@ Each file is written to a temporary name, synced and renamed, so that it is whol
 run's id (manifest.new_run(); layout.json's "run", an .npz's archive comment); each writer returns {name: {"size",
 "sha256"}} of what it wrote, the entries dump.json lists. hsgd.crosscheck.hsgd_dump writes hsgd's own runs with
 them; benchmarks/crosscheck_torch.py writes PyTorch's (manifest.seal hashes the files it wrote). write_one_rank: a
-whole one-rank dump with the model stored as a PyTorch module stores it (the tests' and the exercises' hand-made
-dumps).
+whole one-rank dump with the model stored as a PyTorch module stores it; write_sharded: a whole dump of tp x dp
+ranks of any storage (hsgd.crosscheck.systems: Megatron-LM's, Hugging Face's), each rank writing its tp shards (the
+tests' and the exercises' hand-made dumps).
 """
 import json
 import os
@@ -18,7 +19,7 @@ import zipfile
 
 import numpy as np
 
-from .dump import FORMAT, MODEL_KEYS, VERSION, Tensor, grads_file
+from .dump import FAMILY_KEYS, FORMAT, MODEL_KEYS, VERSION, Tensor, grads_file
 from .manifest import STAMP, clean, file_entry, new_run, write_manifest
 
 
@@ -27,7 +28,7 @@ def write_layout(path, *, system, cfg, dtype, loss, ranks, parallel, tensors, pa
     stamped with `run` (None: unstamped). Returns their {name: {"size", "sha256"}} for dump.json."""
     os.makedirs(path, exist_ok=True)
     meta = {"format": FORMAT, "version": VERSION, **({"run": run} if run else {}), "system": system,
-            "model": {k: getattr(cfg, k) for k in MODEL_KEYS}, "dtype": dtype, "loss": float(loss),
+            "model": {k: getattr(cfg, k) for k in MODEL_KEYS + FAMILY_KEYS}, "dtype": dtype, "loss": float(loss),
             "ranks": ranks, "parallel": parallel, "tensors": tensors}
     return {**write_npz(os.path.join(path, "params.npz"), params, run),
             **write_npz(os.path.join(path, "batch.npz"), {"idx": np.asarray(idx), "targets": np.asarray(targets)},
@@ -91,16 +92,18 @@ def shard_entry(rank, axis=None, offset=0, length=0, padding=0, key=None):
 def pytorch_tensors(cfg, interleave="head"):
     """{stored name: Tensor} of the reference model as a PyTorch module stores it: nn.Linear weights (out, in),
     i.e. transposed; each block's q, k and v weights and biases fused along the output axis as
-    "h.{i}.attn.qkv.weight" / ".bias", [q_h0 k_h0 v_h0 q_h1 ...] (interleave "head", pieces of hs) or [q | k | v]
-    ("block"); wte, wpe, the LayerNorms and the biases as they are."""
-    hs, out = cfg.d_model // cfg.n_heads, {}
+    "h.{i}.attn.qkv.weight" / ".bias", [q_h0 k_h0 v_h0 q_h1 ...] (interleave "head", pieces of hs), [q | k | v]
+    ("block"), or per kv head [q heads of kv head 0, k_0, v_0, q heads of kv head 1, ...] ("groups", NKV groups:
+    the head layout when NKV = NH; "head" needs NKV = NH); wte, wpe, the norms and the other linears as they are."""
+    out = {}
     for n, shape in cfg.param_shapes().items():
         if ".attn.k." in n or ".attn.v." in n:
             continue                                         # (in the fused tensor of q)
         if ".attn.q." in n:
             name = n.replace(".q.", ".qkv.")
             parts = [n, n.replace(".q.", ".k."), n.replace(".q.", ".v.")]
-            out[name] = Tensor(name, (), n.endswith("weight"), parts, 0, interleave, hs, [], (cfg.d_model,) * 3)
+            out[name] = Tensor(name, (), n.endswith("weight"), parts, 0, interleave, cfg.head_size, [],
+                               (cfg.d_model, cfg.kv_width, cfg.kv_width), cfg.n_kv_heads)
         else:
             out[n] = Tensor(n, (), len(shape) == 2 and n not in ("wte", "wpe"), [n], 0, "block", 0, [])
     return out
@@ -120,6 +123,8 @@ def write_one_rank(path, cfg, params, grads, *, loss, idx, targets, system, stor
              "shards": [shard_entry(0)]}
         if len(t.parts) > 1:
             e["fused"] = {"axis": 0, "parts": t.parts, "interleave": said or stored, "group": hs}
+            if e["fused"]["interleave"] == "groups":
+                e["fused"]["groups"] = cfg.n_kv_heads                # per kv head: [q heads of g | k_g | v_g]
         tensors[name] = e
     run = new_run()
     clean(path)
@@ -128,4 +133,60 @@ def write_one_rank(path, cfg, params, grads, *, loss, idx, targets, system, stor
                               parallel=parallel or {}, tensors=tensors, params=stored_p, idx=idx, targets=targets,
                               run=run))
     write_manifest(path, run, 1, files)
+    return stored_p
+
+
+def tensor_entry(t, shards, dtype="float64"):
+    """Tensor t's description for layout.json (FORMAT.md), with its shards' entries: "fused" when it holds several
+    parameters, or one under another name."""
+    e = {"shape": list(t.shape), "dtype": dtype, "transposed": t.transposed}
+    if len(t.parts) == 1 and t.parts != [t.name]:
+        e["fused"] = {"parts": list(t.parts)}                    # the parameter under another name
+    elif len(t.parts) > 1:
+        e["fused"] = {"axis": t.fuse_axis, "parts": list(t.parts), "interleave": t.interleave}
+        if t.interleave != "block":
+            e["fused"].update({"group": t.group} if t.interleave == "head" else {"groups": t.groups})
+    e["shards"] = shards
+    return e
+
+
+def tp_piece(a, axis, tp, t):
+    """(tp rank t's piece of the full stored array a along `axis`, its shard entry's (offset, length, padding)):
+    ceil(n/tp) entries, those past n zeros (a vocabulary padded to divide by tp)."""
+    n = a.shape[axis]
+    size = -(-n // tp)
+    start = min(t * size, n)
+    length = max(0, min(size, n - start))
+    piece = np.moveaxis(a, axis, 0)[start:start + length]
+    pad = np.zeros((size - length,) + piece.shape[1:], a.dtype)
+    return np.ascontiguousarray(np.moveaxis(np.concatenate([piece, pad]), 0, axis)), (start, length, size - length)
+
+
+def write_sharded(path, cfg, tensors, params, grads, *, tp, dp=1, loss, idx, targets, system, dtype="float64",
+                  change=None):
+    """A whole dump (cleaned, written, dump.json last) of tp x dp ranks: rank r = d tp + t holds tp rank t's piece
+    (tp_piece) of every tensor split along an axis and every other tensor whole, the dp ranks replicas.
+    tensors: {stored name: (Tensor, split axis or None)} (hsgd.crosscheck.systems); params, grads: the reference's
+    {name: array}; change(stored name, rank, array) may alter what a rank writes. Returns the stored parameters."""
+    stored_p = {n: t.from_reference(params) for n, (t, _) in tensors.items()}
+    shards = {n: [] for n in tensors}
+    run, files = new_run(), {}
+    clean(path)
+    for r in range(tp * dp):
+        mine = {}
+        for n, (t, axis) in tensors.items():
+            g = t.from_reference(grads)
+            if axis is None:
+                a, e = g, shard_entry(r)
+            else:
+                a, (offset, length, padding) = tp_piece(g, axis, tp, r % tp)
+                e = shard_entry(r, axis, offset, length, padding)
+            mine[n] = change(n, r, a) if change else a
+            shards[n].append(e)
+        files.update(write_rank(path, r, mine, run))
+    entries = {n: tensor_entry(t, shards[n], dtype) for n, (t, _) in tensors.items()}
+    files.update(write_layout(path, system=system, cfg=cfg, dtype=dtype, loss=loss, ranks=tp * dp,
+                              parallel={"dp": dp, "tp": tp}, tensors=entries, params=stored_p, idx=idx,
+                              targets=targets, run=run))
+    write_manifest(path, run, tp * dp, files)
     return stored_p

@@ -1,0 +1,104 @@
+"""Other systems' storage of the reference model, as a dump's tensors (FORMAT.md "Other systems' names"): the
+names, the transposes, the fused tensors and the axis tensor parallelism splits, so that a dump written in a
+system's own names reads back as hsgd's parameters.
+
+    megatron_tensors(cfg, tp)   {Megatron-LM name: (Tensor, split axis or None)}: megatron-core's GPT model with the
+                                Transformer Engine layer spec (the norms fused into linear_qkv and linear_fc1)
+    hf_tensors(cfg)             {Hugging Face name: (Tensor, None)}: LlamaForCausalLM's state_dict, nothing fused
+
+Megatron-LM's two fused linears, per tp rank i (weights stored (out, in), so the fused axis is 0):
+    linear_qkv   its NKV/tp query groups, each [the n_rep = NH/NKV q heads of group g | k_g | v_g] (hs rows each;
+                 SelfAttention.get_query_key_value_tensors views the output as (ng, (np/ng + 2) hn) and splits it
+                 so). The ranks' shards concatenated: the same per group over all NKV groups, i.e. q, k and v each
+                 cut into NKV pieces, a piece of each in turn: interleave "groups", groups = NKV. With NKV = NH this
+                 is the "head" interleave [q_0 k_0 v_0 q_1 ...]; Megatron-LM needs tp to divide NKV.
+    linear_fc1   with SwiGLU (--swiglu) [gate_i | up_i] (F/tp rows each; the MLP chunks its output in two halves),
+                 so the concatenated tensor is [g_0 u_0 g_1 u_1 ...]: interleave "groups", groups = tp.
+A tied model (share_embeddings_and_output_weights) has no output_layer.weight. Neither table covers what the
+systems' own checkpoints add (Megatron-LM's padded vocabulary beyond tp's, optimizer state, _extra_state).
+"""
+from .dump import Tensor
+
+
+def tensor(name, parts, cfg, transposed, interleave="block", groups=1):
+    """The Tensor `name` holding the reference parameters `parts` (fused along the stored axis 0 when several),
+    with its full stored shape."""
+    ref = cfg.param_shapes()
+    t = Tensor(name, (), transposed, list(parts), 0, interleave, cfg.head_size, [], (), groups)
+    if len(parts) > 1:
+        t.lengths = tuple(s[0] for s in t.part_shapes(ref))
+    t.shape = tuple(t.stored_shape(ref))
+    return t
+
+
+def megatron_tensors(cfg, tp):
+    """{name: (Tensor, split axis)} of megatron-core's GPT model (Transformer Engine spec) of cfg's family on tp
+    ranks: column-parallel linears split along their stored axis 0 (out), row-parallel ones along axis 1 (in), the
+    vocabulary along axis 0 (padded to tp ceil(V/tp) rows), the rest replicated (None)."""
+    if cfg.n_kv_heads % tp:
+        raise ValueError(f"Megatron-LM splits the {cfg.n_kv_heads} query groups over tp = {tp} ranks: tp must divide "
+                         "n_kv_heads")
+    out = {}
+
+    def add(name, parts, axis, transposed=False, **fused):
+        out[name] = (tensor(name, parts, cfg, transposed, **fused), axis)
+
+    def norm(name, prefix):
+        add(name + "weight", [prefix + ".weight"], None)
+        if cfg.norm == "layernorm":
+            add(name + "bias", [prefix + ".bias"], None)
+
+    def linear(name, parts, axis, bias_axis, **fused):
+        add(name + ".weight", [p + ".weight" for p in parts], axis, True, **fused)
+        if cfg.bias:
+            add(name + ".bias", [p + ".bias" for p in parts], bias_axis, **fused)
+
+    add("embedding.word_embeddings.weight", ["wte"], 0)
+    if cfg.positions == "learned":
+        add("embedding.position_embeddings.weight", ["wpe"], None)
+    for i in range(cfg.n_layers):
+        h, m = f"h.{i}.", f"decoder.layers.{i}."
+        norm(m + "self_attention.linear_qkv.layer_norm_", h + "ln1")
+        linear(m + "self_attention.linear_qkv", [h + "attn.q", h + "attn.k", h + "attn.v"], 0, 0,
+               interleave="groups", groups=cfg.n_kv_heads)
+        linear(m + "self_attention.linear_proj", [h + "attn.proj"], 1, None)
+        norm(m + "mlp.linear_fc1.layer_norm_", h + "ln2")
+        mlp = [h + "mlp.fc"] if cfg.mlp == "gelu" else [h + "mlp.gate", h + "mlp.up"]
+        linear(m + "mlp.linear_fc1", mlp, 0, 0, interleave="groups", groups=tp)
+        linear(m + "mlp.linear_fc2", [h + "mlp.proj"], 1, None)
+    norm("decoder.final_layernorm.", "ln_f")
+    if not cfg.tied:
+        add("output_layer.weight", ["lm_head.weight"], 0, True)
+    return out
+
+
+def hf_tensors(cfg):
+    """{name: (Tensor, None)} of Hugging Face's LlamaForCausalLM (its state_dict's names; nn.Linear weights (out,
+    in), so transposed; attention_bias / mlp_bias give the linears' biases): Llama's block only (RMSNorm, rotary
+    positions, SwiGLU); a tied model has no lm_head.weight."""
+    if (cfg.norm, cfg.positions, cfg.mlp) != ("rmsnorm", "rope", "swiglu"):
+        raise ValueError(f"Hugging Face's LlamaForCausalLM is rmsnorm, rope and swiglu, not {cfg.norm}, "
+                         f"{cfg.positions} and {cfg.mlp}")
+    out = {}
+
+    def add(name, param, transposed=False):
+        out[name] = (tensor(name, [param], cfg, transposed), None)
+
+    def linear(name, prefix):
+        add(name + ".weight", prefix + ".weight", True)
+        if cfg.bias:
+            add(name + ".bias", prefix + ".bias")
+
+    add("model.embed_tokens.weight", "wte")
+    for i in range(cfg.n_layers):
+        h, m = f"h.{i}.", f"model.layers.{i}."
+        add(m + "input_layernorm.weight", h + "ln1.weight")
+        for mine, theirs in (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj"), ("proj", "o_proj")):
+            linear(m + "self_attn." + theirs, h + "attn." + mine)
+        add(m + "post_attention_layernorm.weight", h + "ln2.weight")
+        for mine, theirs in (("gate", "gate_proj"), ("up", "up_proj"), ("proj", "down_proj")):
+            linear(m + "mlp." + theirs, h + "mlp." + mine)
+    add("model.norm.weight", "ln_f.weight")
+    if not cfg.tied:
+        add("lm_head.weight", "lm_head.weight", True)
+    return out
