@@ -59,7 +59,7 @@ from hsgd.model.threads import set_cpu_threads, tune_allocator
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from bench_serial import matmul_rate  # noqa: E402
+from bench_serial import alternating, matmul_rate  # noqa: E402
 
 # model, batch, rounds, steps per block (see compare_with_torch)
 CONFIGS = {"small (the default training model)": (ModelConfig(256, 64, 128, 4, 4, 512), 16, 6, 6),
@@ -106,15 +106,8 @@ def compare_with_torch(cfg, batch, rounds, block, threads):
         loss_fn(tparams, ti, tt, cfg).backward()
         opt.step()
 
-    times = {"hsgd": [], "torch": []}
     with threadpool_limits(threads):
-        for _ in range(rounds):
-            for name, f in (("hsgd", hsgd_step), ("torch", torch_step)):
-                f()                                                    # not counted: the other's threads
-                for _ in range(block - 1):
-                    t0 = time.perf_counter()
-                    f()
-                    times[name].append(time.perf_counter() - t0)
+        times = alternating({"hsgd": hsgd_step, "torch": torch_step}, rounds, block)
     trainer.grid.free()
     return {"loss_hsgd": ours, "loss_torch": theirs, "hsgd_s": float(np.median(times["hsgd"])),
             "torch_s": float(np.median(times["torch"])), "hsgd_best_s": min(times["hsgd"]),

@@ -28,6 +28,20 @@ from hsgd.model.optim import SGD
 from hsgd.model.threads import set_cpu_threads, tune_allocator
 
 
+def alternating(steps, rounds, block):
+    """{name: [seconds of each counted call]}: `rounds` times, each function of `steps` in turn called `block` times
+    in a row, the first call of each block not counted (it pays for the other's threads and caches)."""
+    times = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, f in steps.items():
+            f()                                                        # not counted: the other's threads
+            for _ in range(block - 1):
+                t0 = time.perf_counter()
+                f()
+                times[name].append(time.perf_counter() - t0)
+    return times
+
+
 def matmul_rate(n=2048, repeats=5, dtype=np.float32):
     """Best FLOP/s of an n x n x n float32 matmul into a preallocated output."""
     rng = np.random.default_rng(0)

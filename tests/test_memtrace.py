@@ -87,13 +87,13 @@ def test_one_step_equals_the_formula_sample_by_sample(recompute, family, attenti
 
 @pytest.mark.parametrize("cfg", [CFG, LLAMA], ids=["gpt2", "llama"])
 def test_flash_attention_holds_no_probabilities(cfg):
-    """The activations' peak (the caches of every layer, at the end of the forward) falls by L (B NH T^2 - B NH T
-    - N C) s from materialized to flash attention: each layer keeps the log-sum-exp and y by heads (the projection
-    keeps y merged too) in place of the probabilities; and nothing is recomputed with --recompute selective."""
+    """The activations' peak (the caches of every layer, at the end of the forward) falls by L (B NH T^2 - B NH T) s
+    from materialized to flash attention: each layer keeps the log-sum-exp in place of the probabilities (and y,
+    which the projection keeps anyway: one copy); and nothing is recomputed with --recompute selective."""
     m = {a: traced("none", cfg, a)[0]["peak"]["activations"] for a in ("materialized", "flash")}
     sel = traced("selective", cfg, "flash")[0]["peak"]
-    B, T, C, NH, L = 4, cfg.seq_len, cfg.d_model, cfg.n_heads, cfg.n_layers
-    saved = L * (B * NH * T * T - B * NH * T - B * T * C) * 8
+    B, T, NH, L = 4, cfg.seq_len, cfg.n_heads, cfg.n_layers
+    saved = L * (B * NH * T * T - B * NH * T) * 8
     print(f"{cfg.arch}: activations' peak materialized {m['materialized']} -> flash {m['flash']} B "
           f"(saved {m['materialized'] - m['flash']}, formula {saved}); flash + selective recompute peak "
           f"{sel.get('recompute', 0)}")

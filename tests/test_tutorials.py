@@ -25,7 +25,7 @@ from .test_mpi import YIELD
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TUTORIALS = os.path.join(ROOT, "tutorials")
-CHAPTERS = (sorted(glob.glob(os.path.join(TUTORIALS, "[0-9][0-9]_*.py")))
+CHAPTERS = (sorted(glob.glob(os.path.join(TUTORIALS, "[0-9][0-9]*_*.py")))
             + sorted(glob.glob(os.path.join(TUTORIALS, "A_*.py"))))
 SOLUTIONS = sorted(glob.glob(os.path.join(TUTORIALS, "solutions", "[0-9A]*.py")))
 TIMEOUT_S = 240

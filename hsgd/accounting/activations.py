@@ -45,8 +45,9 @@ def activation_formula(cfg, batch_size, itemsize, tp, scheme, cp=1, cp_scheme="r
           (GELU(u), or silu(g) * u)
     with G = 1 (GELU) or 2 (SwiGLU), and A, the core attention's cache (hsgd.cp.split.attention_cache_bytes):
         materialized   q, k, v by heads and the probabilities (B, NH/tp, T, T)    (3NC + B NH T^2)/tp
-        flash          q, k, v, y by heads and the log-sum-exp (B, NH/tp, T)        (4NC + B NH T)/tp
-      (flash's y is held twice: by heads in its cache, merged as the projection's input)
+        flash          q, k, v by heads and the log-sum-exp (B, NH/tp, T)           (3NC + B NH T)/tp
+      (and y, the array the projection keeps as its input; where the gather scheme's projection keeps its
+      All-Gathered input instead, y's NC/tp more)
     k and v are counted at C/tp columns whatever NKV is: the model repeats them to the NH/tp query heads before
     the core attention, whose cache holds the repeated ones. In all:
       megatron: s (4NC + 2N) + s (NC + (1 + G) NF)/tp + s A;   sequence: s (5NC + 2N + (1 + G) NF)/tp + s A;
@@ -67,6 +68,8 @@ def activation_formula(cfg, batch_size, itemsize, tp, scheme, cp=1, cp_scheme="r
     between = tp if S.splits_T else 1                                 # between the split matmuls: T or T/tp rows
     proj_in = 1 if S.gathers_proj_inputs else tp                      # the projections' inputs: whole or my share
     A, _ = attention_cache_bytes(cp, cp_scheme, B, cfg.seq_len, C, NH, tp, s, attention)
+    if cp == 1 and attention == "flash" and S.gathers_proj_inputs:
+        A += N * C * s // tp                                          # y: flash's, not the projection's input
     block = ((4 * N * C + 2 * N) * s // between + (N * C + N * F) * s // proj_in + G * N * F * s // tp + A)
     outside = N * (2 * C + 1) * s // between
     return {"block": block, "model": cfg.n_layers * block + outside + N * Vp * s + 26 * N}

@@ -134,7 +134,8 @@ def attention_cache_bytes(cp, scheme, b, T, C, NH, tp, s, attention="materialize
     """(bytes one block's core attention caches for a micro-batch of b sequences, of which the probabilities)
     on a rank holding T/cp positions (Tl) and NH/tp heads, N = b Tl:
         cp = 1, materialized (hsgd.model.ops)   q, k, v by heads 3 N C/tp, the probabilities b NH/tp T^2
-        cp = 1, flash (hsgd.model.flash)        q, k, v, y by heads 4 N C/tp, and lse b NH/tp T; no probabilities
+        cp = 1, flash (hsgd.model.flash)        q, k, v by heads 3 N C/tp, and lse b NH/tp T; no probabilities (and
+                                                y, which the output projection keeps as its input: counted there)
         ring                q, own (k, v), y by heads: 4 N C/tp, and lse b NH/tp Tl; no probabilities
         allgather           q N C/tp, the gathered k and v 2 b T C/tp, the probabilities b NH/tp Tl T
     (attention, --attention, only says which cp = 1 takes.) With grouped-query attention k and v reach the core
@@ -142,7 +143,7 @@ def attention_cache_bytes(cp, scheme, b, T, C, NH, tp, s, attention="materialize
     Tl, c, nh = T // cp, C // tp, NH // tp
     N = b * Tl
     if cp == 1 and attention == "flash":
-        return 4 * N * c * s + b * nh * T * s, 0
+        return 3 * N * c * s + b * nh * T * s, 0
     if cp == 1:
         P = b * nh * T * T * s
         return 3 * N * c * s + P, P

@@ -114,7 +114,8 @@ def causal_mask(n, xp):
 def attention_forward(q, k, v, n_heads, block=BLOCK):
     """y = softmax(q k^T / sqrt(hs) + causal mask) v (layers.attention_forward), by query blocks (outer) and key
     blocks (inner, those at or below the diagonal), without the (T, T) scores. q, k, v: (B, T, C), heads side by
-    side along C. Returns y (B, T, C) and the cache (q / sqrt(hs), k, v, y by heads, lse (B, NH, T))."""
+    side along C. Returns y (B, T, C) and the cache (q / sqrt(hs), k, v by heads, y itself, lse (B, NH, T)): y is
+    the array handed on, which the output projection keeps too (one copy held, not two)."""
     xp = array_module(q)
     B, T, C = q.shape
     hs = C // n_heads
@@ -129,16 +130,18 @@ def attention_forward(q, k, v, n_heads, block=BLOCK):
             s = scores(qh[:, :, i0:i1], kh[:, :, j0:j1], mask[:i1 - i0, :j1 - j0] if j0 == i0 else None)
             merge(s, vh[:, :, j0:j1], m, l, o)
         yh[:, :, i0:i1], lse[:, :, i0:i1] = finish(m, l, o)
-    return merge_heads(yh), (qh, kh, vh, yh, lse)
+    y = merge_heads(yh)                                                             # (B, T, C)
+    return y, (qh, kh, vh, y, lse)
 
 
 def attention_backward(dy, cache, out=None, block=BLOCK):
     """dq, dk, dv (B, T, C), views of one buffer (B, T, 3C) laid out [dq | dk | dv] (`out` if given), as
     layers.attention_backward gives them, each block's probabilities computed again from lse. The blocks need not
     be the forward's: lse and D are per query."""
-    qh, kh, vh, yh, lse = cache                               # (B, NH, T, hs) x 4 (qh = q / sqrt(hs)), (B, NH, T)
-    xp = array_module(dy)
+    qh, kh, vh, y, lse = cache                                # (B, NH, T, hs) x 3 (qh = q / sqrt(hs)), (B, T, C),
+    xp = array_module(dy)                                     # (B, NH, T)
     B, n_heads, T, hs = qh.shape
+    yh = split_heads(y, n_heads)                              # (B, NH, T, hs) a view
     C = n_heads * hs
     if out is None:
         out = xp.empty_like(dy, shape=(B, T, 3 * C))

@@ -180,7 +180,7 @@ class RoundedAttention:
 
     def attention_forward(self, q, k, v, nh):
         y, cache = self.ctx.attention_forward(q, k, v, nh)
-        return self.num.round(y, "attention"), cache
+        return self.num.round_(y, "attention"), cache             # in place: a cache that holds y keeps it rounded
 
     def attention_backward(self, dy, cache, out):
         self.ctx.attention_backward(dy, cache, out=out)
