@@ -490,7 +490,8 @@ check("flash: dq, dk, dv vs materialized", max(rel_err(a, b) for a, b in zip(
 # NH = 4, hs = 16, float64), against `attention_cache_bytes`: the materialized cache is q, k, v by heads and P,
 # $(3NC + B\,NH\,T^2)s$; flash's is q, k, v by heads and lse, $(3NC + B\,NH\,T)s$, and y, the output itself, which
 # the output projection keeps as its input anyway (one array, not counted here). The first grows as $T^2$, the
-# second as $T$; they cross where $B\,NH\,T^2 \approx NC$, that is at $T \approx hs$.
+# second as $T$; P alone is as large as one of q, k, v where $B\,NH\,T^2 = NC$, that is at $T = hs$, and beyond
+# it the probabilities are most of the materialized cache.
 
 # %%
 NHm, hsm = 4, 16

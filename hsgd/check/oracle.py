@@ -61,7 +61,7 @@ from hsgd.grid.process_grid import ProcessGrid
 from hsgd.step.trainer import HybridTrainer
 from hsgd.model.precision import LOW, POINTS, Numerics, round_to, unit_roundoff
 from hsgd.pp.schedules import check_pipeline
-from hsgd.tp.shards import check_tp, unshard
+from hsgd.tp.shards import check_tied, check_tp, unshard
 from hsgd.check.verdict import Verdict
 
 FLOOR = 1e-3                  # the norm a parameter's difference is relative to: at least FLOOR x the largest
@@ -127,6 +127,7 @@ def parse_layouts(text, cfg, tc, world_size):
         ltc.validate()
         ltc.resolve_layout(dp * pp * cp * tp)
         check_tp(cfg, tp, tc.tp_scheme)
+        check_tied(cfg, pp, ltc.zero)
         check_cp(cfg.seq_len, cp, tp, tc.tp_scheme == "sequence")
         check_batch(tc.batch_size, dp, tc.micro_batches)
         check_pipeline(cfg.n_layers, ltc)

@@ -210,10 +210,16 @@ def check_same_model(saved, cfg, path):
     """Raise CheckpointError unless the checkpoint's model (saved; a manifest without the family fields is of
     gpt2's) is cfg: another family first, by name, then other sizes."""
     if saved.family() != cfg.family():
-        diff = ", ".join(f"{k} {v}" for k, v in saved.family().items() if cfg.family()[k] != v)
-        raise CheckpointError(f"checkpoint {path!r} holds a model of another family ({diff}; arch {saved.arch}) than "
-                              f"this run's (arch {cfg.arch}); resume with --arch {saved.arch} and the same family "
-                              f"flags, or start a new run in another --save-dir")
+        diff = {k: v for k, v in saved.family().items() if cfg.family()[k] != v}
+        flags = " ".join(f"--{k.replace('_', '-')}" if v is True else f"--no-{k}" if v is False else
+                         f"--{k.replace('_', '-')} {v:g}" if isinstance(v, float) else f"--{k.replace('_', '-')} {v}"
+                         for k, v in diff.items())
+        preset = ModelConfig(**{k: getattr(saved, k) for k in SIZES}, arch=saved.arch)
+        if preset.family() == saved.family():                           # the checkpoint's arch, as it comes
+            flags = f"--arch {saved.arch} and none of the family's flags"
+        raise CheckpointError(f"checkpoint {path!r} holds a model of another family "
+                              f"({', '.join(f'{k} {v}' for k, v in diff.items())}; arch {saved.arch}) than this run's "
+                              f"(arch {cfg.arch}); resume with {flags}, or start a new run in another --save-dir")
     diff = ", ".join(f"{k} {v} in the checkpoint vs {getattr(cfg, k)} now"
                      for k, v in asdict(saved).items() if getattr(cfg, k) != v and k in SIZES)
     if diff:

@@ -159,7 +159,10 @@ def cp_formula(scheme, cp, batch, T, C, tp, itemsize, n_blocks, recompute="none"
       ring:      Isend and Irecv (cp-1) + (cp-1) + cp times per block: (k, v) forward, again backward, (dk, dv);
                  --recompute full runs the forward's ring again (+ cp-1); selective keeps what the ring keeps.
       allgather: one Allgather (payload: the gathered cp 2N) and one Reduce_scatter_block (its input, cp 2N) per
-                 block; --recompute selective or full gathers again (+ 1 Allgather)."""
+                 block; --recompute selective or full gathers again (+ 1 Allgather).
+    With grouped-query attention the (k, v) blocks are the ones repeated to the NH/tp query heads (hsgd.tp.model
+    repeats them before the core attention), C/tp wide: n_rep = NH/NKV times the bytes of the kv heads themselves,
+    which Megatron-LM's context parallelism moves instead."""
     if cp == 1 or not n_blocks:
         return {}
     kv = 2 * batch * (T // cp) * (C // tp) * itemsize

@@ -84,6 +84,9 @@ SIZES = ("vocab_size", "seq_len", "d_model", "n_heads", "n_layers", "d_ff")
 
 @dataclass(frozen=True)
 class ModelConfig:
+    """The model's sizes and family. arch fills the family fields that are None (not given); a field given wins. A
+    built ModelConfig holds every field resolved, so dataclasses.replace(cfg, arch="llama") keeps cfg's family:
+    build a new one, ModelConfig(arch="llama", <sizes>), to change families."""
     vocab_size: int = 256  # V: tokens are bytes (not a flag)
     seq_len: int = flag(64, "T: context length in bytes, also the rows of the position table wpe (at most "
                             f"{MAX_SIZES['seq_len']})")
@@ -92,7 +95,7 @@ class ModelConfig:
     n_layers: int = flag(4, f"L: Transformer blocks (at most {MAX_SIZES['n_layers']})")
     d_ff: int = flag(512, "F: hidden width of the MLP, divisible by tp; GPT-2 uses 4 * C (at most "
                           f"{MAX_SIZES['d_ff']})")
-    arch: str = flag("gpt2", "the model family, a preset of the six flags below (each flag overrides its field):\n"
+    arch: str = flag("gpt2", "the model family, a preset of the seven flags below (each flag overrides its field):\n"
                              "gpt2: layernorm, learned positions, gelu, n_kv_heads = n_heads, biases, untied;\n"
                              "llama: rmsnorm, rope, swiglu, n_kv_heads = n_heads/2 (n_heads when odd), no biases, "
                              "untied", choices=tuple(ARCHS))
@@ -138,7 +141,8 @@ class ModelConfig:
                               f"{divisors(self.n_heads)[:12]}")
         theta = self.rope_theta
         if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not 1.0 < theta < 1e12:
-            raise ConfigError(f"rope_theta={theta!r} must be a number above 1 (10000 in Llama 2, 500000 in Llama 3)")
+            raise ConfigError(f"rope_theta={theta!r} must be a number above 1 and below 1e12 (10000 in Llama 2, 500000 "
+                              f"in Llama 3)")
         object.__setattr__(self, "rope_theta", float(theta))
         if self.positions == "rope" and self.head_size % 2:
             raise ConfigError(f"head size d_model/n_heads = {self.d_model}/{self.n_heads} = {self.head_size} is odd: "

@@ -7,7 +7,7 @@ consumed by the same module's backward; what it holds may differ from the plain 
   * ufuncs with `out=` into preallocated arrays, updates in place, row sums with einsum: no temporary per operator;
   * GELU in pieces of PIECE elements that stay in the CPU's cache, its derivative computed in the forward pass
     while x and tanh are in cache (the cache is one array, the backward one multiplication); SwiGLU's sigmoid as
-    one tanh, computed once in each pass;
+    one exp, computed once in each pass;
   * rows or sequences split over CPU threads (threads.parallel_rows), attention's pieces with one BLAS thread each;
   * causal attention by row blocks (causal_blocks), skipping the blocks the mask zeroes; heads written in place;
   * q, k, v as one GEMM on [Wq Wk Wv] (qkv_forward, qkv_backward; attention_backward(..., out=) fills its buffer).
@@ -16,6 +16,8 @@ Legend: B batch, T sequence, C d_model (C/tp on a TP shard), NH heads, hs head s
 N = B*T rows. Arrays may be NumPy or CuPy (threads are for NumPy arrays only).
 """
 import math
+
+import numpy as np
 
 from hsgd.model.backend import array_module, scatter_add
 from hsgd.model.layers import GELU_C, LN_EPS, split_heads
@@ -250,13 +252,16 @@ def gelu_backward(dout, cache):
 # SwiGLU: h = silu(g) * u, silu(g) = g sigmoid(g)
 
 def _sigmoid_into(g, out):
-    """sigmoid(g) = (1 + tanh(g/2)) / 2 into out: one tanh, which never overflows (llama_layers.sigmoid's exp of
-    -|g| and its where cost about four times as much)."""
+    """sigmoid(g) = 1 / (1 + exp(-g)) into out: one exp, no where (llama_layers.sigmoid's exp of -|g| and its where
+    cost about four times as much). For g below about -709 (float64; -88 in float32) exp(-g) overflows to inf and
+    the result is 0, sigmoid's value to the format's precision; the overflow is expected, so not warned of. The
+    relative error stays that of exp and one division for every g ((1 + tanh(g/2)) / 2 would cancel for g < 0)."""
     xp = array_module(g)
-    xp.multiply(g, 0.5, out=out)
-    xp.tanh(out, out=out)
+    with np.errstate(over="ignore"):
+        xp.negative(g, out=out)
+        xp.exp(out, out=out)
     out += 1.0
-    out *= 0.5
+    xp.reciprocal(out, out=out)
     return out
 
 

@@ -133,13 +133,16 @@ def lr_at(step, lr, warmup=0, total=None, min_ratio=0.1):
     return lr * (min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
-def grad_square_sums(grads, is_sharded):
-    """On the device, no host copy: [sum of squares over tensor-sharded parameters, over replicated ones]."""
+def grad_square_sums(grads, norm_weight):
+    """On the device, no host copy: [sum of squares over tensor-sharded parameters, over replicated ones].
+    norm_weight(name): 1 (or True) for a parameter split over tp, 0 (or False) for a replicated one, a fraction w
+    for one that 1/w tp ranks hold alike (a replicated key/value head: hsgd.step.trainer.HybridTrainer.norm_weight),
+    whose squares count w on each of them."""
     g0 = next(iter(grads.values()))
     xp = array_module(g0)
     zero = xp.zeros((), dtype=g0.dtype)
-    sharded = sum(((g * g).sum() for n, g in grads.items() if is_sharded(n)), zero)
-    replicated = sum(((g * g).sum() for n, g in grads.items() if not is_sharded(n)), zero)
+    sharded = sum(((g * g).sum() * float(norm_weight(n)) for n, g in grads.items() if norm_weight(n)), zero)
+    replicated = sum(((g * g).sum() for n, g in grads.items() if not norm_weight(n)), zero)
     return xp.stack([sharded, replicated])
 
 
@@ -160,9 +163,9 @@ def norm_from_squares(sharded, replicated, tp_comm=None, pp_comm=None, dp_comm=N
     return math.sqrt(total)
 
 
-def global_grad_norm(grads, is_sharded, tp_comm=None, pp_comm=None):
-    """The global gradient norm (see norm_from_squares), with one host copy of the two sums."""
-    sq = to_host(grad_square_sums(grads, is_sharded))
+def global_grad_norm(grads, norm_weight, tp_comm=None, pp_comm=None):
+    """The global gradient norm (see norm_from_squares, grad_square_sums), with one host copy of the two sums."""
+    sq = to_host(grad_square_sums(grads, norm_weight))
     return norm_from_squares(float(sq[0]), float(sq[1]), tp_comm, pp_comm)
 
 

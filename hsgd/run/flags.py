@@ -11,7 +11,6 @@ import argparse
 from dataclasses import fields
 
 from hsgd.cli import Parser
-from hsgd.errors import ConfigError
 from hsgd.grid import launch
 from hsgd.tp import shards as tp_shards
 from hsgd.model.config import ModelConfig, flag_names
@@ -85,17 +84,6 @@ def build_parser():
     return p
 
 
-def check_tied(model, tc):
-    """Raise ConfigError for a tied head where hsgd does not tie: the embedding and the head on different pipeline
-    stages (pp > 1; Megatron-LM All-Reduces wte's gradient between the first and the last stage), or ZeRO 2 and 3,
-    which hold each gradient group's buffer (and ZeRO-3 its parameters) only while that group runs, while the tied
-    head writes wte's gradient during the head's."""
-    if model.tied and (tc.pp > 1 or tc.zero >= 2):
-        raise ConfigError(f"--tied needs wte in the embedding and in the LM head of one stage and its gradient whole: "
-                          f"hsgd ties them with --pp 1 and --zero 0 or 1 (this run: --pp {tc.pp} --zero {tc.zero}); "
-                          f"use those, or --no-tied")
-
-
 def configs_from_args(args, world_size):
     """(ModelConfig, TrainConfig) from parsed flags (and --config), validated; raises UsageError."""
     given = {k: v for k, v in vars(args).items() if v is not None and k != "config"}
@@ -108,7 +96,7 @@ def configs_from_args(args, world_size):
     tc.resolve_layout(world_size)
     tc.check_targets(world_size)
     tp_shards.check_tp(model, tc.tp, tc.tp_scheme)
-    check_tied(model, tc)
+    tp_shards.check_tied(model, tc.pp, tc.zero)
     check_cp(model.seq_len, tc.cp, tc.tp, tc.tp_scheme == "sequence")      # 2cp chunks (and tp T-shards of each)
     check_batch(tc.batch_size, tc.dp, tc.micro_batches)
     check_pipeline(model.n_layers, tc)                                   # layers per chunk, the schedule

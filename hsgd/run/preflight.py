@@ -46,8 +46,8 @@ def memory_estimate(cfg, tc):
     (hsgd.accounting.activations.activation_formula, less what --recompute drops)."""
     from hsgd.accounting.activations import activation_formula
     from hsgd.accounting.step_memory import pieces
-    C, F, L, V, T = cfg.d_model, cfg.d_ff, cfg.n_layers, cfg.vocab_size, cfg.seq_len
-    params = L * (4 * C * C + 2 * C * F + F + 9 * C) + 2 * V * C + T * C + 2 * C     # ModelConfig.n_params()
+    L = cfg.n_layers
+    params = cfg.n_params()                                          # of its family (at most 4096 layers to walk)
     itemsize = 8 if tc.dtype == "float64" else 4
     states = 2 if tc.optimizer == "adamw" else 1 if tc.momentum else 0
     share = params * itemsize // (tc.tp * tc.pp)                     # one copy of this rank's stage and tp shard

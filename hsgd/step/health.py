@@ -27,7 +27,9 @@ class StepNumbers(NamedTuple):
 
 def step_numbers(loss, checked, grads, sharded):
     """StepNumbers from one device-to-host copy. grads: the flat gradient to apply, or None (nothing to apply: sums
-    0), usually `checked` itself; sharded: a 0/1 mask of grads' shape (masks by multiplication: no device sync).
+    0), usually `checked` itself; sharded: a mask of grads' shape, 1 where split over tp, 0 where replicated, a
+    fraction for a kv head tp ranks hold alike (HybridTrainer.norm_weight; masks by multiplication: no device
+    sync).
     A NaN or an infinity anywhere in `checked` makes its sum of squares non-finite, which is how it is found (so
     does a finite value whose square overflows, |x| > 1e154 in float64 or 1e19 in float32: a gradient no run
     survives either)."""

@@ -97,6 +97,8 @@ class Layout:
             raise ConfigError(f"cp_scheme={self.cp_scheme!r} is not known; use one of {', '.join(CP_SCHEMES)}")
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"schedule={self.schedule!r} is not known; use one of {', '.join(SCHEDULES)}")
+        if self.attention not in ATTENTIONS:
+            raise ConfigError(f"attention={self.attention!r} is not known; use one of {', '.join(ATTENTIONS)}")
 
     def resolve_layout(self, world_size):
         """Fill in tp and dp from the world size, then check that dp * pp * cp * tp == world size."""

@@ -69,7 +69,7 @@ class HybridTrainer:
         self.grads = None
         self.opt = make_optimizer(tc.optimizer, tc.lr, momentum=tc.momentum, weight_decay=tc.weight_decay)
         self.decay = self.exchange.mask(decays)                         # (owned,) 1 where weight decay applies
-        self.sharded = self.exchange.mask(lambda n, shape: self.is_sharded(n))   # (owned,) 1: split over tp
+        self.sharded = self.exchange.mask(lambda n, shape: self.norm_weight(n))  # (owned,) 1: split over tp
         self.scaler = make_scaler(tc.dtype, tc.loss_scale, tc.on_nan, tc.max_skips)   # S, and the skips
         self.probe = None                                               # --memory: an allocations.MemoryProbe
         self.t_start = self.tp_start = self.dp_start = self.dp_waited = 0.0   # set by gradients(), for update()
@@ -86,11 +86,14 @@ class HybridTrainer:
         self.exchange.use(num)
 
     def is_sharded(self, name):
-        """1 for a parameter split over tp, 0 for a replicated one, NKV/tp for a key/value head that tp/NKV ranks
-        hold alike (its share of the norm on each: hsgd.step.health.masked_square_sums)."""
-        if self.grid.tp == 1 or tp_shards.split_of(name, self.scheme)[0] == "rep":
-            return 0
-        return tp_shards.holders_weight(name, self.cfg, self.grid.tp)
+        """Whether a parameter is split over tp (each rank holds a part, or one kv head of several)."""
+        return self.grid.tp > 1 and tp_shards.split_of(name, self.scheme)[0] != "rep"
+
+    def norm_weight(self, name):
+        """A parameter's squares' weight in this rank's share of the global norm: 1 for a parameter split over
+        tp, 0 for a replicated one (counted once, apart), NKV/tp for a key/value head that tp/NKV ranks hold alike
+        (hsgd.step.health.masked_square_sums, hsgd.model.optim.grad_square_sums)."""
+        return tp_shards.holders_weight(name, self.cfg, self.grid.tp) if self.is_sharded(name) else 0
 
     def step(self, idx, targets, step):
         """One optimizer step on the global batch idx, targets (B, T); `step` counts from 1 (for the schedule)."""

@@ -50,6 +50,7 @@ from hsgd.model.precision import EXACT
 from hsgd.tp import ops as tp_ops
 from hsgd.tp.attention import WHOLE
 from hsgd.tp.hooks import NO_HOOKS
+from hsgd.tp.kv import kv_backward, kv_heads, kv_sum
 from hsgd.tp.rounded import rounded
 from hsgd.tp.schemes import make_scheme
 from hsgd.tp.wgrad import WeightGrads
@@ -100,27 +101,6 @@ class TPSetup:
             pos = xp.arange(self.cfg.seq_len)[self.ctx.rows(0, Tl)]         # the global positions of my rows
             self.tables[key] = rope_angles(pos, self.cfg.head_size, self.cfg.rope_theta, dtype)
         return self.tables[key]
-
-
-def kv_heads(cfg, tp, rank):
-    """(how many kv heads a tp rank holds, the index of its first): NKV/tp of them from rank * NKV/tp when tp divides
-    NKV; else (tp a multiple of NKV) the one its query heads read, rank // (tp/NKV) (hsgd.tp.shards.check_tp refuses
-    the rest)."""
-    if cfg.n_kv_heads >= tp:
-        return cfg.n_kv_heads // tp, rank * (cfg.n_kv_heads // tp)
-    return 1, rank // (tp // cfg.n_kv_heads)
-
-
-def kv_sum(dkv, setup):
-    """The replicated kv heads' adjoint: where tp/NKV ranks hold the same kv head, each has the part of dk, dv
-    (B, T, 2 hs) its own query heads give; the head's gradient is their sum. One Allreduce over tp of a (B, T, 2 NKV
-    hs) buffer, every rank's part in its head's slot and zeros elsewhere; each keeps its slot. Returns dkv summed."""
-    xp = array_module(dkv)
-    B, T, w = dkv.shape                                                  # w = 2 hs
-    full = xp.zeros((B, T, setup.cfg.n_kv_heads, w), dtype=dkv.dtype)    # (B, T, NKV, 2 hs)
-    full[:, :, setup.kv_owner] = dkv
-    setup.comm.Allreduce(full)                                           # sum over tp: the holders of each head
-    return xp.ascontiguousarray(full[:, :, setup.kv_owner])
 
 
 def replicated(names, p, prefix=""):
@@ -235,13 +215,13 @@ def block_backward(dx, cache, grads, p, h, setup, hooks=NO_HOOKS, wg=None):
     m_in = S.enter_forward(m, comm)                                      # (B, T, C) again: identity | All-Gather
     names = mlp_names(setup, h)
     if setup.cfg.mlp == "gelu":
-        du = op.gelu_backward(dgl, c_act)                                # (B, T, F/tp)
+        dfc = op.gelu_backward(dgl, c_act)                               # (B, T, F/tp) du
     else:
-        du = array_module(dgl).concatenate(op.swiglu_backward(dgl, c_act), axis=-1)   # (B, T, 2F/tp) [dg | du]
+        dfc = array_module(dgl).concatenate(op.swiglu_backward(dgl, c_act), axis=-1)  # (B, T, 2F/tp) [dg | du]
     c_mlp = (m_in.reshape(-1, m_in.shape[-1]), tuple(p[n + "weight"] for n in names))
-    wg.add(op.fused_weight_grad, (du, c_mlp),
+    wg.add(op.fused_weight_grad, (dfc, c_mlp),
            *(bias_or_weight(n + w, grads) for n in names for w in ("weight", "bias")))
-    dm_in = op.fused_input_grad(du, c_mlp)                               # (B, T, C) partial (m entered again)
+    dm_in = op.fused_input_grad(dfc, c_mlp)                              # (B, T, C) partial (m entered again)
     dm = S.enter_backward(dm_in, comm)                                   # (B, T~, C) f^T: Allreduce | Reduce-Scatter
     dln2 = norm_backward(dm, c_ln2, grads, p, h + "ln2", setup)
     dx = op.residual_backward(dx, dln2)                                  # dx + dln2: the skip and the MLP meet
@@ -256,8 +236,8 @@ def block_backward(dx, cache, grads, p, h, setup, hooks=NO_HOOKS, wg=None):
     c_qkv = (a_in.reshape(-1, a_in.shape[-1]), tuple(W(f"attn.{n}.weight") for n in "qkv"))
     da_in = op.qkv_input_grad(dqkv, c_qkv)                               # (B, T, C) partial
     if setup.kv_shared:                                                  # the weight gradient of a shared kv head
-        c = dy.shape[-1]                                                 # needs every holder's dk, dv: summed
-        dqkv = xp.concatenate([dqkv[..., :c], kv_sum(dqkv[..., c:], setup)], axis=-1)
+        c = dy.shape[-1]                                                 # needs every holder's dk, dv: summed by
+        dqkv = xp.concatenate([dqkv[..., :c], kv_sum(dqkv[..., c:], setup)], axis=-1)   # an Allreduce over tp
     wg.add(op.qkv_weight_grad, (dqkv, c_qkv), *(bias_or_weight(h + f"attn.{n}.{w}", grads) for n in "qkv"
                                                for w in ("weight", "bias")))
     da = S.enter_backward(da_in, comm)                                   # (B, T~, C) f^T: Allreduce | Reduce-Scatter
@@ -268,23 +248,6 @@ def block_backward(dx, cache, grads, p, h, setup, hooks=NO_HOOKS, wg=None):
 def bias_or_weight(name, grads):
     """A parameter name for WeightGrads, or None for a bias this family has not (the kernels skip None)."""
     return name if name in grads or not name.endswith(".bias") else None
-
-
-def kv_backward(dqkv, dtype, setup):
-    """From attention's [dq | dk | dv] (B, T, 3C/tp) on the repeated heads to [dq | dk | dv] on this rank's own
-    (B, T, C/tp + 2 NKV/tp hs): the repeat's adjoint (the sum over each group of n_rep query heads), then the
-    rotation's (by -a) on dq and dk. Without grouped-query attention or rotary positions: dqkv itself."""
-    op, c = setup.ops, dqkv.shape[-1] // 3
-    dq, dk, dv = dqkv[..., :c], dqkv[..., c:2 * c], dqkv[..., 2 * c:]
-    if setup.n_rep == 1 and setup.cfg.positions != "rope":
-        return dqkv
-    rep = (setup.nkv, setup.n_rep)
-    dk, dv = op.repeat_kv_rows_backward(dk, rep), op.repeat_kv_rows_backward(dv, rep)   # (B, T, NKV/tp hs)
-    rope = setup.rope(dqkv.shape[1], dtype, array_module(dqkv))
-    if rope is not None:
-        dq = op.rope_rows_backward(dq, (*rope, setup.nh))
-        dk = op.rope_rows_backward(dk, (*rope, setup.nkv))
-    return array_module(dqkv).concatenate([dq, dk, dv], axis=-1)
 
 
 def column_backward(x_in, dy, W, names, op, wg):
@@ -328,6 +291,12 @@ def head_weight(p, setup):
     return (p["wte"].T, "wte") if setup.cfg.tied else (p["lm_head.weight"], "lm_head.weight")
 
 
+def tied_weight_grad(op, dlogits, cache, dwte):
+    """The tied head's weight gradient: dW (C, Vp) += X^T dlogits, accumulated into wte's gradient rows (Vp, C)
+    through their transpose (a view), the same vocabulary split."""
+    op.linear_weight_grad(dlogits, cache, dwte.T)
+
+
 def head_forward(x, p, targets, setup):
     """The mean cross-entropy of Norm_f(x) lm_head over all B*T positions, the logits split by vocabulary columns
     (the cross-entropy's softmax in float32 in every run)."""
@@ -340,6 +309,9 @@ def head_forward(x, p, targets, setup):
 
 
 def head_backward(dloss, cache, grads, p, setup, wg=None):
+    """head_forward read from the bottom up: the vocab-parallel cross-entropy's dlogits (B, T, Vp), the head's
+    weight gradient (lm_head's, or wte's rows with a tied head) handed to wg, the partial dX entered back over tp
+    (f^T), the final norm's backward. Returns dx (B, T~, C)."""
     op, S, comm = setup.ops, setup.scheme, setup.comm
     c_lnf, xf, c_ce = cache
     W, name = head_weight(p, setup)
@@ -348,7 +320,7 @@ def head_backward(dloss, cache, grads, p, setup, wg=None):
     xf_in = S.enter_forward(xf, comm)                                    # (B, T, C) xf entered again
     x2 = xf_in.reshape(-1, xf_in.shape[-1])
     if setup.cfg.tied:                                                   # dW^T: into wte's gradient rows
-        wg.add(lambda dy, c, dwte: op.linear_weight_grad(dy, c, dwte.T), (dlogits, (x2, W)), name)
+        wg.add(tied_weight_grad, (op, dlogits, (x2, W)), name)
         dxf_in = op.linear_input_grad(dlogits, (x2, W))                  # (B, T, C) partial
     else:
         dxf_in = column_backward(xf_in, dlogits, W, (name,), op, wg)     # (B, T, C) partial

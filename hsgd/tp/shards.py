@@ -39,6 +39,17 @@ def check_tp(cfg, tp, scheme="megatron"):
     S.check(cfg, tp, ok)                                                 # sequence: T-shards of seq_len/tp
 
 
+def check_tied(cfg, pp, zero):
+    """Raise ConfigError for a tied head where hsgd does not tie: the embedding and the head on different pipeline
+    stages (pp > 1; Megatron-LM All-Reduces wte's gradient between the first and the last stage), or ZeRO 2 and 3,
+    which hold each gradient group's buffer (and ZeRO-3 its parameters) only while that group runs, while the tied
+    head writes wte's gradient during the head's."""
+    if cfg.tied and (pp > 1 or zero >= 2):
+        raise ConfigError(f"--tied needs wte in the embedding and in the LM head of one stage and its gradient whole: "
+                          f"hsgd ties them with --pp 1 and --zero 0 or 1 (this run: --pp {pp} --zero {zero}); use "
+                          f"those, or --no-tied")
+
+
 def kv_fits(n_kv_heads, tp):
     """Whether NKV key/value heads go over tp ranks: split (tp divides NKV) or replicated (NKV divides tp)."""
     return n_kv_heads % tp == 0 or tp % n_kv_heads == 0

@@ -82,7 +82,7 @@ def test_clipping_is_active_and_the_norm_is_global():
     idx, targets = CORPUS.batch(tc.seed, 1, tc.batch_size)
     trainer.gradients(idx, targets)
     from hsgd.model.optim import global_grad_norm
-    norm = global_grad_norm(trainer.grads, trainer.is_sharded, grid.tp_comm)
+    norm = global_grad_norm(trainer.grads, trainer.norm_weight, grid.tp_comm)
     _, grads = serial.loss_and_grads(serial.init_params(CFG, seed=tc.seed, dtype="float64"), idx, targets, CFG)
     serial_norm = math.sqrt(sum(float((g * g).sum()) for g in grads.values()))
     say(f"global grad norm: parallel {norm:.12f}, serial {serial_norm:.12f}")

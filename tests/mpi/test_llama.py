@@ -4,7 +4,8 @@ heads, no biases) with serial SGD's parameters, with materialized and flash atte
 sequences (with cp > 1 ring attention is blockwise whatever --attention says); the kv heads are split over tp = 1, 2
 and replicated over tp = 4, 8. The tensor-parallel schemes, ZeRO stages, pipeline schedules and recomputation take
 turns over the layouts, so that each appears; every rank's bytes on every communicator equal step_formula's (kv_sum's
-Allreduce included); a tied head where hsgd ties (pp = 1, ZeRO 0 or 1)."""
+Allreduce included); a tied head where hsgd ties (pp = 1, ZeRO 0 or 1); clipping by the global norm where the kv
+heads are replicated."""
 from dataclasses import replace
 
 import numpy as np
@@ -38,6 +39,8 @@ def settings(i, layout):
     dp, pp, cp, tp = layout
     kw = dict(dp=dp, pp=pp, cp=cp, tp=tp, tp_scheme=TP_SCHEMES[i % 3], recompute=RECOMPUTE[i % 3],
               micro_batches=2 if pp < 4 else 4)
+    if tp >= 4:
+        kw["clip"] = 0.01          # always clips: the global norm with the kv heads replicated (each counted once)
     if dp > 1:
         kw["zero"] = i % 4
     if pp > 1:

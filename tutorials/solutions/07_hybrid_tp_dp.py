@@ -79,7 +79,7 @@ def exercise_2(check):
     check.say(f"  one All-Reduce over the world: {norm:.12f}; serial: {serial_norm:.12f}")
     check("norm, one world All-Reduce vs serial", abs(norm - serial_norm) / serial_norm, 1e-12)
     check("norm, one world All-Reduce vs global_grad_norm",
-          abs(norm - global_grad_norm(trainer.grads, trainer.is_sharded, grid.tp_comm)) / serial_norm, 1e-12)
+          abs(norm - global_grad_norm(trainer.grads, trainer.norm_weight, grid.tp_comm)) / serial_norm, 1e-12)
     grid.free()
 
 
