@@ -327,7 +327,9 @@ say(f"the reference: {meta['model']}; torch {meta['torch']}, transformers {meta[
 #
 # What GQA saves under tp: the k and v weights per rank, $2 C \cdot \max(NKV/tp, 1)\, hs$ numbers per block
 # instead of $2C \cdot C/tp$, and in inference the key/value cache by the same factor. hsgd's training cache holds
-# k and v after the repeat (what the core attention reads), so the activation bytes do not change with NKV.
+# k and v after the repeat (what the core attention reads), so the activation bytes do not change with NKV (with
+# context parallelism, ring attention and the all-gather move and keep the kv heads themselves, and repeat each block
+# for its products: chapter 15's cp_comm then carries NH/NKV times fewer bytes).
 #
 # The picture shows the four cases on tp = 4 with NH = 8 query heads: which kv heads each rank holds.
 

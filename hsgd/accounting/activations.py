@@ -9,6 +9,7 @@ Legend: B batch, T sequence, C d_model, NH heads, F d_ff, V vocab, Vp = ceil(V/t
 tp ranks.
 """
 from hsgd.cp.split import attention_cache_bytes
+from hsgd.tp.kv import kv_columns
 from hsgd.tp.schemes import make_scheme
 
 
@@ -48,8 +49,9 @@ def activation_formula(cfg, batch_size, itemsize, tp, scheme, cp=1, cp_scheme="r
         flash          q, k, v by heads and the log-sum-exp (B, NH/tp, T)           (3NC + B NH T)/tp
       (and y, the array the projection keeps as its input; where the gather scheme's projection keeps its
       All-Gathered input instead, y's NC/tp more)
-    k and v are counted at C/tp columns whatever NKV is: the model repeats them to the NH/tp query heads before
-    the core attention, whose cache holds the repeated ones. In all:
+    k and v are counted at C/tp columns whatever NKV is: a rank holding the whole sequence repeats them to its NH/tp
+    query heads for the core attention, whose cache holds the repeated ones (with cp, the ring's and all-gather's
+    caches hold the kv heads themselves: hsgd.cp.split.attention_cache_bytes). In all:
       megatron: s (4NC + 2N) + s (NC + (1 + G) NF)/tp + s A;   sequence: s (5NC + 2N + (1 + G) NF)/tp + s A;
       gather:   s (5NC + 2N + NF) + G s NF/tp + s A  (its projections cache their All-Gathered input).
     GPT-2 (G = 1, materialized) is megatron s (4NC + 2N + (4NC + B NH T^2 + 2NF)/tp). The materialized A grows with
@@ -67,7 +69,7 @@ def activation_formula(cfg, batch_size, itemsize, tp, scheme, cp=1, cp_scheme="r
     G = 1 if cfg.mlp == "gelu" else 2                                 # GELU's cache, or SwiGLU's gate and up
     between = tp if S.splits_T else 1                                 # between the split matmuls: T or T/tp rows
     proj_in = 1 if S.gathers_proj_inputs else tp                      # the projections' inputs: whole or my share
-    A, _ = attention_cache_bytes(cp, cp_scheme, B, cfg.seq_len, C, NH, tp, s, attention)
+    A, _ = attention_cache_bytes(cp, cp_scheme, B, cfg.seq_len, C, NH, tp, s, attention, kv_columns(cfg, tp))
     if cp == 1 and attention == "flash" and S.gathers_proj_inputs:
         A += N * C * s // tp                                          # y: flash's, not the projection's input
     block = ((4 * N * C + 2 * N) * s // between + (N * C + N * F) * s // proj_in + G * N * F * s // tp + A)

@@ -52,6 +52,7 @@ import math
 from hsgd.cp.split import attention_cache_bytes
 from hsgd.accounting.activations import activation_formula
 from hsgd.dp.sharded import ShardedSizes
+from hsgd.tp.kv import kv_columns
 from hsgd.tp.model import BLOCK_REPLICATED, EMBEDDING_REPLICATED, HEAD_REPLICATED
 from hsgd.tp.schemes import make_scheme
 
@@ -60,16 +61,11 @@ STATE_COPIES = {"sgd": lambda momentum: 1 if momentum else 0, "adamw": lambda mo
 
 def selective_kept(cfg, N, tp, s):
     """Bytes of the q, k, v that --recompute selective keeps in place of the attention's cache (hsgd.tp.model
-    attention_and_mlp), N rows: each as the core attention takes it, (N, C/tp). One the block made itself (q and k
-    turned by rotary positions; k and v repeated for grouped-query attention, n_rep > 1) is held alone; one neither
-    turned nor repeated is a view of the fused q|k|v product (N, C/tp + 2 NKV_l hs), NKV_l the rank's kv heads,
-    and holds that product whole. GPT-2: the product, 3 N C/tp; Llama with n_rep > 1: three arrays, 3 N C/tp;
-    Llama with NKV = NH: q, k and the product, 5 N C/tp."""
-    c, nkv = cfg.d_model // tp, max(cfg.n_kv_heads // tp, 1)          # C/tp; kv heads on a rank (replicated: 1)
-    repeated, turned = (cfg.n_heads // tp) // nkv > 1, cfg.positions == "rope"
-    own = (turned, turned or repeated, repeated)                        # q, k, v: made by the block, not views
-    product = 0 if all(own) else N * (c + 2 * nkv * cfg.head_size) * s
-    return sum(own) * N * c * s + product
+    attention_and_mlp), N rows, as the core attention takes them: q (N, C/tp), k and v (N, K/tp), the rank's kv
+    heads. Without rotary positions they are views of the fused q|k|v product, which they hold whole; with them q
+    and k are the block's own rotated arrays and v is copied, so that the product goes. Either way
+    N (C/tp + 2 K/tp) s."""
+    return N * (cfg.d_model // tp + 2 * kv_columns(cfg, tp)) * s
 
 
 def replicated_bytes(cfg, s):
@@ -93,7 +89,8 @@ def pieces(cfg, b, s, tp, scheme, recompute, cp=1, cp_scheme="ring", attention="
     T, C, NH = cfg.seq_len // cp, cfg.d_model, cfg.n_heads
     N, Tl, Vp = b * T, T // tp if S.splits_T else T, -(-cfg.vocab_size // tp)
     X = b * Tl * C * s
-    A, P = attention_cache_bytes(cp, cp_scheme, b, cfg.seq_len, C, NH, tp, s, attention)   # the attention's cache
+    A, P = attention_cache_bytes(cp, cp_scheme, b, cfg.seq_len, C, NH, tp, s, attention,
+                                 kv_columns(cfg, tp))                 # the attention's cache
     K0 = activation_formula(cfg, b, s, tp, S, cp, cp_scheme, attention)["block"]
     kept_qkv = selective_kept(cfg, N, tp, s)                          # selective keeps q, k, v in place of A
     K = {"none": K0, "selective": K0 - A + kept_qkv if P else K0, "full": X}[recompute]

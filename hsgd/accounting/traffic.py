@@ -6,6 +6,7 @@ planner (hsgd.plan.layout) asks the same function with sizes alone. Chapters 7, 
 from hsgd.cp.split import cp_formula
 from hsgd.pp.chunks import pp_formula
 from hsgd.tp import model as tp_model
+from hsgd.tp.kv import kv_columns
 
 
 def step_formula(cfg, tc, trainer):
@@ -27,6 +28,6 @@ def rank_bytes(cfg, tc, dp, tp, cp, stage, sizes):
             f[k] = (f.get(k, (0, 0))[0] + m * calls, f.get(k, (0, 0))[1] + m * nbytes)
     f.update(pp_formula(per_mb, cfg, m, stage.first, stage.last, itemsize, tc.tp_scheme, tp, stage.v, cp))
     f.update(cp_formula(tc.cp_scheme, cp, per_mb, cfg.seq_len, cfg.d_model, tp, itemsize,
-                        m * len(stage.layers), tc.recompute))
+                        m * len(stage.layers), tc.recompute, kv_columns(cfg, tp)))
     f.update(sizes.formula())
     return f

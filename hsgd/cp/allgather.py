@@ -6,13 +6,17 @@ whole sequence over cp_comm, score this rank's queries against all T keys with t
 the backward pass Reduce-Scatter dk, dv back to their owners. Two collectives per layer and no online softmax, but
 the rank holds all T keys and values and the (T/cp x T) probabilities, and computes the masked blocks too.
 
-The layout of the positions and what both cp schemes share: hsgd.cp.split. Legend as there.
+With grouped-query attention the rank's NKV/tp kv heads are gathered (and their gradients reduce-scattered) as they
+are, and repeated to the NH/tp query heads only for the products (hsgd.cp.ring.repeat_heads, sum_heads).
+
+The layout of the positions and what both cp schemes share: hsgd.cp.split. Legend as there and in hsgd.cp.ring.
 """
 import math
 
 import numpy as np
 
 from hsgd.model.backend import array_module
+from hsgd.cp.ring import repeat_heads, sum_heads
 from hsgd.cp.split import ContextSplit, positions
 from hsgd.model.layers import merge_heads, split_heads
 
@@ -32,47 +36,52 @@ class AllGather(ContextSplit):
         return np.concatenate([positions(self.T, self.cp, o, self.balanced) for o in range(self.cp)])
 
     def attention_forward(self, q, k, v, nh):
-        """Cache: q / sqrt(hs) (B, NH/tp, T/cp, hs), the gathered K and V (B, NH/tp, T, hs) each, their positions in
-        rank order (key_positions), and the probabilities (B, NH/tp, T/cp, T)."""
+        """q (B, T/cp, C/tp), k, v (B, T/cp, K/tp). Cache: q / sqrt(hs) (B, NH/tp, T/cp, hs), the gathered K and V
+        (B, NKV/tp, T, hs) each, their positions in rank order (key_positions), and the probabilities (B, NH/tp,
+        T/cp, T)."""
         xp, cp = array_module(q), self.cp
         B, Tl, C = q.shape
-        hs = C // nh
+        hs, n_rep = C // nh, C // k.shape[-1]
+        nkv = nh // n_rep
         qh = xp.ascontiguousarray(split_heads(q, nh)) * (1.0 / math.sqrt(hs))      # (B, NH, Tl, hs)
-        own = xp.empty_like(q, shape=(2, B, nh, Tl, hs))
-        own[0], own[1] = split_heads(k, nh), split_heads(v, nh)
+        own = xp.empty_like(q, shape=(2, B, nkv, Tl, hs))
+        own[0], own[1] = split_heads(k, nkv), split_heads(v, nkv)
         kv = xp.empty_like(own, shape=(cp, *own.shape))
         self.comm.Allgather(own, kv)                                                # every rank's [k | v]
-        K = kv[:, 0].transpose(1, 2, 0, 3, 4).reshape(B, nh, cp * Tl, hs)           # (B, NH, T, hs) by rank
-        V = kv[:, 1].transpose(1, 2, 0, 3, 4).reshape(B, nh, cp * Tl, hs)
+        K = kv[:, 0].transpose(1, 2, 0, 3, 4).reshape(B, nkv, cp * Tl, hs)          # (B, NKV, T, hs) by rank
+        V = kv[:, 1].transpose(1, 2, 0, 3, 4).reshape(B, nkv, cp * Tl, hs)
         with self.span("attention (all keys)"):
-            s = qh @ K.transpose(0, 1, 3, 2)                                        # (B, NH, Tl, T)
+            s = qh @ repeat_heads(K, n_rep).transpose(0, 1, 3, 2)                  # (B, NH, Tl, T)
             s += self.mask
             self.work["forward"] += s.shape[-2] * s.shape[-1]
             s -= s.max(axis=-1, keepdims=True)
             P = xp.exp(s)
             P /= P.sum(axis=-1, keepdims=True)
-            yh = P @ V
+            yh = P @ repeat_heads(V, n_rep)
         return merge_heads(yh), (qh, K, V, P)
 
     def attention_backward(self, dy, cache, out=None):
         qh, K, V, P = cache
         xp, cp = array_module(dy), self.cp
         B, nh, Tl, hs = qh.shape
-        C = nh * hs
+        nkv = K.shape[1]
+        C, Kc, n_rep = nh * hs, nkv * hs, nh // nkv
         if out is None:
-            out = xp.empty_like(dy, shape=(B, Tl, 3 * C))
+            out = xp.empty_like(dy, shape=(B, Tl, C + 2 * Kc))
         dyh = xp.ascontiguousarray(split_heads(dy, nh))
         with self.span("attention (all keys, backward)"):
             self.work["backward"] += P.shape[-2] * P.shape[-1]
-            dP = dyh @ V.transpose(0, 1, 3, 2)                                      # (B, NH, Tl, T)
+            dP = dyh @ repeat_heads(V, n_rep).transpose(0, 1, 3, 2)                 # (B, NH, Tl, T)
             dS = P * (dP - (dP * P).sum(axis=-1, keepdims=True))
-            dq = dS @ K * (1.0 / math.sqrt(hs))                                      # (B, NH, Tl, hs)
-            dkv = xp.empty_like(qh, shape=(cp, 2, B, nh, Tl, hs))                    # partial, by owner
-            dkv[:, 0] = (dS.transpose(0, 1, 3, 2) @ qh).reshape(B, nh, cp, Tl, hs).transpose(2, 0, 1, 3, 4)
-            dkv[:, 1] = (P.transpose(0, 1, 3, 2) @ dyh).reshape(B, nh, cp, Tl, hs).transpose(2, 0, 1, 3, 4)
+            dq = dS @ repeat_heads(K, n_rep) * (1.0 / math.sqrt(hs))                 # (B, NH, Tl, hs)
+            dkv = xp.empty_like(qh, shape=(cp, 2, B, nkv, Tl, hs))                   # partial, by owner
+            dK = sum_heads(dS.transpose(0, 1, 3, 2) @ qh, n_rep)                      # (B, NKV, T, hs)
+            dV = sum_heads(P.transpose(0, 1, 3, 2) @ dyh, n_rep)
+            dkv[:, 0] = dK.reshape(B, nkv, cp, Tl, hs).transpose(2, 0, 1, 3, 4)
+            dkv[:, 1] = dV.reshape(B, nkv, cp, Tl, hs).transpose(2, 0, 1, 3, 4)
         mine = xp.empty_like(dkv[0])
         self.comm.Reduce_scatter_block(dkv, mine)                                   # sum over ranks, my rows
         split_heads(out[..., :C], nh)[...] = dq
-        split_heads(out[..., C:2 * C], nh)[...] = mine[0]
-        split_heads(out[..., 2 * C:], nh)[...] = mine[1]
-        return out[..., :C], out[..., C:2 * C], out[..., 2 * C:]
+        split_heads(out[..., C:C + Kc], nkv)[...] = mine[0]
+        split_heads(out[..., C + Kc:], nkv)[...] = mine[1]
+        return out[..., :C], out[..., C:C + Kc], out[..., C + Kc:]

@@ -18,7 +18,12 @@ positions (rank r holds chunks r and 2cp-1-r) and what both cp schemes share: hs
              and after cp hops they are back with their owner. Per layer and micro-batch: Isend of (k, v) cp - 1
              times forward, cp - 1 times backward, of (dk, dv) cp times (hsgd.cp.split.cp_formula).
 
-Legend: Tl = T/cp a rank's positions, B sequences, NH/tp the rank's heads, hs the head size, C/tp = NH/tp hs.
+With grouped-query attention the blocks that travel are the rank's kv heads, NKV/tp of them (K/tp = C/tp / n_rep
+columns), and each block pair repeats them to the NH/tp query heads (query head j reads kv head j // n_rep); the
+backward sums each group's dk, dv before they travel on: cp_comm carries the kv heads, not their copies.
+
+Legend: Tl = T/cp a rank's positions, B sequences, NH/tp the rank's heads, hs the head size, C/tp = NH/tp hs, NKV/tp
+its kv heads, n_rep = NH/NKV.
 """
 import math
 
@@ -30,25 +35,36 @@ from hsgd.model.layers import merge_heads, split_heads
 TAG_KV, TAG_KV_BACK, TAG_DKV = 0, 1, 2          # forward (k, v); backward (k, v); backward (dk, dv)
 
 
+def repeat_heads(kh, n_rep):
+    """(B, NKV, n, hs) -> (B, NKV n_rep, n, hs): each kv head n_rep times in a row (a copy; kh itself if n_rep = 1)."""
+    return kh if n_rep == 1 else array_module(kh).repeat(kh, n_rep, axis=1)
+
+
+def sum_heads(dh, n_rep):
+    """repeat_heads' adjoint: (B, NKV n_rep, n, hs) -> (B, NKV, n, hs), the sum over each group of n_rep heads."""
+    B, nh, n, hs = dh.shape
+    return dh if n_rep == 1 else dh.reshape(B, nh // n_rep, n_rep, n, hs).sum(axis=2)
+
+
 class Ring(ContextSplit):
     """Ring attention over cp_comm, blockwise with the online softmax (see the module docstring)."""
 
     def attention_forward(self, q, k, v, nh):
-        """q, k, v (B, T/cp, C/tp), this rank's positions -> y (B, T/cp, C/tp). Cache: q / sqrt(hs), this rank's
-        (k, v) as one (2, B, NH/tp, T/cp, hs) block, y by heads and lse = m + log l (B, NH/tp, T/cp)."""
+        """q (B, T/cp, C/tp), k, v (B, T/cp, K/tp), this rank's positions -> y (B, T/cp, C/tp). Cache: q / sqrt(hs),
+        this rank's (k, v) as one (2, B, NKV/tp, T/cp, hs) block, y by heads and lse = m + log l (B, NH/tp, T/cp)."""
         xp = array_module(q)
         B, Tl, C = q.shape
-        hs = C // nh
+        hs, n_rep = C // nh, C // k.shape[-1]
         qh = xp.ascontiguousarray(split_heads(q, nh)) * (1.0 / math.sqrt(hs))      # (B, NH, Tl, hs)
-        own = xp.empty_like(q, shape=(2, B, nh, Tl, hs))                            # what travels: [k | v]
-        own[0], own[1] = split_heads(k, nh), split_heads(v, nh)
+        own = xp.empty_like(q, shape=(2, B, nh // n_rep, Tl, hs))                   # what travels: [k | v]
+        own[0], own[1] = split_heads(k, nh // n_rep), split_heads(v, nh // n_rep)
         m, l, o = flash.start(qh)                                                   # (B, NH, Tl), .., (.., hs)
         for owner, kv in self.around(own, TAG_KV):                                 # block of rank r - i
             with self.span("attention block", owner=owner):
                 for sq, sk, mask in self.pairs(owner):
-                    s = flash.scores(qh[:, :, sq], kv[0][:, :, sk], mask)           # (B, NH, nq, nk)
+                    s = flash.scores(qh[:, :, sq], repeat_heads(kv[0][:, :, sk], n_rep), mask)   # (B, NH, nq, nk)
                     self.work["forward"] += s.shape[-2] * s.shape[-1]
-                    flash.merge(s, kv[1][:, :, sk], m[:, :, sq], l[:, :, sq], o[:, :, sq])
+                    flash.merge(s, repeat_heads(kv[1][:, :, sk], n_rep), m[:, :, sq], l[:, :, sq], o[:, :, sq])
         yh, lse = flash.finish(m, l, o)                                             # (B, NH, Tl, hs), (B, NH, Tl)
         return merge_heads(yh), (qh, own, yh, lse)
 
@@ -68,14 +84,15 @@ class Ring(ContextSplit):
             cur = nxt
 
     def attention_backward(self, dy, cache, out=None):
-        """dq, dk, dv (B, T/cp, C/tp), views of out (B, T/cp, 3C/tp): dq from every block, dk and dv of this rank's
-        positions after their round of the ring."""
+        """dq (B, T/cp, C/tp), dk, dv (B, T/cp, K/tp), views of out (B, T/cp, C/tp + 2K/tp): dq from every block,
+        dk and dv of this rank's positions after their round of the ring."""
         qh, own, yh, lse = cache
         xp, cp, comm = array_module(dy), self.cp, self.comm
         B, nh, Tl, hs = qh.shape
-        C = nh * hs
+        C, nkv = nh * hs, own.shape[2]
+        n_rep, K = nh // nkv, nkv * hs
         if out is None:
-            out = xp.empty_like(dy, shape=(B, Tl, 3 * C))
+            out = xp.empty_like(dy, shape=(B, Tl, C + 2 * K))
         dyh = xp.ascontiguousarray(split_heads(dy, nh))                            # (B, NH, Tl, hs)
         D = (dyh * yh).sum(axis=-1)                                                 # (B, NH, Tl) rowsum(dy * y)
         dqh = xp.zeros_like(qh)
@@ -88,11 +105,16 @@ class Ring(ContextSplit):
             mine = xp.zeros_like(own)                                               # my share: [dk | dv]
             with self.span("attention block (backward)", owner=owner):
                 for sq, sk, mask in self.pairs(owner):                              # my queries, owner's keys
-                    qb, kb, vb = qh[:, :, sq], kv[0][:, :, sk], kv[1][:, :, sk]     # (B, NH, nq or nk, hs)
+                    qb = qh[:, :, sq]                                               # (B, NH, nq, hs)
+                    kb, vb = (repeat_heads(a[:, :, sk], n_rep) for a in kv)         # (B, NH, nk, hs)
                     s = flash.scores(qb, kb, mask)                                  # (B, NH, nq, nk)
                     self.work["backward"] += s.shape[-2] * s.shape[-1]
+                    dkb, dvb = (mine[i][:, :, sk] if n_rep == 1 else xp.zeros_like(kb) for i in (0, 1))
                     flash.block_grads(s, qb, kb, vb, dyh[:, :, sq], lse[:, :, sq], D[:, :, sq],
-                                      dqh[:, :, sq], mine[0][:, :, sk], mine[1][:, :, sk])   # dq; dk_b, dv_b
+                                      dqh[:, :, sq], dkb, dvb)                      # dq; dk_b, dv_b
+                    if n_rep > 1:                                                   # the group's sum: kv heads
+                        mine[0][:, :, sk] += sum_heads(dkb, n_rep)
+                        mine[1][:, :, sk] += sum_heads(dvb, n_rep)
             if acc_in is not None:
                 receiving.Wait()
                 mine += acc_in
@@ -103,6 +125,6 @@ class Ring(ContextSplit):
         comm.Irecv(dkv, source=(self.r - 1) % cp, tag=TAG_DKV).Wait()
         sending.Wait()
         split_heads(out[..., :C], nh)[...] = dqh * (1.0 / math.sqrt(hs))
-        split_heads(out[..., C:2 * C], nh)[...] = dkv[0]
-        split_heads(out[..., 2 * C:], nh)[...] = dkv[1]
-        return out[..., :C], out[..., C:2 * C], out[..., 2 * C:]
+        split_heads(out[..., C:C + K], nkv)[...] = dkv[0]
+        split_heads(out[..., C + K:], nkv)[...] = dkv[1]
+        return out[..., :C], out[..., C:C + K], out[..., C + K:]

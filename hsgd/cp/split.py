@@ -130,17 +130,19 @@ class ContextSplit:
         return out
 
 
-def attention_cache_bytes(cp, scheme, b, T, C, NH, tp, s, attention="materialized"):
+def attention_cache_bytes(cp, scheme, b, T, C, NH, tp, s, attention="materialized", kv=None):
     """(bytes one block's core attention caches for a micro-batch of b sequences, of which the probabilities)
-    on a rank holding T/cp positions (Tl) and NH/tp heads, N = b Tl:
+    on a rank holding T/cp positions (Tl), NH/tp heads and kv = K/tp columns of k and of v (its kv heads; default
+    C/tp, multi-head attention), N = b Tl:
         cp = 1, materialized (hsgd.model.ops)   q, k, v by heads 3 N C/tp, the probabilities b NH/tp T^2
         cp = 1, flash (hsgd.model.flash)        q, k, v by heads 3 N C/tp, and lse b NH/tp T; no probabilities (and
                                                 y, which the output projection keeps as its input: counted there)
-        ring                q, own (k, v), y by heads: 4 N C/tp, and lse b NH/tp Tl; no probabilities
-        allgather           q N C/tp, the gathered k and v 2 b T C/tp, the probabilities b NH/tp Tl T
-    (attention, --attention, only says which cp = 1 takes.) With grouped-query attention k and v reach the core
-    attention repeated to the NH/tp query heads (hsgd.tp.model), so they are C/tp wide here too."""
+        ring                q, y by heads 2 N C/tp, own (k, v) 2 N kv, and lse b NH/tp Tl; no probabilities
+        allgather           q N C/tp, the gathered k and v 2 b T kv, the probabilities b NH/tp Tl T
+    (attention, --attention, only says which cp = 1 takes.) With cp = 1 the kv heads are repeated to the NH/tp query
+    heads before the attention (hsgd.tp.attention.grouped_forward), and its cache holds them so: C/tp wide."""
     Tl, c, nh = T // cp, C // tp, NH // tp
+    kv = c if kv is None else kv
     N = b * Tl
     if cp == 1 and attention == "flash":
         return 3 * N * c * s + b * nh * T * s, 0
@@ -148,24 +150,24 @@ def attention_cache_bytes(cp, scheme, b, T, C, NH, tp, s, attention="materialize
         P = b * nh * T * T * s
         return 3 * N * c * s + P, P
     if scheme == "ring":
-        return 4 * N * c * s + b * nh * Tl * s, 0
+        return 2 * N * c * s + 2 * N * kv * s + b * nh * Tl * s, 0
     P = b * nh * Tl * T * s
-    return N * c * s + 2 * b * T * c * s + P, P
+    return N * c * s + 2 * b * T * kv * s + P, P
 
 
-def cp_formula(scheme, cp, batch, T, C, tp, itemsize, n_blocks, recompute="none"):
+def cp_formula(scheme, cp, batch, T, C, tp, itemsize, n_blocks, recompute="none", kv=None):
     """{("cp", op): (calls, payload bytes)} of one forward and backward of n_blocks blocks on a micro-batch of
-    `batch` sequences. A (k, v) block is 2N bytes, N = batch (T/cp) (C/tp) itemsize.
+    `batch` sequences. A (k, v) block is 2N bytes, N = batch (T/cp) kv itemsize, kv = K/tp the columns of k a rank
+    holds (its kv heads; default C/tp, multi-head attention).
       ring:      Isend and Irecv (cp-1) + (cp-1) + cp times per block: (k, v) forward, again backward, (dk, dv);
                  --recompute full runs the forward's ring again (+ cp-1); selective keeps what the ring keeps.
       allgather: one Allgather (payload: the gathered cp 2N) and one Reduce_scatter_block (its input, cp 2N) per
                  block; --recompute selective or full gathers again (+ 1 Allgather).
-    With grouped-query attention the (k, v) blocks are the ones repeated to the NH/tp query heads (hsgd.tp.model
-    repeats them before the core attention), C/tp wide: n_rep = NH/NKV times the bytes of the kv heads themselves,
-    which Megatron-LM's context parallelism moves instead."""
+    With grouped-query attention the blocks are the kv heads themselves, NH/NKV times fewer bytes than the query
+    heads' (hsgd.cp.ring and hsgd.cp.allgather repeat them only for the products)."""
     if cp == 1 or not n_blocks:
         return {}
-    kv = 2 * batch * (T // cp) * (C // tp) * itemsize
+    kv = 2 * batch * (T // cp) * (C // tp if kv is None else kv) * itemsize
     if scheme == "ring":
         hops = (cp - 1) + (cp - 1) + cp + (cp - 1) * (recompute == "full")
         return {("cp", "Isend"): (n_blocks * hops, n_blocks * hops * kv),

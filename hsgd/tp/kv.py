@@ -9,8 +9,9 @@ Two rules, by how NKV and tp divide:
                 same columns as the tp/NKV - 1 other ranks of its group (as inference engines replicate them). Each
                 holder's backward gives only its own query heads' part of dk, dv; the head's gradient is their sum
                 (kv_sum), taken before the weight-gradient product so that every holder keeps the whole of it.
-Other NKV are refused (hsgd.tp.shards.check_tp). The model repeats a rank's kv heads to its query heads before the
-core attention (ops.repeat_kv_rows_forward) and sums them back after it (kv_backward).
+Other NKV are refused (hsgd.tp.shards.check_tp). The core attention takes the rank's kv heads as they are: a rank
+holding the whole sequence repeats them to its query heads (hsgd.tp.attention.grouped_forward), ring attention and
+the all-gather move them unrepeated and repeat each block (hsgd.cp), so that cp_comm carries NKV/tp heads.
 
 Legend: B batch, T sequence (a rank's), C d_model, NH, NKV, hs head size, tp ranks; N = B T rows.
 """
@@ -27,6 +28,11 @@ def kv_heads(cfg, tp, rank):
     return 1, rank // (tp // cfg.n_kv_heads)
 
 
+def kv_columns(cfg, tp):
+    """K/tp: the columns of k (and of v) a tp rank holds, its kv heads times hs (hs with one replicated head)."""
+    return kv_heads(cfg, tp, 0)[0] * cfg.head_size
+
+
 def kv_sum(dkv, setup):
     """The replicated kv heads' adjoint: where tp/NKV ranks hold the same kv head, each has the part of dk, dv
     (B, T, 2 hs) its own query heads give; the head's gradient is their sum. One Allreduce over tp of a (B, T, 2 NKV
@@ -40,17 +46,13 @@ def kv_sum(dkv, setup):
 
 
 def kv_backward(dqkv, dtype, setup):
-    """From attention's [dq | dk | dv] (B, T, 3C/tp) on the repeated heads to [dq | dk | dv] on this rank's own
-    (B, T, C/tp + 2 NKV/tp hs): the repeat's adjoint (the sum over each group of n_rep query heads), then the
-    rotation's (by -a) on dq and dk. Without grouped-query attention or rotary positions: dqkv itself."""
-    op, c = setup.ops, dqkv.shape[-1] // 3
-    dq, dk, dv = dqkv[..., :c], dqkv[..., c:2 * c], dqkv[..., 2 * c:]
-    if setup.n_rep == 1 and setup.cfg.positions != "rope":
-        return dqkv
-    rep = (setup.nkv, setup.n_rep)
-    dk, dv = op.repeat_kv_rows_backward(dk, rep), op.repeat_kv_rows_backward(dv, rep)   # (B, T, NKV/tp hs)
+    """The rotation's adjoint (by -a) on dq and dk of the core attention's [dq | dk | dv] (B, T, C/tp + 2 NKV/tp
+    hs), the rank's own heads (the context layout has summed the repeated kv heads back: hsgd.tp.attention).
+    Without rotary positions: dqkv itself."""
     rope = setup.rope(dqkv.shape[1], dtype, array_module(dqkv))
-    if rope is not None:
-        dq = op.rope_rows_backward(dq, (*rope, setup.nh))
-        dk = op.rope_rows_backward(dk, (*rope, setup.nkv))
-    return array_module(dqkv).concatenate([dq, dk, dv], axis=-1)
+    if rope is None:
+        return dqkv
+    op, c, kv = setup.ops, setup.nh * setup.cfg.head_size, setup.nkv * setup.cfg.head_size
+    dq = op.rope_rows_backward(dqkv[..., :c], (*rope, setup.nh))                     # (B, T, C/tp)
+    dk = op.rope_rows_backward(dqkv[..., c:c + kv], (*rope, setup.nkv))             # (B, T, NKV/tp hs)
+    return array_module(dqkv).concatenate([dq, dk, dqkv[..., c + kv:]], axis=-1)

@@ -158,13 +158,12 @@ def attention_and_mlp(x, p, h, setup, keep_probabilities):
     if rope is not None:                                                 # q, k turned by their global positions
         q, _ = op.rope_rows_forward(q, setup.nh, *rope)                  # (B, T, C/tp)
         k, _ = op.rope_rows_forward(k, setup.nkv, *rope)                 # (B, T, NKV/tp hs)
-    k, _ = op.repeat_kv_rows_forward(k, setup.nkv, setup.n_rep)          # (B, T, C/tp) q head j reads kv j // n_rep
-    v, _ = op.repeat_kv_rows_forward(v, setup.nkv, setup.n_rep)
-    # the core attention: heads are independent (tp); with cp, (k, v) go around cp_comm (ring: Isend/Irecv) or are
-    # All-Gathered (allgather), hsgd.cp
+    # the core attention: heads are independent (tp), query head j reads kv head j // n_rep; with cp, the kv heads
+    # (k, v) go around cp_comm (ring: Isend/Irecv) or are All-Gathered (allgather), hsgd.cp
     y, c_att = ctx.attention_forward(q, k, v, setup.nh)                  # (B, T, C/tp)
-    if not keep_probabilities and ctx.keeps_probabilities:
-        c_att = ("qkv", q, k, v)                                         # (B, T, C/tp) x 3: probabilities dropped
+    if not keep_probabilities and ctx.keeps_probabilities:               # probabilities dropped: q, k, v kept, the
+        c_att = ("qkv", q, k, v.copy() if rope is not None else v)      # fused product or three arrays (N, C/tp +
+                                                                         # 2 NKV/tp hs)
     o, c_proj = S.proj_forward(y, p[h + "attn.proj.weight"], p.get(h + "attn.proj.bias"), comm)  # (B, T~, C) leaves
     x = op.residual_forward(x, o)                                        # x + o
     m, c_ln2 = norm_forward(x, p, h + "ln2", setup)                      # (B, T~, C)
@@ -227,10 +226,11 @@ def block_backward(dx, cache, grads, p, h, setup, hooks=NO_HOOKS, wg=None):
     dx = op.residual_backward(dx, dln2)                                  # dx + dln2: the skip and the MLP meet
     dy = S.proj_backward(dx, (*c_proj, W("attn.proj.weight")), grads, h + "attn.proj.", comm, wg)  # (B, T, C/tp)
     xp = array_module(dy)
-    dqkv = xp.empty_like(dy, shape=(*dy.shape[:-1], 3 * dy.shape[-1]))  # (B, T, 3C/tp)
+    kv = setup.nkv * setup.cfg.head_size                                 # K/tp: the rank's kv columns
+    dqkv = xp.empty_like(dy, shape=(*dy.shape[:-1], dy.shape[-1] + 2 * kv))   # (B, T, C/tp + 2K/tp)
     setup.ctx.attention_backward(dy, c_att, out=dqkv)                    # [dq | dk | dv] side by side
     # (cp: (dk, dv) back to their owners around cp_comm, or a Reduce-Scatter)
-    dqkv = kv_backward(dqkv, a.dtype, setup)                             # (B, T, C/tp + 2 NKV/tp hs)
+    dqkv = kv_backward(dqkv, a.dtype, setup)                             # dq, dk turned back by -a (RoPE)
     a_in = S.enter_forward(a, comm)                                      # (B, T, C) again: identity | All-Gather
     # the three linears' backward as one product each for dW and dX (ops.qkv_input_grad / qkv_weight_grad)
     c_qkv = (a_in.reshape(-1, a_in.shape[-1]), tuple(W(f"attn.{n}.weight") for n in "qkv"))
