@@ -31,10 +31,12 @@
 # 4. the ring All-Reduce, written by hand from `Sendrecv`: why it sends 2(p-1)/p of the payload from each rank,
 #    and why no algorithm can send less;
 # 5. the alpha-beta cost model, measured on this machine and fitted; and when a step is communication-bound;
-# 6. debugging: a mismatched collective caught instead of hanging, and a rank that raises, ending the whole job.
+# 6. debugging: a mismatched collective caught instead of hanging, and a rank that raises, ending the whole job;
+# 7. the all-to-all as a transpose, `Alltoallv` with counted rows (the dispatch of tokens to experts), its adjoint
+#    (the combine) and its cost.
 #
 # Run it with four ranks (about 11 s on a 2-core machine; on failure every rank raises, so it exits non-zero
-# without hanging). Rank 0 draws three pictures into `$HSGD_FIGURES` (default `tutorials/figures/`):
+# without hanging). Rank 0 draws four pictures into `$HSGD_FIGURES` (default `tutorials/figures/`):
 #
 # mpirun -n 4 python tutorials/02_collectives.py
 #
@@ -173,7 +175,7 @@ say(f"rank 0 received {np.array2string(got, precision=0)} from rank {(0 - 1) % P
 # | `Allreduce(x, out)` | every rank holds $\sum_r x_r$ | the data-parallel gradient sum (chapter 4) |
 # | `Allgather(part, out)` | every rank holds every rank's part | the lecture's All-Gather of $Y_{part}$ (ch. 5) |
 # | `Reduce_scatter_block(full, out)` | rank r holds block r of $\sum_s full_s$ | the All-Gather's adjoint (ch. 5, 8) |
-# | `Alltoall(send, recv)` | rank r holds block r of every rank | nothing (mixture-of-experts layers use it) |
+# | `Alltoall(send, recv)` | rank r holds block r of every rank | the dispatch of tokens to experts (section 7) |
 #
 # Two relations to keep in mind, which the ring of section 4 uses: All-Reduce = Reduce-Scatter then All-Gather
 # (each rank sums one block, then everyone collects the summed blocks); and Reduce-Scatter is the adjoint of
@@ -292,12 +294,13 @@ if rank == 0:
 # | `Allreduce(x)`, `Iallreduce(x)` | `Allreduce(MPI.IN_PLACE, x)`, `Iallreduce` | x: the buffer |
 # | `Allgather(part, out)` | `Allgather(part, out)` | out: the gathered tensor, (size, *part.shape) |
 # | `Reduce_scatter_block(full, out)` | `Reduce_scatter_block(full, out)` | full: the whole input, (size, *out.shape) |
+# | `Alltoall(send, recv)`, `Alltoallv(send, send_counts, recv, recv_counts)` | the same (counts in rows) | send: the rows this rank sends, its own block included (section 7) |
 # | `Bcast(x, root)` | `Bcast(x, root)` | x |
 # | `Send`, `Recv`, `Isend`, `Irecv` | the same | the message |
 # | `allgather_obj(obj)` | `allgather(obj)` (lowercase, pickled) | (not recorded: metadata) |
 #
-# hsgd has no `Reduce`, `Alltoall` or `Sendrecv` wrapper: no step of its algorithms needs them (its pipeline
-# sends with `Isend`/`Irecv`). The payload is always the size of the *logical tensor* of the call, not the bytes
+# hsgd has no `Reduce` or `Sendrecv` wrapper: no step of its algorithms needs them (its pipeline sends with
+# `Isend`/`Irecv`). The payload is always the size of the *logical tensor* of the call, not the bytes
 # an algorithm moves: those depend on the algorithm MPI picks, and section 4 derives them for the ring. The later
 # chapters compare these recorded payloads with their formulas (chapter 4 the data-parallel gradient, chapter 5
 # the tensor-parallel activations, ...), so here is a check that the records say exactly what was called.
@@ -898,6 +901,204 @@ check.holds("... with one clear message: the traceback and the abort",
             "[rank 1] ValueError: planted failure on rank 1" in stderr and "MPI_Abort" in stderr)
 
 # %% [markdown]
+# ## 7. The all-to-all: a transpose, with counts, and its adjoint
+#
+# **Equal blocks.** Section 2's `Alltoall` sent block j of rank i to rank j, where it became block i. Stack the
+# ranks' send buffers as a p x p matrix of blocks, $S_{ij}$ = block j of rank i (what i has *for* j), and the
+# receive buffers likewise, $R_{ji}$ = block i of rank j (what j got *from* i): the call makes $R = S^T$. The
+# all-to-all is the transpose of the (rank, block) matrix, the one collective in which every rank has something
+# different for every other. A transpose applied twice is the identity, and as a linear map of all the ranks' numbers
+# it only moves them, a permutation, so its adjoint is its inverse: `Alltoall` is its own adjoint, as
+# Reduce-Scatter is the All-Gather's (section 2).
+#
+# **Counted rows: `Alltoallv`.** A mixture-of-experts layer needs it with uneven blocks: each token goes to the rank
+# that holds the expert its router chose, and rank i has $M_{ij}$ tokens for rank j, a different number every step.
+# `Comm.Alltoallv(send, send_counts, recv, recv_counts)` takes the counts in rows: rank i's send buffer holds its
+# rows in rank order, first the $M_{i0}$ rows for rank 0, then the $M_{i1}$ for rank 1, ... (the displacements are
+# the running sums of the counts), and its receive buffer gets the $M_{0i}$ rows of rank 0, then those of rank 1,
+# ... So send_counts is row i of M and recv_counts column i; no rank knows its column before the step, so the
+# counts travel first, in an `Alltoall` of p integers (rank i's row of M in, its column out). Every
+# expert-parallel dispatch makes these two calls, the counts then the rows. Below, M is fixed and uneven, with zeros
+# (rank 2 keeps none of its own rows and receives from rank 1 only), and each row carries a tag
+# 100(i+1) + 10j + k (sender i, receiver j, k-th row of that block) that the picture decodes.
+
+# %%
+ep = Comm(world, "world", CommStats())                            # hsgd's wrappers, with their own records
+swapped_h, again = np.empty(P), np.empty(P)                       # (P,) one element per block
+ep.Alltoall(x, swapped_h)                                         # section 2's Alltoall, through Comm
+ep.Alltoall(swapped_h, again)                                     # the transpose of the transpose
+EXACT.append("Comm.Alltoall: max |got[s] - x_s[rank]| (X transposed)")
+check(EXACT[-1], float(np.max(np.abs(swapped_h - X.T[rank]))))
+check.holds("Alltoall twice gives back x, bit for bit (its own adjoint)", np.array_equal(again, x))
+
+routes = np.array([[1, 2, 0, 1],                                  # routes[i, j]: rows rank i sends to rank j
+                   [0, 1, 3, 0],
+                   [2, 0, 0, 1],
+                   [1, 3, 0, 2]])                                  # (P, P) M: uneven, with zeros
+
+
+def tags_of(i):
+    """Rank i's send buffer of tags, in rank order: 100(i+1) + 10j + k for its k-th row for rank j."""
+    return np.array([100.0 * (i + 1) + 10 * j + k for j in range(P) for k in range(routes[i, j])])
+
+
+send_counts = routes[rank].copy()                                 # (P,) int64: my row of M
+recv_counts = np.empty_like(send_counts)                          # (P,) my column of M, once exchanged
+ep.Alltoall(send_counts, recv_counts)                             # step 1: the counts
+check.equal("Alltoall of the counts: rank j learns column j of M", recv_counts.tolist(), routes[:, rank].tolist())
+tags = tags_of(rank)                                              # (sum_j M[rank, j],)
+got_tags = np.empty(int(recv_counts.sum()))                       # (sum_i M[i, rank],)
+ep.Alltoallv(tags, send_counts, got_tags, recv_counts)            # step 2: the rows
+offsets = [np.concatenate([[0], np.cumsum(routes[i])]) for i in range(P)]     # where rank i's block j starts
+ref_tags = np.concatenate([tags_of(i)[offsets[i][rank]:offsets[i][rank + 1]] for i in range(P)])
+EXACT.append("Comm.Alltoallv: max |got - rows for me from every rank|")
+check(EXACT[-1], float(np.max(np.abs(got_tags - ref_tags))) if ref_tags.size else 0.0)
+check.holds("Alltoallv: every rank received sum_i M[i, rank] rows", got_tags.shape == ref_tags.shape)
+
+# %% [markdown]
+# The picture, from the buffers above: the counts matrix M and its transpose, and each rank's send and receive
+# buffers, one cell per row with its tag "i>j" (sender > receiver), coloured by the receiver. Before the call a rank's
+# buffer holds every colour, in rank order; after it, one colour, its own, from every sender in rank order.
+
+# %%
+buffers = world.gather((tags, got_tags), root=0)                  # small: lowercase, for the picture
+
+
+def draw_alltoallv():
+    from matplotlib.patches import Rectangle
+    fig, axes = pictures.figure(12, 3.6, ncols=3, gridspec_kw={"width_ratios": [1.6, 2.2, 2.2]})
+    for k, (mat, title) in enumerate(((routes, "M: rows rank i sends to rank j"),
+                                      (routes.T, "M^T: rows rank j receives from rank i"))):
+        for i in range(P):
+            for j in range(P):
+                axes[0].add_patch(Rectangle((5 * k + j, P - 1 - i), 0.92, 0.9, ec="black", lw=0.6,
+                                            fc=RANK_COLOURS[j if k == 0 else i] if mat[i, j] else "white"))
+                axes[0].text(5 * k + j + 0.46, P - 1 - i + 0.45, str(mat[i, j]), ha="center", va="center",
+                             fontsize=8)
+        axes[0].text(5 * k + P / 2, P + 0.2, title.split(":")[0], ha="center", fontsize=9)
+    axes[0].set_title("counts: Alltoall turns row i of M into column i", fontsize=8.5)
+    axes[0].set_xlim(-0.2, 9.2)
+    for ax, which, title in ((axes[1], 0, "before: send buffers (rows by receiver)"),
+                             (axes[2], 1, "after Alltoallv: receive buffers (rows by sender)")):
+        for r in range(P):
+            row = buffers[r][which]
+            for c, tag in enumerate(row):
+                i, j = int(tag) // 100 - 1, int(tag) // 10 % 10
+                ax.add_patch(Rectangle((c, P - 1 - r), 0.92, 0.9, fc=RANK_COLOURS[j], ec="black", lw=0.6))
+                ax.text(c + 0.46, P - 1 - r + 0.45, f"{i}>{j}", ha="center", va="center", fontsize=7)
+            if not len(row):
+                ax.text(0.1, P - 1 - r + 0.45, "(nothing)", va="center", fontsize=7, color="0.4")
+            ax.text(-0.15, P - 1 - r + 0.45, f"rank {r}", ha="right", va="center", fontsize=7)
+        ax.set_title(title, fontsize=8.5)
+        ax.set_xlim(-1.3, max(len(b[which]) for b in buffers) + 0.2)
+    for ax in axes:
+        ax.set_ylim(-0.1, P + 0.6)
+        ax.axis("off")
+    return pictures.save(fig, "02_alltoallv")
+
+
+if rank == 0:
+    say(f"picture: {draw_alltoallv()}")
+
+# %% [markdown]
+# **The adjoint.** `Alltoallv` with the counts (send = row of M, recv = column) is a linear map A from all the send
+# buffers to all the receive buffers; it moves each row to exactly one place, so A is a 0/1 matrix with one 1 in
+# every row and column, and $A^T = A^{-1}$: the `Alltoallv` with the counts swapped (send = column, recv = row),
+# which sends every row back where it came from. In a mixture-of-experts layer the first is the **dispatch**
+# (tokens to the ranks of their experts), the second the **combine** (the experts' outputs back to the tokens'
+# ranks). So the backward of the dispatch is the combine's communication, and the backward of the combine the
+# dispatch's: $\langle A x, y\rangle = \langle x, A^T y\rangle$ for any x and y, summed over all ranks, which is
+# checked here on random rows of width 3, with the combine undoing the dispatch bit for bit. The records say
+# what the calls were: one call each and the send buffer's bytes, this rank's own block included (it is copied,
+# not sent), as for `Allgather` and `Reduce_scatter_block`.
+
+# %%
+WIDTH = 3                                                         # numbers per row (a token's features)
+n_out, n_in = int(send_counts.sum()), int(recv_counts.sum())      # rows I send, rows I receive
+xs = np.random.default_rng(200 + rank).standard_normal((n_out, WIDTH))    # (n_out, 3) my rows before the dispatch
+ys = np.random.default_rng(300 + rank).standard_normal((n_in, WIDTH))     # (n_in, 3) a gradient at the experts
+Ax, ATy, back = np.empty((n_in, WIDTH)), np.empty((n_out, WIDTH)), np.empty((n_out, WIDTH))
+ep.Alltoallv(xs, send_counts, Ax, recv_counts)                    # A x: the dispatch
+ep.Alltoallv(ys, recv_counts, ATy, send_counts)                   # A^T y: the counts swapped, the combine
+ep.Alltoallv(Ax, recv_counts, back, send_counts)                  # A^T A x: the combine of the dispatch
+dots = np.array([np.vdot(Ax, ys), np.vdot(xs, ATy)])              # my terms of <A x, y> and <x, A^T y>
+world.Allreduce(MPI.IN_PLACE, dots)                               # the sums over all ranks
+say(f"<A x, y> = {dots[0]:.17g}, <x, A^T y> = {dots[1]:.17g}")
+check("Alltoallv adjoint: |<A x, y> - <x, A^T y>| / |<A x, y>|", abs(dots[0] - dots[1]) / abs(dots[0]))
+check.holds("the combine undoes the dispatch: A^T A x == x, bit for bit", np.array_equal(back, xs))
+row_bytes = WIDTH * 8
+check.equal("CommStats: 3 Alltoall, 4 Alltoallv, payload = the send buffers",
+            ep.stats.counts(),
+            {("world", "Alltoall"): (3, 2 * P * 8 + P * 8),
+             ("world", "Alltoallv"): (4, n_out * 8 + n_out * row_bytes + 2 * n_in * row_bytes)})
+
+# %% [markdown]
+# **Its cost.** With equal blocks each rank keeps 1/p of its send buffer and sends the rest: (p-1)/p x n bytes
+# leave it and as many arrive, n being the payload. The pairwise exchange (exercise 4; MPICH's algorithm for long
+# messages, Thakur, Rabenseifner and Gropp 2005) does it in p-1 steps of one message each way, so in the model of
+# section 5
+#
+# $$T_{Alltoall} \approx (p-1)\,\alpha + \frac{p-1}{p}\, n\,\beta,$$
+#
+# the same bytes as an All-Gather, but every step carries different data: no algorithm can forward or combine, and
+# the bytes per rank do not shrink as p grows. (For short blocks MPICH uses Bruck's algorithm, $\lceil\log_2
+# p\rceil$ steps of bigger messages: fewer latencies, more bytes.) With uneven counts the step waits for the busiest
+# rank: about $(p-1)\,\alpha + \beta \max_r \max(\text{out}_r, \text{in}_r)$, with out and in the bytes that leave
+# and reach rank r. An unbalanced router slows the experts' matmuls *and* the all-to-all. For M above:
+
+# %%
+keep = np.diag(routes)                                            # (P,) rows a rank keeps: copied, not sent
+out_rows, in_rows = routes.sum(axis=1) - keep, routes.sum(axis=0) - keep    # (P,) rows that leave, that arrive
+say(f"{'rank':>5}{'payload rows':>14}{'kept':>6}{'leave':>7}{'arrive':>8}")
+for r in range(P):
+    say(f"{r:>5}{routes[r].sum():>14}{keep[r]:>6}{out_rows[r]:>7}{in_rows[r]:>8}")
+busiest = int(np.argmax(np.maximum(out_rows, in_rows)))
+say(f"busiest rank {busiest}: {max(out_rows[busiest], in_rows[busiest])} rows against "
+    f"{(routes.sum() - keep.sum()) / P:.2f} on average")
+check.holds("leave = payload - kept; all leaves = all arrivals",
+            out_rows.sum() == in_rows.sum() and all(out_rows + keep == routes.sum(axis=1)))
+alpha_sr, beta_sr = fits["Sendrecv"]                               # one message's line, section 5 (p = 2)
+T_TOK, C_TOK, TOPK, P_EP = 4096, 1024, 2, 8                       # tokens per rank, features, experts per token
+n_dispatch = T_TOK * TOPK * C_TOK * 4                             # float32 rows, one per (token, expert)
+t_dispatch = (P_EP - 1) * alpha_sr + (P_EP - 1) / P_EP * n_dispatch * beta_sr
+say(f"a dispatch of {T_TOK} tokens x top-{TOPK} x {C_TOK} float32 features over p = {P_EP} ranks, routed "
+    f"evenly: n = {n_dispatch / MiB:.0f} MiB, {(P_EP - 1) / P_EP * n_dispatch / MiB:.0f} MiB leave each rank; with "
+    f"this machine's Sendrecv line, ~{t_dispatch * 1e3:.1f} ms (and as much again for the combine, and both "
+    f"again in the backward)")
+say(f"(section 5's Alltoall line, p = 2, fitted within {max(abs(d) for d in deviation('Alltoall', FITTED)):.0%} "
+    f"of its medians)")
+
+# %% [markdown]
+# **A mismatched count.** Before an `Alltoallv` the collective-sequence check (section 6) compares what the ranks
+# can agree on, the shape of a row and the dtype (the number of rows differs by design), and the counts themselves,
+# in the same one `allgather`: rank i's send_counts[j] must equal rank j's recv_counts[i], or every rank raises.
+# Here rank 3 expects one row more from rank 0 than rank 0 sends (the classic bug: counts computed locally instead
+# of exchanged):
+
+# %%
+wrong = routes[:, rank].copy()                                    # (P,) my column of M ...
+if rank == 3:
+    wrong[0] += 1                                                 # ... but rank 3 expects 2 rows from rank 0
+try:
+    checked.Alltoallv(xs, send_counts, np.empty((int(wrong.sum()), WIDTH)), wrong)
+    caught = ""
+except CollectiveMismatch as e:
+    caught = str(e)
+messages = world.allgather(caught)
+say(f"every rank raised:\n  {messages[0]}")
+check.holds("wrong counts: every rank raised, naming ranks 0 and 3's counts",
+            all("rank 0's send_counts[3] = 1 but rank 3's recv_counts[0] = 2" in m for m in messages))
+
+# %% [markdown]
+# **Where it is used.** Expert parallelism (the chapter to come) splits a mixture-of-experts layer's experts over
+# p ranks. Each step: the router picks each token's experts; the tokens are sorted by the rank of their expert (a
+# permutation, kept as an index array); the counts travel by `Alltoall` and the tokens by `Alltoallv` (the
+# dispatch); each rank runs its experts; the outputs go back by the `Alltoallv` with the counts swapped (the
+# combine) and the inverse permutation puts them in token order. The backward runs the same communication the
+# other way round: the gradient of the combine is a dispatch, the gradient of the dispatch a combine. Exercise 5
+# builds it.
+
+# %% [markdown]
 # ## Check against serial
 #
 # What this chapter established, on 4 ranks and with every verdict reached collectively:
@@ -910,7 +1111,10 @@ check.holds("... with one clear message: the traceback and the abort",
 # * the alpha-beta line, fitted on this machine, reproduces the measured times of small and large messages within
 #   30% (the sizes in between, where MPICH changes method, are drawn but not fitted);
 # * a mismatched collective raises `CollectiveMismatch` on every rank instead of hanging, and a rank that raises
-#   under `hsgd.grid.launch` ends its whole job within seconds with a non-zero exit code.
+#   under `hsgd.grid.launch` ends its whole job within seconds with a non-zero exit code;
+# * `Comm.Alltoall` transposes the (rank, block) matrix and is its own inverse; `Comm.Alltoallv` moves counted rows
+#   as NumPy says, its adjoint is the `Alltoallv` with the counts swapped (to rounding, and the round trip bit for
+#   bit), and counts that do not pair up raise on every rank.
 #
 # Chapter 3 builds the communicators these calls run on: ranks, `Split`, and the dp x pp x tp grid.
 
@@ -932,7 +1136,7 @@ say(f"chapter 2: all {len(check.passed)} checks passed on {P} ranks; largest err
 # | `Comm.Allreduce(x)`: `MPI_Allreduce`, in place (`MPI.IN_PLACE`) | `torch.distributed.all_reduce`, e.g. `_reduce` (megatron/core/tensor_parallel/mappings.py) and `start_grad_sync` (megatron/core/distributed/param_and_grad_buffer.py) | `deepspeed.comm.all_reduce` (deepspeed/comm/comm.py) | `torch.distributed.all_reduce` | NumPy buffers, CPU or staged GPU memory; NCCL works on GPU memory directly |
 # | `Comm.Allgather(part, out)`, out of shape (p, *part.shape) | `dist_all_gather_func` = `torch.distributed.all_gather_into_tensor` (`_gather_along_first_dim`, mappings.py) | `deepspeed.comm.all_gather_into_tensor` | `torch.distributed.all_gather_into_tensor` | a new leading axis of size p instead of p blocks concatenated along dim 0: the same memory, explicit shape |
 # | `Comm.Reduce_scatter_block(full, out)` | `dist_reduce_scatter_func` = `torch.distributed.reduce_scatter_tensor` (`_reduce_scatter_along_first_dim`) | `deepspeed.comm.reduce_scatter_tensor` | `torch.distributed.reduce_scatter_tensor` | the input has the leading axis of size p |
-# | mpi4py `Alltoall` (no hsgd wrapper) | `_AllToAll` over `torch.distributed.all_to_all_single` (mappings.py: `all_to_all`, `all_to_all_sp2hp`) | `deepspeed.comm.all_to_all_single` | `torch.distributed.all_to_all_single` | hsgd has no layer that needs it (no mixture of experts) |
+# | `Comm.Alltoall(send, recv)`, `Comm.Alltoallv(send, send_counts, recv, recv_counts)` | `all_to_all(group, input, output_split_sizes, input_split_sizes)`: `_AllToAll` over `torch.distributed.all_to_all_single` (mappings.py), its backward the same call with the split sizes swapped; the MoE dispatcher `MoEAlltoAllTokenDispatcher` (megatron/core/transformer/moe/token_dispatcher.py) | `deepspeed.comm.all_to_all_single`; `_AllToAll` in deepspeed/moe/sharded_moe.py (equal blocks: tokens padded to the experts' capacity) | `torch.distributed.all_to_all_single(output, input, output_split_sizes, input_split_sizes)` | counts in rows of a NumPy buffer, checked to pair up across ranks under `HSGD_CHECK_COLLECTIVES=1` |
 # | `Comm.Bcast(x, root)` | `torch.distributed.broadcast` in `broadcast_data` (megatron/core/tensor_parallel/data.py) | `deepspeed.comm.broadcast` | `torch.distributed.broadcast` | - |
 # | `Comm.Send`/`Recv`/`Isend`/`Irecv` | `torch.distributed.isend`/`irecv`, `batch_isend_irecv` (megatron/core/pipeline_parallel/p2p_communication.py) | `deepspeed.comm.send`/`recv`/`isend`/`irecv` | `torch.distributed.send`/`recv`/`isend`/`irecv` | - |
 # | mpi4py `Reduce` (no hsgd wrapper) | none | `deepspeed.comm.reduce` | `torch.distributed.reduce` | every hsgd reduction wants its result on all ranks |
@@ -988,3 +1192,17 @@ say(f"chapter 2: all {len(check.passed)} checks passed on {P} ranks; largest err
 # copies. Check it equals MPI's `Alltoall` bit for bit on 4 ranks and on 3, and that each rank sent (p-1)/p x the
 # payload (the send buffer's bytes).
 # (solution: `tutorials/solutions/02_collectives.py`, `exercise_4`)
+#
+# ### Exercise 5: dispatch tokens to experts, and combine them back
+# Each rank holds T = 6 tokens, rows of width C = 3, and there are E = 2p experts, expert e on rank e // 2, each a
+# (C, C) matrix $W_e$ (drawn from seed e). A router has given every token one expert (here: random integers).
+# Write `dispatch(comm, x, expert)`: sort the tokens by expert (`np.argsort(expert, kind="stable")`: the
+# permutation, kept as an index array), count the rows for each rank (`np.bincount`), exchange the counts with
+# `Comm.Alltoall` and send the rows (and their expert ids) with `Comm.Alltoallv`; and `combine(comm, y, state)`,
+# which sends rows back by the `Alltoallv` with the counts swapped and undoes the permutation. Check that (a) the
+# combine undoes the dispatch bit for bit; (b) with each rank applying its experts to the rows it received, the
+# result equals the serial $y_t = x_t W_{e(t)}$; (c) the backward, run as the adjoints (dy sent to the experts by
+# the combine's adjoint, which is the dispatch's communication; multiplied by $W_e^T$; sent back by the dispatch's
+# adjoint, the combine's communication), gives $dx_t = dy_t W_{e(t)}^T$; (d) summed over the ranks, `CommStats`
+# recorded p T C 8 bytes for the dispatch's rows and as many for the combine's.
+# (solution: `tutorials/solutions/02_collectives.py`, `exercise_5`)

@@ -4,6 +4,8 @@
     comm.Allreduce(x)                       # in place: x <- sum over ranks (op=MPI.MAX for the max)
     comm.Allgather(part, out)               # out[r] <- part of rank r           out: (size, *part.shape)
     comm.Reduce_scatter_block(full, out)    # out <- (sum over ranks of full)[rank]  full: (size, *out.shape)
+    comm.Alltoall(send, recv)               # block j of recv <- block rank of rank j's send (a transpose)
+    comm.Alltoallv(send, send_counts, recv, recv_counts)   # the same with rows per (sender, receiver) counted
     req = comm.Iallreduce(x); req.Wait()    # non-blocking, in place
     comm.Bcast(x, root);  comm.Send(x, dest);  comm.Recv(x, source);  comm.Isend / comm.Irecv
 
@@ -18,13 +20,16 @@ Buffer rules, stated once here:
 
 Accounting: every call adds, for (communicator name, operation), one call, its payload bytes and its seconds
 to a CommStats. The payload is the size of the whole logical tensor of the call: Allreduce and Bcast the
-buffer, Allgather the gathered result, Reduce_scatter_block the full input, Send/Recv the message. On a one-rank
+buffer, Allgather the gathered result, Reduce_scatter_block the full input, Alltoall and Alltoallv the send buffer
+(this rank's own block included, as Allgather's and Reduce_scatter_block's), Send/Recv the message. On a one-rank
 communicator the collectives skip MPI (and any stream synchronization or staging) but are still counted, as
 the formulas count them.
 
 Collective-sequence check (HSGD_CHECK_COLLECTIVES=1, or check=True): before each collective the ranks of the
 communicator exchange (operation, communicator, shapes, dtype, call number) with a small pickled allgather;
-when they differ, every rank raises CollectiveMismatch naming each rank's call, instead of hanging.
+when they differ, every rank raises CollectiveMismatch naming each rank's call, instead of hanging. Alltoallv's
+buffers have as many rows as its counts say, different on every rank: its check compares the shape of a row and
+every rank's counts (rank i's send_counts[j] must be rank j's recv_counts[i]), in the same one allgather.
 (It cannot catch a rank that never calls the check at all on this communicator.)
 """
 import ctypes
@@ -228,14 +233,20 @@ class Comm:
             self.staging.give(host)             # memory, finished by the stream sync of the next _buf
         return host, done
 
-    def _verify(self, op, *arrays):
-        """The collective-sequence check: all ranks must be making the same call."""
-        sig = (op, self.name, tuple(tuple(a.shape) for a in arrays), str(arrays[0].dtype) if arrays else "",
-               self.ncalls)
+    def _verify(self, op, *arrays, counts=None):
+        """The collective-sequence check: all ranks must be making the same call. counts (Alltoallv): this rank's
+        (send_counts, recv_counts); the arrays' rows then differ between ranks, so only a row's shape is compared
+        (shown as ('*', ...)), and the counts must pair up: rank i's send_counts[j] == rank j's recv_counts[i]."""
+        shapes = tuple(tuple(a.shape) if counts is None else ("*", *a.shape[1:]) for a in arrays)
+        sig = (op, self.name, shapes, str(arrays[0].dtype) if arrays else "", self.ncalls)
         self.ncalls += 1
         if not self.check or self.size == 1:                    # one rank cannot disagree with itself
             return
-        sigs = self.comm.allgather(sig)
+        if counts is not None:                                  # the signature and the counts in one exchange
+            gathered = self.comm.allgather((sig, counts))
+            sigs = [g[0] for g in gathered]
+        else:
+            sigs = self.comm.allgather(sig)
         if any(s != sigs[0] for s in sigs):
             by_call = {}
             for r, s in enumerate(sigs):
@@ -244,6 +255,16 @@ class Comm:
                               f"shapes={list(s[2])} dtype={s[3]} call #{s[4]}" for s, rs in by_call.items())
             raise CollectiveMismatch(f"collective mismatch on communicator '{self.name}' (ranks called different "
                                      f"collectives at the same point): {calls}")
+        if counts is not None:
+            sends, recvs = [g[1][0] for g in gathered], [g[1][1] for g in gathered]     # [rank] -> its counts
+            bad = [f"rank {i} has {len(sends[i])} send and {len(recvs[i])} recv counts, not {self.size}"
+                   for i in range(self.size) if len(sends[i]) != self.size or len(recvs[i]) != self.size]
+            bad = bad or [f"rank {i}'s send_counts[{j}] = {sends[i][j]} but rank {j}'s recv_counts[{i}] = {recvs[j][i]}"
+                          for i in range(self.size) for j in range(self.size) if sends[i][j] != recvs[j][i]]
+            if bad:
+                raise CollectiveMismatch(f"{op} counts disagree on communicator '{self.name}' (call #{sig[4]}): "
+                                         f"{'; '.join(bad)} (they must be equal: exchange the counts with "
+                                         "Alltoall first)")
 
     def _record(self, op, nbytes, t0, track="comm"):
         t1 = time.perf_counter()
@@ -318,6 +339,71 @@ class Comm:
                       lambda: (sent(), received()))
         req.keepalive = (full, out)                             # MPI may use both until Wait
         return req
+
+    def Alltoall(self, send, recv):
+        """Block j of recv <- block `rank` of rank j's send: send and recv have the same shape (n, ...), n a
+        multiple of size, and block j is rows j*n/size .. (j+1)*n/size - 1.
+
+        Stack the ranks' send buffers as a (size x size) matrix of blocks, S[i, j] = block j of rank i's send
+        (what i has for j); then R[j, i] = S[i, j]: the all-to-all is the transpose of that block matrix. A
+        transpose is its own inverse, and as a linear map of all ranks' data it is a permutation, so its adjoint is
+        its inverse: Alltoall again (<Alltoall x, y> = <x, Alltoall y>). Each rank keeps one block and sends the
+        other size-1: (size-1)/size of the payload leaves it, the payload being send.nbytes."""
+        self._verify("Alltoall", send, recv)
+        if send.shape != recv.shape or send.shape[0] % self.size:
+            raise ValueError(f"{self.name}: Alltoall needs send and recv of one shape (n, ...) with n a multiple of "
+                             f"{self.size} (got {send.shape} and {recv.shape}); use Alltoallv for uneven blocks")
+        t0 = time.perf_counter()
+        if self.size == 1:
+            recv[...] = send
+            self._record("Alltoall", send.nbytes, t0)
+            return recv
+        s, sent = self._buf(send, "send")
+        r, received = self._buf(recv, "recv")
+        self.comm.Alltoall(s, r)
+        sent()
+        received()
+        self._record("Alltoall", send.nbytes, t0)
+        return recv
+
+    def Alltoallv(self, send, send_counts, recv, recv_counts):
+        """The all-to-all with rows counted: send_counts[j] rows of send go to rank j (send's rows in rank order:
+        those for rank 0, then those for rank 1, ...: the displacements are the running sums of the counts), and
+        recv receives recv_counts[i] rows from rank i, in rank order. send: (sum(send_counts), ...), recv:
+        (sum(recv_counts), ...), the same row shape and dtype on every rank. The counts must pair up, rank i's
+        send_counts[j] == rank j's recv_counts[i]: exchange them first with an Alltoall of the (size,) counts.
+
+        As a matrix, A moves row k of block (i -> j) of rank i's send to the same place of block (from i) of rank
+        j's recv: a 0/1 matrix with one 1 per row and column, so A^T = A^-1, which is the Alltoallv with the
+        counts swapped (send_counts <-> recv_counts): <A x, y> = <x, A^T y>. A dispatch (tokens to the ranks
+        of their experts) and the combine (results back) are each other's adjoint, so the backward of the
+        dispatch makes the combine's communication, and the backward of the combine the dispatch's. Payload: the
+        rows sent, send.nbytes, this rank's own send_counts[rank] rows included (they are copied, not sent)."""
+        send_counts = [int(c) for c in send_counts]
+        recv_counts = [int(c) for c in recv_counts]
+        self._verify("Alltoallv", send, recv, counts=(send_counts, recv_counts))
+        if (len(send_counts) != self.size or len(recv_counts) != self.size or min(send_counts + recv_counts) < 0
+                or send.shape[0] != sum(send_counts) or recv.shape[0] != sum(recv_counts)
+                or send.shape[1:] != recv.shape[1:]):
+            raise ValueError(f"{self.name}: Alltoallv needs {self.size} counts >= 0 each, send of sum(send_counts) "
+                             f"rows and recv of sum(recv_counts) rows of one shape (got send {send.shape}, counts "
+                             f"{send_counts}; recv {recv.shape}, counts {recv_counts})")
+        t0 = time.perf_counter()
+        if self.size == 1:
+            recv[...] = send
+            self._record("Alltoallv", send.nbytes, t0)
+            return recv
+        row = int(np.prod(send.shape[1:], dtype=np.int64))     # elements per row: MPI counts elements
+        s_counts, r_counts = [c * row for c in send_counts], [c * row for c in recv_counts]
+        s_displs = [0, *np.cumsum(s_counts[:-1]).tolist()]     # where the rows for rank j start
+        r_displs = [0, *np.cumsum(r_counts[:-1]).tolist()]
+        s, sent = self._buf(send, "send")
+        r, received = self._buf(recv, "recv")
+        self.comm.Alltoallv([s, (s_counts, s_displs)], [r, (r_counts, r_displs)])
+        sent()
+        received()
+        self._record("Alltoallv", send.nbytes, t0)
+        return recv
 
     def Bcast(self, x, root=0):
         self._verify("Bcast", x)

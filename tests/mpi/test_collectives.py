@@ -202,6 +202,118 @@ def test_mismatched_operations_raise_instead_of_hanging():
     check("rank 2: Bcast" in msg and "ranks 0,1,3,4,5,6,7: Allreduce" in msg and "call #1" in msg, msg)
 
 
+# ------------------------------------------------------------------------------------------------- the all-to-alls
+
+def routing(P):
+    """M (P, P) int64: M[i, j] rows that rank i sends to rank j, the same on every rank (seed 0): uneven, with
+    zeros on the diagonal of the odd ranks, rank 3 sending nothing and rank 5 receiving nothing."""
+    M = np.random.default_rng(0).integers(0, 4, (P, P))
+    M[np.arange(1, P, 2), np.arange(1, P, 2)] = 0
+    M[3, :] = 0
+    M[:, 5] = 0
+    return M
+
+
+def by_rank(counts):
+    """The row offsets of the blocks of a buffer laid out in rank order: [0, c0, c0+c1, ...] (size+1,)."""
+    return np.concatenate([[0], np.cumsum(counts)])
+
+
+def test_alltoall_and_alltoallv_equal_numpy():
+    """Alltoall and Alltoallv against the transpose NumPy builds from every rank's send buffer (float64 and
+    int64; uneven and zero counts); the counts themselves exchanged with Alltoall, as a dispatch does; the payload
+    recorded is the send buffer, own block included; a one-rank communicator copies and still counts."""
+    c = make()
+    r, P = c.rank, c.size
+    rng = np.random.default_rng(10 + r)
+    worst = 0.0
+    for dtype in (np.float64, np.int64):                                        # Alltoall: 2 rows per block
+        send = (rng.standard_normal((2 * P, 3)) * 100).astype(dtype)           # (2P, 3) block j: rows 2j, 2j+1
+        recv = np.empty_like(send)
+        c.Alltoall(send, recv)
+        everyone = c.allgather_obj(send)
+        ref = np.concatenate([everyone[j][2 * r:2 * r + 2] for j in range(P)])  # block rank of every rank j
+        worst = max(worst, float(np.max(np.abs(recv - ref))))
+    M = routing(P)
+    send_counts = np.ascontiguousarray(M[r])                                    # (P,) int64: rows to each rank
+    recv_counts = np.empty_like(send_counts)
+    c.Alltoall(send_counts, recv_counts)                                        # what each rank will send me
+    ok = np.array_equal(recv_counts, M[:, r])
+    nbytes_v = 0
+    for dtype, row in ((np.float64, (3,)), (np.int64, (2, 2))):
+        send = (rng.standard_normal((int(send_counts.sum()), *row)) * 100).astype(dtype)
+        recv = np.empty((int(recv_counts.sum()), *row), dtype)
+        c.Alltoallv(send, send_counts, recv, recv_counts)
+        everyone = c.allgather_obj(send)
+        ref = np.concatenate([everyone[i][by_rank(M[i])[r]:by_rank(M[i])[r + 1]] for i in range(P)])
+        worst = max(worst, float(np.max(np.abs(recv - ref))) if recv.size else 0.0)
+        ok = ok and recv.shape == ref.shape
+        nbytes_v += send.nbytes
+    counts = c.stats.counts()
+    want = {("world", "Alltoall"): (3, 2 * P * 3 * 8 * 2 + P * 8), ("world", "Alltoallv"): (2, nbytes_v)}
+    ok = ok and counts == want and nbytes_v == int(M[r].sum()) * (3 + 4) * 8
+    one = Comm(MPI.COMM_SELF, "self", CommStats())                              # one rank: a copy, counted
+    x, y = np.arange(6.0).reshape(3, 2), np.empty((3, 2))
+    one.Alltoallv(x, [3], y, [3])
+    ok = ok and np.array_equal(x, y) and one.stats.counts() == {("self", "Alltoallv"): (1, 48)}
+    say(f"Alltoall, Alltoallv vs NumPy's transpose (float64, int64; counts per rank\n{M}):\n"
+        f"max |diff| {world_max(worst):.1e}\n" + c.stats.format())
+    check(ok and worst == 0.0, f"max |diff| {worst}, counts {counts} vs {want}")
+
+
+def test_alltoallv_adjoint_is_alltoallv_with_the_counts_swapped():
+    """A = Alltoallv(send_counts = M[r], recv_counts = M[:, r]) is a permutation of all ranks' rows, so its adjoint
+    is its inverse, the Alltoallv with the counts swapped: <A x, y> = <x, A^T y> (sums over every rank) to 1e-12,
+    and the combine undoes the dispatch exactly (A^T A x = x)."""
+    c = make()
+    r, P = c.rank, c.size
+    M = routing(P)
+    rng = np.random.default_rng(20 + r)
+    x = rng.standard_normal((int(M[r].sum()), 4))                               # (rows I send, 4)
+    y = rng.standard_normal((int(M[:, r].sum()), 4))                            # (rows I receive, 4)
+    Ax, ATy, back = np.empty_like(y), np.empty_like(x), np.empty_like(x)
+    c.Alltoallv(x, M[r], Ax, M[:, r])                                           # dispatch
+    c.Alltoallv(y, M[:, r], ATy, M[r])                                          # its adjoint: the combine
+    c.Alltoallv(Ax, M[:, r], back, M[r])                                        # the combine of the dispatch
+    lhs, rhs = np.array([np.vdot(Ax, y)]), np.array([np.vdot(x, ATy)])
+    c.comm.Allreduce(MPI.IN_PLACE, lhs)
+    c.comm.Allreduce(MPI.IN_PLACE, rhs)
+    err = abs(lhs[0] - rhs[0]) / abs(lhs[0])
+    say(f"<A x, y> = {lhs[0]:.15f}, <x, A^T y> = {rhs[0]:.15f}: relative difference {err:.1e}; "
+        f"A^T A x = x exactly: {world_max(0.0 if np.array_equal(back, x) else 1.0) == 0.0}")
+    check(err <= 1e-12 and np.array_equal(back, x), f"adjoint rel err {err:.2e}, round trip {np.array_equal(back, x)}")
+
+
+def test_alltoallv_mismatched_counts_raise_instead_of_hanging():
+    """With the check on, counts that do not pair up (rank 5 expects one row more from rank 2 than rank 2 sends)
+    and a row shape that differs on one rank raise CollectiveMismatch on every rank, before MPI is entered; the
+    communicator is still usable after (the last call is a good one)."""
+    c = make(check_seq=True)
+    r, P = c.rank, c.size
+    M = routing(P)
+    M[2, 5] = 2                                                                 # rank 2 sends 2 rows to rank 5 ...
+    send_counts, recv_counts = M[r].copy(), M[:, r].copy()
+    if r == 5:
+        recv_counts[2] += 1                                                     # ... which expects 3
+    messages = []
+    for width in (3, 4 if r == 1 else 3):                                       # 2nd: rank 1's rows are wider
+        if width == 4:
+            send_counts, recv_counts = M[r], M[:, r]                            # the counts right this time
+        try:
+            c.Alltoallv(np.zeros((int(send_counts.sum()), width)), send_counts,
+                        np.zeros((int(recv_counts.sum()), width)), recv_counts)
+            messages.append("no error")
+        except CollectiveMismatch as e:
+            messages.append(str(e))
+    good = np.empty((int(M[:, r].sum()), 3))
+    c.Alltoallv(np.full((int(M[r].sum()), 3), float(r)), M[r], good, M[:, r])
+    say("\n".join(messages))
+    check("Alltoallv counts disagree on communicator 'world' (call #0): rank 2's send_counts[5] = 2 but rank 5's "
+          "recv_counts[2] = 3 (they must be equal" in messages[0]
+          and "rank 1: Alltoallv shapes=[('*', 4), ('*', 4)]" in messages[1] and "call #1" in messages[1]
+          and np.array_equal(good[:, 0], np.repeat(np.arange(P), M[:, r])), messages)
+
+
 # ---------------------------------------------------------------------------------------- the hierarchical all-reduce
 
 SIZES = [1, 5, 8, 1000, 1001, 4099]               # elements: below, at, and off multiples of every node size

@@ -2,8 +2,10 @@
 
     mpirun -n 4 python tutorials/solutions/02_collectives.py
 
-Each solution is written from `Sendrecv`, `Send` and `Recv` only, and checked against MPI's own collective and
-against the byte counts of the chapter's table, on 4 ranks and on a sub-communicator of 3 (rank 3 then waits).
+Solutions 1-4 are written from `Sendrecv`, `Send` and `Recv` only, and checked against MPI's own collective and
+against the byte counts of the chapter's table, on 4 ranks and on a sub-communicator of 3 (rank 3 then waits);
+solution 5 dispatches tokens to experts with hsgd's `Comm.Alltoall` and `Comm.Alltoallv` and checks the combine,
+the experts' outputs and the backward against serial.
 """
 # mpirun -n 4 python tutorials/solutions/02_collectives.py
 import math
@@ -218,5 +220,75 @@ def exercise_4(check):
         check.holds(f"{name}: bytes sent per rank == (p-1)/p x payload", sent_ok)
 
 
+# ---------------------------------------------------------------------------------------------------- exercise 5
+def dispatch(comm, x, expert, experts_per_rank):
+    """(rows, their experts, state): this rank's tokens x (T, C) sent to the ranks of their experts, expert (T,)
+    each token's expert, expert e on rank e // experts_per_rank. The tokens are sorted by expert (a stable argsort:
+    the permutation, kept as an index array), so by rank; the counts travel first (Alltoall), then the rows and
+    their expert ids (Alltoallv). state: what the combine and the backward need."""
+    order = np.argsort(expert, kind="stable")                       # (T,) token order -> sorted by expert
+    send_counts = np.bincount(expert // experts_per_rank, minlength=comm.size)    # (p,) rows for each rank
+    recv_counts = np.empty_like(send_counts)                        # (p,) rows from each rank
+    comm.Alltoall(send_counts, recv_counts)
+    n = int(recv_counts.sum())
+    rows, ids = np.empty((n, x.shape[1])), np.empty(n, dtype=expert.dtype)        # (n, C), (n,)
+    comm.Alltoallv(np.ascontiguousarray(x[order]), send_counts, rows, recv_counts)
+    comm.Alltoallv(np.ascontiguousarray(expert[order]), send_counts, ids, recv_counts)
+    return rows, ids, (order, send_counts, recv_counts)
+
+
+def redispatch(comm, x, state):
+    """The dispatch's communication again, for rows in token order (the routing of `state`): the adjoint of
+    combine, used by the backward to send dy to the experts."""
+    order, send_counts, recv_counts = state
+    rows = np.empty((int(recv_counts.sum()), x.shape[1]))
+    comm.Alltoallv(np.ascontiguousarray(x[order]), send_counts, rows, recv_counts)
+    return rows
+
+
+def combine(comm, y, state):
+    """The rows y (n, C) at the experts back to their tokens, in token order: the Alltoallv with the counts
+    swapped (the adjoint and inverse of the dispatch's), then the inverse permutation."""
+    order, send_counts, recv_counts = state
+    back = np.empty((len(order), y.shape[1]))                       # (T, C) sorted by expert
+    comm.Alltoallv(np.ascontiguousarray(y), recv_counts, back, send_counts)
+    out = np.empty_like(back)
+    out[order] = back                                               # undo the sort
+    return out
+
+
+def exercise_5(check):
+    """Dispatch tokens to experts, and combine them back."""
+    P = world.Get_size()
+    T, C, E = 6, 3, 2 * P                                           # tokens per rank, width, experts
+    W = np.stack([np.random.default_rng(e).standard_normal((C, C)) for e in range(E)])   # (E, C, C) expert e: W[e]
+    expert_of = [np.random.default_rng(50 + r).integers(0, E, T) for r in range(P)]   # (T,) the router's choice
+    x_of = [np.random.default_rng(60 + r).standard_normal((T, C)) for r in range(P)]
+    dy_of = [np.random.default_rng(70 + r).standard_normal((T, C)) for r in range(P)]
+    expert, x, dy = expert_of[rank], x_of[rank], dy_of[rank]
+    comm = Comm(world, "ep", CommStats())
+
+    rows, ids, state = dispatch(comm, x, expert, E // P)
+    check.holds("(a) combine(dispatch(x)) == x, bit for bit", np.array_equal(combine(comm, rows, state), x))
+    y = combine(comm, np.einsum("nc,ncd->nd", rows, W[ids]), state)   # my experts: row n times W[ids[n]]
+    check("(b) y_t = x_t W_e(t): max rel err vs serial", rel_err(y, np.stack([x[t] @ W[expert[t]] for t in range(T)])))
+    drows = redispatch(comm, dy, state)                             # the combine's adjoint
+    dx = combine(comm, np.einsum("nd,ncd->nc", drows, W[ids]), state)   # times W^T; the dispatch's adjoint
+    check("(c) dx_t = dy_t W_e(t)^T: max rel err vs serial",
+          rel_err(dx, np.stack([dy[t] @ W[expert[t]].T for t in range(T)])))
+
+    # the bytes: every Alltoallv of rows sends its send buffer; a dispatch's is T rows on every rank, a combine's
+    # the rows that rank's experts processed, which add up to the same p T rows
+    mine = comm.stats.nbytes("ep", "Alltoallv")
+    total = world.allreduce(mine)
+    calls = comm.stats.calls("ep", "Alltoallv")                     # rows: x and dy dispatched, 3 combines; ids
+    want = (2 + 3) * P * T * C * 8 + P * T * 8
+    check.say(f"  {calls} Alltoallv: {mine} B on rank {rank}, {total} B on all {P} ranks = "
+              f"5 x p T C 8 + p T 8 (the expert ids) = {want}")
+    check.holds("(d) dispatch and combine: p T C 8 bytes each, in all",
+                calls == 6 and total == want)
+
+
 if __name__ == "__main__":
-    solve(Checks(MPI.COMM_WORLD, tol=1e-12, width=60), [exercise_1, exercise_2, exercise_3, exercise_4])
+    solve(Checks(MPI.COMM_WORLD, tol=1e-12, width=60),
+          [exercise_1, exercise_2, exercise_3, exercise_4, exercise_5])
