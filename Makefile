@@ -58,6 +58,7 @@ bench: $(BENCH_STAMP)
 	$(RUN) python benchmarks/plan_narayanan.py
 	$(RUN) OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 mpirun -n $(NP) python benchmarks/plan_this_machine.py
 	$(RUN) python benchmarks/hf_llama_reference.py --check
+	$(RUN) python benchmarks/hf_mixtral_reference.py --check
 	$(RUN) python benchmarks/train_families.py --np $(NP)
 	d=$$(mktemp -d) && $(RUN) python benchmarks/crosscheck_torch.py --tp 2 --dp 2 --micro-batches 2 --out $$d/dump \
 	    && $(RUN) python -m hsgd.crosscheck $$d/dump; rc=$$?; rm -rf $$d; exit $$rc

@@ -8,6 +8,8 @@ serial SGD of the lecture's section 1), appendix A (where the time goes), chapte
     layers      every layer as its plain formulas, a forward/backward pair each: the reference a reader checks
     llama_layers the Llama block's layers the same way: RMSNorm, rotary embedding, SwiGLU, grouped-query kv repeat
                 (checked alone; no model uses them yet)
+    moe         the mixture-of-experts layer the same way: router, top-k gates, capacity and drops, experts, the
+                balancing losses and the selection bias (checked alone and against Mixtral; no model uses it yet)
     kernels     the same layers tuned (pieces, out=, threads, causal blocks), tested equal to them
     flash       attention that stores no scores: blocks, the online softmax, y and lse kept (FlashAttention);
                 ring attention's blocks (hsgd.cp.ring) use it

@@ -1,0 +1,324 @@
+"""The mixture-of-experts layer as plain formulas, a hand-written forward/backward pair (hsgd.model.layers'
+conventions: *_forward(...) -> (out, cache), *_backward(dout, cache, ...) -> dinputs, weight gradients accumulated
+with `+=` into a grads dict), in place of a block's MLP: a router picks k of E expert MLPs for each token, and the
+token's output is the gated sum of theirs (Shazeer et al. 2017, "Outrageously Large Neural Networks"; Lepikhin et al.
+2020, "GShard"; Fedus et al. 2021, "Switch Transformers"; Jiang et al. 2024, "Mixtral of Experts").
+
+    moe_forward(x, params, settings, prefix, groups, selection_bias) -> (y, aux, cache)
+    moe_backward(dy, daux, cache, grads) -> dx
+
+The steps, for the N rows x (N, C) (the rows of a batch, B*T):
+  1. router    logits = x W_r (N, E), no bias (Mixtral, Switch and DeepSeek-V3 have none); scores s:
+                   softmax over the E experts ("renormalized", "probabilities"), or sigmoid ("sigmoid");
+               top-k: the k largest of s + b (b the selection bias, zero unless given), ties to the lower expert
+               index; gates g (N, k) from the chosen scores s_c (the bias never enters a gate):
+                   "renormalized"   g_j = s_cj / sum_j' s_cj'  = softmax over the k chosen logits (Mixtral; GShard's
+                                    top-2 too: g1 / (g1 + g2), in DeepSpeed's and fairseq's versions after the drops)
+                   "probabilities"  g_j = s_cj, the softmax probability as it is (Switch, k = 1: renormalizing one
+                                    gate would make it 1 and leave the router no gradient)
+                   "sigmoid"        g_j = s_cj / sum_j' s_cj', s = sigmoid(logits) (DeepSeek-V3, without its
+                                    routed scaling factor and its group-limited routing)
+  2. capacity  capacity = ceil(capacity_factor * N * k / E) token-slots per expert, or None: nothing dropped. The
+               N*k token-slots (slot s = n*k + j: token n's j-th choice) queue at their experts in token order, first
+               come first served (Switch; Megatron-LM's drop policy "position"); the first `capacity` of each
+               expert's queue are kept, the rest dropped. A dropped slot contributes 0 to its token's output (the
+               residual around the layer carries the token); the other gates are not renormalized.
+  3. experts   the kept slots sorted by expert (a stable sort: by token within an expert) are the permutation
+               perm (S_kept,); dispatch is the gather xs = x[perm // k]; expert e computes its segment of xs,
+               GELU MLP (fc, GELU, proj) or SwiGLU MLP (gate, up, proj), biases where params holds them; combine
+               is the gather by the inverse permutation inv (N*k,) (inv[perm[r]] = r; a dropped slot reads a row of
+               zeros): y[n] = sum_j g[n, j] * out[inv[n*k + j]].
+  4. aux       balance = alpha E mean_G sum_i f_Gi P_Gi over the token groups G of the domain (Switch's
+               load-balancing loss): f_Gi = (slots of G routed to i) / (|G| k), counted from the top-k choice before
+               any drop (as Megatron-LM and Hugging Face count), P_Gi = mean over G's tokens of the probability of i
+               (the softmax; for "sigmoid" the scores normalized over the E experts, DeepSeek-V3's sequence-wise
+               loss's). Uniform routing gives f = P = 1/E and balance = alpha. (Hugging Face's
+               load_balancing_loss_func counts f per token, summing to k: k times this.)
+               z = beta mean_n logsumexp(logits[n])^2 over all N rows (Zoph et al. 2022, "ST-MoE").
+
+The backward: f is piecewise constant (a count), so balance's gradient flows through P alone: dp[n, i] = alpha E
+f_Gi / (|G| #groups); the gates' gradient goes through the renormalization and the softmax (or sigmoid) to the
+logits; the dispatch gather's adjoint is a scatter-add to the tokens, the combine gather's is the gather by perm.
+
+Auxiliary-loss-free balancing (Wang et al. 2024, "Auxiliary-Loss-Free Load Balancing Strategy for Mixture-of-
+Experts"; DeepSeek-AI 2024, "DeepSeek-V3 Technical Report"): the per-expert bias b of step 1 moves, after each step,
+by update_selection_bias: b_i += gamma sign(mean load - load_i). It is state, not a parameter: no gradient.
+
+Parameter names, under a prefix ("moe" here; the model's blocks would use "h.{i}.moe"), weights (in, out):
+    {prefix}.router.weight              (C, E)
+    {prefix}.experts.{e}.fc.weight      (C, F) [+ .bias (F,)]                 gelu experts
+    {prefix}.experts.{e}.gate.weight    (C, F), .up.weight (C, F) [+ biases]  swiglu experts
+    {prefix}.experts.{e}.proj.weight    (F, C) [+ .bias (C,)]
+(moe_param_shapes lists them.) Left out: the wiring into the model and the layouts, expert parallelism, shared
+experts, router jitter noise, DeepSeek-V3's node-limited routing.
+
+Legend: N rows, C d_model, E experts, k top-k, F expert width, S = N*k token-slots, S_kept the kept ones.
+
+Arrays may be NumPy or CuPy; each function computes with the module its inputs belong to.
+"""
+import math
+from dataclasses import dataclass
+
+from hsgd.errors import ConfigError
+from hsgd.model.backend import array_module, scatter_add
+from hsgd.model.layers import gelu_backward, gelu_forward, linear_backward, linear_forward
+from hsgd.model.llama_layers import sigmoid, swiglu_backward, swiglu_forward
+
+GATES = ("renormalized", "probabilities", "sigmoid")
+MLPS = ("gelu", "swiglu")
+
+
+@dataclass(frozen=True)
+class MoESettings:
+    """What the layer computes besides its parameters (the module docstring's steps 1, 2 and 4)."""
+    experts: int                        # E, the experts of the layer
+    top_k: int                          # k, the experts each token is sent to (1 <= k <= E)
+    mlp: str = "swiglu"                 # the experts' MLP: "gelu" (fc, GELU, proj) or "swiglu" (gate, up, proj)
+    gates: str = "renormalized"         # "renormalized" (Mixtral), "probabilities" (Switch), "sigmoid" (DeepSeek-V3)
+    capacity_factor: float | None = None   # token-slots per expert = ceil(factor N k / E); None: nothing dropped
+    balance_coef: float = 0.0           # alpha of the load-balancing loss
+    z_coef: float = 0.0                 # beta of the router z-loss
+
+    def __post_init__(self):
+        if not 1 <= self.top_k <= self.experts:
+            raise ConfigError(f"moe top_k is {self.top_k} with {self.experts} experts; use 1 <= top_k <= experts")
+        if self.mlp not in MLPS or self.gates not in GATES:
+            raise ConfigError(f"moe mlp {self.mlp!r} / gates {self.gates!r}: use mlp in {MLPS}, gates in {GATES}")
+        if self.capacity_factor is not None and not 0 < self.capacity_factor < math.inf:
+            raise ConfigError(f"moe capacity_factor is {self.capacity_factor}; use a finite number above 0, or None")
+
+
+def moe_param_shapes(prefix, C, F, E, mlp, bias=False):
+    """{name: shape} of the layer's parameters (the module docstring's table)."""
+    shapes = {f"{prefix}.router.weight": (C, E)}
+    for e in range(E):
+        ex = f"{prefix}.experts.{e}."
+        ins = ("fc",) if mlp == "gelu" else ("gate", "up")
+        for part in ins:
+            shapes[ex + part + ".weight"] = (C, F)
+            if bias:
+                shapes[ex + part + ".bias"] = (F,)
+        shapes[ex + "proj.weight"] = (F, C)
+        if bias:
+            shapes[ex + "proj.bias"] = (C,)
+    return shapes
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Router: logits, scores, top-k, gates
+
+def softmax(z):
+    """exp(z - max) normalized over the last axis."""
+    xp = array_module(z)
+    e = xp.exp(z - z.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def top_k(scores, k):
+    """(N, k) the indices of the k largest scores of each row, largest first, ties to the lower index (a stable sort
+    of -scores)."""
+    xp = array_module(scores)
+    return xp.argsort(-scores, axis=-1, kind="stable")[:, :k]
+
+
+def router_forward(x, W, settings, selection_bias=None):
+    """(chosen (N, k), gates (N, k), probs (N, E), logits (N, E)), cache. probs: the distribution the balance loss
+    averages (the softmax; for "sigmoid" the scores normalized over the experts)."""
+    xp = array_module(x)
+    logits, c_lin = linear_forward(x, W)                      # (N, E)
+    if settings.gates == "sigmoid":
+        s = sigmoid(logits)                                   # (N, E) scores
+        probs = s / s.sum(axis=-1, keepdims=True)             # (N, E)
+    else:
+        s = probs = softmax(logits)                           # (N, E)
+    chosen = top_k(s if selection_bias is None else s + selection_bias, settings.top_k)      # (N, k)
+    s_c = s[xp.arange(s.shape[0])[:, None], chosen]          # (N, k) the chosen scores
+    total = s_c.sum(axis=-1, keepdims=True)                   # (N, 1)
+    gates = s_c if settings.gates == "probabilities" else s_c / total                       # (N, k)
+    return (chosen, gates, probs, logits), (c_lin, s, probs, chosen, gates, total, settings.gates)
+
+
+def router_backward(dgates, dprobs, dlogits, cache, dW):
+    """dx of the router, dW += x^T dlogits, with the logits' gradient the sum of three paths:
+        gates:  "probabilities": ds_c = dg;  renormalized: ds_c = (dg - sum_j dg_j g_j) / sum_j s_cj
+                (the Jacobian of s_c / sum s_c), scattered to the chosen experts' columns of ds;
+        dprobs: the balance loss's, onto s (itself for softmax; for sigmoid through q = s / sum s, the same rule);
+        then softmax's Jacobian dlogits += s * (ds - sum_i ds_i s_i), or sigmoid's dlogits += ds s (1 - s);
+        dlogits: the z-loss's, on the logits directly."""
+    c_lin, s, probs, chosen, gates, total, kind = cache
+    xp = array_module(s)
+    ds_c = dgates if kind == "probabilities" else \
+        (dgates - (dgates * gates).sum(axis=-1, keepdims=True)) / total                      # (N, k)
+    ds = xp.zeros_like(s)                                     # (N, E)
+    ds[xp.arange(s.shape[0])[:, None], chosen] = ds_c         # the k chosen are distinct: no sums needed
+    if kind == "sigmoid":
+        ds += (dprobs - (dprobs * probs).sum(axis=-1, keepdims=True)) / s.sum(axis=-1, keepdims=True)
+        dlogits = dlogits + ds * s * (1 - s)                  # (N, E)
+    else:
+        ds += dprobs
+        dlogits = dlogits + s * (ds - (ds * s).sum(axis=-1, keepdims=True))                  # (N, E)
+    return linear_backward(dlogits, c_lin, dW)                # (N, C)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Capacity and dispatch: the permutation of the kept token-slots by expert, and its inverse
+
+def expert_capacity(N, settings):
+    """ceil(capacity_factor * N * k / E), computed in that order, or None without a capacity factor."""
+    if settings.capacity_factor is None:
+        return None
+    return math.ceil(settings.capacity_factor * N * settings.top_k / settings.experts)
+
+
+def dispatch_indices(chosen, E, capacity):
+    """(perm (S_kept,), inv (S,), load (E,), kept (E,)) of the choice `chosen` (N, k):
+        slot s = n*k + j goes to expert chosen[n, j]; order = the slots stably sorted by expert (by token within
+        an expert); an expert keeps the first `capacity` of its queue; perm = order without the dropped slots;
+        inv[perm[r]] = r, and inv[s] = S_kept (one past the last row: a row of zeros) for a dropped slot s;
+        load[e] = slots chosen for e (before drops), kept[e] = slots e computes."""
+    xp = array_module(chosen)
+    expert = chosen.reshape(-1)                               # (S,) the expert of each slot
+    S = expert.shape[0]
+    order = xp.argsort(expert, kind="stable")                 # (S,) slots by expert, then by token
+    load = xp.bincount(expert, minlength=E)                   # (E,)
+    start = xp.cumsum(load) - load                            # (E,) each expert's first place in order
+    queue = xp.arange(S) - start[expert[order]]               # (S,) place of order[r] in its expert's queue
+    perm = order if capacity is None else order[queue < capacity]          # (S_kept,)
+    inv = xp.full(S, perm.shape[0], dtype=perm.dtype)         # (S,) dropped slots: the zero row
+    inv[perm] = xp.arange(perm.shape[0])
+    return perm, inv, load, xp.bincount(expert[perm], minlength=E)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# One expert: a GELU or SwiGLU MLP on its rows
+
+def expert_forward(x, p, name, mlp):
+    """GELU: out = gelu(x W_fc + b_fc) W_proj + b_proj;  SwiGLU: out = (silu(x W_gate) * (x W_up)) W_proj.
+    name: the expert's prefix "{prefix}.experts.{e}."; a bias is used where p holds it. x: (rows, C)."""
+    b = lambda part: p.get(name + part)
+    if mlp == "gelu":
+        f, c_fc = linear_forward(x, p[name + "fc.weight"], b("fc.bias"))                     # (rows, F)
+        a, c_act = gelu_forward(f)                                                          # (rows, F)
+    else:
+        g, c_gate = linear_forward(x, p[name + "gate.weight"], b("gate.bias"))               # (rows, F)
+        u, c_up = linear_forward(x, p[name + "up.weight"], b("up.bias"))                     # (rows, F)
+        a, c_act = swiglu_forward(g, u)                                                     # (rows, F)
+        c_fc = (c_gate, c_up)
+    out, c_proj = linear_forward(a, p[name + "proj.weight"], b("proj.bias"))                 # (rows, C)
+    return out, (c_fc, c_act, c_proj, name, mlp)
+
+
+def expert_backward(dout, cache, grads):
+    """The forward upside down; with SwiGLU x feeds gate and up, so dx is the sum of both paths."""
+    c_fc, c_act, c_proj, name, mlp = cache
+    g = lambda part: grads.get(name + part)
+    da = linear_backward(dout, c_proj, grads[name + "proj.weight"], g("proj.bias"))         # (rows, F)
+    if mlp == "gelu":
+        return linear_backward(gelu_backward(da, c_act), c_fc, grads[name + "fc.weight"], g("fc.bias"))
+    dgate, dup = swiglu_backward(da, c_act)                                                 # (rows, F) each
+    dx = linear_backward(dup, c_fc[1], grads[name + "up.weight"], g("up.bias"))             # (rows, C)
+    return dx + linear_backward(dgate, c_fc[0], grads[name + "gate.weight"], g("gate.bias"))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Auxiliary losses
+
+def balance_loss_forward(probs, chosen, groups, alpha):
+    """alpha E mean_G sum_i f_Gi P_Gi (module docstring, step 4); groups: a list of row-index arrays (the domain),
+    or None: all N rows one group. The cache holds each group's f."""
+    xp = array_module(probs)
+    N, E = probs.shape
+    k = chosen.shape[1]
+    groups = [xp.arange(N)] if groups is None else groups
+    fs, total = [], 0.0
+    for G in groups:
+        f = (xp.bincount(chosen[G].reshape(-1), minlength=E) / (len(G) * k)).astype(probs.dtype)   # (E,) f_G
+        total = total + f @ probs[G].mean(axis=0)             # sum_i f_Gi P_Gi
+        fs.append(f)
+    return alpha * E * total / len(groups), (groups, fs, alpha, probs)
+
+
+def balance_loss_backward(dloss, cache):
+    """dprobs[n, i] = dloss alpha E f_Gi / (|G| #groups) for n in G (f held constant: it is a count)."""
+    groups, fs, alpha, probs = cache
+    dprobs = array_module(probs).zeros_like(probs)           # (N, E)
+    for G, f in zip(groups, fs):
+        dprobs[G] += dloss * alpha * probs.shape[1] / len(groups) * f / len(G)              # (|G|, E)
+    return dprobs
+
+
+def z_loss_forward(logits, beta):
+    """beta mean_n lse_n^2, lse_n = logsumexp(logits[n]) (ST-MoE's router z-loss)."""
+    xp = array_module(logits)
+    m = logits.max(axis=-1, keepdims=True)                    # (N, 1)
+    lse = (m + xp.log(xp.exp(logits - m).sum(axis=-1, keepdims=True)))[:, 0]                # (N,)
+    return beta * (lse * lse).mean(), (lse, softmax(logits), beta)
+
+
+def z_loss_backward(dloss, cache):
+    """dlogits[n] = dloss beta 2 lse_n softmax(logits[n]) / N  (d lse / d logits = softmax)."""
+    lse, p, beta = cache
+    return (dloss * beta * 2.0 / lse.shape[0]) * lse[:, None] * p          # (N, E)
+
+
+def update_selection_bias(bias, load, gamma):
+    """b_i + gamma sign(mean(load) - load_i): an overloaded expert's bias falls, an idle one's rises (DeepSeek-V3's
+    auxiliary-loss-free balancing; load: the step's slots per expert, before drops). Returns the new (E,) bias."""
+    xp = array_module(bias)
+    load = xp.asarray(load, dtype=bias.dtype)
+    return bias + gamma * xp.sign(load.mean() - load)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The layer
+
+def moe_forward(x, params, settings, prefix="moe", groups=None, selection_bias=None):
+    """y (x's shape), aux, cache. x: (..., C), flattened to N rows (groups index those rows). aux: "balance" and
+    "z" (the two losses, to be added to the model's loss), "load" (E,) slots per expert before drops, "kept" (E,)
+    after, "dropped" (slots), "capacity" (or None)."""
+    xp = array_module(x)
+    C, E, k = x.shape[-1], settings.experts, settings.top_k
+    x2 = x.reshape(-1, C)                                     # (N, C)
+    N = x2.shape[0]
+    (chosen, gates, probs, logits), c_router = router_forward(x2, params[prefix + ".router.weight"], settings,
+                                                              selection_bias)
+    capacity = expert_capacity(N, settings)
+    perm, inv, load, kept = dispatch_indices(chosen, E, capacity)
+    xs = x2[perm // k]                                        # (S_kept, C) dispatch: rows by expert
+    bounds = [0] + [int(b) for b in xp.cumsum(kept)]          # expert e computes rows bounds[e]:bounds[e+1]
+    outs, c_experts = [], []
+    for e in range(E):
+        o, c = expert_forward(xs[bounds[e]:bounds[e + 1]], params, f"{prefix}.experts.{e}.", settings.mlp)
+        outs.append(o)
+        c_experts.append(c)
+    ys = xp.concatenate(outs + [xp.zeros((1, C), dtype=x2.dtype)])         # (S_kept + 1, C) and the zero row
+    slot_out = ys[inv].reshape(N, k, C)                       # (N, k, C) combine: the inverse permutation
+    y = (gates[:, :, None] * slot_out).sum(axis=1)            # (N, C)
+    balance, c_balance = balance_loss_forward(probs, chosen, groups, settings.balance_coef)
+    z, c_z = z_loss_forward(logits, settings.z_coef)
+    aux = dict(balance=balance, z=z, load=load, kept=kept, dropped=N * k - perm.shape[0], capacity=capacity)
+    cache = (x.shape, c_router, perm, gates, slot_out, bounds, c_experts, c_balance, c_z, prefix)
+    return y.reshape(x.shape), aux, cache
+
+
+def moe_backward(dy, daux, cache, grads):
+    """dx (x's shape); grads (+=): the router's weight and each expert's. daux: the upstream gradients of
+    aux["balance"] and aux["z"] (1.0 each where the model's loss adds them). The forward upside down:
+        dgates[n, j] = <dy[n], out_slot[n, j]>;  dslot[n, j] = g[n, j] dy[n];  dys = dslot[perm] (the adjoint of
+        the gather by inv); each expert's backward; dx[perm[r] // k] += dxs[r] (the adjoint of the dispatch
+        gather); the router's backward with the balance loss's dprobs and the z-loss's dlogits."""
+    shape, c_router, perm, gates, slot_out, bounds, c_experts, c_balance, c_z, prefix = cache
+    xp = array_module(dy)
+    N, k, C = slot_out.shape
+    dy2 = dy.reshape(N, C)                                    # (N, C)
+    dgates = (dy2[:, None, :] * slot_out).sum(axis=-1)        # (N, k)
+    dslot = (gates[:, :, None] * dy2[:, None, :]).reshape(N * k, C)        # (S, C)
+    dys = dslot[perm]                                         # (S_kept, C)
+    dxs = xp.concatenate([expert_backward(dys[bounds[e]:bounds[e + 1]], c, grads)
+                          for e, c in enumerate(c_experts)])  # (S_kept, C)
+    dx = xp.zeros((N, C), dtype=dy.dtype)
+    scatter_add(dx, perm // k, dxs)                           # each slot's gradient back to its token
+    dprobs = balance_loss_backward(daux["balance"], c_balance)              # (N, E)
+    dlogits = z_loss_backward(daux["z"], c_z)                 # (N, E)
+    dx += router_backward(dgates, dprobs, dlogits, c_router, grads[prefix + ".router.weight"])
+    return dx.reshape(shape)
