@@ -117,8 +117,9 @@ world, rank, check, say = mpi_chapter(__file__, P, tol=1e-10, width=78)
 # of the block is of $N_l = N/cp$ rows, and the core attention's cache is the scheme's
 # (`split.attention_cache_bytes`):
 #
-# * ring: q, the rank's own (k, v), its output y, $4 N_l C/tp$, and lse, $b\,(NH/tp)\,T_l$: no $T \times T$ matrix
-#   at all, only what the online softmax of section 2 keeps;
+# * ring: q and the rank's own (k, v), $3 N_l C/tp$, and lse, $b\,(NH/tp)\,T_l$ (and its output y, which the output
+#   projection keeps as its input anyway): no $T \times T$ matrix at all, only what the online softmax of section 2
+#   keeps;
 # * all-gather: q, the gathered k and v of the whole sequence ($2\,b\,T\,C/tp$) and the probabilities of the rank's
 #   queries against all keys, $b\,(NH/tp)\,T_l\,T$: the $T^2$ term divided by cp.
 #

@@ -48,7 +48,7 @@ def activation_formula(cfg, batch_size, itemsize, tp, scheme, cp=1, cp_scheme="r
         materialized   q, k, v by heads and the probabilities (B, NH/tp, T, T)    (3NC + B NH T^2)/tp
         flash          q, k, v by heads and the log-sum-exp (B, NH/tp, T)           (3NC + B NH T)/tp
       (and y, the array the projection keeps as its input; where the gather scheme's projection keeps its
-      All-Gathered input instead, y's NC/tp more)
+      All-Gathered input instead, y's NC/tp more; ring attention's cache holds y the same way)
     k and v are counted at C/tp columns whatever NKV is: a rank holding the whole sequence repeats them to its NH/tp
     query heads for the core attention, whose cache holds the repeated ones (with cp, the ring's and all-gather's
     caches hold the kv heads themselves: hsgd.cp.split.attention_cache_bytes). In all:
@@ -70,8 +70,9 @@ def activation_formula(cfg, batch_size, itemsize, tp, scheme, cp=1, cp_scheme="r
     between = tp if S.splits_T else 1                                 # between the split matmuls: T or T/tp rows
     proj_in = 1 if S.gathers_proj_inputs else tp                      # the projections' inputs: whole or my share
     A, _ = attention_cache_bytes(cp, cp_scheme, B, cfg.seq_len, C, NH, tp, s, attention, kv_columns(cfg, tp))
-    if cp == 1 and attention == "flash" and S.gathers_proj_inputs:
-        A += N * C * s // tp                                          # y: flash's, not the projection's input
+    keeps_y = (cp == 1 and attention == "flash") or (cp > 1 and cp_scheme == "ring")   # flash's and the ring's
+    if keeps_y and S.gathers_proj_inputs:                             # caches hold y, which the gather scheme's
+        A += N * C * s // tp                                          # projection does not (its input is gathered)
     block = ((4 * N * C + 2 * N) * s // between + (N * C + N * F) * s // proj_in + G * N * F * s // tp + A)
     outside = N * (2 * C + 1) * s // between
     return {"block": block, "model": cfg.n_layers * block + outside + N * Vp * s + 26 * N}

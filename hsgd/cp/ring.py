@@ -51,7 +51,8 @@ class Ring(ContextSplit):
 
     def attention_forward(self, q, k, v, nh):
         """q (B, T/cp, C/tp), k, v (B, T/cp, K/tp), this rank's positions -> y (B, T/cp, C/tp). Cache: q / sqrt(hs),
-        this rank's (k, v) as one (2, B, NKV/tp, T/cp, hs) block, y by heads and lse = m + log l (B, NH/tp, T/cp)."""
+        this rank's (k, v) as one (2, B, NKV/tp, T/cp, hs) block, y itself (the array handed on, which the output
+        projection keeps as its input) and lse = m + log l (B, NH/tp, T/cp)."""
         xp = array_module(q)
         B, Tl, C = q.shape
         hs, n_rep = C // nh, C // k.shape[-1]
@@ -66,7 +67,8 @@ class Ring(ContextSplit):
                     self.work["forward"] += s.shape[-2] * s.shape[-1]
                     flash.merge(s, repeat_heads(kv[1][:, :, sk], n_rep), m[:, :, sq], l[:, :, sq], o[:, :, sq])
         yh, lse = flash.finish(m, l, o)                                             # (B, NH, Tl, hs), (B, NH, Tl)
-        return merge_heads(yh), (qh, own, yh, lse)
+        y = merge_heads(yh)                                                         # (B, Tl, C) the one copy kept:
+        return y, (qh, own, y, lse)                                                 # the projection keeps it too
 
     def around(self, own, tag):
         """This rank's (k, v) block, then each other rank's in ring order, as (owner, block): while the caller
@@ -86,7 +88,7 @@ class Ring(ContextSplit):
     def attention_backward(self, dy, cache, out=None):
         """dq (B, T/cp, C/tp), dk, dv (B, T/cp, K/tp), views of out (B, T/cp, C/tp + 2K/tp): dq from every block,
         dk and dv of this rank's positions after their round of the ring."""
-        qh, own, yh, lse = cache
+        qh, own, y, lse = cache
         xp, cp, comm = array_module(dy), self.cp, self.comm
         B, nh, Tl, hs = qh.shape
         C, nkv = nh * hs, own.shape[2]
@@ -94,7 +96,7 @@ class Ring(ContextSplit):
         if out is None:
             out = xp.empty_like(dy, shape=(B, Tl, C + 2 * K))
         dyh = xp.ascontiguousarray(split_heads(dy, nh))                            # (B, NH, Tl, hs)
-        D = (dyh * yh).sum(axis=-1)                                                 # (B, NH, Tl) rowsum(dy * y)
+        D = (dyh * split_heads(y, nh)).sum(axis=-1)                                 # (B, NH, Tl) rowsum(dy * y)
         dqh = xp.zeros_like(qh)
         sending = None
         for i, (owner, kv) in enumerate(self.around(own, TAG_KV_BACK)):           # block of rank r - i

@@ -137,7 +137,8 @@ def attention_cache_bytes(cp, scheme, b, T, C, NH, tp, s, attention="materialize
         cp = 1, materialized (hsgd.model.ops)   q, k, v by heads 3 N C/tp, the probabilities b NH/tp T^2
         cp = 1, flash (hsgd.model.flash)        q, k, v by heads 3 N C/tp, and lse b NH/tp T; no probabilities (and
                                                 y, which the output projection keeps as its input: counted there)
-        ring                q, y by heads 2 N C/tp, own (k, v) 2 N kv, and lse b NH/tp Tl; no probabilities
+        ring                q by heads N C/tp, own (k, v) 2 N kv, and lse b NH/tp Tl; no probabilities (and y, as
+                            flash's: counted with the projection's input)
         allgather           q N C/tp, the gathered k and v 2 b T kv, the probabilities b NH/tp Tl T
     (attention, --attention, only says which cp = 1 takes.) With cp = 1 the kv heads are repeated to the NH/tp query
     heads before the attention (hsgd.tp.attention.grouped_forward), and its cache holds them so: C/tp wide."""
@@ -150,7 +151,7 @@ def attention_cache_bytes(cp, scheme, b, T, C, NH, tp, s, attention="materialize
         P = b * nh * T * T * s
         return 3 * N * c * s + P, P
     if scheme == "ring":
-        return 2 * N * c * s + 2 * N * kv * s + b * nh * Tl * s, 0
+        return N * c * s + 2 * N * kv * s + b * nh * Tl * s, 0
     P = b * nh * Tl * T * s
     return N * c * s + 2 * b * T * kv * s + P, P
 

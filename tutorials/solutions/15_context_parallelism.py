@@ -246,7 +246,7 @@ def exercise_4(check):
     def block(T_, cp_=cpn, scheme="ring"):
         return activation_formula(dataclasses.replace(big, seq_len=T_), 1, s, 1, "megatron", cp_, scheme)["block"]
 
-    alpha = Fraction(s * (9 * Cb + 2 + 2 * F + NH), cpn)      # ring: s N_l (5C + 2 + 2F) + s (4 N_l C + NH T_l)
+    alpha = Fraction(s * (8 * Cb + 2 + 2 * F + NH), cpn)      # ring: s N_l (5C + 2 + 2F) + s (3 N_l C + NH T_l)
     beta = Fraction(s * (6 * Cb + 2 + 2 * F), cpn) + 2 * s * Cb    # all-gather: + s (N_l C + 2 T C) ...
     gamma = Fraction(s * NH, cpn)                                    # ... + s NH T_l T
     Ts = [16 * i for i in range(1, 200)]
@@ -256,7 +256,7 @@ def exercise_4(check):
     t_star = (2 * alpha - beta) / gamma                       # all-gather >= 2 ring from here on
     closed = -(-t_star.numerator // (t_star.denominator * 2 * cpn)) * 2 * cpn   # the next multiple of 2cp
     search = next(T_ for T_ in Ts if block(T_, scheme="allgather") >= 2 * block(T_))
-    check.say(f"  all-gather >= 2 x ring from T = (12C + 2 + 2F + 2NH - 2C cp)/NH = {float(t_star):.2f}: "
+    check.say(f"  all-gather >= 2 x ring from T = (10C + 2 + 2F + 2NH - 2C cp)/NH = {float(t_star):.2f}: "
               f"the first multiple of 2cp is {closed}")
     check.equal("the crossover T: closed form == search over activation_formula", closed, search)
     one = (8 * Cb + 2 + 2 * F) / NH                           # s NH T^2 > s (8TC + 2T + 2TF) from here on
