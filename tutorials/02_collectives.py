@@ -798,27 +798,27 @@ say(f"break-even: below about {t_ar / per_token:.0f} tokens per rank, this layer
 checked = Comm(world, "world", CommStats(), check=True)
 y = np.ones(3)                                                    # (3,)
 ys = np.empty((P, 3))                                             # (P, 3)
-try:
-    if rank == 0:
-        checked.Allreduce(y)                                      # the planted bug: rank 0 sums ...
-    else:
-        checked.Allgather(y, ys)                                  # ... while the others gather
-    caught = ""
-except CollectiveMismatch as e:
-    caught = str(e)
-messages = world.allgather(caught)                                # what each rank saw
+
+
+def raised(call):
+    """call() on every rank; what each rank's CollectiveMismatch said ("" where none was raised), gathered."""
+    try:
+        call()
+        caught = ""
+    except CollectiveMismatch as e:
+        caught = str(e)
+    return world.allgather(caught)                                # what each rank saw
+
+
+messages = raised(lambda: checked.Allreduce(y) if rank == 0       # the planted bug: rank 0 sums ...
+                  else checked.Allgather(y, ys))                  # ... while the others gather
 say(f"every rank raised:\n  {messages[0]}")
 check.holds("wrong collective: every rank raised CollectiveMismatch", all(messages))
 check.holds("the message names rank 0's Allreduce and ranks 1-3's Allgather",
             all("rank 0: Allreduce" in m and "ranks 1,2,3: Allgather" in m for m in messages))
 
 z = np.ones(4 if rank != 3 else 5)                                # the planted bug: rank 3's buffer is longer
-try:
-    checked.Allreduce(z)
-    caught = ""
-except CollectiveMismatch as e:
-    caught = str(e)
-messages = world.allgather(caught)
+messages = raised(lambda: checked.Allreduce(z))
 say(f"every rank raised:\n  {messages[0]}")
 check.holds("wrong shape: every rank raised, naming rank 3's (5,)",
             all("rank 3: Allreduce shapes=[(5,)]" in m for m in messages))
@@ -1079,12 +1079,7 @@ say(f"(section 5's Alltoall line, p = 2, fitted within {max(abs(d) for d in devi
 wrong = routes[:, rank].copy()                                    # (P,) my column of M ...
 if rank == 3:
     wrong[0] += 1                                                 # ... but rank 3 expects 2 rows from rank 0
-try:
-    checked.Alltoallv(xs, send_counts, np.empty((int(wrong.sum()), WIDTH)), wrong)
-    caught = ""
-except CollectiveMismatch as e:
-    caught = str(e)
-messages = world.allgather(caught)
+messages = raised(lambda: checked.Alltoallv(xs, send_counts, np.empty((int(wrong.sum()), WIDTH)), wrong))
 say(f"every rank raised:\n  {messages[0]}")
 check.holds("wrong counts: every rank raised, naming ranks 0 and 3's counts",
             all("rank 0's send_counts[3] = 1 but rank 3's recv_counts[0] = 2" in m for m in messages))

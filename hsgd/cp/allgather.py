@@ -7,7 +7,8 @@ the backward pass Reduce-Scatter dk, dv back to their owners. Two collectives pe
 the rank holds all T keys and values and the (T/cp x T) probabilities, and computes the masked blocks too.
 
 With grouped-query attention the rank's NKV/tp kv heads are gathered (and their gradients reduce-scattered) as they
-are, and repeated to the NH/tp query heads only for the products (hsgd.cp.ring.repeat_heads, sum_heads).
+are, and repeated to the NH/tp query heads only for the products (hsgd.model.llama_layers.repeat_kv_forward, and
+its adjoint for dk, dv).
 
 The layout of the positions and what both cp schemes share: hsgd.cp.split. Legend as there and in hsgd.cp.ring.
 """
@@ -16,9 +17,9 @@ import math
 import numpy as np
 
 from hsgd.model.backend import array_module
-from hsgd.cp.ring import repeat_heads, sum_heads
 from hsgd.cp.split import ContextSplit, positions
 from hsgd.model.layers import merge_heads, split_heads
+from hsgd.model.llama_layers import repeat_kv_backward, repeat_kv_forward
 
 
 class AllGather(ContextSplit):
@@ -51,13 +52,13 @@ class AllGather(ContextSplit):
         K = kv[:, 0].transpose(1, 2, 0, 3, 4).reshape(B, nkv, cp * Tl, hs)          # (B, NKV, T, hs) by rank
         V = kv[:, 1].transpose(1, 2, 0, 3, 4).reshape(B, nkv, cp * Tl, hs)
         with self.span("attention (all keys)"):
-            s = qh @ repeat_heads(K, n_rep).transpose(0, 1, 3, 2)                  # (B, NH, Tl, T)
+            s = qh @ repeat_kv_forward(K, n_rep)[0].transpose(0, 1, 3, 2)           # (B, NH, Tl, T)
             s += self.mask
             self.work["forward"] += s.shape[-2] * s.shape[-1]
             s -= s.max(axis=-1, keepdims=True)
             P = xp.exp(s)
             P /= P.sum(axis=-1, keepdims=True)
-            yh = P @ repeat_heads(V, n_rep)
+            yh = P @ repeat_kv_forward(V, n_rep)[0]
         return merge_heads(yh), (qh, K, V, P)
 
     def attention_backward(self, dy, cache, out=None):
@@ -71,12 +72,12 @@ class AllGather(ContextSplit):
         dyh = xp.ascontiguousarray(split_heads(dy, nh))
         with self.span("attention (all keys, backward)"):
             self.work["backward"] += P.shape[-2] * P.shape[-1]
-            dP = dyh @ repeat_heads(V, n_rep).transpose(0, 1, 3, 2)                 # (B, NH, Tl, T)
+            dP = dyh @ repeat_kv_forward(V, n_rep)[0].transpose(0, 1, 3, 2)                 # (B, NH, Tl, T)
             dS = P * (dP - (dP * P).sum(axis=-1, keepdims=True))
-            dq = dS @ repeat_heads(K, n_rep) * (1.0 / math.sqrt(hs))                 # (B, NH, Tl, hs)
+            dq = dS @ repeat_kv_forward(K, n_rep)[0] * (1.0 / math.sqrt(hs))                 # (B, NH, Tl, hs)
             dkv = xp.empty_like(qh, shape=(cp, 2, B, nkv, Tl, hs))                   # partial, by owner
-            dK = sum_heads(dS.transpose(0, 1, 3, 2) @ qh, n_rep)                      # (B, NKV, T, hs)
-            dV = sum_heads(P.transpose(0, 1, 3, 2) @ dyh, n_rep)
+            dK = repeat_kv_backward(dS.transpose(0, 1, 3, 2) @ qh, n_rep)                      # (B, NKV, T, hs)
+            dV = repeat_kv_backward(P.transpose(0, 1, 3, 2) @ dyh, n_rep)
             dkv[:, 0] = dK.reshape(B, nkv, cp, Tl, hs).transpose(2, 0, 1, 3, 4)
             dkv[:, 1] = dV.reshape(B, nkv, cp, Tl, hs).transpose(2, 0, 1, 3, 4)
         mine = xp.empty_like(dkv[0])

@@ -31,19 +31,9 @@ from hsgd.model import flash
 from hsgd.model.backend import array_module
 from hsgd.cp.split import ContextSplit
 from hsgd.model.layers import merge_heads, split_heads
+from hsgd.model.llama_layers import repeat_kv_backward, repeat_kv_forward
 
 TAG_KV, TAG_KV_BACK, TAG_DKV = 0, 1, 2          # forward (k, v); backward (k, v); backward (dk, dv)
-
-
-def repeat_heads(kh, n_rep):
-    """(B, NKV, n, hs) -> (B, NKV n_rep, n, hs): each kv head n_rep times in a row (a copy; kh itself if n_rep = 1)."""
-    return kh if n_rep == 1 else array_module(kh).repeat(kh, n_rep, axis=1)
-
-
-def sum_heads(dh, n_rep):
-    """repeat_heads' adjoint: (B, NKV n_rep, n, hs) -> (B, NKV, n, hs), the sum over each group of n_rep heads."""
-    B, nh, n, hs = dh.shape
-    return dh if n_rep == 1 else dh.reshape(B, nh // n_rep, n_rep, n, hs).sum(axis=2)
 
 
 class Ring(ContextSplit):
@@ -63,9 +53,10 @@ class Ring(ContextSplit):
         for owner, kv in self.around(own, TAG_KV):                                 # block of rank r - i
             with self.span("attention block", owner=owner):
                 for sq, sk, mask in self.pairs(owner):
-                    s = flash.scores(qh[:, :, sq], repeat_heads(kv[0][:, :, sk], n_rep), mask)   # (B, NH, nq, nk)
+                    kb, vb = (repeat_kv_forward(a[:, :, sk], n_rep)[0] for a in kv)         # (B, NH, nk, hs)
+                    s = flash.scores(qh[:, :, sq], kb, mask)                        # (B, NH, nq, nk)
                     self.work["forward"] += s.shape[-2] * s.shape[-1]
-                    flash.merge(s, repeat_heads(kv[1][:, :, sk], n_rep), m[:, :, sq], l[:, :, sq], o[:, :, sq])
+                    flash.merge(s, vb, m[:, :, sq], l[:, :, sq], o[:, :, sq])
         yh, lse = flash.finish(m, l, o)                                             # (B, NH, Tl, hs), (B, NH, Tl)
         y = merge_heads(yh)                                                         # (B, Tl, C) the one copy kept:
         return y, (qh, own, y, lse)                                                 # the projection keeps it too
@@ -108,15 +99,15 @@ class Ring(ContextSplit):
             with self.span("attention block (backward)", owner=owner):
                 for sq, sk, mask in self.pairs(owner):                              # my queries, owner's keys
                     qb = qh[:, :, sq]                                               # (B, NH, nq, hs)
-                    kb, vb = (repeat_heads(a[:, :, sk], n_rep) for a in kv)         # (B, NH, nk, hs)
+                    kb, vb = (repeat_kv_forward(a[:, :, sk], n_rep)[0] for a in kv)         # (B, NH, nk, hs)
                     s = flash.scores(qb, kb, mask)                                  # (B, NH, nq, nk)
                     self.work["backward"] += s.shape[-2] * s.shape[-1]
                     dkb, dvb = (mine[i][:, :, sk] if n_rep == 1 else xp.zeros_like(kb) for i in (0, 1))
                     flash.block_grads(s, qb, kb, vb, dyh[:, :, sq], lse[:, :, sq], D[:, :, sq],
                                       dqh[:, :, sq], dkb, dvb)                      # dq; dk_b, dv_b
                     if n_rep > 1:                                                   # the group's sum: kv heads
-                        mine[0][:, :, sk] += sum_heads(dkb, n_rep)
-                        mine[1][:, :, sk] += sum_heads(dvb, n_rep)
+                        mine[0][:, :, sk] += repeat_kv_backward(dkb, n_rep)
+                        mine[1][:, :, sk] += repeat_kv_backward(dvb, n_rep)
             if acc_in is not None:
                 receiving.Wait()
                 mine += acc_in

@@ -293,39 +293,36 @@ class Comm:
         b, done = self._buf(x)
         return Request(self.comm.Iallreduce(MPI.IN_PLACE, b, op=op), self, "Iallreduce", x.nbytes, t0, done)
 
+    def _exchange(self, op, send, recv, nbytes, call, alone):
+        """A blocking collective from a send buffer into a receive buffer: call(s, r) on the buffers MPI gets
+        (_buf: staged through the host where needed), or alone() on a one-rank communicator (a copy, no MPI);
+        either way recorded as op with payload nbytes. Returns recv."""
+        t0 = time.perf_counter()
+        if self.size == 1:
+            alone()
+        else:
+            s, sent = self._buf(send, "send")
+            r, received = self._buf(recv, "recv")
+            call(s, r)
+            sent()
+            received()
+        self._record(op, nbytes, t0)
+        return recv
+
     def Allgather(self, part, out):
         """out[r] <- `part` of rank r. out has shape (size, *part.shape)."""
         self._verify("Allgather", part, out)
         assert out.shape == (self.size, *part.shape), (out.shape, part.shape)
-        t0 = time.perf_counter()
-        if self.size == 1:
-            out[0] = part
-            self._record("Allgather", out.nbytes, t0)
-            return out
-        s, sent = self._buf(part, "send")
-        r, received = self._buf(out, "recv")
-        self.comm.Allgather(s, r)
-        sent()
-        received()
-        self._record("Allgather", out.nbytes, t0)
-        return out
+        return self._exchange("Allgather", part, out, out.nbytes, self.comm.Allgather,
+                              lambda: out.__setitem__(0, part))
 
     def Reduce_scatter_block(self, full, out, op=MPI.SUM):
         """out <- (op over ranks of full)[rank]. full has shape (size, *out.shape)."""
         self._verify("Reduce_scatter_block", full, out)
         assert full.shape == (self.size, *out.shape), (full.shape, out.shape)
-        t0 = time.perf_counter()
-        if self.size == 1:
-            out[...] = full[0]
-            self._record("Reduce_scatter_block", full.nbytes, t0)
-            return out
-        s, sent = self._buf(full, "send")
-        r, received = self._buf(out, "recv")
-        self.comm.Reduce_scatter_block(s, r, op=op)
-        sent()
-        received()
-        self._record("Reduce_scatter_block", full.nbytes, t0)
-        return out
+        return self._exchange("Reduce_scatter_block", full, out, full.nbytes,
+                              lambda s, r: self.comm.Reduce_scatter_block(s, r, op=op),
+                              lambda: out.__setitem__(Ellipsis, full[0]))
 
     def Ireduce_scatter_block(self, full, out, op=MPI.SUM):
         """Start out <- (op over ranks of full)[rank]; returns a Request whose Wait() completes it (neither
@@ -353,18 +350,8 @@ class Comm:
         if send.shape != recv.shape or send.shape[0] % self.size:
             raise ValueError(f"{self.name}: Alltoall needs send and recv of one shape (n, ...) with n a multiple of "
                              f"{self.size} (got {send.shape} and {recv.shape}); use Alltoallv for uneven blocks")
-        t0 = time.perf_counter()
-        if self.size == 1:
-            recv[...] = send
-            self._record("Alltoall", send.nbytes, t0)
-            return recv
-        s, sent = self._buf(send, "send")
-        r, received = self._buf(recv, "recv")
-        self.comm.Alltoall(s, r)
-        sent()
-        received()
-        self._record("Alltoall", send.nbytes, t0)
-        return recv
+        return self._exchange("Alltoall", send, recv, send.nbytes, self.comm.Alltoall,
+                              lambda: recv.__setitem__(Ellipsis, send))
 
     def Alltoallv(self, send, send_counts, recv, recv_counts):
         """The all-to-all with rows counted: send_counts[j] rows of send go to rank j (send's rows in rank order:
@@ -388,22 +375,13 @@ class Comm:
             raise ValueError(f"{self.name}: Alltoallv needs {self.size} counts >= 0 each, send of sum(send_counts) "
                              f"rows and recv of sum(recv_counts) rows of one shape (got send {send.shape}, counts "
                              f"{send_counts}; recv {recv.shape}, counts {recv_counts})")
-        t0 = time.perf_counter()
-        if self.size == 1:
-            recv[...] = send
-            self._record("Alltoallv", send.nbytes, t0)
-            return recv
         row = int(np.prod(send.shape[1:], dtype=np.int64))     # elements per row: MPI counts elements
         s_counts, r_counts = [c * row for c in send_counts], [c * row for c in recv_counts]
         s_displs = [0, *np.cumsum(s_counts[:-1]).tolist()]     # where the rows for rank j start
         r_displs = [0, *np.cumsum(r_counts[:-1]).tolist()]
-        s, sent = self._buf(send, "send")
-        r, received = self._buf(recv, "recv")
-        self.comm.Alltoallv([s, (s_counts, s_displs)], [r, (r_counts, r_displs)])
-        sent()
-        received()
-        self._record("Alltoallv", send.nbytes, t0)
-        return recv
+        return self._exchange("Alltoallv", send, recv, send.nbytes,
+                              lambda s, r: self.comm.Alltoallv([s, (s_counts, s_displs)], [r, (r_counts, r_displs)]),
+                              lambda: recv.__setitem__(Ellipsis, send))
 
     def Bcast(self, x, root=0):
         self._verify("Bcast", x)

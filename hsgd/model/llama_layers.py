@@ -195,15 +195,19 @@ def swiglu_mlp_backward(dout, cache, dW_gate, dW_up, dW_down):
 def repeat_kv_forward(k, n_rep):
     """(B, NKV, T, hs) -> (B, NKV*n_rep, T, hs): each key/value head repeated n_rep times in a row, so that query
     head j reads key/value head j // n_rep (Hugging Face's repeat_kv; n_rep = NH is multi-query attention, n_rep = 1
-    plain multi-head attention). The cache is n_rep."""
+    plain multi-head attention: k itself, no copy). The cache is n_rep."""
+    if n_rep == 1:
+        return k, 1
     xp = array_module(k)
     return xp.repeat(k, n_rep, axis=1), n_rep                 # (B, NH, T, hs)
 
 
 def repeat_kv_backward(dout, cache):
     """The adjoint of the repeat: a key/value head was read by n_rep query heads, so its gradient is the sum of
-    theirs, dk[:, g] = sum_{r < n_rep} dout[:, g*n_rep + r]."""
+    theirs, dk[:, g] = sum_{r < n_rep} dout[:, g*n_rep + r] (dout itself for n_rep = 1)."""
     n_rep = cache
+    if n_rep == 1:
+        return dout
     B, NH, T, hs = dout.shape
     return dout.reshape(B, NH // n_rep, n_rep, T, hs).sum(axis=2)             # (B, NKV, T, hs)
 

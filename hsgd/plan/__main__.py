@@ -26,7 +26,7 @@ from hsgd.errors import UsageError
 from hsgd.files import writable_file
 from hsgd.readers import printable
 from . import flags
-from .family import describe, is_gpt2
+from .family import is_gpt2
 from .hardware import load, names
 from .models import parse_model, presets
 from .search import HEADROOM, SCHEDULES, check_search, rank_key, rate_of, search
@@ -192,7 +192,7 @@ def plan(args, say=print):
         f"T={cfg.seq_len}, {cfg.n_params() / 1e9:.4g} B parameters, {cfg.step_flops(batch) / 1e12:.4g} TFLOP per "
         f"step of {batch} sequences (without recomputation)")
     if not is_gpt2(cfg) or cfg.arch != "gpt2":
-        say(f"family: {describe(cfg)}")
+        say(f"family: {cfg.describe_family()}")
     where = args.hw if args.hw in names() else hw.source
     say(f"hardware: {printable(hw.name)} ({printable(where)}); {args.devices} devices, {hw.devices_per_node} per "
         f"node, {gb(hw.memory_bytes)} each; matmuls at {rate / 1e12:.4g} TFLOP/s in {dtype}"

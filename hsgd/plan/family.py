@@ -27,11 +27,6 @@ def is_gpt2(cfg):
     return cfg.family() == ModelConfig(n_heads=cfg.n_heads, d_model=cfg.d_model).family()
 
 
-def describe(cfg):
-    """The family in words (ModelConfig.describe_family)."""
-    return cfg.describe_family()
-
-
 def param_formula(L, C, F, V, T, K, m=2, n=2, b=1, learned=1, untied=1):
     """The module docstring's P: plain arithmetic, so that it also takes sympy symbols (tests/test_plan_llama.py).
     m: the MLP's C x F matrices (2 GELU, 3 SwiGLU); n: a norm's vectors (2 LayerNorm, 1 RMSNorm); b, learned,
