@@ -205,6 +205,26 @@ def tied_parts(dump, params):
              g["lm_head.weight"].T)]
 
 
+def structure_tolerance(dtype, tol, R, floor2):
+    """How close a wrong gradient must come to a candidate for classify to name it: the dtype's STRUCTURE, or
+    twice the tolerance; in bfloat16 and float16 twice the band, which is relative to max(||R||, floor2)."""
+    if dtype not in LOW:
+        return STRUCTURE.get(dtype, None) or 2 * tol
+    norm = float(np.linalg.norm(R))
+    return 2 * tol * max(norm, floor2) / max(norm, 1e-300)
+
+
+def other_gradients(dump, params, grads0, t, name):
+    """[(class, detail, gradient)] the system may have given in name's place: a part fused beside it in t with its
+    shape ("swapped"), and with a tied head wte's two parts alone ("part missing")."""
+    others = [("swapped", f"G is {o}'s gradient, fused beside it in {t.name}: the parts are in another order than "
+                          f"layout.json's fused.parts", grads0[o])
+              for o in t.parts if o != name and grads0[o].shape == grads0[name].shape]
+    if name == "wte" and dump.cfg.tied:
+        others += tied_parts(dump, params)
+    return others
+
+
 def check(dump, draws=3):
     """The verdict: (ok, loss row, rows) with rows [dict per reference parameter]."""
     params = dump.reference_params()
@@ -249,21 +269,13 @@ def check(dump, draws=3):
                 row["detail"] = (f"{err:.1e}: over float64's {TOLERANCE['float64'][1]:.0e}, within {dump.dtype}'s "
                                  f"{tol:.1e}")
             if not ok:
-                structure = STRUCTURE.get(dump.dtype, None) or 2 * tol
-                if low:                                      # the band is relative to max(||R||, floor2)
-                    structure = 2 * tol * max(float(np.linalg.norm(R)), floor2) / max(float(np.linalg.norm(R)),
-                                                                                       1e-300)
+                structure = structure_tolerance(dump.dtype, tol, R, floor2)
                 if len(t.parts) > 1 and t.name not in relayouts:         # (once per fused tensor)
                     relayouts[t.name] = relaid(t, copies[0], grads0, structure, dump.cfg, p["tp"])
                 found = relayouts.get(t.name)
                 if found is None:
-                    others = [("swapped", f"G is {o}'s gradient, fused beside it in {t.name}: the parts are in "
-                                          f"another order than layout.json's fused.parts", grads0[o])
-                              for o in t.parts if o != name and grads0[o].shape == R.shape]
-                    if name == "wte" and dump.cfg.tied:
-                        others += tied_parts(dump, params)
                     found = classify(name, mine, R, structure, names, hs, labels, pad if pad > pad_limit else 0.0,
-                                     floor2, shard_blocks(t), others)
+                                     floor2, shard_blocks(t), other_gradients(dump, params, grads0, t, name))
                 row["class"], row["detail"] = found
             rows[name] = row
     ordered = [rows[n] for n in dump.cfg.param_shapes()]

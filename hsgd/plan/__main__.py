@@ -169,13 +169,9 @@ def to_json(e):
             "mfu": e.mfu, "tflops_per_device": e.tflops}
 
 
-def plan(args, say=print):
-    """The planner's work for parsed args; returns the exit code."""
-    cfg = parse_model(args.model)
-    hw = load(args.hw)
-    dtype = args.dtype or ("float32" if args.impl == "hsgd" else "bfloat16")
-    batch = args.batch
-    check_search(cfg, batch, args.devices)                             # the stated maxima, before any work
+def check_options(args):
+    """Refuse the options no search can use (PlanError, one line); returns the attention to price: --attention, or
+    flash for --impl megatron and materialized for hsgd."""
     if args.efficiency is not None and not 0 < args.efficiency <= 1:
         raise PlanError(f"--efficiency {args.efficiency} must be in (0, 1], e.g. 0.5")
     if not 0 <= args.headroom < 1:
@@ -184,6 +180,43 @@ def plan(args, say=print):
     if args.impl == "hsgd" and attention == "flash":
         raise PlanError("--impl hsgd prices hsgd.train's memory, whose attention keeps its softmax; use --attention "
                         "materialized, or --impl megatron for flash attention")
+    return attention
+
+
+def nothing_found(cfg, args, tried, usable, memory, attention):
+    """The PlanError when no layout is left: none splits the model (tried = 0), or none fits in `usable` bytes."""
+    batch = args.batch
+    if not tried:
+        cp = (f", seq_len={cfg.seq_len} divide by 2 cp (and by tp cp with sequence parallelism)"
+              if args.cp and max(args.cp) > 1 else "")
+        kv = f", and divide n_kv_heads={cfg.n_kv_heads} or be a multiple of it" if cfg.n_kv_heads < cfg.n_heads \
+            else ""
+        return PlanError(f"no layout of {args.devices} devices splits this model and batch {batch}: tp must divide "
+                         f"n_heads={cfg.n_heads} and d_ff={cfg.d_ff}{kv}, dp the batch, pp <= L={cfg.n_layers}"
+                         f"{cp}; change --devices or --batch, or widen --tp/--pp" + ("/--cp" if cp else ""))
+    return PlanError(f"nothing fits in {gb(usable)} per device ({gb(memory)} less {args.headroom:.0%} headroom; "
+                     f"{tried} layouts tried): use more devices, a smaller --batch or --micro-batch 1, or allow "
+                     "--zero 1,2,3 and --recompute full" + (", or --attention flash" if attention != "flash" else ""))
+
+
+def say_flags(cfg, layout, batch, dtype, say):
+    """The flags of Megatron-LM and the keys of torchtitan that set up `layout` (hsgd.plan.flags)."""
+    say(f"\nto run layout 1 ({layout.name()}) with Megatron-LM:")
+    for line in flags.megatron(cfg, layout, batch, dtype):
+        say("    " + line)
+    say("with torchtitan (its TOML job file):")
+    for line in flags.torchtitan(cfg, layout, batch):
+        say("    " + line)
+
+
+def plan(args, say=print):
+    """The planner's work for parsed args; returns the exit code."""
+    cfg = parse_model(args.model)
+    hw = load(args.hw)
+    dtype = args.dtype or ("float32" if args.impl == "hsgd" else "bfloat16")
+    batch = args.batch
+    check_search(cfg, batch, args.devices)                             # the stated maxima, before any work
+    attention = check_options(args)
     if args.json:
         writable_file(args.json, "--json", PlanError)
     eff = args.efficiency if args.efficiency is not None else (hw.efficiency or 0.5)
@@ -209,19 +242,7 @@ def plan(args, say=print):
         "; dropped: " + "; ".join(f"{n} x {why}" for why, n in sorted(dropped.items(), key=lambda x: -x[1])[:4])
         if dropped else ""))
     if not found:
-        if not tried:
-            cp = (f", seq_len={cfg.seq_len} divide by 2 cp (and by tp cp with sequence parallelism)"
-                  if args.cp and max(args.cp) > 1 else "")
-            kv = f", and divide n_kv_heads={cfg.n_kv_heads} or be a multiple of it" if cfg.n_kv_heads < cfg.n_heads \
-                else ""
-            raise PlanError(f"no layout of {args.devices} devices splits this model and batch {batch}: tp must "
-                            f"divide n_heads={cfg.n_heads} and d_ff={cfg.d_ff}{kv}, dp the batch, pp <= "
-                            f"L={cfg.n_layers}"
-                            f"{cp}; change --devices or --batch, or widen --tp/--pp" + ("/--cp" if cp else ""))
-        raise PlanError(f"nothing fits in {gb(usable)} per device ({gb(hw.memory_bytes)} less {args.headroom:.0%} "
-                        f"headroom; {tried} layouts tried): use more devices, a smaller --batch or --micro-batch 1, "
-                        "or allow --zero 1,2,3 and --recompute full" + (", or --attention flash"
-                                                                          if attention != "flash" else ""))
+        raise nothing_found(cfg, args, tried, usable, hw.memory_bytes, attention)
     from .search import evaluate                       # the printed ones priced again, with the simulator
     shown = sorted((evaluate(cfg, batch, e.layout, hw, args.impl, dtype, eff, explain=args.explain,
                              optimizer=args.optimizer, headroom=args.headroom) for e in found[:args.top]),
@@ -235,13 +256,7 @@ def plan(args, say=print):
         say(f"\n{i + 1}. {e.layout.name()}")
         report(e, say, args.explain)
     if args.impl == "megatron":
-        best = shown[0].layout
-        say(f"\nto run layout 1 ({best.name()}) with Megatron-LM:")
-        for line in flags.megatron(cfg, best, batch, dtype):
-            say("    " + line)
-        say("with torchtitan (its TOML job file):")
-        for line in flags.torchtitan(cfg, best, batch):
-            say("    " + line)
+        say_flags(cfg, shown[0].layout, batch, dtype, say)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": cfg.__dict__, "batch": batch, "devices": args.devices, "hardware": hw.name,
