@@ -16,6 +16,8 @@ test_package_map.py holds that), and each package's docstring lists its modules 
     hsgd.tp            tensor parallelism, the lecture's M workers of a group: split linears, heads, vocabulary,
                        the model written once for three schemes (chapters 5, 6)
     hsgd.cp            context parallelism: the sequence split over ranks, ring and all-gather attention (chapter 15)
+    hsgd.ep            expert parallelism: a MoE block's experts split over ranks folded out of dp x cp, tokens
+                       sent to them by all-to-all (chapter 19)
     hsgd.pp            pipeline parallelism: stages, micro-batches, schedules as data (chapters 9, 14)
     hsgd.dp            data parallelism, the lecture's G groups: the gradient exchange and its ways, ZeRO 1-3
                        (chapters 4, 8)

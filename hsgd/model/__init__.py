@@ -1,15 +1,18 @@
 """The model on one process: the GPT-2-style decoder every layout computes, its layers as forward/backward pairs,
 the serial reference every parallel run is checked against, and what one process needs around it. Chapter 1 (the
-serial SGD of the lecture's section 1), appendix A (where the time goes), chapter 16 (the number formats).
+serial SGD of the lecture's section 1), appendix A (where the time goes), chapter 16 (the number formats), chapter 19
+(experts).
 
     config      ModelConfig, the model's shape; `flag`, how a settings field becomes a command-line flag
     backend     the one place that picks NumPy or CuPy; device-to-host copies, counted
     threads     CPU threads for the kernels and the batch split; OpenBLAS's thread timeout
     layers      every layer as its plain formulas, a forward/backward pair each: the reference a reader checks
     llama_layers the Llama block's layers the same way: RMSNorm, rotary embedding, SwiGLU, grouped-query kv repeat
-                (checked alone; no model uses them yet)
     moe         the mixture-of-experts layer the same way: router, top-k gates, capacity and drops, experts, the
-                balancing losses and the selection bias (checked alone and against Mixtral; no model uses it yet)
+                z-loss and the selection bias (checked alone and against Mixtral's block)
+    balance     the load-balancing loss over a declared domain of tokens, over one block or many, and its share on
+                a rank
+    moe_pass    what one forward call's MoE blocks share: the balance loss, the rows routed together, the biases
     kernels     the same layers tuned (pieces, out=, threads, causal blocks), tested equal to them
     flash       attention that stores no scores: blocks, the online softmax, y and lse kept (FlashAttention);
                 ring attention's blocks (hsgd.cp.ring) use it

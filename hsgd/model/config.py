@@ -78,7 +78,7 @@ ARCHS = {
     "llama": dict(norm="rmsnorm", positions="rope", rope_theta=10000.0, mlp="swiglu", n_kv_heads="half", bias=False,
                   tied=False),
 }
-FAMILY = ("norm", "positions", "rope_theta", "mlp", "n_kv_heads", "bias", "tied")
+FAMILY = ("norm", "positions", "rope_theta", "mlp", "n_kv_heads", "bias", "tied", "moe_experts", "moe_every")
 SIZES = ("vocab_size", "seq_len", "d_model", "n_heads", "n_layers", "d_ff")
 
 
@@ -111,6 +111,34 @@ class ModelConfig:
                                  "multi-head; 1: multi-query)", shown="--arch's")
     bias: bool = flag(None, "biases on the linears (q, k, v, the projections, fc or gate and up)", shown="--arch's")
     tied: bool = flag(None, "the LM head is the token embedding transposed (no lm_head.weight)", shown="--arch's")
+    # mixture of experts (hsgd.model.moe, the layer; hsgd.model.balance, its auxiliary losses over their domain)
+    moe_experts: int = flag(0, "E: experts in place of the MLP of every MoE block (their MLP: --mlp, their biases: "
+                               "--bias); 0: dense blocks only")
+    moe_top_k: int = flag(2, "k: the experts each token is sent to, 1 <= k <= moe_experts")
+    moe_every: int = flag(1, "the MoE blocks: 0, n, 2n, ... (1: every block; Megatron-LM's --moe-layer-freq)")
+    moe_gates: str = flag("renormalized", "how the k chosen scores become gates\n"
+                          "renormalized: softmax over the experts, the k chosen rescaled to sum 1 (Mixtral; GShard's "
+                          "top-2)\nprobabilities: the softmax probabilities as they are (Switch, k = 1)\n"
+                          "sigmoid: sigmoid scores, the k chosen rescaled to sum 1 (DeepSeek-V3)",
+                          choices=("renormalized", "probabilities", "sigmoid"))
+    moe_capacity_factor: float = flag(None, "c: each expert takes ceil(c N k / E) of the N rows a rank routes at "
+                                            "once (a micro-batch's rows on one rank); slots beyond are dropped in "
+                                            "token order", shown="none: nothing dropped")
+    moe_balance: float = flag(0.01, "alpha of the load-balancing loss alpha E sum_i f_i P_i (Switch: 0.01; "
+                                    "uniform routing gives alpha); 0: none")
+    moe_balance_domain: str = flag("micro-batch", "the tokens f and P are counted over\n"
+                                   "micro-batch: the sequences one pipeline pass of a DP group carries (what the "
+                                   "loss changes with when micro-batches change)\n"
+                                   "sequence: each sequence alone (DeepSeek-V3's sequence-wise loss)\n"
+                                   "global: the whole global batch (one micro-batch per step)",
+                                   choices=("micro-batch", "sequence", "global"))
+    moe_balance_layers: str = flag("each", "each: every MoE block has its own loss, summed (Switch, Megatron-LM); "
+                                           "pooled: one f and one P over the rows of all MoE blocks (Hugging Face's "
+                                           "Mixtral)", choices=("each", "pooled"))
+    moe_z_loss: float = flag(0.0, "beta of the router z-loss beta mean(logsumexp(logits)^2) (ST-MoE: 0.001)")
+    moe_bias_rate: float = flag(0.0, "gamma of auxiliary-loss-free balancing: after each step every expert's "
+                                     "selection bias moves by gamma toward the mean load (DeepSeek-V3: 0.001); "
+                                     "0: off")
 
     def __post_init__(self):
         for name in SIZES:
@@ -149,6 +177,47 @@ class ModelConfig:
                               f"rotary positions turn a head's dimensions in pairs; use an even head size (e.g. "
                               f"n_heads in {[h for h in divisors(self.d_model) if (self.d_model // h) % 2 == 0][:8]})"
                               f" or --positions learned")
+        self.check_moe()
+
+    def check_moe(self):
+        """The mixture-of-experts fields: one line each that says what would work."""
+        check_nonnegative_int("moe_experts", self.moe_experts)
+        check_at_most("moe_experts", self.moe_experts, 4096, "give moe_experts from 0 (dense) to 4096")
+        check_positive_int("moe_every", self.moe_every)
+        check_positive_int("moe_top_k", self.moe_top_k)
+        if self.moe_experts and self.moe_top_k > self.moe_experts:
+            raise ConfigError(f"moe_top_k={self.moe_top_k} is above moe_experts={self.moe_experts}: a token picks k of "
+                              f"the E experts; use moe_top_k from 1 to {self.moe_experts}")
+        c = self.moe_capacity_factor
+        if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float)) or not 0 < c < 1e6):
+            raise ConfigError(f"moe_capacity_factor={c!r} must be a number above 0 (1.0: an even share each; 1.25 "
+                              f"is common), or not given: nothing dropped")
+        for name in ("moe_balance", "moe_z_loss", "moe_bias_rate"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1e6:
+                raise ConfigError(f"{name}={v!r} must be a number >= 0 (0: off)")
+        for name, choices in (("moe_gates", ("renormalized", "probabilities", "sigmoid")),
+                              ("moe_balance_domain", ("micro-batch", "sequence", "global")),
+                              ("moe_balance_layers", ("each", "pooled"))):
+            if getattr(self, name) not in choices:
+                raise ConfigError(f"{name}={getattr(self, name)!r} is not one hsgd has; use one of {list(choices)}")
+
+    def is_moe(self, i):
+        """Whether block i has experts in place of its MLP (blocks 0, n, 2n, ... with moe_every n)."""
+        return self.moe_experts > 0 and i % self.moe_every == 0
+
+    def moe_layers(self):
+        """The MoE blocks, ascending."""
+        return [i for i in range(self.n_layers) if self.is_moe(i)]
+
+    def moe_settings(self):
+        """The layer's MoESettings (hsgd.model.moe), or None for a dense model."""
+        if not self.moe_experts:
+            return None
+        from hsgd.model.moe import MoESettings
+        return MoESettings(experts=self.moe_experts, top_k=self.moe_top_k, mlp=self.mlp, gates=self.moe_gates,
+                           capacity_factor=self.moe_capacity_factor, balance_coef=self.moe_balance,
+                           z_coef=self.moe_z_loss)
 
     @property
     def head_size(self):
@@ -161,10 +230,15 @@ class ModelConfig:
         return self.n_kv_heads * self.head_size
 
     def describe_family(self):
-        """The family in words, e.g. 'llama: rmsnorm, rope (theta 500000), swiglu, NKV=8, no biases, untied'."""
+        """The family in words, e.g. 'llama: rmsnorm, rope (theta 500000), swiglu, NKV=8, no biases, untied' (and
+        ', 8 experts top-2 in every block' with experts)."""
         pos = f"rope (theta {self.rope_theta:g})" if self.positions == "rope" else "learned positions"
+        moe = ""
+        if self.moe_experts:
+            where = "every block" if self.moe_every == 1 else f"blocks 0, {self.moe_every}, ..."
+            moe = f", {self.moe_experts} experts top-{self.moe_top_k} in {where}"
         return (f"{self.arch}: {self.norm}, {pos}, {self.mlp}, NKV={self.n_kv_heads}, "
-                f"{'biases' if self.bias else 'no biases'}, {'tied' if self.tied else 'untied'}")
+                f"{'biases' if self.bias else 'no biases'}, {'tied' if self.tied else 'untied'}{moe}")
 
     def family(self):
         """The fields that make the block what it is (hsgd.checkpoint refuses a resume into another family)."""
@@ -174,7 +248,8 @@ class ModelConfig:
         """Every parameter's name and shape, in the canonical order. Weights are stored (in, out): y = x @ W + b.
         The family decides which exist: wpe with learned positions; LayerNorm biases with layernorm; the linears'
         biases with bias; mlp.fc with gelu, mlp.gate and mlp.up with swiglu; lm_head.weight unless tied. k and v
-        have NKV * hs columns."""
+        have NKV * hs columns. A MoE block (is_moe) has h.{i}.moe.router.weight (C, E) and each expert's MLP,
+        h.{i}.moe.experts.{e}.fc|gate|up|proj.*, in place of h.{i}.mlp.* (hsgd.model.moe.moe_param_shapes)."""
         V, T, C, F, K = self.vocab_size, self.seq_len, self.d_model, self.d_ff, self.kv_width
         shapes = {"wte": (V, C)}
         if self.positions == "learned":
@@ -198,6 +273,10 @@ class ModelConfig:
                 linear(h + f"attn.{m}", C, width)
             linear(h + "attn.proj", C, C)
             norm(h + "ln2")
+            if self.is_moe(i):                                     # the router and E experts in place of mlp.*
+                from hsgd.model.moe import moe_param_shapes
+                shapes.update(moe_param_shapes(h + "moe", C, F, self.moe_experts, self.mlp, bias))
+                continue
             for m in (("fc",) if self.mlp == "gelu" else ("gate", "up")):
                 linear(h + f"mlp.{m}", C, F)
             linear(h + "mlp.proj", F, C)
@@ -207,19 +286,40 @@ class ModelConfig:
         return shapes
 
     def n_params(self):
-        total = 0
-        for shape in self.param_shapes().values():
+        return sum(self.param_counts().values())
+
+    def n_active_params(self):
+        """The parameters one token's forward reads: n_params less the (E - k) experts it skips in each MoE block."""
+        if not self.moe_experts:
+            return self.n_params()
+        first = f"h.{self.moe_layers()[0]}.moe.experts.0."
+        per_expert = sum(n for name, n in self.param_counts().items() if name.startswith(first))
+        return self.n_params() - len(self.moe_layers()) * (self.moe_experts - self.moe_top_k) * per_expert
+
+    def param_counts(self):
+        """{name: elements} of every parameter."""
+        out = {}
+        for name, shape in self.param_shapes().items():
             n = 1
             for s in shape:
                 n *= s
-            total += n
-        return total
+            out[name] = n
+        return out
 
     def step_flops(self, batch_size, recompute="none"):
         """Floating-point operations of one training step (forward + backward) on B sequences of length T
-        (gpt_step_flops of this model's sizes and family; recompute: what --recompute runs again)."""
-        return gpt_step_flops(batch_size, self.seq_len, self.d_model, self.d_ff, self.vocab_size, self.n_layers,
-                              recompute, K=self.kv_width, mlp_mats=2 if self.mlp == "gelu" else 3)
+        (gpt_step_flops of this model's sizes and family; recompute: what --recompute runs again). A MoE block's
+        MLP term is its k active experts' (each token runs k expert MLPs) plus the router's 6 C E per token, the
+        dispatch's copies not counted; capacity drops are not subtracted."""
+        mats = 2 if self.mlp == "gelu" else 3
+        total = gpt_step_flops(batch_size, self.seq_len, self.d_model, self.d_ff, self.vocab_size, self.n_layers,
+                               recompute, K=self.kv_width, mlp_mats=mats)
+        n_moe, tokens = len(self.moe_layers()), batch_size * self.seq_len
+        if n_moe:                                                  # (k - 1) more MLPs per token, and the router
+            again = 2 if recompute == "full" else 0
+            total += n_moe * (6 + again) * tokens * ((self.moe_top_k - 1) * mats * self.d_model * self.d_ff
+                                                     + self.d_model * self.moe_experts)
+        return total
 
 
 def gpt_step_flops(B, T, C, F, V, L, recompute="none", K=None, mlp_mats=2):

@@ -29,10 +29,10 @@ The steps, for the N rows x (N, C) (the rows of a batch, B*T):
                is the gather by the inverse permutation inv (N*k,) (inv[perm[r]] = r; a dropped slot reads a row of
                zeros): y[n] = sum_j g[n, j] * out[inv[n*k + j]].
   4. aux       balance = alpha E mean_G sum_i f_Gi P_Gi over the token groups G of the domain (Switch's
-               load-balancing loss): f_Gi = (slots of G routed to i) / (|G| k), counted from the top-k choice before
-               any drop (as Megatron-LM and Hugging Face count), P_Gi = mean over G's tokens of the probability of i
-               (the softmax; for "sigmoid" the scores normalized over the E experts, DeepSeek-V3's sequence-wise
-               loss's). Uniform routing gives f = P = 1/E and balance = alpha. (Hugging Face's
+               load-balancing loss; hsgd.model.balance counts it over many blocks and ranks):
+               f_Gi = (slots of G routed to i) / (|G| k), counted from the top-k choice before any drop (as
+               Megatron-LM and Hugging Face count), P_Gi = mean over G's tokens of the probability of i (the
+               softmax; for "sigmoid" the scores normalized over the E experts, DeepSeek-V3's sequence-wise loss's). Uniform routing gives f = P = 1/E and balance = alpha. (Hugging Face's
                load_balancing_loss_func counts f per token, summing to k: k times this.)
                z = beta mean_n logsumexp(logits[n])^2 over all N rows (Zoph et al. 2022, "ST-MoE").
 
@@ -49,8 +49,8 @@ Parameter names, under a prefix ("moe" here; the model's blocks would use "h.{i}
     {prefix}.experts.{e}.fc.weight      (C, F) [+ .bias (F,)]                 gelu experts
     {prefix}.experts.{e}.gate.weight    (C, F), .up.weight (C, F) [+ biases]  swiglu experts
     {prefix}.experts.{e}.proj.weight    (F, C) [+ .bias (C,)]
-(moe_param_shapes lists them.) Left out: the wiring into the model and the layouts, expert parallelism, shared
-experts, router jitter noise, DeepSeek-V3's node-limited routing.
+(moe_param_shapes lists them.) The model's blocks use the layer through hsgd.model.serial (and its layouts through
+hsgd.tp.moe). Left out: shared experts, router jitter noise, DeepSeek-V3's node-limited routing.
 
 Legend: N rows, C d_model, E experts, k top-k, F expert width, S = N*k token-slots, S_kept the kept ones.
 
@@ -61,6 +61,7 @@ from dataclasses import dataclass
 
 from hsgd.errors import ConfigError
 from hsgd.model.backend import array_module, scatter_add
+from hsgd.model.balance import Balance, Domain
 from hsgd.model.layers import gelu_backward, gelu_forward, linear_backward, linear_forward
 from hsgd.model.llama_layers import sigmoid, swiglu_backward, swiglu_forward
 
@@ -189,6 +190,26 @@ def dispatch_indices(chosen, E, capacity):
     return perm, inv, load, xp.bincount(expert[perm], minlength=E)
 
 
+def dispatch_groups(chosen, E, settings, capacity_groups=None):
+    """dispatch_indices over the capacity groups (arrays of row indices, each routed together with its own capacity:
+    a rank's micro-batch in a layout; None: all rows one group): (perm, inv, load, kept) as dispatch_indices's, perm
+    holding the slots s = n*k + j of the call's rows, by expert, then by group, then by token within a group."""
+    xp = array_module(chosen)
+    N, k = chosen.shape
+    if capacity_groups is None:
+        return dispatch_indices(chosen, E, expert_capacity(N, settings))
+    slots, load = [], xp.zeros(E, dtype=xp.int64)
+    for G in capacity_groups:
+        perm_G, _, load_G, _ = dispatch_indices(chosen[G], E, expert_capacity(len(G), settings))
+        slots.append(G[perm_G // k] * k + perm_G % k)             # the group's kept slots, as the call's slots
+        load += load_G
+    kept_slots = xp.concatenate(slots)                            # (S_kept,) group by group, each by expert
+    perm = kept_slots[xp.argsort(chosen.reshape(-1)[kept_slots], kind="stable")]   # by expert, then as above
+    inv = xp.full(N * k, perm.shape[0], dtype=perm.dtype)
+    inv[perm] = xp.arange(perm.shape[0])
+    return perm, inv, load, xp.bincount(chosen.reshape(-1)[perm], minlength=E)
+
+
 # --------------------------------------------------------------------------------------------------------------
 # One expert: a GELU or SwiGLU MLP on its rows
 
@@ -223,30 +244,6 @@ def expert_backward(dout, cache, grads):
 # --------------------------------------------------------------------------------------------------------------
 # Auxiliary losses
 
-def balance_loss_forward(probs, chosen, groups, alpha):
-    """alpha E mean_G sum_i f_Gi P_Gi (module docstring, step 4); groups: a list of row-index arrays (the domain),
-    or None: all N rows one group. The cache holds each group's f."""
-    xp = array_module(probs)
-    N, E = probs.shape
-    k = chosen.shape[1]
-    groups = [xp.arange(N)] if groups is None else groups
-    fs, total = [], 0.0
-    for G in groups:
-        f = (xp.bincount(chosen[G].reshape(-1), minlength=E) / (len(G) * k)).astype(probs.dtype)   # (E,) f_G
-        total = total + f @ probs[G].mean(axis=0)             # sum_i f_Gi P_Gi
-        fs.append(f)
-    return alpha * E * total / len(groups), (groups, fs, alpha, probs)
-
-
-def balance_loss_backward(dloss, cache):
-    """dprobs[n, i] = dloss alpha E f_Gi / (|G| #groups) for n in G (f held constant: it is a count)."""
-    groups, fs, alpha, probs = cache
-    dprobs = array_module(probs).zeros_like(probs)           # (N, E)
-    for G, f in zip(groups, fs):
-        dprobs[G] += dloss * alpha * probs.shape[1] / len(groups) * f / len(G)              # (|G|, E)
-    return dprobs
-
-
 def z_loss_forward(logits, beta):
     """beta mean_n lse_n^2, lse_n = logsumexp(logits[n]) (ST-MoE's router z-loss)."""
     xp = array_module(logits)
@@ -272,18 +269,23 @@ def update_selection_bias(bias, load, gamma):
 # --------------------------------------------------------------------------------------------------------------
 # The layer
 
-def moe_forward(x, params, settings, prefix="moe", groups=None, selection_bias=None):
-    """y (x's shape), aux, cache. x: (..., C), flattened to N rows (groups index those rows). aux: "balance" and
-    "z" (the two losses, to be added to the model's loss), "load" (E,) slots per expert before drops, "kept" (E,)
-    after, "dropped" (slots), "capacity" (or None)."""
+def moe_forward(x, params, settings, prefix="moe", groups=None, selection_bias=None, capacity_groups=None,
+                balance=None):
+    """y (x's shape), aux, cache. x: (..., C), flattened to N rows (groups and capacity_groups index those rows).
+    aux: "balance" and "z" (the two losses, to be added to the model's loss), "load" (E,) slots per expert before
+    drops, "kept" (E,) after, "dropped" (slots), "capacity" (of one capacity group, or None).
+    The balance loss: over `groups` (row-index arrays; None: all rows one group), or, given balance (an
+    hsgd.model.balance.Balance shared by a model's MoE blocks), recorded there under `prefix` and aux["balance"]
+    None: the model calls balance.finish() after its last block. capacity_groups: the rows routed together, each
+    with its own capacity (dispatch_groups); None: all rows."""
     xp = array_module(x)
     C, E, k = x.shape[-1], settings.experts, settings.top_k
     x2 = x.reshape(-1, C)                                     # (N, C)
     N = x2.shape[0]
     (chosen, gates, probs, logits), c_router = router_forward(x2, params[prefix + ".router.weight"], settings,
                                                               selection_bias)
-    capacity = expert_capacity(N, settings)
-    perm, inv, load, kept = dispatch_indices(chosen, E, capacity)
+    perm, inv, load, kept = dispatch_groups(chosen, E, settings, capacity_groups)
+    capacity = expert_capacity(N if capacity_groups is None else len(capacity_groups[0]), settings)
     xs = x2[perm // k]                                        # (S_kept, C) dispatch: rows by expert
     bounds = [0] + [int(b) for b in xp.cumsum(kept)]          # expert e computes rows bounds[e]:bounds[e+1]
     outs, c_experts = [], []
@@ -294,10 +296,17 @@ def moe_forward(x, params, settings, prefix="moe", groups=None, selection_bias=N
     ys = xp.concatenate(outs + [xp.zeros((1, C), dtype=x2.dtype)])         # (S_kept + 1, C) and the zero row
     slot_out = ys[inv].reshape(N, k, C)                       # (N, k, C) combine: the inverse permutation
     y = (gates[:, :, None] * slot_out).sum(axis=1)            # (N, C)
-    balance, c_balance = balance_loss_forward(probs, chosen, groups, settings.balance_coef)
+    value = None
+    if balance is None:                                           # the layer alone: its groups, no communication
+        groups = [xp.arange(N)] if groups is None else groups
+        balance = Balance(settings.balance_coef, E, k, Domain(groups, [len(G) for G in groups], len(groups)))
+        balance.add(prefix, probs, chosen)
+        value = balance.finish()
+    else:
+        balance.add(prefix, probs, chosen)
     z, c_z = z_loss_forward(logits, settings.z_coef)
-    aux = dict(balance=balance, z=z, load=load, kept=kept, dropped=N * k - perm.shape[0], capacity=capacity)
-    cache = (x.shape, c_router, perm, gates, slot_out, bounds, c_experts, c_balance, c_z, prefix)
+    aux = dict(balance=value, z=z, load=load, kept=kept, dropped=N * k - perm.shape[0], capacity=capacity)
+    cache = (x.shape, c_router, perm, gates, slot_out, bounds, c_experts, balance, c_z, prefix)
     return y.reshape(x.shape), aux, cache
 
 
@@ -307,7 +316,7 @@ def moe_backward(dy, daux, cache, grads):
         dgates[n, j] = <dy[n], out_slot[n, j]>;  dslot[n, j] = g[n, j] dy[n];  dys = dslot[perm] (the adjoint of
         the gather by inv); each expert's backward; dx[perm[r] // k] += dxs[r] (the adjoint of the dispatch
         gather); the router's backward with the balance loss's dprobs and the z-loss's dlogits."""
-    shape, c_router, perm, gates, slot_out, bounds, c_experts, c_balance, c_z, prefix = cache
+    shape, c_router, perm, gates, slot_out, bounds, c_experts, balance, c_z, prefix = cache
     xp = array_module(dy)
     N, k, C = slot_out.shape
     dy2 = dy.reshape(N, C)                                    # (N, C)
@@ -318,7 +327,7 @@ def moe_backward(dy, daux, cache, grads):
                           for e, c in enumerate(c_experts)])  # (S_kept, C)
     dx = xp.zeros((N, C), dtype=dy.dtype)
     scatter_add(dx, perm // k, dxs)                           # each slot's gradient back to its token
-    dprobs = balance_loss_backward(daux["balance"], c_balance)              # (N, E)
+    dprobs = balance.dprobs(prefix, daux["balance"], N)       # (N, E) the balance loss's, f held constant
     dlogits = z_loss_backward(daux["z"], c_z)                 # (N, E)
     dx += router_backward(dgates, dprobs, dlogits, c_router, grads[prefix + ".router.weight"])
     return dx.reshape(shape)

@@ -34,6 +34,8 @@ import numpy as np
 from hsgd.model import layers, llama_layers
 from hsgd.model.backend import array_module, get_xp, resolve_dtype, scatter_add, to_device
 from hsgd.model.layers import cross_entropy_forward
+from hsgd.model.moe import update_selection_bias
+from hsgd.model.moe_pass import MoEPass, serial_pass
 from hsgd.model.threads import parallel_batches
 
 
@@ -43,8 +45,9 @@ def init_std(name, cfg):
         return None                                           # zeros
     if ".ln" in name or name.startswith("ln_f"):
         return None                                           # LayerNorm weights: ones
-    if name.endswith("attn.proj.weight") or name.endswith("mlp.proj.weight"):
-        return 0.02 / np.sqrt(2 * cfg.n_layers)               # residual projections, GPT-2 scaling
+    if name.endswith("attn.proj.weight") or name.endswith("mlp.proj.weight") or ".experts." in name and \
+            name.endswith("proj.weight"):
+        return 0.02 / np.sqrt(2 * cfg.n_layers)               # residual projections (an expert's too), GPT-2's
     return 0.02
 
 
@@ -99,9 +102,10 @@ def rope_tables(cfg, T, dtype, xp=np):
     return llama_layers.rope_angles(xp.arange(T), cfg.head_size, cfg.rope_theta, dtype)
 
 
-def block_forward(x, p, h, cfg, ops=layers, rope=None):
+def block_forward(x, p, h, cfg, ops=layers, rope=None, moe=None):
     """x + Attn(Norm1(x)), then + MLP(Norm2(x)). p: the params dict, h: the name prefix "h.{i}.", ops: the layer
-    functions (hsgd.model.layers, or hsgd.model.ops for the tuned kernels), rope: rope_tables (rotary positions).
+    functions (hsgd.model.layers, or hsgd.model.ops for the tuned kernels), rope: rope_tables (rotary positions),
+    moe: the call's MoEPass, which runs the MoE layer (hsgd.model.moe) in place of the MLP where p has h.{i}.moe.
 
     Attn: q = a Wq (+ bq) (B, T, C), k and v (B, T, NKV hs); with rotary positions q and k rotated by each row's
     position; each kv head repeated for its n_rep = NH/NKV query heads; causal attention; the projection.
@@ -123,6 +127,9 @@ def block_forward(x, p, h, cfg, ops=layers, rope=None):
     o, c_proj = ops.linear_forward(y, p[h + "attn.proj.weight"], b("attn.proj.bias"))
     x = x + o                                                                      # residual
     m, c_ln2 = norm_forward(x, p, h + "ln2", cfg, ops)                             # (B, T, C)
+    if h + "moe.router.weight" in p:                                               # experts in place of the MLP
+        o2, c_moe = moe.forward(m, p, h + "moe")                                   # (B, T, C)
+        return x + o2, (c_ln1, c_q, c_k, c_v, c_rope, c_rep, c_att, c_proj, c_ln2, None, None, ("moe", c_moe))
     if cfg.mlp == "gelu":
         f, c_fc = ops.linear_forward(m, p[h + "mlp.fc.weight"], b("mlp.fc.bias"))  # (B, T, F)
         gl, c_act = ops.gelu_forward(f)                                             # (B, T, F)
@@ -136,20 +143,17 @@ def block_forward(x, p, h, cfg, ops=layers, rope=None):
     return x, (c_ln1, c_q, c_k, c_v, c_rope, c_rep, c_att, c_proj, c_ln2, c_fc, c_act, c_mproj)
 
 
-def block_backward(dx, cache, grads, h, cfg, ops=layers):
-    """The block's backward: block_forward read from the bottom up. grads: the gradients dict (+=)."""
+def block_backward(dx, cache, grads, h, cfg, ops=layers, daux=1.0):
+    """The block's backward: block_forward read from the bottom up. grads: the gradients dict (+=); daux: the
+    upstream gradient of the auxiliary losses (a MoE block's)."""
     c_ln1, c_q, c_k, c_v, c_rope, c_rep, c_att, c_proj, c_ln2, c_fc, c_act, c_mproj = cache
     g = lambda name: grads.get(h + name)                                           # a bias's gradient, or None
     lops = llama_ops(ops)
     # x = x + MLP(Norm2(x)): the residual passes dx through, the branch adds its own
-    dgl = ops.linear_backward(dx, c_mproj, grads[h + "mlp.proj.weight"], g("mlp.proj.bias"))   # (B, T, F)
-    if cfg.mlp == "gelu":
-        df = ops.gelu_backward(dgl, c_act)                                                      # (B, T, F)
-        dm = ops.linear_backward(df, c_fc, grads[h + "mlp.fc.weight"], g("mlp.fc.bias"))         # (B, T, C)
+    if isinstance(c_mproj[0], str):                                              # ("moe", the layer's cache)
+        dm = MoEPass.backward(dx, c_mproj[1], grads, daux)                        # (B, T, C)
     else:
-        dgate, dup = lops.swiglu_backward(dgl, c_act)                                   # (B, T, F) x 2
-        dm = ops.linear_backward(dup, c_fc[1], grads[h + "mlp.up.weight"], g("mlp.up.bias"))    # m feeds gate and
-        dm += ops.linear_backward(dgate, c_fc[0], grads[h + "mlp.gate.weight"], g("mlp.gate.bias"))   # up: add
+        dm = mlp_backward(dx, h, cfg, ops, (c_fc, c_act, c_mproj), grads)
     dx = dx + norm_backward(dm, c_ln2, grads, h + "ln2", cfg, ops)
     # x = x + Attn(Norm1(x))
     dy = ops.linear_backward(dx, c_proj, grads[h + "attn.proj.weight"], g("attn.proj.bias"))  # (B, T, C)
@@ -166,6 +170,22 @@ def block_backward(dx, cache, grads, h, cfg, ops=layers):
     return dx
 
 
+def mlp_backward(dx, h, cfg, ops, cache, grads):
+    """The dense MLP's backward: dm (B, T, C) from dx, its weight gradients into grads."""
+    c_fc, c_act, c_mproj = cache
+    g = lambda name: grads.get(h + name)
+    lops = llama_ops(ops)
+    dgl = ops.linear_backward(dx, c_mproj, grads[h + "mlp.proj.weight"], g("mlp.proj.bias"))   # (B, T, F)
+    if cfg.mlp == "gelu":
+        df = ops.gelu_backward(dgl, c_act)                                                      # (B, T, F)
+        dm = ops.linear_backward(df, c_fc, grads[h + "mlp.fc.weight"], g("mlp.fc.bias"))         # (B, T, C)
+    else:
+        dgate, dup = lops.swiglu_backward(dgl, c_act)                                   # (B, T, F) x 2
+        dm = ops.linear_backward(dup, c_fc[1], grads[h + "mlp.up.weight"], g("mlp.up.bias"))    # m feeds gate and
+        dm += ops.linear_backward(dgate, c_fc[0], grads[h + "mlp.gate.weight"], g("mlp.gate.bias"))   # up: add
+    return dm
+
+
 # --------------------------------------------------------------------------------------------------------------
 # The whole model
 
@@ -174,10 +194,13 @@ def head_weight(p, cfg):
     return p["wte"].T if cfg.tied else p["lm_head.weight"]
 
 
-def forward(params, idx, cfg, ops=layers):
+def forward(params, idx, cfg, ops=layers, moe=None):
     """logits (B, T, V) for token ids idx (B, T), and the caches the backward pass needs (the backward takes the
-    same ops and cfg)."""
+    same ops and cfg). A model with experts: moe is the call's MoEPass (default: serial_pass, all B sequences one
+    micro-batch); moe.finish() then gives the auxiliary losses to add to the loss."""
     p, xp = params, array_module(params["wte"])
+    if cfg.moe_experts and moe is None:
+        moe = serial_pass(cfg, *idx.shape, xp)
     if cfg.positions == "learned":
         x, c_emb = ops.embedding_forward(idx, p["wte"], p["wpe"])                  # (B, T, C) token + position
     else:
@@ -185,35 +208,40 @@ def forward(params, idx, cfg, ops=layers):
     rope = rope_tables(cfg, idx.shape[1], p["wte"].dtype, xp)
     c_blocks = []
     for i in range(cfg.n_layers):
-        x, c = block_forward(x, p, f"h.{i}.", cfg, ops, rope)
+        x, c = block_forward(x, p, f"h.{i}.", cfg, ops, rope, moe)
         c_blocks.append(c)
     xf, c_lnf = norm_forward(x, p, "ln_f", cfg, ops)                               # (B, T, C)
     logits, c_head = ops.linear_forward(xf, head_weight(p, cfg))                  # (B, T, V)
     return logits, (c_emb, c_blocks, c_lnf, c_head)
 
 
-def backward(dlogits, caches, grads, cfg, ops=layers):
-    """Accumulate (+=) every parameter's gradient into `grads`, given dloss/dlogits."""
+def backward(dlogits, caches, grads, cfg, ops=layers, daux=1.0):
+    """Accumulate (+=) every parameter's gradient into `grads`, given dloss/dlogits (and daux, the upstream gradient
+    of the auxiliary losses of a model with experts)."""
     c_emb, c_blocks, c_lnf, c_head = caches
     dxf = ops.linear_backward(dlogits, c_head, head_weight(grads, cfg))               # (B, T, C) (tied: into wte^T)
     dx = norm_backward(dxf, c_lnf, grads, "ln_f", cfg, ops)                           # (B, T, C)
     for i in reversed(range(len(c_blocks))):
-        dx = block_backward(dx, c_blocks[i], grads, f"h.{i}.", cfg, ops)
+        dx = block_backward(dx, c_blocks[i], grads, f"h.{i}.", cfg, ops, daux)
     if cfg.positions == "learned":
         ops.embedding_backward(dx, c_emb, grads["wte"], grads["wpe"])
     else:
         scatter_add(grads["wte"], c_emb.reshape(-1), dx.reshape(-1, dx.shape[-1]))   # rows of the tokens read
 
 
-def loss_and_grads(params, idx, targets, cfg, grads=None, split=False, ops=layers):
-    """(loss, grads): the mean cross-entropy over all B*T positions and its gradient for every parameter.
+def loss_and_grads(params, idx, targets, cfg, grads=None, split=False, ops=layers, moe=None):
+    """(loss, grads): the mean cross-entropy over all B*T positions and its gradient for every parameter; with
+    experts, the loss is the mean cross-entropy plus the auxiliary losses (the balance loss over its domain, the
+    z-loss), over the MoEPass moe (default: hsgd.model.moe_pass.serial_pass, the batch one micro-batch), which keeps
+    the blocks' routing statistics for the caller.
 
     idx, targets: integer arrays (B, T). If `grads` is given, gradients are accumulated into it.
     split=True (NumPy, threads.cpu_threads() > 1): the batch is cut into cpu_threads() slices of whole sequences,
     computed side by side, one thread each (threads.parallel_batches). Slice i, with B_i of the B sequences, adds
     B_i / B times its own mean loss and gradients: the mean over the batch is the B_i-weighted mean of the slices'
     means (the mini-batch identity of chapter 4: data parallelism inside one process, the final sum in place of
-    the All-Reduce). The same numbers as split=False, up to rounding.
+    the All-Reduce). The same numbers as split=False, up to rounding. Not with experts: the balance loss's domain and
+    the capacity are counted over the rows routed together, which slices would change.
     ops: the layer functions, hsgd.model.layers (the plain formulas) or hsgd.model.ops (the tuned kernels): the same
     numbers.
     """
@@ -222,6 +250,13 @@ def loss_and_grads(params, idx, targets, cfg, grads=None, split=False, ops=layer
     if grads is None:
         grads = zeros_like_params(params)
     B = idx.shape[0]
+    if cfg.moe_experts:
+        moe = moe or serial_pass(cfg, *idx.shape, xp)
+        logits, caches = forward(params, idx, cfg, ops, moe)
+        value, c_ce = ops.cross_entropy_forward(logits, targets)
+        value = value + moe.finish()                            # + the auxiliary losses
+        backward(ops.cross_entropy_backward(1.0, c_ce), caches, grads, cfg, ops, daux=1.0)
+        return float(value), grads
 
     def part(lo, hi):                                         # sequences lo..hi-1, weighted by their share
         into = grads if hi == B else zeros_like_params(params)   # the last slice adds into `grads` itself
@@ -248,7 +283,7 @@ def loss(params, idx, targets, cfg):
 # --------------------------------------------------------------------------------------------------------------
 # The serial reference run
 
-def sgd(cfg, tc, batch, params=None, delayed=False):
+def sgd(cfg, tc, batch, params=None, delayed=False, micro_sequences=None, capacity_groups=None, moe_state=None):
     """tc.steps steps of serial mini-batch SGD on one process: the run every parallel layout must reproduce.
 
     For s = 1 .. tc.steps, with the global batch (idx, targets) = batch(s) of all B sequences:
@@ -264,15 +299,33 @@ def sgd(cfg, tc, batch, params=None, delayed=False):
 
     params: the starting parameters, updated in place (default: init_params(cfg, tc.seed, "float64")).
     Returns (params, losses), losses[s - 1] being the mean loss at w_s (before step s's update).
+
+    With experts, the loss adds the auxiliary losses counted as a layout counts them (micro_sequences: its
+    micro-batches' sequences, B/(dp m); capacity_groups: each of its ranks' rows, routed together: serial_pass),
+    and with cfg.moe_bias_rate each MoE block's selection bias moves after every step by the step's load
+    (update_selection_bias); moe_state, a dict, receives {"biases": {prefix: (E,)}, "loads": [per step]}.
     """
     from hsgd.model.optim import clip_grads, lr_at, make_optimizer   # here: optim imports mpi4py, the model does not
     if params is None:
         params = init_params(cfg, seed=tc.seed, dtype="float64")
     opt = make_optimizer(tc.optimizer, tc.lr, momentum=tc.momentum, weight_decay=tc.weight_decay)
     pending, losses = None, []
+    state = moe_state if moe_state is not None else {}
+    state.setdefault("biases", {f"h.{i}.moe": np.zeros(cfg.moe_experts) for i in cfg.moe_layers()})
+    state.setdefault("loads", [])
     for step in range(1, tc.steps + 1):
-        value, grads = loss_and_grads(params, *batch(step), cfg)
+        idx, targets = batch(step)
+        moe = None
+        if cfg.moe_experts:
+            moe = serial_pass(cfg, *np.shape(idx), np, micro_sequences, capacity_groups,
+                              state["biases"] if cfg.moe_bias_rate else None)
+        value, grads = loss_and_grads(params, idx, targets, cfg, moe=moe)
         losses.append(value)
+        if moe is not None:
+            state["loads"].append(moe.loads())
+            if cfg.moe_bias_rate:                           # after the step: by the step's load, not the update's
+                state["biases"] = {k: update_selection_bias(b, moe.loads()[k], cfg.moe_bias_rate)
+                                   for k, b in state["biases"].items()}
         if delayed:
             grads, pending = pending, grads                 # apply the last step's gradient, keep this one
             if grads is None:

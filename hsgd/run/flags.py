@@ -84,6 +84,9 @@ def build_parser():
     return p
 
 
+from hsgd.ep.layout import check_moe_layout  # noqa: E402
+
+
 def configs_from_args(args, world_size):
     """(ModelConfig, TrainConfig) from parsed flags (and --config), validated; raises UsageError."""
     given = {k: v for k, v in vars(args).items() if v is not None and k != "config"}
@@ -100,4 +103,5 @@ def configs_from_args(args, world_size):
     check_cp(model.seq_len, tc.cp, tc.tp, tc.tp_scheme == "sequence")      # 2cp chunks (and tp T-shards of each)
     check_batch(tc.batch_size, tc.dp, tc.micro_batches)
     check_pipeline(model.n_layers, tc)                                   # layers per chunk, the schedule
+    check_moe_layout(model, tc)                                          # ep, the balance loss's domain
     return model, tc

@@ -74,6 +74,9 @@ class Layout:
                           "ring: ring attention, (k, v) blocks passed around cp_comm, overlapped with the blocks\n"
                           "allgather: All-Gather k and v of the whole sequence, Reduce-Scatter their gradients",
                           choices=CP_SCHEMES)
+    ep: int = flag(1, "expert-parallel size: the ranks of dp x cp (Megatron-LM's parallel folding) that split each "
+                      "MoE block's experts between them, E/ep each, tokens sent to their experts by all-to-all; the "
+                      "dp x cp / ep groups of them hold copies of the same experts and average their gradients")
     attention: str = flag("materialized", "how a rank holding whole sequences computes its core attention\n"
                           "materialized: the scores and probabilities (B x NH/tp x T x T per block) computed whole "
                           "and the probabilities kept for the backward pass\n"
@@ -90,7 +93,8 @@ class Layout:
         check_positive_int("micro_batches", self.micro_batches)
         check_positive_int("virtual_stages", self.virtual_stages)
         check_positive_int("cp", self.cp)
-        for name in ("tp", "dp", "pp", "cp"):
+        check_positive_int("ep", self.ep)
+        for name in ("tp", "dp", "pp", "cp", "ep"):
             if getattr(self, name) is not None:
                 check_at_most(name, getattr(self, name), MAX_RANKS, f"a job has at most {MAX_RANKS} ranks")
         if self.cp_scheme not in CP_SCHEMES:

@@ -1,0 +1,43 @@
+"""Where a mixture-of-experts model's experts live on the grid, and what a layout can compute of it.
+
+Parallel folding (Liu et al. 2025, "MoE Parallel Folding", Megatron-Core): the attention and the dense blocks see the
+dp x pp x cp x tp grid; a MoE block's experts see the same ranks folded another way. Of the D = dp x cp ranks that
+hold the same dense shard (dp_comm, hsgd.grid.process_grid), ep consecutive ones form an ep_comm and split the E
+experts between them, E/ep each (expert e on ep rank e // (E/ep)); the D/ep ranks at the same place of every ep
+group hold the same experts (edp_comm) and average their gradients there, as dp_comm averages the dense ones. With
+tp > 1 each expert is split over tp like the dense MLP (its fc or gate|up by columns, its proj by rows), and the
+ep_comm of each tp rank moves that rank's columns' share of nothing: the tokens, which every tp rank holds whole.
+
+    dp_comm ranks (key dp_rank * cp + cp_rank):  0 1 2 3 | 4 5 6 7      (D = 8, ep = 4: two ep groups)
+    ep_comm: {0 1 2 3}, {4 5 6 7};  edp_comm: {0 4}, {1 5}, {2 6}, {3 7}
+
+The load-balancing loss is a statistic over a declared domain of tokens (hsgd.model.balance); a layout can compute
+the domain when the ranks that hold its tokens can sum their counts before the backward pass needs them:
+"micro-batch" and "sequence" over cp_comm, "global" over dp_comm when each step is one micro-batch, "pooled" over
+the blocks of one stage only (pp = 1).
+"""
+from hsgd.errors import ConfigError
+from hsgd.model.config import divisors
+
+
+def check_moe_layout(cfg, tc):
+    """Raise ConfigError (one line: what is wrong, what would work) unless the layout tc can train cfg's experts."""
+    D = tc.dp * tc.cp
+    if not cfg.moe_experts:
+        if tc.ep > 1:
+            raise ConfigError(f"--ep {tc.ep} splits experts, but the model has none; add --moe-experts E (a multiple "
+                              f"of ep) or drop --ep")
+        return
+    if D % tc.ep:
+        raise ConfigError(f"--ep {tc.ep} does not divide dp x cp = {tc.dp} x {tc.cp} = {D}: the expert-parallel ranks "
+                          f"are folded out of the data- and context-parallel ones; use ep in {divisors(D)}")
+    if cfg.moe_experts % tc.ep:
+        raise ConfigError(f"--moe-experts {cfg.moe_experts} cannot be split over --ep {tc.ep} ranks; use ep in "
+                          f"{[d for d in divisors(cfg.moe_experts) if D % d == 0]} or a multiple of {tc.ep} experts")
+    if cfg.moe_balance_domain == "global" and cfg.moe_balance and tc.micro_batches > 1:
+        raise ConfigError(f"--moe-balance-domain global needs the whole batch's expert counts before any backward "
+                          f"pass, but the step runs {tc.micro_batches} micro-batches one after another; use "
+                          f"--micro-batches 1, or the domain micro-batch or sequence")
+    if cfg.moe_balance_layers == "pooled" and cfg.moe_balance and tc.pp > 1:
+        raise ConfigError(f"--moe-balance-layers pooled counts over every MoE block at once, but --pp {tc.pp} puts "
+                          f"them on different stages; use --moe-balance-layers each, or --pp 1")
