@@ -32,7 +32,8 @@ The steps, for the N rows x (N, C) (the rows of a batch, B*T):
                load-balancing loss; hsgd.model.balance counts it over many blocks and ranks):
                f_Gi = (slots of G routed to i) / (|G| k), counted from the top-k choice before any drop (as
                Megatron-LM and Hugging Face count), P_Gi = mean over G's tokens of the probability of i (the
-               softmax; for "sigmoid" the scores normalized over the E experts, DeepSeek-V3's sequence-wise loss's). Uniform routing gives f = P = 1/E and balance = alpha. (Hugging Face's
+               softmax; for "sigmoid" the scores normalized over the E experts, DeepSeek-V3's sequence-wise
+               loss's). Uniform routing gives f = P = 1/E and balance = alpha. (Hugging Face's
                load_balancing_loss_func counts f per token, summing to k: k times this.)
                z = beta mean_n logsumexp(logits[n])^2 over all N rows (Zoph et al. 2022, "ST-MoE").
 
