@@ -4,28 +4,35 @@
     python -m hsgd.plan --model L=96,C=12288,NH=96,F=49152,V=51200,T=2048 --batch 1536 --devices 1024 --hw h100-80g
     python -m hsgd.plan --model hsgd-default --batch 32 --devices 8 --hw this-machine --impl hsgd --dtype float32
     python -m hsgd.plan --model llama3-405b --batch 2048 --devices 8192 --hw h100-80g --tp 8 --pp 16
+    python -m hsgd.plan --model mixtral-8x7b,T=4096 --batch 512 --devices 64 --hw h100-80g --tp 1,2,4 --pp 1,2,4
+    python -m hsgd.plan --model llama3-8b --moe-experts 8 --moe-top-k 2 --batch 256 --devices 32 --hw h100-80g
     mpirun -n 8 python -m hsgd.plan --calibrate --out my-machine.toml          # measure this machine
 
 It enumerates every dp x pp x tp (x cp, chunks per stage, ZeRO stage, sequence parallelism, recomputation,
-micro-batch size, schedule) that the model allows on the devices, drops what does not fit in a device's memory,
+micro-batch size, schedule; for a mixture-of-experts model ep, the ranks of dp x cp that split its experts) that the
+model allows on the devices, drops what does not fit in a device's memory,
 and prints the fastest N with memory per device by category, bytes per step on each communicator and link, and
 the predicted step time split into compute, elementwise, exposed tensor-parallel, pipeline (bubble and
 transfers), data-parallel and context-parallel communication, with tokens/s and MFU; memory in GiB, a layout
 fitting in what --headroom leaves; with --impl megatron, the best layout's Megatron-LM flags and torchtitan keys
-(hsgd.plan.flags). --model gives the family too (hsgd.plan.models: GQA, SwiGLU, RMSNorm, RoPE; Llama 3 presets).
+(hsgd.plan.flags). --model gives the family too (hsgd.plan.models: GQA, SwiGLU, RMSNorm, RoPE; Llama 3 presets);
+--moe-experts makes its MLPs mixtures of experts (hsgd.plan.experts: total and active parameters, each rank's E/ep
+experts, the all-to-all on the link its ep group crosses; Mixtral's preset has them).
 --explain prints every term of the best layouts as its formula with the numbers in; --json writes everything.
 The model of time, memory and bytes is in hsgd.plan.costs, hsgd.plan.layout and hsgd.plan.paper.
 """
 import argparse
+import dataclasses
 import json
 import sys
 
 from hsgd import cli
 from hsgd.cli import Parser
-from hsgd.errors import UsageError
+from hsgd.errors import ConfigError, UsageError
 from hsgd.files import writable_file
 from hsgd.readers import printable
 from . import flags
+from .experts import param_counts
 from .family import is_gpt2
 from .hardware import load, names
 from .models import parse_model, presets
@@ -51,15 +58,24 @@ def int_list(name, low=1, high=None):
     return parse
 
 
-def positive(name):
+def positive(name, low=1):
     def parse(text):
         try:
             v = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{name} takes an integer, e.g. 8") from None
-        if v < 1:
-            raise argparse.ArgumentTypeError(f"{name} {v}: give an integer of at least 1")
+        if v < low:
+            raise argparse.ArgumentTypeError(f"{name} {v}: give an integer of at least {low}")
         return v
+    return parse
+
+
+def number(name):
+    def parse(text):
+        try:
+            return float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} takes a number, e.g. 1.25") from None
     return parse
 
 
@@ -100,10 +116,22 @@ def build_parser():
     ap.add_argument("--efficiency", type=float, default=None,
                     help="fraction of the matmul peak reached (default: the hardware file's, else 0.5)")
     ap.add_argument("--optimizer", choices=("sgd", "adamw"), default="adamw", help="--impl hsgd: its state")
+    e = ap.add_argument_group("mixture of experts (hsgd.model.config.ModelConfig's fields; default: --model's)")
+    e.add_argument("--moe-experts", type=positive("--moe-experts", 0), metavar="E",
+                   help="experts in place of the MLP of every MoE block (0: dense); the planner prints total and "
+                        "active parameters and searches ep, each rank holding E/ep experts of each MoE block")
+    e.add_argument("--moe-top-k", type=positive("--moe-top-k"), metavar="k", help="experts per token (default 2)")
+    e.add_argument("--moe-every", type=positive("--moe-every"), metavar="n",
+                   help="the MoE blocks are 0, n, 2n, ... (default 1: every block)")
+    e.add_argument("--moe-capacity-factor", type=number("--moe-capacity-factor"), metavar="c",
+                   help="slots per expert ceil(c N k / E) (default none: nothing dropped); the planner prices "
+                        "uniform routing, in which nothing is dropped for c >= 1")
     g = ap.add_argument_group("the search space (default: every value that applies)")
     g.add_argument("--tp", type=int_list("--tp"), help="e.g. 1,2,4,8")
     g.add_argument("--pp", type=int_list("--pp"))
     g.add_argument("--cp", type=int_list("--cp"), help="default 1 (no context parallelism)")
+    g.add_argument("--ep", type=int_list("--ep"), help="expert-parallel sizes, MoE models only (default: every one "
+                                                        "that divides dp x cp and the experts)")
     g.add_argument("--zero", type=int_list("--zero", 0, 3), help="ZeRO stages, e.g. 0,1")
     g.add_argument("--recompute", type=choice_list("--recompute", ("none", "selective", "full")))
     g.add_argument("--sp", choices=("yes", "no", "both"), default="both", help="sequence parallelism")
@@ -134,7 +162,7 @@ def fmt_t(t):
 
 
 def space_of(args, attention):
-    space = {"attention": [attention], "tp": args.tp, "pp": args.pp, "cp": args.cp, "zero": args.zero,
+    space = {"attention": [attention], "tp": args.tp, "pp": args.pp, "cp": args.cp, "ep": args.ep, "zero": args.zero,
              "recompute": args.recompute,
              "b": args.micro_batch, "schedule": args.schedule, "v": args.virtual,
              "dp_overlap": [False, True] if args.overlap else None,
@@ -183,6 +211,26 @@ def check_options(args):
     return attention
 
 
+def model_of(args):
+    """--model, with the mixture-of-experts flags that were given in place of its fields; PlanError (one line) for
+    what ModelConfig refuses, for expert flags or --ep without experts, and for --impl hsgd with experts."""
+    cfg = parse_model(args.model)
+    given = {f: getattr(args, f) for f in ("moe_experts", "moe_top_k", "moe_every", "moe_capacity_factor")
+             if getattr(args, f) is not None}
+    try:
+        cfg = dataclasses.replace(cfg, **given)
+    except ConfigError as err:
+        raise PlanError(f"--model {args.model!r} with the expert flags: {err}") from None
+    extra = ["--" + f.replace("_", "-") for f in given if f != "moe_experts"] + (["--ep"] if args.ep else [])
+    if not cfg.moe_experts and extra:
+        raise PlanError(f"{', '.join(extra)}: the model has no experts; add --moe-experts E (e.g. 8), or drop "
+                        f"{'them' if len(extra) > 1 else 'it'} for a dense model")
+    if cfg.moe_experts and args.impl == "hsgd":
+        raise PlanError("--impl hsgd prices hsgd.train's own accounting, which has no experts yet; use --impl "
+                        "megatron for a mixture-of-experts model")
+    return cfg
+
+
 def nothing_found(cfg, args, tried, usable, memory, attention):
     """The PlanError when no layout is left: none splits the model (tried = 0), or none fits in `usable` bytes."""
     batch = args.batch
@@ -191,12 +239,15 @@ def nothing_found(cfg, args, tried, usable, memory, attention):
               if args.cp and max(args.cp) > 1 else "")
         kv = f", and divide n_kv_heads={cfg.n_kv_heads} or be a multiple of it" if cfg.n_kv_heads < cfg.n_heads \
             else ""
+        kv += f", ep divide dp x cp and E={cfg.moe_experts}" if args.ep else ""
         return PlanError(f"no layout of {args.devices} devices splits this model and batch {batch}: tp must divide "
                          f"n_heads={cfg.n_heads} and d_ff={cfg.d_ff}{kv}, dp the batch, pp <= L={cfg.n_layers}"
-                         f"{cp}; change --devices or --batch, or widen --tp/--pp" + ("/--cp" if cp else ""))
+                         f"{cp}; change --devices or --batch, or widen --tp/--pp" + ("/--cp" if cp else "")
+                         + ("/--ep" if args.ep else ""))
     return PlanError(f"nothing fits in {gb(usable)} per device ({gb(memory)} less {args.headroom:.0%} headroom; "
                      f"{tried} layouts tried): use more devices, a smaller --batch or --micro-batch 1, or allow "
-                     "--zero 1,2,3 and --recompute full" + (", or --attention flash" if attention != "flash" else ""))
+                     "--zero 1,2,3 and --recompute full" + (", or --attention flash" if attention != "flash" else "")
+                     + (", or a larger --ep" if args.ep else ""))
 
 
 def say_flags(cfg, layout, batch, dtype, say):
@@ -211,7 +262,7 @@ def say_flags(cfg, layout, batch, dtype, say):
 
 def plan(args, say=print):
     """The planner's work for parsed args; returns the exit code."""
-    cfg = parse_model(args.model)
+    cfg = model_of(args)
     hw = load(args.hw)
     dtype = args.dtype or ("float32" if args.impl == "hsgd" else "bfloat16")
     batch = args.batch
@@ -221,11 +272,17 @@ def plan(args, say=print):
         writable_file(args.json, "--json", PlanError)
     eff = args.efficiency if args.efficiency is not None else (hw.efficiency or 0.5)
     rate = rate_of(hw, dtype, eff)
+    total, active = param_counts(cfg)
     say(f"model: L={cfg.n_layers} C={cfg.d_model} NH={cfg.n_heads} F={cfg.d_ff} V={cfg.vocab_size} "
-        f"T={cfg.seq_len}, {cfg.n_params() / 1e9:.4g} B parameters, {cfg.step_flops(batch) / 1e12:.4g} TFLOP per "
-        f"step of {batch} sequences (without recomputation)")
+        f"T={cfg.seq_len}, {total / 1e9:.4g} B parameters" + (f" ({active / 1e9:.4g} B active per token)" if
+                                                               cfg.moe_experts else "")
+        + f", {cfg.step_flops(batch) / 1e12:.4g} TFLOP per step of {batch} sequences (without recomputation)")
     if not is_gpt2(cfg) or cfg.arch != "gpt2":
         say(f"family: {cfg.describe_family()}")
+    if cfg.moe_experts:
+        say(f"experts: {len(cfg.moe_layers())} MoE blocks of {cfg.moe_experts} experts; ep tried: "
+            + (",".join(map(str, args.ep)) if args.ep else "every divisor of dp x cp that divides E")
+            + "; uniform routing, nothing dropped; the all-to-all on the link its ep group crosses")
     where = args.hw if args.hw in names() else hw.source
     say(f"hardware: {printable(hw.name)} ({printable(where)}); {args.devices} devices, {hw.devices_per_node} per "
         f"node, {gb(hw.memory_bytes)} each; matmuls at {rate / 1e12:.4g} TFLOP/s in {dtype}"

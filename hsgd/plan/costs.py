@@ -16,21 +16,26 @@ Every function returns seconds; with `why` (a list) it appends ("term", "formula
                        Rabenseifner     2 log2 p alpha + 2 (p-1)/p n beta              (p a power of two)
        Reduce-Scatter  ring             (p-1) alpha + (p-1)/p n beta
        All-Gather      recursive halving / doubling  log2 p alpha + (p-1)/p n beta    (p a power of two)
+       All-to-All      pairwise exchange  (p-1) alpha + (p-1)/p n beta    (Alltoallv: this one only)
+                       Bruck            ceil(log2 p) (alpha + n/2 beta)                (short messages)
        a message       alpha + n beta   (Recv, Irecv: the receiver waits for it; Isend does not block)
    A tuned MPI picks per size; the model takes the cheapest of the algorithms above. A hardware file measured
    by --calibrate has its own alpha and beta per collective and group size, used in place of these.
 2. Links. Ranks are placed as hsgd.grid.process_grid places them (tp fastest, then cp, pp, dp), devices_per_node to
    a node. A group whose ranks span k consecutive ranks is inside a node when k divides devices_per_node: tp spans tp,
    cp spans cp tp, pp spans pp cp tp, dp (dp x cp ranks) the whole world; the hierarchical exchange's node part spans
-   its ranks_per_node dp ranks. Otherwise the group crosses the network, whose per-device link is the bottleneck of a
-   ring.
+   its ranks_per_node dp ranks; an expert-parallel group (ep_span) ep tp when pp = 1 or ep divides cp, ep pp tp when
+   cp divides ep, else the whole world, and edp (the ranks holding the same experts) the whole world. Otherwise the
+   group crosses the network, whose per-device link is the bottleneck of a ring.
 3. Compute: matmul FLOPs at the rate hw.rate(dtype) (peak x efficiency, or what --calibrate measured). Per
    micro-batch on one rank of a stage, N = b T/cp rows: forward 2 N (4C^2 + 2CF)/tp per block (of the family:
    2 N (2C^2 + 2CK + m CF)/tp, micro_batch_flops), the attention's 4 S C/tp with S its query-key scores per sequence
    (T^2 without cp, hsgd.cp.split.attention_blocks with it; with flash attention the causal half), the head's
-   2 N C V/tp. Backward: input gradients as much as the forward plus the attention's again, weight
+   2 N C V/tp; a MoE block's MLP is its k experts' and the router's, 2 N (k m C F/tp + C E) (hsgd.plan.experts).
+   Backward: input gradients as much as the forward plus the attention's again, weight
    gradients as much as the linears' forward (B + W = 2 F). --recompute full adds the blocks' forward to B,
-   selective the attention's.
+   selective the attention's. A MoE block's all-to-all (ep > 1, hsgd.plan.experts.alltoall_calls) is in F and B,
+   not hidden.
    Elementwise work (LayerNorm, softmax, GELU, residuals, dropout) is bound by memory bandwidth: with the
    hardware file's memory_bandwidth, each activation a layer stores (Korthikanti et al. 2022's count,
    hsgd.plan.paper.activation_bytes, at the layout's bytes per element) is taken as written and read once in the
@@ -58,11 +63,12 @@ from functools import lru_cache
 from hsgd.cp.split import attention_blocks
 from hsgd.pp.schedules import MAX_PIECES, build, effective, simulate
 from hsgd.tp.schemes import make_scheme
+from .experts import alltoall_calls
 from .family import kv_columns
 from .paper import activation_bytes
 
 BLOCKING = {"Allreduce", "Reduce_scatter_block", "Allgather", "Recv", "Irecv", "Iallreduce",
-            "Ireduce_scatter_block", "Sendrecv"}        # what a rank's step waits for (Isend: no)
+            "Ireduce_scatter_block", "Sendrecv", "Alltoall", "Alltoallv"}    # what a rank's step waits for (Isend: no)
 BASE_OP = {"Iallreduce": "Allreduce", "Ireduce_scatter_block": "Reduce_scatter_block", "Recv": "Sendrecv",
            "Irecv": "Sendrecv", "Send": "Sendrecv", "Isend": "Sendrecv"}
 
@@ -98,6 +104,10 @@ def collective(op, n, p, link, hw=None, why=None, term=None):
         algos = {"ring": (p - 1) * a + share}
         if pow2:
             algos["recursive halving/doubling"] = lg * a + share
+    elif base in ("Alltoall", "Alltoallv"):
+        algos = {"pairwise": (p - 1) * a + share}
+        if base == "Alltoall":
+            algos["Bruck"] = lg * (a + n / 2 * b)
     else:                                                             # a message between two ranks
         algos = {"message": a + n * b}
     name = min(algos, key=algos.get)
@@ -124,7 +134,7 @@ def traffic(counts, sizes, links, hw=None, why=None, only=None):
 def group_sizes(lay, exchange):
     """{communicator name: ranks} of a layout (lay: .dp .pp .cp .tp) and of its exchange's own (exchange: its
     sizes; the hierarchical exchange's and hybrid sharding's node and cross-node communicators)."""
-    return {"tp": lay.tp, "cp": lay.cp, "pp": lay.pp, "dp": lay.dp * lay.cp, **exchange.comms()}
+    return {"tp": lay.tp, "cp": lay.cp, "pp": lay.pp, "dp": lay.dp * lay.cp, "ep": lay.ep, **exchange.comms()}
 
 
 def group_links(lay, hw, exchange):
@@ -133,19 +143,31 @@ def group_links(lay, hw, exchange):
     communicator of the exchange spans its consecutive dp ranks, a cross-node one the whole dp span."""
     D, inner = hw.devices_per_node, lay.cp * lay.tp
     span = {"tp": lay.tp, "cp": inner, "pp": lay.pp * inner, "dp": lay.dp * lay.pp * inner}
+    span["ep"] = ep_span(lay, span["dp"])
     for name, ranks in exchange.comms().items():
         span[name] = ranks * lay.pp * inner if name.endswith("-node") else span["dp"]
     return {c: hw.intra if k <= D and D % k == 0 else hw.inter for c, k in span.items()}   # (aligned to nodes)
 
 
+def ep_span(lay, whole):
+    """Ranks an expert-parallel group spans: ep consecutive members of dp_comm in its key order dp_rank cp + cp_rank
+    (hsgd.ep.layout), tp apart when pp = 1 or ep divides cp (ep tp: the key's rank is key tp + tp_rank, or the cp
+    ranks of one replica), ep/cp whole replicas pp cp tp apart when cp divides ep (ep pp tp); otherwise its groups
+    straddle replicas unevenly: `whole`, the dp span."""
+    if lay.pp == 1 or lay.cp % lay.ep == 0:
+        return lay.ep * lay.tp
+    return lay.ep * lay.pp * lay.tp if lay.ep % lay.cp == 0 else whole
+
+
 # ---------------------------------------------------------------------------------------------- 3. compute
-def micro_batch_flops(cfg, b, tp, cp, n_blocks, last, recompute, why=None, attention="materialized"):
+def micro_batch_flops(cfg, b, tp, cp, n_blocks, last, recompute, why=None, attention="materialized", n_moe=0):
     """(F, B, W) matmul FLOPs of one micro-batch of b sequences on one rank of a stage (see 3 above), of the model's
     family: per token and block 2 (2C^2 + m C F)/tp + 2 C K_t (m = 2 with GELU, 3 with SwiGLU; K_t = the columns of k
     and v on a rank, NKV hs/tp, or hs when tp > NKV: hsgd.plan.family.kv_columns). Attention materialized: the
     whole T x T scores (the causal half computed too), F 4 S C/tp, B twice that. Flash (Dao 2023, FlashAttention-2):
     only the blocks the causal mask leaves, S = b T^2/2 without cp, and its backward computes the scores again:
-    B = 10 S C/tp, 2.5 times the forward's."""
+    B = 10 S C/tp, 2.5 times the forward's. n_moe of the blocks are MoE: each token runs k experts, and the router
+    (C, E), whole on every tp rank: + 2 N ((k - 1) m C F/tp + C E) per MoE block."""
     T, C, F, V = cfg.seq_len, cfg.d_model, cfg.d_ff, cfg.vocab_size
     m, K = (2 if cfg.mlp == "gelu" else 3), kv_columns(cfg, tp)
     N = b * T // cp
@@ -153,11 +175,15 @@ def micro_batch_flops(cfg, b, tp, cp, n_blocks, last, recompute, why=None, atten
     if attention == "flash" and cp == 1:
         scores = scores / 2                                          # (the blocks under the diagonal)
     lin = n_blocks * 2 * N * (2 * C * C + 2 * C * K * tp + m * C * F) / tp + (2 * N * C * -(-V // tp) if last else 0)
+    if n_moe:                                                        # k experts a token, and the router
+        lin += n_moe * 2 * N * ((cfg.moe_top_k - 1) * m * C * F / tp + C * cfg.moe_experts)
     att = n_blocks * 4 * scores * C / tp
     f, bwd, w = lin + att, lin + (2.5 if attention == "flash" else 2) * att, lin
     extra = {"full": lin - (2 * N * C * -(-V // tp) if last else 0) + att, "selective": att}.get(recompute, 0.0)
     note(why, "compute", f"F = 2 N (2C^2 + 2C K_t tp + {m} C F)/tp x {n_blocks} blocks + 4 S C/tp x {n_blocks}"
-                         + (" + 2 N C Vp (head)" if last else "") + f" = {f:.4g} FLOP (N = {N}, K_t = {K}, S = "
+                         + (" + 2 N C Vp (head)" if last else "")
+                         + (f" + 2 N ((k-1) {m} C F/tp + C E) x {n_moe} MoE blocks" if n_moe else "")
+                         + f" = {f:.4g} FLOP (N = {N}, K_t = {K}, S = "
                          f"{scores:.6g}, attention {attention}); B = {bwd + extra:.4g} (recompute {recompute}: "
                          f"+{extra:.4g}), W = {w:.4g}")
     return f, bwd + extra, w
@@ -202,27 +228,31 @@ class StepTime:
     zero_gather: float = 0.0
     elementwise: float = 0.0
     optimizer: float = 0.0
+    ep: float = 0.0                                      # the experts' all-to-all
     terms: list = field(default_factory=list)            # the --explain lines: (term, text)
 
     @property
     def total(self):
         return (self.compute + self.elementwise + self.tp + self.pp_bubble + self.pp_transfer + self.cp + self.dp
-                + self.zero_gather + self.optimizer)
+                + self.zero_gather + self.optimizer + self.ep)
 
     def parts(self):
-        return {"compute": self.compute, "elementwise": self.elementwise, "tp": self.tp, "pp bubble": self.pp_bubble,
-                "pp transfer": self.pp_transfer,
-                "cp": self.cp, "dp": self.dp, "zero-3 gather": self.zero_gather, "optimizer": self.optimizer}
+        out = {"compute": self.compute, "elementwise": self.elementwise, "tp": self.tp, "pp bubble": self.pp_bubble,
+               "pp transfer": self.pp_transfer,
+               "cp": self.cp, "dp": self.dp, "zero-3 gather": self.zero_gather, "optimizer": self.optimizer}
+        return out | ({"ep all-to-all": self.ep} if self.ep else {})          # (a dense model's parts as before)
 
 
 def stage_costs(cfg, lay, stage, hw, rate, sizes, links, mine=None):
     """One micro-batch on one rank of a stage, stage = (n_blocks, first, last, its bytes of a step, its exchange's
-    sizes): {"f", "b", "w": the seconds of its forward, backward and weight gradients as the pipeline schedules them
-    (compute, elementwise, exposed tp, cp and the exchange's gathers, the messages received), and their parts
-    "compute", "ew", "tp", "cp", "msg", "gather", "rs"}; mine: its --explain lines."""
-    n_blocks, first, last, counts, ex = stage
+    sizes, its MoE blocks): {"f", "b", "w": the seconds of its forward, backward and weight gradients as the pipeline
+    schedules them (compute, elementwise, exposed tp, cp and the exchange's gathers, the messages received, the
+    experts' all-to-all), and their parts "compute", "ew", "tp", "cp", "msg", "gather", "rs", "ep"}; mine: its
+    --explain lines."""
+    n_blocks, first, last, counts, ex, n_moe = stage
     m, p, v = lay.m, lay.pp, lay.v
-    fl, bl, wl = micro_batch_flops(cfg, lay.b, lay.tp, lay.cp, n_blocks, last, lay.recompute, mine, lay.attention)
+    fl, bl, wl = micro_batch_flops(cfg, lay.b, lay.tp, lay.cp, n_blocks, last, lay.recompute, mine, lay.attention,
+                                   n_moe)
     t = traffic(counts, sizes, links, hw)
     tp_mb = t.get("tp", 0.0) / m
     fwd = make_scheme(lay.tp_scheme).block_forward_formula(cfg, lay.b, lay.itemsize, lay.cp)
@@ -249,11 +279,22 @@ def stage_costs(cfg, lay, stage, hw, rate, sizes, links, mine=None):
         elif ex.when((comm, op)) == "backward":                      # each micro-batch's, behind its backward
             per_mb = calls * one / m
             rs += max(per_mb * m / calls, per_mb - (bl + wl) / rate)
+    ep_f = ep_b = 0.0                                 # per micro-batch: the experts' all-to-all, not hidden
+    if n_moe and lay.ep > 1:
+        forward, backward = alltoall_calls(cfg, lay.b, lay.cp, lay.ep, lay.itemsize)
+        ep_f, ep_b = (n_moe * sum(collective(op, nb, lay.ep, links["ep"], hw) for op, nb in calls)
+                      for calls in (forward, backward))
+        ep_b += ep_f if lay.recompute == "full" else 0.0
+        note(mine, "ep", f"per micro-batch {n_moe} MoE blocks x ({', '.join(f'{op} {nb:.4g} B' for op, nb in forward)}"
+                         f" in F; {', '.join(f'{op} {nb:.4g} B' for op, nb in backward)} in B) on {lay.ep} ranks over "
+                         f"the {links['ep'].name} link = {fmt_s(ep_f)} in F, {fmt_s(ep_b)} in B")
     ew = 0.0
     if hw.memory_bandwidth:
-        act = activation_bytes(cfg, lay.b, lay.tp, lay.tp_scheme == "sequence", "none", lay.cp,
-                               lay.attention) * lay.itemsize / 2
-        ew = n_blocks * act * hw.elementwise_passes / hw.memory_bandwidth   # a write and a read per activation
+        for moe, n in ((False, n_blocks - n_moe), (True, n_moe)):       # dense blocks, MoE blocks
+            if n:
+                act = activation_bytes(cfg, lay.b, lay.tp, lay.tp_scheme == "sequence", "none", lay.cp,
+                                       lay.attention, moe) * lay.itemsize / 2
+                ew += n * act * hw.elementwise_passes / hw.memory_bandwidth   # a write and a read per activation
     ew_f, ew_b = 2 * ew, (4 + 2 * (lay.recompute == "full")) * ew
     over = n_blocks * hw.block_overhead / 2                           # per block and micro-batch: half F, half B
     ew_f, ew_b = ew_f + over, ew_b + over
@@ -263,16 +304,17 @@ def stage_costs(cfg, lay, stage, hw, rate, sizes, links, mine=None):
                               "per micro-batch")
     note(mine, "tp", f"per micro-batch {fmt_s(tp_mb)}: the blocks' forward collectives {fmt_s(tp_f)} in F, "
                      f"the rest in B")
-    f = fl / rate + ew_f + tp_f + cp_exposed / 3 + msg_f + gather
-    b = bl / rate + ew_b + (tp_mb - tp_f) + 2 * cp_exposed / 3 + msg_b + gather + rs
+    f = fl / rate + ew_f + tp_f + cp_exposed / 3 + msg_f + gather + ep_f
+    b = bl / rate + ew_b + (tp_mb - tp_f) + 2 * cp_exposed / 3 + msg_b + gather + rs + ep_b
     w = wl / rate
     return dict(compute=(fl + bl + wl) / rate, ew=ew_f + ew_b, tp=tp_mb, cp=cp_exposed, msg=msg_f + msg_b,
-                gather=2 * gather, rs=rs, f=f, b=b, w=w, counts=counts)
+                gather=2 * gather, rs=rs, ep=ep_f + ep_b, f=f, b=b, w=w, counts=counts)
 
 
 def step_time(cfg, lay, stages, hw, rate, explain=False, simulated=True, optimizer_s=0.0):
     """StepTime of layout `lay` (.dp .pp .cp .tp .v .b .m .schedule .recompute .tp_scheme .cp_scheme) whose stages
-    are [(n_blocks, first, last, bytes of one step on that stage's rank, its exchange's sizes: hsgd.dp.exchange)],
+    are [(n_blocks, first, last, bytes of one step on that stage's rank, its exchange's sizes: hsgd.dp.exchange,
+    its MoE blocks)],
     on hardware hw with matmul rate `rate` FLOP/s (see the module docstring)."""
     why = [] if explain else None
     ex = stages[0][4]                                     # (every stage's exchange has the same communicators)
@@ -283,7 +325,7 @@ def step_time(cfg, lay, stages, hw, rate, explain=False, simulated=True, optimiz
         priced.append(dict(stage_costs(cfg, lay, stage, hw, rate, sizes, links, mine), stage=s, why=mine))
     worst = max(priced, key=lambda c: c["f"] + c["b"] + c["w"])      # (the first of equals)
     if why is not None:
-        n_blocks, first, last, _, _ = stages[worst["stage"]]
+        n_blocks, first, last = stages[worst["stage"]][:3]
         why.append(("stage", f"the slowest stage, whose costs every stage is priced at: {n_blocks} blocks"
                              + (", the embedding" if first else "") + (", the head" if last else "")))
         why.extend(worst["why"])
@@ -297,7 +339,7 @@ def step_time(cfg, lay, stages, hw, rate, explain=False, simulated=True, optimiz
     st = StepTime(compute=m * worst["compute"], tp=m * worst["tp"], pp_bubble=max(span - busy, 0.0),
                   pp_transfer=m * worst["msg"], cp=m * worst["cp"], dp=dp + m * worst["rs"],
                   zero_gather=m * worst["gather"], elementwise=m * worst["ew"], optimizer=optimizer_s,
-                  terms=why or [])
+                  ep=m * worst["ep"], terms=why or [])
     note(why, "optimizer", f"its elements x the measured seconds per element, or the bytes it moves / bandwidth "
                            f"= {fmt_s(optimizer_s)}")
     if explain:

@@ -36,7 +36,8 @@ def param_formula(L, C, F, V, T, K, m=2, n=2, b=1, learned=1, untied=1):
 
 
 def params_of(cfg):
-    """param_formula of a ModelConfig's sizes and family (equal to cfg.n_params(): tests/test_plan_llama.py)."""
+    """param_formula of a ModelConfig's sizes and family (equal to cfg.n_params(): tests/test_plan_llama.py), every
+    block dense (with experts: hsgd.plan.experts.param_counts)."""
     return param_formula(cfg.n_layers, cfg.d_model, cfg.d_ff, cfg.vocab_size, cfg.seq_len, cfg.kv_width,
                          m=2 if cfg.mlp == "gelu" else 3, n=2 if cfg.norm == "layernorm" else 1, b=int(cfg.bias),
                          learned=int(cfg.positions == "learned"), untied=int(not cfg.tied))

@@ -11,14 +11,18 @@ Flag and key names were checked against the projects' sources, not copied from t
     (ZeRO-2) or optim_grads_params (ZeRO-3), --overlap-grad-reduce, --normalization RMSNorm,
     --position-embedding-type rope, --rotary-base, --swiglu, --group-query-attention with --num-query-groups,
     --untie-embeddings-and-output-weights, --disable-bias-linear, --use-flash-attn, --attention-dropout,
-    --hidden-dropout, --micro-batch-size, --global-batch-size, --bf16. Its attention accepts fewer key/value heads
-    than tp ranks (one head per rank, shared), as hsgd.plan.family prices it.
+    --hidden-dropout, --micro-batch-size, --global-batch-size, --bf16; of its experts --num-experts,
+    --moe-router-topk, --moe-layer-freq (an integer n: blocks 0, n, 2n, ... as hsgd's moe_every),
+    --moe-expert-capacity-factor, --moe-token-dispatcher-type alltoall, --expert-model-parallel-size (folded out of
+    dp x cp, its experts split over tp by default, as hsgd.plan.experts prices them). Its attention accepts fewer
+    key/value heads than tp ranks (one head per rank, shared), as hsgd.plan.family prices it.
   * torchtitan, torchtitan/config/job_config.py as of February 2026 (the last release with TOML job files; later
     versions configure in Python with the same field names) and torchtitan/models/llama3 (flavors "8B", "70B",
     "405B" with Llama 3's sizes): [parallelism] data_parallel_replicate_degree, data_parallel_shard_degree,
     fsdp_reshard_after_forward, tensor_parallel_degree, pipeline_parallel_degree, pipeline_parallel_schedule
     ("1F1B", "Interleaved1F1B", "GPipe"), pipeline_parallel_layers_per_stage, pipeline_parallel_microbatch_size,
-    context_parallel_degree; [activation_checkpoint] mode ("none", "selective", "full"), selective_ac_option;
+    context_parallel_degree, expert_parallel_degree; [activation_checkpoint] mode ("none", "selective", "full"),
+    selective_ac_option;
     [training] local_batch_size, seq_len; [model] name, flavor.
 What does not carry over is said in a comment line (#): Megatron-LM has no GPipe or ZB-H1 schedule here; torchtitan
 always pairs tensor with sequence parallelism, has no ZeRO-1 (its nearest is FSDP without resharding, ZeRO-2's
@@ -48,7 +52,8 @@ def megatron(cfg, lay, batch, dtype="bfloat16"):
     fam = []
     if cfg.norm == "rmsnorm":
         fam.append("--normalization RMSNorm")
-    fam.append(f"--position-embedding-type rope --rotary-base {cfg.rope_theta:g}" if cfg.positions == "rope"
+    theta = f"{cfg.rope_theta:.0f}" if cfg.rope_theta.is_integer() else f"{cfg.rope_theta:g}"   # (an int flag)
+    fam.append(f"--position-embedding-type rope --rotary-base {theta}" if cfg.positions == "rope"
                else "--position-embedding-type learned_absolute")
     if cfg.mlp == "swiglu":
         fam.append("--swiglu")
@@ -60,12 +65,22 @@ def megatron(cfg, lay, batch, dtype="bfloat16"):
         fam.append("--disable-bias-linear")
     if cfg.arch == "llama":
         fam.append("--attention-dropout 0 --hidden-dropout 0")
+    if cfg.moe_experts:
+        fam.append(f"--num-experts {cfg.moe_experts} --moe-router-topk {cfg.moe_top_k}")
+        fam += [f"--moe-layer-freq {cfg.moe_every}"] if cfg.moe_every > 1 else []
+        c = cfg.moe_capacity_factor
+        fam += [f"--moe-expert-capacity-factor {c:g}"] if c is not None else []
+        fam.append("--moe-token-dispatcher-type alltoall")
     out.append(" ".join(fam))
     par = [f"--tensor-model-parallel-size {lay.tp}", f"--pipeline-model-parallel-size {lay.pp}"]
     if lay.cp > 1:
         par.append(f"--context-parallel-size {lay.cp}")
+    if cfg.moe_experts:
+        par.append(f"--expert-model-parallel-size {lay.ep}")
     if lay.tp_scheme == "sequence":
         par.append("--sequence-parallel")
+    elif lay.ep > 1 and lay.tp > 1:
+        notes.append("# Megatron-LM runs expert parallelism with tp > 1 only with --sequence-parallel")
     if lay.pp > 1 and L % lay.pp:
         cut = uneven(L, lay.pp)
         if cut and lay.v == 1:
@@ -119,6 +134,9 @@ def torchtitan(cfg, lay, batch):
                     "forward to the backward (ZeRO-2's memory)"]
     out += [f"tensor_parallel_degree = {lay.tp}", f"context_parallel_degree = {lay.cp}",
             f"pipeline_parallel_degree = {lay.pp}"]
+    if cfg.moe_experts:
+        out += [f"expert_parallel_degree = {lay.ep}", "# torchtitan's llama3 has no experts: its MoE models (e.g. "
+                "deepseek_v3) take this degree"]
     if lay.tp > 1 and lay.tp_scheme != "sequence":
         out.append("# torchtitan's tensor parallelism is always sequence-parallel too")
     if lay.pp > 1:

@@ -24,6 +24,7 @@ from hsgd.dp.make import exchange_sizes
 from hsgd.pp.chunks import parse_split, stage_chunks, stage_names
 from hsgd.accounting.traffic import rank_bytes
 from hsgd.pp.schedules import build, effective
+from hsgd.pp.stage import Chunk
 from hsgd.accounting.step_memory import rank_formula
 from hsgd.tp.shards import shard_numel
 
@@ -43,7 +44,7 @@ class PlannedStage:
     def __init__(self, cfg, tc, pp, s):
         v = tc.virtual_stages
         self.v, self.s = v, s
-        self.chunks = stage_chunks(cfg.n_layers, pp, s, v, parse_split(tc.pp_split))
+        self.chunks = [Chunk(*ch) for ch in stage_chunks(cfg.n_layers, pp, s, v, parse_split(tc.pp_split))]
         self.layers = [i for _, layers, _, _ in self.chunks for i in layers]
         self.first, self.last = self.chunks[0][2], self.chunks[-1][3]
         self.cfg = cfg
@@ -66,11 +67,12 @@ class PlannedStage:
     def group_numel(self, cfg, tp, scheme, per=None):
         """{group: elements of this stage's tp shards} in the order the backward pass finishes the groups; per:
         {"embedding", "h", "head": elements of each kind} (default hsgd's shards, kind_numel; the planner's
-        Megatron-style run: hsgd.plan.family.megatron_numel)."""
+        Megatron-style run: hsgd.plan.family.megatron_numel), and "moe" for a MoE block's when cfg has experts
+        (theirs are groups of their own: hsgd.plan.experts.expert_groups)."""
         per = per or kind_numel(cfg, tp, scheme)
-        blocks = [f"h.{i}" for i in reversed(self.layers)]
-        return {g: per["h" if g.startswith("h.") else g] for g in
-                (["head"] if self.last else []) + blocks + (["embedding"] if self.first else [])}
+        blocks = {f"h.{i}": per["moe" if cfg.is_moe(i) else "h"] for i in reversed(self.layers)}
+        return ({"head": per["head"]} if self.last else {}) | blocks | (
+            {"embedding": per["embedding"]} if self.first else {})
 
 
 @lru_cache(maxsize=256)

@@ -32,6 +32,11 @@ GPT2 = {"gpt2-small": (12, 768, 12), "gpt2-medium": (24, 1024, 16), "gpt2-large"
 # 128,000 + 256 reserved = 128,256 tokens; RoPE base 500,000; pre-trained at sequence length 8,192.
 LLAMA3 = {"llama3-8b": (32, 4096, 14336, 32), "llama3-70b": (80, 8192, 28672, 64),
           "llama3-405b": (126, 16384, 53248, 128)}
+# Jiang et al. (2024), "Mixtral of Experts", Table 1: dim 4096, n_layers 32, head_dim 128, hidden_dim 14336, n_heads
+# 32, n_kv_heads 8, context_len 32768, vocab_size 32000, num_experts 8, top_k_experts 2 (RoPE base 1e6: the released
+# configuration's); "47B parameters", "13B active parameters" per token (hsgd.plan.experts).
+MIXTRAL = ModelConfig(vocab_size=32000, seq_len=32768, d_model=4096, n_heads=32, n_layers=32, d_ff=14336,
+                      arch="llama", n_kv_heads=8, rope_theta=1e6, moe_experts=8, moe_top_k=2)
 
 
 def llama3(L, C, F, NH, T=8192):
@@ -41,12 +46,14 @@ def llama3(L, C, F, NH, T=8192):
 
 def presets():
     """{name: ModelConfig}: the GPT models of Narayanan et al. 2021 Table 1, GPT-2's four, Llama 3's three (Dubey
-    et al. 2024, Table 3), hsgd's own (hsgd.train's default and a small one) in each arch."""
+    et al. 2024, Table 3), Mixtral 8x7B (Jiang et al. 2024), hsgd's own (hsgd.train's default and a small one) in
+    each arch."""
     out = {f"narayanan-{r['params_billion']:g}b": r["cfg"] for r in table1()}
     for name, (L, C, NH) in GPT2.items():
         out[name] = ModelConfig(vocab_size=50257, seq_len=1024, d_model=C, n_heads=NH, n_layers=L, d_ff=4 * C)
     for name, sizes in LLAMA3.items():
         out[name] = llama3(*sizes)
+    out["mixtral-8x7b"] = MIXTRAL
     small = dict(seq_len=32, d_model=64, n_heads=4, n_layers=2, d_ff=256)
     out["hsgd-default"] = ModelConfig()                                   # hsgd.train's default model
     out["hsgd-small"] = ModelConfig(**small)
@@ -79,7 +86,7 @@ def parse_model(text):
         fields.setdefault("d_ff", 4 * fields["d_model"])
     else:
         given = {f: getattr(base, f) for f in ("vocab_size", "seq_len", "d_model", "n_heads", "n_layers", "d_ff",
-                                               "arch", "rope_theta")}
+                                               "arch", "rope_theta", "moe_top_k", "moe_capacity_factor")}
         if "arch" not in fields:
             given.update(base.family())                                  # (a changed arch: its own preset)
         fields = given | fields

@@ -31,6 +31,7 @@ import os
 
 from hsgd.model.config import ModelConfig
 from hsgd.accounting.activations import paper_zero_bytes
+from .experts import kept_bytes
 from .family import kv_columns
 
 TABLE1 = os.path.join(os.path.dirname(os.path.abspath(__file__)), "narayanan2021.csv")
@@ -68,7 +69,7 @@ def table1():
 DROPOUT = {"gpt2": True, "llama": False}   # Korthikanti et al.'s GPT runs keep dropout masks; Llama 3 uses none
 
 
-def activation_bytes(cfg, b, tp, sequence, recompute, cp=1, attention="materialized"):
+def activation_bytes(cfg, b, tp, sequence, recompute, cp=1, attention="materialized", moe=False):
     """Korthikanti et al. (2022)'s activation bytes of one layer for one micro-batch of b sequences (16-bit), on a
     rank holding s = T/cp positions, term by term so that the family changes them (K_t = kv_columns: the columns of
     k and v on one of the t tensor-parallel ranks; mlp 4 s b F with GELU (its input and output), 6 s b F with SwiGLU
@@ -85,7 +86,9 @@ def activation_bytes(cfg, b, tp, sequence, recompute, cp=1, attention="materiali
 
     rows: none = replicated (/t with sequence parallelism) + split/t + scores; selective = the same without the
     scores; full = the layer's input, 2 s b h (/t with sequence parallelism). For gpt2 with F = 4h (K = h, dropout,
-    materialized) this is Table 2: s b h (10 + 24/t + 5 a s/(h t)), s b h (34/t + 5 a s/(h t)), 34 s b h/t, 2 s b h."""
+    materialized) this is Table 2: s b h (10 + 24/t + 5 a s/(h t)), s b h (34/t + 5 a s/(h t)), 34 s b h/t, 2 s b h.
+    moe: a MoE block's, whose experts keep hsgd.plan.experts.kept_bytes of N = s b rows in place of the mlp term
+    (the rows whole on every tp rank, sequence parallelism or not)."""
     s, h, a, t = cfg.seq_len // cp, cfg.d_model, cfg.n_heads, tp
     if recompute == "full":
         return 2 * s * b * h / (t if sequence else 1)
@@ -94,26 +97,41 @@ def activation_bytes(cfg, b, tp, sequence, recompute, cp=1, attention="materiali
     split = 4 + 4 * (kv_columns(cfg, t) * t) / h + (4 if cfg.mlp == "gelu" else 6) * cfg.d_ff / h
     score = 0 if recompute == "selective" else (
         4 * a / h if attention == "flash" else (5 if drop else 2) * a * s / h)
+    experts = kept_bytes(cfg, s * b, t) - s * b * (4 if cfg.mlp == "gelu" else 6) * cfg.d_ff / t if moe else 0
     if sequence:
-        return s * b * h * ((rep + split) / t + score / t)
-    return s * b * h * (rep + split / t + score / t)
+        return s * b * h * ((rep + split) / t + score / t) + experts
+    return s * b * h * (rep + split / t + score / t) + experts
 
 
-def stage_memory(cfg, lay, numel, n_blocks, held, last, state_bytes=16):
+def model_states(numel, nd, zero, K):
+    """(weights, grads, optimizer) bytes of numel parameters ZeRO-sharded over nd ranks: 2, 2 and K bytes each."""
+    states = paper_zero_bytes(numel, nd, zero, K)
+    weights = numel * 2 / (nd if zero == 3 else 1)
+    grads = numel * 2 / (nd if zero >= 2 else 1)
+    return weights, grads, states - weights - grads
+
+
+def stage_memory(cfg, lay, numel, n_blocks, held, last, state_bytes=16, experts=0, n_moe=0):
     """{category: bytes} on one device of a stage in a Megatron-style run: numel its parameters (its tp shard),
     n_blocks its blocks, held the micro-batches (chunks) in flight at its peak, last: it has the loss.
-    state_bytes per parameter: 16 for mixed-precision Adam (2 + 2 + K, K = 12)."""
+    state_bytes per parameter: 16 for mixed-precision Adam (2 + 2 + K, K = 12). experts: its expert elements,
+    ZeRO-sharded over edp = dp cp / ep (hsgd.plan.experts), in categories of their own; n_moe of its blocks MoE."""
     K = state_bytes - 4
     nd = lay.dp * lay.cp
-    states = paper_zero_bytes(numel, nd, lay.zero, K)
-    weights = numel * 2 / (nd if lay.zero == 3 else 1)
-    grads = numel * 2 / (nd if lay.zero >= 2 else 1)
+    weights, grads, optimizer = model_states(numel, nd, lay.zero, K)
     sequence = lay.tp_scheme == "sequence"
     per_layer = activation_bytes(cfg, lay.b, lay.tp, sequence, lay.recompute, lay.cp, lay.attention)
-    acts = held * (n_blocks / lay.v) * per_layer
-    out = {"params": weights, "grads": grads, "optimizer": states - weights - grads, "activations": acts}
+    per_moe = activation_bytes(cfg, lay.b, lay.tp, sequence, lay.recompute, lay.cp, lay.attention, True) if n_moe \
+        else 0.0
+    acts = held * ((n_blocks - n_moe) / lay.v) * per_layer + held * (n_moe / lay.v) * per_moe
+    out = {"params": weights, "grads": grads, "optimizer": optimizer, "activations": acts}
+    if experts:
+        out["expert params"], out["expert grads"], out["expert optimizer"] = model_states(experts, nd // lay.ep,
+                                                                                          lay.zero, K)
     if lay.recompute == "full":                             # one layer's whole activations, rebuilt for its backward
-        out["recompute"] = activation_bytes(cfg, lay.b, lay.tp, sequence, "none", lay.cp, lay.attention)
+        kinds = [moe for moe, n in ((False, n_blocks - n_moe), (True, n_moe)) if n]      # (the larger kind's)
+        out["recompute"] = max(activation_bytes(cfg, lay.b, lay.tp, sequence, "none", lay.cp, lay.attention, moe)
+                               for moe in kinds)
     if last:
         out["activations"] += 4 * (cfg.seq_len // lay.cp) * lay.b * -(-cfg.vocab_size // lay.tp)
     return out

@@ -2,14 +2,17 @@
 
 A layout (`Layout`) is dp x pp x cp x tp = n devices, v chunks per stage, a ZeRO stage, the tensor-parallel scheme
 (megatron, or sequence: Korthikanti et al. 2022's sequence parallelism), recomputation, a micro-batch of b
-sequences (m = B / (dp b) micro-batches) and a pipeline schedule. `evaluate` prices one:
+sequences (m = B / (dp b) micro-batches), a pipeline schedule and, for a mixture-of-experts model, ep: the ranks of
+dp x cp that split each MoE block's experts (hsgd.ep.layout; ep divides dp cp and E). `evaluate` prices one:
 
     memory      per device by category: hsgd's own (--impl hsgd: hsgd.plan.layout, equal to what hsgd.train
-                measures) or a Megatron-style mixed-precision run's (--impl megatron: hsgd.plan.paper, its
-                parameters per tp rank hsgd.plan.family.megatron_numel, its attention Layout.attention); it fits
+                measures; dense models only) or a Megatron-style mixed-precision run's (--impl megatron:
+                hsgd.plan.paper, its parameters per tp rank hsgd.plan.family.megatron_numel and, of the experts,
+                hsgd.plan.experts.rank_numel, its attention Layout.attention); it fits
                 within (1 - headroom) x the device's memory (HEADROOM, 10%, unless told)
-    bytes       per step on each communicator (hsgd.accounting.traffic.rank_bytes), and on each link type
-    time        hsgd.plan.costs.step_time: compute, exposed tp, pp bubble and transfers, cp, dp
+    bytes       per step on each communicator (hsgd.accounting.traffic.rank_bytes; the experts' all-to-all and
+                their exchange over edp: hsgd.plan.experts), and on each link type
+    time        hsgd.plan.costs.step_time: compute, exposed tp, pp bubble and transfers, cp, dp, ep
     throughput  tokens/s = B T / step time; MFU = the model's FLOPs without recomputation / (time n peak);
                 TFLOP/s per device as Narayanan et al. 2021 count it (with recomputation's FLOPs when on)
 
@@ -26,6 +29,7 @@ from hsgd.step.settings import MAX_RANKS, TrainConfig
 from hsgd.pp.timelines import peak_formula
 from .costs import group_links, group_sizes, step_time
 from .layout import ITEMSIZE, PlannedStage, plan_rank
+from .experts import FoldedExchange, alltoall_formula, expert_groups, in_backward_order, rank_numel
 from .family import megatron_numel
 from .paper import stage_memory
 
@@ -52,9 +56,11 @@ class Layout:
     cp_scheme: str = "ring"
     itemsize: int = 2                # bytes per element moved and held (hsgd: its dtype's; megatron: 2)
     attention: str = "materialized"  # or "flash": no stored scores (hsgd.plan.paper.activation_bytes)
+    ep: int = 1                      # expert-parallel ranks, folded out of dp x cp (MoE models)
 
     def name(self):
         parts = [f"dp{self.dp} pp{self.pp} tp{self.tp}"] + ([f"cp{self.cp}"] if self.cp > 1 else [])
+        parts[-1] += f" ep{self.ep}" if self.ep > 1 else ""
         parts.append(f"b{self.b} m{self.m}")
         if self.pp > 1:
             parts.append(self.schedule + (f" v{self.v}" if self.v > 1 else ""))
@@ -71,7 +77,7 @@ class Layout:
                          tp_scheme=self.tp_scheme, recompute=self.recompute, micro_batches=self.m,
                          schedule=self.schedule, dp_overlap=self.dp_overlap, dp_staleness=self.dp_staleness,
                          hierarchical=self.hierarchical, ranks_per_node=self.ranks_per_node,
-                         cp_scheme=self.cp_scheme, batch_size=batch, dtype=dtype, optimizer=optimizer)
+                         cp_scheme=self.cp_scheme, batch_size=batch, dtype=dtype, optimizer=optimizer, ep=self.ep)
         tc.validate()
         tc.resolve_layout(self.dp * self.pp * self.cp * self.tp)
         return tc
@@ -110,7 +116,7 @@ def too_many(what):
 
 def layouts(cfg, batch, n, space):
     """Every Layout of n devices that the model allows, over `space` (a dict of lists: tp, pp, cp, v, zero,
-    tp_scheme, recompute, b, schedule, dp_overlap, hierarchical; attention: one of them, the run's, default
+    tp_scheme, recompute, b, schedule, dp_overlap, hierarchical, ep; attention: one of them, the run's, default
     materialized; None: every value that applies; node_ranks: the
     devices of a node, for the hierarchical exchange). The sizes are the divisors of n (the lists given: their
     values that divide it, each once), and at most MAX_LAYOUTS layouts are made (ConfigError beyond)."""
@@ -128,6 +134,7 @@ def layouts(cfg, batch, n, space):
                 dp = n // (tp * cp * pp)
                 if batch % dp:
                     continue
+                eps = expert_sizes(cfg, dp * cp, space.get("ep"))
                 for b in dict.fromkeys(space.get("b") or [x for x in (1, 2, 4, 8) if (batch // dp) % x == 0]):
                     if (batch // dp) % b:
                         continue
@@ -141,7 +148,7 @@ def layouts(cfg, batch, n, space):
                             if v > 1 and (pp == 1 or pp * v > cfg.n_layers or m % pp):
                                 continue
                             for more in options(space, dp * cp, space.get("node_ranks") and
-                                                space["node_ranks"] // (pp * cp * tp)):
+                                                space["node_ranks"] // (pp * cp * tp), eps):
                                 lay = Layout(dp=dp, pp=pp, tp=tp, cp=cp, v=v, b=b, m=m, schedule=sched,
                                              attention=attention, **more)
                                 if lay.tp_scheme == "sequence" and tp == 1:
@@ -153,10 +160,18 @@ def layouts(cfg, batch, n, space):
     return out
 
 
-def options(space, ndp, per_node=None):
-    """The combinations of ZeRO stage, scheme, recomputation and exchange options in `space`. per_node: the dp
-    ranks in one node (space["node_ranks"] devices over the pp cp tp ranks of a replica), for the hierarchical
-    exchange (space["hierarchical"]: [False, True]) where 1 < per_node < ndp and it divides ndp."""
+def expert_sizes(cfg, ndp, given=None):
+    """The ep a layout of ndp = dp cp ranks may take: 1 for a dense model, else those of `given` (default: all) that
+    divide both ndp and the experts E."""
+    if not cfg.moe_experts:
+        return [1]
+    return [e for e in dict.fromkeys(given or divisors(ndp)) if ndp % e == 0 and cfg.moe_experts % e == 0]
+
+
+def options(space, ndp, per_node=None, eps=(1,)):
+    """The combinations of ZeRO stage, scheme, recomputation, exchange options in `space` and expert-parallel sizes
+    eps. per_node: the dp ranks in one node (space["node_ranks"] devices over the pp cp tp ranks of a replica), for
+    the hierarchical exchange (space["hierarchical"]: [False, True]) where 1 < per_node < ndp and it divides ndp."""
     for zero in space.get("zero") or [0, 1, 2, 3]:
         if zero and ndp == 1:
             continue
@@ -169,8 +184,9 @@ def options(space, ndp, per_node=None):
                         if hier and (overlap or zero == 1 or not per_node or not 1 < per_node < ndp
                                      or ndp % per_node):
                             continue
-                        yield dict(zero=zero, tp_scheme=scheme, recompute=rc, dp_overlap=overlap, hierarchical=hier,
-                                   ranks_per_node=per_node if hier else None)
+                        for ep in eps:
+                            yield dict(zero=zero, tp_scheme=scheme, recompute=rc, dp_overlap=overlap,
+                                       hierarchical=hier, ranks_per_node=per_node if hier else None, ep=ep)
 
 
 OPTIMIZER_BYTES = {"megatron": 28}   # a fused mixed-precision Adam: fp32 weights, m, v read and written (24), the
@@ -209,6 +225,9 @@ def evaluate(cfg, batch, lay, hw, impl="megatron", dtype="bfloat16", efficiency=
     refuses (--impl hsgd)."""
     n = lay.dp * lay.pp * lay.cp * lay.tp
     stages = stage_ids(lay.pp)
+    if impl == "hsgd" and cfg.moe_experts:
+        raise ConfigError("--impl hsgd prices hsgd.train's own accounting (hsgd.accounting), which has no experts "
+                          "yet; use --impl megatron for a mixture-of-experts model")
     if impl == "hsgd":
         lay = replace(lay, itemsize=ITEMSIZE[dtype])
         tc = lay.train_config(batch, dtype, optimizer)
@@ -221,27 +240,36 @@ def evaluate(cfg, batch, lay, hw, impl="megatron", dtype="bfloat16", efficiency=
         exchanges = {s: p["exchange"] for s, p in plans.items()}
         owned = max(p["exchange"].owned_numel() for p in plans.values())
         shapes = {s: (len(p["stage"].layers), p["stage"].first, p["stage"].last) for s, p in plans.items()}
+        n_moe = dict.fromkeys(plans, 0)
     else:
         tc = SimpleNamespace(tp_scheme=lay.tp_scheme, recompute=lay.recompute, cp_scheme=lay.cp_scheme,
                              micro_batches=lay.m, batch_size=batch, zero=lay.zero, dp_overlap=lay.dp_overlap,
                              dp_staleness=lay.dp_staleness, hierarchical=lay.hierarchical,
                              ranks_per_node=lay.ranks_per_node, pp_split=None, virtual_stages=lay.v,
                              schedule=lay.schedule)
-        mems, counts, shapes, exchanges, owned = {}, {}, {}, {}, 0
+        mems, counts, shapes, exchanges, owned, n_moe = {}, {}, {}, {}, 0, {}
         for s in stages:
             st = PlannedStage(cfg, tc, lay.pp, s)
-            numel = st.group_numel(cfg, lay.tp, lay.tp_scheme,
-                                   megatron_numel(cfg, lay.tp, tied_copy=st.last and not st.first))
-            ex = exchanges[s] = exchange_sizes(tc, numel, lay.itemsize, lay.dp * lay.cp, lay.m)
-            counts[s] = rank_bytes(cfg, tc, lay.dp, lay.tp, lay.cp, st, ex)
+            per = megatron_numel(cfg, lay.tp, tied_copy=st.last and not st.first) | rank_numel(cfg, lay.tp, lay.ep)
+            numel = st.group_numel(cfg, lay.tp, lay.tp_scheme, per)
+            experts = expert_groups(cfg, st.layers, lay.tp, lay.ep)      # {} for a dense model
+            if lay.ep == 1 or not experts:                   # every expert on every rank: averaged with the rest
+                ex = exchange_sizes(tc, in_backward_order(numel, experts), lay.itemsize, lay.dp * lay.cp, lay.m)
+            else:                                            # the experts over edp, flat
+                flat = SimpleNamespace(**vars(tc) | dict(hierarchical=False, ranks_per_node=None))
+                ex = FoldedExchange(exchange_sizes(tc, numel, lay.itemsize, lay.dp * lay.cp, lay.m),
+                                    exchange_sizes(flat, experts, lay.itemsize, lay.dp * lay.cp // lay.ep, lay.m))
+            exchanges[s], n_moe[s] = ex, len(experts)
+            counts[s] = rank_bytes(cfg, tc, lay.dp, lay.tp, lay.cp, st, ex) | alltoall_formula(cfg, lay, n_moe[s])
             owned = max(owned, ex.owned_numel())
             held = peak_formula(st.kind, lay.m, lay.pp, s, lay.v)            # (micro-batch, chunk) pairs in flight
-            mems[s] = stage_memory(cfg, lay, sum(numel.values()), len(st.layers), held, st.last)
+            mems[s] = stage_memory(cfg, lay, sum(numel.values()), len(st.layers), held, st.last,
+                                   experts=sum(experts.values()), n_moe=n_moe[s])
             shapes[s] = (len(st.layers), st.first, st.last)
     full = max(mems, key=lambda s: sum(mems[s].values())) if mems else None
     rate = rate_of(hw, dtype, efficiency)
-    t = step_time(cfg, lay, [(*shapes[s], counts[s], exchanges[s]) for s in stages], hw, rate, explain, simulated,
-                  optimizer_seconds(hw, impl, optimizer, lay.itemsize, owned))
+    t = step_time(cfg, lay, [(*shapes[s], counts[s], exchanges[s], n_moe[s]) for s in stages], hw, rate, explain,
+                  simulated, optimizer_seconds(hw, impl, optimizer, lay.itemsize, owned))
     if explain and full is not None:
         t.terms[:0] = memory_terms(cfg, lay, impl, mems[full], full, plans[full]["memory"]["at"]
                                    if impl == "hsgd" else None)
@@ -270,9 +298,14 @@ def memory_terms(cfg, lay, impl, mem, stage, at=None):
         return [("memory", f"stage {stage}: hsgd.accounting.step_memory's walk of the schedule (equal to what "
                            f"hsgd.train measures), peak at '{at}': {peak}")]
     nd, s_, b, h = lay.dp * lay.cp, cfg.seq_len // lay.cp, lay.b, cfg.d_model
+    experts = [("memory", f"experts: {cfg.moe_experts // lay.ep} of each MoE block's {cfg.moe_experts} on a rank "
+                          f"(ep {lay.ep}), each split over tp, the same states divided by edp = {nd // lay.ep} where "
+                          f"sharded: params {mem['expert params']:.4g} B, grads {mem['expert grads']:.4g} B, "
+                          f"optimizer {mem['expert optimizer']:.4g} B; a MoE block's activations: "
+                          "hsgd.plan.experts.kept_bytes in place of its MLP's")] if "expert params" in mem else []
     return [("memory", f"stage {stage}: ZeRO-{lay.zero} model states (Rajbhandari et al. 2020), 2 psi weights, "
                        f"2 psi gradients, 12 psi Adam, divided by Nd = {nd} where sharded: params {mem['params']:.4g}"
-                       f" B, grads {mem['grads']:.4g} B, optimizer {mem['optimizer']:.4g} B"),
+                       f" B, grads {mem['grads']:.4g} B, optimizer {mem['optimizer']:.4g} B")] + experts + [
             ("memory", f"activations (Korthikanti et al. 2022, Table 2, for the {cfg.arch} family, {lay.tp_scheme}, "
                        f"recompute {lay.recompute}, attention {lay.attention}): "
                        f"s b h = {s_} x {b} x {h} per layer, times the layers of the stage and the micro-batches in "
