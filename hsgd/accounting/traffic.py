@@ -6,6 +6,7 @@ planner (hsgd.plan.layout) asks the same function with sizes alone. Chapters 7, 
 from hsgd.cp.split import cp_formula
 from hsgd.pp.chunks import pp_formula
 from hsgd.tp import model as tp_model
+from hsgd.tp.experts import experts_formula
 from hsgd.tp.kv import kv_columns
 
 
@@ -30,4 +31,11 @@ def rank_bytes(cfg, tc, dp, tp, cp, stage, sizes):
     f.update(cp_formula(tc.cp_scheme, cp, per_mb, cfg.seq_len, cfg.d_model, tp, itemsize,
                         m * len(stage.layers), tc.recompute, kv_columns(cfg, tp)))
     f.update(sizes.formula())
+    if cfg.moe_experts:                                               # the MoE blocks' own (hsgd.tp.experts)
+        chunks = [ch.layers for ch in stage.chunks] if hasattr(stage, "chunks") else [stage.layers]
+        for key, (calls, nbytes) in experts_formula(cfg, per_mb, chunks, tp, cp, dp, m, itemsize, tc.tp_scheme,
+                                                    tc.recompute).items():
+            c0, b0 = f.get(key, (0, 0))
+            f[key] = (c0 + calls, b0 + nbytes)
+        f = {key: v for key, v in f.items() if v[0]}
     return f

@@ -108,9 +108,10 @@ def params_digest(params):
 
 
 def global_loss(group_loss, grid):
-    """The global batch's loss from this DP group's (held by the last pipeline stage; with context parallelism its
-    cp ranks' losses of their positions, which are averaged too): metadata, pickled. Collective over the grid."""
-    return grid.dp_comm.comm.allreduce(grid.pp_comm.comm.bcast(group_loss, root=grid.pp - 1)) / grid.dp_comm.size
+    """The global batch's loss from this DP group's (the sum over its pipeline stages: the last stage's loss, and
+    the auxiliary losses of every stage's MoE blocks, 0.0 without; with context parallelism its cp ranks' losses of
+    their positions, which are averaged too): metadata, pickled. Collective over the grid."""
+    return grid.dp_comm.comm.allreduce(grid.pp_comm.comm.allreduce(group_loss)) / grid.dp_comm.size
 
 
 def replica_divergence(exchange, dp_comm):

@@ -16,6 +16,9 @@ the domain when the ranks that hold its tokens can sum their counts before the b
 "micro-batch" and "sequence" over cp_comm, "global" over dp_comm when each step is one micro-batch, "pooled" over
 the blocks of one stage only (pp = 1).
 """
+import numpy as np
+
+from hsgd.cp.split import positions
 from hsgd.errors import ConfigError
 from hsgd.model.config import divisors
 
@@ -41,3 +44,20 @@ def check_moe_layout(cfg, tc):
     if cfg.moe_balance_layers == "pooled" and cfg.moe_balance and tc.pp > 1:
         raise ConfigError(f"--moe-balance-layers pooled counts over every MoE block at once, but --pp {tc.pp} puts "
                           f"them on different stages; use --moe-balance-layers each, or --pp 1")
+
+
+def capacity_groups(B, T, dp, m, cp, xp=np):
+    """The rows each rank routes together, as global row indices of a step's B sequences of T positions (row
+    s T + t), in the order the rank holds them: for DP rank d, micro-batch j and context-parallel rank c, the
+    micro-batch's b = B/(dp m) sequences (hsgd.dp.average.micro_batches), each at c's positions (hsgd.cp.split:
+    the load-balanced chunks). Serial calls route with these groups to drop the tokens a layout drops
+    (hsgd.model.moe_pass.serial_pass)."""
+    b = B // (dp * m)
+    out = []
+    for d in range(dp):
+        for j in range(m):
+            seqs = xp.arange(d * B // dp + j * b, d * B // dp + (j + 1) * b)
+            for c in range(cp):
+                pos = xp.asarray(positions(T, cp, c)) if cp > 1 else xp.arange(T)
+                out.append((seqs[:, None] * T + pos[None, :]).reshape(-1))
+    return out

@@ -99,13 +99,13 @@ class Balance:
     def finish(self):
         """The counts summed over Domain.comm (one Allreduce of every block's), f, and this call's local value:
         1/share times its share of the loss (see the module docstring)."""
-        if not self.counts:
+        if not self.counts or not self.alpha:                         # (alpha 0: no loss, nothing to count)
             return 0.0
         keys = list(self.counts)
         xp = array_module(self.counts[keys[0]])
         counts = xp.stack([self.counts[k] for k in keys]).astype(self.dtype)   # (blocks, groups, E)
         if self.dom.comm is not None and self.dom.comm.size > 1:
-            counts = self.dom.comm.Allreduce(counts, xp.empty_like(counts))     # the groups' counts, whole
+            counts = self.dom.comm.Allreduce(counts)                  # in place: the groups' counts, whole
         sizes = xp.asarray(self.dom.sizes, dtype=self.dtype)[None, :, None]   # (1, groups, 1) |G|
         if self.pooled:                                               # one count over every block's rows
             counts = xp.broadcast_to(counts.sum(axis=0, keepdims=True), counts.shape)
@@ -122,9 +122,11 @@ class Balance:
 
     def dprobs(self, key, dloss, N):
         """(N, E): dloss times the local value's gradient with respect to block `key`'s probabilities."""
+        xp = array_module(self.psums[key])
+        out = xp.zeros((N, self.E), dtype=self.dtype)
+        if not self.alpha:
+            return out
         w = self.w_of[key] * (dloss / self.dom.share)                 # (groups, E)
-        xp = array_module(w)
-        out = xp.zeros((N, self.E), dtype=w.dtype)
         for G, wG in zip(self.dom.groups, w):
             out[G] += wG
         return out

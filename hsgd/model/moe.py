@@ -58,6 +58,7 @@ Legend: N rows, C d_model, E experts, k top-k, F expert width, S = N*k token-slo
 Arrays may be NumPy or CuPy; each function computes with the module its inputs belong to.
 """
 import math
+from collections import namedtuple
 from dataclasses import dataclass
 
 from hsgd.errors import ConfigError
@@ -270,6 +271,77 @@ def update_selection_bias(bias, load, gamma):
 # --------------------------------------------------------------------------------------------------------------
 # The layer
 
+def route(x2, W, settings, selection_bias=None, capacity_groups=None):
+    """Steps 1 and 2 on the N rows x2 (N, C): (Routing, the router's cache)."""
+    (chosen, gates, probs, logits), c_router = router_forward(x2, W, settings, selection_bias)
+    perm, inv, load, kept = dispatch_groups(chosen, settings.experts, settings, capacity_groups)
+    N = x2.shape[0]
+    capacity = expert_capacity(N if capacity_groups is None else len(capacity_groups[0]), settings)
+    return Routing(chosen, gates, probs, logits, perm, inv, load, kept, capacity), c_router
+
+
+Routing = namedtuple("Routing", "chosen gates probs logits perm inv load kept capacity")
+
+
+def experts_forward(xs, params, prefix, settings, kept):
+    """Step 3's experts on the dispatched rows xs (S, C), kept[e] of them expert e's, in expert order:
+    (ys (S, C), bounds, caches), expert e computing rows bounds[e]:bounds[e + 1]. Experts may be any run of the
+    layer's (ids from kept's index: expert parallelism hands a rank its own, E/ep of them, as a dict {e: rows})."""
+    xp = array_module(xs)
+    ids = list(kept) if isinstance(kept, dict) else list(range(len(kept)))
+    counts = [int(kept[e]) for e in ids]
+    bounds = [0] + [int(b) for b in xp.cumsum(xp.asarray(counts))] if ids else [0]
+    outs, caches = [xp.zeros((0, xs.shape[1]), dtype=xs.dtype)], []
+    for j, e in enumerate(ids):
+        o, c = expert_forward(xs[bounds[j]:bounds[j + 1]], params, f"{prefix}.experts.{e}.", settings.mlp)
+        outs.append(o)
+        caches.append(c)
+    return xp.concatenate(outs), bounds, caches
+
+
+def experts_backward(dys, bounds, caches, grads):
+    """experts_forward's adjoint: dxs (S, C), each expert's weight gradients into grads."""
+    xp = array_module(dys)
+    return xp.concatenate([xp.zeros((0, dys.shape[1]), dtype=dys.dtype)] +
+                          [expert_backward(dys[bounds[j]:bounds[j + 1]], c, grads) for j, c in enumerate(caches)])
+
+
+def combine_forward(ys, inv, gates):
+    """y[n] = sum_j g[n, j] ys[inv[n*k + j]] (a dropped slot reads the zero row appended at S_kept): (y (N, C),
+    slot_out (N, k, C))."""
+    xp = array_module(ys)
+    N, k = gates.shape
+    ys = xp.concatenate([ys, xp.zeros((1, ys.shape[1]), dtype=ys.dtype)])   # (S_kept + 1, C) and the zero row
+    slot_out = ys[inv].reshape(N, k, ys.shape[1])             # (N, k, C) the inverse permutation
+    return (gates[:, :, None] * slot_out).sum(axis=1), slot_out
+
+
+def combine_backward(dy2, gates, slot_out):
+    """(dgates (N, k), dslot (N*k, C)): dgates[n, j] = <dy[n], out_slot[n, j]>, dslot[n, j] = g[n, j] dy[n]."""
+    N, k, C = slot_out.shape
+    dgates = (dy2[:, None, :] * slot_out).sum(axis=-1)        # (N, k)
+    return dgates, (gates[:, :, None] * dy2[:, None, :]).reshape(N * k, C)
+
+
+def record_balance(balance, groups, prefix, settings, probs, chosen):
+    """The balance loss: recorded in the model's Balance (the value None until its finish()), or, without one, over
+    `groups` (None: all rows one group) at once, the layer alone. Returns (value, the Balance)."""
+    if balance is not None:
+        balance.add(prefix, probs, chosen)
+        return None, balance
+    xp, N = array_module(probs), probs.shape[0]
+    groups = [xp.arange(N)] if groups is None else groups
+    balance = Balance(settings.balance_coef, settings.experts, settings.top_k,
+                      Domain(groups, [len(G) for G in groups], len(groups)))
+    balance.add(prefix, probs, chosen)
+    return balance.finish(), balance
+
+
+def routing_aux(r, value, z, N, k):
+    """The layer's aux dict (moe_forward's docstring)."""
+    return dict(balance=value, z=z, load=r.load, kept=r.kept, dropped=N * k - r.perm.shape[0], capacity=r.capacity)
+
+
 def moe_forward(x, params, settings, prefix="moe", groups=None, selection_bias=None, capacity_groups=None,
                 balance=None):
     """y (x's shape), aux, cache. x: (..., C), flattened to N rows (groups and capacity_groups index those rows).
@@ -279,36 +351,16 @@ def moe_forward(x, params, settings, prefix="moe", groups=None, selection_bias=N
     hsgd.model.balance.Balance shared by a model's MoE blocks), recorded there under `prefix` and aux["balance"]
     None: the model calls balance.finish() after its last block. capacity_groups: the rows routed together, each
     with its own capacity (dispatch_groups); None: all rows."""
-    xp = array_module(x)
-    C, E, k = x.shape[-1], settings.experts, settings.top_k
+    C, k = x.shape[-1], settings.top_k
     x2 = x.reshape(-1, C)                                     # (N, C)
-    N = x2.shape[0]
-    (chosen, gates, probs, logits), c_router = router_forward(x2, params[prefix + ".router.weight"], settings,
-                                                              selection_bias)
-    perm, inv, load, kept = dispatch_groups(chosen, E, settings, capacity_groups)
-    capacity = expert_capacity(N if capacity_groups is None else len(capacity_groups[0]), settings)
-    xs = x2[perm // k]                                        # (S_kept, C) dispatch: rows by expert
-    bounds = [0] + [int(b) for b in xp.cumsum(kept)]          # expert e computes rows bounds[e]:bounds[e+1]
-    outs, c_experts = [], []
-    for e in range(E):
-        o, c = expert_forward(xs[bounds[e]:bounds[e + 1]], params, f"{prefix}.experts.{e}.", settings.mlp)
-        outs.append(o)
-        c_experts.append(c)
-    ys = xp.concatenate(outs + [xp.zeros((1, C), dtype=x2.dtype)])         # (S_kept + 1, C) and the zero row
-    slot_out = ys[inv].reshape(N, k, C)                       # (N, k, C) combine: the inverse permutation
-    y = (gates[:, :, None] * slot_out).sum(axis=1)            # (N, C)
-    value = None
-    if balance is None:                                           # the layer alone: its groups, no communication
-        groups = [xp.arange(N)] if groups is None else groups
-        balance = Balance(settings.balance_coef, E, k, Domain(groups, [len(G) for G in groups], len(groups)))
-        balance.add(prefix, probs, chosen)
-        value = balance.finish()
-    else:
-        balance.add(prefix, probs, chosen)
-    z, c_z = z_loss_forward(logits, settings.z_coef)
-    aux = dict(balance=value, z=z, load=load, kept=kept, dropped=N * k - perm.shape[0], capacity=capacity)
-    cache = (x.shape, c_router, perm, gates, slot_out, bounds, c_experts, balance, c_z, prefix)
-    return y.reshape(x.shape), aux, cache
+    r, c_router = route(x2, params[prefix + ".router.weight"], settings, selection_bias, capacity_groups)
+    xs = x2[r.perm // k]                                      # (S_kept, C) dispatch: rows by expert
+    ys, bounds, c_experts = experts_forward(xs, params, prefix, settings, r.kept)
+    y, slot_out = combine_forward(ys, r.inv, r.gates)         # (N, C)
+    value, balance = record_balance(balance, groups, prefix, settings, r.probs, r.chosen)
+    z, c_z = z_loss_forward(r.logits, settings.z_coef)
+    cache = (x.shape, c_router, r.perm, r.gates, slot_out, bounds, c_experts, balance, c_z, prefix)
+    return y.reshape(x.shape), routing_aux(r, value, z, x2.shape[0], k), cache
 
 
 def moe_backward(dy, daux, cache, grads):
@@ -320,15 +372,17 @@ def moe_backward(dy, daux, cache, grads):
     shape, c_router, perm, gates, slot_out, bounds, c_experts, balance, c_z, prefix = cache
     xp = array_module(dy)
     N, k, C = slot_out.shape
-    dy2 = dy.reshape(N, C)                                    # (N, C)
-    dgates = (dy2[:, None, :] * slot_out).sum(axis=-1)        # (N, k)
-    dslot = (gates[:, :, None] * dy2[:, None, :]).reshape(N * k, C)        # (S, C)
-    dys = dslot[perm]                                         # (S_kept, C)
-    dxs = xp.concatenate([expert_backward(dys[bounds[e]:bounds[e + 1]], c, grads)
-                          for e, c in enumerate(c_experts)])  # (S_kept, C)
+    dgates, dslot = combine_backward(dy.reshape(N, C), gates, slot_out)     # (N, k), (S, C)
+    dxs = experts_backward(dslot[perm], bounds, c_experts, grads)           # (S_kept, C)
     dx = xp.zeros((N, C), dtype=dy.dtype)
     scatter_add(dx, perm // k, dxs)                           # each slot's gradient back to its token
-    dprobs = balance.dprobs(prefix, daux["balance"], N)       # (N, E) the balance loss's, f held constant
-    dlogits = z_loss_backward(daux["z"], c_z)                 # (N, E)
-    dx += router_backward(dgates, dprobs, dlogits, c_router, grads[prefix + ".router.weight"])
+    dx += router_input_grad(dgates, daux, c_router, balance, c_z, prefix, grads)
     return dx.reshape(shape)
+
+
+def router_input_grad(dgates, daux, c_router, balance, c_z, prefix, grads):
+    """The router's backward with the three paths onto its logits: the gates', the balance loss's dprobs (f held
+    constant) and the z-loss's dlogits. Returns its dx (N, C); the router's weight gradient into grads."""
+    dprobs = balance.dprobs(prefix, daux["balance"], dgates.shape[0])      # (N, E)
+    dlogits = z_loss_backward(daux["z"], c_z)                 # (N, E)
+    return router_backward(dgates, dprobs, dlogits, c_router, grads[prefix + ".router.weight"])

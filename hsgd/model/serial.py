@@ -303,7 +303,8 @@ def sgd(cfg, tc, batch, params=None, delayed=False, micro_sequences=None, capaci
     With experts, the loss adds the auxiliary losses counted as a layout counts them (micro_sequences: its
     micro-batches' sequences, B/(dp m); capacity_groups: each of its ranks' rows, routed together: serial_pass),
     and with cfg.moe_bias_rate each MoE block's selection bias moves after every step by the step's load
-    (update_selection_bias); moe_state, a dict, receives {"biases": {prefix: (E,)}, "loads": [per step]}.
+    (update_selection_bias); moe_state, a dict, receives {"biases": {prefix: (E,)}, "routing": [per step:
+    {prefix: {"load", "kept": (E,), "dropped"}}]}.
     """
     from hsgd.model.optim import clip_grads, lr_at, make_optimizer   # here: optim imports mpi4py, the model does not
     if params is None:
@@ -312,7 +313,7 @@ def sgd(cfg, tc, batch, params=None, delayed=False, micro_sequences=None, capaci
     pending, losses = None, []
     state = moe_state if moe_state is not None else {}
     state.setdefault("biases", {f"h.{i}.moe": np.zeros(cfg.moe_experts) for i in cfg.moe_layers()})
-    state.setdefault("loads", [])
+    state.setdefault("routing", [])
     for step in range(1, tc.steps + 1):
         idx, targets = batch(step)
         moe = None
@@ -322,7 +323,7 @@ def sgd(cfg, tc, batch, params=None, delayed=False, micro_sequences=None, capaci
         value, grads = loss_and_grads(params, idx, targets, cfg, moe=moe)
         losses.append(value)
         if moe is not None:
-            state["loads"].append(moe.loads())
+            state["routing"].append({k: {n: a[n] for n in ("load", "kept", "dropped")} for k, a in moe.aux.items()})
             if cfg.moe_bias_rate:                           # after the step: by the step's load, not the update's
                 state["biases"] = {k: update_selection_bias(b, moe.loads()[k], cfg.moe_bias_rate)
                                    for k, b in state["biases"].items()}

@@ -32,6 +32,8 @@ from hsgd.pp.chunks import parse_split, stage_chunks, stage_names
 from hsgd.pp.schedules import KIND_NAMES, build, check, effective
 from hsgd.model.threads import cpu_threads, parallel_batches
 from hsgd.grid.trace import NullTracer
+from hsgd.model.moe import update_selection_bias
+from hsgd.tp.experts import Experts
 from hsgd.tp.wgrad import WeightGrads
 
 # one model chunk of a stage: its piece k of the model, its blocks, whether it has the embedding / the head
@@ -46,6 +48,8 @@ class Stage:
         self.cfg, self.scheme, self.m, self.recompute = cfg, layout.tp_scheme, layout.micro_batches, recompute
         self.xp, self.dtype = get_xp(data.device), resolve_dtype(data.dtype)   # (ZeRO-3: params may be empty here)
         self.tp_comm, self.pp_comm, self.s, p = grid.tp_comm, grid.pp_comm, grid.pp_rank, grid.pp
+        self.grid, self.biases, self.routing = grid, {}, {}             # (the MoE blocks' selection biases, and
+                                                                       # their routing in the last step)
         self.ctx = make_context(cfg, grid, layout.cp_scheme, data.device, layout.attention)   # my positions
         self.use(make_numerics(data.dtype, data.reduce_dtype))         # where bfloat16 / float16 round (precision)
         self.loss_scale = 1.0                                          # float16: the loss scaler's S (step.trainer)
@@ -67,6 +71,10 @@ class Stage:
         (comm.payload_round)."""
         self.num = num
         self.setup = tp_model.TPSetup(self.cfg, self.tp_comm, self.scheme, self.recompute, self.ctx, num)
+        if self.cfg.moe_experts:                                       # the MoE blocks see the layout's ranks
+            g = self.grid
+            self.setup.experts = Experts(self.cfg, self.tp_comm, g.cp_comm, g.dp_comm, g.dp, self.m, g.cp,
+                                         biases=self.biases)
         self.tp_comm.payload_round = num.payload if num.rounds and self.tp_comm.size > 1 else None
 
     def pieces(self, rows):
@@ -87,10 +95,12 @@ class Stage:
         only the first piece uses idx, only the last targets). The gradients of (1/m) * each micro-batch's mean
         loss accumulate into `grads`; on_ready(group) is called when a group is final (after the last backward,
         or W, of its chunk); hooks (hsgd.tp.hooks.Hooks) run around every group's forward and backward. Returns
-        (1/m) * the sum of the micro-batches' losses on the last stage (on the device), else 0.0. Records the
+        (1/m) * the sum of the micro-batches' losses on the last stage (on the device), else 0.0, plus (1/m) * the
+        auxiliary losses of this stage's MoE blocks (global_loss sums the stages). Records the
         (micro-batch, chunk) pairs held at once (peak_held) and when each action ran (timeline)."""
         tracer, self.hooks = tracer or NullTracer(), hooks or NO_HOOKS
         self.caches, self.kept, self.sends, self.loss, self.live = {}, {}, [], 0.0, 0
+        self.routing = {}                                              # {"h.{i}.moe": load, kept (E,), dropped}
         self.peak_held, self.peak_bytes, self.timeline = 0, 0, []
         split = {(a.mb, a.chunk) for a in self.actions if a.kind == "W"}
         final = {a.chunk: i for i, a in enumerate(self.actions) if a.kind == ("W" if (a.mb, a.chunk) in split else "B")}
@@ -111,7 +121,16 @@ class Stage:
         for req, _ in self.sends:
             req.Wait()
         self.sends, self.caches, self.kept = [], {}, {}                # nothing held until the next step
-        return self.loss / self.m if self.last else 0.0
+        return self.loss / self.m
+
+    def update_biases(self, dp_comm):
+        """Auxiliary-loss-free balancing, after a step: each MoE block's selection bias moves by the sign of its
+        load error (hsgd.model.moe.update_selection_bias), the load being the step's slots per expert summed over
+        the micro-batches and over dp_comm (every rank routing other rows of the step; the tp ranks route alike)."""
+        for prefix, r in self.routing.items():
+            total = dp_comm.Allreduce(self.xp.asarray(r["load"], dtype=self.xp.int64).copy())   # (E,) the step's
+            old = self.biases.get(prefix, self.xp.zeros(self.cfg.moe_experts))
+            self.biases[prefix] = update_selection_bias(old, total, self.cfg.moe_bias_rate)
 
     def receive(self, a, mbs):
         """The input of action a: the token ids, or the activation from piece k-1 (F); dloss = 1/m on the last
@@ -139,6 +158,12 @@ class Stage:
         xp, ch = self.xp, self.chunks[a.chunk]
         out, self.caches[a.mb, a.chunk] = tp_model.stage_forward(params, inp, xp.asarray(targets), ch, self.setup,
                                                                  self.hooks)
+        cache = self.caches[a.mb, a.chunk]
+        if cache.moe is not None:
+            self.loss = self.loss + cache.aux                          # the MoE blocks' auxiliary losses
+            for prefix, aux in cache.moe.aux.items():                  # the step's routing, over its micro-batches
+                old = self.routing.get(prefix, dict(load=0, kept=0, dropped=0))
+                self.routing[prefix] = {k: old[k] + aux[k] for k in old}
         if ch.last:
             self.loss = self.loss + out                                # stays on the device
         else:
@@ -153,7 +178,7 @@ class Stage:
         ch = self.chunks[a.chunk]
         wg = WeightGrads() if split else None
         dx = tp_model.stage_backward(dout, self.caches.pop((a.mb, a.chunk)), grads, self.setup, on_ready, self.hooks,
-                                     wg)
+                                     wg, daux=self.loss_scale / self.m)   # (the auxiliary losses' d: as dloss's)
         if not ch.first:                                               # gradient out, to piece k-1
             dx = self.xp.ascontiguousarray(dx)
             self.sends.append((self.pp_comm.Isend(dx, dest=(self.s - 1) % self.pp_comm.size,
@@ -276,5 +301,6 @@ class ThreadedStage(Stage):
 def make_stage(cfg, grid, layout, recompute, data):
     """This rank's stage (see Stage for the arguments): a ThreadedStage when it holds the whole model and sequence
     alone (pp = tp = cp = 1), else a Stage."""
-    alone = grid.pp == 1 and grid.tp == 1 and grid.cp == 1
+    alone = grid.pp == 1 and grid.tp == 1 and grid.cp == 1 and not cfg.moe_experts   # (experts: rows routed
+                                                                       # together, never cut into thread slices)
     return (ThreadedStage if alone else Stage)(cfg, grid, layout, recompute, data)

@@ -139,6 +139,8 @@ class HybridTrainer:
                     grads *= tc.clip / (norm + 1e-12)                           # a device multiply, no host copy
                 self.opt.step({"flat": ex.master}, {"flat": grads}, lr, decay={"flat": self.decay})   # in place
                 ex.after_update()                                               # ZeRO: Allgather the chunks
+        if self.cfg.moe_bias_rate:
+            self.stage.update_biases(self.grid.dp_comm)                         # after the step, by its load
         dynamic = self.scaler.dynamic
         return StepInfo(global_loss(numbers.loss, self.grid), lr, norm, time.perf_counter() - self.t_start,
                         stats.seconds("tp") - self.tp_start, self.dp_waited + stats.seconds("dp") - self.dp_start,

@@ -1,6 +1,7 @@
 """Tensor parallelism: the lecture's M workers of a group hold one copy of the model between them, every weight
 matrix split by columns or rows, attention split by heads (sections 3.1 to 3.3). Chapters 5 (column and row
-splits, f and g), 6 (attention heads, the vocabulary, sequence parallelism) and 6b (the Llama family's block).
+splits, f and g), 6 (attention heads, the vocabulary, sequence parallelism), 6b (the Llama family's block) and 19
+(experts).
 
     layers      f/g, gather_T/scatter_T, column and row linears, the all-gather and its adjoint, vocab-parallel
                 embedding and cross-entropy
@@ -9,6 +10,8 @@ splits, f and g), 6 (attention heads, the vocabulary, sequence parallelism) and 
     attention   the context layout the model asks (positions, core attention); the whole sequence's, materialized
                 or flash
     kv          grouped-query attention's key/value heads over tp: split or replicated, and the replicas' sum
+    experts     the MoE block on a tp group: experts split like the MLP, the gates' Allreduce, the router's
+                gradient; its balance domain over the layout's ranks; the bytes it changes
     wgrad       the weight-gradient half of a backward pass, done at once or kept for a W action
     hooks       what runs around each gradient group's forward and backward (ZeRO 2 and 3, the memory probe)
     ops         the layer functions the model runs, in one place

@@ -49,6 +49,7 @@ from hsgd.model.llama_layers import rope_angles
 from hsgd.model.precision import EXACT
 from hsgd.tp import ops as tp_ops
 from hsgd.tp.attention import WHOLE
+from hsgd.tp.experts import Experts
 from hsgd.tp.hooks import NO_HOOKS
 from hsgd.tp.kv import kv_backward, kv_heads, kv_sum
 from hsgd.tp.rounded import rounded
@@ -64,8 +65,9 @@ RECOMPUTE = ("none", "selective", "full")
 # a piece of the model a stage runs: its blocks, whether it has the embedding, whether the head and the loss
 Piece = namedtuple("Piece", "layers first last")
 # what a stage's forward keeps for its backward: the parameters dict (ZeRO-3 fills it group by group), the
-# embedding's cache (first stage), [(i, block i's cache)], the head's cache (last stage)
-StageCache = namedtuple("StageCache", "params emb blocks head")
+# embedding's cache (first stage), [(i, block i's cache)], the head's cache (last stage), the MoE blocks' pass
+# (hsgd.model.moe_pass.MoEPass, or None) and their auxiliary losses' local value (0.0 without experts)
+StageCache = namedtuple("StageCache", "params emb blocks head moe aux")
 
 
 class TPSetup:
@@ -77,6 +79,8 @@ class TPSetup:
         ctx        the context layout: the rank's positions of each sequence and its core attention
                    (hsgd.tp.attention; with context parallelism T is this rank's T/cp positions)
         recompute  what the blocks keep for the backward pass (block_forward)
+        experts    the MoE blocks' collectives and domain (hsgd.tp.experts.Experts; the Stage makes it with the
+                   layout's communicators, default: this group alone, every expert here), None without experts
     With a Numerics that rounds (bfloat16, float16), scheme, ops and ctx are hsgd.tp.rounded's: each rounds its
     outputs at its point of hsgd.model.precision.POINTS. reduce_scatter: the gather scheme's backward pays for a
     Reduce_scatter_block where the local slice would do (hsgd.tp.schemes.Gather)."""
@@ -90,6 +94,7 @@ class TPSetup:
         self.kv_shared = cfg.n_kv_heads < comm.size                          # kv heads replicated over tp ranks
         self.start, _ = tp_ops.vocab_range(cfg.vocab_size, comm.size, comm.rank)   # its first vocabulary id
         self.tables = {}
+        self.experts = Experts(cfg, comm) if cfg.moe_experts else None
 
     def rope(self, Tl, dtype, xp):
         """(cos, sin) (Tl, hs) of this rank's Tl positions (its context layout's; all T without context
@@ -110,9 +115,10 @@ def replicated(names, p, prefix=""):
 
 # ------------------------------------------------------------------------------------------------ one block
 
-def block_forward(x, p, h, setup):
+def block_forward(x, p, h, setup, moe=None):
     """x + Attn(LN1(x)), then + MLP(LN2(x)), on this rank's heads and MLP columns. x: (B, T~, C); p: the
-    parameters; h: the block's prefix "h.{i}.".
+    parameters; h: the block's prefix "h.{i}."; moe: the forward call's MoEPass (a MoE block: the experts in place
+    of the MLP, hsgd.tp.experts).
 
     The cache holds activations only, never a parameter (block_backward takes them from p again: ZeRO-3 frees
     a layer's parameters between its forward and its backward). setup.recompute (Korthikanti et al. 2022):
@@ -121,9 +127,9 @@ def block_forward(x, p, h, setup):
                    computed again in the backward pass (no communication);
       "full"       only the block's input x: the whole forward runs again in the backward pass, collectives too."""
     if setup.recompute == "full":
-        y, _ = attention_and_mlp(x, p, h, setup, keep_probabilities=True)   # everything it caches is dropped here
-        return y, ("full", x)
-    return attention_and_mlp(x, p, h, setup, keep_probabilities=setup.recompute != "selective")
+        y, _ = attention_and_mlp(x, p, h, setup, True, moe)                 # everything it caches is dropped here
+        return y, ("full", x, moe)
+    return attention_and_mlp(x, p, h, setup, setup.recompute != "selective", moe)
 
 
 def norm_forward(x, p, prefix, setup):
@@ -146,7 +152,7 @@ def mlp_names(setup, h):
     return [h + "mlp.fc."] if setup.cfg.mlp == "gelu" else [h + "mlp.gate.", h + "mlp.up."]
 
 
-def attention_and_mlp(x, p, h, setup, keep_probabilities):
+def attention_and_mlp(x, p, h, setup, keep_probabilities, moe=None):
     """The block's forward: (x + Attn(Norm1(x)) + MLP(Norm2(...)), the cache of everything block_backward needs;
     with keep_probabilities False, q, k, v in place of the attention's probabilities)."""
     op, S, comm, ctx = setup.ops, setup.scheme, setup.comm, setup.ctx
@@ -168,6 +174,10 @@ def attention_and_mlp(x, p, h, setup, keep_probabilities):
     x = op.residual_forward(x, o)                                        # x + o
     m, c_ln2 = norm_forward(x, p, h + "ln2", setup)                      # (B, T~, C)
     m_in = S.enter_forward(m, comm)                                      # (B, T, C) f: identity | gather_T: All-Gather
+    if h + "moe.router.weight" in p:                                     # experts: partial sums, then leave
+        y2, c_moe = setup.experts.forward(m_in, p, h + "moe", moe)       # (B, T, C) partial over tp
+        x = op.residual_forward(x, S.leave_forward(y2, comm))            # (B, T~, C) g: Allreduce | scatter_T
+        return x, (c_ln1[:-1], a, c_att, c_proj[:-1], c_ln2[:-1], m, None, ("moe", c_moe))
     if setup.cfg.mlp == "gelu":
         u, _ = op.linear_forward(m_in, p[h + "mlp.fc.weight"], p.get(h + "mlp.fc.bias"))      # (B, T, F/tp)
         gl, c_act = op.gelu_forward(u)                                   # (B, T, F/tp)
@@ -182,11 +192,11 @@ def attention_and_mlp(x, p, h, setup, keep_probabilities):
     return x, (c_ln1[:-1], a, c_att, c_proj[:-1], c_ln2[:-1], m, c_act, c_mproj[:-1])
 
 
-def recompute_block(x, p, h, setup):
+def recompute_block(x, p, h, setup, moe=None):
     """--recompute full, in the backward pass: the block's forward again from its input x (B, T~, C), its
-    tensor-parallel collectives included; returns the cache that "none" would have kept. Bit-identical: the
-    same operations on the same numbers."""
-    return attention_and_mlp(x, p, h, setup, keep_probabilities=True)[1]
+    tensor-parallel collectives included (and a MoE block's dispatch); returns the cache that "none" would have
+    kept. Bit-identical: the same operations on the same numbers."""
+    return attention_and_mlp(x, p, h, setup, True, moe)[1]
 
 
 def recompute_attention(q, k, v, setup):
@@ -195,14 +205,15 @@ def recompute_attention(q, k, v, setup):
     return setup.ctx.attention_forward(q, k, v, setup.nh)[1]
 
 
-def block_backward(dx, cache, grads, p, h, setup, hooks=NO_HOOKS, wg=None):
+def block_backward(dx, cache, grads, p, h, setup, hooks=NO_HOOKS, wg=None, daux=1.0):
     """block_forward read from the bottom up; every collective is the adjoint of one in the forward pass.
     dx: (B, T~, C); p: the parameters (the weights the caches dropped); wg: where the weight-gradient products
-    go (WeightGrads; default: done at once into grads)."""
+    go (WeightGrads; default: done at once into grads); daux: the upstream gradient of the auxiliary losses (a MoE
+    block's; its weight gradients are done at once, never kept for a W)."""
     op, S, comm, wg = setup.ops, setup.scheme, setup.comm, wg or WeightGrads(grads)
     recomputed = isinstance(cache[0], str)                               # ("full", x)
     if recomputed:
-        cache = recompute_block(cache[1], p, h, setup)                   # the forward again, collectives too
+        cache = recompute_block(cache[1], p, h, setup, cache[2])         # the forward again, collectives too
     c_ln1, a, c_att, c_proj, c_ln2, m, c_act, c_mproj = cache
     if isinstance(c_att[0], str):                                        # ("qkv", q, k, v)
         c_att = recompute_attention(*c_att[1:], setup)                   # the probabilities again
@@ -210,18 +221,10 @@ def block_backward(dx, cache, grads, p, h, setup, hooks=NO_HOOKS, wg=None):
     elif recomputed:
         hooks.point(h[:-1], "recomputed")
     W = lambda name: p[h + name]                                         # a weight the cache dropped
-    dgl = S.proj_backward(dx, (*c_mproj, W("mlp.proj.weight")), grads, h + "mlp.proj.", comm, wg)  # (B, T, F/tp)
-    m_in = S.enter_forward(m, comm)                                      # (B, T, C) again: identity | All-Gather
-    names = mlp_names(setup, h)
-    if setup.cfg.mlp == "gelu":
-        dfc = op.gelu_backward(dgl, c_act)                               # (B, T, F/tp) du
+    if isinstance(c_mproj[0], str):                                      # ("moe", the experts' cache)
+        dm = moe_backward(dx, c_mproj[1], grads, setup, daux)
     else:
-        dfc = array_module(dgl).concatenate(op.swiglu_backward(dgl, c_act), axis=-1)  # (B, T, 2F/tp) [dg | du]
-    c_mlp = (m_in.reshape(-1, m_in.shape[-1]), tuple(p[n + "weight"] for n in names))
-    wg.add(op.fused_weight_grad, (dfc, c_mlp),
-           *(bias_or_weight(n + w, grads) for n in names for w in ("weight", "bias")))
-    dm_in = op.fused_input_grad(dfc, c_mlp)                              # (B, T, C) partial (m entered again)
-    dm = S.enter_backward(dm_in, comm)                                   # (B, T~, C) f^T: Allreduce | Reduce-Scatter
+        dm = mlp_backward(dx, m, c_act, c_mproj, grads, p, h, setup, wg)
     dln2 = norm_backward(dm, c_ln2, grads, p, h + "ln2", setup)
     dx = op.residual_backward(dx, dln2)                                  # dx + dln2: the skip and the MLP meet
     dy = S.proj_backward(dx, (*c_proj, W("attn.proj.weight")), grads, h + "attn.proj.", comm, wg)  # (B, T, C/tp)
@@ -243,6 +246,33 @@ def block_backward(dx, cache, grads, p, h, setup, hooks=NO_HOOKS, wg=None):
     da = S.enter_backward(da_in, comm)                                   # (B, T~, C) f^T: Allreduce | Reduce-Scatter
     dln1 = norm_backward(da, c_ln1, grads, p, h + "ln1", setup)
     return op.residual_backward(dx, dln1)                                # dx + dln1: the skip and the attention meet
+
+
+def mlp_backward(dx, m, c_act, c_mproj, grads, p, h, setup, wg):
+    """The dense MLP's backward: dm (B, T~, C) from the block's dx (B, T~, C), its weight gradients handed to wg."""
+    op, S, comm = setup.ops, setup.scheme, setup.comm
+    dgl = S.proj_backward(dx, (*c_mproj, p[h + "mlp.proj.weight"]), grads, h + "mlp.proj.", comm, wg)  # (B, T, F/tp)
+    m_in = S.enter_forward(m, comm)                                      # (B, T, C) again: identity | All-Gather
+    names = mlp_names(setup, h)
+    if setup.cfg.mlp == "gelu":
+        dfc = op.gelu_backward(dgl, c_act)                               # (B, T, F/tp) du
+    else:
+        dfc = array_module(dgl).concatenate(op.swiglu_backward(dgl, c_act), axis=-1)  # (B, T, 2F/tp) [dg | du]
+    c_mlp = (m_in.reshape(-1, m_in.shape[-1]), tuple(p[n + "weight"] for n in names))
+    wg.add(op.fused_weight_grad, (dfc, c_mlp),
+           *(bias_or_weight(n + w, grads) for n in names for w in ("weight", "bias")))
+    dm_in = op.fused_input_grad(dfc, c_mlp)                              # (B, T, C) partial (m entered again)
+    return S.enter_backward(dm_in, comm)                                 # (B, T~, C) f^T: Allreduce | Reduce-Scatter
+
+
+def moe_backward(dx, c_moe, grads, setup, daux):
+    """A MoE block's backward (hsgd.tp.experts): dm (B, T~, C), the experts' partial dx entered back over tp and the
+    router's whole dx on the rows this rank holds."""
+    S, comm = setup.scheme, setup.comm
+    dm_in, dx_router = setup.experts.backward(S.leave_backward(dx, comm), c_moe, grads, daux)  # (B, T, C) each
+    dm = S.enter_backward(dm_in, comm)                                   # (B, T~, C) f^T: Allreduce | Reduce-Scatter
+    t0, t1 = S.rows(dx_router.shape[1], comm)
+    return dm + dx_router[:, t0:t1]                                      # + the router's, whole on every rank
 
 
 def bias_or_weight(name, grads):
@@ -336,25 +366,31 @@ def stage_forward(params, inp, targets, piece, setup, hooks=NO_HOOKS):
     hooks: what runs around each gradient group (Hooks). params: in a bfloat16 or float16 run, the rounded copy.
 
     inp: token ids (B, T) on the first stage, else the activation (B, T~, C) received from the previous stage.
-    Returns (out, caches): out is the mean loss on the last stage, else the activation (B, T~, C) to send on.
-    caches: a StageCache, for stage_backward with the same setup.
+    Returns (out, caches): out is the mean loss on the last stage (the cross-entropy), else the activation
+    (B, T~, C) to send on. caches: a StageCache, for stage_backward with the same setup; with MoE blocks its aux is
+    their auxiliary losses' local value (the balance loss over its domain, whose counts are summed over the domain's
+    ranks here, after the piece's last block, and the z-losses), which the step adds to the loss.
     """
     c_emb, c_blocks, x = None, [], inp                                   # (B, T~, C) from stage s-1
+    moe = None
+    if setup.experts is not None and any(setup.cfg.is_moe(i) for i in piece.layers):
+        moe = setup.experts.new_pass(len(inp), setup.cfg.seq_len // setup.ctx.cp, array_module(inp))
     if piece.first:
         with hooks.forward("embedding"):
             x, c_emb = embedding_forward(inp, params, setup)             # (B, T~, C)
     for i in piece.layers:
         with hooks.forward(f"h.{i}"):
-            x, c = block_forward(x, params, f"h.{i}.", setup)            # (B, T~, C)
+            x, c = block_forward(x, params, f"h.{i}.", setup, moe)       # (B, T~, C)
         c_blocks.append((i, c))
+    aux = 0.0 if moe is None else moe.finish()                           # (the domain's Allreduce of the counts)
     if not piece.last:
-        return x, StageCache(params, c_emb, c_blocks, None)
+        return x, StageCache(params, c_emb, c_blocks, None, moe, aux)
     with hooks.forward("head"):
         loss, c_head = head_forward(x, params, targets, setup)
-    return loss, StageCache(params, c_emb, c_blocks, c_head)
+    return loss, StageCache(params, c_emb, c_blocks, c_head, moe, aux)
 
 
-def stage_backward(dout, caches, grads, setup, on_ready=None, hooks=NO_HOOKS, wg=None):
+def stage_backward(dout, caches, grads, setup, on_ready=None, hooks=NO_HOOKS, wg=None, daux=1.0):
     """stage_forward read from the bottom up. dout: dloss (a number) on the last stage, else dL/d(the stage's
     output activation) (B, T~, C) from the next stage. Returns dL/d(input activation), or None on the first stage.
 
@@ -363,8 +399,9 @@ def stage_backward(dout, caches, grads, setup, on_ready=None, hooks=NO_HOOKS, wg
     hooks.backward(group) is entered before a group's gradients are touched and left when this pass is done with
     them: when they are final, unless wg keeps products for later.
     wg: a WeightGrads() that keeps the weight-gradient products for a later W action (then no group is final
-    here, and on_ready is not called: the caller calls it after the W); default: done at once."""
-    S, comm, (params, c_emb, c_blocks, c_head) = setup.scheme, setup.comm, caches
+    here, and on_ready is not called: the caller calls it after the W); default: done at once. daux: the upstream
+    gradient of the MoE blocks' auxiliary losses (the loss's own: dloss on the last stage, S/m in a step)."""
+    S, comm, (params, c_emb, c_blocks, c_head, _, _) = setup.scheme, setup.comm, caches
     wg = wg or WeightGrads(grads)
     ready = (None if wg.keeps else on_ready) or (lambda group: None)
     dx = dout                                                            # (B, T~, C) from stage s+1
@@ -379,7 +416,7 @@ def stage_backward(dout, caches, grads, setup, on_ready=None, hooks=NO_HOOKS, wg
         wg.group = f"h.{i}"
         with hooks.backward(f"h.{i}"):
             into, part = S.replicated_grads(grads, replicated(BLOCK_REPLICATED, grads, f"h.{i}."))
-            dx = block_backward(dx, c, into, params, f"h.{i}.", setup, hooks, wg)   # (B, T~, C)
+            dx = block_backward(dx, c, into, params, f"h.{i}.", setup, hooks, wg, daux)   # (B, T~, C)
             S.finish_replicated(part, grads, comm)                       # sequence: Allreduce of partial grads
         ready(f"h.{i}")
     if c_emb is None:
@@ -401,8 +438,10 @@ def stage_activation_shape(scheme, batch, cfg, tp, cp=1):
 # ------------------------------------------------------------------------------------------------ the whole model
 
 def forward(params, idx, targets, setup):
-    """The mean loss (the same on every rank) and the caches of the backward pass."""
-    return stage_forward(params, idx, targets, Piece(range(setup.cfg.n_layers), True, True), setup)
+    """The mean loss (the same on every rank; with experts plus their auxiliary losses) and the caches of the
+    backward pass."""
+    loss, caches = stage_forward(params, idx, targets, Piece(range(setup.cfg.n_layers), True, True), setup)
+    return loss + caches.aux, caches
 
 
 def backward(caches, grads, setup, dloss=1.0, on_ready=None):
@@ -412,7 +451,7 @@ def backward(caches, grads, setup, dloss=1.0, on_ready=None):
     (lm_head, ln_f), "h.{L-1}", ..., "h.0" (the blocks), "embedding" (wte, wpe). Data parallelism uses it to
     start each bucket's Allreduce while the backward pass goes on (see backward_order).
     """
-    stage_backward(dloss, caches, grads, setup, on_ready)
+    stage_backward(dloss, caches, grads, setup, on_ready, daux=dloss)
 
 
 def param_group(name):

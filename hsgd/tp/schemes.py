@@ -111,6 +111,12 @@ class Megatron:
             return "vocab", 0                                            # rows: vocabulary ids
         if name == "lm_head.weight":
             return "vocab", 1                                            # columns: vocabulary ids
+        if ".moe.experts." in name:                                      # every expert split as Megatron's MLP, in
+            if name.endswith("proj.weight"):                             # every scheme (hsgd.tp.experts)
+                return "split", 0                                        # row-parallel
+            if name.endswith("proj.bias"):
+                return "rep", None                                       # added once: by tp rank 0
+            return "split", 1 if name.endswith(".weight") else 0        # fc, gate, up: column-parallel
         if any(f".{m}." in name for m in ("attn.q", "attn.k", "attn.v", "mlp.fc", "mlp.gate", "mlp.up")):
             return "split", 1 if name.endswith(".weight") else 0         # column-parallel
         if name.endswith(PROJ_WEIGHTS):

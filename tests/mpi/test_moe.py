@@ -1,0 +1,105 @@
+"""Mixture of experts on 8 ranks, float64: layouts of dp x pp x cp x tp (and ep, the experts split over ranks folded
+out of dp x cp) end three steps with serial SGD's parameters, where serial counts as the layout does: its balance
+loss over the layout's micro-batches (or sequences, or the global batch), each rank's rows routed together with
+their own capacity (hsgd.ep.layout.capacity_groups). The model: llama's block with 4 experts, top-2, in blocks 0
+and 2 of 4 (blocks 1 and 3 dense), a capacity factor of 1.0 (slots are dropped), the balance loss (alpha 0.1) and the
+z-loss (beta 0.01); one layout with GELU experts and biases, one with auxiliary-loss-free balancing. Each layout also
+routes the same slots to the same experts and drops the same ones as serial (the kept slots per expert, summed over
+the ranks, equal serial's in every step), and every rank's bytes on every communicator equal step_formula's."""
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from hsgd.accounting.traffic import step_formula
+from hsgd.ep.layout import capacity_groups
+from hsgd.model.config import ModelConfig
+from hsgd.model.data import Corpus
+from hsgd.tp import shards as tp_shards
+
+from .conftest import WORLD, check, float64_config, say, world_max
+
+pytestmark = pytest.mark.mpi(min_size=8)
+
+CFG = ModelConfig(vocab_size=256, seq_len=16, d_model=32, n_heads=4, n_layers=4, d_ff=16, arch="llama",
+                  moe_experts=4, moe_every=2, moe_capacity_factor=1.0, moe_balance=0.1, moe_z_loss=0.01)
+CORPUS = Corpus(np.random.default_rng(2).integers(0, 256, 4000, dtype=np.uint8).tobytes(), "random bytes", 16)
+
+LAYOUTS = [  # (dp, pp, cp, tp), settings, model fields
+    ((8, 1, 1, 1), dict(zero=3), dict(moe_balance_domain="global")),
+    ((2, 1, 1, 4), dict(micro_batches=2, zero=1), dict(arch="gpt2", moe_every=1)),
+    ((1, 2, 2, 2), dict(micro_batches=2, tp_scheme="sequence"), dict(moe_balance_domain="sequence")),
+    ((2, 2, 1, 2), dict(micro_batches=2, tp_scheme="gather", schedule="interleaved", virtual_stages=2,
+                        recompute="full", zero=2), {}),
+    ((1, 4, 2, 1), dict(micro_batches=4, schedule="zb-h1", recompute="selective"), {}),
+    ((2, 1, 4, 1), dict(cp_scheme="allgather", zero=3), dict(moe_bias_rate=0.05)),
+]
+
+
+def serial_run(cfg, tc):
+    """Serial SGD counted as the layout tc counts (rank 0 computes, every rank receives): (params, routing)."""
+    from hsgd.model import serial
+    if WORLD.Get_rank() == 0:
+        state = {}
+        groups = capacity_groups(tc.batch_size, cfg.seq_len, tc.dp, tc.micro_batches, tc.cp)
+        params, _ = serial.sgd(cfg, tc, lambda step: CORPUS.batch(tc.seed, step, tc.batch_size),
+                               micro_sequences=tc.batch_size // (tc.dp * tc.micro_batches), capacity_groups=groups,
+                               moe_state=state)
+        out = (params, state["routing"], state["biases"])
+    return WORLD.bcast(out if WORLD.Get_rank() == 0 else None)
+
+
+def kept_per_step(trainer, grid):
+    """{prefix: (E,) kept slots} of the last step, summed over the ranks that route other rows (dp x cp; one tp
+    rank, every stage)."""
+    mine = {k: np.asarray(r["kept"]) for k, r in trainer.stage.routing.items()} if grid.tp_rank == 0 else {}
+    total = {}
+    for part in WORLD.allgather(mine):
+        for k, v in part.items():
+            total[k] = total.get(k, 0) + v
+    return total
+
+
+@pytest.mark.parametrize("layout, kw, fields", LAYOUTS, ids=[f"dp{d}-pp{p}-cp{c}-tp{t}" for (d, p, c, t), _, _
+                                                               in LAYOUTS])
+def test_layouts_with_experts_equal_serial_sgd(layout, kw, fields):
+    from hsgd.grid.process_grid import ProcessGrid
+    from hsgd.step.trainer import HybridTrainer
+    dp, pp, cp, tp = layout
+    cfg = replace(CFG, **fields) if "arch" not in fields else ModelConfig(
+        **{**{k: getattr(CFG, k) for k in ("vocab_size", "seq_len", "d_model", "n_heads", "n_layers", "d_ff",
+                                          "moe_experts", "moe_capacity_factor", "moe_balance", "moe_z_loss")},
+           **fields})
+    tc = float64_config(steps=3, warmup=1, dp=dp, pp=pp, cp=cp, tp=tp, **kw)
+    tc.validate()
+    ref, routing, biases = serial_run(cfg, tc)
+    grid = ProcessGrid(WORLD, dp=dp, pp=pp, tp=tp, cp=cp)
+    trainer = HybridTrainer(cfg, grid, tc)
+    same_routing = True
+    for step in range(1, tc.steps + 1):
+        before = grid.stats.counts()
+        trainer.step(*CORPUS.batch(tc.seed, step, tc.batch_size), step)
+        per_step = grid.stats.since(before)
+        kept = kept_per_step(trainer, grid)
+        same_routing &= all(np.array_equal(kept[k], routing[step - 1][k]["kept"]) for k in routing[step - 1])
+    trainer.finish()
+    mine = trainer.exchange.full_params()
+    err = world_max(max(float(np.abs(p - tp_shards.shard(ref[n], n, grid.tp_rank, grid.tp, tc.tp_scheme, cfg)).max()
+                              / max(np.abs(ref[n]).max(), 0.02)) for n, p in mine.items()))
+    formula = step_formula(cfg, tc, trainer)
+    same = WORLD.allreduce(per_step == formula, op=MPI.LAND)
+    if not same:
+        say(f"measured {per_step}\nformula  {formula}")
+    moved = 0.0
+    if cfg.moe_bias_rate:
+        moved = world_max(max(float(np.abs(trainer.stage.biases[k] - b).max()) for k, b in biases.items()
+                              if k in trainer.stage.biases))
+        moved = max(moved, 0.0) if all(np.abs(b).max() > 0 for b in biases.values()) else 1.0
+    dropped = sum(int(r[k]["dropped"]) for r in routing for k in r)
+    say(f"experts dp={dp} pp={pp} cp={cp} tp={tp} {kw} {fields}: max param rel err vs serial {err:.1e}, kept per "
+        f"expert equal to serial's in every step {same_routing} ({dropped} slots dropped in 3 steps), bytes == "
+        f"formula {same}" + (f", selection biases vs serial {moved:.1e}" if cfg.moe_bias_rate else ""))
+    check(err <= 1e-10 and same_routing and same and dropped > 0 and moved <= 1e-12)
+    trainer.free()
+    grid.free()
