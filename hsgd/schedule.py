@@ -162,7 +162,7 @@ def measure(cfg, tc, plan, say, plot):
     from hsgd.step.trainer import HybridTrainer
     world = MPI.COMM_WORLD
     corpus = Corpus.load(None, cfg.seq_len)
-    g = ProcessGrid(world, dp=tc.dp, pp=tc.pp, tp=tc.tp, cp=tc.cp)
+    g = ProcessGrid(world, dp=tc.dp, pp=tc.pp, tp=tc.tp, cp=tc.cp, ep=tc.ep)
     trainer = HybridTrainer(cfg, g, tc)
     held_bytes_measured = 0
     for step in range(1, tc.steps + 1):          # bytes measured one step before the timed one (walking the caches

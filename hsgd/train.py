@@ -125,7 +125,7 @@ def setup(cfg, tc, world, out, threads, dog, faults):
     device = place_on_device(tc, world)
     run.corpus = launch.agree(world, lambda: Corpus.load(tc.data, cfg.seq_len))
     launch.agree(world, lambda: same_data(world.allgather(run.corpus.fingerprint()), tc.data))
-    run.grid = ProcessGrid(world, dp=tc.dp, pp=tc.pp, tp=tc.tp, cp=tc.cp)
+    run.grid = ProcessGrid(world, dp=tc.dp, pp=tc.pp, tp=tc.tp, cp=tc.cp, ep=tc.ep)
     run.tracer = Tracer(world.Get_rank(), world, enabled=False) if (tc.trace or tc.plot) else None
     if tc.memory:                                                    # traced from before the parameters exist
         run.probe = allocations.MemoryProbe(resolve_device(tc.device))

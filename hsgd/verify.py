@@ -85,7 +85,7 @@ def verify(cfg, tc, world=MPI.COMM_WORLD, out=sys.stdout, where=None):
     where: the device line of the header (train.place_on_device's description), if any."""
     from hsgd.model.data import Corpus
     corpus = launch.agree(world, lambda: Corpus.load(tc.data, cfg.seq_len))
-    grid = ProcessGrid(world, dp=tc.dp, pp=tc.pp, tp=tc.tp, cp=tc.cp)
+    grid = ProcessGrid(world, dp=tc.dp, pp=tc.pp, tp=tc.tp, cp=tc.cp, ep=tc.ep)
     trainer = HybridTrainer(cfg, grid, tc)
     idx, targets = corpus.batch(tc.seed, 1, tc.batch_size)
     loss = trainer.gradients(idx, targets)                           # my group's loss (on the last stage)

@@ -169,3 +169,27 @@ def test_the_oracle_on_one_rank_passes_and_draws(tmp_path, capsys):
     out = capsys.readouterr().out
     print(out[-600:])
     assert "PASS: every difference of 1x1x1 is inside its band" in out and (tmp_path / "o.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--moe-experts", "8", "--ep", "3"], "--ep 3 does not divide dp x cp = 4 x 1 = 4"),
+    (["--moe-experts", "6", "--ep", "4"], "--moe-experts 6 cannot be split over --ep 4 ranks; use ep in [1, 2]"),
+    (["--moe-experts", "4", "--moe-top-k", "5"], "moe_top_k=5 is above moe_experts=4"),
+    (["--moe-experts", "4", "--moe-capacity-factor", "0"], "moe_capacity_factor=0.0 must be a number above 0"),
+    (["--moe-experts", "4", "--moe-capacity-factor", "-1.5"], "moe_capacity_factor=-1.5 must be a number above 0"),
+    (["--moe-experts", "4", "--moe-balance-domain", "global", "--micro-batches", "2"],
+     "--moe-balance-domain global needs the whole batch's expert counts before any backward pass"),
+    (["--moe-experts", "4", "--moe-balance-layers", "pooled", "--pp", "2", "--n-layers", "2"],
+     "--moe-balance-layers pooled counts over every MoE block at once"),
+    (["--ep", "2"], "--ep 2 splits experts, but the model has none"),
+    (["--moe-experts", "4", "--ep", "2", "--zero", "1"], "--ep 2 with --zero: the experts' gradients are averaged"),
+    (["--moe-experts", "4", "--moe-balance-domain", "tokens"], "invalid choice: 'tokens'"),
+])
+def test_expert_settings_a_layout_cannot_train_are_refused_in_one_line(flags, words, capsys):
+    """Each refusal is one line that says what is wrong and what would work (exit 2 through hsgd.cli)."""
+    from hsgd.errors import UsageError
+    with pytest.raises((UsageError, SystemExit)) as e:
+        configs_from_args(build_parser().parse_args(flags + ["--tp", "2"]), world_size=8)
+    message = str(e.value) if e.type is not SystemExit else capsys.readouterr().err
+    print(message.strip())
+    assert words in message and len(message.strip().splitlines()) <= 2

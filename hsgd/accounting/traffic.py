@@ -3,7 +3,10 @@ hsgd.grid.comm.CommStats records them. Each part of the algorithm owns its close
 pp.chunks.pp_formula, cp: cp.split.cp_formula, dp: the exchange's formula()); this module adds them up for one rank
 of a layout. hsgd.train prints them next to what it measured (equal, call for call and byte for byte), and the
 planner (hsgd.plan.layout) asks the same function with sizes alone. Chapters 7, 10 and 13 check them."""
+import numpy as np
+
 from hsgd.cp.split import cp_formula
+from hsgd.ep.dispatch import all_to_all_formula
 from hsgd.pp.chunks import pp_formula
 from hsgd.tp import model as tp_model
 from hsgd.tp.experts import experts_formula
@@ -13,7 +16,14 @@ from hsgd.tp.kv import kv_columns
 def step_formula(cfg, tc, trainer):
     """{(comm, op): (calls, bytes)} this rank should see in one training step, from the closed forms: the
     tensor-parallel traffic of its stage for m micro-batches, the pipeline's messages and the dp exchange."""
-    return rank_bytes(cfg, tc, trainer.grid.dp, trainer.grid.tp, trainer.grid.cp, trainer.stage, trainer.exchange.sizes)
+    f = rank_bytes(cfg, tc, trainer.grid.dp, trainer.grid.tp, trainer.grid.cp, trainer.stage, trainer.exchange.sizes)
+    grid, stage = trainer.grid, trainer.stage
+    if grid.ep > 1 and stage.routing:                                 # the all-to-all: from the step's routing
+        kept = np.stack(grid.ep_comm.allgather_obj(sum(np.asarray(r["kept"]) for r in stage.routing.values())))
+        calls = tc.micro_batches * len(stage.routing)
+        f.update(all_to_all_formula(kept, grid.ep_rank, grid.ep, cfg.moe_experts, cfg.d_model,
+                                    trainer.exchange.sizes.itemsize, calls, 2 if tc.recompute == "full" else 1))
+    return f
 
 
 def rank_bytes(cfg, tc, dp, tp, cp, stage, sizes):

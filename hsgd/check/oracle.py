@@ -174,7 +174,7 @@ def run_layout(cfg, tc, layout, seed, world, dtype, corpus, num=None, loss_steps
 
 def one_run(cfg, tc, sub, corpus, num, loss_steps):
     """run_layout's work on the ranks of the layout (sub, of dp pp cp tp ranks)."""
-    grid = ProcessGrid(sub, dp=tc.dp, pp=tc.pp, tp=tc.tp, cp=tc.cp)
+    grid = ProcessGrid(sub, dp=tc.dp, pp=tc.pp, tp=tc.tp, cp=tc.cp, ep=tc.ep)
     trainer = None
     try:
         trainer = HybridTrainer(cfg, grid, tc)

@@ -127,7 +127,7 @@ def shard_of(name, cfg, tp_rank, tp, scheme, rank):
 def dump_one_step(cfg, tc, world, path, corpus, say=lambda line: None):
     """Collective over world: step 1 of tc's layout, from tc.seed's weights on corpus's first batch, dumped into
     path, as hsgd.train --dump-step 1 would, without the rest of the run (tests, the chapter)."""
-    grid = ProcessGrid(world, dp=tc.dp, pp=tc.pp, tp=tc.tp, cp=tc.cp)
+    grid = ProcessGrid(world, dp=tc.dp, pp=tc.pp, tp=tc.tp, cp=tc.cp, ep=tc.ep)
     trainer = None
     try:
         trainer = HybridTrainer(cfg, grid, tc)

@@ -1,6 +1,6 @@
 """Data parallelism: the lecture's G groups, each on its own slice of the batch; the ranks holding the same shard
 average its gradient over dp_comm (section 3.4), in one of several ways. Chapters 4 (why the average is serial
-SGD) and 8 (overlap, ZeRO, hierarchical, stragglers and staleness).
+SGD) and 8 (overlap, ZeRO, hierarchical, stragglers and staleness); chapter 19 (experts) for the folded exchange.
 
     average       batch slices, flat buffers (FlatBuffer), the plain average over dp_comm, the replicas compared
     exchange      the gradient exchange's interface, and the plain one: one Allreduce after the backward pass;
@@ -12,5 +12,6 @@ SGD) and 8 (overlap, ZeRO, hierarchical, stragglers and staleness).
     sharded       what ZeRO 2 and 3 share: each layer's gradient reduce-scattered during the backward pass
     zero2         ZeRO 2: gradients and optimizer state sharded, the parameters kept whole
     zero3         ZeRO 3: the parameters sharded too, gathered layer by layer (with zero2: hybrid sharding)
+    folded        with expert parallelism: the dense gradients averaged over dp_comm, the experts' over edp_comm
     make          the one place the exchange is made from the settings (or its sizes alone, for the planner)
 """

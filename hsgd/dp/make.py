@@ -1,8 +1,10 @@
 """The gradient exchange of a run, made in this one place from the Exchange settings (--zero, --dp-overlap,
 --hierarchical, --dp-staleness: at most one, checked by TrainConfig.validate; --zero 2|3 --hierarchical is hybrid
-sharding): the exchange itself (make_exchange), or its sizes alone (exchange_sizes: its formulas without an array
-or a communicator, for the planner). Chapter 8 runs every one."""
+sharding; with --ep > 1 the folded exchange, hsgd.dp.folded): the exchange itself (make_exchange), or its sizes
+alone (exchange_sizes: its formulas without an array or a communicator, for the planner). Chapter 8 runs every
+one."""
 from hsgd.dp.exchange import AllreduceExchange, AllreduceSizes
+from hsgd.dp.folded import FoldedExchange
 from hsgd.dp.hierarchical import HierarchicalExchange, HierarchicalSizes
 from hsgd.dp.overlapped import OverlappedExchange, OverlappedSizes
 from hsgd.dp.stale import StaleExchange, StaleSizes
@@ -16,6 +18,11 @@ def make_exchange(settings, params, groups, grid, micro_batches, num):
     (backward order), grid the ProcessGrid (its dp_comm), micro_batches per step (ZeRO 2 and 3 reduce-scatter each
     one's), num where it rounds (hsgd.model.precision.Numerics)."""
     s, dp_comm = settings, grid.dp_comm
+    if getattr(grid, "ep", 1) > 1:                                    # experts averaged over their own ranks
+        experts = {n for n in params if ".moe.experts." in n}
+        ex = FoldedExchange(params, groups, dp_comm, grid.edp_comm, grid.ep_comm, experts)
+        ex.use(num)
+        return ex
     if s.zero >= 2:
         cls = Zero2Exchange if s.zero == 2 else Zero3Exchange
         ex = cls(params, groups, dp_comm, micro_batches, hybrid=s.hierarchical, ranks_per_node=s.ranks_per_node)

@@ -37,6 +37,16 @@ def check_moe_layout(cfg, tc):
     if cfg.moe_experts % tc.ep:
         raise ConfigError(f"--moe-experts {cfg.moe_experts} cannot be split over --ep {tc.ep} ranks; use ep in "
                           f"{[d for d in divisors(cfg.moe_experts) if D % d == 0]} or a multiple of {tc.ep} experts")
+    if tc.ep > 1:
+        other = [f for f, on in (("--zero", tc.zero), ("--dp-overlap", tc.dp_overlap), ("--hierarchical",
+                 tc.hierarchical), ("--dp-staleness", tc.dp_staleness)) if on]
+        if other:
+            raise ConfigError(f"--ep {tc.ep} with {' '.join(other)}: the experts' gradients are averaged over their "
+                              f"own ranks (edp_comm) by the plain All-Reduce only (hsgd.dp.folded); drop "
+                              f"{' and '.join(other)}, or use --ep 1")
+        if tc.save_dir or tc.resume:
+            raise ConfigError(f"--ep {tc.ep}: checkpoints do not save experts split over ranks yet; run without "
+                              f"--save-dir and --resume, or with --ep 1")
     if cfg.moe_balance_domain == "global" and cfg.moe_balance and tc.micro_batches > 1:
         raise ConfigError(f"--moe-balance-domain global needs the whole batch's expert counts before any backward "
                           f"pass, but the step runs {tc.micro_batches} micro-batches one after another; use "
@@ -61,3 +71,16 @@ def capacity_groups(B, T, dp, m, cp, xp=np):
                 pos = xp.asarray(positions(T, cp, c)) if cp > 1 else xp.arange(T)
                 out.append((seqs[:, None] * T + pos[None, :]).reshape(-1))
     return out
+
+
+def expert_of(name):
+    """The expert index of a parameter name "h.{i}.moe.experts.{e}....", or None for any other parameter."""
+    parts = name.split(".")
+    return int(parts[4]) if len(parts) > 4 and parts[2:4] == ["moe", "experts"] else None
+
+
+def holds(name, cfg, ep, ep_rank):
+    """Whether ep rank ep_rank holds parameter `name`: every parameter but the other ranks' experts (expert e on ep
+    rank e // (E/ep))."""
+    e = expert_of(name)
+    return e is None or e // (cfg.moe_experts // ep) == ep_rank

@@ -21,6 +21,11 @@ land in the same new communicator, ordered by key.
                                               -> every rank that holds the same parameter shard: the G replicas,
                                                  and within each the cp ranks (parameters are replicated over cp);
                                                  they average its gradient. dp x cp ranks; dp when cp = 1.
+    ep_comm:  ep consecutive ranks of dp_comm (in its key order), key their place   (expert parallelism, hsgd.ep:
+              the ranks that split each MoE block's experts; parallel folding out of dp x cp)
+    edp_comm: the ranks at the same place of every ep group of dp_comm              (they hold the same experts
+              and average their gradients; dp x cp / ep ranks). With ep = 1: ep_comm is each rank alone, edp_comm
+              is dp_comm.
 
 For 8 ranks with dp=4, tp=2 (pp=1, cp=1):
 
@@ -67,8 +72,11 @@ def check_sizes(world_size, dp, pp, tp, cp=1):
 
 
 class ProcessGrid:
-    def __init__(self, base=MPI.COMM_WORLD, dp=1, pp=1, tp=1, stats=None, check=None, cp=1):
+    def __init__(self, base=MPI.COMM_WORLD, dp=1, pp=1, tp=1, stats=None, check=None, cp=1, ep=1):
         check_sizes(base.Get_size(), dp, pp, tp, cp)             # before any communication
+        if (dp * cp) % ep:
+            raise GridError(f"ep={ep} does not divide dp x cp = {dp * cp}: the expert-parallel ranks are folded out "
+                            f"of the data- and context-parallel ones; use ep in {divisors(dp * cp)}")
         self.base = base
         self.dp, self.pp, self.tp, self.cp = int(dp), int(pp), int(tp), int(cp)
         self.rank = base.Get_rank()
@@ -83,6 +91,10 @@ class ProcessGrid:
         self.cp_comm = Comm(base.Split(color=(d * pp + p) * tp + t, key=c), "cp", self.stats, check)
         self.pp_comm = Comm(base.Split(color=(d * cp + c) * tp + t, key=p), "pp", self.stats, check)
         self.dp_comm = Comm(base.Split(color=p * tp + t, key=d * cp + c), "dp", self.stats, check)
+        self.ep, q, groups = int(ep), d * cp + c, dp * cp // ep              # my place in dp_comm; ep groups
+        self.ep_rank = q % ep
+        self.ep_comm = Comm(base.Split(color=(p * tp + t) * groups + q // ep, key=q % ep), "ep", self.stats, check)
+        self.edp_comm = Comm(base.Split(color=(p * tp + t) * ep + q % ep, key=q // ep), "edp", self.stats, check)
 
     @staticmethod
     def rank_of(dp_rank, pp_rank, tp_rank, pp, tp, cp_rank=0, cp=1):
@@ -112,5 +124,5 @@ class ProcessGrid:
         return out
 
     def free(self):
-        for c in (self.tp_comm, self.cp_comm, self.pp_comm, self.dp_comm):
+        for c in (self.tp_comm, self.cp_comm, self.pp_comm, self.dp_comm, self.ep_comm, self.edp_comm):
             c.free()

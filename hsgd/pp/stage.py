@@ -33,6 +33,8 @@ from hsgd.pp.schedules import KIND_NAMES, build, check, effective
 from hsgd.model.threads import cpu_threads, parallel_batches
 from hsgd.grid.trace import NullTracer
 from hsgd.model.moe import update_selection_bias
+from hsgd.ep.dispatch import AllToAll
+from hsgd.ep.layout import holds
 from hsgd.tp.experts import Experts
 from hsgd.tp.wgrad import WeightGrads
 
@@ -58,7 +60,8 @@ class Stage:
         self.chunks = [Chunk(*ch) for ch in stage_chunks(cfg.n_layers, p, self.s, v, parse_split(layout.pp_split))]
         self.layers = [i for ch in self.chunks for i in ch.layers]    # every block this stage holds
         self.first, self.last = self.chunks[0].first, self.chunks[-1].last
-        self.names = [n for ch in self.chunks for n in stage_names(cfg, ch.layers, ch.first, ch.last)]
+        self.names = [n for ch in self.chunks for n in stage_names(cfg, ch.layers, ch.first, ch.last)
+                      if holds(n, cfg, grid.ep, grid.ep_rank)]       # (with ep > 1: only my experts)
         everyone = build(kind, self.m, p, v)
         check(everyone, self.m, v)                                     # before any message: refuses a deadlock
         check_tags(self.pp_comm, self.tag(p * v - 1, self.m - 1) + 1)
@@ -73,8 +76,9 @@ class Stage:
         self.setup = tp_model.TPSetup(self.cfg, self.tp_comm, self.scheme, self.recompute, self.ctx, num)
         if self.cfg.moe_experts:                                       # the MoE blocks see the layout's ranks
             g = self.grid
+            dispatcher = AllToAll(g.ep_comm, self.cfg.moe_experts) if g.ep > 1 else None   # hsgd.ep.dispatch
             self.setup.experts = Experts(self.cfg, self.tp_comm, g.cp_comm, g.dp_comm, g.dp, self.m, g.cp,
-                                         biases=self.biases)
+                                         dispatcher, self.biases)
         self.tp_comm.payload_round = num.payload if num.rounds and self.tp_comm.size > 1 else None
 
     def pieces(self, rows):

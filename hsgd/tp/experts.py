@@ -37,17 +37,18 @@ class LocalExperts:
     ep = 1
 
     def send(self, xs, kept):
-        """(the rows this rank's experts compute, {expert: rows}); xs (S_kept, C) sorted by expert."""
-        return xs, dict(enumerate(int(c) for c in kept))
+        """(the rows this rank's experts compute, {expert: rows}, what the other calls need: nothing here); xs
+        (S_kept, C) sorted by expert."""
+        return xs, dict(enumerate(int(c) for c in kept)), None
 
-    def receive(self, ys):
+    def receive(self, ys, plan):
         """The experts' outputs (S_kept, C) in the order send took the rows."""
         return ys
 
-    def send_backward(self, dxs):
+    def send_backward(self, dxs, plan):
         return dxs
 
-    def receive_backward(self, dys):
+    def receive_backward(self, dys, plan):
         return dys
 
 
@@ -74,26 +75,27 @@ class Experts:
         s, tp, k = self.settings, self.tp_comm, self.settings.top_k
         x2 = m_in.reshape(-1, m_in.shape[-1])                             # (N, C) whole rows
         r, c_router = route(x2, p[prefix + ".router.weight"], s, moe.biases.get(prefix), moe.capacity_groups)
-        rows, mine = self.dispatcher.send(x2[r.perm // k], r.kept)       # dispatch: (S_kept, C) by expert
+        rows, mine, plan = self.dispatcher.send(x2[r.perm // k], r.kept)  # dispatch: (S_kept, C) by expert
         shards = p if tp.rank == 0 else {n: a for n, a in p.items() if not n.endswith("proj.bias")}
         ys, bounds, c_experts = experts_forward(rows, shards, prefix, s, mine)   # (rows, C) partial over tp
-        y, slot_out = combine_forward(self.dispatcher.receive(ys), r.inv, r.gates)   # (N, C) partial over tp
+        y, slot_out = combine_forward(self.dispatcher.receive(ys, plan), r.inv, r.gates)   # (N, C) partial
         value, balance = record_balance(moe.balance, None, prefix, s, r.probs, r.chosen)
         z, c_z = z_loss_forward(r.logits, s.z_coef)
         moe.aux.setdefault(prefix, routing_aux(r, value, z, x2.shape[0], k))
-        return y.reshape(m_in.shape), (c_router, r.perm, r.gates, slot_out, bounds, c_experts, balance, c_z, prefix)
+        return y.reshape(m_in.shape), (c_router, r.perm, r.gates, slot_out, bounds, c_experts, balance, c_z, prefix,
+                                       plan)
 
     def backward(self, dy, cache, grads, daux):
         """(dm_in (B, T, C) partial over tp: the experts' share, to be entered back by the scheme; dx_router
         (B, T, C) whole: the router's). dy (B, T, C) whole (the scheme's leave_backward)."""
-        c_router, perm, gates, slot_out, bounds, c_experts, balance, c_z, prefix = cache
+        c_router, perm, gates, slot_out, bounds, c_experts, balance, c_z, prefix, plan = cache
         xp, tp = array_module(dy), self.tp_comm
         N, k, C = slot_out.shape
         dgates, dslot = combine_backward(dy.reshape(N, C), gates, slot_out)       # (N, k) partial, (N k, C) whole
         if tp.size > 1:
             dgates = tp.Allreduce(xp.ascontiguousarray(dgates))         # (N, k) whole: <dY, the whole output>
-        dys = self.dispatcher.receive_backward(dslot[perm])              # to the experts' ranks
-        dxs = self.dispatcher.send_backward(experts_backward(dys, bounds, c_experts, grads))   # back: (S_kept, C)
+        dys = self.dispatcher.receive_backward(dslot[perm], plan)        # to the experts' ranks
+        dxs = self.dispatcher.send_backward(experts_backward(dys, bounds, c_experts, grads), plan)   # (S_kept, C)
         dx = xp.zeros((N, C), dtype=dy.dtype)
         scatter_add(dx, perm // k, dxs)                                   # (N, C) partial over tp
         dx_router = router_input_grad(dgates, {"balance": daux, "z": daux}, c_router, balance, c_z, prefix, grads)

@@ -147,12 +147,14 @@ def gather_full(params, cfg, comm, scheme="megatron"):
     return {name: unshard(comm.allgather_obj(p), name, cfg, scheme) for name, p in params.items()}
 
 
-def whole_model(params, cfg, tp_comm, pp_comm, scheme="megatron"):
+def whole_model(params, cfg, tp_comm, pp_comm, scheme="megatron", ep_comm=None):
     """The whole model (serial names and shapes) on every rank, from every rank's shards of its stage: gathered
-    over tp_comm, then every stage's over pp_comm (pickled: for sampling and checks only)."""
-    full = {}
-    for part in pp_comm.allgather_obj(gather_full(params, cfg, tp_comm, scheme)):
-        full.update(part)                                                   # every stage's parameters
+    over tp_comm, then every stage's over pp_comm, and with experts split over ranks every ep rank's experts over
+    ep_comm (pickled: for sampling and checks only)."""
+    full, mine = {}, gather_full(params, cfg, tp_comm, scheme)
+    for part in (ep_comm.allgather_obj(mine) if ep_comm is not None and ep_comm.size > 1 else [mine]):
+        for stage in pp_comm.allgather_obj(part):
+            full.update(stage)                                              # every stage's parameters
     return {n: full[n] for n in cfg.param_shapes()}
 
 

@@ -1,11 +1,14 @@
 """Mixture of experts on 8 ranks, float64: layouts of dp x pp x cp x tp (and ep, the experts split over ranks folded
-out of dp x cp) end three steps with serial SGD's parameters, where serial counts as the layout does: its balance
-loss over the layout's micro-batches (or sequences, or the global batch), each rank's rows routed together with
+out of dp x cp; ep = 2, 4, 8, the tokens sent to their experts' ranks by all-to-all) end three steps with serial
+SGD's parameters and losses (cross-entropy, balance loss and z-loss), where serial counts as the layout does: its
+balance loss over the layout's micro-batches (or sequences, or the global batch), each rank's rows routed together with
 their own capacity (hsgd.ep.layout.capacity_groups). The model: llama's block with 4 experts, top-2, in blocks 0
 and 2 of 4 (blocks 1 and 3 dense), a capacity factor of 1.0 (slots are dropped), the balance loss (alpha 0.1) and the
 z-loss (beta 0.01); one layout with GELU experts and biases, one with auxiliary-loss-free balancing. Each layout also
 routes the same slots to the same experts and drops the same ones as serial (the kept slots per expert, summed over
-the ranks, equal serial's in every step), and every rank's bytes on every communicator equal step_formula's."""
+the ranks, equal serial's in every step), and every rank's bytes on every communicator equal step_formula's (the
+all-to-all's from the step's routing histogram, hsgd.ep.dispatch.all_to_all_formula). Clipping by the global norm
+with experts split over ranks (each counted once: hsgd.dp.folded)."""
 from dataclasses import replace
 
 import numpy as np
@@ -34,6 +37,11 @@ LAYOUTS = [  # (dp, pp, cp, tp), settings, model fields
                         recompute="full", zero=2), {}),
     ((1, 4, 2, 1), dict(micro_batches=4, schedule="zb-h1", recompute="selective"), {}),
     ((2, 1, 4, 1), dict(cp_scheme="allgather", zero=3), dict(moe_bias_rate=0.05)),
+    ((8, 1, 1, 1), dict(ep=8), dict(moe_experts=8, moe_balance_domain="global")),
+    ((2, 1, 2, 2), dict(ep=4, micro_batches=2, clip=0.01), {}),
+    ((4, 2, 1, 1), dict(ep=2, micro_batches=2, schedule="zb-h1"), dict(moe_bias_rate=0.05)),
+    ((1, 2, 4, 1), dict(ep=4, micro_batches=2, recompute="full", tp_scheme="sequence"),
+     dict(moe_balance_domain="sequence")),
 ]
 
 
@@ -43,10 +51,10 @@ def serial_run(cfg, tc):
     if WORLD.Get_rank() == 0:
         state = {}
         groups = capacity_groups(tc.batch_size, cfg.seq_len, tc.dp, tc.micro_batches, tc.cp)
-        params, _ = serial.sgd(cfg, tc, lambda step: CORPUS.batch(tc.seed, step, tc.batch_size),
+        params, losses = serial.sgd(cfg, tc, lambda step: CORPUS.batch(tc.seed, step, tc.batch_size),
                                micro_sequences=tc.batch_size // (tc.dp * tc.micro_batches), capacity_groups=groups,
                                moe_state=state)
-        out = (params, state["routing"], state["biases"])
+        out = (params, state["routing"], state["biases"], losses)
     return WORLD.bcast(out if WORLD.Get_rank() == 0 else None)
 
 
@@ -73,13 +81,14 @@ def test_layouts_with_experts_equal_serial_sgd(layout, kw, fields):
            **fields})
     tc = float64_config(steps=3, warmup=1, dp=dp, pp=pp, cp=cp, tp=tp, **kw)
     tc.validate()
-    ref, routing, biases = serial_run(cfg, tc)
-    grid = ProcessGrid(WORLD, dp=dp, pp=pp, tp=tp, cp=cp)
+    ref, routing, biases, losses = serial_run(cfg, tc)
+    grid = ProcessGrid(WORLD, dp=dp, pp=pp, tp=tp, cp=cp, ep=tc.ep)
     trainer = HybridTrainer(cfg, grid, tc)
-    same_routing = True
+    same_routing, loss_err = True, 0.0
     for step in range(1, tc.steps + 1):
         before = grid.stats.counts()
-        trainer.step(*CORPUS.batch(tc.seed, step, tc.batch_size), step)
+        info = trainer.step(*CORPUS.batch(tc.seed, step, tc.batch_size), step)
+        loss_err = max(loss_err, abs(info.loss - losses[step - 1]) / losses[step - 1])
         per_step = grid.stats.since(before)
         kept = kept_per_step(trainer, grid)
         same_routing &= all(np.array_equal(kept[k], routing[step - 1][k]["kept"]) for k in routing[step - 1])
@@ -97,9 +106,10 @@ def test_layouts_with_experts_equal_serial_sgd(layout, kw, fields):
                               if k in trainer.stage.biases))
         moved = max(moved, 0.0) if all(np.abs(b).max() > 0 for b in biases.values()) else 1.0
     dropped = sum(int(r[k]["dropped"]) for r in routing for k in r)
-    say(f"experts dp={dp} pp={pp} cp={cp} tp={tp} {kw} {fields}: max param rel err vs serial {err:.1e}, kept per "
+    say(f"experts dp={dp} pp={pp} cp={cp} tp={tp} {kw} {fields}: max param rel err vs serial {err:.1e}, loss "
+        f"(cross-entropy + balance + z) {loss_err:.1e}, kept per "
         f"expert equal to serial's in every step {same_routing} ({dropped} slots dropped in 3 steps), bytes == "
         f"formula {same}" + (f", selection biases vs serial {moved:.1e}" if cfg.moe_bias_rate else ""))
-    check(err <= 1e-10 and same_routing and same and dropped > 0 and moved <= 1e-12)
+    check(err <= 1e-10 and loss_err <= 1e-12 and same_routing and same and dropped > 0 and moved <= 1e-12)
     trainer.free()
     grid.free()
