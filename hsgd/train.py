@@ -30,6 +30,7 @@ from hsgd.accounting import allocations
 from hsgd.model.backend import resolve_device
 from hsgd.grid.devices import local_ranks, place_on_device
 from hsgd.accounting.traffic import step_formula
+from hsgd.run.experts import RoutingLog
 from hsgd.checkpoint.store import CheckpointError
 from hsgd.model.data import Corpus, same_data
 from hsgd.errors import ConfigError
@@ -115,6 +116,7 @@ class Run:
     watchers: list = None           # what acts at the points of each step (step_watchers)
     dog: object = None              # the Watchdog of --step-timeout: `with run.dog.phase(...)` around collectives
     saved_step: int = None          # the step of the last checkpoint this run wrote
+    routing: object = None          # with experts: the RoutingLog of every step (hsgd.run.experts)
 
 
 def setup(cfg, tc, world, out, threads, dog, faults):
@@ -127,6 +129,7 @@ def setup(cfg, tc, world, out, threads, dog, faults):
     launch.agree(world, lambda: same_data(world.allgather(run.corpus.fingerprint()), tc.data))
     run.grid = ProcessGrid(world, dp=tc.dp, pp=tc.pp, tp=tc.tp, cp=tc.cp, ep=tc.ep)
     run.tracer = Tracer(world.Get_rank(), world, enabled=False) if (tc.trace or tc.plot) else None
+    run.routing = RoutingLog(cfg, world) if cfg.moe_experts else None
     if tc.memory:                                                    # traced from before the parameters exist
         run.probe = allocations.MemoryProbe(resolve_device(tc.device))
         run.probe.start()
@@ -168,6 +171,8 @@ def loop(run):
             except Skipping as e:                                          # on every rank: the run has diverged
                 raise Skipping(f"{e}; {save_last_finite(run)}") from None
             run.progress.step(step, info)
+            if run.routing:
+                run.routing.record(trainer)                                # (pickled, after the counted traffic)
             saved = at_intervals(run, step)
             if stopping:                                                   # every rank stops here
                 stop_after_signal(run, step, stop.signum_agreed, saved)

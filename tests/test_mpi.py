@@ -307,6 +307,23 @@ def test_every_communication_option_trains_and_matches_its_formula(n, flags):
     assert traffic and all(a == b for a, b in traffic), traffic
 
 
+def test_an_expert_parallel_run_reports_its_routing(tmp_path):
+    """--moe-experts 4 --ep 2 beside tp 2 (dp 4), in bfloat16 (the experts' products are not rounded at points of
+    their own yet): the run trains, its bytes equal their formulas (the all-to-all's from the measured step's
+    routing: measured/formula 1.000), the end of the run reports each MoE block's load per expert and drops, and
+    --plot draws the load per expert over the steps."""
+    r = run_mpi(8, ["-m", "hsgd.train", *TINY, "--moe-experts", "4", "--moe-capacity-factor", "1.0", "--ep", "2",
+                    "--tp", "2", "--dtype", "bfloat16", "--plot", str(tmp_path)], timeout=120)
+    out = r.stdout
+    print(out[-1500:])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "<- differs" not in out and re.search(r"^ +ep +Alltoallv +4 calls", out, re.M)
+    assert "experts: 4 per MoE block, top-2, 3 steps, capacity factor 1" in out
+    assert re.search(r"h\.0\.moe: token-slots per expert min \d+ max \d+ .*dropped \d+ of 384", out)
+    assert "all-to-all on ep_comm, step 2: measured/formula = 1.000" in out
+    assert (tmp_path / "load.png").exists()
+
+
 def test_float16_training_reports_its_loss_scale(tmp_path):
     """--dtype float16: the progress line and every --log-json record carry the loss scale and the updates it
     skipped; bfloat16 has no loss scale (its range is float32's)."""

@@ -5,7 +5,8 @@ what it watches, and how it ends on a fault or a signal. Chapters 7 (a run end t
     config_file   one TOML loader for config and hardware files
     preflight     checks before any work: outputs writable, optional modules there, the memory the machine has
     progress      progress lines and the --log-json records
-    report        what rank 0 prints at the end: bytes, the pipeline, memory, staging, trace and plots
+    report        what rank 0 prints at the end: bytes, the pipeline, memory, experts, staging, trace and plots
+    experts       with experts: each step's routing (load, kept, dropped per expert), the end-of-run lines, load.png
     plots         PNG pictures of a run: losses, a timeline, memory
     watchers      the points of a step where something besides training acts (faults, --dump-step)
     faults        --inject-fault: one fault, on purpose

@@ -219,6 +219,20 @@ def report_trace(world, tracer, tc, traced, losses, val_points, title, say):
         say("plots: " + ", ".join(paths))
 
 
+def report_experts(run, say):
+    """With experts: each MoE block's load per expert and drops over the run, the all-to-all bytes of the measured
+    step against their formula, --plot's load.png (rank 0; hsgd.run.experts)."""
+    from hsgd.run.experts import all_to_all_ratio
+    for line in run.routing.summary():
+        say(line)
+    ratio = all_to_all_ratio(run.per_step, run.formula)
+    if ratio is not None:
+        say(f"  all-to-all on ep_comm, step {run.measured_step}: measured/formula = {ratio:.3f} (the formula from "
+            f"that step's routing)")
+    if run.tc.plot and run.world.Get_rank() == 0 and run.routing.steps:
+        say("plots: " + run.routing.plot(run.tc.plot))
+
+
 def report_end(run):
     """Rank 0 prints the reports of hsgd.run.report (collective): bytes per step against the formula, the pipeline,
     memory (returned: this rank's), staging buffers, trace and plots."""
@@ -236,6 +250,8 @@ def report_end(run):
             from hsgd.run.plots import plot_memory
             say("plots: " + plot_memory(samples, os.path.join(tc.plot, "memory.png"),
                                         f"memory over step {run.measured_step} per rank, by category"))
+    if run.routing:
+        report_experts(run, say)
     report_staging(world, grid, trainer, run.pinned, run.start, say)
     if run.tracer:
         report_trace(world, run.tracer, tc, run.traced, run.progress.losses, run.val_points,

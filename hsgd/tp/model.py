@@ -86,7 +86,7 @@ class TPSetup:
     Reduce_scatter_block where the local slice would do (hsgd.tp.schemes.Gather)."""
 
     def __init__(self, cfg, comm, scheme="megatron", recompute="none", ctx=WHOLE, num=EXACT, reduce_scatter=False):
-        self.cfg, self.comm, self.recompute = cfg, comm, recompute
+        self.cfg, self.comm, self.recompute, self.cp = cfg, comm, recompute, getattr(ctx, "cp", 1)
         self.scheme, self.ops, self.ctx = rounded(make_scheme(scheme, reduce_scatter), tp_ops, ctx, num)
         self.nh = cfg.n_heads // comm.size                                   # the heads of this rank
         self.nkv, self.kv_owner = kv_heads(cfg, comm.size, comm.rank)        # its kv heads, and the first's index
@@ -374,7 +374,7 @@ def stage_forward(params, inp, targets, piece, setup, hooks=NO_HOOKS):
     c_emb, c_blocks, x = None, [], inp                                   # (B, T~, C) from stage s-1
     moe = None
     if setup.experts is not None and any(setup.cfg.is_moe(i) for i in piece.layers):
-        moe = setup.experts.new_pass(len(inp), setup.cfg.seq_len // setup.ctx.cp, array_module(inp))
+        moe = setup.experts.new_pass(len(inp), setup.cfg.seq_len // setup.cp, array_module(inp))
     if piece.first:
         with hooks.forward("embedding"):
             x, c_emb = embedding_forward(inp, params, setup)             # (B, T~, C)
