@@ -60,6 +60,7 @@ bench: $(BENCH_STAMP)
 	$(RUN) python benchmarks/hf_llama_reference.py --check
 	$(RUN) python benchmarks/hf_mixtral_reference.py --check
 	$(RUN) python benchmarks/train_families.py --np $(NP)
+	$(RUN) python benchmarks/bench_experts.py --np $(NP)
 	d=$$(mktemp -d) && $(RUN) python benchmarks/crosscheck_torch.py --tp 2 --dp 2 --micro-batches 2 --out $$d/dump \
 	    && $(RUN) python -m hsgd.crosscheck $$d/dump; rc=$$?; rm -rf $$d; exit $$rc
 

@@ -9,7 +9,8 @@ every checksum (an empty `files`), or cut a model into wrong shapes. `check` the
 * its schema: every key there, of its type; the model a valid ModelConfig; the layout (dp, pp, tp, a known tensor
   scheme, virtual stages, layers per piece) one that splits that model; the optimizer's step count at most the
   checkpoint's step, a loss scale finite and positive (check_state);
-* its files: exactly the shard names of that layout, `shard-pp{s}-tp{t}.npz` for every stage s and tensor rank t,
+* its files: exactly the shard names of that layout, `shard-pp{s}-tp{t}.npz` for every stage s and tensor rank t
+  (`shard-pp{s}-tp{t}-ep{r}.npz` for every expert-parallel rank r too with ep > 1),
   each entry naming its own (s, t), a 64-digit SHA-256 and a size. Nothing else is ever opened.
 
 Every failure is `checkpoint ... is corrupt: ...` (a CheckpointError: exit code 2).
@@ -30,9 +31,12 @@ def digest(manifest):
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
-def shard_names(pp, tp):
-    """The files of a checkpoint saved on pp stages x tp tensor ranks."""
-    return {f"shard-pp{s}-tp{t}.npz": (s, t) for s in range(pp) for t in range(tp)}
+def shard_names(pp, tp, ep=1):
+    """The files of a checkpoint saved on pp stages x tp tensor ranks {name: (s, t, r)}; with experts split over ep
+    ranks one per expert-parallel rank r too, shard-pp{s}-tp{t}-ep{r}.npz (r = 0 also holds the dense parameters)."""
+    if ep == 1:
+        return {f"shard-pp{s}-tp{t}.npz": (s, t, 0) for s in range(pp) for t in range(tp)}
+    return {f"shard-pp{s}-tp{t}-ep{r}.npz": (s, t, r) for s in range(pp) for t in range(tp) for r in range(ep)}
 
 
 def check_sizes(lay, need):
@@ -110,15 +114,19 @@ def check(m, path, error):
     need(opt.get("name") in OPTIMIZERS and is_int(opt.get("t")), "has no optimizer name and step count")
     check_state(m, need)                                               # the optimizer's steps, the loss scale
     need(m["dtype"] in DTYPES, f"has an unknown dtype {m['dtype']!r}")
-    listed, count = sorted(m["files"]), lay["pp"] * lay["tp"]             # (counted before the names are made)
+    ep = lay.get("ep", 1)
+    need(is_int(ep, 1) and ep <= lay["dp"] * lay.get("cp", 1) and (ep == 1 or cfg.moe_experts % ep == 0),
+         "has a layout whose ep is not a positive integer that divides its experts")
+    listed, count = sorted(m["files"]), lay["pp"] * lay["tp"] * ep       # (counted before the names are made)
     need(len(listed) == count, f"lists the files {listed[:8]!r}{' ...' if len(listed) > 8 else ''}, not the pp x "
-                               f"tp = {count} shards of its layout")
-    expected = shard_names(lay["pp"], lay["tp"])
+                               f"tp x ep = {count} shards of its layout")
+    expected = shard_names(lay["pp"], lay["tp"], ep)
     need(set(m["files"]) == set(expected), f"lists the files {sorted(m['files'])!r}, not the shards of its layout "
                                            f"{sorted(expected)}")
     for name, info in m["files"].items():
-        s, t = expected[name]
-        need(isinstance(info, dict) and info.get("pp") == s and info.get("tp") == t and is_int(info.get("bytes"))
+        s, t, r = expected[name]
+        need(isinstance(info, dict) and info.get("pp") == s and info.get("tp") == t and info.get("ep", 0) == r
+             and is_int(info.get("bytes"))
              and isinstance(info.get("sha256"), str) and len(info["sha256"]) == 64, f"has a bad entry for {name}")
     return cfg
 

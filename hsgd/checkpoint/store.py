@@ -9,6 +9,9 @@ A checkpoint is a directory `step-000123/` with
                             the first rank of that position's dp_comm (its DP replicas and, with context
                             parallelism, its cp ranks hold identical shards; with ZeRO their optimizer chunks are
                             first All-Gathered to it). Nothing depends on cp: a checkpoint resumes under any cp.
+    shard-pp{s}-tp{t}-ep{r}.npz  with experts split over ep ranks (--ep > 1), one file per expert-parallel rank r,
+                            written by the first rank of its edp_comm: its experts' shards and state, every expert
+                            once; r = 0's file holds the dense parameters too. It resumes under any ep.
     manifest.json           written by rank 0: model config, layout (dp, pp, cp, tp, scheme, virtual stages, layers
                             per piece of the model), step, data position and seed (the batches are a pure function
                             of (seed, step): that is all the random state there is), optimizer, and the SHA-256 of
@@ -41,6 +44,7 @@ from hsgd.errors import NumericalFault, UsageError
 from hsgd.checkpoint.manifest import check as check_manifest
 from hsgd.checkpoint.manifest import SCHEDULE
 from hsgd.checkpoint.manifest import digest as manifest_digest
+from hsgd.ep.layout import expert_of
 from hsgd.pp.chunks import chunk_layers, parse_split, stage_names
 from hsgd.files import sha256, sync_folder, regular_file, writable_file
 from hsgd.readers import Npz, machine_memory, read_json
@@ -67,7 +71,7 @@ def save(trainer, step, save_dir, keep=3, kill_in_save=False, identity=None):
     if error is not None:                                               # rank 0 could not even make the folder
         raise not_written(step, f"{error} on rank 0", save_dir)
     entry = None
-    if grid.dp_comm.rank == 0:                                          # one writer per (stage, tensor rank)
+    if (grid.edp_comm if grid.ep > 1 else grid.dp_comm).rank == 0:     # one writer per (stage, tensor[, ep] rank)
         entry, error = attempt(lambda: write_shard(trainer, state, tmp))
     if kill_in_save:                                                    # fault injection: die mid-save
         os.kill(os.getpid(), signal.SIGKILL)
@@ -134,15 +138,20 @@ def make_tmp(save_dir, step):
 def write_shard(trainer, state, tmp):
     """This rank's file: its parameter shards and optimizer state, on disk (fsync) before its checksum is taken."""
     grid = trainer.grid
-    name = f"shard-pp{grid.pp_rank}-tp{grid.tp_rank}.npz"
+    name = f"shard-pp{grid.pp_rank}-tp{grid.tp_rank}" + (f"-ep{grid.ep_rank}" if grid.ep > 1 else "") + ".npz"
     path = os.path.join(tmp, name)
-    arrays = {f"param/{n}": to_numpy(p) for n, p in state["params"].items()}
-    arrays.update({f"opt/{n}/{k}": to_numpy(v) for n, st in state["moments"].items() for k, v in st.items()})
+    mine = lambda n: grid.ep_rank == 0 or expert_of(n) is not None     # ep rank r > 0: its experts alone
+    arrays = {f"param/{n}": to_numpy(p) for n, p in state["params"].items() if mine(n)}
+    arrays.update({f"opt/{n}/{k}": to_numpy(v) for n, st in state["moments"].items() for k, v in st.items()
+                   if mine(n)})
+    if grid.ep_rank == 0:                                               # the stage's selection biases, once
+        arrays.update({f"moe_bias/{k}": to_numpy(b) for k, b in state.get("moe_biases", {}).items()})
     with open(path, "wb") as f:
         np.savez(f, **arrays)
         f.flush()
         os.fsync(f.fileno())
-    return name, {"pp": grid.pp_rank, "tp": grid.tp_rank, "sha256": sha256(path), "bytes": os.path.getsize(path)}
+    entry = {"pp": grid.pp_rank, "tp": grid.tp_rank, "sha256": sha256(path), "bytes": os.path.getsize(path)}
+    return name, ({**entry, "ep": grid.ep_rank} if grid.ep > 1 else entry)
 
 
 def build_manifest(trainer, step, state, entries, run):
@@ -151,7 +160,8 @@ def build_manifest(trainer, step, state, entries, run):
     tc, grid = trainer.tc, trainer.grid
     manifest = {
         "format": FORMAT, "step": step, "model": asdict(trainer.cfg),
-        "layout": {"dp": grid.dp, "pp": grid.pp, "cp": grid.cp, "tp": grid.tp, "tp_scheme": trainer.scheme,
+        "layout": {"dp": grid.dp, "pp": grid.pp, "cp": grid.cp, "tp": grid.tp, "ep": grid.ep,
+                   "tp_scheme": trainer.scheme,
                    "virtual_stages": tc.virtual_stages,
                    "layers": [len(r) for r in chunk_layers(trainer.cfg.n_layers, grid.pp, tc.virtual_stages,
                                                            parse_split(tc.pp_split))]},
@@ -259,15 +269,16 @@ class Shards:
         self.pieces = chunk_layers(self.cfg.n_layers, lay["pp"], lay.get("virtual_stages", 1), lay["layers"])
         self.files = {}
 
-    def _file(self, pp, tp):
-        """The shard file of (stage pp, tensor rank tp), its headers checked before any array is read
-        (hsgd.readers.Npz): all its arrays together at most the whole model's parameters and two optimizer moments
-        in float64, and at most this machine's memory."""
-        key = (pp, tp)
+    def _file(self, pp, tp, ep=0):
+        """The shard file of (stage pp, tensor rank tp, expert-parallel rank ep), its headers checked before any
+        array is read (hsgd.readers.Npz): all its arrays together at most the whole model's parameters and two
+        optimizer moments in float64, and at most this machine's memory."""
+        key = (pp, tp, ep)
         if key not in self.files:
             corrupt = lambda why: CheckpointError(f"checkpoint {self.m['path']!r} is corrupt: {why}; resume from "
                                                   "another checkpoint")
-            self.files[key] = Npz(os.path.join(self.m["path"], f"shard-pp{pp}-tp{tp}.npz"), "checkpoint file",
+            name = f"shard-pp{pp}-tp{tp}" + (f"-ep{ep}" if self.m["layout"].get("ep", 1) > 1 else "") + ".npz"
+            self.files[key] = Npz(os.path.join(self.m["path"], name), "checkpoint file",
                                   corrupt, max_bytes=min(3 * 8 * self.cfg.n_params() + (1 << 20), machine_memory()))
         return self.files[key]
 
@@ -283,12 +294,14 @@ class Shards:
         "m", "v"); None if the checkpoint has no such state. Anything unreadable or of the wrong shape: corrupt."""
         lay, s = self.m["layout"], self.stage_of(name)
         field = f"param/{name}" if key == "param" else f"opt/{name}/{key}"
+        e, ep = expert_of(name), lay.get("ep", 1)
+        r = 0 if e is None else e // (self.cfg.moe_experts // ep)        # the ep rank that saved it
         try:
-            if field not in self._file(s, 0).files:
+            if field not in self._file(s, 0, r).files:
                 if key == "param":
                     raise KeyError(f"no array {field}")
                 return None
-            pieces = [self._file(s, t)[field] for t in range(lay["tp"])]
+            pieces = [self._file(s, t, r)[field] for t in range(lay["tp"])]
             out = tp_shards.unshard(pieces, name, self.cfg, lay["tp_scheme"])
         except (KeyError, ValueError, OSError, EOFError, zipfile.BadZipFile) as e:
             raise CheckpointError(f"checkpoint {self.m['path']!r} is corrupt: {field} of stage {s} cannot be read "
@@ -298,6 +311,18 @@ class Shards:
             raise CheckpointError(f"checkpoint {self.m['path']!r} is corrupt: {field} has shape {out.shape} "
                                   f"({out.dtype}), the model needs {expected} (float)")
         return out
+
+
+def load_biases(shards, trainer):
+    """{"h.{i}.moe": (E,)} the saved selection biases of this rank's stage's MoE blocks (none saved: {})."""
+    out = {}
+    for i in trainer.stage.layers:
+        if trainer.cfg.is_moe(i):
+            field = f"moe_bias/h.{i}.moe"
+            f = shards._file(shards.stage_of(f"h.{i}.ln2.weight"), 0, 0)
+            if field in f.files:
+                out[f"h.{i}.moe"] = trainer.stage.xp.asarray(f[field])
+    return out
 
 
 def load(trainer, manifest):
@@ -319,7 +344,7 @@ def load(trainer, manifest):
             state[name] = {k: tp_shards.shard(v.astype(dtype), name, grid.tp_rank, grid.tp, trainer.scheme, trainer.cfg)
                            for k, v in st.items()}
     trainer.load_state_dict({"params": params, "moments": state, "t": manifest["optimizer"]["t"],
-                             "loss_scale": manifest.get("loss_scale")})
+                             "loss_scale": manifest.get("loss_scale"), "moe_biases": load_biases(shards, trainer)})
     return manifest["step"]
 
 

@@ -183,11 +183,13 @@ class HybridTrainer:
     def state_dict(self):
         """Collective over dp_comm when the exchange shards (ZeRO): {"params": {name: this rank's tp shard, whole
         over dp}, "moments": {name: {"velocity" | "m", "v": its optimizer moments}}, "t": the optimizer's steps,
-        "loss_scale": the scaler's state or None}: what a checkpoint keeps, by name, to cut again for any layout."""
+        "loss_scale": the scaler's state or None, "moe_biases": {"h.{i}.moe": (E,)} the selection biases of this
+        stage's MoE blocks (auxiliary-loss-free balancing: state, not parameters)}: what a checkpoint keeps, by name,
+        to cut again for any layout."""
         named = {k: self.exchange.named(v) for k, v in self.opt.moments("flat").items()}   # {moment: {name: a}}
         moments = {n: {k: v[n] for k, v in named.items()} for n in self.shard_shapes if named}
         return {"params": self.exchange.full_params(), "moments": moments, "t": self.opt.t,
-                "loss_scale": self.scaler.state()}
+                "loss_scale": self.scaler.state(), "moe_biases": dict(self.stage.biases)}
 
     def load_state_dict(self, state):
         """The inverse of state_dict on this rank's layout (no communication): its parameter shards, its part of
@@ -199,6 +201,7 @@ class HybridTrainer:
         self.opt.t = state["t"]
         if self.scaler.dynamic and state.get("loss_scale"):
             self.scaler.load(state["loss_scale"])                         # float16: go on with the scale it had
+        self.stage.biases.update(state.get("moe_biases") or {})          # (the same dict the stage's blocks read)
 
     def full_params(self):
         """The whole model (serial names and shapes) on every rank (pickled: for sampling and checks only)."""

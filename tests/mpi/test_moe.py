@@ -113,3 +113,43 @@ def test_layouts_with_experts_equal_serial_sgd(layout, kw, fields):
     check(err <= 1e-10 and loss_err <= 1e-12 and same_routing and same and dropped > 0 and moved <= 1e-12)
     trainer.free()
     grid.free()
+
+
+def test_an_expert_parallel_checkpoint_reshards_to_another_ep():
+    """Saved after step 1 by dp 4 x tp 2 with ep 4 (one expert per rank, each saved once: shard-pp0-tp{t}-ep{r}),
+    resumed by dp 2 x pp 2 x tp 2 with ep 2 for steps 2 and 3: serial SGD's parameters after 3 steps, with the
+    selection biases of auxiliary-loss-free balancing saved and restored (step 2 routes with them). (No capacity
+    and the global balance domain: serial then counts the same whatever the layout, so one serial run is the
+    reference of both halves.)"""
+    import os
+    import tempfile
+    from hsgd.checkpoint import store
+    from hsgd.grid.process_grid import ProcessGrid
+    from hsgd.step.trainer import HybridTrainer
+    cfg = replace(CFG, moe_capacity_factor=None, moe_balance_domain="global", moe_bias_rate=0.05)
+    tc = float64_config(steps=3, warmup=1, dp=4, tp=2, ep=4)
+    ref, _, _, _ = serial_run(cfg, tc)
+    folder = WORLD.bcast(tempfile.mkdtemp() if WORLD.Get_rank() == 0 else None)
+    grid = ProcessGrid(WORLD, dp=4, tp=2, ep=4)
+    trainer = HybridTrainer(cfg, grid, tc)
+    trainer.step(*CORPUS.batch(tc.seed, 1, tc.batch_size), 1)
+    trainer.finish()
+    path = store.save(trainer, 1, folder)
+    trainer.free()
+    grid.free()
+    files = sorted(f for f in os.listdir(path) if f.endswith(".npz"))
+    tc2 = replace(tc, dp=2, pp=2, tp=2, ep=2)
+    grid = ProcessGrid(WORLD, dp=2, pp=2, tp=2, ep=2)
+    trainer = HybridTrainer(cfg, grid, tc2)
+    step = store.load(trainer, store.open_checkpoint(path, cfg))
+    for s in (2, 3):
+        trainer.step(*CORPUS.batch(tc.seed, s, tc.batch_size), s)
+    trainer.finish()
+    mine = trainer.exchange.full_params()
+    err = world_max(max(float(np.abs(p - tp_shards.shard(ref[n], n, grid.tp_rank, grid.tp, tc2.tp_scheme, cfg)).max()
+                              / max(np.abs(ref[n]).max(), 0.02)) for n, p in mine.items()))
+    say(f"saved by dp 4 x tp 2 ep 4 after step {step} ({files}), resumed by dp 2 x pp 2 x tp 2 ep 2: max param rel "
+        f"err vs serial after 3 steps {err:.1e}")
+    check(step == 1 and err <= 1e-10 and files == [f"shard-pp0-tp{t}-ep{r}.npz" for t in range(2) for r in range(4)])
+    trainer.free()
+    grid.free()
