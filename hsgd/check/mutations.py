@@ -6,14 +6,15 @@ catch them, and hsgd.crosscheck to name them.
         verdict = oracle(...)                         # ln_f.weight is flagged, on every layout with tp > 1
 
 Each bug patches one function or method (of hsgd.pp.stage.Stage, which every layout but the one-rank threaded path
-runs, or of the tensor-parallel schemes and the ZeRO-1 exchange) and puts it back on leaving the block. Nothing in
+runs, of the tensor-parallel schemes and the ZeRO-1 exchange, or, with experts, of the folded exchange and the MoE
+blocks, hsgd.dp.folded and hsgd.tp.experts) and puts it back on leaving the block. Nothing in
 hsgd imports this module: it exists for tests and tutorials.
 """
 from contextlib import contextmanager
 
 from hsgd.pp import stage as stage_module
-from hsgd.tp import schemes as tp_schemes
-from hsgd.dp import zero1
+from hsgd.tp import experts as tp_experts, schemes as tp_schemes
+from hsgd.dp import folded, zero1
 
 BUGS = {
     "missing-tp-scale": "one parameter's gradient tp times too large, as when a replicated parameter's partial "
@@ -33,6 +34,19 @@ BUGS = {
                                      "All-Reduced over tp",
     "head-permutation": "the gradient of `name` (a q, k or v weight) hands back this rank's heads in reverse "
                         "order",
+    "experts-without-1/ep": "the experts' gradients averaged with 1/edp over their edp_comm replicas where the "
+                            "factor is 1/(dp x cp): ep times too large, the loss curve unchanged (--ep > 1; "
+                            "pytorch/pytorch #160285)",
+    "experts-over-dp": "the experts' gradients averaged over dp_comm, where the ranks hold other experts at the same "
+                       "places, instead of over edp_comm (the wrong group: NVIDIA/Megatron-LM #6080; --ep > 1)",
+    "balance-over-micro-batch": "the load-balancing loss counted over each rank's own rows (a micro-batch on one "
+                                "rank) whatever the declared domain: its counts never summed over the domain's "
+                                "ranks (the micro-batch balance that Qiu et al. 2025, \"Demons in the Detail: On "
+                                "Implementing Load Balancing Loss for Training Specialized Mixture-of-Expert "
+                                "Models\", set against the global batch's)",
+    "router-gradient-dropped": "the router's weight gradient never accumulated: the gates' and the auxiliary "
+                               "losses' paths to W_r lost, the tokens' gradients intact (huggingface/transformers "
+                               "#48687's symptom: a router gradient wrong, the loss right)",
 }
 
 
@@ -76,6 +90,43 @@ def patch(bug, name):
                 self.g_chunk *= self.dp_comm.size                          # undoes the 1/dp
             return summed
         return zero1.Zero1Exchange, "average", broken
+    if bug == "experts-without-1/ep":
+        def broken(original):
+            def average(self):
+                original(self)
+                self.buf.flat[self.n_dense:] *= self.dp_comm.size / self.edp_comm.size   # 1/edp, not 1/(dp cp)
+            return average
+        return folded.FoldedExchange, "average", broken
+    if bug == "experts-over-dp":
+        def broken(original):
+            def average(self):
+                edp, self.edp_comm = self.edp_comm, self.dp_comm              # the experts' span over dp_comm
+                try:
+                    original(self)
+                finally:
+                    self.edp_comm = edp
+            return average
+        return folded.FoldedExchange, "average", broken
+    if bug == "balance-over-micro-batch":
+        def broken(original):
+            def new_pass(self, B, T, xp):
+                moe = original(self, B, T, xp)
+                dom = moe.balance.dom
+                dom.groups, dom.sizes, dom.comm = [xp.arange(B * T)], [B * T], None   # my rows, counted alone
+                dom.n_groups = round(1 / dom.share)
+                return moe
+            return new_pass
+        return tp_experts.Experts, "new_pass", broken
+    if bug == "router-gradient-dropped":
+        def broken(original):
+            def backward(self, dy, cache, grads, daux):
+                prefix = next(x for x in cache if isinstance(x, str))       # "h.{i}.moe"
+                kept = grads[prefix + ".router.weight"].copy()
+                out = original(self, dy, cache, grads, daux)
+                grads[prefix + ".router.weight"][...] = kept                 # this block's contribution lost
+                return out
+            return backward
+        return tp_experts.Experts, "backward", broken
     if bug == "sequence-without-ln-reduction":
         def broken(original):
             def partial(self, part, grads, comm):

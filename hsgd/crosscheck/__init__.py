@@ -14,5 +14,8 @@ hsgd.crosscheck.systems     other systems' storage of the model as a dump's tens
                             linear_qkv (per query group) and linear_fc1 ([gate_i | up_i] per rank), Hugging Face's
 hsgd.crosscheck.classify    what kind of bug a wrong gradient shows: a constant factor, a permutation, padding,
                             a partial sum, fused parts swapped, a tied weight's part missing, or only rounding
+hsgd.crosscheck.experts     with experts: the reference counted as the layout counts (its micro-batches, each rank's
+                            rows), and what an expert-parallel bug gives (experts averaged over the wrong group, the
+                            balance loss over each rank's rows)
 hsgd.crosscheck.__main__    the command: reassemble, reference, the per-parameter table, exit 0 / 1 / 2
 """

@@ -3,16 +3,18 @@ against hsgd's serial reference in float64, and name the kind of bug each wrong 
 
     1. check that the folder holds one whole dump of one run (hsgd.crosscheck.manifest: dump.json lists every file
        with its sha256), read and check the dump (hsgd.crosscheck.read; exit 2 with one line when either fails)
-    2. the reference: hsgd.model.serial.loss_and_grads in float64 on the dump's parameters and batch
+    2. the reference: hsgd.model.serial.loss_and_grads in float64 on the dump's parameters and batch (with experts
+       counted as the dumped layout counts: its micro-batches, each rank's rows; hsgd.crosscheck.experts)
     3. every tensor's gradient reassembled from its shards, one copy per replica, and mapped to the reference's
        parameters (a transpose, a fused q|k|v or gate|up cut apart)
     4. per parameter hsgd.verify's table: the largest error of any copy, relative to the reference's largest
        entry of that parameter (or to 1e-3 of the model's largest, when that is larger), and the tolerance
     5. every parameter over its tolerance classified (hsgd.crosscheck.classify): constant factor, partial sum,
-       padding, permutation, transposed, swapped (fused parts), part missing (a tied weight's), missing, not
-       finite, or no simple pattern; every part of a fused tensor "fused layout" when another of the usual layouts
-       (relaid: [q | k | v], per query group, per head, per tp rank) reads them all right; one over float64's tolerance
-       but within its dtype's (float32's, or the rounding band) is "within the rounding band" ("ok, rounding")
+       padding, permutation, transposed, swapped (fused parts), part missing (a tied weight's), wrong group (an
+       expert's), balance domain, missing, not finite, or no simple pattern; every part of a fused tensor "fused
+       layout" when another of the usual layouts (relaid: [q | k | v], per query group, per head, per tp rank) reads
+       them all right; one over float64's tolerance but within its dtype's (float32's, or the rounding band) is
+       "within the rounding band" ("ok, rounding")
 
 Tolerances by the dump's dtype: float64 loss 1e-10 and gradients 1e-10 (hsgd.verify's, the loss a little wider
 since another system sums in another order); float32 1e-6 and 1e-4; bfloat16 and float16 the rounding band of the
@@ -33,13 +35,13 @@ import numpy as np
 
 from hsgd import cli
 from hsgd.cli import Parser
-from hsgd.model import serial
 from hsgd.check.verdict import LAMBDA
 from hsgd.errors import UsageError
 from hsgd.model.precision import LOW, unit_roundoff
 from hsgd.files import writable_file
 from hsgd.readers import printable
 from .classify import classify, factor_names, match
+from .experts import Others, reference
 from .manifest import check_set
 from .read import load
 
@@ -48,8 +50,9 @@ FLOOR = 1e-3              # a parameter's error is relative to at least FLOOR x 
 STRUCTURE = {"float64": 1e-8, "float32": 1e-4}       # classify: equal up to this relative distance
 # the most telling class first: a bug that moves the loss (padding in the softmax) changes every gradient a little,
 # and those then show "no simple pattern"
-FIRST = ("padding", "partial sum", "fused layout", "part missing", "swapped", "constant factor", "permutation",
-         "transposed", "missing", "not finite", "replicas differ", "no simple pattern")
+FIRST = ("padding", "balance domain", "partial sum", "wrong group", "fused layout", "part missing", "swapped",
+         "constant factor", "permutation", "transposed", "missing", "not finite", "replicas differ",
+         "no simple pattern")
 HINT = {"padding": "mask the padded entries (their logits to -inf) or drop them before the loss",
         "partial sum": "a reduction of the partial gradients over the ranks named is missing",
         "constant factor": "a scale by the size named is missing or doubled (a sum where a mean belongs)",
@@ -61,6 +64,10 @@ HINT = {"padding": "mask the padded entries (their logits to -inf) or drop them 
                         "gradient: add the other's before the reduction",
         "swapped": "the order of the fused tensor's parts ([gate | up] or [up | gate]; q, k, v) in the system or in "
                    "layout.json's fused.parts",
+        "wrong group": "the experts' gradients are averaged over the ranks of dp x cp, where only the ranks holding "
+                       "the same experts (the expert-data-parallel group) belong",
+        "balance domain": "the balance loss's counts (f) must be summed over the ranks that share its domain (cp, or "
+                          "dp x cp for global) before f multiplies P",
         "missing": "the gradient never reaches this rank's buffer (a hook not called, a buffer not synced)",
         "not finite": "an overflow or a division by zero before this gradient",
         "replicas differ": "the replicas should be equal: a reduction over the wrong group",
@@ -198,7 +205,7 @@ def tied_parts(dump, params):
     (logits = x wte^T) dL/dwte = the lookup's (rows of the batch's ids) + the LM head's; the reference of the same
     model untied, with lm_head = wte^T, gives them apart (its wte and lm_head.weight^T)."""
     untied = replace(dump.cfg, tied=False)
-    _, g = serial.loss_and_grads({**params, "lm_head.weight": params["wte"].T.copy()}, dump.idx, dump.targets, untied)
+    _, g = reference(replace(dump, cfg=untied), {**params, "lm_head.weight": params["wte"].T.copy()})
     return [("part missing", "G is the embedding lookup's part alone: the LM head's (tied: logits = x wte^T) is "
                              "not added to wte's gradient", g["wte"]),
             ("part missing", "G is the LM head's part alone: the embedding lookup's is not added to wte's gradient",
@@ -228,7 +235,8 @@ def other_gradients(dump, params, grads0, t, name):
 def check(dump, draws=3):
     """The verdict: (ok, loss row, rows) with rows [dict per reference parameter]."""
     params = dump.reference_params()
-    loss0, grads0 = serial.loss_and_grads(params, dump.idx, dump.targets, dump.cfg)
+    loss0, grads0 = reference(dump, params)
+    moe = Others(dump, params, grads0)                    # what an expert-parallel bug gives, when first asked
     low = dump.dtype in LOW
     tol_loss, tol_grad = TOLERANCE.get(dump.dtype, (None, None))
     floor = FLOOR * max(float(np.abs(g).max()) for g in grads0.values())
@@ -242,7 +250,9 @@ def check(dump, draws=3):
     hs = dump.cfg.head_size
     loss_err = abs(dump.loss - loss0) / abs(loss0) if np.isfinite(dump.loss) else float("inf")
     loss_row = {"system": dump.loss, "reference": loss0, "error": loss_err, "tolerance": tol_loss,
-                "ok": bool(loss_err <= tol_loss), "finite": bool(np.isfinite(dump.loss))}
+                "ok": bool(loss_err <= tol_loss), "finite": bool(np.isfinite(dump.loss)), "detail": ""}
+    if not loss_row["ok"] and loss_row["finite"]:
+        loss_row["detail"] = moe.loss(dump.loss, tol_loss) or ""
     rows, relayouts = {}, {}
     for t in dump.tensors.values():
         copies, labels, pads = copies_of(t, dump.grads)
@@ -275,7 +285,8 @@ def check(dump, draws=3):
                 found = relayouts.get(t.name)
                 if found is None:
                     found = classify(name, mine, R, structure, names, hs, labels, pad if pad > pad_limit else 0.0,
-                                     floor2, shard_blocks(t), other_gradients(dump, params, grads0, t, name))
+                                     floor2, shard_blocks(t), other_gradients(dump, params, grads0, t, name) +
+                                     moe.of(name))
                 row["class"], row["detail"] = found
             rows[name] = row
     ordered = [rows[n] for n in dump.cfg.param_shapes()]
@@ -290,17 +301,19 @@ def report(dump, ok, loss_row, rows, out=None):
     metric = "rel. distance" if low else "max rel err"
     print(f"hsgd.crosscheck | {dump.path} | {printable(dump.meta.get('system', '(system not named)'))}", file=out)
     p = dump.parallel
-    print(f"{dump.ranks} ranks: dp {p['dp']} x pp {p['pp']} x cp {p['cp']} x tp {p['tp']}, {p['micro_batches']} "
+    ep = f" (experts over ep {p['ep']})" if p["ep"] > 1 else ""
+    print(f"{dump.ranks} ranks: dp {p['dp']} x pp {p['pp']} x cp {p['cp']} x tp {p['tp']}{ep}, {p['micro_batches']} "
           f"micro-batch(es) | {dump.dtype} | batch {dump.idx.shape[0]} x {dump.idx.shape[1]} | reference: "
           f"hsgd.model.serial in float64", file=out)
     flag = "" if loss_row["ok"] else "   <- over tolerance"
     print(f"loss: system {loss_row['system']:.12g}  reference {loss_row['reference']:.12g}  rel err "
           f"{loss_row['error']:.1e} (tolerance {loss_row['tolerance']:.1e}){flag}", file=out)
-    print(f"{'parameter':<22}{'shape':>11}  {'split':<34}{'max abs err':>12}{metric:>14}{'tolerance':>10}  verdict",
+    w = max([22] + [len(r["name"]) + 1 for r in rows])                 # (an expert's names are long)
+    print(f"{'parameter':<{w}}{'shape':>11}  {'split':<34}{'max abs err':>12}{metric:>14}{'tolerance':>10}  verdict",
           file=out)
     for r in rows:
         verdict = ("ok, rounding" if r["class"] else "ok") if r["ok"] else r["class"]
-        print(f"{r['name']:<22}{str(tuple(r['shape'])):>11}  {r['split']:<34}{r['abs_error']:>12.1e}"
+        print(f"{r['name']:<{w}}{str(tuple(r['shape'])):>11}  {r['split']:<34}{r['abs_error']:>12.1e}"
               f"{r['error']:>14.1e}{r['tolerance']:>10.0e}  {verdict}", file=out)
     bad = [r for r in rows if not r["ok"]]
     if bad:
@@ -313,8 +326,9 @@ def report(dump, ok, loss_row, rows, out=None):
             kinds.setdefault(r["class"], []).append(r["name"])
         summary = "; ".join(f"{k} ({len(v)})" for k, v in kinds.items())
         print(f"FAIL: {len(bad)} of {len(rows)} parameters over tolerance: {summary}" +
-              ("" if loss_row["ok"] else "; and the loss differs: the forward pass itself (or the parameters, or "
-                                          "the batch written) is not the reference's"), file=out)
+              ("" if loss_row["ok"] else "; and the loss differs: " + (loss_row["detail"] or "the forward pass itself "
+                                          "(or the parameters, or the batch written) is not the reference's")),
+              file=out)
         first = min(kinds, key=lambda k: FIRST.index(k) if k in FIRST else len(FIRST))
         print(f"look first at: {first} ({', '.join(kinds[first][:3])}{', ...' if len(kinds[first]) > 3 else ''})"
               f"; {HINT.get(first, '')}", file=out)

@@ -18,6 +18,9 @@ replica of it) with the reference's R, and says what G is, if it is R changed in
                      fused [gate | up], read in another order than layout.json says)
     part missing     G is one part of R, a sum of several uses of one weight: with tied embeddings wte's gradient
                      is the embedding lookup's plus the LM head's (logits = x wte^T), and one was not added
+    wrong group      an expert's G is the sum (or mean) of other experts' R: averaged over ranks that hold other
+                     experts (hsgd.crosscheck.experts)
+    balance domain   G is R with the balance loss over each rank's rows instead of its declared domain
     no simple pattern   none of these: a bug in the arithmetic itself (or several at once)
 
 `match` decides equality up to `tol`, the relative distance ||a - b|| / ||b|| (Frobenius norms) that the dump's
@@ -40,11 +43,12 @@ def match(a, b, tol):
 
 
 def factor_names(parallel, tokens):
-    """[(value, name, how many sizes)]: the sizes a wrong constant factor may be (the layout's, the batch's tokens
-    B T and a dp rank's B T / dp), products of two of them (a size squared: two layers that each miss it), and the
-    inverses of all."""
+    """[(value, name, how many sizes)]: the sizes a wrong constant factor may be (the layout's, ep among them, the
+    batch's tokens B T and a dp rank's B T / dp), products of two of them (a size squared: two layers that each miss
+    it), and the inverses of all."""
     sizes = {"tp": parallel.get("tp", 1), "dp": parallel.get("dp", 1), "pp": parallel.get("pp", 1),
-             "cp": parallel.get("cp", 1), "micro-batches": parallel.get("micro_batches", 1),
+             "cp": parallel.get("cp", 1), "ep": parallel.get("ep", 1),
+             "micro-batches": parallel.get("micro_batches", 1),
              "tokens": tokens, "tokens per dp rank": tokens / max(1, parallel.get("dp", 1))}
     base = [(v, k) for k, v in sizes.items() if v > 1]
     out = []

@@ -1,9 +1,9 @@
 """The crosscheck dump: one training step of any system, in a neutral format (hsgd/crosscheck/FORMAT.md).
 
-    DIR/layout.json        the model (its sizes and family), what every tensor is (its global shape, its mapping to
-                           the reference's parameters: a name, a transpose, a fused q|k|v or gate|up) and where its
-                           gradient's pieces are (per rank: axis, offset, length, padding; several ranks with one
-                           slice are replicas)
+    DIR/layout.json        the model (its sizes, family and experts), what every tensor is (its global shape, its
+                           mapping to the reference's parameters: a name, a transpose, a fused q|k|v or gate|up) and
+                           where its gradient's pieces are (per rank: axis, offset, length, padding; several ranks
+                           with one slice are replicas; a tensor may live on some ranks only: a stage's, an expert's)
     DIR/params.npz         the whole parameters before the step, as the system stores them
     DIR/batch.npz          idx, targets (B, T): the step's global batch
     DIR/grads-rank{r}.npz  rank r's gradient pieces
@@ -23,9 +23,11 @@ from hsgd.errors import UsageError
 
 FORMAT, VERSION = "hsgd-crosscheck", 1
 DTYPES = ("float64", "float32", "bfloat16", "float16")
-PARALLEL = ("dp", "tp", "pp", "cp", "micro_batches")
+PARALLEL = ("dp", "tp", "pp", "cp", "micro_batches", "ep")
 MODEL_KEYS = SIZES                       # layout.json's "model": these it must give,
 FAMILY_KEYS = ("arch",) + FAMILY         # and these it may (absent: the arch's preset; no arch: gpt2, format 1's model)
+MOE_KEYS = ("moe_top_k", "moe_gates", "moe_capacity_factor", "moe_balance", "moe_balance_domain",
+            "moe_balance_layers", "moe_z_loss", "moe_bias_rate")     # and, with experts, these (absent: the default)
 INTERLEAVES = ("block", "head", "groups")
 
 
@@ -182,6 +184,7 @@ class Dump:
     idx: np.ndarray
     targets: np.ndarray
     grads: list           # [{key: array}] per rank
+    biases: dict = None   # {"h.{i}.moe": (E,) selection bias} of the step (auxiliary-loss-free balancing), or None
 
     def reference_params(self):
         """{reference name: float64 array}: the parameters before the step, as hsgd.model.serial names them."""

@@ -12,7 +12,9 @@ hsgd stores weights (in, out) under the reference's names, so no tensor is trans
 tp split of its parameter (tp_shards: axis, rank tp_rank's equal part; the vocabulary's ceil(V/tp) rows with the
 padding past V in the last ranks; with fewer kv heads than tp ranks, attn.k and attn.v's one head a rank reads, the
 same slice on tp/NKV ranks), or the whole parameter (replicated, or tp = 1); the dp and cp ranks hold replicas, a
-pipeline stage its own layers. The run goes on unchanged after the dump.
+pipeline stage its own layers, and with --ep an expert is on its ep rank's ranks only (hsgd.ep.layout.holds: its
+shards are listed where they are). With experts, "parallel" gives ep too, and with auxiliary-loss-free balancing
+layout.json's "selection_bias" the biases the step routed with. The run goes on unchanged after the dump.
 """
 import numpy as np
 
@@ -50,24 +52,26 @@ class DumpStep(StepWatcher):
         grads = {n: host(g) for n, g in trainer.averaged_grads().items()}   # unscaled (collective with ZeRO)
         loss = global_loss(float(to_numpy(loss)), grid)                 # (collective)
         mine = {n: shard_of(n, self.cfg, grid.tp_rank, grid.tp, tc.tp_scheme, rank) for n in grads}
-        everyone = world.gather(mine)
+        biases = {k: host(b) for k, b in trainer.stage.biases.items()}   # the selection biases of the stage's MoE
+        everyone = world.gather((mine, biases))                           # blocks (E,) each, as step N used them
         run = world.bcast(new_run() if rank == 0 else None)               # the id every file is stamped with
 
         def layout():
-            tensors = {}
+            tensors, selection_bias = {}, {k: b for _, d in everyone for k, b in d.items()}
             for name, shape in self.cfg.param_shapes().items():
-                shards = [d[name] for d in everyone if name in d]
+                shards = [d[name] for d, _ in everyone if name in d]      # its holders: a stage's, an expert's
                 tensors[name] = {"shape": list(shape), "dtype": tc.dtype, "shards": shards}
             idx, targets = self.batch
-            system = (f"hsgd dp {tc.dp} x pp {tc.pp} x cp {tc.cp} x tp {tc.tp} ({tc.tp_scheme}), zero {tc.zero},"
-                      f" {tc.micro_batches} micro-batch(es), schedule {tc.schedule}, recompute {tc.recompute}, "
-                      f"step {step}")
+            experts = f", experts over ep {tc.ep}" if tc.ep > 1 else ""
+            system = (f"hsgd dp {tc.dp} x pp {tc.pp} x cp {tc.cp} x tp {tc.tp} ({tc.tp_scheme}){experts}, zero "
+                      f"{tc.zero}, {tc.micro_batches} micro-batch(es), schedule {tc.schedule}, recompute "
+                      f"{tc.recompute}, step {step}")
             return write_layout(self.path, system=system, cfg=self.cfg, dtype=tc.dtype, loss=loss,
                                 ranks=world.Get_size(),
                                 parallel={"dp": tc.dp, "tp": tc.tp, "pp": tc.pp, "cp": tc.cp,
-                                          "micro_batches": tc.micro_batches},
+                                          "micro_batches": tc.micro_batches, "ep": tc.ep},
                                 tensors=tensors, params={n: host(a) for n, a in self.params.items()},
-                                idx=to_numpy(idx), targets=to_numpy(targets), run=run)
+                                idx=to_numpy(idx), targets=to_numpy(targets), run=run, selection_bias=selection_bias)
 
         def finish():                                                     # rank 0, once every rank's file is whole
             if rank == 0:

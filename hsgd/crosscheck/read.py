@@ -1,8 +1,9 @@
 """Reading a crosscheck dump (hsgd/crosscheck/FORMAT.md): `load(DIR)` reads layout.json, params.npz, batch.npz and
 every rank's grads-rank{r}.npz and checks each against the others: the tensors give every parameter of the model
 once, in its shape (fused, transposed); the shards lie inside their tensors, cover them, and are the arrays the
-ranks wrote; the parameters are finite, the batch's ids in the vocabulary. Anything that does not fit is one
-DumpError (exit 2) saying what and what would. Only JSON, and .npz read with allow_pickle=False.
+ranks wrote; the parameters are finite, the batch's ids in the vocabulary; with experts, the layout's sizes count
+the batch (its micro-batches, each rank's positions) and the selection biases are the MoE blocks'. Anything that
+does not fit is one DumpError (exit 2) saying what and what would. Only JSON, and .npz read with allow_pickle=False.
 """
 import math
 import os
@@ -12,8 +13,8 @@ import numpy as np
 from hsgd.model.config import ModelConfig
 from hsgd.errors import ConfigError
 from hsgd.readers import Npz, machine_memory, printable, read_json
-from .dump import (DTYPES, FAMILY_KEYS, FORMAT, INTERLEAVES, MODEL_KEYS, PARALLEL, VERSION, Dump, DumpError, Shard,
-                   Tensor, check_reference_fits, check_sizes, grads_file, reference_shapes)
+from .dump import (DTYPES, FAMILY_KEYS, FORMAT, INTERLEAVES, MODEL_KEYS, MOE_KEYS, PARALLEL, VERSION, Dump, DumpError,
+                   Shard, Tensor, check_reference_fits, check_sizes, grads_file, reference_shapes)
 
 MAX_LAYOUT_BYTES = 64 << 20    # layout.json: a model of 1000 layers over 1000 ranks describes itself in a few MB
 
@@ -45,8 +46,9 @@ def load(path):
     tensors = _tensors(meta.get("tensors"), cfg, ranks)
     params = _params(os.path.join(path, "params.npz"), tensors)
     idx, targets = _batch(os.path.join(path, "batch.npz"), cfg)
+    biases = _experts(meta, cfg, parallel, idx.shape)
     grads = _grads(path, tensors, ranks)
-    return Dump(path, meta, cfg, dtype, loss, ranks, parallel, tensors, params, idx, targets, grads)
+    return Dump(path, meta, cfg, dtype, loss, ranks, parallel, tensors, params, idx, targets, grads, biases)
 
 
 def _layout_json(lpath, path):
@@ -64,7 +66,7 @@ def _layout_json(lpath, path):
 
 
 def _header(meta):
-    """(ModelConfig, dtype, loss, ranks, {dp, tp, pp, cp, micro_batches}) from layout.json, checked."""
+    """(ModelConfig, dtype, loss, ranks, {dp, tp, pp, cp, micro_batches, ep}) from layout.json, checked."""
     cfg = _model(meta.get("model"))
     dtype = meta.get("dtype")
     if dtype not in DTYPES:
@@ -84,15 +86,17 @@ def _header(meta):
 
 def _model(model):
     """The ModelConfig of layout.json's "model": the sizes (MODEL_KEYS) it must give, the family's fields
-    (FAMILY_KEYS) it may; an absent field is the arch's preset, no arch gpt2 (a dump of format 1 before the family:
-    the GPT-2 block). ModelConfig checks every value (its ConfigError's words, one line)."""
+    (FAMILY_KEYS) and the experts' (MOE_KEYS) it may; an absent field is the arch's preset or the default, no arch
+    gpt2 (a dump of format 1 before the family: the GPT-2 block). ModelConfig checks every value (its ConfigError's
+    words, one line)."""
+    optional = FAMILY_KEYS + MOE_KEYS
     if not isinstance(model, dict) or not set(MODEL_KEYS) <= set(model):
         raise DumpError(f"layout.json: \"model\" must give {', '.join(MODEL_KEYS)} (and may give "
-                        f"{', '.join(FAMILY_KEYS)})")
-    extra = sorted(set(model) - set(MODEL_KEYS) - set(FAMILY_KEYS), key=str)
+                        f"{', '.join(optional)})")
+    extra = sorted(set(model) - set(MODEL_KEYS) - set(optional), key=str)
     if extra:
         raise DumpError(f"layout.json: model: {extra[0]!r:.80} is not a field of the model; give "
-                        f"{', '.join(MODEL_KEYS)} and any of {', '.join(FAMILY_KEYS)}")
+                        f"{', '.join(MODEL_KEYS)} and any of {', '.join(optional)}")
     if not isinstance(model.get("arch", "gpt2"), str):                # (a list is no dict key of the presets)
         raise DumpError(f"layout.json: model: arch={model['arch']!r:.80} must be a string: gpt2 or llama")
     # a text longer than any value a field takes is shortened before ModelConfig repeats it in its message
@@ -101,6 +105,38 @@ def _model(model):
         return ModelConfig(**model)
     except ConfigError as e:
         raise DumpError(f"layout.json: model: {printable(str(e), 400)}") from None
+
+
+def _experts(meta, cfg, parallel, batch_shape):
+    """The selection biases {"h.{i}.moe": (E,)} of layout.json's "selection_bias" (None when it gives none), after
+    checking that the layout can hold the experts (ep divides them and dp x cp) and count the batch as hsgd.ep.layout
+    does: B sequences in dp x micro_batches micro-batches, T positions in 2 cp chunks (hsgd.cp.split)."""
+    p, E = parallel, cfg.moe_experts
+    if not E:
+        if p["ep"] > 1 or "selection_bias" in meta:
+            raise DumpError(f"layout.json: parallel.ep = {p['ep']} or a selection_bias, but the model has no experts "
+                            "(model.moe_experts)")
+        return None
+    if E % p["ep"] or p["dp"] * p["cp"] % p["ep"]:
+        raise DumpError(f"layout.json: parallel.ep = {p['ep']} must divide moe_experts = {E} and dp x cp = "
+                        f"{p['dp'] * p['cp']} (expert e on ep rank e // (E/ep), the ep ranks folded out of dp x cp)")
+    (B, T), n = batch_shape, p["dp"] * p["micro_batches"]
+    if B % n or (p["cp"] > 1 and T % (2 * p["cp"])):
+        chunks = f" and T into 2 cp = {2 * p['cp']} chunks" if p["cp"] > 1 else ""
+        raise DumpError(f"batch.npz: (B, T) = {(B, T)} with experts: B must split into dp x micro_batches = {n} "
+                        f"micro-batches{chunks}, the rows the layout routes and balances together")
+    biases = meta.get("selection_bias", {})
+    prefixes = [f"h.{i}.moe" for i in cfg.moe_layers()]
+    if not isinstance(biases, dict) or set(biases) - set(prefixes):
+        raise DumpError(f"layout.json: selection_bias must map MoE blocks ({', '.join(prefixes[:3])}, ...) to E "
+                        "numbers each")
+    out = {}
+    for k, v in biases.items():
+        if not isinstance(v, list) or len(v) != E or not all(
+                isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in v):
+            raise DumpError(f"layout.json: selection_bias[{k!r}] must be a list of moe_experts = {E} finite numbers")
+        out[k] = np.array(v, dtype=np.float64)
+    return out or None
 
 
 def _params(ppath, tensors):

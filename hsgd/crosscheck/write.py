@@ -19,17 +19,22 @@ import zipfile
 
 import numpy as np
 
-from .dump import FAMILY_KEYS, FORMAT, MODEL_KEYS, VERSION, Tensor, grads_file
+from .dump import FAMILY_KEYS, FORMAT, MODEL_KEYS, MOE_KEYS, VERSION, Tensor, grads_file
 from .manifest import STAMP, clean, file_entry, new_run, write_manifest
 
 
-def write_layout(path, *, system, cfg, dtype, loss, ranks, parallel, tensors, params, idx, targets, run=None):
-    """Rank 0's files: layout.json (tensors: {name: description as in FORMAT.md}), params.npz, batch.npz, each
-    stamped with `run` (None: unstamped). Returns their {name: {"size", "sha256"}} for dump.json."""
+def write_layout(path, *, system, cfg, dtype, loss, ranks, parallel, tensors, params, idx, targets, run=None,
+                 selection_bias=None):
+    """Rank 0's files: layout.json (tensors: {name: description as in FORMAT.md}; the experts' fields with experts;
+    selection_bias: {"h.{i}.moe": (E,)}, or None), params.npz, batch.npz, each stamped with `run` (None:
+    unstamped). Returns their {name: {"size", "sha256"}} for dump.json."""
     os.makedirs(path, exist_ok=True)
+    keys = MODEL_KEYS + FAMILY_KEYS + (MOE_KEYS if cfg.moe_experts else ())
     meta = {"format": FORMAT, "version": VERSION, **({"run": run} if run else {}), "system": system,
-            "model": {k: getattr(cfg, k) for k in MODEL_KEYS + FAMILY_KEYS}, "dtype": dtype, "loss": float(loss),
+            "model": {k: getattr(cfg, k) for k in keys}, "dtype": dtype, "loss": float(loss),
             "ranks": ranks, "parallel": parallel, "tensors": tensors}
+    if selection_bias:
+        meta["selection_bias"] = {k: [float(x) for x in v] for k, v in selection_bias.items()}
     return {**write_npz(os.path.join(path, "params.npz"), params, run),
             **write_npz(os.path.join(path, "batch.npz"), {"idx": np.asarray(idx), "targets": np.asarray(targets)},
                         run),
