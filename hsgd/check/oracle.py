@@ -137,9 +137,9 @@ def parse_layouts(text, cfg, tc, world_size):
 
 def serial_config(tc):
     """The reference's settings: tc on one rank, one micro-batch, the plain exchange and schedule, nothing
-    recomputed (whatever tc asks of its layouts)."""
+    recomputed, every expert on it (whatever tc asks of its layouts)."""
     return layout_config(tc, (1, 1, 1, 1), micro_batches=1, zero=0, hierarchical=False, dp_overlap=False,
-                         dp_staleness=0, pp_split=None, virtual_stages=1, schedule="1f1b", recompute="none")
+                         dp_staleness=0, pp_split=None, virtual_stages=1, schedule="1f1b", recompute="none", ep=1)
 
 
 def layout_config(tc, layout, **changes):
@@ -197,6 +197,8 @@ def one_run(cfg, tc, sub, corpus, num, loss_steps):
         full = {}
         for part in grid.pp_comm.allgather_obj(stage):                 # every stage's parameters
             full.update(part)
+        for part in grid.ep_comm.allgather_obj(full) if grid.ep > 1 else []:
+            full.update(part)                                           # every ep rank's experts
         return full
     finally:
         if trainer is not None:

@@ -64,8 +64,9 @@ from dataclasses import dataclass
 from hsgd.errors import ConfigError
 from hsgd.model.backend import array_module, scatter_add
 from hsgd.model.balance import Balance, Domain
-from hsgd.model.layers import gelu_backward, gelu_forward, linear_backward, linear_forward
-from hsgd.model.llama_layers import sigmoid, swiglu_backward, swiglu_forward
+from hsgd.model import layers, llama_layers
+from hsgd.model.layers import linear_backward, linear_forward
+from hsgd.model.llama_layers import sigmoid
 
 GATES = ("renormalized", "probabilities", "sigmoid")
 MLPS = ("gelu", "swiglu")
@@ -215,32 +216,43 @@ def dispatch_groups(chosen, E, settings, capacity_groups=None):
 # --------------------------------------------------------------------------------------------------------------
 # One expert: a GELU or SwiGLU MLP on its rows
 
-def expert_forward(x, p, name, mlp):
+def expert_forward(x, p, name, mlp, ops=layers):
     """GELU: out = gelu(x W_fc + b_fc) W_proj + b_proj;  SwiGLU: out = (silu(x W_gate) * (x W_up)) W_proj.
-    name: the expert's prefix "{prefix}.experts.{e}."; a bias is used where p holds it. x: (rows, C)."""
+    name: the expert's prefix "{prefix}.experts.{e}."; a bias is used where p holds it. x: (rows, C). ops: the
+    layer functions (hsgd.model.layers; a layout's, which round where a bfloat16 run rounds: hsgd.tp.rounded)."""
     b = lambda part: p.get(name + part)
     if mlp == "gelu":
-        f, c_fc = linear_forward(x, p[name + "fc.weight"], b("fc.bias"))                     # (rows, F)
-        a, c_act = gelu_forward(f)                                                          # (rows, F)
+        f, c_fc = ops.linear_forward(x, p[name + "fc.weight"], b("fc.bias"))                 # (rows, F)
+        a, c_act = ops.gelu_forward(f)                                                      # (rows, F)
     else:
-        g, c_gate = linear_forward(x, p[name + "gate.weight"], b("gate.bias"))               # (rows, F)
-        u, c_up = linear_forward(x, p[name + "up.weight"], b("up.bias"))                     # (rows, F)
-        a, c_act = swiglu_forward(g, u)                                                     # (rows, F)
+        g, c_gate = ops.linear_forward(x, p[name + "gate.weight"], b("gate.bias"))           # (rows, F)
+        u, c_up = ops.linear_forward(x, p[name + "up.weight"], b("up.bias"))                 # (rows, F)
+        a, c_act = glu_ops(ops).swiglu_forward(g, u)                                        # (rows, F)
         c_fc = (c_gate, c_up)
-    out, c_proj = linear_forward(a, p[name + "proj.weight"], b("proj.bias"))                 # (rows, C)
-    return out, (c_fc, c_act, c_proj, name, mlp)
+    out, c_proj = ops.linear_forward(a, p[name + "proj.weight"], b("proj.bias"))             # (rows, C)
+    return out, (c_fc, c_act, c_proj, name, mlp, ops)
+
+
+def glu_ops(ops):
+    """Where SwiGLU comes from: hsgd.model.llama_layers beside the plain layers, ops itself otherwise."""
+    return llama_layers if ops is layers else ops
+
+
+def linear_back(dy, cache, grads, weight, bias, ops):
+    """A linear's backward through ops: dW (+ db) into grads[weight] (grads[bias]), returns dX."""
+    ops.linear_weight_grad(dy, cache, grads[weight], grads.get(bias))
+    return ops.linear_input_grad(dy, cache)
 
 
 def expert_backward(dout, cache, grads):
     """The forward upside down; with SwiGLU x feeds gate and up, so dx is the sum of both paths."""
-    c_fc, c_act, c_proj, name, mlp = cache
-    g = lambda part: grads.get(name + part)
-    da = linear_backward(dout, c_proj, grads[name + "proj.weight"], g("proj.bias"))         # (rows, F)
+    c_fc, c_act, c_proj, name, mlp, ops = cache
+    da = linear_back(dout, c_proj, grads, name + "proj.weight", name + "proj.bias", ops)    # (rows, F)
     if mlp == "gelu":
-        return linear_backward(gelu_backward(da, c_act), c_fc, grads[name + "fc.weight"], g("fc.bias"))
-    dgate, dup = swiglu_backward(da, c_act)                                                 # (rows, F) each
-    dx = linear_backward(dup, c_fc[1], grads[name + "up.weight"], g("up.bias"))             # (rows, C)
-    return dx + linear_backward(dgate, c_fc[0], grads[name + "gate.weight"], g("gate.bias"))
+        return linear_back(ops.gelu_backward(da, c_act), c_fc, grads, name + "fc.weight", name + "fc.bias", ops)
+    dgate, dup = glu_ops(ops).swiglu_backward(da, c_act)                                    # (rows, F) each
+    dx = linear_back(dup, c_fc[1], grads, name + "up.weight", name + "up.bias", ops)        # (rows, C)
+    return dx + linear_back(dgate, c_fc[0], grads, name + "gate.weight", name + "gate.bias", ops)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -283,17 +295,18 @@ def route(x2, W, settings, selection_bias=None, capacity_groups=None):
 Routing = namedtuple("Routing", "chosen gates probs logits perm inv load kept capacity")
 
 
-def experts_forward(xs, params, prefix, settings, kept):
+def experts_forward(xs, params, prefix, settings, kept, ops=layers):
     """Step 3's experts on the dispatched rows xs (S, C), kept[e] of them expert e's, in expert order:
     (ys (S, C), bounds, caches), expert e computing rows bounds[e]:bounds[e + 1]. Experts may be any run of the
-    layer's (ids from kept's index: expert parallelism hands a rank its own, E/ep of them, as a dict {e: rows})."""
+    layer's (ids from kept's index: expert parallelism hands a rank its own, E/ep of them, as a dict {e: rows});
+    ops: the layer functions they compute with (expert_forward)."""
     xp = array_module(xs)
     ids = list(kept) if isinstance(kept, dict) else list(range(len(kept)))
     counts = [int(kept[e]) for e in ids]
     bounds = [0] + [int(b) for b in xp.cumsum(xp.asarray(counts))] if ids else [0]
     outs, caches = [xp.zeros((0, xs.shape[1]), dtype=xs.dtype)], []
     for j, e in enumerate(ids):
-        o, c = expert_forward(xs[bounds[j]:bounds[j + 1]], params, f"{prefix}.experts.{e}.", settings.mlp)
+        o, c = expert_forward(xs[bounds[j]:bounds[j + 1]], params, f"{prefix}.experts.{e}.", settings.mlp, ops)
         outs.append(o)
         caches.append(c)
     return xp.concatenate(outs), bounds, caches

@@ -70,14 +70,17 @@ class Experts:
                      micro_sequences=B, T_step=T * self.cp, comm=self.cp_comm, global_comm=self.dp_comm)
         return MoEPass(self.cfg, dom, None, self.biases if self.cfg.moe_bias_rate else None)
 
-    def forward(self, m_in, p, prefix, moe):
-        """The partial sums y_i (B, T, C) of block `prefix` ("h.{i}.moe") on m_in (B, T, C), and the cache."""
+    def forward(self, m_in, p, prefix, moe, ops):
+        """The partial sums y_i (B, T, C) of block `prefix` ("h.{i}.moe") on m_in (B, T, C), and the cache. ops: the
+        stage's layer functions (a bfloat16 run's round the experts' products, activations and input gradients at
+        their points, hsgd.tp.rounded; the router and the gates stay float32, as Megatron-LM's
+        --moe-router-dtype fp32 keeps them)."""
         s, tp, k = self.settings, self.tp_comm, self.settings.top_k
         x2 = m_in.reshape(-1, m_in.shape[-1])                             # (N, C) whole rows
         r, c_router = route(x2, p[prefix + ".router.weight"], s, moe.biases.get(prefix), moe.capacity_groups)
         rows, mine, plan = self.dispatcher.send(x2[r.perm // k], r.kept)  # dispatch: (S_kept, C) by expert
         shards = p if tp.rank == 0 else {n: a for n, a in p.items() if not n.endswith("proj.bias")}
-        ys, bounds, c_experts = experts_forward(rows, shards, prefix, s, mine)   # (rows, C) partial over tp
+        ys, bounds, c_experts = experts_forward(rows, shards, prefix, s, mine, ops)   # (rows, C) partial
         y, slot_out = combine_forward(self.dispatcher.receive(ys, plan), r.inv, r.gates)   # (N, C) partial
         value, balance = record_balance(moe.balance, None, prefix, s, r.probs, r.chosen)
         z, c_z = z_loss_forward(r.logits, s.z_coef)

@@ -175,7 +175,7 @@ def attention_and_mlp(x, p, h, setup, keep_probabilities, moe=None):
     m, c_ln2 = norm_forward(x, p, h + "ln2", setup)                      # (B, T~, C)
     m_in = S.enter_forward(m, comm)                                      # (B, T, C) f: identity | gather_T: All-Gather
     if h + "moe.router.weight" in p:                                     # experts: partial sums, then leave
-        y2, c_moe = setup.experts.forward(m_in, p, h + "moe", moe)       # (B, T, C) partial over tp
+        y2, c_moe = setup.experts.forward(m_in, p, h + "moe", moe, op)   # (B, T, C) partial over tp
         x = op.residual_forward(x, S.leave_forward(y2, comm))            # (B, T~, C) g: Allreduce | scatter_T
         return x, (c_ln1[:-1], a, c_att, c_proj[:-1], c_ln2[:-1], m, None, ("moe", c_moe))
     if setup.cfg.mlp == "gelu":

@@ -153,3 +153,34 @@ def test_an_expert_parallel_checkpoint_reshards_to_another_ep():
     check(step == 1 and err <= 1e-10 and files == [f"shard-pp0-tp{t}-ep{r}.npz" for t in range(2) for r in range(4)])
     trainer.free()
     grid.free()
+
+
+@pytest.mark.parametrize("dtype, bug", [("bfloat16", None), ("float16", None), ("bfloat16", "experts-without-1/ep")])
+def test_experts_in_bfloat16_and_float16_stay_inside_the_band(dtype, bug):
+    """The tolerance oracle (hsgd.check.oracle) with experts split over ep = 2 ranks beside tp 1, 2, 4: each
+    layout's gradient within the band that rounding explains (the experts' products, activations and input
+    gradients rounded at their points, the router in float32), every layout exact in float64; with the experts'
+    gradients not divided by ep the experts leave the band and the float64 runs are off by the factor (no capacity
+    and the global domain: the oracle's one-rank reference counts as every layout does)."""
+    import io
+    from contextlib import nullcontext
+    from hsgd.check.mutations import injected
+    from hsgd.check.oracle import oracle
+    from hsgd.check.verdict import report
+    cfg = ModelConfig(vocab_size=256, seq_len=16, d_model=32, n_heads=8, n_layers=4, d_ff=16, arch="llama",
+                      moe_experts=4, moe_every=2, moe_balance=0.1, moe_z_loss=0.01, moe_balance_domain="global")
+    tc = float64_config(dtype=dtype, batch_size=8, tp=1, dp=8, ep=2)
+    layouts = [(8, 1, 1, 1), (2, 1, 1, 4), (4, 1, 1, 2)]
+    with injected(bug) if bug else nullcontext():
+        verdict = oracle(cfg, tc, layouts, 1, WORLD, CORPUS, 0)
+    ok = None
+    if WORLD.Get_rank() == 0:
+        out = io.StringIO()
+        passed = report(verdict, tc, cfg, WORLD.Get_size(), out, 0)
+        r = max(verdict.rows(), key=lambda r: max(r[3] / r[4], r[6] / r[7]))
+        ratio, exact = max(r[3] / r[4], r[6] / r[7]), max(verdict.exact.values())
+        say(f"experts {dtype}{' with ' + bug if bug else ''}: largest observed/band {ratio:.2f} ({r[0]} {r[1]}); "
+            f"float64 runs within {exact:.1e} of the reference; {out.getvalue().splitlines()[-1][:160]}")
+        ok = (passed and ratio < 1 and exact < 1e-12) if bug is None else \
+            (not passed and ".experts." in r[1] and abs(exact - 1.0) < 1e-9)
+    check(WORLD.bcast(ok), "the oracle's verdict on experts")
