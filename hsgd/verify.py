@@ -16,6 +16,8 @@ Exit code 0 when every error is within the tolerance of the dtype, 1 otherwise (
 "Relative" means relative to the largest serial gradient entry of that parameter, or to 1e-3 of the model's
 largest gradient entry when that is larger (some gradients are exactly zero, e.g. the attention k-bias: a
 softmax ignores a shift shared by a row of scores, so what is computed there is rounding noise).
+With experts the serial reference counts as the layout does (its balance domain's micro-batches, each rank's rows
+routed together with their own capacity: hsgd.model.moe_pass.serial_pass), and each rank's experts are compared.
 """
 import argparse
 import sys
@@ -26,7 +28,9 @@ from mpi4py import MPI
 from threadpoolctl import threadpool_limits
 
 from hsgd.grid import launch
+from hsgd.ep.layout import capacity_groups
 from hsgd.model import serial
+from hsgd.model.moe_pass import serial_pass
 from hsgd.tp import shards as tp_shards
 from hsgd.model.backend import to_numpy
 from hsgd.model.config import flag_names
@@ -91,7 +95,12 @@ def verify(cfg, tc, world=MPI.COMM_WORLD, out=sys.stdout, where=None):
     loss = trainer.gradients(idx, targets)                           # my group's loss (on the last stage)
     loss = global_loss(float(to_numpy(loss)), trainer.grid)                # the global batch's, on every rank
     ref = serial.init_params(cfg, seed=tc.seed, dtype="float64", device="cpu")     # the host reference
-    loss0, grads0 = serial.loss_and_grads(ref, idx, targets, cfg)
+    moe = None
+    if cfg.moe_experts:                                                    # experts: counted as the layout counts
+        B, T = np.shape(idx)
+        moe = serial_pass(cfg, B, T, np, micro_sequences=B // (tc.dp * tc.micro_batches),
+                          capacity_groups=capacity_groups(B, T, tc.dp, tc.micro_batches, tc.cp))
+    loss0, grads0 = serial.loss_and_grads(ref, idx, targets, cfg, moe=moe)
     scale = 1e-3 * max(float(np.abs(grad).max()) for grad in grads0.values())
     mine = {}
     for name, grad in trainer.averaged_grads().items():                # collective with ZeRO

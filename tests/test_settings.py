@@ -193,3 +193,16 @@ def test_expert_settings_a_layout_cannot_train_are_refused_in_one_line(flags, wo
     message = str(e.value) if e.type is not SystemExit else capsys.readouterr().err
     print(message.strip())
     assert words in message and len(message.strip().splitlines()) <= 2
+
+
+def test_the_oracle_refuses_experts_it_would_count_unlike_the_layouts():
+    """One one-rank reference for every layout: a capacity or the micro-batch balance domain would be counted
+    differently by each layout, so the oracle says so in one line (hsgd.verify in float64 counts as the layout)."""
+    from mpi4py import MPI
+    from hsgd.check.oracle import oracle
+    from hsgd.errors import ConfigError
+    from hsgd.step.settings import TrainConfig
+    cfg = ModelConfig(moe_experts=4, moe_capacity_factor=1.25)
+    with pytest.raises(ConfigError, match="counts each layout's tokens its own way") as e:
+        oracle(cfg, TrainConfig(dtype="bfloat16"), [(1, 1, 1, 1)], 1, MPI.COMM_SELF, None)
+    print(e.value)

@@ -230,6 +230,11 @@ def oracle(cfg, tc, layouts, seeds, world, corpus, loss_steps=0, progress=None):
     seeds: the seeds tc.seed, tc.seed + 1, ...; progress(text): a line per seed on rank 0."""
     if tc.dtype not in LOW:
         raise ConfigError(f"the tolerance oracle is for --dtype {' or '.join(LOW)}, not {tc.dtype}")
+    if cfg.moe_experts and (cfg.moe_capacity_factor or cfg.moe_balance and cfg.moe_balance_domain == "micro-batch"):
+        raise ConfigError("the tolerance oracle compares every layout with one reference on one rank, but a capacity "
+                          "or the micro-batch balance domain counts each layout's tokens its own way; use no "
+                          "--moe-capacity-factor and --moe-balance-domain sequence or global (or hsgd.verify in "
+                          "float64, which counts as the layout does)")
     names = ["loss"] if loss_steps else list(cfg.param_shapes())
     verdict = Verdict(layouts, names, tc.dtype, tc.batch_size * cfg.seq_len)
     rank0 = world.Get_rank() == 0

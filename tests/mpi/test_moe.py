@@ -184,3 +184,17 @@ def test_experts_in_bfloat16_and_float16_stay_inside_the_band(dtype, bug):
         ok = (passed and ratio < 1 and exact < 1e-12) if bug is None else \
             (not passed and ".experts." in r[1] and abs(exact - 1.0) < 1e-9)
     check(WORLD.bcast(ok), "the oracle's verdict on experts")
+
+
+def test_verify_counts_as_the_layout_counts():
+    """hsgd.verify with experts (capacity 1.0, the micro-batch domain, ep 2 beside tp 2 with 2 micro-batches): its
+    serial reference counts as the layout does, so every parameter passes in float64, experts included."""
+    import io
+    from hsgd.verify import verify
+    tc = float64_config(dp=4, tp=2, ep=2, micro_batches=2)
+    ok, rows = verify(CFG, tc, WORLD, out=io.StringIO())
+    if WORLD.Get_rank() == 0:
+        worst = max(rows, key=lambda r: r[5])
+        say(f"verify with experts: {len(rows)} parameters, largest relative error {worst[5]:.1e} ({worst[0]})")
+        ok = ok and any(".moe.experts.3." in r[0] for r in rows)
+    check(WORLD.bcast(ok), "hsgd.verify with experts")
