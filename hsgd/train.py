@@ -167,12 +167,12 @@ def loop(run):
             try:
                 with run.dog.step(step):                                   # --step-timeout
                     info = one_step(run, step)
+                    if run.routing:
+                        run.routing.record(trainer)                        # (pickled, after the counted traffic)
                     stopping = stop.agreed(run.world)                      # one Allreduce, timed with the step
             except Skipping as e:                                          # on every rank: the run has diverged
                 raise Skipping(f"{e}; {save_last_finite(run)}") from None
             run.progress.step(step, info)
-            if run.routing:
-                run.routing.record(trainer)                                # (pickled, after the counted traffic)
             saved = at_intervals(run, step)
             if stopping:                                                   # every rank stops here
                 stop_after_signal(run, step, stop.signum_agreed, saved)

@@ -92,7 +92,7 @@ def verify(cfg, tc, world=MPI.COMM_WORLD, out=sys.stdout, where=None):
     grid = ProcessGrid(world, dp=tc.dp, pp=tc.pp, tp=tc.tp, cp=tc.cp, ep=tc.ep)
     trainer = HybridTrainer(cfg, grid, tc)
     idx, targets = corpus.batch(tc.seed, 1, tc.batch_size)
-    loss = trainer.gradients(idx, targets)                           # my group's loss (on the last stage)
+    loss = trainer.gradients(idx, targets)                           # my group's loss (its stage's share)
     loss = global_loss(float(to_numpy(loss)), trainer.grid)                # the global batch's, on every rank
     ref = serial.init_params(cfg, seed=tc.seed, dtype="float64", device="cpu")     # the host reference
     moe = None

@@ -311,9 +311,9 @@ def test_an_expert_parallel_run_reports_its_routing(tmp_path):
     """--moe-experts 4 --ep 2 beside tp 2 (dp 4), in bfloat16 (the experts' products are not rounded at points of
     their own yet): the run trains, its bytes equal their formulas (the all-to-all's from the measured step's
     routing: measured/formula 1.000), the end of the run reports each MoE block's load per expert and drops, and
-    --plot draws the load per expert over the steps."""
+    --plot draws the load per expert over the steps; --check-replicas compares each expert over its own replicas."""
     r = run_mpi(8, ["-m", "hsgd.train", *TINY, "--moe-experts", "4", "--moe-capacity-factor", "1.0", "--ep", "2",
-                    "--tp", "2", "--dtype", "bfloat16", "--plot", str(tmp_path)], timeout=120)
+                    "--tp", "2", "--dtype", "bfloat16", "--plot", str(tmp_path), "--check-replicas", "1"], timeout=120)
     out = r.stdout
     print(out[-1500:])
     assert r.returncode == 0, r.stderr[-3000:]

@@ -7,6 +7,7 @@ import numpy as np
 
 from hsgd.cp.split import cp_formula
 from hsgd.ep.dispatch import all_to_all_formula
+from hsgd.model.backend import to_numpy
 from hsgd.pp.chunks import pp_formula
 from hsgd.tp import model as tp_model
 from hsgd.tp.experts import experts_formula
@@ -19,7 +20,7 @@ def step_formula(cfg, tc, trainer):
     f = rank_bytes(cfg, tc, trainer.grid.dp, trainer.grid.tp, trainer.grid.cp, trainer.stage, trainer.exchange.sizes)
     grid, stage = trainer.grid, trainer.stage
     if grid.ep > 1 and stage.routing:                                 # the all-to-all: from the step's routing
-        kept = np.stack(grid.ep_comm.allgather_obj(sum(np.asarray(r["kept"]) for r in stage.routing.values())))
+        kept = np.stack(grid.ep_comm.allgather_obj(sum(to_numpy(r["kept"]) for r in stage.routing.values())))
         calls = tc.micro_batches * len(stage.routing)
         f.update(all_to_all_formula(kept, grid.ep_rank, grid.ep, cfg.moe_experts, cfg.d_model,
                                     trainer.exchange.sizes.itemsize, calls, 2 if tc.recompute == "full" else 1))

@@ -115,7 +115,8 @@ def check(m, path, error):
     check_state(m, need)                                               # the optimizer's steps, the loss scale
     need(m["dtype"] in DTYPES, f"has an unknown dtype {m['dtype']!r}")
     ep = lay.get("ep", 1)
-    need(is_int(ep, 1) and ep <= lay["dp"] * lay.get("cp", 1) and (ep == 1 or cfg.moe_experts % ep == 0),
+    need(is_int(ep, 1) and (ep == 1 or cfg.moe_experts and cfg.moe_experts % ep == 0
+                            and lay["dp"] * lay.get("cp", 1) % ep == 0),
          "has a layout whose ep is not a positive integer that divides its experts")
     listed, count = sorted(m["files"]), lay["pp"] * lay["tp"] * ep       # (counted before the names are made)
     need(len(listed) == count, f"lists the files {listed[:8]!r}{' ...' if len(listed) > 8 else ''}, not the pp x "

@@ -162,6 +162,13 @@ def rounding_band(dump, params, loss0, grads0, draws):
     from hsgd.step.trainer import HybridTrainer
     from hsgd.check.oracle import Perturbed, spread
     from hsgd.step.settings import TrainConfig
+    from hsgd.errors import UsageError
+    cfg = dump.cfg
+    if cfg.moe_experts and (cfg.moe_capacity_factor or cfg.moe_balance and cfg.moe_balance_domain == "micro-batch"):
+        raise UsageError("the rounding band is drawn on one rank, which would count a capacity or the micro-batch "
+                         "balance domain over the whole batch, unlike the dumped layout; check a float64 dump of "
+                         "this model, or dump one without --moe-capacity-factor and with the sequence or global "
+                         "balance domain")
     B = dump.idx.shape[0]
     tc = TrainConfig(dp=1, tp=1, pp=1, cp=1, batch_size=B, dtype="float64", micro_batches=1)
     runs = []
@@ -169,6 +176,7 @@ def rounding_band(dump, params, loss0, grads0, draws):
     trainer = HybridTrainer(dump.cfg, grid, tc)                      # one model, the draws one after the other
     try:
         trainer.exchange.set_params(params)
+        trainer.stage.biases.update(getattr(dump, "biases", None) or {})   # the selection biases the step used
         for d in range(draws):
             trainer.use_numerics(Perturbed(dump.dtype, "float32", salt=d + 1))
             loss = float(trainer.gradients(dump.idx, dump.targets))    # (each starts from a zeroed buffer)

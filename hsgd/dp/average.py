@@ -116,10 +116,22 @@ def global_loss(group_loss, grid):
 
 def replica_divergence(exchange, dp_comm):
     """Collective over dp_comm: None if every DP replica holds the same parameters, else the first parameter (in
-    the exchange's order) whose replicas differ, and the dp_comm ranks holding each version (dp_rank cp + cp_rank)."""
-    params = exchange.full_params()
-    digests = dp_comm.allgather_obj([params_digest({n: params[n]}) for n in exchange.order])
-    for i, name in enumerate(exchange.order):
+    the exchange's order) whose replicas differ, and the dp_comm ranks holding each version (dp_rank cp + cp_rank).
+    With experts split over ep ranks (the folded exchange), each rank's experts are compared over their own
+    replicas (edp_comm; ranks numbered there) and the dense parameters over dp_comm."""
+    params, experts = exchange.full_params(), getattr(exchange, "experts", set())
+    dense = [n for n in exchange.order if n not in experts]
+    found = first_difference(params, dense, dp_comm)
+    if experts:
+        found = found or first_difference(params, [n for n in exchange.order if n in experts], exchange.edp_comm)
+    return found
+
+
+def first_difference(params, order, comm):
+    """Collective over comm: the first parameter of `order` whose copies differ, with the comm ranks holding each
+    version; None if none does."""
+    digests = comm.allgather_obj([params_digest({n: params[n]}) for n in order])
+    for i, name in enumerate(order):
         groups = {}
         for r, d in enumerate(digests):
             groups.setdefault(d[i], []).append(r)

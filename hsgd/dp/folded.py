@@ -51,8 +51,12 @@ class FoldedExchange(AllreduceExchange):
         itemsize = next(iter(params.values())).dtype.itemsize
         super().__init__(params, ordered, dp_comm, FoldedSizes(numel, expert_numel, itemsize, dp_comm.size,
                                                               edp_comm.size))
-        self.groups = groups                                          # (the stage's, for whoever asks)
+        self.experts, self.ep_comm = set(experts), ep_comm
         self.edp_comm, self.shard_comm, self.n_dense = edp_comm, ep_comm, self.sizes.dense
+
+    def comms(self):
+        """ep_comm and edp_comm are the grid's; none of the exchange's own."""
+        return []
 
     def average(self):
         """The dense span over dp_comm, the experts' span over edp_comm (rounded to --reduce-dtype as they leave)."""

@@ -6,7 +6,8 @@ hold the same dense shard (dp_comm, hsgd.grid.process_grid), ep consecutive ones
 experts between them, E/ep each (expert e on ep rank e // (E/ep)); the D/ep ranks at the same place of every ep
 group hold the same experts (edp_comm) and average their gradients there, as dp_comm averages the dense ones. With
 tp > 1 each expert is split over tp like the dense MLP (its fc or gate|up by columns, its proj by rows), and the
-ep_comm of each tp rank moves that rank's columns' share of nothing: the tokens, which every tp rank holds whole.
+ep_comm of each tp rank moves whole token rows (every tp rank routes the same rows), its experts' outputs being
+partial sums over tp that the block's exit completes.
 
     dp_comm ranks (key dp_rank * cp + cp_rank):  0 1 2 3 | 4 5 6 7      (D = 8, ep = 4: two ep groups)
     ep_comm: {0 1 2 3}, {4 5 6 7};  edp_comm: {0 4}, {1 5}, {2 6}, {3 7}
@@ -37,6 +38,9 @@ def check_moe_layout(cfg, tc):
     if cfg.moe_experts % tc.ep:
         raise ConfigError(f"--moe-experts {cfg.moe_experts} cannot be split over --ep {tc.ep} ranks; use ep in "
                           f"{[d for d in divisors(cfg.moe_experts) if D % d == 0]} or a multiple of {tc.ep} experts")
+    if getattr(tc, "memory", False):
+        raise ConfigError("--memory predicts a step's bytes with formulas that do not count experts yet; measure a "
+                          "model without --moe-experts, or drop --memory")
     if tc.ep > 1:
         other = [f for f, on in (("--zero", tc.zero), ("--dp-overlap", tc.dp_overlap), ("--hierarchical",
                  tc.hierarchical), ("--dp-staleness", tc.dp_staleness)) if on]

@@ -26,7 +26,7 @@ value is its share times 1/Domain.share (share = its rows / the step's rows = 1/
 cross-entropy, whose average over the shards is the global mean. In one serial call share = 1 and comm is None.
 
     Domain(groups, sizes, n_groups, share, comm)     the rows of one forward call, and where the groups' counts meet
-    domain(kind, B, T, step_sequences, ...)          the Domain of a call on B sequences of T rows (serial or a rank)
+    domain(kind, B, T, xp, step_sequences, ...)      the Domain of a call on B sequences of T rows (serial or a rank)
     Balance(alpha, E, k, domain, pooled)             add(key, probs, chosen) per block in the forward, finish() once
                                                      (the Allreduce of the counts; the local value), dprobs(key, d)
 
@@ -85,6 +85,7 @@ class Balance:
     def __init__(self, alpha, E, k, dom, pooled=False):
         self.alpha, self.E, self.k, self.dom, self.pooled = alpha, E, k, dom, pooled
         self.counts, self.psums, self.f = {}, {}, None                # {key: (groups, E)}; f after finish
+        self.w_of, self.dtype = None, None                           # (finish: d value / d p per block and group)
 
     def add(self, key, probs, chosen):
         """Block `key`'s probabilities (N, E) and choices (N, k): its counts and probability sums per group. A
@@ -126,6 +127,9 @@ class Balance:
         out = xp.zeros((N, self.E), dtype=self.dtype)
         if not self.alpha:
             return out
+        if self.w_of is None:
+            raise RuntimeError("Balance.dprobs before finish(): the model calls finish() (MoEPass.finish) after its "
+                               "last block's forward, when the domain's counts are known")
         w = self.w_of[key] * (dloss / self.dom.share)                 # (groups, E)
         for G, wG in zip(self.dom.groups, w):
             out[G] += wG

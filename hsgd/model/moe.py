@@ -51,7 +51,7 @@ Parameter names, under a prefix ("moe" here; the model's blocks would use "h.{i}
     {prefix}.experts.{e}.gate.weight    (C, F), .up.weight (C, F) [+ biases]  swiglu experts
     {prefix}.experts.{e}.proj.weight    (F, C) [+ .bias (C,)]
 (moe_param_shapes lists them.) The model's blocks use the layer through hsgd.model.serial (and its layouts through
-hsgd.tp.moe). Left out: shared experts, router jitter noise, DeepSeek-V3's node-limited routing.
+hsgd.tp.experts). Left out: shared experts, router jitter noise, DeepSeek-V3's node-limited routing.
 
 Legend: N rows, C d_model, E experts, k top-k, F expert width, S = N*k token-slots, S_kept the kept ones.
 

@@ -45,8 +45,8 @@ def init_std(name, cfg):
         return None                                           # zeros
     if ".ln" in name or name.startswith("ln_f"):
         return None                                           # LayerNorm weights: ones
-    if name.endswith("attn.proj.weight") or name.endswith("mlp.proj.weight") or ".experts." in name and \
-            name.endswith("proj.weight"):
+    if name.endswith("attn.proj.weight") or name.endswith("mlp.proj.weight") or (
+            ".experts." in name and name.endswith("proj.weight")):
         return 0.02 / np.sqrt(2 * cfg.n_layers)               # residual projections (an expert's too), GPT-2's
     return 0.02
 

@@ -11,6 +11,8 @@ import os
 
 import numpy as np
 
+from hsgd.model.backend import to_numpy
+
 
 class RoutingLog:
     """Each step's {block: {"load", "kept" (E,), "dropped"}} summed over the ranks (on world rank 0)."""
@@ -23,7 +25,7 @@ class RoutingLog:
         route other rows (every rank of tp rank 0)."""
         mine = {}
         if trainer.grid.tp_rank == 0:
-            mine = {k: {n: np.asarray(v).copy() for n, v in r.items()} for k, r in trainer.stage.routing.items()}
+            mine = {k: {n: to_numpy(v).copy() for n, v in r.items()} for k, r in trainer.stage.routing.items()}
         parts = self.world.gather(mine, root=0)
         if parts is None:
             return

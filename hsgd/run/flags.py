@@ -16,6 +16,7 @@ from hsgd.tp import shards as tp_shards
 from hsgd.model.config import ModelConfig, flag_names
 from hsgd.run.config_file import read_toml
 from hsgd.cp.split import check_cp
+from hsgd.ep.layout import check_moe_layout
 from hsgd.dp.average import check_batch
 from hsgd.pp.schedules import check_pipeline
 from hsgd.step.experiments import Experiments
@@ -82,9 +83,6 @@ def build_parser():
                                                          "underscores as keys (lr = 0.01); flags on the command line "
                                                          "win")
     return p
-
-
-from hsgd.ep.layout import check_moe_layout  # noqa: E402
 
 
 def configs_from_args(args, world_size):

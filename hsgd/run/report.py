@@ -190,7 +190,8 @@ def memory_order(cat):
 
 def staging_pools(grid, trainer):
     """The pinned host-buffer pools of this rank's communicators (used only to stage device arrays)."""
-    comms = [grid.world, grid.tp_comm, grid.cp_comm, grid.dp_comm, grid.pp_comm] + trainer.exchange.comms()
+    comms = [grid.world, grid.tp_comm, grid.cp_comm, grid.dp_comm, grid.pp_comm, grid.ep_comm, grid.edp_comm] \
+        + trainer.exchange.comms()
     return [c.staging for c in comms]
 
 

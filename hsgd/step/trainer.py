@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from hsgd.dp.average import dp_rows, global_loss, micro_batches
 from hsgd.dp.make import make_exchange
+from hsgd.ep.layout import check_moe_layout
 from hsgd.model.optim import decays, lr_at, make_optimizer
 from hsgd.pp.stage import make_stage
 from hsgd.grid.trace import NullTracer
@@ -55,6 +56,7 @@ class HybridTrainer:
         optimizer, loss scale)."""
         self.cfg, self.grid, self.tc, self.scheme = cfg, grid, tc, tc.tp_scheme
         self.tracer = tracer or NullTracer()
+        check_moe_layout(cfg, tc)                                       # what the layout can compute of its experts
         self.stage = make_stage(cfg, grid, tc.group(Layout), tc.recompute, tc.group(Data))   # my layers, schedule
         shards = tp_shards.init_params(cfg, grid.tp_comm, tc.seed, tc.dtype, tc.device, tc.tp_scheme)
         self.shard_shapes = {n: shards[n].shape for n in self.stage.names}   # this rank's tp shards' shapes
@@ -107,8 +109,8 @@ class HybridTrainer:
 
     def gradients(self, idx, targets):
         """Steps 1-3: this rank's gradient of S x the global batch's mean loss, averaged over dp (ZeRO: of its
-        chunk; stale: the exchange only started). Returns this DP group's loss on the device (0.0 before the last
-        stage)."""
+        chunk; stale: the exchange only started). Returns this DP group's loss on the device: the last stage's, plus
+        each stage's auxiliary losses of its MoE blocks (0.0 on a stage before the last without them)."""
         stats = self.grid.stats
         self.t_start, self.tp_start = time.perf_counter(), stats.seconds("tp")
         rows = dp_rows(len(idx), self.grid.dp, self.grid.dp_rank)                   # 1. my group's slice

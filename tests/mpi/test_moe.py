@@ -16,6 +16,7 @@ import pytest
 from mpi4py import MPI
 
 from hsgd.accounting.traffic import step_formula
+from hsgd.dp.average import replica_divergence
 from hsgd.ep.layout import capacity_groups
 from hsgd.model.config import ModelConfig
 from hsgd.model.data import Corpus
@@ -96,6 +97,7 @@ def test_layouts_with_experts_equal_serial_sgd(layout, kw, fields):
     mine = trainer.exchange.full_params()
     err = world_max(max(float(np.abs(p - tp_shards.shard(ref[n], n, grid.tp_rank, grid.tp, tc.tp_scheme, cfg)).max()
                               / max(np.abs(ref[n]).max(), 0.02)) for n, p in mine.items()))
+    replicas = WORLD.allgather(replica_divergence(trainer.exchange, grid.dp_comm) if tc.zero < 3 else None)
     formula = step_formula(cfg, tc, trainer)
     same = WORLD.allreduce(per_step == formula, op=MPI.LAND)
     if not same:
@@ -110,7 +112,8 @@ def test_layouts_with_experts_equal_serial_sgd(layout, kw, fields):
         f"(cross-entropy + balance + z) {loss_err:.1e}, kept per "
         f"expert equal to serial's in every step {same_routing} ({dropped} slots dropped in 3 steps), bytes == "
         f"formula {same}" + (f", selection biases vs serial {moved:.1e}" if cfg.moe_bias_rate else ""))
-    check(err <= 1e-10 and loss_err <= 1e-12 and same_routing and same and dropped > 0 and moved <= 1e-12)
+    check(err <= 1e-10 and loss_err <= 1e-12 and same_routing and same and dropped > 0 and moved <= 1e-12
+          and not any(replicas), f"replicas differ: {[r for r in replicas if r]}")
     trainer.free()
     grid.free()
 
