@@ -57,3 +57,18 @@ def test_gpu_chapter_on_the_simulated_gpu():
     print(r.stdout[-2500:])
     assert r.returncode == 0, r.stderr[-3000:]
     assert "device: gpu (CuPy simulated)" in r.stdout and "checks passed on 2 ranks (gpu)" in r.stdout
+
+
+def test_experts_on_the_simulated_gpu(tmp_path):
+    """Experts split over ep = 2 ranks on the simulated GPU (2 ranks, dp 2): routing, the all-to-all (its counts
+    through the host), the folded exchange, the per-step routing report and a checkpoint, with CuPy's host/device
+    rules (every host copy explicit)."""
+    r = run_mpi(2, ["-m", "hsgd.train", "--d-model", "16", "--n-heads", "4", "--n-layers", "2", "--d-ff", "32",
+                    "--seq-len", "16", "--batch-size", "8", "--eval-batches", "1", "--log-interval", "2",
+                    "--device", "gpu", "--tp", "1", "--moe-experts", "4", "--moe-capacity-factor", "1.0", "--ep", "2",
+                    "--steps", "3", "--sample-bytes", "8", "--save-dir", str(tmp_path)],
+                timeout=120, env=sim_env(HSGD_CUDA_AWARE="0"))
+    print(r.stdout[-2000:])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "device: gpu (CuPy simulated)" in r.stdout and "experts: 4 per MoE block" in r.stdout
+    assert "measured/formula = 1.000" in r.stdout and "<- differs" not in r.stdout

@@ -47,7 +47,8 @@ counts = {"d2h": 0, "h2d": 0, "pinned": 0}   # device-to-host transfers (each on
 _allow_sync = [True]                         # cupyx.allow_synchronize(False) sets False
 _queued = [False]                            # kernels queued on the stream since the last synchronization
 _reading = []                                # (host array, its contents): asynchronous copies still reading it
-SIZED = ("nonzero", "unique", "argwhere", "flatnonzero")    # results whose size the host must read: a transfer
+SIZED = ("nonzero", "unique", "argwhere", "flatnonzero", "bincount")   # results whose size the host must read: a
+                                                                         # transfer
 
 
 class DeviceSynchronized(RuntimeError):
@@ -354,7 +355,8 @@ class _Ufunc:
 # as implemented). NumPy has many CuPy lacks, and NumPy would run them all here, so a function is added to this
 # list only after checking that table: then hsgd code cannot start using one that a real GPU would not have.
 FUNCTIONS = frozenset("""
-    abs absolute add all allclose any arange argmax argmin argwhere array_equal ascontiguousarray broadcast_to clip
+    abs absolute add all allclose any arange argmax argmin argsort argwhere array_equal ascontiguousarray bincount
+    broadcast_to clip
     concatenate copysign copyto cos cumsum divide dot einsum empty empty_like equal exp expand_dims expm1 eye
     flatnonzero frexp full full_like greater greater_equal isfinite isinf isnan ldexp less less_equal log log1p
     logical_and logical_not logical_or matmul max maximum mean min minimum multiply negative nonzero ones ones_like
