@@ -4,7 +4,7 @@ sharding; with --ep > 1 the folded exchange, hsgd.dp.folded): the exchange itsel
 alone (exchange_sizes: its formulas without an array or a communicator, for the planner). Chapter 8 runs every
 one."""
 from hsgd.dp.exchange import AllreduceExchange, AllreduceSizes
-from hsgd.dp.folded import FoldedExchange
+from hsgd.dp.folded import FoldedExchange, PairedExchange
 from hsgd.dp.hierarchical import HierarchicalExchange, HierarchicalSizes
 from hsgd.dp.overlapped import OverlappedExchange, OverlappedSizes
 from hsgd.dp.stale import StaleExchange, StaleSizes
@@ -17,24 +17,30 @@ def make_exchange(settings, params, groups, grid, micro_batches, num):
     """This rank's exchange for the Exchange settings: params, groups its stage's parameter shards by gradient group
     (backward order), grid the ProcessGrid (its dp_comm), micro_batches per step (ZeRO 2 and 3 reduce-scatter each
     one's), num where it rounds (hsgd.model.precision.Numerics)."""
-    s, dp_comm = settings, grid.dp_comm
+    s = settings
     if getattr(grid, "ep", 1) > 1:                                    # experts averaged over their own ranks
         experts = {n for n in params if ".moe.experts." in n}
-        ex = FoldedExchange(params, groups, dp_comm, grid.edp_comm, grid.ep_comm, experts)
-        ex.use(num)
-        return ex
-    if s.zero >= 2:
-        cls = Zero2Exchange if s.zero == 2 else Zero3Exchange
-        ex = cls(params, groups, dp_comm, micro_batches, hybrid=s.hierarchical, ranks_per_node=s.ranks_per_node)
-    elif s.zero == 1:
-        ex = Zero1Exchange(params, groups, dp_comm)
-    elif s.hierarchical:
-        ex = HierarchicalExchange(params, groups, dp_comm, s.ranks_per_node)
+        if s.zero or s.dp_overlap:                                     # (hsgd.ep.layout refuses the others)
+            ex = PairedExchange(params, groups, grid, experts, lambda p, g, comm: build(s, p, g, comm, micro_batches))
+        else:
+            ex = FoldedExchange(params, groups, grid.dp_comm, grid.edp_comm, grid.ep_comm, experts)
     else:
-        ex = (OverlappedExchange if s.dp_overlap else StaleExchange if s.dp_staleness else AllreduceExchange)(
-            params, groups, dp_comm)
+        ex = build(s, params, groups, grid.dp_comm, micro_batches)
     ex.use(num)
     return ex
+
+
+def build(s, params, groups, dp_comm, micro_batches):
+    """The exchange the settings s choose, averaging `params` over dp_comm."""
+    if s.zero >= 2:
+        cls = Zero2Exchange if s.zero == 2 else Zero3Exchange
+        return cls(params, groups, dp_comm, micro_batches, hybrid=s.hierarchical, ranks_per_node=s.ranks_per_node)
+    if s.zero == 1:
+        return Zero1Exchange(params, groups, dp_comm)
+    if s.hierarchical:
+        return HierarchicalExchange(params, groups, dp_comm, s.ranks_per_node)
+    return (OverlappedExchange if s.dp_overlap else StaleExchange if s.dp_staleness else AllreduceExchange)(
+        params, groups, dp_comm)
 
 
 def exchange_sizes(settings, numel, itemsize, dp_size, micro_batches=1):

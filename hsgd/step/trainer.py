@@ -95,13 +95,12 @@ class HybridTrainer:
         """A parameter's squares' weight in this rank's share of the global norm: 1 for a parameter split over
         tp, 0 for a replicated one (counted once, apart), NKV/tp for a key/value head that tp/NKV ranks hold alike
         (hsgd.step.health.masked_square_sums, hsgd.model.optim.grad_square_sums). With ep > 1 every element is
-        weighted by 1/(the ranks of tp x ep that hold it alike): the sums over tp and ep_comm (the folded
-        exchange's shard_comm, hsgd.dp.folded) count each parameter once."""
+        weighted by 1/(the ranks of tp x the exchange's shard_comm that hold it alike: exchange.holders): the sums
+        over tp and shard_comm (hsgd.dp.folded) count each parameter once."""
         w = tp_shards.holders_weight(name, self.cfg, self.grid.tp) if self.is_sharded(name) else 0
         if self.grid.ep == 1:
             return w
-        w = w or 1.0 / self.grid.tp                                   # replicated over tp: 1/tp each
-        return w if ".moe.experts." in name else w / self.grid.ep    # dense: alike on the ep ranks
+        return (w or 1.0 / self.grid.tp) / self.exchange.holders(name)   # (replicated over tp: 1/tp each)
 
     def step(self, idx, targets, step):
         """One optimizer step on the global batch idx, targets (B, T); `step` counts from 1 (for the schedule)."""

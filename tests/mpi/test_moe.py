@@ -8,7 +8,8 @@ z-loss (beta 0.01); one layout with GELU experts and biases, one with auxiliary-
 routes the same slots to the same experts and drops the same ones as serial (the kept slots per expert, summed over
 the ranks, equal serial's in every step), and every rank's bytes on every communicator equal step_formula's (the
 all-to-all's from the step's routing histogram, hsgd.ep.dispatch.all_to_all_formula). Clipping by the global norm
-with experts split over ranks (each counted once: hsgd.dp.folded)."""
+with experts split over ranks (each counted once: hsgd.dp.folded); with ep > 1 the plain exchange (FoldedExchange) and
+ZeRO 1, 2, 3 and --dp-overlap (PairedExchange: the dense part over dp_comm, the experts' over edp_comm)."""
 from dataclasses import replace
 
 import numpy as np
@@ -38,8 +39,10 @@ LAYOUTS = [  # (dp, pp, cp, tp), settings, model fields
                         recompute="full", zero=2), {}),
     ((1, 4, 2, 1), dict(micro_batches=4, schedule="zb-h1", recompute="selective"), {}),
     ((2, 1, 4, 1), dict(cp_scheme="allgather", zero=3), dict(moe_bias_rate=0.05)),
-    ((8, 1, 1, 1), dict(ep=8), dict(moe_experts=8, moe_balance_domain="global")),
-    ((2, 1, 2, 2), dict(ep=4, micro_batches=2, clip=0.01), {}),
+    ((8, 1, 1, 1), dict(ep=8, dp_overlap=True), dict(moe_experts=8, moe_balance_domain="global")),
+    ((2, 1, 2, 2), dict(ep=4, micro_batches=2, clip=0.01, zero=1), {}),
+    ((4, 1, 1, 2), dict(ep=4, micro_batches=2, clip=0.01, zero=3), dict(moe_balance_domain="sequence")),
+    ((2, 2, 2, 1), dict(ep=4, micro_batches=2, zero=2), {}),
     ((4, 2, 1, 1), dict(ep=2, micro_batches=2, schedule="zb-h1"), dict(moe_bias_rate=0.05)),
     ((1, 2, 4, 1), dict(ep=4, micro_batches=2, recompute="full", tp_scheme="sequence"),
      dict(moe_balance_domain="sequence")),
@@ -119,18 +122,18 @@ def test_layouts_with_experts_equal_serial_sgd(layout, kw, fields):
 
 
 def test_an_expert_parallel_checkpoint_reshards_to_another_ep():
-    """Saved after step 1 by dp 4 x tp 2 with ep 4 (one expert per rank, each saved once: shard-pp0-tp{t}-ep{r}),
-    resumed by dp 2 x pp 2 x tp 2 with ep 2 for steps 2 and 3: serial SGD's parameters after 3 steps, with the
-    selection biases of auxiliary-loss-free balancing saved and restored (step 2 routes with them). (No capacity
-    and the global balance domain: serial then counts the same whatever the layout, so one serial run is the
-    reference of both halves.)"""
+    """Saved after step 1 by dp 4 x tp 2 with ep 4 and ZeRO 1 (one expert per rank, each saved once:
+    shard-pp0-tp{t}-ep{r}), resumed by dp 2 x pp 2 x tp 2 with ep 2 and ZeRO 3 for steps 2 and 3: serial SGD's
+    parameters after 3 steps, with the selection biases of auxiliary-loss-free balancing saved and restored (step 2
+    routes with them). (No capacity and the global balance domain: serial then counts the same whatever the layout,
+    so one serial run is the reference of both halves.)"""
     import os
     import tempfile
     from hsgd.checkpoint import store
     from hsgd.grid.process_grid import ProcessGrid
     from hsgd.step.trainer import HybridTrainer
     cfg = replace(CFG, moe_capacity_factor=None, moe_balance_domain="global", moe_bias_rate=0.05)
-    tc = float64_config(steps=3, warmup=1, dp=4, tp=2, ep=4)
+    tc = float64_config(steps=3, warmup=1, dp=4, tp=2, ep=4, zero=1)
     ref, _, _, _ = serial_run(cfg, tc)
     folder = WORLD.bcast(tempfile.mkdtemp() if WORLD.Get_rank() == 0 else None)
     grid = ProcessGrid(WORLD, dp=4, tp=2, ep=4)
@@ -141,7 +144,7 @@ def test_an_expert_parallel_checkpoint_reshards_to_another_ep():
     trainer.free()
     grid.free()
     files = sorted(f for f in os.listdir(path) if f.endswith(".npz"))
-    tc2 = replace(tc, dp=2, pp=2, tp=2, ep=2)
+    tc2 = replace(tc, dp=2, pp=2, tp=2, ep=2, zero=3)
     grid = ProcessGrid(WORLD, dp=2, pp=2, tp=2, ep=2)
     trainer = HybridTrainer(cfg, grid, tc2)
     step = store.load(trainer, store.open_checkpoint(path, cfg))
@@ -151,7 +154,8 @@ def test_an_expert_parallel_checkpoint_reshards_to_another_ep():
     mine = trainer.exchange.full_params()
     err = world_max(max(float(np.abs(p - tp_shards.shard(ref[n], n, grid.tp_rank, grid.tp, tc2.tp_scheme, cfg)).max()
                               / max(np.abs(ref[n]).max(), 0.02)) for n, p in mine.items()))
-    say(f"saved by dp 4 x tp 2 ep 4 after step {step} ({files}), resumed by dp 2 x pp 2 x tp 2 ep 2: max param rel "
+    say(f"saved by dp 4 x tp 2 ep 4 zero 1 after step {step} ({files}), resumed by dp 2 x pp 2 x tp 2 ep 2 zero 3: "
+        f"max param rel "
         f"err vs serial after 3 steps {err:.1e}")
     check(step == 1 and err <= 1e-10 and files == [f"shard-pp0-tp{t}-ep{r}.npz" for t in range(2) for r in range(4)])
     trainer.free()
