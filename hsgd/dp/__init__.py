@@ -13,5 +13,6 @@ SGD) and 8 (overlap, ZeRO, hierarchical, stragglers and staleness); chapter 19 (
     zero2         ZeRO 2: gradients and optimizer state sharded, the parameters kept whole
     zero3         ZeRO 3: the parameters sharded too, gathered layer by layer (with zero2: hybrid sharding)
     folded        with expert parallelism: the dense gradients averaged over dp_comm, the experts' over edp_comm
+                  (one flat buffer for the plain exchange; two exchanges of a kind for ZeRO and overlap)
     make          the one place the exchange is made from the settings (or its sizes alone, for the planner)
 """

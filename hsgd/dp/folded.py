@@ -14,8 +14,12 @@ lays the dense parameters out first, by gradient group, then the experts', so th
 of a contiguous span.
 
 The global gradient norm: the experts differ between the ep ranks, so the exchange's shard_comm is ep_comm and
-every element's square is weighted by 1/(the ranks of tp x ep that hold it alike) (HybridTrainer.norm_weight): the
-sum over tp and ep_comm counts each parameter once.
+every element's square is weighted by 1/(the ranks of tp x ep that hold it alike) (HybridTrainer.norm_weight, with
+holders()): the sum over tp and ep_comm counts each parameter once.
+
+    FoldedExchange   the plain All-Reduce: one flat buffer, dense first, two Allreduces
+    PairedExchange   ZeRO 1, 2, 3 and --dp-overlap: two exchanges of that kind, the dense part over dp_comm and the
+                     experts' over edp_comm, behind the one interface (its docstring says how)
 """
 from collections import ChainMap
 from contextlib import nullcontext
