@@ -24,16 +24,18 @@ from hsgd.errors import ConfigError
 from hsgd.model.config import divisors
 
 
-def check_moe_layout(cfg, tc):
-    """Raise ConfigError (one line: what is wrong, what would work) unless the layout tc can train cfg's experts."""
-    D = tc.dp * tc.cp
+def check_moe_layout(cfg, tc, dp=None):
+    """Raise ConfigError (one line: what is wrong, what would work) unless the layout tc can train cfg's experts.
+    dp: the grid's, where tc's is not resolved yet (a TrainConfig built in code)."""
     if not cfg.moe_experts:
         if tc.ep > 1:
             raise ConfigError(f"--ep {tc.ep} splits experts, but the model has none; add --moe-experts E (a multiple "
                               f"of ep) or drop --ep")
         return
+    dp = dp or tc.dp
+    D = dp * tc.cp
     if D % tc.ep:
-        raise ConfigError(f"--ep {tc.ep} does not divide dp x cp = {tc.dp} x {tc.cp} = {D}: the expert-parallel ranks "
+        raise ConfigError(f"--ep {tc.ep} does not divide dp x cp = {dp} x {tc.cp} = {D}: the expert-parallel ranks "
                           f"are folded out of the data- and context-parallel ones; use ep in {divisors(D)}")
     if cfg.moe_experts % tc.ep:
         raise ConfigError(f"--moe-experts {cfg.moe_experts} cannot be split over --ep {tc.ep} ranks; use ep in "

@@ -56,7 +56,7 @@ class HybridTrainer:
         optimizer, loss scale)."""
         self.cfg, self.grid, self.tc, self.scheme = cfg, grid, tc, tc.tp_scheme
         self.tracer = tracer or NullTracer()
-        check_moe_layout(cfg, tc)                                       # what the layout can compute of its experts
+        check_moe_layout(cfg, tc, grid.dp)                              # what the layout can compute of its experts
         self.stage = make_stage(cfg, grid, tc.group(Layout), tc.recompute, tc.group(Data))   # my layers, schedule
         shards = tp_shards.init_params(cfg, grid.tp_comm, tc.seed, tc.dtype, tc.device, tc.tp_scheme)
         self.shard_shapes = {n: shards[n].shape for n in self.stage.names}   # this rank's tp shards' shapes
