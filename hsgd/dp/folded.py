@@ -18,8 +18,8 @@ every element's square is weighted by 1/(the ranks of tp x ep that hold it alike
 holders()): the sum over tp and ep_comm counts each parameter once.
 
     FoldedExchange   the plain All-Reduce: one flat buffer, dense first, two Allreduces
-    PairedExchange   ZeRO 1, 2, 3 and --dp-overlap: two exchanges of that kind, the dense part over dp_comm and the
-                     experts' over edp_comm, behind the one interface (its docstring says how)
+    PairedExchange   ZeRO 1-3, --dp-overlap, --dp-staleness: two exchanges of that kind, the dense part over
+                     dp_comm and the experts' over edp_comm, behind the one interface (its docstring says how)
 """
 from collections import ChainMap
 from contextlib import nullcontext
@@ -148,7 +148,7 @@ class PairedBuffer:
 
 
 class PairedExchange:
-    """Expert parallelism with any exchange but the hierarchical and the stale one (--zero 1, 2, 3, --dp-overlap):
+    """Expert parallelism with any exchange but the hierarchical one (--zero 1, 2, 3, --dp-overlap, --dp-staleness):
     two exchanges of the same kind, made by `make(params, groups, comm)`, the dense part over dp_comm and the experts'
     over edp_comm, behind the one interface of hsgd.dp.exchange that the trainer uses.
 
@@ -163,7 +163,6 @@ class PairedExchange:
     - the global norm: shard_comm is dp_comm, every element's square weighted by 1/(the ranks of tp x dp_comm holding
       it alike) (holders: the dense part's D/shards, the experts' edp/shards), so that the sums over tp and dp_comm
       count each parameter once."""
-    lag = 0
     on_ready = None
 
     def __init__(self, params, groups, grid, experts, make):
@@ -185,7 +184,7 @@ class PairedExchange:
         if any(p.on_ready is not None for p in self.parts):
             self.on_ready = self.ready
         self.master_ = self.concat([p.master for p in self.parts]).copy()
-        self.buf = None
+        self.buf, self.lag = None, self.parts[0].lag                   # (--dp-staleness 1: both parts one step late)
 
     @staticmethod
     def concat(arrays):
@@ -236,6 +235,10 @@ class PairedExchange:
 
     def checked(self):
         return self.concat([p.checked() for p in self.parts])
+
+    def fresh(self):
+        """--dp-staleness 1: this step's own gradient of both parts, as it left this rank."""
+        return self.concat([p.fresh() for p in self.parts])
 
     @property
     def master(self):

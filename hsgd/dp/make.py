@@ -20,7 +20,7 @@ def make_exchange(settings, params, groups, grid, micro_batches, num):
     s = settings
     if getattr(grid, "ep", 1) > 1:                                    # experts averaged over their own ranks
         experts = {n for n in params if ".moe.experts." in n}
-        if s.zero or s.dp_overlap:                                     # (hsgd.ep.layout refuses the others)
+        if s.zero or s.dp_overlap or s.dp_staleness:                  # (hsgd.ep.layout refuses --hierarchical)
             ex = PairedExchange(params, groups, grid, experts, lambda p, g, comm: build(s, p, g, comm, micro_batches))
         else:
             ex = FoldedExchange(params, groups, grid.dp_comm, grid.edp_comm, grid.ep_comm, experts)

@@ -44,11 +44,11 @@ def check_moe_layout(cfg, tc, dp=None):
         raise ConfigError("--memory predicts a step's bytes with formulas that do not count experts yet; measure a "
                           "model without --moe-experts, or drop --memory")
     if tc.ep > 1:
-        other = [f for f, on in (("--hierarchical", tc.hierarchical), ("--dp-staleness", tc.dp_staleness)) if on]
-        if other:
-            raise ConfigError(f"--ep {tc.ep} with {' '.join(other)}: the experts' gradients are averaged over their "
-                              f"own ranks (edp_comm) by the plain All-Reduce, ZeRO 1-3 or --dp-overlap "
-                              f"(hsgd.dp.folded); drop {' and '.join(other)}, or use --ep 1")
+        if tc.hierarchical:
+            raise ConfigError(f"--ep {tc.ep} with --hierarchical: the experts' gradients are averaged over their own "
+                              f"ranks (edp_comm), which hsgd does not split into nodes yet (hsgd.dp.folded: the plain "
+                              f"All-Reduce, ZeRO 1-3, --dp-overlap or --dp-staleness); drop --hierarchical, or use "
+                              f"--ep 1")
     if cfg.moe_balance_domain == "global" and cfg.moe_balance and tc.micro_batches > 1:
         raise ConfigError(f"--moe-balance-domain global needs the whole batch's expert counts before any backward "
                           f"pass, but the step runs {tc.micro_batches} micro-batches one after another; use "

@@ -9,7 +9,8 @@ routes the same slots to the same experts and drops the same ones as serial (the
 the ranks, equal serial's in every step), and every rank's bytes on every communicator equal step_formula's (the
 all-to-all's from the step's routing histogram, hsgd.ep.dispatch.all_to_all_formula). Clipping by the global norm
 with experts split over ranks (each counted once: hsgd.dp.folded); with ep > 1 the plain exchange (FoldedExchange) and
-ZeRO 1, 2, 3 and --dp-overlap (PairedExchange: the dense part over dp_comm, the experts' over edp_comm)."""
+ZeRO 1, 2, 3, --dp-overlap and --dp-staleness 1 (PairedExchange: the dense part over dp_comm, the experts' over
+edp_comm)."""
 from dataclasses import replace
 
 import numpy as np
@@ -43,6 +44,7 @@ LAYOUTS = [  # (dp, pp, cp, tp), settings, model fields
     ((2, 1, 2, 2), dict(ep=4, micro_batches=2, clip=0.01, zero=1), {}),
     ((4, 1, 1, 2), dict(ep=4, micro_batches=2, clip=0.01, zero=3), dict(moe_balance_domain="sequence")),
     ((2, 2, 2, 1), dict(ep=4, micro_batches=2, zero=2), {}),
+    ((4, 1, 1, 2), dict(ep=2, dp_staleness=1), {}),
     ((4, 2, 1, 1), dict(ep=2, micro_batches=2, schedule="zb-h1"), dict(moe_bias_rate=0.05)),
     ((1, 2, 4, 1), dict(ep=4, micro_batches=2, recompute="full", tp_scheme="sequence"),
      dict(moe_balance_domain="sequence")),
@@ -57,7 +59,7 @@ def serial_run(cfg, tc):
         groups = capacity_groups(tc.batch_size, cfg.seq_len, tc.dp, tc.micro_batches, tc.cp)
         params, losses = serial.sgd(cfg, tc, lambda step: CORPUS.batch(tc.seed, step, tc.batch_size),
                                micro_sequences=tc.batch_size // (tc.dp * tc.micro_batches), capacity_groups=groups,
-                               moe_state=state)
+                               moe_state=state, delayed=bool(tc.dp_staleness))
         out = (params, state["routing"], state["biases"], losses)
     return WORLD.bcast(out if WORLD.Get_rank() == 0 else None)
 
