@@ -182,7 +182,8 @@ def test_the_oracle_on_one_rank_passes_and_draws(tmp_path, capsys):
     (["--moe-experts", "4", "--moe-balance-layers", "pooled", "--pp", "2", "--n-layers", "2"],
      "--moe-balance-layers pooled counts over every MoE block at once"),
     (["--ep", "2"], "--ep 2 splits experts, but the model has none"),
-    (["--moe-experts", "4", "--ep", "2", "--hierarchical"], "--ep 2 with --hierarchical: the experts' gradients are"),
+    (["--moe-experts", "4", "--ep", "2", "--hierarchical", "--ranks-per-node", "1"],
+     "--ep 2 with --hierarchical --ranks-per-node 1: the experts' ranks"),
     (["--moe-experts", "4", "--moe-balance-domain", "tokens"], "invalid choice: 'tokens'"),
 ])
 def test_expert_settings_a_layout_cannot_train_are_refused_in_one_line(flags, words, capsys):

@@ -18,7 +18,7 @@ every element's square is weighted by 1/(the ranks of tp x ep that hold it alike
 holders()): the sum over tp and ep_comm counts each parameter once.
 
     FoldedExchange   the plain All-Reduce: one flat buffer, dense first, two Allreduces
-    PairedExchange   ZeRO 1-3, --dp-overlap, --dp-staleness: two exchanges of that kind, the dense part over
+    PairedExchange   the others (ZeRO 1-3, overlap, staleness, hierarchical): two of that kind, the dense part over
                      dp_comm and the experts' over edp_comm, behind the one interface (its docstring says how)
 """
 from collections import ChainMap
@@ -148,7 +148,8 @@ class PairedBuffer:
 
 
 class PairedExchange:
-    """Expert parallelism with any exchange but the hierarchical one (--zero 1, 2, 3, --dp-overlap, --dp-staleness):
+    """Expert parallelism with every exchange but the plain one (--zero 1, 2, 3, --dp-overlap, --dp-staleness,
+    --hierarchical, hybrid sharding):
     two exchanges of the same kind, made by `make(params, groups, comm)`, the dense part over dp_comm and the experts'
     over edp_comm, behind the one interface of hsgd.dp.exchange that the trainer uses.
 

@@ -3,6 +3,8 @@
 sharding; with --ep > 1 the folded exchange, hsgd.dp.folded): the exchange itself (make_exchange), or its sizes
 alone (exchange_sizes: its formulas without an array or a communicator, for the planner). Chapter 8 runs every
 one."""
+from dataclasses import replace
+
 from hsgd.dp.exchange import AllreduceExchange, AllreduceSizes
 from hsgd.dp.folded import FoldedExchange, PairedExchange
 from hsgd.dp.hierarchical import HierarchicalExchange, HierarchicalSizes
@@ -18,10 +20,14 @@ def make_exchange(settings, params, groups, grid, micro_batches, num):
     (backward order), grid the ProcessGrid (its dp_comm), micro_batches per step (ZeRO 2 and 3 reduce-scatter each
     one's), num where it rounds (hsgd.model.precision.Numerics)."""
     s = settings
-    if getattr(grid, "ep", 1) > 1:                                    # experts averaged over their own ranks
-        experts = {n for n in params if ".moe.experts." in n}
-        if s.zero or s.dp_overlap or s.dp_staleness:                  # (hsgd.ep.layout refuses --hierarchical)
-            ex = PairedExchange(params, groups, grid, experts, lambda p, g, comm: build(s, p, g, comm, micro_batches))
+    experts = {n for n in params if ".moe.experts." in n}
+    if getattr(grid, "ep", 1) > 1 and experts:                        # experts averaged over their own ranks (a
+        if s.zero or s.dp_overlap or s.dp_staleness or s.hierarchical:   # stage without any: the plain ways)
+            # the experts' part: its edp_comm holds every ep-th rank of dp_comm, so ranks_per_node/ep of it share
+            # a node (hsgd.ep.layout checks that ep divides ranks_per_node)
+            se = replace(s, ranks_per_node=s.ranks_per_node // grid.ep if s.ranks_per_node else None)
+            ex = PairedExchange(params, groups, grid, experts,
+                                lambda p, g, comm: build(se if comm is grid.edp_comm else s, p, g, comm, micro_batches))
         else:
             ex = FoldedExchange(params, groups, grid.dp_comm, grid.edp_comm, grid.ep_comm, experts)
     else:

@@ -44,11 +44,10 @@ def check_moe_layout(cfg, tc, dp=None):
         raise ConfigError("--memory predicts a step's bytes with formulas that do not count experts yet; measure a "
                           "model without --moe-experts, or drop --memory")
     if tc.ep > 1:
-        if tc.hierarchical:
-            raise ConfigError(f"--ep {tc.ep} with --hierarchical: the experts' gradients are averaged over their own "
-                              f"ranks (edp_comm), which hsgd does not split into nodes yet (hsgd.dp.folded: the plain "
-                              f"All-Reduce, ZeRO 1-3, --dp-overlap or --dp-staleness); drop --hierarchical, or use "
-                              f"--ep 1")
+        if tc.hierarchical and tc.ranks_per_node and tc.ranks_per_node % tc.ep:
+            raise ConfigError(f"--ep {tc.ep} with --hierarchical --ranks-per-node {tc.ranks_per_node}: the experts' "
+                              f"ranks (edp_comm, every ep-th rank of dp_comm) split into nodes of ranks_per_node/ep; "
+                              f"use --ranks-per-node a multiple of {tc.ep}, or leave it to MPI's shared-memory split")
     if cfg.moe_balance_domain == "global" and cfg.moe_balance and tc.micro_batches > 1:
         raise ConfigError(f"--moe-balance-domain global needs the whole batch's expert counts before any backward "
                           f"pass, but the step runs {tc.micro_batches} micro-batches one after another; use "

@@ -98,7 +98,7 @@ class HybridTrainer:
         weighted by 1/(the ranks of tp x the exchange's shard_comm that hold it alike: exchange.holders): the sums
         over tp and shard_comm (hsgd.dp.folded) count each parameter once."""
         w = tp_shards.holders_weight(name, self.cfg, self.grid.tp) if self.is_sharded(name) else 0
-        if self.grid.ep == 1:
+        if self.grid.ep == 1 or not hasattr(self.exchange, "holders"):   # (a stage without experts)
             return w
         return (w or 1.0 / self.grid.tp) / self.exchange.holders(name)   # (replicated over tp: 1/tp each)
 

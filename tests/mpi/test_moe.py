@@ -9,8 +9,8 @@ routes the same slots to the same experts and drops the same ones as serial (the
 the ranks, equal serial's in every step), and every rank's bytes on every communicator equal step_formula's (the
 all-to-all's from the step's routing histogram, hsgd.ep.dispatch.all_to_all_formula). Clipping by the global norm
 with experts split over ranks (each counted once: hsgd.dp.folded); with ep > 1 the plain exchange (FoldedExchange) and
-ZeRO 1, 2, 3, --dp-overlap and --dp-staleness 1 (PairedExchange: the dense part over dp_comm, the experts' over
-edp_comm)."""
+ZeRO 1, 2, 3, --dp-overlap, --dp-staleness 1, --hierarchical and hybrid sharding (PairedExchange: the dense part over
+dp_comm, the experts' over edp_comm)."""
 from dataclasses import replace
 
 import numpy as np
@@ -45,6 +45,8 @@ LAYOUTS = [  # (dp, pp, cp, tp), settings, model fields
     ((4, 1, 1, 2), dict(ep=4, micro_batches=2, clip=0.01, zero=3), dict(moe_balance_domain="sequence")),
     ((2, 2, 2, 1), dict(ep=4, micro_batches=2, zero=2), {}),
     ((4, 1, 1, 2), dict(ep=2, dp_staleness=1), {}),
+    ((8, 1, 1, 1), dict(ep=2, hierarchical=True, ranks_per_node=4), {}),
+    ((4, 1, 1, 2), dict(ep=2, zero=3, hierarchical=True, ranks_per_node=2, micro_batches=2, clip=0.01), {}),
     ((4, 2, 1, 1), dict(ep=2, micro_batches=2, schedule="zb-h1"), dict(moe_bias_rate=0.05)),
     ((1, 2, 4, 1), dict(ep=4, micro_batches=2, recompute="full", tp_scheme="sequence"),
      dict(moe_balance_domain="sequence")),
@@ -78,6 +80,44 @@ def kept_per_step(trainer, grid):
 @pytest.mark.parametrize("layout, kw, fields", LAYOUTS, ids=[f"dp{d}-pp{p}-cp{c}-tp{t}" for (d, p, c, t), _, _
                                                                in LAYOUTS])
 def test_layouts_with_experts_equal_serial_sgd(layout, kw, fields):
+    check(*compare(layout, kw, fields))
+
+
+def grid_layouts(n=8):
+    """Every (dp, pp, cp, tp) of n ranks (pp up to CFG's 4 layers) with an ep in {2, 4, 8} that divides dp x cp."""
+    return [((n // (p * c * t), p, c, t), ep) for p in (1, 2, 4) for c in (1, 2, 4, 8) for t in (1, 2, 4, 8)
+            if n % (p * c * t) == 0 for ep in (2, 4, 8) if (n // (p * t)) % ep == 0]
+
+
+def grid_settings(i, layout, ep):
+    """The settings layout i runs with: schemes, recomputation, exchanges, schedules and balance domains in turn."""
+    dp, pp, cp, tp = layout
+    kw = dict(ep=ep, tp_scheme=("megatron", "gather", "sequence")[i % 3],
+              recompute=("none", "selective", "full")[i % 3],
+              micro_batches=2 if pp < 4 else 4, zero=i % 4)
+    if i % 5 == 4:
+        kw.update(zero=0, dp_overlap=True)
+    if pp > 1:
+        kw["schedule"] = ("1f1b", "gpipe", "zb-h1", "interleaved")[i % 4] if pp == 2 else ("1f1b", "zb-h1")[i % 2]
+        if kw["schedule"] == "interleaved":
+            kw["virtual_stages"] = 2
+        if kw["schedule"] == "zb-h1":
+            kw["zero"] = min(kw["zero"], 1)                      # (ZeRO 2, 3 release what W needs later)
+    return kw, dict(moe_experts=8 if ep == 8 else 4, moe_balance_domain=("micro-batch", "sequence")[i % 2])
+
+
+@pytest.mark.parametrize("i, layout, ep", [(i, L, ep) for i, (L, ep) in enumerate(grid_layouts())],
+                         ids=[f"dp{d}-pp{p}-cp{c}-tp{t}-ep{ep}" for (d, p, c, t), ep in grid_layouts()])
+def test_every_layout_of_8_ranks_with_ep_2_4_8_equals_serial_sgd(i, layout, ep):
+    """The float64 grid: every dp x pp x cp x tp of 8 ranks with each ep in {2, 4, 8} that divides dp x cp (8
+    experts where ep = 8), the settings taking turns (grid_settings): serial SGD's parameters and losses, the same
+    routing and drops, the bytes of step_formula."""
+    check(*compare(layout, *grid_settings(i, layout, ep)))
+
+
+def compare(layout, kw, fields):
+    """Train `layout` with settings kw and model fields for 3 float64 steps and compare with serial SGD counted as
+    the layout counts: (ok, what differs), collective; rank 0 says one line."""
     from hsgd.grid.process_grid import ProcessGrid
     from hsgd.step.trainer import HybridTrainer
     dp, pp, cp, tp = layout
@@ -117,10 +157,10 @@ def test_layouts_with_experts_equal_serial_sgd(layout, kw, fields):
         f"(cross-entropy + balance + z) {loss_err:.1e}, kept per "
         f"expert equal to serial's in every step {same_routing} ({dropped} slots dropped in 3 steps), bytes == "
         f"formula {same}" + (f", selection biases vs serial {moved:.1e}" if cfg.moe_bias_rate else ""))
-    check(err <= 1e-10 and loss_err <= 1e-12 and same_routing and same and dropped > 0 and moved <= 1e-12
-          and not any(replicas), f"replicas differ: {[r for r in replicas if r]}")
     trainer.free()
     grid.free()
+    return (err <= 1e-10 and loss_err <= 1e-12 and same_routing and same and dropped > 0 and moved <= 1e-12
+            and not any(replicas), f"{layout} {kw} {fields}: replicas differing {[r for r in replicas if r]}")
 
 
 def test_an_expert_parallel_checkpoint_reshards_to_another_ep():
