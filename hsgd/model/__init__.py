@@ -20,7 +20,8 @@ serial SGD of the lecture's section 1), appendix A (where the time goes), chapte
     serial      the serial reference model and serial.sgd, the run every layout must reproduce
     gradcheck   finite differences: every hand-written backward checked against the loss itself
     optim       SGD, AdamW, the learning-rate schedule, global-norm clipping
-    precision   bfloat16 and float16 emulated exactly: rounding, the unit roundoff, Numerics (where a run rounds)
+    precision   bfloat16 and float16 emulated exactly: rounding, the unit roundoff, Numerics (where a run rounds);
+                the 8-bit formats E4M3 and E5M2 (rounding only, saturating or not)
     data        the corpus, the train/validation split and the batch of every step
     generate    text from a trained model, one byte at a time
 """

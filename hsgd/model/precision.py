@@ -15,11 +15,19 @@ float64 for float32 or float64 inputs (x / q and M q only move the exponent), so
 rounded value, returned in the input's dtype (every bfloat16 and float16 number is a float32). A float64 input
 is rounded once, directly: float64 -> float32 -> bfloat16 would round twice and can differ in the last bit.
 
-    format     p    emin   max              u = 2^-p
-    bfloat16   8    -126   3.3895e38        2^-8  = 3.9e-3     (float32's exponent range, 8 significant bits)
-    float16    11   -14    65504            2^-11 = 4.9e-4
-    float32    24   -126   3.4028e38        2^-24 = 6.0e-8
-    float64    53   -1022  1.7977e308       2^-53 = 1.1e-16
+    format          p    emin   max              u = 2^-p
+    float8_e4m3fn   4    -6     448              2^-4  = 6.3e-2     (no infinity: past max is NaN)
+    float8_e5m2     3    -14    57344            2^-3  = 1.3e-1     (float16's exponent range, 3 significant bits)
+    bfloat16        8    -126   3.3895e38        2^-8  = 3.9e-3     (float32's exponent range, 8 significant bits)
+    float16         11   -14    65504            2^-11 = 4.9e-4
+    float32         24   -126   3.4028e38        2^-24 = 6.0e-8
+    float64         53   -1022  1.7977e308       2^-53 = 1.1e-16
+
+The two 8-bit formats are the OCP's (Micikevicius et al. 2022, "FP8 Formats for Deep Learning"): E4M3 spends its one
+infinity and the other codes of its top binade's last step on NaN, so a value that rounds past 448 becomes NaN
+(Format.overflow "nan"; 464, halfway to the missing 480, rounds to even: 448); E5M2 is IEEE-like, past 57344 inf.
+`saturate=True` clamps instead: a finite value past max, or an infinity, becomes +-max (the cast that scaled FP8
+training uses after dividing by its scale).
 
 The unit roundoff u bounds one rounding: round(x) = x (1 + d), |d| <= u (normal range). A sum of n terms computed
 in any order, each addition rounded, is off by at most gamma_n sum |x_i| with gamma_n = n u / (1 - n u) (Higham
@@ -32,8 +40,10 @@ import numpy as np
 
 from hsgd.model.backend import array_module
 
-Format = namedtuple("Format", "name p emin max")
+Format = namedtuple("Format", "name p emin max overflow", defaults=("inf",))
 FORMATS = {
+    "float8_e4m3fn": Format("float8_e4m3fn", 4, -6, 448.0, "nan"),
+    "float8_e5m2": Format("float8_e5m2", 3, -14, 57344.0),
     "bfloat16": Format("bfloat16", 8, -126, float((2 - 2.0 ** -7) * 2.0 ** 127)),
     "float16": Format("float16", 11, -14, 65504.0),
     "float32": Format("float32", 24, -126, float(np.finfo(np.float32).max)),
@@ -53,13 +63,18 @@ def gamma(n, fmt):
     return nu / (1 - nu) if nu < 1 else float("inf")
 
 
-def round_to(x, fmt):
-    """round_formula(x, fmt), faster where the hardware's own conversions give the same bits (tests/test_precision.py
-    checks both against ml_dtypes and NumPy): a float32 array to bfloat16 by integer arithmetic on its bit pattern
-    (add half a bfloat16 spacing, 0x7FFF, plus the last kept bit for ties to even, then clear the low 16 bits; a
-    carry into the exponent is the rounding up to the next binade or to inf), to float16 by NumPy's (CuPy's)
-    correctly rounded float32 -> float16 -> float32 casts. NaN passes untouched."""
+def round_to(x, fmt, saturate=False):
+    """round_formula(x, fmt, saturate), faster where the hardware's own conversions give the same bits
+    (tests/test_precision.py and tests/test_fp8_formats.py check both against ml_dtypes and NumPy): a float32 array
+    to bfloat16 by integer arithmetic on its bit pattern (add half a bfloat16 spacing, 0x7FFF, plus the last kept bit
+    for ties to even, then clear the low 16 bits; a carry into the exponent is the rounding up to the next binade or
+    to inf), to float16 by NumPy's (CuPy's) correctly rounded float32 -> float16 -> float32 casts, to the 8-bit
+    formats by round_fp8_bits. NaN passes untouched."""
     xp = array_module(x)
+    if x.dtype == xp.float32 and fmt.startswith("float8"):
+        return round_fp8_bits(x, FORMATS[fmt], saturate)
+    if saturate:
+        return round_formula(x, fmt, saturate)
     if x.dtype == xp.float32 and fmt == "bfloat16":
         bits = x.view(xp.uint32)
         up = (bits + xp.uint32(0x7FFF) + ((bits >> 16) & xp.uint32(1))) & xp.uint32(0xFFFF0000)
@@ -70,11 +85,11 @@ def round_to(x, fmt):
     return round_formula(x, fmt)
 
 
-def round_formula(x, fmt):
+def round_formula(x, fmt, saturate=False):
     """x (a float32 or float64 array, NumPy or CuPy) rounded to the nearest number of `fmt`, ties to even (the
-    module docstring's formula); the result in x's dtype. +-inf stays, overflow goes to +-inf, signed zeros keep
-    their sign, and a NaN is passed on untouched, bit for bit (the formats do not say what a NaN's other bits
-    become)."""
+    module docstring's formula); the result in x's dtype. Past max (an infinity too): +-inf, or NaN for a format
+    without infinities (float8_e4m3fn), or +-max with saturate. Signed zeros keep their sign, and a NaN is passed
+    on untouched, bit for bit (the formats do not say what a NaN's other bits become)."""
     f = FORMATS[fmt]
     xp = array_module(x)
     with np.errstate(over="ignore", invalid="ignore"):          # NaN and inf pass; overflow is meant (NumPy)
@@ -83,7 +98,35 @@ def round_formula(x, fmt):
         e = xp.maximum(k - 1, f.emin)                         # below 2^emin: the subnormals' fixed spacing
         q = xp.ldexp(xp.ones_like(x64), e - (f.p - 1))        # the spacing of fmt's numbers near x
         r = xp.rint(x64 / q) * q                              # to the nearest multiple of q, ties to even
-        r = xp.where(xp.abs(r) > f.max, xp.copysign(xp.inf, x64), r).astype(x.dtype)
+        r = overflowed(r, x64, f, saturate, xp).astype(x.dtype)
+    return xp.where(xp.isnan(x), x, r)
+
+
+def overflowed(r, x, f, saturate, xp):
+    """r where |r| <= max; past it (or not finite), what format f makes of it: +-max (saturate), NaN or +-inf."""
+    past = ~(xp.abs(r) <= f.max)                              # (a NaN from an infinite input included)
+    if saturate:
+        big = xp.copysign(xp.asarray(f.max, dtype=r.dtype), x)
+    else:
+        big = xp.asarray(xp.nan, dtype=r.dtype) if f.overflow == "nan" else xp.copysign(xp.inf, x).astype(r.dtype)
+    return xp.where(past, big, r)
+
+
+def round_fp8_bits(x, f, saturate=False):
+    """round_formula(x, f.name, saturate) for a float32 array, on its bit pattern where it can: in f's normal range
+    add half of f's spacing in the low 23 - (p - 1) bits (plus the last kept bit: ties to even) and clear them (a
+    carry into the exponent is the rounding up to the next binade); below 2^emin the fixed subnormal spacing q =
+    2^(emin - p + 1), rint(x / q) q (exact in float32: q is a power of two); past max as overflowed says."""
+    xp = array_module(x)
+    drop = 23 - (f.p - 1)                                     # the float32 significand bits f has not
+    bits = x.view(xp.uint32)
+    keep = xp.uint32((0xFFFFFFFF >> drop) << drop)
+    normal = ((bits + xp.uint32((1 << (drop - 1)) - 1) + ((bits >> drop) & xp.uint32(1))) & keep).view(xp.float32)
+    q = xp.float32(2.0 ** (f.emin - f.p + 1))
+    with np.errstate(over="ignore", invalid="ignore"):
+        sub = xp.rint(x / q) * q                              # (rint keeps the sign of a zero)
+        r = xp.where(xp.abs(x) < xp.float32(2.0 ** f.emin), sub, normal)
+        r = overflowed(r, x, f, saturate, xp)
     return xp.where(xp.isnan(x), x, r)
 
 
