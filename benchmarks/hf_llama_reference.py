@@ -144,13 +144,15 @@ def hf_model(cfg, as_shipped=False):
     return model if as_shipped else float64_throughout(model, cfg)
 
 
-def float64_throughout(model, cfg):
-    """The model with each LlamaRMSNorm's and the rotary embedding's forward replaced by the same formula computed in
-    the input's dtype (the library's casts to float32 left out):
+def float64_throughout(model, cfg, norm_class=None):
+    """The model with each RMSNorm's (norm_class: LlamaRMSNorm by default; another family's with the same fields) and
+    the rotary embedding's forward replaced by the same formula computed in the input's dtype (the library's casts to
+    float32 left out):
         RMSNorm:  y = w * x / sqrt(mean(x^2) + eps)
         rotary:   a[t, i] = position_ids[t] * theta^(-2i/hs),  cos and sin of [a, a] (the two halves alike)."""
     import torch
-    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    if norm_class is None:
+        from transformers.models.llama.modeling_llama import LlamaRMSNorm as norm_class
 
     def rmsnorm(self, x):
         return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
@@ -163,7 +165,7 @@ def float64_throughout(model, cfg):
         return a.cos().to(x.dtype), a.sin().to(x.dtype)
 
     for module in model.modules():
-        if isinstance(module, LlamaRMSNorm):
+        if isinstance(module, norm_class):
             module.forward = rmsnorm.__get__(module)
     model.model.rotary_emb.forward = rotary
     return model

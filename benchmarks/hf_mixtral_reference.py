@@ -365,30 +365,13 @@ def balance_float64(gate_logits, num_experts=None, top_k=2, attention_mask=None)
 
 
 def mixtral_float64_throughout(model, cfg):
-    """The model with each MixtralRMSNorm's and the rotary embedding's forward replaced by the same formula in the
-    input's dtype (hf_llama_reference.float64_throughout's, for Mixtral's classes), each router's by router_float64,
-    and its loss_function by cross_entropy_float64:
-        RMSNorm:  y = w * x / sqrt(mean(x^2) + eps)
-        rotary:   a[t, i] = position_ids[t] * theta^(-2i/hs),  cos and sin of [a, a] (the two halves alike)."""
-    import torch
+    """hf_llama_reference.float64_throughout for Mixtral's classes (its RMSNorm and rotary embedding in the input's
+    dtype), each router's forward replaced by router_float64, and its loss_function by cross_entropy_float64."""
     from transformers.models.mixtral.modeling_mixtral import MixtralRMSNorm, MixtralTopKRouter
-
-    def rmsnorm(self, x):
-        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
-
-    inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_size, 2, dtype=torch.float64) / cfg.head_size)
-
-    def rotary(x, position_ids):
-        a = position_ids[..., None].to(torch.float64) * inv_freq                # (1, T, hs/2)
-        a = torch.cat((a, a), dim=-1)                                           # (1, T, hs)
-        return a.cos().to(x.dtype), a.sin().to(x.dtype)
-
+    llama.float64_throughout(model, cfg, MixtralRMSNorm)
     for module in model.modules():
-        if isinstance(module, MixtralRMSNorm):
-            module.forward = rmsnorm.__get__(module)
-        elif isinstance(module, MixtralTopKRouter):
+        if isinstance(module, MixtralTopKRouter):
             module.forward = router_float64.__get__(module)
-    model.model.rotary_emb.forward = rotary
     model.loss_function = cross_entropy_float64
     return model
 

@@ -23,7 +23,7 @@ import pytest
 from hsgd.model import serial
 from hsgd.model.config import ModelConfig
 from hsgd.readers import Npz
-from tests.test_hf_llama import relative_errors
+from tests.test_hf_llama import assert_serial_equals, relative_errors
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "hf_mixtral")
 MODELS = ("gqa", "mha_top1")
@@ -66,13 +66,7 @@ def test_files_hold_every_parameter_of_their_config(name):
 @pytest.mark.parametrize("name", MODELS)
 def test_serial_moe_equals_hugging_face(name):
     cfg, params, idx, targets, ref_loss, ref_grads, *_ = read(name)
-    loss, grads = serial.loss_and_grads(params, idx, targets, cfg)
-    assert set(grads) == set(ref_grads)
-    errors = relative_errors(loss, grads, ref_loss, ref_grads)
-    worst = max(errors, key=errors.get)
-    print(f"{name}: loss {ref_loss:.6f}, error {errors['loss']:.1e}; largest gradient error {errors[worst]:.1e} "
-          f"({worst})")
-    assert all(e <= TOLERANCE for e in errors.values()), {n: e for n, e in errors.items() if e > TOLERANCE}
+    assert_serial_equals(name, cfg, params, idx, targets, ref_loss, ref_grads)
 
 
 @pytest.mark.parametrize("name", MODELS)

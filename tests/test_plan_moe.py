@@ -19,9 +19,7 @@
 
     PATH=$PWD/.venv/bin:$PATH python -m pytest -q tests/test_plan_moe.py -s      # -s shows the numbers
 """
-import contextlib
 import dataclasses
-import io
 import itertools
 import re
 
@@ -30,7 +28,6 @@ import pytest
 from hsgd.accounting.activations import paper_zero_bytes
 from hsgd.model.config import ModelConfig
 from hsgd.plan import costs
-from hsgd.plan.__main__ import main
 from hsgd.plan.experts import (alltoall_calls, alltoall_formula, expert_formula, kept_bytes, moe_formula,
                                param_counts, rank_numel)
 from hsgd.plan.family import megatron_numel
@@ -39,6 +36,8 @@ from hsgd.plan.models import presets
 from hsgd.plan.paper import activation_bytes
 from hsgd.plan.search import Layout, evaluate, search
 from hsgd.pp.chunks import split_layers
+
+from tests.test_plan_llama import run                  # python -m hsgd.plan in this process
 
 # a small MoE model: swiglu experts, every other block MoE (blocks 0, 2), 8 experts top-2
 SMALL = ModelConfig(vocab_size=64, seq_len=16, d_model=32, n_heads=4, n_layers=4, d_ff=48, arch="llama",
@@ -274,17 +273,6 @@ def test_a_stage_without_moe_blocks_is_the_dense_models():
 
 
 # ------------------------------------------------------------------------------------ 7. the command line
-def run(*argv):
-    """(exit code, stdout, stderr) of python -m hsgd.plan argv, in this process."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = main(list(argv))
-        except SystemExit as e:
-            code = e.code
-    return code, out.getvalue(), err.getvalue()
-
-
 def test_cli_prices_experts():
     """--model llama-small --moe-experts 8 --moe-top-k 2 --ep 2 on 8 devices: total and active parameters
     (ModelConfig's), the experts line, ep2 in every ranked layout's name, Megatron-LM's --num-experts and
