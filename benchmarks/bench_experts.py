@@ -17,13 +17,11 @@ of ep 1 and ep 4 fall (the same model; their float32 sums run in other orders an
 differ, so they are not compared for equality).
 """
 import argparse
-import os
 import re
-import shutil
-import subprocess
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+from train_families import run_train, write_results
+
 FALL = re.compile(r"val loss ([0-9.]+) -> ([0-9.]+) after (\d+) steps in \S+ \(([0-9,]+) tok/s\)")
 PARAMS = re.compile(r"model: ([0-9,]+) parameters.*?; ([0-9,]+) on each rank")
 COMM = re.compile(r"^  (\w+) +(\w+) +(\d+) calls +([0-9.]+ [KMG]?i?B) \|", re.M)
@@ -33,12 +31,7 @@ RUNS = {"dense": [], "ep 1": ["--moe-experts", "8", "--moe-top-k", "1", "--moe-g
 
 def train(flags, n, steps):
     """(stdout of hsgd.train with `flags` on n ranks for `steps` steps, its parsed numbers)."""
-    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    mpiexec = mpiexec if os.path.exists(mpiexec) else shutil.which("mpiexec")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
-    cmd = [mpiexec, "-n", str(n), sys.executable, "-m", "hsgd.train", "--sample-bytes", "0", "--steps", str(steps),
-           *flags]
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=7200)
+    r = run_train(n, ["--steps", str(steps), *flags])
     fall, params = FALL.search(r.stdout), PARAMS.search(r.stdout)
     if r.returncode != 0 or not fall or not params:
         sys.exit(f"hsgd.train {' '.join(flags)} failed (exit {r.returncode}): {r.stderr[-2000:]}")
@@ -77,10 +70,7 @@ def main():
                                f"{runs['ep 1']['per_rank']:,}; bytes equal their formulas in every run: "
                                f"{not any(r['differs'] for r in runs.values())}; claims {'hold' if ok else 'FAIL'}. "
                                f"Run: `{run}`.\n")
-    os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
-    with open(os.path.join(HERE, "results", "bench_experts.md"), "w") as f:
-        f.write(text)
-    print(text)
+    write_results("bench_experts.md", text)
     sys.exit(0 if ok else 1)
 
 

@@ -21,14 +21,27 @@ FALL = re.compile(r"val loss ([0-9.]+) -> ([0-9.]+) after (\d+) steps")
 MODEL = re.compile(r"model: ([0-9,]+) parameters")
 
 
-def train(arch, n, steps):
-    """(parameters, val loss before, after, steps) of one run of hsgd.train with --arch `arch` on n ranks."""
+def run_train(n, flags):
+    """The finished `mpiexec -n n python -m hsgd.train --sample-bytes 0 flags` (one BLAS thread per rank; mpiexec
+    next to this Python first, the venv's mpich wheel, else the one on PATH)."""
     mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
     mpiexec = mpiexec if os.path.exists(mpiexec) else shutil.which("mpiexec")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
-    cmd = [mpiexec, "-n", str(n), sys.executable, "-m", "hsgd.train", "--arch", arch, "--sample-bytes", "0"]
-    r = subprocess.run(cmd + (["--steps", str(steps)] if steps else []), capture_output=True, text=True, env=env,
-                       timeout=7200)
+    cmd = [mpiexec, "-n", str(n), sys.executable, "-m", "hsgd.train", "--sample-bytes", "0", *flags]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=7200)
+
+
+def write_results(name, text):
+    """benchmarks/results/<name>, and the text printed."""
+    os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
+    with open(os.path.join(HERE, "results", name), "w") as f:
+        f.write(text)
+    print(text)
+
+
+def train(arch, n, steps):
+    """(parameters, val loss before, after, steps) of one run of hsgd.train with --arch `arch` on n ranks."""
+    r = run_train(n, ["--arch", arch] + (["--steps", str(steps)] if steps else []))
     fall, model = FALL.search(r.stdout), MODEL.search(r.stdout)
     if r.returncode != 0 or not fall or not model:
         sys.exit(f"hsgd.train --arch {arch} failed (exit {r.returncode}): {r.stderr[-2000:]}")
@@ -50,10 +63,7 @@ def main():
     text = "\n".join(lines) + (f"\n\nllama's validation loss falls {'at least as far as' if ok else 'less than'} "
                                f"gpt2's in the same steps ({fall['llama']:.4f} against {fall['gpt2']:.4f}). Run: "
                                f"`{run}`.\n")
-    os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
-    with open(os.path.join(HERE, "results", "train_families.md"), "w") as f:
-        f.write(text)
-    print(text)
+    write_results("train_families.md", text)
     sys.exit(0 if ok else 1)
 
 
