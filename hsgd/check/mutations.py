@@ -90,6 +90,24 @@ def patch(bug, name):
                 self.g_chunk *= self.dp_comm.size                          # undoes the 1/dp
             return summed
         return zero1.Zero1Exchange, "average", broken
+    if bug in EXPERT_BUGS:
+        return patch_experts(bug)
+    if bug == "sequence-without-ln-reduction":
+        def broken(original):
+            def partial(self, part, grads, comm):
+                flat, local, names = part                                  # (no Allreduce of the partials)
+                for n in names:
+                    grads[n] += local[n]
+            return partial
+        return tp_schemes.Sequence, "finish_replicated", broken
+    raise ValueError(f"bug {bug!r}: one of {', '.join(BUGS)}")
+
+
+EXPERT_BUGS = ("experts-without-1/ep", "experts-over-dp", "balance-over-micro-batch", "router-gradient-dropped")
+
+
+def patch_experts(bug):
+    """patch() for the bugs of expert parallelism and of the MoE blocks (EXPERT_BUGS)."""
     if bug == "experts-without-1/ep":
         def broken(original):
             def average(self):
@@ -127,15 +145,7 @@ def patch(bug, name):
                 return out
             return backward
         return tp_experts.Experts, "backward", broken
-    if bug == "sequence-without-ln-reduction":
-        def broken(original):
-            def partial(self, part, grads, comm):
-                flat, local, names = part                                  # (no Allreduce of the partials)
-                for n in names:
-                    grads[n] += local[n]
-            return partial
-        return tp_schemes.Sequence, "finish_replicated", broken
-    raise ValueError(f"bug {bug!r}: one of {', '.join(BUGS)}")
+    raise ValueError(bug)
 
 
 def after_run(change):

@@ -88,6 +88,15 @@ class Experts:
         return y.reshape(m_in.shape), (c_router, r.perm, r.gates, slot_out, bounds, c_experts, balance, c_z, prefix,
                                        plan)
 
+    def block_backward(self, dx, cache, grads, S, daux):
+        """The MoE branch's backward inside a block, through the scheme S: dm (B, T~, C), the experts' partial dx
+        entered back over tp (S.enter_backward) plus the router's whole dx on the rows this rank holds (S.rows)."""
+        tp = self.tp_comm
+        dm_in, dx_router = self.backward(S.leave_backward(dx, tp), cache, grads, daux)   # (B, T, C) each
+        dm = S.enter_backward(dm_in, tp)                                  # (B, T~, C) f^T: Allreduce | Reduce-Scatter
+        t0, t1 = S.rows(dx_router.shape[1], tp)
+        return dm + dx_router[:, t0:t1]                                   # + the router's, whole on every rank
+
     def backward(self, dy, cache, grads, daux):
         """(dm_in (B, T, C) partial over tp: the experts' share, to be entered back by the scheme; dx_router
         (B, T, C) whole: the router's). dy (B, T, C) whole (the scheme's leave_backward)."""

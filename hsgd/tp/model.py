@@ -222,7 +222,7 @@ def block_backward(dx, cache, grads, p, h, setup, hooks=NO_HOOKS, wg=None, daux=
         hooks.point(h[:-1], "recomputed")
     W = lambda name: p[h + name]                                         # a weight the cache dropped
     if isinstance(c_mproj[0], str):                                      # ("moe", the experts' cache)
-        dm = moe_backward(dx, c_mproj[1], grads, setup, daux)
+        dm = setup.experts.block_backward(dx, c_mproj[1], grads, S, daux)  # (B, T~, C)
     else:
         dm = mlp_backward(dx, m, c_act, c_mproj, grads, p, h, setup, wg)
     dln2 = norm_backward(dm, c_ln2, grads, p, h + "ln2", setup)
@@ -263,16 +263,6 @@ def mlp_backward(dx, m, c_act, c_mproj, grads, p, h, setup, wg):
            *(bias_or_weight(n + w, grads) for n in names for w in ("weight", "bias")))
     dm_in = op.fused_input_grad(dfc, c_mlp)                              # (B, T, C) partial (m entered again)
     return S.enter_backward(dm_in, comm)                                 # (B, T~, C) f^T: Allreduce | Reduce-Scatter
-
-
-def moe_backward(dx, c_moe, grads, setup, daux):
-    """A MoE block's backward (hsgd.tp.experts): dm (B, T~, C), the experts' partial dx entered back over tp and the
-    router's whole dx on the rows this rank holds."""
-    S, comm = setup.scheme, setup.comm
-    dm_in, dx_router = setup.experts.backward(S.leave_backward(dx, comm), c_moe, grads, daux)  # (B, T, C) each
-    dm = S.enter_backward(dm_in, comm)                                   # (B, T~, C) f^T: Allreduce | Reduce-Scatter
-    t0, t1 = S.rows(dx_router.shape[1], comm)
-    return dm + dx_router[:, t0:t1]                                      # + the router's, whole on every rank
 
 
 def bias_or_weight(name, grads):
