@@ -59,10 +59,11 @@ Arrays may be NumPy or CuPy; each function computes with the module its inputs b
 """
 import math
 from collections import namedtuple
+from itertools import accumulate
 from dataclasses import dataclass
 
 from hsgd.errors import ConfigError
-from hsgd.model.backend import array_module, scatter_add
+from hsgd.model.backend import array_module, scatter_add, to_host
 from hsgd.model.balance import Balance, Domain
 from hsgd.model import layers, llama_layers
 from hsgd.model.layers import linear_backward, linear_forward
@@ -216,11 +217,12 @@ def dispatch_groups(chosen, E, settings, capacity_groups=None):
 # --------------------------------------------------------------------------------------------------------------
 # One expert: a GELU or SwiGLU MLP on its rows
 
-def expert_forward(x, p, name, mlp, ops=layers):
+def expert_forward(x, p, name, mlp, ops=layers, proj_bias=True):
     """GELU: out = gelu(x W_fc + b_fc) W_proj + b_proj;  SwiGLU: out = (silu(x W_gate) * (x W_up)) W_proj.
-    name: the expert's prefix "{prefix}.experts.{e}."; a bias is used where p holds it. x: (rows, C). ops: the
-    layer functions (hsgd.model.layers; a layout's, which round where a bfloat16 run rounds: hsgd.tp.rounded)."""
-    b = lambda part: p.get(name + part)
+    name: the expert's prefix "{prefix}.experts.{e}."; a bias is used where p holds it (proj's only if proj_bias:
+    under tp its partial sums add it once, on tp rank 0). x: (rows, C). ops: the layer functions
+    (hsgd.model.layers; a layout's, which round where a bfloat16 run rounds: hsgd.tp.rounded)."""
+    b = lambda part: None if part == "proj.bias" and not proj_bias else p.get(name + part)
     if mlp == "gelu":
         f, c_fc = ops.linear_forward(x, p[name + "fc.weight"], b("fc.bias"))                 # (rows, F)
         a, c_act = ops.gelu_forward(f)                                                      # (rows, F)
@@ -295,18 +297,18 @@ def route(x2, W, settings, selection_bias=None, capacity_groups=None):
 Routing = namedtuple("Routing", "chosen gates probs logits perm inv load kept capacity")
 
 
-def experts_forward(xs, params, prefix, settings, kept, ops=layers):
+def experts_forward(xs, params, prefix, settings, kept, ops=layers, proj_bias=True):
     """Step 3's experts on the dispatched rows xs (S, C), kept[e] of them expert e's, in expert order:
     (ys (S, C), bounds, caches), expert e computing rows bounds[e]:bounds[e + 1]. Experts may be any run of the
     layer's (ids from kept's index: expert parallelism hands a rank its own, E/ep of them, as a dict {e: rows});
-    ops: the layer functions they compute with (expert_forward)."""
+    ops: the layer functions they compute with; proj_bias False: no proj bias added (expert_forward)."""
     xp = array_module(xs)
-    ids = list(kept) if isinstance(kept, dict) else list(range(len(kept)))
-    counts = [int(kept[e]) for e in ids]
-    bounds = [0] + [int(b) for b in xp.cumsum(xp.asarray(counts))] if ids else [0]
+    counts = dict(kept) if isinstance(kept, dict) else dict(enumerate(int(c) for c in to_host(kept)))   # one copy
+    bounds = [0, *accumulate(counts.values())]
     outs, caches = [xp.zeros((0, xs.shape[1]), dtype=xs.dtype)], []
-    for j, e in enumerate(ids):
-        o, c = expert_forward(xs[bounds[j]:bounds[j + 1]], params, f"{prefix}.experts.{e}.", settings.mlp, ops)
+    for j, e in enumerate(counts):
+        o, c = expert_forward(xs[bounds[j]:bounds[j + 1]], params, f"{prefix}.experts.{e}.", settings.mlp, ops,
+                              proj_bias)
         outs.append(o)
         caches.append(c)
     return xp.concatenate(outs), bounds, caches

@@ -37,9 +37,9 @@ class LocalExperts:
     ep = 1
 
     def send(self, xs, kept):
-        """(the rows this rank's experts compute, {expert: rows}, what the other calls need: nothing here); xs
-        (S_kept, C) sorted by expert."""
-        return xs, dict(enumerate(int(c) for c in kept)), None
+        """(the rows this rank's experts compute, their counts per expert (kept (E,) here: every expert; a
+        dispatcher's {expert: rows}), what the other calls need: nothing here); xs (S_kept, C) sorted by expert."""
+        return xs, kept, None
 
     def receive(self, ys, plan):
         """The experts' outputs (S_kept, C) in the order send took the rows."""
@@ -79,8 +79,7 @@ class Experts:
         x2 = m_in.reshape(-1, m_in.shape[-1])                             # (N, C) whole rows
         r, c_router = route(x2, p[prefix + ".router.weight"], s, moe.biases.get(prefix), moe.capacity_groups)
         rows, mine, plan = self.dispatcher.send(x2[r.perm // k], r.kept)  # dispatch: (S_kept, C) by expert
-        shards = p if tp.rank == 0 else {n: a for n, a in p.items() if not n.endswith("proj.bias")}
-        ys, bounds, c_experts = experts_forward(rows, shards, prefix, s, mine, ops)   # (rows, C) partial
+        ys, bounds, c_experts = experts_forward(rows, p, prefix, s, mine, ops, proj_bias=tp.rank == 0)  # partial
         y, slot_out = combine_forward(self.dispatcher.receive(ys, plan), r.inv, r.gates)   # (N, C) partial
         value, balance = record_balance(moe.balance, None, prefix, s, r.probs, r.chosen)
         z, c_z = z_loss_forward(r.logits, s.z_coef)
