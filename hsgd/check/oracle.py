@@ -55,6 +55,7 @@ from mpi4py import MPI
 from hsgd.grid import launch
 from hsgd.model.backend import array_module, to_numpy
 from hsgd.cp.split import check_cp
+from hsgd.ep.layout import counts_by_layout
 from hsgd.dp.average import check_batch
 from hsgd.errors import ConfigError
 from hsgd.grid.process_grid import ProcessGrid
@@ -230,7 +231,7 @@ def oracle(cfg, tc, layouts, seeds, world, corpus, loss_steps=0, progress=None):
     seeds: the seeds tc.seed, tc.seed + 1, ...; progress(text): a line per seed on rank 0."""
     if tc.dtype not in LOW:
         raise ConfigError(f"the tolerance oracle is for --dtype {' or '.join(LOW)}, not {tc.dtype}")
-    if cfg.moe_experts and (cfg.moe_capacity_factor or cfg.moe_balance and cfg.moe_balance_domain == "micro-batch"):
+    if counts_by_layout(cfg):
         raise ConfigError("the tolerance oracle compares every layout with one reference on one rank, but a capacity "
                           "or the micro-batch balance domain counts each layout's tokens its own way; use no "
                           "--moe-capacity-factor and --moe-balance-domain sequence or global (or hsgd.verify in "

@@ -36,6 +36,7 @@ import numpy as np
 from hsgd import cli
 from hsgd.cli import Parser
 from hsgd.check.verdict import LAMBDA
+from hsgd.ep.layout import counts_by_layout
 from hsgd.errors import UsageError
 from hsgd.model.precision import LOW, unit_roundoff
 from hsgd.files import writable_file
@@ -162,9 +163,8 @@ def rounding_band(dump, params, loss0, grads0, draws):
     from hsgd.step.trainer import HybridTrainer
     from hsgd.check.oracle import Perturbed, spread
     from hsgd.step.settings import TrainConfig
-    from hsgd.errors import UsageError
     cfg = dump.cfg
-    if cfg.moe_experts and (cfg.moe_capacity_factor or cfg.moe_balance and cfg.moe_balance_domain == "micro-batch"):
+    if counts_by_layout(cfg):
         raise UsageError("the rounding band is drawn on one rank, which would count a capacity or the micro-batch "
                          "balance domain over the whole batch, unlike the dumped layout; check a float64 dump of "
                          "this model, or dump one without --moe-capacity-factor and with the sequence or global "

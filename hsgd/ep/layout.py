@@ -57,6 +57,13 @@ def check_moe_layout(cfg, tc, dp=None):
                           f"them on different stages; use --moe-balance-layers each, or --pp 1")
 
 
+def counts_by_layout(cfg):
+    """Whether what cfg's experts count depends on the layout (a capacity: each rank's rows routed together; the
+    micro-batch balance domain: a DP group's micro-batch): then one reference cannot stand for every layout."""
+    return bool(cfg.moe_experts) and bool(cfg.moe_capacity_factor or cfg.moe_balance
+                                          and cfg.moe_balance_domain == "micro-batch")
+
+
 def capacity_groups(B, T, dp, m, cp, xp=np):
     """The rows each rank routes together, as global row indices of a step's B sequences of T positions (row
     s T + t), in the order the rank holds them: for DP rank d, micro-batch j and context-parallel rank c, the
