@@ -24,27 +24,28 @@ ranks; T~ is what a rank holds between the split matmuls: T, or T/tp (sequence).
 """
 from hsgd.model.backend import array_module
 from hsgd.errors import ConfigError
-from hsgd.model.ops import linear_forward, linear_input_grad, linear_weight_grad
+from hsgd.model import ops as model_ops
 from hsgd.tp.layers import (allgather_backward, allgather_forward, f_backward, f_forward, g_backward, g_forward,
-                        gather_T_backward, gather_T_forward, gather_linear_forward,
-                        scatter_T_backward, scatter_T_forward)
+                        gather_T_backward, gather_T_forward, scatter_T_backward, scatter_T_forward)
 
 SCHEMES = ("megatron", "gather", "sequence")
 PROJ_WEIGHTS = ("attn.proj.weight", "mlp.proj.weight")
 PROJ_BIASES = ("attn.proj.bias", "mlp.proj.bias")
 
 
-def make_scheme(scheme, reduce_scatter=False):
+def make_scheme(scheme, reduce_scatter=False, ops=model_ops):
     """The scheme object for a name in SCHEMES; a scheme object is returned as it is. reduce_scatter: the gather
-    scheme's backward pays for a Reduce_scatter_block where the local slice would do (see Gather)."""
+    scheme's backward pays for a Reduce_scatter_block where the local slice would do (see Gather). ops: where the
+    output projections take their products from (linear_forward, linear_input_grad, linear_weight_grad:
+    hsgd.model.ops, or an FP8 run's quantizing products, hsgd.fp8.linear)."""
     if not isinstance(scheme, str):
         return scheme
     if scheme == "megatron":
-        return Megatron()
+        return Megatron(ops)
     if scheme == "gather":
-        return Gather(reduce_scatter)
+        return Gather(reduce_scatter, ops)
     if scheme == "sequence":
-        return Sequence()
+        return Sequence(ops)
     raise ConfigError(f"tp_scheme={scheme!r} is not known; use one of {', '.join(SCHEMES)}")
 
 
@@ -61,6 +62,9 @@ class Megatron:
     """
     splits_T = False                      # between the split matmuls: the whole T (True: this rank's T-shard)
     gathers_proj_inputs = False           # True: the projections cache their All-Gathered input (the gather scheme)
+
+    def __init__(self, ops=model_ops):
+        self.ops = ops                    # the projections' products: linear_forward, _input_grad, _weight_grad
 
     def check(self, cfg, tp, ok_tps):
         """Raise ConfigError if cfg does not split over tp ranks beyond heads and d_ff (ok_tps: the tp that do)."""
@@ -84,7 +88,7 @@ class Megatron:
     def proj_forward(self, y_part, W_part, b, comm):
         """Row-parallel projection O = leave(Y_i B_i) + b. y_part (B, T, Cin/tp): this rank's heads or MLP columns;
         W_part (Cin/tp, C): its rows of B; b (C,) replicated, added once, after the sum. O is (B, T~, C)."""
-        o, cache = linear_forward(y_part, W_part)                        # (B, T, C) partial: my rows' product
+        o, cache = self.ops.linear_forward(y_part, W_part)               # (B, T, C) partial: my rows' product
         o = self.leave_forward(o, comm)                                  # (B, T~, C) g: Allreduce | scatter_T
         if b is not None:                                                # (None: a family without biases)
             o += b
@@ -98,8 +102,8 @@ class Megatron:
         if prefix + "bias" in grads:                                     # (C,) replicated
             grads[prefix + "bias"] += do.reshape(-1, do.shape[-1]).sum(axis=0)
         do = self.leave_backward(do, comm)                               # (B, T, C) g^T: identity | All-Gather
-        wg.add(linear_weight_grad, (do, cache), prefix + "weight")       # (Cin/tp, C) dB_i += Y_i^T dO
-        return linear_input_grad(do, cache)                              # (B, T, Cin/tp)
+        wg.add(self.ops.linear_weight_grad, (do, cache), prefix + "weight")   # (Cin/tp, C) dB_i += Y_i^T dO
+        return self.ops.linear_input_grad(do, cache)                     # (B, T, Cin/tp)
 
     def rows(self, T, comm):
         """The positions [t0, t1) this rank holds between the split matmuls: all of them."""
@@ -163,22 +167,25 @@ class Gather(Megatron):
     """
     gathers_proj_inputs = True
 
-    def __init__(self, reduce_scatter=False):
+    def __init__(self, reduce_scatter=False, ops=model_ops):
+        super().__init__(ops)
         self.reduce_scatter = reduce_scatter
 
     def proj_forward(self, y_part, W_part, b_part, comm):
-        """O = Allgather(Allgather(Y_i) A_i + b_i): y_part (B, T, Cin/tp), W_part (Cin, C/tp), b_part (C/tp,)."""
+        """O = Allgather(Allgather(Y_i) A_i + b_i): y_part (B, T, Cin/tp), W_part (Cin, C/tp), b_part (C/tp,)
+        (hsgd.tp.layers.gather_linear_forward, the product from self.ops)."""
         y = allgather_forward(y_part, comm)                              # (B, T, Cin) Allgather of heads / columns
-        return gather_linear_forward(y, W_part, b_part, comm)            # (B, T, C) Allgather of the outputs
+        o_part, cache = self.ops.linear_forward(y, W_part, b_part)       # (B, T, C/tp)
+        return allgather_forward(o_part, comm), cache                    # (B, T, C) Allgather of the outputs
 
     def proj_backward(self, do, cache, grads, prefix, comm, wg):
         """dA_i, db_i from my slice of dO (both split: handed to wg together); dY = Allreduce of the partial dY;
         returns my slice dY_i (B, T, Cin/tp). (tp_layers.gather_linear_backward, its weight gradient separable.)"""
         rs = self.reduce_scatter
         do_part = allgather_backward(do, comm, replicated=True, reduce_scatter=rs)   # (B, T, C/tp) my slice
-        wg.add(linear_weight_grad, (do_part, cache), prefix + "weight",
+        wg.add(self.ops.linear_weight_grad, (do_part, cache), prefix + "weight",
                prefix + "bias" if prefix + "bias" in grads else None)  # dA_i += X^T dO_i, db_i
-        dy = linear_input_grad(do_part, cache)                           # (B, T, Cin) partial: my columns' share
+        dy = self.ops.linear_input_grad(do_part, cache)                  # (B, T, Cin) partial: my columns' share
         comm.Allreduce(dy)                                               # (B, T, Cin) whole dY
         return allgather_backward(dy, comm, replicated=True, reduce_scatter=rs)   # (B, T, Cin/tp) my slice
 
