@@ -13,6 +13,8 @@ test_package_map.py holds that), and each package's docstring lists its modules 
     hsgd.model         the model on one process: layers as forward/backward pairs, the serial reference, the
                        optimizer, the number formats, the data (chapter 1; appendix A)
     hsgd.grid          the ranks: the process grid, its communicators, every collective counted (chapters 2, 3)
+    hsgd.fp8           FP8 matrix products emulated exactly: scaling recipes, the amax and the ranks it is
+                       reduced over, limited accumulation (chapter 16b)
     hsgd.tp            tensor parallelism, the lecture's M workers of a group: split linears, heads, vocabulary,
                        the model written once for three schemes (chapters 5, 6)
     hsgd.cp            context parallelism: the sequence split over ranks, ring and all-gather attention (chapter 15)

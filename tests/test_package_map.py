@@ -15,8 +15,8 @@ import re
 HSGD = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "hsgd")
 
 # bottom to top: a part may import the parts before it, never one after it
-LAYERS = ["errors", "files", "readers", "cli", "model", "grid", "tp", "cp", "ep", "pp", "dp", "step", "accounting",
-          "checkpoint", "run", "check", "plan", "crosscheck", "commands"]
+LAYERS = ["errors", "files", "readers", "cli", "model", "grid", "fp8", "tp", "cp", "ep", "pp", "dp", "step",
+          "accounting", "checkpoint", "run", "check", "plan", "crosscheck", "commands"]
 COMMANDS = ("train", "verify", "sample", "schedule")          # the commands at the top, which import no other command
 
 

@@ -229,7 +229,8 @@ def backward(dlogits, caches, grads, cfg, ops=layers, daux=1.0):
         scatter_add(grads["wte"], c_emb.reshape(-1), dx.reshape(-1, dx.shape[-1]))   # rows of the tokens read
 
 
-def loss_and_grads(params, idx, targets, cfg, grads=None, split=False, ops=layers, moe=None):
+def loss_and_grads(params, idx, targets, cfg, grads=None, split=False, ops=layers, moe=None, micro=None,
+                   replicas=1):
     """(loss, grads): the mean cross-entropy over all B*T positions and its gradient for every parameter; with
     experts, the loss is the mean cross-entropy plus the auxiliary losses (the balance loss over its domain, the
     z-loss), over the MoEPass moe (default: hsgd.model.moe_pass.serial_pass, the batch one micro-batch), which keeps
@@ -243,7 +244,14 @@ def loss_and_grads(params, idx, targets, cfg, grads=None, split=False, ops=layer
     the All-Reduce). The same numbers as split=False, up to rounding. Not with experts: the balance loss's domain and
     the capacity are counted over the rows routed together, which slices would change.
     ops: the layer functions, hsgd.model.layers (the plain formulas) or hsgd.model.ops (the tuned kernels): the same
-    numbers.
+    numbers; or an FP8 run's (hsgd.fp8.linear.Fp8Ops around them, bound to params).
+    micro: the batch computed micro sequences at a time, one slice after another, each weighted by its share as
+    with split (what an FP8 run's current scales are taken over: a layout's micro-batch on one dp replica).
+    replicas: the gradient computed as a layout of that many replicas (dp x cp ranks of dp_comm) computes it: each
+    slice's backward starts from replicas x its share (a replica differentiates the mean over its own rows and
+    positions, 1/m per micro-batch), and the slices' gradients are divided by replicas when they are added up (the
+    average over dp_comm). The same gradient up to rounding; but each operation sees the numbers a replica's does,
+    which an FP8 cast with a fixed scale (delayed scaling's) tells apart.
     """
     xp = array_module(params["wte"])
     idx, targets = xp.asarray(idx), xp.asarray(targets)
@@ -259,16 +267,19 @@ def loss_and_grads(params, idx, targets, cfg, grads=None, split=False, ops=layer
         return float(value), grads
 
     def part(lo, hi):                                         # sequences lo..hi-1, weighted by their share
-        into = grads if hi == B else zeros_like_params(params)   # the last slice adds into `grads` itself
-        logits, caches = forward(params, idx[lo:hi], cfg, ops)
+        into = grads if hi == B and replicas == 1 else zeros_like_params(params)   # the last slice adds into
+        logits, caches = forward(params, idx[lo:hi], cfg, ops)                     # `grads` itself
         value, c_ce = ops.cross_entropy_forward(logits, targets[lo:hi])
-        backward(ops.cross_entropy_backward((hi - lo) / B, c_ce), caches, into, cfg, ops)
+        backward(ops.cross_entropy_backward((hi - lo) / B * replicas, c_ce), caches, into, cfg, ops)
         return value * ((hi - lo) / B), into
 
-    parts = parallel_batches(part, B) if split and xp is np else [part(0, B)]
-    for _, part_grads in parts[:-1]:
+    if micro:
+        parts = [part(lo, min(lo + micro, B)) for lo in range(0, B, micro)]
+    else:
+        parts = parallel_batches(part, B) if split and xp is np else [part(0, B)]
+    for _, part_grads in parts if replicas != 1 else parts[:-1]:
         for name, a in part_grads.items():
-            grads[name] += a
+            grads[name] += a if replicas == 1 else a * (1.0 / replicas)
     return float(sum(value for value, _ in parts)), grads
 
 
@@ -283,7 +294,8 @@ def loss(params, idx, targets, cfg):
 # --------------------------------------------------------------------------------------------------------------
 # The serial reference run
 
-def sgd(cfg, tc, batch, params=None, delayed=False, micro_sequences=None, capacity_groups=None, moe_state=None):
+def sgd(cfg, tc, batch, params=None, delayed=False, micro_sequences=None, capacity_groups=None, moe_state=None,
+        ops=layers, after_step=None, replicas=1):
     """tc.steps steps of serial mini-batch SGD on one process: the run every parallel layout must reproduce.
 
     For s = 1 .. tc.steps, with the global batch (idx, targets) = batch(s) of all B sequences:
@@ -305,6 +317,11 @@ def sgd(cfg, tc, batch, params=None, delayed=False, micro_sequences=None, capaci
     and with cfg.moe_bias_rate each MoE block's selection bias moves after every step by the step's load
     (update_selection_bias); moe_state, a dict, receives {"biases": {prefix: (E,)}, "routing": [per step:
     {prefix: {"load", "kept": (E,), "dropped"}}]}.
+
+    ops: the layer functions (an FP8 run's: hsgd.fp8.linear.Fp8Ops, bound to params), the batch then computed
+    micro_sequences at a time (loss_and_grads' micro: the slices an FP8 layout's current scales are taken over);
+    after_step(): called after every step (an FP8 run's end_step: the amax histories move on); replicas: the
+    gradient computed as a layout of that many replicas computes it (loss_and_grads' replicas, dp x cp).
     """
     from hsgd.model.optim import clip_grads, lr_at, make_optimizer   # here: optim imports mpi4py, the model does not
     if params is None:
@@ -320,7 +337,11 @@ def sgd(cfg, tc, batch, params=None, delayed=False, micro_sequences=None, capaci
         if cfg.moe_experts:
             moe = serial_pass(cfg, *np.shape(idx), np, micro_sequences, capacity_groups,
                               state["biases"] if cfg.moe_bias_rate else None)
-        value, grads = loss_and_grads(params, idx, targets, cfg, moe=moe)
+        value, grads = loss_and_grads(params, idx, targets, cfg, ops=ops, moe=moe,
+                                      micro=None if cfg.moe_experts or ops is layers else micro_sequences,
+                                      replicas=replicas)
+        if after_step is not None:
+            after_step()
         losses.append(value)
         if moe is not None:
             state["routing"].append({k: {n: a[n] for n in ("load", "kept", "dropped")} for k, a in moe.aux.items()})

@@ -26,6 +26,7 @@ from hsgd.tp import model as tp_model
 from hsgd.model.backend import get_xp, resolve_dtype, to_host
 from hsgd.cp.layouts import make_context
 from hsgd.model.precision import make_numerics
+from hsgd.fp8.scaling import make_fp8
 from hsgd.errors import ConfigError
 from hsgd.tp.hooks import NO_HOOKS
 from hsgd.pp.chunks import parse_split, stage_chunks, stage_names
@@ -53,6 +54,7 @@ class Stage:
         self.grid, self.biases, self.routing = grid, {}, {}             # (the MoE blocks' selection biases, and
                                                                        # their routing in the last step)
         self.ctx = make_context(cfg, grid, layout.cp_scheme, data.device, layout.attention)   # my positions
+        self.fp8 = make_fp8(data.fp8_settings())                       # --fp8: the casts' state, or None
         self.use(make_numerics(data.dtype, data.reduce_dtype))         # where bfloat16 / float16 round (precision)
         self.loss_scale = 1.0                                          # float16: the loss scaler's S (step.trainer)
         self.v = v = layout.virtual_stages
@@ -73,7 +75,8 @@ class Stage:
         layer functions and attention: hsgd.tp.rounded), and the tensor-parallel partial sums before they travel
         (comm.payload_round)."""
         self.num = num
-        self.setup = tp_model.TPSetup(self.cfg, self.tp_comm, self.scheme, self.recompute, self.ctx, num)
+        self.setup = tp_model.TPSetup(self.cfg, self.tp_comm, self.scheme, self.recompute, self.ctx, num,
+                                      fp8=self.fp8)
         if self.cfg.moe_experts:                                       # the MoE blocks see the layout's ranks
             g = self.grid
             dispatcher = AllToAll(g.ep_comm, self.cfg.moe_experts) if g.ep > 1 else None   # hsgd.ep.dispatch
@@ -228,16 +231,29 @@ class Stage:
         return total
 
     def loss_only(self, params, idx, targets, hooks=None):
-        """The mean loss of one batch, forwards only through the pieces (evaluation): a float on every stage."""
+        """The mean loss of one batch, forwards only through the pieces (evaluation): a float on every stage. An FP8
+        run casts as in training but records nothing (its amax histories are the training steps')."""
+        xp, p, x = self.xp, self.pp_comm.size, None
+        if self.fp8 is not None:
+            self.fp8.recording = False
+        try:
+            x = self.forwards_only(params, idx, targets, hooks)
+        finally:
+            if self.fp8 is not None:
+                self.fp8.recording = True
+        if not self.last:
+            return self.pp_comm.comm.bcast(None, root=p - 1)
+        return self.pp_comm.comm.bcast(float(to_host(xp.asarray(x))), root=p - 1)
+
+    def forwards_only(self, params, idx, targets, hooks):
+        """loss_only's forwards through this stage's chunks: the last chunk's output (the loss on the last stage)."""
         xp, p, x = self.xp, self.pp_comm.size, None
         for ch in self.chunks:
             inp = xp.asarray(idx) if ch.first else self.recv_activation(len(idx), source=(self.s - 1) % p, tag=ch.k)
             x, _ = tp_model.stage_forward(params, inp, xp.asarray(targets), ch, self.setup, hooks or NO_HOOKS)
             if not ch.last:
                 self.pp_comm.Isend(xp.ascontiguousarray(x), dest=(self.s + 1) % p, tag=ch.k + 1).Wait()
-        if not self.last:
-            return self.pp_comm.comm.bcast(None, root=p - 1)
-        return self.pp_comm.comm.bcast(float(to_host(xp.asarray(x))), root=p - 1)
+        return x
 
 
 def check_tags(pp_comm, largest):
@@ -305,6 +321,6 @@ class ThreadedStage(Stage):
 def make_stage(cfg, grid, layout, recompute, data):
     """This rank's stage (see Stage for the arguments): a ThreadedStage when it holds the whole model and sequence
     alone (pp = tp = cp = 1), else a Stage."""
-    alone = grid.pp == 1 and grid.tp == 1 and grid.cp == 1 and not cfg.moe_experts   # (experts: rows routed
-                                                                       # together, never cut into thread slices)
+    alone = grid.pp == 1 and grid.tp == 1 and grid.cp == 1 and not cfg.moe_experts and not data.fp8   # (experts:
+    # rows routed together, and FP8's current scales, taken over a micro-batch: never cut into thread slices)
     return (ThreadedStage if alone else Stage)(cfg, grid, layout, recompute, data)

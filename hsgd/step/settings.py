@@ -166,6 +166,26 @@ class Data:
                                       "update on an inf or NaN, double after 2000 good steps; stop with exit code "
                                       "3 when it falls below 1), or none",
                            choices=("dynamic", "none"))
+    fp8: str = flag(None, "FP8 matrix products in the blocks' linear layers (hsgd.fp8): hybrid casts activations and "
+                          "weights to E4M3 forward and gradients to E5M2 backward, e4m3 all to E4M3; products "
+                          "accumulate in the --dtype (float32, or float64: the exact FP8 mode), master weights and "
+                          "optimizer stay in it", shown="off", choices=("hybrid", "e4m3"))
+    fp8_recipe: str = flag(None, "with --fp8: how each operand's scale is chosen\n"
+                           "delayed: from the amax of the last --fp8-history steps\n"
+                           "tensorwise: from this tensor's amax\n"
+                           "rowwise: one scale per row along the contraction\n"
+                           "blockwise: 1 x b tiles of activations, b x b of weights (--fp8-block)",
+                           shown="delayed", choices=("delayed", "tensorwise", "rowwise", "blockwise"))
+    fp8_history: int = flag(None, "with --fp8-recipe delayed: steps of amax history the scale is taken from",
+                            shown="16")
+    fp8_margin: int = flag(None, "with --fp8: the scale is fmax / amax / 2^margin", shown="0")
+    fp8_block: int = flag(None, "with --fp8-recipe blockwise: the tile size b; it divides d_model, d_ff, the "
+                                "kv width (per tp rank) and a rank's runs of positions", shown="128")
+    fp8_accumulate: str = flag(None, "with --fp8: products accumulated with BITS significand bits and added into "
+                                     "float32 every NC terms (DeepSeek-V3: about 14 and 128; NC 0: never)",
+                               shown="off: in --dtype", metavar="BITS:NC")
+    fp8_check: bool = flag(False, "with --fp8: compare every scale over the ranks that hold its tile, and stop "
+                                  "naming the operand if they differ (costs two Allreduces per cast)")
     device: str = flag(None, "cpu (NumPy) or gpu (CuPy)", shown="$HSGD_DEVICE, else cpu", choices=("cpu", "gpu"))
     threads: int = flag(None, "CPU threads per rank: for BLAS and the tuned layers; a rank that holds the whole "
                               "model (pp = tp = 1) splits each micro-batch's sequences over them",
@@ -179,6 +199,41 @@ class Data:
         if self.reduce_dtype != "float32" and self.dtype not in ("bfloat16", "float16"):
             raise ConfigError(f"reduce_dtype={self.reduce_dtype!r} needs --dtype bfloat16 or float16 (a {self.dtype} "
                               "run exchanges its gradients in its own type)")
+        self.check_fp8()
+
+    def check_fp8(self):
+        """--fp8 and its settings (hsgd.fp8): a setting without --fp8, a history below 1, a block below 1, a
+        BITS:NC that is not one, a low-precision --dtype (FP8 runs on float32 or float64)."""
+        given = [n for n in ("fp8_recipe", "fp8_history", "fp8_margin", "fp8_block", "fp8_accumulate")
+                 if getattr(self, n) is not None] + (["fp8_check"] if self.fp8_check else [])
+        if not self.fp8:
+            if given:
+                raise ConfigError(f"{given[0]} is an FP8 setting, but --fp8 is off; add --fp8 hybrid (or e4m3)")
+            return
+        if self.dtype not in ("float32", "float64"):
+            raise ConfigError(f"--fp8 with --dtype {self.dtype} is not built: the products are FP8 and the rest runs "
+                              "in --dtype float32 (or float64, the exact FP8 mode)")
+        recipe = self.fp8_recipe or "delayed"
+        if self.fp8_history is not None:
+            check_positive_int("fp8_history", self.fp8_history)
+            if recipe != "delayed":
+                raise ConfigError(f"fp8_history is for --fp8-recipe delayed, not {recipe}")
+        if self.fp8_block is not None:
+            check_positive_int("fp8_block", self.fp8_block)
+            if recipe != "blockwise":
+                raise ConfigError(f"fp8_block is for --fp8-recipe blockwise, not {recipe}")
+        if self.fp8_margin is not None:
+            check_nonnegative_int("fp8_margin", self.fp8_margin)
+        if self.fp8_accumulate is not None:
+            fp8_accumulate_value(self.fp8_accumulate)
+
+    def fp8_settings(self):
+        """The FP8 settings with their defaults: (format, recipe, history, margin, block, accumulate (bits, nc) or
+        None, check), or None without --fp8."""
+        if not self.fp8:
+            return None
+        return (self.fp8, self.fp8_recipe or "delayed", self.fp8_history or 16, self.fp8_margin or 0,
+                self.fp8_block or 128, fp8_accumulate_value(self.fp8_accumulate), self.fp8_check)
 
 
 @dataclass
@@ -358,6 +413,18 @@ class TrainConfig(Layout, Optimization, Data, Output, Checkpoints, Exchange, Mem
             raise ConfigError(f"dump_step: step {self.dump_step[0]} is not a step of the run (1..{self.steps}); give "
                               f"--dump-step N DIR with N from 1 to --steps")
         self.check_experiment_targets(world_size, self.steps)
+
+
+def fp8_accumulate_value(value):
+    """(bits, nc) from --fp8-accumulate BITS:NC (2 <= bits <= 24, nc >= 0), None for None; ConfigError otherwise."""
+    if value is None:
+        return None
+    parts = str(value).split(":")
+    ok = len(parts) == 2 and all(p.isascii() and p.isdigit() for p in parts) and 2 <= int(parts[0]) <= 24
+    if not ok:
+        raise ConfigError(f"fp8_accumulate={value!r} must be BITS:NC, e.g. 14:128 (BITS from 2 to 24 significand bits "
+                          "kept while accumulating, NC the terms between promotions to float32, 0: never)")
+    return int(parts[0]), int(parts[1])
 
 
 def dump_step_value(value):

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from hsgd.dp.average import dp_rows, global_loss, micro_batches
 from hsgd.dp.make import make_exchange
 from hsgd.ep.layout import check_moe_layout
+from hsgd.fp8.domains import check_fp8_layout
 from hsgd.model.optim import decays, lr_at, make_optimizer
 from hsgd.pp.stage import make_stage
 from hsgd.grid.trace import NullTracer
@@ -57,6 +58,7 @@ class HybridTrainer:
         self.cfg, self.grid, self.tc, self.scheme = cfg, grid, tc, tc.tp_scheme
         self.tracer = tracer or NullTracer()
         check_moe_layout(cfg, tc, grid.dp)                              # what the layout can compute of its experts
+        check_fp8_layout(cfg, tc)                                       # ... and of its FP8 tiles
         self.stage = make_stage(cfg, grid, tc.group(Layout), tc.recompute, tc.group(Data))   # my layers, schedule
         shards = tp_shards.init_params(cfg, grid.tp_comm, tc.seed, tc.dtype, tc.device, tc.tp_scheme)
         self.shard_shapes = {n: shards[n].shape for n in self.stage.names}   # this rank's tp shards' shapes
@@ -148,6 +150,8 @@ class HybridTrainer:
                 ex.after_update()                                               # ZeRO: Allgather the chunks
         if self.cfg.moe_bias_rate:
             self.stage.update_biases(self.grid.dp_comm)                         # after the step, by its load
+        if self.stage.fp8 is not None:
+            self.stage.fp8.end_step(self.grid.tp_comm, self.grid.dp_comm)       # the amax histories move on
         dynamic = self.scaler.dynamic
         return StepInfo(global_loss(numbers.loss, self.grid), lr, norm, time.perf_counter() - self.t_start,
                         stats.seconds("tp") - self.tp_start, self.dp_waited + stats.seconds("dp") - self.dp_start,

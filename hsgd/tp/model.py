@@ -43,6 +43,8 @@ Parameters keep their serial names; a shard's shape shows its split, e.g. h.0.at
 """
 from collections import namedtuple
 
+from hsgd.fp8.domains import Holders
+from hsgd.fp8.linear import fp8_ops
 from hsgd.model import serial
 from hsgd.model.backend import array_module
 from hsgd.model.llama_layers import rope_angles
@@ -83,11 +85,17 @@ class TPSetup:
                    layout's communicators, default: this group alone, every expert here), None without experts
     With a Numerics that rounds (bfloat16, float16), scheme, ops and ctx are hsgd.tp.rounded's: each rounds its
     outputs at its point of hsgd.model.precision.POINTS. reduce_scatter: the gather scheme's backward pays for a
-    Reduce_scatter_block where the local slice would do (hsgd.tp.schemes.Gather)."""
+    Reduce_scatter_block where the local slice would do (hsgd.tp.schemes.Gather). fp8: an FP8 run's state
+    (hsgd.fp8.scaling.Fp8): the block linears' products, the model's and the scheme's projections', are then
+    hsgd.fp8.linear's, their operands cast with scales agreed over the ranks holders() names."""
 
-    def __init__(self, cfg, comm, scheme="megatron", recompute="none", ctx=WHOLE, num=EXACT, reduce_scatter=False):
+    def __init__(self, cfg, comm, scheme="megatron", recompute="none", ctx=WHOLE, num=EXACT, reduce_scatter=False,
+                 fp8=None):
         self.cfg, self.comm, self.recompute, self.cp = cfg, comm, recompute, getattr(ctx, "cp", 1)
-        self.scheme, self.ops, self.ctx = rounded(make_scheme(scheme, reduce_scatter), tp_ops, ctx, num)
+        S = make_scheme(scheme, reduce_scatter)
+        self.products = fp8_ops(tp_ops, fp8, fp8 and self.holders(S, ctx))     # the linears' products
+        self.scheme, self.ops, self.ctx = rounded(make_scheme(scheme, reduce_scatter, self.products), self.products,
+                                                  ctx, num)
         self.nh = cfg.n_heads // comm.size                                   # the heads of this rank
         self.nkv, self.kv_owner = kv_heads(cfg, comm.size, comm.rank)        # its kv heads, and the first's index
         self.n_rep = self.nh // self.nkv                                     # q heads per kv head here
@@ -95,6 +103,19 @@ class TPSetup:
         self.start, _ = tp_ops.vocab_range(cfg.vocab_size, comm.size, comm.rank)   # its first vocabulary id
         self.tables = {}
         self.experts = Experts(cfg, comm) if cfg.moe_experts else None
+
+    def holders(self, S, ctx):
+        """Where the operands of the block linears lie on this layout (hsgd.fp8.domains.Holders): tp_comm and the
+        scheme's splits, cp_comm, the sequence scheme's T-shard, the runs of consecutive positions."""
+        T_here = self.cfg.seq_len // self.cp
+        return Holders(self.comm, getattr(ctx, "comm", None), S.split_of, S.splits_T,
+                       S.rows(T_here, self.comm) if S.splits_T else None, T_here,
+                       T_here // 2 if self.cp > 1 else T_here)
+
+    def bind(self, params):
+        """The parameters dict this pass's model reads (an FP8 run's products learn the linears' names from it)."""
+        if self.products is not tp_ops:
+            self.products.bind(params)
 
     def rope(self, Tl, dtype, xp):
         """(cos, sin) (Tl, hs) of this rank's Tl positions (its context layout's; all T without context
@@ -362,6 +383,7 @@ def stage_forward(params, inp, targets, piece, setup, hooks=NO_HOOKS):
     ranks here, after the piece's last block, and the z-losses), which the step adds to the loss.
     """
     c_emb, c_blocks, x = None, [], inp                                   # (B, T~, C) from stage s-1
+    setup.bind(params)
     moe = None
     if setup.experts is not None and any(setup.cfg.is_moe(i) for i in piece.layers):
         moe = setup.experts.new_pass(len(inp), setup.cfg.seq_len // setup.cp, array_module(inp))
@@ -393,6 +415,7 @@ def stage_backward(dout, caches, grads, setup, on_ready=None, hooks=NO_HOOKS, wg
     gradient of the MoE blocks' auxiliary losses (the loss's own: dloss on the last stage, S/m in a step)."""
     S, comm, (params, c_emb, c_blocks, c_head, _, _) = setup.scheme, setup.comm, caches
     wg = wg or WeightGrads(grads)
+    setup.bind(params)
     ready = (None if wg.keeps else on_ready) or (lambda group: None)
     dx = dout                                                            # (B, T~, C) from stage s+1
     if c_head is not None:
