@@ -74,6 +74,15 @@ OUT_OF_RANGE = [
     (["--inject-fault", "1:1:kill"], "names rank 1, but the job has ranks 0..0"),
     (["--inject-fault", "0:7"], "names step 7, but the run has steps 1..1"),
     (["--inject-fault", "0:0"], "names step 0, but the run has steps 1..1"),
+    (["--fp8-recipe", "rowwise"], "fp8_recipe is an FP8 setting, but --fp8 is off; add --fp8 hybrid"),
+    (["--fp8-history", "4"], "fp8_history is an FP8 setting, but --fp8 is off"),
+    (["--fp8", "hybrid", "--fp8-history", "0"], "fp8_history=0 must be a positive integer"),
+    (["--fp8", "hybrid", "--fp8-recipe", "rowwise", "--fp8-history", "4"], "fp8_history is for --fp8-recipe delayed"),
+    (["--fp8", "hybrid", "--fp8-recipe", "blockwise"], "fp8_block=128 does not divide d_model (8)"),
+    (["--fp8", "hybrid", "--fp8-recipe", "blockwise", "--fp8-block", "0"], "fp8_block=0 must be a positive integer"),
+    (["--fp8", "hybrid", "--fp8-accumulate", "14"], "fp8_accumulate='14' must be BITS:NC, e.g. 14:128"),
+    (["--fp8", "hybrid", "--dtype", "bfloat16"], "--fp8 with --dtype bfloat16 is not built"),
+    (["--fp8", "fp4"], "argument --fp8: invalid choice: 'fp4'"),
 ]
 LAYOUT = [
     (["--tp", "2"], "dp*pp*tp = 1*1*2 = 2 does not match the 1 ranks"),

@@ -7,6 +7,7 @@ import numpy as np
 
 from hsgd.cp.split import cp_formula
 from hsgd.ep.dispatch import all_to_all_formula
+from hsgd.fp8.traffic import cast_formula
 from hsgd.model.backend import to_numpy
 from hsgd.pp.chunks import pp_formula
 from hsgd.tp import model as tp_model
@@ -19,6 +20,13 @@ def step_formula(cfg, tc, trainer):
     tensor-parallel traffic of its stage for m micro-batches, the pipeline's messages and the dp exchange."""
     f = rank_bytes(cfg, tc, trainer.grid.dp, trainer.grid.tp, trainer.grid.cp, trainer.stage, trainer.exchange.sizes)
     grid, stage = trainer.grid, trainer.stage
+    if stage.fp8 is not None:                                         # the scales' amax reductions (hsgd.fp8)
+        rows = tc.batch_size // grid.dp // tc.micro_batches * (cfg.seq_len // grid.cp)
+        for key, (calls, nbytes) in cast_formula(stage.fp8, stage.setup.products.holders, grid.dp_comm, stage.layers,
+                                                 cfg.mlp, trainer.shard_shapes, rows, tc.micro_batches,
+                                                 trainer.dtype.itemsize, tc.recompute == "full").items():
+            c0, b0 = f.get(key, (0, 0))
+            f[key] = (c0 + calls, b0 + nbytes)
     if grid.ep > 1 and stage.routing:                                 # the all-to-all: from the step's routing
         kept = np.stack(grid.ep_comm.allgather_obj(sum(to_numpy(r["kept"]) for r in stage.routing.values())))
         calls = tc.micro_batches * len(stage.routing)

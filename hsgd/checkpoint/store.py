@@ -12,6 +12,9 @@ A checkpoint is a directory `step-000123/` with
     shard-pp{s}-tp{t}-ep{r}.npz  with experts split over ep ranks (--ep > 1), one file per expert-parallel rank r,
                             written by the first rank of its edp_comm: its experts' shards and state, every expert
                             once; r = 0's file holds the dense parameters too. It resumes under any ep.
+                            The tp = 0 file of a stage also holds, with --fp8 delayed, each block linear's amax
+                            history (fp8_history/<operand>: one per tensor, the same on every rank of its domain,
+                            so a reshard reads it by name: load_fp8).
     manifest.json           written by rank 0: model config, layout (dp, pp, cp, tp, scheme, virtual stages, layers
                             per piece of the model), step, data position and seed (the batches are a pure function
                             of (seed, step): that is all the random state there is), optimizer, and the SHA-256 of
@@ -146,6 +149,9 @@ def write_shard(trainer, state, tmp):
                    if mine(n)})
     if grid.ep_rank == 0:                                               # the stage's selection biases, once
         arrays.update({f"moe_bias/{k}": to_numpy(b) for k, b in state.get("moe_biases", {}).items()})
+    if grid.ep_rank == 0 and grid.tp_rank == 0:                         # FP8: the stage's amax histories, once
+        arrays.update({f"fp8_history/{k}": np.asarray(v, dtype=np.float64)
+                       for k, v in (state.get("fp8") or {}).get("histories", {}).items()})
     with open(path, "wb") as f:
         np.savez(f, **arrays)
         f.flush()
@@ -325,6 +331,27 @@ def load_biases(shards, trainer):
     return out
 
 
+def load_fp8(shards, trainer):
+    """{"histories": {key: [amax, ...]}}: the saved amax histories of this rank's stage's block linears (delayed
+    scaling, hsgd.fp8.scaling). They are reduced over tp and dp_comm in every step (one history per tensor, the same
+    on every rank that holds a piece of it), so a reshard takes each by its tensor's name, whatever the new tp and
+    pipeline split. One thing moves with dp x cp: a replica differentiates the mean loss of its own rows and
+    positions, so the output gradients it casts (the ":dy" histories) are dp cp times the global batch's; a
+    history saved by dp cp = r and read by dp cp = r' is scaled by r'/r, which the next cast then sees as the run
+    itself would have recorded it. A checkpoint without histories (not FP8, or not delayed) gives none: the run
+    starts from scale 1, as a new one does."""
+    lay, grid = shards.m["layout"], trainer.grid
+    factor = (grid.dp * grid.cp) / (lay["dp"] * lay.get("cp", 1))
+    out = {}
+    for i in trainer.stage.layers:
+        f = shards._file(shards.stage_of(f"h.{i}.ln1.weight"), 0, 0)
+        for field in f.files:
+            if field.startswith(f"fp8_history/h.{i}."):
+                key = field[len("fp8_history/"):]
+                out[key] = [float(a) * (factor if key.endswith(":dy") else 1.0) for a in f[field]]
+    return {"histories": out}
+
+
 def load(trainer, manifest):
     """Every rank: set its shards and optimizer state from the checkpoint, resharded to its own layout.
     Returns the step the checkpoint was written after."""
@@ -344,7 +371,8 @@ def load(trainer, manifest):
             state[name] = {k: tp_shards.shard(v.astype(dtype), name, grid.tp_rank, grid.tp, trainer.scheme, trainer.cfg)
                            for k, v in st.items()}
     trainer.load_state_dict({"params": params, "moments": state, "t": manifest["optimizer"]["t"],
-                             "loss_scale": manifest.get("loss_scale"), "moe_biases": load_biases(shards, trainer)})
+                             "loss_scale": manifest.get("loss_scale"), "moe_biases": load_biases(shards, trainer),
+                             "fp8": load_fp8(shards, trainer)})
     return manifest["step"]
 
 

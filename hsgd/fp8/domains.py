@@ -164,5 +164,6 @@ def check_fp8_layout(cfg, tc):
         raise ConfigError("--fp8 with experts (--moe-experts) is not built: the experts' products would need their "
                           "own amax domains (their rows move between ranks); train the dense model in FP8, or the "
                           "experts in float32 / bfloat16")
-    if tc.fp8_recipe == "blockwise":
-        check_blocks(cfg, tc.fp8_block, tc.tp, tc.cp)
+    _, recipe, _, _, block, _, _ = tc.fp8_settings()
+    if recipe == "blockwise":
+        check_blocks(cfg, block, tc.tp, tc.cp)

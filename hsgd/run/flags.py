@@ -17,6 +17,7 @@ from hsgd.model.config import ModelConfig, flag_names
 from hsgd.run.config_file import read_toml
 from hsgd.cp.split import check_cp
 from hsgd.ep.layout import check_moe_layout
+from hsgd.fp8.domains import check_fp8_layout
 from hsgd.dp.average import check_batch
 from hsgd.pp.schedules import check_pipeline
 from hsgd.step.experiments import Experiments
@@ -102,4 +103,5 @@ def configs_from_args(args, world_size):
     check_batch(tc.batch_size, tc.dp, tc.micro_batches)
     check_pipeline(model.n_layers, tc)                                   # layers per chunk, the schedule
     check_moe_layout(model, tc)                                          # ep, the balance loss's domain
+    check_fp8_layout(model, tc)                                          # FP8: its tiles, within the pieces
     return model, tc

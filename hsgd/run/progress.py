@@ -3,7 +3,8 @@
 A progress line averages the steps since the last one: loss, learning rate, tokens/s, the time left (ETA), and the
 step time split into compute, tensor-parallel and data-parallel communication. --log-json FILE gets one JSON object
 per line: {"step", "loss", "lr", "grad_norm", "seconds", "tp_seconds", "dp_seconds"} for every step (with float16
-loss scaling also "loss_scale", the S of the step, and "scale_skips", the updates skipped so far) and
+loss scaling also "loss_scale", the S of the step, and "scale_skips", the updates skipped so far; with --fp8
+"fp8_values", "fp8_overflow" and "fp8_underflow", the step's casts to FP8 over all ranks, hsgd.fp8.scaling) and
 {"step", "val_loss"} for every validation loss (step 0 or the resumed step: before training), so that a run can be
 plotted from the file alone. Only rank 0 writes; a resumed run (--resume) appends to the file, so that it holds the
 whole run (steps after the checkpoint that the stopped run had logged appear again: the later record counts), and
@@ -39,6 +40,8 @@ class Progress:
                   "seconds": info.seconds, "tp_seconds": info.tp_seconds, "dp_seconds": info.dp_seconds}
         if info.loss_scale is not None:
             record.update(loss_scale=info.loss_scale, scale_skips=info.scale_skips)
+        if info.fp8 is not None:
+            record.update({f"fp8_{k}": v for k, v in info.fp8.items()})
         self.write(record)
         if step % self.tc.log_interval == 0 or step == self.tc.steps:
             self.line(step, info.lr, info)
@@ -53,7 +56,9 @@ class Progress:
                  f"step {1e3 * w['s'] / n:.0f} ms = compute {1e3 * comp / n:.0f} + "
                  f"tp {1e3 * w['tp'] / n:.0f} + dp {1e3 * w['dp'] / n:.0f}"
                  + (f" | loss scale {power_of_two(info.loss_scale)}, {info.scale_skips} skipped"
-                    if info is not None and info.loss_scale is not None else ""))
+                    if info is not None and info.loss_scale is not None else "")
+                 + (f" | fp8 casts: {info.fp8['overflow']:,} overflowed, {info.fp8['underflow']:,} underflowed of "
+                    f"{info.fp8['values']:,}" if info is not None and info.fp8 is not None else ""))
         self.window = dict.fromkeys(self.window, 0.0)
 
     def validation(self, step, loss, when=""):

@@ -49,6 +49,7 @@ class StepInfo:
     loss_scale: float = None   # float16 with loss scaling: the S this step's backward pass started from (with
                                # --dp-staleness 1 the update applies the step before's gradient, made with its S)
     scale_skips: int = 0       # ... and the updates skipped so far for an inf or NaN (the scaler halved S)
+    fp8: dict = None           # --fp8: {"values", "overflow", "underflow"} the step's casts, summed over the ranks
 
 
 class HybridTrainer:
@@ -150,12 +151,14 @@ class HybridTrainer:
                 ex.after_update()                                               # ZeRO: Allgather the chunks
         if self.cfg.moe_bias_rate:
             self.stage.update_biases(self.grid.dp_comm)                         # after the step, by its load
+        casts = None
         if self.stage.fp8 is not None:
             self.stage.fp8.end_step(self.grid.tp_comm, self.grid.dp_comm)       # the amax histories move on
+            casts = self.stage.fp8.summary([self.grid.world.comm])              # (uncounted: a log's numbers)
         dynamic = self.scaler.dynamic
         return StepInfo(global_loss(numbers.loss, self.grid), lr, norm, time.perf_counter() - self.t_start,
                         stats.seconds("tp") - self.tp_start, self.dp_waited + stats.seconds("dp") - self.dp_start,
-                        self.stage.loss_scale if dynamic else None, self.scaler.skipped if dynamic else 0)
+                        self.stage.loss_scale if dynamic else None, self.scaler.skipped if dynamic else 0, casts)
 
     def evaluate(self, corpus, n_batches, batch_size):
         """Mean loss over n_batches fixed validation batches; rows split over the dp groups like training."""
@@ -189,12 +192,14 @@ class HybridTrainer:
         """Collective over dp_comm when the exchange shards (ZeRO): {"params": {name: this rank's tp shard, whole
         over dp}, "moments": {name: {"velocity" | "m", "v": its optimizer moments}}, "t": the optimizer's steps,
         "loss_scale": the scaler's state or None, "moe_biases": {"h.{i}.moe": (E,)} the selection biases of this
-        stage's MoE blocks (auxiliary-loss-free balancing: state, not parameters)}: what a checkpoint keeps, by name,
-        to cut again for any layout."""
+        stage's MoE blocks (auxiliary-loss-free balancing: state, not parameters), "fp8": the amax histories of an
+        FP8 run's delayed scaling (hsgd.fp8.scaling.Fp8.state_dict) or None}: what a checkpoint keeps, by name, to
+        cut again for any layout."""
         named = {k: self.exchange.named(v) for k, v in self.opt.moments("flat").items()}   # {moment: {name: a}}
         moments = {n: {k: v[n] for k, v in named.items()} for n in self.shard_shapes if named}
         return {"params": self.exchange.full_params(), "moments": moments, "t": self.opt.t,
-                "loss_scale": self.scaler.state(), "moe_biases": dict(self.stage.biases)}
+                "loss_scale": self.scaler.state(), "moe_biases": dict(self.stage.biases),
+                "fp8": self.stage.fp8.state_dict() if self.stage.fp8 is not None else None}
 
     def load_state_dict(self, state):
         """The inverse of state_dict on this rank's layout (no communication): its parameter shards, its part of
@@ -207,6 +212,8 @@ class HybridTrainer:
         if self.scaler.dynamic and state.get("loss_scale"):
             self.scaler.load(state["loss_scale"])                         # float16: go on with the scale it had
         self.stage.biases.update(state.get("moe_biases") or {})          # (the same dict the stage's blocks read)
+        if self.stage.fp8 is not None:
+            self.stage.fp8.load_state_dict(state.get("fp8"))              # delayed scaling goes on from its history
 
     def full_params(self):
         """The whole model (serial names and shapes) on every rank (pickled: for sampling and checks only)."""

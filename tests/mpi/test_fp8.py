@@ -8,7 +8,9 @@ schemes, recomputation, ZeRO and the schedules; every scale is compared over the
 same comparison, and the histories carried by a checkpoint."""
 import numpy as np
 import pytest
+from mpi4py import MPI
 
+from hsgd.accounting.traffic import step_formula
 from hsgd.model.config import ModelConfig
 from hsgd.model.data import Corpus
 from hsgd.tp import shards as tp_shards
@@ -63,19 +65,25 @@ def compare(layout, kw, cfg=CFG, bugs=()):
     from hsgd.grid.process_grid import ProcessGrid
     from hsgd.step.trainer import HybridTrainer
     dp, pp, cp, tp = layout
-    tc = float64_config(steps=3, warmup=1, dp=dp, pp=pp, cp=cp, tp=tp, fp8="hybrid", **kw)
+    tc = float64_config(**{**dict(steps=3, warmup=1, dp=dp, pp=pp, cp=cp, tp=tp, fp8="hybrid"), **kw})
     tc.validate()
     ref, losses, histories = serial_run(cfg, tc)
     grid = ProcessGrid(WORLD, dp=dp, pp=pp, tp=tp, cp=cp)
     trainer = HybridTrainer(cfg, grid, tc)
     trainer.stage.fp8.bugs = set(bugs)
-    loss_err, error = 0.0, None
+    loss_err, error, same = 0.0, None, False
     try:
         for step in range(1, tc.steps + 1):
+            before = grid.stats.counts()
             info = trainer.step(*CORPUS.batch(tc.seed, step, tc.batch_size), step)
             loss_err = max(loss_err, abs(info.loss - losses[step - 1]) / losses[step - 1])
+        same = grid.stats.since(before) == step_formula(cfg, tc, trainer)
+        if not same:
+            print(f"rank {WORLD.Get_rank()}: measured {grid.stats.since(before)}\nformula  "
+                  f"{step_formula(cfg, tc, trainer)}", flush=True)
     except Exception as e:                                    # (a ScaleMismatch is raised on every holder alike)
         error = f"{type(e).__name__}: {e}"
+    same = WORLD.allreduce(same, op=MPI.LAND)
     errors = [e for e in WORLD.allgather(error) if e]
     err, hist_err = float("inf"), float("inf")
     if not errors:
@@ -91,10 +99,10 @@ def compare(layout, kw, cfg=CFG, bugs=()):
     say(f"fp8 {tc.fp8_recipe} dp={dp} pp={pp} cp={cp} tp={tp} {kw}{' bugs ' + str(bugs) if bugs else ''}: max "
         f"param rel err vs serial FP8 {err:.1e}, loss {loss_err:.1e}, amax histories {hist_err:.1e}; last step cast "
         f"{counts.get('values', 0)} values ({counts.get('overflow', 0)} overflowed, {counts.get('underflow', 0)} "
-        f"underflowed)" + (f"; stopped: {errors[0]}" if errors else ""))
+        f"underflowed), bytes == formula {same}" + (f"; stopped: {errors[0]}" if errors else ""))
     trainer.free()
     grid.free()
-    return err, loss_err, hist_err, errors
+    return err, loss_err, hist_err, errors + ([] if same or errors else ["bytes != formula"])
 
 
 def grid_layouts(n=8):
@@ -132,3 +140,73 @@ def test_every_layout_of_8_ranks_equals_the_serial_fp8_reference(i, layout):
     err, loss_err, hist_err, errors = compare(layout, grid_settings(i, layout))
     check(not errors and err <= 1e-12 and loss_err <= 1e-12 and hist_err <= 1e-12,
           f"{layout}: {errors} {err} {loss_err} {hist_err}")
+
+
+BUG_CASES = [  # (bug, layout, settings): a layout where the bug changes a scale
+    ("amax-local-shard", (4, 1, 1, 2), dict(fp8_recipe="tensorwise")),
+    ("amax-dp-only", (2, 1, 1, 4), dict(fp8_recipe="delayed", fp8_history=2)),
+    ("amax-no-sp-reduce", (2, 1, 1, 4), dict(fp8_recipe="tensorwise", tp_scheme="sequence")),
+]
+
+
+@pytest.mark.parametrize("bug, layout, kw", BUG_CASES, ids=[b for b, _, _ in BUG_CASES])
+def test_a_scale_taken_over_the_wrong_ranks_is_named_in_one_step(bug, layout, kw):
+    """Each bug, one step: the exact mode differs from the serial FP8 reference by whole FP8 steps (the parameters,
+    or delayed scaling's histories, which the next step casts with); with --fp8-check the run stops with
+    ScaleMismatch naming the operand whose holders disagree (in the step the wrong scale is first used)."""
+    err, loss_err, hist_err, errors = compare(layout, dict(kw, steps=1), bugs=[bug])
+    caught = max(err, hist_err) > 1e-6 and not errors
+    err2, _, _, errors2 = compare(layout, dict(kw, steps=2, fp8_check=True), bugs=[bug])
+    named = bool(errors2) and all("ScaleMismatch" in e for e in errors2)
+    say(f"{bug}: exact mode after one step: params {err:.1e}, histories {hist_err:.1e}; --fp8-check: "
+        f"{errors2[0] if errors2 else 'nothing raised'}")
+    check(caught and named, f"{bug}: {err} {hist_err} {errors} {errors2}")
+
+
+def test_a_resume_carries_the_amax_histories_bit_exactly():
+    """Delayed scaling, saved after step 1 by dp 2 x tp 4, which goes on to step 3: resumed by the same layout for
+    steps 2 and 3, the same bits; resumed by dp 4 x pp 2 (another layout: the histories are one per tensor, read by
+    name; the output gradients' scaled by dp'/dp = 2, hsgd.checkpoint.store.load_fp8), the serial FP8 reference's
+    parameters and histories (counted as dp 2 counts) to 1e-12; with the bug "stale-history" (a resume that drops
+    them) the steps after the resume differ."""
+    import tempfile
+    from hsgd.checkpoint import store
+    from hsgd.grid.process_grid import ProcessGrid
+    from hsgd.step.trainer import HybridTrainer
+    base = dict(fp8="hybrid", fp8_recipe="delayed", fp8_history=2)
+    tc = float64_config(steps=3, warmup=1, dp=2, tp=4, **base)
+    ref, _, histories = serial_run(CFG, tc)
+    folder = WORLD.bcast(tempfile.mkdtemp() if WORLD.Get_rank() == 0 else None)
+
+    def run(layout, bugs=(), save=False, resume=None):
+        dp, pp, tp = layout
+        grid = ProcessGrid(WORLD, dp=dp, pp=pp, tp=tp)
+        trainer = HybridTrainer(CFG, grid, float64_config(steps=3, warmup=1, dp=dp, pp=pp, tp=tp, **base))
+        trainer.stage.fp8.bugs = set(bugs)
+        start, path = 1, None
+        if resume:
+            start = store.load(trainer, store.open_checkpoint(resume, CFG)) + 1
+        for s in range(start, 4):
+            trainer.step(*CORPUS.batch(tc.seed, s, tc.batch_size), s)
+            if save and s == 1:
+                path = store.save(trainer, 1, folder)
+        trainer.finish()
+        out = (trainer.exchange.full_params(), dict(trainer.stage.fp8.histories), path)
+        trainer.free()
+        grid.free()
+        return out
+
+    straight, _, path = run((2, 1, 4), save=True)
+    same, _, _ = run((2, 1, 4), resume=path)
+    bits = WORLD.allreduce(all(np.array_equal(straight[n], same[n]) for n in straight), op=MPI.LAND)
+    errs = []
+    for bugs in ((), ("stale-history",)):
+        mine, h, _ = run((4, 2, 1), bugs, resume=path)
+        errs.append(world_max(max(float(np.abs(p - ref[n]).max() / max(np.abs(ref[n]).max(), 0.02))
+                                  for n, p in mine.items())))
+        errs.append(world_max(max(abs(a * (0.5 if k.endswith(":dy") else 1.0) - b) / b for k in h
+                                  for a, b in zip(h[k], histories[k]))))
+    say(f"delayed scaling saved by dp 2 x tp 4 after step 1: resumed by the same layout, the same bits as straight "
+        f"through {bits}; resumed by dp 4 x pp 2: params vs serial FP8 {errs[0]:.1e}, histories {errs[1]:.1e}; "
+        f"resumed without its histories (stale-history): params {errs[2]:.1e}, histories {errs[3]:.1e}")
+    check(bits and errs[0] <= 1e-12 and errs[1] <= 1e-12 and errs[2] > 1e-6 and errs[3] > 1e-6, str(errs))
