@@ -12,6 +12,8 @@ Exit code 0 when every error is within the tolerance of the dtype, 1 otherwise (
              reference is computed in float64)
     bfloat16, float16: no fixed tolerance; the tolerance oracle (hsgd.check.oracle) runs --layouts over --seeds and
              predicts each difference's band from a model of the rounding errors
+    fp8:     the same oracle for FP8 products (--fp8 hybrid, float32 otherwise, --fp8-recipe tensorwise by
+             default): its error model perturbs every cast at the scale the run takes (hsgd.check.oracle.PerturbedFp8)
 
 "Relative" means relative to the largest serial gradient entry of that parameter, or to 1e-3 of the model's
 largest gradient entry when that is larger (some gradients are exactly zero, e.g. the attention k-bias: a
@@ -51,7 +53,8 @@ TOLERANCE = {"float64": (1e-12, 1e-10), "float32": (1e-6, 1e-4)}      # (loss, g
 # the flags of hsgd.verify (hsgd.train's, less those a single checked step does not use), and its defaults
 VERIFY_FLAGS = flag_names(Layout) + MODEL_FLAGS + ("batch_size", "seed", "data", "dtype", "device", "zero",
                                                    "hierarchical", "ranks_per_node", "recompute", "reduce_dtype",
-                                                   "loss_scale", "lr", "warmup")
+                                                   "loss_scale", "lr", "warmup", "fp8", "fp8_recipe", "fp8_history",
+                                                   "fp8_margin", "fp8_block")
 VERIFY_DEFAULTS = dict(dtype="float64", batch_size=8, seq_len=16, d_model=32, n_layers=2, n_heads=4, d_ff=64)
 
 
@@ -71,7 +74,11 @@ def build_parser():
                                  "differ from float64 and from each other through rounding alone.",
                      epilog="Example: mpirun -n 8 python -m hsgd.verify --dtype bfloat16 --layouts 1x1x1,2x1x4,1x2x4 "
                             "--seeds 8 --plot oracle.png")
-    g = p.add_argument_group("The tolerance oracle (--dtype bfloat16 or float16)")
+    for a in p._actions:                                   # verify's own --dtype fp8: the oracle of FP8 products
+        if a.dest == "dtype":
+            a.choices = (*a.choices, "fp8")
+            a.help += "; fp8: FP8 products (--fp8 hybrid) in float32, held to the tolerance oracle"
+    g = p.add_argument_group("The tolerance oracle (--dtype bfloat16, float16 or fp8)")
     g.add_argument("--layouts", metavar="DPxPPxTP,...", help="the layouts to compare, each dp x pp x tp or dp x pp x "
                    "cp x tp on the first ranks; the first is the base the others are compared with (default: 1x1x1 "
                    "and the layout of the flags on all P ranks)")
@@ -151,10 +158,21 @@ def main(argv=None):
     def body():
         args = build_parser().parse_args(argv)
         flags = argparse.Namespace(**{k: v for k, v in vars(args).items() if k not in ORACLE_FLAGS})
+        fp8 = flags.dtype == "fp8"
+        if fp8:                                             # FP8 products, float32 around them
+            flags.dtype, flags.fp8 = "float32", flags.fp8 or "hybrid"
+            flags.fp8_recipe = flags.fp8_recipe or "tensorwise"
         cfg, tc = launch.agree(world, lambda: configs_from_args(flags, world.Get_size()))
+        if tc.fp8 and not fp8:
+            raise ConfigError("hsgd.verify checks FP8 products with the tolerance oracle: give --dtype fp8 (with "
+                              "--fp8-recipe), not --fp8 with a fixed tolerance")
+        if fp8 and tc.fp8_recipe == "delayed" and not args.loss_steps:
+            raise ConfigError("--fp8-recipe delayed casts its first step with scale 1 (no amax history yet), which "
+                              "one step's gradients cannot be held to; use --loss-steps K (K >= 2) or --fp8-recipe "
+                              "tensorwise, rowwise or blockwise")
         launch.agree(world, lambda: check_memory(cfg, tc, 1, ConfigError))   # one rank alone fits, before any work
         tc = replace(tc, steps=1, sample_bytes=0)
-        if tc.dtype in LOW:
+        if tc.dtype in LOW or fp8:
             return tolerance_oracle(args, cfg, tc, world)
         if args.layouts or args.plot or args.loss_steps or args.seeds is not None:
             raise ConfigError(f"--layouts, --seeds, --loss-steps and --plot are the tolerance oracle's, for --dtype "

@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from hsgd.pp import stage as stage_module
 from hsgd.tp import experts as tp_experts, schemes as tp_schemes
 from hsgd.dp import folded, zero1
+from hsgd.fp8.scaling import BUGS as FP8_BUGS
 
 BUGS = {
     "missing-tp-scale": "one parameter's gradient tp times too large, as when a replicated parameter's partial "
@@ -47,6 +48,7 @@ BUGS = {
     "router-gradient-dropped": "the router's weight gradient never accumulated: the gates' and the auxiliary "
                                "losses' paths to W_r lost, the tokens' gradients intact (huggingface/transformers "
                                "#48687's symptom: a router gradient wrong, the loss right)",
+    **FP8_BUGS,                         # an FP8 scale taken over the wrong ranks (--fp8; hsgd.fp8.scaling.BUGS)
 }
 
 
@@ -65,6 +67,8 @@ def injected(bug, name="ln_f.weight"):
 
 def patch(bug, name):
     """(the object, the attribute the bug replaces, a function of the original that returns the replacement)."""
+    if bug in FP8_BUGS:                                  # every FP8 stage made with the bug (its draws too)
+        return stage_module, "make_fp8", lambda original: lambda settings, bugs=(): original(settings, {bug})
     if bug == "missing-tp-scale":
         return after_run(lambda st, grads: scale(grads, name, st.tp_comm.size))        # should have been x 1
     if bug == "low-precision-scale":

@@ -38,6 +38,14 @@ rounding in the narrow format is tiny. Where the model is wrong: it cannot under
 the loss scale is for), and its e is uniform, a larger error than a real rounding's (an error uniform in [-u, u]
 has rms u/sqrt(3); a rounding's is about 0.74 of that, tests/test_oracle.py), so the band leans wide.
 
+FP8 (hsgd.verify --dtype fp8, --fp8-recipe tensorwise by default): g_L is the layout in float32 with FP8 products
+(--fp8 hybrid), g and g_L^64 run without FP8, and each draw perturbs every FP8 cast at the scale the run takes
+(PerturbedFp8: y = x s becomes y (1 + u e), u = 2^-4 for E4M3 and 2^-3 for E5M2; a saturated or subnormal value is
+cast as the run casts it). A scale taken over the wrong ranks is then in every draw alike and shows only in g_L: the
+sequence scheme's inputs cast on each T-shard's own amax are read with another rank's scale (tests/mpi/
+test_oracle.py). A scale that differs between the shards of a weight no rank sends in FP8 changes values by
+rounding only: the exact FP8 mode names it (tests/mpi/test_fp8.py), no band can.
+
 A difference outside its band is flagged, and the oracle exits 1; so does a non-finite difference, and a layout
 whose float64 run differs from the reference by more than hsgd.verify's float64 tolerance (a bug that is not
 rounding at all). Being inside the band is evidence, not proof: a bug smaller than the rounding error is invisible
@@ -64,6 +72,8 @@ from hsgd.model.precision import LOW, POINTS, Numerics, round_to, unit_roundoff
 from hsgd.pp.schedules import check_pipeline
 from hsgd.tp.shards import check_tied, check_tp, unshard
 from hsgd.check.verdict import Verdict
+from hsgd.fp8.recipes import make_recipe
+from hsgd.fp8.scaling import Fp8
 
 FLOOR = 1e-3                  # the norm a parameter's difference is relative to: at least FLOOR x the largest
 
@@ -104,6 +114,41 @@ class Perturbed(Numerics):
         return xp.where(round_to(x, fmt) == x, x, x * (1.0 + unit_roundoff(fmt) * e))
 
 
+class PerturbedFp8(Fp8):
+    """The error model of an FP8 run (hsgd.verify --dtype fp8): a float64 run whose every cast keeps its scale s
+    (the recipe's, as the run takes it: the scales are fixed by the values, not drawn) and puts, in place of the
+    rounding of y = x s to the operand's format, y (1 + u e), u the format's unit roundoff (2^-4 E4M3, 2^-3 E5M2)
+    and e = uniform_of(y, salt of the draw and of the role); where the cast is not a rounding of that size, the cast
+    itself: a value the format holds, one past fmax (saturated) or below its normal range (subnormal, absolute
+    error). A bug in the scales is then in every draw alike: it cancels out of the band and stays in the run."""
+
+    def __init__(self, settings, salt):
+        fmt, recipe, history, margin, block, accumulate, check = settings
+        super().__init__(fmt, make_recipe(recipe, history, margin, block), accumulate, check)
+        self.salt = salt
+
+    def cast(self, y, f, role):
+        xp = array_module(y)
+        q = round_to(y, f.name, saturate=True)
+        e = uniform_of(y, self.salt ^ ROLE_SALT[role])
+        normal = (xp.abs(y) >= 2.0 ** f.emin) & (xp.abs(y) <= f.max) & (q != y)
+        return xp.where(normal, y * (1.0 + 2.0 ** -f.p * e), q)
+
+
+ROLE_SALT = {r: ((2 * i + 101) * 0x9E3779B97F4A7C15) % 2 ** 64 for i, r in enumerate(("x", "w", "dy"))}
+
+
+def perturbed_fp8(tc, salt):
+    """What run_layout does to a trainer for one draw of the FP8 error model: its stage's Fp8 replaced by a
+    PerturbedFp8 of the same settings (the stage builds its model again around it)."""
+    def prepare(trainer):
+        bugs = trainer.stage.fp8.bugs                       # (hsgd.check.mutations: the draws take them too)
+        trainer.stage.fp8 = PerturbedFp8(tc.fp8_settings(), salt)
+        trainer.stage.fp8.bugs = bugs
+        trainer.use_numerics(trainer.num)
+    return prepare
+
+
 # ------------------------------------------------------------------------------------------- layouts
 
 def parse_layouts(text, cfg, tc, world_size):
@@ -134,6 +179,11 @@ def parse_layouts(text, cfg, tc, world_size):
         check_pipeline(cfg.n_layers, ltc)
         out.append((dp, pp, cp, tp))
     return out
+
+
+def label(tc):
+    """The format a run is checked in: bfloat16, float16, or "fp8 hybrid tensorwise"."""
+    return f"fp8 {tc.fp8} {tc.fp8_settings()[1]}" if tc.fp8 else tc.dtype
 
 
 def serial_config(tc):
@@ -179,7 +229,9 @@ def one_run(cfg, tc, sub, corpus, num, loss_steps):
     trainer = None
     try:
         trainer = HybridTrainer(cfg, grid, tc)
-        if num is not None:
+        if callable(num):                                        # (an FP8 draw: perturbed_fp8)
+            num(trainer)
+        elif num is not None:
             trainer.use_numerics(num)
         if loss_steps:
             for step in range(1, loss_steps + 1):
@@ -227,17 +279,22 @@ def spread(draws, ref):
 
 
 def oracle(cfg, tc, layouts, seeds, world, corpus, loss_steps=0, progress=None):
-    """Collective over world: the Verdict on rank 0 (None elsewhere). tc.dtype is bfloat16 or float16;
-    seeds: the seeds tc.seed, tc.seed + 1, ...; progress(text): a line per seed on rank 0."""
-    if tc.dtype not in LOW:
-        raise ConfigError(f"the tolerance oracle is for --dtype {' or '.join(LOW)}, not {tc.dtype}")
+    """Collective over world: the Verdict on rank 0 (None elsewhere). tc.dtype is bfloat16 or float16, or float32
+    with tc.fp8 (hsgd.verify --dtype fp8: the runs in float32 with FP8 products, the draws through PerturbedFp8, the
+    float64 runs without FP8); seeds: the seeds tc.seed, tc.seed + 1, ...; progress(text): a line per seed on
+    rank 0."""
+    fp8 = bool(tc.fp8)
+    if tc.dtype not in LOW and not (fp8 and tc.dtype == "float32"):
+        raise ConfigError(f"the tolerance oracle is for --dtype {' or '.join(LOW)} or fp8, not {tc.dtype}")
     if counts_by_layout(cfg):
         raise ConfigError("the tolerance oracle compares every layout with one reference on one rank, but a capacity "
                           "or the micro-batch balance domain counts each layout's tokens its own way; use no "
                           "--moe-capacity-factor and --moe-balance-domain sequence or global (or hsgd.verify in "
                           "float64, which counts as the layout does)")
     names = ["loss"] if loss_steps else list(cfg.param_shapes())
-    verdict = Verdict(layouts, names, tc.dtype, tc.batch_size * cfg.seq_len)
+    verdict = Verdict(layouts, names, "float8_e4m3fn" if fp8 else tc.dtype, tc.batch_size * cfg.seq_len)
+    plain = replace(tc, fp8=None, fp8_recipe=None, fp8_history=None, fp8_margin=None, fp8_block=None,
+                    fp8_accumulate=None, fp8_check=False)             # the float64 runs: no FP8
     rank0 = world.Get_rank() == 0
     n_draws = 2 if not loss_steps else max(2, 1 + -(-8 // seeds))     # one number per run: >= 8 degrees of freedom
 
@@ -247,18 +304,19 @@ def oracle(cfg, tc, layouts, seeds, world, corpus, loss_steps=0, progress=None):
 
     for i in range(seeds):
         seed = tc.seed + i
-        ref = run((1, 1, 1, 1), seed, "float64", ltc=serial_config(tc))            # the serial reference
+        ref = run((1, 1, 1, 1), seed, "float64", ltc=serial_config(plain))         # the serial reference
         base = None
         for j, L in enumerate(layouts):
             low = run(L, seed, tc.dtype)
-            exact = run(L, seed, "float64")
-            draws = [run(L, seed, "float64", Perturbed(tc.dtype, tc.reduce_dtype, salt=(1000 * i + j) * 64 + d + 1))
-                     for d in range(n_draws)]
+            exact = run(L, seed, "float64", ltc=plain)
+            salts = [(1000 * i + j) * 64 + d + 1 for d in range(n_draws)]
+            draws = [run(L, seed, "float64", perturbed_fp8(tc, salt) if fp8 else
+                         Perturbed(tc.dtype, tc.reduce_dtype, salt=salt)) for salt in salts]
             if rank0:
                 base = low if j == 0 else base
                 verdict.add(L, differences(low, ref, ref), differences(low, base, ref), spread(draws, ref),
                             differences(exact, ref, ref))
         if rank0 and progress:
-            progress(f"seed {seed}: {len(layouts)} layouts x {2 + n_draws} runs (in {tc.dtype}, in float64, "
+            progress(f"seed {seed}: {len(layouts)} layouts x {2 + n_draws} runs (in {label(tc)}, in float64, "
                      f"{n_draws} draws of the error model) done")
     return verdict if rank0 else None

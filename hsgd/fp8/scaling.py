@@ -69,14 +69,37 @@ class Fp8:
         if self.check:
             check_same(xp.asarray(s, dtype=xp.float64).reshape(-1), holders.share(spread, R, axis),
                        f"{key} ({role}, {R.name})")
+        if spread.tp == "gathered" and holders.tp is not None and holders.tp not in comms and not R.delayed \
+                and R.per_tensor:
+            return self.read_apart(x2, s, f, role, holders)         # a bug: pieces cast apart, read with mine
         s = R.expand(s, x2.shape, axis, role)
         y = x2 * s
-        q = round_to(y, f.name, saturate=True)
+        q = self.cast(y, f, role)
         if self.recording:
             self.counts[(role, "values")] += x2.size
             self.counts[(role, "overflow")] += xp.count_nonzero(xp.abs(y) > past_max(f))
             self.counts[(role, "underflow")] += xp.count_nonzero((q == 0) & (x2 != 0))
         return q / s
+
+    def read_apart(self, x2, s, f, role, holders):
+        """What an All-Gather of FP8 pieces cast with different scales gives (the sequence scheme's input cast on
+        each T-shard's own amax, never reduced over tp): piece r is cast by its rank with s_r = fmax / amax_r and
+        read here with this rank's s, so it arrives s_r / s times too large (the bytes travel, not the scale).
+        Only a bug takes this path (BUGS: amax-no-sp-reduce, amax-dp-only)."""
+        xp = array_module(x2)
+        t0, t1 = holders.rows
+        x3 = x2.reshape(-1, holders.T_here // (t1 - t0), t1 - t0, x2.shape[-1])    # (B, tp, T/tp, K)
+        amax = xp.abs(x3).max(axis=(0, 2, 3), keepdims=True)                      # each piece's own
+        s_r = self.recipe.scale(amax, f.max).astype(x2.dtype)
+        q = self.cast(x3 * s_r, f, role)
+        if self.recording:
+            self.counts[(role, "values")] += x2.size
+        return (q / s).reshape(x2.shape)
+
+    def cast(self, y, f, role):
+        """y (x times its scale) rounded to format f, saturating: the one place an FP8 run rounds (the tolerance
+        oracle's error model, hsgd.check.oracle.PerturbedFp8, puts its random perturbation here instead)."""
+        return round_to(y, f.name, saturate=True)
 
     def domain(self, spread, holders, axis, role):
         """The communicators this use's amax is reduced over now (current scaling), with the bugs in self.bugs."""

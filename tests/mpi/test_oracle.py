@@ -107,3 +107,30 @@ def test_the_loss_after_k_steps_is_inside_the_band():
         (L, _, med, mx, band, *_), = [r for r in verdict.rows() if r[0] == (2, 2, 1, 2)]
         say(f"loss after 3 steps, 2x2x2 in bfloat16: median {med:.1e}, max {mx:.1e}, band {band:.1e}")
     check(ok, text)
+
+
+def test_fp8_layouts_agree_within_the_band_and_a_scale_over_the_wrong_ranks_is_flagged():
+    """hsgd.verify --dtype fp8 (FP8 products, tensorwise scales, float32 around them; the error model perturbs each
+    cast at the scale the run takes): every scheme's layouts of 8 ranks inside the band, vs float64 and between
+    layouts; the sequence scheme's inputs cast on their T-shard's amax (amax-no-sp-reduce, TransformerEngine PR
+    #74: the other ranks' rows saturate), and an amax reduced over dp but never over tp (amax-dp-only, Megatron-LM
+    PR #442, which with the sequence scheme does the same) flagged outside it, their float64 runs exact (the bug
+    is in the FP8 casts alone). A weight's amax of its own tp shard (amax-local-shard) is not flaggable this way:
+    no FP8 weight crosses ranks here, so each shard's cast is as accurate as the right one, and only the exact mode
+    (tests/mpi/test_fp8.py) names it."""
+    fp8 = dict(dtype="float32", fp8="hybrid", fp8_recipe="tensorwise")
+    ok, verdict, text = run_oracle(scheme="sequence", layouts=[(1, 1, 1, 1), (2, 1, 1, 4), (1, 2, 2, 2)], **fp8)
+    ratio = WORLD.bcast(worst(verdict)[0] if WORLD.Get_rank() == 0 else None)
+    say(f"fp8 tensorwise, sequence scheme: largest observed / band {ratio:.2f}")
+    good = ok and ratio < 1
+    for bug in ("amax-no-sp-reduce", "amax-dp-only"):
+        with injected(bug):
+            bad_ok, verdict, text = run_oracle(scheme="sequence", layouts=[(1, 1, 1, 1), (2, 1, 1, 4)], **fp8)
+        if WORLD.Get_rank() == 0:
+            bad, inexact = verdict.outside()
+            flagged = sorted({r[1] for r in bad if r[0] == (2, 1, 1, 4)})
+            say(f"{bug}: {len(flagged)} parameters of 2x1x4 outside the band, e.g. {flagged[:3]}; not exact in "
+                f"float64: {inexact}")
+            good &= len(flagged) > 0 and inexact == []
+        good &= not bad_ok
+    check(WORLD.bcast(good), text)
