@@ -125,8 +125,8 @@ def reduce_max(amax, comms):
 def check_same(scale, comms, what):
     """Raise ScaleMismatch on every rank of a communicator of comms whose ranks hold different `scale` arrays
     (Allreduce MIN and MAX: every rank of the communicator reaches the same verdict). The ranks of another group
-    may find theirs equal and go on: in hsgd.train an exception on any rank ends the job (hsgd.grid.launch: one
-    line, MPI_Abort), so nobody waits; a test that checks raises on every rank of the world (its bugs change the
+    may find theirs equal and go on: in hsgd.train an exception on any rank ends the job (hsgd.grid.launch prints
+    its traceback, the message last, and calls MPI_Abort), so nobody waits; a test that checks raises on every rank of the world (its bugs change the
     scales of every group alike)."""
     xp_scale = scale
     for c in comms:
