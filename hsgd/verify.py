@@ -76,9 +76,9 @@ def build_parser():
                             "--seeds 8 --plot oracle.png")
     for a in p._actions:                                   # verify's own --dtype fp8: the oracle of FP8 products
         if a.dest == "dtype":
-            a.choices = (*a.choices, "fp8")
-            a.help += "; fp8: FP8 products (--fp8 hybrid) in float32, held to the tolerance oracle"
-    g = p.add_argument_group("The tolerance oracle (--dtype bfloat16, float16 or fp8)")
+            a.choices = (*a.choices, "fp8")                 # (the help is hsgd.train's; the group below says it)
+    g = p.add_argument_group("The tolerance oracle (--dtype bfloat16, float16, or fp8: FP8 products, --fp8 hybrid "
+                             "in float32, --fp8-recipe tensorwise unless given)")
     g.add_argument("--layouts", metavar="DPxPPxTP,...", help="the layouts to compare, each dp x pp x tp or dp x pp x "
                    "cp x tp on the first ranks; the first is the base the others are compared with (default: 1x1x1 "
                    "and the layout of the flags on all P ranks)")
@@ -166,7 +166,7 @@ def main(argv=None):
         if tc.fp8 and not fp8:
             raise ConfigError("hsgd.verify checks FP8 products with the tolerance oracle: give --dtype fp8 (with "
                               "--fp8-recipe), not --fp8 with a fixed tolerance")
-        if fp8 and tc.fp8_recipe == "delayed" and not args.loss_steps:
+        if fp8 and tc.fp8_recipe == "delayed" and args.loss_steps < 2:
             raise ConfigError("--fp8-recipe delayed casts its first step with scale 1 (no amax history yet), which "
                               "one step's gradients cannot be held to; use --loss-steps K (K >= 2) or --fp8-recipe "
                               "tensorwise, rowwise or blockwise")

@@ -367,7 +367,7 @@ def delayed_run():
         log.append(dict(fp8.last))                   # this step's counts, per (role, what)
 
     serial.sgd(CFG, tc, lambda s: CORPUS.batch(tc.seed, s, B), params, micro_sequences=B, ops=ops,
-               after_step=after_step)
+               after_step=after_step, sliced=True)
     return log
 
 
@@ -451,7 +451,7 @@ def serial_fp8(tc):
     ops.bind(params)
     params, losses = serial.sgd(CFG, tc, lambda s: CORPUS.batch(tc.seed, s, tc.batch_size), params,
                                 micro_sequences=tc.batch_size // (tc.dp * tc.micro_batches), ops=ops,
-                                after_step=fp8.end_step, replicas=tc.dp * tc.cp)
+                                after_step=fp8.end_step, replicas=tc.dp * tc.cp, sliced=True)
     return params, losses, fp8.histories
 
 

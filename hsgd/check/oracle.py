@@ -123,8 +123,8 @@ class PerturbedFp8(Fp8):
     error). A bug in the scales is then in every draw alike: it cancels out of the band and stays in the run."""
 
     def __init__(self, settings, salt):
-        fmt, recipe, history, margin, block, accumulate, check = settings
-        super().__init__(fmt, make_recipe(recipe, history, margin, block), accumulate, check)
+        s = settings
+        super().__init__(s.fmt, make_recipe(s.recipe, s.history, s.margin, s.block), s.accumulate, s.check)
         self.salt = salt
 
     def cast(self, y, f, role):
@@ -183,7 +183,7 @@ def parse_layouts(text, cfg, tc, world_size):
 
 def label(tc):
     """The format a run is checked in: bfloat16, float16, or "fp8 hybrid tensorwise"."""
-    return f"fp8 {tc.fp8} {tc.fp8_settings()[1]}" if tc.fp8 else tc.dtype
+    return f"fp8 {tc.fp8} {tc.fp8_settings().recipe}" if tc.fp8 else tc.dtype
 
 
 def serial_config(tc):

@@ -59,12 +59,12 @@ class Holders:
     axis) | ("rep", None): how tp splits a parameter (hsgd.tp.schemes); splits_T: the sequence scheme (the column-
     parallel inputs and the projections' dO are gathered from T-shards); rows: this rank's T-shard (t0, t1) of the
     T_here positions a sequence has after the gather; run: the length of the runs of consecutive positions a rank
-    holds (T/(2 cp) with context parallelism, else T: a 1 x b tile along the tokens must not cross one)."""
+    holds."""
 
-    def __init__(self, tp_comm=None, cp_comm=None, split_of=None, splits_T=False, rows=None, T_here=None, run=None):
+    def __init__(self, tp_comm=None, cp_comm=None, split_of=None, splits_T=False, rows=None, T_here=None):
         self.tp = tp_comm if tp_comm is not None and tp_comm.size > 1 else None
         self.cp = cp_comm if cp_comm is not None and cp_comm.size > 1 else None
-        self.split_of, self.splits_T, self.rows, self.T_here, self.run = split_of, splits_T, rows, T_here, run
+        self.split_of, self.splits_T, self.rows, self.T_here = split_of, splits_T, rows, T_here
 
     def spread(self, name, role):
         """The Spread of operand `role` ("x", "w", "dy") of the linear whose weight is `name`."""
@@ -126,11 +126,10 @@ def check_same(scale, comms, what):
     """Raise ScaleMismatch on every rank of a communicator of comms whose ranks hold different `scale` arrays
     (Allreduce MIN and MAX: every rank of the communicator reaches the same verdict). The ranks of another group
     may find theirs equal and go on: in hsgd.train an exception on any rank ends the job (hsgd.grid.launch prints
-    its traceback, the message last, and calls MPI_Abort), so nobody waits; a test that checks raises on every rank of the world (its bugs change the
-    scales of every group alike)."""
-    xp_scale = scale
+    its traceback, the message last, and calls MPI_Abort), so nobody waits; a test that checks raises on every
+    rank of the world (its bugs change the scales of every group alike)."""
     for c in comms:
-        lo, hi = xp_scale.copy(), xp_scale.copy()
+        lo, hi = scale.copy(), scale.copy()
         c.Allreduce(lo, op=MPI.MIN)
         c.Allreduce(hi, op=MPI.MAX)
         if bool((lo != hi).any()):
@@ -150,10 +149,9 @@ def check_blocks(cfg, block, tp, cp):
     for what, size in widths.items():
         check_block(what, size, block)
         if tp > 1 and what != "the key/value width":
-            check_block(f"{what}/tp ({size}/{tp}, one tp rank's share)", size // tp if size % tp == 0 else size,
-                        block)
+            check_block(f"one tp rank's share of {what}, {size}/{tp}", size // tp if size % tp == 0 else size, block)
     if tp > 1 and cfg.kv_width % tp == 0:
-        check_block(f"the key/value width/tp ({cfg.kv_width}/{tp})", cfg.kv_width // tp, block)
+        check_block(f"one tp rank's share of the key/value width, {cfg.kv_width}/{tp}", cfg.kv_width // tp, block)
     run = cfg.seq_len // (2 * cp) if cp > 1 else cfg.seq_len
     check_block("the consecutive positions of a sequence a rank holds" + (f" (seq_len/(2 cp) = {run})" if cp > 1
                                                                             else f" (seq_len {run})"), run, block)
@@ -167,6 +165,10 @@ def check_fp8_layout(cfg, tc):
         raise ConfigError("--fp8 with experts (--moe-experts) is not built: the experts' products would need their "
                           "own amax domains (their rows move between ranks); train the dense model in FP8, or the "
                           "experts in float32 / bfloat16")
-    _, recipe, _, _, block, _, _ = tc.fp8_settings()
-    if recipe == "blockwise":
-        check_blocks(cfg, block, tc.tp, tc.cp)
+    if cfg.n_kv_heads < tc.tp:
+        raise ConfigError(f"--fp8 with n_kv_heads={cfg.n_kv_heads} below tp={tc.tp} is not built: each tp rank that "
+                          "holds a copy of a key/value head has a partial dk, dv until they are summed, and an FP8 "
+                          "cast of a partial sum is not the cast of the sum; use tp <= n_kv_heads")
+    s = tc.fp8_settings()
+    if s.recipe == "blockwise":
+        check_blocks(cfg, s.block, tc.tp, tc.cp)

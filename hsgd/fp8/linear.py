@@ -53,7 +53,7 @@ class Fp8Ops:
 
     def __init__(self, ops, fp8, holders=None):
         self.f, self.fp8, self.holders = ops, fp8, holders or Holders()
-        self.params, self.ids = {}, {}
+        self.params, self.ids, self.seen = {}, {}, None
 
     def __getattr__(self, name):
         """Every other layer function: ops' own (the plain layers' Llama ones from hsgd.model.llama_layers, as
@@ -63,15 +63,19 @@ class Fp8Ops:
     def bind(self, params):
         """The parameters dict the model reads its weights from (ZeRO-3 fills it group by group: looked up again
         on a miss)."""
-        self.params, self.ids = params, {}
+        self.params, self.ids, self.seen = params, {}, None
 
     def name_of(self, W):
-        """The name of a block linear's weight W in the bound dict, or None (not cast)."""
+        """The name of a block linear's weight W in the bound dict, or None (not cast: the LM head, a tied head's
+        view). The map from the arrays to their names is made again only when the dict holds other arrays."""
         n = self.ids.get(id(W))
         if n is None or self.params.get(n) is not W:
-            self.ids = {id(v): k for k, v in self.params.items() if FP8_LINEARS.match(k)}
-            n = self.ids.get(id(W))
-        return n
+            now = [id(v) for v in self.params.values()]
+            n = None
+            if now != self.seen:
+                self.seen, self.ids = now, {id(v): k for k, v in self.params.items()}
+                n = self.ids.get(id(W))
+        return n if n is not None and FP8_LINEARS.match(n) else None
 
     def q(self, a2, role, name, axis):
         """Operand a2 (2-D) of the linear `name` cast along `axis`."""
@@ -146,8 +150,8 @@ class Fp8Ops:
         if self.name_of(weights[0]) is None:
             return self.f.fused_input_grad(dy, cache)
         dx = None
-        for d, W, n in self.segments(dy, weights):
-            part = self.fp8.matmul(self.q(d, "dy", n, 1), self.q(W, "w", n, 1).T)
+        for dy_j, W, n in self.segments(dy, weights):
+            part = self.fp8.matmul(self.q(dy_j, "dy", n, 1), self.q(W, "w", n, 1).T)   # (N, K)
             dx = part if dx is None else dx + part
         return dx.reshape(*dy.shape[:-1], weights[0].shape[0])
 
@@ -156,11 +160,11 @@ class Fp8Ops:
         x2, weights = cache
         if self.name_of(weights[0]) is None:
             return self.f.fused_weight_grad(dy, cache, *grads)
-        xq = self.q(x2, "x", self.name_of(weights[0]), 0).T
-        for (d, W, n), gw, gb in zip(self.segments(dy, weights), grads[0::2], grads[1::2]):
-            gw += self.fp8.matmul(xq, self.q(d, "dy", n, 0))
-            if gb is not None:
-                gb += d.sum(axis=0)
+        xq = self.q(x2, "x", self.name_of(weights[0]), 0).T                    # (K, N)
+        for (dy_j, W, n), dW, db in zip(self.segments(dy, weights), grads[0::2], grads[1::2]):
+            dW += self.fp8.matmul(xq, self.q(dy_j, "dy", n, 0))                 # (K, M_j)
+            if db is not None:
+                db += dy_j.sum(axis=0)
 
     def qkv_forward(self, x, Wq, bq, Wk, bk, Wv, bv):
         (q, k, v), cache = self.fused_forward(x, (Wq, Wk, Wv), (bq, bk, bv))

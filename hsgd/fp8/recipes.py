@@ -7,8 +7,9 @@ hsgd.model.precision), so a tensor is cast with a scale s that puts its largest 
     s    = fmax / amax / 2^margin               (amax = 0: s = 1)
     q(x) = round(x s, fmt, saturating) / s      (the value the product reads: an FP8 number times 1/s)
 
-and the product Y = X W is computed on q(X) and q(W), each product of two FP8 numbers exact, the sum accumulated in
-float32 (hsgd.fp8.linear). The recipes differ in the tile, and in when the amax is taken:
+and the product Y = X W is computed on q(X) and q(W), the sum accumulated in float32 (hsgd.fp8.linear; a tensor
+core multiplies the FP8 numbers exactly and applies 1/s after the sum, the emulation multiplies the values q/s, which
+differs by the compute type's rounding). The recipes differ in the tile, and in when the amax is taken:
 
     recipe       tile                                        amax from                       who uses it
     delayed      the tensor                                  the last `history` steps' amax  TransformerEngine's
@@ -34,6 +35,8 @@ starts). A value larger than any recent one overflows: saturated at fmax, and co
 """
 import math
 
+import numpy as np
+
 from hsgd.errors import ConfigError
 from hsgd.model.backend import array_module
 
@@ -47,7 +50,7 @@ FP8_FORMATS = {                                 # --fp8: the format of each oper
 class Recipe:
     """A scaling recipe: tile(role) says which elements share a scale; per_tensor: one scale for the whole tensor
     (its amax reduced over every rank that holds a piece); delayed: the scale from the amax history."""
-    per_tensor, delayed, block = True, False, None
+    name, per_tensor, delayed, block = "recipe", True, False, None
 
     def __init__(self, margin=0):
         self.margin = margin
@@ -57,10 +60,13 @@ class Recipe:
         return array_module(x).abs(x).max(keepdims=True)
 
     def scale(self, amax, fmax):
-        """s = fmax / amax / 2^margin for each tile (amax 0, or not finite: 1)."""
+        """s = fmax / amax / 2^margin for each tile (amax 0, or not finite: 1; at most the type's largest finite
+        number, as TransformerEngine clamps it: an amax below fmax / that would make s infinite, and 0 s NaN)."""
         xp = array_module(amax)
         ok = (amax > 0) & xp.isfinite(amax)
-        return xp.where(ok, fmax / xp.where(ok, amax, 1.0) / 2.0 ** self.margin, 1.0)
+        with np.errstate(over="ignore"):
+            s = xp.where(ok, fmax / xp.where(ok, amax, 1.0) / 2.0 ** self.margin, 1.0)
+        return xp.minimum(s, xp.finfo(s.dtype).max)
 
     def expand(self, s, shape, axis, role):
         """The scales of the tiles as an array that broadcasts against an operand of `shape`."""

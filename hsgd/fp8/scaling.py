@@ -14,16 +14,23 @@ Counted per step and operand role (x: activations, w: weights, dy: gradients): t
 past the format's largest (saturated: an overflow; x s within half a step of fmax rounds to fmax, as the largest
 value of a tensor cast on its own amax does), and the nonzero ones that became zero (an underflow).
 """
-from collections import defaultdict
+import math
+from collections import defaultdict, namedtuple
 
+import numpy as np
 from mpi4py import MPI
 
+from hsgd.fp8.accumulate import limited_matmul
 from hsgd.fp8.domains import check_same, reduce_max
-from hsgd.fp8.recipes import FP8_FORMATS, make_recipe
+from hsgd.fp8.recipes import FP8_FORMATS, Delayed, make_recipe
 from hsgd.model.backend import array_module, to_host
 from hsgd.model.precision import FORMATS, round_to
 
 # bugs on purpose (hsgd.check.mutations): the amax reductions a real run has been seen to get wrong
+# an FP8 run's settings (hsgd.step.settings.Data.fp8_settings): --fp8, --fp8-recipe, --fp8-history, --fp8-margin,
+# --fp8-block, --fp8-accumulate as (bits, nc) or None, --fp8-check
+Fp8Settings = namedtuple("Fp8Settings", "fmt recipe history margin block accumulate check")
+
 BUGS = {
     "amax-dp-only": "the amax reduced over the data-parallel ranks only, never over tp (Megatron-LM PR #442)",
     "amax-local-shard": "a weight's amax taken on this rank's tp shard alone (pytorch/torchtitan #3109)",
@@ -39,7 +46,6 @@ class Fp8:
     every scale over the ranks that hold its tile (hsgd.fp8.domains.check_same); bugs: names of BUGS to commit."""
 
     def __init__(self, fmt="hybrid", recipe=None, accumulate=None, check=False, bugs=()):
-        from hsgd.fp8.recipes import Delayed
         self.fmt, self.formats = fmt, FP8_FORMATS[fmt]
         self.recipe = recipe if recipe is not None else Delayed()
         self.accumulate, self.check, self.bugs = accumulate, check, set(bugs)
@@ -112,10 +118,13 @@ class Fp8:
         return comms
 
     def matmul(self, a, b):
-        """a @ b: in the compute type, or with --fp8-accumulate's limited accumulator (hsgd.fp8.accumulate)."""
+        """a @ b: in the compute type, or with --fp8-accumulate's limited accumulator (hsgd.fp8.accumulate). The
+        operands are the cast values q/s, so the accumulator adds products of those, not of the FP8 numbers with
+        the scales applied after the sum as a tensor core does: with a scale that is not a power of two their
+        significands are the compute type's, not 4 bits, and the accumulator loses somewhat more than
+        hsgd.fp8.accumulate's figures for FP8 numbers (the pessimistic side)."""
         if self.accumulate is None:
             return a @ b
-        from hsgd.fp8.accumulate import limited_matmul
         bits, every = self.accumulate
         return limited_matmul(a, b, acc_bits=bits, promote_every=every)
 
@@ -144,8 +153,8 @@ class Fp8:
 
     def summary(self, comms=()):
         """{"overflow": n, "underflow": n, "values": n} of the last step over every role, summed over comms
-        (collective): the run's log line."""
-        import numpy as np
+        (collective): the run's log line. A cast is counted on every rank that makes it: an operand held as a copy
+        on tp ranks counts tp times, and --recompute full casts the forward twice."""
         tot = np.array([sum(v for (r, k), v in self.last.items() if k == what)
                         for what in ("values", "overflow", "underflow")], dtype=np.float64)
         for c in comms:
@@ -162,7 +171,8 @@ class Fp8:
     def load_state_dict(self, state):
         if "stale-history" in self.bugs:
             return
-        self.histories = {k: [float(a) for a in v] for k, v in (state or {}).get("histories", {}).items()}
+        self.histories = {k: [float(a) for a in v][-self.recipe.history:] if self.recipe.delayed else []
+                          for k, v in (state or {}).get("histories", {}).items()}     # (a shorter --fp8-history)
 
 
 def make_fp8(settings, bugs=()):
@@ -170,11 +180,10 @@ def make_fp8(settings, bugs=()):
     None without --fp8."""
     if settings is None:
         return None
-    fmt, recipe, history, margin, block, accumulate, check = settings
-    return Fp8(fmt, make_recipe(recipe, history, margin, block), accumulate, check, bugs)
+    s = Fp8Settings(*settings)
+    return Fp8(s.fmt, make_recipe(s.recipe, s.history, s.margin, s.block), s.accumulate, s.check, bugs)
 
 
 def past_max(f):
     """Where rounding to format f passes its largest value: fmax plus half the spacing of its top binade."""
-    import math
     return f.max + 2.0 ** (math.floor(math.log2(f.max)) - f.p + 1) / 2

@@ -295,7 +295,7 @@ def loss(params, idx, targets, cfg):
 # The serial reference run
 
 def sgd(cfg, tc, batch, params=None, delayed=False, micro_sequences=None, capacity_groups=None, moe_state=None,
-        ops=layers, after_step=None, replicas=1):
+        ops=layers, after_step=None, replicas=1, sliced=False):
     """tc.steps steps of serial mini-batch SGD on one process: the run every parallel layout must reproduce.
 
     For s = 1 .. tc.steps, with the global batch (idx, targets) = batch(s) of all B sequences:
@@ -318,7 +318,7 @@ def sgd(cfg, tc, batch, params=None, delayed=False, micro_sequences=None, capaci
     (update_selection_bias); moe_state, a dict, receives {"biases": {prefix: (E,)}, "routing": [per step:
     {prefix: {"load", "kept": (E,), "dropped"}}]}.
 
-    ops: the layer functions (an FP8 run's: hsgd.fp8.linear.Fp8Ops, bound to params), the batch then computed
+    ops: the layer functions (an FP8 run's: hsgd.fp8.linear.Fp8Ops, bound to params); sliced: the batch computed
     micro_sequences at a time (loss_and_grads' micro: the slices an FP8 layout's current scales are taken over);
     after_step(): called after every step (an FP8 run's end_step: the amax histories move on); replicas: the
     gradient computed as a layout of that many replicas computes it (loss_and_grads' replicas, dp x cp).
@@ -338,7 +338,7 @@ def sgd(cfg, tc, batch, params=None, delayed=False, micro_sequences=None, capaci
             moe = serial_pass(cfg, *np.shape(idx), np, micro_sequences, capacity_groups,
                               state["biases"] if cfg.moe_bias_rate else None)
         value, grads = loss_and_grads(params, idx, targets, cfg, ops=ops, moe=moe,
-                                      micro=None if cfg.moe_experts or ops is layers else micro_sequences,
+                                      micro=micro_sequences if sliced else None,
                                       replicas=replicas)
         if after_step is not None:
             after_step()

@@ -30,6 +30,7 @@ from hsgd.model.config import check_at_most, check_nonnegative_int, check_positi
 from hsgd.cp.split import CP_SCHEMES
 from hsgd.tp.attention import ATTENTIONS
 from hsgd.errors import ConfigError
+from hsgd.fp8.scaling import Fp8Settings
 from hsgd.grid.process_grid import check_sizes
 from hsgd.pp.schedules import SCHEDULES
 from hsgd.step.experiments import Experiments
@@ -188,7 +189,8 @@ class Data:
                                   "naming the operand if they differ (costs two Allreduces per cast)")
     device: str = flag(None, "cpu (NumPy) or gpu (CuPy)", shown="$HSGD_DEVICE, else cpu", choices=("cpu", "gpu"))
     threads: int = flag(None, "CPU threads per rank: for BLAS and the tuned layers; a rank that holds the whole "
-                              "model (pp = tp = 1) splits each micro-batch's sequences over them",
+                              "model (pp = tp = 1) splits each micro-batch's sequences over them (not with "
+                              "experts or --fp8, whose counts and scales are taken over a whole micro-batch)",
                         shown="cores / ranks on the machine, at least 1")
 
     def check_data(self):
@@ -228,12 +230,12 @@ class Data:
             fp8_accumulate_value(self.fp8_accumulate)
 
     def fp8_settings(self):
-        """The FP8 settings with their defaults: (format, recipe, history, margin, block, accumulate (bits, nc) or
-        None, check), or None without --fp8."""
+        """The FP8 settings with their defaults (an hsgd.fp8.scaling.Fp8Settings; accumulate: (bits, nc) or None),
+        or None without --fp8."""
         if not self.fp8:
             return None
-        return (self.fp8, self.fp8_recipe or "delayed", self.fp8_history or 16, self.fp8_margin or 0,
-                self.fp8_block or 128, fp8_accumulate_value(self.fp8_accumulate), self.fp8_check)
+        return Fp8Settings(self.fp8, self.fp8_recipe or "delayed", self.fp8_history or 16, self.fp8_margin or 0,
+                           self.fp8_block or 128, fp8_accumulate_value(self.fp8_accumulate), self.fp8_check)
 
 
 @dataclass

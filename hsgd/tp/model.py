@@ -93,9 +93,9 @@ class TPSetup:
                  fp8=None):
         self.cfg, self.comm, self.recompute, self.cp = cfg, comm, recompute, getattr(ctx, "cp", 1)
         S = make_scheme(scheme, reduce_scatter)
-        self.products = fp8_ops(tp_ops, fp8, fp8 and self.holders(S, ctx))     # the linears' products
-        self.scheme, self.ops, self.ctx = rounded(make_scheme(scheme, reduce_scatter, self.products), self.products,
-                                                  ctx, num)
+        self.products = tp_ops if fp8 is None else fp8_ops(tp_ops, fp8, self.holders(S, ctx))   # the linears'
+        S.ops = self.products                                                   # products, the projections' too
+        self.scheme, self.ops, self.ctx = rounded(S, self.products, ctx, num)
         self.nh = cfg.n_heads // comm.size                                   # the heads of this rank
         self.nkv, self.kv_owner = kv_heads(cfg, comm.size, comm.rank)        # its kv heads, and the first's index
         self.n_rep = self.nh // self.nkv                                     # q heads per kv head here
@@ -109,8 +109,7 @@ class TPSetup:
         scheme's splits, cp_comm, the sequence scheme's T-shard, the runs of consecutive positions."""
         T_here = self.cfg.seq_len // self.cp
         return Holders(self.comm, getattr(ctx, "comm", None), S.split_of, S.splits_T,
-                       S.rows(T_here, self.comm) if S.splits_T else None, T_here,
-                       T_here // 2 if self.cp > 1 else T_here)
+                       S.rows(T_here, self.comm) if S.splits_T else None, T_here)
 
     def bind(self, params):
         """The parameters dict this pass's model reads (an FP8 run's products learn the linears' names from it)."""

@@ -50,7 +50,7 @@ def serial_fp8(tc, replicas):
     ops.bind(params)
     params, _ = serial.sgd(CFG, tc, lambda s: CORPUS.batch(tc.seed, s, tc.batch_size), params,
                            micro_sequences=tc.batch_size // tc.dp, ops=ops, after_step=fp8.end_step,
-                           replicas=replicas)
+                           replicas=replicas, sliced=True)
     return params, fp8.histories
 
 
@@ -186,8 +186,8 @@ def exercise_4(check):
         msg = refused(block, tp, cp)
         check.say(f"  b = {block}, tp = {tp}, cp = {cp}: ConfigError: {msg}")
         check.holds(f"b = {block}, tp = {tp}, cp = {cp}: refused, naming "
-                    + ("d_model/tp" if tp > 1 else "seq_len/(2 cp)"),
-                    msg is not None and ("d_model/tp" in msg if tp > 1 else "seq_len/(2 cp) = 8" in msg))
+                    + ("a tp rank's share of d_model" if tp > 1 else "seq_len/(2 cp)"),
+                    msg is not None and ("tp rank's share of d_model" in msg if tp > 1 else "seq_len/(2 cp) = 8" in msg))
     check.equal("b = 16 at tp = 2 and b = 8 at cp = 2: accepted", (refused(16, 2, 1), refused(8, 1, 2)), (None, None))
     tc = train_config(dp=1, tp=2, fp8="hybrid", fp8_recipe="blockwise", fp8_block=32)
     try:
@@ -196,7 +196,7 @@ def exercise_4(check):
     except ConfigError as e:
         said = str(e)
     check.holds("check_fp8_layout (what HybridTrainer calls first) refuses tp 2 with b = 32",
-                said is not None and "d_model/tp" in said)
+                said is not None and "tp rank's share of d_model" in said)
 
 
 if __name__ == "__main__":
