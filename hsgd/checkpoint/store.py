@@ -335,13 +335,14 @@ def load_fp8(shards, trainer):
     """{"histories": {key: [amax, ...]}}: the saved amax histories of this rank's stage's block linears (delayed
     scaling, hsgd.fp8.scaling). They are reduced over tp and dp_comm in every step (one history per tensor, the same
     on every rank that holds a piece of it), so a reshard takes each by its tensor's name, whatever the new tp and
-    pipeline split. One thing moves with dp x cp: a replica differentiates the mean loss of its own rows and
-    positions, so the output gradients it casts (the ":dy" histories) are dp cp times the global batch's; a
-    history saved by dp cp = r and read by dp cp = r' is scaled by r'/r, which the next cast then sees as the run
-    itself would have recorded it. A checkpoint without histories (not FP8, or not delayed) gives none: the run
-    starts from scale 1, as a new one does."""
+    pipeline split. One thing moves with dp x cp and the batch: a replica differentiates the mean loss of its own
+    B/dp rows and T/cp positions, so the output gradients it casts (the ":dy" histories) scale as dp cp / B; a
+    history saved by (dp cp, B) = (r, B) and read by (r', B') is scaled by (r'/r) (B/B'), which the next cast then
+    sees as the run itself would have recorded it. A checkpoint without histories (not FP8, or not delayed) gives
+    none: the run starts from scale 1, as a new one does."""
     lay, grid = shards.m["layout"], trainer.grid
-    factor = (grid.dp * grid.cp) / (lay["dp"] * lay.get("cp", 1))
+    factor = (grid.dp * grid.cp) / (lay["dp"] * lay.get("cp", 1)) * shards.m["data"]["batch_size"] / \
+        trainer.tc.batch_size
     out = {}
     for i in trainer.stage.layers:
         f = shards._file(shards.stage_of(f"h.{i}.ln1.weight"), 0, 0)

@@ -187,7 +187,8 @@ def exercise_4(check):
         check.say(f"  b = {block}, tp = {tp}, cp = {cp}: ConfigError: {msg}")
         check.holds(f"b = {block}, tp = {tp}, cp = {cp}: refused, naming "
                     + ("a tp rank's share of d_model" if tp > 1 else "seq_len/(2 cp)"),
-                    msg is not None and ("tp rank's share of d_model" in msg if tp > 1 else "seq_len/(2 cp) = 8" in msg))
+                    msg is not None and ("tp rank's share of d_model" in msg if tp > 1
+                                         else "seq_len/(2 cp) = 8" in msg))
     check.equal("b = 16 at tp = 2 and b = 8 at cp = 2: accepted", (refused(16, 2, 1), refused(8, 1, 2)), (None, None))
     tc = train_config(dp=1, tp=2, fp8="hybrid", fp8_recipe="blockwise", fp8_block=32)
     try:
