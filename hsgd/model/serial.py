@@ -267,8 +267,9 @@ def loss_and_grads(params, idx, targets, cfg, grads=None, split=False, ops=layer
         return float(value), grads
 
     def part(lo, hi):                                         # sequences lo..hi-1, weighted by their share
-        into = grads if hi == B and replicas == 1 else zeros_like_params(params)   # the last slice adds into
-        logits, caches = forward(params, idx[lo:hi], cfg, ops)                     # `grads` itself
+        # the last slice adds into `grads` itself (with replicas, every slice into its own, scaled when added)
+        into = grads if hi == B and replicas == 1 else zeros_like_params(params)
+        logits, caches = forward(params, idx[lo:hi], cfg, ops)
         value, c_ce = ops.cross_entropy_forward(logits, targets[lo:hi])
         backward(ops.cross_entropy_backward((hi - lo) / B * replicas, c_ce), caches, into, cfg, ops)
         return value * ((hi - lo) / B), into

@@ -321,6 +321,7 @@ class ThreadedStage(Stage):
 def make_stage(cfg, grid, layout, recompute, data):
     """This rank's stage (see Stage for the arguments): a ThreadedStage when it holds the whole model and sequence
     alone (pp = tp = cp = 1), else a Stage."""
-    alone = grid.pp == 1 and grid.tp == 1 and grid.cp == 1 and not cfg.moe_experts and not data.fp8   # (experts:
-    # rows routed together, and FP8's current scales, taken over a micro-batch: never cut into thread slices)
+    # (experts route a micro-batch's rows together, and FP8's current scales are taken over a micro-batch: neither
+    # is ever cut into thread slices)
+    alone = grid.pp == 1 and grid.tp == 1 and grid.cp == 1 and not cfg.moe_experts and not data.fp8
     return (ThreadedStage if alone else Stage)(cfg, grid, layout, recompute, data)

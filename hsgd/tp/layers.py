@@ -128,9 +128,10 @@ def allgather_backward(dy, comm, replicated=True, reduce_scatter=False, scale=No
     return out.reshape(*lead, c)
 
 
-def gather_linear_forward(x, W_part, b_part, comm):
-    """The lecture's column-parallel linear: Y_i = X A_i + b_i, then Y = Allgather(Y_i). All replicated."""
-    y_part, cache = linear_forward(x, W_part, b_part)                    # (..., Cout/tp)
+def gather_linear_forward(x, W_part, b_part, comm, linear=linear_forward):
+    """The lecture's column-parallel linear: Y_i = X A_i + b_i, then Y = Allgather(Y_i). All replicated. linear:
+    the product's function (an FP8 run's: hsgd.fp8.linear)."""
+    y_part, cache = linear(x, W_part, b_part)                            # (..., Cout/tp)
     return allgather_forward(y_part, comm), cache
 
 

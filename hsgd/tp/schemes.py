@@ -26,7 +26,8 @@ from hsgd.model.backend import array_module
 from hsgd.errors import ConfigError
 from hsgd.model import ops as model_ops
 from hsgd.tp.layers import (allgather_backward, allgather_forward, f_backward, f_forward, g_backward, g_forward,
-                        gather_T_backward, gather_T_forward, scatter_T_backward, scatter_T_forward)
+                        gather_T_backward, gather_T_forward, gather_linear_forward, scatter_T_backward,
+                        scatter_T_forward)
 
 SCHEMES = ("megatron", "gather", "sequence")
 PROJ_WEIGHTS = ("attn.proj.weight", "mlp.proj.weight")
@@ -172,11 +173,9 @@ class Gather(Megatron):
         self.reduce_scatter = reduce_scatter
 
     def proj_forward(self, y_part, W_part, b_part, comm):
-        """O = Allgather(Allgather(Y_i) A_i + b_i): y_part (B, T, Cin/tp), W_part (Cin, C/tp), b_part (C/tp,)
-        (hsgd.tp.layers.gather_linear_forward, the product from self.ops)."""
+        """O = Allgather(Allgather(Y_i) A_i + b_i): y_part (B, T, Cin/tp), W_part (Cin, C/tp), b_part (C/tp,)."""
         y = allgather_forward(y_part, comm)                              # (B, T, Cin) Allgather of heads / columns
-        o_part, cache = self.ops.linear_forward(y, W_part, b_part)       # (B, T, C/tp)
-        return allgather_forward(o_part, comm), cache                    # (B, T, C) Allgather of the outputs
+        return gather_linear_forward(y, W_part, b_part, comm, self.ops.linear_forward)   # (B, T, C) Allgather
 
     def proj_backward(self, do, cache, grads, prefix, comm, wg):
         """dA_i, db_i from my slice of dO (both split: handed to wg together); dY = Allreduce of the partial dY;
