@@ -66,7 +66,7 @@ class Recipe:
         ok = (amax > 0) & xp.isfinite(amax)
         with np.errstate(over="ignore"):
             s = xp.where(ok, fmax / xp.where(ok, amax, 1.0) / 2.0 ** self.margin, 1.0)
-        return xp.minimum(s, xp.finfo(s.dtype).max)
+        return xp.minimum(s, np.finfo(s.dtype).max)
 
     def expand(self, s, shape, axis, role):
         """The scales of the tiles as an array that broadcasts against an operand of `shape`."""
