@@ -357,7 +357,8 @@ class _Ufunc:
 FUNCTIONS = frozenset("""
     abs absolute add all allclose any arange argmax argmin argsort argwhere array_equal ascontiguousarray bincount
     broadcast_to clip
-    concatenate copysign copyto cos count_nonzero cumsum divide dot einsum empty empty_like equal exp expand_dims expm1 eye
+    concatenate copysign copyto cos count_nonzero cumsum divide dot einsum empty empty_like equal exp expand_dims
+    expm1 eye
     flatnonzero frexp full full_like greater greater_equal isfinite isinf isnan ldexp less less_equal log log1p
     logical_and logical_not logical_or matmul max maximum mean min minimum multiply negative nonzero ones ones_like
     outer power prod reciprocal reshape rint sign sin split sqrt square squeeze stack subtract sum swapaxes take
