@@ -69,6 +69,7 @@ from hsgd.fp8.accumulate import accumulation_error, chop, fp8_inputs, limited_ma
 from hsgd.fp8.domains import Holders, ScaleMismatch, check_same
 from hsgd.fp8.linear import Fp8Ops, key
 from hsgd.fp8.recipes import FP8_FORMATS, make_recipe
+from hsgd.fp8.reference import serial_fp8_sgd
 from hsgd.fp8.scaling import BUGS, Fp8, make_fp8, past_max
 from hsgd.grid.process_grid import ProcessGrid
 from hsgd.model import layers, serial
@@ -444,15 +445,9 @@ def show_domains(title, rows):
 
 # %%
 def serial_fp8(tc):
-    """The serial FP8 reference of layout tc: (params, losses, histories) after tc.steps steps."""
-    fp8 = make_fp8(tc.fp8_settings())
-    params = serial.init_params(CFG, seed=tc.seed, dtype="float64")
-    ops = Fp8Ops(layers, fp8)
-    ops.bind(params)
-    params, losses = serial.sgd(CFG, tc, lambda s: CORPUS.batch(tc.seed, s, tc.batch_size), params,
-                                micro_sequences=tc.batch_size // (tc.dp * tc.micro_batches), ops=ops,
-                                after_step=fp8.end_step, replicas=tc.dp * tc.cp, sliced=True)
-    return params, losses, fp8.histories
+    """The serial FP8 reference of layout tc (hsgd.fp8.reference): (params, losses, histories) after tc.steps
+    steps."""
+    return serial_fp8_sgd(CFG, tc, lambda s: CORPUS.batch(tc.seed, s, tc.batch_size))
 
 
 def train_layout(tc, bugs=(), look=None):

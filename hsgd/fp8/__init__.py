@@ -6,6 +6,7 @@ is agreed over. Chapter 16b.
                 holder of a tensor's pieces casts with the same scale
     scaling     an FP8 run's state: the cast, the amax histories, the counts of overflows and underflows
     linear      the block's linear layers with FP8 products (forward, dgrad, wgrad), around the layer functions
+    reference   the serial FP8 reference: serial SGD cast as a layout casts (the exact mode's oracle)
     traffic     the scales' collectives in one step, in closed form (the step formula's FP8 terms)
     accumulate  limited-precision accumulation of a product, promoted to float32 every N_c terms (DeepSeek-V3)
 

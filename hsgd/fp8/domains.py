@@ -115,6 +115,15 @@ class Holders:
         return x2.reshape(-1, self.T_here, x2.shape[-1])[:, t0:t1].reshape(-1, x2.shape[-1])   # (B (t1 - t0), K)
 
 
+def layout_holders(cfg, tp_comm, S, ctx):
+    """The Holders of a tensor-parallel stage: tp_comm and the scheme S's splits (hsgd.tp.schemes), the context
+    layout ctx's cp_comm (none without context parallelism), the sequence scheme's T-shard of the T/cp positions."""
+    cp_comm = getattr(ctx, "comm", None)
+    T_here = cfg.seq_len // (cp_comm.size if cp_comm is not None else 1)
+    return Holders(tp_comm, cp_comm, S.split_of, S.splits_T, S.rows(T_here, tp_comm) if S.splits_T else None,
+                   T_here)
+
+
 def reduce_max(amax, comms):
     """amax (an array) reduced in place by MAX over each communicator of comms; returns it."""
     for c in comms:

@@ -114,25 +114,22 @@ class Blockwise(Recipe):
     def describe(self):
         return f"blockwise ({self.block})"
 
+    def tiles(self, shape, axis, role):
+        """(the operand reshaped so that each tile has axes of its own, those axes): b x b blocks of a weight
+        (n/b, b, m/b, b) over (1, 3); 1 x b tiles along the columns (n, m/b, b) over 2; b x 1 along the rows
+        (n/b, b, m) over 1."""
+        b, (n, m) = self.block, shape
+        if role == "w":
+            return (n // b, b, m // b, b), (1, 3)
+        return ((n, m // b, b), 2) if axis in (1, -1) else ((n // b, b, m), 1)
+
     def amax(self, x, axis, role):
-        b, (n, m) = self.block, x.shape
-        a = array_module(x).abs(x)
-        if role == "w":                                             # b x b blocks: (n/b, 1, m/b, 1)
-            return a.reshape(n // b, b, m // b, b).max(axis=(1, 3), keepdims=True)
-        if axis in (1, -1):                                         # 1 x b along the columns: (n, m/b, 1)
-            return a.reshape(n, m // b, b).max(axis=2, keepdims=True)
-        return a.reshape(n // b, b, m).max(axis=1, keepdims=True)  # b x 1 along the rows: (n/b, 1, m)
+        tiled, inside = self.tiles(x.shape, axis, role)
+        return array_module(x).abs(x).reshape(tiled).max(axis=inside, keepdims=True)
 
     def expand(self, s, shape, axis, role):
-        n, m = shape
-        xp = array_module(s)
-        if role == "w":
-            full = xp.broadcast_to(s, (n // self.block, self.block, m // self.block, self.block))
-        elif axis in (1, -1):
-            full = xp.broadcast_to(s, (n, m // self.block, self.block))
-        else:
-            full = xp.broadcast_to(s, (n // self.block, self.block, m))
-        return full.reshape(n, m)
+        tiled, _ = self.tiles(shape, axis, role)
+        return array_module(s).broadcast_to(s, tiled).reshape(shape)
 
 
 def make_recipe(name, history=16, margin=0, block=128):

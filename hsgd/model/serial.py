@@ -295,6 +295,15 @@ def loss(params, idx, targets, cfg):
 # --------------------------------------------------------------------------------------------------------------
 # The serial reference run
 
+def experts_after_step(moe, state, cfg):
+    """sgd's bookkeeping of a step's MoE blocks (moe: its MoEPass): the routing recorded in state["routing"], and
+    with cfg.moe_bias_rate each selection bias moved by the step's load (not the update's)."""
+    state["routing"].append({k: {n: a[n] for n in ("load", "kept", "dropped")} for k, a in moe.aux.items()})
+    if cfg.moe_bias_rate:
+        state["biases"] = {k: update_selection_bias(b, moe.loads()[k], cfg.moe_bias_rate)
+                           for k, b in state["biases"].items()}
+
+
 def sgd(cfg, tc, batch, params=None, delayed=False, micro_sequences=None, capacity_groups=None, moe_state=None,
         ops=layers, after_step=None, replicas=1, sliced=False):
     """tc.steps steps of serial mini-batch SGD on one process: the run every parallel layout must reproduce.
@@ -339,16 +348,12 @@ def sgd(cfg, tc, batch, params=None, delayed=False, micro_sequences=None, capaci
             moe = serial_pass(cfg, *np.shape(idx), np, micro_sequences, capacity_groups,
                               state["biases"] if cfg.moe_bias_rate else None)
         value, grads = loss_and_grads(params, idx, targets, cfg, ops=ops, moe=moe,
-                                      micro=micro_sequences if sliced else None,
-                                      replicas=replicas)
+                                      micro=micro_sequences if sliced else None, replicas=replicas)
         if after_step is not None:
             after_step()
         losses.append(value)
         if moe is not None:
-            state["routing"].append({k: {n: a[n] for n in ("load", "kept", "dropped")} for k, a in moe.aux.items()})
-            if cfg.moe_bias_rate:                           # after the step: by the step's load, not the update's
-                state["biases"] = {k: update_selection_bias(b, moe.loads()[k], cfg.moe_bias_rate)
-                                   for k, b in state["biases"].items()}
+            experts_after_step(moe, state, cfg)
         if delayed:
             grads, pending = pending, grads                 # apply the last step's gradient, keep this one
             if grads is None:

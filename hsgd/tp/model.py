@@ -43,7 +43,7 @@ Parameters keep their serial names; a shard's shape shows its split, e.g. h.0.at
 """
 from collections import namedtuple
 
-from hsgd.fp8.domains import Holders
+from hsgd.fp8.domains import layout_holders
 from hsgd.fp8.linear import fp8_ops
 from hsgd.model import serial
 from hsgd.model.backend import array_module
@@ -93,8 +93,8 @@ class TPSetup:
                  fp8=None):
         self.cfg, self.comm, self.recompute, self.cp = cfg, comm, recompute, getattr(ctx, "cp", 1)
         S = make_scheme(scheme, reduce_scatter)
-        self.products = tp_ops if fp8 is None else fp8_ops(tp_ops, fp8, self.holders(S, ctx))   # the linears'
-        S.ops = self.products                                                   # products, the projections' too
+        self.products = tp_ops if fp8 is None else fp8_ops(tp_ops, fp8, layout_holders(cfg, comm, S, ctx))
+        S.ops = self.products                                   # the linears' products, the projections' too
         self.scheme, self.ops, self.ctx = rounded(S, self.products, ctx, num)
         self.nh = cfg.n_heads // comm.size                                   # the heads of this rank
         self.nkv, self.kv_owner = kv_heads(cfg, comm.size, comm.rank)        # its kv heads, and the first's index
@@ -103,13 +103,6 @@ class TPSetup:
         self.start, _ = tp_ops.vocab_range(cfg.vocab_size, comm.size, comm.rank)   # its first vocabulary id
         self.tables = {}
         self.experts = Experts(cfg, comm) if cfg.moe_experts else None
-
-    def holders(self, S, ctx):
-        """Where the operands of the block linears lie on this layout (hsgd.fp8.domains.Holders): tp_comm and the
-        scheme's splits, cp_comm, the sequence scheme's T-shard, the runs of consecutive positions."""
-        T_here = self.cfg.seq_len // self.cp
-        return Holders(self.comm, getattr(ctx, "comm", None), S.split_of, S.splits_T,
-                       S.rows(T_here, self.comm) if S.splits_T else None, T_here)
 
     def bind(self, params):
         """The parameters dict this pass's model reads (an FP8 run's products learn the linears' names from it)."""

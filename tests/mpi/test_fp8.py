@@ -27,11 +27,6 @@ CORPUS = Corpus(np.random.default_rng(5).integers(0, 256, 4000, dtype=np.uint8).
 RECIPES = ("delayed", "tensorwise", "rowwise", "blockwise")
 
 
-def fp8_of(tc):
-    from hsgd.fp8.scaling import make_fp8
-    return make_fp8(tc.fp8_settings())
-
-
 def serial_run(cfg, tc):
     """The serial FP8 reference counted as layout tc counts (rank 0 computes, every rank receives): (params, losses,
     histories)."""
@@ -48,18 +43,9 @@ def serial_run(cfg, tc):
 
 
 def serial_sgd(cfg, tc):
-    """serial.sgd through the FP8 products (hsgd.fp8.linear.Fp8Ops around the plain layers), a micro-batch of one
-    replica at a time, the histories moving on after each step: (params, losses, histories)."""
-    from hsgd.fp8.linear import Fp8Ops
-    from hsgd.model import layers, serial
-    fp8 = fp8_of(tc)
-    params = serial.init_params(cfg, seed=tc.seed, dtype="float64")
-    ops = Fp8Ops(layers, fp8)
-    ops.bind(params)
-    params, losses = serial.sgd(cfg, tc, lambda step: CORPUS.batch(tc.seed, step, tc.batch_size), params,
-                                micro_sequences=tc.batch_size // (tc.dp * tc.micro_batches), ops=ops,
-                                after_step=fp8.end_step, replicas=tc.dp * tc.cp, sliced=True)
-    return params, losses, fp8.histories
+    """The serial FP8 reference of layout tc (hsgd.fp8.reference): (params, losses, histories)."""
+    from hsgd.fp8.reference import serial_fp8_sgd
+    return serial_fp8_sgd(cfg, tc, lambda step: CORPUS.batch(tc.seed, step, tc.batch_size))
 
 
 def compare(layout, kw, cfg=CFG, bugs=()):

@@ -16,10 +16,9 @@ from threadpoolctl import threadpool_limits
 
 from hsgd.errors import ConfigError
 from hsgd.fp8.domains import Holders, check_blocks, check_fp8_layout
-from hsgd.fp8.linear import Fp8Ops
 from hsgd.fp8.recipes import make_recipe
-from hsgd.fp8.scaling import Fp8, make_fp8, past_max
-from hsgd.model import layers, serial
+from hsgd.fp8.reference import serial_fp8_sgd
+from hsgd.fp8.scaling import Fp8, past_max
 from hsgd.model.config import ModelConfig
 from hsgd.model.data import Corpus
 from hsgd.model.precision import FORMATS, round_to
@@ -44,14 +43,8 @@ def cast(fp8, x, role="dy", name="demo", axis=1):
 # ------------------------------------------------------------------------------------------------------------ 1
 def serial_fp8(tc, replicas):
     """The chapter's serial FP8 reference, with `replicas` chosen: (params, histories) after tc.steps steps."""
-    fp8 = make_fp8(tc.fp8_settings())
-    params = serial.init_params(CFG, seed=tc.seed, dtype="float64")
-    ops = Fp8Ops(layers, fp8)
-    ops.bind(params)
-    params, _ = serial.sgd(CFG, tc, lambda s: CORPUS.batch(tc.seed, s, tc.batch_size), params,
-                           micro_sequences=tc.batch_size // tc.dp, ops=ops, after_step=fp8.end_step,
-                           replicas=replicas, sliced=True)
-    return params, fp8.histories
+    params, _, histories = serial_fp8_sgd(CFG, tc, lambda s: CORPUS.batch(tc.seed, s, tc.batch_size), replicas)
+    return params, histories
 
 
 def exercise_1(check):
