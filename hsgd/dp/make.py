@@ -15,10 +15,11 @@ from hsgd.dp.zero2 import Zero2Exchange, Zero2Sizes
 from hsgd.dp.zero3 import Zero3Exchange, Zero3Sizes
 
 
-def make_exchange(settings, params, groups, grid, micro_batches, num):
+def make_exchange(settings, params, groups, grid, micro_batches, num, wire=None):
     """This rank's exchange for the Exchange settings: params, groups its stage's parameter shards by gradient group
     (backward order), grid the ProcessGrid (its dp_comm), micro_batches per step (ZeRO 2 and 3 reduce-scatter each
-    one's), num where it rounds (hsgd.model.precision.Numerics)."""
+    one's), num where it rounds (hsgd.model.precision.Numerics), wire how ZeRO 3 sends its groups (hsgd.dp.zero3.Wire;
+    None: as they are)."""
     s = settings
     experts = {n for n in params if ".moe.experts." in n}
     if getattr(grid, "ep", 1) > 1 and experts:                        # experts averaged over their own ranks (a
@@ -31,16 +32,19 @@ def make_exchange(settings, params, groups, grid, micro_batches, num):
         else:
             ex = FoldedExchange(params, groups, grid.dp_comm, grid.edp_comm, grid.ep_comm, experts)
     else:
-        ex = build(s, params, groups, grid.dp_comm, micro_batches)
+        ex = build(s, params, groups, grid.dp_comm, micro_batches, wire)
     ex.use(num)
     return ex
 
 
-def build(s, params, groups, dp_comm, micro_batches):
-    """The exchange the settings s choose, averaging `params` over dp_comm."""
-    if s.zero >= 2:
-        cls = Zero2Exchange if s.zero == 2 else Zero3Exchange
-        return cls(params, groups, dp_comm, micro_batches, hybrid=s.hierarchical, ranks_per_node=s.ranks_per_node)
+def build(s, params, groups, dp_comm, micro_batches, wire=None):
+    """The exchange the settings s choose, averaging `params` over dp_comm (ZeRO 3: its groups sent by `wire`)."""
+    if s.zero == 3:
+        return Zero3Exchange(params, groups, dp_comm, micro_batches, hybrid=s.hierarchical,
+                             ranks_per_node=s.ranks_per_node, wire=wire)
+    if s.zero == 2:
+        return Zero2Exchange(params, groups, dp_comm, micro_batches, hybrid=s.hierarchical,
+                             ranks_per_node=s.ranks_per_node)
     if s.zero == 1:
         return Zero1Exchange(params, groups, dp_comm)
     if s.hierarchical:

@@ -67,6 +67,7 @@ class ShardedSizes(AllreduceSizes):
             self.layout[g] = SimpleNamespace(off=off, n_g=k, c=c, own=own)
             off, own = off + self.n * c, own + c
         self.size = off
+        self.gather_bytes = {}          # {group: payload of one All-Gather} where a wire sends fewer bytes (FP8)
 
     def owned_numel(self):
         return sum(lay.c for lay in self.layout.values())
@@ -81,8 +82,9 @@ class ShardedSizes(AllreduceSizes):
         hybrid sharding the Allreduce of the owned chunks across the nodes."""
         G, psi, m = len(self.layout), self.size * self.itemsize, self.m
         k = self.gathers_per_step()
+        sent = sum(self.gather_bytes.get(g, self.n * lay.c * self.itemsize) for g, lay in self.layout.items())
         out = {(self.shard_name, "Ireduce_scatter_block"): (m * G, m * psi),
-               (self.shard_name, "Allgather"): (k * G, k * psi)}
+               (self.shard_name, "Allgather"): (k * G, k * sent)}
         if self.cross_name is not None:
             out[(self.cross_name, "Allreduce")] = (1, self.owned_numel() * self.itemsize)
         return out
