@@ -54,11 +54,11 @@ TOLERANCE = {"float64": (1e-12, 1e-10), "float32": (1e-6, 1e-4)}      # (loss, g
 VERIFY_FLAGS = flag_names(Layout) + MODEL_FLAGS + ("batch_size", "seed", "data", "dtype", "device", "zero",
                                                    "hierarchical", "ranks_per_node", "recompute", "reduce_dtype",
                                                    "loss_scale", "lr", "warmup", "fp8", "fp8_recipe", "fp8_history",
-                                                   "fp8_margin", "fp8_block")
+                                                   "fp8_margin", "fp8_block", "fp8_allgather")
 VERIFY_DEFAULTS = dict(dtype="float64", batch_size=8, seq_len=16, d_model=32, n_layers=2, n_heads=4, d_ff=64)
 
 
-ORACLE_FLAGS = ("layouts", "seeds", "loss_steps", "plot")
+ORACLE_FLAGS = ("layouts", "seeds", "loss_steps", "resume_after", "plot")
 MAX_SEEDS = 64                  # --seeds at most: each is a run of every layout
 MAX_LOSS_STEPS = 10_000         # --loss-steps at most: each is a step of every layout, for every seed
 
@@ -86,6 +86,10 @@ def build_parser():
                    f"and the batch): medians and maxima over them, at most {MAX_SEEDS} (default: 4)")
     g.add_argument("--loss-steps", type=int, default=0, metavar="K", help="compare the loss after K training steps "
                    "(with --lr and --warmup) instead of one step's gradients (default: 0, the gradients; at most "
+                   f"{MAX_LOSS_STEPS})")
+    g.add_argument("--resume-after", type=int, default=0, metavar="K", help="train K steps, load the state a "
+                   "checkpoint keeps into a new run, then compare the next step's gradients: what a resume carries "
+                   "(the optimizer's moments, FP8's amax histories) checked too (default: 0, no resume; at most "
                    f"{MAX_LOSS_STEPS})")
     g.add_argument("--plot", metavar="FILE.png", help="draw each layout's differences against their bands")
     return p
@@ -166,17 +170,18 @@ def main(argv=None):
         if tc.fp8 and not fp8:
             raise ConfigError("hsgd.verify checks FP8 products with the tolerance oracle: give --dtype fp8 (with "
                               "--fp8-recipe), not --fp8 with a fixed tolerance")
-        if fp8 and tc.fp8_recipe == "delayed" and args.loss_steps < 2:
+        if fp8 and tc.fp8_recipe == "delayed" and args.loss_steps < 2 and args.resume_after < 1:
             raise ConfigError("--fp8-recipe delayed casts its first step with scale 1 (no amax history yet), which "
-                              "one step's gradients cannot be held to; use --loss-steps K (K >= 2) or --fp8-recipe "
-                              "tensorwise, rowwise or blockwise")
+                              "one step's gradients cannot be held to; use --loss-steps K (K >= 2), --resume-after K "
+                              "(K >= 1) or --fp8-recipe tensorwise, rowwise or blockwise")
         launch.agree(world, lambda: check_memory(cfg, tc, 1, ConfigError))   # one rank alone fits, before any work
         tc = replace(tc, steps=1, sample_bytes=0)
         if tc.dtype in LOW or fp8:
             return tolerance_oracle(args, cfg, tc, world)
-        if args.layouts or args.plot or args.loss_steps or args.seeds is not None:
-            raise ConfigError(f"--layouts, --seeds, --loss-steps and --plot are the tolerance oracle's, for --dtype "
-                              f"bfloat16 or float16; {tc.dtype} is held to a fixed tolerance: leave them out")
+        if args.layouts or args.plot or args.loss_steps or args.resume_after or args.seeds is not None:
+            raise ConfigError(f"--layouts, --seeds, --loss-steps, --resume-after and --plot are the tolerance "
+                              f"oracle's, for --dtype bfloat16, float16 or fp8; {tc.dtype} is held to a fixed "
+                              "tolerance: leave them out")
         where = place_on_device(tc, world)
         with threadpool_limits(limits=1):
             ok, _ = verify(cfg, tc, world, where=where)
@@ -189,9 +194,12 @@ def tolerance_oracle(args, cfg, tc, world):
     """hsgd.check.oracle on the flags' layouts and seeds: its tables (and --plot) on rank 0; the exit code."""
     from hsgd.model.data import Corpus
     seeds = 4 if args.seeds is None else args.seeds
-    if not 1 <= seeds <= MAX_SEEDS or not 0 <= args.loss_steps <= MAX_LOSS_STEPS:
-        raise ConfigError(f"--seeds {seeds} --loss-steps {args.loss_steps}: give --seeds from 1 to {MAX_SEEDS} and "
-                          f"--loss-steps from 0 to {MAX_LOSS_STEPS}")
+    if not 1 <= seeds <= MAX_SEEDS or not 0 <= args.loss_steps <= MAX_LOSS_STEPS or \
+            not 0 <= args.resume_after <= MAX_LOSS_STEPS:
+        raise ConfigError(f"--seeds {seeds} --loss-steps {args.loss_steps} --resume-after {args.resume_after}: give "
+                          f"--seeds from 1 to {MAX_SEEDS}, --loss-steps and --resume-after from 0 to {MAX_LOSS_STEPS}")
+    if args.loss_steps and args.resume_after:
+        raise ConfigError("--loss-steps compares a loss, --resume-after the gradients after a resume: give one")
     mine = f"{tc.dp}x{tc.pp}x{tc.tp}" if tc.cp == 1 else f"{tc.dp}x{tc.pp}x{tc.cp}x{tc.tp}"
     text = args.layouts or ("1x1x1" if mine in ("1x1x1", "1x1x1x1") else f"1x1x1,{mine}")
 
@@ -206,10 +214,10 @@ def tolerance_oracle(args, cfg, tc, world):
     corpus = launch.agree(world, lambda: Corpus.load(tc.data, cfg.seq_len))
     with threadpool_limits(limits=1):
         verdict = oracle(cfg, tc, layouts, seeds, world, corpus, args.loss_steps,
-                         progress=lambda line: print(line, flush=True))
+                         progress=lambda line: print(line, flush=True), resume_after=args.resume_after)
     ok = None
     if world.Get_rank() == 0:
-        ok = report(verdict, tc, cfg, world.Get_size(), sys.stdout, args.loss_steps)
+        ok = report(verdict, tc, cfg, world.Get_size(), sys.stdout, args.loss_steps, args.resume_after)
         if args.plot:
             from hsgd.check.verdict import plot_tolerance
             plot_tolerance(verdict, args.plot)

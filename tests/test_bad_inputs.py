@@ -83,6 +83,11 @@ OUT_OF_RANGE = [
     (["--fp8", "hybrid", "--fp8-accumulate", "14"], "fp8_accumulate='14' must be BITS:NC, e.g. 14:128"),
     (["--fp8", "hybrid", "--dtype", "bfloat16"], "--fp8 with --dtype bfloat16 is not built"),
     (["--fp8", "fp4"], "argument --fp8: invalid choice: 'fp4'"),
+    (["--fp8-allgather"], "fp8_allgather is an FP8 setting, but --fp8 is off"),
+    (["--fp8", "hybrid", "--fp8-allgather"], "--fp8-allgather casts the weights ZeRO-3 gathers, but this run has "
+                                             "--zero 0"),
+    (["--fp8", "hybrid", "--fp8-recipe", "rowwise", "--zero", "3", "--fp8-allgather"],
+     "fp8_allgather sends each weight with one scale; --fp8-recipe rowwise"),
 ]
 LAYOUT = [
     (["--tp", "2"], "dp*pp*tp = 1*1*2 = 2 does not match the 1 ranks"),

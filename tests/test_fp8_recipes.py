@@ -1,7 +1,8 @@
 """The scaling recipes and the amax domains of hsgd.fp8, one process: each recipe's cast puts every tile's largest
 magnitude at the format's top and commutes with a power of two; finer tiles keep a row of small values that a
 tensor's outlier would flush; delayed scaling takes the maximum of its history and forgets past its length; the
-declared domains of each operand under the three tensor-parallel schemes; a tile a shard would cut is refused."""
+declared domains of each operand under the three tensor-parallel schemes; a tile a shard would cut is refused; the
+codes FP8 values travel as (hsgd.fp8.codes) are ml_dtypes' bit for bit."""
 from collections import namedtuple
 
 import numpy as np
@@ -92,3 +93,24 @@ def test_a_tile_that_a_shard_would_cut_is_refused():
         check_blocks(cfg, 16, 4, 1)
     with pytest.raises(ConfigError, match=r"seq_len/\(2 cp\) = 8"):
         check_blocks(cfg, 16, 1, 2)
+
+
+@pytest.mark.parametrize("fmt", ["float8_e4m3fn", "float8_e5m2"])
+def test_the_codes_are_ml_dtypes_bit_for_bit(fmt):
+    """Every one of the 256 codes decodes to ml_dtypes' value (NaN where it has NaN, the sign of zero kept), and every
+    finite value encodes back to its code; a saturating cast's values of float32 inputs of every class round-trip."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    from hsgd.fp8.codes import code_values, decode, encode
+    codes = np.arange(256, dtype=np.uint8)
+    ref = codes.view(getattr(ml_dtypes, fmt)).astype(np.float64)
+    mine = code_values(fmt)
+    same = np.array_equal(np.isnan(ref), np.isnan(mine)) and np.array_equal(ref[~np.isnan(ref)], mine[~np.isnan(mine)])
+    finite = np.isfinite(ref)
+    back = np.array_equal(encode(ref[finite], fmt), codes[finite])
+    signs = np.array_equal(np.signbit(decode(codes[finite], fmt, np.float32)), np.signbit(ref[finite]))
+    x = np.concatenate([np.random.default_rng(0).standard_normal(4000).astype(np.float32) * 10.0 ** k
+                        for k in range(-9, 6)] + [np.float32([0.0, -0.0, 1e-45, -1e-45, 3e38, -np.inf, np.inf])])
+    q = round_to(x, fmt, saturate=True)
+    trip = np.array_equal(decode(encode(q, fmt), fmt, np.float32), q)
+    print(f"{fmt}: 256 codes as ml_dtypes {same}, encoded back {back}, signs {signs}; {x.size} casts round-trip {trip}")
+    assert same and back and signs and trip

@@ -149,11 +149,14 @@ def test_what_the_narrow_formats_do_not_combine_with_is_refused(flags, words):
 
 
 @pytest.mark.parametrize("flags,words", [
-    (["--dtype", "float64", "--layouts", "1x1x1"], "--layouts, --seeds, --loss-steps and --plot are the tolerance"),
+    (["--dtype", "float64", "--layouts", "1x1x1"], "--layouts, --seeds, --loss-steps, --resume-after and --plot are"),
     (["--dtype", "bfloat16", "--layouts", "1x1"], "'1x1' is not a layout; write dp x pp x tp"),
     (["--dtype", "bfloat16", "--layouts", "1x1x1,2x1x1"], "2x1x1 needs 2 ranks, mpirun started 1"),
     (["--dtype", "float16", "--seeds", "0"], "give --seeds from 1 to 64"),
-    (["--dtype", "float64", "--seeds", "3"], "--layouts, --seeds, --loss-steps and --plot are the tolerance oracle's"),
+    (["--dtype", "float64", "--seeds", "3"], "--resume-after and --plot are the tolerance oracle's"),
+    (["--dtype", "float64", "--resume-after", "2"], "--resume-after and --plot are the tolerance oracle's"),
+    (["--dtype", "fp8", "--loss-steps", "2", "--resume-after", "1"], "--loss-steps compares a loss, --resume-after"),
+    (["--dtype", "fp8", "--fp8-recipe", "delayed"], "use --loss-steps K (K >= 2), --resume-after K (K >= 1)"),
     (["--dtype", "bfloat16", "--layouts", "1x1x1,1x1x1x1"], "1x1x1x1 is given twice"),
     (["--dtype", "bfloat16", "--plot", "/nonexistent-folder/o.png"], "its folder '/nonexistent-folder' does not exist"),
     (["--dtype", "bfloat16", "--pp-split", "1,1"], "pp_split")])

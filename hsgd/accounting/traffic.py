@@ -22,11 +22,15 @@ def step_formula(cfg, tc, trainer):
     grid, stage = trainer.grid, trainer.stage
     if stage.fp8 is not None:                                         # the scales' amax reductions (hsgd.fp8)
         rows = tc.batch_size // grid.dp // tc.micro_batches * (cfg.seq_len // grid.cp)
-        for key, (calls, nbytes) in cast_formula(stage.fp8, stage.setup.products.holders, grid.dp_comm, stage.layers,
-                                                 cfg.mlp, trainer.shard_shapes, rows, tc.micro_batches,
-                                                 trainer.dtype.itemsize, tc.recompute == "full").items():
-            c0, b0 = f.get(key, (0, 0))
-            f[key] = (c0 + calls, b0 + nbytes)
+        wire = getattr(trainer.exchange, "wire", None)                # (ZeRO 3 sending FP8: hsgd.dp.fp8_gather)
+        sent = getattr(wire, "sends_fp8", False)
+        terms = [cast_formula(stage.fp8, stage.setup.products.holders, grid.dp_comm, stage.layers, cfg.mlp,
+                              trainer.shard_shapes, rows, tc.micro_batches, trainer.dtype.itemsize,
+                              tc.recompute == "full", sent)] + ([wire.formula()] if sent else [])
+        for term in terms:
+            for key, (calls, nbytes) in term.items():
+                c0, b0 = f.get(key, (0, 0))
+                f[key] = (c0 + calls, b0 + nbytes)
     if grid.ep > 1 and stage.routing:                                 # the all-to-all: from the step's routing
         kept = np.stack(grid.ep_comm.allgather_obj(sum(to_numpy(r["kept"]) for r in stage.routing.values())))
         calls = tc.micro_batches * len(stage.routing)

@@ -42,9 +42,15 @@ FP8 (hsgd.verify --dtype fp8, --fp8-recipe tensorwise by default): g_L is the la
 (--fp8 hybrid), g and g_L^64 run without FP8, and each draw perturbs every FP8 cast at the scale the run takes
 (PerturbedFp8: y = x s becomes y (1 + u e), u = 2^-4 for E4M3 and 2^-3 for E5M2; a saturated or subnormal value is
 cast as the run casts it). A scale taken over the wrong ranks is then in every draw alike and shows only in g_L: the
-sequence scheme's inputs cast on each T-shard's own amax are read with another rank's scale (tests/mpi/
-test_oracle.py). A scale that differs between the shards of a weight no rank sends in FP8 changes values by
-rounding only: the exact FP8 mode names it (tests/mpi/test_fp8.py), no band can.
+sequence scheme's inputs cast on each T-shard's own amax are read with another rank's scale, and so are ZeRO-3's
+weight chunks sent as FP8 codes (--fp8-allgather) cast on each chunk's own amax (tests/mpi/test_oracle.py). A scale
+that differs between the shards of a weight no rank sends in FP8 changes values by rounding only: the exact FP8 mode
+names it (tests/mpi/test_fp8.py), no band can.
+
+With --resume-after K every run trains K steps, a new run loads the state a checkpoint keeps (the optimizer's
+moments, delayed scaling's amax histories) and the gradients of step K + 1 are compared: a resume that loses the
+histories casts that step with scale 1, as a fresh run's first step does, and is flagged (one step's gradients
+of delayed scaling without a history are not held to the band: hsgd.verify refuses them).
 
 A difference outside its band is flagged, and the oracle exits 1; so does a non-finite difference, and a layout
 whose float64 run differs from the reference by more than hsgd.verify's float64 tolerance (a bug that is not
@@ -201,19 +207,21 @@ def layout_config(tc, layout, **changes):
 
 # ------------------------------------------------------------------------------------------- one run
 
-def run_layout(cfg, tc, layout, seed, world, dtype, corpus, num=None, loss_steps=0):
+def run_layout(cfg, tc, layout, seed, world, dtype, corpus, num=None, loss_steps=0, resume_after=0):
     """Collective over world: one run of `layout` on its first dp pp cp tp ranks, from the weights of `seed`, in
     `dtype` (with `num`: the stage rounds as num says), on the batches of hsgd.model.data's `corpus`. loss_steps = 0:
     one step's gradient of the batch of `seed`, returned on world rank 0 as {name: full float64 array} (a float16
     run that overflows at its loss scale S halves S and tries again, as the scaler would); loss_steps = K: K
-    training steps, then the mean loss of one validation batch (a float on rank 0). None on the other ranks. A
-    settings error on any rank is raised on every rank of world (launch.agree)."""
+    training steps, then the mean loss of one validation batch (a float on rank 0); resume_after = K: K training steps,
+    the state a checkpoint keeps (HybridTrainer.state_dict) loaded by a new trainer, and then the gradient of step
+    K + 1's batch. None on the other ranks. A settings error on any rank is raised on every rank of world
+    (launch.agree)."""
     n = int(np.prod(layout))
     sub = world.Split(0 if world.Get_rank() < n else MPI.UNDEFINED, world.Get_rank())
-    ltc = layout_config(tc, layout, seed=seed, dtype=dtype, steps=max(1, loss_steps))
+    ltc = layout_config(tc, layout, seed=seed, dtype=dtype, steps=max(1, loss_steps, resume_after + 1))
 
     def mine():                                                  # (the ranks outside the layout: nothing to do)
-        return None if sub == MPI.COMM_NULL else one_run(cfg, ltc, sub, corpus, num, loss_steps)
+        return None if sub == MPI.COMM_NULL else one_run(cfg, ltc, sub, corpus, num, loss_steps, resume_after)
 
     try:
         result = launch.agree(world, mine)
@@ -223,21 +231,35 @@ def run_layout(cfg, tc, layout, seed, world, dtype, corpus, num=None, loss_steps
     return result if world.Get_rank() == 0 else None
 
 
-def one_run(cfg, tc, sub, corpus, num, loss_steps):
+def one_run(cfg, tc, sub, corpus, num, loss_steps, resume_after=0):
     """run_layout's work on the ranks of the layout (sub, of dp pp cp tp ranks)."""
     grid = ProcessGrid(sub, dp=tc.dp, pp=tc.pp, tp=tc.tp, cp=tc.cp, ep=tc.ep)
     trainer = None
-    try:
-        trainer = HybridTrainer(cfg, grid, tc)
+
+    def new_trainer():
+        t = HybridTrainer(cfg, grid, tc)
         if callable(num):                                        # (an FP8 draw: perturbed_fp8)
-            num(trainer)
+            num(t)
         elif num is not None:
-            trainer.use_numerics(num)
+            t.use_numerics(num)
+        return t
+
+    try:
+        trainer = new_trainer()
         if loss_steps:
             for step in range(1, loss_steps + 1):
                 trainer.step(*corpus.batch(tc.seed, step, tc.batch_size), step)
             return trainer.evaluate(corpus, 1, tc.batch_size)                  # (collective)
-        idx, targets = corpus.batch(tc.seed, 1, tc.batch_size)
+        for step in range(1, resume_after + 1):
+            trainer.step(*corpus.batch(tc.seed, step, tc.batch_size), step)
+        if resume_after:                                         # a resume: only what the state carries goes on
+            state = trainer.state_dict()                         # (collective over dp_comm)
+            trainer.finish()
+            trainer.free()
+            trainer = None
+            trainer = new_trainer()
+            trainer.load_state_dict(state)
+        idx, targets = corpus.batch(tc.seed, resume_after + 1, tc.batch_size)
         for _ in range(64):
             trainer.gradients(idx, targets)
             mine = {k: to_numpy(g).astype(np.float64) for k, g in trainer.averaged_grads().items()}   # (unscaled)
@@ -278,11 +300,11 @@ def spread(draws, ref):
     return {k: sum(e[k] ** 2 for e in each) / (len(draws) - 1) for k in ref}
 
 
-def oracle(cfg, tc, layouts, seeds, world, corpus, loss_steps=0, progress=None):
+def oracle(cfg, tc, layouts, seeds, world, corpus, loss_steps=0, progress=None, resume_after=0):
     """Collective over world: the Verdict on rank 0 (None elsewhere). tc.dtype is bfloat16 or float16, or float32
     with tc.fp8 (hsgd.verify --dtype fp8: the runs in float32 with FP8 products, the draws through PerturbedFp8, the
     float64 runs without FP8); seeds: the seeds tc.seed, tc.seed + 1, ...; progress(text): a line per seed on
-    rank 0."""
+    rank 0; resume_after = K: every run trains K steps and resumes from its state before its gradient is taken."""
     fp8 = bool(tc.fp8)
     if tc.dtype not in LOW and not (fp8 and tc.dtype == "float32"):
         raise ConfigError(f"the tolerance oracle is for --dtype {' or '.join(LOW)} or fp8, not {tc.dtype}")
@@ -294,12 +316,12 @@ def oracle(cfg, tc, layouts, seeds, world, corpus, loss_steps=0, progress=None):
     names = ["loss"] if loss_steps else list(cfg.param_shapes())
     verdict = Verdict(layouts, names, "float8_e4m3fn" if fp8 else tc.dtype, tc.batch_size * cfg.seq_len)
     plain = replace(tc, fp8=None, fp8_recipe=None, fp8_history=None, fp8_margin=None, fp8_block=None,
-                    fp8_accumulate=None, fp8_check=False)             # the float64 runs: no FP8
+                    fp8_accumulate=None, fp8_check=False, fp8_allgather=False)   # the float64 runs: no FP8
     rank0 = world.Get_rank() == 0
     n_draws = 2 if not loss_steps else max(2, 1 + -(-8 // seeds))     # one number per run: >= 8 degrees of freedom
 
     def run(L, seed, dtype, num=None, ltc=tc):
-        x = run_layout(cfg, ltc, L, seed, world, dtype, corpus, num, loss_steps)
+        x = run_layout(cfg, ltc, L, seed, world, dtype, corpus, num, loss_steps, resume_after)
         return {"loss": np.array(x)} if loss_steps and rank0 else x
 
     for i in range(seeds):

@@ -75,11 +75,12 @@ class Verdict:
         return bad, [L for L in self.layouts if not self.exact[L] <= FLOAT64_TOLERANCE]
 
 
-def report(verdict, tc, cfg, world_size, out, loss_steps=0):
+def report(verdict, tc, cfg, world_size, out, loss_steps=0, resume_after=0):
     """The oracle's tables, on rank 0; returns True when every difference is inside its band."""
     u, n = unit_roundoff(verdict.compute), len(verdict.vs64[verdict.layouts[0]][verdict.names[0]])
     base = name_of(verdict.layouts[0])
-    what = (f"the loss after {loss_steps} steps" if verdict.names == ["loss"] else "one step's gradients")
+    what = (f"the loss after {loss_steps} steps" if verdict.names == ["loss"] else "one step's gradients" + (
+        f" after {resume_after} steps and a resume" if resume_after else ""))
     print(f"hsgd.verify, the tolerance oracle | {world_size} ranks | {verdict.compute} (u = {u:.1e}), reduce "
           f"{tc.reduce_dtype} | {what}, {n} seeds | batch {tc.batch_size} x {cfg.seq_len}, {tc.micro_batches} "
           f"micro-batch(es) | {tc.tp_scheme}", file=out)

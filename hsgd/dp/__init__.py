@@ -11,7 +11,10 @@ SGD) and 8 (overlap, ZeRO, hierarchical, stragglers and staleness); chapter 19 (
     zero1         ZeRO 1: reduce-scatter, the owned chunk's update, all-gather
     sharded       what ZeRO 2 and 3 share: each layer's gradient reduce-scattered during the backward pass
     zero2         ZeRO 2: gradients and optimizer state sharded, the parameters kept whole
-    zero3         ZeRO 3: the parameters sharded too, gathered layer by layer (with zero2: hybrid sharding)
+    zero3         ZeRO 3: the parameters sharded too, gathered layer by layer (with zero2: hybrid sharding);
+                  how a layer travels is a Wire
+    fp8_gather    ZeRO 3's wire that sends the block linears' weights as FP8 codes, one byte a value, with the
+                  scale agreed over the shards first (--fp8-allgather; chapter 16b)
     folded        with expert parallelism: the dense gradients averaged over dp_comm, the experts' over edp_comm
                   (one flat buffer for the plain exchange; two exchanges of a kind for ZeRO and overlap)
     make          the one place the exchange is made from the settings (or its sizes alone, for the planner)

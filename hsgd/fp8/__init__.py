@@ -9,6 +9,9 @@ is agreed over. Chapter 16b.
     reference   the serial FP8 reference: serial SGD cast as a layout casts (the exact mode's oracle)
     traffic     the scales' collectives in one step, in closed form (the step formula's FP8 terms)
     accumulate  limited-precision accumulation of a product, promoted to float32 every N_c terms (DeepSeek-V3)
+    codes       the 256 codes of E4M3 and E5M2: what an FP8 value travels as (one byte)
+
+ZeRO-3 sending its weights as FP8 codes (--fp8-allgather) is hsgd.dp.fp8_gather's.
 
 The formats themselves (E4M3, E5M2: rounding, saturating) are hsgd.model.precision's.
 """

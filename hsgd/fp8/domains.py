@@ -178,6 +178,9 @@ def check_fp8_layout(cfg, tc):
         raise ConfigError(f"--fp8 with n_kv_heads={cfg.n_kv_heads} below tp={tc.tp} is not built: each tp rank that "
                           "holds a copy of a key/value head has a partial dk, dv until they are summed, and an FP8 "
                           "cast of a partial sum is not the cast of the sum; use tp <= n_kv_heads")
+    if getattr(tc, "fp8_allgather", False) and tc.zero != 3:
+        raise ConfigError(f"--fp8-allgather casts the weights ZeRO-3 gathers, but this run has --zero {tc.zero}, which "
+                          "gathers no weights before a forward; add --zero 3, or leave --fp8-allgather off")
     s = tc.fp8_settings()
     if s.recipe == "blockwise":
         check_blocks(cfg, s.block, tc.tp, tc.cp)

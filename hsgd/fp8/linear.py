@@ -78,7 +78,10 @@ class Fp8Ops:
         return n if n is not None and FP8_LINEARS.match(n) else None
 
     def q(self, a2, role, name, axis):
-        """Operand a2 (2-D) of the linear `name` cast along `axis`."""
+        """Operand a2 (2-D) of the linear `name` cast along `axis` (a weight ZeRO-3 sent as FP8 arrives cast with its
+        one scale, hsgd.dp.fp8_gather: as it is)."""
+        if role == "w" and name in self.fp8.precast:
+            return a2
         h = self.holders
         return self.fp8.quantize(a2, role, key(name, role), h.spread(name, role), h, axis)
 

@@ -33,7 +33,9 @@ Fp8Settings = namedtuple("Fp8Settings", "fmt recipe history margin block accumul
 
 BUGS = {
     "amax-dp-only": "the amax reduced over the data-parallel ranks only, never over tp (Megatron-LM PR #442)",
-    "amax-local-shard": "a weight's amax taken on this rank's tp shard alone (pytorch/torchtitan #3109)",
+    "amax-local-shard": "a weight's amax taken on this rank's piece alone: its tp shard, and with --fp8-allgather its "
+                        "ZeRO-3 chunk, whose codes the other ranks read with their own scale (the regression of "
+                        "pytorch/torchtitan #3109: a per-tensor amax of a DTensor's local shard)",
     "amax-no-sp-reduce": "the sequence scheme's inputs cast on their T-shard's amax, not reduced over tp "
                          "(TransformerEngine PR #74)",
     "stale-history": "a resumed run starts with empty amax histories instead of the checkpoint's",
@@ -54,6 +56,7 @@ class Fp8:
         self.recording = True                # False: an evaluation's forward leaves the histories alone
         self.counts = defaultdict(int)       # {(role, "values" | "overflow" | "underflow"): this step's count}
         self.last = {}                       # the last finished step's counts
+        self.precast = set()                 # weights that arrive cast (hsgd.dp.fp8_gather: sent as FP8 codes)
 
     # -------------------------------------------------------------------------------------------- the cast
     def quantize(self, x2, role, key, spread, holders, axis):

@@ -35,12 +35,14 @@ def amax_size(recipe, role, axis, shape):
     return (n // b) * (m // b) if role == "w" else (n * (m // b) if axis == 1 else (n // b) * m)
 
 
-def cast_formula(fp8, holders, dp_comm, layers, mlp, shapes, rows, m, itemsize, recompute_full=False):
+def cast_formula(fp8, holders, dp_comm, layers, mlp, shapes, rows, m, itemsize, recompute_full=False,
+                 weights_sent=False):
     """{(communicator name, "Allreduce"): (calls, bytes)} of one step's FP8 scale traffic on this rank. fp8: the run's
     hsgd.fp8.scaling.Fp8; holders: the stage's Holders; dp_comm: the step's end reduces delayed scaling's amaxes
     over it; layers: the stage's blocks; mlp: "gelu" or "swiglu"; shapes: {weight name: its local shape (K, M)};
     rows: the tokens of one micro-batch a linear sees (N); m: micro-batches; itemsize: bytes of the run's numbers
-    (a current amax is one of them; delayed's record and the checked scales are float64)."""
+    (a current amax is one of them; delayed's record and the checked scales are float64); weights_sent: ZeRO-3 sends
+    the weights cast (hsgd.dp.fp8_gather, whose formula counts their scales): the linears cast no w."""
     out = {}
 
     def add(comms, size, itemsize, times=1):
@@ -65,8 +67,9 @@ def cast_formula(fp8, holders, dp_comm, layers, mlp, shapes, rows, m, itemsize, 
             keys.add(("x", input_key(names[0])))
             for n in names:
                 Kn, Mn = shapes[n]
-                cast(n, "w", 0, (Kn, Mn), fwd)                       # forward
-                cast(n, "w", 1, (Kn, Mn), 1)                         # dgrad
+                if not weights_sent:
+                    cast(n, "w", 0, (Kn, Mn), fwd)                   # forward
+                    cast(n, "w", 1, (Kn, Mn), 1)                     # dgrad
                 cast(n, "dy", 1, (rows, Mn), 1)                      # dgrad
                 cast(n, "dy", 0, (rows, Mn), 1)                      # wgrad
                 keys.update({("w", n), ("dy", n)})

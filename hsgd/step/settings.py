@@ -187,6 +187,9 @@ class Data:
                                shown="off: in --dtype", metavar="BITS:NC")
     fp8_check: bool = flag(False, "with --fp8: compare every scale over the ranks that hold its tile, and stop "
                                   "naming the operand if they differ (costs two Allreduces per cast)")
+    fp8_allgather: bool = flag(False, "with --fp8 and --zero 3: each rank casts its chunk of the block linears' "
+                                      "weights to FP8 before the All-Gather, one byte a value (the scale agreed "
+                                      "over the shards first; --fp8-recipe tensorwise or delayed)")
     device: str = flag(None, "cpu (NumPy) or gpu (CuPy)", shown="$HSGD_DEVICE, else cpu", choices=("cpu", "gpu"))
     threads: int = flag(None, "CPU threads per rank: for BLAS and the tuned layers; a rank that holds the whole "
                               "model (pp = tp = 1) splits each micro-batch's sequences over them (not with "
@@ -207,7 +210,7 @@ class Data:
         """--fp8 and its settings (hsgd.fp8): a setting without --fp8, a history below 1, a block below 1, a
         BITS:NC that is not one, a low-precision --dtype (FP8 runs on float32 or float64)."""
         given = [n for n in ("fp8_recipe", "fp8_history", "fp8_margin", "fp8_block", "fp8_accumulate")
-                 if getattr(self, n) is not None] + (["fp8_check"] if self.fp8_check else [])
+                 if getattr(self, n) is not None] + [n for n in ("fp8_check", "fp8_allgather") if getattr(self, n)]
         if not self.fp8:
             if given:
                 raise ConfigError(f"{given[0]} is an FP8 setting, but --fp8 is off; add --fp8 hybrid (or e4m3)")
@@ -228,6 +231,10 @@ class Data:
             check_nonnegative_int("fp8_margin", self.fp8_margin)
         if self.fp8_accumulate is not None:
             fp8_accumulate_value(self.fp8_accumulate)
+        if self.fp8_allgather and recipe not in ("tensorwise", "delayed"):
+            raise ConfigError(f"fp8_allgather sends each weight with one scale; --fp8-recipe {recipe} has a scale per "
+                              "row or block, whose tiles a shard's chunk may cut: use --fp8-recipe tensorwise or "
+                              "delayed, or leave --fp8-allgather off")
 
     def fp8_settings(self):
         """The FP8 settings with their defaults (an hsgd.fp8.scaling.Fp8Settings; accumulate: (bits, nc) or None),

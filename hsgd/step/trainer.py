@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass
 
 from hsgd.dp.average import dp_rows, global_loss, micro_batches
+from hsgd.dp.fp8_gather import gather_wire
 from hsgd.dp.make import make_exchange
 from hsgd.ep.layout import check_moe_layout
 from hsgd.fp8.domains import check_fp8_layout
@@ -64,7 +65,8 @@ class HybridTrainer:
         shards = tp_shards.init_params(cfg, grid.tp_comm, tc.seed, tc.dtype, tc.device, tc.tp_scheme)
         self.shard_shapes = {n: shards[n].shape for n in self.stage.names}   # this rank's tp shards' shapes
         self.exchange = make_exchange(tc.group(Exchange), {n: shards[n] for n in self.stage.names},
-                                      self.stage.groups(), grid, tc.micro_batches, self.stage.num)
+                                      self.stage.groups(), grid, tc.micro_batches, self.stage.num,
+                                      gather_wire(tc, self.stage))    # (--fp8-allgather: ZeRO-3 sends FP8)
         if tc.straggler and int(tc.straggler.split(":")[0]) == grid.rank:   # --straggler RANK:MS, an experiment
             self.exchange.slow_down(int(tc.straggler.split(":")[1]) / 1000.0, self.tracer)
         self.pbuf, self.params = self.exchange.pbuf, self.exchange.params  # my parameters (ZeRO-3: filled per group)

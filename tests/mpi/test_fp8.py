@@ -133,8 +133,25 @@ def test_every_layout_of_8_ranks_equals_the_serial_fp8_reference(i, layout):
           f"{layout}: {errors} {err} {loss_err} {hist_err}")
 
 
+GATHER_CASES = [  # (layout, settings): ZeRO-3 sending the block linears' weights as FP8 codes
+    ((8, 1, 1, 1), dict(fp8_recipe="tensorwise")),
+    ((2, 1, 2, 2), dict(fp8_recipe="delayed", fp8_history=2, tp_scheme="sequence", recompute="full")),
+    ((4, 1, 1, 2), dict(fp8_recipe="tensorwise", micro_batches=2, hierarchical=True, ranks_per_node=2)),
+]
+
+
+@pytest.mark.parametrize("layout, kw", GATHER_CASES, ids=[f"dp{d}-cp{c}-tp{t}" for (d, p, c, t), _ in GATHER_CASES])
+def test_zero_3_sending_fp8_weights_equals_the_serial_fp8_reference(layout, kw):
+    """--zero 3 --fp8-allgather (hsgd.dp.fp8_gather): each rank casts its chunk of the weights with the scale agreed
+    over the shards (and tp) and sends one byte a value; the values are the serial FP8 reference's casts, so the
+    run equals it to 1e-12, its bytes the step formula's (the gathers' bytes included), every scale checked."""
+    err, loss_err, hist_err, errors = compare(layout, dict(kw, zero=3, fp8_allgather=True, fp8_check=True))
+    check(not errors and err <= 1e-12 and loss_err <= 1e-12 and hist_err <= 1e-12,
+          f"{layout}: {errors} {err} {loss_err} {hist_err}")
+
+
 BUG_CASES = [  # (bug, layout, settings): a layout where the bug changes a scale
-    ("amax-local-shard", (4, 1, 1, 2), dict(fp8_recipe="tensorwise")),
+    ("amax-local-shard", (4, 1, 1, 2), dict(fp8_recipe="tensorwise", zero=3, fp8_allgather=True)),
     ("amax-dp-only", (2, 1, 1, 4), dict(fp8_recipe="delayed", fp8_history=2)),
     ("amax-no-sp-reduce", (2, 1, 1, 4), dict(fp8_recipe="tensorwise", tp_scheme="sequence")),
 ]

@@ -29,9 +29,9 @@ LAYOUTS = {"megatron": [(1, 1, 1, 8), (2, 1, 1, 4), (1, 2, 1, 4), (8, 1, 1, 1)],
 
 
 def run_oracle(dtype="bfloat16", scheme="megatron", layouts=((1, 1, 1, 1), (2, 1, 1, 4)), seeds=1, loss_steps=0,
-               cfg=CFG, **kw):
+               cfg=CFG, resume_after=0, **kw):
     tc = float64_config(**{**dict(dtype=dtype, batch_size=8, tp_scheme=scheme, tp=1, dp=8), **kw})
-    verdict = oracle(cfg, tc, list(layouts), seeds, WORLD, CORPUS, loss_steps)
+    verdict = oracle(cfg, tc, list(layouts), seeds, WORLD, CORPUS, loss_steps, resume_after=resume_after)
     out = io.StringIO()
     ok = report(verdict, tc, cfg, WORLD.Get_size(), out, loss_steps) if WORLD.Get_rank() == 0 else None
     return WORLD.bcast(ok), verdict, out.getvalue()
@@ -115,22 +115,38 @@ def test_fp8_layouts_agree_within_the_band_and_a_scale_over_the_wrong_ranks_is_f
     layouts; the sequence scheme's inputs cast on their T-shard's amax (amax-no-sp-reduce, TransformerEngine PR
     #74: the other ranks' rows saturate), and an amax reduced over dp but never over tp (amax-dp-only, Megatron-LM
     PR #442, which with the sequence scheme does the same) flagged outside it, their float64 runs exact (the bug
-    is in the FP8 casts alone). A weight's amax of its own tp shard (amax-local-shard) is not flaggable this way:
-    no FP8 weight crosses ranks here, so each shard's cast is as accurate as the right one, and only the exact mode
-    (tests/mpi/test_fp8.py) names it."""
+    is in the FP8 casts alone). Then ZeRO-3 sending its weights in FP8 (--fp8-allgather, hsgd.dp.fp8_gather) inside
+    the band, and with each rank's amax taken on its own piece (amax-local-shard, the regression of torchtitan
+    #3109: the pieces are cast with their own scales and read with the reader's) flagged. And delayed scaling
+    through a resume (--resume-after 2: two steps, the state loaded by a new run, the third step's gradients) inside
+    the band, and a resume that drops the amax histories (stale-history) flagged: its first step casts with scale 1,
+    as a fresh run's first step does, which the band of a run with its histories does not hold."""
     fp8 = dict(dtype="float32", fp8="hybrid", fp8_recipe="tensorwise")
     ok, verdict, text = run_oracle(scheme="sequence", layouts=[(1, 1, 1, 1), (2, 1, 1, 4), (1, 2, 2, 2)], **fp8)
     ratio = WORLD.bcast(worst(verdict)[0] if WORLD.Get_rank() == 0 else None)
     say(f"fp8 tensorwise, sequence scheme: largest observed / band {ratio:.2f}")
     good = ok and ratio < 1
-    for bug in ("amax-no-sp-reduce", "amax-dp-only"):
+    sent = dict(fp8, zero=3, fp8_allgather=True)
+    ok, verdict, text = run_oracle(layouts=[(1, 1, 1, 1), (4, 1, 1, 2)], **sent)
+    ratio = WORLD.bcast(worst(verdict)[0] if WORLD.Get_rank() == 0 else None)
+    say(f"fp8 tensorwise, ZeRO-3 sending FP8 weights: largest observed / band {ratio:.2f}")
+    good = good and ok and ratio < 1
+    resumed = dict(fp8, fp8_recipe="delayed", resume_after=2)
+    ok, verdict, text = run_oracle(layouts=[(1, 1, 1, 1), (2, 1, 1, 4)], **resumed)
+    ratio = WORLD.bcast(worst(verdict)[0] if WORLD.Get_rank() == 0 else None)
+    say(f"fp8 delayed, the third step after a resume: largest observed / band {ratio:.2f}")
+    good = good and ok and ratio < 1
+    for bug, kw, L in (("amax-no-sp-reduce", dict(fp8, scheme="sequence"), (2, 1, 1, 4)),
+                       ("amax-dp-only", dict(fp8, scheme="sequence"), (2, 1, 1, 4)),
+                       ("amax-local-shard", sent, (4, 1, 1, 2)),
+                       ("stale-history", resumed, (2, 1, 1, 4))):
         with injected(bug):
-            bad_ok, verdict, text = run_oracle(scheme="sequence", layouts=[(1, 1, 1, 1), (2, 1, 1, 4)], **fp8)
+            bad_ok, verdict, text = run_oracle(layouts=[(1, 1, 1, 1), L], **kw)
         if WORLD.Get_rank() == 0:
             bad, inexact = verdict.outside()
-            flagged = sorted({r[1] for r in bad if r[0] == (2, 1, 1, 4)})
-            say(f"{bug}: {len(flagged)} parameters of 2x1x4 outside the band, e.g. {flagged[:3]}; not exact in "
-                f"float64: {inexact}")
+            flagged = sorted({r[1] for r in bad if r[0] == L})
+            say(f"{bug}: {len(flagged)} parameters of {'x'.join(map(str, L))} outside the band, e.g. {flagged[:3]}; "
+                f"not exact in float64: {inexact}")
             good &= len(flagged) > 0 and inexact == []
         good &= not bad_ok
     check(WORLD.bcast(good), text)
