@@ -77,7 +77,7 @@ def test_experts_on_the_simulated_gpu(tmp_path):
 def test_fp8_on_the_simulated_gpu(tmp_path):
     """FP8 products (--fp8 hybrid, blockwise tiles, dp 1 x tp 2 with the sequence scheme) on the simulated GPU: the
     casts, the amax Allreduces (staged through the host), the counts in the progress line, the step formula's
-    bytes, a checkpoint, with CuPy's host/device rules."""
+    bytes, a checkpoint, with CuPy's host/device rules; then ZeRO-3 sending its weights as FP8 codes on dp 2."""
     r = run_mpi(2, ["-m", "hsgd.train", "--d-model", "32", "--n-heads", "4", "--n-layers", "2", "--d-ff", "64",
                     "--seq-len", "32", "--batch-size", "8", "--eval-batches", "1", "--log-interval", "3",
                     "--device", "gpu", "--tp", "2", "--tp-scheme", "sequence", "--fp8", "hybrid", "--fp8-recipe",
@@ -87,3 +87,11 @@ def test_fp8_on_the_simulated_gpu(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert "device: gpu (CuPy simulated)" in r.stdout and "fp8 casts: " in r.stdout
     assert "<- differs" not in r.stdout
+    r = run_mpi(2, ["-m", "hsgd.train", "--d-model", "32", "--n-heads", "4", "--n-layers", "2", "--d-ff", "64",
+                    "--seq-len", "32", "--batch-size", "8", "--eval-batches", "1", "--log-interval", "2",
+                    "--device", "gpu", "--dp", "2", "--zero", "3", "--fp8", "hybrid", "--fp8-recipe", "tensorwise",
+                    "--fp8-allgather", "--fp8-check", "--steps", "2", "--sample-bytes", "0"],
+                timeout=120, env=sim_env(HSGD_CUDA_AWARE="0"))              # ZeRO-3 sending FP8 codes (uint8)
+    print(r.stdout[-800:])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "fp8 casts: " in r.stdout and "<- differs" not in r.stdout

@@ -35,7 +35,7 @@
 # 3. the amax's domain (`hsgd.fp8.domains`): which ranks hold pieces of an operand, the exact mode (float64 compute
 #    on FP8 values) in which four layouts of 4 ranks equal the serial FP8 reference to 1e-12, what the agreement
 #    costs on the wire, then three bugs that real frameworks shipped, each reproduced, measured against serial and
-#    caught by `--fp8-check`;
+#    caught by `--fp8-check`, and ZeRO-3 sending its weights as FP8 codes, where a local amax does real harm;
 # 4. limited accumulation (`hsgd.fp8.accumulate`): a product whose running sum keeps 14 bits, with and without
 #    promotion to float32 every 128 terms, against the DeepSeek-V3 report's figure, pictured.
 #
@@ -620,6 +620,48 @@ for bug, kw, operand in BUG_CASES:
 say("\n" + inspect.getsource(check_same).split('"""')[-1].strip("\n"))
 
 # %% [markdown]
+# **When an FP8 tensor travels.** The first bug is harmless in itself: a rank that casts its own shard with its own
+# scale and reads it back with that scale has only chosen a finer tile. It does harm once the *codes* cross ranks
+# and the scale does not. ZeRO-3 gathers each layer's weights before its forward and its backward; with
+# `--fp8-allgather` (`hsgd.dp.fp8_gather`, what torchao's FP8 All-Gather does for FSDP2) each rank casts its chunk of
+# the block linears' weights first and sends one byte a value (`hsgd.fp8.codes`), so every weight's amax must be
+# reduced over the shard ranks (and tp) before the cast: every rank decodes every chunk with its own scale. On dp 4
+# with `--zero 3`, tensorwise, in the exact mode: the run against the serial FP8 reference, step 1's All-Gather
+# bytes with and without it, and then the local-shard bug on the same layout:
+
+# %%
+sent_tc = fp8_config((4, 1, 1), fp8_recipe="tensorwise", zero=3, fp8_allgather=True, fp8_check=True)
+ref = pictures.on_rank0(world, lambda: serial_fp8(sent_tc), share=True)
+sent = train_layout(sent_tc)
+as_is = train_layout(fp8_config((4, 1, 1), steps=1, fp8_recipe="tensorwise", zero=3))
+gathered = {name: run["traffic"][("dp", "Allgather")][1] for name, run in (("float64", as_is), ("FP8", sent))}
+sent_err = max(param_err(sent["params"], ref[0]), max(abs(a - b) / b for a, b in zip(sent["losses"], ref[1])))
+say(f"  dp 4, --zero 3 --fp8-allgather: params and losses {sent_err:.1e} from the serial FP8 reference; step 1's "
+    f"All-Gathers {gathered['FP8']} B against {gathered['float64']} B sending float64 "
+    f"({gathered['FP8'] / gathered['float64']:.2f}; the embedding and the head go as they are)")
+check("exact mode, dp 4 --zero 3 --fp8-allgather: params, losses vs serial FP8", sent_err)
+check.holds("sending FP8 codes moves fewer bytes than float64 values", gathered["FP8"] < gathered["float64"])
+local_tc = fp8_config((4, 1, 1), steps=1, fp8_recipe="tensorwise", zero=3, fp8_allgather=True)
+ref = pictures.on_rank0(world, lambda: serial_fp8(local_tc), share=True)
+local_err = param_err(train_layout(local_tc, bugs=["amax-local-shard"])["params"], ref[0])
+caught = train_layout(fp8_config((4, 1, 1), steps=1, fp8_recipe="tensorwise", zero=3, fp8_allgather=True,
+                                 fp8_check=True), bugs=["amax-local-shard"])["error"]
+say(f"  amax-local-shard with the weights sent in FP8: params {local_err:.1e} from serial FP8 after one step\n"
+    f"  --fp8-check, rank 0: {caught}")
+check.holds("amax-local-shard, sent in FP8: one step off by far more than a cast's error (> 1e-2)",
+            local_err > 1e-2)
+check.holds("amax-local-shard, sent in FP8: --fp8-check stops it with ScaleMismatch",
+            all(e is not None and e.startswith("ScaleMismatch") for e in world.allgather(caught)))
+
+# %% [markdown]
+# A chunk cast with its own scale $s_r$ and read with another's $s$ arrives $s_r / s$ times too large: whole
+# weights off by factors, not by roundings. The same runs in float32 go through the tolerance oracle
+# (`tests/mpi/test_oracle.py`): correct, inside its band; with the bug, flagged. The oracle also checks what a
+# resume carries: `python -m hsgd.verify --dtype fp8 --fp8-recipe delayed --resume-after 2` trains two steps, loads
+# the state a checkpoint keeps into a new run and compares the third step's gradients; a resume that loses the amax
+# histories (`stale-history`) casts that step with s = 1, as a fresh run's first step does, and is flagged there.
+
+# %% [markdown]
 # ## 4. Limited accumulation
 #
 # An FP8 tensor core multiplies exactly (an FP8 product has at most 8 significant bits) but adds into a short
@@ -741,7 +783,8 @@ say(f"picture: {pictures.on_rank0(world, draw_accumulation, share=True)}")
 # outlier's damage to its row or tile; delayed scaling's first step flushing a third of the gradients, its second
 # equal to tensorwise; four layouts in the exact mode equal to the serial FP8 reference to 1e-12, their domains as
 # declared and delayed scaling's traffic as counted; three bugs from real frameworks each moving the run by
-# FP8-sized amounts and each named by `--fp8-check` on every rank; a 14-bit truncated accumulator's error growing
+# FP8-sized amounts and each named by `--fp8-check` on every rank; ZeRO-3 sending FP8 codes equal to serial FP8 with
+# fewer bytes, and the local-shard bug then off by whole factors; a 14-bit truncated accumulator's error growing
 # with K as derived, and promotion cutting it.
 
 # %%
@@ -764,6 +807,7 @@ say(f"\nchapter 16b: all {len(check.passed)} checks passed on {world.Get_size()}
 # | `--fp8-recipe tensorwise`, `rowwise` (`Tensorwise`, `Rowwise`) | `--fp8-recipe tensorwise` (TE `Float8CurrentScaling`) | none | `Float8LinearConfig.from_recipe_name("tensorwise")` or `"rowwise"`, `convert_to_float8_training` | scales are fmax/amax exactly, never rounded to a power of two (torchao's rowwise recipe floors them) |
 # | `--fp8-recipe blockwise --fp8-block b` (`Blockwise`; `check_blocks` refuses a tile cut by a shard) | `--fp8-recipe blockwise` (TE `Float8BlockScaling`) | none | none known in `torchao.float8` | b is a setting (128 by default), so a tiny model can run it |
 # | `Holders.reduce_over` per operand; `--fp8-check` (`check_same`, `ScaleMismatch`) | one amax group, `parallel_state.get_amax_reduction_group`, handed to TE's `fp8_autocast(fp8_group=...)` | none | the amax of a DTensor reduced over the mesh dimensions it is sharded on; `precompute_float8_dynamic_scale_for_fsdp` | the domain is declared per operand and checked: a scale that differs between holders stops the run |
+# | `--zero 3 --fp8-allgather` (`hsgd.dp.fp8_gather`: each chunk cast with the scale agreed over the shards, sent as codes) | `--fp8-param-gather` (the parameters kept in FP8 and all-gathered so) | none | `Float8LinearConfig(enable_fsdp_float8_all_gather=True)` with FSDP2, `precompute_float8_dynamic_scale_for_fsdp` | tensorwise and delayed only; the master chunk stays in the run's type, cast at every gather |
 # | `--fp8-accumulate BITS:NC` (`limited_matmul`, `accumulation_error`) | TE's GEMM `use_split_accumulator` | none | `torch._scaled_mm(use_fast_accum=...)`; `Float8GemmConfig(use_fast_accum=...)` | a formula for a short truncated accumulator, not a measurement of a GPU |
 #
 # ## Exercises

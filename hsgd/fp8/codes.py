@@ -56,4 +56,4 @@ def encode(q, fmt):
 def decode(codes, fmt, dtype):
     """The values (dtype) of codes (uint8) of format `fmt`."""
     xp = array_module(codes)
-    return xp.asarray(code_values(fmt))[codes.astype(xp.intp)].astype(dtype)
+    return xp.asarray(code_values(fmt))[codes.astype(xp.int64)].astype(dtype)

@@ -147,7 +147,9 @@ def exchange_rule(tc):
         return "node Reduce-Scatter and All-Gather 2, plus 2/n for the cross-node All-Reduce of the 1/n chunk"
     return {0: "an All-Reduce: 2", 1: "Reduce-Scatter + All-Gather: 2", 2: f"m + 1 = {m + 1}",
             3: f"3m = {3 * m}"}[tc.zero] + (", plus 2/n for the cross-node All-Reduce of the 1/n chunk"
-                                            if tc.zero >= 2 and tc.hierarchical else "")
+                                            if tc.zero >= 2 and tc.hierarchical else "") + (
+        "; --fp8-allgather: the block linears' weights gathered at 1 byte a value, so less; FP8's scale "
+        "Allreduces are in the measured bytes, not in this formula" if getattr(tc, "fp8_allgather", False) else "")
 
 
 def report_memory(mem, say, world=None, grid=None, measured=None, formula=None, step=None):

@@ -361,7 +361,8 @@ FUNCTIONS = frozenset("""
     expm1 eye
     flatnonzero frexp full full_like greater greater_equal isfinite isinf isnan ldexp less less_equal log log1p
     logical_and logical_not logical_or matmul max maximum mean min minimum multiply negative nonzero ones ones_like
-    outer power prod reciprocal reshape rint sign sin split sqrt square squeeze stack subtract sum swapaxes take
+    outer power prod reciprocal reshape rint searchsorted sign signbit sin split sqrt square squeeze stack subtract
+    sum swapaxes take
     tanh tensordot transpose tril triu unique where zeros zeros_like
 """.split())
 CONSTANTS = frozenset("inf nan pi e newaxis float16 float32 float64 int8 int16 int32 int64 uint8 uint32 uint64 "
