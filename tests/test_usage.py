@@ -74,9 +74,13 @@ BOUNDED = [
     ("schedule", ["--micro-batches", "100000000"], "--micro-batches 100000000 is more than the schedule lab draws"),
     ("schedule", ["--schedule", "interleaved", "--virtual-stages", "1000"], "--virtual-stages 1000 is more than"),
     ("schedule", ["--n-layers", "1000000000000"], "--n-layers 1000000000000 is more than the schedule lab draws"),
-    ("verify", ["--dtype", "bfloat16", "--seeds", "1000000000"], "--seeds 1000000000 --loss-steps 0: give --seeds"),
+    ("verify", ["--dtype", "bfloat16", "--seeds", "1000000000"],
+     "--seeds 1000000000 --loss-steps 0 --resume-after 0: give --seeds"),
     ("verify", ["--dtype", "bfloat16", "--loss-steps", "1000000000"],
-     "--seeds 4 --loss-steps 1000000000: give --seeds from 1 to 64 and --loss-steps from 0 to 10000"),
+     "--seeds 4 --loss-steps 1000000000 --resume-after 0: give --seeds from 1 to 64, --loss-steps and --resume-after "
+     "from 0 to 10000"),
+    ("verify", ["--dtype", "bfloat16", "--resume-after", "1000000000"],
+     "--seeds 4 --loss-steps 0 --resume-after 1000000000: give --seeds from 1 to 64"),
     ("sample", ["DIR", "--bytes", "1000000000000"], "--bytes 1000000000000 is more than 1,048,576"),
 ]
 
