@@ -132,6 +132,7 @@ class PerturbedFp8(Fp8):
         s = settings
         super().__init__(s.fmt, make_recipe(s.recipe, s.history, s.margin, s.block), s.accumulate, s.check)
         self.salt = salt
+        self.sends_codes = False                 # (y (1 + u e) is no FP8 number: hsgd.dp.fp8_gather sends values)
 
     def cast(self, y, f, role):
         xp = array_module(y)

@@ -1,15 +1,16 @@
 """FP8 weights sent as FP8 (--fp8-allgather, with --zero 3): each rank casts its chunk of a layer's block-linear
 weights to one byte a value before ZeRO-3's All-Gather, instead of sending the run's 4 or 8 bytes and casting after
-(torchao's FP8 All-Gather for PyTorch's FSDP2 does this; its precompute_float8_dynamic_scale_for_fsdp reduces the
-weights' amaxes over the shards in one call, as scales() does here).
+(torchao's FP8 All-Gather for PyTorch's FSDP2 does this; its precompute_float8_dynamic_scale_for_fsdp reduces all
+the weights' amaxes over the shards in one call after the optimizer's step, where scales() here reduces a layer's at
+each of its gathers).
 
 For group g (a layer, hsgd.dp.sharded: its parameters laid end to end and cut into n chunks of c_g; each weight's
 elements lie in the chunks of one or more shard ranks):
 
     amax_W = MAX over the shard comm (and over tp, where tp splits W) of max |my piece of W|       (tensorwise)
     s_W    = fmax / amax_W              (delayed: from W's amax history; my piece's amax is recorded for it)
-    row    = [ codes of round(w s_W, E4M3) for my pieces of FP8 weights | the bytes of the chunk's other elements ]
-             (hsgd.fp8.codes), padded to the widest rank's row
+    row    = [ the bytes of the chunk's other elements | codes of round(w s_W, E4M3) for my pieces of FP8 weights ]
+             (hsgd.fp8.codes), padded to the widest rank's row (a multiple of itemsize: every row's others aligned)
     Allgather(row) -> (n, width) bytes over the shard comm
     rank j's piece of W = decode(codes) / s_W; its other elements as they were sent
 
@@ -30,8 +31,8 @@ from collections import namedtuple
 from hsgd.dp.zero3 import Wire
 from hsgd.fp8.codes import decode, encode
 from hsgd.fp8.domains import check_same, reduce_max
-from hsgd.fp8.linear import FP8_LINEARS
-from hsgd.fp8.scaling import Fp8, past_max
+from hsgd.fp8.linear import FP8_LINEARS, key as fp8_key
+from hsgd.fp8.scaling import past_max
 from hsgd.model.backend import array_module
 from hsgd.model.precision import FORMATS
 
@@ -74,8 +75,9 @@ class Fp8Gather(Wire):
                 pieces.append(mine)
                 others.append(rest)
                 widths.append(sum(b - a for _, a, b in mine) + size * sum(b - a for a, b in rest))
-            self.plans[g] = Plan(weights, pieces, others, max(widths))
-            ex.sizes.gather_bytes[g] = n * max(widths)
+            width = -(-max(widths) // size) * size                # (a multiple of itemsize: each row aligned)
+            self.plans[g] = Plan(weights, pieces, others, width)
+            ex.sizes.gather_bytes[g] = n * width
 
     def gather(self, g):
         """Group g whole (n c_g,): its FP8 weights cast before the Allgather (the module docstring)."""
@@ -94,37 +96,38 @@ class Fp8Gather(Wire):
             fp8.counts[("w", "values")] += y.size
             fp8.counts[("w", "overflow")] += xp.count_nonzero(xp.abs(y) > past_max(f))
             fp8.counts[("w", "underflow")] += xp.count_nonzero((q == 0) & (y != 0))
-        rest = [mine[a:b] for a, b in plan.others[r]]
-        if type(fp8).cast is Fp8.cast:                                             # FP8 numbers: one byte each
+        rest = xp.concatenate([mine[a:b] for a, b in plan.others[r]] or [xp.zeros(0, dtype)])   # the others
+        out = xp.empty((n, lay.c), dtype=dtype)
+        if fp8.sends_codes:                                                        # FP8 numbers: one byte each
             row = xp.zeros(plan.width, dtype=xp.uint8)
-            body = xp.concatenate([encode(q, f.name)] + [xp.ascontiguousarray(p).view(xp.uint8) for p in rest])
+            body = xp.concatenate([rest.view(xp.uint8), encode(q, f.name)])       # (the others first: aligned)
             row[:body.size] = body
             got = xp.empty((n, plan.width), dtype=xp.uint8)
             ex.shard_comm.Allgather(row, got)                                      # (n, width) every rank's row
+            for j in range(n):
+                m = sum(b - a for a, b in plan.others[j]) * dtype.itemsize       # bytes of rank j's others
+                k = sum(b - a for _, a, b in plan.pieces[j])                       # its FP8 codes
+                self.unpack(plan, j, out[j], got[j, :m].view(dtype), decode(got[j, m:m + k], f.name, dtype), s)
         else:                                                                      # (a draw: values, in dtype)
-            row = xp.concatenate([q] + rest)
             got = xp.empty((n, lay.c), dtype=dtype)
-            ex.shard_comm.Allgather(row, got)
-        out = xp.empty((n, lay.c), dtype=dtype)
-        for j in range(n):
-            k = sum(b - a for _, a, b in plan.pieces[j])                           # rank j's FP8 values
-            vals = decode(got[j, :k], f.name, dtype) if got.dtype == xp.uint8 else got[j, :k]
-            at = 0
-            for i, a, b in plan.pieces[j]:
-                out[j, a:b] = vals[at:at + b - a] / s[i]                           # read with my scale
-                at += b - a
-            tail = got[j, k:] if got.dtype != xp.uint8 else None
-            at = 0
-            for a, b in plan.others[j]:
-                if tail is None:
-                    size = (b - a) * dtype.itemsize
-                    out[j, a:b] = got[j, k + at:k + at + size].view(dtype)
-                    at += size
-                else:
-                    out[j, a:b] = tail[at:at + b - a]
-                    at += b - a
+            ex.shard_comm.Allgather(xp.concatenate([rest, q]), got)
+            for j in range(n):
+                m = sum(b - a for a, b in plan.others[j])
+                self.unpack(plan, j, out[j], got[j, :m], got[j, m:], s)
         fp8.precast.update(plan.weights)
-        return out.reshape(-1)
+        return out.reshape(-1)            # (FP8 runs are float32 or float64: nothing for num to round)
+
+    @staticmethod
+    def unpack(plan, j, out, others, values, s):
+        """Rank j's chunk into out (c_g,): its other elements as sent, its FP8 values / s (read with my scales)."""
+        at = 0
+        for a, b in plan.others[j]:
+            out[a:b] = others[at:at + b - a]
+            at += b - a
+        at = 0
+        for i, a, b in plan.pieces[j]:
+            out[a:b] = values[at:at + b - a] / s[i]
+            at += b - a
 
     def scales(self, plan, mine, f):
         """(weights,) in the run's dtype: each FP8 weight's scale, the same on every rank that holds a piece of it
@@ -140,10 +143,10 @@ class Fp8Gather(Wire):
         if R.delayed:
             if fp8.recording:
                 for i, w in enumerate(plan.weights):
-                    key, a = f"{w}:w", amax[i].astype(xp.float64)
+                    key, a = fp8_key(w, "w"), amax[i].astype(xp.float64)
                     fp8.pending[key] = a if key not in fp8.pending else xp.maximum(fp8.pending[key], a)
-            s = xp.stack([R.scale(xp.asarray(max(fp8.histories[f"{w}:w"]) if fp8.histories.get(f"{w}:w") else 0.0,
-                                             dtype=dtype), f.max) for w in plan.weights]).astype(dtype)
+            past = [fp8.histories.get(fp8_key(w, "w")) for w in plan.weights]
+            s = xp.stack([R.scale(xp.asarray(max(h) if h else 0.0, dtype=dtype), f.max) for h in past]).astype(dtype)
         else:
             comms = ([] if "amax-local-shard" in fp8.bugs else [ex.shard_comm]) + fp8.domain(spread, holders, 0, "w")
             s = R.scale(reduce_max(amax, comms), f.max).astype(dtype)

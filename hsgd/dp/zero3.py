@@ -7,7 +7,7 @@ Bytes per step on the shard comm, m micro-batches, Psi' the padded parameter byt
 Allgather 2 m Psi' (before each forward and each backward), Reduce_scatter_block m Psi'. With m = 1, ZeRO's 3 Psi
 against stage 2's 2 Psi: one more All-Gather of the parameters for never holding them whole.
 How a group's chunks travel is a Wire: as they are, in the run's type (Wire), or, with --fp8-allgather, the FP8
-weights cast to one byte each before they leave (hsgd.fp8.gather.Fp8Gather, as torchao's FP8 All-Gather for PyTorch's
+weights cast to one byte each before they leave (hsgd.dp.fp8_gather.Fp8Gather, as torchao's FP8 All-Gather for PyTorch's
 FSDP2). Left out: prefetching the next layer's parameters (here the gather is exposed).
 """
 from hsgd.dp.sharded import ShardedExchange, ShardedSizes
@@ -96,7 +96,7 @@ class Zero3Exchange(ShardedExchange):
 
 class Wire:
     """How ZeRO-3 moves a group's chunks to every rank of the shard comm: one Allgather of the chunks as they are,
-    in the run's type (bfloat16, float16: then rounded, the model's copy of the weights). hsgd.fp8.gather.Fp8Gather
+    in the run's type (bfloat16, float16: then rounded, the model's copy of the weights). hsgd.dp.fp8_gather.Fp8Gather
     sends some of them as FP8 codes instead."""
 
     def attach(self, ex):

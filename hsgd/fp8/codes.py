@@ -1,4 +1,4 @@
-"""The 256 codes of an 8-bit format: what travels when an FP8 tensor is sent (hsgd.fp8.gather), one byte a value.
+"""The 256 codes of an 8-bit format: what travels when an FP8 tensor is sent (hsgd.dp.fp8_gather), one byte a value.
 
 A code is a sign bit, e exponent bits and m = p - 1 significand bits (E4M3: e = 4, m = 3, bias 7; E5M2: e = 5, m = 2,
 bias 15; bias = 1 - emin, hsgd.model.precision.FORMATS):

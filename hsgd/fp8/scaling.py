@@ -2,6 +2,8 @@
 
     fp8 = Fp8("hybrid", make_recipe("delayed", history=16))
     q = fp8.quantize(x2, "x", key, spread_of_x, holders, axis=1)     # hsgd.fp8.linear calls it for every operand
+                                                                      # (--fp8-allgather: the weights cast before
+                                                                      # ZeRO-3 sends them, hsgd.dp.fp8_gather)
     fp8.end_step(tp_comm, dp_comm)                                    # after each step: the histories move on
 
 quantize(x) returns round(x s, fmt, saturating) / s in x's dtype, with s from the recipe (hsgd.fp8.recipes) and the
@@ -57,6 +59,7 @@ class Fp8:
         self.counts = defaultdict(int)       # {(role, "values" | "overflow" | "underflow"): this step's count}
         self.last = {}                       # the last finished step's counts
         self.precast = set()                 # weights that arrive cast (hsgd.dp.fp8_gather: sent as FP8 codes)
+        self.sends_codes = True              # a cast's values are FP8 numbers (the oracle's draws: not)
 
     # -------------------------------------------------------------------------------------------- the cast
     def quantize(self, x2, role, key, spread, holders, axis):
@@ -157,7 +160,8 @@ class Fp8:
     def summary(self, comms=()):
         """{"overflow": n, "underflow": n, "values": n} of the last step over every role, summed over comms
         (collective): the run's log line. A cast is counted on every rank that makes it: an operand held as a copy
-        on tp ranks counts tp times, and --recompute full casts the forward twice."""
+        on tp ranks counts tp times, and --recompute full casts the forward twice; a weight ZeRO-3 sends in FP8
+        (--fp8-allgather) counts once per gather, on the rank that casts its chunk."""
         tot = np.array([sum(v for (r, k), v in self.last.items() if k == what)
                         for what in ("values", "overflow", "underflow")], dtype=np.float64)
         for c in comms:

@@ -151,13 +151,15 @@ def test_zero_3_sending_fp8_weights_equals_the_serial_fp8_reference(layout, kw):
 
 
 BUG_CASES = [  # (bug, layout, settings): a layout where the bug changes a scale
+    ("amax-local-shard", (4, 1, 1, 2), dict(fp8_recipe="tensorwise")),
     ("amax-local-shard", (4, 1, 1, 2), dict(fp8_recipe="tensorwise", zero=3, fp8_allgather=True)),
     ("amax-dp-only", (2, 1, 1, 4), dict(fp8_recipe="delayed", fp8_history=2)),
     ("amax-no-sp-reduce", (2, 1, 1, 4), dict(fp8_recipe="tensorwise", tp_scheme="sequence")),
 ]
 
 
-@pytest.mark.parametrize("bug, layout, kw", BUG_CASES, ids=[b for b, _, _ in BUG_CASES])
+@pytest.mark.parametrize("bug, layout, kw", BUG_CASES,
+                         ids=[b + ("-sent-in-fp8" if kw.get("fp8_allgather") else "") for b, _, kw in BUG_CASES])
 def test_a_scale_taken_over_the_wrong_ranks_is_named_in_one_step(bug, layout, kw):
     """Each bug, one step: the exact mode differs from the serial FP8 reference by whole FP8 steps (the parameters,
     or delayed scaling's histories, which the next step casts with); with --fp8-check the run stops with

@@ -33,7 +33,7 @@ def run_oracle(dtype="bfloat16", scheme="megatron", layouts=((1, 1, 1, 1), (2, 1
     tc = float64_config(**{**dict(dtype=dtype, batch_size=8, tp_scheme=scheme, tp=1, dp=8), **kw})
     verdict = oracle(cfg, tc, list(layouts), seeds, WORLD, CORPUS, loss_steps, resume_after=resume_after)
     out = io.StringIO()
-    ok = report(verdict, tc, cfg, WORLD.Get_size(), out, loss_steps) if WORLD.Get_rank() == 0 else None
+    ok = report(verdict, tc, cfg, WORLD.Get_size(), out, loss_steps, resume_after) if WORLD.Get_rank() == 0 else None
     return WORLD.bcast(ok), verdict, out.getvalue()
 
 
