@@ -37,8 +37,9 @@ from hsgd.model.backend import array_module
 from hsgd.model.precision import FORMATS
 
 # a group's plan: its FP8 weights' names; per shard rank, the pieces of its chunk that are FP8 weights
-# [(weight index, a, b)] and the others [(a, b)] (offsets in the chunk), and the row's width in bytes
-Plan = namedtuple("Plan", "weights pieces others width")
+# [(weight index, a, b)] and the others [(a, b)] (offsets in the chunk), how many elements each holds (n_fp8,
+# n_others, per rank), and the row's width in bytes
+Plan = namedtuple("Plan", "weights pieces others n_fp8 n_others width")
 
 
 class Fp8Gather(Wire):
@@ -59,7 +60,7 @@ class Fp8Gather(Wire):
             if not weights:
                 continue
             c = ex.sizes.layout[g].c
-            pieces, others, widths = [], [], []
+            pieces, others = [], []
             for r in range(n):
                 lo, hi, mine, rest, at = r * c, (r + 1) * c, [], [], r * c
                 for i, w in enumerate(weights):                  # (the FP8 weights' ranges, in order)
@@ -74,9 +75,11 @@ class Fp8Gather(Wire):
                     rest.append((at - lo, hi - lo))
                 pieces.append(mine)
                 others.append(rest)
-                widths.append(sum(b - a for _, a, b in mine) + size * sum(b - a for a, b in rest))
-            width = -(-max(widths) // size) * size                # (a multiple of itemsize: each row aligned)
-            self.plans[g] = Plan(weights, pieces, others, width)
+            n_fp8 = [sum(b - a for _, a, b in mine) for mine in pieces]
+            n_others = [sum(b - a for a, b in rest) for rest in others]
+            width = max(k + size * m for k, m in zip(n_fp8, n_others))
+            width = -(-width // size) * size                      # (a multiple of itemsize: each row aligned)
+            self.plans[g] = Plan(weights, pieces, others, n_fp8, n_others, width)
             ex.sizes.gather_bytes[g] = n * width
 
     def gather(self, g):
@@ -105,14 +108,13 @@ class Fp8Gather(Wire):
             got = xp.empty((n, plan.width), dtype=xp.uint8)
             ex.shard_comm.Allgather(row, got)                                      # (n, width) every rank's row
             for j in range(n):
-                m = sum(b - a for a, b in plan.others[j]) * dtype.itemsize       # bytes of rank j's others
-                k = sum(b - a for _, a, b in plan.pieces[j])                       # its FP8 codes
+                m, k = plan.n_others[j] * dtype.itemsize, plan.n_fp8[j]           # rank j's bytes, its codes
                 self.unpack(plan, j, out[j], got[j, :m].view(dtype), decode(got[j, m:m + k], f.name, dtype), s)
         else:                                                                      # (a draw: values, in dtype)
             got = xp.empty((n, lay.c), dtype=dtype)
             ex.shard_comm.Allgather(xp.concatenate([rest, q]), got)
             for j in range(n):
-                m = sum(b - a for a, b in plan.others[j])
+                m = plan.n_others[j]
                 self.unpack(plan, j, out[j], got[j, :m], got[j, m:], s)
         fp8.precast.update(plan.weights)
         return out.reshape(-1)            # (FP8 runs are float32 or float64: nothing for num to round)
@@ -148,12 +150,19 @@ class Fp8Gather(Wire):
             past = [fp8.histories.get(fp8_key(w, "w")) for w in plan.weights]
             s = xp.stack([R.scale(xp.asarray(max(h) if h else 0.0, dtype=dtype), f.max) for h in past]).astype(dtype)
         else:
-            comms = ([] if "amax-local-shard" in fp8.bugs else [ex.shard_comm]) + fp8.domain(spread, holders, 0, "w")
+            comms = self.amax_comms(spread)
             s = R.scale(reduce_max(amax, comms), f.max).astype(dtype)
         if fp8.check:
             check_same(s.astype(xp.float64), [ex.shard_comm] + holders.share(spread, R, 0),
                        f"the weights {', '.join(plan.weights)} (w, {R.name}, sent in FP8)")
         return s
+
+    def amax_comms(self, spread):
+        """What a tensorwise weight's amax is reduced over: the shard comm, then the weight's tp domain (the bugs of
+        the run's Fp8 applied: amax-local-shard reduces over neither)."""
+        fp8 = self.stage.fp8
+        mine = [] if "amax-local-shard" in fp8.bugs else [self.ex.shard_comm]
+        return mine + fp8.domain(spread, self.stage.setup.products.holders, 0, "w")
 
     def free(self, g):
         plan = self.plans.get(g)
@@ -176,7 +185,7 @@ class Fp8Gather(Wire):
         for plan in self.plans.values():
             spread, w = holders.spread(plan.weights[0], "w"), len(plan.weights)
             if not fp8.recipe.delayed:
-                add(([] if "amax-local-shard" in fp8.bugs else [ex.shard_comm]) + fp8.domain(spread, holders, 0, "w"),
+                add(self.amax_comms(spread),
                     w * ex.dtype.itemsize, 1)
             if fp8.check:
                 add([ex.shard_comm] + holders.share(spread, fp8.recipe, 0), w * 8, 2)
