@@ -89,25 +89,58 @@ def check_reference_fits(cfg, batch_shape=None, memory=None):
 
 @dataclass
 class Shard:
+    """One rank's piece of a tensor's gradient: a box of the full tensor, cut along the axes of `slices` (none: the
+    whole tensor; two: FSDP x TP, dimension 0 over data-parallel ranks and another over tensor-parallel ones). Along
+    each cut axis the rank's array holds `length` real entries, then `padding` entries that stand for none."""
     rank: int
-    axis: object          # int, or None: the whole tensor
-    offset: int
-    length: int
-    padding: int
+    slices: tuple         # ((axis, offset, length, padding), ...), by axis; (): the whole tensor
     key: str
+
+    @property
+    def axis(self):
+        """The axis of a shard cut along one (None: whole; a shard cut along two has no one axis)."""
+        return self.slices[0][0] if len(self.slices) == 1 else None
+
+    @property
+    def offset(self):
+        return self.slices[0][1] if len(self.slices) == 1 else 0
+
+    @property
+    def length(self):
+        return self.slices[0][2] if len(self.slices) == 1 else 0
+
+    @property
+    def padding(self):
+        """Padding entries along any cut axis (0: none)."""
+        return max((p for *_, p in self.slices), default=0)
+
+    def box(self):
+        """((axis, offset, length), ...): the part of the full tensor it holds, the same for its replicas."""
+        return tuple((a, o, n) for a, o, n, _ in self.slices)
 
     def where(self, ndim):
         """The index of this shard's real entries in the full tensor."""
-        if self.axis is None:
-            return (slice(None),) * ndim
-        return (slice(None),) * self.axis + (slice(self.offset, self.offset + self.length),)
+        index = [slice(None)] * ndim
+        for a, o, n, _ in self.slices:
+            index[a] = slice(o, o + n)
+        return tuple(index)
+
+    def stored_shape(self, shape):
+        """The shape of the rank's array: the tensor's, each cut axis length + padding long."""
+        out = list(shape)
+        for a, _, n, p in self.slices:
+            out[a] = n + p
+        return tuple(out)
 
     def split(self, a):
-        """(real entries, padding entries) of the rank's array a."""
-        if self.axis is None:
-            return a, a[:0]
-        lead = (slice(None),) * self.axis
-        return a[lead + (slice(0, self.length),)], a[lead + (slice(self.length, None),)]
+        """(real entries, padding entries flattened) of the rank's array a: along each cut axis in turn, the entries
+        past `length` (of the rows still real along the axes before) are padding."""
+        pads = []
+        for ax, _, n, _ in self.slices:
+            lead = (slice(None),) * ax
+            pads.append(a[lead + (slice(n, None),)].ravel())
+            a = a[lead + (slice(0, n),)]
+        return a, (np.concatenate(pads) if pads else a.ravel()[:0])
 
 
 @dataclass

@@ -38,8 +38,9 @@ STAMP = b"hsgd-crosscheck run "  # an .npz's zip archive comment: STAMP + the ru
 RUN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:+-]{0,63}")
 SHA256 = re.compile(r"[0-9a-f]{64}")
 # the names of a dump's files, and their temporary names (name.tmpPID) while a writer writes them
-DUMP_NAME = re.compile(r"(dump\.json|layout\.json|params\.npz|batch\.npz|grads-rank(0|[1-9][0-9]{0,8})\.npz)"
+DUMP_NAME = re.compile(r"(dump\.json|layout\.json|(params|batch|grads-rank(0|[1-9][0-9]{0,8}))\.(npz|safetensors))"
                        r"(\.tmp[0-9]{1,10})?")
+ARRAYS = (".npz", ".safetensors")    # a dump's arrays: each file in either (FORMAT.md), never both
 FIX = "write the dump again (into an empty folder, or let its writer clean this one: hsgd/crosscheck/FORMAT.md)"
 
 
@@ -48,9 +49,11 @@ def new_run():
     return f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{secrets.token_hex(4)}"
 
 
-def dump_files(ranks):
-    """The files of a dump of `ranks` ranks, as dump.json lists them (itself not among them)."""
-    return ["layout.json", "params.npz", "batch.npz"] + [grads_file(r) for r in range(ranks)]
+def dump_files(ranks, listed=()):
+    """The files of a dump of `ranks` ranks, as dump.json lists them (itself not among them): layout.json, and
+    params, batch and grads-rank{r}, each .npz or, where `listed` names it so, .safetensors."""
+    stems = ["params", "batch"] + [grads_file(r)[:-len(".npz")] for r in range(ranks)]
+    return ["layout.json"] + [f"{n}.safetensors" if f"{n}.safetensors" in listed else f"{n}.npz" for n in stems]
 
 
 def file_entry(path):
@@ -63,10 +66,10 @@ def file_entry(path):
 def write_manifest(path, run, ranks, files):
     """dump.json in folder `path`: run, ranks and files {name: file_entry}, which must be exactly the dump's
     (dump_files(ranks)). Call it last, when every listed file is whole on disk."""
-    if sorted(files) != sorted(dump_files(ranks)):                # (a writer's mistake, not the user's)
-        raise ValueError(f"dump.json of {ranks} ranks lists {dump_files(ranks)}, not {sorted(files)}")
+    if sorted(files) != sorted(dump_files(ranks, files)):        # (a writer's mistake, not the user's)
+        raise ValueError(f"dump.json of {ranks} ranks lists {dump_files(ranks, files)}, not {sorted(files)}")
     text = json.dumps({"format": SET_FORMAT, "version": SET_VERSION, "run": run, "ranks": ranks,
-                       "files": {n: files[n] for n in dump_files(ranks)}}, indent=1) + "\n"
+                       "files": {n: files[n] for n in dump_files(ranks, files)}}, indent=1) + "\n"
     final = os.path.join(path, MANIFEST)
     tmp = f"{final}.tmp{os.getpid()}"
     with open(tmp, "w", encoding="utf-8") as f:
@@ -80,7 +83,8 @@ def write_manifest(path, run, ranks, files):
 def seal(path, run, ranks):
     """dump.json for the dump's files as they are in `path` now (a writer that did not keep each file's entry; a
     folder written before dump.json existed)."""
-    write_manifest(path, run, ranks, {n: file_entry(os.path.join(path, n)) for n in dump_files(ranks)})
+    here = set(os.listdir(path))
+    write_manifest(path, run, ranks, {n: file_entry(os.path.join(path, n)) for n in dump_files(ranks, here)})
 
 
 def clean(path):
@@ -110,7 +114,7 @@ def check_set(path):
                         "or another system's writer of hsgd/crosscheck/FORMAT.md)")
     man = _manifest(path)
     run, listed = man["run"], man["files"]
-    for name in dump_files(man["ranks"]):
+    for name in dump_files(man["ranks"], listed):
         _same(path, name, listed[name], run)
     foreign = sorted((n for n in os.listdir(path) if DUMP_NAME.fullmatch(n) and n != MANIFEST and n not in listed),
                      key=lambda n: (len(n), n))
@@ -147,11 +151,11 @@ def _manifest(path):
             not 1 <= ranks == len(files) - 3:
         raise DumpError(f"{mpath}: \"ranks\" must be an integer >= 1 and \"files\" list layout.json, params.npz, "
                         "batch.npz and grads-rank{r}.npz for r = 0 .. ranks - 1")
-    expected = dump_files(ranks)
+    expected = dump_files(ranks, files)
     odd = sorted(set(files) - set(expected), key=lambda n: (len(n), n))
     if odd:
         raise DumpError(f"{mpath}: lists {odd[0]!r}, no file of a dump of {ranks} ranks (its files: layout.json, "
-                        f"params.npz, batch.npz, grads-rank0..{ranks - 1}.npz)")
+                        f"params, batch, grads-rank0..{ranks - 1}, each .npz or .safetensors)")
     for name, e in files.items():
         if not isinstance(e, dict) or isinstance(e.get("size"), bool) or not isinstance(e.get("size"), int) or \
                 e["size"] < 0 or not isinstance(e.get("sha256"), str) or not SHA256.fullmatch(e["sha256"]):

@@ -13,20 +13,29 @@ import numpy as np
 from hsgd.model.config import ModelConfig
 from hsgd.errors import ConfigError
 from hsgd.readers import Npz, machine_memory, printable, read_json
+from .manifest import ARRAYS
+from .safetensors import read_safetensors
 from .dump import (DTYPES, FAMILY_KEYS, FORMAT, INTERLEAVES, MODEL_KEYS, MOE_KEYS, PARALLEL, VERSION, Dump, DumpError,
                    Shard, Tensor, check_reference_fits, check_sizes, grads_file, reference_shapes)
 
 MAX_LAYOUT_BYTES = 64 << 20    # layout.json: a model of 1000 layers over 1000 ranks describes itself in a few MB
 
 
-def _npz(path, what, shapes=None, max_bytes=None):
-    """{name: array} of an .npz file written by numpy.savez, read without pickle, after its headers are checked
-    (hsgd.readers.Npz: numbers only, the expected shapes, every array's bytes and all of them at most max_bytes, each
-    member's uncompressed size the header's: nothing is decompressed before); DumpError for anything else."""
-    if not os.path.isfile(path):
-        raise DumpError(f"{path}: no such file ({what}); a dump holds layout.json, params.npz, batch.npz and "
-                        f"grads-rank{{r}}.npz for every rank (hsgd/crosscheck/FORMAT.md)")
-    with Npz(path, "dump file", DumpError, shapes, max_bytes) as z:
+def _arrays(path, stem, what, shapes=None, max_bytes=None):
+    """{name: array} of the dump's file `stem` in folder path: stem.npz (numpy.savez, read without pickle after its
+    headers are checked: hsgd.readers.Npz) or stem.safetensors (hsgd.crosscheck.safetensors: its header checked
+    before a byte of data is read); the expected shapes, every array's bytes and all of them at most max_bytes.
+    DumpError for anything else, for neither file or for both."""
+    found = [stem + ext for ext in ARRAYS if os.path.isfile(os.path.join(path, stem + ext))]
+    if len(found) != 1:
+        missing = f"{os.path.join(path, stem)}.npz: no such file ({what})"
+        raise DumpError(f"{missing}; a dump holds layout.json, params.npz, batch.npz and grads-rank{{r}}.npz for every "
+                        f"rank (or .safetensors for any of them, hsgd/crosscheck/FORMAT.md)" if not found else
+                        f"{os.path.join(path, stem)}: both .npz and .safetensors; a dump holds each file once")
+    name = os.path.join(path, found[0])
+    if name.endswith(".safetensors"):
+        return read_safetensors(name, "dump file", DumpError, shapes, max_bytes)
+    with Npz(name, "dump file", DumpError, shapes, max_bytes) as z:
         return {k: z[k] for k in z.files}
 
 
@@ -44,8 +53,8 @@ def load(path):
     meta = _layout_json(os.path.join(path, "layout.json"), path)
     cfg, dtype, loss, ranks, parallel = _header(meta)
     tensors = _tensors(meta.get("tensors"), cfg, ranks)
-    params = _params(os.path.join(path, "params.npz"), tensors)
-    idx, targets = _batch(os.path.join(path, "batch.npz"), cfg)
+    params = _params(path, tensors)
+    idx, targets = _batch(path, cfg)
     biases = _experts(meta, cfg, parallel, idx.shape)
     grads = _grads(path, tensors, ranks)
     return Dump(path, meta, cfg, dtype, loss, ranks, parallel, tensors, params, idx, targets, grads, biases)
@@ -139,10 +148,11 @@ def _experts(meta, cfg, parallel, batch_shape):
     return out or None
 
 
-def _params(ppath, tensors):
+def _params(path, tensors):
     """params.npz: every tensor whole, of its shape, finite floating point, nothing else."""
     shapes = {name: t.shape for name, t in tensors.items()}
-    params = _npz(ppath, "the parameters before the step", shapes, sum(16 * math.prod(s) for s in shapes.values()))
+    params = _arrays(path, "params", "the parameters before the step", shapes,
+                     sum(16 * math.prod(s) for s in shapes.values()))
     for name, t in tensors.items():
         if name not in params:
             raise DumpError(f"params.npz: no array {name!r}; it holds every tensor of layout.json, whole")
@@ -157,9 +167,10 @@ def _params(ppath, tensors):
     return params
 
 
-def _batch(bpath, cfg):
+def _batch(path, cfg):
     """(idx, targets) of batch.npz: integer ids of the vocabulary, (B, T) with T <= seq_len, as int64."""
-    batch = _npz(bpath, "the step's batch", max_bytes=machine_memory() // 4)     # (the reference's check follows)
+    batch = _arrays(path, "batch", "the step's batch", max_bytes=machine_memory() // 4)   # (the reference's check
+    #                                                                                        follows)
     idx, targets = batch.get("idx"), batch.get("targets")
     if idx is None or targets is None:
         raise DumpError("batch.npz: must hold arrays \"idx\" and \"targets\" (B, T)")
@@ -180,9 +191,8 @@ def _grads(path, tensors, ranks):
     held = [0] * ranks                                          # elements of the shards each rank holds
     for t in tensors.values():
         for s in t.shards:
-            held[s.rank] += math.prod(t.shape) // t.shape[s.axis] * (s.length + s.padding) if s.axis is not None \
-                else math.prod(t.shape)
-    grads = [_npz(os.path.join(path, grads_file(r)), f"rank {r}'s gradients", max_bytes=(1 << 20) + 16 * held[r])
+            held[s.rank] += math.prod(s.stored_shape(t.shape))
+    grads = [_arrays(path, grads_file(r)[:-len(".npz")], f"rank {r}'s gradients", max_bytes=(1 << 20) + 16 * held[r])
              for r in range(ranks)]
     used = [set() for _ in range(ranks)]
     for t in tensors.values():
@@ -190,10 +200,8 @@ def _grads(path, tensors, ranks):
             have = grads[s.rank].get(s.key)
             if have is None:
                 raise DumpError(f"{grads_file(s.rank)}: no array {s.key!r} (a shard of {t.name})")
-            want = list(t.shape)
-            if s.axis is not None:
-                want[s.axis] = s.length + s.padding
-            if list(have.shape) != want:
+            want = s.stored_shape(t.shape)
+            if tuple(have.shape) != want:
                 raise DumpError(f"{grads_file(s.rank)}: {s.key} has shape {have.shape}, its shard of {t.name} "
                                 f"needs {tuple(want)}")
             _floating(have, f"{grads_file(s.rank)}: {s.key}")
@@ -296,50 +304,102 @@ def _fused(fused, name, where, hs):
 
 
 def _shards(entries, t, ranks, where):
+    """[Shard] of a tensor's "shards": each whole, cut along one axis (axis, offset, length, padding) or along
+    several ("slices": a list of such objects, distinct axes: FSDP x TP); their boxes are the same (replicas) or
+    disjoint, and (unless a rank holds it whole) they cover the tensor."""
     if not isinstance(entries, list) or not entries:
         raise DumpError(f"{where}: \"shards\" must list where its gradient's pieces are (at least one)")
-    shards, axes = [], set()
-    for i, s in enumerate(entries):
-        if not isinstance(s, dict):
-            raise DumpError(f"{where}: shard {i} must be an object with rank, axis, offset, length")
-        rank = _int(s.get("rank"), f"{t.name} shard {i}: rank")
-        if rank >= ranks:
-            raise DumpError(f"{where}: shard {i} is on rank {rank}, but the dump has ranks 0..{ranks - 1}")
-        axis = s.get("axis")
-        key = s.get("key", t.name)
-        if not isinstance(key, str):
-            raise DumpError(f"{where}: shard {i}: key must be a string")
-        if axis is None:
-            shards.append(Shard(rank, None, 0, 0, 0, key))
-            axes.add(None)
-            continue
-        _int(axis, f"{t.name} shard {i}: axis")
-        if axis >= len(t.shape):
-            raise DumpError(f"{where}: shard {i}: axis {axis} is not an axis of shape {list(t.shape)}")
-        offset = _int(s.get("offset"), f"{t.name} shard {i}: offset")
-        length = _int(s.get("length"), f"{t.name} shard {i}: length")
-        padding = _int(s.get("padding", 0), f"{t.name} shard {i}: padding")
-        if length + padding < 1:
-            raise DumpError(f"{where}: shard {i} holds nothing (length 0 and no padding)")
-        if offset + length > t.shape[axis]:
-            raise DumpError(f"{where}: shard {i} ({offset} + {length}) runs past {t.shape[axis]} entries of axis "
-                            f"{axis}")
-        shards.append(Shard(rank, axis, offset, length, padding, key))
-        axes.add(axis)
-    split = axes - {None}
-    if len(split) > 1:
-        raise DumpError(f"{where}: its shards split it along axes {sorted(split)}; one axis per tensor")
-    slices = sorted({(s.offset, s.length) for s in shards if s.axis is not None and s.length})
-    for (o1, n1), (o2, n2) in zip(slices, slices[1:]):
-        if o2 < o1 + n1:
-            raise DumpError(f"{where}: shards [{o1}, {o1 + n1}) and [{o2}, {o2 + n2}) overlap without being the same "
-                            "slice; replicas hold the same slice, other shards disjoint ones")
-    if split and None not in axes:
-        axis = split.pop()
-        covered = np.zeros(t.shape[axis], bool)
-        for s in shards:
-            covered[s.offset:s.offset + s.length] = True
-        if not covered.all():
-            hole = int(np.argmin(covered))
-            raise DumpError(f"{where}: no shard holds entry {hole} of axis {axis}; the shards must cover it")
+    shards = [_shard(i, s, t, ranks, where) for i, s in enumerate(entries)]
+    boxes = sorted({s.box() for s in shards if s.slices and all(n for _, _, n in s.box())})
+    _disjoint(boxes, t, where)
+    if boxes and all(s.slices for s in shards):
+        volume = sum(math.prod(n for _, _, n in b) * math.prod(t.shape) //
+                     math.prod(t.shape[a] for a, _, _ in b) for b in boxes)
+        if volume != math.prod(t.shape):
+            hole, axes = _hole(boxes, t.shape), sorted({a for b in boxes for a, _, _ in b})
+            at = f"{hole[axes[0]]} of axis {axes[0]}" if len(axes) == 1 else f"{hole} of shape {list(t.shape)}"
+            raise DumpError(f"{where}: no shard holds entry {at}; the shards must cover it")
     return shards
+
+
+def _shard(i, s, t, ranks, where):
+    """Shard i's Shard: whole (no axis, or axis null), one axis (axis, offset, length, padding: format 1), or the
+    "slices" list; each slice inside the tensor along its axis."""
+    if not isinstance(s, dict):
+        raise DumpError(f"{where}: shard {i} must be an object with rank, axis, offset, length (or slices)")
+    rank = _int(s.get("rank"), f"{t.name} shard {i}: rank")
+    if rank >= ranks:
+        raise DumpError(f"{where}: shard {i} is on rank {rank}, but the dump has ranks 0..{ranks - 1}")
+    key = s.get("key", t.name)
+    if not isinstance(key, str):
+        raise DumpError(f"{where}: shard {i}: key must be a string")
+    if "slices" in s:
+        if s.get("axis") is not None:
+            raise DumpError(f"{where}: shard {i} gives both axis and slices; give one (slices for several axes)")
+        given = s["slices"]
+        if not isinstance(given, list) or not 1 <= len(given) <= len(t.shape):
+            raise DumpError(f"{where}: shard {i}: slices must be a list of 1 to {len(t.shape)} objects (axis, "
+                            "offset, length, padding), one per axis the shard is cut along")
+    else:
+        given = [] if s.get("axis") is None else [s]
+    slices = [_slice(c, f"{t.name} shard {i}", t, where) for c in given]
+    axes = [c[0] for c in slices]
+    if len(set(axes)) != len(axes):
+        raise DumpError(f"{where}: shard {i} cuts axis {max(axes, key=axes.count)} twice; one slice per axis")
+    return Shard(rank, tuple(sorted(slices)), key)
+
+
+def _slice(c, what, t, where):
+    """(axis, offset, length, padding) of one slice object, inside the tensor."""
+    if not isinstance(c, dict):
+        raise DumpError(f"{where}: {what}: a slice must be an object with axis, offset, length (padding)")
+    axis = _int(c.get("axis"), f"{what}: axis")
+    if axis >= len(t.shape):
+        raise DumpError(f"{where}: {what}: axis {axis} is not an axis of shape {list(t.shape)}")
+    offset = _int(c.get("offset"), f"{what}: offset")
+    length = _int(c.get("length"), f"{what}: length")
+    padding = _int(c.get("padding", 0), f"{what}: padding")
+    if length + padding < 1:
+        raise DumpError(f"{where}: {what} holds nothing along axis {axis} (length 0 and no padding)")
+    if offset + length > t.shape[axis]:
+        raise DumpError(f"{where}: {what} ({offset} + {length}) runs past {t.shape[axis]} entries of axis {axis}")
+    return axis, offset, length, padding
+
+
+def _disjoint(boxes, t, where):
+    """DumpError when two different boxes overlap (they hold some entry both, without being the same slice). A box
+    leaves the axes it does not cut whole. Pairwise over the boxes, in blocks of rows (k^2 tests, k the shards)."""
+    if len(boxes) < 2:
+        return
+    lo = np.zeros((len(boxes), len(t.shape)), np.int64)
+    hi = np.tile(np.array(t.shape, np.int64), (len(boxes), 1))
+    for k, b in enumerate(boxes):
+        for a, o, n in b:
+            lo[k, a], hi[k, a] = o, o + n
+    for start in range(0, len(boxes), 256):
+        both = (np.maximum(lo[start:start + 256, None], lo[None]) <
+                np.minimum(hi[start:start + 256, None], hi[None])).all(axis=2)       # (256, k): overlap on every axis
+        both[np.arange(both.shape[0]), np.arange(start, start + both.shape[0])] = False
+        if both.any():
+            i, j = np.argwhere(both)[0]
+            b1, b2 = boxes[start + i], boxes[j]
+            raise DumpError(f"{where}: shards {_text(b1)} and {_text(b2)} overlap without being the same slice; "
+                            "replicas hold the same slice, other shards disjoint ones")
+
+
+def _text(box):
+    return " x ".join(f"axis {a} [{o}, {o + n})" for a, o, n in box)
+
+
+def _hole(boxes, shape):
+    """The first entry of the tensor no box holds (an index tuple); found on the grid of the boxes' cut points."""
+    cuts = [sorted({0, shape[a]} | {v for b in boxes for ax, o, n in b if ax == a for v in (o, o + n)})
+            for a in range(len(shape))]
+    held = np.zeros([len(c) - 1 for c in cuts], bool)
+    for b in boxes:
+        index = [slice(None)] * len(shape)
+        for a, o, n in b:
+            index[a] = slice(cuts[a].index(o), cuts[a].index(o + n))
+        held[tuple(index)] = True
+    cell = np.argwhere(~held)[0]
+    return tuple(int(cuts[a][k]) for a, k in enumerate(cell))
