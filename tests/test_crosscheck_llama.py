@@ -105,14 +105,14 @@ def test_gate_and_up_swapped_is_named(tmp_path, tp):
     megatron_dump(tmp_path, LLAMA, tp, change=swap_halves)
     ok, rows = verdict(tmp_path)
     for name, other in (("h.0.mlp.gate.weight", "h.0.mlp.up.weight"), ("h.0.mlp.up.weight", "h.0.mlp.gate.weight")):
-        assert rows[name]["class"] == "swapped" and rows[name]["detail"].startswith(f"G is {other}'s gradient")
+        assert rows[name]["class"] == "swapped" and rows[name]["detail"].startswith(f"{name} holds {other}'s gradient")
     assert not ok and rows["h.0.attn.q.weight"]["ok"]
 
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_kv_groups_in_another_order_are_a_permutation_of_heads(tmp_path, tp):
-    """The system's k and v heads in another order than its q heads' groups (kv head 1 where 0 belongs): k and v
-    show their heads permuted, q is right."""
+    """The system's k and v heads in another order than its q heads' groups (kv head 1 where 0 belongs): the fused
+    q|k|v searched as one shows k's and v's heads moved, q is right."""
     _, _, _, _, ref = reference(LLAMA)
     hs = LLAMA.head_size
     swapped = np.r_[hs:2 * hs, 0:hs]                                          # kv head 1, then 0
@@ -121,7 +121,8 @@ def test_kv_groups_in_another_order_are_a_permutation_of_heads(tmp_path, tp):
     ok, rows = verdict(tmp_path)
     for m in "kv":
         r = rows[f"h.0.attn.{m}.weight"]
-        assert r["class"] == "permutation" and "heads along axis 1 in another order: [1, 0]" in r["detail"], r
+        moved = f"h.0.attn.{m}.weight 0 <- h.0.attn.{m}.weight 1, h.0.attn.{m}.weight 1 <- h.0.attn.{m}.weight 0"
+        assert r["class"] == "permutation" and "(heads;" in r["detail"] and moved in r["detail"], r
     assert not ok and rows["h.0.attn.q.weight"]["ok"]
 
 

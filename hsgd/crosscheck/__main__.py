@@ -41,8 +41,10 @@ from hsgd.errors import UsageError
 from hsgd.model.precision import LOW, unit_roundoff
 from hsgd.files import writable_file
 from hsgd.readers import printable
+from . import fused
 from .classify import classify, factor_names, match
 from .experts import Others, reference
+from .local import Local
 from .manifest import check_set
 from .read import load
 
@@ -51,9 +53,9 @@ FLOOR = 1e-3              # a parameter's error is relative to at least FLOOR x 
 STRUCTURE = {"float64": 1e-8, "float32": 1e-4}       # classify: equal up to this relative distance
 # the most telling class first: a bug that moves the loss (padding in the softmax) changes every gradient a little,
 # and those then show "no simple pattern"
-FIRST = ("padding", "balance domain", "partial sum", "wrong group", "fused layout", "part missing", "swapped",
-         "constant factor", "permutation", "transposed", "missing", "not finite", "replicas differ",
-         "no simple pattern")
+FIRST = ("padding", "balance domain", "partial sum", "unreduced", "wrong group", "fused layout", "part missing",
+         "swapped", "constant factor", "permutation", "transposed", "missing", "stale replica", "not finite",
+         "replicas differ", "no simple pattern")
 HINT = {"padding": "mask the padded entries (their logits to -inf) or drop them before the loss",
         "partial sum": "a reduction of the partial gradients over the ranks named is missing",
         "constant factor": "a scale by the size named is missing or doubled (a sum where a mean belongs)",
@@ -71,7 +73,12 @@ HINT = {"padding": "mask the padded entries (their logits to -inf) or drop them 
                           "dp x cp for global) before f multiplies P",
         "missing": "the gradient never reaches this rank's buffer (a hook not called, a buffer not synced)",
         "not finite": "an overflow or a division by zero before this gradient",
-        "replicas differ": "the replicas should be equal: a reduction over the wrong group",
+        "unreduced": "the All-Reduce (or Reduce-Scatter) over the data-parallel group: missing, over another mesh "
+                     "dimension (tp), or its result not copied back into the gradient the ranks named hold",
+        "stale replica": "the buffer of the ranks named that do not hold the reference: it is read before the "
+                         "reduction writes it, or from an earlier step (a gradient not zeroed, a copy not refreshed)",
+        "replicas differ": "no replica holds the reference: a reduction over the wrong group (ranks that do not "
+                           "share this parameter, or only some of those that do)",
         "no simple pattern": "the arithmetic itself; compare the forward pass first (the loss)"}
 
 
@@ -99,22 +106,22 @@ def build_parser():
 
 def copies_of(t, grads):
     """([the full stored gradient of tensor t as replica k holds it], [which ranks replica k came from], [the
-    padding entries' arrays]): replica k takes, for every slice, the k-th shard holding it (cycling where a slice
-    has fewer)."""
-    by_slice, pads, copies, labels = {}, [], [], []
+    padding entries' arrays]): replica k takes, for every box (a slice along one axis, or a box along two: FSDP x
+    TP), the k-th shard holding it (cycling where a box has fewer)."""
+    by_box, pads, copies, labels = {}, [], [], []
     for s in t.shards:
         real, pad = s.split(grads[s.rank][s.key].astype(np.float64))
         pads.append(pad)
-        if s.axis is None:
+        if not s.slices:
             copies.append(real)
             labels.append(str(s.rank))
         else:
-            by_slice.setdefault((s.offset, s.length), []).append((s, real))
-    if by_slice:
-        n = max(len(v) for v in by_slice.values())
+            by_box.setdefault(s.box(), []).append((s, real))
+    if by_box:
+        n = max(len(v) for v in by_box.values())
         for k in range(n):
             full, ranks = np.zeros(t.shape), []
-            for held in by_slice.values():
+            for held in by_box.values():
                 s, real = held[k % len(held)]
                 full[s.where(len(t.shape))] = real
                 ranks.append(str(s.rank))
@@ -124,11 +131,13 @@ def copies_of(t, grads):
 
 
 def describe(t):
-    """The split column: how the tensor's gradient is held."""
-    split = sorted({(s.offset, s.length) for s in t.shards if s.axis is not None and s.length})
-    axis = next((s.axis for s in t.shards if s.axis is not None), None)
-    holders = len(t.shards) // max(1, len(split)) if split else len(t.shards)
-    text = f"axis {axis} / {len(split)}" if split else "whole"
+    """The split column: how the tensor's gradient is held ("axis 0 / 4": four pieces along axis 0; "axis 0 / 3 x
+    axis 1 / 2": a 2-D split)."""
+    boxes = {s.box() for s in t.shards if s.slices and all(n for _, _, n in s.box())}
+    axes = sorted({a for b in boxes for a, _, _ in b})
+    pieces = {a: len({(o, n) for b in boxes for ax, o, n in b if ax == a}) for a in axes}
+    holders = len(t.shards) // max(1, len(boxes)) if boxes else len(t.shards)
+    text = " x ".join(f"axis {a} / {pieces[a]}" for a in axes) if boxes else "whole"
     if holders > 1:
         text += f", x{holders}"
     if any(s.padding for s in t.shards):
@@ -142,11 +151,14 @@ def describe(t):
 
 def shard_blocks(t):
     """[(axis, length, "shards")]: the blocks of a split tensor's shards, in the reference's orientation, when it
-    is one parameter split into equal shards (a permutation of them is the ranks gathered in another order)."""
+    is one parameter split along one axis into equal shards (a permutation of them is the ranks gathered in another
+    order)."""
     lengths = {s.length for s in t.shards if s.axis is not None and s.length}
-    axis = next((s.axis for s in t.shards if s.axis is not None), None)
-    if len(t.parts) > 1 or axis is None or len(lengths) != 1 or any(s.padding for s in t.shards):
+    axes = {s.axis for s in t.shards if s.slices}
+    if len(t.parts) > 1 or len(axes) != 1 or None in axes or len(lengths) != 1 or \
+            any(s.padding for s in t.shards):
         return []
+    axis = axes.pop()
     if t.transposed:
         axis = 1 - axis
     return [(axis, lengths.pop(), "shards")]
@@ -229,15 +241,32 @@ def structure_tolerance(dtype, tol, R, floor2):
     return 2 * tol * max(norm, floor2) / max(norm, 1e-300)
 
 
-def other_gradients(dump, params, grads0, t, name):
+def other_gradients(dump, params, grads0, t, name, floor2):
     """[(class, detail, gradient)] the system may have given in name's place: a part fused beside it in t with its
-    shape ("swapped"), and with a tied head wte's two parts alone ("part missing")."""
-    others = [("swapped", f"G is {o}'s gradient, fused beside it in {t.name}: the parts are in another order than "
-                          f"layout.json's fused.parts", grads0[o])
+    shape, or any other parameter of its shape whose gradient is not near zero ("swapped": every k-bias gradient is
+    0, and a zero would hold them all), and with a tied head wte's two parts alone ("part missing")."""
+    others = [("swapped", f"{name} holds {o}'s gradient, fused beside it in {t.name}: the parts are in another order "
+                          f"than layout.json's fused.parts", grads0[o])
               for o in t.parts if o != name and grads0[o].shape == grads0[name].shape]
+    others += [("swapped", f"{name} holds {o}'s gradient: the gradients are written under other names (or the "
+                           f"layers in another order) than layout.json says", g)
+               for o, g in grads0.items() if o not in t.parts and g.shape == grads0[name].shape and
+               float(np.linalg.norm(g)) > floor2]
     if name == "wte" and dump.cfg.tied:
         others += tied_parts(dump, params)
     return others
+
+
+def fused_moves(t, G, grads0, tol, hs):
+    """{part: (class, detail)} when the fused tensor t's stored gradient G is the reference's with blocks moved among
+    its parts (hsgd.crosscheck.fused), else {}."""
+    R = t.from_reference(grads0)
+    moved = fused.moves(t, G, R, tol)
+    if moved is None:
+        return {}
+    word = "heads" if fused.unit(t) == hs and any(".attn." in p for p in t.parts) else \
+        f"blocks of {fused.unit(t)} entries"
+    return fused.describe(t, moved, word)
 
 
 def check(dump, draws=3):
@@ -245,6 +274,7 @@ def check(dump, draws=3):
     params = dump.reference_params()
     loss0, grads0 = reference(dump, params)
     moe = Others(dump, params, grads0)                    # what an expert-parallel bug gives, when first asked
+    local = Local(dump, params)                           # each dp rank's own rows' gradient, when first asked
     low = dump.dtype in LOW
     tol_loss, tol_grad = TOLERANCE.get(dump.dtype, (None, None))
     floor = FLOOR * max(float(np.abs(g).max()) for g in grads0.values())
@@ -268,16 +298,16 @@ def check(dump, draws=3):
         for name in t.parts:
             R = grads0[name]
             mine = [m[name] for m in mapped]
-            abs_err = max(float(np.abs(c - R).max()) for c in mine)
+            abs_err = float(np.max([np.abs(c - R).max() for c in mine]))     # (NumPy's max keeps a NaN of any copy)
             if low:
-                err = max(float(np.linalg.norm(c - R)) for c in mine) / max(float(np.linalg.norm(R)), floor2)
+                err = float(np.max([np.linalg.norm(c - R) for c in mine])) / max(float(np.linalg.norm(R)), floor2)
                 tol = band[name]
             else:
                 err = abs_err / max(float(np.abs(R).max()), floor)
                 tol = tol_grad
             if not np.isfinite(err):
                 err = float("inf")
-            pad = max((float(np.abs(a).max()) for a in pads if a.size), default=0.0)
+            pad = float(np.max([np.abs(a).max() for a in pads if a.size] or [0.0]))
             pad_limit = tol * max(float(np.abs(R).max()), floor)     # padding: held to the real entries' measure
             ok = err <= tol and pad <= pad_limit
             row = {"name": name, "shape": list(R.shape), "tensor": t.name, "split": describe(t),
@@ -289,12 +319,15 @@ def check(dump, draws=3):
             if not ok:
                 structure = structure_tolerance(dump.dtype, tol, R, floor2)
                 if len(t.parts) > 1 and t.name not in relayouts:         # (once per fused tensor)
-                    relayouts[t.name] = relaid(t, copies[0], grads0, structure, dump.cfg, p["tp"])
+                    relayouts[t.name] = relaid(t, copies[0], grads0, structure, dump.cfg, p["tp"]) or \
+                        fused_moves(t, copies[0], grads0, structure, hs)
                 found = relayouts.get(t.name)
+                if isinstance(found, dict):
+                    found = found.get(name)                            # (this part's blocks moved, or not)
                 if found is None:
                     found = classify(name, mine, R, structure, names, hs, labels, pad if pad > pad_limit else 0.0,
-                                     floor2, shard_blocks(t), other_gradients(dump, params, grads0, t, name) +
-                                     moe.of(name))
+                                     floor2, shard_blocks(t), other_gradients(dump, params, grads0, t, name, floor2) +
+                                     moe.of(name) + local.of(name), local.phrases(name))
                 row["class"], row["detail"] = found
             rows[name] = row
     ordered = [rows[n] for n in dump.cfg.param_shapes()]
@@ -317,11 +350,12 @@ def report(dump, ok, loss_row, rows, out=None):
     print(f"loss: system {loss_row['system']:.12g}  reference {loss_row['reference']:.12g}  rel err "
           f"{loss_row['error']:.1e} (tolerance {loss_row['tolerance']:.1e}){flag}", file=out)
     w = max([22] + [len(r["name"]) + 1 for r in rows])                 # (an expert's names are long)
-    print(f"{'parameter':<{w}}{'shape':>11}  {'split':<34}{'max abs err':>12}{metric:>14}{'tolerance':>10}  verdict",
+    ws = max([34] + [len(r["split"]) + 1 for r in rows])             # (a fused tensor split along two axes)
+    print(f"{'parameter':<{w}}{'shape':>11}  {'split':<{ws}}{'max abs err':>12}{metric:>14}{'tolerance':>10}  verdict",
           file=out)
     for r in rows:
         verdict = ("ok, rounding" if r["class"] else "ok") if r["ok"] else r["class"]
-        print(f"{r['name']:<{w}}{str(tuple(r['shape'])):>11}  {r['split']:<34}{r['abs_error']:>12.1e}"
+        print(f"{r['name']:<{w}}{str(tuple(r['shape'])):>11}  {r['split']:<{ws}}{r['abs_error']:>12.1e}"
               f"{r['error']:>14.1e}{r['tolerance']:>10.0e}  {verdict}", file=out)
     bad = [r for r in rows if not r["ok"]]
     if bad:

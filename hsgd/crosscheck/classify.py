@@ -5,6 +5,12 @@ replica of it) with the reference's R, and says what G is, if it is R changed in
     missing          G = 0 where R is not, on every replica or on some: the gradient never arrived there
     partial sum      the replicas differ, and their sum (or mean) over the k distinct copies is R: a reduction
                      over k ranks is missing (a replicated parameter's partial gradients never added up)
+    unreduced        G (every replica, or those that are not R) is one data-parallel rank's own rows' gradient R_d
+                     (or R_d / dp): the reduction over dp is missing, or ran over a group whose ranks hold the same
+                     rows (tp), or its result never reached those ranks' buffers (hsgd.crosscheck.local)
+    stale replica    some replicas are R and the others hold something else (not zero, not a part): their buffer was
+                     not updated with the reduced gradient (stale, or written before the reduction)
+    replicas differ  no replica is R, and they differ without adding up to it: a reduction over the wrong group
     padding          entries that stand for no real index (a vocabulary padded to divide by tp) carry gradient:
                      the padding takes part in the loss
     constant factor  G = c R; c is named by the layout's sizes when it is one of them, a product of two, or an
@@ -12,10 +18,11 @@ replica of it) with the reference's R, and says what G is, if it is R changed in
                      (the simplest names that fit, all of them when two sizes are equal: choose layouts whose
                      sizes differ to tell them apart)
     permutation      G's blocks along one axis are R's in another order: the shards (ranks gathered in another
-                     order), heads (blocks of hs), rows or columns
+                     order), heads (blocks of hs), rows or columns; or blocks of a fused tensor (q|k|v, gate|up,
+                     head groups) moved among its parts (hsgd.crosscheck.fused)
     transposed       G = R^T (a square weight stored the other way round)
-    swapped          G is another parameter's gradient, one fused with it in the same tensor (gate and up of a
-                     fused [gate | up], read in another order than layout.json says)
+    swapped          G is another parameter's gradient: one fused with it in the same tensor (gate and up of a
+                     fused [gate | up], read in another order than layout.json says), or any other of its shape
     part missing     G is one part of R, a sum of several uses of one weight: with tied embeddings wte's gradient
                      is the embedding lookup's plus the LM head's (logits = x wte^T), and one was not added
     wrong group      an expert's G is the sum (or mean) of other experts' R: averaged over ranks that hold other
@@ -135,31 +142,35 @@ def axis_words(name, axis, hs):
     return heads, ("rows" if axis == 0 else "columns")
 
 
-def classify(name, copies, R, tol, names, hs, labels=None, bad_pad=0.0, floor=0.0, blocks=(), others=()):
+def classify(name, copies, R, tol, names, hs, labels=None, bad_pad=0.0, floor=0.0, blocks=(), others=(), local=()):
     """(class, detail) of one parameter whose gradient failed. copies: the assembled replicas of G (reference
     orientation, at least one); R: the reference gradient; tol: the relative distance that counts as equal;
     names: factor_names(...); hs: the head size; labels: the ranks each copy came from ("3", or "0+1" for one
     assembled from the shards of ranks 0 and 1); bad_pad: the largest padding entry, when over its tolerance;
     floor: the norm a difference is at least relative to in the detail (the zero gradient of a k-bias);
     blocks: more (axis, length, word) blocks to look for a permutation of (the tensor's shards);
-    others: [(class, detail, array)]: what else G may be (swapped, part missing; of_others).
+    others: [(class, detail, array)]: what else G may be (swapped, part missing, unreduced; of_others);
+    local: [(what, array)]: each dp rank's own rows' gradient (hsgd.crosscheck.local), for the replicas.
     First what the replicas show (not finite, padding, missing, a partial sum), then whether G is one of the
     others, then what one replica's shape shows (a factor, a transpose, a permutation)."""
     labels = labels or [str(i) for i in range(len(copies))]
-    return (of_replicas(copies, R, tol, labels, bad_pad) or
+    return (of_replicas(copies, R, tol, labels, bad_pad, local) or
             of_others(copies[0], tol, others) or
             of_values(name, copies[0], R, tol, names, hs, floor, blocks))
 
 
-def of_replicas(copies, R, tol, labels, bad_pad):
-    """(class, detail) from the replicas together, or None when they agree and none is zero or not finite."""
+def of_replicas(copies, R, tol, labels, bad_pad, local=()):
+    """(class, detail) from the replicas together, or None when they agree and none is zero or not finite. Replicas
+    that differ: a partial sum (their sum or mean is R), then which ranks hold R and what the others hold (a dp
+    rank's own rows' gradient: unreduced; anything else: a stale replica), then none of them R."""
     if not all(np.isfinite(c).all() for c in copies):
         bad = [labels[i] for i, c in enumerate(copies) if not np.isfinite(c).all()]
         return "not finite", f"the gradient holds inf or NaN (ranks {' | '.join(bad)})"
     if bad_pad:
         scale = float(np.abs(R).max()) or 1.0
         return "padding", (f"the padded entries carry gradient (largest {bad_pad:.2g}, {bad_pad / scale:.2g} of the "
-                           f"largest real entry): the padded vocabulary takes part in the loss")
+                           f"largest real entry): entries that stand for no real index (a vocabulary padded to divide "
+                           f"by tp, a dimension padded to split evenly) take part in the computation")
     zero = [i for i, c in enumerate(copies) if not np.any(c)]
     if zero and np.any(R):
         where = "" if len(zero) == len(copies) else f" on ranks {' | '.join(labels[i] for i in zero)}"
@@ -170,13 +181,30 @@ def of_replicas(copies, R, tol, labels, bad_pad):
     k = len(groups)
     total = sum(v for v, _ in groups)
     held = " | ".join(",".join(labels[i] for i in idx) for _, idx in groups)
+    right = [i for i, c in enumerate(copies) if match(c, R, tol)]
+    wrong = [i for i in range(len(copies)) if i not in right]
+    own = [next((what for what, a in local if match(copies[i], a, tol)), None) for i in wrong]
+    ranks = lambda which: " | ".join(labels[i] for i in which)
+    if right and wrong and all(own):
+        return "unreduced", (f"ranks {ranks(right)} hold the reference; ranks {ranks(wrong)} hold their own rows' "
+                             f"gradient ({own[0]}{', ...' if len(own) > 1 else ''}): the reduced gradient never "
+                             f"reached their buffers")
+    if wrong and all(own):                       # (their mean is R too: the dp slices' gradients, a sum never made)
+        each = "; ".join(f"ranks {labels[i]}: {what}" for i, what in zip(wrong, own))
+        return "unreduced", (f"no replica holds the reference, each its own rows' gradient ({each}): the reduction "
+                             f"over dp is missing, or ran over a group whose ranks hold the same rows (such as tp)")
     if match(total, R, tol):
         return "partial sum", (f"the replicas hold {k} different values (ranks {held}); their sum is the "
                                f"reference: a sum over {k} ranks is missing")
     if match(total / k, R, tol):
         return "partial sum", (f"the replicas hold {k} different values (ranks {held}); their mean is the "
                                f"reference: an average over {k} ranks is missing")
-    return "replicas differ", f"the replicas hold {k} different values (ranks {held}), none adds up to R"
+    if right:
+        return "stale replica", (f"ranks {ranks(right)} hold the reference; ranks {ranks(wrong)} hold another value, "
+                                 f"neither a part of it nor a dp rank's own: their buffer was not updated with the "
+                                 f"reduced gradient (stale, or written before the reduction)")
+    return "replicas differ", (f"the replicas hold {k} different values (ranks {held}), none of them the reference "
+                               f"nor adding up to it: a reduction over the wrong group")
 
 
 def of_others(G, tol, others):
