@@ -102,3 +102,59 @@ def hf_tensors(cfg):
     if not cfg.tied:
         add("lm_head.weight", "lm_head.weight", True)
     return out
+
+
+# in the state dict of older torchtitan versions (a persistent buffer) but no parameter: the rotary table
+TORCHTITAN_BUFFERS = ("freqs_cis",)
+
+
+def torchtitan_tensors(cfg):
+    """{name: (Tensor, None)} of torchtitan's llama3 Transformer (its model's state_dict names, as its Distributed
+    Checkpoints hold them), nothing fused, nn.Linear weights (out, in) so transposed:
+
+        tok_embeddings.weight (V, C)          wte               layers.{i}.attention_norm.weight    h.{i}.ln1.weight
+        layers.{i}.attention.wq/wk/wv.weight  h.{i}.attn.q/k/v  layers.{i}.attention.wo.weight      h.{i}.attn.proj
+        layers.{i}.ffn_norm.weight            h.{i}.ln2.weight  layers.{i}.feed_forward.w1.weight   h.{i}.mlp.gate
+        layers.{i}.feed_forward.w3.weight     h.{i}.mlp.up      layers.{i}.feed_forward.w2.weight   h.{i}.mlp.proj
+        norm.weight                           ln_f.weight       output.weight (V, C)                lm_head.weight
+
+    extended the same way to the GPT-2 family: pos_embeddings.weight for wpe, the norms' and the linears' .bias,
+    feed_forward.w1 for fc (GELU; no w3). A tied model has no output.weight; experts are not named here.
+
+    Rotary positions differ: torchtitan's llama3 turns the interleaved pairs (2i, 2i+1) of a head (its
+    apply_rotary_emb views q and k as complex numbers of adjacent entries), hsgd's reference Hugging Face's halves
+    (i, i + hs/2). The same model in torchtitan therefore has wq's and wk's rows in another order within each head:
+    torchtitan's row h hs + 2i + j is hsgd's h hs + j hs/2 + i (torchtitan's state-dict adapter to Hugging Face
+    permutes them so). A real torchtitan checkpoint's wq and wk, read with this table, differ from hsgd's by that
+    per-head permutation; the table renames, it does not permute."""
+    out = {}
+
+    def add(name, param, transposed=False):
+        out[name] = (tensor(name, [param], cfg, transposed), None)
+
+    def norm(name, prefix):
+        add(name + ".weight", prefix + ".weight")
+        if cfg.norm == "layernorm":
+            add(name + ".bias", prefix + ".bias")
+
+    def linear(name, prefix):
+        add(name + ".weight", prefix + ".weight", True)
+        if cfg.bias:
+            add(name + ".bias", prefix + ".bias")
+
+    add("tok_embeddings.weight", "wte")
+    if cfg.positions == "learned":
+        add("pos_embeddings.weight", "wpe")
+    for i in range(cfg.n_layers):
+        h, m = f"h.{i}.", f"layers.{i}."
+        norm(m + "attention_norm", h + "ln1")
+        for mine, theirs in (("q", "wq"), ("k", "wk"), ("v", "wv"), ("proj", "wo")):
+            linear(m + "attention." + theirs, h + "attn." + mine)
+        norm(m + "ffn_norm", h + "ln2")
+        mlp = (("fc", "w1"),) if cfg.mlp == "gelu" else (("gate", "w1"), ("up", "w3"))
+        for mine, theirs in mlp + (("proj", "w2"),):
+            linear(m + "feed_forward." + theirs, h + "mlp." + mine)
+    norm("norm", "ln_f")
+    if not cfg.tied:
+        add("output.weight", "lm_head.weight", True)
+    return out
