@@ -2,8 +2,10 @@
 #   make train   create .venv if missing, install hsgd with MPI from PyPI, run the default training job:
 #                mpirun -n 8 python -m hsgd.train   (tp = 2, dp = 4)
 #   make test    same install, then the whole test suite (unit, MPI and tutorial tests)
-#   make bench   same install plus PyTorch, then the benchmarks in benchmarks/ (tables in benchmarks/results/) and
-#                the crosscheck of a PyTorch DTensor step (benchmarks/crosscheck_torch.py)
+#   make bench   same install plus PyTorch, then the benchmarks in benchmarks/ (tables in benchmarks/results/), the
+#                crosscheck of a PyTorch DTensor step (benchmarks/crosscheck_torch.py) and of an FSDP2 + TP step
+#                saved with torch.distributed.checkpoint, correct and with each of its bug switches
+#                (benchmarks/crosscheck_fsdp2.py)
 #   make gpu-check  the GPU path on a machine with a GPU and CuPy: tests, verify, training, benchmark
 #   make gpu-sim    the same script on the simulated GPU (tests/simgpu: NumPy with CuPy's rules), no GPU needed
 # Use a system MPI instead of PyPI's mpich wheel:  make test EXTRAS=dev
@@ -46,6 +48,7 @@ test: $(STAMP) lint
 	$(RUN) python -m pytest -q
 
 BENCH_STAMP := $(VENV)/.installed-bench
+FSDP2       := --dp 3 --tp 2 --crosscheck
 
 $(BENCH_STAMP): $(STAMP)
 	$(PY) -m pip install --disable-pip-version-check -q -e '.[$(EXTRAS),bench]'
@@ -63,6 +66,12 @@ bench: $(BENCH_STAMP)
 	$(RUN) python benchmarks/bench_experts.py --np $(NP)
 	d=$$(mktemp -d) && $(RUN) python benchmarks/crosscheck_torch.py --tp 2 --dp 2 --micro-batches 2 --out $$d/dump \
 	    && $(RUN) python -m hsgd.crosscheck $$d/dump; rc=$$?; rm -rf $$d; exit $$rc
+	d=$$(mktemp -d) && $(RUN) python benchmarks/crosscheck_fsdp2.py $(FSDP2) --out $$d/dcp \
+	    && $(RUN) python benchmarks/crosscheck_fsdp2.py $(FSDP2) --out $$d/dcp --arch gpt2 \
+	    && $(RUN) python benchmarks/crosscheck_fsdp2.py $(FSDP2) --out $$d/dcp --bug no-divide --expect 'constant factor' \
+	    && $(RUN) python benchmarks/crosscheck_fsdp2.py $(FSDP2) --out $$d/dcp --bug wrong-mesh-dim --expect unreduced \
+	    && $(RUN) python benchmarks/crosscheck_fsdp2.py $(FSDP2) --out $$d/dcp --bug missing-norm-grad --expect missing; \
+	    rc=$$?; rm -rf $$d; exit $$rc
 
 # The GPU path, on a machine with a GPU and CuPy (pip install -e '.[gpu]'); installs nothing itself.
 gpu-check:
