@@ -3,12 +3,15 @@ gradient searched as one (a k/v exchange named, blocks that moved listed, near-z
 reordering), a gradient that is another layer's, replicas that say which side holds the reference (a stale buffer,
 a rank's own rows' gradient: unreduced), and tensors sharded along two axes (FSDP x TP) read back, or refused when
 their boxes overlap or leave a hole. (Dumps from a producer written from FORMAT.md alone: test_crosscheck_foreign.)"""
+import io
+import json
+
 import numpy as np
 import pytest
 
 from hsgd.model.config import ModelConfig
 from hsgd.model import serial
-from hsgd.crosscheck.__main__ import check
+from hsgd.crosscheck.__main__ import check, report
 from hsgd.crosscheck.dump import DumpError
 from hsgd.crosscheck import fused
 from hsgd.crosscheck.manifest import new_run, write_manifest
@@ -215,3 +218,48 @@ def test_safetensors_files_beside_npz_read_the_same(tmp_path):
     assert "grads-rank3.safetensors" in check_set(str(tmp_path))["files"]
     ok, rows = verdict(tmp_path)
     assert ok and rows["wte"]["error"] < 1e-14
+
+
+# ------------------------------------------------------------------------------------------------ rotary pairs
+
+LLAMA = ModelConfig(vocab_size=37, seq_len=8, d_model=16, n_heads=4, n_layers=1, d_ff=32, arch="llama")
+
+
+def test_q_and_k_stored_in_rotary_pair_order_read_back_exactly(tmp_path):
+    """torchtitan 0.3's storage (hsgd.crosscheck.systems.torchtitan_03_tensors): q|k|v fused per kv group, q's and k's
+    features in rotary-pair order ("rotary": "interleaved"): the dump passes; the same arrays under a layout.json
+    that leaves "rotary" out fail everywhere: the parameters are misread too, so the reference is another model,
+    and the verdict's loss line says where to look."""
+    from hsgd.crosscheck.systems import torchtitan_03_tensors
+    from hsgd.crosscheck.write import write_sharded
+    params = serial.init_params(LLAMA, seed=3, dtype="float64")
+    rng = np.random.default_rng(3)
+    idx, targets = (rng.integers(0, LLAMA.vocab_size, (4, LLAMA.seq_len)) for _ in range(2))
+    loss, grads = serial.loss_and_grads(params, idx, targets, LLAMA)
+    tensors = torchtitan_03_tensors(LLAMA)
+    t = tensors["layers.0.attention.qkv_linear.wqkv.weight"][0]
+    hs = LLAMA.head_size
+    stored = t.from_reference(grads)                       # rows: [q heads of g0 | k_0 | v_0 | ...], (out, in)
+    assert np.array_equal(stored[1], grads["h.0.attn.q.weight"][:, hs // 2])      # feature 1 = pair 0's second
+    write_sharded(tmp_path, LLAMA, tensors, params, grads, tp=1, loss=loss, idx=idx, targets=targets, system="tt")
+    ok, rows = verdict(tmp_path)
+    assert ok and max(r["error"] for r in rows.values()) < 1e-13
+    layout = json.load(open(tmp_path / "layout.json"))
+    assert layout["tensors"]["layers.0.attention.qkv_linear.wqkv.weight"]["rotary"] == "interleaved"
+    del layout["tensors"]["layers.0.attention.qkv_linear.wqkv.weight"]["rotary"]
+    (tmp_path / "layout.json").write_text(json.dumps(layout))
+    dump = load(str(tmp_path))                             # (load alone: the set check would refuse the edit)
+    ok, loss_row, rows = check(dump)
+    out = io.StringIO()
+    report(dump, ok, loss_row, rows, out)
+    print(out.getvalue())
+    assert not ok and not loss_row["ok"] and '"rotary": "interleaved"' in out.getvalue()
+
+
+def test_rotary_interleaved_is_refused_where_there_is_no_rope_or_no_q_or_k(tmp_path):
+    two_d_dump(tmp_path, FSDP_TP)
+    layout = json.load(open(tmp_path / "layout.json"))
+    layout["tensors"]["h.0.attn.q.weight"]["rotary"] = "interleaved"           # a gpt2 model: learned positions
+    (tmp_path / "layout.json").write_text(json.dumps(layout))
+    with pytest.raises(DumpError, match="rotary \"interleaved\" is for the q and k weights"):
+        load(str(tmp_path))

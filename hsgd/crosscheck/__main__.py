@@ -82,6 +82,8 @@ HINT = {"padding": "mask the padded entries (their logits to -inf) or drop them 
         "no simple pattern": "the arithmetic itself; compare the forward pass first (the loss)"}
 
 
+ROTARY = {"rope": " (with rotary positions: a system that turns the pairs (2i, 2i + 1) of a head stores q and k "
+                  "so, \"rotary\": \"interleaved\" in layout.json)"}
 MAX_DRAWS = 100                                                        # runs of the reference for the band
 
 
@@ -369,7 +371,8 @@ def report(dump, ok, loss_row, rows, out=None):
         summary = "; ".join(f"{k} ({len(v)})" for k, v in kinds.items())
         print(f"FAIL: {len(bad)} of {len(rows)} parameters over tolerance: {summary}" +
               ("" if loss_row["ok"] else "; and the loss differs: " + (loss_row["detail"] or "the forward pass itself "
-                                          "(or the parameters, or the batch written) is not the reference's")),
+                                          "(or the parameters, or the batch written) is not the reference's" +
+                                          ROTARY.get(dump.cfg.positions, ""))),
               file=out)
         first = min(kinds, key=lambda k: FIRST.index(k) if k in FIRST else len(FIRST))
         print(f"look first at: {first} ({', '.join(kinds[first][:3])}{', ...' if len(kinds[first]) > 3 else ''})"

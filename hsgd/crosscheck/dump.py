@@ -155,6 +155,8 @@ class Tensor:
     shards: list
     lengths: tuple = ()   # each part's length along the fused axis (fused only)
     groups: int = 0       # "groups": pieces per part
+    rotary: int = 0       # layout.json's "rotary": "interleaved": the head size hs (q's and k's output features
+    #                       in rotary-pair order within each head); 0: the reference's order ("halves")
 
     def n_pieces(self):
         """How many pieces each part is cut into along the fused axis: 1 ("block"), its length / group ("head"),
@@ -189,10 +191,28 @@ class Tensor:
             cut = moved.reshape((n, sum(widths)) + rest)                   # (n, sum widths, ...)
             within = np.split(cut, np.cumsum(widths[:-1]), axis=1)         # part j: (n, widths[j], ...)
             pieces = [np.moveaxis(c.reshape((n * w,) + rest), 0, self.fuse_axis) for c, w in zip(within, widths)]
-        return {p: (a.T if self.transposed else a) for p, a in zip(self.parts, pieces)}
+        out = {p: (a.T if self.transposed else a) for p, a in zip(self.parts, pieces)}
+        return {p: a[..., self.pair_order(p, a.shape[-1])] for p, a in out.items()}
+
+    def pair_order(self, part, width):
+        """The index that puts part's output features (its last axis in the reference's orientation) in the
+        reference's order. The reference turns the rotary pairs (i, i + hs/2) of a head (Hugging Face's halves); a
+        system that turns the adjacent pairs (2i, 2i + 1) (torchtitan's llama3, Meta's original Llama code) stores
+        q's and k's features so ("rotary": "interleaved"): its feature h hs + 2i + j is the reference's
+        h hs + j hs/2 + i (hs = self.rotary). slice(None) for every other part or layout."""
+        if not self.rotary or not any(f".attn.{m}." in part for m in "qk"):
+            return slice(None)
+        hs = self.rotary
+        h, j, i = np.meshgrid(np.arange(width // hs), np.arange(2), np.arange(hs // 2), indexing="ij")
+        order = np.empty(width, np.int64)
+        order[(h * hs + j * (hs // 2) + i).ravel()] = (h * hs + 2 * i + j).ravel()
+        return order
 
     def from_reference(self, ref):
         """The stored full tensor from the reference's arrays {name: array} (the inverse of to_reference)."""
+        undo = {p: np.argsort(o) for p in self.parts if not isinstance(o := self.pair_order(p, ref[p].shape[-1]),
+                                                                         slice)}
+        ref = {p: ref[p][..., undo[p]] if p in undo else ref[p] for p in self.parts}
         pieces = [ref[p].T if self.transposed else ref[p] for p in self.parts]
         if len(pieces) == 1:
             return np.ascontiguousarray(pieces[0])

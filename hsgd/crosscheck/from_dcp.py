@@ -13,11 +13,13 @@ DIR/hsgd.json: {"system": "...", "model": {layout.json's model}, "parallel": {"d
 
 Names (--names, or hsgd.json's "names"): how a FQN is hsgd's parameters:
     torchtitan   hsgd.crosscheck.systems.torchtitan_tensors (llama3's names; nn.Linear weights transposed)
+    torchtitan-0.3  torchtitan_03_tensors: 0.3's fused qkv_linear.wqkv (per kv group, q and k in rotary-pair order)
+                 and lm_head.weight
     hf           hsgd.crosscheck.systems.hf_tensors (LlamaForCausalLM's)
     hsgd         the reference's own names, (in, out)
     FILE.json    {FQN: {"parts": [reference names], "transposed": bool, "fused": {"axis", "interleave", "group",
-                 "groups"}}, or null for a buffer that is no parameter}; "{i}" in a FQN and its parts stands for a
-                 block number
+                 "groups"}, "rotary": "halves" or "interleaved"}, or null for a buffer that is no parameter}; "{i}"
+                 in a FQN and its parts stands for a block number
 
 .metadata is a Python pickle: PyTorch's reader unpickles it (hsgd.crosscheck.dcp.read_metadata), which can run any
 code its author put in it. So nothing is read without --trust-pickled-metadata; --save-metadata-json keeps what was
@@ -47,7 +49,7 @@ from .dump import (DTYPES, FAMILY_KEYS, INTERLEAVES, MODEL_KEYS, MOE_KEYS, PARAL
                    check_reference_fits, reference_shapes)
 from .manifest import clean, new_run, write_manifest
 from .safetensors import read_safetensors
-from .systems import TORCHTITAN_BUFFERS, hf_tensors, torchtitan_tensors
+from .systems import TORCHTITAN_BUFFERS, hf_tensors, torchtitan_03_tensors, torchtitan_tensors
 from .write import shard_entry, tensor_entry, write_layout, write_rank
 
 MAX_JSON = 16 << 20               # bytes of hsgd.json, a names file, dcp-metadata.json's neighbours
@@ -78,8 +80,9 @@ def build_parser():
     p.add_argument("--save-metadata-json", action="store_true",
                    help=f"also write what was read of .metadata as DIR/{DCP_JSON}, for --metadata-json later")
     p.add_argument("--model", metavar="FILE", help="the model, layout and names as JSON (default DIR/hsgd.json)")
-    p.add_argument("--names", metavar="NAMES", help="torchtitan, hf, hsgd or a FILE.json mapping FQNs to hsgd's "
-                                                    "parameters (default: hsgd.json's \"names\", else torchtitan)")
+    p.add_argument("--names", metavar="NAMES", help="torchtitan, torchtitan-0.3, hf, hsgd or a FILE.json mapping FQNs "
+                                                    "to hsgd's parameters (default: hsgd.json's \"names\", else "
+                                                    "torchtitan)")
     p.add_argument("--params", metavar="OTHER_DIR", help="read the parameters from this checkpoint instead")
     p.add_argument("--params-prefix", metavar="P", default="params.", help="the parameters' FQN prefix "
                                                                          "(default params.)")
@@ -99,6 +102,9 @@ def names_table(names, cfg, base):
         if names == "torchtitan":
             return {**{n: t for n, (t, _) in torchtitan_tensors(cfg).items()},
                     **{b: None for b in TORCHTITAN_BUFFERS}}, "torchtitan's names"
+        if names == "torchtitan-0.3":
+            return {**{n: t for n, (t, _) in torchtitan_03_tensors(cfg).items()},
+                    **{b: None for b in TORCHTITAN_BUFFERS}}, "torchtitan 0.3's names"
         if names == "hf":
             return {n: t for n, (t, _) in hf_tensors(cfg).items()}, "Hugging Face's names"
     except ValueError as e:
@@ -128,8 +134,10 @@ def _entry(fqn, e, path):
                                                 for n in numbers):
         raise DumpError(f"{where}: fused.interleave must be one of {', '.join(INTERLEAVES)}, axis, group and "
                         "groups integers")
+    if e.get("rotary", "halves") not in ("halves", "interleaved"):
+        raise DumpError(f"{where}: rotary must be \"halves\" or \"interleaved\"")
     return Tensor(fqn, (), e.get("transposed", False), list(e["parts"]), fused.get("axis", 0), interleave,
-                  fused.get("group", 0), [], (), fused.get("groups", 1))
+                  fused.get("group", 0), [], (), fused.get("groups", 1), int(e.get("rotary") == "interleaved"))
 
 
 def tensor_of(fqn, table, cfg, what, shown=None):
@@ -153,7 +161,7 @@ def tensor_of(fqn, table, cfg, what, shown=None):
         raise DumpError(f"{shown}: {what} map it to {printable(missing[0], 80)!r}, no parameter of the "
                         f"model ({cfg.arch}, {cfg.n_layers} blocks: names as in hsgd.model.config's param_shapes)")
     out = Tensor(fqn, (), t.transposed, parts, t.fuse_axis, t.interleave, t.group or cfg.head_size, [], (),
-                 t.groups)
+                 t.groups, cfg.head_size if t.rotary else 0)
     shapes = out.part_shapes(ref)
     if (t.transposed and any(len(s) != 2 for s in shapes)) or any(len(s) <= t.fuse_axis for s in shapes):
         raise DumpError(f"{shown}: {what} transpose or fuse {parts} along an axis they do not have")

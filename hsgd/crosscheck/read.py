@@ -261,7 +261,7 @@ def _tensor(name, e, cfg, ranks):
         raise DumpError(f"{where}: transposed is for 2-D weights only")
     if len(ndims) != 1 or axis >= next(iter(ndims)):
         raise DumpError(f"{where}: fused parts must have the same number of dimensions, more than fused.axis {axis}")
-    t = Tensor(name, (), transposed, parts, axis, interleave, group, [], (), groups)
+    t = Tensor(name, (), transposed, parts, axis, interleave, group, [], (), groups, _rotary(e, parts, cfg, where))
     stored = t.part_shapes(ref_shapes)
     if len(parts) > 1:
         if len({s[:axis] + s[axis + 1:] for s in stored}) != 1:
@@ -280,6 +280,21 @@ def _tensor(name, e, cfg, ranks):
         raise DumpError(f"{where}: shape {given!r}, but its parameters give {list(t.shape)}")
     t.shards = _shards(e.get("shards"), t, ranks, where)
     return t
+
+
+def _rotary(e, parts, cfg, where):
+    """Tensor.rotary of an entry's "rotary": "halves" (default: the reference's order, 0) or "interleaved" (the head
+    size: q's and k's output features stored in rotary-pair order), for a tensor that holds q or k of a rope model."""
+    rotary = e.get("rotary", "halves")
+    if rotary not in ("halves", "interleaved"):
+        raise DumpError(f"{where}: rotary {rotary!r:.80} must be \"halves\" (pair i of a head is features i and i + "
+                        "hs/2, Hugging Face's) or \"interleaved\" (features 2i and 2i + 1: torchtitan's, Meta's Llama)")
+    if rotary == "halves":
+        return 0
+    if cfg.positions != "rope" or not any(f".attn.{m}." in p for p in parts for m in "qk"):
+        raise DumpError(f"{where}: rotary \"interleaved\" is for the q and k weights (and biases) of a model with "
+                        f"rotary positions (this one: positions {cfg.positions}, parts {', '.join(parts[:3])})")
+    return cfg.head_size
 
 
 def _fused(fused, name, where, hs):

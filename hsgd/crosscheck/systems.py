@@ -158,3 +158,34 @@ def torchtitan_tensors(cfg):
     if not cfg.tied:
         add("output.weight", "lm_head.weight", True)
     return out
+
+
+def torchtitan_03_tensors(cfg):
+    """{name: (Tensor, None)} of torchtitan 0.3's llama3 Transformer, which renamed two of torchtitan_tensors' and
+    fused q, k and v, as its model's state_dict (and so its Distributed Checkpoints) names them:
+
+        layers.{i}.attention.qkv_linear.wqkv.weight   h.{i}.attn.q, .k, .v fused per kv group: [the NH/NKV q heads
+                                                      of group g | k_g | v_g] (interleave "groups", groups = NKV),
+                                                      stored (out, in), q and k in rotary-pair order
+        lm_head.weight (V, C)                         lm_head.weight (output.weight before)
+
+    the rest as torchtitan_tensors. Its rotary embedding turns the adjacent pairs (2i, 2i + 1) of a head, so q's and
+    k's output features are given "rotary": "interleaved" (dump.Tensor.pair_order maps them to the reference's
+    halves). Its debug model uses Llama 3.1's rescaled rotary frequencies by default (rope scaling "llama"), which
+    hsgd's reference does not have: a checkpoint of it differs in q's and k's gradients; with scaling "none" it is
+    the reference's model (benchmarks/crosscheck_torchtitan.py)."""
+    if cfg.positions != "rope":
+        raise ValueError("torchtitan 0.3's llama3 has rotary positions (--names torchtitan for the older names and "
+                         "the GPT-2 family)")
+    out = {n: (t, a) for n, (t, a) in torchtitan_tensors(cfg).items()
+           if ".attention.w" not in n or ".attention.wo." in n}
+    for i in range(cfg.n_layers):
+        h = f"h.{i}.attn."
+        name = f"layers.{i}.attention.qkv_linear.wqkv.weight"
+        t = tensor(name, [h + "q.weight", h + "k.weight", h + "v.weight"], cfg, True, "groups", cfg.n_kv_heads)
+        t.rotary = cfg.head_size
+        out[name] = (t, None)
+    if "output.weight" in out:
+        out["lm_head.weight"] = (out.pop("output.weight")[0], None)
+        out["lm_head.weight"][0].name = "lm_head.weight"
+    return out

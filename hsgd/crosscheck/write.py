@@ -151,6 +151,8 @@ def tensor_entry(t, shards, dtype="float64"):
         e["fused"] = {"axis": t.fuse_axis, "parts": list(t.parts), "interleave": t.interleave}
         if t.interleave != "block":
             e["fused"].update({"group": t.group} if t.interleave == "head" else {"groups": t.groups})
+    if t.rotary:
+        e["rotary"] = "interleaved"
     e["shards"] = shards
     return e
 
