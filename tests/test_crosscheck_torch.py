@@ -47,7 +47,8 @@ def test_pytorch_dtensor_passes_for_tp_1_2_4_and_dp_1_2(tmp_path):
     ("no-microbatch-scale", ["--tp", "2", "--dp", "1", "--micro-batches", "4"], ["h.0.mlp.fc.weight", "wte"],
      ("constant factor", "= micro-batches:")),
     ("ln-not-reduced", ["--tp", "2", "--dp", "2"], ["h.0.ln1.weight", "ln_f.bias"],
-     ("partial sum", "their mean is the reference: an average over 2 ranks is missing")),
+     ("unreduced", "no replica holds the reference, each its own rows' gradient (ranks 0,1: the gradient of dp "
+                   "rank 0's rows alone (sequences 0..3); ranks 2,3: the gradient of dp rank 1's rows alone")),
     ("vocab-padding", ["--tp", "4", "--dp", "1", "--vocab", "250"], ["lm_head.weight"],
      ("padding", "the padded entries carry gradient")),
 ])

@@ -190,7 +190,10 @@ def of_replicas(copies, R, tol, labels, bad_pad, local=()):
                              f"gradient ({own[0]}{', ...' if len(own) > 1 else ''}): the reduced gradient never "
                              f"reached their buffers")
     if wrong and all(own):                       # (their mean is R too: the dp slices' gradients, a sum never made)
-        each = "; ".join(f"ranks {labels[i]}: {what}" for i, what in zip(wrong, own))
+        holding = {}
+        for i, what in zip(wrong, own):
+            holding.setdefault(what, []).append(labels[i])
+        each = "; ".join(f"ranks {','.join(r)}: {what}" for what, r in holding.items())
         return "unreduced", (f"no replica holds the reference, each its own rows' gradient ({each}): the reduction "
                              f"over dp is missing, or ran over a group whose ranks hold the same rows (such as tp)")
     if match(total, R, tol):
