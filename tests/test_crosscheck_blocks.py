@@ -263,3 +263,18 @@ def test_rotary_interleaved_is_refused_where_there_is_no_rope_or_no_q_or_k(tmp_p
     (tmp_path / "layout.json").write_text(json.dumps(layout))
     with pytest.raises(DumpError, match="rotary \"interleaved\" is for the q and k weights"):
         load(str(tmp_path))
+
+
+def test_rounding_just_over_tolerance_is_no_permutation_of_entries():
+    """A vector off everywhere by a little more than the tolerance (a norm's gradient in another system's rounding):
+    each entry finds some other entry within tol ||R||, but no reordering brings the whole error down, so none is
+    named; a real reordering still is."""
+    from hsgd.crosscheck.classify import block_permutation
+    rng = np.random.default_rng(0)
+    R = 1 + 0.05 * rng.standard_normal(256)                         # entries close together, as a norm's are
+    G = R * (1 + 2e-4 * rng.standard_normal(256))
+    print(float(np.linalg.norm(G - R) / np.linalg.norm(R)))
+    assert block_permutation(G, R, 0, 1, 1e-4) is None
+    order = np.arange(256)
+    order[[3, 7]] = [7, 3]
+    assert block_permutation(R[order], R, 0, 1, 1e-4) == list(order)

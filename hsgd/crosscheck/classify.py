@@ -129,7 +129,16 @@ def block_permutation(G, R, axis, block, tol):
             return None
     if order == list(range(k)):
         return None
-    return order
+    return order if telling(g, r, order, scale, tol) else None
+
+
+def telling(g, r, order, scale, tol):
+    """Whether G's blocks taken in `order` tell a reordering, not rounding: G reordered equals R within tol as a
+    whole, and an order of magnitude closer than G as it is. A block is matched within tol ||R||, the whole tensor's
+    norm, so in a vector slightly off everywhere (a rounding band's worth) a block of one entry finds some other
+    entry that near; only a reordering brings the whole error down."""
+    moved = float(np.linalg.norm(g - r[order])) / scale
+    return moved <= tol and moved * 10 <= float(np.linalg.norm(g - r)) / scale
 
 
 def axis_words(name, axis, hs):

@@ -21,6 +21,8 @@ import math
 
 import numpy as np
 
+from .classify import telling
+
 
 def unit(t):
     """u: the entries of one block along the fused axis, the gcd of the parts' piece widths."""
@@ -50,7 +52,8 @@ def cut(t, X):
 def moves(t, G, R, tol):
     """{i: j}: the blocks i of G that hold R's block j != i, when G is R with some blocks moved (G's other blocks equal
     R's where they are); None when it is not (a block that equals no free block of R) or nothing moved. Equal means
-    within tol ||R|| (Frobenius, the whole tensor)."""
+    within tol ||R|| (Frobenius, the whole tensor); and the moves must bring the whole error down as classify.telling
+    asks (an order of magnitude, to within tol), not only each block under tol."""
     g, r = cut(t, G), cut(t, R)
     scale = float(np.linalg.norm(r))
     if scale == 0:
@@ -64,7 +67,9 @@ def moves(t, G, R, tol):
             return None
         found[i] = j
         free.remove(j)
-    return found or None
+    order = np.arange(len(g))
+    order[list(found)] = list(found.values())
+    return found if found and telling(g, r, order, scale, tol) else None
 
 
 def describe(t, moved, word):
