@@ -114,8 +114,8 @@ def replicated_dump(path, write):
     (lambda n, r, g, local: g[n] + (r == 3) * np.cos(np.arange(g[n].size)).reshape(g[n].shape) if n == "ln_f.weight"
      else g[n], "stale replica", "ranks 0 | 1 | 2 hold the reference; ranks 3 hold another value"),
     (lambda n, r, g, local: local[r][n] if n == "ln_f.weight" and r >= 2 else g[n],
-     "unreduced", "ranks 0 | 1 hold the reference; ranks 2 | 3 hold their own rows' gradient (the gradient of dp "
-                  "rank 2"),
+     "unreduced", "ranks 0 | 1 hold the reference; ranks 2 | 3 hold their own rows' gradient (ranks 2: the "
+                  "gradient of dp rank 2"),
     (lambda n, r, g, local: local[r][n] / 4 if n == "ln_f.weight" else g[n],
      "unreduced", "no replica holds the reference, each its own rows' gradient (ranks 0: 1/dp x the gradient of dp "
                   "rank 0's rows alone (sequences 0..1)"),
@@ -278,3 +278,95 @@ def test_rounding_just_over_tolerance_is_no_permutation_of_entries():
     order = np.arange(256)
     order[[3, 7]] = [7, 3]
     assert block_permutation(R[order], R, 0, 1, 1e-4) == list(order)
+
+
+def split_replicas(path, order, change):
+    """ln_f.weight (16,) cut in two along axis 0 over tp, each half on the 2 dp ranks (rank 2 d + t), its shards
+    listed in `order` (of ranks); change(rank, piece, own) gives the piece a rank writes (own: its dp rank's own
+    rows' gradient of that half). Every other parameter whole on rank 0."""
+    params, idx, targets, loss, grads = model(B=4)
+    local = [serial.loss_and_grads(params, idx[2 * d:2 * d + 2], targets[2 * d:2 * d + 2], CFG)[1] for d in range(2)]
+    tensors = {n: {"shape": list(s), "dtype": "float64", "shards": [{"rank": 0}]}
+               for n, s in CFG.param_shapes().items()}
+    arrays = [{n: g for n, g in grads.items() if n != "ln_f.weight"}, {}, {}, {}]
+    tensors["ln_f.weight"]["shards"] = []
+    for r in order:
+        t, half = r % 2, slice(8 * (r % 2), 8 * (r % 2) + 8)
+        arrays[r][f"ln_f.{t}"] = change(r, grads["ln_f.weight"][half].copy(), local[r // 2]["ln_f.weight"][half])
+        tensors["ln_f.weight"]["shards"].append({"rank": r, "key": f"ln_f.{t}", "axis": 0, "offset": 8 * t,
+                                                 "length": 8})
+    run, files = new_run(), {}
+    for r in range(4):
+        files.update(write_rank(path, r, arrays[r], run))
+    files.update(write_layout(path, system="test", cfg=CFG, dtype="float64", loss=loss, ranks=4,
+                              parallel={"dp": 2, "tp": 2}, tensors=tensors, params=params, idx=idx, targets=targets,
+                              run=run))
+    write_manifest(path, run, 4, files)
+
+
+OFF = 0.3 * np.cos(np.arange(8))
+
+
+@pytest.mark.parametrize("order, change, cls, words", [
+    ([0, 1, 2, 3], lambda r, p, own: 0 * p if r == 1 else p, "missing", "zero on ranks 1:"),
+    ([0, 1, 2, 3], lambda r, p, own: p + OFF if r in (1, 2) else p, "stale replica",
+     "ranks 0 | 3 hold the reference; ranks 1 | 2 hold another value"),
+    ([0, 3, 2, 1], lambda r, p, own: p + OFF if r == 3 else p, "stale replica",
+     "ranks 0 | 1 | 2 hold the reference; ranks 3 hold another value"),
+    ([0, 3, 2, 1], lambda r, p, own: own, "unreduced",
+     "no replica holds the reference, each its own rows' gradient (ranks 0,1: the gradient of dp rank 0's rows"),
+    ([0, 3, 2, 1], lambda r, p, own: own if r >= 2 else p, "unreduced",
+     "ranks 0 | 1 hold the reference; ranks 2 | 3 hold their own rows' gradient"),
+], ids=["missing-on-one", "stale-two", "stale-other-order", "unreduced-other-order", "unreduced-one-dp-rank"])
+def test_a_split_tensors_replicas_are_judged_shard_by_shard(tmp_path, order, change, cls, words):
+    """A copy of a split tensor mixes the shards of several ranks, in the order layout.json lists them: the verdict
+    names the ranks whose shards hold each value, whatever that order (hsgd.crosscheck.replicas)."""
+    split_replicas(tmp_path, order, change)
+    ok, rows = verdict(tmp_path)
+    r = rows["ln_f.weight"]
+    assert not ok and r["class"] == cls and words in r["detail"], r
+
+
+def test_one_head_exchanged_in_a_block_layout_qkv_is_found():
+    """[q | k | v] one after the other (interleave "block"): the pieces are whole parts, C entries each, but a block
+    is still one head (the gcd with hs), so one head of k and v exchanged is named."""
+    grads = model()[4]
+    t = pytorch_tensors(CFG, "block")["h.0.attn.qkv.weight"]
+    t.shape = (3 * CFG.d_model, CFG.d_model)
+    k, v = grads["h.0.attn.k.weight"].copy(), grads["h.0.attn.v.weight"].copy()
+    k[:, :HS], v[:, :HS] = grads["h.0.attn.v.weight"][:, :HS], grads["h.0.attn.k.weight"][:, :HS]
+    G = t.from_reference({**grads, "h.0.attn.k.weight": k, "h.0.attn.v.weight": v})
+    moved = fused.moves(t, G, t.from_reference(grads), 1e-8, HS)
+    assert fused.unit(t, HS) == HS and fused.unit(t) == CFG.d_model
+    text = fused.describe(t, moved, "heads", HS)["h.0.attn.k.weight"]
+    print(text)
+    assert text[0] == "permutation" and "h.0.attn.k.weight 0 <- h.0.attn.v.weight 0" in text[1]
+
+
+@pytest.mark.parametrize("boxes, words", [
+    ([(0, (0, 0, 37), (0, 16, 0))], "hold padding only"),
+])
+def test_shards_of_padding_alone_are_refused(tmp_path, boxes, words):
+    two_d_dump(tmp_path, boxes)
+    with pytest.raises(DumpError, match=words):
+        load(str(tmp_path))
+
+
+def test_the_same_box_written_two_ways_is_one_box(tmp_path):
+    """Rows 0..36 of a 37-row tensor, all of them, written as a slice or left out: the same box, replicas of each
+    other, not an overlap."""
+    whole_rows = [(0, (0, 37, 0), (0, 8, 0)), (1, (0, 37, 0), (8, 8, 0))]
+    two_d_dump(tmp_path, whole_rows)
+    layout = json.load(open(tmp_path / "layout.json"))
+    shards = layout["tensors"]["wte"]["shards"]
+    extra = dict(shards[0], rank=1, key="wte.0.0", slices=[dict(shards[0]["slices"][1])])   # columns only
+    layout["tensors"]["wte"]["shards"].append(extra)
+    with np.load(tmp_path / "grads-rank1.npz") as z:
+        arrays = {k: z[k] for k in z.files}
+    arrays["wte.0.0"] = np.load(tmp_path / "grads-rank0.npz")["wte.0.0"]
+    np.savez(tmp_path / "grads-rank1.npz", **arrays)
+    (tmp_path / "layout.json").write_text(json.dumps(layout))
+    dump = load(str(tmp_path))
+    assert len({s.box() for s in dump.tensors["wte"].shards}) == 2
+    ok, _, rows = check(dump)
+    assert ok and [r for r in rows if r["name"] == "wte"][0]["split"].startswith("axis 1 / 2")

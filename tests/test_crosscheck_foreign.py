@@ -258,12 +258,10 @@ def noise(g, s):
 
 
 def holding(dp_ranks, split):
-    """How the crosscheck labels the copies of dp ranks dp_ranks: a whole tensor's one per rank ("1 | 4"), a tensor
-    split over tp one per dp rank, its tp ranks' shards joined ("1+4")."""
-    ranks = [[foreign.rank_of(d, t, TP, DP) for t in range(TP)] for d in dp_ranks]
-    if split:
-        return " | ".join("+".join(map(str, r)) for r in ranks)
-    return " | ".join(map(str, sorted(sum(ranks, []))))
+    """How the crosscheck names the ranks of dp ranks dp_ranks: each rank on its own, in order ("1 | 4"), whether the
+    tensor is whole on each or split over tp (each shard is judged by itself: hsgd.crosscheck.replicas)."""
+    ranks = [foreign.rank_of(d, t, TP, DP) for t in range(TP) for d in dp_ranks]
+    return " | ".join(map(str, sorted(ranks)))
 
 
 def stale_words(split):
@@ -294,7 +292,9 @@ CASES = [
     ("permutation-rows", GPT2, with_grads({"wpe": lambda g, s: g[::-1]}), {},
      {"wpe": ("permutation", ["rows along axis 0"])}),
     ("permutation-heads", GPT2, with_grads({"h.0.attn.q.weight": heads_reordered}), {},
-     {"h.0.attn.q.weight": ("permutation", ["heads along axis 1", "[1, 0, 3, 2]"])}),
+     {"h.0.attn.q.weight": ("permutation", ["(heads;", "h.0.attn.q.weight 0 <- h.0.attn.q.weight 1, "
+                                             "h.0.attn.q.weight 1 <- h.0.attn.q.weight 0, "
+                                             "h.0.attn.q.weight 2 <- h.0.attn.q.weight 3"])}),
     ("permutation-shards", GPT2, with_grads({"h.0.attn.proj.weight": swap_rows_blocks}), {},
      {"h.0.attn.proj.weight": ("permutation", ["shards along axis 0", "[1, 0]"])}),
     ("transposed", GPT2, with_grads({"h.0.attn.proj.weight": lambda g, s: g.T}), {},

@@ -45,6 +45,7 @@ from . import fused
 from .classify import classify, factor_names, match
 from .experts import Others, reference
 from .local import Local
+from .replicas import shard_states, stored_candidates
 from .manifest import check_set
 from .read import load
 
@@ -135,10 +136,11 @@ def copies_of(t, grads):
 def describe(t):
     """The split column: how the tensor's gradient is held ("axis 0 / 4": four pieces along axis 0; "axis 0 / 3 x
     axis 1 / 2": a 2-D split)."""
-    boxes = {s.box() for s in t.shards if s.slices and all(n for _, _, n in s.box())}
+    real = [s for s in t.shards if all(n for _, _, n in s.box())]          # (not the shards of padding alone)
+    boxes = {s.box() for s in real if s.slices}
     axes = sorted({a for b in boxes for a, _, _ in b})
     pieces = {a: len({(o, n) for b in boxes for ax, o, n in b if ax == a}) for a in axes}
-    holders = len(t.shards) // max(1, len(boxes)) if boxes else len(t.shards)
+    holders = len(real) // max(1, len(boxes))
     text = " x ".join(f"axis {a} / {pieces[a]}" for a in axes) if boxes else "whole"
     if holders > 1:
         text += f", x{holders}"
@@ -263,12 +265,12 @@ def fused_moves(t, G, grads0, tol, hs):
     """{part: (class, detail)} when the fused tensor t's stored gradient G is the reference's with blocks moved among
     its parts (hsgd.crosscheck.fused), else {}."""
     R = t.from_reference(grads0)
-    moved = fused.moves(t, G, R, tol)
+    moved = fused.moves(t, G, R, tol, hs)
     if moved is None:
         return {}
-    word = "heads" if fused.unit(t) == hs and any(".attn." in p for p in t.parts) else \
-        f"blocks of {fused.unit(t)} entries"
-    return fused.describe(t, moved, word)
+    u = fused.unit(t, hs)
+    word = "heads" if u == hs and any(".attn." in p for p in t.parts) else f"blocks of {u} entries"
+    return fused.describe(t, moved, word, hs)
 
 
 def check(dump, draws=3):
@@ -293,7 +295,7 @@ def check(dump, draws=3):
                 "ok": bool(loss_err <= tol_loss), "finite": bool(np.isfinite(dump.loss)), "detail": ""}
     if not loss_row["ok"] and loss_row["finite"]:
         loss_row["detail"] = moe.loss(dump.loss, tol_loss) or ""
-    rows, relayouts = {}, {}
+    rows, relayouts, candidates = {}, {}, {}
     for t in dump.tensors.values():
         copies, labels, pads = copies_of(t, dump.grads)
         mapped = [t.to_reference(c) for c in copies]
@@ -327,9 +329,13 @@ def check(dump, draws=3):
                 if isinstance(found, dict):
                     found = found.get(name)                            # (this part's blocks moved, or not)
                 if found is None:
+                    if t.name not in candidates:                            # (once per tensor, when it fails)
+                        candidates[t.name] = stored_candidates(t, local)
+                    states = shard_states(t, name, dump.grads, t.from_reference(grads0), candidates[t.name],
+                                          structure)
                     found = classify(name, mine, R, structure, names, hs, labels, pad if pad > pad_limit else 0.0,
                                      floor2, shard_blocks(t), other_gradients(dump, params, grads0, t, name, floor2) +
-                                     moe.of(name) + local.of(name), local.phrases(name))
+                                     moe.of(name) + local.of(name), states)
                 row["class"], row["detail"] = found
             rows[name] = row
     ordered = [rows[n] for n in dump.cfg.param_shapes()]

@@ -151,7 +151,7 @@ def axis_words(name, axis, hs):
     return heads, ("rows" if axis == 0 else "columns")
 
 
-def classify(name, copies, R, tol, names, hs, labels=None, bad_pad=0.0, floor=0.0, blocks=(), others=(), local=()):
+def classify(name, copies, R, tol, names, hs, labels=None, bad_pad=0.0, floor=0.0, blocks=(), others=(), states=()):
     """(class, detail) of one parameter whose gradient failed. copies: the assembled replicas of G (reference
     orientation, at least one); R: the reference gradient; tol: the relative distance that counts as equal;
     names: factor_names(...); hs: the head size; labels: the ranks each copy came from ("3", or "0+1" for one
@@ -159,30 +159,35 @@ def classify(name, copies, R, tol, names, hs, labels=None, bad_pad=0.0, floor=0.
     floor: the norm a difference is at least relative to in the detail (the zero gradient of a k-bias);
     blocks: more (axis, length, word) blocks to look for a permutation of (the tensor's shards);
     others: [(class, detail, array)]: what else G may be (swapped, part missing, unreduced; of_others);
-    local: [(what, array)]: each dp rank's own rows' gradient (hsgd.crosscheck.local), for the replicas.
+    states: [(rank, what its shard holds)] (hsgd.crosscheck.replicas.shard_states), for the replicas.
     First what the replicas show (not finite, padding, missing, a partial sum), then whether G is one of the
     others, then what one replica's shape shows (a factor, a transpose, a permutation)."""
     labels = labels or [str(i) for i in range(len(copies))]
-    return (of_replicas(copies, R, tol, labels, bad_pad, local) or
+    return (of_replicas(copies, R, tol, labels, bad_pad, states) or
             of_others(copies[0], tol, others) or
             of_values(name, copies[0], R, tol, names, hs, floor, blocks))
 
 
-def of_replicas(copies, R, tol, labels, bad_pad, local=()):
-    """(class, detail) from the replicas together, or None when they agree and none is zero or not finite. Replicas
-    that differ: a partial sum (their sum or mean is R), then which ranks hold R and what the others hold (a dp
-    rank's own rows' gradient: unreduced; anything else: a stale replica), then none of them R."""
-    if not all(np.isfinite(c).all() for c in copies):
-        bad = [labels[i] for i, c in enumerate(copies) if not np.isfinite(c).all()]
-        return "not finite", f"the gradient holds inf or NaN (ranks {' | '.join(bad)})"
+def of_replicas(copies, R, tol, labels, bad_pad, states=()):
+    """(class, detail) from the replicas together, or None when they agree and none is zero or not finite. states:
+    [(rank, what its shard holds)] (hsgd.crosscheck.replicas.shard_states: "R", "zero", ("own", what), "not finite",
+    "other"), so that the ranks named are the ones that hold each value; without them each copy stands for its ranks.
+    Replicas that differ: unreduced when every shard that is not R is a dp rank's own rows' gradient, a partial sum
+    when the copies' sum or mean is R, a stale replica when some ranks hold R, else none of them R."""
+    states = list(states) or [(labels[i], "not finite" if not np.isfinite(c).all() else "R" if match(c, R, tol) else
+                               "zero" if not np.any(c) else "other") for i, c in enumerate(copies)]
+    ranks = lambda which: " | ".join(sorted(set(which), key=lambda r: (len(r), r)))      # (rank numbers, in order)
+    bad = [r for r, st in states if st == "not finite"]
+    if bad:
+        return "not finite", f"the gradient holds inf or NaN (ranks {ranks(bad)})"
     if bad_pad:
         scale = float(np.abs(R).max()) or 1.0
         return "padding", (f"the padded entries carry gradient (largest {bad_pad:.2g}, {bad_pad / scale:.2g} of the "
                            f"largest real entry): entries that stand for no real index (a vocabulary padded to divide "
                            f"by tp, a dimension padded to split evenly) take part in the computation")
-    zero = [i for i, c in enumerate(copies) if not np.any(c)]
+    zero = [r for r, st in states if st == "zero"]
     if zero and np.any(R):
-        where = "" if len(zero) == len(copies) else f" on ranks {' | '.join(labels[i] for i in zero)}"
+        where = "" if len(zero) == len(states) else f" on ranks {ranks(zero)}"
         return "missing", f"the gradient is zero{where}: it never arrived there"
     groups = distinct(copies, tol)
     if len(groups) == 1:
@@ -190,19 +195,18 @@ def of_replicas(copies, R, tol, labels, bad_pad, local=()):
     k = len(groups)
     total = sum(v for v, _ in groups)
     held = " | ".join(",".join(labels[i] for i in idx) for _, idx in groups)
-    right = [i for i, c in enumerate(copies) if match(c, R, tol)]
-    wrong = [i for i in range(len(copies)) if i not in right]
-    own = [next((what for what, a in local if match(copies[i], a, tol)), None) for i in wrong]
-    ranks = lambda which: " | ".join(labels[i] for i in which)
-    if right and wrong and all(own):
-        return "unreduced", (f"ranks {ranks(right)} hold the reference; ranks {ranks(wrong)} hold their own rows' "
-                             f"gradient ({own[0]}{', ...' if len(own) > 1 else ''}): the reduced gradient never "
-                             f"reached their buffers")
-    if wrong and all(own):                       # (their mean is R too: the dp slices' gradients, a sum never made)
+    right = [r for r, st in states if st == "R"]
+    own = [(r, st[1]) for r, st in states if isinstance(st, tuple)]
+    other = [r for r, st in states if st == "other"]
+    if own and not other:
         holding = {}
-        for i, what in zip(wrong, own):
-            holding.setdefault(what, []).append(labels[i])
-        each = "; ".join(f"ranks {','.join(r)}: {what}" for what, r in holding.items())
+        for r, what in own:
+            holding.setdefault(what, []).append(r)
+        each = "; ".join(f"ranks {ranks(rs).replace(' | ', ',')}: {what}" for what, rs in holding.items())
+        if right:
+            return "unreduced", (f"ranks {ranks(right)} hold the reference; ranks {ranks([r for r, _ in own])} hold "
+                                 f"their own rows' gradient ({each}): the reduced gradient never reached their "
+                                 f"buffers")
         return "unreduced", (f"no replica holds the reference, each its own rows' gradient ({each}): the reduction "
                              f"over dp is missing, or ran over a group whose ranks hold the same rows (such as tp)")
     if match(total, R, tol):
@@ -212,9 +216,9 @@ def of_replicas(copies, R, tol, labels, bad_pad, local=()):
         return "partial sum", (f"the replicas hold {k} different values (ranks {held}); their mean is the "
                                f"reference: an average over {k} ranks is missing")
     if right:
-        return "stale replica", (f"ranks {ranks(right)} hold the reference; ranks {ranks(wrong)} hold another value, "
-                                 f"neither a part of it nor a dp rank's own: their buffer was not updated with the "
-                                 f"reduced gradient (stale, or written before the reduction)")
+        return "stale replica", (f"ranks {ranks(right)} hold the reference; ranks {ranks(other + [r for r, _ in own])} "
+                                 f"hold another value, neither a part of it nor a dp rank's own: their buffer was not "
+                                 f"updated with the reduced gradient (stale, or written before the reduction)")
     return "replicas differ", (f"the replicas hold {k} different values (ranks {held}), none of them the reference "
                                f"nor adding up to it: a reduction over the wrong group")
 

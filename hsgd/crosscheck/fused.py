@@ -1,10 +1,11 @@
 """A fused tensor searched as one: which of its blocks moved (q|k|v, gate|up, head groups).
 
 A fused gradient (FORMAT.md "fused") is, along its fused axis, n pieces of a piece of each part in turn. Cut every
-part into blocks of u entries, u the greatest common divisor of the parts' piece widths (a head's hs for a q|k|v of
-whole heads, F/n for a gate|up), and label each block (part, block number within the part). The system's gradient G
-and the reference's R, both in the stored layout, are then lists of blocks; a bug that concatenates or gathers the
-pieces in another order makes G's block i equal R's block p(i) for a permutation p.
+part into blocks of u entries, u the greatest common divisor of the parts' piece widths and, for attention's q|k|v,
+of the head size (a head, however the pieces are laid out; F/n for a gate|up), and label each block (part, block
+number within the part). The system's gradient G and the reference's R, both in the stored layout, are then lists of
+blocks; a bug that concatenates or gathers the pieces in another order makes G's block i equal R's block p(i) for a
+permutation p.
 
 The search keeps every block that already equals its own reference block where it is (the identity first): a block
 near zero (the gradient of a k-bias is exactly 0) equals every other such block, and taking it for one of them
@@ -13,8 +14,8 @@ each to the first free block of R it equals, among the blocks that differ: a reo
 themselves, so its sources and its targets are the same set. If every differing block finds one, the moves are the
 answer; otherwise G is not a reordering of R.
 
-    moves(t, G, R, tol)   {block: the reference block it holds} of the blocks that moved, or None
-    describe(t, moved, word)   {part: (class, detail)}: "swapped" when a whole part holds another part's gradient
+    moves(t, G, R, tol, hs)   {block: the reference block it holds} of the blocks that moved, or None
+    describe(t, moved, word, hs)   {part: (class, detail)}: "swapped" when a whole part holds another part's gradient
                                ("h.0.attn.k holds h.0.attn.v's gradient"), "permutation" naming the blocks otherwise
 """
 import math
@@ -24,15 +25,17 @@ import numpy as np
 from .classify import telling
 
 
-def unit(t):
-    """u: the entries of one block along the fused axis, the gcd of the parts' piece widths."""
-    return math.gcd(*[L // t.n_pieces() for L in t.lengths])
+def unit(t, hs=0):
+    """u: the entries of one block along the fused axis, the gcd of the parts' piece widths, and of the head size hs
+    for attention's q|k|v (so that one head is a block also when the pieces are larger: [q | k | v], per tp rank)."""
+    heads = [hs] if hs and all(".attn." in p for p in t.parts) else []
+    return math.gcd(*[L // t.n_pieces() for L in t.lengths], *heads)
 
 
-def blocks(t):
+def blocks(t, hs=0):
     """[(part index, block number, stored start)] of every block of u entries, in the parts' order: part j's entry e
     sits in piece e // w_j at (piece) x (sum of widths) + (widths of the parts before j) + e mod w_j."""
-    n, u = t.n_pieces(), unit(t)
+    n, u = t.n_pieces(), unit(t, hs)
     widths = [L // n for L in t.lengths]
     out = []
     for j, L in enumerate(t.lengths):
@@ -42,19 +45,19 @@ def blocks(t):
     return out
 
 
-def cut(t, X):
+def cut(t, X, hs=0):
     """(blocks, u entries along the fused axis x the rest) of the stored full array X."""
-    u = unit(t)
+    u = unit(t, hs)
     moved = np.moveaxis(X, t.fuse_axis, 0)
-    return np.stack([moved[start:start + u].ravel() for _, _, start in blocks(t)])
+    return np.stack([moved[start:start + u].ravel() for _, _, start in blocks(t, hs)])
 
 
-def moves(t, G, R, tol):
+def moves(t, G, R, tol, hs=0):
     """{i: j}: the blocks i of G that hold R's block j != i, when G is R with some blocks moved (G's other blocks equal
     R's where they are); None when it is not (a block that equals no free block of R) or nothing moved. Equal means
     within tol ||R|| (Frobenius, the whole tensor); and the moves must bring the whole error down as classify.telling
     asks (an order of magnitude, to within tol), not only each block under tol."""
-    g, r = cut(t, G), cut(t, R)
+    g, r = cut(t, G, hs), cut(t, R, hs)
     scale = float(np.linalg.norm(r))
     if scale == 0:
         return None
@@ -72,11 +75,11 @@ def moves(t, G, R, tol):
     return found if found and telling(g, r, order, scale, tol) else None
 
 
-def describe(t, moved, word):
+def describe(t, moved, word, hs=0):
     """{part name: (class, detail)} of the parts whose blocks moved: "swapped" when every block of a part holds the
     same block of one other part, "permutation" listing the moves otherwise. word: what a block is ("heads" when u
     is the head size, else "blocks of u entries")."""
-    labels = blocks(t)
+    labels = blocks(t, hs)
     count = {j: sum(1 for p, _, _ in labels if p == j) for j in range(len(t.parts))}
     out = {}
     for j, name in enumerate(t.parts):

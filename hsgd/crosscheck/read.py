@@ -327,7 +327,10 @@ def _shards(entries, t, ranks, where):
     shards = [_shard(i, s, t, ranks, where) for i, s in enumerate(entries)]
     boxes = sorted({s.box() for s in shards if s.slices and all(n for _, _, n in s.box())})
     _disjoint(boxes, t, where)
-    if boxes and all(s.slices for s in shards):
+    if all(s.slices for s in shards):
+        if not boxes:
+            raise DumpError(f"{where}: its shards hold padding only (length 0); the shards must cover the tensor's "
+                            "real entries")
         volume = sum(math.prod(n for _, _, n in b) * math.prod(t.shape) //
                      math.prod(t.shape[a] for a, _, _ in b) for b in boxes)
         if volume != math.prod(t.shape):
@@ -361,7 +364,10 @@ def _shard(i, s, t, ranks, where):
     axes = [c[0] for c in slices]
     if len(set(axes)) != len(axes):
         raise DumpError(f"{where}: shard {i} cuts axis {max(axes, key=axes.count)} twice; one slice per axis")
-    return Shard(rank, tuple(sorted(slices)), key)
+    # a slice of a whole axis without padding cuts nothing: left out, so that the same box reads the same however
+    # it is written (axis 1 [0, 8) of a (37, 8) tensor is the whole tensor; with rows [0, 19) the box of those rows)
+    cuts = tuple(sorted(c for c in slices if (c[1], c[2], c[3]) != (0, t.shape[c[0]], 0)))
+    return Shard(rank, cuts, key)
 
 
 def _slice(c, what, t, where):
