@@ -20,10 +20,11 @@ from .experts import reference
 
 
 class Local:
-    """of(name) -> [(class, detail, array)]: each dp slice's own gradient of the parameter (and 1/dp of it)."""
+    """of(name) -> [(class, detail, array)]: each dp slice's own gradient of the parameter (and 1/dp of it);
+    candidates() -> the same for every parameter, [(what, {name: array})] (hsgd.crosscheck.replicas)."""
 
     def __init__(self, dump, params):
-        self.dump, self.params, self.grads = dump, params, None
+        self.dump, self.params, self.grads, self.made = dump, params, None, None
 
     def slices(self):
         """[(d, first sequence, last sequence)] of the dp slices, or [] when there is one or B does not divide."""
@@ -45,17 +46,19 @@ class Local:
                 self.grads.append(reference(one, self.params)[1])
         return self.grads
 
-    def phrases(self, name):
-        """[(what it is, array)]: R_d and R_d / dp of every slice d."""
-        dp, out = self.dump.parallel["dp"], []
-        for (d, first, last), g in zip(self.slices(), self.run()):
-            rows = f"dp rank {d}'s rows alone (sequences {first}..{last})"
-            out += [(f"the gradient of {rows}", g[name]), (f"1/dp x the gradient of {rows}", g[name] / dp)]
-        return out
+    def candidates(self):
+        """[(what it is, {name: array})]: R_d and R_d / dp of every slice d (made once)."""
+        if self.made is None:
+            dp, self.made = self.dump.parallel["dp"], []
+            for (d, first, last), g in zip(self.slices(), self.run()):
+                rows = f"dp rank {d}'s rows alone (sequences {first}..{last})"
+                self.made += [(f"the gradient of {rows}", g),
+                              (f"1/dp x the gradient of {rows}", {n: a / dp for n, a in g.items()})]
+        return self.made
 
     def of(self, name):
         """classify's `others`: G is one slice's own gradient."""
-        return [("unreduced", f"G is {what}: {MEANS}", a) for what, a in self.phrases(name)]
+        return [("unreduced", f"G is {what}: {MEANS}", g[name]) for what, g in self.candidates()]
 
 
 MEANS = "the reduction over dp is missing, or ran over a group whose ranks hold the same rows (such as tp)"

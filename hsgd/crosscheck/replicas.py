@@ -21,12 +21,7 @@ import numpy as np
 def stored_candidates(t, local):
     """[(what, stored array)]: each dp rank's own rows' gradient of tensor t in its stored layout (R_d, R_d / dp),
     from hsgd.crosscheck.local.Local (run the first time a gradient fails)."""
-    dp, out = local.dump.parallel["dp"], []
-    for (d, first, last), g in zip(local.slices(), local.run()):
-        rows = f"dp rank {d}'s rows alone (sequences {first}..{last})"
-        stored = t.from_reference(g)
-        out += [(f"the gradient of {rows}", stored), (f"1/dp x the gradient of {rows}", stored / dp)]
-    return out
+    return [(what, t.from_reference(g)) for what, g in local.candidates()]
 
 
 def shard_states(t, part, grads, R_s, candidates, tol):
