@@ -9,10 +9,12 @@ trains with, its state saved through torch.distributed.checkpoint (DCP) the way 
 The program is written the way a PyTorch user writes it:
   * an nn.Module in torchtitan's llama3 names: tok_embeddings, layers.{i}.attention_norm, attention.wq/wk/wv/wo,
     ffn_norm, feed_forward.w1 (gate), w3 (up), w2 (down), norm, output; nn.Linear weights (out, in), no biases,
-    untied; rotary positions in Hugging Face's rotate-half convention (pair i of a head is dims i and i + hs/2,
-    angle t theta^(-2i/hs), theta 10000), grouped-query attention with NKV = NH/2: hsgd.model.serial's llama model
-    exactly. --arch gpt2: GPT-2's block under the same names (LayerNorm eps 1e-5 with biases, learned positions
-    pos_embeddings, GELU tanh, w1 = fc, w2 = proj, biases on the linears, no w3);
+    untied; rotary positions on the adjacent pairs (2i, 2i+1) of a head as torchtitan turns them (angle t
+    theta^(-2i/hs), theta 10000), so that wq's and wk's rows are in rotary-pair order (to_pairs: hsgd's reference
+    turns the pairs (i, i + hs/2), and its checkpoint's "torchtitan" names table says "rotary": "interleaved"),
+    grouped-query attention with NKV = NH/2: hsgd.model.serial's llama model exactly. --arch gpt2: GPT-2's block
+    under the same names (LayerNorm eps 1e-5 with biases, learned positions pos_embeddings, GELU tanh, w1 = fc,
+    w2 = proj, biases on the linears, no w3);
   * dp * tp processes (torch.multiprocessing, gloo on the CPU, rendezvous through a file: no network port) form
     init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp")): global rank = dp_rank * tp + tp_rank;
   * tensor parallelism over "tp" (parallelize_module), heads split over tp (tp divides NKV):
@@ -176,17 +178,32 @@ def check_args(args):
 # sequence, C d_model, NH / NKV query / key-value heads, hs = C/NH, F d_ff, V vocabulary; /tp: a tp rank's share
 
 def rotary_tables(T, hs, theta):
-    """cos, sin (T, hs) of the angles t theta^(-2i/hs), each written twice: pair i is dims i and i + hs/2."""
+    """cos, sin (T, hs/2) of the angles t theta^(-2i/hs): pair i of a head turns by angle i."""
     freqs = theta ** (-torch.arange(0, hs, 2, dtype=torch.float64) / hs)          # (hs/2,)
     angles = torch.outer(torch.arange(T, dtype=torch.float64), freqs)             # (T, hs/2)
-    angles = torch.cat([angles, angles], dim=-1)                                  # (T, hs)
     return angles.cos(), angles.sin()
 
 
 def rotate(x, cos, sin):
-    """x * cos + rotate_half(x) * sin, x (B, heads, T, hs): Hugging Face's rotary positions."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+    """Rotary positions on the adjacent pairs (2i, 2i+1) of a head, as torchtitan's llama3 turns them (and Meta's
+    original Llama code, as complex numbers): (x_2i, x_2i+1) -> (x_2i cos - x_2i+1 sin, x_2i+1 cos + x_2i sin).
+    x (B, heads, T, hs)."""
+    even, odd = x[..., 0::2], x[..., 1::2]                                        # (B, heads, T, hs/2)
+    return torch.stack([even * cos - odd * sin, odd * cos + even * sin], dim=-1).flatten(-2)
+
+
+def to_pairs(w, hs):
+    """The rows (output features) of a q or k weight or bias in rotary-pair order: hsgd's reference turns the pairs
+    (i, i + hs/2) of a head (Hugging Face's halves), this model the pairs (2i, 2i+1); the same model has the feature
+    h hs + j hs/2 + i of the one at h hs + 2i + j of the other. w (heads hs, ...), halves order -> pairs order."""
+    rest = w.shape[1:]
+    return w.reshape((-1, 2, hs // 2) + rest).swapaxes(1, 2).reshape((-1,) + rest)
+
+
+def from_pairs(w, hs):
+    """to_pairs undone: pairs order -> halves order."""
+    rest = w.shape[1:]
+    return w.reshape((-1, hs // 2, 2) + rest).swapaxes(1, 2).reshape((-1,) + rest)
 
 
 class Attention(nn.Module):
@@ -305,6 +322,11 @@ def names(cfg):
     return out
 
 
+def paired(ref, cfg):
+    """Whether hsgd's parameter ref is stored in rotary-pair order here: q's and k's weights and biases with rope."""
+    return cfg.positions == "rope" and (".attn.q." in ref or ".attn.k." in ref)
+
+
 def norm_params(model):
     """The parameters kept out of fully_shard: every norm's weight (and bias)."""
     return [p for name, p in model.named_parameters() if name.split(".")[-2].endswith("norm")]
@@ -362,7 +384,10 @@ def step(rank, args, cfg, params, idx, targets):
     module_params = dict(model.named_parameters())
     with torch.no_grad():                                        # hsgd's initial weights, (in, out) -> (out, in)
         for fqn, ref, transposed in names(cfg):
-            module_params[fqn].copy_(torch.from_numpy(params[ref].T if transposed else params[ref]))
+            w = params[ref].T if transposed else params[ref]
+            if paired(ref, cfg):
+                w = to_pairs(w, cfg.head_size)                     # this model turns the pairs (2i, 2i+1)
+            module_params[fqn].copy_(torch.from_numpy(np.ascontiguousarray(w)))
     parallelize_module(model, mesh["tp"], tp_plan(cfg))
 
     norms = norm_params(model)                                   # replicated: out of fully_shard, averaged by hand
@@ -423,7 +448,9 @@ def load_saved(path, cfg, batch):
     with warnings.catch_warnings():                              # "... assuming the intent is to load in a single
         warnings.simplefilter("ignore", UserWarning)             # process": it is
         dcp.load(state, storage_reader=dcp.FileSystemReader(path), no_dist=True)
-    ref = {k: {r: (state[k][f].T if t else state[k][f]).numpy() for f, r, t in names(cfg)} for k in ("params", "grads")}
+    back = lambda f, r, a: from_pairs(a, cfg.head_size) if paired(r, cfg) else a
+    ref = {k: {r: (back(f, r, state[k][f].numpy()).T if t else back(f, r, state[k][f].numpy())) for f, r, t in
+               names(cfg)} for k in ("params", "grads")}
     return ref["params"], ref["grads"], state["batch"]["idx"].numpy(), state["batch"]["targets"].numpy(), \
         state["loss"].item()
 

@@ -125,8 +125,9 @@ def torchtitan_tensors(cfg):
     apply_rotary_emb views q and k as complex numbers of adjacent entries), hsgd's reference Hugging Face's halves
     (i, i + hs/2). The same model in torchtitan therefore has wq's and wk's rows in another order within each head:
     torchtitan's row h hs + 2i + j is hsgd's h hs + j hs/2 + i (torchtitan's state-dict adapter to Hugging Face
-    permutes them so). A real torchtitan checkpoint's wq and wk, read with this table, differ from hsgd's by that
-    per-head permutation; the table renames, it does not permute."""
+    permutes them so). With rotary positions the table gives wq and wk (weights and biases) "rotary": "interleaved",
+    so that a real torchtitan checkpoint reads as the reference's model (dump.Tensor.pair_order);
+    benchmarks/crosscheck_fsdp2.py turns its pairs so too."""
     out = {}
 
     def add(name, param, transposed=False):
@@ -157,6 +158,10 @@ def torchtitan_tensors(cfg):
     norm("norm", "ln_f")
     if not cfg.tied:
         add("output.weight", "lm_head.weight", True)
+    if cfg.positions == "rope":
+        for name, (t, _) in out.items():
+            if ".attention.wq." in name or ".attention.wk." in name:
+                t.rotary = cfg.head_size                      # torchtitan's rotary pairs (2i, 2i + 1)
     return out
 
 
