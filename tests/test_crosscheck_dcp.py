@@ -10,6 +10,10 @@ bounded safetensors reader (hsgd.crosscheck.safetensors). What the tests prove:
     flag, a .metadata over the bound, an unknown FQN, no PyTorch) ends with exit 2 and one line;
   * read_safetensors refuses a header length, offsets or a shape the file does not hold before reading, and its
     bfloat16 values are ml_dtypes' (where ml_dtypes is installed);
+  * bounds, each one line before anything is written: a stray .distcp file or a chunk beyond the run's ranks
+    (hsgd.json's dp x tp), a world over MAX_RANKS, a names file's fused groups 0 or "rotary" off q and k of a rope
+    model, a compressed data.pkl, a DCP_SHARDING_INFO whose saved_offsets are no list, a shape with no entries but
+    dimensions numpy refuses (a dump's safetensors file, --batch, batch.idx);
   * with PyTorch installed: the committed .metadata read through PyTorch's reader is the committed JSON, and a
     fresh checkpoint (the generator run now) passes.
 """
@@ -83,7 +87,8 @@ def edited(tmp_path, change):
 def refused(capsys, *argv):
     """The one line a refused conversion printed (exit 2)."""
     rc, err = convert(capsys, *argv)
-    print(err)
+    with capsys.disabled():                         # (shown with -s: the line a user would read)
+        print(err)
     assert rc == 2 and len(err) == 1 and err[0].startswith("hsgd: error: ")
     return err[0]
 
@@ -117,16 +122,24 @@ def test_bug_checkpoint_fails_with_a_constant_factor(tmp_path, capsys):
     assert rc == 1 and wrong == {"h.0.mlp.proj.weight": "constant factor"}
 
 
-def test_names_file_with_block_numbers_reads_as_torchtitan(tmp_path, capsys):
+def names_file(tmp_path, **changes):
+    """A names file of torchtitan's llama3 names with "{i}" for the block number (wq and wk in rotary-pair order,
+    as torchtitan stores them), its entries replaced by `changes` {FQN: entry}."""
     t = {"tok_embeddings.weight": ["wte"], "norm.weight": ["ln_f.weight"], "output.weight": ["lm_head.weight"],
          "layers.{i}.attention_norm.weight": ["h.{i}.ln1.weight"], "layers.{i}.ffn_norm.weight": ["h.{i}.ln2.weight"],
          **{f"layers.{{i}}.attention.{a}.weight": [f"h.{{i}}.attn.{b}.weight"] for a, b in
             (("wq", "q"), ("wk", "k"), ("wv", "v"), ("wo", "proj"))},
          **{f"layers.{{i}}.feed_forward.{a}.weight": [f"h.{{i}}.mlp.{b}.weight"] for a, b in
             (("w1", "gate"), ("w3", "up"), ("w2", "proj"))}}
-    names = tmp_path / "names.json"
-    names.write_text(json.dumps({k: {"parts": v, "transposed": "attention." in k or "forward" in k or
-                                      k == "output.weight"} for k, v in t.items()}))
+    table = {k: {"parts": v, "transposed": "attention." in k or "forward" in k or k == "output.weight",
+                 **({"rotary": "interleaved"} if ".wq." in k or ".wk." in k else {})} for k, v in t.items()}
+    path = tmp_path / "names.json"
+    path.write_text(json.dumps({**table, **changes}))
+    return path
+
+
+def test_names_file_with_block_numbers_reads_as_torchtitan(tmp_path, capsys):
+    names = names_file(tmp_path)
     rc, err = convert(capsys, OK, "--out", tmp_path / "a", "--metadata-json", "--names", names)
     assert rc == 0, err
     rc, err = convert(capsys, OK, "--out", tmp_path / "b", "--metadata-json")
@@ -315,6 +328,184 @@ def test_bfloat16_values_are_ml_dtypes(tmp_path):
     got = read_safetensors(tmp_path / "b.safetensors", "test file", DumpError)["x"]
     print(f"max difference from ml_dtypes' bfloat16 -> float32: {np.max(np.abs(got - x.astype(np.float32)))}")
     assert got.dtype == np.float32 and np.array_equal(got, x.astype(np.float32))
+
+
+# ------------------------------------------------------------------------------------------------ bounds
+
+def test_stray_distcp_file_sets_no_rank_count(tmp_path, capsys):
+    """A .distcp file of a rank beyond the run (hsgd.json's dp x tp, or without it the ranks the chunks are on) is
+    refused before anything is written; the ranks of the dump are the run's, not the highest file name's."""
+    d = copied(tmp_path)
+    (d / "__3000_0.distcp").touch()                 # no chunk is in it, and hsgd.json's world is dp x tp = 4 ranks
+    line = refused(capsys, d, "--out", tmp_path / "dump", "--metadata-json")
+    assert "__3000_0.distcp" in line and "4 ranks" in line
+    assert not (tmp_path / "dump").exists()
+    meta = json.loads((d / "hsgd.json").read_text())
+    del meta["parallel"]                            # no world given: the ranks the chunks are on
+    (d / "hsgd.json").write_text(json.dumps(meta))
+    assert "__3000_0.distcp" in refused(capsys, d, "--out", tmp_path / "dump", "--metadata-json")
+    os.remove(d / "__3000_0.distcp")
+    rc, err = convert(capsys, d, "--out", tmp_path / "dump", "--metadata-json")
+    assert rc == 0, err
+    assert sorted(f for f in os.listdir(tmp_path / "dump") if f.startswith("grads")) == \
+        [f"grads-rank{r}.npz" for r in range(4)]
+
+
+@pytest.mark.parametrize("parallel, words", [({"dp": 1, "tp": 2}, "rank 3"),       # a chunk beyond the world
+                                             ({"dp": 2 ** 20, "tp": 2 ** 20}, "at most")])   # over MAX_RANKS
+def test_world_of_hsgd_json_bounds_the_ranks(tmp_path, capsys, parallel, words):
+    """hsgd.json's world must hold every chunk's rank and be one a job can have; else one line, nothing written."""
+    d = copied(tmp_path)
+    meta = json.loads((d / "hsgd.json").read_text())
+    (d / "hsgd.json").write_text(json.dumps({**meta, "parallel": parallel}))
+    assert words in refused(capsys, d, "--out", tmp_path / "dump", "--metadata-json")
+    assert not (tmp_path / "dump").exists()
+
+
+@pytest.mark.parametrize("fused, words", [({"interleave": "groups", "groups": 0}, "groups"),
+                                          ({"interleave": "head", "group": 0}, "group"),
+                                          ({"axis": -1}, "axis")])
+def test_names_file_fused_numbers_at_least_one(tmp_path, capsys, fused, words):
+    """A names file's fused groups and group are >= 1 (groups 0 divided by zero), its axis >= 0: one line."""
+    names = names_file(tmp_path, **{"layers.{i}.feed_forward.w1.weight": {
+        "parts": ["h.{i}.mlp.gate.weight", "h.{i}.mlp.up.weight"], "transposed": True, "fused": fused},
+        "layers.{i}.feed_forward.w3.weight": None})
+    line = refused(capsys, OK, "--out", tmp_path / "dump", "--metadata-json", "--names", names)
+    assert "fused" in line and words in line
+
+
+@pytest.mark.parametrize("fqn, model", [("norm.weight", {}),                             # a norm
+                                        ("layers.{i}.attention.wq.weight", {"positions": "learned"})])  # no rope
+def test_names_file_rotary_only_on_q_and_k_of_rope(tmp_path, capsys, fqn, model):
+    """"rotary": "interleaved" in a names file only on q or k of a rope model (the crosscheck refuses a dump with it
+    elsewhere): refused by from_dcp, before a dump is written."""
+    names = names_file(tmp_path, **{fqn: {"parts": [("h.{i}.attn.q.weight" if "wq" in fqn else "ln_f.weight")],
+                                          "transposed": "wq" in fqn, "rotary": "interleaved"}})
+    d = copied(tmp_path)
+    meta = json.loads((d / "hsgd.json").read_text())
+    (d / "hsgd.json").write_text(json.dumps({**meta, "model": {**meta["model"], **model}}))
+    line = refused(capsys, d, "--out", tmp_path / "dump", "--metadata-json", "--names", names)
+    assert "rotary" in line and "interleaved" in line
+    assert not (tmp_path / "dump").exists()
+
+
+def test_not_a_description_says_its_form(tmp_path, capsys):
+    """A dcp-metadata.json of another form is named with the form it must have (braces as written, not doubled)."""
+    d = copied(tmp_path)
+    (d / from_dcp.DCP_JSON).write_text(json.dumps({"format": "something else"}))
+    line = refused(capsys, d, "--out", tmp_path / "dump", "--metadata-json")
+    assert '"tensors": ...} (hsgd.crosscheck.dcp.describe)' in line and "}}" not in line
+
+
+def compression_set(raw, member, method):
+    """A zip's bytes with the compression method of `member` set to `method` in its local header and its central
+    directory entry (the bytes as they are: what a crafted or damaged file says)."""
+    out = bytearray(raw)
+    with zipfile.ZipFile(io.BytesIO(raw)) as z:
+        info = z.getinfo(member)
+    out[info.header_offset + 8:info.header_offset + 10] = method.to_bytes(2, "little")
+    at = out.find(b"PK\x01\x02")                      # each central directory entry
+    while at >= 0:
+        name_len = int.from_bytes(out[at + 28:at + 30], "little")
+        if out[at + 46:at + 46 + name_len].decode() == member:
+            out[at + 10:at + 12] = method.to_bytes(2, "little")
+        at = out.find(b"PK\x01\x02", at + 46)
+    return bytes(out)
+
+
+def chunk_bytes(fqn="grads.tok_embeddings.weight"):
+    """(bytes, sizes) of the ok checkpoint's first chunk of fqn: one torch.save zip."""
+    with open(os.path.join(OK, from_dcp.DCP_JSON)) as f:
+        c = json.load(f)["tensors"][fqn]["chunks"][0]
+    with open(os.path.join(OK, c["file"]), "rb") as f:
+        f.seek(c["offset"])
+        return f.read(c["length"]), tuple(c["sizes"])
+
+
+@pytest.mark.parametrize("method", [1, 8, 99])        # shrink, deflate, AES: data.pkl must be stored
+def test_compressed_data_pkl_refused(method):
+    """A chunk whose data.pkl says it is compressed (torch.save stores it) is one DumpError, whatever the method
+    (zipfile has no shrink or AES: NotImplementedError; deflate over stored bytes: zlib.error)."""
+    raw, sizes = chunk_bytes()
+    with zipfile.ZipFile(io.BytesIO(raw)) as z:
+        pkl = next(n for n in z.namelist() if n.endswith("/data.pkl"))
+    with pytest.raises(DumpError) as e:
+        dcp.torch_chunk(compression_set(raw, pkl, method), "float32", sizes, "chunk")
+    print(e.value)
+    assert "data.pkl" in str(e.value) and "stored" in str(e.value)
+
+
+def safetensors_blob_edited(path, change):
+    """Rewrite the safetensors blob that is the whole file `path` with change(header) applied (data unchanged)."""
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    change(header)
+    text = json.dumps(header).encode()
+    path.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + n:])
+
+
+@pytest.mark.parametrize("saved", [5, 2.5, "0, 0", [0, -1], [0, 0, 0]])
+def test_sharding_info_offsets_a_list_of_counts(tmp_path, capsys, saved):
+    """A safetensors blob's DCP_SHARDING_INFO saved_offsets must be the chunk's offsets, a list of integers >= 0."""
+    d = copied(tmp_path, BUG)
+
+    def change(header):
+        info = json.loads(header["__metadata__"]["DCP_SHARDING_INFO"])
+        info["grads.tok_embeddings.weight"]["saved_offsets"] = saved
+        header["__metadata__"]["DCP_SHARDING_INFO"] = json.dumps(info)
+    safetensors_blob_edited(d / "__0_0.distcp", change)
+    line = refused(capsys, d, "--out", tmp_path / "dump", "--metadata-json", "--params", OK)
+    assert "DCP_SHARDING_INFO" in line
+
+
+HUGE = [0, 2 ** 40, 2 ** 40]                          # no entries, so no bytes: only its dimensions are wrong
+
+
+def test_safetensors_refuses_huge_dimensions(tmp_path):
+    """A shape with no entries passes every byte count: its dimensions are bounded (each below 2^31, the non-zero
+    ones' product at most 2^48) before numpy is asked to make it."""
+    for shape in (HUGE, [2 ** 31, 0], [0, 2 ** 30, 2 ** 30, 2 ** 30]):
+        with pytest.raises(DumpError) as e:
+            read_safetensors(crafted(tmp_path, {"a": {"dtype": "F32", "shape": shape, "data_offsets": [0, 0]}}),
+                             "test file", DumpError)
+        print(e.value)
+        assert "shape" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_dump_file_with_huge_dimensions_is_one_line(tmp_path, capsys):
+    """The crosscheck of a sealed dump whose grads-rank1.safetensors holds such a shape ends with one line, exit 2."""
+    from hsgd.crosscheck.manifest import MANIFEST, seal
+    dump = tmp_path / "dump"
+    rc, err = convert(capsys, OK, "--out", dump, "--metadata-json")
+    assert rc == 0, err
+    g = dict(np.load(dump / "grads-rank1.npz"))
+    write_safetensors(dump / "grads-rank1.safetensors", g)
+    safetensors_blob_edited(dump / "grads-rank1.safetensors", lambda h: h.update(
+        x={"dtype": "F32", "shape": HUGE, "data_offsets": [0, 0]}))
+    os.remove(dump / "grads-rank1.npz")
+    man = json.loads((dump / MANIFEST).read_text())
+    seal(str(dump), man["run"], man["ranks"])
+    capsys.readouterr()
+    rc = crosscheck([str(dump)])
+    err = capsys.readouterr().err.splitlines()
+    print(err)
+    assert rc == 2 and len(err) == 1 and "grads-rank1.safetensors" in err[0]
+
+
+def test_batch_with_huge_dimensions(tmp_path, capsys):
+    """from_dcp --batch of such shapes, and a checkpoint's batch.idx of size [0, 2^62] with no chunks: one line."""
+    path = crafted(tmp_path, {"idx": {"dtype": "I64", "shape": HUGE, "data_offsets": [0, 0]},
+                              "targets": {"dtype": "I64", "shape": HUGE, "data_offsets": [0, 0]}})
+    os.rename(path, tmp_path / "b.safetensors")
+    assert "shape" in refused(capsys, OK, "--out", tmp_path / "dump", "--metadata-json", "--batch",
+                              tmp_path / "b.safetensors")
+
+    def empty(t):
+        t["batch.idx"]["size"] = [0, 2 ** 62]
+        t["batch.idx"]["chunks"] = []
+    d = edited(tmp_path / "x", empty)
+    assert "batch.idx" in refused(capsys, d, "--out", tmp_path / "dump", "--metadata-json")
 
 
 # ------------------------------------------------------------------------------------------------ with PyTorch

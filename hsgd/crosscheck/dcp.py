@@ -22,13 +22,16 @@ that passes the trust on, and turns what it read into a plain description (descr
      "objects": [FQN, ...]}          (non-tensor entries: pickles, never read)
 
 which may be kept as JSON (read_description reads it back, bounded, with no pickle and no PyTorch). Everything
-after is plain data checked before it is used: Checkpoint(DIR, description) checks every chunk inside its tensor,
-check(FQN) that each chunk's declared bytes fit in its file's range (so a declared shape larger than the files is
-refused before any allocation) and that the chunks add up to the tensor, disjoint(FQN) that none overlap. A
+after is plain data checked before it is used: Checkpoint(DIR, description) checks every size (each dimension
+below 2^31, the non-zero ones' product at most 2^48: hsgd.crosscheck.safetensors.check_shape) and every chunk
+inside its tensor, check(FQN) that each chunk's declared bytes fit in its file's range (so a declared shape larger
+than the files is refused before any allocation) and that the chunks add up to the tensor, disjoint(FQN) that none
+overlap, world(n) that no chunk and no .distcp file of the folder is on a rank beyond the run's n ranks. A
 torch_save chunk's data.pkl is read with pickletools.genops, a disassembler (it executes nothing), and only the
 opcodes of a plain tensor, `_rebuild_tensor_v2(persistent storage, offset, size, stride, requires_grad,
 OrderedDict())`, are accepted; the storage's bytes must be numel x itemsize, the strided view inside them. Anything
-else is one DumpError line naming the file.
+else is one DumpError line naming the file: a zip member compressed (data.pkl too must be stored, as torch.save
+writes it), a DCP_SHARDING_INFO whose saved_offsets are not the chunk's offsets.
 
 DCP saves each distinct chunk once (torch.distributed.checkpoint's plans are deduplicated, _dedup_save_plans):
 a chunk every rank of a replica group held is on one rank's file only. Left out: stream transforms (compressed
@@ -42,13 +45,14 @@ import pickletools
 import re
 import stat
 import zipfile
+import zlib
 from dataclasses import dataclass
 
 import numpy as np
 
 from hsgd.readers import check_depth, opened, printable, read_json, JSON_STRINGS
 from .dump import DumpError
-from .safetensors import bf16_to_float32, open_header, read_tensor
+from .safetensors import bf16_to_float32, check_shape, open_header, read_tensor
 
 METADATA = ".metadata"
 MAX_METADATA = 256 << 20          # bytes of .metadata a reader unpickles: a 100000-chunk checkpoint has ~50 MB
@@ -158,27 +162,50 @@ class Chunk:
 
 class Checkpoint:
     """A DCP folder and its description, every number of it checked (module docstring):
-        .tensors {FQN: (dtype, size, [Chunk])}, .ranks (1 + the highest rank of a .distcp file in the folder),
-        .check(fqn) and .disjoint(fqn) before reading, .read(chunk) -> the chunk's array, .whole(fqn) -> the
-        tensor's."""
+        .tensors {FQN: (dtype, size, [Chunk])}, .ranks (1 + the highest rank a chunk is on, each below MAX_RANKS),
+        .world(n) the run's ranks, .check(fqn) and .disjoint(fqn) before reading, .read(chunk) -> the chunk's array,
+        .whole(fqn) -> the tensor's."""
 
     def __init__(self, path, description, what=METADATA):
-        self.path, self.where = path, f"{os.path.join(path, what)}"
+        from hsgd.step.settings import MAX_RANKS                    # (a large module: imported when used)
+        self.path, self.where, self.max_ranks = path, f"{os.path.join(path, what)}", MAX_RANKS
         d = description
         if not isinstance(d, dict) or d.get("format") != FORMAT or d.get("version") != VERSION or \
                 not isinstance(d.get("tensors"), dict):
             raise DumpError(f"{self.where}: must be {{\"format\": \"{FORMAT}\", \"version\": {VERSION}, \"tensors\": "
-                            "...}} (hsgd.crosscheck.dcp.describe)")
+                            "...} (hsgd.crosscheck.dcp.describe)")
         self.tensors = {fqn: self._tensor(fqn, e) for fqn, e in d["tensors"].items()}
-        # the ranks: every one writes its file, also when it saved nothing (check() finds each chunk's file there)
-        self.ranks = 1 + max((int(m.group(1)) for m in map(FILE.fullmatch, os.listdir(path)) if m), default=0)
+        self.ranks = 1 + max((c.rank for _, _, chunks in self.tensors.values() for c in chunks), default=0)
         self.headers = {}                                # (file, offset): a safetensors blob's header
+
+    def world(self, n=None):
+        """The run's ranks: n (the parallel sizes' product, dp x tp x pp x cp, when the caller knows them) or else
+        the ranks the chunks are on (.ranks). DumpError (nothing written yet) if that is more than MAX_RANKS, or a
+        chunk or a __{rank}_{k}.distcp file of the folder is on a rank beyond it (a stray file, or one of another
+        run: every rank of a run writes its file, also when it saved nothing). The folder's names only are read."""
+        ranks = self.ranks if n is None else n
+        given = "hsgd.json's parallel sizes give" if n is not None else "the metadata's chunks are on"
+        if ranks > self.max_ranks:
+            raise DumpError(f"{self.path}: {given} {ranks} ranks, more than a job has (at most {self.max_ranks})")
+        if self.ranks > ranks:
+            c = max((c for _, _, chunks in self.tensors.values() for c in chunks), key=lambda c: c.rank)
+            raise DumpError(f"{self.where}: a chunk of {printable(c.fqn, 80)} is in {c.file} (rank {c.rank}), but "
+                            f"{given} {ranks} ranks; give hsgd.json's \"parallel\" sizes of the run that saved it")
+        stray = sorted((int(m.group(1)), name) for name in os.listdir(self.path)
+                       for m in [FILE.fullmatch(name)] if m and int(m.group(1)) >= ranks)
+        if stray:
+            rank, name = stray[-1]
+            raise DumpError(f"{os.path.join(self.path, name)}: a file of rank {rank}, but {given} {ranks} ranks: a "
+                            "file of another run or a stray one; remove it (or give hsgd.json's \"parallel\" sizes "
+                            "of the run when it is one of its ranks)")
+        return ranks
 
     def _tensor(self, fqn, e):
         what = f"{self.where}: {printable(fqn, 80)}"
         if not isinstance(fqn, str) or not isinstance(e, dict) or not isinstance(e.get("dtype"), str) or \
                 not _ints(e.get("size"), MAX_DIMS) or not isinstance(e.get("chunks"), list):
             raise DumpError(f"{what}: must give dtype (a name), size (at most {MAX_DIMS} integers >= 0) and chunks")
+        check_shape(e["size"], f"{what}: size", DumpError)
         size, chunks = tuple(e["size"]), []
         for k, c in enumerate(e["chunks"]):
             if not isinstance(c, dict) or not _ints(c.get("offsets"), len(size), len(size)) or \
@@ -192,6 +219,9 @@ class Checkpoint:
             if m is None:
                 raise DumpError(f"{what}: chunk {k}'s file {printable(str(c.get('file')), 60)!r} is not one "
                                 "FileSystemWriter writes (__{rank}_{n}.distcp in the folder)")
+            if int(m.group(1)) >= self.max_ranks:
+                raise DumpError(f"{what}: chunk {k}'s file {c['file']} is of rank {m.group(1)}, more than a job has "
+                                f"(at most {self.max_ranks} ranks)")
             chunks.append(Chunk(fqn, tuple(c["offsets"]), tuple(c["sizes"]), c["file"], int(m.group(1)),
                                 c["offset"], c["length"]))
         return e["dtype"], size, chunks
@@ -230,7 +260,7 @@ class Checkpoint:
         """DumpError if two chunks of tensor fqn overlap (after check(fqn), whose count of entries makes disjoint
         chunks cover it), marked on a mask of its size: call it once that size is known to fit (the model's)."""
         dtype, size, chunks = self.tensors[fqn]
-        mask = np.zeros(size, bool)
+        mask = zeros(size, bool, f"{self.where}: {printable(fqn, 80)}")
         for c in chunks:
             box = tuple(slice(o, o + n) for o, n in zip(c.offsets, c.sizes))
             if mask[box].any():
@@ -272,7 +302,10 @@ class Checkpoint:
                 saved = json.loads(info).get(c.fqn, {}).get("saved_offsets")
             except (ValueError, AttributeError):
                 raise DumpError(f"{where}: its DCP_SHARDING_INFO is not a JSON object of FQNs") from None
-            if saved is not None and list(saved) != list(c.offsets):
+            if saved is not None and not _ints(saved, MAX_DIMS):
+                raise DumpError(f"{where}: its DCP_SHARDING_INFO gives saved_offsets "
+                                f"{printable(json.dumps(saved), 60)}, not a list of integers >= 0 (its offsets)")
+            if saved is not None and saved != list(c.offsets):
                 raise DumpError(f"{where}: its DCP_SHARDING_INFO says offsets {saved}, the metadata {list(c.offsets)}")
         return read_tensor(f, e)
 
@@ -286,7 +319,17 @@ class Checkpoint:
                 a = self.read(c)
                 out = np.zeros(size, a.dtype) if out is None else out
                 out[tuple(slice(o, o + n) for o, n in zip(c.offsets, c.sizes))] = a
-        return out if out is not None else np.zeros(size, np.float32 if dtype == "bfloat16" else dtype)
+        return out if out is not None else zeros(size, dtype, f"{self.where}: {printable(fqn, 80)}")
+
+
+def zeros(size, dtype, where):
+    """np.zeros(size) (bfloat16 as float32), a shape numpy refuses one DumpError line (Checkpoint's check_shape
+    bounds keep it from happening)."""
+    try:
+        return np.zeros(size, np.float32 if dtype == "bfloat16" else dtype)
+    except (ValueError, MemoryError) as e:
+        raise DumpError(f"{where}: numpy cannot make its array of size {list(size)} ({type(e).__name__}: "
+                        f"{printable(str(e), 80)}); the metadata is corrupt or crafted") from None
 
 
 def _ints(xs, most=1 << 20, least=0):
@@ -375,14 +418,17 @@ def torch_chunk(raw, dtype, sizes, where):
         z = zipfile.ZipFile(io.BytesIO(raw))
         members = {i.filename: i for i in z.infolist()}
         pkls = [n for n in members if n.endswith("/data.pkl") and n.count("/") == 1]
-        if len(pkls) != 1 or members[pkls[0]].file_size > MAX_PICKLE:
+        if len(pkls) != 1 or members[pkls[0]].file_size > MAX_PICKLE or \
+                members[pkls[0]].compress_type != zipfile.ZIP_STORED:
             raise DumpError(f"{where}: not a torch.save zip of one tensor (one ARCHIVE/data.pkl of at most "
-                            f"{MAX_PICKLE} bytes)")
+                            f"{MAX_PICKLE} bytes, stored uncompressed as torch.save writes it)")
         prefix = pkls[0][:-len("data.pkl")]
         kind, key, numel, offset, size, stride = plain_tensor(z.read(members[pkls[0]]), where)
         order = members.get(prefix + "byteorder")
-        if order is not None and (order.file_size > 16 or z.read(order) != b"little"):
-            raise DumpError(f"{where}: saved big-endian (byteorder); hsgd reads little-endian checkpoints")
+        if order is not None and (order.file_size > 16 or order.compress_type != zipfile.ZIP_STORED or
+                                  z.read(order) != b"little"):
+            raise DumpError(f"{where}: its byteorder is not \"little\" (stored): saved big-endian, or damaged; hsgd "
+                            "reads little-endian checkpoints as torch.save writes them")
         if kind != dtype or size != tuple(sizes):
             raise DumpError(f"{where}: holds {kind} {list(size)}, the metadata says {dtype} {list(sizes)}")
         data = members.get(prefix + "data/" + key)
@@ -390,7 +436,8 @@ def torch_chunk(raw, dtype, sizes, where):
             raise DumpError(f"{where}: its storage data/{printable(key, 20)} is missing, compressed, or not "
                             f"{numel} x {ITEMSIZE[kind]} bytes; the file is corrupt")
         buf = z.read(data)
-    except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, OSError, ValueError, KeyError) as e:
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, OSError, ValueError, KeyError, NotImplementedError,
+            zlib.error) as e:                   # (NotImplementedError: a compression method zipfile does not have)
         if isinstance(e, DumpError):
             raise
         raise DumpError(f"{where}: a truncated or corrupt zip ({type(e).__name__}: {printable(str(e), 100)}); the "
@@ -400,7 +447,7 @@ def torch_chunk(raw, dtype, sizes, where):
         raise DumpError(f"{where}: offset {offset}, size {list(size)} and stride {list(stride)} reach past its "
                         f"storage of {numel} entries; the file is corrupt or crafted")
     if not n:
-        return np.zeros(size, np.float32 if kind == "bfloat16" else kind)
+        return zeros(size, kind, where)
     flat = np.frombuffer(buf, "<u2" if kind == "bfloat16" else np.dtype(kind).newbyteorder("<"))
     item = flat.dtype.itemsize
     a = np.lib.stride_tricks.as_strided(flat[offset:], size, [s * item for s in stride]).copy()

@@ -2,7 +2,9 @@
 of one training step, turned into a crosscheck dump (hsgd/crosscheck/FORMAT.md) that `python -m hsgd.crosscheck DUMP`
 checks against hsgd's serial reference. The layout is the checkpoint's own: each chunk DCP saved of a gradient is a
 shard on the rank whose file holds it (__{rank}_{n}.distcp), sliced along the dimensions where the chunk is smaller
-than the tensor (a chunk of a whole tensor is a whole shard).
+than the tensor (a chunk of a whole tensor is a whole shard). The dump's ranks are the run's: hsgd.json's
+dp x tp x pp x cp (without them, the ranks the chunks are on); a chunk or a .distcp file of a rank beyond them is
+refused, so a stray file in the folder never sets how many files are written.
 
 The checkpoint: DIR written by torch.distributed.checkpoint.save of the state dict
     {"params": {FQN: the parameter before the step}, "grads": {FQN: its gradient after the step's reductions},
@@ -17,9 +19,9 @@ Names (--names, or hsgd.json's "names"): how a FQN is hsgd's parameters:
                  and lm_head.weight
     hf           hsgd.crosscheck.systems.hf_tensors (LlamaForCausalLM's)
     hsgd         the reference's own names, (in, out)
-    FILE.json    {FQN: {"parts": [reference names], "transposed": bool, "fused": {"axis", "interleave", "group",
-                 "groups"}, "rotary": "halves" or "interleaved"}, or null for a buffer that is no parameter}; "{i}"
-                 in a FQN and its parts stands for a block number
+    FILE.json    {FQN: {"parts": [reference names], "transposed": bool, "fused": {"axis" (>= 0), "interleave",
+                 "group", "groups" (>= 1)}, "rotary": "halves" or "interleaved" (q or k of a rope model only)}, or
+                 null for a buffer that is no parameter}; "{i}" in a FQN and its parts stands for a block number
 
 .metadata is a Python pickle: PyTorch's reader unpickles it (hsgd.crosscheck.dcp.read_metadata), which can run any
 code its author put in it. So nothing is read without --trust-pickled-metadata; --save-metadata-json keeps what was
@@ -33,6 +35,7 @@ Exit 0 with the dump written; 2 with one line for a checkpoint that cannot be re
 parameter missing, a chunk outside its tensor, a dtype not floating, a model over the memory check, a .distcp file
 shorter than its chunks, a truncated zip, ...), before anything large is allocated.
 """
+import math
 import os
 import re
 import sys
@@ -129,11 +132,11 @@ def _entry(fqn, e, path):
         raise DumpError(f"{where}: must be {{\"parts\": [hsgd names], \"transposed\": true or false, \"fused\": "
                         "{...}} (or null for a buffer)")
     interleave = fused.get("interleave", "block")
-    numbers = [fused.get(k, 1) for k in ("axis", "group", "groups")]
-    if interleave not in INTERLEAVES or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0
-                                                for n in numbers):
-        raise DumpError(f"{where}: fused.interleave must be one of {', '.join(INTERLEAVES)}, axis, group and "
-                        "groups integers")
+    numbers = [(fused.get(k, least), least) for k, least in (("axis", 0), ("group", 1), ("groups", 1))]
+    if interleave not in INTERLEAVES or not all(isinstance(n, int) and not isinstance(n, bool) and n >= least
+                                                for n, least in numbers):
+        raise DumpError(f"{where}: fused.interleave must be one of {', '.join(INTERLEAVES)}, axis an integer >= 0, "
+                        "group and groups integers >= 1 (entries per piece, pieces per part)")
     if e.get("rotary", "halves") not in ("halves", "interleaved"):
         raise DumpError(f"{where}: rotary must be \"halves\" or \"interleaved\"")
     return Tensor(fqn, (), e.get("transposed", False), list(e["parts"]), fused.get("axis", 0), interleave,
@@ -155,6 +158,10 @@ def tensor_of(fqn, table, cfg, what, shown=None):
     if t is None:
         return None
     parts = [p.replace("{i}", block) for p in t.parts] if block is not None else list(t.parts)
+    if t.rotary and (cfg.positions != "rope" or not any(f".attn.{m}." in p for p in parts for m in "qk")):
+        raise DumpError(f"{shown}: {what} give it \"rotary\": \"interleaved\", which is for the q and k weights (and "
+                        f"biases) of a model with rotary positions (this one: positions {cfg.positions}, parts "
+                        f"{printable(', '.join(parts[:3]), 120)}); leave it out")
     ref = reference_shapes(cfg)
     missing = [p for p in parts if p not in ref]
     if missing:
@@ -179,6 +186,7 @@ def tensor_of(fqn, table, cfg, what, shown=None):
 
 def model_file(path):
     """(ModelConfig, parallel, dtype, names, system) of hsgd.json."""
+    from hsgd.step.settings import MAX_RANKS
     meta = read_json(path, "the checkpoint's model file", DumpError, max_bytes=MAX_JSON)
     model = meta.get("model") if isinstance(meta, dict) else None
     known = MODEL_KEYS + FAMILY_KEYS + MOE_KEYS
@@ -191,8 +199,8 @@ def model_file(path):
         raise DumpError(f"{path}: model: {printable(str(e), 300)}") from None
     parallel = meta.get("parallel", {})
     if not isinstance(parallel, dict) or set(parallel) - set(PARALLEL) or not all(
-            isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in parallel.values()):
-        raise DumpError(f"{path}: \"parallel\" may give {', '.join(PARALLEL)}, integers >= 1")
+            isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= MAX_RANKS for v in parallel.values()):
+        raise DumpError(f"{path}: \"parallel\" may give {', '.join(PARALLEL)}, integers from 1 to {MAX_RANKS}")
     dtype, names, system = meta.get("dtype", "float32"), meta.get("names", "torchtitan"), meta.get("system")
     if dtype not in DTYPES or not isinstance(names, str) or not isinstance(system, (str, type(None))):
         raise DumpError(f"{path}: \"dtype\" must be one of {', '.join(DTYPES)}, \"names\" and \"system\" strings")
@@ -215,10 +223,18 @@ def open_checkpoint(path, args):
     return dcp.Checkpoint(path, description)
 
 
+def world(parallel):
+    """The run's ranks by hsgd.json's parallel sizes, dp x tp x pp x cp (ep and micro_batches are no further ranks),
+    or None when it gives none of them."""
+    sizes = [parallel[k] for k in ("dp", "tp", "pp", "cp") if k in parallel]
+    return math.prod(sizes) if sizes else None
+
+
 def convert(args):
     ckpt = open_checkpoint(args.dir, args)
     model = args.model or os.path.join(args.dir, "hsgd.json")
     cfg, parallel, dtype, names, system = model_file(model)
+    ranks = ckpt.world(world(parallel))             # before anything is written: a file per rank
     table, what = names_table(args.names or names, cfg, None if args.names else os.path.dirname(model))
     pre, gre = args.params_prefix, args.grads_prefix
     if pre == gre and not args.params:
@@ -254,7 +270,7 @@ def convert(args):
     idx, targets = batch(args, ckpt, cfg)
     loss = args.loss if args.loss is not None else the_loss(ckpt)
     return write(args.out, ckpt, other, cfg, tensors, grads, params, idx, targets, loss, dtype, parallel,
-                 system or f"PyTorch Distributed Checkpoint {os.path.basename(os.path.abspath(args.dir))}")
+                 system or f"PyTorch Distributed Checkpoint {os.path.basename(os.path.abspath(args.dir))}", ranks)
 
 
 def batch(args, ckpt, cfg):
@@ -315,9 +331,9 @@ def shards_of(name, chunks, size):
     return out
 
 
-def write(out, ckpt, other, cfg, tensors, grads, params, idx, targets, loss, dtype, parallel, system):
-    """The dump (cleaned, every rank's file, rank 0's, dump.json last). Returns the number of ranks."""
-    ranks, entries, arrays = ckpt.ranks, {}, [{} for _ in range(ckpt.ranks)]
+def write(out, ckpt, other, cfg, tensors, grads, params, idx, targets, loss, dtype, parallel, system, ranks):
+    """The dump of `ranks` ranks (cleaned, every rank's file, rank 0's, dump.json last). Returns 0."""
+    entries, arrays = {}, [{} for _ in range(ranks)]
     for name, t in tensors.items():
         kind, size, chunks = ckpt.tensors[grads[name]]
         shards = []

@@ -9,10 +9,13 @@ written (no `safetensors` package needed for either: the format is a JSON header
     write_safetensors(path, arrays, metadata=None)                      {basename: {"size", "sha256"}}
     open_header(f, size, where, error, start=0)                         the header of a blob at byte `start` of
                                                                         an open file (a DCP .distcp file holds one)
+    check_shape(shape, where, error)                                    the bounds of a shape (below)
 
 What a reader checks, in this order, each failure one line error(...) naming the file: N at most the bytes after
 it and at most MAX_HEADER; the header UTF-8 JSON, nested at most hsgd.readers.MAX_DEPTH deep, no integer of more
-than 20 digits; every entry a known dtype, a shape of integers >= 0, offsets 0 <= begin <= end <= the data's
+than 20 digits; every entry a known dtype, a shape of integers >= 0 (each below MAX_DIM = 2^31, the product of
+the non-zero ones at most MAX_ENTRIES = 2^48: a shape with a zero has no bytes, so only these bounds keep
+[0, 2^40, 2^40] from numpy, which refuses to make it), offsets 0 <= begin <= end <= the data's
 bytes, end - begin = prod(shape) x itemsize, no two entries overlapping; the shapes the caller expects; all the
 arrays together at most max_bytes (as the caller receives them: BF16 becomes float32, twice its bytes). Only then
 are the tensors read, each exactly its bytes.
@@ -32,6 +35,8 @@ from hsgd.readers import check_depth, finite_float, opened, refuse_constant, ref
 
 MAX_HEADER = 100 << 20            # bytes of the JSON header (the safetensors package's own limit)
 MAX_DIMS = 64
+MAX_DIM = 1 << 31                 # a dimension is below it (no tensor of a model is near: a vocabulary is ~10^5)
+MAX_ENTRIES = 1 << 48             # entries of a shape's non-zero dimensions (a petabyte of float32)
 DTYPES = {"F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2"),
           "I64": np.dtype("<i8"), "I32": np.dtype("<i4")}                 # BF16: its raw 16 bits
 CODES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64", "int32": "I32"}
@@ -40,6 +45,19 @@ CODES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16
 def bf16_to_float32(bits):
     """float32 values of bfloat16 bit patterns (uint16): the 16 bits become a float32's upper half, exactly."""
     return (np.asarray(bits, np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def check_shape(shape, where, error):
+    """error(...) unless every dimension of `shape` (integers >= 0) is below MAX_DIM and the product of the non-zero
+    ones at most MAX_ENTRIES: numpy makes any such array (also one with no entries), and nothing larger is read."""
+    if any(n >= MAX_DIM for n in shape):
+        wrong = f"a dimension of {MAX_DIM} or more"
+    elif math.prod(n for n in shape if n) > MAX_ENTRIES:
+        wrong = f"more than {MAX_ENTRIES} entries in its non-zero dimensions"
+    else:
+        return
+    raise error(f"{where}: shape {str(list(shape))[:80]} has {wrong}; no tensor hsgd reads is so large: the file is "
+                "corrupt or crafted")
 
 
 def open_header(f, size, where, error, start=0):
@@ -92,6 +110,7 @@ def _entry(name, e, data_start, data_bytes, where, error):
     shape, offsets = e.get("shape"), e.get("data_offsets")
     if not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(_count(n) for n in shape):
         raise error(f"{what}: shape must be a list of at most {MAX_DIMS} integers >= 0")
+    check_shape(shape, what, error)
     if not isinstance(offsets, list) or len(offsets) != 2 or not all(_count(n) for n in offsets) or \
             not offsets[0] <= offsets[1] <= data_bytes:
         raise error(f"{what}: data_offsets {str(offsets)[:60]} must be [begin, end] with 0 <= begin <= end <= "
@@ -109,13 +128,16 @@ def _count(n):
 
 def read_tensor(f, entry):
     """The array of one checked header entry (open_header) of the open file f: exactly its bytes read; BF16 as
-    float32."""
+    float32. OSError if the file is not as its header was (shorter now, or a shape numpy refuses)."""
     code, shape, begin, end = entry
     f.seek(begin)
     raw = f.read(end - begin)
     if len(raw) != end - begin:                                  # (the file shrank after its size was taken)
         raise OSError("the file is shorter than when its header was read")
-    a = np.frombuffer(raw, DTYPES[code]).reshape(shape)
+    try:
+        a = np.frombuffer(raw, DTYPES[code]).reshape(shape)
+    except ValueError as e:                                      # (check_shape's bounds keep it from happening)
+        raise OSError(f"numpy cannot make an array of shape {str(list(shape))[:80]} ({str(e)[:80]})") from None
     return bf16_to_float32(a) if code == "BF16" else a.astype(a.dtype.newbyteorder("="))
 
 
