@@ -31,12 +31,20 @@
 # 4. the PyTorch system (`benchmarks/crosscheck_torch.py`: DTensor tensor parallelism, data parallelism by hand):
 #    its committed dumps, the correct ones and three real bugs, each named by its class;
 # 5. deliberately broken hsgd (`hsgd.check.mutations`): four more bugs, dumped and named;
-# 6. two pictures: how one tensor's shards come back together, and every parameter's error by class;
-# 7. reading a verdict: from the class to the line of code.
+# 6. from a Distributed Checkpoint to a verdict: a second PyTorch program (`benchmarks/crosscheck_fsdp2.py`: FSDP2
+#    over dp and tensor parallelism over tp, torchtitan's layout), its checkpoints as `torch.distributed.checkpoint`
+#    saved them, turned into dumps without PyTorch (`hsgd.crosscheck.from_dcp`): PASS, and a norm reduced over the
+#    wrong mesh dimension named "unreduced";
+# 7. reading a 2-D sharded tensor: the six boxes of a dp 3 x tp 2 weight, rows cut unevenly, put back together;
+# 8. replicas that say which side holds the reference: a stale replica, an unreduced one, a wrong group;
+# 9. a fused-block swap found: k and v exchanged inside the fused qkv, and why the k biases' zero gradient makes
+#    no reordering out of a correct copy;
+# 10. two pictures: how one tensor's shards come back together, and every parameter's error by class;
+# 11. reading a verdict: from the class to the line of code.
 #
-# Run it with eight ranks (5 to 10 s measured on a 2-core machine without PyTorch; with PyTorch installed,
-# section 4 also runs the PyTorch program once, which adds its start-up, 20 to 60 s on a loaded 2-core machine;
-# on failure every rank raises, so it exits non-zero without hanging). Rank 0 draws two pictures into
+# Run it with eight ranks (about 5 s measured on a 2-core machine without PyTorch; with PyTorch installed,
+# sections 4 and 6 also run the two PyTorch programs once each, 12 s in all measured, up to a minute on a loaded
+# machine; on failure every rank raises, so it exits non-zero without hanging). Rank 0 draws three pictures into
 # `$HSGD_FIGURES` (default `tutorials/figures/`):
 #
 # mpirun -n 8 python tutorials/18_checking_another_system.py
@@ -54,6 +62,7 @@
 from hsgd.model.config import ModelConfig   # hsgd first, as in chapter 13 (OpenBLAS's thread timeout)
 from hsgd.model import serial
 
+import contextlib
 import importlib.util
 import io
 import json
@@ -67,9 +76,13 @@ import time
 
 import numpy as np
 
-from hsgd.crosscheck.__main__ import check as crosscheck, copies_of, report
-from hsgd.crosscheck.manifest import check_set
+from hsgd.crosscheck import dcp, from_dcp, fused
+from hsgd.crosscheck.__main__ import STRUCTURE, check as crosscheck, copies_of, report
+from hsgd.crosscheck.dump import grads_file
+from hsgd.crosscheck.local import Local
+from hsgd.crosscheck.manifest import check_set, new_run, seal
 from hsgd.crosscheck.read import load
+from hsgd.crosscheck.write import write_rank
 from hsgd.crosscheck.hsgd_dump import dump_one_step
 from hsgd.model.data import Corpus
 from hsgd.check.mutations import BUGS, injected
@@ -292,29 +305,34 @@ def dump_difference(a, b):
     return same_layout, grads, params, abs(A.loss - B.loss) / abs(A.loss), batch
 
 
+def run_program(script, flags, out, timeout=RERUN_TIMEOUT_S):
+    """Rank 0: `python benchmarks/<script> <flags> --out <out>` in a process of its own: (exit code, or "timeout";
+    its last lines, the folder shown as TMP; seconds)."""
+    # the program starts its own processes (gloo): none of mpiexec's variables must reach them
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI", "HYDRA", "MPI", "OMPI", "PMIX"))}
+    env["OMP_NUM_THREADS"] = "1"
+    cmd = [sys.executable, os.path.join(os.path.dirname(HERE), "benchmarks", script), *flags, "--out", out]
+    t0 = time.perf_counter()
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+        rc, tail = r.returncode, (r.stdout + r.stderr).strip().splitlines()[-3:]
+    except subprocess.TimeoutExpired:
+        rc, tail = "timeout", [f"no result after {timeout} s"]
+    return rc, [line.replace(out, "TMP") for line in tail], time.perf_counter() - t0
+
+
 def rerun():
     """Rank 0: the program run again into a temporary folder, compared with the committed dump; None without
     PyTorch."""
     if not torch_installed():
         return None
     out = tempfile.mkdtemp(prefix="crosscheck-torch-")
-    # the program starts its own processes (gloo): none of mpiexec's variables must reach them
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI", "HYDRA", "MPI", "OMPI", "PMIX"))}
-    env["OMP_NUM_THREADS"] = "1"
-    cmd = [sys.executable, os.path.join(os.path.dirname(HERE), "benchmarks", "crosscheck_torch.py"),
-           *TORCH_DUMPS[RERUN].split(), *MODEL.split(), "--out", out]
-    t0 = time.perf_counter()
     try:
-        r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=RERUN_TIMEOUT_S)
-        res = {"rc": r.returncode, "tail": (r.stdout + r.stderr).strip().splitlines()[-3:], "diff": None}
-        if r.returncode == 0:
-            res["diff"] = dump_difference(folder(RERUN), out)
-    except subprocess.TimeoutExpired:
-        res = {"rc": "timeout", "tail": [f"no result after {RERUN_TIMEOUT_S} s"], "diff": None}
+        rc, tail, seconds = run_program("crosscheck_torch.py", [*TORCH_DUMPS[RERUN].split(), *MODEL.split()], out)
+        diff = dump_difference(folder(RERUN), out) if rc == 0 else None
     finally:
         shutil.rmtree(out, ignore_errors=True)
-    res["seconds"] = time.perf_counter() - t0
-    return res
+    return {"rc": rc, "tail": tail, "diff": diff, "seconds": seconds}
 
 
 fresh = pictures.on_rank0(world, rerun, share=True)
@@ -366,13 +384,25 @@ check.holds("no-microbatch-scale: each a constant factor '3 x the reference = mi
             all(rows[n]["class"] == "constant factor" and "3 x the reference = micro-batches:" in rows[n]["detail"]
                 for n in failed(rows)))
 
+
+def own_rows(dp, tp, B):
+    """The words of an "unreduced" detail whose replicas each hold their own dp rank's rows' gradient: the ranks of
+    dp rank d are d tp .. d tp + tp - 1, its sequences d B/dp .. (d + 1) B/dp - 1 (hsgd.crosscheck.local)."""
+    b = B // dp
+    return "; ".join(f"ranks {','.join(str(d * tp + t) for t in range(tp))}: the gradient of dp rank {d}'s rows "
+                     f"alone (sequences {d * b}..{d * b + b - 1})" for d in range(dp))
+
+
 ok, loss_row, rows, _ = V["torch_tp2_dp2_ln-not-reduced"]
 LN = {n for n in rows if ".ln" in n or n.startswith("ln_f")}
+ln_dump = load(folder("torch_tp2_dp2_ln-not-reduced"))          # (tiny: its sizes for the words below)
+words = own_rows(ln_dump.parallel["dp"], ln_dump.parallel["tp"], ln_dump.idx.shape[0])
+say(f"ln-not-reduced, h.0.ln1.weight: {rows['h.0.ln1.weight']['class']}: {rows['h.0.ln1.weight']['detail']}")
 check.holds("ln-not-reduced: FAIL, the loss itself right", not ok and loss_row["ok"])
 check.equal("ln-not-reduced: the failing parameters = the LayerNorms'", sorted(failed(rows)), sorted(LN))
-check.holds("ln-not-reduced: each a partial sum, the dp groups' mean = R (ranks 0,1 | 2,3)",
-            all(rows[n]["class"] == "partial sum" and "(ranks 0,1 | 2,3); their mean is the reference" in
-                rows[n]["detail"] for n in LN))
+check.holds("ln-not-reduced: each unreduced, no replica R, each its dp rank's rows",
+            all(rows[n]["class"] == "unreduced" and f"no replica holds the reference, each its own rows' gradient "
+                f"({words})" in rows[n]["detail"] for n in LN))
 
 ok, loss_row, rows, _ = V["torch_tp2_dp2_v15_vocab-padding"]
 check.holds("vocab-padding: FAIL, and the loss differs too", not ok and not loss_row["ok"])
@@ -386,8 +416,11 @@ check.equal("vocab-padding: lm_head.weight's class", rows["lm_head.weight"]["cla
 #   is why this dump runs M = 3: with M = 2 on tp 2 x dp 2 the factor 2 would be "dp or micro-batches or tp", and
 #   the crosscheck says all three (exercise 3). The loss is right: the program reports the unscaled loss.
 # - **ln-not-reduced** (the LayerNorms left out of the dp All-Reduce): the replicas disagree, ranks 0 and 1 (dp
-#   rank 0) hold one value, ranks 2 and 3 another, and their mean is the reference: an average over the 2 dp ranks
-#   is missing. Every other parameter is right to 1e-15, so the bug is confined to exactly the parameters the
+#   rank 0) hold one value, ranks 2 and 3 another, and each is exactly the gradient of its own dp rank's rows alone,
+#   which the crosscheck computes by running the reference on each dp slice of the batch (`hsgd.crosscheck.local`):
+#   "unreduced", no replica holds the reference. Their mean is the reference too, as it must be (R is the mean of
+#   the slices' gradients), but "each holds its own rows" says more: the reduction over dp never ran on these
+#   buffers. Every other parameter is right to 1e-15, so the bug is confined to exactly the parameters the
 #   All-Reduce skipped.
 # - **vocab-padding** (the padded vocabulary's logits not masked to -inf): the one padded row of lm_head carries
 #   gradient, which no real token can cause. Because the padded logit enters the softmax, the loss and every other
@@ -431,12 +464,475 @@ for bug, target, kw, look, (cls, words) in MUTATIONS:
 # The factor dp of ZeRO's missing 1/dp and the factor m of the pipeline's missing 1/m are told apart only because
 # the layouts' sizes differ (dp 4 x tp 2, and m = 3 on pp 2 x tp 4): a layout whose sizes are all 2 could not say
 # which. The sequence scheme's missing LayerNorm reduction is a partial sum over the 4 tp ranks (each holds its
-# T/tp positions' share; their *sum* is R), where the PyTorch program's missing dp average was a *mean*: the class
-# names which reduction, the detail which kind. The head permutation is found in the one parameter it touched, and
-# the order printed is the one each tp rank's two heads were swapped in.
+# T/tp positions' share; their *sum* is R), where the PyTorch program's LayerNorms, never reduced over dp, each held
+# one dp rank's own rows' gradient ("unreduced"): the class names which reduction, the detail which ranks and rows.
+# The head permutation is found in the one parameter it touched, and the order printed is the one each tp rank's
+# two heads were swapped in.
 
 # %% [markdown]
-# ## 6. Two pictures
+# ## 6. From a Distributed Checkpoint to a verdict (FSDP2 + TP)
+#
+# `benchmarks/crosscheck_fsdp2.py` is a second PyTorch program, laid out the way torchtitan trains a Llama model: an
+# `nn.Module` in torchtitan's names (`tok_embeddings`, `layers.{i}.attention.wq` .. `wo`, `feed_forward.w1` ..
+# `w3`, `attention_norm`, `ffn_norm`, `norm`, `output`), `dp*tp` processes on a 2-D `init_device_mesh("cpu", (dp,
+# tp))`, tensor parallelism over tp by `parallelize_module`, then FSDP2 over dp by `fully_shard` on every block and
+# on the root. Every weight becomes a DTensor cut along both mesh dimensions, and after the backward each rank holds
+# only its box of every gradient (FSDP2 reduce-scatters over dp and divides by dp). The norms stay out of
+# `fully_shard`, replicated, and are averaged over dp by hand (one flat bucket, as DDP does). The program writes no
+# dump: it saves its step the way a PyTorch user saves a checkpoint, `torch.distributed.checkpoint.save` (DCP) of
+# `{"params", "grads", "batch", "loss"}`, and its rank 0 writes `hsgd.json` beside it (the model and the sizes).
+#
+# A DCP folder holds a file `__{rank}_0.distcp` per rank (each chunk in it a `torch.save` archive) and `.metadata`,
+# which says where every chunk of every tensor is: its offsets and sizes in the full tensor, its file and byte
+# range. `.metadata` is a Python pickle, and unpickling runs whatever code its author put in it. So
+# `python -m hsgd.crosscheck.from_dcp DIR --out DUMP` reads it only when told `--trust-pickled-metadata`, and then
+# only through PyTorch's own reader; `--save-metadata-json` keeps what it read as `DIR/dcp-metadata.json` (plain
+# data: tensors, chunks, byte ranges), which `--metadata-json` reads in place of the pickle, with no PyTorch at all.
+# The chunks themselves are parsed, never unpickled. Two of the program's checkpoints are committed in
+# `tutorials/crosscheck_dumps/` with their `dcp-metadata.json` (the commands in its README.md), so this section runs
+# where PyTorch is not installed; where it is, the program runs again, and its fresh checkpoint, read through the
+# pickle, must give the same dump.
+
+# %%
+FSDP2 = "--dp 3 --tp 2 --vocab 16 --batch 6"    # with MODEL; tutorials/crosscheck_dumps/README.md
+DCP_FOLDERS = {"dcp_fsdp2_dp3_tp2": FSDP2, "dcp_fsdp2_dp3_tp2_wrong-mesh-dim": FSDP2 + " --bug wrong-mesh-dim"}
+DCP_OK, DCP_BUG = DCP_FOLDERS
+WO, WQ = "layers.0.attention.wo.weight", "layers.0.attention.wq.weight"     # stored (out, in): (C, C), (NH hs, C)
+
+
+def from_dcp_run(args):
+    """python -m hsgd.crosscheck.from_dcp args, in this process: (exit code, what it printed)."""
+    said = io.StringIO()
+    with contextlib.redirect_stdout(said), contextlib.redirect_stderr(said):
+        code = from_dcp.main(args)
+    return code, said.getvalue().strip()
+
+
+@contextlib.contextmanager
+def converted(src, how="--metadata-json"):
+    """The dump from_dcp makes of the DCP folder src (`how` reads its description: the JSON copy, or the pickle with
+    --trust-pickled-metadata), in a temporary folder removed afterwards: (exit code, what it printed with that
+    folder shown as DUMP, the folder)."""
+    path = tempfile.mkdtemp(prefix="hsgd-dcp-")
+    try:
+        code, said = from_dcp_run([src, "--out", path, how])
+        yield code, said.replace(path, "DUMP"), path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def rank_of(chunk):
+    """The rank that saved a chunk: the n of its file __{n}_0.distcp."""
+    return int(dcp.FILE.fullmatch(chunk["file"]).group(1))
+
+
+def dcp_section():
+    """Rank 0: hsgd.json, the folder's files, the chunks of wo's gradient and the norms' as dcp-metadata.json lists
+    them, and for both committed folders the converter's line (--metadata-json: no pickle, no PyTorch), the dump's
+    layout entry of wo and the crosscheck's verdict."""
+    here = folder(DCP_OK)
+    with open(os.path.join(here, "hsgd.json")) as f:
+        meta = json.load(f)
+    desc = dcp.read_description(os.path.join(here, from_dcp.DCP_JSON))
+    grads = {fqn[len("grads."):]: e for fqn, e in desc["tensors"].items() if fqn.startswith("grads.")}
+    out = {"meta": meta, "files": {n: os.path.getsize(os.path.join(here, n)) for n in sorted(os.listdir(here))},
+           "wo": (grads[WO]["dtype"], grads[WO]["size"],
+                  {rank_of(c): (c["offsets"], c["sizes"], c["file"]) for c in grads[WO]["chunks"]}),
+           "norms": {fqn: [rank_of(c) for c in e["chunks"]] for fqn, e in grads.items() if "norm" in fqn}}
+    for name in DCP_FOLDERS:
+        with converted(folder(name)) as (code, said, path):
+            with open(os.path.join(path, "layout.json")) as f:
+                entry = json.load(f)["tensors"][WO]
+            out[name] = (code, said, entry, verdict_of(path, "DUMP"))
+    out["B"] = desc["tensors"]["batch.idx"]["size"][0]
+    out["no_torch"] = sys.modules.get("torch") is None       # nothing so far has imported PyTorch
+    return out
+
+
+D6 = pictures.on_rank0(world, dcp_section, share=True)
+mesh_dp, mesh_tp, mesh_C, mesh_B = (D6["meta"]["parallel"]["dp"], D6["meta"]["parallel"]["tp"],
+                                    D6["meta"]["model"]["d_model"], D6["B"])
+say(f"$ cat tutorials/crosscheck_dumps/{DCP_OK}/hsgd.json      (the program's rank 0 writes it beside DCP's files)")
+for line in textwrap.wrap(json.dumps(D6["meta"]), 114):
+    say("  " + line)
+for line in textwrap.wrap("the folder: " + ", ".join(f"{n} ({b} bytes)" for n, b in D6["files"].items()), 116):
+    say(line)
+dtype, size, chunks = D6["wo"]
+say(f"\ngrads.{WO} as dcp-metadata.json describes it: {dtype} {size}, {len(chunks)} chunks")
+for r, (off, n, file) in sorted(chunks.items()):
+    say(f"  {file}: rank {r} = (dp {r // mesh_tp}, tp {r % mesh_tp}) holds rows {off[0]}..{off[0] + n[0] - 1}, "
+        f"columns {off[1]}..{off[1] + n[1] - 1}")
+per_dp = -(-mesh_C // mesh_dp)                 # FSDP2 cuts dim 0 as torch.chunk: ceil(C/dp) rows each
+cols = mesh_C // mesh_tp                         # RowwiseParallel: wo's input columns split over tp
+expected = {d * mesh_tp + t: ([d * per_dp, t * cols], [min(per_dp, mesh_C - d * per_dp), cols])
+            for d in range(mesh_dp) for t in range(mesh_tp)}
+check.equal("wo's chunk on rank r: rows of dp rank r // tp (ceil(C/dp) each, the last the rest), columns of tp "
+            "rank r % tp", {r: (o, n) for r, (o, n, _) in chunks.items()}, expected)
+
+for name in DCP_FOLDERS:
+    code, said, entry, (ok, loss_row, rows, table) = D6[name]
+    say(f"\n$ python -m hsgd.crosscheck.from_dcp tutorials/crosscheck_dumps/{name} --out DUMP --metadata-json")
+    say("  " + said)
+    if name == DCP_OK:
+        say(f'layout.json of DUMP, "{WO}":')
+        head = {k: v for k, v in entry.items() if k != "shards"}
+        say("  " + json.dumps(head)[:-1] + ', "shards": [')
+        for s in entry["shards"]:
+            say("    " + json.dumps(s) + ",")
+        say("  ]}")
+    say("$ python -m hsgd.crosscheck DUMP")
+    lines = table.splitlines()
+    shown = lines if name == DCP_OK else [lines[2]] + [x for x in lines if x.startswith("  ")] + lines[-2:]
+    for line in shown:
+        say("  " + (line if len(line) <= 150 else line[:147] + "..."))
+    check.holds(f"{name}: converted from its JSON description (exit {code})", code == 0)
+check.holds("the conversions read no pickle and imported no PyTorch", D6["no_torch"])
+
+ok, loss_row, rows, _ = D6[DCP_OK][3]
+check.holds(f"{DCP_OK}: PASS", ok)
+check("torch FSDP2 + TP (DCP): the largest gradient error, relative", max(r["error"] for r in rows.values()))
+check("torch FSDP2 + TP (DCP): the loss, relative", loss_row["error"])
+ok, loss_row, rows, _ = D6[DCP_BUG][3]
+NORMS = sorted(n for n in rows if rows[n]["tensor"].split(".")[-2].endswith("norm"))
+check.holds("wrong-mesh-dim: FAIL, the loss itself right", not ok and loss_row["ok"])
+check.equal("wrong-mesh-dim: the failing parameters = the three norms'", sorted(failed(rows)), NORMS)
+say("")
+for n in NORMS:
+    fqn, b = rows[n]["tensor"], mesh_B // mesh_dp
+    saved = D6["norms"][fqn]
+    d = saved[0] // mesh_tp
+    say(f"  grads.{fqn}: {len(saved)} chunk, saved by rank {saved[0]} (dp rank {d}) -> {n}: {rows[n]['class']}")
+    check.holds(f"wrong-mesh-dim {n}: unreduced, the rows of dp rank {d}, whose rank DCP saved",
+                len(saved) == 1 and rows[n]["class"] == "unreduced" and
+                f"G is the gradient of dp rank {d}'s rows alone (sequences {d * b}..{d * b + b - 1})"
+                in rows[n]["detail"])
+
+
+def fsdp2_rerun():
+    """Rank 0, with PyTorch (None without): the committed .metadata read through PyTorch's reader = its
+    dcp-metadata.json; the program run again into a temporary folder, its checkpoint converted through the pickle
+    (--trust-pickled-metadata) and compared with the committed folder's dump."""
+    if not torch_installed():
+        return None
+    res = {"same_description": json.loads(json.dumps(dcp.read_metadata(folder(DCP_OK)))) ==
+           dcp.read_description(os.path.join(folder(DCP_OK), from_dcp.DCP_JSON)), "diff": None}
+    out = tempfile.mkdtemp(prefix="crosscheck-fsdp2-")
+    try:
+        res["rc"], res["tail"], res["seconds"] = run_program("crosscheck_fsdp2.py", [*FSDP2.split(), *MODEL.split()],
+                                                             out)
+        if res["rc"] == 0:
+            with converted(out, "--trust-pickled-metadata") as (code, said, fresh), \
+                    converted(folder(DCP_OK)) as (_, _, kept):
+                res["said"] = said
+                res["diff"] = dump_difference(kept, fresh) if code == 0 else None
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+    return res
+
+
+fresh_dcp = pictures.on_rank0(world, fsdp2_rerun, share=True)
+if fresh_dcp is None:
+    say("\nPyTorch is not installed here: the committed checkpoints are read through their dcp-metadata.json only")
+else:
+    say(f"\n$ python benchmarks/crosscheck_fsdp2.py {FSDP2} {MODEL} --out TMP   ({fresh_dcp['seconds']:.1f} s, "
+        f"exit {fresh_dcp['rc']})")
+    for line in fresh_dcp["tail"]:
+        say("  " + line)
+    say(f"$ python -m hsgd.crosscheck.from_dcp TMP --out DUMP --trust-pickled-metadata\n  {fresh_dcp.get('said')}")
+    check.holds(f"{DCP_OK}: its .metadata, unpickled by PyTorch's reader = its dcp-metadata.json",
+                fresh_dcp["same_description"])
+    check.holds(f"the FSDP2 program ran (within {RERUN_TIMEOUT_S} s), its checkpoint converted",
+                fresh_dcp["diff"] is not None)
+    same_layout, d_grads, d_params, d_loss, same_batch = fresh_dcp["diff"]
+    check.holds(f"fresh {DCP_OK}: the dump's layout (every chunk's rank and box) = the committed's", same_layout)
+    check.holds(f"fresh {DCP_OK}: the batch = the committed", same_batch)
+    check(f"fresh {DCP_OK}: the parameters = the committed", d_params, 1e-12)
+    check(f"fresh {DCP_OK}: every rank's gradients = the committed (relative)", d_grads, 1e-12)
+    check(f"fresh {DCP_OK}: the loss = the committed (relative)", d_loss, 1e-12)
+
+# %% [markdown]
+# The correct program passes: FSDP2's reduce-scatter and its division by dp, tensor parallelism's All-Reduces and
+# the hand-made average of the norms together give the gradient of the mean loss, to rounding. Its `split` column
+# reads as the layout does: the weights tensor parallelism splits by rows (`tok_embeddings`, `wq`, `wk`, `wv`,
+# `w1`, `w3`, `output`) cut along their rows only, in strips (section 7 says why; `wk` and `wv`, of fewer rows, in
+# four: one rank's chunk is empty), `wo` and `w2` in boxes along both axes, the norms whole.
+#
+# The wrong-mesh-dim bug averages the norms' bucket over the "tp" mesh dimension instead of "dp". The two ranks of
+# a tp group hold the same rows of the batch, so the average changes nothing, and every rank keeps its own dp rank's
+# gradient R_d: "unreduced". But a DCP folder shows only one copy of it. DCP saves one copy of a chunk that several
+# ranks hold: its save planner deduplicates the ranks' plans (`dedup_save_plans` keeps each replicated item on the
+# rank that has the least to write so far), so each norm's gradient, held whole by all six ranks, is in the file of
+# one rank of DCP's choosing, the ranks printed above. The replicas cannot be compared: what the other ranks held
+# is gone (had they been right and the saved one wrong, or the other way round, the folder could not say). The
+# class comes instead from comparing the one copy with each dp rank's own rows' gradient, which the crosscheck
+# computes: each norm is named with the dp rank of the rank that saved it, and that is how the verdict says which
+# copy it saw. Section 8 shows what replicas tell when a dump keeps them all.
+
+# %% [markdown]
+# ## 7. Reading a 2-D sharded tensor
+#
+# A shard of layout.json with `slices` is a box: along each axis it cuts, an offset and a length. `copies_of`
+# (`hsgd.crosscheck.__main__`) groups a tensor's shards by box: shards with the same box are replicas of one piece,
+# different boxes are pieces of one copy; copy k takes, for every box, its k-th holder, and writes that rank's real
+# entries at the box's place in the full tensor (`Shard.where`). In the DCP folder's dump no box has two holders
+# (DCP saved each chunk once), so `wo`'s gradient comes back as one copy, from all six ranks. `wq` is cut along one
+# axis only, into six strips:
+
+# %%
+def boxes():
+    """Rank 0: for wo and wq of the correct FSDP2 checkpoint's dump, every shard's rank and box, the ranks of the one
+    copy copies_of assembles, how often each entry is covered; copies_of's wo against DCP's own assembly of its
+    chunks (Checkpoint.whole) and against the reference."""
+    with converted(folder(DCP_OK)) as (_, _, path):
+        dump = load(path)
+        out = {}
+        for name in (WO, WQ):
+            t = dump.tensors[name]
+            copies, labels, _ = copies_of(t, dump.grads)
+            cover = np.zeros(t.shape, dtype=int)
+            for s in t.shards:
+                cover[s.where(len(t.shape))] += 1
+            out[name] = dict(shape=t.shape, part=t.parts[0], labels=labels, covered=(int(cover.min()),
+                             int(cover.max())), shards=[(s.rank, s.box(), s.padding) for s in t.shards])
+        ckpt = dcp.Checkpoint(folder(DCP_OK), dcp.read_description(os.path.join(folder(DCP_OK), from_dcp.DCP_JSON)),
+                              from_dcp.DCP_JSON)
+        G = copies_of(dump.tensors[WO], dump.grads)[0][0]
+        _, R = serial.loss_and_grads(dump.reference_params(), dump.idx, dump.targets, dump.cfg)
+        out["same_as_dcp"] = bool(np.array_equal(G, ckpt.whole("grads." + WO)))
+        out["error"] = float(np.abs(G.T - R[out[WO]["part"]]).max() / np.abs(R[out[WO]["part"]]).max())
+    return out
+
+
+def box_words(box):
+    return ", ".join(f"{'rows' if a == 0 else 'columns'} {o}..{o + n - 1}" for a, o, n in box)
+
+
+B7 = pictures.on_rank0(world, boxes, share=True)
+for name in (WO, WQ):
+    b = B7[name]
+    say(f"{name} ({b['part']} stored (out, in), {b['shape']}): one copy, from ranks {' and '.join(b['labels'])}")
+    for r, box, _ in sorted(b["shards"], key=lambda x: x[1]):
+        say(f"  rank {r} (dp {r // mesh_tp}, tp {r % mesh_tp}): {box_words(box)}")
+rows_wo = sorted({box[0] for _, box, _ in B7[WO]["shards"]})
+wq_order = [r for r, _, _ in sorted(B7[WQ]["shards"], key=lambda x: x[1])]
+say(f"wo's rows per dp rank: {[n for _, _, n in rows_wo]} (C = {mesh_C} over dp = {mesh_dp}: ceil(C/dp) = {per_dp}, "
+    f"the last the rest); wq's rows, in order, from ranks {wq_order}")
+check.equal("wo: six boxes, every entry covered exactly once (min, max)", B7[WO]["covered"], (1, 1))
+check.equal("wo: one copy, from all six ranks", B7[WO]["labels"], ["+".join(str(r) for r in range(mesh_dp * mesh_tp))])
+check.holds("wo: copies_of's assembly = DCP's own of its chunks (Checkpoint.whole), exactly", B7["same_as_dcp"])
+check("wo: assembled, transposed = the reference's gradient (relative)", B7["error"])
+check.equal("wq: rows in order from tp rank 0's dp ranks, then tp rank 1's (_StridedShard)", wq_order,
+            [d * mesh_tp + t for t in range(mesh_tp) for d in range(mesh_dp)])
+check.equal("wq: every entry covered exactly once (min, max)", B7[WQ]["covered"], (1, 1))
+
+
+def draw_boxes():
+    fig, axes = pictures.figure(7.2, 3.3, ncols=2)
+    colors = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b"]
+    for ax, name in zip(axes, (WO, WQ)):
+        b = B7[name]
+        for r, box, _ in b["shards"]:
+            (r0, nr), (c0, nc) = [(o, n) for _, o, n in box] if len(box) == 2 else [box[0][1:], (0, b["shape"][1])]
+            ax.bar(c0, nr, width=nc, bottom=r0, align="edge", color=colors[r], edgecolor="white", alpha=0.85)
+            ax.text(c0 + nc / 2, r0 + nr / 2, f"rank {r}\n(dp {r // mesh_tp}, tp {r % mesh_tp})", ha="center",
+                    va="center", fontsize=6)
+        ax.set_xlim(0, b["shape"][1])
+        ax.set_ylim(b["shape"][0], 0)
+        ax.set_xlabel("column (input feature)", fontsize=7)
+        ax.set_ylabel("row (output feature)", fontsize=7)
+    axes[0].set_title(f"wo: Shard(0) over dp {mesh_dp}, Shard(1) over tp {mesh_tp}", fontsize=8)
+    axes[1].set_title(f"wq: Shard(0) over tp {mesh_tp}, each piece cut over dp {mesh_dp}", fontsize=8)
+    pictures.save(fig, "18_dcp_boxes")
+
+
+pictures.on_rank0(world, draw_boxes)
+
+# %% [markdown]
+# The picture shows both: `wo` (row-parallel, so split by its input columns over tp) is cut by FSDP2 along its rows
+# over dp, and each rank holds one box; `wq` (column-parallel, split by its output rows over tp) is cut by FSDP2
+# along the same rows again, so each tp rank's strip of rows is cut once more over dp, and the rows of the full
+# tensor come from the ranks in tp-major order. PyTorch calls that placement `_StridedShard(0)`; for the dump it is
+# one axis, six strips at their offsets, and `copies_of` needs nothing more. The rows do not divide evenly: FSDP2
+# cuts dimension 0 as `torch.chunk` does, ceil(C/dp) rows to every rank but the last, which takes the rest. The
+# chunks DCP saved are each rank's real rows and cover the tensor exactly once, so the dump declares no padding.
+
+# %% [markdown]
+# ## 8. Replicas that say which side holds the reference
+#
+# Where a dump keeps every replica (hsgd's dumps, the program of section 4), the classifier first asks which
+# replicas hold the reference R and what the others hold. Three bugs of the replicated LayerNorms, written into a
+# copy of `torch_tp2_dp2` (4 ranks, rank = dp_rank x 2 + tp_rank), one per LayerNorm weight, on the ranks of dp
+# rank 1:
+#
+# - `h.0.ln1.weight`: ranks 2 and 3 keep an earlier gradient (here that of another batch, as the step before
+#   would have left it): their buffer was never refreshed with the reduced one;
+# - `h.0.ln2.weight`: ranks 2 and 3 keep their own rows' gradient R_1: the reduced gradient never reached them;
+# - `ln_f.weight`: the All-Reduce ran over a group that left rank 3 out (ranks 0, 1, 2: a group built over the
+#   wrong ranks): ranks 0 to 2 hold the mean of R_0, R_0 and R_1, rank 3 its own R_1.
+
+# %%
+def edited(name, edit):
+    """Rank 0: a copy of the committed dump `name` in a temporary folder, every rank's gradients changed by
+    edit(dump, grads) (one {key: array} per rank, changed in place), sealed anew (the old dump.json's digests no
+    longer hold), and crosschecked: verdict_of's (ok, loss row, rows, table)."""
+    path = tempfile.mkdtemp(prefix="hsgd-edit-")
+    try:
+        shutil.rmtree(path)
+        shutil.copytree(folder(name), path)
+        dump = load(path)
+        grads = [dict(g) for g in dump.grads]
+        edit(dump, grads)
+        for r, g in enumerate(grads):
+            os.remove(os.path.join(path, grads_file(r)))
+            write_rank(path, r, g)
+        seal(path, new_run(), len(grads))
+        return verdict_of(path, name + "-edited")
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def replica_bugs(dump, grads):
+    params = dump.reference_params()
+    own = Local(dump, params).run()                         # [R_d]: each dp slice's own gradient (dp 2: two)
+    rng = np.random.default_rng(1)
+    other = [rng.integers(0, dump.cfg.vocab_size, dump.idx.shape) for _ in range(2)]
+    _, earlier = serial.loss_and_grads(params, *other, dump.cfg)
+    for r in (2, 3):                                        # dp rank 1's two tp ranks
+        grads[r]["h.0.ln1.weight"] = earlier["h.0.ln1.weight"]
+        grads[r]["h.0.ln2.weight"] = own[1]["h.0.ln2.weight"]
+    wrong_group = (own[0]["ln_f.weight"] + own[0]["ln_f.weight"] + own[1]["ln_f.weight"]) / 3   # ranks 0, 1, 2
+    for r in (0, 1, 2):
+        grads[r]["ln_f.weight"] = wrong_group
+    grads[3]["ln_f.weight"] = own[1]["ln_f.weight"]
+
+
+ok, loss_row, rows, _ = pictures.on_rank0(world, lambda: edited("torch_tp2_dp2", replica_bugs), share=True)
+say("$ python -m hsgd.crosscheck torch_tp2_dp2-edited      (three LayerNorm weights' replicas changed)")
+for n in ("h.0.ln1.weight", "h.0.ln2.weight", "ln_f.weight"):
+    say(f"  {n}: {rows[n]['class']}: {rows[n]['detail']}")
+check.equal("replicas: the failing parameters", sorted(failed(rows)), ["h.0.ln1.weight", "h.0.ln2.weight",
+                                                                        "ln_f.weight"])
+check.holds("replicas: ln1 a stale replica, ranks 0 | 1 hold R, 2 | 3 do not",
+            rows["h.0.ln1.weight"]["class"] == "stale replica" and
+            rows["h.0.ln1.weight"]["detail"].startswith("ranks 0 | 1 hold the reference; ranks 2 | 3 hold another"))
+b8 = ln_dump.idx.shape[0] // ln_dump.parallel["dp"]         # (torch_tp2_dp2's layout and batch, as section 4's)
+check.holds("replicas: ln2 unreduced, ranks 0 | 1 R, 2 | 3 their own rows (dp rank 1's)",
+            rows["h.0.ln2.weight"]["class"] == "unreduced" and
+            rows["h.0.ln2.weight"]["detail"].startswith("ranks 0 | 1 hold the reference; ranks 2 | 3 hold their own")
+            and f"dp rank 1's rows alone (sequences {b8}..{2 * b8 - 1})" in rows["h.0.ln2.weight"]["detail"])
+check.holds("replicas: ln_f's replicas differ, ranks 0,1,2 | 3, none of them R",
+            rows["ln_f.weight"]["class"] == "replicas differ" and "(ranks 0,1,2 | 3), none" in
+            rows["ln_f.weight"]["detail"])
+
+# %% [markdown]
+# The three classes answer "which side holds the reference?" differently. A **stale replica** has both: some ranks
+# hold R, so the reduction itself is right, and the others hold something that is neither a part of R nor their own
+# rows' gradient: look at the buffer those ranks read (not zeroed, copied before the reduction wrote it, a second
+# copy of the parameter that is never refreshed). **Unreduced** names what the others hold, their own dp rank's
+# rows' gradient: the reduction never reached them, or (when no replica holds R, as in the PyTorch program's
+# ln-not-reduced) never ran. **Replicas differ** is left for the case where no replica is R and the values neither
+# add up to it nor are any rank's own: a reduction that ran, over the wrong group. In a DCP folder only one copy is
+# saved, so the first of these can hide entirely: had DCP chosen a rank that holds R, the folder would pass.
+
+# %% [markdown]
+# ## 9. A fused-block swap found
+#
+# `torch_tp2_dp2` fuses q, k and v into one `nn.Linear(C, 3C)` whose rows are interleaved per head, `[q_0 k_0 v_0
+# q_1 ...]` (section 2). A system that slices such a tensor with the wrong offsets, or concatenates its parts in
+# another order than its checkpoint says, leaves every number right and in the wrong place. Two such mistakes on
+# copies of the dump: k and v exchanged in every head of every rank's array, then in one head only:
+
+# %%
+HS = fmt["hs"]
+
+
+def swap_kv(heads):
+    """edit: k's and v's hs rows exchanged in the given heads of the fused qkv weight, on every rank that holds
+    them (tp rank t holds rows 3 C t / tp .. : its heads' [q_h k_h v_h] blocks, whole)."""
+    def edit(dump, grads):
+        t = dump.tensors["h.0.attn.qkv.weight"]
+        for s in t.shards:
+            w = grads[s.rank][s.key].copy()                     # (3C/tp, C): this rank's heads, 3 hs rows each
+            for h in heads:
+                first = 3 * HS * h - s.offset                   # head h's block, in this rank's rows
+                if 0 <= first < s.length:
+                    k, v = slice(first + HS, first + 2 * HS), slice(first + 2 * HS, first + 3 * HS)
+                    w[k], w[v] = grads[s.rank][s.key][v], grads[s.rank][s.key][k]
+            grads[s.rank][s.key] = w
+    return edit
+
+
+NH = fmt["C"] // HS
+for heads in (range(NH), [1]):
+    ok, loss_row, rows, _ = pictures.on_rank0(world, lambda: edited("torch_tp2_dp2", swap_kv(heads)), share=True)
+    say(f"k and v exchanged in head(s) {list(heads)}:")
+    for n in sorted(failed(rows)):
+        say(f"  {n}: {rows[n]['class']}: {rows[n]['detail']}")
+    check.equal(f"k <-> v in heads {list(heads)}: the failing parameters", sorted(failed(rows)),
+                ["h.0.attn.k.weight", "h.0.attn.v.weight"])
+    if len(heads) == NH:
+        check.holds("k <-> v in every head: swapped, 'h.0.attn.k.weight holds h.0.attn.v.weight's gradient'",
+                    rows["h.0.attn.k.weight"]["class"] == "swapped" and rows["h.0.attn.k.weight"]["detail"]
+                    .startswith("h.0.attn.k.weight holds h.0.attn.v.weight's gradient"))
+    else:
+        check.holds("k <-> v in head 1: a permutation of fused blocks, 'k.weight 1 <- v.weight 1'",
+                    rows["h.0.attn.k.weight"]["class"] == "permutation" and rows["h.0.attn.k.weight"]["detail"]
+                    .endswith("h.0.attn.k.weight 1 <- h.0.attn.v.weight 1"))
+
+
+def k_bias_blocks():
+    """Rank 0, the correct torch_tp2_dp2: the fused qkv bias cut into blocks of hs entries (q_h, k_h, v_h) in G and
+    in R; how many (G block, R block) pairs of k-bias blocks are equal within the crosscheck's structure tolerance;
+    what fused.moves finds; and what a search finds that matches every block of G to the first block of R it equals,
+    without keeping each block's own place first."""
+    dump = load(folder("torch_tp2_dp2"))
+    t = dump.tensors["h.0.attn.qkv.bias"]
+    _, grads0 = serial.loss_and_grads(dump.reference_params(), dump.idx, dump.targets, dump.cfg)
+    G, R = copies_of(t, dump.grads)[0][0], t.from_reference(grads0)
+    g, r = fused.cut(t, G, HS), fused.cut(t, R, HS)                    # (3 NH blocks, hs)
+    labels = [f"{t.parts[part].split('.')[-2]}.bias {b}" for part, b, _ in fused.blocks(t, HS)]
+    tol, scale = STRUCTURE["float64"], float(np.linalg.norm(R))
+    near = lambda a, b: float(np.linalg.norm(a - b)) <= tol * scale
+    k = [i for i, name in enumerate(labels) if name.startswith("k.")]
+    first = {i: next(j for j in range(len(r)) if near(g[i], r[j])) for i in range(len(g))}
+    return dict(k_norm=float(max(np.linalg.norm(r[i]) for i in k)) / scale, n_k=len(k), tol=tol,
+                equal_pairs=sum(near(g[i], r[j]) for i in k for j in k), moves=fused.moves(t, G, R, tol, HS),
+                first=[(labels[i], labels[j]) for i, j in first.items() if i != j],
+                first_in_k=all(i in k and j == k[0] for i, j in first.items() if i != j))
+
+
+K9 = pictures.on_rank0(world, k_bias_blocks, share=True)
+say(f"correct torch_tp2_dp2, h.0.attn.qkv.bias: the largest k-bias block is {K9['k_norm']:.1e} of ||R||; "
+    f"{K9['equal_pairs']} of the {K9['n_k']} x {K9['n_k']} (G block, R block) pairs of k-bias blocks are equal "
+    f"within {K9['tol']:.0e} ||R||")
+say(f"  fused.moves (each block that equals its own kept first): {K9['moves']}")
+say("  each block to the first block of R it equals: " + ", ".join(f"{a} <- {b}" for a, b in K9["first"]))
+check.equal("k-bias: every k block of G equals every k block of R within the tolerance", K9["equal_pairs"],
+            K9["n_k"] ** 2)
+check.holds("k-bias: fused.moves finds no reordering in the correct copy", K9["moves"] is None)
+check.holds("k-bias: a first-match search, own place not first, moves k blocks onto k block 0",
+            K9["first"] and K9["first_in_k"])
+
+# %% [markdown]
+# When every head's k and v trade places, each part holds another part's gradient whole: "swapped", named the way
+# round it is ("k holds v's"), which points at the order of the parts (in the system's concatenation, or in the
+# checkpoint's description of it). When one head's k and v trade places, the parts are mostly right and the
+# classifier lists the blocks that moved, each with the reference block it holds: "permutation". Both come from
+# `hsgd.crosscheck.fused`, which cuts the fused gradient into blocks of the greatest common width of the parts'
+# pieces (a head's hs here) and matches G's blocks to R's.
+#
+# The order of that matching matters because of the k biases. Their exact gradient is zero (a softmax ignores a
+# shift shared by a row of scores), so every k-bias block, in G and in R, is rounding noise many decades below
+# ||R||, and every one "equals" every other within the tolerance, as the count above shows. A search that gives
+# each block of G the first block of R it equals finds R's first k-bias block for every k-bias block of G, and
+# would report the correct copy as a reordering of the k biases (the moves printed above). `fused.moves` first
+# keeps every block that equals its own reference where it is, and matches only the blocks that differ, among
+# themselves (a reordering moves blocks among themselves, so its sources and targets are one set); and it names a
+# reordering only when undoing it brings the whole error down tenfold, to within the tolerance. Noise that equals
+# its own place is never moved: a correct copy has no reordering.
+
+# %% [markdown]
+# ## 10. Two pictures
 #
 # The first shows how one tensor's gradient comes back together: the rows of the fused qkv weight (stored (3C, C))
 # of `torch_tp2_dp2`, coloured by q, k and v, and which rank holds them; then lm_head's rows of `torch_tp2_dp2_v15`
@@ -444,8 +940,9 @@ for bug, target, kw, look, (cls, words) in MUTATIONS:
 # class the crosscheck gave it, against the float64 tolerance.
 
 # %%
-CLASS_COLORS = {"ok": "#2ca02c", "constant factor": "#1f77b4", "partial sum": "#d62728", "padding": "#9467bd",
-                "no simple pattern": "#7f7f7f", "permutation": "#ff7f0e"}
+CLASS_COLORS = {"ok": "#2ca02c", "constant factor": "#1f77b4", "unreduced": "#d62728", "padding": "#9467bd",
+                "no simple pattern": "#7f7f7f", "partial sum": "#e377c2", "stale replica": "#bcbd22",
+                "replicas differ": "#17becf", "permutation": "#ff7f0e", "swapped": "#8c564b"}
 
 
 def draw():
@@ -496,8 +993,8 @@ def draw():
     ax.set_yscale("log")
     ax.set_xticks(range(len(names)), names, rotation=70, fontsize=6)
     ax.set_ylabel("max rel. error vs hsgd.model.serial", fontsize=8)
-    handles = [ax.scatter([], [], color=c, label=k, s=18) for k, c in CLASS_COLORS.items()
-               if k != "permutation"]
+    shown = {"ok" if r["ok"] else r["class"] for _, _, rows, _ in torch_verdicts.values() for r in rows.values()}
+    handles = [ax.scatter([], [], color=c, label=k, s=18) for k, c in CLASS_COLORS.items() if k in shown]
     handles += [ax.scatter([], [], color="k", marker="osD^v"[y], label=n.replace("torch_", ""), s=18)
                 for y, n in enumerate(torch_verdicts)]
     ax.legend(handles=handles, fontsize=6, ncol=2, loc="center left")
@@ -511,11 +1008,12 @@ pictures.on_rank0(world, draw)
 # In the first picture each tp rank holds whole heads (rank 0 heads 0 and 1 of q, k and v, rank 1 heads 2 and 3),
 # which is why the per-head interleave exists: a block layout `[q | k | v]` split in two would give rank 0 all of q
 # and half of k. In the second, the correct dumps sit at 1e-16, six decades under the tolerance; each bug puts its
-# parameters near 1 (a factor 3 is an error of 2, a missing average an error of order one), and the padding bug
-# leaves every parameter a little off, the one with the padded row named.
+# parameters near 1 (a factor 3 is an error of 2, an unreduced LayerNorm, one dp rank's rows alone, an error of
+# order one), and the padding bug leaves every parameter a little off, the one with the padded row named. The
+# legend lists the classes these five dumps show; the colours of the others (sections 5, 8, 9) are kept for them.
 
 # %% [markdown]
-# ## 7. Reading a verdict: from the class to the line
+# ## 11. Reading a verdict: from the class to the line
 #
 # | class | what it means | where to look |
 # |---|---|---|
@@ -523,10 +1021,17 @@ pictures.on_rank0(world, draw)
 # | constant factor = dp | the dp replicas' gradients summed, not averaged | the division by dp after the dp All-Reduce (or the Reduce-Scatter of ZeRO: `Zero1Exchange.average`) |
 # | constant factor = tp, or tp x tp | a tensor-parallel adjoint that sums what each rank already held whole | the backward of the All-Gather or All-Reduce in front of the layers that show it (the lowest layer showing the factor is just below the faulty collective) |
 # | 1/n of any size | an average where a sum belongs, or a 1/n applied twice | the same reductions, the other way round |
-# | partial sum: the mean is R | the replicas of a parameter never averaged over a group (dp: the groups the detail lists) | the list of parameters the dp All-Reduce covers: a replicated parameter left out |
+# | unreduced: no replica is R, each its own rows' gradient | the reduction over dp never ran on this parameter, or ran over a group whose ranks hold the same rows (tp): each dp rank keeps R_d, the gradient of its B/dp sequences alone (the detail names the ranks and the sequences) | the list of parameters the dp All-Reduce covers (a replicated parameter left out), and the group it is given (`mesh["dp"]`, not `mesh["tp"]`) |
+# | unreduced: some ranks R, the others their own rows | the reduction ran, its result never reached the buffers of the ranks named | the copy back from the reduction's buffer into `.grad` on those ranks |
+# | unreduced, from a DCP folder (one copy) | as above, seen on the one copy DCP kept: the dp rank named is the saving rank's | the same; the other ranks' copies were not saved, so a bug that spares the saving rank passes unseen |
+# | stale replica | some ranks hold R, the others something else, neither a part of R nor their own rows | the buffer of the ranks not holding R: read before the reduction writes it, not zeroed, an old copy not refreshed |
+# | replicas differ | no replica holds R, and they neither add up to it nor are any rank's own rows | a reduction over the wrong group (a group built over the wrong ranks, or a subset of the right ones) |
 # | partial sum: the sum is R | each rank holds its share of a gradient that needs adding up (a replicated parameter under sequence or context parallelism) | the All-Reduce of the replicated parameters' partial gradients over tp or cp |
+# | partial sum: the mean is R | replicas that are no dp rank's own rows and average to R (a mean over groups that are not the dp slices) | the reduction over the groups the detail lists |
 # | padding | rows that stand for no token get gradient | the mask of the padded logits (-inf before the softmax) or the embedding's lookup of ids past V |
 # | permutation of heads or rows | the right numbers in the wrong places | a gather's order, a reshape of (heads, hs) against (hs, heads), the fused qkv's interleave |
+# | permutation of fused blocks | some blocks of a fused q\|k\|v or gate\|up moved among its parts (the detail: each block and the reference block it holds) | the offsets a fused tensor is sliced at, per head or per tp rank |
+# | swapped: X holds Y's gradient | a whole part of a fused tensor (or a parameter) holds another's | the order of the parts in the system's concatenation, or in the dump's `fused.parts` |
 # | transposed | a square weight written the other way round | the dump's `transposed` flag, or a `.T` in the code |
 # | missing | the gradient never arrived | a parameter without `requires_grad`, a hook that never fired, a rank that wrote zeros |
 # | no simple pattern, with the loss wrong | the forward pass differs | the loss first: masking, a dropout left on, a different epsilon; or the dump's parameters or batch are not what ran |
@@ -539,9 +1044,10 @@ pictures.on_rank0(world, draw)
 # %%
 exact = [w for w in check.errors if w.startswith(("hsgd", "torch"))]
 worst, err = check.worst(exact)
+again = "the committed PyTorch dump and checkpoint written again and equal" if fresh and fresh_dcp else \
+    "the committed PyTorch dumps and checkpoints as they are"
 say(f"\nchapter 18: all {len(check.passed)} checks passed on {world.Get_size()} ranks; largest error of a correct "
-    f"layout against the serial reference {err:.1e} ({worst}); "
-    f"{'the committed PyTorch dump rewritten and equal' if fresh else 'the committed PyTorch dumps as they are'}")
+    f"layout against the serial reference {err:.1e} ({worst}); {again}")
 
 # %% [markdown]
 # ## Cross-walk: hsgd and the production frameworks
@@ -550,9 +1056,12 @@ say(f"\nchapter 18: all {len(check.passed)} checks passed on {world.Get_size()} 
 # |---|---|---|---|---|
 # | `python -m hsgd.crosscheck DIR`: every parameter's distributed gradient against an exact one-device float64 reference, the failure classified | none: its functional tests compare a run's loss curve with recorded ones (tests/functional_tests/test_cases/.../golden_values_*.json); `check_param_hashes_across_dp_replicas` (megatron/core/utils.py) checks that the dp replicas' parameters are identical, not that they are right | none | none; `torch.testing.assert_close` compares two tensors you bring | one step, per parameter, against an exact reference, and a named kind of bug instead of "the curves differ" |
 # | the dump (`hsgd/crosscheck/FORMAT.md`: layout.json with shards, replicas, padding, fused and transposed tensors; `hsgd.train --dump-step N DIR`) | the distributed checkpoint, `--ckpt-format torch_dist` (sharded tensors with their global offsets), and `tools/checkpoint/convert.py` between layouts: parameters and optimizer state, not gradients | `zero_to_fp32.py` (`get_fp32_state_dict_from_zero_checkpoint`): ZeRO's flat partitions consolidated into full fp32 parameters | `torch.distributed.checkpoint` (sharded state dicts with their metadata); `DTensor.full_tensor()` gathers one DTensor | a neutral format any system can write, with the step's gradients and batch, read without pickle |
-# | reassembling a gradient from its shards (`copies_of`, every replica separately) | none for gradients | `deepspeed.utils.safe_get_full_grad(param)`: one parameter's full gradient under ZeRO | `DTensor.full_tensor()` on `param.grad` | every replica is checked, so a replica that differs (a missing average) is seen, not hidden by taking rank 0's copy |
+# | reassembling a gradient from its shards (`copies_of`, every replica separately) | none for gradients | `deepspeed.utils.safe_get_full_grad(param)`: one parameter's full gradient under ZeRO | `DTensor.full_tensor()` on `param.grad` | every replica is checked, so a replica that differs (unreduced, stale) is seen, not hidden by taking rank 0's copy |
 # | the padded vocabulary in a shard's `padding` entries, whose gradient must be zero | `--make-vocab-size-divisible-by` (the vocabulary padded to a multiple of it times tp) | none | none: Shard(0) of a tensor tp does not divide leaves uneven pieces; the PyTorch program pads by hand | padding is declared in the dump and checked to carry no gradient |
 # | a vocabulary-parallel loss checked in the dump's loss row | `vocab_parallel_cross_entropy` (megatron/core/tensor_parallel/cross_entropy.py) | none | `loss_parallel()` (torch.distributed.tensor.parallel) | the loss is recomputed by the reference, not trusted |
+# | a PyTorch Distributed Checkpoint read as a dump (`python -m hsgd.crosscheck.from_dcp DIR --out DUMP`: each chunk a shard of the rank whose file holds it; `.metadata` only with `--trust-pickled-metadata`, or its JSON copy with `--metadata-json`) | `dist_checkpointing`: a `ShardedTensor` is saved by its main replica only (`is_main_replica(replica_id)`, megatron/core/dist_checkpointing/mapping.py) | the model states are saved by data-parallel rank 0 only (`save_non_zero_checkpoint`, `_configure_checkpointing` in deepspeed/runtime/engine.py) | `dcp.save` (`FileSystemWriter`; torchtitan's `CheckpointManager.save` calls it); `dedup_save_plans` (torch/distributed/checkpoint/_dedup_save_plans.py) keeps each replicated item on one rank, the one with the least to write so far (`DefaultSavePlanner(dedup_save_to_lowest_rank=True)`: the lowest) | the pickle is unpickled only when trusted, the chunks are parsed, never unpickled; the one copy a deduplicated save keeps is compared with each dp rank's own rows' gradient, so the class still names the reduction |
+# | a shard cut along two axes (`slices`: FSDP over dp x TP), put back by its offsets (`copies_of`) | `ShardedTensor.from_rank_offsets(key, data, (axis, rank, fragments), ...)`: one offset per cut axis | `ds_to_universal.py` (deepspeed/checkpoint): TP slices and ZeRO partitions merged into whole parameters | torchtitan's `parallelize_llama`: `apply_tp` (`parallelize_module`, `ColwiseParallel`, `RowwiseParallel`) then `apply_fsdp` (`fully_shard` per block): 2-D DTensor placements, `_StridedShard` where both cut dimension 0 | boxes checked to be disjoint and to cover the tensor, assembled without PyTorch |
+# | `"rotary": "interleaved"` in layout.json, `from_dcp --names torchtitan-0.3` | `rotary_interleaved` (TransformerConfig; `_apply_rotary_pos_emb_bshd` in megatron/core/models/common/embeddings/rope_utils.py) | none | torchtitan's llama3 `apply_rotary_emb` turns the adjacent pairs (2i, 2i + 1) as complex numbers (`torch.view_as_complex`); torchtitan 0.3 fuses q, k, v as `attention.qkv_linear.wqkv`; Hugging Face's `rotate_half` turns (i, i + hs/2) | the pair order is declared per tensor and mapped to the reference's halves; a loss that differs on a rotary model points at it |
 #
 # ## Exercises
 #
@@ -583,3 +1092,12 @@ say(f"\nchapter 18: all {len(check.passed)} checks passed on {world.Get_size()} 
 # as a mixed dump). Check that the crosscheck then passes, and that the repaired gradients equal the correct dump's
 # (`torch_tp2_dp2`) to 1e-12.
 # (solution: `tutorials/solutions/18_checking_another_system.py`, `exercise_4`)
+#
+# ### Exercise 5: read a Distributed Checkpoint by hand
+# From `tutorials/crosscheck_dumps/dcp_fsdp2_dp3_tp2/dcp-metadata.json` alone, find which ranks hold row 13 of the
+# gradient of `layers.0.attention.wo.weight` and which hold row 13 of `layers.0.attention.wq.weight`'s, and why the
+# answers differ (two ranks for one, one rank for the other). Read those chunks' bytes with
+# `hsgd.crosscheck.dcp.Checkpoint(DIR, read_description(...)).read(chunk)`, put row 13 of each together from them,
+# and check it against the same row of the gradient `copies_of` assembles from the converted dump
+# (`python -m hsgd.crosscheck.from_dcp DIR --out DUMP --metadata-json`), exactly.
+# (solution: `tutorials/solutions/18_checking_another_system.py`, `exercise_5`)

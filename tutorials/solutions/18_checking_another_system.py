@@ -2,8 +2,9 @@
 
     mpirun -n 8 python tutorials/solutions/18_checking_another_system.py
 
-Exercises 1, 2 and 4 write and check dumps on rank 0 (the other ranks wait asleep); exercise 3 dumps hsgd on the
-eight ranks. None needs PyTorch: exercise 4 starts from a committed dump of tutorials/crosscheck_dumps/.
+Exercises 1, 2, 4 and 5 write and check dumps on rank 0 (the other ranks wait asleep); exercise 3 dumps hsgd on the
+eight ranks. None needs PyTorch: exercise 4 starts from a committed dump of tutorials/crosscheck_dumps/, exercise 5
+from a committed Distributed Checkpoint there (its dcp-metadata.json: no pickle).
 """
 # mpirun -n 8 python tutorials/solutions/18_checking_another_system.py
 import os
@@ -26,6 +27,9 @@ from hsgd.crosscheck.dump import grads_file  # noqa: E402
 from hsgd.crosscheck.manifest import check_set, new_run, seal, write_manifest  # noqa: E402
 from hsgd.crosscheck.read import load  # noqa: E402
 from hsgd.crosscheck.write import shard_entry, write_layout, write_one_rank, write_rank  # noqa: E402
+from hsgd.crosscheck import from_dcp  # noqa: E402
+from hsgd.crosscheck.__main__ import copies_of  # noqa: E402
+from hsgd.crosscheck.dcp import Checkpoint, read_description  # noqa: E402
 from hsgd.crosscheck.hsgd_dump import dump_one_step  # noqa: E402
 from hsgd.model.data import Corpus  # noqa: E402
 from hsgd.check.mutations import injected  # noqa: E402
@@ -208,5 +212,47 @@ def exercise_4(check):
     check("the repaired gradients = the correct program's (torch_tp2_dp2), relative", diff, 1e-12)
 
 
+# ---------------------------------------------------------------------------------------------------- exercise 5
+
+def exercise_5(check):
+    """Read a Distributed Checkpoint by hand: which ranks hold row 13 of wo's gradient and of wq's, found from
+    dcp-metadata.json, the row put together from those chunks' bytes, and checked against copies_of on the dump
+    from_dcp makes. wo is Shard(0) over dp, Shard(1) over tp: row r is in dp rank r // ceil(C/dp)'s rows, and both
+    of its tp ranks hold half of it. wq is split over tp by rows first (tp rank t: rows t C/tp ..), and FSDP2 cuts
+    each tp piece again over dp (_StridedShard): row r is in one rank's strip, whole."""
+    src, row = os.path.join(DUMPS, "dcp_fsdp2_dp3_tp2"), 13
+
+    def work(path):
+        ckpt = Checkpoint(src, read_description(os.path.join(src, "dcp-metadata.json")), "dcp-metadata.json")
+        if from_dcp.main([src, "--out", path, "--metadata-json"]) != 0:
+            raise RuntimeError("from_dcp could not convert the committed checkpoint")
+        dump = load(path)
+        out = {}
+        for name in ("layers.0.attention.wo.weight", "layers.0.attention.wq.weight"):
+            fqn = "grads." + name
+            ckpt.check(fqn)                                   # the chunks' bytes fit their files, before reading
+            _, size, chunks = ckpt.tensors[fqn]
+            holders, by_hand = [], np.full(size[1], np.nan)    # (C,): row `row`, from the chunks that hold it
+            for c in chunks:
+                if c.offsets[0] <= row < c.offsets[0] + c.sizes[0]:
+                    holders.append(c.rank)
+                    by_hand[c.offsets[1]:c.offsets[1] + c.sizes[1]] = ckpt.read(c)[row - c.offsets[0]]
+            G = copies_of(dump.tensors[name], dump.grads)[0][0]
+            out[name] = (sorted(holders), bool(np.array_equal(by_hand, G[row])))
+        return out, dump.parallel["dp"], dump.parallel["tp"], dump.cfg.d_model
+
+    out, dp, tp, C = on_rank0(work)
+    wo, wq = out["layers.0.attention.wo.weight"], out["layers.0.attention.wq.weight"]
+    d = row // -(-C // dp)                                # wo: FSDP2's rows of dp rank d, ceil(C/dp) each
+    check.equal(f"row {row} of wo: both tp ranks of dp rank {d} (half the columns each)", wo[0],
+                [d * tp + t for t in range(tp)])
+    piece = C // tp                                       # wq: tp rank t's rows, cut again over dp
+    t, e = divmod(row, piece)
+    d = e // -(-piece // dp)
+    check.equal(f"row {row} of wq: one rank, dp rank {d} of tp rank {t} (every column)", wq[0], [d * tp + t])
+    check.holds(f"row {row} of wo from the chunks' bytes = copies_of's, exactly", wo[1])
+    check.holds(f"row {row} of wq from the chunks' bytes = copies_of's, exactly", wq[1])
+
+
 if __name__ == "__main__":
-    solve(Checks(world, tol=1e-12, width=84), [exercise_1, exercise_2, exercise_3, exercise_4])
+    solve(Checks(world, tol=1e-12, width=84), [exercise_1, exercise_2, exercise_3, exercise_4, exercise_5])
