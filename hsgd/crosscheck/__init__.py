@@ -11,9 +11,17 @@ hsgd.crosscheck.manifest    dump.json, written last: a dump as one set of files 
                             incomplete or mixed folder; clean removes an earlier dump's files before writing)
 hsgd.crosscheck.hsgd_dump   hsgd.train --dump-step N DIR: hsgd's own runs as dumps
 hsgd.crosscheck.systems     other systems' storage of the model as a dump's tensors: Megatron-LM's names and fused
-                            linear_qkv (per query group) and linear_fc1 ([gate_i | up_i] per rank), Hugging Face's
+                            linear_qkv (per query group) and linear_fc1 ([gate_i | up_i] per rank), Hugging Face's,
+                            torchtitan's (llama3, and 0.3's fused wqkv; q and k in rotary-pair order)
+hsgd.crosscheck.safetensors a bounded safetensors reader (any of a dump's arrays may be NAME.safetensors) and writer
+hsgd.crosscheck.dcp         a PyTorch Distributed Checkpoint folder read without unpickling anything but its
+                            .metadata, and that only through PyTorch's reader for a caller that trusts it
+hsgd.crosscheck.from_dcp    python -m hsgd.crosscheck.from_dcp DIR --out DUMP: a DCP folder of one step as a dump
 hsgd.crosscheck.classify    what kind of bug a wrong gradient shows: a constant factor, a permutation, padding,
                             a partial sum, fused parts swapped, a tied weight's part missing, or only rounding
+hsgd.crosscheck.fused       a fused tensor searched as one: which blocks of q|k|v or gate|up moved where
+hsgd.crosscheck.local       each data-parallel rank's own rows' gradient (what an unreduced gradient is)
+hsgd.crosscheck.replicas    what each rank's shard of a failing gradient holds (the replica verdicts name ranks)
 hsgd.crosscheck.experts     with experts: the reference counted as the layout counts (its micro-batches, each rank's
                             rows), and what an expert-parallel bug gives (experts averaged over the wrong group, the
                             balance loss over each rank's rows)
