@@ -5,6 +5,8 @@
 
 hsgd.crosscheck.dump        the dump once read: Dump, its Tensors (to and from the reference's parameters), Shards
 hsgd.crosscheck.read        load(DIR): reading a dump and checking every part against the others (DumpError)
+hsgd.crosscheck.shards      a tensor's shards in layout.json: whole, along one axis, or boxes along several (FSDP x
+                            TP), equal or disjoint and covering
 hsgd.crosscheck.write       writing one (layout.json, the .npz files), a one-rank dump in PyTorch's storage, and one
                             of tp x dp ranks in any storage (write_sharded)
 hsgd.crosscheck.manifest    dump.json, written last: a dump as one set of files of one run (check_set refuses an

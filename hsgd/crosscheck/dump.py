@@ -35,6 +35,12 @@ class DumpError(UsageError):
     """A dump that cannot be checked: a missing or unreadable file, a layout that does not describe the arrays."""
 
 
+def integer(value, what, low=0):
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise DumpError(f"layout.json: {what} = {value!r} must be an integer >= {low}")
+    return value
+
+
 def grads_file(r):
     return f"grads-rank{r}.npz"
 
