@@ -33,7 +33,7 @@ from hsgd.run.preflight import check_memory
 from hsgd.files import needs_module, writable_file
 from hsgd.run.flags import GROUPS, MODEL_FLAGS, configs_from_args, flags_parser
 from hsgd.step.settings import Layout
-from hsgd.pp.schedules import MAX_PIECES, build, effective, simulate
+from hsgd.pp.schedules import MAX_PIECES, build, effective, placement_of, simulate
 from hsgd.pp.timelines import (FORMULA, PEAK_FORMULA, bubble_formula, bubble_fraction, grid, held_bytes, idle_per_stage,
                                peak_formula, peak_held, picture)
 
@@ -116,17 +116,19 @@ class Plan:
         self.cfg, self.tc, self.costs = cfg, tc, costs
         p, m, v = tc.pp, tc.micro_batches, tc.virtual_stages
         self.kind = effective(tc.schedule, p, v)                            # (one stage runs 1F1B)
+        self.placement = pl = placement_of(self.kind, p, v)                 # which stage holds each piece
         self.actions = build(self.kind, m, p, v, built_with or costs)
-        self.timeline = simulate(self.actions, m, v, costs)                 # also the static check
+        self.timeline = simulate(self.actions, m, v, costs, pl)             # also the static check
         b, s, split = tc.batch_size // tc.dp // m, 8 if tc.dtype == "float64" else 4, parse_split(tc.pp_split)
         self.held = [peak_held(a) for a in self.actions]
         self.bytes, self.sent = [], []
         for st in range(p):
             chunks = [(len(layers), first, last)
-                      for _, layers, first, last in stage_chunks(cfg.n_layers, p, st, v, split)]
+                      for _, layers, first, last in stage_chunks(cfg.n_layers, p, st, v, split, pl)]
             kept = [keep_bytes(cfg, b, s, tc.tp, tc.tp_scheme, tc.recompute, ch, tc.cp, tc.cp_scheme) for ch in chunks]
             self.bytes.append(held_bytes(self.actions[st], [k[0] for k in kept], [k[1] for k in kept]))
-            f = pp_formula(b, cfg, m, st == 0, st == p - 1, s, tc.tp_scheme, tc.tp, v, tc.cp)   # piece 0, pv-1
+            f = pp_formula(b, cfg, m, st == pl.stage(0), st == pl.stage(p * v - 1), s, tc.tp_scheme, tc.tp, v, tc.cp,
+                           pl.local_handoffs(st))                           # pieces 0 and pv-1, hand-offs to itself
             self.sent.append(f.get(("pp", "Isend"), (0, 0)))
 
     def report(self, say):

@@ -50,7 +50,9 @@ def rank_bytes(cfg, tc, dp, tp, cp, stage, sizes):
                                                         stage=(len(stage.layers), stage.first, stage.last),
                                                         recompute=tc.recompute, cp=cp, tp=tp).items():
             f[k] = (f.get(k, (0, 0))[0] + m * calls, f.get(k, (0, 0))[1] + m * nbytes)
-    f.update(pp_formula(per_mb, cfg, m, stage.first, stage.last, itemsize, tc.tp_scheme, tp, stage.v, cp))
+    pl = getattr(stage, "placement", None)                           # (a hand-off to itself sends nothing)
+    f.update(pp_formula(per_mb, cfg, m, stage.first, stage.last, itemsize, tc.tp_scheme, tp, stage.v, cp,
+                        pl.local_handoffs(stage.s) if pl is not None else 0))
     f.update(cp_formula(tc.cp_scheme, cp, per_mb, cfg.seq_len, cfg.d_model, tp, itemsize,
                         m * len(stage.layers), tc.recompute, kv_columns(cfg, tp)))
     f.update(sizes.formula())

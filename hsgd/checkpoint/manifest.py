@@ -76,6 +76,7 @@ def check(m, path, error):
     from hsgd.model.config import ModelConfig
     from hsgd.errors import UsageError
     from hsgd.pp.chunks import chunk_layers
+    from hsgd.pp.placement import SHAPES, placement
     from hsgd.tp.schemes import SCHEMES
     from hsgd.tp.shards import check_tp
 
@@ -105,7 +106,10 @@ def check(m, path, error):
     need(isinstance(layers, list) and all(is_int(x, 1) for x in layers),
          "has no list of layers per stage (per piece with virtual stages)")
     need(is_int(v, 1), f"has virtual_stages {v!r}, not a positive integer")
+    need(lay.get("placement", "loop") in SHAPES, f"names an unknown placement of the pieces "
+         f"{lay.get('placement')!r:.40} (one of {', '.join(SHAPES)})")
     try:
+        placement(lay.get("placement", "loop"), lay["pp"], v)
         chunk_layers(cfg.n_layers, lay["pp"], v, layers)
         check_tp(cfg, lay["tp"], lay["tp_scheme"])
     except UsageError as e:

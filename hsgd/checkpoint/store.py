@@ -49,6 +49,7 @@ from hsgd.checkpoint.manifest import SCHEDULE
 from hsgd.checkpoint.manifest import digest as manifest_digest
 from hsgd.ep.layout import expert_of
 from hsgd.pp.chunks import chunk_layers, parse_split, stage_names
+from hsgd.pp.placement import placement
 from hsgd.files import sha256, sync_folder, regular_file, writable_file
 from hsgd.readers import Npz, machine_memory, read_json
 from hsgd.checkpoint.runs import DEFAULT_LINE, MAX_MANIFEST_BYTES, complete_checkpoints, newest, own
@@ -169,6 +170,7 @@ def build_manifest(trainer, step, state, entries, run):
         "layout": {"dp": grid.dp, "pp": grid.pp, "cp": grid.cp, "tp": grid.tp, "ep": grid.ep,
                    "tp_scheme": trainer.scheme,
                    "virtual_stages": tc.virtual_stages,
+                   "placement": trainer.stage.placement.shape,         # which stage holds each piece
                    "layers": [len(r) for r in chunk_layers(trainer.cfg.n_layers, grid.pp, tc.virtual_stages,
                                                            parse_split(tc.pp_split))]},
         "optimizer": {"name": tc.optimizer, "t": int(state["t"])}, "dtype": tc.dtype,
@@ -273,6 +275,7 @@ class Shards:
         self.cfg = ModelConfig(**manifest["model"])
         lay = manifest["layout"]
         self.pieces = chunk_layers(self.cfg.n_layers, lay["pp"], lay.get("virtual_stages", 1), lay["layers"])
+        self.placement = placement(lay.get("placement", "loop"), lay["pp"], lay.get("virtual_stages", 1))
         self.files = {}
 
     def _file(self, pp, tp, ep=0):
@@ -289,10 +292,11 @@ class Shards:
         return self.files[key]
 
     def stage_of(self, name):
-        lay = self.m["layout"]
-        for k, layers in enumerate(self.pieces):                        # piece k: chunk k // pp of stage k % pp
+        """The stage whose files hold parameter `name`: the holder of its piece, as the checkpoint's placement says
+        (a manifest written before placements existed: the loop, piece k on stage k mod pp)."""
+        for k, layers in enumerate(self.pieces):
             if name in stage_names(self.cfg, layers, k == 0, k == len(self.pieces) - 1):
-                return k % lay["pp"]
+                return self.placement.stage(k)
         raise KeyError(name)
 
     def full(self, name, key="param"):

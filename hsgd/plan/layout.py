@@ -23,7 +23,7 @@ from hsgd.cp.layouts import make_split
 from hsgd.dp.make import exchange_sizes
 from hsgd.pp.chunks import parse_split, stage_chunks, stage_names
 from hsgd.accounting.traffic import rank_bytes
-from hsgd.pp.schedules import build, effective
+from hsgd.pp.schedules import build, effective, placement_of
 from hsgd.pp.stage import Chunk
 from hsgd.accounting.step_memory import rank_formula
 from hsgd.tp.shards import shard_numel
@@ -44,11 +44,13 @@ class PlannedStage:
     def __init__(self, cfg, tc, pp, s):
         v = tc.virtual_stages
         self.v, self.s = v, s
-        self.chunks = [Chunk(*ch) for ch in stage_chunks(cfg.n_layers, pp, s, v, parse_split(tc.pp_split))]
-        self.layers = [i for _, layers, _, _ in self.chunks for i in layers]
-        self.first, self.last = self.chunks[0][2], self.chunks[-1][3]
-        self.cfg = cfg
         self.kind, self.m, self.pp = effective(tc.schedule, pp, v), tc.micro_batches, pp
+        self.placement = placement_of(self.kind, pp, v)                # which stage holds each piece
+        self.chunks = [Chunk(*ch) for ch in stage_chunks(cfg.n_layers, pp, s, v, parse_split(tc.pp_split),
+                                                         self.placement)]
+        self.layers = [i for _, layers, _, _ in self.chunks for i in layers]
+        self.first, self.last = any(ch[2] for ch in self.chunks), any(ch[3] for ch in self.chunks)
+        self.cfg = cfg
 
     @property
     def names(self):

@@ -86,24 +86,28 @@ def chunk_layers(n_layers, pp, v=1, split=None):
     return split_layers(n_layers, pp * v, split)
 
 
-def stage_chunks(n_layers, pp, s, v=1, split=None):
-    """Stage s's chunks, [(k, layers, first, last)]: chunk c is the model's piece k = c pp + s (chunk_layers), first
-    when it is piece 0 (the embedding), last when it is piece pp v - 1 (the head and the loss)."""
+def stage_chunks(n_layers, pp, s, v=1, split=None, pl=None):
+    """Stage s's chunks, [(k, layers, first, last)]: chunk c is the model's piece k = pl.piece(s, c) (hsgd.pp.
+    placement; default the loop, k = c pp + s; chunk_layers cuts the pieces), first when it is piece 0 (the
+    embedding), last when it is piece pp v - 1 (the head and the loss)."""
     cut = chunk_layers(n_layers, pp, v, split)
-    return [(c * pp + s, cut[c * pp + s], c * pp + s == 0, c * pp + s == pp * v - 1) for c in range(v)]
+    pieces = [pl.piece(s, c) if pl is not None else c * pp + s for c in range(v)]
+    return [(k, cut[k], k == 0, k == pp * v - 1) for k in pieces]
 
 
-def pp_formula(batch_per_mb, cfg, m, first, last, itemsize, scheme="megatron", tp=1, v=1, cp=1):
+def pp_formula(batch_per_mb, cfg, m, first, last, itemsize, scheme="megatron", tp=1, v=1, cp=1, local=0):
     """{(comm, op): (calls, bytes)} of one step on pp_comm for one stage: per micro-batch and chunk, an activation
     out and a gradient in towards the next piece (unless the chunk is the model's last piece: `last`), a gradient
     out and an activation in towards the previous one (unless it is the first: `first`), so m (2v - first - last)
     messages each way: with v chunks a middle stage sends v times as often as with one, an end stage 2v - 1 times.
+    A hand-off between two pieces of the same stage (`local` of them: hsgd.pp.placement.local_handoffs, the V's
+    turn) is a copy, no message: 2 fewer each way per micro-batch and such hand-off.
     A message is one activation (tp_model.stage_activation_shape): (B/m, T, C), or the T-shard (B/m, T/tp, C) of
     the sequence scheme; with context parallelism T/cp in place of T."""
     from hsgd.tp.model import stage_activation_shape
     B, T, C = stage_activation_shape(scheme, batch_per_mb, cfg, tp, cp)
     msg = B * T * C * itemsize
-    sends = m * (2 * v - first - last)
+    sends = m * (2 * v - first - last - 2 * local)
     out = {}
     if sends:
         out[("pp", "Isend")] = (sends, sends * msg)

@@ -9,9 +9,10 @@ An action is Action(kind, mb, chunk):
     W   the weight gradients dW += X^T dY of the chunk's linear layers (hsgd.tp.wgrad), from what B kept
 Virtual stages (Narayanan et al. 2021): with v chunks per stage the layers are cut into p v chunks; chunk c of
 stage s is the model's piece k = c p + s, so a micro-batch goes stage 0, 1, ..., p-1, then back to stage 0 for
-chunk 1, and so on (v = 1: the plain pipeline). What each action waits for (and nothing else):
-    F(k, j)  needs F(k-1, j), from stage (s-1) mod p (k = 0: the tokens)
-    B(k, j)  needs B(k+1, j), from stage (s+1) mod p (the last piece: its own F(k, j), the loss)
+chunk 1, and so on (v = 1: the plain pipeline): the loop placement (hsgd.pp.placement, which also has the V, and
+says which stage holds piece k; placement_of(kind) the schedule's). What each action waits for (and nothing else):
+    F(k, j)  needs F(k-1, j), from the stage holding piece k-1 ((s-1) mod p in the loop; k = 0: the tokens)
+    B(k, j)  needs B(k+1, j), from the stage holding piece k+1 ((s+1) mod p; the last piece: its own F(k, j))
     W(k, j)  needs B(k, j) (same stage)
 Messages are sent as soon as an action ends and received when the receiving action starts (hsgd.pp.stage), so these
 are the only waits: a list of actions that `check` can run to the end in this model cannot deadlock on MPI.
@@ -42,6 +43,7 @@ import heapq
 from collections import deque, namedtuple
 
 from hsgd.errors import ConfigError
+from hsgd.pp.placement import placement
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1")
 MAX_PIECES = 2**18     # p v m, the (stage, chunk, micro-batch) triples of a step: each is an F and a B (and a W) in a
@@ -124,7 +126,7 @@ def zb_h1(m, p, costs=(1.0, 1.0, 1.0)):
     that starts first (the lower stage at a tie). Each stage's candidate lives in a heap and is recomputed only when
     its own stage moves or the action it waits for is placed, so the cost is linear in the actions (times log p)."""
     f, b, w = costs
-    order = [one_f_one_b(m, p, s) for s in range(p)]
+    order, loop = [one_f_one_b(m, p, s) for s in range(p)], placement("loop", p)
     pos, pending, live = [0] * p, [deque() for _ in range(p)], [0] * p
     free, done, out = [0.0] * p, {}, [[] for _ in range(p)]
     heap, version, waiter = [], [0] * p, {}
@@ -133,7 +135,7 @@ def zb_h1(m, p, costs=(1.0, 1.0, 1.0)):
         """Stage s's candidate (start, s, action) into the heap (an older one of s is stale from now on)."""
         version[s] += 1
         nxt = order[s][pos[s]] if pos[s] < len(order[s]) else None
-        dep = None if nxt is None else _dependency(nxt, s, p, 1)
+        dep = None if nxt is None else _dependency(nxt, s, loop)
         ready = None if nxt is None else 0.0 if dep is None else done.get(dep)
         if nxt is not None and ready is None:
             waiter[dep] = s                                               # offered again once dep is placed
@@ -194,31 +196,39 @@ def check_pipeline(n_layers, layout):
 
 # ------------------------------------------------------------------------------------------------ the static check
 
-def _dependency(a, s, p, v):
-    """(kind, stage, mb, chunk) of the action that `a` on stage s waits for (None: nothing but its own stage)."""
-    k, K = a.chunk * p + s, p * v
+def _dependency(a, s, pl):
+    """(kind, stage, mb, chunk) of the action that `a` on stage s waits for (None: nothing but its own stage), the
+    pieces placed as pl (hsgd.pp.placement) says: F of piece k waits for F of piece k-1, B for B of piece k+1."""
+    k = pl.piece(s, a.chunk)
     if a.kind == "F":
-        return None if k == 0 else ("F", (s - 1) % p, a.mb, (k - 1) // p)
+        return None if k == 0 else ("F", pl.stage(k - 1), a.mb, pl.holder(k - 1)[1])
     if a.kind == "B":
-        return ("F", s, a.mb, a.chunk) if k == K - 1 else ("B", (s + 1) % p, a.mb, (k + 1) // p)
+        return ("F", s, a.mb, a.chunk) if k == pl.K - 1 else ("B", pl.stage(k + 1), a.mb, pl.holder(k + 1)[1])
     return ("B", s, a.mb, a.chunk)
 
 
-def check(actions, m, v=1):
+def placement_of(kind, p, v=1):
+    """The placement (hsgd.pp.placement) schedule `kind` runs on: every schedule here places its pieces in a loop
+    (chunk c of stage s is piece c p + s)."""
+    return placement("loop", p, v)
+
+
+def check(actions, m, v=1, pl=None):
     """Raise ScheduleError unless every stage's list runs each (micro-batch, chunk) F and B exactly once (W at
     most once, after its B) and the stages can run their lists to the end without waiting for each other forever:
-    the dependencies of the module docstring, followed in order. The message names the first action that cannot
-    run. Returns nothing; `simulate` is the same walk with times."""
-    simulate(actions, m, v)
+    the dependencies of the module docstring, followed in order, the pieces placed as pl says (default: the loop).
+    The message names the first action that cannot run. Returns nothing; `simulate` is the same walk with times."""
+    simulate(actions, m, v, pl=pl)
 
 
-def simulate(actions, m, v=1, costs=(1.0, 1.0, 1.0)):
+def simulate(actions, m, v=1, costs=(1.0, 1.0, 1.0), pl=None):
     """[[(action, start, end)] per stage]: each action starts when its stage is free and its input is there; F
     costs f, B b (fused: b + w), W w (costs = (f, b, w), per chunk). Raises ScheduleError (see check). A stage runs
     its list until an action's input is missing, then waits; the action that brings the input wakes it again, so
     every action is looked at a bounded number of times (linear in the actions, however many stages)."""
     p, (f, b, w) = len(actions), costs
     check_size(m, p, v)
+    pl = pl or placement("loop", p, v)
     split = _validate(actions, m, v)
     done, timeline, pos, free = {}, [[] for _ in range(p)], [0] * p, [0.0] * p
     awake, waiter = list(range(p - 1, -1, -1)), {}                       # stages to run (stage 0 first)
@@ -226,7 +236,7 @@ def simulate(actions, m, v=1, costs=(1.0, 1.0, 1.0)):
         s = awake.pop()
         while pos[s] < len(actions[s]):
             a = actions[s][pos[s]]
-            dep = _dependency(a, s, p, v)
+            dep = _dependency(a, s, pl)
             if a.kind in "BW" and ("F" if a.kind == "B" else "B", s, a.mb, a.chunk) not in done:
                 raise ScheduleError(f"stage {s} runs {a} (action {pos[s]}) before its "
                                     f"{'F' if a.kind == 'B' else 'B'}{a.mb}{f'.{a.chunk}' if a.chunk else ''}")
@@ -242,7 +252,7 @@ def simulate(actions, m, v=1, costs=(1.0, 1.0, 1.0)):
             if key in waiter:
                 awake.append(waiter.pop(key))
     if any(pos[s] < len(actions[s]) for s in range(p)):
-        raise ScheduleError(_deadlock(actions, pos, p, v))
+        raise ScheduleError(_deadlock(actions, pos, p, pl))
     return timeline
 
 
@@ -272,10 +282,10 @@ def _validate(actions, m, v):
     return split
 
 
-def _deadlock(actions, pos, p, v):
+def _deadlock(actions, pos, p, pl):
     s = min(s for s in range(p) if pos[s] < len(actions[s]))
     a = actions[s][pos[s]]
-    kind, t, j, c = _dependency(a, s, p, v)
+    kind, t, j, c = _dependency(a, s, pl)
     want = Action(kind, j, c)
     where = [i for i, x in enumerate(actions[t]) if x == want]
     behind = f"stage {t} is stuck at its action {pos[t]}, {actions[t][pos[t]]}" if pos[t] < len(actions[t]) else ""

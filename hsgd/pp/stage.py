@@ -9,6 +9,9 @@ over pp_comm (the same dp and tp coordinates):
     forward of micro-batch j:   piece k   --activation-->        piece k+1, on stage (s+1) mod pp   tag 2(k m + j)
     backward of micro-batch j:  piece k   <--dL/d(activation)--  piece k+1                          tag 2(k m + j) + 1
 
+(the stage of piece k+1 as the schedule's placement says, hsgd.pp.placement: (s+1) mod pp in the loop; when it is
+this stage itself, the V's turn, the hand-off is kept here, no message).
+
 The activation is what the tensor-parallel scheme hands from block to block: (B/m, T, C), or for the sequence
 scheme this rank's T-shard (B/m, T/tp, C) (tp_model.stage_activation_shape). Sends are non-blocking and completed
 at the end of the step; receives block. With a distinct tag per message and a schedule that schedules.check ran to
@@ -30,7 +33,7 @@ from hsgd.fp8.scaling import make_fp8
 from hsgd.errors import ConfigError
 from hsgd.tp.hooks import NO_HOOKS
 from hsgd.pp.chunks import parse_split, stage_chunks, stage_names
-from hsgd.pp.schedules import KIND_NAMES, build, check, effective
+from hsgd.pp.schedules import KIND_NAMES, build, check, effective, placement_of
 from hsgd.model.threads import cpu_threads, parallel_batches
 from hsgd.grid.trace import NullTracer
 from hsgd.model.moe import update_selection_bias
@@ -59,13 +62,15 @@ class Stage:
         self.loss_scale = 1.0                                          # float16: the loss scaler's S (step.trainer)
         self.v = v = layout.virtual_stages
         kind = effective(layout.schedule, p, v)                        # (one stage: 1F1B; v > 1 refused)
-        self.chunks = [Chunk(*ch) for ch in stage_chunks(cfg.n_layers, p, self.s, v, parse_split(layout.pp_split))]
+        self.placement = pl = placement_of(kind, p, v)                 # which stage holds each piece
+        self.chunks = [Chunk(*ch) for ch in stage_chunks(cfg.n_layers, p, self.s, v, parse_split(layout.pp_split),
+                                                         pl)]
         self.layers = [i for ch in self.chunks for i in ch.layers]    # every block this stage holds
-        self.first, self.last = self.chunks[0].first, self.chunks[-1].last
+        self.first, self.last = any(ch.first for ch in self.chunks), any(ch.last for ch in self.chunks)
         self.names = [n for ch in self.chunks for n in stage_names(cfg, ch.layers, ch.first, ch.last)
                       if holds(n, cfg, grid.ep, grid.ep_rank)]       # (with ep > 1: only my experts)
         everyone = build(kind, self.m, p, v)
-        check(everyone, self.m, v)                                     # before any message: refuses a deadlock
+        check(everyone, self.m, v, pl)                                 # before any message: refuses a deadlock
         check_tags(self.pp_comm, self.tag(p * v - 1, self.m - 1) + 1)
         self.actions = everyone[self.s]
         self.peak_held, self.timeline, self.measure_bytes, self.peak_bytes = 0, [], False, 0
@@ -107,6 +112,7 @@ class Stage:
         (micro-batch, chunk) pairs held at once (peak_held) and when each action ran (timeline)."""
         tracer, self.hooks = tracer or NullTracer(), hooks or NO_HOOKS
         self.caches, self.kept, self.sends, self.loss, self.live = {}, {}, [], 0.0, 0
+        self.handed = {}                                               # hand-offs between two pieces of this stage
         self.routing = {}                                              # {"h.{i}.moe": load, kept (E,), dropped}
         self.peak_held, self.peak_bytes, self.timeline = 0, 0, []
         split = {(a.mb, a.chunk) for a in self.actions if a.kind == "W"}
@@ -127,7 +133,7 @@ class Stage:
                 self.peak_bytes = max(self.peak_bytes, self.bytes_held(params))
         for req, _ in self.sends:
             req.Wait()
-        self.sends, self.caches, self.kept = [], {}, {}                # nothing held until the next step
+        self.sends, self.caches, self.kept, self.handed = [], {}, {}, {}   # nothing held until the next step
         return self.loss / self.m
 
     def update_biases(self, dp_comm):
@@ -142,7 +148,7 @@ class Stage:
     def receive(self, a, mbs):
         """The input of action a: the token ids, or the activation from piece k-1 (F); dloss = 1/m on the last
         piece, or the gradient from piece k+1 (B); nothing (W)."""
-        ch, p, rows = self.chunks[a.chunk], self.pp_comm.size, len(mbs[a.mb][0])
+        ch, rows = self.chunks[a.chunk], len(mbs[a.mb][0])
         if a.kind == "W":
             return None
         if a.kind == "F" and ch.first:
@@ -150,8 +156,22 @@ class Stage:
         if a.kind == "B" and ch.last:
             return self.loss_scale / self.m                            # d(S x mean over the micro-batches)
         if a.kind == "F":                                              # activation in, from piece k-1
-            return self.recv_activation(rows, source=(self.s - 1) % p, tag=self.tag(ch.k - 1, a.mb))
-        return self.recv_activation(rows, source=(self.s + 1) % p, tag=self.tag(ch.k, a.mb) + 1)   # gradient in
+            return self.take(rows, self.placement.stage(ch.k - 1), self.tag(ch.k - 1, a.mb))
+        return self.take(rows, self.placement.stage(ch.k + 1), self.tag(ch.k, a.mb) + 1)   # gradient in
+
+    def take(self, rows, source, tag):
+        """The activation or gradient with `tag` from stage `source`: a message, or this stage's own hand-off (two
+        pieces on one stage: the V's turn)."""
+        if source == self.s:
+            return self.handed.pop(tag)
+        return self.recv_activation(rows, source=source, tag=tag)
+
+    def hand(self, x, dest, tag):
+        """x to stage `dest` with `tag`: a non-blocking send, or kept for this stage's next piece (no message)."""
+        if dest == self.s:
+            self.handed[tag] = x
+        else:
+            self.sends.append((self.pp_comm.Isend(x, dest=dest, tag=tag), x))
 
     def tag(self, k, j):
         """The tag of micro-batch j's activation from piece k to piece k+1 (its gradient: + 1)."""
@@ -175,8 +195,7 @@ class Stage:
             self.loss = self.loss + out                                # stays on the device
         else:
             out = xp.ascontiguousarray(out)                            # activation out, to piece k+1
-            self.sends.append((self.pp_comm.Isend(out, dest=(self.s + 1) % self.pp_comm.size,
-                                                  tag=self.tag(ch.k, a.mb)), out))
+            self.hand(out, self.placement.stage(ch.k + 1), self.tag(ch.k, a.mb))
         self.live += 1
         self.peak_held = max(self.peak_held, self.live)
 
@@ -188,8 +207,7 @@ class Stage:
                                      wg, daux=self.loss_scale / self.m)   # (the auxiliary losses' d: as dloss's)
         if not ch.first:                                               # gradient out, to piece k-1
             dx = self.xp.ascontiguousarray(dx)
-            self.sends.append((self.pp_comm.Isend(dx, dest=(self.s - 1) % self.pp_comm.size,
-                                                  tag=self.tag(ch.k - 1, a.mb) + 1), dx))
+            self.hand(dx, self.placement.stage(ch.k - 1), self.tag(ch.k - 1, a.mb) + 1)
         if split:
             self.kept[a.mb, a.chunk] = wg
         else:
@@ -233,7 +251,7 @@ class Stage:
     def loss_only(self, params, idx, targets, hooks=None):
         """The mean loss of one batch, forwards only through the pieces (evaluation): a float on every stage. An FP8
         run casts as in training but records nothing (its amax histories are the training steps')."""
-        xp, p, x = self.xp, self.pp_comm.size, None
+        xp, x = self.xp, None
         if self.fp8 is not None:
             self.fp8.recording = False
         try:
@@ -241,18 +259,29 @@ class Stage:
         finally:
             if self.fp8 is not None:
                 self.fp8.recording = True
+        root = self.placement.stage(self.placement.K - 1)              # the stage holding the loss
         if not self.last:
-            return self.pp_comm.comm.bcast(None, root=p - 1)
-        return self.pp_comm.comm.bcast(float(to_host(xp.asarray(x))), root=p - 1)
+            return self.pp_comm.comm.bcast(None, root=root)
+        return self.pp_comm.comm.bcast(float(to_host(xp.asarray(x))), root=root)
 
     def forwards_only(self, params, idx, targets, hooks):
-        """loss_only's forwards through this stage's chunks: the last chunk's output (the loss on the last stage)."""
-        xp, p, x = self.xp, self.pp_comm.size, None
-        for ch in self.chunks:
-            inp = xp.asarray(idx) if ch.first else self.recv_activation(len(idx), source=(self.s - 1) % p, tag=ch.k)
+        """loss_only's forwards through this stage's chunks, in the order of their pieces: the last chunk's output
+        (the loss on the stage holding the last piece)."""
+        xp, pl, x, handed = self.xp, self.placement, None, {}
+        for ch in sorted(self.chunks, key=lambda c: c.k):
+            if ch.first:
+                inp = xp.asarray(idx)
+            elif pl.stage(ch.k - 1) == self.s:
+                inp = handed.pop(ch.k)                                 # from this stage's own piece k-1
+            else:
+                inp = self.recv_activation(len(idx), source=pl.stage(ch.k - 1), tag=ch.k)
             x, _ = tp_model.stage_forward(params, inp, xp.asarray(targets), ch, self.setup, hooks or NO_HOOKS)
             if not ch.last:
-                self.pp_comm.Isend(xp.ascontiguousarray(x), dest=(self.s + 1) % p, tag=ch.k + 1).Wait()
+                out = xp.ascontiguousarray(x)
+                if pl.stage(ch.k + 1) == self.s:
+                    handed[ch.k + 1] = out
+                else:
+                    self.pp_comm.Isend(out, dest=pl.stage(ch.k + 1), tag=ch.k + 1).Wait()
         return x
 
 

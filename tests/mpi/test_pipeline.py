@@ -83,6 +83,27 @@ def test_gpipe_equals_1f1b_and_holds_what_it_promises(m_of_p):
     check(same == 0.0 and held["gpipe"] == m and held["1f1b"] == min(p - s, m), f"{same} {held}")
 
 
+def test_a_v_placement_trains_to_serial_parameters(monkeypatch):
+    """The pieces placed in a V (hsgd.pp.placement "v": stage s holds pieces s and 2p-1-s, stage p-1 hands its
+    activation to itself, stage 0 holds the embedding and the loss) with a GPipe list down the V
+    (tests/test_schedules.py v_gpipe; the V schedules themselves are not built yet), dp 2 x pp 4: 3 steps end with
+    serial SGD's parameters, and the bytes on pp_comm equal the formula that counts the turn as no message."""
+    import hsgd.pp.stage as stage_module
+    from hsgd.pp.placement import placement
+    from tests.test_schedules import v_gpipe
+    monkeypatch.setattr(stage_module, "placement_of", lambda kind, p, v=1: placement("v", p, v))
+    monkeypatch.setattr(stage_module, "build", lambda kind, m, p, v=1, costs=None: v_gpipe(m, p))
+    tc = config(dp=2, pp=4, tp=1, virtual_stages=2, schedule="interleaved", micro_batches=4, batch_size=8)
+    grid, trainer, identical, per_step = run(tc)
+    err = param_err(trainer, grid, serial_sgd(tc))
+    formula = step_formula(CFG, tc, trainer)
+    say(f"V placement, dp 2 x pp 4, GPipe down the V: max param rel err vs serial {world_max(err):.1e}, replicas "
+        f"identical {identical}, bytes == formula {per_step == formula}")
+    check(err <= 1e-9 and identical and per_step == formula and trainer.stage.placement.shape == "v",
+          f"err {err:.1e}\nmeasured {per_step}\nformula  {formula}")
+    grid.free()
+
+
 def test_schedules_and_bubble_formula():
     """The schedules as documented, and the equal-cost bubble (p-1)/(m+p-1) for both."""
     acts = [(a.kind, a.mb) for a in build("1f1b", 6, 4)[1]]   # stage 1 of 4: two warm-up forwards
