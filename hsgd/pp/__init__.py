@@ -4,6 +4,7 @@ m micro-batches that flow through them, and the schedules that order the work (t
 zero bubble).
 
     chunks      the cut: the blocks of every stage and chunk, their parameters, the bytes on pp_comm
+    placement   which stage holds each piece of the model: the loop (piece c p + s), the V (pieces s, 2p-1-s)
     schedules   schedules as data: lists of F/B/W actions (GPipe, 1F1B, interleaved, ZB-H1), checked, simulated
     timelines   what a list or a timeline says: bubbles, pairs and bytes held, closed forms, pictures
     stage       one rank's stage running its list (ThreadedStage: the batch split over CPU threads)
