@@ -210,3 +210,19 @@ def test_existing_log_is_not_overwritten_by_a_failing_run(tmp_path):
     log.write_text("precious\n")
     assert_one_clear_line(*run("--log-json", str(log), "--lr", "-1"), "lr=-1.0 must be > 0")
     assert log.read_text() == "precious\n"
+
+
+def test_ulysses_with_heads_that_cp_does_not_divide(tmp_path):
+    """--cp-scheme ulysses on 2 ranks (cp 2) of a model with one head: every rank exits 2, rank 0 says in one line
+    that cp does not divide the heads and what would work, and nothing is written (the one case here that needs
+    an MPI launch: a single process cannot have cp = 2)."""
+    import shutil
+    here = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    launcher = here if os.path.exists(here) else shutil.which("mpiexec")
+    if launcher is None:
+        pytest.skip("no mpiexec")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+    r = subprocess.run([launcher, "-n", "2", sys.executable, "-m", "hsgd.train", *BASE, "--n-heads", "1", "--cp", "2",
+                        "--cp-scheme", "ulysses"], capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env)
+    assert_one_clear_line(r.returncode, r.stderr, "cp=2 does not divide; no cp > 1 divides them; use --cp-scheme ring")
+    assert not list(tmp_path.iterdir())

@@ -30,14 +30,17 @@
 #
 # `hsgd/cp/split.py` splits every sequence over the cp ranks of `grid.cp_comm`. Everything in a block except the core
 # attention treats each position on its own, so it runs unchanged on a rank's T/cp positions. The core attention,
-# where position t reads the keys and values of positions 0..t, is done one of two ways:
+# where position t reads the keys and values of positions 0..t, is done one of three ways:
 #
 # * **ring** (Liu, Zaharia and Abbeel 2023, "Ring Attention with Blockwise Transformers for Near-Infinite
 #   Context"): the (k, v) blocks travel around the ring of cp ranks while each rank keeps its queries, and the
 #   partial results are merged with the online softmax (Milakov and Gimelshein 2018, "Online normalizer calculation
 #   for softmax"; Dao et al. 2022, "FlashAttention");
 # * **all-gather** (the scheme the Llama 3 paper, Dubey et al. 2024, "The Llama 3 Herd of Models", uses for long
-#   contexts): All-Gather k and v, attend, Reduce-Scatter their gradients.
+#   contexts): All-Gather k and v, attend, Reduce-Scatter their gradients;
+# * **Ulysses** (Jacobs et al. 2023, "DeepSpeed Ulysses: System Optimizations for Enabling Training of Extreme Long
+#   Sequence Transformer Models"): an all-to-all turns the sequence split into a head split, each rank attends
+#   with all T positions of NH/cp heads, and another all-to-all turns the output back (`hsgd/cp/ulysses.py`).
 #
 # The chapter:
 #
@@ -45,16 +48,18 @@
 #    `hsgd.accounting.activations.activation_formula`, with tp and with cp;
 # 2. the online softmax derived step by step, then checked in NumPy on one process;
 # 3. the ring forward and backward on 8 ranks (cp 8, and cp 4 x tp 2) against serial attention, with its messages
-#    counted against `split.cp_formula`; the all-gather scheme the same way;
+#    counted against `split.cp_formula`; the all-gather and Ulysses the same way;
 # 4. load balancing under the causal mask: the plain split against hsgd's layout (rank r holds chunks r and
 #    2cp-1-r), counted and measured, with a picture;
-# 5. training with `HybridTrainer` on dp 2 x cp 2 x tp 2, cp 8 and pp 2 x cp 2 x tp 2, both schemes, against serial
-#    SGD, with each step's traffic and activation bytes against their formulas;
-# 6. ring against all-gather on 8 ranks: bytes (payload and bytes sent per rank), activation bytes, and time;
-# 7. the trace: one rank's ring attention, its sends in flight while it computes, drawn and checked.
+# 5. training with `HybridTrainer` on dp 2 x cp 2 x tp 2, cp 8 and pp 2 x cp 2 x tp 2, the three schemes, against
+#    serial SGD, with each step's traffic and activation bytes against their formulas;
+# 6. ring, all-gather and Ulysses on 8 ranks: bytes (payload and bytes sent per rank), activation bytes, and time;
+# 7. the trace: one rank's ring attention, its sends in flight while it computes, drawn and checked;
+# 8. Ulysses' all-to-all pictured, and the bytes each rank sends as cp grows with T = cp x 8, measured for the
+#    three schemes.
 #
-# Run it with eight ranks (7 to 8 s measured on a 2-core machine; on failure every rank raises, so it exits
-# non-zero without hanging). Rank 0 draws three pictures into `$HSGD_FIGURES` (default `tutorials/figures/`):
+# Run it with eight ranks (4 s measured on a 2-core machine; on failure every rank raises, so it exits
+# non-zero without hanging). Rank 0 draws four pictures into `$HSGD_FIGURES` (default `tutorials/figures/`):
 #
 # mpirun -n 8 python tutorials/15_context_parallelism.py
 #
@@ -89,6 +94,7 @@ from hsgd.step.trainer import HybridTrainer
 from hsgd.model.layers import attention_backward, attention_forward
 from hsgd.accounting.activations import activation_formula
 from hsgd.run.report import fmt_bytes
+from fractions import Fraction
 from hsgd.accounting.traffic import step_formula
 from hsgd.grid.trace import Tracer
 
@@ -121,7 +127,9 @@ world, rank, check, say = mpi_chapter(__file__, P, tol=1e-10, width=78)
 #   projection keeps as its input anyway): no $T \times T$ matrix at all, only what the online softmax of section 2
 #   keeps;
 # * all-gather: q, the gathered k and v of the whole sequence ($2\,b\,T\,C/tp$) and the probabilities of the rank's
-#   queries against all keys, $b\,(NH/tp)\,T_l\,T$: the $T^2$ term divided by cp.
+#   queries against all keys, $b\,(NH/tp)\,T_l\,T$: the $T^2$ term divided by cp;
+# * Ulysses: q, k and v of its NH/(tp cp) heads at all T positions, $3 N_l C/tp$ (as many numbers as the ring's),
+#   and their probabilities, $b\,NH/(tp\,cp)\,T^2$, the all-gather's $b\,(NH/tp)\,T_l\,T$ again.
 #
 # For a block of a 7B-sized model (C = 4096, NH = 32, F = 16384, one sequence, 2-byte numbers), per rank, with the
 # 8 ranks used as tp 8 or as cp 8 (plain numbers: these are formulas, nothing is allocated):
@@ -162,6 +170,9 @@ check.equal("cp 8 ring: block(4T) == 4 block(T): linear in T, no T^2 term",
 check.equal("cp 8 all-gather: its attention cache == s (N_l C + 2 T C + NH T_l T)",
             [attn_cache(T, 8, "allgather") for T in TS],
             [S2 * (T // 8 * C7 + 2 * T * C7 + NH7 * T // 8 * T) for T in TS])
+check.equal("cp 8 Ulysses: its attention cache == s (3 N_l C + NH T_l T), the ring's q, k, v and the "
+            "all-gather's probabilities", [attn_cache(T, 8, "ulysses") for T in TS],
+            [S2 * (3 * T // 8 * C7 + NH7 * T // 8 * T) for T in TS])
 
 
 def draw_activations():
@@ -275,7 +286,7 @@ check("backward block by block, p = e^(s - lse), ds = p (dp - D): vs all at once
 # chunks r and 7 - r (section 4 says why):
 
 # %%
-B, T, C, NH = 2, 32, 16, 4                                   # batch, sequence, width, heads of the attention tests
+B, T, C, NH = 2, 32, 16, 8                                   # batch, sequence, width, heads of the attention tests
 g8 = ProcessGrid(world, dp=1, pp=1, tp=1, cp=8)
 g42 = ProcessGrid(world, dp=1, pp=1, tp=2, cp=4)
 for r in range(4):
@@ -302,6 +313,14 @@ def attend(g, scheme, balanced=True):
     return err, sent, dict(ctx.work), ctx
 
 
+def sent_bytes(counts, p):
+    """Bytes one rank sends (checks.ring_bytes), an all-to-all's included: each rank keeps its own block of the
+    send buffer and sends the other (p-1)/p of it, one block to each rank."""
+    a2a = {k: v for k, v in counts.items() if k[1] == "Alltoall"}
+    return ring_bytes({k: v for k, v in counts.items() if k not in a2a}, p) + \
+        sum(Fraction(p - 1, p) * n for _, n in a2a.values())
+
+
 say(f"{'grid':<12} {'scheme':<10} {'calls':>12} {'payload':>10} {'sent/rank':>10}   (one layer, forward + backward, "
     f"b = {B}, T = {T}, C = {C})")
 runs = {}
@@ -313,7 +332,10 @@ for g, name in ((g8, "cp 8"), (g42, "cp 4 x tp 2")):
         check.equal(f"{name}, {scheme}: cp_comm calls and payload == cp_formula", sent, want)
         calls = ", ".join(f"{op} {n}" for (_, op), (n, _) in sorted(sent.items()))
         say(f"{name:<12} {scheme:<10} {calls:>22} {fmt_bytes(payload(sent)):>10} "
-            f"{fmt_bytes(float(ring_bytes(sent, g.cp))):>10}")
+            f"{fmt_bytes(float(sent_bytes(sent, g.cp))):>10}")
+kv8 = 2 * B * (T // 8) * C * 8                              # one (k, v) block on cp 8, bytes
+check.equal("cp 8, bytes sent per rank in (k, v) blocks: ring 3cp - 2, all-gather 2 (cp - 1), Ulysses 4 (cp - 1)/cp",
+            [sent_bytes(runs["cp 8", s][1], 8) / kv8 for s in split.CP_SCHEMES], [22, 14, Fraction(7, 2)])
 
 # %% [markdown]
 # Every rank's output and the three gradients match serial attention at its positions to rounding, in both grids:
@@ -329,10 +351,17 @@ for g, name in ((g8, "cp 8"), (g42, "cp 4 x tp 2")):
 # * all-gather: one All-Gather of (k, v) (payload: the gathered cp blocks) and one Reduce-Scatter of the gathered
 #   (dk, dv) (payload: its input, cp blocks). A ring All-Gather or Reduce-Scatter sends (cp-1)/cp of it per rank:
 #   $2(cp-1)$ blocks, 14 for cp 8.
+# * Ulysses: four all-to-alls, of [q | k | v] and of y forward, of dy and of [dq | dk | dv] backward, $3 + 1 + 1 +
+#   3 = 8$ arrays of $b\,T_l\,C/tp$ numbers, 4 blocks; an all-to-all keeps the rank's own block and sends the
+#   other $(cp-1)/cp$: $4(cp-1)/cp$ blocks, 3.5 for cp 8 (the table's Alltoall payload is the send buffers, 4
+#   blocks).
 #
-# So the ring sends more, $(3cp-2)/(2cp-2)$ times as much (1.57 for cp 8), for a memory of three blocks (its own
-# and the two in transit) where the all-gather holds all cp of them, and with its messages overlapped with the
-# blocks' computation (section 7).
+# So the ring sends more than the all-gather, $(3cp-2)/(2cp-2)$ times as much (1.57 for cp 8), for a memory of three
+# blocks (its own and the two in transit) where the all-gather holds all cp of them, and with its messages
+# overlapped with the blocks' computation (section 7). Ulysses sends least: below 4 of its blocks however many ranks
+# share the sequence, where the ring's and the all-gather's count of blocks grows with cp (section 8 measures what
+# that means as T and cp grow together). It asks something of the model instead: cp must divide the rank's NH/tp
+# heads (8 heads here), and its NKV/tp kv heads with grouped-query attention (`split.check_heads` refuses the rest).
 #
 # ## 4. Load balancing under the causal mask
 #
@@ -418,16 +447,17 @@ say(f"picture: {pictures.on_rank0(world, draw_balance, share=True)}")
 #
 # ## 5. Training with context parallelism, against serial SGD
 #
-# In a training step each rank of a cp group takes its positions of every sequence (`ctx.local` of the token ids
-# and the targets) and the position embeddings of those positions (`ctx.rows`). Its loss is the mean over its
-# positions; the cp ranks hold equally many, so the mean of their means is the sequence's mean, and the gradients
-# are averaged over `dp_comm`, which holds the dp x cp ranks of each parameter shard: parameters are replicated
-# over cp as they are over dp. The check is chapter 10's: a few steps of SGD with momentum in float64 on three layouts
-# of the 8 ranks and both schemes, against `serial.sgd` on one process, and each step's traffic on every communicator
-# against `accounting.traffic.step_formula`, the one-micro-batch activation bytes against `activation_formula`.
+# In a training step each rank of a cp group takes its positions of every sequence (`ctx.local` of the token ids and
+# the targets) and the position embeddings of those positions (`ctx.rows`). Its loss is the mean over its positions;
+# the cp ranks hold equally many, so the mean of their means is the sequence's mean, and the gradients are averaged
+# over `dp_comm`, which holds the dp x cp ranks of each parameter shard: parameters are replicated over cp as they
+# are over dp. The check is chapter 10's: a few steps of SGD with momentum in float64 on three layouts of the 8
+# ranks and the three schemes (8 heads, so that Ulysses' cp 8 has one head a rank), against `serial.sgd` on one
+# process, and each step's traffic on every communicator against `accounting.traffic.step_formula`, the
+# one-micro-batch activation bytes against `activation_formula`.
 
 # %%
-cfg = ModelConfig(vocab_size=256, seq_len=16, d_model=16, n_heads=4, n_layers=2, d_ff=32)
+cfg = ModelConfig(vocab_size=256, seq_len=16, d_model=16, n_heads=8, n_layers=2, d_ff=32)
 SEED, BT, M, STEPS = 0, 4, 2, 2                # global batch, micro-batches per replica, steps
 corpus = Corpus.load(None, cfg.seq_len)        # the built-in corpus, as hsgd.train
 LAYOUTS = ((2, 1, 2, 2), (1, 1, 8, 1), (1, 2, 2, 2))    # (dp, pp, cp, tp)
@@ -468,16 +498,16 @@ for dp, pp, cp_, tp in LAYOUTS:
             check.equal(f"{name}, {scheme}: activation bytes at the peak == activation_formula", act, want)
         on_cp = {key: n for key, n in sent.items() if key[0] == "cp"}
         say(f"{f'{dp} x {pp} x {cp_} x {tp}':<18} {scheme:<10} {err:>16.1e} {sum(n for n, _ in on_cp.values()):>14} "
-            f"{fmt_bytes(payload(on_cp)):>9} {fmt_bytes(float(ring_bytes(on_cp, cp_))):>10} {fmt_bytes(act):>12}")
+            f"{fmt_bytes(payload(on_cp)):>9} {fmt_bytes(float(sent_bytes(on_cp, cp_))):>10} {fmt_bytes(act):>12}")
         trainer.finish()
         trainer.free()
     g.free()
 
 # %% [markdown]
-# Every layout and both schemes end the two steps with serial SGD's parameters and losses, to rounding. The
+# Every layout and the three schemes end the two steps with serial SGD's parameters and losses, to rounding. The
 # traffic of each step matched `step_formula` on every communicator: tp's collectives on rows of $T_l$ positions,
-# the pipeline's messages of $b\,T_l\,C$ numbers, the cp ring's or all-gather's $L \cdot m$ attention exchanges
-# per step, and the dp exchange over the dp x cp ranks that share each shard.
+# the pipeline's messages of $b\,T_l\,C$ numbers, the cp ring's, all-gather's or all-to-alls' $L \cdot m$
+# attention exchanges per step, and the dp exchange over the dp x cp ranks that share each shard.
 #
 # The activation bytes measured (`stage.peak_bytes`: every array the caches reach, each counted once) are the
 # formula's exactly: `hsgd.accounting.activations.activation_formula` with cp counts every term on the rank's $T_l$ rows
@@ -485,10 +515,10 @@ for dp, pp, cp_, tp in LAYOUTS:
 # offsets of its rows and asks the layout for their positions again in the backward pass, so that no array of the layout
 # itself is counted as an activation.)
 #
-# ## 6. Ring against all-gather, measured on 8 ranks
+# ## 6. Ring, all-gather and Ulysses, measured on 8 ranks
 #
-# The same model with a longer sequence, T = 64, on cp 8 (8 positions a rank), one sequence per step, both schemes
-# side by side: a warm-up step each, then 6 rounds in which the two schemes take turns, so that whatever else the
+# The same model with a longer sequence, T = 64, on cp 8 (8 positions a rank), one sequence per step, the three
+# schemes side by side: a warm-up step each, then 6 rounds in which the schemes take turns, so that whatever else the
 # machine does falls on both.
 
 # %%
@@ -517,26 +547,28 @@ for s in split.CP_SCHEMES:
     f_act = activation_formula(cfg64, 1, 8, 1, "megatron", 8, s)["model"]
     ms = sorted(1e3 * x for x in seconds[s])
     say(f"{s:<10} {sum(n for n, _ in sent64[s].values()):>9} {fmt_bytes(payload(sent64[s])):>9} "
-        f"{fmt_bytes(float(ring_bytes(sent64[s], 8))):>10} {fmt_bytes(act64[s]):>12} {fmt_bytes(f_act):>10} "
+        f"{fmt_bytes(float(sent_bytes(sent64[s], 8))):>10} {fmt_bytes(act64[s]):>12} {fmt_bytes(f_act):>10} "
         f"{ms[len(ms) // 2]:>18.1f} {ms[0]:>8.1f}")
     check.equal(f"{s}: cp_comm per step == cp_formula(L blocks)", sent64[s],
                 cp_formula(s, 8, 1, cfg64.seq_len, cfg64.d_model, 1, 8, cfg64.n_layers))
     check.equal(f"{s}: activation bytes == activation_formula", act64[s], f_act)
 kv = 2 * (cfg64.seq_len // 8) * cfg64.d_model * 8           # one (k, v) block, bytes
-check.equal("bytes sent per rank: ring (3cp - 2) blocks, all-gather 2 (cp - 1) blocks, per layer",
-            [float(ring_bytes(sent64[s], 8)) for s in split.CP_SCHEMES], [2 * 22 * kv, 2 * 14 * kv])
+check.equal("bytes sent per rank: ring (3cp - 2) blocks, all-gather 2 (cp - 1), Ulysses 4 (cp - 1)/cp, per layer",
+            [sent_bytes(sent64[s], 8) for s in split.CP_SCHEMES], [2 * 22 * kv, 2 * 14 * kv, 2 * Fraction(7, 2) * kv])
 for tr in trainers.values():
     tr.finish()
     tr.free()
 
 # %% [markdown]
-# The bytes are what section 3 predicted per layer, times L: the ring sends 22 blocks per layer, the all-gather
-# 14. The all-gather already holds more than twice the ring's activations (the gathered k and v and the $8 \times
-# 64$ probabilities per head and sequence); by section 1 the factor is about 60 at T = 131072. The times are
-# printed, never checked: with eight ranks on two cores the ring's 44 Isends and 44 Irecvs per step, each a Python
-# call and an MPI handshake, cost more than four collectives, and nothing here computes long enough to hide them.
-# Where a block takes longer than a hop (large blocks on a GPU) the ring hides its sends behind the blocks, which is
-# the point of it; this run can only show that the sends are in flight while the blocks compute (next section).
+# The bytes are what section 3 predicted per layer, times L: the ring sends 22 blocks per layer, the all-gather 14,
+# Ulysses 3.5. The all-gather already holds more than twice the ring's activations (the gathered k and v and the $8
+# \times 64$ probabilities per head and sequence); by section 1 the factor is about 60 at T = 131072. Ulysses holds
+# between the two (106.5 KiB against 43.5 and 134.5): the all-gather's probabilities, as a $64 \times 64$ matrix of
+# one head, but only its head's k and v, not all of them. The times are printed, never checked: with eight ranks on
+# two cores the ring's 44 Isends and 44 Irecvs per step, each a Python call and an MPI handshake, cost more than
+# four collectives (or Ulysses' eight all-to-alls), and nothing here computes long enough to hide them. Where a
+# block takes longer than a hop (large blocks on a GPU) the ring hides its sends behind the blocks, which is the
+# point of it; this run can only show that the sends are in flight while the blocks compute (next section).
 #
 # ## 7. The trace: sends in flight while the blocks compute
 #
@@ -626,17 +658,125 @@ say(f"picture: {pictures.on_rank0(world, draw_overlap, share=True)}")
 # takes longer than a hop the ring costs only its first hop. On this machine the blocks are short and most of the
 # time passes between them, in the Waits: eight ranks share two cores, and a message moves only when the rank at
 # its other end gets a core. The picture shows the structure of the overlap, not its speed.
+
+# %% [markdown]
+# ## 8. Ulysses: an all-to-all to a head split, and the bytes as cp grows
+#
+# The heads of an attention layer are independent, and only the attention mixes positions. Ulysses (`Ulysses` in
+# `hsgd/cp/ulysses.py`) uses both facts: before the core attention each rank cuts its $T_l$ positions of q, k and v
+# into cp head groups of NH/(tp cp) heads and sends group j to cp rank j, one `Alltoall` on `cp_comm` (block j of
+# the send buffer goes to rank j; `hsgd.grid.comm.Comm.Alltoall`). Afterwards rank r holds every position of head
+# group r, in rank order (rank 0's positions, then rank 1's, ...), and runs the whole causal attention on them with
+# the mask of their global positions, exactly the serial attention of those heads. A second all-to-all sends each
+# rank its positions of the output back. The backward pass is the adjoint: an all-to-all is a permutation of all
+# the ranks' data, whose adjoint is its inverse, so dy goes to the head split, the attention's backward runs, and
+# dq, dk, dv go back. The picture shows which rank holds which (position, head) of q before and after, for cp 4, T
+# = 16 and 8 heads; the check reads rank r's cached q after the first all-to-all of section 3's cp 8 (one head a
+# rank) and compares it with head r of the serial q at all T positions in rank order:
+
+# %%
+def draw_ulysses(T_=16, cp_=4, nh_=8):
+    from matplotlib.colors import ListedColormap
+    fig, axes = pictures.figure(9, 3.6, ncols=2)
+    cmap = ListedColormap([f"C{i}" for i in range(cp_)])
+    before, after = np.empty((T_, nh_)), np.empty((T_, nh_))
+    for r in range(cp_):
+        before[split.positions(T_, cp_, r)] = r                     # rank r: its positions, every head
+        after[:, r * nh_ // cp_:(r + 1) * nh_ // cp_] = r             # rank r: every position of head group r
+    titles = ("before: rank r holds chunks r and 2cp-1-r of every head", "after the all-to-all: rank r holds "
+              "every position of heads 2r, 2r+1")
+    for ax, a, title in zip(axes, (before, after), titles):
+        ax.imshow(a, cmap=cmap, vmin=-0.5, vmax=cp_ - 0.5, aspect="auto", interpolation="nearest")
+        ax.set_xlabel("head")
+        ax.set_ylabel("position t")
+        ax.set_title(title, fontsize=8)
+    for r in range(cp_):
+        for _, g0, n in chunk_starts(T_, cp_, r):
+            axes[0].text((nh_ - 1) / 2, g0 + (n - 1) / 2, f"rank {r}", ha="center", va="center", fontsize=7)
+        axes[1].text(r * nh_ / cp_ + (nh_ / cp_ - 1) / 2, (T_ - 1) / 2, f"rank {r}", ha="center", va="center",
+                     fontsize=7, rotation=90)
+    return pictures.save(fig, "15_ulysses_all_to_all")
+
+
+say(f"picture: {pictures.on_rank0(world, draw_ulysses, share=True)}")
+uly = make_split("ulysses", g8.cp_comm, T)
+qh_mine = uly.attention_forward(*(np.ascontiguousarray(a[:, uly.pos]) for a in (q_all, k_all, v_all)), NH)[1][0]
+in_order = np.concatenate([split.positions(T, 8, o) for o in range(8)])        # every rank's positions, in turn
+hs8 = C // NH
+check.equal("Ulysses on cp 8: after the all-to-all rank r holds head r of q at all T positions, in rank order",
+            bool(np.allclose(qh_mine[:, 0] * np.sqrt(hs8), q_all[:, in_order, g8.cp_rank * hs8:(g8.cp_rank + 1) * hs8],
+                             rtol=1e-15, atol=0)), True)
+
+# %% [markdown]
+# Jacobs et al. argue that Ulysses' communication per device stays constant when the sequence and the devices grow
+# together, where the ring's and the all-gather's grow with the devices: every rank must receive the keys and values
+# of all T positions (or send its own to all cp - 1 others), while an all-to-all sends each rank only its share of
+# the rank's own $T_l$ positions. Measured: one layer's attention, forward and backward, with $T_l = 8$ positions a
+# rank (T = 8 cp) on cp 2, 4 and 8 (the 8 ranks as dp 8/cp x cp), b = 2, C = 16, 8 heads, each scheme checked
+# against serial attention and its messages against `cp_formula`; bytes sent per rank, and in (k, v) blocks of
+# $2\,b\,T_l\,C\,s$ = 4 KiB, the same size at every cp:
+
+# %%
+TL = 8                                                       # positions per rank: T grows with cp
+blk = 2 * B * TL * C * 8
+grow = {}
+say(f"{'cp':>3} {'T':>4} " + " ".join(f"{s + ' sent/rank':>22}" for s in split.CP_SCHEMES))
+for cp_ in (2, 4, 8):
+    g = ProcessGrid(world, dp=8 // cp_, pp=1, tp=1, cp=cp_)
+    T_ = TL * cp_
+    rng = np.random.default_rng(3)
+    qkvd = [rng.standard_normal((B, T_, C)) for _ in range(4)]
+    y_ref, c_ref = attention_forward(*qkvd[:3], NH)
+    want = (y_ref, *attention_backward(qkvd[3], c_ref))
+    for s in split.CP_SCHEMES:
+        ctx = make_split(s, g.cp_comm, T_)
+        mine = [np.ascontiguousarray(a[:, ctx.pos]) for a in qkvd]
+        before = g.stats.counts()
+        y_, cache_ = ctx.attention_forward(*mine[:3], NH)
+        got = (y_, *ctx.attention_backward(mine[3], cache_))
+        sent = {key: n for key, n in g.stats.since(before).items() if key[0] == "cp"}
+        check(f"cp {cp_}, T = {T_}, {s}: y, dq, dk, dv vs serial attention", max(rel_err(a, b[:, ctx.pos])
+                                                                                for a, b in zip(got, want)), 1e-13)
+        check.equal(f"cp {cp_}, T = {T_}, {s}: cp_comm calls and payload == cp_formula", sent,
+                    cp_formula(s, cp_, B, T_, C, 1, 8, 1))
+        grow.setdefault(s, []).append(sent_bytes(sent, cp_))
+    say(f"{cp_:>3} {T_:>4} " + " ".join(f"{fmt_bytes(float(grow[s][-1])):>12} ({float(grow[s][-1] / blk):>4.1f} blk)"
+                                         for s in split.CP_SCHEMES))
+    g.free()
+check.equal("bytes sent per rank, T = 8 cp: ring (3cp - 2) blocks, all-gather 2 (cp - 1), Ulysses 4 (cp - 1)/cp",
+            [grow[s] for s in split.CP_SCHEMES], [[(3 * c - 2) * blk for c in (2, 4, 8)],
+                                                  [2 * (c - 1) * blk for c in (2, 4, 8)],
+                                                  [Fraction(4 * (c - 1), c) * blk for c in (2, 4, 8)]])
+check.holds("Ulysses' bytes per rank stay below 4 blocks at every cp; the ring's and the all-gather's grow with cp",
+            all(x < 4 * blk for x in grow["ulysses"]) and grow["ring"][-1] > 5 * grow["ring"][0]
+            and grow["allgather"][-1] > 6 * grow["allgather"][0])
+say("from cp 2 to cp 8: " + ", ".join(f"{s} x {float(grow[s][-1] / grow[s][0]):.2f}" for s in split.CP_SCHEMES))
+
+# %% [markdown]
+# What the measurement shows: with the sequence growing as the ranks do, the ring's bytes per rank grow with cp
+# (16 KiB at cp 2, 88 KiB at cp 8: x 5.5) and so do the all-gather's (8 KiB to 56 KiB: x 7), each $\approx$ linear in
+# cp; Ulysses' go from 8 KiB to 14 KiB (x 1.75) and can never pass 16 KiB, the four blocks of its own send
+# buffers: what grows is only the share $(cp - 1)/cp$ that leaves the rank, from 1/2 to 7/8. So the claim holds in
+# the form "bounded by a constant", $4 \cdot 2\,b\,T_l\,C\,s$ per layer, not "equal at every cp": the paper counts
+# an all-to-all's aggregate message divided by the devices, and counted as bytes a rank sends its own block stays,
+# hence the $(cp - 1)/cp$. Its price is
+# in the model: cp at most the heads of a tp rank (NH/tp; with grouped-query attention its NKV/tp kv heads), where
+# the ring and the all-gather take any cp the sequence allows. Megatron-LM's hierarchical context parallelism
+# (`--cp-comm-type a2a+p2p`) combines them: Ulysses inside groups of ranks, up to the heads, and a ring across the
+# groups. On two cores nothing here is timed: section 6's times are the ones this machine can give.
 #
 # ## Check against serial
 #
 # On 8 ranks, every verdict reached collectively: the activation formula's terms (what tp leaves replicated, what cp
-# divides, the ring's linear and the all-gather's quadratic attention cache); the online softmax in blocks equals the
-# softmax at once with lse = m + log l, and the backward from lse and D alone equals the full one; ring and
-# all-gather attention on cp 8 and cp 4 x tp 2 equal serial attention at every rank's positions, forward and
-# backward, with exactly `cp_formula`'s messages; every rank's measured work equals `attention_blocks`, balanced on
-# every rank and a staircase with the plain split; two steps of SGD on dp 2 x cp 2 x tp 2, cp 8 and pp 2 x cp 2 x
-# tp 2 with both schemes end with serial SGD's parameters and losses, with `step_formula`'s traffic and
-# `activation_formula`'s bytes; and in the trace every ring step but the last has a send in flight during its block.
+# divides, the ring's linear and the all-gather's and Ulysses' quadratic attention caches); the online softmax in
+# blocks equals the softmax at once with lse = m + log l, and the backward from lse and D alone equals the full one;
+# ring, all-gather and Ulysses attention on cp 8 and cp 4 x tp 2 equal serial attention at every rank's positions,
+# forward and backward, with exactly `cp_formula`'s messages; every rank's measured work equals `attention_blocks`,
+# balanced on every rank and a staircase with the plain split; two steps of SGD on dp 2 x cp 2 x tp 2, cp 8 and pp 2
+# x cp 2 x tp 2 with the three schemes end with serial SGD's parameters and losses, with `step_formula`'s traffic
+# and `activation_formula`'s bytes; in the trace every ring step but the last has a send in flight during its
+# block; and with T = 8 cp the bytes each rank sends grow with cp for the ring and the all-gather, and stay below
+# four blocks for Ulysses, whose all-to-all leaves each rank whole heads at all positions.
 
 # %%
 worst_what, err = check.worst([w for w in check.errors if "serial" in w])
@@ -655,7 +795,7 @@ g42.free()
 # | `--cp-scheme allgather`: `gather_attention.AllGather`, All-Gather k, v, Reduce-Scatter dk, dv | `--cp-comm-type allgather`: `AttnFuncWithCPAndKVAllGather` | none | `_RotateMethod.ALL_GATHER` (the default): `_AllGatherRotater` gathers once, the ring loop then reads its blocks | one softmax over all keys, no merge; the probabilities of the rank's queries are cached |
 # | the online softmax: `Ring.merge` carries (m, l, o), y = o / l, lse = m + log l | `flash_attn_fwd_softmax_lse_correction`, `flash_attn_fwd_out_correction` (TransformerEngine): merge normalised blocks by their lse | `update_out_and_lse` (deepspeed/sequence/fpdt_layer.py, FPDT's chunks) | `_SDPAMerger`: merges normalised outputs by lse | unnormalised o and one division at the end (exercise 3 merges normalised ones) |
 # | load balance: `chunk_starts`, rank r holds chunks r and 2cp-1-r; `attention_blocks` counts the work | `get_batch_on_this_cp_rank` (megatron/core/utils.py): the same zig-zag; seq_length a multiple of 2 x cp | none needed: Ulysses gives each rank whole sequences of NH/cp heads | `_HeadTailLoadBalancer` (`_context_parallel/_load_balancer.py`), head and tail chunks | the work is counted (`ctx.work`) and checked |
-# | none (exercise 2 builds it with MPI Alltoall) | `--cp-comm-type a2a`: `AttnFuncWithCPAndQKVOA2A`; `a2a+p2p` with `--hierarchical-context-parallel-sizes` | `DistributedAttention` with `_SeqAllToAll` (deepspeed/sequence/layer.py): all-to-all from a sequence split to a head split and back | none (its `ALL_TO_ALL` rotation is a ring shift, not a head split) | the head split needs NH divisible by cp; the ring and the all-gather do not |
+# | `--cp-scheme ulysses`: `ulysses.Ulysses`, one `Alltoall` of [q, k, v] to the head split, one of y back; the backward the adjoint | `--cp-comm-type a2a`: `AttnFuncWithCPAndQKVOA2A`; `a2a+p2p` with `--hierarchical-context-parallel-sizes` (Ulysses inside groups, a ring across them; not in hsgd) | `DistributedAttention` with `_SeqAllToAll` (deepspeed/sequence/layer.py): all-to-all from a sequence split to a head split and back | none (its `ALL_TO_ALL` rotation is a ring shift, not a head split) | the zig-zag positions kept (the mask is of their global positions), q, k, v in one all-to-all; cp must divide NH/tp and NKV/tp, else refused (exercise 2 copies the kv heads instead) |
 #
 # ## Exercises
 #
@@ -669,14 +809,16 @@ g42.free()
 # $cp\,n^2$.
 # (solution: `tutorials/solutions/15_context_parallelism.py`, `exercise_1`)
 #
-# ### Exercise 2: all-to-all (Ulysses) against the ring and the all-gather
-# Write the bytes one rank sends per layer, forward and backward, in closed form, for a (k, v) block of
-# $2\,b\,T_l\,C\,s$ bytes: ring $(3cp - 2)$ blocks, all-gather $2(cp - 1)$ blocks, and DeepSpeed-Ulysses (Jacobs et
-# al. 2023): an all-to-all of q, k, v from the sequence split to a head split (each rank then holds whole sequences
-# of NH/cp heads), serial attention, an all-to-all of y back; the backward the same in reverse, 8 tensors of
-# $b\,T_l\,C$ numbers each sending $(cp-1)/cp$ of itself. Check the first two against `grid.stats` on cp 8; build
-# Ulysses with mpi4py's `Alltoall` on `cp_comm.comm` (NH = 8), check it against serial attention and its bytes
-# against your formula. Which sends least, and what does it need of NH?
+# ### Exercise 2: Ulysses with fewer kv heads than cp
+# `split.check_heads` refuses `--cp-scheme ulysses` when cp does not divide a tp rank's kv heads (a model with 8 kv
+# heads on tp 8 has one a rank). When cp is a multiple of them there is a way out: send each head group the one kv
+# head its query heads read, a copy of it for each of the cp/NKV groups that read it (NKV here a tp rank's), and
+# sum the copies' gradients on the way back (the adjoint of a copy is a sum). Subclass `hsgd.cp.ulysses.Ulysses`:
+# its forward repeats k and v to cp heads and calls the parent's, its backward calls the parent's and sums dk, dv
+# over the copies. Check it on cp 8 with NH = 8 and NKV = 2 against serial grouped-query attention (k, v repeated
+# to the query heads, dk, dv summed over each group), and its all-to-alls against their payload, $2\,b\,T_l\,(C +
+# 2\,cp\,hs)\,s$ for q, k, v and $2\,b\,T_l\,C\,s$ for y, each way. Then show that per layer a rank sends less than
+# the all-gather of the same kv heads exactly when NH < cp (NKV - 1), so never with one kv head a rank.
 # (solution: `tutorials/solutions/15_context_parallelism.py`, `exercise_2`)
 #
 # ### Exercise 3: the merge of two partial results is associative

@@ -50,8 +50,8 @@ def activation_formula(cfg, batch_size, itemsize, tp, scheme, cp=1, cp_scheme="r
       (and y, the array the projection keeps as its input; where the gather scheme's projection keeps its
       All-Gathered input instead, y's NC/tp more; ring attention's cache holds y the same way)
     k and v are counted at C/tp columns whatever NKV is: a rank holding the whole sequence repeats them to its NH/tp
-    query heads for the core attention, whose cache holds the repeated ones (with cp, the ring's and all-gather's
-    caches hold the kv heads themselves: hsgd.cp.split.attention_cache_bytes). In all:
+    query heads for the core attention, whose cache holds the repeated ones (with cp, the ring's, all-gather's and
+    Ulysses' caches hold the kv heads themselves: hsgd.cp.split.attention_cache_bytes). In all:
       megatron: s (4NC + 2N) + s (NC + (1 + G) NF)/tp + s A;   sequence: s (5NC + 2N + (1 + G) NF)/tp + s A;
       gather:   s (5NC + 2N + NF) + G s NF/tp + s A  (its projections cache their All-Gathered input).
     GPT-2 (G = 1, materialized) is megatron s (4NC + 2N + (4NC + B NH T^2 + 2NF)/tp). The materialized A grows with
@@ -61,7 +61,9 @@ def activation_formula(cfg, batch_size, itemsize, tp, scheme, cp=1, cp_scheme="r
     the loss's row numbers, 8N. Neither the rotary positions (no wpe; their tables belong to the setup) nor a tied
     head (its weight is wte's transposed view) cache anything more.
     With context parallelism (cp > 1) every term is of the rank's N = B T/cp rows, and the attention's cache is
-    the cp scheme's in place of A (hsgd.cp.split.attention_cache_bytes; --attention does not apply).
+    the cp scheme's in place of A (hsgd.cp.split.attention_cache_bytes; --attention does not apply). Only the ring's
+    cache holds y; the all-gather's and Ulysses' hand on y without keeping it (Ulysses' y is its second all-to-all's
+    result, which the projection keeps as its input).
     """
     S = make_scheme(scheme)
     B, C, F, NH, V = batch_size, cfg.d_model, cfg.d_ff, cfg.n_heads, cfg.vocab_size

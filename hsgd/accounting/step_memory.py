@@ -23,8 +23,9 @@ attention probabilities):
            probe counts them as "other" (hsgd.accounting.allocations.CATEGORY_TABLE), at every sample of a later
            step.
 With context parallelism (hsgd.cp.split) T is the rank's T/cp positions, and the attention's share of K0, P and
-selective's R are the cp scheme's (hsgd.cp.split.attention_cache_bytes): ring attention keeps no probabilities, so
-selective recomputation drops nothing and has no "recomputed" point; nor has it with --attention flash (cp = 1),
+selective's R are the cp scheme's (hsgd.cp.split.attention_cache_bytes; all-gather and Ulysses keep probabilities,
+b NH/tp T/cp T each): ring attention keeps no probabilities, so selective recomputation drops nothing and has no
+"recomputed" point; nor has it with --attention flash (cp = 1),
 whose cache holds q, k, v, y and the log-sum-exp in place of the probabilities (P = 0).
 
 What is alive at each sample (this implementation, Stage.run and tp_model.stage_forward / stage_backward):

@@ -1,11 +1,13 @@
 """The context layout of a rank, made in this one place: the whole sequence (hsgd.tp.attention.WHOLE) without
-context parallelism, else ring attention (hsgd.cp.ring.Ring) or the all-gather of the keys and values
-(hsgd.cp.allgather.AllGather) over cp_comm, as --cp-scheme says. Chapter 15 compares the two."""
+context parallelism, else ring attention (hsgd.cp.ring.Ring), the all-gather of the keys and values
+(hsgd.cp.allgather.AllGather) or Ulysses' all-to-all to a head split (hsgd.cp.ulysses.Ulysses) over cp_comm, as
+--cp-scheme says. Chapter 15 compares the three."""
 import numpy as np
 
 from hsgd.cp.allgather import AllGather
 from hsgd.cp.ring import Ring
-from hsgd.cp.split import CP_SCHEMES
+from hsgd.cp.split import CP_SCHEMES, check_heads
+from hsgd.cp.ulysses import Ulysses
 from hsgd.errors import ConfigError
 from hsgd.model.backend import get_xp
 from hsgd.tp.attention import FLASH, WHOLE
@@ -13,15 +15,17 @@ from hsgd.tp.attention import FLASH, WHOLE
 
 def make_context(cfg, grid, cp_scheme="ring", device=None, attention="materialized"):
     """This rank's context layout: WHOLE (FLASH with --attention flash) without context parallelism (grid.cp = 1),
-    else ring attention or all-gather attention (--cp-scheme; hsgd.cp.ring.Ring, hsgd.cp.allgather.AllGather) on
-    grid.cp_comm, with the arrays of `device`."""
+    else ring attention, all-gather attention or Ulysses (--cp-scheme; hsgd.cp.ring.Ring, hsgd.cp.allgather.AllGather,
+    hsgd.cp.ulysses.Ulysses) on grid.cp_comm, with the arrays of `device`. Ulysses' heads are checked here
+    (hsgd.cp.split.check_heads: ConfigError)."""
     if grid.cp == 1:
         return FLASH if attention == "flash" else WHOLE
+    check_heads(cfg.n_heads, cfg.n_kv_heads, grid.cp, grid.tp, cp_scheme)
     return make_split(cp_scheme, grid.cp_comm, cfg.seq_len, get_xp(device))
 
 
 def make_split(scheme, comm, T, xp=np, balanced=True):
-    """The context layout of --cp-scheme ring | allgather on cp_comm."""
+    """The context layout of --cp-scheme ring | allgather | ulysses on cp_comm."""
     if scheme not in CP_SCHEMES:
         raise ConfigError(f"unknown cp scheme {scheme!r}; use one of {list(CP_SCHEMES)}")
-    return (Ring if scheme == "ring" else AllGather)(comm, T, balanced, xp)
+    return {"ring": Ring, "allgather": AllGather, "ulysses": Ulysses}[scheme](comm, T, balanced, xp)

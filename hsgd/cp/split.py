@@ -1,5 +1,5 @@
-"""Context parallelism: the sequence split over the cp ranks of cp_comm, with ring attention or an all-gather of the
-keys and values (--cp N --cp-scheme ring|allgather).
+"""Context parallelism: the sequence split over the cp ranks of cp_comm, with ring attention, an all-gather of the
+keys and values, or Ulysses' all-to-all to a head split (--cp N --cp-scheme ring|allgather|ulysses).
 
 Activations grow with T and attention's work with T^2, so a long enough sequence outgrows one device however the
 weights are split. Context parallelism splits the sequence itself: each of the cp ranks of cp_comm holds T/cp
@@ -16,15 +16,17 @@ the last rank. Cut the sequence into 2 cp chunks of c = T/(2 cp) positions inste
 rank r's early chunk reads r full blocks and one diagonal, its late chunk 2cp-1-r full blocks and one diagonal:
 2cp-1 + 2 = 2cp + 1 blocks on every rank (attention_blocks counts both splits).
 
-The core attention, two ways (--cp-scheme): hsgd.cp.ring (Liu et al. 2023: the keys and values travel
-around the ring of cp ranks, merged by the online softmax) and hsgd.cp.allgather (All-Gather the keys and
-values, as Dubey et al. 2024 train Llama 3's long context). This module holds what both share: the layout (which
-positions, ContextSplit), the checks, and the work and byte counts; hsgd.cp.layouts makes a layout.
+The core attention, three ways (--cp-scheme): hsgd.cp.ring (Liu et al. 2023: the keys and values travel
+around the ring of cp ranks, merged by the online softmax), hsgd.cp.allgather (All-Gather the keys and
+values, as Dubey et al. 2024 train Llama 3's long context) and hsgd.cp.ulysses (Jacobs et al. 2023: an all-to-all
+from the sequence split to a head split and back, the attention whole in between; cp must divide the heads). This
+module holds what they share: the layout (which positions, ContextSplit), the checks, and the work and byte
+counts; hsgd.cp.layouts makes a layout.
 
 Legend: T sequence, cp ranks of cp_comm, c = T/(2 cp) a chunk, Tl = T/cp a rank's positions, B or b sequences,
 C d_model, NH heads (NH/tp on a rank), hs = C/NH, tp, s bytes per number.
 
-    ctx = make_context(cfg, grid, tc)     # hsgd.cp.layouts: WHOLE, Ring or AllGather; Stage owns it
+    ctx = make_context(cfg, grid, tc)     # hsgd.cp.layouts: WHOLE, Ring, AllGather or Ulysses; Stage owns it
     ctx.local(idx)                        # (B, T) -> (B, T/cp), this rank's positions of each sequence
 """
 import math
@@ -33,7 +35,7 @@ import numpy as np
 from hsgd.errors import ConfigError
 from hsgd.grid.trace import NullTracer
 
-CP_SCHEMES = ("ring", "allgather")
+CP_SCHEMES = ("ring", "allgather", "ulysses")
 
 
 def check_cp(T, cp, tp=1, splits_T=False):
@@ -51,6 +53,22 @@ def check_cp(T, cp, tp=1, splits_T=False):
         raise ConfigError(f"seq_len={T} does not cut into 2*cp = {2 * cp} equal chunks{shards}: context parallelism "
                           f"gives rank r chunks r and 2cp-1-r of each sequence; use seq_len a multiple of {step} "
                           f"(e.g. {near}) or cp in {cps or 'none: T is too short'}")
+
+
+def check_heads(n_heads, n_kv_heads, cp, tp, scheme):
+    """Raise ConfigError unless the cp scheme can split this rank's heads: Ulysses gives each cp rank NH/(tp cp)
+    query heads and NKV/(tp cp) kv heads (hsgd.cp.ulysses), so cp must divide both NH/tp and the rank's kv heads
+    (NKV/tp, or the one replicated head when tp > NKV); ring and allgather split no heads."""
+    if scheme != "ulysses" or cp == 1:
+        return
+    nh, nkv = n_heads // tp, max(n_kv_heads // tp, 1)
+    if nh % cp == 0 and nkv % cp == 0:
+        return
+    cps = [c for c in range(2, nh + 1) if nh % c == 0 and nkv % c == 0]
+    works = f"use cp in {cps} (seq_len a multiple of 2 cp) or " if cps else "no cp > 1 divides them; use "
+    raise ConfigError(f"--cp-scheme ulysses splits each tp rank's heads over cp, but n_heads={n_heads} and "
+                      f"n_kv_heads={n_kv_heads} over tp={tp} leave {nh} query and {nkv} kv heads per rank, which "
+                      f"cp={cp} does not divide; {works}--cp-scheme ring or allgather")
 
 
 def chunk_starts(T, cp, r, balanced=True):
@@ -140,6 +158,8 @@ def attention_cache_bytes(cp, scheme, b, T, C, NH, tp, s, attention="materialize
         ring                q by heads N C/tp, own (k, v) 2 N kv, and lse b NH/tp Tl; no probabilities (and y, as
                             flash's: counted with the projection's input)
         allgather           q N C/tp, the gathered k and v 2 b T kv, the probabilities b NH/tp Tl T
+        ulysses             its head group's q (b T x NH/(tp cp) heads = N C/tp), k and v 2 b T kv/cp, and the
+                            probabilities b NH/(tp cp) T^2 = b NH/tp Tl T, as many as allgather's
     (attention, --attention, only says which cp = 1 takes.) With cp = 1 the kv heads are repeated to the NH/tp query
     heads before the attention (hsgd.tp.attention.grouped_forward), and its cache holds them so: C/tp wide."""
     Tl, c, nh = T // cp, C // tp, NH // tp
@@ -153,6 +173,8 @@ def attention_cache_bytes(cp, scheme, b, T, C, NH, tp, s, attention="materialize
     if scheme == "ring":
         return N * c * s + 2 * N * kv * s + b * nh * Tl * s, 0
     P = b * nh * Tl * T * s
+    if scheme == "ulysses":
+        return N * c * s + 2 * b * T * (kv // cp) * s + P, P
     return N * c * s + 2 * b * T * kv * s + P, P
 
 
@@ -164,11 +186,20 @@ def cp_formula(scheme, cp, batch, T, C, tp, itemsize, n_blocks, recompute="none"
                  --recompute full runs the forward's ring again (+ cp-1); selective keeps what the ring keeps.
       allgather: one Allgather (payload: the gathered cp 2N) and one Reduce_scatter_block (its input, cp 2N) per
                  block; --recompute selective or full gathers again (+ 1 Allgather).
+      ulysses:   four Alltoalls per block (payload: the send buffer): [q | k | v] and y forward, dy and
+                 [dq | dk | dv] backward, Q = batch (T/cp) (C/tp + 2 kv) itemsize and Y = batch (T/cp) (C/tp)
+                 itemsize, 2 (Q + Y) per block; --recompute selective or full runs the forward's two again
+                 (+ Q + Y). A rank sends (cp-1)/cp of the payload: constant when T grows with cp.
     With grouped-query attention the blocks are the kv heads themselves, NH/NKV times fewer bytes than the query
     heads' (hsgd.cp.ring and hsgd.cp.allgather repeat them only for the products)."""
     if cp == 1 or not n_blocks:
         return {}
-    kv = 2 * batch * (T // cp) * (C // tp if kv is None else kv) * itemsize
+    kvc = C // tp if kv is None else kv
+    kv = 2 * batch * (T // cp) * kvc * itemsize
+    if scheme == "ulysses":
+        again = recompute != "none"
+        Q, Y = batch * (T // cp) * (C // tp + 2 * kvc) * itemsize, batch * (T // cp) * (C // tp) * itemsize
+        return {("cp", "Alltoall"): (n_blocks * (4 + 2 * again), n_blocks * (2 + again) * (Q + Y))}
     if scheme == "ring":
         hops = (cp - 1) + (cp - 1) + cp + (cp - 1) * (recompute == "full")
         return {("cp", "Isend"): (n_blocks * hops, n_blocks * hops * kv),

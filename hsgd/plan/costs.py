@@ -262,7 +262,8 @@ def stage_costs(cfg, lay, stage, hw, rate, sizes, links, mine=None):
     cp_mb = t.get("cp", 0.0) / m
     att = n_blocks * 4 * lay.b * (cfg.seq_len ** 2 if lay.cp == 1 else attention_blocks(cfg.seq_len, lay.cp, 0)) \
         * cfg.d_model / lay.tp / rate
-    cp_exposed = max(0.0, cp_mb - 3 * att) if lay.cp_scheme == "ring" else cp_mb   # ring: hidden behind scores
+    cp_exposed = max(0.0, cp_mb - 3 * att) if lay.cp_scheme == "ring" else cp_mb   # ring: hidden behind scores;
+    # allgather's collectives and Ulysses' all-to-alls (each waited for by the attention or by what follows): exposed
     msg_f = msg_b = 0.0                               # per micro-batch: the activations its forwards receive
     if p > 1:                                          # (v - first), the gradients its backwards (v - last)
         calls, nbytes = counts.get(("pp", "Recv"), (0, 0))

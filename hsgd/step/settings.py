@@ -73,7 +73,9 @@ class Layout:
                       "(rank r holds chunks r and 2cp-1-r of 2cp; seq_len a multiple of 2cp)")
     cp_scheme: str = flag("ring", "how a cp rank's attention reads the keys and values of the others\n"
                           "ring: ring attention, (k, v) blocks passed around cp_comm, overlapped with the blocks\n"
-                          "allgather: All-Gather k and v of the whole sequence, Reduce-Scatter their gradients",
+                          "allgather: All-Gather k and v of the whole sequence, Reduce-Scatter their gradients\n"
+                          "ulysses: all-to-all from T/cp positions of every head to all T positions of NH/(tp cp) "
+                          "heads, the attention whole, all-to-all back (cp must divide NH/tp and NKV/tp)",
                           choices=CP_SCHEMES)
     ep: int = flag(1, "expert-parallel size: the ranks of dp x cp (Megatron-LM's parallel folding) that split each "
                       "MoE block's experts between them, E/ep each, tokens sent to their experts by all-to-all; the "

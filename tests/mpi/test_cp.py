@@ -1,7 +1,8 @@
 """Context parallelism on 8 ranks, float64: every factorization dp x pp x cp x tp of 8 with cp > 1 ends several
-steps with serial SGD's parameters for both cp schemes (ring, allgather), the three tensor-parallel schemes taking
-turns; every rank's bytes (cp_comm included) equal the formulas; ring attention and the all-gather variant equal
-the serial attention output and gradients on their positions, for the load-balanced and the plain split; the
+steps with serial SGD's parameters for the three cp schemes (ring, allgather, ulysses), the three tensor-parallel
+schemes taking turns; every rank's bytes (cp_comm included) equal the formulas; ring attention, the all-gather
+variant and Ulysses' all-to-all equal the serial attention output and gradients on their positions, for the
+load-balanced and the plain split (Ulysses with grouped-query kv heads too); the
 balanced split gives every rank the same attention work (counted), the plain one cp times more to the last rank;
 the ring's sends are in flight while its blocks are computed (traced)."""
 import numpy as np
@@ -53,7 +54,7 @@ def param_err(trainer, grid, ref, scheme):
 @pytest.mark.parametrize("i, layout", list(enumerate(layouts())), ids=[f"dp{d}-pp{p}-cp{c}-tp{t}"
                                                                         for d, p, c, t in layouts()])
 def test_every_layout_with_cp_equals_serial_sgd(i, layout):
-    """Both cp schemes on one layout: 3 steps equal serial SGD's parameters (1e-10), the replicas (dp x cp ranks)
+    """Every cp scheme on one layout: 3 steps equal serial SGD's parameters (1e-10), the replicas (dp x cp ranks)
     stay bit-identical, the bytes of step 2 on every communicator equal step_formula's; without a pipeline, the
     activation bytes held at the peak of a 4th step equal hsgd.accounting.activations.activation_formula's."""
     dp, pp, cp, tp = layout
@@ -82,9 +83,10 @@ def test_every_layout_with_cp_equals_serial_sgd(i, layout):
             say(f"measured {per_step}\nformula  {formula}")
         trainer.free()
         grid.free()
-    apart = world_max(max(float(np.abs(params["ring"][n] - p).max()) for n, p in params["allgather"].items()))
+    apart = world_max(max(float(np.abs(params["ring"][n] - p).max()) for other in split.CP_SCHEMES[1:]
+                          for n, p in params[other].items()))
     say(f"dp={dp} pp={pp} cp={cp} tp={tp} ({scheme}), 3 steps of 2 micro-batches:\n" + "\n".join(lines)
-        + f"\n  ring against allgather: max param diff {apart:.1e}")
+        + f"\n  ring against allgather and ulysses: max param diff {apart:.1e}")
     check(ok and apart <= 1e-12)
 
 
@@ -92,11 +94,12 @@ def test_every_layout_with_cp_equals_serial_sgd(i, layout):
     ((2, 1, 2, 2), dict(zero=3, recompute="full")),
     ((2, 1, 2, 2), dict(zero=2, recompute="selective", cp_scheme="allgather", tp_scheme="sequence")),
     ((1, 2, 2, 2), dict(schedule="zb-h1", micro_batches=4, dp_overlap=True)),
-    ((1, 2, 4, 1), dict(schedule="interleaved", virtual_stages=2, micro_batches=4, recompute="selective")),
-    ((2, 1, 2, 2), dict(hierarchical=True, ranks_per_node=2)),
+    ((1, 2, 4, 1), dict(schedule="interleaved", virtual_stages=2, micro_batches=4, recompute="selective",
+                        cp_scheme="ulysses")),
+    ((2, 1, 2, 2), dict(hierarchical=True, ranks_per_node=2, cp_scheme="ulysses", recompute="full")),
     ((4, 1, 2, 1), dict(zero=1, optimizer="adamw", lr=0.01, tp_scheme="gather", cp_scheme="allgather")),
-], ids=["zero3-full", "zero2-selective-allgather-sequence", "zb-h1-overlap", "interleaved-selective", "hier",
-        "zero1-adamw-allgather-gather"])
+], ids=["zero3-full", "zero2-selective-allgather-sequence", "zb-h1-overlap", "interleaved-selective-ulysses",
+        "hier-full-ulysses", "zero1-adamw-allgather-gather"])
 def test_cp_with_zero_recompute_and_the_schedules(layout, kw):
     dp, pp, cp, tp = layout
     tc = config(dp=dp, pp=pp, cp=cp, tp=tp, batch_size=16, **kw)
@@ -110,14 +113,18 @@ def test_cp_with_zero_recompute_and_the_schedules(layout, kw):
     grid.free()
 
 
-def attention_case(grid, scheme, balanced, B=2, nh=2, hs=3, T=32, seed=0):
-    """Ring or all-gather attention on this rank's positions against the serial attention of the whole sequence:
-    (max rel error of y, dq, dk, dv; the context split, for its work counts)."""
+def attention_case(grid, scheme, balanced, B=2, nh=4, hs=3, T=32, seed=0, nkv=None):
+    """A cp scheme's attention on this rank's positions against the serial attention of the whole sequence:
+    (max rel error of y, dq, dk, dv; the context split, for its work counts). nkv: grouped-query kv heads (the
+    serial reference reads them repeated, and sums the repeated heads' gradients)."""
     rng = np.random.default_rng(seed)
-    C = nh * hs
-    q, k, v, dy = (rng.standard_normal((B, T, C)) for _ in range(4))
-    y0, cache0 = layers.attention_forward(q, k, v, nh)
-    grads0 = layers.attention_backward(dy, cache0)
+    C, nkv = nh * hs, nkv or nh
+    q, dy = (rng.standard_normal((B, T, C)) for _ in range(2))
+    k, v = (rng.standard_normal((B, T, nkv * hs)) for _ in range(2))
+    rep = lambda a: np.repeat(a.reshape(B, T, nkv, 1, hs), nh // nkv, axis=3).reshape(B, T, C)    # noqa: E731
+    y0, cache0 = layers.attention_forward(q, rep(k), rep(v), nh)
+    dq0, dk0, dv0 = layers.attention_backward(dy, cache0)
+    grads0 = [dq0] + [d.reshape(B, T, nkv, nh // nkv, hs).sum(axis=3).reshape(B, T, nkv * hs) for d in (dk0, dv0)]
     ctx = make_split(scheme, grid.cp_comm, T, balanced=balanced)
     pos = ctx.pos
     y, cache = ctx.attention_forward(q[:, pos], k[:, pos], v[:, pos], nh)
@@ -126,18 +133,19 @@ def attention_case(grid, scheme, balanced, B=2, nh=2, hs=3, T=32, seed=0):
     return err, ctx
 
 
-def test_ring_and_allgather_attention_equal_the_serial_attention_and_the_work_is_balanced():
+def test_ring_allgather_and_ulysses_attention_equal_the_serial_attention_and_the_work_is_balanced():
     grid = ProcessGrid(WORLD, dp=1, pp=1, tp=2, cp=4)                 # 2 rings of 4, side by side
     cp, T, ok, lines = grid.cp, 32, True, []
     for balanced in (True, False):
-        for scheme in split.CP_SCHEMES:
-            err, ctx = attention_case(grid, scheme, balanced)
+        for scheme in split.CP_SCHEMES + ("ulysses gqa",):              # ulysses: 8 query heads on 4 kv heads too
+            gqa = scheme.endswith("gqa")
+            err, ctx = attention_case(grid, scheme.split()[0], balanced, nh=8 if gqa else 4, nkv=4 if gqa else None)
             work = grid.cp_comm.comm.allgather(ctx.work["forward"])
             expect = [split.attention_blocks(T, cp, r, balanced) for r in range(cp)]
             good = err <= 1e-12
             if scheme == "ring":                                      # the ring skips the masked chunk pairs
                 good &= work == expect and ctx.work["backward"] == ctx.work["forward"]
-            lines.append(f"  {'balanced' if balanced else 'plain':<8} {scheme:<9}: max rel err {world_max(err):.1e}; "
+            lines.append(f"  {'balanced' if balanced else 'plain':<8} {scheme:<11}: max rel err {world_max(err):.1e}; "
                          f"scores per rank {work}")
             ok &= good
     blocks = [split.attention_blocks(T, cp, r) for r in range(cp)]

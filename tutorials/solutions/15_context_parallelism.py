@@ -3,8 +3,8 @@
     mpirun -n 8 python tutorials/solutions/15_context_parallelism.py
 
 Exercise 1 counts the work of three layouts and runs the striped one as a subclass of hsgd.cp.ring.Ring on cp 8;
-exercise 2 builds all-to-all (Ulysses) attention with mpi4py's Alltoall on cp_comm and compares the bytes of the
-three schemes; exercises 3 and 4 are arithmetic that every rank does (cheap), checked collectively.
+exercise 2 runs Ulysses with fewer kv heads than cp (hsgd.cp.ulysses.Ulysses subclassed to copy them) and compares
+its bytes with the all-gather's; exercises 3 and 4 are arithmetic that every rank does (cheap), checked collectively.
 """
 # mpirun -n 8 python tutorials/solutions/15_context_parallelism.py
 import dataclasses
@@ -17,12 +17,13 @@ from mpi4py import MPI
 from threadpoolctl import threadpool_limits
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # tutorials/: checks, pictures
-from checks import Checks, rel_err, ring_bytes, solve  # noqa: E402
+from checks import Checks, rel_err, solve  # noqa: E402
 
 from hsgd.model.config import ModelConfig  # noqa: E402
 from hsgd.cp import split
-from hsgd.cp.layouts import make_split
 from hsgd.cp.ring import Ring  # noqa: E402
+from hsgd.cp.ulysses import Ulysses  # noqa: E402
+from hsgd.errors import ConfigError  # noqa: E402
 from hsgd.grid.process_grid import ProcessGrid  # noqa: E402
 from hsgd.model.layers import attention_backward, attention_forward  # noqa: E402
 from hsgd.accounting.activations import activation_formula  # noqa: E402
@@ -99,76 +100,71 @@ def exercise_1(check):
 
 # ---------------------------------------------------------------------------------------------------- exercise 2
 
-class Ulysses:
-    """All-to-all attention on cp_comm (Jacobs et al. 2023): q, k, v go from this rank's positions of all heads to
-    all positions of NH/cp heads, serial attention runs on those, y comes back; the backward the other way round.
-    sent: the bytes this rank sent, (cp - 1)/cp of every Alltoall's buffer (its own block stays)."""
-
-    def __init__(self, comm, T):
-        self.comm, self.cp, self.r = comm.comm, comm.size, comm.rank          # the mpi4py communicator
-        self.pos = split.positions(T, self.cp, self.r)
-        self.every = [split.positions(T, self.cp, o) for o in range(self.cp)]   # every rank's positions
-        self.sent = Fraction(0)
-
-    def alltoall(self, send):
-        recv = np.empty_like(send)
-        self.comm.Alltoall(send, recv)                                        # block j to rank j
-        self.sent += Fraction(send.nbytes * (self.cp - 1), self.cp)
-        return recv
-
-    def to_heads(self, x):
-        """(B, T/cp, C) my positions -> (B, T, C/cp) every position of my NH/cp heads."""
-        b, tl, c = x.shape
-        recv = self.alltoall(np.ascontiguousarray(x.reshape(b, tl, self.cp, c // self.cp).transpose(2, 0, 1, 3)))
-        out = np.empty((b, tl * self.cp, c // self.cp))
-        for o in range(self.cp):
-            out[:, self.every[o]] = recv[o]                                   # rank o's positions
-        return out
-
-    def to_positions(self, x):
-        """(B, T, C/cp) my heads -> (B, T/cp, C) my positions of every head."""
-        recv = self.alltoall(np.ascontiguousarray(np.stack([x[:, p] for p in self.every])))
-        return recv.transpose(1, 2, 0, 3).reshape(x.shape[0], len(self.pos), -1)
+class CopiedKV(Ulysses):
+    """Ulysses with fewer kv heads than cp (cp a multiple of them): each kv head copied to the cp/NKV head groups
+    whose query heads read it, so that every group gets one; the copies' gradients summed on the way back."""
 
     def attention_forward(self, q, k, v, nh):
-        y, cache = attention_forward(*(self.to_heads(a) for a in (q, k, v)), nh // self.cp)
-        return self.to_positions(y), cache
+        B_, tl, kc = k.shape
+        hs = q.shape[-1] // nh
+        nkv = kc // hs
+        r = self.cp // nkv                                                    # copies of each kv head
+        copy = lambda a: np.repeat(a.reshape(B_, tl, nkv, 1, hs), r, axis=3).reshape(B_, tl, self.cp * hs)
+        y, cache = super().attention_forward(q, copy(k), copy(v), nh)         # cp kv heads: one per group
+        return y, (cache, nkv, r, hs)
 
     def attention_backward(self, dy, cache):
-        return tuple(self.to_positions(d) for d in attention_backward(self.to_heads(dy), cache))
+        cache, nkv, r, hs = cache
+        dq, dk, dv = super().attention_backward(dy, cache)
+        B_, tl, _ = dk.shape
+        fold = lambda d: d.reshape(B_, tl, nkv, r, hs).sum(axis=3).reshape(B_, tl, nkv * hs)
+        return dq, fold(dk), fold(dv)
 
 
 def exercise_2(check):
-    """All-to-all (Ulysses) against the ring and the all-gather."""
-    cpn, nh, s = 8, 8, 8
+    """Ulysses with fewer kv heads than cp: copies of the kv heads, and what they cost."""
+    cpn, nh, nkv, s = 8, 8, 2, 8
+    hs, n_rep = C // nh, nh // nkv
     g = ProcessGrid(world, dp=1, pp=1, tp=1, cp=cpn)
-    (q, k, v, dy), want = serial_attention(nh, 2)
+    rng = np.random.default_rng(2)
+    q, dy = (rng.standard_normal((B, T, C)) for _ in range(2))
+    k, v = (rng.standard_normal((B, T, nkv * hs)) for _ in range(2))
+    rep = lambda a: np.repeat(a.reshape(B, T, nkv, 1, hs), n_rep, axis=3).reshape(B, T, C)
+    y0, cache0 = attention_forward(q, rep(k), rep(v), nh)                     # serial grouped-query attention
+    dq0, dk0, dv0 = attention_backward(dy, cache0)
+    fold = lambda d: d.reshape(B, T, nkv, n_rep, hs).sum(axis=3).reshape(B, T, nkv * hs)
+    want = (y0, dq0, fold(dk0), fold(dv0))
+    try:
+        split.check_heads(nh, nkv, cpn, 1, "ulysses")
+        refused = False
+    except ConfigError:
+        refused = True
+    check.holds(f"hsgd refuses Ulysses with NKV = {nkv} kv heads on cp = {cpn}", refused)
+    ctx = CopiedKV(g.cp_comm, T)
+    mine = [np.ascontiguousarray(a[:, ctx.pos]) for a in (q, k, v, dy)]
+    before = g.stats.counts()
+    y, cache = ctx.attention_forward(*mine[:3], nh)
+    got = (y, *ctx.attention_backward(mine[3], cache))
+    sent = g.stats.since(before)
+    check(f"copied kv heads on cp {cpn}, NH = {nh}, NKV = {nkv}: y, dq, dk, dv vs serial grouped-query attention",
+          max(rel_err(a, b[:, ctx.pos]) for a, b in zip(got, want)), 1e-13)
     tl = T // cpn
-    block = 2 * B * tl * C * s                                                # one (k, v) block, bytes
-    formula = {"ring": (3 * cpn - 2) * block, "allgather": 2 * (cpn - 1) * block,
-               "ulysses": Fraction(8 * (cpn - 1), cpn) * B * tl * C * s}
-    measured = {}
-    for scheme in split.CP_SCHEMES:
-        ctx = make_split(scheme, g.cp_comm, T)
-        mine = [np.ascontiguousarray(a[:, ctx.pos]) for a in (q, k, v, dy)]
-        before = g.stats.counts()
-        y, cache = ctx.attention_forward(*mine[:3], nh)
-        ctx.attention_backward(mine[3], cache)
-        measured[scheme] = ring_bytes(g.stats.since(before), cpn)
-    uly = Ulysses(g.cp_comm, T)
-    mine = [np.ascontiguousarray(a[:, uly.pos]) for a in (q, k, v, dy)]
-    y, cache = uly.attention_forward(*mine[:3], nh)
-    got = (y, *uly.attention_backward(mine[3], cache))
-    measured["ulysses"] = uly.sent
-    check("Ulysses on cp 8: y, dq, dk, dv vs serial attention", max(rel_err(a, b[:, uly.pos])
-                                                                    for a, b in zip(got, want)), 1e-13)
-    check.equal("bytes sent per rank, one layer: ring, all-gather, Ulysses == the closed forms", measured, formula)
-    for name, n in measured.items():
-        check.say(f"  {name:<10} {float(n):>8.0f} bytes sent per rank and layer = {float(n / block):.3f} (k, v) blocks")
-    check.holds("Ulysses sends least: 4 (cp - 1)/cp blocks against 2 (cp - 1) and 3cp - 2",
-                measured["ulysses"] < measured["allgather"] < measured["ring"])
-    check.say(f"  Ulysses needs NH = {nh} divisible by cp = {cpn} (NH/tp by cp with tensor parallelism): each rank "
-              f"attends with whole heads")
+    qkv, yb = B * tl * (C + 2 * cpn * hs) * s, B * tl * C * s
+    check.equal("the all-to-alls: 4 calls, payload 2 b T_l (C + 2 cp hs) s + 2 b T_l C s",
+                sent, {("cp", "Alltoall"): (4, 2 * qkv + 2 * yb)})
+    copies = Fraction(cpn - 1, cpn) * (2 * qkv + 2 * yb)                      # bytes a rank sends
+    gather = 2 * (cpn - 1) * 2 * B * tl * nkv * hs * s                        # split.cp_formula's, sent: (cp-1)/cp
+    check.equal("a rank sends 4 (cp-1)/cp b T_l (C + cp hs) s with copies, 4 (cp-1) b T_l NKV hs s gathering",
+                (copies, gather), (Fraction(4 * (cpn - 1), cpn) * B * tl * (C + cpn * hs) * s,
+                                   4 * (cpn - 1) * B * tl * nkv * hs * s))
+    # copies / gather = (C + cp hs) / (cp NKV hs) = (NH + cp) / (cp NKV): less exactly when NH < cp (NKV - 1)
+    for nh_, nkv_, cp_ in ((8, 2, 8), (8, 4, 8), (32, 8, 4), (4, 1, 4), (16, 2, 8)):
+        ratio = Fraction(nh_ + cp_, cp_ * nkv_)
+        check.equal(f"NH {nh_}, NKV {nkv_}, cp {cp_}: copies send less than the all-gather iff NH < cp (NKV - 1)",
+                    ratio < 1, nh_ < cp_ * (nkv_ - 1))
+        check.say(f"  NH {nh_:>2}, NKV {nkv_}, cp {cp_}: copies / all-gather = {float(ratio):.3f}")
+    check.say(f"  here: copies {float(copies):.0f} B, all-gather {gather} B per rank and layer (NH = cp (NKV - 1): "
+              "equal)")
     g.free()
 
 
