@@ -313,14 +313,6 @@ def attend(g, scheme, balanced=True):
     return err, sent, dict(ctx.work), ctx
 
 
-def sent_bytes(counts, p):
-    """Bytes one rank sends (checks.ring_bytes), an all-to-all's included: each rank keeps its own block of the
-    send buffer and sends the other (p-1)/p of it, one block to each rank."""
-    a2a = {k: v for k, v in counts.items() if k[1] == "Alltoall"}
-    return ring_bytes({k: v for k, v in counts.items() if k not in a2a}, p) + \
-        sum(Fraction(p - 1, p) * n for _, n in a2a.values())
-
-
 say(f"{'grid':<12} {'scheme':<10} {'calls':>12} {'payload':>10} {'sent/rank':>10}   (one layer, forward + backward, "
     f"b = {B}, T = {T}, C = {C})")
 runs = {}
@@ -332,10 +324,10 @@ for g, name in ((g8, "cp 8"), (g42, "cp 4 x tp 2")):
         check.equal(f"{name}, {scheme}: cp_comm calls and payload == cp_formula", sent, want)
         calls = ", ".join(f"{op} {n}" for (_, op), (n, _) in sorted(sent.items()))
         say(f"{name:<12} {scheme:<10} {calls:>22} {fmt_bytes(payload(sent)):>10} "
-            f"{fmt_bytes(float(sent_bytes(sent, g.cp))):>10}")
+            f"{fmt_bytes(float(ring_bytes(sent, g.cp))):>10}")
 kv8 = 2 * B * (T // 8) * C * 8                              # one (k, v) block on cp 8, bytes
 check.equal("cp 8, bytes sent per rank in (k, v) blocks: ring 3cp - 2, all-gather 2 (cp - 1), Ulysses 4 (cp - 1)/cp",
-            [sent_bytes(runs["cp 8", s][1], 8) / kv8 for s in split.CP_SCHEMES], [22, 14, Fraction(7, 2)])
+            [ring_bytes(runs["cp 8", s][1], 8) / kv8 for s in split.CP_SCHEMES], [22, 14, Fraction(7, 2)])
 
 # %% [markdown]
 # Every rank's output and the three gradients match serial attention at its positions to rounding, in both grids:
@@ -498,7 +490,7 @@ for dp, pp, cp_, tp in LAYOUTS:
             check.equal(f"{name}, {scheme}: activation bytes at the peak == activation_formula", act, want)
         on_cp = {key: n for key, n in sent.items() if key[0] == "cp"}
         say(f"{f'{dp} x {pp} x {cp_} x {tp}':<18} {scheme:<10} {err:>16.1e} {sum(n for n, _ in on_cp.values()):>14} "
-            f"{fmt_bytes(payload(on_cp)):>9} {fmt_bytes(float(sent_bytes(on_cp, cp_))):>10} {fmt_bytes(act):>12}")
+            f"{fmt_bytes(payload(on_cp)):>9} {fmt_bytes(float(ring_bytes(on_cp, cp_))):>10} {fmt_bytes(act):>12}")
         trainer.finish()
         trainer.free()
     g.free()
@@ -547,14 +539,14 @@ for s in split.CP_SCHEMES:
     f_act = activation_formula(cfg64, 1, 8, 1, "megatron", 8, s)["model"]
     ms = sorted(1e3 * x for x in seconds[s])
     say(f"{s:<10} {sum(n for n, _ in sent64[s].values()):>9} {fmt_bytes(payload(sent64[s])):>9} "
-        f"{fmt_bytes(float(sent_bytes(sent64[s], 8))):>10} {fmt_bytes(act64[s]):>12} {fmt_bytes(f_act):>10} "
+        f"{fmt_bytes(float(ring_bytes(sent64[s], 8))):>10} {fmt_bytes(act64[s]):>12} {fmt_bytes(f_act):>10} "
         f"{ms[len(ms) // 2]:>18.1f} {ms[0]:>8.1f}")
     check.equal(f"{s}: cp_comm per step == cp_formula(L blocks)", sent64[s],
                 cp_formula(s, 8, 1, cfg64.seq_len, cfg64.d_model, 1, 8, cfg64.n_layers))
     check.equal(f"{s}: activation bytes == activation_formula", act64[s], f_act)
 kv = 2 * (cfg64.seq_len // 8) * cfg64.d_model * 8           # one (k, v) block, bytes
 check.equal("bytes sent per rank: ring (3cp - 2) blocks, all-gather 2 (cp - 1), Ulysses 4 (cp - 1)/cp, per layer",
-            [sent_bytes(sent64[s], 8) for s in split.CP_SCHEMES], [2 * 22 * kv, 2 * 14 * kv, 2 * Fraction(7, 2) * kv])
+            [ring_bytes(sent64[s], 8) for s in split.CP_SCHEMES], [2 * 22 * kv, 2 * 14 * kv, 2 * Fraction(7, 2) * kv])
 for tr in trainers.values():
     tr.finish()
     tr.free()
@@ -739,7 +731,7 @@ for cp_ in (2, 4, 8):
                                                                                 for a, b in zip(got, want)), 1e-13)
         check.equal(f"cp {cp_}, T = {T_}, {s}: cp_comm calls and payload == cp_formula", sent,
                     cp_formula(s, cp_, B, T_, C, 1, 8, 1))
-        grow.setdefault(s, []).append(sent_bytes(sent, cp_))
+        grow.setdefault(s, []).append(ring_bytes(sent, cp_))
     say(f"{cp_:>3} {T_:>4} " + " ".join(f"{fmt_bytes(float(grow[s][-1])):>12} ({float(grow[s][-1] / blk):>4.1f} blk)"
                                          for s in split.CP_SCHEMES))
     g.free()

@@ -126,13 +126,15 @@ def rel_err(a, b, floor=FLOOR):
 def ring_share(op, p):
     """What one rank sends on a ring of p ranks per byte of an operation's payload (chapter 2), exactly: an
     All-Reduce 2(p-1)/p, an All-Gather (p-1)/p of the gathered tensor, a Reduce-Scatter (p-1)/p of the full input,
-    a point-to-point send all of it, a receive nothing; on one rank nothing at all. A non-blocking operation moves
+    an All-to-All (p-1)/p of its send buffer, a point-to-point send all of it, a receive nothing; on one rank nothing
+    at all. A non-blocking operation moves
     what its blocking twin moves."""
     if p == 1 or op in ("Recv", "Irecv"):
         return Fraction(0)
     shares = {"Allreduce": Fraction(2 * (p - 1), p), "Iallreduce": Fraction(2 * (p - 1), p),
               "Allgather": Fraction(p - 1, p), "Reduce_scatter_block": Fraction(p - 1, p),
-              "Ireduce_scatter_block": Fraction(p - 1, p), "Send": Fraction(1), "Isend": Fraction(1)}
+              "Ireduce_scatter_block": Fraction(p - 1, p), "Alltoall": Fraction(p - 1, p), "Send": Fraction(1),
+              "Isend": Fraction(1)}
     return shares[op]
 
 

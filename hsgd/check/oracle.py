@@ -68,7 +68,7 @@ from mpi4py import MPI
 
 from hsgd.grid import launch
 from hsgd.model.backend import array_module, to_numpy
-from hsgd.cp.split import check_cp
+from hsgd.cp.split import check_cp, check_heads
 from hsgd.ep.layout import counts_by_layout
 from hsgd.dp.average import check_batch
 from hsgd.errors import ConfigError
@@ -182,6 +182,7 @@ def parse_layouts(text, cfg, tc, world_size):
         check_tp(cfg, tp, tc.tp_scheme)
         check_tied(cfg, pp, ltc.zero)
         check_cp(cfg.seq_len, cp, tp, tc.tp_scheme == "sequence")
+        check_heads(cfg.n_heads, cfg.n_kv_heads, cp, tp, tc.cp_scheme)
         check_batch(tc.batch_size, dp, tc.micro_batches)
         check_pipeline(cfg.n_layers, ltc)
         out.append((dp, pp, cp, tp))
