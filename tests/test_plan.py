@@ -389,3 +389,33 @@ def test_cli_good_run_and_help(tmp_path):
     assert rc == 0 and all(name in help_text for name in presets()), help_text
     print(f"printed {[r[1] for r in ranked]}; the JSON has {len(times)} layouts sorted, {times[0]:.4g} s .. "
           f"{times[-1]:.4g} s; --help lists {len(presets())} presets")
+
+
+def test_the_search_prices_every_cp_scheme_the_heads_allow():
+    """cp 2 on 8 devices: ring, all-gather and Ulysses each priced (hsgd.cp.split.CP_SCHEMES), their attention
+    FLOPs those of what each computes (the ring skips the masked chunk pairs, the others score T^2/cp a head); the
+    bytes each moves on cp_comm are plan_rank's, which count Ulysses' all-to-alls; a model whose 2 heads a tp rank
+    of 2 cannot cut over cp has no Ulysses layout; Megatron-LM's flags name --cp-comm-type."""
+    from hsgd.plan import flags
+    from hsgd.cp.split import CP_SCHEMES
+    lays = layouts(SMALL, 16, 8, {"cp": [2], "tp": [2], "pp": [1], "zero": [0], "tp_scheme": ["megatron"],
+                                  "recompute": ["none"], "b": [1]})
+    assert sorted(lay.cp_scheme for lay in lays) == ["allgather", "ring", "ulysses"]
+    T, C = SMALL.seq_len, SMALL.d_model
+    from hsgd.cp.split import attention_blocks
+    block = {s: costs.micro_batch_flops(SMALL, 1, 2, 2, 1, False, "none", cp_scheme=s)[0] for s in CP_SCHEMES}
+    print(block)                                      # one block's forward FLOPs: the linears' the same for all
+    assert block["ulysses"] == block["allgather"] and \
+        block["ulysses"] - block["ring"] == 4 * (T * T // 2 - attention_blocks(T, 2, 0)) * C / 2 > 0
+    few = dataclasses.replace(SMALL, n_heads=2, n_kv_heads=2)
+    assert "ulysses" not in {lay.cp_scheme for lay in layouts(few, 16, 8, {"cp": [2], "tp": [2], "pp": [1]})}
+    hw = load("this-machine")
+    sent = {}
+    for lay in lays:
+        e = evaluate(SMALL, 16, lay, hw, impl="hsgd", dtype="float64")
+        tc = lay.train_config(16, "float64")
+        assert e.bytes == {0: plan_rank(SMALL, tc, lay.dp, lay.pp, lay.tp, lay.cp, 0)["bytes"]}, lay.cp_scheme
+        sent[lay.cp_scheme] = {k: v for k, v in e.bytes[0].items() if k[0] == "cp"}
+    print(sent)
+    lines = flags.megatron(SMALL, [lay for lay in lays if lay.cp_scheme == "ulysses"][0], 16)
+    assert ("cp", "Alltoall") in sent["ulysses"] and any("--cp-comm-type a2a" in line for line in lines), lines

@@ -36,7 +36,7 @@ from .experts import param_counts
 from .family import is_gpt2
 from .hardware import load, names
 from .models import parse_model, presets
-from .search import HEADROOM, SCHEDULES, check_search, rank_key, rate_of, search
+from .search import CP_SCHEMES, HEADROOM, SCHEDULES, check_search, rank_key, rate_of, search
 
 
 class PlanError(UsageError):
@@ -130,6 +130,9 @@ def build_parser():
     g.add_argument("--tp", type=int_list("--tp"), help="e.g. 1,2,4,8")
     g.add_argument("--pp", type=int_list("--pp"))
     g.add_argument("--cp", type=int_list("--cp"), help="default 1 (no context parallelism)")
+    g.add_argument("--cp-scheme", type=choice_list("--cp-scheme", CP_SCHEMES), metavar="LIST",
+                   help=f"context-parallel schemes to price where cp > 1, from {', '.join(CP_SCHEMES)} (default all; "
+                        "ulysses only where cp divides each tp rank's heads)")
     g.add_argument("--ep", type=int_list("--ep"), help="expert-parallel sizes, MoE models only (default: every one "
                                                         "that divides dp x cp and the experts)")
     g.add_argument("--zero", type=int_list("--zero", 0, 3), help="ZeRO stages, e.g. 0,1")
@@ -164,7 +167,7 @@ def fmt_t(t):
 def space_of(args, attention):
     space = {"attention": [attention], "tp": args.tp, "pp": args.pp, "cp": args.cp, "ep": args.ep, "zero": args.zero,
              "recompute": args.recompute,
-             "b": args.micro_batch, "schedule": args.schedule, "v": args.virtual,
+             "b": args.micro_batch, "schedule": args.schedule, "v": args.virtual, "cp_scheme": args.cp_scheme,
              "dp_overlap": [False, True] if args.overlap else None,
              "hierarchical": [False, True] if args.hierarchical else None}
     if args.sp != "both":

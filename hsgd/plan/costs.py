@@ -160,18 +160,21 @@ def ep_span(lay, whole):
 
 
 # ---------------------------------------------------------------------------------------------- 3. compute
-def micro_batch_flops(cfg, b, tp, cp, n_blocks, last, recompute, why=None, attention="materialized", n_moe=0):
+def micro_batch_flops(cfg, b, tp, cp, n_blocks, last, recompute, why=None, attention="materialized", n_moe=0,
+                      cp_scheme="ring"):
     """(F, B, W) matmul FLOPs of one micro-batch of b sequences on one rank of a stage (see 3 above), of the model's
     family: per token and block 2 (2C^2 + m C F)/tp + 2 C K_t (m = 2 with GELU, 3 with SwiGLU; K_t = the columns of k
     and v on a rank, NKV hs/tp, or hs when tp > NKV: hsgd.plan.family.kv_columns). Attention materialized: the
     whole T x T scores (the causal half computed too), F 4 S C/tp, B twice that. Flash (Dao 2023, FlashAttention-2):
     only the blocks the causal mask leaves, S = b T^2/2 without cp, and its backward computes the scores again:
     B = 10 S C/tp, 2.5 times the forward's. n_moe of the blocks are MoE: each token runs k experts, and the router
-    (C, E), whole on every tp rank: + 2 N ((k - 1) m C F/tp + C E) per MoE block."""
+    (C, E), whole on every tp rank: + 2 N ((k - 1) m C F/tp + C E) per MoE block. With context parallelism the ring
+    skips the chunk pairs the mask hides (hsgd.cp.split.attention_blocks); the all-gather scores its T/cp queries
+    against all T keys, and Ulysses all T positions of its NH/cp heads: T^2/cp a head either way."""
     T, C, F, V = cfg.seq_len, cfg.d_model, cfg.d_ff, cfg.vocab_size
     m, K = (2 if cfg.mlp == "gelu" else 3), kv_columns(cfg, tp)
     N = b * T // cp
-    scores = b * (T * T if cp == 1 else attention_blocks(T, cp, 0))
+    scores = b * (T * T if cp == 1 else attention_blocks(T, cp, 0) if cp_scheme == "ring" else T * T // cp)
     if attention == "flash" and cp == 1:
         scores = scores / 2                                          # (the blocks under the diagonal)
     lin = n_blocks * 2 * N * (2 * C * C + 2 * C * K * tp + m * C * F) / tp + (2 * N * C * -(-V // tp) if last else 0)
@@ -252,7 +255,7 @@ def stage_costs(cfg, lay, stage, hw, rate, sizes, links, mine=None):
     n_blocks, first, last, counts, ex, n_moe = stage
     m, p, v = lay.m, lay.pp, lay.v
     fl, bl, wl = micro_batch_flops(cfg, lay.b, lay.tp, lay.cp, n_blocks, last, lay.recompute, mine, lay.attention,
-                                   n_moe)
+                                   n_moe, lay.cp_scheme)
     t = traffic(counts, sizes, links, hw)
     tp_mb = t.get("tp", 0.0) / m
     fwd = make_scheme(lay.tp_scheme).block_forward_formula(cfg, lay.b, lay.itemsize, lay.cp)

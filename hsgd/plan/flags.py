@@ -73,8 +73,9 @@ def megatron(cfg, lay, batch, dtype="bfloat16"):
         fam.append("--moe-token-dispatcher-type alltoall")
     out.append(" ".join(fam))
     par = [f"--tensor-model-parallel-size {lay.tp}", f"--pipeline-model-parallel-size {lay.pp}"]
-    if lay.cp > 1:
-        par.append(f"--context-parallel-size {lay.cp}")
+    if lay.cp > 1:                                     # Megatron-LM's --cp-comm-type: p2p is its ring
+        par.append(f"--context-parallel-size {lay.cp} --cp-comm-type "
+                   f"{ {'ring': 'p2p', 'allgather': 'all_gather', 'ulysses': 'a2a'}[lay.cp_scheme]}")
     if cfg.moe_experts:
         par.append(f"--expert-model-parallel-size {lay.ep}")
     if lay.tp_scheme == "sequence":

@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
 from hsgd.model.config import check_at_most, divisors
+from hsgd.cp.split import CP_SCHEMES, check_heads
 from hsgd.errors import ConfigError, UsageError
 from hsgd.dp.make import exchange_sizes
 from hsgd.accounting.traffic import rank_bytes
@@ -59,7 +60,7 @@ class Layout:
     ep: int = 1                      # expert-parallel ranks, folded out of dp x cp (MoE models)
 
     def name(self):
-        parts = [f"dp{self.dp} pp{self.pp} tp{self.tp}"] + ([f"cp{self.cp}"] if self.cp > 1 else [])
+        parts = [f"dp{self.dp} pp{self.pp} tp{self.tp}"] + ([f"cp{self.cp} {self.cp_scheme}"] if self.cp > 1 else [])
         parts[-1] += f" ep{self.ep}" if self.ep > 1 else ""
         parts.append(f"b{self.b} m{self.m}")
         if self.pp > 1:
@@ -116,8 +117,8 @@ def too_many(what):
 
 def layouts(cfg, batch, n, space):
     """Every Layout of n devices that the model allows, over `space` (a dict of lists: tp, pp, cp, v, zero,
-    tp_scheme, recompute, b, schedule, dp_overlap, hierarchical, ep; attention: one of them, the run's, default
-    materialized; None: every value that applies; node_ranks: the
+    tp_scheme, recompute, b, schedule, dp_overlap, hierarchical, ep, cp_scheme; attention: one of them, the run's,
+    default materialized; None: every value that applies; node_ranks: the
     devices of a node, for the hierarchical exchange). The sizes are the divisors of n (the lists given: their
     values that divide it, each once), and at most MAX_LAYOUTS layouts are made (ConfigError beyond)."""
     check_search(cfg, batch, n)
@@ -148,7 +149,8 @@ def layouts(cfg, batch, n, space):
                             if v > 1 and (pp == 1 or pp * v > cfg.n_layers or m % pp):
                                 continue
                             for more in options(space, dp * cp, space.get("node_ranks") and
-                                                space["node_ranks"] // (pp * cp * tp), eps):
+                                                space["node_ranks"] // (pp * cp * tp), eps, cp_schemes(cfg, tp, cp,
+                                                                                                     space)):
                                 lay = Layout(dp=dp, pp=pp, tp=tp, cp=cp, v=v, b=b, m=m, schedule=sched,
                                              attention=attention, **more)
                                 if lay.tp_scheme == "sequence" and tp == 1:
@@ -168,10 +170,27 @@ def expert_sizes(cfg, ndp, given=None):
     return [e for e in dict.fromkeys(given or divisors(ndp)) if ndp % e == 0 and cfg.moe_experts % e == 0]
 
 
-def options(space, ndp, per_node=None, eps=(1,)):
-    """The combinations of ZeRO stage, scheme, recomputation, exchange options in `space` and expert-parallel sizes
-    eps. per_node: the dp ranks in one node (space["node_ranks"] devices over the pp cp tp ranks of a replica), for
-    the hierarchical exchange (space["hierarchical"]: [False, True]) where 1 < per_node < ndp and it divides ndp."""
+def cp_schemes(cfg, tp, cp, space):
+    """The context-parallel schemes a layout of cp ranks may use: none but "ring" without cp (one name for one
+    computation), else those of space["cp_scheme"] (default all of hsgd.cp.split.CP_SCHEMES) that can split the
+    model's heads (Ulysses: cp divides each tp rank's query and kv heads, hsgd.cp.split.check_heads)."""
+    if cp == 1:
+        return ["ring"]
+    out = []
+    for scheme in space.get("cp_scheme") or CP_SCHEMES:
+        try:
+            check_heads(cfg.n_heads, cfg.n_kv_heads, cp, tp, scheme)
+        except ConfigError:
+            continue
+        out.append(scheme)
+    return out
+
+
+def options(space, ndp, per_node=None, eps=(1,), schemes=("ring",)):
+    """The combinations of ZeRO stage, scheme, recomputation, exchange options in `space`, expert-parallel sizes eps
+    and context-parallel schemes. per_node: the dp ranks in one node (space["node_ranks"] devices over the pp cp tp
+    ranks of a replica), for the hierarchical exchange (space["hierarchical"]: [False, True]) where 1 < per_node <
+    ndp and it divides ndp."""
     for zero in space.get("zero") or [0, 1, 2, 3]:
         if zero and ndp == 1:
             continue
@@ -185,8 +204,10 @@ def options(space, ndp, per_node=None, eps=(1,)):
                                      or ndp % per_node):
                             continue
                         for ep in eps:
-                            yield dict(zero=zero, tp_scheme=scheme, recompute=rc, dp_overlap=overlap,
-                                       hierarchical=hier, ranks_per_node=per_node if hier else None, ep=ep)
+                            for cp_scheme in schemes:
+                                yield dict(zero=zero, tp_scheme=scheme, recompute=rc, dp_overlap=overlap,
+                                           hierarchical=hier, ranks_per_node=per_node if hier else None, ep=ep,
+                                           cp_scheme=cp_scheme)
 
 
 OPTIMIZER_BYTES = {"megatron": 28}   # a fused mixed-precision Adam: fp32 weights, m, v read and written (24), the
