@@ -10,7 +10,8 @@ heads and gk kv heads and runs the whole causal attention on them. The output go
 
     forward   Alltoall  [q | k | v]  (cp, B, g + 2gk, T/cp, hs): block j, my positions of head group j, to rank j;
                         received: rank i's positions of my group, in rank order (positions split.positions(T, cp, i))
-              attention over all T rows of the group, the causal mask by their global positions (T x T, held)
+              attention over all T rows of the group, the causal mask by their global positions (T x T, made
+                        in each forward from the rows' positions)
               Alltoall  y            (cp, B, g, T/cp, hs): block j, rank j's positions of my group, back to rank j
     backward  the adjoint, read from the bottom up. An all-to-all is a permutation of all ranks' data, so its adjoint
               is its inverse (hsgd.grid.comm.Comm.Alltoall): Alltoall of dy to the head split, the attention's
@@ -46,8 +47,15 @@ class Ulysses(ContextSplit):
 
     def __init__(self, comm, T, balanced=True, xp=np):
         super().__init__(comm, T, balanced, xp)
-        rows = np.concatenate([positions(T, self.cp, o, balanced) for o in range(self.cp)])   # (T,) rank order
-        self.mask = xp.asarray(np.where(rows[None, :] > rows[:, None], -np.inf, 0.0))        # (T, T) causal
+        self.blocks = [[] for _ in range(self.cp)]          # (the ring's chunk pairs: not used here, not held)
+        # the global position of each row of a head group, rank by rank: (T,) on the device; the (T, T) causal mask
+        # is made from it in each forward (as large as one head's scores), not held for the run
+        rank_order = [positions(T, self.cp, o, balanced) for o in range(self.cp)]
+        self.row_positions = xp.asarray(np.concatenate(rank_order))                   # (T,)
+
+    def held_bytes(self):
+        """ContextSplit's (the positions), and the rows' global positions (T,)."""
+        return super().held_bytes() + int(self.row_positions.nbytes)
 
     def attention_forward(self, q, k, v, nh):
         """q (B, T/cp, C/tp), k, v (B, T/cp, K/tp) -> y (B, T/cp, C/tp). Cache: q / sqrt(hs) of the group (B, g, T,
@@ -70,7 +78,8 @@ class Ulysses(ContextSplit):
         with self.span("attention (head group)"):
             n_rep = g // gk
             s = qh @ repeat_kv_forward(K, n_rep)[0].transpose(0, 1, 3, 2)           # (B, g, T, T)
-            s += self.mask
+            at = self.row_positions
+            s += xp.where(at[None, :] > at[:, None], -np.inf, 0.0)             # (T, T): the later keys masked
             self.work["forward"] += Tl * T                  # g T^2 scores: T/cp x T per head of the rank's NH/tp
             s -= s.max(axis=-1, keepdims=True)
             P = xp.exp(s)
@@ -107,7 +116,7 @@ class Ulysses(ContextSplit):
                 grads[:, :, a:a + d.shape[1]] = d.reshape(B, d.shape[1], cp, Tl, hs).transpose(2, 0, 1, 3, 4)
         mine = xp.empty_like(grads)
         self.comm.Alltoall(grads, mine)                     # the adjoint of q, k, v's: back to the sequence split
-        out[..., :C].reshape(B, Tl, cp, g, hs)[...] = mine[:, :, :g].transpose(1, 3, 0, 2, 4)
-        out[..., C:C + Kc].reshape(B, Tl, cp, gk, hs)[...] = mine[:, :, g:g + gk].transpose(1, 3, 0, 2, 4)
-        out[..., C + Kc:].reshape(B, Tl, cp, gk, hs)[...] = mine[:, :, g + gk:].transpose(1, 3, 0, 2, 4)
+        out[..., :C] = mine[:, :, :g].transpose(1, 3, 0, 2, 4).reshape(B, Tl, C)            # heads in order
+        out[..., C:C + Kc] = mine[:, :, g:g + gk].transpose(1, 3, 0, 2, 4).reshape(B, Tl, Kc)
+        out[..., C + Kc:] = mine[:, :, g + gk:].transpose(1, 3, 0, 2, 4).reshape(B, Tl, Kc)
         return out[..., :C], out[..., C:C + Kc], out[..., C + Kc:]
