@@ -7,8 +7,8 @@ every checksum (an empty `files`), or cut a model into wrong shapes. `check` the
 * its own digest (`digest`: SHA-256 of the manifest's JSON without that key, keys sorted), recorded when it was
   written: any later edit is detected;
 * its schema: every key there, of its type; the model a valid ModelConfig; the layout (dp, pp, tp, a known tensor
-  scheme, virtual stages, layers per piece) one that splits that model; the optimizer's step count at most the
-  checkpoint's step, a loss scale finite and positive (check_state);
+  scheme, virtual stages, the pieces' placement: "loop" when absent, layers per piece) one that splits that model;
+  the optimizer's step count at most the checkpoint's step, a loss scale finite and positive (check_state);
 * its files: exactly the shard names of that layout, `shard-pp{s}-tp{t}.npz` for every stage s and tensor rank t
   (`shard-pp{s}-tp{t}-ep{r}.npz` for every expert-parallel rank r too with ep > 1),
   each entry naming its own (s, t), a 64-digit SHA-256 and a size. Nothing else is ever opened.

@@ -108,9 +108,10 @@ def params_digest(params):
 
 
 def global_loss(group_loss, grid):
-    """The global batch's loss from this DP group's (the sum over its pipeline stages: the last stage's loss, and
-    the auxiliary losses of every stage's MoE blocks, 0.0 without; with context parallelism its cp ranks' losses of
-    their positions, which are averaged too): metadata, pickled. Collective over the grid."""
+    """The global batch's loss from this DP group's (the sum over its pipeline stages: the loss of the stage that
+    holds the last piece, and the auxiliary losses of every stage's MoE blocks, 0.0 without; with context
+    parallelism its cp ranks' losses of their positions, which are averaged too): metadata, pickled. Collective over
+    the grid."""
     return grid.dp_comm.comm.allreduce(grid.pp_comm.comm.allreduce(group_loss)) / grid.dp_comm.size
 
 

@@ -240,6 +240,9 @@ def nothing_found(cfg, args, tried, usable, memory, attention):
     if not tried:
         cp = (f", seq_len={cfg.seq_len} divide by 2 cp (and by tp cp with sequence parallelism)"
               if args.cp and max(args.cp) > 1 else "")
+        if cp and args.cp_scheme == ["ulysses"]:
+            cp += (f", and cp divide each tp rank's query and kv heads (n_heads={cfg.n_heads}, "
+                   f"n_kv_heads={cfg.n_kv_heads} over tp: --cp-scheme ulysses)")
         kv = f", and divide n_kv_heads={cfg.n_kv_heads} or be a multiple of it" if cfg.n_kv_heads < cfg.n_heads \
             else ""
         kv += f", ep divide dp x cp and E={cfg.moe_experts}" if args.ep else ""

@@ -43,6 +43,10 @@ def uneven(L, pp):
     return (min(fits, key=lambda f: abs(f - L / pp)),) * 2 if fits else None
 
 
+# hsgd's --cp-scheme -> Megatron-LM's --cp-comm-type (p2p is its ring; a2a is Ulysses)
+CP_COMM_TYPE = {"ring": "p2p", "allgather": "all_gather", "ulysses": "a2a", "a2a+p2p": "a2a+p2p"}
+
+
 def megatron(cfg, lay, batch, dtype="bfloat16"):
     """Megatron-LM's flags for the model and layout: a list of lines, flags first, then '# ...' notes."""
     L, out, notes = cfg.n_layers, [], []
@@ -73,9 +77,11 @@ def megatron(cfg, lay, batch, dtype="bfloat16"):
         fam.append("--moe-token-dispatcher-type alltoall")
     out.append(" ".join(fam))
     par = [f"--tensor-model-parallel-size {lay.tp}", f"--pipeline-model-parallel-size {lay.pp}"]
-    if lay.cp > 1:                                     # Megatron-LM's --cp-comm-type: p2p is its ring
-        par.append(f"--context-parallel-size {lay.cp} --cp-comm-type "
-                   f"{ {'ring': 'p2p', 'allgather': 'all_gather', 'ulysses': 'a2a'}[lay.cp_scheme]}")
+    if lay.cp > 1:
+        comm = CP_COMM_TYPE.get(lay.cp_scheme)
+        par.append(f"--context-parallel-size {lay.cp}" + (f" --cp-comm-type {comm}" if comm else ""))
+        if comm is None:
+            notes.append(f"# hsgd's --cp-scheme {lay.cp_scheme} has no --cp-comm-type here: give Megatron-LM's own")
     if cfg.moe_experts:
         par.append(f"--expert-model-parallel-size {lay.ep}")
     if lay.tp_scheme == "sequence":

@@ -1,8 +1,9 @@
 """One rank's pipeline stage: its layers, its schedule of micro-batches, and the activations it sends and receives.
 
 A step of one DP group runs m micro-batches through the pp stages: stage s holds v model chunks (hsgd.pp.chunks.
-chunk_layers; v = 1 unless the schedule is interleaved), chunk c being the model's piece k = c pp + s, the
-embedding in piece 0 and the final LayerNorm, LM head and loss in piece pp v - 1. It runs its schedule, a list of
+chunk_layers; v = 1 unless the schedule is interleaved), chunk c being the model's piece k that the schedule's
+placement says (hsgd.pp.placement: k = c pp + s in the loop), the embedding in piece 0 and the final LayerNorm, LM
+head and loss in piece pp v - 1. It runs its schedule, a list of
 Actions (hsgd.pp.schedules: F, B, W of a micro-batch and chunk), checked before the first message. Between pieces,
 over pp_comm (the same dp and tp coordinates):
 
@@ -107,9 +108,9 @@ class Stage:
         only the first piece uses idx, only the last targets). The gradients of (1/m) * each micro-batch's mean
         loss accumulate into `grads`; on_ready(group) is called when a group is final (after the last backward,
         or W, of its chunk); hooks (hsgd.tp.hooks.Hooks) run around every group's forward and backward. Returns
-        (1/m) * the sum of the micro-batches' losses on the last stage (on the device), else 0.0, plus (1/m) * the
-        auxiliary losses of this stage's MoE blocks (global_loss sums the stages). Records the
-        (micro-batch, chunk) pairs held at once (peak_held) and when each action ran (timeline)."""
+        (1/m) * the sum of the micro-batches' losses on the stage of the last piece (on the device), else 0.0, plus
+        (1/m) * the auxiliary losses of this stage's MoE blocks (global_loss sums the stages). Records the (micro-
+        batch, chunk) pairs held at once (peak_held) and when each action ran (timeline)."""
         tracer, self.hooks = tracer or NullTracer(), hooks or NO_HOOKS
         self.caches, self.kept, self.sends, self.loss, self.live = {}, {}, [], 0.0, 0
         self.handed = {}                                               # hand-offs between two pieces of this stage
@@ -236,7 +237,8 @@ class Stage:
                 x = x.base
             return x
         skip, seen, total = {id(root(x)) for x in params.values()}, set(), 0   # (the flat parameter buffer)
-        todo = [c[1:] for c in self.caches.values()] + [[e[2] for e in wg.later] for wg in self.kept.values()]
+        todo = [c[1:] for c in self.caches.values()] + [[e[2] for e in wg.later] for wg in self.kept.values()] + \
+            list(getattr(self, "handed", {}).values())               # (hand-offs to this stage's next piece)
         while todo:
             x = todo.pop()
             if isinstance(x, (tuple, list)):
