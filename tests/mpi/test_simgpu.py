@@ -37,8 +37,8 @@ pytestmark = pytest.mark.mpi(min_size=8)
 # a Bcast sends from its root only, and a training step has none); Allreduce, Allgather and Reduce_scatter_block
 # skip MPI altogether on a one-rank communicator
 SENDS = {"Allreduce": True, "Iallreduce": True, "Allgather": True, "Reduce_scatter_block": True, "Send": True,
-         "Isend": True, "Recv": False, "Irecv": False, "Ireduce_scatter_block": True}
-SKIPPED_ON_ONE_RANK = ("Allreduce", "Allgather", "Reduce_scatter_block")
+         "Isend": True, "Recv": False, "Irecv": False, "Ireduce_scatter_block": True, "Alltoall": True}
+SKIPPED_ON_ONE_RANK = ("Allreduce", "Allgather", "Reduce_scatter_block", "Alltoall")
 
 LAYOUTS = {
     "dp2 pp2 tp2, 2 micro-batches": dict(dp=2, pp=2, tp=2, micro_batches=2),
@@ -51,6 +51,7 @@ LAYOUTS = {
     "dp4 tp2, staleness 1": dict(dp=4, tp=2, dp_staleness=1),        # two exchanges of one shape in flight
     "dp2 cp2 tp2, ring attention": dict(dp=2, cp=2, tp=2),
     "cp4 tp2, all-gather attention, ZeRO-1": dict(dp=1, cp=4, tp=2, cp_scheme="allgather", zero=1),
+    "dp2 cp2 tp2, Ulysses' all-to-alls": dict(dp=2, cp=2, tp=2, cp_scheme="ulysses"),
     "dp2 pp2 tp2, bfloat16, exchange in bfloat16": dict(dp=2, pp=2, tp=2, micro_batches=2, dtype="bfloat16",
                                                         reduce_dtype="bfloat16"),
     "dp4 tp2, float16, loss scaling": dict(dp=4, tp=2, dtype="float16"),
