@@ -30,7 +30,7 @@
 #
 # `hsgd/cp/split.py` splits every sequence over the cp ranks of `grid.cp_comm`. Everything in a block except the core
 # attention treats each position on its own, so it runs unchanged on a rank's T/cp positions. The core attention,
-# where position t reads the keys and values of positions 0..t, is done one of three ways:
+# where position t reads the keys and values of positions 0..t, is done one of four ways:
 #
 # * **ring** (Liu, Zaharia and Abbeel 2023, "Ring Attention with Blockwise Transformers for Near-Infinite
 #   Context"): the (k, v) blocks travel around the ring of cp ranks while each rank keeps its queries, and the
@@ -40,7 +40,9 @@
 #   contexts): All-Gather k and v, attend, Reduce-Scatter their gradients;
 # * **Ulysses** (Jacobs et al. 2023, "DeepSpeed Ulysses: System Optimizations for Enabling Training of Extreme Long
 #   Sequence Transformer Models"): an all-to-all turns the sequence split into a head split, each rank attends
-#   with all T positions of NH/cp heads, and another all-to-all turns the output back (`hsgd/cp/ulysses.py`).
+#   with all T positions of NH/cp heads, and another all-to-all turns the output back (`hsgd/cp/ulysses.py`);
+# * **a2a+p2p** (Megatron-LM's hierarchical context parallelism): Ulysses inside groups of a adjacent cp ranks and
+#   the ring across the r = cp/a groups (`hsgd/cp/hierarchical.py`).
 #
 # The chapter:
 #
@@ -48,15 +50,15 @@
 #    `hsgd.accounting.activations.activation_formula`, with tp and with cp;
 # 2. the online softmax derived step by step, then checked in NumPy on one process;
 # 3. the ring forward and backward on 8 ranks (cp 8, and cp 4 x tp 2) against serial attention, with its messages
-#    counted against `split.cp_formula`; the all-gather and Ulysses the same way;
+#    counted against `split.cp_formula`; the all-gather, Ulysses and a2a+p2p the same way;
 # 4. load balancing under the causal mask: the plain split against hsgd's layout (rank r holds chunks r and
 #    2cp-1-r), counted and measured, with a picture;
-# 5. training with `HybridTrainer` on dp 2 x cp 2 x tp 2, cp 8 and pp 2 x cp 2 x tp 2, the three schemes, against
-#    serial SGD, with each step's traffic and activation bytes against their formulas;
+# 5. training with `HybridTrainer` on dp 2 x cp 2 x tp 2, cp 8 and pp 2 x cp 2 x tp 2, the schemes that apply
+#    (a2a+p2p on cp 8), against serial SGD, with each step's traffic and activation bytes against their formulas;
 # 6. ring, all-gather and Ulysses on 8 ranks: bytes (payload and bytes sent per rank), activation bytes, and time;
 # 7. the trace: one rank's ring attention, its sends in flight while it computes, drawn and checked;
-# 8. Ulysses' all-to-all pictured, and the bytes each rank sends as cp grows with T = cp x 8, measured for the
-#    three schemes.
+# 8. Ulysses' all-to-all pictured, a2a+p2p's groups, and the bytes each rank sends as cp grows with T = cp x 8,
+#    measured for the four schemes.
 #
 # Run it with eight ranks (4 s measured on a 2-core machine; on failure every rank raises, so it exits
 # non-zero without hanging). Rank 0 draws four pictures into `$HSGD_FIGURES` (default `tutorials/figures/`):
@@ -107,6 +109,20 @@ P = 8
 world, rank, check, say = mpi_chapter(__file__, P, tol=1e-10, width=78)
 
 
+def applies(scheme, cp_):
+    """Whether a cp scheme runs on cp_ ranks here: a2a+p2p needs cp = a x r with a, r > 1 (split.a2a_sizes)."""
+    return scheme != "a2a+p2p" or split.a2a_sizes(cp_)[0] > 1
+
+
+def sent_per_rank(sent, scheme, cp_):
+    """The bytes one rank sends (checks.ring_bytes): on cp_comm of cp_ ranks, or for a2a+p2p its all-to-alls on its
+    group of a ranks and its ring's Isends (each sends all of its message) across the groups."""
+    if scheme != "a2a+p2p":
+        return ring_bytes(sent, cp_)
+    a2a = {k: n for k, n in sent.items() if k[1] == "Alltoall"}
+    return ring_bytes(a2a, split.a2a_sizes(cp_)[0]) + ring_bytes({k: n for k, n in sent.items() if k not in a2a}, cp_)
+
+
 # %% [markdown]
 # ## 1. Why the sequence dimension
 #
@@ -129,7 +145,9 @@ world, rank, check, say = mpi_chapter(__file__, P, tol=1e-10, width=78)
 # * all-gather: q, the gathered k and v of the whole sequence ($2\,b\,T\,C/tp$) and the probabilities of the rank's
 #   queries against all keys, $b\,(NH/tp)\,T_l\,T$: the $T^2$ term divided by cp;
 # * Ulysses: q, k and v of its NH/(tp cp) heads at all T positions, $3 N_l C/tp$ (as many numbers as the ring's),
-#   and their probabilities, $b\,NH/(tp\,cp)\,T^2$, the all-gather's $b\,(NH/tp)\,T_l\,T$ again.
+#   and their probabilities, $b\,NH/(tp\,cp)\,T^2$, the all-gather's $b\,(NH/tp)\,T_l\,T$ again;
+# * a2a+p2p (section 8): the ring's, on its group's $a T_l$ positions of NH/(tp a) heads (as many numbers), and
+#   the group's output y, which its backward reads: $4 N_l C/tp$ and lse, linear in T as the ring's.
 #
 # For a block of a 7B-sized model (C = 4096, NH = 32, F = 16384, one sequence, 2-byte numbers), per rank, with the
 # 8 ranks used as tp 8 or as cp 8 (plain numbers: these are formulas, nothing is allocated):
@@ -313,7 +331,7 @@ def attend(g, scheme, balanced=True):
     return err, sent, dict(ctx.work), ctx
 
 
-say(f"{'grid':<12} {'scheme':<10} {'calls':>12} {'payload':>10} {'sent/rank':>10}   (one layer, forward + backward, "
+say(f"{'grid':<12} {'scheme':<10} {'calls':>30} {'payload':>10} {'sent/rank':>10}   (one layer, forward + backward, "
     f"b = {B}, T = {T}, C = {C})")
 runs = {}
 for g, name in ((g8, "cp 8"), (g42, "cp 4 x tp 2")):
@@ -323,11 +341,12 @@ for g, name in ((g8, "cp 8"), (g42, "cp 4 x tp 2")):
         want = cp_formula(scheme, g.cp, B, T, C, g.tp, 8, 1)
         check.equal(f"{name}, {scheme}: cp_comm calls and payload == cp_formula", sent, want)
         calls = ", ".join(f"{op} {n}" for (_, op), (n, _) in sorted(sent.items()))
-        say(f"{name:<12} {scheme:<10} {calls:>22} {fmt_bytes(payload(sent)):>10} "
-            f"{fmt_bytes(float(ring_bytes(sent, g.cp))):>10}")
+        say(f"{name:<12} {scheme:<10} {calls:>30} {fmt_bytes(payload(sent)):>10} "
+            f"{fmt_bytes(float(sent_per_rank(sent, scheme, g.cp))):>10}")
 kv8 = 2 * B * (T // 8) * C * 8                              # one (k, v) block on cp 8, bytes
-check.equal("cp 8, bytes sent per rank in (k, v) blocks: ring 3cp - 2, all-gather 2 (cp - 1), Ulysses 4 (cp - 1)/cp",
-            [ring_bytes(runs["cp 8", s][1], 8) / kv8 for s in split.CP_SCHEMES], [22, 14, Fraction(7, 2)])
+check.equal("cp 8, bytes sent per rank in (k, v) blocks: ring 3cp - 2, all-gather 2 (cp - 1), Ulysses 4 (cp - 1)/cp, "
+            "a2a+p2p 4 (a - 1)/a + 3r - 2 (a = 4, r = 2)",
+            [sent_per_rank(runs["cp 8", s][1], s, 8) / kv8 for s in split.CP_SCHEMES], [22, 14, Fraction(7, 2), 7])
 
 # %% [markdown]
 # Every rank's output and the three gradients match serial attention at its positions to rounding, in both grids:
@@ -347,6 +366,9 @@ check.equal("cp 8, bytes sent per rank in (k, v) blocks: ring 3cp - 2, all-gathe
 #   3 = 8$ arrays of $b\,T_l\,C/tp$ numbers, 4 blocks; an all-to-all keeps the rank's own block and sends the
 #   other $(cp-1)/cp$: $4(cp-1)/cp$ blocks, 3.5 for cp 8 (the table's Alltoall payload is the send buffers, 4
 #   blocks).
+# * a2a+p2p (cp 8 = 4 x 2, `split.a2a_sizes`): Ulysses' four all-to-alls inside its group of a = 4 ranks,
+#   $4(a-1)/a$ = 3 blocks, and the ring across the r = 2 groups, $3r - 2$ = 4 Isends of a block (the group's $a T_l$
+#   positions of its NH/(tp a) heads: as many numbers as the ring's block): 7 blocks. On cp 4 x tp 2 it is 2 x 2.
 #
 # So the ring sends more than the all-gather, $(3cp-2)/(2cp-2)$ times as much (1.57 for cp 8), for a memory of three
 # blocks (its own and the two in transit) where the all-gather holds all cp of them, and with its messages
@@ -468,7 +490,7 @@ say(f"{'dp x pp x cp x tp':<18} {'scheme':<10} {'params vs serial':>16} {'cp_com
     f"{'sent/rank':>10} {'activations':>12}")
 for dp, pp, cp_, tp in LAYOUTS:
     g = ProcessGrid(world, dp=dp, pp=pp, tp=tp, cp=cp_)
-    for scheme in split.CP_SCHEMES:
+    for scheme in [s for s in split.CP_SCHEMES if applies(s, cp_)]:
         tc = config(dp, pp, cp_, tp, scheme)
         trainer = HybridTrainer(cfg, g, tc)
         losses = []
@@ -490,13 +512,16 @@ for dp, pp, cp_, tp in LAYOUTS:
             check.equal(f"{name}, {scheme}: activation bytes at the peak == activation_formula", act, want)
         on_cp = {key: n for key, n in sent.items() if key[0] == "cp"}
         say(f"{f'{dp} x {pp} x {cp_} x {tp}':<18} {scheme:<10} {err:>16.1e} {sum(n for n, _ in on_cp.values()):>14} "
-            f"{fmt_bytes(payload(on_cp)):>9} {fmt_bytes(float(ring_bytes(on_cp, cp_))):>10} {fmt_bytes(act):>12}")
+            f"{fmt_bytes(payload(on_cp)):>9} {fmt_bytes(float(sent_per_rank(on_cp, scheme, cp_))):>10} "
+            f"{fmt_bytes(act):>12}")
         trainer.finish()
+        trainer.stage.ctx.free()                # a2a+p2p's two sub-communicators of cp_comm
         trainer.free()
     g.free()
 
 # %% [markdown]
-# Every layout and the three schemes end the two steps with serial SGD's parameters and losses, to rounding. The
+# Every layout and every scheme that applies (a2a+p2p needs cp = a x r with a, r > 1: cp 8 here) ends the two
+# steps with serial SGD's parameters and losses, to rounding. The
 # traffic of each step matched `step_formula` on every communicator: tp's collectives on rows of $T_l$ positions,
 # the pipeline's messages of $b\,T_l\,C$ numbers, the cp ring's, all-gather's or all-to-alls' $L \cdot m$
 # attention exchanges per step, and the dp exchange over the dp x cp ranks that share each shard.
@@ -510,16 +535,17 @@ for dp, pp, cp_, tp in LAYOUTS:
 # ## 6. Ring, all-gather and Ulysses, measured on 8 ranks
 #
 # The same model with a longer sequence, T = 64, on cp 8 (8 positions a rank), one sequence per step, the three
-# schemes side by side: a warm-up step each, then 6 rounds in which the schemes take turns, so that whatever else the
-# machine does falls on both.
+# schemes side by side (a2a+p2p, their combination, in section 8): a warm-up step each, then 6 rounds in which the
+# schemes take turns, so that whatever else the machine does falls on all of them.
 
 # %%
 cfg64 = dataclasses.replace(cfg, seq_len=64)
 corpus64 = Corpus.load(None, cfg64.seq_len)
 ROUNDS = 6
+THREE = ("ring", "allgather", "ulysses")
 trainers = {s: HybridTrainer(cfg64, g8, train_config(dp=1, pp=1, tp=1, cp=8, cp_scheme=s, steps=ROUNDS + 1,
-                                                     batch_size=1, micro_batches=1)) for s in split.CP_SCHEMES}
-seconds, sent64, act64 = {s: [] for s in split.CP_SCHEMES}, {}, {}
+                                                     batch_size=1, micro_batches=1)) for s in THREE}
+seconds, sent64, act64 = {s: [] for s in THREE}, {}, {}
 for step in range(1, ROUNDS + 2):
     for s, tr in trainers.items():
         tr.stage.measure_bytes = step == 1
@@ -535,7 +561,7 @@ for step in range(1, ROUNDS + 2):
 say(f"cp 8, T = {cfg64.seq_len}, b = 1, L = {cfg64.n_layers}, per step:")
 say(f"{'scheme':<10} {'cp calls':>9} {'payload':>9} {'sent/rank':>10} {'activations':>12} {'(formula)':>10} "
     f"{'ms per step (median, min)':>27}")
-for s in split.CP_SCHEMES:
+for s in THREE:
     f_act = activation_formula(cfg64, 1, 8, 1, "megatron", 8, s)["model"]
     ms = sorted(1e3 * x for x in seconds[s])
     say(f"{s:<10} {sum(n for n, _ in sent64[s].values()):>9} {fmt_bytes(payload(sent64[s])):>9} "
@@ -546,7 +572,7 @@ for s in split.CP_SCHEMES:
     check.equal(f"{s}: activation bytes == activation_formula", act64[s], f_act)
 kv = 2 * (cfg64.seq_len // 8) * cfg64.d_model * 8           # one (k, v) block, bytes
 check.equal("bytes sent per rank: ring (3cp - 2) blocks, all-gather 2 (cp - 1), Ulysses 4 (cp - 1)/cp, per layer",
-            [ring_bytes(sent64[s], 8) for s in split.CP_SCHEMES], [2 * 22 * kv, 2 * 14 * kv, 2 * Fraction(7, 2) * kv])
+            [ring_bytes(sent64[s], 8) for s in THREE], [2 * 22 * kv, 2 * 14 * kv, 2 * Fraction(7, 2) * kv])
 for tr in trainers.values():
     tr.finish()
     tr.free()
@@ -700,6 +726,34 @@ check.equal("Ulysses on cp 8: after the all-to-all rank r holds head r of q at a
                              rtol=1e-15, atol=0)), True)
 
 # %% [markdown]
+# Ulysses' cp can be at most the heads of a tp rank, and its all-to-all wants a fast network among all cp ranks. The
+# ring takes any cp but sends $3cp - 2$ blocks. Megatron-LM's hierarchical context parallelism (`--cp-comm-type
+# a2a+p2p`, `hsgd/cp/hierarchical.py`) combines them: cp = a x r, an all-to-all inside each group of a adjacent cp
+# ranks (on one node) turns the group's sequence split into a head split, and the r groups then run ring attention
+# on their $a T_l$ positions of NH/(tp a) heads, passing (k, v) blocks across the groups, merged by the online
+# softmax. cp rank c is member c mod a of group c // a; the group's rows after the all-to-all are its a members'
+# zig-zag chunks, in member order, and the ring's chunk pairs are masked by their global positions as the plain
+# ring's are. hsgd takes r as cp's smallest prime factor and a = cp / r (`split.a2a_sizes`; Megatron-LM asks for
+# both, `--hierarchical-context-parallel-sizes a r`): cp 8 is 4 x 2.
+
+# %%
+hier = make_split("a2a+p2p", g8.cp_comm, T)
+a8, r8 = split.a2a_sizes(8)
+grp, mem = divmod(g8.cp_rank, a8)
+a2a_members = hier.a2a_comm.allgather_obj(g8.cp_rank)          # the cp ranks of my all-to-all group, in order
+ring_members = hier.ring.comm.allgather_obj(g8.cp_rank)        # the cp ranks of my ring, in order
+check.equal(f"cp 8 = {a8} x {r8}: my all-to-all group is cp ranks {a8} G .. {a8} G + {a8 - 1}, my ring the cp ranks "
+            f"of my index in every group", (a2a_members, ring_members),
+            (list(range(a8 * grp, a8 * grp + a8)), list(range(mem, 8, a8))))
+rows_pos = np.concatenate([np.arange(g0, g0 + n) for _, g0, n in hier.ring.chunks])
+check.equal("after the all-to-all a rank's rows are its group's members' positions, in member order",
+            rows_pos.tolist(), np.concatenate([split.positions(T, 8, a8 * grp + i) for i in range(a8)]).tolist())
+say(f"cp 8 = {a8} x {r8}: cp rank {g8.cp_rank} is member {mem} of group {grp}: all-to-all with cp ranks "
+    f"{a2a_members}, ring with {ring_members}; its rows after the all-to-all are chunks "
+    f"{[g0 // (T // 16) for _, g0, _ in hier.ring.chunks]} (of 16)")
+hier.free()
+
+# %% [markdown]
 # Jacobs et al. argue that Ulysses' communication per device stays constant when the sequence and the devices grow
 # together, where the ring's and the all-gather's grow with the devices: every rank must receive the keys and values
 # of all T positions (or send its own to all cp - 1 others), while an all-to-all sends each rank only its share of
@@ -711,8 +765,8 @@ check.equal("Ulysses on cp 8: after the all-to-all rank r holds head r of q at a
 # %%
 TL = 8                                                       # positions per rank: T grows with cp
 blk = 2 * B * TL * C * 8
-grow = {}
-say(f"{'cp':>3} {'T':>4} " + " ".join(f"{s + ' sent/rank':>22}" for s in split.CP_SCHEMES))
+grow = {s: {} for s in split.CP_SCHEMES}                     # scheme -> {cp: bytes sent per rank}
+say(f"{'cp':>3} {'T':>4} " + " ".join(f"{s + ' sent/rank':>21}" for s in split.CP_SCHEMES))
 for cp_ in (2, 4, 8):
     g = ProcessGrid(world, dp=8 // cp_, pp=1, tp=1, cp=cp_)
     T_ = TL * cp_
@@ -720,7 +774,7 @@ for cp_ in (2, 4, 8):
     qkvd = [rng.standard_normal((B, T_, C)) for _ in range(4)]
     y_ref, c_ref = attention_forward(*qkvd[:3], NH)
     want = (y_ref, *attention_backward(qkvd[3], c_ref))
-    for s in split.CP_SCHEMES:
+    for s in [s for s in split.CP_SCHEMES if applies(s, cp_)]:
         ctx = make_split(s, g.cp_comm, T_)
         mine = [np.ascontiguousarray(a[:, ctx.pos]) for a in qkvd]
         before = g.stats.counts()
@@ -731,18 +785,25 @@ for cp_ in (2, 4, 8):
                                                                                 for a, b in zip(got, want)), 1e-13)
         check.equal(f"cp {cp_}, T = {T_}, {s}: cp_comm calls and payload == cp_formula", sent,
                     cp_formula(s, cp_, B, T_, C, 1, 8, 1))
-        grow.setdefault(s, []).append(ring_bytes(sent, cp_))
-    say(f"{cp_:>3} {T_:>4} " + " ".join(f"{fmt_bytes(float(grow[s][-1])):>12} ({float(grow[s][-1] / blk):>4.1f} blk)"
-                                         for s in split.CP_SCHEMES))
+        grow[s][cp_] = sent_per_rank(sent, s, cp_)
+        ctx.free()
+    say(f"{cp_:>3} {T_:>4} " + " ".join(f"{fmt_bytes(float(grow[s][cp_])):>11} ({float(grow[s][cp_] / blk):>4.1f} blk)"
+                                         if cp_ in grow[s] else f"{'-':>21}" for s in split.CP_SCHEMES))
     g.free()
-check.equal("bytes sent per rank, T = 8 cp: ring (3cp - 2) blocks, all-gather 2 (cp - 1), Ulysses 4 (cp - 1)/cp",
-            [grow[s] for s in split.CP_SCHEMES], [[(3 * c - 2) * blk for c in (2, 4, 8)],
-                                                  [2 * (c - 1) * blk for c in (2, 4, 8)],
-                                                  [Fraction(4 * (c - 1), c) * blk for c in (2, 4, 8)]])
-check.holds("Ulysses' bytes per rank stay below 4 blocks at every cp; the ring's and the all-gather's grow with cp",
-            all(x < 4 * blk for x in grow["ulysses"]) and grow["ring"][-1] > 5 * grow["ring"][0]
-            and grow["allgather"][-1] > 6 * grow["allgather"][0])
-say("from cp 2 to cp 8: " + ", ".join(f"{s} x {float(grow[s][-1] / grow[s][0]):.2f}" for s in split.CP_SCHEMES))
+ar = {c: split.a2a_sizes(c) for c in (4, 8)}                  # a2a+p2p's (a, r): 2 x 2, 4 x 2
+check.equal("bytes sent per rank, T = 8 cp: ring (3cp - 2) blocks, all-gather 2 (cp - 1), Ulysses 4 (cp - 1)/cp, "
+            "a2a+p2p 4 (a - 1)/a + 3r - 2 (cp = a r, cp 4 and 8)",
+            [grow[s] for s in split.CP_SCHEMES], [{c: (3 * c - 2) * blk for c in (2, 4, 8)},
+                                                  {c: 2 * (c - 1) * blk for c in (2, 4, 8)},
+                                                  {c: Fraction(4 * (c - 1), c) * blk for c in (2, 4, 8)},
+                                                  {c: (Fraction(4 * (a - 1), a) + 3 * r - 2) * blk
+                                                   for c, (a, r) in ar.items()}])
+check.holds("Ulysses' bytes per rank stay below 4 blocks at every cp; the ring's and the all-gather's grow with cp; "
+            "a2a+p2p's at cp 8 are a third of the ring's",
+            all(x < 4 * blk for x in grow["ulysses"].values()) and grow["ring"][8] > 5 * grow["ring"][2]
+            and grow["allgather"][8] > 6 * grow["allgather"][2] and 3 * grow["a2a+p2p"][8] < grow["ring"][8])
+say("from cp 2 to cp 8: " + ", ".join(f"{s} x {float(grow[s][8] / grow[s][2]):.2f}" for s in THREE)
+    + f"; a2a+p2p from cp 4 to cp 8 x {float(grow['a2a+p2p'][8] / grow['a2a+p2p'][4]):.2f}")
 
 # %% [markdown]
 # What the measurement shows: with the sequence growing as the ranks do, the ring's bytes per rank grow with cp
@@ -753,27 +814,34 @@ say("from cp 2 to cp 8: " + ", ".join(f"{s} x {float(grow[s][-1] / grow[s][0]):.
 # an all-to-all's aggregate message divided by the devices, and counted as bytes a rank sends its own block stays,
 # hence the $(cp - 1)/cp$. Its price is
 # in the model: cp at most the heads of a tp rank (NH/tp; with grouped-query attention its NKV/tp kv heads), where
-# the ring and the all-gather take any cp the sequence allows. Megatron-LM's hierarchical context parallelism
-# (`--cp-comm-type a2a+p2p`) combines them: Ulysses inside groups of ranks, up to the heads, and a ring across the
-# groups. On two cores nothing here is timed: section 6's times are the ones this machine can give.
+# the ring and the all-gather take any cp the sequence allows. a2a+p2p sits between: 6 blocks on cp 4 (2 x 2) and
+# 7 on cp 8 (4 x 2), $4(a-1)/a$ of them from its all-to-alls, which stay below 4, and $3r - 2$ from the ring across
+# its r groups, which grow only with r; its heads need only be divisible by a. With r = 2 a larger cp adds to a, the
+# all-to-all's group, which is why the step from cp 4 to cp 8 costs it one block (x 1.17) where it costs the ring 12
+# (on hardware the all-to-all group is a node, and r grows with the nodes). On two cores nothing here is timed:
+# section 6's times are the ones this machine can give.
 #
 # ## Check against serial
 #
 # On 8 ranks, every verdict reached collectively: the activation formula's terms (what tp leaves replicated, what cp
 # divides, the ring's linear and the all-gather's and Ulysses' quadratic attention caches); the online softmax in
 # blocks equals the softmax at once with lse = m + log l, and the backward from lse and D alone equals the full one;
-# ring, all-gather and Ulysses attention on cp 8 and cp 4 x tp 2 equal serial attention at every rank's positions,
-# forward and backward, with exactly `cp_formula`'s messages; every rank's measured work equals `attention_blocks`,
-# balanced on every rank and a staircase with the plain split; two steps of SGD on dp 2 x cp 2 x tp 2, cp 8 and pp 2
-# x cp 2 x tp 2 with the three schemes end with serial SGD's parameters and losses, with `step_formula`'s traffic
-# and `activation_formula`'s bytes; in the trace every ring step but the last has a send in flight during its
-# block; and with T = 8 cp the bytes each rank sends grow with cp for the ring and the all-gather, and stay below
-# four blocks for Ulysses, whose all-to-all leaves each rank whole heads at all positions.
+# ring, all-gather, Ulysses and a2a+p2p attention on cp 8 and cp 4 x tp 2 equal serial attention at every rank's
+# positions, forward and backward, with exactly `cp_formula`'s messages; every rank's measured work equals
+# `attention_blocks`, balanced on every rank and a staircase with the plain split; two steps of SGD on dp 2 x cp 2
+# x tp 2, cp 8 and pp 2 x cp 2 x tp 2 with every scheme that applies end with serial SGD's parameters and losses,
+# with `step_formula`'s traffic and `activation_formula`'s bytes; in the trace every ring step but the last has a
+# send in flight during its block; a2a+p2p's groups and rows are Megatron-LM's; and with T = 8 cp the bytes each
+# rank sends grow with cp for the ring and the all-gather, stay below four blocks for Ulysses, whose all-to-all
+# leaves each rank whole heads at all positions, and for a2a+p2p are its all-to-alls' (below four blocks) and its
+# ring's across r groups.
 
 # %%
 worst_what, err = check.worst([w for w in check.errors if "serial" in w])
 say(f"\nchapter 15: all {len(check.passed)} checks passed on {world.Get_size()} ranks; largest error against serial "
     f"{err:.1e} ({worst_what})")
+for run in runs.values():
+    run[3].free()                                # a2a+p2p's sub-communicators (the others hold none)
 g8.free()
 g42.free()
 
@@ -787,7 +855,8 @@ g42.free()
 # | `--cp-scheme allgather`: `gather_attention.AllGather`, All-Gather k, v, Reduce-Scatter dk, dv | `--cp-comm-type allgather`: `AttnFuncWithCPAndKVAllGather` | none | `_RotateMethod.ALL_GATHER` (the default): `_AllGatherRotater` gathers once, the ring loop then reads its blocks | one softmax over all keys, no merge; the probabilities of the rank's queries are cached |
 # | the online softmax: `Ring.merge` carries (m, l, o), y = o / l, lse = m + log l | `flash_attn_fwd_softmax_lse_correction`, `flash_attn_fwd_out_correction` (TransformerEngine): merge normalised blocks by their lse | `update_out_and_lse` (deepspeed/sequence/fpdt_layer.py, FPDT's chunks) | `_SDPAMerger`: merges normalised outputs by lse | unnormalised o and one division at the end (exercise 3 merges normalised ones) |
 # | load balance: `chunk_starts`, rank r holds chunks r and 2cp-1-r; `attention_blocks` counts the work | `get_batch_on_this_cp_rank` (megatron/core/utils.py): the same zig-zag; seq_length a multiple of 2 x cp | none needed: Ulysses gives each rank whole sequences of NH/cp heads | `_HeadTailLoadBalancer` (`_context_parallel/_load_balancer.py`), head and tail chunks | the work is counted (`ctx.work`) and checked |
-# | `--cp-scheme ulysses`: `ulysses.Ulysses`, one `Alltoall` of [q, k, v] to the head split, one of y back; the backward the adjoint | `--cp-comm-type a2a`: `AttnFuncWithCPAndQKVOA2A`; `a2a+p2p` with `--hierarchical-context-parallel-sizes` (Ulysses inside groups, a ring across them; not in hsgd) | `DistributedAttention` with `_SeqAllToAll` (deepspeed/sequence/layer.py): all-to-all from a sequence split to a head split and back | none (its `ALL_TO_ALL` rotation is a ring shift, not a head split) | the zig-zag positions kept (the mask is of their global positions), q, k, v in one all-to-all; cp must divide NH/tp and NKV/tp, else refused (exercise 2 copies the kv heads instead) |
+# | `--cp-scheme ulysses`: `ulysses.Ulysses`, one `Alltoall` of [q, k, v] to the head split, one of y back; the backward the adjoint | `--cp-comm-type a2a`: `AttnFuncWithCPAndQKVOA2A` | `DistributedAttention` with `_SeqAllToAll` (deepspeed/sequence/layer.py): all-to-all from a sequence split to a head split and back | none (its `ALL_TO_ALL` rotation is a ring shift, not a head split) | the zig-zag positions kept (the mask is of their global positions), q, k, v in one all-to-all; cp must divide NH/tp and NKV/tp, else refused (exercise 2 copies the kv heads instead) |
+# | `--cp-scheme a2a+p2p`: `hierarchical.Hierarchical`, Ulysses' all-to-alls on groups of a adjacent cp ranks (`Split` of `cp_comm`), `ring.Ring`'s code across the r groups on the group's rows and heads | `--cp-comm-type a2a+p2p` with `--hierarchical-context-parallel-sizes a r` (TransformerEngine's a2a then `AttnFuncWithCPAndKVP2P` on the second-level group) | none | none | a and r fixed by a rule (`split.a2a_sizes`: r the smallest prime factor of cp), not a flag; both sub-communicators named "cp" for the accounting; cp prime, or a not dividing NH/tp and NKV/tp, refused |
 #
 # ## Exercises
 #

@@ -63,7 +63,8 @@ def activation_formula(cfg, batch_size, itemsize, tp, scheme, cp=1, cp_scheme="r
     With context parallelism (cp > 1) every term is of the rank's N = B T/cp rows, and the attention's cache is
     the cp scheme's in place of A (hsgd.cp.split.attention_cache_bytes; --attention does not apply). Only the ring's
     cache holds y; the all-gather's and Ulysses' hand on y without keeping it (Ulysses' y is its second all-to-all's
-    result, which the projection keeps as its input).
+    result, which the projection keeps as its input); a2a+p2p's cache holds its group's y, another array than the
+    one handed on (its second all-to-all's), counted in its A.
     """
     S = make_scheme(scheme)
     B, C, F, NH, V = batch_size, cfg.d_model, cfg.d_ff, cfg.n_heads, cfg.vocab_size

@@ -24,8 +24,8 @@ attention probabilities):
            step.
 With context parallelism (hsgd.cp.split) T is the rank's T/cp positions, and the attention's share of K0, P and
 selective's R are the cp scheme's (hsgd.cp.split.attention_cache_bytes; all-gather and Ulysses keep probabilities,
-b NH/tp T/cp T each): ring attention keeps no probabilities, so selective recomputation drops nothing and has no
-"recomputed" point; nor has it with --attention flash (cp = 1),
+b NH/tp T/cp T each): ring attention and a2a+p2p (hsgd.cp.hierarchical) keep no probabilities, so selective
+recomputation drops nothing and has no "recomputed" point; nor has it with --attention flash (cp = 1),
 whose cache holds q, k, v, y and the log-sum-exp in place of the probabilities (P = 0).
 
 What is alive at each sample (this implementation, Stage.run and tp_model.stage_forward / stage_backward):
@@ -84,8 +84,8 @@ def replicated_bytes(cfg, s):
 def pieces(cfg, b, s, tp, scheme, recompute, cp=1, cp_scheme="ring", attention="materialized"):
     """{"X", "E", "H", "K", "R", "Q", "partial": {group kind: bytes}} of the module docstring, in bytes. With context
     parallelism the rows are the rank's T/cp positions, and selective recomputation drops the probabilities only
-    where the cp scheme keeps them (ring attention keeps none: nothing is dropped, nothing recomputed); attention:
-    --attention (flash keeps none either)."""
+    where the cp scheme keeps them (ring attention and a2a+p2p keep none: nothing is dropped, nothing recomputed);
+    attention: --attention (flash keeps none either)."""
     S = make_scheme(scheme)
     T, C, NH = cfg.seq_len // cp, cfg.d_model, cfg.n_heads
     N, Tl, Vp = b * T, T // tp if S.splits_T else T, -(-cfg.vocab_size // tp)

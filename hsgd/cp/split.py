@@ -1,5 +1,6 @@
 """Context parallelism: the sequence split over the cp ranks of cp_comm, with ring attention, an all-gather of the
-keys and values, or Ulysses' all-to-all to a head split (--cp N --cp-scheme ring|allgather|ulysses).
+keys and values, Ulysses' all-to-all to a head split, or Ulysses inside groups and the ring across them
+(--cp N --cp-scheme ring|allgather|ulysses|a2a+p2p).
 
 Activations grow with T and attention's work with T^2, so a long enough sequence outgrows one device however the
 weights are split. Context parallelism splits the sequence itself: each of the cp ranks of cp_comm holds T/cp
@@ -16,17 +17,19 @@ the last rank. Cut the sequence into 2 cp chunks of c = T/(2 cp) positions inste
 rank r's early chunk reads r full blocks and one diagonal, its late chunk 2cp-1-r full blocks and one diagonal:
 2cp-1 + 2 = 2cp + 1 blocks on every rank (attention_blocks counts both splits).
 
-The core attention, three ways (--cp-scheme): hsgd.cp.ring (Liu et al. 2023: the keys and values travel
+The core attention, four ways (--cp-scheme): hsgd.cp.ring (Liu et al. 2023: the keys and values travel
 around the ring of cp ranks, merged by the online softmax), hsgd.cp.allgather (All-Gather the keys and
-values, as Dubey et al. 2024 train Llama 3's long context) and hsgd.cp.ulysses (Jacobs et al. 2023: an all-to-all
-from the sequence split to a head split and back, the attention whole in between; cp must divide the heads). This
+values, as Dubey et al. 2024 train Llama 3's long context), hsgd.cp.ulysses (Jacobs et al. 2023: an all-to-all
+from the sequence split to a head split and back, the attention whole in between; cp must divide the heads) and
+hsgd.cp.hierarchical (a2a+p2p, Megatron-LM's hierarchical context parallelism: Ulysses inside groups of a adjacent
+ranks, the ring across the r = cp/a groups; a2a_sizes gives a and r from cp, a must divide the heads). This
 module holds what they share: the layout (which positions, ContextSplit), the checks, and the work and byte
 counts; hsgd.cp.layouts makes a layout.
 
 Legend: T sequence, cp ranks of cp_comm, c = T/(2 cp) a chunk, Tl = T/cp a rank's positions, B or b sequences,
 C d_model, NH heads (NH/tp on a rank), hs = C/NH, tp, s bytes per number.
 
-    ctx = make_context(cfg, grid, tc)     # hsgd.cp.layouts: WHOLE, Ring, AllGather or Ulysses; Stage owns it
+    ctx = make_context(cfg, grid, tc)     # hsgd.cp.layouts: WHOLE, Ring, AllGather, Ulysses or Hierarchical
     ctx.local(idx)                        # (B, T) -> (B, T/cp), this rank's positions of each sequence
 """
 import math
@@ -35,7 +38,7 @@ import numpy as np
 from hsgd.errors import ConfigError
 from hsgd.grid.trace import NullTracer
 
-CP_SCHEMES = ("ring", "allgather", "ulysses")
+CP_SCHEMES = ("ring", "allgather", "ulysses", "a2a+p2p")
 
 
 def check_cp(T, cp, tp=1, splits_T=False):
@@ -55,13 +58,33 @@ def check_cp(T, cp, tp=1, splits_T=False):
                           f"(e.g. {near}) or cp in {cps or 'none: T is too short'}")
 
 
+def a2a_sizes(cp):
+    """(a, r) of --cp-scheme a2a+p2p (hsgd.cp.hierarchical): r the smallest prime factor of cp, a = cp / r, the
+    largest all-to-all group that leaves a ring of at least two groups (4: 2 x 2, 8: 4 x 2, 6: 3 x 2); (1, cp) when
+    cp is prime (no such split: check_heads refuses it)."""
+    r = next((p for p in range(2, cp + 1) if cp % p == 0), 1)
+    return cp // r, r
+
+
 def check_heads(n_heads, n_kv_heads, cp, tp, scheme):
     """Raise ConfigError unless the cp scheme can split this rank's heads: Ulysses gives each cp rank NH/(tp cp)
     query heads and NKV/(tp cp) kv heads (hsgd.cp.ulysses), so cp must divide both NH/tp and the rank's kv heads
-    (NKV/tp, or the one replicated head when tp > NKV); ring and allgather split no heads."""
-    if scheme != "ulysses" or cp == 1:
+    (NKV/tp, or the one replicated head when tp > NKV); a2a+p2p splits them over its all-to-all group of a ranks
+    (a2a_sizes: cp must not be prime, and a divide both); ring and allgather split no heads."""
+    if scheme not in ("ulysses", "a2a+p2p") or cp == 1:
         return
     nh, nkv = n_heads // tp, max(n_kv_heads // tp, 1)
+    if scheme == "a2a+p2p":
+        a, r = a2a_sizes(cp)
+        if a > 1 and nh % a == 0 and nkv % a == 0:
+            return
+        fits = lambda c: 1 < a2a_sizes(c)[0] and nh % a2a_sizes(c)[0] == 0 == nkv % a2a_sizes(c)[0]
+        cps = [c for c in range(4, 33) if fits(c)]
+        why = (f"cp={cp} is prime: no all-to-all group of a > 1 ranks with a ring of r > 1 groups" if a == 1 else
+               f"its all-to-all group of a={a} ranks (cp = {a} x {r}) must divide the {nh} query and {nkv} kv heads "
+               f"per tp rank (n_heads={n_heads}, n_kv_heads={n_kv_heads}, tp={tp})")
+        raise ConfigError(f"--cp-scheme a2a+p2p: {why}; use cp in {cps or 'none'} (seq_len a multiple of 2 cp) or "
+                          f"--cp-scheme ring or allgather")
     if nh % cp == 0 and nkv % cp == 0:
         return
     cps = [c for c in range(2, nh + 1) if nh % c == 0 and nkv % c == 0]
@@ -116,6 +139,10 @@ class ContextSplit:
         arrays = {id(a): a for a in [self.pos, self.dev_pos] + masks if a is not None}
         return sum(int(a.nbytes) for a in arrays.values())
 
+    def free(self):
+        """Nothing to free: the layout talks on cp_comm alone (hsgd.cp.hierarchical's makes communicators of its
+        own, and frees them here)."""
+
     def local(self, a):
         """(B, T) -> (B, T/cp): this rank's positions of each sequence (a copy)."""
         return a[:, self.pos]
@@ -160,6 +187,9 @@ def attention_cache_bytes(cp, scheme, b, T, C, NH, tp, s, attention="materialize
         allgather           q N C/tp, the gathered k and v 2 b T kv, the probabilities b NH/tp Tl T
         ulysses             its head group's q (b T x NH/(tp cp) heads = N C/tp), k and v 2 b T kv/cp, and the
                             probabilities b NH/(tp cp) T^2 = b NH/tp Tl T, as many as allgather's
+        a2a+p2p             the ring's on its group's a Tl rows and NH/(tp a) heads: q N C/tp, own (k, v) 2 N kv,
+                            lse b NH/tp Tl; and the group's y N C/tp (the ring's backward reads it; the array handed
+                            on is the second all-to-all's); no probabilities (hsgd.cp.hierarchical)
     (attention, --attention, only says which cp = 1 takes.) With cp = 1 the kv heads are repeated to the NH/tp query
     heads before the attention (hsgd.tp.attention.grouped_forward), and its cache holds them so: C/tp wide."""
     Tl, c, nh = T // cp, C // tp, NH // tp
@@ -170,8 +200,8 @@ def attention_cache_bytes(cp, scheme, b, T, C, NH, tp, s, attention="materialize
     if cp == 1:
         P = b * nh * T * T * s
         return 3 * N * c * s + P, P
-    if scheme == "ring":
-        return N * c * s + 2 * N * kv * s + b * nh * Tl * s, 0
+    if scheme in ("ring", "a2a+p2p"):
+        return N * c * s * (1 + (scheme == "a2a+p2p")) + 2 * N * kv * s + b * nh * Tl * s, 0
     P = b * nh * Tl * T * s
     if scheme == "ulysses":
         return N * c * s + 2 * b * T * (kv // cp) * s + P, P
@@ -190,6 +220,11 @@ def cp_formula(scheme, cp, batch, T, C, tp, itemsize, n_blocks, recompute="none"
                  [dq | dk | dv] backward, Q = batch (T/cp) (C/tp + 2 kv) itemsize and Y = batch (T/cp) (C/tp)
                  itemsize, 2 (Q + Y) per block; --recompute selective or full runs the forward's two again
                  (+ Q + Y). A rank sends (cp-1)/cp of the payload: constant when T grows with cp.
+      a2a+p2p:   cp = a r (a2a_sizes): Ulysses' four Alltoalls per block on the a ranks of a group, the same payloads
+                 2 (Q + Y), and the ring's Isend/Irecv on the r groups, (r-1) + (r-1) + r per block of 2N bytes (a
+                 group's a Tl rows of its NKV/(tp a) kv heads: the plain ring's block); it keeps no probabilities, so
+                 only --recompute full runs the forward again (+ 2 Alltoalls, Q + Y, and r-1 hops). A rank sends
+                 (a-1)/a of the all-to-alls' payload and (3r-2) 2N: both named "cp" (its sub-communicators').
     With grouped-query attention the blocks are the kv heads themselves, NH/NKV times fewer bytes than the query
     heads' (hsgd.cp.ring and hsgd.cp.allgather repeat them only for the products)."""
     if cp == 1 or not n_blocks:
@@ -200,6 +235,14 @@ def cp_formula(scheme, cp, batch, T, C, tp, itemsize, n_blocks, recompute="none"
         again = recompute != "none"
         Q, Y = batch * (T // cp) * (C // tp + 2 * kvc) * itemsize, batch * (T // cp) * (C // tp) * itemsize
         return {("cp", "Alltoall"): (n_blocks * (4 + 2 * again), n_blocks * (2 + again) * (Q + Y))}
+    if scheme == "a2a+p2p":
+        r = a2a_sizes(cp)[1]
+        again = recompute == "full"
+        Q, Y = batch * (T // cp) * (C // tp + 2 * kvc) * itemsize, batch * (T // cp) * (C // tp) * itemsize
+        hops = (r - 1) + (r - 1) + r + (r - 1) * again
+        return {("cp", "Alltoall"): (n_blocks * (4 + 2 * again), n_blocks * (2 + again) * (Q + Y)),
+                ("cp", "Isend"): (n_blocks * hops, n_blocks * hops * kv),
+                ("cp", "Irecv"): (n_blocks * hops, n_blocks * hops * kv)}
     if scheme == "ring":
         hops = (cp - 1) + (cp - 1) + cp + (cp - 1) * (recompute == "full")
         return {("cp", "Isend"): (n_blocks * hops, n_blocks * hops * kv),

@@ -60,7 +60,7 @@ import math
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from hsgd.cp.split import attention_blocks
+from hsgd.cp.split import a2a_sizes, attention_blocks
 from hsgd.pp.schedules import MAX_PIECES, build, effective, simulate
 from hsgd.tp.schemes import make_scheme
 from .experts import alltoall_calls
@@ -160,6 +160,21 @@ def ep_span(lay, whole):
 
 
 # ---------------------------------------------------------------------------------------------- 3. compute
+def a2a_p2p_exposed(lay, counts, links, hw, att):
+    """The seconds of a step's cp traffic a rank waits for with --cp-scheme a2a+p2p (hsgd.cp.hierarchical): its
+    Alltoalls on the a ranks of a group (cp = a r, hsgd.cp.split.a2a_sizes), a tp adjacent devices (inside a node
+    when a tp divides it), all exposed; its Isend/Irecv on the ring of r groups, over cp_comm's link, hidden behind
+    3 att (the scores) as the ring's are. att: one micro-batch's attention seconds, the counts a step's (m of them)."""
+    a, r = a2a_sizes(lay.cp)
+    D, span = hw.devices_per_node, a * lay.tp
+    a2a = {k: v for k, v in counts.items() if k == ("cp", "Alltoall")}
+    ring = {k: v for k, v in counts.items() if k[0] == "cp" and k[1] != "Alltoall"}
+    inner = hw.intra if span <= D and D % span == 0 else hw.inter
+    t_a2a = traffic(a2a, {"cp": a}, {"cp": inner}, hw).get("cp", 0.0)
+    t_ring = traffic(ring, {"cp": r}, links, hw).get("cp", 0.0)
+    return t_a2a + max(0.0, t_ring - 3 * att * lay.m)
+
+
 def micro_batch_flops(cfg, b, tp, cp, n_blocks, last, recompute, why=None, attention="materialized", n_moe=0,
                       cp_scheme="ring"):
     """(F, B, W) matmul FLOPs of one micro-batch of b sequences on one rank of a stage (see 3 above), of the model's
@@ -169,12 +184,13 @@ def micro_batch_flops(cfg, b, tp, cp, n_blocks, last, recompute, why=None, atten
     only the blocks the causal mask leaves, S = b T^2/2 without cp, and its backward computes the scores again:
     B = 10 S C/tp, 2.5 times the forward's. n_moe of the blocks are MoE: each token runs k experts, and the router
     (C, E), whole on every tp rank: + 2 N ((k - 1) m C F/tp + C E) per MoE block. With context parallelism the ring
-    skips the chunk pairs the mask hides (hsgd.cp.split.attention_blocks); the all-gather scores its T/cp queries
-    against all T keys, and Ulysses all T positions of its NH/cp heads: T^2/cp a head either way."""
+    skips the chunk pairs the mask hides (hsgd.cp.split.attention_blocks), and so does a2a+p2p's ring of groups (the
+    same count, hsgd.cp.hierarchical.group_scores); the all-gather scores its T/cp queries against all T keys, and
+    Ulysses all T positions of its NH/cp heads: T^2/cp a head either way."""
     T, C, F, V = cfg.seq_len, cfg.d_model, cfg.d_ff, cfg.vocab_size
     m, K = (2 if cfg.mlp == "gelu" else 3), kv_columns(cfg, tp)
     N = b * T // cp
-    scores = b * (T * T if cp == 1 else attention_blocks(T, cp, 0) if cp_scheme == "ring" else T * T // cp)
+    scores = b * (T * T if cp == 1 else attention_blocks(T, cp, 0) if cp_scheme in ("ring", "a2a+p2p") else T * T // cp)
     if attention == "flash" and cp == 1:
         scores = scores / 2                                          # (the blocks under the diagonal)
     lin = n_blocks * 2 * N * (2 * C * C + 2 * C * K * tp + m * C * F) / tp + (2 * N * C * -(-V // tp) if last else 0)
@@ -267,6 +283,8 @@ def stage_costs(cfg, lay, stage, hw, rate, sizes, links, mine=None):
         * cfg.d_model / lay.tp / rate
     cp_exposed = max(0.0, cp_mb - 3 * att) if lay.cp_scheme == "ring" else cp_mb   # ring: hidden behind scores;
     # allgather's collectives and Ulysses' all-to-alls (each waited for by the attention or by what follows): exposed
+    if lay.cp_scheme == "a2a+p2p":                   # all-to-alls on a ranks (a tp adjacent devices), exposed; the
+        cp_exposed = a2a_p2p_exposed(lay, counts, links, hw, att) / m        # ring across the r groups: hidden
     msg_f = msg_b = 0.0                               # per micro-batch: the activations its forwards receive
     if p > 1:                                          # (v - first), the gradients its backwards (v - last)
         calls, nbytes = counts.get(("pp", "Recv"), (0, 0))

@@ -28,6 +28,7 @@ What does not carry over is said in a comment line (#): Megatron-LM has no GPipe
 always pairs tensor with sequence parallelism, has no ZeRO-1 (its nearest is FSDP without resharding, ZeRO-2's
 memory) and builds only the llama3 block.
 """
+from hsgd.cp.split import a2a_sizes
 
 FLAVORS = {(32, 4096, 14336, 32, 8, 128256): "8B", (80, 8192, 28672, 64, 8, 128256): "70B",
            (126, 16384, 53248, 128, 8, 128256): "405B"}          # torchtitan's llama3 flavors, in Llama 3's sizes
@@ -80,6 +81,8 @@ def megatron(cfg, lay, batch, dtype="bfloat16"):
     if lay.cp > 1:
         comm = CP_COMM_TYPE.get(lay.cp_scheme)
         par.append(f"--context-parallel-size {lay.cp}" + (f" --cp-comm-type {comm}" if comm else ""))
+        if lay.cp_scheme == "a2a+p2p":                                  # the all-to-all's and the ring's sizes
+            par.append("--hierarchical-context-parallel-sizes {} {}".format(*a2a_sizes(lay.cp)))
         if comm is None:
             notes.append(f"# hsgd's --cp-scheme {lay.cp_scheme} has no --cp-comm-type here: give Megatron-LM's own")
     if cfg.moe_experts:

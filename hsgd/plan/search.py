@@ -173,7 +173,8 @@ def expert_sizes(cfg, ndp, given=None):
 def cp_schemes(cfg, tp, cp, space):
     """The context-parallel schemes a layout of cp ranks may use: none but "ring" without cp (one name for one
     computation), else those of space["cp_scheme"] (default all of hsgd.cp.split.CP_SCHEMES) that can split the
-    model's heads (Ulysses: cp divides each tp rank's query and kv heads, hsgd.cp.split.check_heads)."""
+    model's heads (Ulysses: cp divides each tp rank's query and kv heads; a2a+p2p: cp is not prime and its all-to-all
+    group of a = cp / (cp's smallest prime factor) ranks divides them; hsgd.cp.split.check_heads)."""
     if cp == 1:
         return ["ring"]
     out = []

@@ -75,7 +75,10 @@ class Layout:
                           "ring: ring attention, (k, v) blocks passed around cp_comm, overlapped with the blocks\n"
                           "allgather: All-Gather k and v of the whole sequence, Reduce-Scatter their gradients\n"
                           "ulysses: all-to-all from T/cp positions of every head to all T positions of NH/(tp cp) "
-                          "heads, the attention whole, all-to-all back (cp must divide NH/tp and NKV/tp)",
+                          "heads, the attention whole, all-to-all back (cp must divide NH/tp and NKV/tp)\n"
+                          "a2a+p2p: Megatron-LM's hierarchical cp: ulysses inside groups of a adjacent cp ranks, "
+                          "ring attention across the r = cp/a groups; r is cp's smallest prime factor (cp 4: 2 x 2, "
+                          "8: 4 x 2; cp not prime), a must divide NH/tp and NKV/tp",
                           choices=CP_SCHEMES)
     ep: int = flag(1, "expert-parallel size: the ranks of dp x cp (Megatron-LM's parallel folding) that split each "
                       "MoE block's experts between them, E/ep each, tokens sent to their experts by all-to-all; the "

@@ -228,3 +228,4 @@ class HybridTrainer:
 
     def free(self):
         self.exchange.free()
+        getattr(self.stage.ctx, "free", lambda: None)()          # a context layout's own communicators (a2a+p2p)

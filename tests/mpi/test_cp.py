@@ -1,16 +1,18 @@
 """Context parallelism on 8 ranks, float64: every factorization dp x pp x cp x tp of 8 with cp > 1 ends several
-steps with serial SGD's parameters for the three cp schemes (ring, allgather, ulysses), the three tensor-parallel
-schemes taking turns; every rank's bytes (cp_comm included) equal the formulas; ring attention, the all-gather
-variant and Ulysses' all-to-all equal the serial attention output and gradients on their positions, for the
-load-balanced and the plain split (Ulysses with grouped-query kv heads too); the
-balanced split gives every rank the same attention work (counted), the plain one cp times more to the last rank;
-the ring's sends are in flight while its blocks are computed (traced)."""
+steps with serial SGD's parameters for the cp schemes (ring, allgather, ulysses; a2a+p2p where cp = a x r with a, r
+> 1: cp 4 and 8), the three tensor-parallel schemes taking turns; every rank's bytes (cp_comm and a2a+p2p's
+sub-communicators included) equal the formulas; ring attention, the all-gather variant, Ulysses' all-to-all and
+a2a+p2p equal the serial attention output and gradients on their positions, for the load-balanced and the plain
+split (Ulysses and a2a+p2p with grouped-query kv heads too); the balanced split gives every rank the same attention
+work (counted), the plain one cp times more to the last rank; the ring's sends are in flight while its blocks are
+computed (traced)."""
 import numpy as np
 import pytest
 from mpi4py import MPI
 
 from hsgd.model.config import ModelConfig
 from hsgd.cp import split
+from hsgd.cp.hierarchical import group_scores
 from hsgd.cp.layouts import make_split
 from hsgd.model import layers
 from hsgd.tp import shards as tp_shards
@@ -60,7 +62,7 @@ def test_every_layout_with_cp_equals_serial_sgd(i, layout):
     dp, pp, cp, tp = layout
     scheme = TP_SCHEMES[i % 3]
     ref, lines, ok, params = None, [], True, {}
-    for cp_scheme in split.CP_SCHEMES:
+    for cp_scheme in [c for c in split.CP_SCHEMES if c != "a2a+p2p" or split.a2a_sizes(cp)[0] > 1]:
         tc = config(dp=dp, pp=pp, cp=cp, tp=tp, tp_scheme=scheme, cp_scheme=cp_scheme)
         ref = ref or serial_sgd(tc)
         grid, trainer, identical, per_step = train_steps(CFG, CORPUS, tc)
@@ -81,12 +83,13 @@ def test_every_layout_with_cp_equals_serial_sgd(i, layout):
         ok &= err <= 1e-10 and identical and same
         if not same:
             say(f"measured {per_step}\nformula  {formula}")
+        trainer.stage.ctx.free()
         trainer.free()
         grid.free()
-    apart = world_max(max(float(np.abs(params["ring"][n] - p).max()) for other in split.CP_SCHEMES[1:]
+    apart = world_max(max(float(np.abs(params["ring"][n] - p).max()) for other in list(params)[1:]
                           for n, p in params[other].items()))
     say(f"dp={dp} pp={pp} cp={cp} tp={tp} ({scheme}), 3 steps of 2 micro-batches:\n" + "\n".join(lines)
-        + f"\n  ring against allgather and ulysses: max param diff {apart:.1e}")
+        + f"\n  ring against {', '.join(list(params)[1:])}: max param diff {apart:.1e}")
     check(ok and apart <= 1e-12)
 
 
@@ -98,8 +101,9 @@ def test_every_layout_with_cp_equals_serial_sgd(i, layout):
                         cp_scheme="ulysses")),
     ((2, 1, 2, 2), dict(hierarchical=True, ranks_per_node=2, cp_scheme="ulysses", recompute="full")),
     ((4, 1, 2, 1), dict(zero=1, optimizer="adamw", lr=0.01, tp_scheme="gather", cp_scheme="allgather")),
+    ((1, 1, 4, 2), dict(recompute="full", cp_scheme="a2a+p2p", tp_scheme="sequence")),
 ], ids=["zero3-full", "zero2-selective-allgather-sequence", "zb-h1-overlap", "interleaved-selective-ulysses",
-        "hier-full-ulysses", "zero1-adamw-allgather-gather"])
+        "hier-full-ulysses", "zero1-adamw-allgather-gather", "full-a2a+p2p-sequence"])
 def test_cp_with_zero_recompute_and_the_schedules(layout, kw):
     dp, pp, cp, tp = layout
     tc = config(dp=dp, pp=pp, cp=cp, tp=tp, batch_size=16, **kw)
@@ -109,6 +113,7 @@ def test_cp_with_zero_recompute_and_the_schedules(layout, kw):
     same = WORLD.allreduce(per_step == step_formula(CFG, tc, trainer), op=MPI.LAND)
     say(f"dp={dp} pp={pp} cp={cp} tp={tp} {kw}: max param rel err vs serial {err:.1e}, bytes == formula {same}")
     check(err <= 1e-10 and same)
+    trainer.stage.ctx.free()
     trainer.free()
     grid.free()
 
@@ -133,11 +138,14 @@ def attention_case(grid, scheme, balanced, B=2, nh=4, hs=3, T=32, seed=0, nkv=No
     return err, ctx
 
 
-def test_ring_allgather_and_ulysses_attention_equal_the_serial_attention_and_the_work_is_balanced():
+def test_the_cp_schemes_attention_equals_the_serial_attention_and_the_work_is_balanced():
+    """a2a+p2p on cp 4 is 2 groups of 2 (a2a_sizes): its work, counted per head of the rank's, is its group's
+    (hsgd.cp.hierarchical.group_scores), the ring's on every rank with the balanced split."""
     grid = ProcessGrid(WORLD, dp=1, pp=1, tp=2, cp=4)                 # 2 rings of 4, side by side
     cp, T, ok, lines = grid.cp, 32, True, []
+    a = split.a2a_sizes(cp)[0]
     for balanced in (True, False):
-        for scheme in split.CP_SCHEMES + ("ulysses gqa",):              # ulysses: 8 query heads on 4 kv heads too
+        for scheme in split.CP_SCHEMES + ("ulysses gqa", "a2a+p2p gqa"):   # 8 query heads on 4 kv heads too
             gqa = scheme.endswith("gqa")
             err, ctx = attention_case(grid, scheme.split()[0], balanced, nh=8 if gqa else 4, nkv=4 if gqa else None)
             work = grid.cp_comm.comm.allgather(ctx.work["forward"])
@@ -145,6 +153,11 @@ def test_ring_allgather_and_ulysses_attention_equal_the_serial_attention_and_the
             good = err <= 1e-12
             if scheme == "ring":                                      # the ring skips the masked chunk pairs
                 good &= work == expect and ctx.work["backward"] == ctx.work["forward"]
+            if scheme.startswith("a2a+p2p"):                          # and so does a2a+p2p's ring of groups
+                groups = [group_scores(T, cp, a, r // a, balanced) for r in range(cp)]
+                good &= work == groups and ctx.work["backward"] == ctx.work["forward"]
+                good &= not balanced or groups == expect
+                ctx.free()
             lines.append(f"  {'balanced' if balanced else 'plain':<8} {scheme:<11}: max rel err {world_max(err):.1e}; "
                          f"scores per rank {work}")
             ok &= good

@@ -69,18 +69,19 @@ def test_measured_peak_per_category_equals_the_formula(layout):
     check(set(measured["peak"]) <= set(formula["peak"]), f"categories measured but not in the formula: {measured}")
 
 
-@pytest.mark.parametrize("cp_scheme", ["ring", "allgather", "ulysses"])
-def test_context_parallelism_per_category_equals_the_formula(cp_scheme):
-    """dp 2 x cp 2 x tp 2, selective recomputation: ring attention caches no probabilities (nothing recomputed),
-    the all-gather variant keeps the gathered keys and values and its probabilities, drops the probabilities and
-    computes them again (the recompute category)."""
-    measured, formula, _, _ = measure(2, 1, 0, "selective", cp=2, cp_scheme=cp_scheme)
+@pytest.mark.parametrize("cp_scheme, cp", [("ring", 2), ("allgather", 2), ("ulysses", 2), ("a2a+p2p", 4)])
+def test_context_parallelism_per_category_equals_the_formula(cp_scheme, cp):
+    """dp 8/(2 cp) x cp x tp 2, selective recomputation: ring attention caches no probabilities (nothing recomputed),
+    nor does a2a+p2p (cp 4 = 2 x 2: Ulysses in pairs, the ring of its two groups); the all-gather variant keeps the
+    gathered keys and values and its probabilities, drops the probabilities and computes them again (the recompute
+    category), and so does Ulysses."""
+    measured, formula, _, _ = measure(2, 1, 0, "selective", cp=cp, cp_scheme=cp_scheme)
     r = ratios(measured, formula)
     worst = max(abs(x - 1) for x in r.values())
     recomputed = measured["peak"].get("recompute", 0)
-    say(f"cp 2 {cp_scheme}: worst |measured/formula - 1| {worst:.4f} (rank 0), recompute peak {recomputed} B; "
+    say(f"cp {cp} {cp_scheme}: worst |measured/formula - 1| {worst:.4f} (rank 0), recompute peak {recomputed} B; "
         + ", ".join(f"{c} {x:.3f}" for c, x in r.items()))
-    check(worst <= TOLERANCE and (recomputed > 0) == (cp_scheme != "ring"), f"measured/formula {r}")
+    check(worst <= TOLERANCE and (recomputed > 0) == (cp_scheme in ("allgather", "ulysses")), f"measured/formula {r}")
 
 
 def test_llama_flash_activations_equal_the_formula():
