@@ -182,7 +182,7 @@ def parse_layouts(text, cfg, tc, world_size):
         check_tp(cfg, tp, tc.tp_scheme)
         check_tied(cfg, pp, ltc.zero)
         check_cp(cfg.seq_len, cp, tp, tc.tp_scheme == "sequence")
-        check_heads(cfg.n_heads, cfg.n_kv_heads, cp, tp, tc.cp_scheme)
+        check_heads(cfg.n_heads, cfg.n_kv_heads, cp, tp, tc.cp_scheme, cfg.seq_len)
         check_batch(tc.batch_size, dp, tc.micro_batches)
         check_pipeline(cfg.n_layers, ltc)
         out.append((dp, pp, cp, tp))

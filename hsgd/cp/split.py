@@ -41,17 +41,17 @@ from hsgd.grid.trace import NullTracer
 CP_SCHEMES = ("ring", "allgather", "ulysses", "a2a+p2p")
 
 
-def check_cp(T, cp, tp=1, splits_T=False):
+def check_cp(T, cp, tp=1, splits_T=False, fits=None):
     """Raise ConfigError unless a sequence of T positions cuts into 2 cp chunks (and, with the sequence scheme, a
     rank's T/cp positions into tp T-shards, which may cross its chunks' border), naming the seq_len and cp values
-    that would work."""
+    that would work (the cp values among those `fits(cp)` allows: the scheme's heads rule, heads_fit)."""
     if cp == 1:
         return
     need = lambda c: math.lcm(2 * c, c * tp) if splits_T else 2 * c   # T must be a multiple of this
     step = need(cp)
     if T % step:
         near = sorted({max(step, T // step * step), T // step * step + step, T // step * step + 2 * step})
-        cps = [c for c in range(2, 33) if T % need(c) == 0]
+        cps = [c for c in range(2, 33) if T % need(c) == 0 and (fits is None or fits(c))]
         shards = f" and into tp={tp} T-shards (the sequence scheme)" if splits_T else ""
         raise ConfigError(f"seq_len={T} does not cut into 2*cp = {2 * cp} equal chunks{shards}: context parallelism "
                           f"gives rank r chunks r and 2cp-1-r of each sequence; use seq_len a multiple of {step} "
@@ -66,28 +66,32 @@ def a2a_sizes(cp):
     return cp // r, r
 
 
-def check_heads(n_heads, n_kv_heads, cp, tp, scheme):
-    """Raise ConfigError unless the cp scheme can split this rank's heads: Ulysses gives each cp rank NH/(tp cp)
-    query heads and NKV/(tp cp) kv heads (hsgd.cp.ulysses), so cp must divide both NH/tp and the rank's kv heads
-    (NKV/tp, or the one replicated head when tp > NKV); a2a+p2p splits them over its all-to-all group of a ranks
-    (a2a_sizes: cp must not be prime, and a divide both); ring and allgather split no heads."""
+def heads_fit(n_heads, n_kv_heads, cp, tp, scheme):
+    """Whether the cp scheme can split each tp rank's heads over cp (check_heads says why not): Ulysses gives each
+    cp rank NH/(tp cp) query heads and NKV/(tp cp) kv heads (hsgd.cp.ulysses), so cp divides both NH/tp and the
+    rank's kv heads (NKV/tp, or the one replicated head when tp > NKV); a2a+p2p splits them over its all-to-all group
+    of a ranks (a2a_sizes: a > 1, dividing both); ring and allgather split no heads."""
     if scheme not in ("ulysses", "a2a+p2p") or cp == 1:
+        return True
+    nh, nkv = n_heads // tp, max(n_kv_heads // tp, 1)
+    a = a2a_sizes(cp)[0] if scheme == "a2a+p2p" else cp
+    return a > 1 and nh % a == 0 and nkv % a == 0
+
+
+def check_heads(n_heads, n_kv_heads, cp, tp, scheme, T=None):
+    """Raise ConfigError unless heads_fit, naming the cp values that would (and cut a sequence of T positions into
+    2 cp chunks, when T is given)."""
+    if heads_fit(n_heads, n_kv_heads, cp, tp, scheme):
         return
     nh, nkv = n_heads // tp, max(n_kv_heads // tp, 1)
+    cps = [c for c in range(2, 33) if heads_fit(n_heads, n_kv_heads, c, tp, scheme) and (T is None or T % (2 * c) == 0)]
     if scheme == "a2a+p2p":
         a, r = a2a_sizes(cp)
-        if a > 1 and nh % a == 0 and nkv % a == 0:
-            return
-        fits = lambda c: 1 < a2a_sizes(c)[0] and nh % a2a_sizes(c)[0] == 0 == nkv % a2a_sizes(c)[0]
-        cps = [c for c in range(4, 33) if fits(c)]
         why = (f"cp={cp} is prime: no all-to-all group of a > 1 ranks with a ring of r > 1 groups" if a == 1 else
                f"its all-to-all group of a={a} ranks (cp = {a} x {r}) must divide the {nh} query and {nkv} kv heads "
                f"per tp rank (n_heads={n_heads}, n_kv_heads={n_kv_heads}, tp={tp})")
         raise ConfigError(f"--cp-scheme a2a+p2p: {why}; use cp in {cps or 'none'} (seq_len a multiple of 2 cp) or "
                           f"--cp-scheme ring or allgather")
-    if nh % cp == 0 and nkv % cp == 0:
-        return
-    cps = [c for c in range(2, nh + 1) if nh % c == 0 and nkv % c == 0]
     works = f"use cp in {cps} (seq_len a multiple of 2 cp) or " if cps else "no cp > 1 divides them; use "
     raise ConfigError(f"--cp-scheme ulysses splits each tp rank's heads over cp, but n_heads={n_heads} and "
                       f"n_kv_heads={n_kv_heads} over tp={tp} leave {nh} query and {nkv} kv heads per rank, which "

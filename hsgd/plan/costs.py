@@ -198,7 +198,11 @@ def micro_batch_flops(cfg, b, tp, cp, n_blocks, last, recompute, why=None, atten
         lin += n_moe * 2 * N * ((cfg.moe_top_k - 1) * m * C * F / tp + C * cfg.moe_experts)
     att = n_blocks * 4 * scores * C / tp
     f, bwd, w = lin + att, lin + (2.5 if attention == "flash" else 2) * att, lin
-    extra = {"full": lin - (2 * N * C * -(-V // tp) if last else 0) + att, "selective": att}.get(recompute, 0.0)
+    # selective recomputation drops the probabilities and computes them again: only where they are kept (whole
+    # attention without cp materialized, the all-gather, Ulysses); the ring, a2a+p2p and flash keep none
+    keeps = (attention != "flash") if cp == 1 else cp_scheme in ("allgather", "ulysses")
+    extra = {"full": lin - (2 * N * C * -(-V // tp) if last else 0) + att,
+             "selective": att if keeps else 0.0}.get(recompute, 0.0)
     note(why, "compute", f"F = 2 N (2C^2 + 2C K_t tp + {m} C F)/tp x {n_blocks} blocks + 4 S C/tp x {n_blocks}"
                          + (" + 2 N C Vp (head)" if last else "")
                          + (f" + 2 N ((k-1) {m} C F/tp + C E) x {n_moe} MoE blocks" if n_moe else "")

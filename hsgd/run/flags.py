@@ -15,7 +15,7 @@ from hsgd.grid import launch
 from hsgd.tp import shards as tp_shards
 from hsgd.model.config import ModelConfig, flag_names
 from hsgd.run.config_file import read_toml
-from hsgd.cp.split import check_cp, check_heads
+from hsgd.cp.split import check_cp, check_heads, heads_fit
 from hsgd.ep.layout import check_moe_layout
 from hsgd.fp8.domains import check_fp8_layout
 from hsgd.dp.average import check_batch
@@ -99,8 +99,9 @@ def configs_from_args(args, world_size):
     tc.check_targets(world_size)
     tp_shards.check_tp(model, tc.tp, tc.tp_scheme)
     tp_shards.check_tied(model, tc.pp, tc.zero)
-    check_cp(model.seq_len, tc.cp, tc.tp, tc.tp_scheme == "sequence")      # 2cp chunks (and tp T-shards of each)
-    check_heads(model.n_heads, model.n_kv_heads, tc.cp, tc.tp, tc.cp_scheme)   # Ulysses: cp divides the heads
+    heads = lambda c: heads_fit(model.n_heads, model.n_kv_heads, c, tc.tp, tc.cp_scheme)
+    check_cp(model.seq_len, tc.cp, tc.tp, tc.tp_scheme == "sequence", heads)   # 2cp chunks (and tp T-shards of each)
+    check_heads(model.n_heads, model.n_kv_heads, tc.cp, tc.tp, tc.cp_scheme, model.seq_len)   # Ulysses, a2a+p2p
     check_batch(tc.batch_size, tc.dp, tc.micro_batches)
     check_pipeline(model.n_layers, tc)                                   # layers per chunk, the schedule
     check_moe_layout(model, tc)                                          # ep, the balance loss's domain

@@ -51,8 +51,9 @@ class Layout:
     dp: int = flag(None, "data-parallel size: model replicas, each on its own slice of the batch",
                    shown="ranks / (pp * tp)")
     pp: int = flag(1, "pipeline stages, each holding consecutive Transformer blocks")
-    pp_split: str = flag(None, "layers per pipeline stage, e.g. 3,1 (with --virtual-stages v: per chunk, pp x v "
-                               "numbers, chunk c of stage s at position c*pp + s)", shown="as even as possible",
+    pp_split: str = flag(None, "layers per pipeline stage, e.g. 3,1 (with --virtual-stages v: per piece of the "
+                               "model, pp x v numbers in the model's order; the interleaved schedule places piece "
+                               "c*pp + s on stage s as its chunk c)", shown="as even as possible",
                          metavar="N,N,...")
     schedule: str = flag("1f1b", "pipeline schedule (python -m hsgd.schedule draws them)\n"
                          "1f1b: PipeDream-Flush, one forward then one backward in the steady state\n"
@@ -61,7 +62,8 @@ class Layout:
                          "zb-h1: zero-bubble H1, each backward split into B (input gradient) and W (weight "
                          "gradients), the W's filling the bubble", choices=SCHEDULES)
     virtual_stages: int = flag(1, "model chunks per pipeline stage (--schedule interleaved): the layers are cut "
-                                  "into pp x v chunks, chunk c of stage s being chunk c*pp + s of the model")
+                                  "into pp x v pieces, chunk c of stage s being piece c*pp + s of the model (the "
+                                  "loop placement, hsgd.pp.placement)")
     micro_batches: int = flag(1, "micro-batches per DP group and step: the pipeline's m; gradient accumulation when "
                                  "pp = 1")
     tp_scheme: str = flag("megatron", "tensor-parallel scheme\n"
