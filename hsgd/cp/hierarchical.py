@@ -55,7 +55,8 @@ gk a head group's, hs the head size, s bytes per number.
 import numpy as np
 
 from hsgd.cp.ring import Ring
-from hsgd.cp.split import ContextSplit, a2a_sizes, chunk_starts
+from hsgd.cp.ulysses import head_groups
+from hsgd.cp.split import ContextSplit, a2a_sizes, chunk_pairs, chunk_starts
 from hsgd.grid.comm import Comm
 from hsgd.model.backend import array_module
 
@@ -97,20 +98,7 @@ class GroupRing(Ring):
         self.comm, self.T, self.cp, self.r, self.balanced = comm, T, comm.size, comm.rank, balanced
         self.work = {"forward": 0, "backward": 0}
         self.chunks = group_chunks(T, cp, a, self.r, balanced)
-        self.blocks = [self.pairs_of(group_chunks(T, cp, a, o, balanced), xp) for o in range(self.cp)]
-
-    def pairs_of(self, theirs, xp):
-        out = []
-        for lq, gq, nq in self.chunks:
-            for lk, gk, nk in theirs:
-                if gk > gq + nq - 1:
-                    continue                                        # every key after every query: skipped
-                mask = None
-                if gk + nk - 1 > gq:                                # a diagonal block: part masked
-                    pq, pk = np.arange(gq, gq + nq), np.arange(gk, gk + nk)
-                    mask = xp.asarray(np.where(pk[None, :] > pq[:, None], -np.inf, 0.0))
-                out.append((slice(lq, lq + nq), slice(lk, lk + nk), mask))
-        return out
+        self.blocks = [chunk_pairs(self.chunks, group_chunks(T, cp, a, o, balanced), xp) for o in range(self.cp)]
 
 
 class Hierarchical(ContextSplit):
@@ -154,12 +142,7 @@ class Hierarchical(ContextSplit):
         (B, g, a Tl, hs), the own (k, v) (2, B, gk, a Tl, hs), the group's y (B, a Tl, g hs), lse (B, g, a Tl))."""
         xp, a = array_module(q), self.a
         B, Tl, C = q.shape
-        hs = C // nh
-        g, gk = nh // a, k.shape[-1] // hs // a
-        send = xp.empty_like(q, shape=(a, B, g + 2 * gk, Tl, hs))                   # block i: head group i
-        send[:, :, :g] = q.reshape(B, Tl, a, g, hs).transpose(2, 0, 3, 1, 4)
-        send[:, :, g:g + gk] = k.reshape(B, Tl, a, gk, hs).transpose(2, 0, 3, 1, 4)
-        send[:, :, g + gk:] = v.reshape(B, Tl, a, gk, hs).transpose(2, 0, 3, 1, 4)
+        send, g, gk, hs = head_groups(q, k, v, a, nh)                              # block i: head group i
         recv = xp.empty_like(send)
         self.a2a_comm.Alltoall(send, recv)                  # recv[i]: member i's positions of my head group
         rows = lambda x: x.transpose(1, 0, 3, 2, 4).reshape(B, a * Tl, -1)         # (a, B, h, Tl, hs) -> (B, aTl, h hs)

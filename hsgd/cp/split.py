@@ -166,17 +166,24 @@ class ContextSplit:
         return self.blocks[owner]
 
     def block_pairs(self, owner, xp):
-        out = []
-        for lq, gq, nq in self.chunks:
-            for lk, gk, nk in chunk_starts(self.T, self.cp, owner, self.balanced):
-                if gk > gq + nq - 1:
-                    continue                                        # every key after every query: skipped
-                mask = None
-                if gk + nk - 1 > gq:                                # a diagonal block: part masked
-                    pq, pk = np.arange(gq, gq + nq), np.arange(gk, gk + nk)
-                    mask = xp.asarray(np.where(pk[None, :] > pq[:, None], -np.inf, 0.0))
-                out.append((slice(lq, lq + nq), slice(lk, lk + nk), mask))
-        return out
+        return chunk_pairs(self.chunks, chunk_starts(self.T, self.cp, owner, self.balanced), xp)
+
+
+def chunk_pairs(mine, theirs, xp=np):
+    """[(q rows, k rows, mask or None)] of my chunks' queries against their chunks' keys ((local offset, global
+    start, length) each): the pairs not wholly masked, rows as local slices; mask (nq, nk) -inf where the key's
+    global position is after the query's (a diagonal pair), None where no key is."""
+    out = []
+    for lq, gq, nq in mine:
+        for lk, gk, nk in theirs:
+            if gk > gq + nq - 1:
+                continue                                            # every key after every query: skipped
+            mask = None
+            if gk + nk - 1 > gq:                                    # a diagonal block: part masked
+                pq, pk = np.arange(gq, gq + nq), np.arange(gk, gk + nk)
+                mask = xp.asarray(np.where(pk[None, :] > pq[:, None], -np.inf, 0.0))
+            out.append((slice(lq, lq + nq), slice(lk, lk + nk), mask))
+    return out
 
 
 def attention_cache_bytes(cp, scheme, b, T, C, NH, tp, s, attention="materialized", kv=None):

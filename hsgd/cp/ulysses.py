@@ -40,6 +40,21 @@ from hsgd.model.backend import array_module
 from hsgd.model.llama_layers import repeat_kv_backward, repeat_kv_forward
 
 
+def head_groups(q, k, v, n, nh):
+    """(send, g, gk, hs): this rank's q (B, Tl, NH hs), k, v (B, Tl, NKV hs) cut into n head groups, block j of send
+    (n, B, g + 2 gk, Tl, hs) being [q | k | v] of group j (g = NH/n query heads, gk = NKV/n kv heads): what an
+    all-to-all over n ranks sends to rank j (Ulysses; a2a+p2p inside its groups)."""
+    xp = array_module(q)
+    B, Tl, C = q.shape
+    hs = C // nh
+    g, gk = nh // n, k.shape[-1] // hs // n
+    send = xp.empty_like(q, shape=(n, B, g + 2 * gk, Tl, hs))
+    send[:, :, :g] = q.reshape(B, Tl, n, g, hs).transpose(2, 0, 3, 1, 4)
+    send[:, :, g:g + gk] = k.reshape(B, Tl, n, gk, hs).transpose(2, 0, 3, 1, 4)
+    send[:, :, g + gk:] = v.reshape(B, Tl, n, gk, hs).transpose(2, 0, 3, 1, 4)
+    return send, g, gk, hs
+
+
 class Ulysses(ContextSplit):
     """Ulysses attention over cp_comm: all-to-all to a head split, the whole causal attention on this rank's head
     group, all-to-all back (see the module docstring)."""
@@ -62,12 +77,7 @@ class Ulysses(ContextSplit):
         hs), its K and V (B, gk, T, hs) each (one array), and the probabilities (B, g, T, T); rows in rank order."""
         xp, cp = array_module(q), self.cp
         B, Tl, C = q.shape
-        hs = C // nh
-        g, gk = nh // cp, k.shape[-1] // hs // cp
-        send = xp.empty_like(q, shape=(cp, B, g + 2 * gk, Tl, hs))                  # block j: head group j
-        send[:, :, :g] = q.reshape(B, Tl, cp, g, hs).transpose(2, 0, 3, 1, 4)
-        send[:, :, g:g + gk] = k.reshape(B, Tl, cp, gk, hs).transpose(2, 0, 3, 1, 4)
-        send[:, :, g + gk:] = v.reshape(B, Tl, cp, gk, hs).transpose(2, 0, 3, 1, 4)
+        send, g, gk, hs = head_groups(q, k, v, cp, nh)                             # block j: head group j
         recv = xp.empty_like(send)
         self.comm.Alltoall(send, recv)                      # recv[i]: rank i's positions of my head group
         T = cp * Tl
