@@ -31,6 +31,28 @@ def tensor(name, parts, cfg, transposed, interleave="block", groups=1):
     return t
 
 
+class Renames:
+    """A table of tensors that are each one reference parameter under another name (out: {name: (Tensor, None)}):
+    add one, a linear's weight (stored (out, in): transposed) and its bias when the family has biases, a norm's
+    weight and its bias with LayerNorm."""
+
+    def __init__(self, cfg):
+        self.cfg, self.out = cfg, {}
+
+    def add(self, name, param, transposed=False):
+        self.out[name] = (tensor(name, [param], self.cfg, transposed), None)
+
+    def linear(self, name, prefix):
+        self.add(name + ".weight", prefix + ".weight", True)
+        if self.cfg.bias:
+            self.add(name + ".bias", prefix + ".bias")
+
+    def norm(self, name, prefix):
+        self.add(name + ".weight", prefix + ".weight")
+        if self.cfg.norm == "layernorm":
+            self.add(name + ".bias", prefix + ".bias")
+
+
 def megatron_tensors(cfg, tp):
     """{name: (Tensor, split axis)} of megatron-core's GPT model (Transformer Engine spec) of cfg's family on tp
     ranks: column-parallel linears split along their stored axis 0 (out), row-parallel ones along axis 1 (in), the
@@ -79,29 +101,20 @@ def hf_tensors(cfg):
     if (cfg.norm, cfg.positions, cfg.mlp) != ("rmsnorm", "rope", "swiglu"):
         raise ValueError(f"Hugging Face's LlamaForCausalLM is rmsnorm, rope and swiglu, not {cfg.norm}, "
                          f"{cfg.positions} and {cfg.mlp}")
-    out = {}
-
-    def add(name, param, transposed=False):
-        out[name] = (tensor(name, [param], cfg, transposed), None)
-
-    def linear(name, prefix):
-        add(name + ".weight", prefix + ".weight", True)
-        if cfg.bias:
-            add(name + ".bias", prefix + ".bias")
-
-    add("model.embed_tokens.weight", "wte")
+    t = Renames(cfg)
+    t.add("model.embed_tokens.weight", "wte")
     for i in range(cfg.n_layers):
         h, m = f"h.{i}.", f"model.layers.{i}."
-        add(m + "input_layernorm.weight", h + "ln1.weight")
+        t.add(m + "input_layernorm.weight", h + "ln1.weight")
         for mine, theirs in (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj"), ("proj", "o_proj")):
-            linear(m + "self_attn." + theirs, h + "attn." + mine)
-        add(m + "post_attention_layernorm.weight", h + "ln2.weight")
+            t.linear(m + "self_attn." + theirs, h + "attn." + mine)
+        t.add(m + "post_attention_layernorm.weight", h + "ln2.weight")
         for mine, theirs in (("gate", "gate_proj"), ("up", "up_proj"), ("proj", "down_proj")):
-            linear(m + "mlp." + theirs, h + "mlp." + mine)
-    add("model.norm.weight", "ln_f.weight")
+            t.linear(m + "mlp." + theirs, h + "mlp." + mine)
+    t.add("model.norm.weight", "ln_f.weight")
     if not cfg.tied:
-        add("lm_head.weight", "lm_head.weight", True)
-    return out
+        t.add("lm_head.weight", "lm_head.weight", True)
+    return t.out
 
 
 # in the state dict of older torchtitan versions (a persistent buffer) but no parameter: the rotary table
@@ -128,41 +141,27 @@ def torchtitan_tensors(cfg):
     permutes them so). With rotary positions the table gives wq and wk (weights and biases) "rotary": "interleaved",
     so that a real torchtitan checkpoint reads as the reference's model (dump.Tensor.pair_order);
     benchmarks/crosscheck_fsdp2.py turns its pairs so too."""
-    out = {}
-
-    def add(name, param, transposed=False):
-        out[name] = (tensor(name, [param], cfg, transposed), None)
-
-    def norm(name, prefix):
-        add(name + ".weight", prefix + ".weight")
-        if cfg.norm == "layernorm":
-            add(name + ".bias", prefix + ".bias")
-
-    def linear(name, prefix):
-        add(name + ".weight", prefix + ".weight", True)
-        if cfg.bias:
-            add(name + ".bias", prefix + ".bias")
-
-    add("tok_embeddings.weight", "wte")
+    t = Renames(cfg)
+    t.add("tok_embeddings.weight", "wte")
     if cfg.positions == "learned":
-        add("pos_embeddings.weight", "wpe")
+        t.add("pos_embeddings.weight", "wpe")
     for i in range(cfg.n_layers):
         h, m = f"h.{i}.", f"layers.{i}."
-        norm(m + "attention_norm", h + "ln1")
+        t.norm(m + "attention_norm", h + "ln1")
         for mine, theirs in (("q", "wq"), ("k", "wk"), ("v", "wv"), ("proj", "wo")):
-            linear(m + "attention." + theirs, h + "attn." + mine)
-        norm(m + "ffn_norm", h + "ln2")
+            t.linear(m + "attention." + theirs, h + "attn." + mine)
+        t.norm(m + "ffn_norm", h + "ln2")
         mlp = (("fc", "w1"),) if cfg.mlp == "gelu" else (("gate", "w1"), ("up", "w3"))
         for mine, theirs in mlp + (("proj", "w2"),):
-            linear(m + "feed_forward." + theirs, h + "mlp." + mine)
-    norm("norm", "ln_f")
+            t.linear(m + "feed_forward." + theirs, h + "mlp." + mine)
+    t.norm("norm", "ln_f")
     if not cfg.tied:
-        add("output.weight", "lm_head.weight", True)
+        t.add("output.weight", "lm_head.weight", True)
     if cfg.positions == "rope":
-        for name, (t, _) in out.items():
+        for name, (tt, _) in t.out.items():
             if ".attention.wq." in name or ".attention.wk." in name:
-                t.rotary = cfg.head_size                      # torchtitan's rotary pairs (2i, 2i + 1)
-    return out
+                tt.rotary = cfg.head_size                     # torchtitan's rotary pairs (2i, 2i + 1)
+    return t.out
 
 
 def torchtitan_03_tensors(cfg):
