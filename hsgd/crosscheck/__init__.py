@@ -21,6 +21,7 @@ hsgd.crosscheck.dcp         a PyTorch Distributed Checkpoint folder read without
 hsgd.crosscheck.from_dcp    python -m hsgd.crosscheck.from_dcp DIR --out DUMP: a DCP folder of one step as a dump
 hsgd.crosscheck.classify    what kind of bug a wrong gradient shows: a constant factor, a permutation, padding,
                             a partial sum, fused parts swapped, a tied weight's part missing, or only rounding
+hsgd.crosscheck.explain     why a failing gradient fails: what classify compares it with, gathered once, in order
 hsgd.crosscheck.fused       a fused tensor searched as one: which blocks of q|k|v or gate|up moved where
 hsgd.crosscheck.local       each data-parallel rank's own rows' gradient (what an unreduced gradient is)
 hsgd.crosscheck.replicas    what each rank's shard of a failing gradient holds (the replica verdicts name ranks)

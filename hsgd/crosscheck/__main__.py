@@ -29,7 +29,6 @@ checked.
 """
 import json
 import sys
-from dataclasses import replace
 
 import numpy as np
 
@@ -41,11 +40,9 @@ from hsgd.errors import UsageError
 from hsgd.model.precision import LOW, unit_roundoff
 from hsgd.files import writable_file
 from hsgd.readers import printable
-from . import fused
-from .classify import classify, factor_names, match
+from .classify import factor_names
 from .experts import Others, reference
-from .local import Local
-from .replicas import shard_states, stored_candidates
+from .explain import Explainer
 from .manifest import check_set
 from .read import load
 
@@ -153,21 +150,6 @@ def describe(t):
     return text
 
 
-def shard_blocks(t):
-    """[(axis, length, "shards")]: the blocks of a split tensor's shards, in the reference's orientation, when it
-    is one parameter split along one axis into equal shards (a permutation of them is the ranks gathered in another
-    order)."""
-    lengths = {s.length for s in t.shards if s.axis is not None and s.length}
-    axes = {s.axis for s in t.shards if s.slices}
-    if len(t.parts) > 1 or len(axes) != 1 or None in axes or len(lengths) != 1 or \
-            any(s.padding for s in t.shards):
-        return []
-    axis = axes.pop()
-    if t.transposed:
-        axis = 1 - axis
-    return [(axis, lengths.pop(), "shards")]
-
-
 def rounding_band(dump, params, loss0, grads0, draws):
     """{name: band, "loss": band}: the tolerance oracle's band for the dump's low-precision dtype (see the module
     docstring), from `draws` runs of hsgd's one-rank model in float64 through hsgd.check.oracle.Perturbed. The
@@ -208,34 +190,6 @@ def rounding_band(dump, params, loss0, grads0, draws):
     return {k: LAMBDA * float(np.sqrt(v)) + allowance for k, v in var.items()}
 
 
-def relaid(t, G, grads0, tol, cfg, tp):
-    """(class, detail) when the fused tensor t's stored gradient G, read with another of the usual layouts, gives
-    every part's reference gradient within tol: [p0 | p1 | p2] (groups 1), per query group (NKV), per head (NH), per
-    tp rank (tp); else None. A layout.json that says another layout than the system wrote."""
-    said = t.n_pieces()
-    for n in sorted({1, cfg.n_kv_heads, cfg.n_heads, tp} - {said}):
-        if any(length % n for length in t.lengths):
-            continue
-        other = replace(t, interleave="groups", groups=n)
-        if all(match(a, grads0[p], tol) for p, a in other.to_reference(G).items()):
-            layout = "[p0 | p1 | ...] (interleave block)" if n == 1 else f"interleave groups, groups = {n}"
-            return "fused layout", (f"{t.name} holds its parts as {layout}, not as layout.json says ("
-                                    f"{t.interleave}, {said} pieces per part): read so, every part is the reference")
-    return None
-
-
-def tied_parts(dump, params):
-    """The two uses' parts of a tied wte's reference gradient, as classify's `others`: with tied embeddings
-    (logits = x wte^T) dL/dwte = the lookup's (rows of the batch's ids) + the LM head's; the reference of the same
-    model untied, with lm_head = wte^T, gives them apart (its wte and lm_head.weight^T)."""
-    untied = replace(dump.cfg, tied=False)
-    _, g = reference(replace(dump, cfg=untied), {**params, "lm_head.weight": params["wte"].T.copy()})
-    return [("part missing", "G is the embedding lookup's part alone: the LM head's (tied: logits = x wte^T) is "
-                             "not added to wte's gradient", g["wte"]),
-            ("part missing", "G is the LM head's part alone: the embedding lookup's is not added to wte's gradient",
-             g["lm_head.weight"].T)]
-
-
 def structure_tolerance(dtype, tol, R, floor2):
     """How close a wrong gradient must come to a candidate for classify to name it: the dtype's STRUCTURE, or
     twice the tolerance; in bfloat16 and float16 twice the band, which is relative to max(||R||, floor2)."""
@@ -245,40 +199,10 @@ def structure_tolerance(dtype, tol, R, floor2):
     return 2 * tol * max(norm, floor2) / max(norm, 1e-300)
 
 
-def other_gradients(dump, params, grads0, t, name, floor2):
-    """[(class, detail, gradient)] the system may have given in name's place: a part fused beside it in t with its
-    shape, or any other parameter of its shape whose gradient is not near zero ("swapped": every k-bias gradient is
-    0, and a zero would hold them all), and with a tied head wte's two parts alone ("part missing")."""
-    others = [("swapped", f"{name} holds {o}'s gradient, fused beside it in {t.name}: the parts are in another order "
-                          f"than layout.json's fused.parts", grads0[o])
-              for o in t.parts if o != name and grads0[o].shape == grads0[name].shape]
-    others += [("swapped", f"{name} holds {o}'s gradient: the gradients are written under other names (or the "
-                           f"layers in another order) than layout.json says", g)
-               for o, g in grads0.items() if o not in t.parts and g.shape == grads0[name].shape and
-               float(np.linalg.norm(g)) > floor2]
-    if name == "wte" and dump.cfg.tied:
-        others += tied_parts(dump, params)
-    return others
-
-
-def fused_moves(t, G, grads0, tol, hs):
-    """{part: (class, detail)} when the fused tensor t's stored gradient G is the reference's with blocks moved among
-    its parts (hsgd.crosscheck.fused), else {}."""
-    R = t.from_reference(grads0)
-    moved = fused.moves(t, G, R, tol, hs)
-    if moved is None:
-        return {}
-    u = fused.unit(t, hs)
-    word = "heads" if u == hs and any(".attn." in p for p in t.parts) else f"blocks of {u} entries"
-    return fused.describe(t, moved, word, hs)
-
-
 def check(dump, draws=3):
     """The verdict: (ok, loss row, rows) with rows [dict per reference parameter]."""
     params = dump.reference_params()
     loss0, grads0 = reference(dump, params)
-    moe = Others(dump, params, grads0)                    # what an expert-parallel bug gives, when first asked
-    local = Local(dump, params)                           # each dp rank's own rows' gradient, when first asked
     low = dump.dtype in LOW
     tol_loss, tol_grad = TOLERANCE.get(dump.dtype, (None, None))
     floor = FLOOR * max(float(np.abs(g).max()) for g in grads0.values())
@@ -287,18 +211,18 @@ def check(dump, draws=3):
     if low:
         band = rounding_band(dump, params, loss0, grads0, draws)
         tol_loss = band["loss"]
-    p = dump.parallel
-    names = factor_names(p, dump.idx.size)
-    hs = dump.cfg.head_size
+    names = factor_names(dump.parallel, dump.idx.size)
     loss_err = abs(dump.loss - loss0) / abs(loss0) if np.isfinite(dump.loss) else float("inf")
     loss_row = {"system": dump.loss, "reference": loss0, "error": loss_err, "tolerance": tol_loss,
                 "ok": bool(loss_err <= tol_loss), "finite": bool(np.isfinite(dump.loss)), "detail": ""}
     if not loss_row["ok"] and loss_row["finite"]:
-        loss_row["detail"] = moe.loss(dump.loss, tol_loss) or ""
-    rows, relayouts, candidates = {}, {}, {}
+        loss_row["detail"] = Others(dump, params, grads0).loss(dump.loss, tol_loss) or ""
+    why = Explainer(dump, params, grads0, names, floor2)   # what a failing gradient is (made when first asked)
+    rows = {}
     for t in dump.tensors.values():
         copies, labels, pads = copies_of(t, dump.grads)
         mapped = [t.to_reference(c) for c in copies]
+        split = describe(t)
         for name in t.parts:
             R = grads0[name]
             mine = [m[name] for m in mapped]
@@ -314,29 +238,16 @@ def check(dump, draws=3):
             pad = float(np.max([np.abs(a).max() for a in pads if a.size] or [0.0]))
             pad_limit = tol * max(float(np.abs(R).max()), floor)     # padding: held to the real entries' measure
             ok = err <= tol and pad <= pad_limit
-            row = {"name": name, "shape": list(R.shape), "tensor": t.name, "split": describe(t),
+            row = {"name": name, "shape": list(R.shape), "tensor": t.name, "split": split,
                    "abs_error": abs_err, "error": err, "tolerance": tol, "ok": bool(ok), "class": "", "detail": ""}
             if ok and dump.dtype != "float64" and err > TOLERANCE["float64"][1]:
                 row["class"] = "within the rounding band"          # not exact, but as close as the dtype can be
                 row["detail"] = (f"{err:.1e}: over float64's {TOLERANCE['float64'][1]:.0e}, within {dump.dtype}'s "
                                  f"{tol:.1e}")
             if not ok:
-                structure = structure_tolerance(dump.dtype, tol, R, floor2)
-                if len(t.parts) > 1 and t.name not in relayouts:         # (once per fused tensor)
-                    relayouts[t.name] = relaid(t, copies[0], grads0, structure, dump.cfg, p["tp"]) or \
-                        fused_moves(t, copies[0], grads0, structure, hs)
-                found = relayouts.get(t.name)
-                if isinstance(found, dict):
-                    found = found.get(name)                            # (this part's blocks moved, or not)
-                if found is None:
-                    if t.name not in candidates:                            # (once per tensor, when it fails)
-                        candidates[t.name] = stored_candidates(t, local)
-                    states = shard_states(t, name, dump.grads, t.from_reference(grads0), candidates[t.name],
-                                          structure)
-                    found = classify(name, mine, R, structure, names, hs, labels, pad if pad > pad_limit else 0.0,
-                                     floor2, shard_blocks(t), other_gradients(dump, params, grads0, t, name, floor2) +
-                                     moe.of(name) + local.of(name), states)
-                row["class"], row["detail"] = found
+                row["class"], row["detail"] = why.of(t, name, copies, labels, mine,
+                                                     structure_tolerance(dump.dtype, tol, R, floor2),
+                                                     pad if pad > pad_limit else 0.0)
             rows[name] = row
     ordered = [rows[n] for n in dump.cfg.param_shapes()]
     ok = loss_row["ok"] and all(r["ok"] for r in ordered)
