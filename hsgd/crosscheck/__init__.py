@@ -18,6 +18,7 @@ hsgd.crosscheck.systems     other systems' storage of the model as a dump's tens
 hsgd.crosscheck.safetensors a bounded safetensors reader (any of a dump's arrays may be NAME.safetensors) and writer
 hsgd.crosscheck.dcp         a PyTorch Distributed Checkpoint folder read without unpickling anything but its
                             .metadata, and that only through PyTorch's reader for a caller that trusts it
+hsgd.crosscheck.torch_save  one tensor of a DCP chunk as torch.save wrote it, read without unpickling
 hsgd.crosscheck.from_dcp    python -m hsgd.crosscheck.from_dcp DIR --out DUMP: a DCP folder of one step as a dump
 hsgd.crosscheck.classify    what kind of bug a wrong gradient shows: a constant factor, a permutation, padding,
                             a partial sum, fused parts swapped, a tied weight's part missing, or only rounding
