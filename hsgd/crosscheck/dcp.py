@@ -27,9 +27,9 @@ below 2^31, the non-zero ones' product at most 2^48: hsgd.crosscheck.safetensors
 inside its tensor, check(FQN) that each chunk's declared bytes fit in its file's range (so a declared shape larger
 than the files is refused before any allocation) and that the chunks add up to the tensor, disjoint(FQN) that none
 overlap, world(n) that no chunk and no .distcp file of the folder is on a rank beyond the run's n ranks. A
-torch_save chunk (hsgd.crosscheck.torch_save) has its data.pkl read with pickletools.genops, a disassembler (it executes nothing), and only the
-opcodes of a plain tensor, `_rebuild_tensor_v2(persistent storage, offset, size, stride, requires_grad,
-OrderedDict())`, are accepted; the storage's bytes must be numel x itemsize, the strided view inside them. Anything
+torch_save chunk (hsgd.crosscheck.torch_save) has its data.pkl read with pickletools.genops, a disassembler (it
+executes nothing), and only the opcodes of a plain tensor, `_rebuild_tensor_v2(persistent storage, offset, size,
+stride, requires_grad, OrderedDict())`, are accepted; the storage's bytes must be numel x itemsize, the strided view inside them. Anything
 else is one DumpError line naming the file: a zip member compressed (data.pkl too must be stored, as torch.save
 writes it), a DCP_SHARDING_INFO whose saved_offsets are not the chunk's offsets.
 
