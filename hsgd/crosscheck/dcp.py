@@ -29,9 +29,9 @@ than the files is refused before any allocation) and that the chunks add up to t
 overlap, world(n) that no chunk and no .distcp file of the folder is on a rank beyond the run's n ranks. A
 torch_save chunk (hsgd.crosscheck.torch_save) has its data.pkl read with pickletools.genops, a disassembler (it
 executes nothing), and only the opcodes of a plain tensor, `_rebuild_tensor_v2(persistent storage, offset, size,
-stride, requires_grad, OrderedDict())`, are accepted; the storage's bytes must be numel x itemsize, the strided view inside them. Anything
-else is one DumpError line naming the file: a zip member compressed (data.pkl too must be stored, as torch.save
-writes it), a DCP_SHARDING_INFO whose saved_offsets are not the chunk's offsets.
+stride, requires_grad, OrderedDict())`, are accepted; the storage's bytes must be numel x itemsize, the strided
+view inside them. Anything else is one DumpError line naming the file: a zip member compressed (data.pkl too must
+be stored, as torch.save writes it), a DCP_SHARDING_INFO whose saved_offsets are not the chunk's offsets.
 
 DCP saves each distinct chunk once (torch.distributed.checkpoint's plans are deduplicated, _dedup_save_plans):
 a chunk every rank of a replica group held is on one rank's file only. Left out: stream transforms (compressed
