@@ -160,9 +160,9 @@ def test_what_the_new_schedules_do_not_combine_with_is_refused():
     from hsgd.errors import ConfigError
     from hsgd.run.flags import configs_from_args
     from hsgd.run.flags import build_parser
-    for flags, words in ((["--zero", "2", "--schedule", "zb-h1"], "zb-h1 computes the weight gradients later"),
+    for flags, words in ((["--zero", "2", "--schedule", "zb-h1"], "this schedule computes weight gradients later"),
                          (["--memory", "--schedule", "interleaved", "--virtual-stages", "2"],
-                          "measure interleaved and zb-h1 schedules with python -m hsgd.schedule --run"),
+                          "measure interleaved with python -m hsgd.schedule --run"),
                          (["--schedule", "interleaved", "--virtual-stages", "3"], "cannot be cut into pp x "
                           "virtual_stages = 2 x 3 = 6 chunks")):
         args = build_parser().parse_args(["--pp", "2", "--tp", "1", "--n-layers", "4", "--micro-batches", "2",

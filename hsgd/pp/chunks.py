@@ -88,11 +88,12 @@ def chunk_layers(n_layers, pp, v=1, split=None):
 
 def stage_chunks(n_layers, pp, s, v=1, split=None, pl=None):
     """Stage s's chunks, [(k, layers, first, last)]: chunk c is the model's piece k = pl.piece(s, c) (hsgd.pp.
-    placement; default the loop, k = c pp + s; chunk_layers cuts the pieces), first when it is piece 0 (the
-    embedding), last when it is piece pp v - 1 (the head and the loss)."""
-    cut = chunk_layers(n_layers, pp, v, split)
+    placement; default the loop, k = c pp + s; chunk_layers cuts the pl.K pieces: pp v, or pp in the dual
+    placement), first when it is piece 0 (the embedding), last when it is piece K - 1 (the head and the loss)."""
+    K = pl.K if pl is not None else pp * v                          # (the dual placement: pp pieces, twice)
+    cut = chunk_layers(n_layers, pp, K // pp, split)
     pieces = [pl.piece(s, c) if pl is not None else c * pp + s for c in range(v)]
-    return [(k, cut[k], k == 0, k == pp * v - 1) for k in pieces]
+    return [(k, cut[k], k == 0, k == K - 1) for k in pieces]
 
 
 def pp_formula(batch_per_mb, cfg, m, first, last, itemsize, scheme="megatron", tp=1, v=1, cp=1, local=0):

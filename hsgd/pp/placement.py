@@ -11,14 +11,23 @@ v - 1. Two placements:
            last piece, the loss among them (ZB-V: Qi et al. 2024, "Pipeline Parallelism with Controllable Memory";
            DualPipeV, the V-shaped half of DeepSeek-AI 2024's DualPipe)
 
+    dual   v = 2, p even, the model cut into p pieces held twice (DualPipe: DeepSeek-AI 2024): micro-batches 0 ..
+           m/2 - 1 go down (piece k on stage k, its chunk 0), micro-batches m/2 .. m-1 go up (piece k on stage
+           p-1-k, its chunk 1). Stage s holds pieces s and p-1-s, and so does stage p-1-s: every parameter is on two
+           stages, whose gradients are summed after the backward passes (hsgd.pp.dual); the pieces' "holder" below
+           is the downward one (the checkpoint's files, evaluation)
+
 A piece hands its activation to piece k + 1 and receives its gradient from there; when both pieces are on one
 stage the hand-off is a local copy, not a message (Stage.forward and Stage.backward, and pp_formula's count).
+Along the path of a micro-batch through chunk c of stage s, pl.before(s, c) and pl.after(s, c) are the (stage,
+chunk) of the pieces k - 1 and k + 1 (None at either end); pl.runs(c, j, m) whether micro-batch j (of m) passes
+through chunk c at all (always, but in the dual placement).
 
     pl = placement("loop", p, v)       pl.piece(s, c) -> k      pl.holder(k) -> (s, c)     pl.stage(k) -> s
 """
 from hsgd.errors import ConfigError
 
-SHAPES = ("loop", "v")
+SHAPES = ("loop", "v", "dual")
 
 
 class Placement:
@@ -30,17 +39,44 @@ class Placement:
         if shape == "v" and v != 2:
             raise ConfigError(f"the V placement puts 2 chunks on every stage (down and back up), not {v}; use "
                               "virtual_stages 2")
-        self.shape, self.p, self.v, self.K = shape, p, v, p * v
-        self.where = [None] * self.K                          # piece k -> (stage, chunk)
+        if shape == "dual" and (v != 2 or p % 2):
+            raise ConfigError(f"the dual placement runs micro-batches from both ends of an even number of stages, "
+                              f"each holding 2 chunks: not pp={p} with {v} chunks; use an even pp")
+        self.shape, self.p, self.v, self.K = shape, p, v, p if shape == "dual" else p * v
+        self.where = [None] * self.K                          # piece k -> (stage, chunk) (dual: going down)
         for s in range(p):
             for c in range(v):
-                self.where[self.piece(s, c)] = (s, c)
+                if shape != "dual" or c == 0:
+                    self.where[self.piece(s, c)] = (s, c)
 
     def piece(self, s, c):
         """The piece chunk c of stage s holds."""
         if self.shape == "v":
             return s if c == 0 else 2 * self.p - 1 - s
+        if self.shape == "dual":
+            return s if c == 0 else self.p - 1 - s
         return c * self.p + s
+
+    def before(self, s, c):
+        """(stage, chunk) of the piece before chunk c of stage s on its micro-batches' path; None for piece 0."""
+        k = self.piece(s, c)
+        if k == 0:
+            return None
+        return (s - 1, 0) if self.shape == "dual" and c == 0 else (s + 1, 1) if self.shape == "dual" \
+            else self.where[k - 1]
+
+    def after(self, s, c):
+        """(stage, chunk) of the piece after chunk c of stage s on its micro-batches' path; None for the last."""
+        k = self.piece(s, c)
+        if k == self.K - 1:
+            return None
+        return (s + 1, 0) if self.shape == "dual" and c == 0 else (s - 1, 1) if self.shape == "dual" \
+            else self.where[k + 1]
+
+    def runs(self, c, j, m):
+        """Whether micro-batch j of m passes through chunk c (dual: the first half goes down chunk 0, the second
+        half up chunk 1)."""
+        return self.shape != "dual" or c == (j >= m // 2)
 
     def holder(self, k):
         """(stage, chunk) of piece k."""
@@ -53,7 +89,7 @@ class Placement:
     def local_handoffs(self, s):
         """How many of stage s's pieces hand their activation to a piece of the same stage (k and k + 1 both on
         s): 0 in a loop of p > 1 stages, 1 on the V's last stage."""
-        return sum(1 for k in range(self.K - 1) if self.stage(k) == s == self.stage(k + 1))
+        return sum(1 for c in range(self.v) if self.after(s, c) is not None and self.after(s, c)[0] == s)
 
     def __eq__(self, other):
         return isinstance(other, Placement) and (self.shape, self.p, self.v) == (other.shape, other.p, other.v)

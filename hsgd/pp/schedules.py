@@ -45,7 +45,9 @@ from collections import deque, namedtuple
 from hsgd.errors import ConfigError
 from hsgd.pp.placement import placement
 
-SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1")
+SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1", "zb-v", "dualpipev", "dualpipe")
+PLACEMENTS = {"zb-v": "v", "dualpipev": "v", "dualpipe": "dual"}     # the others: the loop (hsgd.pp.placement)
+TWO_CHUNKS = tuple(PLACEMENTS)     # schedules whose stages hold 2 chunks each, whatever --virtual-stages says
 MAX_PIECES = 2**18     # p v m, the (stage, chunk, micro-batch) triples of a step: each is an F and a B (and a W) in a
                        # list; 2^18 of them (up to 800k actions) build and simulate in a few seconds
 
@@ -70,12 +72,39 @@ class Action(namedtuple("Action", "kind mb chunk")):
         return f"{self.kind}{self.mb}" + (f".{self.chunk}" if self.chunk else "")
 
 
-KIND_NAMES = {"F": "forward", "B": "backward", "W": "weight gradients"}       # (trace spans, picture legends)
+class Pair(namedtuple("Pair", "f b")):
+    """A forward and a backward of two different micro-batches run as one action (DualPipe's overlapped F&B,
+    DeepSeek-AI 2024): both inputs are received before it starts, both outputs sent when it ends; in the
+    simulation it costs the pair's own time (costs[3]: less than the two apart where one's communication hides
+    behind the other's computation). str: F5&B2.1."""
+    __slots__ = ()
+    kind = "F&B"
+
+    def __str__(self):
+        return f"{self.f}&{self.b}"
+
+
+def flat(actions):
+    """One stage's list with every Pair as its F and its B, in that order."""
+    return [x for a in actions for x in ((a.f, a.b) if isinstance(a, Pair) else (a,))]
+
+
+KIND_NAMES = {"F": "forward", "B": "backward", "W": "weight gradients", "F&B": "forward & backward"}
+
+
+def chunk_count(kind, v):
+    """The chunks per stage schedule `kind` runs with --virtual-stages v: 2 for the V and dual schedules
+    (TWO_CHUNKS), v for the others."""
+    return 2 if kind in TWO_CHUNKS else v
 
 
 def effective(kind, p, v=1):
     """The schedule a pipeline of p stages runs for `kind`: one stage has no bubble to fill and runs F0 B0 F1 B1 ...
     (1F1B), which holds one micro-batch at a time. Raises ConfigError for v > 1 on one stage."""
+    if p == 1 and kind in TWO_CHUNKS:
+        raise ConfigError(f"schedule={kind!r} places two chunks on every stage, down the stages and back up (the V"
+                          f"{'s of both ends' if kind == 'dualpipe' else ''}): one stage would hand every activation "
+                          f"to itself; use --pp {4 if kind == 'dualpipe' else 2} or more, or --schedule 1f1b")
     if p == 1 and v > 1:
         raise ConfigError(f"virtual_stages={v} needs pp > 1: one stage holding v chunks would pass every activation "
                           "to itself; use --pp 2 or more, or --virtual-stages 1")
@@ -173,6 +202,10 @@ def build(kind, m, p, v=1, costs=(1.0, 1.0, 1.0)):
     if kind not in SCHEDULES:
         raise ConfigError(f"schedule={kind!r} is not known; use one of {', '.join(SCHEDULES)}")
     check_size(m, p, v)
+    effective(kind, p, v)                                               # (one stage: no V; v > 1 needs p > 1)
+    if kind in TWO_CHUNKS:
+        from hsgd.pp import vshape
+        return vshape.build(kind, m, p, v)
     if v != 1 and kind != "interleaved":
         raise ConfigError(f"virtual_stages={v} needs the interleaved schedule (schedule={kind!r} runs one chunk "
                           f"per stage); use --schedule interleaved, or --virtual-stages 1")
@@ -189,9 +222,11 @@ def check_pipeline(n_layers, layout):
     the schedule's own conditions (build). layout: the Layout settings (what the schedules combine with beyond
     GPipe and 1F1B is checked by TrainConfig.validate)."""
     from hsgd.pp.chunks import chunk_layers, parse_split
-    chunk_layers(n_layers, layout.pp, layout.virtual_stages, parse_split(layout.pp_split))
-    if layout.pp > 1 or layout.virtual_stages > 1:
-        build(layout.schedule, layout.micro_batches, layout.pp, layout.virtual_stages)
+    v = chunk_count(layout.schedule, layout.virtual_stages)
+    pieces = placement_of(effective(layout.schedule, layout.pp, v), layout.pp, v).K
+    chunk_layers(n_layers, layout.pp, pieces // layout.pp, parse_split(layout.pp_split))
+    if layout.pp > 1 or v > 1:
+        build(layout.schedule, layout.micro_batches, layout.pp, v)
 
 
 # ------------------------------------------------------------------------------------------------ the static check
@@ -199,18 +234,19 @@ def check_pipeline(n_layers, layout):
 def _dependency(a, s, pl):
     """(kind, stage, mb, chunk) of the action that `a` on stage s waits for (None: nothing but its own stage), the
     pieces placed as pl (hsgd.pp.placement) says: F of piece k waits for F of piece k-1, B for B of piece k+1."""
-    k = pl.piece(s, a.chunk)
     if a.kind == "F":
-        return None if k == 0 else ("F", pl.stage(k - 1), a.mb, pl.holder(k - 1)[1])
+        prev = pl.before(s, a.chunk)
+        return None if prev is None else ("F", prev[0], a.mb, prev[1])
     if a.kind == "B":
-        return ("F", s, a.mb, a.chunk) if k == pl.K - 1 else ("B", pl.stage(k + 1), a.mb, pl.holder(k + 1)[1])
+        nxt = pl.after(s, a.chunk)
+        return ("F", s, a.mb, a.chunk) if nxt is None else ("B", nxt[0], a.mb, nxt[1])
     return ("B", s, a.mb, a.chunk)
 
 
 def placement_of(kind, p, v=1):
-    """The placement (hsgd.pp.placement) schedule `kind` runs on: every schedule here places its pieces in a loop
-    (chunk c of stage s is piece c p + s)."""
-    return placement("loop", p, v)
+    """The placement (hsgd.pp.placement) schedule `kind` runs on: the V for zb-v and dualpipev, the dual one for
+    dualpipe, the loop (chunk c of stage s is piece c p + s) for the others."""
+    return placement(PLACEMENTS.get(kind, "loop"), p, v)
 
 
 def check(actions, m, v=1, pl=None):
@@ -223,73 +259,85 @@ def check(actions, m, v=1, pl=None):
 
 def simulate(actions, m, v=1, costs=(1.0, 1.0, 1.0), pl=None):
     """[[(action, start, end)] per stage]: each action starts when its stage is free and its input is there; F
-    costs f, B b (fused: b + w), W w (costs = (f, b, w), per chunk). Raises ScheduleError (see check). A stage runs
-    its list until an action's input is missing, then waits; the action that brings the input wakes it again, so
-    every action is looked at a bounded number of times (linear in the actions, however many stages)."""
-    p, (f, b, w) = len(actions), costs
+    costs f, B b (fused: b + w), W w (costs = (f, b, w), per chunk); a Pair (F&B) waits for both inputs and costs
+    costs[3] if given, else its F and B apart. Raises ScheduleError (see check). A stage runs its list until an
+    action's input is missing, then waits; the action that brings the input wakes it again, so every action is
+    looked at a bounded number of times (linear in the actions, however many stages)."""
+    p, (f, b, w), fb = len(actions), costs[:3], (costs[3] if len(costs) > 3 else None)
     check_size(m, p, v)
     pl = pl or placement("loop", p, v)
-    split = _validate(actions, m, v)
+    split = _validate(actions, m, v, pl)
     done, timeline, pos, free = {}, [[] for _ in range(p)], [0] * p, [0.0] * p
     awake, waiter = list(range(p - 1, -1, -1)), {}                       # stages to run (stage 0 first)
+    cost = lambda a, s: {"F": f, "W": w, "B": b + (w if (a.mb, a.chunk, s) not in split else 0.0)}[a.kind]  # noqa
     while awake:
         s = awake.pop()
         while pos[s] < len(actions[s]):
             a = actions[s][pos[s]]
-            dep = _dependency(a, s, pl)
-            if a.kind in "BW" and ("F" if a.kind == "B" else "B", s, a.mb, a.chunk) not in done:
-                raise ScheduleError(f"stage {s} runs {a} (action {pos[s]}) before its "
-                                    f"{'F' if a.kind == 'B' else 'B'}{a.mb}{f'.{a.chunk}' if a.chunk else ''}")
-            if dep is not None and dep not in done:
-                waiter[dep] = s                                           # woken when dep is done
+            parts = (a.f, a.b) if isinstance(a, Pair) else (a,)
+            for x in parts:
+                if x.kind in "BW" and ("F" if x.kind == "B" else "B", s, x.mb, x.chunk) not in done:
+                    raise ScheduleError(f"stage {s} runs {a} (action {pos[s]}) before its "
+                                        f"{'F' if x.kind == 'B' else 'B'}{x.mb}{f'.{x.chunk}' if x.chunk else ''}")
+            deps = [d for d in (_dependency(x, s, pl) for x in parts) if d is not None]
+            missing = [d for d in deps if d not in done]
+            if missing:
+                waiter.setdefault(missing[0], []).append(s)               # woken when it is done
                 break
-            cost = {"F": f, "W": w, "B": b + (w if (a.mb, a.chunk, s) not in split else 0.0)}[a.kind]
-            start = max(free[s], done[dep] if dep else 0.0)
-            key = (a.kind, s, a.mb, a.chunk)
-            done[key] = free[s] = start + cost
-            timeline[s].append((a, start, start + cost))
+            took = sum(cost(x, s) for x in parts) if fb is None or len(parts) == 1 else fb
+            start = max([free[s]] + [done[d] for d in deps])
+            free[s] = start + took
+            timeline[s].append((a, start, start + took))
             pos[s] += 1
-            if key in waiter:
-                awake.append(waiter.pop(key))
+            for x in parts:
+                key = (x.kind, s, x.mb, x.chunk)
+                done[key] = free[s]
+                awake.extend(waiter.pop(key, ()))
     if any(pos[s] < len(actions[s]) for s in range(p)):
         raise ScheduleError(_deadlock(actions, pos, p, pl))
     return timeline
 
 
-def _validate(actions, m, v):
-    """Each stage's actions in range and each once; returns the set of (mb, chunk, stage) whose B is split."""
+def _validate(actions, m, v, pl):
+    """Each stage's actions in range and each once (a Pair: its F and its B), every micro-batch's F and B on every
+    chunk it passes through (pl.runs); returns the set of (mb, chunk, stage) whose B is split."""
     p, seen, split = len(actions), {}, set()
     for s, acts in enumerate(actions):
         for i, a in enumerate(acts):
-            if not isinstance(a, Action) or a.kind not in ("F", "B", "W") or not 0 <= a.mb < m \
-                    or not 0 <= a.chunk < v:
-                raise ScheduleError(f"stage {s}'s action {i}, {a!r}, is not an Action(kind F, B or W, micro-batch "
-                                    f"0..{m - 1}, chunk 0..{v - 1})")
-            key = (a.kind, s, a.mb, a.chunk)
-            if key in seen:
-                raise ScheduleError(f"stage {s} runs {a} twice (actions {seen[key]} and {i}): micro-batch {a.mb} "
-                                    f"would be used twice")
-            seen[key] = i
-            if a.kind == "W":
-                split.add((a.mb, a.chunk, s))
+            parts = (a.f, a.b) if isinstance(a, Pair) and a.f.kind == "F" and a.b.kind == "B" else (a,)
+            for x in parts:
+                if not isinstance(x, Action) or x.kind not in ("F", "B", "W") or not 0 <= x.mb < m \
+                        or not 0 <= x.chunk < v or not pl.runs(x.chunk, x.mb, m):
+                    raise ScheduleError(f"stage {s}'s action {i}, {a!r}, is not an Action(kind F, B or W, micro-"
+                                        f"batch 0..{m - 1}, chunk 0..{v - 1} that the micro-batch passes through) "
+                                        "or a Pair of an F and a B")
+                key = (x.kind, s, x.mb, x.chunk)
+                if key in seen:
+                    raise ScheduleError(f"stage {s} runs {x} twice (actions {seen[key]} and {i}): micro-batch "
+                                        f"{x.mb} would be used twice")
+                seen[key] = i
+                if x.kind == "W":
+                    split.add((x.mb, x.chunk, s))
     for s in range(p):
         for c in range(v):
             for j in range(m):
                 for kind in "FB":
-                    if (kind, s, j, c) not in seen:
+                    if pl.runs(c, j, m) and (kind, s, j, c) not in seen:
                         raise ScheduleError(f"stage {s} never runs {Action(kind, j, c)}: every micro-batch needs "
-                                            f"a forward and a backward on every chunk")
+                                            f"a forward and a backward on every chunk it passes through")
     return split
 
 
 def _deadlock(actions, pos, p, pl):
     s = min(s for s in range(p) if pos[s] < len(actions[s]))
     a = actions[s][pos[s]]
-    kind, t, j, c = _dependency(a, s, pl)
-    want = Action(kind, j, c)
-    where = [i for i, x in enumerate(actions[t]) if x == want]
+    for x in ((a.f, a.b) if isinstance(a, Pair) else (a,)):
+        kind, t, j, c = _dependency(x, s, pl)
+        want = Action(kind, j, c)
+        where = [i for i, y in enumerate(actions[t]) if y == want or (isinstance(y, Pair) and want in y)]
+        if pos[t] <= where[0]:
+            break
     behind = f"stage {t} is stuck at its action {pos[t]}, {actions[t][pos[t]]}" if pos[t] < len(actions[t]) else ""
     return (f"the schedule deadlocks: stage {s} cannot run its action {pos[s]}, {a}: it waits for {want} of stage "
             f"{t}, which comes at stage {t}'s action {where[0]}" + (f", and {behind}" if behind else "") +
             "; no stage can go on")
-

@@ -34,7 +34,7 @@ from hsgd.fp8.scaling import make_fp8
 from hsgd.errors import ConfigError
 from hsgd.tp.hooks import NO_HOOKS
 from hsgd.pp.chunks import parse_split, stage_chunks, stage_names
-from hsgd.pp.schedules import KIND_NAMES, build, check, effective, placement_of
+from hsgd.pp.schedules import KIND_NAMES, PLACEMENTS, Pair, build, check, chunk_count, effective, flat, placement_of
 from hsgd.model.threads import cpu_threads, parallel_batches
 from hsgd.grid.trace import NullTracer
 from hsgd.model.moe import update_selection_bias
@@ -61,7 +61,7 @@ class Stage:
         self.fp8 = make_fp8(data.fp8_settings())                       # --fp8: the casts' state, or None
         self.use(make_numerics(data.dtype, data.reduce_dtype))         # where bfloat16 / float16 round (precision)
         self.loss_scale = 1.0                                          # float16: the loss scaler's S (step.trainer)
-        self.v = v = layout.virtual_stages
+        self.v = v = chunk_count(layout.schedule, layout.virtual_stages)   # (2 for the V and dual schedules)
         kind = effective(layout.schedule, p, v)                        # (one stage: 1F1B; v > 1 refused)
         self.placement = pl = placement_of(kind, p, v)                 # which stage holds each piece
         self.chunks = [Chunk(*ch) for ch in stage_chunks(cfg.n_layers, p, self.s, v, parse_split(layout.pp_split),
@@ -72,7 +72,7 @@ class Stage:
                       if holds(n, cfg, grid.ep, grid.ep_rank)]       # (with ep > 1: only my experts)
         everyone = build(kind, self.m, p, v)
         check(everyone, self.m, v, pl)                                 # before any message: refuses a deadlock
-        check_tags(self.pp_comm, self.tag(p * v - 1, self.m - 1) + 1)
+        check_tags(self.pp_comm, self.tag(pl.K - 1, self.m - 1) + 2)   # (+2: DualStage's)
         self.actions = everyone[self.s]
         self.peak_held, self.timeline, self.measure_bytes, self.peak_bytes = 0, [], False, 0
 
@@ -116,26 +116,42 @@ class Stage:
         self.handed = {}                                               # hand-offs between two pieces of this stage
         self.routing = {}                                              # {"h.{i}.moe": load, kept (E,), dropped}
         self.peak_held, self.peak_bytes, self.timeline = 0, 0, []
-        split = {(a.mb, a.chunk) for a in self.actions if a.kind == "W"}
-        final = {a.chunk: i for i, a in enumerate(self.actions) if a.kind == ("W" if (a.mb, a.chunk) in split else "B")}
-        for i, a in enumerate(self.actions):
-            ready = on_ready if final[a.chunk] == i else None          # the chunk's groups are final after this
-            inp = self.receive(a, mbs)                                 # the wait here is the bubble
+        acts = flat(self.actions)                                      # (a Pair: its F, then its B)
+        split = {(a.mb, a.chunk) for a in acts if a.kind == "W"}
+        final = {a.chunk: i for i, a in enumerate(acts) if a.kind == ("W" if (a.mb, a.chunk) in split else "B")}
+        on_ready = self.final_groups(on_ready)
+        i = 0
+        for action in self.actions:
+            parts = (action.f, action.b) if isinstance(action, Pair) else (action,)
+            inputs = [self.receive(a, mbs) for a in parts]             # the wait here is the bubble
             t0 = time.perf_counter()
-            with tracer.span(KIND_NAMES[a.kind], micro_batch=a.mb, chunk=a.chunk):
-                if a.kind == "F":
-                    self.forward(a, inp, params, mbs[a.mb][1])
-                elif a.kind == "B":
-                    self.backward(a, inp, grads, ready, (a.mb, a.chunk) in split)
-                else:
-                    self.weights(a, grads, ready)
-            self.timeline.append((a, t0, time.perf_counter()))
+            with tracer.span(KIND_NAMES[action.kind], micro_batch=action.f.mb if len(parts) > 1 else action.mb,
+                             chunk=parts[0].chunk):
+                for a, inp in zip(parts, inputs):
+                    ready = on_ready if final[a.chunk] == i else None  # the chunk's groups are final after this
+                    if a.kind == "F":
+                        self.forward(a, inp, params, mbs[a.mb][1])
+                    elif a.kind == "B":
+                        self.backward(a, inp, grads, ready, (a.mb, a.chunk) in split)
+                    else:
+                        self.weights(a, grads, ready)
+                    i += 1
+            self.timeline.append((action, t0, time.perf_counter()))
             if self.measure_bytes:
                 self.peak_bytes = max(self.peak_bytes, self.bytes_held(params))
         for req, _ in self.sends:
             req.Wait()
         self.sends, self.caches, self.kept, self.handed = [], {}, {}, {}   # nothing held until the next step
+        self.after_backward(grads)
         return self.loss / self.m
+
+    def final_groups(self, on_ready):
+        """What run() calls when a group's gradient is final on this stage: on_ready itself (DualStage: nothing
+        until the two copies are summed)."""
+        return on_ready
+
+    def after_backward(self, grads):
+        """After the step's actions (DualStage: the two copies' gradients summed)."""
 
     def update_biases(self, dp_comm):
         """Auxiliary-loss-free balancing, after a step: each MoE block's selection bias moves by the sign of its
@@ -157,8 +173,8 @@ class Stage:
         if a.kind == "B" and ch.last:
             return self.loss_scale / self.m                            # d(S x mean over the micro-batches)
         if a.kind == "F":                                              # activation in, from piece k-1
-            return self.take(rows, self.placement.stage(ch.k - 1), self.tag(ch.k - 1, a.mb))
-        return self.take(rows, self.placement.stage(ch.k + 1), self.tag(ch.k, a.mb) + 1)   # gradient in
+            return self.take(rows, self.placement.before(self.s, a.chunk)[0], self.tag(ch.k - 1, a.mb))
+        return self.take(rows, self.placement.after(self.s, a.chunk)[0], self.tag(ch.k, a.mb) + 1)   # gradient in
 
     def take(self, rows, source, tag):
         """The activation or gradient with `tag` from stage `source`: a message, or this stage's own hand-off (two
@@ -196,7 +212,7 @@ class Stage:
             self.loss = self.loss + out                                # stays on the device
         else:
             out = xp.ascontiguousarray(out)                            # activation out, to piece k+1
-            self.hand(out, self.placement.stage(ch.k + 1), self.tag(ch.k, a.mb))
+            self.hand(out, self.placement.after(self.s, a.chunk)[0], self.tag(ch.k, a.mb))
         self.live += 1
         self.peak_held = max(self.peak_held, self.live)
 
@@ -208,7 +224,7 @@ class Stage:
                                      wg, daux=self.loss_scale / self.m)   # (the auxiliary losses' d: as dloss's)
         if not ch.first:                                               # gradient out, to piece k-1
             dx = self.xp.ascontiguousarray(dx)
-            self.hand(dx, self.placement.stage(ch.k - 1), self.tag(ch.k - 1, a.mb) + 1)
+            self.hand(dx, self.placement.before(self.s, a.chunk)[0], self.tag(ch.k - 1, a.mb) + 1)
         if split:
             self.kept[a.mb, a.chunk] = wg
         else:
@@ -262,15 +278,17 @@ class Stage:
             if self.fp8 is not None:
                 self.fp8.recording = True
         root = self.placement.stage(self.placement.K - 1)              # the stage holding the loss
-        if not self.last:
+        if self.s != root:
             return self.pp_comm.comm.bcast(None, root=root)
         return self.pp_comm.comm.bcast(float(to_host(xp.asarray(x))), root=root)
 
     def forwards_only(self, params, idx, targets, hooks):
         """loss_only's forwards through this stage's chunks, in the order of their pieces: the last chunk's output
-        (the loss on the stage holding the last piece)."""
+        (the loss on the stage holding the last piece). The dual placement's pieces go down only (each is held
+        twice: pl.holder names the downward copy)."""
         xp, pl, x, handed = self.xp, self.placement, None, {}
-        for ch in sorted(self.chunks, key=lambda c: c.k):
+        mine = [ch for c, ch in enumerate(self.chunks) if pl.holder(ch.k) == (self.s, c)]
+        for ch in sorted(mine, key=lambda c: c.k):
             if ch.first:
                 inp = xp.asarray(idx)
             elif pl.stage(ch.k - 1) == self.s:
@@ -351,8 +369,11 @@ class ThreadedStage(Stage):
 
 def make_stage(cfg, grid, layout, recompute, data):
     """This rank's stage (see Stage for the arguments): a ThreadedStage when it holds the whole model and sequence
-    alone (pp = tp = cp = 1), else a Stage."""
+    alone (pp = tp = cp = 1), a DualStage (hsgd.pp.dual) for DualPipe's two copies, else a Stage."""
     # (experts route a micro-batch's rows together, and FP8's current scales are taken over a micro-batch: neither
     # is ever cut into thread slices)
     alone = grid.pp == 1 and grid.tp == 1 and grid.cp == 1 and not cfg.moe_experts and not data.fp8
+    if grid.pp > 1 and PLACEMENTS.get(layout.schedule) == "dual":
+        from hsgd.pp.dual import DualStage                              # (it is a Stage: imported here)
+        return DualStage(cfg, grid, layout, recompute, data)
     return (ThreadedStage if alone else Stage)(cfg, grid, layout, recompute, data)

@@ -32,7 +32,7 @@ from hsgd.tp.attention import ATTENTIONS
 from hsgd.errors import ConfigError
 from hsgd.fp8.scaling import Fp8Settings
 from hsgd.grid.process_grid import check_sizes
-from hsgd.pp.schedules import SCHEDULES
+from hsgd.pp.schedules import SCHEDULES, TWO_CHUNKS
 from hsgd.step.experiments import Experiments
 
 MAX_RANKS = 2**20            # ranks in a job, and so each of dp, pp, cp, tp (the largest machines have ~10^5 devices)
@@ -60,10 +60,17 @@ class Layout:
                          "gpipe: all forwards, then all backwards\n"
                          "interleaved: 1F1B over --virtual-stages chunks per stage (Megatron-LM's order)\n"
                          "zb-h1: zero-bubble H1, each backward split into B (input gradient) and W (weight "
-                         "gradients), the W's filling the bubble", choices=SCHEDULES)
+                         "gradients), the W's filling the bubble\n"
+                         "zb-v: zero-bubble V, two chunks per stage placed down the stages and back up (stage s "
+                         "holds pieces s and 2pp-1-s), B and W split\n"
+                         "dualpipev: DeepSeek's DualPipeV, the same V, one micro-batch's forward run with another's "
+                         "backward (m >= 2 pp)\n"
+                         "dualpipe: DeepSeek's DualPipe, half the micro-batches from each end, every stage holding "
+                         "two pieces and their gradients summed with the stage opposite (pp even, m >= 2 pp, even)",
+                         choices=SCHEDULES)
     virtual_stages: int = flag(1, "model chunks per pipeline stage (--schedule interleaved): the layers are cut "
                                   "into pp x v pieces, chunk c of stage s being piece c*pp + s of the model (the "
-                                  "loop placement, hsgd.pp.placement)")
+                                  "loop placement, hsgd.pp.placement); zb-v, dualpipev and dualpipe hold 2")
     micro_batches: int = flag(1, "micro-batches per DP group and step: the pipeline's m; gradient accumulation when "
                                  "pp = 1")
     tp_scheme: str = flag("megatron", "tensor-parallel scheme\n"
@@ -109,6 +116,11 @@ class Layout:
             raise ConfigError(f"cp_scheme={self.cp_scheme!r} is not known; use one of {', '.join(CP_SCHEMES)}")
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"schedule={self.schedule!r} is not known; use one of {', '.join(SCHEDULES)}")
+        if self.schedule in TWO_CHUNKS and self.virtual_stages not in (1, 2):
+            raise ConfigError(f"--schedule {self.schedule} holds 2 chunks per stage, not --virtual-stages "
+                              f"{self.virtual_stages}; leave --virtual-stages out (or give 2)")
+        if self.schedule in TWO_CHUNKS:
+            self.virtual_stages = 2                                    # (what the checkpoints and stages see)
         if self.attention not in ATTENTIONS:
             raise ConfigError(f"attention={self.attention!r} is not known; use one of {', '.join(ATTENTIONS)}")
 
@@ -408,13 +420,16 @@ class TrainConfig(Layout, Optimization, Data, Output, Checkpoints, Exchange, Mem
         if self.zero == 3 and not self.hierarchical and str(self.inject_fault).endswith(":diverge"):
             raise ConfigError("inject_fault KIND diverge perturbs one replica, but --zero 3 keeps no replicas; use "
                               "another KIND or --zero 0, 1 or 2")
-        if self.pp > 1 and self.schedule == "zb-h1" and self.zero >= 2:
-            raise ConfigError(f"--schedule zb-h1 with --zero {self.zero}: ZeRO {self.zero} reduce-scatters each "
-                              "layer's gradient when its backward ends, but zb-h1 computes the weight gradients "
-                              "later, in W; use --zero 0 or 1 with zb-h1, or another schedule with --zero 2 or 3")
-        if self.pp > 1 and self.memory and (self.schedule == "zb-h1" or self.virtual_stages > 1):
+        late = ("zb-h1",) + TWO_CHUNKS                                 # weight gradients after the backward
+        if self.pp > 1 and self.schedule in late and self.zero >= 2:
+            raise ConfigError(f"--schedule {self.schedule} with --zero {self.zero}: ZeRO {self.zero} reduce-scatters "
+                              "each layer's gradient when its backward ends, but this schedule computes weight "
+                              f"gradients later (in W{', and sums two copies' if self.schedule == 'dualpipe' else ''}"
+                              f"); use --zero 0 or 1 with {self.schedule}, or 1f1b, gpipe or interleaved with "
+                              "--zero 2 or 3")
+        if self.pp > 1 and self.memory and (self.schedule in late or self.virtual_stages > 1):
             raise ConfigError("--memory predicts a step of one chunk per stage with fused backwards (gpipe or 1f1b); "
-                              "measure interleaved and zb-h1 schedules with python -m hsgd.schedule --run")
+                              f"measure {self.schedule} with python -m hsgd.schedule --run")
         if self.dump_step is not None and self.dp_staleness:
             raise ConfigError("--dump-step writes a step's own averaged gradient, which --dp-staleness 1 applies a "
                               "step later and never holds at the end of its step; dump a run with --dp-staleness 0")
