@@ -45,16 +45,23 @@ def rank_bytes(cfg, tc, dp, tp, cp, stage, sizes):
     m, itemsize = tc.micro_batches, sizes.itemsize
     per_mb = tc.batch_size // dp // m
     f = {}
-    for rows in stage.pieces(per_mb):                                 # one piece, or one per thread
-        for k, (calls, nbytes) in tp_model.comm_formula(cfg, rows, itemsize, tc.tp_scheme,
-                                                        stage=(len(stage.layers), stage.first, stage.last),
-                                                        recompute=tc.recompute, cp=cp, tp=tp).items():
-            f[k] = (f.get(k, (0, 0))[0] + m * calls, f.get(k, (0, 0))[1] + m * nbytes)
     pl = getattr(stage, "placement", None)                           # (a hand-off to itself sends nothing)
-    f.update(pp_formula(per_mb, cfg, m, stage.first, stage.last, itemsize, tc.tp_scheme, tp, stage.v, cp,
-                        pl.local_handoffs(stage.s) if pl is not None else 0))
+    dual = pl is not None and pl.shape == "dual"                     # DualPipe: half the micro-batches a chunk
+    parts = [(m // 2, (len(ch.layers), ch.first, ch.last)) for ch in stage.chunks] if dual else \
+        [(m, (len(stage.layers), stage.first, stage.last))]
+    for rows in stage.pieces(per_mb):                                 # one piece, or one per thread
+        for runs, share in parts:
+            for k, (calls, nbytes) in tp_model.comm_formula(cfg, rows, itemsize, tc.tp_scheme, stage=share,
+                                                            recompute=tc.recompute, cp=cp, tp=tp).items():
+                f[k] = (f.get(k, (0, 0))[0] + runs * calls, f.get(k, (0, 0))[1] + runs * nbytes)
+    if dual:                                                          # down from stage 0, up from stage pp-1, and
+        f.update(pp_formula(per_mb, cfg, m, stage.s == 0, stage.s == pl.p - 1, itemsize, tc.tp_scheme, tp, 1, cp,
+                            twin=sum(sizes.numel.values()) * sizes.itemsize))   # to the twin (hsgd.pp.dual)
+    else:
+        f.update(pp_formula(per_mb, cfg, m, stage.first, stage.last, itemsize, tc.tp_scheme, tp, stage.v, cp,
+                            pl.local_handoffs(stage.s) if pl is not None else 0))
     f.update(cp_formula(tc.cp_scheme, cp, per_mb, cfg.seq_len, cfg.d_model, tp, itemsize,
-                        m * len(stage.layers), tc.recompute, kv_columns(cfg, tp)))
+                        sum(runs * share[0] for runs, share in parts), tc.recompute, kv_columns(cfg, tp)))
     f.update(sizes.formula())
     if cfg.moe_experts:                                               # the MoE blocks' own (hsgd.tp.experts)
         chunks = [ch.layers for ch in stage.chunks] if hasattr(stage, "chunks") else [stage.layers]

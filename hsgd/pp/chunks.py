@@ -96,13 +96,15 @@ def stage_chunks(n_layers, pp, s, v=1, split=None, pl=None):
     return [(k, cut[k], k == 0, k == K - 1) for k in pieces]
 
 
-def pp_formula(batch_per_mb, cfg, m, first, last, itemsize, scheme="megatron", tp=1, v=1, cp=1, local=0):
+def pp_formula(batch_per_mb, cfg, m, first, last, itemsize, scheme="megatron", tp=1, v=1, cp=1, local=0, twin=0):
     """{(comm, op): (calls, bytes)} of one step on pp_comm for one stage: per micro-batch and chunk, an activation
     out and a gradient in towards the next piece (unless the chunk is the model's last piece: `last`), a gradient
     out and an activation in towards the previous one (unless it is the first: `first`), so m (2v - first - last)
     messages each way: with v chunks a middle stage sends v times as often as with one, an end stage 2v - 1 times.
     A hand-off between two pieces of the same stage (`local` of them: hsgd.pp.placement.local_handoffs, the V's
-    turn) is a copy, no message: 2 fewer each way per micro-batch and such hand-off.
+    turn) is a copy, no message: 2 fewer each way per micro-batch and such hand-off. DualPipe's stage (hsgd.pp.dual:
+    v = 1 here, first and last its place going down, half its micro-batches each way) also sends its `twin` bytes
+    of gradients to the stage holding the same pieces, and receives as many.
     A message is one activation (tp_model.stage_activation_shape): (B/m, T, C), or the T-shard (B/m, T/tp, C) of
     the sequence scheme; with context parallelism T/cp in place of T."""
     from hsgd.tp.model import stage_activation_shape
@@ -110,7 +112,7 @@ def pp_formula(batch_per_mb, cfg, m, first, last, itemsize, scheme="megatron", t
     msg = B * T * C * itemsize
     sends = m * (2 * v - first - last - 2 * local)
     out = {}
-    if sends:
-        out[("pp", "Isend")] = (sends, sends * msg)
-        out[("pp", "Recv")] = (sends, sends * msg)
+    if sends or twin:
+        out[("pp", "Isend")] = (sends + bool(twin), sends * msg + twin)
+        out[("pp", "Recv")] = (sends + bool(twin), sends * msg + twin)
     return out
