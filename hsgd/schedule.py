@@ -33,9 +33,9 @@ from hsgd.run.preflight import check_memory
 from hsgd.files import needs_module, writable_file
 from hsgd.run.flags import GROUPS, MODEL_FLAGS, configs_from_args, flags_parser
 from hsgd.step.settings import Layout
-from hsgd.pp.schedules import MAX_PIECES, build, effective, placement_of, simulate
-from hsgd.pp.timelines import (FORMULA, PEAK_FORMULA, bubble_formula, bubble_fraction, grid, held_bytes, idle_per_stage,
-                               peak_formula, peak_held, picture)
+from hsgd.pp.schedules import MAX_PIECES, build, chunk_count, effective, placement_of, simulate
+from hsgd.pp.timelines import (FORMULA, PEAK_FORMULA, TABLE2, bubble_formula, bubble_fraction, grid, held_bytes,
+                               idle_per_stage, most_idle, peak_formula, peak_held, picture, stage_idle, table2)
 
 LAB_FLAGS = flag_names(Layout) + MODEL_FLAGS + ("batch_size", "seed", "dtype", "steps", "recompute")
 LAB_DEFAULTS = dict(pp=4, micro_batches=8, batch_size=16, steps=3, dtype="float32")
@@ -51,10 +51,11 @@ def build_parser():
                                  "for the given costs; with --run under mpirun (P = dp x pp x tp ranks) also executed "
                                  "on the model and measured next to the prediction.")
     g = p.add_argument_group("the lab")
-    g.add_argument("--costs", default="1,1,1", metavar="F,B,W",
+    g.add_argument("--costs", default="1,1,1", metavar="F,B,W[,F&B]",
                    help="relative cost of a forward, an input-gradient backward B and a weight-gradient pass W, "
                         f"per chunk action, each from {COSTS[0]:g} to {COSTS[1]:g} (B and W may be 0); a fused "
-                        "backward costs B + W (1,1,1)")
+                        "backward costs B + W; F&B: an overlapped pair of a forward and a fused backward "
+                        "(dualpipe, dualpipev), default F + B + W: no overlap (1,1,1)")
     g.add_argument("--plot", metavar="FILE.png", help="draw the timeline(s) to this file (off)")
     g.add_argument("--run", action="store_true", help="execute the schedule under mpirun and measure it (off)")
     p.epilog = ("The lab draws at most " + ", ".join(f"{flag} {high}" for flag, high in LIMITS.items())
@@ -63,15 +64,20 @@ def build_parser():
 
 
 def parse_costs(text):
-    """(F, B, W) from --costs: three finite numbers from COSTS[0] to COSTS[1], F > 0, B and W also 0."""
+    """(F, B, W) or (F, B, W, F&B) from --costs: finite numbers from COSTS[0] to COSTS[1], F > 0, B and W also 0;
+    F&B (an overlapped pair's cost, DualPipe's) at least the larger of F and B + W."""
     try:
         costs = tuple(float(x) for x in text.split(","))
     except ValueError:
         costs = ()
     low, high = COSTS
-    if len(costs) != 3 or costs[0] == 0 or not all(c == 0 or low <= c <= high for c in costs):
+    if len(costs) not in (3, 4) or costs[0] == 0 or not all(c == 0 or low <= c <= high for c in costs):
         raise ConfigError(f"costs={text[:60]!r} must be three numbers F,B,W, each from {low:g} to {high:g} (relative "
-                          f"costs; B and W may be 0), e.g. 1,1,1 or 1,2,0")
+                          f"costs; B and W may be 0), e.g. 1,1,1 or 1,2,0, and for an overlapped pair F&B a fourth, "
+                          "e.g. 1,1,1,2.5")
+    if len(costs) == 4 and costs[3] < max(costs[0], costs[1] + costs[2]):
+        raise ConfigError(f"costs={text[:60]!r}: an overlapped pair F&B = {costs[3]:g} cannot take less than its "
+                          f"longer part, max(F, B+W) = {max(costs[0], costs[1] + costs[2]):g}")
     return costs
 
 
@@ -114,10 +120,10 @@ class Plan:
         passes (1, 1, 1), the costs hsgd.pp.stage builds with, so that the prediction is of the list that runs."""
         from hsgd.pp.chunks import parse_split, pp_formula, stage_chunks
         self.cfg, self.tc, self.costs = cfg, tc, costs
-        p, m, v = tc.pp, tc.micro_batches, tc.virtual_stages
+        p, m, v = tc.pp, tc.micro_batches, chunk_count(tc.schedule, tc.virtual_stages)
         self.kind = effective(tc.schedule, p, v)                            # (one stage runs 1F1B)
         self.placement = pl = placement_of(self.kind, p, v)                 # which stage holds each piece
-        self.actions = build(self.kind, m, p, v, built_with or costs)
+        self.actions = build(self.kind, m, p, v, (built_with or costs)[:3])
         self.timeline = simulate(self.actions, m, v, costs, pl)             # also the static check
         b, s, split = tc.batch_size // tc.dp // m, 8 if tc.dtype == "float64" else 4, parse_split(tc.pp_split)
         self.held = [peak_held(a) for a in self.actions]
@@ -127,22 +133,34 @@ class Plan:
                       for _, layers, first, last in stage_chunks(cfg.n_layers, p, st, v, split, pl)]
             kept = [keep_bytes(cfg, b, s, tc.tp, tc.tp_scheme, tc.recompute, ch, tc.cp, tc.cp_scheme) for ch in chunks]
             self.bytes.append(held_bytes(self.actions[st], [k[0] for k in kept], [k[1] for k in kept]))
-            f = pp_formula(b, cfg, m, st == pl.stage(0), st == pl.stage(p * v - 1), s, tc.tp_scheme, tc.tp, v, tc.cp,
-                           pl.local_handoffs(st))                           # pieces 0 and pv-1, hand-offs to itself
+            if pl.shape == "dual":                                          # down and up, half each (no twin sum here)
+                f = pp_formula(b, cfg, m, st == 0, st == p - 1, s, tc.tp_scheme, tc.tp, 1, tc.cp)
+            else:
+                f = pp_formula(b, cfg, m, st == pl.stage(0), st == pl.stage(p * v - 1), s, tc.tp_scheme, tc.tp, v,
+                               tc.cp, pl.local_handoffs(st))                # pieces 0 and pv-1, hand-offs to itself
             self.sent.append(f.get(("pp", "Isend"), (0, 0)))
 
     def report(self, say):
-        tc, (f, b, w), p, m, v = self.tc, self.costs, self.tc.pp, self.tc.micro_batches, self.tc.virtual_stages
-        kind = self.kind
+        tc, (f, b, w), p, m = self.tc, self.costs[:3], self.tc.pp, self.tc.micro_batches
+        kind, v = self.kind, self.placement.v
         closed = bubble_formula(kind, m, p, v, self.costs)
         say(f"hsgd.schedule | {kind}" + (" (one stage runs 1F1B)" if kind != tc.schedule else "")
             + (f", v={v} chunks per stage" if v > 1 else "") + f" | p={p} stages, "
-            f"m={m} micro-batches | costs per chunk action F={f:g} B={b:g} W={w:g} (fused backward B+W)")
+            f"m={m} micro-batches | costs per chunk action F={f:g} B={b:g} W={w:g} (fused backward B+W)"
+            + (f" F&B={self.costs[3]:g}" if len(self.costs) > 3 else ""))
         say(grid(self.timeline))
         idle = idle_per_stage(self.timeline)
         say(f"bubble: simulated {bubble_fraction(self.timeline):.4f} of the step (idle {idle:g} time units per stage) "
             f"| closed form {FORMULA[kind]} = "
-            + (f"{closed:.4f}" if closed is not None else "n/a (m < p or W > min(F, B))"))
+            + (f"{closed:.4f}" if closed is not None else "n/a (outside where it holds: hsgd.pp.timelines)"))
+        if kind in TABLE2:
+            t2 = table2(kind, m, p, self.costs)
+            say(f"DeepSeek-V3 Table 2 (B a whole backward, here B+W; F&B an overlapped pair): idle of the least busy "
+                f"stage simulated {most_idle(self.timeline):g} | {TABLE2[kind]} = "
+                + (f"{t2:g}" if t2 is not None else "n/a (it holds for F = B, W <= F, m >= 2p; hsgd.pp.timelines)"))
+        if kind == "zb-v":
+            say(f"zero-bubble papers' measure (a stage's own span minus its busy time, the longest): simulated "
+                f"{stage_idle(self.timeline):g} (0 for F = B = W)")
         closed = [peak_formula(kind, m, p, s, v) for s in range(p)]
         say(f"held at the peak, per stage: (micro-batch, chunk) pairs {self.held} (closed form "
             f"{PEAK_FORMULA[kind]}: {closed}) | activation bytes {[human(x) for x in self.bytes]}")

@@ -76,8 +76,9 @@ def chunk_layers(n_layers, pp, v=1, split=None):
         return split_layers(n_layers, pp, split)                        # (its messages speak of stages)
     if pp * v > n_layers:
         raise ConfigError(f"n_layers={n_layers} cannot be cut into pp x virtual_stages = {pp} x {v} = {pp * v} "
-                          f"chunks of at least one layer; use virtual_stages from 1 to {n_layers // pp} or more "
-                          "layers")
+                          f"chunks of at least one layer; use --n-layers {pp * v} or more, fewer stages, or "
+                          f"(interleaved) virtual_stages from 1 to {n_layers // pp}; zb-v and dualpipev hold 2 "
+                          "chunks per stage, dualpipe 2 pieces of pp")
     if split is not None and (len(split) != pp * v or sum(split) != n_layers or min(split) < 1):
         even = ",".join(str(len(r)) for r in split_layers(n_layers, pp * v))
         raise ConfigError(f"pp_split={','.join(map(str, split))} must give each of the pp x virtual_stages = "

@@ -125,8 +125,10 @@ class Stage:
             parts = (action.f, action.b) if isinstance(action, Pair) else (action,)
             inputs = [self.receive(a, mbs) for a in parts]             # the wait here is the bubble
             t0 = time.perf_counter()
-            with tracer.span(KIND_NAMES[action.kind], micro_batch=action.f.mb if len(parts) > 1 else action.mb,
-                             chunk=parts[0].chunk):
+            args = dict(micro_batch=parts[0].mb, chunk=parts[0].chunk)
+            if len(parts) > 1:                                         # F&B: the backward's too
+                args.update(b_micro_batch=parts[1].mb, b_chunk=parts[1].chunk)
+            with tracer.span(KIND_NAMES[action.kind], **args):
                 for a, inp in zip(parts, inputs):
                     ready = on_ready if final[a.chunk] == i else None  # the chunk's groups are final after this
                     if a.kind == "F":

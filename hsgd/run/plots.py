@@ -86,9 +86,11 @@ def pipeline_spans(events, ranks):
     out = []
     for rank in ranks:
         mine = [e for e in events if e.get("ph") == "X" and e["pid"] == rank and e["name"] in KIND_NAMES.values()]
-        label = lambda e: ("W" if e["name"][0] == "w" else e["name"][0].upper()) + str(e["args"]["micro_batch"]) \
-            + (f".{e['args']['chunk']}" if e["args"].get("chunk") else "")              # noqa: E731
-        out.append(sorted(((label(e), e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6) for e in mine),
+        one = lambda kind, j, c: f"{kind}{j}" + (f".{c}" if c else "")                   # noqa: E731
+        kind = lambda e: "W" if e["name"][0] == "w" else e["name"][0].upper()            # noqa: E731
+        label = lambda e, a: one(kind(e), a["micro_batch"], a.get("chunk")) + (           # noqa: E731
+            "&" + one("B", a["b_micro_batch"], a.get("b_chunk")) if "b_micro_batch" in a else "")   # (F&B: a pair)
+        out.append(sorted(((label(e, e["args"]), e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6) for e in mine),
                           key=lambda span: span[1]))
     return out
 
@@ -107,6 +109,15 @@ def draw_pipeline(ax, timeline, title="", unit=1.0, xlabel="time", legend=True):
         for name, a, b in stage:
             name = str(name)                                             # "F3", "B3.1" (an Action, or its text)
             x, w = (a - t0) / unit, (b - a) / unit
+            if "&" in name:                                              # an overlapped pair: F over B
+                ax.broken_barh([(x, w)], (y + 0.5, 0.4), facecolor=COLORS["forward"], edgecolor="white", linewidth=0.6)
+                ax.broken_barh([(x, w)], (y + 0.1, 0.4), facecolor=COLORS["backward"], edgecolor="white",
+                               linewidth=0.6)
+                if w > span / 45:
+                    f_part, b_part = name.split("&")
+                    ax.text(x + w / 2, y + 0.5, f"{f_part[1:]}&{b_part[1:]}", ha="center", va="center", fontsize=5,
+                            color="white")
+                continue
             ax.broken_barh([(x, w)], (y + 0.1, 0.8), facecolor=COLORS[KIND_NAMES.get(name[0], "backward")],
                            edgecolor="white", linewidth=0.6)
             if w > span / 45:                                            # a label only where it fits
@@ -119,7 +130,8 @@ def draw_pipeline(ax, timeline, title="", unit=1.0, xlabel="time", legend=True):
     ax.set_xlabel(xlabel, fontsize=7)
     ax.set_title(title, fontsize=8)
     if legend:
-        kinds = sorted({str(n)[0] for stage in timeline for n, _, _ in stage}, key="FBW".find)
+        kinds = sorted({str(n)[0] for stage in timeline for n, _, _ in stage} | ({"F", "B"} if any(
+            "&" in str(n) for stage in timeline for n, _, _ in stage) else set()), key="FBW".find)
         ax.legend(handles=[Patch(color=COLORS[KIND_NAMES[k]], label=f"{KIND_NAMES[k]} {k} j") for k in kinds],
                   loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=6, frameon=False)
     return ax

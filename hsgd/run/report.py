@@ -50,13 +50,15 @@ def header(run, device, threads):
         + (f" momentum={tc.momentum}" if tc.optimizer == "sgd" else "")
         + f" weight_decay={tc.weight_decay} clip={tc.clip or 'off'} | {tc.steps} steps")
     if grid.pp > 1:
-        v = tc.virtual_stages
-        layers = [len(r) for r in chunk_layers(cfg.n_layers, grid.pp, v, parse_split(tc.pp_split))]
+        v, pl = run.trainer.stage.v, run.trainer.stage.placement
+        layers = [len(r) for r in chunk_layers(cfg.n_layers, grid.pp, pl.K // grid.pp, parse_split(tc.pp_split))]
         closed = bubble_formula(tc.schedule, m, grid.pp, v)
-        say(f"pipeline: {grid.pp} stages with {layers} blocks" + (f" ({v} chunks per stage, chunk c of stage s = "
-            "entry c*pp + s)" if v > 1 else "") + f", {tc.schedule}, {m} micro-batches of "
+        where = {"loop": "chunk c of stage s = entry c*pp + s", "v": "stage s holds entries s and 2pp-1-s",
+                 "dual": "stage s holds entries s and pp-1-s, each entry on two stages"}[pl.shape]
+        say(f"pipeline: {grid.pp} stages with {layers} blocks" + (f" ({v} chunks per stage, {where})" if v > 1 else "")
+            + f", {tc.schedule}, {m} micro-batches of "
             f"{tc.batch_size // grid.dp // m} sequences; equal-cost bubble {FORMULA[tc.schedule]} = "
-            + (f"{closed:.3f}" if closed is not None else "n/a (m < p or W > min(F, B))"))
+            + (f"{closed:.3f}" if closed is not None else "n/a (outside where it holds: hsgd.pp.timelines)"))
     rank, ms = tc.straggler.split(":") if tc.straggler else (None, None)
     say(f"dp exchange: {run.trainer.exchange.sizes.describe()}"
         + (f" | straggler: rank {rank} sleeps {ms} ms per step" if tc.straggler else ""))
@@ -73,11 +75,11 @@ def report_pipeline(world, grid, tc, trainer, say):
     timeline = [t for _, t, _ in stages]
     m, p, v = tc.micro_batches, grid.pp, st.v
     acts = build(tc.schedule, m, p, v)
-    ideal, closed = simulate(acts, m, v), bubble_formula(tc.schedule, m, p, v)
+    ideal, closed = simulate(acts, m, v, pl=st.placement), bubble_formula(tc.schedule, m, p, v)
     say(f"pipeline schedule of the last step, measured ({tc.schedule}, m={m}, p={p}" + (f", v={v}" if v > 1 else "")
         + "; F forward, B backward, W weight gradients of micro-batch j[.chunk]):\n" + picture(timeline))
     say(f"bubble fraction: measured {bubble_fraction(timeline):.3f} | equal-cost model {bubble_fraction(ideal):.3f} "
-        f"| {FORMULA[tc.schedule]} = " + (f"{closed:.3f}" if closed is not None else "n/a (m < p or W > min(F, B))"))
+        f"| {FORMULA[tc.schedule]} = " + (f"{closed:.3f}" if closed is not None else "n/a (outside where it holds)"))
     say("micro-batches held at once per stage: measured " + str([h for _, _, h in stages]) + " | schedule "
         + str([peak_held(a) for a in acts]) + f" | {PEAK_FORMULA[tc.schedule]} = "
         + str([peak_formula(tc.schedule, m, p, s, v) for s in range(p)]))
