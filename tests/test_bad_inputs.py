@@ -95,6 +95,10 @@ LAYOUT = [
     (["--pp", "2"], "dp*pp*tp = 1*2*1 = 2 does not match the 1 ranks"),
     (["--pp-split", "2"], "pp_split=2 must give each of the pp=1 stages at least one layer"),
     (["--batch-size", "3", "--micro-batches", "2"], "batch_size=3 does not split into dp=1 groups x micro_batches=2"),
+    (["--schedule", "zb-v"], "schedule='zb-v' places two chunks on every stage, down the stages and back up (the V): "
+                             "one stage would hand every activation to itself; use --pp 2 or more"),
+    (["--schedule", "dualpipev", "--virtual-stages", "3"], "--schedule dualpipev holds 2 chunks per stage, not "
+                                                            "--virtual-stages 3"),
 ]
 
 

@@ -193,14 +193,6 @@ def test_a_stage_with_chunks_needs_a_pipeline():
 
 # ------------------------------------------------------------------------------------------------ placements
 
-def v_gpipe(m, p):
-    """GPipe down a V (hsgd.pp.placement "v"): every stage runs all forwards of its chunk 0 (piece s), then of its
-    chunk 1 (piece 2p-1-s), then the backwards the other way round. A list for the placement's tests; the V
-    schedules themselves (ZB-V, DualPipeV) are not built yet."""
-    return [[Action("F", j, 0) for j in range(m)] + [Action("F", j, 1) for j in range(m)] +
-            [Action("B", j, 1) for j in range(m)] + [Action("B", j, 0) for j in range(m)] for s in range(p)]
-
-
 def test_placements_say_which_stage_holds_each_piece():
     from hsgd.pp.placement import placement
     for p, v in [(1, 1), (4, 1), (4, 3)]:
@@ -212,21 +204,6 @@ def test_placements_say_which_stage_holds_each_piece():
     assert [V.local_handoffs(s) for s in range(4)] == [0, 0, 0, 1]                 # the turn, on the last stage
     with pytest.raises(ConfigError, match="2 chunks on every stage"):
         placement("v", 4, 3)
-
-
-def test_a_v_list_runs_under_the_v_placement_and_a_broken_one_names_its_stuck_action():
-    from hsgd.pp.placement import placement
-    p, m, V = 4, 3, placement("v", 4, 2)
-    acts = v_gpipe(m, p)
-    tl = simulate(acts, m, 2, pl=V)
-    ends = [t[-1][2] for t in tl]
-    print("V GPipe, p 4, m 3, unit costs: stages end at", ends)
-    assert max(ends) == ends[0]                           # stage 0 holds the loss's piece and the embedding's
-    broken = [list(a) for a in acts]
-    broken[p - 1] = [Action("F", 0, 1)] + [a for a in broken[p - 1] if a != Action("F", 0, 1)]
-    with pytest.raises(ScheduleError, match=r"deadlocks: stage 0 cannot run its action 3, F0.1: it waits for F0.1 "
-                                            r"of stage 1"):
-        check(broken, m, 2, V)
 
 
 def test_a_hand_off_to_the_same_stage_is_no_message():

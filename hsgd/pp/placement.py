@@ -40,8 +40,9 @@ class Placement:
             raise ConfigError(f"the V placement puts 2 chunks on every stage (down and back up), not {v}; use "
                               "virtual_stages 2")
         if shape == "dual" and (v != 2 or p % 2):
-            raise ConfigError(f"the dual placement runs micro-batches from both ends of an even number of stages, "
-                              f"each holding 2 chunks: not pp={p} with {v} chunks; use an even pp")
+            raise ConfigError(f"the dual placement (DualPipe) sends half the micro-batches down and half up the "
+                              f"stages, each stage holding 2 chunks: pp={p} must be even, e.g. {p - 1 or 2} or "
+                              f"{p + 1}" + (f", with 2 chunks each (not {v})" if v != 2 else ""))
         self.shape, self.p, self.v, self.K = shape, p, v, p if shape == "dual" else p * v
         self.where = [None] * self.K                          # piece k -> (stage, chunk) (dual: going down)
         for s in range(p):

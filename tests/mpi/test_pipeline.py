@@ -6,6 +6,7 @@ import dataclasses
 
 import numpy as np
 import pytest
+from mpi4py import MPI
 from hsgd.model.config import ModelConfig
 from hsgd.pp.chunks import split_layers
 from hsgd.pp.schedules import build, simulate
@@ -83,25 +84,47 @@ def test_gpipe_equals_1f1b_and_holds_what_it_promises(m_of_p):
     check(same == 0.0 and held["gpipe"] == m and held["1f1b"] == min(p - s, m), f"{same} {held}")
 
 
-def test_a_v_placement_trains_to_serial_parameters(monkeypatch):
-    """The pieces placed in a V (hsgd.pp.placement "v": stage s holds pieces s and 2p-1-s, stage p-1 hands its
-    activation to itself, stage 0 holds the embedding and the loss) with a GPipe list down the V
-    (tests/test_schedules.py v_gpipe; the V schedules themselves are not built yet), dp 2 x pp 4: 3 steps end with
-    serial SGD's parameters, and the bytes on pp_comm equal the formula that counts the turn as no message."""
-    import hsgd.pp.stage as stage_module
-    from hsgd.pp.placement import placement
-    from tests.test_schedules import v_gpipe
-    monkeypatch.setattr(stage_module, "placement_of", lambda kind, p, v=1: placement("v", p, v))
-    monkeypatch.setattr(stage_module, "build", lambda kind, m, p, v=1, costs=None: v_gpipe(m, p))
-    tc = config(dp=2, pp=4, tp=1, virtual_stages=2, schedule="interleaved", micro_batches=4, batch_size=8)
-    grid, trainer, identical, per_step = run(tc)
-    err = param_err(trainer, grid, serial_sgd(tc))
-    formula = step_formula(CFG, tc, trainer)
-    say(f"V placement, dp 2 x pp 4, GPipe down the V: max param rel err vs serial {world_max(err):.1e}, replicas "
-        f"identical {identical}, bytes == formula {per_step == formula}")
-    check(err <= 1e-9 and identical and per_step == formula and trainer.stage.placement.shape == "v",
-          f"err {err:.1e}\nmeasured {per_step}\nformula  {formula}")
-    grid.free()
+V_LAYOUTS = [(dp, pp, cp, tp) for pp in (2, 4, 8) for cp in (1, 2, 4) for tp in (1, 2, 4)
+             if 8 % (pp * cp * tp) == 0 for dp in [8 // (pp * cp * tp)]]
+LLAMA = ModelConfig(vocab_size=256, seq_len=8, d_model=16, n_heads=4, n_layers=4, d_ff=16, arch="llama")
+
+
+def test_the_v_and_dual_schedules_train_as_1f1b_on_every_pipelined_layout():
+    """zb-v, dualpipev and dualpipe (hsgd.pp.vshape) on every dp x pp x cp x tp of 8 ranks with pp > 1, the llama
+    block, ZeRO 1 where dp > 1, selective and full recomputation in turn, m = 2 pp, 2 pp blocks (two chunks a stage):
+    2 steps of each end with 1F1B's parameters, bit for bit for the V schedules and to rounding for DualPipe (its
+    twin sum regroups the micro-batches' sum: hsgd.pp.dual); the replicas agree, the bytes of step 2 equal the
+    formulas (the V's turn sends nothing, DualPipe's twin gets the gradient), every stage holds the pairs of
+    peak_formula, and DualPipe's stages hold two copies: twice 1F1B's parameters over the pipeline."""
+    from hsgd.pp.timelines import peak_formula
+    worst, lines, ok = 0.0, [], True
+    for i, (dp, pp, cp, tp) in enumerate(V_LAYOUTS):
+        cfg = dataclasses.replace(LLAMA, n_layers=2 * pp)
+        kw = dict(dp=dp, pp=pp, cp=cp, tp=tp, micro_batches=2 * pp, batch_size=2 * pp * dp, zero=int(dp > 1),
+                  recompute=("selective", "full")[i % 2])
+        out = {}
+        for kind in ("1f1b", "zb-v", "dualpipev", "dualpipe"):
+            tc = config(steps=2, schedule=kind, **kw)
+            tc.validate()
+            grid, trainer, identical, per_step = train_steps(cfg, CORPUS, tc)
+            numel = sum(int(np.prod(x)) for x in trainer.shard_shapes.values())
+            held = trainer.stage.peak_held == peak_formula(tc.schedule, tc.micro_batches, pp, grid.pp_rank, 2)
+            out[kind] = (trainer.full_params(), identical and per_step == step_formula(cfg, tc, trainer),
+                         WORLD.allreduce(numel), held or kind == "1f1b")
+            trainer.free(), grid.free()
+        base = out["1f1b"][0]
+        diff = {k: max(float(np.abs(out[k][0][n] - base[n]).max() / max(np.abs(base[n]).max(), 0.02)) for n in base)
+                for k in out}
+        good = (diff["zb-v"] == 0.0 and diff["dualpipev"] == 0.0 and diff["dualpipe"] <= 1e-13
+                and all(v[1] and v[3] for v in out.values()) and out["dualpipe"][2] == 2 * out["1f1b"][2])
+        ok &= bool(WORLD.allreduce(int(good), op=MPI.MIN))
+        worst = max(worst, diff["dualpipe"])
+        lines.append(f"dp{dp} pp{pp} cp{cp} tp{tp}: zb-v {diff['zb-v']:.0e}, dualpipev {diff['dualpipev']:.0e}, "
+                     f"dualpipe {diff['dualpipe']:.1e} from 1F1B; bytes, replicas, pairs "
+                     f"{all(v[1] and v[3] for v in out.values())}; parameters dualpipe/1f1b "
+                     f"{out['dualpipe'][2] / out['1f1b'][2]:g}")
+    say("\n".join(lines) + f"\nlargest DualPipe difference from 1F1B {world_max(worst):.1e} (relative)")
+    check(ok, "a V or dual schedule left 1F1B's parameters, its formulas or its pairs")
 
 
 def test_schedules_and_bubble_formula():
