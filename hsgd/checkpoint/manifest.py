@@ -109,8 +109,8 @@ def check(m, path, error):
     need(lay.get("placement", "loop") in SHAPES, f"names an unknown placement of the pieces "
          f"{lay.get('placement')!r:.40} (one of {', '.join(SHAPES)})")
     try:
-        placement(lay.get("placement", "loop"), lay["pp"], v)
-        chunk_layers(cfg.n_layers, lay["pp"], v, layers)
+        pieces = placement(lay.get("placement", "loop"), lay["pp"], v).K       # (dual: pp pieces, each twice)
+        chunk_layers(cfg.n_layers, lay["pp"], pieces // lay["pp"], layers)
         check_tp(cfg, lay["tp"], lay["tp_scheme"])
     except UsageError as e:
         need(False, f"has a layout that does not split its model ({e})")

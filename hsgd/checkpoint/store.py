@@ -169,9 +169,10 @@ def build_manifest(trainer, step, state, entries, run):
         "format": FORMAT, "step": step, "model": asdict(trainer.cfg),
         "layout": {"dp": grid.dp, "pp": grid.pp, "cp": grid.cp, "tp": grid.tp, "ep": grid.ep,
                    "tp_scheme": trainer.scheme,
-                   "virtual_stages": tc.virtual_stages,
+                   "virtual_stages": trainer.stage.v,
                    "placement": trainer.stage.placement.shape,         # which stage holds each piece
-                   "layers": [len(r) for r in chunk_layers(trainer.cfg.n_layers, grid.pp, tc.virtual_stages,
+                   "layers": [len(r) for r in chunk_layers(trainer.cfg.n_layers, grid.pp,
+                                                           trainer.stage.placement.K // grid.pp,
                                                            parse_split(tc.pp_split))]},
         "optimizer": {"name": tc.optimizer, "t": int(state["t"])}, "dtype": tc.dtype,
         "loss_scale": state["loss_scale"],                              # float16: the loss scaler's state
@@ -274,8 +275,8 @@ class Shards:
         self.m = manifest
         self.cfg = ModelConfig(**manifest["model"])
         lay = manifest["layout"]
-        self.pieces = chunk_layers(self.cfg.n_layers, lay["pp"], lay.get("virtual_stages", 1), lay["layers"])
         self.placement = placement(lay.get("placement", "loop"), lay["pp"], lay.get("virtual_stages", 1))
+        self.pieces = chunk_layers(self.cfg.n_layers, lay["pp"], self.placement.K // lay["pp"], lay["layers"])
         self.files = {}
 
     def _file(self, pp, tp, ep=0):

@@ -94,17 +94,18 @@ def test_the_overlapped_exchange_starts_each_bucket_after_its_last_backward():
 
 
 def test_checkpoints_reshard_between_schedules(tmp_path_factory):
-    """Save after 2 steps under one schedule and layout, resume for 2 more under another: interleaved (v = 2,
-    dp2 pp2 tp2) -> zb-h1 (dp1 pp4 tp2) and zb-h1 (dp2 pp4 tp1) -> interleaved (v = 2, dp1 pp4 tp2). The parameters
-    equal 4 uninterrupted serial steps."""
+    """Save after 2 steps under one schedule and layout, resume for 2 more under another, across placements (hsgd.
+    pp.placement): dualpipe (two copies, dp1 pp4 tp2; the checkpoint keeps the downward one) -> interleaved (v = 2,
+    the loop, dp1 pp4 tp2) and interleaved (v = 2, dp2 pp2 tp2) -> zb-v (the V, dp1 pp4 tp2). The parameters equal
+    4 uninterrupted serial steps."""
     tc = config(steps=4, micro_batches=4, batch_size=8)
     ref = serial_sgd(tc)
     folder = WORLD.bcast(str(tmp_path_factory.mktemp("ckpt")) if WORLD.Get_rank() == 0 else None)
     ok, lines = True, []
-    for i, (saved, resumed) in enumerate(((dict(schedule="interleaved", virtual_stages=2, dp=2, pp=2, tp=2),
-                                           dict(schedule="zb-h1", dp=1, pp=4, tp=2)),
-                                          (dict(schedule="zb-h1", dp=2, pp=4, tp=1),
-                                           dict(schedule="interleaved", virtual_stages=2, dp=1, pp=4, tp=2)))):
+    for i, (saved, resumed) in enumerate(((dict(schedule="dualpipe", micro_batches=8, dp=1, pp=4, tp=2),
+                                           dict(schedule="interleaved", virtual_stages=2, dp=1, pp=4, tp=2)),
+                                          (dict(schedule="interleaved", virtual_stages=2, dp=2, pp=2, tp=2),
+                                           dict(schedule="zb-v", dp=1, pp=4, tp=2)))):
         first = config(**{**vars(tc), **saved})
         grid = ProcessGrid(WORLD, dp=first.dp, pp=first.pp, tp=first.tp)
         trainer = HybridTrainer(CFG, grid, first)
