@@ -40,9 +40,11 @@ any list is built or walked; building, the static check and the simulation are l
 log p), whatever p.
 """
 import heapq
-from collections import deque, namedtuple
+from collections import deque
 
 from hsgd.errors import ConfigError
+from hsgd.pp import vshape
+from hsgd.pp.actions import Action, Pair, flat                          # noqa: F401 (flat: for the importers)
 from hsgd.pp.placement import placement
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1", "zb-v", "dualpipev", "dualpipe")
@@ -59,34 +61,6 @@ def check_size(m, p, v=1):
         raise ConfigError(f"pp x virtual_stages x micro_batches = {p} x {v} x {m} = {p * v * m} is more than a "
                           f"schedule hsgd writes down (at most {MAX_PIECES} pieces of work); use fewer stages or "
                           "micro-batches")
-
-
-class Action(namedtuple("Action", "kind mb chunk")):
-    """One step of a stage (see the module docstring). str: F3, B3, W3 (chunk 0), F3.1 (chunk 1)."""
-    __slots__ = ()
-
-    def __new__(cls, kind, mb, chunk=0):
-        return super().__new__(cls, kind, mb, chunk)
-
-    def __str__(self):
-        return f"{self.kind}{self.mb}" + (f".{self.chunk}" if self.chunk else "")
-
-
-class Pair(namedtuple("Pair", "f b")):
-    """A forward and a backward of two different micro-batches run as one action (DualPipe's overlapped F&B,
-    DeepSeek-AI 2024): both inputs are received before it starts, both outputs sent when it ends; in the
-    simulation it costs the pair's own time (costs[3]: less than the two apart where one's communication hides
-    behind the other's computation). str: F5&B2.1."""
-    __slots__ = ()
-    kind = "F&B"
-
-    def __str__(self):
-        return f"{self.f}&{self.b}"
-
-
-def flat(actions):
-    """One stage's list with every Pair as its F and its B, in that order."""
-    return [x for a in actions for x in ((a.f, a.b) if isinstance(a, Pair) else (a,))]
 
 
 KIND_NAMES = {"F": "forward", "B": "backward", "W": "weight gradients", "F&B": "forward & backward"}
@@ -204,7 +178,6 @@ def build(kind, m, p, v=1, costs=(1.0, 1.0, 1.0)):
     check_size(m, p, v)
     effective(kind, p, v)                                               # (one stage: no V; v > 1 needs p > 1)
     if kind in TWO_CHUNKS:
-        from hsgd.pp import vshape
         return vshape.build(kind, m, p, v)
     if v != 1 and kind != "interleaved":
         raise ConfigError(f"virtual_stages={v} needs the interleaved schedule (schedule={kind!r} runs one chunk "

@@ -34,7 +34,7 @@ from hsgd.fp8.scaling import make_fp8
 from hsgd.errors import ConfigError
 from hsgd.tp.hooks import NO_HOOKS
 from hsgd.pp.chunks import parse_split, stage_chunks, stage_names
-from hsgd.pp.schedules import KIND_NAMES, PLACEMENTS, Pair, build, check, chunk_count, effective, flat, placement_of
+from hsgd.pp.schedules import KIND_NAMES, Pair, build, check, chunk_count, effective, flat, placement_of
 from hsgd.model.threads import cpu_threads, parallel_batches
 from hsgd.grid.trace import NullTracer
 from hsgd.model.moe import update_selection_bias
@@ -367,15 +367,3 @@ class ThreadedStage(Stage):
                                             self.chunks[0], self.setup)
         tp_model.stage_backward(share * self.loss_scale / self.m, cache, into, self.setup)
         return out * share, into
-
-
-def make_stage(cfg, grid, layout, recompute, data):
-    """This rank's stage (see Stage for the arguments): a ThreadedStage when it holds the whole model and sequence
-    alone (pp = tp = cp = 1), a DualStage (hsgd.pp.dual) for DualPipe's two copies, else a Stage."""
-    # (experts route a micro-batch's rows together, and FP8's current scales are taken over a micro-batch: neither
-    # is ever cut into thread slices)
-    alone = grid.pp == 1 and grid.tp == 1 and grid.cp == 1 and not cfg.moe_experts and not data.fp8
-    if grid.pp > 1 and PLACEMENTS.get(layout.schedule) == "dual":
-        from hsgd.pp.dual import DualStage                              # (it is a Stage: imported here)
-        return DualStage(cfg, grid, layout, recompute, data)
-    return (ThreadedStage if alone else Stage)(cfg, grid, layout, recompute, data)

@@ -30,7 +30,7 @@ DualPipe (p/2-1)(F&B+B-3W).
 from collections import deque
 
 from hsgd.errors import ConfigError
-from hsgd.pp.schedules import Action, Pair
+from hsgd.pp.actions import Action, Pair
 
 
 def zb_v(m, p, s):

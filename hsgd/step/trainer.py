@@ -29,7 +29,7 @@ from hsgd.dp.make import make_exchange
 from hsgd.ep.layout import check_moe_layout
 from hsgd.fp8.domains import check_fp8_layout
 from hsgd.model.optim import decays, lr_at, make_optimizer
-from hsgd.pp.stage import make_stage
+from hsgd.pp.make import make_stage
 from hsgd.grid.trace import NullTracer
 from hsgd.step.health import global_norm, step_numbers
 from hsgd.step.loss_scale import make_scaler
