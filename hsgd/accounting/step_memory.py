@@ -194,7 +194,7 @@ def stage_samples(pc, layers, first, last, actions, recompute, base, inflight=No
     """[(label, {category: bytes})] at the probe's moments for one stage running `actions` [("F"|"B", j)].
     pc: pieces(); layers: the stage's blocks; base: {category: bytes} held through the whole step (exchange,
     optimizer); inflight: a ShardedInFlight for ZeRO 2 and 3 (what their hooks hold at each moment), or None."""
-    if any(a.kind == "W" or a.chunk for a in actions):
+    if any(a.kind not in ("F", "B") or a.chunk for a in actions):      # (a W, a second chunk, a Pair F&B)
         raise ValueError("stage_samples walks one chunk per stage with fused backwards (gpipe, 1f1b)")
     inflight = inflight or NothingInFlight()
     walk = StageWalk(pc, layers, first, last, recompute, base, inflight)
