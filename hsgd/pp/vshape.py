@@ -23,6 +23,10 @@ queued W; f&b: an overlapped pair):
     4  m-2p+r+1 x (f0&b1, f1&b0)  (on the last stage the first f0, b1 apart)
     5  (p-r-1) x (b1, f1&b0)          6  (r+1) x (b1 b0), split from the middle one on
     7  (p-r-1) x (w, b0 zb)           8  (r+1) x w
+A pair F&B (hsgd.pp.actions.Pair) receives both inputs, runs its F, then its B, and sends each output as soon as it
+is made: hsgd schedules the pair as one unit, as DualPipe does, but on a CPU rank the two run one after the other.
+What DeepSeek gains from it (one micro-batch's all-to-all and pipeline messages hidden behind the other's
+computation, on separate GPU streams) is the simulator's F&B cost (costs[3]), not something hsgd's ranks obtain.
 Idle time per stage (DeepSeek-V3's Table 2, B being a whole backward, F&B an overlapped pair; equal for every
 stage's timeline when the simulator runs it, tests/test_vshape.py): 1F1B (p-1)(F+B); ZB1P (zb-h1) (p-1)(F+B-2W);
 DualPipe (p/2-1)(F&B+B-3W).
