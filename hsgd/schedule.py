@@ -25,6 +25,7 @@ Activation bytes per (micro-batch, chunk), b sequences per micro-batch, s bytes 
         megatron, sequence: N s (4C + (4C + 2F)/tp);   gather: N s (3C + F + (5C + F)/tp) (its projections' dO are
         the local slices, copies);   the head N s (C + Vp)
 """
+import math
 import sys
 
 from hsgd.model.config import MAX_SIZES, flag_names
@@ -118,7 +119,9 @@ class Plan:
     def __init__(self, cfg, tc, costs, built_with=None):
         """built_with: the costs the list is built with (zb-h1 places its W's by them), default `costs`; --run
         passes (1, 1, 1), the costs hsgd.pp.stage builds with, so that the prediction is of the list that runs."""
-        from hsgd.pp.chunks import parse_split, pp_formula, stage_chunks
+        from hsgd.pp.chunks import parse_split, pp_formula, stage_chunks, stage_names
+        from hsgd.tp.shards import shard_numel
+        from hsgd.tp.model import stage_activation_shape                    # (the V's turn: one activation kept)
         self.cfg, self.tc, self.costs = cfg, tc, costs
         p, m, v = tc.pp, tc.micro_batches, chunk_count(tc.schedule, tc.virtual_stages)
         self.kind = effective(tc.schedule, p, v)                            # (one stage runs 1F1B)
@@ -132,9 +135,13 @@ class Plan:
             chunks = [(len(layers), first, last)
                       for _, layers, first, last in stage_chunks(cfg.n_layers, p, st, v, split, pl)]
             kept = [keep_bytes(cfg, b, s, tc.tp, tc.tp_scheme, tc.recompute, ch, tc.cp, tc.cp_scheme) for ch in chunks]
-            self.bytes.append(held_bytes(self.actions[st], [k[0] for k in kept], [k[1] for k in kept]))
-            if pl.shape == "dual":                                          # down and up, half each (no twin sum here)
-                f = pp_formula(b, cfg, m, st == 0, st == p - 1, s, tc.tp_scheme, tc.tp, 1, tc.cp)
+            turn = pl.local_handoffs(st) * s * math.prod(stage_activation_shape(tc.tp_scheme, b, cfg, tc.tp, tc.cp))
+            self.bytes.append(held_bytes(self.actions[st], [k[0] for k in kept], [k[1] for k in kept], turn))
+            if pl.shape == "dual":                        # down and up, half each; the gradients to the twin stage
+                names = [n for _, layers, first, last in stage_chunks(cfg.n_layers, p, st, v, split, pl)
+                         for n in stage_names(cfg, layers, first, last)]
+                f = pp_formula(b, cfg, m, st == 0, st == p - 1, s, tc.tp_scheme, tc.tp, 1, tc.cp,
+                               twin=s * shard_numel(cfg, tc.tp, names, tc.tp_scheme))
             else:
                 f = pp_formula(b, cfg, m, st == pl.stage(0), st == pl.stage(p * v - 1), s, tc.tp_scheme, tc.tp, v,
                                tc.cp, pl.local_handoffs(st))                # pieces 0 and pv-1, hand-offs to itself

@@ -360,15 +360,17 @@ def test_pipeline_training_reports_its_schedule(flags):
     assert "<- differs" not in out
 
 
-@pytest.mark.parametrize("n, flags", [(4, ["--tp", "2", "--tp-scheme", "sequence"]),
-                                      (8, ["--tp", "2", "--cp", "2", "--cp-scheme", "allgather"])])
+@pytest.mark.parametrize("n, flags", [(4, ["--tp", "2", "--tp-scheme", "sequence", "--schedule", "dualpipev"]),
+                                      (8, ["--tp", "2", "--cp", "2", "--cp-scheme", "allgather", "--schedule",
+                                           "dualpipe"])])
 def test_the_schedule_lab_runs_and_measures(n, flags):
-    """python -m hsgd.schedule --run: zb-h1 executed on pp 2 x tp 2 (sequence scheme) and pp 2 x cp 2 x tp 2 (the
-    all-gather attention), with selective recomputation, measured next to its prediction: the pairs and activation
-    bytes held equal it, the bytes sent on pp_comm equal the formula (chapter 14 measures the four schedules with
-    the megatron scheme)."""
+    """python -m hsgd.schedule --run: dualpipev executed on pp 2 x tp 2 (sequence scheme: the V's turn keeps a
+    T-shard of the activation) and dualpipe on pp 2 x cp 2 x tp 2 (the all-gather attention; the gradients to the
+    twin stage), with selective recomputation, measured next to their predictions: the pairs and activation bytes
+    held equal them (a pair looked at after its F and after its B), the bytes sent on pp_comm equal the formula
+    (chapter 14 measures the other schedules with the megatron scheme)."""
     r = run_mpi(n, ["-m", "hsgd.schedule", "--pp", "2", *flags, "--recompute", "selective", "--micro-batches", "4",
-                    "--batch-size", "4", "--schedule", "zb-h1", "--seq-len", "16", "--d-model", "32", "--n-heads", "4",
+                    "--batch-size", "4", "--seq-len", "16", "--d-model", "32", "--n-heads", "4",
                     "--d-ff", "64", "--run"], timeout=120)
     print(r.stdout[-3000:])
     assert r.returncode == 0, r.stderr[-3000:]

@@ -14,14 +14,14 @@
 # ---
 
 # %% [markdown]
-# # Chapter 14: pipeline schedules as data: interleaved 1F1B and zero bubble
+# # Chapter 14: pipeline schedules as data: interleaved 1F1B, zero bubble, the V and DualPipe
 #
 # Chapter 9 ran a pipeline with two schedules, GPipe and 1F1B, and found the same idle time in both:
 # $(p-1)/(m+p-1)$ of the step. The lecture's section 1 lists that idle time among the challenges of pipeline
 # parallelism (in translation: "pipeline bubbles easily leave the devices idle"), and its section 4.2 gives the
 # remedy of its time: "split the data into micro-batches that fill the stages of the pipeline, to reduce the idle
 # time (the bubbles)". More micro-batches help only by making the batch larger or the micro-batches smaller. This
-# chapter continues those two sections with two later remedies that change the schedule instead:
+# chapter continues those two sections with later remedies that change the schedule instead:
 #
 # * **interleaved 1F1B** (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters
 #   Using Megatron-LM"): every stage holds v smaller chunks of the model instead of one, so the pipeline fills and
@@ -29,7 +29,12 @@
 # * **zero bubble** (Qi et al. 2024, "Zero Bubble Pipeline Parallelism"): the backward pass is split into B, the
 #   gradient of the stage's input that the previous stage waits for, and W, the gradients of the weights that
 #   nobody waits for; the W's fill the waits. Their schedule ZB-H1 holds no more micro-batches than 1F1B's first
-#   stage and leaves a third of 1F1B's idle time when F, B and W cost the same.
+#   stage and leaves a third of 1F1B's idle time when F, B and W cost the same;
+# * **two chunks per stage, in a V or from both ends**: ZB-V (the same paper) places the chunks so that a
+#   micro-batch goes down the stages and back up, and with F = B = W no stage waits inside its own span, for 1F1B's
+#   activations; DualPipe (DeepSeek-AI 2024, "DeepSeek-V3 Technical Report") holds the model twice, feeds
+#   micro-batches from both ends, and runs a forward and a backward as one overlapped pair; DualPipeV is its V-shaped
+#   half. DeepSeek-V3's Table 2 prices 1F1B, ZB-H1 and DualPipe in idle time, parameters and activations.
 #
 # In hsgd a schedule is data (`hsgd/pp/schedules.py`): for every stage, the list of actions it runs in one step. A list
 # can be printed, checked for deadlocks before anything runs, simulated, and handed to `hsgd.pp.stage.Stage`, which
@@ -45,11 +50,17 @@
 # 5. all four schedules trained on 8 ranks, as a 4-stage pipeline (dp 2 x pp 4) and an 8-stage one (pp 8): serial
 #    SGD's parameters, bit-identical across schedules, and the pairs held, activation bytes and messages measured
 #    against their predictions; the measured timelines drawn;
-# 6. the trade-off: bubble, memory and messages of every schedule in one table and one picture.
+# 6. the trade-off: bubble, memory and messages of every schedule in one table and one picture;
+# 7. two chunks per stage: the V and the dual placement drawn and checked; ZB-V, DualPipeV and DualPipe simulated
+#    and drawn; DeepSeek-V3's Table 2 reproduced by the simulator (idle time, peak pairs) and by training
+#    (parameters); ZB-V's zero bubble in the zero-bubble papers' measure; the three trained on the 4-stage pipeline,
+#    equal to 1F1B (bit for bit, DualPipe to rounding), with DualPipe's step traced and drawn; section 6's table
+#    with the three added.
 #
-# Run it with eight ranks (6 to 11 s measured on a 2-core machine with other work running beside it, 29 s once
-# while that work kept both cores busy; on failure every rank raises, so it exits non-zero without hanging). Rank 0
-# draws three pictures into `$HSGD_FIGURES` (default `tutorials/figures/`):
+# Run it with eight ranks (7 s measured on a 2-core machine with nothing else running, 2 s of it section 7; 8 to 14 s
+# with other work running beside it, 29 s once while that work kept both cores busy; on failure every rank raises,
+# so it exits non-zero without hanging). Rank 0 draws six pictures into `$HSGD_FIGURES` (default
+# `tutorials/figures/`):
 #
 # mpirun -n 8 python tutorials/14_pipeline_schedules.py
 #
@@ -58,10 +69,13 @@
 # the real grid), prints and measures one schedule at a time from the command line.
 #
 # Legend: P ranks, p = pp stages, s a stage, m micro-batches per replica and step, j a micro-batch, v model chunks
-# per stage (virtual stages), c a chunk, k = cp + s the model's piece that chunk c of stage s holds. Actions: F
-# (forward), B (backward: the input gradient, and also the weight gradients unless the list has a W for the same
-# micro-batch and chunk, then it is "split"), W (the weight gradients); in formulas F, B and W are their times per
-# chunk, and a fused backward takes B + W. A "pair" is a (micro-batch, chunk) whose activations a stage holds. The
+# per stage (virtual stages), c a chunk, k = cp + s the model's piece that chunk c of stage s holds (in the loop
+# placement; section 7 has the V and the dual one). Actions: F (forward), B (backward: the input gradient, and also
+# the weight gradients unless the list has a W for the same micro-batch and chunk, then it is "split"), W (the
+# weight gradients), F&B (an overlapped pair, `schedules.Pair`: the forward of one micro-batch and the backward of
+# another as one action); in formulas F, B, W and F&B are their times per chunk, and a fused backward takes B + W
+# (in DeepSeek-V3's Table 2, B is that whole backward). A "pair" held is a (micro-batch, chunk) whose activations
+# a stage holds. The
 # model: L layers, C d_model, NH heads, $d_{ff}$ the MLP width (the F of other chapters), T sequence, V vocabulary,
 # B = 16 sequences the global batch (in the code; in the text B is the action), b sequences per micro-batch,
 # N = bT positions, 8 bytes per number (float64).
@@ -79,13 +93,17 @@ from hsgd.step.trainer import HybridTrainer
 from hsgd.accounting.activations import activation_bytes
 from hsgd.model.ops import linear_backward, linear_forward, linear_input_grad, linear_weight_grad
 from hsgd.run.plots import draw_pipeline
-from hsgd.pp.chunks import chunk_layers, pp_formula, stage_names
+from hsgd.pp.chunks import chunk_layers, pp_formula, stage_chunks, stage_names
 from hsgd.run.report import fmt_bytes
 from hsgd.schedule import keep_bytes
-from hsgd.pp.schedules import Action, ScheduleError, build, simulate
-from hsgd.pp.timelines import (FORMULA, PEAK_FORMULA, bubble_formula, bubble_fraction, grid, held_bytes, idle_per_stage,
-                               peak_formula, peak_held)
+from hsgd.pp.schedules import Action, Pair, ScheduleError, build, placement_of, simulate
+from hsgd.pp.timelines import (FORMULA, PEAK_FORMULA, TABLE2, bubble_formula, bubble_fraction, grid, held_bytes,
+                               idle_per_stage, most_idle, peak_formula, peak_held, stage_idle, table2)
 from hsgd.pp.schedules import check as check_schedule
+from hsgd.pp.placement import placement
+from hsgd.schedule import Plan
+from hsgd.grid.trace import Tracer
+from hsgd.run.plots import pipeline_spans
 from hsgd.tp.wgrad import WeightGrads
 
 import pictures                                  # tutorials/pictures.py: where the PNGs go
@@ -166,10 +184,11 @@ def parse(text):
     return out
 
 
-def refusal(actions, m, v=1):
-    """schedules.check's message for a list it refuses ("" if it accepts it)."""
+def refusal(actions, m, v=1, pl=None):
+    """schedules.check's message for a list it refuses ("" if it accepts it); pl: the placement (default the loop,
+    section 7 has the others)."""
     try:
-        check_schedule(actions, m, v)
+        check_schedule(actions, m, v, pl)
         return ""
     except ScheduleError as e:
         return str(e)
@@ -437,22 +456,27 @@ def predict(g, kind, v):
     return actions, peak_held(actions), peak_bytes, pp_formula(b, cfg, M, s == 0, s == p - 1, 8, "megatron", 1, v)
 
 
-def run(g, kind, v):
-    """STEPS steps of `kind` on grid g, the last one measured; every stage's measures of replica 0 on every rank."""
+def run(g, kind, v, predicted=None, tracer=None):
+    """STEPS steps of `kind` on grid g, the last one measured (and traced, given a tracer: section 7); every stage's
+    measures of replica 0 on every rank. predicted: my stage's prediction (default `predict`'s)."""
     tc = config(g.pp, kind, v)
-    trainer = HybridTrainer(cfg, g, tc)
+    trainer = HybridTrainer(cfg, g, tc, tracer)
     for step in range(1, tc.steps + 1):
         trainer.stage.measure_bytes = step == tc.steps
+        if tracer is not None:
+            tracer.clear()                                                  # keep only the last step's spans
         before = g.stats.counts()
         trainer.step(*corpus.batch(SEED, step, B), step)
     st = trainer.stage
     sent = {key: n for key, n in g.stats.since(before).items() if key[0] == "pp"}   # this step on pp_comm
     mine = (st.actions, st.peak_held, st.peak_bytes, sent)
     stages = sorted((r for r in world.allgather((g.dp_rank, g.pp_rank, st.timeline, st.peak_held, st.peak_bytes,
-                                                  sent)) if r[0] == 0), key=lambda r: r[1])   # replica 0, by stage
-    out = dict(mine=mine, predicted=predict(g, kind, v), params=dict(trainer.params), full=trainer.full_params(),
+                                                  sent, trainer.memory()["params"])) if r[0] == 0),
+                    key=lambda r: r[1])                                     # replica 0, by stage
+    out = dict(mine=mine, predicted=predict(g, kind, v) if predicted is None else predicted,
+               params=dict(trainer.params), full=trainer.full_params(),
                timeline=[r[2] for r in stages], held=[r[3] for r in stages], bytes=[r[4] for r in stages],
-               sent=[r[5].get(("pp", "Isend"), (0, 0)) for r in stages])
+               sent=[r[5].get(("pp", "Isend"), (0, 0)) for r in stages], param_bytes=[r[6] for r in stages])
     trainer.finish()
     trainer.free()
     return out
@@ -596,8 +620,420 @@ say(f"picture: {path}")
 # head's (N, V) arrays (V = 256 is large next to C = 16 in this toy). None of this changes the numbers: every
 # schedule trains serial SGD, all four to the same bit. What the measured column shows instead is that on eight
 # ranks sharing two cores the costs are neither equal nor constant; the lists stay the same, and the lab
-# (`python -m hsgd.schedule --costs F,B,W`) shows how each one would fare with other costs.
+# (`python -m hsgd.schedule --costs F,B,W`) shows how each one would fare with other costs. Section 7 adds three
+# more schedules to this table, each with two chunks on every stage.
+
+# %% [markdown]
+# ## 7. Two chunks per stage: the V and DualPipe
 #
+# Three later schedules give every stage two chunks of the model, placed so that the pipeline fills and drains in
+# fewer steps, and so that a stage can run the forward of one micro-batch beside the backward of another
+# (`hsgd.pp.placement`, `hsgd.pp.vshape`, `hsgd.pp.dual`):
+#
+# * **ZB-V** (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", section 6): the layers are cut into 2p pieces
+#   placed in a **V**: chunk 0 of stage s is piece s, chunk 1 is piece 2p-1-s. A micro-batch goes down the stages
+#   and back up. Stage p-1 holds pieces p-1 and p and hands the activation to itself (a copy, no message), and
+#   stage 0 holds the embedding and the loss both. Its list is ZB-H1's idea on the V: every B split from its W,
+#   the W's placed in what would be waits;
+# * **DualPipeV** (the V-shaped half of DualPipe, in DeepSeek's repository deepseek-ai/DualPipe): the same V with
+#   DeepSeek's steps (`vshape.dual_steps`), whose steady state runs **pairs** F&B: the forward of one micro-batch
+#   through one chunk and the backward of another through the other chunk, as one action (`schedules.Pair`, printed
+#   F7&B3.1). Both inputs are received before a pair starts and both outputs sent when it ends, so that on a GPU one
+#   half's communication (DeepSeek-V3's all-to-all between the experts, the pipeline's sends) hides behind the
+#   other half's computation. hsgd runs a pair's F, then its B, on one core; the simulation gives a pair its own
+#   cost F&B, anywhere from the longer half, max(F, B+W), to the sum F+B+W;
+# * **DualPipe** (DeepSeek-AI 2024, "DeepSeek-V3 Technical Report", section 3.2.1): the layers are cut into p
+#   pieces, and the model is held **twice**. Micro-batches 0 .. m/2-1 go down (piece k on stage k), m/2 .. m-1
+#   come up (piece k on stage p-1-k). Stage s holds pieces s and p-1-s, and so does its twin, stage p-1-s; after
+#   the backward passes the twins add their gradients (`dual.DualStage`, one message each way), so that both copies
+#   take the same step. Stage s runs DualPipeV's steps for its position min(s, p-1-s) in a V of p/2 stages.
+#
+# First the placements, as `placement(shape, p, 2)` gives them for p = 4: the pieces a stage's two chunks hold,
+# the hand-offs a stage makes to itself, and what a backward waits for (`pl.after(s, c)`: the (stage, chunk) of the
+# next piece on the micro-batch's path, whose gradient it needs). The V's lists only run on the V: the static check
+# of section 1, told the pieces are in a loop, refuses ZB-V's list.
+
+# %%
+pl_loop, pl_v, pl_dual = (placement(shape, P4, 2) for shape in ("loop", "v", "dual"))
+for name, pl in (("loop (interleaved)", pl_loop), ("V (zb-v, dualpipev)", pl_v), ("dual (dualpipe)", pl_dual)):
+    say(f"{name:<20} (chunk 0, chunk 1) pieces: " + "  ".join(f"s{s} {tuple(pl.piece(s, c) for c in (0, 1))}"
+                                                            for s in range(P4))
+        + f"   local hand-offs {[pl.local_handoffs(s) for s in range(P4)]}")
+path_v = [pl_v.stage(k) for k in range(pl_v.K)]                  # the stage of each piece, along the path
+down = [pl_dual.holder(k)[0] for k in range(pl_dual.K)]           # micro-batches 0 .. m/2-1: chunk 0
+up = [next(s for s in range(P4) if pl_dual.piece(s, 1) == k) for k in range(pl_dual.K)]   # m/2 .. m-1: chunk 1
+say(f"V: a micro-batch visits stages {path_v}; the backward of piece {P4 - 1} (stage {P4 - 1}, chunk 0) waits for "
+    f"(stage, chunk) {pl_v.after(P4 - 1, 0)}")
+say(f"dual: micro-batches 0..m/2-1 visit stages {down}, m/2..m-1 visit {up}")
+check.equal("V: stages 0..p-1, then p-1..0 along the path; one hand-off to itself, on p-1",
+            (path_v, [pl_v.local_handoffs(s) for s in range(P4)]),
+            (list(range(P4)) + list(range(P4 - 1, -1, -1)), [0] * (P4 - 1) + [1]))
+check.holds("V: pieces 0 and 2p-1 on stage 0; B of piece p-1 waits on its own stage",
+            pl_v.stage(0) == pl_v.stage(pl_v.K - 1) == 0 and pl_v.after(P4 - 1, 0) == (P4 - 1, 1))
+held_by = [sorted(pl_dual.piece(s, c) for c in (0, 1)) for s in range(P4)]
+check.holds("dual: stages s and p-1-s hold pieces s and p-1-s; every piece on two",
+            all(held_by[s] == held_by[P4 - 1 - s] == sorted((s, P4 - 1 - s)) for s in range(P4))
+            and all(sum(k in h for h in held_by) == 2 for k in range(pl_dual.K)))
+why = refusal(build("zb-v", M, P4, 2), M, 2)                      # (checked with the loop placement, the default)
+say(f"ZB-V's list, checked as if its pieces were in a loop:\n  ScheduleError: {why}")
+check.holds("ZB-V's list refused on the loop placement, accepted on the V",
+            bool(why) and "deadlocks" in why and not refusal(build("zb-v", M, P4, 2), M, 2, pl_v))
+
+
+def draw_placements():
+    fig, (ax_v, ax_d) = pictures.figure(10, 3.4, ncols=2)
+    ks = range(pl_v.K)
+    ax_v.plot(ks, [pl_loop.stage(k) for k in ks], "o--", color="0.65",
+              label="loop (interleaved): piece p back on stage 0")
+    ax_v.plot(ks, path_v, "o-", color="C0", label="V: down the stages and back up")
+    for k in ks:
+        ax_v.annotate(f"{k}.{pl_v.holder(k)[1]}", (k, path_v[k]), xytext=(7, 5), textcoords="offset points",
+                      fontsize=6, color="C0")
+    ax_v.annotate("a hand-off to itself,\nno message", ((2 * P4 - 1) / 2, P4 - 1), xytext=(0, 30),
+                  textcoords="offset points", ha="center", fontsize=7, arrowprops=dict(arrowstyle="->", lw=0.8))
+    ax_v.set_xticks(list(ks))
+    ax_v.set_xlim(-0.5, pl_v.K - 0.2)
+    ax_v.set_xlabel("piece k of the model, along a micro-batch's path (labels: k.chunk)", fontsize=7)
+    ax_v.set_title(f"the V (zb-v, dualpipev), p = {P4}: stage s holds pieces s and 2p-1-s", fontsize=8)
+    ax_v.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.42, 1.0))
+    kd = range(pl_dual.K)
+    ax_d.plot(kd, down, "o-", color="C0", label="micro-batches 0 .. m/2-1 (chunk 0), down")
+    ax_d.plot(kd, up, "s-", color="C3", label="micro-batches m/2 .. m-1 (chunk 1), up")
+    for s in range(P4 // 2):                                       # twins s and p-1-s
+        x = P4 - 0.6 + 0.25 * s
+        ax_d.annotate("", (x, P4 - 1 - s), (x, s), arrowprops=dict(arrowstyle="<->", color="0.5"))
+    ax_d.text(P4 - 0.1, (P4 - 1) / 2, "twins s, p-1-s:\nthe same pieces,\ngradients summed", fontsize=6.5,
+              va="center")
+    ax_d.set_xlim(-0.4, P4 + 1.2)
+    ax_d.set_xticks(list(kd))
+    ax_d.set_xlabel("piece k of the model", fontsize=7)
+    ax_d.set_title(f"dual (dualpipe), p = {P4}: two copies, micro-batches from both ends", fontsize=8)
+    ax_d.legend(fontsize=6, loc="lower left")
+    for ax in (ax_v, ax_d):
+        ax.set_ylim(P4 - 0.4, -0.6)                                 # stage 0 on top
+        ax.set_yticks(range(P4))
+        ax.set_yticklabels([f"stage {s}" for s in range(P4)], fontsize=7)
+        ax.tick_params(axis="x", labelsize=7)
+        ax.grid(alpha=0.3)
+    return pictures.save(fig, "14_v_and_dual_placement")
+
+
+path = pictures.on_rank0(world, draw_placements, share=True)
+say(f"picture: {path}")
+
+# %% [markdown]
+# The picture shows the stage of each piece along a micro-batch's path: the V turns on stage p-1 where the loop
+# jumps back to stage 0, and DualPipe's two copies cross, every stage holding the same two pieces as its twin.
+#
+# Next the three schedules for p = 4 and m = 8 (the fewest DualPipe takes: m >= 2p), simulated on one time axis
+# with a stage's share of the model costing F = B = W = 1 as in section 2: a V chunk is half a share (its actions
+# cost 1/2), a DualPipe piece a whole one (a stage holds two, but each sees half the micro-batches). A pair costs
+# F&B = `FB` times a share, less than F+B+W: an overlap assumed for the picture, which Table 2 below varies. Every
+# stage then computes for 1F1B's m(F+B+W), less what its pairs save; what differs is the idle time.
+
+# %%
+FB = 2.5                                                  # F&B of a stage's share, against F+B+W = 3 apart
+SHARE = {"zb-v": 0.5, "dualpipev": 0.5, "dualpipe": 1.0}  # a chunk's part of a stage's share of the model
+TITLES = {"zb-v": "ZB-V", "dualpipev": "DualPipeV", "dualpipe": "DualPipe"}
+
+
+def simulate2(kind, m, p, costs):
+    """The timeline of `kind`'s list (two chunks per stage) on its own placement."""
+    return simulate(build(kind, m, p, 2), m, 2, costs, placement_of(kind, p, 2))
+
+
+def span(t):
+    return max(e for r in t for _, _, e in r) - min(s for r in t for _, s, _ in r)
+
+
+v_sims = {kind: simulate2(kind, M, P4, (x, x, x, FB * x)) for kind, x in SHARE.items()}
+say(f"p = {P4}, m = {M}, a share F = B = W = 1, F&B = {FB}: step, bubble, idle of the least busy stage (most_idle), "
+    f"longest idle inside a stage's own span (stage_idle), peak pairs per stage")
+say(f"  {'1F1B (section 2)':<18} step {span(sims['1f1b']):>5g}   bubble {bubble_fraction(sims['1f1b']):.4f}   "
+    f"most_idle {most_idle(sims['1f1b']):>4g}   stage_idle {stage_idle(sims['1f1b']):>4g}   "
+    f"pairs {[peak_held(a) for a in build('1f1b', M, P4)]}")
+for kind, t in v_sims.items():
+    say(f"  {TITLES[kind]:<18} step {span(t):>5g}   bubble {bubble_fraction(t):.4f}   most_idle {most_idle(t):>4g}   "
+        f"stage_idle {stage_idle(t):>4g}   pairs {[peak_held(a) for a in build(kind, M, P4, 2)]}")
+say("DualPipe's lists (F3&B5.1: a pair, the forward of micro-batch 3 through chunk 0 with the backward of 5 "
+    "through chunk 1):")
+for line in lists("dualpipe", M, P4, 2):
+    say(line)
+check.holds("a stage's busy time = m(F+B+W) less (F+B+W - F&B) x chunk share per pair",
+            all(abs(sum(e - s for _, s, e in r) - (M * 3 - sum(isinstance(a, Pair) for a, _, _ in r)
+                                                   * SHARE[kind] * (3 - FB))) < 1e-12
+                for kind, t in v_sims.items() for r in t))
+
+
+def draw_v_schedules():
+    fig, axes = pictures.figure(10, 5.6, nrows=3, sharex=True)
+    for ax, (kind, t) in zip(axes, v_sims.items()):
+        t2 = table2(kind, M, P4, (SHARE[kind],) * 3 + (FB * SHARE[kind],))
+        draw_pipeline(ax, t, xlabel="time (F = B = W = 1 for a stage's share)" if kind == "dualpipe" else "",
+                      title=f"{TITLES[kind]}, m = {M}, p = {P4}: step {span(t):g}, most_idle {most_idle(t):g}"
+                            + (f" = Table 2's {TABLE2[kind]}" if t2 is not None else "")
+                            + f", stage_idle {stage_idle(t):g}")
+    axes[0].set_xlim(0, max(span(t) for t in v_sims.values()))
+    return pictures.save(fig, "14_v_and_dual_simulated")
+
+
+path = pictures.on_rank0(world, draw_v_schedules, share=True)
+say(f"picture: {path}")
+
+# %% [markdown]
+# The picture shows the three simulated steps, each pair drawn as its forward over its backward: ZB-V's stages
+# never wait once they have started, DualPipeV runs F&B pairs in its steady state, and DualPipe starts from both
+# ends at once, stage 0 with micro-batches 0 .. m/2-1 and stage p-1 with the others.
+#
+# ### DeepSeek-V3's Table 2
+#
+# DeepSeek-AI (2024) compare three schedules in their Table 2: the bubble of 1F1B $(PP-1)(F+B)$, of ZB1P (ZB-H1
+# here) $(PP-1)(F+B-2W)$ and of DualPipe $(PP/2-1)(F\&B+B-3W)$; parameters 1x, 1x, 2x; activations PP, PP, PP+1
+# (micro-batches of a chunk). Their F, B, W and F&B are the times of one chunk, B a whole backward (B + W in hsgd's
+# terms, where B is the input half), and their bubble is what `timelines.most_idle` measures: the step's span minus
+# the busy time of the least busy stage (`timelines.table2` has the closed forms). The simulator knows none of it.
+# For p = 4 and 8 with m = 2p, and four sets of costs with F = B (the input half), W <= F and
+# max(F, B+W) <= F&B <= F+B+W, from a pair that hides nothing to one that hides all of its F:
+
+# %%
+T2_COSTS = ((1.0, 1.0, 1.0, 3.0), (1.0, 1.0, 1.0, 2.0), (1.0, 1.0, 0.5, 2.0), (2.0, 2.0, 1.0, 4.5))   # F,B,W,F&B
+T2_KINDS = ("1f1b", "zb-h1", "dualpipe")
+
+
+def table2_rows():
+    """Per (p, costs): the simulated most_idle and Table 2's closed form of 1F1B, ZB1P and DualPipe; and per p the
+    peak pairs, the most over the stages."""
+    rows, peaks = [], {}
+    for p in (4, 8):
+        m = 2 * p
+        for costs in T2_COSTS:
+            acts = {"1f1b": build("1f1b", m, p), "zb-h1": build("zb-h1", m, p, costs=costs[:3]),
+                    "dualpipe": build("dualpipe", m, p, 2)}
+            v = {"1f1b": 1, "zb-h1": 1, "dualpipe": 2}
+            sim = {k: simulate(a, m, v[k], costs, placement_of(k, p, v[k])) for k, a in acts.items()}
+            rows.append((p, costs, [(most_idle(sim[k]), table2(k, m, p, costs)) for k in T2_KINDS]))
+            peaks[p] = [max(peak_held(a) for a in acts[k]) for k in T2_KINDS]
+    return rows, peaks
+
+
+t2_rows, t2_peaks = pictures.on_rank0(world, table2_rows, share=True)
+say(f"{'':<27} {'1F1B':^17} {'ZB1P (zb-h1)':^17} {'DualPipe':^17}   (B: a whole backward, B+W in hsgd)")
+say(f"{'p':>2} {'F':>4} {'B':>4} {'W':>4} {'F&B':>4}   " + "   ".join(f"{'sim':>6} {'Table 2':>8}" for _ in T2_KINDS))
+for p, (f, b, w, fb), cells in t2_rows:
+    say(f"{p:>2} {f:>4g} {b + w:>4g} {w:>4g} {fb:>4g}   " + "   ".join(f"{s:>6g} {c:>8g}" for s, c in cells))
+check("Table 2: simulated most_idle - closed form, 1F1B, ZB1P, DualPipe",
+      max(abs(s - c) for _, _, cells in t2_rows for s, c in cells), 1e-12)
+for p, peak in t2_peaks.items():
+    say(f"p = {p}: peak (micro-batch, chunk) pairs, the most over the stages: 1F1B {peak[0]}, ZB1P {peak[1]}, "
+        f"DualPipe {peak[2]}")
+check.equal("Table 2: peak pairs of 1F1B, ZB1P, DualPipe == (PP, PP, PP+1), p = 4, 8",
+            t2_peaks, {p: [p, p, p + 1] for p in t2_peaks})
+
+# %% [markdown]
+# Every row agrees with the closed forms, for the overlapped pair as for the plain one. The parameters' 1x, 1x, 2x
+# is measured below, from the trained stages.
+#
+# The zero-bubble paper's own claim for ZB-V is of another measure: with F = B = W, no stage waits between its first
+# action and its last (`timelines.stage_idle`, the longest such wait over the stages; the paper's "bubble rate" is
+# built on a stage's own span), and it holds 1F1B's activations: 2p pairs held of half a stage, where 1F1B's stage 0
+# holds p whole ones. What remains is the V's fill: stage s starts its first forward s F after stage 0 and ends as
+# much later, so the step is $(p-1)F$ longer than any stage's own span. `most_idle` counts that, the paper's measure
+# does not. For p = 2, 4, 8 and m = 2p-1, 2p, 4p:
+
+# %%
+def zbv_claim():
+    out = []
+    for p in (2, 4, 8):
+        for m in (2 * p - 1, 2 * p, 4 * p):
+            acts = build("zb-v", m, p, 2)
+            t = simulate(acts, m, 2, (1.0, 1.0, 1.0), placement_of("zb-v", p, 2))
+            out.append((p, m, stage_idle(t), most_idle(t), max(peak_held(a) for a in acts),
+                        max(peak_held(a) for a in build("1f1b", m, p)), [r[0][1] for r in t]))
+    return out
+
+
+zbv = pictures.on_rank0(world, zbv_claim, share=True)
+say("  p   m   stage_idle   most_idle (p-1)F   peak pairs ZB-V (half a stage)   1F1B (a whole stage)")
+for p, m, own, least, pairs, one, _ in zbv:
+    say(f"{p:>3} {m:>3} {own:>12g} {least:>11g} {p - 1:>6}   {pairs:>30}   {one:>20}")
+check("ZB-V, F = B = W: idle inside every stage's own span (stage_idle)",
+      max(r[2] for r in zbv), 1e-12)
+check("ZB-V, F = B = W: most_idle - (p-1)F, the V's fill", max(abs(r[3] - (r[0] - 1)) for r in zbv), 1e-12)
+check.equal("ZB-V: stage s starts s F after stage 0", [r[6] for r in zbv], [list(range(r[0])) for r in zbv])
+check.holds("ZB-V holds 1F1B's activations: peak pairs 2p of half a stage = 2 x 1F1B's p", all(r[4] == 2 * r[5]
+                                                                                              for r in zbv))
+
+# %% [markdown]
+# ### The three on the real grid
+#
+# Now training, on the chapter's 4-stage pipeline (dp 2 x pp 4, m = 8 = 2p): 2 steps of ZB-V and DualPipeV (8
+# pieces of 2 blocks, two per stage) and DualPipe (4 pieces of 4 blocks, each on two stages), as in section 5. The
+# predictions come from the schedule lab's `Plan` (`hsgd.schedule`: the list, and `peak_held` and `held_bytes` of
+# it, on the schedule's placement), and from `pp_formula`: the V's turn sends nothing, and DualPipe's stage sends
+# half its micro-batches each way plus its whole gradient to its twin. The bytes are `held_bytes` of the list: a
+# pair looked at after its F and after its B (the stage measures at the same moments: the one between them is real,
+# the F's caches made and the B's not yet freed), and on the V's last stage the activation, and later the gradient,
+# that it hands to itself (the Plan passes one (b, T, C) activation for that turn). DualPipe's run is traced
+# (`hsgd.grid.trace.Tracer`, as in chapter 9): a pair is one span, "forward & backward", with both micro-batches.
+
+# %%
+def predict_two(g, kind):
+    """My stage's (actions, peak pairs, peak activation bytes, pp_comm calls and bytes) and its parameter bytes,
+    for a schedule of two chunks per stage."""
+    p, s, b = g.pp, g.pp_rank, B // g.dp // M
+    plan = Plan(cfg, config(p, kind, 2), (1.0, 1.0, 1.0))          # the list, its pairs and bytes, every stage
+    pl = plan.placement
+    chunks = stage_chunks(cfg.n_layers, p, s, 2, None, pl)         # [(piece, layers, first, last)] of my 2 chunks
+    shapes = cfg.param_shapes()
+    param_bytes = 8 * sum(int(np.prod(shapes[n])) for _, layers, first, last in chunks
+                          for n in stage_names(cfg, layers, first, last))
+    if pl.shape == "dual":                       # half the micro-batches each way, and the gradients to the twin
+        sent = pp_formula(b, cfg, M, s == 0, s == p - 1, 8, "megatron", 1, 1, twin=param_bytes)
+    else:                                        # pieces 0 and 2p-1 both on stage 0, the turn on stage p-1
+        sent = pp_formula(b, cfg, M, s == pl.stage(0), s == pl.stage(pl.K - 1), 8, "megatron", 1, 2, 1,
+                          pl.local_handoffs(s))
+    return (plan.actions[s], plan.held[s], plan.bytes[s], sent), param_bytes
+
+
+two, tracer = {}, Tracer(rank, world)             # a Barrier, then this rank's time origin (for DualPipe's run)
+for kind in SHARE:
+    pred, pbytes = predict_two(g4, kind)
+    two[kind] = run(g4, kind, 2, pred, tracer if kind == "dualpipe" else None)
+    two[kind]["param bytes predicted"] = pbytes
+base = results[4, "1f1b"]["full"]
+diff = {kind: max(float(np.abs(r["full"][n] - base[n]).max()) for n in base) for kind, r in two.items()}
+for kind, r in two.items():
+    say(f"{TITLES[kind]:<10} largest |difference| from 1F1B's parameters after {STEPS} steps: {diff[kind]:.1e}")
+check.equal("V and dual: my stage's actions == the Plan's", [r["mine"][0] for r in two.values()],
+            [r["predicted"][0] for r in two.values()])
+check.equal("V and dual: pairs held == the Plan's (peak_held)",
+            [r["mine"][1] for r in two.values()], [r["predicted"][1] for r in two.values()])
+check.equal("V and dual: activation bytes at the peak == held_bytes (the Plan's)",
+            [r["mine"][2] for r in two.values()], [r["predicted"][2] for r in two.values()])
+check.equal("V and dual: pp_comm calls and bytes == pp_formula (the turn, the twin)",
+            [r["mine"][3] for r in two.values()], [r["predicted"][3] for r in two.values()])
+act = g4.pp_comm.allgather_obj([(r["mine"][2], r["predicted"][2]) for r in two.values()])
+say("activation bytes at the peak on replica 0: measured / held_bytes")
+for st, row in enumerate(act):
+    say(f"  stage {st}: " + "   ".join(f"{TITLES[k]} {m:,} / {w:,}" for k, (m, w) in zip(two, row)))
+check(f"pp 4: my parameters vs serial SGD, the worst of {', '.join(TITLES.values())}",
+      max(shard_err(r, g4) for r in two.values()))
+check.holds("ZB-V and DualPipeV: parameters bit-identical to 1F1B's",
+            all(np.array_equal(two[k]["full"][n], base[n]) for k in ("zb-v", "dualpipev") for n in base))
+check("DualPipe: |parameters - 1F1B's| (the twin sum regroups: rounding)",
+      diff["dualpipe"], 1e-15)
+
+# %% [markdown]
+# The bytes printed per stage show both effects: where a stage's peak falls inside a pair, the measurement stays
+# below `held_bytes`, and on the V's last stage it is above, by what the turn holds.
+#
+# ZB-V and DualPipeV end with 1F1B's bits: every chunk adds its micro-batches' gradients in the order 0, 1, ...,
+# m-1, as in section 4. DualPipe's do not quite: each copy adds its own half of the micro-batches, and the twin sum
+# adds the two halves, a different grouping of the same terms, which floating-point addition does not treat as
+# equal (the difference printed above is of the size of rounding). Next what each copy costs in parameters, as
+# `trainer.memory()["params"]` measures it on every stage of replica 0, against what the stage's pieces hold:
+
+# %%
+param_rows = {"1F1B": results[4, "1f1b"]["param_bytes"], "ZB-H1": results[4, "zb-h1"]["param_bytes"],
+              **{TITLES[k]: r["param_bytes"] for k, r in two.items()}}
+one_copy = sum(param_rows["1F1B"])
+for name, per_stage in param_rows.items():
+    say(f"  {name:<10} parameter bytes per stage {[fmt_bytes(x) for x in per_stage]}   pipeline "
+        f"{fmt_bytes(sum(per_stage))} = {sum(per_stage) / one_copy:g} x 1F1B's")
+mine_pbytes = g4.pp_comm.allgather_obj([(r["param_bytes"][g4.pp_rank], r["param bytes predicted"])
+                                        for r in two.values()])
+check.holds("V and dual: a stage's parameter bytes == 8 x its pieces' parameters",
+            all(meas == pred for row in mine_pbytes for meas, pred in row))
+check.equal("Table 2: pipeline parameters 1x (1F1B, ZB-H1, ZB-V, DualPipeV), 2x DualPipe",
+            [sum(x) for x in param_rows.values()], [one_copy] * 4 + [2 * one_copy])
+check.equal("1F1B's pipeline holds the model once: 8 x its parameters", one_copy, 8 * cfg.n_params())
+
+# %% [markdown]
+# DualPipe's step as it ran, from the trace: `hsgd.run.plots.pipeline_spans` turns the four stages' spans into
+# a timeline (a pair labelled as the list prints it), and the checks hold it to DualPipe's list.
+
+# %%
+events = [e for mine in world.allgather(tracer.chrome_events()) for e in mine]     # every rank's spans
+origins = world.allgather(tracer.t0)                  # world ranks 0..3 are replica 0's stages 0..3
+traced = [[(name, origins[r] + a, origins[r] + b) for name, a, b in stage]
+          for r, stage in enumerate(pipeline_spans(events, range(P4)))]
+check.equal("DualPipe traced: each stage's spans in time order == its list",
+            [[n for n, _, _ in stage] for stage in traced],
+            [[str(a) for a in acts] for acts in build("dualpipe", M, P4, 2)])
+say("DualPipe's traced step, mean milliseconds per action (a timing of this machine, not checked):")
+for s, stage in enumerate(traced):
+    split_b = {f"B{a.mb}" + (f".{a.chunk}" if a.chunk else "") for a in build("dualpipe", M, P4, 2)[s] if a.kind == "W"}
+    ms = {what: 1e3 * np.mean([b - a for n, a, b in stage if keep(n)]) for what, keep in (
+        ("pair", lambda n: "&" in n), ("F", lambda n: n[0] == "F" and "&" not in n),
+        ("B", lambda n: n[0] == "B" and n not in split_b))}                    # B: a whole (fused) backward
+    say(f"  stage {s}: a pair F&B {ms['pair']:.2f}, a lone F {ms['F']:.2f}, a lone whole B {ms['B']:.2f}")
+
+
+def draw_dualpipe_measured():
+    fig, axes = pictures.figure(10, 4.2, nrows=2)
+    hsgd_pair = simulate2("dualpipe", M, P4, (1.0, 1.0, 1.0))      # F&B = F+B+W: a pair run as its two halves
+    draw_pipeline(axes[0], hsgd_pair, xlabel="time (cost units)",
+                  title=f"DualPipe, m = {M}, p = {P4}, simulated with F = B = W = 1 and "
+                        f"F&B = F+B+W (no overlap: how hsgd runs a pair)")
+    draw_pipeline(axes[1], traced, unit=1e-3, xlabel="milliseconds",
+                  title=f"DualPipe, measured (replica 0, step {STEPS}, traced): bubble {bubble_fraction(traced):.2f}")
+    return pictures.save(fig, "14_dualpipe_measured")
+
+
+path = pictures.on_rank0(world, draw_dualpipe_measured, share=True)
+say(f"picture: {path}")
+
+# %% [markdown]
+# The picture shows DualPipe's step simulated (a pair costing its two halves) over the same step as the trace
+# recorded it, each pair's forward drawn over its backward, in the list's order. hsgd computes a pair's halves one
+# after the other on one core, so a pair cannot take less than its F and its B; DeepSeek's gain, the
+# communication of one half hidden behind the computation of the other, needs a device that computes while its
+# messages travel (and their all-to-all between the experts, which this model does not have).
+#
+# ### Section 6's trade-off, with the new schedules
+#
+# On pp 4 with m = 8: the bubble (closed form and simulation for equal costs, F&B = F+B+W; measured), the most
+# (micro-batch, chunk) pairs and activation bytes a stage holds (predicted, measured), the parameter bytes of the
+# fullest stage and of the pipeline, and what stage 1 sends on `pp_comm` per step (DualPipe's count includes the
+# gradient it sends its twin):
+
+# %%
+rows = []
+for name, r, kind, v in (("1F1B", results[4, "1f1b"], "1f1b", 1), ("ZB-H1", results[4, "zb-h1"], "zb-h1", 1),
+                         *((TITLES[k], two[k], k, 2) for k in SHARE)):
+    pred = r["predicted stages"] if v == 1 else g4.pp_comm.allgather_obj(r["predicted"][1:3])
+    t_sim = simulate(build(kind, M, P4, v), M, v, (1.0, 1.0, 1.0), placement_of(kind, P4, v))
+    rows.append((name, bubble_formula(kind, M, P4, v), bubble_fraction(t_sim), bubble_fraction(r["timeline"]),
+                 max(h for h, _ in pred), max(r["held"]), max(b for _, b in pred), max(r["bytes"]),
+                 max(r["param_bytes"]), sum(r["param_bytes"]), *r["sent"][1]))
+say(f"{'':<10} {'bubble':^29}   {'pairs held':^11}   {'activation bytes':^21}   {'parameters':^19}   "
+    f"{'pp_comm, stage 1':^26}")
+say(f"{'schedule':<10} {'formula':>8} {'simulated':>10} {'measured':>9}   {'pred':>5} {'meas':>5}   "
+    f"{'predicted':>10} {'measured':>10}   {'stage':>9} {'pipeline':>9}   {'messages':>8} {'payload':>8} {'sent':>8}")
+for name, closed, sim, meas, pp_, pm, ap, am, pst, ppl, calls, nbytes in rows:
+    say(f"{name:<10} {closed:>8.4f} {sim:>10.4f} {meas:>9.2f}   {pp_:>5} {pm:>5}   {fmt_bytes(ap):>10} "
+        f"{fmt_bytes(am):>10}   {fmt_bytes(pst):>9} {fmt_bytes(ppl):>9}   {calls:>8} {fmt_bytes(nbytes):>8} "
+        f"{fmt_bytes(nbytes):>8}")
+check("pp 4, the five schedules: simulated bubble - closed form", max(abs(r[1] - r[2]) for r in rows), 1e-12)
+twin_bytes = two["dualpipe"]["param_bytes"][1]                     # stage 1's gradient, to stage p-2
+say(f"DualPipe's stage 1 sends {fmt_bytes(rows[-1][-1] - twin_bytes)} of activations and their gradients and "
+    f"{fmt_bytes(twin_bytes)} of parameter gradients to its twin per step")
+check.holds("equal costs: ZB-V's bubble the least of the five, DualPipeV's == ZB-H1's",
+            min(rows, key=lambda r: r[1])[0] == "ZB-V" and abs(rows[3][1] - rows[1][1]) < 1e-12)
+
+# %% [markdown]
+# Read it against section 6. ZB-V has the smallest bubble of the five for equal costs, for the activations of 1F1B's
+# stage 0 on every stage (2p pairs held, of half a stage) and, on a middle stage, twice 1F1B's messages of the same
+# size, as interleaving sends; its end stages send fewer, the turn being a copy, and its stage 0 holds the embedding
+# and the head both. DualPipeV runs the same V with DeepSeek's steps: with equal costs and F&B pairs that overlap
+# nothing, its bubble is ZB-H1's, and every unit an F&B saves (below F+B+W, per chunk) takes p-1 units off its idle
+# time, as `TABLE2` has it, $(p-1)(F\&B+B-3W)$ (Table 2's DualPipe of 2p stages, folded in two; exercise 5 finds it
+# in the simulator). DualPipe fills and drains from both ends, p/2 stages deep each, and a stage sends 1F1B's
+# messages plus one, the price Table 2 names being elsewhere: twice the parameters (and with them the gradients and
+# the optimizer's state) and one more pair held; and the twins' gradient sum, a message of the stage's whole
+# gradient each way per step, which in this toy model is most of the bytes a stage sends.
+
+# %% [markdown]
 # ## Check against serial
 #
 # On 8 ranks, every verdict reached collectively: the four schedules' lists have the expected length, the static
@@ -608,7 +1044,13 @@ say(f"picture: {path}")
 # layer's backward are NumPy's formulas and bit for bit the fused one, and so is a whole stage's split backward,
 # whose kept bytes are `keep_bytes`'; and on a 4-stage and an 8-stage pipeline, every schedule runs its list, holds
 # exactly the predicted pairs and activation bytes, sends exactly `pp_formula`'s messages, and ends with serial
-# SGD's parameters, the four schedules bit-identical.
+# SGD's parameters, the four schedules bit-identical. With two chunks per stage (section 7): the V and the dual
+# placement are what their docstrings say, and ZB-V's list deadlocks on the loop; the simulated idle time of 1F1B,
+# ZB1P and DualPipe is DeepSeek-V3's Table 2 in every row, with its activations (PP, PP, PP+1 pairs) and, measured
+# on the trained stages, its parameters (1x, 1x, 2x); ZB-V has no idle time inside any stage's span for F = B = W,
+# with 1F1B's activations; and ZB-V, DualPipeV and DualPipe run their lists (DualPipe's traced), hold the predicted
+# pairs and bytes, send `pp_formula`'s messages, and end with serial SGD's parameters: 1F1B's bits for the V
+# schedules, 1F1B's to rounding for DualPipe.
 
 # %%
 worst_what, err = check.worst([w for w in check.errors if "serial" in w])
@@ -625,8 +1067,12 @@ g8.free()
 # | a schedule is data: `schedules.build(kind, m, p, v)`, per stage a list of `Action(kind, mb, chunk)` (F, B, W), run by `Stage.run` (hsgd/pp/stage.py) | none: each schedule is a function whose loops run the steps (`forward_backward_no_pipelining`, `forward_backward_pipelining_without_interleaving`, `forward_backward_pipelining_with_interleaving`, megatron/core/pipeline_parallel/schedules.py), picked by `get_forward_backward_func` | `PipeSchedule.steps()` yields each step's list of `PipeInstruction`s (`ForwardPass`, `BackwardPass`, `SendActivation`, `RecvGrad`, ...); `TrainSchedule` is 1F1B (deepspeed/runtime/pipe/schedule.py) | `pipeline_order`: per rank a list of `_Action(stage_index, computation_type, microbatch_index)`, `_ComputationType` F, I (input gradient), W (weight gradient), B (full backward) (torch/distributed/pipelining/schedules.py) | the messages are not in the list: they follow from the dependencies, sent when an action ends and received when the next one starts |
 # | `schedules.check` / `simulate`: `ScheduleError` naming the first action that cannot run | none | none | `_simulate_comms_compute` dry-runs a `pipeline_order` and flags deadlocks | checked by every `Stage` before its first message, and simulated with chosen costs for the pictures and the lab |
 # | `build("interleaved", m, p, v)`, `--schedule interleaved --virtual-stages v` (`pp.chunks.chunk_layers`: chunk c of stage s is piece cp + s) | `forward_backward_pipelining_with_interleaving` with `virtual_pipeline_model_parallel_size` (`ModelParallelConfig`, `parallel_state.initialize_model_parallel`): v model chunks per rank, warm-up $2(p-s-1) + (v-1)p$ | none | `ScheduleInterleaved1F1B` | the same order, written out as a list; m must be a multiple of p |
-# | `build("zb-h1", m, p, costs=(F, B, W))`, `--schedule zb-h1`; the W's products kept by `wgrad.WeightGrads` | none upstream (Qi et al. built theirs on a fork); `delay_wgrad_compute` defers weight-gradient GEMMs to overlap expert-parallel communication, not to fill a pipeline | none | `ScheduleInterleavedZeroBubble` (zero bubble over several stages per rank), `ScheduleZBVZeroBubble` (the V-shaped placement), with I and W actions | only H1, one chunk per stage; the W's are placed by simulating with given costs, so the list changes when the costs do |
+# | `build("zb-h1", m, p, costs=(F, B, W))`, `--schedule zb-h1`; the W's products kept by `wgrad.WeightGrads` | none upstream (Qi et al. built theirs on a fork); `delay_wgrad_compute` defers weight-gradient GEMMs to overlap expert-parallel communication, not to fill a pipeline | none | `ScheduleInterleavedZeroBubble` (zero bubble over several stages per rank), `ScheduleZBVZeroBubble` (the V-shaped placement), with I and W actions | H1 with one chunk per stage (ZB-V: the next row); the W's are placed by simulating with given costs, so the list changes when the costs do |
 # | `timelines.bubble_formula`, `FORMULA`; `idle_per_stage`, `bubble_fraction` | the paper's $\frac{1}{v}\cdot\frac{p-1}{m}$ (idle over compute) | none | none | idle over the whole step, so the fraction stays below 1 (chapter 9) |
+# | `build("zb-v", m, p)`, `--schedule zb-v`, on `placement("v", p, 2)`: chunk 0 of stage s is piece s, chunk 1 piece 2p-1-s | none | none | `ScheduleZBVZeroBubble` (torch.distributed.pipelining), its stages placed by `generate_rank_to_stage_mapping(..., style="v")`; torchtitan: `pipeline_parallel_schedule = "ZBVZeroBubble"` | the paper's pattern written out as a list (`vshape.zb_v`), checked and simulated on its placement; the turn on stage p-1 is a copy, not a message |
+# | `build("dualpipev", m, p)`, `--schedule dualpipev`; the overlapped pair `schedules.Pair` (F&B) | none | none | `ScheduleDualPipeV`, its pairs `OVERLAP_F_B` actions; torchtitan: `pipeline_parallel_schedule = "DualPipeV"`. DeepSeek's own: the `DualPipeV` class (deepseek-ai/DualPipe, dualpipe/dualpipev.py), its postponed weight gradients in `WeightGradStore` | DeepSeek's steps as data (`vshape.dual_steps`); hsgd runs a pair's F, then its B, so it hides nothing on a CPU: the simulation's F&B says what an overlap would give |
+# | `build("dualpipe", m, p)`, `--schedule dualpipe`: `placement("dual", p, 2)`, two copies; `dual.DualStage` sums the twins' gradients | none (no V or bidirectional schedule; `combined_1f1b_schedule_for_interleaved_pipelining`, megatron/core/pipeline_parallel/combined_1f1b.py, overlaps one micro-batch's forward with another's backward inside interleaved 1F1B when `overlap_moe_expert_parallel_comm` is set) | none | none (only the V-shaped half, `ScheduleDualPipeV`) | DeepSeek's `DualPipe` class (dualpipe/dualpipe.py, two modules per rank, `overlapped_forward_backward` on the module) leaves the twins' gradient sum to its caller; hsgd's stage sums them itself, one message each way, so the copies stay equal bit for bit |
+# | `timelines.most_idle` and `table2` (DeepSeek-V3's Table 2), `stage_idle` (the zero-bubble papers' measure) | none | none | none | both measures from one simulated timeline, so a paper's claim is checked in its own measure |
 #
 # ## Exercises
 #
@@ -665,3 +1111,17 @@ g8.free()
 # and `pp.chunks.pp_formula`; check that the three runs end with the same parameters bit for bit, and print each stage's
 # bytes per step next to 1F1B's.
 # (solution: `tutorials/solutions/14_pipeline_schedules.py`, `exercise_4`)
+#
+# ### Exercise 5: the V's turn, and DualPipe's Table 2 from the simulator
+# Write the V placement's dependencies yourself: piece k on stage $k$ for $k < p$ and $2p-1-k$ after; F of piece k
+# waits for F of piece k-1, B of piece k for B of piece k+1 (on the last piece, its own F), W for its B, an F&B pair
+# for both its halves' inputs. Write a walker that runs every stage's list as far as these allow and returns the
+# first action of the lowest stage that cannot run. Check that it accepts ZB-V's and DualPipeV's lists for p = 2
+# to 6 and m = 2p, 3p; then break ZB-V's list for p = 4, m = 8 by moving stage 3's B0 (piece 3) before its B0.1
+# (piece 4, whose gradient it needs), and check that your walker stops at the action `schedules.check` names, with
+# `placement("v", 4, 2)`. Follow the waits from there to the stage that waits for itself. Second, without Table 2:
+# simulate DualPipe for p = 6, m = 12 and 24 with costs (F, B, W, F&B) where F = B, W <= F and max(F, B+W) <= F&B
+# <= F+B+W, fit its `most_idle` as a linear function of F&B, DeepSeek's B (B + W) and W by least squares, and
+# check that the coefficients are $(p/2-1)(1, 1, -3) = (2, 2, -6)$ with no constant; then do the same for
+# DualPipeV on p = 3, whose Table 2 idle $(p-1)(F\&B+B-3W)$ has the same coefficients.
+# (solution: `tutorials/solutions/14_pipeline_schedules.py`, `exercise_5`)

@@ -138,9 +138,9 @@ class Stage:
                     else:
                         self.weights(a, grads, ready)
                     i += 1
+                    if self.measure_bytes:                             # (a Pair: after its F and after its B)
+                        self.peak_bytes = max(self.peak_bytes, self.bytes_held(params))
             self.timeline.append((action, t0, time.perf_counter()))
-            if self.measure_bytes:
-                self.peak_bytes = max(self.peak_bytes, self.bytes_held(params))
         for req, _ in self.sends:
             req.Wait()
         self.sends, self.caches, self.kept, self.handed = [], {}, {}, {}   # nothing held until the next step

@@ -140,17 +140,22 @@ def peak_held(actions):
     return max(held(actions), default=0)
 
 
-def held_bytes(actions, keep, keep_after_b):
+def held_bytes(actions, keep, keep_after_b, handed=0):
     """The peak bytes a stage holds: keep[c] per (micro-batch, chunk c) from its F until its backward (the
-    forward's caches), replaced at a split B by keep_after_b[c] until its W (the X and dY the W reads)."""
+    forward's caches), replaced at a split B by keep_after_b[c] until its W (the X and dY the W reads); a Pair
+    looked at after its F and after its B. handed: the bytes of an activation the stage hands to itself (the V's
+    turn, hsgd.pp.placement.local_handoffs: chunk 0's output from its F until chunk 1's F takes it into its cache,
+    chunk 1's input gradient from its B until chunk 0's B reads it), else 0."""
     actions = flat(actions)
     split = {(a.mb, a.chunk) for a in actions if a.kind == "W"}
+    turn = (handed, -handed)                                           # chunk 0 hands on, chunk 1 takes
     live = peak = 0
     for a in actions:
         if a.kind == "F":
-            live += keep[a.chunk]
+            live += keep[a.chunk] + (turn[a.chunk] if a.chunk < 2 else 0)
         elif a.kind == "B":
-            live += (keep_after_b[a.chunk] if (a.mb, a.chunk) in split else 0) - keep[a.chunk]
+            live += (keep_after_b[a.chunk] if (a.mb, a.chunk) in split else 0) - keep[a.chunk] \
+                - (turn[a.chunk] if a.chunk < 2 else 0)
         else:
             live -= keep_after_b[a.chunk]
         peak = max(peak, live)

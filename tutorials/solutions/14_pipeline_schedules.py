@@ -2,7 +2,7 @@
 
     mpirun -n 8 python tutorials/solutions/14_pipeline_schedules.py
 
-Exercises 1 to 3 are arithmetic on lists of actions: rank 0 computes while the other ranks wait asleep
+Exercises 1 to 3 and 5 are arithmetic on lists of actions: rank 0 computes while the other ranks wait asleep
 (pictures.on_rank0), and every rank checks the verdicts it broadcasts. Exercise 4 trains one step on the chapter's
 4-stage pipeline (dp 2 x pp 4, the 16-block model, float64) for v = 1, 2 and 4.
 """
@@ -25,8 +25,9 @@ from hsgd.grid.process_grid import ProcessGrid  # noqa: E402
 from hsgd.step.trainer import HybridTrainer  # noqa: E402
 from hsgd.pp.chunks import pp_formula  # noqa: E402
 from hsgd.run.report import fmt_bytes  # noqa: E402
-from hsgd.pp.schedules import Action, ScheduleError, build, simulate  # noqa: E402
-from hsgd.pp.timelines import bubble_formula, bubble_fraction, idle_per_stage, peak_held  # noqa: E402
+from hsgd.pp.placement import placement  # noqa: E402
+from hsgd.pp.schedules import Action, Pair, ScheduleError, build, placement_of, simulate  # noqa: E402
+from hsgd.pp.timelines import bubble_formula, bubble_fraction, idle_per_stage, most_idle, peak_held  # noqa: E402
 from hsgd.pp.schedules import check as check_schedule  # noqa: E402
 
 threadpool_limits(1)                    # eight ranks share the cores, tiny matrices: one BLAS thread each
@@ -43,11 +44,17 @@ def on_rank0(work):
 
 def accepted(actions, m, v=1):
     """Whether schedules.check runs the lists to their end."""
+    return not refusal(actions, m, v)
+
+
+def refusal(actions, m, v=1, pl=None):
+    """schedules.check's message for lists it refuses, "" for lists it accepts (pl: the placement, default the
+    loop)."""
     try:
-        check_schedule(actions, m, v)
-        return True
-    except ScheduleError:
-        return False
+        check_schedule(actions, m, v, pl)
+        return ""
+    except ScheduleError as e:
+        return str(e)
 
 
 # ---------------------------------------------------------------------------------------------------- exercise 1
@@ -243,5 +250,114 @@ def exercise_4(check):
     g.free()
 
 
+# ---------------------------------------------------------------------------------------------------- exercise 5
+
+def v_piece(s, c, p):
+    """The piece chunk c of stage s holds in the V: down the stages on chunk 0, back up on chunk 1."""
+    return s if c == 0 else 2 * p - 1 - s
+
+
+def v_stage(k, p):
+    """The stage that holds piece k in the V."""
+    return k if k < p else 2 * p - 1 - k
+
+
+def v_needs(a, s, p):
+    """(kind, piece, micro-batch) that action a of stage s waits for in the V; None: nothing but its own list."""
+    k = v_piece(s, a.chunk, p)
+    if a.kind == "F":
+        return None if k == 0 else ("F", k - 1, a.mb)            # the activation of piece k-1
+    if a.kind == "B":
+        return ("F", k, a.mb) if k == 2 * p - 1 else ("B", k + 1, a.mb)   # the loss, or the gradient of piece k+1
+    return ("B", k, a.mb)                                          # W: its own B
+
+
+def walk_v(lists, p):
+    """Every stage runs its list as far as the V's dependencies allow, again and again until nothing moves (an F&B
+    pair runs when both halves' inputs are there). Returns (the position each stage reached, what is done)."""
+    done, pos, moved = set(), [0] * p, True
+    while moved:
+        moved = False
+        for s in range(p):
+            while pos[s] < len(lists[s]):
+                a = lists[s][pos[s]]
+                parts = (a.f, a.b) if isinstance(a, Pair) else (a,)
+                if any(n is not None and n not in done for n in (v_needs(x, s, p) for x in parts)):
+                    break
+                done.update((x.kind, v_piece(s, x.chunk, p), x.mb) for x in parts)
+                pos[s] += 1
+                moved = True
+    return pos, done
+
+
+def first_stuck(lists, p):
+    """None if the V lists run to their end, else (stage, position, action) of the lowest stage that cannot go on,
+    and the chain of waits from there: [(stage, action, what it waits for, on which stage)] until a stage waits for
+    itself or for a stage already in the chain."""
+    pos, done = walk_v(lists, p)
+    stuck = [s for s in range(p) if pos[s] < len(lists[s])]
+    if not stuck:
+        return None, []
+    s, chain, seen = stuck[0], [], set()
+    while s not in seen:
+        seen.add(s)
+        a = lists[s][pos[s]]
+        need = next(n for n in (v_needs(x, s, p) for x in ((a.f, a.b) if isinstance(a, Pair) else (a,)))
+                    if n is not None and n not in done)
+        chain.append((s, a, need, v_stage(need[1], p)))
+        s = v_stage(need[1], p)
+    return (stuck[0], pos[stuck[0]], lists[stuck[0]][pos[stuck[0]]]), chain
+
+
+def fit_idle(kind, p, ms, costs):
+    """Least squares of the simulated most_idle against (F&B, DeepSeek's B = B + W, W, 1) over the costs and m."""
+    rows, idle = [], []
+    for m in ms:
+        acts, pl = build(kind, m, p, 2), placement_of(kind, p, 2)
+        for f, b, w, fb in costs:
+            rows.append([fb, b + w, w, 1.0])
+            idle.append(most_idle(simulate(acts, m, 2, (f, b, w, fb), pl)))
+    coef, *_ = np.linalg.lstsq(np.array(rows), np.array(idle), rcond=None)
+    return coef, float(np.abs(np.array(rows) @ coef - np.array(idle)).max())
+
+
+def exercise_5(check):
+    """The V's turn, and DualPipe's Table 2 from the simulator."""
+    def work():
+        ok = {(kind, p, m): first_stuck(build(kind, m, p, 2), p)[0] is None
+              and not refusal(build(kind, m, p, 2), m, 2, placement("v", p, 2))
+              for kind in ("zb-v", "dualpipev") for p in range(2, 7) for m in (2 * p, 3 * p)}
+        p, m = 4, 8
+        lists = build("zb-v", m, p, 2)
+        last = list(lists[p - 1])
+        b0 = last.pop(last.index(Action("B", 0, 0)))               # piece 3's backward of micro-batch 0 ...
+        last.insert(last.index(Action("B", 0, 1)), b0)             # ... before piece 4's, whose gradient it needs
+        broken = lists[:p - 1] + [last]
+        stuck, chain = first_stuck(broken, p)
+        why = refusal(broken, m, 2, placement("v", p, 2))
+        costs = [(1.0, 1.0, 1.0, 3.0), (1.0, 1.0, 1.0, 2.0), (1.0, 1.0, 0.5, 2.0), (2.0, 2.0, 1.0, 4.5),
+                 (1.0, 1.0, 0.25, 1.5), (3.0, 3.0, 2.0, 6.0), (2.0, 2.0, 0.5, 3.0)]
+        assert all(w <= f and max(f, b + w) <= fb <= f + b + w for f, b, w, fb in costs)   # where Table 2 holds
+        fits = {"dualpipe, p = 6": fit_idle("dualpipe", 6, (12, 24), costs),
+                "dualpipev, p = 3": fit_idle("dualpipev", 3, (6, 12), costs)}
+        return ok, stuck, [(s, str(a), need, t) for s, a, need, t in chain], why, fits
+
+    ok, (s, i, a), chain, why, fits = on_rank0(work)
+    check.holds(f"my V walker and schedules.check run ZB-V's, DualPipeV's lists, {len(ok)} cases",
+                all(ok.values()))
+    check.say(f"broken ZB-V (stage 3's B0 before its B0.1): schedules.check says\n  {why}")
+    for st, act, need, t in chain:
+        check.say(f"  stage {st} waits at {act} for {need[0]}{need[2]} of piece {need[1]}, on stage {t}")
+    check.holds("my walker stops at the action schedules.check names first", f"stage {s} cannot run its action {i}, "
+                f"{a}:" in why)
+    check.equal("the chain ends on stage 3, whose B0 (piece 3) waits for its own piece 4",
+                chain[-1][0:3], (3, "B0", ("B", 4, 0)))
+    for name, (coef, resid) in fits.items():
+        check.say(f"{name}: most_idle = {coef[0]:+.6f} F&B {coef[1]:+.6f} B {coef[2]:+.6f} W {coef[3]:+.6f} "
+                  f"(largest residual {resid:.1e})")
+        check(f"{name}: fitted (F&B, B, W, 1) - (2, 2, -6, 0), and the residual",
+              max(float(np.abs(coef - [2, 2, -6, 0]).max()), resid), 1e-9)
+
+
 if __name__ == "__main__":
-    solve(Checks(world, tol=1e-12, width=76), [exercise_1, exercise_2, exercise_3, exercise_4])
+    solve(Checks(world, tol=1e-12, width=76), [exercise_1, exercise_2, exercise_3, exercise_4, exercise_5])
