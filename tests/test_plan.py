@@ -8,7 +8,10 @@
   5. --impl hsgd prices each layout with hsgd.plan.layout.plan_rank (which tests/mpi/test_plan_layout.py holds
      equal to the trainer), and search covers every factorization of 8 devices, sorted by time;
   6. monotonic: a faster network never slows a layout, a bigger batch takes longer, MFU is in (0, 1];
-  7. the command line: usage errors exit 2 with one line that names the fix; a good run prints and writes JSON.
+  7. the command line: usage errors exit 2 with one line that names the fix; a good run prints and writes JSON;
+  8. the V and dual schedules (zb-v, dualpipev, dualpipe): their makespans are the schedules' closed forms, the
+     search offers them only where they apply, DualPipe holds and sends twice one copy's parameters, the V's turn
+     on its last stage sends nothing.
 
     PATH=$PWD/.venv/bin:$PATH python -m pytest -q tests/test_plan.py -s      # -s shows the numbers each test saw
 
@@ -24,6 +27,7 @@ import sys
 
 import pytest
 
+from hsgd.errors import ConfigError
 from hsgd.model.config import ModelConfig, gpt_step_flops
 from hsgd.grid.process_grid import factorizations
 from hsgd.accounting.activations import paper_table2, paper_zero_bytes
@@ -422,3 +426,152 @@ def test_the_search_prices_every_cp_scheme_the_heads_allow():
     assert sent["ulysses"] == {("cp", "Alltoall"): (4 * L * m, L * m * 2 * (Q + Y))}, sent["ulysses"]
     lines = flags.megatron(SMALL, [lay for lay in lays if lay.cp_scheme == "ulysses"][0], 16)
     assert ("cp", "Alltoall") in sent["ulysses"] and any("--cp-comm-type a2a" in line for line in lines), lines
+
+
+# ------------------------------------------------------------------------------------ 8. the V and dual schedules
+def test_v_and_dual_makespans_are_their_closed_forms():
+    """costs.makespan simulates zb-v, dualpipev and dualpipe on their own placements (on the loop placement their
+    lists would not run): its makespan less a stage's busy time (2m chunk passes of f + b + w; dualpipe m) is ZB-V's
+    (p-1) f for f = b = w, m >= 2p-1, and DeepSeek-V3's Table 2 idle (hsgd.pp.timelines.table2) for DualPipeV
+    (p-1)(F&B + B - 3W) and DualPipe (p/2-1)(F&B + B - 3W), B = b + w a whole backward and F&B = f + b + w (the
+    planner's pair: no overlap credit), for f = b, w <= f, m >= 2p; to 1e-9 relative. The activations the planner
+    prices, peak_formula's (micro-batch, chunk) pairs, are the lists' own peak on every stage."""
+    from hsgd.pp.timelines import peak_formula, peak_held, table2
+    cases, worst = 0, 0.0
+    for kind in ("zb-v", "dualpipev", "dualpipe"):
+        for p in (2, 4, 6):
+            for m in (2 * p, 2 * p + 4):
+                for f, b, w in ((1.0, 1.0, 1.0), (2.0, 2.0, 0.5), (0.3, 0.3, 0.3)):
+                    if kind == "zb-v" and not f == b == w:
+                        continue
+                    span = costs.makespan(kind, m, p, 2, f, b, w)
+                    busy = (m if kind == "dualpipe" else 2 * m) * (f + b + w)
+                    want = (p - 1) * f if kind == "zb-v" else table2(kind, m, p, (f, b, w, f + b + w))
+                    err = abs(span - busy - want) / span
+                    worst = max(worst, err)
+                    cases += 1
+                    assert err <= 1e-9, (kind, p, m, (f, b, w), span - busy, want)
+                held = [peak_held(acts) for acts in costs.vshape_actions(kind, m, p, 2)]
+                assert held == [peak_formula(kind, m, p, s, 2) for s in range(p)], (kind, p, m, held)
+    print(f"{cases} (kind, p, m, costs) cases: simulated idle = closed form, max relative error {worst:.2e}; "
+          "peak pairs = peak_formula on every stage")
+
+
+def test_the_search_offers_the_v_and_dual_schedules_only_where_they_apply():
+    """layouts() with --schedule zb-v,dualpipev,dualpipe: every layout has v = 2 and ZeRO <= 1, dualpipev m >= 2 pp,
+    dualpipe an even pp, an even m >= 2 pp, the V 2 pp <= L pieces; each kind is offered, and one stage runs 1f1b
+    only; a MoE model gets no dualpipe. evaluate refuses a layout that breaks one of these with the reason. The
+    planner's command line asked for them ranks such a layout first and prints torchtitan's schedule name for it;
+    flags.py names torchtitan's ZBVZeroBubble and DualPipeV with 2 pp stages of L/(2 pp) layers, says that it has
+    no bidirectional DualPipe and that Megatron-LM has none of the three."""
+    from hsgd.plan.__main__ import build_parser, plan
+    space = {"schedule": ["zb-v", "dualpipev", "dualpipe"], "tp": [1], "recompute": ["none"],
+             "tp_scheme": ["megatron"]}
+    seen = {}
+    for batch in (8, 16, 32):
+        for lay in layouts(SMALL, batch, 8, space):
+            if lay.pp == 1:
+                assert lay.schedule == "1f1b", lay                 # (one stage: no V, no two ends)
+                continue
+            seen.setdefault(lay.schedule, set()).add((lay.pp, lay.m))
+            assert lay.v == 2 and lay.zero <= 1, lay
+            if lay.schedule != "dualpipe":
+                assert 2 * lay.pp <= SMALL.n_layers, lay
+            if lay.schedule != "zb-v":
+                assert lay.m >= 2 * lay.pp, lay
+            if lay.schedule == "dualpipe":
+                assert lay.pp % 2 == 0 and lay.m % 2 == 0, lay
+    print({k: sorted(v) for k, v in seen.items()})
+    assert set(seen) == {"zb-v", "dualpipev", "dualpipe"}
+    stages = {k: {p for p, _ in v} for k, v in seen.items()}
+    assert 8 in stages["dualpipe"] and 8 not in stages["zb-v"] | stages["dualpipev"]      # (L = 8: 16 V pieces)
+    assert any(m < 2 * p for p, m in seen["zb-v"])                                          # (zb-v: any m)
+    moe = dataclasses.replace(SMALL, moe_experts=4)
+    assert {lay.schedule for lay in layouts(moe, 16, 8, space) if lay.pp > 1} == {"zb-v", "dualpipev"}
+    hw = load("a100-80g")
+    good = Layout(dp=2, pp=4, tp=1, v=2, m=8, schedule="dualpipe")
+    bad = {"pp=3": dataclasses.replace(good, dp=1, pp=3, m=16), "m < 2 pp": dataclasses.replace(good, m=6),
+           "zero 2": dataclasses.replace(good, zero=2), "v=1": dataclasses.replace(good, v=1)}
+    for name, lay in bad.items():
+        with pytest.raises(ConfigError) as err:
+            evaluate(SMALL, 16, lay, hw)
+        print(f"{name}: {err.value}")
+    with pytest.raises(ConfigError, match="dualpipev"):
+        evaluate(moe, 16, good, hw)
+    lines = []
+    args = build_parser().parse_args(["--model", "narayanan-1.7b", "--batch", "512", "--devices", "32", "--pp", "4",
+                                      "--tp", "1", "--micro-batch", "4", "--zero", "1", "--sp", "no", "--recompute",
+                                      "none", "--schedule", "zb-v,dualpipev,dualpipe", "--top", "3"])
+    assert plan(args, lambda *a, **k: lines.append(" ".join(map(str, a)))) == 0
+    ranked = [re.search(r", (zb-v|dualpipev|dualpipe),", line).group(1) for line in lines
+              if re.match(r"\s+[123] dp\d+ pp4", line)]
+    print(ranked, [line.strip() for line in lines if "pipeline_parallel_schedule" in line or "1F1B in" in line])
+    assert sorted(ranked) == ["dualpipe", "dualpipev", "zb-v"], lines
+    name = {"zb-v": '"ZBVZeroBubble"', "dualpipev": '"DualPipeV"', "dualpipe": "no bidirectional DualPipe"}
+    assert any("pipeline_parallel_schedule" in line and name[ranked[0]] in line for line in lines), lines
+    from hsgd.plan import flags
+    for kind in name:                                       # the V: 2 pp = 8 stages of 1 layer; dualpipe: 1F1B's
+        lay = Layout(dp=2, pp=4, tp=1, v=2, m=8, schedule=kind)
+        titan, mega = flags.torchtitan(SMALL, lay, 16), " ".join(flags.megatron(SMALL, lay, 16))
+        assert any(name[kind] in line for line in titan), titan
+        if kind == "dualpipe":
+            assert "# Megatron-LM runs 1F1B in place of dualpipe" in mega, mega
+        else:
+            assert f"# Megatron-LM has no {kind} schedule" in mega, mega
+        per_stage = "pipeline_parallel_layers_per_stage = 1" in titan and "virtual-pipeline-stage 1" in mega
+        assert per_stage == (kind != "dualpipe"), (titan, mega)
+
+
+def test_dualpipe_holds_and_sends_twice_the_parameters():
+    """For an untied model, the same layout under dualpipe and 1f1b (pp = 2 and 4, ZeRO 0 and 1): each dualpipe
+    stage s holds what 1F1B's stages s and p-1-s hold (its dp exchange's bytes, hsgd.plan.layout.PlannedStage's
+    names), so all stages together hold 2x 1F1B's parameters (pp = 2: every stage; pp = 4: stages 0 and p-1, and 2x
+    on the middle stage), its memory's params are those bytes and its optimizer 6x them; its pp Recv is 1F1B's
+    messages of b T C 2 bytes, m (2 - [s = 0] - [s = p-1]), plus one of its gradients G from its twin; zb-v's last
+    stage receives 2m messages, not 4m (the V's turn is a local hand-off), and its time's pp transfer is 2 messages
+    a micro-batch (pp = 2, where that stage would be the slowest if the hand-off were priced), the dual's the
+    slowest stage's messages m/2 times plus G each way to the twin."""
+    from types import SimpleNamespace
+    from hsgd.plan.layout import PlannedStage
+    cfg = dataclasses.replace(SMALL, tied=False)
+    hw = load("a100-80g")
+    msg, checked = 1 * cfg.seq_len * cfg.d_model * 2, 0
+    for pp, zero in ((2, 0), (4, 1)):
+        dp, m = 8 // pp, 2 * pp
+        one = Layout(dp=dp, pp=pp, tp=1, m=m, zero=zero)
+        dual = dataclasses.replace(one, v=2, schedule="dualpipe")
+        e1, e2 = evaluate(cfg, 8 * m // pp, one, hw), evaluate(cfg, 8 * m // pp, dual, hw)
+        G1 = {s: b[("dp", "Allreduce" if zero == 0 else "Reduce_scatter_block")][1] for s, b in e1.bytes.items()}
+        G2 = {s: b[("dp", "Allreduce" if zero == 0 else "Reduce_scatter_block")][1] for s, b in e2.bytes.items()}
+        for s in G2:
+            twin = pp - 1 - s
+            assert G2[s] == G1[s] + G1[twin] if twin in G1 else G2[s] == 2 * G1[s], (pp, s, G1, G2)
+            calls, nbytes = e2.bytes[s][("pp", "Recv")]
+            msgs = m * (2 - (s == 0) - (s == pp - 1))
+            assert (calls, nbytes) == (msgs + 1, msgs * msg + G2[s]), (pp, s, calls, nbytes)
+            tc = SimpleNamespace(virtual_stages=2, schedule="dualpipe", micro_batches=m, pp_split=None)
+            names = PlannedStage(cfg, tc, pp, s).names
+            tc1 = SimpleNamespace(virtual_stages=1, schedule="1f1b", micro_batches=m, pp_split=None)
+            halves = PlannedStage(cfg, tc1, pp, s).names + PlannedStage(cfg, tc1, pp, twin).names
+            assert sorted(names) == sorted(halves), (pp, s)
+            checked += 1
+        if pp == 2:
+            assert sum(G2.values()) == 2 * sum(G1.values())
+        assert e2.memory["params"] == G2[e2.stage] and e2.memory["optimizer"] == 6 * G2[e2.stage] / (dp if zero
+                                                                                                    else 1)
+        print(f"pp={pp} ZeRO-{zero}: 1F1B gradient bytes {G1}, DualPipe {G2}; fullest stage {e2.stage}: params "
+              f"{e2.memory['params']:g} B; pp Recv {e2.bytes[0][('pp', 'Recv')]}")
+    link = hw.intra                                          # (pp x tp <= 8 devices: inside a node)
+    for kind, pp in (("zb-v", 2), ("dualpipe", 4)):
+        lay = Layout(dp=8 // pp, pp=pp, tp=1, v=2, m=2 * pp, schedule=kind)
+        e = evaluate(cfg, 8 * lay.m // pp, lay, hw)
+        one_msg = costs.collective("Recv", msg, 2, link, hw)
+        if kind == "zb-v":
+            assert e.bytes[pp - 1][("pp", "Recv")] == (2 * lay.m, 2 * lay.m * msg)
+            want = lay.m * 2 * one_msg
+        else:
+            G = max(b[("dp", "Allreduce")][1] for b in e.bytes.values())
+            want = lay.m // 2 * 4 * one_msg + costs.collective("Recv", G, 2, link, hw)
+        print(f"{kind} pp={pp}: pp transfer {e.time.pp_transfer:.6g} s, by hand {want:.6g} s")
+        assert abs(e.time.pp_transfer - want) <= 1e-12 * want, (kind, e.time.pp_transfer, want)
+    assert checked == 5

@@ -6,6 +6,7 @@
     python -m hsgd.plan --model llama3-405b --batch 2048 --devices 8192 --hw h100-80g --tp 8 --pp 16
     python -m hsgd.plan --model mixtral-8x7b,T=4096 --batch 512 --devices 64 --hw h100-80g --tp 1,2,4 --pp 1,2,4
     python -m hsgd.plan --model llama3-8b --moe-experts 8 --moe-top-k 2 --batch 256 --devices 32 --hw h100-80g
+    python -m hsgd.plan --model narayanan-1.7b --batch 512 --devices 32 --pp 4 --schedule 1f1b,zb-v,dualpipev,dualpipe
     mpirun -n 8 python -m hsgd.plan --calibrate --out my-machine.toml          # measure this machine
 
 It enumerates every dp x pp x tp (x cp, chunks per stage, ZeRO stage, sequence parallelism, recomputation,
@@ -139,8 +140,12 @@ def build_parser():
     g.add_argument("--recompute", type=choice_list("--recompute", ("none", "selective", "full")))
     g.add_argument("--sp", choices=("yes", "no", "both"), default="both", help="sequence parallelism")
     g.add_argument("--micro-batch", type=int_list("--micro-batch"), help="sequences per micro-batch, e.g. 1,2,4")
-    g.add_argument("--schedule", type=choice_list("--schedule", SCHEDULES), help="e.g. 1f1b,interleaved")
-    g.add_argument("--virtual", type=int_list("--virtual"), help="chunks per stage for interleaved (default 2)")
+    g.add_argument("--schedule", type=choice_list("--schedule", SCHEDULES),
+                   help=f"from {', '.join(SCHEDULES)} (default 1f1b,interleaved); zb-v, dualpipev and dualpipe only "
+                        "where they apply (ZeRO 0 or 1; dualpipev m >= 2 pp; dualpipe an even pp and m >= 2 pp, "
+                        "dense models), with 2 chunks a stage")
+    g.add_argument("--virtual", type=int_list("--virtual"),
+                   help="chunks per stage for interleaved (default 2; zb-v, dualpipev and dualpipe: always 2)")
     g.add_argument("--overlap", action="store_true", help="also try --dp-overlap (bucketed, during the backward)")
     g.add_argument("--hierarchical", action="store_true",
                    help="also try the hierarchical exchange (within the node, then across: hsgd.dp.hierarchical)")

@@ -45,9 +45,19 @@ Every function returns seconds; with `why` (a list) it appends ("term", "formula
    The optimizer: its state's elements x the seconds per element --calibrate measured, or the bytes it moves per
    element at the memory bandwidth (a fused mixed-precision Adam: 28; hsgd's: 7 or 3 elements for AdamW or SGD).
 4. The pipeline: every stage at the slowest stage's F, B, W costs (compute, its exposed tp, cp and ZeRO-3 gathers,
-   and a received message per action), through hsgd.pp.schedules.simulate: its makespan holds the bubble. While
-   searching (simulated=False), gpipe, 1f1b and interleaved use the closed form the simulation equals for such
-   stages; the layouts printed are priced again with the simulator.
+   and a received message per action; none where a piece hands its activation to a piece of the same stage, the
+   V's turn on its last stage: hsgd.pp.placement.local_handoffs), through hsgd.pp.schedules.simulate on the
+   schedule's placement: its makespan holds the bubble. While searching (simulated=False), gpipe, 1f1b and
+   interleaved use the closed form the simulation equals for such stages; the layouts printed are priced again
+   with the simulator. zb-h1, zb-v, dualpipev and dualpipe are always simulated, B and W apart where their lists
+   split them. An overlapped pair of DualPipe(V) (F&B) is priced as its F and its whole backward, F + B + W: no
+   credit for what the pair hides (DeepSeek-AI 2024 overlap one micro-batch's all-to-all and pipeline messages
+   with the other's computation; how much that hides depends on kernels this model does not see). Every start in
+   a fixed list only grows with the actions' lengths, so this makespan bounds the overlapped one from above.
+   The dual placement (DualPipe, hsgd.pp.dual) runs each micro-batch through one of a stage's two pieces: a step
+   runs the stage's chunks m/2 times (`runs`), not m, and ends with the stage's gradients sent to its twin and
+   received from it (one message of G bytes each way, exposed: the data-parallel exchange starts after it, so
+   --dp-overlap hides nothing there).
 5. The data-parallel exchange, as its sizes say (hsgd.dp.exchange: when each collective runs, what hides it):
    after the pipeline, unless it overlaps (--dp-overlap: one bucket per group during the last micro-batch's
    backward; ZeRO 2 and 3: each micro-batch's reduce-scatters during its backward, ZeRO 3's gathers before each
@@ -61,7 +71,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from hsgd.cp.split import a2a_sizes, attention_blocks
-from hsgd.pp.schedules import MAX_PIECES, build, effective, simulate
+from hsgd.pp.schedules import MAX_PIECES, PLACEMENTS, TWO_CHUNKS, build, effective, placement_of, simulate
 from hsgd.tp.schemes import make_scheme
 from .experts import alltoall_calls
 from .family import kv_columns
@@ -213,10 +223,19 @@ def micro_batch_flops(cfg, b, tp, cp, n_blocks, last, recompute, why=None, atten
 
 
 # ---------------------------------------------------------------------------------------------- 4. the pipeline
+@lru_cache(maxsize=8)
+def vshape_actions(kind, m, p, v):
+    """hsgd.pp.schedules.build's lists of a V or dual schedule (TWO_CHUNKS), kept for the next costs priced on them;
+    ConfigError where the schedule does not exist for m, p (hsgd.pp.vshape.check_counts) or has more than
+    MAX_PIECES to write down."""
+    return build(kind, m, p, v)
+
+
 @lru_cache(maxsize=4096)
 def makespan(kind, m, p, v, f, b, w, simulated=True):
     """Seconds from the first forward to the last backward of hsgd.pp.schedules' `kind` with per-chunk costs (f, b, w)
-    on every stage: the simulator of Step 13 (fused backward b + w for every kind but zb-h1). simulated=False (or
+    on every stage: the simulator of Step 13 (fused backward b + w for every kind but zb-h1; zb-v, dualpipev and
+    dualpipe split B and W where their lists do, on their placement, a Pair costing f + b + w). simulated=False (or
     more than hsgd.pp.schedules.MAX_PIECES to simulate): gpipe, 1f1b and interleaved take their closed form, which
     equals the simulation exactly when every stage costs the same (tests/test_plan.py):  (m v + p - 1)(f + b + w),
     as here. zb-h1 is simulated up to MAX_PIECES (beyond: m(f + b + w) + (p - 1)(f + b - w), its closed form where
@@ -224,6 +243,9 @@ def makespan(kind, m, p, v, f, b, w, simulated=True):
     of f / 100 (B and W rounded to them: at most 0.5% off), because its greedy list breaks ties between equal
     times, which floating-point noise would decide."""
     kind = effective(kind, p, v)
+    if kind in TWO_CHUNKS:                                  # (their lists do not depend on the costs: built once)
+        timeline = simulate(vshape_actions(kind, m, p, v), m, v, (f, b, w), placement_of(kind, p, v))
+        return max(end for stage in timeline for _, _, end in stage)
     if kind == "zb-h1" and p * v * m > MAX_PIECES:          # too many to write down: the closed form, where it holds
         idle = (p - 1) * (f + b - w) if m >= p and w <= min(f, b) else None     # (timelines.bubble_formula)
         return m * (f + b + w) + idle if idle is not None else (m * v + p - 1) * (f + b + w)   # else 1F1B's
@@ -266,14 +288,30 @@ class StepTime:
         return out | ({"ep all-to-all": self.ep} if self.ep else {})          # (a dense model's parts as before)
 
 
+def runs(lay):
+    """How many times a step runs all of a stage's chunks: m, each micro-batch passing every chunk; m/2 in the dual
+    placement (DualPipe), where each micro-batch passes one of the stage's two pieces (hsgd.pp.dual)."""
+    return lay.m // 2 if lay.pp > 1 and PLACEMENTS.get(lay.schedule) == "dual" else lay.m
+
+
+def twin_bytes(ex):
+    """The bytes a stage of the dual placement sends its twin once a step, and receives: its gradients, G = the
+    exchange's elements x itemsize (hsgd.pp.dual; what hsgd.accounting.traffic.rank_bytes counts)."""
+    return sum(ex.numel.values()) * ex.itemsize
+
+
 def stage_costs(cfg, lay, stage, hw, rate, sizes, links, mine=None):
-    """One micro-batch on one rank of a stage, stage = (n_blocks, first, last, its bytes of a step, its exchange's
-    sizes, its MoE blocks): {"f", "b", "w": the seconds of its forward, backward and weight gradients as the pipeline
-    schedules them (compute, elementwise, exposed tp, cp and the exchange's gathers, the messages received, the
-    experts' all-to-all), and their parts "compute", "ew", "tp", "cp", "msg", "gather", "rs", "ep"}; mine: its
-    --explain lines."""
-    n_blocks, first, last, counts, ex, n_moe = stage
-    m, p, v = lay.m, lay.pp, lay.v
+    """One run of all its chunks (one micro-batch; see `runs`) on one rank of a stage, stage = (n_blocks, first,
+    last, its bytes of a step, its exchange's sizes, its MoE blocks, its index s of pp): {"f", "b", "w": the seconds
+    of its forward, backward and weight gradients as the pipeline schedules them (compute, elementwise, exposed tp,
+    cp and the exchange's gathers, the messages received, the experts' all-to-all), and their parts "compute",
+    "ew", "tp", "cp", "msg", "gather", "rs", "ep"; "twin": the dual placement's gradient exchange with the twin
+    stage, once a step}; mine: its --explain lines."""
+    n_blocks, first, last, counts, ex, n_moe, s = stage
+    p, v = lay.pp, lay.v
+    m = runs(lay)                                     # (below, "per micro-batch": per run of all the chunks)
+    pl = placement_of(effective(lay.schedule, p, v), p, v)
+    local, twin = pl.local_handoffs(s), (twin_bytes(ex) if pl.shape == "dual" else 0)
     fl, bl, wl = micro_batch_flops(cfg, lay.b, lay.tp, lay.cp, n_blocks, last, lay.recompute, mine, lay.attention,
                                    n_moe, lay.cp_scheme)
     t = traffic(counts, sizes, links, hw)
@@ -289,14 +327,19 @@ def stage_costs(cfg, lay, stage, hw, rate, sizes, links, mine=None):
     # allgather's collectives and Ulysses' all-to-alls (each waited for by the attention or by what follows): exposed
     if lay.cp_scheme == "a2a+p2p":                   # all-to-alls on a ranks (a tp adjacent devices), exposed; the
         cp_exposed = a2a_p2p_exposed(lay, counts, links, hw, att) / m        # ring across the r groups: hidden
-    msg_f = msg_b = 0.0                               # per micro-batch: the activations its forwards receive
-    if p > 1:                                          # (v - first), the gradients its backwards (v - last)
-        calls, nbytes = counts.get(("pp", "Recv"), (0, 0))
+    msg_f = msg_b = twin_s = 0.0                      # per micro-batch: the activations its forwards receive
+    if p > 1:                                          # (v - first - local), the gradients its backwards (v - last
+        calls, nbytes = counts.get(("pp", "Recv"), (0, 0))                   # - local); local hand-offs: none
+        calls, nbytes = calls - bool(twin), nbytes - twin                    # (the twin's gradient: apart)
         one = collective("Recv", nbytes / calls, 2, links["pp"], hw) if calls else 0.0
-        msg_f, msg_b = (v - first) * one, (v - last) * one
+        msg_f, msg_b = (v - first - local) * one, (v - last - local) * one
+        twin_s = collective("Recv", twin, 2, links["pp"], hw) if twin else 0.0
         note(mine, "pp", f"a message of {nbytes / max(calls, 1):.4g} B over the {links['pp'].name} link "
-                         f"{fmt_s(one)}; per micro-batch {v - first} received by the forwards, {v - last} by the "
-                         f"backwards")
+                         f"{fmt_s(one)}; per micro-batch {v - first - local} received by the forwards, "
+                         f"{v - last - local} by the backwards" + (f" ({local} hand-off to itself: no message)"
+                                                                 if local else "")
+                         + (f"; once a step the gradients to the twin stage {p - 1 - s} and back, {twin:.4g} B "
+                            f"each way, {fmt_s(twin_s)}" if twin else ""))
     gather = rs = 0.0
     for (comm, op), (calls, nbytes) in ex.formula().items():
         one = collective(op, nbytes / max(calls, 1), sizes[comm], links[comm], hw) if calls else 0.0
@@ -334,17 +377,18 @@ def stage_costs(cfg, lay, stage, hw, rate, sizes, links, mine=None):
     b = bl / rate + ew_b + (tp_mb - tp_f) + 2 * cp_exposed / 3 + msg_b + gather + rs + ep_b
     w = wl / rate
     return dict(compute=(fl + bl + wl) / rate, ew=ew_f + ew_b, tp=tp_mb, cp=cp_exposed, msg=msg_f + msg_b,
-                gather=2 * gather, rs=rs, ep=ep_f + ep_b, f=f, b=b, w=w, counts=counts)
+                gather=2 * gather, rs=rs, ep=ep_f + ep_b, f=f, b=b, w=w, twin=twin_s, counts=counts)
 
 
 def step_time(cfg, lay, stages, hw, rate, explain=False, simulated=True, optimizer_s=0.0):
     """StepTime of layout `lay` (.dp .pp .cp .tp .v .b .m .schedule .recompute .tp_scheme .cp_scheme) whose stages
     are [(n_blocks, first, last, bytes of one step on that stage's rank, its exchange's sizes: hsgd.dp.exchange,
-    its MoE blocks)],
-    on hardware hw with matmul rate `rate` FLOP/s (see the module docstring)."""
+    its MoE blocks, its index s of pp)], on hardware hw with matmul rate `rate` FLOP/s (see the module docstring).
+    A step runs each stage's chunks m times (the dual placement: m/2, `runs`)."""
     why = [] if explain else None
     ex = stages[0][4]                                     # (every stage's exchange has the same communicators)
-    sizes, links, m, p, v = group_sizes(lay, ex), group_links(lay, hw, ex), lay.m, lay.pp, lay.v
+    sizes, links, p, v = group_sizes(lay, ex), group_links(lay, hw, ex), lay.pp, lay.v
+    m = runs(lay)
     priced = []
     for s, stage in enumerate(stages):
         mine = [] if explain else None                    # this stage's --explain lines (the slowest one's are kept)
@@ -356,14 +400,18 @@ def step_time(cfg, lay, stages, hw, rate, explain=False, simulated=True, optimiz
                              + (", the embedding" if first else "") + (", the head" if last else "")))
         why.extend(worst["why"])
     kind = effective(lay.schedule, p, v)
-    span = makespan(kind, m, p, v, worst["f"] / v, worst["b"] / v, worst["w"] / v, simulated)
+    span = makespan(kind, lay.m, p, v, worst["f"] / v, worst["b"] / v, worst["w"] / v, simulated)
     busy = m * (worst["f"] + worst["b"] + worst["w"])
-    note(why, "pipeline", f"{lay.schedule} on p = {p} stages, m = {m}, v = {v}: per micro-batch F {fmt_s(worst['f'])}, "
-                          f"B {fmt_s(worst['b'])}, W {fmt_s(worst['w'])}; simulated makespan {fmt_s(span)}, of which "
-                          f"busy m (F + B + W) = {fmt_s(busy)}, bubble {fmt_s(max(span - busy, 0.0))}")
-    dp = dp_exposed(lay, worst, stages[worst["stage"]][4], sizes, links, hw, why)
+    twin = max(c["twin"] for c in priced)                # (dual: the slowest pair of twins; else 0)
+    pairs = "; a pair F&B priced F + B + W" if kind in ("dualpipev", "dualpipe") else ""
+    unit = "per micro-batch" if m == lay.m else "per two micro-batches (one down its piece, one up the other)"
+    note(why, "pipeline", f"{lay.schedule} on p = {p} stages, m = {lay.m}, v = {v}: {unit} F "
+                          f"{fmt_s(worst['f'])}, B {fmt_s(worst['b'])}, W {fmt_s(worst['w'])}{pairs}; simulated "
+                          f"makespan {fmt_s(span)}, of which busy {'m/2' if m != lay.m else 'm'} (F + B + W) = "
+                          f"{fmt_s(busy)}, bubble {fmt_s(max(span - busy, 0.0))}")
+    dp = dp_exposed(lay, worst, stages[worst["stage"]][4], sizes, links, hw, why, m, twin > 0)
     st = StepTime(compute=m * worst["compute"], tp=m * worst["tp"], pp_bubble=max(span - busy, 0.0),
-                  pp_transfer=m * worst["msg"], cp=m * worst["cp"], dp=dp + m * worst["rs"],
+                  pp_transfer=m * worst["msg"] + twin, cp=m * worst["cp"], dp=dp + m * worst["rs"],
                   zero_gather=m * worst["gather"], elementwise=m * worst["ew"], optimizer=optimizer_s,
                   ep=m * worst["ep"], terms=why or [])
     note(why, "optimizer", f"its elements x the measured seconds per element, or the bytes it moves / bandwidth "
@@ -373,17 +421,20 @@ def step_time(cfg, lay, stages, hw, rate, explain=False, simulated=True, optimiz
     return st
 
 
-def dp_exposed(lay, worst, ex, sizes, links, hw, why):
+def dp_exposed(lay, worst, ex, sizes, links, hw, why, m, after_twin=False):
     """Seconds of the data-parallel exchange not hidden behind the backward pass (see 5 above): its collectives that
     run after the pipeline (ex.when; ZeRO 2 and 3's reduce-scatters and ZeRO 3's gathers are counted per micro-batch
-    in step_time), less what its hidden_by hides."""
+    in step_time), less what its hidden_by hides; m runs of the stage's chunks a step. after_twin: the dual
+    placement, whose exchange starts only once the twins' gradients are summed (hsgd.pp.dual): buckets hide none."""
     counts = {k: v for k, v in worst["counts"].items() if k in ex.formula() and ex.when(k) == "after"}
     t = sum(traffic(counts, sizes, links, hw).values())
-    if ex.hidden_by == "buckets":                         # all but the last bucket, behind the backward pass
+    if ex.hidden_by == "buckets" and after_twin:
+        exposed = t
+    elif ex.hidden_by == "buckets":                       # all but the last bucket, behind the backward pass
         groups = max(sum(calls for calls, _ in counts.values()), 1)
         exposed = max(t / groups, t - worst["b"] - worst["w"])
     elif ex.hidden_by == "next step":                     # behind the whole next step
-        exposed = max(0.0, t - lay.m * (worst["f"] + worst["b"] + worst["w"]))
+        exposed = max(0.0, t - m * (worst["f"] + worst["b"] + worst["w"]))
     else:
         exposed = t
     note(why, "dp", f"exchange {fmt_s(t)} ({'overlapped' if exposed < t else 'after the pipeline'}), exposed "

@@ -20,13 +20,17 @@ Flag and key names were checked against the projects' sources, not copied from t
     versions configure in Python with the same field names) and torchtitan/models/llama3 (flavors "8B", "70B",
     "405B" with Llama 3's sizes): [parallelism] data_parallel_replicate_degree, data_parallel_shard_degree,
     fsdp_reshard_after_forward, tensor_parallel_degree, pipeline_parallel_degree, pipeline_parallel_schedule
-    ("1F1B", "Interleaved1F1B", "GPipe"), pipeline_parallel_layers_per_stage, pipeline_parallel_microbatch_size,
+    ("1F1B", "Interleaved1F1B", "GPipe"; "ZBVZeroBubble" and "DualPipeV", the V schedules, whose name it hands to
+    torch.distributed.pipelining's get_schedule_class and which place 2 stages of layers_per_stage layers on
+    each rank, s and 2p-1-s), pipeline_parallel_layers_per_stage, pipeline_parallel_microbatch_size,
     context_parallel_degree, expert_parallel_degree; [activation_checkpoint] mode ("none", "selective", "full"),
     selective_ac_option;
     [training] local_batch_size, seq_len; [model] name, flavor.
-What does not carry over is said in a comment line (#): Megatron-LM has no GPipe or ZB-H1 schedule here; torchtitan
-always pairs tensor with sequence parallelism, has no ZeRO-1 (its nearest is FSDP without resharding, ZeRO-2's
-memory) and builds only the llama3 block.
+What does not carry over is said in a comment line (#): Megatron-LM has no GPipe, ZB-H1, ZB-V, DualPipeV or
+DualPipe schedule here (its flags run 1F1B, or for the V schedules its interleaved 1F1B on the same 2 chunks a
+stage, placed in a loop); torchtitan has no ZB-H1 on one chunk a stage and no bidirectional DualPipe (two copies
+of the model, micro-batches from both ends), always pairs tensor with sequence parallelism, has no ZeRO-1 (its
+nearest is FSDP without resharding, ZeRO-2's memory) and builds only the llama3 block.
 """
 from hsgd.cp.split import a2a_sizes
 
@@ -91,18 +95,24 @@ def megatron(cfg, lay, batch, dtype="bfloat16"):
         par.append("--sequence-parallel")
     elif lay.ep > 1 and lay.tp > 1:
         notes.append("# Megatron-LM runs expert parallelism with tp > 1 only with --sequence-parallel")
+    v = 1 if lay.schedule == "dualpipe" else lay.v                    # (dualpipe: 1F1B on one copy, below)
     if lay.pp > 1 and L % lay.pp:
         cut = uneven(L, lay.pp)
-        if cut and lay.v == 1:
+        if cut and v == 1:
             par.append(f"--decoder-first-pipeline-num-layers {cut[0]} --decoder-last-pipeline-num-layers {cut[1]}")
         else:
-            chunks = f" x {lay.v} chunks" if lay.v > 1 else ""
+            chunks = f" x {v} chunks" if v > 1 else ""
             notes.append(f"# {L} layers do not split evenly over {lay.pp} stages{chunks}: give "
                          "--pipeline-model-parallel-layout")
-    if lay.v > 1 and L % (lay.pp * lay.v) == 0:
-        par.append(f"--num-layers-per-virtual-pipeline-stage {L // (lay.pp * lay.v)}")
-    if lay.pp > 1 and lay.schedule in ("gpipe", "zb-h1"):
-        notes.append(f"# Megatron-LM runs 1F1B in place of {lay.schedule}")
+    if v > 1 and L % (lay.pp * v) == 0:
+        par.append(f"--num-layers-per-virtual-pipeline-stage {L // (lay.pp * v)}")
+    if lay.pp > 1 and lay.schedule in ("gpipe", "zb-h1", "dualpipe"):
+        notes.append(f"# Megatron-LM runs 1F1B in place of {lay.schedule}"
+                     + (" (one copy of the model: each stage's L/pp layers once)" if lay.schedule == "dualpipe"
+                        else ""))
+    if lay.pp > 1 and lay.schedule in ("zb-v", "dualpipev"):
+        notes.append(f"# Megatron-LM has no {lay.schedule} schedule: these flags run its interleaved 1F1B on the "
+                     "same 2 chunks a stage, placed in a loop (stage s: chunks s and pp+s), not a V")
     par.append(f"--micro-batch-size {lay.b} --global-batch-size {batch}")
     if lay.recompute == "selective":
         par.append("--recompute-granularity selective")
@@ -150,10 +160,13 @@ def torchtitan(cfg, lay, batch):
     if lay.tp > 1 and lay.tp_scheme != "sequence":
         out.append("# torchtitan's tensor parallelism is always sequence-parallel too")
     if lay.pp > 1:
-        sched = {"1f1b": "1F1B", "interleaved": "Interleaved1F1B", "gpipe": "GPipe"}.get(lay.schedule)
+        sched = {"1f1b": "1F1B", "interleaved": "Interleaved1F1B", "gpipe": "GPipe", "zb-v": "ZBVZeroBubble",
+                 "dualpipev": "DualPipeV"}.get(lay.schedule)
         out.append(f'pipeline_parallel_schedule = "{sched}"' if sched else
-                   f"# no torchtitan schedule is {lay.schedule}")
-        if lay.v > 1 and cfg.n_layers % (lay.pp * lay.v) == 0:
+                   "# torchtitan has no bidirectional DualPipe (two copies of the model, micro-batches from both "
+                   'ends); its nearest is pipeline_parallel_schedule = "DualPipeV", the V on one copy'
+                   if lay.schedule == "dualpipe" else f"# no torchtitan schedule is {lay.schedule}")
+        if lay.v > 1 and lay.schedule != "dualpipe" and cfg.n_layers % (lay.pp * lay.v) == 0:
             out.append(f"pipeline_parallel_layers_per_stage = {cfg.n_layers // (lay.pp * lay.v)}")
         out.append(f"pipeline_parallel_microbatch_size = {lay.b}")
     out += ["[activation_checkpoint]", f'mode = "{lay.recompute}"']

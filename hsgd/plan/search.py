@@ -16,7 +16,13 @@ dp x cp that split each MoE block's experts (hsgd.ep.layout; ep divides dp cp an
     throughput  tokens/s = B T / step time; MFU = the model's FLOPs without recomputation / (time n peak);
                 TFLOP/s per device as Narayanan et al. 2021 count it (with recomputation's FLOPs when on)
 
-`search` enumerates (`layouts`), drops what does not split or fit, and sorts by step time.
+`search` enumerates (`layouts`), drops what does not split or fit, and sorts by step time. Its schedules are 1F1B
+and interleaved unless told (space["schedule"], --schedule): gpipe, zb-h1 and the two-chunk schedules zb-v,
+dualpipev and dualpipe too (v = 2 for these; each only where it applies: `schedule_problem`). DualPipe's stage
+holds two pieces of the model (hsgd.pp.placement "dual"): its parameters, gradients and optimizer state are those
+of both (hsgd.plan.layout.PlannedStage), twice a one-copy schedule's over the stages, and it sends its gradients to
+its twin once a step (rank_bytes, hsgd.plan.costs); activations are peak_formula's (micro-batch, chunk) pairs
+times a chunk's layers.
 """
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
@@ -27,6 +33,8 @@ from hsgd.errors import ConfigError, UsageError
 from hsgd.dp.make import exchange_sizes
 from hsgd.accounting.traffic import rank_bytes
 from hsgd.step.settings import MAX_RANKS, TrainConfig
+from hsgd.pp.schedules import PLACEMENTS, TWO_CHUNKS
+from hsgd.pp.vshape import check_counts
 from hsgd.pp.timelines import peak_formula
 from .costs import group_links, group_sizes, step_time
 from .layout import ITEMSIZE, PlannedStage, plan_rank
@@ -34,7 +42,8 @@ from .experts import FoldedExchange, alltoall_formula, expert_groups, in_backwar
 from .family import megatron_numel
 from .paper import stage_memory
 
-SCHEDULES = ("1f1b", "interleaved", "gpipe", "zb-h1")
+SCHEDULES = ("1f1b", "interleaved", "gpipe", "zb-h1", "zb-v", "dualpipev", "dualpipe")   # --schedule's choices;
+                                                         # searched unless it is given: 1f1b and interleaved
 
 
 @dataclass(frozen=True)
@@ -43,7 +52,7 @@ class Layout:
     pp: int
     tp: int
     cp: int = 1
-    v: int = 1                       # chunks per stage (interleaved)
+    v: int = 1                       # chunks per stage (interleaved; 2 for zb-v, dualpipev, dualpipe)
     zero: int = 0
     tp_scheme: str = "megatron"      # or "sequence" (sequence parallelism)
     recompute: str = "none"          # "selective", "full"
@@ -64,7 +73,7 @@ class Layout:
         parts[-1] += f" ep{self.ep}" if self.ep > 1 else ""
         parts.append(f"b{self.b} m{self.m}")
         if self.pp > 1:
-            parts.append(self.schedule + (f" v{self.v}" if self.v > 1 else ""))
+            parts.append(self.schedule + (f" v{self.v}" if self.v > 1 and self.schedule not in TWO_CHUNKS else ""))
         parts += [f"zero{self.zero}"] if self.zero else []
         parts += ["sp"] if self.tp_scheme == "sequence" else []
         parts += [f"recompute {self.recompute}"] if self.recompute != "none" else []
@@ -142,12 +151,14 @@ def layouts(cfg, batch, n, space):
                     m = batch // dp // b
                     scheds = space.get("schedule") or ["1f1b", "interleaved"]
                     for sched in (scheds if pp > 1 else ["1f1b"]):            # (one stage: every schedule alike)
-                        for v in (dict.fromkeys(space.get("v") or [2]) if sched == "interleaved" else [1]):
+                        for v in chunk_counts(sched, space.get("v")):
                             looked += 1
                             if looked > 10 * MAX_LAYOUTS:
                                 raise too_many(f"{10 * MAX_LAYOUTS} combinations of sizes")
-                            if v > 1 and (pp == 1 or pp * v > cfg.n_layers or m % pp):
+                            if sched == "interleaved" and v > 1 and (pp * v > cfg.n_layers or m % pp):
                                 continue
+                            if schedule_problem(cfg, sched, pp, m) is not None:
+                                continue                                   # (the V and dual schedules' own)
                             for more in options(space, dp * cp, space.get("node_ranks") and
                                                 space["node_ranks"] // (pp * cp * tp), eps, cp_schemes(cfg, tp, cp,
                                                                                                      space)):
@@ -155,11 +166,44 @@ def layouts(cfg, batch, n, space):
                                              attention=attention, **more)
                                 if lay.tp_scheme == "sequence" and tp == 1:
                                     continue                               # the same as megatron at tp = 1
+                                if schedule_problem(cfg, sched, pp, m, lay.zero) is not None:
+                                    continue                               # (ZeRO 2 and 3)
                                 if check_model(cfg, tp, cp, lay.tp_scheme == "sequence") is None:
                                     out.append(lay)
                                     if len(out) > MAX_LAYOUTS:
                                         raise too_many(f"{MAX_LAYOUTS} layouts")
     return out
+
+
+def chunk_counts(sched, given=None):
+    """The chunks per stage a layout of schedule `sched` may take: those given (default 2) for interleaved, 2 for
+    the V and dual schedules (hsgd.pp.schedules.TWO_CHUNKS, whatever --virtual says), 1 for the others."""
+    if sched in TWO_CHUNKS:
+        return [2]
+    return list(dict.fromkeys(given or [2])) if sched == "interleaved" else [1]
+
+
+def schedule_problem(cfg, sched, pp, m, zero=0):
+    """None if the V or dual schedule `sched` (TWO_CHUNKS) runs the model on pp > 1 stages with m micro-batches and
+    ZeRO stage `zero`, else why not (the other schedules: None). The V cuts the L layers into 2 pp pieces (2 pp <=
+    L); dualpipev needs m >= 2 pp, dualpipe pp even, m even and m >= 2 pp (hsgd.pp.vshape.check_counts) and no
+    experts (hsgd.pp.dual: each copy would route its own half of the tokens); none of them ZeRO 2 or 3 (their
+    weight gradients come after the backward that reduce-scatters them: hsgd.step.settings)."""
+    if sched not in TWO_CHUNKS:
+        return None
+    if PLACEMENTS[sched] == "v" and 2 * pp > cfg.n_layers:
+        return (f"schedule {sched} cuts the L={cfg.n_layers} layers into 2 pp = {2 * pp} pieces: pp={pp} is too "
+                f"many; use pp <= {cfg.n_layers // 2}")
+    if sched == "dualpipe" and cfg.moe_experts:
+        return "schedule dualpipe keeps two copies of every piece, whose experts would route apart: use dualpipev"
+    if zero >= 2:
+        return (f"schedule {sched} computes weight gradients after the backward that ZeRO {zero} reduce-scatters "
+                f"them in: use ZeRO 0 or 1")
+    try:
+        check_counts(sched, m, pp)
+    except ConfigError as err:
+        return str(err)
+    return None
 
 
 def expert_sizes(cfg, ndp, given=None):
@@ -244,9 +288,15 @@ def evaluate(cfg, batch, lay, hw, impl="megatron", dtype="bfloat16", efficiency=
     within usable = (1 - headroom) x the device's memory_bytes), usable, bytes
     {stage: {(comm, op): (calls, bytes)}}, links {link: bytes per device per step}, time (costs.StepTime),
     tokens_per_s, mfu, tflops (per device, Narayanan et al.'s count). Raises ConfigError for settings hsgd.train
-    refuses (--impl hsgd)."""
+    refuses (--impl hsgd), and for a V or dual schedule where it does not apply (schedule_problem; v = 2)."""
     n = lay.dp * lay.pp * lay.cp * lay.tp
     stages = stage_ids(lay.pp)
+    if lay.pp > 1 and lay.schedule in TWO_CHUNKS:
+        if lay.v != 2:
+            raise ConfigError(f"schedule {lay.schedule} holds 2 chunks a stage, not v={lay.v}: give v=2")
+        problem = schedule_problem(cfg, lay.schedule, lay.pp, lay.m, lay.zero)
+        if problem:
+            raise ConfigError(problem)
     if impl == "hsgd" and cfg.moe_experts:
         raise ConfigError("--impl hsgd prices hsgd.train's own accounting (hsgd.accounting), which has no experts "
                           "yet; use --impl megatron for a mixture-of-experts model")
@@ -257,7 +307,8 @@ def evaluate(cfg, batch, lay, hw, impl="megatron", dtype="bfloat16", efficiency=
         mems = {s: at_peak(p["memory"]) for s, p in plans.items() if p["memory"] is not None}
         if not mems:
             raise ConfigError("--impl hsgd has no memory formula for the interleaved and zero-bubble schedules "
-                              "(hsgd.accounting.step_memory walks one chunk per stage with fused backwards)")
+                              "(zb-h1, zb-v, dualpipev, dualpipe; hsgd.accounting.step_memory walks one chunk per "
+                              "stage with fused backwards)")
         counts = {s: p["bytes"] for s, p in plans.items()}
         exchanges = {s: p["exchange"] for s, p in plans.items()}
         owned = max(p["exchange"].owned_numel() for p in plans.values())
@@ -290,7 +341,7 @@ def evaluate(cfg, batch, lay, hw, impl="megatron", dtype="bfloat16", efficiency=
             shapes[s] = (len(st.layers), st.first, st.last)
     full = max(mems, key=lambda s: sum(mems[s].values())) if mems else None
     rate = rate_of(hw, dtype, efficiency)
-    t = step_time(cfg, lay, [(*shapes[s], counts[s], exchanges[s], n_moe[s]) for s in stages], hw, rate, explain,
+    t = step_time(cfg, lay, [(*shapes[s], counts[s], exchanges[s], n_moe[s], s) for s in stages], hw, rate, explain,
                   simulated, optimizer_seconds(hw, impl, optimizer, lay.itemsize, owned))
     if explain and full is not None:
         t.terms[:0] = memory_terms(cfg, lay, impl, mems[full], full, plans[full]["memory"]["at"]

@@ -3,8 +3,9 @@ dp x pp x tp of 8 (and cp layouts) and a covering set of options (ZeRO 0-3, over
 exchanges, the three tp schemes, recomputation, micro-batches, gpipe / 1f1b / interleaved / zero-bubble schedules,
 bfloat16 and float16), each rank's bytes per communicator equal hsgd.accounting.traffic.step_formula's and its
 memory per category equals hsgd.accounting.step_memory.step_formula's, exactly; and on a few layouts the bytes equal
-what CommStats measures in a training step. (The trainer's formulas equal the measurements within the tolerances of
-tests/mpi/test_memory.py and exactly in tests/mpi/test_hybrid.py, test_cp.py and test_pipeline.py.)"""
+what CommStats measures in a training step (a DualPipe layout among them: two pieces a stage, its gradients sent to
+the twin stage). (The trainer's formulas equal the measurements within the tolerances of tests/mpi/test_memory.py
+and exactly in tests/mpi/test_hybrid.py, test_cp.py and test_pipeline.py.)"""
 import numpy as np
 import pytest
 
@@ -105,7 +106,8 @@ def test_context_parallel_layouts_equal_the_trainers_formulas(layout):
 
 @pytest.mark.parametrize("opts", [dict(dp=2, pp=2, tp=2, zero=3, micro_batches=2),
                                   dict(dp=4, pp=1, tp=2, dp_overlap=True, tp_scheme="sequence"),
-                                  dict(dp=1, pp=4, tp=2, micro_batches=4, schedule="interleaved", virtual_stages=2)])
+                                  dict(dp=1, pp=4, tp=2, micro_batches=4, schedule="interleaved", virtual_stages=2),
+                                  dict(dp=2, pp=4, tp=1, micro_batches=8, schedule="dualpipe")])
 def test_planned_bytes_equal_what_a_training_step_sends(opts):
     opts = dict(opts)
     tc = settings(opts.pop("dp"), opts.pop("pp"), opts.pop("tp"), **opts)
