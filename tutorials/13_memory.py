@@ -625,7 +625,8 @@ check.equal("ZeRO-2 moves 2 Psi', ZeRO-3 3 Psi' (payload over dp_comm)",
 # gradients and communication buffers the exchange holds, plus the optimizer state and the caches alive (section 1's
 # measured per-group caches, building up in the forward pass and held until the backward pass ends). Plain data
 # parallelism is flat; ZeRO-2 drops the whole gradient for two layers' buckets; ZeRO-3 also drops the whole
-# parameters and gathers one layer at a time, twice per step, the saw-tooth in its parameters.
+# parameters and gathers one layer at a time, twice per step, the saw-tooth in its parameters (checked below against
+# its chunks plus the one gathered layer, sample by sample).
 
 # %%
 def timeline(name, act_per_group):
@@ -668,8 +669,15 @@ def draw_timelines():
 
 path = pictures.on_rank0(world, draw_timelines)
 say(f"picture: {path}")
-z3_params = [c["params"] for label, c in lines["tp 2 ZeRO-3"] if label != "start"]
-check.holds("ZeRO-3: the parameters held rise and fall layer by layer (more than 2 levels)", len(set(z3_params)) > 2)
+z3 = runs["tp 2 ZeRO-3"]
+cbar3, n3 = chunks(z3)
+layout3 = z3["trainer"].exchange.sizes.layout                          # {group: its n_g, c_g, offsets}
+z3_params = [c["params"] for _, c in z3["meter"].samples]               # at each group's forward and backward exit
+z3_want = [S * cbar3 + S * n3 * layout3[label.split()[1]].c for label, _ in z3["meter"].samples]
+say(f"ZeRO-3, rank 0: parameters held at the {len(z3_params)} group exits of step 2 from {min(z3_params):,} to "
+    f"{max(z3_params):,} bytes; between steps {S * cbar3:,} (s c-bar)")
+check.equal("ZeRO-3: parameters at each group's exit == s c-bar + that group gathered, s n c_g",
+            z3_params, z3_want)
 
 # %% [markdown]
 # ## 7. The published formulas next to hsgd's
@@ -725,8 +733,9 @@ check.equal("the toy's hsgd rows == this rank's measured tp 2 block caches (floa
 # * **no dropout** in hsgd: the paper's replicated 10 sbh is the LayerNorms' inputs (4), the inputs of the q, k, v and
 #   fc products (4) and two dropout masks (2); hsgd keeps the LayerNorms' normalized inputs and their 1/std per
 #   position (N more numbers each) and the same two inputs, 8 sbh;
-# * **attention**: per score the paper keeps the scores, the softmax, its dropout output (2 bytes each) and the mask
-#   (1), 5as/h; hsgd keeps the softmax only, 2as/h. With T = 2048 this term is most of the paper's layer, so selective
+# * **attention**: per score the paper (its section 4.1) keeps the softmax's output and the dropout's output, 2 bytes
+#   each, and the dropout mask, 1 byte, 5as/h in all and never the raw scores, while hsgd, which has no dropout,
+#   keeps the softmax's output only, 2as/h. With T = 2048 this term is most of the paper's layer, so selective
 #   recomputation saves more there (the paper: 70% of GPT-3's layer, in 16-bit) than it does in hsgd;
 # * **what is cached instead**: hsgd keeps q, k, v (the attention's backward reads them), the merged heads, and for
 #   GELU its derivative and its output, 24/t sbh as the paper's split terms; the paper keeps GELU's input;
@@ -915,49 +924,65 @@ for name in TRACED:
 #   pipeline every output and input gradient a stage has sent, held by its `Isend` until the step's end
 #   (activations), the receive buffers (comm), the step's token windows (other);
 # * **what lives and dies inside a group**: the logits' gradient, the attention's dS, GELU's pieces. No sample sees
-#   them; the tracker's true peak does, the last row of each table, 0.1 to 0.35 MB above the largest sample here.
+#   them; the tracker's true peak does, the last row of each table, its + column how far above the largest sample.
 #
 # So section 8's sum of the pieces, which adds peaks that never meet, still falls short of the step: the probe's
 # largest sample is above it on every busiest rank, and the true peak further above. A memory budget is the
 # formula's total plus the largest group's working arrays, and only a tracker shows the second.
 #
-# One step of "all four" on each of its 8 ranks, from the probe's samples (gathered to rank 0):
+# One step of "all four", from the probe's samples on every rank. Its 8 ranks are not 8 different pictures: the ranks
+# of one pipeline stage (its dp replicas and its tp ranks) hold the same bytes of every category at every sample,
+# and the two stages differ, which the check below confirms from the samples themselves. So one panel per kind of
+# rank, side by side on one scale:
 
 # %%
 r = runs["all four"]
-per_rank = world.gather(((r["grid"].dp_rank, r["grid"].pp_rank, r["grid"].tp_rank), r["probe"]["samples"],
-                         [sum(c.values()) for _, c in r["step_memory"]["samples"]]))    # to rank 0, rank by rank
+mine = [(label, per_category(c)) for label, _, c in r["probe"]["samples"]]     # my step, sample by sample
+per_rank = world.allgather((r["grid"].pp_rank, mine, [sum(c.values()) for _, c in r["step_memory"]["samples"]]))
+kinds = {}                                                             # each distinct step -> the ranks that had it
+for rk, (stage, samples, totals) in enumerate(per_rank):
+    kinds.setdefault(repr(samples), dict(stage=stage, samples=samples, totals=totals, ranks=[]))["ranks"].append(rk)
+kinds = sorted(kinds.values(), key=lambda k: k["ranks"])
+stages = sorted({st for st, _, _ in per_rank})
+say("all four, the kinds of rank: " + "; ".join(f"stage {k['stage']} on ranks {', '.join(map(str, k['ranks']))}"
+                                                for k in kinds))
+check.equal("all four: ranks with the same samples in every category == the ranks of one stage",
+            [k["ranks"] for k in kinds], [[rk for rk, (st, _, _) in enumerate(per_rank) if st == s_] for s_ in stages])
 
 
-def draw_ranks():
-    fig, axes = pictures.figure(10.0, 10.0, nrows=4, ncols=2, sharey=True)
-    for rk, (ax, ((d, p_, t_), samples, totals)) in enumerate(zip(axes.flat, per_rank)):
-        x = np.arange(len(samples))
-        ys = [np.array([c.get(cat, 0) for _, _, c in samples]) / 1024 for cat in CATS]
+def draw_kinds():
+    fig, axes = pictures.figure(11.0, 4.8, ncols=len(kinds), sharey=True)
+    axes = np.atleast_1d(axes)
+    for ax, k in zip(axes, kinds):
+        x = np.arange(len(k["samples"]))
+        ys = [np.array([c[cat] for _, c in k["samples"]]) / 1024 for cat in CATS]
         ax.stackplot(x, *ys, labels=CATS, colors=[KIND_COLORS[cat] for cat in CATS], step="mid", alpha=0.9)
-        ax.plot(x, np.array(totals) / 1024, "k_", ms=7, mew=1.2, label="step_formula: total")
-        ax.set_title(f"rank {rk}: dp {d}, stage {p_}, tp {t_}", fontsize=8)
-        ax.set_xticks(x, [label for label, _, _ in samples], rotation=90, fontsize=5)
-        ax.tick_params(axis="y", labelsize=6)
+        ax.plot(x, np.array(k["totals"]) / 1024, "k_", ms=9, mew=1.5, label="step_formula: total")
+        ax.set_title(f"stage {k['stage']}: ranks {', '.join(map(str, k['ranks']))}, each the same", fontsize=9)
+        ax.set_xticks(x, [label for label, _ in k["samples"]], rotation=90, fontsize=6)
+        ax.tick_params(axis="y", labelsize=7)
         ax.grid(axis="y", alpha=0.3)
         ax.margins(x=0)
-    for ax in axes[:, 0]:
-        ax.set_ylabel("KiB", fontsize=7)
-    axes[0, 0].set_ylim(0, 1.45 * max(max(totals) for _, _, totals in per_rank) / 1024)  # room for the legend
-    axes[0, 0].legend(fontsize=6, ncol=4, loc="upper left")
-    fig.suptitle(f"all four (dp 2 x pp 2 x tp 2, sequence, full recomputation, ZeRO-3): step 2 on each of the {P} "
-                 "ranks, measured by hsgd's memory probe", fontsize=9)
+    axes[0].set_ylabel("KiB", fontsize=8)
+    axes[0].set_ylim(0, 1.35 * max(max(k["totals"]) for k in kinds) / 1024)          # room for the legend
+    axes[0].legend(fontsize=7, ncol=4, loc="upper left")
+    fig.suptitle("all four (dp 2 x pp 2 x tp 2, sequence, full recomputation, ZeRO-3): step 2 on each kind of rank, "
+                 "measured by hsgd's memory probe", fontsize=9)
     return pictures.save(fig, "13_step_memory_per_rank")
 
 
-path = pictures.on_rank0(world, draw_ranks)
+path = pictures.on_rank0(world, draw_kinds)
 say(f"picture: {path}")
 
 # %% [markdown]
-# Each panel stacks one rank's categories at every sample of step 2, and step_formula's total (the black marks)
-# sits on every stack; the stage-0 rows (ranks 0, 1, 4, 5) gather, use and free ZeRO-3's embedding, h.0 and h.1
-# (the blue steps), the stage-1 rows h.2, h.3 and the head, and the pink spikes are one block's recomputed caches,
-# alive only while that block's backward runs (full recomputation keeps each block's input, the thin orange).
+# The picture sets the two stages of "all four" side by side, each panel one stage's categories stacked at every
+# sample of step 2 with step_formula's total (the black marks) on every stack. What differs is the schedule and the
+# groups: stage 0 gathers, uses and frees ZeRO-3's embedding, h.0 and h.1 (the blue steps) and runs both forwards
+# before its first backward (1F1B's warm-up: two micro-batches' caches at once), stage 1 alternates forward and
+# backward over h.2, h.3 and the head (one micro-batch's caches), yet holds the more activations (orange), because the
+# head caches its softmax over the vocabulary while full recomputation leaves each block only its input. What is
+# alike is most of the stack: the optimizer state and the chunks, and the pink spikes of one block's recomputed
+# caches, alive only while that block's backward runs.
 
 # %% [markdown]
 # ## Check against serial

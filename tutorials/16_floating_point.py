@@ -16,13 +16,14 @@
 # %% [markdown]
 # # Chapter 16: floating point in distributed training: sums in another order, the band, loss scaling
 #
-# Every parallel layout of this course adds partial results: the lecture's section 3.3 All-Reduces the partial
-# outputs and input gradients of a tensor-parallel group, its section 3.4 All-Reduces the gradients of one shard over
-# the data-parallel groups. In exact arithmetic the order of those additions does not matter, and the chapters so
-# far checked every layout against serial SGD in float64, where it barely does (1e-15). In bfloat16 or float16 it
-# does: two correct layouts give different gradients, and "the TP run's loss differs from the one-device run" is a
-# report every framework receives. Is it a bug or rounding? The lecture treats addition as exact and has no section
-# on number formats: floating point is beyond the lecture, as chapters 13 to 15 go beyond it in their directions.
+# Every parallel layout of this course adds partial results: the lecture's section 3.3 All-Reduces the partial input
+# gradients of a tensor-parallel group (its section 3.2 All-Gathers the outputs, which adds nothing), and its section
+# 3.4 All-Reduces the gradients of one shard over the data-parallel groups. In exact arithmetic the order of those
+# additions does not matter, and the chapters so far checked every layout against serial SGD in float64, where it
+# barely does (1e-15). In bfloat16 or float16 it does: two correct layouts give different gradients, and "the TP
+# run's loss differs from the one-device run" is a report every framework receives. Is it a bug or rounding? The
+# lecture treats addition as exact and has no section on number formats: floating point is beyond the lecture, as
+# chapters 13 to 15 go beyond it in their directions.
 # Chapter 12's section 6 introduced the formats (bfloat16, float16, u = 2^-p), the rounding points of a
 # low-precision run and loss scaling; this chapter does not repeat it and goes deeper:
 #
@@ -184,8 +185,8 @@ for fmt in FMTS:
     check(f"{fmt}: pairwise error / (gamma_(log2 n) sum|x|), every n",
           max(float(r["errs"]["pairwise"].max()) / gamma(int(math.log2(n)), fmt)
               for (f, n), r in sums.items() if f == fmt), 1.0)
-check.equal("bfloat16: gamma_128 == 1 and gamma_256 == inf (n u >= 1: the bound says nothing)",
-            (gamma(128, "bfloat16"), gamma(256, "bfloat16")), (1.0, float("inf")))
+check.note(f"bfloat16: gamma_128 = {gamma(128, 'bfloat16'):g}, gamma_256 = {gamma(256, 'bfloat16'):g} (n u >= 1: "
+           "the bound says nothing)", gamma(256, "bfloat16") == float("inf"))
 random_ok = [(fmt, n) for fmt, n in jobs if fmt == "float32" or n <= 256]
 scale = [float(np.sqrt(np.mean(sums[j]["errs"]["sequential"] ** 2))) / (math.sqrt(j[1]) * unit_roundoff(j[0]))
          for j in random_ok]
@@ -206,8 +207,11 @@ check.holds("sequential sums: rms error / (sqrt(n) u) at least 0.1 (the sqrt(n) 
 # the sum **stagnates** at exactly 256, whatever follows. Every rounding now errs the same way, with the same sign:
 # the independence the probabilistic analysis assumes is gone (Connolly, Higham and Mary 2021, "Stochastic rounding
 # and its probabilistic backward error analysis", show that stochastic rounding restores it: exercise 2). This is
-# why hsgd (like the tensor cores and every framework's mixed precision) accumulates matrix products, weight
-# gradients and All-Reduces in float32, and rounds to bfloat16 only at the points of `precision.POINTS`.
+# why hsgd accumulates matrix products (as the tensor cores do) and weight gradients in float32, All-Reduces them in
+# float32 unless `--reduce-dtype` says otherwise, and rounds to bfloat16 only at the points of `precision.POINTS`.
+# The frameworks' defaults for that All-Reduce differ: Megatron-LM reduces bfloat16 gradients in float32 unless given
+# `--grad-reduce-in-bf16`, while DeepSpeed (`communication_data_type` unset) and FSDP2 (`MixedPrecisionPolicy` with
+# `param_dtype=torch.bfloat16` and its default `reduce_dtype=None`) reduce in the compute dtype unless told otherwise.
 
 # %%
 stalled = [float(x) for n in (1024, 4096) for x in sums[("bfloat16", n)]["seq_sum"]]
@@ -557,7 +561,7 @@ check.holds("dropped-micro-batch: the report says FAIL, both layouts (m = 2) not
             not mb_bug[0] and mb_bug[2] == ["1x1x1", "2x2x2"])
 check.holds("dropped-micro-batch: more than half the parameters flagged on each layout",
             all(sum(L == name for L, _ in mb_bug[1]) > NP / 2 for name in ("1x1x1", "2x2x2")))
-check.holds("the correct code on the same layouts (section 3): inside the band", facts[0])
+check.note("the correct code on the same layouts: inside the band (section 3's check)", facts[0])
 
 # %% [markdown]
 # How to use the oracle on such a report, in this order:
@@ -600,7 +604,7 @@ say(f"\nchapter 16: all {len(check.passed)} checks passed on {world.Get_size()} 
 # | hsgd | Megatron-LM | DeepSpeed | PyTorch | where hsgd differs, on purpose |
 # |---|---|---|---|---|
 # | `--dtype bfloat16`: `precision.Numerics`, `round_to` at every point of `POINTS`, float32 master weights and gradients | `--bf16` (`Float16OptimizerWithFloat16Params`: float32 main params) | `"bf16": {"enabled": true}` | `torch.autocast(device_type, dtype=torch.bfloat16)`; FSDP `MixedPrecision(param_dtype=torch.bfloat16)` | emulated on float32 arrays, every rounding point named and counted; no kernel rounds differently from its neighbour |
-# | `--reduce-dtype`: the gradient exchange's format (`Numerics.reduced`); float32 by default | `--accumulate-allreduce-grads-in-fp32` (gradients accumulated and All-Reduced in float32) | `"communication_data_type"` | FSDP `MixedPrecision(reduce_dtype=...)` | the default is the safe one: float32 |
+# | `--reduce-dtype`: the gradient exchange's format (`Numerics.reduced`); float32 by default | `--accumulate-allreduce-grads-in-fp32` (gradients accumulated and All-Reduced in float32; set by `--bf16` unless `--grad-reduce-in-bf16`) | `"communication_data_type"` (unset: the compute dtype, bfloat16 under `"bf16"`) | FSDP `MixedPrecision(reduce_dtype=...)`; FSDP2 `MixedPrecisionPolicy(reduce_dtype=...)` (None: the compute dtype) | the default is the safe one: float32, whatever --dtype |
 # | `--dtype float16 --loss-scale dynamic`: `LossScaler` (S = 2^16, x 0.5 on inf, x 2 after 2000 good steps) | `--fp16`, `--loss-scale` (fixed), `--initial-loss-scale`, `--loss-scale-window`, `--hysteresis`, `--min-loss-scale` (`DynamicGradScaler`) | `"fp16": {"enabled", "loss_scale": 0 (dynamic), "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale"}` | `torch.amp.GradScaler(init_scale, growth_factor, backoff_factor, growth_interval)` | GradScaler's rules: no hysteresis (halve at the first inf); S below 1 ends the run (`MIN_SCALE`, chapter 11) |
 # | `hsgd.check.oracle`, `python -m hsgd.verify --dtype bfloat16 --layouts ...`: a band per parameter from a rounding-error model | none | none | none (`torch.testing.assert_close` has fixed per-dtype tolerances, e.g. rtol 1.6e-2 for bfloat16) | the tolerance is predicted per layout and parameter, not fixed per dtype |
 # | `hsgd.check.mutations.injected(bug)`: bugs on purpose, to show the checks catch them | none | none | none | a teaching device, never imported by hsgd itself |

@@ -12,6 +12,7 @@ the same verdict from it. Every rank must therefore make the same checks, in the
     check.equal("bytes of a step", measured, formula)  # counts, tuples, dicts: exactly equal on every rank
     ring_bytes(counts, p), payload(counts)              # a step's bytes on the wire and its payload (two columns)
     check.holds("DP replicas bit-identical", same)     # a fact: true on every rank (printed PASS or FAIL)
+    check.note("L/p blocks per stage", len(mine) == L // pp)   # structure, true by construction: NOTE, not counted
     what, err = check.worst()                          # for the chapter's closing line
     require_ranks(MPI.COMM_WORLD, 8, __file__)           # a chapter for 8 ranks, started with another number
 
@@ -35,7 +36,11 @@ class Checks:
     bound and PASS or FAIL (every verdict in the course reads PASS or FAIL, never 0/1 or yes/no); the worst is
     recorded in `errors`, and a failure raises AssertionError on every rank.
     `check.holds(what, cond)` and `check.equal(what, a, b)` are the same for facts that have no tolerance: a
-    condition, or two counts (tuples, dicts) that must be exactly equal. Every check passed is in `passed`."""
+    condition, or two counts (tuples, dicts) that must be exactly equal. Every check passed is in `passed`.
+    `check.note(what, cond)` states structure instead: something true by construction (the chapter's own
+    configuration, a definition, what an earlier check already established), which no bug could make false and so
+    is no check. It prints NOTE, never PASS, and goes to `notes`, not to `passed`: a chapter's "all K checks passed"
+    counts only checks that could have failed."""
 
     def __init__(self, comm=None, tol=0.0, width=60, strict=True, prefix=""):
         self.comm = comm            # an mpi4py communicator (COMM_WORLD), or None: one process, MPI not needed
@@ -46,6 +51,7 @@ class Checks:
         self.prefix = prefix        # printed before `what`, e.g. "  check: "
         self.errors = {}            # what was checked with a tolerance -> the worst error over all ranks
         self.passed = []            # `what` of every check passed so far, in order
+        self.notes = []             # `what` of every statement of structure (check.note), in order: not checks
 
     def say(self, *args):
         """Print once, from rank 0 (P ranks printing the same line would only be noise)."""
@@ -75,6 +81,18 @@ class Checks:
         if failed:
             raise AssertionError(f"{what}: false on rank(s) {failed}")
         self.passed.append(what)
+
+    def note(self, what, cond=True):
+        """A statement of structure, not a check (see the class docstring): rank 0 prints `what` and NOTE, and it
+        is recorded in `notes`, never in `passed`. cond is still verified on every rank, so that a statement which
+        stopped being true (the chapter's configuration changed under its prose) ends the chapter with FAIL
+        instead of being printed wrong."""
+        conds = self.comm.allgather(bool(cond)) if self.comm is not None else [bool(cond)]
+        failed = [r for r, c in enumerate(conds) if not c]
+        self.say(f"{self.prefix}{what:<{self.width}s} {'':>18}  {'FAIL' if failed else 'NOTE'}")
+        if failed:
+            raise AssertionError(f"{what}: stated as structure, but false on rank(s) {failed}")
+        self.notes.append(what)
 
     def equal(self, what, a, b):
         """Passes when a == b exactly on every rank (counts, tuples, dicts; not arrays). Rank 0 prints `what` and
