@@ -144,7 +144,8 @@ def write_shard(trainer, state, tmp):
     grid = trainer.grid
     name = f"shard-pp{grid.pp_rank}-tp{grid.tp_rank}" + (f"-ep{grid.ep_rank}" if grid.ep > 1 else "") + ".npz"
     path = os.path.join(tmp, name)
-    mine = lambda n: grid.ep_rank == 0 or expert_of(n) is not None     # ep rank r > 0: its experts alone
+    saved = trainer.stage.saved_names()                                # (DualPipe: the downward copy alone)
+    mine = lambda n: n in saved and (grid.ep_rank == 0 or expert_of(n) is not None)   # ep rank r > 0: its experts
     arrays = {f"param/{n}": to_numpy(p) for n, p in state["params"].items() if mine(n)}
     arrays.update({f"opt/{n}/{k}": to_numpy(v) for n, st in state["moments"].items() for k, v in st.items()
                    if mine(n)})

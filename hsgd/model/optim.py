@@ -146,20 +146,21 @@ def grad_square_sums(grads, norm_weight):
     return xp.stack([sharded, replicated])
 
 
-def norm_from_squares(sharded, replicated, tp_comm=None, pp_comm=None, dp_comm=None):
+def norm_from_squares(sharded, replicated, tp_comm=None, pp_comm=None, dp_comm=None, copies=1):
     """The norm of the full model's gradient from this rank's sums of squares (host floats).
 
         ||g||^2 = sum over sharded parameters of their squares, summed over the tp ranks (each holds a slice)
                 + sum over replicated parameters of their squares, counted once (every tp rank holds a copy)
     then summed over pipeline stages (pp_comm), which hold different layers. Gradients are already averaged
     over dp, so replicas compute the same norm without communicating, unless each holds only a chunk (ZeRO:
-    pass dp_comm, and both sums are first added over it).
+    pass dp_comm, and both sums are first added over it). copies: how many stages hold each layer (2 for DualPipe's
+    two copies, hsgd.pp.dual, whose summed gradients are equal on both: the sum over pp divided by it).
     """
     if dp_comm is not None:
         sharded, replicated = dp_comm.comm.allreduce(sharded), dp_comm.comm.allreduce(replicated)
     total = (sharded if tp_comm is None else tp_comm.comm.allreduce(sharded, op=MPI.SUM)) + replicated
     if pp_comm is not None:
-        total = pp_comm.comm.allreduce(total, op=MPI.SUM)
+        total = pp_comm.comm.allreduce(total, op=MPI.SUM) / copies     # (DualPipe: each layer on two stages)
     return math.sqrt(total)
 
 

@@ -19,8 +19,9 @@ class Action(namedtuple("Action", "kind mb chunk")):
 
 class Pair(namedtuple("Pair", "f b")):
     """A forward and a backward of two different micro-batches run as one action (DualPipe's overlapped F&B,
-    DeepSeek-AI 2024): both inputs are received before it starts, both outputs sent when it ends; in the
-    simulation it costs the pair's own time (costs[3]: less than the two apart where one's communication hides
+    DeepSeek-AI 2024): both inputs are received before it starts. The static check and the simulator send both
+    outputs when it ends; hsgd.pp.stage sends the F's as soon as it is made (earlier: nothing can wait longer). In
+    the simulation it costs the pair's own time (costs[3]: less than the two apart where one's communication hides
     behind the other's computation). str: F5&B2.1."""
     __slots__ = ()
     kind = "F&B"

@@ -14,12 +14,13 @@ rounding, not bit for bit.
 
 What it costs: every stage holds the parameters, gradients and optimizer state of two pieces of the model where
 one-copy schedules hold one (2 x; DeepSeek-V3's Table 2: "Parameter 2x"), and moves G bytes each way once per step.
-Each copy updates with the same summed gradient, so both hold the same weights; a checkpoint keeps the downward
-copy only (hsgd.pp.placement's holder). The optimizer's state is that of the two copies alike.
+Each copy updates with the same summed gradient, so both hold the same weights and optimizer state; a checkpoint
+keeps the downward copy only (Stage.saved_names: hsgd.pp.placement's holder). The global gradient norm counts each
+layer once (copies = 2: hsgd.step.health.global_norm).
 
-Not with ZeRO 2 or 3 (they reduce-scatter a gradient when its layer's backward ends, before the sum), with MoE
-blocks (each copy would route and balance its own half of the tokens) or FP8 (each copy its own amax history):
-hsgd.step.settings refuses those.
+Not with ZeRO 2 or 3 (they reduce-scatter a gradient when its layer's backward ends, before the sum: refused by
+hsgd.step.settings), with MoE blocks (each copy would route and balance its own half of the tokens) or FP8 (each
+copy its own amax history): refused when the stage is built, below.
 """
 from hsgd.errors import ConfigError
 from hsgd.pp.stage import Stage
@@ -27,6 +28,7 @@ from hsgd.pp.stage import Stage
 
 class DualStage(Stage):
     """A Stage of the dual placement: its actions, then the gradients of its two copies summed with its twin's."""
+    copies = 2                                  # (the global gradient norm counts each layer once: hsgd.step.health)
 
     def __init__(self, cfg, grid, layout, recompute, data):
         if cfg.moe_experts or data.fp8:

@@ -48,6 +48,8 @@ Chunk = namedtuple("Chunk", "k layers first last")
 
 
 class Stage:
+    copies = 1                                  # stages holding each of its layers (DualStage: 2, hsgd.pp.dual)
+
     def __init__(self, cfg, grid, layout, recompute, data):
         """cfg: ModelConfig; grid: ProcessGrid; layout: the Layout settings (tp_scheme, cp_scheme, pp_split,
         schedule, virtual_stages, micro_batches); recompute: what the blocks keep (hsgd.tp.model.block_forward);
@@ -75,6 +77,13 @@ class Stage:
         check_tags(self.pp_comm, self.tag(pl.K - 1, self.m - 1) + 2)   # (+2: DualStage's)
         self.actions = everyone[self.s]
         self.peak_held, self.timeline, self.measure_bytes, self.peak_bytes = 0, [], False, 0
+
+    def saved_names(self):
+        """The parameters whose copy a checkpoint keeps from this stage: all it holds, but in the dual placement
+        only those of its downward piece (pl.holder; the twin writes the other), each parameter once."""
+        pl, mine = self.placement, set(self.names)
+        return {n for c, ch in enumerate(self.chunks) if pl.holder(ch.k) == (self.s, c)
+                for n in stage_names(self.cfg, ch.layers, ch.first, ch.last) if n in mine}
 
     def use(self, num):
         """Round where `num` (an hsgd.model.precision.Numerics) says: at the model's points (the TPSetup's scheme,

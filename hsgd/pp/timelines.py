@@ -12,7 +12,8 @@ Closed forms (equal costs per chunk action, p stages, m micro-batches, v chunks 
 Two more measures of idle time, each the one a paper's numbers use (hsgd.pp.vshape; tests/test_vshape.py):
     most_idle     the step's span minus the busy time of the least busy stage: DeepSeek-V3's Table 2 (DeepSeek-AI
                   2024), in its notation B a whole backward (B + W here) and F&B an overlapped pair:
-                  1F1B (p-1)(F+B), ZB1P (zb-h1) (p-1)(F+B-2W), DualPipe (p/2-1)(F&B+B-3W) (DualPipeV: a DualPipe
+                  1F1B (p-1)(F+B), ZB1P (zb-h1's list for equal costs, the one training runs; zb_h1's greedy
+                  list for other costs can leave more) (p-1)(F+B-2W), DualPipe (p/2-1)(F&B+B-3W) (DualPipeV: a DualPipe
                   of 2p stages folded, (p-1)(F&B+B-3W)); exact for F = B here, W <= F and max(F, B+W) <= F&B
                   <= F+B+W, m >= 2p (1F1B, ZB1P: m >= p), as the paper draws them (F and B chunks of one length)
     stage_idle    the longest of the stages' own spans (first action to last) minus its busy time: the zero-bubble
@@ -163,7 +164,8 @@ def held_bytes(actions, keep, keep_after_b, handed=0):
 
 
 def picture(timeline, width=96):
-    """A text picture of a timeline (one row per stage): each action drawn over its duration, '.' when idle."""
+    """A text picture of a timeline (one row per stage): each action drawn over its duration, '.' when idle; where
+    its name does not fit, its kind's letter, X for an overlapped pair F&B."""
     t0 = min(s for stage in timeline for _, s, _ in stage)
     t1 = max(e for stage in timeline for _, _, e in stage)
     scale = width / (t1 - t0)
@@ -173,7 +175,8 @@ def picture(timeline, width=96):
         for name, a, b in stage:
             name = str(name)
             lo, hi = int((a - t0) * scale), max(int((a - t0) * scale) + 1, int((b - t0) * scale))
-            label = (name + "-" * width)[:hi - lo] if hi - lo >= len(name) else name[0] * (hi - lo)
+            letter = "X" if "&" in name else name[0]
+            label = (name + "-" * width)[:hi - lo] if hi - lo >= len(name) else letter * (hi - lo)
             row[lo:hi] = list(label)
         rows.append(f"stage {s} |{''.join(row)}|")
     return "\n".join(rows)

@@ -77,7 +77,7 @@ def report_pipeline(world, grid, tc, trainer, say):
     acts = build(tc.schedule, m, p, v)
     ideal, closed = simulate(acts, m, v, pl=st.placement), bubble_formula(tc.schedule, m, p, v)
     say(f"pipeline schedule of the last step, measured ({tc.schedule}, m={m}, p={p}" + (f", v={v}" if v > 1 else "")
-        + "; F forward, B backward, W weight gradients of micro-batch j[.chunk]):\n" + picture(timeline))
+        + "; F forward, B backward, W weight gradients of micro-batch j[.chunk], X a pair F&B):\n" + picture(timeline))
     say(f"bubble fraction: measured {bubble_fraction(timeline):.3f} | equal-cost model {bubble_fraction(ideal):.3f} "
         f"| {FORMULA[tc.schedule]} = " + (f"{closed:.3f}" if closed is not None else "n/a (outside where it holds)"))
     say("micro-batches held at once per stage: measured " + str([h for _, _, h in stages]) + " | schedule "

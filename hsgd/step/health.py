@@ -80,11 +80,11 @@ def masked_square_sums(x, mask=None, block=1 << 15):
     return part, rest
 
 
-def global_norm(numbers, grid, shard_comm=None):
+def global_norm(numbers, grid, shard_comm=None, copies=1):
     """The full model's gradient norm from this rank's StepNumbers (sums over tp and pp; over shard_comm too when
-    each DP rank holds a different part, as with ZeRO)."""
+    each DP rank holds a different part, as with ZeRO); copies: the stages holding each layer (DualPipe: 2)."""
     return norm_from_squares(numbers.sq_sharded, numbers.sq_replicated, grid.tp_comm if grid.tp > 1 else None,
-                             grid.pp_comm if grid.pp > 1 else None, shard_comm)
+                             grid.pp_comm if grid.pp > 1 else None, shard_comm, copies)
 
 
 def check_finite(world, bad, step, on_nan):

@@ -143,7 +143,7 @@ class HybridTrainer:
         if not self.scaler.after_step(self.grid.world, step, numbers.bad, ex.fresh if ex.lag else None):
             lr = float("nan")                                                   # skipped: no update
         elif grads is not None:
-            norm = global_norm(numbers, self.grid, ex.shard_comm) / s
+            norm = global_norm(numbers, self.grid, ex.shard_comm, self.stage.copies) / s   # (DualPipe: 2)
             with self.tracer.span("optimizer"):
                 if s != 1.0:
                     grads *= 1.0 / s                                            # unscaled, in float32

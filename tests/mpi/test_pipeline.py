@@ -3,6 +3,7 @@ steps with the parameters of serial SGD; GPipe and 1F1B give the same numbers fo
 hold the micro-batches the schedules promise; every stage's bytes equal the formulas."""
 
 import dataclasses
+import hashlib
 
 import numpy as np
 import pytest
@@ -92,10 +93,11 @@ LLAMA = ModelConfig(vocab_size=256, seq_len=8, d_model=16, n_heads=4, n_layers=4
 def test_the_v_and_dual_schedules_train_as_1f1b_on_every_pipelined_layout():
     """zb-v, dualpipev and dualpipe (hsgd.pp.vshape) on every dp x pp x cp x tp of 8 ranks with pp > 1, the llama
     block, ZeRO 1 where dp > 1, selective and full recomputation in turn, m = 2 pp, 2 pp blocks (two chunks a stage):
-    2 steps of each end with 1F1B's parameters, bit for bit for the V schedules and to rounding for DualPipe (its
-    twin sum regroups the micro-batches' sum: hsgd.pp.dual); the replicas agree, the bytes of step 2 equal the
-    formulas (the V's turn sends nothing, DualPipe's twin gets the gradient), every stage holds the pairs of
-    peak_formula, and DualPipe's stages hold two copies: twice 1F1B's parameters over the pipeline."""
+    2 steps of each end with 1F1B's parameters, bit for bit for the V schedules and to
+    rounding for DualPipe (its twin sum regroups the micro-batches' sum: hsgd.pp.dual); the replicas agree, the
+    bytes of step 2 equal the formulas (the V's turn sends nothing, DualPipe's twin gets the gradient), every stage
+    holds the pairs of peak_formula, DualPipe's twin stages hold the same parameters bit for bit, and twice 1F1B's
+    parameters over the pipeline."""
     from hsgd.pp.timelines import peak_formula
     worst, lines, ok = 0.0, [], True
     for i, (dp, pp, cp, tp) in enumerate(V_LAYOUTS):
@@ -109,6 +111,11 @@ def test_the_v_and_dual_schedules_train_as_1f1b_on_every_pipelined_layout():
             grid, trainer, identical, per_step = train_steps(cfg, CORPUS, tc)
             numel = sum(int(np.prod(x)) for x in trainer.shard_shapes.values())
             held = trainer.stage.peak_held == peak_formula(tc.schedule, tc.micro_batches, pp, grid.pp_rank, 2)
+            if kind == "dualpipe":                                     # the twin p-1-s holds the same pieces, equal
+                mine = hashlib.sha256(b"".join(np.ascontiguousarray(trainer.params[n]).tobytes()
+                                               for n in sorted(trainer.params))).hexdigest()
+                twin = pp - 1 - grid.pp_rank
+                held &= grid.pp_comm.comm.sendrecv(mine, dest=twin, source=twin) == mine
             out[kind] = (trainer.full_params(), identical and per_step == step_formula(cfg, tc, trainer),
                          WORLD.allreduce(numel), held or kind == "1f1b")
             trainer.free(), grid.free()
@@ -125,6 +132,29 @@ def test_the_v_and_dual_schedules_train_as_1f1b_on_every_pipelined_layout():
                      f"{out['dualpipe'][2] / out['1f1b'][2]:g}")
     say("\n".join(lines) + f"\nlargest DualPipe difference from 1F1B {world_max(worst):.1e} (relative)")
     check(ok, "a V or dual schedule left 1F1B's parameters, its formulas or its pairs")
+
+
+def test_dualpipe_clips_by_the_norm_of_one_copy():
+    """Clipped by the global gradient norm (dp 2 x pp 4, clip 0.5, which every step's norm exceeds): DualPipe's
+    norm counts each layer once though two stages hold it (Stage.copies), so its steps' norms and parameters are
+    1F1B's to rounding (the sum over pp of the twins' squares alone would be sqrt(2) too large)."""
+    from hsgd.grid.process_grid import ProcessGrid
+    from hsgd.step.trainer import HybridTrainer
+    cfg, out = dataclasses.replace(LLAMA, n_layers=8), {}
+    for kind in ("1f1b", "dualpipe"):
+        tc = config(steps=2, schedule=kind, dp=2, pp=4, tp=1, micro_batches=8, batch_size=16, clip=0.5)
+        grid = ProcessGrid(WORLD, dp=2, pp=4, tp=1)
+        trainer = HybridTrainer(cfg, grid, tc)
+        norms = [trainer.step(*CORPUS.batch(tc.seed, step, tc.batch_size), step).grad_norm for step in (1, 2)]
+        trainer.finish()
+        out[kind] = (norms, trainer.full_params())
+        trainer.free(), grid.free()
+    (n1, p1), (n2, p2) = out["1f1b"], out["dualpipe"]
+    norm_err = max(abs(a - b) / a for a, b in zip(n1, n2))
+    err = max(float(np.abs(p2[n] - p1[n]).max() / max(np.abs(p1[n]).max(), 0.02)) for n in p1)
+    say(f"clipped at 0.5: 1F1B's norms {[f'{x:.4f}' for x in n1]}, DualPipe's differ by {norm_err:.1e} (relative), "
+        f"its parameters by {err:.1e}")
+    check(min(n1) > 0.5 and norm_err < 1e-12 and err < 1e-12, f"{n1} {n2} {err}")
 
 
 def test_schedules_and_bubble_formula():
