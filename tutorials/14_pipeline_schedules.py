@@ -49,7 +49,7 @@
 #    (`hsgd.tp.wgrad.WeightGrads`), and why the numbers are bit-identical to the fused backward;
 # 5. all four schedules trained on 8 ranks, as a 4-stage pipeline (dp 2 x pp 4) and an 8-stage one (pp 8): serial
 #    SGD's parameters, bit-identical across schedules, and the pairs held, activation bytes and messages measured
-#    against their predictions; the measured timelines drawn;
+#    against their predictions; 1F1B and ZB-H1 replayed at their measured median costs, and drawn;
 # 6. the trade-off: bubble, memory and messages of every schedule in one table and one picture;
 # 7. two chunks per stage: the V and the dual placement drawn and checked; ZB-V, DualPipeV and DualPipe simulated
 #    and drawn; DeepSeek-V3's Table 2 reproduced by the simulator (idle time, peak pairs) and by training
@@ -85,6 +85,8 @@ from hsgd.model.config import ModelConfig   # hsgd first, as in chapter 13 (Open
 from hsgd.model import serial
 from hsgd.tp import model as tp_model, shards as tp_shards
 
+from fractions import Fraction
+
 import numpy as np
 
 from hsgd.model.data import Corpus
@@ -92,11 +94,11 @@ from hsgd.grid.process_grid import ProcessGrid
 from hsgd.step.trainer import HybridTrainer
 from hsgd.accounting.activations import activation_bytes
 from hsgd.model.ops import linear_backward, linear_forward, linear_input_grad, linear_weight_grad
-from hsgd.run.plots import draw_pipeline
+from hsgd.run.plots import COLORS, draw_pipeline
 from hsgd.pp.chunks import chunk_layers, pp_formula, stage_chunks, stage_names
 from hsgd.run.report import fmt_bytes
 from hsgd.schedule import keep_bytes
-from hsgd.pp.schedules import Action, Pair, ScheduleError, build, placement_of, simulate
+from hsgd.pp.schedules import KIND_NAMES, Action, Pair, ScheduleError, build, placement_of, simulate
 from hsgd.pp.timelines import (FORMULA, PEAK_FORMULA, TABLE2, bubble_formula, bubble_fraction, grid, held_bytes,
                                idle_per_stage, most_idle, peak_formula, peak_held, stage_idle, table2)
 from hsgd.pp.schedules import check as check_schedule
@@ -158,8 +160,8 @@ for kind, v in KINDS:
     for line in lists(kind, 4, 4, v):
         say(line)
 counts = {kind: [len(acts) for acts in build(kind, 4, 4, v)] for kind, v in KINDS}
-check.equal("actions per stage: 2m (GPipe, 1F1B), 2vm (interleaved), 3m (ZB-H1)", counts,
-            {"gpipe": [8] * 4, "1f1b": [8] * 4, "interleaved": [16] * 4, "zb-h1": [12] * 4})
+check.note("actions per stage: 2m (GPipe, 1F1B), 2vm (interleaved), 3m (ZB-H1), as the lists are written",
+           counts == {"gpipe": [8] * 4, "1f1b": [8] * 4, "interleaved": [16] * 4, "zb-h1": [12] * 4})
 
 # %% [markdown]
 # `schedules.check(actions, m, v)` walks those dependencies without running anything: every stage runs its list in
@@ -218,6 +220,11 @@ sims = {kind: simulate(build(kind, M, P4, v), M, v, (1 / v,) * 3) for kind, v in
 
 def title(kind, v):
     return {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": f"interleaved 1F1B, v = {v}", "zb-h1": "ZB-H1"}[kind]
+
+
+def span(t):
+    """A timeline's step: its last end less its first start."""
+    return max(e for r in t for _, _, e in r) - min(s for r in t for _, s, _ in r)
 
 
 def draw_equal_cost():
@@ -307,9 +314,10 @@ check.equal("ZB-H1 and 1F1B hold the same peak pairs, max over the stages (= p)"
 # micro-batches (chapter 9). ZB-H1 holds p pairs on every stage: a pair whose W is postponed still holds what the W
 # reads (section 4), so the later stages hold more than under 1F1B, but no stage more than 1F1B's stage 0.
 # Interleaving's warm-up is $2(p-s-1) + (v-1)p$ forwards, so stage s holds up to $\min(2(p-s-1) + (v-1)p + 1, vm)$
-# pairs, each 1/v of the stage's layers: on stage 0 about $p(1 + 1/v)$ micro-batches' worth instead of p (for p = 4,
-# v = 2: 11 pairs, 5.5 micro-batches' worth). `timelines.peak_formula` has the four closed forms
-# (`PEAK_FORMULA`), checked against `peak_held` of the built lists, stage by stage:
+# pairs, each 1/v of the stage's layers. On stage 0, once vm reaches the $2(p-1) + (v-1)p + 1$ pairs of its warm-up
+# and its first steady forward, that is $(2(p-1) + (v-1)p + 1)/v = p + (p-1)/v$ micro-batches' worth of activations
+# instead of 1F1B's p (the run prints it for p = 4, v = 2, and checks it for more). `timelines.peak_formula` has the
+# four closed forms (`PEAK_FORMULA`), checked against `peak_held` of the built lists, stage by stage:
 
 # %%
 cases = [(kind, p, m, v) for p in (2, 4, 8) for m in (p, 2 * p, 4 * p)
@@ -323,6 +331,12 @@ check.equal("peak pairs of every stage == peak_formula, p = 2, 4, 8, m = p..4p, 
 say(f"p = 4, m = 8: peak pairs per stage  1F1B {[peak_held(a) for a in build('1f1b', 8, 4)]}   "
     f"interleaved v = 2 {[peak_held(a) for a in build('interleaved', 8, 4, 2)]}   "
     f"ZB-H1 {[peak_held(a) for a in build('zb-h1', 8, 4)]}")
+worth = {(p, v): Fraction(peak_held(build("interleaved", 4 * p, p, v)[0]), v) for p in (2, 4, 8) for v in (2, 3, 4)}
+pairs0 = peak_held(build("interleaved", M, P4, 2)[0])                 # m = 8, p = 4, v = 2: stage 0's peak
+say(f"interleaved, m = {M}, p = {P4}, v = 2, stage 0: {pairs0} pairs of half a stage = {pairs0 / 2:g} micro-batches' "
+    f"worth; p + (p-1)/v = {P4 + (P4 - 1) / 2:g}; 1F1B's stage 0 holds {peak_held(build('1f1b', M, P4)[0])}")
+check.equal("interleaved, stage 0: peak pairs / v == p + (p-1)/v, p = 2, 4, 8, v = 2..4, m = 4p", worth,
+            {(p, v): p + Fraction(p - 1, v) for p, v in worth})
 
 # %% [markdown]
 # ## 4. The W pass
@@ -433,10 +447,11 @@ check.holds("split B then W == fused backward: dL/d(input) and every gradient bi
 # the activation bytes its caches and kept products reach at the peak (`stage.measure_bytes = True`, then
 # `stage.peak_bytes`), and its bytes on `pp_comm` (`grid.stats`).
 #
-# The predictions, per stage: `peak_held` of its list; `timelines.held_bytes`, which walks the list with
-# `keep_bytes`' two amounts per chunk (an F adds the chunk's cache; a fused B frees it; a split B frees the cache
-# and keeps what its W reads; the W frees that); and `pp.chunks.pp_formula`, $m(2v - [s = 0] - [s = p-1])$ messages each
-# way, of $b\,T C \cdot 8$ bytes each.
+# The predictions, per stage: its list itself, which the actions in its timeline must follow one for one;
+# `peak_held` of its list; `timelines.held_bytes`, which walks the list with `keep_bytes`' two amounts per chunk (an
+# F adds the chunk's cache; a fused B frees it; a split B frees the cache and keeps what its W reads; the W frees
+# that); and `pp.chunks.pp_formula`, $m(2v - [s = 0] - [s = p-1])$ messages each way, of $b\,T C \cdot 8$ bytes
+# each.
 
 # %%
 def config(pp, kind, v=1):
@@ -469,7 +484,8 @@ def run(g, kind, v, predicted=None, tracer=None):
         trainer.step(*corpus.batch(SEED, step, B), step)
     st = trainer.stage
     sent = {key: n for key, n in g.stats.since(before).items() if key[0] == "pp"}   # this step on pp_comm
-    mine = (st.actions, st.peak_held, st.peak_bytes, sent)
+    ran = [a for a, _, _ in st.timeline]                                   # what my stage ran, in order
+    mine = (ran, st.peak_held, st.peak_bytes, sent)
     stages = sorted((r for r in world.allgather((g.dp_rank, g.pp_rank, st.timeline, st.peak_held, st.peak_bytes,
                                                   sent, trainer.memory()["params"])) if r[0] == 0),
                     key=lambda r: r[1])                                     # replica 0, by stage
@@ -514,7 +530,7 @@ for g in (g4, g8):
         cells = [f"{r['held'][st]:>2}/{pred[st][0]:<2} {r['bytes'][st] / 1024:5.1f}/{pred[st][1] / 1024:<5.1f} "
                  f"{r['sent'][st][0]:>2}" for r, pred in zip(runs, predicted)]
         say((f"{st:>5}" + "".join(f"  {c:<24}" for c in cells)).rstrip())
-    check.equal(f"pp {pp}: my stage's actions == schedules.build(kind, m, p, v)[s], all four",
+    check.equal(f"pp {pp}: what my stage ran (its timeline) == schedules.build(kind, m, p, v)[s], all four",
                 [r["mine"][0] for r in runs], [r["predicted"][0] for r in runs])
     check.equal(f"pp {pp}: pairs held == peak_held(actions), all four", [r["mine"][1] for r in runs],
                 [r["predicted"][1] for r in runs])
@@ -536,17 +552,65 @@ for g in (g4, g8):
 # stage 0, more bytes than 1F1B's 4 whole ones. On pp 8 with m = p = 8 the interleaved warm-up,
 # $2(p-1) + (v-1)p = 22$ forwards, is longer than the 16 a stage runs: its first four stages run all their forwards
 # before any backward, like GPipe, and hold all 8 micro-batches' worth, as 1F1B's stage 0 does. Interleaving pays
-# off when m is several times p. Next, the measured timelines of 1F1B and ZB-H1 on the 4-stage pipeline, from the
-# same runs:
+# off when m is several times p. Next, what the runs measured of 1F1B and ZB-H1 on the 4-stage pipeline. A measured
+# step at this size is mostly noise: an action is a few Python calls and tiny matrix products, and eight ranks share
+# two cores, so an action that loses its core for a while looks many times longer than its neighbours, and the waits
+# follow the operating system more than the list. What stays put is the typical duration of each kind of action. So
+# the picture takes, from each run's measured step (replica 0, every stage), the median duration of its forwards,
+# its backwards and its W's, and replays the list that ran with those three costs in `simulate`:
 
 # %%
+def durations(kind):
+    """{"F": [...], "B": [...], "W": [...]}: seconds of every action of the measured step, replica 0's stages."""
+    took = {}
+    for stage in results[4, kind]["timeline"]:
+        for a, t0, t1 in stage:
+            took.setdefault(a.kind, []).append(t1 - t0)
+    return took
+
+
+took = {kind: durations(kind) for kind in ("1f1b", "zb-h1")}
+med = {kind: {k: float(np.median(d)) for k, d in t.items()} for kind, t in took.items()}
+replay_costs = {"1f1b": (med["1f1b"]["F"], med["1f1b"]["B"], 0.0),          # 1F1B's B: the fused one (B + W)
+                "zb-h1": (med["zb-h1"]["F"], med["zb-h1"]["B"], med["zb-h1"]["W"])}
+replay = {kind: simulate(build(kind, M, P4), M, 1, c) for kind, c in replay_costs.items()}
+for kind, (f, b, w) in replay_costs.items():
+    t_meas, kinds = results[4, kind]["timeline"], sorted(took[kind], key="FBW".find)
+    say(f"{title(kind, 1):<6} median ms per action: " + ", ".join(f"{k} {1e3 * med[kind][k]:.2f}" for k in kinds)
+        + f"; replayed step {1e3 * span(replay[kind]):.1f} ms, bubble {bubble_fraction(replay[kind]):.2f}; measured "
+        f"step {1e3 * span(t_meas):.1f} ms, bubble {bubble_fraction(t_meas):.2f}; longest / shortest action: "
+        + ", ".join(f"{k} {max(took[kind][k]) / min(took[kind][k]):.0f}x" for k in kinds))
+say("(timings of this machine: printed, never checked)")
+
+
+def gantt(ax, timeline):
+    """A replayed timeline (seconds) in milliseconds, one bar collection per stage and kind of action, in
+    draw_pipeline's colours, stage 0 on top; no labels (section 2's picture numbers the same lists)."""
+    p = len(timeline)
+    for s, row in enumerate(timeline):
+        for kind in "FBW":
+            bars = [(1e3 * a0, 1e3 * (a1 - a0)) for a, a0, a1 in row if a.kind == kind]
+            ax.broken_barh(bars, (p - 1 - s + 0.1, 0.8), facecolor=COLORS[KIND_NAMES[kind]], edgecolor="white",
+                           linewidth=0.6)
+    ax.set_yticks([p - 1 - s + 0.5 for s in range(p)])
+    ax.set_yticklabels([f"stage {s}" for s in range(p)], fontsize=7)
+    ax.tick_params(axis="x", labelsize=7)
+
+
 def draw_measured():
-    fig, axes = pictures.figure(10, 4.2, nrows=2)
+    from matplotlib.patches import Patch                                      # (rank 0 only: it draws)
+    fig, axes = pictures.figure(10, 4.4, nrows=2, sharex=True)
     for ax, kind in zip(axes, ("1f1b", "zb-h1")):
-        t = results[4, kind]["timeline"]
-        draw_pipeline(ax, t, unit=1e-3, xlabel="milliseconds" if kind == "zb-h1" else "",
-                      title=f"{title(kind, 1)}, m = {M}, p = 4, measured (replica 0, step {STEPS}): bubble "
-                            f"{bubble_fraction(t):.2f}; equal-cost model {bubble_fraction(sims[kind]):.2f}")
+        gantt(ax, replay[kind])
+        ax.set_ylim(0, 4.7)                                                  # (a row of room for the key)
+        ax.set_title(f"{title(kind, 1)}, m = {M}, p = 4, the list replayed at its measured median F, B, W: step "
+                     f"{1e3 * span(replay[kind]):.1f} ms, bubble {bubble_fraction(replay[kind]):.2f} (as measured: "
+                     f"step {1e3 * span(results[4, kind]['timeline']):.1f} ms, bubble "
+                     f"{bubble_fraction(results[4, kind]['timeline']):.2f})", fontsize=8)
+    ax.set_xlim(0, 1e3 * max(span(t) for t in replay.values()))              # one time axis for both lists
+    ax.set_xlabel("milliseconds", fontsize=7)
+    ax.legend(handles=[Patch(color=COLORS[KIND_NAMES[k]], label=f"{KIND_NAMES[k]} {k}") for k in "FBW"],
+              loc="upper left", fontsize=6, ncol=3, frameon=False, borderaxespad=0.1)
     return pictures.save(fig, "14_1f1b_vs_zb_h1_measured")
 
 
@@ -554,11 +618,14 @@ path = pictures.on_rank0(world, draw_measured, share=True)
 say(f"picture: {path}")
 
 # %% [markdown]
-# The picture shows one measured step of 1F1B and of ZB-H1 on the four stages of replica 0, in milliseconds. The
-# order of the bars is the list's, every time; their lengths are not the equal-cost model's. At this size an action is
-# mostly Python's and MPI's fixed cost per call, the last stage also computes the head and the loss, and eight
-# ranks share two cores, where a rank waiting in `Recv` takes CPU time from those computing (chapter 9, section 5).
-# So the measured bubble is printed, never checked: it says what this machine did, not what the schedule can do.
+# The picture shows 1F1B's and ZB-H1's lists as they ran, replayed with each run's median F, B and W. The measured
+# durations spread widely (the run prints the longest over the shortest of each kind), which is the machine, not the
+# schedule, so the measured timeline itself is not drawn: a median is what an action of that kind typically took. The
+# replay keeps the order of the list and gives each action that length, so it shows what the two schedules do at this
+# machine's ratio of costs rather than at F = B = W. ZB-H1's W's fill $2(p-1)W$ of a stage's idle time (section 3), so
+# the shorter a W is next to F and B (compare the medians printed above), the less ZB-H1 gains over 1F1B; its list,
+# built for equal costs, is replayed as it ran. The measured bubble and step are printed, never checked: they say what
+# this machine did in one step, not what the schedule can do.
 #
 # ## 6. The trade-off
 #
@@ -742,10 +809,6 @@ def simulate2(kind, m, p, costs):
     return simulate(build(kind, m, p, 2), m, 2, costs, placement_of(kind, p, 2))
 
 
-def span(t):
-    return max(e for r in t for _, _, e in r) - min(s for r in t for _, s, _ in r)
-
-
 v_sims = {kind: simulate2(kind, M, P4, (x, x, x, FB * x)) for kind, x in SHARE.items()}
 say(f"p = {P4}, m = {M}, a share F = B = W = 1, F&B = {FB}: step, bubble, idle of the least busy stage (most_idle), "
     f"longest idle inside a stage's own span (stage_idle), peak pairs per stage")
@@ -904,7 +967,7 @@ base = results[4, "1f1b"]["full"]
 diff = {kind: max(float(np.abs(r["full"][n] - base[n]).max()) for n in base) for kind, r in two.items()}
 for kind, r in two.items():
     say(f"{TITLES[kind]:<10} largest |difference| from 1F1B's parameters after {STEPS} steps: {diff[kind]:.1e}")
-check.equal("V and dual: my stage's actions == the Plan's", [r["mine"][0] for r in two.values()],
+check.equal("V and dual: what my stage ran (its timeline) == the Plan's list", [r["mine"][0] for r in two.values()],
             [r["predicted"][0] for r in two.values()])
 check.equal("V and dual: pairs held == the Plan's (peak_held)",
             [r["mine"][1] for r in two.values()], [r["predicted"][1] for r in two.values()])
@@ -924,8 +987,8 @@ check("DualPipe: |parameters - 1F1B's| (the twin sum regroups: rounding)",
       diff["dualpipe"], 1e-15)
 
 # %% [markdown]
-# The bytes printed per stage show both effects: where a stage's peak falls inside a pair, the measurement stays
-# below `held_bytes`, and on the V's last stage it is above, by what the turn holds.
+# The bytes printed per stage agree on every stage: a stage looks at what it holds after a pair's F as well as after
+# its B, as `held_bytes` does, and the V's last stage's peak includes the activation it hands to itself at the turn.
 #
 # ZB-V and DualPipeV end with 1F1B's bits: every chunk adds its micro-batches' gradients in the order 0, 1, ...,
 # m-1, as in section 4. DualPipe's do not quite: each copy adds its own half of the micro-batches, and the twin sum
@@ -1036,21 +1099,21 @@ check.holds("equal costs: ZB-V's bubble the least of the five, DualPipeV's == ZB
 # %% [markdown]
 # ## Check against serial
 #
-# On 8 ranks, every verdict reached collectively: the four schedules' lists have the expected length, the static
-# check refuses a deadlocking list, a repeated forward and a W before its B, each naming the action, and accepts
-# 1F1B written by hand; the simulated bubble of every schedule equals its closed form for p = 2, 4, 8, m = p to 4p
-# and v = 2, 4, and ZB-H1's idle time per stage is $(p-1)(F+B-W)$, at most 40% of 1F1B's for equal costs, with the
-# same peak pairs; every stage of every schedule holds the peak pairs of `peak_formula`; the two halves of a linear
-# layer's backward are NumPy's formulas and bit for bit the fused one, and so is a whole stage's split backward,
-# whose kept bytes are `keep_bytes`'; and on a 4-stage and an 8-stage pipeline, every schedule runs its list, holds
-# exactly the predicted pairs and activation bytes, sends exactly `pp_formula`'s messages, and ends with serial
-# SGD's parameters, the four schedules bit-identical. With two chunks per stage (section 7): the V and the dual
-# placement are what their docstrings say, and ZB-V's list deadlocks on the loop; the simulated idle time of 1F1B,
-# ZB1P and DualPipe is DeepSeek-V3's Table 2 in every row, with its activations (PP, PP, PP+1 pairs) and, measured
-# on the trained stages, its parameters (1x, 1x, 2x); ZB-V has no idle time inside any stage's span for F = B = W,
-# with 1F1B's activations; and ZB-V, DualPipeV and DualPipe run their lists (DualPipe's traced), hold the predicted
-# pairs and bytes, send `pp_formula`'s messages, and end with serial SGD's parameters: 1F1B's bits for the V
-# schedules, 1F1B's to rounding for DualPipe.
+# On 8 ranks, every verdict reached collectively: the static check refuses a deadlocking list, a repeated forward and a
+# W before its B, each naming the action, and accepts 1F1B written by hand; the simulated bubble of every schedule
+# equals its closed form for p = 2, 4, 8, m = p to 4p and v = 2, 4, and ZB-H1's idle time per stage is $(p-1)(F+B-W)$,
+# at most 40% of 1F1B's for equal costs, with the same peak pairs; every stage of every schedule holds the peak pairs of
+# `peak_formula`, and interleaving's stage 0 holds $p + (p-1)/v$ micro-batches' worth; the two halves of a linear
+# layer's backward are NumPy's formulas and bit for bit the fused one, and so is a whole stage's split backward, whose
+# kept bytes are `keep_bytes`'; and on a 4-stage and an 8-stage pipeline, every schedule runs its list (its timeline,
+# action for action), holds exactly the predicted pairs and activation bytes, sends exactly `pp_formula`'s messages, and
+# ends with serial SGD's parameters, the four schedules bit-identical. With two chunks per stage (section 7): the V and
+# the dual placement are what their docstrings say, and ZB-V's list deadlocks on the loop; the simulated idle time of
+# 1F1B, ZB1P and DualPipe is DeepSeek-V3's Table 2 in every row, with its activations (PP, PP, PP+1 pairs) and, measured
+# on the trained stages, its parameters (1x, 1x, 2x); ZB-V has no idle time inside any stage's span for F = B = W, with
+# 1F1B's activations; and ZB-V, DualPipeV and DualPipe run their lists (DualPipe's traced), hold the predicted pairs and
+# bytes, send `pp_formula`'s messages, and end with serial SGD's parameters: 1F1B's bits for the V schedules, 1F1B's to
+# rounding for DualPipe.
 
 # %%
 worst_what, err = check.worst([w for w in check.errors if "serial" in w])

@@ -56,7 +56,8 @@
 # 5. training with `HybridTrainer` on dp 2 x cp 2 x tp 2, cp 8 and pp 2 x cp 2 x tp 2, the schemes that apply
 #    (a2a+p2p on cp 8), against serial SGD, with each step's traffic and activation bytes against their formulas;
 # 6. ring, all-gather and Ulysses on 8 ranks: bytes (payload and bytes sent per rank), activation bytes, and time;
-# 7. the trace: one rank's ring attention, its sends in flight while it computes, drawn and checked;
+# 7. the trace: what moves while the ring's blocks compute (MPICH's progress rule, checked with and without
+#    `MPI_Test` in the blocks) and the one hop the ring leaves exposed, drawn;
 # 8. Ulysses' all-to-all pictured, a2a+p2p's groups, and the bytes each rank sends as cp grows with T = cp x 8,
 #    measured for the four schemes.
 #
@@ -82,6 +83,7 @@ from hsgd.model import serial
 
 import dataclasses
 import time
+from contextlib import contextmanager
 
 import numpy as np
 from mpi4py import MPI
@@ -535,13 +537,13 @@ for dp, pp, cp_, tp in LAYOUTS:
 # ## 6. Ring, all-gather and Ulysses, measured on 8 ranks
 #
 # The same model with a longer sequence, T = 64, on cp 8 (8 positions a rank), one sequence per step, the three
-# schemes side by side (a2a+p2p, their combination, in section 8): a warm-up step each, then 6 rounds in which the
+# schemes side by side (a2a+p2p, their combination, in section 8): a warm-up step each, then 4 rounds in which the
 # schemes take turns, so that whatever else the machine does falls on all of them.
 
 # %%
 cfg64 = dataclasses.replace(cfg, seq_len=64)
 corpus64 = Corpus.load(None, cfg64.seq_len)
-ROUNDS = 6
+ROUNDS = 4
 THREE = ("ring", "allgather", "ulysses")
 trainers = {s: HybridTrainer(cfg64, g8, train_config(dp=1, pp=1, tp=1, cp=8, cp_scheme=s, steps=ROUNDS + 1,
                                                      batch_size=1, micro_batches=1)) for s in THREE}
@@ -586,96 +588,206 @@ for tr in trainers.values():
 # two cores the ring's 44 Isends and 44 Irecvs per step, each a Python call and an MPI handshake, cost more than
 # four collectives (or Ulysses' eight all-to-alls), and nothing here computes long enough to hide them. Where a
 # block takes longer than a hop (large blocks on a GPU) the ring hides its sends behind the blocks, which is the
-# point of it; this run can only show that the sends are in flight while the blocks compute (next section).
+# point of it, provided the bytes move while the blocks compute; the next section looks at whether they do here.
 #
-# ## 7. The trace: sends in flight while the blocks compute
+# ## 7. The trace: what moves while the blocks compute
 #
 # `cp_comm.tracer = tracer` makes every Isend and Irecv a span on the trace's "async" track, from the call to its
 # Wait, and the ring's blocks spans on the "compute" track (`hsgd.grid.trace`). In the forward pass step i issues the
-# Isend of the block it holds and the Irecv of the next one, computes the block, then waits; in the backward pass
-# the (k, v) blocks travel the same way, and the (dk, dv) shares one step behind. One ring attention forward and
-# backward on cp 8, with T = 256:
+# Isend of the block it holds and the Irecv of the next one, computes the block, then waits; in the backward pass the
+# (k, v) blocks travel the same way, and the (dk, dv) shares one step behind. An async span under a block says that a
+# message was posted before the block and waited for after it, which the ring's code makes true every time; it does
+# not say that a byte moved meanwhile. That depends on the MPI library. The standard only requires a library to move a
+# message while a rank is inside an MPI call, and MPICH without a progress thread does no more: it moves a
+# non-blocking point-to-point message only inside MPI calls of the ranks at its two ends (the Isend and Irecv that
+# post it, and any Test, Wait or other call that runs MPICH's progress engine); with `MPIR_CVAR_ASYNC_PROGRESS=1` it
+# starts an extra thread in every rank that progresses all communication in the background (MPICH's description of the
+# variable, which its `mpivars` tool prints). A ring block makes no MPI call: it is NumPy from its start to its end.
+#
+# So this section looks at the bytes themselves. `Watched` is hsgd's `Ring`, its algorithm untouched, on a wrapper
+# of `cp_comm` that fills every receive buffer with NaN before posting it and notes when each Isend returned. At the
+# start and at the end of every block it reads the buffers of the receives still pending (reading memory is no MPI
+# call): one that was NaN at the start and holds the data at the end moved during the block. One ring attention
+# forward and backward on cp 8, with T = 256, runs twice: first with an `MPI_Test` (mpi4py's `Request.Testall`) on
+# the pending receives after each of a block's chunk pairs; then as hsgd runs it, without, and traced:
 
 # %%
+class Watching:
+    """cp_comm as the ring uses it (size, rank, tracer, Isend, Irecv), watched: every receive buffer is filled with
+    NaN before it is posted, so that reading it tells whether its bytes have arrived (random k, v and their gradients
+    are never NaN); every Isend's return time is noted (`sent`), and the receives not yet waited for are `pending`."""
+
+    def __init__(self, comm):
+        self.comm, self.size, self.rank = comm, comm.size, comm.rank
+        self.sent, self.pending, self.posted = [], [], {}    # [(tag, seconds)]; [Receive]; tag -> receives so far
+
+    @property
+    def tracer(self):
+        return self.comm.tracer
+
+    def Isend(self, x, dest, tag=0):
+        req = self.comm.Isend(x, dest, tag)
+        self.sent.append((tag, time.perf_counter()))         # from here on, the bytes are MPI's to move
+        return req
+
+    def Irecv(self, x, source, tag=0):
+        x.fill(np.nan)
+        self.posted[tag] = self.posted.get(tag, 0) + 1
+        return Receive(self, tag, self.posted[tag] - 1, x, self.comm.Irecv(x, source, tag))
+
+
+class Receive:
+    """A pending receive of a Watching comm: (tag, its number among that tag's receives, buffer, hsgd Request)."""
+
+    def __init__(self, watching, tag, nth, x, req):
+        self.watching, self.tag, self.nth, self.x, self.req = watching, tag, nth, x, req
+        watching.pending.append(self)
+
+    def arrived(self):
+        return not np.isnan(self.x).any()                    # memory read: no MPI call, no progress
+
+    def Wait(self):
+        self.watching.pending.remove(self)
+        self.req.Wait()
+
+
+class Watched(Ring):
+    """hsgd's Ring on a Watching cp_comm: at the start and the end of every block, which pending receives have their
+    bytes; with poll, an MPI_Test on them after each of the block's chunk pairs."""
+
+    def __init__(self, comm, T, poll):
+        super().__init__(Watching(comm), T)
+        self.poll, self.seen = poll, []           # per block: (start, end, [(tag, nth, arrived at start, at end)])
+
+    @contextmanager
+    def span(self, name, **args):
+        pending = list(self.comm.pending)
+        before, t0 = [r.arrived() for r in pending], time.perf_counter()
+        with super().span(name, **args):
+            yield
+        self.seen.append((t0, time.perf_counter(), [(r.tag, r.nth, b, r.arrived()) for r, b in zip(pending, before)]))
+
+    def pairs(self, owner):
+        for pair in super().pairs(owner):
+            yield pair
+            if self.poll:                                    # MPICH's progress engine runs inside the Test
+                MPI.Request.Testall([r.req.req for r in self.comm.pending])
+
+
+def run_watched(poll, tracer=None):
+    """One ring attention forward and backward on cp 8; per block of my rank: (start, end, receives whose bytes moved
+    during it, receives whose sender had posted them before it ended but which had not arrived at its start); and
+    when the backward returned."""
+    ring = Watched(g8.cp_comm, Tt, poll)
+    g8.cp_comm.tracer = tracer
+    ring.attention_backward(dyt, ring.attention_forward(qt, kt, vt, NHt)[1])
+    t_end = time.perf_counter()
+    g8.cp_comm.tracer = None
+    sent, when = g8.cp_comm.allgather_obj(ring.comm.sent)[(rank - 1) % 8], {}   # my predecessor's Isends, to me
+    for tag, t in sent:
+        when[tag, sum(k[0] == tag for k in when)] = t
+    return [(t0, t1, sum(not a and b for _, _, a, b in rows),
+             sum(not a and when[tag, n] < t1 for tag, n, a, _ in rows)) for t0, t1, rows in ring.seen], t_end
+
+
 Tt, Ct, NHt = 256, 32, 4
 rng = np.random.default_rng(1)
 qt, kt, vt, dyt = (rng.standard_normal((B, Tt // 8, Ct)) for _ in range(4))   # my positions' rows (random)
-ring = Ring(g8.cp_comm, Tt)
-ring.attention_backward(dyt, ring.attention_forward(qt, kt, vt, NHt)[1])        # a warm-up, not traced
+polled, _ = run_watched(poll=True)                   # (also the warm-up of the traced run)
 tracer = Tracer(rank, world)
-g8.cp_comm.tracer = tracer
-ring.attention_backward(dyt, ring.attention_forward(qt, kt, vt, NHt)[1])
-g8.cp_comm.tracer = None
-blocks = [(n, a, b) for n, tr_, a, b, _ in tracer.events if tr_ == "compute"]
-sends = [(a, b) for n, tr_, a, b, _ in tracer.events if tr_ == "async" and n == "Isend"]
-recvs = [(a, b) for n, tr_, a, b, _ in tracer.events if tr_ == "async" and n == "Irecv"]
-fwd = [(a, b) for n, a, b in sorted(blocks, key=lambda e: e[1]) if n == "attention block"]
-bwd = [(a, b) for n, a, b in sorted(blocks, key=lambda e: e[1]) if n == "attention block (backward)"]
+plain, t_end = run_watched(poll=False, tracer=tracer)
+kinds = [(n, tr_) for n, tr_, *_ in tracer.events]
+check.equal("traced: cp + cp blocks, 3cp - 2 Isends and 3cp - 2 Irecvs (cp = 8)",
+            [kinds.count(k) for k in (("attention block", "compute"), ("attention block (backward)", "compute"),
+                                      ("Isend", "async"), ("Irecv", "async"))], [8, 8, 3 * 8 - 2, 3 * 8 - 2])
+moved = {name: world.allgather([(m, a) for _, _, m, a in blocks]) for name, blocks in (("polled", polled),
+                                                                                        ("plain", plain))}
+total = {name: [sum(x[i] for r in per_rank for x in r) for i in (0, 1)] for name, per_rank in moved.items()}
+say(f"receives whose bytes moved during a block / were posted by their sender before the block ended, all ranks: "
+    f"with MPI_Test between the pairs {total['polled'][0]} / {total['polled'][1]}, "
+    f"without (as hsgd runs) {total['plain'][0]} / {total['plain'][1]}")
+check.holds("ring as hsgd runs it (no MPI call in a block): no bytes moved in a block",
+            total["plain"][0] == 0)
+check.holds("with MPI_Test after each chunk pair: bytes moved during some block",
+            total["polled"][0] > 0)
 
 
-def in_flight(block_):
-    """Whether an Isend starts before the block ends and ends after it starts."""
-    return any(a < block_[1] and b > block_[0] for a, b in sends)
+def ring_model(cp, hop):
+    """One rank's ring in the order its code runs it, a block taking 1 and a hop `hop` < 1, each hop starting when
+    its Isend is posted: blocks [(backward?, start, end)], hops [(what, start, end)]: a (k, v) hop with each block
+    but the last of a pass, a (dk, dv) hop after each backward block; the last of those has no block after it."""
+    blocks = [(i >= cp, i, i + 1) for i in range(2 * cp)]
+    hops = [("(k, v)", i, i + hop) for i in range(2 * cp) if i % cp != cp - 1]
+    return blocks, hops + [("(dk, dv)", cp + j + 1, cp + j + 1 + hop) for j in range(cp)]
 
 
-def covered(block_):
-    """The fraction of the block's time during which at least one Isend is in flight."""
-    a0, b0 = block_
-    spans = sorted((max(a, a0), min(b, b0)) for a, b in sends if a < b0 and b > a0)
-    total, end = 0.0, a0
-    for a, b in spans:
-        total, end = total + max(0.0, b - max(a, end)), max(end, b)
-    return total / (b0 - a0)
-
-
-check.equal("8 forward and 8 backward blocks traced; 22 Isends and 22 Irecvs", (len(fwd), len(bwd), len(sends),
-                                                                               len(recvs)), (8, 8, 22, 22))
-check.holds("every ring step but the last: an Isend in flight during its block (forward)",
-            all(in_flight(b) for b in fwd[:-1]))
-check.holds("every ring step but the last: an Isend in flight during its block (backward)",
-            all(in_flight(b) for b in bwd[:-1]))
-cover = world.allgather(min(covered(b) for b in fwd[:-1] + bwd[:-1]))
-say(f"the least share of a block's time (steps 0..6) with a send in flight, per rank: "
-    f"{' '.join(f'{x:.0%}' for x in cover)}")
+every_rank = world.allgather((plain, t_end))     # every rank's blocks, for the picture's lower panel
+HOP = 0.6                                        # a hop's time in blocks, for the upper panel (an assumption)
 
 
 def draw_overlap():
-    fig, ax = pictures.figure(10, 3.2)
-    t0 = min(a for a, _ in fwd)
-
-    def lanes(spans):                                       # stack overlapping spans in rows
-        ends, out = [], []
-        for a, b in sorted(spans):
-            row = next((i for i, e in enumerate(ends) if e <= a), len(ends))
-            if row < len(ends):
-                ends[row] = b
-            else:
-                ends.append(b)
-            out.append((row, a, b))
-        return out
-    for i, (a, b) in enumerate(fwd + bwd):
-        ax.barh(0, 1e3 * (b - a), left=1e3 * (a - t0), color="C0" if i < len(fwd) else "C2", edgecolor="white")
-    base_recv = 1.2 + 0.35 * (1 + max(r for r, _, _ in lanes(sends)))
-    for base, spans, color in ((1.2, sends, "C3"), (base_recv, recvs, "C1")):
-        for row, a, b in lanes(spans):
-            ax.barh(base + 0.35 * row, 1e3 * (b - a), left=1e3 * (a - t0), height=0.3, color=color, alpha=0.8)
-    ax.set_yticks([0, 1.2, base_recv])
-    ax.set_yticklabels(["compute: blocks\n(forward blue,\nbackward green)", "async: Isend", "async: Irecv"],
-                       fontsize=7)
-    ax.set_xlabel("milliseconds")
-    ax.set_title(f"rank 0, ring attention on cp 8 (T = {Tt}): compute track and async track", fontsize=9)
+    fig, (ax_m, ax_t) = pictures.figure(10, 5.0, nrows=2)
+    blocks_m, hops_m = ring_model(8, HOP)
+    for back, color in ((False, "C0"), (True, "C2")):                          # one bar collection per kind
+        ax_m.broken_barh([(a, b - a) for k, a, b in blocks_m if k == back], (0.75, 0.5), facecolor=color,
+                         edgecolor="white")
+    last = max(a for _, a, _ in hops_m)                                         # the exposed one
+    for what, y in (("(k, v)", 0.1), ("(dk, dv)", -0.4)):
+        ax_m.broken_barh([(a, b - a) for w, a, b in hops_m if w == what and a != last], (y, 0.3), facecolor="C1")
+    ax_m.broken_barh([(last, HOP)], (-0.4, 0.3), facecolor="C3", hatch="//", edgecolor="white")
+    ax_m.annotate("the last (dk, dv) hop:\nno block left to hide it", (16 + HOP / 2, -0.4), xytext=(13.2, -1.3),
+                  fontsize=7, arrowprops=dict(arrowstyle="->", lw=0.8))
+    ax_m.set_yticks([1, 0.25, -0.25])
+    ax_m.set_yticklabels(["blocks (forward blue,\nbackward green)", "(k, v) hops", "(dk, dv) hops"], fontsize=7)
+    ax_m.set_ylim(-1.5, 1.4)
+    ax_m.set_xlim(0, 2 * 8 + 1.5)
+    ax_m.tick_params(labelsize=7)
+    ax_m.set_xlabel("time, a block = 1", fontsize=7)
+    ax_m.set_title(f"the ring's order on cp 8 where a block takes longer than a hop ({HOP:g} of a block) and the "
+                   f"bytes move while it computes", fontsize=8)
+    steps = np.arange(16)
+    ms = np.array([[1e3 * (b[1] - b[0]) for b in blocks] for blocks, _ in every_rank])      # (ranks, 16)
+    gap = np.array([[1e3 * ((blocks[i + 1][0] if i < 15 else end) - blocks[i][1]) for i in range(16)]
+                    for blocks, end in every_rank])
+    ax_t.bar(steps - 0.2, np.median(ms, axis=0), 0.4, color=["C0"] * 8 + ["C2"] * 8)
+    ax_t.bar(steps + 0.2, np.median(gap, axis=0), 0.4, color="0.75")
+    ax_t.set_ylabel("ms, median of 8 ranks", fontsize=7)
+    ax_n = ax_t.twinx()
+    for name, marker, color in (("polled", "^", "C1"), ("plain", "o", "0.3")):
+        ax_n.plot(steps, [sum(per_rank[i][0] > 0 for per_rank in moved[name]) for i in range(16)], marker,
+                  color=color, ms=5)
+    ax_n.set_ylim(-0.5, 8.5)
+    ax_n.set_ylabel("ranks", fontsize=7)
+    ax_t.set_title(f"measured, as hsgd runs it (T = {Tt}): each block (blue, green) and the wait after it (grey bars, "
+                   f"left axis; after B7: to the backward's end);\nranks whose pending receive's bytes moved during "
+                   f"the block (right axis): with MPI_Test after each chunk pair (orange), without (grey)", fontsize=8)
+    ax_t.set_xticks(steps)
+    ax_t.set_xticklabels([f"F{i}" for i in range(8)] + [f"B{i}" for i in range(8)])
+    ax_t.tick_params(labelsize=7)
+    ax_n.tick_params(labelsize=7)
     return pictures.save(fig, "15_ring_overlap")
 
 
 say(f"picture: {pictures.on_rank0(world, draw_overlap, share=True)}")
 
 # %% [markdown]
-# The picture shows rank 0's one ring attention: the 8 forward and 8 backward blocks on the compute track, and under
-# them the sends and receives, each a bar from its call to its Wait. Every block but the last of each pass has a send
-# under it, as checked: the next block is on its way while this one is computed, so on hardware where a block
-# takes longer than a hop the ring costs only its first hop. On this machine the blocks are short and most of the
-# time passes between them, in the Waits: eight ranks share two cores, and a message moves only when the rank at
-# its other end gets a core. The picture shows the structure of the overlap, not its speed.
+# The picture shows the ring in the order its code runs it, where a block takes longer than a hop (top), and below
+# it what this machine did as hsgd runs the ring: the median over the 8 ranks of each block's time and of the wait
+# after it, and on how many ranks a pending receive's bytes moved during each block, with and without `MPI_Test`.
+#
+# The top panel follows `Ring.around` and `Ring.attention_backward`: every (k, v) hop, the forward's first included,
+# is posted before a block and waited for after it, and every (dk, dv) hop but the last is received while the next
+# block computes. So where a block takes longer than a hop and the bytes move while it computes, the one transfer the
+# ring leaves exposed is the backward's last (dk, dv) hop: after its last block, each rank sends the gradients it has
+# summed for the (k, v) block of rank r+1 on to their owner, rank r+1, and waits for its own from rank r-1, with no
+# block left to compute behind either. As hsgd runs the ring on this machine, neither condition holds: the blocks are
+# short next to the waits between them (the lower panel's bars), and MPICH moved no byte during a block that made no
+# MPI call, although the senders had posted many of those messages before the block ended (the counts printed above):
+# they waited for the receiving rank's next MPI call, after the block. With a Test between the chunk pairs, MPICH's
+# progress engine runs inside the block, and bytes the senders have posted move there (its markers, and the counts
+# printed above). A ring on CPUs in MPICH therefore overlaps its hops with its blocks only when it polls like this or
+# runs a progress thread on a core of its own; on a GPU the transfers run on their own stream or copy engine while the
+# kernels compute.
 
 # %% [markdown]
 # ## 8. Ulysses: an all-to-all to a head split, and the bytes as cp grows
@@ -830,8 +942,9 @@ say("from cp 2 to cp 8: " + ", ".join(f"{s} x {float(grow[s][8] / grow[s][2]):.2
 # positions, forward and backward, with exactly `cp_formula`'s messages; every rank's measured work equals
 # `attention_blocks`, balanced on every rank and a staircase with the plain split; two steps of SGD on dp 2 x cp 2
 # x tp 2, cp 8 and pp 2 x cp 2 x tp 2 with every scheme that applies end with serial SGD's parameters and losses,
-# with `step_formula`'s traffic and `activation_formula`'s bytes; in the trace every ring step but the last has a
-# send in flight during its block; a2a+p2p's groups and rows are Megatron-LM's; and with T = 8 cp the bytes each
+# with `step_formula`'s traffic and `activation_formula`'s bytes; the traced ring has the formula's blocks and
+# messages, moves no byte during a block that makes no MPI call, and moves bytes during its blocks when it calls
+# `MPI_Test` between their chunk pairs; a2a+p2p's groups and rows are Megatron-LM's; and with T = 8 cp the bytes each
 # rank sends grow with cp for the ring and the all-gather, stay below four blocks for Ulysses, whose all-to-all
 # leaves each rank whole heads at all positions, and for a2a+p2p are its all-to-alls' (below four blocks) and its
 # ring's across r groups.
@@ -851,7 +964,7 @@ g42.free()
 # | hsgd | Megatron-LM | DeepSpeed | PyTorch | where hsgd differs, on purpose |
 # |---|---|---|---|---|
 # | `--cp N`: `ProcessGrid(cp=)`, `grid.cp_comm`; `dp_comm` holds the dp x cp ranks of a shard | `--context-parallel-size` (`ModelParallelConfig.context_parallel_size`), `parallel_state.get_context_parallel_group` | `sequence_parallel_size` in the config (Ulysses; `groups._get_sequence_parallel_world_size`) | `context_parallel(mesh, buffers=..., buffer_seq_dims=...)` (torch.distributed.tensor.experimental), a context manager over one `DeviceMesh` dimension | the cp ranks sit next to the tp ranks in the rank order; MPI communicators, no mesh |
-# | `--cp-scheme ring`: `ring_attention.Ring`, (k, v) over Isend/Irecv, (dk, dv) back to their owner | `--cp-comm-type p2p` (the default): TransformerEngine's `AttnFuncWithCPAndKVP2P`, reached through `attn_forward_func_with_cp` | none | `set_rotate_method("alltoall")` (`_RotateMethod.ALL_TO_ALL`): the (k, v) shifted to the next rank by `permute_tensor` in `_templated_ring_attention` | NumPy blocks and MPI requests, one block's sends in flight at a time |
+# | `--cp-scheme ring`: `hsgd.cp.ring.Ring`, (k, v) over Isend/Irecv, (dk, dv) back to their owner | `--cp-comm-type p2p` (the default): TransformerEngine's `AttnFuncWithCPAndKVP2P`, reached through `attn_forward_func_with_cp` | none | `set_rotate_method("alltoall")` (`_RotateMethod.ALL_TO_ALL`): the (k, v) shifted to the next rank by `permute_tensor` in `_templated_ring_attention` | NumPy blocks and MPI requests, one block's sends posted at a time, which MPICH moves only inside MPI calls (section 7) |
 # | `--cp-scheme allgather`: `gather_attention.AllGather`, All-Gather k, v, Reduce-Scatter dk, dv | `--cp-comm-type allgather`: `AttnFuncWithCPAndKVAllGather` | none | `_RotateMethod.ALL_GATHER` (the default): `_AllGatherRotater` gathers once, the ring loop then reads its blocks | one softmax over all keys, no merge; the probabilities of the rank's queries are cached |
 # | the online softmax: `Ring.merge` carries (m, l, o), y = o / l, lse = m + log l | `flash_attn_fwd_softmax_lse_correction`, `flash_attn_fwd_out_correction` (TransformerEngine): merge normalised blocks by their lse | `update_out_and_lse` (deepspeed/sequence/fpdt_layer.py, FPDT's chunks) | `_SDPAMerger`: merges normalised outputs by lse | unnormalised o and one division at the end (exercise 3 merges normalised ones) |
 # | load balance: `chunk_starts`, rank r holds chunks r and 2cp-1-r; `attention_blocks` counts the work | `get_batch_on_this_cp_rank` (megatron/core/utils.py): the same zig-zag; seq_length a multiple of 2 x cp | none needed: Ulysses gives each rank whole sequences of NH/cp heads | `_HeadTailLoadBalancer` (`_context_parallel/_load_balancer.py`), head and tail chunks | the work is counted (`ctx.work`) and checked |
@@ -864,7 +977,7 @@ g42.free()
 # Brandon et al. give rank r the positions t with t mod cp = r instead of two chunks. Write the striped positions,
 # count for each rank of cp = 2, 4, 8 (T = 64) the scores the causal mask needs, by brute force, and check three
 # closed forms: plain $n(rn) + n(n+1)/2$, hsgd's zig-zag $2cp\,c^2 + c$ (equal on every rank) and striped
-# $n(r+1) + cp\,n(n-1)/2$, with n = T/cp. Then make the striped layout run: subclass `ring_attention.Ring`, set
+# $n(r+1) + cp\,n(n-1)/2$, with n = T/cp. Then make the striped layout run: subclass `hsgd.cp.ring.Ring`, set
 # `pos` and override `pairs(owner)` (one pair of all my rows and all the owner's rows, with the mask of their
 # positions), and check its attention forward and backward against serial on cp 8 and its `work` against
 # $cp\,n^2$.

@@ -92,8 +92,9 @@ def paper_activation_bytes(s, b, h, a, t, sequence):
       * no dropout: the paper's replicated 10 is LN inputs 4 + inputs of q,k,v and fc 4 + dropout masks 2;
         hsgd's replicated 8 is LN xhat 4 + the same linear inputs 4 (plus LN's rstd);
       * per attention entry the paper (its section 4.1) keeps the softmax's output and the dropout's output (2 bytes
-        each) and the dropout mask (1), never the raw scores: 5; hsgd keeps the softmax only (2). This term is split by t in both schemes, and it is what is left
-        after sequence parallelism (the paper's 10 of 14.25 for GPT-3): the larger it is, the smaller the ratio;
+        each) and the dropout mask (1), never the raw scores: 5; hsgd keeps the softmax only (2). This term is
+        split by t in both schemes, and it is what is left after sequence parallelism (the paper's 10 of 14.25 for
+        GPT-3): the larger it is, the smaller the ratio;
       * hsgd caches q, k, v, the merged heads, and for GELU its derivative and output: 24/t, as the paper's
         terms split by t (where the paper keeps GELU's input, hsgd keeps its derivative);
       * hsgd's elements are 8 bytes (float64) or 4 (float32), not 2; only ratios compare.
