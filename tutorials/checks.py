@@ -75,23 +75,23 @@ class Checks:
 
     def holds(self, what, cond):
         """Passes when cond is true on every rank. Rank 0 prints `what` and PASS; a failure names the ranks."""
+        self._verdict(what, cond, "PASS", "false")
+        self.passed.append(what)
+
+    def _verdict(self, what, cond, word, why):
+        """cond gathered from every rank; rank 0 prints `what` and `word` (FAIL if a rank's is false, then raise)."""
         conds = self.comm.allgather(bool(cond)) if self.comm is not None else [bool(cond)]
         failed = [r for r, c in enumerate(conds) if not c]
-        self.say(f"{self.prefix}{what:<{self.width}s} {'':>18}  {'FAIL' if failed else 'PASS'}")
+        self.say(f"{self.prefix}{what:<{self.width}s} {'':>18}  {'FAIL' if failed else word}")
         if failed:
-            raise AssertionError(f"{what}: false on rank(s) {failed}")
-        self.passed.append(what)
+            raise AssertionError(f"{what}: {why} on rank(s) {failed}")
 
     def note(self, what, cond=True):
         """A statement of structure, not a check (see the class docstring): rank 0 prints `what` and NOTE, and it
         is recorded in `notes`, never in `passed`. cond is still verified on every rank, so that a statement which
         stopped being true (the chapter's configuration changed under its prose) ends the chapter with FAIL
         instead of being printed wrong."""
-        conds = self.comm.allgather(bool(cond)) if self.comm is not None else [bool(cond)]
-        failed = [r for r, c in enumerate(conds) if not c]
-        self.say(f"{self.prefix}{what:<{self.width}s} {'':>18}  {'FAIL' if failed else 'NOTE'}")
-        if failed:
-            raise AssertionError(f"{what}: stated as structure, but false on rank(s) {failed}")
+        self._verdict(what, cond, "NOTE", "stated as structure, but false")
         self.notes.append(what)
 
     def equal(self, what, a, b):
