@@ -5,6 +5,8 @@ solutions of those exercises run and pass their own checks.
 A chapter (tutorials/NN_*.py, the appendix tutorials/A_*.py) or a solutions file (tutorials/solutions/<the
 chapter's file name>) that needs several MPI ranks says so in a line `# mpirun -n N python <file>`; it then runs
 under mpiexec with that many ranks, inside an outer `timeout` so that nothing can hang the suite.
+A number in a chapter's prose that its run computes is marked «like this» (tutorials/WRITING.md); test_chapter_runs
+checks that every marked text appears in the output of that same run (the chapter is not run again for it).
 The shape of a chapter's ending, checked here without running it:
 
     # ## Cross-walk: ...        a markdown table, a header row naming Megatron-LM, DeepSpeed and PyTorch, >= 3 rows
@@ -32,6 +34,8 @@ TIMEOUT_S = 240
 # pictures.save(fig, "name") and pictures.grid(dp, pp, tp, "name"): a picture's name is a literal in the call
 # (in single or double quotes)
 PICTURE = re.compile(r"""pictures\.(?:save|grid)\([^"'\n]*["']([A-Za-z0-9_]+)["']""")
+# a run-computed number in a chapter's prose: «18.7 s», on one markdown (comment) line
+MARK = re.compile(r"«([^«»\n]*)»")
 
 
 def ranks_of(path):
@@ -47,6 +51,28 @@ def mpiexec():
 
 def pictures_of(path):
     return PICTURE.findall(open(path).read())
+
+
+def marked_numbers(text):
+    """The marked texts «...» of the comment lines (markdown cells) of a chapter, as (line number, text); a mark
+    that is empty, left open or closed without being opened on its line is (line number, None)."""
+    out = []
+    for i, line in enumerate(text.split("\n"), 1):
+        if not line.startswith("#"):
+            continue
+        found = MARK.findall(line)
+        out += [(i, m.strip() or None) for m in found]
+        rest = MARK.sub("", line)
+        if "«" in rest or "»" in rest:
+            out.append((i, None))
+    return out
+
+
+def unprinted(marked, output):
+    """The (line, text) of `marked` that `output` does not print: the text verbatim, with no digit glued to it on
+    either side (a marked 0.08 is not printed by 0.084, nor 5 GB by 2.5 GB); a malformed mark is never printed."""
+    return [(i, m) for i, m in marked
+            if m is None or not re.search(r"(?<![\d.])" + re.escape(m) + r"(?!\.?\d)", output)]
 
 
 def run_script(path, figures):
@@ -68,11 +94,28 @@ def test_there_are_chapters():
 
 @pytest.mark.parametrize("path", CHAPTERS, ids=[os.path.basename(p) for p in CHAPTERS])
 def test_chapter_runs(path, tmp_path):
-    run_script(path, tmp_path)
+    r = run_script(path, tmp_path)
+    stale = unprinted(marked_numbers(open(path).read()), r.stdout)
+    assert not stale, (f"{os.path.basename(path)}: numbers marked «...» in the prose that the run did not print "
+                       f"(line, text; None: a malformed mark): {stale}")
     written = {p.stem for p in tmp_path.glob("*.png") if p.stat().st_size > 0}
     missing = [name for name in pictures_of(path) if name not in written]
     print("pictures written:", sorted(written))
     assert not missing, f"{os.path.basename(path)} names pictures it did not write (or wrote empty): {missing}"
+
+
+def test_prose_numbers_checker_catches_a_mismatch():
+    """The check of test_chapter_runs on a planted chapter and output: a marked number the output prints passes, one
+    it does not (a stale prose number, one inside a longer number, a malformed mark) is reported by line."""
+    text = ("# %% [markdown]\n# the step takes «18.7 s», «2.0 x» the other; errors up to «-8.2%»\n"
+            "x = 1  # «9.9 s» on a code line is not prose\n")
+    output = "step 18.7 s, 2.0 x the whole step at t = 8; largest error -8.2% (529.6 B)\n"
+    assert marked_numbers(text) == [(2, "18.7 s"), (2, "2.0 x"), (2, "-8.2%")]
+    assert unprinted(marked_numbers(text), output) == []
+    assert unprinted(marked_numbers(text), output.replace("18.7 s", "18.8 s")) == [(2, "18.7 s")]   # planted
+    assert unprinted(marked_numbers("# a ratio of «0.08», «5 GB»"), "0.084; 2.5 GB") == [(1, "0.08"), (1, "5 GB")]
+    assert unprinted(marked_numbers("# «1.5 s of a step\n# «» and 3 »"), "1.5 s of a step") == [(1, None),
+                                                                                                (2, None), (2, None)]
 
 
 def test_the_course_draws_pictures():

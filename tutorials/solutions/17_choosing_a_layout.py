@@ -49,6 +49,7 @@ def exercise_2(check):
     """The smallest pp that fits (310.1 B on 1920 GPUs, t = 8)."""
     cfg = presets()["narayanan-310.1b"]
     L, C, T, V, B, N, t = cfg.n_layers, cfg.d_model, cfg.seq_len, cfg.vocab_size, 2160, 1920, 8
+    # p divides N/t = 240, the tensor-parallel groups (so that dp = N/(t p) is whole), and the L layers; dp divides B
     cands = [p for p in range(1, L + 1) if (N // t) % p == 0 and L % p == 0 and B % (N // t // p) == 0]
     by_hand, planned, worst = {}, {}, 0.0
     for p in cands:
