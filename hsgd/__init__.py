@@ -14,23 +14,23 @@ test_package_map.py holds that), and each package's docstring lists its modules 
                        optimizer, the number formats, the data (chapter 1; appendix A)
     hsgd.grid          the ranks: the process grid, its communicators, every collective counted (chapters 2, 3)
     hsgd.fp8           FP8 matrix products emulated exactly: scaling recipes, the amax and the ranks it is
-                       reduced over, limited accumulation (chapter 16b)
+                       reduced over, limited accumulation (chapter 15)
     hsgd.tp            tensor parallelism, the lecture's M workers of a group: split linears, heads, vocabulary,
                        the model written once for three schemes (chapters 5, 6)
-    hsgd.cp            context parallelism: the sequence split over ranks, ring and all-gather attention (chapter 15)
+    hsgd.cp            context parallelism: the sequence split over ranks, ring and all-gather attention (chapter 13)
     hsgd.ep            expert parallelism: a MoE block's experts split over ranks folded out of dp x cp, tokens
-                       sent to them by all-to-all (chapter 19)
-    hsgd.pp            pipeline parallelism: stages, micro-batches, schedules as data (chapters 9, 14)
+                       sent to them by all-to-all (chapter 16)
+    hsgd.pp            pipeline parallelism: stages, micro-batches, schedules as data (chapters 9, 12)
     hsgd.dp            data parallelism, the lecture's G groups: the gradient exchange and its ways, ZeRO 1-3
                        (chapters 4, 8)
     hsgd.step          one training step, the lecture's steps 1 to 4: the trainer, its settings, health and loss
-                       scale (chapters 7, 10, 16)
-    hsgd.accounting    bytes per communicator and memory per category, by formula and measured (chapter 13)
-    hsgd.checkpoint    distributed checkpoints that reshard (chapter 11)
+                       scale (chapters 10, 14)
+    hsgd.accounting    bytes per communicator and memory per category, by formula and measured (chapter 11)
+    hsgd.checkpoint    distributed checkpoints that reshard (chapter 19)
     hsgd.run           a training run around the steps: flags, checks, progress, reports, faults, signals
-    hsgd.check         the tolerance oracle and bugs on purpose (chapter 16)
+    hsgd.check         the tolerance oracle and bugs on purpose (chapter 14)
     hsgd.plan          python -m hsgd.plan: which layout, will it fit, how fast (chapter 17)
-    hsgd.crosscheck    python -m hsgd.crosscheck DIR: another system's gradients against the reference (chapter 18)
+    hsgd.crosscheck    python -m hsgd.crosscheck DIR: another system's gradients against the reference (chapter 20)
 
 The commands, at the top:
 

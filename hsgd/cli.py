@@ -1,4 +1,4 @@
-"""The command line of every hsgd command: one parser, one way to end on a usage error (chapter 11).
+"""The command line of every hsgd command: one parser, one way to end on a usage error (chapter 19).
 
     parser = cli.Parser(prog="python -m hsgd.plan", description="...")           # a one-process command
     sys.exit(cli.run(lambda: work(parser.parse_args(argv))))

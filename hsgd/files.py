@@ -3,7 +3,7 @@ or a terminal could block the rank reading it forever, and the others with it), 
 by creating and removing a file there before any work (os.access says yes where nothing can be created: /proc, a
 read-only bind mount, a name too long), an optional module must import. Every input file passes `regular_file`: the
 data, --config and hardware files, a checkpoint's manifest and shards, a dump's files. Each check raises the
-caller's UsageError subclass with one line that says what is wrong and what would work (chapter 11). What is inside
+caller's UsageError subclass with one line that says what is wrong and what would work (chapter 19). What is inside
 a file is read by hsgd.readers, whose readers bound the work before they parse.
 """
 

@@ -1,4 +1,4 @@
-"""Bounded readers of what is inside a file that may have been crafted (chapter 11). Every reader bounds its work by
+"""Bounded readers of what is inside a file that may have been crafted (chapter 19). Every reader bounds its work by
 the file's size and its nesting before it parses, and refuses by name what would overflow later; every later reader
 of a file (a flag's file, a checkpoint, a dump, a hardware file) should use them:
     read_json(path, what, error)    a size bound checked before reading, a nesting bound checked by a linear pass

@@ -92,7 +92,7 @@ def test_sigkill_then_resume_auto_ends_bit_identical(reference, tmp_path):
 
 def test_resharding_to_other_layouts_and_world_sizes(reference, tmp_path):
     """Saved by dp 2 x tp 4 on 8 ranks, resumed on 2 ranks as pp 2 and on 4 as tp 4 with the gather scheme (more
-    layouts, resharded in one process: chapter 11)."""
+    layouts, resharded in one process: chapter 19)."""
     save_then_resume_elsewhere(reference, tmp_path, ["--dp", "2", "--tp", "4"], "dp 2 x pp 1 x cp 1 x tp 4",
                                ((2, ["--dp", "1", "--pp", "2", "--tp", "1"]),
                                 (4, ["--dp", "1", "--pp", "1", "--tp", "4", "--tp-scheme", "gather"])))

@@ -368,7 +368,7 @@ def test_the_schedule_lab_runs_and_measures(n, flags):
     T-shard of the activation) and dualpipe on pp 2 x cp 2 x tp 2 (the all-gather attention; the gradients to the
     twin stage), with selective recomputation, measured next to their predictions: the pairs and activation bytes
     held equal them (a pair looked at after its F and after its B), the bytes sent on pp_comm equal the formula
-    (chapter 14 measures the other schedules with the megatron scheme)."""
+    (chapter 12 measures the other schedules with the megatron scheme)."""
     r = run_mpi(n, ["-m", "hsgd.schedule", "--pp", "2", *flags, "--recompute", "selective", "--micro-batches", "4",
                     "--batch-size", "4", "--seq-len", "16", "--d-model", "32", "--n-heads", "4",
                     "--d-ff", "64", "--run"], timeout=120)

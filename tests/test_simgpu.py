@@ -1,7 +1,7 @@
 """The GPU path's command lines on the simulated GPU (tests/simgpu: CuPy's host/device rules over NumPy), run in
 subprocesses with it first on PYTHONPATH: `make gpu-check`'s script end to end, so that it cannot rot between runs
 on real GPUs; `hsgd.train --device gpu` with evaluation, a sample, and a checkpoint resumed on another layout
-through the other transfer path; chapter 12 on device arrays. (tests/mpi/test_simgpu.py checks the transfers of
+through the other transfer path; chapter 21 on device arrays. (tests/mpi/test_simgpu.py checks the transfers of
 every layout on 8 ranks.)"""
 import os
 import subprocess
@@ -52,7 +52,7 @@ def test_training_on_the_simulated_gpu_saves_and_resumes_across_transfer_paths(t
 
 
 def test_gpu_chapter_on_the_simulated_gpu():
-    r = subprocess.run(["timeout", "-k", "5", "240", mpiexec(), "-n", "2", sys.executable, "tutorials/12_gpus.py"],
+    r = subprocess.run(["timeout", "-k", "5", "240", mpiexec(), "-n", "2", sys.executable, "tutorials/21_gpus.py"],
                        capture_output=True, text=True, cwd=ROOT, env=sim_env())
     print(r.stdout[-2500:])
     assert r.returncode == 0, r.stderr[-3000:]

@@ -286,7 +286,7 @@ if rank == 0:
 # hsgd never calls mpi4py's collectives directly in its parallel code. It goes through `hsgd.grid.comm.Comm`, a thin
 # wrapper around an mpi4py communicator that makes the same uppercase calls and adds three things: one line of
 # accounting per call (a `CommStats`, shared by all the communicators of a run), the buffer rules stated once
-# (contiguous arrays; GPU arrays synchronized and, without a CUDA-aware MPI, staged through host memory, chapter 12),
+# (contiguous arrays; GPU arrays synchronized and, without a CUDA-aware MPI, staged through host memory, chapter 21),
 # and an optional check of the sequence of calls (section 6). `Comm` wraps what hsgd uses:
 #
 # | `hsgd.grid.comm.Comm` | mpi4py call it makes | payload recorded (bytes) |
@@ -774,7 +774,7 @@ say(f"break-even: below about {t_ar / per_token:.0f} tokens per rank, this layer
 # rank grows by that ratio, and communication becomes the part of a step to hide and to place well. That is why
 # the lecture's section 4.1 keeps the tensor-parallel traffic (every layer, forward and backward) inside a server,
 # overlaps the data-parallel All-Reduce with the backward pass, and recommends an efficient collective library
-# (NCCL); chapters 3, 8 and 12 take those up. The method carries over unchanged: fit $\alpha$ and $\beta$ of the
+# (NCCL); chapters 3, 8 and 21 take those up. The method carries over unchanged: fit $\alpha$ and $\beta$ of the
 # real interconnect, count the bytes of each collective with the ring's factors, and compare with the flops.
 
 # %% [markdown]
@@ -1177,7 +1177,7 @@ say(f"chapter 2: all {len(check.passed)} checks passed on {P} ranks; largest err
 #
 # Give rank 2 a NaN loss and run it with `Comm(world, "world", check=True)`. Which ranks raise, and what does the
 # message say? Why would it hang without the check (which call of rank 2 meets which call of the others)? Fix it so
-# that the ranks *agree* on skipping (one small Allreduce of a flag with `MPI.MAX`, as chapter 11 does), and check
+# that the ranks *agree* on skipping (one small Allreduce of a flag with `MPI.MAX`, as chapter 19 does), and check
 # that every rank then takes the same branch, and that without a NaN the gradient is NumPy's sum.
 # (solution: `tutorials/solutions/02_collectives.py`, `exercise_3`)
 #

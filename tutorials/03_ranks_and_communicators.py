@@ -396,7 +396,7 @@ say(f"chapter 3: all {len(check.passed)} checks passed on {P} ranks; largest num
 # ### Exercise 2: the ranks of one node, with Split_type
 # `world.Split_type(MPI.COMM_TYPE_SHARED)` groups the ranks that share memory, that is, one node. Build it, and
 # check that its members are exactly the world ranks whose `MPI.Get_processor_name()` equals yours (gather the
-# names), and that your rank in it (the "local rank" that picks a GPU in chapter 12, `hsgd.train.local_ranks`) is
+# names), and that your rank in it (the "local rank" that picks a GPU in chapter 21, `hsgd.train.local_ranks`) is
 # your position among them. Then pretend the machine has nodes of 4 ranks (color = rank // 4) and check which
 # ranks of your dp_comm of the dp=4 tp=2 grid are on your "node".
 # (solution: `tutorials/solutions/03_ranks_and_communicators.py`, `exercise_2`)

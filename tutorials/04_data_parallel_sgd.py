@@ -28,7 +28,7 @@
 # > the All-Reduce collective.
 #
 # This chapter runs that algorithm on dp = 4 ranks, each holding the whole serial model (in hsgd's terms a grid of
-# dp = 4, tp = 1: chapters 5 and 6 will split the model itself, and chapter 7 combines the two), and shows
+# dp = 4, tp = 1: chapters 5 and 6 will split the model itself, and chapter 10 combines the two), and shows
 #
 # 1. how hsgd hands out the data: the global batch of a step is a pure function of (seed, step), and replica g
 #    keeps its own rows of it;

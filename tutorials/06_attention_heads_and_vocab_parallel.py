@@ -677,7 +677,7 @@ pictures.wait_asleep(world)                      # the other ranks sleep while r
 # Every piece against the serial model on the full matrices: the attention branch split by heads, the
 # vocab-parallel embedding and cross-entropy (with their padding), the whole model in the three variants of the
 # two schemes of chapter 5 and in the sequence scheme, shard by shard, and every byte the tensor-parallel
-# communicator carried against its formula; the activation bytes against `activations.activation_formula`. Chapter 7
+# communicator carried against its formula; the activation bytes against `activations.activation_formula`. Chapter 10
 # puts such tensor-parallel groups side by side as the lecture's data-parallel replicas (chapter 4's algorithm,
 # one gradient shard at a time), and chapter 8 overlaps their gradient exchange with the backward pass.
 

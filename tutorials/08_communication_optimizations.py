@@ -16,7 +16,7 @@
 # %% [markdown]
 # # Chapter 8: communication optimizations
 #
-# Chapter 7 trained the lecture's hybrid: dp groups of tp tensor-parallel workers, one All-Reduce of every gradient
+# Chapter 10 trained the lecture's hybrid: dp groups of tp tensor-parallel workers, one All-Reduce of every gradient
 # shard over `dp_comm` after the backward pass. The lecture then lists what makes that exchange cheaper or hides
 # it, and what it costs when it is not synchronous. Section 3.4 (in translation):
 #
@@ -83,7 +83,7 @@ from hsgd.train import train
 import pictures                                      # tutorials/pictures.py: where the PNGs go
 from checks import mpi_chapter, rel_err, ring_share, train_config
 
-P, DP, TP = 8, 4, 2                     # the default layout: 4 groups of 2, as in chapter 7
+P, DP, TP = 8, 4, 2                     # the default layout: 4 groups of 2, as in chapter 10
 TOL = 1e-12                             # float64: two ways of summing the same numbers differ by ~1e-16 relative
 # one BLAS thread per rank; the ranks this chapter needs, else a clear exit; check(what, err, tol) and
 # check.holds(what, cond), collective: they raise on every rank at once; say(...) prints on rank 0
@@ -143,7 +143,7 @@ def max_diff(a, b):
 
 
 ref_params, _ = serial_sgd(config())
-plain, _, plain_bytes, _ = run(config())          # chapter 7's path: one Allreduce after the backward
+plain, _, plain_bytes, _ = run(config())          # chapter 10's path: one Allreduce after the backward
 check(f"plain DP, {STEPS} steps: every rank's shards vs serial SGD", param_err(plain.params, ref_params), 1e-10)
 
 # %% [markdown]
@@ -152,7 +152,7 @@ check(f"plain DP, {STEPS} steps: every rank's shards vs serial SGD", param_err(p
 # The backward pass finishes the gradients from the top of the network down: the LM head and the final LayerNorm
 # first, then block L-1, ..., block 0, the embeddings last (`tp_model.backward_order`). Once a block's backward is
 # done, nothing will touch its gradients again in this step, so their All-Reduce can start *now*, while the
-# layers below are still computing. Chapter 7 waited until the very end.
+# layers below are still computing. Chapter 10 waited until the very end.
 #
 # To make each layer's gradients one message, the exchange lays out the flat buffers in backward order (the
 # groups of `Stage.groups()`, in `AllreduceExchange.__init__`): every group is a contiguous slice, a **bucket**
@@ -363,7 +363,7 @@ check.equal("ZeRO-1: gradient bytes kept == full buffer + chunk", mems[1]["grads
 # during the backward pass. ZeRO-2 keeps $1/dp$, and at its peak two layers' buckets (the one being filled and the
 # one whose Reduce-Scatter is in flight). Its parameters stay whole on every rank, and the optimizer updates a
 # separate copy of its chunks (its "parameters" above: the whole plus $1/dp$). Sharding the parameters as well is
-# ZeRO stage 3: exercise 1 builds it by hand, and `--zero 3` and chapter 13 measure every byte of all four stages.
+# ZeRO stage 3: exercise 1 builds it by hand, and `--zero 3` and chapter 11 measure every byte of all four stages.
 #
 # The picture follows one step through the flat buffer of the ranks of rank 0's `dp_comm` (world ranks listed on
 # the left), drawn to scale from this run's buffer: its buckets (head, blocks, embedding), its $dp$ chunks, the
@@ -667,7 +667,7 @@ grid.free()
 # | hsgd | Megatron-LM | DeepSpeed | PyTorch | where hsgd differs, on purpose |
 # |---|---|---|---|---|
 # | `dp_overlap=True`: `OverlappedExchange` (hsgd/dp/exchange.py), one `Iallreduce` per layer's bucket, started by `on_ready(group)` from `tp_model.stage_backward` | `DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=...)` (megatron/core/distributed/distributed_data_parallel_config.py; `bucket_size` counts parameters, default max(40M, 1M x dp)); a backward hook per parameter calls its bucket group's `register_grad_ready` (distributed_data_parallel.py); `no_sync()` holds the exchange back until the last micro-batch | without ZeRO, `allreduce_gradients` runs after the backward pass in buffers of `MEMORY_OPT_ALLREDUCE_SIZE` elements (deepspeed/runtime/engine.py), not overlapped; with ZeRO 1 or 2, `"overlap_comm"` and `"reduce_bucket_size"` under `"zero_optimization"` (deepspeed/runtime/zero/config.py) | `torch.nn.parallel.DistributedDataParallel(..., bucket_cap_mb=25)` (torch/nn/parallel/distributed.py): buckets in reverse parameter order, each all-reduced when its last gradient arrives; `no_sync()` | a bucket is a layer (`tp_model.backward_order`), not a size cap, so the buckets can be read off the model; MPICH has no progress thread, so the overlap is a schedule here, not a speed-up (section 1) |
-# | `zero=1`: `Zero1Exchange` (hsgd/dp/zero1.py): Reduce-Scatter of the padded flat buffer over `dp_comm`, AdamW on the owned chunk, All-Gather of the updated chunks; `zero=2`: `Zero2Exchange` (hsgd/dp/zero2.py, hsgd/dp/sharded.py), the same layer by layer | `use_distributed_optimizer=True` (`DistributedDataParallelConfig`) with `DistributedOptimizer` (megatron/core/optimizer/distrib_optimizer.py): reduce-scatter of the gradient buffer, the optimizer on the shard, all-gather of the parameters (`start_param_sync` in param_and_grad_buffer.py, overlapped with the next forward by `overlap_param_gather`): stage 1 with a Reduce-Scatter, like hsgd's ZeRO-1; parameters sharded too with Megatron-FSDP, `data_parallel_sharding_strategy="optim_grads_params"` | `"zero_optimization": {"stage": 1}` or `2` (`DeepSpeedZeroOptimizer`, deepspeed/runtime/zero/stage_1_and_2.py), `3` (`DeepSpeedZeroOptimizer_Stage3`, stage3.py) | `ZeroRedundancyOptimizer` (torch/distributed/optim/zero_redundancy_optimizer.py): the optimizer state sharded by whole parameters, the gradients still all-reduced by DDP, the updated parameters broadcast by their owner; FSDP's `ShardingStrategy.SHARD_GRAD_OP` (gradients and optimizer state sharded, like stage 2) and `FULL_SHARD` (parameters too, stage 3) in torch/distributed/fsdp/api.py; FSDP2's `fully_shard(..., reshard_after_forward=...)` | ZeRO-1: one flat buffer cut into dp equal chunks (padding included, chunk boundaries cut through parameters), exchanged after the whole backward pass; ZeRO-2 and 3 (hsgd/dp/zero2.py, zero3.py): each layer's bucket cut into dp chunks, reduce-scattered during the backward pass; stage 3 by hand is exercise 1, `--zero 3` is chapter 13 |
+# | `zero=1`: `Zero1Exchange` (hsgd/dp/zero1.py): Reduce-Scatter of the padded flat buffer over `dp_comm`, AdamW on the owned chunk, All-Gather of the updated chunks; `zero=2`: `Zero2Exchange` (hsgd/dp/zero2.py, hsgd/dp/sharded.py), the same layer by layer | `use_distributed_optimizer=True` (`DistributedDataParallelConfig`) with `DistributedOptimizer` (megatron/core/optimizer/distrib_optimizer.py): reduce-scatter of the gradient buffer, the optimizer on the shard, all-gather of the parameters (`start_param_sync` in param_and_grad_buffer.py, overlapped with the next forward by `overlap_param_gather`): stage 1 with a Reduce-Scatter, like hsgd's ZeRO-1; parameters sharded too with Megatron-FSDP, `data_parallel_sharding_strategy="optim_grads_params"` | `"zero_optimization": {"stage": 1}` or `2` (`DeepSpeedZeroOptimizer`, deepspeed/runtime/zero/stage_1_and_2.py), `3` (`DeepSpeedZeroOptimizer_Stage3`, stage3.py) | `ZeroRedundancyOptimizer` (torch/distributed/optim/zero_redundancy_optimizer.py): the optimizer state sharded by whole parameters, the gradients still all-reduced by DDP, the updated parameters broadcast by their owner; FSDP's `ShardingStrategy.SHARD_GRAD_OP` (gradients and optimizer state sharded, like stage 2) and `FULL_SHARD` (parameters too, stage 3) in torch/distributed/fsdp/api.py; FSDP2's `fully_shard(..., reshard_after_forward=...)` | ZeRO-1: one flat buffer cut into dp equal chunks (padding included, chunk boundaries cut through parameters), exchanged after the whole backward pass; ZeRO-2 and 3 (hsgd/dp/zero2.py, zero3.py): each layer's bucket cut into dp chunks, reduce-scattered during the backward pass; stage 3 by hand is exercise 1, `--zero 3` is chapter 11 |
 # | `hierarchical=True`, `ranks_per_node`: `HierarchicalExchange`, `hierarchical_allreduce` (hsgd/dp/hierarchical.py): node Reduce-Scatter, cross-node All-Reduce of one chunk, node All-Gather | with the distributed optimizer, `num_distributed_optimizer_instances` > 1: reduce-scatter inside an instance (`intra_distributed_optimizer_instance_group`), all-reduce of the shard across instances (`inter_distributed_optimizer_instance_group`), in param_and_grad_buffer.py | no hierarchical all-reduce setting; ZeRO++'s `"zero_quantized_gradients"` reduces gradients in two hops, inside the node then across nodes (`all_to_all_quant_reduce`, deepspeed/runtime/comm/coalesced_collectives.py), and `"zero_hpz_partition_size"` keeps a second copy of the parameter shards inside each node | FSDP's `ShardingStrategy.HYBRID_SHARD`: FULL_SHARD inside a node, replicas across nodes (a reduce-scatter in the node, an all-reduce across); under all three, NCCL chooses ring or tree per call (`NCCL_ALGO`), and its tree is itself two-level, chains inside the nodes and trees across them | a plain all-reduce (every rank ends with the whole sum), so it combines with any optimizer; the nodes are declared with `ranks_per_node` on one machine, so the mesh can be shown and measured |
 # | `dp_staleness=1`: `StaleExchange` (hsgd/dp/exchange.py), the `Iallreduce` started at step s applied at step s+1 | none | none | none for one-step-late gradients; the nearest relaxation is local SGD: `PostLocalSGDOptimizer` (torch/distributed/optim/post_localSGD_optimizer.py) with `PostLocalSGDState` / `post_localSGD_hook` (torch/distributed/algorithms/ddp_comm_hooks/post_localSGD_hook.py), which averages the parameters every few steps instead of the gradients every step | kept as an experiment: exact delayed SGD, checked against `serial.sgd(..., delayed=True)`, to put a number on what not waiting costs |
 # | `straggler="5:100"`: one rank sleeps before every exchange | none | none | none | an experiment on purpose: the result must not change by a bit |

@@ -16,7 +16,7 @@
 # %% [markdown]
 # # Chapter 9: pipeline parallelism
 #
-# Chapters 5 and 6 split every layer of the model over the ranks of a tensor-parallel group, chapter 7 replicated
+# Chapters 5 and 6 split every layer of the model over the ranks of a tensor-parallel group, chapter 10 replicated
 # that group for data parallelism and chapter 8 made its communication cheaper. The lecture names the other way of
 # splitting a model, by layers. Its section 3.1 (in translation):
 #
@@ -236,7 +236,7 @@ say(f"every message is one (b, T, C) = {act} float64 array = {np.prod(act) * 8:,
 # `micro_batches`): the gradient is the serial one whatever m is. A stage's work in a step is then a list of
 # actions, "F j" (forward of micro-batch j) and "B j", in an order fixed by a **schedule** (`build(kind, m,
 # p)[s]`, hsgd.pp.schedules). In hsgd a schedule is data: a list of `Action(kind, micro-batch, chunk)` per stage
-# (printed F3, B3; the chunk is 0 until chapter 14, which interleaves model chunks and splits the backward for a
+# (printed F3, B3; the chunk is 0 until chapter 12, which interleaves model chunks and splits the backward for a
 # zero-bubble schedule):
 #
 # * **GPipe** (Huang et al. 2019, "GPipe: Efficient Training of Giant Neural Networks using Pipeline
@@ -641,7 +641,7 @@ grid.free()
 # | `pp.chunks.split_layers(L, p, split)`, `--pp-split` (`TrainConfig.pp_split`) | even split by default; `num_layers_in_first_pipeline_stage`, `num_layers_in_last_pipeline_stage`, `account_for_loss_in_pipeline_split`, `pipeline_model_parallel_layout` (`TransformerConfig`, megatron/core/transformer/transformer_config.py) | `PipelineModule(layers=..., partition_method="parameters")`, also `"uniform"` and `"type:..."` (deepspeed/runtime/pipe/module.py) | `pipeline(...)` with `SplitPoint` / `pipe_split()` (torch/distributed/pipelining/_IR.py), or one `PipelineStage` per hand-cut module | blocks per stage, given by hand; the cost model that chooses them is in this chapter (section 7), not in the library |
 # | `build("gpipe", m, p)[s]` (hsgd.pp.schedules) | none (Megatron-LM runs 1F1B) | none (its `TrainSchedule` is 1F1B-like) | `ScheduleGPipe` (torch/distributed/pipelining/schedules.py) | kept to show what 1F1B saves in memory |
 # | `build("1f1b", m, p)[s]`, run by `Stage.run` (hsgd/pp/stage.py) | `forward_backward_pipelining_without_interleaving` (megatron/core/pipeline_parallel/schedules.py; warm-up `total_stages - current_stage - 1` forwards), chosen by `get_forward_backward_func` | `TrainSchedule` (deepspeed/runtime/pipe/schedule.py), run by `PipelineEngine.train_batch` (deepspeed/runtime/pipe/engine.py) | `Schedule1F1B` (torch/distributed/pipelining/schedules.py) | a schedule is a plain list of `Action`s (F3, B3) that one loop executes, so it can be printed, simulated and compared with the trace |
-# | `schedules.build("interleaved", m, p, v)`: chapter 14 | `forward_backward_pipelining_with_interleaving` (virtual stages: v model chunks per rank) | none | `ScheduleInterleaved1F1B` | left to chapter 14: interleaving divides the bubble by about v and multiplies the messages by v (Narayanan et al. 2021) |
+# | `schedules.build("interleaved", m, p, v)`: chapter 12 | `forward_backward_pipelining_with_interleaving` (virtual stages: v model chunks per rank) | none | `ScheduleInterleaved1F1B` | left to chapter 12: interleaving divides the bubble by about v and multiplies the messages by v (Narayanan et al. 2021) |
 # | `Stage.receive`, `Stage.forward` / `backward`: `Isend` / `Recv` on `pp_comm`, tags 2(sm + j) and 2(sm + j) + 1 | `P2PCommunicator.send_forward`, `recv_forward`, `send_forward_recv_backward`, ... (megatron/core/pipeline_parallel/p2p_communication.py), batched with `torch.distributed.batch_isend_irecv` | `send`, `recv` (deepspeed/runtime/pipe/p2p.py) | `PipelineStage` (torch/distributed/pipelining/stage.py) builds `dist.P2POp` lists (`get_fwd_send_ops`, ...) | MPI tags name each message, so no two messages of a step can be confused, whatever the order the schedule posts them in |
 # | `peak_held(actions)` (hsgd.pp.timelines), measured as `Stage.peak_held`: GPipe m, 1F1B $\min(p-s, m)$ | `max_outstanding_backprops = num_warmup_microbatches + 1` in `forward_backward_pipelining_without_interleaving`: at most p - s micro-batches await their backward | `TrainSchedule.num_pipe_buffers()`: $\max(2, \min(p - s, m))$ buffers | none | counted and checked in real steps, not only promised |
 # | `bubble_formula` $(p-1)/(m+p-1)$, `bubble_fraction` of a timeline (hsgd.pp.timelines) (idle over the whole step) | the paper's bubble time fraction $(p-1)/m$ (idle over ideal compute; Narayanan et al. 2021) | none | none | hsgd's denominator is the step, so the fraction stays below 1; section 3 prints both |

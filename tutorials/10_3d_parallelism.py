@@ -26,7 +26,7 @@
 #
 # Its "model-parallel group" may itself be split two ways (section 3.1): tensor parallelism inside each layer
 # (chapters 5 and 6) and pipeline parallelism across layers (chapter 9). With both, and the data parallelism of
-# chapters 4 and 7 on top, a rank has three coordinates, and hsgd's grid is the product of all three dimensions.
+# chapters 4 and 10 on top, a rank has three coordinates, and hsgd's grid is the product of all three dimensions.
 # This chapter puts the pieces together on 8 ranks as dp = 2 replicas x pp = 2 stages x tp = 2 tensor-parallel
 # ranks:
 #
@@ -117,7 +117,7 @@ def config(**kw):
 #   every rank of a tensor-parallel group after its All-Reduce, so each rank sends its copy to the rank with the
 #   same tp_rank in the next stage.
 # * **`dp_comm`**: same stage, same tp_rank. The dp ranks that hold the **same shard of the same stage** in each
-#   replica; they average its gradient once per step (chapters 4 and 7).
+#   replica; they average its gradient once per step (chapters 4 and 10).
 #
 # Every rank contributes its row to the table:
 

@@ -53,7 +53,7 @@
 # s bytes per element (2 in a mixed-precision run); $\alpha$ a link's latency, $\beta$ = 1/bandwidth.
 
 # %%
-from hsgd.model.config import ModelConfig   # hsgd first, as in chapter 13 (OpenBLAS's thread timeout)
+from hsgd.model.config import ModelConfig   # hsgd first, as in chapter 11 (OpenBLAS's thread timeout)
 from hsgd.accounting import step_memory
 from hsgd.tp import model as tp_model
 
@@ -311,7 +311,7 @@ say(f"pp 8: at t = 8 a block's tp / compute {tp_block[8] / (block_flops / 8 / ra
 #
 # ### Pipeline parallelism: a bubble bounded by the batch, and small messages
 #
-# 1F1B on p stages with every stage alike takes $(mv + p - 1)$ chunk-times (chapter 14): besides the $m$ busy
+# 1F1B on p stages with every stage alike takes $(mv + p - 1)$ chunk-times (chapter 12): besides the $m$ busy
 # micro-batches, a bubble of $(p-1)/(vm)$ of them. The planner's bubble is the simulator's, and equals it exactly:
 
 # %%

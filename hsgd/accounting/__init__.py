@@ -1,5 +1,5 @@
 """Where the bytes go: what every rank sends per step and holds per category, by formula and measured, each
-formula checked equal to the measurement. Chapter 13 (memory), chapters 7 and 10 (bytes on each communicator).
+formula checked equal to the measurement. Chapter 11 (memory), chapter 10 (bytes on each communicator).
 
     traffic       the bytes a rank sends per step on each communicator, added up from each part's closed form
     activations   activation bytes, counted and by formula; Korthikanti et al.'s and ZeRO's published formulas

@@ -2,7 +2,7 @@
 hsgd.grid.comm.CommStats records them. Each part of the algorithm owns its closed form (tp: tp.model.comm_formula, pp:
 pp.chunks.pp_formula, cp: cp.split.cp_formula, dp: the exchange's formula()); this module adds them up for one rank
 of a layout. hsgd.train prints them next to what it measured (equal, call for call and byte for byte), and the
-planner (hsgd.plan.layout) asks the same function with sizes alone. Chapters 7, 10 and 13 check them."""
+planner (hsgd.plan.layout) asks the same function with sizes alone. Chapters 10 and 11 check them."""
 import numpy as np
 
 from hsgd.cp.split import cp_formula

@@ -1,5 +1,5 @@
 """Checking that a low-precision run is right: the tolerance oracle (rounding, or a bug?) and bugs on purpose to
-show that the checks catch them. Chapter 16; hsgd.verify runs the oracle.
+show that the checks catch them. Chapter 14; hsgd.verify runs the oracle.
 
     oracle      the rounding-error model, a layout's runs, the oracle itself
     verdict     what the oracle saw: the Verdict, its tables and its picture

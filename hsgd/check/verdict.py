@@ -1,7 +1,7 @@
 """What the tolerance oracle (hsgd.check.oracle) saw, and how it is shown: the Verdict (per layout and parameter,
 the observed differences and their bands), the tables hsgd.verify prints (report) and the picture (plot_tolerance).
 The band is the oracle module docstring's: LAMBDA times the error model's rms, plus an allowance for the float32
-sums' order; chapter 16 reads a verdict step by step."""
+sums' order; chapter 14 reads a verdict step by step."""
 import numpy as np
 
 from hsgd.model.precision import unit_roundoff

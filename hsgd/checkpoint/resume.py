@@ -1,6 +1,6 @@
 """--resume: which checkpoint a run continues from (auto: the newest of --save-dir's newest line, decided on rank 0),
 opened and checked on every rank, loaded into the trainer resharded to the run's layout, and what changed said
-(chapter 11)."""
+(chapter 19)."""
 from hsgd.checkpoint.manifest import say_changes
 from hsgd.checkpoint.runs import complete_checkpoints, newest
 from hsgd.checkpoint.store import load, open_checkpoint

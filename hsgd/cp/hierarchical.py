@@ -45,7 +45,7 @@ ring's backward reads (D = rowsum(dy y)) and which is not the array handed on (t
 C/tp more than the ring's, no probabilities, so --recompute selective has nothing to drop
 (hsgd.cp.split.attention_cache_bytes).
 
-Run: mpirun -n 8 python -m hsgd.train --cp 4 --tp 2 --cp-scheme a2a+p2p (tests/mpi/test_cp.py; chapter 15).
+Run: mpirun -n 8 python -m hsgd.train --cp 4 --tp 2 --cp-scheme a2a+p2p (tests/mpi/test_cp.py; chapter 13).
 
 Left out: a and r as a flag; overlapping the all-to-alls with anything; more than two levels.
 

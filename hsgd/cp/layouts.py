@@ -2,7 +2,7 @@
 context parallelism, else ring attention (hsgd.cp.ring.Ring), the all-gather of the keys and values
 (hsgd.cp.allgather.AllGather), Ulysses' all-to-all to a head split (hsgd.cp.ulysses.Ulysses) or Ulysses inside
 groups and the ring across them (hsgd.cp.hierarchical.Hierarchical, a2a+p2p) over cp_comm, as --cp-scheme says.
-Chapter 15 compares the four. A layout that made communicators of its own frees them (ctx.free(), where it has
+Chapter 13 compares the four. A layout that made communicators of its own frees them (ctx.free(), where it has
 one)."""
 import numpy as np
 

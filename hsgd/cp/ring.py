@@ -6,7 +6,7 @@ positions (rank r holds chunks r and 2cp-1-r) and what both cp schemes share: hs
 
     forward: each rank keeps its queries; the (k, v) blocks travel around cp_comm (rank r -> r+1), cp - 1 hops,
              the next block's Isend/Irecv posted before the current one is computed (whether its bytes move during
-             that block is the MPI library's progress: chapter 15 measures it). Blocks are merged with the
+             that block is the MPI library's progress: chapter 13 measures it). Blocks are merged with the
              online softmax (Milakov and Gimelshein 2018; FlashAttention): per query a running max m and sum l,
              and an output accumulator o that is rescaled when m grows:
                  s = q k_b^T / sqrt(hs) (+ mask);  m' = max(m, rowmax s);  p = exp(s - m')

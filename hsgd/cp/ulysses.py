@@ -18,7 +18,7 @@ heads and gk kv heads and runs the whole causal attention on them. The output go
               backward on the group, Alltoall of [dq | dk | dv] back to the sequence split.
 Four all-to-alls per block and micro-batch, of q, k, v (B T/cp (C + 2K)/tp s each way) and of y and dy (B T/cp C/tp
 s); the bytes a rank sends are (cp-1)/cp of them, so with T = cp x const they stay constant as cp grows
-(hsgd.cp.split.cp_formula; chapter 15 measures it against the ring and the all-gather).
+(hsgd.cp.split.cp_formula; chapter 13 measures it against the ring and the all-gather).
 
 Grouped-query attention: each group's gk = NKV/(tp cp) kv heads are the ones its g query heads read (query head j
 reads kv head j // n_rep, n_rep = NH/NKV = g/gk), repeated only for the products; cp must divide the rank's NKV/tp

@@ -1,5 +1,5 @@
 """Check another system's distributed gradients against hsgd's serial float64 reference, and name the bug
-(chapter 18):
+(chapter 20):
 
     python -m hsgd.crosscheck DIR          (DIR: a dump, hsgd/crosscheck/FORMAT.md)
 

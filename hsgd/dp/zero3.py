@@ -1,7 +1,7 @@
 """ZeRO stage 3 (--zero 3; Rajbhandari et al. 2020; what PyTorch calls fully sharded data parallelism): the
 parameters sharded too. A rank keeps only its chunk of every group between steps; each group's parameters are
 All-Gathered before its forward and again before its backward, and freed after each (hsgd.dp.sharded: the layout and
-the gradients' Reduce-Scatters, as in stage 2). Chapters 8 and 13; --zero 3 --hierarchical shards within a node.
+the gradients' Reduce-Scatters, as in stage 2). Chapters 8 and 11; --zero 3 --hierarchical shards within a node.
 
 Bytes per step on the shard comm, m micro-batches, Psi' the padded parameter bytes of this rank's stage:
 Allgather 2 m Psi' (before each forward and each backward), Reduce_scatter_block m Psi'. With m = 1, ZeRO's 3 Psi

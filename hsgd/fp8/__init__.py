@@ -1,5 +1,5 @@
 """FP8 training, emulated exactly: matrix products on 8-bit operands, the scaling recipes, and the ranks each scale
-is agreed over. Chapter 16b.
+is agreed over. Chapter 15.
 
     recipes     the scaling recipes as objects: delayed (amax history), tensorwise, rowwise, blockwise
     domains     over which ranks each operand's amax is reduced (declared per operand), and the check that every

@@ -48,7 +48,7 @@ products come out about 4 times below the estimate (the sums of 4096, mostly pas
 
 How the hardware adds (several products at once, aligned to the largest exponent among them, then into the
 accumulator) cuts the number of chops, and so the error, by the number of products fused per addition; this module
-adds one term at a time. (Chapter 16b fuses four exact products per chop and measures 2.4% at K = 4096, p = 14,
+adds one term at a time. (Chapter 15 fuses four exact products per chop and measures 2.4% at K = 4096, p = 14,
 near DeepSeek's figure: a guess at the cause, not a measurement of any hardware.)
 
 What it leaves out: the FP8 scaling factors (per-tensor or per-tile, applied after the product) and the exponent

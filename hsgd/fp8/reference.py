@@ -1,5 +1,5 @@
 """The serial FP8 reference: hsgd.model.serial.sgd with the block linears cast as a layout casts them, the run every
-FP8 layout's exact mode (--dtype float64) must reproduce (tests/mpi/test_fp8.py, chapter 16b).
+FP8 layout's exact mode (--dtype float64) must reproduce (tests/mpi/test_fp8.py, chapter 15).
 
 A layout casts one micro-batch of one data-parallel replica at a time (current scaling takes its amax over that
 tensor), and each replica differentiates the mean loss of its own rows and positions, so the output gradients it

@@ -1,6 +1,6 @@
 """The ranks: the dp x pp x cp x tp process grid, its communicators (Split by color), every collective written out
 and counted, and how a job of many ranks starts and ends. Chapters 2 (collectives) and 3 (ranks and communicators,
-the lecture's P = G x M); chapter 12 for the devices.
+the lecture's P = G x M); chapter 21 for the devices.
 
     process_grid   ProcessGrid: the coordinates of every rank and a communicator per dimension
     comm           Comm: every collective on mpi4py's buffer methods, recorded (calls, bytes, seconds), checkable

@@ -1,6 +1,6 @@
 """Which device each rank computes on: with --device gpu, the GPU of its node-local rank (ranks share the GPUs when
 there are more ranks than GPUs), and how its buffers reach MPI (CUDA-aware, or staged through host memory). The
-node-local rank comes from MPI's shared-memory split, whatever launcher started the job (chapter 12)."""
+node-local rank comes from MPI's shared-memory split, whatever launcher started the job (chapter 21)."""
 from mpi4py import MPI
 
 from hsgd.grid import launch

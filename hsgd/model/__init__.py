@@ -1,6 +1,6 @@
 """The model on one process: the GPT-2-style decoder every layout computes, its layers as forward/backward pairs,
 the serial reference every parallel run is checked against, and what one process needs around it. Chapter 1 (the
-serial SGD of the lecture's section 1), appendix A (where the time goes), chapter 16 (the number formats), chapter 19
+serial SGD of the lecture's section 1), appendix A (where the time goes), chapter 14 (the number formats), chapter 16
 (experts).
 
     config      ModelConfig, the model's shape; `flag`, how a settings field becomes a command-line flag

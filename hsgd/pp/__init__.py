@@ -1,6 +1,6 @@
 """Pipeline parallelism: the layers cut into pp stages (and v model chunks per stage), each DP group's batch into
 m micro-batches that flow through them, and the schedules that order the work (the lecture's sections 1 and
-4.2). Chapters 9 (stages, micro-batches, the bubble, GPipe and 1F1B) and 14 (schedules as data, interleaved,
+4.2). Chapters 9 (stages, micro-batches, the bubble, GPipe and 1F1B) and 12 (schedules as data, interleaved,
 zero bubble, the V and DualPipe).
 
     chunks      the cut: the blocks of every stage and chunk, their parameters, the bytes on pp_comm

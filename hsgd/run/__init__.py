@@ -1,5 +1,5 @@
 """A training run around the steps: its settings and command lines, the checks before any work, what it prints,
-what it watches, and how it ends on a fault or a signal. Chapters 7 (a run end to end) and 11 (fault tolerance).
+what it watches, and how it ends on a fault or a signal. Chapters 10 (a run end to end) and 19 (fault tolerance).
 
     flags         the command lines made from the settings (hsgd.step.settings), and --config FILE.toml read back
     config_file   one TOML loader for config and hardware files

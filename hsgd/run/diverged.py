@@ -1,4 +1,4 @@
-"""A run that has diverged ends, and keeps what it had (chapter 11): data-parallel replicas whose parameters differ
+"""A run that has diverged ends, and keeps what it had (chapter 19): data-parallel replicas whose parameters differ
 (--check-replicas) stop the run; a run whose updates keep being skipped (non-finite values at every step, a loss
 scale below its floor: hsgd.step.loss_scale) stops with a checkpoint of its last finite state. Both are
 NumericalFault, exit code 3, on every rank at once.

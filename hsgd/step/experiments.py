@@ -1,5 +1,5 @@
 """The settings group of experiments: faults and slow ranks made on purpose (--inject-fault, --straggler), to test
-the fault tolerance (chapter 11) and see what a straggler costs (chapter 8). A group of hsgd.step.settings'
+the fault tolerance (chapter 19) and see what a straggler costs (chapter 8). A group of hsgd.step.settings'
 TrainConfig; hsgd.run.faults acts on --inject-fault.
 """
 from dataclasses import dataclass

@@ -1,6 +1,6 @@
 """Tensor parallelism: the lecture's M workers of a group hold one copy of the model between them, every weight
 matrix split by columns or rows, attention split by heads (sections 3.1 to 3.3). Chapters 5 (column and row
-splits, f and g), 6 (attention heads, the vocabulary, sequence parallelism), 6b (the Llama family's block) and 19
+splits, f and g), 6 (attention heads, the vocabulary, sequence parallelism), 7 (the Llama family's block) and 16
 (experts).
 
     layers      f/g, gather_T/scatter_T, column and row linears, the all-gather and its adjoint, vocab-parallel

@@ -20,7 +20,7 @@ The cp layouts also count the attention scores they compute (ctx.work, hsgd.cp.s
 
 WholeSequence (cp = 1) is the layout of every run without context parallelism: all T positions on every rank,
 the core attention of hsgd.model.ops; FlashSequence (--attention flash) the same positions with the attention of
-hsgd.model.flash, which keeps no probabilities. Context parallelism (hsgd.cp, chapter 15) splits the sequence over
+hsgd.model.flash, which keeps no probabilities. Context parallelism (hsgd.cp, chapter 13) splits the sequence over
 cp ranks with more layouts of this interface: ring attention, an all-gather of the keys and values, and Ulysses'
 all-to-all to a head split (hsgd.cp.layouts makes them).
 """

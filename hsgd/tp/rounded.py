@@ -17,7 +17,7 @@ hsgd.model.precision.POINTS that names it:
 The weights ("weights") are rounded by the exchange that holds them, the tensor-parallel collectives' partial sums
 ("payload") by the communicator (comm.payload_round), the gradient exchange ("reduce") by the exchange. What is
 not rounded stays float32: LayerNorm's statistics, the softmaxes, the weight gradients (accumulated in float32, as
-Megatron-LM's gradient-accumulation fusion does). Chapter 16 measures what the rounding does.
+Megatron-LM's gradient-accumulation fusion does). Chapter 14 measures what the rounding does.
 """
 
 

@@ -1,11 +1,11 @@
-"""Solutions to the exercises of chapter 12 (tutorials/12_gpus.py).
+"""Solutions to the exercises of chapter 21 (tutorials/21_gpus.py).
 
-    mpirun -n 2 python tutorials/solutions/12_gpus.py
+    mpirun -n 2 python tutorials/solutions/21_gpus.py
 
 No GPU needed: exercises 2-4 run on the simulated GPU of tests/simgpu (a stand-in for CuPy over NumPy that keeps
 CuPy's host/device rules and counts every transfer), put first on sys.path before anything imports `cupy`.
 """
-# mpirun -n 2 python tutorials/solutions/12_gpus.py
+# mpirun -n 2 python tutorials/solutions/21_gpus.py
 import os
 import sys
 
@@ -238,5 +238,5 @@ def exercise_5(check):
 
 if __name__ == "__main__":
     if world.Get_size() != 2:
-        raise SystemExit("run on 2 ranks: mpirun -n 2 python tutorials/solutions/12_gpus.py" if rank == 0 else 1)
+        raise SystemExit("run on 2 ranks: mpirun -n 2 python tutorials/solutions/21_gpus.py" if rank == 0 else 1)
     solve(Checks(world, tol=1e-12, width=72), [exercise_1, exercise_2, exercise_3, exercise_4, exercise_5])

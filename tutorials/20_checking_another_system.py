@@ -14,7 +14,7 @@
 # ---
 
 # %% [markdown]
-# # Chapter 18: checking another system's distributed gradients
+# # Chapter 20: checking another system's distributed gradients
 #
 # Every chapter so far checked hsgd against hsgd: a layout against the serial model of the same code base. The
 # question a production team asks is about its own system: does our tensor-parallel, data-parallel, gradient-
@@ -47,9 +47,9 @@
 # machine; on failure every rank raises, so it exits non-zero without hanging). Rank 0 draws three pictures into
 # `$HSGD_FIGURES` (default `tutorials/figures/`):
 #
-# mpirun -n 8 python tutorials/18_checking_another_system.py
+# mpirun -n 8 python tutorials/20_checking_another_system.py
 #
-# The notebook form (`jupytext --to ipynb tutorials/18_checking_another_system.py`) is for reading: sections 3 and
+# The notebook form (`jupytext --to ipynb tutorials/20_checking_another_system.py`) is for reading: sections 3 and
 # 5 need eight MPI ranks. Only rank 0 prints.
 #
 # Legend: B sequences in the global batch, T sequence length, C d_model, NH heads, hs = C / NH the head size, F
@@ -59,7 +59,7 @@
 # set of ranks.
 
 # %%
-from hsgd.model.config import ModelConfig   # hsgd first, as in chapter 13 (OpenBLAS's thread timeout)
+from hsgd.model.config import ModelConfig   # hsgd first, as in chapter 11 (OpenBLAS's thread timeout)
 from hsgd.model import serial
 
 import contextlib
@@ -127,7 +127,7 @@ def failed(rows):
 # the loss curve shows it, if at all, after thousands of steps, as a run that is "a bit worse than the paper's".
 # Padded vocabulary rows that take part in the softmax change the loss by a fraction of a percent. Comparing loss
 # curves against a one-device run cannot tell these apart from a different seed, a different summation order
-# (chapter 16) or an unlucky data order.
+# (chapter 14) or an unlucky data order.
 #
 # One step can. Take the parameters before a step and the step's batch, compute the exact gradient of the mean
 # loss on one device in float64 (hsgd's `serial.loss_and_grads`, the reference R), and compare it, parameter by
@@ -742,7 +742,7 @@ def draw_boxes():
         ax.set_ylabel("row (output feature)", fontsize=7)
     axes[0].set_title(f"wo: Shard(0) over dp {mesh_dp}, Shard(1) over tp {mesh_tp}", fontsize=8)
     axes[1].set_title(f"wq: Shard(0) over tp {mesh_tp}, each piece cut over dp {mesh_dp}", fontsize=8)
-    pictures.save(fig, "18_dcp_boxes")
+    pictures.save(fig, "20_dcp_boxes")
 
 
 pictures.on_rank0(world, draw_boxes)
@@ -978,7 +978,7 @@ def draw():
     ax.set_title("torch_tp2_dp2_v15: lm_head.weight's V = 15 rows, padded to 16 (hatched: must get no gradient)",
                  fontsize=8)
     ax.invert_yaxis()
-    pictures.save(fig, "18_shards_reassembled")
+    pictures.save(fig, "20_shards_reassembled")
 
     fig, ax = pictures.figure(7.2, 3.6)
     names = list(next(iter(torch_verdicts.values()))[2])
@@ -999,7 +999,7 @@ def draw():
                 for y, n in enumerate(torch_verdicts)]
     ax.legend(handles=handles, fontsize=6, ncol=2, loc="center left")
     ax.set_title("every parameter of the PyTorch dumps, coloured by the crosscheck's class", fontsize=9)
-    pictures.save(fig, "18_errors_by_class")
+    pictures.save(fig, "20_errors_by_class")
 
 
 pictures.on_rank0(world, draw)
@@ -1071,19 +1071,19 @@ say(f"\nchapter 18: all {len(check.passed)} checks passed on {world.Get_size()} 
 # the exact gradients from `serial.loss_and_grads`, wpe's times 2, written with `write_layout` and `write_rank`, and
 # `dump.json` last (`hsgd.crosscheck.manifest.write_manifest`). Check that the crosscheck fails on wpe alone and
 # names the factor "= micro-batches".
-# (solution: `tutorials/solutions/18_checking_another_system.py`, `exercise_1`)
+# (solution: `tutorials/solutions/20_checking_another_system.py`, `exercise_1`)
 #
 # ### Exercise 2: a layout.json that lies about the interleave
 # Write a one-rank dump whose fused qkv is stored `[q | k | v]` (interleave "block", nn.Linear's (out, in)), and
 # check that it passes when layout.json says "block". Then let layout.json say "head" for the same files: what does
 # the crosscheck see, in the loss row and in the gradients, and why can it not call this a permutation?
-# (solution: `tutorials/solutions/18_checking_another_system.py`, `exercise_2`)
+# (solution: `tutorials/solutions/20_checking_another_system.py`, `exercise_2`)
 #
 # ### Exercise 3: a factor of 2 is ambiguous on tp 2 x dp 2
 # With `hsgd.check.mutations.injected("zero-without-1/dp")`, dump hsgd on dp 2 x pp 2 x tp 2 with ZeRO 1 and check that
 # the crosscheck names the factor 2 "dp or pp or tp"; then pick a layout of the 8 ranks that names it "dp" alone,
 # and check that.
-# (solution: `tutorials/solutions/18_checking_another_system.py`, `exercise_3`)
+# (solution: `tutorials/solutions/20_checking_another_system.py`, `exercise_3`)
 #
 # ### Exercise 4: repair the ln-not-reduced dump
 # Copy `tutorials/crosscheck_dumps/torch_tp2_dp2_ln-not-reduced`, and in the copy replace every LayerNorm gradient
@@ -1091,7 +1091,7 @@ say(f"\nchapter 18: all {len(check.passed)} checks passed on {world.Get_size()} 
 # (`hsgd.crosscheck.manifest.seal`: the old `dump.json`'s digests no longer hold, and the crosscheck would refuse it
 # as a mixed dump). Check that the crosscheck then passes, and that the repaired gradients equal the correct dump's
 # (`torch_tp2_dp2`) to 1e-12.
-# (solution: `tutorials/solutions/18_checking_another_system.py`, `exercise_4`)
+# (solution: `tutorials/solutions/20_checking_another_system.py`, `exercise_4`)
 #
 # ### Exercise 5: read a Distributed Checkpoint by hand
 # From `tutorials/crosscheck_dumps/dcp_fsdp2_dp3_tp2/dcp-metadata.json` alone, find which ranks hold row 13 of the
@@ -1100,4 +1100,4 @@ say(f"\nchapter 18: all {len(check.passed)} checks passed on {world.Get_size()} 
 # `hsgd.crosscheck.dcp.Checkpoint(DIR, read_description(...)).read(chunk)`, put row 13 of each together from them,
 # and check it against the same row of the gradient `copies_of` assembles from the converted dump
 # (`python -m hsgd.crosscheck.from_dcp DIR --out DUMP --metadata-json`), exactly.
-# (solution: `tutorials/solutions/18_checking_another_system.py`, `exercise_5`)
+# (solution: `tutorials/solutions/20_checking_another_system.py`, `exercise_5`)

@@ -14,7 +14,7 @@
 # ---
 
 # %% [markdown]
-# # Chapter 11: fault tolerance, checkpoints of a sharded model
+# # Chapter 19: fault tolerance, checkpoints of a sharded model
 #
 # The lecture lists fault tolerance among the challenges of hybrid parallel SGD. Its section 4.3 (in translation):
 #
@@ -41,9 +41,9 @@
 # Run it with eight ranks, which share the machine's cores: about 6 s on a quiet 2-core machine (two to four times
 # that when other jobs share the cores). On failure every rank raises, so it exits non-zero without hanging:
 #
-# mpirun -n 8 python tutorials/11_fault_tolerance.py
+# mpirun -n 8 python tutorials/19_fault_tolerance.py
 #
-# The notebook form (`jupytext --to ipynb tutorials/11_fault_tolerance.py`) is for reading: the code needs eight
+# The notebook form (`jupytext --to ipynb tutorials/19_fault_tolerance.py`) is for reading: the code needs eight
 # MPI ranks. Only rank 0 prints. Everything the chapter writes goes into a temporary directory, removed at the end.
 #
 # Legend: P ranks, dp replicas, pp stages, tp ranks per stage, B global batch, m micro-batches, T sequence,
@@ -229,7 +229,7 @@ if rank == 0:
     bx.set_ylabel("bytes written")
     bx.set_title("bytes each rank wrote (from the manifest)", fontsize=8)
     bx.legend(fontsize=7, loc="upper right")
-    say(f"picture: {pictures.save(fig, '11_checkpoint_per_rank')}")
+    say(f"picture: {pictures.save(fig, '19_checkpoint_per_rank')}")
 pictures.wait_asleep(world)                      # the other ranks sleep while rank 0 draws
 
 # %% [markdown]
@@ -447,7 +447,7 @@ if rank == 0:
     axes[0, -1].legend(loc="center", fontsize=7, frameon=False, title="entry held by", title_fontsize=7)
     for a in axes[:, -1]:
         a.axis("off")
-    say(f"picture: {pictures.save(fig, '11_resharding_map')}")
+    say(f"picture: {pictures.save(fig, '19_resharding_map')}")
 pictures.wait_asleep(world)                      # the other ranks sleep while rank 0 draws
 
 # %% [markdown]
@@ -812,7 +812,7 @@ check.equal("the numbers of the prose: exit code 5, reports S + 60 s, checkpoint
 
 # %% [markdown]
 # **A run whose updates keep being skipped stops.** A float16 run's loss scaler halves S and skips the update at
-# every overflow (chapter 16). A run that has diverged overflows at every scale, so S halves at every step and no
+# every overflow (chapter 14). A run that has diverged overflows at every scale, so S halves at every step and no
 # update is ever applied: such a run used to skip to its end and exit 0, saving nothing (and after about 1090 steps
 # S underflowed to 0 and the progress line crashed on log2(0)). Now S below its floor (`MIN_SCALE`, 1: DeepSpeed's
 # `min_loss_scale`) ends the run; once an update was applied, the skips count toward `--max-skips` (10 by default)
@@ -957,7 +957,7 @@ say(f"\nchapter 11: all {len(check.passed)} checks passed on {world.Get_size()} 
 # simulate: draw exponential failure times for 200,000 segments and check that the mean wall time of a segment
 # agrees with the formula within 4 standard errors, at the optimum and at a third and three times it, and that the
 # waste is least at the optimum.
-# (solution: `tutorials/solutions/11_fault_tolerance.py`, `exercise_1`)
+# (solution: `tutorials/solutions/19_fault_tolerance.py`, `exercise_1`)
 #
 # ### Exercise 2: reshard one parameter by hand
 # Save a checkpoint on 4 ranks as dp 1 x pp 2 x tp 2 (Megatron's scheme) with V = 250, then, on each rank of the
@@ -965,18 +965,18 @@ say(f"\nchapter 11: all {len(check.passed)} checks passed on {world.Get_size()} 
 # the old layout, columns in the new) and of `wte` (vocabulary rows, padded to a multiple of tp: 2 x 125 rows
 # before, 4 x 63 after), and their velocities, with `json`, `np.load`, `np.concatenate` and slicing only. Check them
 # bit for bit against what `checkpoint.load` puts into a `HybridTrainer` of that layout.
-# (solution: `tutorials/solutions/11_fault_tolerance.py`, `exercise_2`)
+# (solution: `tutorials/solutions/19_fault_tolerance.py`, `exercise_2`)
 #
 # ### Exercise 3: find the corrupted shard
 # Write `verify(path)` that recomputes, with `hashlib` alone, the manifest's digest (SHA-256 of its JSON without
 # the key "digest", keys sorted) and every file's SHA-256, and returns (digest correct, the files that differ). Check
 # it on the intact checkpoint, on a copy with one bit flipped in `shard-pp1-tp0.npz`, and on a copy whose manifest
 # was edited to start from step 1; and that `open_checkpoint` refuses exactly the two damaged copies.
-# (solution: `tutorials/solutions/11_fault_tolerance.py`, `exercise_3`)
+# (solution: `tutorials/solutions/19_fault_tolerance.py`, `exercise_3`)
 #
 # ### Exercise 4: the size of a checkpoint
 # Predict, from the model's shape and the layout, the bytes of arrays in each `shard-pp{s}-tp{t}.npz` (parameters
 # and SGD velocities of the stage's parameters: a replicated one whole, a split one 1/tp of its split axis, the
 # vocabulary ceil(V/tp) rows), and check them against the files. How much more than the serial model and its
 # velocity does the checkpoint hold, and why? Check your formula for the difference.
-# (solution: `tutorials/solutions/11_fault_tolerance.py`, `exercise_4`)
+# (solution: `tutorials/solutions/19_fault_tolerance.py`, `exercise_4`)

@@ -14,11 +14,11 @@
 # ---
 
 # %% [markdown]
-# # Chapter 15: context parallelism: the sequence split over ranks, ring attention and the online softmax
+# # Chapter 13: context parallelism: the sequence split over ranks, ring attention and the online softmax
 #
-# Every layout so far gives each rank whole sequences. Tensor parallelism (chapters 5 to 7) splits the weights and
-# the heads, pipeline parallelism (chapters 9 and 14) the layers, data parallelism the batch; none of them splits
-# the T positions of one sequence. But a block's activations grow with T, and the attention probabilities with
+# Every layout so far gives each rank whole sequences. Tensor parallelism (chapters 5 to 7 and 10) splits the
+# weights and the heads, pipeline parallelism (chapters 9 and 12) the layers, data parallelism the batch; none of them
+# splits the T positions of one sequence. But a block's activations grow with T, and the attention probabilities with
 # $T^2$, so a long enough sequence outgrows one device whatever happens to the weights. The lecture's section 2
 # makes that argument for the model (a GPT-3 or LLaMA-sized model does not fit one node, so the parallelisms are
 # combined); its section 4.2 asks to balance the work across partitions and its section 4.1 to overlap
@@ -64,9 +64,9 @@
 # Run it with eight ranks (4 s measured on a 2-core machine; on failure every rank raises, so it exits
 # non-zero without hanging). Rank 0 draws four pictures into `$HSGD_FIGURES` (default `tutorials/figures/`):
 #
-# mpirun -n 8 python tutorials/15_context_parallelism.py
+# mpirun -n 8 python tutorials/13_context_parallelism.py
 #
-# The notebook form (`jupytext --to ipynb tutorials/15_context_parallelism.py`) is for reading: the code needs
+# The notebook form (`jupytext --to ipynb tutorials/13_context_parallelism.py`) is for reading: the code needs
 # eight MPI ranks. Only rank 0 prints. From the command line, `mpirun -n 8 python -m hsgd.train --cp 4 --tp 2
 # --cp-scheme ring` trains with context parallelism and ends by printing one step's traffic next to its formula.
 #
@@ -78,7 +78,7 @@
 # sum, o the running (unnormalised) output, lse = m + log l.
 
 # %%
-from hsgd.model.config import ModelConfig   # hsgd first, as in chapter 13 (OpenBLAS's thread timeout)
+from hsgd.model.config import ModelConfig   # hsgd first, as in chapter 11 (OpenBLAS's thread timeout)
 from hsgd.model import serial
 
 import dataclasses
@@ -208,7 +208,7 @@ def draw_activations():
     ax.set_title("one block's activations, 7B-sized model, 1 sequence, 2 bytes (activation_formula)", fontsize=8)
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3, which="both")
-    return pictures.save(fig, "15_activations_vs_T")
+    return pictures.save(fig, "13_activations_vs_T")
 
 
 say(f"picture: {pictures.on_rank0(world, draw_activations, share=True)}")
@@ -448,7 +448,7 @@ def draw_balance():
     axes[2].set_ylabel("scores computed (measured ctx.work)")
     axes[2].set_title(f"work per rank, cp 8, T = {T}, one head and sequence", fontsize=8)
     axes[2].legend(fontsize=7)
-    return pictures.save(fig, "15_load_balance")
+    return pictures.save(fig, "13_load_balance")
 
 
 say(f"picture: {pictures.on_rank0(world, draw_balance, share=True)}")
@@ -765,7 +765,7 @@ def draw_overlap():
     ax_t.set_xticklabels([f"F{i}" for i in range(8)] + [f"B{i}" for i in range(8)])
     ax_t.tick_params(labelsize=7)
     ax_n.tick_params(labelsize=7)
-    return pictures.save(fig, "15_ring_overlap")
+    return pictures.save(fig, "13_ring_overlap")
 
 
 say(f"picture: {pictures.on_rank0(world, draw_overlap, share=True)}")
@@ -825,7 +825,7 @@ def draw_ulysses(T_=16, cp_=4, nh_=8):
             axes[0].text((nh_ - 1) / 2, g0 + (n - 1) / 2, f"rank {r}", ha="center", va="center", fontsize=7)
         axes[1].text(r * nh_ / cp_ + (nh_ / cp_ - 1) / 2, (T_ - 1) / 2, f"rank {r}", ha="center", va="center",
                      fontsize=7, rotation=90)
-    return pictures.save(fig, "15_ulysses_all_to_all")
+    return pictures.save(fig, "13_ulysses_all_to_all")
 
 
 say(f"picture: {pictures.on_rank0(world, draw_ulysses, share=True)}")
@@ -981,7 +981,7 @@ g42.free()
 # `pos` and override `pairs(owner)` (one pair of all my rows and all the owner's rows, with the mask of their
 # positions), and check its attention forward and backward against serial on cp 8 and its `work` against
 # $cp\,n^2$.
-# (solution: `tutorials/solutions/15_context_parallelism.py`, `exercise_1`)
+# (solution: `tutorials/solutions/13_context_parallelism.py`, `exercise_1`)
 #
 # ### Exercise 2: Ulysses with fewer kv heads than cp
 # `split.check_heads` refuses `--cp-scheme ulysses` when cp does not divide a tp rank's kv heads (a model with 8 kv
@@ -993,7 +993,7 @@ g42.free()
 # to the query heads, dk, dv summed over each group), and its all-to-alls against their payload, $2\,b\,T_l\,(C +
 # 2\,cp\,hs)\,s$ for q, k, v and $2\,b\,T_l\,C\,s$ for y, each way. Then show that per layer a rank sends less than
 # the all-gather of the same kv heads exactly when NH < cp (NKV - 1), so never with one kv head a rank.
-# (solution: `tutorials/solutions/15_context_parallelism.py`, `exercise_2`)
+# (solution: `tutorials/solutions/13_context_parallelism.py`, `exercise_2`)
 #
 # ### Exercise 3: the merge of two partial results is associative
 # Write `merge((m1, l1, o1), (m2, l2, o2))` for partial results over two disjoint sets of keys, and `finish` =
@@ -1002,7 +1002,7 @@ g42.free()
 # normalised outputs by their lse alone, $y = \sigma(\mathrm{lse}_1 - \mathrm{lse}_2)\,y_1 + \sigma(\mathrm{lse}_2 -
 # \mathrm{lse}_1)\,y_2$ and $\mathrm{lse} = \log(e^{\mathrm{lse}_1} + e^{\mathrm{lse}_2})$, and check it against
 # the same.
-# (solution: `tutorials/solutions/15_context_parallelism.py`, `exercise_3`)
+# (solution: `tutorials/solutions/13_context_parallelism.py`, `exercise_3`)
 #
 # ### Exercise 4: where the memory crosses over
 # From the terms of section 1 (7B-sized model, one sequence, 2 bytes), write both schemes' block bytes on cp 8 as
@@ -1010,4 +1010,4 @@ g42.free()
 # 2cp, from which the all-gather holds at least twice the ring's activations; check it with a search over
 # `activation_formula`. Do the same for the T from which the probabilities are more than half of a block on one
 # rank without any parallelism.
-# (solution: `tutorials/solutions/15_context_parallelism.py`, `exercise_4`)
+# (solution: `tutorials/solutions/13_context_parallelism.py`, `exercise_4`)

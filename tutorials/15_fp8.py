@@ -14,9 +14,9 @@
 # ---
 
 # %% [markdown]
-# # Chapter 16b: FP8: 8-bit products, their scales, and the ranks a scale is agreed over
+# # Chapter 15: FP8: 8-bit products, their scales, and the ranks a scale is agreed over
 #
-# Chapter 16 rounded to bfloat16 and float16, formats wide enough that a tensor is stored as it is. An 8-bit format
+# Chapter 14 rounded to bfloat16 and float16, formats wide enough that a tensor is stored as it is. An 8-bit format
 # is not: E4M3 spans about 18 binades with 4 significant bits, E5M2 about 32 with 3, and the values of one tensor of
 # a Transformer (weights near 0.02, activations near 1, gradients of a mean over thousands of tokens near $10^{-6}$)
 # sit in different places. FP8 training (Micikevicius et al. 2022, "FP8 Formats for Deep Learning") therefore
@@ -24,7 +24,7 @@
 # of the format, casts, and divides the scale out after the product. The scale is the new thing a distributed run
 # has to get right: when a tensor lies on several ranks, every rank that holds a piece must cast with the *same*
 # scale, so its amax must be reduced over exactly those ranks. The lecture has no section on number formats (FP8 is
-# beyond it, as floating point is in chapter 16); section 3 of this chapter stands on its sections 3.3 and 3.4,
+# beyond it, as floating point is in chapter 14); section 3 of this chapter stands on its sections 3.3 and 3.4,
 # which say which ranks hold the pieces of one tensor (the tensor-parallel partition of a layer) and the copies of
 # one shard (the data-parallel replicas). `hsgd.fp8` is the code taught:
 #
@@ -43,7 +43,7 @@
 # load average of 9; on failure every rank raises, so it exits non-zero without hanging). Rank 0 draws two pictures
 # into `$HSGD_FIGURES` (default `tutorials/figures/`):
 #
-# mpirun -n 4 python tutorials/16b_fp8.py
+# mpirun -n 4 python tutorials/15_fp8.py
 #
 # Only rank 0 prints. From the command line, `mpirun -n 4 python -m hsgd.train --dp 2 --tp 2 --fp8 hybrid
 # --fp8-recipe delayed --fp8-history 16 --fp8-check` trains with FP8 products (add `--dtype float64` for the exact
@@ -58,7 +58,7 @@
 # promotions to float32.
 
 # %%
-from hsgd.model.config import ModelConfig   # hsgd first, as in chapter 13 (OpenBLAS's thread timeout)
+from hsgd.model.config import ModelConfig   # hsgd first, as in chapter 11 (OpenBLAS's thread timeout)
 
 import inspect
 import math
@@ -239,7 +239,7 @@ def draw_ranges():
             ax.set_xlabel("log2 |value|")
         ax.set_ylabel("values")
         ax.legend(fontsize=6, loc="upper right")
-    return pictures.save(fig, "16b_fp8_ranges")
+    return pictures.save(fig, "15_fp8_ranges")
 
 
 say(f"picture: {pictures.on_rank0(world, draw_ranges, share=True)}")
@@ -766,7 +766,7 @@ def draw_accumulation():
     ax.set_title("FP8 products into a 14-bit accumulator", fontsize=9)
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=6.5)
-    return pictures.save(fig, "16b_fp8_accumulation")
+    return pictures.save(fig, "15_fp8_accumulation")
 
 
 say(f"picture: {pictures.on_rank0(world, draw_accumulation, share=True)}")
@@ -819,14 +819,14 @@ say(f"\nchapter 16b: all {len(check.passed)} checks passed on {world.Get_size()}
 # so $x s$ is unchanged), while a cast with s = 1, delayed scaling's first step, flushes a different number of values
 # for different k. Then run the serial FP8 reference of dp 2 with `replicas=2` and `replicas=1`: equal to 1e-12
 # with tensorwise scaling, different after one step with delayed scaling.
-# (solution: `tutorials/solutions/16b_fp8.py`, `exercise_1`)
+# (solution: `tutorials/solutions/15_fp8.py`, `exercise_1`)
 #
 # ### Exercise 2: count the numbers of E4M3 and E5M2
 # Decode all 256 codes of each format from its bit layout (sign, 4 or 5 exponent bits with bias 7 or 15, 3 or 2
 # significand bits, subnormals at exponent 0; E4M3's NaN is S.1111.111 only, E5M2's top exponent is inf and NaN).
 # Check that E4M3 has 253 distinct finite values and E5M2 247, that their largest are 448 and 57344, and that
 # `round_to` leaves every one of them unchanged and sends every midpoint between neighbours to the even one.
-# (solution: `tutorials/solutions/16b_fp8.py`, `exercise_2`)
+# (solution: `tutorials/solutions/15_fp8.py`, `exercise_2`)
 #
 # ### Exercise 3: the margin against a growing tensor
 # Under delayed scaling (history 4), cast a tensor whose values grow by a factor g every step, for 6 steps. Check
@@ -834,7 +834,7 @@ say(f"\nchapter 16b: all {len(check.passed)} checks passed on {world.Get_size()}
 # that g = 2.5 needs margin 2; derive the rule (the largest value lands at $448\, g / 2^{\text{margin}}$, which
 # must stay below 464, where rounding passes 448) and check the cost of the margin at the bottom (no fewer
 # underflows).
-# (solution: `tutorials/solutions/16b_fp8.py`, `exercise_3`)
+# (solution: `tutorials/solutions/15_fp8.py`, `exercise_3`)
 #
 # ### Exercise 4: a tile that straddles a shard
 # Blockwise scaling reduces no amax (`Holders.reduce_over` returns nothing for it), so a tile must never be cut
@@ -842,4 +842,4 @@ say(f"\nchapter 16b: all {len(check.passed)} checks passed on {world.Get_size()}
 # 16 at cp = 2 for T = 32 (a rank's runs of positions are T/(2 cp) = 8 long), with a `ConfigError` naming the
 # dimension, and accepts b = 16 at tp = 2 and b = 8 at cp = 2; and that `check_fp8_layout`, which `HybridTrainer`
 # calls before any communication, refuses such a layout's settings.
-# (solution: `tutorials/solutions/16b_fp8.py`, `exercise_4`)
+# (solution: `tutorials/solutions/15_fp8.py`, `exercise_4`)

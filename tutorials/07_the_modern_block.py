@@ -14,7 +14,7 @@
 # ---
 
 # %% [markdown]
-# # Chapter 6b: the modern block: RMSNorm, rotary positions, SwiGLU, grouped-query and flash attention
+# # Chapter 7: the modern block: RMSNorm, rotary positions, SwiGLU, grouped-query and flash attention
 #
 # Chapters 1 to 6 built and split GPT-2's block (Radford et al. 2019). The models the lecture's section 2 names as
 # too big for one node, LLaMA among them, use a block with five pieces exchanged, and hsgd runs both families
@@ -50,7 +50,7 @@
 # raises, so it exits non-zero without hanging). Rank 0 draws four pictures into `$HSGD_FIGURES` (default
 # `tutorials/figures/`):
 #
-# mpirun -n 4 python tutorials/06b_the_modern_block.py
+# mpirun -n 4 python tutorials/07_the_modern_block.py
 #
 # Only rank 0 prints. Sections 1 to 4 and most of 6 need no communication: every rank computes them alike (they are
 # tiny), except the finite differences and the memory measurement, which rank 0 runs while the others sleep.
@@ -219,7 +219,7 @@ if rank == 0:
     ax2.set_ylim(-1.35, 1.35)
     ax2.axis("off")
     ax2.set_title(f"pair {pair} of q at m = 0..7: turned by m x {theta[pair]:.3f} rad", fontsize=8)
-    say(f"picture: {pictures.save(fig, '06b_rope_angles')}")
+    say(f"picture: {pictures.save(fig, '07_rope_angles')}")
 pictures.wait_asleep(world)                      # the other ranks sleep while rank 0 draws
 
 # %% [markdown]
@@ -329,7 +329,7 @@ say(f"the reference: {meta['model']}; torch {meta['torch']}, transformers {meta[
 # instead of $2C \cdot C/tp$, and in inference the key/value cache by the same factor. hsgd's training cache holds
 # k and v after the repeat (what the core attention reads), so the activation bytes do not change with NKV (with
 # context parallelism, ring attention and the all-gather move and keep the kv heads themselves, and repeat each block
-# for its products: chapter 15's cp_comm then carries NH/NKV times fewer bytes).
+# for its products: chapter 13's cp_comm then carries NH/NKV times fewer bytes).
 #
 # The picture shows the four cases on tp = 4 with NH = 8 query heads: which kv heads each rank holds.
 
@@ -369,7 +369,7 @@ if rank == 0:
     fig.suptitle(f"NH = {NH5} query heads on tp = {TP}: each rank's query heads and the key/value heads it holds "
                  "(grey: a copy of a kv head another rank holds too)",
                  fontsize=9)
-    say(f"picture: {pictures.save(fig, '06b_gqa_heads_under_tp')}")
+    say(f"picture: {pictures.save(fig, '07_gqa_heads_under_tp')}")
 pictures.wait_asleep(world)                      # the other ranks sleep while rank 0 draws
 
 # %% [markdown]
@@ -438,7 +438,7 @@ check.equal("NKV = 2 pays NKV = 4's payload + L All-Reduces of (N, 2 NKV hs) (kv
 # $$m' = \max(m, \max_j s_j),\quad p = e^{s - m'},\quad l \leftarrow l\,e^{m - m'} + \textstyle\sum_j p_j,\quad
 #   o \leftarrow o\, e^{m - m'} + p\, v_b,\quad m \leftarrow m'$$
 #
-# (`flash.merge`; chapter 15 derives it step by step). After the last block $y = o / l$, and the forward keeps only
+# (`flash.merge`; chapter 13 derives it step by step). After the last block $y = o / l$, and the forward keeps only
 # $\mathrm{lse} = m + \log l$ per query: every probability is $e^{s_j - \mathrm{lse}}$, so the backward recomputes
 # each block's P from q, k and lse (`flash.block_grads`). Causality skips the blocks above the diagonal; the
 # diagonal blocks take the mask. The picture shows which (query block, key block) pairs are computed at T = 16 with
@@ -471,7 +471,7 @@ if rank == 0:
     ax.set_ylabel("query position (query blocks)", fontsize=8)
     ax.set_title(f"T = {T6}, blocks of {blk}: {len(pairs)} of {nb * nb} block pairs, in order;\nblue below the "
                  "diagonal, orange on it (grey: masked), light: skipped", fontsize=8)
-    say(f"picture: {pictures.save(fig, '06b_flash_blocks')}")
+    say(f"picture: {pictures.save(fig, '07_flash_blocks')}")
 pictures.wait_asleep(world)                      # the other ranks sleep while rank 0 draws
 
 # %% [markdown]
@@ -538,7 +538,7 @@ if rank == 0:
     ax.set_ylabel("bytes cached (log scale)", fontsize=8)
     ax.set_title(f"one attention's cache, B = 1, NH = {NHm}, hs = {hsm}, float64 (measured)", fontsize=8)
     ax.legend(fontsize=8, frameon=False)
-    say(f"picture: {pictures.save(fig, '06b_flash_memory')}")
+    say(f"picture: {pictures.save(fig, '07_flash_memory')}")
 pictures.wait_asleep(world)                      # the other ranks sleep while rank 0 draws
 
 # %% [markdown]
@@ -582,7 +582,7 @@ say(f"T = {cfg7.seq_len}, B = {batch}, NH/tp = {NH5 // TP} heads per rank: one b
 
 # %%
 worst, err = check.worst()
-say(f"\nchapter 6b: all {len(check.passed)} checks passed on {world.Get_size()} ranks; largest error "
+say(f"\nchapter 7: all {len(check.passed)} checks passed on {world.Get_size()} ranks; largest error "
     f"{err:.1e} ({worst})")
 grid.free()
 
@@ -610,14 +610,14 @@ grid.free()
 # Derive $\partial L/\partial x$ of $y = w \odot x / \sqrt{\mathrm{ms}(x) + \epsilon}$ and write it without
 # `llama_layers`. Check it against finite differences and against `rmsnorm_backward`, and check that for
 # $\epsilon = 0$ the gradient is orthogonal to every row of $x$, whatever $\partial L / \partial y$.
-# (solution: `tutorials/solutions/06b_the_modern_block.py`, `exercise_1`)
+# (solution: `tutorials/solutions/07_the_modern_block.py`, `exercise_1`)
 #
 # ### Exercise 2: rotary positions in the other order
 # The RoFormer paper and Meta's original Llama code pair coordinates (2i, 2i + 1) (complex numbers from adjacent
 # coordinates, as torchtitan does). Write that rotation, check that it too gives scores that depend only on
 # m - n, and that it equals `rope_forward` after permuting each head's coordinates by `rope_half_order`: so that a
 # checkpoint converts by permuting the columns of W_q and W_k, head by head, and nothing else.
-# (solution: `tutorials/solutions/06b_the_modern_block.py`, `exercise_2`)
+# (solution: `tutorials/solutions/07_the_modern_block.py`, `exercise_2`)
 #
 # ### Exercise 3: Llama 3 70B's key/value bytes on tp = 8
 # Llama 3 70B: C = 8192, NH = 64, NKV = 8, L = 80, torchtitan's `ffn_dim_multiplier` = 1.3 and `multiple_of` =
@@ -625,11 +625,11 @@ grid.free()
 # count the k and v weights one rank holds on tp = 8, in bfloat16, against multi-head attention's (NKV = 64); and
 # the key/value cache of one sequence of 8192 tokens per rank (2 NKV/tp hs numbers per token and layer). Then tp =
 # 16: what stops shrinking, and why?
-# (solution: `tutorials/solutions/06b_the_modern_block.py`, `exercise_3`)
+# (solution: `tutorials/solutions/07_the_modern_block.py`, `exercise_3`)
 #
 # ### Exercise 4: the online softmax merge of two blocks
 # Split the keys of one attention row in two blocks; for each compute its partial $(m, l, o)$ alone. Write the
 # merge of two partial results (each rescaled to the larger max) and check it against the softmax over all keys,
 # against `flash.merge` taking the blocks one after the other, and that merging in either order gives the same
 # $y$. Then check that $\mathrm{lse} = m + \log l$ recomputes every probability.
-# (solution: `tutorials/solutions/06b_the_modern_block.py`, `exercise_4`)
+# (solution: `tutorials/solutions/07_the_modern_block.py`, `exercise_4`)

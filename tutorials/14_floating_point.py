@@ -14,7 +14,7 @@
 # ---
 
 # %% [markdown]
-# # Chapter 16: floating point in distributed training: sums in another order, the band, loss scaling
+# # Chapter 14: floating point in distributed training: sums in another order, the band, loss scaling
 #
 # Every parallel layout of this course adds partial results: the lecture's section 3.3 All-Reduces the partial input
 # gradients of a tensor-parallel group (its section 3.2 All-Gathers the outputs, which adds nothing), and its section
@@ -23,8 +23,8 @@
 # barely does (1e-15). In bfloat16 or float16 it does: two correct layouts give different gradients, and "the TP
 # run's loss differs from the one-device run" is a report every framework receives. Is it a bug or rounding? The
 # lecture treats addition as exact and has no section on number formats: floating point is beyond the lecture, as
-# chapters 13 to 15 go beyond it in their directions.
-# Chapter 12's section 6 introduced the formats (bfloat16, float16, u = 2^-p), the rounding points of a
+# chapters 11 to 13 go beyond it in their directions.
+# Chapter 21's section 6 introduced the formats (bfloat16, float16, u = 2^-p), the rounding points of a
 # low-precision run and loss scaling; this chapter does not repeat it and goes deeper:
 #
 # 1. why summing in another order changes the result: the same n numbers added sequentially, pairwise and in p
@@ -43,9 +43,9 @@
 # raises, so it exits non-zero without hanging). Rank 0 draws two pictures into `$HSGD_FIGURES` (default
 # `tutorials/figures/`):
 #
-# mpirun -n 8 python tutorials/16_floating_point.py
+# mpirun -n 8 python tutorials/14_floating_point.py
 #
-# The notebook form (`jupytext --to ipynb tutorials/16_floating_point.py`) is for reading: the code needs eight MPI
+# The notebook form (`jupytext --to ipynb tutorials/14_floating_point.py`) is for reading: the code needs eight MPI
 # ranks. Only rank 0 prints. From the command line, `mpirun -n 8 python -m hsgd.verify --dtype bfloat16 --layouts
 # 1x1x1,2x1x4,1x2x4 --seeds 8 --plot oracle.png` runs the oracle of sections 3 to 5.
 #
@@ -56,7 +56,7 @@
 # [-1, 1); d(a, b) the oracle's relative difference of two gradients of one parameter (section 3).
 
 # %%
-from hsgd.model.config import ModelConfig   # hsgd first, as in chapter 13 (OpenBLAS's thread timeout)
+from hsgd.model.config import ModelConfig   # hsgd first, as in chapter 11 (OpenBLAS's thread timeout)
 
 import io
 import math
@@ -236,7 +236,7 @@ def draw_sums():
         ax.set_ylabel("|error| / sum |x|")
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=7)
-    return pictures.save(fig, "16_sum_order")
+    return pictures.save(fig, "14_sum_order")
 
 
 say(f"picture: {pictures.on_rank0(world, draw_sums, share=True)}")
@@ -420,7 +420,7 @@ check("the oracle: every layout's float64 run against the float64 reference", fa
 check("the oracle: largest observed difference / its band", facts[2], 1.0)
 check.holds(f"the oracle: every band above float32's worst-case reordering 2 gamma_N(u_float32) = {floor32:.1e}",
             facts[3] > floor32)
-say("picture: " + pictures.on_rank0(world, lambda: pictures.save(plot_tolerance(verdict), "16_oracle_band"),
+say("picture: " + pictures.on_rank0(world, lambda: pictures.save(plot_tolerance(verdict), "14_oracle_band"),
                                     share=True))
 
 # %% [markdown]
@@ -434,7 +434,7 @@ say("picture: " + pictures.on_rank0(world, lambda: pictures.save(plot_tolerance(
 # ## 4. Loss scaling step by step
 #
 # float16 has bfloat16's problem the other way round: 3 more significant bits, but its normal numbers end at
-# $2^{-14}$ = 6.1e-5 and its subnormals at $2^{-24}$ = 6.0e-8 (chapter 12, section 6). A gradient flowing back
+# $2^{-14}$ = 6.1e-5 and its subnormals at $2^{-24}$ = 6.0e-8 (chapter 21, section 6). A gradient flowing back
 # through a model gets small: the loss's gradient is 1/N per token, and every layer multiplies it by weights of
 # size ~0.02. `Flushes` below is a `Numerics` that also counts, at every rounding point, the nonzero values that
 # became 0 (underflow) and those that became subnormal (fewer than 11 significant bits). One float16 step on
@@ -605,7 +605,7 @@ say(f"\nchapter 16: all {len(check.passed)} checks passed on {world.Get_size()} 
 # |---|---|---|---|---|
 # | `--dtype bfloat16`: `precision.Numerics`, `round_to` at every point of `POINTS`, float32 master weights and gradients | `--bf16` (`Float16OptimizerWithFloat16Params`: float32 main params) | `"bf16": {"enabled": true}` | `torch.autocast(device_type, dtype=torch.bfloat16)`; FSDP `MixedPrecision(param_dtype=torch.bfloat16)` | emulated on float32 arrays, every rounding point named and counted; no kernel rounds differently from its neighbour |
 # | `--reduce-dtype`: the gradient exchange's format (`Numerics.reduced`); float32 by default | `--accumulate-allreduce-grads-in-fp32` (gradients accumulated and All-Reduced in float32; set by `--bf16` unless `--grad-reduce-in-bf16`) | `"communication_data_type"` (unset: the compute dtype, bfloat16 under `"bf16"`) | FSDP `MixedPrecision(reduce_dtype=...)`; FSDP2 `MixedPrecisionPolicy(reduce_dtype=...)` (None: the compute dtype) | the default is the safe one: float32, whatever --dtype |
-# | `--dtype float16 --loss-scale dynamic`: `LossScaler` (S = 2^16, x 0.5 on inf, x 2 after 2000 good steps) | `--fp16`, `--loss-scale` (fixed), `--initial-loss-scale`, `--loss-scale-window`, `--hysteresis`, `--min-loss-scale` (`DynamicGradScaler`) | `"fp16": {"enabled", "loss_scale": 0 (dynamic), "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale"}` | `torch.amp.GradScaler(init_scale, growth_factor, backoff_factor, growth_interval)` | GradScaler's rules: no hysteresis (halve at the first inf); S below 1 ends the run (`MIN_SCALE`, chapter 11) |
+# | `--dtype float16 --loss-scale dynamic`: `LossScaler` (S = 2^16, x 0.5 on inf, x 2 after 2000 good steps) | `--fp16`, `--loss-scale` (fixed), `--initial-loss-scale`, `--loss-scale-window`, `--hysteresis`, `--min-loss-scale` (`DynamicGradScaler`) | `"fp16": {"enabled", "loss_scale": 0 (dynamic), "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale"}` | `torch.amp.GradScaler(init_scale, growth_factor, backoff_factor, growth_interval)` | GradScaler's rules: no hysteresis (halve at the first inf); S below 1 ends the run (`MIN_SCALE`, chapter 19) |
 # | `hsgd.check.oracle`, `python -m hsgd.verify --dtype bfloat16 --layouts ...`: a band per parameter from a rounding-error model | none | none | none (`torch.testing.assert_close` has fixed per-dtype tolerances, e.g. rtol 1.6e-2 for bfloat16) | the tolerance is predicted per layout and parameter, not fixed per dtype |
 # | `hsgd.check.mutations.injected(bug)`: bugs on purpose, to show the checks catch them | none | none | none | a teaching device, never imported by hsgd itself |
 #
@@ -616,21 +616,21 @@ say(f"\nchapter 16: all {len(check.passed)} checks passed on {world.Get_size()} 
 # add and subtract), sum the same 4096 numbers in [0, 1) as section 1, and compare with the plain sequential sum:
 # check that Kahan's error stays below $2u + n u^2$ of $\sum|x_i|$ (its classical bound, to first order
 # $2u$, independent of n) while the plain sum stagnates at 256.
-# (solution: `tutorials/solutions/16_floating_point.py`, `exercise_1`)
+# (solution: `tutorials/solutions/14_floating_point.py`, `exercise_1`)
 #
 # ### Exercise 2: stochastic rounding
 # Round x to bfloat16 up or down at random, up with probability (x - down) / (up - down). Check that the mean of
 # many stochastic roundings of one x is x (unbiased, within a few standard errors, where round-to-nearest is off
 # by a fixed amount), and that the sequential sum of section 1 with stochastic rounding no longer stagnates: its
 # error at n = 4096 is of the $\sqrt{n}\,u$ scale, not 88%.
-# (solution: `tutorials/solutions/16_floating_point.py`, `exercise_2`)
+# (solution: `tutorials/solutions/14_floating_point.py`, `exercise_2`)
 #
 # ### Exercise 3: the band of one linear layer, by hand
 # For $dW = X^\top dY$ with X (N, C) and dY (N, F) both rounded to bfloat16 before a float32 product, derive the
 # model's rms error of dW relative to its norm: $u \sqrt{2/3}\, \sqrt{\sum_{ij} \sum_n X_{ni}^2 dY_{nj}^2} /
 # \|dW\|$. Check it against the `Perturbed` model (many salts) within 10%, and check that real bfloat16 rounding's
 # rms error is below it, near 0.74 of it.
-# (solution: `tutorials/solutions/16_floating_point.py`, `exercise_3`)
+# (solution: `tutorials/solutions/14_floating_point.py`, `exercise_3`)
 #
 # ### Exercise 4: a float16 overflow found by the scaler
 # Train a float16 `HybridTrainer` on dp 2 whose scaler starts at $S = 2^{36}$: far too large, the activation
@@ -638,4 +638,4 @@ say(f"\nchapter 16: all {len(check.passed)} checks passed on {world.Get_size()} 
 # halves S, and that the first update is applied at the largest power of two S with $S \max|g| < 65520$ (g: the
 # activation gradients the backward pass hands to a rounding, recorded by a `Numerics` of your own; 65520 is where
 # float16 rounds to inf), with the same loss and weights on both replicas.
-# (solution: `tutorials/solutions/16_floating_point.py`, `exercise_4`)
+# (solution: `tutorials/solutions/14_floating_point.py`, `exercise_4`)

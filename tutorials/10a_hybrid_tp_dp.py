@@ -1,5 +1,5 @@
 # %% [markdown]
-# # Chapter 7: hybrid tensor x data parallelism
+# # Chapter 10: hybrid tensor x data parallelism
 #
 # Chapters 5 and 6 split one copy of the model over tp ranks; chapter 4 made dp copies of the model, each training
 # on its own rows of the batch. The lecture combines the two, and this is the algorithm `python -m hsgd.train`
@@ -31,9 +31,9 @@
 # Run it with eight ranks (about 8 s on a 2-core machine; on failure every rank raises, so it exits non-zero
 # without hanging). Rank 0 draws two pictures into `$HSGD_FIGURES` (default `tutorials/figures/`):
 #
-# mpirun -n 8 python tutorials/07_hybrid_tp_dp.py
+# mpirun -n 8 python tutorials/10a_hybrid_tp_dp.py
 #
-# The notebook form (`jupytext --to ipynb tutorials/07_hybrid_tp_dp.py`) is for reading: the code needs eight MPI
+# The notebook form (`jupytext --to ipynb tutorials/10a_hybrid_tp_dp.py`) is for reading: the code needs eight MPI
 # ranks. Only rank 0 prints.
 #
 # Legend: P ranks, dp replicas (groups), tp ranks per group, B global batch, b = B/dp sequences per group, k =
@@ -127,7 +127,7 @@ say((" " * 15 + "".join(f"{'^':^{width}}" for _ in range(TP))).rstrip())
 for t, members in enumerate(groups["dp"]):
     say(f"  dp_comm {members}: shard {t} (heads {t * nh}..{(t + 1) * nh - 1}, MLP columns {t * Fp}..{(t + 1) * Fp - 1},"
         f" vocab ids {t * Vp}..{(t + 1) * Vp - 1}), once per step")
-path = pictures.on_rank0(world, lambda: pictures.grid(DP, 1, TP, "07_grid_dp4_tp2"))
+path = pictures.on_rank0(world, lambda: pictures.grid(DP, 1, TP, "10_grid_dp4_tp2"))
 say(f"picture: {path}")
 
 # %% [markdown]
@@ -384,7 +384,7 @@ def draw_bytes(measured):
     ax.tick_params(labelsize=7)
     ax.legend(fontsize=7, frameon=False, loc="upper center", ncol=2)
     ax.set_title(f"one step of the toy on {P} ranks (B={B}, k=2, float64), measured by CommStats", fontsize=8)
-    return pictures.save(fig, "07_bytes_per_step")
+    return pictures.save(fig, "10_bytes_per_step")
 
 
 path = pictures.on_rank0(world, lambda: draw_bytes(measured))
@@ -507,25 +507,25 @@ grid.free()
 # parameters over tp, the vocabulary padded to $tp\lceil V/tp\rceil$, replicated ones whole). Run one
 # `HybridTrainer.step` on that grid and check your (calls, payload) against its `CommStats`; then give the bytes a
 # ring sends per rank on each communicator.
-# (solution: `tutorials/solutions/07_hybrid_tp_dp.py`, `exercise_1`)
+# (solution: `tutorials/solutions/10a_hybrid_tp_dp.py`, `exercise_1`)
 #
 # ### Exercise 2: the global gradient norm in one All-Reduce over the world
 # After one `HybridTrainer.gradients`, compute $\lVert g\rVert$ from `trainer.grads` with a single All-Reduce of one
 # float over all 8 ranks. Weight each rank's squares so that every element of the model counts exactly once: a
 # split parameter's shard exists on dp ranks (one per replica), a replicated parameter on dp x tp ranks. Check the
 # result against the serial norm of the global batch's gradient and against `global_grad_norm`.
-# (solution: `tutorials/solutions/07_hybrid_tp_dp.py`, `exercise_2`)
+# (solution: `tutorials/solutions/10a_hybrid_tp_dp.py`, `exercise_2`)
 #
 # ### Exercise 3: a hybrid step by hand
 # Write two steps of hybrid SGD from the pieces of chapters 4 to 6 only: `tp_shards.shard_params` of the serial
 # initialization, `tp_model.loss_and_grads` on your group's rows (`dp_rows`), an All-Reduce of every gradient shard
 # over `grid.dp_comm.comm` with mpi4py itself (`MPI.IN_PLACE`), the division by dp, and $w \leftarrow w - \eta\,g$.
 # Check every rank's shards against two steps of serial SGD on the global batch (`serial.loss_and_grads`).
-# (solution: `tutorials/solutions/07_hybrid_tp_dp.py`, `exercise_3`)
+# (solution: `tutorials/solutions/10a_hybrid_tp_dp.py`, `exercise_3`)
 #
 # ### Exercise 4: unequal slices
 # Split B = 10 sequences over dp = 4 groups as 3, 3, 2, 2 rows. Each group's `tp_model.loss_and_grads` returns the
 # gradient of the mean loss over *its* rows. Find the weights of the average over `dp_comm` that give the serial
 # gradient of the global batch (hint: the global mean is a mean of means weighted by their sizes), do it with one
 # All-Reduce, and check against serial; show that the plain $1/dp$ average is off.
-# (solution: `tutorials/solutions/07_hybrid_tp_dp.py`, `exercise_4`)
+# (solution: `tutorials/solutions/10a_hybrid_tp_dp.py`, `exercise_4`)

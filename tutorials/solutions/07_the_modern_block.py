@@ -1,6 +1,6 @@
-"""Solutions to the exercises of chapter 6b (tutorials/06b_the_modern_block.py).
+"""Solutions to the exercises of chapter 7 (tutorials/07_the_modern_block.py).
 
-    python tutorials/solutions/06b_the_modern_block.py
+    python tutorials/solutions/07_the_modern_block.py
 
 One process, float64, tiny arrays (exercise 3 only counts, from shapes). Every check compares with hsgd, finite
 differences or a formula, and stops (non-zero exit) at the first one that fails.

@@ -14,13 +14,13 @@
 # ---
 
 # %% [markdown]
-# # Chapter 19: experts: routing, balancing, and the all-to-all of expert parallelism
+# # Chapter 16: experts: routing, balancing, and the all-to-all of expert parallelism
 #
 # A mixture-of-experts block replaces the MLP by E of them, the experts, and a router that sends each token to k
 # of them (Shazeer et al. 2017, "Outrageously Large Neural Networks"; Lepikhin et al. 2020, "GShard"; Fedus et al.
 # 2021, "Switch Transformers"; Jiang et al. 2024, "Mixtral of Experts"). The parameters grow with E, the work per
 # token with k: Mixtral 8x7B holds eight experts per block and computes two of them for every token. Like
-# context parallelism (chapter 15), experts go beyond the lecture, but they stand on three of its sections. The
+# context parallelism (chapter 13), experts go beyond the lecture, but they stand on three of its sections. The
 # lecture's section 3.1 splits a model by "parameter blocks": an expert is such a block, and expert parallelism
 # puts different experts on different ranks. Its section 3.4 averages each shard's gradient over the ranks that
 # hold it: an expert's gradient is averaged over the ranks that hold *that expert*, a group of its own. And its
@@ -49,7 +49,7 @@
 # solutions, one process, 2 s; on failure every rank raises, so it exits non-zero without hanging). Rank 0 draws
 # four pictures into `$HSGD_FIGURES` (default `tutorials/figures/`):
 #
-# mpirun -n 8 python tutorials/19_experts.py
+# mpirun -n 8 python tutorials/16_experts.py
 #
 # Only rank 0 prints. From the command line, `mpirun -n 8 python -m hsgd.train --moe-experts 8 --moe-top-k 2
 # --ep 4` trains with experts (tp 2 x dp 4 by default, ep 4) and prints, per MoE block, the load per expert, the
@@ -287,7 +287,7 @@ def draw_routing():
     ax2.axis("off")
     ax2.set_title(f"each expert's queue in token order (N = 12, k = 2, E = 4, c = 1.0): {aux2['dropped']} dropped",
                   fontsize=8)
-    return pictures.save(fig, "19_routing")
+    return pictures.save(fig, "16_routing")
 
 
 say(f"picture: {pictures.on_rank0(world, draw_routing)}")
@@ -420,7 +420,7 @@ check.holds("the covariance is positive here and grows as b shrinks (far above r
 # every layout that can compute it.
 #
 # **The z-loss** (Zoph et al. 2022, "ST-MoE"): $z = \beta\, \mathrm{mean}_n (\log\sum_i e^{l_{ni}})^2$ keeps the
-# router's logits small, which matters in bfloat16 (chapter 16: a large logit rounds the softmax's small
+# router's logits small, which matters in bfloat16 (chapter 14: a large logit rounds the softmax's small
 # probabilities away); its gradient is $2\beta\, \mathrm{lse}_n\, p_{ni}/N$ on the logits, already inside section
 # 1's finite differences. Its value, against the formula:
 
@@ -638,7 +638,7 @@ def draw_folding():
         ax.axis("off")
         ax.set_title(f"dp {lay['dp']} x cp {cp_} x tp {tp_}, ep {epn}: boxes in dp_comm's order, colour: one ep_comm;"
                      f"\ndotted: one edp_comm ({D // epn} ranks holding the same experts)", fontsize=8)
-    return pictures.save(fig, "19_folding")
+    return pictures.save(fig, "16_folding")
 
 
 say(f"picture: {pictures.on_rank0(world, draw_folding)}")
@@ -872,7 +872,7 @@ def draw_load():
     ax2.set_ylabel("rows, both blocks, fwd", fontsize=8)
     ax2.set_title("each rank's dispatch: rows out and in", fontsize=8)
     ax2.legend(fontsize=7, frameon=False)
-    return pictures.save(fig, "19_load")
+    return pictures.save(fig, "16_load")
 
 
 say(f"picture: {pictures.on_rank0(world, draw_load)}")
@@ -961,7 +961,7 @@ def draw_collapse():
     axes[0].set_ylabel("max / even", fontsize=8)
     axes[0].legend(fontsize=7, frameon=False, loc="upper left", ncol=2)
     axes[0].set_ylim(0.8, 4.6)
-    return pictures.save(fig, "19_collapse")
+    return pictures.save(fig, "16_collapse")
 
 
 say(f"picture: {pictures.on_rank0(world, draw_collapse)}")
@@ -1021,7 +1021,7 @@ say(f"\nchapter 19: all {len(check.passed)} checks passed on {world.Get_size()} 
 # Switch loss by hand over the global batch and over micro-batches, check both against `hsgd.model.balance.Balance`
 # with the right `Domain`, and check that the global loss is alpha (perfectly balanced) while the micro-batch loss
 # is 2.8 alpha. Which one's gradient asks for a change?
-# (solution: `tutorials/solutions/19_experts.py`, `exercise_1`)
+# (solution: `tutorials/solutions/16_experts.py`, `exercise_1`)
 #
 # ### Exercise 2: the drops by hand, and the capacity factor that drops nothing
 # Write the capacity and the first-come-first-served queue of section 2 as a loop, compare it with
@@ -1029,14 +1029,14 @@ say(f"\nchapter 19: all {len(check.passed)} checks passed on {world.Get_size()} 
 # the dropped slots are sum max(load - capacity, 0). Then check that c = E max_i(load_i) / (N k) drops nothing,
 # and that a factor just under E (max_i(load_i) - 1) / (N k) drops at least one slot: the capacity a layout needs
 # follows the busiest expert, not the average.
-# (solution: `tutorials/solutions/19_experts.py`, `exercise_2`)
+# (solution: `tutorials/solutions/16_experts.py`, `exercise_2`)
 #
 # ### Exercise 3: the bias as a control loop
 # On section 3's fixed router (256 inputs with a common direction), iterate the selection-bias update 80 times for
 # six gammas from 0.001 to 0.3. Check that the gates never change with the bias except through the choice. Measure
 # the median gap between a token's 2nd and 3rd score, and check that every gamma below a third of it ends smoothly
 # (the last 20 updates' max/even within 0.1) while every gamma above twice it swings (spanning more than 0.3).
-# (solution: `tutorials/solutions/19_experts.py`, `exercise_3`)
+# (solution: `tutorials/solutions/16_experts.py`, `exercise_3`)
 #
 # ### Exercise 4: Mixtral's all-to-all
 # Mixtral 8x7B (`hsgd.plan.models.MIXTRAL`: C = 4096, F = 14336, E = 8, k = 2, 32 MoE blocks). With micro-batches
@@ -1045,4 +1045,4 @@ say(f"\nchapter 19: all {len(check.passed)} checks passed on {world.Get_size()} 
 # 2 (S + R) C s + 8 E by hand, and that a pairwise all-to-all sends 7/8 of the rows' bytes. Per step of 8
 # micro-batches over the 32 blocks, how many bytes is that per rank, against the bytes of the experts the rank
 # holds (`hsgd.ep.layout.holds`)?
-# (solution: `tutorials/solutions/19_experts.py`, `exercise_4`)
+# (solution: `tutorials/solutions/16_experts.py`, `exercise_4`)

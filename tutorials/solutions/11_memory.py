@@ -1,12 +1,12 @@
-"""Solutions to the exercises of chapter 13 (tutorials/13_memory.py).
+"""Solutions to the exercises of chapter 11 (tutorials/11_memory.py).
 
-    mpirun -n 8 python tutorials/solutions/13_memory.py
+    mpirun -n 8 python tutorials/solutions/11_memory.py
 
 Each solution checks itself against the paper's numbers, against serial SGD, against hsgd's own formulas or
 against what CommStats and the trainer measured; every check is collective, so a failure stops every rank at the
 same point.
 """
-# mpirun -n 8 python tutorials/solutions/13_memory.py
+# mpirun -n 8 python tutorials/solutions/11_memory.py
 import os
 import sys
 
@@ -36,13 +36,13 @@ from checks import Checks, rel_err, ring_share, solve, train_config  # noqa: E40
 threadpool_limits(1)                    # eight ranks share the cores: one BLAS thread each
 world = MPI.COMM_WORLD
 P = 8
-cfg = ModelConfig(vocab_size=256, seq_len=16, d_model=32, n_heads=8, n_layers=4, d_ff=128)   # chapter 13's model
+cfg = ModelConfig(vocab_size=256, seq_len=16, d_model=32, n_heads=8, n_layers=4, d_ff=128)   # chapter 11's model
 SEED, B, S = 0, 8, 8
 corpus = Corpus.load(None, cfg.seq_len)
 
 
 def config(**kw):
-    """Chapter 13's run: AdamW with weight decay and clipping, two steps, float64."""
+    """Chapter 11's run: AdamW with weight decay and clipping, two steps, float64."""
     return train_config(**{**dict(dp=4, tp=2, steps=2, batch_size=B, optimizer="adamw", lr=0.01, weight_decay=0.1,
                                   clip=1.0, seed=SEED), **kw})
 
@@ -264,6 +264,6 @@ def exercise_4(check):
 
 if __name__ == "__main__":
     if world.Get_size() != P:
-        raise SystemExit(f"run on {P} ranks: mpirun -n {P} python tutorials/solutions/13_memory.py"
+        raise SystemExit(f"run on {P} ranks: mpirun -n {P} python tutorials/solutions/11_memory.py"
                          if world.Get_rank() == 0 else 1)
     solve(Checks(world, tol=1e-10, width=74), [exercise_1, exercise_2, exercise_3, exercise_4])

@@ -1,12 +1,12 @@
-"""Solutions to the exercises of chapter 14 (tutorials/14_pipeline_schedules.py).
+"""Solutions to the exercises of chapter 12 (tutorials/12_pipeline_schedules.py).
 
-    mpirun -n 8 python tutorials/solutions/14_pipeline_schedules.py
+    mpirun -n 8 python tutorials/solutions/12_pipeline_schedules.py
 
 Exercises 1 to 3 and 5 are arithmetic on lists of actions: rank 0 computes while the other ranks wait asleep
 (pictures.on_rank0), and every rank checks the verdicts it broadcasts. Exercise 4 trains one step on the chapter's
 4-stage pipeline (dp 2 x pp 4, the 16-block model, float64) for v = 1, 2 and 4.
 """
-# mpirun -n 8 python tutorials/solutions/14_pipeline_schedules.py
+# mpirun -n 8 python tutorials/solutions/12_pipeline_schedules.py
 import itertools
 import os
 import sys

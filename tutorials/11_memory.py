@@ -14,7 +14,7 @@
 # ---
 
 # %% [markdown]
-# # Chapter 13: memory
+# # Chapter 11: memory
 #
 # Memory is the lecture's reason to split a model at all. Its section 1 names the weakness of data parallelism (in
 # translation):
@@ -34,7 +34,7 @@
 #    backward pass, part by part;
 # 2. the chapter's runs: 13 combinations of layout, schedule, recomputation and ZeRO stage on the same 8 ranks,
 #    each trained for two steps and measured (read by the sections after it);
-# 3. tensor and sequence sharding (chapters 6 and 7): what splitting a block over tp ranks divides, and what it
+# 3. tensor and sequence sharding (chapters 6 and 10): what splitting a block over tp ranks divides, and what it
 #    leaves whole;
 # 4. the pipeline schedule (chapter 9): how many micro-batches' activations a stage holds, GPipe against 1F1B;
 # 5. recomputation (`--recompute selective|full`): fewer cached bytes for more forward work and, for full
@@ -52,9 +52,9 @@
 # of it the two runs traced by the memory probe; on failure every rank raises, so it exits non-zero without
 # hanging). Rank 0 draws three pictures into `$HSGD_FIGURES` (default `tutorials/figures/`):
 #
-# mpirun -n 8 python tutorials/13_memory.py
+# mpirun -n 8 python tutorials/11_memory.py
 #
-# The notebook form (`jupytext --to ipynb tutorials/13_memory.py`) is for reading: the code needs eight MPI ranks.
+# The notebook form (`jupytext --to ipynb tutorials/11_memory.py`) is for reading: the code needs eight MPI ranks.
 # Only rank 0 prints.
 #
 # Legend: P ranks, dp replicas, p = pp stages, t = tp ranks per stage, m micro-batches per replica and step, B global
@@ -664,7 +664,7 @@ def draw_timelines():
         ax.grid(axis="y", alpha=0.3)
     axes[-1].set_xticks(np.arange(len(samples)), [label for label, _ in samples], rotation=90, fontsize=6)
     axes[0].legend(fontsize=6, loc="upper left", ncol=5)
-    return pictures.save(fig, "13_step_memory_zero")
+    return pictures.save(fig, "11_step_memory_zero")
 
 
 path = pictures.on_rank0(world, draw_timelines)
@@ -820,7 +820,7 @@ def draw_bars():
     ax.set_ylim(0, 1.3 * max(sum(parts_.values()) for parts_, _ in table.values()) / 1024)
     ax.legend(fontsize=7, ncol=4, loc="upper right")
     ax.grid(axis="y", alpha=0.3)
-    return pictures.save(fig, "13_memory_per_rank")
+    return pictures.save(fig, "11_memory_per_rank")
 
 
 path = pictures.on_rank0(world, draw_bars)
@@ -968,7 +968,7 @@ def draw_kinds():
     axes[0].legend(fontsize=7, ncol=4, loc="upper left")
     fig.suptitle("all four (dp 2 x pp 2 x tp 2, sequence, full recomputation, ZeRO-3): step 2 on each kind of rank, "
                  "measured by hsgd's memory probe", fontsize=9)
-    return pictures.save(fig, "13_step_memory_per_rank")
+    return pictures.save(fig, "11_step_memory_per_rank")
 
 
 path = pictures.on_rank0(world, draw_kinds)
@@ -1029,7 +1029,7 @@ for g in grids.values():
 # less than tensor parallelism alone; then find how much of each saving is left in hsgd's accounting, and the
 # shortest sequence (a power of 2) at which selective recomputation would save at least half of hsgd's
 # tensor-parallel row.
-# (solution: `tutorials/solutions/13_memory.py`, `exercise_1`)
+# (solution: `tutorials/solutions/11_memory.py`, `exercise_1`)
 #
 # ### Exercise 2: ZeRO-3 with a prefetch
 # hsgd's ZeRO-3 gathers each layer when it is needed, so the gather is exposed. Write a `hooks.Hooks` that
@@ -1038,14 +1038,14 @@ for g in grids.values():
 # gathered groups), measure it at every group's exit with a `hooks.Hooks` that adds up the exchange's parameter
 # arrays as `ExchangeMeter` does, compare it with `step_memory.step_formula`'s peak without the prefetch, and check
 # that the trained parameters still equal serial AdamW's and that the bytes moved did not change.
-# (solution: `tutorials/solutions/13_memory.py`, `exercise_2`)
+# (solution: `tutorials/solutions/11_memory.py`, `exercise_2`)
 #
 # ### Exercise 3: the repeated collectives of full recomputation, by hand
 # For the sequence scheme, write by hand what one block's forward moves on `tp_comm` (its All-Gathers and
 # Reduce-Scatters, calls and payload) and so what `--recompute full` adds per step, L blocks and m micro-batches;
 # check it against the bytes a real step measures with and without recomputation, on dp 2 x pp 2 x tp 2 with m = 2,
 # and against `block_forward_formula`. Give both columns (payload and ring bytes per rank).
-# (solution: `tutorials/solutions/13_memory.py`, `exercise_3`)
+# (solution: `tutorials/solutions/11_memory.py`, `exercise_3`)
 #
 # ### Exercise 4: hybrid sharding, how many ranks per node
 # On dp 8 x tp 1 (AdamW), compare ZeRO-3 over all 8 ranks with hybrid sharding over nodes of 2 and of 4 ranks. By
@@ -1055,4 +1055,4 @@ for g in grids.values():
 # and ring bytes; run one step of each and check both against `trainer.memory()` and `CommStats`. Which choice sends
 # the fewest bytes between nodes (only the nodes' communicator crosses them under hybrid sharding; count all of
 # plain ZeRO-3's traffic as crossing), and what does it cost in memory?
-# (solution: `tutorials/solutions/13_memory.py`, `exercise_4`)
+# (solution: `tutorials/solutions/11_memory.py`, `exercise_4`)

@@ -1,12 +1,12 @@
-"""Solutions to the exercises of chapter 15 (tutorials/15_context_parallelism.py).
+"""Solutions to the exercises of chapter 13 (tutorials/13_context_parallelism.py).
 
-    mpirun -n 8 python tutorials/solutions/15_context_parallelism.py
+    mpirun -n 8 python tutorials/solutions/13_context_parallelism.py
 
 Exercise 1 counts the work of three layouts and runs the striped one as a subclass of hsgd.cp.ring.Ring on cp 8;
 exercise 2 runs Ulysses with fewer kv heads than cp (hsgd.cp.ulysses.Ulysses subclassed to copy them) and compares
 its bytes with the all-gather's; exercises 3 and 4 are arithmetic that every rank does (cheap), checked collectively.
 """
-# mpirun -n 8 python tutorials/solutions/15_context_parallelism.py
+# mpirun -n 8 python tutorials/solutions/13_context_parallelism.py
 import dataclasses
 import os
 import sys

@@ -1,11 +1,11 @@
-"""Solutions to the exercises of chapter 11 (tutorials/11_fault_tolerance.py).
+"""Solutions to the exercises of chapter 19 (tutorials/19_fault_tolerance.py).
 
-    mpirun -n 4 python tutorials/solutions/11_fault_tolerance.py
+    mpirun -n 4 python tutorials/solutions/19_fault_tolerance.py
 
 Exercise 1 is arithmetic (every rank computes the same); exercises 2-4 share one checkpoint, saved by 4 ranks as
 dp 1 x pp 2 x tp 2 with Megatron's scheme after two steps, in a temporary directory removed at the end.
 """
-# mpirun -n 4 python tutorials/solutions/11_fault_tolerance.py
+# mpirun -n 4 python tutorials/solutions/19_fault_tolerance.py
 import atexit
 import hashlib
 import json
@@ -290,7 +290,7 @@ def exercise_4(check):
 if __name__ == "__main__":
     check = Checks(world, tol=1e-12, width=78)
     if world.Get_size() != 4:
-        raise SystemExit("run on 4 ranks: mpirun -n 4 python tutorials/solutions/11_fault_tolerance.py"
+        raise SystemExit("run on 4 ranks: mpirun -n 4 python tutorials/solutions/19_fault_tolerance.py"
                          if rank == 0 else 1)
     SAVED["tmp"], SAVED["path"] = saved_checkpoint()
     solve(check, [exercise_1, exercise_2, exercise_3, exercise_4])

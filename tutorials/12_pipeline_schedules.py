@@ -14,7 +14,7 @@
 # ---
 
 # %% [markdown]
-# # Chapter 14: pipeline schedules as data: interleaved 1F1B, zero bubble, the V and DualPipe
+# # Chapter 12: pipeline schedules as data: interleaved 1F1B, zero bubble, the V and DualPipe
 #
 # Chapter 9 ran a pipeline with two schedules, GPipe and 1F1B, and found the same idle time in both:
 # $(p-1)/(m+p-1)$ of the step. The lecture's section 1 lists that idle time among the challenges of pipeline
@@ -62,9 +62,9 @@
 # so it exits non-zero without hanging). Rank 0 draws six pictures into `$HSGD_FIGURES` (default
 # `tutorials/figures/`):
 #
-# mpirun -n 8 python tutorials/14_pipeline_schedules.py
+# mpirun -n 8 python tutorials/12_pipeline_schedules.py
 #
-# The notebook form (`jupytext --to ipynb tutorials/14_pipeline_schedules.py`) is for reading: the code needs eight
+# The notebook form (`jupytext --to ipynb tutorials/12_pipeline_schedules.py`) is for reading: the code needs eight
 # MPI ranks. Only rank 0 prints. The schedule lab, `python -m hsgd.schedule` (no MPI; with `--run` under mpirun, on
 # the real grid), prints and measures one schedule at a time from the command line.
 #
@@ -81,7 +81,7 @@
 # N = bT positions, 8 bytes per number (float64).
 
 # %%
-from hsgd.model.config import ModelConfig   # hsgd first, as in chapter 13 (OpenBLAS's thread timeout)
+from hsgd.model.config import ModelConfig   # hsgd first, as in chapter 11 (OpenBLAS's thread timeout)
 from hsgd.model import serial
 from hsgd.tp import model as tp_model, shards as tp_shards
 
@@ -235,7 +235,7 @@ def draw_equal_cost():
                       title=f"{title(kind, v)}, m = {M}, p = {P4}: step {max(e for r in t for _, _, e in r):g}, "
                             f"bubble {bubble_fraction(t):.3f} = {FORMULA[kind]}")
     axes[0].set_xlim(0, max(e for t in sims.values() for r in t for _, _, e in r))   # shared: the longest step
-    return pictures.save(fig, "14_schedules_equal_cost")
+    return pictures.save(fig, "12_schedules_equal_cost")
 
 
 path = pictures.on_rank0(world, draw_equal_cost, share=True)
@@ -611,7 +611,7 @@ def draw_measured():
     ax.set_xlabel("milliseconds", fontsize=7)
     ax.legend(handles=[Patch(color=COLORS[KIND_NAMES[k]], label=f"{KIND_NAMES[k]} {k}") for k in "FBW"],
               loc="upper left", fontsize=6, ncol=3, frameon=False, borderaxespad=0.1)
-    return pictures.save(fig, "14_1f1b_vs_zb_h1_measured")
+    return pictures.save(fig, "12_1f1b_vs_zb_h1_measured")
 
 
 path = pictures.on_rank0(world, draw_measured, share=True)
@@ -668,7 +668,7 @@ def draw_tradeoff():
     ax.set_title("the trade-off: bubble against memory (and messages sent by a middle stage)", fontsize=9)
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
-    return pictures.save(fig, "14_bubble_vs_memory")
+    return pictures.save(fig, "12_bubble_vs_memory")
 
 
 path = pictures.on_rank0(world, draw_tradeoff, share=True)
@@ -782,7 +782,7 @@ def draw_placements():
         ax.set_yticklabels([f"stage {s}" for s in range(P4)], fontsize=7)
         ax.tick_params(axis="x", labelsize=7)
         ax.grid(alpha=0.3)
-    return pictures.save(fig, "14_v_and_dual_placement")
+    return pictures.save(fig, "12_v_and_dual_placement")
 
 
 path = pictures.on_rank0(world, draw_placements, share=True)
@@ -837,7 +837,7 @@ def draw_v_schedules():
                             + (f" = Table 2's {TABLE2[kind]}" if t2 is not None else "")
                             + f", stage_idle {stage_idle(t):g}")
     axes[0].set_xlim(0, max(span(t) for t in v_sims.values()))
-    return pictures.save(fig, "14_v_and_dual_simulated")
+    return pictures.save(fig, "12_v_and_dual_simulated")
 
 
 path = pictures.on_rank0(world, draw_v_schedules, share=True)
@@ -1040,7 +1040,7 @@ def draw_dualpipe_measured():
                         f"F&B = F+B+W (no overlap: how hsgd runs a pair)")
     draw_pipeline(axes[1], traced, unit=1e-3, xlabel="milliseconds",
                   title=f"DualPipe, measured (replica 0, step {STEPS}, traced): bubble {bubble_fraction(traced):.2f}")
-    return pictures.save(fig, "14_dualpipe_measured")
+    return pictures.save(fig, "12_dualpipe_measured")
 
 
 path = pictures.on_rank0(world, draw_dualpipe_measured, share=True)
@@ -1149,7 +1149,7 @@ g8.free()
 # (what makes the gradients bit-identical to 1F1B's). Then use the interleaved warm-up, $2(p-s-1)$, for v = 1 too
 # (Megatron-LM never does: with one chunk it runs its schedule without interleaving): check with
 # `schedules.simulate` that the bubble does not change, and count what the extra warm-up costs in pairs held.
-# (solution: `tutorials/solutions/14_pipeline_schedules.py`, `exercise_1`)
+# (solution: `tutorials/solutions/12_pipeline_schedules.py`, `exercise_1`)
 #
 # ### Exercise 2: ZB-H1 by hand
 # Read the grid of section 2: stage s runs 1F1B's forwards and backwards, and the W of micro-batch j right after the
@@ -1157,7 +1157,7 @@ g8.free()
 # p)` with equal costs for p = 2 to 8 and m = p to 3p, and check with `schedules.simulate` that its idle time per
 # stage is $(p-1)(F+B-W)$ and that each stage holds p pairs at most. Then take costs (F, B, W) = (1, 1, 1/2), a W
 # half as long: is your list still the one `build` finds, and are both idle times still the formula's?
-# (solution: `tutorials/solutions/14_pipeline_schedules.py`, `exercise_2`)
+# (solution: `tutorials/solutions/12_pipeline_schedules.py`, `exercise_2`)
 #
 # ### Exercise 3: every schedule of a small pipeline
 # For p = 2 stages and m = 2 micro-batches, list every order in which one stage can run F0, F1, B0, B1 with each
@@ -1165,7 +1165,7 @@ g8.free()
 # deadlock test (run each stage as far as it can, repeat until nothing moves) and check that it accepts exactly the
 # pairs `schedules.check` accepts. How many are there, which hold the fewest pairs, and which have the smallest
 # simulated step? Do the same for p = 3 (216 triples).
-# (solution: `tutorials/solutions/14_pipeline_schedules.py`, `exercise_3`)
+# (solution: `tutorials/solutions/12_pipeline_schedules.py`, `exercise_3`)
 #
 # ### Exercise 4: what interleaving sends
 # On the chapter's 4-stage pipeline (dp 2 x pp 4) and its 16-block model, train one step with the interleaved
@@ -1173,7 +1173,7 @@ g8.free()
 # $m(2v - [s = 0] - [s = p-1])$ messages each way of $b\,T C \cdot 8$ bytes, and check it against the measurement
 # and `pp.chunks.pp_formula`; check that the three runs end with the same parameters bit for bit, and print each stage's
 # bytes per step next to 1F1B's.
-# (solution: `tutorials/solutions/14_pipeline_schedules.py`, `exercise_4`)
+# (solution: `tutorials/solutions/12_pipeline_schedules.py`, `exercise_4`)
 #
 # ### Exercise 5: the V's turn, and DualPipe's Table 2 from the simulator
 # Write the V placement's dependencies yourself: piece k on stage $k$ for $k < p$ and $2p-1-k$ after; F of piece k
@@ -1187,4 +1187,4 @@ g8.free()
 # <= F+B+W, fit its `most_idle` as a linear function of F&B, DeepSeek's B (B + W) and W by least squares, and
 # check that the coefficients are $(p/2-1)(1, 1, -3) = (2, 2, -6)$ with no constant; then do the same for
 # DualPipeV on p = 3, whose Table 2 idle $(p-1)(F\&B+B-3W)$ has the same coefficients.
-# (solution: `tutorials/solutions/14_pipeline_schedules.py`, `exercise_5`)
+# (solution: `tutorials/solutions/12_pipeline_schedules.py`, `exercise_5`)

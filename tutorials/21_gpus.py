@@ -14,7 +14,7 @@
 # ---
 
 # %% [markdown]
-# # Chapter 12: GPUs
+# # Chapter 21: GPUs
 #
 # The lecture trains on GPUs. Its section 4.1 says what the hardware asks of the communication: **NVLink inside a
 # server, InfiniBand between servers**, so the model-parallel traffic should stay inside a server; and an
@@ -35,7 +35,7 @@
 # machine shared with other jobs, up to 20 s). On failure every rank raises, so it exits non-zero without
 # hanging:
 #
-# mpirun -n 2 python tutorials/12_gpus.py
+# mpirun -n 2 python tutorials/21_gpus.py
 #
 # It runs on any machine, and what runs depends on what the machine has:
 #
@@ -44,12 +44,12 @@
 #   GPU of each rank (section 3), and the count of every host/device transfer of a step (section 4). "The model on
 #   the device against NumPy" then compares NumPy with itself, exactly 0.
 # * **The simulated GPU** of `tests/simgpu` (section 4 says what it is), with no GPU at all:
-#   `PYTHONPATH=tests/simgpu mpirun -n 2 python tutorials/12_gpus.py`. Every cell takes its GPU branch on device
+#   `PYTHONPATH=tests/simgpu mpirun -n 2 python tutorials/21_gpus.py`. Every cell takes its GPU branch on device
 #   arrays that keep CuPy's rules, and all the checks run, including the transfer count; nothing is timed.
 # * **CuPy with a GPU** (`pip install -e '.[gpu]'`): the same cells on CuPy arrays, each rank on GPU
 #   `local_rank % n_gpus`.
 #
-# The test suite runs the first two. The notebook form (`jupytext --to ipynb tutorials/12_gpus.py`) is for
+# The test suite runs the first two. The notebook form (`jupytext --to ipynb tutorials/21_gpus.py`) is for
 # reading: the code needs two MPI ranks. Only rank 0 prints.
 #
 # Legend: P ranks, dp / tp / pp the grid sizes (chapter 3), xp the array module (numpy or cupy), "host" the CPU
@@ -406,7 +406,7 @@ check("sum of squares by mask multiplication vs by boolean indexing (rel)",
 # (The `float()` calls in that check are the kind of host copy meant above; fine in a check, not in the step.)
 #
 # **One copy per step.** A training step has to bring *some* numbers to the host: the loss to print, whether any
-# gradient is NaN or infinite (`--on-nan`, chapter 11), and the gradient norm for clipping, which needs a sum over
+# gradient is NaN or infinite (`--on-nan`, chapter 19), and the gradient norm for clipping, which needs a sum over
 # ranks. `HybridTrainer.step` computes all of them on the device, stacks them into one small vector
 # `[loss, count of non-finite values, sum of squares of the tp-sharded gradients, of the replicated ones]`, and
 # copies that with **one** `backend.to_host` call. Everything after that is host arithmetic and small pickled MPI
@@ -446,7 +446,7 @@ check.equal(f"{STEPS} steps: to_host copies of every step", copies, [1] * STEPS)
 # %% [markdown]
 # Note the collectives of each step: the one Allreduce of the gradient buffer over dp_comm, and those the layers
 # make on tp_comm. With tp = 1 that communicator has one rank and an Allreduce over it changes nothing; hsgd still
-# makes the call, so that the counts match the formulas of chapter 7, but `Comm` skips MPI for it (no
+# makes the call, so that the counts match the formulas of chapter 10, but `Comm` skips MPI for it (no
 # synchronization, no staging). On a GPU every other collective is a synchronization (`Comm._buf`), and with
 # staging a D2H and an H2D copy of its buffer: communication, not values read by Python, and not in `d2h_count`.
 #
@@ -539,14 +539,14 @@ if rank == 0:
     bx.set_title(f"host <-> device per step, dp {P} x tp 1, float64\n(to_host: {one_copy} B, gradients: "
                  f"{trainer.pbuf.flat.size:,} numbers)", fontsize=8)
     bx.legend(fontsize=7, loc="upper right")
-    say(f"picture: {pictures.save(fig, '12_transfer_paths')}")
+    say(f"picture: {pictures.save(fig, '21_transfer_paths')}")
 pictures.wait_asleep(world)                      # the other ranks sleep while rank 0 draws
 
 # %% [markdown]
 # **The check against serial.** Rank 0 runs serial mini-batch SGD on the whole batch of every step, with the same
 # optimizer, schedule and clipping, in NumPy on the host (`serial.sgd`, from parameters initialized on the host),
 # and broadcasts the result; every rank compares its parameters (copied back with `to_numpy`) and the losses. As in
-# chapters 4 and 7 the error is relative to each parameter's largest entry, but at least to 0.02, the scale of the
+# chapters 4 and 10 the error is relative to each parameter's largest entry, but at least to 0.02, the scale of the
 # initialization.
 
 # %%
@@ -592,7 +592,7 @@ grid.free()
 # node, 8-15 on the second. hsgd numbers ranks tp fastest, then pp, then dp:
 # rank = (dp_rank * pp + pp_rank) * tp + tp_rank, so a tensor-parallel group is 8 consecutive ranks, one node (the table
 # of section 3). That is where its traffic must be: tensor parallelism communicates in every layer, forward and backward
-# (4L + 4 All-Reduces per micro-batch, all but the loss's two of (B, T, C) activations, chapters 6 and 7), and the next
+# (4L + 4 All-Reduces per micro-batch, all but the loss's two of (B, T, C) activations, chapters 6 and 10), and the next
 # layer waits for each, so it needs NVLink. hsgd puts dp outermost, so that each data-parallel replica (one pipeline of
 # tp groups) is a contiguous block of ranks, the lecture's G groups of M consecutive workers; data parallelism
 # communicates once per step, the gradient of each shard, and can overlap the backward pass (chapter 8), so it can cross
@@ -939,7 +939,7 @@ say(f"\nchapter 12: all {len(check.passed)} checks passed on {P} ranks ({DEVICE}
 # | `backend.to_host`, `d2h_count()`: one counted device-to-host copy per step; the simulated GPU (`tests/simgpu`) counts every transfer | - | - | `torch.cuda.set_sync_debug_mode("warn")` reports operations that synchronize with the host | a count checked on every machine, with or without a GPU |
 # | `--dtype bfloat16` / `float16`: `hsgd.model.precision.Numerics` rounds float32 arrays (`round_to`) at every point of `POINTS`; float32 master weights, a rounded copy per step (`num.weights`) | `--bf16`, `--fp16` (megatron/training/arguments.py); `Float16Module` (megatron/core/transformer/module.py) casts the model to 16 bits, and the mixed-precision optimizer keeps float32 main params | `"bf16": {"enabled": true}`, `"fp16": {"enabled": true, ...}` in the config (deepspeed/runtime/constants.py) | `torch.autocast(device_type="cuda", dtype=torch.bfloat16)` casts op by op, the parameters stay float32 | emulated: no 16-bit tensors or tensor cores, every rounding point named and counted, so a test can say which ran; no speed or memory gained |
 # | weight gradients accumulated in float32; `--reduce-dtype bfloat16` rounds each rank's gradient and the average (`num.reduced`) | `--accumulate-allreduce-grads-in-fp32`: gradients accumulated and all-reduced in float32 `param.main_grad` (megatron/core/distributed/param_and_grad_buffer.py) | `"communication_data_type"` (deepspeed/runtime/constants.py) | DDP's `bf16_compress_hook` (torch/distributed/algorithms/ddp_comm_hooks/default_hooks.py) | NCCL's bfloat16 ring rounds at every hop; hsgd rounds the partials and the sum once |
-# | `--loss-scale dynamic` (float16): `hsgd.step.loss_scale.LossScaler`, S = 2^16, halve and skip on inf/NaN, double after 2000 good steps; `Stage.loss_scale`: dloss = S / m | `--loss-scale` (a static S; unset: dynamic), `--initial-loss-scale` (2^32), `--loss-scale-window` 1000, `--hysteresis` 2; `DynamicGradScaler` (megatron/core/optimizer/grad_scaler.py) | `"fp16": {"loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1}` (0: dynamic); `DynamicLossScaler` (deepspeed/runtime/fp16/loss_scaler.py) | `torch.amp.GradScaler` (torch/amp/grad_scaler.py): init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000 | GradScaler's rules, without hysteresis; a floor of S = 1 ends the run (DeepSpeed's `min_loss_scale`, chapter 11); the skip verdict is one collective (`hsgd.step.health`), the same on every rank |
+# | `--loss-scale dynamic` (float16): `hsgd.step.loss_scale.LossScaler`, S = 2^16, halve and skip on inf/NaN, double after 2000 good steps; `Stage.loss_scale`: dloss = S / m | `--loss-scale` (a static S; unset: dynamic), `--initial-loss-scale` (2^32), `--loss-scale-window` 1000, `--hysteresis` 2; `DynamicGradScaler` (megatron/core/optimizer/grad_scaler.py) | `"fp16": {"loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1}` (0: dynamic); `DynamicLossScaler` (deepspeed/runtime/fp16/loss_scaler.py) | `torch.amp.GradScaler` (torch/amp/grad_scaler.py): init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000 | GradScaler's rules, without hysteresis; a floor of S = 1 ends the run (DeepSpeed's `min_loss_scale`, chapter 19); the skip verdict is one collective (`hsgd.step.health`), the same on every rank |
 #
 # ## Exercises
 #
@@ -953,14 +953,14 @@ say(f"\nchapter 12: all {len(check.passed)} checks passed on {P} ranks ({DEVICE}
 # its name), or None; and `local_rank_by_name(world)`, DeepSpeed's way: the number of lower world ranks with the
 # same `MPI.Get_processor_name()`. Check the first on a few made-up environments, and both against
 # `hsgd.train.local_ranks(world)` on every rank.
-# (solution: `tutorials/solutions/12_gpus.py`, `exercise_1`)
+# (solution: `tutorials/solutions/21_gpus.py`, `exercise_1`)
 #
 # ### Exercise 2: which GPU a rank uses
 # Write `physical_gpu(local_rank, visible)`: the rank uses device `local_rank % len(visible)` of the devices it
 # sees, and `visible` (from `CUDA_VISIBLE_DEVICES`) says which physical GPU that is. Check it, for 8 local ranks on
 # nodes of 1, 2, 4 and 8 GPUs and for one GPU per rank (`CUDA_VISIBLE_DEVICES=<local rank>`), against what
 # `backend.select_gpu` makes current on the simulated GPU (`SIMGPU_DEVICES=n` simulates n devices).
-# (solution: `tutorials/solutions/12_gpus.py`, `exercise_2`)
+# (solution: `tutorials/solutions/21_gpus.py`, `exercise_2`)
 #
 # ### Exercise 3: the bytes staged in one step
 # With staging (`HSGD_CUDA_AWARE=0`), predict from one step's `CommStats` the bytes that cross from device to host
@@ -969,7 +969,7 @@ say(f"\nchapter 12: all {len(check.passed)} checks passed on {P} ranks ({DEVICE}
 # All-Gather copies out the rank's part (payload / p) and back the whole, plus the step's one `to_host` vector.
 # Check the prediction against the simulated GPU, with its `ndarray.get` and `ndarray.set` wrapped to add up
 # bytes, and the number of device-to-host transfers against its `counts["d2h"]`.
-# (solution: `tutorials/solutions/12_gpus.py`, `exercise_3`)
+# (solution: `tutorials/solutions/21_gpus.py`, `exercise_3`)
 #
 # ### Exercise 4: find the host round trip
 # `clip_by_norm(g, max_norm)` below scales a gradient to norm `max_norm` if it is larger; it makes a hidden
@@ -983,7 +983,7 @@ say(f"\nchapter 12: all {len(check.passed)} checks passed on {P} ranks ({DEVICE}
 #             g = g * (max_norm / norm)
 #         return g
 #
-# (solution: `tutorials/solutions/12_gpus.py`, `exercise_4`)
+# (solution: `tutorials/solutions/21_gpus.py`, `exercise_4`)
 #
 # ### Exercise 5: bfloat16 by integer arithmetic
 # A bfloat16 number is the upper half of a float32 bit pattern, so rounding a float32 to it can be done on the
@@ -993,4 +993,4 @@ say(f"\nchapter 12: all {len(check.passed)} checks passed on {P} ranks ({DEVICE}
 # would the rule break them?), and check it equals `hsgd.model.precision.round_to(x, "bfloat16")` bit for bit on 100,000
 # random bit patterns (every exponent, subnormals, infinities), on the exact midpoints between neighbouring bfloat16
 # numbers, and around bfloat16's max.
-# (solution: `tutorials/solutions/12_gpus.py`, `exercise_5`)
+# (solution: `tutorials/solutions/21_gpus.py`, `exercise_5`)

@@ -1,11 +1,11 @@
-"""Solutions to the exercises of chapter 7 (tutorials/07_hybrid_tp_dp.py).
+"""Solutions to the exercises of chapter 10 (tutorials/10a_hybrid_tp_dp.py).
 
-    mpirun -n 8 python tutorials/solutions/07_hybrid_tp_dp.py
+    mpirun -n 8 python tutorials/solutions/10a_hybrid_tp_dp.py
 
 Each solution checks itself against the serial model or against what the grid's CommStats measured; every check
 is collective, so a failure stops every rank at the same point.
 """
-# mpirun -n 8 python tutorials/solutions/07_hybrid_tp_dp.py
+# mpirun -n 8 python tutorials/solutions/10a_hybrid_tp_dp.py
 import os
 import sys
 
@@ -30,7 +30,7 @@ from checks import Checks, rel_err, solve, train_config  # noqa: E402
 
 threadpool_limits(1)                    # eight ranks share the cores: one BLAS thread each
 world = MPI.COMM_WORLD
-cfg = ModelConfig(vocab_size=256, seq_len=16, d_model=32, n_heads=8, n_layers=2, d_ff=128)   # chapter 7's toy
+cfg = ModelConfig(vocab_size=256, seq_len=16, d_model=32, n_heads=8, n_layers=2, d_ff=128)   # chapter 10's toy
 SEED = 0
 corpus = Corpus.load(None, cfg.seq_len)
 
@@ -136,6 +136,6 @@ def exercise_4(check):
 
 if __name__ == "__main__":
     if world.Get_size() != 8:
-        raise SystemExit("run on 8 ranks: mpirun -n 8 python tutorials/solutions/07_hybrid_tp_dp.py"
+        raise SystemExit("run on 8 ranks: mpirun -n 8 python tutorials/solutions/10a_hybrid_tp_dp.py"
                          if world.Get_rank() == 0 else 1)
     solve(Checks(world, tol=1e-12, width=66), [exercise_1, exercise_2, exercise_3, exercise_4])

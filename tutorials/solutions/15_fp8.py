@@ -1,6 +1,6 @@
-"""Solutions to the exercises of chapter 16b (tutorials/16b_fp8.py).
+"""Solutions to the exercises of chapter 15 (tutorials/15_fp8.py).
 
-    python tutorials/solutions/16b_fp8.py
+    python tutorials/solutions/15_fp8.py
 
 One process, float64, tiny arrays and the chapter's tiny model (exercise 1 runs its serial FP8 reference for one
 step, four times). Every check compares with hsgd, a derivation or a hand computation, and stops (non-zero exit) at

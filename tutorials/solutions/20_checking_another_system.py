@@ -1,12 +1,12 @@
-"""Solutions to the exercises of chapter 18 (tutorials/18_checking_another_system.py).
+"""Solutions to the exercises of chapter 20 (tutorials/20_checking_another_system.py).
 
-    mpirun -n 8 python tutorials/solutions/18_checking_another_system.py
+    mpirun -n 8 python tutorials/solutions/20_checking_another_system.py
 
 Exercises 1, 2, 4 and 5 write and check dumps on rank 0 (the other ranks wait asleep); exercise 3 dumps hsgd on the
 eight ranks. None needs PyTorch: exercise 4 starts from a committed dump of tutorials/crosscheck_dumps/, exercise 5
 from a committed Distributed Checkpoint there (its dcp-metadata.json: no pickle).
 """
-# mpirun -n 8 python tutorials/solutions/18_checking_another_system.py
+# mpirun -n 8 python tutorials/solutions/20_checking_another_system.py
 import os
 import shutil
 import sys

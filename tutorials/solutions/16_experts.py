@@ -1,6 +1,6 @@
-"""Solutions to the exercises of chapter 19 (tutorials/19_experts.py).
+"""Solutions to the exercises of chapter 16 (tutorials/16_experts.py).
 
-    python tutorials/solutions/19_experts.py
+    python tutorials/solutions/16_experts.py
 
 One process, float64, tiny arrays (exercise 4 only counts, from shapes and a routing histogram). Every check
 compares with hsgd, a hand computation or a formula, and stops (non-zero exit) at the first one that fails.
@@ -110,7 +110,7 @@ def exercise_2(check):
 
 # ------------------------------------------------------------------------------------------------------------ 3
 def skewed_layer():
-    """Chapter 19's section 3 layer: (params, x (256, 6)) with a common direction in x."""
+    """Chapter 16's section 3 layer: (params, x (256, 6)) with a common direction in x."""
     settings = MoESettings(experts=4, top_k=2, mlp="swiglu")
     r = np.random.default_rng(3)
     shapes = moe_param_shapes("moe", 6, 8, 4, "swiglu")

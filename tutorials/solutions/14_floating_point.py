@@ -1,11 +1,11 @@
-"""Solutions to the exercises of chapter 16 (tutorials/16_floating_point.py).
+"""Solutions to the exercises of chapter 14 (tutorials/14_floating_point.py).
 
-    mpirun -n 2 python tutorials/solutions/16_floating_point.py
+    mpirun -n 2 python tutorials/solutions/14_floating_point.py
 
 Exercises 1 to 3 are arithmetic on one process that every rank does (cheap), checked collectively; exercise 4 trains
 a float16 HybridTrainer on dp 2 and lets its loss scaler find an S that does not overflow.
 """
-# mpirun -n 2 python tutorials/solutions/16_floating_point.py
+# mpirun -n 2 python tutorials/solutions/14_floating_point.py
 import math
 import os
 import sys
