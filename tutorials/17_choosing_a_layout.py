@@ -16,36 +16,21 @@
 # %% [markdown]
 # # Chapter 17: choosing a layout
 #
-# Every chapter so far was handed its layout: dp x pp x tp, a schedule, a ZeRO stage. A run that is planned starts
-# from the other end: a model, a global batch, N devices and a machine, and the question is which layout (and which
-# ZeRO stage, sequence parallelism or not, recomputation, micro-batch size and schedule) trains fastest among those
-# that fit. Production systems answer it mostly with trial runs and with rules of thumb. hsgd answers it with a cost
-# model whose every term is a formula, `python -m hsgd.plan`, and this chapter opens that model up. The lecture
-# states the principle (its section 4.1: keep the model-parallel traffic inside a server, on NVLink, and let only
-# the data-parallel traffic cross InfiniBand; its section 4.2: micro-batches shrink the pipeline's bubbles; its
-# section 2: combine model parallelism, to fit, with data parallelism, to use more data); here the principle is
-# derived, with numbers, for one large model:
-#
-# 1. the question, and the planner's command line and answer;
-# 2. memory per device by category for the GPT of 145.6 billion parameters of Narayanan et al. 2021 ("Efficient
-#    Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", Table 1: 1536 A100 80GB, batch 2304),
-#    as tp and pp vary: what does not fit, and why;
-# 3. time per step, split into its terms, as tp and pp vary; the rules of thumb (tensor parallelism up to the
-#    devices of a node, then pipeline parallelism until the model fits, then data parallelism for the rest)
-#    derived from the terms rather than stated;
-# 4. two pictures: the predicted step time, and the memory per device against what a device offers (80 GiB, of
-#    which the planner keeps 10% free: 72 GiB, «77.3 GB»);
-# 5. the validation: (a) on this machine's 8 ranks, the planner's bytes and memory against a real HybridTrainer,
-#    exactly, and its predicted step time next to a measured one; (b) Narayanan et al.'s Table 1 predicted.
-#
-# Run it with eight ranks (about 5 s measured on a 2-core machine; on failure every rank raises, so it exits
-# non-zero without hanging). Rank 0 draws two
-# pictures into `$HSGD_FIGURES` (default `tutorials/figures/`):
+# Every chapter so far was handed its layout. A planned run starts from the other end: a model, a global batch, N
+# devices and a machine; which layout (with its ZeRO stage, sequence parallelism, recomputation, micro-batch size and
+# schedule) trains fastest among those that fit? Production systems answer with trial runs and rules of thumb; hsgd
+# with a cost model whose every term is a formula, `python -m hsgd.plan`. The lecture states the principle (4.1:
+# model-parallel traffic on NVLink inside a server, only data-parallel traffic across InfiniBand; 4.2: micro-batches
+# shrink the bubbles; 2: model parallelism to fit, data parallelism for more data); this chapter derives it with
+# numbers for the 145.6-billion-parameter GPT of Narayanan et al. 2021 ("Efficient Large-Scale Language Model
+# Training on GPU Clusters Using Megatron-LM", Table 1: 1536 A100 80GB, batch 2304): the planner's answer (1),
+# memory as tp and pp vary (2), the terms of a step's time and the rules of thumb they imply (3), two pictures (4;
+# a device offers 80 GiB, of which the planner keeps 10% free: «77.3 GB»), and the validation against a real
+# trainer on 8 ranks and against the paper's Table 1 (5).
 #
 # mpirun -n 8 python tutorials/17_choosing_a_layout.py
 #
-# The notebook form (`jupytext --to ipynb tutorials/17_choosing_a_layout.py`) is for reading: section 5 needs eight
-# MPI ranks. Only rank 0 prints.
+# (about 5 s measured on a 2-core machine; only rank 0 prints; section 5 needs the eight MPI ranks.)
 #
 # Legend: B global batch (sequences), b sequences per micro-batch, m = B/(dp b) micro-batches per step, T sequence
 # (s in the papers' formulas), C d_model (h), NH heads (a), F d_ff, V vocabulary, L layers (l); N devices, D devices
@@ -92,11 +77,9 @@ def rel(a, b):
 # %% [markdown]
 # ## 1. The question, and the planner's answer
 #
-# The choices multiply: the factorizations dp x pp x tp of N, and for each a ZeRO stage (0 to 3), Megatron's
-# tensor-parallel scheme or sequence parallelism (Korthikanti et al. 2022, "Reducing Activation Recomputation in
-# Large Transformer Models"), no, selective or full recomputation, a micro-batch of 1, 2, 4 or 8 sequences and a
-# schedule (1F1B, interleaved with v chunks per stage, GPipe, zero-bubble). A trial run of each is out of the
-# question at 1536 GPUs. The planner prices every one of them from three models, each in its own module:
+# The choices multiply: the factorizations dp x pp x tp of N, and for each a ZeRO stage, Megatron's scheme or
+# sequence parallelism (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"),
+# the recomputation, the micro-batch and the schedule. The planner prices every one from three models:
 #
 # - memory per device by category: a mixed-precision run's from the published formulas (`hsgd.plan.paper`), or
 #   hsgd's own, exactly as `hsgd.train` measures it (`hsgd.plan.layout`);
@@ -105,8 +88,7 @@ def rel(a, b):
 #   by the alpha-beta model on the link its group crosses (Thakur, Rabenseifner and Gropp 2005, "Optimization of
 #   Collective Communication Operations in MPICH"), the pipeline through the schedule simulator of chapter 14.
 #
-# It drops what does not fit and sorts the rest by step time. Here it is on the 145.6 B model with t and p fixed
-# at the paper's (8, 8) and b = 1, so that only the ZeRO stage, the scheme and the recomputation vary:
+# It drops what does not fit and sorts the rest by step time; here with t and p fixed at the paper's (8, 8), b = 1:
 
 # %%
 MODEL, BATCH, DEVICES, HW = "narayanan-145.6b", 2304, 1536, "a100-80g"
@@ -131,11 +113,9 @@ check.note("layouts priced = 4 ZeRO stages x 2 tp schemes x 3 recomputations (wh
            tried == 4 * 2 * 3)
 
 # %% [markdown]
-# At (8, 8) the ZeRO stage changes the memory, not the predicted time (its Reduce-Scatter and All-Gather move what
-# the All-Reduce moves), and recomputation trades a little time for memory; `--explain` prints every term as its
-# formula, with the numbers in. The rest of the chapter takes the
-# planner's two models apart on a grid of t and p, with one setting of the other choices: sequence parallelism and
-# selective recomputation (Korthikanti et al. 2022's recommendation), 1F1B, b = 1, no ZeRO.
+# The ZeRO stage changes the memory, not the time (its Reduce-Scatter and All-Gather move what the All-Reduce
+# moves); recomputation trades a little time for memory; `--explain` prints every term as its formula. The rest of
+# the chapter varies t and p with sequence parallelism, selective recomputation, 1F1B, b = 1 and no ZeRO.
 
 # %% [markdown]
 # ## 2. Memory: what does not fit, and why
@@ -227,20 +207,18 @@ say(f"t = 8, p = 4: {sum(s84['memory'].values()) / GB:.1f} GB, {states_gb(s84):.
     f"{s84['memory']['activations'] / GB:.1f} GB activations")
 
 # %% [markdown]
-# Read down a column: at t = 1 no pipeline of up to 32 stages fits: stage 0's activations alone, $L \cdot 34 T b C$,
-# are «68.5 GB» at every p that divides L (and «82.1 GB» at p = 32, where stage 0 holds «3 of the 80 layers», not
-# 2.5), and even at p = 32 the model states are «97.4 GB». Read along a row: the model states fall as 1/p, the
-# activations of stage 0 do not, and at t = 8 four stages still leave «82.7 GB» («74.2 GB» of it model states,
-# «8.6 GB» activations that no p divides); eight fit. Only t divides stage 0's activations, so memory alone already
-# says: tensor parallelism first. How far it should go is the time's business.
+# Down a column: at t = 1 nothing fits; stage 0's activations alone are «68.5 GB» at every p that divides L
+# («82.1 GB» at p = 32, where stage 0 holds «3 of the 80 layers»), and even at p = 32 the model states are
+# «97.4 GB». Along a row the model states fall as 1/p and stage 0's activations do not: at t = 8 four stages still
+# leave «82.7 GB» («74.2 GB» model states, «8.6 GB» activations); eight fit. Only t divides stage 0's activations,
+# so memory already says: tensor parallelism first. How far is the time's business.
 
 # %% [markdown]
 # ## 3. Time: the terms of a step, and the rules of thumb derived
 #
-# `hsgd.plan.costs.step_time` adds, for the slowest stage: its matmuls at the rate (peak x efficiency: 312 x «0.633»
-# TFLOP/s here, the efficiency fitted on Table 1 in section 5), its elementwise work at the memory bandwidth, its
-# tensor-parallel collectives (all exposed: hsgd does not overlap them), the pipeline's bubble (from the schedule
-# simulator) and point-to-point messages, and the data-parallel exchange once per step, after the pipeline.
+# `hsgd.plan.costs.step_time` adds, for the slowest stage: matmuls at peak x efficiency (312 x «0.633» TFLOP/s,
+# fitted in section 5), elementwise work at the memory bandwidth, the tensor-parallel collectives (all exposed), the
+# bubble (from the schedule simulator), the stage-to-stage messages, and the data-parallel exchange.
 
 # %%
 PARTS = ("compute", "elementwise", "tp", "pp bubble", "pp transfer", "dp")
@@ -263,11 +241,10 @@ show_times([(8, pp) for pp in PPS if (8, pp) in grid])
 # ### Tensor parallelism: a fixed traffic per token, on whichever link the group spans
 #
 # Megatron's scheme All-Reduces a (bT, C) tensor twice in a block's forward and twice in its backward, whatever t
-# is: per block and micro-batch 4 All-Reduces of $n = bTCs$ bytes. A ring moves $2(t-1)/t \cdot n$ per rank for
-# each, so the traffic per token hardly changes with t, while each rank's matmul work per token falls as 1/t. The
-# time of one block's tensor-parallel traffic, with the best of the algorithms of Thakur et al. for a power of two
-# (Rabenseifner's: $2\log_2 t\,\alpha + 2\frac{t-1}{t} n\beta$), on NVLink while $t \le D$ = 8 and on the
-# InfiniBand NIC of each device beyond:
+# is: 4 All-Reduces of $n = bTCs$ bytes, each moving $2(t-1)/t \cdot n$ per rank, so the traffic per token hardly
+# changes with t while the matmul work per token falls as 1/t. Priced with Rabenseifner's algorithm
+# ($2\log_2 t\,\alpha + 2\frac{t-1}{t} n\beta$; Thakur et al.), on NVLink while $t \le D$ = 8, on InfiniBand
+# beyond:
 
 # %%
 b, s_el = OPTS["b"], 2
@@ -305,14 +282,13 @@ say(f"pp 8: at t = 8 a block's tp / compute {tp_block[8] / (block_flops / 8 / ra
 
 # %% [markdown]
 # On NVLink the ratio tp/compute grows like $t - 1$ but stays small («0.08» at t = 8: «1.5 s» of a «18.7 s» step);
-# at t = 16 the group leaves the node and the same bytes cross a link 12 times slower: «37.8 s» of tensor-parallel
-# time, «2.0 x» the whole step at t = 8. Tensor parallelism divides memory and compute, but it pays per token and on
-# every layer; it is worth its price only on the fast link: **t up to D**, the devices of a node.
+# at t = 16 the same bytes cross a link 12 times slower: «37.8 s», «2.0 x» the whole step at t = 8. Tensor
+# parallelism pays per token on every layer, so it is worth it only on the fast link: **t up to D**.
 #
 # ### Pipeline parallelism: a bubble bounded by the batch, and small messages
 #
-# 1F1B on p stages with every stage alike takes $(mv + p - 1)$ chunk-times (chapter 12): besides the $m$ busy
-# micro-batches, a bubble of $(p-1)/(vm)$ of them. The planner's bubble is the simulator's, and equals it exactly:
+# 1F1B on p equal stages takes $(mv + p - 1)$ chunk-times (chapter 12), a bubble of $(p-1)/(vm)$; the planner's is
+# the simulator's:
 
 # %%
 worst_bubble = 0.0
@@ -339,15 +315,13 @@ say(f"p = 32: the fullest stage holds {-(-L // 32)} of the {L} layers (the avera
     f"{-(-L // 32) / (L / 32) - 1:+.0%}); the compute term {grow:+.0%} against p = 8")
 
 # %% [markdown]
-# With N devices fixed, more stages mean fewer replicas and so more micro-batches per replica: $m = Btp/(Nb)$, and
-# the bubble's share $(p-1)/m = \frac{p-1}{p}\cdot\frac{Nb}{Bt}$ never exceeds $Nb/(Bt)$ = «8.3%» here. A message
-# between stages is one activation, and with sequence parallelism each of the t ranks sends its own T/t of it,
-# $bTCs/t$ = «6.3 MB» per rank, once per micro-batch and direction instead of 4 All-Reduces per layer: «0.025 s» of
-# the step at p = 8. What bounds pipeline parallelism is not its price but its preconditions: enough micro-batches
-# (m >= p), layers that split evenly (at p = 32 the fullest stage holds 3 of the 80 layers where the average is 2.5,
-# «+20%», and the compute term grows by «+16%» against p = 8, less because at p = 8 the slowest stage, the last,
-# also computes the output layer, which at p = 32 sits on a stage of 2), and its activations: stage 0 keeps p
-# micro-batches in flight. Hence **pp until the model fits**, and no further.
+# With N fixed, more stages mean fewer replicas and more micro-batches each: $m = Btp/(Nb)$, and the bubble's share
+# $(p-1)/m = \frac{p-1}{p}\cdot\frac{Nb}{Bt}$ never exceeds $Nb/(Bt)$ = «8.3%» here. A message between stages is
+# one activation, with sequence parallelism $bTCs/t$ = «6.3 MB» per rank, once per micro-batch and direction:
+# «0.025 s» of the step at p = 8. What bounds pipeline parallelism is its preconditions: m >= p, layers that split
+# evenly (at p = 32 the fullest stage holds 3 of the 80 layers against an average of 2.5, «+20%»; the compute term
+# grows by «+16%» against p = 8, less because at p = 8 the last stage also computes the output layer), and stage 0's
+# p micro-batches in flight. Hence **pp until the model fits**, and no further.
 #
 # ### Data parallelism: one exchange per step
 #
@@ -364,9 +338,8 @@ say(f"dp 24 x pp 8 x tp 8: All-Reduce of {n_dp / GB:.2f} GB on {dp} ranks: ring 
 check("dp term = 2(dp-1) alpha + 2 (dp-1)/dp 2 Psi beta (ring), dp 24 x pp 8 x tp 8", rel(s["parts"]["dp"], by_hand))
 
 # %% [markdown]
-# Its bytes do not depend on the batch: the larger the batch per replica, the smaller its share of the step. Its
-# preconditions are the other two dimensions' results: each replica must fit (dp multiplies memory by nothing, it
-# divides nothing either without ZeRO), and dp = N/(tp pp) is what is left. Put together:
+# Its bytes do not depend on the batch, so its share shrinks as the batch per replica grows; without ZeRO it
+# divides no memory, and dp = N/(tp pp) is what is left. Put together:
 #
 # - t beyond D costs more than everything else in the step; t up to D costs little and divides stage 0's
 #   activations, which nothing else does (without recomputation);
@@ -386,9 +359,8 @@ check.equal("the fastest fitting layout: tp = D, the smallest pp that fits at tp
 # %% [markdown]
 # ## 4. Two pictures
 #
-# The first picture is the predicted step time over the grid of t and p, with the layouts that do not fit crossed
-# out; the second is the memory per device against p, one line per t, with the line of what fits (80 GiB less the
-# 10% the planner keeps free).
+# The predicted step time over t and p (what does not fit crossed out), and the memory per device against p, one
+# line per t, with the line of what fits.
 
 # %%
 def draw():
@@ -438,14 +410,12 @@ pictures.on_rank0(world, draw)
 #
 # ### (a) Exactly, on hsgd: the planner's bytes and memory against a real trainer
 #
-# With `--impl hsgd` the planner takes memory and bytes from `hsgd.plan.layout`: the trainer's own closed forms
-# (`hsgd.run.report.rank_bytes`, `hsgd.accounting.step_memory.rank_formula`) fed from the settings alone, without arrays
-# or communicators. On this machine's 8 ranks, two layouts of a small model are built as real `HybridTrainer`s; the
-# plan of each rank's stage must equal the trainer's formulas and the bytes `CommStats` records in a step, exactly.
-# The planner's predicted step time for this machine (`hsgd/plan/hw/this-machine.toml`, measured by `python -m
-# hsgd.plan --calibrate`) is printed next to the measured one, not checked: a 2-core machine shared by 8 ranks is
-# a poor clock, and one step of a model this small is mostly the per-block cost that calibration measures on
-# another shape (`block_overhead`: Python and NumPy's small arrays) and the MPI calls' latency.
+# With `--impl hsgd` the planner takes memory and bytes from the trainer's own closed forms
+# (`hsgd.run.report.rank_bytes`, `hsgd.accounting.step_memory.rank_formula`), fed from the settings alone. Two
+# layouts of a small model are built as real `HybridTrainer`s on 8 ranks; each rank's plan must equal the trainer's
+# formulas and the bytes `CommStats` records, exactly. The predicted step time (`hsgd/plan/hw/this-machine.toml`,
+# from `python -m hsgd.plan --calibrate`) is printed beside the measured one, not checked: 8 ranks on 2 cores are a
+# poor clock.
 
 # %%
 SMALL = ModelConfig(vocab_size=61, seq_len=16, d_model=32, n_heads=8, n_layers=8, d_ff=64)
@@ -482,19 +452,15 @@ for dp, pp, tp, m in ((2, 2, 2, 2), (1, 4, 2, 4)):
     g.free()
 
 # %% [markdown]
-# A benchmark script, `benchmarks/plan_this_machine.py`, does the last two columns properly for all ten
-# factorizations of 8 ranks (several steps, medians, on a larger model), beside the planner's predictions, and
-# reports the error of each, the rank correlation and whether the planner's best is among the two fastest
-# measured (its table: `benchmarks/results/plan_this_machine.md`, and the README).
+# `benchmarks/plan_this_machine.py` times all ten factorizations of 8 ranks properly (medians, a larger model)
+# against the predictions: the errors, the rank correlation, whether the planner's best is among the two fastest.
 #
 # ### (b) Narayanan et al. 2021, Table 1, predicted
 #
-# The paper's ten runs, from 1.7 B parameters on 32 GPUs to 1 T on 3072, each with the (t, p) its authors chose
-# and the TFLOP/s per GPU it reached. `hsgd.plan.validate.table1_validation` prices them as the paper ran them
-# (Megatron's scheme, full recomputation, no sequence parallelism and no ZeRO, 1F1B or interleaved, b from 1 to 8)
-# with one number fitted, the matmuls' fraction of the A100's 312 TFLOP/s peak, on the 145.6 B row; every other row
-# is a prediction. For each row it also ranks every (t, p) the model allows, each at its best micro-batch and
-# schedule, and says where the paper's choice falls. Rank 0 prices the table alone (about a second).
+# The paper's ten runs, 1.7 B parameters on 32 GPUs to 1 T on 3072, each with its (t, p) and TFLOP/s per GPU.
+# `hsgd.plan.validate.table1_validation` prices them as the paper ran them (Megatron's scheme, full recomputation)
+# with one number fitted on the 145.6 B row, the matmuls' fraction of peak; every other row is a prediction. It also
+# ranks every (t, p) each model allows and says where the paper's choice falls.
 
 # %%
 eff, rows = pictures.on_rank0(world, lambda: table1_validation(fit="145.6"), share=True)
@@ -517,12 +483,11 @@ say(f"largest error {off['error']:+.1%} ({off['params_billion']:g} B); the paper
     "by the model")
 
 # %% [markdown]
-# One fitted number and the rest predicted with errors up to «-8.2%» (the row printed above): the model's terms are
-# the ones that matter at this scale, though not to the last few percent. Where the planner's best (t, p) differs
-# from the paper's, the paper's is up to «+9.7%» slower by the model (for 18.4 B it ranks «9 of 25»); the paper's
-# authors chose among close candidates with trial runs, and a model that is off by up to «8.2%» cannot separate
-# candidates that close. What it does separate is what the rules of thumb say: no t above a node, and every paper's
-# choice among the planner's 3 best or within 10% of its best.
+# One fitted number, the rest predicted with errors up to «-8.2%»: the terms that matter at this scale, though not
+# to the last few percent. Where the planner's best (t, p) differs from the paper's, the paper's is up to «+9.7%»
+# slower by the model (for 18.4 B it ranks «9 of 25»): a model off by up to «8.2%» cannot separate candidates that
+# close, which the authors chose among with trial runs. What it does separate is the rules of thumb: no t above a
+# node, and every paper's choice among the planner's 3 best or within 10% of its best.
 
 # %%
 exact = [w for w in check.errors if "Table 1" not in w and "jump" not in w]
@@ -558,10 +523,12 @@ say(f"\nchapter 17: all {len(check.passed)} checks passed on {world.Get_size()} 
 # the paper's p = 16.
 # (solution: `tutorials/solutions/17_choosing_a_layout.py`, `exercise_2`)
 #
-# ### Exercise 3: where a bigger micro-batch stops paying
-# At dp 24 x pp 8 x tp 8 on the 145.6 B model, price b = 1, 2, 4, 8 (m = 96 / b). Which terms change with b? Check
-# the bubble against $(p - 1)/m$, say which b fit and which is fastest, and what the model leaves out that would
-# make a bigger b pay on a GPU.
+# ### Exercise 3: where a bigger micro-batch starts and stops paying
+# The planner runs every product at one rate, so a bigger b never pays in it. Give each product a roofline instead:
+# time = max(2MKN / peak, 2(MK + KN + MN) / memory bandwidth) for M = bT tokens, in bfloat16 on `hw/a100-80g.toml`.
+# For the 145.6 B model's four block products at t = 8, p = 8, with short sequences (T = 64) and 96 sequences per
+# replica, find the M at which the qkv product turns compute-bound, price the 1F1B step for b = 1, 2, 4, 8, 16, and
+# say which b is fastest and why.
 # (solution: `tutorials/solutions/17_choosing_a_layout.py`, `exercise_3`)
 #
 # ### Exercise 4: the bubble of a schedule from the simulator

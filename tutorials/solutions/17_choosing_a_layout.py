@@ -76,27 +76,44 @@ def exercise_2(check):
 # ---------------------------------------------------------------------------------------------------- exercise 3
 
 def exercise_3(check):
-    """Where a bigger micro-batch stops paying (dp 24 x pp 8 x tp 8, 145.6 B)."""
+    """Where a bigger micro-batch starts and stops paying: a roofline for each product.
+
+    The 145.6 B model's shapes at t = 8, p = 8, short sequences of T = 64 tokens, 96 sequences per replica, bfloat16
+    on an A100."""
     cfg = presets()["narayanan-145.6b"]
-    p, per_replica = 8, 2304 // 24
-    rows, worst = {}, 0.0
-    for b in (1, 2, 4, 8):
+    C, F, t, p, L, T, per_replica, s = cfg.d_model, 4 * cfg.d_model, 8, 8, cfg.n_layers, 64, 96, 2
+    peak, bw = HW.peak_flops["bfloat16"], HW.memory_bandwidth
+    ridge = peak / bw                                            # FLOPs per byte where the roofline bends
+    products = ((C, 3 * C // t), (C // t, C), (C, F // t), (F // t, C))     # (K, N) of qkv, proj, fc1, fc2
+
+    def intensity(M, K, N):                                      # 2 M K N FLOPs over s (M K + K N + M N) bytes
+        return 2 * M * K * N / (s * (M * K + K * N + M * N))
+
+    def stage_time(b):                                           # one micro-batch, forward + backward (3 products)
+        M = b * T
+        return 3 * (L // p) * sum(max(2 * M * K * N / peak, s * (M * K + K * N + M * N) / bw) for K, N in products)
+
+    K, N = products[0]
+    cross = ridge * K * N / (K * N - ridge * (K + N))            # intensity(M) = ridge, solved for M
+    check("the qkv product's intensity at M = the crossing equals the ridge", rel(intensity(cross, K, N), ridge), 1e-12)
+    check.holds("small M: intensity ~ M (the weights' bytes dominate)", abs(intensity(T, K, N) / T - 1) < 0.05)
+    rows = {}
+    for b in (1, 2, 4, 8, 16):
         m = per_replica // b
-        e = evaluate(cfg, 2304, Layout(dp=24, pp=p, tp=8, m=m, b=b, tp_scheme="sequence", recompute="selective"), HW)
-        parts = e.time.parts()
-        busy = e.time.total - parts["pp bubble"] - parts["dp"] - parts["optimizer"]
-        worst = max(worst, rel(parts["pp bubble"] / busy, (p - 1) / m))
-        rows[b] = (e.time.total, parts, e.fits, sum(e.memory.values()))
-        check.say(f"  b {b} m {m:>3}: step {e.time.total:6.2f} s, compute {parts['compute']:.2f}, tp {parts['tp']:.2f},"
-                  f" bubble {parts['pp bubble']:.2f}, memory {rows[b][3] / GB:.1f} GB, fits: {e.fits}")
-    check("bubble / busy = (p - 1)/m for every b", worst, 1e-9)
-    check.holds("the bubble grows with b (fewer micro-batches)",
-                all(rows[a][1]["pp bubble"] < rows[c][1]["pp bubble"] for a, c in ((1, 2), (2, 4), (4, 8))))
-    best = min((b for b in rows if rows[b][2]), key=lambda b: rows[b][0])
-    check.say(f"  fastest that fits: b = {best}. The model's matmuls run at one rate whatever b is, so a bigger b "
-              "buys nothing here and costs bubble and memory; on a GPU a bigger b runs its matmuls faster, which "
-              "the planner leaves to the efficiency")
-    check.holds("in this model b = 1 is the fastest that fits", best == 1)
+        one = stage_time(b)
+        useful = 3 * (L // p) * sum(2 * b * T * K_ * N_ for K_, N_ in products) / peak
+        rows[b] = (m + p - 1) * one                              # 1F1B: m micro-batches plus p - 1 in the bubble
+        check.say(f"  b {b:>2} (M = {b * T:>4} tokens): rate {useful / one:5.1%} of peak, step {rows[b]:7.3f} s")
+    best = min(rows, key=rows.get)
+    check.say(f"  ridge {ridge:.0f} FLOP/byte; the products turn compute-bound at M = {cross:.0f} tokens, b = "
+              f"{cross / T:.1f}; fastest b = {best}")
+    check.holds("the step shrinks while the products are memory-bound (b T below the crossing)",
+                all(rows[2 * b] < rows[b] for b in (1, 2, 4, 8) if 2 * b * T <= cross))
+    check.holds("and grows once they are compute-bound (the bubble's share grows with b)",
+                all(rows[2 * b] > rows[b] for b in (1, 2, 4, 8) if b * T >= cross))
+    check.holds("the fastest b is the one where b T first passes the crossing, or the one before it",
+                best in {b for b in rows if b * T >= cross and b * T / 2 < cross} | {b for b in rows
+                                                                                    if b * T < cross <= 2 * b * T})
 
 
 # ---------------------------------------------------------------------------------------------------- exercise 4
