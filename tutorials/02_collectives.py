@@ -16,38 +16,22 @@
 # %% [markdown]
 # # Chapter 2: collectives, the vocabulary of every parallel step
 #
-# Chapter 1 trained a Transformer on one process. Every later chapter splits that work over P processes, and
-# whatever the split (data, tensors, pipeline stages), the processes cooperate through a handful of
-# communication patterns: the **collectives**. The lecture names them as it goes: an All-Reduce of the gradients
-# (section 1, data parallelism), an All-Gather of the partial outputs and its adjoint Reduce-Scatter (sections
-# 3.2 and 3.3, inside a tensor-parallel group), a Reduce-Scatter then an All-Gather (section 3.4). This chapter
-# learns that vocabulary on 4 processes and small arrays, before any model is involved:
-#
-# 1. point to point: `Send`, `Recv`, `Sendrecv`, and why two ranks that both send first can wait forever;
-# 2. the collectives, one at a time: `Bcast`, `Reduce`, `Allreduce`, `Allgather`, `Reduce_scatter_block`,
-#    `Alltoall`, each checked against what NumPy computes from every rank's input, and pictured;
-# 3. `hsgd.grid.comm.Comm`, the thin wrapper through which hsgd makes every collective, and the payload bytes it
-#    records;
-# 4. the ring All-Reduce, written by hand from `Sendrecv`: why it sends 2(p-1)/p of the payload from each rank,
-#    and why no algorithm can send less;
-# 5. the alpha-beta cost model, measured on this machine and fitted; and when a step is communication-bound;
-# 6. debugging: a mismatched collective caught instead of hanging, and a rank that raises, ending the whole job;
-# 7. the all-to-all as a transpose, `Alltoallv` with counted rows (the dispatch of tokens to experts), its adjoint
-#    (the combine) and its cost.
+# Every later chapter splits chapter 1's training over P processes, and whatever the split, the processes cooperate
+# through a handful of **collectives**: the All-Reduce of the gradients (the lecture's section 1), the All-Gather
+# and its adjoint Reduce-Scatter (sections 3.2-3.4). This chapter learns them on 4 processes and small arrays:
+# point to point and deadlock; each collective against NumPy; hsgd's `Comm` wrapper and the payload it records;
+# the ring All-Reduce by hand and why 2(p-1)/p is optimal; the alpha-beta model fitted on this machine, and how
+# NCCL departs from it; debugging a mismatched collective and a failing rank; the all-to-all of expert parallelism.
 #
 # Run it with four ranks (about 11 s on a 2-core machine; on failure every rank raises, so it exits non-zero
-# without hanging). Rank 0 draws four pictures into `$HSGD_FIGURES` (default `tutorials/figures/`):
+# without hanging). Rank 0 prints, and draws four pictures into `$HSGD_FIGURES` (default `tutorials/figures/`):
 #
 # mpirun -n 4 python tutorials/02_collectives.py
 #
-# (`mpiexec` is the same launcher under its standard name.) The notebook form
-# (`jupytext --to ipynb tutorials/02_collectives.py`) is for reading: the code needs four MPI ranks. Only rank 0
-# prints.
-#
 # Legend: p (or P) the number of ranks of a communicator, r a rank, $x_r$ rank r's input, n the payload in bytes
 # (the size of the logical tensor of a call), m the number of elements of a block, $\alpha$ the latency of a
-# message (seconds), $\beta$ the time per byte (seconds per byte; 1/$\beta$ is a bandwidth), $\gamma$ the time per
-# byte of a reduction's arithmetic.
+# message (seconds), $\beta$ the time per byte (1/$\beta$ is a bandwidth), $\gamma$ the time per byte of a
+# reduction's arithmetic.
 
 # %%
 from hsgd.grid.comm import CollectiveMismatch, Comm, CommStats   # hsgd before NumPy: it sets OpenBLAS's thread timeout
@@ -98,27 +82,19 @@ def digest(a):
 # %% [markdown]
 # ## 1. Point to point: `Send`, `Recv`, `Sendrecv`
 #
-# An MPI program is P copies of the same script (chapter 3 says more about ranks; here all we need is that each
-# process knows its `rank` and the number of processes `P`). The copies share no memory. The simplest exchange is
-# one message: rank a calls `Send(buf, dest=b)`, rank b calls `Recv(buf, source=a)`, and b's buffer receives a
-# copy of a's.
+# An MPI program is P copies of the same script that share no memory; each knows its `rank` and `P`. Rank a calls
+# `Send(buf, dest=b)`, rank b `Recv(buf, source=a)`, and b's buffer receives a copy of a's.
 #
-# mpi4py has two spellings of every call. The **uppercase** ones (`Send`, `Recv`, `Allreduce`, ...) take buffers,
-# NumPy arrays, and hand their memory to MPI as it is: no copy, no conversion. The buffer must be contiguous and
-# the receiver must have allocated it, of the right size and type. The **lowercase** ones (`send`, `recv`,
-# `allreduce`, ...) take any Python object and pickle it: convenient for a few numbers of metadata, far too slow for
-# tensors. hsgd uses uppercase calls for every array and lowercase ones only for small metadata, as below, where
-# rank 0 sends rank 1 an array whose length rank 1 does not know yet: first the shape and type (lowercase), then the
-# numbers (uppercase) into a buffer allocated from that.
+# mpi4py spells every call twice. The **uppercase** ones (`Send`, `Allreduce`, ...) hand a contiguous NumPy buffer
+# to MPI as it is, no copy; the receiver must have allocated it. The **lowercase** ones (`send`, `allreduce`, ...)
+# pickle any Python object: fine for metadata, far too slow for tensors. Below, rank 0 sends rank 1 an array of a
+# length rank 1 does not know: the shape and dtype lowercase, then the numbers uppercase.
 #
-# A first pattern: a **ring shift**, rank r sends its vector to rank r+1 and receives rank r-1's (modulo P)
-# (pipeline stages pass their activations on like this, chapter 9). `Send` is *blocking*: it may return only once
-# the receiver has started receiving, as MPI does for large messages (small ones it copies into a buffer of its own
-# and returns at once). If every rank called `Send` first, each would wait for a receiver that is itself still
-# sending: a deadlock, which for small messages would not even show until the messages grew. Two cures: order the
-# calls by parity (even ranks send then receive, odd ranks receive then send; with P even, every Send meets a
-# Recv), or `Sendrecv`, one call that sends to one rank and receives from another and lets MPI do both at once. The
-# ring All-Reduce of section 4 is made of `Sendrecv`s.
+# A **ring shift** (rank r sends to r+1, receives from r-1; pipeline stages do this, chapter 9) shows the trap.
+# `Send` may block until the receiver starts receiving (MPI does so for large messages, and buffers small ones), so
+# if every rank sends first, all wait forever, and only once the messages grow. Two cures: order the calls by
+# parity (even ranks send first), or `Sendrecv`, which does both at once. The ring All-Reduce of section 4 is made
+# of `Sendrecv`s.
 
 # %%
 def x_of(r):
@@ -161,12 +137,9 @@ say(f"rank 0 received {np.array2string(got, precision=0)} from rank {(0 - 1) % P
 # %% [markdown]
 # ## 2. The collectives, one at a time
 #
-# A **collective** is a call that every rank of a communicator makes, the same call at the same point of the
-# program, and that completes only when all of them have made it. Each one below starts from the same inputs:
-# rank r holds $x_r = [10(r+1), 10(r+1)+1, 10(r+1)+2, 10(r+1)+3]$, so rank 0 holds 10..13 and rank 3 holds 40..43.
-# Each result is checked on every rank against what NumPy computes from all four inputs (`X`, which each rank
-# rebuilds for itself without communicating: the serial view). The inputs are small integers, so every sum is
-# exact and the errors are exactly 0; section 4 uses random numbers and says what rounding does.
+# A **collective** is a call that every rank of a communicator makes at the same point of the program, and that
+# completes only when all have made it. Rank r holds $x_r = [10(r+1), ..., 10(r+1)+3]$; each result is checked
+# against NumPy on `X`, every rank's input rebuilt locally (the serial view). Small integers make every sum exact.
 #
 # | call (mpi4py, uppercase) | after the call | what hsgd uses it for |
 # |---|---|---|
@@ -177,10 +150,8 @@ say(f"rank 0 received {np.array2string(got, precision=0)} from rank {(0 - 1) % P
 # | `Reduce_scatter_block(full, out)` | rank r holds block r of $\sum_s full_s$ | the All-Gather's adjoint (ch. 5, 8) |
 # | `Alltoall(send, recv)` | rank r holds block r of every rank | the dispatch of tokens to experts (section 7) |
 #
-# Two relations to keep in mind, which the ring of section 4 uses: All-Reduce = Reduce-Scatter then All-Gather
-# (each rank sums one block, then everyone collects the summed blocks); and Reduce-Scatter is the adjoint of
-# All-Gather (chapter 5 needs exactly that for the backward pass of a gathered output). Alltoall is a transpose of
-# the blocks: block j of rank i goes to rank j as its block i.
+# Two relations used below: All-Reduce = Reduce-Scatter then All-Gather, and Reduce-Scatter is the adjoint of
+# All-Gather (chapter 5's backward). Alltoall transposes the blocks: block j of rank i becomes block i of rank j.
 
 # %%
 ROOT = 0
@@ -224,10 +195,8 @@ EXACT.append("Alltoall: max |swapped[s] - x_s[rank]| (a transpose)")
 check(EXACT[-1], float(np.max(np.abs(swapped - X[:, rank]))))
 
 # %% [markdown]
-# The picture below is drawn from the buffers above, gathered from the four ranks: for each collective, each
-# rank's buffer before the call (left) and after it (right). A cell's colour says whose number it holds; a grey
-# cell holds a sum over all four ranks; an empty cell, no data (a non-root rank before `Bcast`, or after
-# `Reduce`, where only the root receives).
+# The picture: each collective's buffers on the four ranks, before (left) and after (right). Colour says whose
+# number a cell holds; grey is a sum over all ranks; an empty cell holds no data.
 
 # %%
 everyone = world.gather(shown, root=0)                            # small arrays, for the picture: lowercase
@@ -283,11 +252,10 @@ if rank == 0:
 # %% [markdown]
 # ## 3. `hsgd.grid.comm.Comm`: the same calls, recorded
 #
-# hsgd never calls mpi4py's collectives directly in its parallel code. It goes through `hsgd.grid.comm.Comm`, a thin
-# wrapper around an mpi4py communicator that makes the same uppercase calls and adds three things: one line of
-# accounting per call (a `CommStats`, shared by all the communicators of a run), the buffer rules stated once
-# (contiguous arrays; GPU arrays synchronized and, without a CUDA-aware MPI, staged through host memory, chapter 21),
-# and an optional check of the sequence of calls (section 6). `Comm` wraps what hsgd uses:
+# hsgd's parallel code calls collectives only through `hsgd.grid.comm.Comm`, a thin wrapper that makes the same
+# uppercase calls and adds a `CommStats` record per call (shared by all communicators of a run), the buffer rules
+# stated once (contiguous; GPU arrays staged through host memory without a CUDA-aware MPI, chapter 21), and an
+# optional check of the call sequence (section 6):
 #
 # | `hsgd.grid.comm.Comm` | mpi4py call it makes | payload recorded (bytes) |
 # |---|---|---|
@@ -299,11 +267,9 @@ if rank == 0:
 # | `Send`, `Recv`, `Isend`, `Irecv` | the same | the message |
 # | `allgather_obj(obj)` | `allgather(obj)` (lowercase, pickled) | (not recorded: metadata) |
 #
-# hsgd has no `Reduce` or `Sendrecv` wrapper: no step of its algorithms needs them (its pipeline sends with
-# `Isend`/`Irecv`). The payload is always the size of the *logical tensor* of the call, not the bytes
-# an algorithm moves: those depend on the algorithm MPI picks, and section 4 derives them for the ring. The later
-# chapters compare these recorded payloads with their formulas (chapter 4 the data-parallel gradient, chapter 5
-# the tensor-parallel activations, ...), so here is a check that the records say exactly what was called.
+# No step of hsgd needs `Reduce` or `Sendrecv`, so neither is wrapped. The payload is the *logical tensor's* size,
+# not the bytes an algorithm moves (section 4 derives those); later chapters compare it with their formulas, so
+# the check below asks that the records say exactly what was called.
 
 # %%
 stats = CommStats()                                               # calls, payload bytes, seconds per (comm, op)
@@ -346,24 +312,18 @@ check.equal("CommStats: one call each, payload = the logical tensor's bytes", st
 # %% [markdown]
 # ## 4. The ring All-Reduce, by hand
 #
-# How can P ranks sum their vectors of n bytes each? The obvious way, everyone sends to rank 0, which adds and
-# sends the sum back, makes rank 0 receive (p-1)n bytes and send (p-1)n: its link carries everything while the
-# others idle, so the time grows with p. The **ring** keeps every link equally busy. Cut each rank's vector into p
-# chunks of n/p bytes and arrange the ranks in a ring, r sending to r+1:
+# Summing at rank 0 and sending back makes rank 0's link carry (p-1)n bytes each way while the others idle. The
+# **ring** keeps every link equally busy: cut each vector into p chunks of n/p bytes, rank r sending to r+1.
 #
-# * **Reduce-Scatter phase, p-1 steps.** At step s (s = 0..p-2) rank r sends its partial sum of chunk (r-s) mod p
-#   to the right and receives chunk (r-s-1) mod p from the left, to which it adds its own. Each partial sum travels
-#   one hop per step and picks up one more rank's contribution; after p-1 steps rank r holds chunk (r+1) mod p
-#   summed over all p ranks.
-# * **All-Gather phase, p-1 steps.** At step s rank r sends the complete chunk (r+1-s) mod p to the right and
-#   receives complete chunk (r-s) mod p from the left, which overwrites its own. After p-1 steps every rank holds
-#   every summed chunk.
+# * **Reduce-Scatter, p-1 steps.** At step s rank r sends its partial sum of chunk (r-s) mod p to the right and
+#   adds the chunk (r-s-1) mod p arriving from the left; after p-1 steps it holds chunk (r+1) mod p summed over all.
+# * **All-Gather, p-1 steps.** At step s rank r passes the complete chunk (r+1-s) mod p on and overwrites chunk
+#   (r-s) mod p with the one arriving.
 #
-# Each step is one `Sendrecv` of n/p bytes with both neighbours, all ranks at once. Per rank that is
-# 2(p-1) messages of n/p bytes: **2(p-1)/p x n bytes sent** (and as many received), whatever p is. This is the
-# ring of Patarasuk and Yuan (2009, "Bandwidth optimal all-reduce algorithms for clusters of workstations"); it
-# is also the "Reduce-Scatter then All-Gather" decomposition that Thakur, Rabenseifner and Gropp (2005,
-# "Optimization of collective communication operations in MPICH") use for long messages.
+# Each step is one `Sendrecv` of n/p bytes, so each rank sends **2(p-1)/p x n bytes** (and receives as many),
+# whatever p is: the ring of Patarasuk and Yuan (2009, "Bandwidth optimal all-reduce algorithms for clusters of
+# workstations"), and the Reduce-Scatter-then-All-Gather that Thakur, Rabenseifner and Gropp (2005, "Optimization
+# of collective communication operations in MPICH") use for long messages.
 
 # %%
 def ring_allreduce(comm, x, trace=None):
@@ -419,25 +379,18 @@ check.equal("ring: bytes sent per rank == 2(p-1)/p x payload", sent, 2 * (P - 1)
 say(f"payload {g.nbytes:,} B; the ring sent {sent:,} B from each rank = 2(p-1)/p x payload, p = {P}")
 
 # %% [markdown]
-# **The tolerance.** The ring, MPI's algorithm and `np.sum` add the same four numbers in different orders, and
-# floating-point addition is not associative, so the results may differ in the last bits. Any order of summing p
-# numbers has an error of at most $(p-1)\,u \sum_r |x_r|$ (to first order), with $u = \epsilon/2$ the unit
-# roundoff of float64; two orders therefore differ by at most $(p-1)\,\epsilon \sum_r |x_r|$, elementwise. The
-# checks divide by $\sum_r |g_r|$ and compare with $(p-1)\epsilon$ = 6.7e-16. (A relative error
-# |ring - ref| / |ref| would be the wrong yardstick: where the four numbers nearly cancel, it can be large for any
-# order.) Every rank of the ring ends with the same bits, by construction: each chunk is summed once, by one rank,
-# and then copied. MPI's `Allreduce` gave every rank the same bits too, as the digests show; chapter 4 relies on
-# that to keep data-parallel replicas identical (and checks it every step).
+# **The tolerance.** Floating-point addition is not associative, so the ring, MPI and `np.sum` may differ in the
+# last bits. Any order of summing p numbers errs by at most $(p-1)\,u \sum_r |x_r|$ (first order, $u = \epsilon/2$),
+# so two orders differ by at most $(p-1)\,\epsilon \sum_r |x_r|$ elementwise, the bound checked above (a relative
+# error |ring - ref|/|ref| would be the wrong yardstick where the numbers nearly cancel). The ring gives every rank
+# the same bits by construction (each chunk is summed once, then copied); MPI's did too here, as the digests show,
+# and chapter 4 relies on it to keep replicas identical.
 #
-# **Why 2(p-1)/p is the least any algorithm can send.** Think of the two halves. After a Reduce-Scatter, rank r
-# holds the sum of chunk r, which depends on the other p-1 ranks' values of that chunk; conversely each rank's
-# values of the p-1 chunks it does not own must leave it, in some form (possibly already added to others), so
-# each rank sends at least (p-1)/p x n bytes. After an All-Gather, each rank holds all p chunks and had only one,
-# so it receives at least (p-1)/p x n bytes. An All-Reduce does both jobs, and Patarasuk and Yuan (2009) prove the
-# bound of 2(p-1)/p x n bytes per rank for it, which the ring meets. So with the ring, an All-Reduce over p ranks
-# costs each rank about 2n bytes however large p grows, while an All-Gather or a Reduce-Scatter alone costs
-# (p-1)/p x n. The picture shows the ring's steps on the four ranks, run on inputs that record who contributed:
-# rank r's chunks all hold $2^r$, so every partial sum is a bit mask of the ranks it contains.
+# **Why 2(p-1)/p is the least.** After a Reduce-Scatter each rank's values of the p-1 chunks it does not own must
+# have left it, in some form: (p-1)/p x n bytes sent. After an All-Gather each rank holds p chunks and had one:
+# (p-1)/p x n received. An All-Reduce does both, and Patarasuk and Yuan (2009) prove the 2(p-1)/p x n bound, which
+# the ring meets: about 2n bytes per rank however large p grows. The picture shows the ring's steps on inputs that
+# record who contributed: rank r's chunks hold $2^r$, so every partial sum is a bit mask of its ranks.
 
 # %%
 trace = []
@@ -479,10 +432,8 @@ final = trace[-1]
 check.equal("ring on bit masks: every chunk ends with all ranks (2^p - 1)", final.tolist(), [2.0 ** P - 1] * P)
 
 # %% [markdown]
-# The bytes of every collective, both columns: the **payload** (what `CommStats` records: the logical tensor of
-# the call) and the **bytes each rank sends** in the bandwidth-optimal algorithm (ring or pairwise exchange, as
-# in Thakur, Rabenseifner and Gropp 2005). The ring All-Reduce row was measured above; exercises 1 and 4 measure
-# the All-Gather and Alltoall rows with hand-written versions.
+# Both columns for every collective: the **payload** (`CommStats`) and the **bytes each rank sends** in the
+# bandwidth-optimal algorithm (ring or pairwise exchange). Exercises 1 and 4 measure the All-Gather and Alltoall rows.
 
 # %%
 n_ex = g.nbytes                                                   # the payload of section 4, as an example
@@ -501,41 +452,30 @@ say(f"(p = {P}; the factors 2(p-1)/p and (p-1)/p tend to 2 and 1 as p grows)")
 # %% [markdown]
 # ## 5. The alpha-beta cost model, measured
 #
-# How long does a message of n bytes take? The simplest model that works is a fixed cost per message plus a cost
-# per byte,
+# Hockney's model (Hockney 1994, "The communication challenge for MPP: Intel Paragon and Meiko CS-2") prices a
+# message of n bytes as
 #
 # $$T(n) = \alpha + \beta\, n,$$
 #
-# Hockney's model (Hockney 1994, "The communication challenge for MPP: Intel Paragon and Meiko CS-2"): $\alpha$ is
-# the **latency** (software overhead, synchronization, the time of an empty message) and $1/\beta$ the
-# **bandwidth**. Small messages cost about $\alpha$ whatever their size, large ones about $\beta n$; they meet at
-# $n_{1/2} = \alpha/\beta$, where half the time is latency. Collectives are sums of messages, so they follow the
-# same form with other constants: for the ring All-Reduce, $T = 2(p-1)\alpha + 2\frac{p-1}{p} n \beta +
-# \frac{p-1}{p} n \gamma$, with $\gamma$ the time per byte of the additions (Thakur, Rabenseifner and Gropp 2005
-# give such a formula for each algorithm of MPICH).
+# $\alpha$ the **latency** (the time of an empty message), $1/\beta$ the **bandwidth**; the two terms are equal at
+# $n_{1/2} = \alpha/\beta$. A collective is a sum of messages, so it has the same form with other constants: the
+# ring All-Reduce costs $2(p-1)\alpha + 2\frac{p-1}{p} n \beta + \frac{p-1}{p} n \gamma$ (Thakur, Rabenseifner
+# and Gropp 2005 give one such formula per MPICH algorithm). The fit below is made honest by:
 #
-# Here the model is fitted to measurements on this machine. How, so that the fit is honest:
+# * **Two ranks measure, two sleep.** Four busy ranks would take turns on the 2 cores (and MPICH's waiting ranks
+#   spin), so ranks 0 and 1 time the calls on a communicator of their own (`Split`, chapter 3) while ranks 2 and 3
+#   sleep in `politely_wait`. Everything below is for p = 2.
+# * **Interleaved calls, medians.** Each call is timed alone after a `Barrier`, all (collective, size) pairs in one
+#   random order per round, 40 rounds (small messages 8 times a round); the median ignores the calls another
+#   program disturbed.
+# * **Sizes where the line holds.** Only messages of at most 1 KiB (latency) and of 2 MiB and more (bandwidth) are
+#   fitted. In between MPICH switches protocol (eager copies vs a handshake) and algorithm (its `MPIR_CVAR_*`
+#   thresholds), and caches help; those sizes are drawn, not fitted.
+# * **Relative least squares**, $\sum_i ((\alpha + \beta n_i)/t_i - 1)^2$, still linear in $(\alpha, \beta)$,
+#   weighs a 10% miss at 16 B and at 4 MiB alike.
 #
-# * **Two ranks measure, two wait.** This machine has 2 cores; four busy ranks would take turns on them, and
-#   MPICH's waiting ranks poll (they spin). So ranks 0 and 1 form a communicator of their own (`Split`, chapter 3)
-#   and time each collective on it, while ranks 2 and 3 sleep in `politely_wait`. Everything below is for p = 2.
-# * **One call at a time, interleaved, medians.** Every call is timed on its own, after a `Barrier`, and the calls
-#   of all (collective, size) pairs come in a random order: a round times each fitted message of at most 1 KiB
-#   8 times, each fitted large one twice and the others (only drawn) once, and there are 40 rounds. The fit
-#   uses the median of each pair's samples (the larger of the two ranks' medians). Other programs on the machine
-#   then disturb all pairs alike, at random moments, and the median ignores the calls they hit.
-# * **Sizes where the line holds.** The sizes run from 16 B to 4 MiB, but the line is fitted only to messages of
-#   at most 1 KiB, where latency dominates, and of 2 MiB and more, where bandwidth does. In between, MPICH changes
-#   method: small messages are copied eagerly into shared-memory cells of fixed size, large ones after a handshake,
-#   and most collectives switch algorithm at some size (its thresholds are `MPIR_CVAR_*` variables; `mpivars` lists
-#   them); and messages that fit a core's cache copy faster per byte than those that do not. Those sizes are measured
-#   and drawn, not fitted: the table shows how far they fall from the line.
-# * **Relative least squares.** The times span orders of magnitude; an ordinary least-squares fit would serve
-#   the 4 MiB points and ignore the small ones. Minimizing $\sum_i ((\alpha + \beta n_i)/t_i - 1)^2$ instead, which
-#   is still linear in $(\alpha, \beta)$, treats a 10% miss at 16 B and at 4 MiB alike.
-#
-# The check: on the fitted sizes the line reproduces every measured median within 30%. A collective whose line
-# misses is measured again, twice at most: another program busy on the same cores can spoil a whole measurement.
+# The check: on the fitted sizes the line reproduces every median within 30%; a collective that misses is measured
+# again, twice at most.
 
 # %%
 KiB, MiB = 1 << 10, 1 << 20
@@ -679,8 +619,8 @@ for op in OPS:
           TOLERANCE)
 
 # %% [markdown]
-# The picture: the measured medians (filled: fitted; hollow: the middle sizes, not fitted) and the fitted lines, on
-# log-log axes; on the right, how far the line is from each median, with the 30% band.
+# The picture: the medians (filled: fitted; hollow: not) and the fitted lines, log-log; right, each median's
+# distance from its line, with the 30% band.
 
 # %%
 if rank == 0:
@@ -710,13 +650,10 @@ if rank == 0:
     say(f"picture: {pictures.save(fig, '02_alpha_beta_fit')}")
 
 # %% [markdown]
-# **Latency and bandwidth against the ring's prediction.** On p = 2 ranks, the ring's bytes per rank (section 4)
-# predict each collective's $\beta$ from that of one `Sendrecv` step: Allreduce sends 2(p-1)/p = 1 x n per rank,
-# so $\beta_{Allreduce} = \beta_{Sendrecv}$; Allgather, Reduce-Scatter and Alltoall send (p-1)/p = 1/2 x n, so
-# half of it; a two-rank Bcast is one message of n bytes. The latencies are another matter: for short messages
-# MPICH does not use the ring but algorithms with fewer steps (recursive doubling, binomial trees; Thakur,
-# Rabenseifner and Gropp 2005), which on two ranks come down to one exchange, or for a Bcast one message one way,
-# with no reply to wait for. So each $\alpha$ is compared with one `Sendrecv`'s.
+# **Against the ring's prediction.** On p = 2 the ring's bytes per rank predict each $\beta$ from one `Sendrecv`'s:
+# Allreduce sends 2(p-1)/p = 1 x n, so the same; Allgather, Reduce-Scatter and Alltoall (p-1)/p = 1/2 x n; a Bcast
+# one message of n. For short messages MPICH uses fewer-step algorithms (recursive doubling, binomial trees), one
+# exchange on two ranks, so each $\alpha$ is compared with one `Sendrecv`'s.
 
 # %%
 alpha_sr, beta_sr = fits["Sendrecv"]
@@ -731,24 +668,18 @@ check.holds("beta: Allreduce costs more per payload byte than Allgather",
             fits["Allreduce"][1] > fits["Allgather"][1])
 
 # %% [markdown]
-# Read the ratios with the machine in mind. On one computer a "message" is a memory copy (or two, through a shared
-# buffer), done by the CPU, and everything else a collective does with memory costs the same kind of time: an
-# Allgather also copies the rank's own block into the output, an Alltoall its own block, an Allreduce and a
-# Reduce-Scatter add numbers (the $\gamma$ term). The ring's prediction counts only the bytes that travel, so the
-# collectives that also copy or add come out above it, the reductions most; a Bcast, which only sends, comes
-# closest. The ordering the ring predicts holds, and is checked: an Allreduce costs more per payload byte than an
-# Allgather (twice the bytes per rank, plus the additions). Between the GPUs of a cluster the links, not the memory,
-# are the slow part, and the ring's byte counts are what the links carry: that is why NCCL's performance tests
-# (nccl-tests) report a "bus bandwidth", the payload rate times 2(p-1)/p for an All-Reduce and (p-1)/p for an
-# All-Gather, and DeepSpeed's communication logger computes the same.
+# On one computer a "message" is a memory copy, and so is everything else a collective does with memory: Allgather
+# and Alltoall also copy the rank's own block, the reductions add (the $\gamma$ term). The ring counts only bytes
+# that travel, so these come out above it, the reductions most, and a Bcast closest. The ordering holds and is
+# checked: an Allreduce costs more per payload byte than an Allgather. Between GPUs the links are the slow part
+# and carry exactly the ring's bytes, which is why nccl-tests report a "bus bandwidth" (payload rate times
+# 2(p-1)/p for an All-Reduce, (p-1)/p for an All-Gather), as DeepSpeed's communication logger does.
 #
-# **When is a step communication-bound?** Data parallelism (chapter 4) sums every weight gradient over the
-# replicas once per step. Take one linear layer, W of C x 4C with C = 256: its gradient is 2 MiB of float64,
-# inside the fitted range. Its forward and backward matmuls (Y = XW, dX = dY W^T, dW = X^T dY) cost
-# 3 x 2 N C (4C) flops for N tokens on the rank, so the **arithmetic intensity** against the gradient's bytes is
-# 6 N C 4C / (8 C 4C) = 0.75 N flops per byte: it grows with the tokens per rank, while the All-Reduce's cost does
-# not. Below some N the step waits more for the network than it computes (unless the two overlap, chapter 8).
-# With the Allreduce's fitted line and the matmuls timed on one core of this machine:
+# **When is a step communication-bound?** Data parallelism (chapter 4) sums every weight gradient once per step.
+# For one linear layer W of C x 4C, C = 256 (a 2 MiB float64 gradient, inside the fitted range), the matmuls
+# Y = XW, dX = dY W^T, dW = X^T dY cost 6 N C (4C) flops on N tokens: 0.75 N flops per gradient byte. The
+# intensity grows with the tokens per rank, the All-Reduce does not; below some N the step waits more than it
+# computes (unless the two overlap, chapter 8). With the fitted Allreduce line and the matmuls timed on one core:
 
 # %%
 grad_bytes = C_LAYER * 4 * C_LAYER * 8                            # the layer's gradient, float64
@@ -766,33 +697,66 @@ say(f"break-even: below about {t_ar / per_token:.0f} tokens per rank, this layer
     f"its matmuls (here, on one core and shared memory)")
 
 # %% [markdown]
-# Keep the numbers in proportion. This is one CPU core computing and the same machine's memory "communicating",
-# so the break-even point is small: on this machine a data-parallel step is compute-bound unless each rank has very
-# few tokens. On GPUs the balance moves the other way: a GPU computes the matmuls far faster than a CPU core, while
-# the links between GPUs (NVLink inside a server, InfiniBand between servers) are not faster by the same factor,
-# and crossing servers is slower than staying inside one. The break-even number of tokens per
-# rank grows by that ratio, and communication becomes the part of a step to hide and to place well. That is why
-# the lecture's section 4.1 keeps the tensor-parallel traffic (every layer, forward and backward) inside a server,
-# overlaps the data-parallel All-Reduce with the backward pass, and recommends an efficient collective library
-# (NCCL); chapters 3, 8 and 21 take those up. The method carries over unchanged: fit $\alpha$ and $\beta$ of the
-# real interconnect, count the bytes of each collective with the ring's factors, and compare with the flops.
+# One CPU core computing against the same machine's memory "communicating" puts the break-even low. On GPUs the
+# matmuls get far faster than the links (NVLink in a server, InfiniBand between servers), so the break-even grows
+# by that ratio and communication becomes the part to hide and to place: hence the lecture's section 4.1 keeps
+# tensor-parallel traffic inside a server, overlaps the data-parallel All-Reduce with the backward and recommends
+# NCCL (chapters 3, 8 and 21). The method carries over: fit the real $\alpha$ and $\beta$, count bytes with the
+# ring's factors, compare with the flops.
+
+# %% [markdown]
+# **How NCCL really runs a collective.** Section 4's ring is one ring on one link. A GPU has several NVLinks and a
+# node several NICs, which one ring cannot fill, so NCCL runs several **channels** at once, each a ring (or tree)
+# over its own share of the buffer, on its own links and thread block (`NCCL_MIN_NCHANNELS`, `NCCL_MAX_NCHANNELS`).
+# With c channels on c independent links the bandwidth term becomes $2\frac{p-1}{p}\frac{n}{c}\beta$; the latency
+# term stays, the channels stepping in parallel.
+#
+# For small messages the ring's 2(p-1) latencies dominate. NCCL's **tree** All-Reduce reduces up a binary tree and
+# broadcasts down it, 2 log2 p steps, on two complementary trees (a rank interior in one is a leaf in the other;
+# Sanders, Speck and Träff 2009, "Two-tree algorithms for full bandwidth broadcast, reduction and scan"), each
+# carrying half the data, so each rank still sends about 2n: $T \approx 2\log_2 p\,\alpha + 2n\beta$. On H100
+# systems **NVLS** (NVLink SHARP) reduces inside the NVSwitch: each GPU sends its buffer to the switch once and
+# reads the sum back, about n each way instead of 2(p-1)/p n through its peers; CollNet does the same in
+# InfiniBand SHARP switches. `NCCL_ALGO` restricts the choice (Ring, Tree, NVLS, NVLSTree, CollnetDirect,
+# CollnetChain).
+#
+# The **protocol** (`NCCL_PROTO`) trades $\alpha$ for $\beta$: Simple moves large chunks behind a memory fence
+# (full bandwidth, highest latency); LL stores 4 bytes of data with a 4-byte flag (lowest latency, half the
+# bandwidth); LL128 puts 120 bytes of data in each 128-byte line (nearly full bandwidth, where NVLink keeps a line's
+# order). NCCL picks algorithm, protocol and channels per call from its own alpha-beta tables. The latency steps of
+# ring and tree, for this chapter's p and larger:
+
+# %%
+def tree_depth(p):
+    """Hops from the deepest rank to the root of a binary tree over p ranks in heap order (children 2i+1, 2i+2)."""
+    depth = [0] * p
+    for i in range(1, p):
+        depth[i] = depth[(i - 1) // 2] + 1                        # one hop below its parent
+    return max(depth)
+
+
+P_SHOWN = [P, 8, 64, 512]
+say(f"{'p':>5}{'ring steps 2(p-1)':>19}{'tree steps 2 log2 p':>20}{'latency, ring (us)':>20}{'tree (us)':>11}")
+for p in P_SHOWN:
+    say(f"{p:>5}{2 * (p - 1):>19}{2 * tree_depth(p):>20}{2 * (p - 1) * alpha_sr * 1e6:>20.1f}"
+        f"{2 * tree_depth(p) * alpha_sr * 1e6:>11.1f}")
+say("(latency: steps x this machine's Sendrecv alpha; the bandwidth terms are about equal, 2n beta)")
+check.equal("ring: 2(p-1) Sendrecv steps, counted in section 4's trace", len(trace), 2 * (P - 1))
+check.equal("binary tree over p ranks: depth log2 p", [tree_depth(p) for p in P_SHOWN],
+            [int(np.log2(p)) for p in P_SHOWN])
 
 # %% [markdown]
 # ## 6. Debugging: a hang that is caught, a rank that fails
 #
-# **(a) A mismatched collective.** The classic bug of SPMD code: one rank takes a different branch and calls a
-# different collective (or the same one with another shape, or one collective fewer) than the others. MPI does not
-# check: the ranks wait for partners that are doing something else, and the job hangs, usually with no message,
-# until its time limit. Or worse, it finishes with wrong numbers, when the mismatched calls happen to exchange
-# compatible bytes.
+# **(a) A mismatched collective.** The classic SPMD bug: one rank takes another branch and calls a different
+# collective (or another shape, or one fewer). MPI does not check; the job hangs silently until its time limit, or
+# finishes with wrong numbers when the calls happen to exchange compatible bytes.
 #
-# `hsgd.grid.comm.Comm(..., check=True)`, or `HSGD_CHECK_COLLECTIVES=1` in the environment (the same switch for every
-# `Comm` made without `check=`), makes the ranks of a communicator agree before each collective: a small pickled
-# `allgather` of (operation, communicator name, shapes, dtype, call number). When they differ, every rank raises
-# `CollectiveMismatch`, with a message that names each rank's call; and since the check runs *before* the real
-# collective, no rank is left inside MPI, and the communicator stays usable. The price is one extra
-# small-message latency per collective, which is why it is off by default. Here rank 0 calls `Allreduce` while the
-# others call `Allgather`:
+# `Comm(..., check=True)`, or `HSGD_CHECK_COLLECTIVES=1` for every `Comm` made without `check=`, makes the ranks
+# agree before each collective through a small pickled `allgather` of (operation, communicator name, shapes,
+# dtype, call number). On a difference every rank raises `CollectiveMismatch`, naming each rank's call; since this
+# happens *before* the real collective, no rank is left inside MPI. The price, one small-message latency per call,
+# is why it is off by default. Here rank 0 calls `Allreduce`, the others `Allgather`:
 
 # %%
 checked = Comm(world, "world", CommStats(), check=True)
@@ -829,26 +793,18 @@ del os.environ["HSGD_CHECK_COLLECTIVES"]
 check.holds("HSGD_CHECK_COLLECTIVES=1 turns the check on", from_env and not Comm(world, "world").check)
 
 # %% [markdown]
-# Without the check, the first pair of calls would have been rank 0 inside `MPI_Allreduce` and ranks 1-3 inside
-# `MPI_Allgather`: mismatched collectives, which the MPI standard calls erroneous and leaves undefined. In practice
-# such a job hangs, or, worse, completes with garbage; this chapter does not run it. The check has a limit, which
-# `hsgd/grid/comm.py` states: it cannot catch a rank that never calls the check on that communicator. A rank that skips
-# a collective and then makes a *different* one on the same communicator is caught (the next call's operation,
-# shape or call number differ); a rank that skips it and then waits elsewhere (in another communicator, in a raw
-# mpi4py call, or in nothing at all) leaves the others inside the check's own `allgather`, hanging as before.
-# Exercise 3 is such a hunt.
+# Unchecked, rank 0 would sit in `MPI_Allreduce` and ranks 1-3 in `MPI_Allgather`: erroneous by the MPI standard,
+# in practice a hang or garbage. The check's limit (stated in `hsgd/grid/comm.py`): a rank that skips a collective
+# and then makes a *different* one on the same communicator is caught; one that skips it and waits elsewhere (another
+# communicator, a raw mpi4py call) leaves the others hanging in the check's own `allgather`. Exercise 3 is such a
+# hunt.
 #
-# **(b) A rank that raises.** An exception on one rank (a bug, a full disk) is dangerous less for that rank than for
-# the others, which are already waiting in their next collective for a partner that will never arrive. How long
-# they wait depends on the MPI library and launcher; mpi4py's documentation warns that an unhandled exception
-# combined with its automatic `MPI_Finalize` at exit may deadlock (its `python -m mpi4py` runner aborts instead).
-# hsgd's entry points run their main function through `hsgd.grid.launch.run`: on an exception that is not a usage error
-# or an agreed numerical fault, the rank prints its traceback, each line prefixed `[rank r]`, says it is aborting,
-# and calls `MPI_Abort` on `COMM_WORLD`, which ends every rank of the job; `mpiexec` then exits non-zero.
-#
-# Rank 0 runs such a job below, two ranks in a subprocess (with an outer `timeout`, so that nothing can hang this
-# chapter): rank 1 raises, while rank 0 is waiting in an `Allreduce`. The other ranks of this chapter sleep
-# meanwhile, and the verdict is shared with all of them.
+# **(b) A rank that raises.** The danger is to the other ranks, already waiting in their next collective for a
+# partner that will never come; mpi4py's documentation warns that an unhandled exception plus its automatic
+# `MPI_Finalize` may deadlock. hsgd's entry points run through `hsgd.grid.launch.run`: on an exception that is not
+# a usage error or an agreed numerical fault, the rank prints its traceback (lines prefixed `[rank r]`) and calls
+# `MPI_Abort` on `COMM_WORLD`, which ends every rank; `mpiexec` exits non-zero. Below, rank 0 runs such a two-rank
+# job in a subprocess under `timeout`: rank 1 raises while rank 0 waits in an `Allreduce`.
 
 # %%
 JOB = '''
@@ -903,24 +859,17 @@ check.holds("... with one clear message: the traceback and the abort",
 # %% [markdown]
 # ## 7. The all-to-all: a transpose, with counts, and its adjoint
 #
-# **Equal blocks.** Section 2's `Alltoall` sent block j of rank i to rank j, where it became block i. Stack the
-# ranks' send buffers as a p x p matrix of blocks, $S_{ij}$ = block j of rank i (what i has *for* j), and the
-# receive buffers likewise, $R_{ji}$ = block i of rank j (what j got *from* i): the call makes $R = S^T$. The
-# all-to-all is the transpose of the (rank, block) matrix, the one collective in which every rank has something
-# different for every other. A transpose applied twice is the identity, and as a linear map of all the ranks' numbers
-# it only moves them, a permutation, so its adjoint is its inverse: `Alltoall` is its own adjoint, as
-# Reduce-Scatter is the All-Gather's (section 2).
+# **Equal blocks.** Stack the send buffers as a p x p matrix of blocks, $S_{ij}$ = what rank i has for rank j, and
+# the receive buffers likewise, $R_{ji}$ = what j got from i: `Alltoall` makes $R = S^T$. It only moves numbers (a
+# permutation), so its adjoint is its inverse, itself.
 #
-# **Counted rows: `Alltoallv`.** A mixture-of-experts layer needs it with uneven blocks: each token goes to the rank
-# that holds the expert its router chose, and rank i has $M_{ij}$ tokens for rank j, a different number every step.
-# `Comm.Alltoallv(send, send_counts, recv, recv_counts)` takes the counts in rows: rank i's send buffer holds its
-# rows in rank order, first the $M_{i0}$ rows for rank 0, then the $M_{i1}$ for rank 1, ... (the displacements are
-# the running sums of the counts), and its receive buffer gets the $M_{0i}$ rows of rank 0, then those of rank 1,
-# ... So send_counts is row i of M and recv_counts column i; no rank knows its column before the step, so the
-# counts travel first, in an `Alltoall` of p integers (rank i's row of M in, its column out). Every
-# expert-parallel dispatch makes these two calls, the counts then the rows. Below, M is fixed and uneven, with zeros
-# (rank 2 keeps none of its own rows and receives from rank 1 only), and each row carries a tag
-# 100(i+1) + 10j + k (sender i, receiver j, k-th row of that block) that the picture decodes.
+# **Counted rows: `Alltoallv`.** A mixture-of-experts layer sends each token to the rank of its chosen expert:
+# rank i has $M_{ij}$ rows for rank j, a different number every step. `Comm.Alltoallv(send, send_counts, recv,
+# recv_counts)` takes counts in rows; the send buffer holds the rows in rank order (the displacements are running
+# sums), and so does the receive buffer. send_counts is row i of M, recv_counts column i, which no rank knows
+# beforehand: every expert-parallel dispatch first sends the counts by an `Alltoall` of p integers, then the rows.
+# Below M is uneven, with zeros (rank 2 keeps none of its rows and receives from rank 1 only), and each row carries
+# a tag 100(i+1) + 10j + k (sender i, receiver j, k-th row) that the picture decodes.
 
 # %%
 ep = Comm(world, "world", CommStats())                            # hsgd's wrappers, with their own records
@@ -956,9 +905,8 @@ check(EXACT[-1], float(np.max(np.abs(got_tags - ref_tags))) if ref_tags.size els
 check.holds("Alltoallv: every rank received sum_i M[i, rank] rows", got_tags.shape == ref_tags.shape)
 
 # %% [markdown]
-# The picture, from the buffers above: the counts matrix M and its transpose, and each rank's send and receive
-# buffers, one cell per row with its tag "i>j" (sender > receiver), coloured by the receiver. Before the call a rank's
-# buffer holds every colour, in rank order; after it, one colour, its own, from every sender in rank order.
+# The picture: M and its transpose, and each rank's buffers, one cell per row tagged "i>j" and coloured by the
+# receiver: every colour in rank order before the call, one colour after.
 
 # %%
 buffers = world.gather((tags, got_tags), root=0)                  # small: lowercase, for the picture
@@ -1001,16 +949,11 @@ if rank == 0:
     say(f"picture: {draw_alltoallv()}")
 
 # %% [markdown]
-# **The adjoint.** `Alltoallv` with the counts (send = row of M, recv = column) is a linear map A from all the send
-# buffers to all the receive buffers; it moves each row to exactly one place, so A is a 0/1 matrix with one 1 in
-# every row and column, and $A^T = A^{-1}$: the `Alltoallv` with the counts swapped (send = column, recv = row),
-# which sends every row back where it came from. In a mixture-of-experts layer the first is the **dispatch**
-# (tokens to the ranks of their experts), the second the **combine** (the experts' outputs back to the tokens'
-# ranks). So the backward of the dispatch is the combine's communication, and the backward of the combine the
-# dispatch's: $\langle A x, y\rangle = \langle x, A^T y\rangle$ for any x and y, summed over all ranks, which is
-# checked here on random rows of width 3, with the combine undoing the dispatch bit for bit. The records say
-# what the calls were: one call each and the send buffer's bytes, this rank's own block included (it is copied,
-# not sent), as for `Allgather` and `Reduce_scatter_block`.
+# **The adjoint.** `Alltoallv` with counts (row of M, column of M) is a 0/1 matrix A with one 1 per row and column,
+# so $A^T = A^{-1}$: the `Alltoallv` with the counts swapped. In a mixture-of-experts layer the first is the
+# **dispatch**, the second the **combine**, so each one's backward is the other's communication. Checked:
+# $\langle A x, y\rangle = \langle x, A^T y\rangle$ summed over ranks, the combine undoing the dispatch bit for bit,
+# and the records (one call each, the send buffer's bytes, own block included).
 
 # %%
 WIDTH = 3                                                         # numbers per row (a token's features)
@@ -1033,18 +976,15 @@ check.equal("CommStats: 3 Alltoall, 4 Alltoallv, payload = the send buffers",
              ("world", "Alltoallv"): (4, n_out * 8 + n_out * row_bytes + 2 * n_in * row_bytes)})
 
 # %% [markdown]
-# **Its cost.** With equal blocks each rank keeps 1/p of its send buffer and sends the rest: (p-1)/p x n bytes
-# leave it and as many arrive, n being the payload. The pairwise exchange (exercise 4; MPICH's algorithm for long
-# messages, Thakur, Rabenseifner and Gropp 2005) does it in p-1 steps of one message each way, so in the model of
-# section 5
+# **Its cost.** With equal blocks (p-1)/p x n bytes leave each rank and as many arrive. The pairwise exchange
+# (exercise 4; MPICH's long-message algorithm) takes p-1 steps of one message each way:
 #
 # $$T_{Alltoall} \approx (p-1)\,\alpha + \frac{p-1}{p}\, n\,\beta,$$
 #
-# the same bytes as an All-Gather, but every step carries different data: no algorithm can forward or combine, and
-# the bytes per rank do not shrink as p grows. (For short blocks MPICH uses Bruck's algorithm, $\lceil\log_2
-# p\rceil$ steps of bigger messages: fewer latencies, more bytes.) With uneven counts the step waits for the busiest
-# rank: about $(p-1)\,\alpha + \beta \max_r \max(\text{out}_r, \text{in}_r)$, with out and in the bytes that leave
-# and reach rank r. An unbalanced router slows the experts' matmuls *and* the all-to-all. For M above:
+# the bytes of an All-Gather, but no step can forward or combine. (For short blocks MPICH uses Bruck's algorithm,
+# $\lceil\log_2 p\rceil$ steps of bigger messages.) With uneven counts the busiest rank sets the time, about
+# $(p-1)\,\alpha + \beta \max_r \max(\text{out}_r, \text{in}_r)$: an unbalanced router slows the experts' matmuls
+# *and* the all-to-all. For M above:
 
 # %%
 keep = np.diag(routes)                                            # (P,) rows a rank keeps: copied, not sent
@@ -1069,11 +1009,9 @@ say(f"(section 5's Alltoall line, p = 2, fitted within {max(abs(d) for d in devi
     f"of its medians)")
 
 # %% [markdown]
-# **A mismatched count.** Before an `Alltoallv` the collective-sequence check (section 6) compares what the ranks
-# can agree on, the shape of a row and the dtype (the number of rows differs by design), and the counts themselves,
-# in the same one `allgather`: rank i's send_counts[j] must equal rank j's recv_counts[i], or every rank raises.
-# Here rank 3 expects one row more from rank 0 than rank 0 sends (the classic bug: counts computed locally instead
-# of exchanged):
+# **A mismatched count.** Before an `Alltoallv` the check (section 6) also compares the counts: rank i's
+# send_counts[j] must equal rank j's recv_counts[i]. Here rank 3 expects one row more from rank 0 than it sends
+# (the classic bug: counts computed locally instead of exchanged):
 
 # %%
 wrong = routes[:, rank].copy()                                    # (P,) my column of M ...
@@ -1085,33 +1023,26 @@ check.holds("wrong counts: every rank raised, naming ranks 0 and 3's counts",
             all("rank 0's send_counts[3] = 1 but rank 3's recv_counts[0] = 2" in m for m in messages))
 
 # %% [markdown]
-# **Where it is used.** Expert parallelism (the chapter to come) splits a mixture-of-experts layer's experts over
-# p ranks. Each step: the router picks each token's experts; the tokens are sorted by the rank of their expert (a
-# permutation, kept as an index array); the counts travel by `Alltoall` and the tokens by `Alltoallv` (the
-# dispatch); each rank runs its experts; the outputs go back by the `Alltoallv` with the counts swapped (the
-# combine) and the inverse permutation puts them in token order. The backward runs the same communication the
-# other way round: the gradient of the combine is a dispatch, the gradient of the dispatch a combine. Exercise 5
-# builds it.
+# **Where it is used.** Expert parallelism (chapter 16) spreads a mixture-of-experts layer's experts over p ranks:
+# the router picks experts, tokens are sorted by their expert's rank (the permutation kept), counts go by `Alltoall`
+# and tokens by `Alltoallv` (dispatch), each rank runs its experts, and the swapped `Alltoallv` plus the inverse
+# permutation bring the outputs home (combine); the backward runs both the other way round. Exercise 5 builds it.
 
 # %% [markdown]
 # ## Check against serial
 #
-# What this chapter established, on 4 ranks and with every verdict reached collectively:
+# On 4 ranks, every verdict collective:
 #
-# * every collective (`Send`/`Recv`, `Sendrecv`, `Bcast`, `Reduce`, `Allreduce`, `Allgather`,
-#   `Reduce_scatter_block`, `Alltoall`) gives exactly what NumPy computes from every rank's input, and so do hsgd's
-#   `Comm` wrappers, whose `CommStats` record one call and the logical tensor's bytes for each;
-# * the ring All-Reduce written from `Sendrecv` equals MPI's `Allreduce` and NumPy's sum within the rounding bound
-#   $(p-1)\epsilon \sum_r |x_r|$, gives every rank the same bits, and sends 2(p-1)/p of the payload from each rank;
-# * the alpha-beta line, fitted on this machine, reproduces the measured times of small and large messages within
-#   30% (the sizes in between, where MPICH changes method, are drawn but not fitted);
-# * a mismatched collective raises `CollectiveMismatch` on every rank instead of hanging, and a rank that raises
-#   under `hsgd.grid.launch` ends its whole job within seconds with a non-zero exit code;
-# * `Comm.Alltoall` transposes the (rank, block) matrix and is its own inverse; `Comm.Alltoallv` moves counted rows
-#   as NumPy says, its adjoint is the `Alltoallv` with the counts swapped (to rounding, and the round trip bit for
-#   bit), and counts that do not pair up raise on every rank.
+# * every collective, raw and through `Comm`, gives exactly what NumPy computes, and `CommStats` records one call
+#   and the logical tensor's bytes for each;
+# * the hand-written ring equals `Allreduce` and NumPy within $(p-1)\epsilon \sum_r |x_r|$, gives every rank the
+#   same bits, and sends 2(p-1)/p of the payload per rank;
+# * the alpha-beta line fits the measured small and large messages within 30%;
+# * a mismatched collective raises on every rank instead of hanging; a raising rank ends its whole job;
+# * `Alltoall` is its own inverse, `Alltoallv`'s adjoint is the swapped-counts call, and counts that do not pair up
+#   raise on every rank.
 #
-# Chapter 3 builds the communicators these calls run on: ranks, `Split`, and the dp x pp x tp grid.
+# Chapter 3 builds the communicators these calls run on.
 
 # %%
 what, worst = check.worst(EXACT)                                  # the checks against NumPy and MPI
@@ -1122,9 +1053,8 @@ say(f"chapter 2: all {len(check.passed)} checks passed on {P} ranks; largest err
 # %% [markdown]
 # ## Cross-walk: hsgd and the production frameworks
 #
-# Megatron-LM calls its collectives through `torch.distributed`, and DeepSpeed through its own `deepspeed.comm`
-# layer on top of it, most often with the NCCL backend, which runs them on the GPUs (NCCL picks the algorithm: a
-# ring, a tree, ...). The operations are this chapter's; the names and the buffer conventions differ.
+# Megatron-LM calls its collectives through `torch.distributed`, DeepSpeed through `deepspeed.comm` on top of it,
+# mostly with the NCCL backend on GPU memory. The operations are this chapter's; names and buffer conventions differ.
 #
 # | hsgd (MPI, mpi4py) | Megatron-LM | DeepSpeed | PyTorch | where hsgd differs, on purpose |
 # |---|---|---|---|---|
@@ -1138,32 +1068,31 @@ say(f"chapter 2: all {len(check.passed)} checks passed on {P} ranks; largest err
 # | `CommStats`: calls, payload bytes, seconds per (communicator, operation) | none | the communication logger: `deepspeed.comm.log_summary()`; `calc_bw_log` (deepspeed/utils/comms_logging.py) converts to "bus bandwidth" with 2(n-1)/n and (n-1)/n | none in `torch.distributed` | hsgd records the payload and leaves the algorithm's factor to the formulas (section 4) |
 # | `Comm(check=True)` / `HSGD_CHECK_COLLECTIVES=1` -> `CollectiveMismatch` | none | none | `TORCH_DISTRIBUTED_DEBUG=DETAIL` wraps each process group in a `ProcessGroupWrapper` (torch/csrc/distributed/c10d/ProcessGroupWrapper.cpp) that compares the ranks' collective fingerprints: "Detected mismatch between collectives on ranks" | the same idea: one small exchange of (operation, shapes, dtype, sequence number) before each collective |
 # | `hsgd.grid.launch.run`: traceback, `MPI_Abort`, every rank ended | launched by `torchrun` (examples/gpt3/train_gpt3_175b_distributed.sh) | the `deepspeed` launcher (deepspeed/launcher/launch.py) kills all local ranks when one exits non-zero (`sigkill_handler`) | `torchrun`'s `LocalElasticAgent` starts and stops the workers of a node as one unit | inside the job, through MPI, rather than in a supervising launcher process |
+# | `ring_allreduce` (section 4): one ring, one link, p-1 + p-1 `Sendrecv` steps | per-communicator `min_ctas`/`max_ctas` (NCCL's channels) read from `--nccl-communicator-config-path` by `get_nccl_options` (megatron/core/parallel_state.py) | none: NCCL's defaults or `NCCL_MIN_NCHANNELS`/`NCCL_MAX_NCHANNELS` in the environment | `ProcessGroupNCCL.Options().config.min_ctas`/`max_ctas` | NCCL runs one ring per channel, each on its share of the data and its own links |
+# | MPICH's algorithm choice (its `MPIR_CVAR_*` thresholds); no tree All-Reduce in hsgd | none: `NCCL_ALGO` (Ring, Tree, NVLS, NVLSTree, CollnetDirect, CollnetChain) and `NCCL_PROTO` (Simple, LL, LL128) in the job's environment | none (the environment) | none (the environment) | hsgd keeps the ring's 2(p-1) latencies and its fitted alpha; NCCL picks algorithm and protocol per call from its own cost model |
 #
-# (Megatron-LM checks whether `torch.distributed` has `all_gather_into_tensor` and `reduce_scatter_tensor` and
-# falls back to the older `_all_gather_base` and `_reduce_scatter_base`; the same assignment opens
-# mappings.py and param_and_grad_buffer.py.)
+# (Megatron-LM falls back to the older `_all_gather_base` and `_reduce_scatter_base` where `torch.distributed` lacks
+# `all_gather_into_tensor` and `reduce_scatter_tensor`.)
 
 # %% [markdown]
 # ## Exercises
 #
 # ### Exercise 1: a ring All-Gather by hand
-# Write `ring_allgather(comm, part)` from `Sendrecv`: p-1 steps, at step s rank r passes the block it received at
-# step s-1 (its own at step 0) to the right and receives a new one from the left. Check that the result equals MPI's
-# `Allgather` bit for bit (an All-Gather only copies), and that each rank sent exactly (p-1)/p x the payload (the
-# gathered tensor's bytes). Try it on a sub-communicator of 3 ranks too (`world.Split`).
+# Write `ring_allgather(comm, part)` from `Sendrecv`: in p-1 steps rank r passes on the block it received last
+# (its own at first) and receives a new one from the left. Check it equals MPI's `Allgather` bit for bit, also on a
+# 3-rank sub-communicator (`world.Split`), and that each rank sent (p-1)/p x the gathered tensor's bytes.
 # (solution: `tutorials/solutions/02_collectives.py`, `exercise_1`)
 #
 # ### Exercise 2: a binomial-tree broadcast in log2 p rounds
-# Write `tree_bcast(comm, buf, root)` from `Send`/`Recv`: number the ranks relative to the root, d = (r - root) mod p;
-# in round k (k = 0, 1, ...) every rank with d < 2^k that has the data sends it to d + 2^k, if that exists. Check it
-# against MPI's `Bcast` for every root on 4 ranks and on 3, that it takes ceil(log2 p) rounds, and that every
-# non-root rank receives exactly n bytes while the root sends ceil(log2 p) x n. Then write its alpha-beta cost,
-# ceil(log2 p)(alpha + n beta), next to the ring-based broadcast (a scatter, then a ring All-Gather: about
-# (log2 p + p - 1) alpha + 2 (p-1)/p n beta): which wins for small messages, which for large, and why?
+# Write `tree_bcast(comm, buf, root)` from `Send`/`Recv`: with d = (r - root) mod p, in round k every rank with
+# d < 2^k sends to d + 2^k, if it exists. Check it against `Bcast` for every root on 4 ranks and on 3, that it takes
+# ceil(log2 p) rounds, and that each non-root rank receives n bytes while the root sends ceil(log2 p) x n. Compare
+# its cost, ceil(log2 p)(alpha + n beta), with a scatter plus ring All-Gather, about (log2 p + p - 1) alpha +
+# 2 (p-1)/p n beta: which wins for small messages, which for large, and why?
 # (solution: `tutorials/solutions/02_collectives.py`, `exercise_2`)
 #
 # ### Exercise 3: find the planted hang
-# This gradient sync skips the update when the loss is not finite, and then averages the loss for the log:
+# This gradient sync skips the update when the loss is not finite, then averages the loss for the log:
 #
 #     def sync(comm, grad, loss):                    # comm: an hsgd.grid.comm.Comm
 #         if not np.isfinite(loss):                  # a NaN on one rank only
@@ -1175,29 +1104,26 @@ say(f"chapter 2: all {len(check.passed)} checks passed on {P} ranks; largest err
 #         comm.Allreduce(logged)                     # the loss, for the log
 #         return skipped
 #
-# Give rank 2 a NaN loss and run it with `Comm(world, "world", check=True)`. Which ranks raise, and what does the
-# message say? Why would it hang without the check (which call of rank 2 meets which call of the others)? Fix it so
-# that the ranks *agree* on skipping (one small Allreduce of a flag with `MPI.MAX`, as chapter 19 does), and check
-# that every rank then takes the same branch, and that without a NaN the gradient is NumPy's sum.
+# Give rank 2 a NaN loss and run it with `Comm(world, "world", check=True)`. Which ranks raise, with what message,
+# and which call of rank 2 would meet which call of the others without the check? Fix it so the ranks *agree* on
+# skipping (an Allreduce of a flag with `MPI.MAX`, as chapter 19 does); check that every rank takes the same branch,
+# and that without a NaN the gradient is NumPy's sum.
 # (solution: `tutorials/solutions/02_collectives.py`, `exercise_3`)
 #
 # ### Exercise 4: Alltoall from Sendrecv
-# Write `pairwise_alltoall(comm, send)` with `send` of shape (p, m): in step k = 1..p-1, rank r sends block
-# (r+k) mod p to rank (r+k) mod p and receives block r from rank (r-k) mod p, with one `Sendrecv`; its own block it
-# copies. Check it equals MPI's `Alltoall` bit for bit on 4 ranks and on 3, and that each rank sent (p-1)/p x the
-# payload (the send buffer's bytes).
+# Write `pairwise_alltoall(comm, send)`, `send` of shape (p, m): in step k = 1..p-1 rank r sends block (r+k) mod p
+# to that rank and receives block r from rank (r-k) mod p in one `Sendrecv`, and copies its own block. Check it
+# equals `Alltoall` bit for bit on 4 ranks and on 3, and that each rank sent (p-1)/p x the send buffer's bytes.
 # (solution: `tutorials/solutions/02_collectives.py`, `exercise_4`)
 #
 # ### Exercise 5: dispatch tokens to experts, and combine them back
-# Each rank holds T = 6 tokens, rows of width C = 3, and there are E = 2p experts, expert e on rank e // 2, each a
-# (C, C) matrix $W_e$ (drawn from seed e). A router has given every token one expert (here: random integers).
-# Write `dispatch(comm, x, expert)`: sort the tokens by expert (`np.argsort(expert, kind="stable")`: the
-# permutation, kept as an index array), count the rows for each rank (`np.bincount`), exchange the counts with
-# `Comm.Alltoall` and send the rows (and their expert ids) with `Comm.Alltoallv`; and `combine(comm, y, state)`,
-# which sends rows back by the `Alltoallv` with the counts swapped and undoes the permutation. Check that (a) the
-# combine undoes the dispatch bit for bit; (b) with each rank applying its experts to the rows it received, the
-# result equals the serial $y_t = x_t W_{e(t)}$; (c) the backward, run as the adjoints (dy sent to the experts by
-# the combine's adjoint, which is the dispatch's communication; multiplied by $W_e^T$; sent back by the dispatch's
-# adjoint, the combine's communication), gives $dx_t = dy_t W_{e(t)}^T$; (d) summed over the ranks, `CommStats`
-# recorded p T C 8 bytes for the dispatch's rows and as many for the combine's.
+# Each rank holds T = 6 tokens of width C = 3; there are E = 2p experts, expert e on rank e // 2, a (C, C) matrix
+# $W_e$ from seed e; a router gives every token one expert (random integers). Write `dispatch(comm, x, expert)`
+# (sort by expert with `np.argsort(expert, kind="stable")`, count rows per rank with `np.bincount`, exchange counts
+# by `Comm.Alltoall`, rows and expert ids by `Comm.Alltoallv`) and `combine(comm, y, state)` (the swapped
+# `Alltoallv`, then the inverse permutation). Check that (a) combine undoes dispatch bit for bit; (b) with each
+# rank applying its experts, the result is the serial $y_t = x_t W_{e(t)}$; (c) the backward as the adjoints (dy to
+# the experts by the combine's adjoint, times $W_e^T$, back by the dispatch's adjoint) gives
+# $dx_t = dy_t W_{e(t)}^T$; (d) summed over ranks, `CommStats` recorded p T C 8 bytes for the dispatch's rows and as
+# many for the combine's.
 # (solution: `tutorials/solutions/02_collectives.py`, `exercise_5`)

@@ -16,10 +16,9 @@
 # %% [markdown]
 # # Chapter 4: data-parallel SGD
 #
-# Chapter 3 built the process grid and, in it, `dp_comm`: the ranks that hold the same part of the model.
-# This chapter puts `dp_comm` to work on the simpler of the lecture's two directions, **data parallelism**: every
-# worker holds the *whole* model and works on a different part of the data, and the one collective is chapter 2's
-# All-Reduce. Section 1 of the lecture puts it like this (in translation):
+# This chapter puts chapter 3's `dp_comm` to work on **data parallelism**: every worker holds the *whole* model,
+# works on its own part of the data, and the one collective is chapter 2's All-Reduce. The lecture's section 1 (in
+# translation):
 #
 # > split the training data into disjoint subsets; every worker (a GPU or a server) holds a complete replica of
 # > the model but computes gradients only on its own subset. Synchronous SGD: after each mini-batch the
@@ -27,27 +26,15 @@
 # > with the average gradient, which keeps the parameters identical on all workers. The aggregation is done with
 # > the All-Reduce collective.
 #
-# This chapter runs that algorithm on dp = 4 ranks, each holding the whole serial model (in hsgd's terms a grid of
-# dp = 4, tp = 1: chapters 5 and 6 will split the model itself, and chapter 10 combines the two), and shows
-#
-# 1. how hsgd hands out the data: the global batch of a step is a pure function of (seed, step), and replica g
-#    keeps its own rows of it;
-# 2. **why** averaging the replicas' gradients gives exactly the serial mini-batch gradient, and measures it;
-# 3. gradient accumulation (micro-batches) inside a replica, which gives the same gradient again;
-# 4. **why** the replicas stay identical, bit for bit, and that a few steps of data-parallel training end with the
-#    parameters of serial SGD;
-# 5. what that exactness leaves open, the lecture's section 4.4: more replicas make the global batch bigger, and the
-#    learning rate has to follow (the linear scaling rule and warm-up), measured on short runs;
-# 6. what it costs: one All-Reduce of every gradient byte per step, the stragglers, and the memory of a whole
-#    replica on every rank.
+# It runs on dp = 4 ranks, a grid of dp = 4, tp = 1 (chapters 5 and 6 split the model, chapter 10 combines both):
+# how the data is handed out; why the averaged gradient is exactly the serial one, also with micro-batches; why the
+# replicas stay bit-identical and equal to serial SGD; the learning rate when dp grows the batch (the lecture's
+# section 4.4); and the cost in bytes, stragglers and memory.
 #
 # Run it with four ranks (about 12 s on a quiet 2-core machine; on failure every rank raises, so it exits non-zero
-# without hanging):
+# without hanging). Rank 0 prints, and draws two pictures into `$HSGD_FIGURES` (default `tutorials/figures/`):
 #
 # mpirun -n 4 python tutorials/04_data_parallel_sgd.py
-#
-# The notebook form (`jupytext --to ipynb tutorials/04_data_parallel_sgd.py`) is for reading: the code needs four
-# MPI ranks. Only rank 0 prints, and draws two pictures into `$HSGD_FIGURES` (default `tutorials/figures/`).
 #
 # Legend: B global batch (sequences per step), dp replicas, b = B/dp sequences per replica, k = micro_batches per
 # replica, T sequence, C d_model, V vocabulary, L layers, g a replica (its `dp_rank`), $\theta$ all parameters,
@@ -99,14 +86,11 @@ say(f"{world.Get_size()} ranks = dp {grid.dp} replicas x tp {grid.tp}; model {cf
 # %% [markdown]
 # ## 1. Who trains on what
 #
-# The lecture's "disjoint subsets" could be fixed shards of the data set, one per worker. hsgd cuts the data per
-# step instead, which gives the same algorithm and makes it testable against the serial run:
+# hsgd cuts the data per step rather than into fixed shards, the same algorithm but testable against serial:
 #
-# * the **global batch** of step $s$, B sequences of T bytes, is a pure function of (seed, step)
-#   (`Corpus.batch`: B windows at offsets drawn from a generator seeded with (seed, split, step)). Every rank
-#   computes it for itself, so no data is ever sent, and it is exactly the batch serial SGD trains on at step $s$;
-# * replica g keeps rows `dp_rows(B, dp, g)` = $[g\,b, (g+1)\,b)$ with $b = B/dp$: the dp slices are disjoint and
-#   together they are the whole batch.
+# * the **global batch** of step $s$, B sequences of T bytes, is a pure function of (seed, step) (`Corpus.batch`),
+#   so every rank computes it itself, nothing is sent, and it is the batch serial SGD trains on at step $s$;
+# * replica g keeps rows `dp_rows(B, dp, g)` = $[g\,b, (g+1)\,b)$, $b = B/dp$: disjoint slices covering the batch.
 #
 # With B = 8 and dp = 4 each replica trains on 2 sequences per step:
 
@@ -129,28 +113,24 @@ check.equal("replicas training on each row of the batch", owners.tolist(), [1] *
 # %% [markdown]
 # ## 2. Why the average of the replicas' gradients is the serial gradient
 #
-# hsgd's loss is a mean over every position of the batch (chapter 1). Write $\ell_{j,t}$ for the cross-entropy of
-# sequence $j$ at position $t$ and $S_g$ for the $b$ rows of replica $g$. The serial loss of the global batch and
-# the loss replica $g$ computes on its slice are
+# With $\ell_{j,t}$ the cross-entropy of sequence $j$ at position $t$ and $S_g$ replica $g$'s $b$ rows, the serial
+# loss and replica $g$'s loss are
 #
 # $$\text{loss}(\theta) = \frac{1}{BT}\sum_{j=1}^{B}\sum_{t=1}^{T} \ell_{j,t}, \qquad
 # \text{loss}_g(\theta) = \frac{1}{bT}\sum_{j \in S_g}\sum_{t=1}^{T} \ell_{j,t}.$$
 #
-# The slices are disjoint, cover the batch, and all have $b = B/dp$ rows, so the average of the dp slice losses is
+# The slices are disjoint, cover the batch and have $b = B/dp$ rows each, so
 #
 # $$\frac{1}{dp} \sum_{g=1}^{dp} \text{loss}_g = \frac{1}{dp\,b\,T} \sum_{g}\sum_{j \in S_g}\sum_t \ell_{j,t}
 # = \frac{1}{BT}\sum_{j=1}^{B}\sum_t \ell_{j,t} = \text{loss},$$
 #
-# and since the gradient is linear, $\frac{1}{dp} \sum_g \nabla \text{loss}_g = \nabla \text{loss}$: the All-Reduce
-# (sum) followed by a division by dp *is* serial mini-batch SGD's gradient of the global batch, not an
-# approximation of it. Each replica's own gradient is a noisier estimate from $b$ sequences; only the average is
-# the serial one. (Equal slices matter: with slices of sizes $b_g$ the right weights would be $b_g/B$, not $1/dp$:
-# exercise 1. hsgd simply requires B to be a multiple of dp, see below.)
+# and by linearity $\frac{1}{dp} \sum_g \nabla \text{loss}_g = \nabla \text{loss}$: the All-Reduce (sum) divided by
+# dp *is* the serial gradient of the global batch, not an approximation. (Unequal slices would need weights
+# $b_g/B$, exercise 1; hsgd requires B to be a multiple of dp.)
 #
-# In hsgd the replica's gradients live in one flat buffer (`FlatBuffer`: every `buf.views[name]` is a view into
-# `buf.flat`), so the exchange is **one** `Allreduce` of all of them instead of one call per parameter array;
-# `dp_average` is that call followed by `buf.flat *= 1/dp`. Every replica starts from the same parameters (the same
-# seed: `serial.init_params` on every rank), computes its slice's gradient, and then they average:
+# The gradients live in one flat buffer (`FlatBuffer`: every `buf.views[name]` is a view into `buf.flat`), so the
+# exchange is **one** `Allreduce`; `dp_average` is that call and `buf.flat *= 1/dp`. Every replica starts from the
+# same seed, computes its slice's gradient, and they average:
 
 # %%
 params = serial.init_params(cfg, seed=SEED, dtype="float64")   # the same full model on every replica
@@ -177,7 +157,7 @@ check("dp_average of the replicas' gradients vs serial gradient", max_rel_err(bu
 check.equal("dp_average: calls, bytes == dp_formula (one Allreduce)", dp_counts, dp_formula(params))
 
 # %% [markdown]
-# A batch that does not split into dp equal slices is refused before anything runs, with a suggestion:
+# A batch that does not split into dp equal slices is refused before anything runs:
 
 # %%
 try:
@@ -191,19 +171,16 @@ check.holds("check_batch refuses B=10 on dp=4, naming batch_size", refused.start
 # %% [markdown]
 # ## 3. Gradient accumulation: micro-batches inside a replica
 #
-# The activations a replica stores for its backward pass grow with the number of sequences it processes at
-# once. When $b$ sequences do not fit, hsgd cuts the slice into $k$ = `micro_batches` consecutive micro-batches of
-# $b/k$ sequences (`dp.micro_batches`), runs the forward and backward of each in turn, and adds up the gradients of
-# $\frac1k \text{loss}_{g,m}$, the micro-batch losses scaled by $1/k$ (`dloss` in `tp_model.loss_and_grads`,
-# the model code every layout runs, which for tp = 1 computes what `serial.loss_and_grads` does;
-# the layers accumulate weight gradients with `+=`). By the same argument as above,
+# A replica's stored activations grow with the sequences it processes at once. When $b$ do not fit, hsgd cuts the
+# slice into $k$ = `micro_batches` micro-batches of $b/k$ (`dp.micro_batches`) and accumulates (`+=`) the gradients
+# of $\frac1k \text{loss}_{g,m}$ (`dloss` in `tp_model.loss_and_grads`, which for tp = 1 computes what
+# `serial.loss_and_grads` does). By the same argument,
 #
 # $$\sum_{m=1}^{k} \nabla\Big(\frac1k\,\text{loss}_{g,m}\Big) = \nabla \text{loss}_g ,$$
 #
-# so the replica ends with the gradient of its whole slice, and the one All-Reduce over the replicas comes after
-# the last micro-batch: accumulation costs time (k smaller passes), never extra data-parallel communication.
-# `HybridTrainer.gradients` does steps 1 to 3 of a training step (slice, micro-batches, `dp_average`); with
-# B = 16 every replica has $b$ = 4 sequences, and $k$ = 1, 2, 4 all give the serial gradient:
+# and the one All-Reduce comes after the last micro-batch: accumulation costs time, never extra communication.
+# `HybridTrainer.gradients` does slice, micro-batches and `dp_average`; with B = 16 ($b$ = 4), $k$ = 1, 2, 4 all
+# give the serial gradient:
 
 # %%
 B16 = 16
@@ -223,29 +200,23 @@ for k in (1, 2, 4):
 # %% [markdown]
 # ## 4. Why the replicas stay identical, and equal to serial SGD
 #
-# Nothing in data-parallel SGD ever sends a parameter. The replicas agree anyway, by induction over the steps:
+# No parameter is ever sent; the replicas agree by induction over the steps:
 #
-# 1. **the same start**: every rank draws the initial parameters from the same seed (PyTorch's
-#    DistributedDataParallel broadcasts rank 0's parameters instead; either works);
-# 2. **the same gradient**: the All-Reduce hands every member the result of the same sum, and every replica
-#    multiplies it by the same $1/dp$. (Here every rank receives the same bits, as the digests below show. An MPI
-#    library that let ranks add the dp terms in different orders could give them results that differ in the last
-#    bit, and the digests would catch that too.)
-# 3. **the same update**: the optimizer step is deterministic and elementwise. Plain SGD is
-#    $\theta \leftarrow \theta - \eta_s\, \bar g$; with momentum $v \leftarrow \mu v + \bar g$,
-#    $\theta \leftarrow \theta - \eta_s v$, where the velocity $v$ starts at zero on every replica and then sees
-#    the same gradients; the learning rate $\eta_s$ = `lr_at(step, ...)` depends only on the step number.
+# 1. **the same start**: every rank draws the parameters from the same seed (PyTorch's DDP broadcasts rank 0's
+#    instead; either works);
+# 2. **the same gradient**: the All-Reduce hands every member the same sum (here the same bits, as the digests
+#    show; an MPI library that added in a different order per rank would differ in the last bit, and the digests
+#    would catch it), each multiplied by the same $1/dp$;
+# 3. **the same update**: the optimizer step is deterministic and elementwise; the momentum $v$ starts at zero
+#    everywhere and sees the same gradients, and $\eta_s$ = `lr_at(step, ...)` depends only on the step.
 #
-# Same inputs, same deterministic arithmetic: the same bits. This is the lecture's section 3.5: "since all the
-# nodes that hold the same parameter shard perform the same All-Reduce and the same update, the shards stay
-# consistent everywhere". It is also fragile in a way worth knowing: nothing ever re-synchronizes the replicas, so a
-# reduction that gave different ranks different bits, or one flipped bit, would make them drift apart for
-# good. We check after every step with a SHA-256 of each replica's parameters (`params_digest`).
+# This is the lecture's section 3.5: the nodes holding the same shard do the same All-Reduce and update, so the
+# shards stay consistent. It is fragile: nothing re-synchronizes the replicas, so one differing bit would make them
+# drift for good, hence a SHA-256 of each replica's parameters (`params_digest`) after every step.
 #
-# And because each step's averaged gradient is the serial gradient of the same global batch (section 2), the
-# whole run is serial mini-batch SGD: after $s$ steps the parameters equal those of serial SGD, up to rounding
-# (the All-Reduce adds the dp partial gradients in a different order than one big matrix product does, about
-# $10^{-16}$ relative per step). Six steps of SGD with momentum and a warm-up, on 4 replicas:
+# And since each step's gradient is the serial one (section 2), the run is serial mini-batch SGD, up to rounding
+# (about $10^{-16}$ relative per step, the All-Reduce adding in another order). Six steps of SGD with momentum and
+# warm-up, on 4 replicas:
 
 # %%
 tc = train_config(tp=1, dp=DP, steps=6, batch_size=B, warmup=2, seed=SEED)
@@ -269,12 +240,10 @@ for step, ds in enumerate(digests):
 check.holds("replicas bit-identical after every step", all(len(set(ds)) == 1 for ds in digests))
 
 # %% [markdown]
-# Now the reference: serial mini-batch SGD, one process, the whole batch of every step, the same optimizer and
-# schedule: `serial.sgd(cfg, tc, batch)`, with `batch(step)` the global batch of the step. Rank 0 runs it and
-# broadcasts the result, and every rank compares its replica. The error is relative to each parameter's largest
-# entry, but at least to 0.02 (the scale of the initialization): the attention k-biases start at zero and only ever
-# receive rounding noise (their exact gradient is zero, chapter 1), so a purely relative error would divide noise
-# by noise.
+# The reference: `serial.sgd(cfg, tc, batch)`, one process, the whole batch of every step, the same optimizer and
+# schedule; rank 0 runs it and broadcasts the result. The error is relative to each parameter's largest entry but
+# at least 0.02 (the initialization's scale): the attention k-biases start at zero and only receive rounding noise
+# (chapter 1).
 
 # %%
 reference = None
@@ -295,40 +264,32 @@ check(f"{tc.steps} steps: every replica's parameters vs serial SGD", max(param_e
 #
 # The lecture's section 4.4 (in translation): "in theory, as long as the gradient is an unbiased estimate and the
 # learning rate is set properly, synchronous hybrid-parallel SGD has the same convergence guarantees as serial
-# SGD". Sections 2 to 4 showed more than the first condition: a step of data-parallel SGD *is* a step of serial
-# mini-batch SGD on the global batch $B = b \cdot dp$. The second condition is what this section is about. One adds
-# replicas to go faster, each keeping its $b$ sequences (its memory and its share of the work), so the global batch
-# grows with dp; and the batch size is a hyperparameter of SGD: the learning rate that suited $B$ does not suit
-# $4B$.
+# SGD". Sections 2 to 4 showed the first condition, and more. The second is this section: adding replicas, each
+# keeping its $b$ sequences, grows the global batch, and the rate that suited $B$ does not suit $4B$: with a fixed
+# budget of $S$ sequences, a 4 times bigger batch takes 4 times fewer steps of about the same size.
 #
-# With a fixed budget of $S$ training sequences, a run at batch $B$ takes $S/B$ steps. At the same learning rate,
-# a 4 times bigger batch makes 4 times fewer steps of about the same size, and gets less far. Goyal et al. (2017,
-# "Accurate, Large Minibatch SGD: Training ImageNet in 1 Hour") give the **linear scaling rule**: when the
-# minibatch is multiplied by $k$, multiply the learning rate by $k$. The argument compares $k$ steps on batches of
-# $b$ with one step on their union of $kb$ sequences, with per-example losses $l$:
+# Goyal et al. (2017, "Accurate, Large Minibatch SGD: Training ImageNet in 1 Hour") give the **linear scaling
+# rule**: multiply the minibatch by $k$, multiply the rate by $k$. Compare $k$ steps on batches of $b$ with one step
+# on their union, per-example losses $l$:
 #
 # $$w_{t+k} = w_t - \eta \sum_{j<k} \frac1b \sum_{x \in \mathcal B_j} \nabla l(x, w_{t+j}), \qquad
 # \hat w_{t+1} = w_t - \hat\eta\, \frac{1}{kb} \sum_{j<k} \sum_{x \in \mathcal B_j} \nabla l(x, w_t),$$
 #
-# which agree, with $\hat\eta = k\eta$, if $\nabla l(x, w_{t+j}) \approx \nabla l(x, w_t)$: if the gradients change
-# little over the $k$ small steps. That fails where the network changes fastest, at the start of training, so
-# they add a **gradual warm-up**: the rate starts at the small-batch $\eta$ and grows by a constant amount every
-# step until it reaches $k\eta$ after 5 epochs of training. They also report where the rule stops working: for
-# their ResNet-50 on ImageNet the error stays flat up to minibatches of 8k images and rises quickly beyond.
-# McCandlish et al. (2018, "An Empirical Model of Large-Batch Training") relate that limit to the noise in the
-# gradient: their "gradient noise scale" predicts the largest useful batch, which differs from task to task and
-# grows as the loss falls. hsgd's schedule (`hsgd.model.optim.lr_at`) ramps linearly from $\eta/w$ at step 1 to $\eta$
-# at step $w$ = `warmup`, then decays along a cosine to $\eta/10$ at the last step.
+# equal with $\hat\eta = k\eta$ if $\nabla l(x, w_{t+j}) \approx \nabla l(x, w_t)$. That fails where the network
+# changes fastest, early on, hence a **gradual warm-up** from $\eta$ to $k\eta$ over 5 epochs. For their ResNet-50
+# the rule holds up to minibatches of 8k images; McCandlish et al. (2018, "An Empirical Model of Large-Batch
+# Training") predict the largest useful batch from the "gradient noise scale", which varies by task and grows as the
+# loss falls. hsgd's `lr_at` ramps linearly from $\eta/w$ to $\eta$ over $w$ = `warmup` steps, then decays along a
+# cosine to $\eta/10$.
 #
-# Because a data-parallel run *is* serial SGD on its global batch, the experiment needs no data parallelism at
-# all: `serial.sgd` at batch $B$ is, up to rounding, dp = $B/8$ replicas of $b = 8$ sequences. (The four ranks share
-# out the runs; each run is serial SGD on one rank.) Every run sees $S$ = 1024 sequences of the training text,
-# with SGD and momentum 0.9 in float32, and is then measured on 128 held-out validation sequences:
+# A data-parallel run *is* serial SGD on its global batch, so `serial.sgd` at batch $B$ stands for dp = $B/8$
+# replicas of $b = 8$ (the four ranks share out the runs). Every run sees $S$ = 1024 training sequences (SGD,
+# momentum 0.9, float32) and is measured on 128 held-out sequences:
 #
 # * B = 8 (one replica) at $\eta$ = 0.1: the reference;
-# * B = 16 and 32 (dp = 2, 4) with the rate **unscaled** ($\eta$ = 0.1), **scaled** linearly ($0.1 \cdot B/8$) from
-#   the first step, and **scaled + warm-up** (the same, ramped up over the first tenth of the run's steps);
-# * two seeds (data order and initialization), because short runs are noisy.
+# * B = 16 and 32 (dp = 2, 4) with the rate **unscaled** (0.1), **scaled** ($0.1 \cdot B/8$), and **scaled +
+#   warm-up** (ramped over the first tenth of the steps);
+# * two seeds, because short runs are noisy.
 
 # %%
 S, B0, LR0 = 1024, 8, 0.1               # sequences seen by every run; the one-replica batch and its rate
@@ -377,18 +338,13 @@ check.holds("B=32: scaled + warm-up still ends > 0.05 above B=8, each seed",
             all(val[s, 32, "scaled + warm-up"] > ref[s] + 0.05 for s in SEEDS))
 
 # %% [markdown]
-# What the table shows, and what the checks hold it to. At B = 32 (dp = 4), scaling the rate (with the warm-up)
-# ends closer to the one-replica run than keeping it, for each seed: the linear scaling rule recovers part of what
-# the bigger batch loses. It does not recover all of it: the scaled run still ends clearly above the one-replica
-# run. Both are checked, for each seed. What is printed but not checked: the two scaled
-# rows, with and without the warm-up, end close to each other, and which one is lower is not the same for every
-# seed, so this small experiment says nothing reliable about the warm-up itself. All of it fits the argument
-# above: the largest batch takes only S/32 steps, all of them early in training, where the gradients change
-# fastest and $k$ small steps are least like one big one.
+# Checked for each seed: at B = 32 (dp = 4) the scaled, warmed-up rate ends closer to the one-replica run than the
+# unscaled one, but still clearly above it. Printed, not checked: the scaled rows with and without warm-up end
+# close, in an order that changes with the seed, so this says nothing reliable about the warm-up. It fits the
+# argument: the largest batch takes only S/32 steps, all early, where $k$ small steps are least like one big one.
 #
-# The picture shows the same runs: on the left the training loss of seed 0 against the number of sequences seen
-# (each curve a moving average over 128 sequences, the batches being noisy), on the right the final validation
-# loss of every run against the global batch.
+# The picture: left, seed 0's training loss against sequences seen (moving averages over 128 sequences); right,
+# every run's final validation loss against the global batch.
 
 # %%
 if grid.rank == 0:                                     # world rank 0 draws
@@ -423,15 +379,12 @@ pictures.wait_asleep(world)                          # the other ranks sleep whi
 # %% [markdown]
 # ## 6. What it costs
 #
-# **Communication.** One step moves, on each rank, one All-Reduce of the whole gradient: `dp_formula` says (1 call,
-# $4 \cdot$ n_params bytes in float32, $8 \cdot$ n_params in float64), and the byte accounting of the grid measured
-# exactly that during step 1 of the run of section 4. (hsgd's model code is written once for every layout; with
-# tp = 1 its tensor-parallel collectives run on a one-rank `tp_comm`, where they move nothing but are still
-# counted: that is the `tp` line.) That is the **payload**. What a rank actually sends depends on dp: a
-# bandwidth-optimal All-Reduce (a ring, or Rabenseifner's Reduce-Scatter + All-Gather: Thakur, Rabenseifner and
-# Gropp 2005) sends and receives about $2\frac{dp-1}{dp}$ times the payload per rank. So the traffic per rank
-# hardly depends on dp, while the computation per rank shrinks like $B/dp$: at a fixed global batch, more replicas
-# means more communication per unit of work. And the traffic scales with the size of the model, not of the batch.
+# **Communication.** Each step is one All-Reduce of the whole gradient: `dp_formula` says 1 call of
+# $4 \cdot$ n_params bytes in float32 ($8 \cdot$ n_params in float64), and the grid's accounting measured exactly
+# that in step 1 of section 4. (hsgd's model code serves every layout; with tp = 1 its tensor-parallel collectives
+# run on a one-rank `tp_comm`, moving nothing but counted: the `tp` line.) That is the **payload**; a ring
+# All-Reduce sends about $2\frac{dp-1}{dp}$ times it per rank (Thakur, Rabenseifner and Gropp 2005). So the traffic
+# per rank hardly depends on dp while the work shrinks like $B/dp$, and it scales with the model, not the batch.
 
 # %%
 formula = dp_formula(trainer.params)
@@ -448,10 +401,9 @@ check.equal("step 1: dp calls, bytes measured == dp_formula",
             per_step[("dp", "Allreduce")], formula[("dp", "Allreduce")])
 
 # %% [markdown]
-# **Stragglers.** The All-Reduce cannot finish before the last replica has joined it, so every step runs at the
-# pace of the slowest rank, and the others wait inside the collective. Two more steps: a normal one, then one for
-# which replica 3 is 50 ms late. The time the others spend in the dp All-Reduce (`StepInfo.dp_seconds`) grows by
-# about that much. (Timing on a shared machine is noisy; this is printed, not checked.)
+# **Stragglers.** The All-Reduce cannot finish before the last replica joins, so every step runs at the slowest
+# rank's pace. Two more steps, the second with replica 3 50 ms late: the others' time in the dp All-Reduce
+# (`StepInfo.dp_seconds`) grows by about that much (printed, not checked: timing here is noisy).
 
 # %%
 say("time in the dp All-Reduce:    " + "  ".join(f"replica {r}" for r in range(DP)))
@@ -465,12 +417,10 @@ for step, late in ((tc.steps + 1, 0.0), (tc.steps + 2, 0.05)):
         + "  ".join(f"{1e3 * w:>6.0f} ms" for w in waits))
 
 # %% [markdown]
-# **Memory.** Every replica holds the whole model, its gradient and the optimizer's state: with SGD and momentum
-# three numbers per parameter (AdamW: four), whatever dp is. Data parallelism divides only the activations, the
-# arrays the forward pass caches for the backward, which grow with the $b = B/dp$ sequences a replica processes.
-# Measured on this toy at B = 16 in float64: the model state from the trainer of section 4 (`HybridTrainer.memory`),
-# the activations from the caches of a forward pass on $b$ sequences (`memory.activation_bytes`: every distinct
-# array the caches hold, counted once), checked against `memory.activation_formula`:
+# **Memory.** Every replica holds the whole model, its gradient and the optimizer state (three numbers per
+# parameter with momentum SGD, four with AdamW), whatever dp is; only the activations shrink with $b = B/dp$.
+# Measured at B = 16 in float64: the model state from `HybridTrainer.memory`, the activations from a forward's
+# caches (`memory.activation_bytes`, each distinct array once), checked against `memory.activation_formula`:
 
 # %%
 mem = trainer.memory()                                   # {"params", "grads", "optimizer"}: bytes on this rank
@@ -511,24 +461,20 @@ for name, n in (("this toy", cfg.n_params()), ("GPT-2 small", gpt2.n_params()), 
         "on every replica")
 
 # %% [markdown]
-# The picture shows the table: the three blocks of model state are the same on every rank whatever dp is, and only
-# the activations (red) shrink as the replicas share the batch. For this toy the activations dominate; for a large
-# model the model state does (the last lines: GPT-2 small has 163 M parameters in hsgd, whose LM head is not tied to
-# `wte`). Hundreds of GiB do not fit on one accelerator, so data parallelism alone cannot train the models the
-# lecture's section 2 is about. The lecture's answer is to split the model over a group of tp workers (tensor
-# parallelism, the next two chapters) and make dp data-parallel replicas of that *group*: the hybrid of chapter 7.
-# (Chapter 8 shows the other way out, ZeRO: the dp replicas split the optimizer state and gradients between them.)
-# For the stragglers the lecture (section 4.4) names the trade-off: synchronous SGD, as here, keeps serial SGD's
-# convergence guarantees (given unbiased gradients and a suitable learning rate: this chapter's section 5);
-# asynchronous updates, which do not wait for the slowest worker, add noise.
+# The picture: the three blocks of model state are the same on every rank whatever dp is; only the activations
+# (red) shrink. For this toy they dominate; for a large model the state does (the last lines: GPT-2 small, 163 M
+# parameters in hsgd, its LM head untied). That does not fit one accelerator, so the lecture splits the model over
+# tp workers (tensor parallelism, the next two chapters) and makes dp replicas of that *group*: the hybrid of
+# chapter 10. (ZeRO, chapter 8, splits the optimizer state and gradients between the replicas instead.) For
+# stragglers the lecture (section 4.4) names the trade-off: synchronous SGD keeps serial SGD's convergence
+# guarantees; asynchronous updates, not waiting for the slowest, add noise.
 #
 # ## Check against serial
 #
-# On 4 ranks, each verdict reached collectively: the replicas' slices partition the global batch; the All-Reduce
-# average of their gradients is the serial gradient of the whole batch, with and without gradient accumulation;
-# the replicas stay bit-identical through six steps of SGD with momentum; their parameters are those of serial SGD
-# up to rounding; at the largest batch the scaled and warmed-up rate ends closer to the one-replica run than the
-# unscaled one; and the bytes of a step and of a replica's memory are those of the formulas.
+# On 4 ranks, each verdict collective: the slices partition the global batch; the averaged gradient is the serial
+# one, with and without accumulation; the replicas stay bit-identical through six steps of momentum SGD, equal to
+# serial SGD up to rounding; at the largest batch the scaled, warmed-up rate ends closer to the one-replica run than
+# the unscaled one; and the bytes of a step and of a replica's memory match the formulas.
 
 # %%
 worst, err = check.worst()
@@ -541,45 +487,39 @@ grid.free()
 #
 # | hsgd | Megatron-LM | DeepSpeed | PyTorch | where hsgd differs, on purpose |
 # |---|---|---|---|---|
-# | `dp_average(buf, dp_comm)`: one `Allreduce` of the flat gradient buffer (`FlatBuffer`) after the backward, then $\times 1/dp$ | `DistributedDataParallel` (megatron/core/distributed/distributed_data_parallel.py): gradients in contiguous `_ParamAndGradBuffer`s, scaled by `gradient_scaling_factor` = 1/dp before a sum (or averaged inside the collective, `average_in_collective`), in buckets overlapped with the backward (`overlap_grad_reduce`) | `DeepSpeedEngine.allreduce_gradients()` with ZeRO stage 0 (`"zero_optimization": {"stage": 0}`, `ZeroStageEnum.disabled`) | `torch.nn.parallel.DistributedDataParallel`: an all-reduce per bucket of gradients (`bucket_cap_mb`) as the backward produces them, averaged over the group | one call, after the backward, so the step reads in order; chapter 8 adds the buckets and the overlap |
-# | the same seed on every replica (`serial.init_params`, `tp_shards.init_params`) | `DistributedDataParallel.broadcast_params()` from the first rank of the data-parallel group | `DeepSpeedEngine._broadcast_model()` | the DDP constructor broadcasts rank 0's `state_dict()` | nothing is sent: the start is a pure function of the seed (exercise 4 does the broadcast) |
+# | `dp_average(buf, dp_comm)`: one `Allreduce` of the flat gradient buffer (`FlatBuffer`) after the backward, then $\times 1/dp$ | `DistributedDataParallel` (megatron/core/distributed/distributed_data_parallel.py): contiguous `_ParamAndGradBuffer`s scaled by `gradient_scaling_factor` = 1/dp (or `average_in_collective`), in buckets overlapped with the backward (`overlap_grad_reduce`) | `DeepSpeedEngine.allreduce_gradients()` with ZeRO stage 0 (`"zero_optimization": {"stage": 0}`, `ZeroStageEnum.disabled`) | `torch.nn.parallel.DistributedDataParallel`: an averaging all-reduce per bucket (`bucket_cap_mb`) during the backward | one call after the backward; chapter 8 adds buckets and overlap |
+# | the same seed on every replica (`serial.init_params`, `tp_shards.init_params`) | `DistributedDataParallel.broadcast_params()` from the first rank of the data-parallel group | `DeepSpeedEngine._broadcast_model()` | the DDP constructor broadcasts rank 0's `state_dict()` | nothing sent: the start is a function of the seed (exercise 4 broadcasts) |
 # | `params_digest` after every step: replicas bit-identical | `--check-weight-hash-across-dp-replicas-interval` (`check_param_hashes_across_dp_replicas`) | none | none | checked every step in the tests and `--check-replicas` |
 # | `micro_batches` $k$; $B = b \cdot dp$, $b$ = $k$ micro-batches | `--micro-batch-size`, `--global-batch-size`; `get_num_microbatches()` = global / (micro x dp) (megatron/core/num_microbatches_calculator.py) | `train_batch_size` = `train_micro_batch_size_per_gpu` x `gradient_accumulation_steps` x dp (deepspeed/runtime/config.py) | a loop of backward passes inside `DistributedDataParallel.no_sync()` except the last | one number, `micro_batches`, per replica |
-# | `loss_scale` = $1/k$ per micro-batch | `forward_step` divides each micro-batch's loss by the number of micro-batches (megatron/core/pipeline_parallel/schedules.py); `DistributedDataParallel.no_sync()` holds the gradient sync until the last | `DeepSpeedEngine.backward(loss, scale_wrt_gas=True)` divides by `gradient_accumulation_steps` | the user divides the loss by the number of accumulation steps | - |
-# | equal slices required (`check_batch`); unequal ones need the weights $b_g/B$ (exercise 1) | `calculate_per_token_loss` (TransformerConfig): losses summed, and the gradients scaled by 1 / (the token count all-reduced over the DP ranks) in `finalize_model_grads` (megatron/core/distributed/finalize_model_grads.py): the weights $b_g/B$, for any slices | none | none | refusing unequal slices keeps the average a plain $1/dp$ |
-# | `lr_at`: linear warm-up, cosine decay; the rate scaled by hand | `OptimizerParamScheduler` (`--lr-warmup-iters`); `--step-batch-size-schedule` grows the batch instead (`StepBatchsizeNumMicroBatchesCalculator`, megatron/core/num_microbatches_calculator.py; it replaces the deprecated `--rampup-batch-size`) | `WarmupLR`, `WarmupDecayLR` (deepspeed/runtime/lr_schedules.py) | `torch.optim.lr_scheduler.LinearLR` | no automatic scaling with dp: the rate is a hyperparameter of the global batch |
+# | `loss_scale` = $1/k$ per micro-batch | `forward_step` divides each micro-batch's loss by their number (megatron/core/pipeline_parallel/schedules.py) | `DeepSpeedEngine.backward(loss, scale_wrt_gas=True)` divides by `gradient_accumulation_steps` | the user divides the loss by the number of accumulation steps | - |
+# | equal slices required (`check_batch`); unequal ones need the weights $b_g/B$ (exercise 1) | `calculate_per_token_loss` (TransformerConfig): gradients scaled by 1 / (the all-reduced token count) in `finalize_model_grads` (megatron/core/distributed/finalize_model_grads.py): the weights $b_g/B$ | none | none | refusing unequal slices keeps the average a plain $1/dp$ |
+# | `lr_at`: linear warm-up, cosine decay; the rate scaled by hand | `OptimizerParamScheduler` (`--lr-warmup-iters`); `--step-batch-size-schedule` grows the batch instead (`StepBatchsizeNumMicroBatchesCalculator`) | `WarmupLR`, `WarmupDecayLR` (deepspeed/runtime/lr_schedules.py) | `torch.optim.lr_scheduler.LinearLR` | no automatic scaling with dp |
 #
 # ## Exercises
 #
 # ### Exercise 1: unequal DP slices
-# Give the 4 replicas slices of 1, 2, 3 and 2 sequences of a global batch of 8. Each computes the gradient of the
-# mean loss of its slice; weight it by $b_g/B$ before one `dp_comm.Allreduce` (a sum), so that the result is the
-# serial gradient of the whole batch again. Check it against `serial.loss_and_grads` on all 8 sequences, and check
-# that `dp_average` (the plain $1/dp$) is not.
+# Give the 4 replicas slices of 1, 2, 3 and 2 of a batch of 8; weight each slice's mean-loss gradient by $b_g/B$
+# before one `dp_comm.Allreduce`. Check it against `serial.loss_and_grads` on all 8, and that `dp_average` (the
+# plain $1/dp$) is not.
 # (solution: `tutorials/solutions/04_data_parallel_sgd.py`, `exercise_1`)
 #
 # ### Exercise 2: gradient accumulation by hand, and the batch-size bookkeeping
-# With DeepSpeed's names, `train_micro_batch_size_per_gpu` = 2 and `gradient_accumulation_steps` = 3 on dp = 4
-# ranks make `train_batch_size` = 24. Build that step by hand: each replica accumulates the gradients of its 3
-# micro-batches of 2 sequences into one `FlatBuffer` (with `serial.loss_and_grads(..., grads=buf.views)`, which
-# adds), then one `dp_comm.Allreduce` and one scaling. Check the result against the serial gradient of the 24
-# sequences and that the step made exactly one All-Reduce (`CommStats`).
+# DeepSpeed's `train_micro_batch_size_per_gpu` = 2 and `gradient_accumulation_steps` = 3 on dp = 4 make
+# `train_batch_size` = 24. Build that step: each replica accumulates 3 micro-batches of 2 into one `FlatBuffer`
+# (`serial.loss_and_grads(..., grads=buf.views)` adds), then one `dp_comm.Allreduce` and one scaling. Check it
+# against the serial gradient of the 24 and that the step made exactly one All-Reduce (`CommStats`).
 # (solution: `tutorials/solutions/04_data_parallel_sgd.py`, `exercise_2`)
 #
 # ### Exercise 3: why the rule is linear, measured
-# Check the argument of section 5 on the toy model in float64, with plain SGD (no momentum): take $k$ = 4 steps of
-# rate $\eta$ on 4 consecutive batches of 2 sequences, and one step of rate $4\eta$ on the 8 sequences together.
-# Measure the distance between the two results for $\eta$ = 0.002 and $\eta/2$: the argument says it is of order
-# $\eta^2$ (the gradients drift by $O(\eta)$ over the small steps), so halving $\eta$ should divide it by about 4.
-# Repeat with $\eta$ = 0.1 and 0.05 (the rate of section 5) and see how far from 4 the ratio is there: early in
-# training, at the rates that are actually used, the steps are not small in this sense.
-# Then write Goyal et al.'s gradual warm-up, `goyal_lr(step, lr, k, warmup)`, which starts at the small-batch rate
-# and adds a constant each step until it reaches $k \cdot$ lr, and check it against the formula at a few steps.
+# On the toy model in float64 with plain SGD, compare $k$ = 4 steps of rate $\eta$ on 4 batches of 2 with one step
+# of $4\eta$ on the 8 together, for $\eta$ = 0.002 and $\eta/2$: the distance is $O(\eta^2)$ (the gradients drift
+# by $O(\eta)$), so halving $\eta$ should divide it by about 4. With $\eta$ = 0.1 and 0.05 (section 5's rate), how
+# far from 4 is the ratio? Then write Goyal et al.'s warm-up, `goyal_lr(step, lr, k, warmup)`, from the small-batch
+# rate up by a constant per step to $k \cdot$ lr, and check it against the formula at a few steps.
 # (solution: `tutorials/solutions/04_data_parallel_sgd.py`, `exercise_3`)
 #
 # ### Exercise 4: start from different parameters, then broadcast
-# PyTorch's DDP and Megatron-LM do not rely on a shared seed: they broadcast the first rank's parameters. Give
-# every replica different starting parameters (add rank-dependent noise to a `HybridTrainer`'s `pbuf.flat`), check
-# that the digests differ, make them equal with one `dp_comm.Bcast` from dp rank 0, and check that two steps of
-# data-parallel SGD from there match `serial.sgd` started from rank 0's parameters.
+# DDP and Megatron-LM broadcast the first rank's parameters instead of sharing a seed. Add rank-dependent noise to
+# a `HybridTrainer`'s `pbuf.flat`, check the digests differ, make them equal with one `dp_comm.Bcast` from dp rank 0,
+# and check that two data-parallel steps from there match `serial.sgd` from rank 0's parameters.
 # (solution: `tutorials/solutions/04_data_parallel_sgd.py`, `exercise_4`)
