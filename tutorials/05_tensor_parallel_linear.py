@@ -16,37 +16,28 @@
 # %% [markdown]
 # # Chapter 5: tensor-parallel linear layers
 #
-# Chapter 4 gave every rank a whole copy of the model and split the data; its one collective was the All-Reduce
-# of the gradients, once per step. When one copy of the model no longer fits on a device, or one device computes
-# it too slowly, section 3 of the lecture splits the copy itself over a group of tp workers, "tensor
-# parallelism": every large weight matrix is cut by columns or by rows, and each worker multiplies with its own
-# piece. The workers then talk inside every layer, with the collectives of chapter 2 (All-Gather, Reduce-Scatter,
-# All-Reduce). This chapter takes the one layer everything is made of, the linear layer $Y = XW$, and works out
+# Chapter 4 replicated the model and split the data. When one copy no longer fits on a device, or computes too
+# slowly, section 3 of the lecture splits the copy itself over tp workers, "tensor parallelism": every large weight
+# matrix is cut by columns or by rows, and the workers talk inside every layer with the collectives of chapter 2.
+# This chapter takes the linear layer $Y = XW$ and works out
 #
-# 1. the two ways to cut $W$ (by columns, by rows) and how the pieces of the result add up to the serial one;
-# 2. the lecture's scheme (its sections 3.2 and 3.3): column split, All-Gather of the output pieces, and in the
-#    backward pass the adjoint of the All-Gather, a Reduce-Scatter. When it is exactly a Reduce-Scatter, and when
-#    it must be scaled by $1/tp$ (and then needs no communication at all);
+# 1. the two cuts of $W$ and how the pieces add up to the serial result;
+# 2. the lecture's scheme (its sections 3.2 and 3.3): column split, All-Gather, and in the backward the adjoint
+#    of the All-Gather, a Reduce-Scatter, exact in one case and scaled by $1/tp$ (a free slice) in the other;
 # 3. Megatron-LM's conjugate operators $f$ and $g$ (Shoeybi et al. 2019, "Megatron-LM: Training Multi-Billion
-#    Parameter Language Models Using Model Parallelism", arXiv:1909.08053), which build the MLP
-#    column -> GELU -> row with one All-Reduce forward and one backward;
-# 4. what each scheme costs, always in two columns: the **payload** (the logical tensor of the call, what hsgd's
-#    `CommStats` records) and the **bytes a ring sends per rank** (chapter 2: an All-Gather or a Reduce-Scatter
-#    sends $(tp-1)/tp$ of the gathered or full tensor, an All-Reduce $2(tp-1)/tp$ of it). A ratio of payloads is
-#    not a ratio of bytes on the wire.
+#    Parameter Language Models Using Model Parallelism", arXiv:1909.08053): the MLP with one All-Reduce each way;
+# 4. the cost of each scheme in two columns, the **payload** (the logical tensor, what `CommStats` records) and
+#    the **bytes a ring sends per rank** ($(tp-1)/tp$ of the tensor for an All-Gather or Reduce-Scatter,
+#    $2(tp-1)/tp$ for an All-Reduce). A ratio of payloads is not a ratio of bytes on the wire.
 #
-# Every result is compared with the serial computation on the full matrices. Run it with four ranks (measured:
-# about 5 s on a quiet 2-core machine, 14 to 27 s while other jobs shared it; most of it is starting Python and
-# MPI and, on rank 0, drawing the pictures. On failure every rank raises, so it exits non-zero without hanging).
-# Rank 0 draws three pictures into `$HSGD_FIGURES` (default `tutorials/figures/`):
+# Every result is compared with the serial computation. Run with four ranks (measured: about 5 s on a quiet
+# 2-core machine, 14 to 27 s under load, mostly Python and MPI start-up and drawing). Rank 0 draws three pictures
+# into `$HSGD_FIGURES` (default `tutorials/figures/`):
 #
 # mpirun -n 4 python tutorials/05_tensor_parallel_linear.py
 #
-# The notebook form (`jupytext --to ipynb tutorials/05_tensor_parallel_linear.py`) is for reading: the code needs
-# four MPI ranks, so run it with mpirun as above. Only rank 0 prints.
-#
 # Legend: B batch, T sequence, C d_model, F d_ff, N = B*T rows, tp tensor-parallel ranks, i (or r) a rank,
-# s bytes per number (8: float64). A `/tp` in a shape comment marks the dimension that is split, e.g. `(C, F/tp)`.
+# s bytes per number (8: float64). A `/tp` in a shape comment marks the split dimension, e.g. `(C, F/tp)`.
 
 # %%
 from fractions import Fraction
@@ -92,24 +83,20 @@ say(f"{world.Get_size()} ranks; tensor-parallel groups of tp = {TP}; B={B} T={T}
 #
 # Take $Y = XW$ with $X$: (N, C) and $W$: (C, F).
 #
-# **Column split.** Cut $W$ into tp blocks of columns, $W = [W_1\ W_2\ \cdots\ W_{tp}]$, rank $i$ holding
-# $W_i$: (C, F/tp). Column $j$ of $Y$ only needs column $j$ of $W$, so
+# **Column split.** $W = [W_1\ \cdots\ W_{tp}]$, rank $i$ holding $W_i$: (C, F/tp). Column $j$ of $Y$ needs only
+# column $j$ of $W$, so
 #
 # $$Y = X\,[W_1\ \cdots\ W_{tp}] = [XW_1\ \cdots\ XW_{tp}], \qquad Y_i = X W_i \ \text{: (N, F/tp)}.$$
 #
-# Each rank needs the whole input $X$ (replicated) and produces one block of columns of the output (sharded).
-# A bias is cut the same way, $b = [b_1 \cdots b_{tp}]$.
+# The input is replicated, the output sharded; a bias is cut the same way.
 #
-# **Row split.** Cut $W$ into tp blocks of rows, $W = [W_1; W_2; \cdots; W_{tp}]$, rank $i$ holding $W_i$:
-# (F/tp, C) (here $W$ maps F to C), and cut the input the same way by columns, $X = [X_1 \cdots X_{tp}]$ with
-# $X_i$: (N, F/tp). Block matrix multiplication gives
+# **Row split.** $W = [W_1; \cdots; W_{tp}]$ (here $W$ maps F to C), rank $i$ holding $W_i$: (F/tp, C), and the
+# input cut by columns, $X = [X_1 \cdots X_{tp}]$ with $X_i$: (N, F/tp). Block multiplication gives
 #
 # $$Y = [X_1 \cdots X_{tp}] \begin{bmatrix} W_1 \\ \vdots \\ W_{tp} \end{bmatrix} = \sum_{i=1}^{tp} X_i W_i .$$
 #
-# Each rank computes a full-sized (N, C) *partial* product; the true $Y$ is their sum, an All-Reduce. A bias
-# is added once, after the sum (added on every rank before it, it would count tp times).
-#
-# The shapes on each rank of the group:
+# Each rank computes a full-sized *partial* product; $Y$ is their sum, an All-Reduce. A bias is added once, after
+# the sum (before it, it would count tp times).
 
 # %%
 cols = slice(i * F // TP, (i + 1) * F // TP)     # my block of F: columns of a column split, rows of a row split
@@ -130,10 +117,7 @@ for r, a, b, sw, sy, rw, ry in shapes:
     say(f"{r:>4}  [{a:>2}, {b:>2})     {str(sw):<20s}  {str(sy):<17s}              {str(rw):<14s}   {ry}")
 
 # %% [markdown]
-# The picture draws the two cuts at this chapter's sizes, one colour per rank: on top the column split (every
-# rank multiplies the whole $X$ with its block of columns and owns that block of $Y$), below the row split
-# (every rank multiplies its block of the input's columns with its block of rows, and the full-sized partial
-# products are summed).
+# The two cuts to scale, one colour per rank: column split on top, row split below.
 
 # %%
 if rank == 0:
@@ -181,10 +165,9 @@ if rank == 0:
 pictures.wait_asleep(world)                      # the other ranks sleep while rank 0 draws
 
 # %% [markdown]
-# Assembling the results. For the column split the blocks are put side by side; rank $i$'s block must equal
-# columns $iF/tp \ldots (i+1)F/tp - 1$ of the serial $XW$, and after an All-Gather
-# (`tp_layers.allgather_forward`, which calls `Allgather` and lays the blocks side by side) every rank holds the
-# whole serial $Y$. For the row split the partial products are summed by `Allreduce`.
+# For the column split, rank $i$'s block must equal columns $iF/tp \ldots (i+1)F/tp - 1$ of the serial $XW$, and
+# after `tp_layers.allgather_forward` (an `Allgather`) every rank holds the whole $Y$. For the row split
+# `Allreduce` sums the partial products.
 
 # %%
 Y_serial_col = X @ W_col                                    # (B, T, F)
@@ -199,18 +182,16 @@ check("row split: Allreduce(X_i W_i) vs serial X W", rel_err(Y_row, Y_serial_row
 say(f"  (before the Allreduce, one rank's partial product is off by {partial_err:.0%} of max|Y|)")
 
 # %% [markdown]
-# The two cuts fit together. The output of a column split, $Y_i$: (N, F/tp), is *exactly* the input block a row
-# split wants, so a column-split layer followed by a row-split layer needs no communication in between, and
-# neither does anything elementwise placed between them (GELU acts on each column on its own). Section 3 builds
-# the MLP this way. Something that mixes columns, such as LayerNorm or a softmax over F, would need the whole
-# row and could not sit there.
+# The output of a column split, $Y_i$: (N, F/tp), is exactly the input a row split wants, so a column-split layer
+# followed by a row-split one needs no communication in between, nor does anything elementwise between them
+# (GELU). Section 3 builds the MLP this way. Something that mixes columns (LayerNorm, a softmax over F) could not
+# sit there.
 
 # %% [markdown]
 # ## 2. The lecture's scheme: column split, All-Gather, and its adjoint
 #
-# **Forward** (the lecture's section 3.2): "for the linear layer $Y = XW$ with $W$ split by columns, each worker
-# computes $Y_{part} = X W_{part}$; to obtain the full $Y$ the workers All-Gather the $Y_{part}$, so that every
-# worker has the whole $Y$ for the next layer." That is `tp_layers.gather_linear_forward`:
+# **Forward** (the lecture's section 3.2): each worker computes $Y_{part} = X W_{part}$ and the workers All-Gather
+# the parts, so every worker has the whole $Y$ for the next layer. That is `tp_layers.gather_linear_forward`:
 #
 # $$Y_i = X A_i + b_i \ \text{: (N, F/tp)}, \qquad Y = \text{AllGather}(Y_1, \ldots, Y_{tp}) \ \text{: (N, F)
 # on every rank}.$$
@@ -230,37 +211,28 @@ check("Allgather(X A_i + b_i) vs serial X A + b", rel_err(Y, Y_serial))
 # **Backward** (the lecture's section 3.3). Write $D = \partial L / \partial Y$. Three gradients are needed:
 #
 # * $\partial L/\partial A_i = X^\top\, \partial L/\partial Y_i$ and $\partial L / \partial b_i = \sum_n
-#   \partial L / \partial Y_{i,n}$: "from the upstream gradient and the local input", no communication once
-#   $\partial L / \partial Y_i$ is known;
-# * $\partial L/\partial X$: every rank's $Y_i$ depends on all of $X$, so
-#   $\partial L / \partial X = \sum_i \partial L/\partial Y_i\, A_i^\top$: rank $i$ computes its term, a partial
-#   $dX$, and an **All-Reduce** sums them ("dX_part from dY_part and W_part, All-Reduce to the full dX");
+#   \partial L / \partial Y_{i,n}$: local once $\partial L / \partial Y_i$ is known;
+# * $\partial L / \partial X = \sum_i \partial L/\partial Y_i\, A_i^\top$, since every $Y_i$ depends on all of
+#   $X$: each rank computes a partial $dX$ and an **All-Reduce** sums them;
 # * and first $\partial L / \partial Y_i$ itself, the backward of the All-Gather.
 #
-# **The adjoint of All-Gather is Reduce-Scatter.** The All-Gather copies block $i$ of rank $i$ into block $i$ of
-# the $Y$ held by *every* rank $r$. A value copied to several places receives the sum of the gradients of all
-# the copies (chapter 1: "a value used twice in the forward receives the sum of both gradients"). So if rank
-# $r$'s part of the computation hands it the gradient $D^{(r)}$ with respect to its copy of the whole $Y$,
+# **The adjoint of All-Gather is Reduce-Scatter.** The All-Gather copies rank $i$'s block into block $i$ of the
+# $Y$ on *every* rank, and a value copied to several places receives the sum of its copies' gradients (chapter 1).
+# If rank $r$'s computation hands it $D^{(r)}$, the gradient for its copy of $Y$,
 #
 # $$\frac{\partial L}{\partial Y_i} = \sum_{r=1}^{tp} D^{(r)}_i = \big[\text{ReduceScatter}(D^{(1)}, \ldots,
-# D^{(tp)})\big]_i :$$
+# D^{(tp)})\big]_i .$$
 #
-# sum over ranks, then scatter the blocks, block $i$ to rank $i$. Whether that is what the code must do depends
-# on what the $D^{(r)}$ are, and there are two cases.
+# What the code must do depends on what the $D^{(r)}$ are.
 #
-# **Case 1: the downstream computation is replicated.** Every rank computes the *same* thing from the same full
-# $Y$ (the next LayerNorm, a residual addition, the loss), and the loss counts it once. Then each rank already
-# holds the same, *complete* $D = \partial L / \partial Y$. These are not tp different contributions to be
-# added: they are tp copies of one. The rank-$r$ copies are all the same gradient, so the sum above must count
-# it once, which is the Reduce-Scatter scaled by $1/tp$:
+# **Case 1: the downstream computation is replicated.** Every rank computes the same thing from the same $Y$ (a
+# LayerNorm, a residual, the loss), counted once by the loss, so each rank holds the same complete $D$: tp copies
+# of one gradient, not tp contributions. The sum must count it once, a Reduce-Scatter scaled by $1/tp$:
 #
-# $$\frac{\partial L}{\partial Y_i} = \tfrac{1}{tp}\, \text{ReduceScatter}(D, \ldots, D)_i = \tfrac{1}{tp}\,
-# tp\, D_i = D_i ,$$
+# $$\frac{\partial L}{\partial Y_i} = \tfrac{1}{tp}\, \text{ReduceScatter}(D, \ldots, D)_i = D_i ,$$
 #
-# the rank's own slice of $D$, which it already has: no communication at all. An unscaled Reduce-Scatter would
-# give $tp \cdot D_i$, a gradient tp times too large. `tp_layers.allgather_backward` does all three, so we can
-# look. The probe is $L = \sum Y \odot R$ with a fixed random $R$ that is the same on every rank, so
-# $D = R$ everywhere:
+# the rank's own slice of $D$: no communication. Unscaled, it would be $tp \cdot D_i$. `tp_layers.allgather_backward`
+# does all three; the probe is $L = \sum Y \odot R$ with the same random $R$ on every rank, so $D = R$:
 
 # %%
 R = rng.standard_normal((B, T, F))                              # (B, T, F) dL/dY, the same on every rank
@@ -276,10 +248,9 @@ check("replicated: unscaled ReduceScatter / slice - tp", float(np.max(np.abs(rat
 say(f"  unscaled Reduce-Scatter / correct gradient: min {ratio.min():.15g}, max {ratio.max():.15g} (tp = {TP})")
 
 # %% [markdown]
-# With the right $\partial L / \partial Y_i$ the rest of the backward follows the lecture. `gather_linear_backward`
-# takes the slice, accumulates $dA_i \mathrel{+}= X^\top dY_i$ and $db_i \mathrel{+}= \sum_n dY_i$, and
-# All-Reduces the partial $dX_i = dY_i A_i^\top$. The result must match the serial `linear_backward` on the full
-# matrices; with the unscaled Reduce-Scatter instead, every gradient would come out exactly tp times too large.
+# With the right $\partial L / \partial Y_i$, `gather_linear_backward` accumulates $dA_i \mathrel{+}= X^\top dY_i$
+# and $db_i \mathrel{+}= \sum_n dY_i$, and All-Reduces the partial $dX_i = dY_i A_i^\top$; the unscaled
+# Reduce-Scatter would make every gradient tp times too large.
 
 # %%
 dA_i, dbA_i = np.zeros_like(A_i), np.zeros_like(bA_i)          # (C, F/tp), (F/tp,)
@@ -296,23 +267,20 @@ layers.linear_backward(dY_rs1, cache_A, dA_wrong)               # dA_i from the 
 check("unscaled: dA_i / serial dA_i - tp", float(np.max(np.abs(dA_wrong / dA[:, cols] - TP))))
 
 # %% [markdown]
-# **Case 2: the downstream work is split between ranks.** Now let the next layer be column-split too, another
-# gather linear $Z = \text{AllGather}(Y B_i)$ with $B_i$: (F, C/tp), and $L = \sum Z \odot R_Z$. Rank $r$ only
-# computes $Z_r = Y B_r$, so the gradient it can form with respect to the whole $Y$ is its own term,
+# **Case 2: the downstream work is split.** Let the next layer be another gather linear $Z = \text{AllGather}(Y
+# B_i)$, $B_i$: (F, C/tp), with $L = \sum Z \odot R_Z$. Rank $r$ computes only $Z_r = Y B_r$, so its gradient for
+# the whole $Y$ is its own term,
 #
 # $$D^{(r)} = \frac{\partial L}{\partial Z_r}\, B_r^\top \ \text{: (N, F)},$$
 #
-# a *different* partial gradient on every rank, and $\partial L / \partial Y = \sum_r D^{(r)}$. Here the plain
-# Reduce-Scatter is the exact adjoint: it sums the partials and hands each rank the block it needs.
+# different on every rank, and $\partial L / \partial Y = \sum_r D^{(r)}$: the plain Reduce-Scatter is the exact
+# adjoint.
 #
-# Two routes give the same $\partial L/\partial Y_i$. The gather scheme as written in `tp_layers` (and used by
-# `tp_model`) first All-Reduces the partial $dX$ of the second layer (bullet 2 above) to the full, replicated
-# $\partial L/\partial Y$, and then, being in case 1, takes its slice. The Reduce-Scatter does both in one
-# collective. Both calls carry the same payload, the (N, F) tensor; what differs is what a ring sends per rank
-# (chapter 2): $(tp-1)/tp$ of it for the Reduce-Scatter, $2(tp-1)/tp$ for the All-Reduce, which on a ring (or
-# with recursive halving and doubling, the bandwidth-optimal algorithms MPI libraries use for large messages:
-# Thakur, Rabenseifner and Gropp 2005, "Optimization of Collective Communication Operations in MPICH") *is* a
-# Reduce-Scatter followed by an All-Gather. The All-Gather half is wasted when each rank only wants its own block.
+# `tp_layers` (and `tp_model`) take another route to the same $\partial L/\partial Y_i$: All-Reduce the second
+# layer's partial $dX$ to the full $\partial L/\partial Y$, then, now in case 1, slice. Both carry the same (N, F)
+# payload, but a ring sends $(tp-1)/tp$ of it for the Reduce-Scatter and $2(tp-1)/tp$ for the All-Reduce, which on
+# a ring (or with recursive halving and doubling: Thakur, Rabenseifner and Gropp 2005, "Optimization of Collective
+# Communication Operations in MPICH") *is* a Reduce-Scatter followed by an All-Gather, whose half is wasted here.
 
 # %%
 Bw = rng.standard_normal((F, C))                                # (F, C) the next layer's weight
@@ -346,9 +314,7 @@ check.equal("split: ring bytes, Reduce-Scatter route == 1/2 All-Reduce's", ring_
             ring_bytes(route_ar, TP))
 
 # %% [markdown]
-# From $\partial L/\partial Y_i$ on, the first layer's backward is the same as before: $dA_i = X^\top dY_i$
-# locally, and the All-Reduce of the partial $dY_i A_i^\top$ gives the full $dX$. Against the serial chain
-# $X \to XA + b \to (XA + b)B$:
+# The rest of the first layer's backward is as before; against the serial chain $X \to XA + b \to (XA + b)B$:
 
 # %%
 dA_i = np.zeros_like(A_i)
@@ -363,10 +329,9 @@ check("split: dA_i vs block i of serial dA", rel_err(dA_i, dA[:, cols]))
 check("split: Allreduce(dY_i A_i^T) vs serial dX", rel_err(dX_partial, dX_serial))
 
 # %% [markdown]
-# The picture follows the first layer through the lecture's scheme, one row per rank, with the shapes of this
-# chapter and the bytes its collectives recorded: in the forward pass each rank's block of columns is gathered
-# onto every rank; in the backward pass (case 2) each rank starts with its own partial gradient of the whole $Y$
-# (hatched), the Reduce-Scatter leaves each rank the sum of its block, and the All-Reduce sums the partial $dX$.
+# The first layer through the lecture's scheme, one row per rank, with the bytes recorded: forward, each rank's
+# block gathered onto every rank; backward (case 2), each rank's partial gradient of the whole $Y$ (hatched), the
+# Reduce-Scatter leaving each rank its summed block, and the All-Reduce of the partial $dX$.
 
 # %%
 if rank == 0:
@@ -432,38 +397,31 @@ pictures.wait_asleep(world)                      # the other ranks sleep while r
 
 # %% [markdown]
 # So the lecture's "the backward of the All-Gather is a Reduce-Scatter" is exact when each rank contributes a
-# different part of the gradient; when every rank holds the same complete gradient it is the $1/tp$-scaled
-# Reduce-Scatter, which is just the local slice. In `hsgd.tp.model` ("gather" scheme), the tensor after every
-# All-Gather receives its gradient replicated (from replicated work, or from the next layer's All-Reduce of its
-# partial $dX$, the All-Reduce route above), so the slice is what runs; `reduce_scatter=True` makes it call the
-# scaled Reduce-Scatter instead (same numbers, more traffic), which the tests use to show the two agree. For the
-# tensors gathered before a projection, the All-Reduce + slice could be one unscaled Reduce-Scatter (case 2).
+# different part of the gradient, and is the free local slice when every rank holds the same gradient. In
+# `hsgd.tp.model` ("gather" scheme) every gathered tensor receives its gradient replicated, so the slice runs;
+# `reduce_scatter=True` calls the scaled Reduce-Scatter instead (same numbers, more traffic), which the tests use.
+# Before a projection, the All-Reduce + slice could be one unscaled Reduce-Scatter (case 2).
 #
 # ## 3. Megatron's f and g: the MLP with one All-Reduce each way
 #
-# The lecture's scheme communicates after *every* linear layer, forward and backward. Megatron-LM (Shoeybi et al.
-# 2019) pairs the two cuts of section 1 instead and names the two places where communication is unavoidable:
+# The lecture's scheme communicates after every linear layer. Megatron-LM (Shoeybi et al. 2019) pairs the two cuts
+# of section 1 and names the two places where communication is unavoidable:
 #
 # | operator | forward | backward | where |
 # |---|---|---|---|
 # | $f$ | identity | All-Reduce | entry of a column-parallel region: $X$ is replicated, each rank's $dX$ is partial |
 # | $g$ | All-Reduce | identity | exit of a row-parallel region: each rank's $Y$ is partial, $dY$ is replicated |
 #
-# They are *conjugate*: each is the other's adjoint. $f$ hands the same $X$ to every rank, a copy, whose backward
-# sums the copies' gradients; $g$ sums, and the gradient of a sum with respect to each term is the upstream
-# gradient itself, a copy. The MLP of a Transformer block, $\text{MLP}(X) = \text{GELU}(X W_1 + b_1)\, W_2 + b_2$,
-# becomes
+# They are *conjugate*, each the other's adjoint: $f$ copies, so its backward sums; $g$ sums, so its backward
+# copies. The MLP $\text{GELU}(X W_1 + b_1)\, W_2 + b_2$ becomes
 #
 # $$X \xrightarrow{f} X \xrightarrow{\text{column}} U_i = XW_{1,i} + b_{1,i} \xrightarrow{\text{GELU}} H_i
 # \xrightarrow{\text{row}} H_i W_{2,i} \xrightarrow{g} \sum_i H_i W_{2,i} + b_2 ,$$
 #
-# with $W_1 = [W_{1,1} \cdots W_{1,tp}]$ split by columns (C, F/tp), $W_2 = [W_{2,1}; \cdots; W_{2,tp}]$ by rows
-# (F/tp, C), $b_1$ split, $b_2$ replicated. GELU is elementwise, so it is applied to the local columns. The
-# backward runs the same line from right to left: $g$'s backward is free, the row-parallel layer gives its
-# $dW_{2,i}$ and $dH_i$ locally, GELU's backward is local, the column-parallel layer gives $dW_{1,i}$ and a
-# partial $dX$, and $f$'s backward All-Reduces it. In `tp_layers` these are `column_linear_forward/backward`
-# (with $f$ inside) and `row_linear_forward/backward` (with $g$ inside). Every collective is counted in the
-# grid's `CommStats`; we reset it and look after the forward pass and after the backward pass.
+# with $W_1$ split by columns (C, F/tp), $W_2$ by rows (F/tp, C), $b_1$ split, $b_2$ replicated. The backward runs
+# the line right to left; only $f$'s backward communicates, All-Reducing the partial $dX$. In `tp_layers` these are
+# `column_linear_forward/backward` ($f$ inside) and `row_linear_forward/backward` ($g$ inside); `CommStats` is read
+# after each pass.
 
 # %%
 W1 = rng.standard_normal((C, F))                # (C, F)
@@ -495,16 +453,15 @@ check.equal("Megatron MLP forward: calls, bytes == (1, N*C*8)", fwd_counts, one)
 check.equal("Megatron MLP backward: calls, bytes == (1, N*C*8)", bwd_counts, one)
 
 # %% [markdown]
-# The recorded payload is the size of the logical tensor, $N \cdot C \cdot 8$ bytes ($6 \cdot 8 \cdot 8 = 384$):
-# the MLP's hidden activation (N, F), four times larger, never travels, in either direction.
+# The payload is the logical tensor, $N \cdot C \cdot 8 = 384$ bytes; the hidden activation (N, F), four times
+# larger, never travels.
 #
 # ## 4. The lecture's MLP, for comparison
 #
-# The same MLP in the lecture's scheme: both linears column-split and gathered, $W_2$ now split by *columns*,
-# (F, C/tp), with $b_2$ split too. GELU commutes with the All-Gather (it is elementwise), so the gather of the
-# first layer can wait until after it, as in `tp_model`'s "gather" scheme. Forward: All-Gather of the (N, F)
-# hidden activation and of the (N, C) output; backward: the two slices (free, case 1) and two All-Reduces of
-# partial $dX$, (N, F) and (N, C).
+# Both linears column-split and gathered, $W_2$ and $b_2$ now split by *columns*, (F, C/tp). GELU is elementwise,
+# so the first gather can wait until after it, as in `tp_model`'s "gather" scheme. Forward: All-Gathers of the
+# (N, F) hidden activation and the (N, C) output; backward: two free slices (case 1) and two All-Reduces of partial
+# $dX$, (N, F) and (N, C).
 
 # %%
 W2_ci, b2_ci = W2[:, cols_C], b2[cols_C]                            # (F, C/tp), (C/tp,) column split of proj
@@ -528,8 +485,7 @@ expected = {("tp", "Allgather"): (2, N * (F + C) * 8), ("tp", "Allreduce"): (2, 
 check.equal("the lecture's MLP: calls, bytes == expected", gather_counts, expected)
 
 # %% [markdown]
-# Now the two columns. Megatron's MLP makes two All-Reduces of (N, C); the lecture's makes two All-Gathers and two
-# All-Reduces, of (N, F) and (N, C) each. Per MLP forward + backward, with $s$ bytes per number:
+# Per MLP forward + backward, with $s$ bytes per number:
 #
 # | | payload | ring, sent per rank |
 # |---|---|---|
@@ -537,8 +493,8 @@ check.equal("the lecture's MLP: calls, bytes == expected", gather_counts, expect
 # | the lecture's | $2N(F + C)s$ | $\big(\frac{tp-1}{tp} + 2\frac{tp-1}{tp}\big) N(F + C)s = 3\frac{tp-1}{tp} N(F+C)s$ |
 # | ratio | $(F + C)/C$ | $3(F + C)/(4C)$ |
 #
-# Half of the lecture's payload travels in All-Gathers, which a ring moves at half the price per payload byte of
-# an All-Reduce, so its ratio in bytes on the wire is smaller than its ratio of payloads:
+# Half of the lecture's payload travels in All-Gathers, half the ring price per byte of an All-Reduce, so its
+# ratio on the wire is below its ratio of payloads:
 
 # %%
 mlp = {"Megatron": merged(fwd_counts, bwd_counts), "the lecture's": gather_counts}   # {(comm, op): (calls, bytes)}
@@ -572,18 +528,15 @@ if rank == 0:
 pictures.wait_asleep(world)                      # the other ranks sleep while rank 0 draws
 
 # %% [markdown]
-# With $F = 4C$, as here and in GPT-2, the lecture's scheme carries $(F + C)/C = 5$ times the payload of
-# Megatron's, in four collectives instead of two, and its ranks send $3(F + C)/(4C) = 3.75$ times the bytes on a
-# ring, whatever tp is (the factor $(tp-1)/tp$ cancels). The picture shows both columns. What the lecture's scheme
-# buys is simplicity: every layer's output is complete on every rank, so any layer can follow any other.
-# Megatron's pairing needs the column split to be followed by the row split, which is exactly the shape of a
-# Transformer's MLP and, as chapter 6 shows, of its attention.
+# With $F = 4C$ the lecture's scheme carries 5 times Megatron's payload, in four collectives instead of two, and
+# sends 3.75 times the ring bytes, whatever tp is. What it buys is simplicity: every layer's output is complete on
+# every rank, so any layer can follow any other. Megatron's pairing needs a column split followed by a row split,
+# the shape of a Transformer's MLP and, as chapter 6 shows, of its attention.
 #
 # ## Check against serial
 #
-# Both parallel MLPs against `hsgd.model.layers` on the full matrices: the output, the input gradient $dX$
-# (replicated), and every rank's shard of the weight and bias gradients, the shard being cut the way that
-# scheme cuts the parameter (Megatron: $W_2$ by rows, $b_2$ whole; the lecture's: $W_2$ and $b_2$ by columns).
+# Both MLPs against `hsgd.model.layers`: the output, $dX$, and every rank's shard of the parameter gradients, cut
+# the way that scheme cuts the parameter (Megatron: $W_2$ by rows, $b_2$ whole; the lecture's: both by columns).
 
 # %%
 U, c_fc_s = layers.linear_forward(X, W1, b1)                        # (B, T, F)
@@ -610,15 +563,12 @@ grid.free()
 # %% [markdown]
 # ## Cross-walk: hsgd and the production frameworks
 #
-# The same operators in Megatron-LM (`megatron/core/tensor_parallel/`), DeepSpeed's automatic tensor parallelism
-# (AutoTP, `deepspeed/module_inject/`) and PyTorch's tensor-parallel styles (`torch.distributed.tensor.parallel`,
-# on DTensor). The frameworks store an `nn.Linear` weight as (out, in) and compute $XW^\top$, so their column split
-# cuts the weight's axis 0 and their row split its axis 1; hsgd stores $W$ as (in, out), as the lecture writes
-# $Y = XW$, and cuts axis 1 and axis 0.
+# The frameworks store an `nn.Linear` weight as (out, in) and compute $XW^\top$, so their column split cuts axis 0
+# and their row split axis 1; hsgd stores $W$ as (in, out), as the lecture's $Y = XW$, and cuts axis 1 and axis 0.
 #
 # | hsgd | Megatron-LM | DeepSpeed | PyTorch | where hsgd differs, on purpose |
 # |---|---|---|---|---|
-# | `tp_layers.f_forward` / `f_backward`: identity, backward All-Reduce | `copy_to_tensor_model_parallel_region` (megatron/core/tensor_parallel/mappings.py); inside `ColumnParallelLinear` the backward All-Reduce usually runs in the linear's own backward (`allreduce_dgrad`, layers.py), started asynchronously and overlapped with the weight-gradient product | `ColumnParallel` autograd function (deepspeed/module_inject/layers.py); `AsyncColumnParallel` overlaps the All-Reduce with the weight gradient | no named operator: `ColwiseParallel` makes the input a `Replicate()` DTensor, and `DTensor.from_local`'s backward turns the partial input gradient into a replicated one (an All-Reduce) | a plain function pair, called where it happens, with no autograd and no overlap: the reader sees every collective at its call site |
+# | `tp_layers.f_forward` / `f_backward`: identity, backward All-Reduce | `copy_to_tensor_model_parallel_region` (megatron/core/tensor_parallel/mappings.py); inside `ColumnParallelLinear` the backward All-Reduce runs in the linear's own backward (`allreduce_dgrad`, layers.py), overlapped with the weight-gradient product | `ColumnParallel` autograd function (deepspeed/module_inject/layers.py); `AsyncColumnParallel` overlaps the All-Reduce with the weight gradient | no named operator: `ColwiseParallel` makes the input a `Replicate()` DTensor, and `DTensor.from_local`'s backward turns the partial input gradient into a replicated one (an All-Reduce) | a plain function pair with no autograd and no overlap: every collective is seen at its call site |
 # | `tp_layers.g_forward` / `g_backward`: All-Reduce, backward identity | `reduce_from_tensor_model_parallel_region` (mappings.py) | `RowParallel` autograd function (layers.py) | `RowwiseParallel`'s default `output_layouts=Replicate()`: the partial output is All-Reduced | same |
 # | `column_linear_forward` / `_backward`: $W_i$ (C, F/tp), output split | `ColumnParallelLinear(..., gather_output=False)` (megatron/core/tensor_parallel/layers.py) | `LinearLayer` (layers.py), chosen by `AutoTP` (deepspeed/module_inject/auto_tp.py) | `ColwiseParallel()` on an `nn.Linear` (torch/distributed/tensor/parallel/style.py): weight and bias `Shard(0)` | (in, out) storage, as the lecture's $Y = XW$ |
 # | `row_linear_forward` / `_backward`: $W_i$ (F/tp, C), bias added once after the sum | `RowParallelLinear(..., input_is_parallel=True)`: bias added after `reduce_from_tensor_model_parallel_region` | `LinearAllreduce`: weight split, bias replicated and added after the All-Reduce | `RowwiseParallel()`: weight `Shard(1)`, bias `Replicate()` | - |
@@ -626,17 +576,15 @@ grid.free()
 # | `allgather_backward(replicated=True)`: case 1, the slice | `gather_from_tensor_model_parallel_region`'s backward is `_split_along_last_dim` (a slice); `gather_from_sequence_parallel_region(..., tensor_parallel_output_grad=False)` slices along the first dimension | `GatherFromTensorParallelRegion`'s backward: `narrow`, a slice | a `Replicate()` gradient redistributed back to `Shard(-1)` (`Redistribute.backward`, torch/distributed/tensor/_redistribute.py): a local chunk | hsgd can also pay for the $1/tp$-scaled Reduce-Scatter (`reduce_scatter=True`), to show that both give the same numbers |
 # | `allgather_backward(replicated=False)`: case 2, the Reduce-Scatter | `all_gather_last_dim_from_tensor_parallel_region` (backward `_reduce_scatter_along_last_dim`); `gather_from_sequence_parallel_region(..., tensor_parallel_output_grad=True)` (the default: Reduce-Scatter along the first dimension) | none | a `Partial` gradient redistributed to `Shard(-1)`: a reduce-scatter | one function with a flag that names the case, where Megatron has one operator per case |
 # | none: a rank slices its block of a replicated input directly (`H[..., cols]`) | `scatter_to_tensor_model_parallel_region` (forward split, backward All-Gather), used by `RowParallelLinear(..., input_is_parallel=False)` | none | `RowwiseParallel(input_layouts=Replicate())` | hsgd's models never feed a replicated activation to a row-parallel layer |
-# | `CommStats`: calls and payload bytes per (communicator, operation) | none | `deepspeed.comm`'s `comms_logger` records each collective's message size, and `calc_bw_log` (deepspeed/utils/comms_logging.py) turns it into a "bus bandwidth" with this chapter's ring factors: $2\frac{n-1}{n}$ for all_reduce, $\frac{n-1}{n}$ of the gathered size for all_gather and reduce_scatter | `CommDebugMode` (torch.distributed.tensor.debug) counts the collectives, not their bytes | hsgd counts every payload byte so that the chapters can check it against a formula, and converts to ring bytes in the open (`ring_bytes` above) |
+# | `CommStats`: calls and payload bytes per (communicator, operation) | none | `deepspeed.comm`'s `comms_logger` records message sizes; `calc_bw_log` (deepspeed/utils/comms_logging.py) turns them into a "bus bandwidth" with this chapter's ring factors | `CommDebugMode` (torch.distributed.tensor.debug) counts the collectives, not their bytes | hsgd counts every payload byte to check it against a formula, and converts to ring bytes in the open (`ring_bytes`) |
 #
 # ## Exercises
 #
 # ### Exercise 1: the gather's backward with one Reduce-Scatter
-# Write the backward of the All-Gather yourself, with `tp.Reduce_scatter_block` (hsgd's `Comm` wrapper; its
-# `full` argument is (tp, ...) with block r going to rank r): lay the (B, T, F) gradient out as tp blocks of F/tp
-# columns and call it once. Check it in case 2 (the chain $X \to$ gather linear $\to$ gather linear of section 2)
-# against the serial $\partial L / \partial Y$'s block; then write case 1 as the slice, check it against the
-# serial block too, and show that the unscaled Reduce-Scatter of a replicated gradient is exactly tp times too
-# large. Do not call `tp_layers.allgather_backward`.
+# Write the All-Gather's backward with one `tp.Reduce_scatter_block` (its `full` argument is (tp, ...), block r
+# to rank r), without `tp_layers.allgather_backward`. Check it in case 2 (section 2's chain of two gather linears)
+# against the serial block of $\partial L / \partial Y$; then write case 1 as the slice, check it too, and show
+# that the unscaled Reduce-Scatter of a replicated gradient is exactly tp times too large.
 # (solution: `tutorials/solutions/05_tensor_parallel_linear.py`, `exercise_1`)
 #
 # ### Exercise 2: a row-parallel layer with its bias added once
@@ -647,9 +595,8 @@ grid.free()
 # (solution: `tutorials/solutions/05_tensor_parallel_linear.py`, `exercise_2`)
 #
 # ### Exercise 3: the MLP with your own f and g, its bytes against a formula
-# Write $f$ and $g$ (forward and backward each) with `comm.Allreduce`, build section 3's MLP with them, and run it
-# on tensor-parallel groups of tp = 1, 2 and 4 (a `ProcessGrid(world, dp=4 // tp, tp=tp)` for each). Check the
-# output and $dX$ against serial, the recorded payload against $2NCs$, and the ring bytes per rank against
-# $4\frac{tp-1}{tp}NCs$. Then run the lecture's MLP of section 4 on the same groups and check that the ratio of
-# ring bytes is $3(F + C)/(4C)$ for every tp > 1 while the ratio of payloads is $(F + C)/C$.
+# Write $f$ and $g$ with `comm.Allreduce`, build section 3's MLP with them, and run it on tp = 1, 2 and 4 (a
+# `ProcessGrid(world, dp=4 // tp, tp=tp)` each). Check the output and $dX$ against serial, the payload against
+# $2NCs$ and the ring bytes per rank against $4\frac{tp-1}{tp}NCs$. Then check, with section 4's MLP, that the
+# ratio of ring bytes is $3(F + C)/(4C)$ for every tp > 1 while that of payloads is $(F + C)/C$.
 # (solution: `tutorials/solutions/05_tensor_parallel_linear.py`, `exercise_3`)

@@ -16,31 +16,17 @@
 # %% [markdown]
 # # Chapter 6: attention heads, the vocab-parallel embedding and loss, the whole TP model, sequence parallelism
 #
-# Chapter 5 split one linear layer, and the MLP, over a tensor-parallel group of tp ranks. A GPT has three more
-# places where the model is wide: the attention, the token embedding and the LM head with its softmax over the
-# vocabulary. This chapter splits each of them, following the lecture's section 3.2 ("for attention, the heads can
-# be assigned to different workers") and Megatron-LM (Shoeybi et al. 2019, "Megatron-LM: Training Multi-Billion
-# Parameter Language Models Using Model Parallelism", arXiv:1909.08053), puts them together, and then splits what
-# is left whole between the split matmuls along the sequence (Korthikanti et al. 2022):
+# Chapter 5 split the linear layer and the MLP over tp ranks. A GPT is wide in three more places: the attention,
+# the token embedding, and the LM head with its softmax over the vocabulary. This chapter splits each, following
+# the lecture's section 3.2 ("for attention, the heads can be assigned to different workers") and Megatron-LM
+# (Shoeybi et al. 2019, "Megatron-LM: Training Multi-Billion Parameter Language Models Using Model Parallelism",
+# arXiv:1909.08053), checks the whole model and its bytes against serial and a formula, and then splits along the
+# sequence what stays whole between the split matmuls (sequence parallelism, and its asynchronous form).
 #
-# 1. attention by heads: q, k, v column-parallel, each rank computing whole heads locally, and the output
-#    projection row-parallel: one All-Reduce forward, one backward, as for the MLP;
-# 2. the vocab-parallel embedding: each rank holds V/tp rows of `wte` (padded when tp does not divide V);
-# 3. the vocab-parallel LM head and cross-entropy: the loss from three numbers per position, without ever
-#    gathering the (N, V) logits;
-# 4. the whole model, `hsgd.tp.model`, in both schemes of chapter 5, against `hsgd.model.serial` shard by shard, and
-#    its communication per step against `tp_model.comm_formula`, in payload and in ring bytes;
-# 5. sequence parallelism: LayerNorm and the residual stream on 1/tp of the positions, All-Gather and
-#    Reduce-Scatter in place of the All-Reduces, and the activation memory that buys.
-#
-# Run it with four ranks (measured: about 5 s on a quiet 2-core machine, 13 to 21 s while other jobs shared it;
-# most of it is starting Python and MPI and, on rank 0, drawing the pictures. On failure every rank raises, so it
-# exits non-zero without hanging). Rank 0 draws three pictures into `$HSGD_FIGURES` (default
-# `tutorials/figures/`):
+# Run it with four ranks (measured: about 5 s on a quiet 2-core machine, 13 to 21 s under load, mostly start-up
+# and drawing). Rank 0 draws three pictures into `$HSGD_FIGURES` (default `tutorials/figures/`):
 #
 # mpirun -n 4 python tutorials/06_attention_heads_and_vocab_parallel.py
-#
-# The notebook form (`jupytext --to ipynb`) is for reading: the code needs four MPI ranks. Only rank 0 prints.
 #
 # Legend: B batch, T sequence, C d_model, NH heads, hs = C/NH head size, F d_ff, V vocabulary,
 # Vp = ceil(V/tp) vocabulary rows per rank, N = B*T positions, L layers, tp tensor-parallel ranks, i a rank,
@@ -79,26 +65,22 @@ rng = np.random.default_rng(0)          # the same seed on every rank: every ran
 # %% [markdown]
 # ## 1. Attention, split by heads
 #
-# The attention branch of a block, on its (already layer-normed) input $a$: (N, C), is
+# The attention branch on its layer-normed input $a$: (N, C) is
 #
 # $$q = aW_q + b_q,\quad k = aW_k + b_k,\quad v = aW_v + b_v, \qquad
 # y^h = \text{softmax}\Big(\frac{q^h (k^h)^\top}{\sqrt{hs}} + M\Big)\, v^h, \qquad o = [y^1 \cdots y^{NH}]\, W_o
 # + b_o ,$$
 #
-# where head $h$ owns columns $h \cdot hs \ldots (h+1) hs - 1$ of q, k and v (chapter 1). Each head reads only its
-# own columns of q, k, v, and those columns come from the same columns of $W_q, W_k, W_v$. So a column split of
-# the three weights *at head boundaries* gives each rank whole heads: rank $i$ holds heads
-# $i \frac{NH}{tp} \ldots (i+1)\frac{NH}{tp} - 1$, that is columns $i\frac{C}{tp} \ldots (i+1)\frac{C}{tp} - 1$ of
-# $W_q, W_k, W_v$ (C, C/tp) and of $b_q, b_k, b_v$, and runs the *unchanged* `layers.attention_forward` on its
-# NH/tp heads. Its output $y_i$: (N, C/tp) is a block of columns of $y$, exactly the input block of a row split
-# of $W_o$ (rows $i\frac{C}{tp} \ldots$, shape (C/tp, C)). This is chapter 5's column -> row pair again, with
-# the attention in place of GELU:
+# where head $h$ owns columns $h \cdot hs \ldots (h+1) hs - 1$ of q, k and v, which come from the same columns of
+# $W_q, W_k, W_v$. A column split *at head boundaries* therefore gives each rank whole heads: rank $i$ holds
+# columns $i\frac{C}{tp} \ldots (i+1)\frac{C}{tp} - 1$ of $W_q, W_k, W_v$ (C, C/tp) and their biases, and runs
+# the unchanged `layers.attention_forward` on its NH/tp heads. Its output $y_i$: (N, C/tp) is exactly the input
+# block of a row split of $W_o$ (C/tp, C): chapter 5's column -> row pair, with attention in place of GELU,
 #
 # $$a \xrightarrow{f} \text{q, k, v column-parallel} \to \text{attention on local heads} \to
 # \text{row-parallel } W_o \xrightarrow{g} o .$$
 #
-# One All-Reduce forward ($g$), one backward ($f$), both of an (N, C) tensor, and the (B, NH, T, T) attention
-# scores never leave their rank.
+# One (N, C) All-Reduce each way; the (B, NH, T, T) scores never leave their rank.
 
 # %%
 B, T, C, NH = 2, 5, 16, 8               # hs = 2; NH/tp = 2 heads and C/tp = 4 columns per rank
@@ -139,10 +121,8 @@ da = tp_layers.f_backward(da, tp)                                         # (B, 
 bwd_counts = grid.stats.counts()
 
 # %% [markdown]
-# The picture shows the split at this section's sizes: the columns of $W_q$, $W_k$, $W_v$ and the rows of $W_o$
-# each rank holds, head by head, and below, the attention probabilities of the first sequence that each rank
-# computed for its own heads (from the cache of `attention_forward`): (T, T) per head, causal, never sent
-# anywhere.
+# Each rank's columns of $W_q$, $W_k$, $W_v$ and rows of $W_o$, head by head, and below, the causal attention
+# probabilities of the first sequence that each rank computed for its own heads, never sent anywhere.
 
 # %%
 P_mine = c_att[3][0]                                                      # (NH/tp, T, T) my heads, sequence 0
@@ -196,9 +176,8 @@ if rank == 0:
 pictures.wait_asleep(world)                      # the other ranks sleep while rank 0 draws
 
 # %% [markdown]
-# The serial branch on the full matrices, with all NH heads, and the comparison: the local heads' output is a
-# block of columns of the serial $y$, the branch output and $da$ are the serial ones, and every weight and bias
-# gradient is the serial gradient's block (columns for q, k, v; rows for $W_o$; $b_o$ whole).
+# Against the serial branch: the local heads' output, the branch output, $da$, and every gradient as the serial
+# one's block (columns for q, k, v; rows for $W_o$; $b_o$ whole).
 
 # %%
 q, c_qs = layers.linear_forward(a, W["q"], bias["q"])                     # (B, T, C)
@@ -226,17 +205,12 @@ check.equal("attention: forward calls, bytes == (1, N*C*8)", fwd_counts, one)
 check.equal("attention: backward calls, bytes == (1, N*C*8)", bwd_counts, one)
 
 # %% [markdown]
-# Why is the k-bias gradient zero? Adding $b_k$ to every key adds the same number $q_t \cdot b_k^h$ to every
-# score of row $t$, and softmax ignores a shift shared by a row. So its gradient vanishes in exact arithmetic,
-# and what is computed is rounding noise: about $10^{-15}$ here, where the other gradients are of order 1, so it
-# was checked in absolute terms above. Serial and parallel runs produce *different* noise, and a purely relative
-# error of one noise against the other would come out near 1. That is why `rel_err` (`tutorials/checks.py`)
-# divides by at least `FLOOR` = $10^{-6}$; in section 4's model, whose gradients are about $10^{-2}$, the k-bias
-# gradient is rounding noise far below the floor (printed there), and its floored error stays near $10^{-12}$.
+# The k-bias gradient is zero: adding $b_k$ to every key shifts all scores of a row by $q_t \cdot b_k^h$, which
+# softmax ignores. What is computed is rounding noise, different in serial and parallel runs, hence the absolute
+# check above and `rel_err`'s floor (`FLOOR` = $10^{-6}$ in `tutorials/checks.py`).
 #
-# The split must fall on head boundaries: a head cut in two would need the other half of its q and k to form
-# its scores. `tp_shards.check_tp` refuses such a configuration, naming the sizes that work (exercise 2 splits
-# heads unequally instead, as DeepSpeed allows):
+# The split must fall on head boundaries, or a head would need the other half of its q and k. `tp_shards.check_tp`
+# refuses such a configuration, naming sizes that work (exercise 2 splits heads unequally, as DeepSpeed allows):
 
 # %%
 try:
@@ -250,22 +224,17 @@ check.holds("check_tp refuses n_heads=6 on tp=4, naming n_heads", refused.starts
 # %% [markdown]
 # ## 2. The vocab-parallel embedding
 #
-# The token table `wte` is (V, C): for a byte-level model small, but for GPT-2's V = 50257 it is one of the
-# largest matrices. Split it by rows (vocabulary ids): rank $i$ holds ids $[iV_p, (i+1)V_p)$ with
-# $V_p = \lceil V/tp \rceil$. When tp does not divide V the last rank's range runs past V, and its rows there are
-# *padding*: zero, never looked up, their gradient always zero. With V = 13 and tp = 4, $V_p = 4$ and the last
-# rank holds one real row (id 12) and three padding rows.
+# `wte` is (V, C), for GPT-2's V = 50257 one of the largest matrices. Split it by rows: rank $i$ holds ids
+# $[iV_p, (i+1)V_p)$, $V_p = \lceil V/tp \rceil$. Where the last range runs past V its rows are *padding*: zero,
+# never looked up, gradient zero. With V = 13 and tp = 4, $V_p = 4$ and the last rank holds one real row.
 #
-# Each token id is owned by exactly one rank. The look-up $x_{b,t} = \text{wte}[\text{idx}_{b,t}]$ becomes: every
-# rank looks up the tokens it owns (at their local row $\text{idx} - iV_p$) and writes zeros for all the others,
-# and an All-Reduce (sum) of the (B, T, C) results puts every row together, since each row is the sum of one real
-# look-up and tp - 1 zeros:
+# Every rank looks up the tokens it owns (local row $\text{idx} - iV_p$) and writes zeros for the others; an
+# All-Reduce (sum) of the (B, T, C) results completes every row, one real look-up plus tp - 1 zeros:
 #
 # $$x_{b,t} = \sum_{i} [\text{idx}_{b,t} \in \text{range}_i]\ \text{wte}_i[\text{idx}_{b,t} - iV_p] +
 # \text{wpe}_t .$$
 #
-# The backward needs no communication: $dx$ is replicated, and each rank scatter-adds it into the rows it owns
-# (`tp_layers.vocab_embedding_backward`); `wpe` is replicated, and so is its gradient.
+# The backward is local: each rank scatter-adds the replicated $dx$ into its own rows.
 
 # %%
 V = 13
@@ -302,28 +271,24 @@ check.equal("vocab embedding: calls, bytes == (1, N*C*8)", emb_counts, one)
 # %% [markdown]
 # ## 3. The vocab-parallel LM head and cross-entropy
 #
-# The LM head $z = x_f W_{head}$, $W_{head}$: (C, V), is split by columns the same way: rank $i$ holds
-# $W_{head,i}$: (C, Vp), the columns of its vocabulary ids (padding columns zero), and computes the logits
-# $z_i = x_f W_{head,i}$: (N, Vp) of its ids: a column-parallel linear, entered through $f$. The cross-entropy
-# needs, for each position $n$ with target $t_n$,
+# The LM head $z = x_f W_{head}$ is split by columns the same way: rank $i$ holds $W_{head,i}$: (C, Vp) and
+# computes its logits $z_i$: (N, Vp), a column-parallel linear entered through $f$. The cross-entropy of position
+# $n$ with target $t_n$,
 #
 # $$\ell_n = \log \sum_{v=1}^{V} e^{z_{nv}} - z_{n t_n} = \log \sum_{v} e^{z_{nv} - m_n} - (z_{n t_n} - m_n),
 # \qquad m_n = \max_v z_{nv},$$
 #
-# sums over the whole vocabulary. Three numbers per position, each reduced over the tp ranks, assemble it:
+# sums over the whole vocabulary. Three numbers per position, each reduced over the ranks, assemble it:
 #
-# 1. each rank takes the max of its own columns, and an All-Reduce **MAX** gives $m_n$ to all ranks (every rank
-#    must subtract the *same* $m_n$ for the partial sums to add up; the max keeps $e^{z - m} \le 1$);
-# 2. each rank sums $e^{z_{nv} - m_n}$ over its columns, and an All-Reduce **SUM** gives $s_n$;
-# 3. the owner of $t_n$ contributes the shifted target logit $z_{n t_n} - m_n$ (the others 0), and an
-#    All-Reduce **SUM** gives it to every rank.
+# 1. an All-Reduce **MAX** of each rank's own max gives $m_n$ (all ranks must subtract the *same* $m_n$ for the
+#    partial sums to add up; it keeps $e^{z - m} \le 1$);
+# 2. an All-Reduce **SUM** of each rank's $\sum e^{z_{nv} - m_n}$ gives $s_n$;
+# 3. an All-Reduce **SUM** of the shifted target logit $z_{n t_n} - m_n$, contributed by its owner (others 0).
 #
 # `tp_layers.vocab_cross_entropy_forward` sends 2 and 3 in one (2, N) All-Reduce: two calls, $3N$ numbers.
-# Padding columns are set to $-\infty$ first, so they add $e^{-\infty} = 0$. Then every rank has the loss, and
-# the backward, $\partial\,\text{loss} / \partial z_{nv} = (e^{z_{nv} - m_n} / s_n - [v = t_n]) / N$, needs only
-# the local columns and the already-reduced $m_n$, $s_n$: no communication (the padding columns get exactly 0).
-# The (N, V) logits are never gathered on one rank. The LM head's backward is then that of a column-parallel
-# linear: $dW_{head,i} = x_f^\top dz_i$ locally, and $f$'s All-Reduce of the partial $dz_i W_{head,i}^\top$.
+# Padding columns are set to $-\infty$ and add 0. The backward, $\partial\,\text{loss} / \partial z_{nv} =
+# (e^{z_{nv} - m_n} / s_n - [v = t_n]) / N$, needs only local columns and the reduced $m_n$, $s_n$: no
+# communication. The LM head's backward is then a column-parallel linear's.
 
 # %%
 xf = rng.standard_normal((B, T, C))                                       # (B, T, C) LN_f output, replicated
@@ -358,8 +323,7 @@ ce_expected = {("tp", "Allreduce"): (2, 3 * N * 8)}                       # (N,)
 check.equal("vocab cross-entropy: calls, bytes == (2, 3*N*8)", ce_counts, ce_expected)
 
 # %% [markdown]
-# The same three numbers by hand, one All-Reduce each, as the list above says (and as Megatron-LM and PyTorch
-# do): they give the same loss.
+# The same three numbers by hand, one All-Reduce each (as Megatron-LM and PyTorch do), give the same loss.
 
 # %%
 zl = z_i.reshape(N, Vp).copy()                                            # (N, Vp) my logits
@@ -379,9 +343,8 @@ loss_by_hand = float(np.mean(np.log(s) - zt))
 check("three All-Reduces by hand: loss vs serial", abs(loss_by_hand - loss_serial) / abs(loss_serial))
 
 # %% [markdown]
-# The picture shows them at this section's sizes: on the left the (N, tp Vp) logits, one block of Vp columns
-# per rank (padding hatched, each position's target circled); on the right, for each of the three numbers, what
-# every rank contributes and, after a gap, what the All-Reduce gives every rank.
+# Left, the (N, tp Vp) logits, a block per rank (padding hatched, targets circled); right, for each of the three
+# numbers, what every rank contributes and what the All-Reduce returns.
 
 # %%
 pieces = tp.allgather_obj((zl, m_i, e_i, t_i))                            # for the picture only: tiny
@@ -425,11 +388,10 @@ if rank == 0:
 pictures.wait_asleep(world)                      # the other ranks sleep while rank 0 draws
 
 # %% [markdown]
-# What that saves. The logits and the softmax saved for the backward are (N, V) on one device but (N, Vp) per
-# rank here, and the loss's only traffic is $3N$ numbers, where gathering the logits would move all $N \cdot V$.
-# In both columns: the loss's two All-Reduces carry a payload of $3Ns$ bytes and a ring sends $2\frac{tp-1}{tp}$
-# of that per rank; an All-Gather of the (N, tp Vp) logits would carry $N \, tp V_p s$ and a ring would send
-# $\frac{tp-1}{tp}$ of that per rank. For this toy it hardly matters; for GPT-2's vocabulary it does:
+# The logits and the softmax saved for the backward are (N, Vp) per rank instead of (N, V), and the loss moves
+# $3N$ numbers where gathering the logits would move $N \cdot V$. In both columns: the loss's two All-Reduces
+# carry $3Ns$ bytes of payload, a ring sending $2\frac{tp-1}{tp}$ of it per rank; an All-Gather of the logits would
+# carry $N \, tp V_p s$, a ring sending $\frac{tp-1}{tp}$ of it. For GPT-2's vocabulary that matters:
 
 # %%
 gather_logits = {("tp", "Allgather"): (1, N * TP * Vp * 8)}               # what gathering the logits would cost
@@ -449,26 +411,23 @@ say(f"GPT-2 vocabulary, N = {Ng}, float32, tp = {TP}: logits {Ng * Vg * 4 / 2**3
 # %% [markdown]
 # ## 4. The whole model: check against serial
 #
-# `hsgd.tp.model` puts the pieces together: vocab-parallel embedding, per block LayerNorms (replicated), the
-# attention branch of section 1 and the MLP of chapter 5, LN_f, the vocab-parallel LM head and loss. LayerNorm
-# parameters, `wpe` and the row-parallel biases are replicated; everything else is split, and every gradient
-# shard must equal `tp_shards.shard(serial_grad, name, rank, tp, scheme)`, the matching slice of
-# `serial.loss_and_grads`. Three variants: Megatron's f/g ("megatron"), the lecture's All-Gather scheme
-# ("gather", backward slices), and "gather" with `reduce_scatter=True` (backward by the $1/tp$-scaled
-# Reduce-Scatter of chapter 5: the same numbers, paid for with communication).
+# `hsgd.tp.model` assembles the pieces; LayerNorm parameters, `wpe` and the row-parallel biases are replicated,
+# everything else split, and every gradient shard must equal `tp_shards.shard(serial_grad, name, rank, tp,
+# scheme)`. Three variants: Megatron's f/g ("megatron"), the
+# lecture's All-Gather scheme ("gather", backward slices), and "gather" with `reduce_scatter=True` (chapter 5's
+# $1/tp$-scaled Reduce-Scatter: the same numbers, more traffic).
 #
-# Communication of one `loss_and_grads` (forward + backward), $N = BT$, $s$ bytes per number, L blocks, as
-# payload (what `CommStats` records and `comm_formula` predicts):
+# Payload of one `loss_and_grads`, $N = BT$, $s$ bytes per number, L blocks (what `CommStats` records and
+# `comm_formula` predicts):
 #
-# * **megatron**: $4L + 4$ All-Reduces. The embedding 1 of (N, C); per block 2 forward ($g$ after the attention
-#   projection and after the MLP projection) and 2 backward ($f$ before q, k, v and before fc), each (N, C); the
-#   LM head's $f$ backward 1 of (N, C); the cross-entropy's MAX of (N,) and SUM of (2, N). In bytes
-#   $((4L + 2)C + 3)\,N s$.
-# * **gather**: per block 4 All-Gathers (the attention heads (N, C), their projection (N, C), the GELU output
-#   (N, F), the MLP projection (N, C)): $L(3C + F)Ns$ bytes; and $4L + 4$ All-Reduces: per block, in the
-#   backward, the partial input gradients of the attention projection (N, C), of the MLP projection (N, F), of fc
-#   (N, C) and of q, k, v together (N, C), plus embedding, LM head and cross-entropy as above:
-#   $((3C + F)L + 2C + 3)\,Ns$ bytes. With `reduce_scatter=True`, $4L$ Reduce-Scatters of $L(3C+F)Ns$ bytes more.
+# * **megatron**: $4L + 4$ All-Reduces: the embedding's (N, C); per block $g$ after the attention and MLP
+#   projections and $f$'s backward before q, k, v and before fc, each (N, C); the LM head's $f$ backward (N, C);
+#   the cross-entropy's (N,) and (2, N). In bytes $((4L + 2)C + 3)\,N s$.
+# * **gather**: per block 4 All-Gathers (heads (N, C), their projection (N, C), GELU output (N, F), MLP projection
+#   (N, C)), $L(3C + F)Ns$ bytes; and $4L + 4$ All-Reduces, per block the backward's partial input gradients of
+#   the attention projection (N, C), the MLP projection (N, F), fc (N, C) and q, k, v (N, C), plus embedding, LM
+#   head and loss: $((3C + F)L + 2C + 3)\,Ns$ bytes. With `reduce_scatter=True`, $4L$ Reduce-Scatters of
+#   $L(3C+F)Ns$ bytes more.
 
 # %%
 cfg = ModelConfig(vocab_size=13, seq_len=8, d_model=16, n_heads=8, n_layers=2, d_ff=16)   # T splits 1, 2, 4 ways
@@ -507,11 +466,9 @@ for scheme, rs in (("megatron", False), ("gather", False), ("gather", True)):
     check.equal(f"{name}: communication == comm_formula", measured, formula)
 
 # %% [markdown]
-# At the size of GPT-2 small (C = 768, F = 3072, L = 12, V = 50257) with B = 8 sequences of T = 1024 in float32,
-# the formula gives the traffic one TP group of tp = 4 pays per step, in each scheme, in both columns: the payload
-# and what a ring sends per rank. Much of the gather scheme's traffic is All-Gathers, which a ring sends at half
-# the price per payload byte of an All-Reduce, so its ratio in bytes on the wire is smaller than its ratio of
-# payloads:
+# At GPT-2 small's size (C = 768, F = 3072, L = 12, V = 50257), B = 8 sequences of T = 1024 in float32, one TP
+# group of tp = 4 per step, in both columns (the gather scheme's All-Gathers cost half as much per payload byte on
+# a ring):
 
 # %%
 gpt2 = ModelConfig(vocab_size=50257, seq_len=1024, d_model=768, n_heads=12, n_layers=12, d_ff=3072)
@@ -527,29 +484,24 @@ say(f"{'ratio, gather / megatron':<42}{gpt2_ratio[0]:>11.2f}x{gpt2_ratio[1]:>21.
 # %% [markdown]
 # ## 5. Sequence parallelism: the tensor-parallel side of activation memory
 #
-# Between the split matmuls, Megatron's scheme keeps the whole activation (B, T, C) on every rank: the LayerNorms,
-# the residual additions and the inputs that q, k, v, fc and the LM head cache for their backward pass are tp
-# identical copies. Korthikanti et al. (2022, "Reducing Activation Recomputation in Large Transformer Models",
-# arXiv:2205.05198) split those parts along the sequence instead. LayerNorm and the residual treat every position
-# on its own, so rank $r$ can keep only positions $[rT/tp, (r+1)T/tp)$, its T-shard (B, T/tp, C). Two conjugate
-# operators switch between the layouts (`tp_layers.gather_T_*` and `scatter_T_*`; the paper calls them $g$ and
-# $\bar g$, where Shoeybi et al. had $f$ and $g$):
+# Between the split matmuls Megatron's scheme keeps tp identical copies of (B, T, C): the LayerNorms, the
+# residuals and the inputs cached by q, k, v, fc and the LM head. Korthikanti et
+# al. (2022, "Reducing Activation Recomputation in Large Transformer Models", arXiv:2205.05198) split them along
+# the sequence: LayerNorm and the residual treat each position alone, so rank $r$ keeps only its T-shard
+# (B, T/tp, C). Two conjugate operators switch layouts (`tp_layers.gather_T_*`, `scatter_T_*`; the paper's $g$
+# and $\bar g$):
 #
 # | operator | forward | backward | replaces |
 # |---|---|---|---|
 # | gather_T | All-Gather along T: (B, T/tp, C) -> (B, T, C) | Reduce-Scatter along T | $f$: into q, k, v, fc, LM head |
 # | scatter_T | Reduce-Scatter along T: partial (B, T, C) -> (B, T/tp, C) | All-Gather along T | $g$: proj, embedding |
 #
-# Where Megatron's $g$ All-Reduces the partial sums after the attention and MLP projections, scatter_T
-# Reduce-Scatters them (each rank keeps its positions of the sum), and the next gather_T All-Gathers them back
-# before the next split matmul: the two halves of that All-Reduce (chapter 2), with LayerNorm and the residual in
-# between working on $1/tp$ of the positions. The backward of gather_T is chapter 5's case 2: after it every rank
-# uses the whole $X$ for its own columns, so every rank's $dX$ is a different partial gradient, and the
-# Reduce-Scatter sums them and hands each rank its positions. The replicated parameters (the LayerNorms, the
-# projections' biases, `wpe`) now see only their rank's positions, so their gradients are partial too and are
-# All-Reduced, one buffer per gradient group (exercise 3 shows why). This is `tp_model`'s "sequence" scheme
-# (`hsgd/tp/schemes.py`). First, exactness, on the model and batch of section 4 and the same tp = 4 group
-# (T = 8 splits into 2 positions per rank; Megatron's scheme was checked on them in section 4):
+# Megatron's All-Reduce after each projection becomes its two halves (chapter 2): a Reduce-Scatter, then, after
+# LayerNorm and the residual on $1/tp$ of the positions, an All-Gather before the next split matmul. gather_T's
+# backward is chapter 5's case 2: every rank's $dX$ is a different partial, summed and scattered. The replicated
+# parameters (LayerNorms, projection biases, `wpe`) now see only their positions, so their gradients are partial
+# and are All-Reduced, one buffer per gradient group (exercise 3). This is `tp_model`'s "sequence" scheme
+# (`hsgd/tp/schemes.py`), checked first on section 4's model and batch (T = 8: 2 positions per rank):
 
 # %%
 local = tp_shards.shard_params(params, i, TP, "sequence")                 # cut as Megatron's: the same shards
@@ -565,9 +517,7 @@ check.equal("sequence: communication == comm_formula", measured_of["sequence"],
             tp_model.comm_formula(cfg, batch, itemsize=8, scheme="sequence"))
 
 # %% [markdown]
-# The collectives of one forward and backward pass on `tp_comm` (N = B T = 24 positions, C = 16, float64), in
-# both columns: the payload as `CommStats` records it, and what a ring sends per rank ($2\frac{tp-1}{tp}$ of an
-# All-Reduce's payload, $\frac{tp-1}{tp}$ of an All-Gather's or a Reduce-Scatter's):
+# The collectives of one forward and backward on `tp_comm` (N = B T = 24, C = 16, float64), in both columns:
 
 # %%
 say(f"{'scheme':<10}{'operation':<22}{'calls':>6}{'payload':>10}{'ring, sent per rank':>22}")
@@ -587,20 +537,31 @@ check.equal("ring bytes: sequence - megatron == (2L+1) re-gathers + replicated g
             ring_bytes(measured_of["sequence"], TP) - ring_bytes(measured_of["megatron"], TP), extra)
 
 # %% [markdown]
-# The large All-Reduces are gone. Each of Megatron's (N, C) All-Reduces became a Reduce-Scatter and an
-# All-Gather, which carry twice the payload and, on a ring, send exactly the same bytes. What the sequence scheme
-# sends *more* than Megatron's on a ring is the difference checked above: it caches only its T-shard of the inputs
-# of q, k, v, fc and the LM head, and gathers them again in the backward pass, $2L + 1$ more All-Gathers of
-# (N, C) (Megatron-LM does the same, and overlaps them with the matmuls), plus small All-Reduces of the replicated
-# parameters' gradients ($6C$ per block, $2C$ for LN_f, $TC$ for `wpe`). Compare the two ratios in the last line
-# of the table: counted in payload the sequence scheme looks far more expensive than counted in the bytes a ring
-# sends, because almost all of its payload travels in All-Gathers and Reduce-Scatters, which a ring sends at half
-# the price per payload byte of an All-Reduce.
+# Each large All-Reduce became a Reduce-Scatter and an All-Gather: twice the payload, the same ring bytes. What
+# the sequence scheme sends *more* on a ring is the difference checked above: caching only its T-shard of the
+# inputs of q, k, v, fc and the LM head, it gathers them again in the backward, $2L + 1$ more (N, C) All-Gathers
+# (Megatron-LM does the same, overlapped with the matmuls), plus small All-Reduces of the replicated gradients
+# ($6C$ per block, $2C$ for LN_f, $TC$ for `wpe`). Hence the two ratios in the table's last line differ: almost
+# all its payload travels at half the ring price of an All-Reduce.
 #
-# What it buys is memory: the activations the forward pass caches for the backward. `activations.activation_bytes`
-# counts the distinct arrays in the caches (parameters excluded), `activations.activation_formula` predicts them, and
-# the paper's Table 2 formula (16-bit activations, dropout, $34/t$) gives its own ratio for the same shape. Each
-# scheme on groups of tp = 1, 2 and 4 (the chapter's four ranks as four, two and one group):
+# **Asynchronous tensor parallelism.** Here every gather_T and scatter_T sits on the critical path: the All-Gather
+# ends before the column-parallel matmul starts, the Reduce-Scatter starts after the row-parallel one ends. Both
+# can be cut into tp pieces (Wang et al. 2023, "Overlap Communication with Dependent Computation via Decomposition
+# in Large Deep Learning Models"): the gathered input's product is tp row blocks $X_r W_i$, one per T-shard, so a
+# rank multiplies the shard it holds while the next travels one ring step; and the row-parallel product's tp row
+# blocks are computed one by one, each passed on and summed around the ring while the next is computed. In
+# chapter 2's terms a blocking All-Gather and its matmul cost $(tp-1)(\alpha + \beta n/tp) + t_{mm}$, decomposed
+# $t_{mm}/tp + (tp-1)\max(\alpha + \beta n/tp,\ t_{mm}/tp)$: the same messages and bytes, at best all the
+# communication hidden, paid for with matmuls $1/tp$ the size (less efficient) and communication competing with
+# compute for the device. Megatron-LM enables it with `--tp-comm-overlap` (Transformer Engine's userbuffers;
+# sequence parallelism required), PyTorch as "async TP": Inductor's `_micro_pipeline_tp` pass rewrites the pairs
+# into `fused_all_gather_matmul` and `fused_matmul_reduce_scatter`, enabled in torchtitan by
+# `parallelism.enable_async_tensor_parallel` under `torch.compile`. hsgd's collectives block at their call site,
+# so its time is the sum, and each collective is seen and timed apart.
+#
+# What sequence parallelism buys is memory: `activations.activation_bytes` counts the distinct cached arrays
+# (parameters excluded), `activations.activation_formula` predicts them, and the paper's Table 2 formula (16-bit,
+# dropout, $34/t$) gives its own ratio. Each scheme on groups of tp = 1, 2 and 4:
 
 # %%
 act, predicted = {}, {}
@@ -635,9 +596,8 @@ say(f"GPT-3 175B's shape, one sequence, 16-bit, tp = 8, per block: hsgd {fmt_byt
     f"(ratio {f_m / f_s:.2f}); the paper's Table 2 {fmt_bytes(p_m)} -> {fmt_bytes(p_s)} (ratio {p_m / p_s:.2f})")
 
 # %% [markdown]
-# The picture plots the measured bytes (on log scales, where $1/tp$ is the straight dotted line): with sequence
-# parallelism the cache of a block falls exactly as $1/tp$; with Megatron's scheme the LayerNorm outputs and the
-# inputs of the split matmuls stay whole on every rank, so its bytes fall more slowly.
+# The measured bytes on log scales ($1/tp$ is the dotted line): with sequence parallelism a block's cache falls as
+# $1/tp$; with Megatron's the LayerNorm outputs and the split matmuls' inputs stay whole, so it falls more slowly.
 
 # %%
 if rank == 0:
@@ -665,21 +625,13 @@ if rank == 0:
 pictures.wait_asleep(world)                      # the other ranks sleep while rank 0 draws
 
 # %% [markdown]
-# With sequence parallelism *every* cached activation is divided by tp; with Megatron's scheme its per-block bytes
-# stop falling like $1/tp$. The ratios differ from the paper's because the two count different things: hsgd has
-# no dropout, keeps only the softmax per attention entry (the paper keeps scores, softmax, dropout output and
-# mask), and caches q, k, v and the GELU's derivative (`activations.paper_activation_bytes`'s docstring lists the
-# terms). Only ratios compare: hsgd's numbers here are float64. The whole forward's bytes also include the loss's
-# softmax (N, Vp), split by vocabulary in both schemes.
+# The ratios differ from the paper's because the two count different things: hsgd has no dropout, keeps only the
+# softmax per attention entry (the paper keeps scores, softmax, dropout output and mask), and caches q, k, v and
+# the GELU's derivative (`activations.paper_activation_bytes` lists the terms); and hsgd's bytes are float64. The
+# whole forward's bytes also include the loss's softmax (N, Vp), split by vocabulary in both schemes.
 #
-# ## What the checks covered
-#
-# Every piece against the serial model on the full matrices: the attention branch split by heads, the
-# vocab-parallel embedding and cross-entropy (with their padding), the whole model in the three variants of the
-# two schemes of chapter 5 and in the sequence scheme, shard by shard, and every byte the tensor-parallel
-# communicator carried against its formula; the activation bytes against `activations.activation_formula`. Chapter 10
-# puts such tensor-parallel groups side by side as the lecture's data-parallel replicas (chapter 4's algorithm,
-# one gradient shard at a time), and chapter 8 overlaps their gradient exchange with the backward pass.
+# Chapter 8 overlaps such groups' gradient exchange with the backward; chapter 10 puts them side by side as
+# data-parallel replicas.
 
 # %%
 worst, err = check.worst()
@@ -690,53 +642,47 @@ grid.free()
 # %% [markdown]
 # ## Cross-walk: hsgd and the production frameworks
 #
-# The same pieces in Megatron-LM (`megatron/core/`), DeepSpeed (AutoTP in `deepspeed/module_inject/`, and its
-# sequence-parallel module `deepspeed/sequence/`) and PyTorch (`torch.distributed.tensor.parallel`, on DTensor).
-# Megatron-LM keeps activations as (T, B, C), the sequence first, so its sequence-parallel collectives work along
-# dimension 0 where hsgd's work along T, axis 1 of (B, T, C).
+# Megatron-LM keeps activations as (T, B, C), so its sequence-parallel collectives work along dimension 0 where
+# hsgd's work along T, axis 1 of (B, T, C).
 #
 # | hsgd | Megatron-LM | DeepSpeed | PyTorch | where hsgd differs, on purpose |
 # |---|---|---|---|---|
-# | attention by heads: q, k, v column-parallel (C, C/tp), `attn.proj` row-parallel, `layers.attention_forward` unchanged on the local heads; `tp_shards.check_tp` wants NH divisible by tp | `SelfAttention` (megatron/core/transformer/attention.py): `linear_qkv` column-parallel (one fused matrix), `linear_proj` row-parallel; `num_attention_heads_per_partition = divide(num_attention_heads, world_size)`, an exact division too | AutoTP makes q, k, v `LinearLayer`s (fused ones `fused_LinearLayer`, `SubParamColumnParallel`) and the output projection a `LinearAllreduce` (deepspeed/module_inject/layers.py); heads may split unequally: `get_shard_size` (deepspeed/module_inject/tp_shard.py) gives the first NH mod tp ranks one head more | `parallelize_module(block, tp_mesh, plan)` (torch/distributed/tensor/parallel/api.py) with `ColwiseParallel()` for q, k, v and `RowwiseParallel()` for the output projection | three separate weights (computed as one product only for speed, `ops.qkv_forward`); equal heads per rank (exercise 2 writes the unequal split) |
-# | the vocab-parallel embedding: `tp_layers.vocab_lookup_forward` (zero rows for ids owned elsewhere) and the scheme's exit (All-Reduce; sequence: Reduce-Scatter); V padded to $\lceil V/tp \rceil \cdot tp$ | `VocabParallelEmbedding` (megatron/core/tensor_parallel/layers.py): the same masking, then `reduce_from_tensor_model_parallel_region`, or with `reduce_scatter_embeddings` `reduce_scatter_to_sequence_parallel_region`; V padded to a multiple of `make_vocab_size_divisible_by` (default 128) x tp (`calculate_padded_vocab_size`, megatron/training/vocab_utils.py) | none in AutoTP: the embedding stays whole (`EmbeddingLayer`) | `RowwiseParallel()` on an `nn.Embedding`: weight `Shard(0)` (its rows are vocabulary ids), replicated input, partial output reduced to `Replicate()` | pads to the smallest multiple of tp; Megatron rounds further up for fast matrix shapes |
-# | the LM head column-parallel (C, Vp) and `tp_layers.vocab_cross_entropy_forward` / `_backward`: All-Reduce MAX of (N,), one SUM of (2, N); the backward local | `GPTModel.output_layer`, a `ColumnParallelLinear(..., gather_output=not parallel_output)` (megatron/core/models/gpt/gpt_model.py), and `vocab_parallel_cross_entropy` (megatron/core/tensor_parallel/cross_entropy.py): MAX, then two SUM All-Reduces (the target logit, the sum of exp) | none in AutoTP: `LmHeadLinearAllreduce` splits the LM head by its input features (a row split) and All-Reduces the whole (N, V) logits; `vocab_sequence_parallel_cross_entropy` (deepspeed/sequence/cross_entropy.py) is not vocab-parallel: its logits are split along the sequence, the whole vocabulary on every rank | `ColwiseParallel(use_local_output=False)` on the output projection, then `F.cross_entropy` inside `loss_parallel()` (torch/distributed/tensor/parallel/loss.py): MAX, SUM of exp, and the target logit's All-Reduce | the two sums share one buffer: two calls instead of three, the same $3N$ numbers |
-# | the "sequence" scheme (`tp_schemes.Sequence`; `TrainConfig(tp_scheme="sequence")`) | `sequence_parallel=True` (`ModelParallelConfig`, megatron/core/model_parallel_config.py) | none in AutoTP. DeepSpeed-Ulysses (`DistributedAttention`, deepspeed/sequence/layer.py) is a different sequence parallelism: every layer, attention included, works on sequence shards, and an all-to-all (`_SeqAllToAll`) trades sequence shards for head shards before attention and back after; it is not tied to tensor parallelism | `SequenceParallel()` on the norms (torch/distributed/tensor/parallel/style.py), with `ColwiseParallel(input_layouts=Shard(1))` and `RowwiseParallel(output_layouts=Shard(1))` around them | one flag switches the whole model, and the scheme is an object whose three methods are the only places that differ (`hsgd/tp/schemes.py`) |
-# | `tp_layers.gather_T_forward` / `_backward`: All-Gather along T, backward Reduce-Scatter | `gather_from_sequence_parallel_region` (megatron/core/tensor_parallel/mappings.py; `tensor_parallel_output_grad=True`: Reduce-Scatter backward); inside `ColumnParallelLinear` under `sequence_parallel` the linear's own autograd function (`LinearWithGradAccumulationAndAsyncCommunication`, layers.py) All-Gathers the input, caches only the shard, and gathers it again in the backward, overlapped with the input-gradient product | none | a `Shard(1)` input redistributed to `Replicate()` (`ColwiseParallel(input_layouts=Shard(1))`) | the backward re-gather is the same, not overlapped |
-# | `tp_layers.scatter_T_forward` / `_backward`: Reduce-Scatter along T, backward All-Gather | `reduce_scatter_to_sequence_parallel_region` (mappings.py), the exit of `RowParallelLinear` under `sequence_parallel` | none | `RowwiseParallel(output_layouts=Shard(1))`: the partial output reduce-scattered | - |
-# | `Sequence.finish_replicated`: one All-Reduce per gradient group of the partial gradients of the LayerNorms, the projections' biases and `wpe`, during the backward pass | `_allreduce_non_tensor_model_parallel_grads`, called by `finalize_model_grads` (megatron/core/distributed/finalize_model_grads.py) after the backward pass, for the parameters marked `sequence_parallel` | none | no step of its own: `SequenceParallel` keeps the norms' parameters `Replicate()` DTensors, DTensor's layer-norm backward (`layer_norm_bwd_strategy`, torch/distributed/tensor/_ops/_math_ops.py) gives their gradients the placement `Partial` (a sum still pending), and DTensor reduces it when the gradient is used | per group, so that data parallelism's bucketed All-Reduce (chapter 8) can start as soon as a group is final |
-# | `activations.activation_bytes` / `activation_formula` / `paper_activation_bytes` | `compute_activation_memory` (megatron/training/theoretical_memory_usage.py), the paper's Table 2 terms per layer | none | none | the cache is counted byte by byte and compared with a formula |
+# | attention by heads: q, k, v column-parallel (C, C/tp), `attn.proj` row-parallel; `tp_shards.check_tp` wants NH divisible by tp | `SelfAttention` (megatron/core/transformer/attention.py): `linear_qkv` column-parallel (one fused matrix), `linear_proj` row-parallel; `num_attention_heads_per_partition = divide(...)`, an exact division | AutoTP: q, k, v `LinearLayer`s, the output projection a `LinearAllreduce` (deepspeed/module_inject/layers.py); `get_shard_size` (tp_shard.py) gives the first NH mod tp ranks one head more | `parallelize_module` with `ColwiseParallel()` for q, k, v and `RowwiseParallel()` for the output projection | three separate weights; equal heads per rank (exercise 2 writes the unequal split) |
+# | the vocab-parallel embedding: `tp_layers.vocab_lookup_forward` and the scheme's exit; V padded to $\lceil V/tp \rceil \cdot tp$ | `VocabParallelEmbedding` (megatron/core/tensor_parallel/layers.py); V padded to a multiple of `make_vocab_size_divisible_by` (128) x tp (`calculate_padded_vocab_size`) | none in AutoTP: `EmbeddingLayer` stays whole | `RowwiseParallel()` on an `nn.Embedding`: weight `Shard(0)`, output reduced to `Replicate()` | pads to the smallest multiple of tp |
+# | LM head column-parallel (C, Vp) and `tp_layers.vocab_cross_entropy_forward` / `_backward`: MAX of (N,), one SUM of (2, N) | `GPTModel.output_layer`, a `ColumnParallelLinear`, and `vocab_parallel_cross_entropy` (megatron/core/tensor_parallel/cross_entropy.py): MAX, then two SUMs | none: `LmHeadLinearAllreduce` splits the LM head by rows and All-Reduces the whole logits; `vocab_sequence_parallel_cross_entropy` splits the sequence, not the vocabulary | `ColwiseParallel(use_local_output=False)`, then `F.cross_entropy` inside `loss_parallel()` (torch/distributed/tensor/parallel/loss.py) | two calls instead of three, the same $3N$ numbers |
+# | the "sequence" scheme (`tp_schemes.Sequence`; `TrainConfig(tp_scheme="sequence")`) | `sequence_parallel=True` (`ModelParallelConfig`) | none in AutoTP; DeepSpeed-Ulysses (`DistributedAttention`, deepspeed/sequence/layer.py) is another sequence parallelism: all-to-alls trade sequence shards for head shards around attention | `SequenceParallel()` on the norms, with `ColwiseParallel(input_layouts=Shard(1))` and `RowwiseParallel(output_layouts=Shard(1))` | one flag; the scheme is an object whose three methods are the only places that differ |
+# | `tp_layers.gather_T_forward` / `_backward`: All-Gather along T, backward Reduce-Scatter | `gather_from_sequence_parallel_region` (megatron/core/tensor_parallel/mappings.py); inside `ColumnParallelLinear` the input is gathered again in the backward, overlapped with the input-gradient product | none | `ColwiseParallel(input_layouts=Shard(1))` | the backward re-gather is the same, not overlapped |
+# | `tp_layers.scatter_T_forward` / `_backward`: Reduce-Scatter along T, backward All-Gather | `reduce_scatter_to_sequence_parallel_region` (mappings.py), the exit of `RowParallelLinear` | none | `RowwiseParallel(output_layouts=Shard(1))` | - |
+# | gather_T then the column-parallel matmul, both blocking | `--tp-comm-overlap` (megatron/training/arguments.py; a userbuffers config with `--tp-comm-overlap-cfg`): Transformer Engine splits the All-Gather into pieces overlapped with the GEMM (transformer_engine/common/comm_gemm_overlap/) | none | async TP: `torch._inductor.config._micro_pipeline_tp` (torch/_inductor/fx_passes/micro_pipeline_tp.py) rewrites it into `fused_all_gather_matmul` on symmetric memory; torchtitan's `parallelism.enable_async_tensor_parallel`, which requires `torch.compile` | no overlap: the collective and the matmul are timed and read apart |
+# | the row-parallel matmul then scatter_T, both blocking | the same flag: the GEMM's output chunks reduce-scattered as they are produced | none | the same pass: `fused_matmul_reduce_scatter` | same |
+# | `Sequence.finish_replicated`: one All-Reduce per gradient group of the replicated parameters' partial gradients | `_allreduce_non_tensor_model_parallel_grads` in `finalize_model_grads` (megatron/core/distributed/finalize_model_grads.py), after the backward | none | DTensor gives the norms' gradients the placement `Partial` and reduces it when used | per group, so that chapter 8's bucketed All-Reduce can start early |
+# | `activations.activation_bytes` / `activation_formula` / `paper_activation_bytes` | `compute_activation_memory` (megatron/training/theoretical_memory_usage.py) | none | none | the cache is counted byte by byte against a formula |
 #
 # ## Exercises
 #
 # ### Exercise 1: the vocab-parallel cross-entropy and its backward by hand
-# Write the forward with the three All-Reduces of section 3 (MAX, SUM of the exponentials, SUM of the shifted
-# target logit), keeping what the backward needs, and write the backward
-# $\partial\,\text{loss}/\partial z_{nv} = (e^{z_{nv} - m_n}/s_n - [v = t_n])/N$ on the local columns only. Check
-# the loss and every rank's (N, Vp) block of the logits' gradient against the serial `layers.cross_entropy_*`,
-# with V = 13 on tp = 4 (padding on the last rank), and that the padding columns get exactly 0.
+# Write the forward with section 3's three All-Reduces, keeping what the backward needs, and the backward on the
+# local columns only. Check the loss and every rank's (N, Vp) block of the logits' gradient against the serial
+# `layers.cross_entropy_*` with V = 13 on tp = 4, and that the padding columns get exactly 0.
 # (solution: `tutorials/solutions/06_attention_heads_and_vocab_parallel.py`, `exercise_1`)
 #
 # ### Exercise 2: attention with an unequal split of heads
 # `tp_shards.check_tp` refuses NH = 6 on tp = 4; DeepSpeed's `get_shard_size` would give the ranks 2, 2, 1 and 1
-# heads. Write that split: each rank's columns of $W_q$, $W_k$, $W_v$ and rows of $W_o$ at its head boundaries,
-# `layers.attention_forward` on its own heads, $f$ and $g$ as in section 1. Check the branch output, $da$ and
-# every gradient block against the serial branch, and the bytes against one (N, C) All-Reduce each way. What does
-# the unequal split cost? (The slowest rank does $\lceil NH/tp \rceil / (NH/tp)$ times the average attention work.)
+# heads. Write that split (columns of $W_q$, $W_k$, $W_v$ and rows of $W_o$ at head boundaries, $f$ and $g$ as in
+# section 1) and check the output, $da$, every gradient block and the bytes (one (N, C) All-Reduce each way)
+# against serial. What does it cost? (The slowest rank does $\lceil NH/tp \rceil / (NH/tp)$ times the average.)
 # (solution: `tutorials/solutions/06_attention_heads_and_vocab_parallel.py`, `exercise_2`)
 #
 # ### Exercise 3: the sequence-parallel LayerNorm needs an All-Reduce of its gradients
-# Give every rank its T-shard of a (B, T, C) input and run `layers.layernorm_forward` / `_backward` on it with the
-# replicated weight and bias. Check that the input gradient of its own positions equals the serial one with no
-# communication, that the weight and bias gradients do *not* (each rank saw only its positions: the serial
-# gradient is the sum over all positions), and that an All-Reduce (sum) of them does. Then take one SGD step with
-# and without the All-Reduce and check which one leaves the replicated weight bit-identical on every rank.
+# Run `layers.layernorm_forward` / `_backward` on each rank's T-shard with the replicated weight and bias. Check
+# that the input gradient of its positions equals the serial one, that the weight and bias gradients do *not*, and
+# that their All-Reduce (sum) does; then check which SGD step, with or without it, keeps the weight bit-identical
+# on every rank.
 # (solution: `tutorials/solutions/06_attention_heads_and_vocab_parallel.py`, `exercise_3`)
 #
 # ### Exercise 4: the sequence-parallel MLP: twice the payload, the same ring bytes
-# Build the MLP of a block in both layouts: Megatron's ($f$, column fc, GELU, row proj, $g$) on the whole
-# (B, T, C) input, and sequence parallelism's (gather_T, the same matmuls, scatter_T) on the T-shards, with
-# `tp_layers`. Check both against the serial MLP (forward and input gradient), and count the activations'
-# collectives of a forward and backward: the sequence MLP's payload is twice Megatron's, and the bytes a ring
-# sends per rank are equal, $4\frac{tp-1}{tp}NCs$ for both (cache fc's gathered input, as Megatron's scheme
-# does; `tp_model` gathers it again in the backward to save memory, which costs one All-Gather more).
+# Build a block's MLP both ways with `tp_layers`: Megatron's ($f$, column fc, GELU, row proj, $g$) on the whole
+# input and the sequence layout's (gather_T, the same matmuls, scatter_T) on T-shards. Check both against serial
+# (output and input gradient), and that the sequence MLP's payload is twice Megatron's while a ring sends
+# $4\frac{tp-1}{tp}NCs$ per rank for both (cache fc's gathered input; `tp_model` re-gathers it, one All-Gather more).
 # (solution: `tutorials/solutions/06_attention_heads_and_vocab_parallel.py`, `exercise_4`)

@@ -17,7 +17,7 @@
 # # Chapter 7: the modern block: RMSNorm, rotary positions, SwiGLU, grouped-query and flash attention
 #
 # Chapters 1 to 6 built and split GPT-2's block (Radford et al. 2019). The models the lecture's section 2 names as
-# too big for one node, LLaMA among them, use a block with five pieces exchanged, and hsgd runs both families
+# too big for one node, LLaMA among them, exchange five pieces of it, and hsgd runs both families
 # (`--arch gpt2 | llama`, `hsgd.model.config`):
 #
 # | GPT-2 | the modern block (Llama) | hsgd |
@@ -28,32 +28,16 @@
 # | NH key/value heads | NKV of them, each read by NH/NKV query heads (Ainslie et al. 2023, "GQA") | `llama_layers.repeat_kv_*` |
 # | the (T, T) probabilities kept for the backward | blocks and an online softmax, one number kept per query (Dao et al. 2022, "FlashAttention"; Dao 2023, "FlashAttention-2") | `hsgd.model.flash` |
 #
-# Biases go too (`--no-bias`). The chapter takes each piece in turn, as chapter 1 took GPT-2's: the forward, the
-# backward derived, and a check against finite differences or an identity. Then the pieces together: the serial
-# Llama model against finite differences and against Hugging Face's LlamaForCausalLM (a committed reference).
-# Then what they do to the parallel layouts: grouped-query attention under tensor parallelism (the lecture's
-# section 3.2, attention split by heads, now with fewer key/value heads than ranks), and flash attention's memory
-# against the materialized attention's.
+# Biases go too (`--no-bias`). Each piece is taken as chapter 1 took GPT-2's: forward, backward derived, a check
+# against finite differences or an identity; then the serial Llama model against finite differences and Hugging
+# Face's LlamaForCausalLM; then grouped-query attention under tensor parallelism (the lecture's section 3.2, now
+# with fewer key/value heads than ranks), and flash attention's memory against the materialized attention's.
 #
-# 1. RMSNorm, its backward, and why its input gradient is (nearly) orthogonal to its input;
-# 2. rotary positions: a rotation per pair of coordinates, pictured, and why scores depend on m - n only;
-# 3. SwiGLU, and why its F is 8C/3;
-# 4. grouped-query attention's repeat and its adjoint; the whole serial block against finite differences and
-#    Hugging Face;
-# 5. GQA under tensor parallelism: the kv heads split or replicated, pictured, checked against serial, with the
-#    bytes of their weights and of the step's communication against `tp_model.comm_formula`;
-# 6. flash attention: its blocks pictured, checked against the materialized attention, and its cache measured
-#    against the materialized one as T grows (O(T) against O(T^2)) and against `activation_formula`.
-#
-# Run it with four ranks, one tensor-parallel group (measured on a 2-core machine that other jobs loaded to a load
-# average of 15: 20 s, where chapter 6 took 21 s; its four ranks use about 5 s of CPU in all. On failure every rank
-# raises, so it exits non-zero without hanging). Rank 0 draws four pictures into `$HSGD_FIGURES` (default
+# Run it with four ranks, one tensor-parallel group (measured on a 2-core machine loaded to a load average of 15:
+# 20 s, where chapter 6 took 21 s). Rank 0 draws four pictures into `$HSGD_FIGURES` (default
 # `tutorials/figures/`):
 #
 # mpirun -n 4 python tutorials/07_the_modern_block.py
-#
-# Only rank 0 prints. Sections 1 to 4 and most of 6 need no communication: every rank computes them alike (they are
-# tiny), except the finite differences and the memory measurement, which rank 0 runs while the others sleep.
 #
 # Legend: B batch, T sequence, C d_model, NH query heads, NKV key/value heads, n_rep = NH/NKV, hs = C/NH head size,
 # F d_ff (Hugging Face's intermediate_size), V vocabulary, L layers, N = B*T rows, tp tensor-parallel ranks, i a
@@ -97,8 +81,7 @@ def fd(loss, arrays, grads, n=None):
 
 
 # %% [markdown]
-# The two families side by side: the parameters of one block. RMSNorm has no bias, the positions no table, the MLP
-# three matrices, k and v NKV hs columns each (`ModelConfig.param_shapes`).
+# The parameters of one block in each family (`ModelConfig.param_shapes`).
 
 # %%
 shapes = {arch: ModelConfig(vocab_size=32, seq_len=8, d_model=16, n_heads=4, n_layers=1, d_ff=24,
@@ -119,20 +102,18 @@ check.equal("llama block's parameters == 2C + 2C^2 + 2CK + 3CF (K = NKV hs)", bl
 #
 # Over the last axis, with $\mathrm{ms} = \frac{1}{C}\sum_j x_j^2$ and $r = 1/\sqrt{\mathrm{ms} + \epsilon}$:
 #
-# $$\hat x = x\, r, \qquad y = \hat x \odot w .$$
+# $$\hat x = x\, r, \qquad y = \hat x \odot w :$$
 #
-# No mean is subtracted and there is no bias: LayerNorm without its first and last step. The backward, with
-# $g = \partial L/\partial y \odot w$ (the gradient reaching $\hat x$): $\partial L / \partial w = \sum_{rows}
-# \partial L/\partial y \odot \hat x$, and since $\partial r/\partial x_j = -r^3 x_j / C$,
+# LayerNorm without the mean and the bias. With $g = \partial L/\partial y \odot w$: $\partial L / \partial w =
+# \sum_{rows} \partial L/\partial y \odot \hat x$, and since $\partial r/\partial x_j = -r^3 x_j / C$,
 #
 # $$\frac{\partial L}{\partial x_j} = r g_j - \frac{r^3 x_j}{C}\sum_i g_i x_i
 #   = r\big(g_j - \hat x_j\, \mathrm{mean}(g \odot \hat x)\big).$$
 #
-# The second term removes from $g$ its component along $\hat x$: with $\epsilon = 0$, RMSNorm ignores the length of
-# $x$ ($y(cx) = y(x)$ for $c > 0$), so no gradient can point along $x$, $x \cdot \partial L/\partial x = 0$. With
-# $\epsilon > 0$ a little remains: $x \cdot \partial L / \partial x = r\,(g \cdot x)\,\epsilon / (\mathrm{ms} +
-# \epsilon)$. LayerNorm removes the all-ones direction as well; RMSNorm saves that reduction. Checked below:
-# `rmsnorm_backward` against finite differences of $L = \sum y \odot R$, and both identities.
+# The second term removes $g$'s component along $\hat x$: with $\epsilon = 0$, $y(cx) = y(x)$ for $c > 0$, so
+# $x \cdot \partial L/\partial x = 0$; with $\epsilon > 0$, $x \cdot \partial L / \partial x = r\,(g \cdot x)\,
+# \epsilon / (\mathrm{ms} + \epsilon)$. Checked below: `rmsnorm_backward` against finite differences of
+# $L = \sum y \odot R$, and both identities.
 
 # %%
 x = rng.standard_normal((2, 5, 16))                      # (B, T, C)
@@ -156,19 +137,16 @@ check("RMSNorm, eps = 1e-5: x . dx == r (g . x) eps / (ms + eps)", rel_err((x * 
 # %% [markdown]
 # ## 2. Rotary positions
 #
-# RoPE gives no vector to the input. It turns q and k, head by head, by angles that grow with the position. A
-# head's $hs$ coordinates form $hs/2$ pairs; in Hugging Face's convention (hsgd's) pair $i$ is the coordinates $i$
-# and $i + hs/2$, and at position $m$ it turns by the angle $m\,\theta_i$, $\theta_i = \text{base}^{-2i/hs}$
-# (base, `rope_theta`, 10000 in Llama 2 and 500000 in Llama 3). Written as a complex number, pair $i$ is
-# $z_i = x_i + \mathrm{i}\, x_{i + hs/2}$ and the rotation is $z_i \mapsto z_i e^{\mathrm{i} m \theta_i}$; as
-# arrays, `rope_forward` is $y = x \cos a + \mathrm{rotate\_half}(x) \sin a$.
+# RoPE turns q and k, head by head, by angles that grow with the position. A head's $hs$ coordinates form $hs/2$
+# pairs; in Hugging Face's convention (hsgd's) pair $i$ is coordinates $i$ and $i + hs/2$, turned at position $m$
+# by $m\,\theta_i$, $\theta_i = \text{base}^{-2i/hs}$ (`rope_theta`: 10000 in Llama 2, 500000 in Llama 3). As a
+# complex number $z_i = x_i + \mathrm{i}\, x_{i + hs/2}$ the rotation is $z_i \mapsto z_i e^{\mathrm{i} m
+# \theta_i}$; as arrays, `rope_forward` is $y = x \cos a + \mathrm{rotate\_half}(x) \sin a$.
 #
-# Why positions enter as $m - n$ only: the score of a query at $m$ and a key at $n$ is
-# $\langle R(m) q, R(n) k\rangle = \langle q, R(m)^\top R(n) k\rangle = \langle q, R(n - m) k\rangle$, since
-# rotations are orthogonal and compose by adding angles. The backward is the transpose, the rotation by $-a$:
-# $dx = dy \cos a - \mathrm{rotate\_half}(dy) \sin a$. Checked: the rotation is the complex product, keeps
-# lengths, its backward is its adjoint, and the (T, T) scores of one q and one k placed at every position are
-# constant along each diagonal.
+# Scores depend on $m - n$ only: $\langle R(m) q, R(n) k\rangle = \langle q, R(n - m) k\rangle$, rotations being
+# orthogonal and adding their angles. The backward is the rotation by $-a$. Checked: the complex product, lengths
+# kept, the backward as adjoint, and the (T, T) scores of one q and one k at every position constant along each
+# diagonal.
 
 # %%
 hs, T_r = 16, 64
@@ -193,9 +171,8 @@ say(f"head size {hs}: theta_i from {theta[0]:.0f} to {theta[-1]:.1e} radians per
     f"circle every {2 * np.pi / theta[0]:.1f} positions, pair {hs // 2 - 1} every {2 * np.pi / theta[-1]:,.0f}")
 
 # %% [markdown]
-# The picture: on the left the angle $m\theta_i \bmod 2\pi$ of every position and pair (the fast pairs wrap
-# around many times, the slow ones barely turn over these positions: together they tell near from far); on the
-# right pair 1 of one query vector at positions 0 to 7, each one step further round the circle.
+# Left, the angle $m\theta_i \bmod 2\pi$ of every position and pair (fast pairs wrap many times, slow ones barely
+# turn: together they tell near from far); right, pair 1 of one query at positions 0 to 7.
 
 # %%
 if rank == 0:
@@ -227,12 +204,11 @@ pictures.wait_asleep(world)                      # the other ranks sleep while r
 #
 # $$h = \mathrm{silu}(x W_g) \odot (x W_u), \qquad \text{out} = h W_d, \qquad \mathrm{silu}(u) = u\,\sigma(u).$$
 #
-# One gate, one linear path, multiplied: the product rule gives the backward, with $g = x W_g$, $u = x W_u$ and
-# $dh = d\text{out}\, W_d^\top$: $du = dh \odot \mathrm{silu}(g)$, $dg = dh \odot u \odot \mathrm{silu}'(g)$ with
-# $\mathrm{silu}'(g) = \sigma(g)(1 + g(1 - \sigma(g)))$, and $x$ feeds both products, so
-# $dx = dg\, W_g^\top + du\, W_u^\top$. Three (C, F) matrices where GELU's MLP has two: Llama takes
-# $F \approx \frac{2}{3} 4C = \frac{8C}{3}$ (rounded up to a multiple), which keeps the parameters and FLOPs of
-# GPT-2's $F = 4C$. Checked: `swiglu_mlp_backward` against finite differences, and the count.
+# With $g = x W_g$, $u = x W_u$, $dh = d\text{out}\, W_d^\top$, the product rule gives $du = dh \odot
+# \mathrm{silu}(g)$, $dg = dh \odot u \odot \mathrm{silu}'(g)$, $\mathrm{silu}'(g) = \sigma(g)(1 + g(1 -
+# \sigma(g)))$, and $dx = dg\, W_g^\top + du\, W_u^\top$. Three (C, F) matrices where GELU's MLP has two, so
+# Llama takes $F \approx \frac{2}{3} 4C = \frac{8C}{3}$ (rounded up), keeping GPT-2's parameters and FLOPs.
+# Checked: `swiglu_mlp_backward` against finite differences, and the count.
 
 # %%
 C3, F3 = 12, 32                                                # F = 8C/3
@@ -254,14 +230,12 @@ check.equal(f"SwiGLU with F = 8C/3 = {F3}: 3CF == GELU's 2C(4C)", 3 * C3 * F3, 2
 # %% [markdown]
 # ## 4. Grouped-query attention, and the whole block
 #
-# With NKV < NH key/value heads, the k and v projections are (C, NKV hs), and query head j reads key/value head
-# $j // n_{rep}$, $n_{rep} = NH/NKV$ (`repeat_kv`, Hugging Face's order). The repeat is a copy, so its adjoint is a
-# sum: a kv head read by $n_{rep}$ query heads gets the sum of their gradients. NKV = NH is multi-head attention,
-# NKV = 1 multi-query attention (Shazeer 2019, "Fast Transformer Decoding: One Write-Head is All You Need").
+# With NKV < NH, k and v are (C, NKV hs) and query head j reads kv head $j // n_{rep}$ (`repeat_kv`, Hugging Face's
+# order). The repeat is a copy, so its adjoint sums the gradients of the $n_{rep}$ readers. NKV = NH is multi-head
+# attention, NKV = 1 multi-query (Shazeer 2019, "Fast Transformer Decoding: One Write-Head is All You Need").
 #
-# Then the whole Llama model of `hsgd.model.serial` (`block_forward`: RMSNorm, q, k, v, rotation of q and k, repeat,
-# causal attention, projection, residual; RMSNorm, SwiGLU, residual): every parameter's gradient against finite
-# differences of the loss itself, a few coordinates of each.
+# Then the whole Llama model of `hsgd.model.serial`: a few coordinates of every parameter's gradient against
+# finite differences of the loss.
 
 # %%
 k4 = rng.standard_normal((2, 2, 5, 4))                                     # (B, NKV, T, hs)
@@ -283,11 +257,10 @@ err = pictures.on_rank0(world, lambda: fd(lambda: serial.loss(p4, idx4, tgt4, cf
 check(f"serial llama: all {len(names4)} gradients vs finite differences", err, FD_TOL)
 
 # %% [markdown]
-# Finite differences check the backward against the forward; they cannot tell a wrong forward. An independent
-# implementation can: `tests/data/hf_llama` holds the loss and every gradient of Hugging Face's LlamaForCausalLM in
-# float64 on one batch, for multi-head, grouped-query and multi-query attention and a tied head (written by
-# `benchmarks/hf_llama_reference.py`, which maps the names: `self_attn.q_proj`, `mlp.gate_proj`,
-# `input_layernorm`, ..., transposed). hsgd's serial model on the same weights:
+# Finite differences cannot tell a wrong forward; an independent implementation can. `tests/data/hf_llama` holds
+# the loss and every gradient of Hugging Face's LlamaForCausalLM in float64 on one batch, for multi-head,
+# grouped-query and multi-query attention and a tied head (from `benchmarks/hf_llama_reference.py`, which maps the
+# names). hsgd's serial model on the same weights:
 
 # %%
 def hf_reference(name):
@@ -315,23 +288,20 @@ say(f"the reference: {meta['model']}; torch {meta['torch']}, transformers {meta[
 # %% [markdown]
 # ## 5. Grouped-query attention under tensor parallelism
 #
-# Chapter 6 split attention by heads: rank i holds query heads $i\frac{NH}{tp} \ldots$ and their k and v columns.
-# With NKV key/value heads the k and v columns are NKV hs wide, and two cases arise (`hsgd.tp.model.kv_heads`):
+# Chapter 6 split by heads; with NKV kv heads two cases arise (`hsgd.tp.model.kv_heads`):
 #
-# * **split** (tp divides NKV): rank i holds NKV/tp kv heads, the ones its NH/tp query heads read. Nothing else
-#   changes: Megatron-LM's rule, which divides `num_query_groups` by tp and asserts that it divides.
-# * **replicated** (NKV < tp, tp a multiple of NKV): a kv head cannot be cut, so each rank holds the one kv head its
-#   query heads read, and tp/NKV ranks hold the same one. Each holder's backward sees only its own query heads'
-#   part of dk, dv; the head's gradient is the sum over its holders, so the replicated copies stay equal only after
-#   `kv_sum`: one All-Reduce over tp of (N, 2 NKV hs) per block, each rank writing its part in its head's slot.
+# * **split** (tp divides NKV): rank i holds the NKV/tp kv heads its query heads read; nothing else changes
+#   (Megatron-LM's rule: tp must divide `num_query_groups`).
+# * **replicated** (NKV < tp, tp a multiple of NKV): each rank holds the one kv head its query heads read, tp/NKV
+#   ranks the same one. Each holder's backward sees only its query heads' part of dk, dv, so the copies stay equal
+#   only after `kv_sum`: one All-Reduce over tp of (N, 2 NKV hs) per block.
 #
-# What GQA saves under tp: the k and v weights per rank, $2 C \cdot \max(NKV/tp, 1)\, hs$ numbers per block
-# instead of $2C \cdot C/tp$, and in inference the key/value cache by the same factor. hsgd's training cache holds
-# k and v after the repeat (what the core attention reads), so the activation bytes do not change with NKV (with
-# context parallelism, ring attention and the all-gather move and keep the kv heads themselves, and repeat each block
-# for its products: chapter 13's cp_comm then carries NH/NKV times fewer bytes).
+# GQA saves k and v weights per rank, $2 C \cdot \max(NKV/tp, 1)\, hs$ numbers per block instead of $2C \cdot C/tp$,
+# and in inference the key/value cache by the same factor. hsgd's training cache holds k and v after the repeat,
+# so the activation bytes do not change with NKV (under context parallelism the kv heads themselves travel:
+# chapter 13's cp_comm carries NH/NKV times fewer bytes).
 #
-# The picture shows the four cases on tp = 4 with NH = 8 query heads: which kv heads each rank holds.
+# The four cases on tp = 4 with NH = 8: which kv heads each rank holds.
 
 # %%
 NH5 = 8
@@ -373,10 +343,9 @@ if rank == 0:
 pictures.wait_asleep(world)                      # the other ranks sleep while rank 0 draws
 
 # %% [markdown]
-# The four cases on the four ranks, a two-block model in float64, against serial: the loss, every gradient shard
-# (a replicated kv head's gradient must be the whole head's on each of its holders), the k and v weight bytes a rank
-# holds against `tp_shards.shard_numel`, the step's communication against `tp_model.comm_formula` (payload, and
-# the bytes a ring sends per rank), and one block's cached bytes against `activation_formula`.
+# The four cases, a two-block float64 model, against serial: loss, gradient shards, k and v weight bytes
+# (`tp_shards.shard_numel`), communication (`tp_model.comm_formula`, payload and ring bytes), one block's cache
+# (`activation_formula`).
 
 # %%
 batch, s = 3, 8
@@ -422,27 +391,24 @@ check.equal("NKV = 2 pays NKV = 4's payload + L All-Reduces of (N, 2 NKV hs) (kv
             cfg_r.n_layers * batch * cfg_r.seq_len * 2 * cfg_r.kv_width * s)
 
 # %% [markdown]
-# Read the table: the k and v weights per rank shrink with NKV until NKV = tp, and then stop shrinking (a rank
-# always holds a whole kv head); the replicated cases pay one more All-Reduce per block, $2NKV\,hs$ wide per row,
-# small next to the two (N, C) All-Reduces each way of the split attention and MLP; and one block's cache is the
-# same in every case, as said above. At scale: Llama 3 70B (C = 8192, NH = 64, NKV = 8, hs = 128) on tp = 8 holds
-# one kv head per rank, exercise 3 counts what that saves.
+# The k and v weights per rank shrink with NKV until NKV = tp, then stop (a rank holds a whole kv head); the
+# replicated cases pay one more All-Reduce per block, $2NKV\,hs$ wide, small next to the two (N, C) All-Reduces each
+# way; and the cache is the same in every case. Llama 3 70B (C = 8192, NH = 64, NKV = 8, hs = 128) on tp = 8
+# holds one kv head per rank; exercise 3 counts what that saves.
 #
 # ## 6. Flash attention: blocks and an online softmax
 #
-# The materialized attention (`layers.attention_forward`) keeps the probabilities P, (B, NH, T, T), for its
-# backward: at T = 8192 and NH = 64, one sequence's P of one layer is 8 GiB in bfloat16 (printed below). Flash
-# attention never forms P. Cut the keys into blocks; for each query keep a running max $m$, sum $l$ and
-# output $o$, and take in key block $b$ (scores $s$) by
+# The materialized attention keeps P, (B, NH, T, T), for its backward: at T = 8192 and NH = 64, one sequence's P
+# of one layer is 8 GiB in bfloat16 (printed below). Flash attention never forms P. For each query keep a running
+# max $m$, sum $l$ and output $o$, and take in key block $b$ (scores $s$) by
 #
 # $$m' = \max(m, \max_j s_j),\quad p = e^{s - m'},\quad l \leftarrow l\,e^{m - m'} + \textstyle\sum_j p_j,\quad
 #   o \leftarrow o\, e^{m - m'} + p\, v_b,\quad m \leftarrow m'$$
 #
-# (`flash.merge`; chapter 13 derives it step by step). After the last block $y = o / l$, and the forward keeps only
-# $\mathrm{lse} = m + \log l$ per query: every probability is $e^{s_j - \mathrm{lse}}$, so the backward recomputes
-# each block's P from q, k and lse (`flash.block_grads`). Causality skips the blocks above the diagonal; the
-# diagonal blocks take the mask. The picture shows which (query block, key block) pairs are computed at T = 16 with
-# blocks of 4, in the forward's order.
+# (`flash.merge`; chapter 13 derives it). Finally $y = o / l$, and the forward keeps only $\mathrm{lse} = m + \log
+# l$ per query, from which the backward recomputes each block's P (`flash.block_grads`). Causality skips the
+# blocks above the diagonal. The picture: the (query block, key block) pairs computed at T = 16, blocks of 4, in
+# order.
 
 # %%
 T6, blk = 16, 4
@@ -475,8 +441,7 @@ if rank == 0:
 pictures.wait_asleep(world)                      # the other ranks sleep while rank 0 draws
 
 # %% [markdown]
-# The same numbers as the materialized attention, forward and backward, with T not a multiple of the block (the
-# last block shorter):
+# The same numbers as the materialized attention, forward and backward, with T not a multiple of the block:
 
 # %%
 Bf, NHf, hsf, Tf = 2, 3, 4, 50
@@ -488,12 +453,10 @@ check("flash: dq, dk, dv vs materialized", max(rel_err(a, b) for a, b in zip(
     flash.attention_backward(dyf, c_f, block=16), layers.attention_backward(dyf, c_m))))
 
 # %% [markdown]
-# Its memory, measured: `activation_bytes` counts the distinct arrays each cache holds, at growing T (one sequence,
-# NH = 4, hs = 16, float64), against `attention_cache_bytes`: the materialized cache is q, k, v by heads and P,
-# $(3NC + B\,NH\,T^2)s$; flash's is q, k, v by heads and lse, $(3NC + B\,NH\,T)s$, and y, the output itself, which
-# the output projection keeps as its input anyway (one array, not counted here). The first grows as $T^2$, the
-# second as $T$; P alone is as large as one of q, k, v where $B\,NH\,T^2 = NC$, that is at $T = hs$, and beyond
-# it the probabilities are most of the materialized cache.
+# Its memory, measured by `activation_bytes` at growing T (one sequence, NH = 4, hs = 16, float64), against
+# `attention_cache_bytes`: materialized, q, k, v and P, $(3NC + B\,NH\,T^2)s$; flash, q, k, v and lse,
+# $(3NC + B\,NH\,T)s$ (and y, which the output projection keeps anyway). P is as large as one of q, k, v at
+# $T = hs$, and beyond it dominates.
 
 # %%
 NHm, hsm = 4, 16
@@ -524,7 +487,7 @@ say(f"one sequence of T = 8192, NH = 64 (Llama 3 70B), bfloat16: P of one layer 
     f"{fmt_bytes(64 * 8192 * 2)}")
 
 # %% [markdown]
-# The picture plots the measured bytes on log scales, where $T^2$ and $T$ are lines of slope 2 and 1.
+# On log scales $T^2$ and $T$ are lines of slope 2 and 1.
 
 # %%
 if rank == 0:
@@ -542,10 +505,9 @@ if rank == 0:
 pictures.wait_asleep(world)                      # the other ranks sleep while rank 0 draws
 
 # %% [markdown]
-# And inside the tensor-parallel Llama model of section 5 (`--attention flash`: the context layout
-# `tp_attention.FLASH` in place of `WHOLE`): the same loss and gradient shards, no communication more, and one
-# block's cache against `activation_formula(..., attention="flash")`, at T = 32 (the block's bytes are printed
-# last: the probabilities are one of its terms, the one that grows as T^2).
+# And inside section 5's tensor-parallel Llama model (`--attention flash`: `tp_attention.FLASH` in place of
+# `WHOLE`): the same loss and gradient shards, no more communication, and one block's cache against
+# `activation_formula(..., attention="flash")` at T = 32.
 
 # %%
 cfg7 = ModelConfig(vocab_size=16, seq_len=32, d_model=32, n_heads=NH5, n_layers=2, d_ff=32, arch="llama")
@@ -574,11 +536,8 @@ say(f"T = {cfg7.seq_len}, B = {batch}, NH/tp = {NH5 // TP} heads per rank: one b
 # %% [markdown]
 # ## What the checks covered
 #
-# Each layer of the modern block against finite differences or an identity of its math (RMSNorm's orthogonality,
-# the rotation as a complex product and its relative positions, the repeat's adjoint), the whole serial Llama
-# model against finite differences and against Hugging Face's LlamaForCausalLM, grouped-query attention split and
-# replicated over tp against serial with its bytes against their formulas, and flash attention against the
-# materialized attention, its cache measured against its formula.
+# Each layer against finite differences or an identity, the serial model against Hugging Face, GQA and flash
+# attention under tp against serial, and their bytes against formulas.
 
 # %%
 worst, err = check.worst()
@@ -589,47 +548,42 @@ grid.free()
 # %% [markdown]
 # ## Cross-walk: hsgd and the production frameworks
 #
-# Megatron-LM's command-line flags (megatron/training/arguments.py) and `megatron/core`; DeepSpeed trains the model
-# it is given (Hugging Face's, usually), so its column is mostly AutoTP (`deepspeed/module_inject/`); PyTorch's
-# column is torchtitan's Llama 3 (`TransformerModelArgs` in torchtitan/models/llama3/model/args.py, the model in
-# model.py, the tensor-parallel plan in infra/parallelize.py); Hugging Face's is `LlamaConfig` and the modules of
-# `LlamaForCausalLM`.
+# Megatron-LM's flags (megatron/training/arguments.py); DeepSpeed trains the model it is given, so its column is
+# mostly AutoTP; PyTorch's is torchtitan's Llama 3 (torchtitan/models/llama3/); Hugging Face's is `LlamaConfig`
+# and the modules of `LlamaForCausalLM`.
 #
 # | hsgd | Megatron-LM | DeepSpeed | PyTorch (torchtitan's llama3) | Hugging Face transformers | where hsgd differs, on purpose |
 # |---|---|---|---|---|---|
 # | `--norm rmsnorm` (`llama_layers.rmsnorm_*`, eps `RMS_EPS` = 1e-5), weights `h.{i}.ln1`, `h.{i}.ln2`, `ln_f` | `--normalization RMSNorm`, `--norm-epsilon` | none of its own: the model's | `norm_eps`; `nn.RMSNorm` as `attention_norm`, `ffn_norm`, `norm` | `rms_norm_eps`; `LlamaRMSNorm` as `input_layernorm`, `post_attention_layernorm`, `model.norm` | computes in the input's dtype (Hugging Face casts to float32); eps is not a flag |
-# | `--positions rope --rope-theta` (`llama_layers.rope_*`): pair i is coordinates (i, i + hs/2), `rotate_half` | `--position-embedding-type rope`, `--rotary-base` | none of its own: the model's | `rope_theta`; `precompute_freqs_cis`, `apply_rotary_emb` on complex numbers: pairs (2i, 2i + 1), interleaved; plus Llama 3.1's `rope_scaling_args` | `rope_theta`; `rotate_half`, `apply_rotary_pos_emb`: pairs (i, i + hs/2) | Hugging Face's pairs; a checkpoint in the interleaved order converts by `rope_half_order` on W_q's and W_k's columns (exercise 2); no long-context rescaling |
-# | `--mlp swiglu`: `mlp.gate`, `mlp.up`, `mlp.proj` (C, F), (C, F), (F, C); under tp one product [gate_i \| up_i] | `--swiglu`; `linear_fc1` one linear of 2F outputs, gate and up, split so that each rank's shard holds its own gate and up columns; `--ffn-hidden-size` | AutoTP: `gate_proj`, `up_proj` column-split (`LinearLayer`), `down_proj` a `LinearAllreduce` | `FeedForward`: `w1` (gate), `w3` (up), `w2` (down), F from `multiple_of` and `ffn_dim_multiplier`; `w1`, `w3` `ColwiseParallel`, `w2` `RowwiseParallel` | `intermediate_size`, `hidden_act="silu"`, `mlp.gate_proj`, `up_proj`, `down_proj`, `mlp_bias` | F given directly (`--d-ff`); weights (in, out), the transpose of torch's |
-# | `--n-kv-heads` (NKV); `repeat_kv_rows_*`; under tp split when tp divides NKV, else (NKV < tp) each rank the one kv head it reads, gradients summed by `kv_sum` | `--group-query-attention --num-query-groups`; `num_query_groups_per_partition = divide(num_query_groups, world_size)`: tp must divide NKV | AutoTP splits q, k, v by kv groups, `num_kv_heads // tp` per rank and one more on the first `num_kv_heads % tp` ranks (`get_shard_size`, deepspeed/module_inject/tp_shard.py) | `n_kv_heads`; `repeat_kv`; `attention.wk`, `wv` `ColwiseParallel()`: the kv heads split, so tp must divide n_kv_heads | `num_key_value_heads`; `repeat_kv` | replicates a kv head when NKV < tp, as inference engines do, at one All-Reduce of (N, 2 NKV hs) per block |
-# | `--attention flash` (`hsgd.model.flash`; `tp_attention.FLASH`): blocks of 64, online softmax, lse kept | `--use-flash-attn` (newer releases: `--attention-backend flash`) | none of its own in training: the model's attention | `attn_type`: `"sdpa"` (`F.scaled_dot_product_attention`, which picks a flash kernel on GPUs) or `"flex"` | `attn_implementation`: `"flash_attention_2"`, `"sdpa"` or `"eager"` | NumPy: the algorithm and its memory bound, not the speed (no on-chip memory to keep blocks in) |
+# | `--positions rope --rope-theta` (`llama_layers.rope_*`): pair i is coordinates (i, i + hs/2), `rotate_half` | `--position-embedding-type rope`, `--rotary-base` | none of its own: the model's | `rope_theta`; `precompute_freqs_cis`, `apply_rotary_emb` on complex numbers: pairs (2i, 2i + 1), interleaved; plus Llama 3.1's `rope_scaling_args` | `rope_theta`; `rotate_half`, `apply_rotary_pos_emb`: pairs (i, i + hs/2) | Hugging Face's pairs; the interleaved order converts by `rope_half_order` (exercise 2); no long-context rescaling |
+# | `--mlp swiglu`: `mlp.gate`, `mlp.up`, `mlp.proj` (C, F), (C, F), (F, C); under tp one product [gate_i \| up_i] | `--swiglu`; `linear_fc1` one linear of 2F outputs, each rank's shard holding its gate and up columns; `--ffn-hidden-size` | AutoTP: `gate_proj`, `up_proj` column-split (`LinearLayer`), `down_proj` a `LinearAllreduce` | `FeedForward`: `w1` (gate), `w3` (up), `w2` (down), F from `multiple_of` and `ffn_dim_multiplier`; `w1`, `w3` `ColwiseParallel`, `w2` `RowwiseParallel` | `intermediate_size`, `hidden_act="silu"`, `mlp.gate_proj`, `up_proj`, `down_proj`, `mlp_bias` | F given directly (`--d-ff`); weights (in, out), the transpose of torch's |
+# | `--n-kv-heads` (NKV); `repeat_kv_rows_*`; under tp split, or (NKV < tp) replicated with `kv_sum` | `--group-query-attention --num-query-groups`; `num_query_groups_per_partition = divide(num_query_groups, world_size)`: tp must divide NKV | AutoTP splits q, k, v by kv groups, unequally when tp does not divide them (`get_shard_size`, deepspeed/module_inject/tp_shard.py) | `n_kv_heads`; `repeat_kv`; `attention.wk`, `wv` `ColwiseParallel()`: the kv heads split, so tp must divide n_kv_heads | `num_key_value_heads`; `repeat_kv` | replicates a kv head when NKV < tp, as inference engines do, at one All-Reduce of (N, 2 NKV hs) per block |
+# | `--attention flash` (`hsgd.model.flash`; `tp_attention.FLASH`): blocks of 64, online softmax, lse kept | `--use-flash-attn` (newer releases: `--attention-backend flash`) | none of its own in training: the model's attention | `attn_type`: `"sdpa"` (`F.scaled_dot_product_attention`, which picks a flash kernel on GPUs) or `"flex"` | `attn_implementation`: `"flash_attention_2"`, `"sdpa"` or `"eager"` | NumPy: the algorithm and its memory, not the speed |
 # | `--no-bias`, `--tied` (`lm_head` = `wte` transposed) | `--disable-bias-linear`, `--untie-embeddings-and-output-weights` (tied by default) | none | no biases; `output` a separate weight | `attention_bias`, `mlp_bias`, `tie_word_embeddings` | the llama preset is untied, as Llama 2 and 3 |
 #
 # ## Exercises
 #
 # ### Exercise 1: RMSNorm's backward by hand
-# Derive $\partial L/\partial x$ of $y = w \odot x / \sqrt{\mathrm{ms}(x) + \epsilon}$ and write it without
-# `llama_layers`. Check it against finite differences and against `rmsnorm_backward`, and check that for
-# $\epsilon = 0$ the gradient is orthogonal to every row of $x$, whatever $\partial L / \partial y$.
+# Write $\partial L/\partial x$ of $y = w \odot x / \sqrt{\mathrm{ms}(x) + \epsilon}$ without `llama_layers`;
+# check it against finite differences and `rmsnorm_backward`, and that for $\epsilon = 0$ it is orthogonal to
+# every row of $x$.
 # (solution: `tutorials/solutions/07_the_modern_block.py`, `exercise_1`)
 #
 # ### Exercise 2: rotary positions in the other order
-# The RoFormer paper and Meta's original Llama code pair coordinates (2i, 2i + 1) (complex numbers from adjacent
-# coordinates, as torchtitan does). Write that rotation, check that it too gives scores that depend only on
-# m - n, and that it equals `rope_forward` after permuting each head's coordinates by `rope_half_order`: so that a
-# checkpoint converts by permuting the columns of W_q and W_k, head by head, and nothing else.
+# RoFormer and Meta's original Llama code (and torchtitan) pair coordinates (2i, 2i + 1). Write that rotation,
+# check that its scores depend only on m - n, and that it equals `rope_forward` after permuting each head's
+# coordinates by `rope_half_order`: a checkpoint converts by permuting the columns of W_q and W_k, head by head.
 # (solution: `tutorials/solutions/07_the_modern_block.py`, `exercise_2`)
 #
 # ### Exercise 3: Llama 3 70B's key/value bytes on tp = 8
-# Llama 3 70B: C = 8192, NH = 64, NKV = 8, L = 80, torchtitan's `ffn_dim_multiplier` = 1.3 and `multiple_of` =
-# 4096. Compute its F by torchtitan's rule and check it is 28672. With `ModelConfig` and `tp_shards.shard_numel`,
-# count the k and v weights one rank holds on tp = 8, in bfloat16, against multi-head attention's (NKV = 64); and
-# the key/value cache of one sequence of 8192 tokens per rank (2 NKV/tp hs numbers per token and layer). Then tp =
-# 16: what stops shrinking, and why?
+# Llama 3 70B: C = 8192, NH = 64, NKV = 8, L = 80, torchtitan's `ffn_dim_multiplier` = 1.3, `multiple_of` = 4096.
+# Check that torchtitan's rule gives F = 28672. With `tp_shards.shard_numel`, count one rank's k and v weights on
+# tp = 8 in bfloat16 against multi-head attention's (NKV = 64), and its key/value cache for 8192 tokens. Then
+# tp = 16: what stops shrinking, and why?
 # (solution: `tutorials/solutions/07_the_modern_block.py`, `exercise_3`)
 #
 # ### Exercise 4: the online softmax merge of two blocks
-# Split the keys of one attention row in two blocks; for each compute its partial $(m, l, o)$ alone. Write the
-# merge of two partial results (each rescaled to the larger max) and check it against the softmax over all keys,
-# against `flash.merge` taking the blocks one after the other, and that merging in either order gives the same
-# $y$. Then check that $\mathrm{lse} = m + \log l$ recomputes every probability.
+# Compute the partial $(m, l, o)$ of each of two key blocks of one attention row, write their merge (each
+# rescaled to the larger max), and check it against the full softmax, against `flash.merge`, and in either order.
+# Then check that $\mathrm{lse} = m + \log l$ recomputes every probability.
 # (solution: `tutorials/solutions/07_the_modern_block.py`, `exercise_4`)

@@ -16,44 +16,26 @@
 # %% [markdown]
 # # Chapter 16: experts: routing, balancing, and the all-to-all of expert parallelism
 #
-# A mixture-of-experts block replaces the MLP by E of them, the experts, and a router that sends each token to k
-# of them (Shazeer et al. 2017, "Outrageously Large Neural Networks"; Lepikhin et al. 2020, "GShard"; Fedus et al.
-# 2021, "Switch Transformers"; Jiang et al. 2024, "Mixtral of Experts"). The parameters grow with E, the work per
-# token with k: Mixtral 8x7B holds eight experts per block and computes two of them for every token. Like
-# context parallelism (chapter 13), experts go beyond the lecture, but they stand on three of its sections. The
-# lecture's section 3.1 splits a model by "parameter blocks": an expert is such a block, and expert parallelism
-# puts different experts on different ranks. Its section 3.4 averages each shard's gradient over the ranks that
-# hold it: an expert's gradient is averaged over the ranks that hold *that expert*, a group of its own. And its
-# section 4.2 asks that the partitions be balanced: here the balance is not fixed by the layout but decided, token
-# by token, by a router that learns.
+# A mixture-of-experts block replaces the MLP by E experts and a router that sends each token to k of them
+# (Shazeer et al. 2017, "Outrageously Large Neural Networks"; Lepikhin et al. 2020, "GShard"; Fedus et al. 2021,
+# "Switch Transformers"; Jiang et al. 2024, "Mixtral of Experts"). Parameters grow with E, work per token with k:
+# Mixtral 8x7B holds eight experts per block and computes two per token. Like context parallelism (chapter 13),
+# experts go beyond the lecture but stand on three of its sections: an expert is one of section 3.1's "parameter
+# blocks", put on its own ranks; section 3.4's gradient average runs over the ranks that hold *that expert*; and
+# section 4.2's balance is decided token by token by a router that learns.
 #
-# `hsgd/model/moe.py` is the layer (router, top-k, gates, capacity and drops, the permutation that groups the
-# token-slots by expert, the z-loss, the selection bias), `hsgd/model/balance.py` the load-balancing loss over a
-# declared domain of tokens, `hsgd/ep/` the expert-parallel layout (parallel folding) and the all-to-all,
-# `hsgd/dp/folded.py` the gradient average with experts. The chapter:
+# `hsgd/model/moe.py` is the layer (router, top-k, gates, capacity and drops, the permutation by expert, the
+# z-loss, the selection bias), `hsgd/model/balance.py` the load-balancing loss over a declared domain of tokens,
+# `hsgd/ep/` the expert-parallel layout (parallel folding) and the all-to-all, `hsgd/dp/folded.py` the gradient
+# average with experts.
 #
-# 1. the router and its gradient: what flows back through the gates, and why the balance loss's f has none;
-# 2. capacity and drops, in token order, pictured;
-# 3. the balancing losses: Switch's loss and its domains, with a question from another project answered by a run
-#    ("the load-balancing loss changes with the pipeline size: rounding or a bug?"); the z-loss; balancing by a
-#    selection bias, without a loss;
-# 4. the all-to-all: dispatch and combine, and the backward as the same calls with the counts swapped, checked as
-#    adjoints, with its bytes against `all_to_all_formula`;
-# 5. folding ep out of dp x cp: which ranks form `ep_comm` and `edp_comm`, pictured for 8 ranks;
-# 6. training with experts on three layouts of 8 ranks against serial SGD counted the same way;
-# 7. the experts' gradient: 1/(dp cp), not 1/edp, and the factor ep that the wrong average leaves;
-# 8. the load per expert and per rank, pictured, and the bytes on `ep_comm` per rank;
-# 9. routing over a run: how it drifts to a few experts at the CLI's settings, and what the remedies do, measured.
-#
-# Run it with eight ranks (measured on a 2-core machine that other jobs loaded to a load average of 8: 20 s; its
-# solutions, one process, 2 s; on failure every rank raises, so it exits non-zero without hanging). Rank 0 draws
-# four pictures into `$HSGD_FIGURES` (default `tutorials/figures/`):
+# Run it with eight ranks (measured on a 2-core machine loaded to a load average of 8: 20 s; its solutions, one
+# process, 2 s). Rank 0 draws four pictures into `$HSGD_FIGURES` (default `tutorials/figures/`):
 #
 # mpirun -n 8 python tutorials/16_experts.py
 #
-# Only rank 0 prints. From the command line, `mpirun -n 8 python -m hsgd.train --moe-experts 8 --moe-top-k 2
-# --ep 4` trains with experts (tp 2 x dp 4 by default, ep 4) and prints, per MoE block, the load per expert, the
-# slots dropped, and the all-to-all's measured bytes over their formula.
+# `mpirun -n 8 python -m hsgd.train --moe-experts 8 --moe-top-k 2 --ep 4` trains with experts (tp 2 x dp 4, ep 4)
+# and prints per MoE block the load per expert, the drops, and the all-to-all's bytes over their formula.
 #
 # Legend: B sequences of the global batch, b = B/(dp m) the sequences of a micro-batch, m micro-batches per DP
 # group, T sequence length, C d_model, NH heads (NKV key/value heads), F the experts' width (d_ff), V vocabulary, L
@@ -112,25 +94,22 @@ def margin(x, W, k):
 # %% [markdown]
 # ## 1. The router and its gradient
 #
-# For N rows x (N, C) the router computes logits $x W_r$ (N, E) and, over the experts, the probabilities
-# $p = \mathrm{softmax}(x W_r)$; each token takes the k experts of largest $p$ (ties to the lower index), and its
-# output is the gated sum of theirs,
+# For N rows x (N, C) the router computes $p = \mathrm{softmax}(x W_r)$ (N, E); each token takes the k experts of
+# largest $p$ (ties to the lower index), and outputs the gated sum of theirs,
 #
 # $$y_n = \sum_{j=1}^{k} g_{nj}\, \mathrm{Expert}_{e_{nj}}(x_n), \qquad
 #   g_{nj} = \frac{p_{n e_{nj}}}{\sum_{j'} p_{n e_{nj'}}} = \mathrm{softmax}_j\big((x W_r)_{n e_{nj}}\big)$$
 #
 # ("renormalized", Mixtral's gates; "probabilities" keeps $g_{nj} = p_{n e_{nj}}$, Switch's; "sigmoid" is
-# DeepSeek-V3's). The choice $e_{nj}$ is a top-k: piecewise constant, so no gradient flows through it. What does
-# flow back to the router comes by three paths, the three terms of `router_backward`: the **gates** (the task's
-# gradient $\partial L/\partial g_{nj} = \langle \partial L/\partial y_n, \mathrm{Expert}_{e_{nj}}(x_n)\rangle$
-# through the renormalization and the softmax), the **balance loss** through P (section 3), and the **z-loss** on
-# the logits. The balance loss $\alpha E \sum_i f_i P_i$ multiplies the fraction of slots $f_i$ routed to expert i,
-# a count, by the mean probability $P_i$: in a neighbourhood where no choice changes, f is constant, so its
-# gradient is $\alpha E f_i\, \partial P_i/\partial p$ and nothing else. Checked below on one layer (N = 12 rows,
-# C = 6, F = 8, E = 4, k = 2, SwiGLU experts): the backward against central differences of the scalar
-# $L = \sum y \odot R + \text{balance} + z$ through every parameter and the input, the seed chosen so that every
-# row's k-th score is at least $100h$ above its (k+1)-th (no probe crosses a routing boundary, so the difference
-# sees f held, as the backward does).
+# DeepSeek-V3's). The top-k choice is piecewise constant: no gradient flows through it. Three paths reach the
+# router, the three terms of `router_backward`: the **gates** ($\partial L/\partial g_{nj} = \langle \partial
+# L/\partial y_n, \mathrm{Expert}_{e_{nj}}(x_n)\rangle$ through the renormalization and softmax), the **balance
+# loss** through P (section 3), and the **z-loss** on the logits. The balance loss $\alpha E \sum_i f_i P_i$
+# multiplies a count, the fraction $f_i$ of slots routed to i, by the mean probability $P_i$; f is locally
+# constant, so the gradient is $\alpha E f_i\, \partial P_i/\partial p$ alone. Checked on one layer (N = 12, C = 6,
+# F = 8, E = 4, k = 2, SwiGLU experts): the backward against central differences of $L = \sum y \odot R +
+# \text{balance} + z$ through every parameter and the input, the seed chosen so that every row's k-th score is at
+# least $100h$ above its (k+1)-th (no probe changes a choice).
 
 # %%
 S1 = MoESettings(experts=4, top_k=2, mlp="swiglu", gates="renormalized", balance_coef=0.3, z_coef=0.05)
@@ -160,10 +139,9 @@ say(f"seed {seed1}: selection margin {margin(x1, p1['moe.router.weight'], 2):.1e
 check(f"layer backward (dx, router, {len(names1) - 1} expert weights) vs central differences", fd1, FD_TOL)
 
 # %% [markdown]
-# The balance loss alone, through the router: its gradient computed by the layer's backward (dy = 0, no z) equals
-# $\alpha E f_i\, \partial P_i / \partial \text{logits}$ written out with f a constant (the softmax's Jacobian,
-# $\partial P_i/\partial l_{nm} = p_{ni}(\delta_{im} - p_{nm})/N$), and its finite differences, since f does not
-# move under the probes.
+# The balance loss alone (dy = 0, no z): the layer's router gradient equals $\alpha E f_i\, \partial P_i /
+# \partial \text{logits}$ with f constant ($\partial P_i/\partial l_{nm} = p_{ni}(\delta_{im} - p_{nm})/N$), and its
+# finite differences.
 
 # %%
 S1b = MoESettings(experts=4, top_k=2, mlp="swiglu", balance_coef=0.3)
@@ -188,11 +166,10 @@ fd_b = gradcheck.fd_error(balance_only, [p1["moe.router.weight"]], [g_b["moe.rou
 check("... and its central differences (f does not move under the probes)", fd_b, FD_TOL)
 
 # %% [markdown]
-# The gates' path decides whether the router learns from the task at all. With k = 1 and renormalized gates the
-# single gate is $p_e/p_e = 1$ whatever the logits: the task's loss does not depend on the router's weights except
-# through the choice, which has no gradient, so the router would learn only from the auxiliary losses. That is why
-# Switch (k = 1) keeps the probability as the gate. Checked: with k = 1, alpha = beta = 0, the router's gradient is
-# exactly zero with renormalized gates and not with probabilities.
+# With k = 1 and renormalized gates the single gate is $p_e/p_e = 1$ whatever the logits: the task's loss reaches
+# the router only through the choice, which has no gradient, so the router would learn only from the auxiliary
+# losses. That is why Switch (k = 1) keeps the probability as the gate. Checked: with k = 1, alpha = beta = 0, the
+# router's gradient is exactly zero with renormalized gates and not with probabilities.
 
 # %%
 for gates in ("renormalized", "probabilities"):
@@ -210,14 +187,13 @@ for gates in ("renormalized", "probabilities"):
 # %% [markdown]
 # ## 2. Capacity and drops
 #
-# An expert on a device computes a fixed-size batch: each takes at most
-# $\text{capacity} = \lceil c\, N k / E\rceil$ token-slots of the N rows routed together (c the capacity factor;
-# `expert_capacity`). The N k slots (slot $nk + j$: token n's j-th choice) queue at their experts in token order,
-# first come first served (Switch's policy; Megatron-LM's `--moe-token-drop-policy position`), and the slots past
-# the capacity are **dropped**: they add nothing to their token's output (the residual connection around the block
-# carries the token on), and the other gate is not renormalized. `dispatch_indices` returns the kept slots sorted by
-# expert, `perm`, and the inverse `inv` (a dropped slot reads a row of zeros). Checked against a queue written out
-# by hand, and a token's output against the sum of its kept slots alone.
+# An expert on a device computes a fixed-size batch: at most $\text{capacity} = \lceil c\, N k / E\rceil$
+# token-slots of the N rows routed together (`expert_capacity`). The N k slots (slot $nk + j$: token n's j-th
+# choice) queue at their experts in token order (Switch's policy; Megatron-LM's `--moe-token-drop-policy
+# position`), and slots past the capacity are **dropped**: they add nothing to their token's output (the residual
+# carries the token on), and the other gate is not renormalized. `dispatch_indices` returns the kept slots sorted
+# by expert, `perm`, and the inverse `inv` (a dropped slot reads zeros). Checked against a queue written by hand,
+# and a token's output against the sum of its kept slots.
 
 # %%
 S2 = MoESettings(experts=4, top_k=2, mlp="swiglu", capacity_factor=1.0)
@@ -251,9 +227,8 @@ for slot in kept_by_hand:
 check("y == sum over kept slots of gate x expert(x) (dropped: nothing)", rel_err(y2, by_hand))
 
 # %% [markdown]
-# The picture: on the left each token's probabilities over the experts, its first and second choice marked, a
-# dropped slot crossed out; on the right each expert's queue in token order, the capacity as a line, the slots
-# past it dropped.
+# Left, each token's probabilities, its two choices marked, a dropped slot crossed out; right, each expert's queue
+# in token order, the capacity a line.
 
 # %%
 def draw_routing():
@@ -295,43 +270,35 @@ say(f"picture: {pictures.on_rank0(world, draw_routing)}")
 # %% [markdown]
 # ## 3. Balancing: Switch's loss, its domains, the z-loss, and the selection bias
 #
-# Nothing in the task's loss asks the router to spread its tokens, and a router that sends most of them to a few
-# experts leaves the others idle and, with a capacity, drops the rest. Switch's loss (Fedus et al. 2021, eq. 4)
+# Nothing in the task's loss asks the router to spread its tokens. Switch's loss (Fedus et al. 2021, eq. 4)
 #
 # $$\text{balance} = \alpha E \sum_{i=1}^{E} f_i P_i, \qquad f_i = \frac{\#\text{slots routed to } i}{N k},
 #   \qquad P_i = \frac{1}{N}\sum_n p_{ni},$$
 #
-# is smallest, given f, when P puts little probability where many slots go, and it equals $\alpha$ whenever P is
-# uniform, whatever f: its value measures the alignment of f and P, its gradient (section 1) lowers the
-# probabilities of the busy experts. (Hugging Face counts f per token, summing to k: its coefficient c is hsgd's
+# equals $\alpha$ whenever P is uniform, whatever f: its value measures how f and P align, and its gradient lowers
+# the busy experts' probabilities. (Hugging Face counts f per token, summing to k: its coefficient c is hsgd's
 # alpha = c k.)
 #
-# **Over which tokens?** f and P are statistics, and the loss depends on the set of tokens they are counted over,
-# its **domain** (`--moe-balance-domain`): each *micro-batch* of b sequences (Megatron-LM's `aux_loss`, the usual
-# default), each *sequence* (`seq_aux_loss`, DeepSeek-V3's sequence-wise loss) or the *global* batch
-# (`global_aux_loss`); hsgd averages the groups' losses, $\alpha E\, \mathrm{mean}_G \sum_i f_{Gi} P_{Gi}$, and a
-# layout computes its share, summing the counts of a group over the ranks that hold its rows (`hsgd.model.balance`).
+# **Over which tokens?** f and P are counted over a **domain** (`--moe-balance-domain`): each *micro-batch* of b
+# sequences (Megatron-LM's `aux_loss`, the usual default), each *sequence* (`seq_aux_loss`, DeepSeek-V3's) or the
+# *global* batch (`global_aux_loss`). hsgd averages the groups' losses, $\alpha E\, \mathrm{mean}_G \sum_i f_{Gi}
+# P_{Gi}$, each layout summing a group's counts over the ranks that hold its rows (`hsgd.model.balance`).
 #
-# A question from another project (databricks/megablocks issue #85): the same trained model, loaded with more
-# pipeline stages, reported a slightly larger load-balancing loss; rounding, or a bug? A run separates the cases.
-# A micro-batch domain averages $\sum_i f_{Gi} P_{Gi}$ over groups of b sequences, a mean of products, not the
-# product of the means, and in hsgd the layout decides b = B/(dp m). Its difference from the global loss is
-# exactly a covariance over the groups,
+# A question from databricks/megablocks issue #85: the same trained model, loaded with more pipeline stages,
+# reported a slightly larger load-balancing loss; rounding, or a bug? A micro-batch domain is a mean of products
+# over groups of b = B/(dp m) sequences, and b is set by the layout. Its difference from the global loss is exactly
+# a covariance over the groups,
 #
 # $$\text{micro-batch} - \text{global} = \alpha E \sum_{\text{blocks}} \mathrm{mean}_G
 #   \sum_i (f_{Gi} - \bar f_i)(P_{Gi} - \bar P_i),$$
 #
-# ($\bar f$, $\bar P$ the global batch's, the means of the groups' of equal size) positive when a group that sends
-# more of its slots to an expert also gives it more probability, and larger for smaller groups. The run: one
-# batch, the initial parameters, no capacity (so the cross-entropy is the same in every layout); each layout's
-# loss less the cross-entropy is its balance loss. Layouts with the same b, whatever their pp, ep or m, give the
-# same value to rounding, equal to serial's counted over micro-batches of b sequences; layouts with another b give
-# another value, far beyond rounding; the global domain gives one value in every layout. So: a change of layout
-# that changes the tokens counted together changes the loss, a different statistic rather than rounding or a bug;
-# one that keeps them (Megatron-LM fixes the micro-batch size by a flag, so more pipeline stages need not change
-# it) must agree to rounding, and a trend there points to how the loss is counted. (hsgd refuses the global domain
-# with m > 1: its counts must be complete before the first backward pass, and micro-batches run one after
-# another.)
+# ($\bar f$, $\bar P$ the global batch's), positive when a group that sends more slots to an expert also gives it
+# more probability, and larger for smaller groups. The run: one batch, the initial parameters, no capacity, each
+# layout's loss less the cross-entropy. Layouts with the same b, whatever their pp, ep or m, agree to rounding
+# with serial counted over micro-batches of b; another b gives another value, far beyond rounding; the global
+# domain one value everywhere. So a layout change that changes the tokens counted together changes the statistic,
+# neither rounding nor a bug; one that keeps them (Megatron-LM fixes the micro-batch size by a flag) must agree to
+# rounding. (hsgd refuses the global domain with m > 1: its counts must be complete before the first backward.)
 
 # %%
 SIZES = dict(vocab_size=256, seq_len=16, d_model=16, n_heads=2, n_layers=2, d_ff=16, arch="llama")
@@ -390,9 +357,7 @@ say(f"global with m = 2 refused: {refused}")
 check.holds("global domain with m > 1: refused, in one line", "--micro-batches 1" in refused)
 
 # %% [markdown]
-# The values against b, and the covariance identity checked from each serial pass's counts and probability sums
-# (`Balance.f` and `Balance.psums`, per block and group). b = B is one micro-batch of the whole batch: the global
-# loss.
+# The values against b (b = B: the global loss), and the covariance identity from the serial counts.
 
 # %%
 sizes_b = sorted(serial_bal)
@@ -413,16 +378,13 @@ check.holds("the covariance is positive here and grows as b shrinks (far above r
             all(diffs[a] > diffs[b] > 1e-6 for a, b in zip(sizes_b[:-2], sizes_b[1:-1])))
 
 # %% [markdown]
-# The loss measures something else with each b, and it grows as b shrinks because smaller groups make a group's f
-# and P vary together more. The gradient changes too: a micro-batch domain asks every micro-batch to be balanced
-# on its own, the global domain only the batch as a whole (exercise 1 builds a routing that satisfies the second
-# and not the first). Megatron-LM offers all three; hsgd makes the domain a flag and reproduces each exactly in
-# every layout that can compute it.
+# The loss grows as b shrinks, and its gradient changes: a micro-batch domain asks each micro-batch to be
+# balanced, the global domain only the batch (exercise 1).
 #
 # **The z-loss** (Zoph et al. 2022, "ST-MoE"): $z = \beta\, \mathrm{mean}_n (\log\sum_i e^{l_{ni}})^2$ keeps the
-# router's logits small, which matters in bfloat16 (chapter 14: a large logit rounds the softmax's small
-# probabilities away); its gradient is $2\beta\, \mathrm{lse}_n\, p_{ni}/N$ on the logits, already inside section
-# 1's finite differences. Its value, against the formula:
+# router's logits small, which matters in bfloat16 (chapter 14: a large logit rounds small probabilities away);
+# its gradient $2\beta\, \mathrm{lse}_n\, p_{ni}/N$ was inside section 1's finite differences. Its value against
+# the formula:
 
 # %%
 lse = np.log(np.exp(logits1).sum(axis=1))
@@ -430,17 +392,15 @@ check("z-loss == beta mean_n logsumexp(logits_n)^2", abs(aux1["z"] - 0.05 * (lse
 
 # %% [markdown]
 # **Balancing without a loss** (Wang et al. 2024, "Auxiliary-Loss-Free Load Balancing Strategy for
-# Mixture-of-Experts"; DeepSeek-AI 2024, "DeepSeek-V3 Technical Report"): each expert gets a bias $b_i$, added to
+# Mixture-of-Experts"; DeepSeek-AI 2024, "DeepSeek-V3 Technical Report"): each expert gets a bias $b_i$ added to
 # the scores for the *choice* only, never to a gate, and after every step
-# $b_i \leftarrow b_i + \gamma\, \mathrm{sign}(\overline{\text{load}} - \text{load}_i)$: busy experts become harder to
-# choose, idle ones easier. It is state, not a parameter: no gradient, no interference with the task's. Checked:
-# with a bias the gates are still the renormalized probabilities of whatever was chosen; and on a fixed router
-# whose 256 inputs share a common direction (so that most tokens prefer the same experts), 60 updates at two
-# rates. The bias is one number per expert added to *every* token's score, and a token changes its choice when the
-# bias moves by more than the gap between its k-th and (k+1)-th score. A rate below the typical gap moves a few
-# tokens per update: the load falls, slowly and smoothly. A rate above it moves most of the tokens near the
-# boundary at once, past the even share, and the load swings from update to update. It is a control loop whose
-# gain is gamma; section 9 meets the same loop in training, and exercise 3 sweeps the gain.
+# $b_i \leftarrow b_i + \gamma\, \mathrm{sign}(\overline{\text{load}} - \text{load}_i)$. It is state, not a
+# parameter: no gradient. Checked: with a bias the gates are still the renormalized probabilities of what was
+# chosen; and on a fixed router whose 256 inputs share a common direction, 60 updates at two rates. A token changes
+# its choice when the bias moves by more than the gap between its k-th and (k+1)-th score: a rate below the typical
+# gap moves a few tokens per update and the load falls smoothly; a rate above it moves most tokens near the
+# boundary at once, past the even share, and the load swings. A control loop whose gain is gamma: section 9 meets
+# it in training, exercise 3 sweeps the gain.
 
 # %%
 S3 = MoESettings(experts=4, top_k=2, mlp="swiglu")
@@ -474,9 +434,8 @@ check.holds("the gap lies between the two gammas", 0.003 < gap3 < 0.05)
 # ## 4. The all-to-all: dispatch, combine, and the backward as the same calls with the counts swapped
 #
 # With expert parallelism the E experts are split over the ep ranks of `ep_comm`, E/ep each (expert e on ep rank
-# e // (E/ep)). A rank routes its own N rows; its kept slots, sorted by expert, are contiguous runs for each ep
-# rank. `hsgd.ep.dispatch.AllToAll` (chapter 2's exercise 5, grown up) makes four calls per MoE block and
-# micro-batch:
+# e // (E/ep)). A rank's kept slots, sorted by expert, are contiguous runs per ep rank. `hsgd.ep.dispatch.AllToAll`
+# (chapter 2's exercise 5, grown up) makes four calls per MoE block and micro-batch:
 #
 # | step | call | counts (send, recv) | what moves |
 # |---|---|---|---|
@@ -485,13 +444,11 @@ check.holds("the gap lies between the two gammas", 0.003 < gap3 < 0.05)
 # | backward of the combine | `Alltoallv` | (row, column): the dispatch's | the outputs' gradients to the experts |
 # | backward of the dispatch | `Alltoallv` | (column, row): the combine's | the inputs' gradients back to their tokens |
 #
-# Each map moves rows and nothing else, a 0/1 matrix with one 1 per row and column, so its adjoint is its
-# inverse, the call with the counts swapped (chapter 2, section 7), and the permutation `order` that groups the
-# received rows by expert is undone by its inverse. The counts need no backward: integers. Checked on 8 ranks,
-# dp 8 with ep 4 (two groups of four): the MoE block of `hsgd.tp.experts` with the all-to-all (N = 16 rows of
-# C = 8 per rank, E = 8, k = 2, capacity factor 1.0) against the whole layer on each rank's rows, the adjoints as
-# $\langle A x, y\rangle = \langle x, A^T y\rangle$ summed over `ep_comm`, and the bytes against
-# `all_to_all_formula`.
+# Each map only moves rows, so its adjoint is its inverse: the call with the counts swapped (chapter 2, section 7).
+# The counts, integers, need no backward. Checked on 8 ranks, dp 8
+# with ep 4: the MoE block of `hsgd.tp.experts` (N = 16 rows of C = 8 per rank, E = 8, k = 2, capacity factor 1.0)
+# against the whole layer on each rank's rows, the adjoints as $\langle A x, y\rangle = \langle x, A^T y\rangle$
+# summed over `ep_comm`, and the bytes against `all_to_all_formula`.
 
 # %%
 E4, C4, F4, N4 = 8, 8, 8, 16
@@ -528,9 +485,8 @@ check("the router's gradient == the whole layer's (my rows only)",
       rel_err(gr4["h.0.moe.router.weight"], gr_ref["h.0.moe.router.weight"]))
 
 # %% [markdown]
-# The adjoints, on the dispatcher alone: its `send` (the dispatch, rows grouped by expert at their ranks) and
-# `send_backward`, its `receive` (the combine) and `receive_backward`, with random rows of the right shapes; the
-# inner products summed over the four ranks of `ep_comm`.
+# The adjoints on the dispatcher alone (`send` / `send_backward`, `receive` / `receive_backward`),
+# inner products summed over `ep_comm`.
 
 # %%
 a2a = AllToAll(ep_comm, E4)
@@ -547,13 +503,11 @@ check("combine:  <B u, w> == <u, B^T w>, summed over ep_comm", abs(dots[2] - dot
 check.holds("the combine undoes the dispatch, bit for bit", np.array_equal(a2a.receive(rows, plan), xs))
 
 # %% [markdown]
-# The bytes of the block's forward and backward on `ep_comm`, against `all_to_all_formula` from the routing
-# histogram (each rank's kept slots per expert, gathered over the ep group): one `Alltoall` of the E int64 counts
-# and four `Alltoallv`, whose payload is the send buffer, own rows included: $(S + R) C s$ forward and as much
-# backward. A pairwise all-to-all (MPICH's for long messages, chapter 2) keeps a rank's own rows and sends the
-# rest: from each rank leave $(S - S_{\text{own}}) C s$ in the dispatch and $(R - S_{\text{own}}) C s$ in the
-# combine (the rows it keeps for its own experts are the same ones both ways), and as many again backward, plus
-# (ep - 1)/ep of the counts.
+# The bytes on `ep_comm` against `all_to_all_formula` from the routing histogram: one `Alltoall` of the E int64
+# counts and four `Alltoallv`, whose payload is the send buffer, own rows included: $(S + R) C s$ forward and as
+# much backward. A pairwise all-to-all (MPICH's for long messages, chapter 2) keeps a rank's own rows: it sends
+# $(S - S_{\text{own}}) C s$ in the dispatch and $(R - S_{\text{own}}) C s$ in the combine, as many again backward,
+# plus (ep - 1)/ep of the counts.
 
 # %%
 hist = np.stack(ep_comm.allgather_obj(np.asarray(kept4)))                    # (ep, E) kept slots of each rank
@@ -577,15 +531,13 @@ g4.free()
 # %% [markdown]
 # ## 5. Folding ep out of dp x cp
 #
-# Which ranks split the experts? Megatron-Core's parallel folding (Liu et al. 2025, "MoE Parallel Folding") takes
-# them from the ranks that hold the same dense shard: of the D = dp x cp ranks of `dp_comm` (in the order dp_rank
-# x cp + cp_rank), each ep consecutive ones form an `ep_comm` and split the experts, E/ep each; the ranks at the
-# same place of every ep group hold the same experts and form an `edp_comm` of edp = D/ep ranks, which averages
-# their gradients as `dp_comm` averages the dense ones. Every expert is still split over tp as the dense MLP is.
-# The picture draws two layouts of the 8 ranks: tp 2 x dp 4 with ep 2, and dp 4 x cp 2 with ep 4 (ep folded out
-# of dp and cp together); each box a world rank, its colour its `ep_comm`, its label the experts it holds of E = 8,
-# a dotted line joining the ranks of one `edp_comm`. Checked: the communicators `ProcessGrid` builds
-# hold exactly the ranks of that rule.
+# Megatron-Core's parallel folding (Liu et al. 2025, "MoE Parallel Folding") takes the expert ranks from those
+# that hold the same dense shard: of the D = dp x cp ranks of `dp_comm` (ordered dp_rank x cp + cp_rank), each ep
+# consecutive ones form an `ep_comm` and split the experts; the ranks at the same place of every ep group hold the
+# same experts and form an `edp_comm` of edp = D/ep ranks, which averages their gradients. Every expert is still
+# split over tp as the dense MLP is. The picture: tp 2 x dp 4 with ep 2, and dp 4 x cp 2 with ep 4; each box a
+# world rank, its colour its `ep_comm`, its label its experts of E = 8, a dotted line joining an `edp_comm`.
+# Checked: `ProcessGrid`'s communicators hold exactly the ranks of that rule.
 
 # %%
 FOLDS = [dict(dp=4, tp=2, cp=1, ep=2), dict(dp=4, tp=1, cp=2, ep=4)]
@@ -644,23 +596,20 @@ def draw_folding():
 say(f"picture: {pictures.on_rank0(world, draw_folding)}")
 
 # %% [markdown]
-# On the left, each tp rank's four ranks of `dp_comm` form two `ep_comm` of two, and the ranks 0 and 4 (and 2 and
-# 6, and the same for tp rank 1) hold the same four experts: an `edp_comm` of dp/ep = 2 ranks. On the right the
-# four ranks of an `ep_comm` are two dp ranks times two cp ranks, and each `edp_comm` again has D/ep = 8/4 = 2.
-# With tp 2 x dp 4 and ep 4 (the CLI's `--ep 4`) each `edp_comm` is one rank: every expert lives once per tp
-# rank, and its gradient needs no average at all, since the all-to-all already brought it every token's share.
+# Left, each tp rank's four ranks of `dp_comm` form two `ep_comm` of two, and ranks 0 and 4 (and 2 and 6, and so
+# for tp rank 1) hold the same four experts: an `edp_comm` of 2. Right, an `ep_comm` is two dp ranks times two cp
+# ranks, and each `edp_comm` again has 8/4 = 2. With tp 2 x dp 4 and ep 4 (the CLI's `--ep 4`) each `edp_comm` is
+# one rank: the all-to-all already brought every expert every token's share, and no average is needed.
 #
 # ## 6. Training with experts against serial SGD
 #
-# The model: Llama blocks (C = 16, NH = 2, NKV = 1, L = 2, T = 16) whose MLPs are 8 SwiGLU experts (F = 16), top-2,
-# in both blocks; a capacity factor of 1.0 (slots are dropped), the balance loss over micro-batches (alpha 0.1)
-# and the z-loss (beta 0.01). Three layouts of 8 ranks run three steps of SGD with momentum in float64: the CLI's
-# tp 2 x dp 4 with ep 4 and 2 micro-batches; dp 2 x cp 2 x tp 2 with ep 4 (ep folded out of dp and cp); pp 2 x
-# tp 2 x dp 2 with ep 2 and 2 micro-batches. The reference is `serial.sgd` counted as each layout counts: its
-# balance loss over micro-batches of b = B/(dp m) sequences, and the rows each rank routes together (each rank's
-# micro-batch, at its cp positions) dropping with their own capacity (`hsgd.ep.layout.capacity_groups`). Checked:
-# parameters and losses, the kept slots per expert in every step (summed over the ranks) equal to serial's, and
-# every communicator's calls and bytes equal to `step_formula`.
+# Llama blocks (C = 16, NH = 2, NKV = 1, L = 2, T = 16) whose MLPs are 8 SwiGLU experts (F = 16), top-2, capacity
+# factor 1.0 (slots dropped), balance loss over micro-batches (alpha 0.1), z-loss (beta 0.01). Three layouts of 8
+# ranks run three steps of SGD with momentum in float64: tp 2 x dp 4, ep 4, 2 micro-batches; dp 2 x cp 2 x tp 2,
+# ep 4; pp 2 x tp 2 x dp 2, ep 2, 2 micro-batches. The reference is `serial.sgd` counted as each layout counts:
+# balance over micro-batches of b = B/(dp m), and each rank's rows dropping with their own capacity
+# (`hsgd.ep.layout.capacity_groups`). Checked: parameters and losses, the kept slots per expert in every step, and
+# every communicator's calls and bytes against `step_formula`.
 
 # %%
 cfg = ModelConfig(**SIZES, moe_experts=8, moe_top_k=2, moe_capacity_factor=1.0, moe_balance=0.1, moe_z_loss=0.01)
@@ -730,16 +679,13 @@ for lay in LAYOUTS6:
 # %% [markdown]
 # ## 7. The experts' gradient: 1/(dp cp), not 1/edp
 #
-# Every rank's backward starts from its own shard's mean loss (the mean of its m micro-batches'), and the step's
-# loss is the mean of the D = dp x cp shards': each parameter's gradient is 1/D times the sum of the D shards'
-# contributions.
-# A dense parameter gets one contribution per rank of `dp_comm`: sum there, divide by D. An expert's owner already
-# holds the sum of its whole ep group's contributions, brought by the all-to-all (section 4 checked it); the sum
-# over its `edp_comm` completes the D contributions, and the factor is still 1/D. Dividing by the size of the
-# communicator summed over, edp, which is what a generic data-parallel wrapper does, leaves every expert's gradient
-# D/edp = ep times too large (`hsgd.dp.folded` cites the reports of this bug in PyTorch and Megatron-LM). The
-# loss of the step does not show it: it is computed before any average. Checked on dp 8 with ep 4 (edp 2): each
-# rank's local gradients from its stage's backward, then averaged by hand both ways.
+# The step's loss is the mean of the D = dp x cp shards', so each gradient is 1/D times the sum of D contributions.
+# A dense parameter gets one per rank of `dp_comm`: sum there, divide by D. An expert's owner already holds its ep
+# group's sum, brought by the all-to-all; the sum over `edp_comm` completes the D contributions, and the factor is
+# still 1/D. Dividing by edp, the size of the communicator summed over, as a generic data-parallel wrapper does,
+# leaves every expert's gradient D/edp = ep times too large (`hsgd.dp.folded` cites the reports of this bug in
+# PyTorch and Megatron-LM), and the step's loss, computed before any average, does not show it. Checked on dp 8
+# with ep 4 (edp 2), averaged by hand both ways.
 
 # %%
 dp7, ep7 = 8, 4
@@ -776,11 +722,10 @@ say(f"the step's loss {loss7:.6f} is computed before any average: the same with 
     f"{g7.edp_comm.size}, so 1/edp = {dp7 // g7.edp_comm.size} x 1/D")
 
 # %% [markdown]
-# Why the bug hides: with SGD the experts would learn ep times faster, but with Adam a constant factor on a
-# gradient nearly cancels ($m/\sqrt{v}$ is scale-free but for its epsilon: the first step is
-# $\eta\, g/(|g| + \epsilon)$, which a factor 4 changes by about $\frac{3}{4}\epsilon/|g|$ relative), so the run looks
-# healthy while the global gradient norm, the clipping and the weight decay's balance against the update are off.
-# One AdamW step on the experts from the right and from the wrong gradient:
+# Why the bug hides: with Adam a constant factor nearly cancels ($m/\sqrt{v}$ is scale-free but for epsilon: the
+# first step $\eta\, g/(|g| + \epsilon)$ changes by about $\frac{3}{4}\epsilon/|g|$ relative for a factor 4), so the
+# run looks healthy while the gradient norm, the clipping and the weight decay's balance are off. One AdamW step
+# from the right and the wrong gradient:
 
 # %%
 upd = {}
@@ -803,14 +748,12 @@ g7.free()
 # %% [markdown]
 # ## 8. The load per expert and per rank, and the bytes on `ep_comm`
 #
-# The last step of section 6's first layout (tp 2 x dp 4, ep 4: `ep_comm` = the four dp ranks of one tp rank,
-# experts 2j and 2j + 1 on ep rank j): each rank's kept slots per expert in block 0, summed over its two
-# micro-batches. A row sums to what the rank sends, S; a column block of the rank's experts to what it receives,
-# R; the diagonal blocks stay home (the table and the bars count both blocks). A cell holds at most twice the
-# capacity (printed below): at that value the expert was filled to its capacity by that rank's rows in both
-# micro-batches. The busiest rank sets the all-to-all's time (chapter 2: about $(p-1)\alpha + \beta \max_r
-# \max(\text{out}_r, \text{in}_r)$), and its experts' matmuls too. The table gives each rank's step on `ep_comm` in
-# the two columns: the payload `CommStats` records, and what a pairwise all-to-all sends from it.
+# The last step of section 6's first layout (`ep_comm` = the four dp ranks of one tp rank, experts 2j and 2j + 1 on
+# ep rank j): each rank's kept slots per expert in block 0, over its two micro-batches. A row sums to what the rank
+# sends, S; its experts' column block to what it receives, R; diagonal blocks stay home. A cell holds at most twice
+# the capacity (printed below). The busiest rank sets the all-to-all's time (chapter 2: about $(p-1)\alpha + \beta
+# \max_r \max(\text{out}_r, \text{in}_r)$), and its experts' matmuls too. The table gives each rank's payload and
+# what a pairwise all-to-all sends from it.
 
 # %%
 parts, on_ep0 = load6
@@ -880,14 +823,12 @@ say(f"picture: {pictures.on_rank0(world, draw_load)}")
 # %% [markdown]
 # ## 9. Routing over a run
 #
-# A 20-step run of the CLI's `--moe-experts 8 --moe-top-k 2 --ep 4` (alpha 0.01, SGD at lr 0.05 with momentum 0.9)
-# reports a load far from even: in stretches of steps two experts take nearly every token of a block, then two
-# others do. The same happens in this chapter's tiny model. The runs below are serial SGD, which every layout
-# reproduces slot for slot (section 6): 60 steps at the CLI's learning-rate schedule (warm-up to 0.05 over 20
-# steps, then cosine decay to a tenth), no capacity, four settings: the CLI's (alpha 0.01); a ten times larger
-# balance loss (alpha 0.1); the selection bias alone, without a loss, at DeepSeek-V3's rate (gamma 0.001) and at
-# ten times that (gamma 0.01). The measure, per step and block: the busiest expert's slots over an even share,
-# max/even, from 1 (even) to E/k = 4 (one expert in every token's top 2).
+# A 20-step run of the CLI above (alpha 0.01, SGD at lr 0.05, momentum 0.9) reports a load far from even: for
+# stretches of steps two experts take nearly every token of a block, then two more. The runs here are serial
+# SGD, which every layout reproduces (section 6):
+# 60 steps at the CLI's schedule (warm-up to 0.05 over 20 steps, cosine decay to a tenth), no capacity, four
+# settings: alpha 0.01 (the CLI's), alpha 0.1, and the selection bias alone at gamma 0.001 (DeepSeek-V3's rate) and
+# 0.01. The measure per step and block: the busiest expert's slots over an even share, max/even, from 1 to E/k = 4.
 
 # %%
 SETTINGS9 = {"alpha 0.01 (the CLI's)": (0.01, 0.0), "alpha 0.1": (0.1, 0.0), "bias 0.001": (0.0, 0.001),
@@ -967,26 +908,13 @@ def draw_collapse():
 say(f"picture: {pictures.on_rank0(world, draw_collapse)}")
 
 # %% [markdown]
-# What the numbers say, in this tiny model. At the CLI's settings the load drifts to one expert per block (max/even
-# near 4), most while the learning rate is near its peak, and eases as it decays; a ten times larger alpha does not
-# prevent it. The selection bias shows the mechanism most clearly, as in section 3: one number per expert added
-# to *every* token's score, so a step larger than the typical gap between a token's 2nd and 3rd score (printed
-# above) moves many tokens' choices at once. At gamma 0.01, above that gap, the busy experts' biases fall, the
-# tokens jump together to the next ones, and the load swings at the worst end all run long; at gamma 0.001,
-# DeepSeek-V3's rate and below the gap, it stays closest to even of the four, though not near 1. The router's
-# own SGD step moves the scores of all tokens whose router inputs look alike in the same way, and the drift here
-# follows the learning rate (checked above). Balancing is a control loop whose gain (alpha, gamma) must be matched
-# to how fast the router moves and to how different the tokens look to it. This is a 60-step run of a tiny model
-# from a random start: it shows the mechanism, not the settings a large run needs.
-#
-# ## What the checks covered
-#
-# The layer's backward against finite differences, with the balance loss's gradient through P alone and none
-# through the gates when k = 1 and they are renormalized; the drops as a queue in token order; the balance loss in
-# six layouts over micro-batches and three over the global batch, each equal to serial counted the same way, and the
-# covariance that makes the micro-batch domain differ; the all-to-all's forward, backward and adjoints, and its
-# bytes per rank; the folded communicators; three layouts trained against serial SGD, slot for slot and byte for
-# byte; the factor ep of the wrong average; the load per rank.
+# At the CLI's settings the load drifts to one expert per block (max/even near 4), mostly while the learning rate
+# is near its peak, easing as it decays; a ten times larger alpha does not prevent it. The selection bias shows the
+# mechanism of section 3: at gamma 0.01, above the typical gap between a token's 2nd and 3rd score (printed above),
+# the tokens jump together and the load swings at the worst end all run long; at gamma 0.001, below it, the load
+# stays closest to even of the four, though not near 1. The router's own SGD step moves all alike-looking tokens
+# the same way, so the drift follows the learning rate. Balancing is a control loop whose gain (alpha, gamma) must
+# match how fast the router moves: a 60-step run of a tiny model shows the mechanism, not a large run's settings.
 
 # %%
 worst, err = check.worst()
@@ -996,53 +924,48 @@ say(f"\nchapter 19: all {len(check.passed)} checks passed on {world.Get_size()} 
 # %% [markdown]
 # ## Cross-walk: hsgd and the production frameworks
 #
-# Megatron-LM's command-line flags (megatron/training/arguments.py) and Megatron-Core's MoE
-# (`megatron/core/transformer/moe/`); DeepSpeed-MoE's layer `deepspeed.moe.layer.MoE` and its gating
-# (`deepspeed/moe/sharded_moe.py`); PyTorch's column is torchtitan (`parallelism.expert_parallel_degree` in its
-# configuration; its MoE layer's settings, `MoEArgs` in earlier releases, now `MoE.Config` with the router's
-# `TokenChoiceTopKRouter.Config`, in torchtitan/models/common/moe.py).
+# Megatron-LM's flags (megatron/training/arguments.py) and `megatron/core/transformer/moe/`; DeepSpeed-MoE's
+# `deepspeed.moe.layer.MoE` and `deepspeed/moe/sharded_moe.py`; torchtitan's configuration and its MoE layer
+# (`MoE.Config`, formerly `MoEArgs`, in torchtitan/models/common/moe.py).
 #
 # | hsgd | Megatron-LM | DeepSpeed | PyTorch (torchtitan) | where hsgd differs, on purpose |
 # |---|---|---|---|---|
 # | `--moe-experts E`, `--moe-top-k k`, `--moe-every n` | `--num-experts`, `--moe-router-topk`, `--moe-layer-freq` | `MoE(num_experts=..., k=...)` | `num_experts`, the router's `top_k` | experts replace the MLP of blocks 0, n, 2n, ...; no shared experts |
 # | `--ep` (`ep_comm`, `edp_comm` folded out of dp x cp: `hsgd.ep.layout`, `ProcessGrid`) | `--expert-model-parallel-size` (and `--expert-tensor-parallel-size`: parallel folding) | `MoE(ep_size=...)`: expert-parallel groups carved out of the data-parallel ranks | `parallelism.expert_parallel_degree` (EP borrows ranks from FSDP and TP) | each expert split over the dense tp, never its own tp size |
 # | `--moe-capacity-factor c`, drops in token order (`dispatch_indices`) | `--moe-expert-capacity-factor`, `--moe-token-drop-policy probs` (default) or `position`, `--moe-pad-expert-input-to-capacity` | `capacity_factor`, `eval_capacity_factor`, `min_capacity`, `drop_tokens` | dropless (no capacity) | position only; no padding, no minimum |
-# | `--moe-balance alpha`, `--moe-balance-domain micro-batch \| sequence \| global`, `--moe-balance-layers each \| pooled` | `--moe-aux-loss-coeff`, `--moe-router-load-balancing-type aux_loss \| seq_aux_loss \| global_aux_loss` | the gate's `l_aux` (per forward call, a micro-batch), which the caller scales and adds | no balance loss; its `load_balance_coeff` is the selection bias's rate | the domain is a flag, reproduced exactly in every layout that can count it; "pooled" is Hugging Face's Mixtral (alpha = its coefficient x k) |
+# | `--moe-balance alpha`, `--moe-balance-domain micro-batch \| sequence \| global`, `--moe-balance-layers each \| pooled` | `--moe-aux-loss-coeff`, `--moe-router-load-balancing-type aux_loss \| seq_aux_loss \| global_aux_loss` | the gate's `l_aux` (per forward call, a micro-batch), which the caller scales and adds | no balance loss; its `load_balance_coeff` is the selection bias's rate | the domain is a flag, exact in every layout that can count it; "pooled" is Hugging Face's Mixtral |
 # | `--moe-z-loss beta` | `--moe-z-loss-coeff` | none | none | |
-# | `--moe-bias-rate gamma` (`update_selection_bias` after each step, by the load summed over `dp_comm`) | `--moe-router-enable-expert-bias --moe-router-bias-update-rate` | none | `load_balance_coeff` (the expert bias, updated before each optimizer step by the sign of the load's error, then centred to mean 0) | the plain sign update, not centred; the bias never enters a gate, in all three |
+# | `--moe-bias-rate gamma` (`update_selection_bias` after each step, by the load summed over `dp_comm`) | `--moe-router-enable-expert-bias --moe-router-bias-update-rate` | none | `load_balance_coeff` (the expert bias, updated by the sign of the load's error, then centred) | the plain sign update, not centred; the bias never enters a gate, in all three |
 # | `hsgd.ep.dispatch.AllToAll`: `Alltoall` of counts, `Alltoallv` of rows, explicit permutation | `--moe-token-dispatcher-type alltoall` (or `allgather`, `flex`) | `_AllToAll` in `sharded_moe.py` (padded to the capacity) | all-to-all token dispatch for expert parallelism | uneven rows (`Alltoallv`), no padding; the adjoints written out |
 # | `hsgd.dp.folded`: experts averaged over `edp_comm` with 1/(dp cp) | expert gradients reduced over the expert data-parallel group | expert parameters all-reduced over the expert data-parallel group | FSDP over the expert data-parallel mesh | the factor stated and checked (section 7) |
 #
 # ## Exercises
 #
 # ### Exercise 1: balanced globally, not per micro-batch
-# Build a routing of 4 micro-batches of 16 tokens each over E = 4 experts (top-1) in which micro-batch j sends all
-# its tokens to expert j, with probabilities to match (0.7 on the chosen expert, 0.1 on the others). Compute the
-# Switch loss by hand over the global batch and over micro-batches, check both against `hsgd.model.balance.Balance`
-# with the right `Domain`, and check that the global loss is alpha (perfectly balanced) while the micro-batch loss
-# is 2.8 alpha. Which one's gradient asks for a change?
+# Route 4 micro-batches of 16 tokens over E = 4 experts (top-1), micro-batch j all to expert j (probability 0.7
+# there, 0.1 elsewhere). Compute the Switch loss by hand over the global batch and over micro-batches, check both
+# against `hsgd.model.balance.Balance` with the right `Domain`, and that the global loss is alpha while the
+# micro-batch loss is 2.8 alpha. Which one's gradient asks for a change?
 # (solution: `tutorials/solutions/16_experts.py`, `exercise_1`)
 #
 # ### Exercise 2: the drops by hand, and the capacity factor that drops nothing
-# Write the capacity and the first-come-first-served queue of section 2 as a loop, compare it with
-# `dispatch_indices` on random choices (N = 40, E = 8, k = 2) for capacity factors from 0.5 to 4, and check that
-# the dropped slots are sum max(load - capacity, 0). Then check that c = E max_i(load_i) / (N k) drops nothing,
-# and that a factor just under E (max_i(load_i) - 1) / (N k) drops at least one slot: the capacity a layout needs
-# follows the busiest expert, not the average.
+# Write section 2's queue as a loop, compare it with `dispatch_indices` on random choices (N = 40, E = 8, k = 2)
+# for capacity factors from 0.5 to 4, and check that the drops are sum max(load - capacity, 0). Then check that
+# c = E max_i(load_i) / (N k) drops nothing and a factor just under E (max_i(load_i) - 1) / (N k) drops a slot:
+# the capacity follows the busiest expert, not the average.
 # (solution: `tutorials/solutions/16_experts.py`, `exercise_2`)
 #
 # ### Exercise 3: the bias as a control loop
-# On section 3's fixed router (256 inputs with a common direction), iterate the selection-bias update 80 times for
-# six gammas from 0.001 to 0.3. Check that the gates never change with the bias except through the choice. Measure
-# the median gap between a token's 2nd and 3rd score, and check that every gamma below a third of it ends smoothly
-# (the last 20 updates' max/even within 0.1) while every gamma above twice it swings (spanning more than 0.3).
+# On section 3's fixed router, iterate the selection-bias update 80 times for six gammas from 0.001 to 0.3. Check
+# that the bias changes the gates only through the choice, and, against the median gap between a token's 2nd and
+# 3rd score, that every gamma below a third of it ends smoothly (the last 20 updates' max/even within 0.1) and
+# every gamma above twice it swings (spanning more than 0.3).
 # (solution: `tutorials/solutions/16_experts.py`, `exercise_3`)
 #
 # ### Exercise 4: Mixtral's all-to-all
-# Mixtral 8x7B (`hsgd.plan.models.MIXTRAL`: C = 4096, F = 14336, E = 8, k = 2, 32 MoE blocks). With micro-batches
-# of one sequence of 4096 tokens per rank, bfloat16, ep = 8 and uniform routing, compute one rank's all-to-all
-# payload per MoE block and micro-batch, forward and backward, with `all_to_all_formula`; check it against
-# 2 (S + R) C s + 8 E by hand, and that a pairwise all-to-all sends 7/8 of the rows' bytes. Per step of 8
-# micro-batches over the 32 blocks, how many bytes is that per rank, against the bytes of the experts the rank
-# holds (`hsgd.ep.layout.holds`)?
+# Mixtral 8x7B (`hsgd.plan.models.MIXTRAL`: C = 4096, F = 14336, E = 8, k = 2, 32 MoE blocks), one sequence of
+# 4096 tokens per rank and micro-batch, bfloat16, ep = 8, uniform routing: compute one rank's all-to-all payload
+# per MoE block and micro-batch with `all_to_all_formula`, check it against 2 (S + R) C s + 8 E by hand and that a
+# pairwise all-to-all sends 7/8 of the rows' bytes. Per step of 8 micro-batches, compare it with the bytes of the
+# experts the rank holds (`hsgd.ep.layout.holds`).
 # (solution: `tutorials/solutions/16_experts.py`, `exercise_4`)
