@@ -16,46 +16,28 @@
 # %% [markdown]
 # # Chapter 8: communication optimizations
 #
-# Chapter 10 trained the lecture's hybrid: dp groups of tp tensor-parallel workers, one All-Reduce of every gradient
-# shard over `dp_comm` after the backward pass. The lecture then lists what makes that exchange cheaper or hides
-# it, and what it costs when it is not synchronous. Section 3.4 (in translation):
+# Chapter 4's data parallelism ends the step with one All-Reduce of every gradient shard over `dp_comm` (chapter 10
+# combines it with tp and pp). The lecture lists what makes that exchange cheaper or hides it. Section 3.4 (in
+# translation):
 #
 # > this communication pattern can be optimized as: a Reduce-Scatter over the data-parallel dimension (summing and
 # > scattering the gradient), then an All-Gather over the model-parallel dimension (synchronizing the parameters),
 # > or a more efficient two-dimensional mesh All-Reduce algorithm.
 #
-# Section 4.1: hierarchical communication (NVLink inside a server, InfiniBand between servers); overlap: start the
-# All-Reduce of each shard as soon as its gradient is ready. Section 1: the challenges of data parallelism include
-# stragglers; section 4.4: asynchronous updates add noise.
+# Section 4.1 adds hierarchical communication and overlap; sections 1 and 4.4, stragglers and asynchrony.
 #
-# On one point hsgd departs from section 3.4, on purpose: the dimension of the All-Gather. After the Reduce-Scatter
-# over `dp_comm`, each of the dp ranks that hold the same shard has the summed gradient of 1/dp of that shard, and
-# updates just that part. The parameters that must then travel are those parts, to the other dp ranks of the
-# *same* shard: so hsgd's All-Gather runs over the **data-parallel** dimension too (`dp_comm`). An All-Gather over
-# the model-parallel dimension (`tp_comm`) would give every tp rank the other tp ranks' shards, which its next step
-# does not use: a tensor-parallel rank computes with its own shard only. Section 2 below is this Reduce-Scatter /
-# All-Gather pair (ZeRO stages 1 and 2), and section 3 is the lecture's two-dimensional mesh All-Reduce: the dp
-# ranks of one `dp_comm` laid out as nodes x ranks per node, reduced along one dimension of the mesh, then the
-# other, then gathered back.
+# hsgd departs from section 3.4 on one point, on purpose: after the Reduce-Scatter over `dp_comm`, each dp rank
+# updates 1/dp of *its own* shard, and those parts must reach the other dp ranks of the same shard, so the
+# All-Gather runs over `dp_comm` too. One over `tp_comm` would bring a rank the other tp ranks' shards, which it
+# never computes with.
 #
-# `HybridTrainer` (hsgd/step/trainer.py) has each optimization as a `TrainConfig` option. All but the last change *how*
-# the gradients travel, never *what* the update is; staleness changes the algorithm, exactly. This chapter takes
-# them one at a time, measures the bytes, and checks the result against the plain path and against serial SGD:
-#
-# 1. **overlap** (`dp_overlap`): one non-blocking All-Reduce per layer, started by the backward pass;
-# 2. **Reduce-Scatter + sharded optimizer + All-Gather** (`zero=1`, `zero=2`): the same bytes, 1/dp of the
-#    optimizer state (and with `zero=2`, reduce-scattered layer by layer during the backward pass, of the gradient);
-# 3. **hierarchical all-reduce** (`hierarchical`, `ranks_per_node`): inside the node, across nodes, inside again;
-# 4. **stragglers** (`straggler`) and **staleness** (`dp_staleness=1`): what synchronous SGD pays for the slowest
-#    rank, and the exact (and inexact) price of not waiting.
+# Each optimization is a `TrainConfig` option of `HybridTrainer`, measured and checked against the plain path and
+# serial SGD. All but staleness change *how* the gradients travel, never the update.
 #
 # Run it with eight ranks (about 10 s on a 2-core machine; on failure every rank raises, so it exits non-zero
-# without hanging). Rank 0 draws four pictures into `$HSGD_FIGURES` (default `tutorials/figures/`):
+# without hanging). Rank 0 draws four pictures into `$HSGD_FIGURES` (default `tutorials/figures/`) and alone prints:
 #
 # mpirun -n 8 python tutorials/08_communication_optimizations.py
-#
-# The notebook form (`jupytext --to ipynb tutorials/08_communication_optimizations.py`) is for reading: the code
-# needs eight MPI ranks. Only rank 0 prints.
 #
 # Legend: P ranks, dp replicas (groups), tp ranks per group, B global batch, b = B/dp, T sequence,
 # C d_model, NH heads, F d_ff, V vocabulary, L layers, s bytes per number, $\Phi$ the bytes of a rank's gradient
@@ -97,13 +79,10 @@ say(f"{P} ranks; model {cfg.n_params():,} parameters (L={cfg.n_layers} C={cfg.d_
     f"F={cfg.d_ff} T={cfg.seq_len} V={cfg.vocab_size}); B={B}")
 
 # %% [markdown]
-# Four helpers serve every section: `config` is the float64 run all comparisons share (SGD with momentum, a
-# warm-up, a cosine schedule; `train_config` of `tutorials/checks.py` with this chapter's layout); `run` trains it
-# for a few steps on a grid and records the bytes of step 2; `serial_sgd` is the reference, `serial.sgd` on one
-# process with the whole batch of every step (every rank computes it; the toy is cheap), optionally with the
-# gradient applied one step late (section 4); `param_err` compares a rank's shards with the matching slices of
-# serial parameters, relative to each parameter's largest entry but at least to 0.02, the scale of the
-# initialization (chapter 4 says why: the attention k-biases only ever receive rounding noise).
+# Shared helpers: `config` (the float64 run every comparison uses: SGD with momentum, warm-up, cosine), `run` (a
+# few steps on a grid, with the bytes of step 2), `serial_sgd` (the reference, optionally with the gradient applied
+# one step late, section 4), and `param_err` (a rank's shards against serial, relative to each parameter's largest
+# entry but at least 0.02: the attention k-biases only ever receive rounding noise, chapter 4).
 
 # %%
 def config(**kw):
@@ -149,20 +128,13 @@ check(f"plain DP, {STEPS} steps: every rank's shards vs serial SGD", param_err(p
 # %% [markdown]
 # ## 1. Overlap: one bucket per layer, started by the backward pass
 #
-# The backward pass finishes the gradients from the top of the network down: the LM head and the final LayerNorm
-# first, then block L-1, ..., block 0, the embeddings last (`tp_model.backward_order`). Once a block's backward is
-# done, nothing will touch its gradients again in this step, so their All-Reduce can start *now*, while the
-# layers below are still computing. Chapter 10 waited until the very end.
-#
-# To make each layer's gradients one message, the exchange lays out the flat buffers in backward order (the
-# groups of `Stage.groups()`, in `AllreduceExchange.__init__`): every group is a contiguous slice, a **bucket**
-# (`trainer.exchange.buckets`, group -> slice of the buffer). The stage's last backward action passes
-# `on_ready(group)` to `tp_model.stage_backward`, which calls it when a group is final, and with
-# `dp_overlap=True` that is `OverlappedExchange.on_ready`, which starts a non-blocking `Iallreduce` of the bucket
-# and returns at once. After the backward pass, `finish()` waits for all of them and divides by dp. The arithmetic
-# is the same sum over the same dp ranks, element by element, so the result is the same up to the order of the
-# additions; the bytes are the same too, in both columns (the payloads of the buckets add up to the buffer, and a
-# ring sends $2\frac{dp-1}{dp}$ of each), in one call per bucket instead of one call in all.
+# The backward pass finishes the gradients from the top down: LM head and final LayerNorm, block L-1, ..., block 0,
+# embeddings (`tp_model.backward_order`). Once a block is done its gradients are final, so their All-Reduce can
+# start while the layers below still compute. The exchange lays the flat buffer out in that order, so that each
+# layer is a contiguous slice, a **bucket** (`trainer.exchange.buckets`). With `dp_overlap=True`,
+# `tp_model.stage_backward` calls `OverlappedExchange.on_ready(group)` when a group is final, which starts a
+# non-blocking `Iallreduce` of its bucket; `finish()` waits for all and divides by dp. Same sum, same bytes in both
+# columns, one call per bucket instead of one in all.
 
 # %%
 overlap, _, overlap_bytes, same_replicas = run(config(dp_overlap=True))
@@ -182,16 +154,12 @@ check(f"overlap, {STEPS} steps: every rank's shards vs serial SGD", param_err(ov
 check.holds("overlap: DP replicas bit-identical after every step", same_replicas)
 
 # %% [markdown]
-# **Seeing it.** `hsgd.grid.trace.Tracer` records every rank's compute-track phases (forward, backward, dp sync,
-# optimizer) and every collective; a non-blocking call is one span on an "async" track from its start to the end
-# of its `Wait`. One more step of each trainer, traced. `overlap_seconds(events, rank)` adds up, request by request,
-# the time an `Iallreduce` was in flight during a span of the compute track. That track also holds "dp sync", the
-# phase in which the rank *waits* for those very requests, so we hand it the events without that phase: what is
-# left is time in flight while the rank ran its forward, backward or optimizer code. It must be positive on every
-# rank for the overlapped trainer, and it is 0 for the blocking one, which has no non-blocking calls.
-# `StepInfo.dp_seconds` is the exposed part, the time a rank waited in the dp exchange after its backward pass.
-# The picture below draws the traced step of both trainers, every rank on three lines: its compute phases, its
-# blocking collectives (tp blue, dp red), and its non-blocking ones (translucent red, from start to `Wait`).
+# **Seeing it.** `hsgd.grid.trace.Tracer` records every rank's compute phases and collectives; a non-blocking call
+# is one span from its start to the end of its `Wait`. `overlap_seconds` adds up the time an `Iallreduce` was in
+# flight during compute spans; we drop the "dp sync" phase (the rank *waiting* for those requests), so what remains
+# is time in flight while the rank ran forward, backward or optimizer code: positive on every rank when
+# overlapped, 0 when blocking. `StepInfo.dp_seconds` is the exposed wait. The picture: one traced step of each
+# trainer, per rank compute phases, blocking collectives (tp blue, dp red), non-blocking ones (start to `Wait`).
 
 # %%
 def traced_step(trainer, tracer, step):
@@ -262,43 +230,31 @@ path = pictures.on_rank0(world, lambda: draw_timelines(timelines))
 say(f"picture: {path}")
 
 # %% [markdown]
-# Be careful what "in flight" means here. `overlap_seconds > 0` says that the request had been *started* and not
-# yet *completed* while the rank computed; it does not say that the bytes moved in the background. MPICH (the
-# library of this venv) has no progress thread by default: a non-blocking collective advances only inside other MPI
-# calls of the same process, here the tensor-parallel All-Reduces of the layers below and finally the `Wait`. And 8
-# ranks on a machine with 2 cores have no idle core to move bytes anyway, so compare the exposed waits above
-# without expecting a gain: here the overlapped exchange is not systematically faster. On a GPU cluster the
-# collective library (NCCL) runs on its own stream and the network card moves the data, so the same schedule really
-# hides the exchange behind the backward pass; the one bucket that cannot hide is the last, the embeddings, which
-# is ready only when the backward pass ends. (That is also why `micro_batches > 1` overlaps only the last
-# micro-batch: the earlier ones' gradients are not final.) Exercise 2 works out, with a latency-bandwidth model,
-# how large the buckets must be for the exchange to keep up with the backward pass.
+# "In flight" means started and not completed, not that bytes moved in the background: MPICH has no progress
+# thread by default (a request advances only inside other MPI calls), and 8 ranks on 2 cores have no idle core, so
+# the overlapped exchange is not faster here. On a GPU cluster NCCL runs on its own stream and the network card moves
+# the data, so the same schedule hides the exchange, except the last bucket, the embeddings, ready only when the
+# backward ends (and with `micro_batches > 1` only the last micro-batch overlaps: earlier gradients are not final).
+# Exercise 2 sizes the buckets with a latency-bandwidth model.
 #
 # ## 2. Reduce-Scatter, a sharded optimizer, All-Gather (ZeRO stages 1 and 2)
 #
-# An All-Reduce of a buffer of $\Phi$ bytes over dp ranks is, in the bandwidth-optimal algorithms (a ring, or
-# recursive halving then doubling: Thakur, Rabenseifner and Gropp 2005), a **Reduce-Scatter** (each rank ends with
-# the sum of one $1/dp$ chunk, sending $\frac{dp-1}{dp}\Phi$) followed by an **All-Gather** (every rank gets every
-# chunk, another $\frac{dp-1}{dp}\Phi$). Plain DP does both halves on the gradients, and then every replica runs
-# the same optimizer update on the whole buffer, with the whole optimizer state (AdamW: two moments per parameter,
-# twice the parameters' memory). The lecture's section 3.4 splits the two halves apart, both over `dp_comm` (the
-# introduction says why the All-Gather is over the data-parallel dimension here):
+# A bandwidth-optimal All-Reduce of $\Phi$ bytes over dp ranks (a ring, or recursive halving then doubling: Thakur,
+# Rabenseifner and Gropp 2005, "Optimization of Collective Communication Operations in MPICH") is a
+# **Reduce-Scatter** (each rank ends with the sum of one $1/dp$ chunk, sending $\frac{dp-1}{dp}\Phi$) followed by
+# an **All-Gather** (another $\frac{dp-1}{dp}\Phi$). Plain DP then runs the same update on every replica, with the
+# whole optimizer state (AdamW: twice the parameters' memory). Section 3.4 splits the halves, both over `dp_comm`:
 #
 # $$g_r = \tfrac{1}{dp}\,\text{Reduce-Scatter}(g)_r, \qquad w_r \leftarrow \text{AdamW}(w_r, g_r), \qquad
 # w = \text{All-Gather}(w_0, \dots, w_{dp-1}):$$
 #
-# rank r updates only its chunk $w_r$ and keeps optimizer state only for it, then the updated *parameters* travel
-# in the All-Gather. The same bytes as an All-Reduce, $1/dp$ of the optimizer's memory and work: ZeRO stage 1
-# (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models"). Stage 2 also
-# drops the full gradient, keeping only $g_r$: in hsgd (`dp/zero2.py`) each layer's gradient is a bucket of its own,
-# padded to dp chunks, alive only during that layer's backward; its Reduce-Scatter (non-blocking,
-# `Ireduce_scatter_block`) starts as soon as the layer is done and completes during the next layer's backward,
-# and the bucket is freed. Stage 1's flat buffer is padded once, to a multiple of dp (`dp/zero1.py`), stage 2's
-# every layer's bucket. Clipping needs the global norm of the gradient, which is now spread over
-# the chunks: `health.step_numbers` and `health.global_norm` add the chunks' squares over dp (and the split
-# parameters' over tp).
-#
-# The check: four steps of AdamW with weight decay and clipping active at every step, plain vs ZeRO-1 vs ZeRO-2.
+# rank r updates and keeps optimizer state only for its chunk, and the updated *parameters* travel. The same bytes,
+# $1/dp$ of the optimizer's memory and work: ZeRO stage 1 (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations
+# Toward Training Trillion Parameter Models"; hsgd/dp/zero1.py, one flat buffer padded to a multiple of dp).
+# Stage 2 also drops the full gradient (hsgd/dp/zero2.py): each layer's gradient is a bucket of its own, padded to
+# dp chunks, reduce-scattered (`Ireduce_scatter_block`) as soon as the layer is done and freed during the next
+# layer's backward. Clipping adds the chunks' squares over dp in `health.global_norm`. The check: four steps of
+# AdamW with weight decay and clipping active, plain vs ZeRO-1 vs ZeRO-2.
 
 # %%
 adamw = dict(optimizer="adamw", lr=0.01, weight_decay=0.1, clip=0.5)
@@ -315,8 +271,8 @@ for z in (1, 2):
 check.holds("clipping active at every step (norm > 0.5)", all(i.grad_norm > 0.5 for i in zero_runs[1][1]))
 
 # %% [markdown]
-# The bytes of step 2 on `dp_comm`, rank 0, as `CommStats` records them (the payload of the logical tensor: the
-# full input of a Reduce-Scatter, the full output of an All-Gather), and what a ring sends per rank:
+# The bytes of step 2 on `dp_comm`, rank 0 (payload: a Reduce-Scatter's full input, an All-Gather's full output),
+# and what a ring sends per rank:
 
 # %%
 phi = base.exchange.buf.flat.nbytes                               # plain DP: the gradient buffer, unpadded
@@ -342,7 +298,7 @@ check.holds("padding < dp elements (ZeRO-1), < dp per layer (ZeRO-2)",
             0 <= phi_pad - phi < DP * itemsize and 0 <= phi_pad2 - phi < n_groups * DP * itemsize)
 
 # %% [markdown]
-# What it buys, measured with `trainer.memory()` after the last step (bytes this rank keeps between steps):
+# What it buys, from `trainer.memory()` (bytes kept between steps):
 
 # %%
 mems = {z: zero_runs[z][0].memory() for z in (0, 1, 2)}
@@ -358,16 +314,33 @@ check.equal("ZeRO-2: gradient bytes kept == one chunk", mems[2]["grads"], phi_pa
 check.equal("ZeRO-1: gradient bytes kept == full buffer + chunk", mems[1]["grads"], phi_pad + phi_pad // DP)
 
 # %% [markdown]
-# ZeRO-1 keeps the full gradient buffer *and* its chunk: between steps it holds more gradient bytes than plain DP,
-# the price of a sharded optimizer that still accumulates full gradients, and its peak holds one full gradient
-# during the backward pass. ZeRO-2 keeps $1/dp$, and at its peak two layers' buckets (the one being filled and the
-# one whose Reduce-Scatter is in flight). Its parameters stay whole on every rank, and the optimizer updates a
-# separate copy of its chunks (its "parameters" above: the whole plus $1/dp$). Sharding the parameters as well is
-# ZeRO stage 3: exercise 1 builds it by hand, and `--zero 3` and chapter 11 measure every byte of all four stages.
+# ZeRO-1 keeps the full gradient buffer *and* its chunk, more gradient bytes than plain DP between steps, and one
+# full gradient at its peak. ZeRO-2 keeps $1/dp$, and at its peak two layers' buckets (one filling, one in flight).
+# Its parameters stay whole on every rank, and the optimizer updates a separate copy of its chunks (the whole plus
+# $1/dp$ above). Sharding the parameters as well is ZeRO stage 3: exercise 1 builds it by hand; `--zero 3` and
+# chapter 11 measure every byte of all four stages.
 #
-# The picture follows one step through the flat buffer of the ranks of rank 0's `dp_comm` (world ranks listed on
-# the left), drawn to scale from this run's buffer: its buckets (head, blocks, embedding), its $dp$ chunks, the
-# padding that makes them equal, and who holds what after each collective.
+# **The same ideas as a PyTorch API: FSDP2.** `torch.distributed.fsdp.fully_shard(module, mesh=...,
+# reshard_after_forward=..., mp_policy=MixedPrecisionPolicy(param_dtype=..., reduce_dtype=...))`, applied layer by
+# layer and then to the root, turns each layer's parameters into dim-0 shards that are All-Gathered before its
+# forward and backward, with its gradients reduce-scattered after the backward:
+#
+# * `reshard_after_forward=True` frees the gathered parameters after the forward and gathers them again for the
+#   backward: ZeRO-3, hsgd's `--zero 3`;
+# * `False` keeps them until the end of the backward, no re-gather: ZeRO-2's traffic, like `--zero 2` (which
+#   keeps them whole between steps as well, where FSDP2 reshards after the backward);
+# * an int r (a divisor of the shard group, say the node size) reshards to groups of r ranks after the forward,
+#   so the backward's All-Gather stays inside them; hsgd has no such mode;
+# * a 1-D `mesh` shards over all its ranks; a 2-D `DeviceMesh` (`init_device_mesh`) is HSDP, placement
+#   (Replicate(), Shard(0)): shard along dim 1, inside a node, replicate along dim 0, hsgd's
+#   `--zero 2 --hierarchical` or `--zero 3 --hierarchical` (hybrid sharding, section 3);
+# * `param_dtype` is the dtype of the gathered parameters and the compute, `reduce_dtype` that of the gradient
+#   reduction; it defaults to None, and then, if `param_dtype` is set, the reduction runs in `param_dtype` (the
+#   docstring of `MixedPrecisionPolicy`). hsgd's `--reduce-dtype` defaults to float32.
+#
+# The picture follows one step through the flat buffer of rank 0's `dp_comm` (world ranks on the left), to scale:
+# its buckets (head, blocks, embedding), its $dp$ chunks, the padding that makes them equal, and who holds what
+# after each collective.
 
 # %%
 def draw_zero_chunks(tr1, dp_members):
@@ -416,22 +389,17 @@ say(f"picture: {path}")
 # %% [markdown]
 # ## 3. Hierarchical all-reduce: the lecture's two-dimensional mesh
 #
-# On a cluster, the ranks of one node talk over fast links (NVLink, shared memory), nodes over a slower network.
-# The lecture's "two-dimensional mesh All-Reduce" (section 3.4) is about this same per-shard sync: lay the dp ranks
-# of one `dp_comm` out as a k x n mesh, k nodes of n ranks, and sum along one dimension of the mesh, then along the
-# other, then gather back along the first (`hier.hierarchical_allreduce`; `node_split` builds the two
+# Ranks of one node talk over fast links (NVLink, shared memory), nodes over a slower network. The lecture's
+# "two-dimensional mesh All-Reduce" lays the ranks of one `dp_comm` out as k nodes x n ranks and sums along one
+# dimension, then the other, then gathers back (`hier.hierarchical_allreduce`; `node_split` builds the two
 # communicators with `Split(color, key)`):
 #
 # 1. `dp-node` **Reduce-Scatter**: rank j of a node gets chunk j of its node's sum, $\Phi/n$ bytes;
-# 2. `dp-cross` **All-Reduce** of that chunk over the k ranks that share the node-local rank j: the global sum of
-#    chunk j. Only this step leaves the node;
+# 2. `dp-cross` **All-Reduce** of that chunk over the k ranks with node-local rank j; only this leaves the node;
 # 3. `dp-node` **All-Gather**: every rank of the node gets all n chunks.
 #
-# Both dimensions of this mesh are data-parallel: every rank in it holds the same shard. (An All-Reduce over
-# `tp_comm` followed by one over `dp_comm` would be something else: it would add up *different* shards.)
-#
-# There is one machine here, so `ranks_per_node` *declares* the nodes: consecutive ranks of `dp_comm`. With tp = 1
-# and dp = 8, `ranks_per_node=4` makes 2 "nodes" of 4:
+# Both dimensions are data-parallel: every rank of the mesh holds the same shard. One machine here, so
+# `ranks_per_node` *declares* the nodes; with tp = 1, dp = 8 and `ranks_per_node=4`, 2 "nodes" of 4:
 
 # %%
 grid8 = ProcessGrid(world, dp=P, tp=1)
@@ -489,25 +457,24 @@ path = pictures.on_rank0(world, lambda: draw_mesh(n, k, hier_bytes))
 say(f"picture: {path}")
 
 # %% [markdown]
-# The picture is the mesh of this run: the grey bands are the nodes, the solid lines inside them the `dp-node`
-# communicators (steps 1 and 3), the dashed lines the `dp-cross` ones (step 2), with the bytes each step moved.
-# The node steps move the whole buffer, as much as the flat All-Reduce, but over the fast links. What matters is
-# what crosses a node boundary, and on which link. `cross_node_bytes` counts it for ring algorithms with
-# consecutive placement:
+# The picture is this run's mesh: nodes grey, `dp-node` communicators solid (steps 1 and 3), `dp-cross` dashed
+# (step 2), with each step's bytes. What matters is what crosses a node boundary; `cross_node_bytes` counts it
+# for rings with consecutive placement:
 #
-# * **flat ring over all P = kn ranks**: every rank sends $2\frac{P-1}{P}\Phi$ to its ring neighbour; in each node
-#   exactly one rank's neighbour is on the next node, so **one link carries $2\frac{P-1}{P}\Phi$**, about
-#   twice the whole buffer, and the other n - 1 links of the node carry nothing;
-# * **hierarchical**: only step 2 leaves the node, and every rank sends its own chunk's ring All-Reduce over the k
-#   nodes, $2\frac{k-1}{k}\frac{\Phi}{n}$, on its own link: **n links in parallel, each with about $1/n$ of the
-#   load**. A ring of k ranks sends $2\frac{k-1}{k}$ times its payload per rank: 1 with k = 2 (the whole chunk), 1.5
-#   with k = 4, approaching 2 for many nodes.
+# * **flat ring over P = kn ranks**: in each node exactly one rank's neighbour is on the next node, so **one link
+#   carries $2\frac{P-1}{P}\Phi$** and the node's other n - 1 links carry nothing;
+# * **hierarchical**: every rank sends its chunk's ring All-Reduce over the k nodes, $2\frac{k-1}{k}\frac{\Phi}{n}$,
+#   on its own link: **n links in parallel, each with about $1/n$ of the load**.
 #
-# Per node, no more leaves than before ($2\frac{k-1}{k}\Phi$ against $2\frac{P-1}{P}\Phi$); the main gain is that
-# it is spread over n network cards instead of one (the per-link load falls by
-# $n\,\frac{(P-1)/P}{(k-1)/k} \ge n$), and that the slow network sees $2(k-1)$ ring steps instead of $2(P-1)$.
-# In payloads (what `CommStats` records) the comparison is $\Phi$ for the flat All-Reduce against $\Phi/n$ (padded)
-# for `dp-cross`. For this gradient buffer on P = 8 ranks, both columns:
+# Per node no less leaves ($2\frac{k-1}{k}\Phi$ against $2\frac{P-1}{P}\Phi$), but over n network cards instead of
+# one (the per-link load falls by $n\,\frac{(P-1)/P}{(k-1)/k} \ge n$), in $2(k-1)$ ring steps instead of $2(P-1)$.
+#
+# This is the picture of one ring per node, not of what NCCL does. NCCL splits a collective over several channels
+# at once, each a ring over its own share of the NVLinks and network cards (`NCCL_MIN_NCHANNELS`,
+# `NCCL_MAX_NCHANNELS`), so even its flat All-Reduce uses all of a node's NICs, and it picks tree or NVLink SHARP
+# (NVLS) algorithms where they are faster (`NCCL_ALGO`). The flat ring's busiest link bounds a single ring's time,
+# not NCCL's; chapter 2 explains NCCL's algorithms. For this gradient buffer on P = 8, payload ($\Phi$ flat against
+# $\Phi/n$, padded, for `dp-cross`) and ring bytes:
 
 # %%
 say(f"{'nodes x ranks':>14} | {'flat: payload':>13} {'ring, one link':>15} | {'dp-cross payload':>16} "
@@ -526,15 +493,13 @@ check.holds(f"{k} x {n}: per-link load falls at least n-fold", x["flat_ring"] >=
 hier.free()
 
 # %% [markdown]
-# (With one rank per node the hierarchy is the flat ring; with one node nothing leaves it.) Exercise 3 derives
-# these columns for other layouts and checks them against `cross_node_bytes`.
+# Exercise 3 derives these columns for other layouts.
 #
 # ## 4. Stragglers and staleness
 #
-# **A straggler.** Synchronous SGD waits: no rank can finish the dp exchange before the last one has joined it.
-# `TrainConfig(straggler="5:100")` makes rank 5 sleep 100 ms in every step, after its backward pass. Three steps
-# with and without it (timings on a shared machine are noisy: printed, not checked). The *result* cannot depend on
-# when a rank arrives: the parameters must be bit for bit those of the run without a straggler.
+# **A straggler.** No rank can finish the dp exchange before the last has joined it. `straggler="5:100"` makes
+# rank 5 sleep 100 ms after every backward pass; three steps with and without it (timings printed, not checked).
+# The *result* must be bit for bit that of the run without a straggler.
 
 # %%
 DELAY_MS = 100
@@ -556,22 +521,19 @@ a, b_ = (tr.params for tr, _ in runs.values())
 check.holds("straggler: every array bit-identical to the run without one", all(np.array_equal(a[n], b_[n]) for n in a))
 
 # %% [markdown]
-# Every rank's step grows, not only rank 5's. Rank 5's `dp_comm` partners (ranks 1, 3, 7) wait for it in the dp
-# exchange, the bracketed numbers; the other ranks wait in the next collective that depends on it, directly or
-# through its tensor-parallel partner, rank 4 (the gradient norm's reduction over `tp_comm`, the loss average): not
-# counted as dp time, but the same wait. One slow worker sets the pace of all P. (On hardware where every rank has
-# its own core the step grows by the whole delay. Here eight ranks share two cores, and while rank 5 sleeps the
-# others get its share of them, so the growth measured above can be smaller.)
+# Every rank's step grows. Rank 5's `dp_comm` partners (ranks 1, 3, 7) wait in the dp exchange (the bracketed
+# numbers); the others in the next collective that depends on it, directly or through its tp partner, rank 4. One
+# slow worker sets the pace of all P. (With a core per rank the step grows by the whole delay; here the others get
+# rank 5's share of the two cores while it sleeps.)
 #
-# **Staleness.** The asynchronous answer is not to wait. With `dp_staleness=1` step s starts the All-Reduce of its
-# gradient (an `Iallreduce`) and, instead of waiting for it, applies the average that step s-1 started, which has
-# had a whole step to arrive. Nothing is applied at step 1. With plain SGD ($\mu$ = 0) that is delayed SGD:
+# **Staleness.** The asynchronous answer is not to wait. With `dp_staleness=1` step s starts the `Iallreduce` of
+# its gradient and applies the average that step s-1 started; nothing is applied at step 1. With plain SGD
+# ($\mu$ = 0) that is delayed SGD,
 #
 # $$w_s = w_{s-1} - \eta_s\, \bar g_{s-1}(w_{s-2}) \quad (s \ge 2), \qquad w_1 = w_0,$$
 #
-# where $\bar g_{s}(w)$ is the gradient of step s's global batch at $w$. It is still exact, deterministic
-# arithmetic: a serial program that keeps one pending gradient (`serial.sgd(cfg, tc, batch, delayed=True)`, through
-# `serial_sgd(tc, delayed=True)` above) computes the same parameters.
+# $\bar g_{s}(w)$ the gradient of step s's global batch at $w$: exact arithmetic, which a serial program with one
+# pending gradient (`serial_sgd(tc, delayed=True)`) reproduces.
 
 # %%
 stale_tc = config(dp_staleness=1, momentum=0.0, steps=5)
@@ -590,15 +552,11 @@ say(f"  (the same shards against synchronous serial SGD: {param_err(stale.params
     "algorithm)")
 
 # %% [markdown]
-# Exact, but not the same algorithm: each update uses a gradient computed at parameters one step old. With a
-# small learning rate that hardly matters; the larger the steps (and with momentum, which already carries old
-# gradients), the more the stale direction disagrees with the current one: the noise the lecture's section 4.4
-# attributes to asynchronous updates. Short float32 trainings with `hsgd.train.train`, synchronous and stale, the
-# same data and schedule, SGD with momentum 0.9 at two learning rates. The four runs are independent, so they run
-# side by side, each on two of the eight ranks (`world.Split`: dp = 2, tp = 1; the layout changes how the gradient
-# is computed, not its value); their printed output is discarded, only the losses are kept, and `np.errstate`
-# silences NumPy's overflow warnings, should a run blow up. The picture draws the four loss curves, step by step
-# (log scale; the stale runs dashed, one colour per learning rate):
+# Exact, but a different algorithm: each update uses a gradient one step old, which matters more the larger the
+# steps (and with momentum, which already carries old gradients): the noise of section 4.4. Four short float32
+# trainings, synchronous and stale at two learning rates with momentum 0.9, run side by side on two ranks each
+# (`world.Split`: dp = 2, tp = 1), only their losses kept. The picture draws the four loss curves (log scale; stale
+# dashed, one colour per learning rate):
 
 # %%
 CURVE_STEPS = 40
@@ -637,22 +595,17 @@ check.holds("the synchronous runs' losses are finite",
             all(np.all(np.isfinite(c)) for n, c in curves.items() if "sync" in n))
 
 # %% [markdown]
-# Read the rows and the curves as one run of each, on one seed (float32 on this machine; other hardware may round
-# differently). The stale runs start a step behind, since nothing is applied at step 1, and then follow a
-# direction one step out of date; with momentum the delay feeds back into itself, and the learning rate that
-# synchronous SGD takes in its stride can make the stale run climb instead of descend. Staleness buys a step whose
-# exchange never blocks (on hardware that progresses it in the background, section 1) and pays in convergence,
-# more the larger the steps. The lecture's answer is the synchronous algorithm of the rest of this tutorial, which
-# keeps serial SGD's guarantees. Exercise 4 writes the stale exchange by hand.
+# One run of each, on one seed. The stale runs start a step behind and then follow a direction one step out of
+# date; with momentum the delay feeds back into itself, and a learning rate that synchronous SGD takes in its
+# stride can make the stale run climb: an exchange that never blocks, paid in convergence. Exercise 4 writes the
+# stale exchange by hand.
 #
 # ## Check against serial
 #
-# On 8 ranks, every verdict reached collectively: overlapped buckets, ZeRO 1 and 2 (with AdamW, weight decay and
-# clipping) and the hierarchical all-reduce end a few steps with the parameters of the plain path and of serial SGD,
-# the DP replicas bit-identical, and a straggler changes no bit; the overlapped requests are in flight while the
-# backward pass computes, on every rank; every mode's bytes are exactly its formula, ZeRO's Reduce-Scatter and
-# All-Gather being the two halves of the All-Reduce they replace, with 1/dp of the optimizer state; and
-# staleness 1 is exactly delayed serial SGD.
+# On 8 ranks, collectively: overlap, ZeRO 1 and 2 and the hierarchical all-reduce end with the plain path's and
+# serial SGD's parameters, replicas bit-identical, and a straggler changes no bit; overlapped requests are in flight
+# during the backward on every rank; every mode's bytes are its formula, with 1/dp of the optimizer state for
+# ZeRO; staleness 1 is exactly delayed serial SGD.
 
 # %%
 grid8.free()
@@ -666,46 +619,43 @@ grid.free()
 #
 # | hsgd | Megatron-LM | DeepSpeed | PyTorch | where hsgd differs, on purpose |
 # |---|---|---|---|---|
-# | `dp_overlap=True`: `OverlappedExchange` (hsgd/dp/exchange.py), one `Iallreduce` per layer's bucket, started by `on_ready(group)` from `tp_model.stage_backward` | `DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=...)` (megatron/core/distributed/distributed_data_parallel_config.py; `bucket_size` counts parameters, default max(40M, 1M x dp)); a backward hook per parameter calls its bucket group's `register_grad_ready` (distributed_data_parallel.py); `no_sync()` holds the exchange back until the last micro-batch | without ZeRO, `allreduce_gradients` runs after the backward pass in buffers of `MEMORY_OPT_ALLREDUCE_SIZE` elements (deepspeed/runtime/engine.py), not overlapped; with ZeRO 1 or 2, `"overlap_comm"` and `"reduce_bucket_size"` under `"zero_optimization"` (deepspeed/runtime/zero/config.py) | `torch.nn.parallel.DistributedDataParallel(..., bucket_cap_mb=25)` (torch/nn/parallel/distributed.py): buckets in reverse parameter order, each all-reduced when its last gradient arrives; `no_sync()` | a bucket is a layer (`tp_model.backward_order`), not a size cap, so the buckets can be read off the model; MPICH has no progress thread, so the overlap is a schedule here, not a speed-up (section 1) |
-# | `zero=1`: `Zero1Exchange` (hsgd/dp/zero1.py): Reduce-Scatter of the padded flat buffer over `dp_comm`, AdamW on the owned chunk, All-Gather of the updated chunks; `zero=2`: `Zero2Exchange` (hsgd/dp/zero2.py, hsgd/dp/sharded.py), the same layer by layer | `use_distributed_optimizer=True` (`DistributedDataParallelConfig`) with `DistributedOptimizer` (megatron/core/optimizer/distrib_optimizer.py): reduce-scatter of the gradient buffer, the optimizer on the shard, all-gather of the parameters (`start_param_sync` in param_and_grad_buffer.py, overlapped with the next forward by `overlap_param_gather`): stage 1 with a Reduce-Scatter, like hsgd's ZeRO-1; parameters sharded too with Megatron-FSDP, `data_parallel_sharding_strategy="optim_grads_params"` | `"zero_optimization": {"stage": 1}` or `2` (`DeepSpeedZeroOptimizer`, deepspeed/runtime/zero/stage_1_and_2.py), `3` (`DeepSpeedZeroOptimizer_Stage3`, stage3.py) | `ZeroRedundancyOptimizer` (torch/distributed/optim/zero_redundancy_optimizer.py): the optimizer state sharded by whole parameters, the gradients still all-reduced by DDP, the updated parameters broadcast by their owner; FSDP's `ShardingStrategy.SHARD_GRAD_OP` (gradients and optimizer state sharded, like stage 2) and `FULL_SHARD` (parameters too, stage 3) in torch/distributed/fsdp/api.py; FSDP2's `fully_shard(..., reshard_after_forward=...)` | ZeRO-1: one flat buffer cut into dp equal chunks (padding included, chunk boundaries cut through parameters), exchanged after the whole backward pass; ZeRO-2 and 3 (hsgd/dp/zero2.py, zero3.py): each layer's bucket cut into dp chunks, reduce-scattered during the backward pass; stage 3 by hand is exercise 1, `--zero 3` is chapter 11 |
-# | `hierarchical=True`, `ranks_per_node`: `HierarchicalExchange`, `hierarchical_allreduce` (hsgd/dp/hierarchical.py): node Reduce-Scatter, cross-node All-Reduce of one chunk, node All-Gather | with the distributed optimizer, `num_distributed_optimizer_instances` > 1: reduce-scatter inside an instance (`intra_distributed_optimizer_instance_group`), all-reduce of the shard across instances (`inter_distributed_optimizer_instance_group`), in param_and_grad_buffer.py | no hierarchical all-reduce setting; ZeRO++'s `"zero_quantized_gradients"` reduces gradients in two hops, inside the node then across nodes (`all_to_all_quant_reduce`, deepspeed/runtime/comm/coalesced_collectives.py), and `"zero_hpz_partition_size"` keeps a second copy of the parameter shards inside each node | FSDP's `ShardingStrategy.HYBRID_SHARD`: FULL_SHARD inside a node, replicas across nodes (a reduce-scatter in the node, an all-reduce across); under all three, NCCL chooses ring or tree per call (`NCCL_ALGO`), and its tree is itself two-level, chains inside the nodes and trees across them | a plain all-reduce (every rank ends with the whole sum), so it combines with any optimizer; the nodes are declared with `ranks_per_node` on one machine, so the mesh can be shown and measured |
-# | `dp_staleness=1`: `StaleExchange` (hsgd/dp/exchange.py), the `Iallreduce` started at step s applied at step s+1 | none | none | none for one-step-late gradients; the nearest relaxation is local SGD: `PostLocalSGDOptimizer` (torch/distributed/optim/post_localSGD_optimizer.py) with `PostLocalSGDState` / `post_localSGD_hook` (torch/distributed/algorithms/ddp_comm_hooks/post_localSGD_hook.py), which averages the parameters every few steps instead of the gradients every step | kept as an experiment: exact delayed SGD, checked against `serial.sgd(..., delayed=True)`, to put a number on what not waiting costs |
-# | `straggler="5:100"`: one rank sleeps before every exchange | none | none | none | an experiment on purpose: the result must not change by a bit |
+# | `dp_overlap=True`: `OverlappedExchange` (hsgd/dp/exchange.py), one `Iallreduce` per layer's bucket, started by `on_ready(group)` from `tp_model.stage_backward` | `DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=...)` (megatron/core/distributed/distributed_data_parallel_config.py); a backward hook per parameter calls its bucket group's `register_grad_ready`; `no_sync()` until the last micro-batch | without ZeRO, `allreduce_gradients` after the backward in buffers of `MEMORY_OPT_ALLREDUCE_SIZE` elements (deepspeed/runtime/engine.py); with ZeRO 1 or 2, `"overlap_comm"` and `"reduce_bucket_size"` (deepspeed/runtime/zero/config.py) | `DistributedDataParallel(..., bucket_cap_mb=25)` (torch/nn/parallel/distributed.py): buckets in reverse parameter order; `no_sync()` | a bucket is a layer (`tp_model.backward_order`), not a size cap; without a progress thread the overlap is a schedule here, not a speed-up |
+# | `zero=1`: `Zero1Exchange` (hsgd/dp/zero1.py), Reduce-Scatter of the padded flat buffer, AdamW on the owned chunk, All-Gather; `zero=2`: `Zero2Exchange` (hsgd/dp/zero2.py), the same layer by layer | `use_distributed_optimizer=True` with `DistributedOptimizer` (megatron/core/optimizer/distrib_optimizer.py): reduce-scatter, the optimizer on the shard, parameter all-gather (`overlap_param_gather`); Megatron-FSDP's `data_parallel_sharding_strategy="optim_grads_params"` shards the parameters too | `"zero_optimization": {"stage": 1}`, `2` (deepspeed/runtime/zero/stage_1_and_2.py) or `3` (stage3.py) | `ZeroRedundancyOptimizer` (torch/distributed/optim/zero_redundancy_optimizer.py): optimizer state sharded by whole parameters; FSDP1's `ShardingStrategy.SHARD_GRAD_OP` and `FULL_SHARD` | ZeRO-1 cuts one flat buffer into dp equal chunks through parameters, after the whole backward; ZeRO-2 and 3 cut each layer's bucket, during the backward; stage 3 by hand is exercise 1 |
+# | `--zero 3`; `--zero 2`; `--zero 3 --hierarchical --ranks-per-node n`; `--dtype bfloat16 --reduce-dtype float32` | `TorchFullyShardedDataParallelConfig(reshard_after_forward=...)` passes FSDP2's setting through | none | FSDP2: `fully_shard(module, mesh=..., reshard_after_forward=..., mp_policy=MixedPrecisionPolicy(param_dtype=..., reduce_dtype=...))` (torch/distributed/fsdp/_fully_shard), True, False or an int; a 2-D mesh from `init_device_mesh` is HSDP, (Replicate(), Shard(0)) | `reshard_after_forward=False` is ZeRO-2's traffic but reshards after the backward, where hsgd's `--zero 2` keeps the parameters whole; no int mode; `reduce_dtype=None` reduces in `param_dtype`, hsgd's default is float32 |
+# | `hierarchical=True`, `ranks_per_node`: `HierarchicalExchange`, `hierarchical_allreduce` (hsgd/dp/hierarchical.py): node Reduce-Scatter, cross-node All-Reduce of one chunk, node All-Gather | `num_distributed_optimizer_instances` > 1: reduce-scatter inside an instance, all-reduce of the shard across instances (param_and_grad_buffer.py) | ZeRO++'s `"zero_quantized_gradients"` (two hops, `all_to_all_quant_reduce` in deepspeed/runtime/comm/coalesced_collectives.py), `"zero_hpz_partition_size"` | FSDP1's `ShardingStrategy.HYBRID_SHARD`, FSDP2's 2-D mesh | a plain all-reduce, so it combines with any optimizer; nodes declared with `ranks_per_node` on one machine |
+# | `cross_node_bytes` (hsgd/dp/hierarchical.py): one ring per node, the flat ring's busiest link | NCCL underneath | NCCL underneath | NCCL: several channels at once (`NCCL_MIN_NCHANNELS`, `NCCL_MAX_NCHANNELS`), ring, tree or NVLS (`NCCL_ALGO`) chosen per call | a single ring, so the count is exact and checkable; NCCL's channels and algorithms are chapter 2's |
+# | `dp_staleness=1`: `StaleExchange` (hsgd/dp/exchange.py), the `Iallreduce` of step s applied at step s+1 | none | none | none; the nearest is local SGD, `PostLocalSGDOptimizer` (torch/distributed/optim/post_localSGD_optimizer.py), averaging parameters every few steps | exact delayed SGD, checked against `serial.sgd(..., delayed=True)`, to put a number on what not waiting costs |
+# | `straggler="5:100"`: one rank sleeps before every exchange | none | none | none | the result must not change by a bit |
 #
 # ## Exercises
 #
 # ### Exercise 1: ZeRO-3 by hand
-# Shard the parameters over `dp_comm` too (tp = 1, dp = 4): flatten each group of parameters (embedding, each
-# block, the head), pad it to a multiple of dp and keep only your chunk. For the forward pass, All-Gather a
-# group's parameters just before its layer runs and drop them after; keep only the activations between groups. In
-# the backward pass, All-Gather each group again, recompute its forward from the saved input, run its backward,
-# Reduce-Scatter its gradient and update your chunk with SGD (the embedding's backward needs only the token ids:
-# no second gather). Check two steps against serial SGD, and the bytes of a step against `CommStats`: All-Gather
-# payload $2\Phi - \Phi_{emb}$, Reduce-Scatter $\Phi$ ($\Phi$ the padded parameter bytes), so a ring sends
-# $\frac{dp-1}{dp}(3\Phi - \Phi_{emb})$ per rank, up to 1.5 times an All-Reduce's $2\frac{dp-1}{dp}\Phi$: the
-# price of holding $1/dp$ of the parameters.
+# Shard the parameters over `dp_comm` too (tp = 1, dp = 4): flatten each group (embedding, each block, the head),
+# pad it to a multiple of dp and keep your chunk. In the forward, All-Gather a group just before its layer and drop
+# it after, keeping only the activations between groups; in the backward, All-Gather it again, recompute its
+# forward, run its backward, Reduce-Scatter its gradient and update your chunk with SGD (the embedding needs no
+# second gather). Check two steps against serial SGD, and a step's bytes against `CommStats`: All-Gather payload
+# $2\Phi - \Phi_{emb}$, Reduce-Scatter $\Phi$ (padded), so a ring sends $\frac{dp-1}{dp}(3\Phi - \Phi_{emb})$ per
+# rank, up to 1.5 times an All-Reduce's.
 # (solution: `tutorials/solutions/08_communication_optimizations.py`, `exercise_1`)
 #
 # ### Exercise 2: the bucket size that lets overlap hide the exchange
-# Model one rank's step: the backward pass produces $\Phi$ bytes of gradient at a steady rate over $T_b$ seconds,
-# in n equal buckets, and one bucket's ring All-Reduce over p ranks takes $t(S) = 2(p-1)\alpha +
-# 2\frac{p-1}{p}\frac{S}{\beta}$ (latency $\alpha$, bandwidth $\beta$); buckets go out one at a time, in order. The
-# exchange keeps up when each bucket is done before the next is ready, $t(S) \le S\,T_b/\Phi$. Solve for the
-# smallest bucket $S^*$, and predict the exposed time (from the end of the backward pass to the end of the last
-# All-Reduce) as a function of n. Check with a small event simulation that the best n is where your formula says,
-# for p = 8, $\alpha$ = 5 us, $\beta$ = 25 GB/s, $\Phi$ = 500 MB, $T_b$ = 100 ms.
+# The backward produces $\Phi$ bytes of gradient steadily over $T_b$ seconds, in n equal buckets; one bucket's ring
+# All-Reduce over p ranks takes $t(S) = 2(p-1)\alpha + 2\frac{p-1}{p}\frac{S}{\beta}$, one bucket at a time. The
+# exchange keeps up when $t(S) \le S\,T_b/\Phi$. Solve for the smallest bucket $S^*$, predict the exposed time (end
+# of backward to end of the last All-Reduce) as a function of n, and check with a small event simulation that the
+# best n is where your formula says, for p = 8, $\alpha$ = 5 us, $\beta$ = 25 GB/s, $\Phi$ = 500 MB,
+# $T_b$ = 100 ms.
 # (solution: `tutorials/solutions/08_communication_optimizations.py`, `exercise_2`)
 #
 # ### Exercise 3: the bytes that leave a node
-# For dp = n x k (n ranks per node, k nodes), write the bytes that cross node boundaries per step: the flat ring's
-# busiest link and a hierarchical rank's link, in payload and in ring bytes. Check them against
-# `hsgd.dp.hierarchical.cross_node_bytes` for every layout of 4, 8, 16 and 64 ranks, and against a measured
-# `hierarchical_allreduce` on 4 ranks as 2 nodes x 2.
+# For dp = n x k, write the bytes that cross node boundaries per step, the flat ring's busiest link and a
+# hierarchical rank's link, in payload and ring bytes. Check them against `cross_node_bytes` for every layout of 4,
+# 8, 16 and 64 ranks, and against a measured `hierarchical_allreduce` on 4 ranks as 2 nodes x 2.
 # (solution: `tutorials/solutions/08_communication_optimizations.py`, `exercise_3`)
 #
 # ### Exercise 4: staleness 1 by hand
-# Write the stale exchange yourself on 4 ranks (tp = 1, dp = 4): at step s start an `Iallreduce` of your slice's
-# gradient, then wait for the one started at step s-1 and apply it (nothing at step 1). Check five steps against
-# delayed SGD written in a few lines of serial code (one pending gradient), and against `HybridTrainer` with
-# `dp_staleness=1`.
+# On 4 ranks (tp = 1, dp = 4), at step s start an `Iallreduce` of your slice's gradient, then wait for the one
+# started at step s-1 and apply it (nothing at step 1). Check five steps against delayed SGD in a few lines of
+# serial code, and against `HybridTrainer` with `dp_staleness=1`.
 # (solution: `tutorials/solutions/08_communication_optimizations.py`, `exercise_4`)

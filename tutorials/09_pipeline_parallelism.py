@@ -16,47 +16,25 @@
 # %% [markdown]
 # # Chapter 9: pipeline parallelism
 #
-# Chapters 5 and 6 split every layer of the model over the ranks of a tensor-parallel group, chapter 10 replicated
-# that group for data parallelism and chapter 8 made its communication cheaper. The lecture names the other way of
-# splitting a model, by layers. Its section 3.1 (in translation):
+# Chapters 5 and 6 split every layer over a tensor-parallel group; the lecture's other way of splitting a model is
+# by layers. Its section 3.1 (in translation):
 #
 # > pipeline parallelism: assign different layers of the model to different nodes, e.g. the first few layers to
 # > node 1, the middle layers to node 2, the last layers to node 3. The data passes from node to node like on an
 # > assembly line.
 #
-# Section 1 says what that costs:
+# Section 1 names the costs, "pipeline dependencies" between the nodes, "pipeline bubbles [that] easily leave the
+# devices idle", a demanding load balance, and section 4.2 the remedies: "split the data into micro-batches that
+# fill the stages of the pipeline, to reduce the idle time (the bubbles); balance the compute load and the
+# communication of the partitions". This chapter runs p = 4 stages on 4 ranks (pp = 4, tp = dp = 1): the layers
+# to stages, one micro-batch relayed by hand, the bubble of GPipe and 1F1B simulated, measured and in two
+# measures, what the schedules hold, serial SGD bit for bit, load balance, and the bytes on `pp_comm`.
 #
-# > during the forward and backward passes the nodes must pass activations and gradients to each other: there are
-# > pipeline dependencies. [...] In pipeline parallelism a mini-batch is further split into micro-batches that are
-# > pipelined through the stages, to hide the communication. Challenges: the dependencies between computation and
-# > communication are complex; pipeline bubbles easily leave the devices idle; load balance is demanding.
-#
-# and section 4.2 gives the remedies: "split the data into micro-batches that fill the stages of the pipeline, to
-# reduce the idle time (the bubbles); balance the compute load and the communication of the partitions (the matrix
-# split of tensor parallelism, the assignment of layers of pipeline parallelism)". This chapter runs a pipeline
-# of p = 4 stages on 4 ranks (pp = 4, tp = dp = 1) and shows
-#
-# 1. how hsgd assigns the layers to stages (`pp.chunks.split_layers`, `pp.chunks.stage_names`);
-# 2. what crosses between stages, by doing one micro-batch by hand with `Send` and `Recv` on `pp_comm`, checked
-#    against serial;
-# 3. micro-batches and the bubble, $(p-1)/(m+p-1)$ of the step, in an equal-cost simulation of the two schedules
-#    hsgd has, GPipe and 1F1B, drawn; and Megatron-LM's other measure of the same idle time, $(p-1)/m$;
-# 4. what the schedules cost in memory (micro-batches held per stage), measured in real training steps;
-# 5. the schedules as they ran, drawn from `hsgd.grid.trace`'s record of every forward and backward, and the bubble
-#    measured for m = 1 to 16 micro-batches next to both formulas;
-# 6. that both schedules give the same parameters, bit for bit, and those of serial SGD;
-# 7. load balance: `--pp-split`, when the last stage carries the LM head;
-# 8. the bytes on `pp_comm` against `pp.chunks.pp_formula`, and against tensor parallelism on the same ranks, as payload
-#    and as bytes sent per rank.
-#
-# Run it with four ranks (about 7 s on a quiet 2-core machine, up to 31 s when other jobs share the cores; on failure
-# every rank raises, so it exits non-zero without hanging):
+# Run it with four ranks (about 7 s on a quiet 2-core machine, up to 31 s when other jobs share the cores; on
+# failure every rank raises, so it exits non-zero without hanging). Rank 0 draws three pictures into
+# `$HSGD_FIGURES` (default `tutorials/figures/`) and alone prints:
 #
 # mpirun -n 4 python tutorials/09_pipeline_parallelism.py
-#
-# Rank 0 draws three pictures into `$HSGD_FIGURES` (default `tutorials/figures/`). The notebook form
-# (`jupytext --to ipynb tutorials/09_pipeline_parallelism.py`) is for reading: the code needs four MPI ranks. Only
-# rank 0 prints.
 #
 # Legend: p = pp stages, s a stage (its `pp_rank`), m micro-batches per step (`micro_batches`), B global batch, b =
 # B/m sequences per micro-batch, T sequence, C d_model, F d_ff, V vocabulary, L layers, $L_s$ the blocks of stage
@@ -104,18 +82,12 @@ say(f"{PP} ranks = {PP} pipeline stages; model {cfg.n_params():,} parameters (L=
 # %% [markdown]
 # ## 1. Layers to stages
 #
-# A GPT is a chain: the embedding (`wte`, `wpe`), L blocks, the final LayerNorm, the LM head and the loss. A
-# pipeline cuts the chain into p pieces of consecutive layers, the **stages**, and gives each to a rank (with
-# tensor parallelism, to a tensor-parallel group: chapter 10). hsgd's cut (`pp.chunks.split_layers`):
-#
-# * stage s holds the blocks `split_layers(L, p)[s]`, by default as even as possible (the first L mod p stages get
-#   one more);
-# * the embedding sits on the first stage, the final LayerNorm, the LM head and the loss on the last
-#   (`pp.chunks.stage_names(cfg, layers, first, last)` lists the parameters of a stage);
-# * `--pp-split 3,2,2,1` (`TrainConfig.pp_split`) chooses the blocks per stage instead, for balance (section 7).
-#
-# A stage holds only its own parameters, their gradients and their optimizer state: that, not speed, is why
-# pipelines exist. Each rank builds its table row and rank 0 prints them:
+# A GPT is a chain: embedding (`wte`, `wpe`), L blocks, final LayerNorm, LM head, loss. A pipeline cuts it into p
+# **stages** of consecutive layers, one per rank (with tensor parallelism, per tensor-parallel group: chapter 10).
+# Stage s holds the blocks `pp.chunks.split_layers(L, p)[s]`, as even as possible by default (the first L mod p
+# stages get one more) or as `--pp-split 3,2,2,1` says (section 7); the embedding sits on the first stage, the
+# final LayerNorm, head and loss on the last (`pp.chunks.stage_names`). A stage holds only its own parameters,
+# gradients and optimizer state: that, not speed, is why pipelines exist.
 
 # %%
 split = split_layers(cfg.n_layers, PP)                 # [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
@@ -150,25 +122,19 @@ for args in ((cfg.n_layers, PP, [3, 3, 3]), (cfg.n_layers, PP, [4, 4, 0, 0]), (2
 # %% [markdown]
 # ## 2. What crosses between stages: one micro-batch by hand
 #
-# Stage s runs `tp_model.stage_forward(params, inp, targets, piece, setup)` on its piece of the model, its blocks
-# (the same function that runs the whole model when one stage is first and last); `setup`, a `tp_model.TPSetup`,
-# says how (its tp communicator, the tensor-parallel scheme, what the blocks keep), once for every call. Its input
-# is the token ids on the first stage, otherwise the **activation** $x^{(s)}$: (b, T, C), the residual stream after
-# the previous stage's last block. Its output is the activation for stage s+1, or the loss on the last stage. The
-# backward pass runs the chain the other way: `tp_model.stage_backward(dout, caches, grads, setup)` takes
-# $\partial L / \partial x^{(s+1)}$, the **gradient of the stage's output**, received from stage s+1 (on the last
-# stage $dout = 1$, the derivative of the loss with respect to itself), accumulates the gradients of the stage's
-# parameters with `+=`, and returns $\partial L/\partial x^{(s)}$ for stage s-1. By the chain rule nothing else is
-# needed: a stage's parameter gradients depend on the rest of the network only through that one (b, T, C) array.
-#
-# So one micro-batch is two relay races over `pp_comm`, each message to a neighbour:
+# Stage s runs `tp_model.stage_forward(params, inp, targets, piece, setup)` on its blocks (`setup`, a
+# `tp_model.TPSetup`, says how: tp communicator, scheme, what the blocks keep). Its input is the token ids on the
+# first stage, else the **activation** $x^{(s)}$, (b, T, C), the residual stream after the previous stage; its
+# output is $x^{(s+1)}$, or the loss on the last stage. `tp_model.stage_backward(dout, caches, grads, setup)` takes
+# $\partial L / \partial x^{(s+1)}$ from stage s+1 ($dout = 1$ on the last), accumulates the stage's parameter
+# gradients with `+=` and returns $\partial L/\partial x^{(s)}$ for stage s-1. By the chain rule a stage depends on
+# the rest of the network only through that one (b, T, C) array. One micro-batch is two relay races on `pp_comm`:
 #
 #     forward:   stage 0 --x(1)--> stage 1 --x(2)--> stage 2 --x(3)--> stage 3 (loss)      Send / Recv, tag 0
 #     backward:  stage 0 <-dx(1)-- stage 1 <-dx(2)-- stage 2 <-dx(3)-- stage 3 (dloss = 1)  Send / Recv, tag 1
 #
-# `Recv` blocks until the message is there: a stage cannot start before its input exists. Every stage reads the
-# same micro-batch (a pure function of seed and step, chapter 4), but only the first uses the token ids and only
-# the last the targets.
+# `Recv` blocks until its input exists. Every stage reads the same micro-batch (a function of seed and step); only
+# the first uses the token ids, only the last the targets.
 
 # %%
 b = 2                                                   # sequences in the micro-batch
@@ -194,9 +160,8 @@ if not first:
 by_hand = grid.stats.counts()
 
 # %% [markdown]
-# The serial reference: `serial.loss_and_grads` on the whole model, and the residual stream at the point where my
-# stage begins, computed with the serial layers (`embedding_forward`, `serial.block_forward`) up to my first
-# block. The loss exists only on the last stage; a broadcast over `pp_comm` gives it to everyone.
+# The serial reference: `serial.loss_and_grads` on the whole model, and the residual stream where my stage begins,
+# from the serial layers. The loss, on the last stage only, is broadcast over `pp_comm`.
 
 # %%
 loss_ref, grads_ref = serial.loss_and_grads(full, idx, targets, cfg)
@@ -215,64 +180,48 @@ say(f"every message is one (b, T, C) = {act} float64 array = {np.prod(act) * 8:,
     f"stages 1-2 send 2, stage 3 sends 1")
 
 # %% [markdown]
-# `Stage.run` (hsgd/pp/stage.py), which training uses, does the same with two differences that matter once there are
-# several micro-batches in flight:
-#
-# * **tags**: the activation of micro-batch j from stage s to stage s+1 travels with tag 2(sm + j), its gradient
-#   back with tag 2(sm + j) + 1, so every `Recv` names exactly the message it waits for;
-# * **non-blocking sends** (`Isend`, all completed at the end of the step). With a blocking `Send` the schedule of
-#   section 4 could deadlock: in 1F1B, stage s sends the activation of micro-batch j+1 to stage s+1 at the moment
-#   stage s+1 sends the gradient of micro-batch j back to stage s. For a large message MPI's `Send` returns only
-#   when the receiver has posted its `Recv`; both ranks would sit in `Send`, each waiting for the other. (Small
-#   messages go out "eagerly" into a buffer, so the bug would hide in a toy and appear in a real model.) With
-#   `Isend` a stage posts its message and goes on to its next `Recv`, and since the dependencies of the schedules
-#   have no cycle, some stage can always make progress.
+# `Stage.run` (hsgd/pp/stage.py), which training uses, differs in two ways that matter with several micro-batches
+# in flight: **tags** (micro-batch j's activation from stage s travels with tag 2(sm + j), its gradient with
+# 2(sm + j) + 1, so every `Recv` names its message) and **non-blocking sends** (`Isend`, completed at the end of
+# the step). With a blocking `Send`, 1F1B could deadlock: stage s sends micro-batch j+1's activation forward while
+# stage s+1 sends micro-batch j's gradient back, and a large `Send` returns only once the receiver posts its
+# `Recv` (small messages go out eagerly, so the bug would hide in a toy). With `Isend`, and no cycle in the
+# schedules' dependencies, some stage can always progress.
 #
 # ## 3. Micro-batches and the bubble
 #
-# With one micro-batch a pipeline is a relay race: while stage 0 computes, stages 1 to 3 wait, and so on. To give
-# the stages something to do at the same time, each DP group's batch is cut into m micro-batches of b = B/m
-# sequences and the gradients of their losses are accumulated, as in chapter 4's gradient accumulation (the same
-# `micro_batches`): the gradient is the serial one whatever m is. A stage's work in a step is then a list of
-# actions, "F j" (forward of micro-batch j) and "B j", in an order fixed by a **schedule** (`build(kind, m,
-# p)[s]`, hsgd.pp.schedules). In hsgd a schedule is data: a list of `Action(kind, micro-batch, chunk)` per stage
-# (printed F3, B3; the chunk is 0 until chapter 12, which interleaves model chunks and splits the backward for a
-# zero-bubble schedule):
+# With one micro-batch, while stage 0 computes the others wait. So the batch is cut into m micro-batches of
+# b = B/m sequences whose gradients accumulate (chapter 4's `micro_batches`: the gradient is serial's whatever m
+# is), and each stage runs a list of actions, "F j" and "B j", in the order of a **schedule** (`build(kind, m, p)[s]`,
+# hsgd.pp.schedules), a list of `Action(kind, micro-batch, chunk)` (the chunk is 0 until chapter 12):
 #
 # * **GPipe** (Huang et al. 2019, "GPipe: Efficient Training of Giant Neural Networks using Pipeline
 #   Parallelism"): all m forwards, then all m backwards;
-# * **1F1B** (one forward, one backward): the steady state of PipeDream (Narayanan et al. 2019, "PipeDream:
-#   Generalized Pipeline Parallelism for DNN Training"), in the synchronous form PipeDream-Flush (Narayanan et al.
-#   2021, "Memory-Efficient Pipeline-Parallel DNN Training") that Megatron-LM runs: $\min(p-s-1, m)$ warm-up
-#   forwards, then one forward and one backward in turn, then the remaining backwards.
+# * **1F1B**, the steady state of PipeDream (Narayanan et al. 2019, "PipeDream: Generalized Pipeline Parallelism
+#   for DNN Training") in the synchronous form PipeDream-Flush (Narayanan et al. 2021, "Memory-Efficient
+#   Pipeline-Parallel DNN Training") that Megatron-LM runs: $\min(p-s-1, m)$ warm-up forwards, then one forward and
+#   one backward in turn, then the remaining backwards.
 #
-# Both do every backward in the order B0, B1, ..., so they add up the same gradients in the same order.
+# Both run the backwards in the order B0, B1, ..., so they add the same gradients in the same order.
 #
-# **The bubble.** Suppose every forward on every stage takes f and every backward $b_c$ (`simulate` of
-# hsgd.pp.schedules, which starts each action as soon as its stage is free and its input has arrived). The first
-# micro-batch reaches the last stage after $(p-1)f$; the last stage then does its m forwards and m backwards, $m(f +
-# b_c)$, and the gradient of the last micro-batch needs $(p-1)b_c$ more to reach stage 0. The step takes
-# $(m + p - 1)(f + b_c)$, of which each stage computes $m(f + b_c)$, so the idle fraction, the **bubble**, is
+# **The bubble.** Let every forward take f and every backward $b_c$ (`simulate` starts each action once its stage
+# is free and its input has arrived). The first micro-batch reaches the last stage after $(p-1)f$, which then
+# works $m(f + b_c)$, and the last gradient needs $(p-1)b_c$ to reach stage 0: the step takes
+# $(m + p - 1)(f + b_c)$, each stage computes $m(f + b_c)$, and the idle fraction is
 #
-# $$\text{bubble} = 1 - \frac{m (f + b_c)}{(m + p - 1)(f + b_c)} = \frac{p - 1}{m + p - 1},$$
+# $$\text{bubble} = \frac{p - 1}{m + p - 1},$$
 #
-# the same for both schedules and independent of f and $b_c$. It shrinks as m grows: m = 1 leaves $(p-1)/p$ of
-# the machine idle; for a long pipeline m = p leaves about half, m = 2p about a third, m = 4p about a fifth.
+# for both schedules, whatever f and $b_c$: $(p-1)/p$ at m = 1, about a half at m = p, a third at 2p.
 #
-# **Two measures of the same idle time.** That fraction is hsgd's (`bubble_formula`, and `bubble_fraction` of a
-# timeline): idle time over all the time of the step, p stages times its length. Narayanan et al. (2021), "Efficient
-# Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", divide the same idle time by the *ideal*
-# time instead, the computation alone: a stage idles $t_{pb} = (p-1)(f + b_c)$ and computes $t_{id} = m(f + b_c)$,
-# and their "bubble time fraction" is
+# **Two measures of the same idle time.** hsgd's (`bubble_formula`, `bubble_fraction` of a timeline) divides by
+# the whole step. Narayanan et al. (2021), "Efficient Large-Scale Language Model Training on GPU Clusters Using
+# Megatron-LM", divide the idle time $t_{pb} = (p-1)(f + b_c)$ by the computation $t_{id} = m(f + b_c)$:
 #
-# $$\frac{t_{pb}}{t_{id}} = \frac{p-1}{m}.$$
+# $$\frac{t_{pb}}{t_{id}} = \frac{p-1}{m},$$
 #
-# Nothing differs but the denominator: if $\beta$ is hsgd's fraction, Megatron's is $\beta/(1-\beta)$, idle over
-# busy. The two agree only for large m; for small m Megatron's can exceed 1 (at m = 1 a stage idles p - 1 times as
-# long as it works), where hsgd's stays below 1. Papers and tools quote either, so say which. The table below
-# gives both for each simulated timeline, and the picture draws them (f = 1, $b_c$ = 2, the usual ratio, since a
-# backward computes two matrix products for every one of the forward): the blank space is the bubble, the fill at
-# the start and the drain at the end.
+# $\beta/(1-\beta)$ for hsgd's $\beta$: equal for large m, above 1 at m = 1 (a stage idles p - 1 times as long as
+# it works). Say which you quote. The table gives both, and the picture draws the timelines (f = 1, $b_c$ = 2: a
+# backward computes two matrix products for every one of the forward); the blank space is the fill and the drain.
 
 # %%
 def bubbles(timeline):
@@ -309,25 +258,18 @@ if rank == 0:
 pictures.wait_asleep(world)                      # the other ranks sleep while rank 0 draws
 
 # %% [markdown]
-# The picture shows the step of each schedule in the equal-cost model, one row per stage, each bar one forward or
-# backward of the micro-batch it is labelled with; both schedules take the same time for the same m.
-#
-# In the equal-cost model the two schedules are equally fast. They are not equally large. Follow stage 0 at m = 8:
-# GPipe runs F0 ... F7 before its first backward, so it holds the cached activations of all 8 micro-batches at
-# once; 1F1B starts B0 after 3 warm-up forwards and then frees one micro-batch for every new one it starts.
+# The picture: each schedule's step in the equal-cost model, one row per stage, one bar per action. Equally fast,
+# not equally large: at m = 8 GPipe's stage 0 runs F0 ... F7 before its first backward, holding all 8 micro-batches'
+# activations; 1F1B starts B0 after 3 warm-up forwards and then frees one micro-batch per new one.
 #
 # ## 4. Two schedules, run for real: what they hold
 #
-# `peak_held(actions)` (hsgd.pp.timelines) counts the most micro-batches a list of actions has forwarded and not yet
-# backwarded: for GPipe m on every stage, for 1F1B $\min(p - s, m)$, the most on stage 0 and one on the last stage.
-# A micro-batch in flight means its caches are alive: for each of the stage's blocks a few (b, T, C) and
-# (b, T, F) arrays and the (b, NH, T, T) attention probabilities. So GPipe's activation memory grows with m, the
-# very thing that shrinks the bubble, while 1F1B's is bounded by p.
-#
-# Now real training steps. `HybridTrainer` with `pp=4` runs its stage's schedule (`trainer.stage.actions`) through
-# `Stage.run` (hsgd/pp/stage.py), which counts the micro-batches it actually holds (`trainer.stage.peak_held`) and
-# records when each action started and ended (`trainer.stage.timeline`). Three steps of SGD with momentum, B = 16,
-# m = 8 micro-batches of 2 sequences, once per schedule; the same helpers serve sections 5 to 8.
+# `peak_held(actions)` (hsgd.pp.timelines) counts the most micro-batches forwarded and not yet backwarded: m for
+# GPipe, $\min(p - s, m)$ for 1F1B. Each holds its caches, per block a few (b, T, C) and (b, T, F) arrays and the
+# (b, NH, T, T) attention probabilities, so GPipe's activation memory grows with m, the very thing that shrinks
+# the bubble, while 1F1B's is bounded by p. `HybridTrainer` with `pp=4` runs its stage's schedule through
+# `Stage.run`, which counts what it holds (`trainer.stage.peak_held`) and records each action's start and end
+# (`trainer.stage.timeline`): three steps, B = 16, m = 8, once per schedule.
 
 # %%
 def config(**kw):
@@ -366,17 +308,12 @@ check.equal("micro-batches held (GPipe, 1F1B) == (m, min(p - s, m))", (mine[0][0
 # %% [markdown]
 # ## 5. The schedules as they ran
 #
-# Now the real thing, timed. `hsgd.grid.trace.Tracer` records a span for every forward and backward a stage runs (named
-# "forward" or "backward", with its micro-batch; `Stage.run` opens the span once the action's input has been
-# received, so the gaps between spans are time spent waiting in `Recv`, the bubble, plus a little bookkeeping).
-# `hsgd.run.plots.pipeline_spans` turns a trace into the same [(action, start, end)] per stage as `simulate`, and
-# `hsgd.run.plots.draw_pipeline` draws either. Each rank's trace counts from its own origin (`tracer.t0`, taken after a
-# Barrier); on one machine the ranks share `time.perf_counter`'s clock, so adding each origin back puts all stages
-# on one exact time axis.
-#
-# The timings use a wider model than the rest of the chapter (C = 64, T = 32, F = 256, still 8 blocks): at C = 16 a
-# forward is mostly Python's and MPI's fixed cost per call, not arithmetic. For each m, two steps of m
-# micro-batches of 2 sequences (B = 2m, so that a micro-batch costs the same whatever m), the second one traced.
+# `hsgd.grid.trace.Tracer` records a span for every forward and backward, opened once the input has been received,
+# so the gaps are time spent in `Recv`, the bubble. `hsgd.run.plots.pipeline_spans` turns a trace into the same
+# [(action, start, end)] per stage as `simulate`, and `draw_pipeline` draws either; on one machine the ranks share
+# one clock, so adding each rank's origin (`tracer.t0`) back aligns them. The timings use a wider model (C = 64,
+# T = 32, F = 256, 8 blocks), so that a forward is arithmetic, not fixed cost per call: for each m, two steps of m
+# micro-batches of 2 sequences, the second traced.
 
 # %%
 wide = ModelConfig(vocab_size=256, seq_len=32, d_model=64, n_heads=4, n_layers=8, d_ff=256)
@@ -418,13 +355,10 @@ if rank == 0:
 pictures.wait_asleep(world)                      # the other ranks sleep while rank 0 draws
 
 # %% [markdown]
-# The picture is the traced step of each schedule at m = 8 on the four ranks of this machine. The order is the
-# schedule's, every time: GPipe's eight forwards and then eight backwards; 1F1B's warm-up forwards (three on stage 0,
-# none on the last stage) followed by alternating F and B. The lengths are not the model's. The table gives the
-# bubble of every traced step, in both measures, next to the formulas, and the last column the part of it that
-# comes from unequal stages alone: a step lasts at least as long as its busiest stage computes, so even without any
-# fill or drain $1 - \overline{w}/\max_s w_s$ of the time would be idle, with $w_s$ the time stage s spent
-# computing (1F1B, from the same trace).
+# The picture is the traced step of each schedule at m = 8: the order is the schedule's, the lengths are not the
+# model's. The table gives every traced step's bubble in both measures next to the formulas, and in the last column
+# the part due to unequal stages alone: a step lasts at least as long as its busiest stage computes, so
+# $1 - \overline{w}/\max_s w_s$ would idle even without fill or drain ($w_s$ the time stage s computed, 1F1B).
 
 # %%
 def busy(timeline):
@@ -462,26 +396,18 @@ if rank == 0:
 pictures.wait_asleep(world)                      # the other ranks sleep while rank 0 draws
 
 # %% [markdown]
-# The second picture plots the measured bubble of each traced step against m, in hsgd's measure (left) and
-# Megatron-LM's (right), with the equal-cost formulas as lines.
-#
-# The measured bubble falls as m grows, roughly as the formula says, and stays above it, by an amount that
-# changes from run to run (so it is printed, not checked). Three things the equal-cost model leaves out add idle
-# time: the stages are not equal (the last one also computes the LM head and the loss: the last column, and section
-# 7); every action has a fixed cost outside the spans (receiving, Python, the MPI calls); and four ranks share the
-# two cores of this machine, where a rank that waits in `Recv` does not sleep (MPI polls for the message) and so
-# takes CPU time from the ranks that compute. The first two shrink as the model grows and its stages are balanced,
-# the third disappears with a core per rank; what is left is the bubble of the schedule itself, the formula's.
+# The second picture: the measured bubble against m, in hsgd's measure (left) and Megatron-LM's (right), the
+# formulas as lines. It falls with m and stays above the formula by a noisy amount (printed, not checked): the
+# stages are unequal (the last computes the LM head and the loss, section 7), every action has a fixed cost outside
+# the spans, and four ranks share two cores, where a rank waiting in `Recv` polls and takes CPU from those
+# computing. The first two shrink with a larger, balanced model, the third with a core per rank.
 #
 # ## 6. Both schedules are serial SGD
 #
-# Pipelining changes when each micro-batch is computed, never what: every stage accumulates the gradients of
-# $\frac1m \text{loss}_j$ for j = 0, 1, ..., m-1 in that order under both schedules, so GPipe and 1F1B must agree
-# **bit for bit**, and since the sum over micro-batches is the gradient of the global batch's mean loss (chapter
-# 4's gradient accumulation), both must end with serial SGD's parameters up to rounding. The error is relative to
-# each parameter's largest entry, but at least to 0.02 (the scale of the initialization), as in chapter 4: the
-# attention k-biases only ever receive rounding noise. The serial run is `serial.sgd` on the global batch of every
-# step.
+# Pipelining changes when a micro-batch is computed, never what: every stage accumulates the gradients of
+# $\frac1m \text{loss}_j$ for j = 0, ..., m-1 in that order under both schedules, so GPipe and 1F1B agree **bit for
+# bit**, and both end with serial SGD's parameters (`serial.sgd`) up to rounding, relative to each parameter's
+# largest entry but at least 0.02 (chapter 4: the attention k-biases only receive rounding noise).
 
 # %%
 tc = config()
@@ -501,15 +427,12 @@ for kind in ("gpipe", "1f1b"):
 # %% [markdown]
 # ## 7. Load balance
 #
-# A pipeline runs at the pace of its slowest stage: in the steady state every stage waits for its neighbours, so a
-# stage with more work stretches every step, and the others idle for the difference (a bubble of its own, on top
-# of the fill and drain). The blocks are alike, but the ends of the chain are not: the first stage also looks up
-# the embedding (cheap, no matmul), the last also computes the LM head, a (C, V) matmul per position, and the
-# loss. In matmul FLOPs (`ModelConfig.step_flops`: 6 per multiply-add, 2 forward and 4 backward) a block costs
-# $6(4C^2 + 2CF) + 12TC$ per position and the head $6CV$. Even splits put a block's worth or more
-# of extra work on the last stage. `--pp-split` (`TrainConfig.pp_split`) moves blocks away from it; the best split
-# below minimizes the slowest stage over every way of cutting L blocks into p non-empty stages (for this toy, 35
-# of them; for GPT-2's 12 layers, 165).
+# A pipeline runs at the pace of its slowest stage. The blocks are alike, the ends are not: the first stage also
+# looks up the embedding (no matmul), the last computes the LM head, a (C, V) matmul per position, and the loss.
+# In matmul FLOPs (`ModelConfig.step_flops`: 6 per multiply-add) a block costs $6(4C^2 + 2CF) + 12TC$ per position
+# and the head $6CV$. `--pp-split` (`TrainConfig.pp_split`) moves blocks off the last stage; the best split below
+# minimizes the slowest stage over every way of cutting L blocks into p non-empty stages (35 for this toy, 165 for
+# GPT-2's 12 layers).
 
 # %%
 def block_and_head(cfg):
@@ -544,12 +467,10 @@ for name, mc in (("this toy", cfg), ("GPT-2 small", gpt2)):
 
 # %% [markdown]
 # For the toy the head weighs about one block and the best split gains a few percent; for GPT-2's shape
-# (V = 50257) the head weighs more than four blocks, and moving blocks off the last stage shortens every step by
-# about a quarter. (Real systems also weigh memory: the first stage holds the most micro-batches under 1F1B, and
-# the embedding and head are the largest matrices.) An uneven split changes only who computes what, so it is still
-# serial SGD: a run of the toy's best split, and the time each stage spent computing in its last step next to the
-# even split's (printed, not checked: the shared cores make it noisy, and at this size Python's per-call overhead
-# counts as much as the FLOPs):
+# (V = 50257) it weighs more than four blocks, and the best split shortens every step by about a quarter. (Real
+# systems also weigh memory: under 1F1B the first stage holds the most micro-batches.) An uneven split is still
+# serial SGD: a run of the toy's best split, and each stage's compute time in its last step next to the even
+# split's (printed, not checked):
 
 # %%
 best = best_split(cfg, PP)                                               # [1, 3, 3, 1] for this toy
@@ -568,13 +489,10 @@ check(f"pp_split {pp_split}, 3 steps: my stage's parameters vs serial SGD",
 # %% [markdown]
 # ## 8. What the pipeline sends
 #
-# Per step, stage s sends, for each of the m micro-batches, its output activation to stage s+1 (unless it is the last)
-# and its input gradient to stage s-1 (unless it is the first), and receives as many: `pp.chunks.pp_formula` gives m
-# `Isend` and m `Recv` of $\frac{B}{m} T C s$ bytes per neighbour, $B T C s$ per neighbour and direction in all,
-# **whatever m is**. More micro-batches mean more and smaller messages, not more bytes.
-# `accounting.traffic.step_formula` adds the stage's share of the tensor-parallel formula (here on a one-rank `tp_comm`,
-# where the calls move nothing) and the data-parallel one (a one-rank `dp_comm` too). Step 2 of the 1F1B run, measured
-# on every stage:
+# Per micro-batch, stage s sends its output activation to stage s+1 (unless last) and its input gradient to stage
+# s-1 (unless first), and receives as many: `pp.chunks.pp_formula` gives m `Isend`s and m `Recv`s of
+# $\frac{B}{m} T C s$ bytes per neighbour, $B T C s$ in all, **whatever m is**: more, smaller messages, not more
+# bytes. `accounting.traffic.step_formula` adds the (here one-rank) tp and dp terms. Step 2 of the 1F1B run:
 
 # %%
 formula = step_formula(cfg, config(schedule="1f1b"), onefb)
@@ -589,13 +507,10 @@ check.equal("GPipe step 2: every stage's bytes == step_formula",
             runs["gpipe"][2], step_formula(cfg, config(schedule="gpipe"), gpipe))
 
 # %% [markdown]
-# Put that next to the other way of using the same four ranks for one copy of the model, a tensor-parallel group
-# of 4 (chapters 5 and 6): `tp_model.comm_formula` All-Reduces (N, C) activations in every block, forward and
-# backward, $((4L + 2)C + 3) N s$ bytes per rank and step with N = B T positions. The pipeline sends $2 B T C s$ per
-# step from a middle stage, to one neighbour at a time. Those are payloads, the logical tensors that `CommStats`
-# records. What a rank actually sends differs by the operation (chapter 2): a point-to-point message goes once, but
-# a ring All-Reduce over p ranks sends $2(p-1)/p$ times its payload from every rank (a Reduce-Scatter and an
-# All-Gather, each $(p-1)/p$). Both columns:
+# The other way to use the same four ranks for one copy of the model is a tensor-parallel group of 4 (chapters 5
+# and 6), which All-Reduces (N, C) activations in every block, $((4L + 2)C + 3) N s$ bytes per rank and step
+# (N = B T), against the pipeline's $2 B T C s$ from a middle stage. Those are payloads; a ring All-Reduce over p
+# ranks sends $2(p-1)/p$ of its payload from every rank, a point-to-point message once (chapter 2). Both columns:
 
 # %%
 B = config().batch_size
@@ -611,21 +526,18 @@ say(f"tensor parallel / pipeline                  {tp_bytes / pp_bytes:>10.1f}  
 check.equal("pp bytes sent by a middle stage == 2 B T C s", pp_bytes, 2 * B * cfg.seq_len * cfg.d_model * 8)
 
 # %% [markdown]
-# That is the trade the lecture describes. Tensor parallelism has no bubble, every rank works on every micro-batch,
-# but it talks in every layer, many times the pipeline's payload (the table: more again on the wire), and
-# needs the fast links inside a node. A pipeline talks little and only to its neighbours, so its stages can sit on
-# different nodes, but it pays with the bubble, $(p-1)/(m+p-1)$ of the time, with activation memory (GPipe m
-# micro-batches, 1F1B up to p), and with its slowest stage. Chapter 10 combines all three dimensions.
+# That is the lecture's trade. Tensor parallelism has no bubble but talks in every layer, many times the
+# pipeline's bytes, and needs the fast links inside a node. A pipeline talks little and only to neighbours, so its
+# stages can sit on different nodes, but pays with the bubble, activation memory (GPipe m micro-batches, 1F1B up
+# to p) and its slowest stage. Chapter 10 combines all three dimensions.
 #
 # ## Check against serial
 #
-# On 4 ranks as a pipeline of 4 stages, every verdict reached collectively: every parameter lives on exactly one
-# stage; one micro-batch relayed by hand with `Send` and `Recv` gives each stage the serial activation, the serial
-# loss and its parameters' serial gradients; the equal-cost bubble of GPipe and 1F1B is $(p-1)/(m+p-1)$ of the step
-# and $(p-1)/m$ of the compute for m = 1, p, 2p; in real steps the stages hold exactly the micro-batches their
-# schedules promise (GPipe m, 1F1B $\min(p-s, m)$) and run their actions in the schedule's order; GPipe and 1F1B end
-# three steps with the same parameters bit for bit, and with serial SGD's, as does an uneven `--pp-split`; and every
-# stage's bytes are exactly `step_formula`'s.
+# On 4 ranks, collectively: every parameter lives on exactly one stage; one micro-batch relayed by hand gives each
+# stage serial's activation, loss and gradients; the equal-cost bubble is $(p-1)/(m+p-1)$ of the step and
+# $(p-1)/m$ of the compute for m = 1, p, 2p; real stages hold exactly what their schedules promise and run their
+# actions in order; GPipe and 1F1B end three steps bit-identical and at serial SGD's parameters, as does an uneven
+# `--pp-split`; and every stage's bytes are `step_formula`'s.
 
 # %%
 worst, err = check.worst([w for w in check.errors if "serial" in w])

@@ -16,49 +16,35 @@
 # %% [markdown]
 # # Chapter 10: 3-D parallelism, dp x pp x tp
 #
-# The lecture ends with what an implementation has to get right. Its summary (in translation):
+# The lecture's algorithm, section 2 (in translation):
 #
-# > the keys to implementing the algorithm are: define clearly how the nodes are grouped along the two parallel
-# > dimensions; design efficient forward and backward computation and communication inside a group (model
-# > parallelism); design an efficient gradient synchronization across groups (data parallelism), usually an
-# > All-Reduce per parameter shard; and use hierarchical communication, overlap of computation and communication,
-# > and pipelining to raise the throughput.
+# > We divide the P workers into G model-parallel groups of M workers each (P = G x M); inside a group the workers
+# > use model parallelism. The G groups are data-parallel replicas of each other [...]. After the backward pass,
+# > the gradients of the *same parameter shard* are aggregated across the groups.
 #
-# Its "model-parallel group" may itself be split two ways (section 3.1): tensor parallelism inside each layer
-# (chapters 5 and 6) and pipeline parallelism across layers (chapter 9). With both, and the data parallelism of
-# chapters 4 and 10 on top, a rank has three coordinates, and hsgd's grid is the product of all three dimensions.
-# This chapter puts the pieces together on 8 ranks as dp = 2 replicas x pp = 2 stages x tp = 2 tensor-parallel
-# ranks:
+# G is hsgd's dp; the "model-parallel group" of M ranks may itself be split two ways (section 3.1): tensor
+# parallelism inside each layer (chapters 5 and 6) and pipeline parallelism across layers (chapter 9). Tensor and
+# pipeline parallelism make the model fit; data parallelism multiplies the throughput. A rank then has three
+# coordinates. This chapter puts the pieces together on 8 ranks, mostly as dp = 2 replicas x pp = 2 stages x
+# tp = 2 tensor-parallel ranks, with a 2-D dp = 4 x tp = 2 grid for the hybrid step by hand.
 #
-# 1. the 3-D grid: where each rank sits, what it holds, and which ranks talk to which, drawn from `grid.groups()`;
-#    the order in which hsgd numbers the ranks, Megatron-LM's, and which traffic each puts between nodes;
-# 2. what each of the three communicators carries in one step, measured on every rank and compared with the closed
-#    forms of `accounting.traffic.step_formula`, term by term;
-# 3. a table of the bytes per rank and step for all 10 ways of writing 8 = dp x pp x tp, from the formulas, as
-#    payload and as bytes a ring sends;
-# 4. the memory per rank of the same 10 layouts: parameters, gradients, optimizer state and activations, the
-#    formulas checked against this layout's measurement and drawn;
-# 5. `hsgd.verify` on the 2 x 2 x 2 layout;
-# 6. a few steps of `hsgd.train.train` on it, ending with the parameters of serial SGD;
-# 7. the command lines that run the same things.
-#
-# Run it with eight ranks (about 7 s on a quiet 2-core machine, 14 s when other jobs share the cores; on failure every
-# rank raises, so it exits non-zero without hanging):
+# Run it with eight ranks (about 10 s on a quiet 2-core machine; on failure every rank raises, so it exits non-zero
+# without hanging):
 #
 # mpirun -n 8 python tutorials/10_3d_parallelism.py
 #
-# Rank 0 draws two pictures into `$HSGD_FIGURES` (default `tutorials/figures/`). The notebook form
-# (`jupytext --to ipynb tutorials/10_3d_parallelism.py`) is for reading: the code needs eight MPI ranks. Only rank 0
-# prints.
+# Rank 0 draws three pictures into `$HSGD_FIGURES` (default `tutorials/figures/`) and alone prints.
 #
-# Legend: P ranks, dp replicas, p = pp stages, tp ranks per stage, B global batch, m micro-batches per replica and
-# step, N = (B/(dp m)) T positions of a micro-batch, T sequence, C d_model, NH heads, F d_ff, V vocabulary, Vp =
-# ceil(V/tp), L layers, $L_s$ the blocks of stage s, s bytes per number (8, float64).
+# Legend: P ranks, dp replicas, p = pp stages, tp ranks per stage, B global batch, b = B/dp sequences per replica,
+# m micro-batches per replica and step, N = (B/(dp m)) T positions of a micro-batch, T sequence, C d_model, NH
+# heads, F d_ff, V vocabulary, Vp = ceil(V/tp), L layers, $L_s$ the blocks of stage s, s bytes per number (8,
+# float64).
 
 # %%
 import io
 import math
 import sys
+from dataclasses import replace
 
 import numpy as np
 
@@ -67,18 +53,19 @@ from hsgd.model.config import ModelConfig
 from hsgd.model import serial
 from hsgd.tp import model as tp_model, shards as tp_shards
 from hsgd.model.data import Corpus
-from hsgd.dp.average import params_digest
+from hsgd.dp.average import FlatBuffer, dp_average, dp_rows, params_digest
 from hsgd.grid.process_grid import ProcessGrid, factorizations
 from hsgd.step.trainer import HybridTrainer
 from hsgd.accounting.activations import activation_bytes, activation_formula
 from hsgd.pp.chunks import pp_formula, split_layers, stage_names
+from hsgd.model.optim import clip_grads, global_grad_norm
 from hsgd.train import train
 from hsgd.run.report import fmt_bytes
 from hsgd.accounting.traffic import step_formula
 from hsgd.verify import verify
 
 import pictures                          # tutorials/pictures.py: where the PNGs go
-from checks import mpi_chapter, rel_err, train_config   # tutorials/checks.py, shared by the chapters
+from checks import FLOOR, mpi_chapter, rel_err, train_config   # tutorials/checks.py, shared by the chapters
 
 P, DP, PP, TP = 8, 2, 2, 2              # 8 = 2 replicas x 2 stages x 2 tensor-parallel ranks
 TOL = 1e-10                             # float64: parallel and serial differ by rounding, ~1e-16 relative
@@ -102,24 +89,20 @@ def config(**kw):
 # %% [markdown]
 # ## 1. The grid, and who talks to whom
 #
-# `ProcessGrid(world, dp=2, pp=2, tp=2)` (chapter 3) numbers the ranks tp fastest, then pp, then dp:
+# `ProcessGrid(world, dp=2, pp=2, tp=2)` (chapter 3) numbers the ranks tp fastest, then pp, then dp,
 #
 # $$\text{rank} = (\text{dp\_rank} \cdot pp + \text{pp\_rank}) \cdot tp + \text{tp\_rank},$$
 #
-# and splits one communicator per dimension off the world, each joining the ranks that agree on the *other two*
-# coordinates:
+# and splits one communicator per dimension, each joining the ranks that agree on the *other two* coordinates:
 #
-# * **`tp_comm`**: same replica, same stage. The tp ranks that hold one stage's parameters between them (the
-#   shards of chapters 5 and 6: MLP columns, heads, vocabulary rows). They talk in every block, forward and backward.
-# * **`pp_comm`**: same replica, same tp_rank. The p stages of one pipeline, each rank holding the same shard
-#   position of a different stage; they pass activations forward and their gradients back, once per micro-batch,
-#   to their neighbours only (chapter 9). Every tp_rank has its own pipeline: the (N, C) activation is whole on
-#   every rank of a tensor-parallel group after its All-Reduce, so each rank sends its copy to the rank with the
-#   same tp_rank in the next stage.
-# * **`dp_comm`**: same stage, same tp_rank. The dp ranks that hold the **same shard of the same stage** in each
-#   replica; they average its gradient once per step (chapters 4 and 10).
-#
-# Every rank contributes its row to the table:
+# * **`tp_comm`** (same replica, same stage): the shards of one stage (chapters 5 and 6); they talk in every block,
+#   forward and backward, on the critical path.
+# * **`pp_comm`** (same replica, same tp_rank): the p stages of one pipeline, passing activations forward and
+#   gradients back to their neighbours, once per micro-batch (chapter 9). The (N, C) activation is whole on every
+#   rank of a tensor-parallel group after its All-Reduce, so each tp_rank has its own pipeline.
+# * **`dp_comm`** (same stage, same tp_rank): the ranks that hold the **same shard of the same stage** in each
+#   replica; they average its gradient once per step (chapter 4). This is the lecture's section 3.4: "all the
+#   'first GPUs' of the tensor-parallel groups hold W_part1 [...] and All-Reduce the gradient of this shard".
 
 # %%
 layers = split_layers(cfg.n_layers, PP)[grid.pp_rank]                  # my stage's blocks
@@ -140,12 +123,10 @@ check.equal("rank == (dp_rank * pp + pp_rank) * tp + tp_rank",
             rank, ProcessGrid.rank_of(grid.dp_rank, grid.pp_rank, grid.tp_rank, PP, TP))
 
 # %% [markdown]
-# The same 8 ranks drawn as two replicas side by side, each a pp x tp block (stage 0 on top): `tp_comm` joins the
-# boxes of a row (blue), `pp_comm` a column (green arrows, the direction of the activations), `dp_comm` the same cell
-# in every block (red dashes). `grid.groups()` computes the members of every communicator from the sizes alone,
-# without communicating; each rank checks that the three communicators it actually holds have exactly those
-# members. The grey backgrounds are two nodes of 4 ranks, as a launcher that fills each node with consecutive ranks
-# would place them on a cluster.
+# The picture: two replicas side by side, each a pp x tp block (stage 0 on top); `tp_comm` joins a row (blue),
+# `pp_comm` a column (green arrows), `dp_comm` the same cell in every block (red dashes); the grey backgrounds are
+# two nodes of 4 consecutive ranks. `grid.groups()` computes every communicator's members from the sizes alone;
+# each rank checks that the communicators it holds have exactly those members.
 
 # %%
 groups = grid.groups()                  # {"tp": [[0, 1], [2, 3], ...], "pp": [[0, 2], ...], "dp": [[0, 4], ...]}
@@ -163,11 +144,8 @@ check.holds("my tp_comm, pp_comm, dp_comm members are groups of grid.groups()",
             all(members[dim] in groups[dim] for dim in members))
 
 # %% [markdown]
-# Who talks to whom, as an 8 x 8 table generated from `grid.groups()`: the entry in row a, column b names the
-# communicator ranks a and b share, "." if none. Two ranks share a communicator exactly when they differ in one
-# coordinate, and then it is that coordinate's; ranks that differ in two or three never exchange anything
-# directly. Each rank has one partner per dimension here (every communicator has two members), three in all out of
-# seven.
+# Who talks to whom, from `grid.groups()`: row a, column b names the communicator ranks a and b share ("." if none).
+# Two ranks share one exactly when they differ in one coordinate, and then it is that coordinate's.
 
 # %%
 via = {}                                # (rank a, rank b) -> the communicator they share
@@ -190,20 +168,14 @@ for a in range(P):
 check.equal("shared communicators == the one coordinate two ranks differ in", via, predicted)
 
 # %% [markdown]
-# **The order of the dimensions.** hsgd numbers ranks tp fastest, then pp, then dp. tp is innermost because it
-# carries the most bytes, in every layer (section 2), and must stay on the node's fastest links. dp is outermost so
-# that each data-parallel replica, one pipeline of tensor-parallel groups, is a contiguous block of ranks: the
-# lecture's G groups of M consecutive workers. By bytes, though, pp carries the least, one activation per
-# micro-batch between neighbours, and that is why Megatron-LM puts pp outermost: its default order is
-# "tp-cp-ep-dp-pp" (`initialize_model_parallel(order=...)` and `RankGenerator` in megatron/core/parallel_state.py:
-# tp fastest, then context, expert and data parallelism, pipeline slowest; with no context or expert parallelism,
-# tp-dp-pp). DeepSpeed's `PipeModelDataParallelTopology` has the same order: axes ["pipe", "data", "model"],
-# laid out row-major, so "model" (tp) varies fastest and "pipe" slowest.
-#
-# On a cluster the choice decides which traffic crosses nodes. Below, both orders place the same 8 ranks on two
-# nodes of 4 consecutive ranks, and each communicator's groups are checked: with hsgd's order the dp All-Reduce
-# crosses nodes (once per step, and it can overlap the backward pass, chapter 8); with Megatron-LM's the pipeline's
-# point-to-point messages do. Both keep tp inside the node.
+# **The order of the dimensions.** tp is innermost because it carries the most bytes, in every layer (section 3),
+# and must stay on the node's fastest links. hsgd puts dp outermost, so that a replica is a contiguous block of
+# ranks: the lecture's G groups of M consecutive workers. Megatron-LM puts pp outermost instead, since pp carries
+# the least: its default order is "tp-cp-ep-dp-pp" (`initialize_model_parallel(order=...)`, `RankGenerator` in
+# megatron/core/parallel_state.py; tp-dp-pp without context and expert parallelism). DeepSpeed's
+# `PipeModelDataParallelTopology` (axes ["pipe", "data", "model"], row-major) is the same. On two nodes of 4
+# consecutive ranks, hsgd's order sends the dp All-Reduce across nodes (once per step, overlappable, chapter 8),
+# Megatron-LM's the pipeline's point-to-point messages; both keep tp inside the node:
 
 # %%
 def rank_in(order, sizes, coord):
@@ -242,35 +214,108 @@ check.equal("groups across nodes: hsgd dp only, Megatron-LM pp only, tp never",
                                                        ("Megatron-LM (tp, dp, pp)", "pp"): DP * TP})  # every pp group
 
 # %% [markdown]
-# ## 2. What each communicator carries in one step
+# ## 2. One hybrid step by hand, on dp x tp
 #
-# One training step on the 3-D grid, in the order `HybridTrainer.step` runs it:
+# First without the pipeline: `ProcessGrid(world, dp=4, tp=2)`, 4 groups of 2. Every rank of a group reads the
+# group's rows of the batch (`dp_rows`), every rank of a `dp_comm` holds the same shard. `HybridTrainer.step`
+# (hsgd/step/trainer.py) then runs the lecture's sections 3.2 to 3.5:
 #
-# 1. replica g takes rows $[gB/dp, (g+1)B/dp)$ of the global batch and cuts them into m micro-batches of
-#    $B/(dp\,m)$ sequences (every rank of the replica reads the same rows);
-# 2. each stage runs its schedule (1F1B by default) of m forwards and m backwards; each forward and backward is the
-#    tensor-parallel `stage_forward` / `stage_backward` of chapter 9 on its tensor-parallel group;
-# 3. each rank averages its stage shard's gradient over `dp_comm`;
-# 4. each rank updates its shard. (The global gradient norm for clipping adds the squares over `tp_comm` and
-#    `pp_comm`: every stage holds different parameters.)
+# 1. group g takes rows $[g\,b, (g+1)\,b)$ of the global batch;
+# 2. the group runs the tensor-parallel forward and backward on them: each rank ends with **its shard of the
+#    gradient of its group's slice**;
+# 3. each `dp_comm` All-Reduces its shard's gradient and divides by dp. The loss is a mean over equal slices, and
+#    slicing and averaging are both linear, so $\frac{1}{dp}\sum_g$ shard of $\nabla\text{loss}_g$ = **shard of
+#    the serial gradient of the global batch**;
+# 4. every rank updates its shard (elementwise: the shard of the serial update).
 #
-# So the three communicators carry, per rank and step (`accounting.traffic.step_formula`, from
-# `tp_model.comm_formula(..., stage=(L_s, first, last))`, `pp.chunks.pp_formula` and
-# `trainer.exchange.sizes.formula()`):
+# By hand, with the pieces of hsgd, checked after steps 2 and 3 against serial gradients every rank computes:
+
+# %%
+DP2, TP2 = 4, 2                                                         # the 2-D grid: 4 groups of 2
+grid2 = ProcessGrid(world, dp=DP2, tp=TP2)
+
+
+def shard_err(local, full, tp_rank, tp, floor=FLOOR):
+    """The largest rel_err of this rank's shards against the matching slices of full (serial) arrays."""
+    return max(rel_err(local[n], tp_shards.shard(full[n], n, tp_rank, tp), floor) for n in local)
+
+
+trainer2 = HybridTrainer(cfg, grid2, train_config(tp=TP2, dp=DP2, batch_size=B, seed=SEED))
+idx, targets = corpus.batch(SEED, 1, B)                                 # (B, T): step 1's global batch
+mine_rows = dp_rows(B, DP2, grid2.dp_rank)                              # my group's rows
+p_digest, d_digest = params_digest(trainer2.params), params_digest({"idx": idx[mine_rows]})
+same = {name: (len(set(comm.allgather_obj(p_digest))), len(set(comm.allgather_obj(d_digest))))
+        for name, comm in (("dp", grid2.dp_comm), ("tp", grid2.tp_comm))}   # (distinct shards, distinct slices)
+check.equal("dp_comm: (distinct shards, distinct data slices) == (1, dp)", same["dp"], (1, DP2))
+check.equal("tp_comm: (distinct shards, distinct data slices) == (tp, 1)", same["tp"], (TP2, 1))
+
+full = serial.init_params(cfg, seed=SEED, dtype="float64")              # the serial model, on every rank
+local = tp_shards.shard_params(full, grid2.tp_rank, TP2)                # my shards of it (= trainer2.params)
+_, grads_slice = serial.loss_and_grads(full, idx[mine_rows], targets[mine_rows], cfg)   # my slice's gradient
+loss_ref, grads_ref = serial.loss_and_grads(full, idx, targets, cfg)    # ... and the global batch's
+buf = FlatBuffer(local)                                                 # my gradient shards, one flat buffer
+loss_g, _ = tp_model.loss_and_grads(local, idx[mine_rows], targets[mine_rows],
+                                    tp_model.TPSetup(cfg, grid2.tp_comm), grads=buf.views)
+check("step 2: my shard of my group's gradient vs serial, on the slice",
+      shard_err(buf.views, grads_slice, grid2.tp_rank, TP2))
+say(f"  (the same shard against the global batch's gradient, before averaging: "
+    f"{shard_err(buf.views, grads_ref, grid2.tp_rank, TP2):.2f}: one group's slice is not the batch)")
+dp_average(buf, grid2.dp_comm)                                          # Allreduce over dp_comm, / dp
+check("step 3: my shard after dp_average vs serial, global batch",
+      shard_err(buf.views, grads_ref, grid2.tp_rank, TP2))
+loss_avg = grid2.dp_comm.comm.allreduce(loss_g) / DP2                   # metadata: one float
+check("loss: mean over the groups vs serial loss of the global batch", abs(loss_avg - loss_ref) / loss_ref)
+trainer2.gradients(idx, targets)                                        # steps 1-3 as training runs them
+check("HybridTrainer.gradients vs the steps by hand: max |difference|",
+      max(float(np.max(np.abs(trainer2.grads[n] - buf.views[n]))) for n in local))
+
+# %% [markdown]
+# **The global gradient norm, for clipping**, $g \leftarrow g \cdot \min(1, c/\lVert g\rVert)$. No rank holds
+# the whole gradient: a split parameter's squares are spread over the tp ranks, a replicated one's are on all of
+# them. `optim.global_grad_norm` adds each kind once,
 #
-# * **tp_comm, per micro-batch, times m**: Megatron's All-Reduces of (N, C) activations, $4L_s$ of them for the
-#   stage's $L_s$ blocks (2 forward, 2 backward per block), plus the embedding's on the first stage and, on the
-#   last, the LM head's input gradient (N, C) and the cross-entropy's MAX and SUM (3N numbers):
-#   $m\,(4L_s + [\text{first}] + 3[\text{last}])$ calls and
-#   $m\,\big(4L_s C + [\text{first}]\,C + [\text{last}]\,(C + 3)\big) N s$ bytes;
-# * **pp_comm, per micro-batch**: one (N, C) activation to the next stage and one gradient back from it, one
-#   gradient to the previous stage and one activation from it: $m([\text{not first}] + [\text{not last}])$
-#   `Isend`s and as many `Recv`s, of $N C s$ bytes each;
-# * **dp_comm, once per step**: one All-Reduce of the rank's whole gradient buffer: its stage's parameters, the
-#   split ones' 1/tp share (vocabulary padded to tp Vp), the replicated ones whole.
+# $$\lVert g\rVert^2 = \sum_{\text{split } p} \ \sum_{i=1}^{tp} \lVert g_{p,i} \rVert^2
+# \;+\; \sum_{\text{replicated } p} \lVert g_p \rVert^2 ,$$
 #
-# Two training steps on the grid (m = 2 micro-batches of 2 sequences), the second one measured on every rank; every
-# rank compares its own measurement with `step_formula` and with the expressions above written out by hand:
+# the first sum with one All-Reduce of a float over `tp_comm` (and `pp_comm` on the 3-D grid), the second locally.
+# After `dp_average` every replica holds the same gradient, so nothing crosses `dp_comm`.
+
+# %%
+norm = global_grad_norm(trainer2.grads, trainer2.norm_weight, grid2.tp_comm)
+serial_norm = math.sqrt(sum(float(np.sum(g * g)) for g in grads_ref.values()))
+squares = sum(float(np.sum(g * g)) for g in trainer2.grads.values())   # all my squares
+everything = math.sqrt(grid2.tp_comm.comm.allreduce(squares))            # wrong: replicated ones tp times
+say(f"serial norm {serial_norm:.12f}; global_grad_norm {norm:.12f}; wrong: my shards only "
+    f"{math.sqrt(squares):.12f}, everything summed over tp_comm {everything:.12f}")
+norms = world.allgather(norm)
+check("global_grad_norm vs serial norm", abs(norm - serial_norm) / serial_norm, 1e-12)
+check("global_grad_norm: spread over all 8 ranks", (max(norms) - min(norms)) / serial_norm, 1e-15)
+factor = clip_grads(trainer2.grads, norm, 0.5 * norm)                   # clip to half the norm
+check("clipped to half the norm: my shards vs serial clipped gradient",
+      shard_err(trainer2.grads, {n: g * factor for n, g in grads_ref.items()}, grid2.tp_rank, TP2))
+trainer2.free()
+grid2.free()
+
+# %% [markdown]
+# ## 3. What each communicator carries in one step
+#
+# On the 3-D grid, `HybridTrainer.step` cuts replica g's rows into m micro-batches, runs each stage's schedule
+# (1F1B by default) of tensor-parallel `stage_forward` / `stage_backward` (chapter 9), averages each shard's
+# gradient over `dp_comm` and updates it. `CommStats` records every collective's calls and **payload** (the
+# logical tensor); per rank and step (`accounting.traffic.step_formula`):
+#
+# * **tp_comm, per micro-batch, times m**: $4L_s$ All-Reduces of (N, C) for the stage's blocks (in each block the
+#   forward's attention and MLP projections, $g$, and the backward's input gradients of q, k, v and of fc, $f$),
+#   plus the vocab-parallel embedding's on the first stage and, on the last, the LM head's input gradient (N, C)
+#   and the cross-entropy's MAX and SUM (3N numbers): $m\,(4L_s + [\text{first}] + 3[\text{last}])$ calls and
+#   $m\,\big(4L_s C + [\text{first}]\,C + [\text{last}]\,(C + 3)\big) N s$ bytes, growing with the activations;
+# * **pp_comm, per micro-batch**: an (N, C) activation forward and its gradient back to each neighbour,
+#   $m([\text{not first}] + [\text{not last}])$ `Isend`s and as many `Recv`s of $N C s$ bytes;
+# * **dp_comm, once per step**: one All-Reduce of the rank's gradient buffer: its stage's split parameters' 1/tp
+#   share (vocabulary padded to tp Vp) and the replicated ones whole, growing with the parameters.
+#
+# Two steps (m = 2 micro-batches of 2 sequences), the second measured on every rank and compared with
+# `step_formula` and with the expressions above written out by hand:
 
 # %%
 def by_hand(cfg, tp, m, n_blocks, first, last, names, positions, s=S):
@@ -304,24 +349,16 @@ check.equal("every rank: step 2's calls and bytes == step_formula", measured, fo
 check.equal("every rank: step_formula == the closed forms written out by hand", formula, mine)
 
 # %% [markdown]
-# Read the numbers against each other. Each rank's `tp_comm` carries several hundred kilobytes in dozens of calls,
-# all on the critical path of its blocks; `pp_comm` a few small messages per micro-batch; `dp_comm` one call of
-# the stage shard's gradient. The first stage's `dp_comm` payload includes `wte`'s vocabulary rows, the last
-# stage's the LM head's columns, and the last stage's `tp_comm` the cross-entropy's.
+# The first stage's `dp_comm` payload includes `wte`'s vocabulary rows, the last stage's the LM head's columns.
 #
-# ## 3. All ten layouts of 8 ranks
+# ## 4. All ten layouts of 8 ranks
 #
-# The closed forms give the traffic of any layout without running it. For this model, a global batch of 16 and
-# m = 2 micro-batches per replica (a plain gradient accumulation of 2 when pp = 1), the bytes per rank and step of
-# every factorization 8 = dp x pp x tp (`grid.factorizations(8)`), each column the largest over the stages ("-": a
-# one-rank communicator, nothing moves). The 2 x 2 x 2 row, at a batch of 8, is checked against the measurement
-# above.
-#
-# Each cell has two numbers. The first is the **payload**, the logical tensors of the calls, which is what
-# `CommStats` records and `step_formula` predicts. The second is what a ring actually **sends from each rank**
-# (chapter 2): an All-Reduce over n ranks sends $2(n-1)/n$ of its payload (exactly the payload for n = 2, 1.75
-# times it for n = 8), a point-to-point message goes once, so `pp_comm` has one number. Compare rows and columns
-# by the second number: a ratio of payloads is not a ratio of bytes on the wire.
+# The closed forms give the traffic of any layout 8 = dp x pp x tp (`grid.factorizations(8)`) without running it,
+# here at B = 16 and m = 2, each column the busiest stage's ("-": a one-rank communicator). Each cell is the
+# **payload**, then what a ring **sends from each rank** (chapter 2): $2(n-1)/n$ of the payload for an
+# All-Reduce over n ranks, all of it for a point-to-point message. A ratio of payloads is not a ratio of bytes on
+# the wire. The bytes do not depend on m (m times the calls, 1/m of the positions each), so the formulas at m = 1
+# must give the payloads measured at m = 2.
 
 # %%
 def layout_rows(cfg, dp, pp, tp, batch, m, s=S):
@@ -354,6 +391,7 @@ def cell(payload, wire):
 
 BIG = 16
 say(f"B = {BIG}, m = {M_MB}, float64, per rank and step (the largest over the stages); payload / sent by a ring:")
+drawn = {}                                                             # layout -> {comm: (payload, sent)}
 say(f"{'dp x pp x tp':>12} {'seq/mb':>6} {'params/rank':>11} {'tp calls':>8} {'tp_comm':>21} {'pp_comm':>9} "
     f"{'dp_comm':>21} {'all three':>21}")
 for dp, pp, tp in factorizations(P):
@@ -363,6 +401,7 @@ for dp, pp, tp in factorizations(P):
     most = {c: max(sent(f, c) for f in stages) for c in size}          # (calls, payload) of the busiest stage
     wire = {c: max(sent(f, c, size[c])[1] for f in stages) for c in size}
     show = {c: cell(most[c][1], wire[c]) if size[c] > 1 else "-" for c in size}
+    drawn[dp, pp, tp] = {c: (most[c][1], wire[c]) if size[c] > 1 else (0, 0) for c in size}
     total = max(sum(sent(f, c)[1] for c in size if size[c] > 1) for f in stages)
     total_wire = max(sum(sent(f, c, size[c])[1] for c in size if size[c] > 1) for f in stages)
     say(f"{f'{dp} x {pp} x {tp}':>12} {BIG // dp // M_MB:>6} {max(n for n, _ in rows):>11,} "
@@ -372,45 +411,84 @@ mine_from_table = layout_rows(cfg, DP, PP, TP, B, M_MB)[grid.pp_rank][1]
 check.equal("2 x 2 x 2 at B = 8: the table's formulas for my stage == measured", mine_from_table, measured)
 check.equal("the table's parameters per rank for my stage == the trainer's",
             layout_rows(cfg, DP, PP, TP, B, M_MB)[grid.pp_rank][0], n_local)
+payloads = lambda f: {c: sum(n for (cc, _), (_, n) in f.items() if cc == c) for c in ("tp", "pp", "dp")}
+check.equal("measured payloads at m = 2 == the formulas at m = 1", payloads(measured),
+            payloads(layout_rows(cfg, DP, PP, TP, B, 1)[grid.pp_rank][1]))
+
+
+def draw_bytes(drawn):
+    """Rank 0: per layout, the busiest stage's payload and ring bytes per rank, stacked by communicator."""
+    fig, ax = pictures.figure(9, 3.6)
+    xs = np.arange(len(drawn))
+    for off, col, hatch in ((-0.2, 0, ""), (0.2, 1, "//")):                    # payload, then sent by a ring
+        bottom = np.zeros(len(drawn))
+        for c in ("tp", "pp", "dp"):
+            kib = np.array([cells[c][col] for cells in drawn.values()]) / 1024
+            ax.bar(xs + off, kib, 0.38, bottom=bottom, color=pictures.COLORS[c], hatch=hatch,
+                   label=f"{c}_comm" if col == 0 else None)
+            bottom += kib
+    ax.set_xticks(xs, [f"{dp}x{pp}x{tp}" for dp, pp, tp in drawn], fontsize=7)
+    ax.set_xlabel("layout dp x pp x tp (8 ranks); left bar payload, right bar (hatched) sent by a ring")
+    ax.set_ylabel("KiB per rank and step")
+    ax.set_title(f"Traffic per rank: B = {BIG}, m = {M_MB}, float64, the busiest stage", fontsize=9)
+    ax.legend(fontsize=7)
+    ax.grid(axis="y", alpha=0.3)
+    ax.margins(y=0.08)
+    return pictures.save(fig, "10_bytes_per_step")
+
+
+path = pictures.on_rank0(world, lambda: draw_bytes(drawn))
+say(f"picture: {path}")
 
 # %% [markdown]
-# How to read it, one dimension at a time, at a fixed P = 8 and global batch:
+# The picture stacks the table's columns per layout, payload beside ring bytes. One dimension at a time, at a fixed
+# P and global batch:
 #
-# * **tp** divides the parameters per rank (almost: LayerNorms, `wpe` and the row-parallel biases stay whole) and
-#   adds All-Reduces of activations in every block. Its payload is proportional to the positions a replica
-#   processes times the blocks of a stage, $B/dp \cdot T \cdot C \cdot L_s$: fewer replicas or fewer stages make it
-#   larger, and a larger tp_comm sends more of it per rank (the second number). It is the traffic to keep inside a
-#   node.
-# * **pp** divides the parameters and the tensor-parallel traffic by the number of stages (each stage has $L/p$
-#   blocks) and adds only $2\,(B/dp)\,T\,C\,s$ of point-to-point messages per middle stage, the smallest of the
-#   three, at the price of the bubble $(p-1)/(m+p-1)$ (chapter 9): with m = 2 and p = 8 that is 7/9 of the time
-#   idle, which is why real pipelines use m of several p.
-# * **dp** divides nothing but the batch: each rank All-Reduces the whole gradient of its shard of its stage,
-#   $\approx$ (parameters)/(pp tp), once per step, where it can overlap the backward pass (chapter 8).
+# * **tp** divides the parameters (not the LayerNorms, `wpe` and the row-parallel biases) and adds All-Reduces of
+#   activations in every block, a payload $\propto (B/dp)\,T\,C\,L_s$ on the critical path: keep it in a node.
+# * **pp** divides the parameters and the tp traffic by the stages and adds only $2\,(B/dp)\,T\,C\,s$ per middle
+#   stage, the least of the three, at the price of the bubble $(p-1)/(m+p-1)$ (chapter 9; 7/9 at m = 2, p = 8).
+# * **dp** divides nothing but the batch: one All-Reduce of the stage shard's gradient per step, overlappable with
+#   the backward pass (chapter 8).
 #
-# Hence the usual recipe, the lecture's section 2 with the placement of its section 4.1: choose tp x pp just large
-# enough that one replica of the model fits, with tp inside a node, where the bandwidth is, then give the remaining
-# ranks to dp. Which of the other two then crosses between nodes is the rank order's choice (section 1): in hsgd's
-# order a replica of pp x tp consecutive ranks fills as few nodes as it needs, and the dp All-Reduce crosses between
-# nodes, once per step and overlappable; in Megatron-LM's order the pipeline's point-to-point messages cross
-# instead, the smallest payload. Only when one replica needs more ranks than a node has do hsgd's pipelines cross
-# nodes too.
+# Which layout moves the least depends on the ratio of activations to parameters. Among the 2-D layouts (pp = 1),
+# for a model whose parameters outweigh its batch (the toy below: 2 layers, F = 128, B = 8) a mixed layout moves
+# the least; for GPT-2 small's shape at B = 32 sequences of 1024 the activations dominate and pure dp would, if
+# the model fitted. Hence the recipe (the lecture's section 2, placed as in its section 4.1): tp x pp just large
+# enough that a replica fits, tp inside a node, the remaining ranks to dp.
+
+# %%
+def least_2d(cfg, batch, s, tps):
+    """Among the layouts (P/tp) x 1 x tp: (the least payload summed over tp and dp, the fewest ring bytes)."""
+    totals = {}
+    for tp in tps:
+        f, size = layout_rows(cfg, P // tp, 1, tp, batch, 1, s)[0][1], {"tp": tp, "dp": P // tp}
+        totals[tp] = [sum(sent(f, c, size[c] if col else None)[1] for c in size if size[c] > 1)
+                      for col in (0, 1)]
+        say(f"  {P // tp} x 1 x {tp}: payload {fmt_bytes(totals[tp][0])}, sent by a ring {fmt_bytes(totals[tp][1])}")
+    return tuple(f"{P // t} x 1 x {t}" for t in (min(tps, key=lambda t: totals[t][col]) for col in (0, 1)))
+
+
+toy = ModelConfig(vocab_size=256, seq_len=16, d_model=32, n_heads=8, n_layers=2, d_ff=128)
+say("toy (L=2, F=128), B = 8, float64:")
+toy_best = least_2d(toy, 8, 8, (1, 2, 4, 8))
+gpt2 = ModelConfig(vocab_size=50257, seq_len=1024, d_model=768, n_heads=12, n_layers=12, d_ff=3072)
+say(f"GPT-2 small's shape ({gpt2.n_params() / 1e6:.0f} M parameters), B = 32, float32 (tp = 8 does not divide 12):")
+gpt2_best = least_2d(gpt2, 32, 4, (1, 2, 4))
+say(f"least (payload, ring bytes): toy {toy_best}, GPT-2 {gpt2_best}")
+check.holds("the toy: a mixed layout moves the least, in both columns", set(toy_best) <= {"4 x 1 x 2", "2 x 1 x 4"})
+check.holds("GPT-2's shape: pure DP moves the least, in both columns", set(gpt2_best) == {"8 x 1 x 1"})
+
+# %% [markdown]
+# ## 5. Memory per rank
 #
-# ## 4. Memory per rank
-#
-# What each layout buys is memory. A rank holds, between and during steps:
-#
-# * its stage's parameters, $(\text{stage parameters})/tp$ give or take the replicated ones (`tp_shards.shard_numel`);
-# * as many gradients (the buffer the backward pass accumulates into and `dp_comm` averages);
-# * the optimizer's state: SGD with momentum keeps one velocity per parameter (AdamW would keep two);
-# * the activations the forward passes cache for their backward passes: per micro-batch of b sequences on stage s,
-#   $L_s$ blocks of `hsgd.accounting.activations.activation_formula` (which already divides the split terms by tp), plus
-#   the token ids and masks of the embedding on the first stage and the final LayerNorm, the LM head's input and the
-#   loss's softmax on the last; times the micro-batches in flight, $\min(p - s, m)$ under 1F1B (chapter 9).
-#
-# The 2 x 2 x 2 trainer above checks all four against measurement: `trainer.memory()` for the first three, and
-# `hsgd.accounting.activations.activation_bytes` of the caches of one micro-batch's `stage_forward` on every rank for
-# the last.
+# What each layout buys is memory. A rank holds its stage's parameters (about 1/tp of them,
+# `tp_shards.shard_numel`), as many gradients, the optimizer's state (SGD with momentum: one velocity per
+# parameter; AdamW two), and the activations cached for the backward: per micro-batch on stage s, $L_s$ blocks of
+# `activation_formula` (split terms already divided by tp), the embedding's ids and masks on the first stage, the
+# final LayerNorm, LM-head input and softmax on the last; times the micro-batches in flight, $\min(p - s, m)$
+# under 1F1B (chapter 9). The 2 x 2 x 2 trainer checks all four: `trainer.memory()` and `activation_bytes` of a
+# real `stage_forward`.
 
 # %%
 def micro_batch_activations(cfg, tp, b, n_blocks, first, last, s=S):
@@ -475,90 +553,83 @@ if rank == 0:
 pictures.wait_asleep(world)                      # the other ranks sleep while rank 0 draws
 
 # %% [markdown]
-# The picture stacks the four parts for each of the ten layouts, for the rank of the stage that holds the most.
+# Parameters, gradients and optimizer state shrink with pp x tp, never with dp (chapter 8's ZeRO shards them over
+# dp). Activations go the other way: each rank taken from dp gives a replica more sequences per micro-batch; tp
+# leaves the LayerNorm outputs and the split products' inputs whole (chapter 6's sequence parallelism splits
+# them); and under 1F1B the first stage keeps $\min(p, m)$ micro-batches of $L/p$ blocks, as much as the whole
+# model for one micro-batch once m reaches p (here m = 2).
 #
-# Parameters, gradients and optimizer state shrink with pp x tp and not at all with dp: every replica holds all of
-# them (chapter 8's ZeRO shards the optimizer state and the gradients over dp to change that). Activations go the
-# other way down the table. At a fixed 8 ranks, every rank given to tp or pp is taken from dp, and each replica then
-# processes more sequences per micro-batch. tp divides only part of a block's cache: Megatron's scheme keeps the
-# LayerNorm outputs and the inputs of the split matrix products whole on every rank (chapter 6's sequence
-# parallelism splits those too). And pp hardly divides it under 1F1B: the first stage keeps $\min(p, m)$
-# micro-batches of $L/p$ blocks each, so with m at least p it holds as much as the whole model would for one
-# micro-batch, whatever p is (here m = 2, so the deep pipelines keep only 2 of their p).
+# ## 6. `hsgd.verify`
 #
-# ## 5. `hsgd.verify` on the 3-D grid
-#
-# `hsgd.verify` runs one step of `HybridTrainer.gradients` and of `hsgd.model.serial` on the same batch and prints,
-# per parameter, the largest error of any rank's shard of the gradient, with the stage that holds it; exit code 0
-# when all are within the float64 tolerance ($10^{-10}$). Called as a function, on 2 x 2 x 2 with 1F1B, and with
-# the lecture's All-Gather scheme and GPipe; the first lines and the last of each report:
+# One step of `HybridTrainer.gradients` against `hsgd.model.serial` on the same batch, the largest error of any
+# rank's shard of each parameter, exit code 0 within $10^{-10}$. On 2 x 2 x 2 with 1F1B, with the lecture's
+# All-Gather scheme and GPipe, and on 2 x 1 x 4 with All-Gather and two micro-batches:
 
 # %%
-for extra in (dict(), dict(tp_scheme="gather", schedule="gpipe")):
+for extra in (dict(), dict(tp_scheme="gather", schedule="gpipe"),
+              dict(dp=2, pp=1, tp=4, tp_scheme="gather", micro_batches=2)):
     report = io.StringIO()
     ok, _ = verify(cfg, config(**extra), world, out=report)
     lines = report.getvalue().splitlines()                             # rank 0's report; empty elsewhere
     say("\n".join(lines[:5] + ["    ..."] + lines[-3:]) + "\n")
-    check.holds(f"hsgd.verify dp=2 pp=2 tp=2 {extra}: PASS", ok)
+    check.holds(f"hsgd.verify {extra or 'dp=2 pp=2 tp=2'}: PASS", ok)
 
 # %% [markdown]
-# ## 6. Training on the 3-D grid, and the check against serial SGD
+# ## 7. Training, and the check against serial SGD
 #
-# `hsgd.train.train(cfg, tc, world)` is the loop of `mpirun -n 8 python -m hsgd.train --tp 2 --pp 2 --dp 2`: here
-# six float64 steps of SGD with momentum, a warm-up, a cosine schedule and clipping at 1.0, m = 2 micro-batches,
-# 1F1B. Besides the progress lines, it prints the bytes per step of every stage against `step_formula`, the last
-# step's measured pipeline schedule (noisy on a shared machine, see chapter 9) and the micro-batches each stage
-# held. Its output, from rank 0:
+# `hsgd.train.train(cfg, tc, world)` is the loop of `mpirun -n 8 python -m hsgd.train --tp 2 --pp 2 --dp 2`:
+# here twelve float64 steps of SGD with momentum, warm-up, cosine schedule and clipping at 1.0, m = 2, 1F1B. It
+# prints the bytes per step against `step_formula`, the last step's measured schedule (noisy, chapter 9) and the
+# micro-batches each stage held:
 
 # %%
-tc = config(steps=6, warmup=2, log_interval=3)
+tc = config(steps=12, warmup=2, log_interval=6, eval_batches=2)
 run = train(cfg, tc, world, out=sys.stdout)           # rank 0 prints; every rank returns its summary
+losses = run["losses"]
+say(f"\ntraining loss: first step {losses[0]:.3f}, mean of the last 3 {np.mean(losses[-3:]):.3f}")
+check.holds("training loss fell by at least 1.0", np.mean(losses[-3:]) < losses[0] - 1.0)
+check.holds("validation loss fell", run["val_after"] < run["val_before"])
 
 # %% [markdown]
-# The reference is serial mini-batch SGD on one process, the whole batch of every step, with the same optimizer,
-# schedule and clipping (the serial norm): `serial.sgd`. Rank 0 runs it and broadcasts the result; every rank
-# compares its shards of its stage with the matching slices. As in chapter 4 the error is relative to each
-# parameter's largest entry, but at least to 0.02: the attention k-biases only ever receive rounding noise. Both
-# replicas of every shard must also be bit-identical, and every parameter must be held by some rank.
+# The reference is `serial.sgd`: one process, the whole batch of every step, the same optimizer, schedule and
+# clipping (the serial norm). Rank 0 runs it, and once more without clipping to show that clipping was active;
+# every rank compares its shards with the matching slices, relative to each parameter's largest entry but at least
+# to 0.02 (the attention k-biases only ever receive rounding noise).
 
 # %%
-reference = None
-if rank == 0:                                         # the same global batches, on one process
-    reference = serial.sgd(cfg, tc, lambda step: corpus.batch(tc.seed, step, tc.batch_size))
-pictures.wait_asleep(world)                           # the others sleep meanwhile (not spin inside the bcast)
-ref, ref_losses = world.bcast(reference, root=0)      # a small model: a pickled broadcast is fine
+def serial_reference(tc):
+    """serial.sgd with tc, and how far serial SGD without clipping ends from it: (params, losses, distance)."""
+    batch = lambda step: corpus.batch(tc.seed, step, tc.batch_size)          # the global batch of every step
+    ref, ref_losses = serial.sgd(cfg, tc, batch)
+    unclipped, _ = serial.sgd(cfg, replace(tc, clip=0.0), batch)
+    return ref, ref_losses, max(rel_err(unclipped[n], ref[n], floor=0.02) for n in ref)
 
-losses = run["losses"]
+
+ref, ref_losses, clip_effect = world.bcast(pictures.on_rank0(world, lambda: serial_reference(tc)), root=0)
 param_errs = {n: rel_err(p, tp_shards.shard(ref[n], n, grid.tp_rank, TP), floor=0.02) for n, p in run["params"].items()}
 replicas = len(set(grid.dp_comm.allgather_obj(params_digest(run["params"]))))
 held = set(n for names in world.allgather(sorted(run["params"])) for n in names)
-say(f"\nserial SGD losses: {' '.join(f'{x:.6f}' for x in ref_losses)}")
+say(f"serial SGD losses: {' '.join(f'{x:.6f}' for x in ref_losses)}")
 say(f"3-D grid losses:   {' '.join(f'{x:.6f}' for x in losses)}")
+say(f"serial SGD without clipping ends {clip_effect:.1e} away (rel) from serial SGD with it")
+check.holds("clipping was active: serial SGD without it ends > 1e-3 away", clip_effect > 1e-3)
 check(f"{tc.steps} steps: losses vs serial SGD", max(abs(a - b) / b for a, b in zip(losses, ref_losses)), 1e-9)
 check(f"{tc.steps} steps: every rank's shards of its stage vs serial SGD", max(param_errs.values()), 1e-9)
 check.equal("distinct digests of the DP replicas of every shard", replicas, 1)
 check.equal("parameters held by some rank == the model's", held, set(cfg.param_shapes()))
 
 # %% [markdown]
-# ## 7. The command lines
+# ## 8. The command lines
 #
-# Everything above, from a shell. Training (the default model and 1000 steps; `--help` lists the rest, among them
-# `--pp-split`, `--schedule gpipe`, `--micro-batches`, `--tp-scheme gather`, `--plot DIR` for the per-rank
-# timeline as a PNG):
+# Training (`--help` lists the rest: `--pp-split`, `--schedule gpipe`, `--micro-batches`, `--tp-scheme gather`,
+# `--plot DIR` for the per-rank timeline), the layout table and groups, and the check against serial (dp
+# defaults to the ranks left over):
 #
 #     mpirun -n 8 python -m hsgd.train --tp 2 --pp 2 --dp 2
-#     mpirun -n 8 python -m hsgd.train --tp 2 --pp 2 --dp 2 --micro-batches 4 --schedule gpipe --steps 100
-#
-# the layout table and the groups of section 1:
-#
 #     mpirun -n 8 python -m hsgd.grid --tp 2 --pp 2
-#
-# and the check against serial of section 5 (dp defaults to the ranks left over, 8 / (2 x 2) = 2):
-#
 #     mpirun -n 8 python -m hsgd.verify --tp 2 --pp 2
 #
-# The last is cheap, so here it is, through its own `main` with exactly those arguments, as `python -m` runs it; its
-# return value is the exit code:
+# The last through its own `main`, as `python -m` runs it; its return value is the exit code:
 
 # %%
 code = hsgd.verify.main(["--tp", "2", "--pp", "2"])
@@ -567,15 +638,14 @@ check.equal("mpirun -n 8 python -m hsgd.verify --tp 2 --pp 2: exit code", code, 
 # %% [markdown]
 # ## Check against serial
 #
-# On 8 ranks as dp 2 x pp 2 x tp 2, every verdict reached collectively: each rank sits at
-# $(\text{dp\_rank} \cdot pp + \text{pp\_rank}) \cdot tp + \text{tp\_rank}$, its three communicators have the
-# members `grid.groups()` predicts, and two ranks share a communicator exactly when they differ in one coordinate;
-# on two nodes of 4, hsgd's order sends only the dp groups across nodes and Megatron-LM's only the pp groups; every
-# rank's bytes and calls on `tp_comm`, `pp_comm` and `dp_comm` in a step are exactly `step_formula`'s and the closed
-# forms written out, which the table of all ten layouts uses; the memory formulas of that table give exactly the
-# trainer's parameters, gradients and optimizer state, the cached bytes of a real forward and the micro-batches
-# held; `hsgd.verify` passes, from Python and with the command line's arguments; and six steps of 3-D parallel SGD
-# with momentum and clipping end with serial SGD's parameters, the replicas of every shard bit-identical.
+# On 8 ranks, every verdict reached collectively: the ranks sit where the numbering formula says, their
+# communicators have the members `grid.groups()` predicts, and on two nodes of 4 hsgd's order sends only dp
+# across nodes, Megatron-LM's only pp; on dp 4 x tp 2, the dp replicas hold the same shard of different rows, a
+# group's gradient is the shard of its slice's serial gradient, after `dp_average` the shard of the global batch's,
+# and the global norm and clipping are serial's; every rank's bytes on the three communicators are `step_formula`'s
+# and the closed forms', independent of m; the memory formulas match the trainer and a real forward; `hsgd.verify`
+# passes on three layouts and from the command line; and twelve clipped steps of 3-D SGD end with serial SGD's
+# parameters, the replicas bit-identical.
 
 # %%
 worst, err = check.worst([w for w in check.errors if "serial" in w])
@@ -590,35 +660,50 @@ grid.free()
 # |---|---|---|---|---|
 # | `ProcessGrid(world, dp, pp, tp)` (hsgd/grid/process_grid.py): rank = (dp_rank pp + pp_rank) tp + tp_rank, order tp-pp-dp | `initialize_model_parallel(tensor_model_parallel_size, pipeline_model_parallel_size, ..., order="tp-cp-ep-dp-pp")`, ranks from `RankGenerator` (megatron/core/parallel_state.py): tp-dp-pp without cp and ep | `PipeModelDataParallelTopology(num_pp, num_mp, num_dp)`, axes ["pipe", "data", "model"], row-major (deepspeed/runtime/pipe/topology.py): tp-dp-pp | `init_device_mesh("cuda", (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))` (torch/distributed/device_mesh.py), row-major: the order is the caller's | dp outermost, so that a replica is a contiguous block of ranks (the lecture's G groups of M consecutive workers); the others put pp outermost, so that the pipeline's small messages cross nodes instead of the dp All-Reduce |
 # | `grid.groups()`; `tp_comm`, `pp_comm`, `dp_comm` from `Split(color, key)` | `RankGenerator.get_ranks("tp")` etc.; `get_tensor_model_parallel_group()`, `get_pipeline_model_parallel_group()`, `get_data_parallel_group()` | `PipelineParallelGrid(topology=...)`: `get_slice_parallel_group()` (tp), `get_pipe_parallel_group()`, `get_data_parallel_group()` | `mesh["tp"]`, `mesh["pp"]`, `mesh["dp"]` (sub-meshes), `mesh.get_group("tp")` | three MPI communicators passed as arguments, no global state |
-# | `accounting.traffic.step_formula`, the layout table of section 3 | none (the paper derives each dimension's traffic) | none | none | every term checked against `CommStats`, byte for byte |
-# | `HybridTrainer.memory()`, `hsgd.accounting.activations.activation_formula`, section 4's `rank_memory` | `report_theoretical_memory`, `compute_weight_and_optimizer_memory`, `compute_activation_memory` (megatron/training/theoretical_memory_usage.py; the first stage holds `min(num_microbatches, pipeline_model_parallel_size)` micro-batches) | `estimate_zero2_model_states_mem_needs_all_live` (deepspeed/runtime/zero/stage_1_and_2.py) | none | the formulas count hsgd's own caches exactly, and are checked against `activation_bytes` of a real forward |
+# | `HybridTrainer.step` (hsgd/step/trainer.py): the group's rows, the tp forward and backward, `dp_average(buf, grid.dp_comm)` of one `FlatBuffer`, clipping, the update | `train_step` (megatron/training/training.py): `forward_backward_func`, then `finalize_model_grads` (megatron/core/distributed/finalize_model_grads.py) calls each chunk's `finish_grad_sync` on `DistributedDataParallel`'s contiguous buffers, then `optimizer.step()` | `DeepSpeedEngine` (deepspeed/runtime/engine.py): `engine.backward(loss)` reduces the gradients (`allreduce_gradients`), `engine.step()` clips and updates | `loss.backward()`, `optimizer.step()` on a module made tensor-parallel by `parallelize_module(model, mesh["tp"], plan)` and data-parallel by `fully_shard(model, mesh=mesh["dp"])` or `DistributedDataParallel` | one function per step of the lecture, no autograd hooks, one buffer and one call after the backward (buckets and overlap: chapter 8) |
+# | `optim.global_grad_norm(grads, norm_weight, tp_comm)`: split parameters' squares summed over `tp_comm`, replicated ones counted once | `get_grad_norm_fp32` (megatron/core/optimizer/clip_grads.py) over the gradients passing `param_is_not_shared` and `param_is_not_tensor_parallel_duplicate` | `clip_grad_norm_(parameters, max_norm, mpu=...)` (deepspeed/runtime/utils.py) counts a replicated parameter only on model-parallel rank 0 | `torch.nn.utils.clip_grad_norm_`; with DTensor gradients the sharded norms are reduced over their mesh | 0/1 masks keep the two sums apart, so every tp rank gets the same norm to the last bit |
+# | `accounting.traffic.step_formula` and `CommStats`, the layout table of section 4 | none (profilers) | the `"comms_logger"` setting (deepspeed/comm/config.py): each collective's size and time | `CommDebugMode` (torch.distributed.tensor.debug): counts DTensor collectives, without bytes | every term checked against `CommStats`, byte for byte |
+# | `HybridTrainer.memory()`, `activation_formula`, section 5's `rank_memory` | `report_theoretical_memory`, `compute_weight_and_optimizer_memory`, `compute_activation_memory` (megatron/training/theoretical_memory_usage.py; the first stage holds `min(num_microbatches, pipeline_model_parallel_size)` micro-batches) | `estimate_zero2_model_states_mem_needs_all_live` (deepspeed/runtime/zero/stage_1_and_2.py) | none | the formulas count hsgd's own caches exactly, checked against `activation_bytes` of a real forward |
 # | `hsgd.verify` (every rank's gradient shards against serial) | none | none | none | a parallel step is trusted only once it matches serial |
 #
 # ## Exercises
 #
 # ### Exercise 1: 16 ranks on 2 nodes of 8
-# For every layout of 16 = dp x pp x tp that this model allows, from the formulas of sections 3 and 4 (B = 64,
-# m = 4), compute the memory per rank of the busiest stage and the bytes per rank and step (payload and sent by a
-# ring); then place the ranks in hsgd's order on two nodes of 8 consecutive ranks and find which communicators have
-# groups that span both nodes. Check the rules: tp stays inside a node exactly when tp divides 8, and pp crosses
-# nodes exactly when one replica (pp x tp ranks) is larger than a node; otherwise dp is what crosses. Among the
-# layouts whose memory fits a budget (the 2 x 2 x 4 layout's, say) and whose tp stays inside a node, choose the one
-# that sends the fewest bytes between nodes per rank (count, as an upper bound, all a rank sends on a communicator
-# whose groups span both nodes).
+# For every layout of 16 = dp x pp x tp that this model allows, from the formulas of sections 3 to 5 (B = 64,
+# m = 4), compute the busiest stage's memory per rank and bytes per rank and step (payload and sent by a ring);
+# place the ranks in hsgd's order on two nodes of 8 consecutive ranks and find which communicators span both.
+# Check the rules: tp stays inside a node exactly when tp divides 8, pp crosses exactly when a replica (pp x tp
+# ranks) is larger than a node, otherwise dp crosses. Among the layouts that fit a memory budget (the 2 x 2 x 4
+# layout's) with tp inside a node, choose the one that sends the fewest bytes between nodes per rank (as an upper
+# bound, all a rank sends on a communicator whose groups span both nodes).
 # (solution: `tutorials/solutions/10_3d_parallelism.py`, `exercise_1`)
 #
 # ### Exercise 2: the bytes of another layout
-# On the 8 ranks, build `ProcessGrid(world, dp=1, pp=4, tp=2)` and `ProcessGrid(world, dp=4, pp=2, tp=1)`. For each,
-# write by hand what one rank sends on each communicator in one step (the closed forms of section 2) as payload and
-# as bytes a ring sends, run a step of `HybridTrainer`, and check your payloads against `CommStats`.
+# On the 8 ranks, build `ProcessGrid(world, dp=1, pp=4, tp=2)` and `ProcessGrid(world, dp=4, pp=2, tp=1)`. For
+# each, write what one rank sends on each communicator in one step (section 3's closed forms), as payload and as
+# bytes a ring sends, run a step of `HybridTrainer`, and check your payloads against `CommStats`.
 # (solution: `tutorials/solutions/10_3d_parallelism.py`, `exercise_2`)
 #
 # ### Exercise 3: Megatron-LM's numbering
-# Write the rank of (d, p, t) in Megatron-LM's default order (tp-cp-ep-dp-pp, with cp = ep = 1) and its inverse;
-# check that it is a bijection of the 8 ranks and reproduce the example in the docstring of Megatron-LM's
+# Write the rank of (d, p, t) in Megatron-LM's default order (tp-cp-ep-dp-pp, cp = ep = 1) and its inverse; check
+# that it is a bijection of the 8 ranks and reproduce the example in the docstring of Megatron-LM's
 # `generate_masked_orthogonal_rank_groups` (order tp-pp-dp, sizes 2-2-2: dp groups [0, 4], [1, 5], [2, 6], [3, 7]).
-# Then run hsgd in Megatron-LM's layout: renumber the world with `world.Split(0, key=...)` so that `ProcessGrid`
-# gives every rank its Megatron-LM coordinates, check that the members of its three communicators (in world ranks)
-# are Megatron-LM's groups, that on two nodes of 4 the pp groups now cross nodes and the dp groups do not, and that
-# a training step gives the same loss as in hsgd's layout.
+# Then renumber the world with `world.Split(0, key=...)` so that `ProcessGrid` gives every rank its Megatron-LM
+# coordinates; check that its communicators' members (in world ranks) are Megatron-LM's groups, that on two nodes
+# of 4 the pp groups cross nodes and the dp groups do not, and that a training step gives the same loss as in
+# hsgd's layout.
 # (solution: `tutorials/solutions/10_3d_parallelism.py`, `exercise_3`)
+#
+# ### Exercise 4: the global gradient norm in one All-Reduce over the world
+# On dp 4 x tp 2, after one `HybridTrainer.gradients`, compute $\lVert g\rVert$ from `trainer.grads` with a single
+# All-Reduce of one float over all 8 ranks, weighting each rank's squares so that every element counts once (a
+# split parameter's shard is on dp ranks, a replicated parameter on dp x tp). Check it against the serial norm and
+# `global_grad_norm`.
+# (solution: `tutorials/solutions/10_3d_parallelism.py`, `exercise_4`)
+#
+# ### Exercise 5: unequal slices
+# Split B = 10 sequences over dp = 4 groups (tp = 2) as 3, 3, 2, 2 rows. Each group's `tp_model.loss_and_grads`
+# returns the gradient of the mean loss over *its* rows. Find the weights of the average over `dp_comm` that give
+# the serial gradient of the global batch, do it with one All-Reduce, check against serial, and show that the
+# plain $1/dp$ average is off.
+# (solution: `tutorials/solutions/10_3d_parallelism.py`, `exercise_5`)

@@ -16,35 +16,22 @@
 # %% [markdown]
 # # Chapter 19: fault tolerance, checkpoints of a sharded model
 #
-# The lecture lists fault tolerance among the challenges of hybrid parallel SGD. Its section 4.3 (in translation):
+# Part IV, operations, starts here: chapters 1-18 made a layout compute the right step; this part keeps such a run
+# alive, uses it to check other systems, and moves it onto GPUs. This chapter is how a job survives its failures.
+# The lecture's section 4.3 (in translation):
 #
 # > Hybrid-parallel training jobs are large, with many nodes and long running times, so the probability that a node
 # > fails grows. A checkpoint mechanism is needed that periodically saves the model state (parameters, optimizer
 # > state) to persistent storage. Because the parameters are spread over different nodes, saving and restoring a
 # > checkpoint is itself a distributed operation.
 #
-# The arithmetic behind the first sentence: if one node fails on average once in a few years, a job on a thousand
-# nodes loses one about every day. So a long run is a sequence of segments, each ending in a crash or at its time
-# limit and each starting from the last checkpoint. This chapter follows `hsgd.checkpoint.store` and the fault handling
-# of `hsgd.step.trainer`, `hsgd.train` and `hsgd.grid.launch` on 8 ranks, a dp 2 x pp 2 x tp 2 grid (chapter 10):
-#
-# 1. what a checkpoint of a sharded model is: one file per (stage, tensor rank), a manifest with checksums;
-# 2. atomic writes: a job killed while saving leaves the previous checkpoint as it was; the newest K are kept;
-# 3. exact resume: a run continued from a checkpoint in the same layout ends bit-identical to the uninterrupted one;
-# 4. resharding: the same checkpoint continued in other layouts, and exported under the serial names;
-# 5. checking before loading: a corrupted shard, a different model, a different optimizer;
-# 6. when a rank dies: an exception, a SIGKILL, and `--resume auto`;
-# 7. numerical faults: a NaN on one rank, and DP replicas that no longer agree;
-# 8. no quiet failure: every collective phase watched, a run whose updates keep being skipped stopped, a killed
-#    job's zombie ranks not holding the save folder.
-#
-# Run it with eight ranks, which share the machine's cores: about 6 s on a quiet 2-core machine (two to four times
-# that when other jobs share the cores). On failure every rank raises, so it exits non-zero without hanging:
+# A node that fails once in a few years makes a thousand-node job lose one about every day: a long run is a sequence
+# of segments, each starting from the last checkpoint. The chapter follows `hsgd.checkpoint.store` and the fault
+# handling of `hsgd.step.trainer`, `hsgd.train` and `hsgd.grid.launch` on a dp 2 x pp 2 x tp 2 grid (chapter 10).
+# Eight ranks, about 6 s on a quiet 2-core machine (two to four times that on a loaded one); only rank 0 prints,
+# and everything written goes into a temporary directory:
 #
 # mpirun -n 8 python tutorials/19_fault_tolerance.py
-#
-# The notebook form (`jupytext --to ipynb tutorials/19_fault_tolerance.py`) is for reading: the code needs eight
-# MPI ranks. Only rank 0 prints. Everything the chapter writes goes into a temporary directory, removed at the end.
 #
 # Legend: P ranks, dp replicas, pp stages, tp ranks per stage, B global batch, m micro-batches, T sequence,
 # C d_model, NH heads, F d_ff, V vocabulary, L layers; s a stage, t a tensor rank.
@@ -94,7 +81,7 @@ grid = ProcessGrid(world, dp=DP, pp=PP, tp=TP)
 cfg = ModelConfig(vocab_size=256, seq_len=8, d_model=16, n_heads=4, n_layers=2, d_ff=32)   # NH, F split 1, 2, 4 ways
 SEED, B, STEPS = 0, 8, 6
 corpus = Corpus.load(None, cfg.seq_len) # the built-in corpus (the Python standard library's source), as hsgd.train
-TMP = world.bcast(tempfile.mkdtemp(prefix="hsgd-ch11-") if rank == 0 else None, root=0)   # one directory for all
+TMP = world.bcast(tempfile.mkdtemp(prefix="hsgd-ch19-") if rank == 0 else None, root=0)   # one directory for all
 if rank == 0:
     atexit.register(shutil.rmtree, TMP, ignore_errors=True)   # removed at exit, also when a check fails
 SAVE = os.path.join(TMP, "run")         # the --save-dir of the run
@@ -117,24 +104,22 @@ def batch(step):
 # ## 1. What a checkpoint of a sharded model holds
 #
 # On one process a checkpoint is `np.savez(params)`. On the grid no rank holds the model: rank r holds its stage's
-# blocks (pp), and of each of their weight matrices the columns or rows of its tensor rank (tp). What is there to
-# save is the union of the pieces, and the DP replicas hold identical copies of them (chapter 4: the same averaged
-# gradient, the same update). So `checkpoint.save(trainer, step, save_dir, keep)`, called by every rank:
+# blocks (pp) and its tensor rank's columns or rows of them (tp), and the DP replicas hold identical copies
+# (chapter 4). So `checkpoint.save(trainer, step, save_dir, keep)`, called by every rank, writes:
 #
-# * **one file per (stage s, tensor rank t)**, `shard-pp{s}-tp{t}.npz`, written by the rank of that position in the
-#   first replica (dp_rank 0): its parameter shards (`param/<name>`) and its optimizer state (`opt/<name>/velocity`
-#   for SGD with momentum, `m` and `v` for AdamW). The other dp - 1 replicas write nothing; pp x tp files in all,
-#   written in parallel, each rank's I/O proportional to its share of the model;
-# * **`manifest.json`**, written by rank 0 once every file is on disk: the model's shape, the layout it was saved
-#   in (dp, pp, tp, the tensor-parallel scheme, the blocks per stage), the step, the data position and the seed,
-#   the optimizer (and AdamW's step count), the dtype, and the size and SHA-256 of every file.
+# * **one file per (stage s, tensor rank t)**, `shard-pp{s}-tp{t}.npz`, by the rank of that position in the first
+#   replica (dp_rank 0): its parameter shards (`param/<name>`) and optimizer state (`opt/<name>/velocity` for SGD
+#   with momentum, `m` and `v` for AdamW). pp x tp files, written in parallel, each rank's I/O proportional to its
+#   share of the model;
+# * **`manifest.json`**, by rank 0 once every file is on disk: the model's shape, the layout (dp, pp, tp, the
+#   tensor-parallel scheme, the blocks per stage), the step, the data position and seed, the optimizer (and AdamW's
+#   step count), the dtype, and the size and SHA-256 of every file.
 #
-# The data position needs no more than a number: hsgd's batches are a pure function of (seed, step), and the
-# initialization of the seed, so the manifest's `next_step` and `seed` are the whole random state of the run. (A
-# framework with a shuffling data loader or dropout must also save the generators' states, per rank.)
+# hsgd's batches are a pure function of (seed, step), so `next_step` and `seed` are the whole random state of the
+# run. (A framework with a shuffling data loader or dropout must also save the generators' states, per rank.)
 #
-# The run: three steps on the 2 x 2 x 2 grid, then the checkpoint after step 3. This trainer goes on to step 6
-# in section 2 and is "the uninterrupted run" that every resumed run is compared with.
+# The run: three steps, then the checkpoint after step 3. This trainer goes on to step 6 in section 2 and is "the
+# uninterrupted run" every resumed run is compared with.
 
 # %%
 trainer = HybridTrainer(cfg, grid, config())                           # my stage's shards (float64)
@@ -151,10 +136,9 @@ for name in sorted(os.listdir(path3)):
     say(f"  {name:<20} {os.path.getsize(os.path.join(path3, name)):>7,} bytes   {who}")
 
 # %% [markdown]
-# The manifest, and the first entries of one shard file (a NumPy `.npz`: a zip of `.npy` arrays). Every rank can
-# check that the file of its position holds exactly its own parameter shards and velocities, bit for bit, whether
-# it wrote the file (dp_rank 0) or only holds a replica of it (dp_rank 1), and that the file's SHA-256 is the one
-# in the manifest:
+# The manifest, and the first entries of one shard file (a `.npz`, a zip of `.npy` arrays). Every rank checks that
+# the file of its position holds exactly its own shards and velocities, bit for bit, whether it wrote the file or
+# only holds a replica of it, and that the file's SHA-256 is the manifest's:
 
 # %%
 with open(os.path.join(path3, "manifest.json")) as f:
@@ -179,13 +163,12 @@ check.equal("every rank: my position's file's SHA-256 == the manifest's",
             checkpoint.sha256(os.path.join(path3, mine)), manifest["files"][mine]["sha256"])
 
 # %% [markdown]
-# The picture: on the left, what each file of this checkpoint holds, read back from the four files: for every layer
-# (a weight and its bias together) the number of parameter elements in each file, shaded by the share of the full
-# layer it is (the velocities double every number). Stage 0's files hold the embeddings and block 0, stage 1's
-# block 1, the final LayerNorm and the LM head. A split layer is halved between the two tensor ranks; a replicated
-# one (the LayerNorms, `wpe`, the row-parallel layers' biases in Megatron's scheme) is written whole by both, and
-# `unshard` reads the copy of tensor rank 0. On the right, the bytes each world rank wrote, from the manifest: the
-# four ranks of replica 0 one file each, rank 0 the manifest too, replica 1 nothing.
+# The picture: on the left, for every layer (a weight and its bias together), the parameter elements in each file,
+# shaded by the share of the full layer (the velocities double every number). Stage 0's files hold the embeddings
+# and block 0, stage 1's block 1, the final LayerNorm and the LM head. A split layer is halved between the tensor
+# ranks; a replicated one (the LayerNorms, `wpe`, the row-parallel biases in Megatron's scheme) is written whole by
+# both, and `unshard` reads tensor rank 0's copy. On the right, the bytes each world rank wrote: replica 0's four
+# ranks one file each, rank 0 the manifest too, replica 1 nothing.
 
 # %%
 def layer_of(name):
@@ -235,23 +218,19 @@ pictures.wait_asleep(world)                      # the other ranks sleep while r
 # %% [markdown]
 # ## 2. Atomic writes, and keeping the newest K
 #
-# A job can die at any moment, also while it writes a checkpoint: then the newest checkpoint on disk is half
-# written, and the previous one must still be there and usable. `save` orders its work so that this holds:
+# A job can die while it writes a checkpoint; the previous one must then still be usable. `save` orders its work:
 #
-# 1. rank 0 removes the leftovers of an interrupted save (`.tmp-*`), creates a hidden directory
-#    `.tmp-step-000004-<pid>` and broadcasts its name;
-# 2. the pp x tp writers write their shard files into it, `fsync` them, and send (name, SHA-256, size) to rank 0
-#    (`gather`);
-# 3. rank 0 writes the manifest into it, `fsync`s the manifest and the directory,
-# 4. and **renames** the directory to `step-000004`: the atomic moment. A `rename` inside one file system is atomic
-#    (POSIX): a reader sees either no `step-000004` or the complete one, never a part;
-# 5. rank 0 removes the oldest checkpoints beyond `keep` (`--keep`, 3 by default) and broadcasts the path.
+# 1. rank 0 removes leftovers of an interrupted save (`.tmp-*`) and creates `.tmp-step-000004-<pid>`;
+# 2. the pp x tp writers write and `fsync` their shard files in it and send (name, SHA-256, size) to rank 0;
+# 3. rank 0 writes the manifest, `fsync`s it and the directory,
+# 4. and **renames** the directory to `step-000004`: the atomic moment (a `rename` inside one file system is
+#    atomic in POSIX: a reader sees no `step-000004` or the complete one);
+# 5. rank 0 removes the oldest checkpoints beyond `keep` (`--keep`, 3 by default).
 #
-# A kill before step 4 leaves a `.tmp-*` directory with some shard files, perhaps cut off, and no manifest, next to
-# the untouched `step-000003` (`--inject-fault 3:4:kill-in-save` does exactly this; `tests/test_faults.py` checks
-# it). `complete_checkpoints(save_dir)` (hsgd.checkpoint.runs) lists only `step-*` directories that hold a manifest, so
-# `--resume auto` and `resolve` never see the half-written one. Instead of killing a rank of this job, here is that
-# state made by hand: a temporary directory of step 4 with half of one shard file in it.
+# A kill before step 4 leaves a `.tmp-*` directory without manifest next to the untouched `step-000003`
+# (`--inject-fault 3:4:kill-in-save`; `tests/test_faults.py`). `complete_checkpoints(save_dir)`
+# (hsgd.checkpoint.runs) lists only `step-*` directories with a manifest, so `--resume auto` and `resolve` never see
+# the half-written one. Here that state is made by hand: half of one shard file in a temporary directory of step 4.
 
 # %%
 if rank == 0:                                                          # what a kill during the save of step 4 leaves
@@ -270,11 +249,9 @@ check.equal("every rank: open_checkpoint(save_dir) resumes after step", checkpoi
             3)
 
 # %% [markdown]
-# The uninterrupted run goes on to step 6, saving every second step and keeping two, as `--save-interval 2
-# --keep 2` would. The save after step 4 removes the leftover of the "interrupted" one, the save after step 6 the
-# oldest checkpoint, step 3. Before step 5 the run also keeps its full model of step 4 (a pickled allgather,
-# `trainer.full_params()`, for checks only), and at the end its full model of step 6: the reference of everything
-# below.
+# The run goes on to step 6, saving every second step and keeping two (`--save-interval 2 --keep 2`): the save
+# after step 4 removes the leftover, the one after step 6 the checkpoint of step 3. The full models of steps 4 and 6
+# (`trainer.full_params()`, a pickled allgather, for checks only) are the reference of everything below.
 
 # %%
 listings = {}
@@ -294,27 +271,22 @@ check.equal("every rank: save_dir's checkpoints after the saves of steps 4 and 6
 path4 = os.path.join(SAVE, "step-000004")
 
 # %% [markdown]
-# Rotation by step number alone would be dangerous in a folder that more than one run writes into: a fresh run
-# next to an older run's step 1000 would see its own step 10 as the oldest and delete it at once. So each
-# checkpoint also records its run's *line* (`manifest["run"]`, `hsgd.checkpoint.runs`): a run and the resumptions that
-# continue from its newest checkpoint share a line, a fresh run or a resume from an older checkpoint starts a new
-# one, `keep` counts only the writing run's own line, and `--resume auto` (`checkpoint.resolve`) follows the line
-# written last. From the command line a fresh run into a folder that holds checkpoints is refused unless
-# `--overwrite`, and a lock file held by rank 0 keeps a second job out of the folder. (Saved from Python, as here,
-# the checkpoints share the line "default".)
+# Rotation by step number alone would be dangerous in a folder that several runs share: a fresh run next to an older
+# run's step 1000 would delete its own step 10 at once. So a checkpoint records its run's *line* (`manifest["run"]`):
+# resumptions from a run's newest checkpoint continue its line, `keep` counts only the writer's line, and
+# `--resume auto` follows the line written last. A fresh run into a folder with checkpoints is refused unless
+# `--overwrite`, and a lock file held by rank 0 keeps a second job out.
 
 # %% [markdown]
 # ## 3. Exact resume in the same layout
 #
-# Restoring is the mirror image of saving. Every rank, in a new job: `open_checkpoint(path, cfg)` reads the
-# manifest and checks the checkpoint (section 5), then `checkpoint.load(trainer, manifest)` sets the rank's shards
-# and optimizer state and returns the step the checkpoint was written after; training goes on at the next step,
-# whose batch and learning rate are functions of the step. Here a fresh `HybridTrainer` on the same grid stands
-# for the restarted job (it starts from the seed's initialization, which `load` overwrites).
+# In a new job every rank calls `open_checkpoint(path, cfg)`, which reads and checks the manifest (section 5), then
+# `checkpoint.load(trainer, manifest)`, which sets its shards and optimizer state and returns the step written
+# after; training goes on at the next step, whose batch and learning rate are functions of the step. A fresh
+# `HybridTrainer` on the same grid stands for the restarted job.
 #
-# In the same layout every rank then performs the same floating-point operations on the same numbers in the same
-# order as the uninterrupted run did, so the result is **bit-identical**, not merely close: `np.array_equal` on
-# every shard and every velocity.
+# In the same layout every rank then performs the same floating-point operations in the same order as the
+# uninterrupted run, so the result is **bit-identical**: `np.array_equal` on every shard and velocity.
 
 # %%
 resumed = HybridTrainer(cfg, grid, config())                           # the "restarted job": seed's parameters
@@ -334,10 +306,9 @@ check.equal("exact resume: losses == the uninterrupted run's, bit for bit", resu
             {s: losses[s] for s in resumed_losses})
 
 # %% [markdown]
-# Why the optimizer state belongs in the checkpoint (the lecture names it): with momentum, the update of step 5
-# is $w \leftarrow w - \eta_5 v_5$ with $v_5 = \mu v_4 + g_5$, and $v_4$ carries every earlier gradient. A
-# checkpoint of the parameters alone restarts with $v_4 = 0$: the run goes on, but on another trajectory. The same
-# resume, with the velocities dropped after loading:
+# Why the optimizer state belongs in the checkpoint: with momentum, step 5 is $w \leftarrow w - \eta_5 v_5$ with
+# $v_5 = \mu v_4 + g_5$, and $v_4$ carries every earlier gradient. A checkpoint of the parameters alone restarts
+# with $v_4 = 0$, on another trajectory. The same resume, with the velocities dropped:
 
 # %%
 amnesiac = HybridTrainer(cfg, grid, config())
@@ -354,23 +325,19 @@ check.holds("resume without the velocity ends > 1e-6 away from the uninterrupted
 # %% [markdown]
 # ## 4. Resharding: the same checkpoint in another layout
 #
-# A restarted job often has another shape: fewer nodes after a failure, more when they come back, or another
-# trade-off between the dimensions (chapter 10's table). The checkpoint is not tied to the layout it was written in,
-# because every piece is a known slice of a full tensor of the serial model. `checkpoint.load` reshards in two steps,
-# for each parameter the rank needs in its new stage:
+# A restarted job often has another shape: fewer nodes after a failure, more when they come back, another trade-off
+# (chapter 17). Every piece of a checkpoint is a known slice of a serial tensor, so `checkpoint.load` reshards, for
+# each parameter the rank needs:
 #
-# 1. `Shards(manifest).full(name)`: find the old stage that held the parameter (the manifest's blocks per stage),
-#    read its piece from the files of all old tensor ranks, `shard-pp{s}-tp0.npz ... shard-pp{s}-tp{tp-1}.npz`,
-#    and join them with `tp_shards.unshard(pieces, name, cfg, old_scheme)`: concatenate along the split axis and drop
-#    the vocabulary padding;
-# 2. `tp_shards.shard(full, name, new_tp_rank, new_tp, new_scheme)`: cut the rank's own piece for the new layout.
+# 1. `Shards(manifest).full(name)`: read the old stage's pieces from the files of all old tensor ranks and join them
+#    with `tp_shards.unshard(pieces, name, cfg, old_scheme)` (concatenate, drop the vocabulary padding);
+# 2. `tp_shards.shard(full, name, new_tp_rank, new_tp, new_scheme)`: cut the rank's piece for the new layout.
 #
-# The same for the optimizer state, which has the parameters' shapes. Each rank reads whole files and holds full
-# tensors for a moment: simple, and fine for the model sizes of this project (a large model would read only the
-# byte ranges it needs). Here is what world rank 0 of the layout dp 1 x pp 2 x tp 4, with the lecture's
-# All-Gather scheme (chapters 5 and 6), does for four of its parameters, written out by hand. `mlp.proj.weight`
-# changes its split axis: rows in Megatron's scheme, columns in the All-Gather scheme; `attn.proj.bias` is
-# replicated in Megatron's scheme (each tensor rank adds it after the All-Reduce) and split in the other.
+# The optimizer state likewise. Each rank holds full tensors for a moment: fine at this project's sizes (a large
+# model would read only the byte ranges it needs). Below, by hand, what world rank 0 of dp 1 x pp 2 x tp 4 with the
+# All-Gather scheme (chapters 5 and 6) does for four parameters: `mlp.proj.weight` changes its split axis (rows in
+# Megatron's scheme, columns in the other), `attn.proj.bias` is replicated in Megatron's scheme and split in the
+# other.
 
 # %%
 old, shards = manifest4["layout"], Shards(manifest4)
@@ -393,13 +360,10 @@ for name in ("wte", "h.0.attn.q.weight", "h.0.mlp.proj.weight", "h.0.attn.proj.b
 check.holds("full tensors joined by hand == Shards.full == the step-4 model", all(joined))
 
 # %% [markdown]
-# The same four parameters as a picture, every entry of the full tensor coloured by its owner: on top the old
-# tensor rank whose file holds it (the saved layout), below the new tensor rank that takes it (dp 1 x pp 2 x tp 4,
-# All-Gather scheme); grey where every tensor rank holds the whole tensor. The owners are computed, not drawn by
-# hand: `unshard` joins pieces filled with their tensor rank's number, and `shard` cuts each new rank's piece out of
-# a tensor of entry numbers. `wte` is split by vocabulary rows in both layouts; `mlp.proj.weight` is split by rows
-# in the saved layout and by columns in the new one, so every new piece takes a part of both old files; and the
-# replicated `attn.proj.bias` is read from tensor rank 0's file and cut into four.
+# The same four parameters as a picture, every entry coloured by its owner: on top the old tensor rank whose file
+# holds it, below the new tensor rank that takes it; grey where every tensor rank holds the whole tensor. The owners
+# are computed: `unshard` joins pieces filled with their tensor rank's number, and `shard` cuts each new piece out
+# of a tensor of entry numbers. Every new piece of `mlp.proj.weight` takes a part of both old files.
 
 # %%
 def owners_old(name, shapes, scheme):
@@ -451,13 +415,11 @@ if rank == 0:
 pictures.wait_asleep(world)                      # the other ranks sleep while rank 0 draws
 
 # %% [markdown]
-# Now the whole resume, in two other layouts of the same 8 ranks: dp 4 x pp 1 x tp 2 (no pipeline: every rank
-# reads the files of both old stages) and dp 1 x pp 2 x tp 4 with the All-Gather scheme. Each builds its grid,
-# loads, checks that each of its shards is exactly the slice `tp_shards.shard` cuts from the step-4 model, and trains
-# steps 5 and 6. In another layout the sums run in another order (other micro-batches per replica, other partial
-# sums per tensor rank), so the result equals the uninterrupted run to rounding, not bit for bit. The error is
-# relative to each parameter's largest entry, but at least to 0.02 (the attention k-biases only ever receive
-# rounding noise, chapter 6).
+# Now the whole resume in two other layouts of the 8 ranks: dp 4 x pp 1 x tp 2 (every rank reads both old stages'
+# files) and dp 1 x pp 2 x tp 4 with the All-Gather scheme. Each loads, checks that every shard is exactly the slice
+# `tp_shards.shard` cuts from the step-4 model, and trains steps 5 and 6. The sums now run in another order, so the
+# result equals the uninterrupted run to rounding, not bit for bit (error relative to each parameter's largest
+# entry, floored at 0.02: the attention k-biases only receive rounding noise, chapter 6).
 
 # %%
 def resume_in(dp, pp, tp, scheme):
@@ -485,11 +447,10 @@ for dp, pp, tp, scheme in ((4, 1, 2, "megatron"), (1, 2, 4, "gather")):
     check(f"resharded to {layout}: losses vs the uninterrupted run", loss_err, 1e-9)
 
 # %% [markdown]
-# The extreme case of resharding is one process: `checkpoint.export(path, out)` (also `python -m hsgd.checkpoint
-# export DIR out.npz`) joins every parameter into its full tensor and writes the model under the serial names,
-# for `hsgd.model.serial`, `hsgd.sample` or any other tool. Rank 0 exports the checkpoint of step 6 and compares it with
-# the uninterrupted run's gathered model, and, as every chapter ends, with serial SGD on one process: the same six
-# steps, the whole batch, the same optimizer, schedule and clipping (the serial norm), `serial.sgd`.
+# The extreme case is one process: `checkpoint.export(path, out)` (`python -m hsgd.checkpoint export DIR out.npz`)
+# writes the model under the serial names, for `hsgd.model.serial`, `hsgd.sample` or any other tool. Rank 0 exports
+# step 6 and compares it with the uninterrupted run's gathered model and with serial SGD (`serial.sgd`: the same six
+# steps, optimizer, schedule and clipping).
 
 # %%
 verdict = None
@@ -509,26 +470,19 @@ check("export of step 6 (the uninterrupted run) vs serial SGD", serial_err, 1e-9
 # %% [markdown]
 # ## 5. Checking before loading
 #
-# A checkpoint is read long after it was written, by another job, perhaps from another file system. `open_checkpoint`
-# checks it before anything is loaded, on every rank:
+# A checkpoint is read long after it was written, by another job, perhaps from another file system.
+# `open_checkpoint` checks, on every rank, before anything is loaded:
 #
-# * the manifest exists, is JSON and of hsgd's format (a directory without one is not a checkpoint), and has not
-#   been changed since it was written: it records the SHA-256 of its own contents (`hsgd.checkpoint.manifest.digest`);
-# * it follows its schema (`hsgd.checkpoint.manifest.check`): every key of its type, a valid model, a layout that splits
-#   it, and as files exactly that layout's shard names, so that it cannot send a loader anywhere else or switch the
-#   checksums off with an empty list;
-# * the model in the manifest is the one being built, else it says what differs;
-# * every file the manifest names exists and has the manifest's SHA-256: a file truncated by a full disk, damaged
-#   in a copy or changed by hand is caught, and the message names it.
+# * the manifest is JSON of hsgd's format and unchanged (it records the SHA-256 of its own contents);
+# * it follows its schema (`hsgd.checkpoint.manifest.check`): a valid model, a layout that splits it, and exactly
+#   that layout's shard names as files, so it can neither send a loader elsewhere nor switch checksums off;
+# * its model is the one being built, else it says what differs;
+# * every file has the manifest's SHA-256: a truncated, damaged or edited file is named.
 #
-# And `load` refuses optimizer state of another kind, and any array that cannot be read or has the wrong shape.
-# Loading never executes code (JSON, and `.npz` with `allow_pickle=False`: a pickle could run anything), so a
-# checkpoint from elsewhere is safe to open.
-#
-# The verdict must be collective: if one rank refused and the others went on, they would wait forever in the first
-# collective of training. So every rank checks, the verdicts are exchanged, and all raise or all go on together;
-# `launch.agree` does this in `hsgd.train`, and the function below writes it out. The damage: one byte flipped in
-# the middle of a copy of the checkpoint's `shard-pp1-tp0.npz`.
+# `load` refuses optimizer state of another kind and misshapen arrays. Loading never executes code (JSON, and
+# `.npz` with `allow_pickle=False`). The verdict must be collective: if one rank refused and the others went on,
+# they would wait forever in training's first collective. `launch.agree` does this in `hsgd.train`; `every_rank`
+# below writes it out. The damage: one byte flipped in a copy of `shard-pp1-tp0.npz`.
 
 # %%
 def every_rank(fn):
@@ -557,8 +511,7 @@ check.holds("corrupted shard: every message names shard-pp1-tp0.npz as corrupt",
             all("shard-pp1-tp0.npz" in e and "is corrupt" in e for e in errors))
 
 # %% [markdown]
-# A checkpoint of another model (here d_model 32 instead of 16), and the checkpoint loaded by a run with AdamW
-# instead of SGD (its state would be velocities where moments are expected):
+# A checkpoint of another model (d_model 32 instead of 16), and one loaded by an AdamW run:
 
 # %%
 wider = ModelConfig(vocab_size=256, seq_len=8, d_model=32, n_heads=4, n_layers=2, d_ff=32)
@@ -573,10 +526,9 @@ check.holds("another optimizer: refused by every rank, saying sgd",
             all(e is not None and "resume with --optimizer sgd" in e for e in errors))
 
 # %% [markdown]
-# From the command line the same refusal ends the job through `launch.run` (section 6): a `CheckpointError` is a
-# `UsageError`, which every rank reaches together after `launch.agree`, so rank 0 prints one line, `hsgd: error:
-# ...`, and every rank returns exit code 2, with no traceback. The same path as `mpirun -n 8 python -m hsgd.train
-# --resume <the corrupted copy>`, called here as a function (rank 0's stderr caught and shown):
+# From the command line the refusal ends the job through `launch.run` (section 6): a `CheckpointError` is a
+# `UsageError`, so rank 0 prints one line, `hsgd: error: ...`, and every rank returns exit code 2, no traceback. The
+# path of `mpirun -n 8 python -m hsgd.train --resume <the corrupted copy>`, called as a function:
 
 # %%
 caught = io.StringIO()
@@ -586,15 +538,10 @@ say(f"launch.run: exit code {code}; rank 0's stderr: {caught.getvalue().strip()[
 check.equal("every rank: launch.run's exit code for a corrupted checkpoint", code, 2)
 
 # %% [markdown]
-# Two more ways a job waits forever without any error. A path that is not a regular file: a FIFO or a device such
-# as `/dev/zero` in place of a shard (or of the manifest, the data file, the TOML config) is never read to its end,
-# so the rank hashing it blocks and the others wait for it in the next collective. `hsgd.files.regular_file`
-# is the one gate every input file passes, and refuses such a path with what it is. And a question each rank
-# answers for itself: "is there a checkpoint in --save-dir?" can get different answers on different nodes of a
-# cluster (a shared file system's cache right after a restart), and then some ranks go into the checkpoint's
-# collectives while the others start training. `--resume auto` is therefore decided once, on rank 0, and
-# broadcast (`train.resume`); `tests/mpi/test_zero3.py` (its checkpoint tests) gives rank 0 and the others
-# different folders.
+# Two more ways to hang without an error. A FIFO or device (`/dev/zero`) in place of an input file is never read to
+# its end while the others wait; `hsgd.files.regular_file`, the gate every input file passes, refuses it. And "is
+# there a checkpoint in --save-dir?" can get different answers on different nodes (a shared file system's cache), so
+# `--resume auto` is decided on rank 0 and broadcast (`train.resume`; `tests/mpi/test_zero3.py` tests it).
 
 # %%
 fifo = os.path.join(TMP, "fifo", "step-000004")
@@ -611,47 +558,30 @@ check.holds("a FIFO in place of a shard: refused by every rank, saying what it i
 # %% [markdown]
 # ## 6. When a rank dies
 #
-# Two ways a rank can stop in the middle of a run, and what `hsgd` does about each:
+# * **An exception on one rank** (a bug, a full disk). The danger is the others, waiting in their next collective
+#   for a rank that never arrives while the job holds its allocation. `launch.run`, which wraps the MPI entry points
+#   (`hsgd.train`, `hsgd.verify`, `hsgd.sample`), catches any exception that is not a usage error or a numerical
+#   fault, prints its traceback prefixed with `[rank r]`, and calls `MPI_Abort`: every rank is killed within
+#   seconds. (`--inject-fault 3:5` raises on rank 3 at step 5.)
+# * **A rank killed outright** (SIGKILL from the out-of-memory killer, a node losing power): the launcher ends the
+#   others (MPICH's Hydra prints "BAD TERMINATION") and exits non-zero. (`--inject-fault 5:4:kill`.)
+# * **A rank asked to stop** (SIGTERM from a preempting scheduler, SIGINT). `hsgd.run.signals.StopRequest` only sets
+#   a flag (a handler calling MPI could interrupt a collective halfway); after every step the ranks agree on the
+#   flags with one Allreduce (MAX), since the signal may reach one rank only, then all checkpoint the step just
+#   finished and exit with code 4.
+# * **A rank that stops without dying** (a frozen node, SIGSTOP): nothing reports. `--step-timeout S` starts a
+#   watchdog thread per rank (`hsgd.run.watchdog`) that calls `MPI_Abort` (exit code 5), naming the phase, when a
+#   collective phase runs past its limit (section 8).
 #
-# * **An exception on one rank** (a bug, a full disk, an out-of-memory error in Python). The danger is not the
-#   exception but the others: they are already inside their next collective, waiting for a rank that will never
-#   arrive, and an MPI job that hangs holds its whole allocation until the wall-clock limit. `launch.run`, which
-#   wraps the MPI entry points (`hsgd.train`, `hsgd.verify`, `hsgd.sample`), catches any exception that is not a
-#   usage error or a numerical fault, prints its traceback prefixed with `[rank r]`, and calls `MPI_Abort` on
-#   `COMM_WORLD`: the MPI runtime then kills every rank of the job within seconds, and `mpirun` exits non-zero.
-#   (`--inject-fault 3:5` raises on rank 3 at step 5.)
-# * **A rank killed outright**: SIGKILL from the out-of-memory killer, a node that loses power. No Python runs,
-#   nothing can be caught. The MPI launcher notices that one of its processes died and ends the others (MPICH's
-#   Hydra prints "BAD TERMINATION"), and the job exits non-zero. (`--inject-fault 5:4:kill` sends SIGKILL to rank 5
-#   at step 4.)
-# * **A rank asked to stop**: SIGTERM from a scheduler that preempts the job, SIGINT from Ctrl-C. These can be
-#   caught, and losing the work since the last checkpoint would be a waste. `hsgd.run.signals.StopRequest` only sets a
-#   flag in its handler (a handler that called MPI could interrupt a collective halfway); after every step the
-#   ranks agree on the flags with one Allreduce (MAX), since the signal may reach one rank, or reach them at
-#   different moments. Then every rank takes the same branch: a checkpoint of the step just finished (with
-#   `--save-dir`), and exit code 4 with `hsgd: stopped: SIGTERM after step N; checkpoint ...`.
-# * **A rank that stops without dying**: a frozen node, a stuck file system, SIGSTOP. Nothing fails, so nothing
-#   reports: the others wait in the next collective until the job's time runs out. `--step-timeout S` starts a
-#   watchdog thread on every rank (`hsgd.run.watchdog`) that ends the job with `MPI_Abort` (exit code 5) and one
-#   line naming the phase when a collective phase runs past its limit: not only the steps but every place where the
-#   ranks wait for each other (section 8 lists them).
-#
-# Either way the job is over, and what survives is on disk: the last complete checkpoint. The cure is the same
-# command again with `--resume auto`, which finds the newest complete checkpoint in `--save-dir`
-# (`complete_checkpoints`, section 2), checks it, loads it, possibly into another layout, and continues at the next
-# step. The pair of commands, as `tests/test_faults.py` runs them (a rank killed at step 4 after a checkpoint at
-# step 3, then the resume; the test checks that the final model is bit-identical to an uninterrupted run's):
+# What survives is the last complete checkpoint, and the cure is the same command with `--resume auto`, which finds
+# the newest complete one, checks it, loads it (perhaps into another layout) and goes on. As `tests/test_faults.py`
+# runs it (the final model must be bit-identical to an uninterrupted run's; model-size flags left out):
 #
 #     mpirun -n 4 python -m hsgd.train --dtype float64 --steps 6 --save-dir D --save-interval 3 --inject-fault 3:4:kill
 #     mpirun -n 4 python -m hsgd.train --dtype float64 --steps 6 --save-dir D --resume auto
 #
-# (the test's model-size flags left out). The other tests there kill a rank while a checkpoint is written, resume
-# on other layouts and world sizes, and damage files.
-#
-# This chapter does not kill one of its own ranks: that would end it. The second command, though, can run here.
-# After a kill in step 5 of a run saving every second step, its save directory holds the checkpoint of step 4;
-# `hsgd.train.train`, the function behind `python -m hsgd.train`, with `resume="auto"` continues from it (its
-# printed output caught, a few lines shown):
+# The second command can run here: after a kill in step 5 the save directory holds step 4, and `hsgd.train.train`
+# with `resume="auto"` continues from it:
 
 # %%
 killed = os.path.join(TMP, "killed")                                   # what the dead job left behind
@@ -670,25 +600,19 @@ check.equal("train(resume='auto'): losses of steps 5, 6, bit for bit", summary["
 # %% [markdown]
 # ## 7. Numerical faults
 #
-# Not every fault kills a process. A NaN or an infinity in one rank's gradient (a learning rate too large, an
-# overflow in float16, a flipped bit) spreads: the DP All-Reduce carries it to the replicas, the next step's
-# activations to every rank, and a few steps later the whole model is NaN, and so is every checkpoint written after.
-# `HybridTrainer.step` therefore looks at its loss and its gradient after the DP average, every step, and the ranks
-# exchange one flag each (`allgather`): every rank learns whether *any* rank went wrong, and which. Then all of them
-# do the same thing, as chosen by `on_nan` (`--on-nan`):
+# A NaN or infinity in one rank's gradient (too large a learning rate, a float16 overflow, a flipped bit) spreads
+# through the DP All-Reduce and the next activations until the model, and every later checkpoint, is NaN. So
+# `HybridTrainer.step` checks its loss and averaged gradient every step and the ranks exchange one flag each
+# (`allgather`): all learn whether any rank went wrong, and which, and act alike, as `on_nan` (`--on-nan`) says:
 #
-# * `"skip"`: no rank updates; the parameters and the optimizer state stay as they were, `trainer.scaler` counts it
-#   (`updates_skipped`; a run without loss scaling keeps the same books with S = 1), and the next step goes on with the
-#   next batch. A run whose every step is non-finite has diverged for good: after `max_skips` (`--max-skips`, 10)
-#   skipped steps in a row it stops as below, and no checkpoint is written after a skipped step, so that the older,
-#   finite ones are not rotated away (`checkpoint.save` itself refuses a state that is not finite, on every rank);
-# * `"stop"` (the default): every rank raises `NumericalFault`; `launch.run` turns it into one line from rank 0,
-#   `hsgd: stopped: ...`, and exit code 3 on every rank, so the job can be restarted from its last (finite)
-#   checkpoint with a smaller learning rate.
+# * `"skip"`: no rank updates; `trainer.scaler` counts it (`updates_skipped`) and the next batch follows. After
+#   `max_skips` (`--max-skips`, 10) in a row the run stops, and no checkpoint is written after a skipped step, so
+#   the finite ones are not rotated away (`checkpoint.save` refuses a non-finite state);
+# * `"stop"` (the default): every rank raises `NumericalFault`, and `launch.run` prints `hsgd: stopped: ...` and
+#   returns exit code 3, to restart from the last finite checkpoint with a smaller learning rate.
 #
-# The fault is injected as `--inject-fault 3:5:nan` does it, with `hsgd.run.faults.Faults` between the two halves of a
-# step (`trainer.gradients`, then `trainer.update`): one NaN in world rank 3's gradient, after the DP average (so
-# only rank 3 has it; a real one would already have reached its replica through the All-Reduce).
+# The fault is injected as `--inject-fault 3:5:nan` does it (`hsgd.run.faults.Faults`, between `trainer.gradients`
+# and `trainer.update`): one NaN in world rank 3's gradient after the DP average, so only rank 3 has it.
 
 # %%
 def poisoned_step(trainer, step):
@@ -718,8 +642,8 @@ check.holds("on_nan='skip': a clean step after it moves shards, and skipped stay
             moved > 0 and skipper.scaler.updates_skipped == 1)
 
 # %% [markdown]
-# With `on_nan="stop"` every rank raises `NumericalFault` in the same step: caught here on every rank, and then once
-# more through `launch.run`, which gives the exit code of `python -m hsgd.train`:
+# With `on_nan="stop"` every rank raises `NumericalFault` in the same step, caught here, then once more through
+# `launch.run` for the exit code:
 
 # %%
 stopper = HybridTrainer(cfg, grid, config(on_nan="stop"))
@@ -740,15 +664,13 @@ say(f"launch.run: exit code {code}; rank 0's stderr: {caught.getvalue().strip()[
 check.equal("every rank: launch.run's exit code for a NaN with on_nan='stop'", code, 3)
 
 # %% [markdown]
-# The other silent fault: DP replicas that no longer agree. The replicas of a shard receive the same averaged gradient
-# and apply the same update, so they stay bit-identical (chapter 4); if they differ, something broke that no exception
-# reports, a bit flipped in memory or a bug, and the checkpoint (written by the first replica only) would quietly drop
-# the others' version. `replica_divergence` (hsgd.dp.average) compares a SHA-256 per parameter over `dp_comm` and names
-# the first parameter (in the backward order of the flat buffer) whose replicas differ, with the dp ranks holding each
-# version; `--check-replicas N` calls it every N steps through `hsgd.run.diverged.check_replicas`, which stops the run
-# like a NaN.
-# The smallest possible damage: one entry of `h.0.attn.q.weight` on world rank 5 (replica 1, stage 0, tp_rank 1) moved
-# by one unit in the last place, `np.nextafter`.
+# The other silent fault: DP replicas that no longer agree. They receive the same averaged gradient and stay
+# bit-identical (chapter 4); if they differ, a flipped bit or a bug broke them, and the checkpoint (the first
+# replica's) would quietly drop the others' version. `replica_divergence` (hsgd.dp.average) compares a SHA-256 per
+# parameter over `dp_comm` and names the first parameter (in the flat buffer's backward order) whose replicas
+# differ, with the dp ranks of each version; `--check-replicas N` calls it every N steps
+# (`hsgd.run.diverged.check_replicas`) and stops the run like a NaN. The smallest damage: one entry of
+# `h.0.attn.q.weight` on world rank 5 (replica 1) moved by one ulp, `np.nextafter`.
 
 # %%
 name = "h.0.attn.q.weight"
@@ -780,22 +702,14 @@ check.equal("repaired: what replica_divergence() reports on each rank",
 # %% [markdown]
 # ## 8. No quiet failure
 #
-# A fault that ends the job is reported; the dangerous ones are those that do not. Three of them, and the rule for
-# each.
-#
-# **Every collective phase is watched.** A rank may stop anywhere, not only inside a step: while a checkpoint is
-# written, in a validation, while rank 0 samples at the end. `hsgd.train` runs each such phase inside
-# `Watchdog.phase(what, limit)`, a context manager that `--step-timeout S` watches: a step with its stop
-# agreement (S), the checkpoint load of `--resume` (10 S), every checkpoint save (10 S: a save writes and syncs all
-# the state, slower than a step on a shared file system), every validation (S per batch:
-# the one before the first step, those of `--eval-interval`, the one after the last), the `--dump-step` dump (S),
-# the reports at the end (S + 60 s: plots take seconds), and the sample with the final agreement that every rank is
-# done (S per sampled byte). A phase that ends past its limit ends the job too, when it ends, and a rank whose
-# watchdog has fired goes past no further phase: the exit code is 5 however early (a `--step-timeout 0.001` run
-# used to print "ending the job" and exit 0, its ranks finishing before the abort). `tests/test_watched.py` stops
-# a rank (`--inject-fault RANK:STEP:stop-in-save`, `-load`, `-validation`, `-dump`, `-sample`: SIGSTOP as the
-# phase starts) in each, and each job ends with exit code 5 in seconds. Here, one phase watched without a fault:
-# what the phase's `entering` hook (where those faults act) is told, and that nothing fired:
+# **Every collective phase is watched.** A rank may stop anywhere, not only in a step. `hsgd.train` runs each phase
+# in `Watchdog.phase(what, limit)`, watched by `--step-timeout S`: a step with its stop agreement (S), the
+# `--resume` load and every save (10 S: a save writes and syncs all the state), every validation (S per batch), the
+# `--dump-step` dump (S), the reports at the end (S + 60 s: plots take seconds), and the final sample (S per
+# sampled byte). A phase that ends past its limit ends the job too, and a rank whose watchdog fired enters no
+# further phase: exit code 5 however early (a `--step-timeout 0.001` run used to exit 0). `tests/test_watched.py`
+# stops a rank (SIGSTOP) as each phase starts and each job ends with exit code 5 in seconds. Here, one phase watched
+# without a fault:
 
 # %%
 S = 30.0                                                                # --step-timeout, far above this validation
@@ -812,16 +726,13 @@ check.equal("the numbers of the prose: exit code 5, reports S + 60 s, checkpoint
 
 # %% [markdown]
 # **A run whose updates keep being skipped stops.** A float16 run's loss scaler halves S and skips the update at
-# every overflow (chapter 14). A run that has diverged overflows at every scale, so S halves at every step and no
-# update is ever applied: such a run used to skip to its end and exit 0, saving nothing (and after about 1090 steps
-# S underflowed to 0 and the progress line crashed on log2(0)). Now S below its floor (`MIN_SCALE`, 1: DeepSpeed's
-# `min_loss_scale`) ends the run; once an update was applied, the skips count toward `--max-skips` (10 by default)
-# like `--on-nan skip`'s (before the first, the back-offs are S finding its level from 2^16, and the floor bounds
-# them: 17 halvings); and a run that applied none of its updates never exits 0. Each is `Skipping`, a
-# `NumericalFault` (exit code 3), raised on every rank at once (the verdict is collective), after which `hsgd.train`
-# writes a checkpoint of the last finite state: the step of the last applied update, whose parameters the skipped
-# steps left as they were, with the scaler rewound to its state of then (`rewind`). A scaler fed an overflow at
-# every step, on every rank:
+# every overflow (chapter 14). A diverged run overflows at every scale, and used to skip to its end and exit 0,
+# saving nothing (after about 1090 steps S underflowed to 0 and the progress line crashed on log2(0)). Now S below
+# its floor (`MIN_SCALE`, 1: DeepSpeed's `min_loss_scale`) ends the run; once an update was applied, skips count
+# toward `--max-skips` (before it, S finds its level from 2^16, at most 17 halvings); and a run that applied no
+# update never exits 0. Each is `Skipping`, a `NumericalFault` (exit code 3) raised on every rank at once; then
+# `hsgd.train` checkpoints the last applied update's state with the scaler rewound to it (`rewind`). A scaler fed
+# an overflow at every step:
 
 # %%
 def overflow_until_stopped(scaler, first=1):
@@ -856,9 +767,8 @@ check.equal("rewind: the scaler's state of the last applied update", (halved, re
             (2.0 ** 13, 2.0 ** 16, 1))
 
 # %% [markdown]
-# And a run whose every update was skipped, even one too short to reach `--max-skips`: `train` with one step whose
-# gradient holds a NaN on rank 3 (`--inject-fault 3:1:nan --on-nan skip`), through `launch.run` as `python -m
-# hsgd.train` runs it. It used to exit 0 with "1 update(s) skipped".
+# And a run too short to reach `--max-skips` whose every update was skipped: one step with a NaN on rank 3
+# (`--inject-fault 3:1:nan --on-nan skip`), through `launch.run`. It used to exit 0 with "1 update(s) skipped".
 
 # %%
 caught = io.StringIO()
@@ -870,11 +780,10 @@ check.equal("a run that applied none of its updates: exit code 3", code, 3)
 
 # %% [markdown]
 # **A killed job's zombies do not hold the folder.** While a run trains, rank 0 holds `save_dir/.hsgd-lock` (host
-# and pid), and a second job on the folder is refused unless the holder no longer runs. Right after `kill -9` of
-# mpirun its ranks are zombies for a moment: they have exited, but their parent has not collected them yet, so
-# `kill(pid, 0)` still finds them, and a requeue right after the kill was refused for about a second.
-# `hsgd.checkpoint.runs.alive` reads the process state in `/proc/PID/stat` ('Z': a zombie, not running; without
-# `/proc`, the holder is given `ZOMBIE_WAIT_S` = 2 s to go). Rank 0 makes one: a child that exits, not collected:
+# and pid), and a second job is refused unless the holder no longer runs. Right after `kill -9` of mpirun its ranks
+# are zombies for a moment (exited, not yet collected), so `kill(pid, 0)` still found them and a requeue was
+# refused for about a second. `hsgd.checkpoint.runs.alive` reads the state in `/proc/PID/stat` ('Z': not running;
+# without `/proc` the holder gets `ZOMBIE_WAIT_S` = 2 s to go). Rank 0 makes one: a child that exits, not collected:
 
 # %%
 taken = None
@@ -903,25 +812,17 @@ check.equal("the zombie's lock taken over at once; the wait without /proc 2 s", 
 # %% [markdown]
 # ## Check against serial
 #
-# On 8 ranks as dp 2 x pp 2 x tp 2, every verdict reached collectively: a checkpoint holds one file per (stage,
-# tensor rank), written by the first replica, each equal to every replica's shards and optimizer state and to the
-# SHA-256 in the manifest; a half-written save is ignored and the newest two are kept; resuming in the same layout
-# ends bit-identical to the uninterrupted run (parameters, velocities, losses), from Python and through
-# `train(resume="auto")`, while a resume without the velocities does not; resharding to dp 4 x pp 1 x tp 2 and to
-# dp 1 x pp 2 x tp 4 with the All-Gather scheme cuts exact slices and ends at the uninterrupted run's parameters
-# to rounding; the export under serial names equals the gathered model and serial SGD; a corrupted file, another
-# model and another optimizer are refused by every rank with what is wrong, with exit code 2, and so is a FIFO in
-# place of a shard; a NaN on one rank is
-# skipped or stops every rank (exit code 3); a replica that moved by one ulp is named; a phase is watched without
-# firing; a scaler that overflows at every step stops at its floor (step 17) or after --max-skips (step 11) and
-# rewinds to its last finite state, a run that applied no update exits 3, and a zombie's lock is taken over.
+# On dp 2 x pp 2 x tp 2, every verdict collective: the checkpoint's files equal every replica's state and their
+# checksums; a half-written save is ignored; a same-layout resume is bit-identical to the uninterrupted run, a
+# resharded one equal to rounding, the export equal to serial SGD; damaged or foreign checkpoints are refused by
+# every rank; NaNs, diverged replicas, overflowing scalers and zombie locks are handled as described.
 
 # %%
 for t in (resumed, amnesiac, adamw, skipper, stopper, trainer):
     t.free()
 grid.free()
 worst, err = check.worst([w for w in check.errors if " vs " in w])
-say(f"\nchapter 11: all {len(check.passed)} checks passed on {world.Get_size()} ranks; largest error against the "
+say(f"\nchapter 19: all {len(check.passed)} checks passed on {world.Get_size()} ranks; largest error against the "
     f"uninterrupted run and serial {err:.1e} ({worst})")
 
 # %% [markdown]
@@ -936,47 +837,44 @@ say(f"\nchapter 11: all {len(check.passed)} checks passed on {world.Get_size()} 
 # | `checkpoint.export` (`python -m hsgd.checkpoint export DIR out.npz`): the model under the serial names | tools/checkpoint/convert.py (loaders and savers between formats and layouts) | `zero_to_fp32.py` (deepspeed/utils/): the full fp32 model from the ZeRO shards | `dcp_to_torch_save` (torch/distributed/checkpoint/format_utils.py) | - |
 # | a rank dies: `launch.run` calls `MPI_Abort`, the job ends; `--step-timeout` (a watchdog); the same command again with `--resume auto` | `megatron/training/ft_integration.py` (NVIDIA's resiliency extension: per-section timeouts, `ft_launcher`) and `--inprocess-restart` (megatron/training/inprocess_restart.py) | `DSElasticAgent` (deepspeed/elasticity/elastic_agent.py), on PyTorch's elastic agent | `torchrun --max-restarts N` (torch/distributed/run.py): the agent restarts every worker of the group, and the script loads its newest checkpoint itself | an MPI job does not outlive one of its ranks; the restart is a new `mpirun`, and the only state that crosses it is on disk |
 #
-# The ideas are the same everywhere: each rank writes what only it holds, one replica of what several hold, an
-# index of where every slice of every global tensor lies, and a last small write that makes the checkpoint visible.
-# Loading in another layout is reading, for each new piece, the saved slices it overlaps. hsgd's index is the layout
-# itself (the slices follow from dp, pp, tp and the scheme); Megatron-LM and PyTorch record every chunk's offset,
-# which also covers layouts no formula describes (ZeRO-3's flat chunks, for one).
+# The ideas are the same everywhere: each rank writes what only it holds and one replica of what several hold, an
+# index says where every slice lies, and a last small write makes the checkpoint visible. hsgd's index is the layout
+# itself; Megatron-LM and PyTorch record every chunk's offset, which also covers layouts no formula describes
+# (ZeRO-3's flat chunks).
 #
 # ## Exercises
 #
 # ### Exercise 1: how often to save
-# A checkpoint costs C seconds of a job whose failures come at rate 1/M (exponential; M, the job's mean time
-# between failures, is the node's divided by the nodes: 1000 nodes of 5 years make M = 43.8 hours), and a restart
-# costs R. With a checkpoint after every tau seconds of work, each segment needs an unbroken tau + C seconds (after
-# a failure: R + tau + C), which gives the expected wall time per second of work (Daly 2006)
+# A checkpoint costs C seconds, failures come at rate 1/M (exponential; M, the job's mean time between failures,
+# is the node's divided by the nodes: 1000 nodes of 5 years make M = 43.8 hours), and a restart costs R. Saving
+# after every tau seconds of work, the expected wall time per second of work is (Daly 2006)
 # $T(\tau) = M e^{R/M} (e^{(\tau + C)/M} - 1)/\tau$. Young (1974, "A first order approximation to the optimum
 # checkpoint interval") found the optimum $\tau \approx \sqrt{2CM}$; Daly (2006, "A higher order estimate of the
 # optimum checkpoint interval for restart dumps") corrected it to
-# $\sqrt{2CM}\,[1 + \tfrac13\sqrt{C/2M} + \tfrac19 (C/2M)] - C$ (for C < 2M). Find the true optimum of $T$ by
-# bisection on $dT/d\tau = 0$ for C = 300 s and for C = 0.05 M (R = 600 s), and compare both formulas with it. Then
-# simulate: draw exponential failure times for 200,000 segments and check that the mean wall time of a segment
-# agrees with the formula within 4 standard errors, at the optimum and at a third and three times it, and that the
-# waste is least at the optimum.
+# $\sqrt{2CM}\,[1 + \tfrac13\sqrt{C/2M} + \tfrac19 (C/2M)] - C$ (for C < 2M). Find the true optimum by bisection
+# on $dT/d\tau = 0$ for C = 300 s and C = 0.05 M (R = 600 s) and compare both formulas with it. Then simulate
+# 200,000 segments with exponential failure times: the mean wall time of a segment must agree with the formula
+# within 4 standard errors at the optimum, a third of it and three times it, and the waste be least at the optimum.
 # (solution: `tutorials/solutions/19_fault_tolerance.py`, `exercise_1`)
 #
 # ### Exercise 2: reshard one parameter by hand
-# Save a checkpoint on 4 ranks as dp 1 x pp 2 x tp 2 (Megatron's scheme) with V = 250, then, on each rank of the
-# layout dp 1 x pp 1 x tp 4 with the All-Gather scheme, build the rank's piece of `h.0.mlp.proj.weight` (rows in
-# the old layout, columns in the new) and of `wte` (vocabulary rows, padded to a multiple of tp: 2 x 125 rows
-# before, 4 x 63 after), and their velocities, with `json`, `np.load`, `np.concatenate` and slicing only. Check them
-# bit for bit against what `checkpoint.load` puts into a `HybridTrainer` of that layout.
+# Save a checkpoint on 4 ranks as dp 1 x pp 2 x tp 2 (Megatron's scheme) with V = 250; then, on each rank of
+# dp 1 x pp 1 x tp 4 with the All-Gather scheme, build its piece of `h.0.mlp.proj.weight` (rows in the old layout,
+# columns in the new) and of `wte` (vocabulary rows padded to a multiple of tp: 2 x 125 before, 4 x 63 after), and
+# their velocities, with `json`, `np.load`, `np.concatenate` and slicing only. Check them bit for bit against what
+# `checkpoint.load` puts into a `HybridTrainer` of that layout.
 # (solution: `tutorials/solutions/19_fault_tolerance.py`, `exercise_2`)
 #
 # ### Exercise 3: find the corrupted shard
-# Write `verify(path)` that recomputes, with `hashlib` alone, the manifest's digest (SHA-256 of its JSON without
-# the key "digest", keys sorted) and every file's SHA-256, and returns (digest correct, the files that differ). Check
-# it on the intact checkpoint, on a copy with one bit flipped in `shard-pp1-tp0.npz`, and on a copy whose manifest
-# was edited to start from step 1; and that `open_checkpoint` refuses exactly the two damaged copies.
+# Write `verify(path)` that recomputes with `hashlib` alone the manifest's digest (SHA-256 of its JSON without
+# "digest", keys sorted) and every file's SHA-256, and returns (digest correct, the files that differ). Check it on
+# the intact checkpoint, on a copy with one bit flipped in `shard-pp1-tp0.npz` and on a copy whose manifest was
+# edited to start from step 1; and that `open_checkpoint` refuses exactly the two damaged copies.
 # (solution: `tutorials/solutions/19_fault_tolerance.py`, `exercise_3`)
 #
 # ### Exercise 4: the size of a checkpoint
-# Predict, from the model's shape and the layout, the bytes of arrays in each `shard-pp{s}-tp{t}.npz` (parameters
-# and SGD velocities of the stage's parameters: a replicated one whole, a split one 1/tp of its split axis, the
-# vocabulary ceil(V/tp) rows), and check them against the files. How much more than the serial model and its
-# velocity does the checkpoint hold, and why? Check your formula for the difference.
+# Predict from the model's shape and the layout the bytes of arrays in each `shard-pp{s}-tp{t}.npz` (the stage's
+# parameters and SGD velocities: a replicated one whole, a split one 1/tp of its split axis, the vocabulary
+# ceil(V/tp) rows), and check them against the files. How much more than the serial model and its velocity does the
+# checkpoint hold, and why? Check your formula for the difference.
 # (solution: `tutorials/solutions/19_fault_tolerance.py`, `exercise_4`)

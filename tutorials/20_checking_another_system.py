@@ -16,47 +16,22 @@
 # %% [markdown]
 # # Chapter 20: checking another system's distributed gradients
 #
-# Every chapter so far checked hsgd against hsgd: a layout against the serial model of the same code base. The
-# question a production team asks is about its own system: does our tensor-parallel, data-parallel, gradient-
-# accumulating training step compute the gradient of the mean loss, the gradient one device would compute on the
-# whole batch? The lecture's section 3.4 (the data-parallel gradient sync across groups) is where most answers go
-# wrong: each shard's G gradients must be summed over the groups and divided by G, replicated parameters (the
-# LayerNorms) must be reduced too, and nothing else may take part. This chapter checks a system that is not hsgd,
-# a PyTorch program, with `python -m hsgd.crosscheck`, from its dump to a verdict that names the bug:
+# The second chapter of Part IV, operations. Every chapter so far checked hsgd against hsgd; a production team asks
+# it of its own system: does our tensor-parallel, data-parallel, gradient-accumulating step compute the gradient a
+# single device would compute on the whole batch? The lecture's section 3.4 (the gradient sync across groups) is
+# where most answers go wrong: each shard's G gradients must be summed over the groups and divided by G, replicated
+# parameters (the LayerNorms) reduced too. This chapter checks PyTorch programs with `python -m hsgd.crosscheck`,
+# from their dump to a verdict that names the bug.
 #
-# 1. why one step compared per parameter finds what loss curves hide;
-# 2. the dump format, shown on a real dump: what `layout.json` says (shards, replicas, padding, a fused q|k|v
-#    interleaved per head, transposed `nn.Linear` weights), checked against the parameters it describes;
-# 3. hsgd's own dumps (`dump_one_step`, `hsgd.train --dump-step N DIR`) on two layouts of the 8 ranks: PASS;
-# 4. the PyTorch system (`benchmarks/crosscheck_torch.py`: DTensor tensor parallelism, data parallelism by hand):
-#    its committed dumps, the correct ones and three real bugs, each named by its class;
-# 5. deliberately broken hsgd (`hsgd.check.mutations`): four more bugs, dumped and named;
-# 6. from a Distributed Checkpoint to a verdict: a second PyTorch program (`benchmarks/crosscheck_fsdp2.py`: FSDP2
-#    over dp and tensor parallelism over tp, torchtitan's layout), its checkpoints as `torch.distributed.checkpoint`
-#    saved them, turned into dumps without PyTorch (`hsgd.crosscheck.from_dcp`): PASS, and a norm reduced over the
-#    wrong mesh dimension named "unreduced";
-# 7. reading a 2-D sharded tensor: the six boxes of a dp 3 x tp 2 weight, rows cut unevenly, put back together;
-# 8. replicas that say which side holds the reference: a stale replica, an unreduced one, a wrong group;
-# 9. a fused-block swap found: k and v exchanged inside the fused qkv, and why the k biases' zero gradient makes
-#    no reordering out of a correct copy;
-# 10. two pictures: how one tensor's shards come back together, and every parameter's error by class;
-# 11. reading a verdict: from the class to the line of code.
-#
-# Run it with eight ranks (about 5 s measured on a 2-core machine without PyTorch; with PyTorch installed,
-# sections 4 and 6 also run the two PyTorch programs once each, 12 s in all measured, up to a minute on a loaded
-# machine; on failure every rank raises, so it exits non-zero without hanging). Rank 0 draws three pictures into
-# `$HSGD_FIGURES` (default `tutorials/figures/`):
+# Eight ranks: about 5 s on a 2-core machine without PyTorch; with it, sections 4 and 6 also run two PyTorch
+# programs (12 s in all measured, up to a minute on a loaded machine). Rank 0 prints and draws three pictures:
 #
 # mpirun -n 8 python tutorials/20_checking_another_system.py
 #
-# The notebook form (`jupytext --to ipynb tutorials/20_checking_another_system.py`) is for reading: sections 3 and
-# 5 need eight MPI ranks. Only rank 0 prints.
-#
-# Legend: B sequences in the global batch, T sequence length, C d_model, NH heads, hs = C / NH the head size, F
-# d_ff, V vocabulary, L layers; dp, pp, tp the sizes of a layout, m (M in the PyTorch program) micro-batches per dp
-# rank and step; G a system's gradient of one parameter (assembled from its shards), R the reference's (hsgd's
-# serial model in float64 on the same parameters and batch); a "replica" is one full copy of G assembled from one
-# set of ranks.
+# Legend: B sequences in the global batch, T sequence length, C d_model, NH heads, hs = C / NH the head size, F d_ff,
+# V vocabulary, L layers; dp, pp, tp the sizes of a layout, m (M in the PyTorch program) micro-batches per dp rank
+# and step; G a system's gradient of one parameter (assembled from its shards), R the reference's (hsgd's serial
+# model in float64, same parameters and batch); a "replica" is one full copy of G assembled from one set of ranks.
 
 # %%
 from hsgd.model.config import ModelConfig   # hsgd first, as in chapter 11 (OpenBLAS's thread timeout)
@@ -120,33 +95,27 @@ def failed(rows):
 # %% [markdown]
 # ## 1. Why one step, per parameter
 #
-# A layout that computes a different gradient from one device seldom crashes. Summing the micro-batches' gradients
-# instead of averaging them multiplies every gradient by m: with SGD that is a learning rate m times larger, and the
-# loss curve goes down, only differently. A LayerNorm whose gradient is left out of the data-parallel All-Reduce
-# keeps, on each dp rank, the gradient of that rank's own rows: the replicas drift apart by a little each step, and
-# the loss curve shows it, if at all, after thousands of steps, as a run that is "a bit worse than the paper's".
-# Padded vocabulary rows that take part in the softmax change the loss by a fraction of a percent. Comparing loss
-# curves against a one-device run cannot tell these apart from a different seed, a different summation order
+# A layout that computes a different gradient seldom crashes. Summing the micro-batches' gradients instead of
+# averaging them is SGD with an m times larger learning rate: the loss still goes down. A LayerNorm left out of the
+# data-parallel All-Reduce lets the replicas drift apart slowly; padded vocabulary rows in the softmax change the
+# loss by a fraction of a percent. Loss curves cannot tell these from another seed, another summation order
 # (chapter 14) or an unlucky data order.
 #
-# One step can. Take the parameters before a step and the step's batch, compute the exact gradient of the mean
-# loss on one device in float64 (hsgd's `serial.loss_and_grads`, the reference R), and compare it, parameter by
-# parameter, with what every rank of the system holds after the step's reductions (G). In float64 a correct layout
-# agrees to about 1e-15; a bug shows as an error of order one, and the *shape* of the difference says which bug:
-# G = m R is a missing 1/m, replicas whose mean is R are a missing average, gradient on rows that stand for no token
-# is padding that takes part. That is what `python -m hsgd.crosscheck DIR` does, on a dump that any system can
-# write: a folder of JSON and NumPy `.npz` files, described in `hsgd/crosscheck/FORMAT.md`.
+# One step can: compute the exact gradient of the mean loss in float64 on one device (`serial.loss_and_grads`, the
+# reference R) from the step's parameters and batch, and compare it per parameter with what every rank holds after
+# the step's reductions (G). A correct layout agrees to about 1e-15; a bug shows as an error of order one, and the
+# *shape* of the difference names it: G = m R a missing 1/m, replicas whose mean is R a missing average, gradient on
+# rows that stand for no token padding that takes part. `python -m hsgd.crosscheck DIR` does this on a dump any
+# system can write (JSON and `.npz` files, `hsgd/crosscheck/FORMAT.md`).
 
 # %% [markdown]
 # ## 2. The dump format, on a real dump
 #
-# The PyTorch program of section 4 wrote `tutorials/crosscheck_dumps/torch_tp2_dp2/`: 4 ranks, tp 2 x dp 2, global
-# rank = dp_rank x tp + tp_rank. The folder holds `layout.json`, `params.npz` (the whole parameters before the step,
-# as PyTorch stores them), `batch.npz` (the global batch), `grads-rank{r}.npz` (rank r's gradient pieces) and,
-# written last, `dump.json` (every file's size and sha256: one set of files of one run, or the crosscheck refuses
-# the folder as incomplete or mixed). The
-# layout says, for every tensor of the system, its full shape, how it maps to hsgd's parameters, and where the
-# pieces of its gradient are. Four of its entries, shortened to one line each:
+# The PyTorch program of section 4 wrote `tutorials/crosscheck_dumps/torch_tp2_dp2/` on 4 ranks, tp 2 x dp 2, rank =
+# dp_rank x tp + tp_rank: `layout.json`, `params.npz` (the whole parameters before the step, as PyTorch stores them),
+# `batch.npz`, `grads-rank{r}.npz` (rank r's gradient pieces) and, last, `dump.json` (every file's size and sha256,
+# so that an incomplete or mixed folder is refused). The layout gives every tensor's full shape, its mapping to
+# hsgd's parameters and where its gradient's pieces are. Four entries:
 
 # %%
 def show_format():
@@ -196,28 +165,22 @@ check.holds("fused qkv rows 5hs..6hs = head 1 of v, transposed", fmt["v_head1"])
 check.equal("lm_head's replicas: one per dp rank, each from its two tp ranks", fmt["labels"], ["0+1", "2+3"])
 
 # %% [markdown]
-# Read the entries from the top. `wte`'s rows, the vocabulary, are split over the tp ranks (axis 0, half each), and
-# ranks 2 and 3 hold the same two slices as ranks 0 and 1: a second replica, the other dp rank's. The LayerNorm's
-# weight is whole on every rank (`axis` null, four replicas): replicated under tp, and each copy must be the full
-# gradient after the step's reductions, so each is checked. The fused `qkv` is PyTorch's `nn.Linear(C, 3C)`, stored
-# (out, in), hence `transposed`; its rows are q, k and v interleaved per head, `[q_0 k_0 v_0 q_1 k_1 v_1 ...]`
-# (Megatron-LM's layout of its fused query_key_value), so that the column split gives every tp rank whole heads;
-# `fused` says so, and `group` = hs rows per piece. `proj` (row-parallel) is split along its input columns, axis 1
-# of the stored (out, in) weight. The checks above hold the description to the data: mapped back, the stored
-# tensors are exactly the parameters the program started from.
+# `wte`'s rows, the vocabulary, are split over the tp ranks; ranks 2 and 3 hold the same slices as ranks 0 and 1, the
+# other dp rank's replica. The LayerNorm weight is whole on every rank (`axis` null, four replicas), each copy
+# checked. The fused `qkv` is `nn.Linear(C, 3C)`, stored (out, in), hence `transposed`; its rows interleave q, k and
+# v per head, `[q_0 k_0 v_0 q_1 k_1 v_1 ...]` (Megatron-LM's fused query_key_value), so the split gives every tp rank
+# whole heads (`fused`, with `group` = hs rows per piece). `proj` (row-parallel) is split along axis 1.
 #
-# What a system must get right when writing its dump: the gradients after every reduction the step does (over tp,
-# dp, micro-batches) and before clipping, weight decay, the optimizer and any loss scale; the full parameters
-# before the step; the global batch in the order the mean loss runs over. A system that shards flat chunks of its
-# gradients (ZeRO) gathers them to the parameters' shapes first.
+# What a system must dump: the gradients after every reduction of the step (tp, dp, micro-batches) and before
+# clipping, weight decay, the optimizer and any loss scale; the parameters before the step; the global batch in the
+# order of the mean loss. A system sharding flat chunks (ZeRO) gathers them to the parameters' shapes first.
 
 # %% [markdown]
 # ## 3. hsgd's own dumps
 #
-# `hsgd.train --dump-step N DIR` writes step N of any run as such a dump (a step watcher: the full parameters and
-# the batch before the step, every rank's averaged gradient shards after it, the layout gathered from every rank's
-# shard descriptions); `dump_one_step` does the same for one step without a training run. Two layouts of the eight
-# ranks, on a model whose vocabulary (V = 15) tp 4 does not divide, so that the last tp rank's rows carry padding:
+# `hsgd.train --dump-step N DIR` writes step N of any run as such a dump; `dump_one_step` does it without a training
+# run. Two layouts of the eight ranks, on a vocabulary (V = 15) that tp 4 does not divide, so the last tp rank's
+# rows carry padding:
 
 # %%
 CFG = ModelConfig(vocab_size=15, seq_len=8, d_model=16, n_heads=4, n_layers=2, d_ff=16)
@@ -248,29 +211,25 @@ for i, kw in enumerate([dict(dp=2, tp=4), dict(dp=2, pp=2, tp=2, zero=1, micro_b
     check(f"hsgd {name}: the loss, relative", loss_row["error"])
 
 # %% [markdown]
-# The table has one row per parameter of the reference: its shape, how the dump holds it (the `split` column:
-# "axis 0 / 4, x2 +pad" is four tp slices along axis 0, two replicas, padding entries that must be zero), the
-# largest absolute error over every replica, that error relative to the reference's largest entry of the
-# parameter (with a floor of 1e-3 of the model's largest gradient entry, so that a gradient that is nearly zero is
-# not held to 1e-10 of itself), and the tolerance of the dump's dtype. The k biases' absolute errors are the
-# smallest, ~1e-21: their exact gradient is zero (a softmax ignores a shift shared by a row of scores), and what any
-# layout computes there is rounding noise; section 4 meets them again.
+# One row per parameter: its shape, how the dump holds it (`split`: "axis 0 / 4, x2 +pad" is four tp slices along
+# axis 0, two replicas, padding that must be zero), the largest absolute error over every replica, that error
+# relative to the parameter's largest reference entry (floored at 1e-3 of the model's largest gradient entry), and
+# the dtype's tolerance. The k biases' errors, ~1e-21, are rounding noise: their exact gradient is zero (a softmax
+# ignores a shift shared by a row of scores); sections 4 and 9 meet them again.
 
 # %% [markdown]
 # ## 4. The PyTorch system
 #
-# `benchmarks/crosscheck_torch.py` is one training step of the same GPT written the way a PyTorch user writes it,
-# without hsgd: an `nn.Module` with `nn.Embedding`, `nn.LayerNorm` and `nn.Linear`, one fused qkv per block;
-# `tp*dp` processes (gloo on the CPU) on a 2-D `init_device_mesh("cpu", (dp, tp))`; tensor parallelism by
-# `parallelize_module` (`ColwiseParallel` for qkv and fc, `RowwiseParallel` for the projections and the
-# vocabulary-parallel embedding, the logits left split over the vocabulary for `loss_parallel()`); data parallelism
-# by hand, a `dist.all_reduce` of every gradient over the dp group and a division by dp; gradient accumulation over
-# `--micro-batches M`. Its `--bug` switches on one of three real mistakes. It writes the dump itself.
+# `benchmarks/crosscheck_torch.py` is one step of the same GPT as a PyTorch user writes it: `nn.Embedding`,
+# `nn.LayerNorm`, `nn.Linear`, one fused qkv per block; `tp*dp` gloo processes on `init_device_mesh("cpu", (dp,
+# tp))`; `parallelize_module` for tensor parallelism (`ColwiseParallel` for qkv and fc, `RowwiseParallel` for the
+# projections and the vocabulary-parallel embedding, the logits left split for `loss_parallel()`); data parallelism
+# by hand, a `dist.all_reduce` over the dp group and a division by dp; `--micro-batches M`. Its `--bug` switches on
+# one of three real mistakes.
 #
-# PyTorch is not among hsgd's requirements, so the dumps the program wrote are committed, small (a tiny model,
-# under 100 KB each), with the commands that wrote them in `tutorials/crosscheck_dumps/README.md`. When PyTorch is
-# installed, the chapter runs the program again for the first of them and checks that the fresh dump equals the
-# committed one, so that the committed data cannot drift from the program that claims to write it.
+# PyTorch is not among hsgd's requirements, so the program's small dumps are committed (the commands in
+# `tutorials/crosscheck_dumps/README.md`); where PyTorch is installed the chapter reruns the first and checks that
+# the fresh dump equals the committed one.
 
 # %%
 MODEL = "--seq-len 8 --d-model 16 --n-heads 4 --n-layers 1 --d-ff 16"
@@ -352,8 +311,7 @@ else:
     check(f"fresh {RERUN}: the loss = the committed (relative)", d_loss, 1e-12)
 
 # %% [markdown]
-# Now every committed dump through the crosscheck, as `python -m hsgd.crosscheck tutorials/crosscheck_dumps/NAME`
-# would print it (the full table for the first, the verdict and its explanations for the others):
+# Every committed dump through the crosscheck (the full table for the first, the verdict for the others):
 
 # %%
 torch_verdicts = pictures.on_rank0(world, lambda: {n: verdict_of(folder(n), n) for n in TORCH_DUMPS}, share=True)
@@ -409,30 +367,24 @@ check.holds("vocab-padding: FAIL, and the loss differs too", not ok and not loss
 check.equal("vocab-padding: lm_head.weight's class", rows["lm_head.weight"]["class"], "padding")
 
 # %% [markdown]
-# The three bugs look different, and the crosscheck says how:
+# The three bugs look different:
 #
-# - **no-microbatch-scale** (each micro-batch's loss backpropagated without the 1/M): every gradient is exactly 3
-#   times the reference, and 3 is the layout's number of micro-batches, the only one of its sizes that is 3. That
-#   is why this dump runs M = 3: with M = 2 on tp 2 x dp 2 the factor 2 would be "dp or micro-batches or tp", and
-#   the crosscheck says all three (exercise 3). The loss is right: the program reports the unscaled loss.
-# - **ln-not-reduced** (the LayerNorms left out of the dp All-Reduce): the replicas disagree, ranks 0 and 1 (dp
-#   rank 0) hold one value, ranks 2 and 3 another, and each is exactly the gradient of its own dp rank's rows alone,
-#   which the crosscheck computes by running the reference on each dp slice of the batch (`hsgd.crosscheck.local`):
-#   "unreduced", no replica holds the reference. Their mean is the reference too, as it must be (R is the mean of
-#   the slices' gradients), but "each holds its own rows" says more: the reduction over dp never ran on these
-#   buffers. Every other parameter is right to 1e-15, so the bug is confined to exactly the parameters the
-#   All-Reduce skipped.
-# - **vocab-padding** (the padded vocabulary's logits not masked to -inf): the one padded row of lm_head carries
-#   gradient, which no real token can cause. Because the padded logit enters the softmax, the loss and every other
-#   gradient change too, by a few percent, in no simple pattern: the padding is the one *named* cause, and the table's
-#   first line, the loss, confirms the forward pass itself differs.
+# - **no-microbatch-scale** (each micro-batch's loss backpropagated without the 1/M): every gradient is exactly 3 R,
+#   and 3 is only the number of micro-batches (with M = 2 on tp 2 x dp 2 it would say "dp or micro-batches or tp",
+#   exercise 3). The loss, reported unscaled, is right.
+# - **ln-not-reduced** (the LayerNorms left out of the dp All-Reduce): ranks 0 and 1 (dp rank 0) hold one value,
+#   ranks 2 and 3 another, each exactly its own dp rank's rows' gradient, which the crosscheck computes on each dp
+#   slice of the batch (`hsgd.crosscheck.local`): "unreduced", no replica R. Their mean is R, but "each its own rows"
+#   says more: the reduction never ran on these buffers, and every other parameter is right to 1e-15.
+# - **vocab-padding** (the padded logits not masked to -inf): the padded row of lm_head gets gradient, which no real
+#   token can cause. The padded logit enters the softmax, so the loss and every gradient change, in no simple
+#   pattern: the padding is the one *named* cause, and the loss row confirms the forward pass differs.
 
 # %% [markdown]
 # ## 5. Bugs on purpose in hsgd
 #
-# `hsgd.check.mutations.injected(bug, name)` switches on, for the length of a `with` block, one of the mistakes
-# distributed training code is known to make, in hsgd itself. Four of them, each dumped on a layout where it shows
-# and crosschecked:
+# `hsgd.check.mutations.injected(bug, name)` switches on, inside a `with` block, one of the known mistakes of
+# distributed training code, in hsgd itself. Four, each on a layout where it shows:
 
 # %%
 MUTATIONS = [   # (bug, the parameter it targets, the layout, a parameter to look at, (class, words of the detail))
@@ -461,37 +413,31 @@ for bug, target, kw, look, (cls, words) in MUTATIONS:
                     all(words in rows[n]["detail"] for n in failed(rows)))
 
 # %% [markdown]
-# The factor dp of ZeRO's missing 1/dp and the factor m of the pipeline's missing 1/m are told apart only because
-# the layouts' sizes differ (dp 4 x tp 2, and m = 3 on pp 2 x tp 4): a layout whose sizes are all 2 could not say
-# which. The sequence scheme's missing LayerNorm reduction is a partial sum over the 4 tp ranks (each holds its
-# T/tp positions' share; their *sum* is R), where the PyTorch program's LayerNorms, never reduced over dp, each held
-# one dp rank's own rows' gradient ("unreduced"): the class names which reduction, the detail which ranks and rows.
-# The head permutation is found in the one parameter it touched, and the order printed is the one each tp rank's
-# two heads were swapped in.
+# ZeRO's missing 1/dp and the pipeline's missing 1/m are told apart only because the layouts' sizes differ (dp 4 x
+# tp 2; m = 3 on pp 2 x tp 4). The sequence scheme's missing LayerNorm reduction is a partial sum over the 4 tp ranks
+# (their *sum* is R), where section 4's LayerNorms each held one dp rank's rows' gradient ("unreduced"): the class
+# names which reduction, the detail which ranks and rows. The head permutation is found in the one parameter it
+# touched.
 
 # %% [markdown]
 # ## 6. From a Distributed Checkpoint to a verdict (FSDP2 + TP)
 #
-# `benchmarks/crosscheck_fsdp2.py` is a second PyTorch program, laid out the way torchtitan trains a Llama model: an
-# `nn.Module` in torchtitan's names (`tok_embeddings`, `layers.{i}.attention.wq` .. `wo`, `feed_forward.w1` ..
-# `w3`, `attention_norm`, `ffn_norm`, `norm`, `output`), `dp*tp` processes on a 2-D `init_device_mesh("cpu", (dp,
-# tp))`, tensor parallelism over tp by `parallelize_module`, then FSDP2 over dp by `fully_shard` on every block and
-# on the root. Every weight becomes a DTensor cut along both mesh dimensions, and after the backward each rank holds
-# only its box of every gradient (FSDP2 reduce-scatters over dp and divides by dp). The norms stay out of
-# `fully_shard`, replicated, and are averaged over dp by hand (one flat bucket, as DDP does). The program writes no
-# dump: it saves its step the way a PyTorch user saves a checkpoint, `torch.distributed.checkpoint.save` (DCP) of
-# `{"params", "grads", "batch", "loss"}`, and its rank 0 writes `hsgd.json` beside it (the model and the sizes).
+# `benchmarks/crosscheck_fsdp2.py` is laid out as torchtitan trains a Llama model: torchtitan's names
+# (`tok_embeddings`, `layers.{i}.attention.wq` .. `wo`, `feed_forward.w1` .. `w3`, `attention_norm`, `ffn_norm`,
+# `norm`, `output`), a 2-D `init_device_mesh("cpu", (dp, tp))`, `parallelize_module` over tp, then FSDP2's
+# `fully_shard` over dp on every block and the root. Every weight is a DTensor cut along both mesh dimensions, and
+# each rank keeps its box of every gradient (FSDP2 reduce-scatters over dp and divides by dp). The norms stay
+# replicated, averaged over dp by hand (one flat bucket, as DDP does). The program saves
+# `{"params", "grads", "batch", "loss"}` with `torch.distributed.checkpoint.save` (DCP), and rank 0 writes `hsgd.json`
+# beside it (the model and the sizes).
 #
-# A DCP folder holds a file `__{rank}_0.distcp` per rank (each chunk in it a `torch.save` archive) and `.metadata`,
-# which says where every chunk of every tensor is: its offsets and sizes in the full tensor, its file and byte
-# range. `.metadata` is a Python pickle, and unpickling runs whatever code its author put in it. So
-# `python -m hsgd.crosscheck.from_dcp DIR --out DUMP` reads it only when told `--trust-pickled-metadata`, and then
-# only through PyTorch's own reader; `--save-metadata-json` keeps what it read as `DIR/dcp-metadata.json` (plain
-# data: tensors, chunks, byte ranges), which `--metadata-json` reads in place of the pickle, with no PyTorch at all.
-# The chunks themselves are parsed, never unpickled. Two of the program's checkpoints are committed in
-# `tutorials/crosscheck_dumps/` with their `dcp-metadata.json` (the commands in its README.md), so this section runs
-# where PyTorch is not installed; where it is, the program runs again, and its fresh checkpoint, read through the
-# pickle, must give the same dump.
+# A DCP folder holds a `__{rank}_0.distcp` per rank and `.metadata`, which says where every chunk of every tensor is.
+# `.metadata` is a pickle, and unpickling runs whatever code its author put in it, so `python -m
+# hsgd.crosscheck.from_dcp DIR --out DUMP` reads it only with `--trust-pickled-metadata`, through PyTorch's reader;
+# `--save-metadata-json` keeps it as plain data in `DIR/dcp-metadata.json`, which `--metadata-json` reads without
+# PyTorch. The chunks are parsed, never unpickled. Two checkpoints are committed with their `dcp-metadata.json`;
+# where PyTorch is installed the program runs again and its checkpoint, read through the pickle, must give the same
+# dump.
 
 # %%
 FSDP2 = "--dp 3 --tp 2 --vocab 16 --batch 6"    # with MODEL; tutorials/crosscheck_dumps/README.md
@@ -651,32 +597,25 @@ else:
     check(f"fresh {DCP_OK}: the loss = the committed (relative)", d_loss, 1e-12)
 
 # %% [markdown]
-# The correct program passes: FSDP2's reduce-scatter and its division by dp, tensor parallelism's All-Reduces and
-# the hand-made average of the norms together give the gradient of the mean loss, to rounding. Its `split` column
-# reads as the layout does: the weights tensor parallelism splits by rows (`tok_embeddings`, `wq`, `wk`, `wv`,
-# `w1`, `w3`, `output`) cut along their rows only, in strips (section 7 says why; `wk` and `wv`, of fewer rows, in
-# four: one rank's chunk is empty), `wo` and `w2` in boxes along both axes, the norms whole.
+# The correct program passes. The `split` column reads as the layout: weights tp splits by rows (`tok_embeddings`,
+# `wq`, `wk`, `wv`, `w1`, `w3`, `output`) in strips (section 7; `wk` and `wv`, of fewer rows, in four: one rank's
+# chunk is empty), `wo` and `w2` in boxes along both axes, the norms whole.
 #
-# The wrong-mesh-dim bug averages the norms' bucket over the "tp" mesh dimension instead of "dp". The two ranks of
-# a tp group hold the same rows of the batch, so the average changes nothing, and every rank keeps its own dp rank's
-# gradient R_d: "unreduced". But a DCP folder shows only one copy of it. DCP saves one copy of a chunk that several
-# ranks hold: its save planner deduplicates the ranks' plans (`dedup_save_plans` keeps each replicated item on the
-# rank that has the least to write so far), so each norm's gradient, held whole by all six ranks, is in the file of
-# one rank of DCP's choosing, the ranks printed above. The replicas cannot be compared: what the other ranks held
-# is gone (had they been right and the saved one wrong, or the other way round, the folder could not say). The
-# class comes instead from comparing the one copy with each dp rank's own rows' gradient, which the crosscheck
-# computes: each norm is named with the dp rank of the rank that saved it, and that is how the verdict says which
-# copy it saw. Section 8 shows what replicas tell when a dump keeps them all.
+# The wrong-mesh-dim bug averages the norms over the "tp" mesh dimension instead of "dp". A tp group's ranks hold the
+# same rows of the batch, so every rank keeps its dp rank's R_d: "unreduced". But DCP saves one copy of a chunk
+# several ranks hold (`dedup_save_plans` keeps it on the rank with the least to write so far), so each norm is in
+# the file of one rank of DCP's choosing, printed above, and replicas cannot be compared. The class comes from
+# comparing that copy with each dp rank's own rows' gradient, and names the saving rank's dp rank. Section 8 shows
+# what replicas tell when a dump keeps them all.
 
 # %% [markdown]
 # ## 7. Reading a 2-D sharded tensor
 #
-# A shard of layout.json with `slices` is a box: along each axis it cuts, an offset and a length. `copies_of`
-# (`hsgd.crosscheck.__main__`) groups a tensor's shards by box: shards with the same box are replicas of one piece,
-# different boxes are pieces of one copy; copy k takes, for every box, its k-th holder, and writes that rank's real
-# entries at the box's place in the full tensor (`Shard.where`). In the DCP folder's dump no box has two holders
-# (DCP saved each chunk once), so `wo`'s gradient comes back as one copy, from all six ranks. `wq` is cut along one
-# axis only, into six strips:
+# A shard with `slices` is a box: an offset and a length along each axis it cuts. `copies_of`
+# (`hsgd.crosscheck.__main__`) groups a tensor's shards by box: equal boxes are replicas of one piece, different
+# boxes pieces of one copy; copy k takes every box's k-th holder and writes its real entries at the box's place
+# (`Shard.where`). DCP saved each chunk once, so `wo`'s gradient comes back as one copy from all six ranks. `wq` is
+# cut along one axis only, into six strips:
 
 # %%
 def boxes():
@@ -748,27 +687,22 @@ def draw_boxes():
 pictures.on_rank0(world, draw_boxes)
 
 # %% [markdown]
-# The picture shows both: `wo` (row-parallel, so split by its input columns over tp) is cut by FSDP2 along its rows
-# over dp, and each rank holds one box; `wq` (column-parallel, split by its output rows over tp) is cut by FSDP2
-# along the same rows again, so each tp rank's strip of rows is cut once more over dp, and the rows of the full
-# tensor come from the ranks in tp-major order. PyTorch calls that placement `_StridedShard(0)`; for the dump it is
-# one axis, six strips at their offsets, and `copies_of` needs nothing more. The rows do not divide evenly: FSDP2
-# cuts dimension 0 as `torch.chunk` does, ceil(C/dp) rows to every rank but the last, which takes the rest. The
-# chunks DCP saved are each rank's real rows and cover the tensor exactly once, so the dump declares no padding.
+# In the picture, `wo` (row-parallel, split by input columns over tp) is cut by FSDP2 along its rows over dp, one box
+# per rank; `wq` (column-parallel, split by output rows over tp) is cut by FSDP2 along the same rows again, so the full
+# tensor's rows come from the ranks in tp-major order: PyTorch's `_StridedShard(0)`, for the dump one axis with six
+# strips at their offsets. FSDP2 cuts dimension 0 as `torch.chunk` does, ceil(C/dp) rows per rank and the rest to the
+# last; the saved chunks are real rows covering the tensor once, so the dump declares no padding.
 
 # %% [markdown]
 # ## 8. Replicas that say which side holds the reference
 #
-# Where a dump keeps every replica (hsgd's dumps, the program of section 4), the classifier first asks which
-# replicas hold the reference R and what the others hold. Three bugs of the replicated LayerNorms, written into a
-# copy of `torch_tp2_dp2` (4 ranks, rank = dp_rank x 2 + tp_rank), one per LayerNorm weight, on the ranks of dp
-# rank 1:
+# Where a dump keeps every replica, the classifier asks which replicas hold R and what the others hold. Three bugs
+# in a copy of `torch_tp2_dp2` (rank = dp_rank x 2 + tp_rank), one per LayerNorm weight, on dp rank 1's ranks:
 #
-# - `h.0.ln1.weight`: ranks 2 and 3 keep an earlier gradient (here that of another batch, as the step before
-#   would have left it): their buffer was never refreshed with the reduced one;
+# - `h.0.ln1.weight`: ranks 2 and 3 keep an earlier gradient (another batch's, as the step before would leave it);
 # - `h.0.ln2.weight`: ranks 2 and 3 keep their own rows' gradient R_1: the reduced gradient never reached them;
-# - `ln_f.weight`: the All-Reduce ran over a group that left rank 3 out (ranks 0, 1, 2: a group built over the
-#   wrong ranks): ranks 0 to 2 hold the mean of R_0, R_0 and R_1, rank 3 its own R_1.
+# - `ln_f.weight`: an All-Reduce over a wrong group (ranks 0, 1, 2): ranks 0 to 2 hold the mean of R_0, R_0 and
+#   R_1, rank 3 its own R_1.
 
 # %%
 def edited(name, edit):
@@ -825,22 +759,19 @@ check.holds("replicas: ln_f's replicas differ, ranks 0,1,2 | 3, none of them R",
             rows["ln_f.weight"]["detail"])
 
 # %% [markdown]
-# The three classes answer "which side holds the reference?" differently. A **stale replica** has both: some ranks
-# hold R, so the reduction itself is right, and the others hold something that is neither a part of R nor their own
-# rows' gradient: look at the buffer those ranks read (not zeroed, copied before the reduction wrote it, a second
-# copy of the parameter that is never refreshed). **Unreduced** names what the others hold, their own dp rank's
-# rows' gradient: the reduction never reached them, or (when no replica holds R, as in the PyTorch program's
-# ln-not-reduced) never ran. **Replicas differ** is left for the case where no replica is R and the values neither
-# add up to it nor are any rank's own: a reduction that ran, over the wrong group. In a DCP folder only one copy is
-# saved, so the first of these can hide entirely: had DCP chosen a rank that holds R, the folder would pass.
+# A **stale replica**: some ranks hold R, so the reduction is right, and the others something that is neither part
+# of R nor their own rows' gradient: look at those ranks' buffer (not zeroed, copied before the reduction wrote it,
+# never refreshed). **Unreduced** names what the others hold, their own rows' gradient: the reduction never reached
+# them, or (no replica R) never ran. **Replicas differ**: no replica is R and the values neither add up to it nor
+# are any rank's own: a reduction over the wrong group. A DCP folder saves one copy, so a stale replica can hide
+# entirely: had DCP chosen a rank holding R, the folder would pass.
 
 # %% [markdown]
 # ## 9. A fused-block swap found
 #
-# `torch_tp2_dp2` fuses q, k and v into one `nn.Linear(C, 3C)` whose rows are interleaved per head, `[q_0 k_0 v_0
-# q_1 ...]` (section 2). A system that slices such a tensor with the wrong offsets, or concatenates its parts in
-# another order than its checkpoint says, leaves every number right and in the wrong place. Two such mistakes on
-# copies of the dump: k and v exchanged in every head of every rank's array, then in one head only:
+# A system that slices the interleaved qkv of `torch_tp2_dp2` (section 2) with wrong offsets, or concatenates its
+# parts in another order than its checkpoint says, leaves every number right and in the wrong place. On copies of
+# the dump: k and v exchanged in every head, then in one head only:
 
 # %%
 HS = fmt["hs"]
@@ -914,30 +845,23 @@ check.holds("k-bias: a first-match search, own place not first, moves k blocks o
             K9["first"] and K9["first_in_k"])
 
 # %% [markdown]
-# When every head's k and v trade places, each part holds another part's gradient whole: "swapped", named the way
-# round it is ("k holds v's"), which points at the order of the parts (in the system's concatenation, or in the
-# checkpoint's description of it). When one head's k and v trade places, the parts are mostly right and the
-# classifier lists the blocks that moved, each with the reference block it holds: "permutation". Both come from
-# `hsgd.crosscheck.fused`, which cuts the fused gradient into blocks of the greatest common width of the parts'
-# pieces (a head's hs here) and matches G's blocks to R's.
+# When every head's k and v trade places, each part holds another's gradient whole: "swapped", named the way round
+# it is ("k holds v's"). When one head's do, the classifier lists the moved blocks, each with the reference block it
+# holds: "permutation". Both come from `hsgd.crosscheck.fused`, which cuts the fused gradient into blocks of the
+# parts' greatest common width (hs here) and matches G's blocks to R's.
 #
-# The order of that matching matters because of the k biases. Their exact gradient is zero (a softmax ignores a
-# shift shared by a row of scores), so every k-bias block, in G and in R, is rounding noise many decades below
-# ||R||, and every one "equals" every other within the tolerance, as the count above shows. A search that gives
-# each block of G the first block of R it equals finds R's first k-bias block for every k-bias block of G, and
-# would report the correct copy as a reordering of the k biases (the moves printed above). `fused.moves` first
-# keeps every block that equals its own reference where it is, and matches only the blocks that differ, among
-# themselves (a reordering moves blocks among themselves, so its sources and targets are one set); and it names a
-# reordering only when undoing it brings the whole error down tenfold, to within the tolerance. Noise that equals
-# its own place is never moved: a correct copy has no reordering.
+# The order of the matching matters: the k biases' exact gradient is zero, so every k-bias block, in G and R, is
+# rounding noise that "equals" every other within the tolerance, as counted above, and a first-match search would
+# report the correct copy as a reordering (the moves printed above). `fused.moves` keeps every block that equals its
+# own reference in place, matches only the others among themselves, and names a reordering only when undoing it
+# brings the error down tenfold, within the tolerance: a correct copy has no reordering.
 
 # %% [markdown]
 # ## 10. Two pictures
 #
-# The first shows how one tensor's gradient comes back together: the rows of the fused qkv weight (stored (3C, C))
-# of `torch_tp2_dp2`, coloured by q, k and v, and which rank holds them; then lm_head's rows of `torch_tp2_dp2_v15`
-# with the padded row. The second shows every parameter's error, relative, for each PyTorch dump, coloured by the
-# class the crosscheck gave it, against the float64 tolerance.
+# The first: the fused qkv weight's rows of `torch_tp2_dp2`, coloured by q, k and v, on the ranks that hold them,
+# then lm_head's rows of `torch_tp2_dp2_v15` with the padded row. The second: every parameter's relative error for
+# each PyTorch dump, coloured by the crosscheck's class, against the float64 tolerance.
 
 # %%
 CLASS_COLORS = {"ok": "#2ca02c", "constant factor": "#1f77b4", "unreduced": "#d62728", "padding": "#9467bd",
@@ -1005,12 +929,10 @@ def draw():
 pictures.on_rank0(world, draw)
 
 # %% [markdown]
-# In the first picture each tp rank holds whole heads (rank 0 heads 0 and 1 of q, k and v, rank 1 heads 2 and 3),
-# which is why the per-head interleave exists: a block layout `[q | k | v]` split in two would give rank 0 all of q
-# and half of k. In the second, the correct dumps sit at 1e-16, six decades under the tolerance; each bug puts its
-# parameters near 1 (a factor 3 is an error of 2, an unreduced LayerNorm, one dp rank's rows alone, an error of
-# order one), and the padding bug leaves every parameter a little off, the one with the padded row named. The
-# legend lists the classes these five dumps show; the colours of the others (sections 5, 8, 9) are kept for them.
+# Each tp rank holds whole heads (rank 0 heads 0 and 1, rank 1 heads 2 and 3): a block layout `[q | k | v]` split in
+# two would give rank 0 all of q and half of k. The correct dumps sit at 1e-16, six decades under the tolerance;
+# each bug puts its parameters near 1, and the padding bug leaves every parameter a little off, the padded one
+# named. The legend's colours for the classes of sections 5, 8 and 9 are kept for them.
 
 # %% [markdown]
 # ## 11. Reading a verdict: from the class to the line
@@ -1018,35 +940,34 @@ pictures.on_rank0(world, draw)
 # | class | what it means | where to look |
 # |---|---|---|
 # | constant factor = m (micro-batches) | the micro-batches' gradients summed where their mean belongs | the loss divided by m before each backward (`(loss * scale).backward()` in the PyTorch program, `Stage.receive`'s S/m in hsgd) |
-# | constant factor = dp | the dp replicas' gradients summed, not averaged | the division by dp after the dp All-Reduce (or the Reduce-Scatter of ZeRO: `Zero1Exchange.average`) |
-# | constant factor = tp, or tp x tp | a tensor-parallel adjoint that sums what each rank already held whole | the backward of the All-Gather or All-Reduce in front of the layers that show it (the lowest layer showing the factor is just below the faulty collective) |
+# | constant factor = dp | the dp replicas' gradients summed, not averaged | the division by dp after the dp All-Reduce (or ZeRO's Reduce-Scatter: `Zero1Exchange.average`) |
+# | constant factor = tp, or tp x tp | a tensor-parallel adjoint that sums what each rank already held whole | the backward of the All-Gather or All-Reduce just above the lowest layer showing the factor |
 # | 1/n of any size | an average where a sum belongs, or a 1/n applied twice | the same reductions, the other way round |
-# | unreduced: no replica is R, each its own rows' gradient | the reduction over dp never ran on this parameter, or ran over a group whose ranks hold the same rows (tp): each dp rank keeps R_d, the gradient of its B/dp sequences alone (the detail names the ranks and the sequences) | the list of parameters the dp All-Reduce covers (a replicated parameter left out), and the group it is given (`mesh["dp"]`, not `mesh["tp"]`) |
-# | unreduced: some ranks R, the others their own rows | the reduction ran, its result never reached the buffers of the ranks named | the copy back from the reduction's buffer into `.grad` on those ranks |
-# | unreduced, from a DCP folder (one copy) | as above, seen on the one copy DCP kept: the dp rank named is the saving rank's | the same; the other ranks' copies were not saved, so a bug that spares the saving rank passes unseen |
-# | stale replica | some ranks hold R, the others something else, neither a part of R nor their own rows | the buffer of the ranks not holding R: read before the reduction writes it, not zeroed, an old copy not refreshed |
-# | replicas differ | no replica holds R, and they neither add up to it nor are any rank's own rows | a reduction over the wrong group (a group built over the wrong ranks, or a subset of the right ones) |
-# | partial sum: the sum is R | each rank holds its share of a gradient that needs adding up (a replicated parameter under sequence or context parallelism) | the All-Reduce of the replicated parameters' partial gradients over tp or cp |
-# | partial sum: the mean is R | replicas that are no dp rank's own rows and average to R (a mean over groups that are not the dp slices) | the reduction over the groups the detail lists |
-# | padding | rows that stand for no token get gradient | the mask of the padded logits (-inf before the softmax) or the embedding's lookup of ids past V |
+# | unreduced: no replica is R, each its own rows' gradient | the dp reduction never ran on this parameter, or ran over a group whose ranks hold the same rows (tp): each dp rank keeps R_d (the detail names ranks and sequences) | the parameters the dp All-Reduce covers, and the group it is given (`mesh["dp"]`, not `mesh["tp"]`) |
+# | unreduced: some ranks R, the others their own rows | the reduction ran; its result never reached the named ranks' buffers | the copy from the reduction's buffer into `.grad` on those ranks |
+# | unreduced, from a DCP folder (one copy) | as above, seen on the one copy DCP kept, the saving rank's | the same; a bug that spares the saving rank passes unseen |
+# | stale replica | some ranks hold R, the others neither a part of R nor their own rows | the buffer of the ranks not holding R: read before the reduction writes it, not zeroed, never refreshed |
+# | replicas differ | no replica is R, and they neither add up to it nor are any rank's own rows | a reduction over the wrong group |
+# | partial sum: the sum is R | each rank holds its share of a gradient that needs adding up (a replicated parameter under sequence or context parallelism) | the All-Reduce of those partial gradients over tp or cp |
+# | partial sum: the mean is R | replicas that are no dp rank's own rows and average to R | the reduction over the groups the detail lists |
+# | padding | rows that stand for no token get gradient | the mask of the padded logits (-inf before the softmax), or the embedding's lookup of ids past V |
 # | permutation of heads or rows | the right numbers in the wrong places | a gather's order, a reshape of (heads, hs) against (hs, heads), the fused qkv's interleave |
-# | permutation of fused blocks | some blocks of a fused q\|k\|v or gate\|up moved among its parts (the detail: each block and the reference block it holds) | the offsets a fused tensor is sliced at, per head or per tp rank |
-# | swapped: X holds Y's gradient | a whole part of a fused tensor (or a parameter) holds another's | the order of the parts in the system's concatenation, or in the dump's `fused.parts` |
+# | permutation of fused blocks | blocks of a fused q\|k\|v or gate\|up moved among its parts (the detail: each block and the reference block it holds) | the offsets a fused tensor is sliced at, per head or per tp rank |
+# | swapped: X holds Y's gradient | a whole part of a fused tensor (or a parameter) holds another's | the order of the parts in the concatenation, or in the dump's `fused.parts` |
 # | transposed | a square weight written the other way round | the dump's `transposed` flag, or a `.T` in the code |
 # | missing | the gradient never arrived | a parameter without `requires_grad`, a hook that never fired, a rank that wrote zeros |
-# | no simple pattern, with the loss wrong | the forward pass differs | the loss first: masking, a dropout left on, a different epsilon; or the dump's parameters or batch are not what ran |
+# | no simple pattern, with the loss wrong | the forward pass differs | masking, a dropout left on, another epsilon; or the dump's parameters or batch are not what ran |
 #
-# Two cautions. A factor that is two sizes at once (tp = dp = 2) is named by both: choose a layout for the check
-# whose sizes differ (tp 2 x dp 4 x m 3). And the crosscheck reads only what the dump says: a layout.json that
-# describes the shards wrongly (exercise 2) produces a failure that is the dump's, not the system's; the loss line
-# tells the two apart, as a wrong description of the parameters changes the reference's loss too.
+# Two cautions. A factor equal to two sizes (tp = dp = 2) is named by both: check on a layout whose sizes differ
+# (tp 2 x dp 4 x m 3). And a layout.json that describes the shards wrongly (exercise 2) fails the dump, not the
+# system; the loss row tells them apart, since a wrong description of the parameters changes the reference's loss.
 
 # %%
 exact = [w for w in check.errors if w.startswith(("hsgd", "torch"))]
 worst, err = check.worst(exact)
 again = "the committed PyTorch dump and checkpoint written again and equal" if fresh and fresh_dcp else \
     "the committed PyTorch dumps and checkpoints as they are"
-say(f"\nchapter 18: all {len(check.passed)} checks passed on {world.Get_size()} ranks; largest error of a correct "
+say(f"\nchapter 20: all {len(check.passed)} checks passed on {world.Get_size()} ranks; largest error of a correct "
     f"layout against the serial reference {err:.1e} ({worst}); {again}")
 
 # %% [markdown]
@@ -1066,11 +987,10 @@ say(f"\nchapter 18: all {len(check.passed)} checks passed on {world.Get_size()} 
 # ## Exercises
 #
 # ### Exercise 1: a dump by hand
-# Write the dump of a one-rank "system" with gradient accumulation over 2 micro-batches (`parallel:
-# {"micro_batches": 2}`) whose wpe gradient is doubled: the parameters from `hsgd.model.serial.init_params`, a batch,
-# the exact gradients from `serial.loss_and_grads`, wpe's times 2, written with `write_layout` and `write_rank`, and
-# `dump.json` last (`hsgd.crosscheck.manifest.write_manifest`). Check that the crosscheck fails on wpe alone and
-# names the factor "= micro-batches".
+# Write the dump of a one-rank "system" with 2 micro-batches (`parallel: {"micro_batches": 2}`) whose wpe gradient
+# is doubled: parameters from `hsgd.model.serial.init_params`, a batch, exact gradients from
+# `serial.loss_and_grads` (wpe's times 2), written with `write_layout` and `write_rank`, `dump.json` last
+# (`hsgd.crosscheck.manifest.write_manifest`). Check that the crosscheck fails on wpe alone, "= micro-batches".
 # (solution: `tutorials/solutions/20_checking_another_system.py`, `exercise_1`)
 #
 # ### Exercise 2: a layout.json that lies about the interleave
@@ -1080,17 +1000,15 @@ say(f"\nchapter 18: all {len(check.passed)} checks passed on {world.Get_size()} 
 # (solution: `tutorials/solutions/20_checking_another_system.py`, `exercise_2`)
 #
 # ### Exercise 3: a factor of 2 is ambiguous on tp 2 x dp 2
-# With `hsgd.check.mutations.injected("zero-without-1/dp")`, dump hsgd on dp 2 x pp 2 x tp 2 with ZeRO 1 and check that
-# the crosscheck names the factor 2 "dp or pp or tp"; then pick a layout of the 8 ranks that names it "dp" alone,
-# and check that.
+# With `hsgd.check.mutations.injected("zero-without-1/dp")`, dump hsgd on dp 2 x pp 2 x tp 2 with ZeRO 1: the
+# crosscheck names the factor 2 "dp or pp or tp". Pick a layout of the 8 ranks that names it "dp" alone.
 # (solution: `tutorials/solutions/20_checking_another_system.py`, `exercise_3`)
 #
 # ### Exercise 4: repair the ln-not-reduced dump
-# Copy `tutorials/crosscheck_dumps/torch_tp2_dp2_ln-not-reduced`, and in the copy replace every LayerNorm gradient
-# on every rank by the mean over the dp ranks (the All-Reduce the program forgot), and seal the copy anew
-# (`hsgd.crosscheck.manifest.seal`: the old `dump.json`'s digests no longer hold, and the crosscheck would refuse it
-# as a mixed dump). Check that the crosscheck then passes, and that the repaired gradients equal the correct dump's
-# (`torch_tp2_dp2`) to 1e-12.
+# In a copy of `tutorials/crosscheck_dumps/torch_tp2_dp2_ln-not-reduced`, replace every LayerNorm gradient on every
+# rank by its mean over the dp ranks (the forgotten All-Reduce) and seal the copy anew
+# (`hsgd.crosscheck.manifest.seal`: else the crosscheck refuses it as a mixed dump). Check that it then passes, and
+# that the repaired gradients equal the correct dump's (`torch_tp2_dp2`) to 1e-12.
 # (solution: `tutorials/solutions/20_checking_another_system.py`, `exercise_4`)
 #
 # ### Exercise 5: read a Distributed Checkpoint by hand

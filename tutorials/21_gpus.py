@@ -16,41 +16,21 @@
 # %% [markdown]
 # # Chapter 21: GPUs
 #
-# The lecture trains on GPUs. Its section 4.1 says what the hardware asks of the communication: **NVLink inside a
-# server, InfiniBand between servers**, so the model-parallel traffic should stay inside a server; and an
-# **efficient collective library such as NCCL**. Every chapter so far ran on CPUs, with NumPy arrays and MPI. This
-# chapter shows what changes when each rank drives a GPU, and what does not:
+# The last chapter of Part IV, operations: the course's code on GPUs, one rank per GPU. The lecture's section 4.1
+# says what the hardware asks of the communication: **NVLink inside a server, InfiniBand between servers**, so
+# model-parallel traffic should stay inside a server; and an **efficient collective library such as NCCL**. This
+# chapter shows what changes when each rank drives a GPU, and what does not.
 #
-# 1. one code path for CPU and GPU: the model code asks each array which module it belongs to (NumPy or CuPy), and
-#    the same seed gives the same parameters on both;
-# 2. what a GPU rank needs from MPI: device buffers handed to a CUDA-aware MPI, or staged through host memory;
-# 3. one GPU per rank: the node-local rank picks the GPU, and ranks share GPUs when there are more ranks than GPUs;
-# 4. silent host round trips, and how a training step keeps to one small device-to-host copy; a few data-parallel
-#    steps checked against serial SGD;
-# 5. launching on a cluster: command lines for MPICH, Open MPI and Slurm; why tp goes inside a node and dp across;
-# 6. mixed precision: bfloat16 and float16, emulated by rounding float32 arrays; what they are, where hsgd rounds,
-#    training with them, and dynamic loss scaling against float16's underflow.
-#
-# Run it with two ranks: about 3.5 s on a 2-core machine without a GPU, about 5 s on the simulated GPU (on the same
-# machine shared with other jobs, up to 20 s). On failure every rank raises, so it exits non-zero without
-# hanging:
+# Run it with two ranks: about 3.5 s on a 2-core machine without a GPU, about 5 s on the simulated GPU (up to 20 s on
+# a shared machine). On failure every rank raises, so it exits non-zero without hanging:
 #
 # mpirun -n 2 python tutorials/21_gpus.py
 #
-# It runs on any machine, and what runs depends on what the machine has:
-#
-# * **No CuPy, or no GPU** (a laptop, the CI machine): every cell runs, on NumPy arrays. The checks that need a
-#   device are skipped, and the chapter says so where they would be: GELU on the device (section 1), the current
-#   GPU of each rank (section 3), and the count of every host/device transfer of a step (section 4). "The model on
-#   the device against NumPy" then compares NumPy with itself, exactly 0.
-# * **The simulated GPU** of `tests/simgpu` (section 4 says what it is), with no GPU at all:
-#   `PYTHONPATH=tests/simgpu mpirun -n 2 python tutorials/21_gpus.py`. Every cell takes its GPU branch on device
-#   arrays that keep CuPy's rules, and all the checks run, including the transfer count; nothing is timed.
-# * **CuPy with a GPU** (`pip install -e '.[gpu]'`): the same cells on CuPy arrays, each rank on GPU
-#   `local_rank % n_gpus`.
-#
-# The test suite runs the first two. The notebook form (`jupytext --to ipynb tutorials/21_gpus.py`) is for
-# reading: the code needs two MPI ranks. Only rank 0 prints.
+# Without CuPy or a GPU every cell runs on NumPy, and the checks that need a device (GELU on the device, each rank's
+# current GPU, the count of every host/device transfer) are skipped where they would be. On the simulated GPU of
+# `tests/simgpu` (section 4), `PYTHONPATH=tests/simgpu mpirun -n 2 python tutorials/21_gpus.py`, every cell takes its
+# GPU branch and every check runs; nothing is timed. With CuPy and a GPU (`pip install -e '.[gpu]'`) each rank runs
+# on GPU `local_rank % n_gpus`. The test suite runs the first two. Only rank 0 prints.
 #
 # Legend: P ranks, dp / tp / pp the grid sizes (chapter 3), xp the array module (numpy or cupy), "host" the CPU
 # and its memory, "device" the GPU and its memory, D2H / H2D a device-to-host / host-to-device copy. B batch,
@@ -102,23 +82,20 @@ SEED = 0
 corpus = Corpus.load(None, 16)          # the built-in corpus (the Python standard library's source), as hsgd.train
 
 # %% [markdown]
-# The line above is the `device:` line that `python -m hsgd.train` prints in its header, from the same function
-# (`hsgd.train.place_on_device`). Without a GPU it says `cpu (NumPy)`; with one it names the GPU of rank 0 and the
-# way buffers reach MPI (section 2).
+# The line above is the `device:` line of `python -m hsgd.train`'s header, from the same function
+# (`hsgd.grid.devices.place_on_device`): `cpu (NumPy)`, or rank 0's GPU and how buffers reach MPI (section 2).
 #
 # ## 1. One code path for CPU and GPU
 #
 # CuPy copies NumPy's interface: `cupy.zeros`, `cupy.exp`, `a @ b`, `a.sum(axis=1)` do on the GPU what their NumPy
-# namesakes do on the CPU. So hsgd's layers are written once. A layer never imports numpy for its arrays; it asks
-# its input which module it belongs to and computes with that:
+# namesakes do on the CPU. So a layer never imports numpy for its arrays; it asks its input for its module:
 #
 #     xp = array_module(x)          # hsgd.model.backend: numpy for a NumPy array, cupy for a CuPy array
 #     y = xp.empty_like(x); xp.tanh(u, out=y); ...
 #
-# Arrays are *created* on a device in one place only, `hsgd/model/backend.py`: `get_xp(device)` gives the module for
-# `"cpu"` or `"gpu"` (or `$HSGD_DEVICE`), `to_device(a, xp)` copies a host array there (nothing to do for NumPy), and
-# `to_numpy(x)` brings an array back. After that, every array a layer makes comes from its inputs' module, so a
-# whole forward and backward pass stays on the device it started on.
+# Arrays are *created* on a device only in `hsgd/model/backend.py`: `get_xp(device)` gives the module for `"cpu"`
+# or `"gpu"` (or `$HSGD_DEVICE`), `to_device(a, xp)` copies a host array there, `to_numpy(x)` brings it back.
+# Every other array comes from its inputs' module, so a forward and backward pass stays on its device.
 
 # %%
 a = np.linspace(-3.0, 3.0, 8).reshape(2, 4)                             # (2, 4) a host array
@@ -135,16 +112,13 @@ else:
     say("(no GPU visible to CuPy: the same cells run on NumPy arrays only)")
 
 # %% [markdown]
-# **The same seed gives the same parameters on both.** CuPy has its own random number generators, which do not
-# produce NumPy's numbers. So `serial.init_params` always draws on the host, with NumPy, and then copies each array
-# to the device (`to_device`): a GPU run and a CPU run of the same seed start from the same model, bit for bit, so
-# the serial NumPy reference of the earlier chapters serves GPU runs too. The tensor-parallel shards are slices of
-# the same draw (`tp_shards.init_params`), so this holds on every grid.
+# **The same seed gives the same parameters on both.** CuPy's generators do not produce NumPy's numbers, so
+# `serial.init_params` draws on the host and copies each array to the device: GPU and CPU runs of a seed start from
+# the same model, bit for bit, and tensor-parallel shards are slices of the same draw (`tp_shards.init_params`).
 #
-# Then the whole model, forward and backward, on the device against NumPy in float64. On a GPU the two differ by
-# rounding only (the GPU adds in other orders), far below the 1e-10 of the check, as in `tests/test_gpu.py`.
-# On a CPU-only machine both sides are NumPy and the difference is exactly 0: the check is then trivial, and the
-# GPU side is checked where there is a GPU (section 5).
+# Then the whole model, forward and backward, on the device against NumPy in float64: on a GPU they differ by
+# rounding only (other summation orders), far below the check's 1e-10 (as in `tests/test_gpu.py`); without a GPU
+# the difference is 0, and the GPU side is checked where there is one (section 5).
 
 # %%
 cfg = ModelConfig(vocab_size=256, seq_len=16, d_model=32, n_heads=4, n_layers=2, d_ff=64)   # a toy
@@ -164,50 +138,34 @@ check(f"loss and every gradient on '{DEVICE}' vs NumPy (rel)",
 # %% [markdown]
 # ## 2. What a GPU rank needs from MPI
 #
-# On a GPU the gradients to average live in device memory. mpi4py's uppercase methods (`Allreduce`, `Allgather`,
-# ...) accept CuPy arrays: they read the array's `__cuda_array_interface__` and hand MPI the raw **device pointer**.
-# What MPI does with that pointer depends on how it was built:
+# On a GPU the gradients to average live in device memory. mpi4py's uppercase methods accept CuPy arrays and hand
+# MPI the **device pointer** of their `__cuda_array_interface__`. What MPI does with it depends on its build:
 #
-# * **CUDA-aware MPI** (Open MPI or MPICH built with CUDA support, MVAPICH2-GDR, Cray MPICH, ...) recognises a
-#   device pointer and moves the bytes itself: between GPUs of one server over NVLink or PCIe (CUDA IPC), between
-#   servers with GPUDirect RDMA, where the InfiniBand card reads and writes GPU memory without a copy to the host.
-# * **An MPI that is not CUDA-aware** treats the pointer as host memory, and crashes or reads garbage. Such a rank
-#   must **stage**: copy the buffer to the host (D2H), communicate the host copy, and copy the result back (H2D).
-#   That always works, at the price of two copies over PCIe per collective.
+# * **CUDA-aware MPI** (Open MPI or MPICH built with CUDA, MVAPICH2-GDR, Cray MPICH, ...) moves the bytes itself:
+#   inside a server over NVLink or PCIe, between servers with GPUDirect RDMA (the InfiniBand card reads and writes
+#   GPU memory directly).
+# * **Any other MPI** takes the pointer for host memory and crashes or reads garbage. Such a rank must **stage**:
+#   copy the buffer to the host (D2H), communicate, copy the result back (H2D): two PCIe copies per collective.
 #
-# Either way one more rule applies. CuPy launches kernels **asynchronously**: a call like `g *= 0.5` returns as soon
-# as the kernel is queued on the GPU's stream, before it has run. MPI knows nothing about CuPy's stream; given the
-# pointer right away, it could send the buffer before the kernels that write it have finished. So before a device
-# buffer goes to MPI, the stream must be **synchronized** (the host waits until the queued kernels are done).
-# (Staging would not strictly need it, since the copy to the host is queued on the same stream, after those kernels;
-# hsgd synchronizes first on both paths, which keeps the rule simple.)
+# Either way CuPy launches kernels **asynchronously**: `g *= 0.5` returns once the kernel is queued on the stream.
+# MPI knows nothing of that stream and could send the buffer before its kernels finish, so the stream must be
+# **synchronized** first (hsgd does so on both paths).
 #
-# `hsgd.grid.comm.Comm` does all of this in one helper, `Comm._buf`, which every collective calls on its buffers:
+# `hsgd.grid.comm.Comm._buf`, called by every collective on its buffers:
 #
-# 1. the buffer must be C-contiguous: MPI reads a pointer and a length, and a strided view is not one block of
-#    memory. A view is an error, not a silent copy;
+# 1. the buffer must be C-contiguous (MPI reads a pointer and a length): a view is an error, not a silent copy;
 # 2. a NumPy array goes to MPI as it is;
-# 3. a CuPy array: `cupy.cuda.get_current_stream().synchronize()`, then the array itself if `cuda_aware_mpi()`,
-#    else a host copy, and after the collective `x.set(host)` copies the result back into the device array.
-#    The host copy goes into a **pinned** (page-locked) buffer: pinned memory is what the GPU's copy engine reads
-#    and writes directly, so the copies run at full speed, but allocating it is slow (the operating system must
-#    lock the pages). So `Comm.staging` (a `HostStaging`) keeps a **pool**: a call takes a free buffer of its
-#    shape and dtype and gives it back when MPI is done with it (a blocking call on return, a non-blocking one at
-#    `Wait`). Every step sends the same shapes (gradient buckets, activations of one micro-batch), so after the
-#    first step every shape has its buffer and nothing is allocated, whatever address the device array has
-#    (`hsgd.train` ends with a `host staging:` line that counts the buffers allocated after step 1). A
-#    buffer MPI only reads (the input of an Allgather, a Send) is not copied back; one it only writes (a Recv) is
-#    not filled first.
+# 3. a CuPy array: synchronize the stream, then the array itself if `cuda_aware_mpi()`, else a host copy, copied
+#    back after the collective with `x.set(host)`. The host copy is **pinned** (page-locked) memory, which the GPU's
+#    copy engine uses at full speed but which is slow to allocate, so `Comm.staging` (a `HostStaging`) keeps a pool
+#    per shape and dtype: after the first step nothing is allocated (`hsgd.train`'s `host staging:` line counts the
+#    later allocations). A buffer MPI only reads is not copied back; one it only writes is not filled first.
 #
-# `cuda_aware_mpi()` decides once per process (it is cached), so every collective of a run takes the same path, and
-# `hsgd.train` prints which in its `device:` line. `HSGD_CUDA_AWARE=1` says "this MPI is CUDA-aware",
-# `HSGD_CUDA_AWARE=0` forces staging. Without the variable, hsgd calls the library's own query,
-# `MPIX_Query_cuda_support()` (MPICH and Open MPI export it; it returns 1 when the library was built with CUDA and
-# can use it now), looked up with `ctypes` (`hsgd.grid.comm.cuda_support_query`): first among the symbols the process
-# has loaded for all to see, then in each MPI library the process has loaded, by its path. The second place
-# matters: mpi4py may load the MPI library so that its symbols are not visible globally (the MPICH wheel used here
-# is loaded so). When neither finds the query, hsgd assumes "not CUDA-aware", the choice that always works. The
-# lines below say what this machine gives:
+# `cuda_aware_mpi()` decides once per process, printed in the `device:` line. `HSGD_CUDA_AWARE=1` or `0` says it;
+# otherwise hsgd asks the library's `MPIX_Query_cuda_support()` (MPICH and Open MPI export it) through `ctypes`
+# (`hsgd.grid.comm.cuda_support_query`), among the process's global symbols and then in each loaded MPI library
+# (mpi4py may load MPI without global symbols, as the MPICH wheel here is). If neither finds it, hsgd assumes "not
+# CUDA-aware", which always works. This machine:
 
 # %%
 try:
@@ -223,11 +181,9 @@ path_taken = ("CUDA-aware: device pointers go to MPI" if cuda_aware_mpi()
 say(f"cuda_aware_mpi():        {path_taken}")
 
 # %% [markdown]
-# Now an Allreduce of this rank's arrays, through a `Comm` on the world as in chapter 3. Every rank r makes a vector
-# x_r from its own seed, on the host, and copies it to its device (on the CPU: leaves it where it is). Before the
-# call, a look at what `Comm._buf` would hand MPI for this buffer (a private helper, called here only to show it;
-# `Allreduce` calls it itself). The check against serial: every rank rebuilds both inputs from their seeds and sums
-# them with NumPy on the host.
+# An Allreduce through a `Comm` on the world (chapter 3): rank r makes x_r from its own seed on the host and copies
+# it to its device. First a look at what the private `Comm._buf` would hand MPI. The check: every rank rebuilds both
+# inputs from their seeds and sums them with NumPy.
 
 # %%
 N = 6
@@ -254,9 +210,8 @@ check("Comm.Allreduce vs the NumPy sum of both ranks' vectors (rel)", rel_err(to
 check.holds("the result is still on my device, in place", array_module(x) is xp)
 
 # %% [markdown]
-# Staging, written out by hand with plain mpi4py, is the three steps of the list above; on a GPU `to_numpy` is the
-# D2H copy (`x.get()`, which waits for the stream) and `x[...] = ...` the H2D copy. It gives the same numbers as
-# `Comm.Allreduce`:
+# Staging by hand with plain mpi4py, the three steps above (on a GPU `to_numpy` is the D2H copy, `x.get()`, which
+# waits for the stream, and `x[...] = ...` the H2D copy), gives the same numbers:
 
 # %%
 def staged_allreduce(x, comm):
@@ -271,7 +226,7 @@ x2 = staged_allreduce(to_device(x_of(rank), xp), world)
 check("staged by hand vs Comm.Allreduce (rel)", rel_err(to_numpy(x2), to_numpy(x)), 1e-15)
 
 # %% [markdown]
-# And a strided view is refused before any communication, on every rank alike, so no rank is left waiting:
+# A strided view is refused before any communication, on every rank alike, so no rank is left waiting:
 
 # %%
 grid_of_numbers = xp.zeros((4, N))                                       # (4, N) C-contiguous
@@ -284,27 +239,20 @@ say(f"Allreduce of a strided view -> ValueError: {message}")
 check.holds("a strided view raised ValueError on every rank", message)
 
 # %% [markdown]
-# **What NCCL would add.** The lecture recommends an efficient collective library such as NCCL, which PyTorch and
-# Megatron-LM use on NVIDIA GPUs. NCCL runs each collective as CUDA kernels queued on a stream, like any other
-# kernel: the host does not wait, and the collective starts as soon as the kernels before it are done. It knows the
-# topology (NVLink, NVSwitch, PCIe, the InfiniBand cards and which GPU is near which) and picks rings or trees to
-# match. hsgd keeps MPI for GPUs as for CPUs: one communication layer, with every collective visible at its call
-# site. The price is the synchronize above: each collective makes the host wait for the GPU, and with staging
-# also crosses PCIe twice. A CUDA-aware MPI built on UCX uses NVLink and GPUDirect RDMA for the bytes too, but it
-# does not queue the collective behind the compute. (How large the gap is on a given machine is what `make gpu-check`
-# measures for one step against PyTorch; section 5.)
+# **What NCCL would add.** NCCL, which PyTorch and Megatron-LM use on NVIDIA GPUs, runs each collective as kernels
+# queued on a stream: the host does not wait. It knows the topology (NVLink, NVSwitch, PCIe, which InfiniBand card is
+# near which GPU) and picks rings or trees to match. hsgd keeps MPI, one communication layer with every collective
+# visible at its call site; the price is a host wait at each collective, and with staging two PCIe crossings (a
+# CUDA-aware MPI on UCX uses NVLink and GPUDirect RDMA, but still does not queue the collective behind the compute).
+# `make gpu-check` measures the gap for one step against PyTorch (section 5).
 #
 # ## 3. One GPU per rank
 #
-# hsgd runs one MPI rank per GPU. The natural mapping is: rank i of a node uses GPU i of that node. A rank knows its
-# world rank, not its place on the node, so it asks MPI: `world.Split_type(MPI.COMM_TYPE_SHARED)` splits the world
-# into one communicator per shared-memory node (chapter 3's `Split`, with the node as the color), and the rank in
-# it is the **node-local rank**. `hsgd.train.local_ranks(world)` returns (node-local rank, ranks on this node), and
-# `backend.select_gpu(local_rank)` makes GPU `local_rank % n_gpus` the current device of the rank
-# (`cupy.cuda.Device(i).use()`; `hsgd.train.place_on_device` calls both when `--device gpu`).
-#
-# Here both ranks run on one machine, so the node-local ranks are the world ranks. The check: the local rank is the
-# number of lower world ranks on the same host (ranks keep their order in `Split_type`).
+# Rank i of a node uses GPU i of that node. A rank knows its world rank, not its place on the node, so it asks MPI:
+# `world.Split_type(MPI.COMM_TYPE_SHARED)` gives one communicator per node (chapter 3's `Split`, with the node as the
+# color), and the rank in it is the **node-local rank**. `hsgd.grid.devices.local_ranks(world)` returns (node-local
+# rank, ranks on this node), and `backend.select_gpu(local_rank)` makes GPU `local_rank % n_gpus` current
+# (`place_on_device` calls both with `--device gpu`). Check: the local rank counts the lower world ranks on the host.
 
 # %%
 local_rank, n_local = local_ranks(world)                                 # collective
@@ -322,11 +270,9 @@ else:
     say("(no GPU visible to CuPy: which GPU each rank made current is checked only where there is one)")
 
 # %% [markdown]
-# **More ranks than GPUs.** The modulo lets any number of ranks run on any number of GPUs: on a machine with one GPU,
-# `mpirun -n 8 python -m hsgd.train --device gpu` puts all eight ranks on GPU 0. That is for testing the parallel
-# code on a workstation: the ranks share the GPU's memory and take turns on it (CUDA time-slices the processes; the
-# MPS service lets their kernels run side by side), so it is correct but not fast. The mapping for 8 ranks on a node
-# with 1, 2, 4 or 8 GPUs, pure arithmetic:
+# **More ranks than GPUs.** The modulo lets `mpirun -n 8 python -m hsgd.train --device gpu` put eight ranks on one
+# GPU, to test parallel code on a workstation: they share its memory and take turns (CUDA time-slices processes; MPS
+# runs their kernels side by side), correct but not fast. The mapping for 8 ranks on 1, 2, 4 or 8 GPUs:
 
 # %%
 RANKS_PER_NODE = 8
@@ -340,13 +286,11 @@ for n_gpus in (1, 2, 4, 8):
 check.holds("8 ranks on 1, 2, 4, 8 GPUs: as many ranks on every GPU", balanced)
 
 # %% [markdown]
-# Schedulers can also hand each rank exactly one GPU by setting `CUDA_VISIBLE_DEVICES` per rank (Slurm does with
-# `--gpus-per-task=1` or `--gpu-bind`). Each rank then sees one GPU, numbered 0, and `local_rank % 1 = 0` picks it:
-# the same rule stays right.
+# A scheduler setting `CUDA_VISIBLE_DEVICES` per rank (Slurm's `--gpus-per-task=1`) shows each rank one GPU, 0:
+# `local_rank % 1 = 0` picks it.
 #
-# **On two nodes.** With 16 ranks placed 8 per node in blocks (ranks 0-7 on the first node, 8-15 on the second; the
-# default of the launchers in section 5), tp = 8 and dp = 2, chapter 3's numbering
-# `rank = (dp_rank * pp + pp_rank) * tp + tp_rank`, here with pp = 1 `rank = dp_rank * tp + tp_rank`, gives:
+# **On two nodes.** 16 ranks placed 8 per node in blocks (the launchers' default, section 5), tp = 8, dp = 2, and
+# chapter 3's `rank = (dp_rank * pp + pp_rank) * tp + tp_rank` with pp = 1:
 
 # %%
 TP2, DP2 = 8, 2
@@ -365,15 +309,14 @@ check.holds("16 ranks, dp=2 tp=8: numbered as ProcessGrid.rank_of", numbered)
 check.holds("16 ranks, 8 per node, dp=2 tp=8: every rank on its tp group's node", inside)
 
 # %% [markdown]
-# Each tp_comm (one dp_rank: 8 consecutive ranks) is one node, its 8 GPUs joined by NVLink; each dp_comm (one
-# tp_rank: ranks r and r + 8) joins the same GPU position on the two nodes, over InfiniBand. That is the lecture's
-# section 4.1 (section 5 says why).
+# Each tp_comm (8 consecutive ranks) is one node, its GPUs joined by NVLink; each dp_comm (ranks r and r + 8) joins
+# the same GPU position on the two nodes, over InfiniBand: the lecture's section 4.1 (section 5 says why).
 #
 # ## 4. Silent host round trips
 #
-# The host queues GPU kernels and runs ahead; it only has to wait when it needs a *value* from the device. These
-# lines look innocent and each is a synchronization on a CuPy array: the host stops until every kernel queued before
-# has finished, a few bytes cross PCIe, and the GPU then sits idle until the host has launched the next kernel:
+# The host queues kernels and runs ahead; it waits only when it needs a *value* from the device. Each of these, on a
+# CuPy array, stops the host until every queued kernel has run, moves a few bytes over PCIe, and leaves the GPU idle
+# until the next launch:
 #
 # | on a device array `x` | why it waits |
 # |---|---|
@@ -383,12 +326,10 @@ check.holds("16 ranks, 8 per node, dp=2 tp=8: every rank on its tp group's node"
 # | `print(x)`, `x.tolist()`, `x.get()`, `cupy.asnumpy(x)` | a full copy to the host |
 # | `np.asarray(x)` | CuPy refuses (TypeError): no implicit conversion, only explicit copies |
 #
-# One of these costs some microseconds for the copy, plus the wait for everything still queued; one per layer in
-# the forward and backward pass, every step, leaves a fast GPU waiting on Python much of the time. On NumPy the
-# same lines are free, which is why they creep in unnoticed. hsgd's rules in the hot path: no `float()`, `bool()`
-# or `.item()` on device arrays, and **masks by multiplication or `xp.where`, never by indexing**, because the
-# shape then stays fixed. The vocabulary-parallel embedding (`tp_layers.vocab_embedding_backward`) and the
-# gradient-norm parts of `health.step_numbers` are written that way. The difference, on NumPy:
+# One per layer, every step, leaves a fast GPU waiting on Python much of the time; on NumPy the same lines are free,
+# so they creep in unnoticed. hsgd's hot path has no `float()`, `bool()` or `.item()` on device arrays, and **masks by
+# multiplication or `xp.where`, never by indexing**, so shapes stay fixed (`tp_layers.vocab_embedding_backward`, the
+# norm parts of `health.step_numbers`). The difference, on NumPy:
 
 # %%
 rng = np.random.default_rng(1)
@@ -403,19 +344,17 @@ check("sum of squares by mask multiplication vs by boolean indexing (rel)",
       abs(float(by_product) - float(by_index)) / float(by_index), 1e-15)
 
 # %% [markdown]
-# (The `float()` calls in that check are the kind of host copy meant above; fine in a check, not in the step.)
+# (The `float()` calls of that check are host copies: fine in a check, not in the step.)
 #
-# **One copy per step.** A training step has to bring *some* numbers to the host: the loss to print, whether any
-# gradient is NaN or infinite (`--on-nan`, chapter 19), and the gradient norm for clipping, which needs a sum over
-# ranks. `HybridTrainer.step` computes all of them on the device, stacks them into one small vector
-# `[loss, count of non-finite values, sum of squares of the tp-sharded gradients, of the replicated ones]`, and
-# copies that with **one** `backend.to_host` call. Everything after that is host arithmetic and small pickled MPI
-# calls on Python floats (the norm's sum over tp_comm, the loss's mean over dp_comm). `to_host` counts its copies
-# (`backend.d2h_count()`), on the CPU too, where the copy is free, so that the count can be checked on a machine
-# without a GPU; `tests/mpi/test_hybrid.py::test_one_host_copy_per_training_step` does that for three layouts.
+# **One copy per step.** A step must bring *some* numbers to the host: the loss, whether any gradient is non-finite
+# (`--on-nan`, chapter 19), and the gradient norm for clipping. `HybridTrainer.step` computes them on the device,
+# stacks `[loss, count of non-finite values, sum of squares of the tp-sharded gradients, of the replicated ones]`,
+# and copies that with **one** `backend.to_host` call; the rest is host arithmetic and small pickled MPI calls on
+# Python floats. `to_host` counts its copies (`backend.d2h_count()`), on the CPU too, so the count is checked
+# without a GPU (`tests/mpi/test_hybrid.py::test_one_host_copy_per_training_step`, three layouts).
 #
-# Here: dp = 2, tp = 1 (each rank holds the whole toy model and half of each batch, chapter 4), float64, SGD with
-# momentum, a warm-up, a cosine schedule and clipping; a few steps, counting the copies of each.
+# Here: dp = 2, tp = 1 (each rank the whole toy model and half of each batch), float64, SGD with momentum, warm-up,
+# a cosine schedule and clipping; a few steps, counting each one's copies.
 
 # %%
 STEPS = 6
@@ -444,33 +383,25 @@ health.to_host = to_host
 check.equal(f"{STEPS} steps: to_host copies of every step", copies, [1] * STEPS)
 
 # %% [markdown]
-# Note the collectives of each step: the one Allreduce of the gradient buffer over dp_comm, and those the layers
-# make on tp_comm. With tp = 1 that communicator has one rank and an Allreduce over it changes nothing; hsgd still
-# makes the call, so that the counts match the formulas of chapter 10, but `Comm` skips MPI for it (no
-# synchronization, no staging). On a GPU every other collective is a synchronization (`Comm._buf`), and with
-# staging a D2H and an H2D copy of its buffer: communication, not values read by Python, and not in `d2h_count`.
+# Each step makes one Allreduce of the gradient buffer over dp_comm, and the layers' calls on tp_comm, which with
+# tp = 1 still happen (so the counts match chapter 10's formulas) but skip MPI. On a GPU every other collective
+# synchronizes, and with staging copies its buffer D2H and H2D: communication, not in `d2h_count`.
 #
-# **The simulated GPU.** `d2h_count` counts the copies made *through* `to_host`. An implicit `float(x)` hidden
-# somewhere in the step would not be counted by it, and on NumPy it is no copy at all, so a CPU run cannot see it.
-# `tests/simgpu` holds a package named `cupy` (with a `cupyx`) that is NumPy underneath but keeps CuPy's rules at
-# the host/device boundary: its arrays are a type of their own, `np.asarray(x)` and `x + numpy_array` raise
-# `TypeError` as CuPy's do, and it counts every device-to-host transfer (`xp.counts["d2h"]`), explicit (`x.get()`)
-# or implicit (`float(x)`, `x.item()`, `bool(x)`, a boolean mask, printing); inside `cupyx.allow_synchronize(False)`
-# each one raises, as it does in CuPy. MPI sees its arrays only through `__cuda_array_interface__`, the way it sees
-# CuPy's; since that pointer is really host memory, both transfer paths run on any MPI. It also keeps the rule of
-# section 2: every device operation counts as a kernel queued on the stream, and a pointer handed to MPI before the
-# stream is synchronized raises. With `tests/simgpu` first
-# on `PYTHONPATH`, hsgd takes its whole GPU path on a machine without a GPU:
+# **The simulated GPU.** An implicit `float(x)` in the step would escape `d2h_count`, and on NumPy it is no copy at
+# all. `tests/simgpu` holds a package named `cupy` (with a `cupyx`), NumPy underneath, that keeps CuPy's rules at the
+# host/device boundary: its arrays are a type of their own, `np.asarray(x)` and `x + numpy_array` raise `TypeError`,
+# and it counts every device-to-host transfer (`xp.counts["d2h"]`), explicit or implicit (`float(x)`, `x.item()`,
+# `bool(x)`, a boolean mask, printing), each raising inside `cupyx.allow_synchronize(False)`. MPI sees its arrays
+# through `__cuda_array_interface__` (really host memory, so both paths run on any MPI), and a pointer handed to MPI
+# before a synchronize raises. With it first on `PYTHONPATH`, hsgd takes its whole GPU path without a GPU:
 #
 #     PYTHONPATH=tests/simgpu mpirun -n 2 python -m hsgd.verify --device gpu --tp 2
 #     PYTHONPATH=tests/simgpu HSGD_CUDA_AWARE=1 mpirun -n 2 python -m hsgd.train --device gpu --steps 50
 #     make gpu-sim            # the `make gpu-check` script, as a dry run
 #
-# It says nothing about kernels, speed or memory. What it does check is that nothing crosses to the host unannounced
-# (`tests/mpi/test_simgpu.py` accounts for every transfer of a step on five layouts, both paths, on 8 ranks). When
-# this chapter runs on it, the cell below accounts for the transfers of the steps above: each step's one `to_host`
-# copy, and with staging one more, the gradient buffer copied out for the Allreduce over dp_comm (the buffer MPI
-# writes goes back with an H2D copy, not counted here).
+# It says nothing of kernels, speed or memory, only that nothing crosses to the host unannounced
+# (`tests/mpi/test_simgpu.py`: five layouts, both paths, 8 ranks). On it, the cell below accounts for each step's
+# transfers: the `to_host` copy, and with staging the gradient buffer copied out for the dp Allreduce.
 
 # %%
 if SIMULATED:
@@ -482,12 +413,9 @@ else:
     say("(on NumPy or a real GPU only to_host's count is known; the simulated GPU counts every transfer)")
 
 # %% [markdown]
-# The picture: on the left the two paths of section 2 for this step's one collective on more than one rank, the
-# All-Reduce of the gradient buffer over dp_comm; on the right the bytes that cross between host and device in one
-# step on each path, from the step's `CommStats` (the payload of every collective on a communicator of more than one
-# rank: staging copies it out and back) and the bytes of the step's one `to_host` copy, noted above. (The tp_comm
-# All-Reduces have one rank here and never reach MPI.) On the CPU nothing crosses; these are the bytes a GPU run of
-# the same step moves, and on the simulated GPU the check above has counted the copies.
+# The picture: left, section 2's two paths for the step's dp All-Reduce of the gradient buffer; right, the bytes
+# a GPU run of the step moves between host and device on each path, from its `CommStats` (staging copies each
+# payload on more than one rank out and back) plus the `to_host` vector.
 
 # %%
 sizes = {"dp": grid.dp_comm.size, "tp": grid.tp_comm.size}
@@ -543,11 +471,9 @@ if rank == 0:
 pictures.wait_asleep(world)                      # the other ranks sleep while rank 0 draws
 
 # %% [markdown]
-# **The check against serial.** Rank 0 runs serial mini-batch SGD on the whole batch of every step, with the same
-# optimizer, schedule and clipping, in NumPy on the host (`serial.sgd`, from parameters initialized on the host),
-# and broadcasts the result; every rank compares its parameters (copied back with `to_numpy`) and the losses. As in
-# chapters 4 and 10 the error is relative to each parameter's largest entry, but at least to 0.02, the scale of the
-# initialization.
+# **The check against serial.** Rank 0 runs serial SGD on every step's whole batch (`serial.sgd`, the same optimizer,
+# schedule and clipping, on the host) and broadcasts the result; every rank compares its parameters and losses
+# (error relative to each parameter's largest entry, floored at 0.02, as in chapters 4 and 10).
 
 # %%
 reference = None
@@ -566,83 +492,58 @@ grid.free()
 # %% [markdown]
 # ## 5. Launching on a cluster
 #
-# A typical GPU cluster: nodes of 8 GPUs each, the GPUs of a node joined by NVLink (hundreds of GB/s per GPU), the
-# nodes by InfiniBand (often one card per GPU, tens of GB/s each). hsgd runs one rank per GPU, so 2 such nodes are
-# 16 ranks. With tp = 8 and dp = 2:
+# A typical GPU cluster: nodes of 8 GPUs joined by NVLink (hundreds of GB/s per GPU), nodes joined by InfiniBand
+# (often one card per GPU, tens of GB/s each). Two nodes are 16 ranks; tp = 8 and dp = 2 in MPICH (hydra: `-ppn`
+# processes per node, hostfile lines `node001:8`), then under Slurm (some sites add `--mpi=pmix`):
 #
 #     mpirun -n 16 -ppn 8 --hostfile hosts python -m hsgd.train --device gpu --tp 8 --dp 2
-#
-# `-ppn 8` ("processes per node") is MPICH's launcher (hydra), which reads a hostfile of `host:slots` lines:
-#
-#     node001:8
-#     node002:8
-#
-# Open MPI spells it `mpirun -n 16 -npernode 8 --hostfile hosts ...` or `--map-by ppr:8:node`, with hostfile lines
-# `node001 slots=8`. Under Slurm, `srun` starts the ranks itself (some sites add `--mpi=pmix`):
-#
 #     srun -N 2 --ntasks-per-node=8 --gpus-per-node=8 python -m hsgd.train --device gpu --tp 8 --dp 2
 #
-# mpi4py must run on the cluster's MPI library (the one that knows its network, is usually CUDA-aware and works with
-# `srun`), not on the MPICH wheel from PyPI that `make train` installs for one machine: install without the `mpi`
-# extra, `make test EXTRAS=dev` or `pip install -e '.[dev,gpu]'`, with the site's MPI module loaded (`mpicc` on
-# PATH), and check on a compute node with `python -c "from mpi4py import MPI; print(MPI.Get_library_version())"`.
-# If that MPI is CUDA-aware, say so with `HSGD_CUDA_AWARE=1` (section 2), and read the `device:` line of the header.
+# Open MPI spells it `-npernode 8` or `--map-by ppr:8:node`, hostfile lines `node001 slots=8`. mpi4py must run on
+# the cluster's MPI (it knows the network, is usually CUDA-aware and works with `srun`), not the PyPI MPICH wheel
+# `make train` installs: install without the `mpi` extra (`pip install -e '.[dev,gpu]'`) with the site's MPI module
+# loaded, check `python -c "from mpi4py import MPI; print(MPI.Get_library_version())"` on a compute node, and set
+# `HSGD_CUDA_AWARE=1` if it is CUDA-aware.
 #
-# **Why tp inside a node and dp across nodes.** All three launch lines place ranks **in blocks**: ranks 0-7 on the first
-# node, 8-15 on the second. hsgd numbers ranks tp fastest, then pp, then dp:
-# rank = (dp_rank * pp + pp_rank) * tp + tp_rank, so a tensor-parallel group is 8 consecutive ranks, one node (the table
-# of section 3). That is where its traffic must be: tensor parallelism communicates in every layer, forward and backward
-# (4L + 4 All-Reduces per micro-batch, all but the loss's two of (B, T, C) activations, chapters 6 and 10), and the next
-# layer waits for each, so it needs NVLink. hsgd puts dp outermost, so that each data-parallel replica (one pipeline of
-# tp groups) is a contiguous block of ranks, the lecture's G groups of M consecutive workers; data parallelism
-# communicates once per step, the gradient of each shard, and can overlap the backward pass (chapter 8), so it can cross
-# InfiniBand. By bytes, pp carries the least (one activation per micro-batch between neighbours), which is why
-# Megatron-LM puts pp outermost instead: its default order is "tp-cp-ep-dp-pp" (tp fastest, pipeline slowest;
-# `RankGenerator` in megatron/core/parallel_state.py), and then the pipeline's point-to-point sends cross the nodes
-# where hsgd's dp All-Reduce does. Both keep tp inside the node. A round-robin placement (Open MPI's `--map-by node`,
-# Slurm's `--distribution=cyclic`) would put every tp group across both nodes; check the `layout:` table that
-# `hsgd.train` prints (rank, dp, pp, tp, host): the ranks of one tp group should share a host.
+# **Why tp inside a node and dp across nodes.** The launchers place ranks **in blocks** (0-7 on the first node), and
+# hsgd numbers tp fastest, then pp, then dp, so a tensor-parallel group is one node (section 3's table). Tensor
+# parallelism communicates in every layer, forward and backward (4L + 4 All-Reduces per micro-batch, all but the
+# loss's two of (B, T, C) activations, chapters 6 and 10), and the next layer waits for each: it needs NVLink. Data
+# parallelism communicates once per step and can overlap the backward (chapter 8), so it can cross InfiniBand; dp
+# outermost makes each replica a contiguous block, the lecture's G groups of M consecutive workers. pp carries the
+# fewest bytes, so Megatron-LM puts it outermost instead (order "tp-cp-ep-dp-pp", `RankGenerator` in
+# megatron/core/parallel_state.py); both keep tp inside the node. A round-robin placement (`--map-by node`,
+# `--distribution=cyclic`) would split every tp group: the `layout:` table `hsgd.train` prints should show one host
+# per tp group.
 #
 # **What has been checked where.** Three levels, each catching what the one before cannot:
 #
-# 1. **NumPy** (the test suite, every chapter): the model code, the arithmetic of the GPU mapping, and one
-#    `to_host` copy per step.
+# 1. **NumPy** (the test suite): the model code, the GPU mapping's arithmetic, one `to_host` copy per step.
 # 2. **The simulated GPU** (the test suite too: this chapter, `tests/mpi/test_simgpu.py`, `tests/test_simgpu.py`,
-#    `make gpu-sim`): device arrays end to end; no implicit conversion of a device array to NumPy and no host
-#    array in device arithmetic; every transfer of a step accounted for, on both transfer paths and every kind
-#    of layout; no pinned allocation once the first step has run; training on the device equal to training on
-#    the host.
-# 3. **A real GPU**, with
-#
-#        make gpu-check          # python benchmarks/gpu_check.py
-#
-#    on a machine with a GPU and CuPy: the float64 GPU-against-CPU tests of every layer and the model
-#    (`tests/test_gpu.py`, skipped elsewhere), `hsgd.verify --device gpu` for several layouts (ranks sharing the
-#    GPU when there are more ranks than GPUs), a float32 training run whose loss must fall, the host copies of a
-#    step, forward and backward under CuPy's own `cupyx.allow_synchronize(False)` (deprecated since CuPy 10: not
-#    checked where it is gone), and one training step against PyTorch on the same GPU; it prints one table and
-#    exits non-zero if a check failed. Only this level runs CuPy's kernels, so only it can find an argument or
-#    array method CuPy lacks, a result it computes differently, a wrong stream, or the speed. The README says
-#    whether it has been run.
+#    `make gpu-sim`): device arrays end to end, every transfer accounted for on both paths and every kind of layout,
+#    no pinned allocation after the first step, device training equal to host training.
+# 3. **A real GPU**, `make gpu-check` (`benchmarks/gpu_check.py`, with CuPy): `tests/test_gpu.py`'s float64
+#    GPU-against-CPU tests of every layer, `hsgd.verify --device gpu` on several layouts, a float32 run whose loss
+#    must fall, a step's host copies under `cupyx.allow_synchronize(False)` (where CuPy still has it), and one step
+#    against PyTorch, in one table, exit non-zero on failure. Only it runs CuPy's kernels, so only it finds a missing
+#    CuPy method, a result computed differently, a wrong stream, or the speed. The README says whether it has run.
 #
 # ## 6. Numbers narrower than float32: bfloat16 and float16, emulated
 #
-# A GPU's tensor cores multiply 16-bit numbers several times faster than float32 ones, and 16-bit activations and
-# gradients take half the memory and half the bytes on NVLink. Two 16-bit formats are in use. A format with a p-bit
-# significand (the leading bit included), smallest normal exponent emin and largest finite value max holds the
-# numbers M 2^(e - p + 1), M an integer below 2^p; rounding to it costs at most the **unit roundoff u = 2^-p** of the
-# value, relative (Higham 2002, "Accuracy and Stability of Numerical Algorithms", section 2.1), and a sum of n + 1
-# terms at most gamma_n = n u / (1 - n u) of the sum of their magnitudes (section 3.1 there).
+# Tensor cores multiply 16-bit numbers several times faster than float32 ones, and 16-bit activations and
+# gradients halve memory and NVLink bytes. A format with a p-bit significand (leading bit included), smallest normal
+# exponent emin and largest finite value max holds the numbers M 2^(e - p + 1), M an integer below 2^p; rounding to
+# it costs at most the **unit roundoff u = 2^-p**, relative (Higham 2002, "Accuracy and Stability of Numerical
+# Algorithms", section 2.1), and a sum of n + 1 terms at most gamma_n = n u / (1 - n u) of the sum of their
+# magnitudes (section 3.1 there). Chapters 14 and 15 took these formats further (sums in other orders, FP8).
 #
-# * **float16** (IEEE 754 binary16): 5 exponent bits, p = 11. Its numbers end at 65504, its normal ones at
-#   2^-14 = 6.1e-5 and its subnormal ones at 2^-24 = 6.0e-8: a gradient smaller than that becomes 0.
-# * **bfloat16** ("brain float"): float32 with the lower 16 bits of the significand cut off, p = 8. It keeps all 8 of
-#   float32's exponent bits, so its range is float32's (Kalamkar et al. 2019, "A Study of BFLOAT16 for Deep Learning
-#   Training"): nothing that fits float32 overflows or underflows in it, but each number carries 3 significant
-#   decimal digits instead of float16's 3.3.
+# * **float16** (IEEE 754 binary16): 5 exponent bits, p = 11; it ends at 65504, its normal numbers at
+#   2^-14 = 6.1e-5 and its subnormal ones at 2^-24 = 6.0e-8: a smaller gradient becomes 0.
+# * **bfloat16**: float32 with the lower 16 significand bits cut off, p = 8, all 8 exponent bits, so float32's range
+#   (Kalamkar et al. 2019, "A Study of BFLOAT16 for Deep Learning Training"): nothing that fits float32 overflows or
+#   underflows, but each number carries 3 significant decimal digits instead of float16's 3.3.
 #
-# `hsgd.model.precision.FORMATS` holds (p, emin, max) of each; the check compares them with NumPy's own description of
-# float16 and float32 (`np.finfo`; NumPy has no bfloat16), and bfloat16's range with float32's.
+# `hsgd.model.precision.FORMATS` holds (p, emin, max) of each, checked against `np.finfo` (NumPy has no bfloat16).
 
 # %%
 say(f"{'format':>9} {'p':>3} {'emin':>5} {'max':>11} {'smallest normal':>16} {'smallest subnormal':>19} "
@@ -661,12 +562,10 @@ check.equal("bfloat16: max == (2 - 2^-7) 2^127, and emin, largest exponent == fl
             ((2 - 2.0 ** -7) * 2.0 ** 127, f32.emin, np.frexp(f32.max)[1]))
 
 # %% [markdown]
-# `round_to(x, fmt)` rounds each entry of a float32 or float64 array to the nearest number of `fmt`, ties to even
-# (IEEE 754's default), and returns it in x's own dtype: every bfloat16 and float16 number is a float32 number. The
-# cases below are worked out by hand. A bfloat16 number is a float32 whose lower 16 bits are zero, so its bit pattern
-# is the upper half of a float32's: 1.0 is 0x3F80, and 1 + 2^-7 (the next one) is 0x3F81. Halfway between two
-# numbers goes to the one with an even last bit; at the top of the range, halfway past max goes to infinity; at the
-# bottom, float16 has subnormals down to 2^-24, and half of that rounds to zero, keeping its sign.
+# `round_to(x, fmt)` rounds each entry of a float32 or float64 array to the nearest number of `fmt`, ties to even,
+# and returns it in x's dtype. The cases below are worked by hand: a bfloat16 bit pattern is the upper half of a
+# float32's (1.0 is 0x3F80, the next number 1 + 2^-7 is 0x3F81); a tie goes to the even last bit; halfway past max
+# goes to infinity; float16's subnormals end at 2^-24, and half of that rounds to a signed zero.
 
 # %%
 INF = float("inf")
@@ -696,8 +595,8 @@ check.holds("bfloat16 results: the lower 16 bits of their float32 patterns are 0
                 if f == "bfloat16"))
 
 # %% [markdown]
-# Then many values against NumPy's own float16 (its cast rounds to nearest, ties to even): float64 values spread over
-# float16's whole range and past it, and the exact midpoints between neighbouring float16 numbers, where ties decide.
+# Then many values against NumPy's float16 cast (nearest, ties to even): float64 values over float16's whole range
+# and past it, and the exact midpoints between neighbouring float16 numbers.
 
 # %%
 rng = np.random.default_rng(2)
@@ -715,41 +614,35 @@ for fmt in ("float16", "bfloat16"):                                      # one r
     check(f"{fmt}: largest relative error of one rounding, normal range (< u)", rel.max(), unit_roundoff(fmt))
 
 # %% [markdown]
-# **How hsgd emulates them.** NumPy has no bfloat16 and no fast float16 arithmetic, so hsgd keeps every array float32
-# and *rounds* it to the compute format at the places where a GPU would hold that format: the arrays then hold
-# bfloat16 (or float16) numbers only, and every later operation sees what it would see on the GPU. `--dtype bfloat16`
-# or `--dtype float16` (`TrainConfig(dtype=...)`) makes `hsgd.model.precision.make_numerics` a `Numerics` object; each
-# stage has one (`Stage.num`, `HybridTrainer.num` is the same), and `num.round(x, point)` runs at each of these
-# points. The model's lines do not call it: `hsgd.tp.rounded` wraps the layer functions, the scheme's collectives and
-# the core attention, so that `x = op.residual_forward(x, o)` stays the formula `x = x + o` and the rounding happens
-# around it (a float32 or float64 run wraps nothing, rounds nothing and touches no array):
+# **How hsgd emulates them.** NumPy has no bfloat16 and no fast float16, so hsgd keeps every array float32 and
+# *rounds* it to the format where a GPU would hold that format: every later operation sees what it would see on the
+# GPU. `--dtype bfloat16` or `float16` makes `hsgd.model.precision.make_numerics` a `Numerics` object per stage
+# (`Stage.num`, also `HybridTrainer.num`), and `num.round(x, point)` runs at each point below. The model's lines do
+# not call it: `hsgd.tp.rounded` wraps the layer functions, the scheme's collectives and the core attention, so
+# `x = op.residual_forward(x, o)` stays the formula `x = x + o` (a float32 or float64 run rounds nothing):
 
 # %%
 for point, where in POINTS.items():
     say(f"  {point:>9}: {where}")
 
 # %% [markdown]
-# What is *not* rounded stays float32, as in the production recipe of Micikevicius et al. 2018 ("Mixed Precision
-# Training"): the **master weights** the optimizer updates (`trainer.params`; each step the model gets a rounded copy,
-# `num.weights`), the optimizer's momentum, the **weight gradients** (products of rounded inputs, accumulated in
-# float32 into the float32 gradient buffer), the statistics of LayerNorm and the softmaxes. Where it differs from real
-# hardware:
+# What is *not* rounded stays float32, as in Micikevicius et al. 2018 ("Mixed Precision Training"): the **master
+# weights** (`trainer.params`; the model gets a rounded copy each step, `num.weights`), the momentum, the **weight
+# gradients** (products of rounded inputs, accumulated in float32), the LayerNorm and softmax statistics. Where it
+# differs from hardware:
 #
-# * a tensor core multiplies the rounded inputs exactly and adds in float32, in its own order; hsgd multiplies the
-#   same rounded inputs with float32 BLAS, in another order: the two differ by float32 rounding only, far below u;
-# * a fused kernel (flash attention, a fused LayerNorm) may keep other intermediates in float32 or round a different
-#   set of them; hsgd's points are one consistent, named choice;
-# * collectives: hsgd rounds the partial sums before a tensor-parallel collective ("payload") and the sum after it
-#   (the next point), and `--reduce-dtype bfloat16` rounds each rank's gradient and the average of the dp exchange
-#   ("reduce"). NCCL's bfloat16 All-Reduce on a ring rounds after **every** addition along the ring, p - 1 roundings
-#   for p ranks; hsgd sums the rounded partials in float32 and rounds once. NCCL's error grows with p (about
-#   gamma_(p-1)), hsgd's does not;
-# * nothing is faster or smaller: the arrays are float32. The emulation is for the numbers, not for the speed.
+# * a tensor core multiplies the rounded inputs exactly and adds in float32 in its own order; hsgd uses float32
+#   BLAS in another order: float32 rounding apart, far below u;
+# * a fused kernel (flash attention, a fused LayerNorm) may round another set of intermediates; hsgd's points are
+#   one consistent, named choice;
+# * hsgd rounds the partial sums before a tensor-parallel collective ("payload") and the sum after it, and
+#   `--reduce-dtype bfloat16` each rank's gradient and the dp average ("reduce"). NCCL's bfloat16 ring All-Reduce
+#   rounds after **every** addition, p - 1 roundings, an error growing with p (about gamma_(p-1)); hsgd rounds once;
+# * nothing is faster or smaller: the emulation is for the numbers, not the speed.
 #
-# **Training.** Now the chapter's 2 ranks as one tensor-parallel group (tp 2), on the toy of section 1 in float32,
-# bfloat16 and float16 (with dynamic loss scaling, the default), each from the same seed on the same batches. The
-# runs are on the host (`device="cpu"`): the rounding is the same NumPy or CuPy arithmetic on any device. Then a
-# data-parallel run (dp 2) whose gradient exchange is bfloat16 (`reduce_dtype="bfloat16"`).
+# **Training.** The 2 ranks as tp 2, on section 1's toy in float32, bfloat16 and float16 (dynamic loss scaling, the
+# default), from the same seed on the same batches, on the host (the rounding is the same on any device); then dp 2
+# with a bfloat16 gradient exchange (`reduce_dtype="bfloat16"`).
 
 # %%
 MP_STEPS = 6
@@ -797,20 +690,16 @@ for mp, mp_grid, _ in runs.values():
     mp_grid.free()
 
 # %% [markdown]
-# **Loss scaling, step by step.** float16's range ends at 2^-24 below. The gradient of a mean loss over N = B T
-# positions starts at 1/N per position and shrinks through the layers; entries below 2^-25 become 0 when rounded
-# ("flushed"), and entries near 2^-24 keep one or two significant bits. Scaling the loss by S multiplies every
-# gradient of the backward pass by S (it is linear in dloss), lifting them out of that range; the optimizer divides
-# by S again in float32. In hsgd: the last stage's backward pass starts from dloss = S / m (m micro-batches) instead
-# of 1 / m (`Stage.loss_scale`), and `HybridTrainer.update` divides the gradient by S before clipping.
+# **Loss scaling, step by step.** float16 ends at 2^-24. The gradient of a mean over N = B T positions starts at 1/N
+# per position and shrinks through the layers; entries below 2^-25 round to 0 ("flushed"), those near 2^-24 keep one
+# or two bits. Scaling the loss by S multiplies every gradient of the backward pass by S (it is linear in dloss); the
+# optimizer divides by S in float32. In hsgd the last stage's backward starts from dloss = S / m (`Stage.loss_scale`)
+# and `HybridTrainer.update` divides by S before clipping.
 #
-# The case: a model with 2 heads of 16 on random tokens, a batch of 256 sequences of 16, on the chapter's 2 ranks
-# as dp 2 (each rank's backward pass starts from the mean over its 128 x 16 = 2,048 positions). One
-# `trainer.gradients(idx, targets)` each in float32, float16 without loss scaling (`loss_scale="none"`), and float16
-# with it (S = 2^16), the float16 ones divided by their S and compared with float32's, parameter by parameter,
-# relative to each parameter's largest gradient entry (at least 1e-3 of the largest entry of all: the k bias's
-# gradient is zero up to rounding, since softmax ignores a constant added to every score). A `Numerics` subclass
-# counts the activation-gradient entries that rounding at "grad" turned into 0.
+# The case: 2 heads of 16 on random tokens, 256 sequences of 16, dp 2 (each rank's mean over 128 x 16 = 2,048
+# positions); one `trainer.gradients` each in float32, in float16 without scaling (`loss_scale="none"`) and with
+# S = 2^16, compared per parameter after dividing by S (relative to its largest entry, at least 1e-3 of the largest
+# of all). A `Numerics` subclass counts the activation-gradient entries that rounding at "grad" flushed.
 
 # %%
 class CountingFlushes(Numerics):
@@ -869,14 +758,13 @@ check.holds("flushed to 0: > 0.1% of the entries without scaling, > 100x fewer w
             ls_flushed["none"] > 1e-3 and ls_flushed["dynamic"] * 100 < ls_flushed["none"])
 
 # %% [markdown]
-# The errors of the scaled run are float16's own rounding, a few u = 4.9e-4 per entry; those of the unscaled one are
-# gradients lost, mostly in q and k, whose gradients pass through the softmax's small derivatives.
+# The scaled run's errors are float16's own rounding, a few u = 4.9e-4 per entry; the unscaled one loses gradients,
+# mostly in q and k, which pass through the softmax's small derivatives.
 #
-# **Too large a scale overflows instead**: a gradient past 65504 becomes inf. `LossScaler` (the rules of PyTorch's
-# `GradScaler`) starts at S = 2^16 and adjusts it as training goes: a step whose gradients hold an inf or a NaN on
-# any rank (the collective verdict of `hsgd.step.health`, so every rank decides alike) is skipped and S halves; after
-# `growth_interval` (2000) good steps in a row S doubles. First on the trainer above, with S set to 2^40 by hand: its
-# backward pass overflows, the update is skipped, the weights stay, and S halves. Then the rules alone, with a
+# **Too large a scale overflows**: past 65504 a gradient is inf. `LossScaler` (the rules of PyTorch's `GradScaler`)
+# starts at S = 2^16; a step whose gradients hold an inf or NaN on any rank (a collective verdict,
+# `hsgd.step.health`) is skipped and S halves; after `growth_interval` (2000) good steps in a row S doubles. First
+# the trainer above with S = 2^40: the update is skipped, the weights stay, S halves. Then the rules alone, with a
 # growth interval of 3.
 
 # %%
@@ -902,28 +790,20 @@ for done_with in (kept, ls32):
     done_with.grid.free()
 
 # %% [markdown]
-# bfloat16 needs none of this: its range is float32's, so gradients neither underflow nor overflow where float32's
-# would not; it pays with 8 significant bits instead of 11. That is why hsgd scales only float16 (`--loss-scale` is
-# ignored for bfloat16), and why with `--dp-staleness 1` each gradient is unscaled by the S it was made with: the
-# update of step s applies step s-1's gradient, and the scaler may have halved or doubled S in between
-# (`LossScaler.made_with`, hsgd.step.loss_scale).
+# bfloat16 needs none of this: with float32's range its gradients neither underflow nor overflow where float32's
+# would not; it pays with 8 significant bits instead of 11. So hsgd scales only float16, and with `--dp-staleness 1`
+# unscales each gradient by the S it was made with (`LossScaler.made_with`).
 #
 # ## Check against serial
 #
-# On 2 ranks, every verdict reached collectively: the parameters drawn for the device are the host's, bit for bit,
-# and the loss and gradients computed there match NumPy's; an Allreduce through `hsgd.grid.comm.Comm` of each rank's
-# device array equals the NumPy sum on one rank, and staging it by hand gives the same; node-local ranks and the GPU
-# mapping are as computed, and a tp group of 8 stays on one node; masks by multiplication give what boolean
-# indexing gives; every data-parallel training step made exactly one counted device-to-host copy (on the simulated
-# GPU: every transfer of the step accounted for), reached MPI only with the dp All-Reduce of the flat gradient
-# buffer, and ended with the parameters of serial SGD. And mixed precision: the formats' parameters are NumPy's, and
-# `round_to` gives the hand-worked cases and NumPy's float16 cast; bfloat16 and float16 runs train within 2% of
-# float32's losses, rounding at every point of `POINTS`; float16 without loss scaling loses gradients that the
-# scaled run keeps, and the loss scaler skips an overflowing step and follows GradScaler's rules.
+# On 2 ranks, every verdict collective: device and host agree (parameters, gradients, Allreduces, hand staging);
+# the GPU mapping is as computed; each data-parallel step made one counted device-to-host copy and ended at serial
+# SGD's parameters; the formats match NumPy, 16-bit runs train within 2% of float32, and loss scaling keeps the
+# gradients float16 alone loses.
 
 # %%
 worst, err = check.worst()
-say(f"\nchapter 12: all {len(check.passed)} checks passed on {P} ranks ({DEVICE}); largest error {err:.1e} "
+say(f"\nchapter 21: all {len(check.passed)} checks passed on {P} ranks ({DEVICE}); largest error {err:.1e} "
     f"({worst})")
 
 # %% [markdown]
@@ -943,16 +823,15 @@ say(f"\nchapter 12: all {len(check.passed)} checks passed on {P} ranks ({DEVICE}
 #
 # ## Exercises
 #
-# All five run without a GPU: on NumPy, on MPI's view of the machine, and on the simulated GPU of `tests/simgpu`
-# (put `tests/simgpu` first on `sys.path` before anything imports `cupy`).
+# All five run without a GPU (for the simulated one, put `tests/simgpu` first on `sys.path` before anything imports
+# `cupy`).
 #
 # ### Exercise 1: the local rank from the environment
-# Launchers tell each process its place on the node in an environment variable: `LOCAL_RANK` (torchrun, the
-# `deepspeed` launcher), `OMPI_COMM_WORLD_LOCAL_RANK` (Open MPI), `MPI_LOCALRANKID` (MPICH's Hydra, the launcher
-# of this course), `SLURM_LOCALID` (srun). Write `local_rank_from_env(env)` that returns the first one found (and
-# its name), or None; and `local_rank_by_name(world)`, DeepSpeed's way: the number of lower world ranks with the
-# same `MPI.Get_processor_name()`. Check the first on a few made-up environments, and both against
-# `hsgd.train.local_ranks(world)` on every rank.
+# Launchers give each process its place on the node in a variable: `LOCAL_RANK` (torchrun, `deepspeed`),
+# `OMPI_COMM_WORLD_LOCAL_RANK` (Open MPI), `MPI_LOCALRANKID` (MPICH's Hydra), `SLURM_LOCALID` (srun). Write
+# `local_rank_from_env(env)`, the first one found (and its name) or None, and `local_rank_by_name(world)`,
+# DeepSpeed's way: the lower world ranks with the same `MPI.Get_processor_name()`. Check the first on made-up
+# environments, and both against `hsgd.train.local_ranks(world)` on every rank.
 # (solution: `tutorials/solutions/21_gpus.py`, `exercise_1`)
 #
 # ### Exercise 2: which GPU a rank uses
@@ -963,12 +842,11 @@ say(f"\nchapter 12: all {len(check.passed)} checks passed on {P} ranks ({DEVICE}
 # (solution: `tutorials/solutions/21_gpus.py`, `exercise_2`)
 #
 # ### Exercise 3: the bytes staged in one step
-# With staging (`HSGD_CUDA_AWARE=0`), predict from one step's `CommStats` the bytes that cross from device to host
-# and back in a training step on dp 1 x tp 2, for Megatron's scheme and for the All-Gather scheme: for each
-# collective on a communicator of more than one rank, an All-Reduce copies its payload out and back, an
-# All-Gather copies out the rank's part (payload / p) and back the whole, plus the step's one `to_host` vector.
-# Check the prediction against the simulated GPU, with its `ndarray.get` and `ndarray.set` wrapped to add up
-# bytes, and the number of device-to-host transfers against its `counts["d2h"]`.
+# With staging (`HSGD_CUDA_AWARE=0`), predict from one step's `CommStats` the bytes crossing between device and
+# host in a step on dp 1 x tp 2, for Megatron's and the All-Gather scheme: per collective on more than one rank, an
+# All-Reduce copies its payload out and back, an All-Gather its part (payload / p) out and the whole back; plus the
+# `to_host` vector. Check against the simulated GPU with `ndarray.get` and `ndarray.set` wrapped to add up bytes,
+# and the device-to-host transfers against its `counts["d2h"]`.
 # (solution: `tutorials/solutions/21_gpus.py`, `exercise_3`)
 #
 # ### Exercise 4: find the host round trip
@@ -986,11 +864,10 @@ say(f"\nchapter 12: all {len(check.passed)} checks passed on {P} ranks ({DEVICE}
 # (solution: `tutorials/solutions/21_gpus.py`, `exercise_4`)
 #
 # ### Exercise 5: bfloat16 by integer arithmetic
-# A bfloat16 number is the upper half of a float32 bit pattern, so rounding a float32 to it can be done on the
-# pattern as an unsigned 32-bit integer b: add 0x7FFF plus the lowest bit that is kept, (b >> 16) & 1 (this makes
-# halfway cases go to the even neighbour), and clear the lower 16 bits. A carry out of the significand moves into the
-# exponent, which is right, up to infinity. Write `bf16_bits(x)` for a float32 array, leaving NaNs as they are (why
-# would the rule break them?), and check it equals `hsgd.model.precision.round_to(x, "bfloat16")` bit for bit on 100,000
-# random bit patterns (every exponent, subnormals, infinities), on the exact midpoints between neighbouring bfloat16
-# numbers, and around bfloat16's max.
+# Rounding a float32 to bfloat16 can be done on its bit pattern as an unsigned 32-bit integer b: add 0x7FFF plus
+# the lowest kept bit, (b >> 16) & 1 (ties to even), and clear the lower 16 bits; a carry out of the significand
+# moves into the exponent, rightly, up to infinity. Write `bf16_bits(x)` for a float32 array, leaving NaNs as they
+# are (why would the rule break them?), and check it equals `hsgd.model.precision.round_to(x, "bfloat16")` bit for
+# bit on 100,000 random bit patterns (every exponent, subnormals, infinities), on the exact midpoints between
+# neighbouring bfloat16 numbers, and around bfloat16's max.
 # (solution: `tutorials/solutions/21_gpus.py`, `exercise_5`)

@@ -11,7 +11,8 @@ Flag and key names were checked against the projects' sources, not copied from t
     (ZeRO-2) or optim_grads_params (ZeRO-3), --overlap-grad-reduce, --normalization RMSNorm,
     --position-embedding-type rope, --rotary-base, --swiglu, --group-query-attention with --num-query-groups,
     --untie-embeddings-and-output-weights, --disable-bias-linear, --use-flash-attn, --attention-dropout,
-    --hidden-dropout, --micro-batch-size, --global-batch-size, --bf16; of its experts --num-experts,
+    --hidden-dropout, --micro-batch-size, --global-batch-size, --bf16 with --grad-reduce-in-bf16 (the
+    planner's 2-byte gradients); of its experts --num-experts,
     --moe-router-topk, --moe-layer-freq (an integer n: blocks 0, n, 2n, ... as hsgd's moe_every),
     --moe-expert-capacity-factor, --moe-token-dispatcher-type alltoall, --expert-model-parallel-size (folded out of
     dp x cp, its experts split over tp by default, as hsgd.plan.experts prices them). Its attention accepts fewer
@@ -125,7 +126,9 @@ def megatron(cfg, lay, batch, dtype="bfloat16"):
         par.append("--overlap-grad-reduce")
     if lay.attention == "flash":
         par.append("--use-flash-attn")
-    par.append({"bfloat16": "--bf16", "float16": "--fp16"}.get(dtype, ""))
+    # the planner counts 2-byte gradients (ZeRO's 2 + 2 + 12 bytes a parameter, hsgd.plan.paper.model_states);
+    # Megatron-LM keeps them in float32 under --bf16 (18 bytes) unless told to reduce them in bf16
+    par.append({"bfloat16": "--bf16 --grad-reduce-in-bf16", "float16": "--fp16"}.get(dtype, ""))
     out.append(" ".join(p for p in par if p))
     return out + notes
 

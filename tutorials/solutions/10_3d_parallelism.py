@@ -3,23 +3,26 @@
     mpirun -n 8 python tutorials/solutions/10_3d_parallelism.py
 
 Exercise 1 is arithmetic on the formulas (every rank computes the same numbers and checks them collectively);
-exercises 2 and 3 build grids on the 8 ranks and run real steps. float64, the chapter's model.
+exercises 2 to 5 build grids on the 8 ranks and run real steps or gradients. float64, the chapter's model.
 """
 # mpirun -n 8 python tutorials/solutions/10_3d_parallelism.py
 import math
 import os
 import sys
 
+import numpy as np
 from mpi4py import MPI
 from threadpoolctl import threadpool_limits
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # tutorials/: checks, pictures
-from checks import Checks, ring_share, solve, train_config  # noqa: E402
+from checks import Checks, rel_err, ring_share, solve, train_config  # noqa: E402
 
 from hsgd.model.config import ModelConfig  # noqa: E402
-from hsgd.tp import shards as tp_shards
+from hsgd.model import serial  # noqa: E402
+from hsgd.model.optim import global_grad_norm  # noqa: E402
+from hsgd.tp import model as tp_model, shards as tp_shards  # noqa: E402
 from hsgd.model.data import Corpus  # noqa: E402
-from hsgd.dp.average import check_batch  # noqa: E402
+from hsgd.dp.average import FlatBuffer, check_batch  # noqa: E402
 from hsgd.errors import ConfigError  # noqa: E402
 from hsgd.grid.process_grid import ProcessGrid, factorizations  # noqa: E402
 from hsgd.step.trainer import HybridTrainer  # noqa: E402
@@ -197,5 +200,58 @@ def exercise_3(check):
     base.Free()
 
 
+# ---------------------------------------------------------------------------------------------------- exercise 4
+
+def exercise_4(check):
+    """The global gradient norm in one All-Reduce over the world."""
+    dp, tp, B = 4, 2, 8
+    grid = ProcessGrid(world, dp=dp, tp=tp)
+    trainer = HybridTrainer(cfg, grid, train_config(tp=tp, dp=dp, batch_size=B, seed=0))
+    idx, targets = corpus.batch(0, 1, B)
+    trainer.gradients(idx, targets)                            # averaged over dp_comm: the same on every replica
+    weighted = 0.0
+    for name, g in trainer.grads.items():
+        copies = dp if trainer.is_sharded(name) else dp * tp   # how many ranks hold this very array
+        weighted += float(np.sum(g * g)) / copies
+    norm = math.sqrt(world.allreduce(weighted))                # one float over all 8 ranks
+    _, grads_ref = serial.loss_and_grads(serial.init_params(cfg, 0, "float64"), idx, targets, cfg)
+    serial_norm = math.sqrt(sum(float(np.sum(g * g)) for g in grads_ref.values()))
+    check.say(f"  one All-Reduce over the world: {norm:.12f}; serial: {serial_norm:.12f}")
+    check("norm, one world All-Reduce vs serial", abs(norm - serial_norm) / serial_norm, 1e-12)
+    check("norm, one world All-Reduce vs global_grad_norm",
+          abs(norm - global_grad_norm(trainer.grads, trainer.norm_weight, grid.tp_comm)) / serial_norm, 1e-12)
+    trainer.free()
+    grid.free()
+
+
+# ---------------------------------------------------------------------------------------------------- exercise 5
+
+def exercise_5(check):
+    """Unequal slices: the weighted average."""
+    dp, tp = 4, 2
+    sizes = [3, 3, 2, 2]                                       # rows per group
+    B, starts = sum(sizes), np.cumsum([0] + sizes)
+    grid = ProcessGrid(world, dp=dp, tp=tp)
+    full = serial.init_params(cfg, 0, "float64")
+    local = tp_shards.shard_params(full, grid.tp_rank, tp)
+    idx, targets = corpus.batch(0, 1, B)
+    rows = slice(starts[grid.dp_rank], starts[grid.dp_rank + 1])
+    buf = FlatBuffer(local)                                    # my gradient shards, one flat array
+    tp_model.loss_and_grads(local, idx[rows], targets[rows], tp_model.TPSetup(cfg, grid.tp_comm), grads=buf.views)
+    plain = buf.flat.copy()
+    buf.flat *= sizes[grid.dp_rank] / B                        # the global mean is a size-weighted mean of means
+    grid.dp_comm.Allreduce(buf.flat)                           # one All-Reduce of the weighted gradients
+    grid.dp_comm.Allreduce(plain)
+    plain /= dp                                                # the plain average: wrong for unequal slices
+    _, grads_ref = serial.loss_and_grads(full, idx, targets, cfg)
+    ref = np.concatenate([tp_shards.shard(grads_ref[n], n, grid.tp_rank, tp).ravel() for n in local])   # buf's order
+    weighted_err, plain_err = rel_err(buf.flat, ref), rel_err(plain, ref)
+    check.say(f"  rows per group {sizes}: weighted average off by {weighted_err:.1e}, plain 1/dp average by "
+              f"{plain_err:.1e}")
+    check("weighted average vs serial gradient of the 10 rows", weighted_err, 1e-12)
+    check.holds("the plain 1/dp average is off by more than 1e-3", plain_err > 1e-3)
+    grid.free()
+
+
 if __name__ == "__main__":
-    solve(Checks(world, tol=1e-12, width=68), [exercise_1, exercise_2, exercise_3])
+    solve(Checks(world, tol=1e-12, width=68), [exercise_1, exercise_2, exercise_3, exercise_4, exercise_5])
