@@ -22,40 +22,20 @@
 # > when the model is very large, every node storing a complete replica of the model may run out of memory;
 #
 # its section 2 starts from models whose parameters "a single compute node (even with several GPUs) cannot hold",
-# and its summary puts the whole design in one sentence: split the model with model parallelism **to fit limited
+# and its summary puts the design in one sentence: split the model with model parallelism **to fit limited
 # memory**, and replicate the split units with data parallelism to use more data. Section 3.4's Reduce-Scatter
-# over the data-parallel dimension followed by an All-Gather is, seen from memory, the first of the ZeRO stages
-# (chapter 8), and section 4.2's micro-batches decide how many activations a pipeline stage holds (chapter 9).
+# then All-Gather over dp is, seen from memory, ZeRO's first stage (chapter 8), and section 4.2's micro-batches set
+# how many activations a pipeline stage holds (chapter 9).
 #
-# This chapter counts where the bytes of one training step go on one rank, and then takes the four ways hsgd has to
-# spend fewer of them, each measured on 8 ranks against its formula:
+# This chapter counts where a step's bytes go on one rank, then measures on 13 combinations run on 8 ranks each way
+# to spend fewer against its formula: tensor and sequence sharding, the pipeline schedule, recomputation, ZeRO. It
+# sets the published formulas next to hsgd's and ends with a whole step measured by hsgd's memory probe (appendix B
+# shows how the probe works).
 #
-# 1. where the bytes go: parameters, gradients, optimizer state, and the activations each block caches for its
-#    backward pass, part by part;
-# 2. the chapter's runs: 13 combinations of layout, schedule, recomputation and ZeRO stage on the same 8 ranks,
-#    each trained for two steps and measured (read by the sections after it);
-# 3. tensor and sequence sharding (chapters 6 and 10): what splitting a block over tp ranks divides, and what it
-#    leaves whole;
-# 4. the pipeline schedule (chapter 9): how many micro-batches' activations a stage holds, GPipe against 1F1B;
-# 5. recomputation (`--recompute selective|full`): fewer cached bytes for more forward work and, for full
-#    recomputation, more tensor-parallel collectives, all counted; the gradients bit-identical;
-# 6. ZeRO stages 0 to 3 and hybrid sharding (`--zero`, `--hierarchical`): the bytes kept between steps and at the
-#    peak, measured inside the step, and the bytes each stage moves;
-# 7. the published formulas (Korthikanti et al. 2022, Table 2; Rajbhandari et al. 2020) next to hsgd's, and why
-#    they differ;
-# 8. the memory per rank of all 13 combinations, in a table and a picture;
-# 9. the whole step measured by hsgd's memory probe (`hsgd.accounting.allocations`, an allocation tracker): every
-#    category at every sample equal to `hsgd.accounting.step_memory`'s formula, on two of the combinations and every
-#    rank.
-#
-# Run it with eight ranks (14.5 to 17.5 s measured on a 2-core machine with nothing else running, more than half
-# of it the two runs traced by the memory probe; on failure every rank raises, so it exits non-zero without
-# hanging). Rank 0 draws three pictures into `$HSGD_FIGURES` (default `tutorials/figures/`):
+# Run it with eight ranks (14.5 to 17.5 s on an idle 2-core machine, over half of it the two traced runs; a failure
+# ends every rank). Rank 0 prints, and draws three pictures into `$HSGD_FIGURES` (default `tutorials/figures/`):
 #
 # mpirun -n 8 python tutorials/11_memory.py
-#
-# The notebook form (`jupytext --to ipynb tutorials/11_memory.py`) is for reading: the code needs eight MPI ranks.
-# Only rank 0 prints.
 #
 # Legend: P ranks, dp replicas, p = pp stages, t = tp ranks per stage, m micro-batches per replica and step, B global
 # batch, b sequences per micro-batch, T sequence, $\tilde T$ = T/t under sequence sharding (else T), N = bT positions,
@@ -120,18 +100,16 @@ def config(**kw):
 # %% [markdown]
 # ## 1. Where the bytes of a step go
 #
-# A rank that trains its shard of the model holds four kinds of array:
+# A rank training its shard holds four kinds of array:
 #
-# * **parameters**: $\Phi$ elements, $s\Phi$ bytes, where $\Phi$ is its shard (`tp_shards.shard_numel`: the split
-#   matrices divided by t, the LayerNorms, `wpe` and the row-parallel biases whole);
-# * **gradients**: as many, the buffer the backward pass accumulates into and the dp exchange averages;
-# * **optimizer state**: k more copies, one velocity for SGD with momentum, two moments for AdamW;
-# * **activations**: what each layer's forward pass caches for its backward pass. They live from a micro-batch's
-#   forward until its backward has finished, and they scale with the micro-batch (b sequences of T positions), not
-#   with the parameters.
+# * **parameters**: $s\Phi$ bytes, $\Phi$ its shard (`tp_shards.shard_numel`: split matrices divided by t; the
+#   LayerNorms, `wpe` and the row-parallel biases whole);
+# * **gradients**: as many;
+# * **optimizer state**: k more copies (SGD's velocity, AdamW's two moments);
+# * **activations**: what each layer's forward caches for its backward, alive from a micro-batch's forward until its
+#   backward ends, scaling with the micro-batch (b sequences of T), not the parameters.
 #
-# The first three are there between steps; the activations come and go within a step. On the chapter's main
-# layout, dp 4 x tp 2, one step of each optimizer, then `trainer.memory()` against $s\Phi$, $s\Phi$ and $ks\Phi$:
+# The first three stay between steps. One step of each optimizer on dp 4 x tp 2:
 
 # %%
 g2 = grid_of(4, 1, 2)
@@ -148,11 +126,10 @@ for opt, k, extra in (("sgd", 1, dict(momentum=0.9, lr=0.1)), ("adamw", 2, {})):
     tr.free()
 
 # %% [markdown]
-# The activations of one micro-batch are what `tp_model.stage_forward` returns as its caches. Every rank of the
-# dp 4 x tp 2 grid runs one forward of b = 2 sequences and counts the distinct arrays its caches hold
-# (`hsgd.accounting.activations.activation_bytes`: a view counts once, through the array that owns its memory;
-# parameters never count, the caches hold none). One block's cache, part by part, next to the terms of
-# `hsgd.accounting.activations.activation_formula` (Megatron's scheme, t = 2):
+# One micro-batch's activations are the caches `tp_model.stage_forward` returns. Every rank runs one forward of
+# b = 2 sequences and counts the distinct arrays its caches hold (`activations.activation_bytes`: a view counts once,
+# through its owner; parameters never count). One block's cache, part by part, against
+# `activations.activation_formula` (Megatron's scheme, t = 2):
 
 # %%
 b2 = B // 4                                                            # sequences per replica on dp 4
@@ -187,33 +164,21 @@ say(f"parameters of my shard {fmt_bytes(S * phi)}; one micro-batch's activations
     f"of which the attention probabilities {fmt_bytes(cfg.n_layers * S * b2 * NH * T * T // t)}")
 
 # %% [markdown]
-# Two parts are whole on every tensor-parallel rank, the LayerNorms' caches and their outputs (the inputs of the
-# column-parallel matrices): Megatron's scheme splits the matrices, not the (N, C) activations between them. The
-# attention probabilities grow with $T^2$, everything else with T: at T = 16 they are already as large as GELU's
-# cache, and at GPT-3's T = 2048 (section 7) they are a large share of a block's. Over a step the caches of a
-# micro-batch build up group by group during the forward pass,
-# and in hsgd they are all freed together when that micro-batch's backward pass ends (`stage_backward` holds the
-# whole `StageCache` while it runs; an autograd engine frees each layer's saved tensors as soon as its backward is
-# done, which turns the plateau into a ramp down). Section 6 draws one step this way.
+# Two parts are whole on every tp rank, the LayerNorms' caches and outputs: Megatron's scheme splits the matrices,
+# not the (N, C) activations between them. The probabilities grow with $T^2$, the rest with T: at T = 16 they match
+# GELU's cache; at GPT-3's T = 2048 (section 7) they are a large share. A micro-batch's caches build up group by
+# group in the forward and are freed together when its backward ends (an autograd engine frees each layer's saved
+# tensors after its backward: a ramp, not a plateau).
 #
 # ## 2. The chapter's runs: 13 combinations on 8 ranks
 #
-# Each combination below is a `TrainConfig` trained for two steps by `HybridTrainer` on its own `ProcessGrid` of the
-# same 8 ranks. Step 2 is measured on every rank:
-#
-# * the bytes on every communicator (`grid.stats`), to compare with `hsgd.accounting.traffic.step_formula`;
-# * the exchange's buffers at the moments hsgd's memory probe samples, the exit of every gradient group's forward
-#   and backward: `ExchangeMeter` below, the chapter's own helper, a `hooks.Hooks` chained after the exchange's
-#   own hooks (`hooks.ChainedHooks`), that adds up the distinct arrays the exchange holds at that moment:
-#   parameters (the flat buffer, ZeRO's chunks, ZeRO-3's gathered layer), gradients (the buffer, the owned chunk,
-#   the layer buckets alive, those whose Reduce-Scatter is still in flight) and communication buffers. It reads
-#   the exchange's attributes, so it costs nothing and runs for all 13; it sees nothing outside the exchange;
-# * for two of them (`TRACED`), everything else too: step 2 runs under hsgd's memory probe
-#   (`hsgd.accounting.allocations`, section 9), which traces every array allocated from before the trainer is built, by
-#   category;
-# * the micro-batches held at once (`stage.peak_held`), and one micro-batch's caches (`activation_bytes` of a
-#   `stage_forward` on the rank's own stage);
-# * `trainer.memory()` after the step, and the parameters against serial AdamW.
+# Each combination is a `TrainConfig` trained two steps by `HybridTrainer` on its own `ProcessGrid` of the 8 ranks.
+# Step 2 is measured on every rank: the bytes on every communicator (`grid.stats`, against
+# `hsgd.accounting.traffic.step_formula`); the exchange's buffers at every group's forward and backward exit
+# (`ExchangeMeter` below, a `hooks.Hooks` chained after the exchange's own that adds up the distinct arrays the
+# exchange holds: parameters, gradients and their buckets, communication buffers; free, so it runs for all 13, but
+# blind outside the exchange); for two runs (`TRACED`) everything, under hsgd's memory probe (section 9); the
+# micro-batches held (`stage.peak_held`) and one micro-batch's caches; `trainer.memory()` and the parameters.
 
 # %%
 def arrays(x):
@@ -340,8 +305,7 @@ ref = world.bcast(reference, root=0)                                   # serial 
 say(f"{len(runs)} combinations, 2 steps each; serial AdamW on one process as the reference")
 
 # %% [markdown]
-# Before reading their memory, every combination is held to the two facts that make its numbers worth reading: it
-# computed the same thing as serial SGD, and it moved exactly the bytes its formula says.
+# First, every combination computed what serial AdamW computes, and moved exactly its formula's bytes:
 
 # %%
 def param_err(r):
@@ -359,16 +323,13 @@ for name, r in runs.items():
 # %% [markdown]
 # ## 3. Tensor and sequence sharding
 #
-# Chapters 5 and 6 split each block over t ranks: Megatron's scheme splits the matrices by columns and rows and the
-# attention by heads, and All-Reduces the (N, C) activation twice per block and direction; the sequence scheme
-# (Korthikanti et al. 2022's sequence parallelism) replaces each All-Reduce by a Reduce-Scatter to the rank's T/t
-# positions and an All-Gather back, so that the LayerNorms and the activations between the matrices are split too.
-# The parameters divide almost by t either way. For the activations, the formula of section 1 with each scheme:
+# Megatron's scheme (chapters 5 and 6) splits the matrices and the heads over t ranks and All-Reduces the (N, C)
+# activation twice per block and direction; the sequence scheme (Korthikanti et al. 2022's sequence parallelism)
+# replaces each All-Reduce by a Reduce-Scatter to T/t positions and an All-Gather back, so the LayerNorms and the
+# activations between the matrices are split too. Parameters divide almost by t either way; activations:
 #
 # $$\text{megatron: } s\,(4NC + 2N) + s\,(4NC + b\,NH\,T^2 + 2NF)/t, \qquad
 #   \text{sequence: } s\,(8NC + 2N + b\,NH\,T^2 + 2NF)/t .$$
-#
-# Measured in the runs (one micro-batch's caches on each rank, against `activation_formula`), with the parameters:
 
 # %%
 say(f"{'combination':<16}{'t':>3}{'b':>3}  {'parameters':>11}{'activations':>13}{'formula':>10}  "
@@ -383,20 +344,14 @@ for name in ("dp 8", "tp 2", "tp 2 sequence", "tp 8 sequence"):
     check.equal(f"{name}: one micro-batch's caches == activation_formula", r["mb_act"], f["model"])
 
 # %% [markdown]
-# Read the rows at the same 8 ranks: every rank given to tp is taken from dp, so b grows with t (b = B/dp). dp 8 holds
-# the whole model and one sequence; tp 2 holds half the matrices and two sequences, and its activations grow,
-# because its replicated part, the LayerNorms and the (N, C) inputs of the matrices, is not divided at all. The
-# sequence scheme divides everything by t: tp 8 with the whole batch of 8 sequences on every rank caches about as
-# much as dp 8 with one. That is the whole of sequence parallelism's argument, and its price is in chapter 6: the
-# same bytes on `tp_comm` as Megatron's All-Reduces, in twice the calls.
+# On 8 ranks every rank given to tp is taken from dp, so b = B/dp grows with t, and tp 2's activations grow: its
+# replicated part is not divided. The sequence scheme divides everything by t: tp 8 with all 8 sequences caches
+# about as much as dp 8 with one. Its price (chapter 6): Megatron's bytes on `tp_comm`, in twice the calls.
 #
 # ## 4. The pipeline schedule: micro-batches in flight
 #
-# A pipeline stage holds the caches of every micro-batch it has run forward and not yet backward. GPipe runs all m
-# forwards first and holds all m; 1F1B starts each micro-batch's backward as soon as it can and holds at most p - s
-# on stage s (chapter 9). Each micro-batch is smaller than the replica's batch, b = B/(dp m), so the activations a
-# stage holds are (micro-batches held) x (one micro-batch's caches of the stage's L/p blocks). The runs on
-# dp 2 x pp 4 (one block per stage), m = 4 micro-batches of one sequence:
+# A stage holds the caches of every micro-batch it has run forward and not yet backward: GPipe all m, 1F1B at most
+# p - s on stage s (chapter 9), each of b = B/(dp m) sequences. On dp 2 x pp 4 (one block per stage), m = 4:
 
 # %%
 def held_table(name):
@@ -418,18 +373,16 @@ check.equal("1F1B holds min(p - s, m), GPipe m", (runs["pp 4 1F1B m 4"]["held"],
             (min(4 - runs["pp 4 1F1B m 4"]["grid"].pp_rank, 4), 4))
 
 # %% [markdown]
-# Stage 0 holds as many micro-batches under 1F1B as under GPipe whenever m <= p; only the later stages gain, and
-# with m >> p (which the bubble asks for) GPipe's m grows while 1F1B stays at p - s. The first stage, which also
-# carries the embedding, is the one to size the memory for.
+# Under 1F1B stage 0 holds as many as GPipe whenever m <= p; with m >> p (which the bubble asks for) GPipe's m grows
+# while 1F1B stays at p - s. Size memory for the first stage, which also holds the embedding.
 #
 # ## 5. Recomputation: bytes for work
 #
 # Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models") observe that the
-# attention's (b, NH/t, T, T) probabilities are most of a block's cache at long sequences, and the cheapest part to
-# compute again: a batched matrix product and a softmax, no parameter and no communication. `--recompute
-# selective` keeps q, k, v instead and recomputes the probabilities in the backward pass
-# (`tp_model.recompute_attention`); `--recompute full` keeps only each block's input x and runs the whole block
-# forward again (`tp_model.recompute_block`), its tensor-parallel collectives included. Per block and micro-batch:
+# (b, NH/t, T, T) probabilities are most of a block's cache at long sequences and the cheapest part to recompute: a
+# batched product and a softmax, no parameter, no communication. `--recompute selective` keeps q, k, v and
+# recomputes the probabilities in the backward (`tp_model.recompute_attention`); `--recompute full` keeps each
+# block's input and reruns its forward (`tp_model.recompute_block`), collectives included. Per block and micro-batch:
 #
 # | --recompute | cached per block | computed again in the backward pass | communicated again |
 # |---|---|---|---|
@@ -437,8 +390,8 @@ check.equal("1F1B holds min(p - s, m), GPipe m", (runs["pp 4 1F1B m 4"]["held"],
 # | selective | K - s b (NH/t) T^2 | the core attention: $4\,b\,(NH/t)\,T^2\,hs$ FLOPs and a softmax | nothing |
 # | full | the input x, $s\,b\,\tilde T\,C$ | the block's forward | the block's forward collectives |
 #
-# The recomputed arrays are alive only while their block's backward runs: one block's worth at a time, which the
-# peak must still hold. Measured here on one block: the caches `recompute_block` and `recompute_attention` return.
+# The recomputed arrays live only during their block's backward, one block's worth the peak must still hold.
+# Measured on one block, with the caches `recompute_block` and `recompute_attention` return:
 
 # %%
 def block_terms(r):
@@ -481,11 +434,10 @@ check.equal("recompute: a micro-batch's caches == L blocks' kept bytes + the res
             [cfg.n_layers * (kept[rc] - kept["none"]) for rc in ("selective", "full")])
 
 # %% [markdown]
-# **What it costs.** Counted in FLOPs of the matrix products (a block's forward on one rank: $2N(4C^2 + 2CF)/t$ for
-# its four linears and $4\,b\,(NH/t)\,T^2\,hs$ for the two attention products; a backward pass costs twice its
-# forward), and in the bytes it moves again, measured in step 2 of the runs against the formula: full recomputation
-# runs each block's forward collectives once more (`tp_model.comm_formula(..., recompute="full")`, from the scheme's
-# `block_forward_formula`), selective none. The measured step times are printed, not checked: 8 ranks share 2 cores.
+# **What it costs**, in FLOPs of the products (a block's forward on one rank: $2N(4C^2 + 2CF)/t$ for its linears,
+# $4\,b\,(NH/t)\,T^2\,hs$ for attention; a backward twice its forward) and in bytes moved again in step 2, against
+# `tp_model.comm_formula(..., recompute="full")` (from the scheme's `block_forward_formula`). Step times are printed,
+# not checked: 8 ranks share 2 cores.
 
 # %%
 def block_flops(b, tp):
@@ -516,23 +468,19 @@ same = {rc: all(np.array_equal(runs[f"tp 2 {rc}"]["params"][n], runs["tp 2"]["pa
 check.holds("selective and full: parameters after 2 steps bit-identical to none", all(same.values()))
 
 # %% [markdown]
-# Full recomputation adds a third to the blocks' arithmetic (one more forward on top of forward and backward) and
-# half again their tensor-parallel traffic (the forward's two All-Reduces per block on top of the four of forward and
-# backward), for caches of one (N, C) array per block. Selective adds only the attention products, a few per cent at
-# this size, for nothing communicated, and saves the probabilities (the share printed above at T = 16; a larger
-# share at long sequences, section 7). The same operations on the same numbers: the gradients, and so the
-# parameters after two steps, are bit-identical.
+# Full recomputation adds a third to the blocks' arithmetic and half again their tp traffic, for one (N, C) array
+# per block; selective adds a few per cent of products, nothing communicated, and saves the probabilities (the share
+# printed above; more at long sequences). The same operations on the same numbers: the parameters are bit-identical.
 #
 # ## 6. ZeRO stages: sharding what every replica holds
 #
-# Everything above divides by tp or pp; nothing divides by dp. ZeRO (Rajbhandari et al. 2020, "ZeRO: Memory
-# Optimizations Toward Training Trillion Parameter Models") shards over the n data-parallel ranks what they all hold
-# alike: stage 1 the optimizer state (chapter 8, `hsgd.dp.zero1`), stage 2 also the gradients, stage 3 also the
-# parameters (`hsgd.dp.zero3`, `hsgd.dp.sharded`: per layer, each gradient group padded to n equal chunks $c_g$; the
-# layer's Reduce-Scatter started as soon as its backward ends and overlapped with the next layer's; stage 3
-# All-Gathers a layer's parameters before its forward and again before its backward, and frees them after). Hybrid
-# sharding shards within a node and replicates across nodes. Between steps a rank keeps, with $\Phi'$ the flat
-# buffer padded to a multiple of dp and $\bar c = \sum_g c_g$:
+# Nothing above divides by dp. ZeRO (Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion
+# Parameter Models") shards over the n data-parallel ranks what they all hold alike: stage 1 the optimizer state
+# (chapter 8, `hsgd.dp.zero1`), stage 2 also the gradients, stage 3 also the parameters (`hsgd.dp.zero3`,
+# `hsgd.dp.sharded`: per layer, each gradient group padded to n chunks $c_g$; a layer's Reduce-Scatter starts when
+# its backward ends, overlapping the next; stage 3 All-Gathers a layer before its forward and its backward, and frees
+# it after). Hybrid sharding shards within a node and replicates across. Between steps, with $\Phi'$ the flat buffer
+# padded to a multiple of dp and $\bar c = \sum_g c_g$:
 #
 # | stage | parameters | gradients | optimizer state |
 # |---|---|---|---|
@@ -572,15 +520,13 @@ for name in ZEROS:
     check.equal(f"{name}: trainer.memory() == the table's closed forms", m, between_formula(name))
 
 # %% [markdown]
-# Stage 2 keeps its parameters whole *and* the chunk it updates (`master`), a copy of $1/dp$ more: the optimizer
-# updates the chunk, and an All-Gather per layer writes every chunk back into the whole parameters. The bytes per
-# parameter fall from $(2 + k)s$ = 32 towards $(2 + k)s/dp$ = 8 at dp 4; hybrid sharding over nodes of 2 keeps twice
-# stage 3's.
+# Stage 2 keeps the whole parameters *and* the chunk it updates (`master`), $1/dp$ more: the optimizer updates the
+# chunk and a per-layer All-Gather writes it back. Bytes per parameter fall from $(2 + k)s$ = 32 towards
+# $(2 + k)s/dp$ = 8 at dp 4; hybrid sharding over nodes of 2 keeps twice stage 3's.
 #
-# **At the peak.** Inside the step a rank holds more than between steps: ZeRO-1 and plain data parallelism the whole
-# gradient buffer; ZeRO-2 and 3 two layers' whole gradients (the one being filled and the one before it, whose
-# Reduce-Scatter is still in flight) and the chunk being received; ZeRO-3 also one layer's gathered parameters. The
-# meter's largest sample of each kind against the exchange's own `memory_formula()`:
+# **At the peak** a rank holds more: ZeRO-1 and plain dp the whole gradient buffer; ZeRO-2 and 3 two layers' whole
+# gradients (the one filling, the one still in its Reduce-Scatter) and the chunk being received; ZeRO-3 also one
+# gathered layer. The meter's largest sample of each kind against the exchange's `memory_formula()`:
 
 # %%
 say(f"{'':<20}{'params peak':>12}{'grads peak':>12}{'comm peak':>11}   vs memory_formula()")
@@ -599,10 +545,9 @@ check.holds("ZeRO-2's gradient peak is below ZeRO-1's by more than half a whole 
             z1["grads"] - z2["grads"] > whole_grad / 2)
 
 # %% [markdown]
-# **What each stage moves.** Over `dp_comm` (the shard comm; hybrid: the node comm, and the nodes' comm for the
-# replicas), rank 0, step 2, in both columns: the payload `CommStats` records, and what a ring sends per rank. Stage
-# 1 and 2 move what an All-Reduce moves, a Reduce-Scatter and an All-Gather of $\Phi'$ (ZeRO's $2\Psi$); stage 3 a
-# Reduce-Scatter and two All-Gathers, before the forward and before the backward ($3\Psi$).
+# **What each stage moves** over `dp_comm` (hybrid: the node's and the nodes' communicators), rank 0, step 2,
+# payload and ring bytes per rank: stages 1 and 2 an All-Reduce's worth, a Reduce-Scatter and an All-Gather of
+# $\Phi'$ (ZeRO's $2\Psi$); stage 3 a Reduce-Scatter and two All-Gathers ($3\Psi$).
 
 # %%
 say(f"{'':<20}{'communicator':<14}{'operation':<24}{'calls':>6}{'payload':>11}{'ring, per rank':>16}")
@@ -621,12 +566,10 @@ check.equal("ZeRO-2 moves 2 Psi', ZeRO-3 3 Psi' (payload over dp_comm)",
             (dp_payload["tp 2 ZeRO-2"], dp_payload["tp 2 ZeRO-3"]), (2 * pad_bytes, 3 * pad_bytes))
 
 # %% [markdown]
-# One step on rank 0, drawn from the meter's samples: at every group's forward and backward exit, the parameters,
-# gradients and communication buffers the exchange holds, plus the optimizer state and the caches alive (section 1's
-# measured per-group caches, building up in the forward pass and held until the backward pass ends). Plain data
-# parallelism is flat; ZeRO-2 drops the whole gradient for two layers' buckets; ZeRO-3 also drops the whole
-# parameters and gathers one layer at a time, twice per step, the saw-tooth in its parameters (checked below against
-# its chunks plus the one gathered layer, sample by sample).
+# One step on rank 0 from the meter's samples: at every group exit the exchange's parameters, gradients and
+# buffers, plus the optimizer state and the caches alive (section 1's per-group caches). Plain dp is flat; ZeRO-2
+# drops the whole gradient for two layers' buckets; ZeRO-3 also the whole parameters, gathering one layer at a time,
+# twice a step: the saw-tooth, checked below sample by sample against its chunks plus the gathered layer.
 
 # %%
 def timeline(name, act_per_group):
@@ -682,11 +625,10 @@ check.equal("ZeRO-3: parameters at each group's exit == s c-bar + that group gat
 # %% [markdown]
 # ## 7. The published formulas next to hsgd's
 #
-# **Activations per block.** Korthikanti et al. 2022, Table 2, count the bytes one transformer layer keeps for a
-# micro-batch of b sequences of length s (their s is our T), hidden size h = C, a heads, t tensor-parallel ranks, F
-# = 4h, in 16-bit numbers with 1-byte dropout masks. hsgd's rows are `activation_formula`'s, with the kept bytes of
-# section 5, in 16-bit units (2 bytes an element) to compare; the GPT-3 175B shape (T = 2048, C = 12288, NH = 96,
-# t = 8, b = 1) and this chapter's model (t = 2, b = 2, F = 4C here too):
+# **Activations per block.** Korthikanti et al. 2022, Table 2, count the bytes a layer keeps for b sequences of
+# length s (our T), hidden size h = C, a heads, t tp ranks, F = 4h, in 16-bit numbers with 1-byte dropout masks.
+# hsgd's rows are `activation_formula`'s, with section 5's kept bytes, in 16-bit units, for GPT-3 175B (T = 2048,
+# C = 12288, NH = 96, t = 8, b = 1) and this chapter's model (t = 2, b = 2):
 
 # %%
 def paper_rows(s_, b, h, a, t_):
@@ -728,27 +670,23 @@ check.equal("the toy's hsgd rows == this rank's measured tp 2 block caches (floa
             (activation_bytes(block, params), measured_kept["selective"]))
 
 # %% [markdown]
-# Where the rows differ, and why:
+# Where the rows differ:
 #
-# * **no dropout** in hsgd: the paper's replicated 10 sbh is the LayerNorms' inputs (4), the inputs of the q, k, v and
-#   fc products (4) and two dropout masks (2); hsgd keeps the LayerNorms' normalized inputs and their 1/std per
-#   position (N more numbers each) and the same two inputs, 8 sbh;
-# * **attention**: per score the paper (its section 4.1) keeps the softmax's output and the dropout's output, 2 bytes
-#   each, and the dropout mask, 1 byte, 5as/h in all and never the raw scores, while hsgd, which has no dropout,
-#   keeps the softmax's output only, 2as/h. With T = 2048 this term is most of the paper's layer, so selective
-#   recomputation saves more there (the paper: 70% of GPT-3's layer, in 16-bit) than it does in hsgd;
-# * **what is cached instead**: hsgd keeps q, k, v (the attention's backward reads them), the merged heads, and for
-#   GELU its derivative and its output, 24/t sbh as the paper's split terms; the paper keeps GELU's input;
-# * **full recomputation**: the paper keeps each layer's input whole, 2sbh; hsgd with the sequence scheme keeps the
-#   rank's T/t rows of it;
-# * **element size**: hsgd's numbers are 8 bytes (float64, exact comparisons) or 4 (float32), never 2; only ratios
-#   carry over.
+# * **no dropout** in hsgd: the paper's replicated 10 sbh is the LayerNorms' inputs (4), the q, k, v and fc inputs
+#   (4) and two dropout masks (2); hsgd keeps the LayerNorms' normalized inputs and 1/std (N more numbers each) and
+#   the same two inputs, 8 sbh;
+# * **attention**: per score the paper (its section 4.1) keeps the softmax's and the dropout's outputs (2 bytes each)
+#   and the mask (1), 5as/h, never the raw scores; hsgd keeps the softmax's output, 2as/h. At T = 2048 this is most
+#   of the paper's layer, so selective recomputation saves more there (70% of GPT-3's layer) than in hsgd;
+# * **cached instead**: hsgd keeps q, k, v, the merged heads, GELU's derivative and output, 24/t sbh as the paper's
+#   split terms; the paper keeps GELU's input;
+# * **full recomputation**: the paper keeps each layer's whole input, 2sbh; hsgd's sequence scheme the rank's T/t rows;
+# * **element size**: hsgd's are 8 or 4 bytes, never 2; only ratios carry over.
 #
-# **Model states per parameter.** ZeRO counts, for mixed-precision Adam, 2 bytes of 16-bit parameters, 2 of 16-bit
-# gradients and K = 12 of optimizer state (a 32-bit master copy of the parameters and two 32-bit moments): 16 bytes a
-# parameter, and by stage $4 + 12/N_d$, $2 + 14/N_d$, $16/N_d$. hsgd trains in one precision, so there is no master
-# copy: $(1 + 1 + k)\,s$ = 32 bytes for float64 AdamW, and the stages' closed forms of section 6. Measured per
-# parameter (rank 0, dp 4) against both:
+# **Model states per parameter.** ZeRO counts, for mixed-precision Adam, 2 bytes of 16-bit parameters, 2 of
+# gradients and K = 12 of optimizer state (32-bit master copy, two moments): 16 a parameter, by stage $4 + 12/N_d$,
+# $2 + 14/N_d$, $16/N_d$. hsgd has one precision and no master copy: $(2 + k)s$ = 32 for float64 AdamW, and section
+# 6's closed forms. Measured per parameter (rank 0, dp 4) against both:
 
 # %%
 def zero_paper(stage, nd, K=12):
@@ -771,18 +709,16 @@ for z, name in enumerate(ZEROS[:4]):
           abs(sum(m.values()) / ph - zero_hsgd(z, 4)) / zero_hsgd(z, 4), 0.01)
 
 # %% [markdown]
-# The differences: no 16-bit copy beside a 32-bit master (hsgd's parameters *are* the master), so the baseline is
-# $(2 + k)s$ rather than $4 + 12$; stage 1 keeps the full gradient buffer and its averaged chunk ($2 + 1/N_d$
-# gradients' worth), stage 2 the whole parameters and the chunk it updates; padding to n equal chunks per layer
-# (stages 2 and 3) or per buffer (stage 1) adds less than one element per rank and layer.
+# hsgd's parameters *are* the master, so its baseline is $(2 + k)s$, not $4 + 12$; stage 1 keeps the full gradient
+# buffer and its averaged chunk, stage 2 the whole parameters and its chunk; padding to n chunks adds less than one
+# element per rank and layer.
 #
 # ## 8. Memory per rank: all 13 combinations
 #
-# For each combination, the rank that holds the most at its peak: the meter's peaks of parameters, gradients and
-# communication buffers, the optimizer state, the activations (micro-batches held x one micro-batch's measured
-# caches) and, with recomputation, one block's recomputed arrays (section 5). The peaks of the kinds are added as if
-# they coincided: an upper bound on what these pieces hold at once, not on the step, which holds more than these
-# pieces (section 9 measures it whole). Between steps only parameters, gradients and optimizer state are left.
+# For each combination, its busiest rank at the peak: the meter's peaks, the optimizer state, the activations
+# (micro-batches held x one micro-batch's caches) and, with recomputation, one block's recomputed arrays. The kinds'
+# peaks are added as if they coincided: an upper bound on these pieces, not on the step, which holds more
+# (section 9). Between steps only parameters, gradients and optimizer state are left.
 
 # %%
 def peak_parts(r):
@@ -830,37 +766,27 @@ check.holds("every way to spend fewer lowers the peak below tp 2's",
                 for n in ("tp 2 sequence", "tp 2 selective", "tp 2 full", "tp 2 ZeRO-2", "tp 2 ZeRO-3")))
 
 # %% [markdown]
-# The picture stacks the six kinds for each combination's busiest rank; the black bar is what it keeps between
-# steps. Read it in groups. The optimizer state (two moments of AdamW) is the largest single part of plain data
-# parallelism here, and only ZeRO touches it; ZeRO-1 keeps everything else, ZeRO-2 drops the whole gradient, ZeRO-3
-# the whole parameters too: between steps a quarter of plain tp 2's (dp = 4). Recomputation touches only the
-# activations: selective drops the probabilities, full all but one array per block, paying one block's arrays back
-# at the peak. tp 8 with sequence sharding spreads everything over 8 ranks, the widest split of all, at the price of
-# 8-way collectives in every block; the pipelines divide the parameters by about 3 (the embedding and the head stay
-# on the end stages) but hold up to 4 micro-batches of caches, GPipe on every stage, 1F1B on its first. "All
-# four" combines a 2-way pipeline, sequence sharding, full recomputation and ZeRO-3 over dp 2.
+# The picture stacks the six kinds on each busiest rank; the black bar is what it keeps between steps. AdamW's two
+# moments are plain dp's largest part, and only ZeRO touches them: ZeRO-1 keeps the rest, ZeRO-2 drops the whole
+# gradient, ZeRO-3 the whole parameters too, a quarter of tp 2's between steps (dp = 4). Recomputation touches only
+# activations, full paying one block's arrays back at the peak. tp 8 sequence spreads everything over 8 ranks, at
+# 8-way collectives in every block; the pipelines divide the parameters by about 3 (embedding and head stay on the
+# end stages) but hold up to 4 micro-batches' caches.
 #
 # ## 9. Measured by an allocation tracker: hsgd's memory probe
 #
-# Everything above is measured piece by piece: the meter reads the exchange's arrays, `activation_bytes` one
-# micro-batch's caches, `stage.peak_held` the schedule, and section 8 adds their peaks as if they met. hsgd's memory
-# probe (`hsgd.accounting.allocations.MemoryProbe`, what `hsgd.train --memory` prints) measures all of it at once, from
-# the allocator's side: NumPy reports every array's buffer to Python's `tracemalloc` with the stack that allocated it,
-# and the probe puts each buffer in a category by the innermost function on that stack that its `CATEGORY_TABLE`
-# names (`Stage.forward` makes activations, `hsgd.model.optim` optimizer state, `recompute_block` recompute,
-# `Stage.recv_activation` comm; what no entry claims is other, here the step's token windows). It samples every
-# category at the step's start, at every gradient group's forward and backward exit, after a block's recomputation
-# ("B j h.i recomputed") and at the end, and reads between two samples the tracker's own peak, which also catches
-# the working arrays that live and die inside a group. `hsgd.accounting.step_memory.step_formula(trainer)` walks the
-# stage's schedule through the same moments and adds up what its docstring says is alive at each: the caches of the
-# micro-batches held, the working activation, the sends not yet completed, the receive buffer, ZeRO's gathered
-# group and buckets in flight.
+# Everything above is measured piece by piece, and section 8 adds peaks as if they met. hsgd's memory probe
+# (`hsgd.accounting.allocations.MemoryProbe`, what `hsgd.train --memory` prints; appendix B shows how it works)
+# measures all of it at once from the allocator's side: every NumPy buffer traced, put in a category by the function
+# that allocated it, sampled at the step's start, at every group's forward and backward exit, after each block's
+# recomputation and at the end, with the tracker's true peak between samples.
+# `hsgd.accounting.step_memory.step_formula(trainer)` walks the schedule through the same moments and adds up what
+# should be alive at each: the caches of the micro-batches held, the working activation, the sends not yet
+# completed, the receive buffer, ZeRO's gathered group and buckets in flight.
 #
-# Step 2 of two runs, "pp 4 1F1B m 4" and "all four", was traced (`TRACED` in section 2: the probe started before
-# the trainer was built, so that the parameters and the optimizer state, allocated once, are traced too; the two
-# traced runs cost about as much as the rest of the chapter). Their largest sample of each category, measured |
-# formula, on every rank (ranks with the same numbers share a column), the largest sample's total, and the
-# tracker's true peak:
+# Step 2 of "pp 4 1F1B m 4" and "all four" was traced (`TRACED`, section 2; the probe started before the trainer
+# was built, so the parameters and optimizer state are traced too). Their largest sample per category, measured |
+# formula, on every rank (ranks with the same numbers share a column), the total, and the true peak:
 
 # %%
 CATS = ("params", "grads", "optimizer", "activations", "comm", "recompute", "other")
@@ -913,27 +839,23 @@ for name in TRACED:
                 sum(table[name][0].values()) < most[0] < most[1])
 
 # %% [markdown]
-# Every category on every rank equals the formula byte for byte, and not only at the peak: every sample does, so
-# the formula's account of what is alive when is the allocator's. It counts three things the sections before did
-# not:
+# Every category on every rank equals the formula byte for byte at every sample, not only at the peak: the
+# formula's account of what is alive when is the allocator's. It counts three things the sections before did not:
 #
-# * **the optimizer's masks**: beside AdamW's two moments the trainer keeps two per-element arrays of the same size
-#   and dtype (`HybridTrainer.decay`, 1 where weight decay applies; `.sharded`, 1 where the element is split over
-#   tp), so the optimizer category is twice `trainer.memory()`'s optimizer state;
-# * **the working arrays between groups**: the activation x (or dL/dx) handed from group to group, and on a
-#   pipeline every output and input gradient a stage has sent, held by its `Isend` until the step's end
-#   (activations), the receive buffers (comm), the step's token windows (other);
-# * **what lives and dies inside a group**: the logits' gradient, the attention's dS, GELU's pieces. No sample sees
-#   them; the tracker's true peak does, the last row of each table, its + column how far above the largest sample.
+# * **the optimizer's masks**: beside AdamW's moments the trainer keeps two per-element arrays (`HybridTrainer.decay`,
+#   `.sharded`), so the optimizer category is twice `trainer.memory()`'s optimizer state;
+# * **the working arrays between groups**: the x (or dL/dx) handed between groups, and on a pipeline every output
+#   and input gradient sent, held by its `Isend` until the step's end (activations), receive buffers (comm), the
+#   step's token windows (other);
+# * **what lives and dies inside a group**: the logits' gradient, attention's dS, GELU's pieces; only the true peak
+#   sees them (each table's last row, its + column the excess over the largest sample).
 #
-# So section 8's sum of the pieces, which adds peaks that never meet, still falls short of the step: the probe's
-# largest sample is above it on every busiest rank, and the true peak further above. A memory budget is the
-# formula's total plus the largest group's working arrays, and only a tracker shows the second.
+# So section 8's sum of peaks falls short of the step, the largest sample and the true peak above it on every
+# busiest rank. A memory budget is the formula's total plus the largest group's working arrays, and only
+# a tracker shows the second.
 #
-# One step of "all four", from the probe's samples on every rank. Its 8 ranks are not 8 different pictures: the ranks
-# of one pipeline stage (its dp replicas and its tp ranks) hold the same bytes of every category at every sample,
-# and the two stages differ, which the check below confirms from the samples themselves. So one panel per kind of
-# rank, side by side on one scale:
+# One step of "all four" from the probe's samples. The ranks of one pipeline stage hold the same bytes in every
+# category at every sample, and the two stages differ (checked below from the samples), so one panel per stage:
 
 # %%
 r = runs["all four"]
@@ -975,31 +897,26 @@ path = pictures.on_rank0(world, draw_kinds)
 say(f"picture: {path}")
 
 # %% [markdown]
-# The picture sets the two stages of "all four" side by side, each panel one stage's categories stacked at every
-# sample of step 2 with step_formula's total (the black marks) on every stack. What differs is the schedule and the
-# groups: stage 0 gathers, uses and frees ZeRO-3's embedding, h.0 and h.1 (the blue steps) and runs both forwards
-# before its first backward (1F1B's warm-up: two micro-batches' caches at once), stage 1 alternates forward and
-# backward over h.2, h.3 and the head (one micro-batch's caches), yet holds the more activations (orange), because the
-# head caches its softmax over the vocabulary while full recomputation leaves each block only its input. What is
-# alike is most of the stack: the optimizer state and the chunks, and the pink spikes of one block's recomputed
-# caches, alive only while that block's backward runs.
+# Each panel stacks one stage's categories at every sample of step 2, step_formula's total as black marks. Stage 0
+# gathers, uses and frees ZeRO-3's embedding, h.0 and h.1 (the blue steps) and runs both forwards before its first
+# backward (1F1B's warm-up: two micro-batches' caches); stage 1 alternates over h.2, h.3 and the head (one
+# micro-batch) yet holds more activations (orange): the head caches its softmax over the vocabulary while full
+# recomputation leaves each block only its input. Alike: the optimizer state, the chunks, and the pink spikes of one
+# block's recomputed caches during its backward.
 
 # %% [markdown]
 # ## Check against serial
 #
-# On 8 ranks, every verdict reached collectively: the parameters, gradients and optimizer state of SGD with momentum
-# and AdamW are $s\Phi$, $s\Phi$ and $ks\Phi$; every part of a block's cache and the whole forward's caches are the
-# formula's; all 13 combinations of layout, schedule, recomputation and ZeRO stage end two AdamW steps with serial
-# AdamW's parameters (float64, $10^{-10}$) and move exactly `step_formula`'s bytes on every communicator; sharding,
-# the schedules' micro-batches held, recomputation's kept and recomputed bytes and its repeated collectives,
-# ZeRO's bytes between steps and at the peak all equal their formulas; recomputation is bit-identical to none; ZeRO-2
-# and ZeRO-3 move $2\Psi'$ and $3\Psi'$; the paper's Table 2 rows are `paper_activation_bytes`'s; and on two
-# combinations the memory probe's bytes of every category, at every sample of step 2 on every rank, are
-# `step_memory.step_formula`'s.
+# On 8 ranks, collectively: SGD's and AdamW's model states are $s\Phi$, $s\Phi$, $ks\Phi$; a block's and a forward's
+# caches are the formula's; all 13 combinations end at serial AdamW's parameters (float64, $10^{-10}$) and move
+# exactly `step_formula`'s bytes; sharding, micro-batches held, recomputation's bytes and collectives, and ZeRO's
+# bytes between steps and at the peak equal their formulas; recomputation is bit-identical; ZeRO-2 and 3 move
+# $2\Psi'$ and $3\Psi'$; Table 2's rows are `paper_activation_bytes`'s; and the probe's every category, sample and
+# rank is `step_memory.step_formula`'s.
 
 # %%
 worst, err = check.worst([w for w in check.errors if "serial" in w])
-say(f"\nchapter 13: all {len(check.passed)} checks passed on {world.Get_size()} ranks; largest error against serial "
+say(f"\nchapter 11: all {len(check.passed)} checks passed on {world.Get_size()} ranks; largest error against serial "
     f"{err:.1e} ({worst})")
 for r in runs.values():
     r["trainer"].free()
@@ -1011,48 +928,43 @@ for g in grids.values():
 #
 # | hsgd | Megatron-LM | DeepSpeed | PyTorch | where hsgd differs, on purpose |
 # |---|---|---|---|---|
-# | `--recompute full` (`tp_model.block_forward` with `TPSetup(..., recompute="full")`, `recompute_block`) | `--recompute-granularity full` with `--recompute-method uniform\|block` and `--recompute-num-layers` (`TransformerConfig.recompute_granularity`, `recompute_method`); `tensor_parallel.checkpoint` (megatron/core/tensor_parallel/random.py) | `activation_checkpointing` config section (`partition_activations`, `cpu_checkpointing`, `number_checkpoints`); `deepspeed.checkpointing.checkpoint` (deepspeed/runtime/activation_checkpointing/checkpointing.py) | `torch.utils.checkpoint.checkpoint` | every block, always; the block's input is the whole cache, and the repeated tensor-parallel collectives are counted in `comm_formula` |
-# | `--recompute selective` (`recompute_attention`: q, k, v kept, the probabilities dropped) | `--recompute-granularity selective` with `--recompute-modules core_attn` (the default module); `CheckpointWithoutOutput` for output-discarding checkpoints | none (its checkpointing wraps whole functions) | `torch.utils.checkpoint.create_selective_checkpoint_contexts` (a policy per operator) | only the core attention, and the gradients are checked bit-identical to none |
-# | `--zero 1` (`hsgd.dp.zero1.Zero1Exchange`) | `--use-distributed-optimizer` (`DistributedOptimizer`, megatron/core/optimizer/distrib_optimizer.py) | `zero_optimization.stage` = 1 | `torch.distributed.optim.ZeroRedundancyOptimizer` (shards DDP's optimizer state) | the Reduce-Scatter runs after the whole backward pass |
-# | `--zero 2`, `--zero 3` (`hsgd.dp.zero2.Zero2Exchange`, `hsgd.dp.zero3.Zero3Exchange`, one gradient group per layer) | `data_parallel_sharding_strategy` = `optim_grads`, `optim_grads_params` (Megatron FSDP, `DistributedDataParallelConfig`) | `zero_optimization.stage` = 2, 3; `stage3_prefetch_bucket_size`, `stage3_param_persistence_threshold`, `stage3_max_live_parameters` | `FullyShardedDataParallel` with `ShardingStrategy.SHARD_GRAD_OP` / `FULL_SHARD`; `fully_shard(module, reshard_after_forward=...)` | no prefetch (the gather is exposed) and no persistent small parameters: every layer is gathered before its forward and again before its backward |
-# | `--zero 3 --hierarchical --ranks-per-node n` (shard in a node, replicate across) | `outer_dp_sharding_strategy`, `num_distributed_optimizer_instances` | ZeRO++ hierarchical partitioning, `zero_hpz_partition_size` | `ShardingStrategy.HYBRID_SHARD`; `fully_shard` on a 2-D `DeviceMesh` | the replicas' chunks are All-Reduced over the nodes once per step |
-# | `HybridTrainer.memory()`, `exchange.sizes.memory_formula()`, `hsgd.accounting.activations.activation_formula`, `hsgd.accounting.step_memory.step_formula`; this chapter's `ExchangeMeter` | `report_theoretical_memory`, `compute_activation_memory` (megatron/training/theoretical_memory_usage.py) | `estimate_zero2_model_states_mem_needs_all_live`, `estimate_zero3_model_states_mem_needs_all_live` | none (the allocator's numbers only) | a formula for every moment of the step, not only the model states or one layer's activations, checked byte for byte against the probe |
-# | `hsgd.accounting.allocations.MemoryProbe` (`hsgd.train --memory`: tracemalloc, each allocation's category from its stack, sampled at every group's exits) | `torch.cuda.max_memory_allocated` in its logs (`--log-memory-to-tensorboard`) | `see_memory_usage` (deepspeed/runtime/utils.py) | `torch.cuda.memory._record_memory_history` and `_snapshot` (the allocator's own timeline, with stacks); `torch.cuda.max_memory_allocated` | categories from the allocating function in hsgd, not from tensors' names; the samples are the formula's moments, and the true peak between them is kept |
+# | `--recompute full` (`tp_model.block_forward` with `TPSetup(..., recompute="full")`, `recompute_block`) | `--recompute-granularity full` with `--recompute-method uniform\|block` and `--recompute-num-layers` (`TransformerConfig.recompute_granularity`, `recompute_method`); `tensor_parallel.checkpoint` (megatron/core/tensor_parallel/random.py) | `activation_checkpointing` config section (`partition_activations`, `cpu_checkpointing`, `number_checkpoints`); `deepspeed.checkpointing.checkpoint` (deepspeed/runtime/activation_checkpointing/checkpointing.py) | `torch.utils.checkpoint.checkpoint` | every block; the repeated tp collectives counted in `comm_formula` |
+# | `--recompute selective` (`recompute_attention`) | `--recompute-granularity selective` with `--recompute-modules core_attn` | none (whole functions only) | `torch.utils.checkpoint.create_selective_checkpoint_contexts` (a policy per operator) | only the core attention; gradients checked bit-identical |
+# | `--zero 1` (`hsgd.dp.zero1.Zero1Exchange`) | `--use-distributed-optimizer` (`DistributedOptimizer`, megatron/core/optimizer/distrib_optimizer.py) | `zero_optimization.stage` = 1 | `torch.distributed.optim.ZeroRedundancyOptimizer` | the Reduce-Scatter runs after the whole backward pass |
+# | `--zero 2`, `--zero 3` (`hsgd.dp.zero2.Zero2Exchange`, `hsgd.dp.zero3.Zero3Exchange`, one gradient group per layer) | `data_parallel_sharding_strategy` = `optim_grads`, `optim_grads_params` (Megatron FSDP, `DistributedDataParallelConfig`) | `zero_optimization.stage` = 2, 3; `stage3_prefetch_bucket_size`, `stage3_param_persistence_threshold`, `stage3_max_live_parameters` | `FullyShardedDataParallel` with `ShardingStrategy.SHARD_GRAD_OP` / `FULL_SHARD`; `fully_shard(module, reshard_after_forward=...)` | no prefetch, no persistent small parameters: every layer gathered before its forward and its backward |
+# | `--zero 3 --hierarchical --ranks-per-node n` (shard in a node, replicate across) | `outer_dp_sharding_strategy`, `num_distributed_optimizer_instances` | ZeRO++ hierarchical partitioning, `zero_hpz_partition_size` | `ShardingStrategy.HYBRID_SHARD`; `fully_shard` on a 2-D `DeviceMesh` | the chunks All-Reduced over the nodes once a step |
+# | `HybridTrainer.memory()`, `exchange.sizes.memory_formula()`, `activation_formula`, `step_memory.step_formula`; `ExchangeMeter` | `report_theoretical_memory`, `compute_activation_memory` (megatron/training/theoretical_memory_usage.py) | `estimate_zero2_model_states_mem_needs_all_live`, `estimate_zero3_model_states_mem_needs_all_live` | none (the allocator's numbers only) | a formula for every moment of the step, checked byte for byte against the probe |
+# | `allocations.MemoryProbe` (`hsgd.train --memory`; appendix B) | `torch.cuda.max_memory_allocated` in its logs (`--log-memory-to-tensorboard`) | `see_memory_usage` (deepspeed/runtime/utils.py) | `torch.cuda.memory._record_memory_history`, `_snapshot`; `torch.cuda.max_memory_allocated` | categories from the allocating function, sampled at the formula's moments |
 #
 # ## Exercises
 #
 # ### Exercise 1: Table 2 at GPT-3's scale
-# From the rows of section 7, compute GPT-3 175B's activation memory per rank for one micro-batch of one sequence
-# over its 96 layers at t = 8, for each row, in the paper's 16-bit bytes and with hsgd's formulas. Check the paper's
-# two claims for this model: the attention's probabilities are about 70% of a layer without parallelism (what
-# selective recomputation saves there), and sequence parallelism with selective recomputation needs about 5 times
-# less than tensor parallelism alone; then find how much of each saving is left in hsgd's accounting, and the
-# shortest sequence (a power of 2) at which selective recomputation would save at least half of hsgd's
-# tensor-parallel row.
+# From section 7's rows, compute GPT-3 175B's activation memory per rank for one sequence over its 96 layers at
+# t = 8, for each row, in the paper's 16-bit bytes and with hsgd's formulas. Check the paper's two claims: the
+# probabilities are about 70% of a layer without parallelism, and sequence parallelism with selective recomputation
+# needs about 5 times less than tensor parallelism alone; then how much of each saving hsgd keeps, and the shortest
+# sequence (a power of 2) at which selective recomputation saves at least half of hsgd's tensor-parallel row.
 # (solution: `tutorials/solutions/11_memory.py`, `exercise_1`)
 #
 # ### Exercise 2: ZeRO-3 with a prefetch
-# hsgd's ZeRO-3 gathers each layer when it is needed, so the gather is exposed. Write a `hooks.Hooks` that
-# prefetches instead: on entering a group's forward (and backward) it also gathers the next group's parameters, and
-# frees each group after its use. Predict the peak of the parameters (the chunks plus the two largest consecutive
-# gathered groups), measure it at every group's exit with a `hooks.Hooks` that adds up the exchange's parameter
-# arrays as `ExchangeMeter` does, compare it with `step_memory.step_formula`'s peak without the prefetch, and check
-# that the trained parameters still equal serial AdamW's and that the bytes moved did not change.
+# Write a `hooks.Hooks` that, on entering a group's forward (and backward), also gathers the next group's
+# parameters, freeing each group after use. Predict the parameters' peak (the chunks plus the two largest consecutive
+# gathered groups), measure it at every group exit as `ExchangeMeter` does, compare with `step_memory.step_formula`'s
+# peak without the prefetch, and check that the parameters still equal serial AdamW's and the bytes moved did not
+# change.
 # (solution: `tutorials/solutions/11_memory.py`, `exercise_2`)
 #
 # ### Exercise 3: the repeated collectives of full recomputation, by hand
-# For the sequence scheme, write by hand what one block's forward moves on `tp_comm` (its All-Gathers and
-# Reduce-Scatters, calls and payload) and so what `--recompute full` adds per step, L blocks and m micro-batches;
-# check it against the bytes a real step measures with and without recomputation, on dp 2 x pp 2 x tp 2 with m = 2,
-# and against `block_forward_formula`. Give both columns (payload and ring bytes per rank).
+# For the sequence scheme, write what one block's forward moves on `tp_comm` (its All-Gathers and Reduce-Scatters,
+# calls and payload), and so what `--recompute full` adds per step over L blocks and m micro-batches; check it
+# against a real step with and without recomputation on dp 2 x pp 2 x tp 2, m = 2, and against
+# `block_forward_formula`, in both columns (payload, ring bytes per rank).
 # (solution: `tutorials/solutions/11_memory.py`, `exercise_3`)
 #
 # ### Exercise 4: hybrid sharding, how many ranks per node
-# On dp 8 x tp 1 (AdamW), compare ZeRO-3 over all 8 ranks with hybrid sharding over nodes of 2 and of 4 ranks. By
-# hand, from the sizes of the gradient groups (`stage.groups()`), compute each one's chunks $c_g$ = ceil($n_g$/n),
-# the bytes a rank keeps between steps (parameters, gradients, AdamW's two moments) and what it moves per step on
-# each communicator (the node's All-Gathers and Reduce-Scatters, the nodes' All-Reduce of the owned chunk), payload
-# and ring bytes; run one step of each and check both against `trainer.memory()` and `CommStats`. Which choice sends
-# the fewest bytes between nodes (only the nodes' communicator crosses them under hybrid sharding; count all of
-# plain ZeRO-3's traffic as crossing), and what does it cost in memory?
+# On dp 8 x tp 1 (AdamW), compare ZeRO-3 over 8 ranks with hybrid sharding over nodes of 2 and of 4. By hand, from
+# the gradient groups' sizes (`stage.groups()`), compute the chunks $c_g$ = ceil($n_g$/n), the bytes a rank keeps
+# between steps and what it moves per step on each communicator, payload and ring bytes; check one step of each
+# against `trainer.memory()` and `CommStats`. Which sends the fewest bytes between nodes (count all of plain ZeRO-3's
+# traffic as crossing), and at what cost in memory?
 # (solution: `tutorials/solutions/11_memory.py`, `exercise_4`)

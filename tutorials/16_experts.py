@@ -918,7 +918,7 @@ say(f"picture: {pictures.on_rank0(world, draw_collapse)}")
 
 # %%
 worst, err = check.worst()
-say(f"\nchapter 19: all {len(check.passed)} checks passed on {world.Get_size()} ranks; largest error "
+say(f"\nchapter 16: all {len(check.passed)} checks passed on {world.Get_size()} ranks; largest error "
     f"{err:.1e} ({worst})")
 
 # %% [markdown]
