@@ -16,69 +16,39 @@
 # %% [markdown]
 # # Chapter 12: pipeline schedules as data: interleaved 1F1B, zero bubble, the V and DualPipe
 #
-# Chapter 9 ran a pipeline with two schedules, GPipe and 1F1B, and found the same idle time in both:
-# $(p-1)/(m+p-1)$ of the step. The lecture's section 1 lists that idle time among the challenges of pipeline
-# parallelism (in translation: "pipeline bubbles easily leave the devices idle"), and its section 4.2 gives the
-# remedy of its time: "split the data into micro-batches that fill the stages of the pipeline, to reduce the idle
-# time (the bubbles)". More micro-batches help only by making the batch larger or the micro-batches smaller. This
-# chapter continues those two sections with later remedies that change the schedule instead:
+# Chapter 9 ran GPipe and 1F1B and found the same idle time in both, $(p-1)/(m+p-1)$ of the step. The lecture's section
+# 1 lists this idle time among the challenges of pipeline parallelism ("pipeline bubbles easily leave the devices idle",
+# in translation), and its section 4.2 answers with micro-batches that fill the stages, which help only with a larger
+# batch or smaller micro-batches. This chapter continues those sections with later remedies that change the schedule
+# instead:
 #
-# * **interleaved 1F1B** (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters
-#   Using Megatron-LM"): every stage holds v smaller chunks of the model instead of one, so the pipeline fills and
-#   drains in chunk-sized steps; the bubble shrinks to $(p-1)/(vm+p-1)$, for v times as many messages;
-# * **zero bubble** (Qi et al. 2024, "Zero Bubble Pipeline Parallelism"): the backward pass is split into B, the
-#   gradient of the stage's input that the previous stage waits for, and W, the gradients of the weights that
-#   nobody waits for; the W's fill the waits. Their schedule ZB-H1 holds no more micro-batches than 1F1B's first
-#   stage and leaves a third of 1F1B's idle time when F, B and W cost the same;
-# * **two chunks per stage, in a V or from both ends**: ZB-V (the same paper) places the chunks so that a
-#   micro-batch goes down the stages and back up, and with F = B = W no stage waits inside its own span, for 1F1B's
-#   activations; DualPipe (DeepSeek-AI 2024, "DeepSeek-V3 Technical Report") holds the model twice, feeds
-#   micro-batches from both ends, and runs a forward and a backward as one overlapped pair; DualPipeV is its V-shaped
-#   half. DeepSeek-V3's Table 2 prices 1F1B, ZB-H1 and DualPipe in idle time, parameters and activations.
+# * **interleaved 1F1B** (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using
+#   Megatron-LM"): every stage holds v smaller chunks of the model, so the pipeline fills and drains in chunk-sized
+#   steps; the bubble shrinks to $(p-1)/(vm+p-1)$, for v times the messages;
+# * **zero bubble** (Qi et al. 2024, "Zero Bubble Pipeline Parallelism"): the backward is split into B, the input
+#   gradient the previous stage waits for, and W, the weight gradients nobody waits for; the W's fill the waits. ZB-H1
+#   holds no more micro-batches than 1F1B's first stage and, for equal F, B and W, leaves a third of 1F1B's idle time;
+# * **two chunks per stage**: ZB-V (the same paper) places them in a V, down the stages and back up; DualPipe
+#   (DeepSeek-AI 2024, "DeepSeek-V3 Technical Report") holds the model twice, feeds micro-batches from both ends and
+#   runs a forward and a backward as one overlapped pair; DualPipeV is its V-shaped half.
 #
-# In hsgd a schedule is data (`hsgd/pp/schedules.py`): for every stage, the list of actions it runs in one step. A list
-# can be printed, checked for deadlocks before anything runs, simulated, and handed to `hsgd.pp.stage.Stage`, which
-# runs it on the real grid. The chapter:
+# In hsgd a schedule is data (`hsgd/pp/schedules.py`): per stage, the list of actions it runs in one step, which can be
+# printed, checked for deadlocks, simulated, and handed to `hsgd.pp.stage.Stage` to run on the real grid.
 #
-# 1. a schedule as data: the four schedules' lists for a small pipeline, the rules that order them, and the static
-#    check refusing hand-written lists that would deadlock, use a micro-batch twice or run a W before its B;
-# 2. each schedule drawn, simulated with equal costs, and one as a text grid of time slots;
-# 3. the closed forms of the bubble against the simulation, exactly, for many (m, p, v); the zero-bubble idle time
-#    $(p-1)(F+B-W)$ against 1F1B's $(p-1)(F+B+W)$ with the same peak; what interleaving holds;
-# 4. the W pass: the two halves of a linear layer's backward (`hsgd.model.ops`), what a B keeps for its W
-#    (`hsgd.tp.wgrad.WeightGrads`), and why the numbers are bit-identical to the fused backward;
-# 5. all four schedules trained on 8 ranks, as a 4-stage pipeline (dp 2 x pp 4) and an 8-stage one (pp 8): serial
-#    SGD's parameters, bit-identical across schedules, and the pairs held, activation bytes and messages measured
-#    against their predictions; 1F1B and ZB-H1 replayed at their measured median costs, and drawn;
-# 6. the trade-off: bubble, memory and messages of every schedule in one table and one picture;
-# 7. two chunks per stage: the V and the dual placement drawn and checked; ZB-V, DualPipeV and DualPipe simulated
-#    and drawn; DeepSeek-V3's Table 2 reproduced by the simulator (idle time, peak pairs) and by training
-#    (parameters); ZB-V's zero bubble in the zero-bubble papers' measure; the three trained on the 4-stage pipeline,
-#    equal to 1F1B (bit for bit, DualPipe to rounding), with DualPipe's step traced and drawn; section 6's table
-#    with the three added.
-#
-# Run it with eight ranks (7 s measured on a 2-core machine with nothing else running, 2 s of it section 7; 8 to 14 s
-# with other work running beside it, 29 s once while that work kept both cores busy; on failure every rank raises,
-# so it exits non-zero without hanging). Rank 0 draws six pictures into `$HSGD_FIGURES` (default
-# `tutorials/figures/`):
+# Run it with eight ranks (7 s measured on a 2-core machine with nothing else running, 8 to 14 s with other work beside
+# it; on failure every rank raises). Rank 0 prints and draws six pictures into `$HSGD_FIGURES` (default
+# `tutorials/figures/`); the schedule lab, `python -m hsgd.schedule`, prints and measures one schedule at a time:
 #
 # mpirun -n 8 python tutorials/12_pipeline_schedules.py
 #
-# The notebook form (`jupytext --to ipynb tutorials/12_pipeline_schedules.py`) is for reading: the code needs eight
-# MPI ranks. Only rank 0 prints. The schedule lab, `python -m hsgd.schedule` (no MPI; with `--run` under mpirun, on
-# the real grid), prints and measures one schedule at a time from the command line.
-#
-# Legend: P ranks, p = pp stages, s a stage, m micro-batches per replica and step, j a micro-batch, v model chunks
-# per stage (virtual stages), c a chunk, k = cp + s the model's piece that chunk c of stage s holds (in the loop
-# placement; section 7 has the V and the dual one). Actions: F (forward), B (backward: the input gradient, and also
-# the weight gradients unless the list has a W for the same micro-batch and chunk, then it is "split"), W (the
-# weight gradients), F&B (an overlapped pair, `schedules.Pair`: the forward of one micro-batch and the backward of
-# another as one action); in formulas F, B, W and F&B are their times per chunk, and a fused backward takes B + W
-# (in DeepSeek-V3's Table 2, B is that whole backward). A "pair" held is a (micro-batch, chunk) whose activations
-# a stage holds. The
-# model: L layers, C d_model, NH heads, $d_{ff}$ the MLP width (the F of other chapters), T sequence, V vocabulary,
-# B = 16 sequences the global batch (in the code; in the text B is the action), b sequences per micro-batch,
-# N = bT positions, 8 bytes per number (float64).
+# Legend: P ranks, p = pp stages, s a stage, m micro-batches per replica and step, j a micro-batch, v chunks per stage
+# (virtual stages), c a chunk, k = cp + s the piece of the model that chunk c of stage s holds (in the loop placement;
+# section 7 has the others). Actions: F (forward), B (backward: the input gradient, plus the weight gradients unless the
+# list has a W for the same micro-batch and chunk, then it is "split"), W (the weight gradients), F&B (an overlapped
+# pair, `schedules.Pair`); in formulas, their times per chunk (a fused backward takes B + W; in DeepSeek-V3's Table 2, B
+# is that whole backward). A "pair" held is a (micro-batch, chunk) whose activations a stage holds. The model: L layers,
+# C d_model, NH heads, $d_{ff}$ the MLP width, T sequence, V vocabulary, B = 16 sequences the global batch (in the
+# code), b sequences per micro-batch, N = bT positions, float64.
 
 # %%
 from hsgd.model.config import ModelConfig   # hsgd first, as in chapter 11 (OpenBLAS's thread timeout)
@@ -127,27 +97,25 @@ say(f"{P} ranks; model {cfg.n_params():,} parameters (L={cfg.n_layers} C={cfg.d_
 # %% [markdown]
 # ## 1. A schedule as data
 #
-# `schedules.build(kind, m, p, v)` returns, for each of the p stages, a list of `Action(kind, mb, chunk)`; printed,
-# an action reads F3 (forward of micro-batch 3 through the stage's chunk 0), B3, W3, or F3.1 for chunk 1. With v
-# chunks per stage the L blocks are cut into pv pieces, and chunk c of stage s is piece k = cp + s: a micro-batch
-# goes through stages 0, 1, ..., p-1, then back to stage 0 for chunk 1, and so on. An action waits for exactly one
-# other action:
+# `schedules.build(kind, m, p, v)` returns, per stage, a list of `Action(kind, mb, chunk)`, printed F3 (micro-batch 3
+# through chunk 0), B3, W3, or F3.1 for chunk 1. With v chunks the L blocks are cut into pv pieces, chunk c of stage s
+# being piece k = cp + s: a micro-batch goes through stages 0 .. p-1, then back to stage 0 for chunk 1, and so on. An
+# action waits for one other action, and for the one before it in its stage's list:
 #
 #     F(k, j)  waits for F(k-1, j), the activation, from stage (s-1) mod p     (piece 0: the tokens, nothing)
 #     B(k, j)  waits for B(k+1, j), the gradient, from stage (s+1) mod p       (the last piece: its own F(k, j))
 #     W(k, j)  waits for B(k, j) on the same stage
 #
-# and for the action before it in its own stage's list. The four schedules for p = 4 stages and m = 4 micro-batches:
+# The four schedules for p = 4, m = 4:
 #
 # * **GPipe**: all forwards, then all backwards;
 # * **1F1B**: $p-s-1$ warm-up forwards, then one forward and one backward in turn (chapter 9);
-# * **interleaved** (v = 2): Megatron-LM's order. The forwards go through the chunks in groups of p micro-batches
-#   (micro-batches 0..p-1 through chunk 0, the same through chunk 1, then the next p), the backwards the same with
-#   the chunks reversed, after $2(p-s-1) + (v-1)p$ warm-up forwards (with v = 1: $p-s-1$, and it is 1F1B). The
-#   groups of p are why hsgd (like Megatron-LM) asks for m to be a multiple of p;
-# * **ZB-H1**: 1F1B's forwards and backwards with every B split from its W; hsgd places each W by simulating the
-#   stages with the given costs (list scheduling): a W runs where its stage would otherwise wait for its next input,
-#   or where one more forward would hold more than p micro-batches; the rest at the end.
+# * **interleaved** (v = 2): Megatron-LM's order, after $2(p-s-1) + (v-1)p$ warm-up forwards ($p-s-1$ for v = 1, which
+#   is 1F1B). Forwards go through the chunks in groups of p micro-batches, backwards likewise with the chunks reversed;
+#   hence m must be a multiple of p, in hsgd as in Megatron-LM;
+# * **ZB-H1**: 1F1B with every B split from its W; hsgd places each W by simulating the stages with the given costs:
+#   where its stage would otherwise wait, or where one more forward would hold more than p micro-batches; the rest at
+#   the end.
 
 # %%
 def lists(kind, m, p, v=1):
@@ -164,17 +132,12 @@ check.note("actions per stage: 2m (GPipe, 1F1B), 2vm (interleaved), 3m (ZB-H1), 
            counts == {"gpipe": [8] * 4, "1f1b": [8] * 4, "interleaved": [16] * 4, "zb-h1": [12] * 4})
 
 # %% [markdown]
-# `schedules.check(actions, m, v)` walks those dependencies without running anything: every stage runs its list in
-# order for as long as what each action waits for is done. It refuses a list that misses or repeats an action, and
-# a list whose stages would all end up waiting for one another, naming the first action that cannot run. Sends in
-# hsgd are non-blocking and receives wait (chapter 9), so these waits are the only ones there are: a list that the
-# check runs to its end cannot deadlock on MPI either, and `Stage` checks its list before its first message. Three
-# hand-written lists for p = 2, m = 2, written as text (`parse`):
-#
-# * stage 0 runs 1F1B without its warm-up forward (F0 B0 F1 B1) while stage 1 runs GPipe (F0 F1 B0 B1): stage 0
-#   waits for B0, which stage 1 runs only after F1, which stage 0 runs only after B0;
-# * a forward of micro-batch 0 twice (and so none of micro-batch 1);
-# * a W before its B.
+# `schedules.check(actions, m, v)` walks those dependencies without running anything, every stage as far as it can. It
+# refuses a list that misses or repeats an action, or whose stages would all end up waiting for one another, naming the
+# first action that cannot run. Sends in hsgd do not block and receives wait (chapter 9), so a list the check runs to
+# its end cannot deadlock on MPI either; `Stage` checks its list before its first message. Three hand-written lists for
+# p = 2, m = 2 (`parse`): stage 0 runs 1F1B without its warm-up while stage 1 runs GPipe (stage 0 waits for B0, which
+# stage 1 runs after F1, which stage 0 runs after B0); a forward run twice; a W before its B.
 
 # %%
 def parse(text):
@@ -208,10 +171,9 @@ check.holds("1F1B written by hand (F0 F1 B0 B1 | F0 B0 F1 B1) == build('1f1b', 2
 # %% [markdown]
 # ## 2. Each schedule drawn
 #
-# `schedules.simulate(actions, m, v, costs)` is the same walk with times: each action starts when its stage is free
-# and what it waits for has ended, and takes F, B or W (a fused backward B + W). With equal costs per stage,
-# F = B = W = 1 for a stage's whole share of the model, an interleaved chunk holds 1/v of it, so its actions cost
-# 1/v each. The four schedules for p = 4 and m = 8, on one time axis:
+# `schedules.simulate(actions, m, v, costs)` is the same walk with times: an action starts when its stage is free and
+# what it waits for has ended, and takes F, B or W (a fused backward B + W). With F = B = W = 1 for a stage's whole
+# share of the model, an interleaved chunk's actions cost 1/v. The four schedules for p = 4, m = 8, on one time axis:
 
 # %%
 P4 = 4
@@ -244,35 +206,33 @@ for kind, v in KINDS:
     t = sims[kind]
     say(f"{title(kind, v):<24} step {max(e for r in t for _, _, e in r):>5g}   bubble {bubble_fraction(t):.4f}   "
         f"idle per stage {idle_per_stage(t):g}")
+say(f"GPipe and 1F1B: {span(sims['1f1b']):g} time units each, {idle_per_stage(sims['1f1b']):g} of them idle "
+    f"per stage")
 say("1F1B and ZB-H1 as grids of time slots (timelines.grid; '.' idle, a fused B fills two slots):")
 say(grid(sims["1f1b"]))
 say(grid(sims["zb-h1"]))
 
 # %% [markdown]
-# The picture shows the four simulated steps, one row per stage, forwards blue, backwards green and W's light green.
-# GPipe and 1F1B take the same 33 time units, of which each stage waits for 9 while the pipeline fills and drains.
-# Interleaving fills and drains in half-size steps. ZB-H1 moves W's into the waits: in the grid, stage 0 runs each
-# W right after its B, in what would otherwise be a wait for its next backward, while stage 3, whose inputs never
-# keep it waiting once the pipeline is full, postpones its W's until it holds p pairs (W0 after B3) and runs the
-# last ones in the drain.
+# The picture shows the four simulated steps, one row per stage. GPipe and 1F1B take the same «33 time units», of which
+# «9» are idle on every stage while the pipeline fills and drains. Interleaving fills and drains in half-size steps.
+# ZB-H1 moves W's into the waits: in the grid, stage 0 runs each W right after its B, where it would wait for its next
+# backward, while stage 3, never kept waiting once the pipeline is full, postpones its W's until it holds p pairs (W0
+# after B3) and runs the last ones in the drain.
 #
 # ## 3. The closed forms against the simulation
 #
-# With equal costs the bubble, idle time over p times the step, has a closed form for each schedule
+# With equal costs the bubble, idle time over p times the step, has a closed form per schedule
 # (`timelines.bubble_formula`, text in `timelines.FORMULA`):
 #
 # * GPipe and 1F1B: $(p-1)/(m+p-1)$ (chapter 9);
-# * interleaved: $(p-1)/(vm+p-1)$. A stage computes for $m(F+B+W)$ as before, but the fill and drain are made of
-#   chunk actions that cost 1/v of a stage's, so the idle time per stage is $(p-1)(F+B+W)/v$. Narayanan et al.
-#   divide it by the compute alone and write $\frac{1}{v}\cdot\frac{p-1}{m}$; hsgd divides by the whole step, as
-#   in chapter 9;
-# * ZB-H1: the idle time per stage is $(p-1)(F+B-W)$ against 1F1B's $(p-1)(F+B+W)$, so the bubble is
-#   $(p-1)(F+B-W) / (m(F+B+W) + (p-1)(F+B-W))$: the W's fill $2(p-1)W$ of each stage's idle time, and for
-#   F = B = W what is left is a third of 1F1B's. It needs m >= p (fewer micro-batches leave too few W's to fill
-#   the waits) and W <= min(F, B).
+# * interleaved: $(p-1)/(vm+p-1)$. A stage still computes for $m(F+B+W)$, but the fill and drain are made of chunk
+#   actions of 1/v the cost, so the idle time per stage is $(p-1)(F+B+W)/v$. Narayanan et al. divide by the compute
+#   alone and write $\frac{1}{v}\cdot\frac{p-1}{m}$; hsgd divides by the whole step, as in chapter 9;
+# * ZB-H1: idle time per stage $(p-1)(F+B-W)$ against 1F1B's $(p-1)(F+B+W)$: the W's fill $2(p-1)W$ of it, and for F = B
+#   = W a third is left. It needs m >= p (enough W's to fill the waits) and W <= min(F, B).
 #
-# The simulation does not know these formulas; it only follows the dependencies. Rank 0 simulates every case while
-# the other ranks sleep (`pictures.on_rank0`), and every rank checks its verdict:
+# The simulation knows none of these formulas; it only follows the dependencies. Rank 0 simulates every case while the
+# others sleep (`pictures.on_rank0`):
 
 # %%
 def closed_forms():
@@ -310,14 +270,12 @@ check.equal("ZB-H1 and 1F1B hold the same peak pairs, max over the stages (= p)"
             [r[7] for r in zb], [r[8] for r in zb])
 
 # %% [markdown]
-# What the two schedules pay for their bubble is memory and messages. 1F1B's stage s holds at most $p-s$
-# micro-batches (chapter 9). ZB-H1 holds p pairs on every stage: a pair whose W is postponed still holds what the W
-# reads (section 4), so the later stages hold more than under 1F1B, but no stage more than 1F1B's stage 0.
-# Interleaving's warm-up is $2(p-s-1) + (v-1)p$ forwards, so stage s holds up to $\min(2(p-s-1) + (v-1)p + 1, vm)$
-# pairs, each 1/v of the stage's layers. On stage 0, once vm reaches the $2(p-1) + (v-1)p + 1$ pairs of its warm-up
-# and its first steady forward, that is $(2(p-1) + (v-1)p + 1)/v = p + (p-1)/v$ micro-batches' worth of activations
-# instead of 1F1B's p (the run prints it for p = 4, v = 2, and checks it for more). `timelines.peak_formula` has the
-# four closed forms (`PEAK_FORMULA`), checked against `peak_held` of the built lists, stage by stage:
+# What the two schedules pay is memory. 1F1B's stage s holds at most $p-s$ micro-batches (chapter 9). ZB-H1 holds p
+# pairs on every stage, since a pair whose W is postponed still holds what the W reads (section 4): more than 1F1B on
+# the later stages, never more than 1F1B's stage 0. Interleaving's stage s holds up to $\min(2(p-s-1) + (v-1)p + 1, vm)$
+# pairs of 1/v of a stage, so its stage 0 holds $p + (p-1)/v$ micro-batches' worth where 1F1B holds p.
+# `timelines.peak_formula` has the four closed forms (`PEAK_FORMULA`), checked against `peak_held` of the lists, stage
+# by stage:
 
 # %%
 cases = [(kind, p, m, v) for p in (2, 4, 8) for m in (p, 2 * p, 4 * p)
@@ -344,16 +302,13 @@ check.equal("interleaved, stage 0: peak pairs / v == p + (p-1)/v, p = 2, 4, 8, v
 # A linear layer $Y = XW + b$ has two gradients with different customers (`hsgd.model.ops`, the functions every model in
 # hsgd runs):
 #
-# * `linear_input_grad(dY, cache)`: $dX = dY\,W^T$. The layer below needs it next, and across a pipeline the
-#   previous stage waits for it: this is B;
-# * `linear_weight_grad(dY, cache, dW, db)`: $dW \mathrel{+}= X^T dY$, $db \mathrel{+}= \sum_n dY_n$. Nothing
-#   needs it until the optimizer step: this is W.
+# * `linear_input_grad(dY, cache)`: $dX = dY\,W^T$, which the previous stage waits for: this is B;
+# * `linear_weight_grad(dY, cache, dW, db)`: $dW \mathrel{+}= X^T dY$, $db \mathrel{+}= \sum_n dY_n$, needed only by the
+#   optimizer step: this is W.
 #
-# `linear_backward` is the two, one after the other. A B that is split hands every weight-gradient product to a
-# `WeightGrads()` (`hsgd.tp.wgrad`) instead of doing it: the function and its arrays, X and dY, wait there for the W.
-# Everything else a backward computes (the gradients of the LayerNorms, of the embedding, and of the projections'
-# biases, which tensor parallelism replicates) stays in B; it is O(NC), small next to the products. First the two
-# halves against NumPy's formulas:
+# `linear_backward` is the two in turn. A split B hands every weight-gradient product, the function with its X and dY,
+# to a `WeightGrads()` (`hsgd.tp.wgrad`) for the W. The rest of a backward (LayerNorms, embedding, the biases tensor
+# parallelism replicates) stays in B; it is O(NC), small next to the products. First the two halves against NumPy:
 
 # %%
 rng = np.random.default_rng(14)
@@ -372,12 +327,11 @@ check.holds("linear_backward == linear_input_grad, then linear_weight_grad: bit 
             np.array_equal(dx_fused, dx_b) and np.array_equal(dw_fused, dw_w) and np.array_equal(db_fused, db_w))
 
 # %% [markdown]
-# Now a whole stage. Every rank takes its stage of the 4-stage pipeline (4 blocks; stage 0 also the embedding,
-# stage 3 the head) and runs one micro-batch of b = 1 sequence forward, then backward twice: fused
-# (`tp_model.stage_backward`, every product at once) and split (`wg=WeightGrads()`, then `wg.run(grads, group)` for
-# every group, the W). What the B kept, on stage 0, and how many bytes it is on each stage, next to the formulas of
-# `hsgd.schedule.keep_bytes`: the forward's cache, and what the W reads, $N \cdot 8 \cdot (4C + 4C + 2d_{ff})$ per
-# block (X and dY of q/k/v, attn.proj, fc and mlp.proj, with tp = 1) and $N \cdot 8 \cdot (C + V)$ for the head:
+# Now a whole stage: every rank takes its stage of the 4-stage pipeline (4 blocks; stage 0 also the embedding, stage 3
+# the head), runs one micro-batch of b = 1 forward, then backward fused (`tp_model.stage_backward`) and split
+# (`wg=WeightGrads()`, then `wg.run(grads, group)` per group). What the B kept, and its bytes per stage against
+# `hsgd.schedule.keep_bytes`: the forward's cache, and what the W reads, $N \cdot 8 \cdot (4C + 4C + 2d_{ff})$ per block
+# (X and dY of q/k/v, attn.proj, fc and mlp.proj, tp = 1) and $N \cdot 8 \cdot (C + V)$ for the head:
 
 # %%
 g4 = ProcessGrid(world, dp=P // P4, pp=P4, tp=1)     # ranks 0-3 replica 0, stages 0-3; ranks 4-7 replica 1
@@ -426,32 +380,21 @@ check.holds("split B then W == fused backward: dL/d(input) and every gradient bi
             and all(np.array_equal(grads_f[n], grads_s[n]) for n in params))
 
 # %% [markdown]
-# Why bit-identical and not only close: the W calls the same functions on the same arrays as the fused backward
-# does, and the fused backward's products do not feed anything else of the backward (dX comes from W and dY, never
-# from dW). Across a step, a parameter's gradient is the sum over the micro-batches, and floating-point addition is
-# not associative, so the order matters: every schedule here adds the micro-batches of a chunk in the order 0, 1,
-# ..., m-1 (the W's of ZB-H1 run in the order of their B's). Section 5 checks that the four schedules end a step
-# with the same bits.
-#
-# The split costs memory while it waits: the B frees the forward's cache but keeps X and dY of every linear. Some
-# X's are cached arrays themselves (the LayerNorms' outputs), and the dY's are new. For this model a kept pair holds
-# about 85% of a cached one (87% on the last stage).
+# Bit-identical, not only close: the W calls the same functions on the same arrays as the fused backward, whose weight
+# products feed nothing else (dX comes from W and dY, never from dW). A step's gradient sums the micro-batches, and
+# floating-point addition is not associative, so every schedule here adds a chunk's micro-batches in the order 0 .. m-1
+# (ZB-H1 runs its W's in the order of its B's). The split costs memory while it waits: the B frees the forward's cache
+# but keeps X and dY of every linear.
 #
 # ## 5. Every schedule on the real grid
 #
-# Now training. Two layouts of the 8 ranks: a 4-stage pipeline replicated twice (dp 2 x pp 4, each replica 8 of
-# the 16 sequences, b = 1) and one 8-stage pipeline (pp 8, b = 2). Each trains 2 steps of SGD with momentum from the
-# same initialization on the same batches with each of the four schedules (interleaved with v = 2: 8 pieces of 2
-# blocks on pp 4, 16 pieces of 1 block on pp 8). The last step is measured: every stage's timeline
-# (`stage.timeline`, each action's start and end on the ranks' common clock), the pairs it held (`stage.peak_held`),
-# the activation bytes its caches and kept products reach at the peak (`stage.measure_bytes = True`, then
-# `stage.peak_bytes`), and its bytes on `pp_comm` (`grid.stats`).
-#
-# The predictions, per stage: its list itself, which the actions in its timeline must follow one for one;
-# `peak_held` of its list; `timelines.held_bytes`, which walks the list with `keep_bytes`' two amounts per chunk (an
-# F adds the chunk's cache; a fused B frees it; a split B frees the cache and keeps what its W reads; the W frees
-# that); and `pp.chunks.pp_formula`, $m(2v - [s = 0] - [s = p-1])$ messages each way, of $b\,T C \cdot 8$ bytes
-# each.
+# Two layouts of the 8 ranks, a 4-stage pipeline replicated twice (dp 2 x pp 4, b = 1) and one 8-stage pipeline (pp 8, b
+# = 2), each train 2 steps of SGD with momentum with each of the four schedules (interleaved v = 2). The last step is
+# measured: every stage's timeline (`stage.timeline`), pairs held (`stage.peak_held`), activation bytes at the peak
+# (`stage.peak_bytes`) and bytes on `pp_comm` (`grid.stats`). The predictions: the list itself, action for action;
+# `peak_held` of it; `timelines.held_bytes`, which walks the list with `keep_bytes`' two amounts per chunk (an F adds
+# the cache; a fused B frees it; a split B frees it and keeps what its W reads, which the W frees); and
+# `pp.chunks.pp_formula`, $m(2v - [s = 0] - [s = p-1])$ messages each way of $b\,T C \cdot 8$ bytes.
 
 # %%
 def config(pp, kind, v=1):
@@ -505,9 +448,8 @@ ref = pictures.on_rank0(world, lambda: serial.sgd(cfg, config(4, "1f1b"), lambda
 say(f"8 runs of {STEPS} steps; serial SGD on one process as the reference")
 
 # %% [markdown]
-# First what makes the measurements worth reading: every run computed serial SGD's step, and the four schedules
-# computed it with the same bits. Then, per layout, every stage's measurements next to their predictions (the pairs
-# and bytes of replica 0; the checks cover every rank):
+# Every run computed serial SGD's step, the four schedules with the same bits. Then, per layout, every stage's
+# measurements next to their predictions (replica 0 printed; the checks cover every rank):
 
 # %%
 def shard_err(r, g):
@@ -546,18 +488,13 @@ for g in (g4, g8):
                 all(np.array_equal(r["full"][n], runs[0]["full"][n]) for r in runs for n in runs[0]["full"]))
 
 # %% [markdown]
-# The bytes deserve a second look. On pp 4, ZB-H1 holds 4 pairs on every stage where 1F1B holds 4, 3, 2, 1, so its
-# later stages hold more bytes, and its fullest stage is the last one, whose pairs also carry the head's arrays
-# (a kept pair there holds X and dY of the LM head, dY being (N, V)). Interleaving holds 11 half-size pairs on
-# stage 0, more bytes than 1F1B's 4 whole ones. On pp 8 with m = p = 8 the interleaved warm-up,
-# $2(p-1) + (v-1)p = 22$ forwards, is longer than the 16 a stage runs: its first four stages run all their forwards
-# before any backward, like GPipe, and hold all 8 micro-batches' worth, as 1F1B's stage 0 does. Interleaving pays
-# off when m is several times p. Next, what the runs measured of 1F1B and ZB-H1 on the 4-stage pipeline. A measured
-# step at this size is mostly noise: an action is a few Python calls and tiny matrix products, and eight ranks share
-# two cores, so an action that loses its core for a while looks many times longer than its neighbours, and the waits
-# follow the operating system more than the list. What stays put is the typical duration of each kind of action. So
-# the picture takes, from each run's measured step (replica 0, every stage), the median duration of its forwards,
-# its backwards and its W's, and replays the list that ran with those three costs in `simulate`:
+# Interleaving holds «11 pairs of half a stage» on stage 0 of pp 4, more bytes than 1F1B's 4 whole ones. On pp 8 with m
+# = p its warm-up, $2(p-1) + (v-1)p$ = 22 forwards, exceeds the 16 a stage runs, so its first stages run every forward
+# before any backward, like GPipe: interleaving pays off when m is several times p.
+#
+# A measured step at this size is mostly noise: on eight ranks sharing two cores an action that loses its core looks
+# many times longer than its neighbours. What stays put is the typical duration of each kind of action, so the picture
+# replays the list that ran at each run's median F, B and W (replica 0, every stage):
 
 # %%
 def durations(kind):
@@ -618,22 +555,15 @@ path = pictures.on_rank0(world, draw_measured, share=True)
 say(f"picture: {path}")
 
 # %% [markdown]
-# The picture shows 1F1B's and ZB-H1's lists as they ran, replayed with each run's median F, B and W. The measured
-# durations spread widely (the run prints the longest over the shortest of each kind), which is the machine, not the
-# schedule, so the measured timeline itself is not drawn: a median is what an action of that kind typically took. The
-# replay keeps the order of the list and gives each action that length, so it shows what the two schedules do at this
-# machine's ratio of costs rather than at F = B = W. ZB-H1's W's fill $2(p-1)W$ of a stage's idle time (section 3), so
-# the shorter a W is next to F and B (compare the medians printed above), the less ZB-H1 gains over 1F1B; its list,
-# built for equal costs, is replayed as it ran. The measured bubble and step are printed, never checked: they say what
-# this machine did in one step, not what the schedule can do.
+# The picture shows 1F1B and ZB-H1 at this machine's ratio of costs rather than at F = B = W; the measured timeline,
+# whose spread (printed) is the machine's, not the schedule's, is not drawn. ZB-H1's W's fill $2(p-1)W$ of a stage's
+# idle time (section 3), so the shorter a W is next to F and B, the less it gains over 1F1B.
 #
 # ## 6. The trade-off
 #
-# Per layout and schedule: the bubble three ways (the closed form for equal costs, the simulation of the same list
-# with equal costs, and measured in step 2 of the runs above), the pairs and activation bytes held at the peak (the
-# most over the stages, predicted and measured: equal, as section 5 checked stage by stage), and the messages and
-# bytes that stage 1, a middle stage, sends on `pp_comm` per step. Point-to-point bytes are sent once, so the
-# payload and the bytes sent per rank are the same number (two columns, as in every chapter).
+# Per layout and schedule: the bubble three ways (closed form for equal costs, simulated, measured in step 2), the pairs
+# and activation bytes held at the peak (most over the stages, predicted and measured), and what stage 1, a middle
+# stage, sends on `pp_comm` per step (point-to-point: payload and bytes sent are the same number).
 
 # %%
 table = []
@@ -675,50 +605,37 @@ path = pictures.on_rank0(world, draw_tradeoff, share=True)
 say(f"picture: {path}")
 
 # %% [markdown]
-# The picture places every schedule of both layouts by its equal-cost bubble and the activation bytes of its
-# fullest stage, with the messages a middle stage sends per step.
-#
-# Read the table from the top. GPipe and 1F1B have the same bubble and send the same messages; 1F1B holds
-# $\min(p-s, m)$ micro-batches instead of m, never more. Interleaving with v = 2 halves the fill and drain: the
-# bubble goes from 3/11 to 3/19 on pp 4 and from 7/15 to 7/23 on pp 8, for twice the messages of the same size (so
-# twice the bytes: 32 KiB instead of 16 KiB per step from a middle stage of pp 4) and more activation memory on the
-# first stages. ZB-H1 cuts the bubble further, to 1/9 and 7/31, without a single extra message, for p pairs on every
-# stage: 1F1B's peak in pairs, but not here in bytes, since its fullest stage is the last, whose pairs carry the LM
-# head's (N, V) arrays (V = 256 is large next to C = 16 in this toy). None of this changes the numbers: every
-# schedule trains serial SGD, all four to the same bit. What the measured column shows instead is that on eight
-# ranks sharing two cores the costs are neither equal nor constant; the lists stay the same, and the lab
-# (`python -m hsgd.schedule --costs F,B,W`) shows how each one would fare with other costs. Section 7 adds three
-# more schedules to this table, each with two chunks on every stage.
+# The picture places every schedule by its equal-cost bubble and the activation bytes of its fullest stage, with the
+# messages a middle stage sends. GPipe and 1F1B have the same bubble and messages; 1F1B holds $\min(p-s, m)$
+# micro-batches instead of m. Interleaving with v = 2 cuts the bubble (on pp 4 from «0.2727» to «0.1579») for twice the
+# messages of the same size («32.0 KiB» per step from a middle stage of pp 4) and more activations on the first stages.
+# ZB-H1 cuts it further («0.1111» on pp 4) without an extra message, holding 1F1B's peak in pairs, though not here in
+# bytes (its fullest stage is the last, with the head's arrays; V = 256 is large next to C = 16). Every schedule trains
+# serial SGD, all four to the same bit; the measured column shows only that on eight ranks sharing two cores the costs
+# are neither equal nor constant (the lab, `python -m hsgd.schedule --costs F,B,W`, tries others).
 
 # %% [markdown]
 # ## 7. Two chunks per stage: the V and DualPipe
 #
-# Three later schedules give every stage two chunks of the model, placed so that the pipeline fills and drains in
-# fewer steps, and so that a stage can run the forward of one micro-batch beside the backward of another
-# (`hsgd.pp.placement`, `hsgd.pp.vshape`, `hsgd.pp.dual`):
+# Three later schedules give every stage two chunks, so that the pipeline fills and drains in fewer steps and a stage
+# can run one micro-batch's forward beside another's backward (`hsgd.pp.placement`, `hsgd.pp.vshape`, `hsgd.pp.dual`):
 #
-# * **ZB-V** (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", section 6): the layers are cut into 2p pieces
-#   placed in a **V**: chunk 0 of stage s is piece s, chunk 1 is piece 2p-1-s. A micro-batch goes down the stages
-#   and back up. Stage p-1 holds pieces p-1 and p and hands the activation to itself (a copy, no message), and
-#   stage 0 holds the embedding and the loss both. Its list is ZB-H1's idea on the V: every B split from its W,
-#   the W's placed in what would be waits;
+# * **ZB-V** (Qi et al. 2024, section 6): 2p pieces in a **V**, chunk 0 of stage s piece s, chunk 1 piece 2p-1-s. Stage
+#   p-1 hands the activation to itself at the turn (a copy, no message), and stage 0 holds the embedding and the loss.
+#   Its list is ZB-H1's idea on the V;
 # * **DualPipeV** (the V-shaped half of DualPipe, in DeepSeek's repository deepseek-ai/DualPipe): the same V with
-#   DeepSeek's steps (`vshape.dual_steps`), whose steady state runs **pairs** F&B: the forward of one micro-batch
-#   through one chunk and the backward of another through the other chunk, as one action (`schedules.Pair`, printed
-#   F7&B3.1). Both inputs are received before a pair starts and both outputs sent when it ends, so that on a GPU one
-#   half's communication (DeepSeek-V3's all-to-all between the experts, the pipeline's sends) hides behind the
-#   other half's computation. hsgd runs a pair's F, then its B, on one core; the simulation gives a pair its own
-#   cost F&B, anywhere from the longer half, max(F, B+W), to the sum F+B+W;
-# * **DualPipe** (DeepSeek-AI 2024, "DeepSeek-V3 Technical Report", section 3.2.1): the layers are cut into p
-#   pieces, and the model is held **twice**. Micro-batches 0 .. m/2-1 go down (piece k on stage k), m/2 .. m-1
-#   come up (piece k on stage p-1-k). Stage s holds pieces s and p-1-s, and so does its twin, stage p-1-s; after
-#   the backward passes the twins add their gradients (`dual.DualStage`, one message each way), so that both copies
-#   take the same step. Stage s runs DualPipeV's steps for its position min(s, p-1-s) in a V of p/2 stages.
+#   DeepSeek's steps (`vshape.dual_steps`), whose steady state runs **pairs** F&B, one micro-batch's forward through one
+#   chunk with another's backward through the other (`schedules.Pair`, printed F7&B3.1), so that on a GPU one half's
+#   communication hides behind the other's computation. hsgd runs a pair's F, then its B; the simulation gives a pair
+#   its own cost F&B, from max(F, B+W) to F+B+W;
+# * **DualPipe** (DeepSeek-AI 2024, section 3.2.1): p pieces, the model held **twice**. Micro-batches 0 .. m/2-1 go down
+#   (piece k on stage k), m/2 .. m-1 come up (piece k on stage p-1-k). Stage s and its twin p-1-s hold pieces s and
+#   p-1-s and add their gradients after the backward (`dual.DualStage`, one message each way); stage s runs DualPipeV's
+#   steps for position min(s, p-1-s) in a V of p/2 stages.
 #
-# First the placements, as `placement(shape, p, 2)` gives them for p = 4: the pieces a stage's two chunks hold,
-# the hand-offs a stage makes to itself, and what a backward waits for (`pl.after(s, c)`: the (stage, chunk) of the
-# next piece on the micro-batch's path, whose gradient it needs). The V's lists only run on the V: the static check
-# of section 1, told the pieces are in a loop, refuses ZB-V's list.
+# First the placements of `placement(shape, p, 2)` for p = 4: each stage's pieces, the hand-offs a stage makes to
+# itself, and what a backward waits for (`pl.after(s, c)`). Told the pieces are in a loop, section 1's static check
+# refuses ZB-V's list.
 
 # %%
 pl_loop, pl_v, pl_dual = (placement(shape, P4, 2) for shape in ("loop", "v", "dual"))
@@ -789,14 +706,12 @@ path = pictures.on_rank0(world, draw_placements, share=True)
 say(f"picture: {path}")
 
 # %% [markdown]
-# The picture shows the stage of each piece along a micro-batch's path: the V turns on stage p-1 where the loop
-# jumps back to stage 0, and DualPipe's two copies cross, every stage holding the same two pieces as its twin.
+# The picture shows the stage of each piece along a micro-batch's path: the V turns on stage p-1 where the loop jumps
+# back to stage 0, and DualPipe's two copies cross, every stage holding its twin's pieces.
 #
-# Next the three schedules for p = 4 and m = 8 (the fewest DualPipe takes: m >= 2p), simulated on one time axis
-# with a stage's share of the model costing F = B = W = 1 as in section 2: a V chunk is half a share (its actions
-# cost 1/2), a DualPipe piece a whole one (a stage holds two, but each sees half the micro-batches). A pair costs
-# F&B = `FB` times a share, less than F+B+W: an overlap assumed for the picture, which Table 2 below varies. Every
-# stage then computes for 1F1B's m(F+B+W), less what its pairs save; what differs is the idle time.
+# Next the three schedules for p = 4, m = 8 (DualPipe needs m >= 2p), with a stage's share costing F = B = W = 1 as in
+# section 2: a V chunk is half a share, a DualPipe piece a whole one (each sees half the micro-batches). A pair costs
+# F&B = `FB` shares, less than F+B+W: an overlap assumed for the picture, which Table 2 below varies.
 
 # %%
 FB = 2.5                                                  # F&B of a stage's share, against F+B+W = 3 apart
@@ -844,19 +759,17 @@ path = pictures.on_rank0(world, draw_v_schedules, share=True)
 say(f"picture: {path}")
 
 # %% [markdown]
-# The picture shows the three simulated steps, each pair drawn as its forward over its backward: ZB-V's stages
-# never wait once they have started, DualPipeV runs F&B pairs in its steady state, and DualPipe starts from both
-# ends at once, stage 0 with micro-batches 0 .. m/2-1 and stage p-1 with the others.
+# The picture shows the three simulated steps, a pair drawn as its forward over its backward: ZB-V's stages never wait
+# once started, DualPipeV runs F&B pairs in its steady state, and DualPipe starts from both ends at once.
 #
 # ### DeepSeek-V3's Table 2
 #
-# DeepSeek-AI (2024) compare three schedules in their Table 2: the bubble of 1F1B $(PP-1)(F+B)$, of ZB1P (ZB-H1
-# here) $(PP-1)(F+B-2W)$ and of DualPipe $(PP/2-1)(F\&B+B-3W)$; parameters 1x, 1x, 2x; activations PP, PP, PP+1
-# (micro-batches of a chunk). Their F, B, W and F&B are the times of one chunk, B a whole backward (B + W in hsgd's
-# terms, where B is the input half), and their bubble is what `timelines.most_idle` measures: the step's span minus
-# the busy time of the least busy stage (`timelines.table2` has the closed forms). The simulator knows none of it.
-# For p = 4 and 8 with m = 2p, and four sets of costs with F = B (the input half), W <= F and
-# max(F, B+W) <= F&B <= F+B+W, from a pair that hides nothing to one that hides all of its F:
+# DeepSeek-AI (2024) give in their Table 2 the bubble of 1F1B $(PP-1)(F+B)$, of ZB1P (ZB-H1) $(PP-1)(F+B-2W)$ and of
+# DualPipe $(PP/2-1)(F\&B+B-3W)$; parameters 1x, 1x, 2x; activations PP, PP, PP+1 micro-batches of a chunk. Their F, B,
+# W and F&B are per chunk, their B a whole backward (B + W here), and their bubble is `timelines.most_idle`: the step's
+# span less the busy time of the least busy stage (`timelines.table2` has the closed forms). For p = 4 and 8, m = 2p,
+# and four sets of costs with F = B (the input half), W <= F and max(F, B+W) <= F&B <= F+B+W, from a pair that hides
+# nothing to one that hides all its F:
 
 # %%
 T2_COSTS = ((1.0, 1.0, 1.0, 3.0), (1.0, 1.0, 1.0, 2.0), (1.0, 1.0, 0.5, 2.0), (2.0, 2.0, 1.0, 4.5))   # F,B,W,F&B
@@ -893,15 +806,13 @@ check.equal("Table 2: peak pairs of 1F1B, ZB1P, DualPipe == (PP, PP, PP+1), p = 
             t2_peaks, {p: [p, p, p + 1] for p in t2_peaks})
 
 # %% [markdown]
-# Every row agrees with the closed forms, for the overlapped pair as for the plain one. The parameters' 1x, 1x, 2x
-# is measured below, from the trained stages.
+# Every row agrees with the closed forms; the parameters' 1x, 1x, 2x are measured below on the trained stages.
 #
-# The zero-bubble paper's own claim for ZB-V is of another measure: with F = B = W, no stage waits between its first
-# action and its last (`timelines.stage_idle`, the longest such wait over the stages; the paper's "bubble rate" is
-# built on a stage's own span), and it holds 1F1B's activations: 2p pairs held of half a stage, where 1F1B's stage 0
-# holds p whole ones. What remains is the V's fill: stage s starts its first forward s F after stage 0 and ends as
-# much later, so the step is $(p-1)F$ longer than any stage's own span. `most_idle` counts that, the paper's measure
-# does not. For p = 2, 4, 8 and m = 2p-1, 2p, 4p:
+# The zero-bubble paper's claim for ZB-V is in another measure: with F = B = W no stage waits between its first action
+# and its last (`timelines.stage_idle`; the paper's "bubble rate" is built on a stage's own span), for 1F1B's
+# activations (2p pairs of half a stage, against p whole ones). What remains is the V's fill: stage s starts s F after
+# stage 0, so the step is $(p-1)F$ longer than any stage's span, which `most_idle` counts and the paper's measure does
+# not. For p = 2, 4, 8 and m = 2p-1, 2p, 4p:
 
 # %%
 def zbv_claim():
@@ -929,15 +840,13 @@ check.holds("ZB-V holds 1F1B's activations: peak pairs 2p of half a stage = 2 x 
 # %% [markdown]
 # ### The three on the real grid
 #
-# Now training, on the chapter's 4-stage pipeline (dp 2 x pp 4, m = 8 = 2p): 2 steps of ZB-V and DualPipeV (8
-# pieces of 2 blocks, two per stage) and DualPipe (4 pieces of 4 blocks, each on two stages), as in section 5. The
-# predictions come from the schedule lab's `Plan` (`hsgd.schedule`: the list, and `peak_held` and `held_bytes` of
-# it, on the schedule's placement), and from `pp_formula`: the V's turn sends nothing, and DualPipe's stage sends
-# half its micro-batches each way plus its whole gradient to its twin. The bytes are `held_bytes` of the list: a
-# pair looked at after its F and after its B (the stage measures at the same moments: the one between them is real,
-# the F's caches made and the B's not yet freed), and on the V's last stage the activation, and later the gradient,
-# that it hands to itself (the Plan passes one (b, T, C) activation for that turn). DualPipe's run is traced
-# (`hsgd.grid.trace.Tracer`, as in chapter 9): a pair is one span, "forward & backward", with both micro-batches.
+# Training on the 4-stage pipeline (dp 2 x pp 4, m = 8 = 2p), as in section 5: ZB-V and DualPipeV (8 pieces of 2 blocks,
+# two per stage) and DualPipe (4 pieces of 4 blocks, each on two stages). The predictions come from the lab's `Plan`
+# (`hsgd.schedule`: the list, its `peak_held` and `held_bytes` on the schedule's placement) and `pp_formula`: the V's
+# turn sends nothing, and a DualPipe stage sends half its micro-batches each way plus its whole gradient to its twin.
+# `held_bytes` looks at a pair after its F and after its B (the stage measures at the same moments), and on the V's last
+# stage counts the activation, later the gradient, it hands to itself. DualPipe's run is traced
+# (`hsgd.grid.trace.Tracer`, as in chapter 9): a pair is one span.
 
 # %%
 def predict_two(g, kind):
@@ -987,14 +896,11 @@ check("DualPipe: |parameters - 1F1B's| (the twin sum regroups: rounding)",
       diff["dualpipe"], 1e-15)
 
 # %% [markdown]
-# The bytes printed per stage agree on every stage: a stage looks at what it holds after a pair's F as well as after
-# its B, as `held_bytes` does, and the V's last stage's peak includes the activation it hands to itself at the turn.
-#
-# ZB-V and DualPipeV end with 1F1B's bits: every chunk adds its micro-batches' gradients in the order 0, 1, ...,
-# m-1, as in section 4. DualPipe's do not quite: each copy adds its own half of the micro-batches, and the twin sum
-# adds the two halves, a different grouping of the same terms, which floating-point addition does not treat as
-# equal (the difference printed above is of the size of rounding). Next what each copy costs in parameters, as
-# `trainer.memory()["params"]` measures it on every stage of replica 0, against what the stage's pieces hold:
+# Measured bytes equal `held_bytes` on every stage. ZB-V and DualPipeV end with 1F1B's bits: every chunk adds its
+# micro-batches' gradients in the order 0 .. m-1 (section 4). DualPipe's differ by rounding (printed above): each copy
+# adds its own half of the micro-batches and the twin sum adds the halves, a different grouping of the same terms. Next
+# what each copy costs in parameters, `trainer.memory()["params"]` on every stage of replica 0, against the stage's
+# pieces:
 
 # %%
 param_rows = {"1F1B": results[4, "1f1b"]["param_bytes"], "ZB-H1": results[4, "zb-h1"]["param_bytes"],
@@ -1012,8 +918,8 @@ check.equal("Table 2: pipeline parameters 1x (1F1B, ZB-H1, ZB-V, DualPipeV), 2x 
 check.equal("1F1B's pipeline holds the model once: 8 x its parameters", one_copy, 8 * cfg.n_params())
 
 # %% [markdown]
-# DualPipe's step as it ran, from the trace: `hsgd.run.plots.pipeline_spans` turns the four stages' spans into
-# a timeline (a pair labelled as the list prints it), and the checks hold it to DualPipe's list.
+# DualPipe's step from the trace: `hsgd.run.plots.pipeline_spans` turns the stages' spans into a timeline, checked
+# against the list.
 
 # %%
 events = [e for mine in world.allgather(tracer.chrome_events()) for e in mine]     # every rank's spans
@@ -1023,23 +929,29 @@ traced = [[(name, origins[r] + a, origins[r] + b) for name, a, b in stage]
 check.equal("DualPipe traced: each stage's spans in time order == its list",
             [[n for n, _, _ in stage] for stage in traced],
             [[str(a) for a in acts] for acts in build("dualpipe", M, P4, 2)])
-say("DualPipe's traced step, mean milliseconds per action (a timing of this machine, not checked):")
-for s, stage in enumerate(traced):
-    split_b = {f"B{a.mb}" + (f".{a.chunk}" if a.chunk else "") for a in build("dualpipe", M, P4, 2)[s] if a.kind == "W"}
-    ms = {what: 1e3 * np.mean([b - a for n, a, b in stage if keep(n)]) for what, keep in (
-        ("pair", lambda n: "&" in n), ("F", lambda n: n[0] == "F" and "&" not in n),
-        ("B", lambda n: n[0] == "B" and n not in split_b))}                    # B: a whole (fused) backward
-    say(f"  stage {s}: a pair F&B {ms['pair']:.2f}, a lone F {ms['F']:.2f}, a lone whole B {ms['B']:.2f}")
+dp_lists, took2 = build("dualpipe", M, P4, 2), {}
+for stage, acts in zip(traced, dp_lists):               # the spans are the list's actions, in order (checked above)
+    split = {(a.mb, a.chunk) for a in acts if a.kind == "W"}
+    for (_, t0, t1), a in zip(stage, acts):
+        took2.setdefault("B+W" if a.kind == "B" and (a.mb, a.chunk) not in split else a.kind, []).append(t1 - t0)
+med2 = {k: float(np.median(took2[k])) for k in ("F", "B", "W", "B+W", "F&B")}
+dp_costs = (med2["F"], med2["B"], med2["W"], med2["F&B"])          # a fused B costs B + W in the replay
+dp_replay = simulate2("dualpipe", M, P4, dp_costs)
+apart = simulate2("dualpipe", M, P4, dp_costs[:3])                                # F&B = its F and its B apart
+hidden = simulate2("dualpipe", M, P4, dp_costs[:3] + (max(dp_costs[0], dp_costs[1] + dp_costs[2]),))
+say("DualPipe's traced step, median ms per action: " + ", ".join(f"{k} {1e3 * x:.2f}" for k, x in med2.items()))
+say(f"replayed at those medians: step {1e3 * span(dp_replay):.1f} ms; a pair as its two halves apart "
+    f"{1e3 * span(apart):.1f} ms; a pair as its longer half (full overlap) {1e3 * span(hidden):.1f} ms; "
+    f"as measured {1e3 * span(traced):.1f} ms (timings of this machine: printed, never checked)")
 
 
 def draw_dualpipe_measured():
-    fig, axes = pictures.figure(10, 4.2, nrows=2)
-    hsgd_pair = simulate2("dualpipe", M, P4, (1.0, 1.0, 1.0))      # F&B = F+B+W: a pair run as its two halves
-    draw_pipeline(axes[0], hsgd_pair, xlabel="time (cost units)",
-                  title=f"DualPipe, m = {M}, p = {P4}, simulated with F = B = W = 1 and "
-                        f"F&B = F+B+W (no overlap: how hsgd runs a pair)")
-    draw_pipeline(axes[1], traced, unit=1e-3, xlabel="milliseconds",
-                  title=f"DualPipe, measured (replica 0, step {STEPS}, traced): bubble {bubble_fraction(traced):.2f}")
+    fig, ax = pictures.figure(10, 2.6)
+    draw_pipeline(ax, dp_replay, unit=1e-3, xlabel="milliseconds",
+                  title=f"DualPipe, m = {M}, p = {P4}, its list replayed at the traced medians (ms): "
+                        + ", ".join(f"{k} {1e3 * x:.2f}" for k, x in med2.items() if k != "B+W")
+                        + f"; step {1e3 * span(dp_replay):.1f} ms (a pair as its halves apart: "
+                          f"{1e3 * span(apart):.1f} ms)")
     return pictures.save(fig, "12_dualpipe_measured")
 
 
@@ -1047,18 +959,16 @@ path = pictures.on_rank0(world, draw_dualpipe_measured, share=True)
 say(f"picture: {path}")
 
 # %% [markdown]
-# The picture shows DualPipe's step simulated (a pair costing its two halves) over the same step as the trace
-# recorded it, each pair's forward drawn over its backward, in the list's order. hsgd computes a pair's halves one
-# after the other on one core, so a pair cannot take less than its F and its B; DeepSeek's gain, the
-# communication of one half hidden behind the computation of the other, needs a device that computes while its
-# messages travel (and their all-to-all between the experts, which this model does not have).
+# The picture shows DualPipe's list replayed at the traced medians of a lone F, a split B, a W and a pair (a fused B
+# costing B + W), since the traced durations spread as in section 5. hsgd computes a pair's halves one after the other
+# on one core, so a pair costs about its F plus its B (compare the medians printed), and the replay comes out near the
+# step with every pair run as its halves apart; the third printed step, each pair costing only its longer half, is what
+# an overlap would give, which needs a device that computes while its messages travel.
 #
 # ### Section 6's trade-off, with the new schedules
 #
-# On pp 4 with m = 8: the bubble (closed form and simulation for equal costs, F&B = F+B+W; measured), the most
-# (micro-batch, chunk) pairs and activation bytes a stage holds (predicted, measured), the parameter bytes of the
-# fullest stage and of the pipeline, and what stage 1 sends on `pp_comm` per step (DualPipe's count includes the
-# gradient it sends its twin):
+# On pp 4 with m = 8, the columns of section 6 plus the parameter bytes of the fullest stage and of the pipeline
+# (DualPipe's messages include the gradient to its twin):
 
 # %%
 rows = []
@@ -1085,39 +995,26 @@ check.holds("equal costs: ZB-V's bubble the least of the five, DualPipeV's == ZB
             min(rows, key=lambda r: r[1])[0] == "ZB-V" and abs(rows[3][1] - rows[1][1]) < 1e-12)
 
 # %% [markdown]
-# Read it against section 6. ZB-V has the smallest bubble of the five for equal costs, for the activations of 1F1B's
-# stage 0 on every stage (2p pairs held, of half a stage) and, on a middle stage, twice 1F1B's messages of the same
-# size, as interleaving sends; its end stages send fewer, the turn being a copy, and its stage 0 holds the embedding
-# and the head both. DualPipeV runs the same V with DeepSeek's steps: with equal costs and F&B pairs that overlap
-# nothing, its bubble is ZB-H1's, and every unit an F&B saves (below F+B+W, per chunk) takes p-1 units off its idle
-# time, as `TABLE2` has it, $(p-1)(F\&B+B-3W)$ (Table 2's DualPipe of 2p stages, folded in two; exercise 5 finds it
-# in the simulator). DualPipe fills and drains from both ends, p/2 stages deep each, and a stage sends 1F1B's
-# messages plus one, the price Table 2 names being elsewhere: twice the parameters (and with them the gradients and
-# the optimizer's state) and one more pair held; and the twins' gradient sum, a message of the stage's whole
-# gradient each way per step, which in this toy model is most of the bytes a stage sends.
+# ZB-V has the smallest bubble of the five for equal costs, holding the activations of 1F1B's stage 0 on every stage (2p
+# pairs of half a stage) and, on a middle stage, sending twice 1F1B's messages, as interleaving does; its end stages
+# send fewer, the turn being a copy. DualPipeV runs the same V with DeepSeek's steps: with pairs that overlap nothing
+# its bubble is ZB-H1's, and every unit an F&B saves below F+B+W takes p-1 off its idle time, $(p-1)(F\&B+B-3W)$ in
+# `TABLE2` (Table 2's DualPipe of 2p stages folded in two; exercise 5 finds it in the simulator). DualPipe fills and
+# drains from both ends, p/2 stages deep, and sends 1F1B's messages plus one; its price, as Table 2 says, is twice the
+# parameters (with their gradients and optimizer state), one more pair held, and the twins' gradient sum, which in this
+# toy model is most of the bytes a stage sends.
 
 # %% [markdown]
 # ## Check against serial
 #
-# On 8 ranks, every verdict reached collectively: the static check refuses a deadlocking list, a repeated forward and a
-# W before its B, each naming the action, and accepts 1F1B written by hand; the simulated bubble of every schedule
-# equals its closed form for p = 2, 4, 8, m = p to 4p and v = 2, 4, and ZB-H1's idle time per stage is $(p-1)(F+B-W)$,
-# at most 40% of 1F1B's for equal costs, with the same peak pairs; every stage of every schedule holds the peak pairs of
-# `peak_formula`, and interleaving's stage 0 holds $p + (p-1)/v$ micro-batches' worth; the two halves of a linear
-# layer's backward are NumPy's formulas and bit for bit the fused one, and so is a whole stage's split backward, whose
-# kept bytes are `keep_bytes`'; and on a 4-stage and an 8-stage pipeline, every schedule runs its list (its timeline,
-# action for action), holds exactly the predicted pairs and activation bytes, sends exactly `pp_formula`'s messages, and
-# ends with serial SGD's parameters, the four schedules bit-identical. With two chunks per stage (section 7): the V and
-# the dual placement are what their docstrings say, and ZB-V's list deadlocks on the loop; the simulated idle time of
-# 1F1B, ZB1P and DualPipe is DeepSeek-V3's Table 2 in every row, with its activations (PP, PP, PP+1 pairs) and, measured
-# on the trained stages, its parameters (1x, 1x, 2x); ZB-V has no idle time inside any stage's span for F = B = W, with
-# 1F1B's activations; and ZB-V, DualPipeV and DualPipe run their lists (DualPipe's traced), hold the predicted pairs and
-# bytes, send `pp_formula`'s messages, and end with serial SGD's parameters: 1F1B's bits for the V schedules, 1F1B's to
-# rounding for DualPipe.
+# Every verdict above is collective, over 8 ranks. What they establish: the static check refuses bad lists by name; the
+# simulator reproduces every closed form, `peak_formula` and DeepSeek-V3's Table 2; the split backward is the fused one
+# bit for bit; and every schedule, on pp 4 and pp 8, runs its list, holds the predicted pairs and bytes, sends
+# `pp_formula`'s messages and ends with serial SGD's parameters (1F1B's bits, DualPipe to rounding).
 
 # %%
 worst_what, err = check.worst([w for w in check.errors if "serial" in w])
-say(f"\nchapter 14: all {len(check.passed)} checks passed on {world.Get_size()} ranks; largest error against serial "
+say(f"\nchapter 12: all {len(check.passed)} checks passed on {world.Get_size()} ranks; largest error against serial "
     f"{err:.1e} ({worst_what})")
 g4.free()
 g8.free()
@@ -1140,51 +1037,44 @@ g8.free()
 # ## Exercises
 #
 # ### Exercise 1: Megatron-LM's interleaved order by hand
-# Write stage s's interleaved list from its description alone: the i-th forward is micro-batch $\lfloor i/(pv)
-# \rfloor p + (i \bmod p)$ through chunk $\lfloor i/p \rfloor \bmod v$, the i-th backward the same micro-batch through
-# chunk $v - 1 - (\lfloor i/p \rfloor \bmod v)$; $\min(2(p-s-1) + (v-1)p, vm)$ warm-up forwards ($p-s-1$ for
-# v = 1), then one forward and one backward in turn, then the remaining backwards. Check it against
-# `schedules.build("interleaved", m, p, v)` for p = 2 to 6, v = 1 to 4 and m = p, 2p, 3p, that `schedules.check`
-# accepts every list, and that a chunk's backwards come in the micro-batch order 0, 1, ..., m-1 on every stage
-# (what makes the gradients bit-identical to 1F1B's). Then use the interleaved warm-up, $2(p-s-1)$, for v = 1 too
-# (Megatron-LM never does: with one chunk it runs its schedule without interleaving): check with
-# `schedules.simulate` that the bubble does not change, and count what the extra warm-up costs in pairs held.
+# Write stage s's interleaved list from its description: the i-th forward is micro-batch $\lfloor i/(pv) \rfloor p +
+# (i \bmod p)$ through chunk $\lfloor i/p \rfloor \bmod v$, the i-th backward the same micro-batch through chunk
+# $v - 1 - (\lfloor i/p \rfloor \bmod v)$; $\min(2(p-s-1) + (v-1)p, vm)$ warm-up forwards ($p-s-1$ for v = 1), then F
+# and B in turn, then the remaining backwards. Check it against `schedules.build("interleaved", m, p, v)` for p = 2 to
+# 6, v = 1 to 4, m = p, 2p, 3p, that `schedules.check` accepts every list, and that a chunk's backwards come in the
+# order 0 .. m-1 on every stage. Then use the warm-up $2(p-s-1)$ for v = 1 too (Megatron-LM never does): check with
+# `schedules.simulate` that the bubble does not change, and count what it costs in pairs held.
 # (solution: `tutorials/solutions/12_pipeline_schedules.py`, `exercise_1`)
 #
 # ### Exercise 2: ZB-H1 by hand
-# Read the grid of section 2: stage s runs 1F1B's forwards and backwards, and the W of micro-batch j right after the
-# B of micro-batch j + s, the last s W's at the end. Write that list, check it against `schedules.build("zb-h1", m,
-# p)` with equal costs for p = 2 to 8 and m = p to 3p, and check with `schedules.simulate` that its idle time per
-# stage is $(p-1)(F+B-W)$ and that each stage holds p pairs at most. Then take costs (F, B, W) = (1, 1, 1/2), a W
-# half as long: is your list still the one `build` finds, and are both idle times still the formula's?
+# From section 2's grid: stage s runs 1F1B's F's and B's, and the W of micro-batch j right after the B of j + s, the
+# last s W's at the end. Check that list against `schedules.build("zb-h1", m, p)` for p = 2 to 8, m = p to 3p, and
+# with `schedules.simulate` that it idles $(p-1)(F+B-W)$ per stage and holds at most p pairs. With costs (F, B, W)
+# = (1, 1, 1/2): is your list still `build`'s, and do both idle times still follow the formula?
 # (solution: `tutorials/solutions/12_pipeline_schedules.py`, `exercise_2`)
 #
 # ### Exercise 3: every schedule of a small pipeline
-# For p = 2 stages and m = 2 micro-batches, list every order in which one stage can run F0, F1, B0, B1 with each
-# forward before its backward (there are 6), and every pair of such orders for the two stages (36). Write your own
-# deadlock test (run each stage as far as it can, repeat until nothing moves) and check that it accepts exactly the
-# pairs `schedules.check` accepts. How many are there, which hold the fewest pairs, and which have the smallest
-# simulated step? Do the same for p = 3 (216 triples).
+# For p = 2, m = 2, list the 6 orders of F0, F1, B0, B1 with each forward before its backward, and the 36 pairs of
+# orders. Write your own deadlock test (run each stage as far as it can, repeat until nothing moves) and check that it
+# accepts exactly what `schedules.check` accepts. How many are there, which hold the fewest pairs, which have the
+# smallest simulated step? The same for p = 3 (216 triples).
 # (solution: `tutorials/solutions/12_pipeline_schedules.py`, `exercise_3`)
 #
 # ### Exercise 4: what interleaving sends
-# On the chapter's 4-stage pipeline (dp 2 x pp 4) and its 16-block model, train one step with the interleaved
-# schedule for v = 1, 2 and 4 and read the calls and bytes of `pp_comm` from `grid.stats`. Write the count by hand,
-# $m(2v - [s = 0] - [s = p-1])$ messages each way of $b\,T C \cdot 8$ bytes, and check it against the measurement
-# and `pp.chunks.pp_formula`; check that the three runs end with the same parameters bit for bit, and print each stage's
-# bytes per step next to 1F1B's.
+# On the 4-stage pipeline (dp 2 x pp 4) and the 16-block model, train one step interleaved with v = 1, 2, 4 and read
+# `pp_comm`'s calls and bytes from `grid.stats`. Check them against $m(2v - [s = 0] - [s = p-1])$ messages each way of
+# $b\,T C \cdot 8$ bytes and `pp.chunks.pp_formula`, check that the three runs end bit-identical, and print each
+# stage's bytes per step next to 1F1B's.
 # (solution: `tutorials/solutions/12_pipeline_schedules.py`, `exercise_4`)
 #
 # ### Exercise 5: the V's turn, and DualPipe's Table 2 from the simulator
-# Write the V placement's dependencies yourself: piece k on stage $k$ for $k < p$ and $2p-1-k$ after; F of piece k
-# waits for F of piece k-1, B of piece k for B of piece k+1 (on the last piece, its own F), W for its B, an F&B pair
-# for both its halves' inputs. Write a walker that runs every stage's list as far as these allow and returns the
-# first action of the lowest stage that cannot run. Check that it accepts ZB-V's and DualPipeV's lists for p = 2
-# to 6 and m = 2p, 3p; then break ZB-V's list for p = 4, m = 8 by moving stage 3's B0 (piece 3) before its B0.1
-# (piece 4, whose gradient it needs), and check that your walker stops at the action `schedules.check` names, with
-# `placement("v", 4, 2)`. Follow the waits from there to the stage that waits for itself. Second, without Table 2:
-# simulate DualPipe for p = 6, m = 12 and 24 with costs (F, B, W, F&B) where F = B, W <= F and max(F, B+W) <= F&B
-# <= F+B+W, fit its `most_idle` as a linear function of F&B, DeepSeek's B (B + W) and W by least squares, and
-# check that the coefficients are $(p/2-1)(1, 1, -3) = (2, 2, -6)$ with no constant; then do the same for
-# DualPipeV on p = 3, whose Table 2 idle $(p-1)(F\&B+B-3W)$ has the same coefficients.
+# Write the V's dependencies yourself (piece k on stage k for k < p, on 2p-1-k after; F waits for F of piece k-1, B
+# for B of piece k+1 or, on the last piece, its own F; W for its B; an F&B pair for both halves' inputs) and a walker
+# returning the first action of the lowest stage that cannot run. Check it accepts ZB-V's and DualPipeV's lists for
+# p = 2 to 6, m = 2p, 3p; then move stage 3's B0 (piece 3) before its B0.1 (piece 4) in ZB-V's list for p = 4, m = 8
+# and check that your walker stops where `schedules.check` does with `placement("v", 4, 2)`. Second, without Table 2:
+# simulate DualPipe for p = 6, m = 12 and 24 with costs where F = B, W <= F and max(F, B+W) <= F&B <= F+B+W, fit its
+# `most_idle` linearly in F&B, DeepSeek's B (B + W) and W by least squares, and check the coefficients are
+# $(p/2-1)(1, 1, -3) = (2, 2, -6)$ with no constant; then the same for DualPipeV on p = 3, whose Table 2 idle
+# $(p-1)(F\&B+B-3W)$ has the same coefficients.
 # (solution: `tutorials/solutions/12_pipeline_schedules.py`, `exercise_5`)

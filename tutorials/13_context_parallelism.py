@@ -16,66 +16,40 @@
 # %% [markdown]
 # # Chapter 13: context parallelism: the sequence split over ranks, ring attention and the online softmax
 #
-# Every layout so far gives each rank whole sequences. Tensor parallelism (chapters 5 to 7 and 10) splits the
-# weights and the heads, pipeline parallelism (chapters 9 and 12) the layers, data parallelism the batch; none of them
-# splits the T positions of one sequence. But a block's activations grow with T, and the attention probabilities with
-# $T^2$, so a long enough sequence outgrows one device whatever happens to the weights. The lecture's section 2
-# makes that argument for the model (a GPT-3 or LLaMA-sized model does not fit one node, so the parallelisms are
-# combined); its section 4.2 asks to balance the work across partitions and its section 4.1 to overlap
-# communication with computation. It has no section on splitting the sequence: context parallelism goes beyond the
-# lecture, and this chapter builds it on the same grid, with the same kind of checks against serial SGD. Chapter
-# 6's sequence parallelism is not this: it splits T only where tensor parallelism leaves the activations whole
-# (LayerNorm, the residual stream) and gathers it back before the attention; context parallelism keeps T split
-# everywhere, the attention included.
+# Every layout so far gives each rank whole sequences. But a block's activations grow with T, and the attention
+# probabilities with $T^2$, so a long enough sequence outgrows one device whatever happens to the weights. The lecture
+# makes this argument for the model (section 2) and asks to balance the work (section 4.2) and to overlap communication
+# with computation (section 4.1), but never splits the sequence: this chapter goes beyond it, with the same checks
+# against serial SGD. Chapter 6's sequence parallelism splits T only where tensor parallelism leaves the activations
+# whole and gathers it back before the attention; context parallelism keeps T split everywhere.
 #
-# `hsgd/cp/split.py` splits every sequence over the cp ranks of `grid.cp_comm`. Everything in a block except the core
-# attention treats each position on its own, so it runs unchanged on a rank's T/cp positions. The core attention,
-# where position t reads the keys and values of positions 0..t, is done one of four ways:
+# `hsgd/cp/split.py` splits every sequence over the cp ranks of `grid.cp_comm`. Everything in a block but the core
+# attention treats each position on its own and runs unchanged on a rank's T/cp positions. The core attention, where
+# position t reads the keys and values of positions 0..t, is done one of four ways:
 #
-# * **ring** (Liu, Zaharia and Abbeel 2023, "Ring Attention with Blockwise Transformers for Near-Infinite
-#   Context"): the (k, v) blocks travel around the ring of cp ranks while each rank keeps its queries, and the
-#   partial results are merged with the online softmax (Milakov and Gimelshein 2018, "Online normalizer calculation
-#   for softmax"; Dao et al. 2022, "FlashAttention");
-# * **all-gather** (the scheme the Llama 3 paper, Dubey et al. 2024, "The Llama 3 Herd of Models", uses for long
-#   contexts): All-Gather k and v, attend, Reduce-Scatter their gradients;
+# * **ring** (Liu, Zaharia and Abbeel 2023, "Ring Attention with Blockwise Transformers for Near-Infinite Context"): the
+#   (k, v) blocks travel around the ring of cp ranks while each rank keeps its queries, and the partial results are
+#   merged with the online softmax (Milakov and Gimelshein 2018, "Online normalizer calculation for softmax"; Dao et al.
+#   2022, "FlashAttention");
+# * **all-gather** (Dubey et al. 2024, "The Llama 3 Herd of Models", for long contexts): All-Gather k and v, attend,
+#   Reduce-Scatter their gradients;
 # * **Ulysses** (Jacobs et al. 2023, "DeepSpeed Ulysses: System Optimizations for Enabling Training of Extreme Long
-#   Sequence Transformer Models"): an all-to-all turns the sequence split into a head split, each rank attends
-#   with all T positions of NH/cp heads, and another all-to-all turns the output back (`hsgd/cp/ulysses.py`);
-# * **a2a+p2p** (Megatron-LM's hierarchical context parallelism): Ulysses inside groups of a adjacent cp ranks and
-#   the ring across the r = cp/a groups (`hsgd/cp/hierarchical.py`).
+#   Sequence Transformer Models"): an all-to-all turns the sequence split into a head split, each rank attends with all
+#   T positions of NH/cp heads, and another all-to-all turns the output back (`hsgd/cp/ulysses.py`);
+# * **a2a+p2p** (Megatron-LM's hierarchical context parallelism): Ulysses inside groups of a adjacent cp ranks, the ring
+#   across the r = cp/a groups (`hsgd/cp/hierarchical.py`).
 #
-# The chapter:
-#
-# 1. why the sequence dimension: a block's activation bytes against T from
-#    `hsgd.accounting.activations.activation_formula`, with tp and with cp;
-# 2. the online softmax derived step by step, then checked in NumPy on one process;
-# 3. the ring forward and backward on 8 ranks (cp 8, and cp 4 x tp 2) against serial attention, with its messages
-#    counted against `split.cp_formula`; the all-gather, Ulysses and a2a+p2p the same way;
-# 4. load balancing under the causal mask: the plain split against hsgd's layout (rank r holds chunks r and
-#    2cp-1-r), counted and measured, with a picture;
-# 5. training with `HybridTrainer` on dp 2 x cp 2 x tp 2, cp 8 and pp 2 x cp 2 x tp 2, the schemes that apply
-#    (a2a+p2p on cp 8), against serial SGD, with each step's traffic and activation bytes against their formulas;
-# 6. ring, all-gather and Ulysses on 8 ranks: bytes (payload and bytes sent per rank), activation bytes, and time;
-# 7. the trace: what moves while the ring's blocks compute (MPICH's progress rule, checked with and without
-#    `MPI_Test` in the blocks) and the one hop the ring leaves exposed, drawn;
-# 8. Ulysses' all-to-all pictured, a2a+p2p's groups, and the bytes each rank sends as cp grows with T = cp x 8,
-#    measured for the four schemes.
-#
-# Run it with eight ranks (4 s measured on a 2-core machine; on failure every rank raises, so it exits
-# non-zero without hanging). Rank 0 draws four pictures into `$HSGD_FIGURES` (default `tutorials/figures/`):
+# Run it with eight ranks (4 s measured on a 2-core machine; on failure every rank raises). Rank 0 prints and draws four
+# pictures into `$HSGD_FIGURES` (default `tutorials/figures/`). From the command line, `mpirun -n 8 python -m hsgd.train
+# --cp 4 --tp 2 --cp-scheme ring` trains with context parallelism and prints one step's traffic next to its formula.
 #
 # mpirun -n 8 python tutorials/13_context_parallelism.py
 #
-# The notebook form (`jupytext --to ipynb tutorials/13_context_parallelism.py`) is for reading: the code needs
-# eight MPI ranks. Only rank 0 prints. From the command line, `mpirun -n 8 python -m hsgd.train --cp 4 --tp 2
-# --cp-scheme ring` trains with context parallelism and ends by printing one step's traffic next to its formula.
-#
-# Legend: B sequences in the global batch, b sequences per micro-batch, T sequence length, $T_l = T/cp$ the
-# positions a cp rank holds, N = b T rows of a micro-batch ($N_l = b T_l$ on a cp rank), C d_model, NH heads,
-# hs = C/NH the head size, F the MLP width, V vocabulary, L layers; tp, cp, pp, dp the sizes of the grid (P = dp x
-# pp x cp x tp ranks); c = T/(2cp) the length of a chunk; s bytes per number (8, float64, in the runs; 2 in the
-# formulas of section 1). In the online softmax: s the scores of one query, m the running maximum, l the running
-# sum, o the running (unnormalised) output, lse = m + log l.
+# Legend: B sequences in the global batch, b per micro-batch, T sequence length, $T_l = T/cp$ the positions a cp rank
+# holds, N = b T rows of a micro-batch ($N_l = b T_l$ on a cp rank), C d_model, NH heads, hs = C/NH the head size, F the
+# MLP width, V vocabulary, L layers; tp, cp, pp, dp the sizes of the grid; c = T/(2cp) the length of a chunk; s bytes
+# per number (8, float64, in the runs; 2 in section 1's formulas). In the online softmax: s the scores of one query, m
+# the running maximum, l the running sum, o the running (unnormalised) output, lse = m + log l.
 
 # %%
 from hsgd.model.config import ModelConfig   # hsgd first, as in chapter 11 (OpenBLAS's thread timeout)
@@ -128,31 +102,27 @@ def sent_per_rank(sent, scheme, cp_):
 # %% [markdown]
 # ## 1. Why the sequence dimension
 #
-# `activation_formula(cfg, b, s, tp, scheme, cp, cp_scheme)["block"]` is what one block's forward caches on one
-# rank in hsgd, measured against the caches in chapter 13. With Megatron's tensor-parallel scheme it is
+# `activation_formula(cfg, b, s, tp, scheme, cp, cp_scheme)["block"]` is what one block's forward caches on one rank
+# (measured against the caches in chapter 11). With Megatron's tensor-parallel scheme it is
 #
 # $$s\,\big(4NC + 2N + (4NC + b\,NH\,T^2 + 2NF)/tp\big):$$
 #
-# the LayerNorms' outputs and the inputs of the q, k, v and fc linears ($4NC + 2N$) are replicated over tp, and
-# everything else, the attention's probabilities $b\,NH\,T^2$ included, is split by tp. Two things grow with T: the
-# linear terms, through N = bT, and the probabilities, with $T^2$. Tensor parallelism divides the second by tp but
-# leaves the replicated $4NC$ whole; the sequence scheme (chapter 6) divides that too, but the $T^2$ is still
-# there, divided only by tp. Context parallelism gives each rank $T/cp$ positions of every sequence, so every term
-# of the block is of $N_l = N/cp$ rows, and the core attention's cache is the scheme's
-# (`split.attention_cache_bytes`):
+# the LayerNorms' outputs and the inputs of the q, k, v and fc linears ($4NC + 2N$) are replicated over tp; the rest,
+# the probabilities $b\,NH\,T^2$ included, is split. Tensor parallelism divides the $T^2$ term by tp but leaves $4NC$
+# whole; the sequence scheme (chapter 6) divides that too, but not the $T^2$ further. Context parallelism gives each
+# rank $N_l = N/cp$ rows of every term, and the core attention's cache is the scheme's (`split.attention_cache_bytes`):
 #
-# * ring: q and the rank's own (k, v), $3 N_l C/tp$, and lse, $b\,(NH/tp)\,T_l$ (and its output y, which the output
-#   projection keeps as its input anyway): no $T \times T$ matrix at all, only what the online softmax of section 2
-#   keeps;
-# * all-gather: q, the gathered k and v of the whole sequence ($2\,b\,T\,C/tp$) and the probabilities of the rank's
-#   queries against all keys, $b\,(NH/tp)\,T_l\,T$: the $T^2$ term divided by cp;
-# * Ulysses: q, k and v of its NH/(tp cp) heads at all T positions, $3 N_l C/tp$ (as many numbers as the ring's),
-#   and their probabilities, $b\,NH/(tp\,cp)\,T^2$, the all-gather's $b\,(NH/tp)\,T_l\,T$ again;
-# * a2a+p2p (section 8): the ring's, on its group's $a T_l$ positions of NH/(tp a) heads (as many numbers), and
-#   the group's output y, which its backward reads: $4 N_l C/tp$ and lse, linear in T as the ring's.
+# * ring: q and the rank's own (k, v), $3 N_l C/tp$, and lse, $b\,(NH/tp)\,T_l$: no $T \times T$ matrix, only what the
+#   online softmax of section 2 keeps;
+# * all-gather: q, the gathered k and v ($2\,b\,T\,C/tp$), and the probabilities of the rank's queries against all keys,
+#   $b\,(NH/tp)\,T_l\,T$: the $T^2$ term divided by cp;
+# * Ulysses: q, k and v of NH/(tp cp) heads at all T positions, $3 N_l C/tp$, and their probabilities, the all-gather's
+#   $b\,(NH/tp)\,T_l\,T$ again;
+# * a2a+p2p (section 8): the ring's, on its group's $a T_l$ positions of NH/(tp a) heads, plus the group's output y,
+#   which its backward reads: $4 N_l C/tp$ and lse, linear in T.
 #
-# For a block of a 7B-sized model (C = 4096, NH = 32, F = 16384, one sequence, 2-byte numbers), per rank, with the
-# 8 ranks used as tp 8 or as cp 8 (plain numbers: these are formulas, nothing is allocated):
+# For a block of a 7B-sized model (C = 4096, NH = 32, F = 16384, one sequence, 2-byte numbers), per rank, the 8 ranks
+# used as tp 8 or as cp 8 (formulas; nothing is allocated):
 
 # %%
 big = ModelConfig(vocab_size=256, seq_len=4096, d_model=4096, n_heads=32, n_layers=32, d_ff=16384)
@@ -177,6 +147,7 @@ say(f"{'T':>7} {'1 rank':>10} {'tp 8':>10} {'tp 8 seq':>10} {'cp 8 ring':>10} {'
 for T, one, tp8, seq8, ring8, ag8 in rows:
     say(f"{T:>7} {fmt_bytes(one):>10} {fmt_bytes(tp8):>10} {fmt_bytes(seq8):>10} {fmt_bytes(ring8):>10} "
         f"{fmt_bytes(ag8):>11}   {S2 * NH7 * T * T / one:.1%}")
+say(f"T = {TS[-1]}, cp 8: the all-gather holds {rows[-1][5] / rows[-1][4]:.0f} x the ring's activations per block")
 check.equal("1 rank: block == s (8NC + 2N + 2NF + b NH T^2), every T",
             [r[1] for r in rows], [S2 * (8 * T * C7 + 2 * T + 2 * T * F7 + NH7 * T * T) for T in TS])
 rep = [S2 * (4 * T * C7 + 2 * T) for T in TS]                # megatron's replicated s (4NC + 2N), b = 1
@@ -214,17 +185,13 @@ def draw_activations():
 say(f"picture: {pictures.on_rank0(world, draw_activations, share=True)}")
 
 # %% [markdown]
-# The picture plots the five columns of the table against T on log-log axes: the lines with a $T^2$ term steepen to
-# slope 2, the ring's keeps slope 1.
-#
-# At T = 4096 the probabilities are already two thirds of a block on one rank, and at T = 131072 all but 1.5% of
-# its 1040 GiB. Tensor parallelism over 8 ranks leaves 133.5 GiB per block on each of them, the sequence scheme
-# 130 GiB: the probabilities divided by 8 are almost all of it. Context parallelism with the ring holds 2.1 GiB,
-# 1/8 of everything that is not attention plus its own O($T_l$) attention cache; with the all-gather, the
-# probabilities of its $T_l$ queries against all T keys are 128 GiB again. hsgd materialises the probabilities of
-# the scores it computes at once (all of them in the all-gather, one block at a time in the ring); a fused kernel
-# (FlashAttention) would not, and then the all-gather's price is the gathered k and v, O(T) per rank, where the ring
-# holds its own block and the two in transit.
+# The picture plots the table's columns against T on log-log axes: a $T^2$ term steepens a line to slope 2. The
+# probabilities are «66.7%» of a block on one rank at T = 4096 and «98.5%» of its «1040.0 GiB» at T = 131072. There tp 8
+# leaves «133.5 GiB» per rank, the sequence scheme «130.0 GiB»: the probabilities divided by 8 are almost all of it. The
+# ring holds «2.0 GiB», the all-gather «131.8 GiB». hsgd materialises the probabilities of the scores it computes at
+# once (all of them in the all-gather, a block at a time in the ring); a fused kernel (FlashAttention) would not, and
+# then the all-gather's price is the gathered k and v, O(T) per rank, where the ring holds its own block and the two in
+# transit.
 #
 # ## 2. The online softmax, step by step
 #
@@ -232,27 +199,24 @@ say(f"picture: {pictures.on_rank0(world, draw_activations, share=True)}")
 #
 # $$y = \sum_j p_j v_j,\qquad p_j = \frac{e^{s_j}}{\sum_k e^{s_k}},\qquad s_j = q \cdot k_j / \sqrt{hs}.$$
 #
-# On a context-parallel rank the keys arrive in blocks, one from each rank. The softmax needs the sum over all of
-# them, so it seems that nothing can be done before the last block arrives. It can, because the sum can be carried
-# along unnormalised. Keep three numbers per query after the blocks seen so far: the largest score $m$, the sum
-# $l = \sum_j e^{s_j - m}$ and the unnormalised output $o = \sum_j e^{s_j - m} v_j$. Then $y = o / l$ for the blocks
-# seen so far, exactly. A new block with scores $s_b$ and values $V_b$:
+# On a context-parallel rank the keys arrive in blocks, and the softmax needs the sum over all of them; it can still
+# start at the first block, because the sum can be carried along unnormalised. Keep per query, over the blocks seen so
+# far, the largest score $m$, the sum $l = \sum_j e^{s_j - m}$ and the unnormalised output $o = \sum_j e^{s_j - m} v_j$;
+# then $y = o / l$ exactly. A new block with scores $s_b$ and values $V_b$:
 #
 # 1. its maximum may be larger: $m' = \max(m, \max_j s_{b,j})$;
-# 2. the old terms were computed with $e^{s_j - m}$ and need $e^{s_j - m'}$: multiply both $l$ and $o$ by the
-#    same factor $e^{m - m'} \le 1$ (with $m = -\infty$ before the first block, the factor is 0);
-# 3. add the block's own terms with the new maximum, $p_b = e^{s_b - m'}$:
-#    $l \leftarrow l\,e^{m - m'} + \sum_j p_{b,j}$, $o \leftarrow o\,e^{m - m'} + p_b V_b$, $m \leftarrow m'$.
+# 2. the old terms used $e^{s_j - m}$ and need $e^{s_j - m'}$: multiply $l$ and $o$ by $e^{m - m'} \le 1$ (0 before the
+#    first block, where $m = -\infty$);
+# 3. add the block's terms, $p_b = e^{s_b - m'}$: $l \leftarrow l\,e^{m - m'} + \sum_j p_{b,j}$, $o \leftarrow o\,e^{m -
+#    m'} + p_b V_b$, $m \leftarrow m'$.
 #
-# After the last block, $y = o / l$. Every exponent is $\le 0$, so nothing overflows, whatever the scores. The
-# backward pass needs the probabilities again, $p_j = e^{s_j} / \sum_k e^{s_k} = e^{s_j - \mathrm{lse}}$ with
-# $\mathrm{lse} = \log \sum_k e^{s_k} = m + \log l$: one number per query is all the ring keeps of the softmax.
-# And the softmax's backward, $ds_j = p_j (dp_j - \sum_k p_k\,dp_k)$ with $dp_j = dy \cdot v_j$, needs the sum
-# over all keys once more; but $\sum_k p_k\,(dy \cdot v_k) = dy \cdot y$, so $D = dy \cdot y$, known before the
-# first block, replaces it. Every block's gradients are then local: $ds = p\,(dp - D)$, $dq \mathrel{+}= ds\,k_b$,
+# After the last block, $y = o / l$. Every exponent is $\le 0$, so nothing overflows. The backward needs the
+# probabilities again, $p_j = e^{s_j - \mathrm{lse}}$ with $\mathrm{lse} = m + \log l$: one number per query is all the
+# ring keeps of the softmax. The softmax's backward, $ds_j = p_j (dp_j - \sum_k p_k\,dp_k)$ with $dp_j = dy \cdot v_j$,
+# needs a sum over all keys once more, but $\sum_k p_k\,(dy \cdot v_k) = dy \cdot y$, so $D = dy \cdot y$, known before
+# the first block, replaces it. Every block's gradients are then local: $ds = p\,(dp - D)$, $dq \mathrel{+}= ds\,k_b$,
 # $dk_b \mathrel{+}= ds^T q$, $dv_b \mathrel{+}= p^T dy$ (the $1/\sqrt{hs}$ aside). That is `Ring.merge` and
-# `Ring.grads` (`hsgd/cp/ring.py`). First in NumPy, for 4 queries and 64 keys in 8 blocks, against the
-# softmax computed at once:
+# `Ring.grads` (`hsgd/cp/ring.py`). In NumPy, for 4 queries and 64 keys in 8 blocks, against the softmax at once:
 
 # %%
 rng = np.random.default_rng(15)
@@ -292,18 +256,16 @@ dS_blocks = np.concatenate([np.exp(s_all[:, b0:b0 + 8] - lse_online[:, None]) * 
 check("backward block by block, p = e^(s - lse), ds = p (dp - D): vs all at once", rel_err(dS_blocks, dS_ref), 1e-13)
 
 # %% [markdown]
-# The forward's error is rounding, about $10^{-16}$: the blockwise result is the same sum, added in another order,
-# and the textbook formula, $e^{800}/e^{800}$, is NaN everywhere while every exponent of the online softmax is at
-# most 0. The backward's $10^{-14}$ is the rounding of scores near 800 (one unit in the last place of 800 is
-# $10^{-13}$) carried into $e^{s - \mathrm{lse}}$. The merge is associative (exercise 3), so the blocks may come in
-# any order, which is what a ring needs.
+# The forward's error is rounding: the same sum in another order, while the textbook formula, $e^{800}/e^{800}$, is NaN
+# everywhere. The backward's larger error is the rounding of scores near 800 (one unit in the last place of 800 is
+# $10^{-13}$) carried into $e^{s - \mathrm{lse}}$. The merge is associative (exercise 3), so the blocks may come in any
+# order, as a ring needs.
 #
 # ## 3. The ring, forward and backward, on 8 ranks
 #
-# A grid with `cp=8` puts all 8 ranks into one `cp_comm`; `cp=4, tp=2` makes two rings of 4, one for each tp rank
-# (ranks are numbered tp fastest, then cp: rank = ((dp_rank pp + pp_rank) cp + cp_rank) tp + tp_rank). A rank's
-# positions are `ctx.pos`: with cp = 4 and T = 32 the sequence is cut into 8 chunks of c = 4, and rank r holds
-# chunks r and 7 - r (section 4 says why):
+# `cp=8` puts all 8 ranks into one `cp_comm`; `cp=4, tp=2` makes two rings of 4, one per tp rank (rank = ((dp_rank pp +
+# pp_rank) cp + cp_rank) tp + tp_rank). A rank's positions are `ctx.pos`: with cp = 4 and T = 32 the sequence is cut
+# into 8 chunks of c = 4, and rank r holds chunks r and 7 - r (section 4 says why):
 
 # %%
 B, T, C, NH = 2, 32, 16, 8                                   # batch, sequence, width, heads of the attention tests
@@ -351,48 +313,36 @@ check.equal("cp 8, bytes sent per rank in (k, v) blocks: ring 3cp - 2, all-gathe
             [sent_per_rank(runs["cp 8", s][1], s, 8) / kv8 for s in split.CP_SCHEMES], [22, 14, Fraction(7, 2), 7])
 
 # %% [markdown]
-# Every rank's output and the three gradients match serial attention at its positions to rounding, in both grids:
-# with tp the cp ring carries the rank's NH/tp heads only, (k, v) blocks of $b\,T_l\,C/tp$ numbers each.
+# With tp the cp ring carries the rank's NH/tp heads only, blocks of $b\,T_l\,C/tp$ numbers. What each scheme sends per
+# layer and micro-batch, in (k, v) blocks of $2\,b\,T_l\,(C/tp)\,s$ bytes (`split.cp_formula`):
 #
-# What each scheme sends, per layer and micro-batch, with a (k, v) block of $2\,b\,T_l\,(C/tp)\,s$ bytes
-# (`split.cp_formula`):
+# * ring: each (k, v) block goes round the ring, cp - 1 hops forward and cp - 1 again backward (only lse and the rank's
+#   own block are kept), and the (dk, dv) of each block, summed along the way, cp hops back to their owner: $3cp - 2$
+#   Isends of a block, and as many Irecvs; the bytes sent per rank are the Isends' payload;
+# * all-gather: one All-Gather of (k, v) and one Reduce-Scatter of the gathered (dk, dv), each sending (cp-1)/cp of its
+#   cp blocks per rank: $2(cp-1)$ blocks;
+# * Ulysses: four all-to-alls, of [q | k | v] and y forward, of dy and [dq | dk | dv] backward, 8 arrays of
+#   $b\,T_l\,C/tp$ numbers (4 blocks, the table's payload), of which an all-to-all sends $(cp-1)/cp$: $4(cp-1)/cp$
+#   blocks;
+# * a2a+p2p (cp 8 = 4 x 2, `split.a2a_sizes`): Ulysses' four all-to-alls in its group of a ranks, $4(a-1)/a$ blocks, and
+#   the ring across the r groups, $3r - 2$ Isends of a block of the group's $a T_l$ positions and NH/(tp a) heads, as
+#   many numbers as the ring's.
 #
-# * ring: each (k, v) block goes round the ring, cp - 1 hops forward and cp - 1 again backward (it is not kept;
-#   only lse and the rank's own block are), and the gradients (dk, dv) of each block, to which every rank adds its
-#   share, cp hops, back to their owner: $3cp - 2$ Isends of one block, and as many Irecvs. A send moves all of
-#   it, a receive nothing more, so the bytes sent per rank are the Isends' payload: 22 blocks for cp 8.
-# * all-gather: one All-Gather of (k, v) (payload: the gathered cp blocks) and one Reduce-Scatter of the gathered
-#   (dk, dv) (payload: its input, cp blocks). A ring All-Gather or Reduce-Scatter sends (cp-1)/cp of it per rank:
-#   $2(cp-1)$ blocks, 14 for cp 8.
-# * Ulysses: four all-to-alls, of [q | k | v] and of y forward, of dy and of [dq | dk | dv] backward, $3 + 1 + 1 +
-#   3 = 8$ arrays of $b\,T_l\,C/tp$ numbers, 4 blocks; an all-to-all keeps the rank's own block and sends the
-#   other $(cp-1)/cp$: $4(cp-1)/cp$ blocks, 3.5 for cp 8 (the table's Alltoall payload is the send buffers, 4
-#   blocks).
-# * a2a+p2p (cp 8 = 4 x 2, `split.a2a_sizes`): Ulysses' four all-to-alls inside its group of a = 4 ranks,
-#   $4(a-1)/a$ = 3 blocks, and the ring across the r = 2 groups, $3r - 2$ = 4 Isends of a block (the group's $a T_l$
-#   positions of its NH/(tp a) heads: as many numbers as the ring's block): 7 blocks. On cp 4 x tp 2 it is 2 x 2.
-#
-# So the ring sends more than the all-gather, $(3cp-2)/(2cp-2)$ times as much (1.57 for cp 8), for a memory of three
-# blocks (its own and the two in transit) where the all-gather holds all cp of them, and with its messages
-# overlapped with the blocks' computation (section 7). Ulysses sends least: below 4 of its blocks however many ranks
-# share the sequence, where the ring's and the all-gather's count of blocks grows with cp (section 8 measures what
-# that means as T and cp grow together). It asks something of the model instead: cp must divide the rank's NH/tp
-# heads (8 heads here), and its NKV/tp kv heads with grouped-query attention (`split.check_heads` refuses the rest).
+# The ring sends $(3cp-2)/(2cp-2)$ times the all-gather's bytes, but holds three blocks (its own and two in transit)
+# instead of cp, and overlaps its messages with computation (section 7). Ulysses sends least, below 4 blocks for any cp
+# (section 8), but cp must divide the rank's NH/tp heads and NKV/tp kv heads (`split.check_heads`).
 #
 # ## 4. Load balancing under the causal mask
 #
-# Query t reads keys 0..t. With the plain split, rank r holding positions $[rT/cp, (r+1)T/cp)$, rank 0 reads only
-# its own keys, one triangle, and the last rank reads every rank's: cp blocks, one of them a triangle. Every layer
-# waits for the slowest rank, so the plain split runs at the speed of the last rank, cp times the first's work.
+# Query t reads keys 0..t. With the plain split, rank r holding positions $[rT/cp, (r+1)T/cp)$, rank 0 reads one
+# triangle of its own keys and the last rank every rank's keys: cp times the work, and every layer waits for it.
 #
-# hsgd cuts the sequence into 2cp chunks of c = T/(2cp) positions and gives rank r chunks r and 2cp-1-r, one from
-# each end (Brandon et al. 2023, "Striped Attention: Faster Ring Attention for Causal Transformers", study the same
-# imbalance and stripe the positions; this zig-zag is what Megatron-LM does). Counted in c x c score blocks that
-# are not wholly masked: the early chunk r reads chunks 0..r, r full blocks and one diagonal; the late chunk
-# 2cp-1-r reads 2cp-1-r full blocks and one diagonal; together $2cp + 1$ blocks on every rank.
-# `split.attention_blocks(T, cp, r, balanced)` counts the scores a rank computes per head and sequence (diagonal
-# blocks whole: the masked half of a diagonal block is computed and then masked, as in every blockwise kernel).
-# Each `Ring` counts the scores it computes in `ctx.work`; the runs of section 3 and a ring with the plain split:
+# hsgd cuts the sequence into 2cp chunks of c = T/(2cp) positions and gives rank r chunks r and 2cp-1-r, one from each
+# end (the zig-zag of Megatron-LM; Brandon et al. 2023, "Striped Attention: Faster Ring Attention for Causal
+# Transformers", stripe the positions instead). In c x c score blocks not wholly masked, chunk r reads r full blocks and
+# one diagonal, chunk 2cp-1-r reads 2cp-1-r and one diagonal: $2cp + 1$ on every rank. `split.attention_blocks(T, cp, r,
+# balanced)` counts the scores a rank computes per head and sequence (a diagonal block is computed whole, then masked,
+# as in every blockwise kernel), and each `Ring` counts them in `ctx.work`:
 
 # %%
 err_plain, _, _, ctx_plain = attend(g8, "ring", balanced=False)
@@ -454,23 +404,20 @@ def draw_balance():
 say(f"picture: {pictures.on_rank0(world, draw_balance, share=True)}")
 
 # %% [markdown]
-# The picture shows, for cp 4, which rank computes each score of the $T \times T$ matrix, dark where the mask
-# keeps it and pale where a diagonal block is computed and then masked: with the plain split rank 3 owns the
-# widest rows, while the balanced layout gives each rank a short row band and a long one. On the right, the scores
-# every rank of cp 8 computed, measured: a staircase from 16 to 128 against 68 on every rank. The balanced layout
-# also computes fewer scores in all (544 against 576), because its chunks are half as long and so are the
-# diagonal blocks' wasted halves.
+# The picture shows, for cp 4, which rank computes each score of the $T \times T$ matrix, dark where the mask keeps it
+# and pale where a diagonal block is computed and then masked: with the plain split rank 3 owns the widest rows, while
+# the balanced layout gives each rank a short row band and a long one. On the right, the scores every rank of cp 8
+# computed, measured: a staircase from «16» to «128» against «68» on every rank. The balanced layout also computes fewer
+# in all («544» against «576»), its diagonal blocks being half as long.
 #
 # ## 5. Training with context parallelism, against serial SGD
 #
-# In a training step each rank of a cp group takes its positions of every sequence (`ctx.local` of the token ids and
-# the targets) and the position embeddings of those positions (`ctx.rows`). Its loss is the mean over its positions;
-# the cp ranks hold equally many, so the mean of their means is the sequence's mean, and the gradients are averaged
-# over `dp_comm`, which holds the dp x cp ranks of each parameter shard: parameters are replicated over cp as they
-# are over dp. The check is chapter 10's: a few steps of SGD with momentum in float64 on three layouts of the 8
-# ranks and the three schemes (8 heads, so that Ulysses' cp 8 has one head a rank), against `serial.sgd` on one
-# process, and each step's traffic on every communicator against `accounting.traffic.step_formula`, the
-# one-micro-batch activation bytes against `activation_formula`.
+# Each cp rank takes its positions of every sequence (`ctx.local` of the tokens and targets) and their position
+# embeddings (`ctx.rows`). Its loss is the mean over its positions, equally many on every cp rank, and the gradients are
+# averaged over `dp_comm`, which holds the dp x cp ranks of each parameter shard (parameters are replicated over cp as
+# over dp). The check is chapter 10's: a few steps of SGD with momentum in float64 on three layouts of the 8 ranks and
+# every scheme (8 heads, so that Ulysses' cp 8 has one head a rank), against `serial.sgd`, each step's traffic against
+# `accounting.traffic.step_formula` and the activation bytes against `activation_formula`:
 
 # %%
 cfg = ModelConfig(vocab_size=256, seq_len=16, d_model=16, n_heads=8, n_layers=2, d_ff=32)
@@ -522,23 +469,16 @@ for dp, pp, cp_, tp in LAYOUTS:
     g.free()
 
 # %% [markdown]
-# Every layout and every scheme that applies (a2a+p2p needs cp = a x r with a, r > 1: cp 8 here) ends the two
-# steps with serial SGD's parameters and losses, to rounding. The
-# traffic of each step matched `step_formula` on every communicator: tp's collectives on rows of $T_l$ positions,
-# the pipeline's messages of $b\,T_l\,C$ numbers, the cp ring's, all-gather's or all-to-alls' $L \cdot m$
-# attention exchanges per step, and the dp exchange over the dp x cp ranks that share each shard.
-#
-# The activation bytes measured (`stage.peak_bytes`: every array the caches reach, each counted once) are the
-# formula's exactly: `hsgd.accounting.activations.activation_formula` with cp counts every term on the rank's $T_l$ rows
-# and the cp scheme's attention cache in place of q, k, v and the probabilities. (The embedding's cache keeps the
-# offsets of its rows and asks the layout for their positions again in the backward pass, so that no array of the layout
-# itself is counted as an activation.)
+# a2a+p2p needs cp = a x r with a, r > 1, so it runs on cp 8 only. The traffic counted covers tp's collectives on rows
+# of $T_l$ positions, the pipeline's messages of $b\,T_l\,C$ numbers, the cp scheme's $L \cdot m$ attention exchanges
+# and the dp exchange over the dp x cp ranks of each shard; the activation formula counts every term on $T_l$ rows, with
+# the cp scheme's attention cache.
 #
 # ## 6. Ring, all-gather and Ulysses, measured on 8 ranks
 #
-# The same model with a longer sequence, T = 64, on cp 8 (8 positions a rank), one sequence per step, the three
-# schemes side by side (a2a+p2p, their combination, in section 8): a warm-up step each, then 4 rounds in which the
-# schemes take turns, so that whatever else the machine does falls on all of them.
+# The same model with T = 64 on cp 8, one sequence per step, the three schemes side by side (a2a+p2p in section 8): a
+# warm-up step each, then 4 rounds in which they take turns, so that whatever else the machine does falls on all of
+# them.
 
 # %%
 cfg64 = dataclasses.replace(cfg, seq_len=64)
@@ -580,36 +520,29 @@ for tr in trainers.values():
     tr.free()
 
 # %% [markdown]
-# The bytes are what section 3 predicted per layer, times L: the ring sends 22 blocks per layer, the all-gather 14,
-# Ulysses 3.5. The all-gather already holds more than twice the ring's activations (the gathered k and v and the $8
-# \times 64$ probabilities per head and sequence); by section 1 the factor is about 60 at T = 131072. Ulysses holds
-# between the two (106.5 KiB against 43.5 and 134.5): the all-gather's probabilities, as a $64 \times 64$ matrix of
-# one head, but only its head's k and v, not all of them. The times are printed, never checked: with eight ranks on
-# two cores the ring's 44 Isends and 44 Irecvs per step, each a Python call and an MPI handshake, cost more than
-# four collectives (or Ulysses' eight all-to-alls), and nothing here computes long enough to hide them. Where a
-# block takes longer than a hop (large blocks on a GPU) the ring hides its sends behind the blocks, which is the
-# point of it, provided the bytes move while the blocks compute; the next section looks at whether they do here.
+# The bytes are section 3's per layer, times L. The all-gather already holds more than twice the ring's activations (the
+# gathered k and v and the $8 \times 64$ probabilities per head and sequence), and by section 1 about «66 x» as much at
+# T = 131072. Ulysses holds between the two («106.5 KiB» against «43.5 KiB» and «134.5 KiB»): the all-gather's
+# probabilities, but only its head's k and v. The times are printed, never checked: on two cores the ring's «88»
+# point-to-point calls per step, each a Python call and a handshake, cost more than four collectives, and nothing
+# computes long enough to hide them. Where a block takes longer than a hop (large blocks on a GPU) the ring hides its
+# sends behind the blocks, if the bytes move while the blocks compute.
 #
 # ## 7. The trace: what moves while the blocks compute
 #
-# `cp_comm.tracer = tracer` makes every Isend and Irecv a span on the trace's "async" track, from the call to its
-# Wait, and the ring's blocks spans on the "compute" track (`hsgd.grid.trace`). In the forward pass step i issues the
-# Isend of the block it holds and the Irecv of the next one, computes the block, then waits; in the backward pass the
-# (k, v) blocks travel the same way, and the (dk, dv) shares one step behind. An async span under a block says that a
-# message was posted before the block and waited for after it, which the ring's code makes true every time; it does
-# not say that a byte moved meanwhile. That depends on the MPI library. The standard only requires a library to move a
-# message while a rank is inside an MPI call, and MPICH without a progress thread does no more: it moves a
-# non-blocking point-to-point message only inside MPI calls of the ranks at its two ends (the Isend and Irecv that
-# post it, and any Test, Wait or other call that runs MPICH's progress engine); with `MPIR_CVAR_ASYNC_PROGRESS=1` it
-# starts an extra thread in every rank that progresses all communication in the background (MPICH's description of the
-# variable, which its `mpivars` tool prints). A ring block makes no MPI call: it is NumPy from its start to its end.
+# `cp_comm.tracer = tracer` makes every Isend and Irecv a span on the trace's "async" track, from the call to its Wait,
+# and the ring's blocks spans on the "compute" track (`hsgd.grid.trace`). An async span under a block says only that a
+# message was posted before the block and waited for after it, not that a byte moved meanwhile. The MPI standard
+# requires progress only inside MPI calls, and MPICH without a progress thread does no more: it moves a non-blocking
+# message only inside MPI calls of the ranks at its two ends (the Isend and Irecv, and any Test or Wait);
+# `MPIR_CVAR_ASYNC_PROGRESS=1` adds a background thread to every rank. A ring block is NumPy from start to end, with no
+# MPI call.
 #
-# So this section looks at the bytes themselves. `Watched` is hsgd's `Ring`, its algorithm untouched, on a wrapper
-# of `cp_comm` that fills every receive buffer with NaN before posting it and notes when each Isend returned. At the
-# start and at the end of every block it reads the buffers of the receives still pending (reading memory is no MPI
-# call): one that was NaN at the start and holds the data at the end moved during the block. One ring attention
-# forward and backward on cp 8, with T = 256, runs twice: first with an `MPI_Test` (mpi4py's `Request.Testall`) on
-# the pending receives after each of a block's chunk pairs; then as hsgd runs it, without, and traced:
+# So `Watched`, hsgd's `Ring` on a wrapper of `cp_comm`, fills every receive buffer with NaN before posting it, notes
+# when each Isend returned, and reads the pending receives' buffers at the start and end of every block (no MPI call):
+# one NaN at the start and filled at the end moved during the block. One ring forward and backward on cp 8, T = 256,
+# runs twice: with an `MPI_Test` (mpi4py's `Request.Testall`) on the pending receives after each of a block's chunk
+# pairs, then as hsgd runs it, without, traced:
 
 # %%
 class Watching:
@@ -771,38 +704,30 @@ def draw_overlap():
 say(f"picture: {pictures.on_rank0(world, draw_overlap, share=True)}")
 
 # %% [markdown]
-# The picture shows the ring in the order its code runs it, where a block takes longer than a hop (top), and below
-# it what this machine did as hsgd runs the ring: the median over the 8 ranks of each block's time and of the wait
-# after it, and on how many ranks a pending receive's bytes moved during each block, with and without `MPI_Test`.
+# The picture shows the ring in its code's order where a block outlasts a hop (top), and below what this machine did:
+# the median over the ranks of each block's time and the wait after it, and on how many ranks a pending receive moved
+# during each block, with and without `MPI_Test`.
 #
-# The top panel follows `Ring.around` and `Ring.attention_backward`: every (k, v) hop, the forward's first included,
-# is posted before a block and waited for after it, and every (dk, dv) hop but the last is received while the next
-# block computes. So where a block takes longer than a hop and the bytes move while it computes, the one transfer the
-# ring leaves exposed is the backward's last (dk, dv) hop: after its last block, each rank sends the gradients it has
-# summed for the (k, v) block of rank r+1 on to their owner, rank r+1, and waits for its own from rank r-1, with no
-# block left to compute behind either. As hsgd runs the ring on this machine, neither condition holds: the blocks are
-# short next to the waits between them (the lower panel's bars), and MPICH moved no byte during a block that made no
-# MPI call, although the senders had posted many of those messages before the block ended (the counts printed above):
-# they waited for the receiving rank's next MPI call, after the block. With a Test between the chunk pairs, MPICH's
-# progress engine runs inside the block, and bytes the senders have posted move there (its markers, and the counts
-# printed above). A ring on CPUs in MPICH therefore overlaps its hops with its blocks only when it polls like this or
-# runs a progress thread on a core of its own; on a GPU the transfers run on their own stream or copy engine while the
-# kernels compute.
+# Following `Ring.around` and `Ring.attention_backward`, every (k, v) hop is posted before a block and waited for after
+# it, and every (dk, dv) hop but the last is received while the next block computes. So where blocks outlast hops and
+# bytes move during them, the one exposed transfer is the backward's last (dk, dv) hop, to the owner, with no block left
+# behind it. Here neither condition holds: the blocks are short next to the waits, and MPICH moved no byte during a
+# block without an MPI call, though the senders had posted many of those messages (the counts printed above); they
+# waited for the receiver's next MPI call. With a Test between the chunk pairs the progress engine runs inside the block
+# and the posted bytes move there. On CPUs in MPICH a ring overlaps only by polling like this or with a progress thread
+# on a core of its own; on a GPU the transfers run on their own stream or copy engine.
 
 # %% [markdown]
 # ## 8. Ulysses: an all-to-all to a head split, and the bytes as cp grows
 #
-# The heads of an attention layer are independent, and only the attention mixes positions. Ulysses (`Ulysses` in
-# `hsgd/cp/ulysses.py`) uses both facts: before the core attention each rank cuts its $T_l$ positions of q, k and v
-# into cp head groups of NH/(tp cp) heads and sends group j to cp rank j, one `Alltoall` on `cp_comm` (block j of
-# the send buffer goes to rank j; `hsgd.grid.comm.Comm.Alltoall`). Afterwards rank r holds every position of head
-# group r, in rank order (rank 0's positions, then rank 1's, ...), and runs the whole causal attention on them with
-# the mask of their global positions, exactly the serial attention of those heads. A second all-to-all sends each
-# rank its positions of the output back. The backward pass is the adjoint: an all-to-all is a permutation of all
-# the ranks' data, whose adjoint is its inverse, so dy goes to the head split, the attention's backward runs, and
-# dq, dk, dv go back. The picture shows which rank holds which (position, head) of q before and after, for cp 4, T
-# = 16 and 8 heads; the check reads rank r's cached q after the first all-to-all of section 3's cp 8 (one head a
-# rank) and compares it with head r of the serial q at all T positions in rank order:
+# The heads of an attention layer are independent, and only the attention mixes positions. Before the core attention
+# each rank cuts its $T_l$ positions of q, k and v into cp head groups of NH/(tp cp) heads and sends group j to cp rank
+# j, one `Alltoall` on `cp_comm` (`hsgd.grid.comm.Comm.Alltoall`). Rank r then holds every position of head group r, in
+# rank order, and runs the whole causal attention on them with the mask of their global positions: exactly the serial
+# attention of those heads. A second all-to-all sends the output back. The backward is the adjoint: an all-to-all is a
+# permutation, whose adjoint is its inverse. The picture shows which rank holds which (position, head) of q before and
+# after, for cp 4, T = 16 and 8 heads; the check compares rank r's cached q after section 3's first all-to-all on cp 8
+# with head r of the serial q:
 
 # %%
 def draw_ulysses(T_=16, cp_=4, nh_=8):
@@ -838,15 +763,12 @@ check.equal("Ulysses on cp 8: after the all-to-all rank r holds head r of q at a
                              rtol=1e-15, atol=0)), True)
 
 # %% [markdown]
-# Ulysses' cp can be at most the heads of a tp rank, and its all-to-all wants a fast network among all cp ranks. The
-# ring takes any cp but sends $3cp - 2$ blocks. Megatron-LM's hierarchical context parallelism (`--cp-comm-type
-# a2a+p2p`, `hsgd/cp/hierarchical.py`) combines them: cp = a x r, an all-to-all inside each group of a adjacent cp
-# ranks (on one node) turns the group's sequence split into a head split, and the r groups then run ring attention
-# on their $a T_l$ positions of NH/(tp a) heads, passing (k, v) blocks across the groups, merged by the online
-# softmax. cp rank c is member c mod a of group c // a; the group's rows after the all-to-all are its a members'
-# zig-zag chunks, in member order, and the ring's chunk pairs are masked by their global positions as the plain
-# ring's are. hsgd takes r as cp's smallest prime factor and a = cp / r (`split.a2a_sizes`; Megatron-LM asks for
-# both, `--hierarchical-context-parallel-sizes a r`): cp 8 is 4 x 2.
+# Ulysses' cp is at most a tp rank's heads, and its all-to-all wants a fast network among all cp ranks; the ring takes
+# any cp but sends $3cp - 2$ blocks. Megatron-LM's hierarchical context parallelism (`--cp-comm-type a2a+p2p`,
+# `hsgd/cp/hierarchical.py`) combines them, cp = a x r: an all-to-all inside each group of a adjacent cp ranks (one
+# node), then ring attention across the r groups on their $a T_l$ positions of NH/(tp a) heads. cp rank c is member c
+# mod a of group c // a. hsgd takes r as cp's smallest prime factor (`split.a2a_sizes`; Megatron-LM asks for both,
+# `--hierarchical-context-parallel-sizes a r`): cp 8 is 4 x 2.
 
 # %%
 hier = make_split("a2a+p2p", g8.cp_comm, T)
@@ -867,12 +789,10 @@ hier.free()
 
 # %% [markdown]
 # Jacobs et al. argue that Ulysses' communication per device stays constant when the sequence and the devices grow
-# together, where the ring's and the all-gather's grow with the devices: every rank must receive the keys and values
-# of all T positions (or send its own to all cp - 1 others), while an all-to-all sends each rank only its share of
-# the rank's own $T_l$ positions. Measured: one layer's attention, forward and backward, with $T_l = 8$ positions a
-# rank (T = 8 cp) on cp 2, 4 and 8 (the 8 ranks as dp 8/cp x cp), b = 2, C = 16, 8 heads, each scheme checked
-# against serial attention and its messages against `cp_formula`; bytes sent per rank, and in (k, v) blocks of
-# $2\,b\,T_l\,C\,s$ = 4 KiB, the same size at every cp:
+# together, where the ring's and the all-gather's grow with the devices, every rank receiving all T positions' keys and
+# values. Measured: one layer's attention, forward and backward, with T = 8 cp on cp 2, 4 and 8 (the 8 ranks as dp 8/cp
+# x cp), b = 2, C = 16, 8 heads, each scheme checked against serial attention and `cp_formula`; bytes sent per rank, and
+# in (k, v) blocks of $2\,b\,T_l\,C\,s$ = 4 KiB at every cp:
 
 # %%
 TL = 8                                                       # positions per rank: T grows with cp
@@ -918,40 +838,24 @@ say("from cp 2 to cp 8: " + ", ".join(f"{s} x {float(grow[s][8] / grow[s][2]):.2
     + f"; a2a+p2p from cp 4 to cp 8 x {float(grow['a2a+p2p'][8] / grow['a2a+p2p'][4]):.2f}")
 
 # %% [markdown]
-# What the measurement shows: with the sequence growing as the ranks do, the ring's bytes per rank grow with cp
-# (16 KiB at cp 2, 88 KiB at cp 8: x 5.5) and so do the all-gather's (8 KiB to 56 KiB: x 7), each $\approx$ linear in
-# cp; Ulysses' go from 8 KiB to 14 KiB (x 1.75) and can never pass 16 KiB, the four blocks of its own send
-# buffers: what grows is only the share $(cp - 1)/cp$ that leaves the rank, from 1/2 to 7/8. So the claim holds in
-# the form "bounded by a constant", $4 \cdot 2\,b\,T_l\,C\,s$ per layer, not "equal at every cp": the paper counts
-# an all-to-all's aggregate message divided by the devices, and counted as bytes a rank sends its own block stays,
-# hence the $(cp - 1)/cp$. Its price is
-# in the model: cp at most the heads of a tp rank (NH/tp; with grouped-query attention its NKV/tp kv heads), where
-# the ring and the all-gather take any cp the sequence allows. a2a+p2p sits between: 6 blocks on cp 4 (2 x 2) and
-# 7 on cp 8 (4 x 2), $4(a-1)/a$ of them from its all-to-alls, which stay below 4, and $3r - 2$ from the ring across
-# its r groups, which grow only with r; its heads need only be divisible by a. With r = 2 a larger cp adds to a, the
-# all-to-all's group, which is why the step from cp 4 to cp 8 costs it one block (x 1.17) where it costs the ring 12
-# (on hardware the all-to-all group is a node, and r grows with the nodes). On two cores nothing here is timed:
-# section 6's times are the ones this machine can give.
+# From cp 2 to cp 8 the ring's bytes per rank grow «x 5.50» and the all-gather's «x 7.00», each about linear in cp;
+# Ulysses' grow «x 1.75» and never pass its four blocks of send buffers, only the share $(cp - 1)/cp$ that leaves the
+# rank growing. So the claim holds as "bounded by a constant", not "equal at every cp": the paper divides an
+# all-to-all's aggregate message by the devices, while a rank keeps its own block. a2a+p2p sits between: $4(a-1)/a$
+# blocks from its all-to-alls, below 4, and $3r - 2$ from the ring across its r groups, growing only with r; its heads
+# need only be divisible by a. With r = 2 a larger cp adds to a, so cp 4 to cp 8 costs it «x 1.17» (on hardware the
+# all-to-all group is a node, and r grows with the nodes). Nothing here is timed; section 6's times are what this
+# machine can give.
 #
 # ## Check against serial
 #
-# On 8 ranks, every verdict reached collectively: the activation formula's terms (what tp leaves replicated, what cp
-# divides, the ring's linear and the all-gather's and Ulysses' quadratic attention caches); the online softmax in
-# blocks equals the softmax at once with lse = m + log l, and the backward from lse and D alone equals the full one;
-# ring, all-gather, Ulysses and a2a+p2p attention on cp 8 and cp 4 x tp 2 equal serial attention at every rank's
-# positions, forward and backward, with exactly `cp_formula`'s messages; every rank's measured work equals
-# `attention_blocks`, balanced on every rank and a staircase with the plain split; two steps of SGD on dp 2 x cp 2
-# x tp 2, cp 8 and pp 2 x cp 2 x tp 2 with every scheme that applies end with serial SGD's parameters and losses,
-# with `step_formula`'s traffic and `activation_formula`'s bytes; the traced ring has the formula's blocks and
-# messages, moves no byte during a block that makes no MPI call, and moves bytes during its blocks when it calls
-# `MPI_Test` between their chunk pairs; a2a+p2p's groups and rows are Megatron-LM's; and with T = 8 cp the bytes each
-# rank sends grow with cp for the ring and the all-gather, stay below four blocks for Ulysses, whose all-to-all
-# leaves each rank whole heads at all positions, and for a2a+p2p are its all-to-alls' (below four blocks) and its
-# ring's across r groups.
+# Every verdict above is collective over 8 ranks: all four schemes equal serial attention, forward and backward, with
+# `cp_formula`'s messages; training on three layouts ends with serial SGD's parameters and losses, with the formulas'
+# traffic and activation bytes.
 
 # %%
 worst_what, err = check.worst([w for w in check.errors if "serial" in w])
-say(f"\nchapter 15: all {len(check.passed)} checks passed on {world.Get_size()} ranks; largest error against serial "
+say(f"\nchapter 13: all {len(check.passed)} checks passed on {world.Get_size()} ranks; largest error against serial "
     f"{err:.1e} ({worst_what})")
 for run in runs.values():
     run[3].free()                                # a2a+p2p's sub-communicators (the others hold none)
@@ -974,40 +878,34 @@ g42.free()
 # ## Exercises
 #
 # ### Exercise 1: the striped layout
-# Brandon et al. give rank r the positions t with t mod cp = r instead of two chunks. Write the striped positions,
-# count for each rank of cp = 2, 4, 8 (T = 64) the scores the causal mask needs, by brute force, and check three
-# closed forms: plain $n(rn) + n(n+1)/2$, hsgd's zig-zag $2cp\,c^2 + c$ (equal on every rank) and striped
-# $n(r+1) + cp\,n(n-1)/2$, with n = T/cp. Then make the striped layout run: subclass `hsgd.cp.ring.Ring`, set
-# `pos` and override `pairs(owner)` (one pair of all my rows and all the owner's rows, with the mask of their
-# positions), and check its attention forward and backward against serial on cp 8 and its `work` against
-# $cp\,n^2$.
+# Brandon et al. give rank r the positions t with t mod cp = r. Count by brute force, for each rank of cp = 2, 4, 8
+# (T = 64), the scores the causal mask needs, and check three closed forms, with n = T/cp: plain $n(rn) + n(n+1)/2$,
+# zig-zag $2cp\,c^2 + c$ and striped $n(r+1) + cp\,n(n-1)/2$. Then run it: subclass `hsgd.cp.ring.Ring`, set `pos`
+# and override `pairs(owner)` (one pair of all my rows and all the owner's, masked by their positions), and check
+# its forward and backward against serial on cp 8 and its `work` against $cp\,n^2$.
 # (solution: `tutorials/solutions/13_context_parallelism.py`, `exercise_1`)
 #
 # ### Exercise 2: Ulysses with fewer kv heads than cp
-# `split.check_heads` refuses `--cp-scheme ulysses` when cp does not divide a tp rank's kv heads (a model with 8 kv
-# heads on tp 8 has one a rank). When cp is a multiple of them there is a way out: send each head group the one kv
-# head its query heads read, a copy of it for each of the cp/NKV groups that read it (NKV here a tp rank's), and
-# sum the copies' gradients on the way back (the adjoint of a copy is a sum). Subclass `hsgd.cp.ulysses.Ulysses`:
-# its forward repeats k and v to cp heads and calls the parent's, its backward calls the parent's and sums dk, dv
-# over the copies. Check it on cp 8 with NH = 8 and NKV = 2 against serial grouped-query attention (k, v repeated
-# to the query heads, dk, dv summed over each group), and its all-to-alls against their payload, $2\,b\,T_l\,(C +
-# 2\,cp\,hs)\,s$ for q, k, v and $2\,b\,T_l\,C\,s$ for y, each way. Then show that per layer a rank sends less than
-# the all-gather of the same kv heads exactly when NH < cp (NKV - 1), so never with one kv head a rank.
+# `split.check_heads` refuses Ulysses when cp does not divide a tp rank's kv heads. When cp is a multiple of them,
+# send each head group a copy of the kv head its query heads read and sum the copies' gradients on the way back
+# (the adjoint of a copy is a sum): subclass `hsgd.cp.ulysses.Ulysses`, repeating k and v to cp heads before the
+# parent's forward and summing dk, dv over the copies after its backward. Check it on cp 8 with NH = 8, NKV = 2
+# against serial grouped-query attention, and its all-to-alls against their payload, $2\,b\,T_l\,(C +
+# 2\,cp\,hs)\,s$ for q, k, v and $2\,b\,T_l\,C\,s$ for y, each way. Then show that a rank sends less per layer than
+# the all-gather of the same kv heads exactly when NH < cp (NKV - 1).
 # (solution: `tutorials/solutions/13_context_parallelism.py`, `exercise_2`)
 #
 # ### Exercise 3: the merge of two partial results is associative
-# Write `merge((m1, l1, o1), (m2, l2, o2))` for partial results over two disjoint sets of keys, and `finish` =
-# o / l. Check on random blocks that merging is commutative and associative (to rounding), that any bracketing of 8
-# blocks gives the softmax at once, and that an empty block (m = -inf, l = 0, o = 0) changes nothing. Then merge
-# normalised outputs by their lse alone, $y = \sigma(\mathrm{lse}_1 - \mathrm{lse}_2)\,y_1 + \sigma(\mathrm{lse}_2 -
-# \mathrm{lse}_1)\,y_2$ and $\mathrm{lse} = \log(e^{\mathrm{lse}_1} + e^{\mathrm{lse}_2})$, and check it against
-# the same.
+# Write `merge((m1, l1, o1), (m2, l2, o2))` for two disjoint sets of keys, and `finish` = o / l. Check on random
+# blocks that merging is commutative and associative (to rounding), that any bracketing of 8 blocks gives the
+# softmax at once, and that an empty block (m = -inf, l = 0, o = 0) changes nothing. Then merge normalised outputs
+# by their lse, $y = \sigma(\mathrm{lse}_1 - \mathrm{lse}_2)\,y_1 + \sigma(\mathrm{lse}_2 - \mathrm{lse}_1)\,y_2$,
+# $\mathrm{lse} = \log(e^{\mathrm{lse}_1} + e^{\mathrm{lse}_2})$, and check it against the same.
 # (solution: `tutorials/solutions/13_context_parallelism.py`, `exercise_3`)
 #
 # ### Exercise 4: where the memory crosses over
-# From the terms of section 1 (7B-sized model, one sequence, 2 bytes), write both schemes' block bytes on cp 8 as
-# $\alpha T$ (ring) and $\beta T + \gamma T^2$ (all-gather), and find in closed form the smallest T, a multiple of
-# 2cp, from which the all-gather holds at least twice the ring's activations; check it with a search over
-# `activation_formula`. Do the same for the T from which the probabilities are more than half of a block on one
-# rank without any parallelism.
+# From section 1's terms, write the cp 8 block bytes as $\alpha T$ (ring) and $\beta T + \gamma T^2$ (all-gather),
+# find in closed form the smallest T, a multiple of 2cp, from which the all-gather holds at least twice the ring's,
+# and check it with a search over `activation_formula`. The same for the T from which the probabilities are more
+# than half of a block on one rank.
 # (solution: `tutorials/solutions/13_context_parallelism.py`, `exercise_4`)

@@ -16,44 +16,25 @@
 # %% [markdown]
 # # Chapter 14: floating point in distributed training: sums in another order, the band, loss scaling
 #
-# Every parallel layout of this course adds partial results: the lecture's section 3.3 All-Reduces the partial input
-# gradients of a tensor-parallel group (its section 3.2 All-Gathers the outputs, which adds nothing), and its section
-# 3.4 All-Reduces the gradients of one shard over the data-parallel groups. In exact arithmetic the order of those
-# additions does not matter, and the chapters so far checked every layout against serial SGD in float64, where it
-# barely does (1e-15). In bfloat16 or float16 it does: two correct layouts give different gradients, and "the TP
-# run's loss differs from the one-device run" is a report every framework receives. Is it a bug or rounding? The
-# lecture treats addition as exact and has no section on number formats: floating point is beyond the lecture, as
-# chapters 11 to 13 go beyond it in their directions.
-# Chapter 21's section 6 introduced the formats (bfloat16, float16, u = 2^-p), the rounding points of a
-# low-precision run and loss scaling; this chapter does not repeat it and goes deeper:
+# Every parallel layout adds partial results (the lecture's sections 3.3 and 3.4 All-Reduce them). In exact arithmetic
+# the order of those additions does not matter, and in float64, where every chapter so far checked against serial SGD,
+# it barely does (1e-15). In bfloat16 or float16 it does: two correct layouts give different gradients, and "the TP
+# run's loss differs from the one-device run" is a report every framework receives. Bug or rounding? The lecture treats
+# addition as exact; floating point is beyond it, as chapters 11 to 13 go beyond it in their directions. This chapter is
+# about what rounding does to a distributed sum and how to tell it from a bug; chapter 21's section 6 shows where a run
+# on a GPU rounds.
 #
-# 1. why summing in another order changes the result: the same n numbers added sequentially, pairwise and in p
-#    parts, in float32 and bfloat16, against Higham's worst-case bound and the probabilistic $\sqrt{n}\,u$ scale,
-#    with a picture; stagnation, where the random model fails;
-# 2. what each layout sums differently: one bfloat16 step on 1x1x1, dp, pp, tp and with micro-batches, the rounding
-#    points each uses counted, and which layouts give bit-identical gradients and why;
-# 3. the band: the rounding-error model of `hsgd.check.oracle` (a rounding replaced by $x(1 + u e)$), checked against
-#    real bfloat16 roundings, then the tolerance oracle on 8 ranks, its report and its picture;
-# 4. loss scaling step by step: float16 gradients flushed to zero without a scale, none with $S = 2^{16}$;
-#    `LossScaler`'s rules over a sequence of overflows; what the oracle says of float16 with and without the scale;
-# 5. reading a "TP loss differs from one device" report: two bugs injected on purpose (`hsgd.check.mutations`), flagged
-#    outside the band while the correct code stays inside, and a checklist.
-#
-# Run it with eight ranks (9 to 12 s measured on a 2-core machine shared with other jobs; on failure every rank
-# raises, so it exits non-zero without hanging). Rank 0 draws two pictures into `$HSGD_FIGURES` (default
-# `tutorials/figures/`):
+# Run it with eight ranks (9 to 12 s measured on a 2-core machine shared with other jobs). Rank 0 prints and draws two
+# pictures into `$HSGD_FIGURES` (default `tutorials/figures/`); `mpirun -n 8 python -m hsgd.verify --dtype bfloat16
+# --layouts 1x1x1,2x1x4,1x2x4 --seeds 8 --plot oracle.png` runs the oracle of sections 3 to 5.
 #
 # mpirun -n 8 python tutorials/14_floating_point.py
 #
-# The notebook form (`jupytext --to ipynb tutorials/14_floating_point.py`) is for reading: the code needs eight MPI
-# ranks. Only rank 0 prints. From the command line, `mpirun -n 8 python -m hsgd.verify --dtype bfloat16 --layouts
-# 1x1x1,2x1x4,1x2x4 --seeds 8 --plot oracle.png` runs the oracle of sections 3 to 5.
-#
-# Legend: B sequences in the batch, T sequence length, N = B T tokens (the terms of a weight gradient's sum), C
-# d_model, NH heads, F the MLP width, V vocabulary, L layers; dp, pp, tp the sizes of a layout, written dp x pp x
-# tp; m micro-batches. Numbers: p the significand bits of a format, u = 2^-p its unit roundoff (bfloat16 2^-8,
-# float16 2^-11, float32 2^-24), $\gamma_n = nu/(1 - nu)$ Higham's constant, S the loss scale; e a random number in
-# [-1, 1); d(a, b) the oracle's relative difference of two gradients of one parameter (section 3).
+# Legend: B sequences in the batch, T sequence length, N = B T tokens (the terms of a weight gradient's sum), C d_model,
+# NH heads, F the MLP width, V vocabulary, L layers; dp, pp, tp the sizes of a layout, written dp x pp x tp; m
+# micro-batches. Numbers: p the significand bits of a format, u = 2^-p its unit roundoff (bfloat16 2^-8, float16 2^-11,
+# float32 2^-24), $\gamma_n = nu/(1 - nu)$ Higham's constant, S the loss scale; e a random number in [-1, 1); d(a, b)
+# the oracle's relative difference of two gradients of one parameter (section 3).
 
 # %%
 from hsgd.model.config import ModelConfig   # hsgd first, as in chapter 11 (OpenBLAS's thread timeout)
@@ -84,28 +65,23 @@ world, rank, check, say = mpi_chapter(__file__, P, tol=1e-10, width=84)
 # %% [markdown]
 # ## 1. Why summing in another order changes the result
 #
-# A computed sum rounds after every addition: $\hat s_k = (\hat s_{k-1} + x_k)(1 + \delta_k)$, $|\delta_k| \le u$.
-# Unrolled, each term is multiplied by the $(1 + \delta)$ of every addition it passes through, so a sum of n terms in
-# any order is off by at most $\gamma_{n-1} \sum |x_i|$ (Higham 2002, "Accuracy and Stability of Numerical
-# Algorithms", chapter 4), and two orders differ by at most $2\gamma_{n-1} \sum |x_i|$. Pairwise summation (add
-# neighbours, then neighbouring pairs, ...) passes each term through only $\lceil \log_2 n \rceil$ additions: its
-# bound is $\gamma_{\lceil \log_2 n \rceil}$. A distributed sum is a third order: each of p ranks adds its share,
-# then the All-Reduce adds the p partial sums: "split".
+# A computed sum rounds after every addition: $\hat s_k = (\hat s_{k-1} + x_k)(1 + \delta_k)$, $|\delta_k| \le
+# u$. Each term is multiplied by the $(1 + \delta)$ of every addition it passes through, so a sum of n terms in any
+# order is off by at most $\gamma_{n-1} \sum |x_i|$ (Higham 2002, "Accuracy and Stability of Numerical Algorithms",
+# chapter 4), and two orders differ by at most twice that. Pairwise summation passes each term through only
+# $\lceil \log_2 n \rceil$ additions: bound $\gamma_{\lceil \log_2 n \rceil}$. A distributed sum is a third order: each
+# of p ranks adds its share, then the All-Reduce adds the p partial sums ("split").
 #
-# The worst case needs every $\delta$ at $+u$. Higham and Mary 2019 ("A new approach to probabilistic rounding
-# error analysis") treat the $\delta_k$ as independent random variables of mean zero bounded by u and show that the
-# error then stays below $\lambda \sqrt{n}\,u \sum|x_i|$ (to first order) with a probability that tends to 1
-# quickly as $\lambda$ grows: $\sqrt{n}$ instead of n. The difference matters in bfloat16: $\gamma_n$ reaches 1 at
-# $n = 128$ and is infinite from n = 256 (nu >= 1), so for any sum longer than a few hundred terms the worst case
-# says nothing, while $\sqrt{4096}\,u = 0.25$ still does.
+# The worst case needs every $\delta$ at $+u$. Higham and Mary 2019 ("A new approach to probabilistic rounding error
+# analysis") treat the $\delta_k$ as independent, of mean zero, and show the error then stays below
+# $\lambda \sqrt{n}\,u \sum|x_i|$ with a probability that tends to 1 quickly as $\lambda$ grows: $\sqrt{n}$ instead of
+# n. In bfloat16 $\gamma_n$ reaches 1 at n = 128 and is infinite from n = 256, so past a few hundred terms the worst
+# case says nothing, while $\sqrt{4096}\,u = 0.25$ still does.
 #
-# The experiment: K = 32 rows of n numbers uniform in [0, 1) (positive: $\sum|x_i|$ is the sum itself, no
-# cancellation hides an error), added in the three orders in float32 and in bfloat16, against `math.fsum` (the
-# correctly rounded float64 sum). A bfloat16 addition here is a float32 addition followed by `round_to`: two
-# roundings. That gives the correctly rounded bfloat16 sum because float32's 24 significant bits are more than
-# twice bfloat16's 8, with room to spare (Figueroa 1995, "When is double rounding innocuous?", shows about 2p + 2
-# bits suffice): the first check confirms it on random pairs. The ten (format, n) jobs are spread over the eight
-# ranks.
+# The experiment: K = 32 rows of n numbers uniform in [0, 1) (positive, so no cancellation hides an error), summed in
+# the three orders in float32 and bfloat16, against `math.fsum`. A bfloat16 addition is a float32 addition, then
+# `round_to`: two roundings, which give the correctly rounded sum because float32 has more than 2p + 2 bits (Figueroa
+# 1995, "When is double rounding innocuous?"), as the first check confirms.
 
 # %%
 NS = (16, 64, 256, 1024, 4096)             # summands
@@ -197,21 +173,18 @@ check.holds("sequential sums: rms error / (sqrt(n) u) at least 0.1 (the sqrt(n) 
             min(scale) >= 0.1)
 
 # %% [markdown]
-# Every error is far below its worst case, and the sequential sum's rms error is a steady fraction of $\sqrt{n}\,u$:
-# the roundings behave like independent random errors. Pairwise summation does better still ($\sqrt{\log_2 n}$),
-# and "split in 8" sits between the two, as expected of p short sequential sums and one of length p.
+# Every error is far below its worst case, and the sequential sum's rms error is a steady fraction of $\sqrt{n}\,u$: the
+# roundings behave like independent random errors. Pairwise does better still, and "split in 8" sits between.
 #
-# Except in one place: the sequential bfloat16 sum of 1024 and 4096 terms is wrong by half and more. Worked out by
-# hand: between 128 and 256 the bfloat16 numbers are the integers, so adding x in [0, 1) rounds to s or s + 1, and
-# the sum still grows. From 256 on they are the even integers, and s + x with x < 1 is closer to s than to s + 2:
-# the sum **stagnates** at exactly 256, whatever follows. Every rounding now errs the same way, with the same sign:
-# the independence the probabilistic analysis assumes is gone (Connolly, Higham and Mary 2021, "Stochastic rounding
-# and its probabilistic backward error analysis", show that stochastic rounding restores it: exercise 2). This is
-# why hsgd accumulates matrix products (as the tensor cores do) and weight gradients in float32, All-Reduces them in
-# float32 unless `--reduce-dtype` says otherwise, and rounds to bfloat16 only at the points of `precision.POINTS`.
-# The frameworks' defaults for that All-Reduce differ: Megatron-LM reduces bfloat16 gradients in float32 unless given
-# `--grad-reduce-in-bf16`, while DeepSpeed (`communication_data_type` unset) and FSDP2 (`MixedPrecisionPolicy` with
-# `param_dtype=torch.bfloat16` and its default `reduce_dtype=None`) reduce in the compute dtype unless told otherwise.
+# Except in one place: the sequential bfloat16 sum of 1024 and 4096 terms is wrong by half and more. Between 128 and 256
+# the bfloat16 numbers are the integers, so adding x in [0, 1) rounds to s or s + 1 and the sum still grows; from 256 on
+# they are the even integers, and s + x is closer to s than to s + 2: the sum **stagnates** at 256. Every rounding now
+# errs with the same sign, and the independence the probabilistic analysis assumes is gone (Connolly, Higham and Mary
+# 2021, "Stochastic rounding and its probabilistic backward error analysis", show that stochastic rounding restores it:
+# exercise 2). This is why hsgd accumulates matrix products and weight gradients in float32, All-Reduces them in float32
+# unless `--reduce-dtype` says otherwise, and rounds to bfloat16 only at the points of `precision.POINTS`. (Megatron-LM
+# reduces in float32 unless given `--grad-reduce-in-bf16`; DeepSpeed and FSDP2 reduce in the compute dtype by default:
+# the cross-walk.)
 
 # %%
 stalled = [float(x) for n in (1024, 4096) for x in sums[("bfloat16", n)]["seq_sum"]]
@@ -242,17 +215,15 @@ def draw_sums():
 say(f"picture: {pictures.on_rank0(world, draw_sums, share=True)}")
 
 # %% [markdown]
-# The picture shows, for each format, the rms error of the three orders against n on log-log axes, under the
-# worst-case bound $\gamma_{n-1}$ (in bfloat16 it ends where it exceeds 1) and the $\sqrt{n}\,u$ scale; the
-# sequential bfloat16 points jump above both where the sum stagnates.
+# The picture shows, per format, the rms error of the three orders against n on log-log axes, under the worst-case bound
+# $\gamma_{n-1}$ and the $\sqrt{n}\,u$ scale; the sequential bfloat16 points jump above both where the sum stagnates.
 #
 # ## 2. What each layout sums differently
 #
-# One bfloat16 step of a tiny model (T = 16, C = 32, NH = 4, L = 2, F = 64, B = 8) on seven layouts of the same
-# batch and weights, each through `oracle.run_layout` (the training code path, on the first dp pp tp ranks) with a
-# `Numerics` of our own so that its `counts` can be read: how often each rounding point of `precision.POINTS`
-# rounded, added over the layout's ranks. Then each layout's gradient against the serial one, per parameter, in the
-# oracle's measure $d(a, b) = \|a_P - b_P\| / \max(\|g_P\|, 10^{-3} \max_Q \|g_Q\|)$ (g: the float64 gradient).
+# One bfloat16 step of a tiny model (T = 16, C = 32, NH = 4, L = 2, F = 64, B = 8) on seven layouts, each through
+# `oracle.run_layout` (the training code path) with a `Numerics` whose `counts` say how often each point of
+# `precision.POINTS` rounded. Each gradient is compared with serial's per parameter, in the oracle's measure $d(a, b) =
+# \|a_P - b_P\| / \max(\|g_P\|, 10^{-3} \max_Q \|g_Q\|)$ (g: the float64 gradient).
 
 # %%
 cfg = ModelConfig(vocab_size=256, seq_len=16, d_model=32, n_heads=4, n_layers=2, d_ff=64)
@@ -329,36 +300,26 @@ check.holds("dp 3 with B = 6 (scalings by 1/3): median d from serial > 20 x 2 ga
 # %% [markdown]
 # Three kinds of layout, by what they change in the arithmetic:
 #
-# * **pp** only moves layers: stage 0 computes the same rows with the same weights as serial and sends its
-#   bfloat16 activations, which travel exactly. Every rounding happens where serial's does, on the same values:
-#   bit-identical gradients.
-# * **dp and micro-batches** split the rows. Each row's forward and backward are serial's, rounding for rounding
-#   (each replica rounds at every point, on its part of the batch), as long as a matrix product's row does not
-#   depend on the other rows multiplied with it: true of the BLAS here, as the checks show, not promised by every
-#   GPU kernel, whose choice may depend on the shape. Only the weight gradient's sum over the N
-#   tokens runs in another order, and in float32 (the micro-batches' `+=`, the All-Reduce over dp), so they differ
-#   from serial by float32 reordering, within $2\gamma_N(u_{32})$. This relies on B/dp and B/m being powers of two
-#   here: the 1/m and 1/(rows) factors of the loss are then exact, and each row's gradient is serial's times a
-#   power of two. With B = 6 on dp 3 a replica's factor is 3 times serial's, not a power of two: each row's
-#   activation gradients round differently, and dp 3 differs from serial by bfloat16-sized amounts (checked
-#   above).
-# * **tp** adds new roundings. A row-parallel linear's output is a sum of tp partial sums, each rounded to bfloat16
-#   before it travels (`payload`: 4L + 2 per rank and step: per block the attention's and the MLP's output in the
-#   forward, the two input gradients in the backward; the vocabulary-parallel embedding and LM head once each), and
-#   the sum is rounded again at the next point. Those are roundings serial never does, so the activations differ
-#   by bfloat16-sized amounts, and so does every gradient computed from them.
+# * **pp** only moves layers: each stage computes serial's rows with serial's weights and sends bfloat16 activations,
+#   which travel exactly. Every rounding happens where serial's does, on the same values: bit-identical gradients.
+# * **dp and micro-batches** split the rows. Each row's forward and backward are serial's, rounding for rounding, as
+#   long as a matrix product's row does not depend on the rows multiplied with it (true of the BLAS here, not promised
+#   by every GPU kernel). Only the weight gradient's float32 sum over the N tokens runs in another order (the
+#   micro-batches' `+=`, the All-Reduce), so they differ from serial within $2\gamma_N(u_{32})$. This needs B/dp and B/m
+#   to be powers of two, so that the loss's 1/m and 1/(rows) factors are exact: B = 6 on dp 3 differs by bfloat16-sized
+#   amounts (checked above).
+# * **tp** adds roundings: a row-parallel linear's tp partial sums are each rounded to bfloat16 before they travel
+#   (`payload`: 4L + 2 per rank and step), and their sum again at the next point. Serial never does those, so the
+#   activations and every gradient from them differ by bfloat16-sized amounts.
 #
-# So "bit-identical" is the exception (pp), "float32-close" holds for the layouts that only reorder float32 sums,
-# and tp's differences are of the size of bfloat16's rounding itself. How large may they be? That is the band.
+# How large may tp's differences be? That is the band.
 #
 # ## 3. The band
 #
 # `hsgd.check.oracle` answers with a model of the rounding error, after Higham and Mary: run the layout in float64, and
-# wherever the bfloat16 run would round, multiply by $(1 + u e)$ instead, e in [-1, 1) "random". `Perturbed` is the
-# `Numerics` that does it, `uniform_of(x, salt)` draws e: a hash of the value's bits and a salt (one per draw and per
-# rounding point), so that two ranks holding the same replicated value perturb it the same way and stay replicas,
-# as real rounding would keep them; a value the format already holds is left alone, as a rounding leaves it. Is e
-# uniform, and is one model perturbation as large as a real rounding?
+# wherever the bfloat16 run would round, multiply by $(1 + u e)$ instead, e in [-1, 1). `Perturbed` is that `Numerics`;
+# `uniform_of(x, salt)` draws e from a hash of the value's bits and a salt, so that replicas of a value stay replicas.
+# Is e uniform, and is one perturbation as large as a real rounding?
 
 # %%
 x = np.random.default_rng(5).standard_normal(200000)                    # (200000,) float64
@@ -390,21 +351,18 @@ check("the model's rms / (u/sqrt 3) against 1", abs(float(np.sqrt(np.mean(model 
 
 # %% [markdown]
 # A rounding's absolute error is uniform in half a spacing, $\pm 2^{e-p}$ for x in $[2^e, 2^{e+1})$, so its relative
-# error is largest at the bottom of the binade and half that at the top. For values spread evenly in $\log x$
-# (density $1/(x \ln 2)$ in a binade, as products of many factors tend to be) the mean of $1/x^2$ over $[1, 2)$ is
-# $3/(8 \ln 2)$, and the rms relative error is $\sqrt{3/(8 \ln 2)} = 0.736$ of $u/\sqrt{3}$, the rms of the
-# model's $u e$: the model **overestimates** a typical rounding by a third, on purpose (and it cannot underflow:
-# section 4).
+# error is largest at the bottom of the binade. For values spread evenly in $\log x$ (density $1/(x \ln 2)$, as products
+# of many factors tend to be) the mean of $1/x^2$ over $[1, 2)$ is $3/(8 \ln 2)$, and the rms relative error is
+# $\sqrt{3/(8 \ln 2)}$ = «0.736» of $u/\sqrt{3}$, the rms of the model's $u e$: the model **overestimates** a typical
+# rounding, on purpose.
 #
-# The oracle runs, for each seed and layout L: the float64 serial reference g, L in bfloat16 ($g_L$), L in float64
-# ($g_L^{64}$, exact: any difference from g beyond 1e-10 is a bug, not rounding), and L under the model twice (two
-# draws, $g_L^a$ and $g_L^b$). The model's rms $m_L = \sqrt{\mathrm{mean}_s\, d(g_L^a, g_L^b)^2 / 2}$ (two draws
-# differ by $\sqrt 2$ times one draw's error; what they share, such as a bug in a code path only the narrow formats
-# take, cancels and cannot widen the band) sets the band $\lambda m_L + \lambda \sqrt{N} u_{32}$ against float64,
-# and $\lambda \sqrt{m_L^2 + m_B^2} + \lambda \sqrt{N} u_{32}$ between L and the first layout B, with $\lambda$ = 4;
-# the second term is an allowance for the float32 sums the model does not perturb, in the probabilistic
-# $\sqrt{n}\,u$ form (the worst case $2\gamma_N(u_{32})$ of section 2 is its deterministic cousin). On 8 ranks,
-# three layouts, two seeds, two micro-batches:
+# For each seed and layout L the oracle runs the float64 serial reference g, L in bfloat16 ($g_L$), L in float64
+# ($g_L^{64}$: any difference from g beyond 1e-10 is a bug, not rounding), and L under the model twice ($g_L^a$,
+# $g_L^b$). The model's rms $m_L = \sqrt{\mathrm{mean}_s\, d(g_L^a, g_L^b)^2 / 2}$ (two draws differ by $\sqrt 2$ times
+# one draw's error; what they share, such as a bug only the narrow formats take, cancels and cannot widen the band) sets
+# the band $\lambda m_L + \lambda \sqrt{N} u_{32}$ against float64, and $\lambda \sqrt{m_L^2 + m_B^2} + \lambda \sqrt{N}
+# u_{32}$ between L and the first layout B, with $\lambda$ = 4; the second term allows for the float32 sums the model
+# does not perturb. On 8 ranks, three layouts, two seeds, two micro-batches:
 
 # %%
 LAYOUTS3 = [(1, 1, 1, 1), (4, 1, 1, 2), (2, 2, 1, 2)]
@@ -424,21 +382,18 @@ say("picture: " + pictures.on_rank0(world, lambda: pictures.save(plot_tolerance(
                                     share=True))
 
 # %% [markdown]
-# The picture (`verdict.plot_tolerance`) shows, for each layout, every parameter's observed differences (a dot per
-# seed, against float64 and against 1x1x1) under its band (the step line), on a log scale: every dot at least a
-# factor 4 below its line (the largest ratio is printed above), most about 10. The band is wide because it has to
-# be: the observed differences are themselves of order u, spread over seeds, and the band must hold on every seed
-# of every correct layout. It is still narrow enough to catch the bugs of section 5, which are of order 1, and the
-# float16 run without a scale of section 4.
+# The picture (`verdict.plot_tolerance`) shows, per layout, every parameter's observed differences (a dot per seed,
+# against float64 and against 1x1x1) under its band (the step line), on a log scale: the largest observed over its band
+# is printed above each layout (at most «0.27»). The band is wide because it must hold on every seed of every correct
+# layout, yet narrow enough to catch section 5's bugs, of order 1.
 #
 # ## 4. Loss scaling step by step
 #
-# float16 has bfloat16's problem the other way round: 3 more significant bits, but its normal numbers end at
-# $2^{-14}$ = 6.1e-5 and its subnormals at $2^{-24}$ = 6.0e-8 (chapter 21, section 6). A gradient flowing back
-# through a model gets small: the loss's gradient is 1/N per token, and every layer multiplies it by weights of
-# size ~0.02. `Flushes` below is a `Numerics` that also counts, at every rounding point, the nonzero values that
-# became 0 (underflow) and those that became subnormal (fewer than 11 significant bits). One float16 step on
-# layout 4x1x2, without a loss scale and with $S = 2^{16}$ (hsgd's `--loss-scale dynamic`, `LossScaler`'s first S):
+# float16 has bfloat16's problem the other way round: 3 more significant bits, but its normal numbers end at $2^{-14}$ =
+# 6.1e-5 and its subnormals at $2^{-24}$ = 6.0e-8. A gradient flowing back gets small: the loss's gradient is 1/N per
+# token, and every layer multiplies it by weights of size ~0.02. `Flushes` is a `Numerics` that also counts, at every
+# rounding point, the nonzero values that became 0 (underflow) or subnormal. One float16 step on 4x1x2, without a loss
+# scale and with $S = 2^{16}$ (`--loss-scale dynamic`, `LossScaler`'s first S):
 
 # %%
 class Flushes(Numerics):
@@ -474,12 +429,12 @@ check.holds("the worst parameter's gradient is closer to float64 with the scale 
             flushed["dynamic"][2] < flushed["none"][2])
 
 # %% [markdown]
-# The scale multiplies dloss, so every activation gradient, by S; the weight gradients are accumulated in float32
-# and divided by S there, after the All-Reduce (`HybridTrainer.update`). Too large an S overflows a gradient to inf
-# (above 65504); `LossScaler` keeps PyTorch GradScaler's rules (Micikevicius et al. 2018, "Mixed Precision
-# Training", with the growth rule of `torch.amp.GradScaler`): on an inf or NaN anywhere (agreed by every rank),
-# skip the update and halve S; after `growth_interval` good steps in a row, double it. Below, growth_interval = 3
-# and a sequence of found_inf flags, each step's state worked out by hand:
+# The scale multiplies dloss, so every activation gradient, by S; the weight gradients are accumulated in float32 and
+# divided by S after the All-Reduce (`HybridTrainer.update`). Too large an S overflows a gradient to inf (above 65504).
+# `LossScaler` keeps the rules of Micikevicius et al. 2018 ("Mixed Precision Training") with `torch.amp.GradScaler`'s
+# growth: on an inf or NaN anywhere (agreed by every rank), skip the update and halve S; after `growth_interval` good
+# steps in a row, double it. With growth_interval = 3 and a sequence of found_inf flags, each step's state worked out by
+# hand:
 
 # %%
 flags = [False, False, False, False, True, False, True, True, False, False, False]
@@ -502,12 +457,10 @@ check.equal("LossScaler's defaults == GradScaler's (init 2^16, growth 2, backoff
             (65536.0, 2.0, 0.5, 2000))
 
 # %% [markdown]
-# What does the oracle say of float16? Its model perturbs by $u e$ and never underflows, so it predicts the error
-# of a float16 run whose gradients stay in the normal range. With the scale, the run is inside its band; without
-# it, the attention's k biases fall outside. Their exact gradient is zero (a softmax ignores a shift shared by a
-# row of scores), so what a run computes there is a sum of the smallest values of the backward pass, the first to
-# underflow. The oracle cannot tell underflow from a bug, but it does tell that something beyond rounding
-# happened. One layout, one seed each:
+# The oracle's model never underflows: with the scale the float16 run is inside its band, without it the attention's k
+# biases fall outside. Their exact gradient is zero (a softmax ignores a shift shared by a row of scores), so a run
+# computes there a sum of the backward's smallest values, the first to underflow. The oracle cannot tell underflow from
+# a bug, but it tells that something beyond rounding happened. One layout, one seed each:
 
 # %%
 f16 = {}
@@ -527,12 +480,10 @@ check.holds("... only at the attention's q or k parameters",
 # %% [markdown]
 # ## 5. Reading a "TP loss differs from one device" report
 #
-# `hsgd.check.mutations.injected(bug)` switches on one of two mistakes distributed code is known to make, for the length
-# of a `with` block: `missing-tp-scale` makes one parameter's gradient tp times too large (a replicated parameter's
-# partial gradients summed over the tp ranks where each was already whole: here `ln_f.weight`), and
-# `dropped-micro-batch` starts the last micro-batch's backward pass from dloss = 0 (its loss counts, its gradient
-# never arrives). Both look, from the loss curve, like "TP (or pipelining) trains a bit differently": exactly the
-# report rounding also produces. The oracle on 1x1x1 and one parallel layout, one seed each:
+# `hsgd.check.mutations.injected(bug)` switches on one of two known mistakes for the length of a `with` block:
+# `missing-tp-scale` makes one parameter's gradient tp times too large (a replicated parameter's whole gradients summed
+# over the tp ranks: here `ln_f.weight`), and `dropped-micro-batch` starts the last micro-batch's backward from a zero
+# dloss. From the loss curve both look like rounding. The oracle on 1x1x1 and one parallel layout, one seed each:
 
 # %%
 bugs = {}
@@ -566,36 +517,26 @@ check.note("the correct code on the same layouts: inside the band (section 3's c
 # %% [markdown]
 # How to use the oracle on such a report, in this order:
 #
-# 1. **The float64 line first.** Run the layout in float64 (`--dtype float64`, or read the oracle's "in float64 ...
-#    from the reference" line). Every layout of hsgd reproduces serial SGD there to ~1e-15; a layout that does not
-#    has a bug, whatever the format, and the search is over: both bugs above fail here, by orders of magnitude.
-# 2. **Then the band.** Exact in float64 means every bfloat16 difference is rounding of *some* size; the oracle
-#    says whether of the size the model predicts for this layout. Inside: what rounding explains, nothing to find
-#    by comparing one step. Outside: look at *which* parameters. One parameter far outside (missing-tp-scale: a
-#    factor tp) points at its own code path; all of them a little outside points at something global (a loss
-#    scale, a dropped micro-batch, underflow as in section 4).
-# 3. **Both columns.** Against float64 says how far the run is from the truth; against the base layout says how
-#    far two layouts are from each other, which is what the report compares.
-# 4. **Seeds.** The band is the model's rms times $\lambda$ = 4, over the seeds you give: more seeds, a sharper
-#    band and a truer max. A single seed inside proves little; a difference outside on several seeds is a finding.
-# 5. **What it cannot see.** A bug smaller than the rounding error (a wrong scale of $1 + 10^{-3}$ in bfloat16) is
-#    inside the band: the float64 line is the only test that catches those. And a step is not a training run:
-#    `--loss-steps K` asks the same question of the loss after K steps.
+# 1. **The float64 line first.** Every layout of hsgd reproduces serial SGD in float64 to ~1e-15; a layout that does not
+#    has a bug, whatever the format: both bugs above fail here, by orders of magnitude.
+# 2. **Then the band.** Exact in float64 means every bfloat16 difference is rounding; the oracle says whether of the
+#    size the model predicts. Inside: nothing to find by comparing one step. Outside: one parameter far outside
+#    (missing-tp-scale, a factor tp) points at its own code path; all of them a little outside at something global (a
+#    loss scale, a dropped micro-batch, underflow).
+# 3. **Both columns.** Against float64: distance from the truth; against the base layout: what the report compares.
+# 4. **Seeds.** One seed inside proves little; a difference outside on several seeds is a finding.
+# 5. **What it cannot see.** A bug smaller than the rounding (a wrong scale of $1 + 10^{-3}$ in bfloat16) is inside the
+#    band; only the float64 line catches it. And a step is not a training run: `--loss-steps K` asks the same of the
+#    loss after K steps.
 #
 # ## Check against serial
 #
-# On 8 ranks, every verdict reached collectively: summing in three orders in float32 and bfloat16 stays within
-# Higham's worst case where it says something and grows like $\sqrt{n}\,u$, except where bfloat16 stagnates at 256,
-# derived by hand; the rounding points each layout uses are counted against what each layout must do, pp's
-# gradients are bit-identical to serial's, dp's and micro-batches' within float32 reordering, tp's differ by
-# bfloat16-sized amounts; the error model is uniform and overestimates a real rounding by the derived factor; the
-# oracle passes a correct code on three layouts, every float64 run exact; float16 flushes gradients to zero
-# without a scale and none with it, and `LossScaler` follows its rules step by step; both injected bugs are
-# flagged, the float64 line first.
+# Every verdict above is collective over 8 ranks; the float64 runs are serial SGD's to rounding, and every bfloat16 and
+# float16 difference was held to a bound derived above.
 
 # %%
 what, err = check.worst(["the oracle: every layout's float64 run against the float64 reference"])
-say(f"\nchapter 16: all {len(check.passed)} checks passed on {world.Get_size()} ranks; largest error against serial "
+say(f"\nchapter 14: all {len(check.passed)} checks passed on {world.Get_size()} ranks; largest error against serial "
     f"(float64) {err:.1e} ({what})")
 
 # %% [markdown]
@@ -612,30 +553,27 @@ say(f"\nchapter 16: all {len(check.passed)} checks passed on {world.Get_size()} 
 # ## Exercises
 #
 # ### Exercise 1: Kahan summation in bfloat16
-# Write compensated (Kahan) summation with every operation rounded to bfloat16 (`round_to` after each float32
-# add and subtract), sum the same 4096 numbers in [0, 1) as section 1, and compare with the plain sequential sum:
-# check that Kahan's error stays below $2u + n u^2$ of $\sum|x_i|$ (its classical bound, to first order
-# $2u$, independent of n) while the plain sum stagnates at 256.
+# Write compensated (Kahan) summation with every operation rounded to bfloat16 (`round_to` after each float32 add
+# and subtract), sum section 1's 4096 numbers, and check that its error stays below $2u + n u^2$ of $\sum|x_i|$
+# (its classical bound) while the plain sum stagnates at 256.
 # (solution: `tutorials/solutions/14_floating_point.py`, `exercise_1`)
 #
 # ### Exercise 2: stochastic rounding
-# Round x to bfloat16 up or down at random, up with probability (x - down) / (up - down). Check that the mean of
-# many stochastic roundings of one x is x (unbiased, within a few standard errors, where round-to-nearest is off
-# by a fixed amount), and that the sequential sum of section 1 with stochastic rounding no longer stagnates: its
-# error at n = 4096 is of the $\sqrt{n}\,u$ scale, not 88%.
+# Round x to bfloat16 up with probability (x - down) / (up - down), else down. Check that the mean of many
+# stochastic roundings of one x is x (within a few standard errors, where round-to-nearest is off by a fixed
+# amount), and that section 1's sequential sum no longer stagnates: its error at n = 4096 is of the $\sqrt{n}\,u$
+# scale.
 # (solution: `tutorials/solutions/14_floating_point.py`, `exercise_2`)
 #
 # ### Exercise 3: the band of one linear layer, by hand
-# For $dW = X^\top dY$ with X (N, C) and dY (N, F) both rounded to bfloat16 before a float32 product, derive the
-# model's rms error of dW relative to its norm: $u \sqrt{2/3}\, \sqrt{\sum_{ij} \sum_n X_{ni}^2 dY_{nj}^2} /
-# \|dW\|$. Check it against the `Perturbed` model (many salts) within 10%, and check that real bfloat16 rounding's
-# rms error is below it, near 0.74 of it.
+# For $dW = X^\top dY$ with X (N, C) and dY (N, F) rounded to bfloat16 before a float32 product, derive the model's
+# rms error of dW relative to its norm, $u \sqrt{2/3}\, \sqrt{\sum_{ij} \sum_n X_{ni}^2 dY_{nj}^2} / \|dW\|$. Check
+# it against `Perturbed` (many salts) within 10%, and that real rounding's rms error is below it, near 0.74 of it.
 # (solution: `tutorials/solutions/14_floating_point.py`, `exercise_3`)
 #
 # ### Exercise 4: a float16 overflow found by the scaler
-# Train a float16 `HybridTrainer` on dp 2 whose scaler starts at $S = 2^{36}$: far too large, the activation
-# gradients overflow. Check that each step skips the update on both ranks (the master weights bit-identical) and
-# halves S, and that the first update is applied at the largest power of two S with $S \max|g| < 65520$ (g: the
-# activation gradients the backward pass hands to a rounding, recorded by a `Numerics` of your own; 65520 is where
-# float16 rounds to inf), with the same loss and weights on both replicas.
+# Train a float16 `HybridTrainer` on dp 2 whose scaler starts at $S = 2^{36}$, far too large. Check that each step
+# skips the update on both ranks (master weights bit-identical) and halves S, and that the first update comes at the
+# largest power of two S with $S \max|g| < 65520$ (g: the activation gradients the backward hands to a rounding,
+# recorded by a `Numerics` of your own; 65520 is where float16 rounds to inf), equal on both replicas.
 # (solution: `tutorials/solutions/14_floating_point.py`, `exercise_4`)

@@ -16,46 +16,29 @@
 # %% [markdown]
 # # Chapter 15: FP8: 8-bit products, their scales, and the ranks a scale is agreed over
 #
-# Chapter 14 rounded to bfloat16 and float16, formats wide enough that a tensor is stored as it is. An 8-bit format
-# is not: E4M3 spans about 18 binades with 4 significant bits, E5M2 about 32 with 3, and the values of one tensor of
-# a Transformer (weights near 0.02, activations near 1, gradients of a mean over thousands of tokens near $10^{-6}$)
-# sit in different places. FP8 training (Micikevicius et al. 2022, "FP8 Formats for Deep Learning") therefore
-# multiplies each operand of a matrix product by a **scale** chosen so that its largest magnitude lands near the top
-# of the format, casts, and divides the scale out after the product. The scale is the new thing a distributed run
-# has to get right: when a tensor lies on several ranks, every rank that holds a piece must cast with the *same*
-# scale, so its amax must be reduced over exactly those ranks. The lecture has no section on number formats (FP8 is
-# beyond it, as floating point is in chapter 14); section 3 of this chapter stands on its sections 3.3 and 3.4,
-# which say which ranks hold the pieces of one tensor (the tensor-parallel partition of a layer) and the copies of
-# one shard (the data-parallel replicas). `hsgd.fp8` is the code taught:
+# Chapter 14 rounded to bfloat16 and float16, formats wide enough that a tensor is stored as it is. An 8-bit format is
+# not: E4M3 spans «17.8» binades with 4 significant bits, E5M2 «31.8» with 3, and a Transformer's tensors (weights near
+# 0.02, activations near 1, gradients of a mean over thousands of tokens near $10^{-6}$) sit in different places. FP8
+# training (Micikevicius et al. 2022, "FP8 Formats for Deep Learning") therefore multiplies each operand of a matrix
+# product by a **scale** that puts its largest magnitude near the top of the format, casts, and divides the scale out
+# after the product. The scale is what a distributed run must get right: every rank that holds a piece of a tensor must
+# cast with the *same* scale, so its amax must be reduced over exactly those ranks. FP8 is beyond the lecture, as
+# chapter 14 is; section 3 stands on its sections 3.3 and 3.4, which say which ranks hold the pieces of one tensor and
+# the copies of one shard. `hsgd.fp8` is the code taught.
 #
-# 1. the two formats, their ranges against the values a tensor of the tiny model actually holds, pictured, and what
-#    fraction under- or overflows with and without a scale;
-# 2. the scaling recipes as objects (`hsgd.fp8.recipes`): delayed with its amax history, tensorwise, rowwise,
-#    blockwise, their errors on one tensor built with outliers, and delayed scaling's first step without a history;
-# 3. the amax's domain (`hsgd.fp8.domains`): which ranks hold pieces of an operand, the exact mode (float64 compute
-#    on FP8 values) in which four layouts of 4 ranks equal the serial FP8 reference to 1e-12, what the agreement
-#    costs on the wire, then three bugs that real frameworks shipped, each reproduced, measured against serial and
-#    caught by `--fp8-check`, and ZeRO-3 sending its weights as FP8 codes, where a local amax does real harm;
-# 4. limited accumulation (`hsgd.fp8.accumulate`): a product whose running sum keeps 14 bits, with and without
-#    promotion to float32 every 128 terms, against the DeepSeek-V3 report's figure, pictured.
-#
-# Run it with four ranks (measured on a 2-core machine: 3 s idle, 16 s while another job's 8 ranks loaded it to a
-# load average of 9; on failure every rank raises, so it exits non-zero without hanging). Rank 0 draws two pictures
-# into `$HSGD_FIGURES` (default `tutorials/figures/`):
+# Run it with four ranks (measured on a 2-core machine: 3 s idle, 16 s under another job's 8 ranks). Rank 0 prints and
+# draws two pictures into `$HSGD_FIGURES` (default `tutorials/figures/`); `mpirun -n 4 python -m hsgd.train --dp 2 --tp
+# 2 --fp8 hybrid --fp8-recipe delayed --fp8-history 16 --fp8-check` trains with FP8 products (`--dtype float64` for the
+# exact mode).
 #
 # mpirun -n 4 python tutorials/15_fp8.py
 #
-# Only rank 0 prints. From the command line, `mpirun -n 4 python -m hsgd.train --dp 2 --tp 2 --fp8 hybrid
-# --fp8-recipe delayed --fp8-history 16 --fp8-check` trains with FP8 products (add `--dtype float64` for the exact
-# mode).
-#
-# Legend: B sequences in the global batch, T sequence length, C d_model, NH heads, F the MLP width (d_ff), V
-# vocabulary, L blocks; tp, cp, dp the layout's sizes, written dp x cp x tp where pp = 1, m micro-batches. A linear
-# is Y = X W with X (N, K) (N = tokens), W (K, M), dY (N, M). FP8 numbers: p the significant bits of a format
-# (leading bit included), emin its smallest normal exponent, fmax its largest value, u = 2^-p; amax the largest
-# |value| of a tile; s = fmax / amax / 2^margin the scale, q(x) = round(x s, saturating) / s the value a product
-# reads; b a block's side. Accumulation (section 4): p the bits the partial sum keeps (14), N_c the terms between
-# promotions to float32.
+# Legend: B sequences in the global batch, T sequence length, C d_model, NH heads, F the MLP width, V vocabulary, L
+# blocks; tp, cp, dp the layout's sizes, written dp x cp x tp where pp = 1, m micro-batches. A linear is Y = X W with X
+# (N, K) (N = tokens), W (K, M), dY (N, M). FP8: p the significant bits of a format (leading bit included), emin its
+# smallest normal exponent, fmax its largest value, u = 2^-p; amax the largest |value| of a tile; s = fmax / amax /
+# 2^margin the scale, q(x) = round(x s, saturating) / s the value a product reads; b a block's side. Section 4: p the
+# bits the partial sum keeps (14), N_c the terms between promotions to float32.
 
 # %%
 from hsgd.model.config import ModelConfig   # hsgd first, as in chapter 11 (OpenBLAS's thread timeout)
@@ -96,19 +79,18 @@ E4, E5 = "float8_e4m3fn", "float8_e5m2"
 # %% [markdown]
 # ## 1. The two formats and the values a tensor holds
 #
-# A format with p significant bits and smallest normal exponent emin holds the numbers $M\,2^{e-p+1}$ with M an
-# integer, $|M| < 2^p$, $e \ge$ emin; below $2^{\text{emin}}$ the spacing stays fixed (the subnormals), down to
-# the smallest, $2^{\text{emin}-p+1}$. The two 8-bit formats of the OCP standard spend their 8 bits differently
-# (`hsgd.model.precision.FORMATS`):
+# A format with p significant bits and smallest normal exponent emin holds the numbers $M\,2^{e-p+1}$, M an integer,
+# $|M| < 2^p$, $e \ge$ emin; below $2^{\text{emin}}$ the spacing stays fixed (the subnormals), down to
+# $2^{\text{emin}-p+1}$. The OCP standard's two 8-bit formats (`hsgd.model.precision.FORMATS`):
 #
-# - **E4M3** (`float8_e4m3fn`): 4 exponent bits, 3 stored significand bits, p = 4, emin = -6. It has no infinity:
-#   of the codes of its top binade only the all-ones one is special (NaN), so its largest value is
-#   $1.75 \cdot 2^8 = 448$, and a value that rounds past it becomes NaN. Used for the forward pass (X and W).
-# - **E5M2** (`float8_e5m2`): float16's exponent range with 3 significant bits, p = 3, emin = -14, IEEE-like (its
-#   top exponent holds inf and NaN), so $1.75 \cdot 2^{15} = 57344$ is the largest. Used for gradients, whose range
-#   is wider: `FP8_FORMATS["hybrid"]` is E4M3 forward and E5M2 backward.
+# - **E4M3** (`float8_e4m3fn`): p = 4, emin = -6, no infinity: of its top binade's codes only the all-ones one is
+#   special (NaN), so its largest value is $1.75 \cdot 2^8 = 448$, and a value that rounds past it becomes NaN. Used for
+#   the forward (X and W).
+# - **E5M2** (`float8_e5m2`): float16's exponent range with p = 3, emin = -14, IEEE-like (inf and NaN), largest
+#   $1.75 \cdot 2^{15} = 57344$. Used for gradients, whose range is wider: `FP8_FORMATS["hybrid"]` is E4M3 forward, E5M2
+#   backward.
 #
-# The table is computed from `FORMATS`; the checks below try the edges of each range with `round_to`.
+# The checks try the edges of each range with `round_to`.
 
 # %%
 say(f"{'format':>14} {'p':>2} {'emin':>5} {'fmax':>11} {'smallest normal':>16} {'smallest subnormal':>19} "
@@ -148,14 +130,11 @@ check.equal("round_to at the edges of both ranges == the values worked out by ha
             [want for *_, want in edges])
 
 # %% [markdown]
-# Where do a model's values fall? One float64 forward and backward of the tiny model (L = 2, C = 32, NH = 4,
-# F = 64, B = 8 sequences of T = 32 random bytes), with an `Fp8` of our own inside `Fp8Ops`: its `quantize`, the
-# one place every operand of a block linear passes on its way into a product, keeps a copy of what it is handed
-# and returns it uncast, so the run is plain float64 and we see the operands FP8 would cast. Four of them: a weight,
-# an activation (the MLP's input, after LayerNorm), and two output gradients dY. The loss is a mean over the
-# B T = 256 tokens, so each token's gradient carries a factor 1/256, and it shrinks further through the blocks.
-# For each, what fraction of its nonzero values a cast would flush to zero (underflow), leave as a subnormal (fewer
-# than p bits), or push past fmax (overflow), cast as it is (s = 1) and with the scale s = fmax/amax.
+# Where do a model's values fall? One float64 forward and backward of the tiny model (L = 2, C = 32, NH = 4, F = 64, B =
+# 8, T = 32), with an `Fp8` inside `Fp8Ops` whose `quantize`, which every operand of a block linear passes, keeps a copy
+# and returns it uncast. Four operands: a weight, an activation (the MLP's input) and two output gradients dY, which
+# carry the loss's 1/(B T) and shrink through the blocks. For each, the fraction of nonzero values a cast would flush to
+# zero, leave subnormal or push past fmax, with s = 1 and with s = fmax/amax.
 
 # %%
 PICKED = {"h.0.mlp.fc.weight:w": ("weight W", E4), "h.0.mlp.in:x": ("activation X", E4),
@@ -245,18 +224,16 @@ def draw_ranges():
 say(f"picture: {pictures.on_rank0(world, draw_ranges, share=True)}")
 
 # %% [markdown]
-# The picture shows, for each of the four operands, the histogram of $\log_2|x|$ as the model holds it (grey) and
-# after the scale (blue outline, the same shape moved right by $\log_2 s$), over the normal (solid) and subnormal
-# (hatched) ranges of E4M3 (green) and E5M2 (orange). Cast as they are, the weight falls half into E4M3's
-# subnormals and the first block's q gradient lies almost wholly below E5M2's smallest number; scaled, every
-# operand's top sits at fmax and the bulk in the normal range. A tensor's own spread (the width of its histogram)
-# is what no scale can fix: E4M3's 18 binades hold the weight and the activation whole, and E5M2's 32 hold the
-# gradients, whose widths are the largest.
+# The picture shows each operand's histogram of $\log_2|x|$ as held (grey) and scaled (blue outline, moved right by
+# $\log_2 s$), over the normal (solid) and subnormal (hatched) ranges of E4M3 (green) and E5M2 (orange). Unscaled, the
+# weight falls half into E4M3's subnormals and the first block's q gradient lies below E5M2's smallest number; scaled,
+# every top sits at fmax and the bulk in the normal range. A tensor's own spread, its histogram's width, is what no
+# scale can fix.
 #
 # ## 2. Scaling recipes as objects
 #
-# A recipe (`hsgd.fp8.recipes`) answers two questions: which elements share a scale (the **tile**), and whose amax
-# sets it. `make_recipe(name)` builds each:
+# A recipe (`hsgd.fp8.recipes`, `make_recipe(name)`) answers two questions: which elements share a scale (the **tile**),
+# and whose amax sets it:
 #
 # | recipe | tile | amax from | in production |
 # |---|---|---|---|
@@ -265,13 +242,11 @@ say(f"picture: {pictures.on_rank0(world, draw_ranges, share=True)}")
 # | rowwise | a row along the contraction axis K | this row, now | torchao's rowwise |
 # | blockwise | 1 x b tiles of X and dY along K, b x b blocks of W | this tile, now | DeepSeek-AI 2024, "DeepSeek-V3 Technical Report", section 3.3; `Float8BlockScaling` |
 #
-# A tile runs along the contraction axis so that its scale is a constant of each term of a dot product and can be
-# divided out of the sum. The experiment: one activation X (64 tokens x K = 128) of N(0, 1) values in which
-# tokens 0-3 are $10^4$ times larger (outlier tokens, as LLMs show), tokens 60-63 $10^3$ times smaller, and token
-# 10 holds one outlier of $3 \cdot 10^5$ in column 5. Each recipe casts it through `Fp8.quantize` (serial:
-# `Holders()` says no rank shares it). Printed: the relative error in norm (the largest values dominate it), the
-# largest error of a token's row, and the values whose relative error exceeds u (which only a value cast outside
-# E4M3's normal range can: to a subnormal or to zero).
+# A tile runs along the contraction axis, so its scale can be divided out of each dot product. The experiment: an
+# activation X (64 tokens x K = 128) of N(0, 1) values in which tokens 0-3 are $10^4$ times larger (outlier tokens, as
+# LLMs show), tokens 60-63 $10^3$ times smaller, and token 10 holds one outlier of $3 \cdot 10^5$. Each recipe casts it
+# through `Fp8.quantize` (`Holders()`: no rank shares it). Printed: the relative error in norm, the worst token's, and
+# the values whose error exceeds u (cast below the normal range).
 
 # %%
 SERIAL = Holders()                                   # one rank: no communicator splits anything
@@ -309,11 +284,10 @@ check.holds("tensorwise: the quiet tokens flush to zero entirely (worst token er
             np.all(out["tensorwise"][60:] == 0))
 
 # %% [markdown]
-# One tensorwise scale serves the loudest value: every ordinary token drops into E4M3's subnormals and the quiet
-# ones vanish. A scale per row isolates each token (only token 10, whose own outlier sets its scale, loses its
-# small values), and a 1 x 32 tile isolates the outlier's neighbourhood. Weights get b x b blocks: a 128 x 128
-# W ~ N(0, 0.02^2) with one 32 x 32 block $10^4$ times smaller (a part of the matrix that barely moved), tensorwise
-# and blockwise.
+# One tensorwise scale serves the loudest value: every ordinary token drops into E4M3's subnormals and the quiet ones
+# vanish. A scale per row isolates each token (only token 10 loses its small values to its own outlier), and a 1 x 32
+# tile isolates the outlier's neighbourhood. Weights get b x b blocks: a 128 x 128 W ~ N(0, 0.02^2) with one 32 x 32
+# block $10^4$ times smaller (a part that barely moved), tensorwise and blockwise.
 
 # %%
 W = rng.standard_normal((128, 128)) * 0.02           # (K, M)
@@ -328,12 +302,11 @@ check.holds("W with a quiet block: blockwise casts every value within u, tensorw
             wbad["blockwise"] == 0 < wbad["tensorwise"])
 
 # %% [markdown]
-# **Delayed scaling** casts with a scale from the past: `quantize` records the amax of what it casts, `end_step`
-# pushes it into the operand's history (reduced over the ranks that hold the tensor, section 3), and the next step's
-# scale is fmax over the history's maximum. It needs no reduction on the critical path (one vector per step), and
-# it is blind to the present: the first step has no history and casts with s = 1, as TransformerEngine starts, and
-# a value larger than any recent one saturates. On X: step 1 with s = 1, then step 2 with the history, which for
-# this one tensor is the tensorwise cast exactly.
+# **Delayed scaling** casts with a scale from the past: `quantize` records the amax of what it casts, `end_step` pushes
+# it into the operand's history (reduced over the tensor's holders, section 3), and the next step's scale is fmax over
+# the history's maximum. It is blind to the present: the first step casts with s = 1, as TransformerEngine starts, and a
+# value above every recent one saturates. On X: step 1 with s = 1, then step 2, which for one tensor is the tensorwise
+# cast exactly.
 
 # %%
 delayed = Fp8("hybrid", make_recipe("delayed", history=2))
@@ -349,10 +322,9 @@ check.holds("delayed, step 2 == tensorwise, bit for bit (the history holds this 
             np.array_equal(Q2, out["tensorwise"]))
 
 # %% [markdown]
-# The same in training: three steps of the serial FP8 model (float64, `Fp8Ops` around the plain layers, delayed
-# scaling with a history of 2), the counts of each step read from `fp8.last` after `end_step`. Step 1 casts the
-# gradients dY with s = 1 into E5M2, where the small ones flush to zero and the blocks' weight gradients are made
-# of what is left. From step 2 the history is there.
+# The same in training: three steps of the serial FP8 model (float64, delayed scaling, history 2), each step's counts
+# read from `fp8.last`. Step 1 casts the gradients with s = 1 into E5M2, where the small ones flush to zero; from step 2
+# the history is there.
 
 # %%
 def delayed_run():
@@ -384,18 +356,16 @@ check.holds("delayed, step 2: over 1000 times fewer (the scale from step 1's ama
             1000 * steps[1][("dy", "underflow")] < steps[0][("dy", "underflow")])
 
 # %% [markdown]
-# Step 2 trades the underflow for a few overflows: some of its values exceed every amax in the history (step 1's
-# update changed the model) and saturate at fmax. That is what `--fp8-margin` (s divided by $2^{\text{margin}}$) and a
-# longer history buy off, at the price of a binade at the bottom (exercise 3).
+# Step 2 trades the underflow for a few overflows (step 1's update changed the model). `--fp8-margin` (s divided by
+# $2^{\text{margin}}$) and a longer history buy that off, for a binade at the bottom (exercise 3).
 #
 # ## 3. The amax and its domain
 #
-# On a layout, one logical tensor may lie on several ranks, and hsgd declares, per operand of each linear, how
-# (`Holders.spread`): **split** by tp along an axis (a column-parallel W along M, the row-parallel input X along K),
-# **gathered** from T-shards (the sequence scheme's inputs of the column-parallel linears, cast before their
-# All-Gather), a **copy** on every tp rank, and split along the tokens by cp. The amax of a tile is reduced (MAX)
-# over the communicators that split the tile (`reduce_over`); every holder of a tile, copies included, must end with
-# the same scale (`share`). The table of the real `Holders` of two layouts, read from their trainers:
+# hsgd declares, per operand of each linear, how it lies on the ranks (`Holders.spread`): **split** by tp along an axis
+# (a column-parallel W along M, the row-parallel X along K), **gathered** from T-shards (the sequence scheme's inputs,
+# cast before their All-Gather), a **copy** on every tp rank, and split along the tokens by cp. A tile's amax is reduced
+# (MAX) over the communicators that split it (`reduce_over`), and every holder of a tile, copies included, must end with
+# the same scale (`share`). The real `Holders` of two layouts, read from their trainers:
 
 # %%
 LINEARS = ("h.0.attn.q.weight", "h.0.attn.proj.weight", "h.0.mlp.fc.weight", "h.0.mlp.proj.weight")
@@ -429,19 +399,16 @@ def show_domains(title, rows):
 
 
 # %% [markdown]
-# "1st" and "2nd" are an operand's two casts: X along K (forward) and along the tokens (wgrad), W along K
-# (forward) and M (dgrad), dY along M (dgrad) and the tokens (wgrad). The layouts are trained below; the tables are
-# printed as each trainer is built.
+# "1st" and "2nd" are an operand's two casts: X along K (forward) and the tokens (wgrad), W along K (forward) and M
+# (dgrad), dY along M (dgrad) and the tokens (wgrad).
 #
-# **The exact mode.** With `--fp8 hybrid --dtype float64` every operand of a block linear is an FP8 number times
-# 1/s and everything else is float64. Two runs that cast the same numbers with the same scales then agree to
-# float64's rounding, and a scale taken over the wrong ranks shows as a difference of FP8's size. The serial FP8
-# reference (as `tests/mpi/test_fp8.py` builds it) is `serial.sgd` through `Fp8Ops` around the plain layers,
-# computed a micro-batch of one replica at a time (`micro_sequences = B/(dp m)`: the tensor a current scale is
-# taken over), each replica's backward seeded as the layout seeds it (`replicas = dp cp`: exercise 1 shows why
-# that matters to delayed scaling), `end_step` after every step. Four layouts of 4 ranks, a recipe each, three
-# steps, with `--fp8-check` on (every scale compared over the holders of its tile); parameters, losses and amax
-# histories against the reference:
+# **The exact mode.** With `--fp8 hybrid --dtype float64` every operand of a block linear is an FP8 number times 1/s and
+# the rest float64, so runs that cast alike agree to float64's rounding and a scale taken over the wrong ranks shows at
+# FP8's size. The serial FP8 reference (as `tests/mpi/test_fp8.py` builds it) is `serial.sgd` through `Fp8Ops`, computed
+# one replica's micro-batch at a time (`micro_sequences = B/(dp m)`: what a current scale is taken over), each replica's
+# backward seeded as the layout seeds it (`replicas = dp cp`: exercise 1), `end_step` after every step. Four layouts of
+# 4 ranks, a recipe each, three steps with `--fp8-check` (every scale compared over its tile's holders); parameters,
+# losses and amax histories against the reference:
 
 # %%
 def serial_fp8(tc):
@@ -531,18 +498,14 @@ check.holds("blockwise reduces no amax anywhere (a tile never leaves its rank)",
             all(v[6] == "-" for t in tables.values() for v in t.values()))
 
 # %% [markdown]
-# In the sequence scheme the inputs of q k v and fc are **gathered**: each rank casts its T-shard and the All-Gather
-# moves FP8 numbers, so the shards must share one scale, reduced over tp, and with cp over cp as well (the tokens
-# are cp's). Rowwise needs tp only where a row runs along the axis tp splits (the row-parallel X cast along K, a
-# split W or dY cast along its split axis), and cp only for rows along the tokens; blockwise needs nothing,
-# because `check_blocks` refuses a layout whose pieces cut a tile (exercise 4): a tile that stays on one rank needs
-# no agreement at all.
+# In the sequence scheme the inputs of q k v and fc are **gathered**: the All-Gather moves FP8 numbers, so the T-shards
+# must share one scale, reduced over tp, and with cp over cp too. Blockwise needs no reduction: `check_blocks` refuses a
+# layout whose pieces cut a tile (exercise 4).
 #
-# **What the agreement costs.** A current scale is reduced at each cast (one `Allreduce` MAX of a number, or of a
-# vector of rows, per operand and use); delayed scaling reduces the whole step's amaxes at its end, one vector of
-# 16 L numbers (X of qkv, attention's proj, the MLP's input and proj; W and dY of q, k, v, proj, fc, proj) over tp
-# and one over dp. Measured on dp 2 x tp 2 (megatron) as the Allreduce traffic of step 1 beyond a run without FP8,
-# in the two columns: the payload, and what a ring moves per rank, 2(p-1)/p of it:
+# **What the agreement costs.** A current scale is reduced at each cast (one `Allreduce` MAX of a number, or of a vector
+# of rows, per operand and use); delayed scaling reduces the whole step's amaxes at its end, one vector of 16 L numbers
+# over tp and one over dp. Measured on dp 2 x tp 2 (megatron) as the Allreduce traffic of step 1 beyond a run without
+# FP8, payload and what a ring moves per rank (2(p-1)/p of it):
 
 # %%
 plain_tc = train_config(steps=1, batch_size=B, dp=2, pp=1, cp=1, tp=2)
@@ -562,24 +525,22 @@ check.holds("tensorwise: many Allreduces, all on tp (a current scale is its repl
             set(extra["tensorwise"]) == {("tp", "Allreduce")} and extra["tensorwise"][("tp", "Allreduce")][0] > 1)
 
 # %% [markdown]
-# Bytes are nothing here; calls are the cost. Current scaling puts a small collective in front of many products,
-# on the critical path; delayed scaling pays one per step and communicator, off it (TransformerEngine's delayed
-# scaling also reduces one buffer of all the amaxes; torchao's `precompute_float8_dynamic_scale_for_fsdp` does one
-# All-Reduce for the scales of all the weights, after the optimizer's step).
+# Bytes are nothing here; calls are the cost. Current scaling puts a small collective in front of many products, on the
+# critical path; delayed scaling pays one per step and communicator, off it (TransformerEngine and torchao batch theirs
+# likewise).
 #
-# **Three bugs, reproduced.** `hsgd.fp8.scaling.BUGS` holds the amax reductions that real runs have been seen to
-# get wrong, switched on by `trainer.stage.fp8.bugs = {name}`:
+# **Three bugs, reproduced.** `hsgd.fp8.scaling.BUGS` holds amax reductions real runs got wrong, switched on by
+# `trainer.stage.fp8.bugs = {name}`:
 
 # %%
 for name in ("amax-local-shard", "amax-dp-only", "amax-no-sp-reduce"):
     say(f"  {name:<18} {BUGS[name]}")
 
 # %% [markdown]
-# Each on dp 2 x tp 2, where it matters: the weight's amax of a tp shard with tensorwise scaling (torchtitan
-# issue #3109: a regression that took the local shard's amax); the history reduced over dp but not tp with delayed
-# scaling (Megatron-LM PR #442: its amax group left out tp, and a 40B model diverged at tp 8); the sequence
-# scheme's gathered inputs cast on their own T-shard's amax with tensorwise scaling (TransformerEngine PR #74).
-# First one step in the exact mode against the serial FP8 reference, then two steps with `--fp8-check`.
+# Each on dp 2 x tp 2: a tp shard's weight amax taken locally with tensorwise scaling (torchtitan issue #3109); the
+# history reduced over dp but not tp with delayed scaling (Megatron-LM PR #442: a 40B model diverged at tp 8); the
+# sequence scheme's gathered inputs cast on their own T-shard's amax (TransformerEngine PR #74). First one step in the
+# exact mode against the serial FP8 reference, then two steps with `--fp8-check`.
 
 # %%
 BUG_CASES = [
@@ -605,29 +566,24 @@ for bug, kw, operand in BUG_CASES:
                 all(e == e2 for g, e in said for g2, e2 in said if g == g2))
 
 # %% [markdown]
-# The first and third bugs change a scale inside step 1, so its parameters move differently at once, by amounts
-# of FP8's size (a cast's relative error is up to $2^{-4}$ or $2^{-3}$ where float64's is $10^{-16}$). The second
-# leaves step 1 alone, because delayed scaling's first step casts with s = 1 on every rank; it writes different
-# amaxes into the two tp ranks' histories, which step 2 casts with. The histories, not the parameters, show it after
-# one step, and `--fp8-check` names it in step 2.
+# The first and third bugs change a scale in step 1, so the parameters move by FP8-sized amounts at once. The second
+# leaves step 1 alone (delayed scaling's first step casts with s = 1 everywhere) but writes different amaxes into the
+# two tp ranks' histories, which step 2 casts with: the histories show it after one step, and `--fp8-check` names it in
+# step 2.
 #
-# Why every rank raises alike: `check_same` reduces each scale with MIN and with MAX over each communicator of the
-# tile's holders, so every rank of it holds the same pair (lo, hi) and reaches the same verdict, lo != hi, at the
-# same call; the ranks of the other tp group compare the same operand at the same point of their own identical
-# program. Its body:
+# Every rank raises alike: `check_same` reduces each scale with MIN and MAX over the tile's holders, so all reach the
+# same verdict at the same call. Its body:
 
 # %%
 say("\n" + inspect.getsource(check_same).split('"""')[-1].strip("\n"))
 
 # %% [markdown]
-# **When an FP8 tensor travels.** The first bug is harmless in itself: a rank that casts its own shard with its own
-# scale and reads it back with that scale has only chosen a finer tile. It does harm once the *codes* cross ranks
-# and the scale does not. ZeRO-3 gathers each layer's weights before its forward and its backward; with
-# `--fp8-allgather` (`hsgd.dp.fp8_gather`, what torchao's FP8 All-Gather does for FSDP2) each rank casts its chunk of
-# the block linears' weights first and sends one byte a value (`hsgd.fp8.codes`), so every weight's amax must be
-# reduced over the shard ranks (and tp) before the cast: every rank decodes every chunk with its own scale. On dp 4
-# with `--zero 3`, tensorwise, in the exact mode: the run against the serial FP8 reference, step 1's All-Gather
-# bytes with and without it, and then the local-shard bug on the same layout:
+# **When an FP8 tensor travels.** The first bug alone only chooses a finer tile; it does harm once the *codes* cross
+# ranks and the scale does not. ZeRO-3 gathers each layer's weights before its forward and backward; with
+# `--fp8-allgather` (`hsgd.dp.fp8_gather`, as torchao's FP8 All-Gather for FSDP2) each rank casts its chunk first and
+# sends one byte a value (`hsgd.fp8.codes`), so every weight's amax must be reduced over the shard ranks (and tp) before
+# the cast. On dp 4 with `--zero 3`, tensorwise, in the exact mode: the run against the serial FP8 reference, step 1's
+# All-Gather bytes with and without it, then the local-shard bug on the same layout:
 
 # %%
 sent_tc = fp8_config((4, 1, 1), fp8_recipe="tensorwise", zero=3, fp8_allgather=True, fp8_check=True)
@@ -654,27 +610,23 @@ check.holds("amax-local-shard, sent in FP8: --fp8-check stops it with ScaleMisma
             all(e is not None and e.startswith("ScaleMismatch") for e in world.allgather(caught)))
 
 # %% [markdown]
-# A chunk cast with its own scale $s_r$ and read with another's $s$ arrives $s_r / s$ times too large: whole
-# weights off by factors, not by roundings. The same runs in float32 go through the tolerance oracle
-# (`tests/mpi/test_oracle.py`): correct, inside its band; with the bug, flagged. The oracle also checks what a
-# resume carries: `python -m hsgd.verify --dtype fp8 --fp8-recipe delayed --resume-after 2` trains two steps, loads
-# the state a checkpoint keeps into a new run and compares the third step's gradients; a resume that loses the amax
-# histories (`stale-history`) casts that step with s = 1, as a fresh run's first step does, and is flagged there.
+# A chunk cast with scale $s_r$ and read with $s$ arrives $s_r / s$ times too large. In float32 the tolerance oracle
+# flags the bug and passes the correct run (`tests/mpi/test_oracle.py`). The oracle also checks a resume: `python -m
+# hsgd.verify --dtype fp8 --fp8-recipe delayed --resume-after 2` compares the third step's gradients after a checkpoint,
+# and a resume that loses the amax histories (`stale-history`) casts with s = 1 there and is flagged.
 
 # %% [markdown]
 # ## 4. Limited accumulation
 #
-# An FP8 tensor core multiplies exactly (an FP8 product has at most 8 significant bits) but adds into a short
-# accumulator. The DeepSeek-V3 report (section 3.3.2) measured that the FP8 GEMMs of its GPUs keep about 14 bits of
-# the running sum, for a largest relative error near 2% at K = 4096 in its test, and promoted the partial sums to
-# float32 on the CUDA cores every $N_c = 128$ terms. Fasi, Higham, Mikaitis and Pranesh 2021 ("Numerical behavior
-# of NVIDIA tensor cores") found that tensor cores align the addends by **truncation**: the shifted-out bits are
-# dropped, always toward zero. `limited_matmul` is that accumulator as a recurrence,
-# $s_k = \mathrm{chop}_{p}(s_{k-1} + a_{ik} b_{kj})$ with p = 14 bits, truncated, one term at a time, promoted
-# every $N_c$ terms into a float32 sum or never; `accumulation_error` runs it on FP8 inputs (entries 1 + N(0, 1),
-# scaled per tensor to E4M3's 448 and rounded: positive sums that grow like k, where truncation's bias shows) and
-# returns the relative errors against the float64 product over 16 x 16 entries. First a check of the recurrence
-# itself: with 53 bits, to nearest and never promoted, it is the sequential float64 sum, bit for bit.
+# An FP8 tensor core multiplies exactly but adds into a short accumulator. The DeepSeek-V3 report (section 3.3.2)
+# measured that its GPUs' FP8 GEMMs keep about 14 bits of the running sum, for a largest relative error near 2% at K =
+# 4096, and promoted the partial sums to float32 every $N_c = 128$ terms. Fasi, Higham, Mikaitis and Pranesh 2021
+# ("Numerical behavior of NVIDIA tensor cores") found that tensor cores align the addends by **truncation**, toward
+# zero. `limited_matmul` is that accumulator as a recurrence, $s_k = \mathrm{chop}_{p}(s_{k-1} + a_{ik}
+# b_{kj})$ with p = 14, promoted every $N_c$ terms into a float32 sum or never; `accumulation_error` runs it on FP8
+# inputs (entries 1 + N(0, 1) scaled to 448: positive sums, where truncation's bias shows) against the float64 product
+# over 16 x 16 entries. First a check: with 53 bits, to nearest and never promoted, it is the sequential float64 sum,
+# bit for bit.
 
 # %%
 a, b = fp8_inputs(4, 256, 4)                         # (4, 256), (256, 4) float32 E4M3 values
@@ -733,17 +685,12 @@ check.holds("four products per chop: between 2 and 8 times smaller than one (the
 check.holds("... and within a factor 2 of the report's 2%", 0.01 < acc[("fused 4", 4096, None)]["max_rel"] < 0.04)
 
 # %% [markdown]
-# How this compares with the report's figure, honestly. The report states the bits (about 14) and the result
-# (nearly 2% at K = 4096) but neither its inputs nor how the hardware adds. This model, one term per truncation,
-# loses several times more than that (the second row, checked above twice the report's figure): the module's
-# docstring derives its mean, $K u / (8 \ln 2)$ with $u = 2^{1-p}$ (half a spacing lost per chop, on a sum that
-# grows like k), and the measurement sits near it. Adding four exact products before each chop (the last row)
-# brings the error to the report's size, which makes "the hardware aligns a few products at a time" a plausible
-# reading; it is a guess at the cause, not a measurement of any GPU. What the model does show without guessing:
-# truncation's errors all point one way and grow like K, rounding to nearest lets them cancel, and promotion caps
-# the run of the short accumulator at $N_c$ terms. That cuts the estimate by $K / N_c$ and the measurement by more:
-# promoted FP8 products come out below the estimate, as the docstring explains (while the partial sum is small, an
-# 8-bit product loses nothing to the chop).
+# This model, one term per truncation, loses several times more (the second row, checked at above twice the report's
+# figure), near the docstring's mean, $K u / (8 \ln 2)$ with $u = 2^{1-p}$. Four exact products per chop (the last row)
+# bring it to the report's size: a plausible reading of the hardware, not a measurement of any GPU. What the model does
+# show: truncation's errors all point one way and grow like K, rounding to nearest lets them cancel, and promotion caps
+# the short accumulator's run at $N_c$ terms, which cuts the error by more than $K / N_c$ (while the partial sum is
+# small, an 8-bit product loses nothing to the chop).
 
 # %%
 def draw_accumulation():
@@ -772,33 +719,24 @@ def draw_accumulation():
 say(f"picture: {pictures.on_rank0(world, draw_accumulation, share=True)}")
 
 # %% [markdown]
-# The picture shows the relative error of an FP8 dot product against K on log-log axes: without promotion (red) it
-# grows like K, along the docstring's estimate; promoted every 128 terms (blue) it stays flat, since each block's
-# error stops at 128 terms; the green diamond is four products per chop, the black star the report's figure.
+# The picture shows an FP8 dot product's relative error against K: growing like K without promotion (red), flat when
+# promoted every 128 terms (blue); the green diamond is four products per chop, the black star the report's figure.
 #
 # ## Check against serial
 #
-# On 4 ranks, every verdict reached collectively: the formats' edges as worked out by hand; scaled casts of the
-# tiny model's operands free of under- and overflow and within u; per-row and per-tile scales confining an
-# outlier's damage to its row or tile; delayed scaling's first step flushing a third of the gradients, its second
-# equal to tensorwise; four layouts in the exact mode equal to the serial FP8 reference to 1e-12, their domains as
-# declared and delayed scaling's traffic as counted; three bugs from real frameworks each moving the run by
-# FP8-sized amounts and each named by `--fp8-check` on every rank; ZeRO-3 sending FP8 codes equal to serial FP8 with
-# fewer bytes, and the local-shard bug then off by whole factors; a 14-bit truncated accumulator's error growing
-# with K as derived, and promotion cutting it.
+# Every verdict above is collective over 4 ranks; in the exact mode four layouts equal the serial FP8 reference to
+# 1e-12, and each reproduced bug moves a run by FP8-sized amounts and is named by `--fp8-check` on every rank.
 
 # %%
 what, err = check.worst([w for w in check.errors if w.startswith("exact mode")])
-say(f"\nchapter 16b: all {len(check.passed)} checks passed on {world.Get_size()} ranks; largest error against serial "
+say(f"\nchapter 15: all {len(check.passed)} checks passed on {world.Get_size()} ranks; largest error against serial "
     f"(the exact FP8 mode) {err:.1e} ({what})")
 
 # %% [markdown]
 # ## Cross-walk: hsgd and the production frameworks
 #
-# Megatron-LM runs FP8 through TransformerEngine (its flags in megatron/training/arguments.py, the amax group in
-# megatron/core/parallel_state.py); DeepSpeed has no FP8 training setting of its own (its maintainers point to
-# TransformerEngine's layers inside the model); PyTorch's column is torchao's `torchao.float8` and the
-# `torch._scaled_mm` it calls.
+# Megatron-LM runs FP8 through TransformerEngine; DeepSpeed has no FP8 training setting of its own (its
+# maintainers point to TransformerEngine's layers); PyTorch's column is torchao's `torchao.float8`.
 #
 # | hsgd | Megatron-LM (TransformerEngine) | DeepSpeed | PyTorch (torchao) | where hsgd differs, on purpose |
 # |---|---|---|---|---|
@@ -813,33 +751,30 @@ say(f"\nchapter 16b: all {len(check.passed)} checks passed on {world.Get_size()}
 # ## Exercises
 #
 # ### Exercise 1: what a power of two does to a cast, and why the reference takes `replicas`
-# A replica of dp = 2 differentiates the mean over its own half of the batch, so its gradients are twice the
-# serial model's; the average over dp_comm halves them afterwards. Check that a current-scaled cast is blind to
-# that: $q(2^k x) = 2^k q(x)$ bit for bit for a gradient x and k from -8 to 8 (the scale moves by exactly $2^{-k}$,
-# so $x s$ is unchanged), while a cast with s = 1, delayed scaling's first step, flushes a different number of values
-# for different k. Then run the serial FP8 reference of dp 2 with `replicas=2` and `replicas=1`: equal to 1e-12
-# with tensorwise scaling, different after one step with delayed scaling.
+# A replica of dp = 2 differentiates the mean over its half of the batch, so its gradients are twice serial's until
+# the average over dp_comm. Check that a current-scaled cast is blind to that, $q(2^k x) = 2^k q(x)$ bit for bit for
+# k from -8 to 8, while a cast with s = 1 (delayed scaling's first step) flushes a different number of values for
+# different k. Then run the serial FP8 reference of dp 2 with `replicas=2` and `replicas=1`: equal to 1e-12 with
+# tensorwise scaling, different after one step with delayed scaling.
 # (solution: `tutorials/solutions/15_fp8.py`, `exercise_1`)
 #
 # ### Exercise 2: count the numbers of E4M3 and E5M2
-# Decode all 256 codes of each format from its bit layout (sign, 4 or 5 exponent bits with bias 7 or 15, 3 or 2
-# significand bits, subnormals at exponent 0; E4M3's NaN is S.1111.111 only, E5M2's top exponent is inf and NaN).
-# Check that E4M3 has 253 distinct finite values and E5M2 247, that their largest are 448 and 57344, and that
-# `round_to` leaves every one of them unchanged and sends every midpoint between neighbours to the even one.
+# Decode all 256 codes of each format from its bit layout (bias 7 or 15, subnormals at exponent 0; E4M3's NaN is
+# S.1111.111 only, E5M2's top exponent is inf and NaN). Check that E4M3 has 253 distinct finite values and E5M2
+# 247, that their largest are 448 and 57344, and that `round_to` leaves each unchanged and sends every midpoint
+# between neighbours to the even one.
 # (solution: `tutorials/solutions/15_fp8.py`, `exercise_2`)
 #
 # ### Exercise 3: the margin against a growing tensor
-# Under delayed scaling (history 4), cast a tensor whose values grow by a factor g every step, for 6 steps. Check
-# that with g = 1.3 and margin 0 every step after the first overflows, that margin 1 removes every overflow, and
-# that g = 2.5 needs margin 2; derive the rule (the largest value lands at $448\, g / 2^{\text{margin}}$, which
-# must stay below 464, where rounding passes 448) and check the cost of the margin at the bottom (no fewer
-# underflows).
+# Under delayed scaling (history 4), cast a tensor that grows by a factor g every step, for 6 steps. Check that with
+# g = 1.3 and margin 0 every step after the first overflows, that margin 1 removes every overflow and g = 2.5 needs
+# margin 2; derive the rule (the largest value lands at $448\, g / 2^{\text{margin}}$, which must stay below 464)
+# and check the margin's cost at the bottom (no fewer underflows).
 # (solution: `tutorials/solutions/15_fp8.py`, `exercise_3`)
 #
 # ### Exercise 4: a tile that straddles a shard
-# Blockwise scaling reduces no amax (`Holders.reduce_over` returns nothing for it), so a tile must never be cut
-# between ranks. Check that `check_blocks` refuses b = 32 at tp = 2 for C = 32 (each rank holds 16 columns), and b =
-# 16 at cp = 2 for T = 32 (a rank's runs of positions are T/(2 cp) = 8 long), with a `ConfigError` naming the
-# dimension, and accepts b = 16 at tp = 2 and b = 8 at cp = 2; and that `check_fp8_layout`, which `HybridTrainer`
-# calls before any communication, refuses such a layout's settings.
+# Blockwise scaling reduces no amax, so a tile must never be cut between ranks. Check that `check_blocks` refuses
+# b = 32 at tp = 2 for C = 32 and b = 16 at cp = 2 for T = 32 (a rank's runs of positions are T/(2 cp) = 8 long)
+# with a `ConfigError` naming the dimension, accepts b = 16 at tp = 2 and b = 8 at cp = 2, and that
+# `check_fp8_layout`, which `HybridTrainer` calls before any communication, refuses such settings.
 # (solution: `tutorials/solutions/15_fp8.py`, `exercise_4`)
