@@ -2,6 +2,9 @@
 #   make train   create .venv if missing, install hsgd with MPI from PyPI, run the default training job:
 #                mpirun -n 8 python -m hsgd.train   (tp = 2, dp = 4)
 #   make test    same install, then the whole test suite (unit, MPI and tutorial tests)
+#   make book    the course as a website in build/book/ (index.html): each chapter with the output and pictures of
+#                its own run, kept by make test (a chapter without a fresh run is run first)
+#   make book-test  make book, then open every page in headless Chromium (needs chromium and chromium-driver)
 #   make bench   same install plus PyTorch, then the benchmarks in benchmarks/ (tables in benchmarks/results/), the
 #                crosscheck of a PyTorch DTensor step (benchmarks/crosscheck_torch.py) and of an FSDP2 + TP step
 #                saved with torch.distributed.checkpoint, correct and with each of its bug switches
@@ -18,7 +21,7 @@ PY     := $(VENV)/bin/python
 comma  := ,
 STAMP  := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS))
 
-.PHONY: train test lint bench gpu-check gpu-sim clean
+.PHONY: train test lint book book-test bench gpu-check gpu-sim clean
 
 # --no-compile: pip would byte-compile every file of every package (sympy's alone takes seconds); Python compiles
 # what is imported instead, once, since RUN turns byte-code caching on whatever the environment says (the test
@@ -42,10 +45,25 @@ train: $(STAMP)
 # of a chapter to 120 characters.
 lint: $(STAMP)
 	$(VENV)/bin/ruff check --quiet --line-length 120 --select E,F,W --ignore E741,E731 \
-	    --per-file-ignores 'tutorials/[0-9A]*.py:E501' hsgd tests tutorials benchmarks
+	    --per-file-ignores 'tutorials/[0-9A-Z]*.py:E501' hsgd tests tutorials benchmarks
 
 test: $(STAMP) lint
 	$(RUN) python -m pytest -q
+
+# The website: tutorials/book.py renders the runs tests/test_tutorials.py kept in build/book/runs/ (seconds after a
+# make test), running through tutorials/cells.py any chapter that has none of its current version.
+book: $(STAMP)
+	$(RUN) python tutorials/book.py
+
+BOOK_STAMP := $(VENV)/.installed-book
+
+$(BOOK_STAMP): $(STAMP)
+	$(PY) -m pip install --disable-pip-version-check -q --no-compile -e '.[$(EXTRAS),book]'
+	touch $(BOOK_STAMP)
+
+# selenium drives /usr/bin/chromium through /usr/bin/chromedriver (tests/book/test_site.py)
+book-test: $(BOOK_STAMP) book
+	$(RUN) HSGD_BOOK_TEST=1 python -m pytest -q -p no:cacheprovider tests/book
 
 BENCH_STAMP := $(VENV)/.installed-bench
 FSDP2       := --dp 3 --tp 2 --crosscheck

@@ -2,11 +2,15 @@
 names, opens as a notebook, ends with a cross-walk to the production frameworks and with exercises, and the
 solutions of those exercises run and pass their own checks.
 
-A chapter (tutorials/NN_*.py, the appendix tutorials/A_*.py) or a solutions file (tutorials/solutions/<the
+A chapter (tutorials/NN_*.py, an appendix tutorials/[A-Z]_*.py) or a solutions file (tutorials/solutions/<the
 chapter's file name>) that needs several MPI ranks says so in a line `# mpirun -n N python <file>`; it then runs
-under mpiexec with that many ranks, inside an outer `timeout` so that nothing can hang the suite.
+under mpiexec with that many ranks, inside an outer `timeout` so that nothing can hang the suite. A chapter runs
+through tutorials/cells.py, cell by cell, which marks where each code cell's output starts; a passing run is kept in
+build/book/runs/<chapter>/ for the course's website (`make book`), which then only renders it.
 A number in a chapter's prose that its run computes is marked «like this» (tutorials/WRITING.md); test_chapter_runs
 checks that every marked text appears in the output of that same run (the chapter is not run again for it).
+The reading order is the same in the parts list of tutorials/00_the_lecture.md, README.md's chapter table and the
+chapter files on disk.
 The shape of a chapter's ending, checked here without running it:
 
     # ## Cross-walk: ...        a markdown table, a header row naming Megatron-LM, DeepSpeed and PyTorch, >= 3 rows
@@ -20,6 +24,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -27,10 +32,17 @@ from .test_mpi import YIELD
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TUTORIALS = os.path.join(ROOT, "tutorials")
+sys.path.insert(0, TUTORIALS)
+import book    # noqa: E402  (tutorials/book.py: the parts list of the lecture's page)
+import cells   # noqa: E402  (tutorials/cells.py: runs a chapter cell by cell and keeps the run)
+
 CHAPTERS = (sorted(glob.glob(os.path.join(TUTORIALS, "[0-9][0-9]*_*.py")))
-            + sorted(glob.glob(os.path.join(TUTORIALS, "A_*.py"))))
-SOLUTIONS = sorted(glob.glob(os.path.join(TUTORIALS, "solutions", "[0-9A]*.py")))
+            + sorted(glob.glob(os.path.join(TUTORIALS, "[A-Z]_*.py"))))
+SOLUTIONS = sorted(glob.glob(os.path.join(TUTORIALS, "solutions", "[0-9A-Z]*.py")))
+LECTURE = os.path.join(TUTORIALS, "00_the_lecture.md")
+README_ROW = re.compile(r"^\| `([0-9A-Z][0-9A-Za-z]*_[^`]*\.py)`", flags=re.M)
 TIMEOUT_S = 240
+COURSE_WORDS_MAX = 80_400       # the prose of the lecture's page and every chapter (test_course_word_count)
 # pictures.save(fig, "name") and pictures.grid(dp, pp, tp, "name"): a picture's name is a literal in the call
 # (in single or double quotes)
 PICTURE = re.compile(r"""pictures\.(?:save|grid)\([^"'\n]*["']([A-Za-z0-9_]+)["']""")
@@ -75,10 +87,11 @@ def unprinted(marked, output):
             if m is None or not re.search(r"(?<![\d.])" + re.escape(m) + r"(?!\.?\d)", output)]
 
 
-def run_script(path, figures):
-    """Run a chapter or a solutions file as its header says (with mpiexec when it needs several ranks)."""
+def run_script(path, figures, by_cells=False):
+    """Run a chapter or a solutions file as its header says (with mpiexec when it needs several ranks); by_cells:
+    through tutorials/cells.py, whose marker lines are then in r.stdout (cells.strip_markers removes them)."""
     n = ranks_of(path)
-    cmd = [sys.executable, path]
+    cmd = [sys.executable, path] if not by_cells else [sys.executable, os.path.join(TUTORIALS, "cells.py"), path]
     if n > 1:
         cmd = [mpiexec(), "-n", str(n)] + cmd
     r = subprocess.run(["timeout", "-k", "5", str(TIMEOUT_S)] + cmd, capture_output=True, text=True, cwd=ROOT,
@@ -94,14 +107,17 @@ def test_there_are_chapters():
 
 @pytest.mark.parametrize("path", CHAPTERS, ids=[os.path.basename(p) for p in CHAPTERS])
 def test_chapter_runs(path, tmp_path):
-    r = run_script(path, tmp_path)
-    stale = unprinted(marked_numbers(open(path).read()), r.stdout)
+    source, t0 = open(path).read(), time.perf_counter()
+    r = run_script(path, tmp_path, by_cells=True)
+    seconds = time.perf_counter() - t0
+    stale = unprinted(marked_numbers(open(path).read()), cells.strip_markers(r.stdout))
     assert not stale, (f"{os.path.basename(path)}: numbers marked «...» in the prose that the run did not print "
                        f"(line, text; None: a malformed mark): {stale}")
     written = {p.stem for p in tmp_path.glob("*.png") if p.stat().st_size > 0}
     missing = [name for name in pictures_of(path) if name not in written]
     print("pictures written:", sorted(written))
     assert not missing, f"{os.path.basename(path)} names pictures it did not write (or wrote empty): {missing}"
+    cells.save_run(path, r.stdout, r.stderr, tmp_path, seconds, source)   # the book renders this run (make book)
 
 
 def test_prose_numbers_checker_catches_a_mismatch():
@@ -182,3 +198,57 @@ def test_chapter_is_a_notebook(path):
     nb = jupytext.read(path)
     kinds = {cell.cell_type for cell in nb.cells}
     assert kinds == {"markdown", "code"}, kinds
+
+
+def reading_orders(lecture=LECTURE, readme=os.path.join(ROOT, "README.md"), folder=TUTORIALS):
+    """The course's chapter files in three orders: the parts list of the lecture's page, README.md's chapter table
+    and the files on disk (by name, the appendices last)."""
+    listed = [e.file for part in book.parse_parts(open(lecture).read()) for e in part.entries]
+    table = README_ROW.findall(open(readme).read())
+    return listed, table, book.chapter_files(folder)
+
+
+def order_errors(name, listed, files):
+    """How `listed` (the chapters as `name` lists them) differs from the files on disk, in one sentence; None if not."""
+    if listed == files:
+        return None
+    missing, extra = [f for f in files if f not in listed], [f for f in listed if f not in files]
+    if missing or extra:
+        return " and ".join([f"{name} leaves out {missing}"] * bool(missing)
+                            + [f"{name} lists {extra}, which tutorials/ does not hold"] * bool(extra))
+    i = next(i for i, (a, b) in enumerate(zip(listed, files)) if a != b)
+    return f"{name} lists {listed[i]} where the file order has {files[i]} (position {i + 1})"
+
+
+def test_reading_order_agrees():
+    """00_the_lecture.md's parts, README.md's chapter table and tutorials/ name the same chapters in the same order."""
+    listed, table, files = reading_orders()
+    errors = [e for e in (order_errors("00_the_lecture.md's parts list", listed, files),
+                          order_errors("README.md's chapter table", table, files)) if e]
+    assert not errors, "; ".join(errors)
+
+
+def prose_words(path):
+    """The words of a chapter's prose: its markdown cells (the comment lines of `# %% [markdown]` cells, without
+    the "#"); the whole file for a markdown file (.md)."""
+    text = open(path).read()
+    if path.endswith(".md"):
+        return len(text.split())
+    return sum(len(cell.markdown().split()) for cell in cells.split_cells(text) if cell.kind == "markdown")
+
+
+def test_prose_words_counts_markdown_cells_only():
+    text = "# ---\n# jupyter: x\n# ---\n\n# %% [markdown]\n# # Title here\n# two words\n\n# %%\nx = 1  # not prose\n"
+    assert sum(len(c.markdown().split()) for c in cells.split_cells(text) if c.kind == "markdown") == 5
+    assert prose_words(LECTURE) > 0
+
+
+def test_course_word_count():
+    """The course's prose, counted: every chapter has some, and the whole stays within COURSE_WORDS_MAX."""
+    counts = {os.path.basename(p): prose_words(p) for p in [LECTURE] + CHAPTERS}
+    for name, n in counts.items():
+        print(f"{n:7,d}  {name}")
+    print(f"{sum(counts.values()):7,d}  words of prose in the course ({len(counts)} files)")
+    assert all(counts.values()), f"files without prose: {[k for k, n in counts.items() if not n]}"
+    assert sum(counts.values()) <= COURSE_WORDS_MAX, \
+        f"the course's prose is {sum(counts.values()):,d} words; its budget is {COURSE_WORDS_MAX:,d}"

@@ -16,7 +16,7 @@ the same verdict from it. Every rank must therefore make the same checks, in the
     what, err = check.worst()                          # for the chapter's closing line
     require_ranks(MPI.COMM_WORLD, 8, __file__)           # a chapter for 8 ranks, started with another number
 
-This is not a chapter (tests/test_tutorials.py runs only the files named NN_*.py and A_*.py) nor a test framework:
+This is not a chapter (tests/test_tutorials.py runs only the files named NN_*.py and [A-Z]_*.py) nor a test framework:
 it holds only what the chapters share. Chapter-specific measures (finite differences, shard errors, traffic)
 stay in their chapters, and so do their configs, built with `train_config` (one set of defaults for all).
 """

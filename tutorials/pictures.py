@@ -14,7 +14,7 @@ The folder is $HSGD_FIGURES when set (the tests set it to a temporary folder and
 chapter names was written), else `tutorials/figures/` beside this file (not tracked by git). A picture's name
 starts with its chapter's number, so that the folder reads in the course's order.
 
-This is not a chapter (tests/test_tutorials.py runs only the files named NN_*.py and A_*.py): it holds only
+This is not a chapter (tests/test_tutorials.py runs only the files named NN_*.py and [A-Z]_*.py): it holds only
 what several chapters draw.
 """
 import os
