@@ -228,6 +228,19 @@ def test_reading_order_agrees():
     assert not errors, "; ".join(errors)
 
 
+def test_reading_list_says_how_each_chapter_runs():
+    """Each entry of the lecture's parts list ends with how its chapter runs, "(1 process)" or "(N ranks)", and that
+    is what the chapter's header says (its mpirun line, or none)."""
+    wrong = []
+    for part in book.parse_parts(open(LECTURE).read()):
+        for e in part.entries:
+            m = re.search(r"\((1 process|(\d+) ranks)\)$", e.description)
+            n = ranks_of(os.path.join(TUTORIALS, e.file))
+            if not m or (int(m.group(2)) if m.group(2) else 1) != n:
+                wrong.append(f"{e.file}: the list says {m.group(0) if m else 'nothing'}, the header {n}")
+    assert not wrong, wrong
+
+
 def prose_words(path):
     """The words of a chapter's prose: its markdown cells (the comment lines of `# %% [markdown]` cells, without
     the "#"); the whole file for a markdown file (.md)."""
