@@ -27,8 +27,8 @@
 # then All-Gather over dp is, seen from memory, ZeRO's first stage (chapter 8), and section 4.2's micro-batches set
 # how many activations a pipeline stage holds (chapter 9).
 #
-# This chapter counts where a step's bytes go on one rank, then measures on 13 combinations run on 8 ranks each way
-# to spend fewer against its formula: tensor and sequence sharding, the pipeline schedule, recomputation, ZeRO. It
+# This chapter counts where a step's bytes go on one rank, then measures each way to spend fewer (tensor and
+# sequence sharding, the pipeline schedule, recomputation, ZeRO) against its formula, on 13 combinations of 8 ranks. It
 # sets the published formulas next to hsgd's and ends with a whole step measured by hsgd's memory probe (appendix B
 # shows how the probe works).
 #

@@ -51,7 +51,7 @@
 # code), b sequences per micro-batch, N = bT positions, float64.
 
 # %%
-from hsgd.model.config import ModelConfig   # hsgd first, as in chapter 11 (OpenBLAS's thread timeout)
+from hsgd.model.config import ModelConfig   # hsgd first, as appendix B explains (OpenBLAS's thread timeout)
 from hsgd.model import serial
 from hsgd.tp import model as tp_model, shards as tp_shards
 

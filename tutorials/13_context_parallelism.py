@@ -52,7 +52,7 @@
 # the running maximum, l the running sum, o the running (unnormalised) output, lse = m + log l.
 
 # %%
-from hsgd.model.config import ModelConfig   # hsgd first, as in chapter 11 (OpenBLAS's thread timeout)
+from hsgd.model.config import ModelConfig   # hsgd first, as appendix B explains (OpenBLAS's thread timeout)
 from hsgd.model import serial
 
 import dataclasses

@@ -16,13 +16,14 @@
 # %% [markdown]
 # # Chapter 14: floating point in distributed training: sums in another order, the band, loss scaling
 #
-# Every parallel layout adds partial results (the lecture's sections 3.3 and 3.4 All-Reduce them). In exact arithmetic
-# the order of those additions does not matter, and in float64, where every chapter so far checked against serial SGD,
-# it barely does (1e-15). In bfloat16 or float16 it does: two correct layouts give different gradients, and "the TP
-# run's loss differs from the one-device run" is a report every framework receives. Bug or rounding? The lecture treats
-# addition as exact; floating point is beyond it, as chapters 11 to 13 go beyond it in their directions. This chapter is
-# about what rounding does to a distributed sum and how to tell it from a bug; chapter 21's section 6 shows where a run
-# on a GPU rounds.
+# Every parallel layout adds partial results: the lecture's section 3.3 All-Reduces only the input-gradient partial
+# sums of a tensor-parallel group, its section 3.4 a shard's gradients over the data-parallel groups. In exact
+# arithmetic the order of those additions does not matter, and in float64, where every chapter so far checked against
+# serial SGD, it barely does (1e-15). In bfloat16 or float16 it does: two correct layouts give different gradients,
+# and "the TP run's loss differs from the one-device run" is a report every framework receives. Bug or rounding? The
+# lecture treats addition as exact; floating point is beyond it, as chapters 11 to 13 go beyond it in their
+# directions. This chapter is about what rounding does to a distributed sum and how to tell it from a bug; chapter
+# 21's section 6 shows where a run on a GPU rounds.
 #
 # Run it with eight ranks (9 to 12 s measured on a 2-core machine shared with other jobs). Rank 0 prints and draws two
 # pictures into `$HSGD_FIGURES` (default `tutorials/figures/`); `mpirun -n 8 python -m hsgd.verify --dtype bfloat16
@@ -37,7 +38,7 @@
 # the oracle's relative difference of two gradients of one parameter (section 3).
 
 # %%
-from hsgd.model.config import ModelConfig   # hsgd first, as in chapter 11 (OpenBLAS's thread timeout)
+from hsgd.model.config import ModelConfig   # hsgd first, as appendix B explains (OpenBLAS's thread timeout)
 
 import io
 import math

@@ -41,7 +41,7 @@
 # bits the partial sum keeps (14), N_c the terms between promotions to float32.
 
 # %%
-from hsgd.model.config import ModelConfig   # hsgd first, as in chapter 11 (OpenBLAS's thread timeout)
+from hsgd.model.config import ModelConfig   # hsgd first, as appendix B explains (OpenBLAS's thread timeout)
 
 import inspect
 import math

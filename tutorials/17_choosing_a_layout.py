@@ -38,7 +38,7 @@
 # s bytes per element (2 in a mixed-precision run); $\alpha$ a link's latency, $\beta$ = 1/bandwidth.
 
 # %%
-from hsgd.model.config import ModelConfig   # hsgd first, as in chapter 11 (OpenBLAS's thread timeout)
+from hsgd.model.config import ModelConfig   # hsgd first, as appendix B explains (OpenBLAS's thread timeout)
 from hsgd.accounting import step_memory
 from hsgd.tp import model as tp_model
 
@@ -86,7 +86,7 @@ def rel(a, b):
 # - the bytes each rank sends per step on each communicator, from the same closed forms the trainer reports;
 # - the time (`hsgd.plan.costs.step_time`): matmul FLOPs at a rate, memory-bound elementwise work, each collective
 #   by the alpha-beta model on the link its group crosses (Thakur, Rabenseifner and Gropp 2005, "Optimization of
-#   Collective Communication Operations in MPICH"), the pipeline through the schedule simulator of chapter 14.
+#   Collective Communication Operations in MPICH"), the pipeline through the schedule simulator of chapter 12.
 #
 # It drops what does not fit and sorts the rest by step time; here with t and p fixed at the paper's (8, 8), b = 1:
 
@@ -518,7 +518,7 @@ say(f"\nchapter 17: all {len(check.passed)} checks passed on {world.Get_size()} 
 # ### Exercise 2: the smallest pp that fits
 # For the 310.1 B row of Table 1 (1920 GPUs, batch 2160) at t = 8, with sequence parallelism and selective
 # recomputation, find the smallest p (dividing both N/t = 240, the number of tensor-parallel groups, so that dp =
-# N/(tp) is whole, and the 96 layers) at which stage 0 fits (in 80 GiB less 10% headroom), from the formulas of
+# N/(t p) is whole, and the 96 layers) at which stage 0 fits (in 80 GiB less 10% headroom), from the formulas of
 # section 2 by hand; check it against the planner's memory, then with full recomputation instead, and compare with
 # the paper's p = 16.
 # (solution: `tutorials/solutions/17_choosing_a_layout.py`, `exercise_2`)

@@ -34,7 +34,7 @@
 # model in float64, same parameters and batch); a "replica" is one full copy of G assembled from one set of ranks.
 
 # %%
-from hsgd.model.config import ModelConfig   # hsgd first, as in chapter 11 (OpenBLAS's thread timeout)
+from hsgd.model.config import ModelConfig   # hsgd first, as appendix B explains (OpenBLAS's thread timeout)
 from hsgd.model import serial
 
 import contextlib

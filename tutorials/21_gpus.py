@@ -541,7 +541,7 @@ grid.free()
 #   2^-14 = 6.1e-5 and its subnormal ones at 2^-24 = 6.0e-8: a smaller gradient becomes 0.
 # * **bfloat16**: float32 with the lower 16 significand bits cut off, p = 8, all 8 exponent bits, so float32's range
 #   (Kalamkar et al. 2019, "A Study of BFLOAT16 for Deep Learning Training"): nothing that fits float32 overflows or
-#   underflows, but each number carries 3 significant decimal digits instead of float16's 3.3.
+#   underflows, but each number carries about 2.4 significant decimal digits instead of float16's 3.3.
 #
 # `hsgd.model.precision.FORMATS` holds (p, emin, max) of each, checked against `np.finfo` (NumPy has no bfloat16).
 
