@@ -466,7 +466,7 @@ say(f"picture: {path}")
 # * **hierarchical**: every rank sends its chunk's ring All-Reduce over the k nodes, $2\frac{k-1}{k}\frac{\Phi}{n}$,
 #   on its own link: **n links in parallel, each with about $1/n$ of the load**.
 #
-# Per node no less leaves ($2\frac{k-1}{k}\Phi$ against $2\frac{P-1}{P}\Phi$), but over n network cards instead of
+# Per node no more leaves ($2\frac{k-1}{k}\Phi$ against $2\frac{P-1}{P}\Phi$), but over n network cards instead of
 # one (the per-link load falls by $n\,\frac{(P-1)/P}{(k-1)/k} \ge n$), in $2(k-1)$ ring steps instead of $2(P-1)$.
 #
 # This is the picture of one ring per node, not of what NCCL does. NCCL splits a collective over several channels
@@ -553,10 +553,10 @@ say(f"  (the same shards against synchronous serial SGD: {param_err(stale.params
 
 # %% [markdown]
 # Exact, but a different algorithm: each update uses a gradient one step old, which matters more the larger the
-# steps (and with momentum, which already carries old gradients): the noise of section 4.4. Four short float32
-# trainings, synchronous and stale at two learning rates with momentum 0.9, run side by side on two ranks each
-# (`world.Split`: dp = 2, tp = 1), only their losses kept. The picture draws the four loss curves (log scale; stale
-# dashed, one colour per learning rate):
+# steps (and with momentum, which already carries old gradients): the noise of the lecture's section 4.4. Four
+# short float32 trainings, synchronous and stale at two learning rates with momentum 0.9, run side by side on two
+# ranks each (`world.Split`: dp = 2, tp = 1), only their losses kept. The picture draws the four loss curves (log
+# scale; stale dashed, one colour per learning rate):
 
 # %%
 CURVE_STEPS = 40
