@@ -21,12 +21,8 @@
 # page of back-of-envelope bounds that fix what the answer can be, and only then the search, whose answer is held
 # against those bounds. Every number below is computed by the run and checked against a second derivation.
 #
-# 1. the question: a Llama-style 70B, 512 H100s, a batch of about 4M tokens;
-# 2. the bounds: parameters, bytes per parameter and the smallest model-parallel size, FLOPs and days, the batch,
-#    and the two crossovers that place tensor parallelism inside a node and let data parallelism cross nodes (the
-#    lecture's section 4.1);
-# 3. the planner's answer, with and without memory headroom;
-# 4. the answer as Megatron-LM flags and torchtitan keys.
+# The bounds include the two crossovers that place tensor parallelism inside a node and let data parallelism cross
+# nodes, as the lecture's section 4.1 asks.
 #
 # One process, no MPI; about 4 s measured on a 2-core machine. It draws one picture into `$HSGD_FIGURES`
 # (default `tutorials/figures/`).
