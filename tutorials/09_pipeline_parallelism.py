@@ -260,7 +260,8 @@ pictures.wait_asleep(world)                      # the other ranks sleep while r
 # %% [markdown]
 # The picture: each schedule's step in the equal-cost model, one row per stage, one bar per action. Equally fast,
 # not equally large: at m = 8 GPipe's stage 0 runs F0 ... F7 before its first backward, holding all 8 micro-batches'
-# activations; 1F1B starts B0 after 3 warm-up forwards and then frees one micro-batch per new one.
+# activations; 1F1B's stage 0 runs 3 warm-up forwards, then alternates (F3 B0 F4 B1 ...), freeing one micro-batch
+# per new one.
 #
 # ## 4. Two schedules, run for real: what they hold
 #

@@ -911,7 +911,7 @@ say(f"picture: {pictures.on_rank0(world, draw_collapse)}")
 # At the CLI's settings the load drifts to one expert per block (max/even near 4), mostly while the learning rate
 # is near its peak, easing as it decays; a ten times larger alpha does not prevent it. The selection bias shows the
 # mechanism of section 3: at gamma 0.01, above the typical gap between a token's 2nd and 3rd score (printed above),
-# the tokens jump together and the load swings at the worst end all run long; at gamma 0.001, below it, the load
+# the tokens jump together and the load at the worst expert swings for the whole run; at gamma 0.001, below it, the load
 # stays closest to even of the four, though not near 1. The router's own SGD step moves all alike-looking tokens
 # the same way, so the drift follows the learning rate. Balancing is a control loop whose gain (alpha, gamma) must
 # match how fast the router moves: a 60-step run of a tiny model shows the mechanism, not a large run's settings.
