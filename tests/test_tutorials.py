@@ -21,7 +21,6 @@ The shape of a chapter's ending, checked here without running it:
 import glob
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -50,16 +49,7 @@ PICTURE = re.compile(r"""pictures\.(?:save|grid)\([^"'\n]*["']([A-Za-z0-9_]+)["'
 MARK = re.compile(r"«([^«»\n]*)»")
 
 
-def ranks_of(path):
-    m = re.search(r"^# mpirun -n (\d+) python", open(path).read(), flags=re.M)
-    return int(m.group(1)) if m else 1
-
-
-def mpiexec():
-    """mpiexec next to this Python first (the venv's mpich wheel), else the one on PATH."""
-    here = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    return here if os.path.exists(here) else shutil.which("mpiexec")
-
+ranks_of, mpiexec = cells.ranks_of, cells.mpiexec      # a chapter's ranks; the mpiexec that runs them
 
 def pictures_of(path):
     return PICTURE.findall(open(path).read())
@@ -90,11 +80,8 @@ def unprinted(marked, output):
 def run_script(path, figures, by_cells=False):
     """Run a chapter or a solutions file as its header says (with mpiexec when it needs several ranks); by_cells:
     through tutorials/cells.py, whose marker lines are then in r.stdout (cells.strip_markers removes them)."""
-    n = ranks_of(path)
-    cmd = [sys.executable, path] if not by_cells else [sys.executable, os.path.join(TUTORIALS, "cells.py"), path]
-    if n > 1:
-        cmd = [mpiexec(), "-n", str(n)] + cmd
-    r = subprocess.run(["timeout", "-k", "5", str(TIMEOUT_S)] + cmd, capture_output=True, text=True, cwd=ROOT,
+    r = subprocess.run(["timeout", "-k", "5", str(TIMEOUT_S)] + cells.command(path, by_cells), capture_output=True,
+                       text=True, cwd=ROOT,
                        env={**YIELD, **os.environ, "MPLBACKEND": "Agg", "HSGD_FIGURES": str(figures)})
     print(r.stdout[-3000:])
     assert r.returncode == 0, f"{os.path.basename(path)} exited {r.returncode}:\n{r.stderr[-4000:]}"

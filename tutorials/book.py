@@ -22,7 +22,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -299,18 +298,10 @@ def strip_trailing(text):
 
 # ---- runs
 
-def mpiexec():
-    here = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    return here if os.path.exists(here) else shutil.which("mpiexec")
-
-
 def run_chapter(path):
     """Run the chapter through cells.py as its header says, keep the run (cells.save_run) and return its folder;
     exits with the chapter's error when it fails."""
-    n = cells.ranks_of(path)
-    cmd = [sys.executable, os.path.join(HERE, "cells.py"), path]
-    if n > 1:
-        cmd = [mpiexec(), "-n", str(n)] + cmd
+    n, cmd = cells.ranks_of(path), cells.command(path)
     name = os.path.basename(path)
     print(f"  run {name} ({n} {'ranks' if n > 1 else 'process'}) ...", end="", flush=True)
     source = open(path).read()

@@ -117,6 +117,20 @@ def ranks_of(path):
     return int(m.group(1)) if m else 1
 
 
+def mpiexec():
+    """mpiexec next to this Python first (the venv's mpich wheel), else the one on PATH."""
+    here = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    return here if os.path.exists(here) else shutil.which("mpiexec")
+
+
+def command(path, by_cells=True):
+    """The command that runs a chapter (or a solutions file) as its header says: through this file when by_cells,
+    under mpiexec with its N ranks when it names more than one."""
+    cmd = [sys.executable] + ([os.path.join(HERE, "cells.py")] if by_cells else []) + [path]
+    n = ranks_of(path)
+    return [mpiexec(), "-n", str(n)] + cmd if n > 1 else cmd
+
+
 def key(path, source=None):
     """The hash of what a run of the chapter depends on in the course (see the module's docstring); source: the
     chapter's text as it was run (default: as it is now)."""
