@@ -60,7 +60,7 @@ from hsgd.grid.comm import Comm
 from hsgd.model.optim import SGD
 
 import pictures                         # tutorials/pictures.py: where the PNGs go
-from checks import Checks, rel_err      # tutorials/checks.py: the check every chapter uses
+from checks import Checks, best_and_median, rel_err      # tutorials/checks.py: the check every chapter uses
 
 # check(what, err, tol): print err, record it, stop unless err <= tol (tol=0: exactly 0)
 check = Checks(tol=1e-12, width=64, strict=False)
@@ -74,17 +74,6 @@ print(f"{THREADS} threads; BLAS: {blas.get('internal_api', '?')} {blas.get('vers
       f"({blas.get('architecture', '?')} kernels); NumPy {np.__version__}")
 if hasattr(os, "getloadavg"):                  # other processes competing for the cores slow every timing below
     print(f"load average over the last minute: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
-
-
-def best_and_median(f, repeats):
-    """(best, median) seconds of `repeats` calls of f, after one call that is not counted (warm-up)."""
-    f()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        f()
-        times.append(time.perf_counter() - t0)
-    return min(times), float(np.median(times))
 
 
 # %% [markdown]

@@ -33,7 +33,6 @@ from hsgd.model.config import ModelConfig
 
 import os
 import threading
-import time
 import tracemalloc
 
 import numpy as np
@@ -48,7 +47,7 @@ from hsgd.accounting import allocations, step_memory
 from hsgd.grid.process_grid import ProcessGrid
 from hsgd.step.trainer import HybridTrainer
 
-from checks import Checks, rel_err, train_config      # tutorials/checks.py: the check every chapter uses
+from checks import Checks, best_and_median, rel_err, train_config  # tutorials/checks.py: what the chapters share
 
 check = Checks(tol=1e-12, width=64, strict=False)
 THREADS = min(os.cpu_count() or 1, 4)
@@ -56,17 +55,6 @@ set_cpu_threads(THREADS)                    # hsgd's own threads for the element
 threadpool_limits(THREADS)                  # BLAS threads, the same number, as hsgd.train sets both
 tune_allocator()
 rng = np.random.default_rng(0)
-
-
-def best_and_median(f, repeats):
-    """(best, median) seconds of `repeats` calls of f, after one call that is not counted (warm-up)."""
-    f()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        f()
-        times.append(time.perf_counter() - t0)
-    return min(times), float(np.median(times))
 
 
 # %% [markdown]

@@ -20,6 +20,7 @@ This is not a chapter (tests/test_tutorials.py runs only the files named NN_*.py
 it holds only what the chapters share. Chapter-specific measures (finite differences, shard errors, traffic)
 stay in their chapters, and so do their configs, built with `train_config` (one set of defaults for all).
 """
+import time
 from fractions import Fraction
 
 import numpy as np
@@ -183,6 +184,17 @@ def train_config(**kw):
     tc = TrainConfig(**{**base, **kw})
     tc.validate()
     return tc
+
+
+def best_and_median(f, repeats):
+    """(best, median) seconds of `repeats` calls of f, after one call that is not counted (warm-up)."""
+    f()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        f()
+        times.append(time.perf_counter() - t0)
+    return min(times), float(np.median(times))
 
 
 def solve(check, exercises):
